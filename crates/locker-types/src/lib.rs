@@ -1,0 +1,228 @@
+//! The data types of Locker's public contract (`docs/api.md`), shared by every crate.
+//!
+//! This room owns the shapes that cross a boundary: what a client sends to exec a command,
+//! what comes back (`ExecResult`), what a file looks like (`Entry`). It owns no behaviour:
+//! no I/O, no validation beyond what serde does, so the agent (a static binary inside every
+//! machine) can depend on it without pulling anything else in.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+/// Default per-stream output cap in bytes (`max_output_bytes`).
+pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 65_536;
+/// Default wall-clock limit of one command.
+pub const DEFAULT_TIMEOUT_MS: u64 = 60_000;
+/// The largest `timeout_ms` a single exec may ask for (one hour).
+pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
+
+/// What to run: the body of `POST /v1/sandboxes/{id}/exec` and of background processes.
+///
+/// Exactly one of `cmd` (an argv, run without a shell) and `shell` (run by `/bin/sh -c`)
+/// must be given.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ExecRequest {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<Vec<String>>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shell: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub env: BTreeMap<String, String>,
+    /// Text fed to the command's standard input, then closed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin: Option<String>,
+    /// Raw bytes (base64) fed to standard input; exclusive with `stdin`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdin_b64: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_output_bytes: Option<u64>,
+    /// A user name or numeric uid inside the machine; default `root`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+}
+
+impl ExecRequest {
+    /// Checks the request's own consistency; the message says what to fix.
+    pub fn validate(&self) -> Result<(), String> {
+        match (&self.cmd, &self.shell) {
+            (Some(_), Some(_)) => return Err("give either `cmd` or `shell`, not both".into()),
+            (None, None) => return Err("give `cmd` (an argv array) or `shell` (a string)".into()),
+            (Some(c), None) if c.is_empty() => {
+                return Err("`cmd` must hold at least the program to run".into())
+            }
+            (Some(c), None) if c[0].is_empty() => {
+                return Err("`cmd[0]` (the program) must not be empty".into())
+            }
+            _ => {}
+        }
+        let strings = self.cmd.iter().flatten().chain(self.shell.iter()).chain(self.cwd.iter());
+        for s in strings.chain(self.env.keys()).chain(self.env.values()) {
+            if s.contains('\0') {
+                return Err("command, cwd and env must not contain NUL bytes".into());
+            }
+        }
+        for k in self.env.keys() {
+            if k.is_empty() || k.contains('=') {
+                return Err(format!("env key {k:?} must be non-empty and contain no '='"));
+            }
+        }
+        if let Some(cwd) = &self.cwd {
+            if !cwd.starts_with('/') {
+                return Err(format!("`cwd` must be an absolute path, got {cwd:?}"));
+            }
+        }
+        if self.stdin.is_some() && self.stdin_b64.is_some() {
+            return Err("give either `stdin` or `stdin_b64`, not both".into());
+        }
+        if let Some(t) = self.timeout_ms {
+            if t == 0 || t > MAX_TIMEOUT_MS {
+                return Err(format!("`timeout_ms` must be between 1 and {MAX_TIMEOUT_MS}"));
+            }
+        }
+        if self.max_output_bytes == Some(0) {
+            return Err("`max_output_bytes` must be at least 1".into());
+        }
+        Ok(())
+    }
+}
+
+/// Why a command ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    /// It exited on its own; `exit_code` says how.
+    Exited,
+    /// A signal ended it (not one Locker sent); `signal` says which.
+    Signaled,
+    /// It ran past `timeout_ms`; its whole process tree was killed.
+    Timeout,
+    /// The kernel's OOM killer ended it at the machine's or the command's memory limit.
+    Oom,
+    /// It wrote more than the machine may keep; its tree was killed.
+    OutputLimit,
+    /// A caller killed it (closed stream, signal route, sandbox deleted).
+    Killed,
+}
+
+/// Where the time of one call went, in milliseconds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Timings {
+    /// From the request's arrival to the moment it was handed to the machine.
+    pub queue_ms: f64,
+    /// From hand-over to the command's process having started.
+    pub start_ms: f64,
+    /// From the process's start to its end.
+    pub run_ms: f64,
+    /// The whole call.
+    pub total_ms: f64,
+}
+
+/// Resources a command (or a sandbox) used.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Usage {
+    pub cpu_ms: u64,
+    pub peak_memory_bytes: u64,
+}
+
+/// The change list of a run on a volume.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Changes {
+    pub added: Vec<String>,
+    pub modified: Vec<String>,
+    pub deleted: Vec<String>,
+    pub committed: bool,
+    pub conflicts: Vec<String>,
+}
+
+/// The typed result of every exec and run.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ExecResult {
+    pub call_id: String,
+    pub exit_code: Option<i32>,
+    pub signal: Option<String>,
+    pub reason: Reason,
+    pub stdout: String,
+    pub stderr: String,
+    pub stdout_truncated: bool,
+    pub stderr_truncated: bool,
+    pub stdout_bytes: u64,
+    pub stderr_bytes: u64,
+    pub output_path: Option<String>,
+    pub timings: Timings,
+    pub usage: Usage,
+    pub changes: Option<Changes>,
+}
+
+/// The kind of a directory entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum EntryType {
+    File,
+    Dir,
+    Symlink,
+    Other,
+}
+
+/// One file, directory or link, as the files API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Entry {
+    /// Absolute path inside the machine (or volume).
+    pub path: String,
+    pub name: String,
+    #[serde(rename = "type")]
+    pub kind: EntryType,
+    pub size: u64,
+    /// Permission bits, e.g. 420 for 0644.
+    pub mode: u32,
+    /// Modification time, RFC 3339 UTC.
+    pub mtime: String,
+}
+
+/// Formats seconds since the Unix epoch as RFC 3339 UTC (`2026-11-30T12:00:00Z`).
+pub fn rfc3339(secs: i64) -> String {
+    let days = secs.div_euclid(86_400);
+    let rem = secs.rem_euclid(86_400);
+    let (h, m, s) = (rem / 3600, (rem % 3600) / 60, rem % 60);
+    // Howard Hinnant's days-to-civil algorithm.
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let mo = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(mo <= 2);
+    format!("{y:04}-{mo:02}-{d:02}T{h:02}:{m:02}:{s:02}Z")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rfc3339_known_points() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+        assert_eq!(rfc3339(951_782_400), "2000-02-29T00:00:00Z");
+        assert_eq!(rfc3339(1_796_040_000), "2026-11-30T12:00:00Z");
+    }
+
+    #[test]
+    fn exec_request_rejects_ambiguity_and_nul() {
+        let mut r = ExecRequest { shell: Some("true".into()), ..Default::default() };
+        assert!(r.validate().is_ok());
+        r.cmd = Some(vec!["true".into()]);
+        assert!(r.validate().unwrap_err().contains("not both"));
+        r.shell = None;
+        r.cwd = Some("rel".into());
+        assert!(r.validate().unwrap_err().contains("absolute"));
+        r.cwd = Some("/a\0b".into());
+        assert!(r.validate().unwrap_err().contains("NUL"));
+        assert!(serde_json::from_str::<ExecRequest>(r#"{"shell":"x","bogus":1}"#).is_err());
+    }
+}
