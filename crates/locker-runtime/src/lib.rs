@@ -1,1 +1,13 @@
+//! The node layer: what turns a template into a running machine and talks to its agent.
+//!
+//! Rooms:
+//! - [`template`]: building, importing and finding templates (root filesystems by digest).
+//! - [`agent`]: the host side of the agent channel (tokio; speaks `locker-proto`).
+//! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces).
+//! - [`cgroup`]: cgroup v1 and v2 limits, freezing and accounting for machines.
+//! - [`doctor`]: what works on this host and why.
+//!
+//! This crate knows nothing of HTTP, tenants or the database: the server owns those.
 
+pub mod agent;
+pub mod template;
