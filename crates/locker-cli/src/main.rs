@@ -5,7 +5,11 @@ mod template_cmd;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "locker", version, about = "Disposable, isolated machines for AI agents' tool calls")]
+#[command(
+    name = "locker",
+    version,
+    about = "Disposable, isolated machines for AI agents' tool calls"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -19,6 +23,15 @@ enum Cmd {
 }
 
 fn main() -> anyhow::Result<()> {
+    // The jail's shim must start single-threaded, before anything else runs.
+    let mut args = std::env::args_os();
+    if args.nth(1).is_some_and(|a| a == "__jail-init") {
+        let spec = args
+            .next()
+            .map(std::path::PathBuf::from)
+            .unwrap_or_default();
+        locker_runtime::jail::init_main(&spec);
+    }
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Template(c) => template_cmd::run(c),

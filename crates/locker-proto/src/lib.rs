@@ -168,14 +168,39 @@ pub struct Hello {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
     Hello(Hello),
-    Open { stream: u32, req: Request },
-    Msg { stream: u32, msg: Reply },
-    Data { stream: u32, chan: Chan, bytes: Vec<u8> },
-    Eof { stream: u32, chan: Chan },
-    Credit { stream: u32, chan: Chan, bytes: u32 },
-    Control { stream: u32, ctl: Control },
-    Cancel { stream: u32 },
-    End { stream: u32, body: EndBody },
+    Open {
+        stream: u32,
+        req: Request,
+    },
+    Msg {
+        stream: u32,
+        msg: Reply,
+    },
+    Data {
+        stream: u32,
+        chan: Chan,
+        bytes: Vec<u8>,
+    },
+    Eof {
+        stream: u32,
+        chan: Chan,
+    },
+    Credit {
+        stream: u32,
+        chan: Chan,
+        bytes: u32,
+    },
+    Control {
+        stream: u32,
+        ctl: Control,
+    },
+    Cancel {
+        stream: u32,
+    },
+    End {
+        stream: u32,
+        body: EndBody,
+    },
 }
 
 /// How a user inside the machine is named: `root`, a name from its `/etc/passwd`, or a uid.
@@ -304,7 +329,10 @@ pub struct AgentError {
 
 impl AgentError {
     pub fn new(code: ErrorCode, message: impl Into<String>) -> Self {
-        Self { code, message: message.into() }
+        Self {
+            code,
+            message: message.into(),
+        }
     }
 }
 
@@ -353,44 +381,86 @@ impl Frame {
         if payload.len() != h.len {
             return Err(ProtoError::Truncated);
         }
-        let json = |kind| move |e: serde_json::Error| ProtoError::BadPayload { kind, detail: e.to_string() };
+        let json = |kind| {
+            move |e: serde_json::Error| ProtoError::BadPayload {
+                kind,
+                detail: e.to_string(),
+            }
+        };
         let stream = h.stream;
         let no_chan = |f: Frame| -> Result<Frame, ProtoError> {
             if h.chan != Chan::None {
-                return Err(ProtoError::BadPayload { kind: h.kind, detail: "unexpected channel".into() });
+                return Err(ProtoError::BadPayload {
+                    kind: h.kind,
+                    detail: "unexpected channel".into(),
+                });
             }
             Ok(f)
         };
         match h.kind {
             FrameKind::Hello => {
                 if stream != 0 {
-                    return Err(ProtoError::BadPayload { kind: h.kind, detail: "hello off stream 0".into() });
+                    return Err(ProtoError::BadPayload {
+                        kind: h.kind,
+                        detail: "hello off stream 0".into(),
+                    });
                 }
-                no_chan(Frame::Hello(serde_json::from_slice(payload).map_err(json(h.kind))?))
+                no_chan(Frame::Hello(
+                    serde_json::from_slice(payload).map_err(json(h.kind))?,
+                ))
             }
-            FrameKind::Open => no_chan(Frame::Open { stream, req: serde_json::from_slice(payload).map_err(json(h.kind))? }),
-            FrameKind::Msg => no_chan(Frame::Msg { stream, msg: serde_json::from_slice(payload).map_err(json(h.kind))? }),
-            FrameKind::Control => no_chan(Frame::Control { stream, ctl: serde_json::from_slice(payload).map_err(json(h.kind))? }),
-            FrameKind::End => no_chan(Frame::End { stream, body: serde_json::from_slice(payload).map_err(json(h.kind))? }),
+            FrameKind::Open => no_chan(Frame::Open {
+                stream,
+                req: serde_json::from_slice(payload).map_err(json(h.kind))?,
+            }),
+            FrameKind::Msg => no_chan(Frame::Msg {
+                stream,
+                msg: serde_json::from_slice(payload).map_err(json(h.kind))?,
+            }),
+            FrameKind::Control => no_chan(Frame::Control {
+                stream,
+                ctl: serde_json::from_slice(payload).map_err(json(h.kind))?,
+            }),
+            FrameKind::End => no_chan(Frame::End {
+                stream,
+                body: serde_json::from_slice(payload).map_err(json(h.kind))?,
+            }),
             FrameKind::Cancel => {
                 if !payload.is_empty() {
-                    return Err(ProtoError::BadPayload { kind: h.kind, detail: "cancel carries no payload".into() });
+                    return Err(ProtoError::BadPayload {
+                        kind: h.kind,
+                        detail: "cancel carries no payload".into(),
+                    });
                 }
                 no_chan(Frame::Cancel { stream })
             }
-            FrameKind::Data => Ok(Frame::Data { stream, chan: h.chan, bytes: payload.to_vec() }),
+            FrameKind::Data => Ok(Frame::Data {
+                stream,
+                chan: h.chan,
+                bytes: payload.to_vec(),
+            }),
             FrameKind::Eof => {
                 if !payload.is_empty() {
-                    return Err(ProtoError::BadPayload { kind: h.kind, detail: "eof carries no payload".into() });
+                    return Err(ProtoError::BadPayload {
+                        kind: h.kind,
+                        detail: "eof carries no payload".into(),
+                    });
                 }
-                Ok(Frame::Eof { stream, chan: h.chan })
+                Ok(Frame::Eof {
+                    stream,
+                    chan: h.chan,
+                })
             }
             FrameKind::Credit => {
                 let b: [u8; 4] = payload.try_into().map_err(|_| ProtoError::BadPayload {
                     kind: h.kind,
                     detail: format!("credit payload must be 4 bytes, got {}", payload.len()),
                 })?;
-                Ok(Frame::Credit { stream, chan: h.chan, bytes: u32::from_le_bytes(b) })
+                Ok(Frame::Credit {
+                    stream,
+                    chan: h.chan,
+                    bytes: u32::from_le_bytes(b),
+                })
             }
         }
     }
@@ -432,9 +502,13 @@ impl Frame {
     /// Decodes one frame from the front of `buf`: `Ok(None)` if more bytes are needed,
     /// else the frame and how many bytes it used.
     pub fn decode(buf: &[u8]) -> Result<Option<(Frame, usize)>, ProtoError> {
-        let Some(hb) = buf.get(..HEADER_LEN) else { return Ok(None) };
+        let Some(hb) = buf.get(..HEADER_LEN) else {
+            return Ok(None);
+        };
         let h = Header::parse(hb.try_into().expect("slice of HEADER_LEN"))?;
-        let Some(payload) = buf.get(HEADER_LEN..HEADER_LEN + h.len) else { return Ok(None) };
+        let Some(payload) = buf.get(HEADER_LEN..HEADER_LEN + h.len) else {
+            return Ok(None);
+        };
         Ok(Some((Frame::from_parts(h, payload)?, HEADER_LEN + h.len)))
     }
 }
@@ -487,25 +561,64 @@ mod tests {
         assert_eq!(used, buf.len());
         assert_eq!(f, g);
         for cut in 0..buf.len() {
-            assert!(Frame::decode(&buf[..cut]).unwrap().is_none(), "prefix {cut} must ask for more");
+            assert!(
+                Frame::decode(&buf[..cut]).unwrap().is_none(),
+                "prefix {cut} must ask for more"
+            );
         }
     }
 
     #[test]
     fn every_kind_round_trips() {
-        roundtrip(Frame::Hello(Hello { version: PROTOCOL_VERSION, peer: "t".into() }));
+        roundtrip(Frame::Hello(Hello {
+            version: PROTOCOL_VERSION,
+            peer: "t".into(),
+        }));
         roundtrip(Frame::Open {
             stream: 7,
-            req: Request::Exec(ExecSpec { argv: vec!["true".into()], max_output_bytes: 10, ..Default::default() }),
+            req: Request::Exec(ExecSpec {
+                argv: vec!["true".into()],
+                max_output_bytes: 10,
+                ..Default::default()
+            }),
         });
-        roundtrip(Frame::Open { stream: 9, req: Request::Remove { path: "/x".into(), recursive: true } });
-        roundtrip(Frame::Msg { stream: 7, msg: Reply::Started { pid: 3, start_ms: 0.5 } });
-        roundtrip(Frame::Data { stream: 7, chan: Chan::Stdout, bytes: vec![0, 255, 10] });
-        roundtrip(Frame::Eof { stream: 7, chan: Chan::Stdin });
-        roundtrip(Frame::Credit { stream: 7, chan: Chan::Stdout, bytes: 65536 });
-        roundtrip(Frame::Control { stream: 7, ctl: Control::Resize(PtySize { cols: 80, rows: 24 }) });
+        roundtrip(Frame::Open {
+            stream: 9,
+            req: Request::Remove {
+                path: "/x".into(),
+                recursive: true,
+            },
+        });
+        roundtrip(Frame::Msg {
+            stream: 7,
+            msg: Reply::Started {
+                pid: 3,
+                start_ms: 0.5,
+            },
+        });
+        roundtrip(Frame::Data {
+            stream: 7,
+            chan: Chan::Stdout,
+            bytes: vec![0, 255, 10],
+        });
+        roundtrip(Frame::Eof {
+            stream: 7,
+            chan: Chan::Stdin,
+        });
+        roundtrip(Frame::Credit {
+            stream: 7,
+            chan: Chan::Stdout,
+            bytes: 65536,
+        });
+        roundtrip(Frame::Control {
+            stream: 7,
+            ctl: Control::Resize(PtySize { cols: 80, rows: 24 }),
+        });
         roundtrip(Frame::Cancel { stream: 7 });
-        roundtrip(Frame::End { stream: 7, body: EndBody::Error(AgentError::new(ErrorCode::NotFound, "gone")) });
+        roundtrip(Frame::End {
+            stream: 7,
+            body: EndBody::Error(AgentError::new(ErrorCode::NotFound, "gone")),
+        });
     }
 
     #[test]
@@ -514,21 +627,29 @@ mod tests {
         b[0..4].copy_from_slice(&((MAX_PAYLOAD + 1) as u32).to_le_bytes());
         b[8] = FrameKind::Data as u8;
         assert!(matches!(Header::parse(&b), Err(ProtoError::TooLarge(_))));
-        let big = Frame::Data { stream: 1, chan: Chan::Stdout, bytes: vec![0; MAX_PAYLOAD + 1] };
+        let big = Frame::Data {
+            stream: 1,
+            chan: Chan::Stdout,
+            bytes: vec![0; MAX_PAYLOAD + 1],
+        };
         let mut out = vec![1, 2, 3];
         assert!(big.encode(&mut out).is_err());
-        assert_eq!(out, vec![1, 2, 3], "a failed encode leaves the buffer as it was");
+        assert_eq!(
+            out,
+            vec![1, 2, 3],
+            "a failed encode leaves the buffer as it was"
+        );
     }
 
     #[test]
     fn malformed_frames_are_errors() {
         let cases: Vec<Vec<u8>> = vec![
             vec![2, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, b'{', b'}'], // Open with an empty object
-            vec![0, 0, 0, 0, 1, 0, 0, 0, 77, 0, 0, 0],              // unknown kind
-            vec![0, 0, 0, 0, 1, 0, 0, 0, 4, 9, 0, 0],               // unknown channel
-            vec![0, 0, 0, 0, 1, 0, 0, 0, 4, 2, 1, 0],               // reserved bits
-            vec![1, 0, 0, 0, 1, 0, 0, 0, 6, 2, 0, 0, 9],            // short credit
-            vec![1, 0, 0, 0, 1, 0, 0, 0, 8, 0, 0, 0, 9],            // cancel with payload
+            vec![0, 0, 0, 0, 1, 0, 0, 0, 77, 0, 0, 0],            // unknown kind
+            vec![0, 0, 0, 0, 1, 0, 0, 0, 4, 9, 0, 0],             // unknown channel
+            vec![0, 0, 0, 0, 1, 0, 0, 0, 4, 2, 1, 0],             // reserved bits
+            vec![1, 0, 0, 0, 1, 0, 0, 0, 6, 2, 0, 0, 9],          // short credit
+            vec![1, 0, 0, 0, 1, 0, 0, 0, 8, 0, 0, 0, 9],          // cancel with payload
         ];
         for c in cases {
             assert!(Frame::decode(&c).is_err(), "{c:?} must be rejected");
@@ -565,11 +686,23 @@ mod tests {
     fn read_frame_reports_truncation_and_clean_eof() {
         let mut buf = Vec::new();
         Frame::Cancel { stream: 1 }.encode(&mut buf).unwrap();
-        Frame::Data { stream: 1, chan: Chan::Stdout, bytes: b"hi".to_vec() }.encode(&mut buf).unwrap();
+        Frame::Data {
+            stream: 1,
+            chan: Chan::Stdout,
+            bytes: b"hi".to_vec(),
+        }
+        .encode(&mut buf)
+        .unwrap();
         let mut r = &buf[..buf.len() - 1];
         let mut s = Vec::new();
-        assert_eq!(read_frame(&mut r, &mut s).unwrap(), Some(Frame::Cancel { stream: 1 }));
-        assert!(matches!(read_frame(&mut r, &mut s), Err(ProtoError::Truncated)));
+        assert_eq!(
+            read_frame(&mut r, &mut s).unwrap(),
+            Some(Frame::Cancel { stream: 1 })
+        );
+        assert!(matches!(
+            read_frame(&mut r, &mut s),
+            Err(ProtoError::Truncated)
+        ));
         assert!(read_frame(&mut &b""[..], &mut s).unwrap().is_none());
     }
 }

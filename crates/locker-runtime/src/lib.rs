@@ -10,4 +10,8 @@
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
 
 pub mod agent;
+pub mod cgroup;
+pub mod jail;
+pub mod seccomp;
+mod sys;
 pub mod template;

@@ -60,7 +60,12 @@ impl ExecRequest {
             }
             _ => {}
         }
-        let strings = self.cmd.iter().flatten().chain(self.shell.iter()).chain(self.cwd.iter());
+        let strings = self
+            .cmd
+            .iter()
+            .flatten()
+            .chain(self.shell.iter())
+            .chain(self.cwd.iter());
         for s in strings.chain(self.env.keys()).chain(self.env.values()) {
             if s.contains('\0') {
                 return Err("command, cwd and env must not contain NUL bytes".into());
@@ -68,7 +73,9 @@ impl ExecRequest {
         }
         for k in self.env.keys() {
             if k.is_empty() || k.contains('=') {
-                return Err(format!("env key {k:?} must be non-empty and contain no '='"));
+                return Err(format!(
+                    "env key {k:?} must be non-empty and contain no '='"
+                ));
             }
         }
         if let Some(cwd) = &self.cwd {
@@ -81,7 +88,9 @@ impl ExecRequest {
         }
         if let Some(t) = self.timeout_ms {
             if t == 0 || t > MAX_TIMEOUT_MS {
-                return Err(format!("`timeout_ms` must be between 1 and {MAX_TIMEOUT_MS}"));
+                return Err(format!(
+                    "`timeout_ms` must be between 1 and {MAX_TIMEOUT_MS}"
+                ));
             }
         }
         if self.max_output_bytes == Some(0) {
@@ -214,7 +223,10 @@ mod tests {
 
     #[test]
     fn exec_request_rejects_ambiguity_and_nul() {
-        let mut r = ExecRequest { shell: Some("true".into()), ..Default::default() };
+        let mut r = ExecRequest {
+            shell: Some("true".into()),
+            ..Default::default()
+        };
         assert!(r.validate().is_ok());
         r.cmd = Some(vec!["true".into()]);
         assert!(r.validate().unwrap_err().contains("not both"));

@@ -1,0 +1,514 @@
+//! Control groups of machines: limits, accounting, freezing, killing, removal.
+//!
+//! Owns the host side of every machine's cgroup under `<controller>/locker/<id>` (v1) or
+//! `locker/<id>` (v2). Works on pure v2 hosts (most users) and on v1 or hybrid hosts
+//! (these build machines: cpu, memory, pids and freezer on v1). Inside a machine the agent
+//! creates a cgroup per command below the machine's own; this room never touches those
+//! except to kill and remove everything when the machine goes.
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+/// The directory under each hierarchy that holds every machine's cgroup.
+pub const PARENT: &str = "locker";
+
+/// v1 controllers a machine uses; `cpuacct` may be co-mounted with `cpu`.
+const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "freezer"];
+
+/// Errors of cgroup setup and control.
+#[derive(Debug, thiserror::Error)]
+pub enum CgroupError {
+    #[error("no usable cgroup hierarchy at {root}: need cgroup v2 with memory, pids and cpu enabled, or v1 with the memory, pids, cpu, cpuacct and freezer controllers mounted")]
+    NotFound { root: PathBuf },
+    #[error("cgroup {path}: {step}: {source}")]
+    Io {
+        path: PathBuf,
+        step: &'static str,
+        source: io::Error,
+    },
+    #[error("cgroup {0} still has processes after killing them for 5 s")]
+    Busy(PathBuf),
+}
+
+fn io_err<'a>(path: &'a Path, step: &'static str) -> impl FnOnce(io::Error) -> CgroupError + 'a {
+    move |source| CgroupError::Io {
+        path: path.to_owned(),
+        step,
+        source,
+    }
+}
+
+/// Which cgroup version a host gives machines.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Version {
+    V1,
+    V2,
+}
+
+/// Where the hierarchies are.
+#[derive(Debug, Clone)]
+pub struct Layout {
+    pub version: Version,
+    /// `/sys/fs/cgroup`.
+    pub root: PathBuf,
+}
+
+impl Layout {
+    /// Detects the layout: v2 if the unified hierarchy at `root` has the memory, pids and
+    /// cpu controllers; else v1 if those controllers are mounted as v1 hierarchies.
+    pub fn detect(root: &Path) -> Result<Self, CgroupError> {
+        if let Ok(c) = fs::read_to_string(root.join("cgroup.controllers")) {
+            let has = |n: &str| c.split_whitespace().any(|x| x == n);
+            if has("memory") && has("pids") && has("cpu") {
+                return Ok(Self {
+                    version: Version::V2,
+                    root: root.to_owned(),
+                });
+            }
+        }
+        if V1_CONTROLLERS
+            .iter()
+            .all(|c| root.join(c).join("tasks").exists())
+        {
+            return Ok(Self {
+                version: Version::V1,
+                root: root.to_owned(),
+            });
+        }
+        Err(CgroupError::NotFound {
+            root: root.to_owned(),
+        })
+    }
+
+    /// The host's layout at `/sys/fs/cgroup`.
+    pub fn host() -> Result<Self, CgroupError> {
+        Self::detect(Path::new("/sys/fs/cgroup"))
+    }
+
+    /// The controller directories that hold machine cgroups (v1: one per distinct
+    /// hierarchy, so co-mounted `cpu,cpuacct` appears once; v2: the unified root).
+    fn hierarchies(&self) -> Vec<(&'static str, PathBuf)> {
+        match self.version {
+            Version::V2 => vec![("", self.root.clone())],
+            Version::V1 => {
+                let mut seen: Vec<PathBuf> = Vec::new();
+                let mut out = Vec::new();
+                for c in V1_CONTROLLERS {
+                    let p = self.root.join(c);
+                    let canon = fs::canonicalize(&p).unwrap_or(p.clone());
+                    if !seen.contains(&canon) {
+                        seen.push(canon);
+                        out.push((c, p));
+                    }
+                }
+                out
+            }
+        }
+    }
+
+    /// The ids of every machine cgroup that exists (for cleaning up after a crash).
+    pub fn machine_ids(&self) -> Vec<String> {
+        let mut ids: Vec<String> = Vec::new();
+        for (_, h) in self.hierarchies() {
+            if let Ok(rd) = fs::read_dir(h.join(PARENT)) {
+                for e in rd.flatten() {
+                    if e.path().is_dir() {
+                        let n = e.file_name().to_string_lossy().into_owned();
+                        if !ids.contains(&n) {
+                            ids.push(n);
+                        }
+                    }
+                }
+            }
+        }
+        ids
+    }
+}
+
+/// Limits of one machine.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Limits {
+    /// CPU time as a number of cores (CFS quota).
+    pub cpus: f64,
+    pub memory_bytes: u64,
+    pub pids: u64,
+}
+
+/// One machine's cgroup.
+#[derive(Debug, Clone)]
+pub struct MachineCgroup {
+    layout: Layout,
+    id: String,
+}
+
+fn write(path: &Path, value: &str, step: &'static str) -> Result<(), CgroupError> {
+    fs::write(path, value).map_err(io_err(path, step))
+}
+
+fn chown(path: &Path, uid: u32) -> Result<(), CgroupError> {
+    std::os::unix::fs::chown(path, Some(uid), Some(uid))
+        .map_err(io_err(path, "delegate to the machine's root"))
+}
+
+impl MachineCgroup {
+    /// The cgroup of machine `id` (whether or not it exists yet).
+    pub fn new(layout: Layout, id: &str) -> Self {
+        Self {
+            layout,
+            id: id.to_owned(),
+        }
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Per hierarchy: (controller name, the machine's directory).
+    pub fn dirs(&self) -> Vec<(&'static str, PathBuf)> {
+        self.layout
+            .hierarchies()
+            .into_iter()
+            .map(|(c, h)| (c, h.join(PARENT).join(&self.id)))
+            .collect()
+    }
+
+    /// Creates the cgroup with its limits and delegates it to `owner_uid` (the machine's
+    /// root): it may create child cgroups and move processes, never raise its own limits.
+    pub fn create(&self, limits: Limits, owner_uid: u32) -> Result<(), CgroupError> {
+        let period: u64 = 100_000;
+        let quota = ((limits.cpus * period as f64).round() as u64).max(1000);
+        match self.layout.version {
+            Version::V2 => {
+                let parent = self.layout.root.join(PARENT);
+                fs::create_dir_all(&parent).map_err(io_err(&parent, "create"))?;
+                for p in [&self.layout.root, &parent] {
+                    let sc = p.join("cgroup.subtree_control");
+                    write(&sc, "+memory +pids +cpu", "enable controllers")?;
+                }
+                let dir = parent.join(&self.id);
+                fs::create_dir(&dir).map_err(io_err(&dir, "create"))?;
+                write(
+                    &dir.join("memory.max"),
+                    &limits.memory_bytes.to_string(),
+                    "set memory.max",
+                )?;
+                let _ = fs::write(dir.join("memory.swap.max"), "0");
+                write(
+                    &dir.join("pids.max"),
+                    &limits.pids.to_string(),
+                    "set pids.max",
+                )?;
+                write(
+                    &dir.join("cpu.max"),
+                    &format!("{quota} {period}"),
+                    "set cpu.max",
+                )?;
+                // The agent lives in a leaf so the machine's cgroup may have children with
+                // controllers (v2 allows no process in a cgroup that delegates controllers).
+                let init = dir.join("init");
+                fs::create_dir(&init).map_err(io_err(&init, "create"))?;
+                write(
+                    &dir.join("cgroup.subtree_control"),
+                    "+memory +pids +cpu",
+                    "enable controllers",
+                )?;
+                for f in [
+                    "",
+                    "cgroup.procs",
+                    "cgroup.subtree_control",
+                    "cgroup.threads",
+                ] {
+                    chown(&dir.join(f), owner_uid)?;
+                }
+                for f in ["", "cgroup.procs", "cgroup.threads"] {
+                    chown(&init.join(f), owner_uid)?;
+                }
+            }
+            Version::V1 => {
+                for (c, dir) in self.dirs() {
+                    fs::create_dir_all(&dir).map_err(io_err(&dir, "create"))?;
+                    match c {
+                        "memory" => {
+                            let _ = fs::write(dir.join("memory.use_hierarchy"), "1");
+                            write(
+                                &dir.join("memory.limit_in_bytes"),
+                                &limits.memory_bytes.to_string(),
+                                "set memory.limit_in_bytes",
+                            )?;
+                            // Without swap accounting the host may have no memsw files.
+                            let _ = fs::write(
+                                dir.join("memory.memsw.limit_in_bytes"),
+                                limits.memory_bytes.to_string(),
+                            );
+                        }
+                        "pids" => write(
+                            &dir.join("pids.max"),
+                            &limits.pids.to_string(),
+                            "set pids.max",
+                        )?,
+                        "cpu" => {
+                            write(
+                                &dir.join("cpu.cfs_period_us"),
+                                &period.to_string(),
+                                "set cpu.cfs_period_us",
+                            )?;
+                            write(
+                                &dir.join("cpu.cfs_quota_us"),
+                                &quota.to_string(),
+                                "set cpu.cfs_quota_us",
+                            )?;
+                        }
+                        _ => {}
+                    }
+                    for f in ["", "cgroup.procs", "tasks"] {
+                        chown(&dir.join(f), owner_uid)?;
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Moves process `pid` into the machine's cgroup (v2: its `init` leaf).
+    pub fn enter(&self, pid: u32) -> Result<(), CgroupError> {
+        for (_, dir) in self.dirs() {
+            let target = match self.layout.version {
+                Version::V2 => dir.join("init"),
+                Version::V1 => dir,
+            };
+            write(
+                &target.join("cgroup.procs"),
+                &pid.to_string(),
+                "move a process in",
+            )?;
+        }
+        Ok(())
+    }
+
+    /// What the machine sees at `/sys/fs/cgroup`: (host directory, path inside).
+    pub fn binds(&self) -> Vec<(PathBuf, PathBuf)> {
+        match self.layout.version {
+            Version::V2 => self
+                .dirs()
+                .into_iter()
+                .map(|(_, d)| (d, PathBuf::from("sys/fs/cgroup")))
+                .collect(),
+            Version::V1 => V1_CONTROLLERS
+                .iter()
+                .map(|c| {
+                    (
+                        self.layout.root.join(c).join(PARENT).join(&self.id),
+                        PathBuf::from("sys/fs/cgroup").join(c),
+                    )
+                })
+                .collect(),
+        }
+    }
+
+    fn freezer_dir(&self) -> PathBuf {
+        match self.layout.version {
+            Version::V2 => self.layout.root.join(PARENT).join(&self.id),
+            Version::V1 => self.layout.root.join("freezer").join(PARENT).join(&self.id),
+        }
+    }
+
+    /// Freezes (`true`) or thaws every process of the machine and waits until done.
+    pub fn set_frozen(&self, frozen: bool) -> Result<(), CgroupError> {
+        let dir = self.freezer_dir();
+        let deadline = Instant::now() + Duration::from_secs(5);
+        match self.layout.version {
+            Version::V2 => {
+                write(
+                    &dir.join("cgroup.freeze"),
+                    if frozen { "1" } else { "0" },
+                    "freeze",
+                )?;
+                let want = if frozen { "frozen 1" } else { "frozen 0" };
+                while Instant::now() < deadline {
+                    let ev = fs::read_to_string(dir.join("cgroup.events")).unwrap_or_default();
+                    if ev.lines().any(|l| l == want) {
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+            Version::V1 => {
+                let state = if frozen { "FROZEN" } else { "THAWED" };
+                while Instant::now() < deadline {
+                    write(&dir.join("freezer.state"), state, "freeze")?;
+                    if fs::read_to_string(dir.join("freezer.state"))
+                        .unwrap_or_default()
+                        .trim()
+                        == state
+                    {
+                        return Ok(());
+                    }
+                    std::thread::sleep(Duration::from_micros(200));
+                }
+            }
+        }
+        Err(CgroupError::Io {
+            path: dir,
+            step: "wait for the freezer",
+            source: io::ErrorKind::TimedOut.into(),
+        })
+    }
+
+    /// Every pid in the machine's cgroup tree (host pids).
+    pub fn pids(&self) -> Vec<i32> {
+        let mut out = Vec::new();
+        for (_, dir) in self.dirs() {
+            collect_pids(&dir, &mut out);
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// Kills every process of the machine (freeze, SIGKILL all, thaw) until none is left.
+    pub fn kill_all(&self) -> Result<(), CgroupError> {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let pids = self.pids();
+            if pids.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() > deadline {
+                return Err(CgroupError::Busy(self.freezer_dir()));
+            }
+            if self.layout.version == Version::V2 && self.freezer_dir().join("cgroup.kill").exists()
+            {
+                let _ = fs::write(self.freezer_dir().join("cgroup.kill"), "1");
+            } else {
+                let _ = self.set_frozen(true);
+                for p in &pids {
+                    let _ = crate::sys::kill(*p, libc::SIGKILL);
+                }
+                let _ = self.set_frozen(false);
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Removes the cgroup and everything below it; the processes must be gone.
+    pub fn remove(&self) -> Result<(), CgroupError> {
+        let mut last = None;
+        for (_, dir) in self.dirs() {
+            if dir.exists() {
+                if let Err(e) = remove_tree(&dir) {
+                    last = Some(e);
+                }
+            }
+        }
+        last.map_or(Ok(()), Err)
+    }
+
+    /// CPU time and peak memory of the whole machine.
+    pub fn usage(&self) -> locker_types::Usage {
+        let read = |p: PathBuf| fs::read_to_string(p).unwrap_or_default();
+        let dirs = self.dirs();
+        let dir_of = |c: &str| {
+            dirs.iter()
+                .find(|(n, _)| *n == c || self.layout.version == Version::V2)
+                .map(|(_, d)| d.clone())
+        };
+        match self.layout.version {
+            Version::V2 => {
+                let d = dir_of("").expect("v2 has one hierarchy");
+                let cpu_us = read(d.join("cpu.stat"))
+                    .lines()
+                    .find_map(|l| {
+                        l.strip_prefix("usage_usec ")
+                            .and_then(|v| v.trim().parse::<u64>().ok())
+                    })
+                    .unwrap_or(0);
+                let peak = read(d.join("memory.peak")).trim().parse().unwrap_or(0);
+                locker_types::Usage {
+                    cpu_ms: cpu_us / 1000,
+                    peak_memory_bytes: peak,
+                }
+            }
+            Version::V1 => {
+                let acct = self.layout.root.join("cpuacct").join(PARENT).join(&self.id);
+                let ns: u64 = read(acct.join("cpuacct.usage")).trim().parse().unwrap_or(0);
+                let mem = self.layout.root.join("memory").join(PARENT).join(&self.id);
+                let peak = read(mem.join("memory.max_usage_in_bytes"))
+                    .trim()
+                    .parse()
+                    .unwrap_or(0);
+                locker_types::Usage {
+                    cpu_ms: ns / 1_000_000,
+                    peak_memory_bytes: peak,
+                }
+            }
+        }
+    }
+
+    /// Current memory use in bytes.
+    pub fn memory_current(&self) -> u64 {
+        let f = match self.layout.version {
+            Version::V2 => self
+                .layout
+                .root
+                .join(PARENT)
+                .join(&self.id)
+                .join("memory.current"),
+            Version::V1 => self
+                .layout
+                .root
+                .join("memory")
+                .join(PARENT)
+                .join(&self.id)
+                .join("memory.usage_in_bytes"),
+        };
+        fs::read_to_string(f)
+            .ok()
+            .and_then(|s| s.trim().parse().ok())
+            .unwrap_or(0)
+    }
+}
+
+fn collect_pids(dir: &Path, out: &mut Vec<i32>) {
+    if let Ok(s) = fs::read_to_string(dir.join("cgroup.procs")) {
+        out.extend(s.lines().filter_map(|l| l.trim().parse::<i32>().ok()));
+    }
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                collect_pids(&e.path(), out);
+            }
+        }
+    }
+}
+
+/// rmdir a cgroup tree bottom-up (cgroupfs directories are removed with rmdir only).
+fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().map(|t| t.is_dir()).unwrap_or(false) {
+                remove_tree(&e.path())?;
+            }
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => return Ok(()),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+            // EBUSY while the last exiting task leaves the cgroup.
+            Err(e) if Instant::now() < deadline && e.raw_os_error() == Some(libc::EBUSY) => {
+                std::thread::sleep(Duration::from_millis(2))
+            }
+            Err(e) => {
+                return Err(CgroupError::Io {
+                    path: dir.to_owned(),
+                    step: "remove",
+                    source: e,
+                })
+            }
+        }
+    }
+}

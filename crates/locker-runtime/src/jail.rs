@@ -1,0 +1,727 @@
+//! The jail runtime: a machine made of Linux namespaces on the host's kernel.
+//!
+//! Owns starting, finding and destroying jailed machines. It does not own the agent's
+//! protocol (see [`crate::agent`]) nor the template store (see [`crate::template`]).
+//!
+//! # How a jail starts
+//! The caller (the server, in a multi-threaded process) never forks into namespaces itself:
+//! it runs `locker __jail-init <dir>/jail.json`, a fresh single-threaded process (the
+//! *shim*) that:
+//! 1. binds the agent's listening socket at `<dir>/agent.sock` (host side only);
+//! 2. creates the machine's user namespace (root inside = host uid `uid_base`, 65536 ids)
+//!    with a throwaway child, and keeps a handle to it;
+//! 3. creates the machine's cgroup with its limits, delegated to the machine's root;
+//! 4. formats the machine's disk, a sparse ext4 image of `disk_mb` (the disk quota);
+//! 5. unshares mount, net, ipc, uts and pid namespaces and forks the machine's PID 1, which
+//!    enters the cgroup and a cgroup namespace, mounts the disk and an overlay root
+//!    (the template below through an id-mapped read-only mount, the machine's layer above),
+//!    a fresh /proc, a minimal /dev, tmpfs /tmp, its cgroup at /sys/fs/cgroup; brings up
+//!    loopback (its only interface); pivots into the root; then joins the user namespace,
+//!    drops capabilities to the usual container set, sets `no_new_privs`, installs the
+//!    seccomp filter and executes `locker-agent` with the socket as fd 3.
+//!
+//! The shim prints `{"agent_pid":…,"shim_pid":…}` and waits for PID 1. Every mount lives
+//! only in the machine's mount namespaces, so none is ever visible on the host and all
+//! vanish with the machine's last process; the loop device detaches itself (autoclear).
+//! The mount, network and pid namespaces belong to the host's user namespace, so the
+//! machine's root can neither mount nor reconfigure its network.
+
+use std::ffi::CString;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::cgroup::{Layout, Limits, MachineCgroup};
+use crate::sys;
+
+/// Ids per machine user namespace.
+pub const UID_RANGE: u32 = 65_536;
+/// The first slot's uid base is `FIRST_SLOT * UID_RANGE`, well above any host account.
+const FIRST_SLOT: u32 = 16;
+
+/// The uid base of allocation slot `slot` (0-based).
+pub fn uid_base(slot: u32) -> u32 {
+    (FIRST_SLOT + slot) * UID_RANGE
+}
+
+/// Errors of the jail runtime; each names the step that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum JailError {
+    #[error("{step}: {source}")]
+    Io { step: String, source: io::Error },
+    #[error("starting the machine failed: {0}")]
+    Init(String),
+    #[error(transparent)]
+    Cgroup(#[from] crate::cgroup::CgroupError),
+    #[error("the machine did not stop within {0:?}")]
+    StopTimeout(Duration),
+}
+
+fn step(s: impl Into<String>) -> impl FnOnce(io::Error) -> JailError {
+    let s = s.into();
+    move |source| JailError::Io { step: s, source }
+}
+
+/// Everything the shim needs to build one machine (written as `<dir>/jail.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JailSpec {
+    pub id: String,
+    /// The template's root filesystem (never written to).
+    pub template_rootfs: PathBuf,
+    /// The machine's own directory on the host; created by [`start`], removed by [`destroy`].
+    pub dir: PathBuf,
+    pub uid_base: u32,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub pids: u64,
+    pub disk_mb: u64,
+    /// The (static) agent binary, executed inside the machine.
+    pub agent_path: PathBuf,
+    pub hostname: String,
+}
+
+/// A running jail as the host knows it (`<dir>/state.json`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JailState {
+    pub id: String,
+    pub dir: PathBuf,
+    pub agent_pid: i32,
+    pub shim_pid: i32,
+    pub uid_base: u32,
+}
+
+impl JailState {
+    /// The agent's socket.
+    pub fn socket(&self) -> PathBuf {
+        self.dir.join("agent.sock")
+    }
+
+    /// Reads the state a started jail left in its directory.
+    pub fn load(dir: &Path) -> Option<Self> {
+        serde_json::from_slice(&fs::read(dir.join("state.json")).ok()?).ok()
+    }
+
+    /// The host path of the machine's writable layer (through the shim's mount namespace),
+    /// readable while the machine runs.
+    pub fn upper_dir(&self) -> PathBuf {
+        PathBuf::from(format!("/proc/{}/root", self.shim_pid))
+            .join(self.dir.strip_prefix("/").unwrap_or(&self.dir))
+            .join("disk/upper")
+    }
+}
+
+/// Starts a machine: runs the shim (`init_exe __jail-init`) and waits until the agent's
+/// socket exists. Returns the state and the shim's process (the caller reaps it).
+pub async fn start(
+    spec: &JailSpec,
+    init_exe: &Path,
+) -> Result<(JailState, tokio::process::Child), JailError> {
+    fs::create_dir_all(&spec.dir).map_err(step(format!("create {}", spec.dir.display())))?;
+    let spec_path = spec.dir.join("jail.json");
+    fs::write(
+        &spec_path,
+        serde_json::to_vec(spec).expect("spec serializes"),
+    )
+    .map_err(step("write jail.json"))?;
+    let log = fs::File::create(spec.dir.join("machine.log")).map_err(step("create machine.log"))?;
+    let mut cmd = tokio::process::Command::new(init_exe);
+    cmd.arg("__jail-init")
+        .arg(&spec_path)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(log);
+    // The shim gets its own session: a Ctrl-C at the server's terminal must not kill machines.
+    cmd.process_group(0);
+    let mut child = cmd
+        .spawn()
+        .map_err(step(format!("run {} __jail-init", init_exe.display())))?;
+    let mut out = child.stdout.take().expect("piped stdout");
+    let mut line = Vec::new();
+    {
+        use tokio::io::AsyncReadExt;
+        let mut buf = [0u8; 512];
+        loop {
+            let n = out
+                .read(&mut buf)
+                .await
+                .map_err(step("read from the jail's init"))?;
+            if n == 0 {
+                break;
+            }
+            line.extend_from_slice(&buf[..n]);
+            if line.contains(&b'\n') {
+                break;
+            }
+        }
+    }
+    #[derive(Deserialize)]
+    struct Ready {
+        agent_pid: Option<i32>,
+        shim_pid: Option<i32>,
+        error: Option<String>,
+    }
+    let ready: Ready =
+        match serde_json::from_slice(line.split(|b| *b == b'\n').next().unwrap_or(&[])) {
+            Ok(r) => r,
+            Err(_) => {
+                let _ = child.wait().await;
+                let log = fs::read_to_string(spec.dir.join("machine.log")).unwrap_or_default();
+                return Err(JailError::Init(format!(
+                    "the jail's init exited without reporting: {}",
+                    log.trim()
+                )));
+            }
+        };
+    match (ready.agent_pid, ready.shim_pid, ready.error) {
+        (Some(agent_pid), Some(shim_pid), None) => {
+            let state = JailState {
+                id: spec.id.clone(),
+                dir: spec.dir.clone(),
+                agent_pid,
+                shim_pid,
+                uid_base: spec.uid_base,
+            };
+            write_atomic(
+                &spec.dir.join("state.json"),
+                &serde_json::to_vec(&state).expect("state serializes"),
+            )
+            .map_err(step("write state.json"))?;
+            Ok((state, child))
+        }
+        (_, _, err) => {
+            let _ = child.wait().await;
+            Err(JailError::Init(
+                err.unwrap_or_else(|| "the jail's init gave no pid".into()),
+            ))
+        }
+    }
+}
+
+fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(data)?;
+    f.sync_all()?;
+    fs::rename(tmp, path)
+}
+
+/// Stops a machine and removes every trace of it: its processes (the whole pid namespace
+/// dies with its PID 1), its cgroup, its directory (disk image included). Mounts and the
+/// loop device go with the namespaces. Works on a half-started machine too, and on one
+/// whose shim belongs to an earlier server process.
+pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
+    let cg = MachineCgroup::new(layout.clone(), id);
+    let state = JailState::load(dir);
+    if let Some(s) = &state {
+        if owns_pid(s.agent_pid, id) {
+            let _ = sys::kill(s.agent_pid, libc::SIGKILL);
+        }
+    }
+    cg.kill_all()?;
+    if let Some(s) = &state {
+        // The shim exits right after its PID 1; wait so its mount namespace is gone too.
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while is_shim(s.shim_pid, dir) {
+            if Instant::now() > deadline {
+                return Err(JailError::StopTimeout(Duration::from_secs(10)));
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+    cg.remove()?;
+    match fs::remove_dir_all(dir) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(JailError::Io {
+            step: format!("remove {}", dir.display()),
+            source: e,
+        }),
+    }
+}
+
+/// Whether `pid` is a live (not zombie) process inside machine `id`'s cgroup.
+fn owns_pid(pid: i32, id: &str) -> bool {
+    let cg = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
+    cg.lines().any(|l| {
+        l.ends_with(&format!("/{}/{id}", crate::cgroup::PARENT))
+            || l.contains(&format!("/{}/{id}/", crate::cgroup::PARENT))
+    })
+}
+
+/// Whether `pid` is still the shim of the machine in `dir` (and not a zombie or a reused pid).
+pub fn is_shim(pid: i32, dir: &Path) -> bool {
+    let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return false;
+    };
+    let state = stat
+        .rsplit(')')
+        .next()
+        .and_then(|s| s.split_whitespace().next())
+        .unwrap_or("Z");
+    if state == "Z" || state == "X" {
+        return false;
+    }
+    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+    let needle = dir.join("jail.json");
+    cmdline
+        .split(|b| *b == 0)
+        .any(|a| a == needle.as_os_str().as_encoded_bytes())
+}
+
+/// Whether a machine found on disk is still alive (its shim and agent run).
+pub fn is_alive(state: &JailState) -> bool {
+    is_shim(state.shim_pid, &state.dir) && owns_pid(state.agent_pid, &state.id)
+}
+
+// ---------------------------------------------------------------------------------------
+// The shim: runs as `locker __jail-init <spec>` in a fresh single-threaded process.
+// ---------------------------------------------------------------------------------------
+
+/// Capabilities root inside a machine keeps (in its own user namespace only): the set
+/// container runtimes grant by default.
+const KEEP_CAPS: &[u32] = &[
+    0,  // CHOWN
+    1,  // DAC_OVERRIDE
+    3,  // FOWNER
+    4,  // FSETID
+    5,  // KILL
+    6,  // SETGID
+    7,  // SETUID
+    8,  // SETPCAP
+    10, // NET_BIND_SERVICE
+    13, // NET_RAW
+    18, // SYS_CHROOT
+    27, // MKNOD
+    29, // AUDIT_WRITE
+    31, // SETFCAP
+];
+
+/// The shim's entry point. Never returns: exits with PID 1's status.
+pub fn init_main(spec_path: &Path) -> ! {
+    let code = match run_shim(spec_path) {
+        Ok(code) => code,
+        Err(e) => {
+            let msg = serde_json::json!({ "error": e.to_string() });
+            println!("{msg}");
+            eprintln!("locker jail init: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
+    let spec: JailSpec =
+        serde_json::from_slice(&fs::read(spec_path).map_err(step("read jail.json"))?)
+            .map_err(|e| JailError::Init(format!("bad jail.json: {e}")))?;
+    let dir = &spec.dir;
+
+    // 1. The agent's socket: bound here, on the host side, handed to the agent as fd 3.
+    let sock_path = dir.join("agent.sock");
+    let _ = fs::remove_file(&sock_path);
+    let listener =
+        std::os::unix::net::UnixListener::bind(&sock_path).map_err(step("bind agent.sock"))?;
+    fs::set_permissions(&sock_path, fs::Permissions::from_mode(0o600))
+        .map_err(step("chmod agent.sock"))?;
+
+    // 2. The user namespace.
+    let userns = make_userns(spec.uid_base)?;
+
+    // 3. The cgroup.
+    let layout = Layout::host()?;
+    let cg = MachineCgroup::new(layout, &spec.id);
+    let limits = Limits {
+        cpus: spec.cpus,
+        memory_bytes: spec.memory_mb << 20,
+        pids: spec.pids,
+    };
+    cg.create(limits, spec.uid_base)?;
+
+    // 4. The disk.
+    let img = dir.join("disk.img");
+    let f = fs::File::create(&img).map_err(step("create disk.img"))?;
+    f.set_len(spec.disk_mb << 20)
+        .map_err(step("size disk.img"))?;
+    drop(f);
+    let mkfs = std::process::Command::new("mkfs.ext4")
+        .args(["-q", "-F", "-O", "^has_journal", "-m", "0"])
+        .arg("-E")
+        .arg(format!(
+            "lazy_itable_init=1,nodiscard,root_owner={0}:{0}",
+            spec.uid_base
+        ))
+        .arg(&img)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(step("run mkfs.ext4 (apt-get install e2fsprogs)"))?;
+    if !mkfs.status.success() {
+        return Err(JailError::Init(format!(
+            "mkfs.ext4 failed: {}",
+            String::from_utf8_lossy(&mkfs.stderr).trim()
+        )));
+    }
+    let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
+    let agent = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&spec.agent_path)
+        .map_err(step(format!(
+            "open the agent {}",
+            spec.agent_path.display()
+        )))?;
+
+    // 5. The namespaces and PID 1.
+    sys::unshare(
+        libc::CLONE_NEWNS
+            | libc::CLONE_NEWNET
+            | libc::CLONE_NEWIPC
+            | libc::CLONE_NEWUTS
+            | libc::CLONE_NEWPID,
+    )
+    .map_err(step("unshare namespaces"))?;
+    let (ready_r, ready_w) = sys::pipe().map_err(step("pipe"))?;
+    // SAFETY: the shim is single-threaded (no runtime, no threads were started).
+    let pid = unsafe { sys::fork() }.map_err(step("fork the machine's PID 1"))?;
+    if pid == 0 {
+        drop(ready_r);
+        let mut w = fs::File::from(ready_w);
+        let err = machine_init(&spec, &cg, userns, listener, agent, &seccomp, &mut w);
+        let _ = writeln!(w, "{err}");
+        // SAFETY: leaving the child without running the parent's destructors.
+        unsafe { libc::_exit(1) };
+    }
+    drop(ready_w);
+    drop(listener);
+    drop(agent);
+    let mut report = String::new();
+    let _ = fs::File::from(ready_r).read_to_string(&mut report);
+    if !report.is_empty() {
+        let _ = sys::waitpid(pid);
+        return Err(JailError::Init(report.trim().to_owned()));
+    }
+    println!(
+        "{}",
+        serde_json::json!({ "agent_pid": pid, "shim_pid": std::process::id() })
+    );
+    let _ = io::stdout().flush();
+    // Nothing more goes to the caller's pipe: let it see EOF.
+    if let Ok(null) = fs::OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: dup2 onto stdout of this single-threaded process.
+        unsafe { libc::dup2(null.as_raw_fd(), 1) };
+    }
+    let status = sys::waitpid(pid).map_err(step("wait for the machine"))?;
+    Ok(if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        128 + libc::WTERMSIG(status)
+    })
+}
+
+/// Creates a user namespace mapping 0..65536 inside to `uid_base..` outside and returns a
+/// handle to it. A throwaway child owns it while the maps are written.
+fn make_userns(uid_base: u32) -> Result<OwnedFd, JailError> {
+    let (r1, w1) = sys::pipe().map_err(step("pipe"))?;
+    let (r2, w2) = sys::pipe().map_err(step("pipe"))?;
+    // SAFETY: the shim is single-threaded.
+    let pid = unsafe { sys::fork() }.map_err(step("fork"))?;
+    if pid == 0 {
+        drop(r1);
+        drop(w2);
+        let ok = sys::unshare(libc::CLONE_NEWUSER).is_ok();
+        let _ = fs::File::from(w1).write_all(if ok { b"1" } else { b"0" });
+        let mut b = [0u8; 1];
+        let _ = fs::File::from(r2).read(&mut b);
+        // SAFETY: leaving the child without running destructors.
+        unsafe { libc::_exit(0) };
+    }
+    drop(w1);
+    drop(r2);
+    let mut b = [0u8; 1];
+    let _ = fs::File::from(r1).read(&mut b);
+    let result = (|| {
+        if b[0] != b'1' {
+            return Err(JailError::Init("cannot create a user namespace (is kernel.unprivileged_userns_clone or user.max_user_namespaces 0?)".into()));
+        }
+        let map = format!("0 {uid_base} {UID_RANGE}\n");
+        fs::write(format!("/proc/{pid}/uid_map"), &map).map_err(step("write uid_map"))?;
+        fs::write(format!("/proc/{pid}/gid_map"), &map).map_err(step("write gid_map"))?;
+        let ns = fs::File::open(format!("/proc/{pid}/ns/user"))
+            .map_err(step("open the user namespace"))?;
+        Ok(OwnedFd::from(ns))
+    })();
+    drop(w2);
+    let _ = sys::waitpid(pid);
+    result
+}
+
+/// PID 1's set-up, ending in the agent. Returns only on failure, with the reason.
+fn machine_init(
+    spec: &JailSpec,
+    cg: &MachineCgroup,
+    userns: OwnedFd,
+    listener: std::os::unix::net::UnixListener,
+    agent: fs::File,
+    seccomp: &[seccompiler::BpfProgram],
+    ready: &mut fs::File,
+) -> String {
+    match machine_setup(spec, cg, &userns) {
+        Ok(()) => {}
+        Err(e) => return e.to_string(),
+    }
+    // Enter the machine's user namespace: from here on we are its root, nobody on the host.
+    if let Err(e) = sys::setns(userns.as_raw_fd(), libc::CLONE_NEWUSER) {
+        return format!("join the user namespace: {e}");
+    }
+    drop(userns);
+    // SAFETY: plain credential syscalls on this single-threaded process.
+    let ids_ok = unsafe {
+        libc::setgroups(0, std::ptr::null()) == 0
+            && libc::setresgid(0, 0, 0) == 0
+            && libc::setresuid(0, 0, 0) == 0
+    };
+    if !ids_ok {
+        return format!("become root of the machine: {}", io::Error::last_os_error());
+    }
+    if let Err(e) = sys::restrict_capabilities(KEEP_CAPS) {
+        return format!("drop capabilities: {e}");
+    }
+    if let Err(e) = sys::set_no_new_privs() {
+        return format!("set no_new_privs: {e}");
+    }
+    if let Err(e) = crate::seccomp::install(seccomp) {
+        return e.to_string();
+    }
+    // Tell the shim we made it; the pipe closes on exec, so an exec failure is reported too.
+    let _ = ready.flush();
+    if let Err(e) = sys::keep_only_fd(listener.as_raw_fd(), 3) {
+        return format!("hand the socket to the agent: {e}");
+    }
+    let env = [
+        "LOCKER_AGENT_FD=3",
+        "LOCKER_CGROUP_ROOT=/sys/fs/cgroup",
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME=/root",
+    ];
+    let env: Vec<CString> = env
+        .iter()
+        .map(|s| CString::new(*s).expect("static env"))
+        .collect();
+    let argv = [CString::new("locker-agent").expect("static")];
+    // stdout goes to the machine log with stderr, never to the shim's caller.
+    // SAFETY: dup2 of our own stderr onto stdout.
+    unsafe { libc::dup2(2, 1) };
+    if let Ok(null) = fs::File::open("/dev/null") {
+        // SAFETY: dup2 onto stdin.
+        unsafe { libc::dup2(null.as_raw_fd(), 0) };
+    }
+    let e = sys::execveat(agent.as_raw_fd(), &argv, &env);
+    format!("execute the agent: {e}")
+}
+
+fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Result<(), JailError> {
+    let dir = &spec.dir;
+    let base = spec.uid_base;
+    // Enter the cgroup, then give the machine a cgroup namespace rooted there.
+    for (_, d) in cg.dirs() {
+        let target = if cg.layout().version == crate::cgroup::Version::V2 {
+            d.join("init")
+        } else {
+            d
+        };
+        fs::write(target.join("cgroup.procs"), "0").map_err(step("enter the cgroup"))?;
+    }
+    sys::unshare(libc::CLONE_NEWCGROUP).map_err(step("unshare the cgroup namespace"))?;
+    sys::mount(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )
+    .map_err(step("make mounts private"))?;
+
+    // The disk (quota = its size) holds the machine's writable layer.
+    let disk = dir.join("disk");
+    let lower = dir.join("lower");
+    let root = dir.join("root");
+    for d in [&disk, &lower, &root] {
+        fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
+    }
+    let (dev, lo) = sys::loop_attach(&dir.join("disk.img"))
+        .map_err(step("attach the disk to a loop device"))?;
+    sys::mount(
+        dev.to_str(),
+        &disk,
+        Some("ext4"),
+        libc::MS_NODEV | libc::MS_NOSUID,
+        None,
+    )
+    .map_err(step("mount the disk"))?;
+    drop(lo);
+    let upper = disk.join("upper");
+    let work = disk.join("work");
+    for d in [&upper, &work] {
+        fs::create_dir_all(d).map_err(step("create the writable layer"))?;
+        std::os::unix::fs::chown(d, Some(base), Some(base))
+            .map_err(step("chown the writable layer"))?;
+    }
+    sys::idmapped_bind(&spec.template_rootfs, &lower, userns.as_raw_fd())
+        .map_err(step("id-map the template"))?;
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
+    sys::mount(
+        Some("overlay"),
+        &root,
+        Some("overlay"),
+        libc::MS_NODEV,
+        Some(&opts),
+    )
+    .map_err(step("mount the overlay root"))?;
+
+    let r = |p: &str| root.join(p);
+    let mkdir = |p: &Path| fs::create_dir_all(p).map_err(step(format!("create {}", p.display())));
+    let nodev = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    mkdir(&r("proc"))?;
+    sys::mount(Some("proc"), &r("proc"), Some("proc"), nodev, None).map_err(step("mount /proc"))?;
+    for p in [
+        "proc/keys",
+        "proc/timer_list",
+        "proc/kcore",
+        "proc/sched_debug",
+        "proc/sysrq-trigger",
+    ] {
+        if r(p).exists() {
+            let _ = sys::bind(Path::new("/dev/null"), &r(p), libc::MS_RDONLY);
+        }
+    }
+    mkdir(&r("sys"))?;
+    sys::mount(
+        Some("sysfs"),
+        &r("sys"),
+        Some("sysfs"),
+        nodev | libc::MS_RDONLY,
+        None,
+    )
+    .map_err(step("mount /sys"))?;
+    sys::mount(
+        Some("cgroup-root"),
+        &r("sys/fs/cgroup"),
+        Some("tmpfs"),
+        nodev,
+        Some("mode=755,size=64k"),
+    )
+    .map_err(step("mount /sys/fs/cgroup"))?;
+    for (host, inside) in cg.binds() {
+        mkdir(&root.join(&inside))?;
+        sys::bind(&host, &root.join(&inside), 0)
+            .map_err(step(format!("bind the cgroup {}", host.display())))?;
+    }
+    if r("sys/firmware").exists() {
+        let _ = sys::mount(
+            Some("none"),
+            &r("sys/firmware"),
+            Some("tmpfs"),
+            nodev | libc::MS_RDONLY,
+            Some("size=4k"),
+        );
+    }
+
+    mkdir(&r("dev"))?;
+    sys::mount(
+        Some("dev"),
+        &r("dev"),
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some("mode=755,size=64k"),
+    )
+    .map_err(step("mount /dev"))?;
+    for d in ["null", "zero", "full", "random", "urandom", "tty"] {
+        let t = r("dev").join(d);
+        fs::File::create(&t).map_err(step(format!("create /dev/{d}")))?;
+        sys::bind(&Path::new("/dev").join(d), &t, 0).map_err(step(format!("bind /dev/{d}")))?;
+    }
+    mkdir(&r("dev/pts"))?;
+    sys::mount(
+        Some("devpts"),
+        &r("dev/pts"),
+        Some("devpts"),
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        Some("newinstance,ptmxmode=0666,mode=0620"),
+    )
+    .map_err(step("mount /dev/pts"))?;
+    mkdir(&r("dev/shm"))?;
+    let owned = format!("mode=1777,uid={base},gid={base}");
+    sys::mount(
+        Some("shm"),
+        &r("dev/shm"),
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some(&format!("{owned},size=64m")),
+    )
+    .map_err(step("mount /dev/shm"))?;
+    for (link, to) in [
+        ("ptmx", "pts/ptmx"),
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        std::os::unix::fs::symlink(to, r("dev").join(link))
+            .map_err(step(format!("link /dev/{link}")))?;
+    }
+    mkdir(&r("tmp"))?;
+    let tmp_mb = spec.memory_mb.clamp(16, 1024);
+    sys::mount(
+        Some("tmp"),
+        &r("tmp"),
+        Some("tmpfs"),
+        libc::MS_NOSUID | libc::MS_NODEV,
+        Some(&format!("{owned},size={tmp_mb}m")),
+    )
+    .map_err(step("mount /tmp"))?;
+
+    sys::sethostname(&spec.hostname).map_err(step("set the hostname"))?;
+    sys::loopback_up().map_err(step("bring up loopback"))?;
+
+    // A mount namespace of its own, so pivoting does not move the shim's root.
+    sys::unshare(libc::CLONE_NEWNS).map_err(step("unshare the mount namespace"))?;
+    std::env::set_current_dir(&root).map_err(step("enter the root"))?;
+    sys::pivot_to_cwd().map_err(step("pivot into the root"))?;
+    Ok(())
+}
+
+/// Removes what a crash left: machine directories under `machines_dir` and machine cgroups
+/// whose ids are not in `keep`, killing any process still in them. Returns the ids removed.
+pub fn cleanup_orphans(machines_dir: &Path, keep: &[String], layout: &Layout) -> Vec<String> {
+    let mut ids: Vec<String> = layout.machine_ids();
+    if let Ok(rd) = fs::read_dir(machines_dir) {
+        for e in rd.flatten() {
+            let n = e.file_name().to_string_lossy().into_owned();
+            if !ids.contains(&n) {
+                ids.push(n);
+            }
+        }
+    }
+    let mut removed = Vec::new();
+    for id in ids {
+        if keep.contains(&id) {
+            continue;
+        }
+        match destroy(&id, &machines_dir.join(&id), layout) {
+            Ok(()) => removed.push(id),
+            Err(e) => {
+                tracing::warn!(machine = %id, error = %e, "could not clean up an orphaned machine")
+            }
+        }
+    }
+    removed
+}
