@@ -699,28 +699,21 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     Ok(())
 }
 
-/// Removes what a crash left: machine directories under `machines_dir` and machine cgroups
-/// whose ids are not in `keep`, killing any process still in them. Returns the ids removed.
+/// Removes what a crash left: every machine directory under `machines_dir` whose id is
+/// not in `keep`, killing any process still in its cgroup and removing the cgroup. Only
+/// machines of this `machines_dir` are touched: other data dirs on the host keep theirs.
+/// Returns the ids removed.
 pub fn cleanup_orphans(machines_dir: &Path, keep: &[String], layout: &Layout) -> Vec<String> {
-    let mut ids: Vec<String> = layout.machine_ids();
-    if let Ok(rd) = fs::read_dir(machines_dir) {
-        for e in rd.flatten() {
-            let n = e.file_name().to_string_lossy().into_owned();
-            if !ids.contains(&n) {
-                ids.push(n);
-            }
-        }
-    }
     let mut removed = Vec::new();
-    for id in ids {
-        if keep.contains(&id) {
+    let Ok(rd) = fs::read_dir(machines_dir) else { return removed };
+    for e in rd.flatten() {
+        let id = e.file_name().to_string_lossy().into_owned();
+        if keep.contains(&id) || !e.path().is_dir() {
             continue;
         }
-        match destroy(&id, &machines_dir.join(&id), layout) {
+        match destroy(&id, &e.path(), layout) {
             Ok(()) => removed.push(id),
-            Err(e) => {
-                tracing::warn!(machine = %id, error = %e, "could not clean up an orphaned machine")
-            }
+            Err(err) => tracing::warn!(machine = %id, error = %err, "could not clean up an orphaned machine"),
         }
     }
     removed

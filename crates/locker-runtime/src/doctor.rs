@@ -1,0 +1,245 @@
+//! What works on this host, and what to install or enable for the rest.
+//!
+//! Owns the checks behind `locker doctor` and `/healthz`: per runtime whether it can run
+//! here (with the reason when not), and the host facts that decide it (cgroup version, user
+//! namespaces, the data dir's filesystem and copy-on-write, KVM). Checks are cheap reads and
+//! probes; the end-to-end proof (start a machine, ping its agent) is `probe_jail`.
+
+use std::collections::BTreeMap;
+use std::ffi::CString;
+use std::os::unix::ffi::OsStrExt;
+use std::path::Path;
+
+use serde::Serialize;
+
+use crate::cgroup::Layout;
+
+/// One runtime's verdict.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct Verdict {
+    pub ok: bool,
+    pub detail: String,
+}
+
+impl Verdict {
+    fn ok(detail: impl Into<String>) -> Self {
+        Self { ok: true, detail: detail.into() }
+    }
+    fn no(detail: impl Into<String>) -> Self {
+        Self { ok: false, detail: detail.into() }
+    }
+}
+
+/// The whole report (`locker doctor --json`).
+#[derive(Debug, Clone, Serialize)]
+pub struct Report {
+    pub runtimes: BTreeMap<String, Verdict>,
+    pub host: Host,
+}
+
+/// Facts about the host.
+#[derive(Debug, Clone, Serialize)]
+pub struct Host {
+    pub kernel: String,
+    /// `v1`, `v2`, or `none`.
+    pub cgroup: String,
+    pub user_namespaces: bool,
+    pub data_dir: String,
+    pub data_dir_fs: String,
+    /// `btrfs-subvolume`, `reflink`, or `copy` (no copy-on-write: snapshots copy files).
+    pub copy_on_write: String,
+    /// `kvm`, `tcg` (emulation only), or `none`.
+    pub virtualization: String,
+    pub virtualization_detail: String,
+}
+
+/// Runs every check. `data_dir` need not exist yet (its nearest existing parent is used).
+pub fn check(data_dir: &Path) -> Report {
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+    let layout = Layout::host();
+    let cgroup = match &layout {
+        Ok(l) => format!("{:?}", l.version).to_lowercase(),
+        Err(_) => "none".into(),
+    };
+    let userns = user_namespaces();
+    let existing = data_dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
+    let fs = fs_type(existing);
+    let cow = copy_on_write(existing, &fs);
+    let (virt, virt_detail) = virtualization();
+
+    let mut missing = Vec::new();
+    if let Err(e) = &layout {
+        missing.push(e.to_string());
+    }
+    if !userns.0 {
+        missing.push(userns.1.clone());
+    }
+    if !filesystems().contains("overlay") {
+        missing.push("overlayfs is not available (modprobe overlay)".into());
+    }
+    if which("mkfs.ext4").is_none() {
+        missing.push("mkfs.ext4 not found (apt-get install e2fsprogs)".into());
+    }
+    if !Path::new("/dev/loop-control").exists() {
+        missing.push("/dev/loop-control is missing (modprobe loop): machine disks need loop devices".into());
+    }
+    if !kernel_at_least(&kernel, 5, 19) {
+        missing.push(format!("kernel {kernel} is too old: id-mapped overlay layers need Linux 5.19 or newer"));
+    }
+    let jail = if missing.is_empty() {
+        Verdict::ok(format!(
+            "namespaces, overlayfs over an id-mapped template, cgroup {cgroup}, seccomp; shares the host kernel (weaker than a VM)"
+        ))
+    } else {
+        Verdict::no(missing.join("; "))
+    };
+    let microvm = Verdict::no(format!(
+        "not in this version yet: the microVM runtime is being built; {}",
+        match virt.as_str() {
+            "kvm" => "this host has usable KVM".to_owned(),
+            _ => format!("this host would run it under TCG emulation only ({virt_detail})"),
+        }
+    ));
+    let runtimes = [("jail".to_owned(), jail), ("microvm".to_owned(), microvm)].into_iter().collect();
+    Report {
+        runtimes,
+        host: Host {
+            kernel,
+            cgroup,
+            user_namespaces: userns.0,
+            data_dir: data_dir.display().to_string(),
+            data_dir_fs: fs,
+            copy_on_write: cow,
+            virtualization: virt,
+            virtualization_detail: virt_detail,
+        },
+    }
+}
+
+fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
+    let mut it = release.split(|c: char| !c.is_ascii_digit()).filter_map(|s| s.parse::<u32>().ok());
+    let (a, b) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
+    (a, b) >= (major, minor)
+}
+
+fn filesystems() -> String {
+    std::fs::read_to_string("/proc/filesystems").unwrap_or_default()
+}
+
+/// Finds a program on PATH (plus the sbin directories root usually has).
+pub fn which(name: &str) -> Option<std::path::PathBuf> {
+    let path = std::env::var("PATH").unwrap_or_default();
+    let found = path
+        .split(':')
+        .chain(["/usr/sbin", "/sbin", "/usr/bin", "/bin"])
+        .map(|d| Path::new(d).join(name))
+        .find(|p| p.is_file());
+    found
+}
+
+fn user_namespaces() -> (bool, String) {
+    let max = std::fs::read_to_string("/proc/sys/user/max_user_namespaces").ok().and_then(|s| s.trim().parse::<u64>().ok());
+    match max {
+        Some(0) => (false, "user namespaces are disabled (sysctl user.max_user_namespaces=0): set it to 10000 or more".into()),
+        None => (false, "this kernel has no user namespaces (CONFIG_USER_NS)".into()),
+        Some(_) => (true, String::new()),
+    }
+}
+
+fn fs_type(p: &Path) -> String {
+    let Ok(c) = CString::new(p.as_os_str().as_bytes()) else { return "unknown".into() };
+    // SAFETY: statfs fills the zeroed struct we own from a valid path string.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: as above.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return "unknown".into();
+    }
+    match st.f_type as u32 {
+        0xEF53 => "ext4",
+        0x9123_683E => "btrfs",
+        0x5846_5342 => "xfs",
+        0x0102_1994 => "tmpfs",
+        0x794C_7630 => "overlay",
+        0x6573_5546 => "fuse",
+        0x2FC1_2FC1 => "zfs",
+        _ => "other",
+    }
+    .into()
+}
+
+/// How snapshots and forks can copy: btrfs subvolume snapshots, reflinks (tested with a
+/// real FICLONE), or plain copies.
+fn copy_on_write(dir: &Path, fs: &str) -> String {
+    if fs == "btrfs" {
+        return "btrfs-subvolume".into();
+    }
+    let a = dir.join(format!(".locker-reflink-probe-{}", std::process::id()));
+    let b = a.with_extension("clone");
+    let ok = (|| -> std::io::Result<bool> {
+        std::fs::write(&a, b"probe")?;
+        let src = std::fs::File::open(&a)?;
+        let dst = std::fs::File::create(&b)?;
+        use std::os::fd::AsRawFd;
+        const FICLONE: libc::c_ulong = 0x4004_9409;
+        // SAFETY: FICLONE between two fds we own.
+        Ok(unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) } == 0)
+    })()
+    .unwrap_or(false);
+    let _ = std::fs::remove_file(&a);
+    let _ = std::fs::remove_file(&b);
+    if ok { "reflink" } else { "copy" }.into()
+}
+
+fn virtualization() -> (String, String) {
+    if !Path::new("/dev/kvm").exists() {
+        return ("tcg".into(), "/dev/kvm is missing: enable VT-x/AMD-V or nested virtualization; microVMs would be emulated (TCG), which is slow and not a security boundary".into());
+    }
+    if Path::new("/sys/module/kvm_pvm").exists() {
+        return (
+            "tcg".into(),
+            "/dev/kvm is PVM-based (kvm_pvm): standard guest kernels hang under it, so microVMs fall back to TCG emulation, which is for correctness only and not a security boundary".into(),
+        );
+    }
+    if std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_err() {
+        return ("tcg".into(), "/dev/kvm exists but cannot be opened (permissions?)".into());
+    }
+    ("kvm".into(), "/dev/kvm is usable".into())
+}
+
+/// The human table of `locker doctor`.
+pub fn render(r: &Report) -> String {
+    let mut out = String::from("RUNTIME   OK   DETAIL\n");
+    for (name, v) in &r.runtimes {
+        out.push_str(&format!("{name:<9} {:<4} {}\n", if v.ok { "yes" } else { "no" }, v.detail));
+    }
+    let h = &r.host;
+    out.push_str(&format!(
+        "\nkernel            {}\ncgroup            {}\nuser namespaces   {}\ndata dir          {} ({})\ncopy-on-write     {}\nvirtualization    {}: {}\n",
+        h.kernel,
+        h.cgroup,
+        if h.user_namespaces { "yes" } else { "no" },
+        h.data_dir,
+        h.data_dir_fs,
+        h.copy_on_write,
+        h.virtualization,
+        h.virtualization_detail
+    ));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn kernel_versions_compare() {
+        assert!(super::kernel_at_least("6.18.44-fc-v657", 5, 19));
+        assert!(super::kernel_at_least("5.19.0", 5, 19));
+        assert!(!super::kernel_at_least("5.15.0-91-generic", 5, 19));
+    }
+
+    #[test]
+    fn report_on_this_host_is_complete() {
+        let r = super::check(std::path::Path::new("/var/lib/locker"));
+        assert!(r.runtimes.contains_key("jail") && r.runtimes.contains_key("microvm"));
+        assert!(!r.host.kernel.is_empty());
+    }
+}

@@ -1,0 +1,278 @@
+//! The node: one host's machines, whatever their runtime.
+//!
+//! Owns creating, adopting, pausing and destroying machines and allocating what they need
+//! from the host (uid ranges, directories). It hands out [`Machine`]s whose agent channel is
+//! open. It does not know tenants, sandboxes or HTTP: the server maps those onto machines.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use crate::agent::AgentClient;
+use crate::cgroup::{Layout, MachineCgroup};
+use crate::jail::{self, JailSpec, JailState};
+
+/// How long a new machine's agent may take to answer.
+const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// How many uid ranges (machines) one host can hand out.
+const MAX_SLOTS: u32 = 60_000;
+
+/// The isolation backend of a machine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum RuntimeKind {
+    Jail,
+    Microvm,
+}
+
+impl RuntimeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            RuntimeKind::Jail => "jail",
+            RuntimeKind::Microvm => "microvm",
+        }
+    }
+}
+
+/// Errors of the node.
+#[derive(Debug, thiserror::Error)]
+pub enum NodeError {
+    #[error(transparent)]
+    Jail(#[from] jail::JailError),
+    #[error(transparent)]
+    Cgroup(#[from] crate::cgroup::CgroupError),
+    #[error("the machine's agent did not answer: {0}")]
+    Agent(#[from] crate::agent::AgentClientError),
+    #[error("runtime {0} is not usable on this host: {1}")]
+    Unavailable(&'static str, String),
+    #[error("no free uid range: {MAX_SLOTS} machines already exist on this host")]
+    NoSlot,
+    #[error("{0}")]
+    Setup(String),
+}
+
+/// Where a node keeps things and which programs it runs.
+#[derive(Debug, Clone)]
+pub struct NodeConfig {
+    /// The `locker` binary that runs `__jail-init`.
+    pub init_exe: PathBuf,
+    /// The static `locker-agent` binary.
+    pub agent_exe: PathBuf,
+}
+
+impl NodeConfig {
+    /// The current executable as init, and the agent found by [`find_agent`].
+    pub fn from_current_exe() -> Result<Self, NodeError> {
+        let init_exe = std::env::current_exe().map_err(|e| NodeError::Setup(format!("cannot find the locker binary: {e}")))?;
+        let agent_exe = find_agent(&init_exe).ok_or_else(|| {
+            NodeError::Setup("locker-agent not found: set LOCKER_AGENT_BIN or install it beside the locker binary (scripts/setup does)".into())
+        })?;
+        Ok(Self { init_exe, agent_exe })
+    }
+}
+
+/// Finds the agent: `$LOCKER_AGENT_BIN`, beside `exe`, the static build in the cargo target
+/// directory above `exe`, or `/usr/local/lib/locker/locker-agent`.
+pub fn find_agent(exe: &Path) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("LOCKER_AGENT_BIN") {
+        return Some(PathBuf::from(p));
+    }
+    let mut candidates = Vec::new();
+    for dir in exe.ancestors().skip(1).take(4) {
+        candidates.push(dir.join("locker-agent"));
+        for profile in ["release", "debug"] {
+            candidates.push(dir.join("x86_64-unknown-linux-gnu").join(profile).join("locker-agent"));
+        }
+    }
+    candidates.push(PathBuf::from("/usr/local/lib/locker/locker-agent"));
+    candidates.into_iter().find(|p| p.is_file())
+}
+
+/// What a new machine is made of.
+#[derive(Debug, Clone)]
+pub struct MachineSpec {
+    pub id: String,
+    /// The machine's directory (created, and removed on destroy).
+    pub dir: PathBuf,
+    pub template_rootfs: PathBuf,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub pids: u64,
+}
+
+/// A running machine with an open agent channel.
+#[derive(Debug)]
+pub struct Machine {
+    pub id: String,
+    pub kind: RuntimeKind,
+    pub dir: PathBuf,
+    pub state: JailState,
+    pub agent: AgentClient,
+    cgroup: MachineCgroup,
+    shim: Mutex<Option<tokio::process::Child>>,
+}
+
+impl Machine {
+    /// Freezes every process of the machine (no CPU used until [`Machine::resume`]).
+    pub fn pause(&self) -> Result<(), NodeError> {
+        Ok(self.cgroup.set_frozen(true)?)
+    }
+
+    pub fn resume(&self) -> Result<(), NodeError> {
+        Ok(self.cgroup.set_frozen(false)?)
+    }
+
+    /// CPU time and peak memory of the whole machine so far.
+    pub fn usage(&self) -> locker_types::Usage {
+        self.cgroup.usage()
+    }
+
+    /// Current memory use in bytes.
+    pub fn memory_bytes(&self) -> u64 {
+        self.cgroup.memory_current()
+    }
+
+    /// Host pids of every process in the machine.
+    pub fn pids(&self) -> Vec<i32> {
+        self.cgroup.pids()
+    }
+
+    /// Whether the machine's processes still run.
+    pub fn is_alive(&self) -> bool {
+        jail::is_alive(&self.state)
+    }
+
+    /// The host path of the machine's writable layer (valid while it runs).
+    pub fn upper_dir(&self) -> PathBuf {
+        self.state.upper_dir()
+    }
+}
+
+/// One host's machines.
+#[derive(Debug)]
+pub struct Node {
+    config: NodeConfig,
+    layout: Layout,
+    slots: Mutex<BTreeSet<u32>>,
+}
+
+impl Node {
+    /// A node on this host. Fails if no usable cgroup hierarchy exists.
+    pub fn new(config: NodeConfig) -> Result<Self, NodeError> {
+        let layout = Layout::host().map_err(|e| NodeError::Unavailable("jail", e.to_string()))?;
+        Ok(Self { config, layout, slots: Mutex::new(BTreeSet::new()) })
+    }
+
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    pub fn config(&self) -> &NodeConfig {
+        &self.config
+    }
+
+    fn take_slot(&self) -> Result<u32, NodeError> {
+        let mut used = self.slots.lock().expect("slots lock");
+        let slot = (0..MAX_SLOTS).find(|s| !used.contains(s)).ok_or(NodeError::NoSlot)?;
+        used.insert(slot);
+        Ok(slot)
+    }
+
+    fn release_uid(&self, uid_base: u32) {
+        let slot = uid_base / jail::UID_RANGE - jail::uid_base(0) / jail::UID_RANGE;
+        self.slots.lock().expect("slots lock").remove(&slot);
+    }
+
+    /// Starts a jailed machine and connects to its agent.
+    pub async fn create(&self, spec: MachineSpec) -> Result<Machine, NodeError> {
+        let slot = self.take_slot()?;
+        let js = JailSpec {
+            id: spec.id.clone(),
+            template_rootfs: spec.template_rootfs,
+            dir: spec.dir.clone(),
+            uid_base: jail::uid_base(slot),
+            cpus: spec.cpus,
+            memory_mb: spec.memory_mb,
+            pids: spec.pids,
+            disk_mb: spec.disk_mb,
+            agent_path: self.config.agent_exe.clone(),
+            hostname: spec.id.clone(),
+        };
+        let started = jail::start(&js, &self.config.init_exe).await;
+        let (state, child) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                self.cleanup_failed(&spec.id, &spec.dir, js.uid_base).await;
+                return Err(e.into());
+            }
+        };
+        match AgentClient::connect(&state.socket(), AGENT_CONNECT_TIMEOUT).await {
+            Ok(agent) => Ok(Machine {
+                id: spec.id.clone(),
+                kind: RuntimeKind::Jail,
+                dir: spec.dir,
+                state,
+                agent,
+                cgroup: MachineCgroup::new(self.layout.clone(), &spec.id),
+                shim: Mutex::new(Some(child)),
+            }),
+            Err(e) => {
+                self.cleanup_failed(&spec.id, &spec.dir, js.uid_base).await;
+                Err(e.into())
+            }
+        }
+    }
+
+    async fn cleanup_failed(&self, id: &str, dir: &Path, uid_base: u32) {
+        let (id, dir, layout) = (id.to_owned(), dir.to_owned(), self.layout.clone());
+        let _ = tokio::task::spawn_blocking(move || jail::destroy(&id, &dir, &layout)).await;
+        self.release_uid(uid_base);
+    }
+
+    /// Re-attaches to a machine an earlier server process started, if it still runs.
+    pub async fn adopt(&self, id: &str, dir: &Path) -> Option<Machine> {
+        let state = JailState::load(dir)?;
+        if state.id != id || !jail::is_alive(&state) {
+            return None;
+        }
+        let agent = AgentClient::connect(&state.socket(), Duration::from_secs(2)).await.ok()?;
+        let slot = state.uid_base / jail::UID_RANGE - jail::uid_base(0) / jail::UID_RANGE;
+        self.slots.lock().expect("slots lock").insert(slot);
+        Some(Machine {
+            id: id.to_owned(),
+            kind: RuntimeKind::Jail,
+            dir: dir.to_owned(),
+            state,
+            agent,
+            cgroup: MachineCgroup::new(self.layout.clone(), id),
+            shim: Mutex::new(None),
+        })
+    }
+
+    /// Destroys a machine: nothing of it remains (processes, mounts, cgroup, directory).
+    pub async fn destroy(&self, m: &Machine) -> Result<(), NodeError> {
+        let shim = m.shim.lock().expect("shim lock").take();
+        let (id, dir, layout) = (m.id.clone(), m.dir.clone(), self.layout.clone());
+        let started = Instant::now();
+        tokio::task::spawn_blocking(move || jail::destroy(&id, &dir, &layout))
+            .await
+            .map_err(|e| NodeError::Setup(format!("destroy task failed: {e}")))??;
+        if let Some(mut child) = shim {
+            // The shim has exited (destroy waited for it); reap it now.
+            let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
+        }
+        self.release_uid(m.state.uid_base);
+        tracing::debug!(machine = %m.id, ms = started.elapsed().as_secs_f64() * 1e3, "machine destroyed");
+        Ok(())
+    }
+
+    /// Destroys machines under `machines_dir` (and machine cgroups) not named in `keep`.
+    pub async fn cleanup_orphans(&self, machines_dir: &Path, keep: Vec<String>) -> Vec<String> {
+        let (dir, layout) = (machines_dir.to_owned(), self.layout.clone());
+        tokio::task::spawn_blocking(move || jail::cleanup_orphans(&dir, &keep, &layout)).await.unwrap_or_default()
+    }
+}
