@@ -1,0 +1,53 @@
+//! The one error type of the store. Every message says what failed and, where a caller
+//! can do something about it, what to do.
+
+use std::path::PathBuf;
+
+/// Everything a [`Store`](crate::Store) method can fail with.
+///
+/// The server maps these onto HTTP: `NotFound` → 404, `Conflict` → 409, `Invalid` → 400,
+/// everything else → 500.
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// The thing named in the message does not exist (or belongs to another tenant).
+    #[error("{0}")]
+    NotFound(String),
+    /// The thing already exists, or its current state forbids the change.
+    #[error("{0}")]
+    Conflict(String),
+    /// The caller passed a value the store cannot accept; the message says which and why.
+    #[error("{0}")]
+    Invalid(String),
+    /// The database file was written by a newer Locker than this one.
+    #[error(
+        "database {path} has schema version {found}, but this Locker only knows versions up \
+         to {supported}: run the newer Locker that wrote it, or point --data-dir elsewhere"
+    )]
+    SchemaTooNew {
+        path: PathBuf,
+        found: i64,
+        supported: i64,
+    },
+    /// The database file could not be opened or prepared.
+    #[error(
+        "cannot open database {path}: {source} (check that its directory exists and is \
+         writable by this user, and that no other program holds it locked)"
+    )]
+    Open {
+        path: PathBuf,
+        #[source]
+        source: rusqlite::Error,
+    },
+    /// A query failed.
+    #[error("database error: {0}")]
+    Sqlite(#[from] rusqlite::Error),
+    /// A stored row did not decode; the database was edited by hand or is damaged.
+    #[error("corrupt row in the database: {0}")]
+    Corrupt(String),
+    /// Reading the system's random source failed.
+    #[error("cannot read /dev/urandom: {0}")]
+    Random(#[source] std::io::Error),
+}
+
+/// The store's result type.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;

@@ -1,0 +1,181 @@
+//! The state of a Locker server: tenants, API keys, sandboxes, call records, usage.
+//!
+//! This room owns what must survive a restart and what the server answers from its
+//! database: who a Bearer key belongs to, which sandboxes exist and in which state, the
+//! record of every call. It owns no machines and no files of them (`locker-runtime` does),
+//! no HTTP (`locker-server` does).
+//!
+//! The [`Store`] trait is the whole contract, so a Postgres store can join the SQLite one
+//! ([`SqliteStore`]) when several hosts share one control plane. Its methods are
+//! synchronous: reads are fast enough to call from a request handler (authentication is
+//! answered from memory), writes belong in `tokio::task::spawn_blocking` when they sit on a
+//! hot path. Call records never do: [`CallRecorder`] queues them without waiting and
+//! writes them in batches in the background.
+//!
+//! Rules every implementation keeps:
+//! - Clear API keys are never stored: only their SHA-256.
+//! - Call records hold no output bodies and no env values.
+//! - A tenant's reads never return another tenant's rows; the server answers those 404.
+//! - Deleting a sandbox is a soft delete: its row stays (state `stopped`, env wiped) so
+//!   usage can still count its seconds, but no sandbox read returns it again.
+
+mod error;
+mod model;
+mod random;
+mod recorder;
+mod sqlite;
+
+pub use error::{Result, StoreError};
+pub use model::{
+    now_unix, parse_rfc3339, strip_output, validate_tenant_name, CallKind, CallRecord, KeyInfo,
+    Principal, SandboxRecord, SandboxState, TenantUsage, DEFAULT_TENANT,
+};
+pub use random::{fill_random, new_id, API_KEY_PREFIX};
+pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
+pub use sqlite::{SqliteStore, SCHEMA_VERSION};
+
+/// The largest page of call records one [`Store::list_calls`] returns.
+pub const MAX_CALLS_LIMIT: u32 = 1000;
+/// The page size of [`Store::list_calls`] when the caller gives none.
+pub const DEFAULT_CALLS_LIMIT: u32 = 100;
+
+/// Everything the server keeps in its database. Object safe: the server holds an
+/// `Arc<dyn Store>`.
+///
+/// Times passed in (`now`, `at`, `since`) are seconds since the Unix epoch; the methods
+/// without `_at` use the clock.
+pub trait Store: Send + Sync {
+    // ---- tenants and keys ----
+
+    /// Creates the tenant if it does not exist yet (used for `default` at start).
+    fn ensure_tenant(&self, name: &str) -> Result<()>;
+
+    /// Creates a tenant; `Conflict` if it exists, `Invalid` if the name is not
+    /// `[a-z0-9][a-z0-9-]{0,62}`.
+    fn create_tenant(&self, name: &str) -> Result<()>;
+
+    /// Whether the tenant exists.
+    fn tenant_exists(&self, name: &str) -> Result<bool>;
+
+    /// Every tenant's name, sorted.
+    fn list_tenants(&self) -> Result<Vec<String>>;
+
+    /// Makes a new key for the tenant and returns it with its clear text (`lk_…`), which
+    /// exists nowhere else afterwards: only its hash is stored. `NotFound` if the tenant
+    /// does not exist.
+    fn create_key(&self, tenant: &str) -> Result<(KeyInfo, String)>;
+
+    /// Registers a key chosen outside (`LOCKER_API_KEY`). Idempotent: the same key for
+    /// the same tenant returns the existing [`KeyInfo`]. `Conflict` if the key belongs
+    /// to another tenant or was revoked (a revoked key stays revoked, also across
+    /// restarts); `Invalid` if it is empty, longer than 1024 bytes, or holds anything but
+    /// printable ASCII without spaces.
+    fn add_key_with_secret(&self, tenant: &str, clear_key: &str) -> Result<KeyInfo>;
+
+    /// Who a Bearer key belongs to; `None` for an unknown or revoked key. A known key is
+    /// answered from memory, without SQL.
+    fn authenticate(&self, clear_key: &str) -> Result<Option<Principal>>;
+
+    /// Revokes a key at once (also in the authentication cache). `false` if no active
+    /// key has that id.
+    fn revoke_key(&self, key_id: &str) -> Result<bool>;
+
+    /// The tenant's active (not revoked) keys, oldest first.
+    fn list_keys(&self, tenant: &str) -> Result<Vec<KeyInfo>>;
+
+    // ---- sandboxes ----
+
+    /// Stores a new sandbox. `Conflict` if its id exists (deleted ones included),
+    /// `NotFound` if its tenant does not exist, `Invalid` if a time is not RFC 3339.
+    fn insert_sandbox(&self, sandbox: &SandboxRecord) -> Result<()>;
+
+    /// The tenant's sandbox; `None` if it does not exist, was deleted, or belongs to
+    /// another tenant.
+    fn get_sandbox(&self, tenant: &str, id: &str) -> Result<Option<SandboxRecord>>;
+
+    /// A sandbox of any tenant (for the lifecycle tasks); `None` if missing or deleted.
+    fn get_sandbox_any(&self, id: &str) -> Result<Option<SandboxRecord>>;
+
+    /// The tenant's sandboxes that were not deleted, oldest first, optionally only those
+    /// in `state` and only those whose metadata holds every `(key, value)` pair given.
+    fn list_sandboxes(
+        &self,
+        tenant: &str,
+        state: Option<SandboxState>,
+        metadata: &[(String, String)],
+    ) -> Result<Vec<SandboxRecord>>;
+
+    /// Replaces a sandbox's record (matched by id and tenant). Moving it to `stopped` or
+    /// `failed` marks the time it ended, for usage. `NotFound` if missing or deleted.
+    fn update_sandbox(&self, sandbox: &SandboxRecord) -> Result<()>;
+
+    /// Sets a sandbox's state; `stopped`/`failed` mark the time it ended as `now`.
+    fn set_sandbox_state_at(&self, id: &str, state: SandboxState, now: i64) -> Result<()>;
+
+    /// [`Store::set_sandbox_state_at`] with the clock's time.
+    fn set_sandbox_state(&self, id: &str, state: SandboxState) -> Result<()> {
+        self.set_sandbox_state_at(id, state, now_unix())
+    }
+
+    /// Records a call at time `at` for the idle policy (never moves `last_active_at`
+    /// back). `NotFound` if missing or deleted.
+    fn touch_sandbox(&self, id: &str, at: i64) -> Result<()>;
+
+    /// Soft-deletes a sandbox: state `stopped`, ended at `now` (unless it ended before),
+    /// env wiped; invisible to every sandbox read afterwards, still counted by usage.
+    /// `false` if it was missing or already deleted.
+    fn delete_sandbox_at(&self, id: &str, now: i64) -> Result<bool>;
+
+    /// [`Store::delete_sandbox_at`] with the clock's time.
+    fn delete_sandbox(&self, id: &str) -> Result<bool> {
+        self.delete_sandbox_at(id, now_unix())
+    }
+
+    /// Every tenant's sandboxes whose machine may exist (`starting`, `running`,
+    /// `paused`), oldest first: what the server adopts or cleans up after a restart.
+    fn list_live_sandboxes(&self) -> Result<Vec<SandboxRecord>>;
+
+    /// The tenant's live sandboxes (`starting`, `running` or `paused`: each holds a
+    /// machine), for the "running sandboxes" quota.
+    fn count_running(&self, tenant: &str) -> Result<u64>;
+
+    /// The memory (MiB) the tenant's live sandboxes were given, for the memory quota.
+    fn sum_memory_mb(&self, tenant: &str) -> Result<u64>;
+
+    /// Ids of the sandboxes (any tenant, any state, not deleted) whose `expires_at` is at
+    /// or before `now`: the reaper destroys them.
+    fn expired_sandboxes(&self, now: i64) -> Result<Vec<String>>;
+
+    /// Ids of running sandboxes with an idle timeout and no call for that long at `now`:
+    /// the lifecycle task pauses them.
+    fn idle_sandboxes(&self, now: i64) -> Result<Vec<String>>;
+
+    // ---- call records and usage ----
+
+    /// Stores call records, all in one transaction (all or none). Output bodies are
+    /// stripped again here, whatever the caller passed. `Conflict` on a duplicate id.
+    fn insert_calls(&self, calls: &[CallRecord]) -> Result<()>;
+
+    /// The tenant's call records, newest first, optionally of one sandbox and/or one
+    /// volume. `limit`: default [`DEFAULT_CALLS_LIMIT`], clamped to
+    /// 1..=[`MAX_CALLS_LIMIT`].
+    fn list_calls(
+        &self,
+        tenant: &str,
+        sandbox_id: Option<&str>,
+        volume_id: Option<&str>,
+        limit: Option<u32>,
+    ) -> Result<Vec<CallRecord>>;
+
+    /// The tenant's totals from `since` (or from the beginning) up to `now`:
+    /// - `cpu_ms`, `runs`, `execs` (execs and background processes): from the call
+    ///   records created at or after `since`;
+    /// - `sandbox_seconds`: for every sandbox of the tenant, deleted ones included,
+    ///   `min(now, ended) - max(created, since)` when positive, summed.
+    fn usage_at(&self, tenant: &str, since: Option<i64>, now: i64) -> Result<TenantUsage>;
+
+    /// [`Store::usage_at`] up to the clock's time.
+    fn usage(&self, tenant: &str, since: Option<i64>) -> Result<TenantUsage> {
+        self.usage_at(tenant, since, now_unix())
+    }
+}

@@ -1,0 +1,400 @@
+//! The records the store keeps: tenants' keys, sandboxes, call records, usage totals.
+//!
+//! Owns: the shapes and their small rules (tenant names, state names, stripping output
+//! bodies, RFC 3339 parsing). It does not touch the database; `sqlite.rs` does.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use locker_types::ExecResult;
+use serde::{Deserialize, Serialize};
+
+use crate::error::{Result, StoreError};
+
+/// The tenant that `LOCKER_API_KEY` (or the key generated on first start) belongs to.
+pub const DEFAULT_TENANT: &str = "default";
+
+/// Checks a tenant name: `[a-z0-9][a-z0-9-]{0,62}` (so it fits in DNS labels, paths, and
+/// metric labels without escaping).
+pub fn validate_tenant_name(name: &str) -> Result<()> {
+    let b = name.as_bytes();
+    let ok = !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || *c == b'-');
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Invalid(format!(
+            "tenant name {name:?} is not valid: use 1 to 63 of a-z, 0-9 and '-', \
+             starting with a letter or digit"
+        )))
+    }
+}
+
+/// An API key as the admin routes show it; the clear key is never part of it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KeyInfo {
+    /// `key_<hex>`: how a key is named in call records, logs and `DELETE /v1/keys/{key_id}`.
+    pub key_id: String,
+    pub tenant: String,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+}
+
+/// Who made a request: the result of authenticating a Bearer key.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Principal {
+    pub key_id: String,
+    pub tenant: String,
+}
+
+/// The life of a sandbox. `stopped` and `failed` are final.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SandboxState {
+    Starting,
+    Running,
+    Paused,
+    Stopped,
+    Failed,
+}
+
+impl SandboxState {
+    /// Every state, in life order.
+    pub const ALL: [SandboxState; 5] = [
+        SandboxState::Starting,
+        SandboxState::Running,
+        SandboxState::Paused,
+        SandboxState::Stopped,
+        SandboxState::Failed,
+    ];
+
+    /// The name used in the API and in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SandboxState::Starting => "starting",
+            SandboxState::Running => "running",
+            SandboxState::Paused => "paused",
+            SandboxState::Stopped => "stopped",
+            SandboxState::Failed => "failed",
+        }
+    }
+
+    /// Whether a machine may exist for it (`starting`, `running`, `paused`): these hold
+    /// resources, count against quotas, and are adopted after a restart.
+    pub fn is_live(self) -> bool {
+        matches!(
+            self,
+            SandboxState::Starting | SandboxState::Running | SandboxState::Paused
+        )
+    }
+}
+
+impl fmt::Display for SandboxState {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for SandboxState {
+    type Err = StoreError;
+
+    fn from_str(s: &str) -> Result<Self> {
+        SandboxState::ALL
+            .into_iter()
+            .find(|st| st.as_str() == s)
+            .ok_or_else(|| {
+                StoreError::Invalid(format!(
+                    "unknown sandbox state {s:?}: use starting, running, paused, stopped or failed"
+                ))
+            })
+    }
+}
+
+/// A sandbox as the store keeps it: the API's Sandbox plus what the server needs to find
+/// and adopt its machine again after a restart.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SandboxRecord {
+    /// `sb_…`, unique across tenants.
+    pub id: String,
+    pub tenant: String,
+    pub state: SandboxState,
+    /// The template's name, as asked for (`default`).
+    pub template: String,
+    /// The content digest of the template the machine was built from.
+    pub template_digest: String,
+    /// The runtime that was picked (`jail`, `microvm`, …; never `auto`).
+    pub runtime: String,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    /// The network policy as the API takes it (`{"egress": "none"}`, …).
+    pub network: serde_json::Value,
+    /// The volume mounts as the API takes them (`[{"volume", "path", "read_only"}]`).
+    pub volumes: serde_json::Value,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+    /// The environment the caller gave the machine. Kept so a restarted server can
+    /// recreate the machine's view; never shown by the API or written to call records.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub ttl_s: u64,
+    pub idle_timeout_s: Option<u64>,
+    /// RFC 3339 UTC (`locker_types::rfc3339`).
+    pub created_at: String,
+    /// RFC 3339 UTC: the reaper destroys the sandbox at this time.
+    pub expires_at: String,
+    /// RFC 3339 UTC: the last call's time, for the idle policy.
+    pub last_active_at: String,
+    /// Where the sandbox's machine lives on the host (`<data-dir>/sandboxes/<id>`).
+    pub machine_dir: String,
+    pub cpu_ms: u64,
+    pub peak_memory_bytes: u64,
+}
+
+/// What kind of call a [`CallRecord`] is of.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CallKind {
+    /// `POST /v1/sandboxes/{id}/exec`.
+    Exec,
+    /// `POST /v1/volumes/{id}/run`: a serverless call.
+    Run,
+    /// A background process (`POST /v1/sandboxes/{id}/processes`).
+    Process,
+}
+
+impl CallKind {
+    /// The name used in the API and in the database.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CallKind::Exec => "exec",
+            CallKind::Run => "run",
+            CallKind::Process => "process",
+        }
+    }
+}
+
+/// The provenance of one exec, run or background process: who, where, what, with what
+/// result. Holds no secrets and no output: env keys without values, the result without
+/// its stdout/stderr bodies.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CallRecord {
+    /// `call_…`, the same as `result.call_id`.
+    pub id: String,
+    pub tenant: String,
+    /// The key that made the call.
+    pub key_id: String,
+    pub kind: CallKind,
+    pub sandbox_id: Option<String>,
+    pub volume_id: Option<String>,
+    /// The argv; a `shell` call is recorded as `["/bin/sh", "-c", script]`.
+    pub command: Vec<String>,
+    pub cwd: Option<String>,
+    /// The names of the env variables the caller passed; never their values.
+    pub env_keys: Vec<String>,
+    pub template_digest: String,
+    pub runtime: String,
+    /// The result without output bodies (see [`strip_output`]).
+    pub result: ExecResult,
+    /// Names or addresses the network policy refused during the call.
+    #[serde(default)]
+    pub egress_denied: Vec<String>,
+    /// For runs on volumes: the changed paths (no contents).
+    pub changes: Option<serde_json::Value>,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+}
+
+/// The result as a call record keeps it: `stdout` and `stderr` emptied; sizes, truncation
+/// flags, timings, usage and changes kept.
+pub fn strip_output(result: &ExecResult) -> ExecResult {
+    ExecResult {
+        stdout: String::new(),
+        stderr: String::new(),
+        ..result.clone()
+    }
+}
+
+impl CallRecord {
+    /// Empties the output bodies in place (what [`strip_output`] does, without a copy).
+    pub fn strip_output(&mut self) {
+        self.result.stdout = String::new();
+        self.result.stderr = String::new();
+    }
+}
+
+/// A tenant's totals for `GET /v1/usage`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TenantUsage {
+    /// CPU time of every call (exec, run, process) recorded in the window.
+    pub cpu_ms: u64,
+    /// Wall-clock seconds the tenant's sandboxes existed in the window, summed over
+    /// sandboxes (deleted ones included).
+    pub sandbox_seconds: u64,
+    /// Serverless runs recorded in the window.
+    pub runs: u64,
+    /// Execs and background processes recorded in the window.
+    pub execs: u64,
+}
+
+/// Seconds since the Unix epoch, now.
+pub fn now_unix() -> i64 {
+    match SystemTime::now().duration_since(UNIX_EPOCH) {
+        Ok(d) => i64::try_from(d.as_secs()).unwrap_or(i64::MAX),
+        Err(e) => -i64::try_from(e.duration().as_secs()).unwrap_or(i64::MAX),
+    }
+}
+
+/// Parses an RFC 3339 time (`2026-11-30T12:00:00Z`, optional fraction, `Z` or `±HH:MM`)
+/// to whole seconds since the Unix epoch; the inverse of `locker_types::rfc3339`.
+pub fn parse_rfc3339(s: &str) -> Option<i64> {
+    let b = s.as_bytes();
+    if b.len() < 20 || b[4] != b'-' || b[7] != b'-' || b[13] != b':' || b[16] != b':' {
+        return None;
+    }
+    if !matches!(b[10], b'T' | b't' | b' ') {
+        return None;
+    }
+    let num = |r: std::ops::Range<usize>| -> Option<i64> {
+        let part = &b[r];
+        if !part.iter().all(u8::is_ascii_digit) {
+            return None;
+        }
+        std::str::from_utf8(part).ok()?.parse().ok()
+    };
+    let (y, mo, d) = (num(0..4)?, num(5..7)?, num(8..10)?);
+    let (h, mi, sec) = (num(11..13)?, num(14..16)?, num(17..19)?);
+    if !(1..=12).contains(&mo) || d < 1 || d > days_in_month(y, mo) || h > 23 || mi > 59 {
+        return None;
+    }
+    if sec > 60 {
+        return None;
+    }
+    let mut i = 19;
+    if b[i] == b'.' {
+        i += 1;
+        let start = i;
+        while i < b.len() && b[i].is_ascii_digit() {
+            i += 1;
+        }
+        if i == start {
+            return None;
+        }
+    }
+    let rest = &b[i..];
+    let offset = if rest == b"Z" || rest == b"z" {
+        0
+    } else if rest.len() == 6 && matches!(rest[0], b'+' | b'-') && rest[3] == b':' {
+        let (oh, om) = (num(i + 1..i + 3)?, num(i + 4..i + 6)?);
+        if oh > 23 || om > 59 {
+            return None;
+        }
+        let o = oh * 3600 + om * 60;
+        if rest[0] == b'+' {
+            o
+        } else {
+            -o
+        }
+    } else {
+        return None;
+    };
+    Some(days_from_civil(y, mo, d) * 86_400 + h * 3600 + mi * 60 + sec - offset)
+}
+
+fn days_in_month(y: i64, m: i64) -> i64 {
+    match m {
+        2 if (y % 4 == 0 && y % 100 != 0) || y % 400 == 0 => 29,
+        2 => 28,
+        4 | 6 | 9 | 11 => 30,
+        _ => 31,
+    }
+}
+
+/// Howard Hinnant's days-from-civil: days since 1970-01-01 of a proleptic Gregorian date.
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y.rem_euclid(400);
+    let mp = if m > 2 { m - 3 } else { m + 9 };
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use locker_types::rfc3339;
+
+    #[test]
+    fn tenant_names() {
+        for ok in ["default", "team-b", "0", "a-", &"a".repeat(63)] {
+            assert!(validate_tenant_name(ok).is_ok(), "{ok}");
+        }
+        for bad in ["", "-a", "Team", "a_b", "a.b", "é", &"a".repeat(64), "a b"] {
+            let e = validate_tenant_name(bad).unwrap_err().to_string();
+            assert!(e.contains("a-z, 0-9"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn rfc3339_round_trips_and_rejects_garbage() {
+        for t in [0, 951_782_400, 1_796_040_000, -86_400, 4_102_444_799] {
+            assert_eq!(parse_rfc3339(&rfc3339(t)), Some(t), "{t}");
+        }
+        assert_eq!(parse_rfc3339("1970-01-01T01:00:00+01:00"), Some(0));
+        assert_eq!(parse_rfc3339("1970-01-01T00:00:00.123456Z"), Some(0));
+        assert_eq!(parse_rfc3339("1969-12-31T23:00:00-01:00"), Some(0));
+        for bad in [
+            "",
+            "1970-01-01",
+            "1970-01-01T00:00:00",
+            "1970-13-01T00:00:00Z",
+            "1970-02-30T00:00:00Z",
+            "1970-01-01T24:00:00Z",
+            "1970-01-01T00:00:00.Z",
+            "1970-01-01T00:00:00+0100",
+            "197a-01-01T00:00:00Z",
+        ] {
+            assert_eq!(parse_rfc3339(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn strip_output_keeps_everything_but_bodies() {
+        let r = ExecResult {
+            call_id: "call_1".into(),
+            exit_code: Some(0),
+            signal: None,
+            reason: locker_types::Reason::Exited,
+            stdout: "secret output".into(),
+            stderr: "err".into(),
+            stdout_truncated: true,
+            stderr_truncated: false,
+            stdout_bytes: 13,
+            stderr_bytes: 3,
+            output_path: Some("/tmp/out".into()),
+            timings: Default::default(),
+            usage: locker_types::Usage {
+                cpu_ms: 5,
+                peak_memory_bytes: 9,
+            },
+            changes: None,
+        };
+        let s = strip_output(&r);
+        assert_eq!((s.stdout.as_str(), s.stderr.as_str()), ("", ""));
+        assert_eq!(
+            ExecResult {
+                stdout: r.stdout.clone(),
+                stderr: r.stderr.clone(),
+                ..s
+            },
+            r
+        );
+    }
+}

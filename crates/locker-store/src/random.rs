@@ -1,0 +1,113 @@
+//! Identifiers and secrets from the kernel's random source.
+//!
+//! Owns: reading `/dev/urandom`, the shape of IDs (`<prefix>_<24 hex digits>`) and of API
+//! keys (`lk_<52 base32 letters>`, 256 random bits). It does not know where they are stored.
+
+use std::fs::File;
+use std::io::Read;
+use std::sync::OnceLock;
+
+use crate::error::{Result, StoreError};
+
+/// Random bytes in an ID: 96 bits, so collisions are out of reach for any one server.
+const ID_BYTES: usize = 12;
+/// Random bytes in an API key: 256 bits, far past guessing.
+const KEY_BYTES: usize = 32;
+/// The prefix of every key Locker generates (a user-chosen `LOCKER_API_KEY` may differ).
+pub const API_KEY_PREFIX: &str = "lk_";
+
+/// Fills `buf` from `/dev/urandom`, kept open after the first call.
+pub fn fill_random(buf: &mut [u8]) -> Result<()> {
+    static URANDOM: OnceLock<File> = OnceLock::new();
+    let file = match URANDOM.get() {
+        Some(f) => f,
+        None => {
+            let f = File::open("/dev/urandom").map_err(StoreError::Random)?;
+            URANDOM.get_or_init(|| f)
+        }
+    };
+    // `Read` is implemented for `&File`; reads from /dev/urandom never block once the
+    // kernel's pool is initialised, and a short read is retried by read_exact.
+    let mut reader: &File = file;
+    reader.read_exact(buf).map_err(StoreError::Random)
+}
+
+/// A new ID such as `sb_0c4f…` (`prefix` without the underscore: `"sb"`, `"call"`, …).
+///
+/// # Panics
+/// If `/dev/urandom` cannot be read: a Linux host without it cannot run Locker at all.
+pub fn new_id(prefix: &str) -> String {
+    let mut buf = [0u8; ID_BYTES];
+    if let Err(e) = fill_random(&mut buf) {
+        panic!("{e}: Locker needs the kernel's random source to make IDs");
+    }
+    format!("{prefix}_{}", hex(&buf))
+}
+
+/// A new clear API key: `lk_` and 256 random bits in lowercase base32.
+pub(crate) fn new_api_key() -> Result<String> {
+    let mut buf = [0u8; KEY_BYTES];
+    fill_random(&mut buf)?;
+    Ok(format!("{API_KEY_PREFIX}{}", base32(&buf)))
+}
+
+/// Lowercase hexadecimal.
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        s.push(DIGITS[usize::from(b >> 4)] as char);
+        s.push(DIGITS[usize::from(b & 0xf)] as char);
+    }
+    s
+}
+
+/// RFC 4648 base32, lowercased, without padding: letters and digits only, so a key
+/// survives shells, URLs and double-click selection.
+pub(crate) fn base32(bytes: &[u8]) -> String {
+    const ALPHABET: &[u8; 32] = b"abcdefghijklmnopqrstuvwxyz234567";
+    let mut s = String::with_capacity(bytes.len().div_ceil(5) * 8);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for &b in bytes {
+        acc = (acc << 8) | u32::from(b);
+        bits += 8;
+        while bits >= 5 {
+            bits -= 5;
+            s.push(ALPHABET[((acc >> bits) & 31) as usize] as char);
+        }
+    }
+    if bits > 0 {
+        s.push(ALPHABET[((acc << (5 - bits)) & 31) as usize] as char);
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base32_matches_rfc4648_vectors() {
+        // RFC 4648 section 10, lowercased and unpadded.
+        assert_eq!(base32(b""), "");
+        assert_eq!(base32(b"f"), "my");
+        assert_eq!(base32(b"fo"), "mzxq");
+        assert_eq!(base32(b"foo"), "mzxw6");
+        assert_eq!(base32(b"foob"), "mzxw6yq");
+        assert_eq!(base32(b"fooba"), "mzxw6ytb");
+        assert_eq!(base32(b"foobar"), "mzxw6ytboi");
+    }
+
+    #[test]
+    fn ids_and_keys_have_their_shape_and_differ() {
+        let a = new_id("sb");
+        let b = new_id("sb");
+        assert_ne!(a, b);
+        assert_eq!(a.len(), 3 + 2 * ID_BYTES);
+        assert!(a[3..].bytes().all(|c| c.is_ascii_hexdigit()));
+        let k = new_api_key().unwrap();
+        assert!(k.starts_with("lk_"));
+        assert_eq!(k.len(), 3 + 52);
+        assert_ne!(k, new_api_key().unwrap());
+    }
+}

@@ -1,0 +1,813 @@
+//! The store's contract, exercised on real SQLite files through `Arc<dyn Store>`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Instant;
+
+use locker_store::{
+    new_id, CallKind, CallRecord, CallRecorder, SandboxRecord, SandboxState, SqliteStore, Store,
+    StoreError, TenantUsage, SCHEMA_VERSION,
+};
+use locker_types::{rfc3339, ExecResult, Reason, Timings, Usage};
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+/// A directory under the system's temp dir, removed when dropped.
+struct TempDir(PathBuf);
+
+impl TempDir {
+    fn new() -> TempDir {
+        let dir = std::env::temp_dir().join(format!("locker-store-test-{}", new_id("t")));
+        std::fs::create_dir_all(&dir).unwrap();
+        TempDir(dir)
+    }
+
+    fn db(&self) -> PathBuf {
+        self.0.join("db.sqlite")
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn open(dir: &TempDir) -> Arc<dyn Store> {
+    Arc::new(SqliteStore::open(dir.db()).unwrap())
+}
+
+const T0: i64 = 1_796_040_000; // 2026-11-30T12:00:00Z
+
+fn sandbox(id: &str, tenant: &str, created: i64) -> SandboxRecord {
+    SandboxRecord {
+        id: id.into(),
+        tenant: tenant.into(),
+        state: SandboxState::Running,
+        template: "default".into(),
+        template_digest: "sha256:abc".into(),
+        runtime: "jail".into(),
+        cpus: 1.5,
+        memory_mb: 512,
+        disk_mb: 2048,
+        network: json!({"egress": "none"}),
+        volumes: json!([{"volume": "vol_1", "path": "/workspace", "read_only": false}]),
+        metadata: BTreeMap::new(),
+        env: BTreeMap::from([("TOKEN".to_string(), "s3cret-env-value".to_string())]),
+        ttl_s: 1800,
+        idle_timeout_s: None,
+        created_at: rfc3339(created),
+        expires_at: rfc3339(created + 1800),
+        last_active_at: rfc3339(created),
+        machine_dir: format!("/var/lib/locker/sandboxes/{id}"),
+        cpu_ms: 0,
+        peak_memory_bytes: 0,
+    }
+}
+
+fn call(id: &str, tenant: &str, kind: CallKind, sandbox_id: Option<&str>, at: i64) -> CallRecord {
+    CallRecord {
+        id: id.into(),
+        tenant: tenant.into(),
+        key_id: "key_1".into(),
+        kind,
+        sandbox_id: sandbox_id.map(Into::into),
+        volume_id: None,
+        command: vec!["python3".into(), "-c".into(), "print(1)".into()],
+        cwd: Some("/root".into()),
+        env_keys: vec!["K".into()],
+        template_digest: "sha256:abc".into(),
+        runtime: "jail".into(),
+        result: ExecResult {
+            call_id: id.into(),
+            exit_code: Some(0),
+            signal: None,
+            reason: Reason::Exited,
+            stdout: "OUTPUT-BODY-MUST-NOT-BE-STORED".into(),
+            stderr: "ERR-BODY".into(),
+            stdout_truncated: false,
+            stderr_truncated: false,
+            stdout_bytes: 30,
+            stderr_bytes: 8,
+            output_path: None,
+            timings: Timings {
+                queue_ms: 0.5,
+                start_ms: 1.0,
+                run_ms: 2.0,
+                total_ms: 3.5,
+            },
+            usage: Usage {
+                cpu_ms: 10,
+                peak_memory_bytes: 1 << 20,
+            },
+            changes: None,
+        },
+        egress_denied: vec![],
+        changes: None,
+        created_at: rfc3339(at),
+    }
+}
+
+/// The bytes of the database and of its write-ahead log, where recent writes live.
+fn db_bytes(path: &Path) -> Vec<u8> {
+    let mut bytes = std::fs::read(path).unwrap();
+    let mut wal = path.as_os_str().to_owned();
+    wal.push("-wal");
+    if let Ok(w) = std::fs::read(PathBuf::from(wal)) {
+        bytes.extend(w);
+    }
+    bytes
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[test]
+fn migrations_apply_once_and_reopen_keeps_data() {
+    let dir = TempDir::new();
+    {
+        let s = SqliteStore::open(dir.db()).unwrap();
+        assert_eq!(s.schema_version().unwrap(), SCHEMA_VERSION);
+        s.create_tenant("team-a").unwrap();
+    }
+    let s = SqliteStore::open(dir.db()).unwrap();
+    assert_eq!(s.schema_version().unwrap(), SCHEMA_VERSION);
+    assert!(s.tenant_exists("team-a").unwrap());
+    let again = SqliteStore::open(dir.db()).unwrap(); // a second handle on an open file
+    assert_eq!(again.list_tenants().unwrap(), vec!["team-a".to_string()]);
+
+    let c = rusqlite::Connection::open(dir.db()).unwrap();
+    let rows: i64 = c
+        .query_row("SELECT COUNT(*) FROM schema_version", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(rows, SCHEMA_VERSION, "each migration recorded exactly once");
+    let mode: String = c
+        .query_row("PRAGMA journal_mode", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(mode, "wal");
+}
+
+#[test]
+fn a_database_from_a_newer_locker_is_refused_clearly() {
+    let dir = TempDir::new();
+    drop(SqliteStore::open(dir.db()).unwrap());
+    let c = rusqlite::Connection::open(dir.db()).unwrap();
+    c.execute(
+        "INSERT INTO schema_version (version, applied_at) VALUES (?1, 'x')",
+        [SCHEMA_VERSION + 5],
+    )
+    .unwrap();
+    drop(c);
+    let err = SqliteStore::open(dir.db()).unwrap_err();
+    assert!(matches!(err, StoreError::SchemaTooNew { found, .. } if found == SCHEMA_VERSION + 5));
+    let msg = err.to_string();
+    assert!(
+        msg.contains("newer Locker") && msg.contains("--data-dir"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn open_refuses_memory_and_unwritable_paths() {
+    assert!(matches!(
+        SqliteStore::open(":memory:").unwrap_err(),
+        StoreError::Invalid(_)
+    ));
+    let err = SqliteStore::open("/nonexistent-locker-dir/db.sqlite").unwrap_err();
+    assert!(err.to_string().contains("cannot open database"), "{err}");
+}
+
+#[test]
+fn tenants_are_validated_and_unique() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("team-b").unwrap();
+    assert!(matches!(
+        s.create_tenant("team-b").unwrap_err(),
+        StoreError::Conflict(m) if m.contains("already exists")
+    ));
+    s.ensure_tenant("team-b").unwrap();
+    s.ensure_tenant("default").unwrap();
+    s.ensure_tenant("default").unwrap();
+    assert!(matches!(
+        s.create_tenant("Team_B").unwrap_err(),
+        StoreError::Invalid(_)
+    ));
+    assert!(matches!(
+        s.ensure_tenant("").unwrap_err(),
+        StoreError::Invalid(_)
+    ));
+    assert_eq!(s.list_tenants().unwrap(), vec!["default", "team-b"]);
+    assert!(!s.tenant_exists("nobody").unwrap());
+}
+
+#[test]
+fn keys_authenticate_revoke_and_are_stored_only_as_hashes() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("team-a").unwrap();
+    s.create_tenant("team-b").unwrap();
+
+    let (info, clear) = s.create_key("team-a").unwrap();
+    assert!(info.key_id.starts_with("key_"));
+    assert!(clear.starts_with("lk_") && clear.len() >= 3 + 52, "{clear}");
+    assert_eq!(info.tenant, "team-a");
+
+    let p = s.authenticate(&clear).unwrap().unwrap();
+    assert_eq!(
+        (p.key_id.as_str(), p.tenant.as_str()),
+        (info.key_id.as_str(), "team-a")
+    );
+    // A second time: from the cache, same answer.
+    assert_eq!(s.authenticate(&clear).unwrap().unwrap(), p);
+    assert_eq!(s.authenticate("lk_wrong").unwrap(), None);
+    assert_eq!(s.authenticate("").unwrap(), None);
+    assert_eq!(s.authenticate(&"x".repeat(5000)).unwrap(), None);
+
+    let (info2, clear2) = s.create_key("team-a").unwrap();
+    assert_ne!(clear, clear2);
+    assert_eq!(s.list_keys("team-a").unwrap().len(), 2);
+
+    // Revocation takes effect at once, also for a key already in the cache.
+    assert!(s.revoke_key(&info.key_id).unwrap());
+    assert_eq!(s.authenticate(&clear).unwrap(), None);
+    assert!(!s.revoke_key(&info.key_id).unwrap(), "already revoked");
+    assert!(!s.revoke_key("key_unknown").unwrap());
+    assert_eq!(s.list_keys("team-a").unwrap(), vec![info2.clone()]);
+    assert!(s.authenticate(&clear2).unwrap().is_some());
+
+    assert!(matches!(
+        s.create_key("nobody").unwrap_err(),
+        StoreError::NotFound(m) if m.contains("tenant nobody")
+    ));
+
+    // Only hashes reach the disk (the database and its write-ahead log).
+    let bytes = db_bytes(&dir.db());
+    let hash: [u8; 32] = Sha256::digest(clear2.as_bytes()).into();
+    assert!(contains(&bytes, &hash), "the test must see the stored hash");
+    for k in [&clear, &clear2] {
+        assert!(!contains(&bytes, k.as_bytes()), "clear key on disk");
+        assert!(!contains(&bytes, &k.as_bytes()[3..]), "key body on disk");
+    }
+}
+
+#[test]
+fn chosen_keys_are_idempotent_and_guarded() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.ensure_tenant("default").unwrap();
+    s.create_tenant("other").unwrap();
+    let key = "my-operator-chosen-key-0123456789";
+    let a = s.add_key_with_secret("default", key).unwrap();
+    let b = s.add_key_with_secret("default", key).unwrap();
+    assert_eq!(a, b, "the same key twice is the same key");
+    assert_eq!(s.list_keys("default").unwrap().len(), 1);
+    assert_eq!(s.authenticate(key).unwrap().unwrap().tenant, "default");
+
+    assert!(matches!(
+        s.add_key_with_secret("other", key).unwrap_err(),
+        StoreError::Conflict(m) if m.contains("another tenant")
+    ));
+    for bad in ["", "has space", "tab\tkey", "ünïcode"] {
+        assert!(
+            matches!(
+                s.add_key_with_secret("default", bad),
+                Err(StoreError::Invalid(_))
+            ),
+            "{bad:?}"
+        );
+    }
+    assert!(matches!(
+        s.add_key_with_secret("nobody", "abcdefgh"),
+        Err(StoreError::NotFound(_))
+    ));
+
+    assert!(s.revoke_key(&a.key_id).unwrap());
+    assert!(matches!(
+        s.add_key_with_secret("default", key).unwrap_err(),
+        StoreError::Conflict(m) if m.contains("revoked")
+    ));
+    assert_eq!(s.authenticate(key).unwrap(), None);
+
+    drop(s);
+    let bytes = db_bytes(&dir.db());
+    assert!(!contains(&bytes, key.as_bytes()));
+}
+
+#[test]
+fn sandboxes_are_isolated_between_tenants() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("a").unwrap();
+    s.create_tenant("b").unwrap();
+    let sb = sandbox("sb_1", "a", T0);
+    s.insert_sandbox(&sb).unwrap();
+
+    assert_eq!(s.get_sandbox("a", "sb_1").unwrap().unwrap(), sb);
+    assert_eq!(s.get_sandbox("b", "sb_1").unwrap(), None);
+    assert_eq!(s.get_sandbox_any("sb_1").unwrap().unwrap(), sb);
+    assert_eq!(s.list_sandboxes("a", None, &[]).unwrap(), vec![sb.clone()]);
+    assert!(s.list_sandboxes("b", None, &[]).unwrap().is_empty());
+
+    // Another tenant cannot update it, nor take it over.
+    let mut stolen = sb.clone();
+    stolen.tenant = "b".into();
+    stolen.state = SandboxState::Paused;
+    assert!(matches!(
+        s.update_sandbox(&stolen),
+        Err(StoreError::NotFound(_))
+    ));
+    assert_eq!(
+        s.get_sandbox("a", "sb_1").unwrap().unwrap().state,
+        SandboxState::Running
+    );
+
+    assert!(matches!(
+        s.insert_sandbox(&sb).unwrap_err(),
+        StoreError::Conflict(m) if m.contains("sb_1")
+    ));
+    assert!(matches!(
+        s.insert_sandbox(&sandbox("sb_2", "nobody", T0))
+            .unwrap_err(),
+        StoreError::NotFound(_)
+    ));
+    let mut bad = sandbox("sb_3", "a", T0);
+    bad.expires_at = "tomorrow".into();
+    assert!(
+        matches!(s.insert_sandbox(&bad), Err(StoreError::Invalid(m)) if m.contains("RFC 3339"))
+    );
+}
+
+#[test]
+fn update_round_trips_every_field() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("a").unwrap();
+    let mut sb = sandbox("sb_1", "a", T0);
+    s.insert_sandbox(&sb).unwrap();
+    sb.state = SandboxState::Paused;
+    sb.network = json!({"egress": "allow", "allow": ["pypi.org"]});
+    sb.metadata.insert("owner".into(), "ci".into());
+    sb.idle_timeout_s = Some(60);
+    sb.cpu_ms = 1234;
+    sb.peak_memory_bytes = 5 << 20;
+    sb.expires_at = rfc3339(T0 + 10);
+    sb.cpus = 0.25;
+    s.update_sandbox(&sb).unwrap();
+    assert_eq!(s.get_sandbox("a", "sb_1").unwrap().unwrap(), sb);
+    assert!(matches!(
+        s.update_sandbox(&sandbox("sb_missing", "a", T0)),
+        Err(StoreError::NotFound(m)) if m.contains("sb_missing")
+    ));
+}
+
+#[test]
+fn list_filters_by_state_and_metadata() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("a").unwrap();
+    s.create_tenant("b").unwrap();
+    let meta = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
+        pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
+    };
+    let mut s1 = sandbox("sb_1", "a", T0);
+    s1.metadata = meta(&[("env", "prod"), ("team", "x"), ("odd.key\"q", "1")]);
+    let mut s2 = sandbox("sb_2", "a", T0 + 1);
+    s2.metadata = meta(&[("env", "dev"), ("team", "x")]);
+    s2.state = SandboxState::Paused;
+    let mut s3 = sandbox("sb_3", "a", T0 + 2);
+    s3.metadata = meta(&[("env", "prod")]);
+    let mut other = sandbox("sb_4", "b", T0);
+    other.metadata = meta(&[("env", "prod"), ("team", "x")]);
+    for sb in [&s1, &s2, &s3, &other] {
+        s.insert_sandbox(sb).unwrap();
+    }
+    let ids = |state: Option<SandboxState>, filters: &[(&str, &str)]| -> Vec<String> {
+        let f: Vec<(String, String)> = filters
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        s.list_sandboxes("a", state, &f)
+            .unwrap()
+            .into_iter()
+            .map(|x| x.id)
+            .collect()
+    };
+    assert_eq!(ids(None, &[]), ["sb_1", "sb_2", "sb_3"]);
+    assert_eq!(ids(None, &[("env", "prod")]), ["sb_1", "sb_3"]);
+    assert_eq!(ids(None, &[("team", "x")]), ["sb_1", "sb_2"]);
+    assert_eq!(ids(None, &[("env", "prod"), ("team", "x")]), ["sb_1"]);
+    assert_eq!(ids(None, &[("odd.key\"q", "1")]), ["sb_1"]);
+    assert!(ids(None, &[("env", "staging")]).is_empty());
+    assert!(ids(None, &[("missing", "")]).is_empty());
+    assert_eq!(ids(Some(SandboxState::Paused), &[]), ["sb_2"]);
+    assert_eq!(ids(Some(SandboxState::Running), &[("team", "x")]), ["sb_1"]);
+    assert!(ids(Some(SandboxState::Failed), &[]).is_empty());
+}
+
+#[test]
+fn lifecycle_queries_and_soft_delete() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("a").unwrap();
+    s.create_tenant("b").unwrap();
+    let mut idle = sandbox("sb_idle", "a", T0);
+    idle.idle_timeout_s = Some(60);
+    idle.memory_mb = 1024;
+    let mut short = sandbox("sb_short", "a", T0);
+    short.expires_at = rfc3339(T0 + 100);
+    let mut starting = sandbox("sb_starting", "b", T0);
+    starting.state = SandboxState::Starting;
+    for sb in [&idle, &short, &starting] {
+        s.insert_sandbox(sb).unwrap();
+    }
+
+    assert_eq!(s.count_running("a").unwrap(), 2);
+    assert_eq!(s.sum_memory_mb("a").unwrap(), 1024 + 512);
+    assert_eq!(s.count_running("b").unwrap(), 1);
+    assert_eq!(s.count_running("nobody").unwrap(), 0);
+    assert_eq!(s.list_live_sandboxes().unwrap().len(), 3);
+
+    assert!(s.expired_sandboxes(T0 + 99).unwrap().is_empty());
+    assert_eq!(s.expired_sandboxes(T0 + 100).unwrap(), ["sb_short"]);
+    assert_eq!(s.expired_sandboxes(T0 + 1800).unwrap().len(), 3);
+
+    assert!(s.idle_sandboxes(T0 + 59).unwrap().is_empty());
+    assert_eq!(s.idle_sandboxes(T0 + 60).unwrap(), ["sb_idle"]);
+    s.touch_sandbox("sb_idle", T0 + 50).unwrap();
+    s.touch_sandbox("sb_idle", T0 + 10).unwrap(); // older: ignored, not an error
+    assert!(s.idle_sandboxes(T0 + 60).unwrap().is_empty());
+    assert_eq!(s.idle_sandboxes(T0 + 110).unwrap(), ["sb_idle"]);
+    assert_eq!(
+        s.get_sandbox("a", "sb_idle")
+            .unwrap()
+            .unwrap()
+            .last_active_at,
+        rfc3339(T0 + 50)
+    );
+    assert!(matches!(
+        s.touch_sandbox("sb_none", T0),
+        Err(StoreError::NotFound(_))
+    ));
+
+    s.set_sandbox_state_at("sb_idle", SandboxState::Paused, T0 + 200)
+        .unwrap();
+    assert!(
+        s.idle_sandboxes(T0 + 1000).unwrap().is_empty(),
+        "paused is not idle-paused again"
+    );
+    assert_eq!(
+        s.count_running("a").unwrap(),
+        2,
+        "paused still holds its machine"
+    );
+    s.set_sandbox_state_at("sb_short", SandboxState::Failed, T0 + 200)
+        .unwrap();
+    assert_eq!(s.count_running("a").unwrap(), 1);
+    assert_eq!(s.sum_memory_mb("a").unwrap(), 1024);
+    assert_eq!(s.list_live_sandboxes().unwrap().len(), 2);
+    assert!(matches!(
+        s.set_sandbox_state_at("sb_none", SandboxState::Running, T0),
+        Err(StoreError::NotFound(_))
+    ));
+
+    // Soft delete: gone from every read, kept for usage, env wiped.
+    assert!(s.delete_sandbox_at("sb_idle", T0 + 300).unwrap());
+    assert!(!s.delete_sandbox_at("sb_idle", T0 + 301).unwrap());
+    assert_eq!(s.get_sandbox("a", "sb_idle").unwrap(), None);
+    assert_eq!(s.get_sandbox_any("sb_idle").unwrap(), None);
+    assert_eq!(
+        s.list_sandboxes("a", None, &[])
+            .unwrap()
+            .into_iter()
+            .map(|x| x.id)
+            .collect::<Vec<_>>(),
+        ["sb_short"]
+    );
+    assert_eq!(s.count_running("a").unwrap(), 0);
+    assert!(!s
+        .expired_sandboxes(T0 + 10_000)
+        .unwrap()
+        .contains(&"sb_idle".to_string()));
+    assert!(matches!(
+        s.set_sandbox_state_at("sb_idle", SandboxState::Running, T0),
+        Err(StoreError::NotFound(_))
+    ));
+    assert!(matches!(
+        s.insert_sandbox(&sandbox("sb_idle", "a", T0)),
+        Err(StoreError::Conflict(_))
+    ));
+    let c = rusqlite::Connection::open(dir.db()).unwrap();
+    let (state, env): (String, String) = c
+        .query_row(
+            "SELECT state, env FROM sandboxes WHERE id = 'sb_idle'",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((state.as_str(), env.as_str()), ("stopped", "{}"));
+}
+
+#[test]
+fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("a").unwrap();
+    s.create_tenant("b").unwrap();
+    // sb_1: T0 .. T0+100 (deleted); sb_2: T0+50 .. still running; sb_3: failed at T0+20;
+    // b's sandbox must not count.
+    s.insert_sandbox(&sandbox("sb_1", "a", T0)).unwrap();
+    s.insert_sandbox(&sandbox("sb_2", "a", T0 + 50)).unwrap();
+    s.insert_sandbox(&sandbox("sb_3", "a", T0 + 10)).unwrap();
+    s.insert_sandbox(&sandbox("sb_b", "b", T0)).unwrap();
+    s.delete_sandbox_at("sb_1", T0 + 100).unwrap();
+    s.set_sandbox_state_at("sb_3", SandboxState::Failed, T0 + 20)
+        .unwrap();
+    // Ending again does not move the end.
+    s.delete_sandbox_at("sb_3", T0 + 500).unwrap();
+
+    let mut calls = vec![
+        call("call_1", "a", CallKind::Exec, Some("sb_1"), T0 + 1),
+        call("call_2", "a", CallKind::Run, None, T0 + 60),
+        call("call_3", "a", CallKind::Process, Some("sb_2"), T0 + 70),
+        call("call_4", "b", CallKind::Exec, Some("sb_b"), T0 + 70),
+    ];
+    calls[1].result.usage.cpu_ms = 100;
+    s.insert_calls(&calls).unwrap();
+
+    let now = T0 + 200;
+    assert_eq!(
+        s.usage_at("a", None, now).unwrap(),
+        TenantUsage {
+            cpu_ms: 10 + 100 + 10,
+            // sb_1: 100, sb_2: 150, sb_3: 10
+            sandbox_seconds: 100 + 150 + 10,
+            runs: 1,
+            execs: 2,
+        }
+    );
+    assert_eq!(
+        s.usage_at("a", Some(T0 + 60), now).unwrap(),
+        TenantUsage {
+            cpu_ms: 110,
+            // sb_1: 40, sb_2: 140, sb_3 ended before the window
+            sandbox_seconds: 40 + 140,
+            runs: 1,
+            execs: 1,
+        }
+    );
+    assert_eq!(
+        s.usage_at("a", Some(T0 + 1000), now).unwrap(),
+        TenantUsage::default()
+    );
+    assert_eq!(s.usage_at("b", None, now).unwrap().sandbox_seconds, 200);
+    assert_eq!(
+        s.usage_at("nobody", None, now).unwrap(),
+        TenantUsage::default()
+    );
+}
+
+#[test]
+fn call_records_strip_output_filter_and_isolate() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    let mut run = call("call_r", "a", CallKind::Run, None, T0);
+    run.volume_id = Some("vol_1".into());
+    run.changes = Some(json!({"added": ["/workspace/a.txt"], "modified": [], "deleted": []}));
+    run.egress_denied = vec!["evil.example".into()];
+    let batch = vec![
+        call("call_1", "a", CallKind::Exec, Some("sb_1"), T0),
+        call("call_2", "a", CallKind::Exec, Some("sb_2"), T0),
+        run.clone(),
+        call("call_b", "b", CallKind::Exec, Some("sb_1"), T0),
+    ];
+    s.insert_calls(&batch).unwrap();
+
+    let all = s.list_calls("a", None, None, None).unwrap();
+    assert_eq!(
+        all.iter().map(|c| c.id.as_str()).collect::<Vec<_>>(),
+        ["call_r", "call_2", "call_1"]
+    );
+    for c in &all {
+        assert_eq!(
+            (c.result.stdout.as_str(), c.result.stderr.as_str()),
+            ("", "")
+        );
+        assert_eq!(c.result.stdout_bytes, 30, "sizes are kept");
+    }
+    let mut expected = run;
+    expected.strip_output();
+    assert_eq!(all[0], expected);
+
+    let by_sb: Vec<_> = s
+        .list_calls("a", Some("sb_1"), None, None)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    assert_eq!(
+        by_sb,
+        ["call_1"],
+        "b's call on an id of the same name stays b's"
+    );
+    let by_vol = s.list_calls("a", None, Some("vol_1"), None).unwrap();
+    assert_eq!(by_vol.len(), 1);
+    assert!(s
+        .list_calls("a", Some("sb_1"), Some("vol_1"), None)
+        .unwrap()
+        .is_empty());
+    assert_eq!(s.list_calls("b", None, None, None).unwrap().len(), 1);
+
+    let bytes = db_bytes(&dir.db());
+    assert!(!contains(&bytes, b"OUTPUT-BODY-MUST-NOT-BE-STORED"));
+    assert!(contains(&bytes, b"evil.example"));
+
+    // One transaction: a duplicate id fails the whole batch, nothing of it is stored.
+    let err = s
+        .insert_calls(&[
+            call("call_new", "a", CallKind::Exec, None, T0),
+            call("call_1", "a", CallKind::Exec, None, T0),
+        ])
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Conflict(m) if m.contains("call_1")));
+    assert_eq!(s.list_calls("a", None, None, None).unwrap().len(), 3);
+    let mut bad = call("call_bad", "a", CallKind::Exec, None, T0);
+    bad.created_at = "yesterday".into();
+    assert!(matches!(
+        s.insert_calls(&[bad]),
+        Err(StoreError::Invalid(_))
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorder_batches_a_thousand_records_without_waiting() {
+    let dir = TempDir::new();
+    let store = open(&dir);
+    let recorder = CallRecorder::spawn(Arc::clone(&store));
+
+    let start = Instant::now();
+    for i in 0..1000 {
+        recorder.record(call(
+            &format!("call_{i:04}"),
+            "a",
+            CallKind::Exec,
+            Some("sb_1"),
+            T0,
+        ));
+    }
+    let queued = start.elapsed();
+    recorder.flush().await;
+    let stats = recorder.stats();
+    assert_eq!((stats.written, stats.dropped, stats.failed), (1000, 0, 0));
+    assert!(
+        (4..=100).contains(&stats.batches),
+        "1000 records should take a few transactions, took {}",
+        stats.batches
+    );
+    // Recording is a queue push: far below a millisecond per record even in debug builds.
+    assert!(queued.as_millis() < 500, "recording 1000 took {queued:?}");
+
+    let page = store.list_calls("a", None, None, Some(1000)).unwrap();
+    assert_eq!(page.len(), 1000);
+    assert_eq!(page[0].id, "call_0999", "newest first");
+    assert_eq!(page[999].id, "call_0000");
+    assert!(page.iter().all(|c| c.result.stdout.is_empty()));
+    let default_page = store.list_calls("a", None, None, None).unwrap();
+    assert_eq!(default_page.len(), 100);
+    assert_eq!(default_page[..], page[..100]);
+    assert_eq!(
+        store.list_calls("a", None, None, Some(5)).unwrap()[..],
+        page[..5]
+    );
+    assert_eq!(store.list_calls("a", None, None, Some(0)).unwrap().len(), 1);
+    recorder.record(call("call_more", "a", CallKind::Exec, None, T0));
+    recorder.flush().await;
+    assert_eq!(
+        store
+            .list_calls("a", None, None, Some(u32::MAX))
+            .unwrap()
+            .len(),
+        1000,
+        "capped at 1000"
+    );
+    assert_eq!(
+        store.list_calls("a", None, None, Some(1)).unwrap()[0].id,
+        "call_more"
+    );
+}
+
+#[tokio::test(flavor = "current_thread")]
+async fn recorder_drops_on_a_full_queue_and_survives_bad_records() {
+    let dir = TempDir::new();
+    let store = open(&dir);
+    store
+        .insert_calls(&[call("call_dup", "a", CallKind::Exec, None, T0)])
+        .unwrap();
+
+    // On a current-thread runtime the writer cannot run until we yield, so a queue of
+    // two holds exactly two records and refuses the rest.
+    let recorder = CallRecorder::spawn_with_capacity(Arc::clone(&store), 2);
+    for i in 0..10 {
+        recorder.record(call(&format!("call_q{i}"), "a", CallKind::Exec, None, T0));
+    }
+    assert_eq!(recorder.stats().dropped, 8);
+    recorder.flush().await;
+    assert_eq!(recorder.stats().written, 2);
+
+    // A batch holding one bad record: the others are still written, one by one.
+    recorder.record(call("call_ok1", "a", CallKind::Exec, None, T0));
+    recorder.record(call("call_dup", "a", CallKind::Exec, None, T0));
+    recorder.flush().await;
+    recorder.record(call("call_ok2", "a", CallKind::Exec, None, T0));
+    recorder.flush().await;
+    let stats = recorder.stats();
+    assert_eq!((stats.written, stats.failed, stats.dropped), (4, 1, 8));
+    let ids: Vec<String> = store
+        .list_calls("a", None, None, None)
+        .unwrap()
+        .into_iter()
+        .map(|c| c.id)
+        .collect();
+    assert_eq!(
+        ids,
+        ["call_ok2", "call_ok1", "call_q1", "call_q0", "call_dup"]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn recorder_writes_what_is_queued_when_dropped() {
+    let dir = TempDir::new();
+    let store = open(&dir);
+    let recorder = CallRecorder::spawn(Arc::clone(&store));
+    recorder.record(call("call_last", "a", CallKind::Exec, None, T0));
+    let clone = recorder.clone();
+    drop(recorder);
+    clone.flush().await;
+    assert_eq!(store.list_calls("a", None, None, None).unwrap().len(), 1);
+}
+
+#[test]
+fn concurrent_use_from_several_threads() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    // A second store on the same file, as a second process would have.
+    let other: Arc<dyn Store> = Arc::new(SqliteStore::open(dir.db()).unwrap());
+    const THREADS: usize = 8;
+    const PER_THREAD: usize = 50;
+    std::thread::scope(|scope| {
+        for t in 0..THREADS {
+            let s = if t % 2 == 0 { &s } else { &other };
+            scope.spawn(move || {
+                let tenant = format!("t{t}");
+                s.create_tenant(&tenant).unwrap();
+                let (info, key) = s.create_key(&tenant).unwrap();
+                for i in 0..PER_THREAD {
+                    let p = s.authenticate(&key).unwrap().unwrap();
+                    assert_eq!(p.tenant, tenant);
+                    let id = format!("sb_{t}_{i}");
+                    s.insert_sandbox(&sandbox(&id, &tenant, T0 + i as i64))
+                        .unwrap();
+                    s.touch_sandbox(&id, T0 + 1000).unwrap();
+                    s.insert_calls(&[call(
+                        &format!("call_{t}_{i}"),
+                        &tenant,
+                        CallKind::Exec,
+                        Some(&id),
+                        T0,
+                    )])
+                    .unwrap();
+                    assert!(s.get_sandbox(&tenant, &id).unwrap().is_some());
+                    if i % 10 == 0 {
+                        s.delete_sandbox(&id).unwrap();
+                    }
+                }
+                assert!(s.revoke_key(&info.key_id).unwrap());
+                assert_eq!(s.authenticate(&key).unwrap(), None);
+            });
+        }
+    });
+    for t in 0..THREADS {
+        let tenant = format!("t{t}");
+        assert_eq!(
+            s.list_sandboxes(&tenant, None, &[]).unwrap().len(),
+            PER_THREAD - PER_THREAD / 10
+        );
+        assert_eq!(
+            other
+                .list_calls(&tenant, None, None, Some(1000))
+                .unwrap()
+                .len(),
+            PER_THREAD
+        );
+        assert_eq!(
+            s.usage_at(&tenant, None, T0).unwrap().execs,
+            PER_THREAD as u64
+        );
+    }
+    assert_eq!(s.list_tenants().unwrap().len(), THREADS);
+}
