@@ -1,1 +1,152 @@
-fn main() {}
+//! `locker-agent`: PID 1 of every Locker machine.
+//!
+//! It serves the host over `locker-proto` (one unix stream socket, many connections, many
+//! multiplexed streams per connection) and does, inside the machine, what the host asks:
+//! run commands (`exec`), keep background processes (`procs`), move files (`files`), report
+//! usage. It reaps every orphan (`reaper`), gives every command its own cgroup so its whole
+//! tree can be killed (`cgroup`), and never holds a whole file or output stream in memory
+//! (`capture`). Raw system calls live in `sys`.
+//!
+//! Start-up:
+//! - `LOCKER_AGENT_FD=<n>`: fd `n` is an already-listening unix stream socket (the machine's
+//!   init hands it over); else `--listen PATH` binds one (tests, debugging).
+//! - `LOCKER_AGENT_ROOT` (default `/`): the directory the files API resolves paths in.
+//! - `LOCKER_OUTPUT_DIR` (default `/var/tmp/locker`): spill and spool files of output.
+//! - `LOCKER_MAX_SPILL_BYTES` (default 1 GiB): per stream; past it the command is killed.
+//! - `LOCKER_CGROUP_ROOT` (default `/sys/fs/cgroup`), `LOCKER_CGROUP_PARENT` (default empty):
+//!   where command cgroups are created (see `cgroup`).
+//!
+//! It only depends on `locker-types`, `locker-proto`, serde and libc, and builds as a static
+//! binary (it reads `/etc/passwd` itself instead of using NSS).
+
+mod capture;
+mod cgroup;
+mod conn;
+mod exec;
+mod files;
+mod procs;
+mod reaper;
+mod sys;
+mod users;
+
+use std::os::fd::{FromRawFd, OwnedFd};
+use std::os::unix::net::UnixListener;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Everything the agent's rooms share.
+pub struct Agent {
+    pub reaper: reaper::Reaper,
+    pub cgroups: cgroup::Cgroups,
+    /// The files API's root directory (`O_PATH`).
+    pub root: OwnedFd,
+    pub output_dir: PathBuf,
+    pub max_spill_bytes: u64,
+    pub procs: procs::Procs,
+}
+
+/// A fresh id with the given prefix: 16 random hex digits.
+pub fn random_id(prefix: &str) -> String {
+    let mut b = [0u8; 8];
+    sys::random_bytes(&mut b);
+    let mut s = String::with_capacity(prefix.len() + 16);
+    s.push_str(prefix);
+    for x in b {
+        s.push_str(&format!("{x:02x}"));
+    }
+    s
+}
+
+fn usage() -> ! {
+    eprintln!("usage: locker-agent [--listen PATH]   (or LOCKER_AGENT_FD=<listening socket fd>)");
+    std::process::exit(2);
+}
+
+fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).ok().filter(|v| !v.is_empty()).unwrap_or_else(|| default.to_string())
+}
+
+fn main() {
+    let mut listen: Option<PathBuf> = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--listen" => listen = Some(args.next().map(PathBuf::from).unwrap_or_else(|| usage())),
+            "--version" => {
+                println!("locker-agent {}", env!("CARGO_PKG_VERSION"));
+                return;
+            }
+            _ => usage(),
+        }
+    }
+    let listener = match std::env::var("LOCKER_AGENT_FD").ok().and_then(|v| v.parse::<i32>().ok()) {
+        Some(fd) => {
+            if let Err(e) = sys::set_cloexec(fd) {
+                eprintln!("locker-agent: LOCKER_AGENT_FD={fd} is not usable: {e}");
+                std::process::exit(1);
+            }
+            // SAFETY: the fd was handed to us for exactly this purpose and nothing else owns it.
+            unsafe { UnixListener::from_raw_fd(fd) }
+        }
+        None => {
+            let Some(path) = listen else { usage() };
+            let _ = std::fs::remove_file(&path);
+            match UnixListener::bind(&path) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("locker-agent: cannot listen on {}: {e}", path.display());
+                    std::process::exit(1);
+                }
+            }
+        }
+    };
+    if let Err(e) = sys::set_child_subreaper() {
+        eprintln!("locker-agent: cannot become a child subreaper: {e}");
+    }
+    let reaper = match reaper::Reaper::start() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("locker-agent: cannot start the reaper: {e}");
+            std::process::exit(1);
+        }
+    };
+    let root_path = env_or("LOCKER_AGENT_ROOT", "/");
+    let root = match std::fs::File::open(&root_path) {
+        Ok(f) if f.metadata().map(|m| m.is_dir()).unwrap_or(false) => OwnedFd::from(f),
+        _ => {
+            eprintln!("locker-agent: LOCKER_AGENT_ROOT={root_path} is not a directory");
+            std::process::exit(1);
+        }
+    };
+    let cgroups = cgroup::Cgroups::detect(
+        std::path::Path::new(&env_or("LOCKER_CGROUP_ROOT", "/sys/fs/cgroup")),
+        &std::env::var("LOCKER_CGROUP_PARENT").unwrap_or_default(),
+    );
+    let max_spill_bytes = env_or("LOCKER_MAX_SPILL_BYTES", "1073741824").parse().unwrap_or(1 << 30);
+    let agent = Arc::new(Agent {
+        reaper,
+        cgroups,
+        root,
+        output_dir: PathBuf::from(env_or("LOCKER_OUTPUT_DIR", "/var/tmp/locker")),
+        max_spill_bytes,
+        procs: procs::Procs::default(),
+    });
+    loop {
+        match listener.accept() {
+            Ok((sock, _)) => {
+                let agent = agent.clone();
+                let spawned = std::thread::Builder::new()
+                    .name("conn".into())
+                    .stack_size(512 * 1024)
+                    .spawn(move || conn::serve(agent, sock));
+                if let Err(e) = spawned {
+                    eprintln!("locker-agent: cannot start a connection thread: {e}");
+                }
+            }
+            Err(e) => {
+                eprintln!("locker-agent: accept failed: {e}");
+                std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
+    }
+}

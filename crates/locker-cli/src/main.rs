@@ -1,5 +1,8 @@
 //! The `locker` binary: a thin shell over the libraries.
 
+mod client;
+mod doctor_cmd;
+mod serve_cmd;
 mod template_cmd;
 
 use clap::{Parser, Subcommand};
@@ -20,6 +23,14 @@ enum Cmd {
     /// Build, import and list templates (root filesystems machines start from).
     #[command(subcommand)]
     Template(template_cmd::TemplateCmd),
+    /// Check which runtimes work on this host, and why not.
+    Doctor(doctor_cmd::DoctorArgs),
+    /// Serve the HTTP API (sandboxes, exec, files, records).
+    Serve(serve_cmd::ServeArgs),
+    // Client commands (sandbox, exec, shell, files, tenant, key, calls, usage): they talk
+    // to `locker serve` over HTTP; see `client/mod.rs`.
+    #[command(flatten)]
+    Client(client::ClientCmd),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -35,5 +46,8 @@ fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Template(c) => template_cmd::run(c),
+        Cmd::Doctor(a) => doctor_cmd::run(a),
+        Cmd::Serve(a) => serve_cmd::run(a),
+        Cmd::Client(c) => client::main(c),
     }
 }

@@ -1,8 +1,199 @@
-//! `locker template …`.
+//! `locker template …`: build, import and list templates in `LOCKER_CACHE_DIR`.
+//!
+//! A thin shell over `locker_runtime::template`: it parses arguments, draws progress on
+//! stderr, and prints results on stdout. Errors become one line that says what to fix.
+
+use std::path::PathBuf;
+
+use anyhow::{anyhow, bail, Context};
+use locker_runtime::template::{
+    default_spec, validate_name, StderrProgress, Template, TemplateSpec, TemplateStore,
+    DEFAULT_TEMPLATE,
+};
 
 #[derive(clap::Subcommand)]
-pub enum TemplateCmd {}
+pub enum TemplateCmd {
+    /// Build a template (returns at once if the same content is already built).
+    ///
+    /// `locker template build default` builds the default Debian bookworm template;
+    /// `--file spec.json` builds a spec file; NAME alone rebuilds a stored template's spec.
+    Build {
+        /// `default`, a template built before, or (with --file) the name to give the spec.
+        name: Option<String>,
+        /// A JSON spec: {"name": …, "base": "debian:bookworm", "packages": […], "run": […]}.
+        #[arg(long, short)]
+        file: Option<PathBuf>,
+        /// Print every line of mmdebstrap's and the run steps' output.
+        #[arg(long, short)]
+        verbose: bool,
+        /// Print the template as JSON on stdout when done.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Import a root filesystem tarball (plain, gzip, bzip2, xz or zstd) as a template.
+    Import {
+        /// The name to give it.
+        name: String,
+        /// The tarball.
+        tarball: PathBuf,
+        /// Print the template as JSON on stdout when done.
+        #[arg(long)]
+        json: bool,
+    },
+    /// List the templates in the cache.
+    List {
+        /// One JSON array instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
+}
 
 pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
-    match cmd {}
+    let store = TemplateStore::from_env().map_err(one_line)?;
+    match cmd {
+        TemplateCmd::Build {
+            name,
+            file,
+            verbose,
+            json,
+        } => {
+            let spec = spec_to_build(&store, name, file)?;
+            let t = store
+                .build(&spec, &mut StderrProgress::new(verbose))
+                .map_err(one_line)?;
+            print_done(&t, json)
+        }
+        TemplateCmd::Import {
+            name,
+            tarball,
+            json,
+        } => {
+            let t = store
+                .import(&name, &tarball, &mut StderrProgress::new(false))
+                .map_err(one_line)?;
+            print_done(&t, json)
+        }
+        TemplateCmd::List { json } => {
+            let all = store.list().map_err(one_line)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&all)?);
+            } else {
+                print_table(&all);
+            }
+            Ok(())
+        }
+    }
+}
+
+/// Library errors already say what to fix; keep them to their one line.
+fn one_line(e: locker_runtime::template::TemplateError) -> anyhow::Error {
+    anyhow!("{e}")
+}
+
+fn spec_to_build(
+    store: &TemplateStore,
+    name: Option<String>,
+    file: Option<PathBuf>,
+) -> anyhow::Result<TemplateSpec> {
+    if let Some(file) = file {
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("cannot read spec file {}", file.display()))?;
+        let mut spec =
+            TemplateSpec::from_json(&text).map_err(|e| anyhow!("{}: {e}", file.display()))?;
+        if let Some(name) = name {
+            validate_name(&name).map_err(one_line)?;
+            spec.name = name;
+        }
+        return Ok(spec);
+    }
+    let Some(name) = name else {
+        bail!("say what to build: `locker template build default` or `--file spec.json`");
+    };
+    if name == DEFAULT_TEMPLATE {
+        return Ok(default_spec());
+    }
+    let stored = store.resolve(&name).map_err(one_line)?;
+    match stored
+        .map(|t| store.spec_of(&t))
+        .transpose()
+        .map_err(one_line)?
+        .flatten()
+    {
+        Some(mut spec) => {
+            spec.name = name;
+            Ok(spec)
+        }
+        None => bail!(
+            "no spec stored for template {name:?}: give one with `--file spec.json`, \
+             or build `default`"
+        ),
+    }
+}
+
+fn print_done(t: &Template, json: bool) -> anyhow::Result<()> {
+    if json {
+        println!("{}", serde_json::to_string_pretty(t)?);
+    } else {
+        println!(
+            "{} {} {} {}",
+            t.name,
+            short(&t.digest),
+            human_size(t.size_bytes),
+            t.rootfs.display()
+        );
+    }
+    Ok(())
+}
+
+fn print_table(all: &[Template]) {
+    let rows: Vec<[String; 5]> = all
+        .iter()
+        .map(|t| {
+            [
+                if t.name.is_empty() {
+                    "-".into()
+                } else {
+                    t.name.clone()
+                },
+                short(&t.digest).to_string(),
+                human_size(t.size_bytes),
+                t.created_at.clone(),
+                t.packages.len().to_string(),
+            ]
+        })
+        .collect();
+    let header = ["NAME", "DIGEST", "SIZE", "CREATED", "PACKAGES"].map(String::from);
+    let mut widths = header.clone().map(|h| h.len());
+    for row in &rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    for row in std::iter::once(&header).chain(&rows) {
+        let line: Vec<String> = row
+            .iter()
+            .zip(widths)
+            .map(|(cell, w)| format!("{cell:<w$}"))
+            .collect();
+        println!("{}", line.join("  ").trim_end());
+    }
+}
+
+fn short(digest: &str) -> &str {
+    &digest[..digest.len().min(12)]
+}
+
+fn human_size(bytes: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = bytes as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{bytes} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
 }

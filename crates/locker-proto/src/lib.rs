@@ -254,7 +254,8 @@ pub enum Request {
     /// what comes until it ends; `End(Process)`.
     ProcessOutput { id: String, follow: bool },
     /// The host sends `Data` on `Chan::Stdin` (and `Eof` to close the process's stdin);
-    /// `End(Ok)` once all has been written.
+    /// `End(Ok)` once all has been written. `Eof` on `Chan::Bytes` instead ends this request
+    /// but leaves the process's stdin open for a later `ProcessStdin`.
     ProcessStdin { id: String },
     /// Send a signal (a number) to a background process's whole process group.
     SignalProcess { id: String, signal: i32 },
@@ -285,6 +286,11 @@ pub enum Reply {
     Started { pid: i32, start_ms: f64 },
     /// The entry a `ReadFile` is about to stream.
     Entry(Entry),
+    /// A batch of a long `List` answer (which would not fit in one frame); the final
+    /// `End(Entries)` carries the last batch. The host concatenates them in order.
+    Entries(Vec<Entry>),
+    /// A batch of a long `ListProcesses` answer; the final `End(Processes)` carries the last.
+    Processes(Vec<ProcessInfo>),
 }
 
 /// A host -> agent message on an open stream.

@@ -13,6 +13,7 @@ pub mod agent;
 pub mod cgroup;
 pub mod doctor;
 pub mod jail;
+pub mod node;
 pub mod seccomp;
 mod sys;
 pub mod template;

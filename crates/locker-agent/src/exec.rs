@@ -1,0 +1,600 @@
+//! Running a command: from an `ExecSpec` to an `ExecResult`.
+//!
+//! A command gets its own session (so its own process group), its own cgroup, pipes (or a
+//! pseudo-terminal) for its standard streams, and a supervisor that waits for the first of:
+//! its exit (from the reaper), its timeout, a cancel from the host, or too much output. Any of
+//! the last three kills its whole tree. When the command's own process has exited, whatever
+//! it left running in its cgroup is killed too: an exec ends when its command does (long-lived
+//! work belongs in a background process, see `procs`).
+//!
+//! Threads per command: the supervisor (the stream's own thread), one output pump (all output
+//! fds through `poll`), and for `Exec` with stdin or a terminal one input pump.
+
+use std::fs::File;
+use std::io::{self, Write};
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use locker_proto::{AgentError, Chan, Control, EndBody, ErrorCode, ExecSpec, PtySize, Reply, MAX_PAYLOAD};
+use locker_types::{ExecResult, Reason, Timings, Usage};
+
+use crate::capture::{Capture, Pushed};
+use crate::cgroup::CmdCgroup;
+use crate::conn::{Inbound, Recv, Stream};
+use crate::reaper::ExitInfo;
+use crate::users::{self, User};
+use crate::{sys, Agent};
+
+const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// How long the output pump keeps reading after the command's tree was killed, for output
+/// held by processes that escaped (only possible without cgroups).
+const DRAIN_GRACE: Duration = Duration::from_secs(2);
+
+/// What wakes a command's supervisor.
+#[derive(Debug)]
+pub enum Event {
+    Exited(ExitInfo),
+    /// The host cancelled the stream (or the connection is gone).
+    Cancel,
+    /// A stream passed the spill limit.
+    OutputLimit,
+    /// A caller sent the command a signal (background processes).
+    CallerSignal,
+}
+
+/// A spec checked against the machine: ready to spawn.
+pub struct Prepared {
+    pub argv: Vec<String>,
+    env: Vec<(String, String)>,
+    cwd: String,
+    user: User,
+}
+
+fn bad(msg: impl Into<String>) -> AgentError {
+    AgentError::new(ErrorCode::BadRequest, msg)
+}
+
+/// Checks a call id (it names files): letters, digits, `_`, `-`, `.`, not starting with `.`.
+pub fn check_id(id: &str) -> Result<(), AgentError> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && !id.starts_with('.')
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+    if ok {
+        Ok(())
+    } else {
+        Err(bad(format!("call id {id:?} must be 1-128 letters, digits, '_', '-' or '.'")))
+    }
+}
+
+/// Resolves the user, the environment and the working directory of a spec.
+pub fn prepare(spec: &ExecSpec) -> Result<Prepared, AgentError> {
+    if spec.argv.is_empty() || spec.argv[0].is_empty() {
+        return Err(bad("argv must hold at least the program to run"));
+    }
+    if spec.argv.iter().any(|a| a.contains('\0')) {
+        return Err(bad("argv must not contain NUL bytes"));
+    }
+    let user = users::resolve(spec.user.as_deref()).map_err(bad)?;
+    let mut env: Vec<(String, String)> = vec![
+        ("PATH".into(), DEFAULT_PATH.into()),
+        ("HOME".into(), user.home.clone()),
+        ("USER".into(), user.name.clone()),
+        ("LANG".into(), "C.UTF-8".into()),
+    ];
+    if spec.pty.is_some() {
+        env.push(("TERM".into(), "xterm-256color".into()));
+    }
+    for (k, v) in &spec.env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(bad(format!("env key {k:?} must be non-empty, without '=' or NUL, and its value without NUL")));
+        }
+        match env.iter_mut().find(|(ek, _)| ek == k) {
+            Some(slot) => slot.1 = v.clone(),
+            None => env.push((k.clone(), v.clone())),
+        }
+    }
+    let cwd = match &spec.cwd {
+        Some(c) => {
+            if !c.starts_with('/') || c.contains('\0') {
+                return Err(bad(format!("cwd must be an absolute path, got {c:?}")));
+            }
+            match std::fs::metadata(c) {
+                Ok(m) if m.is_dir() => c.clone(),
+                Ok(_) => return Err(bad(format!("cwd {c} is not a directory"))),
+                Err(_) => return Err(bad(format!("cwd {c} does not exist in the machine"))),
+            }
+        }
+        None if Path::new(&user.home).is_dir() => user.home.clone(),
+        None => "/".into(),
+    };
+    Ok(Prepared { argv: spec.argv.clone(), env, cwd, user })
+}
+
+/// Where a command's standard input comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum StdinMode {
+    Null,
+    Pipe,
+}
+
+/// Options of one run that differ between `Exec` and `Spawn`.
+pub struct RunOptions {
+    /// Names the spill (or spool) files: `<output dir>/<name>.stdout|.stderr`.
+    pub name: String,
+    pub max_output_bytes: u64,
+    /// Background processes keep all output in spool files from the start.
+    pub spool: bool,
+    /// Stream output as `Data` on this stream (respecting credit).
+    pub stream: Option<Arc<Stream>>,
+    /// Called after each chunk with (0 stdout / 1 stderr, bytes in its file so far).
+    pub progress: Option<Arc<dyn Fn(usize, u64) + Send + Sync>>,
+}
+
+/// A command that has started.
+pub struct Running {
+    pub pid: i32,
+    pub started: Instant,
+    pub start_ms: f64,
+    pub cgroup: Option<Arc<CmdCgroup>>,
+    /// The write end of its stdin (pipe mode) or a handle on the terminal's master side.
+    pub stdin: Option<File>,
+    pub pty_master: Option<File>,
+    pub events_tx: Sender<Event>,
+    events_rx: Receiver<Event>,
+    pump: Option<JoinHandle<[Capture; 2]>>,
+    stop: Arc<Mutex<Option<Instant>>>,
+    oom_before: (u64, u64),
+    call_id: String,
+    cap: u64,
+}
+
+/// Why a command could not start.
+pub enum StartError {
+    /// The request was wrong or the machine is out of something.
+    Agent(AgentError),
+    /// `exec` itself failed (no such program, not executable): reported as exit 127/126.
+    Exec(io::Error),
+}
+
+fn spawn_thread<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> io::Result<JoinHandle<T>> {
+    std::thread::Builder::new().name(name.into()).stack_size(256 * 1024).spawn(f)
+}
+
+/// Spawns the command and its output pump.
+pub fn start(
+    agent: &Agent,
+    prep: &Prepared,
+    stdin: StdinMode,
+    pty: Option<PtySize>,
+    opts: RunOptions,
+    opened: Instant,
+    call_id: &str,
+) -> Result<Running, StartError> {
+    let internal = |what: &str, e: io::Error| {
+        let code = if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::EAGAIN | libc::ENOMEM)) {
+            ErrorCode::Exhausted
+        } else {
+            ErrorCode::Internal
+        };
+        StartError::Agent(AgentError::new(code, format!("{what}: {e}")))
+    };
+    let cgroup = agent.cgroups.create();
+    let oom_before = (cgroup.as_ref().map(|c| c.oom_kills()).unwrap_or(0), agent.cgroups.parent_oom_kills());
+    let switch = prep.user.uid != sys::geteuid() || sys::geteuid() == 0 && prep.user.uid != 0;
+    let plan = sys::ChildPlan {
+        cgroup_procs: cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default(),
+        controlling_tty: pty.is_some(),
+        user: switch.then(|| (prep.user.uid, prep.user.gid, prep.user.groups.clone())),
+        cwd: std::ffi::CString::new(prep.cwd.clone()).map_err(|_| StartError::Agent(bad("cwd contains NUL")))?,
+    };
+    let mut cmd = Command::new(&prep.argv[0]);
+    cmd.args(&prep.argv[1..]).env_clear().envs(prep.env.iter().map(|(k, v)| (k, v)));
+    let mut master: Option<OwnedFd> = None;
+    match pty {
+        Some(size) => {
+            let (m, s) = sys::openpty(size.cols, size.rows).map_err(|e| internal("openpty", e))?;
+            let s2 = s.try_clone().map_err(|e| internal("dup", e))?;
+            let s3 = s.try_clone().map_err(|e| internal("dup", e))?;
+            cmd.stdin(Stdio::from(s)).stdout(Stdio::from(s2)).stderr(Stdio::from(s3));
+            master = Some(m);
+        }
+        None => {
+            cmd.stdin(if stdin == StdinMode::Pipe { Stdio::piped() } else { Stdio::null() });
+            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
+        }
+    }
+    sys::set_child_setup(&mut cmd, plan);
+    let (tx, rx) = mpsc::channel();
+    let exit_tx = tx.clone();
+    let spawned = agent.reaper.spawn(
+        || {
+            let child = cmd.spawn()?;
+            Ok((child.id() as i32, child))
+        },
+        move |info| {
+            let _ = exit_tx.send(Event::Exited(info));
+        },
+    );
+    // The terminal's slave side and the cgroup join files must not stay open here.
+    drop(cmd);
+    let mut cgroup = cgroup;
+    if let Some(c) = &mut cgroup {
+        c.joined();
+    }
+    let (pid, mut child) = match spawned {
+        Ok(x) => x,
+        Err(e) => {
+            if let Some(c) = cgroup {
+                c.remove();
+            }
+            return Err(StartError::Exec(e));
+        }
+    };
+    let started = Instant::now();
+    let start_ms = started.duration_since(opened).as_secs_f64() * 1000.0;
+    let spill = |ext: &str| Some(output_file(agent, &opts.name, ext));
+    let caps = [
+        Capture::new(opts.max_output_bytes, spill("stdout"), opts.spool, agent.max_spill_bytes),
+        Capture::new(opts.max_output_bytes, spill("stderr"), opts.spool, agent.max_spill_bytes),
+    ];
+    let mut sources: Vec<(Chan, usize, OwnedFd)> = Vec::new();
+    let mut stdin_file = None;
+    let mut pty_master = None;
+    if let Some(m) = master {
+        match m.try_clone() {
+            Ok(w) => pty_master = Some(File::from(w)),
+            Err(e) => eprintln!("locker-agent: cannot dup a terminal: {e}"),
+        }
+        sources.push((Chan::Bytes, 0, m));
+    } else {
+        if let Some(out) = child.stdout.take() {
+            sources.push((Chan::Stdout, 0, OwnedFd::from(out)));
+        }
+        if let Some(err) = child.stderr.take() {
+            sources.push((Chan::Stderr, 1, OwnedFd::from(err)));
+        }
+        stdin_file = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
+    }
+    drop(child);
+    let stop = Arc::new(Mutex::new(None));
+    let pump_stop = stop.clone();
+    let pump_tx = tx.clone();
+    let pump = spawn_thread("output", move || pump_output(sources, caps, opts.stream, pump_tx, pump_stop, opts.progress));
+    let cgroup = cgroup.map(Arc::new);
+    let running = Running {
+        pid,
+        started,
+        start_ms,
+        cgroup,
+        stdin: stdin_file,
+        pty_master,
+        events_tx: tx,
+        events_rx: rx,
+        pump: None,
+        stop,
+        oom_before,
+        call_id: call_id.to_string(),
+        cap: opts.max_output_bytes,
+    };
+    match pump {
+        Ok(h) => Ok(Running { pump: Some(h), ..running }),
+        Err(e) => {
+            kill_tree(running.pid, running.cgroup.as_deref());
+            Err(internal("cannot start the output thread", e))
+        }
+    }
+}
+
+/// Reads every output fd until all are closed (or the drain grace after a kill has passed),
+/// capturing and, when asked, streaming what comes.
+fn pump_output(
+    mut sources: Vec<(Chan, usize, OwnedFd)>,
+    mut caps: [Capture; 2],
+    mut stream: Option<Arc<Stream>>,
+    events: Sender<Event>,
+    stop: Arc<Mutex<Option<Instant>>>,
+    progress: Option<Arc<dyn Fn(usize, u64) + Send + Sync>>,
+) -> [Capture; 2] {
+    let mut buf = vec![0u8; 64 * 1024];
+    let mut over = false;
+    while !sources.is_empty() {
+        let stop_at = *stop.lock().unwrap_or_else(|e| e.into_inner());
+        if stop_at.is_some_and(|d| Instant::now() >= d) {
+            break;
+        }
+        let fds: Vec<RawFd> = sources.iter().map(|s| s.2.as_raw_fd()).collect();
+        let Ok(revents) = sys::poll(&fds, 100) else { break };
+        let mut done = Vec::new();
+        for (i, re) in revents.iter().enumerate() {
+            if *re == 0 {
+                continue;
+            }
+            let (chan, idx, _) = &sources[i];
+            match sys::read(fds[i], &mut buf) {
+                // EOF, or EIO from a terminal whose other side is all closed.
+                Ok(0) | Err(_) => done.push(i),
+                Ok(n) => {
+                    let chunk = &buf[..n];
+                    if caps[*idx].push(chunk) == Pushed::OverLimit && !over {
+                        over = true;
+                        let _ = events.send(Event::OutputLimit);
+                    }
+                    if let Some(p) = &progress {
+                        p(*idx, caps[*idx].spilled());
+                    }
+                    if let Some(s) = &stream {
+                        if s.data(*chan, chunk).is_err() {
+                            stream = None;
+                        }
+                    }
+                }
+            }
+        }
+        for i in done.into_iter().rev() {
+            sources.remove(i);
+        }
+    }
+    for c in caps.iter_mut() {
+        c.finish();
+    }
+    caps
+}
+
+/// Feeds the host's `Data` on `chan` into `sink` (a pipe or a terminal) until `Eof` or the
+/// stream ends, returning credit as it goes; terminal resizes are applied to `tty`.
+pub fn pump_input(stream: &Stream, chan: Chan, sink: File, tty: Option<RawFd>) {
+    let mut sink = Some(sink);
+    loop {
+        match stream.recv(None) {
+            Recv::Item(Inbound::Data(c, bytes)) => {
+                if c == chan {
+                    if let Some(f) = &mut sink {
+                        if f.write_all(&bytes).is_err() {
+                            // The command closed its input: drop the rest quietly.
+                            sink = None;
+                        }
+                    }
+                }
+                stream.credit(c, bytes.len());
+            }
+            Recv::Item(Inbound::Eof(c)) if c == chan && tty.is_none() => return,
+            Recv::Item(Inbound::Control(Control::Resize(size))) => {
+                if let Some(fd) = tty {
+                    let _ = sys::set_winsize(fd, size.cols, size.rows);
+                }
+            }
+            Recv::Item(_) | Recv::Timeout => {}
+            Recv::Gone => return,
+        }
+    }
+}
+
+/// Kills a command's whole tree: its process group at once, then everything in its cgroup.
+pub fn kill_tree(pid: i32, cgroup: Option<&CmdCgroup>) {
+    let _ = sys::kill(-pid, libc::SIGKILL);
+    if let Some(c) = cgroup {
+        c.kill_all();
+    }
+}
+
+/// How the supervision ended.
+struct Outcome {
+    exit: ExitInfo,
+    cause: Option<Reason>,
+    caller_signaled: bool,
+}
+
+/// Waits for the command to end, killing its tree on timeout, cancel or too much output; then
+/// cleans up and builds the result. `reserve` is room the result's frame must leave for
+/// whatever is sent with it.
+pub fn wait(agent: &Agent, mut run: Running, timeout: Option<Duration>, reserve: usize) -> ExecResult {
+    let deadline = timeout.map(|t| run.started + t);
+    let mut cause: Option<Reason> = None;
+    let mut caller_signaled = false;
+    let exit = loop {
+        let ev = match deadline {
+            Some(d) if cause.is_none() => {
+                match run.events_rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                    Ok(ev) => ev,
+                    Err(RecvTimeoutError::Timeout) => {
+                        cause = Some(Reason::Timeout);
+                        kill_tree(run.pid, run.cgroup.as_deref());
+                        continue;
+                    }
+                    Err(RecvTimeoutError::Disconnected) => unreachable_exit(),
+                }
+            }
+            _ => match run.events_rx.recv() {
+                Ok(ev) => ev,
+                Err(_) => unreachable_exit(),
+            },
+        };
+        match ev {
+            Event::Exited(info) => break info,
+            Event::Cancel => {
+                cause.get_or_insert(Reason::Killed);
+                kill_tree(run.pid, run.cgroup.as_deref());
+            }
+            Event::OutputLimit => {
+                cause.get_or_insert(Reason::OutputLimit);
+                kill_tree(run.pid, run.cgroup.as_deref());
+            }
+            Event::CallerSignal => caller_signaled = true,
+        }
+    };
+    // The command is over: nothing it started may outlive it.
+    match &run.cgroup {
+        Some(c) => {
+            c.kill_all();
+        }
+        None => {
+            let _ = sys::kill(-run.pid, libc::SIGKILL);
+        }
+    }
+    *run.stop.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + DRAIN_GRACE);
+    run.stdin = None;
+    run.pty_master = None;
+    let caps = run.pump.take().and_then(|h| h.join().ok());
+    let caps = caps.unwrap_or_else(|| [Capture::new(1, None, false, 0), Capture::new(1, None, false, 0)]);
+    let usage = run.cgroup.as_ref().and_then(|c| c.usage());
+    let own_oom = run.cgroup.as_ref().map(|c| c.oom_kills()).unwrap_or(0);
+    let oom_grew = own_oom > run.oom_before.0 || agent.cgroups.parent_oom_kills() > run.oom_before.1;
+    let outcome = Outcome { exit, cause, caller_signaled };
+    let result = build_result(&run, outcome, caps, usage, oom_grew, reserve);
+    if let Some(c) = run.cgroup.take() {
+        c.remove();
+    }
+    result
+}
+
+fn unreachable_exit() -> ! {
+    // The supervisor holds a sender itself, so the channel can never disconnect.
+    unreachable!("event channel closed while its owner holds a sender")
+}
+
+fn build_result(
+    run: &Running,
+    o: Outcome,
+    mut caps: [Capture; 2],
+    usage: Option<Usage>,
+    oom_grew: bool,
+    reserve: usize,
+) -> ExecResult {
+    let sig = o.exit.signal();
+    let reason = match (o.cause, sig) {
+        (Some(c), _) => c,
+        (None, Some(libc::SIGKILL)) if oom_grew => Reason::Oom,
+        (None, Some(_)) if o.caller_signaled => Reason::Killed,
+        (None, Some(_)) => Reason::Signaled,
+        (None, None) => Reason::Exited,
+    };
+    let usage = usage.unwrap_or(Usage { cpu_ms: o.exit.cpu_ms, peak_memory_bytes: o.exit.max_rss_bytes });
+    let run_ms = o.exit.at.duration_since(run.started).as_secs_f64() * 1000.0;
+    let cap = usize::try_from(run.cap).unwrap_or(usize::MAX / 4).max(1);
+    let mut budgets = [cap, cap];
+    loop {
+        let texts = [caps[0].render(budgets[0]), caps[1].render(budgets[1])];
+        let truncated = [caps[0].total() > budgets[0] as u64, caps[1].total() > budgets[1] as u64];
+        let output_path = if truncated[0] {
+            caps[0].spill_file()
+        } else if truncated[1] {
+            caps[1].spill_file()
+        } else {
+            None
+        };
+        let [stdout, stderr] = texts;
+        let result = ExecResult {
+            call_id: run.call_id.clone(),
+            exit_code: o.exit.code(),
+            signal: sig.map(sys::signal_name),
+            reason,
+            stdout,
+            stderr,
+            stdout_truncated: truncated[0],
+            stderr_truncated: truncated[1],
+            stdout_bytes: caps[0].total(),
+            stderr_bytes: caps[1].total(),
+            output_path: output_path.map(|p| p.to_string_lossy().into_owned()),
+            timings: Timings { queue_ms: 0.0, start_ms: run.start_ms, run_ms, total_ms: 0.0 },
+            usage: usage.clone(),
+            changes: None,
+        };
+        let size = serde_json::to_vec(&EndBody::Exec(Box::new(result.clone()))).map(|v| v.len()).unwrap_or(0);
+        if size + reserve + 1024 <= MAX_PAYLOAD || (budgets[0] <= 64 && budgets[1] <= 64) {
+            return result;
+        }
+        // Too big for one frame (escaping can multiply bytes): show less of the bigger stream,
+        // making sure its file holds all of it.
+        let i = if result.stdout.len() >= result.stderr.len() { 0 } else { 1 };
+        budgets[i] = (budgets[i].min(caps[i].total() as usize)) / 2;
+        caps[i].ensure_spilled();
+    }
+}
+
+/// The result of a command whose program could not be executed, as a shell reports it.
+pub fn not_started(call_id: &str, argv0: &str, opened: Instant, e: &io::Error) -> ExecResult {
+    let code = match e.raw_os_error() {
+        Some(libc::ENOENT) => 127,
+        _ => 126,
+    };
+    let stderr = format!("locker: cannot run {argv0:?}: {e}\n");
+    ExecResult {
+        call_id: call_id.to_string(),
+        exit_code: Some(code),
+        signal: None,
+        reason: Reason::Exited,
+        stderr_bytes: stderr.len() as u64,
+        stderr,
+        stdout: String::new(),
+        stdout_truncated: false,
+        stderr_truncated: false,
+        stdout_bytes: 0,
+        output_path: None,
+        timings: Timings { start_ms: opened.elapsed().as_secs_f64() * 1000.0, ..Default::default() },
+        usage: Usage::default(),
+        changes: None,
+    }
+}
+
+/// Serves `Request::Exec`.
+pub fn run_exec(agent: &Arc<Agent>, s: &Arc<Stream>, mut spec: ExecSpec) {
+    if spec.call_id.is_empty() {
+        spec.call_id = crate::random_id("call_");
+    }
+    if let Err(e) = check_id(&spec.call_id) {
+        return s.fail(e);
+    }
+    let prep = match prepare(&spec) {
+        Ok(p) => p,
+        Err(e) => return s.fail(e),
+    };
+    let stdin_mode = if spec.stdin && spec.pty.is_none() { StdinMode::Pipe } else { StdinMode::Null };
+    let streaming = spec.stream_output || spec.pty.is_some();
+    let opts = RunOptions {
+        name: spec.call_id.clone(),
+        max_output_bytes: spec.max_output_bytes.max(1),
+        spool: false,
+        stream: streaming.then(|| s.clone()),
+        progress: None,
+    };
+    let mut run = match start(agent, &prep, stdin_mode, spec.pty, opts, s.opened, &spec.call_id) {
+        Ok(r) => r,
+        Err(StartError::Agent(e)) => return s.fail(e),
+        Err(StartError::Exec(e)) => {
+            return s.end(EndBody::Exec(Box::new(not_started(&spec.call_id, &prep.argv[0], s.opened, &e))))
+        }
+    };
+    let _ = s.msg(Reply::Started { pid: run.pid, start_ms: run.start_ms });
+    let cancel_tx = run.events_tx.clone();
+    s.on_cancel(move || {
+        let _ = cancel_tx.send(Event::Cancel);
+    });
+    let input = match (run.stdin.take(), run.pty_master.as_ref().map(|m| m.try_clone())) {
+        (Some(pipe), _) => Some((Chan::Stdin, pipe, None)),
+        (None, Some(Ok(master))) => {
+            let fd = master.as_raw_fd();
+            Some((Chan::Bytes, master, Some(fd)))
+        }
+        _ => None,
+    };
+    if let Some((chan, sink, tty)) = input {
+        let st = s.clone();
+        if let Err(e) = spawn_thread("input", move || pump_input(&st, chan, sink, tty)) {
+            eprintln!("locker-agent: cannot start an input thread: {e}");
+        }
+    }
+    let timeout = spec.timeout_ms.map(Duration::from_millis);
+    let result = wait(agent, run, timeout, 0);
+    s.end(EndBody::Exec(Box::new(result)));
+}
+
+/// The spill/spool file of a stream.
+pub fn output_file(agent: &Agent, name: &str, ext: &str) -> PathBuf {
+    agent.output_dir.join(format!("{name}.{ext}"))
+}

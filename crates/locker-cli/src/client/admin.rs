@@ -1,0 +1,108 @@
+//! `locker tenant create` and `locker key create|revoke`: the admin routes, authenticated
+//! with `LOCKER_ADMIN_KEY` (the key `locker serve --admin-key` was given).
+
+use serde_json::{json, Value};
+
+use super::render::cell;
+use super::{print_json, print_text, seg, ClientError, Conn};
+
+/// `locker tenant …`.
+#[derive(clap::Args, Debug)]
+pub struct TenantArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub cmd: TenantCmd,
+}
+
+/// The tenant subcommands.
+#[derive(clap::Subcommand, Debug)]
+pub enum TenantCmd {
+    /// Create a tenant and its first API key (the key is shown only once).
+    Create {
+        /// The tenant's name.
+        name: String,
+    },
+}
+
+/// `locker key …`.
+#[derive(clap::Args, Debug)]
+pub struct KeyArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub cmd: KeyCmd,
+}
+
+/// The key subcommands.
+#[derive(clap::Subcommand, Debug)]
+pub enum KeyCmd {
+    /// Create a new API key of a tenant (shown only once).
+    Create {
+        /// The tenant the key belongs to.
+        #[arg(long)]
+        tenant: String,
+    },
+    /// Revoke a key at once (key_…).
+    Revoke { key_id: String },
+}
+
+/// A new key for people: tenant, key id and the key itself, one a line.
+pub fn key_text(v: &Value) -> String {
+    format!(
+        "tenant:  {}\nkey_id:  {}\napi_key: {}\n",
+        cell(v.get("tenant")),
+        cell(v.get("key_id")),
+        cell(v.get("api_key"))
+    )
+}
+
+fn show_new_key(v: &Value, json_out: bool) -> Result<i32, ClientError> {
+    if json_out {
+        print_json(v)?;
+    } else {
+        print_text(&key_text(v))?;
+        eprintln!("locker: the API key is shown only this once: store it now");
+    }
+    Ok(0)
+}
+
+/// Runs `locker tenant …`.
+pub fn run_tenant(a: TenantArgs) -> Result<i32, ClientError> {
+    let c = a.conn.admin_client()?;
+    match a.cmd {
+        TenantCmd::Create { name } => {
+            let v = c.post_json("/v1/tenants", &json!({ "name": name }))?;
+            show_new_key(&v, a.conn.json)
+        }
+    }
+}
+
+/// Runs `locker key …`.
+pub fn run_key(a: KeyArgs) -> Result<i32, ClientError> {
+    let c = a.conn.admin_client()?;
+    match a.cmd {
+        KeyCmd::Create { tenant } => {
+            let v = c.post_json(&format!("/v1/tenants/{}/keys", seg(&tenant)), &json!({}))?;
+            show_new_key(&v, a.conn.json)
+        }
+        KeyCmd::Revoke { key_id } => {
+            c.delete(&format!("/v1/keys/{}", seg(&key_id)), &[])?;
+            Ok(0)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_new_key_reads_as_three_lines() {
+        let v = json!({"tenant": "team-b", "api_key": "lk_abc", "key_id": "key_1"});
+        assert_eq!(
+            key_text(&v),
+            "tenant:  team-b\nkey_id:  key_1\napi_key: lk_abc\n"
+        );
+    }
+}

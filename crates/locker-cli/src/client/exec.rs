@@ -1,0 +1,466 @@
+//! `locker exec SB -- CMD…`: run one command in a sandbox with its output live on the
+//! terminal, and leave with the command's exit code, so that `locker exec` drops into
+//! scripts where the command itself would have stood.
+//!
+//! The output arrives as NDJSON (`Accept: application/x-ndjson`): one `stdout`/`stderr`
+//! chunk a line, then the `result` (an ExecResult). Chunks are written and flushed as their
+//! line arrives. Ctrl-C needs no handler: the default SIGINT ends this process, the kernel
+//! closes the connection, and the contract says closing the stream kills the command.
+//!
+//! Exit codes follow the shell's and coreutils' conventions: the command's own code when it
+//! exited, 128 + the signal's number when a signal ended it, 124 on timeout (as
+//! `timeout(1)`), 137 (128 + SIGKILL) when it was killed for memory or output or by a
+//! caller.
+
+use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+
+use locker_types::ExecRequest;
+use serde_json::Value;
+
+use super::{base64_decode, parse_kv, print_json, seg, Client, ClientError, Conn};
+
+/// The longest NDJSON line accepted from the server (a chunk of output plus framing).
+const MAX_LINE: u64 = 16 * 1024 * 1024;
+
+/// `locker exec …`.
+#[derive(clap::Args, Debug)]
+pub struct ExecArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// The sandbox to run in (sb_…).
+    pub sandbox: String,
+    /// Working directory inside the sandbox (absolute).
+    #[arg(long)]
+    pub cwd: Option<String>,
+    /// An environment variable of the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Kill the command's whole process tree after this long (exit code 124).
+    #[arg(long)]
+    pub timeout_ms: Option<u64>,
+    /// Bytes of each output stream kept in the call's record (the terminal gets it all).
+    #[arg(long)]
+    pub max_output_bytes: Option<u64>,
+    /// The user to run as, a name or a uid (server default: root).
+    #[arg(long, short = 'u')]
+    pub user: Option<String>,
+    /// Run this string with `/bin/sh -c` instead of CMD.
+    #[arg(long, value_name = "SCRIPT", conflicts_with = "cmd")]
+    pub shell: Option<String>,
+    /// Send no standard input, even when it is not a terminal (as `ssh -n`).
+    #[arg(long, short = 'n')]
+    pub no_stdin: bool,
+    /// The program and its arguments (after `--` when they start with `-`).
+    #[arg(
+        value_name = "CMD",
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required_unless_present = "shell"
+    )]
+    pub cmd: Vec<String>,
+}
+
+/// How an exec ended, as the CLI reports it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ExecOutcome {
+    /// The exit code `locker exec` leaves with (see the module doc).
+    pub code: i32,
+    /// The ExecResult as the server sent it.
+    pub result: Value,
+}
+
+/// The request body for these flags, with `stdin` (when there is any) as `stdin_b64`.
+pub fn exec_request(a: &ExecArgs, stdin: Option<&[u8]>) -> ExecRequest {
+    ExecRequest {
+        cmd: if a.shell.is_some() {
+            None
+        } else {
+            Some(a.cmd.clone())
+        },
+        shell: a.shell.clone(),
+        cwd: a.cwd.clone(),
+        env: a.env.iter().cloned().collect(),
+        stdin: None,
+        stdin_b64: stdin.filter(|s| !s.is_empty()).map(super::base64),
+        timeout_ms: a.timeout_ms,
+        max_output_bytes: a.max_output_bytes,
+        user: a.user.clone(),
+    }
+}
+
+/// Linux's number of a signal given by name (`SIGKILL`, `KILL`) or number (`"9"`).
+pub fn signal_number(name: &str) -> Option<i32> {
+    if let Ok(n) = name.parse::<i32>() {
+        return (1..=64).contains(&n).then_some(n);
+    }
+    let upper = name.to_ascii_uppercase();
+    let bare = upper.strip_prefix("SIG").unwrap_or(&upper);
+    const NAMES: [&str; 31] = [
+        "HUP", "INT", "QUIT", "ILL", "TRAP", "ABRT", "BUS", "FPE", "KILL", "USR1", "SEGV", "USR2",
+        "PIPE", "ALRM", "TERM", "STKFLT", "CHLD", "CONT", "STOP", "TSTP", "TTIN", "TTOU", "URG",
+        "XCPU", "XFSZ", "VTALRM", "PROF", "WINCH", "IO", "PWR", "SYS",
+    ];
+    if bare == "IOT" {
+        return Some(6);
+    }
+    NAMES.iter().position(|n| *n == bare).map(|i| i as i32 + 1)
+}
+
+/// The exit code for an ExecResult (see the module doc).
+pub fn exit_code_of(result: &Value) -> i32 {
+    let reason = result.get("reason").and_then(Value::as_str).unwrap_or("");
+    let code = result.get("exit_code").and_then(Value::as_i64);
+    let signal = result
+        .get("signal")
+        .and_then(Value::as_str)
+        .and_then(signal_number);
+    match (reason, code, signal) {
+        ("timeout", _, _) => 124,
+        ("exited", Some(c), _) | ("", Some(c), None) if (0..=255).contains(&c) => c as i32,
+        ("exited", Some(_), _) | ("", Some(_), None) => 1,
+        (_, _, Some(s)) => 128 + s,
+        ("oom" | "output_limit" | "killed", _, None) => 137,
+        _ => 1,
+    }
+}
+
+/// A line for people saying why the command ended, when it did not simply exit.
+pub fn note_of(result: &Value) -> Option<String> {
+    let reason = result.get("reason").and_then(Value::as_str)?;
+    let signal = result.get("signal").and_then(Value::as_str);
+    let mut note = match reason {
+        "exited" => return None,
+        "timeout" => "the command ran past its timeout; its process tree was killed".to_string(),
+        "oom" => "the command ran out of memory and was killed".to_string(),
+        "output_limit" => {
+            "the command wrote more output than the machine may keep; it was killed".to_string()
+        }
+        "killed" => "the command was killed".to_string(),
+        "signaled" => format!("the command was ended by {}", signal.unwrap_or("a signal")),
+        other => format!("the command ended: {other}"),
+    };
+    note.push_str(&format!(" (exit code {})", exit_code_of(result)));
+    Some(note)
+}
+
+/// Runs `req` in sandbox `sandbox`, writing its output to `out` and `err` as it arrives;
+/// returns how it ended. A server that ignores the NDJSON `Accept` and answers one
+/// ExecResult is handled too (the output is then written at the end).
+pub fn exec_stream(
+    c: &Client,
+    sandbox: &str,
+    req: &ExecRequest,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> Result<ExecOutcome, ClientError> {
+    let body = serde_json::to_value(req)
+        .map_err(|e| ClientError::Protocol(format!("cannot encode the request: {e}")))?;
+    let path = format!("/v1/sandboxes/{}/exec", seg(sandbox));
+    let (ctype, reader) = c.post_stream(&path, &body, "application/x-ndjson")?;
+    let result = if ctype.starts_with("application/json") {
+        let mut buf = Vec::new();
+        reader
+            .take(MAX_LINE * 4)
+            .read_to_end(&mut buf)
+            .map_err(|e| ClientError::Protocol(format!("reading the result failed: {e}")))?;
+        let v: Value = serde_json::from_slice(&buf)
+            .map_err(|e| ClientError::Protocol(format!("the result is not JSON ({e})")))?;
+        for (key, w) in [("stdout", &mut *out as &mut dyn Write), ("stderr", err)] {
+            if let Some(s) = v.get(key).and_then(Value::as_str) {
+                write_chunk(w, s.as_bytes())?;
+            }
+        }
+        v
+    } else {
+        pump_ndjson(BufReader::new(reader), out, err)?
+    };
+    Ok(ExecOutcome {
+        code: exit_code_of(&result),
+        result,
+    })
+}
+
+fn write_chunk(w: &mut dyn Write, data: &[u8]) -> Result<(), ClientError> {
+    w.write_all(data)
+        .and_then(|()| w.flush())
+        .map_err(|e| ClientError::io("cannot write the command's output", e))
+}
+
+/// Reads an exec's NDJSON stream: writes each `stdout`/`stderr` chunk to `out`/`err` as
+/// its line arrives and returns the final `result` object (without its `type`). Chunks
+/// carry text in `data`, or raw bytes in `data_b64` where a server sends them. An
+/// `{"type":"error","error":{…}}` line becomes the error it describes; unknown types are
+/// skipped, so the server can add some.
+pub fn pump_ndjson(
+    mut r: impl BufRead,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> Result<Value, ClientError> {
+    let mut line = Vec::new();
+    loop {
+        line.clear();
+        let n = (&mut r)
+            .take(MAX_LINE)
+            .read_until(b'\n', &mut line)
+            .map_err(|e| ClientError::io("reading the command's output stream failed", e))?;
+        if n == 0 {
+            return Err(ClientError::Protocol(
+                "the output stream ended before the command's result (the server or the connection failed)"
+                    .into(),
+            ));
+        }
+        if line.last() != Some(&b'\n') && n as u64 == MAX_LINE {
+            return Err(ClientError::Protocol(format!(
+                "a line of the output stream is longer than {MAX_LINE} bytes"
+            )));
+        }
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let mut msg: Value = serde_json::from_slice(&line).map_err(|e| {
+            ClientError::Protocol(format!("a line of the output stream is not JSON ({e})"))
+        })?;
+        let kind = msg.get("type").and_then(Value::as_str).unwrap_or("");
+        match kind {
+            "stdout" | "stderr" => {
+                let bytes = match msg.get("data_b64").and_then(Value::as_str) {
+                    Some(b) => base64_decode(b).ok_or_else(|| {
+                        ClientError::Protocol("a chunk's `data_b64` is not base64".into())
+                    })?,
+                    None => msg
+                        .get("data")
+                        .and_then(Value::as_str)
+                        .unwrap_or("")
+                        .as_bytes()
+                        .to_vec(),
+                };
+                let w: &mut dyn Write = if kind == "stdout" { out } else { err };
+                write_chunk(w, &bytes)?;
+            }
+            "result" => {
+                if let Some(m) = msg.as_object_mut() {
+                    m.remove("type");
+                }
+                return Ok(msg);
+            }
+            "error" => {
+                let e = msg.get("error").cloned().unwrap_or(Value::Null);
+                let code = e
+                    .get("code")
+                    .and_then(Value::as_str)
+                    .unwrap_or("internal")
+                    .to_string();
+                let message = e
+                    .get("message")
+                    .and_then(Value::as_str)
+                    .unwrap_or("the exec failed")
+                    .to_string();
+                return Err(ClientError::Api {
+                    status: status_of(&code),
+                    code,
+                    message,
+                    hint: None,
+                });
+            }
+            _ => {}
+        }
+    }
+}
+
+/// The HTTP status the contract pairs with an error code.
+pub fn status_of(code: &str) -> u16 {
+    match code {
+        "bad_request" => 400,
+        "unauthorized" => 401,
+        "not_found" => 404,
+        "conflict" => 409,
+        "payload_too_large" => 413,
+        "unprocessable" => 422,
+        "quota_exceeded" => 429,
+        "unavailable" => 503,
+        _ => 500,
+    }
+}
+
+/// Runs `locker exec …`.
+pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
+    let c = a.conn.client()?;
+    let stdin = if a.no_stdin || std::io::stdin().is_terminal() {
+        None
+    } else {
+        let mut buf = Vec::new();
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut buf)
+            .map_err(|e| ClientError::io("cannot read standard input", e))?;
+        Some(buf)
+    };
+    let req = exec_request(&a, stdin.as_deref());
+    req.validate().map_err(ClientError::Usage)?;
+    if a.conn.json {
+        let body = serde_json::to_value(&req)
+            .map_err(|e| ClientError::Protocol(format!("cannot encode the request: {e}")))?;
+        let v = c.post_json(&format!("/v1/sandboxes/{}/exec", seg(&a.sandbox)), &body)?;
+        print_json(&v)?;
+        return Ok(exit_code_of(&v));
+    }
+    let outcome = {
+        let mut out = std::io::stdout().lock();
+        let mut err = std::io::stderr().lock();
+        exec_stream(&c, &a.sandbox, &req, &mut out, &mut err)?
+    };
+    if let Some(note) = note_of(&outcome.result) {
+        eprintln!("locker: {note}");
+    }
+    Ok(outcome.code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn args(cmd: &[&str]) -> ExecArgs {
+        ExecArgs {
+            conn: Conn {
+                url: super::super::DEFAULT_URL.into(),
+                json: false,
+            },
+            sandbox: "sb_1".into(),
+            cwd: None,
+            env: vec![],
+            timeout_ms: None,
+            max_output_bytes: None,
+            user: None,
+            shell: None,
+            no_stdin: false,
+            cmd: cmd.iter().map(|s| s.to_string()).collect(),
+        }
+    }
+
+    #[test]
+    fn request_body_maps_flags_and_stdin() {
+        let mut a = args(&["python3", "-c", "print(1)"]);
+        a.cwd = Some("/root".into());
+        a.env = vec![("K".into(), "V".into())];
+        a.timeout_ms = Some(5000);
+        let body = serde_json::to_value(exec_request(&a, Some(b"hi\n"))).unwrap();
+        assert_eq!(
+            body,
+            json!({"cmd": ["python3", "-c", "print(1)"], "cwd": "/root", "env": {"K": "V"},
+                   "stdin_b64": "aGkK", "timeout_ms": 5000})
+        );
+        let mut a = args(&[]);
+        a.shell = Some("cd app && npm test".into());
+        let body = serde_json::to_value(exec_request(&a, Some(b""))).unwrap();
+        assert_eq!(body, json!({"shell": "cd app && npm test"}));
+    }
+
+    #[test]
+    fn exit_codes_follow_shell_conventions() {
+        let r = |v: Value| exit_code_of(&v);
+        assert_eq!(r(json!({"reason": "exited", "exit_code": 0})), 0);
+        assert_eq!(r(json!({"reason": "exited", "exit_code": 3})), 3);
+        assert_eq!(r(json!({"reason": "exited", "exit_code": 300})), 1);
+        assert_eq!(
+            r(json!({"reason": "signaled", "exit_code": null, "signal": "SIGSEGV"})),
+            139
+        );
+        assert_eq!(r(json!({"reason": "signaled", "signal": "TERM"})), 143);
+        assert_eq!(r(json!({"reason": "timeout", "signal": "SIGKILL"})), 124);
+        assert_eq!(r(json!({"reason": "oom", "exit_code": null})), 137);
+        assert_eq!(r(json!({"reason": "killed", "signal": "SIGTERM"})), 143);
+        assert_eq!(r(json!({"reason": "output_limit"})), 137);
+        assert_eq!(r(json!({})), 1);
+    }
+
+    #[test]
+    fn signal_names_and_numbers() {
+        assert_eq!(signal_number("SIGKILL"), Some(9));
+        assert_eq!(signal_number("sigint"), Some(2));
+        assert_eq!(signal_number("SYS"), Some(31));
+        assert_eq!(signal_number("15"), Some(15));
+        assert_eq!(signal_number("SIGNOPE"), None);
+        assert_eq!(signal_number("0"), None);
+    }
+
+    #[test]
+    fn notes_only_when_the_command_did_not_just_exit() {
+        assert_eq!(note_of(&json!({"reason": "exited", "exit_code": 1})), None);
+        assert_eq!(
+            note_of(&json!({"reason": "timeout"})).unwrap(),
+            "the command ran past its timeout; its process tree was killed (exit code 124)"
+        );
+        assert_eq!(
+            note_of(&json!({"reason": "signaled", "signal": "SIGSEGV"})).unwrap(),
+            "the command was ended by SIGSEGV (exit code 139)"
+        );
+    }
+
+    #[test]
+    fn ndjson_chunks_go_to_their_stream_in_order() {
+        let stream = concat!(
+            "{\"type\":\"stdout\",\"data\":\"hello \"}\n",
+            "\n",
+            "{\"type\":\"stderr\",\"data\":\"warn\\n\"}\n",
+            "{\"type\":\"progress\",\"pct\":50}\n",
+            "{\"type\":\"stdout\",\"data_b64\":\"/wA=\"}\n",
+            "{\"type\":\"result\",\"call_id\":\"call_1\",\"exit_code\":2,\"reason\":\"exited\"}\n",
+            "{\"type\":\"stdout\",\"data\":\"after the result: ignored\"}\n",
+        );
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        let result = pump_ndjson(stream.as_bytes(), &mut out, &mut err).unwrap();
+        assert_eq!(out, b"hello \xff\x00");
+        assert_eq!(err, b"warn\n");
+        assert_eq!(
+            result,
+            json!({"call_id": "call_1", "exit_code": 2, "reason": "exited"})
+        );
+        assert_eq!(exit_code_of(&result), 2);
+    }
+
+    #[test]
+    fn a_result_without_a_final_newline_still_counts() {
+        let stream = "{\"type\":\"result\",\"exit_code\":0,\"reason\":\"exited\"}";
+        let result = pump_ndjson(stream.as_bytes(), &mut Vec::new(), &mut Vec::new()).unwrap();
+        assert_eq!(exit_code_of(&result), 0);
+    }
+
+    #[test]
+    fn a_stream_cut_before_the_result_is_an_error() {
+        let stream = "{\"type\":\"stdout\",\"data\":\"partial\"}\n";
+        let mut out = Vec::new();
+        let e = pump_ndjson(stream.as_bytes(), &mut out, &mut Vec::new()).unwrap_err();
+        assert_eq!(out, b"partial");
+        assert!(
+            e.to_string().contains("ended before the command's result"),
+            "{e}"
+        );
+        let e = pump_ndjson("not json\n".as_bytes(), &mut out, &mut Vec::new()).unwrap_err();
+        assert!(e.to_string().contains("not JSON"), "{e}");
+    }
+
+    #[test]
+    fn an_error_line_becomes_the_contract_error() {
+        let stream = r#"{"type":"error","error":{"code":"not_found","message":"sandbox sb_1 does not exist"}}"#;
+        let e = pump_ndjson(stream.as_bytes(), &mut Vec::new(), &mut Vec::new()).unwrap_err();
+        assert_eq!(e.to_string(), "sandbox sb_1 does not exist (404 not_found)");
+    }
+
+    #[test]
+    fn a_closed_stdout_stops_quietly() {
+        struct Closed;
+        impl Write for Closed {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::ErrorKind::BrokenPipe.into())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let stream = "{\"type\":\"stdout\",\"data\":\"x\"}\n";
+        let e = pump_ndjson(stream.as_bytes(), &mut Closed, &mut Vec::new()).unwrap_err();
+        assert_eq!(e.exit_code(), 141);
+        assert!(super::super::render::error_line(&e).is_none());
+    }
+}

@@ -1,0 +1,390 @@
+//! `locker sandbox create|list|get|rm`: session machines over `/v1/sandboxes`.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Map, Value};
+
+use super::render::{cell, kv_lines, now_secs, relative, table};
+use super::{items, parse_kv, print_json, print_text, seg, Client, ClientError, Conn};
+
+/// `locker sandbox …`.
+#[derive(clap::Args, Debug)]
+pub struct SandboxArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub cmd: SandboxCmd,
+}
+
+/// The sandbox subcommands.
+#[derive(clap::Subcommand, Debug)]
+pub enum SandboxCmd {
+    /// Create a sandbox and print its id.
+    Create(CreateArgs),
+    /// List this tenant's sandboxes.
+    #[command(visible_alias = "ls")]
+    List(ListArgs),
+    /// Show one sandbox.
+    Get {
+        /// The sandbox (sb_…).
+        id: String,
+    },
+    /// Destroy sandboxes now: their processes, mounts and files are gone.
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// The sandboxes (sb_…).
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+}
+
+/// Flags of `locker sandbox create`; every one left out takes the server's default.
+#[derive(clap::Args, Debug, Default, Clone)]
+pub struct CreateArgs {
+    /// The template to start from (server default: `default`).
+    #[arg(long)]
+    pub template: Option<String>,
+    /// The isolation backend: auto, jail, gvisor or microvm.
+    #[arg(long)]
+    pub runtime: Option<String>,
+    /// CPUs.
+    #[arg(long)]
+    pub cpus: Option<u32>,
+    /// Memory limit in MiB.
+    #[arg(long)]
+    pub memory_mb: Option<u64>,
+    /// Disk quota of its writable layer in MiB.
+    #[arg(long)]
+    pub disk_mb: Option<u64>,
+    /// Seconds until it is destroyed.
+    #[arg(long)]
+    pub ttl_s: Option<u64>,
+    /// Pause it after this many seconds with no call.
+    #[arg(long)]
+    pub idle_timeout_s: Option<u64>,
+    /// An environment variable of every command in it (repeatable).
+    #[arg(long = "env", value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// A label to find it by (`sandbox list --metadata K=V`; repeatable).
+    #[arg(long = "metadata", value_name = "K=V", value_parser = parse_kv)]
+    pub metadata: Vec<(String, String)>,
+    /// Egress: `none` (default), `all`, `allow:pypi.org,*.github.com,10.0.0.0/8`, or the
+    /// policy's JSON.
+    #[arg(long, value_name = "POLICY", value_parser = parse_network)]
+    pub network: Option<Value>,
+    /// Mount a volume: `vol_…:/path`, or `vol_…:/path:ro` read-only (repeatable).
+    #[arg(long = "volume", value_name = "VOL:PATH[:ro]", value_parser = parse_volume)]
+    pub volumes: Vec<Value>,
+    /// Start from a snapshot (snap_…) instead of the template.
+    #[arg(long)]
+    pub from_snapshot: Option<String>,
+}
+
+/// Flags of `locker sandbox list`.
+#[derive(clap::Args, Debug, Default, Clone)]
+pub struct ListArgs {
+    /// Only sandboxes in this state (starting, running, paused, stopped, failed).
+    #[arg(long)]
+    pub state: Option<String>,
+    /// Only sandboxes with this label (repeatable: all must match).
+    #[arg(long = "metadata", value_name = "K=V", value_parser = parse_kv)]
+    pub metadata: Vec<(String, String)>,
+}
+
+/// The `--network` flag as the API's `network` object.
+pub fn parse_network(s: &str) -> Result<Value, String> {
+    let s = s.trim();
+    if s.starts_with('{') {
+        let v: Value = serde_json::from_str(s).map_err(|e| format!("not valid JSON: {e}"))?;
+        return if v.get("egress").is_some() {
+            Ok(v)
+        } else {
+            Err("a JSON policy needs an \"egress\" field".into())
+        };
+    }
+    match s {
+        "none" => Ok(json!({"egress": "none"})),
+        "all" => Ok(json!({"egress": "all"})),
+        _ => {
+            let list = s
+                .strip_prefix("allow:")
+                .or_else(|| s.strip_prefix("allow="))
+                .ok_or_else(|| format!("expected none, all or allow:DOMAIN,…, got {s:?}"))?;
+            let allow: Vec<&str> = list
+                .split(',')
+                .map(str::trim)
+                .filter(|d| !d.is_empty())
+                .collect();
+            if allow.is_empty() {
+                return Err("allow: needs at least one domain or address".into());
+            }
+            Ok(json!({"egress": "allow", "allow": allow}))
+        }
+    }
+}
+
+/// The `--volume` flag (`vol_…:/path[:ro]`) as one entry of the API's `volumes`.
+pub fn parse_volume(s: &str) -> Result<Value, String> {
+    let (spec, read_only) = match s.strip_suffix(":ro") {
+        Some(rest) => (rest, true),
+        None => (s.strip_suffix(":rw").unwrap_or(s), false),
+    };
+    match spec.split_once(':') {
+        Some((vol, path)) if !vol.is_empty() && path.starts_with('/') => {
+            Ok(json!({"volume": vol, "path": path, "read_only": read_only}))
+        }
+        _ => Err(format!("expected VOLUME:/abs/path[:ro], got {s:?}")),
+    }
+}
+
+fn map_of(pairs: &[(String, String)]) -> BTreeMap<&str, &str> {
+    pairs
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect()
+}
+
+/// The body of `POST /v1/sandboxes` for these flags: only what was given.
+pub fn create_body(a: &CreateArgs) -> Value {
+    let mut m = Map::new();
+    let mut put = |k: &str, v: Value| {
+        m.insert(k.to_string(), v);
+    };
+    if let Some(t) = &a.template {
+        put("template", json!(t));
+    }
+    if let Some(r) = &a.runtime {
+        put("runtime", json!(r));
+    }
+    if let Some(n) = a.cpus {
+        put("cpus", json!(n));
+    }
+    if let Some(n) = a.memory_mb {
+        put("memory_mb", json!(n));
+    }
+    if let Some(n) = a.disk_mb {
+        put("disk_mb", json!(n));
+    }
+    if let Some(n) = a.ttl_s {
+        put("ttl_s", json!(n));
+    }
+    if let Some(n) = a.idle_timeout_s {
+        put("idle_timeout_s", json!(n));
+    }
+    if !a.env.is_empty() {
+        put("env", json!(map_of(&a.env)));
+    }
+    if !a.metadata.is_empty() {
+        put("metadata", json!(map_of(&a.metadata)));
+    }
+    if let Some(n) = &a.network {
+        put("network", n.clone());
+    }
+    if !a.volumes.is_empty() {
+        put("volumes", Value::Array(a.volumes.clone()));
+    }
+    if let Some(s) = &a.from_snapshot {
+        put("from_snapshot", json!(s));
+    }
+    Value::Object(m)
+}
+
+/// The query of `GET /v1/sandboxes` for these flags.
+pub fn list_query(a: &ListArgs) -> Vec<(String, String)> {
+    let mut q = Vec::new();
+    if let Some(s) = &a.state {
+        q.push(("state".to_string(), s.clone()));
+    }
+    for (k, v) in &a.metadata {
+        q.push((format!("metadata.{k}"), v.clone()));
+    }
+    q
+}
+
+/// The sandbox list as a table for people.
+pub fn list_table(sandboxes: &[Value], now: i64) -> String {
+    let rows: Vec<Vec<String>> = sandboxes
+        .iter()
+        .map(|s| {
+            let when = |k: &str| match s.get(k).and_then(Value::as_str) {
+                Some(t) => relative(now, t),
+                None => "-".to_string(),
+            };
+            vec![
+                cell(s.get("id")),
+                cell(s.get("state")),
+                cell(s.get("template")),
+                cell(s.get("runtime")),
+                when("created_at"),
+                when("expires_at"),
+            ]
+        })
+        .collect();
+    table(
+        &["ID", "STATE", "TEMPLATE", "RUNTIME", "CREATED", "EXPIRES"],
+        &rows,
+    )
+}
+
+/// The fields `sandbox get` shows first, in this order.
+const GET_ORDER: &[&str] = &[
+    "id",
+    "state",
+    "template",
+    "runtime",
+    "cpus",
+    "memory_mb",
+    "disk_mb",
+    "created_at",
+    "expires_at",
+    "last_active_at",
+];
+
+/// Runs `locker sandbox …`.
+pub fn run(a: SandboxArgs) -> Result<i32, ClientError> {
+    let c = a.conn.client()?;
+    let json_out = a.conn.json;
+    match a.cmd {
+        SandboxCmd::Create(args) => {
+            let sb = c.post_json("/v1/sandboxes", &create_body(&args))?;
+            if json_out {
+                print_json(&sb)?;
+            } else {
+                let id = sb.get("id").and_then(Value::as_str).ok_or_else(|| {
+                    ClientError::Protocol("the created sandbox has no `id`".into())
+                })?;
+                print_text(&format!("{id}\n"))?;
+            }
+            Ok(0)
+        }
+        SandboxCmd::List(args) => {
+            let q = list_query(&args);
+            let q: Vec<(&str, String)> = q.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+            let v = c.get_json("/v1/sandboxes", &q)?;
+            if json_out {
+                print_json(&v)?;
+            } else {
+                print_text(&list_table(items(&v, "sandboxes")?, now_secs()))?;
+            }
+            Ok(0)
+        }
+        SandboxCmd::Get { id } => {
+            let v = get(&c, &id)?;
+            if json_out {
+                print_json(&v)?;
+            } else {
+                print_text(&kv_lines(&v, GET_ORDER, now_secs()))?;
+            }
+            Ok(0)
+        }
+        SandboxCmd::Rm { ids } => {
+            let mut failed = 0;
+            let mut gone = Vec::new();
+            for id in ids {
+                match c.delete(&format!("/v1/sandboxes/{}", seg(&id)), &[]) {
+                    Ok(()) => {
+                        if !json_out {
+                            print_text(&format!("{id}\n"))?;
+                        }
+                        gone.push(id);
+                    }
+                    Err(e) => {
+                        failed += 1;
+                        super::report(&e);
+                    }
+                }
+            }
+            if json_out {
+                print_json(&json!({ "deleted": gone }))?;
+            }
+            Ok(if failed == 0 { 0 } else { 1 })
+        }
+    }
+}
+
+/// `GET /v1/sandboxes/{id}`.
+pub fn get(c: &Client, id: &str) -> Result<Value, ClientError> {
+    c.get_json(&format!("/v1/sandboxes/{}", seg(id)), &[])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn create_sends_only_what_was_given() {
+        assert_eq!(create_body(&CreateArgs::default()), json!({}));
+        let a = CreateArgs {
+            template: Some("py".into()),
+            cpus: Some(2),
+            memory_mb: Some(1024),
+            ttl_s: Some(60),
+            env: vec![("A".into(), "1".into()), ("B".into(), "x=y".into())],
+            metadata: vec![("agent".into(), "a1".into())],
+            network: Some(parse_network("allow:pypi.org, *.github.com").unwrap()),
+            volumes: vec![parse_volume("vol_1:/workspace:ro").unwrap()],
+            ..Default::default()
+        };
+        assert_eq!(
+            create_body(&a),
+            json!({
+                "template": "py", "cpus": 2, "memory_mb": 1024, "ttl_s": 60,
+                "env": {"A": "1", "B": "x=y"}, "metadata": {"agent": "a1"},
+                "network": {"egress": "allow", "allow": ["pypi.org", "*.github.com"]},
+                "volumes": [{"volume": "vol_1", "path": "/workspace", "read_only": true}],
+            })
+        );
+    }
+
+    #[test]
+    fn network_policies() {
+        assert_eq!(parse_network("none").unwrap(), json!({"egress": "none"}));
+        assert_eq!(parse_network("all").unwrap(), json!({"egress": "all"}));
+        assert_eq!(
+            parse_network(r#"{"egress":"allow","allow":["a.b"]}"#).unwrap(),
+            json!({"egress": "allow", "allow": ["a.b"]})
+        );
+        assert!(parse_network("allow:").is_err());
+        assert!(parse_network("some").is_err());
+        assert!(parse_network("{}").is_err());
+    }
+
+    #[test]
+    fn volumes_need_an_absolute_path() {
+        assert_eq!(
+            parse_volume("vol_1:/w").unwrap(),
+            json!({"volume": "vol_1", "path": "/w", "read_only": false})
+        );
+        assert!(parse_volume("vol_1").is_err());
+        assert!(parse_volume("vol_1:rel").is_err());
+    }
+
+    #[test]
+    fn list_filters_become_query_parameters() {
+        let a = ListArgs {
+            state: Some("running".into()),
+            metadata: vec![("agent".into(), "a 1".into())],
+        };
+        assert_eq!(
+            list_query(&a),
+            vec![
+                ("state".to_string(), "running".to_string()),
+                ("metadata.agent".to_string(), "a 1".to_string())
+            ]
+        );
+    }
+
+    #[test]
+    fn list_table_shows_relative_times() {
+        let now = 1_796_040_000;
+        let sbs = vec![json!({
+            "id": "sb_1", "state": "running", "template": "default", "runtime": "jail",
+            "created_at": "2026-11-30T11:57:00Z", "expires_at": "2026-11-30T12:27:00Z"
+        })];
+        assert_eq!(
+            list_table(&sbs, now),
+            "ID    STATE    TEMPLATE  RUNTIME  CREATED  EXPIRES\n\
+             sb_1  running  default   jail     3m ago   in 27m\n"
+        );
+    }
+}

@@ -1,0 +1,58 @@
+//! `locker serve`: the HTTP API.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Address to listen on.
+    #[arg(long, env = "LOCKER_LISTEN", default_value = "127.0.0.1:7070")]
+    listen: SocketAddr,
+    /// Where state, sandboxes and volumes live.
+    #[arg(long, env = "LOCKER_DATA_DIR", default_value = "/var/lib/locker")]
+    data_dir: PathBuf,
+    /// A key of tenant `default`; without one, the first start generates and prints one.
+    #[arg(long, env = "LOCKER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// Enables the admin routes (tenants, keys).
+    #[arg(long, env = "LOCKER_ADMIN_KEY", hide_env_values = true)]
+    admin_key: Option<String>,
+    /// Require this bearer token on /metrics.
+    #[arg(long, env = "LOCKER_METRICS_TOKEN", hide_env_values = true)]
+    metrics_token: Option<String>,
+    /// Template cache shared by every data dir on the host.
+    #[arg(long, env = "LOCKER_CACHE_DIR", default_value = "/var/cache/locker")]
+    cache_dir: PathBuf,
+    /// Log as JSON lines.
+    #[arg(long)]
+    log_json: bool,
+    /// Per-tenant quota: sandboxes at once.
+    #[arg(long, default_value_t = 100)]
+    quota_sandboxes: u64,
+    /// Per-tenant quota: total sandbox memory in MB.
+    #[arg(long, default_value_t = 65_536)]
+    quota_memory_mb: u64,
+    /// Per-tenant quota: serverless runs in flight.
+    #[arg(long, default_value_t = 32)]
+    quota_runs: u64,
+}
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_from_env("LOCKER_LOG").unwrap_or_else(|_| "info".into());
+    if a.log_json {
+        tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+    } else {
+        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+    }
+    let cfg = locker_server::Config {
+        listen: a.listen,
+        data_dir: a.data_dir,
+        api_key: a.api_key,
+        admin_key: a.admin_key,
+        metrics_token: a.metrics_token,
+        quotas: locker_server::Quotas { sandboxes: a.quota_sandboxes, memory_mb: a.quota_memory_mb, runs: a.quota_runs },
+        cache_dir: a.cache_dir,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(locker_server::serve(cfg)).map_err(|e| anyhow::anyhow!("{e}"))
+}

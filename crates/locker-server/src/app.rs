@@ -1,0 +1,243 @@
+//! Configuration, shared state, start-up and shutdown of the server.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{MatchedPath, Request, State};
+use axum::middleware::Next;
+use axum::response::Response;
+use axum::Router;
+use locker_runtime::node::{Machine, Node, NodeConfig};
+use locker_runtime::template::TemplateStore;
+use locker_store::{CallRecorder, SqliteStore, Store};
+use tokio::sync::RwLock;
+
+use crate::metrics::Metrics;
+
+/// Per-tenant limits.
+#[derive(Debug, Clone)]
+pub struct Quotas {
+    /// Sandboxes that exist at once (starting, running or paused).
+    pub sandboxes: u64,
+    /// Sum of `memory_mb` over those sandboxes.
+    pub memory_mb: u64,
+    /// Serverless runs in flight at once.
+    pub runs: u64,
+}
+
+impl Default for Quotas {
+    fn default() -> Self {
+        Self { sandboxes: 100, memory_mb: 65_536, runs: 32 }
+    }
+}
+
+/// How `locker serve` was started.
+#[derive(Debug, Clone)]
+pub struct Config {
+    pub listen: SocketAddr,
+    pub data_dir: PathBuf,
+    /// A key of tenant `default` (`LOCKER_API_KEY`); generated and printed once if absent.
+    pub api_key: Option<String>,
+    /// Enables the admin routes (`LOCKER_ADMIN_KEY`).
+    pub admin_key: Option<String>,
+    /// Bearer token `/metrics` requires, if any.
+    pub metrics_token: Option<String>,
+    pub quotas: Quotas,
+    /// Where templates live (`LOCKER_CACHE_DIR`).
+    pub cache_dir: PathBuf,
+}
+
+/// A sandbox whose machine runs on this node.
+#[derive(Debug)]
+pub struct Live {
+    pub id: String,
+    pub tenant: String,
+    pub machine: Machine,
+    /// The sandbox's default environment for every exec.
+    pub env: BTreeMap<String, String>,
+    pub template_digest: String,
+    /// Calls in flight (exec, files, processes, PTY): a sandbox is never idle while > 0.
+    pub inflight: std::sync::atomic::AtomicU64,
+    /// Unix seconds of the last call; written to the store by the reaper, not per call.
+    pub last_active: std::sync::atomic::AtomicI64,
+    /// Frozen by pause (or the idle policy); any call thaws it first.
+    pub paused: std::sync::atomic::AtomicBool,
+}
+
+impl Live {
+    pub fn new(id: String, tenant: String, machine: Machine, env: BTreeMap<String, String>, template_digest: String, paused: bool) -> Self {
+        Self {
+            id,
+            tenant,
+            machine,
+            env,
+            template_digest,
+            inflight: Default::default(),
+            last_active: std::sync::atomic::AtomicI64::new(now_s()),
+            paused: std::sync::atomic::AtomicBool::new(paused),
+        }
+    }
+}
+
+/// Marks a call in flight on a sandbox for as long as it lives.
+pub struct Busy(pub Arc<Live>);
+
+impl Busy {
+    pub fn new(live: Arc<Live>) -> Self {
+        use std::sync::atomic::Ordering;
+        live.inflight.fetch_add(1, Ordering::SeqCst);
+        live.last_active.store(now_s(), Ordering::Relaxed);
+        Busy(live)
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering;
+        self.0.inflight.fetch_sub(1, Ordering::SeqCst);
+        self.0.last_active.store(now_s(), Ordering::Relaxed);
+    }
+}
+
+/// The server's shared state.
+pub struct App {
+    pub cfg: Config,
+    pub store: Arc<dyn Store>,
+    pub recorder: CallRecorder,
+    pub node: Arc<Node>,
+    pub templates: TemplateStore,
+    pub live: RwLock<HashMap<String, Arc<Live>>>,
+    pub metrics: Metrics,
+    /// Serializes quota checks with the inserts they guard.
+    pub create_lock: tokio::sync::Mutex<()>,
+    pub started: Instant,
+}
+
+pub type AppState = Arc<App>;
+
+impl App {
+    /// The machines directory of sandboxes.
+    pub fn sandboxes_dir(&self) -> PathBuf {
+        self.cfg.data_dir.join("sandboxes")
+    }
+}
+
+/// Errors that stop the server from starting.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("data dir {0}: {1}")]
+    DataDir(PathBuf, std::io::Error),
+    #[error("state store: {0}")]
+    Store(#[from] locker_store::StoreError),
+    #[error("{0}")]
+    Node(#[from] locker_runtime::node::NodeError),
+    #[error("cannot listen on {0}: {1}")]
+    Listen(SocketAddr, std::io::Error),
+    #[error("template store: {0}")]
+    Templates(String),
+}
+
+/// Builds the state, adopts or cleans up machines a previous server left, and serves until
+/// SIGINT or SIGTERM; then stops accepting, lets requests in flight finish (up to 10 s),
+/// and flushes call records. Machines keep running: the next start adopts them.
+pub async fn serve(cfg: Config) -> Result<(), ServeError> {
+    let app = build(cfg).await?;
+    let listener = tokio::net::TcpListener::bind(app.cfg.listen).await.map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
+    tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
+    crate::sandboxes::spawn_reaper(app.clone());
+    let router = router(app.clone());
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down: finishing requests in flight");
+    };
+    axum::serve(listener, router).with_graceful_shutdown(shutdown).await.map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
+    let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
+    Ok(())
+}
+
+/// The state, with machines adopted. Public for tests that serve on their own listener.
+pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
+    std::fs::create_dir_all(cfg.data_dir.join("sandboxes")).map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
+    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?);
+    store.ensure_tenant("default")?;
+    match &cfg.api_key {
+        Some(k) => {
+            store.add_key_with_secret("default", k)?;
+        }
+        None => {
+            if store.list_keys("default")?.is_empty() {
+                let (info, clear) = store.create_key("default")?;
+                // Printed once, on purpose, to the terminal of whoever started the server.
+                eprintln!("locker: created an API key for tenant `default` (shown only now): {clear}  (key id {})", info.key_id);
+            }
+        }
+    }
+    let node = Arc::new(Node::new(NodeConfig::from_current_exe()?)?);
+    let templates = TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;
+    let recorder = CallRecorder::spawn(store.clone());
+    let app = Arc::new(App {
+        cfg,
+        store,
+        recorder,
+        node,
+        templates,
+        live: RwLock::new(HashMap::new()),
+        metrics: Metrics::default(),
+        create_lock: tokio::sync::Mutex::new(()),
+        started: Instant::now(),
+    });
+    crate::sandboxes::adopt_all(&app).await;
+    Ok(app)
+}
+
+/// Every route.
+pub fn router(app: AppState) -> Router {
+    Router::new()
+        .merge(crate::sandboxes::routes())
+        .merge(crate::exec::routes())
+        .merge(crate::files::routes())
+        .merge(crate::processes::routes())
+        .merge(crate::admin::routes())
+        .merge(crate::ops::routes())
+        .fallback(|| async { crate::error::ApiError::not_found("no such route: see /openapi.json") })
+        .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
+        .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
+        .with_state(app)
+}
+
+/// Records latency and status of every request.
+async fn observe(State(app): State<AppState>, req: Request, next: Next) -> Response {
+    let started = Instant::now();
+    let method = req.method().as_str().to_owned();
+    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned()).unwrap_or_else(|| "unmatched".into());
+    let resp = next.run(req).await;
+    app.metrics.request(&method, &route, resp.status().as_u16(), started.elapsed().as_secs_f64());
+    resp
+}
+
+/// Milliseconds since `t`, as the API reports them.
+pub fn ms_since(t: Instant) -> f64 {
+    (t.elapsed().as_secs_f64() * 1e3 * 1000.0).round() / 1000.0
+}
+
+/// Seconds since the Unix epoch.
+pub fn now_s() -> i64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+}
+
+/// A random id with a prefix (`sb_…`, `call_…`): 16 hex digits from the kernel's CSPRNG.
+pub fn new_id(prefix: &str) -> String {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom fills the buffer we own.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    assert_eq!(n, 8, "getrandom");
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("{prefix}{hex}")
+}

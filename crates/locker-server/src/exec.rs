@@ -1,0 +1,306 @@
+//! `POST /v1/sandboxes/{id}/exec`: one command, as a typed result or as an NDJSON stream.
+//!
+//! The hot path: authenticate (cached hash), find the live sandbox (a map read), one frame
+//! to its agent over the open channel, wait, answer. The call record is queued for the
+//! batch writer; nothing here waits on the database.
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Instant;
+
+use axum::body::{Body, Bytes};
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap};
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use locker_proto::{Chan, ExecSpec};
+use locker_store::CallRecord;
+use locker_types::{ExecRequest, ExecResult, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT_MS};
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::app::{ms_since, new_id, now_s, AppState, Busy, Live};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::extract::Json;
+use crate::sandboxes::live_of;
+
+/// The largest `max_output_bytes` a call may ask for (per stream, kept in memory).
+pub const MAX_OUTPUT_CAP: u64 = 16 << 20;
+/// The largest stdin a JSON body may carry.
+const MAX_STDIN: usize = 768 << 10;
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/v1/sandboxes/{id}/exec", post(exec))
+}
+
+/// Decodes standard base64 (with or without padding).
+pub fn base64_decode(s: &str) -> Result<Vec<u8>, String> {
+    let mut out = Vec::with_capacity(s.len() * 3 / 4);
+    let (mut acc, mut bits) = (0u32, 0u32);
+    for (i, c) in s.bytes().enumerate() {
+        let v = match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' | b'-' => 62,
+            b'/' | b'_' => 63,
+            b'=' => break,
+            b'\n' | b'\r' | b' ' => continue,
+            _ => return Err(format!("invalid base64 character at offset {i}")),
+        };
+        acc = (acc << 6) | u32::from(v);
+        bits += 6;
+        if bits >= 8 {
+            bits -= 8;
+            out.push((acc >> bits) as u8);
+        }
+    }
+    Ok(out)
+}
+
+/// Checks an exec body and turns it into what the agent runs.
+pub fn build_spec(live_env: &BTreeMap<String, String>, req: &ExecRequest, call_id: &str, stream: bool) -> Result<(ExecSpec, Option<Vec<u8>>), ApiError> {
+    req.validate().map_err(ApiError::bad_request)?;
+    if let Some(m) = req.max_output_bytes {
+        if m > MAX_OUTPUT_CAP {
+            return Err(ApiError::bad_request(format!("`max_output_bytes` must be at most {MAX_OUTPUT_CAP}; the full output is always kept in a file in the machine")));
+        }
+    }
+    let stdin = match (&req.stdin, &req.stdin_b64) {
+        (Some(s), _) => Some(s.as_bytes().to_vec()),
+        (None, Some(b)) => Some(base64_decode(b).map_err(|e| ApiError::bad_request(format!("`stdin_b64`: {e}")))?),
+        (None, None) => None,
+    };
+    if stdin.as_ref().is_some_and(|s| s.len() > MAX_STDIN) {
+        return Err(ApiError::too_large("stdin over 768 KiB: write it to a file with the files API and redirect from it"));
+    }
+    let argv = match (&req.cmd, &req.shell) {
+        (Some(c), _) => c.clone(),
+        (None, Some(s)) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+        (None, None) => unreachable!("validated"),
+    };
+    let mut env = live_env.clone();
+    env.extend(req.env.clone());
+    let spec = ExecSpec {
+        call_id: call_id.to_owned(),
+        argv,
+        cwd: req.cwd.clone(),
+        env: env.into_iter().collect(),
+        stdin: stdin.is_some(),
+        timeout_ms: Some(req.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)),
+        max_output_bytes: req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT_BYTES),
+        user: req.user.clone(),
+        stream_output: stream,
+        pty: None,
+    };
+    Ok((spec, stdin))
+}
+
+/// The call record of an exec (env keys only, no output bodies).
+pub fn call_record(caller: &Caller, live: &Live, kind: locker_store::CallKind, req: &ExecRequest, spec: &ExecSpec, res: &ExecResult) -> CallRecord {
+    let mut result = res.clone();
+    result.stdout.clear();
+    result.stderr.clear();
+    CallRecord {
+        id: res.call_id.clone(),
+        tenant: caller.tenant.clone(),
+        key_id: caller.key_id.clone(),
+        kind,
+        sandbox_id: Some(live.id.clone()),
+        volume_id: None,
+        command: spec.argv.clone(),
+        cwd: req.cwd.clone(),
+        env_keys: req.env.keys().cloned().collect(),
+        template_digest: live.template_digest.clone(),
+        runtime: live.machine.kind.as_str().into(),
+        result,
+        egress_denied: vec![],
+        changes: None,
+        created_at: locker_types::rfc3339(now_s()),
+    }
+}
+
+fn wants_ndjson(h: &HeaderMap) -> bool {
+    h.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"))
+}
+
+async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, headers: HeaderMap, Json(req): Json<ExecRequest>) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let call_id = new_id("call_");
+    let stream = wants_ndjson(&headers);
+    let live = live_of(&app, &caller, &id).await?;
+    let (spec, stdin) = build_spec(&live.env, &req, &call_id, stream)?;
+    if !stream {
+        let busy = Busy::new(live.clone());
+        let queue_ms = ms_since(arrived);
+        let mut res = live.machine.agent.exec(spec.clone(), stdin, None).await?;
+        drop(busy);
+        finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
+        return Ok(axum::Json(res).into_response());
+    }
+    let (body_tx, body_rx) = mpsc::channel::<Bytes>(32);
+    tokio::spawn(async move {
+        let busy = Busy::new(live.clone());
+        let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
+        let queue_ms = ms_since(arrived);
+        let agent = live.machine.agent.clone();
+        let run = agent.exec(spec.clone(), stdin, Some(out_tx));
+        tokio::pin!(run);
+        let mut lines = LineEncoder::default();
+        let result = loop {
+            tokio::select! {
+                r = &mut run => break Some(r),
+                Some((chan, bytes)) = out_rx.recv() => {
+                    if let Some(line) = lines.chunk(chan, &bytes) {
+                        if body_tx.send(line).await.is_err() {
+                            break None;
+                        }
+                    }
+                }
+                _ = body_tx.closed() => break None,
+            }
+        };
+        // `None`: the client went away; dropping `run` cancels the command (its tree dies).
+        let Some(r) = result else { return };
+        while let Ok((chan, bytes)) = out_rx.try_recv() {
+            if let Some(line) = lines.chunk(chan, &bytes) {
+                let _ = body_tx.send(line).await;
+            }
+        }
+        for line in lines.flush() {
+            let _ = body_tx.send(line).await;
+        }
+        drop(busy);
+        let last = match r {
+            Ok(mut res) => {
+                finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
+                let mut v = serde_json::to_value(&res).expect("result serializes");
+                v["type"] = json!("result");
+                v
+            }
+            Err(e) => {
+                let e: ApiError = e.into();
+                json!({"type": "error", "error": {"code": e.code(), "message": e.message}})
+            }
+        };
+        let mut line = serde_json::to_vec(&last).expect("json");
+        line.push(b'\n');
+        let _ = body_tx.send(Bytes::from(line)).await;
+    });
+    let body = Body::from_stream(futures_util::stream::unfold(body_rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) }));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson"), (header::CACHE_CONTROL, "no-cache")], body).into_response())
+}
+
+/// Fills the host's timings, records the call and the metrics.
+#[allow(clippy::too_many_arguments)]
+fn finish(app: &AppState, caller: &Caller, live: &Arc<Live>, req: &ExecRequest, spec: &ExecSpec, res: &mut ExecResult, queue_ms: f64, arrived: Instant) {
+    res.timings.queue_ms = queue_ms;
+    res.timings.total_ms = ms_since(arrived);
+    app.metrics.exec_seconds.observe(res.timings.total_ms / 1e3);
+    app.metrics.exec_wait_seconds.observe((res.timings.queue_ms + res.timings.start_ms) / 1e3);
+    app.metrics.add_cpu(&caller.tenant, res.usage.cpu_ms);
+    app.recorder.record(call_record(caller, live, locker_store::CallKind::Exec, req, spec, res));
+}
+
+/// Turns output chunks into NDJSON lines, never splitting a UTF-8 character across lines.
+#[derive(Default)]
+pub struct LineEncoder {
+    carry: [Vec<u8>; 2],
+}
+
+impl LineEncoder {
+    fn slot(chan: Chan) -> Option<(usize, &'static str)> {
+        match chan {
+            Chan::Stdout | Chan::Bytes => Some((0, "stdout")),
+            Chan::Stderr => Some((1, "stderr")),
+            _ => None,
+        }
+    }
+
+    /// The line for a chunk (None if it held only part of a character).
+    pub fn chunk(&mut self, chan: Chan, bytes: &[u8]) -> Option<Bytes> {
+        let (i, name) = Self::slot(chan)?;
+        let buf = &mut self.carry[i];
+        buf.extend_from_slice(bytes);
+        let cut = utf8_cut(buf);
+        if cut == 0 {
+            return None;
+        }
+        let text = String::from_utf8_lossy(&buf[..cut]).into_owned();
+        buf.drain(..cut);
+        Some(line(name, &text))
+    }
+
+    /// Whatever is left (an incomplete character at the very end).
+    pub fn flush(&mut self) -> Vec<Bytes> {
+        let mut out = Vec::new();
+        for (i, name) in [(0, "stdout"), (1, "stderr")] {
+            if !self.carry[i].is_empty() {
+                out.push(line(name, &String::from_utf8_lossy(&self.carry[i])));
+                self.carry[i].clear();
+            }
+        }
+        out
+    }
+}
+
+fn line(kind: &str, text: &str) -> Bytes {
+    let mut v = serde_json::to_vec(&json!({"type": kind, "data": text})).expect("json");
+    v.push(b'\n');
+    Bytes::from(v)
+}
+
+/// The length of the longest prefix that does not end inside a UTF-8 character.
+fn utf8_cut(b: &[u8]) -> usize {
+    let n = b.len();
+    for back in 1..=3.min(n) {
+        let c = b[n - back];
+        if c & 0xC0 == 0x80 {
+            continue; // continuation byte: keep looking for the lead byte
+        }
+        let need = if c >= 0xF0 { 4 } else if c >= 0xE0 { 3 } else if c >= 0xC0 { 2 } else { 1 };
+        return if need > back { n - back } else { n };
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn base64_round_trips_known_values() {
+        assert_eq!(base64_decode("aGVsbG8=").unwrap(), b"hello");
+        assert_eq!(base64_decode("aGVsbG8").unwrap(), b"hello");
+        assert_eq!(base64_decode("AP8=").unwrap(), vec![0, 255]);
+        assert!(base64_decode("a*b").is_err());
+    }
+
+    #[test]
+    fn utf8_is_never_split() {
+        let mut e = LineEncoder::default();
+        let snow = "☃".as_bytes(); // 3 bytes
+        assert!(e.chunk(Chan::Stdout, &snow[..2]).is_none());
+        let l = e.chunk(Chan::Stdout, &[snow[2], b'x']).unwrap();
+        assert_eq!(&l[..], "{\"data\":\"☃x\",\"type\":\"stdout\"}\n".as_bytes());
+        assert_eq!(utf8_cut(b"abc"), 3);
+        assert_eq!(utf8_cut(&[b'a', 0xE2]), 1);
+    }
+
+    #[test]
+    fn shell_becomes_sh_c_and_env_merges() {
+        let mut base = BTreeMap::new();
+        base.insert("A".to_string(), "1".to_string());
+        base.insert("B".to_string(), "1".to_string());
+        let req: ExecRequest = serde_json::from_str(r#"{"shell":"echo hi","env":{"B":"2"}}"#).unwrap();
+        let (spec, stdin) = build_spec(&base, &req, "call_x", false).unwrap();
+        assert_eq!(spec.argv, vec!["/bin/sh", "-c", "echo hi"]);
+        assert_eq!(spec.env, vec![("A".into(), "1".into()), ("B".into(), "2".into())]);
+        assert!(stdin.is_none());
+        let bad: ExecRequest = serde_json::from_str(r#"{"cmd":["x"],"max_output_bytes":999999999}"#).unwrap();
+        assert!(build_spec(&base, &bad, "c", false).is_err());
+    }
+}

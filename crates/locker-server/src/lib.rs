@@ -1,0 +1,26 @@
+//! The server: Locker's HTTP API (`docs/api.md`) over the node's machines.
+//!
+//! Rooms:
+//! - [`app`]: configuration, shared state, start-up (adoption of machines a killed server
+//!   left running), background lifecycle (TTL reaping) and graceful shutdown;
+//! - [`auth`]: API keys and tenants on every `/v1` route;
+//! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`admin`], [`ops`]: the routes;
+//! - [`error`], [`extract`]: the one error shape and request parsing;
+//! - [`metrics`]: Prometheus text.
+//!
+//! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
+//! itself: that is `locker-runtime`'s job.
+
+pub mod admin;
+pub mod app;
+pub mod auth;
+pub mod error;
+pub mod exec;
+pub mod extract;
+pub mod files;
+pub mod metrics;
+pub mod ops;
+pub mod processes;
+pub mod sandboxes;
+
+pub use app::{serve, Config, Quotas};

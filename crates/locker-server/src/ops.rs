@@ -1,0 +1,205 @@
+//! Operations and records: `/healthz`, `/metrics`, `/openapi.json`, `GET /v1/calls`,
+//! `GET /v1/usage`, `GET /v1/templates`.
+//!
+//! `/openapi.json` is generated from [`ROUTES`], the table of every route the router
+//! serves; a test checks the table against the router (each row answers, never the
+//! fallback) and against the contract in `docs/api.md`.
+
+use std::collections::BTreeMap;
+
+use axum::extract::State;
+use axum::http::{header, HeaderMap, StatusCode};
+use axum::response::IntoResponse;
+use axum::routing::get;
+use axum::Router;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::app::AppState;
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::extract::Query;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/metrics", get(metrics))
+        .route("/openapi.json", get(openapi))
+        .route("/v1/calls", get(calls))
+        .route("/v1/usage", get(usage))
+        .route("/v1/templates", get(templates))
+}
+
+/// One route: method, path, whether it needs a key, summary.
+pub struct RouteDoc {
+    pub method: &'static str,
+    pub path: &'static str,
+    pub auth: bool,
+    pub summary: &'static str,
+    /// Success status.
+    pub status: u16,
+}
+
+const fn r(method: &'static str, path: &'static str, status: u16, summary: &'static str) -> RouteDoc {
+    RouteDoc { method, path, auth: true, summary, status }
+}
+
+const fn open(method: &'static str, path: &'static str, summary: &'static str) -> RouteDoc {
+    RouteDoc { method, path, auth: false, summary, status: 200 }
+}
+
+/// Every route the server serves.
+pub const ROUTES: &[RouteDoc] = &[
+    r("post", "/v1/sandboxes", 201, "Create a sandbox"),
+    r("get", "/v1/sandboxes", 200, "List the tenant's sandboxes (?state=, ?metadata.KEY=VALUE)"),
+    r("get", "/v1/sandboxes/{id}", 200, "Get a sandbox"),
+    r("patch", "/v1/sandboxes/{id}", 200, "Change a sandbox's network policy or metadata"),
+    r("delete", "/v1/sandboxes/{id}", 204, "Destroy a sandbox now"),
+    r("post", "/v1/sandboxes/{id}/ttl", 200, "Set expires_at = now + ttl_s"),
+    r("post", "/v1/sandboxes/{id}/pause", 200, "Freeze every process of the sandbox"),
+    r("post", "/v1/sandboxes/{id}/resume", 200, "Thaw the sandbox"),
+    r("post", "/v1/sandboxes/{id}/exec", 200, "Run a command; ExecResult, or NDJSON with Accept: application/x-ndjson"),
+    r("post", "/v1/sandboxes/{id}/processes", 200, "Start a background process"),
+    r("get", "/v1/sandboxes/{id}/processes", 200, "List background processes"),
+    r("get", "/v1/sandboxes/{id}/processes/{proc}", 200, "A background process and its result once ended"),
+    r("get", "/v1/sandboxes/{id}/processes/{proc}/output", 200, "Its output as NDJSON, replayed from the start (?follow=true)"),
+    r("post", "/v1/sandboxes/{id}/processes/{proc}/stdin", 200, "Write the raw body to its stdin"),
+    r("post", "/v1/sandboxes/{id}/processes/{proc}/signal", 200, "Send a signal to its process group"),
+    r("get", "/v1/sandboxes/{id}/pty", 101, "A terminal over WebSocket"),
+    r("get", "/v1/sandboxes/{id}/files", 200, "Download a file (streamed)"),
+    r("put", "/v1/sandboxes/{id}/files", 200, "Upload a file (streamed); creates parents"),
+    r("delete", "/v1/sandboxes/{id}/files", 204, "Remove a file or directory (?recursive=true)"),
+    r("get", "/v1/sandboxes/{id}/files/list", 200, "List a directory (?depth=N)"),
+    r("get", "/v1/sandboxes/{id}/files/stat", 200, "Describe a path"),
+    r("post", "/v1/sandboxes/{id}/files/mkdir", 200, "Create a directory and its parents"),
+    r("post", "/v1/sandboxes/{id}/files/move", 200, "Move or rename"),
+    r("get", "/v1/templates", 200, "List templates"),
+    r("get", "/v1/calls", 200, "Call records, newest first"),
+    r("get", "/v1/usage", 200, "Per-tenant totals"),
+    r("post", "/v1/tenants", 201, "Create a tenant and its first key (admin key)"),
+    r("post", "/v1/tenants/{name}/keys", 201, "Create a key (admin key)"),
+    r("delete", "/v1/keys/{key_id}", 204, "Revoke a key at once (admin key)"),
+    open("get", "/healthz", "Health, with per-runtime status"),
+    open("get", "/metrics", "Prometheus metrics"),
+    open("get", "/openapi.json", "This document"),
+];
+
+/// The OpenAPI 3.1 document of [`ROUTES`].
+pub fn openapi_doc() -> Value {
+    let mut paths: BTreeMap<&str, serde_json::Map<String, Value>> = BTreeMap::new();
+    for rd in ROUTES {
+        let params: Vec<Value> = rd
+            .path
+            .split('/')
+            .filter_map(|seg| seg.strip_prefix('{').and_then(|s| s.strip_suffix('}')))
+            .map(|p| json!({"name": p, "in": "path", "required": true, "schema": {"type": "string"}}))
+            .collect();
+        let mut op = json!({
+            "summary": rd.summary,
+            "operationId": format!("{}_{}", rd.method, rd.path.trim_matches('/').replace(['/', '{', '}', '.'], "_")),
+            "parameters": params,
+            "responses": {
+                rd.status.to_string(): {"description": "success"},
+                "default": {"description": "an error", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+            }
+        });
+        if rd.auth {
+            op["security"] = json!([{"bearer": []}]);
+        }
+        paths.entry(rd.path).or_default().insert(rd.method.to_owned(), op);
+    }
+    json!({
+        "openapi": "3.1.0",
+        "info": {"title": "Locker API", "version": "1", "description": "Disposable, isolated machines for AI agents' tool calls. See docs/api.md."},
+        "paths": paths,
+        "components": {
+            "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}},
+            "schemas": {
+                "Error": {"type": "object", "required": ["error"], "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {"code": {"type": "string", "enum": ["bad_request", "unauthorized", "not_found", "conflict", "payload_too_large", "unprocessable", "quota_exceeded", "internal", "unavailable"]}, "message": {"type": "string"}}}}}
+            }
+        }
+    })
+}
+
+async fn openapi() -> impl IntoResponse {
+    axum::Json(openapi_doc())
+}
+
+async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
+    let report = locker_runtime::doctor::check(&app.cfg.data_dir);
+    let runtimes: BTreeMap<String, String> = report
+        .runtimes
+        .iter()
+        .map(|(k, v)| (k.clone(), if v.ok { "ok".to_owned() } else { format!("unavailable: {}", v.detail) }))
+        .collect();
+    let ok = report.runtimes.get("jail").is_some_and(|v| v.ok);
+    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
+    (status, axum::Json(json!({"status": if ok { "ok" } else { "degraded" }, "runtimes": runtimes, "uptime_s": app.started.elapsed().as_secs()})))
+}
+
+async fn metrics(State(app): State<AppState>, headers: HeaderMap) -> Result<impl IntoResponse, ApiError> {
+    if let Some(token) = &app.cfg.metrics_token {
+        let got = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|s| s.strip_prefix("Bearer "));
+        if got != Some(token.as_str()) {
+            return Err(ApiError::unauthorized("/metrics needs `Authorization: Bearer <metrics token>`"));
+        }
+    }
+    let mut by_state: BTreeMap<String, u64> = BTreeMap::new();
+    let live = app.live.read().await;
+    for l in live.values() {
+        let s = if l.paused.load(std::sync::atomic::Ordering::Relaxed) { "paused" } else { "running" };
+        *by_state.entry(s.into()).or_default() += 1;
+    }
+    drop(live);
+    let text = app.metrics.render(&by_state);
+    Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CallsQuery {
+    sandbox_id: Option<String>,
+    volume_id: Option<String>,
+    limit: Option<u32>,
+}
+
+async fn calls(State(app): State<AppState>, caller: Caller, Query(q): Query<CallsQuery>) -> Result<impl IntoResponse, ApiError> {
+    if let Some(l) = q.limit {
+        if l == 0 || l > locker_store::MAX_CALLS_LIMIT {
+            return Err(ApiError::bad_request(format!("`limit` must be between 1 and {}", locker_store::MAX_CALLS_LIMIT)));
+        }
+    }
+    // Records are written in batches; make the caller's own recent calls visible.
+    app.recorder.flush().await;
+    let calls = app.store.list_calls(&caller.tenant, q.sandbox_id.as_deref(), q.volume_id.as_deref(), q.limit)?;
+    Ok(axum::Json(json!({ "calls": calls })))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct UsageQuery {
+    since: Option<String>,
+}
+
+async fn usage(State(app): State<AppState>, caller: Caller, Query(q): Query<UsageQuery>) -> Result<impl IntoResponse, ApiError> {
+    let since = match &q.since {
+        None => None,
+        Some(s) => Some(
+            s.parse::<i64>().ok().or_else(|| locker_store::parse_rfc3339(s)).ok_or_else(|| {
+                ApiError::bad_request(format!("`since` must be an RFC 3339 time (2026-01-31T00:00:00Z) or Unix seconds, got {s:?}"))
+            })?,
+        ),
+    };
+    app.recorder.flush().await;
+    let u = app.store.usage(&caller.tenant, since)?;
+    Ok(axum::Json(json!({"tenant": caller.tenant, "cpu_ms": u.cpu_ms, "sandbox_seconds": u.sandbox_seconds, "runs": u.runs, "execs": u.execs})))
+}
+
+async fn templates(State(app): State<AppState>, _caller: Caller) -> Result<impl IntoResponse, ApiError> {
+    let list = app.templates.list().map_err(|e| ApiError::internal(format!("reading templates: {e}")))?;
+    let items: Vec<Value> = list
+        .iter()
+        .map(|t| json!({"name": t.name, "digest": t.digest, "size_bytes": t.size_bytes, "created_at": t.created_at, "packages": t.packages}))
+        .collect();
+    Ok(axum::Json(json!({ "templates": items })))
+}

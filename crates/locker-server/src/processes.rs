@@ -1,0 +1,310 @@
+//! Background processes and the terminal (PTY over WebSocket) of a sandbox.
+
+use std::convert::Infallible;
+use std::time::{Duration, Instant};
+
+use axum::body::{Body, Bytes};
+use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
+use axum::extract::{Path, State};
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use futures_util::TryStreamExt;
+use locker_proto::{Chan, PtySize, Request};
+use locker_runtime::agent::StreamEvent;
+use locker_types::ExecRequest;
+use serde::Deserialize;
+use serde_json::json;
+use tokio::sync::mpsc;
+
+use crate::app::{new_id, AppState, Busy};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::exec::{build_spec, call_record, LineEncoder};
+use crate::extract::{Json, Query};
+use crate::sandboxes::live_of;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sandboxes/{id}/processes", post(start).get(list))
+        .route("/v1/sandboxes/{id}/processes/{proc}", get(get_one))
+        .route("/v1/sandboxes/{id}/processes/{proc}/output", get(output))
+        .route(
+            "/v1/sandboxes/{id}/processes/{proc}/stdin",
+            post(stdin).layer(axum::extract::DefaultBodyLimit::max(64 << 20)),
+        )
+        .route("/v1/sandboxes/{id}/processes/{proc}/signal", post(signal))
+        .route("/v1/sandboxes/{id}/pty", get(pty))
+}
+
+fn check_proc_id(p: &str) -> Result<(), ApiError> {
+    if p.starts_with("proc_") && p.len() <= 64 && p[5..].bytes().all(|b| b.is_ascii_alphanumeric()) {
+        Ok(())
+    } else {
+        Err(ApiError::not_found(format!("process {p} does not exist")))
+    }
+}
+
+async fn start(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(req): Json<ExecRequest>) -> Result<impl IntoResponse, ApiError> {
+    let arrived = Instant::now();
+    let live = live_of(&app, &caller, &id).await?;
+    let call_id = new_id("call_");
+    let (mut spec, stdin) = build_spec(&live.env, &req, &call_id, false)?;
+    // Background processes keep a stdin pipe for later writes unless the body gave stdin.
+    spec.stdin = true;
+    let agent = live.machine.agent.clone();
+    let (proc_id, pid) = agent.spawn(spec.clone()).await?;
+    if let Some(data) = stdin {
+        agent.process_stdin(&proc_id, &data[..], true).await?;
+    }
+    // Record the call when the process ends; polling is cheap and moves no output.
+    let (app2, live2, caller2, pid_s) = (app.clone(), live.clone(), caller.clone(), proc_id.clone());
+    tokio::spawn(async move {
+        loop {
+            tokio::time::sleep(Duration::from_millis(250)).await;
+            match live2.machine.agent.get_process(&pid_s).await {
+                Ok(p) if p.result.is_some() => {
+                    let mut res = p.result.expect("checked");
+                    res.call_id = call_id.clone();
+                    res.timings.total_ms = arrived.elapsed().as_secs_f64() * 1e3;
+                    app2.metrics.add_cpu(&caller2.tenant, res.usage.cpu_ms);
+                    app2.recorder.record(call_record(&caller2, &live2, locker_store::CallKind::Process, &req, &spec, &res));
+                    return;
+                }
+                Ok(_) => {}
+                Err(_) => return,
+            }
+        }
+    });
+    Ok(axum::Json(json!({"id": proc_id, "pid": pid})))
+}
+
+async fn list(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let live = live_of(&app, &caller, &id).await?;
+    let procs = live.machine.agent.list_processes().await?;
+    Ok(axum::Json(json!({ "processes": procs })))
+}
+
+async fn get_one(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>) -> Result<impl IntoResponse, ApiError> {
+    check_proc_id(&proc_id)?;
+    let live = live_of(&app, &caller, &id).await?;
+    Ok(axum::Json(live.machine.agent.get_process(&proc_id).await?))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct OutputQuery {
+    #[serde(default)]
+    follow: bool,
+}
+
+async fn output(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>, Query(q): Query<OutputQuery>) -> Result<Response, ApiError> {
+    check_proc_id(&proc_id)?;
+    let live = live_of(&app, &caller, &id).await?;
+    // Fail before streaming if the process is unknown.
+    live.machine.agent.get_process(&proc_id).await?;
+    let (body_tx, body_rx) = mpsc::channel::<Bytes>(32);
+    tokio::spawn(async move {
+        let _busy = if q.follow { Some(Busy::new(live.clone())) } else { None };
+        let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
+        let agent = live.machine.agent.clone();
+        let run = agent.process_output(&proc_id, q.follow, out_tx);
+        tokio::pin!(run);
+        let mut lines = LineEncoder::default();
+        let end = loop {
+            tokio::select! {
+                r = &mut run => break Some(r),
+                Some((chan, bytes)) = out_rx.recv() => {
+                    if let Some(line) = lines.chunk(chan, &bytes) {
+                        if body_tx.send(line).await.is_err() { break None; }
+                    }
+                }
+                _ = body_tx.closed() => break None,
+            }
+        };
+        let Some(end) = end else { return };
+        while let Ok((chan, bytes)) = out_rx.try_recv() {
+            if let Some(line) = lines.chunk(chan, &bytes) {
+                let _ = body_tx.send(line).await;
+            }
+        }
+        for line in lines.flush() {
+            let _ = body_tx.send(line).await;
+        }
+        let last = match end {
+            Ok(info) => match info.result {
+                Some(res) => {
+                    let mut v = serde_json::to_value(&res).expect("json");
+                    v["type"] = json!("result");
+                    v
+                }
+                None => json!({"type": "state", "state": info.state}),
+            },
+            Err(e) => {
+                let e: ApiError = e.into();
+                json!({"type": "error", "error": {"code": e.code(), "message": e.message}})
+            }
+        };
+        let mut line = serde_json::to_vec(&last).expect("json");
+        line.push(b'\n');
+        let _ = body_tx.send(Bytes::from(line)).await;
+    });
+    let body = Body::from_stream(futures_util::stream::unfold(body_rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) }));
+    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct StdinQuery {
+    /// Close the process's stdin after this write (it sees end of file).
+    #[serde(default)]
+    close: bool,
+}
+
+async fn stdin(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>, Query(q): Query<StdinQuery>, body: Body) -> Result<impl IntoResponse, ApiError> {
+    check_proc_id(&proc_id)?;
+    let live = live_of(&app, &caller, &id).await?;
+    let reader = tokio_util::io::StreamReader::new(body.into_data_stream().map_err(std::io::Error::other));
+    live.machine.agent.process_stdin(&proc_id, reader, q.close).await?;
+    Ok(axum::Json(json!({"ok": true})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SignalBody {
+    signal: serde_json::Value,
+}
+
+/// Parses `"SIGTERM"`, `"TERM"` or `15`.
+pub fn parse_signal(v: &serde_json::Value) -> Result<i32, ApiError> {
+    const NAMES: &[(&str, i32)] = &[
+        ("HUP", libc::SIGHUP),
+        ("INT", libc::SIGINT),
+        ("QUIT", libc::SIGQUIT),
+        ("KILL", libc::SIGKILL),
+        ("USR1", libc::SIGUSR1),
+        ("USR2", libc::SIGUSR2),
+        ("TERM", libc::SIGTERM),
+        ("CONT", libc::SIGCONT),
+        ("STOP", libc::SIGSTOP),
+        ("TSTP", libc::SIGTSTP),
+        ("WINCH", libc::SIGWINCH),
+        ("ALRM", libc::SIGALRM),
+        ("PIPE", libc::SIGPIPE),
+    ];
+    let bad = || ApiError::bad_request(format!("`signal` must be a name like \"SIGTERM\" or a number 1-64, got {v}"));
+    match v {
+        serde_json::Value::Number(n) => n.as_i64().filter(|n| (1..=64).contains(n)).map(|n| n as i32).ok_or_else(bad),
+        serde_json::Value::String(s) => {
+            let name = s.strip_prefix("SIG").unwrap_or(s);
+            NAMES.iter().find(|(n, _)| *n == name).map(|(_, v)| *v).ok_or_else(bad)
+        }
+        _ => Err(bad()),
+    }
+}
+
+async fn signal(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>, Json(b): Json<SignalBody>) -> Result<impl IntoResponse, ApiError> {
+    check_proc_id(&proc_id)?;
+    let sig = parse_signal(&b.signal)?;
+    let live = live_of(&app, &caller, &id).await?;
+    live.machine.agent.signal_process(&proc_id, sig).await?;
+    Ok(axum::Json(json!({"ok": true})))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PtyQuery {
+    cols: Option<u16>,
+    rows: Option<u16>,
+    /// The program to run (default: a login shell, bash if the template has it).
+    cmd: Option<String>,
+}
+
+async fn pty(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PtyQuery>, ws: WebSocketUpgrade) -> Result<Response, ApiError> {
+    let live = live_of(&app, &caller, &id).await?;
+    let size = PtySize { cols: q.cols.unwrap_or(80).clamp(1, 1000), rows: q.rows.unwrap_or(24).clamp(1, 1000) };
+    let shell = q.cmd.unwrap_or_else(|| "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi".into());
+    if shell.contains('\0') {
+        return Err(ApiError::bad_request("`cmd` must not contain NUL"));
+    }
+    let spec = locker_proto::ExecSpec {
+        call_id: new_id("call_"),
+        argv: vec!["/bin/sh".into(), "-c".into(), shell],
+        env: live.env.clone().into_iter().collect(),
+        max_output_bytes: locker_types::DEFAULT_MAX_OUTPUT_BYTES,
+        pty: Some(size),
+        stream_output: true,
+        stdin: true,
+        ..Default::default()
+    };
+    Ok(ws.on_upgrade(move |socket| async move {
+        let _busy = Busy::new(live.clone());
+        if let Err(e) = bridge(socket, &live.machine.agent, spec).await {
+            tracing::debug!(sandbox = %live.id, error = %e, "pty ended");
+        }
+    }))
+}
+
+/// Copies terminal bytes between the WebSocket and the agent until either side ends.
+async fn bridge(mut ws: WebSocket, agent: &locker_runtime::agent::AgentClient, spec: locker_proto::ExecSpec) -> Result<(), String> {
+    let mut stream = agent.open(Request::Exec(spec)).map_err(|e| e.to_string())?;
+    let sender = stream.sender();
+    loop {
+        tokio::select! {
+            ev = stream.recv() => match ev.map_err(|e| e.to_string())? {
+                Some(StreamEvent::Data(_, bytes)) => {
+                    if ws.send(Message::Binary(bytes.into())).await.is_err() {
+                        return Ok(());
+                    }
+                }
+                Some(StreamEvent::End(body)) => {
+                    let v = match body {
+                        locker_proto::EndBody::Exec(r) => {
+                            let mut v = serde_json::to_value(&*r).expect("json");
+                            v["type"] = json!("exit");
+                            v
+                        }
+                        locker_proto::EndBody::Error(e) => json!({"type": "error", "message": e.message}),
+                        _ => json!({"type": "exit"}),
+                    };
+                    let _ = ws.send(Message::Text(v.to_string().into())).await;
+                    let _ = ws.send(Message::Close(None)).await;
+                    return Ok(());
+                }
+                Some(_) => {}
+                None => return Ok(()),
+            },
+            msg = ws.recv() => match msg {
+                Some(Ok(Message::Binary(b))) => sender.send_data(Chan::Bytes, &b).await.map_err(|e| e.to_string())?,
+                Some(Ok(Message::Text(t))) => {
+                    #[derive(Deserialize)]
+                    struct Resize { resize: [u16; 2] }
+                    match serde_json::from_str::<Resize>(&t) {
+                        Ok(r) => sender.resize(PtySize { cols: r.resize[0].max(1), rows: r.resize[1].max(1) }).map_err(|e| e.to_string())?,
+                        // Text that is not a control message is typed input.
+                        Err(_) => sender.send_data(Chan::Bytes, t.as_bytes()).await.map_err(|e| e.to_string())?,
+                    }
+                }
+                Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {
+                    // The client left: dropping the stream cancels it, which ends the shell.
+                    return Ok(());
+                }
+                Some(Ok(_)) => {}
+            },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn signals_parse() {
+        use serde_json::json;
+        assert_eq!(super::parse_signal(&json!("SIGTERM")).unwrap(), libc::SIGTERM);
+        assert_eq!(super::parse_signal(&json!("KILL")).unwrap(), libc::SIGKILL);
+        assert_eq!(super::parse_signal(&json!(2)).unwrap(), 2);
+        assert!(super::parse_signal(&json!("SIGNOPE")).is_err());
+        assert!(super::parse_signal(&json!(0)).is_err());
+    }
+}

@@ -1,0 +1,495 @@
+//! Sandboxes: create, list, get, change, delete, TTL, pause and resume; adoption after a
+//! restart and the TTL reaper.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path, RawQuery, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use locker_runtime::node::MachineSpec;
+use locker_store::{SandboxRecord, SandboxState};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::app::{new_id, now_s, AppState, Live};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::extract::Json;
+
+/// Limits a client may ask for.
+const MAX_CPUS: f64 = 64.0;
+const MEMORY_MB: (u64, u64) = (32, 262_144);
+const DISK_MB: (u64, u64) = (16, 1_048_576);
+const MAX_TTL_S: u64 = 30 * 24 * 3600;
+/// Processes per sandbox: enough for builds, small enough to stop a fork bomb.
+const PIDS: u64 = 1024;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sandboxes", post(create).get(list))
+        .route("/v1/sandboxes/{id}", get(get_one).patch(patch).delete(delete))
+        .route("/v1/sandboxes/{id}/ttl", post(set_ttl))
+        .route("/v1/sandboxes/{id}/pause", post(pause))
+        .route("/v1/sandboxes/{id}/resume", post(resume))
+}
+
+/// The body of `POST /v1/sandboxes`.
+#[derive(Debug, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CreateSandbox {
+    pub template: Option<String>,
+    pub runtime: Option<String>,
+    pub cpus: Option<f64>,
+    pub memory_mb: Option<u64>,
+    pub disk_mb: Option<u64>,
+    pub ttl_s: Option<u64>,
+    pub idle_timeout_s: Option<u64>,
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    pub network: Option<Value>,
+    pub volumes: Option<Vec<Value>>,
+    pub from_snapshot: Option<String>,
+    #[serde(default)]
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Validates the network policy; only `none` exists in this version, and anything else
+/// fails closed with 503 rather than running with an unenforced policy.
+pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
+    let Some(v) = v else { return Ok(json!({"egress": "none"})) };
+    let obj = v.as_object().ok_or_else(|| ApiError::bad_request("`network` must be an object like {\"egress\": \"none\"}"))?;
+    for k in obj.keys() {
+        if k != "egress" && k != "allow" {
+            return Err(ApiError::bad_request(format!("unknown field `{k}` in `network`: expected `egress` and `allow`")));
+        }
+    }
+    match obj.get("egress").and_then(Value::as_str) {
+        Some("none") if obj.get("allow").is_none() => Ok(json!({"egress": "none"})),
+        Some("none") => Err(ApiError::bad_request("`allow` only goes with {\"egress\": \"allow\"}")),
+        Some("all") | Some("allow") => Err(ApiError::unavailable(
+            "egress policies other than `none` are not enforced by this version yet; Locker fails closed instead of running unprotected",
+        )),
+        Some(other) => Err(ApiError::bad_request(format!("`network.egress` must be none, all or allow, got {other:?}"))),
+        None => Err(ApiError::bad_request("`network.egress` is required: none, all or allow")),
+    }
+}
+
+fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    for (k, v) in env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(ApiError::bad_request(format!("env key {k:?}: keys must be non-empty without '=' or NUL, values without NUL")));
+        }
+    }
+    Ok(())
+}
+
+fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if m.len() > 64 {
+        return Err(ApiError::bad_request("`metadata` holds at most 64 keys"));
+    }
+    for (k, v) in m {
+        if k.is_empty() || k.len() > 128 || v.len() > 1024 {
+            return Err(ApiError::bad_request(format!("metadata {k:?}: keys 1-128 bytes, values up to 1024 bytes")));
+        }
+    }
+    Ok(())
+}
+
+/// The runtime a request names, resolved on this host.
+pub fn resolve_runtime(r: Option<&str>) -> Result<&'static str, ApiError> {
+    match r.unwrap_or("auto") {
+        "auto" | "jail" => Ok("jail"),
+        "microvm" => Err(ApiError::unavailable(
+            "runtime `microvm` is not usable on this host yet (see `locker doctor`); use `jail` or `auto`",
+        )),
+        "gvisor" => Err(ApiError::unavailable("runtime `gvisor` is not available in this version; use `jail` or `auto`")),
+        other => Err(ApiError::bad_request(format!("unknown runtime {other:?}: use auto, jail, microvm or gvisor"))),
+    }
+}
+
+/// The API's view of a sandbox.
+pub fn view(r: &SandboxRecord, live: Option<&Live>) -> Value {
+    let last_active = match live {
+        Some(l) => locker_types::rfc3339(l.last_active.load(std::sync::atomic::Ordering::Relaxed)),
+        None => r.last_active_at.clone(),
+    };
+    let usage = match live {
+        Some(l) => {
+            let u = l.machine.usage();
+            json!({"cpu_ms": u.cpu_ms, "peak_memory_bytes": u.peak_memory_bytes})
+        }
+        None => json!({"cpu_ms": r.cpu_ms, "peak_memory_bytes": r.peak_memory_bytes}),
+    };
+    json!({
+        "id": r.id,
+        "state": r.state,
+        "template": r.template,
+        "template_digest": r.template_digest,
+        "runtime": r.runtime,
+        "cpus": r.cpus,
+        "memory_mb": r.memory_mb,
+        "disk_mb": r.disk_mb,
+        "network": r.network,
+        "volumes": r.volumes,
+        "metadata": r.metadata,
+        "ttl_s": r.ttl_s,
+        "idle_timeout_s": r.idle_timeout_s,
+        "created_at": r.created_at,
+        "expires_at": r.expires_at,
+        "last_active_at": last_active,
+        "usage": usage,
+    })
+}
+
+async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<CreateSandbox>) -> Result<impl IntoResponse, ApiError> {
+    let started = Instant::now();
+    let runtime = resolve_runtime(body.runtime.as_deref())?;
+    let cpus = body.cpus.unwrap_or(1.0);
+    if !(cpus > 0.0 && cpus <= MAX_CPUS) {
+        return Err(ApiError::bad_request(format!("`cpus` must be more than 0 and at most {MAX_CPUS}")));
+    }
+    let memory_mb = body.memory_mb.unwrap_or(512);
+    if !(MEMORY_MB.0..=MEMORY_MB.1).contains(&memory_mb) {
+        return Err(ApiError::bad_request(format!("`memory_mb` must be between {} and {}", MEMORY_MB.0, MEMORY_MB.1)));
+    }
+    let disk_mb = body.disk_mb.unwrap_or(2048);
+    if !(DISK_MB.0..=DISK_MB.1).contains(&disk_mb) {
+        return Err(ApiError::bad_request(format!("`disk_mb` must be between {} and {}", DISK_MB.0, DISK_MB.1)));
+    }
+    let ttl_s = body.ttl_s.unwrap_or(1800);
+    if ttl_s == 0 || ttl_s > MAX_TTL_S {
+        return Err(ApiError::bad_request(format!("`ttl_s` must be between 1 and {MAX_TTL_S}")));
+    }
+    if body.idle_timeout_s == Some(0) {
+        return Err(ApiError::bad_request("`idle_timeout_s` must be at least 1 (or null for none)"));
+    }
+    check_env(&body.env)?;
+    check_metadata(&body.metadata)?;
+    let network = check_network(&body.network)?;
+    if body.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
+        return Err(ApiError::unavailable("volumes are not available in this version yet"));
+    }
+    if let Some(s) = &body.from_snapshot {
+        return Err(ApiError::not_found(format!("snapshot {s} does not exist")));
+    }
+    let template_name = body.template.clone().unwrap_or_else(|| "default".into());
+    let template = app
+        .templates
+        .resolve(&template_name)
+        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+        .ok_or_else(|| ApiError::bad_request(format!("unknown template {template_name:?}: `locker template list` shows the templates of this host")))?;
+
+    let id = new_id("sb_");
+    let now = now_s();
+    let record = SandboxRecord {
+        id: id.clone(),
+        tenant: caller.tenant.clone(),
+        state: SandboxState::Starting,
+        template: template_name,
+        template_digest: template.digest.clone(),
+        runtime: runtime.into(),
+        cpus,
+        memory_mb,
+        disk_mb,
+        network,
+        volumes: json!([]),
+        metadata: body.metadata.clone(),
+        env: body.env.clone(),
+        ttl_s,
+        idle_timeout_s: body.idle_timeout_s,
+        created_at: locker_types::rfc3339(now),
+        expires_at: locker_types::rfc3339(now + ttl_s as i64),
+        last_active_at: locker_types::rfc3339(now),
+        machine_dir: app.sandboxes_dir().join(&id).display().to_string(),
+        cpu_ms: 0,
+        peak_memory_bytes: 0,
+    };
+    {
+        let _guard = app.create_lock.lock().await;
+        let q = &app.cfg.quotas;
+        let running = app.store.count_running(&caller.tenant)?;
+        if running >= q.sandboxes {
+            return Err(ApiError::quota(format!("quota exceeded: tenant {} may have {} sandboxes at once; delete some first", caller.tenant, q.sandboxes)));
+        }
+        let mem = app.store.sum_memory_mb(&caller.tenant)?;
+        if mem + memory_mb > q.memory_mb {
+            return Err(ApiError::quota(format!(
+                "quota exceeded: tenant {} may use {} MB of sandbox memory in all ({} MB in use)",
+                caller.tenant, q.memory_mb, mem
+            )));
+        }
+        app.store.insert_sandbox(&record)?;
+    }
+    let spec = MachineSpec {
+        id: id.clone(),
+        dir: app.sandboxes_dir().join(&id),
+        template_rootfs: template.rootfs.clone(),
+        cpus,
+        memory_mb,
+        disk_mb,
+        pids: PIDS,
+    };
+    let machine = match app.node.create(spec).await {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
+            return Err(ApiError::internal(format!("starting the sandbox failed: {e}")));
+        }
+    };
+    let live = Arc::new(Live::new(id.clone(), caller.tenant.clone(), machine, body.env, template.digest, false));
+    app.store.set_sandbox_state(&id, SandboxState::Running)?;
+    app.live.write().await.insert(id.clone(), live.clone());
+    app.metrics.sandbox_create_seconds.observe(started.elapsed().as_secs_f64());
+    let mut rec = record;
+    rec.state = SandboxState::Running;
+    Ok((StatusCode::CREATED, axum::Json(view(&rec, Some(&live)))))
+}
+
+/// The caller's record of sandbox `id` (404 for another tenant's or a deleted one).
+pub fn record_of(app: &AppState, caller: &Caller, id: &str) -> Result<SandboxRecord, ApiError> {
+    match app.store.get_sandbox(&caller.tenant, id)? {
+        Some(r) if r.state != SandboxState::Stopped => Ok(r),
+        _ => Err(ApiError::not_found(format!("sandbox {id} does not exist"))),
+    }
+}
+
+/// The caller's running sandbox `id`, resumed if it was paused.
+pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
+    let live = app.live.read().await.get(id).cloned();
+    match live {
+        Some(l) if l.tenant == caller.tenant => {
+            if l.paused.swap(false, std::sync::atomic::Ordering::SeqCst) {
+                l.machine.resume().map_err(|e| ApiError::internal(format!("resuming the sandbox: {e}")))?;
+                app.store.set_sandbox_state(id, SandboxState::Running)?;
+            }
+            Ok(l)
+        }
+        _ => {
+            // Exists but not live here: say why rather than pretending it is missing.
+            match app.store.get_sandbox(&caller.tenant, id)? {
+                Some(r) if r.state == SandboxState::Failed => Err(ApiError::conflict(format!("sandbox {id} failed to start; delete it and create another"))),
+                Some(r) if r.state == SandboxState::Starting => Err(ApiError::conflict(format!("sandbox {id} is still starting"))),
+                _ => Err(ApiError::not_found(format!("sandbox {id} does not exist"))),
+            }
+        }
+    }
+}
+
+async fn list(State(app): State<AppState>, caller: Caller, RawQuery(q): RawQuery) -> Result<impl IntoResponse, ApiError> {
+    let mut state = None;
+    let mut meta = Vec::new();
+    for (k, v) in form_pairs(q.as_deref().unwrap_or("")) {
+        if k == "state" {
+            state = Some(v);
+        } else if let Some(mk) = k.strip_prefix("metadata.") {
+            meta.push((mk.to_owned(), v));
+        } else {
+            return Err(ApiError::bad_request(format!("unknown query parameter {k:?}: use state= and metadata.KEY=VALUE")));
+        }
+    }
+    let state: Option<SandboxState> = match &state {
+        None => None,
+        Some(s) => Some(s.parse().map_err(|_| ApiError::bad_request(format!("`state` must be starting, running, paused, stopped or failed, got {s:?}")))?),
+    };
+    let recs = app.store.list_sandboxes(&caller.tenant, state, &meta)?;
+    let live = app.live.read().await;
+    let items: Vec<Value> = recs.iter().map(|r| view(r, live.get(&r.id).map(|l| l.as_ref()))).collect();
+    Ok(axum::Json(json!({ "sandboxes": items })))
+}
+
+/// Decodes `a=b&c=d` (percent-decoding and `+` as space).
+pub fn form_pairs(q: &str) -> Vec<(String, String)> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (pct_decode(k), pct_decode(v))
+        })
+        .collect()
+}
+
+fn pct_decode(s: &str) -> String {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        match b[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < b.len() => {
+                let h = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                match h {
+                    Some(v) => {
+                        out.push(v);
+                        i += 2;
+                    }
+                    None => out.push(b'%'),
+                }
+            }
+            c => out.push(c),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+async fn get_one(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let r = record_of(&app, &caller, &id)?;
+    let live = app.live.read().await.get(&id).cloned();
+    Ok(axum::Json(view(&r, live.as_deref())))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PatchSandbox {
+    network: Option<Value>,
+    metadata: Option<BTreeMap<String, String>>,
+}
+
+async fn patch(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<PatchSandbox>) -> Result<impl IntoResponse, ApiError> {
+    let mut r = record_of(&app, &caller, &id)?;
+    if let Some(n) = &body.network {
+        r.network = check_network(&Some(n.clone()))?;
+    }
+    if let Some(m) = body.metadata {
+        check_metadata(&m)?;
+        r.metadata = m;
+    }
+    app.store.update_sandbox(&r)?;
+    let live = app.live.read().await.get(&id).cloned();
+    Ok(axum::Json(view(&r, live.as_deref())))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Ttl {
+    ttl_s: u64,
+}
+
+async fn set_ttl(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<Ttl>) -> Result<impl IntoResponse, ApiError> {
+    if body.ttl_s == 0 || body.ttl_s > MAX_TTL_S {
+        return Err(ApiError::bad_request(format!("`ttl_s` must be between 1 and {MAX_TTL_S}")));
+    }
+    let mut r = record_of(&app, &caller, &id)?;
+    r.ttl_s = body.ttl_s;
+    r.expires_at = locker_types::rfc3339(now_s() + body.ttl_s as i64);
+    app.store.update_sandbox(&r)?;
+    let live = app.live.read().await.get(&id).cloned();
+    Ok(axum::Json(view(&r, live.as_deref())))
+}
+
+async fn pause(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let live = live_of(&app, &caller, &id).await?;
+    live.machine.pause().map_err(|e| ApiError::internal(format!("pausing: {e}")))?;
+    live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+    app.store.set_sandbox_state(&id, SandboxState::Paused)?;
+    let r = record_of(&app, &caller, &id)?;
+    Ok(axum::Json(view(&r, Some(&live))))
+}
+
+async fn resume(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let live = live_of(&app, &caller, &id).await?;
+    let r = record_of(&app, &caller, &id)?;
+    Ok(axum::Json(view(&r, Some(&live))))
+}
+
+async fn delete(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let r = record_of(&app, &caller, &id)?;
+    destroy(&app, &r).await?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Destroys a sandbox's machine (if live) and marks it stopped, keeping its usage.
+pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> {
+    let live = app.live.write().await.remove(&r.id);
+    let mut rec = r.clone();
+    if let Some(l) = live {
+        let u = l.machine.usage();
+        rec.cpu_ms = u.cpu_ms;
+        rec.peak_memory_bytes = u.peak_memory_bytes;
+        // Thaw first: a frozen machine cannot die.
+        let _ = l.machine.resume();
+        app.node.destroy(&l.machine).await.map_err(|e| ApiError::internal(format!("destroying sandbox {}: {e}", r.id)))?;
+    } else {
+        let (id, dir, layout) = (r.id.clone(), std::path::PathBuf::from(&r.machine_dir), app.node.layout().clone());
+        let _ = tokio::task::spawn_blocking(move || locker_runtime::jail::destroy(&id, &dir, &layout)).await;
+    }
+    app.store.update_sandbox(&rec)?;
+    app.store.delete_sandbox(&rec.id)?;
+    Ok(())
+}
+
+/// At start: re-attach to machines a previous server left running, mark the others
+/// stopped, and remove machine directories nobody owns.
+pub async fn adopt_all(app: &AppState) {
+    let recs = match app.store.list_live_sandboxes() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot list sandboxes to adopt");
+            return;
+        }
+    };
+    let mut keep = Vec::new();
+    for r in recs {
+        let dir = std::path::PathBuf::from(&r.machine_dir);
+        match app.node.adopt(&r.id, &dir).await {
+            Some(machine) => {
+                let live = Arc::new(Live::new(r.id.clone(), r.tenant.clone(), machine, r.env.clone(), r.template_digest.clone(), r.state == SandboxState::Paused));
+                if r.state == SandboxState::Starting {
+                    let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
+                }
+                app.live.write().await.insert(r.id.clone(), live);
+                keep.push(r.id.clone());
+                tracing::info!(sandbox = %r.id, "adopted a running sandbox");
+            }
+            None => {
+                let _ = app.store.delete_sandbox(&r.id);
+                tracing::info!(sandbox = %r.id, "sandbox did not survive the restart; marked stopped");
+            }
+        }
+    }
+    let removed = app.node.cleanup_orphans(&app.sandboxes_dir(), keep).await;
+    if !removed.is_empty() {
+        tracing::info!(count = removed.len(), "removed orphaned machines");
+    }
+}
+
+/// Destroys sandboxes whose TTL passed, once a second.
+pub fn spawn_reaper(app: AppState) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        loop {
+            tick.tick().await;
+            let ids = match app.store.expired_sandboxes(now_s()) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    tracing::warn!(error = %e, "TTL reaper: cannot read expired sandboxes");
+                    continue;
+                }
+            };
+            for id in ids {
+                if let Ok(Some(r)) = app.store.get_sandbox_any(&id) {
+                    match destroy(&app, &r).await {
+                        Ok(()) => tracing::info!(sandbox = %id, "expired (TTL) and destroyed"),
+                        Err(e) => tracing::warn!(sandbox = %id, error = %e, "TTL reaper failed"),
+                    }
+                }
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn form_pairs_decode() {
+        let p = super::form_pairs("state=running&metadata.team=a%20b&metadata.x=1+2");
+        assert_eq!(p[0], ("state".into(), "running".into()));
+        assert_eq!(p[1], ("metadata.team".into(), "a b".into()));
+        assert_eq!(p[2], ("metadata.x".into(), "1 2".into()));
+        assert_eq!(super::pct_decode("%zz%4"), "%zz%4");
+    }
+}

@@ -1,0 +1,174 @@
+//! Shared helpers of the integration tests: finding the built binaries and the default
+//! template, unique names, and guards that clean up even when a test fails.
+//!
+//! The tests run as root on a host prepared by `scripts/setup test` (which builds
+//! `target/release/locker`, the static `locker-agent` beside it, and the default template).
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Once;
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_owned()
+}
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
+}
+
+/// The `locker` binary: `$LOCKER_BIN`, else the release build, else the debug build.
+pub fn locker_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("LOCKER_BIN") {
+        return PathBuf::from(p);
+    }
+    for profile in ["release", "debug"] {
+        let p = target_dir().join(profile).join("locker");
+        if p.is_file() {
+            return p;
+        }
+    }
+    panic!("the locker binary is not built: run `scripts/setup build` (or cargo build -p locker-cli)")
+}
+
+/// The static agent: `$LOCKER_AGENT_BIN`, else the static release build.
+pub fn agent_bin() -> PathBuf {
+    if let Some(p) = std::env::var_os("LOCKER_AGENT_BIN") {
+        return PathBuf::from(p);
+    }
+    for p in [
+        target_dir().join("release/locker-agent"),
+        target_dir().join("x86_64-unknown-linux-gnu/release/locker-agent"),
+        target_dir().join("x86_64-unknown-linux-gnu/debug/locker-agent"),
+    ] {
+        if p.is_file() {
+            return p;
+        }
+    }
+    panic!("the static locker-agent is not built: run `scripts/setup build`")
+}
+
+/// The host's template cache (`$LOCKER_CACHE_DIR`, default `/var/cache/locker`).
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("LOCKER_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/cache/locker"))
+}
+
+/// The default template's root filesystem.
+pub fn default_rootfs() -> PathBuf {
+    let store = locker_runtime::template::TemplateStore::open(&cache_dir()).expect("open the template cache");
+    let t = store
+        .resolve("default")
+        .expect("read the template cache")
+        .expect("the default template is not built: run `scripts/setup build` (locker template build default)");
+    t.rootfs
+}
+
+/// A name unique to this test process and call: `<prefix>-<pid>-<n>`.
+pub fn unique(prefix: &str) -> String {
+    static N: AtomicU32 = AtomicU32::new(0);
+    format!("{prefix}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+}
+
+/// Makes this test process a child subreaper, so shims orphaned by a killed server are
+/// reaped here instead of lingering as zombies (some container inits never reap).
+pub fn become_subreaper() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: prctl with integer arguments.
+        unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) };
+        std::thread::spawn(|| loop {
+            // Reap only children that are not ours to wait for explicitly: orphans adopted
+            // through the subreaper flag have a parent pid of ours but no Child handle.
+            reap_adopted_orphans();
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        });
+    });
+}
+
+static OWN_CHILDREN: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+
+/// Registers a child the test waits for itself (a server it started), so the orphan
+/// reaper leaves it alone.
+pub fn register_child(pid: u32) {
+    OWN_CHILDREN.lock().expect("lock").push(pid as i32);
+}
+
+fn reap_adopted_orphans() {
+    let me = std::process::id() as i32;
+    let Ok(rd) = std::fs::read_dir("/proc") else { return };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
+        let Some(rest) = stat.rsplit(')').next() else { continue };
+        let mut f = rest.split_whitespace();
+        let state = f.next().unwrap_or("");
+        let ppid: i32 = f.next().and_then(|s| s.parse().ok()).unwrap_or(0);
+        let comm = stat.split_once('(').and_then(|(_, r)| r.rsplit_once(')')).map(|(c, _)| c).unwrap_or("");
+        // Only zombie shims of machines (comm `locker`) that no test waits for itself.
+        let mine = OWN_CHILDREN.lock().map(|v| v.contains(&pid)).unwrap_or(true);
+        if ppid == me && state == "Z" && comm == "locker" && !mine {
+            let mut status = 0;
+            // SAFETY: waitpid on a zombie child of ours.
+            unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
+        }
+    }
+}
+
+/// A temporary directory removed on drop.
+pub struct TempDir(pub PathBuf);
+
+impl TempDir {
+    pub fn new(prefix: &str) -> Self {
+        let p = std::env::temp_dir().join(unique(prefix));
+        std::fs::create_dir_all(&p).expect("create temp dir");
+        TempDir(p)
+    }
+    pub fn path(&self) -> &Path {
+        &self.0
+    }
+}
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Host-side traces of a machine: mounts naming its directory, its cgroups, its directory.
+pub fn traces_of(id: &str, dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let d = dir.display().to_string();
+    for l in mounts.lines().filter(|l| l.contains(&d)) {
+        out.push(format!("mount: {l}"));
+    }
+    for c in ["memory", "pids", "cpu", "cpuacct", "freezer", "unified", ""] {
+        let p = Path::new("/sys/fs/cgroup").join(c).join("locker").join(id);
+        if p.exists() {
+            out.push(format!("cgroup: {}", p.display()));
+        }
+    }
+    if dir.exists() {
+        out.push(format!("dir: {}", dir.display()));
+    }
+    let loops = std::process::Command::new("losetup").arg("-a").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    for l in loops.lines().filter(|l| l.contains(&d)) {
+        out.push(format!("loop: {l}"));
+    }
+    out
+}
+
+/// Host pids whose real uid lies in `[base, base + 65536)`.
+pub fn pids_with_uid_in(base: u32) -> Vec<i32> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { continue };
+        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next()).and_then(|u| u.parse::<u32>().ok());
+        if uid.is_some_and(|u| u >= base && u < base + 65_536) {
+            out.push(pid);
+        }
+    }
+    out
+}
