@@ -4,6 +4,8 @@
 //! The tests run as root on a host prepared by `scripts/setup test` (which builds
 //! `target/release/locker`, the static `locker-agent` beside it, and the default template).
 
+pub mod server;
+
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Once;
@@ -37,11 +39,10 @@ pub fn agent_bin() -> PathBuf {
         return PathBuf::from(p);
     }
     for p in [
-        target_dir().join("release/locker-agent"),
         target_dir().join("x86_64-unknown-linux-gnu/release/locker-agent"),
         target_dir().join("x86_64-unknown-linux-gnu/debug/locker-agent"),
     ] {
-        if p.is_file() {
+        if locker_runtime::node::is_static_elf(&p) {
             return p;
         }
     }

@@ -37,7 +37,12 @@ pub enum Pushed {
 impl Capture {
     /// A capture keeping `cap` bytes in memory. With `spill_always` the file at `spill_path`
     /// gets everything from the start; otherwise only once the stream outgrows `cap`.
-    pub fn new(cap: u64, spill_path: Option<PathBuf>, spill_always: bool, spill_limit: u64) -> Capture {
+    pub fn new(
+        cap: u64,
+        spill_path: Option<PathBuf>,
+        spill_always: bool,
+        spill_limit: u64,
+    ) -> Capture {
         let cap = usize::try_from(cap).unwrap_or(usize::MAX / 4).max(1);
         let head_cap = cap / 2;
         let mut c = Capture {
@@ -97,7 +102,10 @@ impl Capture {
         match File::create(path) {
             Ok(f) => self.spill = Some(f),
             Err(e) => {
-                eprintln!("locker-agent: cannot create spill file {}: {e}", path.display());
+                eprintln!(
+                    "locker-agent: cannot create spill file {}: {e}",
+                    path.display()
+                );
                 self.spill_failed = true;
             }
         }

@@ -20,19 +20,28 @@ use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use locker_types::Usage;
+/// Resource use read from cgroup files; `None` where a file is missing.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Measured {
+    pub cpu_ms: Option<u64>,
+    pub peak_memory_bytes: Option<u64>,
+}
 
 const V1_CONTROLLERS: [&str; 5] = ["memory", "pids", "cpu", "cpuacct", "freezer"];
 
 /// Where commands' cgroups go.
 #[derive(Debug)]
 pub enum Layout {
-    V2 { parent: PathBuf },
+    V2 {
+        parent: PathBuf,
+    },
     /// (controller, `<root>/<controller>/<parent>`) for each usable controller.
-    V1 { parents: Vec<(&'static str, PathBuf)> },
+    V1 {
+        parents: Vec<(&'static str, PathBuf)>,
+    },
     None,
 }
 
@@ -41,6 +50,7 @@ pub enum Layout {
 pub struct Cgroups {
     pub layout: Layout,
     next: AtomicU64,
+    warned: AtomicBool,
 }
 
 impl Cgroups {
@@ -52,7 +62,10 @@ impl Cgroups {
             if dir.is_dir() {
                 // Let children account memory, cpu and pids; this fails harmlessly where the
                 // parent holds processes itself or the controllers are already on.
-                if let Ok(mut f) = fs::OpenOptions::new().write(true).open(dir.join("cgroup.subtree_control")) {
+                if let Ok(mut f) = fs::OpenOptions::new()
+                    .write(true)
+                    .open(dir.join("cgroup.subtree_control"))
+                {
                     for c in ["+memory", "+cpu", "+pids"] {
                         let _ = f.write_all(c.as_bytes());
                     }
@@ -67,7 +80,9 @@ impl Cgroups {
             for c in V1_CONTROLLERS {
                 let dir = root.join(c).join(parent);
                 // Co-mounted controllers (cpu,cpuacct) reach one directory by two names.
-                let Ok(real) = fs::canonicalize(&dir) else { continue };
+                let Ok(real) = fs::canonicalize(&dir) else {
+                    continue;
+                };
                 if !real.is_dir() || !real.join("cgroup.procs").exists() {
                     continue;
                 }
@@ -94,7 +109,11 @@ impl Cgroups {
                 root.display()
             );
         }
-        Cgroups { layout, next: AtomicU64::new(1) }
+        Cgroups {
+            layout,
+            next: AtomicU64::new(1),
+            warned: AtomicBool::new(false),
+        }
     }
 
     /// Creates the cgroup(s) of one command. `None` when cgroups are not usable.
@@ -119,7 +138,12 @@ impl Cgroups {
                         break;
                     }
                     Err(e) => {
-                        eprintln!("locker-agent: cannot create cgroup {}: {e}", d.display());
+                        if !self.warned.swap(true, Ordering::Relaxed) {
+                            eprintln!(
+                                "locker-agent: cannot create cgroup {}: {e} (said once)",
+                                d.display()
+                            );
+                        }
                     }
                 }
             }
@@ -134,9 +158,15 @@ impl Cgroups {
             }
             let mut procs = Vec::new();
             for (_, d) in &dirs {
-                match fs::OpenOptions::new().write(true).open(d.join("cgroup.procs")) {
+                match fs::OpenOptions::new()
+                    .write(true)
+                    .open(d.join("cgroup.procs"))
+                {
                     Ok(f) => procs.push(OwnedFd::from(f)),
-                    Err(e) => eprintln!("locker-agent: cannot open {}/cgroup.procs: {e}", d.display()),
+                    Err(e) => eprintln!(
+                        "locker-agent: cannot open {}/cgroup.procs: {e}",
+                        d.display()
+                    ),
                 }
             }
             let v2 = matches!(self.layout, Layout::V2 { .. });
@@ -146,10 +176,10 @@ impl Cgroups {
         None
     }
 
-    /// The CPU and peak memory of the parent cgroup (the machine), if readable.
-    pub fn parent_usage(&self) -> Option<Usage> {
+    /// The CPU and peak memory of the parent cgroup (the machine), where readable.
+    pub fn parent_usage(&self) -> Measured {
         match &self.layout {
-            Layout::None => None,
+            Layout::None => Measured::default(),
             Layout::V2 { parent } => usage_v2(parent),
             Layout::V1 { parents } => usage_v1(parents),
         }
@@ -186,7 +216,10 @@ impl CmdCgroup {
     }
 
     fn dir(&self, controller: &str) -> Option<&Path> {
-        self.dirs.iter().find(|(c, _)| *c == controller).map(|(_, d)| d.as_path())
+        self.dirs
+            .iter()
+            .find(|(c, _)| *c == controller)
+            .map(|(_, d)| d.as_path())
     }
 
     /// The best directory to list members from: the freezer's (v1), else any.
@@ -216,14 +249,22 @@ impl CmdCgroup {
                 return true;
             }
         }
-        let freezer = if self.v2 { Some(self.dirs[0].1.as_path()) } else { self.dir("freezer") };
+        let freezer = if self.v2 {
+            Some(self.dirs[0].1.as_path())
+        } else {
+            self.dir("freezer")
+        };
         loop {
             let members = self.pids();
             if members.is_empty() {
                 return true;
             }
             if Instant::now() > deadline {
-                eprintln!("locker-agent: cgroup {} still has {} processes", self.members_dir().display(), members.len());
+                eprintln!(
+                    "locker-agent: cgroup {} still has {} processes",
+                    self.members_dir().display(),
+                    members.len()
+                );
                 return false;
             }
             let frozen = freezer.map(|f| self.freeze(f, true)).unwrap_or(false);
@@ -244,7 +285,11 @@ impl CmdCgroup {
         let (file, value, want) = if self.v2 {
             ("cgroup.freeze", if on { "1" } else { "0" }, None)
         } else {
-            ("freezer.state", if on { "FROZEN" } else { "THAWED" }, Some(if on { "FROZEN" } else { "THAWED" }))
+            (
+                "freezer.state",
+                if on { "FROZEN" } else { "THAWED" },
+                Some(if on { "FROZEN" } else { "THAWED" }),
+            )
         };
         if fs::write(dir.join(file), value).is_err() {
             return false;
@@ -261,8 +306,8 @@ impl CmdCgroup {
         false
     }
 
-    /// What the command used, if the accounting files are readable.
-    pub fn usage(&self) -> Option<Usage> {
+    /// What the command used, where the accounting files are readable.
+    pub fn usage(&self) -> Measured {
         if self.v2 {
             usage_v2(&self.dirs[0].1)
         } else {
@@ -330,24 +375,29 @@ fn keyed(path: &Path, key: &str) -> Option<u64> {
     let text = fs::read_to_string(path).ok()?;
     text.lines().find_map(|l| {
         let mut it = l.split_whitespace();
-        (it.next() == Some(key)).then(|| it.next()?.parse().ok()).flatten()
+        (it.next() == Some(key))
+            .then(|| it.next()?.parse().ok())
+            .flatten()
     })
 }
 
-fn usage_v2(dir: &Path) -> Option<Usage> {
-    let cpu_us = keyed(&dir.join("cpu.stat"), "usage_usec")?;
-    let peak = read_u64(&dir.join("memory.peak")).unwrap_or(0);
-    Some(Usage { cpu_ms: cpu_us / 1000, peak_memory_bytes: peak })
+fn usage_v2(dir: &Path) -> Measured {
+    Measured {
+        cpu_ms: keyed(&dir.join("cpu.stat"), "usage_usec").map(|us| us / 1000),
+        // memory.peak is new (Linux 5.19) and absent where the memory controller is off.
+        peak_memory_bytes: read_u64(&dir.join("memory.peak")),
+    }
 }
 
-fn usage_v1(dirs: &[(&'static str, PathBuf)]) -> Option<Usage> {
+fn usage_v1(dirs: &[(&'static str, PathBuf)]) -> Measured {
     let find = |c: &str| dirs.iter().find(|(n, _)| *n == c).map(|(_, d)| d);
-    let cpu_ns = find("cpuacct").and_then(|d| read_u64(&d.join("cpuacct.usage")));
-    let peak = find("memory").and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes")));
-    if cpu_ns.is_none() && peak.is_none() {
-        return None;
+    Measured {
+        cpu_ms: find("cpuacct")
+            .and_then(|d| read_u64(&d.join("cpuacct.usage")))
+            .map(|ns| ns / 1_000_000),
+        peak_memory_bytes: find("memory")
+            .and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes"))),
     }
-    Some(Usage { cpu_ms: cpu_ns.unwrap_or(0) / 1_000_000, peak_memory_bytes: peak.unwrap_or(0) })
 }
 
 fn oom_kills_v2(dir: &Path) -> u64 {

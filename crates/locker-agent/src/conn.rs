@@ -20,8 +20,8 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use locker_proto::{
-    read_frame, AgentError, Chan, Control, EndBody, ErrorCode, Frame, Hello, Reply, Request, DATA_CHUNK,
-    INITIAL_WINDOW, MAX_PAYLOAD, PROTOCOL_VERSION,
+    read_frame, AgentError, Chan, Control, EndBody, ErrorCode, Frame, Hello, Reply, Request,
+    DATA_CHUNK, INITIAL_WINDOW, MAX_PAYLOAD, PROTOCOL_VERSION,
 };
 
 use crate::Agent;
@@ -115,7 +115,10 @@ impl Stream {
         if lock(&self.state).ended {
             return Err(Gone);
         }
-        self.conn.write(&Frame::Msg { stream: self.id, msg })
+        self.conn.write(&Frame::Msg {
+            stream: self.id,
+            msg,
+        })
     }
 
     /// Sends bytes on a channel, in chunks, each only once the host has given credit for it.
@@ -137,7 +140,11 @@ impl Stream {
                 st.credit -= n as u64;
                 n
             };
-            self.conn.write(&Frame::Data { stream: self.id, chan, bytes: bytes[..n].to_vec() })?;
+            self.conn.write(&Frame::Data {
+                stream: self.id,
+                chan,
+                bytes: bytes[..n].to_vec(),
+            })?;
             bytes = &bytes[n..];
         }
         Ok(())
@@ -148,7 +155,11 @@ impl Stream {
         if n == 0 || lock(&self.state).ended {
             return;
         }
-        let _ = self.conn.write(&Frame::Credit { stream: self.id, chan, bytes: n as u32 });
+        let _ = self.conn.write(&Frame::Credit {
+            stream: self.id,
+            chan,
+            bytes: n as u32,
+        });
     }
 
     /// Sends the final frame; the stream is dead afterwards. A body too large for one frame is
@@ -164,11 +175,17 @@ impl Stream {
             self.cond.notify_all();
         }
         lock(&self.conn.streams).remove(&self.id);
-        let frame = Frame::End { stream: self.id, body };
+        let frame = Frame::End {
+            stream: self.id,
+            body,
+        };
         let mut probe = Vec::new();
         if frame.encode(&mut probe).is_err() {
             let err = AgentError::new(ErrorCode::Internal, "the reply does not fit in one frame");
-            let _ = self.conn.write(&Frame::End { stream: self.id, body: EndBody::Error(err) });
+            let _ = self.conn.write(&Frame::End {
+                stream: self.id,
+                body: EndBody::Error(err),
+            });
             return;
         }
         let _ = self.conn.write(&frame);
@@ -200,7 +217,11 @@ impl Stream {
                     if now >= d {
                         return Recv::Timeout;
                     }
-                    st = self.cond.wait_timeout(st, d - now).unwrap_or_else(|e| e.into_inner()).0;
+                    st = self
+                        .cond
+                        .wait_timeout(st, d - now)
+                        .unwrap_or_else(|e| e.into_inner())
+                        .0;
                 }
             }
         }
@@ -261,14 +282,19 @@ impl Stream {
 /// Serves one connection until it ends; never panics on anything the host sends.
 pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
     let Ok(writer) = sock.try_clone() else { return };
-    let Ok(mut reader) = sock.try_clone() else { return };
+    let Ok(mut reader) = sock.try_clone() else {
+        return;
+    };
     let conn = Arc::new(Conn {
         sock,
         writer: Mutex::new(writer),
         streams: Mutex::new(HashMap::new()),
         closed: AtomicBool::new(false),
     });
-    let hello = Hello { version: PROTOCOL_VERSION, peer: format!("locker-agent {}", env!("CARGO_PKG_VERSION")) };
+    let hello = Hello {
+        version: PROTOCOL_VERSION,
+        peer: format!("locker-agent {}", env!("CARGO_PKG_VERSION")),
+    };
     if conn.write(&Frame::Hello(hello)).is_err() {
         return;
     }
@@ -276,7 +302,10 @@ pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
     match read_frame(&mut reader, &mut scratch) {
         Ok(Some(Frame::Hello(h))) if h.version == PROTOCOL_VERSION => {}
         Ok(Some(Frame::Hello(h))) => {
-            eprintln!("locker-agent: host {:?} speaks protocol {}, this agent {PROTOCOL_VERSION}", h.peer, h.version);
+            eprintln!(
+                "locker-agent: host {:?} speaks protocol {}, this agent {PROTOCOL_VERSION}",
+                h.peer, h.version
+            );
             conn.close();
             return;
         }
@@ -285,7 +314,10 @@ pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
             return;
         }
         Ok(Some(other)) => {
-            eprintln!("locker-agent: dropping a connection whose first frame is not Hello: {:?}", kind_of(&other));
+            eprintln!(
+                "locker-agent: dropping a connection whose first frame is not Hello: {:?}",
+                kind_of(&other)
+            );
             conn.close();
             return;
         }
@@ -372,16 +404,25 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<Conn>, frame: Frame) -> Result<(), St
                 .stack_size(512 * 1024)
                 .spawn(move || handle(&agent, &worker, req));
             if let Err(e) = spawned {
-                s.fail(AgentError::new(ErrorCode::Exhausted, format!("cannot start a thread: {e}")));
+                s.fail(AgentError::new(
+                    ErrorCode::Exhausted,
+                    format!("cannot start a thread: {e}"),
+                ));
             }
         }
-        Frame::Data { stream, chan, bytes } => {
+        Frame::Data {
+            stream,
+            chan,
+            bytes,
+        } => {
             if bytes.len() > MAX_PAYLOAD {
                 return Err("oversized data".into());
             }
             if let Some(s) = stream_of(conn, stream) {
                 if !s.deliver(Inbound::Data(chan, bytes)) {
-                    return Err(format!("the host overran the flow-control window of stream {stream}"));
+                    return Err(format!(
+                        "the host overran the flow-control window of stream {stream}"
+                    ));
                 }
             }
         }
@@ -406,7 +447,10 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<Conn>, frame: Frame) -> Result<(), St
             }
         }
         other @ (Frame::Hello(_) | Frame::Msg { .. } | Frame::End { .. }) => {
-            return Err(format!("the host sent a {} frame, which only the agent may send", kind_of(&other)));
+            return Err(format!(
+                "the host sent a {} frame, which only the agent may send",
+                kind_of(&other)
+            ));
         }
     }
     Ok(())
@@ -431,11 +475,12 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
         Request::Move { from, to } => crate::files::rename(agent, s, &from, &to),
         Request::Remove { path, recursive } => crate::files::remove(agent, s, &path, recursive),
         Request::MachineUsage => {
-            let usage = agent.cgroups.parent_usage().unwrap_or_else(|| {
-                let (cpu_ms, peak) = crate::sys::self_usage();
-                locker_types::Usage { cpu_ms, peak_memory_bytes: peak }
-            });
-            s.end(EndBody::Usage(usage));
+            let m = agent.cgroups.parent_usage();
+            let (cpu_ms, peak) = crate::sys::self_usage();
+            s.end(EndBody::Usage(locker_types::Usage {
+                cpu_ms: m.cpu_ms.unwrap_or(cpu_ms),
+                peak_memory_bytes: m.peak_memory_bytes.unwrap_or(peak),
+            }));
         }
     }
 }

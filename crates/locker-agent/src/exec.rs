@@ -20,7 +20,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use locker_proto::{AgentError, Chan, Control, EndBody, ErrorCode, ExecSpec, PtySize, Reply, MAX_PAYLOAD};
+use locker_proto::{
+    AgentError, Chan, Control, EndBody, ErrorCode, ExecSpec, PtySize, Reply, MAX_PAYLOAD,
+};
 use locker_types::{ExecResult, Reason, Timings, Usage};
 
 use crate::capture::{Capture, Pushed};
@@ -64,11 +66,15 @@ pub fn check_id(id: &str) -> Result<(), AgentError> {
     let ok = !id.is_empty()
         && id.len() <= 128
         && !id.starts_with('.')
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'));
     if ok {
         Ok(())
     } else {
-        Err(bad(format!("call id {id:?} must be 1-128 letters, digits, '_', '-' or '.'")))
+        Err(bad(format!(
+            "call id {id:?} must be 1-128 letters, digits, '_', '-' or '.'"
+        )))
     }
 }
 
@@ -92,7 +98,9 @@ pub fn prepare(spec: &ExecSpec) -> Result<Prepared, AgentError> {
     }
     for (k, v) in &spec.env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(bad(format!("env key {k:?} must be non-empty, without '=' or NUL, and its value without NUL")));
+            return Err(bad(format!(
+                "env key {k:?} must be non-empty, without '=' or NUL, and its value without NUL"
+            )));
         }
         match env.iter_mut().find(|(ek, _)| ek == k) {
             Some(slot) => slot.1 = v.clone(),
@@ -113,7 +121,12 @@ pub fn prepare(spec: &ExecSpec) -> Result<Prepared, AgentError> {
         None if Path::new(&user.home).is_dir() => user.home.clone(),
         None => "/".into(),
     };
-    Ok(Prepared { argv: spec.argv.clone(), env, cwd, user })
+    Ok(Prepared {
+        argv: spec.argv.clone(),
+        env,
+        cwd,
+        user,
+    })
 }
 
 /// Where a command's standard input comes from.
@@ -134,6 +147,8 @@ pub struct RunOptions {
     pub stream: Option<Arc<Stream>>,
     /// Called after each chunk with (0 stdout / 1 stderr, bytes in its file so far).
     pub progress: Option<Arc<dyn Fn(usize, u64) + Send + Sync>>,
+    /// Gets `Msg(Started)` once the process exists, before any of its output.
+    pub announce: Option<Arc<Stream>>,
 }
 
 /// A command that has started.
@@ -162,8 +177,14 @@ pub enum StartError {
     Exec(io::Error),
 }
 
-fn spawn_thread<T: Send + 'static>(name: &str, f: impl FnOnce() -> T + Send + 'static) -> io::Result<JoinHandle<T>> {
-    std::thread::Builder::new().name(name.into()).stack_size(256 * 1024).spawn(f)
+fn spawn_thread<T: Send + 'static>(
+    name: &str,
+    f: impl FnOnce() -> T + Send + 'static,
+) -> io::Result<JoinHandle<T>> {
+    std::thread::Builder::new()
+        .name(name.into())
+        .stack_size(256 * 1024)
+        .spawn(f)
 }
 
 /// Spawns the command and its output pump.
@@ -177,7 +198,10 @@ pub fn start(
     call_id: &str,
 ) -> Result<Running, StartError> {
     let internal = |what: &str, e: io::Error| {
-        let code = if matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE | libc::EAGAIN | libc::ENOMEM)) {
+        let code = if matches!(
+            e.raw_os_error(),
+            Some(libc::EMFILE | libc::ENFILE | libc::EAGAIN | libc::ENOMEM)
+        ) {
             ErrorCode::Exhausted
         } else {
             ErrorCode::Internal
@@ -185,27 +209,40 @@ pub fn start(
         StartError::Agent(AgentError::new(code, format!("{what}: {e}")))
     };
     let cgroup = agent.cgroups.create();
-    let oom_before = (cgroup.as_ref().map(|c| c.oom_kills()).unwrap_or(0), agent.cgroups.parent_oom_kills());
-    let switch = prep.user.uid != sys::geteuid() || sys::geteuid() == 0 && prep.user.uid != 0;
+    let oom_before = (
+        cgroup.as_ref().map(|c| c.oom_kills()).unwrap_or(0),
+        agent.cgroups.parent_oom_kills(),
+    );
+    // Drop privileges only when the command runs as someone else than the agent.
+    let switch = prep.user.uid != sys::geteuid();
     let plan = sys::ChildPlan {
         cgroup_procs: cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default(),
         controlling_tty: pty.is_some(),
         user: switch.then(|| (prep.user.uid, prep.user.gid, prep.user.groups.clone())),
-        cwd: std::ffi::CString::new(prep.cwd.clone()).map_err(|_| StartError::Agent(bad("cwd contains NUL")))?,
+        cwd: std::ffi::CString::new(prep.cwd.clone())
+            .map_err(|_| StartError::Agent(bad("cwd contains NUL")))?,
     };
     let mut cmd = Command::new(&prep.argv[0]);
-    cmd.args(&prep.argv[1..]).env_clear().envs(prep.env.iter().map(|(k, v)| (k, v)));
+    cmd.args(&prep.argv[1..])
+        .env_clear()
+        .envs(prep.env.iter().map(|(k, v)| (k, v)));
     let mut master: Option<OwnedFd> = None;
     match pty {
         Some(size) => {
             let (m, s) = sys::openpty(size.cols, size.rows).map_err(|e| internal("openpty", e))?;
             let s2 = s.try_clone().map_err(|e| internal("dup", e))?;
             let s3 = s.try_clone().map_err(|e| internal("dup", e))?;
-            cmd.stdin(Stdio::from(s)).stdout(Stdio::from(s2)).stderr(Stdio::from(s3));
+            cmd.stdin(Stdio::from(s))
+                .stdout(Stdio::from(s2))
+                .stderr(Stdio::from(s3));
             master = Some(m);
         }
         None => {
-            cmd.stdin(if stdin == StdinMode::Pipe { Stdio::piped() } else { Stdio::null() });
+            cmd.stdin(if stdin == StdinMode::Pipe {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            });
             cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
         }
     }
@@ -240,8 +277,18 @@ pub fn start(
     let start_ms = started.duration_since(opened).as_secs_f64() * 1000.0;
     let spill = |ext: &str| Some(output_file(agent, &opts.name, ext));
     let caps = [
-        Capture::new(opts.max_output_bytes, spill("stdout"), opts.spool, agent.max_spill_bytes),
-        Capture::new(opts.max_output_bytes, spill("stderr"), opts.spool, agent.max_spill_bytes),
+        Capture::new(
+            opts.max_output_bytes,
+            spill("stdout"),
+            opts.spool,
+            agent.max_spill_bytes,
+        ),
+        Capture::new(
+            opts.max_output_bytes,
+            spill("stderr"),
+            opts.spool,
+            agent.max_spill_bytes,
+        ),
     ];
     let mut sources: Vec<(Chan, usize, OwnedFd)> = Vec::new();
     let mut stdin_file = None;
@@ -262,10 +309,22 @@ pub fn start(
         stdin_file = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
     }
     drop(child);
+    if let Some(s) = &opts.announce {
+        let _ = s.msg(Reply::Started { pid, start_ms });
+    }
     let stop = Arc::new(Mutex::new(None));
     let pump_stop = stop.clone();
     let pump_tx = tx.clone();
-    let pump = spawn_thread("output", move || pump_output(sources, caps, opts.stream, pump_tx, pump_stop, opts.progress));
+    let pump = spawn_thread("output", move || {
+        pump_output(
+            sources,
+            caps,
+            opts.stream,
+            pump_tx,
+            pump_stop,
+            opts.progress,
+        )
+    });
     let cgroup = cgroup.map(Arc::new);
     let running = Running {
         pid,
@@ -283,7 +342,10 @@ pub fn start(
         cap: opts.max_output_bytes,
     };
     match pump {
-        Ok(h) => Ok(Running { pump: Some(h), ..running }),
+        Ok(h) => Ok(Running {
+            pump: Some(h),
+            ..running
+        }),
         Err(e) => {
             kill_tree(running.pid, running.cgroup.as_deref());
             Err(internal("cannot start the output thread", e))
@@ -309,7 +371,9 @@ fn pump_output(
             break;
         }
         let fds: Vec<RawFd> = sources.iter().map(|s| s.2.as_raw_fd()).collect();
-        let Ok(revents) = sys::poll(&fds, 100) else { break };
+        let Ok(revents) = sys::poll(&fds, 100) else {
+            break;
+        };
         let mut done = Vec::new();
         for (i, re) in revents.iter().enumerate() {
             if *re == 0 {
@@ -393,14 +457,22 @@ struct Outcome {
 /// Waits for the command to end, killing its tree on timeout, cancel or too much output; then
 /// cleans up and builds the result. `reserve` is room the result's frame must leave for
 /// whatever is sent with it.
-pub fn wait(agent: &Agent, mut run: Running, timeout: Option<Duration>, reserve: usize) -> ExecResult {
+pub fn wait(
+    agent: &Agent,
+    mut run: Running,
+    timeout: Option<Duration>,
+    reserve: usize,
+) -> ExecResult {
     let deadline = timeout.map(|t| run.started + t);
     let mut cause: Option<Reason> = None;
     let mut caller_signaled = false;
     let exit = loop {
         let ev = match deadline {
             Some(d) if cause.is_none() => {
-                match run.events_rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                match run
+                    .events_rx
+                    .recv_timeout(d.saturating_duration_since(Instant::now()))
+                {
                     Ok(ev) => ev,
                     Err(RecvTimeoutError::Timeout) => {
                         cause = Some(Reason::Timeout);
@@ -441,11 +513,26 @@ pub fn wait(agent: &Agent, mut run: Running, timeout: Option<Duration>, reserve:
     run.stdin = None;
     run.pty_master = None;
     let caps = run.pump.take().and_then(|h| h.join().ok());
-    let caps = caps.unwrap_or_else(|| [Capture::new(1, None, false, 0), Capture::new(1, None, false, 0)]);
-    let usage = run.cgroup.as_ref().and_then(|c| c.usage());
+    let caps = caps.unwrap_or_else(|| {
+        [
+            Capture::new(1, None, false, 0),
+            Capture::new(1, None, false, 0),
+        ]
+    });
+    let measured = run.cgroup.as_ref().map(|c| c.usage()).unwrap_or_default();
+    // What the cgroup files do not tell, the child's own rusage approximates.
+    let usage = Usage {
+        cpu_ms: measured.cpu_ms.unwrap_or(exit.cpu_ms),
+        peak_memory_bytes: measured.peak_memory_bytes.unwrap_or(exit.max_rss_bytes),
+    };
     let own_oom = run.cgroup.as_ref().map(|c| c.oom_kills()).unwrap_or(0);
-    let oom_grew = own_oom > run.oom_before.0 || agent.cgroups.parent_oom_kills() > run.oom_before.1;
-    let outcome = Outcome { exit, cause, caller_signaled };
+    let oom_grew =
+        own_oom > run.oom_before.0 || agent.cgroups.parent_oom_kills() > run.oom_before.1;
+    let outcome = Outcome {
+        exit,
+        cause,
+        caller_signaled,
+    };
     let result = build_result(&run, outcome, caps, usage, oom_grew, reserve);
     if let Some(c) = run.cgroup.take() {
         c.remove();
@@ -462,7 +549,7 @@ fn build_result(
     run: &Running,
     o: Outcome,
     mut caps: [Capture; 2],
-    usage: Option<Usage>,
+    usage: Usage,
     oom_grew: bool,
     reserve: usize,
 ) -> ExecResult {
@@ -470,17 +557,23 @@ fn build_result(
     let reason = match (o.cause, sig) {
         (Some(c), _) => c,
         (None, Some(libc::SIGKILL)) if oom_grew => Reason::Oom,
+        // The main process exited, but the OOM killer took part of its tree (a shell
+        // reporting its child's death, `make` after a compiler was killed): say so, and keep
+        // the exit code the caller would see.
+        (None, None) if oom_grew => Reason::Oom,
         (None, Some(_)) if o.caller_signaled => Reason::Killed,
         (None, Some(_)) => Reason::Signaled,
         (None, None) => Reason::Exited,
     };
-    let usage = usage.unwrap_or(Usage { cpu_ms: o.exit.cpu_ms, peak_memory_bytes: o.exit.max_rss_bytes });
     let run_ms = o.exit.at.duration_since(run.started).as_secs_f64() * 1000.0;
     let cap = usize::try_from(run.cap).unwrap_or(usize::MAX / 4).max(1);
     let mut budgets = [cap, cap];
     loop {
         let texts = [caps[0].render(budgets[0]), caps[1].render(budgets[1])];
-        let truncated = [caps[0].total() > budgets[0] as u64, caps[1].total() > budgets[1] as u64];
+        let truncated = [
+            caps[0].total() > budgets[0] as u64,
+            caps[1].total() > budgets[1] as u64,
+        ];
         let output_path = if truncated[0] {
             caps[0].spill_file()
         } else if truncated[1] {
@@ -501,17 +594,28 @@ fn build_result(
             stdout_bytes: caps[0].total(),
             stderr_bytes: caps[1].total(),
             output_path: output_path.map(|p| p.to_string_lossy().into_owned()),
-            timings: Timings { queue_ms: 0.0, start_ms: run.start_ms, run_ms, total_ms: 0.0 },
+            timings: Timings {
+                queue_ms: 0.0,
+                start_ms: run.start_ms,
+                run_ms,
+                total_ms: 0.0,
+            },
             usage: usage.clone(),
             changes: None,
         };
-        let size = serde_json::to_vec(&EndBody::Exec(Box::new(result.clone()))).map(|v| v.len()).unwrap_or(0);
+        let size = serde_json::to_vec(&EndBody::Exec(Box::new(result.clone())))
+            .map(|v| v.len())
+            .unwrap_or(0);
         if size + reserve + 1024 <= MAX_PAYLOAD || (budgets[0] <= 64 && budgets[1] <= 64) {
             return result;
         }
         // Too big for one frame (escaping can multiply bytes): show less of the bigger stream,
         // making sure its file holds all of it.
-        let i = if result.stdout.len() >= result.stderr.len() { 0 } else { 1 };
+        let i = if result.stdout.len() >= result.stderr.len() {
+            0
+        } else {
+            1
+        };
         budgets[i] = (budgets[i].min(caps[i].total() as usize)) / 2;
         caps[i].ensure_spilled();
     }
@@ -536,7 +640,10 @@ pub fn not_started(call_id: &str, argv0: &str, opened: Instant, e: &io::Error) -
         stderr_truncated: false,
         stdout_bytes: 0,
         output_path: None,
-        timings: Timings { start_ms: opened.elapsed().as_secs_f64() * 1000.0, ..Default::default() },
+        timings: Timings {
+            start_ms: opened.elapsed().as_secs_f64() * 1000.0,
+            ..Default::default()
+        },
         usage: Usage::default(),
         changes: None,
     }
@@ -554,7 +661,11 @@ pub fn run_exec(agent: &Arc<Agent>, s: &Arc<Stream>, mut spec: ExecSpec) {
         Ok(p) => p,
         Err(e) => return s.fail(e),
     };
-    let stdin_mode = if spec.stdin && spec.pty.is_none() { StdinMode::Pipe } else { StdinMode::Null };
+    let stdin_mode = if spec.stdin && spec.pty.is_none() {
+        StdinMode::Pipe
+    } else {
+        StdinMode::Null
+    };
     let streaming = spec.stream_output || spec.pty.is_some();
     let opts = RunOptions {
         name: spec.call_id.clone(),
@@ -562,20 +673,36 @@ pub fn run_exec(agent: &Arc<Agent>, s: &Arc<Stream>, mut spec: ExecSpec) {
         spool: false,
         stream: streaming.then(|| s.clone()),
         progress: None,
+        announce: Some(s.clone()),
     };
-    let mut run = match start(agent, &prep, stdin_mode, spec.pty, opts, s.opened, &spec.call_id) {
+    let mut run = match start(
+        agent,
+        &prep,
+        stdin_mode,
+        spec.pty,
+        opts,
+        s.opened,
+        &spec.call_id,
+    ) {
         Ok(r) => r,
         Err(StartError::Agent(e)) => return s.fail(e),
         Err(StartError::Exec(e)) => {
-            return s.end(EndBody::Exec(Box::new(not_started(&spec.call_id, &prep.argv[0], s.opened, &e))))
+            return s.end(EndBody::Exec(Box::new(not_started(
+                &spec.call_id,
+                &prep.argv[0],
+                s.opened,
+                &e,
+            ))))
         }
     };
-    let _ = s.msg(Reply::Started { pid: run.pid, start_ms: run.start_ms });
     let cancel_tx = run.events_tx.clone();
     s.on_cancel(move || {
         let _ = cancel_tx.send(Event::Cancel);
     });
-    let input = match (run.stdin.take(), run.pty_master.as_ref().map(|m| m.try_clone())) {
+    let input = match (
+        run.stdin.take(),
+        run.pty_master.as_ref().map(|m| m.try_clone()),
+    ) {
         (Some(pipe), _) => Some((Chan::Stdin, pipe, None)),
         (None, Some(Ok(master))) => {
             let fd = master.as_raw_fd();

@@ -52,13 +52,19 @@ impl CleanPath {
     }
 
     fn rel(comps: &[String]) -> CString {
-        let s = if comps.is_empty() { ".".to_string() } else { comps.join("/") };
+        let s = if comps.is_empty() {
+            ".".to_string()
+        } else {
+            comps.join("/")
+        };
         // Components come from a string already checked for NUL.
         CString::new(s).unwrap_or_default()
     }
 
     fn name(&self) -> Option<CString> {
-        self.comps.last().and_then(|n| CString::new(n.as_str()).ok())
+        self.comps
+            .last()
+            .and_then(|n| CString::new(n.as_str()).ok())
     }
 
     fn parent(&self) -> &[String] {
@@ -75,7 +81,9 @@ fn os_err(what: &str, path: &str, e: io::Error) -> AgentError {
     let code = match e.raw_os_error().unwrap_or(0) {
         libc::ENOENT | libc::ENOTDIR => ErrorCode::NotFound,
         libc::EEXIST | libc::ENOTEMPTY | libc::EBUSY => ErrorCode::Conflict,
-        libc::ENOSPC | libc::EDQUOT | libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EFBIG => ErrorCode::Exhausted,
+        libc::ENOSPC | libc::EDQUOT | libc::EMFILE | libc::ENFILE | libc::ENOMEM | libc::EFBIG => {
+            ErrorCode::Exhausted
+        }
         libc::EISDIR
         | libc::EINVAL
         | libc::ENAMETOOLONG
@@ -127,7 +135,11 @@ fn lstat_entry(agent: &Agent, p: &CleanPath) -> Result<Entry, AgentError> {
     };
     let dir = open_dir(agent, p.parent()).map_err(|e| os_err("stat", &path, e))?;
     let st = sys::lstatat(dir.as_raw_fd(), &name).map_err(|e| os_err("stat", &path, e))?;
-    Ok(entry(path, p.comps.last().cloned().unwrap_or_default(), &st))
+    Ok(entry(
+        path,
+        p.comps.last().cloned().unwrap_or_default(),
+        &st,
+    ))
 }
 
 /// Creates `comps` and its missing parents; returns the directory opened.
@@ -136,7 +148,10 @@ fn mkdir_p(agent: &Agent, comps: &[String], display: &str) -> Result<OwnedFd, Ag
         Ok(fd) => return Ok(fd),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
         Err(e) if e.raw_os_error() == Some(libc::ENOTDIR) => {
-            return Err(AgentError::new(ErrorCode::Conflict, format!("mkdir {display}: a path component is not a directory")))
+            return Err(AgentError::new(
+                ErrorCode::Conflict,
+                format!("mkdir {display}: a path component is not a directory"),
+            ))
         }
         Err(e) => return Err(os_err("mkdir", display, e)),
     }
@@ -150,9 +165,10 @@ fn mkdir_p(agent: &Agent, comps: &[String], display: &str) -> Result<OwnedFd, Ag
         }
         // Re-resolve from the root, so a symlinked component is followed inside the root.
         dir = open_dir(agent, &comps[..=i]).map_err(|e| match e.raw_os_error() {
-            Some(libc::ENOTDIR) => {
-                AgentError::new(ErrorCode::Conflict, format!("mkdir {display}: a path component is not a directory"))
-            }
+            Some(libc::ENOTDIR) => AgentError::new(
+                ErrorCode::Conflict,
+                format!("mkdir {display}: a path component is not a directory"),
+            ),
             _ => os_err("mkdir", display, e),
         })?;
     }
@@ -170,7 +186,8 @@ fn read_file_inner(agent: &Agent, s: &Stream, path: &str) -> Result<(), AgentErr
     let p = CleanPath::parse(path)?;
     let shown = p.display();
     // O_NONBLOCK: opening a FIFO must not hang; it is refused below anyway.
-    let fd = open(agent, &p.comps, libc::O_RDONLY | libc::O_NONBLOCK).map_err(|e| os_err("read", &shown, e))?;
+    let fd = open(agent, &p.comps, libc::O_RDONLY | libc::O_NONBLOCK)
+        .map_err(|e| os_err("read", &shown, e))?;
     let st = sys::fstat(fd.as_raw_fd()).map_err(|e| os_err("read", &shown, e))?;
     match kind_of(st.st_mode) {
         EntryType::File => {}
@@ -178,7 +195,9 @@ fn read_file_inner(agent: &Agent, s: &Stream, path: &str) -> Result<(), AgentErr
         _ => return Err(bad(format!("read {shown}: not a regular file"))),
     }
     let name = p.comps.last().cloned().unwrap_or_else(|| "/".into());
-    if s.msg(Reply::Entry(entry(shown.clone(), name, &st))).is_err() {
+    if s.msg(Reply::Entry(entry(shown.clone(), name, &st)))
+        .is_err()
+    {
         return Ok(());
     }
     let mut f = File::from(fd);
@@ -221,10 +240,17 @@ impl Drop for TempGuard {
     }
 }
 
-fn write_file_inner(agent: &Agent, s: &Stream, path: &str, mode: Option<u32>) -> Result<Option<Entry>, AgentError> {
+fn write_file_inner(
+    agent: &Agent,
+    s: &Stream,
+    path: &str,
+    mode: Option<u32>,
+) -> Result<Option<Entry>, AgentError> {
     let p = CleanPath::parse(path)?;
     let shown = p.display();
-    let name = p.name().ok_or_else(|| bad("cannot write to the root directory"))?;
+    let name = p
+        .name()
+        .ok_or_else(|| bad("cannot write to the root directory"))?;
     let dir = mkdir_p(agent, p.parent(), &shown)?;
     let existing = match sys::lstatat(dir.as_raw_fd(), &name) {
         Ok(st) => Some(st),
@@ -237,20 +263,38 @@ fn write_file_inner(agent: &Agent, s: &Stream, path: &str, mode: Option<u32>) ->
         }
     }
     let mode = mode
-        .or_else(|| existing.filter(|st| kind_of(st.st_mode) == EntryType::File).map(|st| st.st_mode))
+        .or_else(|| {
+            existing
+                .filter(|st| kind_of(st.st_mode) == EntryType::File)
+                .map(|st| st.st_mode)
+        })
         .unwrap_or(0o644)
         & 0o7777;
-    let base: String = p.comps.last().map(|n| n.chars().take(64).collect()).unwrap_or_default();
-    let tmp = CString::new(format!(".{base}.{}.locker-tmp", crate::random_id(""))).map_err(|_| bad("bad name"))?;
-    let fd = sys::openat(dir.as_raw_fd(), &tmp, libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL, 0o600)
-        .map_err(|e| os_err("write", &shown, e))?;
-    let mut guard = TempGuard { dir: dir.as_raw_fd(), name: Some(tmp.clone()) };
+    let base: String = p
+        .comps
+        .last()
+        .map(|n| n.chars().take(64).collect())
+        .unwrap_or_default();
+    let tmp = CString::new(format!(".{base}.{}.locker-tmp", crate::random_id("")))
+        .map_err(|_| bad("bad name"))?;
+    let fd = sys::openat(
+        dir.as_raw_fd(),
+        &tmp,
+        libc::O_WRONLY | libc::O_CREAT | libc::O_EXCL,
+        0o600,
+    )
+    .map_err(|e| os_err("write", &shown, e))?;
+    let mut guard = TempGuard {
+        dir: dir.as_raw_fd(),
+        name: Some(tmp.clone()),
+    };
     let mut f = File::from(fd);
     loop {
         match s.recv(None) {
             Recv::Item(Inbound::Data(chan, bytes)) => {
                 if chan == Chan::Bytes {
-                    f.write_all(&bytes).map_err(|e| os_err("write", &shown, e))?;
+                    f.write_all(&bytes)
+                        .map_err(|e| os_err("write", &shown, e))?;
                 }
                 s.credit(chan, bytes.len());
             }
@@ -262,11 +306,16 @@ fn write_file_inner(agent: &Agent, s: &Stream, path: &str, mode: Option<u32>) ->
     sys::fchmod(f.as_raw_fd(), mode).map_err(|e| os_err("write", &shown, e))?;
     sys::fsync(f.as_raw_fd()).map_err(|e| os_err("write", &shown, e))?;
     drop(f);
-    sys::renameat(dir.as_raw_fd(), &tmp, dir.as_raw_fd(), &name).map_err(|e| os_err("write", &shown, e))?;
+    sys::renameat(dir.as_raw_fd(), &tmp, dir.as_raw_fd(), &name)
+        .map_err(|e| os_err("write", &shown, e))?;
     guard.name = None;
     let _ = sys::fsync(dir.as_raw_fd());
     let st = sys::lstatat(dir.as_raw_fd(), &name).map_err(|e| os_err("write", &shown, e))?;
-    Ok(Some(entry(shown, p.comps.last().cloned().unwrap_or_default(), &st)))
+    Ok(Some(entry(
+        shown,
+        p.comps.last().cloned().unwrap_or_default(),
+        &st,
+    )))
 }
 
 /// Serves `Request::Stat`.
@@ -318,11 +367,14 @@ pub fn remove(agent: &Agent, s: &Stream, path: &str, recursive: bool) {
     let r = (|| {
         let p = CleanPath::parse(path)?;
         let shown = p.display();
-        let name = p.name().ok_or_else(|| bad("refusing to remove the root directory"))?;
+        let name = p
+            .name()
+            .ok_or_else(|| bad("refusing to remove the root directory"))?;
         let dir = open_dir(agent, p.parent()).map_err(|e| os_err("remove", &shown, e))?;
         let st = sys::lstatat(dir.as_raw_fd(), &name).map_err(|e| os_err("remove", &shown, e))?;
         if kind_of(st.st_mode) != EntryType::Dir {
-            return sys::unlinkat(dir.as_raw_fd(), &name, false).map_err(|e| os_err("remove", &shown, e));
+            return sys::unlinkat(dir.as_raw_fd(), &name, false)
+                .map_err(|e| os_err("remove", &shown, e));
         }
         if recursive {
             return remove_tree(dir.as_raw_fd(), &name).map_err(|e| os_err("remove", &shown, e));
@@ -330,7 +382,9 @@ pub fn remove(agent: &Agent, s: &Stream, path: &str, recursive: bool) {
         sys::unlinkat(dir.as_raw_fd(), &name, true).map_err(|e| match e.raw_os_error() {
             Some(libc::ENOTEMPTY | libc::EEXIST) => AgentError::new(
                 ErrorCode::Conflict,
-                format!("remove {shown}: the directory is not empty (pass recursive to remove it all)"),
+                format!(
+                    "remove {shown}: the directory is not empty (pass recursive to remove it all)"
+                ),
             ),
             _ => os_err("remove", &shown, e),
         })
@@ -349,7 +403,12 @@ fn sorted_names(fd: &OwnedFd) -> io::Result<Vec<CString>> {
 }
 
 fn open_child_dir(dir: RawFd, name: &CString) -> io::Result<OwnedFd> {
-    sys::openat(dir, name, libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW, 0)
+    sys::openat(
+        dir,
+        name,
+        libc::O_RDONLY | libc::O_DIRECTORY | libc::O_NOFOLLOW,
+        0,
+    )
 }
 
 /// Removes the directory `name` in `parent` and everything below it, never following a
@@ -362,7 +421,11 @@ fn remove_tree(parent: RawFd, name: &CString) -> io::Result<()> {
     }
     let fd = open_child_dir(parent, name)?;
     let names = sorted_names(&fd)?;
-    let mut stack = vec![Level { name: name.clone(), fd, names }];
+    let mut stack = vec![Level {
+        name: name.clone(),
+        fd,
+        names,
+    }];
     while let Some(top) = stack.last_mut() {
         match top.names.pop() {
             Some(child) => {
@@ -374,7 +437,11 @@ fn remove_tree(parent: RawFd, name: &CString) -> io::Result<()> {
                 if kind_of(st.st_mode) == EntryType::Dir {
                     let fd = open_child_dir(top.fd.as_raw_fd(), &child)?;
                     let names = sorted_names(&fd)?;
-                    stack.push(Level { name: child, fd, names });
+                    stack.push(Level {
+                        name: child,
+                        fd,
+                        names,
+                    });
                 } else {
                     sys::unlinkat(top.fd.as_raw_fd(), &child, false)?;
                 }
@@ -417,8 +484,17 @@ fn list_inner(agent: &Agent, s: &Stream, path: &str, depth: u32) -> Result<(), A
     }
     let fd = open_dir(agent, &p.comps).map_err(|e| os_err("list", &shown, e))?;
     let names = sorted_names(&fd).map_err(|e| os_err("list", &shown, e))?;
-    let base = if p.comps.is_empty() { String::new() } else { shown.clone() };
-    let mut stack = vec![Level { fd, path: base, names, level: 1 }];
+    let base = if p.comps.is_empty() {
+        String::new()
+    } else {
+        shown.clone()
+    };
+    let mut stack = vec![Level {
+        fd,
+        path: base,
+        names,
+        level: 1,
+    }];
     let mut batch: Vec<Entry> = Vec::new();
     let mut size = 0usize;
     while let Some(top) = stack.last_mut() {
@@ -426,7 +502,9 @@ fn list_inner(agent: &Agent, s: &Stream, path: &str, depth: u32) -> Result<(), A
             stack.pop();
             continue;
         };
-        let Ok(st) = sys::lstatat(top.fd.as_raw_fd(), &name) else { continue };
+        let Ok(st) = sys::lstatat(top.fd.as_raw_fd(), &name) else {
+            continue;
+        };
         let shown_name = String::from_utf8_lossy(name.as_bytes()).into_owned();
         let child_path = format!("{}/{}", top.path, shown_name);
         let e = entry(child_path.clone(), shown_name, &st);
@@ -443,7 +521,12 @@ fn list_inner(agent: &Agent, s: &Stream, path: &str, depth: u32) -> Result<(), A
             let level = top.level + 1;
             if let Ok(fd) = open_child_dir(top.fd.as_raw_fd(), &name) {
                 if let Ok(names) = sorted_names(&fd) {
-                    stack.push(Level { fd, path: child_path, names, level });
+                    stack.push(Level {
+                        fd,
+                        path: child_path,
+                        names,
+                        level,
+                    });
                 }
             }
         }

@@ -63,7 +63,10 @@ fn usage() -> ! {
 }
 
 fn env_or(name: &str, default: &str) -> String {
-    std::env::var(name).ok().filter(|v| !v.is_empty()).unwrap_or_else(|| default.to_string())
+    std::env::var(name)
+        .ok()
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| default.to_string())
 }
 
 fn main() {
@@ -79,7 +82,10 @@ fn main() {
             _ => usage(),
         }
     }
-    let listener = match std::env::var("LOCKER_AGENT_FD").ok().and_then(|v| v.parse::<i32>().ok()) {
+    let listener = match std::env::var("LOCKER_AGENT_FD")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    {
         Some(fd) => {
             if let Err(e) = sys::set_cloexec(fd) {
                 eprintln!("locker-agent: LOCKER_AGENT_FD={fd} is not usable: {e}");
@@ -122,7 +128,9 @@ fn main() {
         std::path::Path::new(&env_or("LOCKER_CGROUP_ROOT", "/sys/fs/cgroup")),
         &std::env::var("LOCKER_CGROUP_PARENT").unwrap_or_default(),
     );
-    let max_spill_bytes = env_or("LOCKER_MAX_SPILL_BYTES", "1073741824").parse().unwrap_or(1 << 30);
+    let max_spill_bytes = env_or("LOCKER_MAX_SPILL_BYTES", "1073741824")
+        .parse()
+        .unwrap_or(1 << 30);
     let agent = Arc::new(Agent {
         reaper,
         cgroups,

@@ -15,7 +15,9 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
-use locker_proto::{AgentError, Chan, EndBody, ErrorCode, ExecSpec, ProcessInfo, Reply, MAX_PAYLOAD};
+use locker_proto::{
+    AgentError, Chan, EndBody, ErrorCode, ExecSpec, ProcessInfo, Reply, MAX_PAYLOAD,
+};
 use locker_types::ExecResult;
 
 use crate::cgroup::CmdCgroup;
@@ -63,7 +65,12 @@ impl Proc {
             id: self.id.clone(),
             pid: self.pid,
             argv: self.argv.clone(),
-            state: if result.is_some() { "exited" } else { "running" }.into(),
+            state: if result.is_some() {
+                "exited"
+            } else {
+                "running"
+            }
+            .into(),
             started_at: self.started_at.clone(),
             result,
         }
@@ -78,14 +85,21 @@ fn find(agent: &Agent, id: &str) -> Result<Arc<Proc>, AgentError> {
 }
 
 fn now_rfc3339() -> String {
-    let secs = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
     locker_types::rfc3339(secs as i64)
 }
 
 /// Serves `Request::Spawn`: answers at once, then supervises the process on this thread.
 pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
     let id = crate::random_id("proc_");
-    let call_id = if spec.call_id.is_empty() { id.clone() } else { spec.call_id.clone() };
+    let call_id = if spec.call_id.is_empty() {
+        id.clone()
+    } else {
+        spec.call_id.clone()
+    };
     if let Err(e) = exec::check_id(&call_id) {
         return s.fail(e);
     }
@@ -104,16 +118,27 @@ pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
             lock(&p2.0).written[i] = n;
             p2.1.notify_all();
         })),
+        announce: None,
     };
-    let stdin_mode = if spec.stdin { StdinMode::Pipe } else { StdinMode::Null };
+    let stdin_mode = if spec.stdin {
+        StdinMode::Pipe
+    } else {
+        StdinMode::Null
+    };
     let mut run = match exec::start(agent, &prep, stdin_mode, spec.pty, opts, s.opened, &call_id) {
         Ok(r) => r,
         Err(StartError::Agent(e)) => return s.fail(e),
         Err(StartError::Exec(e)) => {
-            return s.fail(AgentError::new(ErrorCode::BadRequest, format!("cannot run {:?}: {e}", prep.argv[0])))
+            return s.fail(AgentError::new(
+                ErrorCode::BadRequest,
+                format!("cannot run {:?}: {e}", prep.argv[0]),
+            ))
         }
     };
-    let stdin = run.stdin.take().or_else(|| run.pty_master.as_ref().and_then(|m| m.try_clone().ok()));
+    let stdin = run
+        .stdin
+        .take()
+        .or_else(|| run.pty_master.as_ref().and_then(|m| m.try_clone().ok()));
     let proc = Arc::new(Proc {
         id: id.clone(),
         pid: run.pid,
@@ -123,10 +148,16 @@ pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
         events: Mutex::new(run.events_tx.clone()),
         cgroup: run.cgroup.clone(),
         progress: progress.clone(),
-        spool: [exec::output_file(agent, &id, "stdout"), exec::output_file(agent, &id, "stderr")],
+        spool: [
+            exec::output_file(agent, &id, "stdout"),
+            exec::output_file(agent, &id, "stderr"),
+        ],
     });
     lock(&agent.procs.map).insert(id.clone(), proc.clone());
-    s.end(EndBody::Spawned { id: id.clone(), pid: run.pid });
+    s.end(EndBody::Spawned {
+        id: id.clone(),
+        pid: run.pid,
+    });
 
     // Room for the rest of a ProcessInfo around the result, so GetProcess always fits a frame.
     let reserve = serde_json::to_vec(&proc.argv).map(|v| v.len()).unwrap_or(0) + 1024;
@@ -210,7 +241,10 @@ pub fn output(agent: &Agent, s: &Stream, id: &str, follow: bool) {
                 match File::open(&p.spool[i]) {
                     Ok(f) => files[i] = Some(f),
                     Err(e) => {
-                        return s.fail(AgentError::new(ErrorCode::NotFound, format!("output of {id} is gone: {e}")))
+                        return s.fail(AgentError::new(
+                            ErrorCode::NotFound,
+                            format!("output of {id} is gone: {e}"),
+                        ))
                     }
                 }
             }
@@ -218,7 +252,12 @@ pub fn output(agent: &Agent, s: &Stream, id: &str, follow: bool) {
             let Some(f) = &files[i] else { continue };
             let n = match f.read_at(&mut buf[..want], sent[i]) {
                 Ok(n) => n,
-                Err(e) => return s.fail(AgentError::new(ErrorCode::Internal, format!("reading output of {id}: {e}"))),
+                Err(e) => {
+                    return s.fail(AgentError::new(
+                        ErrorCode::Internal,
+                        format!("reading output of {id}: {e}"),
+                    ))
+                }
             };
             if n == 0 {
                 continue;
@@ -250,7 +289,11 @@ pub fn output(agent: &Agent, s: &Stream, id: &str, follow: bool) {
 impl Proc {
     /// Waits (briefly) for more output or the end.
     fn wait_progress<'a>(&'a self, st: MutexGuard<'a, Progress>) -> MutexGuard<'a, Progress> {
-        self.progress.1.wait_timeout(st, Duration::from_millis(200)).unwrap_or_else(|e| e.into_inner()).0
+        self.progress
+            .1
+            .wait_timeout(st, Duration::from_millis(200))
+            .unwrap_or_else(|e| e.into_inner())
+            .0
     }
 }
 
@@ -260,26 +303,38 @@ pub fn stdin(agent: &Agent, s: &Stream, id: &str) {
         Ok(p) => p,
         Err(e) => return s.fail(e),
     };
-    let mut guard = lock(&p.stdin);
-    if guard.is_none() {
-        return s.fail(AgentError::new(
+    let closed = || {
+        AgentError::new(
             ErrorCode::Conflict,
             format!("the standard input of {id} is closed (or it was started without stdin)"),
-        ));
+        )
+    };
+    if lock(&p.stdin).is_none() {
+        return s.fail(closed());
     }
+    // The lock is taken per chunk, never while waiting for the host: an idle request must not
+    // keep the supervisor from closing stdin when the process ends.
     loop {
         match s.recv(None) {
             Recv::Item(Inbound::Data(chan, bytes)) => {
+                let mut guard = lock(&p.stdin);
                 let res = guard.as_mut().map(|f| f.write_all(&bytes));
                 s.credit(chan, bytes.len());
-                if let Some(Err(e)) = res {
-                    *guard = None;
-                    return s.fail(AgentError::new(ErrorCode::Conflict, format!("{id} closed its standard input: {e}")));
+                match res {
+                    None => return s.fail(closed()),
+                    Some(Err(e)) => {
+                        *guard = None;
+                        return s.fail(AgentError::new(
+                            ErrorCode::Conflict,
+                            format!("{id} closed its standard input: {e}"),
+                        ));
+                    }
+                    Some(Ok(())) => {}
                 }
             }
             Recv::Item(Inbound::Eof(Chan::Bytes)) => return s.end(EndBody::Ok),
             Recv::Item(Inbound::Eof(_)) => {
-                *guard = None;
+                *lock(&p.stdin) = None;
                 return s.end(EndBody::Ok);
             }
             Recv::Item(Inbound::Control(_)) | Recv::Timeout => {}
@@ -296,10 +351,16 @@ pub fn signal(agent: &Agent, s: &Stream, id: &str, sig: i32) {
         Err(e) => return s.fail(e),
     };
     if !(1..=64).contains(&sig) {
-        return s.fail(AgentError::new(ErrorCode::BadRequest, format!("{sig} is not a signal number")));
+        return s.fail(AgentError::new(
+            ErrorCode::BadRequest,
+            format!("{sig} is not a signal number"),
+        ));
     }
     if lock(&p.progress.0).result.is_some() {
-        return s.fail(AgentError::new(ErrorCode::Conflict, format!("{id} has already ended")));
+        return s.fail(AgentError::new(
+            ErrorCode::Conflict,
+            format!("{id} has already ended"),
+        ));
     }
     let _ = lock(&p.events).send(Event::CallerSignal);
     match &p.cgroup {

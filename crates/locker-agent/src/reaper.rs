@@ -56,7 +56,13 @@ pub struct Reaper {
 impl Reaper {
     /// Starts the reaper thread.
     pub fn start() -> io::Result<Reaper> {
-        let inner = Arc::new((Mutex::new(Registry { waiting: HashMap::new(), generation: 0 }), Condvar::new()));
+        let inner = Arc::new((
+            Mutex::new(Registry {
+                waiting: HashMap::new(),
+                generation: 0,
+            }),
+            Condvar::new(),
+        ));
         let thread_inner = inner.clone();
         std::thread::Builder::new()
             .name("reaper".into())

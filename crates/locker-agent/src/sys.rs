@@ -40,7 +40,11 @@ pub fn open_in_root(root: RawFd, path: &CStr, flags: i32, mode: u32) -> io::Resu
         unsafe { MaybeUninit::zeroed().assume_init() }
     };
     how.flags = (flags | libc::O_CLOEXEC) as u64;
-    how.mode = if flags & (libc::O_CREAT | libc::O_TMPFILE) != 0 { u64::from(mode) } else { 0 };
+    how.mode = if flags & (libc::O_CREAT | libc::O_TMPFILE) != 0 {
+        u64::from(mode)
+    } else {
+        0
+    };
     how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
     let mut tries = 0;
     loop {
@@ -71,7 +75,14 @@ pub fn open_in_root(root: RawFd, path: &CStr, flags: i32, mode: u32) -> io::Resu
 /// `openat(2)` relative to a directory fd, always close-on-exec.
 pub fn openat(dir: RawFd, name: &CStr, flags: i32, mode: u32) -> io::Result<OwnedFd> {
     // SAFETY: `name` is NUL-terminated; mode is passed as the variadic argument openat expects.
-    let fd = cvt(unsafe { libc::openat(dir, name.as_ptr(), flags | libc::O_CLOEXEC, mode as libc::c_uint) })?;
+    let fd = cvt(unsafe {
+        libc::openat(
+            dir,
+            name.as_ptr(),
+            flags | libc::O_CLOEXEC,
+            mode as libc::c_uint,
+        )
+    })?;
     // SAFETY: a fresh descriptor from the kernel.
     Ok(unsafe { OwnedFd::from_raw_fd(fd) })
 }
@@ -89,7 +100,14 @@ pub fn fstat(fd: RawFd) -> io::Result<libc::stat> {
 pub fn lstatat(dir: RawFd, name: &CStr) -> io::Result<libc::stat> {
     let mut st = MaybeUninit::<libc::stat>::uninit();
     // SAFETY: as fstat; `name` is NUL-terminated.
-    cvt(unsafe { libc::fstatat(dir, name.as_ptr(), st.as_mut_ptr(), libc::AT_SYMLINK_NOFOLLOW) })?;
+    cvt(unsafe {
+        libc::fstatat(
+            dir,
+            name.as_ptr(),
+            st.as_mut_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    })?;
     // SAFETY: initialized by the successful call above.
     Ok(unsafe { st.assume_init() })
 }
@@ -145,7 +163,11 @@ pub fn read_dir_names(fd: OwnedFd) -> io::Result<Vec<CString>> {
         let ent = unsafe { libc::readdir64(dir) };
         if ent.is_null() {
             let e = io::Error::last_os_error();
-            break if e.raw_os_error() == Some(0) { Ok(()) } else { Err(e) };
+            break if e.raw_os_error() == Some(0) {
+                Ok(())
+            } else {
+                Err(e)
+            };
         }
         // SAFETY: d_name is a NUL-terminated array inside the entry readdir returned, valid
         // until the next readdir call; we copy it out at once.
@@ -170,7 +192,14 @@ pub fn kill(pid: i32, sig: i32) -> io::Result<()> {
 pub fn wait_any_exited_peek() -> io::Result<i32> {
     let mut info = MaybeUninit::<libc::siginfo_t>::zeroed();
     // SAFETY: the kernel fills `info`; it is zeroed first, as waitid(2) advises.
-    cvt(unsafe { libc::waitid(libc::P_ALL, 0, info.as_mut_ptr(), libc::WEXITED | libc::WNOWAIT) })?;
+    cvt(unsafe {
+        libc::waitid(
+            libc::P_ALL,
+            0,
+            info.as_mut_ptr(),
+            libc::WEXITED | libc::WNOWAIT,
+        )
+    })?;
     // SAFETY: zero-initialized and then filled by the kernel.
     let info = unsafe { info.assume_init() };
     // SAFETY: for CLD_* events si_pid is the valid union member.
@@ -216,9 +245,22 @@ pub fn rusage_cpu_ms(ru: &libc::rusage) -> u64 {
 pub fn openpty(cols: u16, rows: u16) -> io::Result<(OwnedFd, OwnedFd)> {
     let mut master = -1;
     let mut slave = -1;
-    let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
     // SAFETY: out-pointers are valid; name is NULL (not wanted); termios NULL means defaults.
-    cvt(unsafe { libc::openpty(&mut master, &mut slave, std::ptr::null_mut(), std::ptr::null(), &ws) })?;
+    cvt(unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            &ws,
+        )
+    })?;
     // SAFETY: two fresh descriptors from the kernel, owned by nobody else.
     let (m, s) = unsafe { (OwnedFd::from_raw_fd(master), OwnedFd::from_raw_fd(slave)) };
     set_cloexec(m.as_raw_fd())?;
@@ -228,15 +270,26 @@ pub fn openpty(cols: u16, rows: u16) -> io::Result<(OwnedFd, OwnedFd)> {
 
 /// `TIOCSWINSZ`: tells the terminal (and its foreground job, by SIGWINCH) its new size.
 pub fn set_winsize(fd: RawFd, cols: u16, rows: u16) -> io::Result<()> {
-    let ws = libc::winsize { ws_row: rows, ws_col: cols, ws_xpixel: 0, ws_ypixel: 0 };
+    let ws = libc::winsize {
+        ws_row: rows,
+        ws_col: cols,
+        ws_xpixel: 0,
+        ws_ypixel: 0,
+    };
     // SAFETY: TIOCSWINSZ reads a winsize from the pointer, which is valid.
     cvt(unsafe { libc::ioctl(fd, libc::TIOCSWINSZ, &ws) }).map(drop)
 }
 
 /// `poll(2)` on (fd, events) pairs; returns the revents of each.
 pub fn poll(fds: &[RawFd], timeout_ms: i32) -> io::Result<Vec<i16>> {
-    let mut p: Vec<libc::pollfd> =
-        fds.iter().map(|&fd| libc::pollfd { fd, events: libc::POLLIN, revents: 0 }).collect();
+    let mut p: Vec<libc::pollfd> = fds
+        .iter()
+        .map(|&fd| libc::pollfd {
+            fd,
+            events: libc::POLLIN,
+            revents: 0,
+        })
+        .collect();
     // SAFETY: the array is valid for p.len() entries.
     let r = unsafe { libc::poll(p.as_mut_ptr(), p.len() as libc::nfds_t, timeout_ms) };
     if r < 0 {
@@ -269,12 +322,15 @@ pub fn random_bytes(buf: &mut [u8]) {
     let mut filled = 0;
     while filled < buf.len() {
         // SAFETY: the remainder of `buf` is valid for writes.
-        let r = unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
+        let r =
+            unsafe { libc::getrandom(buf[filled..].as_mut_ptr().cast(), buf.len() - filled, 0) };
         if r > 0 {
             filled += r as usize;
         } else if io::Error::last_os_error().kind() != io::ErrorKind::Interrupted {
             // getrandom cannot fail on kernels with openat2; fall back to the clock anyway.
-            let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
             for (i, b) in buf[filled..].iter_mut().enumerate() {
                 *b = (t.as_nanos() >> ((i % 16) * 8)) as u8;
             }
@@ -339,11 +395,31 @@ pub struct ChildPlan {
     pub cwd: CString,
 }
 
-/// Runs in the forked child before `exec`: join the cgroups, start a new session (and so a new
+/// Runs in the forked child before `exec`: reset signal dispositions, join the cgroups, start a new session (and so a new
 /// process group), take the terminal, drop to the user, enter the working directory.
 ///
 /// Async-signal-safe: only system calls on data prepared in the parent.
 pub fn child_setup(plan: &ChildPlan) -> io::Result<()> {
+    // Ignored signals stay ignored across exec, and whoever started the agent may have
+    // ignored some (a shell's `&` ignores SIGINT and SIGQUIT). Commands start with defaults.
+    // The raw system call, because glibc's wrapper refuses its internal signals 32 and 33.
+    // An all-zero kernel sigaction is SIG_DFL, no flags, an empty mask, on every layout.
+    let dfl = [0u64; 4];
+    for sig in 1..=64 {
+        if sig != libc::SIGKILL && sig != libc::SIGSTOP {
+            // SAFETY: `dfl` outlives the call and is at least as large as the kernel's struct
+            // sigaction; the old action is not asked for; 8 is the kernel's sigset size.
+            unsafe {
+                libc::syscall(
+                    libc::SYS_rt_sigaction,
+                    sig,
+                    dfl.as_ptr(),
+                    std::ptr::null::<u64>(),
+                    8,
+                )
+            };
+        }
+    }
     for &fd in &plan.cgroup_procs {
         // SAFETY: writes two bytes from a static buffer. A failure is ignored on purpose: the
         // parent kills by process group too, so a command outside its cgroup still dies.

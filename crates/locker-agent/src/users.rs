@@ -51,7 +51,13 @@ pub fn resolve_in(spec: Option<&str>, passwd: &str, group: &str) -> Result<User,
             groups.push(g);
         }
     }
-    Ok(User { name, uid, gid, home: if home.is_empty() { "/".into() } else { home }, groups })
+    Ok(User {
+        name,
+        uid,
+        gid,
+        home: if home.is_empty() { "/".into() } else { home },
+        groups,
+    })
 }
 
 /// Resolves a user against the machine's `/etc/passwd` and `/etc/group`.
@@ -65,13 +71,17 @@ pub fn resolve(spec: Option<&str>) -> Result<User, String> {
 mod tests {
     use super::*;
 
-    const PASSWD: &str = "root:x:0:0:root:/root:/bin/bash\nbob:x:1000:1000::/home/bob:/bin/sh\nbad line\n";
+    const PASSWD: &str =
+        "root:x:0:0:root:/root:/bin/bash\nbob:x:1000:1000::/home/bob:/bin/sh\nbad line\n";
     const GROUP: &str = "root:x:0:\nbob:x:1000:\ndocker:x:999:alice,bob\nwheel:x:10:alice\n";
 
     #[test]
     fn names_and_uids_resolve_with_groups() {
         let b = resolve_in(Some("bob"), PASSWD, GROUP).unwrap();
-        assert_eq!((b.uid, b.gid, b.home.as_str(), b.groups.clone()), (1000, 1000, "/home/bob", vec![1000, 999]));
+        assert_eq!(
+            (b.uid, b.gid, b.home.as_str(), b.groups.clone()),
+            (1000, 1000, "/home/bob", vec![1000, 999])
+        );
         assert_eq!(resolve_in(Some("1000"), PASSWD, GROUP).unwrap().name, "bob");
         assert_eq!(resolve_in(None, PASSWD, GROUP).unwrap().uid, 0);
         let anon = resolve_in(Some("4242"), PASSWD, GROUP).unwrap();

@@ -27,8 +27,8 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use locker_proto::{
-    AgentError, Chan, Control, EndBody, ExecSpec, Frame, Header, Hello, ProcessInfo, PtySize, Reply, Request,
-    DATA_CHUNK, HEADER_LEN, INITIAL_WINDOW, PROTOCOL_VERSION,
+    AgentError, Chan, Control, EndBody, ExecSpec, Frame, Header, Hello, ProcessInfo, PtySize,
+    Reply, Request, DATA_CHUNK, HEADER_LEN, INITIAL_WINDOW, PROTOCOL_VERSION,
 };
 use locker_types::{Entry, ExecResult, Usage};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader, ReadBuf};
@@ -121,7 +121,11 @@ impl Shared {
     }
 
     fn lost(&self) -> AgentClientError {
-        AgentClientError::ConnectionLost(lock(&self.closed).clone().unwrap_or_else(|| "closed".into()))
+        AgentClientError::ConnectionLost(
+            lock(&self.closed)
+                .clone()
+                .unwrap_or_else(|| "closed".into()),
+        )
     }
 }
 
@@ -147,7 +151,8 @@ impl Inner {
             return Err(self.shared.lost());
         }
         let mut buf = Vec::new();
-        f.encode(&mut buf).map_err(|e| AgentClientError::Protocol(format!("cannot encode a frame: {e}")))?;
+        f.encode(&mut buf)
+            .map_err(|e| AgentClientError::Protocol(format!("cannot encode a frame: {e}")))?;
         self.out.send(buf).map_err(|_| self.shared.lost())
     }
 }
@@ -161,7 +166,9 @@ pub struct AgentClient {
 
 impl std::fmt::Debug for AgentClient {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AgentClient").field("peer", &self.inner.peer).finish()
+        f.debug_struct("AgentClient")
+            .field("peer", &self.inner.peer)
+            .finish()
     }
 }
 
@@ -174,8 +181,12 @@ async fn read_one(r: &mut (impl AsyncRead + Unpin)) -> Result<Option<Frame>> {
     }
     let h = Header::parse(&hb).map_err(|e| AgentClientError::Protocol(e.to_string()))?;
     let mut payload = vec![0u8; h.len];
-    r.read_exact(&mut payload).await.map_err(|e| AgentClientError::ConnectionLost(format!("inside a frame: {e}")))?;
-    Frame::from_parts(h, &payload).map(Some).map_err(|e| AgentClientError::Protocol(e.to_string()))
+    r.read_exact(&mut payload)
+        .await
+        .map_err(|e| AgentClientError::ConnectionLost(format!("inside a frame: {e}")))?;
+    Frame::from_parts(h, &payload)
+        .map(Some)
+        .map_err(|e| AgentClientError::Protocol(e.to_string()))
 }
 
 impl AgentClient {
@@ -199,13 +210,23 @@ impl AgentClient {
         };
         let (read, mut write) = sock.into_split();
         let mut read = BufReader::with_capacity(128 * 1024, read);
-        let hello = Hello { version: PROTOCOL_VERSION, peer: format!("locker-runtime {}", env!("CARGO_PKG_VERSION")) };
+        let hello = Hello {
+            version: PROTOCOL_VERSION,
+            peer: format!("locker-runtime {}", env!("CARGO_PKG_VERSION")),
+        };
         let mut buf = Vec::new();
-        Frame::Hello(hello).encode(&mut buf).map_err(|e| AgentClientError::Protocol(e.to_string()))?;
-        write.write_all(&buf).await.map_err(|e| AgentClientError::ConnectionLost(e.to_string()))?;
+        Frame::Hello(hello)
+            .encode(&mut buf)
+            .map_err(|e| AgentClientError::Protocol(e.to_string()))?;
+        write
+            .write_all(&buf)
+            .await
+            .map_err(|e| AgentClientError::ConnectionLost(e.to_string()))?;
         let first = tokio::time::timeout_at(deadline, read_one(&mut read))
             .await
-            .map_err(|_| AgentClientError::Timeout(format!("no Hello from the agent within {timeout:?}")))??;
+            .map_err(|_| {
+                AgentClientError::Timeout(format!("no Hello from the agent within {timeout:?}"))
+            })??;
         let peer = match first {
             Some(Frame::Hello(h)) if h.version == PROTOCOL_VERSION => h.peer,
             Some(Frame::Hello(h)) => {
@@ -214,8 +235,16 @@ impl AgentClient {
                     h.peer, h.version
                 )))
             }
-            Some(_) => return Err(AgentClientError::Protocol("the agent's first frame is not Hello".into())),
-            None => return Err(AgentClientError::ConnectionLost("the agent closed the connection at Hello".into())),
+            Some(_) => {
+                return Err(AgentClientError::Protocol(
+                    "the agent's first frame is not Hello".into(),
+                ))
+            }
+            None => {
+                return Err(AgentClientError::ConnectionLost(
+                    "the agent closed the connection at Hello".into(),
+                ))
+            }
         };
         let shared = Arc::new(Shared {
             streams: Mutex::new(HashMap::new()),
@@ -225,8 +254,17 @@ impl AgentClient {
         let (out, out_rx) = mpsc::unbounded_channel();
         let writer = tokio::spawn(write_loop(write, out_rx, shared.clone()));
         let reader = tokio::spawn(read_loop(read, shared.clone()));
-        let inner = Inner { shared, out, next_id: AtomicU32::new(1), peer, reader, writer };
-        Ok(AgentClient { inner: Arc::new(inner) })
+        let inner = Inner {
+            shared,
+            out,
+            next_id: AtomicU32::new(1),
+            peer,
+            reader,
+            writer,
+        };
+        Ok(AgentClient {
+            inner: Arc::new(inner),
+        })
     }
 
     /// The agent's self-description from its `Hello` (`locker-agent 0.1.0`).
@@ -256,10 +294,22 @@ impl AgentClient {
             if self.is_closed() {
                 return Err(self.inner.shared.lost());
             }
-            streams.insert(id, Slot { tx, credit: credit.clone(), unacked: unacked.clone(), queued: queued.clone() });
+            streams.insert(
+                id,
+                Slot {
+                    tx,
+                    credit: credit.clone(),
+                    unacked: unacked.clone(),
+                    queued: queued.clone(),
+                },
+            );
         }
         let stream = AgentStream {
-            sender: StreamSender { id, inner: self.inner.clone(), credit },
+            sender: StreamSender {
+                id,
+                inner: self.inner.clone(),
+                credit,
+            },
             rx,
             unacked,
             queued,
@@ -317,10 +367,16 @@ impl AgentClient {
                         stream.ack(chan, n);
                     }
                     Some(StreamEvent::End(EndBody::Exec(r))) => return Ok(*r),
-                    Some(StreamEvent::End(EndBody::Error(e))) => return Err(AgentClientError::Agent(e)),
+                    Some(StreamEvent::End(EndBody::Error(e))) => {
+                        return Err(AgentClientError::Agent(e))
+                    }
                     Some(StreamEvent::End(other)) => return Err(unexpected("Exec", &other)),
                     Some(StreamEvent::Msg(_) | StreamEvent::Eof(_)) => {}
-                    None => return Err(AgentClientError::ConnectionLost("stream ended without a result".into())),
+                    None => {
+                        return Err(AgentClientError::ConnectionLost(
+                            "stream ended without a result".into(),
+                        ))
+                    }
                 }
             }
         };
@@ -374,7 +430,10 @@ impl AgentClient {
         follow: bool,
         output: mpsc::Sender<(Chan, Vec<u8>)>,
     ) -> Result<ProcessInfo> {
-        let mut s = self.open(Request::ProcessOutput { id: id.into(), follow })?;
+        let mut s = self.open(Request::ProcessOutput {
+            id: id.into(),
+            follow,
+        })?;
         loop {
             match s.recv_raw().await? {
                 Some(StreamEvent::Data(chan, bytes)) => {
@@ -393,7 +452,12 @@ impl AgentClient {
 
     /// Writes `data` to a background process's stdin; with `close` its stdin is closed
     /// afterwards (the process sees end of file).
-    pub async fn process_stdin(&self, id: &str, data: impl AsyncRead + Unpin, close: bool) -> Result<()> {
+    pub async fn process_stdin(
+        &self,
+        id: &str,
+        data: impl AsyncRead + Unpin,
+        close: bool,
+    ) -> Result<()> {
         let s = self.open(Request::ProcessStdin { id: id.into() })?;
         let end_chan = if close { Chan::Stdin } else { Chan::Bytes };
         match upload(s, Chan::Stdin, data, end_chan).await? {
@@ -405,7 +469,13 @@ impl AgentClient {
 
     /// Sends a signal (a number, e.g. `libc::SIGTERM`) to a background process's whole tree.
     pub async fn signal_process(&self, id: &str, signal: i32) -> Result<()> {
-        match self.call(Request::SignalProcess { id: id.into(), signal }).await? {
+        match self
+            .call(Request::SignalProcess {
+                id: id.into(),
+                signal,
+            })
+            .await?
+        {
             EndBody::Ok => Ok(()),
             other => Err(unexpected("SignalProcess", &other)),
         }
@@ -418,7 +488,15 @@ impl AgentClient {
         loop {
             match s.recv().await? {
                 Some(StreamEvent::Msg(Reply::Entry(e))) => {
-                    return Ok((e, FileReader { stream: s, buf: Vec::new(), pos: 0, done: false }))
+                    return Ok((
+                        e,
+                        FileReader {
+                            stream: s,
+                            buf: Vec::new(),
+                            pos: 0,
+                            done: false,
+                        },
+                    ))
                 }
                 Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
                 Some(StreamEvent::End(other)) => return Err(unexpected("ReadFile", &other)),
@@ -430,8 +508,16 @@ impl AgentClient {
 
     /// Streams `data` into a file (never whole in memory). The file appears whole or not at
     /// all; parents are created; `mode` defaults to the old file's, else 0644.
-    pub async fn write_file(&self, path: &str, mode: Option<u32>, data: impl AsyncRead + Unpin) -> Result<Entry> {
-        let s = self.open(Request::WriteFile { path: path.into(), mode })?;
+    pub async fn write_file(
+        &self,
+        path: &str,
+        mode: Option<u32>,
+        data: impl AsyncRead + Unpin,
+    ) -> Result<Entry> {
+        let s = self.open(Request::WriteFile {
+            path: path.into(),
+            mode,
+        })?;
         match upload(s, Chan::Bytes, data, Chan::Bytes).await? {
             EndBody::Entry(e) => Ok(e),
             EndBody::Error(e) => Err(e.into()),
@@ -441,7 +527,10 @@ impl AgentClient {
 
     /// The entries under a directory, `depth` levels down (1: its own children).
     pub async fn list(&self, path: &str, depth: u32) -> Result<Vec<Entry>> {
-        let mut s = self.open(Request::List { path: path.into(), depth })?;
+        let mut s = self.open(Request::List {
+            path: path.into(),
+            depth,
+        })?;
         let mut all = Vec::new();
         loop {
             match s.recv().await? {
@@ -460,22 +549,37 @@ impl AgentClient {
 
     /// Describes a path (a symlink itself, not its target).
     pub async fn stat(&self, path: &str) -> Result<Entry> {
-        self.entry_call("Stat", Request::Stat { path: path.into() }).await
+        self.entry_call("Stat", Request::Stat { path: path.into() })
+            .await
     }
 
     /// Creates a directory and its parents.
     pub async fn mkdir(&self, path: &str) -> Result<Entry> {
-        self.entry_call("Mkdir", Request::Mkdir { path: path.into() }).await
+        self.entry_call("Mkdir", Request::Mkdir { path: path.into() })
+            .await
     }
 
     /// Renames `from` to `to` (the files API's move); returns the destination's entry.
     pub async fn rename(&self, from: &str, to: &str) -> Result<Entry> {
-        self.entry_call("Move", Request::Move { from: from.into(), to: to.into() }).await
+        self.entry_call(
+            "Move",
+            Request::Move {
+                from: from.into(),
+                to: to.into(),
+            },
+        )
+        .await
     }
 
     /// Removes a file, link or empty directory; a non-empty directory needs `recursive`.
     pub async fn remove(&self, path: &str, recursive: bool) -> Result<()> {
-        match self.call(Request::Remove { path: path.into(), recursive }).await? {
+        match self
+            .call(Request::Remove {
+                path: path.into(),
+                recursive,
+            })
+            .await?
+        {
             EndBody::Ok => Ok(()),
             other => Err(unexpected("Remove", &other)),
         }
@@ -538,7 +642,11 @@ async fn upload(
             match stream.recv().await? {
                 Some(StreamEvent::End(b)) => return Ok(b),
                 Some(_) => {}
-                None => return Err(AgentClientError::ConnectionLost("stream ended without a reply".into())),
+                None => {
+                    return Err(AgentClientError::ConnectionLost(
+                        "stream ended without a reply".into(),
+                    ))
+                }
             }
         }
     };
@@ -580,19 +688,29 @@ impl StreamSender {
                 .await
                 .map_err(|_| AgentClientError::ConnectionLost("the stream has ended".into()))?;
             permit.forget();
-            self.inner.send(&Frame::Data { stream: self.id, chan, bytes: chunk.to_vec() })?;
+            self.inner.send(&Frame::Data {
+                stream: self.id,
+                chan,
+                bytes: chunk.to_vec(),
+            })?;
         }
         Ok(())
     }
 
     /// Ends a channel (stdin: the command sees end of file; a file upload: complete).
     pub fn send_eof(&self, chan: Chan) -> Result<()> {
-        self.inner.send(&Frame::Eof { stream: self.id, chan })
+        self.inner.send(&Frame::Eof {
+            stream: self.id,
+            chan,
+        })
     }
 
     /// Sends a control message (a terminal resize).
     pub fn control(&self, ctl: Control) -> Result<()> {
-        self.inner.send(&Frame::Control { stream: self.id, ctl })
+        self.inner.send(&Frame::Control {
+            stream: self.id,
+            ctl,
+        })
     }
 
     /// Resizes the stream's terminal.
@@ -618,7 +736,10 @@ pub struct AgentStream {
 
 impl std::fmt::Debug for AgentStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AgentStream").field("id", &self.sender.id).field("ended", &self.ended).finish()
+        f.debug_struct("AgentStream")
+            .field("id", &self.sender.id)
+            .field("ended", &self.ended)
+            .finish()
     }
 }
 
@@ -691,7 +812,11 @@ impl AgentStream {
         }
         self.unacked.fetch_sub(n, Ordering::AcqRel);
         if !self.ended {
-            let _ = self.sender.inner.send(&Frame::Credit { stream: self.sender.id, chan, bytes: n as u32 });
+            let _ = self.sender.inner.send(&Frame::Credit {
+                stream: self.sender.id,
+                chan,
+                bytes: n as u32,
+            });
         }
     }
 
@@ -702,7 +827,11 @@ impl AgentStream {
                 Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
                 Some(StreamEvent::End(b)) => return Ok(b),
                 Some(_) => {}
-                None => return Err(AgentClientError::Protocol("the stream already ended".into())),
+                None => {
+                    return Err(AgentClientError::Protocol(
+                        "the stream already ended".into(),
+                    ))
+                }
             }
         }
     }
@@ -753,7 +882,10 @@ pub struct FileReader {
 
 impl std::fmt::Debug for FileReader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("FileReader").field("stream", &self.stream).field("done", &self.done).finish()
+        f.debug_struct("FileReader")
+            .field("stream", &self.stream)
+            .field("done", &self.done)
+            .finish()
     }
 }
 
@@ -775,7 +907,9 @@ impl FileReader {
                 return Poll::Ready(Ok(None));
             }
             match std::task::ready!(self.stream.poll_recv(cx)) {
-                Ok(Some(StreamEvent::Data(_, b))) if !b.is_empty() => return Poll::Ready(Ok(Some(b))),
+                Ok(Some(StreamEvent::Data(_, b))) if !b.is_empty() => {
+                    return Poll::Ready(Ok(Some(b)))
+                }
                 Ok(Some(StreamEvent::End(EndBody::Ok))) | Ok(None) => self.done = true,
                 Ok(Some(StreamEvent::End(EndBody::Error(e)))) => {
                     self.done = true;
@@ -796,7 +930,11 @@ impl FileReader {
 }
 
 impl AsyncRead for FileReader {
-    fn poll_read(self: Pin<&mut Self>, cx: &mut Context<'_>, out: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        out: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
         if this.pos >= this.buf.len() {
             match std::task::ready!(this.poll_chunk(cx)) {
@@ -815,7 +953,11 @@ impl AsyncRead for FileReader {
     }
 }
 
-async fn write_loop(mut w: OwnedWriteHalf, mut rx: mpsc::UnboundedReceiver<Vec<u8>>, shared: Arc<Shared>) {
+async fn write_loop(
+    mut w: OwnedWriteHalf,
+    mut rx: mpsc::UnboundedReceiver<Vec<u8>>,
+    shared: Arc<Shared>,
+) {
     while let Some(first) = rx.recv().await {
         // Batch what is already queued into one write.
         let mut buf = first;
@@ -852,23 +994,40 @@ async fn read_loop(mut r: BufReader<OwnedReadHalf>, shared: Arc<Shared>) {
 fn dispatch(shared: &Shared, f: Frame) -> Result<(), String> {
     let streams = lock(&shared.streams);
     match f {
-        Frame::Data { stream, chan, bytes } => {
-            let Some(slot) = streams.get(&stream) else { return Ok(()) };
+        Frame::Data {
+            stream,
+            chan,
+            bytes,
+        } => {
+            let Some(slot) = streams.get(&stream) else {
+                return Ok(());
+            };
             let n = bytes.len();
             if slot.unacked.fetch_add(n, Ordering::AcqRel) + n > INITIAL_WINDOW as usize {
-                return Err(format!("the agent overran the flow-control window of stream {stream}"));
+                return Err(format!(
+                    "the agent overran the flow-control window of stream {stream}"
+                ));
             }
             let _ = slot.tx.send(Event::Data(chan, bytes));
         }
         Frame::Msg { stream, msg } => queue_msg(&streams, stream, Event::Msg(msg))?,
         Frame::Eof { stream, chan } => queue_msg(&streams, stream, Event::Eof(chan))?,
         Frame::Credit { stream, bytes, .. } => {
-            let Some(slot) = streams.get(&stream) else { return Ok(()) };
+            let Some(slot) = streams.get(&stream) else {
+                return Ok(());
+            };
             if slot.credit.is_closed() {
                 return Ok(());
             }
-            if slot.credit.available_permits().saturating_add(bytes as usize) > INITIAL_WINDOW as usize {
-                return Err(format!("the agent returned credit it was never given on stream {stream}"));
+            if slot
+                .credit
+                .available_permits()
+                .saturating_add(bytes as usize)
+                > INITIAL_WINDOW as usize
+            {
+                return Err(format!(
+                    "the agent returned credit it was never given on stream {stream}"
+                ));
             }
             slot.credit.add_permits(bytes as usize);
         }
@@ -888,7 +1047,9 @@ fn dispatch(shared: &Shared, f: Frame) -> Result<(), String> {
 }
 
 fn queue_msg(streams: &HashMap<u32, Slot>, stream: u32, ev: Event) -> Result<(), String> {
-    let Some(slot) = streams.get(&stream) else { return Ok(()) };
+    let Some(slot) = streams.get(&stream) else {
+        return Ok(());
+    };
     if slot.queued.fetch_add(1, Ordering::AcqRel) >= MAX_QUEUED_MSGS {
         return Err(format!("the agent flooded stream {stream} with messages"));
     }

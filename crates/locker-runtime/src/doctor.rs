@@ -83,6 +83,10 @@ pub fn check(data_dir: &Path) -> Report {
     if !Path::new("/dev/loop-control").exists() {
         missing.push("/dev/loop-control is missing (modprobe loop): machine disks need loop devices".into());
     }
+    let agent = std::env::current_exe().ok().and_then(|e| crate::node::find_agent(&e));
+    if agent.is_none() {
+        missing.push("no static locker-agent found: run scripts/setup build or set LOCKER_AGENT_BIN".into());
+    }
     if !kernel_at_least(&kernel, 5, 19) {
         missing.push(format!("kernel {kernel} is too old: id-mapped overlay layers need Linux 5.19 or newer"));
     }

@@ -234,6 +234,13 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
         }
     }
     cg.remove()?;
+    // The kernel tears a dead mount namespace down asynchronously; the loop device detaches
+    // once the disk is unmounted. Wait for it so "destroyed" means nothing is left.
+    let img = dir.join("disk.img");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while loop_backs(&img) && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(2));
+    }
     match fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
@@ -242,6 +249,16 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
             source: e,
         }),
     }
+}
+
+/// Whether some loop device is backed by `img`.
+fn loop_backs(img: &Path) -> bool {
+    let Ok(rd) = fs::read_dir("/sys/block") else { return false };
+    let want = img.as_os_str().as_encoded_bytes();
+    rd.flatten().any(|e| {
+        let f = e.path().join("loop/backing_file");
+        fs::read(f).map(|b| b.starts_with(want)).unwrap_or(false)
+    })
 }
 
 /// Whether `pid` is a live (not zombie) process inside machine `id`'s cgroup.

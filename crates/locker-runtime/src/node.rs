@@ -4,7 +4,8 @@
 //! from the host (uid ranges, directories). It hands out [`Machine`]s whose agent channel is
 //! open. It does not know tenants, sandboxes or HTTP: the server maps those onto machines.
 
-use std::collections::BTreeSet;
+use std::fs;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -74,21 +75,45 @@ impl NodeConfig {
     }
 }
 
-/// Finds the agent: `$LOCKER_AGENT_BIN`, beside `exe`, the static build in the cargo target
-/// directory above `exe`, or `/usr/local/lib/locker/locker-agent`.
+/// Finds the agent: `$LOCKER_AGENT_BIN`, the static build in the cargo target directory
+/// above `exe`, beside `exe`, or `/usr/local/lib/locker/locker-agent`. Only a statically
+/// linked binary qualifies: the agent runs inside any root filesystem, with or without a
+/// C library (a plain `cargo build` leaves a dynamic `locker-agent` beside `locker`).
 pub fn find_agent(exe: &Path) -> Option<PathBuf> {
     if let Some(p) = std::env::var_os("LOCKER_AGENT_BIN") {
         return Some(PathBuf::from(p));
     }
     let mut candidates = Vec::new();
     for dir in exe.ancestors().skip(1).take(4) {
-        candidates.push(dir.join("locker-agent"));
         for profile in ["release", "debug"] {
             candidates.push(dir.join("x86_64-unknown-linux-gnu").join(profile).join("locker-agent"));
         }
+        candidates.push(dir.join("locker-agent"));
     }
     candidates.push(PathBuf::from("/usr/local/lib/locker/locker-agent"));
-    candidates.into_iter().find(|p| p.is_file())
+    candidates.into_iter().find(|p| is_static_elf(p))
+}
+
+/// Whether `path` is an ELF executable without a program interpreter (statically linked).
+pub fn is_static_elf(path: &Path) -> bool {
+    use std::io::{Read, Seek, SeekFrom};
+    let Ok(mut f) = fs::File::open(path) else { return false };
+    let mut h = [0u8; 64];
+    if f.read_exact(&mut h).is_err() || &h[..4] != b"\x7fELF" || h[4] != 2 {
+        return false;
+    }
+    let phoff = u64::from_le_bytes(h[0x20..0x28].try_into().expect("8 bytes"));
+    let phentsize = u16::from_le_bytes([h[0x36], h[0x37]]) as usize;
+    let phnum = u16::from_le_bytes([h[0x38], h[0x39]]) as usize;
+    if phentsize < 4 || phnum > 256 || f.seek(SeekFrom::Start(phoff)).is_err() {
+        return false;
+    }
+    let mut ph = vec![0u8; phentsize * phnum];
+    if f.read_exact(&mut ph).is_err() {
+        return false;
+    }
+    const PT_INTERP: u32 = 3;
+    !ph.chunks(phentsize).any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
 }
 
 /// What a new machine is made of.
@@ -157,14 +182,59 @@ impl Machine {
 pub struct Node {
     config: NodeConfig,
     layout: Layout,
-    slots: Mutex<BTreeSet<u32>>,
+}
+
+/// Where uid-range leases live: one file per slot, host-wide, so several servers (and test
+/// runs) on one host never hand out the same range.
+const SLOTS_DIR: &str = "/run/locker/uid-slots";
+
+/// Leases a free uid slot for the machine in `dir`.
+fn lease_slot(dir: &Path) -> Result<u32, NodeError> {
+    use std::io::Write;
+    fs::create_dir_all(SLOTS_DIR).map_err(|e| NodeError::Setup(format!("create {SLOTS_DIR}: {e}")))?;
+    // Start somewhere random so concurrent allocators rarely race for the same file.
+    let mut r = [0u8; 4];
+    // SAFETY: getrandom fills the buffer we own.
+    unsafe { libc::getrandom(r.as_mut_ptr().cast(), 4, 0) };
+    let start = u32::from_le_bytes(r) % MAX_SLOTS;
+    for i in 0..MAX_SLOTS {
+        let slot = (start + i) % MAX_SLOTS;
+        let f = Path::new(SLOTS_DIR).join(slot.to_string());
+        match fs::OpenOptions::new().write(true).create_new(true).open(&f) {
+            Ok(mut file) => {
+                let _ = file.write_all(dir.as_os_str().as_encoded_bytes());
+                return Ok(slot);
+            }
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                // A lease whose machine directory is gone is stale (a crash between
+                // lease and start, or a host whose data dir was wiped).
+                let owner = fs::read(&f).unwrap_or_default();
+                let owner = Path::new(std::ffi::OsStr::from_bytes(&owner));
+                let old = fs::metadata(&f).and_then(|m| m.modified()).map(|t| t.elapsed().unwrap_or_default() > Duration::from_secs(60)).unwrap_or(false);
+                if old && !owner.join("jail.json").exists() && fs::remove_file(&f).is_ok() {
+                    continue;
+                }
+            }
+            Err(e) => return Err(NodeError::Setup(format!("lease a uid range in {SLOTS_DIR}: {e}"))),
+        }
+    }
+    Err(NodeError::NoSlot)
+}
+
+fn slot_of(uid_base: u32) -> u32 {
+    uid_base / jail::UID_RANGE - jail::uid_base(0) / jail::UID_RANGE
+}
+
+/// Returns a uid slot lease.
+fn release_slot(uid_base: u32) {
+    let _ = fs::remove_file(Path::new(SLOTS_DIR).join(slot_of(uid_base).to_string()));
 }
 
 impl Node {
     /// A node on this host. Fails if no usable cgroup hierarchy exists.
     pub fn new(config: NodeConfig) -> Result<Self, NodeError> {
         let layout = Layout::host().map_err(|e| NodeError::Unavailable("jail", e.to_string()))?;
-        Ok(Self { config, layout, slots: Mutex::new(BTreeSet::new()) })
+        Ok(Self { config, layout })
     }
 
     pub fn layout(&self) -> &Layout {
@@ -175,21 +245,9 @@ impl Node {
         &self.config
     }
 
-    fn take_slot(&self) -> Result<u32, NodeError> {
-        let mut used = self.slots.lock().expect("slots lock");
-        let slot = (0..MAX_SLOTS).find(|s| !used.contains(s)).ok_or(NodeError::NoSlot)?;
-        used.insert(slot);
-        Ok(slot)
-    }
-
-    fn release_uid(&self, uid_base: u32) {
-        let slot = uid_base / jail::UID_RANGE - jail::uid_base(0) / jail::UID_RANGE;
-        self.slots.lock().expect("slots lock").remove(&slot);
-    }
-
     /// Starts a jailed machine and connects to its agent.
     pub async fn create(&self, spec: MachineSpec) -> Result<Machine, NodeError> {
-        let slot = self.take_slot()?;
+        let slot = lease_slot(&spec.dir)?;
         let js = JailSpec {
             id: spec.id.clone(),
             template_rootfs: spec.template_rootfs,
@@ -230,7 +288,7 @@ impl Node {
     async fn cleanup_failed(&self, id: &str, dir: &Path, uid_base: u32) {
         let (id, dir, layout) = (id.to_owned(), dir.to_owned(), self.layout.clone());
         let _ = tokio::task::spawn_blocking(move || jail::destroy(&id, &dir, &layout)).await;
-        self.release_uid(uid_base);
+        release_slot(uid_base);
     }
 
     /// Re-attaches to a machine an earlier server process started, if it still runs.
@@ -240,8 +298,6 @@ impl Node {
             return None;
         }
         let agent = AgentClient::connect(&state.socket(), Duration::from_secs(2)).await.ok()?;
-        let slot = state.uid_base / jail::UID_RANGE - jail::uid_base(0) / jail::UID_RANGE;
-        self.slots.lock().expect("slots lock").insert(slot);
         Some(Machine {
             id: id.to_owned(),
             kind: RuntimeKind::Jail,
@@ -265,7 +321,7 @@ impl Node {
             // The shim has exited (destroy waited for it); reap it now.
             let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
         }
-        self.release_uid(m.state.uid_base);
+        release_slot(m.state.uid_base);
         tracing::debug!(machine = %m.id, ms = started.elapsed().as_secs_f64() * 1e3, "machine destroyed");
         Ok(())
     }
@@ -273,6 +329,35 @@ impl Node {
     /// Destroys machines under `machines_dir` (and machine cgroups) not named in `keep`.
     pub async fn cleanup_orphans(&self, machines_dir: &Path, keep: Vec<String>) -> Vec<String> {
         let (dir, layout) = (machines_dir.to_owned(), self.layout.clone());
-        tokio::task::spawn_blocking(move || jail::cleanup_orphans(&dir, &keep, &layout)).await.unwrap_or_default()
+        tokio::task::spawn_blocking(move || {
+            let leases: Vec<(PathBuf, u32)> = fs::read_dir(&dir)
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter_map(|e| JailState::load(&e.path()).map(|s| (e.path(), s.uid_base)))
+                .collect();
+            let removed = jail::cleanup_orphans(&dir, &keep, &layout);
+            for (d, base) in leases {
+                if !d.exists() {
+                    release_slot(base);
+                }
+            }
+            removed
+        })
+        .await
+        .unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn static_binaries_are_told_apart() {
+        let me = std::env::current_exe().unwrap();
+        assert!(!super::is_static_elf(&me), "test binaries are dynamically linked");
+        assert!(!super::is_static_elf(std::path::Path::new("/etc/passwd")));
+        if std::path::Path::new("/sbin/ldconfig").exists() {
+            assert!(super::is_static_elf(std::path::Path::new("/sbin/ldconfig")), "Debian's ldconfig is static");
+        }
     }
 }

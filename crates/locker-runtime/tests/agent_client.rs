@@ -22,7 +22,11 @@ use tokio::sync::mpsc;
 static NEXT: AtomicU32 = AtomicU32::new(1);
 
 fn unique(prefix: &str) -> String {
-    format!("{prefix}{}-{}", std::process::id(), NEXT.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{prefix}{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// The agent binary, built (once per test run) with the profile of this test.
@@ -35,7 +39,8 @@ fn agent_bin() -> PathBuf {
         let exe = std::env::current_exe().unwrap();
         let profile_dir = exe.parent().unwrap().parent().unwrap().to_path_buf();
         let mut cmd = Command::new(env!("CARGO"));
-        cmd.args(["build", "-q", "-p", "locker-agent"]).current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
+        cmd.args(["build", "-q", "-p", "locker-agent"])
+            .current_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("../.."));
         if profile_dir.ends_with("release") {
             cmd.arg("--release");
         }
@@ -106,7 +111,10 @@ fn kill_cgroup(dir: &Path) {
     let deadline = Instant::now() + Duration::from_secs(5);
     while Instant::now() < deadline {
         let procs = fs::read_to_string(dir.join("cgroup.procs")).unwrap_or_default();
-        let pids: Vec<i32> = procs.lines().filter_map(|l| l.trim().parse().ok()).collect();
+        let pids: Vec<i32> = procs
+            .lines()
+            .filter_map(|l| l.trim().parse().ok())
+            .collect();
         if pids.is_empty() {
             break;
         }
@@ -145,6 +153,8 @@ impl Drop for TestCgroups {
 struct Opts {
     memory_limit: Option<u64>,
     max_spill: Option<u64>,
+    /// Point the agent at a cgroup root that does not exist: the process-group fallback.
+    no_cgroups: bool,
 }
 
 /// What one test started: killed and removed on drop, also when the test fails.
@@ -159,7 +169,7 @@ impl Drop for Guard {
         let _ = self.child.kill();
         let _ = self.child.wait();
         drop(self.cgroups.take());
-        if std::thread::panicking() {
+        if std::thread::panicking() || std::env::var_os("LOCKER_TEST_AGENT_LOG").is_some() {
             let log = fs::read_to_string(self.dir.join("agent.log")).unwrap_or_default();
             eprintln!("--- agent log ---\n{log}--- end ---");
         }
@@ -195,13 +205,29 @@ impl TestAgent {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
+        if opts.no_cgroups {
+            cmd.env("LOCKER_CGROUP_ROOT", dir.join("no-cgroups-here"));
+        }
         if let Some(m) = opts.max_spill {
             cmd.env("LOCKER_MAX_SPILL_BYTES", m.to_string());
         }
         let child = cmd.spawn().expect("start locker-agent");
-        let guard = Guard { child, cgroups: Some(cgroups), dir: dir.clone() };
-        let client = AgentClient::connect(&sock, Duration::from_secs(20)).await.expect("connect to the agent");
-        TestAgent { client, dir, root, out, sock, guard }
+        let guard = Guard {
+            child,
+            cgroups: Some(cgroups),
+            dir: dir.clone(),
+        };
+        let client = AgentClient::connect(&sock, Duration::from_secs(20))
+            .await
+            .expect("connect to the agent");
+        TestAgent {
+            client,
+            dir,
+            root,
+            out,
+            sock,
+            guard,
+        }
     }
 
     fn pid(&self) -> i32 {
@@ -241,7 +267,12 @@ fn sh(script: &str) -> ExecSpec {
 
 fn alive(pid: i32) -> bool {
     match fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Ok(s) => !s.rsplit(')').next().unwrap_or("").trim_start().starts_with('Z'),
+        Ok(s) => !s
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .trim_start()
+            .starts_with('Z'),
         Err(_) => false,
     }
 }
@@ -270,25 +301,61 @@ async fn exec_runs_argv_shell_env_cwd_stdin_and_users() {
     let c = &a.client;
     c.ping().await.unwrap();
 
-    let r = c.exec(spec(&["echo", "hello", "world"]), None, None).await.unwrap();
-    assert_eq!((r.exit_code, r.reason, r.stdout.as_str()), (Some(0), Reason::Exited, "hello world\n"));
-    assert!(r.timings.start_ms > 0.0 && r.timings.run_ms > 0.0, "{:?}", r.timings);
+    let r = c
+        .exec(spec(&["echo", "hello", "world"]), None, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.exit_code, r.reason, r.stdout.as_str()),
+        (Some(0), Reason::Exited, "hello world\n")
+    );
+    assert!(
+        r.timings.start_ms > 0.0 && r.timings.run_ms > 0.0,
+        "{:?}",
+        r.timings
+    );
     assert!(r.call_id.starts_with("call_t"));
 
     let r = c.exec(sh("env | sort"), None, None).await.unwrap();
-    for want in ["HOME=/root", "USER=root", "LANG=C.UTF-8", "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"] {
-        assert!(r.stdout.lines().any(|l| l == want), "{want} missing in {}", r.stdout);
+    for want in [
+        "HOME=/root",
+        "USER=root",
+        "LANG=C.UTF-8",
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    ] {
+        assert!(
+            r.stdout.lines().any(|l| l == want),
+            "{want} missing in {}",
+            r.stdout
+        );
     }
-    assert!(!r.stdout.contains("TERM="), "no TERM without a terminal: {}", r.stdout);
+    assert!(
+        !r.stdout.contains("TERM="),
+        "no TERM without a terminal: {}",
+        r.stdout
+    );
 
     let mut s = sh("echo \"$GREETING\"; pwd; echo oops >&2; exit 3");
-    s.env = vec![("GREETING".into(), "hi there".into()), ("LANG".into(), "C".into())];
+    s.env = vec![
+        ("GREETING".into(), "hi there".into()),
+        ("LANG".into(), "C".into()),
+    ];
     s.cwd = Some("/tmp".into());
     let r = c.exec(s, None, None).await.unwrap();
     assert_eq!(r.stdout, "hi there\n/tmp\n");
-    assert_eq!((r.stderr.as_str(), r.exit_code, r.reason), ("oops\n", Some(3), Reason::Exited));
+    assert_eq!(
+        (r.stderr.as_str(), r.exit_code, r.reason),
+        ("oops\n", Some(3), Reason::Exited)
+    );
 
-    let r = c.exec(sh("cat; echo; echo $LANG"), Some(b"from stdin".to_vec()), None).await.unwrap();
+    let r = c
+        .exec(
+            sh("cat; echo; echo $LANG"),
+            Some(b"from stdin".to_vec()),
+            None,
+        )
+        .await
+        .unwrap();
     assert_eq!(r.stdout, "from stdin\nC.UTF-8\n");
     // Without stdin the command reads /dev/null: end of file at once.
     let r = c.exec(spec(&["cat"]), None, None).await.unwrap();
@@ -298,16 +365,62 @@ async fn exec_runs_argv_shell_env_cwd_stdin_and_users() {
     let r = c.exec(spec(&["wc", "-c"]), Some(big), None).await.unwrap();
     assert_eq!(r.stdout.trim(), "5000000");
 
-    let r = c.exec(sh("kill -TERM $$"), None, None).await.unwrap();
-    assert_eq!((r.exit_code, r.signal.as_deref(), r.reason), (None, Some("SIGTERM"), Reason::Signaled));
+    // Children start with default signal dispositions and an empty mask (the agent ignores
+    // SIGPIPE itself; its commands must not inherit that).
+    let r = c
+        .exec(sh("grep -E '^Sig(Ign|Blk)' /proc/self/status"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(
+        r.stdout,
+        "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"
+    );
 
-    let r = c.exec(spec(&["no-such-program-here"]), None, None).await.unwrap();
+    // An exec ends when its command does: what it left running is killed, not waited for.
+    let pidfile = a.dir.join("bg.pid");
+    let t = Instant::now();
+    let r = c
+        .exec(
+            sh(&format!(
+                "sleep 300 & echo $! > {}; echo bg",
+                pidfile.display()
+            )),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.stdout, "bg\n");
+    assert!(t.elapsed() < Duration::from_secs(10));
+    let pid: i32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        gone_within(pid, Duration::from_secs(3)),
+        "leftover {pid} survived its exec"
+    );
+
+    let r = c.exec(sh("kill -TERM $$"), None, None).await.unwrap();
+    assert_eq!(
+        (r.exit_code, r.signal.as_deref(), r.reason),
+        (None, Some("SIGTERM"), Reason::Signaled)
+    );
+
+    let r = c
+        .exec(spec(&["no-such-program-here"]), None, None)
+        .await
+        .unwrap();
     assert_eq!(r.exit_code, Some(127));
     assert!(r.stderr.contains("no-such-program-here"), "{}", r.stderr);
 
     let mut s = spec(&["true"]);
     s.cwd = Some("/no/such/dir".into());
-    assert_eq!(agent_code(c.exec(s, None, None).await.unwrap_err()), ErrorCode::BadRequest);
+    assert_eq!(
+        agent_code(c.exec(s, None, None).await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
 
     let mut s = spec(&["id", "-u"]);
     s.user = Some("nobody".into());
@@ -319,7 +432,10 @@ async fn exec_runs_argv_shell_env_cwd_stdin_and_users() {
     assert_eq!(r.stdout, "4321\n4321\n/\n");
     let mut s = spec(&["true"]);
     s.user = Some("no-such-user".into());
-    assert_eq!(agent_code(c.exec(s, None, None).await.unwrap_err()), ErrorCode::BadRequest);
+    assert_eq!(
+        agent_code(c.exec(s, None, None).await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
 
     let r = c.exec(spec(&["python3", "-c", "sum(range(30_000_000)); x = bytearray(50 << 20); x[::4096] = b'y' * len(x[::4096])"]), None, None).await.unwrap();
     assert_eq!(r.exit_code, Some(0), "{}", r.stderr);
@@ -329,20 +445,32 @@ async fn exec_runs_argv_shell_env_cwd_stdin_and_users() {
     assert!(m.cpu_ms >= r.usage.cpu_ms, "{m:?} vs {:?}", r.usage);
 
     // Every command cgroup is gone once its command is.
-    assert!(a.cgroups().command_cgroups().is_empty(), "{:?}", a.cgroups().command_cgroups());
+    assert!(
+        a.cgroups().command_cgroups().is_empty(),
+        "{:?}",
+        a.cgroups().command_cgroups()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn exec_started_message_comes_first_and_end_last() {
     let a = TestAgent::start(Opts::default()).await;
-    let mut s = a.client.open(Request::Exec(sh("echo one; sleep 0.2; echo two >&2"))).unwrap();
+    let mut s = a
+        .client
+        .open(Request::Exec(sh("echo one; sleep 0.2; echo two >&2")))
+        .unwrap();
     let mut got = Vec::new();
     while let Some(ev) = s.recv().await.unwrap() {
         got.push(ev);
     }
-    assert!(matches!(got.first(), Some(StreamEvent::Msg(Reply::Started { pid, .. })) if *pid > 0), "{got:?}");
+    assert!(
+        matches!(got.first(), Some(StreamEvent::Msg(Reply::Started { pid, .. })) if *pid > 0),
+        "{got:?}"
+    );
     match got.last() {
-        Some(StreamEvent::End(EndBody::Exec(r))) => assert_eq!((r.stdout.as_str(), r.stderr.as_str()), ("one\n", "two\n")),
+        Some(StreamEvent::End(EndBody::Exec(r))) => {
+            assert_eq!((r.stdout.as_str(), r.stderr.as_str()), ("one\n", "two\n"))
+        }
         other => panic!("{other:?}"),
     }
 }
@@ -358,12 +486,22 @@ async fn timeout_kills_a_setsid_double_forked_grandchild() {
     s.timeout_ms = Some(1000);
     let t = Instant::now();
     let r = a.client.exec(s, None, None).await.unwrap();
-    assert_eq!((r.reason, r.exit_code, r.signal.as_deref()), (Reason::Timeout, None, Some("SIGKILL")));
+    assert_eq!(
+        (r.reason, r.exit_code, r.signal.as_deref()),
+        (Reason::Timeout, None, Some("SIGKILL"))
+    );
     assert_eq!(r.stdout, "started\n", "output before the kill is kept");
     assert!(t.elapsed() < Duration::from_secs(10));
     assert!(r.timings.run_ms >= 900.0, "{:?}", r.timings);
-    let pid: i32 = fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
-    assert!(gone_within(pid, Duration::from_secs(3)), "the setsid'd grandchild {pid} survived the timeout");
+    let pid: i32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        gone_within(pid, Duration::from_secs(3)),
+        "the setsid'd grandchild {pid} survived the timeout"
+    );
     assert!(a.cgroups().command_cgroups().is_empty());
 }
 
@@ -417,14 +555,25 @@ async fn hundred_megabytes_of_output_are_capped_spilled_and_cheap() {
     assert!(r.stdout_truncated && !r.stderr_truncated);
     assert_eq!(r.stdout_bytes, total);
     let marker = format!("…[locker: {} bytes omitted]…", total - 65_536);
-    assert!(r.stdout.contains(&marker), "marker missing: {}", &r.stdout[32_000..33_000]);
+    assert!(
+        r.stdout.contains(&marker),
+        "marker missing: {}",
+        &r.stdout[32_000..33_000]
+    );
     let data = fs::read(&src).unwrap();
-    assert!(r.stdout.starts_with(std::str::from_utf8(&data[..32_768]).unwrap()));
-    assert!(r.stdout.ends_with(std::str::from_utf8(&data[data.len() - 32_768..]).unwrap()));
+    assert!(r
+        .stdout
+        .starts_with(std::str::from_utf8(&data[..32_768]).unwrap()));
+    assert!(r
+        .stdout
+        .ends_with(std::str::from_utf8(&data[data.len() - 32_768..]).unwrap()));
     drop(data);
     let out = a.out.join(format!("{call_id}.stdout"));
     assert_eq!(r.output_path.as_deref(), Some(out.to_str().unwrap()));
-    assert!(files_equal(&src, &out), "the spill file must hold every byte");
+    assert!(
+        files_equal(&src, &out),
+        "the spill file must hold every byte"
+    );
     let rss = a.peak_rss();
     assert!(rss < 48 << 20, "agent peak RSS {} MiB", rss >> 20);
 
@@ -441,13 +590,21 @@ async fn hundred_megabytes_of_output_are_capped_spilled_and_cheap() {
     let r = a.client.exec(s, None, None).await.unwrap();
     assert!(r.stderr_truncated && !r.stdout_truncated);
     assert!(r.output_path.as_deref().unwrap().ends_with(".stderr"));
-    assert!(r.stderr.contains("…[locker: 2000 bytes omitted]…"), "{}", r.stderr);
+    assert!(
+        r.stderr.contains("…[locker: 2000 bytes omitted]…"),
+        "{}",
+        r.stderr
+    );
     assert_eq!(fs::metadata(r.output_path.unwrap()).unwrap().len(), 3000);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_past_the_spill_limit_kills_with_output_limit() {
-    let a = TestAgent::start(Opts { max_spill: Some(1 << 20), ..Default::default() }).await;
+    let a = TestAgent::start(Opts {
+        max_spill: Some(1 << 20),
+        ..Default::default()
+    })
+    .await;
     let r = a.client.exec(spec(&["yes"]), None, None).await.unwrap();
     assert_eq!(r.reason, Reason::OutputLimit);
     assert_eq!(r.exit_code, None);
@@ -457,11 +614,31 @@ async fn output_past_the_spill_limit_kills_with_output_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_hog_over_the_parent_limit_ends_with_oom() {
-    let a = TestAgent::start(Opts { memory_limit: Some(64 << 20), ..Default::default() }).await;
-    let r = a.client.exec(spec(&["python3", "-c", "a = b'x' * (200 << 20); print(len(a))"]), None, None).await.unwrap();
-    assert_eq!((r.reason, r.signal.as_deref(), r.exit_code), (Reason::Oom, Some("SIGKILL"), None), "{r:?}");
+    let a = TestAgent::start(Opts {
+        memory_limit: Some(64 << 20),
+        ..Default::default()
+    })
+    .await;
+    let r = a
+        .client
+        .exec(
+            spec(&["python3", "-c", "a = b'x' * (200 << 20); print(len(a))"]),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.reason, r.signal.as_deref(), r.exit_code),
+        (Reason::Oom, Some("SIGKILL"), None),
+        "{r:?}"
+    );
     // A kill that is not the OOM killer's stays `signaled`.
-    let r = a.client.exec(sh("kill -KILL $$"), None, None).await.unwrap();
+    let r = a
+        .client
+        .exec(sh("kill -KILL $$"), None, None)
+        .await
+        .unwrap();
     assert_eq!(r.reason, Reason::Signaled);
 }
 
@@ -472,7 +649,12 @@ async fn streamed_output_arrives_in_order_and_while_running() {
     let c = a.client.clone();
     let t0 = Instant::now();
     let job = tokio::spawn(async move {
-        c.exec(sh("for i in 1 2 3 4 5; do echo out$i; echo err$i >&2; done; sleep 1; echo last"), None, Some(tx)).await
+        c.exec(
+            sh("for i in 1 2 3 4 5; do echo out$i; echo err$i >&2; done; sleep 1; echo last"),
+            None,
+            Some(tx),
+        )
+        .await
     });
     let mut chunks = vec![rx.recv().await.unwrap()];
     let first_at = t0.elapsed();
@@ -481,7 +663,10 @@ async fn streamed_output_arrives_in_order_and_while_running() {
     }
     let r = job.await.unwrap().unwrap();
     let done_at = t0.elapsed();
-    assert!(first_at + Duration::from_millis(700) < done_at, "first output at {first_at:?}, end at {done_at:?}");
+    assert!(
+        first_at + Duration::from_millis(700) < done_at,
+        "first output at {first_at:?}, end at {done_at:?}"
+    );
     let (mut out, mut err) = (Vec::new(), Vec::new());
     for (chan, b) in chunks {
         match chan {
@@ -490,8 +675,16 @@ async fn streamed_output_arrives_in_order_and_while_running() {
             other => panic!("data on {other:?}"),
         }
     }
-    assert_eq!(String::from_utf8(out).unwrap(), r.stdout, "streamed stdout equals the result's");
-    assert_eq!(String::from_utf8(err).unwrap(), r.stderr, "streamed stderr equals the result's");
+    assert_eq!(
+        String::from_utf8(out).unwrap(),
+        r.stdout,
+        "streamed stdout equals the result's"
+    );
+    assert_eq!(
+        String::from_utf8(err).unwrap(),
+        r.stderr,
+        "streamed stderr equals the result's"
+    );
     assert_eq!(r.stdout, "out1\nout2\nout3\nout4\nout5\nlast\n");
     assert_eq!(r.stderr, "err1\nerr2\nerr3\nerr4\nerr5\n");
 }
@@ -505,7 +698,12 @@ async fn background_processes_replay_follow_take_stdin_and_signals() {
     let (id, pid) = c.spawn(s).await.unwrap();
     assert!(id.starts_with("proc_") && pid > 0);
     let listed = c.list_processes().await.unwrap();
-    assert!(listed.iter().any(|p| p.id == id && p.state == "running"), "{listed:?}");
+    assert!(
+        listed.iter().any(|p| p.id == id && p.state == "running"),
+        "{listed:?}"
+    );
+    // An idle stdin request must not hold anything up (it is dropped at the end).
+    let idle_stdin = c.open(Request::ProcessStdin { id: id.clone() }).unwrap();
 
     // Replay without follow: what is there now, then the current state.
     let (tx, mut rx) = mpsc::channel(16);
@@ -533,22 +731,41 @@ async fn background_processes_replay_follow_take_stdin_and_signals() {
     let mut followed = String::new();
     let deadline = Instant::now() + Duration::from_secs(5);
     while !followed.contains("got:world") && Instant::now() < deadline {
-        if let Ok(Some((Chan::Stdout, b))) = tokio::time::timeout(Duration::from_millis(200), frx.recv()).await {
+        if let Ok(Some((Chan::Stdout, b))) =
+            tokio::time::timeout(Duration::from_millis(200), frx.recv()).await
+        {
             followed.push_str(&String::from_utf8_lossy(&b));
         }
     }
     assert_eq!(followed, "hello\ngot:world\n");
     assert!(!follower.is_finished());
     c.signal_process(&id, libc::SIGTERM).await.unwrap();
-    let info = tokio::time::timeout(Duration::from_secs(10), follower).await.unwrap().unwrap().unwrap();
+    let info = tokio::time::timeout(Duration::from_secs(10), follower)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert_eq!(info.state, "exited");
     let r = info.result.unwrap();
-    assert_eq!((r.reason, r.signal.as_deref()), (Reason::Killed, Some("SIGTERM")));
-    assert_eq!((r.stdout.as_str(), r.stderr.as_str()), ("hello\ngot:world\n", "warn\n"));
+    assert_eq!(
+        (r.reason, r.signal.as_deref()),
+        (Reason::Killed, Some("SIGTERM"))
+    );
+    assert_eq!(
+        (r.stdout.as_str(), r.stderr.as_str()),
+        ("hello\ngot:world\n", "warn\n")
+    );
     assert!(gone_within(pid, Duration::from_secs(3)));
     assert_eq!(c.get_process(&id).await.unwrap().state, "exited");
-    assert_eq!(agent_code(c.signal_process(&id, libc::SIGTERM).await.unwrap_err()), ErrorCode::Conflict);
-    assert_eq!(agent_code(c.get_process("proc_nope").await.unwrap_err()), ErrorCode::NotFound);
+    drop(idle_stdin);
+    assert_eq!(
+        agent_code(c.signal_process(&id, libc::SIGTERM).await.unwrap_err()),
+        ErrorCode::Conflict
+    );
+    assert_eq!(
+        agent_code(c.get_process("proc_nope").await.unwrap_err()),
+        ErrorCode::NotFound
+    );
 
     // Closing stdin ends a reader; its whole output replays after the end.
     let mut s = spec(&["cat"]);
@@ -557,15 +774,24 @@ async fn background_processes_replay_follow_take_stdin_and_signals() {
     c.process_stdin(&id2, &b"abc"[..], false).await.unwrap();
     c.process_stdin(&id2, &b"def"[..], true).await.unwrap();
     let (tx, mut rx) = mpsc::channel(16);
-    let info = tokio::time::timeout(Duration::from_secs(10), c.process_output(&id2, true, tx)).await.unwrap().unwrap();
+    let info = tokio::time::timeout(Duration::from_secs(10), c.process_output(&id2, true, tx))
+        .await
+        .unwrap()
+        .unwrap();
     let r = info.result.unwrap();
-    assert_eq!((r.reason, r.exit_code, r.stdout.as_str()), (Reason::Exited, Some(0), "abcdef"));
+    assert_eq!(
+        (r.reason, r.exit_code, r.stdout.as_str()),
+        (Reason::Exited, Some(0), "abcdef")
+    );
     let mut replay = Vec::new();
     while let Ok((_, b)) = rx.try_recv() {
         replay.extend(b);
     }
     assert_eq!(replay, b"abcdef");
-    assert_eq!(agent_code(c.process_stdin(&id2, &b"x"[..], false).await.unwrap_err()), ErrorCode::Conflict);
+    assert_eq!(
+        agent_code(c.process_stdin(&id2, &b"x"[..], false).await.unwrap_err()),
+        ErrorCode::Conflict
+    );
 }
 
 async fn read_until(s: &mut AgentStream, acc: &mut String, needle: &str) {
@@ -573,7 +799,9 @@ async fn read_until(s: &mut AgentStream, acc: &mut String, needle: &str) {
     while !acc.contains(needle) {
         let left = deadline.saturating_duration_since(Instant::now());
         match tokio::time::timeout(left, s.recv()).await {
-            Ok(Ok(Some(StreamEvent::Data(Chan::Bytes, b)))) => acc.push_str(&String::from_utf8_lossy(&b)),
+            Ok(Ok(Some(StreamEvent::Data(Chan::Bytes, b)))) => {
+                acc.push_str(&String::from_utf8_lossy(&b))
+            }
             Ok(Ok(Some(StreamEvent::Msg(_)))) => {}
             other => panic!("waiting for {needle:?} in {acc:?}: {other:?}"),
         }
@@ -587,18 +815,29 @@ async fn pty_echoes_resizes_and_ends_with_the_exit_code() {
     s.pty = Some(PtySize { cols: 80, rows: 24 });
     let mut st = a.client.open(Request::Exec(s)).unwrap();
     let mut acc = String::new();
-    st.send_data(Chan::Bytes, b"stty size; echo term=$TERM; tty\n").await.unwrap();
+    st.send_data(Chan::Bytes, b"stty size; echo term=$TERM; tty\n")
+        .await
+        .unwrap();
     read_until(&mut st, &mut acc, "24 80").await;
     read_until(&mut st, &mut acc, "term=xterm-256color").await;
     read_until(&mut st, &mut acc, "/dev/pts/").await;
-    st.resize(PtySize { cols: 100, rows: 30 }).unwrap();
+    st.resize(PtySize {
+        cols: 100,
+        rows: 30,
+    })
+    .unwrap();
     acc.clear();
     st.send_data(Chan::Bytes, b"stty size\n").await.unwrap();
     read_until(&mut st, &mut acc, "30 100").await;
     st.send_data(Chan::Bytes, b"exit 3\n").await.unwrap();
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        match tokio::time::timeout(deadline.saturating_duration_since(Instant::now()), st.recv()).await {
+        match tokio::time::timeout(
+            deadline.saturating_duration_since(Instant::now()),
+            st.recv(),
+        )
+        .await
+        {
             Ok(Ok(Some(StreamEvent::End(EndBody::Exec(r))))) => {
                 assert_eq!(r.exit_code, Some(3));
                 assert!(r.stdout.contains("30 100"), "{}", r.stdout);
@@ -630,25 +869,60 @@ async fn files_round_trip_binary_big_and_odd_names() {
             (x >> 16) as u8
         })
         .collect();
-    let e = c.write_file("/data/deep/big.bin", Some(0o600), &big[..]).await.unwrap();
-    assert_eq!((e.path.as_str(), e.name.as_str(), e.kind, e.size, e.mode), ("/data/deep/big.bin", "big.bin", EntryType::File, 20 << 20, 0o600));
-    assert_eq!(fs::read(a.root.join("data/deep/big.bin")).unwrap(), big, "written inside LOCKER_AGENT_ROOT");
-    assert_eq!(fs::metadata(a.root.join("data/deep/big.bin")).unwrap().permissions().mode() & 0o777, 0o600);
+    let e = c
+        .write_file("/data/deep/big.bin", Some(0o600), &big[..])
+        .await
+        .unwrap();
+    assert_eq!(
+        (e.path.as_str(), e.name.as_str(), e.kind, e.size, e.mode),
+        (
+            "/data/deep/big.bin",
+            "big.bin",
+            EntryType::File,
+            20 << 20,
+            0o600
+        )
+    );
+    assert_eq!(
+        fs::read(a.root.join("data/deep/big.bin")).unwrap(),
+        big,
+        "written inside LOCKER_AGENT_ROOT"
+    );
+    assert_eq!(
+        fs::metadata(a.root.join("data/deep/big.bin"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o777,
+        0o600
+    );
     // Read back through the AsyncRead side.
     let (entry, mut reader) = c.read_file("/data/deep/big.bin").await.unwrap();
     assert_eq!(entry.size, 20 << 20);
     let mut back = Vec::new();
-    tokio::io::AsyncReadExt::read_to_end(&mut reader, &mut back).await.unwrap();
+    tokio::io::AsyncReadExt::read_to_end(&mut reader, &mut back)
+        .await
+        .unwrap();
     assert!(back == big, "20 MiB round trip differs");
     let rss = a.peak_rss();
     assert!(rss < 48 << 20, "agent peak RSS {} MiB", rss >> 20);
 
-    let odd = ["/odd dir/naïve ünïcødé 🚀.txt", "/odd dir/line\nbreak.txt", "/odd dir/ spaces  .txt", "/odd dir/-dash"];
+    let odd = [
+        "/odd dir/naïve ünïcødé 🚀.txt",
+        "/odd dir/line\nbreak.txt",
+        "/odd dir/ spaces  .txt",
+        "/odd dir/-dash",
+    ];
     for (i, p) in odd.iter().enumerate() {
-        c.write_file(p, None, format!("content {i}").as_bytes()).await.unwrap();
+        c.write_file(p, None, format!("content {i}").as_bytes())
+            .await
+            .unwrap();
     }
     for (i, p) in odd.iter().enumerate() {
-        assert_eq!(read_all(c, p).await.unwrap(), format!("content {i}").as_bytes());
+        assert_eq!(
+            read_all(c, p).await.unwrap(),
+            format!("content {i}").as_bytes()
+        );
         assert_eq!(c.stat(p).await.unwrap().mode, 0o644);
     }
     let listed = c.list("/odd dir", 1).await.unwrap();
@@ -658,36 +932,87 @@ async fn files_round_trip_binary_big_and_odd_names() {
     want.sort();
     assert_eq!(names, want);
     // Overwrite keeps the old mode unless one is given; the write is atomic (no temp left).
-    c.write_file("/data/deep/big.bin", None, &b"small"[..]).await.unwrap();
+    c.write_file("/data/deep/big.bin", None, &b"small"[..])
+        .await
+        .unwrap();
     assert_eq!(c.stat("/data/deep/big.bin").await.unwrap().mode, 0o600);
     assert_eq!(fs::read_dir(a.root.join("data/deep")).unwrap().count(), 1);
     // An empty file.
-    assert_eq!(c.write_file("/empty", None, &b""[..]).await.unwrap().size, 0);
+    assert_eq!(
+        c.write_file("/empty", None, &b""[..]).await.unwrap().size,
+        0
+    );
     assert!(read_all(c, "/empty").await.unwrap().is_empty());
 
     let tree = c.list("/", 3).await.unwrap();
     let paths: Vec<&str> = tree.iter().map(|e| e.path.as_str()).collect();
-    assert!(paths.contains(&"/data") && paths.contains(&"/data/deep") && paths.contains(&"/data/deep/big.bin"), "{paths:?}");
-    assert_eq!(c.list("/", 1).await.unwrap().len(), 3, "depth 1 is children only");
+    assert!(
+        paths.contains(&"/data")
+            && paths.contains(&"/data/deep")
+            && paths.contains(&"/data/deep/big.bin"),
+        "{paths:?}"
+    );
+    assert_eq!(
+        c.list("/", 1).await.unwrap().len(),
+        3,
+        "depth 1 is children only"
+    );
 
     let d = c.mkdir("/m/n/o").await.unwrap();
     assert_eq!((d.kind, d.path.as_str()), (EntryType::Dir, "/m/n/o"));
-    assert_eq!(c.mkdir("/m/n/o").await.unwrap().kind, EntryType::Dir, "mkdir -p is idempotent");
-    assert_eq!(agent_code(c.mkdir("/empty/sub").await.unwrap_err()), ErrorCode::Conflict);
+    assert_eq!(
+        c.mkdir("/m/n/o").await.unwrap().kind,
+        EntryType::Dir,
+        "mkdir -p is idempotent"
+    );
+    assert_eq!(
+        agent_code(c.mkdir("/empty/sub").await.unwrap_err()),
+        ErrorCode::Conflict
+    );
     let moved = c.rename("/odd dir/-dash", "/m/n/o/moved").await.unwrap();
-    assert_eq!((moved.path.as_str(), moved.kind), ("/m/n/o/moved", EntryType::File));
-    assert_eq!(agent_code(c.stat("/odd dir/-dash").await.unwrap_err()), ErrorCode::NotFound);
-    assert_eq!(agent_code(c.remove("/m", false).await.unwrap_err()), ErrorCode::Conflict);
+    assert_eq!(
+        (moved.path.as_str(), moved.kind),
+        ("/m/n/o/moved", EntryType::File)
+    );
+    assert_eq!(
+        agent_code(c.stat("/odd dir/-dash").await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        agent_code(c.remove("/m", false).await.unwrap_err()),
+        ErrorCode::Conflict
+    );
     c.remove("/m", true).await.unwrap();
     assert!(!a.root.join("m").exists());
     c.remove("/empty", false).await.unwrap();
-    assert_eq!(agent_code(c.remove("/empty", false).await.unwrap_err()), ErrorCode::NotFound);
-    assert_eq!(agent_code(read_all(c, "/missing").await.unwrap_err()), ErrorCode::NotFound);
-    assert_eq!(agent_code(read_all(c, "/data").await.unwrap_err()), ErrorCode::BadRequest);
-    assert_eq!(agent_code(c.list("/odd dir/ spaces  .txt", 1).await.unwrap_err()), ErrorCode::BadRequest);
-    assert_eq!(agent_code(c.stat("relative/path").await.unwrap_err()), ErrorCode::BadRequest);
-    assert_eq!(agent_code(c.write_file("/data", None, &b"x"[..]).await.unwrap_err()), ErrorCode::BadRequest);
-    assert_eq!(agent_code(c.remove("/", true).await.unwrap_err()), ErrorCode::BadRequest);
+    assert_eq!(
+        agent_code(c.remove("/empty", false).await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        agent_code(read_all(c, "/missing").await.unwrap_err()),
+        ErrorCode::NotFound
+    );
+    assert_eq!(
+        agent_code(read_all(c, "/data").await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        agent_code(c.list("/odd dir/ spaces  .txt", 1).await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        agent_code(c.stat("relative/path").await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        agent_code(c.write_file("/data", None, &b"x"[..]).await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
+    assert_eq!(
+        agent_code(c.remove("/", true).await.unwrap_err()),
+        ErrorCode::BadRequest
+    );
     assert_eq!(c.stat("/").await.unwrap().kind, EntryType::Dir);
 }
 
@@ -699,7 +1024,8 @@ async fn symlinks_and_dotdot_never_leave_the_root() {
     fs::write(&outside, "host secret").unwrap();
     fs::create_dir_all(a.root.join("etc")).unwrap();
     fs::write(a.root.join("etc/passwd"), "inside").unwrap();
-    let link = |target: &str, name: &str| std::os::unix::fs::symlink(target, a.root.join(name)).unwrap();
+    let link =
+        |target: &str, name: &str| std::os::unix::fs::symlink(target, a.root.join(name)).unwrap();
     link("/etc", "abs");
     link("../../../../..", "up");
     link("../secret.txt", "rel_secret");
@@ -709,14 +1035,26 @@ async fn symlinks_and_dotdot_never_leave_the_root() {
 
     assert_eq!(read_all(c, "/abs/passwd").await.unwrap(), b"inside");
     assert_eq!(read_all(c, "/up/up/etc/passwd").await.unwrap(), b"inside");
-    for p in ["/rel_secret", "/abs_secret", "/chain1", "/../secret.txt", "/up/secret.txt", "/../../../..".to_string().as_str()] {
+    for p in [
+        "/rel_secret",
+        "/abs_secret",
+        "/chain1",
+        "/../secret.txt",
+        "/up/secret.txt",
+        "/../../../..".to_string().as_str(),
+    ] {
         match read_all(c, p).await {
             Ok(bytes) => assert_ne!(bytes, b"host secret", "{p} reached the host's file"),
-            Err(e) => assert!(matches!(agent_code(e), ErrorCode::NotFound | ErrorCode::BadRequest)),
+            Err(e) => assert!(matches!(
+                agent_code(e),
+                ErrorCode::NotFound | ErrorCode::BadRequest
+            )),
         }
     }
     // Writes through escaping links land inside the root.
-    c.write_file("/up/escaped.txt", None, &b"x"[..]).await.unwrap();
+    c.write_file("/up/escaped.txt", None, &b"x"[..])
+        .await
+        .unwrap();
     assert!(a.root.join("escaped.txt").exists());
     assert!(!a.dir.join("escaped.txt").exists() && !Path::new("/escaped.txt").exists());
     c.mkdir("/abs/newdir").await.unwrap();
@@ -724,13 +1062,18 @@ async fn symlinks_and_dotdot_never_leave_the_root() {
     let listed = c.list("/up", 1).await.unwrap();
     assert!(listed.iter().any(|e| e.name == "escaped.txt"), "{listed:?}");
     // Removing a link removes the link, never its target.
-    assert_eq!(c.stat("/abs_secret").await.unwrap().kind, EntryType::Symlink);
+    assert_eq!(
+        c.stat("/abs_secret").await.unwrap().kind,
+        EntryType::Symlink
+    );
     c.remove("/abs_secret", false).await.unwrap();
     c.remove("/abs", true).await.unwrap();
     assert_eq!(fs::read_to_string(&outside).unwrap(), "host secret");
     assert!(a.root.join("etc/passwd").exists());
     // Moving through links stays inside too.
-    c.rename("/up/escaped.txt", "/up/../../moved.txt").await.unwrap();
+    c.rename("/up/escaped.txt", "/up/../../moved.txt")
+        .await
+        .unwrap();
     assert!(a.root.join("moved.txt").exists());
 }
 
@@ -741,12 +1084,15 @@ async fn a_garbage_frame_drops_only_its_connection() {
     let sock = a.sock.clone();
     let other = a.client.clone();
     // A long command on the healthy connection keeps running through it all.
-    let long = tokio::spawn(async move { other.exec(sh("sleep 1; echo survived"), None, None).await });
+    let long =
+        tokio::spawn(async move { other.exec(sh("sleep 1; echo survived"), None, None).await });
     let garbage: Vec<Vec<u8>> = vec![
-        vec![0, 0, 0, 0, 1, 0, 0, 0, 77, 0, 0, 0],                 // unknown kind
-        vec![0xff, 0xff, 0xff, 0x7f, 1, 0, 0, 0, 4, 2, 0, 0],     // oversized length
-        vec![5, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, b'{', b'"', b'o', b'p', b'}'], // bad JSON Open
-        vec![0, 0, 0, 0, 1, 0, 0, 0, 9, 0, 0, 0],                  // End from the host
+        vec![0, 0, 0, 0, 1, 0, 0, 0, 77, 0, 0, 0], // unknown kind
+        vec![0xff, 0xff, 0xff, 0x7f, 1, 0, 0, 0, 4, 2, 0, 0], // oversized length
+        vec![
+            5, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0, b'{', b'"', b'o', b'p', b'}',
+        ], // bad JSON Open
+        vec![0, 0, 0, 0, 1, 0, 0, 0, 9, 0, 0, 0],  // End from the host
     ];
     for (i, g) in garbage.iter().enumerate() {
         let sock = sock.clone();
@@ -759,9 +1105,12 @@ async fn a_garbage_frame_drops_only_its_connection() {
             assert!(matches!(hello, Some(locker_proto::Frame::Hello(_))));
             if i % 2 == 0 {
                 let mut b = Vec::new();
-                locker_proto::Frame::Hello(locker_proto::Hello { version: locker_proto::PROTOCOL_VERSION, peer: "t".into() })
-                    .encode(&mut b)
-                    .unwrap();
+                locker_proto::Frame::Hello(locker_proto::Hello {
+                    version: locker_proto::PROTOCOL_VERSION,
+                    peer: "t".into(),
+                })
+                .encode(&mut b)
+                .unwrap();
                 s.write_all(&b).unwrap();
             }
             s.write_all(&g).unwrap();
@@ -777,7 +1126,12 @@ async fn a_garbage_frame_drops_only_its_connection() {
         let mut s = UnixStream::connect(&sock).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
         let mut b = Vec::new();
-        locker_proto::Frame::Hello(locker_proto::Hello { version: 99, peer: "future".into() }).encode(&mut b).unwrap();
+        locker_proto::Frame::Hello(locker_proto::Hello {
+            version: 99,
+            peer: "future".into(),
+        })
+        .encode(&mut b)
+        .unwrap();
         s.write_all(&b).unwrap();
         let mut scratch = Vec::new();
         let _ = locker_proto::read_frame(&mut s, &mut scratch);
@@ -787,7 +1141,9 @@ async fn a_garbage_frame_drops_only_its_connection() {
     .unwrap();
     assert!(refused);
     a.client.ping().await.unwrap();
-    let fresh = AgentClient::connect(&a.sock, Duration::from_secs(5)).await.unwrap();
+    let fresh = AgentClient::connect(&a.sock, Duration::from_secs(5))
+        .await
+        .unwrap();
     fresh.ping().await.unwrap();
     let r = long.await.unwrap().unwrap();
     assert_eq!(r.stdout, "survived\n");
@@ -800,7 +1156,10 @@ async fn a_stalled_consumer_blocks_only_its_own_stream() {
     fs::write(a.root.join("f.txt"), "file body").unwrap();
     let pidfile = a.dir.join("stalled.pid");
     let (tx, rx_kept) = mpsc::channel(1);
-    let stalled_spec = sh(&format!("echo $$ > {}; head -c 200000000 /dev/zero; echo finished", pidfile.display()));
+    let stalled_spec = sh(&format!(
+        "echo $$ > {}; head -c 200000000 /dev/zero; echo finished",
+        pidfile.display()
+    ));
     let stalled = tokio::spawn(async move { c.exec(stalled_spec, None, Some(tx)).await });
     // A stalled file download on the same connection, too.
     let (_, stalled_file) = a.client.read_file("/f.txt").await.unwrap();
@@ -809,24 +1168,156 @@ async fn a_stalled_consumer_blocks_only_its_own_stream() {
         let t = Instant::now();
         let r = a.client.exec(sh("echo hi"), None, None).await.unwrap();
         assert_eq!(r.stdout, "hi\n");
-        assert!(t.elapsed() < Duration::from_secs(5), "the other stream took {:?}", t.elapsed());
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "the other stream took {:?}",
+            t.elapsed()
+        );
         assert_eq!(read_all(&a.client, "/f.txt").await.unwrap(), b"file body");
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    assert!(!stalled.is_finished(), "the stalled stream cannot have finished");
+    assert!(
+        !stalled.is_finished(),
+        "the stalled stream cannot have finished"
+    );
     let rss = a.peak_rss();
-    assert!(rss < 48 << 20, "the agent buffered the stalled output: peak RSS {} MiB", rss >> 20);
-    let pid: i32 = fs::read_to_string(&pidfile).unwrap().trim().parse().unwrap();
+    assert!(
+        rss < 48 << 20,
+        "the agent buffered the stalled output: peak RSS {} MiB",
+        rss >> 20
+    );
+    let pid: i32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
     assert!(alive(pid));
     // Dropping the exec future cancels the command: its tree dies and its cgroup goes.
     stalled.abort();
     drop(rx_kept);
     drop(stalled_file);
-    assert!(gone_within(pid, Duration::from_secs(5)), "cancelled command {pid} still runs");
+    assert!(
+        gone_within(pid, Duration::from_secs(5)),
+        "cancelled command {pid} still runs"
+    );
     let deadline = Instant::now() + Duration::from_secs(5);
     while !a.cgroups().command_cgroups().is_empty() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     assert!(a.cgroups().command_cgroups().is_empty());
     a.client.ping().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn results_shrink_to_fit_one_frame_and_keep_everything_in_the_file() {
+    let a = TestAgent::start(Opts::default()).await;
+    // 1.5 MB of NUL bytes: under the cap, but six JSON bytes each ("\u0000").
+    let mut s = sh("head -c 1500000 /dev/zero");
+    s.max_output_bytes = 2_000_000;
+    let r = a.client.exec(s, None, None).await.unwrap();
+    assert_eq!((r.exit_code, r.stdout_bytes), (Some(0), 1_500_000));
+    assert!(r.stdout_truncated, "shown text had to shrink");
+    assert!(serde_json::to_vec(&r).unwrap().len() < locker_proto::MAX_PAYLOAD);
+    assert!(r.stdout.contains("bytes omitted]…"));
+    let path = r.output_path.expect("the full output is in a file");
+    assert_eq!(fs::read(path).unwrap(), vec![0u8; 1_500_000]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_lists_come_in_batches() {
+    let a = TestAgent::start(Opts::default()).await;
+    let many = a.root.join("many");
+    fs::create_dir(&many).unwrap();
+    let long = "n".repeat(150);
+    for i in 0..6000 {
+        fs::write(many.join(format!("{long}-{i:05}")), "").unwrap();
+    }
+    let entries = a.client.list("/many", 1).await.unwrap();
+    assert_eq!(entries.len(), 6000);
+    assert!(
+        serde_json::to_vec(&entries).unwrap().len() > locker_proto::MAX_PAYLOAD,
+        "needs batches"
+    );
+    assert!(
+        entries.windows(2).all(|w| w[0].name < w[1].name),
+        "sorted by name"
+    );
+    assert_eq!(entries[0].path, format!("/many/{long}-00000"));
+
+    let mut ids = Vec::new();
+    for _ in 0..14 {
+        ids.push(
+            a.client
+                .spawn(sh("head -c 60000 /dev/zero | tr '\\0' x"))
+                .await
+                .unwrap()
+                .0,
+        );
+    }
+    for id in &ids {
+        let (tx, _rx) = mpsc::channel(1024);
+        let info = tokio::time::timeout(
+            Duration::from_secs(20),
+            a.client.process_output(id, true, tx),
+        )
+        .await
+        .unwrap()
+        .unwrap();
+        assert_eq!(info.result.unwrap().stdout.len(), 60_000);
+    }
+    let procs = a.client.list_processes().await.unwrap();
+    assert_eq!(procs.len(), 14);
+    assert!(
+        serde_json::to_vec(&procs).unwrap().len() > locker_proto::MAX_PAYLOAD,
+        "needs batches"
+    );
+    assert!(procs
+        .iter()
+        .all(|p| p.state == "exited" && p.result.as_ref().unwrap().stdout.len() == 60_000));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_cgroups_commands_still_run_and_time_out() {
+    let a = TestAgent::start(Opts {
+        no_cgroups: true,
+        ..Default::default()
+    })
+    .await;
+    let r = a
+        .client
+        .exec(sh("echo $$; exec cat /proc/self/cgroup"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0));
+    let mut s = sh("echo before; sleep 300");
+    s.timeout_ms = Some(500);
+    let t = Instant::now();
+    let r = a.client.exec(s, None, None).await.unwrap();
+    assert_eq!((r.reason, r.stdout.as_str()), (Reason::Timeout, "before\n"));
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "took {:?}",
+        t.elapsed()
+    );
+    let r = a
+        .client
+        .exec(
+            spec(&["python3", "-c", "sum(range(20_000_000))"]),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(
+        r.usage.cpu_ms > 50 && r.usage.peak_memory_bytes > 1 << 20,
+        "rusage fallback: {:?}",
+        r.usage
+    );
+    assert!(a.client.machine_usage().await.unwrap().cpu_ms >= r.usage.cpu_ms);
+    assert!(
+        a.cgroups().command_cgroups().is_empty(),
+        "no cgroups were used"
+    );
+    let log = fs::read_to_string(a.dir.join("agent.log")).unwrap();
+    assert!(log.contains("no usable cgroups"), "{log}");
 }

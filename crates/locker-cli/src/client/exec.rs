@@ -197,6 +197,8 @@ pub fn pump_ndjson(
     err: &mut impl Write,
 ) -> Result<Value, ClientError> {
     let mut line = Vec::new();
+    // Bytes streamed so far on stdout and stderr.
+    let mut streamed = [0usize; 2];
     loop {
         line.clear();
         let n = (&mut r)
@@ -234,12 +236,23 @@ pub fn pump_ndjson(
                         .as_bytes()
                         .to_vec(),
                 };
-                let w: &mut dyn Write = if kind == "stdout" { out } else { err };
+                let (w, i): (&mut dyn Write, usize) =
+                    if kind == "stdout" { (out, 0) } else { (err, 1) };
                 write_chunk(w, &bytes)?;
+                streamed[i] += bytes.len();
             }
             "result" => {
                 if let Some(m) = msg.as_object_mut() {
                     m.remove("type");
+                }
+                // Output that only the result carries (a command that could not even
+                // start says why in its stderr) is shown rather than lost.
+                for (key, i) in [("stdout", 0), ("stderr", 1)] {
+                    let text = msg.get(key).and_then(Value::as_str).unwrap_or("");
+                    if streamed[i] == 0 && !text.is_empty() {
+                        let w: &mut dyn Write = if i == 0 { &mut *out } else { &mut *err };
+                        write_chunk(w, text.as_bytes())?;
+                    }
                 }
                 return Ok(msg);
             }
@@ -417,6 +430,19 @@ mod tests {
             json!({"call_id": "call_1", "exit_code": 2, "reason": "exited"})
         );
         assert_eq!(exit_code_of(&result), 2);
+    }
+
+    #[test]
+    fn output_only_the_result_carries_is_shown_once() {
+        let stream = concat!(
+            "{\"type\":\"stdout\",\"data\":\"a\\n\"}\n",
+            "{\"type\":\"result\",\"exit_code\":127,\"reason\":\"exited\",",
+            "\"stdout\":\"a\\n\",\"stderr\":\"cannot run x\\n\"}\n",
+        );
+        let (mut out, mut err) = (Vec::new(), Vec::new());
+        pump_ndjson(stream.as_bytes(), &mut out, &mut err).unwrap();
+        assert_eq!(out, b"a\n");
+        assert_eq!(err, b"cannot run x\n");
     }
 
     #[test]

@@ -76,6 +76,10 @@ pub enum ClientError {
     /// A setting the command needs is missing.
     #[error("{0}")]
     Config(String),
+    /// The server reported a failure in the middle of a stream (the terminal's agent
+    /// failed, the connection dropped).
+    #[error("{0}")]
+    Failed(String),
     /// Whoever read our stdout stopped reading (`locker exec … | head`): stop quietly.
     #[error("stdout was closed")]
     BrokenPipe,

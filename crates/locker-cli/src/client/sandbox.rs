@@ -20,7 +20,7 @@ pub struct SandboxArgs {
 #[derive(clap::Subcommand, Debug)]
 pub enum SandboxCmd {
     /// Create a sandbox and print its id.
-    Create(CreateArgs),
+    Create(Box<CreateArgs>),
     /// List this tenant's sandboxes.
     #[command(visible_alias = "ls")]
     List(ListArgs),
@@ -47,9 +47,9 @@ pub struct CreateArgs {
     /// The isolation backend: auto, jail, gvisor or microvm.
     #[arg(long)]
     pub runtime: Option<String>,
-    /// CPUs.
+    /// CPUs (fractions allowed, e.g. 0.5).
     #[arg(long)]
-    pub cpus: Option<u32>,
+    pub cpus: Option<f64>,
     /// Memory limit in MiB.
     #[arg(long)]
     pub memory_mb: Option<u64>,
@@ -316,7 +316,7 @@ mod tests {
         assert_eq!(create_body(&CreateArgs::default()), json!({}));
         let a = CreateArgs {
             template: Some("py".into()),
-            cpus: Some(2),
+            cpus: Some(2.0),
             memory_mb: Some(1024),
             ttl_s: Some(60),
             env: vec![("A".into(), "1".into()), ("B".into(), "x=y".into())],
@@ -328,7 +328,7 @@ mod tests {
         assert_eq!(
             create_body(&a),
             json!({
-                "template": "py", "cpus": 2, "memory_mb": 1024, "ttl_s": 60,
+                "template": "py", "cpus": 2.0, "memory_mb": 1024, "ttl_s": 60,
                 "env": {"A": "1", "B": "x=y"}, "metadata": {"agent": "a1"},
                 "network": {"egress": "allow", "allow": ["pypi.org", "*.github.com"]},
                 "volumes": [{"volume": "vol_1", "path": "/workspace", "read_only": true}],

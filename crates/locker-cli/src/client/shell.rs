@@ -2,7 +2,10 @@
 //! `GET /v1/sandboxes/{id}/pty`.
 //!
 //! Binary frames carry terminal bytes both ways; a text frame `{"resize":[cols,rows]}`
-//! goes out at the start and whenever the local window changes. One thread drives it all
+//! goes out at the start and whenever the local window changes. When the remote shell
+//! ends, the server sends a text frame `{"type":"exit", …ExecResult}` (or
+//! `{"type":"error","message"}`) before closing, and `locker shell` exits with the shell's
+//! code, mapped as `locker exec` maps it. One thread drives it all
 //! with `poll(2)` over stdin, the socket (non-blocking once the handshake is done) and the
 //! signal pipe, so no byte waits behind another stream. The local terminal is raw while
 //! the shell runs and restored on every way out (see [`super::tty`]).
@@ -185,9 +188,56 @@ pub fn run(a: ShellArgs) -> Result<i32, ClientError> {
     } else {
         None
     };
-    let code = pump(ws, interactive, &signals);
+    let mut at_line_start = true;
+    let code = pump(ws, interactive, &signals, &mut at_line_start);
+    if interactive && !at_line_start {
+        // Leave the local prompt (or our error line) at the start of a line.
+        let _ = io::stdout().write_all(b"\r\n");
+        let _ = io::stdout().flush();
+    }
     drop(raw);
     code
+}
+
+/// A text frame from the server.
+#[derive(Debug, PartialEq)]
+pub enum Control {
+    /// The remote shell ended; `locker shell` leaves with this code.
+    Exit(i32),
+    /// The terminal failed on the server's side.
+    Error(String),
+    /// Anything else (ignored, so the server can add messages).
+    Other,
+}
+
+/// Reads a text frame: `{"type":"exit", …ExecResult}` or `{"type":"error","message"}`.
+pub fn control_message(text: &str) -> Control {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(text) else {
+        return Control::Other;
+    };
+    match v.get("type").and_then(|t| t.as_str()) {
+        Some("exit") => Control::Exit(super::exec::exit_code_of(&v)),
+        Some("error") => Control::Error(
+            v.get("message")
+                .and_then(|m| m.as_str())
+                .unwrap_or("the terminal failed on the server")
+                .to_string(),
+        ),
+        _ => Control::Other,
+    }
+}
+
+/// How the shell ends once the connection is gone: the server's error if it sent one,
+/// else the shell's exit code, else 0 after a clean close and an error after a cut one.
+fn ending(exit: Option<i32>, failure: Option<String>, clean: bool) -> Result<i32, ClientError> {
+    match (failure, exit) {
+        (Some(m), _) => Err(ClientError::Failed(format!("the terminal failed: {m}"))),
+        (None, Some(code)) => Ok(code),
+        (None, None) if clean => Ok(0),
+        (None, None) => Err(ClientError::Failed(
+            "the connection to the server was lost".into(),
+        )),
+    }
 }
 
 /// Whether a tungstenite error only means "try again once the socket is ready".
@@ -205,10 +255,12 @@ fn send(ws: &mut WebSocket<TcpStream>, msg: Message) -> Result<bool, ClientError
 }
 
 /// The shell loop: terminal bytes out, terminal bytes in, until the server closes.
+/// `at_line_start` tells whether the last byte written to the terminal ended a line.
 fn pump(
     mut ws: WebSocket<TcpStream>,
     interactive: bool,
     signals: &Signals,
+    at_line_start: &mut bool,
 ) -> Result<i32, ClientError> {
     use std::os::fd::AsRawFd;
     let mut pending = false;
@@ -222,6 +274,8 @@ fn pump(
     let mut out = io::stdout().lock();
     let mut stdin_open = true;
     let mut buf = vec![0u8; 16 * 1024];
+    let mut exit: Option<i32> = None;
+    let mut failure: Option<String> = None;
     loop {
         let mut fds = [
             libc::pollfd {
@@ -262,19 +316,28 @@ fn pump(
             loop {
                 match ws.read() {
                     Ok(Message::Binary(b)) => {
+                        if let Some(last) = b.last() {
+                            *at_line_start = *last == b'\n';
+                        }
                         out.write_all(&b)
                             .and_then(|()| out.flush())
                             .map_err(|e| ClientError::io("cannot write to the terminal", e))?;
                     }
+                    Ok(Message::Text(t)) => match control_message(&t) {
+                        Control::Exit(code) => exit = Some(code),
+                        Control::Error(m) => failure = Some(m),
+                        Control::Other => {}
+                    },
                     Ok(_) => {}
                     Err(e) if would_block(&e) => break,
                     Err(
-                        tungstenite::Error::ConnectionClosed
-                        | tungstenite::Error::AlreadyClosed
-                        | tungstenite::Error::Protocol(
-                            tungstenite::error::ProtocolError::ResetWithoutClosingHandshake,
-                        ),
-                    ) => return Ok(0),
+                        tungstenite::Error::ConnectionClosed | tungstenite::Error::AlreadyClosed,
+                    ) => {
+                        return ending(exit, failure, true);
+                    }
+                    Err(tungstenite::Error::Protocol(
+                        tungstenite::error::ProtocolError::ResetWithoutClosingHandshake,
+                    )) => return ending(exit, failure, false),
                     Err(e) => return Err(ws_error(e)),
                 }
             }
@@ -282,7 +345,7 @@ fn pump(
             match ws.flush() {
                 Ok(()) => {}
                 Err(e) if would_block(&e) => pending = true,
-                Err(tungstenite::Error::ConnectionClosed) => return Ok(0),
+                Err(tungstenite::Error::ConnectionClosed) => return ending(exit, failure, true),
                 Err(e) => return Err(ws_error(e)),
             }
         }
@@ -331,6 +394,25 @@ mod tests {
         assert_eq!(dechunk(raw), b"{\"error\"}");
         assert_eq!(dechunk(b"a\r\nshort"), b"short");
         assert_eq!(dechunk(b"zz\r\n"), b"");
+    }
+
+    #[test]
+    fn the_shell_exit_code_comes_from_the_exit_message() {
+        let exit = r#"{"type":"exit","exit_code":3,"reason":"exited","signal":null}"#;
+        assert_eq!(control_message(exit), Control::Exit(3));
+        let hup = r#"{"type":"exit","exit_code":null,"reason":"signaled","signal":"SIGHUP"}"#;
+        assert_eq!(control_message(hup), Control::Exit(129));
+        assert_eq!(
+            control_message(r#"{"type":"error","message":"agent gone"}"#),
+            Control::Error("agent gone".into())
+        );
+        assert_eq!(control_message("hello"), Control::Other);
+        assert_eq!(ending(Some(3), None, true).unwrap(), 3);
+        assert_eq!(ending(None, None, true).unwrap(), 0);
+        let lost = ending(None, None, false).unwrap_err();
+        assert_eq!(lost.to_string(), "the connection to the server was lost");
+        let failed = ending(Some(0), Some("agent gone".into()), true).unwrap_err();
+        assert_eq!(failed.to_string(), "the terminal failed: agent gone");
     }
 
     #[test]

@@ -1,0 +1,462 @@
+//! A real `locker serve` for the end-to-end tests, and a small blocking HTTP client of it.
+//!
+//! [`Server`] starts the built binary on a free port with a fresh data dir and known keys,
+//! waits until `/healthz` answers, and on drop leaves nothing behind even when the test
+//! failed: it deletes every sandbox through the API (so the server tears machines down
+//! the normal way), kills the server, then destroys whatever machine is still on disk with
+//! the runtime's own orphan cleanup. When the test is failing, the server's log is printed.
+
+use std::io::Read;
+use std::net::{SocketAddr, TcpListener};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use ureq::http::{HeaderMap, Request};
+use ureq::{AsSendBody, BodyReader};
+
+use crate::{agent_bin, locker_bin, register_child, unique, TempDir};
+
+/// A `locker serve` process owned by a test.
+pub struct Server {
+    child: Option<Child>,
+    /// `http://127.0.0.1:PORT` (changes when [`Server::restart`] picks a new port).
+    pub url: String,
+    pub addr: SocketAddr,
+    /// The server's `--data-dir` (kept across [`Server::restart`]).
+    pub data_dir: PathBuf,
+    /// The key of tenant `default` (`LOCKER_API_KEY`).
+    pub api_key: String,
+    /// `LOCKER_ADMIN_KEY`, unless started with [`Server::without_admin`].
+    pub admin_key: Option<String>,
+    extra_args: Vec<String>,
+    log: PathBuf,
+    /// Every tenant key seen, so drop can delete each tenant's sandboxes.
+    keys: Mutex<Vec<String>>,
+    _dir: TempDir,
+}
+
+/// A fresh secret (good enough for a test: unique and unguessable across runs).
+fn secret(prefix: &str) -> String {
+    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    format!("{prefix}_{}_{t:x}", unique("k").replace('-', "_"))
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0").expect("bind a free port").local_addr().expect("local addr").port()
+}
+
+impl Server {
+    /// A server with default flags, an API key and an admin key.
+    pub fn start() -> Server {
+        Server::start_with(&[])
+    }
+
+    /// A server with extra `locker serve` flags (`--quota-sandboxes 2`, …).
+    pub fn start_with(args: &[&str]) -> Server {
+        Server::build(args, true)
+    }
+
+    /// A server without an admin key (admin routes disabled).
+    pub fn without_admin(args: &[&str]) -> Server {
+        Server::build(args, false)
+    }
+
+    fn build(args: &[&str], admin: bool) -> Server {
+        crate::become_subreaper();
+        let dir = TempDir::new("locker-srv");
+        let data_dir = dir.path().join("data");
+        let api_key = secret("lk_test");
+        let mut s = Server {
+            child: None,
+            url: String::new(),
+            addr: "127.0.0.1:0".parse().expect("addr"),
+            log: dir.path().join("server.log"),
+            data_dir,
+            admin_key: admin.then(|| secret("lk_admin")),
+            keys: Mutex::new(vec![api_key.clone()]),
+            api_key,
+            extra_args: args.iter().map(|a| a.to_string()).collect(),
+            _dir: dir,
+        };
+        s.spawn();
+        s
+    }
+
+    /// The server's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("the server is running").id()
+    }
+
+    /// Starts the process on a free port and waits for `/healthz` (retrying on a port that
+    /// another test grabbed in between).
+    fn spawn(&mut self) {
+        for _attempt in 0..5 {
+            let port = free_port();
+            self.addr = SocketAddr::from(([127, 0, 0, 1], port));
+            self.url = format!("http://{}", self.addr);
+            let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open the server log");
+            let mut cmd = Command::new(locker_bin());
+            cmd.arg("serve")
+                .arg("--listen")
+                .arg(self.addr.to_string())
+                .arg("--data-dir")
+                .arg(&self.data_dir)
+                .args(&self.extra_args)
+                .env("LOCKER_API_KEY", &self.api_key)
+                .env("LOCKER_AGENT_BIN", agent_bin())
+                .env("LOCKER_LOG", std::env::var("LOCKER_LOG").unwrap_or_else(|_| "info".into()))
+                .env_remove("LOCKER_ADMIN_KEY")
+                .env_remove("LOCKER_METRICS_TOKEN")
+                .env_remove("LOCKER_LISTEN")
+                .env_remove("LOCKER_DATA_DIR")
+                .stdin(Stdio::null())
+                .stdout(log.try_clone().expect("log fd"))
+                .stderr(log);
+            if let Some(a) = &self.admin_key {
+                cmd.env("LOCKER_ADMIN_KEY", a);
+            }
+            let child = cmd.spawn().unwrap_or_else(|e| panic!("start {}: {e}", locker_bin().display()));
+            register_child(child.id());
+            self.child = Some(child);
+            match self.wait_ready() {
+                Ok(()) => return,
+                Err(log) if log.contains("Address already in use") => continue,
+                Err(log) => panic!("locker serve did not start:\n{log}"),
+            }
+        }
+        panic!("locker serve: no free port after 5 tries");
+    }
+
+    fn wait_ready(&mut self) -> Result<(), String> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let api = self.anon();
+        loop {
+            if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                self.child = None;
+                return Err(format!("exited with {st}:\n{}", self.log_text()));
+            }
+            if let Ok(r) = api.try_request("GET", "/healthz", &[], ()) {
+                if r.status == 200 || r.status == 503 {
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                return Err(format!("no answer on /healthz after 30 s:\n{}", self.log_text()));
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The server's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Kills the server with SIGKILL (no graceful shutdown; machines keep running).
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Starts the server again on the same data dir (after [`Server::kill9`]).
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    /// Where sandbox `id`'s machine lives on the host.
+    pub fn machine_dir(&self, id: &str) -> PathBuf {
+        self.data_dir.join("sandboxes").join(id)
+    }
+
+    /// A client with the `default` tenant's key.
+    pub fn api(&self) -> Api {
+        Api::new(&self.url, Some(&self.api_key))
+    }
+
+    /// A client with the admin key.
+    pub fn admin(&self) -> Api {
+        Api::new(&self.url, Some(self.admin_key.as_deref().expect("this server has no admin key")))
+    }
+
+    /// A client without a key.
+    pub fn anon(&self) -> Api {
+        Api::new(&self.url, None)
+    }
+
+    /// A client with `key` (remembered, so drop cleans up that tenant's sandboxes too).
+    pub fn api_with(&self, key: &str) -> Api {
+        self.remember_key(key);
+        Api::new(&self.url, Some(key))
+    }
+
+    /// Remembers a tenant key for the cleanup on drop.
+    pub fn remember_key(&self, key: &str) {
+        let mut k = self.keys.lock().expect("keys");
+        if !k.iter().any(|x| x == key) {
+            k.push(key.to_owned());
+        }
+    }
+
+    /// Creates tenant `name` through the admin route: its client and its key id.
+    pub fn create_tenant(&self, name: &str) -> (Api, String) {
+        let v = self.admin().post("/v1/tenants", &json!({ "name": name })).expect(201, "create a tenant");
+        let key = v["api_key"].as_str().expect("api_key").to_owned();
+        (self.api_with(&key), v["key_id"].as_str().expect("key_id").to_owned())
+    }
+
+    /// Deletes every sandbox of every tenant this test used; returns what could not be.
+    fn delete_all_sandboxes(&self) -> Vec<String> {
+        let mut failed = Vec::new();
+        let keys = self.keys.lock().map(|k| k.clone()).unwrap_or_default();
+        for key in keys {
+            let api = Api::new(&self.url, Some(&key));
+            let Ok(r) = api.try_request("GET", "/v1/sandboxes", &[], ()) else { continue };
+            if r.status != 200 {
+                continue;
+            }
+            let list = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null);
+            for sb in list["sandboxes"].as_array().into_iter().flatten() {
+                let id = sb["id"].as_str().unwrap_or_default();
+                match api.try_request("DELETE", &format!("/v1/sandboxes/{id}"), &[], ()) {
+                    Ok(r) if r.status == 204 || r.status == 404 => {}
+                    other => failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text())))),
+                }
+            }
+        }
+        failed
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let failed = if self.child.is_some() { self.delete_all_sandboxes() } else { Vec::new() };
+        self.kill9();
+        // Whatever the API could not delete (a dead server, a failed delete): the
+        // runtime's own crash cleanup destroys the machines of this data dir.
+        let machines = self.data_dir.join("sandboxes");
+        let left = destroy_machines(&machines);
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(60).collect();
+            eprintln!("---- locker serve log ({}), last lines ----", self.url);
+            for l in tail.iter().rev() {
+                eprintln!("{l}");
+            }
+            if !failed.is_empty() || !left.is_empty() {
+                eprintln!("cleanup: delete failed for {failed:?}; destroyed leftovers {left:?}");
+            }
+        }
+    }
+}
+
+/// Destroys every machine under `machines_dir` (the server must be dead).
+pub fn destroy_machines(machines_dir: &Path) -> Vec<String> {
+    let any = std::fs::read_dir(machines_dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+    if !any {
+        return Vec::new();
+    }
+    let cfg = locker_runtime::node::NodeConfig { init_exe: locker_bin(), agent_exe: agent_bin() };
+    let Ok(node) = locker_runtime::node::Node::new(cfg) else { return Vec::new() };
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return Vec::new() };
+    rt.block_on(node.cleanup_orphans(machines_dir, Vec::new()))
+}
+
+/// The resident memory of a process in KiB (`VmRSS`), 0 if it is gone.
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Percent-encodes a query value or path segment (everything but unreserved characters).
+pub fn enc(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || b"-._~/".contains(&b) {
+            out.push(b as char);
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+/// An answer: status, headers, whole body.
+#[derive(Debug)]
+pub struct Resp {
+    pub status: u16,
+    pub headers: HeaderMap,
+    pub body: Vec<u8>,
+}
+
+impl Resp {
+    /// The body as text (lossy).
+    pub fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    /// The body as JSON (`null` when empty); panics with the body when it is not JSON.
+    pub fn json(&self) -> Value {
+        if self.body.is_empty() {
+            return Value::Null;
+        }
+        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}), HTTP {}: {}", self.status, self.text()))
+    }
+
+    /// Asserts the status and returns the JSON body.
+    #[track_caller]
+    pub fn expect(&self, status: u16, what: &str) -> Value {
+        assert_eq!(self.status, status, "{what}: expected HTTP {status}, got {}: {}", self.status, self.text());
+        self.json()
+    }
+
+    /// Asserts an error answer of the contract's shape, `{"error": {"code", "message"}}`,
+    /// with this status and code; returns the message.
+    #[track_caller]
+    pub fn expect_error(&self, status: u16, code: &str, what: &str) -> String {
+        assert_eq!(self.status, status, "{what}: expected HTTP {status} {code}, got {}: {}", self.status, self.text());
+        let v: Value = serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{what}: the error body is not JSON ({e}): {:?}", self.text()));
+        let obj = v.as_object().unwrap_or_else(|| panic!("{what}: the error body is not an object: {v}"));
+        assert_eq!(obj.len(), 1, "{what}: the error body has exactly one key, `error`: {v}");
+        let e = &v["error"];
+        assert_eq!(e["code"], code, "{what}: error code: {v}");
+        let msg = e["message"].as_str().unwrap_or_else(|| panic!("{what}: error.message is a string: {v}"));
+        assert!(!msg.is_empty(), "{what}: error.message is empty: {v}");
+        msg.to_owned()
+    }
+}
+
+/// A blocking HTTP client of one server, with one key (or none).
+#[derive(Clone)]
+pub struct Api {
+    pub base: String,
+    key: Option<String>,
+    agent: ureq::Agent,
+}
+
+/// An HTTP agent for tests: statuses are answers, not errors; no proxy; a global timeout
+/// so a hung server fails the test instead of hanging it.
+pub fn agent(timeout: Duration) -> ureq::Agent {
+    ureq::Agent::config_builder()
+        .http_status_as_error(false)
+        .proxy(None)
+        .max_redirects(0)
+        .timeout_global(Some(timeout))
+        .build()
+        .into()
+}
+
+impl Api {
+    pub fn new(base: &str, key: Option<&str>) -> Api {
+        Api { base: base.to_owned(), key: key.map(str::to_owned), agent: agent(Duration::from_secs(120)) }
+    }
+
+    /// The same server with another key.
+    pub fn with_key(&self, key: Option<&str>) -> Api {
+        Api { base: self.base.clone(), key: key.map(str::to_owned), agent: self.agent.clone() }
+    }
+
+    /// Sends a request and returns the response with its body still unread.
+    pub fn open(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl AsSendBody) -> Result<(u16, HeaderMap, BodyReader<'static>), ureq::Error> {
+        let mut b = Request::builder().method(method).uri(format!("{}{path}", self.base));
+        if let Some(k) = &self.key {
+            b = b.header("Authorization", format!("Bearer {k}"));
+        }
+        for (k, v) in headers {
+            b = b.header(*k, *v);
+        }
+        let req = b.body(body).map_err(|e| ureq::Error::BadUri(e.to_string()))?;
+        let resp = self.agent.run(req)?;
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        Ok((status, headers, resp.into_body().into_reader()))
+    }
+
+    /// Sends a request and reads the whole answer.
+    pub fn try_request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl AsSendBody) -> Result<Resp, ureq::Error> {
+        let (status, headers, mut r) = self.open(method, path, headers, body)?;
+        let mut body = Vec::new();
+        r.read_to_end(&mut body).map_err(ureq::Error::Io)?;
+        Ok(Resp { status, headers, body })
+    }
+
+    /// [`Api::try_request`] that panics on a transport failure.
+    #[track_caller]
+    pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl AsSendBody) -> Resp {
+        self.try_request(method, path, headers, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    #[track_caller]
+    pub fn get(&self, path: &str) -> Resp {
+        self.request("GET", path, &[], ())
+    }
+
+    #[track_caller]
+    pub fn delete(&self, path: &str) -> Resp {
+        self.request("DELETE", path, &[], ())
+    }
+
+    /// A JSON body.
+    #[track_caller]
+    pub fn post(&self, path: &str, body: &Value) -> Resp {
+        self.request("POST", path, &[("Content-Type", "application/json")], serde_json::to_vec(body).expect("json"))
+    }
+
+    /// A POST without a body.
+    #[track_caller]
+    pub fn post_empty(&self, path: &str) -> Resp {
+        self.request("POST", path, &[], ())
+    }
+
+    #[track_caller]
+    pub fn patch(&self, path: &str, body: &Value) -> Resp {
+        self.request("PATCH", path, &[("Content-Type", "application/json")], serde_json::to_vec(body).expect("json"))
+    }
+
+    /// A raw body (`Content-Type: application/octet-stream`).
+    #[track_caller]
+    pub fn put(&self, path: &str, body: impl AsSendBody) -> Resp {
+        self.request("PUT", path, &[("Content-Type", "application/octet-stream")], body)
+    }
+
+    /// Creates a sandbox (201) and returns it.
+    #[track_caller]
+    pub fn create_sandbox(&self, body: &Value) -> Value {
+        self.post("/v1/sandboxes", body).expect(201, "create a sandbox")
+    }
+
+    /// Runs a command (200) and returns its ExecResult.
+    #[track_caller]
+    pub fn exec(&self, id: &str, body: &Value) -> Value {
+        self.post(&format!("/v1/sandboxes/{id}/exec"), body).expect(200, &format!("exec {body}"))
+    }
+
+    /// Runs a shell command that must exit 0 and returns its stdout.
+    #[track_caller]
+    pub fn sh(&self, id: &str, script: &str) -> String {
+        let r = self.exec(id, &json!({ "shell": script }));
+        assert_eq!(r["exit_code"], 0, "`{script}` failed: {r}");
+        r["stdout"].as_str().expect("stdout").to_owned()
+    }
+
+    /// `GET /v1/sandboxes/{id}/files?path=…` (the raw answer).
+    #[track_caller]
+    pub fn read_file(&self, id: &str, path: &str) -> Resp {
+        self.get(&format!("/v1/sandboxes/{id}/files?path={}", enc(path)))
+    }
+
+    /// `PUT /v1/sandboxes/{id}/files?path=…` (the raw answer).
+    #[track_caller]
+    pub fn write_file(&self, id: &str, path: &str, data: &[u8]) -> Resp {
+        self.put(&format!("/v1/sandboxes/{id}/files?path={}", enc(path)), data)
+    }
+}
