@@ -112,20 +112,20 @@ fn spec_to_build(
     if name == DEFAULT_TEMPLATE {
         return Ok(default_spec());
     }
-    let stored = store.resolve(&name).map_err(one_line)?;
-    match stored
-        .map(|t| store.spec_of(&t))
-        .transpose()
-        .map_err(one_line)?
-        .flatten()
-    {
+    let Some(stored) = store.resolve(&name).map_err(one_line)? else {
+        bail!(
+            "no template named {name:?}: give its spec with `--file spec.json`, \
+             or build `default`"
+        );
+    };
+    match store.spec_of(&stored).map_err(one_line)? {
         Some(mut spec) => {
             spec.name = name;
             Ok(spec)
         }
         None => bail!(
-            "no spec stored for template {name:?}: give one with `--file spec.json`, \
-             or build `default`"
+            "template {name:?} was imported from a tarball, not built from a spec: \
+             there is nothing to build"
         ),
     }
 }

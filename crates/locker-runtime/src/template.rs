@@ -39,6 +39,7 @@ use std::os::fd::AsRawFd;
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -884,7 +885,7 @@ impl TemplateStore {
                 Err(e) => tracing::warn!("cannot remove interrupted build: {e}"),
             }
         }
-        // Interrupted name writes: `.tmp-<name>-<pid>` whose process is gone.
+        // Interrupted name writes: `.tmp-<name>-<pid>-<n>` whose process is gone.
         let Ok(entries) = fs::read_dir(self.names_dir()) else {
             return;
         };
@@ -893,7 +894,7 @@ impl TemplateStore {
             let Some(pid) = file_name
                 .to_str()
                 .and_then(|n| n.strip_prefix(".tmp-"))
-                .and_then(|n| n.rsplit('-').next())
+                .and_then(|n| n.rsplit('-').nth(1))
                 .and_then(|p| p.parse::<u32>().ok())
             else {
                 continue;
@@ -1620,7 +1621,10 @@ fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<(), Template
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TemplateError> {
     let dir = path.parent().expect("an absolute path");
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    let tmp = dir.join(format!(".tmp-{name}-{}", std::process::id()));
+    // Unique per write: threads of one process may write the same name at once.
+    static WRITES: AtomicU64 = AtomicU64::new(0);
+    let n = WRITES.fetch_add(1, Ordering::Relaxed);
+    let tmp = dir.join(format!(".tmp-{name}-{}-{n}", std::process::id()));
     let write = || -> io::Result<()> {
         let mut f = File::create(&tmp)?;
         f.write_all(bytes)?;

@@ -207,6 +207,9 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())
         .fallback(|| async { crate::error::ApiError::not_found("no such route: see /openapi.json") })
+        .method_not_allowed_fallback(|| async {
+            crate::error::ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "this route does not take that method: see /openapi.json")
+        })
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(app)

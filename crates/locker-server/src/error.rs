@@ -64,7 +64,8 @@ pub fn code_of(status: StatusCode) -> &'static str {
     match status.as_u16() {
         400 => "bad_request",
         401 => "unauthorized",
-        404 | 405 => "not_found",
+        404 => "not_found",
+        405 => "method_not_allowed",
         409 => "conflict",
         413 => "payload_too_large",
         422 => "unprocessable",

@@ -203,3 +203,52 @@ async fn templates(State(app): State<AppState>, _caller: Caller) -> Result<impl 
         .collect();
     Ok(axum::Json(json!({ "templates": items })))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::ROUTES;
+
+    /// Routes of the contract this version does not serve yet (see the note atop docs/api.md).
+    const PLANNED: &[&str] = &["/v1/volumes", "/v1/snapshots", "/v1/sandboxes/{id}/snapshots", "/v1/sandboxes/{id}/fork", "/v1/templates/builds", "/mcp"];
+
+    /// `METHOD /path` pairs written in backticks in docs/api.md (`GET/DELETE /x` gives two).
+    fn contract_routes() -> Vec<(String, String)> {
+        let doc = include_str!("../../../docs/api.md");
+        let mut out = Vec::new();
+        for chunk in doc.split('`').skip(1).step_by(2) {
+            let Some((methods, path)) = chunk.split_once(' ') else { continue };
+            if !path.starts_with('/') || !methods.chars().all(|c| c.is_ascii_uppercase() || c == '/') || methods.is_empty() {
+                continue;
+            }
+            let path = path.split(['?', ' ']).next().unwrap_or(path);
+            for m in methods.split('/') {
+                if ["GET", "POST", "PUT", "PATCH", "DELETE"].contains(&m) {
+                    out.push((m.to_lowercase(), path.to_owned()));
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn every_contract_route_is_served_or_planned() {
+        let contract = contract_routes();
+        assert!(contract.len() > 25, "parsed too few routes from docs/api.md: {contract:?}");
+        for (m, p) in &contract {
+            let served = ROUTES.iter().any(|r| r.method == m && r.path == p);
+            let planned = PLANNED.iter().any(|pl| p.starts_with(pl)) || (m == "post" && p == "/v1/templates");
+            assert!(served || planned, "docs/api.md has `{m} {p}` but the server neither serves nor plans it");
+            assert!(!(served && planned), "`{m} {p}` is served: take it off the planned list");
+        }
+    }
+
+    #[test]
+    fn openapi_lists_every_route_once() {
+        let doc = super::openapi_doc();
+        let paths = doc["paths"].as_object().unwrap();
+        let ops: usize = paths.values().map(|v| v.as_object().unwrap().len()).sum();
+        assert_eq!(ops, ROUTES.len());
+        assert_eq!(doc["paths"]["/v1/sandboxes/{id}/exec"]["post"]["security"][0]["bearer"], serde_json::json!([]));
+        assert!(doc["paths"]["/healthz"]["get"].get("security").is_none());
+    }
+}

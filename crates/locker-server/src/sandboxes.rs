@@ -461,8 +461,18 @@ pub async fn adopt_all(app: &AppState) {
 pub fn spawn_reaper(app: AppState) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut persisted: std::collections::HashMap<String, i64> = Default::default();
         loop {
             tick.tick().await;
+            // Last-activity times live in memory on the hot path; persist them here.
+            let live: Vec<Arc<Live>> = app.live.read().await.values().cloned().collect();
+            persisted.retain(|id, _| live.iter().any(|l| &l.id == id));
+            for l in live {
+                let at = l.last_active.load(std::sync::atomic::Ordering::Relaxed);
+                if persisted.get(&l.id) != Some(&at) && app.store.touch_sandbox(&l.id, at).is_ok() {
+                    persisted.insert(l.id.clone(), at);
+                }
+            }
             let ids = match app.store.expired_sandboxes(now_s()) {
                 Ok(ids) => ids,
                 Err(e) => {
