@@ -1,0 +1,75 @@
+//! What machine the numbers came from: name, date, CPUs, memory, kernel.
+
+use std::time::{SystemTime, UNIX_EPOCH};
+
+/// A description of this host, printed with the results.
+pub struct Info {
+    pub hostname: String,
+    /// `YYYY-MM-DD` (UTC).
+    pub date: String,
+    pub nproc: usize,
+    pub mem_gib: f64,
+    pub kernel: String,
+    pub cpu: String,
+    pub load: String,
+}
+
+fn read(p: &str) -> String {
+    std::fs::read_to_string(p).unwrap_or_default().trim().to_owned()
+}
+
+/// The civil date of a count of days since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil(days: i64) -> (i64, u32, u32) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+impl Info {
+    pub fn collect() -> Info {
+        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+        let (y, m, d) = civil(secs.div_euclid(86_400));
+        let mem_kib: f64 = read("/proc/meminfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("MemTotal:"))
+            .and_then(|v| v.split_whitespace().next()?.parse().ok())
+            .unwrap_or(0.0);
+        let cpu = read("/proc/cpuinfo")
+            .lines()
+            .find_map(|l| l.strip_prefix("model name").and_then(|v| v.split_once(':')).map(|(_, v)| v.trim().to_owned()))
+            .unwrap_or_else(|| "unknown CPU".into());
+        let hostname = read("/proc/sys/kernel/hostname");
+        Info {
+            hostname: if hostname.is_empty() { "unknown-host".into() } else { hostname.replace('/', "_") },
+            date: format!("{y:04}-{m:02}-{d:02}"),
+            nproc: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            mem_gib: mem_kib / 1024.0 / 1024.0,
+            kernel: read("/proc/sys/kernel/osrelease"),
+            cpu,
+            load: read("/proc/loadavg").split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+        }
+    }
+
+    pub fn describe(&self) -> String {
+        format!(
+            "host {} | {} | nproc {} | {:.1} GiB RAM | kernel {} | {} | load {}",
+            self.hostname, self.date, self.nproc, self.mem_gib, self.kernel, self.cpu, self.load
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn civil_dates() {
+        assert_eq!(super::civil(0), (1970, 1, 1));
+        assert_eq!(super::civil(19_782), (2024, 2, 29));
+        assert_eq!(super::civil(20_422), (2025, 11, 30));
+    }
+}

@@ -1,0 +1,174 @@
+//! `locker-bench`: how fast Locker is on this host, beside its peers, in one run.
+//!
+//! Measures the jail runtime directly (create a machine and run `true`, exec in a warm
+//! machine, destroy), the same start done by peers on the same root filesystem (`bwrap`,
+//! gVisor's `runsc` when installed, a plain host spawn), and the HTTP server (exec, create,
+//! the CLI, and a soak of many sandboxes running commands at once). Prints a table of
+//! p50/p95/p99 with the targets and ratios, and writes every sample to
+//! `bench/results/<host>-<date>.json`.
+//!
+//! A benchmark reports; it never fails because a number is bad. It exits non-zero only when
+//! it could not measure (a missing binary, a machine that did not start). Everything it
+//! starts is cleaned up by guards, also on Ctrl-C (the handler only raises a flag).
+//! Run it through `bench/run`, which builds the release binaries first.
+
+mod host;
+mod jail;
+mod server;
+mod stats;
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use anyhow::{bail, Context};
+use clap::Parser;
+
+use crate::stats::Row;
+
+/// Benchmarks of Locker on this host (run as root; see docs/benchmarks.md).
+#[derive(Parser, Debug, Clone)]
+#[command(name = "locker-bench")]
+pub struct Args {
+    /// Groups to run, comma-separated: jail, peers, server, soak (default: all).
+    #[arg(long, value_delimiter = ',')]
+    pub only: Vec<String>,
+    /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
+    #[arg(long)]
+    pub iterations: Option<usize>,
+    /// Measured iterations of create rows (default: --iterations, else 50).
+    #[arg(long)]
+    pub create_iterations: Option<usize>,
+    /// Warm-up iterations before each fast row (not counted); creates use a fifth of this.
+    #[arg(long, default_value_t = 10)]
+    pub warmup: usize,
+    /// How long the soak runs.
+    #[arg(long, default_value_t = 30)]
+    pub soak_seconds: u64,
+    /// How many sandboxes the soak runs commands in at once (one thread each).
+    #[arg(long, default_value_t = 50)]
+    pub soak_sandboxes: usize,
+    /// Where the JSON results go.
+    #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
+    pub out_dir: PathBuf,
+}
+
+const GROUPS: [&str; 4] = ["jail", "peers", "server", "soak"];
+
+impl Args {
+    pub fn fast(&self) -> usize {
+        self.iterations.unwrap_or(200).max(1)
+    }
+    pub fn creates(&self) -> usize {
+        self.create_iterations.or(self.iterations).unwrap_or(50).max(1)
+    }
+    pub fn create_warmup(&self) -> usize {
+        (self.warmup / 5).max(usize::from(self.warmup > 0))
+    }
+    fn wants(&self, g: &str) -> bool {
+        self.only.is_empty() || self.only.iter().any(|o| o == g)
+    }
+}
+
+static STOP: AtomicBool = AtomicBool::new(false);
+
+/// Whether Ctrl-C (or SIGTERM) asked the run to stop.
+pub fn stopping() -> bool {
+    STOP.load(Ordering::Relaxed)
+}
+
+/// Fails when a stop was asked, so `?` unwinds through the guards.
+pub fn check_stop() -> anyhow::Result<()> {
+    if stopping() {
+        bail!("interrupted: cleaning up");
+    }
+    Ok(())
+}
+
+extern "C" fn on_signal(_: libc::c_int) {
+    STOP.store(true, Ordering::Relaxed);
+}
+
+/// The first SIGINT/SIGTERM raises [`STOP`]; the handler then resets itself, so a second
+/// Ctrl-C kills the process at once (skipping clean-up, as the user asked twice).
+fn install_signal_handler() {
+    for sig in [libc::SIGINT, libc::SIGTERM] {
+        // SAFETY: a zeroed sigaction with a handler that only stores to an atomic, which is
+        // async-signal-safe; SA_RESETHAND restores the default after the first delivery.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = on_signal as extern "C" fn(libc::c_int) as usize;
+            sa.sa_flags = libc::SA_RESETHAND;
+            libc::sigemptyset(&mut sa.sa_mask);
+            libc::sigaction(sig, &sa, std::ptr::null_mut());
+        }
+    }
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    for o in &args.only {
+        if !GROUPS.contains(&o.as_str()) {
+            bail!("unknown group {o:?} in --only: use {}", GROUPS.join(", "));
+        }
+    }
+    // SAFETY: getuid has no preconditions.
+    if unsafe { libc::getuid() } != 0 {
+        bail!("locker-bench starts machines and must run as root (sudo bench/run)");
+    }
+    install_signal_handler();
+    locker_tests::become_subreaper();
+
+    let info = host::Info::collect();
+    println!("{}", info.describe());
+    let locker = locker_tests::locker_bin();
+    if !locker.components().any(|c| c.as_os_str() == "release") {
+        println!("warning: {} is not a release build; numbers will be pessimistic (use bench/run)", locker.display());
+    }
+    println!(
+        "iterations: {} (fast) / {} (creates), after {} / {} warm-up iterations that are excluded from every figure\n",
+        args.fast(),
+        args.creates(),
+        args.warmup,
+        args.create_warmup()
+    );
+
+    let mut rows: Vec<Row> = Vec::new();
+    let result = run_groups(&args, &mut rows);
+    if let Err(e) = &result {
+        eprintln!("\nlocker-bench stopped early: {e:#}");
+    }
+    if rows.is_empty() {
+        return result;
+    }
+    println!("\n{}", info.describe());
+    println!("n = measured iterations; warm-up iterations are excluded. Times in ms. Ratios compare p50s measured in this run.\n");
+    print!("{}", stats::table(&rows));
+    let path = args.out_dir.join(format!("{}-{}.json", info.hostname, info.date));
+    stats::write_json(&rows, &path).with_context(|| format!("write {}", path.display()))?;
+    println!("\nsamples written to {}", path.display());
+    result
+}
+
+fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    if args.wants("jail") || args.wants("peers") {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        if args.wants("jail") {
+            println!("== jail: machines started directly through the node ==");
+            rt.block_on(jail::jail_rows(args, rows))?;
+        }
+        if args.wants("peers") {
+            println!("== peers: the same start by other tools on this host ==");
+            jail::peer_rows(args, rows)?;
+        }
+    }
+    if args.wants("server") {
+        println!("== server: `locker serve` over HTTP, and the CLI ==");
+        server::server_rows(args, rows)?;
+    }
+    if args.wants("soak") {
+        check_stop()?;
+        println!("== soak: {} sandboxes running `true` in a loop for {} s ==", args.soak_sandboxes, args.soak_seconds);
+        server::soak_rows(args, rows)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,224 @@
+//! Rows of results: samples, their percentiles, the printed table and the JSON file.
+//!
+//! Owns summarising and presenting numbers; it runs nothing. Percentiles are nearest-rank
+//! on the measured samples only (warm-up iterations never enter a [`Row`]).
+
+use std::fmt::Write as _;
+use std::path::Path;
+
+use serde::Serialize;
+
+/// A promise a row is held to (printed beside it, never enforced).
+#[derive(Debug, Clone, Copy)]
+pub enum Target {
+    P50(f64),
+    P99(f64),
+}
+
+/// One measured quantity.
+#[derive(Debug, Clone)]
+pub struct Row {
+    pub name: String,
+    pub unit: &'static str,
+    pub samples: Vec<f64>,
+    pub notes: String,
+    /// Warm-up iterations run before the samples (0 for counters and gauges).
+    pub warmup: usize,
+    pub targets: Vec<Target>,
+    /// Another row's name this one is compared with (ratio of p50s).
+    pub peer: Option<String>,
+    /// Why the row has no samples.
+    pub skipped: Option<String>,
+}
+
+impl Row {
+    pub fn new(name: impl Into<String>, unit: &'static str, samples: Vec<f64>, warmup: usize) -> Row {
+        Row { name: name.into(), unit, samples, notes: String::new(), warmup, targets: Vec::new(), peer: None, skipped: None }
+    }
+
+    /// A row that could not be measured on this host, and why.
+    pub fn skipped(name: impl Into<String>, why: impl Into<String>) -> Row {
+        let why = why.into();
+        let mut r = Row::new(name, "ms", Vec::new(), 0);
+        r.notes = format!("skipped: {why}");
+        r.skipped = Some(why);
+        r
+    }
+
+    pub fn note(mut self, n: impl AsRef<str>) -> Row {
+        if !self.notes.is_empty() {
+            self.notes.push_str("; ");
+        }
+        self.notes.push_str(n.as_ref());
+        self
+    }
+
+    pub fn target(mut self, t: Target) -> Row {
+        self.targets.push(t);
+        self
+    }
+
+    pub fn vs(mut self, peer: &str) -> Row {
+        self.peer = Some(peer.to_owned());
+        self
+    }
+
+    pub fn p(&self, pct: f64) -> f64 {
+        percentile(&self.samples, pct)
+    }
+
+    pub fn mean(&self) -> f64 {
+        if self.samples.is_empty() {
+            return f64::NAN;
+        }
+        self.samples.iter().sum::<f64>() / self.samples.len() as f64
+    }
+
+    pub fn max(&self) -> f64 {
+        self.samples.iter().copied().fold(f64::NAN, f64::max)
+    }
+
+    /// "met" or "MISSED by X (Y×)" for each target.
+    fn verdicts(&self) -> Vec<String> {
+        self.targets
+            .iter()
+            .map(|t| {
+                let (label, want, got) = match *t {
+                    Target::P50(w) => ("p50", w, self.p(50.0)),
+                    Target::P99(w) => ("p99", w, self.p(99.0)),
+                };
+                if got <= want {
+                    format!("{label} ≤ {} {}: met", fmt_num(want), self.unit)
+                } else {
+                    format!("{label} ≤ {} {}: MISSED by {} {} ({:.1}×)", fmt_num(want), self.unit, fmt_num(got - want), self.unit, got / want)
+                }
+            })
+            .collect()
+    }
+}
+
+/// Nearest-rank percentile (NaN for no samples).
+pub fn percentile(samples: &[f64], pct: f64) -> f64 {
+    if samples.is_empty() {
+        return f64::NAN;
+    }
+    let mut s = samples.to_vec();
+    s.sort_by(f64::total_cmp);
+    let rank = ((pct / 100.0) * s.len() as f64).ceil() as usize;
+    s[rank.clamp(1, s.len()) - 1]
+}
+
+fn fmt_num(v: f64) -> String {
+    if v.is_nan() {
+        "-".into()
+    } else if v.abs() >= 1000.0 {
+        format!("{v:.0}")
+    } else if v.abs() >= 100.0 {
+        format!("{v:.1}")
+    } else {
+        format!("{v:.2}")
+    }
+}
+
+/// The table printed at the end of a run.
+pub fn table(rows: &[Row]) -> String {
+    let width = rows.iter().map(|r| r.name.chars().count()).max().unwrap_or(10).max(10);
+    let mut out = String::new();
+    let _ = writeln!(out, "{:<width$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>6}  {:<5}  targets / ratios", "row", "p50", "p95", "p99", "mean", "n", "unit");
+    let _ = writeln!(out, "{}", "-".repeat(width + 72));
+    for r in rows {
+        if let Some(why) = &r.skipped {
+            let _ = writeln!(out, "{:<width$}  skipped: {why}", r.name);
+            continue;
+        }
+        let mut extra = r.verdicts();
+        if let Some(peer) = &r.peer {
+            if let Some(p) = rows.iter().find(|x| &x.name == peer && x.skipped.is_none() && !x.samples.is_empty()) {
+                extra.push(format!("{:.1}× {peer}", r.p(50.0) / p.p(50.0)));
+            }
+        }
+        let _ = writeln!(
+            out,
+            "{:<width$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>6}  {:<5}  {}",
+            r.name,
+            fmt_num(r.p(50.0)),
+            fmt_num(r.p(95.0)),
+            fmt_num(r.p(99.0)),
+            fmt_num(r.mean()),
+            r.samples.len(),
+            r.unit,
+            extra.join("; ")
+        );
+    }
+    out
+}
+
+#[derive(Serialize)]
+struct JsonRow<'a> {
+    name: &'a str,
+    unit: &'a str,
+    samples: &'a [f64],
+    p50: Option<f64>,
+    p95: Option<f64>,
+    p99: Option<f64>,
+    mean: Option<f64>,
+    notes: String,
+}
+
+fn finite(v: f64) -> Option<f64> {
+    v.is_finite().then_some((v * 1000.0).round() / 1000.0)
+}
+
+/// Writes the rows as a JSON array of `{name, unit, samples, p50, p95, p99, mean, notes}`.
+pub fn write_json(rows: &[Row], path: &Path) -> std::io::Result<()> {
+    let items: Vec<JsonRow> = rows
+        .iter()
+        .map(|r| {
+            let mut notes = r.notes.clone();
+            if r.warmup > 0 {
+                notes = format!("{} warm-up iterations excluded; {notes}", r.warmup);
+            }
+            for v in r.verdicts() {
+                notes.push_str("; target ");
+                notes.push_str(&v);
+            }
+            JsonRow {
+                name: &r.name,
+                unit: r.unit,
+                samples: &r.samples,
+                p50: finite(r.p(50.0)),
+                p95: finite(r.p(95.0)),
+                p99: finite(r.p(99.0)),
+                mean: finite(r.mean()),
+                notes,
+            }
+        })
+        .collect();
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    std::fs::write(path, serde_json::to_vec_pretty(&items).expect("rows serialize"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let s: Vec<f64> = (1..=100).map(f64::from).collect();
+        assert_eq!(percentile(&s, 50.0), 50.0);
+        assert_eq!(percentile(&s, 99.0), 99.0);
+        assert_eq!(percentile(&s, 100.0), 100.0);
+        assert_eq!(percentile(&[3.0], 99.0), 3.0);
+        assert!(percentile(&[], 50.0).is_nan());
+    }
+
+    #[test]
+    fn verdicts_say_by_how_much() {
+        let r = Row::new("x", "ms", vec![20.0; 10], 0).target(Target::P50(15.0));
+        assert_eq!(r.verdicts(), vec!["p50 ≤ 15.00 ms: MISSED by 5.00 ms (1.3×)".to_owned()]);
+        let r = Row::new("x", "ms", vec![1.0; 10], 0).target(Target::P50(2.0));
+        assert_eq!(r.verdicts(), vec!["p50 ≤ 2.00 ms: met".to_owned()]);
+    }
+}
