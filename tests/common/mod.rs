@@ -56,7 +56,7 @@ pub fn cache_dir() -> PathBuf {
 
 /// The default template's root filesystem.
 pub fn default_rootfs() -> PathBuf {
-    let store = locker_runtime::template::TemplateStore::open(&cache_dir()).expect("open the template cache");
+    let store = locker_runtime::template::TemplateStore::open(cache_dir()).expect("open the template cache");
     let t = store
         .resolve("default")
         .expect("read the template cache")

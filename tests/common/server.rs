@@ -27,8 +27,10 @@ pub struct Server {
     pub addr: SocketAddr,
     /// The server's `--data-dir` (kept across [`Server::restart`]).
     pub data_dir: PathBuf,
-    /// The key of tenant `default` (`LOCKER_API_KEY`).
+    /// The key of tenant `default` (`LOCKER_API_KEY`, or the one the server generated).
     pub api_key: String,
+    /// Whether the server generates the key itself (started without `LOCKER_API_KEY`).
+    generated_key: bool,
     /// `LOCKER_ADMIN_KEY`, unless started with [`Server::without_admin`].
     pub admin_key: Option<String>,
     extra_args: Vec<String>,
@@ -56,19 +58,25 @@ impl Server {
 
     /// A server with extra `locker serve` flags (`--quota-sandboxes 2`, …).
     pub fn start_with(args: &[&str]) -> Server {
-        Server::build(args, true)
+        Server::build(args, true, false)
     }
 
     /// A server without an admin key (admin routes disabled).
     pub fn without_admin(args: &[&str]) -> Server {
-        Server::build(args, false)
+        Server::build(args, false, false)
     }
 
-    fn build(args: &[&str], admin: bool) -> Server {
+    /// A server started without `LOCKER_API_KEY`: it generates a key of tenant `default`
+    /// and prints it; [`Server::api_key`] is the key read from its log.
+    pub fn generating_key() -> Server {
+        Server::build(&[], true, true)
+    }
+
+    fn build(args: &[&str], admin: bool, generated_key: bool) -> Server {
         crate::become_subreaper();
         let dir = TempDir::new("locker-srv");
         let data_dir = dir.path().join("data");
-        let api_key = secret("lk_test");
+        let api_key = if generated_key { String::new() } else { secret("lk_test") };
         let mut s = Server {
             child: None,
             url: String::new(),
@@ -78,6 +86,7 @@ impl Server {
             admin_key: admin.then(|| secret("lk_admin")),
             keys: Mutex::new(vec![api_key.clone()]),
             api_key,
+            generated_key,
             extra_args: args.iter().map(|a| a.to_string()).collect(),
             _dir: dir,
         };
@@ -105,9 +114,9 @@ impl Server {
                 .arg("--data-dir")
                 .arg(&self.data_dir)
                 .args(&self.extra_args)
-                .env("LOCKER_API_KEY", &self.api_key)
                 .env("LOCKER_AGENT_BIN", agent_bin())
                 .env("LOCKER_LOG", std::env::var("LOCKER_LOG").unwrap_or_else(|_| "info".into()))
+                .env("NO_COLOR", "1")
                 .env_remove("LOCKER_ADMIN_KEY")
                 .env_remove("LOCKER_METRICS_TOKEN")
                 .env_remove("LOCKER_LISTEN")
@@ -118,11 +127,29 @@ impl Server {
             if let Some(a) = &self.admin_key {
                 cmd.env("LOCKER_ADMIN_KEY", a);
             }
+            if self.generated_key {
+                cmd.env_remove("LOCKER_API_KEY");
+            } else {
+                cmd.env("LOCKER_API_KEY", &self.api_key);
+            }
             let child = cmd.spawn().unwrap_or_else(|e| panic!("start {}: {e}", locker_bin().display()));
             register_child(child.id());
             self.child = Some(child);
             match self.wait_ready() {
-                Ok(()) => return,
+                Ok(()) => {
+                    if self.generated_key && self.api_key.is_empty() {
+                        let log = self.log_text();
+                        let key = log
+                            .lines()
+                            .find_map(|l| l.split_once("(shown only now): "))
+                            .and_then(|(_, rest)| rest.split_whitespace().next())
+                            .unwrap_or_else(|| panic!("no generated API key in the log:\n{log}"))
+                            .to_owned();
+                        self.remember_key(&key);
+                        self.api_key = key;
+                    }
+                    return;
+                }
                 Err(log) if log.contains("Address already in use") => continue,
                 Err(log) => panic!("locker serve did not start:\n{log}"),
             }
@@ -214,8 +241,8 @@ impl Server {
     fn delete_all_sandboxes(&self) -> Vec<String> {
         let mut failed = Vec::new();
         let keys = self.keys.lock().map(|k| k.clone()).unwrap_or_default();
-        for key in keys {
-            let api = Api::new(&self.url, Some(&key));
+        for key in keys.iter().filter(|k| !k.is_empty()) {
+            let api = Api::new(&self.url, Some(key));
             let Ok(r) = api.try_request("GET", "/v1/sandboxes", &[], ()) else { continue };
             if r.status != 200 {
                 continue;
@@ -344,12 +371,16 @@ pub struct Api {
 }
 
 /// An HTTP agent for tests: statuses are answers, not errors; no proxy; a global timeout
-/// so a hung server fails the test instead of hanging it.
+/// so a hung server fails the test instead of hanging it; and no connection reuse: a
+/// server may close a connection after answering a request before reading its body (a
+/// 401 or 404 to a POST), and a pooled connection would then fail the next request.
 pub fn agent(timeout: Duration) -> ureq::Agent {
     ureq::Agent::config_builder()
         .http_status_as_error(false)
         .proxy(None)
         .max_redirects(0)
+        .max_idle_connections(0)
+        .max_idle_connections_per_host(0)
         .timeout_global(Some(timeout))
         .build()
         .into()
@@ -366,7 +397,13 @@ impl Api {
     }
 
     /// Sends a request and returns the response with its body still unread.
-    pub fn open(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl AsSendBody) -> Result<(u16, HeaderMap, BodyReader<'static>), ureq::Error> {
+    pub fn open(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl AsSendBody,
+    ) -> Result<(u16, HeaderMap, BodyReader<'static>), ureq::Error> {
         let mut b = Request::builder().method(method).uri(format!("{}{path}", self.base));
         if let Some(k) = &self.key {
             b = b.header("Authorization", format!("Bearer {k}"));

@@ -17,7 +17,7 @@ use axum::routing::post;
 use axum::Router;
 use locker_proto::{Chan, ExecSpec};
 use locker_store::CallRecord;
-use locker_types::{ExecRequest, ExecResult, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT_MS};
+use locker_types::{ExecRequest, ExecResult, Reason, Timings, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT_MS};
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -136,7 +136,12 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
     if !stream {
         let busy = Busy::new(live.clone());
         let queue_ms = ms_since(arrived);
-        let mut res = live.machine.agent.exec(spec.clone(), stdin, None).await?;
+        let started = Instant::now();
+        let mut res = match live.machine.agent.exec(spec.clone(), stdin, None).await {
+            Ok(r) => r,
+            Err(_) if machine_gone(&app, &live).await => killed_with_machine(&call_id, started),
+            Err(e) => return Err(e.into()),
+        };
         drop(busy);
         finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
         return Ok(axum::Json(res).into_response());
@@ -146,6 +151,7 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         let busy = Busy::new(live.clone());
         let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
         let queue_ms = ms_since(arrived);
+        let started = Instant::now();
         let agent = live.machine.agent.clone();
         let run = agent.exec(spec.clone(), stdin, Some(out_tx));
         tokio::pin!(run);
@@ -174,6 +180,10 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
             let _ = body_tx.send(line).await;
         }
         drop(busy);
+        let r = match r {
+            Err(_) if machine_gone(&app, &live).await => Ok(killed_with_machine(&spec.call_id, started)),
+            other => other,
+        };
         let last = match r {
             Ok(mut res) => {
                 finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
@@ -192,6 +202,34 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
     });
     let body = Body::from_stream(futures_util::stream::unfold(body_rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) }));
     Ok(([(header::CONTENT_TYPE, "application/x-ndjson"), (header::CACHE_CONTROL, "no-cache")], body).into_response())
+}
+
+/// Whether the sandbox of a call was destroyed (deleted or expired) while the call ran:
+/// its agent connection then breaks, which is the command's end, not a platform failure.
+async fn machine_gone(app: &AppState, live: &Live) -> bool {
+    !app.live.read().await.contains_key(&live.id)
+}
+
+/// The result of a command killed with its machine (the sandbox was deleted or expired
+/// under it): a 200 that says so, as the contract wants for every killed command. Its
+/// output went away with the machine.
+fn killed_with_machine(call_id: &str, started: Instant) -> ExecResult {
+    ExecResult {
+        call_id: call_id.to_owned(),
+        exit_code: None,
+        signal: Some("SIGKILL".into()),
+        reason: Reason::Killed,
+        stdout: String::new(),
+        stderr: String::new(),
+        stdout_truncated: false,
+        stderr_truncated: false,
+        stdout_bytes: 0,
+        stderr_bytes: 0,
+        output_path: None,
+        timings: Timings { run_ms: ms_since(started), ..Default::default() },
+        usage: Default::default(),
+        changes: None,
+    }
 }
 
 /// Fills the host's timings, records the call and the metrics.
