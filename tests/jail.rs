@@ -267,15 +267,12 @@ async fn files_round_trip_byte_for_byte_and_never_reach_the_host() {
     let hs = host_secret.display().to_string();
     run(&g, &format!("ln -s {hs} /root/abs-link; ln -s ../../../../../..{hs} /root/rel-link; ln -s /proc/1/root{hs} /root/magic-link")).await;
     for p in ["/root/abs-link", "/root/rel-link", "/root/magic-link", &format!("/../../..{hs}"), &format!("/root/../../..{hs}")] {
-        match a.read_file(p).await {
-            Ok((_, mut rd)) => {
-                let mut back = Vec::new();
-                while let Ok(Some(c)) = rd.next_chunk().await {
-                    back.extend_from_slice(&c);
-                }
-                assert!(!back.starts_with(b"host-only"), "{p} read the host's file");
+        if let Ok((_, mut rd)) = a.read_file(p).await {
+            let mut back = Vec::new();
+            while let Ok(Some(c)) = rd.next_chunk().await {
+                back.extend_from_slice(&c);
             }
-            Err(_) => {}
+            assert!(!back.starts_with(b"host-only"), "{p} read the host's file");
         }
     }
     assert!(a.write_file("relative/path", None, &b"x"[..]).await.is_err(), "relative paths are refused");

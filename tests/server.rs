@@ -571,7 +571,6 @@ fn sandboxes_create_get_list_patch_ttl_pause_resume_delete() {
 }
 
 #[test]
-#[ignore = "server gap: `idle_timeout_s` is accepted and echoed, but nothing pauses an idle sandbox (the reaper only destroys sandboxes past ttl_s)"]
 fn an_idle_sandbox_is_paused_after_idle_timeout_s() {
     become_subreaper();
     let srv = Server::start();
@@ -585,6 +584,32 @@ fn an_idle_sandbox_is_paused_after_idle_timeout_s() {
     assert_eq!(frozen(&sb), Some(true), "an idle-paused sandbox is frozen on the host");
     assert_eq!(api.sh(&sb, "echo awake"), "awake\n", "a call wakes it");
     assert_eq!(api.get(&format!("/v1/sandboxes/{sb}")).expect(200, "get")["state"], "running");
+}
+
+#[test]
+fn idle_pause_never_fires_during_work() {
+    become_subreaper();
+    let srv = Server::start();
+    let api = srv.api();
+    let sb = sandbox_id(&api.create_sandbox(&json!({"idle_timeout_s": 1})));
+    // A long call in flight keeps it awake, whatever its CPU use.
+    let api2 = srv.api();
+    let sb2 = sb.clone();
+    let long = std::thread::spawn(move || api2.sh(&sb2, "sleep 3; echo done"));
+    std::thread::sleep(Duration::from_millis(2500));
+    assert_eq!(api.get(&format!("/v1/sandboxes/{sb}")).expect(200, "get")["state"], "running", "paused during a call");
+    assert_eq!(long.join().unwrap(), "done\n");
+    // A background process busy on the CPU keeps it awake with no call in flight.
+    let p = api.post(&format!("/v1/sandboxes/{sb}/processes"), &json!({"shell": "while :; do :; done"})).expect(200, "start a spinner");
+    std::thread::sleep(Duration::from_millis(3000));
+    assert_eq!(api.get(&format!("/v1/sandboxes/{sb}")).expect(200, "get")["state"], "running", "paused while its processes work");
+    assert_eq!(frozen(&sb), Some(false));
+    let pid = p["id"].as_str().unwrap();
+    api.post(&format!("/v1/sandboxes/{sb}/processes/{pid}/signal"), &json!({"signal": "SIGKILL"})).expect(200, "kill the spinner");
+    // Quiet now: it is paused soon after.
+    wait_for(Duration::from_secs(6), "paused once quiet", || {
+        (api.get(&format!("/v1/sandboxes/{sb}")).expect(200, "get")["state"] == "paused").then_some(())
+    });
 }
 
 #[test]

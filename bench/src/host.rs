@@ -1,6 +1,7 @@
-//! What machine the numbers came from: name, date, CPUs, memory, kernel.
+//! What machine the numbers came from (name, date, CPUs, memory, kernel) and how busy it
+//! was with other work while they were taken.
 
-use std::time::{SystemTime, UNIX_EPOCH};
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 /// A description of this host, printed with the results.
 pub struct Info {
@@ -61,6 +62,58 @@ impl Info {
             "host {} | {} | nproc {} | {:.1} GiB RAM | kernel {} | {} | load {}",
             self.hostname, self.date, self.nproc, self.mem_gib, self.kernel, self.cpu, self.load
         )
+    }
+}
+
+/// CPU time of the whole host and of this process tree, to tell later how much of the
+/// host's CPU went to other work during the run.
+pub struct CpuMark {
+    at: Instant,
+    /// (busy, total) jiffies of all CPUs from `/proc/stat`.
+    host: (u64, u64),
+    /// User + system seconds of this process and its waited-for descendants.
+    own: f64,
+}
+
+fn host_jiffies() -> (u64, u64) {
+    let stat = read("/proc/stat");
+    let v: Vec<u64> = stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let total: u64 = v.iter().take(8).sum();
+    // idle and iowait are not busy.
+    let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
+    (total.saturating_sub(idle), total)
+}
+
+fn own_cpu_s() -> f64 {
+    let mut t = 0.0;
+    for who in [libc::RUSAGE_SELF, libc::RUSAGE_CHILDREN] {
+        // SAFETY: getrusage fills the zeroed struct we own.
+        let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+        // SAFETY: as above.
+        if unsafe { libc::getrusage(who, &mut ru) } == 0 {
+            for tv in [ru.ru_utime, ru.ru_stime] {
+                t += tv.tv_sec as f64 + tv.tv_usec as f64 / 1e6;
+            }
+        }
+    }
+    t
+}
+
+impl CpuMark {
+    pub fn now() -> CpuMark {
+        CpuMark { at: Instant::now(), host: host_jiffies(), own: own_cpu_s() }
+    }
+
+    /// (host CPU busy %, this run's share %) since the mark, both of all CPUs. The run's
+    /// share counts machines and servers it started once they were reaped; work inside
+    /// machines still running is counted on the host side only.
+    pub fn since(&self, nproc: usize) -> (f64, f64) {
+        let (busy, total) = host_jiffies();
+        let d_total = total.saturating_sub(self.host.1).max(1) as f64;
+        let host = 100.0 * busy.saturating_sub(self.host.0) as f64 / d_total;
+        let wall = self.at.elapsed().as_secs_f64().max(1e-3);
+        let own = 100.0 * (own_cpu_s() - self.own) / (wall * nproc.max(1) as f64);
+        (host, own.min(host))
     }
 }
 

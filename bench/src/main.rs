@@ -104,7 +104,18 @@ fn install_signal_handler() {
     }
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() {
+    match run() {
+        Ok(()) => {}
+        Err(e) => {
+            // Everything the run started was cleaned up by its guards before this point.
+            eprintln!("locker-bench: {e:#}");
+            std::process::exit(1);
+        }
+    }
+}
+
+fn run() -> anyhow::Result<()> {
     let args = Args::parse();
     for o in &args.only {
         if !GROUPS.contains(&o.as_str()) {
@@ -121,8 +132,8 @@ fn main() -> anyhow::Result<()> {
     let info = host::Info::collect();
     println!("{}", info.describe());
     let locker = locker_tests::locker_bin();
-    if !locker.components().any(|c| c.as_os_str() == "release") {
-        println!("warning: {} is not a release build; numbers will be pessimistic (use bench/run)", locker.display());
+    if locker.components().any(|c| c.as_os_str() == "debug") {
+        println!("warning: {} is a debug build; numbers will be pessimistic (use bench/run)", locker.display());
     }
     println!(
         "iterations: {} (fast) / {} (creates), after {} / {} warm-up iterations that are excluded from every figure\n",
@@ -133,17 +144,28 @@ fn main() -> anyhow::Result<()> {
     );
 
     let mut rows: Vec<Row> = Vec::new();
+    let mark = host::CpuMark::now();
     let result = run_groups(&args, &mut rows);
+    let (host_busy, own) = mark.since(info.nproc);
+    if !rows.is_empty() {
+        rows.push(
+            Row::new("host CPU busy during the run", "%", vec![host_busy], 0)
+                .note(format!("all CPUs, all processes; this run's own process tree (bench, servers, machines once reaped) about {own:.0}%, the rest ({:.0}%) other work on the host", host_busy - own)),
+        );
+    }
     if let Err(e) = &result {
         eprintln!("\nlocker-bench stopped early: {e:#}");
     }
     if rows.is_empty() {
         return result;
     }
-    println!("\n{}", info.describe());
+    // Described again: the load average now covers the run.
+    println!("\n{}", host::Info::collect().describe());
     println!("n = measured iterations; warm-up iterations are excluded. Times in ms. Ratios compare p50s measured in this run.\n");
     print!("{}", stats::table(&rows));
-    let path = args.out_dir.join(format!("{}-{}.json", info.hostname, info.date));
+    // A run that stopped early never overwrites a complete one.
+    let partial = if result.is_err() { "-partial" } else { "" };
+    let path = args.out_dir.join(format!("{}-{}{partial}.json", info.hostname, info.date));
     stats::write_json(&rows, &path).with_context(|| format!("write {}", path.display()))?;
     println!("\nsamples written to {}", path.display());
     result

@@ -74,10 +74,6 @@ impl Row {
         self.samples.iter().sum::<f64>() / self.samples.len() as f64
     }
 
-    pub fn max(&self) -> f64 {
-        self.samples.iter().copied().fold(f64::NAN, f64::max)
-    }
-
     /// "met" or "MISSED by X (Y×)" for each target.
     fn verdicts(&self) -> Vec<String> {
         self.targets
@@ -106,6 +102,20 @@ pub fn percentile(samples: &[f64], pct: f64) -> f64 {
     s.sort_by(f64::total_cmp);
     let rank = ((pct / 100.0) * s.len() as f64).ceil() as usize;
     s[rank.clamp(1, s.len()) - 1]
+}
+
+/// Where the slowest calls spent their time: how many of the calls over 8 ms had an
+/// agent-reported start (cgroup + fork/exec in the machine) over 8 ms as well.
+pub fn tail_note(lat: &[f64], starts: &[f64]) -> String {
+    let slow: Vec<usize> = (0..lat.len()).filter(|&i| lat[i] > 8.0).collect();
+    let slow_start = slow.iter().filter(|&&i| starts.get(i).is_some_and(|s| *s > 8.0)).count();
+    format!(
+        "agent-reported start p50 {:.2} / p99 {:.2} ms; {} of {} calls took over 8 ms, {slow_start} of them in the agent's start",
+        percentile(starts, 50.0),
+        percentile(starts, 99.0),
+        slow.len(),
+        lat.len()
+    )
 }
 
 fn fmt_num(v: f64) -> String {

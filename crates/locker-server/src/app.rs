@@ -3,6 +3,7 @@
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,44 +60,84 @@ pub struct Live {
     /// The sandbox's default environment for every exec.
     pub env: BTreeMap<String, String>,
     pub template_digest: String,
-    /// Calls in flight (exec, files, processes, PTY): a sandbox is never idle while > 0.
-    pub inflight: std::sync::atomic::AtomicU64,
+    /// Pause after this long without calls or CPU use (the idle policy).
+    pub idle_timeout_s: Option<u64>,
+    /// Calls in flight (exec, files, processes, PTY, streams): never idle while > 0.
+    pub inflight: AtomicU64,
     /// Unix seconds of the last call; written to the store by the reaper, not per call.
-    pub last_active: std::sync::atomic::AtomicI64,
-    /// Frozen by pause (or the idle policy); any call thaws it first.
-    pub paused: std::sync::atomic::AtomicBool,
+    pub last_active: AtomicI64,
+    /// Pause state; every transition holds this lock, so a call that is being admitted and
+    /// the idle policy can never cross (a call is counted and the machine thawed atomically).
+    pub pause: std::sync::Mutex<PauseState>,
+}
+
+/// Whether and why a sandbox is frozen.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PauseState {
+    /// Unix seconds when it was frozen; `None` while running.
+    pub since: Option<i64>,
+    /// Frozen by the idle policy (not by the caller): the time does not count against the TTL.
+    pub by_idle: bool,
+    /// CPU time seen at the last idle check, and when it last grew noticeably.
+    pub cpu_ms: u64,
+    pub cpu_active_at: i64,
 }
 
 impl Live {
-    pub fn new(id: String, tenant: String, machine: Machine, env: BTreeMap<String, String>, template_digest: String, paused: bool) -> Self {
+    pub fn new(id: String, tenant: String, machine: Machine, env: BTreeMap<String, String>, template_digest: String, idle_timeout_s: Option<u64>, paused: bool) -> Self {
+        let now = now_s();
         Self {
             id,
             tenant,
             machine,
             env,
             template_digest,
+            idle_timeout_s,
             inflight: Default::default(),
-            last_active: std::sync::atomic::AtomicI64::new(now_s()),
-            paused: std::sync::atomic::AtomicBool::new(paused),
+            last_active: AtomicI64::new(now),
+            pause: std::sync::Mutex::new(PauseState { since: paused.then_some(now), cpu_active_at: now, ..Default::default() }),
         }
+    }
+
+    pub fn is_paused(&self) -> bool {
+        self.pause.lock().expect("pause lock").since.is_some()
     }
 }
 
-/// Marks a call in flight on a sandbox for as long as it lives.
-pub struct Busy(pub Arc<Live>);
+/// A call in flight on a sandbox, for as long as it lives; derefs to the sandbox.
+pub struct Busy(Arc<Live>);
 
 impl Busy {
-    pub fn new(live: Arc<Live>) -> Self {
-        use std::sync::atomic::Ordering;
+    /// Counts a call and thaws the sandbox if it was frozen, atomically with respect to the
+    /// idle policy. If it was paused, returns for how many seconds the idle policy (not the
+    /// caller) had it paused: the TTL is extended by that much.
+    pub fn enter(live: Arc<Live>) -> Result<(Self, Option<i64>), String> {
+        let mut st = live.pause.lock().expect("pause lock");
         live.inflight.fetch_add(1, Ordering::SeqCst);
         live.last_active.store(now_s(), Ordering::Relaxed);
-        Busy(live)
+        let busy = Busy(live.clone());
+        let mut idle_for = None;
+        if let Some(since) = st.since {
+            live.machine.resume().map_err(|e| format!("resuming the sandbox: {e}"))?;
+            idle_for = Some(if st.by_idle { now_s() - since } else { 0 });
+            st.since = None;
+            st.by_idle = false;
+            st.cpu_active_at = now_s();
+        }
+        drop(st);
+        Ok((busy, idle_for))
+    }
+}
+
+impl std::ops::Deref for Busy {
+    type Target = Arc<Live>;
+    fn deref(&self) -> &Arc<Live> {
+        &self.0
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        use std::sync::atomic::Ordering;
         self.0.inflight.fetch_sub(1, Ordering::SeqCst);
         self.0.last_active.store(now_s(), Ordering::Relaxed);
     }

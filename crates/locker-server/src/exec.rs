@@ -21,7 +21,7 @@ use locker_types::{ExecRequest, ExecResult, Reason, Timings, DEFAULT_MAX_OUTPUT_
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::app::{ms_since, new_id, now_s, AppState, Busy, Live};
+use crate::app::{ms_since, new_id, now_s, AppState, Live};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
@@ -134,7 +134,6 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
     let live = live_of(&app, &caller, &id).await?;
     let (spec, stdin) = build_spec(&live.env, &req, &call_id, stream)?;
     if !stream {
-        let busy = Busy::new(live.clone());
         let queue_ms = ms_since(arrived);
         let started = Instant::now();
         let mut res = match live.machine.agent.exec(spec.clone(), stdin, None).await {
@@ -142,13 +141,11 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
             Err(_) if machine_gone(&app, &live).await => killed_with_machine(&call_id, started),
             Err(e) => return Err(e.into()),
         };
-        drop(busy);
         finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
         return Ok(axum::Json(res).into_response());
     }
     let (body_tx, body_rx) = mpsc::channel::<Bytes>(32);
     tokio::spawn(async move {
-        let busy = Busy::new(live.clone());
         let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
         let queue_ms = ms_since(arrived);
         let started = Instant::now();
@@ -179,7 +176,6 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         for line in lines.flush() {
             let _ = body_tx.send(line).await;
         }
-        drop(busy);
         let r = match r {
             Err(_) if machine_gone(&app, &live).await => Ok(killed_with_machine(&spec.call_id, started)),
             other => other,

@@ -13,7 +13,7 @@ use futures_util::TryStreamExt;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::{AppState, Busy};
+use crate::app::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::{check_path, Json, Query};
@@ -46,14 +46,13 @@ fn required(p: Option<String>) -> Result<String, ApiError> {
 async fn download(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<Response, ApiError> {
     let path = required(q.path)?;
     let live = live_of(&app, &caller, &id).await?;
-    let busy = Busy::new(live.clone());
     let (entry, reader) = live.machine.agent.read_file(&path).await?;
     if entry.kind == locker_types::EntryType::Dir {
         return Err(ApiError::bad_request(format!("{path} is a directory: list it with files/list")));
     }
     let stream = tokio_util::io::ReaderStream::with_capacity(reader, locker_proto::DATA_CHUNK).map_ok(move |b| {
         // The sandbox is busy for as long as the body streams.
-        let _ = &busy;
+        let _ = &live;
         b
     });
     Ok((
@@ -83,7 +82,6 @@ async fn upload(State(app): State<AppState>, caller: Caller, Path(id): Path<Stri
     let path = required(q.path)?;
     let mode = q.mode.as_deref().map(parse_mode).transpose()?;
     let live = live_of(&app, &caller, &id).await?;
-    let _busy = Busy::new(live.clone());
     let stream = body.into_data_stream().map_err(std::io::Error::other);
     let reader = tokio_util::io::StreamReader::new(stream);
     let entry = live.machine.agent.write_file(&path, mode, reader).await?;
@@ -104,7 +102,6 @@ async fn remove(State(app): State<AppState>, caller: Caller, Path(id): Path<Stri
         return Err(ApiError::bad_request("refusing to remove `/`"));
     }
     let live = live_of(&app, &caller, &id).await?;
-    let _busy = Busy::new(live.clone());
     live.machine.agent.remove(&path, q.recursive).await?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -123,7 +120,6 @@ async fn list(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         return Err(ApiError::bad_request("`depth` must be between 1 and 16"));
     }
     let live = live_of(&app, &caller, &id).await?;
-    let _busy = Busy::new(live.clone());
     let entries = live.machine.agent.list(&path, depth).await?;
     Ok(axum::Json(json!({ "entries": entries })))
 }
@@ -131,7 +127,6 @@ async fn list(State(app): State<AppState>, caller: Caller, Path(id): Path<String
 async fn stat(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     let live = live_of(&app, &caller, &id).await?;
-    let _busy = Busy::new(live.clone());
     Ok(axum::Json(live.machine.agent.stat(&path).await?))
 }
 
@@ -144,7 +139,6 @@ struct MkdirBody {
 async fn mkdir(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(b): Json<MkdirBody>) -> Result<impl IntoResponse, ApiError> {
     check_path("path", &b.path)?;
     let live = live_of(&app, &caller, &id).await?;
-    let _busy = Busy::new(live.clone());
     Ok(axum::Json(live.machine.agent.mkdir(&b.path).await?))
 }
 
@@ -159,7 +153,6 @@ async fn rename(State(app): State<AppState>, caller: Caller, Path(id): Path<Stri
     check_path("from", &b.from)?;
     check_path("to", &b.to)?;
     let live = live_of(&app, &caller, &id).await?;
-    let _busy = Busy::new(live.clone());
     Ok(axum::Json(live.machine.agent.rename(&b.from, &b.to).await?))
 }
 

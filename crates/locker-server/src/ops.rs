@@ -147,7 +147,7 @@ async fn metrics(State(app): State<AppState>, headers: HeaderMap) -> Result<impl
     let mut by_state: BTreeMap<String, u64> = BTreeMap::new();
     let live = app.live.read().await;
     for l in live.values() {
-        let s = if l.paused.load(std::sync::atomic::Ordering::Relaxed) { "paused" } else { "running" };
+        let s = if l.is_paused() { "paused" } else { "running" };
         *by_state.entry(s.into()).or_default() += 1;
     }
     drop(live);

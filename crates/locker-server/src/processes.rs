@@ -18,7 +18,7 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::app::{new_id, AppState, Busy};
+use crate::app::{new_id, AppState};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::exec::{build_spec, call_record, LineEncoder};
@@ -106,7 +106,6 @@ async fn output(State(app): State<AppState>, caller: Caller, Path((id, proc_id))
     live.machine.agent.get_process(&proc_id).await?;
     let (body_tx, body_rx) = mpsc::channel::<Bytes>(32);
     tokio::spawn(async move {
-        let _busy = if q.follow { Some(Busy::new(live.clone())) } else { None };
         let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
         let agent = live.machine.agent.clone();
         let run = agent.process_output(&proc_id, q.follow, out_tx);
@@ -239,8 +238,7 @@ async fn pty(State(app): State<AppState>, caller: Caller, Path(id): Path<String>
         ..Default::default()
     };
     Ok(ws.on_upgrade(move |socket| async move {
-        let _busy = Busy::new(live.clone());
-        if let Err(e) = bridge(socket, &live.machine.agent, spec).await {
+            if let Err(e) = bridge(socket, &live.machine.agent, spec).await {
             tracing::debug!(sandbox = %live.id, error = %e, "pty ended");
         }
     }))

@@ -15,7 +15,7 @@ use locker_store::{SandboxRecord, SandboxState};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::{new_id, now_s, AppState, Live};
+use crate::app::{new_id, now_s, AppState, Busy, Live};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
@@ -240,7 +240,7 @@ async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<Cr
             return Err(ApiError::internal(format!("starting the sandbox failed: {e}")));
         }
     };
-    let live = Arc::new(Live::new(id.clone(), caller.tenant.clone(), machine, body.env, template.digest, false));
+    let live = Arc::new(Live::new(id.clone(), caller.tenant.clone(), machine, body.env, template.digest, body.idle_timeout_s, false));
     app.store.set_sandbox_state(&id, SandboxState::Running)?;
     app.live.write().await.insert(id.clone(), live.clone());
     app.metrics.sandbox_create_seconds.observe(started.elapsed().as_secs_f64());
@@ -257,16 +257,17 @@ pub fn record_of(app: &AppState, caller: &Caller, id: &str) -> Result<SandboxRec
     }
 }
 
-/// The caller's running sandbox `id`, resumed if it was paused.
-pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
+/// The caller's running sandbox `id` with this call counted in flight; a paused sandbox is
+/// thawed first (transparently: any call resumes it).
+pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, ApiError> {
     let live = app.live.read().await.get(id).cloned();
     match live {
         Some(l) if l.tenant == caller.tenant => {
-            if l.paused.swap(false, std::sync::atomic::Ordering::SeqCst) {
-                l.machine.resume().map_err(|e| ApiError::internal(format!("resuming the sandbox: {e}")))?;
-                app.store.set_sandbox_state(id, SandboxState::Running)?;
+            let (busy, idle_for) = Busy::enter(l).map_err(ApiError::internal)?;
+            if let Some(secs) = idle_for {
+                resumed(app, id, secs)?;
             }
-            Ok(l)
+            Ok(busy)
         }
         _ => {
             // Exists but not live here: say why rather than pretending it is missing.
@@ -277,6 +278,21 @@ pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Li
             }
         }
     }
+}
+
+/// Records a thaw: state running and, after an idle pause, the TTL pushed back by the time
+/// spent paused (the user did not ask for that pause).
+fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
+    if let Some(mut r) = app.store.get_sandbox_any(id)? {
+        r.state = SandboxState::Running;
+        if idle_secs > 0 {
+            if let Some(exp) = locker_store::parse_rfc3339(&r.expires_at) {
+                r.expires_at = locker_types::rfc3339(exp + idle_secs);
+            }
+        }
+        app.store.update_sandbox(&r)?;
+    }
+    Ok(())
 }
 
 async fn list(State(app): State<AppState>, caller: Caller, RawQuery(q): RawQuery) -> Result<impl IntoResponse, ApiError> {
@@ -382,9 +398,19 @@ async fn set_ttl(State(app): State<AppState>, caller: Caller, Path(id): Path<Str
 }
 
 async fn pause(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
-    let live = live_of(&app, &caller, &id).await?;
-    live.machine.pause().map_err(|e| ApiError::internal(format!("pausing: {e}")))?;
-    live.paused.store(true, std::sync::atomic::Ordering::SeqCst);
+    let live = app.live.read().await.get(&id).cloned().filter(|l| l.tenant == caller.tenant);
+    let Some(live) = live else {
+        return Err(live_of(&app, &caller, &id).await.err().unwrap_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist"))));
+    };
+    {
+        let mut st = live.pause.lock().expect("pause lock");
+        if st.since.is_none() {
+            live.machine.pause().map_err(|e| ApiError::internal(format!("pausing: {e}")))?;
+            st.since = Some(now_s());
+        }
+        // An explicit pause is the caller's: its time counts against the TTL.
+        st.by_idle = false;
+    }
     app.store.set_sandbox_state(&id, SandboxState::Paused)?;
     let r = record_of(&app, &caller, &id)?;
     Ok(axum::Json(view(&r, Some(&live))))
@@ -437,7 +463,7 @@ pub async fn adopt_all(app: &AppState) {
         let dir = std::path::PathBuf::from(&r.machine_dir);
         match app.node.adopt(&r.id, &dir).await {
             Some(machine) => {
-                let live = Arc::new(Live::new(r.id.clone(), r.tenant.clone(), machine, r.env.clone(), r.template_digest.clone(), r.state == SandboxState::Paused));
+                let live = Arc::new(Live::new(r.id.clone(), r.tenant.clone(), machine, r.env.clone(), r.template_digest.clone(), r.idle_timeout_s, r.state == SandboxState::Paused));
                 if r.state == SandboxState::Starting {
                     let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
                 }
@@ -457,6 +483,44 @@ pub async fn adopt_all(app: &AppState) {
     }
 }
 
+/// CPU a sandbox may use per reaper tick (about a second) and still count as idle.
+const IDLE_CPU_MS_PER_TICK: u64 = 20;
+
+/// The idle policy: a sandbox with `idle_timeout_s` is paused once no call has been in flight
+/// and its processes used (almost) no CPU for that long. Never in the middle of work: the
+/// check and the freeze hold the same lock that admits calls.
+async fn idle_pass(app: &AppState) {
+    let now = now_s();
+    let live: Vec<Arc<Live>> = app.live.read().await.values().cloned().collect();
+    for l in live {
+        let Some(idle) = l.idle_timeout_s else { continue };
+        let paused = {
+            let mut st = l.pause.lock().expect("pause lock");
+            if st.since.is_some() {
+                continue;
+            }
+            let cpu = l.machine.usage().cpu_ms;
+            if cpu > st.cpu_ms + IDLE_CPU_MS_PER_TICK {
+                st.cpu_active_at = now;
+            }
+            st.cpu_ms = cpu;
+            let quiet_since = l.last_active.load(std::sync::atomic::Ordering::Relaxed).max(st.cpu_active_at);
+            let idle_now = l.inflight.load(std::sync::atomic::Ordering::SeqCst) == 0 && now - quiet_since >= idle as i64;
+            if idle_now && l.machine.pause().is_ok() {
+                st.since = Some(now);
+                st.by_idle = true;
+                true
+            } else {
+                false
+            }
+        };
+        if paused {
+            let _ = app.store.set_sandbox_state(&l.id, SandboxState::Paused);
+            tracing::info!(sandbox = %l.id, idle_s = idle, "paused by the idle policy");
+        }
+    }
+}
+
 /// Destroys sandboxes whose TTL passed, once a second.
 pub fn spawn_reaper(app: AppState) {
     tokio::spawn(async move {
@@ -473,6 +537,7 @@ pub fn spawn_reaper(app: AppState) {
                     persisted.insert(l.id.clone(), at);
                 }
             }
+            idle_pass(&app).await;
             let ids = match app.store.expired_sandboxes(now_s()) {
                 Ok(ids) => ids,
                 Err(e) => {
