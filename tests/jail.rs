@@ -117,6 +117,11 @@ async fn root_inside_is_nobody_outside() {
     let g = machine(256, 256).await;
     let r = run(&g, "id -u; touch /etc/written && echo wrote-etc").await;
     assert_eq!(r.stdout, "0\nwrote-etc\n", "root inside can use its own files: {r:?}");
+    // The machine's disk stores canonical ids (root = 0), whatever the machine's uid range,
+    // so a disk image can start another machine (snapshots, forks).
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(g.m().upper_dir().join("etc/written")).expect("the file is in the machine's layer");
+    assert_eq!((meta.uid(), meta.gid()), (0, 0));
     // On the host the agent runs as the machine's unprivileged uid.
     let status = std::fs::read_to_string(format!("/proc/{}/status", g.m().state.agent_pid)).unwrap();
     let uid: u32 = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap().split_whitespace().next().unwrap().parse().unwrap();

@@ -368,10 +368,7 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     let mkfs = std::process::Command::new("mkfs.ext4")
         .args(["-q", "-F", "-O", "^has_journal", "-m", "0"])
         .arg("-E")
-        .arg(format!(
-            "lazy_itable_init=1,nodiscard,root_owner={0}:{0}",
-            spec.uid_base
-        ))
+        .arg("lazy_itable_init=1,nodiscard,root_owner=0:0")
         .arg(&img)
         .stdin(std::process::Stdio::null())
         .output()
@@ -562,11 +559,14 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     )
     .map_err(step("make mounts private"))?;
 
-    // The disk (quota = its size) holds the machine's writable layer.
+    // The disk (quota = its size) holds the machine's writable layer. It stores canonical
+    // ids (root = 0) and reaches the overlay through an id-mapped mount, so a disk image
+    // (a snapshot) can start a machine with any uid range.
     let disk = dir.join("disk");
+    let mapped = dir.join("disk-mapped");
     let lower = dir.join("lower");
     let root = dir.join("root");
-    for d in [&disk, &lower, &root] {
+    for d in [&disk, &mapped, &lower, &root] {
         fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
     }
     let (dev, lo) = sys::loop_attach(&dir.join("disk.img"))
@@ -580,14 +580,14 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     )
     .map_err(step("mount the disk"))?;
     drop(lo);
-    let upper = disk.join("upper");
-    let work = disk.join("work");
-    for d in [&upper, &work] {
-        fs::create_dir_all(d).map_err(step("create the writable layer"))?;
-        std::os::unix::fs::chown(d, Some(base), Some(base))
-            .map_err(step("chown the writable layer"))?;
+    for d in [disk.join("upper"), disk.join("work")] {
+        fs::create_dir_all(&d).map_err(step("create the writable layer"))?;
     }
-    sys::idmapped_bind(&spec.template_rootfs, &lower, userns.as_raw_fd())
+    sys::idmapped_bind(&disk, &mapped, userns.as_raw_fd(), false)
+        .map_err(step("id-map the disk"))?;
+    let upper = mapped.join("upper");
+    let work = mapped.join("work");
+    sys::idmapped_bind(&spec.template_rootfs, &lower, userns.as_raw_fd(), true)
         .map_err(step("id-map the template"))?;
     let opts = format!(
         "lowerdir={},upperdir={},workdir={}",
@@ -595,13 +595,10 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
         upper.display(),
         work.display()
     );
-    sys::mount(
-        Some("overlay"),
-        &root,
-        Some("overlay"),
-        libc::MS_NODEV,
-        Some(&opts),
-    )
+    sys::with_fs_ids(base, || {
+        sys::mount(Some("overlay"), &root, Some("overlay"), libc::MS_NODEV, Some(&opts))
+    })
+    .and_then(|r| r)
     .map_err(step("mount the overlay root"))?;
 
     let r = |p: &str| root.join(p);

@@ -78,11 +78,11 @@ const OPEN_TREE_CLONE: libc::c_uint = 1;
 const AT_RECURSIVE: libc::c_uint = 0x8000;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 
-/// Mounts `src` on `target` read-only and id-mapped through the user namespace `userns`:
+/// Mounts `src` on `target` id-mapped through the user namespace `userns` (read-only if asked):
 /// files owned by uid N on disk appear owned by the host uid that N maps to in `userns`.
 /// This is how a root-owned template appears root-owned inside a machine whose root is an
 /// unprivileged host uid, without copying or chowning the template.
-pub fn idmapped_bind(src: &Path, target: &Path, userns: RawFd) -> io::Result<()> {
+pub fn idmapped_bind(src: &Path, target: &Path, userns: RawFd, read_only: bool) -> io::Result<()> {
     let s = cstr(src)?;
     // SAFETY: open_tree with a valid path string; returns a new fd we take ownership of.
     let fd = check(unsafe {
@@ -96,7 +96,7 @@ pub fn idmapped_bind(src: &Path, target: &Path, userns: RawFd) -> io::Result<()>
     // SAFETY: the syscall returned a fresh fd owned by nobody else.
     let tree = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
     let attr = MountAttr {
-        attr_set: MOUNT_ATTR_IDMAP | MOUNT_ATTR_RDONLY,
+        attr_set: MOUNT_ATTR_IDMAP | if read_only { MOUNT_ATTR_RDONLY } else { 0 },
         attr_clr: 0,
         propagation: 0,
         userns_fd: userns as u64,
@@ -271,6 +271,53 @@ pub fn restrict_capabilities(keep: &[u32]) -> io::Result<()> {
     // SAFETY: capset reads one header and two data structs (version 3 layout) we own.
     check(unsafe { libc::syscall(libc::SYS_capset, &hdr as *const Header, data.as_ptr()) })
         .map(drop)
+}
+
+/// Runs `f` with the filesystem ids set to `id` (uid and gid) and every permitted
+/// capability effective, then returns to fsuid/fsgid 0. A mount made inside keeps these
+/// credentials: overlayfs then writes its upper layer as `id`, which an id-mapped upper
+/// mount needs (host root has no mapping there).
+pub fn with_fs_ids<T>(id: u32, f: impl FnOnce() -> T) -> io::Result<T> {
+    // SAFETY: setfsuid/setfsgid take integers; they never fail, and we restore them below.
+    unsafe {
+        libc::setfsgid(id);
+        libc::setfsuid(id);
+    }
+    raise_effective_caps()?;
+    let out = f();
+    // SAFETY: as above.
+    unsafe {
+        libc::setfsuid(0);
+        libc::setfsgid(0);
+    }
+    raise_effective_caps()?;
+    Ok(out)
+}
+
+/// Makes every permitted capability effective again (changing fsuid away from 0 clears the
+/// file-related ones).
+fn raise_effective_caps() -> io::Result<()> {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: i32,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy, Default)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut hdr = Header { version: 0x2008_0522, pid: 0 };
+    let mut data = [Data::default(); 2];
+    // SAFETY: capget fills two data structs (version 3 layout) we own.
+    check(unsafe { libc::syscall(libc::SYS_capget, &mut hdr as *mut Header, data.as_mut_ptr()) })?;
+    for d in &mut data {
+        d.effective = d.permitted;
+    }
+    // SAFETY: capset reads the header and the two structs we own.
+    check(unsafe { libc::syscall(libc::SYS_capset, &hdr as *const Header, data.as_ptr()) }).map(drop)
 }
 
 /// Executes the program behind `fd` (opened before the root changed) with `argv` and `envp`.
