@@ -402,7 +402,7 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<Conn>, frame: Frame) -> Result<(), St
             let spawned = std::thread::Builder::new()
                 .name(format!("stream-{stream}"))
                 .stack_size(512 * 1024)
-                .spawn(move || handle(&agent, &worker, req));
+                .spawn(move || handle_guarded(&agent, &worker, req));
             if let Err(e) = spawned {
                 s.fail(AgentError::new(
                     ErrorCode::Exhausted,
@@ -454,6 +454,23 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<Conn>, frame: Frame) -> Result<(), St
         }
     }
     Ok(())
+}
+
+/// Runs [`handle`], turning a panic (a bug) into an `Internal` error for the host instead of a
+/// stream that never ends; the agent keeps serving.
+fn handle_guarded(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
+    let run = std::panic::AssertUnwindSafe(|| handle(agent, s, req));
+    if let Err(panic) = std::panic::catch_unwind(run) {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|m| m.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "a panic".into());
+        s.fail(AgentError::new(
+            ErrorCode::Internal,
+            format!("the agent failed: {what}"),
+        ));
+    }
 }
 
 /// Runs one request to its `End`.

@@ -510,7 +510,11 @@ fn list_inner(agent: &Agent, s: &Stream, path: &str, depth: u32) -> Result<(), A
         let e = entry(child_path.clone(), shown_name, &st);
         let n = serde_json::to_vec(&e).map(|v| v.len()).unwrap_or(0) + 1;
         if size + n > MAX_PAYLOAD / 2 {
-            if s.msg(Reply::Entries(std::mem::take(&mut batch))).is_err() {
+            if s.msg(Reply::Entries {
+                entries: std::mem::take(&mut batch),
+            })
+            .is_err()
+            {
                 return Ok(());
             }
             size = 0;

@@ -199,7 +199,11 @@ pub fn list(agent: &Agent, s: &Stream) {
         let info = p.info();
         let n = serde_json::to_vec(&info).map(|v| v.len()).unwrap_or(0) + 1;
         if size + n > MAX_PAYLOAD / 2 && !batch.is_empty() {
-            if s.msg(Reply::Processes(std::mem::take(&mut batch))).is_err() {
+            if s.msg(Reply::Processes {
+                processes: std::mem::take(&mut batch),
+            })
+            .is_err()
+            {
                 return;
             }
             size = 0;

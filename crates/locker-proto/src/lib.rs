@@ -288,9 +288,9 @@ pub enum Reply {
     Entry(Entry),
     /// A batch of a long `List` answer (which would not fit in one frame); the final
     /// `End(Entries)` carries the last batch. The host concatenates them in order.
-    Entries(Vec<Entry>),
+    Entries { entries: Vec<Entry> },
     /// A batch of a long `ListProcesses` answer; the final `End(Processes)` carries the last.
-    Processes(Vec<ProcessInfo>),
+    Processes { processes: Vec<ProcessInfo> },
 }
 
 /// A host -> agent message on an open stream.
@@ -600,6 +600,39 @@ mod tests {
             msg: Reply::Started {
                 pid: 3,
                 start_ms: 0.5,
+            },
+        });
+        // Batches must be struct variants: serde cannot tag a newtype variant holding a list.
+        let entry = Entry {
+            path: "/a b".into(),
+            name: "a b".into(),
+            kind: locker_types::EntryType::File,
+            size: 1,
+            mode: 0o644,
+            mtime: locker_types::rfc3339(0),
+        };
+        roundtrip(Frame::Msg {
+            stream: 7,
+            msg: Reply::Entry(entry.clone()),
+        });
+        roundtrip(Frame::Msg {
+            stream: 7,
+            msg: Reply::Entries {
+                entries: vec![entry.clone(), entry],
+            },
+        });
+        let info = ProcessInfo {
+            id: "proc_1".into(),
+            pid: 9,
+            argv: vec!["sleep".into()],
+            state: "running".into(),
+            started_at: locker_types::rfc3339(0),
+            result: None,
+        };
+        roundtrip(Frame::Msg {
+            stream: 7,
+            msg: Reply::Processes {
+                processes: vec![info],
             },
         });
         roundtrip(Frame::Data {

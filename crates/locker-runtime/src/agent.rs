@@ -401,7 +401,7 @@ impl AgentClient {
         let mut all = Vec::new();
         loop {
             match s.recv().await? {
-                Some(StreamEvent::Msg(Reply::Processes(batch))) => all.extend(batch),
+                Some(StreamEvent::Msg(Reply::Processes { processes })) => all.extend(processes),
                 Some(StreamEvent::End(EndBody::Processes(batch))) => {
                     all.extend(batch);
                     return Ok(all);
@@ -534,7 +534,7 @@ impl AgentClient {
         let mut all = Vec::new();
         loop {
             match s.recv().await? {
-                Some(StreamEvent::Msg(Reply::Entries(batch))) => all.extend(batch),
+                Some(StreamEvent::Msg(Reply::Entries { entries })) => all.extend(entries),
                 Some(StreamEvent::End(EndBody::Entries(batch))) => {
                     all.extend(batch);
                     return Ok(all);

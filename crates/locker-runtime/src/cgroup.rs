@@ -357,6 +357,15 @@ impl MachineCgroup {
         })
     }
 
+    /// Whether the machine is frozen now.
+    pub fn is_frozen(&self) -> bool {
+        let dir = self.freezer_dir();
+        match self.layout.version {
+            Version::V2 => fs::read_to_string(dir.join("cgroup.events")).unwrap_or_default().lines().any(|l| l == "frozen 1"),
+            Version::V1 => fs::read_to_string(dir.join("freezer.state")).unwrap_or_default().trim() == "FROZEN",
+        }
+    }
+
     /// Every pid in the machine's cgroup tree (host pids).
     pub fn pids(&self) -> Vec<i32> {
         let mut out = Vec::new();

@@ -80,6 +80,9 @@ pub struct JailSpec {
     pub memory_mb: u64,
     pub pids: u64,
     pub disk_mb: u64,
+    /// Start from a copy of this disk image (a snapshot) instead of an empty disk.
+    #[serde(default)]
+    pub disk_from: Option<PathBuf>,
     /// The (static) agent binary, executed inside the machine.
     pub agent_path: PathBuf,
     pub hostname: String,
@@ -359,25 +362,13 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     };
     cg.create(limits, spec.uid_base)?;
 
-    // 4. The disk.
+    // 4. The disk: a fresh image, or a copy of a snapshot's.
     let img = dir.join("disk.img");
-    let f = fs::File::create(&img).map_err(step("create disk.img"))?;
-    f.set_len(spec.disk_mb << 20)
-        .map_err(step("size disk.img"))?;
-    drop(f);
-    let mkfs = std::process::Command::new("mkfs.ext4")
-        .args(["-q", "-F", "-O", "^has_journal", "-m", "0"])
-        .arg("-E")
-        .arg("lazy_itable_init=1,nodiscard,root_owner=0:0")
-        .arg(&img)
-        .stdin(std::process::Stdio::null())
-        .output()
-        .map_err(step("run mkfs.ext4 (apt-get install e2fsprogs)"))?;
-    if !mkfs.status.success() {
-        return Err(JailError::Init(format!(
-            "mkfs.ext4 failed: {}",
-            String::from_utf8_lossy(&mkfs.stderr).trim()
-        )));
+    match &spec.disk_from {
+        Some(from) => {
+            crate::disk::copy(from, &img).map_err(step(format!("copy the disk image {}", from.display())))?;
+        }
+        None => crate::disk::make(&img, spec.disk_mb).map_err(step("make the disk image"))?,
     }
     let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
     let agent = fs::OpenOptions::new()

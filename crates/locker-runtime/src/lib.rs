@@ -11,6 +11,7 @@
 
 pub mod agent;
 pub mod cgroup;
+pub mod disk;
 pub mod doctor;
 pub mod jail;
 pub mod node;

@@ -245,8 +245,14 @@ impl Node {
         &self.config
     }
 
-    /// Starts a jailed machine and connects to its agent.
+    /// Starts a jailed machine with an empty disk and connects to its agent.
     pub async fn create(&self, spec: MachineSpec) -> Result<Machine, NodeError> {
+        self.create_from(spec, None).await
+    }
+
+    /// Starts a jailed machine whose disk is a copy of `disk_from` (a snapshot's image;
+    /// `spec.disk_mb` is then the image's size) or empty, and connects to its agent.
+    pub async fn create_from(&self, spec: MachineSpec, disk_from: Option<PathBuf>) -> Result<Machine, NodeError> {
         let slot = lease_slot(&spec.dir)?;
         let js = JailSpec {
             id: spec.id.clone(),
@@ -257,6 +263,7 @@ impl Node {
             memory_mb: spec.memory_mb,
             pids: spec.pids,
             disk_mb: spec.disk_mb,
+            disk_from,
             agent_path: self.config.agent_exe.clone(),
             hostname: spec.id.clone(),
         };
@@ -307,6 +314,33 @@ impl Node {
             cgroup: MachineCgroup::new(self.layout.clone(), id),
             shim: Mutex::new(None),
         })
+    }
+
+    /// Copies a running machine's disk to `dest` at one consistent point: its processes
+    /// are frozen, its filesystem flushed, the image copied (a reflink where the data dir's
+    /// filesystem can), and the processes thawed, also on failure.
+    pub async fn snapshot_disk(&self, m: &Machine, dest: &Path) -> Result<(crate::disk::CopyKind, u64), NodeError> {
+        let was_frozen = self.is_frozen(m);
+        if !was_frozen {
+            m.pause()?;
+        }
+        let mount = m.state.upper_dir().parent().map(Path::to_owned).unwrap_or_default();
+        let (img, dest) = (m.dir.join("disk.img"), dest.to_owned());
+        let r = tokio::task::spawn_blocking(move || -> std::io::Result<(crate::disk::CopyKind, u64)> {
+            crate::disk::flush(&mount)?;
+            let kind = crate::disk::copy(&img, &dest)?;
+            Ok((kind, crate::disk::allocated_bytes(&dest)))
+        })
+        .await
+        .map_err(|e| NodeError::Setup(format!("snapshot task failed: {e}")));
+        if !was_frozen {
+            m.resume()?;
+        }
+        r?.map_err(|e| NodeError::Setup(format!("copying the machine's disk: {e}")))
+    }
+
+    fn is_frozen(&self, m: &Machine) -> bool {
+        m.cgroup.is_frozen()
     }
 
     /// Destroys a machine: nothing of it remains (processes, mounts, cgroup, directory).

@@ -242,6 +242,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
 pub fn router(app: AppState) -> Router {
     Router::new()
         .merge(crate::sandboxes::routes())
+        .merge(crate::snapshots::routes())
         .merge(crate::exec::routes())
         .merge(crate::files::routes())
         .merge(crate::processes::routes())

@@ -22,5 +22,6 @@ pub mod metrics;
 pub mod ops;
 pub mod processes;
 pub mod sandboxes;
+pub mod snapshots;
 
 pub use app::{serve, Config, Quotas};

@@ -148,11 +148,18 @@ pub fn view(r: &SandboxRecord, live: Option<&Live>) -> Value {
 async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<CreateSandbox>) -> Result<impl IntoResponse, ApiError> {
     let started = Instant::now();
     let runtime = resolve_runtime(body.runtime.as_deref())?;
-    let cpus = body.cpus.unwrap_or(1.0);
+    if body.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
+        return Err(ApiError::unavailable("volumes are not available in this version yet"));
+    }
+    let snapshot = match &body.from_snapshot {
+        None => None,
+        Some(s) => Some(app.store.get_snapshot(&caller.tenant, s)?.ok_or_else(|| ApiError::not_found(format!("snapshot {s} does not exist")))?),
+    };
+    let cpus = body.cpus.or(snapshot.as_ref().map(|s| s.cpus)).unwrap_or(1.0);
     if !(cpus > 0.0 && cpus <= MAX_CPUS) {
         return Err(ApiError::bad_request(format!("`cpus` must be more than 0 and at most {MAX_CPUS}")));
     }
-    let memory_mb = body.memory_mb.unwrap_or(512);
+    let memory_mb = body.memory_mb.or(snapshot.as_ref().map(|s| s.memory_mb)).unwrap_or(512);
     if !(MEMORY_MB.0..=MEMORY_MB.1).contains(&memory_mb) {
         return Err(ApiError::bad_request(format!("`memory_mb` must be between {} and {}", MEMORY_MB.0, MEMORY_MB.1)));
     }
@@ -170,39 +177,88 @@ async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<Cr
     check_env(&body.env)?;
     check_metadata(&body.metadata)?;
     let network = check_network(&body.network)?;
-    if body.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
-        return Err(ApiError::unavailable("volumes are not available in this version yet"));
-    }
-    if let Some(s) = &body.from_snapshot {
-        return Err(ApiError::not_found(format!("snapshot {s} does not exist")));
-    }
-    let template_name = body.template.clone().unwrap_or_else(|| "default".into());
-    let template = app
-        .templates
-        .resolve(&template_name)
-        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-        .ok_or_else(|| ApiError::bad_request(format!("unknown template {template_name:?}: `locker template list` shows the templates of this host")))?;
-
-    let id = new_id("sb_");
-    let now = now_s();
-    let record = SandboxRecord {
-        id: id.clone(),
-        tenant: caller.tenant.clone(),
-        state: SandboxState::Starting,
-        template: template_name,
-        template_digest: template.digest.clone(),
-        runtime: runtime.into(),
+    let (template_name, template, disk_from, disk_mb) = match &snapshot {
+        Some(snap) => {
+            if body.disk_mb.is_some_and(|d| d != snap.disk_mb) {
+                return Err(ApiError::bad_request(format!("a sandbox from snapshot {} has its disk size ({} MB): leave `disk_mb` out", snap.id, snap.disk_mb)));
+            }
+            if body.template.as_ref().is_some_and(|t| *t != snap.template) {
+                return Err(ApiError::bad_request(format!("snapshot {} was taken from template {:?}: leave `template` out", snap.id, snap.template)));
+            }
+            let t = app
+                .templates
+                .resolve(&snap.template_digest)
+                .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+                .ok_or_else(|| ApiError::conflict(format!("the template of snapshot {} ({}) is no longer on this host", snap.id, snap.template_digest)))?;
+            (snap.template.clone(), t, Some(std::path::PathBuf::from(&snap.path).join("disk.img")), snap.disk_mb)
+        }
+        None => {
+            let name = body.template.clone().unwrap_or_else(|| "default".into());
+            let t = app
+                .templates
+                .resolve(&name)
+                .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+                .ok_or_else(|| ApiError::bad_request(format!("unknown template {name:?}: `locker template list` shows the templates of this host")))?;
+            (name, t, None, disk_mb)
+        }
+    };
+    let new = NewSandbox {
+        template_name,
+        template,
+        runtime,
         cpus,
         memory_mb,
         disk_mb,
-        network,
-        volumes: json!([]),
-        metadata: body.metadata.clone(),
-        env: body.env.clone(),
         ttl_s,
         idle_timeout_s: body.idle_timeout_s,
+        env: body.env,
+        network,
+        metadata: body.metadata,
+    };
+    let (rec, live) = launch(&app, &caller, &new, disk_from).await?;
+    app.metrics.sandbox_create_seconds.observe(started.elapsed().as_secs_f64());
+    Ok((StatusCode::CREATED, axum::Json(view(&rec, Some(&live)))))
+}
+
+/// Everything a new sandbox is made of, checked.
+#[derive(Clone)]
+pub struct NewSandbox {
+    pub template_name: String,
+    pub template: locker_runtime::template::Template,
+    pub runtime: &'static str,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub ttl_s: u64,
+    pub idle_timeout_s: Option<u64>,
+    pub env: BTreeMap<String, String>,
+    pub network: Value,
+    pub metadata: BTreeMap<String, String>,
+}
+
+/// Checks the tenant's quotas, records the sandbox and starts its machine (from a copy of
+/// `disk_from` if given). On failure the record says `failed` and nothing else remains.
+pub async fn launch(app: &AppState, caller: &Caller, new: &NewSandbox, disk_from: Option<std::path::PathBuf>) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+    let id = new_id("sb_");
+    let now = now_s();
+    let mut record = SandboxRecord {
+        id: id.clone(),
+        tenant: caller.tenant.clone(),
+        state: SandboxState::Starting,
+        template: new.template_name.clone(),
+        template_digest: new.template.digest.clone(),
+        runtime: new.runtime.into(),
+        cpus: new.cpus,
+        memory_mb: new.memory_mb,
+        disk_mb: new.disk_mb,
+        network: new.network.clone(),
+        volumes: json!([]),
+        metadata: new.metadata.clone(),
+        env: new.env.clone(),
+        ttl_s: new.ttl_s,
+        idle_timeout_s: new.idle_timeout_s,
         created_at: locker_types::rfc3339(now),
-        expires_at: locker_types::rfc3339(now + ttl_s as i64),
+        expires_at: locker_types::rfc3339(now + new.ttl_s as i64),
         last_active_at: locker_types::rfc3339(now),
         machine_dir: app.sandboxes_dir().join(&id).display().to_string(),
         cpu_ms: 0,
@@ -216,7 +272,7 @@ async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<Cr
             return Err(ApiError::quota(format!("quota exceeded: tenant {} may have {} sandboxes at once; delete some first", caller.tenant, q.sandboxes)));
         }
         let mem = app.store.sum_memory_mb(&caller.tenant)?;
-        if mem + memory_mb > q.memory_mb {
+        if mem + new.memory_mb > q.memory_mb {
             return Err(ApiError::quota(format!(
                 "quota exceeded: tenant {} may use {} MB of sandbox memory in all ({} MB in use)",
                 caller.tenant, q.memory_mb, mem
@@ -227,26 +283,33 @@ async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<Cr
     let spec = MachineSpec {
         id: id.clone(),
         dir: app.sandboxes_dir().join(&id),
-        template_rootfs: template.rootfs.clone(),
-        cpus,
-        memory_mb,
-        disk_mb,
+        template_rootfs: new.template.rootfs.clone(),
+        cpus: new.cpus,
+        memory_mb: new.memory_mb,
+        disk_mb: new.disk_mb,
         pids: PIDS,
     };
-    let machine = match app.node.create(spec).await {
+    let machine = match app.node.create_from(spec, disk_from).await {
         Ok(m) => m,
         Err(e) => {
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
             return Err(ApiError::internal(format!("starting the sandbox failed: {e}")));
         }
     };
-    let live = Arc::new(Live::new(id.clone(), caller.tenant.clone(), machine, body.env, template.digest, body.idle_timeout_s, false));
+    let live = Arc::new(Live::new(id.clone(), caller.tenant.clone(), machine, new.env.clone(), new.template.digest.clone(), new.idle_timeout_s, false));
     app.store.set_sandbox_state(&id, SandboxState::Running)?;
     app.live.write().await.insert(id.clone(), live.clone());
-    app.metrics.sandbox_create_seconds.observe(started.elapsed().as_secs_f64());
-    let mut rec = record;
-    rec.state = SandboxState::Running;
-    Ok((StatusCode::CREATED, axum::Json(view(&rec, Some(&live)))))
+    record.state = SandboxState::Running;
+    Ok((record, live))
+}
+
+/// The caller's live sandbox `id` without counting a call or thawing it (pause, snapshot).
+pub async fn live_quiet(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
+    let live = app.live.read().await.get(id).cloned().filter(|l| l.tenant == caller.tenant);
+    match live {
+        Some(l) => Ok(l),
+        None => Err(live_of(app, caller, id).await.err().unwrap_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist")))),
+    }
 }
 
 /// The caller's record of sandbox `id` (404 for another tenant's or a deleted one).
@@ -398,10 +461,7 @@ async fn set_ttl(State(app): State<AppState>, caller: Caller, Path(id): Path<Str
 }
 
 async fn pause(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
-    let live = app.live.read().await.get(&id).cloned().filter(|l| l.tenant == caller.tenant);
-    let Some(live) = live else {
-        return Err(live_of(&app, &caller, &id).await.err().unwrap_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist"))));
-    };
+    let live = live_quiet(&app, &caller, &id).await?;
     {
         let mut st = live.pause.lock().expect("pause lock");
         if st.since.is_none() {
@@ -475,6 +535,12 @@ pub async fn adopt_all(app: &AppState) {
                 let _ = app.store.delete_sandbox(&r.id);
                 tracing::info!(sandbox = %r.id, "sandbox did not survive the restart; marked stopped");
             }
+        }
+    }
+    // Fork points a crash interrupted are never needed again.
+    if let Ok(rd) = std::fs::read_dir(app.cfg.data_dir.join("snapshots")) {
+        for e in rd.flatten().filter(|e| e.file_name().to_string_lossy().starts_with(".fork-")) {
+            let _ = std::fs::remove_dir_all(e.path());
         }
     }
     let removed = app.node.cleanup_orphans(&app.sandboxes_dir(), keep).await;

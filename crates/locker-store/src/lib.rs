@@ -28,7 +28,7 @@ mod sqlite;
 pub use error::{Result, StoreError};
 pub use model::{
     now_unix, parse_rfc3339, strip_output, validate_tenant_name, CallKind, CallRecord, KeyInfo,
-    Principal, SandboxRecord, SandboxState, TenantUsage, DEFAULT_TENANT,
+    Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
 };
 pub use random::{fill_random, new_id, API_KEY_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
@@ -149,6 +149,20 @@ pub trait Store: Send + Sync {
     /// Ids of running sandboxes with an idle timeout and no call for that long at `now`:
     /// the lifecycle task pauses them.
     fn idle_sandboxes(&self, now: i64) -> Result<Vec<String>>;
+
+    // ---- snapshots ----
+
+    /// Stores a snapshot's record (Conflict if the id exists).
+    fn insert_snapshot(&self, snapshot: &SnapshotRecord) -> Result<()>;
+
+    /// The tenant's snapshot `id` (None for another tenant's).
+    fn get_snapshot(&self, tenant: &str, id: &str) -> Result<Option<SnapshotRecord>>;
+
+    /// The tenant's snapshots, newest first.
+    fn list_snapshots(&self, tenant: &str) -> Result<Vec<SnapshotRecord>>;
+
+    /// Removes the record; false if the tenant has no such snapshot.
+    fn delete_snapshot(&self, tenant: &str, id: &str) -> Result<bool>;
 
     // ---- call records and usage ----
 

@@ -398,3 +398,27 @@ mod tests {
         );
     }
 }
+
+/// A saved sandbox state: its disk image (and, on runtimes that can, its memory).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SnapshotRecord {
+    /// `snap_…`.
+    pub id: String,
+    pub tenant: String,
+    /// The sandbox it was taken from (which may be gone since).
+    pub sandbox_id: String,
+    pub template: String,
+    pub template_digest: String,
+    pub runtime: String,
+    /// Bytes the snapshot occupies on the host.
+    pub size_bytes: u64,
+    pub has_memory: bool,
+    /// The sandbox's sizes, which a sandbox started from the snapshot inherits.
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// Where its files are on the host.
+    pub path: String,
+}

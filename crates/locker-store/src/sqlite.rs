@@ -27,7 +27,7 @@ use crate::model::{
     SandboxState, TenantUsage,
 };
 use crate::random::{fill_random, hex, new_api_key};
-use crate::{Store, DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
+use crate::{SnapshotRecord, Store, DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
 
 /// The schema, one migration per entry, applied in order, each once. Never edit a
 /// released entry: append a new one. `schema_version` holds one row per applied entry.
@@ -108,6 +108,17 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX calls_tenant_time ON calls(tenant, created_unix);
     CREATE INDEX calls_sandbox ON calls(sandbox_id, seq) WHERE sandbox_id IS NOT NULL;
     CREATE INDEX calls_volume ON calls(volume_id, seq) WHERE volume_id IS NOT NULL;
+    "#,
+    // 2: snapshots of sandboxes. `record` is the whole SnapshotRecord as JSON.
+    r#"
+    CREATE TABLE snapshots (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        sandbox_id   TEXT NOT NULL,
+        created_unix INTEGER NOT NULL,
+        record       TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX snapshots_tenant ON snapshots(tenant, created_unix);
     "#,
 ];
 
@@ -533,6 +544,54 @@ fn sandbox_not_found(id: &str) -> StoreError {
 }
 
 impl Store for SqliteStore {
+    fn insert_snapshot(&self, snap: &SnapshotRecord) -> Result<()> {
+        let record = serde_json::to_string(snap).map_err(|e| StoreError::Invalid(format!("snapshot record: {e}")))?;
+        let conn = self.writer();
+        require_tenant(&conn, &snap.tenant)?;
+        let n = conn
+            .prepare_cached(
+                "INSERT INTO snapshots (id, tenant, sandbox_id, created_unix, record)
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO NOTHING",
+            )?
+            .execute(rusqlite::params![snap.id, snap.tenant, snap.sandbox_id, now_unix(), record])?;
+        if n == 0 {
+            return Err(StoreError::Conflict(format!("snapshot {} already exists", snap.id)));
+        }
+        Ok(())
+    }
+
+    fn get_snapshot(&self, tenant: &str, id: &str) -> Result<Option<SnapshotRecord>> {
+        self.read(|c| {
+            let mut st = c.prepare_cached("SELECT record FROM snapshots WHERE tenant = ?1 AND id = ?2")?;
+            let mut rows = st.query(rusqlite::params![tenant, id])?;
+            match rows.next()? {
+                Some(r) => {
+                    let json: String = r.get(0)?;
+                    Ok(Some(serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("snapshot {id}: {e}")))?))
+                }
+                None => Ok(None),
+            }
+        })
+    }
+
+    fn list_snapshots(&self, tenant: &str) -> Result<Vec<SnapshotRecord>> {
+        self.read(|c| {
+            let mut st = c.prepare_cached("SELECT record FROM snapshots WHERE tenant = ?1 ORDER BY created_unix DESC, id")?;
+            let rows = st.query_map([tenant], |r| r.get::<_, String>(0))?.collect::<rusqlite::Result<Vec<_>>>()?;
+            rows.iter()
+                .map(|j| serde_json::from_str(j).map_err(|e| StoreError::Corrupt(format!("snapshot record: {e}"))))
+                .collect()
+        })
+    }
+
+    fn delete_snapshot(&self, tenant: &str, id: &str) -> Result<bool> {
+        let conn = self.writer();
+        let n = conn
+            .prepare_cached("DELETE FROM snapshots WHERE tenant = ?1 AND id = ?2")?
+            .execute(rusqlite::params![tenant, id])?;
+        Ok(n > 0)
+    }
+
     fn ensure_tenant(&self, name: &str) -> Result<()> {
         validate_tenant_name(name)?;
         let now = now_unix();

@@ -61,6 +61,8 @@ impl Conn {
 pub enum ClientCmd {
     /// Create, list, inspect and delete sandboxes (session machines).
     Sandbox(Box<sandbox::SandboxArgs>),
+    /// List and delete snapshots of sandboxes.
+    Snapshot(Box<sandbox::SnapshotArgs>),
     /// Run a command in a sandbox, streaming its output; exits with the command's code.
     Exec(Box<exec::ExecArgs>),
     /// Open an interactive terminal in a sandbox.
@@ -82,6 +84,7 @@ pub enum ClientCmd {
 pub fn main(cmd: ClientCmd) -> ! {
     let result = match cmd {
         ClientCmd::Sandbox(a) => sandbox::run(*a),
+        ClientCmd::Snapshot(a) => sandbox::run_snapshot(*a),
         ClientCmd::Exec(a) => exec::run(*a),
         ClientCmd::Shell(a) => shell::run(*a),
         ClientCmd::Files(a) => files::run(*a),

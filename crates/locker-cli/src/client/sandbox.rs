@@ -1,4 +1,5 @@
-//! `locker sandbox create|list|get|rm`: session machines over `/v1/sandboxes`.
+//! `locker sandbox create|list|get|rm|pause|resume|snapshot|fork` and `locker snapshot
+//! list|rm`: session machines over `/v1/sandboxes` and their snapshots.
 
 use std::collections::BTreeMap;
 
@@ -36,6 +37,96 @@ pub enum SandboxCmd {
         #[arg(required = true)]
         ids: Vec<String>,
     },
+    /// Freeze every process of a sandbox (it uses no CPU; any call resumes it).
+    Pause {
+        /// The sandbox (sb_…).
+        id: String,
+    },
+    /// Thaw a paused sandbox.
+    Resume {
+        /// The sandbox (sb_…).
+        id: String,
+    },
+    /// Save a sandbox's files as a snapshot (snap_…) to start new sandboxes from.
+    Snapshot {
+        /// The sandbox (sb_…).
+        id: String,
+    },
+    /// Make COUNT new sandboxes from one consistent point of this one; prints their ids.
+    Fork {
+        /// The sandbox (sb_…).
+        id: String,
+        /// How many (1-100).
+        #[arg(long, short = 'n', default_value_t = 1)]
+        count: u64,
+    },
+}
+
+/// `locker snapshot …`.
+#[derive(clap::Args, Debug)]
+pub struct SnapshotArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub cmd: SnapshotCmd,
+}
+
+/// The snapshot subcommands.
+#[derive(clap::Subcommand, Debug)]
+pub enum SnapshotCmd {
+    /// List this tenant's snapshots.
+    #[command(visible_alias = "ls")]
+    List,
+    /// Delete snapshots (sandboxes started from them keep their own copies).
+    #[command(visible_alias = "delete")]
+    Rm {
+        /// The snapshots (snap_…).
+        #[arg(required = true)]
+        ids: Vec<String>,
+    },
+}
+
+/// Runs `locker snapshot …`.
+pub fn run_snapshot(a: SnapshotArgs) -> Result<i32, ClientError> {
+    let c = a.conn.client()?;
+    match a.cmd {
+        SnapshotCmd::List => {
+            let v = c.get_json("/v1/snapshots", &[])?;
+            if a.conn.json {
+                print_json(&v)?;
+            } else {
+                let now = now_secs();
+                let rows: Vec<Vec<String>> = items(&v, "snapshots")?
+                    .iter()
+                    .map(|s| {
+                        let created = s.get("created_at").and_then(Value::as_str).unwrap_or("");
+                        vec![
+                            cell(s.get("id")),
+                            cell(s.get("sandbox_id")),
+                            cell(s.get("template")),
+                            format!("{:.1} MB", s.get("size_bytes").and_then(Value::as_u64).unwrap_or(0) as f64 / 1e6),
+                            relative(now, created),
+                        ]
+                    })
+                    .collect();
+                print_text(&table(&["ID", "SANDBOX", "TEMPLATE", "SIZE", "CREATED"], &rows))?;
+            }
+            Ok(0)
+        }
+        SnapshotCmd::Rm { ids } => {
+            let mut failed = 0;
+            for id in ids {
+                match c.delete(&format!("/v1/snapshots/{}", seg(&id)), &[]) {
+                    Ok(()) => print_text(&format!("{id}\n"))?,
+                    Err(e) => {
+                        failed += 1;
+                        super::report(&e);
+                    }
+                }
+            }
+            Ok(if failed == 0 { 0 } else { 1 })
+        }
+    }
 }
 
 /// Flags of `locker sandbox create`; every one left out takes the server's default.
@@ -298,6 +389,40 @@ pub fn run(a: SandboxArgs) -> Result<i32, ClientError> {
                 print_json(&json!({ "deleted": gone }))?;
             }
             Ok(if failed == 0 { 0 } else { 1 })
+        }
+        cmd @ (SandboxCmd::Pause { .. } | SandboxCmd::Resume { .. }) => {
+            let (verb, id) = match cmd {
+                SandboxCmd::Pause { id } => ("pause", id),
+                SandboxCmd::Resume { id } => ("resume", id),
+                _ => unreachable!("matched above"),
+            };
+            let v = c.post_json(&format!("/v1/sandboxes/{}/{verb}", seg(&id)), &json!({}))?;
+            if json_out {
+                print_json(&v)?;
+            } else {
+                print_text(&format!("{id} {}\n", v.get("state").and_then(Value::as_str).unwrap_or("")))?;
+            }
+            Ok(0)
+        }
+        SandboxCmd::Snapshot { id } => {
+            let v = c.post_json(&format!("/v1/sandboxes/{}/snapshots", seg(&id)), &json!({}))?;
+            if json_out {
+                print_json(&v)?;
+            } else {
+                print_text(&format!("{}\n", cell(v.get("id"))))?;
+            }
+            Ok(0)
+        }
+        SandboxCmd::Fork { id, count } => {
+            let v = c.post_json(&format!("/v1/sandboxes/{}/fork", seg(&id)), &json!({ "count": count }))?;
+            if json_out {
+                print_json(&v)?;
+            } else {
+                for sb in items(&v, "sandboxes")? {
+                    print_text(&format!("{}\n", cell(sb.get("id"))))?;
+                }
+            }
+            Ok(0)
         }
     }
 }

@@ -1,0 +1,167 @@
+//! Snapshots and forks of sandboxes.
+//!
+//! A jail snapshot is a copy of the sandbox's disk image (its writable layer; the template
+//! is shared by digest), taken with the sandbox frozen and its filesystem flushed, so it is
+//! one consistent point even while commands run. The copy is a reflink where the data dir's
+//! filesystem allows (btrfs, XFS), otherwise a sparse copy. `/tmp` (memory) and processes
+//! are not part of it: the jail has no memory snapshots (`has_memory: false`).
+//! A snapshot lives on after its sandbox is deleted, until it is deleted itself.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::{delete, get, post};
+use axum::Router;
+use locker_store::SnapshotRecord;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::app::{new_id, now_s, AppState, Live};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::extract::Json;
+use crate::sandboxes::{launch, live_quiet, record_of, view, NewSandbox};
+
+/// The most sandboxes one fork makes.
+pub const MAX_FORK: u64 = 100;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/sandboxes/{id}/snapshots", post(create))
+        .route("/v1/sandboxes/{id}/fork", post(fork))
+        .route("/v1/snapshots", get(list))
+        .route("/v1/snapshots/{id}", delete(remove))
+}
+
+/// The API's view of a snapshot.
+pub fn snapshot_view(s: &SnapshotRecord) -> Value {
+    json!({
+        "id": s.id,
+        "sandbox_id": s.sandbox_id,
+        "template": s.template,
+        "template_digest": s.template_digest,
+        "runtime": s.runtime,
+        "size_bytes": s.size_bytes,
+        "has_memory": s.has_memory,
+        "disk_mb": s.disk_mb,
+        "created_at": s.created_at,
+    })
+}
+
+/// Takes a snapshot of `live` into `dir` (created; removed again on failure).
+async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<u64, ApiError> {
+    std::fs::create_dir_all(&dir).map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    match app.node.snapshot_disk(&live.machine, &dir.join("disk.img")).await {
+        Ok((_, size)) => Ok(size),
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            Err(ApiError::internal(format!("taking the snapshot failed: {e}")))
+        }
+    }
+}
+
+async fn create(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let live = live_quiet(&app, &caller, &id).await?;
+    let rec = record_of(&app, &caller, &id)?;
+    let snap_id = new_id("snap_");
+    let dir = app.cfg.data_dir.join("snapshots").join(&snap_id);
+    let size_bytes = take(&app, &live, dir.clone()).await?;
+    let snap = SnapshotRecord {
+        id: snap_id,
+        tenant: caller.tenant.clone(),
+        sandbox_id: id,
+        template: rec.template,
+        template_digest: rec.template_digest,
+        runtime: rec.runtime,
+        size_bytes,
+        has_memory: false,
+        cpus: rec.cpus,
+        memory_mb: rec.memory_mb,
+        disk_mb: rec.disk_mb,
+        created_at: locker_types::rfc3339(now_s()),
+        path: dir.display().to_string(),
+    };
+    if let Err(e) = app.store.insert_snapshot(&snap) {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(e.into());
+    }
+    Ok((StatusCode::CREATED, axum::Json(snapshot_view(&snap))))
+}
+
+async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {
+    let snaps = app.store.list_snapshots(&caller.tenant)?;
+    Ok(axum::Json(json!({"snapshots": snaps.iter().map(snapshot_view).collect::<Vec<_>>()})))
+}
+
+async fn remove(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let snap = app.store.get_snapshot(&caller.tenant, &id)?.ok_or_else(|| ApiError::not_found(format!("snapshot {id} does not exist")))?;
+    // Sandboxes started from it hold their own copies: removing it never affects them.
+    app.store.delete_snapshot(&caller.tenant, &id)?;
+    let _ = std::fs::remove_dir_all(&snap.path);
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkBody {
+    #[serde(default = "one")]
+    count: u64,
+}
+
+fn one() -> u64 {
+    1
+}
+
+async fn fork(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<ForkBody>) -> Result<impl IntoResponse, ApiError> {
+    if !(1..=MAX_FORK).contains(&body.count) {
+        return Err(ApiError::bad_request(format!("`count` must be between 1 and {MAX_FORK}")));
+    }
+    let live = live_quiet(&app, &caller, &id).await?;
+    let rec = record_of(&app, &caller, &id)?;
+    let q = &app.cfg.quotas;
+    let running = app.store.count_running(&caller.tenant)?;
+    if running + body.count > q.sandboxes {
+        return Err(ApiError::quota(format!(
+            "quota exceeded: tenant {} may have {} sandboxes at once ({running} now); fork fewer",
+            caller.tenant, q.sandboxes
+        )));
+    }
+    let template = app
+        .templates
+        .resolve(&rec.template_digest)
+        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+        .ok_or_else(|| ApiError::conflict(format!("the template of sandbox {id} is no longer on this host")))?;
+    // One consistent point for every child; the point itself is not kept.
+    let point = app.cfg.data_dir.join("snapshots").join(format!(".fork-{}", new_id("")));
+    take(&app, &live, point.clone()).await?;
+    let new = NewSandbox {
+        template_name: rec.template.clone(),
+        template,
+        runtime: "jail",
+        cpus: rec.cpus,
+        memory_mb: rec.memory_mb,
+        disk_mb: rec.disk_mb,
+        ttl_s: rec.ttl_s,
+        idle_timeout_s: rec.idle_timeout_s,
+        env: rec.env.clone(),
+        network: rec.network.clone(),
+        metadata: rec.metadata.clone(),
+    };
+    let img = point.join("disk.img");
+    let children = futures_util::future::join_all((0..body.count).map(|_| launch(&app, &caller, &new, Some(img.clone())))).await;
+    let _ = std::fs::remove_dir_all(&point);
+    let (ok, failed): (Vec<_>, Vec<_>) = children.into_iter().partition(Result::is_ok);
+    let ok: Vec<(locker_store::SandboxRecord, Arc<Live>)> = ok.into_iter().map(|r| r.expect("partitioned")).collect();
+    if let Some(Err(e)) = failed.into_iter().next() {
+        // All or nothing: a fork that could not make every child leaves none.
+        for (r, _) in &ok {
+            let _ = crate::sandboxes::destroy(&app, r).await;
+        }
+        return Err(e);
+    }
+    let items: Vec<Value> = ok.iter().map(|(r, l)| view(r, Some(l))).collect();
+    Ok((StatusCode::CREATED, axum::Json(json!({ "sandboxes": items }))))
+}
