@@ -811,3 +811,38 @@ fn concurrent_use_from_several_threads() {
     }
     assert_eq!(s.list_tenants().unwrap().len(), THREADS);
 }
+
+#[test]
+fn snapshots_are_isolated_between_tenants_and_survive_reopen() {
+    let dir = TempDir::new();
+    let store = open(&dir);
+    store.ensure_tenant("a").unwrap();
+    store.ensure_tenant("b").unwrap();
+    let snap = |id: &str, tenant: &str| locker_store::SnapshotRecord {
+        id: id.into(),
+        tenant: tenant.into(),
+        sandbox_id: "sb_1".into(),
+        template: "default".into(),
+        template_digest: "d".into(),
+        runtime: "jail".into(),
+        size_bytes: 42,
+        has_memory: false,
+        cpus: 1.0,
+        memory_mb: 512,
+        disk_mb: 2048,
+        created_at: rfc3339(1),
+        path: format!("/x/{id}"),
+    };
+    store.insert_snapshot(&snap("snap_1", "a")).unwrap();
+    store.insert_snapshot(&snap("snap_2", "b")).unwrap();
+    assert!(matches!(store.insert_snapshot(&snap("snap_1", "a")), Err(StoreError::Conflict(_))));
+    assert_eq!(store.get_snapshot("a", "snap_1").unwrap().unwrap().size_bytes, 42);
+    assert!(store.get_snapshot("b", "snap_1").unwrap().is_none(), "another tenant's snapshot is invisible");
+    assert_eq!(store.list_snapshots("a").unwrap().len(), 1);
+    assert!(!store.delete_snapshot("b", "snap_1").unwrap(), "nor deletable");
+    drop(store);
+    let store = open(&dir);
+    assert_eq!(store.list_snapshots("a").unwrap()[0].id, "snap_1");
+    assert!(store.delete_snapshot("a", "snap_1").unwrap());
+    assert!(store.list_snapshots("a").unwrap().is_empty());
+}
