@@ -19,6 +19,22 @@ pub enum CopyKind {
     Sparse,
 }
 
+/// Creates an empty disk of `size_mb` at `img`: a copy of a blank image of that size kept
+/// in `blanks` (made once per size, atomically), so no machine start pays for `mkfs`.
+pub fn make_from_blank(img: &Path, size_mb: u64, blanks: &Path) -> io::Result<()> {
+    let blank = blanks.join(format!("blank-ext4-{size_mb}m.img"));
+    if !blank.exists() {
+        fs::create_dir_all(blanks)?;
+        let tmp = blanks.join(format!(".tmp-{size_mb}m-{}", std::process::id()));
+        let _ = fs::remove_file(&tmp);
+        make(&tmp, size_mb)?;
+        fs::File::open(&tmp)?.sync_all()?;
+        // Whoever renames last wins; every candidate is a valid blank image.
+        fs::rename(&tmp, &blank)?;
+    }
+    copy(&blank, img).map(drop)
+}
+
 /// Creates a sparse ext4 image of `size_mb` at `img` whose root directory belongs to root.
 pub fn make(img: &Path, size_mb: u64) -> io::Result<()> {
     let f = fs::File::create(img)?;

@@ -49,6 +49,12 @@ pub fn uid_base(slot: u32) -> u32 {
     (FIRST_SLOT + slot) * UID_RANGE
 }
 
+/// Where blank disk images are kept: `$LOCKER_CACHE_DIR/disks` (default
+/// `/var/cache/locker/disks`), shared by every data dir like the templates.
+pub fn blank_disks_dir() -> PathBuf {
+    std::env::var_os("LOCKER_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/cache/locker")).join("disks")
+}
+
 /// Errors of the jail runtime; each names the step that failed.
 #[derive(Debug, thiserror::Error)]
 pub enum JailError {
@@ -368,7 +374,7 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
         Some(from) => {
             crate::disk::copy(from, &img).map_err(step(format!("copy the disk image {}", from.display())))?;
         }
-        None => crate::disk::make(&img, spec.disk_mb).map_err(step("make the disk image"))?,
+        None => crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir()).map_err(step("make the disk image"))?,
     }
     let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
     let agent = fs::OpenOptions::new()
