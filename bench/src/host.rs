@@ -13,10 +13,41 @@ pub struct Info {
     pub kernel: String,
     pub cpu: String,
     pub load: String,
+    /// The workspace's commit, `+dirty` when tracked files differ from it.
+    pub commit: String,
+}
+
+fn commit() -> String {
+    let root = concat!(env!("CARGO_MANIFEST_DIR"), "/..");
+    let git = |args: &[&str]| {
+        std::process::Command::new("git")
+            .arg("-C")
+            .arg(root)
+            .args(args)
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+    };
+    match git(&["rev-parse", "--short", "HEAD"]) {
+        Some(c) => {
+            let dirty = git(&["status", "--porcelain", "--untracked-files=no"])
+                .is_some_and(|s| !s.is_empty());
+            if dirty {
+                format!("{c}+dirty")
+            } else {
+                c
+            }
+        }
+        None => "unknown commit".into(),
+    }
 }
 
 fn read(p: &str) -> String {
-    std::fs::read_to_string(p).unwrap_or_default().trim().to_owned()
+    std::fs::read_to_string(p)
+        .unwrap_or_default()
+        .trim()
+        .to_owned()
 }
 
 /// The civil date of a count of days since 1970-01-01 (Howard Hinnant's algorithm).
@@ -34,7 +65,10 @@ fn civil(days: i64) -> (i64, u32, u32) {
 
 impl Info {
     pub fn collect() -> Info {
-        let secs = SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0) as i64;
+        let secs = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0) as i64;
         let (y, m, d) = civil(secs.div_euclid(86_400));
         let mem_kib: f64 = read("/proc/meminfo")
             .lines()
@@ -43,24 +77,46 @@ impl Info {
             .unwrap_or(0.0);
         let cpu = read("/proc/cpuinfo")
             .lines()
-            .find_map(|l| l.strip_prefix("model name").and_then(|v| v.split_once(':')).map(|(_, v)| v.trim().to_owned()))
+            .find_map(|l| {
+                l.strip_prefix("model name")
+                    .and_then(|v| v.split_once(':'))
+                    .map(|(_, v)| v.trim().to_owned())
+            })
             .unwrap_or_else(|| "unknown CPU".into());
         let hostname = read("/proc/sys/kernel/hostname");
         Info {
-            hostname: if hostname.is_empty() { "unknown-host".into() } else { hostname.replace('/', "_") },
+            hostname: if hostname.is_empty() {
+                "unknown-host".into()
+            } else {
+                hostname.replace('/', "_")
+            },
             date: format!("{y:04}-{m:02}-{d:02}"),
-            nproc: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1),
+            nproc: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1),
             mem_gib: mem_kib / 1024.0 / 1024.0,
             kernel: read("/proc/sys/kernel/osrelease"),
             cpu,
-            load: read("/proc/loadavg").split_whitespace().take(3).collect::<Vec<_>>().join(" "),
+            commit: commit(),
+            load: read("/proc/loadavg")
+                .split_whitespace()
+                .take(3)
+                .collect::<Vec<_>>()
+                .join(" "),
         }
     }
 
     pub fn describe(&self) -> String {
         format!(
-            "host {} | {} | nproc {} | {:.1} GiB RAM | kernel {} | {} | load {}",
-            self.hostname, self.date, self.nproc, self.mem_gib, self.kernel, self.cpu, self.load
+            "host {} | {} | nproc {} | {:.1} GiB RAM | kernel {} | {} | load {} | {}",
+            self.hostname,
+            self.date,
+            self.nproc,
+            self.mem_gib,
+            self.kernel,
+            self.cpu,
+            self.load,
+            self.commit
         )
     }
 }
@@ -77,7 +133,14 @@ pub struct CpuMark {
 
 fn host_jiffies() -> (u64, u64) {
     let stat = read("/proc/stat");
-    let v: Vec<u64> = stat.lines().next().unwrap_or("").split_whitespace().skip(1).filter_map(|x| x.parse().ok()).collect();
+    let v: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|x| x.parse().ok())
+        .collect();
     let total: u64 = v.iter().take(8).sum();
     // idle and iowait are not busy.
     let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
@@ -101,7 +164,11 @@ fn own_cpu_s() -> f64 {
 
 impl CpuMark {
     pub fn now() -> CpuMark {
-        CpuMark { at: Instant::now(), host: host_jiffies(), own: own_cpu_s() }
+        CpuMark {
+            at: Instant::now(),
+            host: host_jiffies(),
+            own: own_cpu_s(),
+        }
     }
 
     /// (host CPU busy %, this run's share %) since the mark, both of all CPUs. The run's

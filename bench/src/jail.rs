@@ -66,11 +66,23 @@ fn true_spec() -> ExecSpec {
 /// The spec the brief fixes: the default template, 1 CPU, 512 MB, a 2048 MB disk.
 fn spec(dir: &Path, rootfs: &Path) -> MachineSpec {
     let id = unique("bench").replace('-', "_");
-    MachineSpec { id: id.clone(), dir: dir.join(&id), template_rootfs: rootfs.to_owned(), cpus: 1.0, memory_mb: 512, disk_mb: 2048, pids: 1024 }
+    MachineSpec {
+        id: id.clone(),
+        dir: dir.join(&id),
+        template_rootfs: rootfs.to_owned(),
+        cpus: 1.0,
+        memory_mb: 512,
+        disk_mb: 2048,
+        pids: 1024,
+    }
 }
 
 async fn exec_true(m: &Machine) -> anyhow::Result<locker_types::ExecResult> {
-    let r = m.agent.exec(true_spec(), None, None).await.with_context(|| format!("exec `true` in {}", m.id))?;
+    let r = m
+        .agent
+        .exec(true_spec(), None, None)
+        .await
+        .with_context(|| format!("exec `true` in {}", m.id))?;
     if r.exit_code != Some(0) {
         bail!("`true` in machine {} did not exit 0: {r:?}", m.id);
     }
@@ -78,7 +90,11 @@ async fn exec_true(m: &Machine) -> anyhow::Result<locker_types::ExecResult> {
 }
 
 pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-    let node = Node::new(NodeConfig { init_exe: locker_bin(), agent_exe: agent_bin() }).context("a node on this host (run as root, cgroups mounted)")?;
+    let node = Node::new(NodeConfig {
+        init_exe: locker_bin(),
+        agent_exe: agent_bin(),
+    })
+    .context("a node on this host (run as root, cgroups mounted)")?;
     let rootfs = default_rootfs();
     let tmp = TempDir::new("locker-bench-jail");
     let machines = tmp.path().join("machines");
@@ -89,9 +105,15 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     for i in 0..warm + n {
         check_stop()?;
         let t0 = Instant::now();
-        let m = node.create(spec(&machines, &rootfs)).await.context("create a machine")?;
+        let m = node
+            .create(spec(&machines, &rootfs))
+            .await
+            .context("create a machine")?;
         let t_created = ms(t0);
-        let g = MachineGuard { node: &node, machine: Some(m) };
+        let g = MachineGuard {
+            node: &node,
+            machine: Some(m),
+        };
         let t1 = Instant::now();
         exec_true(g.m()).await?;
         let (t_first, t_total) = (ms(t1), ms(t0));
@@ -106,17 +128,29 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             destroy.push(t_destroy);
         }
     }
-    println!("  {CREATE_TRUE}: p50 {:.2} ms (create {:.2} + first exec {:.2}), destroy p50 {:.2} ms", percentile(&create_true, 50.0), percentile(&create, 50.0), percentile(&first, 50.0), percentile(&destroy, 50.0));
+    println!(
+        "  {CREATE_TRUE}: p50 {:.2} ms (create {:.2} + first exec {:.2}), destroy p50 {:.2} ms",
+        percentile(&create_true, 50.0),
+        percentile(&create, 50.0),
+        percentile(&first, 50.0),
+        percentile(&destroy, 50.0)
+    );
     rows.push(
         Row::new(CREATE_TRUE, "ms", create_true, warm)
             .note("Node::create (default template, 1 cpu, 512 MB, 2048 MB disk) + AgentClient::exec([\"true\"]) done, one machine at a time")
-            .note("includes spawning the shim (locker __jail-init), user ns, cgroup, mkfs.ext4 of the sparse 2048 MB disk image, loop attach + mounts, agent exec and connect")
+            .note("includes spawning the shim (locker __jail-init), user ns, cgroup, the 2048 MB disk (a copy of the cached blank ext4 image; mkfs only for the first machine of a size, in the warm-up), loop attach + mounts, agent exec and connect")
             .note("namespaces only: KVM or TCG emulation does not matter for the jail")
             .target(Target::P50(15.0))
             .vs(BWRAP),
     );
-    rows.push(Row::new("jail create (Node::create)", "ms", create, warm).note("until the agent answered Hello; part of the row above"));
-    rows.push(Row::new("jail first exec true", "ms", first, warm).note("the first command in a new machine; part of the row above"));
+    rows.push(
+        Row::new("jail create (Node::create)", "ms", create, warm)
+            .note("until the agent answered Hello; part of the row above"),
+    );
+    rows.push(
+        Row::new("jail first exec true", "ms", first, warm)
+            .note("the first command in a new machine; part of the row above"),
+    );
     rows.push(Row::new("jail destroy", "ms", destroy, warm).note("Node::destroy: SIGKILL PID 1, empty and remove the cgroup, wait for the shim and the loop device to go, rm -r the machine dir (disk image)"));
 
     // Creates in a row, none destroyed in between (a server filling up): the kernel's
@@ -128,8 +162,14 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     for _ in 0..k {
         check_stop()?;
         let t0 = Instant::now();
-        let m = node.create(spec(&machines, &rootfs)).await.context("create a machine")?;
-        let g = MachineGuard { node: &node, machine: Some(m) };
+        let m = node
+            .create(spec(&machines, &rootfs))
+            .await
+            .context("create a machine")?;
+        let g = MachineGuard {
+            node: &node,
+            machine: Some(m),
+        };
         exec_true(g.m()).await?;
         in_a_row.push(ms(t0));
         kept.push(g);
@@ -138,7 +178,10 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         node.destroy(g.m()).await.context("destroy a machine")?;
         g.destroyed();
     }
-    println!("  {CREATE_TRUE}, {k} in a row without destroys: p50 {:.2} ms", percentile(&in_a_row, 50.0));
+    println!(
+        "  {CREATE_TRUE}, {k} in a row without destroys: p50 {:.2} ms",
+        percentile(&in_a_row, 50.0)
+    );
     rows.push(
         Row::new(format!("{CREATE_TRUE} ({k} kept, no destroy between)"), "ms", in_a_row, 0)
             .note("the same create + first exec, but machines are kept and destroyed only after the last one: no teardown of the previous machine runs beside the create")
@@ -149,8 +192,14 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     // Exec in one warm machine.
     check_stop()?;
     let (warm, n) = (args.warmup, args.fast());
-    let m = node.create(spec(&machines, &rootfs)).await.context("create a machine")?;
-    let g = MachineGuard { node: &node, machine: Some(m) };
+    let m = node
+        .create(spec(&machines, &rootfs))
+        .await
+        .context("create a machine")?;
+    let g = MachineGuard {
+        node: &node,
+        machine: Some(m),
+    };
     let (mut exec, mut agent_start, mut agent_run) = (vec![], vec![], vec![]);
     for i in 0..warm + n {
         check_stop()?;
@@ -167,7 +216,10 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     g.destroyed();
     let (s50, r50) = (percentile(&agent_start, 50.0), percentile(&agent_run, 50.0));
     let tail = tail_note(&exec, &agent_start);
-    println!("  {EXEC_TRUE}: p50 {:.2} ms (agent-reported start {s50:.2} + run {r50:.2})", percentile(&exec, 50.0));
+    println!(
+        "  {EXEC_TRUE}: p50 {:.2} ms (agent-reported start {s50:.2} + run {r50:.2})",
+        percentile(&exec, 50.0)
+    );
     rows.push(
         Row::new(EXEC_TRUE, "ms", exec, warm)
             .note("AgentClient::exec([\"true\"]) round trip over the agent socket, client on a 2-worker tokio runtime")
@@ -179,41 +231,74 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
 
     // Phases of a start that can be timed from outside, on the same files.
     check_stop()?;
-    rows.push(mkfs_row(tmp.path(), args)?);
+    rows.extend(disk_rows(tmp.path(), args)?);
     rows.push(cgroup_move_row(args)?);
-    let size_mb = std::fs::metadata(locker_bin()).map(|m| m.len() >> 20).unwrap_or(0);
+    let size_mb = std::fs::metadata(locker_bin())
+        .map(|m| m.len() >> 20)
+        .unwrap_or(0);
     let note = format!("fork+exec+exit of the {size_mb} MB locker binary the shim runs as: the floor of the shim's own start");
-    rows.push(spawn_row("phase spawn locker --version", &locker_bin(), &["--version"], args, &note)?);
+    rows.push(spawn_row(
+        "phase spawn locker --version",
+        &locker_bin(),
+        &["--version"],
+        args,
+        &note,
+    )?);
     Ok(())
 }
 
-/// Formatting the machine's disk, exactly as the shim does it.
-fn mkfs_row(dir: &Path, args: &Args) -> anyhow::Result<Row> {
+/// The machine's disk as the shim makes it: a copy of the cached blank image of that size
+/// (`disk::make_from_blank`), and what making that blank costs once per size (`disk::make`,
+/// i.e. `mkfs.ext4`). Both through the runtime's own functions.
+fn disk_rows(dir: &Path, args: &Args) -> anyhow::Result<Vec<Row>> {
     let (warm, n) = (args.create_warmup(), args.creates());
     let img = dir.join("phase-disk.img");
-    let mut s = vec![];
+    let blanks = locker_runtime::jail::blank_disks_dir();
+    let (mut copy, mut mkfs) = (vec![], vec![]);
     for i in 0..warm + n {
         check_stop()?;
         let _ = std::fs::remove_file(&img);
         let t0 = Instant::now();
-        let f = std::fs::File::create(&img)?;
-        f.set_len(2048 << 20)?;
-        drop(f);
-        let out = Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-O", "^has_journal", "-m", "0", "-E", "lazy_itable_init=1,nodiscard,root_owner=1048576:1048576"])
-            .arg(&img)
-            .stdin(Stdio::null())
-            .output()
-            .context("run mkfs.ext4")?;
-        if !out.status.success() {
-            bail!("mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr));
-        }
+        locker_runtime::disk::make_from_blank(&img, 2048, &blanks)
+            .context("make a disk from the blank image")?;
+        let t_copy = ms(t0);
+        std::fs::remove_file(&img)?;
+        let t0 = Instant::now();
+        locker_runtime::disk::make(&img, 2048).context("mkfs.ext4 a disk image")?;
+        let t_mkfs = ms(t0);
+        std::fs::remove_file(&img)?;
         if i >= warm {
-            s.push(ms(t0));
+            copy.push(t_copy);
+            mkfs.push(t_mkfs);
         }
     }
-    let _ = std::fs::remove_file(&img);
-    Ok(Row::new("phase mkfs.ext4 2048 MB", "ms", s, warm).note("create + truncate + mkfs.ext4 of the sparse disk image with the shim's flags, outside any machine"))
+    let how = if reflinks(dir, &blanks) {
+        "reflink (FICLONE) works here"
+    } else {
+        "no reflink here: a sparse copy of the allocated extents, then fsync"
+    };
+    Ok(vec![
+        Row::new("phase disk from blank 2048 MB", "ms", copy, warm)
+            .note(format!("disk::make_from_blank as at every machine start: a copy of {}/blank-ext4-2048m.img; {how}", blanks.display())),
+        Row::new("phase mkfs.ext4 2048 MB", "ms", mkfs, warm)
+            .note("disk::make (truncate + mkfs.ext4 with the runtime's flags): paid once per disk size, when the blank image is made"),
+    ])
+}
+
+/// Whether a reflink copy from the blank images' directory to `dir` works.
+fn reflinks(dir: &Path, blanks: &Path) -> bool {
+    let (a, b) = (
+        blanks.join(format!(".bench-reflink-{}", std::process::id())),
+        dir.join("reflink-probe"),
+    );
+    let ok = std::fs::write(&a, b"x").is_ok()
+        && matches!(
+            locker_runtime::disk::copy(&a, &b),
+            Ok(locker_runtime::disk::CopyKind::Reflink)
+        );
+    let _ = std::fs::remove_file(&a);
+    let _ = std::fs::remove_file(&b);
+    ok
 }
 
 /// Moving a new process into a new cgroup after the host's cgroups were quiet for 50 ms,
@@ -222,14 +307,19 @@ fn mkfs_row(dir: &Path, args: &Args) -> anyhow::Result<Row> {
 /// succession are cheap, which is why warm execs do not show it.
 fn cgroup_move_row(args: &Args) -> anyhow::Result<Row> {
     let v2 = Path::new("/sys/fs/cgroup/cgroup.controllers").exists();
-    let parent = if v2 { PathBuf::from("/sys/fs/cgroup") } else { PathBuf::from("/sys/fs/cgroup/pids") };
+    let parent = if v2 {
+        PathBuf::from("/sys/fs/cgroup")
+    } else {
+        PathBuf::from("/sys/fs/cgroup/pids")
+    };
     let (warm, n) = (args.create_warmup(), args.creates());
     let mut s = vec![];
     for i in 0..warm + n {
         check_stop()?;
         std::thread::sleep(std::time::Duration::from_millis(50));
         let dir = parent.join(unique("locker-bench-cg"));
-        std::fs::create_dir(&dir).with_context(|| format!("create the cgroup {}", dir.display()))?;
+        std::fs::create_dir(&dir)
+            .with_context(|| format!("create the cgroup {}", dir.display()))?;
         let moved = time_first_move(&dir.join("cgroup.procs"));
         // The child is reaped, but the kernel may list it for a moment longer.
         for _ in 0..100 {
@@ -243,7 +333,11 @@ fn cgroup_move_row(args: &Args) -> anyhow::Result<Row> {
             s.push(t);
         }
     }
-    let what = if v2 { "cgroup v2" } else { "cgroup v1 (pids hierarchy; the first controller written pays, the others are ~0.02 ms)" };
+    let what = if v2 {
+        "cgroup v2"
+    } else {
+        "cgroup v1 (pids hierarchy; the first controller written pays, the others are ~0.02 ms)"
+    };
     Ok(Row::new("phase first cgroup move", "ms", s, warm).note(format!("write(\"0\") to cgroup.procs of a new cgroup by a fresh child, 50 ms after the last move, {what}")))
 }
 
@@ -252,14 +346,22 @@ fn cgroup_move_row(args: &Args) -> anyhow::Result<Row> {
 fn time_first_move(procs: &Path) -> anyhow::Result<f64> {
     use std::io::Read;
     use std::os::fd::{AsRawFd, FromRawFd};
-    let f = std::fs::OpenOptions::new().write(true).open(procs).with_context(|| format!("open {}", procs.display()))?;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(procs)
+        .with_context(|| format!("open {}", procs.display()))?;
     let mut p = [0i32; 2];
     // SAFETY: pipe2 fills the two-int array we own.
     if unsafe { libc::pipe2(p.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
         bail!("pipe: {}", std::io::Error::last_os_error());
     }
     // SAFETY: fresh descriptors from pipe2, each owned once.
-    let (mut r, w) = unsafe { (std::fs::File::from_raw_fd(p[0]), std::fs::File::from_raw_fd(p[1])) };
+    let (mut r, w) = unsafe {
+        (
+            std::fs::File::from_raw_fd(p[0]),
+            std::fs::File::from_raw_fd(p[1]),
+        )
+    };
     // SAFETY: the child only calls async-signal-safe functions (clock_gettime, write,
     // _exit) on descriptors opened before the fork, so forking a threaded process is sound.
     let pid = unsafe { libc::fork() };
@@ -271,7 +373,11 @@ fn time_first_move(procs: &Path) -> anyhow::Result<f64> {
             libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t0);
             let ok = libc::write(f.as_raw_fd(), b"0".as_ptr().cast(), 1) == 1;
             libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut t1);
-            let ns: i64 = if ok { (t1.tv_sec - t0.tv_sec) * 1_000_000_000 + (t1.tv_nsec - t0.tv_nsec) } else { -1 };
+            let ns: i64 = if ok {
+                (t1.tv_sec - t0.tv_sec) * 1_000_000_000 + (t1.tv_nsec - t0.tv_nsec)
+            } else {
+                -1
+            };
             libc::write(w.as_raw_fd(), (&ns as *const i64).cast(), 8);
             libc::_exit(0);
         }
@@ -295,13 +401,25 @@ fn time_first_move(procs: &Path) -> anyhow::Result<f64> {
 }
 
 /// Spawning a program and waiting for it, `n` times.
-fn spawn_row(name: &str, prog: &Path, argv: &[&str], args: &Args, note: &str) -> anyhow::Result<Row> {
+fn spawn_row(
+    name: &str,
+    prog: &Path,
+    argv: &[&str],
+    args: &Args,
+    note: &str,
+) -> anyhow::Result<Row> {
     let (warm, n) = (args.warmup, args.fast());
     let mut s = vec![];
     for i in 0..warm + n {
         check_stop()?;
         let t0 = Instant::now();
-        let st = Command::new(prog).args(argv).stdin(Stdio::null()).stdout(Stdio::null()).stderr(Stdio::null()).status().with_context(|| format!("run {}", prog.display()))?;
+        let st = Command::new(prog)
+            .args(argv)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .with_context(|| format!("run {}", prog.display()))?;
         if !st.success() {
             bail!("{} {argv:?} failed: {st}", prog.display());
         }
@@ -313,7 +431,11 @@ fn spawn_row(name: &str, prog: &Path, argv: &[&str], args: &Args, note: &str) ->
 }
 
 fn which(prog: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH").and_then(|p| std::env::split_paths(&p).map(|d| d.join(prog)).find(|p| p.is_file()))
+    std::env::var_os("PATH").and_then(|p| {
+        std::env::split_paths(&p)
+            .map(|d| d.join(prog))
+            .find(|p| p.is_file())
+    })
 }
 
 /// bwrap, installed with apt-get when missing (as the brief allows).
@@ -322,7 +444,11 @@ fn bwrap() -> Result<PathBuf, String> {
         return Ok(p);
     }
     println!("  bwrap is missing: apt-get install -y bubblewrap");
-    let st = Command::new("apt-get").args(["install", "-y", "bubblewrap"]).stdout(Stdio::null()).status().map_err(|e| format!("apt-get: {e}"))?;
+    let st = Command::new("apt-get")
+        .args(["install", "-y", "bubblewrap"])
+        .stdout(Stdio::null())
+        .status()
+        .map_err(|e| format!("apt-get: {e}"))?;
     if !st.success() {
         return Err(format!("apt-get install -y bubblewrap failed ({st})"));
     }
@@ -331,10 +457,24 @@ fn bwrap() -> Result<PathBuf, String> {
 
 pub fn peer_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let rootfs = default_rootfs();
-    let root = rootfs.to_str().context("the template path is not UTF-8")?.to_owned();
+    let root = rootfs
+        .to_str()
+        .context("the template path is not UTF-8")?
+        .to_owned();
     match bwrap() {
         Ok(b) => {
-            let argv = ["--unshare-all", "--die-with-parent", "--ro-bind", &root, "/", "--proc", "/proc", "--dev", "/dev", "true"];
+            let argv = [
+                "--unshare-all",
+                "--die-with-parent",
+                "--ro-bind",
+                &root,
+                "/",
+                "--proc",
+                "/proc",
+                "--dev",
+                "/dev",
+                "true",
+            ];
             let r = spawn_row(BWRAP, &b, &argv, args, "bwrap --unshare-all --die-with-parent --ro-bind <default template> / --proc /proc --dev /dev true; no cgroup, no disk, no seccomp, no agent")?;
             println!("  {BWRAP}: p50 {:.2} ms", r.p(50.0));
             rows.push(r);
@@ -344,15 +484,30 @@ pub fn peer_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     check_stop()?;
     match which("runsc") {
         Some(runsc) => {
-            let r = spawn_row("peer gVisor runsc do true", &runsc, &["do", "true"], args, "runsc do true: the host's root filesystem, gVisor's default platform")?;
+            let r = spawn_row(
+                "peer gVisor runsc do true",
+                &runsc,
+                &["do", "true"],
+                args,
+                "runsc do true: the host's root filesystem, gVisor's default platform",
+            )?;
             println!("  peer gVisor runsc do true: p50 {:.2} ms", r.p(50.0));
             rows.push(r.vs(BWRAP));
         }
-        None => rows.push(Row::skipped("peer gVisor runsc do true", "runsc is not installed on this host (not installed by the bench)")),
+        None => rows.push(Row::skipped(
+            "peer gVisor runsc do true",
+            "runsc is not installed on this host (not installed by the bench)",
+        )),
     }
     check_stop()?;
     let t = which("true").context("`true` is not on PATH")?;
-    let r = spawn_row(HOST_SPAWN, &t, &[], args, "fork+exec+wait of /usr/bin/true on the host, no isolation: the floor of any exec")?;
+    let r = spawn_row(
+        HOST_SPAWN,
+        &t,
+        &[],
+        args,
+        "fork+exec+wait of /usr/bin/true on the host, no isolation: the floor of any exec",
+    )?;
     println!("  {HOST_SPAWN}: p50 {:.2} ms", r.p(50.0));
     rows.push(r);
     Ok(())

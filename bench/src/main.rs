@@ -59,7 +59,10 @@ impl Args {
         self.iterations.unwrap_or(200).max(1)
     }
     pub fn creates(&self) -> usize {
-        self.create_iterations.or(self.iterations).unwrap_or(50).max(1)
+        self.create_iterations
+            .or(self.iterations)
+            .unwrap_or(50)
+            .max(1)
     }
     pub fn create_warmup(&self) -> usize {
         (self.warmup / 5).max(usize::from(self.warmup > 0))
@@ -133,7 +136,10 @@ fn run() -> anyhow::Result<()> {
     println!("{}", info.describe());
     let locker = locker_tests::locker_bin();
     if locker.components().any(|c| c.as_os_str() == "debug") {
-        println!("warning: {} is a debug build; numbers will be pessimistic (use bench/run)", locker.display());
+        println!(
+            "warning: {} is a debug build; numbers will be pessimistic (use bench/run)",
+            locker.display()
+        );
     }
     println!(
         "iterations: {} (fast) / {} (creates), after {} / {} warm-up iterations that are excluded from every figure\n",
@@ -150,7 +156,7 @@ fn run() -> anyhow::Result<()> {
     if !rows.is_empty() {
         rows.push(
             Row::new("host CPU busy during the run", "%", vec![host_busy], 0)
-                .note(format!("all CPUs, all processes; this run's own process tree (bench, servers, machines once reaped) about {own:.0}%, the rest ({:.0}%) other work on the host", host_busy - own)),
+                .note(format!("all CPUs, all processes; this run's own process tree (bench, servers, machines once reaped) about {own:.0}%, the rest ({:.0}%) other work on the host; {}", host_busy - own, info.describe())),
         );
     }
     if let Err(e) = &result {
@@ -165,7 +171,9 @@ fn run() -> anyhow::Result<()> {
     print!("{}", stats::table(&rows));
     // A run that stopped early never overwrites a complete one.
     let partial = if result.is_err() { "-partial" } else { "" };
-    let path = args.out_dir.join(format!("{}-{}{partial}.json", info.hostname, info.date));
+    let path = args
+        .out_dir
+        .join(format!("{}-{}{partial}.json", info.hostname, info.date));
     stats::write_json(&rows, &path).with_context(|| format!("write {}", path.display()))?;
     println!("\nsamples written to {}", path.display());
     result
@@ -173,7 +181,10 @@ fn run() -> anyhow::Result<()> {
 
 fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     if args.wants("jail") || args.wants("peers") {
-        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
         if args.wants("jail") {
             println!("== jail: machines started directly through the node ==");
             rt.block_on(jail::jail_rows(args, rows))?;
@@ -189,7 +200,10 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     }
     if args.wants("soak") {
         check_stop()?;
-        println!("== soak: {} sandboxes running `true` in a loop for {} s ==", args.soak_sandboxes, args.soak_seconds);
+        println!(
+            "== soak: {} sandboxes running `true` in a loop for {} s ==",
+            args.soak_sandboxes, args.soak_seconds
+        );
         server::soak_rows(args, rows)?;
     }
     Ok(())

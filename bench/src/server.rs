@@ -29,21 +29,37 @@ fn ms(since: Instant) -> f64 {
 /// `timings.start_ms` (cgroup + fork/exec inside the machine).
 fn http_exec(api: &Api, id: &str) -> anyhow::Result<(f64, f64)> {
     let r = api
-        .try_request("POST", &format!("/v1/sandboxes/{id}/exec"), &[("Content-Type", "application/json")], TRUE_BODY)
+        .try_request(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            &[("Content-Type", "application/json")],
+            TRUE_BODY,
+        )
         .with_context(|| format!("POST /v1/sandboxes/{id}/exec"))?;
     if r.status != 200 {
         bail!("exec in {id}: HTTP {}: {}", r.status, r.text());
     }
-    let v: Value = serde_json::from_slice(&r.body).with_context(|| format!("exec in {id}: not JSON: {}", r.text()))?;
+    let v: Value = serde_json::from_slice(&r.body)
+        .with_context(|| format!("exec in {id}: not JSON: {}", r.text()))?;
     if v["exit_code"] != 0 {
         bail!("`true` in {id} did not exit 0: {v}");
     }
     let t = &v["timings"];
-    Ok((t["total_ms"].as_f64().unwrap_or(f64::NAN), t["start_ms"].as_f64().unwrap_or(f64::NAN)))
+    Ok((
+        t["total_ms"].as_f64().unwrap_or(f64::NAN),
+        t["start_ms"].as_f64().unwrap_or(f64::NAN),
+    ))
 }
 
 fn create(api: &Api) -> anyhow::Result<String> {
-    let r = api.try_request("POST", "/v1/sandboxes", &[("Content-Type", "application/json")], &b"{}"[..]).context("POST /v1/sandboxes")?;
+    let r = api
+        .try_request(
+            "POST",
+            "/v1/sandboxes",
+            &[("Content-Type", "application/json")],
+            &b"{}"[..],
+        )
+        .context("POST /v1/sandboxes")?;
     if r.status != 201 {
         bail!("create a sandbox: HTTP {}: {}", r.status, r.text());
     }
@@ -52,7 +68,9 @@ fn create(api: &Api) -> anyhow::Result<String> {
 }
 
 fn delete(api: &Api, id: &str) -> anyhow::Result<()> {
-    let r = api.try_request("DELETE", &format!("/v1/sandboxes/{id}"), &[], ()).with_context(|| format!("DELETE /v1/sandboxes/{id}"))?;
+    let r = api
+        .try_request("DELETE", &format!("/v1/sandboxes/{id}"), &[], ())
+        .with_context(|| format!("DELETE /v1/sandboxes/{id}"))?;
     if r.status != 204 {
         bail!("delete {id}: HTTP {}: {}", r.status, r.text());
     }
@@ -81,7 +99,11 @@ pub fn server_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     }
     let s50 = percentile(&inside, 50.0);
     let tail = tail_note(&lat, &starts);
-    println!("  {HTTP_EXEC}: p50 {:.2} ms p99 {:.2} ms (server-reported total p50 {s50:.2} ms)", percentile(&lat, 50.0), percentile(&lat, 99.0));
+    println!(
+        "  {HTTP_EXEC}: p50 {:.2} ms p99 {:.2} ms (server-reported total p50 {s50:.2} ms)",
+        percentile(&lat, 50.0),
+        percentile(&lat, 99.0)
+    );
     rows.push(
         Row::new(HTTP_EXEC, "ms", lat, warm)
             .note("POST /v1/sandboxes/{id}/exec {\"cmd\":[\"true\"]}, JSON answer, one keep-alive connection (ureq), default tenant key")
@@ -107,7 +129,11 @@ pub fn server_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .output()
             .context("run locker exec")?;
         if !st.status.success() {
-            bail!("locker exec {id} -- true failed ({}): {}", st.status, String::from_utf8_lossy(&st.stderr));
+            bail!(
+                "locker exec {id} -- true failed ({}): {}",
+                st.status,
+                String::from_utf8_lossy(&st.stderr)
+            );
         }
         if i >= warm {
             cli.push(ms(t0));
@@ -135,10 +161,22 @@ pub fn server_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             d.push(ms(t1));
         }
     }
-    println!("  HTTP create→exec: p50 {:.2} ms (create {:.2}), delete p50 {:.2} ms", percentile(&ce, 50.0), percentile(&c, 50.0), percentile(&d, 50.0));
+    println!(
+        "  HTTP create→exec: p50 {:.2} ms (create {:.2}), delete p50 {:.2} ms",
+        percentile(&ce, 50.0),
+        percentile(&c, 50.0),
+        percentile(&d, 50.0)
+    );
     rows.push(Row::new("server HTTP create→exec true", "ms", ce, warm).note("POST /v1/sandboxes {} (default template, 1 cpu, 512 MB, 2048 MB disk) answered, then POST exec true answered").vs(CREATE_TRUE));
-    rows.push(Row::new("server HTTP create", "ms", c, warm).note("POST /v1/sandboxes until 201: store insert, Node::create, state update"));
-    rows.push(Row::new("server HTTP delete", "ms", d, warm).note("DELETE /v1/sandboxes/{id} until 204 (the machine is destroyed before the answer)"));
+    rows.push(
+        Row::new("server HTTP create", "ms", c, warm)
+            .note("POST /v1/sandboxes until 201: store insert, Node::create, state update"),
+    );
+    rows.push(
+        Row::new("server HTTP delete", "ms", d, warm).note(
+            "DELETE /v1/sandboxes/{id} until 204 (the machine is destroyed before the answer)",
+        ),
+    );
     let rss_after = rss_kib(srv.pid());
     rows.push(
         Row::new("server RSS idle → after server rows", "KiB", vec![rss_idle as f64, rss_after as f64], 0)
@@ -174,14 +212,23 @@ pub fn soak_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         ids.push(create(&api)?);
         creates.push(ms(t));
     }
-    println!("  created {m} sandboxes in {:.1} s (p50 {:.1} ms each)", t0.elapsed().as_secs_f64(), percentile(&creates, 50.0));
+    println!(
+        "  created {m} sandboxes in {:.1} s (p50 {:.1} ms each)",
+        t0.elapsed().as_secs_f64(),
+        percentile(&creates, 50.0)
+    );
     // One exec each so every connection and machine is warm before the clock starts.
     for id in &ids {
         http_exec(&api, id)?;
     }
     let rss_start = rss_kib(pid);
 
-    let shared = Arc::new(Soak { latencies: Mutex::new(Vec::new()), errors: Mutex::new(Vec::new()), error_count: 0.into(), done: AtomicBool::new(false) });
+    let shared = Arc::new(Soak {
+        latencies: Mutex::new(Vec::new()),
+        errors: Mutex::new(Vec::new()),
+        error_count: 0.into(),
+        done: AtomicBool::new(false),
+    });
     let rss_samples = Arc::new(Mutex::new(vec![rss_start as f64]));
     let monitor = {
         let (shared, rss) = (shared.clone(), rss_samples.clone());
@@ -254,18 +301,29 @@ pub fn soak_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .note(format!("{m} threads, one sandbox and one keep-alive connection each, `true` in a loop for {elapsed:.1} s after one warm-up exec each; {total} execs, {:.0} execs/s, {errors} errors", total as f64 / elapsed))
             .vs(HTTP_EXEC),
     );
-    let mut err_row = Row::new("soak errors", "count", vec![errors as f64], 0).note(format!("failed execs out of {total} (expected 0)"));
+    let mut err_row = Row::new("soak errors", "count", vec![errors as f64], 0)
+        .note(format!("failed execs out of {total} (expected 0)"));
     if !first_errors.is_empty() {
         err_row = err_row.note(format!("first errors: {}", first_errors.join(" | ")));
     }
     rows.push(err_row);
-    rows.push(Row::new("soak execs total", "count", vec![total as f64], 0).note(format!("{:.0} execs/s over {elapsed:.1} s", total as f64 / elapsed)));
+    rows.push(
+        Row::new("soak execs total", "count", vec![total as f64], 0).note(format!(
+            "{:.0} execs/s over {elapsed:.1} s",
+            total as f64 / elapsed
+        )),
+    );
     rows.push(
         Row::new("soak server RSS", "KiB", rss, 0).note(format!(
             "VmRSS of locker serve every 250 ms during the soak; idle {rss_idle} KiB, with {m} sandboxes {rss_start} KiB (start), peak {peak} KiB, end {rss_end} KiB, after deleting them all {rss_deleted} KiB"
         )),
     );
     rows.push(Row::new(format!("soak HTTP create ({m} in a row)"), "ms", creates, 0).note("sequential creates filling the server before the soak; the nth create runs beside n-1 idle machines"));
-    rows.push(Row::new(format!("soak HTTP delete ({m} in a row)"), "ms", deletes, 0));
+    rows.push(Row::new(
+        format!("soak HTTP delete ({m} in a row)"),
+        "ms",
+        deletes,
+        0,
+    ));
     Ok(())
 }

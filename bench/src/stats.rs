@@ -32,8 +32,22 @@ pub struct Row {
 }
 
 impl Row {
-    pub fn new(name: impl Into<String>, unit: &'static str, samples: Vec<f64>, warmup: usize) -> Row {
-        Row { name: name.into(), unit, samples, notes: String::new(), warmup, targets: Vec::new(), peer: None, skipped: None }
+    pub fn new(
+        name: impl Into<String>,
+        unit: &'static str,
+        samples: Vec<f64>,
+        warmup: usize,
+    ) -> Row {
+        Row {
+            name: name.into(),
+            unit,
+            samples,
+            notes: String::new(),
+            warmup,
+            targets: Vec::new(),
+            peer: None,
+            skipped: None,
+        }
     }
 
     /// A row that could not be measured on this host, and why.
@@ -86,7 +100,14 @@ impl Row {
                 if got <= want {
                     format!("{label} ≤ {} {}: met", fmt_num(want), self.unit)
                 } else {
-                    format!("{label} ≤ {} {}: MISSED by {} {} ({:.1}×)", fmt_num(want), self.unit, fmt_num(got - want), self.unit, got / want)
+                    format!(
+                        "{label} ≤ {} {}: MISSED by {} {} ({:.1}×)",
+                        fmt_num(want),
+                        self.unit,
+                        fmt_num(got - want),
+                        self.unit,
+                        got / want
+                    )
                 }
             })
             .collect()
@@ -108,7 +129,10 @@ pub fn percentile(samples: &[f64], pct: f64) -> f64 {
 /// agent-reported start (cgroup + fork/exec in the machine) over 8 ms as well.
 pub fn tail_note(lat: &[f64], starts: &[f64]) -> String {
     let slow: Vec<usize> = (0..lat.len()).filter(|&i| lat[i] > 8.0).collect();
-    let slow_start = slow.iter().filter(|&&i| starts.get(i).is_some_and(|s| *s > 8.0)).count();
+    let slow_start = slow
+        .iter()
+        .filter(|&&i| starts.get(i).is_some_and(|s| *s > 8.0))
+        .count();
     format!(
         "agent-reported start p50 {:.2} / p99 {:.2} ms; {} of {} calls took over 8 ms, {slow_start} of them in the agent's start",
         percentile(starts, 50.0),
@@ -132,9 +156,18 @@ fn fmt_num(v: f64) -> String {
 
 /// The table printed at the end of a run.
 pub fn table(rows: &[Row]) -> String {
-    let width = rows.iter().map(|r| r.name.chars().count()).max().unwrap_or(10).max(10);
+    let width = rows
+        .iter()
+        .map(|r| r.name.chars().count())
+        .max()
+        .unwrap_or(10)
+        .max(10);
     let mut out = String::new();
-    let _ = writeln!(out, "{:<width$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>6}  {:<5}  targets / ratios", "row", "p50", "p95", "p99", "mean", "n", "unit");
+    let _ = writeln!(
+        out,
+        "{:<width$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>6}  {:<5}  targets / ratios",
+        "row", "p50", "p95", "p99", "mean", "n", "unit"
+    );
     let _ = writeln!(out, "{}", "-".repeat(width + 72));
     for r in rows {
         if let Some(why) = &r.skipped {
@@ -143,7 +176,10 @@ pub fn table(rows: &[Row]) -> String {
         }
         let mut extra = r.verdicts();
         if let Some(peer) = &r.peer {
-            if let Some(p) = rows.iter().find(|x| &x.name == peer && x.skipped.is_none() && !x.samples.is_empty()) {
+            if let Some(p) = rows
+                .iter()
+                .find(|x| &x.name == peer && x.skipped.is_none() && !x.samples.is_empty())
+            {
                 extra.push(format!("{:.1}× {peer}", r.p(50.0) / p.p(50.0)));
             }
         }
@@ -207,7 +243,10 @@ pub fn write_json(rows: &[Row], path: &Path) -> std::io::Result<()> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
     }
-    std::fs::write(path, serde_json::to_vec_pretty(&items).expect("rows serialize"))
+    std::fs::write(
+        path,
+        serde_json::to_vec_pretty(&items).expect("rows serialize"),
+    )
 }
 
 #[cfg(test)]
@@ -227,7 +266,10 @@ mod tests {
     #[test]
     fn verdicts_say_by_how_much() {
         let r = Row::new("x", "ms", vec![20.0; 10], 0).target(Target::P50(15.0));
-        assert_eq!(r.verdicts(), vec!["p50 ≤ 15.00 ms: MISSED by 5.00 ms (1.3×)".to_owned()]);
+        assert_eq!(
+            r.verdicts(),
+            vec!["p50 ≤ 15.00 ms: MISSED by 5.00 ms (1.3×)".to_owned()]
+        );
         let r = Row::new("x", "ms", vec![1.0; 10], 0).target(Target::P50(2.0));
         assert_eq!(r.verdicts(), vec!["p50 ≤ 2.00 ms: met".to_owned()]);
     }

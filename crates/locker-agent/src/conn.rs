@@ -327,6 +327,15 @@ pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
             return;
         }
     }
+    let read_all = std::panic::AssertUnwindSafe(|| read_loop(agent, &conn, reader, scratch));
+    if std::panic::catch_unwind(read_all).is_err() {
+        eprintln!("locker-agent: a connection reader failed; dropping the connection");
+    }
+    conn.close();
+}
+
+/// Reads and routes frames until the connection ends or breaks the protocol.
+fn read_loop(agent: Arc<Agent>, conn: &Arc<Conn>, mut reader: UnixStream, mut scratch: Vec<u8>) {
     loop {
         // Keep the reusable buffer from holding on to a large payload forever.
         if scratch.capacity() > 2 * DATA_CHUNK {
@@ -342,12 +351,11 @@ pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
                 break;
             }
         };
-        if let Err(why) = dispatch(&agent, &conn, frame) {
+        if let Err(why) = dispatch(&agent, conn, frame) {
             eprintln!("locker-agent: dropping a connection: {why}");
             break;
         }
     }
-    conn.close();
 }
 
 fn kind_of(f: &Frame) -> &'static str {

@@ -33,9 +33,15 @@ use crate::users::{self, User};
 use crate::{sys, Agent};
 
 const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-/// How long the output pump keeps reading after the command's tree was killed, for output
-/// held by processes that escaped (only possible without cgroups).
-const DRAIN_GRACE: Duration = Duration::from_secs(2);
+/// After the command ended, an output pipe that stays open this long without data is given up
+/// (something outside the command's tree holds it).
+const QUIET_GRACE: Duration = Duration::from_secs(2);
+/// After the command ended without cgroups (so its tree's death is not certain), the pump
+/// stops after this long even if data keeps coming from a process that escaped.
+const HARD_GRACE: Duration = Duration::from_secs(10);
+
+/// When the output pump may stop before every pipe is closed: (when quiet after, hard stop).
+type StopAt = Arc<Mutex<Option<(Instant, Option<Instant>)>>>;
 
 /// What wakes a command's supervisor.
 #[derive(Debug)]
@@ -163,7 +169,7 @@ pub struct Running {
     pub events_tx: Sender<Event>,
     events_rx: Receiver<Event>,
     pump: Option<JoinHandle<[Capture; 2]>>,
-    stop: Arc<Mutex<Option<Instant>>>,
+    stop: StopAt,
     oom_before: (u64, u64),
     call_id: String,
     cap: u64,
@@ -360,20 +366,25 @@ fn pump_output(
     mut caps: [Capture; 2],
     mut stream: Option<Arc<Stream>>,
     events: Sender<Event>,
-    stop: Arc<Mutex<Option<Instant>>>,
+    stop: StopAt,
     progress: Option<Arc<dyn Fn(usize, u64) + Send + Sync>>,
 ) -> [Capture; 2] {
     let mut buf = vec![0u8; 64 * 1024];
     let mut over = false;
     while !sources.is_empty() {
-        let stop_at = *stop.lock().unwrap_or_else(|e| e.into_inner());
-        if stop_at.is_some_and(|d| Instant::now() >= d) {
-            break;
-        }
         let fds: Vec<RawFd> = sources.iter().map(|s| s.2.as_raw_fd()).collect();
         let Ok(revents) = sys::poll(&fds, 100) else {
             break;
         };
+        // Never give up on a pipe that still has data while the tree is known to be dead:
+        // a slow stream consumer must not lose the tail of the output.
+        let quiet = revents.iter().all(|r| *r == 0);
+        if let Some((quiet_after, hard)) = *stop.lock().unwrap_or_else(|e| e.into_inner()) {
+            let now = Instant::now();
+            if (quiet && now >= quiet_after) || hard.is_some_and(|h| now >= h) {
+                break;
+            }
+        }
         let mut done = Vec::new();
         for (i, re) in revents.iter().enumerate() {
             if *re == 0 {
@@ -501,15 +512,16 @@ pub fn wait(
         }
     };
     // The command is over: nothing it started may outlive it.
-    match &run.cgroup {
-        Some(c) => {
-            c.kill_all();
-        }
+    let tree_gone = match &run.cgroup {
+        Some(c) => c.kill_all(),
         None => {
             let _ = sys::kill(-run.pid, libc::SIGKILL);
+            false
         }
-    }
-    *run.stop.lock().unwrap_or_else(|e| e.into_inner()) = Some(Instant::now() + DRAIN_GRACE);
+    };
+    let now = Instant::now();
+    let hard = (!tree_gone).then(|| now + HARD_GRACE);
+    *run.stop.lock().unwrap_or_else(|e| e.into_inner()) = Some((now + QUIET_GRACE, hard));
     run.stdin = None;
     run.pty_master = None;
     let caps = run.pump.take().and_then(|h| h.join().ok());

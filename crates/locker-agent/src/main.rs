@@ -70,6 +70,7 @@ fn env_or(name: &str, default: &str) -> String {
 }
 
 fn main() {
+    sys::cloexec_inherited();
     let mut listen: Option<PathBuf> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {

@@ -24,6 +24,33 @@ pub fn set_child_subreaper() -> io::Result<()> {
     cvt(unsafe { libc::prctl(libc::PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) }).map(drop)
 }
 
+/// Marks every descriptor from 3 up close-on-exec: what the agent inherited from whoever
+/// started it (a jobserver pipe, a log file) must not reach its commands.
+pub fn cloexec_inherited() {
+    // SAFETY: integer arguments only.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    if r == 0 {
+        return;
+    }
+    // Kernels before 5.11: walk /proc/self/fd.
+    if let Ok(dir) = std::fs::read_dir("/proc/self/fd") {
+        let fds: Vec<RawFd> = dir
+            .flatten()
+            .filter_map(|e| e.file_name().to_str()?.parse().ok())
+            .collect();
+        for fd in fds.into_iter().filter(|&fd| fd >= 3) {
+            let _ = set_cloexec(fd);
+        }
+    }
+}
+
 /// Sets `FD_CLOEXEC` on a descriptor we were handed.
 pub fn set_cloexec(fd: RawFd) -> io::Result<()> {
     // SAFETY: fcntl on an integer fd; a bad fd is an error, not undefined behaviour.
@@ -395,11 +422,44 @@ pub struct ChildPlan {
     pub cwd: CString,
 }
 
-/// Runs in the forked child before `exec`: reset signal dispositions, join the cgroups, start a new session (and so a new
-/// process group), take the terminal, drop to the user, enter the working directory.
+/// Runs in the forked child before `exec`: keep stray fds from the command, join the cgroups,
+/// start a new session (and so a new process group), take the terminal, drop to the user,
+/// enter the working directory, reset signal dispositions.
 ///
 /// Async-signal-safe: only system calls on data prepared in the parent.
 pub fn child_setup(plan: &ChildPlan) -> io::Result<()> {
+    // Whatever fds another thread opened without CLOEXEC, or the agent inherited, stay here.
+    // SAFETY: integer arguments only; on kernels before 5.11 this fails harmlessly.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            3u32,
+            u32::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        )
+    };
+    for &fd in &plan.cgroup_procs {
+        // SAFETY: writes one byte from a static buffer. A failure is ignored on purpose: the
+        // parent kills by process group too, so a command outside its cgroup still dies.
+        unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
+    }
+    // SAFETY: no arguments.
+    cvt(unsafe { libc::setsid() })?;
+    if plan.controlling_tty {
+        // SAFETY: fd 0 is the terminal's slave end, dup2'ed there by the spawner.
+        cvt(unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) })?;
+    }
+    if let Some((uid, gid, groups)) = &plan.user {
+        // SAFETY: the groups vector was built in the parent and is only read here.
+        cvt(unsafe { libc::setgroups(groups.len(), groups.as_ptr()) })?;
+        // SAFETY: integer arguments only.
+        cvt(unsafe { libc::setgid(*gid) })?;
+        // SAFETY: integer arguments only.
+        cvt(unsafe { libc::setuid(*uid) })?;
+    }
+    // SAFETY: cwd is NUL-terminated and owned by the plan, alive for the call.
+    cvt(unsafe { libc::chdir(plan.cwd.as_ptr()) })?;
+    // Last, so glibc's setuid (which may use signal 33) is done with its signals.
     // Ignored signals stay ignored across exec, and whoever started the agent may have
     // ignored some (a shell's `&` ignores SIGINT and SIGQUIT). Commands start with defaults.
     // The raw system call, because glibc's wrapper refuses its internal signals 32 and 33.
@@ -420,27 +480,6 @@ pub fn child_setup(plan: &ChildPlan) -> io::Result<()> {
             };
         }
     }
-    for &fd in &plan.cgroup_procs {
-        // SAFETY: writes two bytes from a static buffer. A failure is ignored on purpose: the
-        // parent kills by process group too, so a command outside its cgroup still dies.
-        unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
-    }
-    // SAFETY: no arguments.
-    cvt(unsafe { libc::setsid() })?;
-    if plan.controlling_tty {
-        // SAFETY: fd 0 is the terminal's slave end, dup2'ed there by the spawner.
-        cvt(unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) })?;
-    }
-    if let Some((uid, gid, groups)) = &plan.user {
-        // SAFETY: the groups vector was built in the parent and is only read here.
-        cvt(unsafe { libc::setgroups(groups.len(), groups.as_ptr()) })?;
-        // SAFETY: integer arguments only.
-        cvt(unsafe { libc::setgid(*gid) })?;
-        // SAFETY: integer arguments only.
-        cvt(unsafe { libc::setuid(*uid) })?;
-    }
-    // SAFETY: cwd is NUL-terminated and owned by the plan, alive for the call.
-    cvt(unsafe { libc::chdir(plan.cwd.as_ptr()) })?;
     Ok(())
 }
 

@@ -61,7 +61,10 @@ struct TestCgroups {
 
 impl TestCgroups {
     fn create(memory_limit: Option<u64>) -> TestCgroups {
-        let root = Path::new("/sys/fs/cgroup");
+        Self::create_in(Path::new("/sys/fs/cgroup"), memory_limit)
+    }
+
+    fn create_in(root: &Path, memory_limit: Option<u64>) -> TestCgroups {
         let name = unique("locker-test-");
         let mut dirs = Vec::new();
         if root.join("cgroup.controllers").exists() {
@@ -155,6 +158,8 @@ struct Opts {
     max_spill: Option<u64>,
     /// Point the agent at a cgroup root that does not exist: the process-group fallback.
     no_cgroups: bool,
+    /// Another cgroup root (the parent cgroup is made there).
+    cgroup_root: Option<PathBuf>,
 }
 
 /// What one test started: killed and removed on drop, also when the test fails.
@@ -193,7 +198,10 @@ impl TestAgent {
         let root = dir.join("root");
         let out = dir.join("out");
         fs::create_dir_all(&root).unwrap();
-        let cgroups = TestCgroups::create(opts.memory_limit);
+        let cgroups = match &opts.cgroup_root {
+            Some(r) => TestCgroups::create_in(r, opts.memory_limit),
+            None => TestCgroups::create(opts.memory_limit),
+        };
         let sock = dir.join("agent.sock");
         let log = fs::File::create(dir.join("agent.log")).unwrap();
         let mut cmd = Command::new(agent_bin());
@@ -205,6 +213,9 @@ impl TestAgent {
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(log);
+        if let Some(r) = &opts.cgroup_root {
+            cmd.env("LOCKER_CGROUP_ROOT", r);
+        }
         if opts.no_cgroups {
             cmd.env("LOCKER_CGROUP_ROOT", dir.join("no-cgroups-here"));
         }
@@ -1320,4 +1331,219 @@ async fn without_cgroups_commands_still_run_and_time_out() {
     );
     let log = fs::read_to_string(a.dir.join("agent.log")).unwrap();
     assert!(log.contains("no usable cgroups"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_consumer_still_gets_the_tail_after_the_command_exits() {
+    let a = TestAgent::start(Opts::default()).await;
+    // More than the window plus a pipe's worth, so output is still in the pipe (and the agent
+    // still waits for credit) when the command has long exited.
+    let (tx, mut rx) = mpsc::channel(1);
+    let c = a.client.clone();
+    let job = tokio::spawn(async move {
+        c.exec(
+            sh("head -c 1150000 /dev/zero; echo THE-END"),
+            None,
+            Some(tx),
+        )
+        .await
+    });
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let mut streamed = Vec::new();
+    while let Some((_, b)) = rx.recv().await {
+        streamed.extend(b);
+    }
+    let r = job.await.unwrap().unwrap();
+    assert_eq!(r.stdout_bytes, 1_150_008);
+    assert_eq!(streamed.len(), 1_150_008);
+    assert!(streamed.ends_with(b"THE-END\n"));
+    assert!(r.stdout.ends_with("THE-END\n"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handed_over_listening_fd_works_and_no_agent_fd_leaks_into_commands() {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let dir = std::env::temp_dir().join(unique("locker-agent-fd-"));
+    fs::create_dir_all(&dir).unwrap();
+    let sock = dir.join("handed.sock");
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let cgroups = TestCgroups::create(None);
+    let lfd = listener.as_raw_fd();
+    let mut cmd = Command::new(agent_bin());
+    cmd.env("LOCKER_AGENT_FD", "3")
+        .env("LOCKER_CGROUP_PARENT", &cgroups.name)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(fs::File::create(dir.join("agent.log")).unwrap());
+    // SAFETY: dup2 is async-signal-safe; it puts the listener on fd 3 without CLOEXEC, the way
+    // a machine's init hands it over.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::dup2(lfd, 3) < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let child = cmd.spawn().unwrap();
+    drop(listener);
+    let guard = Guard {
+        child,
+        cgroups: Some(cgroups),
+        dir: dir.clone(),
+    };
+    let client = AgentClient::connect(&sock, Duration::from_secs(20))
+        .await
+        .unwrap();
+    client.ping().await.unwrap();
+    // The command sees its three standard fds and nothing of the agent's (sockets, cgroup
+    // files, the files root, other commands' pipes).
+    let other = client.clone();
+    let busy = tokio::spawn(async move { other.exec(sh("sleep 2"), None, None).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let r = client.exec(sh("ls /proc/$$/fd"), None, None).await.unwrap();
+    assert_eq!(r.stdout, "0\n1\n2\n", "leaked descriptors: {}", r.stdout);
+    let r = client
+        .exec(sh("ls -l /proc/$$/fd | grep -c socket || true"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(r.stdout.trim(), "0");
+    busy.await.unwrap().unwrap();
+    drop(guard);
+}
+
+/// A small tmpfs mounted for one test; lazily unmounted on drop.
+struct SmallFs(PathBuf);
+
+impl Drop for SmallFs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg("-l").arg(&self.0).status();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_disk_is_exhausted_and_leaves_no_temp_file() {
+    let a = TestAgent::start(Opts::default()).await;
+    let small = a.root.join("small");
+    fs::create_dir(&small).unwrap();
+    let ok = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", "size=1m", "tmpfs"])
+        .arg(&small)
+        .status()
+        .unwrap();
+    assert!(ok.success(), "mounting a tmpfs needs root");
+    let _mounted = SmallFs(small.clone());
+    let big = vec![7u8; 3 << 20];
+    let err = a
+        .client
+        .write_file("/small/big.bin", None, &big[..])
+        .await
+        .unwrap_err();
+    assert_eq!(agent_code(err), ErrorCode::Exhausted);
+    assert_eq!(
+        fs::read_dir(&small).unwrap().count(),
+        0,
+        "the temporary file was removed"
+    );
+    // The connection and the disk are still usable.
+    a.client
+        .write_file("/small/ok.txt", None, &b"fits"[..])
+        .await
+        .unwrap();
+    assert_eq!(read_all(&a.client, "/small/ok.txt").await.unwrap(), b"fits");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_times_out_and_a_dead_agent_fails_calls_in_flight() {
+    let t = Instant::now();
+    let err = AgentClient::connect(
+        Path::new("/nonexistent/agent.sock"),
+        Duration::from_millis(300),
+    )
+    .await
+    .unwrap_err();
+    assert!(matches!(err, AgentClientError::Timeout(_)), "{err}");
+    assert!(t.elapsed() < Duration::from_secs(3));
+
+    let mut a = TestAgent::start(Opts::default()).await;
+    let c = a.client.clone();
+    let running = tokio::spawn(async move { c.exec(sh("sleep 30"), None, None).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.guard.child.kill().unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(5), running)
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap_err();
+    assert!(matches!(err, AgentClientError::ConnectionLost(_)), "{err}");
+    assert!(a.client.is_closed());
+    assert!(matches!(
+        a.client.ping().await.unwrap_err(),
+        AgentClientError::ConnectionLost(_)
+    ));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cgroup_v2_layout_kills_trees_and_accounts() {
+    // On a hybrid host (like Debian's here) the v2 hierarchy is `unified`, without
+    // controllers, but cgroup.kill, membership and cpu.stat work there: enough to exercise
+    // the v2 code path. On a pure v2 host it is the cgroup root itself.
+    let unified = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.join("cgroup.controllers").exists())
+        .expect("no cgroup v2 hierarchy to test with");
+    let a = TestAgent::start(Opts {
+        cgroup_root: Some(unified),
+        ..Default::default()
+    })
+    .await;
+    let r = a
+        .client
+        .exec(sh("cat /proc/self/cgroup"), None, None)
+        .await
+        .unwrap();
+    let name = &a.cgroups().name;
+    assert!(
+        r.stdout
+            .lines()
+            .any(|l| l.starts_with("0::/") && l.contains(name.as_str())),
+        "{}",
+        r.stdout
+    );
+    let pidfile = a.dir.join("grandchild.pid");
+    let mut s = sh(&format!(
+        "setsid sh -c 'sleep 300 & echo $! > {}'; sleep 300",
+        pidfile.display()
+    ));
+    s.timeout_ms = Some(700);
+    let r = a.client.exec(s, None, None).await.unwrap();
+    assert_eq!(r.reason, Reason::Timeout);
+    let pid: i32 = fs::read_to_string(&pidfile)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        gone_within(pid, Duration::from_secs(3)),
+        "grandchild {pid} survived"
+    );
+    let r = a
+        .client
+        .exec(
+            spec(&["python3", "-c", "sum(range(20_000_000))"]),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(r.usage.cpu_ms > 50, "cpu.stat: {:?}", r.usage);
+    assert!(
+        r.usage.peak_memory_bytes > 1 << 20,
+        "rusage fallback without memory.peak: {:?}",
+        r.usage
+    );
+    assert!(a.client.machine_usage().await.unwrap().cpu_ms >= r.usage.cpu_ms);
+    assert!(a.cgroups().command_cgroups().is_empty());
 }
