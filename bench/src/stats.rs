@@ -203,7 +203,7 @@ pub fn table(rows: &[Row]) -> String {
 struct JsonRow<'a> {
     name: &'a str,
     unit: &'a str,
-    samples: &'a [f64],
+    samples: Vec<f64>,
     p50: Option<f64>,
     p95: Option<f64>,
     p99: Option<f64>,
@@ -215,7 +215,8 @@ fn finite(v: f64) -> Option<f64> {
     v.is_finite().then_some((v * 1000.0).round() / 1000.0)
 }
 
-/// Writes the rows as a JSON array of `{name, unit, samples, p50, p95, p99, mean, notes}`.
+/// Writes the rows as a JSON array of `{name, unit, samples, p50, p95, p99, mean, notes}`,
+/// one row per line, so a new result diffs row by row.
 pub fn write_json(rows: &[Row], path: &Path) -> std::io::Result<()> {
     let items: Vec<JsonRow> = rows
         .iter()
@@ -231,7 +232,12 @@ pub fn write_json(rows: &[Row], path: &Path) -> std::io::Result<()> {
             JsonRow {
                 name: &r.name,
                 unit: r.unit,
-                samples: &r.samples,
+                // Rounded to microseconds: finer digits are noise here, and they bloat the file.
+                samples: r
+                    .samples
+                    .iter()
+                    .map(|v| (v * 1000.0).round() / 1000.0)
+                    .collect(),
                 p50: finite(r.p(50.0)),
                 p95: finite(r.p(95.0)),
                 p99: finite(r.p(99.0)),
@@ -243,10 +249,11 @@ pub fn write_json(rows: &[Row], path: &Path) -> std::io::Result<()> {
     if let Some(d) = path.parent() {
         std::fs::create_dir_all(d)?;
     }
-    std::fs::write(
-        path,
-        serde_json::to_vec_pretty(&items).expect("rows serialize"),
-    )
+    let lines: Vec<String> = items
+        .iter()
+        .map(|i| serde_json::to_string(i).expect("rows serialize"))
+        .collect();
+    std::fs::write(path, format!("[\n{}\n]\n", lines.join(",\n")))
 }
 
 #[cfg(test)]

@@ -237,12 +237,23 @@ impl Server {
         (self.api_with(&key), v["key_id"].as_str().expect("key_id").to_owned())
     }
 
-    /// Deletes every sandbox of every tenant this test used; returns what could not be.
+    /// Deletes every sandbox and volume of every tenant this test used; returns what could
+    /// not be.
     fn delete_all_sandboxes(&self) -> Vec<String> {
         let mut failed = Vec::new();
         let keys = self.keys.lock().map(|k| k.clone()).unwrap_or_default();
         for key in keys.iter().filter(|k| !k.is_empty()) {
             let api = Api::new(&self.url, Some(key));
+            if let Ok(r) = api.try_request("GET", "/v1/volumes", &[], ()) {
+                let list = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null);
+                for v in list["volumes"].as_array().into_iter().flatten() {
+                    let id = v["id"].as_str().unwrap_or_default();
+                    match api.try_request("DELETE", &format!("/v1/volumes/{id}"), &[], ()) {
+                        Ok(r) if r.status == 204 || r.status == 404 => {}
+                        other => failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text())))),
+                    }
+                }
+            }
             let Ok(r) = api.try_request("GET", "/v1/sandboxes", &[], ()) else { continue };
             if r.status != 200 {
                 continue;
@@ -268,6 +279,7 @@ impl Drop for Server {
         // runtime's own crash cleanup destroys the machines of this data dir.
         let machines = self.data_dir.join("sandboxes");
         let left = destroy_machines(&machines);
+        stop_volume_agents(&self.data_dir.join("volumes"));
         if std::thread::panicking() {
             let log = self.log_text();
             let tail: Vec<&str> = log.lines().rev().take(60).collect();
@@ -292,6 +304,18 @@ pub fn destroy_machines(machines_dir: &Path) -> Vec<String> {
     let Ok(node) = locker_runtime::node::Node::new(cfg) else { return Vec::new() };
     let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return Vec::new() };
     rt.block_on(node.cleanup_orphans(machines_dir, Vec::new()))
+}
+
+/// Stops the host-side agents of the volumes under `volumes_dir` (the server must be dead).
+pub fn stop_volume_agents(volumes_dir: &Path) {
+    for e in std::fs::read_dir(volumes_dir).into_iter().flatten().flatten() {
+        let dir = e.path();
+        locker_runtime::host_agent::stop_stale(&locker_runtime::host_agent::HostAgentPaths {
+            root: dir.join("live"),
+            socket: dir.join("agent.sock"),
+            private: dir.join("private"),
+        });
+    }
 }
 
 /// The resident memory of a process in KiB (`VmRSS`), 0 if it is gone.

@@ -66,9 +66,16 @@ pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyKind> {
     r
 }
 
-fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {    const FICLONE: libc::c_ulong = 0x4004_9409;
+/// Makes `to` share `from`'s blocks copy-on-write (`FICLONE`); false where the filesystem
+/// cannot (ext4, across filesystems), and then `to` is left as it was.
+pub fn reflink(from: &fs::File, to: &fs::File) -> bool {
+    const FICLONE: libc::c_ulong = 0x4004_9409;
     // SAFETY: FICLONE between two fds we own.
-    if unsafe { libc::ioctl(to.as_raw_fd(), FICLONE, from.as_raw_fd()) } == 0 {
+    unsafe { libc::ioctl(to.as_raw_fd(), FICLONE, from.as_raw_fd()) == 0 }
+}
+
+fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
+    if reflink(from, to) {
         return Ok(CopyKind::Reflink);
     }
     let len = from.metadata()?.len();

@@ -6,6 +6,8 @@
 //! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces).
 //! - [`cgroup`]: cgroup v1 and v2 limits, freezing and accounting for machines.
 //! - [`doctor`]: what works on this host and why.
+//! - [`host_agent`]: an agent on the host serving a volume's files with no machine.
+//! - [`tree`]: directory trees of volumes: measured, and copied copy-on-write.
 //!
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
 
@@ -13,8 +15,10 @@ pub mod agent;
 pub mod cgroup;
 pub mod disk;
 pub mod doctor;
+pub mod host_agent;
 pub mod jail;
 pub mod node;
 pub mod seccomp;
 mod sys;
 pub mod template;
+pub mod tree;

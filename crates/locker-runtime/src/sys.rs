@@ -458,3 +458,14 @@ pub fn loop_attach(image: &Path) -> io::Result<(std::path::PathBuf, std::fs::Fil
     }
     Err(io::Error::other("no free loop device after 16 tries"))
 }
+
+/// Sets the access and modification times of `path` itself (a symlink is not followed).
+pub fn set_times_nofollow(path: &Path, atime: (i64, i64), mtime: (i64, i64)) -> io::Result<()> {
+    let p = cstr(path)?;
+    let ts = [
+        libc::timespec { tv_sec: atime.0, tv_nsec: atime.1 },
+        libc::timespec { tv_sec: mtime.0, tv_nsec: mtime.1 },
+    ];
+    // SAFETY: a NUL-terminated path and two timespecs we own, for the duration of the call.
+    check(unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) } as libc::c_long).map(drop)
+}

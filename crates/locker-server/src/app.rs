@@ -152,6 +152,8 @@ pub struct App {
     pub templates: TemplateStore,
     pub live: RwLock<HashMap<String, Arc<Live>>>,
     pub metrics: Metrics,
+    /// Volumes and their host-side files agents.
+    pub volumes: crate::volumes::Volumes,
     /// Serializes quota checks with the inserts they guard.
     pub create_lock: tokio::sync::Mutex<()>,
     pub started: Instant,
@@ -179,6 +181,8 @@ pub enum ServeError {
     Listen(SocketAddr, std::io::Error),
     #[error("template store: {0}")]
     Templates(String),
+    #[error("volumes: {0}")]
+    Volumes(std::io::Error),
 }
 
 /// Builds the state, adopts or cleans up machines a previous server left, and serves until
@@ -200,6 +204,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     };
     axum::serve(listener, router).with_graceful_shutdown(shutdown).await.map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
+    app.volumes.stop_agents().await;
     Ok(())
 }
 
@@ -220,7 +225,9 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
             }
         }
     }
-    let node = Arc::new(Node::new(NodeConfig::from_current_exe()?)?);
+    let node_cfg = NodeConfig::from_current_exe()?;
+    let volumes = crate::volumes::Volumes::open(&cfg.data_dir, node_cfg.agent_exe.clone(), store.list_all_volumes()?).await.map_err(ServeError::Volumes)?;
+    let node = Arc::new(Node::new(node_cfg)?);
     let templates = TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;
     let recorder = CallRecorder::spawn(store.clone());
     let app = Arc::new(App {
@@ -231,6 +238,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         templates,
         live: RwLock::new(HashMap::new()),
         metrics: Metrics::default(),
+        volumes,
         create_lock: tokio::sync::Mutex::new(()),
         started: Instant::now(),
     });
@@ -246,6 +254,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::exec::routes())
         .merge(crate::files::routes())
         .merge(crate::processes::routes())
+        .merge(crate::volumes::routes())
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())
         .fallback(|| async { crate::error::ApiError::not_found("no such route: see /openapi.json") })

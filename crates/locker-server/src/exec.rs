@@ -144,38 +144,14 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
         return Ok(axum::Json(res).into_response());
     }
-    let (body_tx, body_rx) = mpsc::channel::<Bytes>(32);
+    let (body_tx, response) = ndjson_response();
     tokio::spawn(async move {
         let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
         let queue_ms = ms_since(arrived);
         let started = Instant::now();
         let agent = live.machine.agent.clone();
-        let run = agent.exec(spec.clone(), stdin, Some(out_tx));
-        tokio::pin!(run);
-        let mut lines = LineEncoder::default();
-        let result = loop {
-            tokio::select! {
-                r = &mut run => break Some(r),
-                Some((chan, bytes)) = out_rx.recv() => {
-                    if let Some(line) = lines.chunk(chan, &bytes) {
-                        if body_tx.send(line).await.is_err() {
-                            break None;
-                        }
-                    }
-                }
-                _ = body_tx.closed() => break None,
-            }
-        };
-        // `None`: the client went away; dropping `run` cancels the command (its tree dies).
-        let Some(r) = result else { return };
-        while let Ok((chan, bytes)) = out_rx.try_recv() {
-            if let Some(line) = lines.chunk(chan, &bytes) {
-                let _ = body_tx.send(line).await;
-            }
-        }
-        for line in lines.flush() {
-            let _ = body_tx.send(line).await;
-        }
+        // `None`: the client went away; dropping the run cancels the command (its tree dies).
+        let Some(r) = pump(agent.exec(spec.clone(), stdin, Some(out_tx)), &mut out_rx, &body_tx).await else { return };
         let r = match r {
             Err(_) if machine_gone(&app, &live).await => Ok(killed_with_machine(&spec.call_id, started)),
             other => other,
@@ -183,21 +159,69 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         let last = match r {
             Ok(mut res) => {
                 finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
-                let mut v = serde_json::to_value(&res).expect("result serializes");
-                v["type"] = json!("result");
-                v
+                typed("result", &res)
             }
-            Err(e) => {
-                let e: ApiError = e.into();
-                json!({"type": "error", "error": {"code": e.code(), "message": e.message}})
-            }
+            Err(e) => error_line(e.into()),
         };
-        let mut line = serde_json::to_vec(&last).expect("json");
-        line.push(b'\n');
-        let _ = body_tx.send(Bytes::from(line)).await;
+        send_line(&body_tx, &last).await;
     });
-    let body = Body::from_stream(futures_util::stream::unfold(body_rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) }));
-    Ok(([(header::CONTENT_TYPE, "application/x-ndjson"), (header::CACHE_CONTROL, "no-cache")], body).into_response())
+    Ok(response)
+}
+
+/// A channel whose lines become a streamed `application/x-ndjson` response.
+pub fn ndjson_response() -> (mpsc::Sender<Bytes>, Response) {
+    let (tx, rx) = mpsc::channel::<Bytes>(32);
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) }));
+    (tx, ([(header::CONTENT_TYPE, "application/x-ndjson"), (header::CACHE_CONTROL, "no-cache")], body).into_response())
+}
+
+/// Drives `run` while turning the output it produces on `out` into NDJSON lines on `body`,
+/// then sends what is left. `None` if the client went away first (`run` is dropped, which
+/// cancels it).
+pub async fn pump<F: std::future::Future>(run: F, out: &mut mpsc::Receiver<(Chan, Vec<u8>)>, body: &mpsc::Sender<Bytes>) -> Option<F::Output> {
+    tokio::pin!(run);
+    let mut lines = LineEncoder::default();
+    let result = loop {
+        tokio::select! {
+            r = &mut run => break r,
+            Some((chan, bytes)) = out.recv() => {
+                if let Some(line) = lines.chunk(chan, &bytes) {
+                    if body.send(line).await.is_err() {
+                        return None;
+                    }
+                }
+            }
+            _ = body.closed() => return None,
+        }
+    };
+    while let Ok((chan, bytes)) = out.try_recv() {
+        if let Some(line) = lines.chunk(chan, &bytes) {
+            let _ = body.send(line).await;
+        }
+    }
+    for line in lines.flush() {
+        let _ = body.send(line).await;
+    }
+    Some(result)
+}
+
+/// `value` as JSON with `"type": kind` added.
+pub fn typed<T: serde::Serialize>(kind: &str, value: &T) -> serde_json::Value {
+    let mut v = serde_json::to_value(value).expect("result serializes");
+    v["type"] = json!(kind);
+    v
+}
+
+/// The last line of a stream that failed.
+pub fn error_line(e: ApiError) -> serde_json::Value {
+    json!({"type": "error", "error": {"code": e.code(), "message": e.message}})
+}
+
+/// Sends one NDJSON line.
+pub async fn send_line(body: &mpsc::Sender<Bytes>, v: &serde_json::Value) {
+    let mut line = serde_json::to_vec(v).expect("json");
+    line.push(b'\n');
+    let _ = body.send(Bytes::from(line)).await;
 }
 
 /// Whether the sandbox of a call was destroyed (deleted or expired) while the call ran:

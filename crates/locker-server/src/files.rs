@@ -1,34 +1,137 @@
-//! The files API of a sandbox: streamed download and upload, list, stat, mkdir, move,
-//! remove. Paths are resolved by the agent inside the machine, so nothing outside its root
-//! is reachable whatever the path or symlinks say. Bodies are streamed both ways: a 1 GiB
-//! file never sits in the server's memory.
+//! The files API, one implementation for two kinds of target: a sandbox (its machine's
+//! agent) and a volume (a host-side agent confined to the volume's tree; see `volumes`).
+//! Streamed download and upload, list, stat, mkdir, move, remove. Paths are resolved by the
+//! agent with `openat2(RESOLVE_IN_ROOT)`, so nothing outside the target's root is reachable
+//! whatever the path or symlinks say. Bodies are streamed both ways: a 1 GiB file never
+//! sits in the server's memory.
+//!
+//! A target that has a [`Space`] (a volume) gets its size limit enforced here, on every
+//! write, while the body streams: a write that would pass the limit is aborted (the agent
+//! throws its temporary file away) and answered 413.
+
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 
 use axum::body::Body;
 use axum::extract::{Path, State};
-use axum::http::{header, StatusCode};
+use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
-use futures_util::TryStreamExt;
+use futures_util::{StreamExt, TryStreamExt};
+use locker_runtime::agent::{AgentClient, AgentClientError};
+use locker_types::EntryType;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::AppState;
+use crate::app::{AppState, Busy};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::{check_path, Json, Query};
-use crate::sandboxes::live_of;
 
+/// The files routes of sandboxes.
 pub fn routes() -> Router<AppState> {
+    routes_for::<Busy>("/v1/sandboxes/{id}")
+}
+
+/// The files routes under `base` (a path with an `{id}` segment) for targets of kind `T`.
+pub fn routes_for<T: FilesTarget>(base: &str) -> Router<AppState> {
     Router::new()
         .route(
-            "/v1/sandboxes/{id}/files",
-            get(download).put(upload).delete(remove).layer(axum::extract::DefaultBodyLimit::disable()),
+            &format!("{base}/files"),
+            get(download::<T>).put(upload::<T>).delete(remove::<T>).layer(axum::extract::DefaultBodyLimit::disable()),
         )
-        .route("/v1/sandboxes/{id}/files/list", get(list))
-        .route("/v1/sandboxes/{id}/files/stat", get(stat))
-        .route("/v1/sandboxes/{id}/files/mkdir", post(mkdir))
-        .route("/v1/sandboxes/{id}/files/move", post(rename))
+        .route(&format!("{base}/files/list"), get(list::<T>))
+        .route(&format!("{base}/files/stat"), get(stat::<T>))
+        .route(&format!("{base}/files/mkdir"), post(mkdir::<T>))
+        .route(&format!("{base}/files/move"), post(rename::<T>))
+}
+
+/// What the files routes work on. A resolved target is held for the whole call (a sandbox
+/// counts the call in flight, so it is never paused under it).
+pub trait FilesTarget: Sized + Send + Sync + 'static {
+    /// The caller's target `id`; 404 for another tenant's or a missing one.
+    fn resolve(app: &AppState, caller: &Caller, id: &str) -> impl Future<Output = Result<Self, ApiError>> + Send;
+    /// The agent that serves its files.
+    fn agent(&self) -> &AgentClient;
+    /// Its size accounting, if the server enforces one (a volume). A sandbox has none
+    /// here: its disk is a filesystem of its quota's size, which refuses the write itself.
+    fn space(&self) -> Option<&Space> {
+        None
+    }
+}
+
+impl FilesTarget for Busy {
+    async fn resolve(app: &AppState, caller: &Caller, id: &str) -> Result<Self, ApiError> {
+        crate::sandboxes::live_of(app, caller, id).await
+    }
+    fn agent(&self) -> &AgentClient {
+        &self.machine.agent
+    }
+}
+
+/// Bytes a directory entry is counted for: its size rounded up to 4 KiB blocks.
+pub fn blocks_of(size: u64) -> i64 {
+    size.div_ceil(4096).saturating_mul(4096).min(i64::MAX as u64) as i64
+}
+
+/// The size accounting of a tree whose writes go through the files API: a limit, the bytes
+/// in use (allocated blocks, measured with a walk when the tree is opened and kept up to
+/// date by every write and delete; exact to within a block per file), and the gate that
+/// lets a snapshot see one consistent point.
+#[derive(Debug)]
+pub struct Space {
+    /// The tree on the host (for a new walk after a recursive delete).
+    pub root: PathBuf,
+    /// What to call it in messages (`volume repo`).
+    pub what: String,
+    pub limit_bytes: u64,
+    used: AtomicI64,
+    /// Writes hold it shared; a snapshot or a fork holds it exclusively.
+    pub gate: tokio::sync::RwLock<()>,
+}
+
+impl Space {
+    pub fn new(root: PathBuf, what: String, limit_bytes: u64, used: u64) -> Self {
+        Self { root, what, limit_bytes, used: AtomicI64::new(used as i64), gate: Default::default() }
+    }
+
+    /// Bytes in use now (including bytes of uploads in flight).
+    pub fn used_bytes(&self) -> u64 {
+        self.used.load(Ordering::Relaxed).max(0) as u64
+    }
+
+    fn add(&self, n: i64) -> i64 {
+        self.used.fetch_add(n, Ordering::SeqCst) + n
+    }
+
+    /// Sets the bytes in use to a measured value.
+    pub fn recount_to(&self, used: u64) {
+        self.used.store(used as i64, Ordering::SeqCst);
+    }
+
+    /// Measures the tree again (after a delete whose size is unknown beforehand).
+    pub async fn recount(&self) -> Result<(), ApiError> {
+        let _all = self.gate.write().await;
+        let root = self.root.clone();
+        let n = tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&root))
+            .await
+            .map_err(|e| ApiError::internal(format!("measuring {}: {e}", self.what)))?
+            .map_err(|e| ApiError::internal(format!("measuring {}: {e}", self.what)))?;
+        self.used.store(n as i64, Ordering::SeqCst);
+        Ok(())
+    }
+
+    fn full(&self, path: &str) -> ApiError {
+        ApiError::too_large(format!(
+            "{} is full: writing {path} would take it past its size_mb ({} MiB; {} bytes in use). \
+             Delete files, or create a volume with a larger size_mb",
+            self.what,
+            self.limit_bytes >> 20,
+            self.used_bytes()
+        ))
+    }
 }
 
 #[derive(Deserialize)]
@@ -43,16 +146,16 @@ fn required(p: Option<String>) -> Result<String, ApiError> {
     Ok(p)
 }
 
-async fn download(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<Response, ApiError> {
+async fn download<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<Response, ApiError> {
     let path = required(q.path)?;
-    let live = live_of(&app, &caller, &id).await?;
-    let (entry, reader) = live.machine.agent.read_file(&path).await?;
-    if entry.kind == locker_types::EntryType::Dir {
+    let target = T::resolve(&app, &caller, &id).await?;
+    let (entry, reader) = target.agent().read_file(&path).await?;
+    if entry.kind == EntryType::Dir {
         return Err(ApiError::bad_request(format!("{path} is a directory: list it with files/list")));
     }
     let stream = tokio_util::io::ReaderStream::with_capacity(reader, locker_proto::DATA_CHUNK).map_ok(move |b| {
-        // The sandbox is busy for as long as the body streams.
-        let _ = &live;
+        // The target stays held (a sandbox busy) for as long as the body streams.
+        let _ = &target;
         b
     });
     Ok((
@@ -78,14 +181,93 @@ fn parse_mode(m: &str) -> Result<u32, ApiError> {
         .ok_or_else(|| ApiError::bad_request(format!("`mode` must be octal permission bits like 0644, got {m:?}")))
 }
 
-async fn upload(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PutQuery>, body: Body) -> Result<impl IntoResponse, ApiError> {
+/// Bytes the file at `path` is counted for now (0 when it is missing or not a file): what
+/// overwriting it frees.
+async fn counted(agent: &AgentClient, path: &str) -> i64 {
+    match agent.stat(path).await {
+        Ok(e) if e.kind == EntryType::File => blocks_of(e.size),
+        _ => 0,
+    }
+}
+
+async fn upload<T: FilesTarget>(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(q): Query<PutQuery>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     let mode = q.mode.as_deref().map(parse_mode).transpose()?;
-    let live = live_of(&app, &caller, &id).await?;
-    let stream = body.into_data_stream().map_err(std::io::Error::other);
-    let reader = tokio_util::io::StreamReader::new(stream);
-    let entry = live.machine.agent.write_file(&path, mode, reader).await?;
-    Ok(axum::Json(entry))
+    let target = T::resolve(&app, &caller, &id).await?;
+    let agent = target.agent();
+    let mut stream = body.into_data_stream().map_err(std::io::Error::other);
+    let Some(space) = target.space() else {
+        let entry = agent.write_file(&path, mode, tokio_util::io::StreamReader::new(stream)).await?;
+        return Ok(axum::Json(entry));
+    };
+    let _writing = space.gate.read().await;
+    let old = counted(agent, &path).await;
+    let limit = space.limit_bytes as i64;
+    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    if let Some(len) = declared {
+        if space.used_bytes() as i64 + blocks_of(len) - old > limit {
+            drain(&mut stream).await;
+            return Err(space.full(&path));
+        }
+    }
+    // Bytes are reserved as they arrive, so parallel uploads cannot pass the limit together.
+    let reserved = AtomicI64::new(0);
+    let tripped = AtomicBool::new(false);
+    let mut metered = stream.map(|chunk| {
+        let chunk = chunk?;
+        if tripped.load(Ordering::SeqCst) {
+            return Ok(chunk); // being drained
+        }
+        let n = chunk.len() as i64;
+        reserved.fetch_add(n, Ordering::SeqCst);
+        if space.add(n) - old > limit {
+            tripped.store(true, Ordering::SeqCst);
+            return Err(std::io::Error::other("the volume's size limit was reached"));
+        }
+        Ok(chunk)
+    });
+    let result = agent.write_file(&path, mode, tokio_util::io::StreamReader::new(&mut metered)).await;
+    let reserved = reserved.load(Ordering::SeqCst);
+    match result {
+        Ok(entry) => {
+            space.add(blocks_of(entry.size) - reserved - old);
+            Ok(axum::Json(entry))
+        }
+        Err(e) => {
+            space.add(-reserved);
+            if tripped.load(Ordering::SeqCst) && matches!(e, AgentClientError::Input(_)) {
+                drain(&mut metered).await;
+                Err(space.full(&path))
+            } else {
+                Err(e.into())
+            }
+        }
+    }
+}
+
+/// Reads and drops what is left of a refused upload (up to 64 MiB or 10 s), so the client,
+/// still sending, reads the answer instead of a reset connection.
+async fn drain<S, E>(stream: &mut S)
+where
+    S: futures_util::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
+{
+    let mut left: usize = 64 << 20;
+    let _ = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+        while let Some(Ok(b)) = stream.next().await {
+            left = left.saturating_sub(b.len());
+            if left == 0 {
+                break;
+            }
+        }
+    })
+    .await;
 }
 
 #[derive(Deserialize)]
@@ -96,13 +278,28 @@ struct RemoveQuery {
     recursive: bool,
 }
 
-async fn remove(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<RemoveQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn remove<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<RemoveQuery>) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     if path == "/" {
         return Err(ApiError::bad_request("refusing to remove `/`"));
     }
-    let live = live_of(&app, &caller, &id).await?;
-    live.machine.agent.remove(&path, q.recursive).await?;
+    let target = T::resolve(&app, &caller, &id).await?;
+    let agent = target.agent();
+    let Some(space) = target.space() else {
+        agent.remove(&path, q.recursive).await?;
+        return Ok(StatusCode::NO_CONTENT);
+    };
+    let writing = space.gate.read().await;
+    let before = agent.stat(&path).await?;
+    agent.remove(&path, q.recursive).await?;
+    drop(writing);
+    match before.kind {
+        EntryType::Dir => space.recount().await?,
+        EntryType::File => {
+            space.add(-blocks_of(before.size));
+        }
+        _ => {}
+    }
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -113,21 +310,21 @@ struct ListQuery {
     depth: Option<u32>,
 }
 
-async fn list(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<ListQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn list<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<ListQuery>) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     let depth = q.depth.unwrap_or(1);
     if !(1..=16).contains(&depth) {
         return Err(ApiError::bad_request("`depth` must be between 1 and 16"));
     }
-    let live = live_of(&app, &caller, &id).await?;
-    let entries = live.machine.agent.list(&path, depth).await?;
+    let target = T::resolve(&app, &caller, &id).await?;
+    let entries = target.agent().list(&path, depth).await?;
     Ok(axum::Json(json!({ "entries": entries })))
 }
 
-async fn stat(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn stat<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
-    let live = live_of(&app, &caller, &id).await?;
-    Ok(axum::Json(live.machine.agent.stat(&path).await?))
+    let target = T::resolve(&app, &caller, &id).await?;
+    Ok(axum::Json(target.agent().stat(&path).await?))
 }
 
 #[derive(Deserialize)]
@@ -136,10 +333,23 @@ struct MkdirBody {
     path: String,
 }
 
-async fn mkdir(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(b): Json<MkdirBody>) -> Result<impl IntoResponse, ApiError> {
+async fn mkdir<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(b): Json<MkdirBody>) -> Result<impl IntoResponse, ApiError> {
     check_path("path", &b.path)?;
-    let live = live_of(&app, &caller, &id).await?;
-    Ok(axum::Json(live.machine.agent.mkdir(&b.path).await?))
+    let target = T::resolve(&app, &caller, &id).await?;
+    let agent = target.agent();
+    let Some(space) = target.space() else {
+        return Ok(axum::Json(agent.mkdir(&b.path).await?));
+    };
+    let _writing = space.gate.read().await;
+    let existed = agent.stat(&b.path).await.is_ok();
+    if !existed && space.used_bytes() + 4096 > space.limit_bytes {
+        return Err(space.full(&b.path));
+    }
+    let entry = agent.mkdir(&b.path).await?;
+    if !existed {
+        space.add(4096);
+    }
+    Ok(axum::Json(entry))
 }
 
 #[derive(Deserialize)]
@@ -149,11 +359,20 @@ struct MoveBody {
     to: String,
 }
 
-async fn rename(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(b): Json<MoveBody>) -> Result<impl IntoResponse, ApiError> {
+async fn rename<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(b): Json<MoveBody>) -> Result<impl IntoResponse, ApiError> {
     check_path("from", &b.from)?;
     check_path("to", &b.to)?;
-    let live = live_of(&app, &caller, &id).await?;
-    Ok(axum::Json(live.machine.agent.rename(&b.from, &b.to).await?))
+    let target = T::resolve(&app, &caller, &id).await?;
+    let agent = target.agent();
+    let Some(space) = target.space() else {
+        return Ok(axum::Json(agent.rename(&b.from, &b.to).await?));
+    };
+    let _writing = space.gate.read().await;
+    // A file moved over another frees the one it replaces.
+    let replaced = if b.from == b.to { 0 } else { counted(agent, &b.to).await };
+    let entry = agent.rename(&b.from, &b.to).await?;
+    space.add(-replaced);
+    Ok(axum::Json(entry))
 }
 
 #[cfg(test)]
@@ -165,5 +384,13 @@ mod tests {
         assert_eq!(super::parse_mode("0o600").unwrap(), 0o600);
         assert!(super::parse_mode("9").is_err());
         assert!(super::parse_mode("77777").is_err());
+    }
+
+    #[test]
+    fn sizes_count_whole_blocks() {
+        assert_eq!(super::blocks_of(0), 0);
+        assert_eq!(super::blocks_of(1), 4096);
+        assert_eq!(super::blocks_of(4096), 4096);
+        assert_eq!(super::blocks_of(4097), 8192);
     }
 }

@@ -4,7 +4,7 @@
 //! - [`app`]: configuration, shared state, start-up (adoption of machines a killed server
 //!   left running), background lifecycle (TTL reaping) and graceful shutdown;
 //! - [`auth`]: API keys and tenants on every `/v1` route;
-//! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`admin`], [`ops`]: the routes;
+//! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`volumes`], [`admin`], [`ops`]: the routes;
 //! - [`error`], [`extract`]: the one error shape and request parsing;
 //! - [`metrics`]: Prometheus text.
 //!
@@ -23,5 +23,6 @@ pub mod ops;
 pub mod processes;
 pub mod sandboxes;
 pub mod snapshots;
+pub mod volumes;
 
 pub use app::{serve, Config, Quotas};

@@ -77,6 +77,19 @@ pub const ROUTES: &[RouteDoc] = &[
     r("get", "/v1/sandboxes/{id}/files/stat", 200, "Describe a path"),
     r("post", "/v1/sandboxes/{id}/files/mkdir", 200, "Create a directory and its parents"),
     r("post", "/v1/sandboxes/{id}/files/move", 200, "Move or rename"),
+    r("post", "/v1/volumes", 201, "Create a volume (a persistent directory tree)"),
+    r("get", "/v1/volumes", 200, "List the tenant's volumes"),
+    r("get", "/v1/volumes/{id}", 200, "Get a volume (by id or name)"),
+    r("delete", "/v1/volumes/{id}", 204, "Delete a volume, its files and its snapshots (409 while mounted)"),
+    r("post", "/v1/volumes/{id}/snapshots", 201, "Snapshot the volume's tree (copy-on-write where possible)"),
+    r("post", "/v1/volumes/{id}/fork", 201, "A new volume with a copy of this one's tree"),
+    r("get", "/v1/volumes/{id}/files", 200, "Download a file of a volume (streamed)"),
+    r("put", "/v1/volumes/{id}/files", 200, "Upload a file to a volume (streamed; 413 past size_mb)"),
+    r("delete", "/v1/volumes/{id}/files", 204, "Remove a file or directory of a volume (?recursive=true)"),
+    r("get", "/v1/volumes/{id}/files/list", 200, "List a directory of a volume (?depth=N)"),
+    r("get", "/v1/volumes/{id}/files/stat", 200, "Describe a path of a volume"),
+    r("post", "/v1/volumes/{id}/files/mkdir", 200, "Create a directory of a volume and its parents"),
+    r("post", "/v1/volumes/{id}/files/move", 200, "Move or rename within a volume"),
     r("get", "/v1/templates", 200, "List templates"),
     r("get", "/v1/calls", 200, "Call records, newest first"),
     r("get", "/v1/usage", 200, "Per-tenant totals"),
@@ -213,7 +226,7 @@ mod tests {
     use super::ROUTES;
 
     /// Routes of the contract this version does not serve yet (see the note atop docs/api.md).
-    const PLANNED: &[&str] = &["/v1/volumes", "/v1/templates/builds", "/mcp"];
+    const PLANNED: &[&str] = &["/v1/volumes/{id}/run", "/v1/templates/builds", "/mcp"];
 
     /// `METHOD /path` pairs written in backticks in docs/api.md (`GET/DELETE /x` gives two).
     fn contract_routes() -> Vec<(String, String)> {

@@ -1,12 +1,10 @@
 //! Background processes and the terminal (PTY over WebSocket) of a sandbox.
 
-use std::convert::Infallible;
 use std::time::{Duration, Instant};
 
-use axum::body::{Body, Bytes};
+use axum::body::Body;
 use axum::extract::ws::{Message, WebSocket, WebSocketUpgrade};
 use axum::extract::{Path, State};
-use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
@@ -21,7 +19,7 @@ use tokio::sync::mpsc;
 use crate::app::{new_id, AppState};
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::exec::{build_spec, call_record, LineEncoder};
+use crate::exec::{build_spec, call_record, error_line, ndjson_response, pump, send_line, typed};
 use crate::extract::{Json, Query};
 use crate::sandboxes::live_of;
 
@@ -104,53 +102,21 @@ async fn output(State(app): State<AppState>, caller: Caller, Path((id, proc_id))
     let live = live_of(&app, &caller, &id).await?;
     // Fail before streaming if the process is unknown.
     live.machine.agent.get_process(&proc_id).await?;
-    let (body_tx, body_rx) = mpsc::channel::<Bytes>(32);
+    let (body_tx, response) = ndjson_response();
     tokio::spawn(async move {
         let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
         let agent = live.machine.agent.clone();
-        let run = agent.process_output(&proc_id, q.follow, out_tx);
-        tokio::pin!(run);
-        let mut lines = LineEncoder::default();
-        let end = loop {
-            tokio::select! {
-                r = &mut run => break Some(r),
-                Some((chan, bytes)) = out_rx.recv() => {
-                    if let Some(line) = lines.chunk(chan, &bytes) {
-                        if body_tx.send(line).await.is_err() { break None; }
-                    }
-                }
-                _ = body_tx.closed() => break None,
-            }
-        };
-        let Some(end) = end else { return };
-        while let Ok((chan, bytes)) = out_rx.try_recv() {
-            if let Some(line) = lines.chunk(chan, &bytes) {
-                let _ = body_tx.send(line).await;
-            }
-        }
-        for line in lines.flush() {
-            let _ = body_tx.send(line).await;
-        }
+        let Some(end) = pump(agent.process_output(&proc_id, q.follow, out_tx), &mut out_rx, &body_tx).await else { return };
         let last = match end {
             Ok(info) => match info.result {
-                Some(res) => {
-                    let mut v = serde_json::to_value(&res).expect("json");
-                    v["type"] = json!("result");
-                    v
-                }
+                Some(res) => typed("result", &res),
                 None => json!({"type": "state", "state": info.state}),
             },
-            Err(e) => {
-                let e: ApiError = e.into();
-                json!({"type": "error", "error": {"code": e.code(), "message": e.message}})
-            }
+            Err(e) => error_line(e.into()),
         };
-        let mut line = serde_json::to_vec(&last).expect("json");
-        line.push(b'\n');
-        let _ = body_tx.send(Bytes::from(line)).await;
+        send_line(&body_tx, &last).await;
     });
-    let body = Body::from_stream(futures_util::stream::unfold(body_rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) }));
-    Ok(([(header::CONTENT_TYPE, "application/x-ndjson")], body).into_response())
+    Ok(response)
 }
 
 #[derive(Deserialize)]

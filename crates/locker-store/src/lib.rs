@@ -30,6 +30,7 @@ pub use model::{
     now_unix, parse_rfc3339, strip_output, validate_tenant_name, CallKind, CallRecord, KeyInfo,
     Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
 };
+pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 pub use random::{fill_random, new_id, API_KEY_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
 pub use sqlite::{SqliteStore, SCHEMA_VERSION};
@@ -163,6 +164,35 @@ pub trait Store: Send + Sync {
 
     /// Removes the record; false if the tenant has no such snapshot.
     fn delete_snapshot(&self, tenant: &str, id: &str) -> Result<bool>;
+
+    // ---- volumes ----
+
+    /// Stores a new volume. `Conflict` if the tenant already has a volume of that name (or
+    /// the id exists), `Invalid` for a bad name, `NotFound` if the tenant does not exist.
+    fn insert_volume(&self, volume: &VolumeRecord) -> Result<()>;
+
+    /// The tenant's volume whose id, or else whose name, is `id_or_name`; `None` for
+    /// another tenant's.
+    fn get_volume(&self, tenant: &str, id_or_name: &str) -> Result<Option<VolumeRecord>>;
+
+    /// The tenant's volumes, oldest first.
+    fn list_volumes(&self, tenant: &str) -> Result<Vec<VolumeRecord>>;
+
+    /// Every tenant's volumes (for start-up), oldest first.
+    fn list_all_volumes(&self) -> Result<Vec<VolumeRecord>>;
+
+    /// Removes a volume's record and the records of its snapshots, in one transaction.
+    /// `false` if the tenant has no such volume.
+    fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool>;
+
+    /// Stores a volume snapshot's record (`Conflict` if the id exists).
+    fn insert_volume_snapshot(&self, snapshot: &VolumeSnapshotRecord) -> Result<()>;
+
+    /// The tenant's volume snapshot `id` (`None` for another tenant's).
+    fn get_volume_snapshot(&self, tenant: &str, id: &str) -> Result<Option<VolumeSnapshotRecord>>;
+
+    /// The tenant's snapshots of one volume, newest first.
+    fn list_volume_snapshots(&self, tenant: &str, volume_id: &str) -> Result<Vec<VolumeSnapshotRecord>>;
 
     // ---- call records and usage ----
 

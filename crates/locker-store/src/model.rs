@@ -422,3 +422,54 @@ pub struct SnapshotRecord {
     /// Where its files are on the host.
     pub path: String,
 }
+
+/// Checks a volume name: `[a-z0-9][a-z0-9._-]{0,62}` (a path segment and a CLI argument
+/// without quoting; never `.` or `..` since it starts with a letter or digit).
+pub fn validate_volume_name(name: &str) -> Result<()> {
+    let b = name.as_bytes();
+    let ok = !b.is_empty()
+        && b.len() <= 63
+        && (b[0].is_ascii_lowercase() || b[0].is_ascii_digit())
+        && b.iter().all(|c| {
+            c.is_ascii_lowercase() || c.is_ascii_digit() || matches!(*c, b'.' | b'_' | b'-')
+        });
+    if ok {
+        Ok(())
+    } else {
+        Err(StoreError::Invalid(format!(
+            "`name` must match [a-z0-9][a-z0-9._-]{{0,62}}, got {name:?}"
+        )))
+    }
+}
+
+/// A volume: a persistent directory tree of a tenant, named uniquely within the tenant.
+/// Its bytes in use are not stored: the server measures them from the tree itself.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeRecord {
+    /// `vol_…`.
+    pub id: String,
+    pub tenant: String,
+    /// Unique per tenant; see [`validate_volume_name`].
+    pub name: String,
+    /// The size limit in MiB.
+    pub size_mb: u64,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+}
+
+/// A point-in-time copy of a volume's tree. Its ids are `snap_…` like sandbox snapshots',
+/// but it is its own kind (its own table): a sandbox snapshot is a disk image, this is a
+/// directory tree. It is removed with its volume.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct VolumeSnapshotRecord {
+    /// `snap_…`.
+    pub id: String,
+    pub tenant: String,
+    pub volume_id: String,
+    /// Bytes allocated by the copied tree (shared blocks of a reflink counted in full).
+    pub size_bytes: u64,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// Where its tree is on the host.
+    pub path: String,
+}

@@ -27,7 +27,28 @@ use crate::model::{
     SandboxState, TenantUsage,
 };
 use crate::random::{fill_random, hex, new_api_key};
+use crate::model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 use crate::{SnapshotRecord, Store, DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
+
+const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at";
+
+fn volume_of(r: &Row<'_>) -> rusqlite::Result<(String, String, String, i64, String)> {
+    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+}
+
+fn decode_volume(r: (String, String, String, i64, String)) -> Result<VolumeRecord> {
+    Ok(VolumeRecord {
+        id: r.0,
+        tenant: r.1,
+        name: r.2,
+        size_mb: from_i64("size_mb", r.3)?,
+        created_at: r.4,
+    })
+}
+
+fn decode_volume_snapshot(json: &str) -> Result<VolumeSnapshotRecord> {
+    serde_json::from_str(json).map_err(|e| StoreError::Corrupt(format!("volume snapshot record: {e}")))
+}
 
 /// The schema, one migration per entry, applied in order, each once. Never edit a
 /// released entry: append a new one. `schema_version` holds one row per applied entry.
@@ -119,6 +140,27 @@ const MIGRATIONS: &[&str] = &[
         record       TEXT NOT NULL
     ) STRICT;
     CREATE INDEX snapshots_tenant ON snapshots(tenant, created_unix);
+    "#,
+    // 3: volumes (names unique per tenant) and their snapshots (their own kind: a copy of
+    // a directory tree, not a disk image). `record` is the whole VolumeSnapshotRecord.
+    r#"
+    CREATE TABLE volumes (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        name         TEXT NOT NULL,
+        size_mb      INTEGER NOT NULL,
+        created_at   TEXT NOT NULL,
+        created_unix INTEGER NOT NULL,
+        UNIQUE (tenant, name)
+    ) STRICT;
+    CREATE TABLE volume_snapshots (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        volume_id    TEXT NOT NULL,
+        created_unix INTEGER NOT NULL,
+        record       TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX volume_snapshots_volume ON volume_snapshots(tenant, volume_id, created_unix);
     "#,
 ];
 
@@ -544,6 +586,111 @@ fn sandbox_not_found(id: &str) -> StoreError {
 }
 
 impl Store for SqliteStore {
+    fn insert_volume(&self, v: &VolumeRecord) -> Result<()> {
+        validate_volume_name(&v.name)?;
+        let created_unix = unix_of("created_at", &v.created_at)?;
+        let size_mb = to_i64("size_mb", v.size_mb)?;
+        let conn = self.writer();
+        require_tenant(&conn, &v.tenant)?;
+        conn.prepare_cached(
+            "INSERT INTO volumes (id, tenant, name, size_mb, created_at, created_unix)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        )?
+        .execute(params![v.id, v.tenant, v.name, size_mb, v.created_at, created_unix])
+        .map_err(|e| {
+            conflict_on_unique(e, || {
+                format!("a volume named {:?} (or with id {}) already exists", v.name, v.id)
+            })
+        })?;
+        Ok(())
+    }
+
+    fn get_volume(&self, tenant: &str, id_or_name: &str) -> Result<Option<VolumeRecord>> {
+        let raw = self.read(|c| {
+            // An id wins over a name: ids start with `vol_`, which a name may too.
+            let sql = format!(
+                "SELECT {VOLUME_COLUMNS} FROM volumes WHERE tenant = ?1 AND (id = ?2 OR name = ?2)
+                 ORDER BY id = ?2 DESC LIMIT 1"
+            );
+            Ok(c.prepare_cached(&sql)?
+                .query_row(params![tenant, id_or_name], volume_of)
+                .optional()?)
+        })?;
+        raw.map(decode_volume).transpose()
+    }
+
+    fn list_volumes(&self, tenant: &str) -> Result<Vec<VolumeRecord>> {
+        let raw = self.read(|c| {
+            let sql = format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE tenant = ?1 ORDER BY created_unix, id");
+            Ok(c.prepare_cached(&sql)?
+                .query_map([tenant], volume_of)?
+                .collect::<rusqlite::Result<Vec<_>>>()?)
+        })?;
+        raw.into_iter().map(decode_volume).collect()
+    }
+
+    fn list_all_volumes(&self) -> Result<Vec<VolumeRecord>> {
+        let raw = self.read(|c| {
+            let sql = format!("SELECT {VOLUME_COLUMNS} FROM volumes ORDER BY created_unix, id");
+            Ok(c.prepare_cached(&sql)?
+                .query_map([], volume_of)?
+                .collect::<rusqlite::Result<Vec<_>>>()?)
+        })?;
+        raw.into_iter().map(decode_volume).collect()
+    }
+
+    fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool> {
+        let mut conn = self.writer();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let n = tx.execute("DELETE FROM volumes WHERE tenant = ?1 AND id = ?2", params![tenant, id])?;
+        if n > 0 {
+            tx.execute(
+                "DELETE FROM volume_snapshots WHERE tenant = ?1 AND volume_id = ?2",
+                params![tenant, id],
+            )?;
+        }
+        tx.commit()?;
+        Ok(n > 0)
+    }
+
+    fn insert_volume_snapshot(&self, snap: &VolumeSnapshotRecord) -> Result<()> {
+        let record = to_json("volume snapshot", snap)?;
+        let created_unix = unix_of("created_at", &snap.created_at)?;
+        let conn = self.writer();
+        require_tenant(&conn, &snap.tenant)?;
+        let n = conn
+            .prepare_cached(
+                "INSERT INTO volume_snapshots (id, tenant, volume_id, created_unix, record)
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO NOTHING",
+            )?
+            .execute(params![snap.id, snap.tenant, snap.volume_id, created_unix, record])?;
+        if n == 0 {
+            return Err(StoreError::Conflict(format!("snapshot {} already exists", snap.id)));
+        }
+        Ok(())
+    }
+
+    fn get_volume_snapshot(&self, tenant: &str, id: &str) -> Result<Option<VolumeSnapshotRecord>> {
+        let json = self.read(|c| {
+            Ok(c.prepare_cached("SELECT record FROM volume_snapshots WHERE tenant = ?1 AND id = ?2")?
+                .query_row(params![tenant, id], |r| r.get::<_, String>(0))
+                .optional()?)
+        })?;
+        json.as_deref().map(decode_volume_snapshot).transpose()
+    }
+
+    fn list_volume_snapshots(&self, tenant: &str, volume_id: &str) -> Result<Vec<VolumeSnapshotRecord>> {
+        let rows = self.read(|c| {
+            Ok(c.prepare_cached(
+                "SELECT record FROM volume_snapshots WHERE tenant = ?1 AND volume_id = ?2
+                 ORDER BY created_unix DESC, id",
+            )?
+            .query_map(params![tenant, volume_id], |r| r.get::<_, String>(0))?
+            .collect::<rusqlite::Result<Vec<_>>>()?)
+        })?;
+        rows.iter().map(|j| decode_volume_snapshot(j)).collect()
+    }
+
     fn insert_snapshot(&self, snap: &SnapshotRecord) -> Result<()> {
         let record = serde_json::to_string(snap).map_err(|e| StoreError::Invalid(format!("snapshot record: {e}")))?;
         let conn = self.writer();

@@ -1,0 +1,165 @@
+//! Directory trees on the host: what a volume is made of.
+//!
+//! Owns measuring a tree (the blocks it allocates, a hard-linked file counted once) and
+//! copying one as cheaply as the filesystem allows: each regular file by reflink
+//! (`FICLONE`: instant, blocks shared copy-on-write on btrfs and XFS), else by an in-kernel
+//! copy (`copy_file_range`). A copy keeps what a later machine mounting it would see:
+//! hard links, symlinks, modes, owners (canonical ids: root is 0) and modification times.
+//! Extended attributes, sockets, FIFOs and device nodes are not copied (the files API makes
+//! none of them). A copy is flushed once at the end (`syncfs`), not file by file.
+//!
+//! It never follows a symlink: a tree is read and written with `lstat`, `lchown` and
+//! no-follow times, so a link pointing out of the tree leads nowhere on the host.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io;
+use std::os::unix::fs::{symlink, MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+/// How a tree was copied.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct CopyStats {
+    /// Regular files copied (hard links to one counted once).
+    pub files: u64,
+    /// Of those, how many were reflinked (shared blocks) rather than copied.
+    pub reflinked: u64,
+    /// Bytes the copy allocates, as [`allocated_bytes`] counts them.
+    pub bytes: u64,
+}
+
+/// Bytes the tree under `root` allocates (its blocks), `root` itself excluded; a file with
+/// several hard links is counted once. Entries that vanish during the walk are skipped.
+pub fn allocated_bytes(root: &Path) -> io::Result<u64> {
+    let mut seen: HashMap<(u64, u64), ()> = HashMap::new();
+    let mut total = 0u64;
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let rd = match fs::read_dir(&dir) {
+            Ok(rd) => rd,
+            Err(e) if e.kind() == io::ErrorKind::NotFound && dir != root => continue,
+            Err(e) => return Err(e),
+        };
+        for e in rd {
+            let e = e?;
+            let Ok(m) = e.path().symlink_metadata() else { continue };
+            if m.nlink() > 1 && !m.is_dir() && seen.insert((m.dev(), m.ino()), ()).is_some() {
+                continue;
+            }
+            total += m.blocks() * 512;
+            if m.is_dir() {
+                stack.push(e.path());
+            }
+        }
+    }
+    Ok(total)
+}
+
+/// Copies the tree under `src` to `dst`, which must not exist (it is created with `src`'s
+/// mode, owner and times). On failure `dst` is removed again.
+pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyStats> {
+    let mut st = Copier { links: HashMap::new(), stats: CopyStats::default() };
+    let meta = src.symlink_metadata()?;
+    if !meta.is_dir() {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a directory", src.display())));
+    }
+    fs::create_dir(dst)?;
+    let r = st.dir(src, dst, &meta).and_then(|()| crate::disk::flush(dst));
+    if let Err(e) = r {
+        let _ = fs::remove_dir_all(dst);
+        return Err(e);
+    }
+    st.stats.bytes = allocated_bytes(dst)?;
+    Ok(st.stats)
+}
+
+struct Copier {
+    /// (dev, inode) of a multiply-linked source file → its first copy.
+    links: HashMap<(u64, u64), PathBuf>,
+    stats: CopyStats,
+}
+
+impl Copier {
+    /// Fills the existing directory `dst` from `src`, then gives it `meta`'s attributes.
+    fn dir(&mut self, src: &Path, dst: &Path, meta: &fs::Metadata) -> io::Result<()> {
+        for e in fs::read_dir(src)? {
+            let e = e?;
+            let (from, to) = (e.path(), dst.join(e.file_name()));
+            let m = from.symlink_metadata()?;
+            let ft = m.file_type();
+            if ft.is_dir() {
+                fs::create_dir(&to)?;
+                self.dir(&from, &to, &m)?;
+            } else if ft.is_symlink() {
+                symlink(fs::read_link(&from)?, &to)?;
+                attrs(&to, &m, false)?;
+            } else if ft.is_file() {
+                self.file(&from, &to, &m)?;
+            }
+        }
+        attrs(dst, meta, true)
+    }
+
+    fn file(&mut self, from: &Path, to: &Path, m: &fs::Metadata) -> io::Result<()> {
+        if m.nlink() > 1 {
+            if let Some(first) = self.links.get(&(m.dev(), m.ino())) {
+                return fs::hard_link(first, to);
+            }
+            self.links.insert((m.dev(), m.ino()), to.to_path_buf());
+        }
+        let src = fs::File::open(from)?;
+        let mut dst = fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+        if crate::disk::reflink(&src, &dst) {
+            self.stats.reflinked += 1;
+        } else {
+            io::copy(&mut &src, &mut dst)?;
+        }
+        self.stats.files += 1;
+        drop(dst);
+        attrs(to, m, true)
+    }
+}
+
+/// Gives `path` the owner, mode (not for a symlink) and times of `m`. Owner first: a chown
+/// clears set-id bits, which the mode then puts back.
+fn attrs(path: &Path, m: &fs::Metadata, with_mode: bool) -> io::Result<()> {
+    std::os::unix::fs::lchown(path, Some(m.uid()), Some(m.gid()))?;
+    if with_mode {
+        fs::set_permissions(path, fs::Permissions::from_mode(m.mode() & 0o7777))?;
+    }
+    crate::sys::set_times_nofollow(path, (m.atime(), m.atime_nsec()), (m.mtime(), m.mtime_nsec()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_keeps_links_modes_owners_times_and_is_independent() {
+        let base = std::env::temp_dir().join(format!("locker-tree-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        let (src, dst) = (base.join("src"), base.join("dst"));
+        fs::create_dir_all(src.join("a/b")).unwrap();
+        fs::write(src.join("a/b/f"), vec![7u8; 100_000]).unwrap();
+        fs::set_permissions(src.join("a/b/f"), fs::Permissions::from_mode(0o751)).unwrap();
+        fs::hard_link(src.join("a/b/f"), src.join("hl")).unwrap();
+        symlink("/etc/passwd", src.join("out")).unwrap();
+        crate::sys::set_times_nofollow(&src.join("a/b/f"), (1000, 0), (2000, 5)).unwrap();
+
+        let stats = copy(&src, &dst).unwrap();
+        assert_eq!(stats.files, 1, "a hard-linked file is copied once");
+        assert!(stats.bytes >= 100_000);
+        let f = dst.join("a/b/f").symlink_metadata().unwrap();
+        assert_eq!(f.mode() & 0o7777, 0o751);
+        assert_eq!((f.mtime(), f.mtime_nsec()), (2000, 5));
+        assert_eq!(f.ino(), dst.join("hl").symlink_metadata().unwrap().ino(), "hard links stay linked");
+        assert_eq!(fs::read_link(dst.join("out")).unwrap(), Path::new("/etc/passwd"));
+        assert_eq!(allocated_bytes(&dst).unwrap(), stats.bytes);
+
+        fs::write(dst.join("a/b/f"), b"changed").unwrap();
+        assert_eq!(fs::read(src.join("a/b/f")).unwrap().len(), 100_000, "the copy is independent");
+        assert!(copy(&src, &dst).is_err(), "the target must not exist");
+        assert!(dst.exists(), "a refused copy leaves the existing target alone");
+        fs::remove_dir_all(&base).unwrap();
+    }
+}

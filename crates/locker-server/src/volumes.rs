@@ -1,0 +1,335 @@
+//! Volumes: a tenant's persistent directory trees, and their files API with no machine.
+//!
+//! A volume is a live tree `<data-dir>/volumes/<id>/live/` whose files carry canonical ids
+//! (root = 0 on disk), plus its record in the store. A live tree rather than a disk image,
+//! because sandboxes will mount it directly (an id-mapped bind) and serverless runs will
+//! snapshot it and lay a copy-on-write layer over it. Beside `live/`:
+//! - `agent.sock` (+ `.pid`): the volume's host-side agent, started on first use of its
+//!   files API (one per volume; see `locker_runtime::host_agent`), stopped on delete and at
+//!   shutdown; a stale one is stopped and its socket removed when the server starts;
+//! - `private/`: the agent's log, output dir and empty cgroup root;
+//! - `snapshots/<snap_id>/`: point-in-time copies (removed with the volume).
+//!
+//! The size limit (`size_mb`) and the bytes in use are a [`Space`], enforced by the files
+//! API on every write. Snapshots and forks copy the tree file by file, by reflink where the
+//! filesystem allows (`locker_runtime::tree`), while holding the volume's write gate, so
+//! they see one consistent point of everything written through the API.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::{Arc, RwLock};
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::{get, post};
+use axum::Router;
+use locker_runtime::agent::AgentClient;
+use locker_runtime::host_agent::{HostAgent, HostAgentPaths};
+use locker_store::{VolumeRecord, VolumeSnapshotRecord};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use crate::app::{new_id, now_s, AppState};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::extract::Json;
+use crate::files::{FilesTarget, Space};
+
+/// `size_mb` when a request gives none, and the range a request may ask for.
+pub const DEFAULT_SIZE_MB: u64 = 10_240;
+pub const SIZE_MB: (u64, u64) = (1, 1_048_576);
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/volumes", post(create).get(list))
+        .route("/v1/volumes/{id}", get(get_one).delete(delete))
+        .route("/v1/volumes/{id}/snapshots", post(snapshot))
+        .route("/v1/volumes/{id}/fork", post(fork))
+        .merge(crate::files::routes_for::<VolumeFiles>("/v1/volumes/{id}"))
+}
+
+/// A volume this server serves: its tree, its space and its agent (once started).
+#[derive(Debug)]
+pub struct Volume {
+    pub id: String,
+    pub dir: PathBuf,
+    pub space: Space,
+    agent: tokio::sync::Mutex<Option<HostAgent>>,
+}
+
+impl Volume {
+    fn paths(&self) -> HostAgentPaths {
+        HostAgentPaths { root: self.dir.join("live"), socket: self.dir.join("agent.sock"), private: self.dir.join("private") }
+    }
+
+    /// The connection to the volume's agent, starting it on first use (or again if it died).
+    async fn agent(&self, exe: &std::path::Path) -> Result<AgentClient, ApiError> {
+        let mut slot = self.agent.lock().await;
+        if let Some(a) = slot.as_ref().filter(|a| a.is_alive()) {
+            return Ok(a.client.clone());
+        }
+        if let Some(dead) = slot.take() {
+            dead.stop().await;
+        }
+        let a = HostAgent::start(exe, &self.paths())
+            .await
+            .map_err(|e| ApiError::internal(format!("the files service of volume {} could not start: {e}", self.id)))?;
+        let client = a.client.clone();
+        *slot = Some(a);
+        Ok(client)
+    }
+
+    /// Stops the volume's agent, if it runs.
+    async fn stop_agent(&self) {
+        if let Some(a) = self.agent.lock().await.take() {
+            a.stop().await;
+        }
+    }
+}
+
+/// The volumes of this server, by id.
+pub struct Volumes {
+    root: PathBuf,
+    agent_exe: PathBuf,
+    open: RwLock<HashMap<String, Arc<Volume>>>,
+}
+
+impl Volumes {
+    /// Opens every volume of the store: stops agents a previous server left, measures
+    /// each tree. Volumes whose tree is missing are served empty after a warning.
+    pub async fn open(data_dir: &std::path::Path, agent_exe: PathBuf, records: Vec<VolumeRecord>) -> std::io::Result<Volumes> {
+        let root = data_dir.join("volumes");
+        std::fs::create_dir_all(&root)?;
+        let v = Volumes { root, agent_exe, open: RwLock::new(HashMap::new()) };
+        for r in records {
+            let dir = v.root.join(&r.id);
+            let live = dir.join("live");
+            if !live.is_dir() {
+                tracing::warn!(volume = %r.id, dir = %live.display(), "a volume's tree is missing; recreating it empty");
+                std::fs::create_dir_all(&live)?;
+            }
+            let vol = v.make(&r, 0);
+            locker_runtime::host_agent::stop_stale(&vol.paths());
+            let used = tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&live)).await.map_err(std::io::Error::other)??;
+            vol.space.recount_to(used);
+            v.open.write().expect("volumes lock").insert(r.id.clone(), vol);
+        }
+        Ok(v)
+    }
+
+    fn make(&self, r: &VolumeRecord, used: u64) -> Arc<Volume> {
+        let dir = self.root.join(&r.id);
+        Arc::new(Volume {
+            id: r.id.clone(),
+            space: Space::new(dir.join("live"), format!("volume {}", r.name), r.size_mb << 20, used),
+            dir,
+            agent: Default::default(),
+        })
+    }
+
+    fn get(&self, id: &str) -> Option<Arc<Volume>> {
+        self.open.read().expect("volumes lock").get(id).cloned()
+    }
+
+    /// Stops every volume's agent (at shutdown).
+    pub async fn stop_agents(&self) {
+        let all: Vec<Arc<Volume>> = self.open.read().expect("volumes lock").values().cloned().collect();
+        for v in all {
+            v.stop_agent().await;
+        }
+    }
+}
+
+/// The running sandbox that mounts volume `id`, if any: such a volume cannot be deleted.
+/// Sandboxes cannot mount volumes yet, so this is always `None`; mounts plug in here.
+pub fn running_sandbox_mounting(_app: &AppState, _volume_id: &str) -> Option<String> {
+    None
+}
+
+/// The API's view of a volume.
+fn view(r: &VolumeRecord, v: &Volume) -> Value {
+    json!({"id": r.id, "name": r.name, "size_mb": r.size_mb, "used_bytes": v.space.used_bytes(), "created_at": r.created_at})
+}
+
+/// The caller's volume by id or name, with its state; 404 for another tenant's.
+fn lookup(app: &AppState, caller: &Caller, id_or_name: &str) -> Result<(VolumeRecord, Arc<Volume>), ApiError> {
+    let missing = || ApiError::not_found(format!("volume {id_or_name} does not exist"));
+    let r = app.store.get_volume(&caller.tenant, id_or_name)?.ok_or_else(missing)?;
+    let v = app.volumes.get(&r.id).ok_or_else(missing)?;
+    Ok((r, v))
+}
+
+/// A volume as a target of the files API.
+pub struct VolumeFiles {
+    vol: Arc<Volume>,
+    agent: AgentClient,
+}
+
+impl FilesTarget for VolumeFiles {
+    async fn resolve(app: &AppState, caller: &Caller, id: &str) -> Result<Self, ApiError> {
+        let (_, vol) = lookup(app, caller, id)?;
+        let agent = vol.agent(&app.volumes.agent_exe).await?;
+        Ok(VolumeFiles { vol, agent })
+    }
+    fn agent(&self) -> &AgentClient {
+        &self.agent
+    }
+    fn space(&self) -> Option<&Space> {
+        Some(&self.vol.space)
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CreateVolume {
+    name: Option<String>,
+    size_mb: Option<u64>,
+}
+
+/// Checks a new volume's name: the store's rule, and not shaped like an id (a name can
+/// stand in for an id in every route, so `vol_…` stays unambiguous).
+fn check_name(name: Option<&str>) -> Result<String, ApiError> {
+    let name = name.ok_or_else(|| ApiError::bad_request("`name` is required (a volume name like \"repo\")"))?;
+    locker_store::validate_volume_name(name)?;
+    if name.starts_with("vol_") {
+        return Err(ApiError::bad_request(format!("`name` must not start with `vol_` (ids do), got {name:?}")));
+    }
+    Ok(name.to_owned())
+}
+
+/// Makes the directories of a new volume, stores its record and serves it. `fill` makes
+/// `live/` (empty, or a copy); `dir` is removed again when anything fails.
+async fn add(app: &AppState, rec: VolumeRecord, fill: impl FnOnce(&std::path::Path) -> std::io::Result<u64> + Send + 'static) -> Result<Arc<Volume>, ApiError> {
+    let dir = app.volumes.root.join(&rec.id);
+    let d = dir.clone();
+    let made = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+        std::fs::create_dir_all(d.join("private"))?;
+        fill(&d.join("live"))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("making volume {}: {e}", rec.id)));
+    let used = match made {
+        Ok(Ok(n)) => n,
+        Ok(Err(e)) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(ApiError::internal(format!("making the tree of volume {}: {e}", rec.id)));
+        }
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+    };
+    if let Err(e) = app.store.insert_volume(&rec) {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(e.into());
+    }
+    let vol = app.volumes.make(&rec, used);
+    app.volumes.open.write().expect("volumes lock").insert(rec.id.clone(), vol.clone());
+    Ok(vol)
+}
+
+async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<CreateVolume>) -> Result<impl IntoResponse, ApiError> {
+    let name = check_name(body.name.as_deref())?;
+    let size_mb = body.size_mb.unwrap_or(DEFAULT_SIZE_MB);
+    if !(SIZE_MB.0..=SIZE_MB.1).contains(&size_mb) {
+        return Err(ApiError::bad_request(format!("`size_mb` must be between {} and {}", SIZE_MB.0, SIZE_MB.1)));
+    }
+    if app.store.get_volume(&caller.tenant, &name)?.is_some() {
+        return Err(ApiError::conflict(format!("a volume named {name:?} already exists")));
+    }
+    let rec = VolumeRecord { id: new_id("vol_"), tenant: caller.tenant.clone(), name, size_mb, created_at: locker_types::rfc3339(now_s()) };
+    let vol = add(&app, rec.clone(), |live| std::fs::create_dir(live).map(|()| 0)).await?;
+    Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
+}
+
+async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {
+    let recs = app.store.list_volumes(&caller.tenant)?;
+    let items: Vec<Value> = recs.iter().filter_map(|r| app.volumes.get(&r.id).map(|v| view(r, &v))).collect();
+    Ok(axum::Json(json!({ "volumes": items })))
+}
+
+async fn get_one(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let (r, v) = lookup(&app, &caller, &id)?;
+    Ok(axum::Json(view(&r, &v)))
+}
+
+async fn delete(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let (r, v) = lookup(&app, &caller, &id)?;
+    if let Some(sb) = running_sandbox_mounting(&app, &r.id) {
+        return Err(ApiError::conflict(format!("volume {} is mounted by running sandbox {sb}: delete the sandbox first", r.name)));
+    }
+    // Wait for writes in flight; none starts after (the volume leaves the map first).
+    app.volumes.open.write().expect("volumes lock").remove(&r.id);
+    let _all = v.space.gate.write().await;
+    v.stop_agent().await;
+    app.store.delete_volume(&caller.tenant, &r.id)?;
+    let dir = v.dir.clone();
+    tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&dir))
+        .await
+        .map_err(|e| ApiError::internal(format!("removing volume {}: {e}", r.id)))?
+        .map_err(|e| ApiError::internal(format!("removing the files of volume {}: {e}", r.id)))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Copies the volume's tree to `to` at one consistent point; returns the bytes it holds.
+async fn copy_live(v: &Volume, to: PathBuf) -> Result<u64, ApiError> {
+    let _all = v.space.gate.write().await;
+    let from = v.dir.join("live");
+    let stats = tokio::task::spawn_blocking(move || locker_runtime::tree::copy(&from, &to))
+        .await
+        .map_err(|e| ApiError::internal(format!("copying volume {}: {e}", v.id)))?
+        .map_err(|e| ApiError::internal(format!("copying volume {}: {e}", v.id)))?;
+    Ok(stats.bytes)
+}
+
+async fn snapshot(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+    let (r, v) = lookup(&app, &caller, &id)?;
+    let snap_id = new_id("snap_");
+    let dir = v.dir.join("snapshots").join(&snap_id);
+    std::fs::create_dir_all(&dir).map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    let size_bytes = match copy_live(&v, dir.join("tree")).await {
+        Ok(n) => n,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            return Err(e);
+        }
+    };
+    let snap = VolumeSnapshotRecord {
+        id: snap_id,
+        tenant: caller.tenant.clone(),
+        volume_id: r.id.clone(),
+        size_bytes,
+        created_at: locker_types::rfc3339(now_s()),
+        path: dir.display().to_string(),
+    };
+    if let Err(e) = app.store.insert_volume_snapshot(&snap) {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(e.into());
+    }
+    Ok((StatusCode::CREATED, axum::Json(json!({"id": snap.id, "volume_id": snap.volume_id, "size_bytes": snap.size_bytes, "created_at": snap.created_at}))))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ForkBody {
+    name: Option<String>,
+}
+
+async fn fork(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<ForkBody>) -> Result<impl IntoResponse, ApiError> {
+    let name = check_name(body.name.as_deref())?;
+    let (r, v) = lookup(&app, &caller, &id)?;
+    if app.store.get_volume(&caller.tenant, &name)?.is_some() {
+        return Err(ApiError::conflict(format!("a volume named {name:?} already exists")));
+    }
+    let rec = VolumeRecord { id: new_id("vol_"), tenant: caller.tenant.clone(), name, size_mb: r.size_mb, created_at: locker_types::rfc3339(now_s()) };
+    // Copy into a staging name inside the new volume's directory, under the source's gate.
+    let staging = app.volumes.root.join(format!(".fork-{}", rec.id));
+    let size = copy_live(&v, staging.clone()).await?;
+    let vol = add(&app, rec.clone(), move |live| std::fs::rename(&staging, live).map(|()| size)).await;
+    if vol.is_err() {
+        let _ = std::fs::remove_dir_all(app.volumes.root.join(format!(".fork-{}", rec.id)));
+    }
+    let vol = vol?;
+    Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
+}
