@@ -165,12 +165,15 @@ fn volume_files_round_trip_and_never_leave_the_volume() {
     std::os::unix::fs::symlink("../../../../../../../../".to_owned() + secret.to_str().unwrap().trim_start_matches('/'), live.join("rel-link")).unwrap();
     std::os::unix::fs::symlink("/", live.join("root-link")).unwrap();
     let up = format!("/../../../../../../..{}", secret.display());
-    for p in [up.as_str(), "/abs-link", "/rel-link", &format!("/root-link{}", secret.display())] {
+    let escapes = [up.clone(), "/abs-link".into(), "/rel-link".into(), format!("/root-link{}", secret.display())];
+    for p in &escapes {
         let r = get(&api, &id, p);
         assert!(r.status == 404 || r.status == 400, "{p}: {} {}", r.status, r.text());
         assert!(!r.text().contains("host secret"), "{p} leaked the host file");
+    }
+    for p in &escapes {
         let w = put(&api, &id, p, b"pwned");
-        let _ = w.status;
+        assert!(w.status == 200 || w.status == 404 || w.status == 400, "{p}: {} {}", w.status, w.text());
     }
     assert_eq!(std::fs::read_to_string(&secret).unwrap(), "host secret", "no write reached the host file");
     let r = api.get(&format!("/v1/volumes/{id}/files/list?path=/root-link/"));
@@ -287,7 +290,10 @@ fn a_restarted_server_keeps_volumes_and_their_files() {
     let api = srv.api();
     eventually("the stale agent is stopped", || !old_agents.iter().any(|p| Path::new(&format!("/proc/{p}")).exists() && pids_mentioning(&dir).contains(p)));
     let v = api.get("/v1/volumes/keep").expect(200, "get after restart");
-    assert_eq!((v["id"].as_str(), v["used_bytes"].as_u64()), (Some(id.as_str()), Some(before)), "{v}");
+    assert_eq!(v["id"], id.as_str());
+    let after = v["used_bytes"].as_u64().unwrap();
+    // Measured again at start: the same within the blocks of the directories made as parents.
+    assert!(after.abs_diff(before) <= 8192, "used_bytes {before} before the restart, {after} after");
     assert_eq!(get(&api, &id, "/k/v").body, vec![5u8; 100_000]);
     api.delete(&format!("/v1/volumes/{id}")).expect(204, "delete");
     eventually("no agent is left", || pids_mentioning(&dir).is_empty());

@@ -32,7 +32,7 @@ pub fn make_from_blank(img: &Path, size_mb: u64, blanks: &Path) -> io::Result<()
         // Whoever renames last wins; every candidate is a valid blank image.
         fs::rename(&tmp, &blank)?;
     }
-    copy(&blank, img).map(drop)
+    copy_with(&blank, img, false).map(drop)
 }
 
 /// Creates a sparse ext4 image of `size_mb` at `img` whose root directory belongs to root.
@@ -40,7 +40,8 @@ pub fn make(img: &Path, size_mb: u64) -> io::Result<()> {
     let f = fs::File::create(img)?;
     f.set_len(size_mb << 20)?;
     drop(f);
-    let out = std::process::Command::new("mkfs.ext4")
+    let mkfs = crate::doctor::which("mkfs.ext4").unwrap_or_else(|| "mkfs.ext4".into());
+    let out = std::process::Command::new(mkfs)
         // No journal: a machine's disk does not outlive a host crash, and copies of it are
         // only taken flushed and frozen.
         .args(["-q", "-F", "-O", "^has_journal", "-m", "0", "-E", "lazy_itable_init=1,nodiscard,root_owner=0:0"])
@@ -55,11 +56,21 @@ pub fn make(img: &Path, size_mb: u64) -> io::Result<()> {
 }
 
 /// Copies the image `src` to `dst` (created; must not exist), by reflink when the
-/// filesystem allows, else extent by extent so holes stay holes. On failure `dst` is removed.
+/// filesystem allows, else extent by extent so holes stay holes, and makes it durable
+/// (a snapshot must survive a host crash). On failure `dst` is removed.
 pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyKind> {
+    copy_with(src, dst, true)
+}
+
+fn copy_with(src: &Path, dst: &Path, durable: bool) -> io::Result<CopyKind> {
     let from = fs::File::open(src)?;
     let to = fs::OpenOptions::new().write(true).create_new(true).open(dst)?;
-    let r = copy_into(&from, &to);
+    let r = copy_into(&from, &to).and_then(|k| {
+        if durable {
+            to.sync_all()?;
+        }
+        Ok(k)
+    });
     if r.is_err() {
         let _ = fs::remove_file(dst);
     }
@@ -109,7 +120,6 @@ fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
         }
         off = end;
     }
-    to.sync_all()?;
     Ok(CopyKind::Sparse)
 }
 

@@ -211,11 +211,12 @@ pub async fn start(
     }
 }
 
+/// Writes `path` whole or not at all. No fsync: the file must survive the server's death
+/// (the page cache does), not the host's (which takes the machine with it).
 fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     let tmp = path.with_extension("tmp");
     let mut f = fs::File::create(&tmp)?;
     f.write_all(data)?;
-    f.sync_all()?;
     fs::rename(tmp, path)
 }
 
@@ -229,6 +230,12 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
     if let Some(s) = &state {
         if owns_pid(s.agent_pid, id) {
             let _ = sys::kill(s.agent_pid, libc::SIGKILL);
+            // PID 1's death takes its whole pid namespace down: give the kernel a moment
+            // before falling back to freezing and killing what is left one by one.
+            let deadline = Instant::now() + Duration::from_millis(200);
+            while !cg.pids().is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(500));
+            }
         }
     }
     cg.kill_all()?;
