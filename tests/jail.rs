@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 
 use locker_proto::ExecSpec;
 use locker_runtime::node::{Machine, MachineSpec, Node, NodeConfig};
-use locker_tests::{agent_bin, become_subreaper, default_rootfs, locker_bin, pids_with_uid_in, traces_of, unique, TempDir};
+use locker_tests::{
+    agent_bin, become_subreaper, default_rootfs, locker_bin, pids_with_uid_in, traces_of, unique,
+    TempDir,
+};
 use locker_types::{ExecResult, Reason};
 
 /// A machine that is destroyed when the guard goes, whatever happened.
@@ -34,7 +37,11 @@ impl Drop for Guard {
 
 fn node() -> Node {
     become_subreaper();
-    Node::new(NodeConfig { init_exe: locker_bin(), agent_exe: agent_bin() }).expect("a node on this host")
+    Node::new(NodeConfig {
+        init_exe: locker_bin(),
+        agent_exe: agent_bin(),
+    })
+    .expect("a node on this host")
 }
 
 async fn machine(memory_mb: u64, pids: u64) -> Guard {
@@ -51,7 +58,11 @@ async fn machine(memory_mb: u64, pids: u64) -> Guard {
         pids,
     };
     let m = node.create(spec).await.expect("create a machine");
-    Guard { node, machine: Some(m), _dir: dir }
+    Guard {
+        node,
+        machine: Some(m),
+        _dir: dir,
+    }
 }
 
 fn sh(script: &str) -> ExecSpec {
@@ -65,7 +76,11 @@ fn sh(script: &str) -> ExecSpec {
 }
 
 async fn run(g: &Guard, script: &str) -> ExecResult {
-    g.m().agent.exec(sh(script), None, None).await.expect("exec")
+    g.m()
+        .agent
+        .exec(sh(script), None, None)
+        .await
+        .expect("exec")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -80,13 +95,27 @@ async fn machine_cannot_see_host_processes_files_or_network() {
     let mut lines = r.stdout.lines();
     assert_eq!(lines.next(), Some("locker-agent"), "{r:?}");
     let n: usize = lines.next().unwrap().trim().parse().unwrap();
-    assert!(n <= 5, "only the agent and this command's processes are visible, saw {n}: {r:?}");
-    let r = run(&g, &format!("kill -0 {} 2>&1 || echo gone", std::process::id())).await;
+    assert!(
+        n <= 5,
+        "only the agent and this command's processes are visible, saw {n}: {r:?}"
+    );
+    let r = run(
+        &g,
+        &format!("kill -0 {} 2>&1 || echo gone", std::process::id()),
+    )
+    .await;
     assert!(r.stdout.contains("gone"), "host pid reachable: {r:?}");
 
     // Files: the host's /var/tmp is not the machine's.
-    let r = run(&g, &format!("cat {} 2>&1; echo rc=$?", host_secret.display())).await;
-    assert!(!r.stdout.contains("host-only") && r.stdout.contains("rc=1"), "{r:?}");
+    let r = run(
+        &g,
+        &format!("cat {} 2>&1; echo rc=$?", host_secret.display()),
+    )
+    .await;
+    assert!(
+        !r.stdout.contains("host-only") && r.stdout.contains("rc=1"),
+        "{r:?}"
+    );
 
     // Network: loopback only, and the host's loopback services are not reachable.
     let r = run(&g, "ip -o link | awk -F': ' '{print $2}'").await;
@@ -116,15 +145,28 @@ fn scopeguard(p: PathBuf) -> impl Drop {
 async fn root_inside_is_nobody_outside() {
     let g = machine(256, 256).await;
     let r = run(&g, "id -u; touch /etc/written && echo wrote-etc").await;
-    assert_eq!(r.stdout, "0\nwrote-etc\n", "root inside can use its own files: {r:?}");
+    assert_eq!(
+        r.stdout, "0\nwrote-etc\n",
+        "root inside can use its own files: {r:?}"
+    );
     // The machine's disk stores canonical ids (root = 0), whatever the machine's uid range,
     // so a disk image can start another machine (snapshots, forks).
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(g.m().upper_dir().join("etc/written")).expect("the file is in the machine's layer");
+    let meta = std::fs::metadata(g.m().upper_dir().join("etc/written"))
+        .expect("the file is in the machine's layer");
     assert_eq!((meta.uid(), meta.gid()), (0, 0));
     // On the host the agent runs as the machine's unprivileged uid.
-    let status = std::fs::read_to_string(format!("/proc/{}/status", g.m().state.agent_pid)).unwrap();
-    let uid: u32 = status.lines().find_map(|l| l.strip_prefix("Uid:")).unwrap().split_whitespace().next().unwrap().parse().unwrap();
+    let status =
+        std::fs::read_to_string(format!("/proc/{}/status", g.m().state.agent_pid)).unwrap();
+    let uid: u32 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Uid:"))
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .parse()
+        .unwrap();
     assert_eq!(uid, g.m().state.uid_base);
     assert!(uid >= 65_536 * 16, "uid {uid} is in an unprivileged range");
     // What only real root could do fails.
@@ -140,41 +182,82 @@ async fn root_inside_is_nobody_outside() {
         assert_ne!(r.exit_code, Some(0), "{what} must fail inside a machine: {r:?}");
     }
     let r = run(&g, "grep -E 'NoNewPrivs|Seccomp:' /proc/self/status").await;
-    assert!(r.stdout.contains("NoNewPrivs:\t1") && r.stdout.contains("Seccomp:\t2"), "{r:?}");
+    assert!(
+        r.stdout.contains("NoNewPrivs:\t1") && r.stdout.contains("Seccomp:\t2"),
+        "{r:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fork_bomb_is_contained_and_the_host_stays_responsive() {
     let g = machine(256, 128).await;
     let bomb = g.m().agent.exec(
-        ExecSpec { timeout_ms: Some(4000), ..sh("bomb() { bomb | bomb & }; bomb; sleep 100") },
+        ExecSpec {
+            timeout_ms: Some(4000),
+            ..sh("bomb() { bomb | bomb & }; bomb; sleep 100")
+        },
         None,
         None,
     );
     let probe = tokio::task::spawn_blocking(|| {
         std::thread::sleep(Duration::from_millis(1500));
         let t = Instant::now();
-        let ok = std::process::Command::new("true").status().map(|s| s.success()).unwrap_or(false);
+        let ok = std::process::Command::new("true")
+            .status()
+            .map(|s| s.success())
+            .unwrap_or(false);
         (ok, t.elapsed())
     });
     let r = bomb.await.expect("exec");
     let (ok, took) = probe.await.unwrap();
-    assert!(ok && took < Duration::from_secs(2), "the host could not start a process in time: {took:?}");
+    assert!(
+        ok && took < Duration::from_secs(2),
+        "the host could not start a process in time: {took:?}"
+    );
     assert_eq!(r.reason, Reason::Timeout, "{r:?}");
     // The machine survived and its tree is gone.
     let r = run(&g, "echo alive").await;
     assert_eq!(r.stdout, "alive\n");
-    assert_eq!(g.m().pids().len(), 1, "only the agent is left: {:?}", g.m().pids());
+    assert_eq!(
+        g.m().pids().len(),
+        1,
+        "only the agent is left: {:?}",
+        g.m().pids()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_hog_ends_with_reason_oom() {
     let g = machine(128, 256).await;
-    let r = run(&g, "python3 -c 'b = bytearray(600 * 1024 * 1024); print(len(b))'").await;
+    let r = run(
+        &g,
+        "python3 -c 'b = bytearray(600 * 1024 * 1024); print(len(b))'",
+    )
+    .await;
     assert_eq!(r.reason, Reason::Oom, "{r:?}");
     // Without a shell in between there is no exit code at all.
-    let r = g.m().agent.exec(ExecSpec { argv: vec!["python3".into(), "-c".into(), "b = bytearray(600 << 20)".into()], ..sh("") }, None, None).await.unwrap();
-    assert_eq!((r.reason, r.exit_code, r.signal.as_deref()), (Reason::Oom, None, Some("SIGKILL")), "{r:?}");
+    let r = g
+        .m()
+        .agent
+        .exec(
+            ExecSpec {
+                argv: vec![
+                    "python3".into(),
+                    "-c".into(),
+                    "b = bytearray(600 << 20)".into(),
+                ],
+                ..sh("")
+            },
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        (r.reason, r.exit_code, r.signal.as_deref()),
+        (Reason::Oom, None, Some("SIGKILL")),
+        "{r:?}"
+    );
     let r = run(&g, "echo fine").await;
     assert_eq!(r.stdout, "fine\n", "the machine lives on after an OOM kill");
 }
@@ -202,14 +285,23 @@ async fn timeout_kills_setsid_and_double_forked_descendants() {
     while g.m().pids().len() > 1 && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    assert_eq!(g.m().pids().len(), 1, "descendants survived the timeout: {:?}", g.m().pids());
+    assert_eq!(
+        g.m().pids().len(),
+        1,
+        "descendants survived the timeout: {:?}",
+        g.m().pids()
+    );
     let r = run(&g, "ps -e -o comm= | grep -c sleep").await;
     assert_eq!(r.stdout.trim(), "0", "{r:?}");
 }
 
 fn rss_kb(pid: u32) -> u64 {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    s.lines().find_map(|l| l.strip_prefix("VmRSS:")).and_then(|v| v.split_whitespace().next()).and_then(|v| v.parse().ok()).unwrap_or(0)
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -220,7 +312,10 @@ async fn hundred_megabytes_of_output_come_back_capped_with_memory_flat() {
         .m()
         .agent
         .exec(
-            ExecSpec { max_output_bytes: 65_536, ..sh("head -c 100000000 /dev/zero | tr '\\0' 'a'; echo; echo THE-END") },
+            ExecSpec {
+                max_output_bytes: 65_536,
+                ..sh("head -c 100000000 /dev/zero | tr '\\0' 'a'; echo; echo THE-END")
+            },
             None,
             None,
         )
@@ -231,9 +326,15 @@ async fn hundred_megabytes_of_output_come_back_capped_with_memory_flat() {
     assert_eq!(r.stdout_bytes, 100_000_000 + 1 + 8);
     assert!(r.stdout.starts_with("aaaa"), "head kept");
     assert!(r.stdout.ends_with("THE-END\n"), "tail kept");
-    assert!(r.stdout.contains("bytes omitted]"), "marker between head and tail");
+    assert!(
+        r.stdout.contains("bytes omitted]"),
+        "marker between head and tail"
+    );
     assert!(r.stdout.len() < 70_000, "capped: {} bytes", r.stdout.len());
-    let path = r.output_path.clone().expect("full output kept in the machine");
+    let path = r
+        .output_path
+        .clone()
+        .expect("full output kept in the machine");
     let e = g.m().agent.stat(&path).await.unwrap();
     assert_eq!(e.size, r.stdout_bytes, "the spill file holds every byte");
     let grown = rss_kb(std::process::id()).saturating_sub(before);
@@ -254,8 +355,17 @@ async fn files_round_trip_byte_for_byte_and_never_reach_the_host() {
         x ^= x << 17;
         *b = x as u8;
     }
-    for name in ["/root/plain.bin", "/root/with space.bin", "/root/ünï ☃.bin", "/root/new\nline.bin", "/tmp/deep/er/dir/file"] {
-        let e = a.write_file(name, Some(0o600), &data[..]).await.expect(name);
+    for name in [
+        "/root/plain.bin",
+        "/root/with space.bin",
+        "/root/ünï ☃.bin",
+        "/root/new\nline.bin",
+        "/tmp/deep/er/dir/file",
+    ] {
+        let e = a
+            .write_file(name, Some(0o600), &data[..])
+            .await
+            .expect(name);
         assert_eq!(e.size, data.len() as u64);
         assert_eq!(e.mode & 0o777, 0o600);
         let (_, mut rd) = a.read_file(name).await.unwrap();
@@ -271,7 +381,13 @@ async fn files_round_trip_byte_for_byte_and_never_reach_the_host() {
     let _cleanup = scopeguard(host_secret.clone());
     let hs = host_secret.display().to_string();
     run(&g, &format!("ln -s {hs} /root/abs-link; ln -s ../../../../../..{hs} /root/rel-link; ln -s /proc/1/root{hs} /root/magic-link")).await;
-    for p in ["/root/abs-link", "/root/rel-link", "/root/magic-link", &format!("/../../..{hs}"), &format!("/root/../../..{hs}")] {
+    for p in [
+        "/root/abs-link",
+        "/root/rel-link",
+        "/root/magic-link",
+        &format!("/../../..{hs}"),
+        &format!("/root/../../..{hs}"),
+    ] {
         if let Ok((_, mut rd)) = a.read_file(p).await {
             let mut back = Vec::new();
             while let Ok(Some(c)) = rd.next_chunk().await {
@@ -280,7 +396,12 @@ async fn files_round_trip_byte_for_byte_and_never_reach_the_host() {
             assert!(!back.starts_with(b"host-only"), "{p} read the host's file");
         }
     }
-    assert!(a.write_file("relative/path", None, &b"x"[..]).await.is_err(), "relative paths are refused");
+    assert!(
+        a.write_file("relative/path", None, &b"x"[..])
+            .await
+            .is_err(),
+        "relative paths are refused"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -301,7 +422,10 @@ async fn destroy_and_orphan_cleanup_leave_nothing() {
             pids: 256,
         };
         let m = node.create(spec).await.unwrap();
-        m.agent.exec(sh("sleep 100 & echo x > /root/f"), None, None).await.unwrap();
+        m.agent
+            .exec(sh("sleep 100 & echo x > /root/f"), None, None)
+            .await
+            .unwrap();
         made.push(m);
     }
     // One destroyed the normal way.
@@ -310,7 +434,10 @@ async fn destroy_and_orphan_cleanup_leave_nothing() {
     node.destroy(&m).await.unwrap();
     let t = traces_of(&id, &mdir);
     assert!(t.is_empty(), "{t:?}");
-    assert!(pids_with_uid_in(base).is_empty(), "processes of the machine survived");
+    assert!(
+        pids_with_uid_in(base).is_empty(),
+        "processes of the machine survived"
+    );
     // One "forgotten" as if the server crashed, then found by the orphan sweep.
     let m = made.remove(0);
     let (id, mdir, base) = (m.id.clone(), m.dir.clone(), m.state.uid_base);
@@ -319,5 +446,8 @@ async fn destroy_and_orphan_cleanup_leave_nothing() {
     assert_eq!(removed, vec![id.clone()]);
     let t = traces_of(&id, &mdir);
     assert!(t.is_empty(), "{t:?}");
-    assert!(pids_with_uid_in(base).is_empty(), "processes of the orphan survived");
+    assert!(
+        pids_with_uid_in(base).is_empty(),
+        "processes of the orphan survived"
+    );
 }

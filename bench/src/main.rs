@@ -15,6 +15,7 @@
 mod host;
 mod jail;
 mod server;
+mod snapshots;
 mod stats;
 
 use std::path::PathBuf;
@@ -52,7 +53,7 @@ pub struct Args {
     pub out_dir: PathBuf,
 }
 
-const GROUPS: [&str; 4] = ["jail", "peers", "server", "soak"];
+const GROUPS: [&str; 5] = ["jail", "peers", "server", "snapshots", "soak"];
 
 impl Args {
     pub fn fast(&self) -> usize {
@@ -197,6 +198,10 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     if args.wants("server") {
         println!("== server: `locker serve` over HTTP, and the CLI ==");
         server::server_rows(args, rows)?;
+    }
+    if args.wants("snapshots") {
+        println!("== snapshots: pause, resume, create from a snapshot, fork ==");
+        snapshots::snapshot_rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

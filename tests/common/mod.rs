@@ -12,11 +12,16 @@ use std::sync::Once;
 
 /// The workspace root.
 pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).parent().expect("workspace root").to_owned()
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("workspace root")
+        .to_owned()
 }
 
 fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"))
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("target"))
 }
 
 /// The `locker` binary: `$LOCKER_BIN`, else the release build, else the debug build.
@@ -30,7 +35,9 @@ pub fn locker_bin() -> PathBuf {
             return p;
         }
     }
-    panic!("the locker binary is not built: run `scripts/setup build` (or cargo build -p locker-cli)")
+    panic!(
+        "the locker binary is not built: run `scripts/setup build` (or cargo build -p locker-cli)"
+    )
 }
 
 /// The static agent: `$LOCKER_AGENT_BIN`, else the static release build.
@@ -51,12 +58,15 @@ pub fn agent_bin() -> PathBuf {
 
 /// The host's template cache (`$LOCKER_CACHE_DIR`, default `/var/cache/locker`).
 pub fn cache_dir() -> PathBuf {
-    std::env::var_os("LOCKER_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/cache/locker"))
+    std::env::var_os("LOCKER_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/locker"))
 }
 
 /// The default template's root filesystem.
 pub fn default_rootfs() -> PathBuf {
-    let store = locker_runtime::template::TemplateStore::open(cache_dir()).expect("open the template cache");
+    let store = locker_runtime::template::TemplateStore::open(cache_dir())
+        .expect("open the template cache");
     let t = store
         .resolve("default")
         .expect("read the template cache")
@@ -67,7 +77,11 @@ pub fn default_rootfs() -> PathBuf {
 /// A name unique to this test process and call: `<prefix>-<pid>-<n>`.
 pub fn unique(prefix: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
-    format!("{prefix}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::Relaxed))
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        N.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// Makes this test process a child subreaper, so shims orphaned by a killed server are
@@ -96,17 +110,32 @@ pub fn register_child(pid: u32) {
 
 fn reap_adopted_orphans() {
     let me = std::process::id() as i32;
-    let Ok(rd) = std::fs::read_dir("/proc") else { return };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return;
+    };
     for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else { continue };
-        let Some(rest) = stat.rsplit(')').next() else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let Some(rest) = stat.rsplit(')').next() else {
+            continue;
+        };
         let mut f = rest.split_whitespace();
         let state = f.next().unwrap_or("");
         let ppid: i32 = f.next().and_then(|s| s.parse().ok()).unwrap_or(0);
-        let comm = stat.split_once('(').and_then(|(_, r)| r.rsplit_once(')')).map(|(c, _)| c).unwrap_or("");
+        let comm = stat
+            .split_once('(')
+            .and_then(|(_, r)| r.rsplit_once(')'))
+            .map(|(c, _)| c)
+            .unwrap_or("");
         // Only zombie shims of machines (comm `locker`) that no test waits for itself.
-        let mine = OWN_CHILDREN.lock().map(|v| v.contains(&pid)).unwrap_or(true);
+        let mine = OWN_CHILDREN
+            .lock()
+            .map(|v| v.contains(&pid))
+            .unwrap_or(true);
         if ppid == me && state == "Z" && comm == "locker" && !mine {
             let mut status = 0;
             // SAFETY: waitpid on a zombie child of ours.
@@ -152,7 +181,11 @@ pub fn traces_of(id: &str, dir: &Path) -> Vec<String> {
     if dir.exists() {
         out.push(format!("dir: {}", dir.display()));
     }
-    let loops = std::process::Command::new("losetup").arg("-a").output().map(|o| String::from_utf8_lossy(&o.stdout).into_owned()).unwrap_or_default();
+    let loops = std::process::Command::new("losetup")
+        .arg("-a")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+        .unwrap_or_default();
     for l in loops.lines().filter(|l| l.contains(&d)) {
         out.push(format!("loop: {l}"));
     }
@@ -162,11 +195,21 @@ pub fn traces_of(id: &str, dir: &Path) -> Vec<String> {
 /// Host pids whose real uid lies in `[base, base + 65536)`.
 pub fn pids_with_uid_in(base: u32) -> Vec<i32> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else { continue };
-        let uid = status.lines().find_map(|l| l.strip_prefix("Uid:")).and_then(|l| l.split_whitespace().next()).and_then(|u| u.parse::<u32>().ok());
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) else {
+            continue;
+        };
+        let uid = status
+            .lines()
+            .find_map(|l| l.strip_prefix("Uid:"))
+            .and_then(|l| l.split_whitespace().next())
+            .and_then(|u| u.parse::<u32>().ok());
         if uid.is_some_and(|u| u >= base && u < base + 65_536) {
             out.push(pid);
         }

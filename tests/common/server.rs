@@ -42,12 +42,19 @@ pub struct Server {
 
 /// A fresh secret (good enough for a test: unique and unguessable across runs).
 fn secret(prefix: &str) -> String {
-    let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
     format!("{prefix}_{}_{t:x}", unique("k").replace('-', "_"))
 }
 
 fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").expect("bind a free port").local_addr().expect("local addr").port()
+    TcpListener::bind("127.0.0.1:0")
+        .expect("bind a free port")
+        .local_addr()
+        .expect("local addr")
+        .port()
 }
 
 impl Server {
@@ -76,7 +83,11 @@ impl Server {
         crate::become_subreaper();
         let dir = TempDir::new("locker-srv");
         let data_dir = dir.path().join("data");
-        let api_key = if generated_key { String::new() } else { secret("lk_test") };
+        let api_key = if generated_key {
+            String::new()
+        } else {
+            secret("lk_test")
+        };
         let mut s = Server {
             child: None,
             url: String::new(),
@@ -106,7 +117,11 @@ impl Server {
             let port = free_port();
             self.addr = SocketAddr::from(([127, 0, 0, 1], port));
             self.url = format!("http://{}", self.addr);
-            let log = std::fs::OpenOptions::new().create(true).append(true).open(&self.log).expect("open the server log");
+            let log = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&self.log)
+                .expect("open the server log");
             let mut cmd = Command::new(locker_bin());
             cmd.arg("serve")
                 .arg("--listen")
@@ -115,7 +130,10 @@ impl Server {
                 .arg(&self.data_dir)
                 .args(&self.extra_args)
                 .env("LOCKER_AGENT_BIN", agent_bin())
-                .env("LOCKER_LOG", std::env::var("LOCKER_LOG").unwrap_or_else(|_| "info".into()))
+                .env(
+                    "LOCKER_LOG",
+                    std::env::var("LOCKER_LOG").unwrap_or_else(|_| "info".into()),
+                )
                 .env("NO_COLOR", "1")
                 .env_remove("LOCKER_ADMIN_KEY")
                 .env_remove("LOCKER_METRICS_TOKEN")
@@ -132,7 +150,9 @@ impl Server {
             } else {
                 cmd.env("LOCKER_API_KEY", &self.api_key);
             }
-            let child = cmd.spawn().unwrap_or_else(|e| panic!("start {}: {e}", locker_bin().display()));
+            let child = cmd
+                .spawn()
+                .unwrap_or_else(|e| panic!("start {}: {e}", locker_bin().display()));
             register_child(child.id());
             self.child = Some(child);
             match self.wait_ready() {
@@ -161,7 +181,11 @@ impl Server {
         let deadline = Instant::now() + Duration::from_secs(30);
         let api = self.anon();
         loop {
-            if let Some(st) = self.child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+            if let Some(st) = self
+                .child
+                .as_mut()
+                .and_then(|c| c.try_wait().ok().flatten())
+            {
                 self.child = None;
                 return Err(format!("exited with {st}:\n{}", self.log_text()));
             }
@@ -171,7 +195,10 @@ impl Server {
                 }
             }
             if Instant::now() > deadline {
-                return Err(format!("no answer on /healthz after 30 s:\n{}", self.log_text()));
+                return Err(format!(
+                    "no answer on /healthz after 30 s:\n{}",
+                    self.log_text()
+                ));
             }
             std::thread::sleep(Duration::from_millis(20));
         }
@@ -208,7 +235,14 @@ impl Server {
 
     /// A client with the admin key.
     pub fn admin(&self) -> Api {
-        Api::new(&self.url, Some(self.admin_key.as_deref().expect("this server has no admin key")))
+        Api::new(
+            &self.url,
+            Some(
+                self.admin_key
+                    .as_deref()
+                    .expect("this server has no admin key"),
+            ),
+        )
     }
 
     /// A client without a key.
@@ -232,9 +266,15 @@ impl Server {
 
     /// Creates tenant `name` through the admin route: its client and its key id.
     pub fn create_tenant(&self, name: &str) -> (Api, String) {
-        let v = self.admin().post("/v1/tenants", &json!({ "name": name })).expect(201, "create a tenant");
+        let v = self
+            .admin()
+            .post("/v1/tenants", &json!({ "name": name }))
+            .expect(201, "create a tenant");
         let key = v["api_key"].as_str().expect("api_key").to_owned();
-        (self.api_with(&key), v["key_id"].as_str().expect("key_id").to_owned())
+        (
+            self.api_with(&key),
+            v["key_id"].as_str().expect("key_id").to_owned(),
+        )
     }
 
     /// Deletes every sandbox and volume of every tenant this test used; returns what could
@@ -250,11 +290,15 @@ impl Server {
                     let id = v["id"].as_str().unwrap_or_default();
                     match api.try_request("DELETE", &format!("/v1/volumes/{id}"), &[], ()) {
                         Ok(r) if r.status == 204 || r.status == 404 => {}
-                        other => failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text())))),
+                        other => {
+                            failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text()))))
+                        }
                     }
                 }
             }
-            let Ok(r) = api.try_request("GET", "/v1/sandboxes", &[], ()) else { continue };
+            let Ok(r) = api.try_request("GET", "/v1/sandboxes", &[], ()) else {
+                continue;
+            };
             if r.status != 200 {
                 continue;
             }
@@ -263,7 +307,9 @@ impl Server {
                 let id = sb["id"].as_str().unwrap_or_default();
                 match api.try_request("DELETE", &format!("/v1/sandboxes/{id}"), &[], ()) {
                     Ok(r) if r.status == 204 || r.status == 404 => {}
-                    other => failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text())))),
+                    other => {
+                        failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text()))))
+                    }
                 }
             }
         }
@@ -273,7 +319,11 @@ impl Server {
 
 impl Drop for Server {
     fn drop(&mut self) {
-        let failed = if self.child.is_some() { self.delete_all_sandboxes() } else { Vec::new() };
+        let failed = if self.child.is_some() {
+            self.delete_all_sandboxes()
+        } else {
+            Vec::new()
+        };
         self.kill9();
         // Whatever the API could not delete (a dead server, a failed delete): the
         // runtime's own crash cleanup destroys the machines of this data dir.
@@ -296,19 +346,35 @@ impl Drop for Server {
 
 /// Destroys every machine under `machines_dir` (the server must be dead).
 pub fn destroy_machines(machines_dir: &Path) -> Vec<String> {
-    let any = std::fs::read_dir(machines_dir).map(|mut d| d.next().is_some()).unwrap_or(false);
+    let any = std::fs::read_dir(machines_dir)
+        .map(|mut d| d.next().is_some())
+        .unwrap_or(false);
     if !any {
         return Vec::new();
     }
-    let cfg = locker_runtime::node::NodeConfig { init_exe: locker_bin(), agent_exe: agent_bin() };
-    let Ok(node) = locker_runtime::node::Node::new(cfg) else { return Vec::new() };
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread().enable_all().build() else { return Vec::new() };
+    let cfg = locker_runtime::node::NodeConfig {
+        init_exe: locker_bin(),
+        agent_exe: agent_bin(),
+    };
+    let Ok(node) = locker_runtime::node::Node::new(cfg) else {
+        return Vec::new();
+    };
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    else {
+        return Vec::new();
+    };
     rt.block_on(node.cleanup_orphans(machines_dir, Vec::new()))
 }
 
 /// Stops the host-side agents of the volumes under `volumes_dir` (the server must be dead).
 pub fn stop_volume_agents(volumes_dir: &Path) {
-    for e in std::fs::read_dir(volumes_dir).into_iter().flatten().flatten() {
+    for e in std::fs::read_dir(volumes_dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
         let dir = e.path();
         locker_runtime::host_agent::stop_stale(&locker_runtime::host_agent::HostAgentPaths {
             root: dir.join("live"),
@@ -360,13 +426,20 @@ impl Resp {
         if self.body.is_empty() {
             return Value::Null;
         }
-        serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("not JSON ({e}), HTTP {}: {}", self.status, self.text()))
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}), HTTP {}: {}", self.status, self.text()))
     }
 
     /// Asserts the status and returns the JSON body.
     #[track_caller]
     pub fn expect(&self, status: u16, what: &str) -> Value {
-        assert_eq!(self.status, status, "{what}: expected HTTP {status}, got {}: {}", self.status, self.text());
+        assert_eq!(
+            self.status,
+            status,
+            "{what}: expected HTTP {status}, got {}: {}",
+            self.status,
+            self.text()
+        );
         self.json()
     }
 
@@ -374,13 +447,32 @@ impl Resp {
     /// with this status and code; returns the message.
     #[track_caller]
     pub fn expect_error(&self, status: u16, code: &str, what: &str) -> String {
-        assert_eq!(self.status, status, "{what}: expected HTTP {status} {code}, got {}: {}", self.status, self.text());
-        let v: Value = serde_json::from_slice(&self.body).unwrap_or_else(|e| panic!("{what}: the error body is not JSON ({e}): {:?}", self.text()));
-        let obj = v.as_object().unwrap_or_else(|| panic!("{what}: the error body is not an object: {v}"));
-        assert_eq!(obj.len(), 1, "{what}: the error body has exactly one key, `error`: {v}");
+        assert_eq!(
+            self.status,
+            status,
+            "{what}: expected HTTP {status} {code}, got {}: {}",
+            self.status,
+            self.text()
+        );
+        let v: Value = serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "{what}: the error body is not JSON ({e}): {:?}",
+                self.text()
+            )
+        });
+        let obj = v
+            .as_object()
+            .unwrap_or_else(|| panic!("{what}: the error body is not an object: {v}"));
+        assert_eq!(
+            obj.len(),
+            1,
+            "{what}: the error body has exactly one key, `error`: {v}"
+        );
         let e = &v["error"];
         assert_eq!(e["code"], code, "{what}: error code: {v}");
-        let msg = e["message"].as_str().unwrap_or_else(|| panic!("{what}: error.message is a string: {v}"));
+        let msg = e["message"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{what}: error.message is a string: {v}"));
         assert!(!msg.is_empty(), "{what}: error.message is empty: {v}");
         msg.to_owned()
     }
@@ -412,12 +504,20 @@ pub fn agent(timeout: Duration) -> ureq::Agent {
 
 impl Api {
     pub fn new(base: &str, key: Option<&str>) -> Api {
-        Api { base: base.to_owned(), key: key.map(str::to_owned), agent: agent(Duration::from_secs(120)) }
+        Api {
+            base: base.to_owned(),
+            key: key.map(str::to_owned),
+            agent: agent(Duration::from_secs(120)),
+        }
     }
 
     /// The same server with another key.
     pub fn with_key(&self, key: Option<&str>) -> Api {
-        Api { base: self.base.clone(), key: key.map(str::to_owned), agent: self.agent.clone() }
+        Api {
+            base: self.base.clone(),
+            key: key.map(str::to_owned),
+            agent: self.agent.clone(),
+        }
     }
 
     /// Sends a request and returns the response with its body still unread.
@@ -428,14 +528,18 @@ impl Api {
         headers: &[(&str, &str)],
         body: impl AsSendBody,
     ) -> Result<(u16, HeaderMap, BodyReader<'static>), ureq::Error> {
-        let mut b = Request::builder().method(method).uri(format!("{}{path}", self.base));
+        let mut b = Request::builder()
+            .method(method)
+            .uri(format!("{}{path}", self.base));
         if let Some(k) = &self.key {
             b = b.header("Authorization", format!("Bearer {k}"));
         }
         for (k, v) in headers {
             b = b.header(*k, *v);
         }
-        let req = b.body(body).map_err(|e| ureq::Error::BadUri(e.to_string()))?;
+        let req = b
+            .body(body)
+            .map_err(|e| ureq::Error::BadUri(e.to_string()))?;
         let resp = self.agent.run(req)?;
         let status = resp.status().as_u16();
         let headers = resp.headers().clone();
@@ -443,17 +547,34 @@ impl Api {
     }
 
     /// Sends a request and reads the whole answer.
-    pub fn try_request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl AsSendBody) -> Result<Resp, ureq::Error> {
+    pub fn try_request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl AsSendBody,
+    ) -> Result<Resp, ureq::Error> {
         let (status, headers, mut r) = self.open(method, path, headers, body)?;
         let mut body = Vec::new();
         r.read_to_end(&mut body).map_err(ureq::Error::Io)?;
-        Ok(Resp { status, headers, body })
+        Ok(Resp {
+            status,
+            headers,
+            body,
+        })
     }
 
     /// [`Api::try_request`] that panics on a transport failure.
     #[track_caller]
-    pub fn request(&self, method: &str, path: &str, headers: &[(&str, &str)], body: impl AsSendBody) -> Resp {
-        self.try_request(method, path, headers, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    pub fn request(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: impl AsSendBody,
+    ) -> Resp {
+        self.try_request(method, path, headers, body)
+            .unwrap_or_else(|e| panic!("{method} {path}: {e}"))
     }
 
     #[track_caller]
@@ -469,7 +590,12 @@ impl Api {
     /// A JSON body.
     #[track_caller]
     pub fn post(&self, path: &str, body: &Value) -> Resp {
-        self.request("POST", path, &[("Content-Type", "application/json")], serde_json::to_vec(body).expect("json"))
+        self.request(
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            serde_json::to_vec(body).expect("json"),
+        )
     }
 
     /// A POST without a body.
@@ -480,25 +606,37 @@ impl Api {
 
     #[track_caller]
     pub fn patch(&self, path: &str, body: &Value) -> Resp {
-        self.request("PATCH", path, &[("Content-Type", "application/json")], serde_json::to_vec(body).expect("json"))
+        self.request(
+            "PATCH",
+            path,
+            &[("Content-Type", "application/json")],
+            serde_json::to_vec(body).expect("json"),
+        )
     }
 
     /// A raw body (`Content-Type: application/octet-stream`).
     #[track_caller]
     pub fn put(&self, path: &str, body: impl AsSendBody) -> Resp {
-        self.request("PUT", path, &[("Content-Type", "application/octet-stream")], body)
+        self.request(
+            "PUT",
+            path,
+            &[("Content-Type", "application/octet-stream")],
+            body,
+        )
     }
 
     /// Creates a sandbox (201) and returns it.
     #[track_caller]
     pub fn create_sandbox(&self, body: &Value) -> Value {
-        self.post("/v1/sandboxes", body).expect(201, "create a sandbox")
+        self.post("/v1/sandboxes", body)
+            .expect(201, "create a sandbox")
     }
 
     /// Runs a command (200) and returns its ExecResult.
     #[track_caller]
     pub fn exec(&self, id: &str, body: &Value) -> Value {
-        self.post(&format!("/v1/sandboxes/{id}/exec"), body).expect(200, &format!("exec {body}"))
+        self.post(&format!("/v1/sandboxes/{id}/exec"), body)
+            .expect(200, &format!("exec {body}"))
     }
 
     /// Runs a shell command that must exit 0 and returns its stdout.
@@ -518,6 +656,9 @@ impl Api {
     /// `PUT /v1/sandboxes/{id}/files?path=…` (the raw answer).
     #[track_caller]
     pub fn write_file(&self, id: &str, path: &str, data: &[u8]) -> Resp {
-        self.put(&format!("/v1/sandboxes/{id}/files?path={}", enc(path)), data)
+        self.put(
+            &format!("/v1/sandboxes/{id}/files?path={}", enc(path)),
+            data,
+        )
     }
 }

@@ -38,11 +38,19 @@ pub struct ServeArgs {
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
-    let filter = tracing_subscriber::EnvFilter::try_from_env("LOCKER_LOG").unwrap_or_else(|_| "info".into());
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_env("LOCKER_LOG").unwrap_or_else(|_| "info".into());
     if a.log_json {
-        tracing_subscriber::fmt().json().with_env_filter(filter).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .json()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
     } else {
-        tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).init();
+        tracing_subscriber::fmt()
+            .with_env_filter(filter)
+            .with_writer(std::io::stderr)
+            .init();
     }
     let cfg = locker_server::Config {
         listen: a.listen,
@@ -50,9 +58,16 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         api_key: a.api_key,
         admin_key: a.admin_key,
         metrics_token: a.metrics_token,
-        quotas: locker_server::Quotas { sandboxes: a.quota_sandboxes, memory_mb: a.quota_memory_mb, runs: a.quota_runs },
+        quotas: locker_server::Quotas {
+            sandboxes: a.quota_sandboxes,
+            memory_mb: a.quota_memory_mb,
+            runs: a.quota_runs,
+        },
         cache_dir: a.cache_dir,
     };
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
-    rt.block_on(locker_server::serve(cfg)).map_err(|e| anyhow::anyhow!("{e}"))
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    rt.block_on(locker_server::serve(cfg))
+        .map_err(|e| anyhow::anyhow!("{e}"))
 }

@@ -361,8 +361,16 @@ impl MachineCgroup {
     pub fn is_frozen(&self) -> bool {
         let dir = self.freezer_dir();
         match self.layout.version {
-            Version::V2 => fs::read_to_string(dir.join("cgroup.events")).unwrap_or_default().lines().any(|l| l == "frozen 1"),
-            Version::V1 => fs::read_to_string(dir.join("freezer.state")).unwrap_or_default().trim() == "FROZEN",
+            Version::V2 => fs::read_to_string(dir.join("cgroup.events"))
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l == "frozen 1"),
+            Version::V1 => {
+                fs::read_to_string(dir.join("freezer.state"))
+                    .unwrap_or_default()
+                    .trim()
+                    == "FROZEN"
+            }
         }
     }
 

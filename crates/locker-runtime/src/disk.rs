@@ -44,13 +44,30 @@ pub fn make(img: &Path, size_mb: u64) -> io::Result<()> {
     let out = std::process::Command::new(mkfs)
         // No journal: a machine's disk does not outlive a host crash, and copies of it are
         // only taken flushed and frozen.
-        .args(["-q", "-F", "-O", "^has_journal", "-m", "0", "-E", "lazy_itable_init=1,nodiscard,root_owner=0:0"])
+        .args([
+            "-q",
+            "-F",
+            "-O",
+            "^has_journal",
+            "-m",
+            "0",
+            "-E",
+            "lazy_itable_init=1,nodiscard,root_owner=0:0",
+        ])
         .arg(img)
         .stdin(std::process::Stdio::null())
         .output()
-        .map_err(|e| io::Error::new(e.kind(), format!("run mkfs.ext4 (apt-get install e2fsprogs): {e}")))?;
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("run mkfs.ext4 (apt-get install e2fsprogs): {e}"),
+            )
+        })?;
     if !out.status.success() {
-        return Err(io::Error::other(format!("mkfs.ext4 failed: {}", String::from_utf8_lossy(&out.stderr).trim())));
+        return Err(io::Error::other(format!(
+            "mkfs.ext4 failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
     }
     Ok(())
 }
@@ -64,7 +81,10 @@ pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyKind> {
 
 fn copy_with(src: &Path, dst: &Path, durable: bool) -> io::Result<CopyKind> {
     let from = fs::File::open(src)?;
-    let to = fs::OpenOptions::new().write(true).create_new(true).open(dst)?;
+    let to = fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(dst)?;
     let r = copy_into(&from, &to).and_then(|k| {
         if durable {
             to.sync_all()?;
@@ -109,7 +129,14 @@ fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
         while i < end {
             // SAFETY: copy_file_range between fds we own, with offsets we own.
             let n = unsafe {
-                libc::copy_file_range(from.as_raw_fd(), &mut i, to.as_raw_fd(), &mut o, (end - i) as usize, 0)
+                libc::copy_file_range(
+                    from.as_raw_fd(),
+                    &mut i,
+                    to.as_raw_fd(),
+                    &mut o,
+                    (end - i) as usize,
+                    0,
+                )
             };
             if n < 0 {
                 return Err(io::Error::last_os_error());
@@ -159,7 +186,11 @@ mod tests {
         let b = dir.join("b.img");
         copy(&a, &b).unwrap();
         assert_eq!(fs::read(&a).unwrap(), fs::read(&b).unwrap());
-        assert!(allocated_bytes(&b) < 8 << 20, "holes stay holes: {}", allocated_bytes(&b));
+        assert!(
+            allocated_bytes(&b) < 8 << 20,
+            "holes stay holes: {}",
+            allocated_bytes(&b)
+        );
         assert!(copy(&a, &b).is_err(), "the destination must not exist");
         assert!(b.exists(), "a refused copy leaves the existing file alone");
         fs::remove_dir_all(&dir).unwrap();

@@ -23,10 +23,16 @@ pub struct Verdict {
 
 impl Verdict {
     fn ok(detail: impl Into<String>) -> Self {
-        Self { ok: true, detail: detail.into() }
+        Self {
+            ok: true,
+            detail: detail.into(),
+        }
     }
     fn no(detail: impl Into<String>) -> Self {
-        Self { ok: false, detail: detail.into() }
+        Self {
+            ok: false,
+            detail: detail.into(),
+        }
     }
 }
 
@@ -55,14 +61,20 @@ pub struct Host {
 
 /// Runs every check. `data_dir` need not exist yet (its nearest existing parent is used).
 pub fn check(data_dir: &Path) -> Report {
-    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default().trim().to_owned();
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .unwrap_or_default()
+        .trim()
+        .to_owned();
     let layout = Layout::host();
     let cgroup = match &layout {
         Ok(l) => format!("{:?}", l.version).to_lowercase(),
         Err(_) => "none".into(),
     };
     let userns = user_namespaces();
-    let existing = data_dir.ancestors().find(|p| p.exists()).unwrap_or(Path::new("/"));
+    let existing = data_dir
+        .ancestors()
+        .find(|p| p.exists())
+        .unwrap_or(Path::new("/"));
     let fs = fs_type(existing);
     let cow = copy_on_write(existing, &fs);
     let (virt, virt_detail) = virtualization();
@@ -81,14 +93,22 @@ pub fn check(data_dir: &Path) -> Report {
         missing.push("mkfs.ext4 not found (apt-get install e2fsprogs)".into());
     }
     if !Path::new("/dev/loop-control").exists() {
-        missing.push("/dev/loop-control is missing (modprobe loop): machine disks need loop devices".into());
+        missing.push(
+            "/dev/loop-control is missing (modprobe loop): machine disks need loop devices".into(),
+        );
     }
-    let agent = std::env::current_exe().ok().and_then(|e| crate::node::find_agent(&e));
+    let agent = std::env::current_exe()
+        .ok()
+        .and_then(|e| crate::node::find_agent(&e));
     if agent.is_none() {
-        missing.push("no static locker-agent found: run scripts/setup build or set LOCKER_AGENT_BIN".into());
+        missing.push(
+            "no static locker-agent found: run scripts/setup build or set LOCKER_AGENT_BIN".into(),
+        );
     }
     if !kernel_at_least(&kernel, 5, 19) {
-        missing.push(format!("kernel {kernel} is too old: id-mapped overlay layers need Linux 5.19 or newer"));
+        missing.push(format!(
+            "kernel {kernel} is too old: id-mapped overlay layers need Linux 5.19 or newer"
+        ));
     }
     let jail = if missing.is_empty() {
         Verdict::ok(format!(
@@ -104,7 +124,9 @@ pub fn check(data_dir: &Path) -> Report {
             _ => format!("this host would run it under TCG emulation only ({virt_detail})"),
         }
     ));
-    let runtimes = [("jail".to_owned(), jail), ("microvm".to_owned(), microvm)].into_iter().collect();
+    let runtimes = [("jail".to_owned(), jail), ("microvm".to_owned(), microvm)]
+        .into_iter()
+        .collect();
     Report {
         runtimes,
         host: Host {
@@ -121,7 +143,9 @@ pub fn check(data_dir: &Path) -> Report {
 }
 
 fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
-    let mut it = release.split(|c: char| !c.is_ascii_digit()).filter_map(|s| s.parse::<u32>().ok());
+    let mut it = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|s| s.parse::<u32>().ok());
     let (a, b) = (it.next().unwrap_or(0), it.next().unwrap_or(0));
     (a, b) >= (major, minor)
 }
@@ -142,7 +166,9 @@ pub fn which(name: &str) -> Option<std::path::PathBuf> {
 }
 
 fn user_namespaces() -> (bool, String) {
-    let max = std::fs::read_to_string("/proc/sys/user/max_user_namespaces").ok().and_then(|s| s.trim().parse::<u64>().ok());
+    let max = std::fs::read_to_string("/proc/sys/user/max_user_namespaces")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok());
     match max {
         Some(0) => (false, "user namespaces are disabled (sysctl user.max_user_namespaces=0): set it to 10000 or more".into()),
         None => (false, "this kernel has no user namespaces (CONFIG_USER_NS)".into()),
@@ -151,7 +177,9 @@ fn user_namespaces() -> (bool, String) {
 }
 
 fn fs_type(p: &Path) -> String {
-    let Ok(c) = CString::new(p.as_os_str().as_bytes()) else { return "unknown".into() };
+    let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+        return "unknown".into();
+    };
     // SAFETY: statfs fills the zeroed struct we own from a valid path string.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: as above.
@@ -204,8 +232,16 @@ fn virtualization() -> (String, String) {
             "/dev/kvm is PVM-based (kvm_pvm): standard guest kernels hang under it, so microVMs fall back to TCG emulation, which is for correctness only and not a security boundary".into(),
         );
     }
-    if std::fs::OpenOptions::new().read(true).write(true).open("/dev/kvm").is_err() {
-        return ("tcg".into(), "/dev/kvm exists but cannot be opened (permissions?)".into());
+    if std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/kvm")
+        .is_err()
+    {
+        return (
+            "tcg".into(),
+            "/dev/kvm exists but cannot be opened (permissions?)".into(),
+        );
     }
     ("kvm".into(), "/dev/kvm is usable".into())
 }
@@ -214,7 +250,11 @@ fn virtualization() -> (String, String) {
 pub fn render(r: &Report) -> String {
     let mut out = String::from("RUNTIME   OK   DETAIL\n");
     for (name, v) in &r.runtimes {
-        out.push_str(&format!("{name:<9} {:<4} {}\n", if v.ok { "yes" } else { "no" }, v.detail));
+        out.push_str(&format!(
+            "{name:<9} {:<4} {}\n",
+            if v.ok { "yes" } else { "no" },
+            v.detail
+        ));
     }
     let h = &r.host;
     out.push_str(&format!(

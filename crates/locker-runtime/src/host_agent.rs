@@ -60,7 +60,10 @@ pub struct HostAgent {
 impl HostAgent {
     /// Starts `agent_exe` on `paths` (stopping any agent a previous server left there) and
     /// connects to it.
-    pub async fn start(agent_exe: &Path, paths: &HostAgentPaths) -> Result<HostAgent, HostAgentError> {
+    pub async fn start(
+        agent_exe: &Path,
+        paths: &HostAgentPaths,
+    ) -> Result<HostAgent, HostAgentError> {
         stop_stale(paths);
         let cgroup_root = paths.private.join("no-cgroups");
         let output = paths.private.join("output");
@@ -73,7 +76,9 @@ impl HostAgent {
             .append(true)
             .open(&log_path)
             .map_err(|e| HostAgentError::Prepare(log_path.clone(), e))?;
-        let log2 = log.try_clone().map_err(|e| HostAgentError::Prepare(log_path, e))?;
+        let log2 = log
+            .try_clone()
+            .map_err(|e| HostAgentError::Prepare(log_path, e))?;
         let child = tokio::process::Command::new(agent_exe)
             .arg("--listen")
             .arg(&paths.socket)
@@ -91,10 +96,15 @@ impl HostAgent {
             .map_err(|e| HostAgentError::Spawn(agent_exe.to_owned(), e))?;
         let pidfile = paths.pidfile();
         if let Some(pid) = child.id() {
-            std::fs::write(&pidfile, pid.to_string()).map_err(|e| HostAgentError::Prepare(pidfile, e))?;
+            std::fs::write(&pidfile, pid.to_string())
+                .map_err(|e| HostAgentError::Prepare(pidfile, e))?;
         }
         match AgentClient::connect(&paths.socket, Duration::from_secs(10)).await {
-            Ok(client) => Ok(HostAgent { child, client, paths: paths.clone() }),
+            Ok(client) => Ok(HostAgent {
+                child,
+                client,
+                paths: paths.clone(),
+            }),
             Err(e) => {
                 HostAgent::stop_child(child, paths).await;
                 Err(HostAgentError::Connect(paths.socket.clone(), e))
@@ -126,7 +136,9 @@ fn cleanup(paths: &HostAgentPaths) {
 /// Stops an agent a previous server left on `paths` (found by its pid file and checked
 /// by its command line, so a reused pid is never killed) and removes its socket.
 pub fn stop_stale(paths: &HostAgentPaths) {
-    let pid = std::fs::read_to_string(paths.pidfile()).ok().and_then(|s| s.trim().parse::<i32>().ok());
+    let pid = std::fs::read_to_string(paths.pidfile())
+        .ok()
+        .and_then(|s| s.trim().parse::<i32>().ok());
     if let Some(pid) = pid.filter(|p| *p > 1) {
         let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         let sock = paths.socket.as_os_str().as_encoded_bytes();

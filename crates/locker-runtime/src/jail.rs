@@ -52,7 +52,10 @@ pub fn uid_base(slot: u32) -> u32 {
 /// Where blank disk images are kept: `$LOCKER_CACHE_DIR/disks` (default
 /// `/var/cache/locker/disks`), shared by every data dir like the templates.
 pub fn blank_disks_dir() -> PathBuf {
-    std::env::var_os("LOCKER_CACHE_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("/var/cache/locker")).join("disks")
+    std::env::var_os("LOCKER_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/locker"))
+        .join("disks")
 }
 
 /// Errors of the jail runtime; each names the step that failed.
@@ -269,7 +272,9 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
 
 /// Whether some loop device is backed by `img`.
 fn loop_backs(img: &Path) -> bool {
-    let Ok(rd) = fs::read_dir("/sys/block") else { return false };
+    let Ok(rd) = fs::read_dir("/sys/block") else {
+        return false;
+    };
     let want = img.as_os_str().as_encoded_bytes();
     rd.flatten().any(|e| {
         let f = e.path().join("loop/backing_file");
@@ -379,9 +384,11 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     let img = dir.join("disk.img");
     match &spec.disk_from {
         Some(from) => {
-            crate::disk::copy(from, &img).map_err(step(format!("copy the disk image {}", from.display())))?;
+            crate::disk::copy(from, &img)
+                .map_err(step(format!("copy the disk image {}", from.display())))?;
         }
-        None => crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir()).map_err(step("make the disk image"))?,
+        None => crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir())
+            .map_err(step("make the disk image"))?,
     }
     let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
     let agent = fs::OpenOptions::new()
@@ -600,7 +607,13 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
         work.display()
     );
     sys::with_fs_ids(base, || {
-        sys::mount(Some("overlay"), &root, Some("overlay"), libc::MS_NODEV, Some(&opts))
+        sys::mount(
+            Some("overlay"),
+            &root,
+            Some("overlay"),
+            libc::MS_NODEV,
+            Some(&opts),
+        )
     })
     .and_then(|r| r)
     .map_err(step("mount the overlay root"))?;
@@ -723,7 +736,9 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
 /// Returns the ids removed.
 pub fn cleanup_orphans(machines_dir: &Path, keep: &[String], layout: &Layout) -> Vec<String> {
     let mut removed = Vec::new();
-    let Ok(rd) = fs::read_dir(machines_dir) else { return removed };
+    let Ok(rd) = fs::read_dir(machines_dir) else {
+        return removed;
+    };
     for e in rd.flatten() {
         let id = e.file_name().to_string_lossy().into_owned();
         if keep.contains(&id) || !e.path().is_dir() {
@@ -731,7 +746,9 @@ pub fn cleanup_orphans(machines_dir: &Path, keep: &[String], layout: &Layout) ->
         }
         match destroy(&id, &e.path(), layout) {
             Ok(()) => removed.push(id),
-            Err(err) => tracing::warn!(machine = %id, error = %err, "could not clean up an orphaned machine"),
+            Err(err) => {
+                tracing::warn!(machine = %id, error = %err, "could not clean up an orphaned machine")
+            }
         }
     }
     removed

@@ -67,11 +67,15 @@ pub struct NodeConfig {
 impl NodeConfig {
     /// The current executable as init, and the agent found by [`find_agent`].
     pub fn from_current_exe() -> Result<Self, NodeError> {
-        let init_exe = std::env::current_exe().map_err(|e| NodeError::Setup(format!("cannot find the locker binary: {e}")))?;
+        let init_exe = std::env::current_exe()
+            .map_err(|e| NodeError::Setup(format!("cannot find the locker binary: {e}")))?;
         let agent_exe = find_agent(&init_exe).ok_or_else(|| {
             NodeError::Setup("locker-agent not found: set LOCKER_AGENT_BIN or install it beside the locker binary (scripts/setup does)".into())
         })?;
-        Ok(Self { init_exe, agent_exe })
+        Ok(Self {
+            init_exe,
+            agent_exe,
+        })
     }
 }
 
@@ -86,7 +90,11 @@ pub fn find_agent(exe: &Path) -> Option<PathBuf> {
     let mut candidates = Vec::new();
     for dir in exe.ancestors().skip(1).take(4) {
         for profile in ["release", "debug"] {
-            candidates.push(dir.join("x86_64-unknown-linux-gnu").join(profile).join("locker-agent"));
+            candidates.push(
+                dir.join("x86_64-unknown-linux-gnu")
+                    .join(profile)
+                    .join("locker-agent"),
+            );
         }
         candidates.push(dir.join("locker-agent"));
     }
@@ -97,7 +105,9 @@ pub fn find_agent(exe: &Path) -> Option<PathBuf> {
 /// Whether `path` is an ELF executable without a program interpreter (statically linked).
 pub fn is_static_elf(path: &Path) -> bool {
     use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut f) = fs::File::open(path) else { return false };
+    let Ok(mut f) = fs::File::open(path) else {
+        return false;
+    };
     let mut h = [0u8; 64];
     if f.read_exact(&mut h).is_err() || &h[..4] != b"\x7fELF" || h[4] != 2 {
         return false;
@@ -113,7 +123,8 @@ pub fn is_static_elf(path: &Path) -> bool {
         return false;
     }
     const PT_INTERP: u32 = 3;
-    !ph.chunks(phentsize).any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
+    !ph.chunks(phentsize)
+        .any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
 }
 
 /// What a new machine is made of.
@@ -191,7 +202,8 @@ const SLOTS_DIR: &str = "/run/locker/uid-slots";
 /// Leases a free uid slot for the machine in `dir`.
 fn lease_slot(dir: &Path) -> Result<u32, NodeError> {
     use std::io::Write;
-    fs::create_dir_all(SLOTS_DIR).map_err(|e| NodeError::Setup(format!("create {SLOTS_DIR}: {e}")))?;
+    fs::create_dir_all(SLOTS_DIR)
+        .map_err(|e| NodeError::Setup(format!("create {SLOTS_DIR}: {e}")))?;
     // Start somewhere random so concurrent allocators rarely race for the same file.
     let mut r = [0u8; 4];
     // SAFETY: getrandom fills the buffer we own.
@@ -210,12 +222,19 @@ fn lease_slot(dir: &Path) -> Result<u32, NodeError> {
                 // lease and start, or a host whose data dir was wiped).
                 let owner = fs::read(&f).unwrap_or_default();
                 let owner = Path::new(std::ffi::OsStr::from_bytes(&owner));
-                let old = fs::metadata(&f).and_then(|m| m.modified()).map(|t| t.elapsed().unwrap_or_default() > Duration::from_secs(60)).unwrap_or(false);
+                let old = fs::metadata(&f)
+                    .and_then(|m| m.modified())
+                    .map(|t| t.elapsed().unwrap_or_default() > Duration::from_secs(60))
+                    .unwrap_or(false);
                 if old && !owner.join("jail.json").exists() && fs::remove_file(&f).is_ok() {
                     continue;
                 }
             }
-            Err(e) => return Err(NodeError::Setup(format!("lease a uid range in {SLOTS_DIR}: {e}"))),
+            Err(e) => {
+                return Err(NodeError::Setup(format!(
+                    "lease a uid range in {SLOTS_DIR}: {e}"
+                )))
+            }
         }
     }
     Err(NodeError::NoSlot)
@@ -252,7 +271,11 @@ impl Node {
 
     /// Starts a jailed machine whose disk is a copy of `disk_from` (a snapshot's image;
     /// `spec.disk_mb` is then the image's size) or empty, and connects to its agent.
-    pub async fn create_from(&self, spec: MachineSpec, disk_from: Option<PathBuf>) -> Result<Machine, NodeError> {
+    pub async fn create_from(
+        &self,
+        spec: MachineSpec,
+        disk_from: Option<PathBuf>,
+    ) -> Result<Machine, NodeError> {
         let slot = lease_slot(&spec.dir)?;
         let js = JailSpec {
             id: spec.id.clone(),
@@ -304,7 +327,9 @@ impl Node {
         if state.id != id || !jail::is_alive(&state) {
             return None;
         }
-        let agent = AgentClient::connect(&state.socket(), Duration::from_secs(2)).await.ok()?;
+        let agent = AgentClient::connect(&state.socket(), Duration::from_secs(2))
+            .await
+            .ok()?;
         Some(Machine {
             id: id.to_owned(),
             kind: RuntimeKind::Jail,
@@ -319,18 +344,29 @@ impl Node {
     /// Copies a running machine's disk to `dest` at one consistent point: its processes
     /// are frozen, its filesystem flushed, the image copied (a reflink where the data dir's
     /// filesystem can), and the processes thawed, also on failure.
-    pub async fn snapshot_disk(&self, m: &Machine, dest: &Path) -> Result<(crate::disk::CopyKind, u64), NodeError> {
+    pub async fn snapshot_disk(
+        &self,
+        m: &Machine,
+        dest: &Path,
+    ) -> Result<(crate::disk::CopyKind, u64), NodeError> {
         let was_frozen = self.is_frozen(m);
         if !was_frozen {
             m.pause()?;
         }
-        let mount = m.state.upper_dir().parent().map(Path::to_owned).unwrap_or_default();
+        let mount = m
+            .state
+            .upper_dir()
+            .parent()
+            .map(Path::to_owned)
+            .unwrap_or_default();
         let (img, dest) = (m.dir.join("disk.img"), dest.to_owned());
-        let r = tokio::task::spawn_blocking(move || -> std::io::Result<(crate::disk::CopyKind, u64)> {
-            crate::disk::flush(&mount)?;
-            let kind = crate::disk::copy(&img, &dest)?;
-            Ok((kind, crate::disk::allocated_bytes(&dest)))
-        })
+        let r = tokio::task::spawn_blocking(
+            move || -> std::io::Result<(crate::disk::CopyKind, u64)> {
+                crate::disk::flush(&mount)?;
+                let kind = crate::disk::copy(&img, &dest)?;
+                Ok((kind, crate::disk::allocated_bytes(&dest)))
+            },
+        )
         .await
         .map_err(|e| NodeError::Setup(format!("snapshot task failed: {e}")));
         if !was_frozen {
@@ -388,10 +424,16 @@ mod tests {
     #[test]
     fn static_binaries_are_told_apart() {
         let me = std::env::current_exe().unwrap();
-        assert!(!super::is_static_elf(&me), "test binaries are dynamically linked");
+        assert!(
+            !super::is_static_elf(&me),
+            "test binaries are dynamically linked"
+        );
         assert!(!super::is_static_elf(std::path::Path::new("/etc/passwd")));
         if std::path::Path::new("/sbin/ldconfig").exists() {
-            assert!(super::is_static_elf(std::path::Path::new("/sbin/ldconfig")), "Debian's ldconfig is static");
+            assert!(
+                super::is_static_elf(std::path::Path::new("/sbin/ldconfig")),
+                "Debian's ldconfig is static"
+            );
         }
     }
 }

@@ -309,7 +309,10 @@ fn raise_effective_caps() -> io::Result<()> {
         permitted: u32,
         inheritable: u32,
     }
-    let mut hdr = Header { version: 0x2008_0522, pid: 0 };
+    let mut hdr = Header {
+        version: 0x2008_0522,
+        pid: 0,
+    };
     let mut data = [Data::default(); 2];
     // SAFETY: capget fills two data structs (version 3 layout) we own.
     check(unsafe { libc::syscall(libc::SYS_capget, &mut hdr as *mut Header, data.as_mut_ptr()) })?;
@@ -317,7 +320,8 @@ fn raise_effective_caps() -> io::Result<()> {
         d.effective = d.permitted;
     }
     // SAFETY: capset reads the header and the two structs we own.
-    check(unsafe { libc::syscall(libc::SYS_capset, &hdr as *const Header, data.as_ptr()) }).map(drop)
+    check(unsafe { libc::syscall(libc::SYS_capset, &hdr as *const Header, data.as_ptr()) })
+        .map(drop)
 }
 
 /// Executes the program behind `fd` (opened before the root changed) with `argv` and `envp`.
@@ -463,9 +467,23 @@ pub fn loop_attach(image: &Path) -> io::Result<(std::path::PathBuf, std::fs::Fil
 pub fn set_times_nofollow(path: &Path, atime: (i64, i64), mtime: (i64, i64)) -> io::Result<()> {
     let p = cstr(path)?;
     let ts = [
-        libc::timespec { tv_sec: atime.0, tv_nsec: atime.1 },
-        libc::timespec { tv_sec: mtime.0, tv_nsec: mtime.1 },
+        libc::timespec {
+            tv_sec: atime.0,
+            tv_nsec: atime.1,
+        },
+        libc::timespec {
+            tv_sec: mtime.0,
+            tv_nsec: mtime.1,
+        },
     ];
     // SAFETY: a NUL-terminated path and two timespecs we own, for the duration of the call.
-    check(unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), ts.as_ptr(), libc::AT_SYMLINK_NOFOLLOW) } as libc::c_long).map(drop)
+    check(unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            p.as_ptr(),
+            ts.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    } as libc::c_long)
+    .map(drop)
 }

@@ -42,7 +42,9 @@ pub fn allocated_bytes(root: &Path) -> io::Result<u64> {
         };
         for e in rd {
             let e = e?;
-            let Ok(m) = e.path().symlink_metadata() else { continue };
+            let Ok(m) = e.path().symlink_metadata() else {
+                continue;
+            };
             if m.nlink() > 1 && !m.is_dir() && seen.insert((m.dev(), m.ino()), ()).is_some() {
                 continue;
             }
@@ -58,13 +60,21 @@ pub fn allocated_bytes(root: &Path) -> io::Result<u64> {
 /// Copies the tree under `src` to `dst`, which must not exist (it is created with `src`'s
 /// mode, owner and times). On failure `dst` is removed again.
 pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyStats> {
-    let mut st = Copier { links: HashMap::new(), stats: CopyStats::default() };
+    let mut st = Copier {
+        links: HashMap::new(),
+        stats: CopyStats::default(),
+    };
     let meta = src.symlink_metadata()?;
     if !meta.is_dir() {
-        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("{} is not a directory", src.display())));
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not a directory", src.display()),
+        ));
     }
     fs::create_dir(dst)?;
-    let r = st.dir(src, dst, &meta).and_then(|()| crate::disk::flush(dst));
+    let r = st
+        .dir(src, dst, &meta)
+        .and_then(|()| crate::disk::flush(dst));
     if let Err(e) = r {
         let _ = fs::remove_dir_all(dst);
         return Err(e);
@@ -108,7 +118,10 @@ impl Copier {
             self.links.insert((m.dev(), m.ino()), to.to_path_buf());
         }
         let src = fs::File::open(from)?;
-        let mut dst = fs::OpenOptions::new().write(true).create_new(true).open(to)?;
+        let mut dst = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(to)?;
         if crate::disk::reflink(&src, &dst) {
             self.stats.reflinked += 1;
         } else {
@@ -127,7 +140,11 @@ fn attrs(path: &Path, m: &fs::Metadata, with_mode: bool) -> io::Result<()> {
     if with_mode {
         fs::set_permissions(path, fs::Permissions::from_mode(m.mode() & 0o7777))?;
     }
-    crate::sys::set_times_nofollow(path, (m.atime(), m.atime_nsec()), (m.mtime(), m.mtime_nsec()))
+    crate::sys::set_times_nofollow(
+        path,
+        (m.atime(), m.atime_nsec()),
+        (m.mtime(), m.mtime_nsec()),
+    )
 }
 
 #[cfg(test)]
@@ -152,14 +169,28 @@ mod tests {
         let f = dst.join("a/b/f").symlink_metadata().unwrap();
         assert_eq!(f.mode() & 0o7777, 0o751);
         assert_eq!((f.mtime(), f.mtime_nsec()), (2000, 5));
-        assert_eq!(f.ino(), dst.join("hl").symlink_metadata().unwrap().ino(), "hard links stay linked");
-        assert_eq!(fs::read_link(dst.join("out")).unwrap(), Path::new("/etc/passwd"));
+        assert_eq!(
+            f.ino(),
+            dst.join("hl").symlink_metadata().unwrap().ino(),
+            "hard links stay linked"
+        );
+        assert_eq!(
+            fs::read_link(dst.join("out")).unwrap(),
+            Path::new("/etc/passwd")
+        );
         assert_eq!(allocated_bytes(&dst).unwrap(), stats.bytes);
 
         fs::write(dst.join("a/b/f"), b"changed").unwrap();
-        assert_eq!(fs::read(src.join("a/b/f")).unwrap().len(), 100_000, "the copy is independent");
+        assert_eq!(
+            fs::read(src.join("a/b/f")).unwrap().len(),
+            100_000,
+            "the copy is independent"
+        );
         assert!(copy(&src, &dst).is_err(), "the target must not exist");
-        assert!(dst.exists(), "a refused copy leaves the existing target alone");
+        assert!(
+            dst.exists(),
+            "a refused copy leaves the existing target alone"
+        );
         fs::remove_dir_all(&base).unwrap();
     }
 }

@@ -26,22 +26,41 @@ struct NewTenant {
     name: String,
 }
 
-async fn create_tenant(State(app): State<AppState>, _: Admin, Json(body): Json<NewTenant>) -> Result<impl IntoResponse, ApiError> {
-    locker_store::validate_tenant_name(&body.name).map_err(|e| ApiError::bad_request(e.to_string()))?;
+async fn create_tenant(
+    State(app): State<AppState>,
+    _: Admin,
+    Json(body): Json<NewTenant>,
+) -> Result<impl IntoResponse, ApiError> {
+    locker_store::validate_tenant_name(&body.name)
+        .map_err(|e| ApiError::bad_request(e.to_string()))?;
     app.store.create_tenant(&body.name)?;
     let (info, key) = app.store.create_key(&body.name)?;
-    Ok((StatusCode::CREATED, axum::Json(json!({"tenant": body.name, "api_key": key, "key_id": info.key_id}))))
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(json!({"tenant": body.name, "api_key": key, "key_id": info.key_id})),
+    ))
 }
 
-async fn create_key(State(app): State<AppState>, _: Admin, Path(name): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn create_key(
+    State(app): State<AppState>,
+    _: Admin,
+    Path(name): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     if !app.store.tenant_exists(&name)? {
         return Err(ApiError::not_found(format!("tenant {name} does not exist")));
     }
     let (info, key) = app.store.create_key(&name)?;
-    Ok((StatusCode::CREATED, axum::Json(json!({"tenant": name, "api_key": key, "key_id": info.key_id}))))
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(json!({"tenant": name, "api_key": key, "key_id": info.key_id})),
+    ))
 }
 
-async fn revoke_key(State(app): State<AppState>, _: Admin, Path(key_id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn revoke_key(
+    State(app): State<AppState>,
+    _: Admin,
+    Path(key_id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     if app.store.revoke_key(&key_id)? {
         Ok(StatusCode::NO_CONTENT)
     } else {

@@ -31,7 +31,11 @@ pub struct Quotas {
 
 impl Default for Quotas {
     fn default() -> Self {
-        Self { sandboxes: 100, memory_mb: 65_536, runs: 32 }
+        Self {
+            sandboxes: 100,
+            memory_mb: 65_536,
+            runs: 32,
+        }
     }
 }
 
@@ -84,7 +88,15 @@ pub struct PauseState {
 }
 
 impl Live {
-    pub fn new(id: String, tenant: String, machine: Machine, env: BTreeMap<String, String>, template_digest: String, idle_timeout_s: Option<u64>, paused: bool) -> Self {
+    pub fn new(
+        id: String,
+        tenant: String,
+        machine: Machine,
+        env: BTreeMap<String, String>,
+        template_digest: String,
+        idle_timeout_s: Option<u64>,
+        paused: bool,
+    ) -> Self {
         let now = now_s();
         Self {
             id,
@@ -95,7 +107,11 @@ impl Live {
             idle_timeout_s,
             inflight: Default::default(),
             last_active: AtomicI64::new(now),
-            pause: std::sync::Mutex::new(PauseState { since: paused.then_some(now), cpu_active_at: now, ..Default::default() }),
+            pause: std::sync::Mutex::new(PauseState {
+                since: paused.then_some(now),
+                cpu_active_at: now,
+                ..Default::default()
+            }),
         }
     }
 
@@ -118,7 +134,9 @@ impl Busy {
         let busy = Busy(live.clone());
         let mut idle_for = None;
         if let Some(since) = st.since {
-            live.machine.resume().map_err(|e| format!("resuming the sandbox: {e}"))?;
+            live.machine
+                .resume()
+                .map_err(|e| format!("resuming the sandbox: {e}"))?;
             idle_for = Some(if st.by_idle { now_s() - since } else { 0 });
             st.since = None;
             st.by_idle = false;
@@ -190,19 +208,25 @@ pub enum ServeError {
 /// and flushes call records. Machines keep running: the next start adopts them.
 pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     let app = build(cfg).await?;
-    let listener = tokio::net::TcpListener::bind(app.cfg.listen).await.map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
+    let listener = tokio::net::TcpListener::bind(app.cfg.listen)
+        .await
+        .map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
     crate::sandboxes::spawn_reaper(app.clone());
     let router = router(app.clone());
     let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).expect("SIGTERM handler");
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
         tokio::select! {
             _ = tokio::signal::ctrl_c() => {}
             _ = term.recv() => {}
         }
         tracing::info!("shutting down: finishing requests in flight");
     };
-    axum::serve(listener, router).with_graceful_shutdown(shutdown).await.map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
     app.volumes.stop_agents().await;
     Ok(())
@@ -210,7 +234,8 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
 
 /// The state, with machines adopted. Public for tests that serve on their own listener.
 pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
-    std::fs::create_dir_all(cfg.data_dir.join("sandboxes")).map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
+    std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))
+        .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
     let store: Arc<dyn Store> = Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?);
     store.ensure_tenant("default")?;
     match &cfg.api_key {
@@ -226,9 +251,16 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         }
     }
     let node_cfg = NodeConfig::from_current_exe()?;
-    let volumes = crate::volumes::Volumes::open(&cfg.data_dir, node_cfg.agent_exe.clone(), store.list_all_volumes()?).await.map_err(ServeError::Volumes)?;
+    let volumes = crate::volumes::Volumes::open(
+        &cfg.data_dir,
+        node_cfg.agent_exe.clone(),
+        store.list_all_volumes()?,
+    )
+    .await
+    .map_err(ServeError::Volumes)?;
     let node = Arc::new(Node::new(node_cfg)?);
-    let templates = TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;
+    let templates =
+        TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;
     let recorder = CallRecorder::spawn(store.clone());
     let app = Arc::new(App {
         cfg,
@@ -257,9 +289,14 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::volumes::routes())
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())
-        .fallback(|| async { crate::error::ApiError::not_found("no such route: see /openapi.json") })
+        .fallback(|| async {
+            crate::error::ApiError::not_found("no such route: see /openapi.json")
+        })
         .method_not_allowed_fallback(|| async {
-            crate::error::ApiError::new(axum::http::StatusCode::METHOD_NOT_ALLOWED, "this route does not take that method: see /openapi.json")
+            crate::error::ApiError::new(
+                axum::http::StatusCode::METHOD_NOT_ALLOWED,
+                "this route does not take that method: see /openapi.json",
+            )
         })
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
@@ -270,9 +307,18 @@ pub fn router(app: AppState) -> Router {
 async fn observe(State(app): State<AppState>, req: Request, next: Next) -> Response {
     let started = Instant::now();
     let method = req.method().as_str().to_owned();
-    let route = req.extensions().get::<MatchedPath>().map(|m| m.as_str().to_owned()).unwrap_or_else(|| "unmatched".into());
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|m| m.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
     let resp = next.run(req).await;
-    app.metrics.request(&method, &route, resp.status().as_u16(), started.elapsed().as_secs_f64());
+    app.metrics.request(
+        &method,
+        &route,
+        resp.status().as_u16(),
+        started.elapsed().as_secs_f64(),
+    );
     resp
 }
 
@@ -283,7 +329,10 @@ pub fn ms_since(t: Instant) -> f64 {
 
 /// Seconds since the Unix epoch.
 pub fn now_s() -> i64 {
-    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs() as i64).unwrap_or(0)
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
 }
 
 /// A random id with a prefix (`sb_…`, `call_…`): 16 hex digits from the kernel's CSPRNG.

@@ -20,21 +20,33 @@ fn bearer(parts: &Parts) -> Result<&str, ApiError> {
     let h = parts
         .headers
         .get(axum::http::header::AUTHORIZATION)
-        .ok_or_else(|| ApiError::unauthorized("missing `Authorization: Bearer <api-key>` header"))?;
-    let s = h.to_str().map_err(|_| ApiError::unauthorized("the Authorization header is not valid text"))?;
+        .ok_or_else(|| {
+            ApiError::unauthorized("missing `Authorization: Bearer <api-key>` header")
+        })?;
+    let s = h
+        .to_str()
+        .map_err(|_| ApiError::unauthorized("the Authorization header is not valid text"))?;
     s.strip_prefix("Bearer ")
         .map(str::trim)
         .filter(|k| !k.is_empty())
-        .ok_or_else(|| ApiError::unauthorized("the Authorization header must be `Bearer <api-key>`"))
+        .ok_or_else(|| {
+            ApiError::unauthorized("the Authorization header must be `Bearer <api-key>`")
+        })
 }
 
 impl FromRequestParts<AppState> for Caller {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, app: &AppState) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        app: &AppState,
+    ) -> Result<Self, Self::Rejection> {
         let key = bearer(parts)?;
         match app.store.authenticate(key) {
-            Ok(Some(p)) => Ok(Caller { tenant: p.tenant, key_id: p.key_id }),
+            Ok(Some(p)) => Ok(Caller {
+                tenant: p.tenant,
+                key_id: p.key_id,
+            }),
             Ok(None) => Err(ApiError::unauthorized("unknown or revoked API key")),
             Err(e) => Err(ApiError::internal(format!("checking the API key: {e}"))),
         }
@@ -48,15 +60,22 @@ pub struct Admin;
 impl FromRequestParts<AppState> for Admin {
     type Rejection = ApiError;
 
-    async fn from_request_parts(parts: &mut Parts, app: &AppState) -> Result<Self, Self::Rejection> {
+    async fn from_request_parts(
+        parts: &mut Parts,
+        app: &AppState,
+    ) -> Result<Self, Self::Rejection> {
         let Some(admin) = &app.cfg.admin_key else {
-            return Err(ApiError::not_found("admin routes are disabled: start the server with LOCKER_ADMIN_KEY"));
+            return Err(ApiError::not_found(
+                "admin routes are disabled: start the server with LOCKER_ADMIN_KEY",
+            ));
         };
         let key = bearer(parts)?;
         if constant_time_eq(key.as_bytes(), admin.as_bytes()) {
             Ok(Admin)
         } else {
-            Err(ApiError::unauthorized("this route needs the admin key (LOCKER_ADMIN_KEY)"))
+            Err(ApiError::unauthorized(
+                "this route needs the admin key (LOCKER_ADMIN_KEY)",
+            ))
         }
     }
 }

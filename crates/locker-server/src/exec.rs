@@ -17,7 +17,9 @@ use axum::routing::post;
 use axum::Router;
 use locker_proto::{Chan, ExecSpec};
 use locker_store::CallRecord;
-use locker_types::{ExecRequest, ExecResult, Reason, Timings, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT_MS};
+use locker_types::{
+    ExecRequest, ExecResult, Reason, Timings, DEFAULT_MAX_OUTPUT_BYTES, DEFAULT_TIMEOUT_MS,
+};
 use serde_json::json;
 use tokio::sync::mpsc;
 
@@ -62,7 +64,12 @@ pub fn base64_decode(s: &str) -> Result<Vec<u8>, String> {
 }
 
 /// Checks an exec body and turns it into what the agent runs.
-pub fn build_spec(live_env: &BTreeMap<String, String>, req: &ExecRequest, call_id: &str, stream: bool) -> Result<(ExecSpec, Option<Vec<u8>>), ApiError> {
+pub fn build_spec(
+    live_env: &BTreeMap<String, String>,
+    req: &ExecRequest,
+    call_id: &str,
+    stream: bool,
+) -> Result<(ExecSpec, Option<Vec<u8>>), ApiError> {
     req.validate().map_err(ApiError::bad_request)?;
     if let Some(m) = req.max_output_bytes {
         if m > MAX_OUTPUT_CAP {
@@ -71,11 +78,15 @@ pub fn build_spec(live_env: &BTreeMap<String, String>, req: &ExecRequest, call_i
     }
     let stdin = match (&req.stdin, &req.stdin_b64) {
         (Some(s), _) => Some(s.as_bytes().to_vec()),
-        (None, Some(b)) => Some(base64_decode(b).map_err(|e| ApiError::bad_request(format!("`stdin_b64`: {e}")))?),
+        (None, Some(b)) => {
+            Some(base64_decode(b).map_err(|e| ApiError::bad_request(format!("`stdin_b64`: {e}")))?)
+        }
         (None, None) => None,
     };
     if stdin.as_ref().is_some_and(|s| s.len() > MAX_STDIN) {
-        return Err(ApiError::too_large("stdin over 768 KiB: write it to a file with the files API and redirect from it"));
+        return Err(ApiError::too_large(
+            "stdin over 768 KiB: write it to a file with the files API and redirect from it",
+        ));
     }
     let argv = match (&req.cmd, &req.shell) {
         (Some(c), _) => c.clone(),
@@ -100,7 +111,14 @@ pub fn build_spec(live_env: &BTreeMap<String, String>, req: &ExecRequest, call_i
 }
 
 /// The call record of an exec (env keys only, no output bodies).
-pub fn call_record(caller: &Caller, live: &Live, kind: locker_store::CallKind, req: &ExecRequest, spec: &ExecSpec, res: &ExecResult) -> CallRecord {
+pub fn call_record(
+    caller: &Caller,
+    live: &Live,
+    kind: locker_store::CallKind,
+    req: &ExecRequest,
+    spec: &ExecSpec,
+    res: &ExecResult,
+) -> CallRecord {
     let mut result = res.clone();
     result.stdout.clear();
     result.stderr.clear();
@@ -124,10 +142,18 @@ pub fn call_record(caller: &Caller, live: &Live, kind: locker_store::CallKind, r
 }
 
 fn wants_ndjson(h: &HeaderMap) -> bool {
-    h.get(header::ACCEPT).and_then(|v| v.to_str().ok()).is_some_and(|a| a.contains("application/x-ndjson"))
+    h.get(header::ACCEPT)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|a| a.contains("application/x-ndjson"))
 }
 
-async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, headers: HeaderMap, Json(req): Json<ExecRequest>) -> Result<Response, ApiError> {
+async fn exec(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Json(req): Json<ExecRequest>,
+) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let call_id = new_id("call_");
     let stream = wants_ndjson(&headers);
@@ -141,7 +167,9 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
             Err(_) if machine_gone(&app, &live).await => killed_with_machine(&call_id, started),
             Err(e) => return Err(e.into()),
         };
-        finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
+        finish(
+            &app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived,
+        );
         return Ok(axum::Json(res).into_response());
     }
     let (body_tx, response) = ndjson_response();
@@ -151,14 +179,26 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         let started = Instant::now();
         let agent = live.machine.agent.clone();
         // `None`: the client went away; dropping the run cancels the command (its tree dies).
-        let Some(r) = pump(agent.exec(spec.clone(), stdin, Some(out_tx)), &mut out_rx, &body_tx).await else { return };
+        let Some(r) = pump(
+            agent.exec(spec.clone(), stdin, Some(out_tx)),
+            &mut out_rx,
+            &body_tx,
+        )
+        .await
+        else {
+            return;
+        };
         let r = match r {
-            Err(_) if machine_gone(&app, &live).await => Ok(killed_with_machine(&spec.call_id, started)),
+            Err(_) if machine_gone(&app, &live).await => {
+                Ok(killed_with_machine(&spec.call_id, started))
+            }
             other => other,
         };
         let last = match r {
             Ok(mut res) => {
-                finish(&app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived);
+                finish(
+                    &app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived,
+                );
                 typed("result", &res)
             }
             Err(e) => error_line(e.into()),
@@ -171,14 +211,30 @@ async fn exec(State(app): State<AppState>, caller: Caller, Path(id): Path<String
 /// A channel whose lines become a streamed `application/x-ndjson` response.
 pub fn ndjson_response() -> (mpsc::Sender<Bytes>, Response) {
     let (tx, rx) = mpsc::channel::<Bytes>(32);
-    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move { rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx)) }));
-    (tx, ([(header::CONTENT_TYPE, "application/x-ndjson"), (header::CACHE_CONTROL, "no-cache")], body).into_response())
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
+    }));
+    (
+        tx,
+        (
+            [
+                (header::CONTENT_TYPE, "application/x-ndjson"),
+                (header::CACHE_CONTROL, "no-cache"),
+            ],
+            body,
+        )
+            .into_response(),
+    )
 }
 
 /// Drives `run` while turning the output it produces on `out` into NDJSON lines on `body`,
 /// then sends what is left. `None` if the client went away first (`run` is dropped, which
 /// cancels it).
-pub async fn pump<F: std::future::Future>(run: F, out: &mut mpsc::Receiver<(Chan, Vec<u8>)>, body: &mpsc::Sender<Bytes>) -> Option<F::Output> {
+pub async fn pump<F: std::future::Future>(
+    run: F,
+    out: &mut mpsc::Receiver<(Chan, Vec<u8>)>,
+    body: &mpsc::Sender<Bytes>,
+) -> Option<F::Output> {
     tokio::pin!(run);
     let mut lines = LineEncoder::default();
     let result = loop {
@@ -246,7 +302,10 @@ fn killed_with_machine(call_id: &str, started: Instant) -> ExecResult {
         stdout_bytes: 0,
         stderr_bytes: 0,
         output_path: None,
-        timings: Timings { run_ms: ms_since(started), ..Default::default() },
+        timings: Timings {
+            run_ms: ms_since(started),
+            ..Default::default()
+        },
         usage: Default::default(),
         changes: None,
     }
@@ -254,13 +313,31 @@ fn killed_with_machine(call_id: &str, started: Instant) -> ExecResult {
 
 /// Fills the host's timings, records the call and the metrics.
 #[allow(clippy::too_many_arguments)]
-fn finish(app: &AppState, caller: &Caller, live: &Arc<Live>, req: &ExecRequest, spec: &ExecSpec, res: &mut ExecResult, queue_ms: f64, arrived: Instant) {
+fn finish(
+    app: &AppState,
+    caller: &Caller,
+    live: &Arc<Live>,
+    req: &ExecRequest,
+    spec: &ExecSpec,
+    res: &mut ExecResult,
+    queue_ms: f64,
+    arrived: Instant,
+) {
     res.timings.queue_ms = queue_ms;
     res.timings.total_ms = ms_since(arrived);
     app.metrics.exec_seconds.observe(res.timings.total_ms / 1e3);
-    app.metrics.exec_wait_seconds.observe((res.timings.queue_ms + res.timings.start_ms) / 1e3);
+    app.metrics
+        .exec_wait_seconds
+        .observe((res.timings.queue_ms + res.timings.start_ms) / 1e3);
     app.metrics.add_cpu(&caller.tenant, res.usage.cpu_ms);
-    app.recorder.record(call_record(caller, live, locker_store::CallKind::Exec, req, spec, res));
+    app.recorder.record(call_record(
+        caller,
+        live,
+        locker_store::CallKind::Exec,
+        req,
+        spec,
+        res,
+    ));
 }
 
 /// Turns output chunks into NDJSON lines, never splitting a UTF-8 character across lines.
@@ -319,7 +396,15 @@ fn utf8_cut(b: &[u8]) -> usize {
         if c & 0xC0 == 0x80 {
             continue; // continuation byte: keep looking for the lead byte
         }
-        let need = if c >= 0xF0 { 4 } else if c >= 0xE0 { 3 } else if c >= 0xC0 { 2 } else { 1 };
+        let need = if c >= 0xF0 {
+            4
+        } else if c >= 0xE0 {
+            3
+        } else if c >= 0xC0 {
+            2
+        } else {
+            1
+        };
         return if need > back { n - back } else { n };
     }
     n
@@ -353,12 +438,17 @@ mod tests {
         let mut base = BTreeMap::new();
         base.insert("A".to_string(), "1".to_string());
         base.insert("B".to_string(), "1".to_string());
-        let req: ExecRequest = serde_json::from_str(r#"{"shell":"echo hi","env":{"B":"2"}}"#).unwrap();
+        let req: ExecRequest =
+            serde_json::from_str(r#"{"shell":"echo hi","env":{"B":"2"}}"#).unwrap();
         let (spec, stdin) = build_spec(&base, &req, "call_x", false).unwrap();
         assert_eq!(spec.argv, vec!["/bin/sh", "-c", "echo hi"]);
-        assert_eq!(spec.env, vec![("A".into(), "1".into()), ("B".into(), "2".into())]);
+        assert_eq!(
+            spec.env,
+            vec![("A".into(), "1".into()), ("B".into(), "2".into())]
+        );
         assert!(stdin.is_none());
-        let bad: ExecRequest = serde_json::from_str(r#"{"cmd":["x"],"max_output_bytes":999999999}"#).unwrap();
+        let bad: ExecRequest =
+            serde_json::from_str(r#"{"cmd":["x"],"max_output_bytes":999999999}"#).unwrap();
         assert!(build_spec(&base, &bad, "c", false).is_err());
     }
 }

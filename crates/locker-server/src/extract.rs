@@ -33,12 +33,20 @@ fn json_rejection(r: JsonRejection) -> ApiError {
         JsonRejection::MissingJsonContentType(_) => {
             ApiError::bad_request("send the body as JSON with `Content-Type: application/json`")
         }
-        JsonRejection::JsonSyntaxError(e) => ApiError::bad_request(format!("the body is not valid JSON: {}", inner(&e.body_text()))),
-        JsonRejection::JsonDataError(e) => ApiError::bad_request(format!("the body does not match the expected shape: {}", inner(&e.body_text()))),
+        JsonRejection::JsonSyntaxError(e) => ApiError::bad_request(format!(
+            "the body is not valid JSON: {}",
+            inner(&e.body_text())
+        )),
+        JsonRejection::JsonDataError(e) => ApiError::bad_request(format!(
+            "the body does not match the expected shape: {}",
+            inner(&e.body_text())
+        )),
         JsonRejection::BytesRejection(e) => {
             let t = e.body_text();
             if e.status() == axum::http::StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::too_large("the JSON body is too large (limit 1 MiB): send files through the files API")
+                ApiError::too_large(
+                    "the JSON body is too large (limit 1 MiB): send files through the files API",
+                )
             } else {
                 ApiError::bad_request(format!("could not read the body: {t}"))
             }
@@ -49,7 +57,9 @@ fn json_rejection(r: JsonRejection) -> ApiError {
 
 /// serde's message without axum's prefix.
 fn inner(t: &str) -> String {
-    t.split_once(": ").map(|(_, r)| r.to_owned()).unwrap_or_else(|| t.to_owned())
+    t.split_once(": ")
+        .map(|(_, r)| r.to_owned())
+        .unwrap_or_else(|| t.to_owned())
 }
 
 /// Query parameters with API-shaped errors.
@@ -65,9 +75,9 @@ where
     async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
         match axum::extract::Query::<T>::from_request_parts(parts, state).await {
             Ok(axum::extract::Query(v)) => Ok(Query(v)),
-            Err(QueryRejection::FailedToDeserializeQueryString(e)) => {
-                Err(ApiError::bad_request(format!("bad query parameters: {}", inner(&e.body_text()))))
-            }
+            Err(QueryRejection::FailedToDeserializeQueryString(e)) => Err(ApiError::bad_request(
+                format!("bad query parameters: {}", inner(&e.body_text())),
+            )),
             Err(other) => Err(ApiError::bad_request(other.body_text())),
         }
     }
@@ -76,16 +86,24 @@ where
 /// Checks a path given by a client: absolute, no NUL, not absurdly long.
 pub fn check_path(name: &str, p: &str) -> Result<(), ApiError> {
     if p.is_empty() {
-        return Err(ApiError::bad_request(format!("`{name}` is required (an absolute path)")));
+        return Err(ApiError::bad_request(format!(
+            "`{name}` is required (an absolute path)"
+        )));
     }
     if !p.starts_with('/') {
-        return Err(ApiError::bad_request(format!("`{name}` must be an absolute path, got {p:?}")));
+        return Err(ApiError::bad_request(format!(
+            "`{name}` must be an absolute path, got {p:?}"
+        )));
     }
     if p.contains('\0') {
-        return Err(ApiError::bad_request(format!("`{name}` must not contain NUL bytes")));
+        return Err(ApiError::bad_request(format!(
+            "`{name}` must not contain NUL bytes"
+        )));
     }
     if p.len() > 4096 {
-        return Err(ApiError::bad_request(format!("`{name}` is longer than 4096 bytes")));
+        return Err(ApiError::bad_request(format!(
+            "`{name}` is longer than 4096 bytes"
+        )));
     }
     Ok(())
 }

@@ -40,7 +40,10 @@ pub fn routes_for<T: FilesTarget>(base: &str) -> Router<AppState> {
     Router::new()
         .route(
             &format!("{base}/files"),
-            get(download::<T>).put(upload::<T>).delete(remove::<T>).layer(axum::extract::DefaultBodyLimit::disable()),
+            get(download::<T>)
+                .put(upload::<T>)
+                .delete(remove::<T>)
+                .layer(axum::extract::DefaultBodyLimit::disable()),
         )
         .route(&format!("{base}/files/list"), get(list::<T>))
         .route(&format!("{base}/files/stat"), get(stat::<T>))
@@ -52,7 +55,11 @@ pub fn routes_for<T: FilesTarget>(base: &str) -> Router<AppState> {
 /// counts the call in flight, so it is never paused under it).
 pub trait FilesTarget: Sized + Send + Sync + 'static {
     /// The caller's target `id`; 404 for another tenant's or a missing one.
-    fn resolve(app: &AppState, caller: &Caller, id: &str) -> impl Future<Output = Result<Self, ApiError>> + Send;
+    fn resolve(
+        app: &AppState,
+        caller: &Caller,
+        id: &str,
+    ) -> impl Future<Output = Result<Self, ApiError>> + Send;
     /// The agent that serves its files.
     fn agent(&self) -> &AgentClient;
     /// Its size accounting, if the server enforces one (a volume). A sandbox has none
@@ -73,7 +80,9 @@ impl FilesTarget for Busy {
 
 /// Bytes a directory entry is counted for: its size rounded up to 4 KiB blocks.
 pub fn blocks_of(size: u64) -> i64 {
-    size.div_ceil(4096).saturating_mul(4096).min(i64::MAX as u64) as i64
+    size.div_ceil(4096)
+        .saturating_mul(4096)
+        .min(i64::MAX as u64) as i64
 }
 
 /// The size accounting of a tree whose writes go through the files API: a limit, the bytes
@@ -94,7 +103,13 @@ pub struct Space {
 
 impl Space {
     pub fn new(root: PathBuf, what: String, limit_bytes: u64, used: u64) -> Self {
-        Self { root, what, limit_bytes, used: AtomicI64::new(used as i64), gate: Default::default() }
+        Self {
+            root,
+            what,
+            limit_bytes,
+            used: AtomicI64::new(used as i64),
+            gate: Default::default(),
+        }
     }
 
     /// Bytes in use now (including bytes of uploads in flight).
@@ -141,25 +156,41 @@ struct PathQuery {
 }
 
 fn required(p: Option<String>) -> Result<String, ApiError> {
-    let p = p.ok_or_else(|| ApiError::bad_request("the `path` query parameter is required (an absolute path)"))?;
+    let p = p.ok_or_else(|| {
+        ApiError::bad_request("the `path` query parameter is required (an absolute path)")
+    })?;
     check_path("path", &p)?;
     Ok(p)
 }
 
-async fn download<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<Response, ApiError> {
+async fn download<T: FilesTarget>(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> Result<Response, ApiError> {
     let path = required(q.path)?;
     let target = T::resolve(&app, &caller, &id).await?;
     let (entry, reader) = target.agent().read_file(&path).await?;
     if entry.kind == EntryType::Dir {
-        return Err(ApiError::bad_request(format!("{path} is a directory: list it with files/list")));
+        return Err(ApiError::bad_request(format!(
+            "{path} is a directory: list it with files/list"
+        )));
     }
-    let stream = tokio_util::io::ReaderStream::with_capacity(reader, locker_proto::DATA_CHUNK).map_ok(move |b| {
-        // The target stays held (a sandbox busy) for as long as the body streams.
-        let _ = &target;
-        b
-    });
+    let stream = tokio_util::io::ReaderStream::with_capacity(reader, locker_proto::DATA_CHUNK)
+        .map_ok(move |b| {
+            // The target stays held (a sandbox busy) for as long as the body streams.
+            let _ = &target;
+            b
+        });
     Ok((
-        [(header::CONTENT_TYPE, "application/octet-stream".to_owned()), (header::HeaderName::from_static("x-locker-size"), entry.size.to_string())],
+        [
+            (header::CONTENT_TYPE, "application/octet-stream".to_owned()),
+            (
+                header::HeaderName::from_static("x-locker-size"),
+                entry.size.to_string(),
+            ),
+        ],
         Body::from_stream(stream),
     )
         .into_response())
@@ -178,7 +209,11 @@ fn parse_mode(m: &str) -> Result<u32, ApiError> {
     u32::from_str_radix(digits, 8)
         .ok()
         .filter(|v| *v <= 0o7777)
-        .ok_or_else(|| ApiError::bad_request(format!("`mode` must be octal permission bits like 0644, got {m:?}")))
+        .ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "`mode` must be octal permission bits like 0644, got {m:?}"
+            ))
+        })
 }
 
 /// Bytes the file at `path` is counted for now (0 when it is missing or not a file): what
@@ -204,13 +239,18 @@ async fn upload<T: FilesTarget>(
     let agent = target.agent();
     let mut stream = body.into_data_stream().map_err(std::io::Error::other);
     let Some(space) = target.space() else {
-        let entry = agent.write_file(&path, mode, tokio_util::io::StreamReader::new(stream)).await?;
+        let entry = agent
+            .write_file(&path, mode, tokio_util::io::StreamReader::new(stream))
+            .await?;
         return Ok(axum::Json(entry));
     };
     let _writing = space.gate.read().await;
     let old = counted(agent, &path).await;
     let limit = space.limit_bytes as i64;
-    let declared = headers.get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()).and_then(|v| v.parse::<u64>().ok());
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
     if let Some(len) = declared {
         if space.used_bytes() as i64 + blocks_of(len) - old > limit {
             drain(&mut stream).await;
@@ -233,7 +273,9 @@ async fn upload<T: FilesTarget>(
         }
         Ok(chunk)
     });
-    let result = agent.write_file(&path, mode, tokio_util::io::StreamReader::new(&mut metered)).await;
+    let result = agent
+        .write_file(&path, mode, tokio_util::io::StreamReader::new(&mut metered))
+        .await;
     let reserved = reserved.load(Ordering::SeqCst);
     match result {
         Ok(entry) => {
@@ -278,7 +320,12 @@ struct RemoveQuery {
     recursive: bool,
 }
 
-async fn remove<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<RemoveQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn remove<T: FilesTarget>(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(q): Query<RemoveQuery>,
+) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     if path == "/" {
         return Err(ApiError::bad_request("refusing to remove `/`"));
@@ -310,7 +357,12 @@ struct ListQuery {
     depth: Option<u32>,
 }
 
-async fn list<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<ListQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn list<T: FilesTarget>(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(q): Query<ListQuery>,
+) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     let depth = q.depth.unwrap_or(1);
     if !(1..=16).contains(&depth) {
@@ -321,7 +373,12 @@ async fn list<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(
     Ok(axum::Json(json!({ "entries": entries })))
 }
 
-async fn stat<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PathQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn stat<T: FilesTarget>(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(q): Query<PathQuery>,
+) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     let target = T::resolve(&app, &caller, &id).await?;
     Ok(axum::Json(target.agent().stat(&path).await?))
@@ -333,7 +390,12 @@ struct MkdirBody {
     path: String,
 }
 
-async fn mkdir<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(b): Json<MkdirBody>) -> Result<impl IntoResponse, ApiError> {
+async fn mkdir<T: FilesTarget>(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(b): Json<MkdirBody>,
+) -> Result<impl IntoResponse, ApiError> {
     check_path("path", &b.path)?;
     let target = T::resolve(&app, &caller, &id).await?;
     let agent = target.agent();
@@ -359,7 +421,12 @@ struct MoveBody {
     to: String,
 }
 
-async fn rename<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(b): Json<MoveBody>) -> Result<impl IntoResponse, ApiError> {
+async fn rename<T: FilesTarget>(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(b): Json<MoveBody>,
+) -> Result<impl IntoResponse, ApiError> {
     check_path("from", &b.from)?;
     check_path("to", &b.to)?;
     let target = T::resolve(&app, &caller, &id).await?;
@@ -369,7 +436,11 @@ async fn rename<T: FilesTarget>(State(app): State<AppState>, caller: Caller, Pat
     };
     let _writing = space.gate.read().await;
     // A file moved over another frees the one it replaces.
-    let replaced = if b.from == b.to { 0 } else { counted(agent, &b.to).await };
+    let replaced = if b.from == b.to {
+        0
+    } else {
+        counted(agent, &b.to).await
+    };
     let entry = agent.rename(&b.from, &b.to).await?;
     space.add(-replaced);
     Ok(axum::Json(entry))

@@ -9,7 +9,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, RwLock};
 
 /// Upper bounds of latency buckets, in seconds.
-const BUCKETS: [f64; 14] = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0];
+const BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0,
+];
 
 /// One histogram.
 #[derive(Debug, Default)]
@@ -28,18 +30,31 @@ impl Histogram {
             }
         }
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.sum_us.fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
+        self.sum_us
+            .fetch_add((seconds * 1e6) as u64, Ordering::Relaxed);
     }
 
     fn render(&self, out: &mut String, name: &str, labels: &str) {
         let sep = if labels.is_empty() { "" } else { "," };
         for (i, b) in BUCKETS.iter().enumerate() {
-            let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {}", self.counts[i].load(Ordering::Relaxed));
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{{labels}{sep}le=\"{b}\"}} {}",
+                self.counts[i].load(Ordering::Relaxed)
+            );
         }
         let n = self.count.load(Ordering::Relaxed);
         let _ = writeln!(out, "{name}_bucket{{{labels}{sep}le=\"+Inf\"}} {n}");
-        let braces = if labels.is_empty() { String::new() } else { format!("{{{labels}}}") };
-        let _ = writeln!(out, "{name}_sum{braces} {}", self.sum_us.load(Ordering::Relaxed) as f64 / 1e6);
+        let braces = if labels.is_empty() {
+            String::new()
+        } else {
+            format!("{{{labels}}}")
+        };
+        let _ = writeln!(
+            out,
+            "{name}_sum{braces} {}",
+            self.sum_us.load(Ordering::Relaxed) as f64 / 1e6
+        );
         let _ = writeln!(out, "{name}_count{braces} {n}");
     }
 }
@@ -55,7 +70,12 @@ impl Family {
         if let Some(h) = self.by_label.read().expect("metrics lock").get(labels) {
             return h.clone();
         }
-        self.by_label.write().expect("metrics lock").entry(labels.to_owned()).or_default().clone()
+        self.by_label
+            .write()
+            .expect("metrics lock")
+            .entry(labels.to_owned())
+            .or_default()
+            .clone()
     }
 }
 
@@ -79,11 +99,21 @@ impl Metrics {
         let labels = format!("method=\"{method}\",route=\"{route}\"");
         self.requests.get(&labels).observe(seconds);
         let key = format!("{labels},status=\"{status}\"");
-        *self.requests_total.lock().expect("metrics lock").entry(key).or_default() += 1;
+        *self
+            .requests_total
+            .lock()
+            .expect("metrics lock")
+            .entry(key)
+            .or_default() += 1;
     }
 
     pub fn add_cpu(&self, tenant: &str, cpu_ms: u64) {
-        *self.cpu_ms_by_tenant.lock().expect("metrics lock").entry(tenant.to_owned()).or_default() += cpu_ms;
+        *self
+            .cpu_ms_by_tenant
+            .lock()
+            .expect("metrics lock")
+            .entry(tenant.to_owned())
+            .or_default() += cpu_ms;
     }
 
     /// The text exposition format; `sandboxes` are counts by state.
@@ -98,18 +128,27 @@ impl Metrics {
             let _ = writeln!(out, "locker_http_requests_total{{{labels}}} {n}");
         }
         out.push_str("# HELP locker_exec_duration_seconds Exec calls, request to result.\n# TYPE locker_exec_duration_seconds histogram\n");
-        self.exec_seconds.render(&mut out, "locker_exec_duration_seconds", "");
+        self.exec_seconds
+            .render(&mut out, "locker_exec_duration_seconds", "");
         out.push_str("# HELP locker_exec_wait_seconds Wait before a command starts (queue + start).\n# TYPE locker_exec_wait_seconds histogram\n");
-        self.exec_wait_seconds.render(&mut out, "locker_exec_wait_seconds", "");
+        self.exec_wait_seconds
+            .render(&mut out, "locker_exec_wait_seconds", "");
         out.push_str("# HELP locker_sandbox_create_seconds Sandbox creation latency.\n# TYPE locker_sandbox_create_seconds histogram\n");
-        self.sandbox_create_seconds.render(&mut out, "locker_sandbox_create_seconds", "");
-        out.push_str("# HELP locker_sandboxes Sandboxes by state.\n# TYPE locker_sandboxes gauge\n");
+        self.sandbox_create_seconds
+            .render(&mut out, "locker_sandbox_create_seconds", "");
+        out.push_str(
+            "# HELP locker_sandboxes Sandboxes by state.\n# TYPE locker_sandboxes gauge\n",
+        );
         for (state, n) in sandboxes {
             let _ = writeln!(out, "locker_sandboxes{{state=\"{state}\"}} {n}");
         }
         out.push_str("# HELP locker_cpu_seconds_total CPU time used by commands, by tenant.\n# TYPE locker_cpu_seconds_total counter\n");
         for (t, ms) in self.cpu_ms_by_tenant.lock().expect("metrics lock").iter() {
-            let _ = writeln!(out, "locker_cpu_seconds_total{{tenant=\"{t}\"}} {}", *ms as f64 / 1000.0);
+            let _ = writeln!(
+                out,
+                "locker_cpu_seconds_total{{tenant=\"{t}\"}} {}",
+                *ms as f64 / 1000.0
+            );
         }
         let _ = writeln!(
             out,

@@ -40,62 +40,259 @@ pub struct RouteDoc {
     pub status: u16,
 }
 
-const fn r(method: &'static str, path: &'static str, status: u16, summary: &'static str) -> RouteDoc {
-    RouteDoc { method, path, auth: true, summary, status }
+const fn r(
+    method: &'static str,
+    path: &'static str,
+    status: u16,
+    summary: &'static str,
+) -> RouteDoc {
+    RouteDoc {
+        method,
+        path,
+        auth: true,
+        summary,
+        status,
+    }
 }
 
 const fn open(method: &'static str, path: &'static str, summary: &'static str) -> RouteDoc {
-    RouteDoc { method, path, auth: false, summary, status: 200 }
+    RouteDoc {
+        method,
+        path,
+        auth: false,
+        summary,
+        status: 200,
+    }
 }
 
 /// Every route the server serves.
 pub const ROUTES: &[RouteDoc] = &[
     r("post", "/v1/sandboxes", 201, "Create a sandbox"),
-    r("get", "/v1/sandboxes", 200, "List the tenant's sandboxes (?state=, ?metadata.KEY=VALUE)"),
+    r(
+        "get",
+        "/v1/sandboxes",
+        200,
+        "List the tenant's sandboxes (?state=, ?metadata.KEY=VALUE)",
+    ),
     r("get", "/v1/sandboxes/{id}", 200, "Get a sandbox"),
-    r("patch", "/v1/sandboxes/{id}", 200, "Change a sandbox's network policy or metadata"),
+    r(
+        "patch",
+        "/v1/sandboxes/{id}",
+        200,
+        "Change a sandbox's network policy or metadata",
+    ),
     r("delete", "/v1/sandboxes/{id}", 204, "Destroy a sandbox now"),
-    r("post", "/v1/sandboxes/{id}/ttl", 200, "Set expires_at = now + ttl_s"),
-    r("post", "/v1/sandboxes/{id}/pause", 200, "Freeze every process of the sandbox"),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/ttl",
+        200,
+        "Set expires_at = now + ttl_s",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/pause",
+        200,
+        "Freeze every process of the sandbox",
+    ),
     r("post", "/v1/sandboxes/{id}/resume", 200, "Thaw the sandbox"),
-    r("post", "/v1/sandboxes/{id}/snapshots", 201, "Snapshot the sandbox's filesystem (consistent, copy-on-write where possible)"),
-    r("post", "/v1/sandboxes/{id}/fork", 201, "N new sandboxes from one consistent point taken now"),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/snapshots",
+        201,
+        "Snapshot the sandbox's filesystem (consistent, copy-on-write where possible)",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/fork",
+        201,
+        "N new sandboxes from one consistent point taken now",
+    ),
     r("get", "/v1/snapshots", 200, "List the tenant's snapshots"),
     r("delete", "/v1/snapshots/{id}", 204, "Delete a snapshot"),
-    r("post", "/v1/sandboxes/{id}/exec", 200, "Run a command; ExecResult, or NDJSON with Accept: application/x-ndjson"),
-    r("post", "/v1/sandboxes/{id}/processes", 200, "Start a background process"),
-    r("get", "/v1/sandboxes/{id}/processes", 200, "List background processes"),
-    r("get", "/v1/sandboxes/{id}/processes/{proc}", 200, "A background process and its result once ended"),
-    r("get", "/v1/sandboxes/{id}/processes/{proc}/output", 200, "Its output as NDJSON, replayed from the start (?follow=true)"),
-    r("post", "/v1/sandboxes/{id}/processes/{proc}/stdin", 200, "Write the raw body to its stdin"),
-    r("post", "/v1/sandboxes/{id}/processes/{proc}/signal", 200, "Send a signal to its process group"),
-    r("get", "/v1/sandboxes/{id}/pty", 101, "A terminal over WebSocket"),
-    r("get", "/v1/sandboxes/{id}/files", 200, "Download a file (streamed)"),
-    r("put", "/v1/sandboxes/{id}/files", 200, "Upload a file (streamed); creates parents"),
-    r("delete", "/v1/sandboxes/{id}/files", 204, "Remove a file or directory (?recursive=true)"),
-    r("get", "/v1/sandboxes/{id}/files/list", 200, "List a directory (?depth=N)"),
-    r("get", "/v1/sandboxes/{id}/files/stat", 200, "Describe a path"),
-    r("post", "/v1/sandboxes/{id}/files/mkdir", 200, "Create a directory and its parents"),
-    r("post", "/v1/sandboxes/{id}/files/move", 200, "Move or rename"),
-    r("post", "/v1/volumes", 201, "Create a volume (a persistent directory tree)"),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/exec",
+        200,
+        "Run a command; ExecResult, or NDJSON with Accept: application/x-ndjson",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/processes",
+        200,
+        "Start a background process",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/processes",
+        200,
+        "List background processes",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/processes/{proc}",
+        200,
+        "A background process and its result once ended",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/processes/{proc}/output",
+        200,
+        "Its output as NDJSON, replayed from the start (?follow=true)",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/processes/{proc}/stdin",
+        200,
+        "Write the raw body to its stdin",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/processes/{proc}/signal",
+        200,
+        "Send a signal to its process group",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/pty",
+        101,
+        "A terminal over WebSocket",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/files",
+        200,
+        "Download a file (streamed)",
+    ),
+    r(
+        "put",
+        "/v1/sandboxes/{id}/files",
+        200,
+        "Upload a file (streamed); creates parents",
+    ),
+    r(
+        "delete",
+        "/v1/sandboxes/{id}/files",
+        204,
+        "Remove a file or directory (?recursive=true)",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/files/list",
+        200,
+        "List a directory (?depth=N)",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/files/stat",
+        200,
+        "Describe a path",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/files/mkdir",
+        200,
+        "Create a directory and its parents",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/files/move",
+        200,
+        "Move or rename",
+    ),
+    r(
+        "post",
+        "/v1/volumes",
+        201,
+        "Create a volume (a persistent directory tree)",
+    ),
     r("get", "/v1/volumes", 200, "List the tenant's volumes"),
-    r("get", "/v1/volumes/{id}", 200, "Get a volume (by id or name)"),
-    r("delete", "/v1/volumes/{id}", 204, "Delete a volume, its files and its snapshots (409 while mounted)"),
-    r("post", "/v1/volumes/{id}/snapshots", 201, "Snapshot the volume's tree (copy-on-write where possible)"),
-    r("post", "/v1/volumes/{id}/fork", 201, "A new volume with a copy of this one's tree"),
-    r("get", "/v1/volumes/{id}/files", 200, "Download a file of a volume (streamed)"),
-    r("put", "/v1/volumes/{id}/files", 200, "Upload a file to a volume (streamed; 413 past size_mb)"),
-    r("delete", "/v1/volumes/{id}/files", 204, "Remove a file or directory of a volume (?recursive=true)"),
-    r("get", "/v1/volumes/{id}/files/list", 200, "List a directory of a volume (?depth=N)"),
-    r("get", "/v1/volumes/{id}/files/stat", 200, "Describe a path of a volume"),
-    r("post", "/v1/volumes/{id}/files/mkdir", 200, "Create a directory of a volume and its parents"),
-    r("post", "/v1/volumes/{id}/files/move", 200, "Move or rename within a volume"),
+    r(
+        "get",
+        "/v1/volumes/{id}",
+        200,
+        "Get a volume (by id or name)",
+    ),
+    r(
+        "delete",
+        "/v1/volumes/{id}",
+        204,
+        "Delete a volume, its files and its snapshots (409 while mounted)",
+    ),
+    r(
+        "post",
+        "/v1/volumes/{id}/snapshots",
+        201,
+        "Snapshot the volume's tree (copy-on-write where possible)",
+    ),
+    r(
+        "post",
+        "/v1/volumes/{id}/fork",
+        201,
+        "A new volume with a copy of this one's tree",
+    ),
+    r(
+        "get",
+        "/v1/volumes/{id}/files",
+        200,
+        "Download a file of a volume (streamed)",
+    ),
+    r(
+        "put",
+        "/v1/volumes/{id}/files",
+        200,
+        "Upload a file to a volume (streamed; 413 past size_mb)",
+    ),
+    r(
+        "delete",
+        "/v1/volumes/{id}/files",
+        204,
+        "Remove a file or directory of a volume (?recursive=true)",
+    ),
+    r(
+        "get",
+        "/v1/volumes/{id}/files/list",
+        200,
+        "List a directory of a volume (?depth=N)",
+    ),
+    r(
+        "get",
+        "/v1/volumes/{id}/files/stat",
+        200,
+        "Describe a path of a volume",
+    ),
+    r(
+        "post",
+        "/v1/volumes/{id}/files/mkdir",
+        200,
+        "Create a directory of a volume and its parents",
+    ),
+    r(
+        "post",
+        "/v1/volumes/{id}/files/move",
+        200,
+        "Move or rename within a volume",
+    ),
     r("get", "/v1/templates", 200, "List templates"),
     r("get", "/v1/calls", 200, "Call records, newest first"),
     r("get", "/v1/usage", 200, "Per-tenant totals"),
-    r("post", "/v1/tenants", 201, "Create a tenant and its first key (admin key)"),
-    r("post", "/v1/tenants/{name}/keys", 201, "Create a key (admin key)"),
-    r("delete", "/v1/keys/{key_id}", 204, "Revoke a key at once (admin key)"),
+    r(
+        "post",
+        "/v1/tenants",
+        201,
+        "Create a tenant and its first key (admin key)",
+    ),
+    r(
+        "post",
+        "/v1/tenants/{name}/keys",
+        201,
+        "Create a key (admin key)",
+    ),
+    r(
+        "delete",
+        "/v1/keys/{key_id}",
+        204,
+        "Revoke a key at once (admin key)",
+    ),
     open("get", "/healthz", "Health, with per-runtime status"),
     open("get", "/metrics", "Prometheus metrics"),
     open("get", "/openapi.json", "This document"),
@@ -123,7 +320,10 @@ pub fn openapi_doc() -> Value {
         if rd.auth {
             op["security"] = json!([{"bearer": []}]);
         }
-        paths.entry(rd.path).or_default().insert(rd.method.to_owned(), op);
+        paths
+            .entry(rd.path)
+            .or_default()
+            .insert(rd.method.to_owned(), op);
     }
     json!({
         "openapi": "3.1.0",
@@ -147,18 +347,44 @@ async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
     let runtimes: BTreeMap<String, String> = report
         .runtimes
         .iter()
-        .map(|(k, v)| (k.clone(), if v.ok { "ok".to_owned() } else { format!("unavailable: {}", v.detail) }))
+        .map(|(k, v)| {
+            (
+                k.clone(),
+                if v.ok {
+                    "ok".to_owned()
+                } else {
+                    format!("unavailable: {}", v.detail)
+                },
+            )
+        })
         .collect();
     let ok = report.runtimes.get("jail").is_some_and(|v| v.ok);
-    let status = if ok { StatusCode::OK } else { StatusCode::SERVICE_UNAVAILABLE };
-    (status, axum::Json(json!({"status": if ok { "ok" } else { "degraded" }, "runtimes": runtimes, "uptime_s": app.started.elapsed().as_secs()})))
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (
+        status,
+        axum::Json(
+            json!({"status": if ok { "ok" } else { "degraded" }, "runtimes": runtimes, "uptime_s": app.started.elapsed().as_secs()}),
+        ),
+    )
 }
 
-async fn metrics(State(app): State<AppState>, headers: HeaderMap) -> Result<impl IntoResponse, ApiError> {
+async fn metrics(
+    State(app): State<AppState>,
+    headers: HeaderMap,
+) -> Result<impl IntoResponse, ApiError> {
     if let Some(token) = &app.cfg.metrics_token {
-        let got = headers.get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).and_then(|s| s.strip_prefix("Bearer "));
+        let got = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|s| s.strip_prefix("Bearer "));
         if got != Some(token.as_str()) {
-            return Err(ApiError::unauthorized("/metrics needs `Authorization: Bearer <metrics token>`"));
+            return Err(ApiError::unauthorized(
+                "/metrics needs `Authorization: Bearer <metrics token>`",
+            ));
         }
     }
     let mut by_state: BTreeMap<String, u64> = BTreeMap::new();
@@ -180,15 +406,27 @@ struct CallsQuery {
     limit: Option<u32>,
 }
 
-async fn calls(State(app): State<AppState>, caller: Caller, Query(q): Query<CallsQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn calls(
+    State(app): State<AppState>,
+    caller: Caller,
+    Query(q): Query<CallsQuery>,
+) -> Result<impl IntoResponse, ApiError> {
     if let Some(l) = q.limit {
         if l == 0 || l > locker_store::MAX_CALLS_LIMIT {
-            return Err(ApiError::bad_request(format!("`limit` must be between 1 and {}", locker_store::MAX_CALLS_LIMIT)));
+            return Err(ApiError::bad_request(format!(
+                "`limit` must be between 1 and {}",
+                locker_store::MAX_CALLS_LIMIT
+            )));
         }
     }
     // Records are written in batches; make the caller's own recent calls visible.
     app.recorder.flush().await;
-    let calls = app.store.list_calls(&caller.tenant, q.sandbox_id.as_deref(), q.volume_id.as_deref(), q.limit)?;
+    let calls = app.store.list_calls(
+        &caller.tenant,
+        q.sandbox_id.as_deref(),
+        q.volume_id.as_deref(),
+        q.limit,
+    )?;
     Ok(axum::Json(json!({ "calls": calls })))
 }
 
@@ -198,7 +436,11 @@ struct UsageQuery {
     since: Option<String>,
 }
 
-async fn usage(State(app): State<AppState>, caller: Caller, Query(q): Query<UsageQuery>) -> Result<impl IntoResponse, ApiError> {
+async fn usage(
+    State(app): State<AppState>,
+    caller: Caller,
+    Query(q): Query<UsageQuery>,
+) -> Result<impl IntoResponse, ApiError> {
     let since = match &q.since {
         None => None,
         Some(s) => Some(
@@ -209,11 +451,19 @@ async fn usage(State(app): State<AppState>, caller: Caller, Query(q): Query<Usag
     };
     app.recorder.flush().await;
     let u = app.store.usage(&caller.tenant, since)?;
-    Ok(axum::Json(json!({"tenant": caller.tenant, "cpu_ms": u.cpu_ms, "sandbox_seconds": u.sandbox_seconds, "runs": u.runs, "execs": u.execs})))
+    Ok(axum::Json(
+        json!({"tenant": caller.tenant, "cpu_ms": u.cpu_ms, "sandbox_seconds": u.sandbox_seconds, "runs": u.runs, "execs": u.execs}),
+    ))
 }
 
-async fn templates(State(app): State<AppState>, _caller: Caller) -> Result<impl IntoResponse, ApiError> {
-    let list = app.templates.list().map_err(|e| ApiError::internal(format!("reading templates: {e}")))?;
+async fn templates(
+    State(app): State<AppState>,
+    _caller: Caller,
+) -> Result<impl IntoResponse, ApiError> {
+    let list = app
+        .templates
+        .list()
+        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?;
     let items: Vec<Value> = list
         .iter()
         .map(|t| json!({"name": t.name, "digest": t.digest, "size_bytes": t.size_bytes, "created_at": t.created_at, "packages": t.packages}))
@@ -233,8 +483,13 @@ mod tests {
         let doc = include_str!("../../../docs/api.md");
         let mut out = Vec::new();
         for chunk in doc.split('`').skip(1).step_by(2) {
-            let Some((methods, path)) = chunk.split_once(' ') else { continue };
-            if !path.starts_with('/') || !methods.chars().all(|c| c.is_ascii_uppercase() || c == '/') || methods.is_empty() {
+            let Some((methods, path)) = chunk.split_once(' ') else {
+                continue;
+            };
+            if !path.starts_with('/')
+                || !methods.chars().all(|c| c.is_ascii_uppercase() || c == '/')
+                || methods.is_empty()
+            {
                 continue;
             }
             let path = path.split(['?', ' ']).next().unwrap_or(path);
@@ -250,12 +505,22 @@ mod tests {
     #[test]
     fn every_contract_route_is_served_or_planned() {
         let contract = contract_routes();
-        assert!(contract.len() > 25, "parsed too few routes from docs/api.md: {contract:?}");
+        assert!(
+            contract.len() > 25,
+            "parsed too few routes from docs/api.md: {contract:?}"
+        );
         for (m, p) in &contract {
             let served = ROUTES.iter().any(|r| r.method == m && r.path == p);
-            let planned = PLANNED.iter().any(|pl| p.starts_with(pl)) || (m == "post" && p == "/v1/templates");
-            assert!(served || planned, "docs/api.md has `{m} {p}` but the server neither serves nor plans it");
-            assert!(!(served && planned), "`{m} {p}` is served: take it off the planned list");
+            let planned =
+                PLANNED.iter().any(|pl| p.starts_with(pl)) || (m == "post" && p == "/v1/templates");
+            assert!(
+                served || planned,
+                "docs/api.md has `{m} {p}` but the server neither serves nor plans it"
+            );
+            assert!(
+                !(served && planned),
+                "`{m} {p}` is served: take it off the planned list"
+            );
         }
     }
 
@@ -265,7 +530,10 @@ mod tests {
         let paths = doc["paths"].as_object().unwrap();
         let ops: usize = paths.values().map(|v| v.as_object().unwrap().len()).sum();
         assert_eq!(ops, ROUTES.len());
-        assert_eq!(doc["paths"]["/v1/sandboxes/{id}/exec"]["post"]["security"][0]["bearer"], serde_json::json!([]));
+        assert_eq!(
+            doc["paths"]["/v1/sandboxes/{id}/exec"]["post"]["security"][0]["bearer"],
+            serde_json::json!([])
+        );
         assert!(doc["paths"]["/healthz"]["get"].get("security").is_none());
     }
 }

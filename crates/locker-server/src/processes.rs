@@ -37,14 +37,20 @@ pub fn routes() -> Router<AppState> {
 }
 
 fn check_proc_id(p: &str) -> Result<(), ApiError> {
-    if p.starts_with("proc_") && p.len() <= 64 && p[5..].bytes().all(|b| b.is_ascii_alphanumeric()) {
+    if p.starts_with("proc_") && p.len() <= 64 && p[5..].bytes().all(|b| b.is_ascii_alphanumeric())
+    {
         Ok(())
     } else {
         Err(ApiError::not_found(format!("process {p} does not exist")))
     }
 }
 
-async fn start(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(req): Json<ExecRequest>) -> Result<impl IntoResponse, ApiError> {
+async fn start(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(req): Json<ExecRequest>,
+) -> Result<impl IntoResponse, ApiError> {
     let arrived = Instant::now();
     let live = live_of(&app, &caller, &id).await?;
     let call_id = new_id("call_");
@@ -57,7 +63,8 @@ async fn start(State(app): State<AppState>, caller: Caller, Path(id): Path<Strin
         agent.process_stdin(&proc_id, &data[..], true).await?;
     }
     // Record the call when the process ends; polling is cheap and moves no output.
-    let (app2, live2, caller2, pid_s) = (app.clone(), live.clone(), caller.clone(), proc_id.clone());
+    let (app2, live2, caller2, pid_s) =
+        (app.clone(), live.clone(), caller.clone(), proc_id.clone());
     tokio::spawn(async move {
         loop {
             tokio::time::sleep(Duration::from_millis(250)).await;
@@ -67,7 +74,14 @@ async fn start(State(app): State<AppState>, caller: Caller, Path(id): Path<Strin
                     res.call_id = call_id.clone();
                     res.timings.total_ms = arrived.elapsed().as_secs_f64() * 1e3;
                     app2.metrics.add_cpu(&caller2.tenant, res.usage.cpu_ms);
-                    app2.recorder.record(call_record(&caller2, &live2, locker_store::CallKind::Process, &req, &spec, &res));
+                    app2.recorder.record(call_record(
+                        &caller2,
+                        &live2,
+                        locker_store::CallKind::Process,
+                        &req,
+                        &spec,
+                        &res,
+                    ));
                     return;
                 }
                 Ok(_) => {}
@@ -78,13 +92,21 @@ async fn start(State(app): State<AppState>, caller: Caller, Path(id): Path<Strin
     Ok(axum::Json(json!({"id": proc_id, "pid": pid})))
 }
 
-async fn list(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn list(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let live = live_of(&app, &caller, &id).await?;
     let procs = live.machine.agent.list_processes().await?;
     Ok(axum::Json(json!({ "processes": procs })))
 }
 
-async fn get_one(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>) -> Result<impl IntoResponse, ApiError> {
+async fn get_one(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path((id, proc_id)): Path<(String, String)>,
+) -> Result<impl IntoResponse, ApiError> {
     check_proc_id(&proc_id)?;
     let live = live_of(&app, &caller, &id).await?;
     Ok(axum::Json(live.machine.agent.get_process(&proc_id).await?))
@@ -97,7 +119,12 @@ struct OutputQuery {
     follow: bool,
 }
 
-async fn output(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>, Query(q): Query<OutputQuery>) -> Result<Response, ApiError> {
+async fn output(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path((id, proc_id)): Path<(String, String)>,
+    Query(q): Query<OutputQuery>,
+) -> Result<Response, ApiError> {
     check_proc_id(&proc_id)?;
     let live = live_of(&app, &caller, &id).await?;
     // Fail before streaming if the process is unknown.
@@ -106,7 +133,15 @@ async fn output(State(app): State<AppState>, caller: Caller, Path((id, proc_id))
     tokio::spawn(async move {
         let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
         let agent = live.machine.agent.clone();
-        let Some(end) = pump(agent.process_output(&proc_id, q.follow, out_tx), &mut out_rx, &body_tx).await else { return };
+        let Some(end) = pump(
+            agent.process_output(&proc_id, q.follow, out_tx),
+            &mut out_rx,
+            &body_tx,
+        )
+        .await
+        else {
+            return;
+        };
         let last = match end {
             Ok(info) => match info.result {
                 Some(res) => typed("result", &res),
@@ -127,11 +162,21 @@ struct StdinQuery {
     close: bool,
 }
 
-async fn stdin(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>, Query(q): Query<StdinQuery>, body: Body) -> Result<impl IntoResponse, ApiError> {
+async fn stdin(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path((id, proc_id)): Path<(String, String)>,
+    Query(q): Query<StdinQuery>,
+    body: Body,
+) -> Result<impl IntoResponse, ApiError> {
     check_proc_id(&proc_id)?;
     let live = live_of(&app, &caller, &id).await?;
-    let reader = tokio_util::io::StreamReader::new(body.into_data_stream().map_err(std::io::Error::other));
-    live.machine.agent.process_stdin(&proc_id, reader, q.close).await?;
+    let reader =
+        tokio_util::io::StreamReader::new(body.into_data_stream().map_err(std::io::Error::other));
+    live.machine
+        .agent
+        .process_stdin(&proc_id, reader, q.close)
+        .await?;
     Ok(axum::Json(json!({"ok": true})))
 }
 
@@ -158,18 +203,35 @@ pub fn parse_signal(v: &serde_json::Value) -> Result<i32, ApiError> {
         ("ALRM", libc::SIGALRM),
         ("PIPE", libc::SIGPIPE),
     ];
-    let bad = || ApiError::bad_request(format!("`signal` must be a name like \"SIGTERM\" or a number 1-64, got {v}"));
+    let bad = || {
+        ApiError::bad_request(format!(
+            "`signal` must be a name like \"SIGTERM\" or a number 1-64, got {v}"
+        ))
+    };
     match v {
-        serde_json::Value::Number(n) => n.as_i64().filter(|n| (1..=64).contains(n)).map(|n| n as i32).ok_or_else(bad),
+        serde_json::Value::Number(n) => n
+            .as_i64()
+            .filter(|n| (1..=64).contains(n))
+            .map(|n| n as i32)
+            .ok_or_else(bad),
         serde_json::Value::String(s) => {
             let name = s.strip_prefix("SIG").unwrap_or(s);
-            NAMES.iter().find(|(n, _)| *n == name).map(|(_, v)| *v).ok_or_else(bad)
+            NAMES
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, v)| *v)
+                .ok_or_else(bad)
         }
         _ => Err(bad()),
     }
 }
 
-async fn signal(State(app): State<AppState>, caller: Caller, Path((id, proc_id)): Path<(String, String)>, Json(b): Json<SignalBody>) -> Result<impl IntoResponse, ApiError> {
+async fn signal(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path((id, proc_id)): Path<(String, String)>,
+    Json(b): Json<SignalBody>,
+) -> Result<impl IntoResponse, ApiError> {
     check_proc_id(&proc_id)?;
     let sig = parse_signal(&b.signal)?;
     let live = live_of(&app, &caller, &id).await?;
@@ -186,10 +248,21 @@ struct PtyQuery {
     cmd: Option<String>,
 }
 
-async fn pty(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Query(q): Query<PtyQuery>, ws: WebSocketUpgrade) -> Result<Response, ApiError> {
+async fn pty(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Query(q): Query<PtyQuery>,
+    ws: WebSocketUpgrade,
+) -> Result<Response, ApiError> {
     let live = live_of(&app, &caller, &id).await?;
-    let size = PtySize { cols: q.cols.unwrap_or(80).clamp(1, 1000), rows: q.rows.unwrap_or(24).clamp(1, 1000) };
-    let shell = q.cmd.unwrap_or_else(|| "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi".into());
+    let size = PtySize {
+        cols: q.cols.unwrap_or(80).clamp(1, 1000),
+        rows: q.rows.unwrap_or(24).clamp(1, 1000),
+    };
+    let shell = q.cmd.unwrap_or_else(|| {
+        "if command -v bash >/dev/null; then exec bash -l; else exec sh -l; fi".into()
+    });
     if shell.contains('\0') {
         return Err(ApiError::bad_request("`cmd` must not contain NUL"));
     }
@@ -204,14 +277,18 @@ async fn pty(State(app): State<AppState>, caller: Caller, Path(id): Path<String>
         ..Default::default()
     };
     Ok(ws.on_upgrade(move |socket| async move {
-            if let Err(e) = bridge(socket, &live.machine.agent, spec).await {
+        if let Err(e) = bridge(socket, &live.machine.agent, spec).await {
             tracing::debug!(sandbox = %live.id, error = %e, "pty ended");
         }
     }))
 }
 
 /// Copies terminal bytes between the WebSocket and the agent until either side ends.
-async fn bridge(mut ws: WebSocket, agent: &locker_runtime::agent::AgentClient, spec: locker_proto::ExecSpec) -> Result<(), String> {
+async fn bridge(
+    mut ws: WebSocket,
+    agent: &locker_runtime::agent::AgentClient,
+    spec: locker_proto::ExecSpec,
+) -> Result<(), String> {
     let mut stream = agent.open(Request::Exec(spec)).map_err(|e| e.to_string())?;
     let sender = stream.sender();
     loop {
@@ -265,7 +342,10 @@ mod tests {
     #[test]
     fn signals_parse() {
         use serde_json::json;
-        assert_eq!(super::parse_signal(&json!("SIGTERM")).unwrap(), libc::SIGTERM);
+        assert_eq!(
+            super::parse_signal(&json!("SIGTERM")).unwrap(),
+            libc::SIGTERM
+        );
         assert_eq!(super::parse_signal(&json!("KILL")).unwrap(), libc::SIGKILL);
         assert_eq!(super::parse_signal(&json!(2)).unwrap(), 2);
         assert!(super::parse_signal(&json!("SIGNOPE")).is_err());

@@ -31,7 +31,10 @@ const PIDS: u64 = 1024;
 pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/sandboxes", post(create).get(list))
-        .route("/v1/sandboxes/{id}", get(get_one).patch(patch).delete(delete))
+        .route(
+            "/v1/sandboxes/{id}",
+            get(get_one).patch(patch).delete(delete),
+        )
         .route("/v1/sandboxes/{id}/ttl", post(set_ttl))
         .route("/v1/sandboxes/{id}/pause", post(pause))
         .route("/v1/sandboxes/{id}/resume", post(resume))
@@ -60,11 +63,17 @@ pub struct CreateSandbox {
 /// Validates the network policy; only `none` exists in this version, and anything else
 /// fails closed with 503 rather than running with an unenforced policy.
 pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
-    let Some(v) = v else { return Ok(json!({"egress": "none"})) };
-    let obj = v.as_object().ok_or_else(|| ApiError::bad_request("`network` must be an object like {\"egress\": \"none\"}"))?;
+    let Some(v) = v else {
+        return Ok(json!({"egress": "none"}));
+    };
+    let obj = v.as_object().ok_or_else(|| {
+        ApiError::bad_request("`network` must be an object like {\"egress\": \"none\"}")
+    })?;
     for k in obj.keys() {
         if k != "egress" && k != "allow" {
-            return Err(ApiError::bad_request(format!("unknown field `{k}` in `network`: expected `egress` and `allow`")));
+            return Err(ApiError::bad_request(format!(
+                "unknown field `{k}` in `network`: expected `egress` and `allow`"
+            )));
         }
     }
     match obj.get("egress").and_then(Value::as_str) {
@@ -81,7 +90,9 @@ pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
 fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
     for (k, v) in env {
         if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
-            return Err(ApiError::bad_request(format!("env key {k:?}: keys must be non-empty without '=' or NUL, values without NUL")));
+            return Err(ApiError::bad_request(format!(
+                "env key {k:?}: keys must be non-empty without '=' or NUL, values without NUL"
+            )));
         }
     }
     Ok(())
@@ -93,7 +104,9 @@ fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
     }
     for (k, v) in m {
         if k.is_empty() || k.len() > 128 || v.len() > 1024 {
-            return Err(ApiError::bad_request(format!("metadata {k:?}: keys 1-128 bytes, values up to 1024 bytes")));
+            return Err(ApiError::bad_request(format!(
+                "metadata {k:?}: keys 1-128 bytes, values up to 1024 bytes"
+            )));
         }
     }
     Ok(())
@@ -145,34 +158,62 @@ pub fn view(r: &SandboxRecord, live: Option<&Live>) -> Value {
     })
 }
 
-async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<CreateSandbox>) -> Result<impl IntoResponse, ApiError> {
+async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    Json(body): Json<CreateSandbox>,
+) -> Result<impl IntoResponse, ApiError> {
     let started = Instant::now();
     let runtime = resolve_runtime(body.runtime.as_deref())?;
     if body.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
-        return Err(ApiError::unavailable("volumes are not available in this version yet"));
+        return Err(ApiError::unavailable(
+            "volumes are not available in this version yet",
+        ));
     }
     let snapshot = match &body.from_snapshot {
         None => None,
-        Some(s) => Some(app.store.get_snapshot(&caller.tenant, s)?.ok_or_else(|| ApiError::not_found(format!("snapshot {s} does not exist")))?),
+        Some(s) => Some(
+            app.store
+                .get_snapshot(&caller.tenant, s)?
+                .ok_or_else(|| ApiError::not_found(format!("snapshot {s} does not exist")))?,
+        ),
     };
-    let cpus = body.cpus.or(snapshot.as_ref().map(|s| s.cpus)).unwrap_or(1.0);
+    let cpus = body
+        .cpus
+        .or(snapshot.as_ref().map(|s| s.cpus))
+        .unwrap_or(1.0);
     if !(cpus > 0.0 && cpus <= MAX_CPUS) {
-        return Err(ApiError::bad_request(format!("`cpus` must be more than 0 and at most {MAX_CPUS}")));
+        return Err(ApiError::bad_request(format!(
+            "`cpus` must be more than 0 and at most {MAX_CPUS}"
+        )));
     }
-    let memory_mb = body.memory_mb.or(snapshot.as_ref().map(|s| s.memory_mb)).unwrap_or(512);
+    let memory_mb = body
+        .memory_mb
+        .or(snapshot.as_ref().map(|s| s.memory_mb))
+        .unwrap_or(512);
     if !(MEMORY_MB.0..=MEMORY_MB.1).contains(&memory_mb) {
-        return Err(ApiError::bad_request(format!("`memory_mb` must be between {} and {}", MEMORY_MB.0, MEMORY_MB.1)));
+        return Err(ApiError::bad_request(format!(
+            "`memory_mb` must be between {} and {}",
+            MEMORY_MB.0, MEMORY_MB.1
+        )));
     }
     let disk_mb = body.disk_mb.unwrap_or(2048);
     if !(DISK_MB.0..=DISK_MB.1).contains(&disk_mb) {
-        return Err(ApiError::bad_request(format!("`disk_mb` must be between {} and {}", DISK_MB.0, DISK_MB.1)));
+        return Err(ApiError::bad_request(format!(
+            "`disk_mb` must be between {} and {}",
+            DISK_MB.0, DISK_MB.1
+        )));
     }
     let ttl_s = body.ttl_s.unwrap_or(1800);
     if ttl_s == 0 || ttl_s > MAX_TTL_S {
-        return Err(ApiError::bad_request(format!("`ttl_s` must be between 1 and {MAX_TTL_S}")));
+        return Err(ApiError::bad_request(format!(
+            "`ttl_s` must be between 1 and {MAX_TTL_S}"
+        )));
     }
     if body.idle_timeout_s == Some(0) {
-        return Err(ApiError::bad_request("`idle_timeout_s` must be at least 1 (or null for none)"));
+        return Err(ApiError::bad_request(
+            "`idle_timeout_s` must be at least 1 (or null for none)",
+        ));
     }
     check_env(&body.env)?;
     check_metadata(&body.metadata)?;
@@ -180,17 +221,33 @@ async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<Cr
     let (template_name, template, disk_from, disk_mb) = match &snapshot {
         Some(snap) => {
             if body.disk_mb.is_some_and(|d| d != snap.disk_mb) {
-                return Err(ApiError::bad_request(format!("a sandbox from snapshot {} has its disk size ({} MB): leave `disk_mb` out", snap.id, snap.disk_mb)));
+                return Err(ApiError::bad_request(format!(
+                    "a sandbox from snapshot {} has its disk size ({} MB): leave `disk_mb` out",
+                    snap.id, snap.disk_mb
+                )));
             }
             if body.template.as_ref().is_some_and(|t| *t != snap.template) {
-                return Err(ApiError::bad_request(format!("snapshot {} was taken from template {:?}: leave `template` out", snap.id, snap.template)));
+                return Err(ApiError::bad_request(format!(
+                    "snapshot {} was taken from template {:?}: leave `template` out",
+                    snap.id, snap.template
+                )));
             }
             let t = app
                 .templates
                 .resolve(&snap.template_digest)
                 .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-                .ok_or_else(|| ApiError::conflict(format!("the template of snapshot {} ({}) is no longer on this host", snap.id, snap.template_digest)))?;
-            (snap.template.clone(), t, Some(std::path::PathBuf::from(&snap.path).join("disk.img")), snap.disk_mb)
+                .ok_or_else(|| {
+                    ApiError::conflict(format!(
+                        "the template of snapshot {} ({}) is no longer on this host",
+                        snap.id, snap.template_digest
+                    ))
+                })?;
+            (
+                snap.template.clone(),
+                t,
+                Some(std::path::PathBuf::from(&snap.path).join("disk.img")),
+                snap.disk_mb,
+            )
         }
         None => {
             let name = body.template.clone().unwrap_or_else(|| "default".into());
@@ -216,7 +273,9 @@ async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<Cr
         metadata: body.metadata,
     };
     let (rec, live) = launch(&app, &caller, &new, disk_from).await?;
-    app.metrics.sandbox_create_seconds.observe(started.elapsed().as_secs_f64());
+    app.metrics
+        .sandbox_create_seconds
+        .observe(started.elapsed().as_secs_f64());
     Ok((StatusCode::CREATED, axum::Json(view(&rec, Some(&live)))))
 }
 
@@ -238,7 +297,12 @@ pub struct NewSandbox {
 
 /// Checks the tenant's quotas, records the sandbox and starts its machine (from a copy of
 /// `disk_from` if given). On failure the record says `failed` and nothing else remains.
-pub async fn launch(app: &AppState, caller: &Caller, new: &NewSandbox, disk_from: Option<std::path::PathBuf>) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+pub async fn launch(
+    app: &AppState,
+    caller: &Caller,
+    new: &NewSandbox,
+    disk_from: Option<std::path::PathBuf>,
+) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
     let id = new_id("sb_");
     let now = now_s();
     let mut record = SandboxRecord {
@@ -269,7 +333,10 @@ pub async fn launch(app: &AppState, caller: &Caller, new: &NewSandbox, disk_from
         let q = &app.cfg.quotas;
         let running = app.store.count_running(&caller.tenant)?;
         if running >= q.sandboxes {
-            return Err(ApiError::quota(format!("quota exceeded: tenant {} may have {} sandboxes at once; delete some first", caller.tenant, q.sandboxes)));
+            return Err(ApiError::quota(format!(
+                "quota exceeded: tenant {} may have {} sandboxes at once; delete some first",
+                caller.tenant, q.sandboxes
+            )));
         }
         let mem = app.store.sum_memory_mb(&caller.tenant)?;
         if mem + new.memory_mb > q.memory_mb {
@@ -293,10 +360,20 @@ pub async fn launch(app: &AppState, caller: &Caller, new: &NewSandbox, disk_from
         Ok(m) => m,
         Err(e) => {
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
-            return Err(ApiError::internal(format!("starting the sandbox failed: {e}")));
+            return Err(ApiError::internal(format!(
+                "starting the sandbox failed: {e}"
+            )));
         }
     };
-    let live = Arc::new(Live::new(id.clone(), caller.tenant.clone(), machine, new.env.clone(), new.template.digest.clone(), new.idle_timeout_s, false));
+    let live = Arc::new(Live::new(
+        id.clone(),
+        caller.tenant.clone(),
+        machine,
+        new.env.clone(),
+        new.template.digest.clone(),
+        new.idle_timeout_s,
+        false,
+    ));
     app.store.set_sandbox_state(&id, SandboxState::Running)?;
     app.live.write().await.insert(id.clone(), live.clone());
     record.state = SandboxState::Running;
@@ -305,10 +382,19 @@ pub async fn launch(app: &AppState, caller: &Caller, new: &NewSandbox, disk_from
 
 /// The caller's live sandbox `id` without counting a call or thawing it (pause, snapshot).
 pub async fn live_quiet(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
-    let live = app.live.read().await.get(id).cloned().filter(|l| l.tenant == caller.tenant);
+    let live = app
+        .live
+        .read()
+        .await
+        .get(id)
+        .cloned()
+        .filter(|l| l.tenant == caller.tenant);
     match live {
         Some(l) => Ok(l),
-        None => Err(live_of(app, caller, id).await.err().unwrap_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist")))),
+        None => Err(live_of(app, caller, id)
+            .await
+            .err()
+            .unwrap_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist")))),
     }
 }
 
@@ -335,8 +421,12 @@ pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, 
         _ => {
             // Exists but not live here: say why rather than pretending it is missing.
             match app.store.get_sandbox(&caller.tenant, id)? {
-                Some(r) if r.state == SandboxState::Failed => Err(ApiError::conflict(format!("sandbox {id} failed to start; delete it and create another"))),
-                Some(r) if r.state == SandboxState::Starting => Err(ApiError::conflict(format!("sandbox {id} is still starting"))),
+                Some(r) if r.state == SandboxState::Failed => Err(ApiError::conflict(format!(
+                    "sandbox {id} failed to start; delete it and create another"
+                ))),
+                Some(r) if r.state == SandboxState::Starting => Err(ApiError::conflict(format!(
+                    "sandbox {id} is still starting"
+                ))),
                 _ => Err(ApiError::not_found(format!("sandbox {id} does not exist"))),
             }
         }
@@ -358,7 +448,11 @@ fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
     Ok(())
 }
 
-async fn list(State(app): State<AppState>, caller: Caller, RawQuery(q): RawQuery) -> Result<impl IntoResponse, ApiError> {
+async fn list(
+    State(app): State<AppState>,
+    caller: Caller,
+    RawQuery(q): RawQuery,
+) -> Result<impl IntoResponse, ApiError> {
     let mut state = None;
     let mut meta = Vec::new();
     for (k, v) in form_pairs(q.as_deref().unwrap_or("")) {
@@ -367,16 +461,25 @@ async fn list(State(app): State<AppState>, caller: Caller, RawQuery(q): RawQuery
         } else if let Some(mk) = k.strip_prefix("metadata.") {
             meta.push((mk.to_owned(), v));
         } else {
-            return Err(ApiError::bad_request(format!("unknown query parameter {k:?}: use state= and metadata.KEY=VALUE")));
+            return Err(ApiError::bad_request(format!(
+                "unknown query parameter {k:?}: use state= and metadata.KEY=VALUE"
+            )));
         }
     }
     let state: Option<SandboxState> = match &state {
         None => None,
-        Some(s) => Some(s.parse().map_err(|_| ApiError::bad_request(format!("`state` must be starting, running, paused, stopped or failed, got {s:?}")))?),
+        Some(s) => Some(s.parse().map_err(|_| {
+            ApiError::bad_request(format!(
+                "`state` must be starting, running, paused, stopped or failed, got {s:?}"
+            ))
+        })?),
     };
     let recs = app.store.list_sandboxes(&caller.tenant, state, &meta)?;
     let live = app.live.read().await;
-    let items: Vec<Value> = recs.iter().map(|r| view(r, live.get(&r.id).map(|l| l.as_ref()))).collect();
+    let items: Vec<Value> = recs
+        .iter()
+        .map(|r| view(r, live.get(&r.id).map(|l| l.as_ref())))
+        .collect();
     Ok(axum::Json(json!({ "sandboxes": items })))
 }
 
@@ -399,7 +502,9 @@ fn pct_decode(s: &str) -> String {
         match b[i] {
             b'+' => out.push(b' '),
             b'%' if i + 2 < b.len() => {
-                let h = std::str::from_utf8(&b[i + 1..i + 3]).ok().and_then(|h| u8::from_str_radix(h, 16).ok());
+                let h = std::str::from_utf8(&b[i + 1..i + 3])
+                    .ok()
+                    .and_then(|h| u8::from_str_radix(h, 16).ok());
                 match h {
                     Some(v) => {
                         out.push(v);
@@ -415,7 +520,11 @@ fn pct_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-async fn get_one(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn get_one(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let r = record_of(&app, &caller, &id)?;
     let live = app.live.read().await.get(&id).cloned();
     Ok(axum::Json(view(&r, live.as_deref())))
@@ -428,7 +537,12 @@ struct PatchSandbox {
     metadata: Option<BTreeMap<String, String>>,
 }
 
-async fn patch(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<PatchSandbox>) -> Result<impl IntoResponse, ApiError> {
+async fn patch(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(body): Json<PatchSandbox>,
+) -> Result<impl IntoResponse, ApiError> {
     let mut r = record_of(&app, &caller, &id)?;
     if let Some(n) = &body.network {
         r.network = check_network(&Some(n.clone()))?;
@@ -448,9 +562,16 @@ struct Ttl {
     ttl_s: u64,
 }
 
-async fn set_ttl(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<Ttl>) -> Result<impl IntoResponse, ApiError> {
+async fn set_ttl(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(body): Json<Ttl>,
+) -> Result<impl IntoResponse, ApiError> {
     if body.ttl_s == 0 || body.ttl_s > MAX_TTL_S {
-        return Err(ApiError::bad_request(format!("`ttl_s` must be between 1 and {MAX_TTL_S}")));
+        return Err(ApiError::bad_request(format!(
+            "`ttl_s` must be between 1 and {MAX_TTL_S}"
+        )));
     }
     let mut r = record_of(&app, &caller, &id)?;
     r.ttl_s = body.ttl_s;
@@ -460,12 +581,18 @@ async fn set_ttl(State(app): State<AppState>, caller: Caller, Path(id): Path<Str
     Ok(axum::Json(view(&r, live.as_deref())))
 }
 
-async fn pause(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn pause(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let live = live_quiet(&app, &caller, &id).await?;
     {
         let mut st = live.pause.lock().expect("pause lock");
         if st.since.is_none() {
-            live.machine.pause().map_err(|e| ApiError::internal(format!("pausing: {e}")))?;
+            live.machine
+                .pause()
+                .map_err(|e| ApiError::internal(format!("pausing: {e}")))?;
             st.since = Some(now_s());
         }
         // An explicit pause is the caller's: its time counts against the TTL.
@@ -476,13 +603,21 @@ async fn pause(State(app): State<AppState>, caller: Caller, Path(id): Path<Strin
     Ok(axum::Json(view(&r, Some(&live))))
 }
 
-async fn resume(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn resume(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let live = live_of(&app, &caller, &id).await?;
     let r = record_of(&app, &caller, &id)?;
     Ok(axum::Json(view(&r, Some(&live))))
 }
 
-async fn delete(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn delete(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let r = record_of(&app, &caller, &id)?;
     destroy(&app, &r).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -498,10 +633,19 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> 
         rec.peak_memory_bytes = u.peak_memory_bytes;
         // Thaw first: a frozen machine cannot die.
         let _ = l.machine.resume();
-        app.node.destroy(&l.machine).await.map_err(|e| ApiError::internal(format!("destroying sandbox {}: {e}", r.id)))?;
+        app.node
+            .destroy(&l.machine)
+            .await
+            .map_err(|e| ApiError::internal(format!("destroying sandbox {}: {e}", r.id)))?;
     } else {
-        let (id, dir, layout) = (r.id.clone(), std::path::PathBuf::from(&r.machine_dir), app.node.layout().clone());
-        let _ = tokio::task::spawn_blocking(move || locker_runtime::jail::destroy(&id, &dir, &layout)).await;
+        let (id, dir, layout) = (
+            r.id.clone(),
+            std::path::PathBuf::from(&r.machine_dir),
+            app.node.layout().clone(),
+        );
+        let _ =
+            tokio::task::spawn_blocking(move || locker_runtime::jail::destroy(&id, &dir, &layout))
+                .await;
     }
     app.store.update_sandbox(&rec)?;
     app.store.delete_sandbox(&rec.id)?;
@@ -523,7 +667,15 @@ pub async fn adopt_all(app: &AppState) {
         let dir = std::path::PathBuf::from(&r.machine_dir);
         match app.node.adopt(&r.id, &dir).await {
             Some(machine) => {
-                let live = Arc::new(Live::new(r.id.clone(), r.tenant.clone(), machine, r.env.clone(), r.template_digest.clone(), r.idle_timeout_s, r.state == SandboxState::Paused));
+                let live = Arc::new(Live::new(
+                    r.id.clone(),
+                    r.tenant.clone(),
+                    machine,
+                    r.env.clone(),
+                    r.template_digest.clone(),
+                    r.idle_timeout_s,
+                    r.state == SandboxState::Paused,
+                ));
                 if r.state == SandboxState::Starting {
                     let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
                 }
@@ -539,7 +691,10 @@ pub async fn adopt_all(app: &AppState) {
     }
     // Fork points a crash interrupted are never needed again.
     if let Ok(rd) = std::fs::read_dir(app.cfg.data_dir.join("snapshots")) {
-        for e in rd.flatten().filter(|e| e.file_name().to_string_lossy().starts_with(".fork-")) {
+        for e in rd
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().starts_with(".fork-"))
+        {
             let _ = std::fs::remove_dir_all(e.path());
         }
     }
@@ -559,7 +714,9 @@ async fn idle_pass(app: &AppState) {
     let now = now_s();
     let live: Vec<Arc<Live>> = app.live.read().await.values().cloned().collect();
     for l in live {
-        let Some(idle) = l.idle_timeout_s else { continue };
+        let Some(idle) = l.idle_timeout_s else {
+            continue;
+        };
         let paused = {
             let mut st = l.pause.lock().expect("pause lock");
             if st.since.is_some() {
@@ -570,8 +727,12 @@ async fn idle_pass(app: &AppState) {
                 st.cpu_active_at = now;
             }
             st.cpu_ms = cpu;
-            let quiet_since = l.last_active.load(std::sync::atomic::Ordering::Relaxed).max(st.cpu_active_at);
-            let idle_now = l.inflight.load(std::sync::atomic::Ordering::SeqCst) == 0 && now - quiet_since >= idle as i64;
+            let quiet_since = l
+                .last_active
+                .load(std::sync::atomic::Ordering::Relaxed)
+                .max(st.cpu_active_at);
+            let idle_now = l.inflight.load(std::sync::atomic::Ordering::SeqCst) == 0
+                && now - quiet_since >= idle as i64;
             if idle_now && l.machine.pause().is_ok() {
                 st.since = Some(now);
                 st.by_idle = true;

@@ -53,17 +53,28 @@ pub fn snapshot_view(s: &SnapshotRecord) -> Value {
 
 /// Takes a snapshot of `live` into `dir` (created; removed again on failure).
 async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<u64, ApiError> {
-    std::fs::create_dir_all(&dir).map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
-    match app.node.snapshot_disk(&live.machine, &dir.join("disk.img")).await {
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    match app
+        .node
+        .snapshot_disk(&live.machine, &dir.join("disk.img"))
+        .await
+    {
         Ok((_, size)) => Ok(size),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
-            Err(ApiError::internal(format!("taking the snapshot failed: {e}")))
+            Err(ApiError::internal(format!(
+                "taking the snapshot failed: {e}"
+            )))
         }
     }
 }
 
-async fn create(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let live = live_quiet(&app, &caller, &id).await?;
     let rec = record_of(&app, &caller, &id)?;
     let snap_id = new_id("snap_");
@@ -93,11 +104,20 @@ async fn create(State(app): State<AppState>, caller: Caller, Path(id): Path<Stri
 
 async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {
     let snaps = app.store.list_snapshots(&caller.tenant)?;
-    Ok(axum::Json(json!({"snapshots": snaps.iter().map(snapshot_view).collect::<Vec<_>>()})))
+    Ok(axum::Json(
+        json!({"snapshots": snaps.iter().map(snapshot_view).collect::<Vec<_>>()}),
+    ))
 }
 
-async fn remove(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
-    let snap = app.store.get_snapshot(&caller.tenant, &id)?.ok_or_else(|| ApiError::not_found(format!("snapshot {id} does not exist")))?;
+async fn remove(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let snap = app
+        .store
+        .get_snapshot(&caller.tenant, &id)?
+        .ok_or_else(|| ApiError::not_found(format!("snapshot {id} does not exist")))?;
     // Sandboxes started from it hold their own copies: removing it never affects them.
     app.store.delete_snapshot(&caller.tenant, &id)?;
     let _ = std::fs::remove_dir_all(&snap.path);
@@ -115,9 +135,16 @@ fn one() -> u64 {
     1
 }
 
-async fn fork(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<ForkBody>) -> Result<impl IntoResponse, ApiError> {
+async fn fork(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(body): Json<ForkBody>,
+) -> Result<impl IntoResponse, ApiError> {
     if !(1..=MAX_FORK).contains(&body.count) {
-        return Err(ApiError::bad_request(format!("`count` must be between 1 and {MAX_FORK}")));
+        return Err(ApiError::bad_request(format!(
+            "`count` must be between 1 and {MAX_FORK}"
+        )));
     }
     let live = live_quiet(&app, &caller, &id).await?;
     let rec = record_of(&app, &caller, &id)?;
@@ -133,9 +160,17 @@ async fn fork(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         .templates
         .resolve(&rec.template_digest)
         .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-        .ok_or_else(|| ApiError::conflict(format!("the template of sandbox {id} is no longer on this host")))?;
+        .ok_or_else(|| {
+            ApiError::conflict(format!(
+                "the template of sandbox {id} is no longer on this host"
+            ))
+        })?;
     // One consistent point for every child; the point itself is not kept.
-    let point = app.cfg.data_dir.join("snapshots").join(format!(".fork-{}", new_id("")));
+    let point = app
+        .cfg
+        .data_dir
+        .join("snapshots")
+        .join(format!(".fork-{}", new_id("")));
     take(&app, &live, point.clone()).await?;
     let new = NewSandbox {
         template_name: rec.template.clone(),
@@ -151,10 +186,14 @@ async fn fork(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         metadata: rec.metadata.clone(),
     };
     let img = point.join("disk.img");
-    let children = futures_util::future::join_all((0..body.count).map(|_| launch(&app, &caller, &new, Some(img.clone())))).await;
+    let children = futures_util::future::join_all(
+        (0..body.count).map(|_| launch(&app, &caller, &new, Some(img.clone()))),
+    )
+    .await;
     let _ = std::fs::remove_dir_all(&point);
     let (ok, failed): (Vec<_>, Vec<_>) = children.into_iter().partition(Result::is_ok);
-    let ok: Vec<(locker_store::SandboxRecord, Arc<Live>)> = ok.into_iter().map(|r| r.expect("partitioned")).collect();
+    let ok: Vec<(locker_store::SandboxRecord, Arc<Live>)> =
+        ok.into_iter().map(|r| r.expect("partitioned")).collect();
     if let Some(Err(e)) = failed.into_iter().next() {
         // All or nothing: a fork that could not make every child leaves none.
         for (r, _) in &ok {
@@ -163,5 +202,8 @@ async fn fork(State(app): State<AppState>, caller: Caller, Path(id): Path<String
         return Err(e);
     }
     let items: Vec<Value> = ok.iter().map(|(r, l)| view(r, Some(l))).collect();
-    Ok((StatusCode::CREATED, axum::Json(json!({ "sandboxes": items }))))
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(json!({ "sandboxes": items })),
+    ))
 }

@@ -60,7 +60,11 @@ pub struct Volume {
 
 impl Volume {
     fn paths(&self) -> HostAgentPaths {
-        HostAgentPaths { root: self.dir.join("live"), socket: self.dir.join("agent.sock"), private: self.dir.join("private") }
+        HostAgentPaths {
+            root: self.dir.join("live"),
+            socket: self.dir.join("agent.sock"),
+            private: self.dir.join("private"),
+        }
     }
 
     /// The connection to the volume's agent, starting it on first use (or again if it died).
@@ -72,9 +76,12 @@ impl Volume {
         if let Some(dead) = slot.take() {
             dead.stop().await;
         }
-        let a = HostAgent::start(exe, &self.paths())
-            .await
-            .map_err(|e| ApiError::internal(format!("the files service of volume {} could not start: {e}", self.id)))?;
+        let a = HostAgent::start(exe, &self.paths()).await.map_err(|e| {
+            ApiError::internal(format!(
+                "the files service of volume {} could not start: {e}",
+                self.id
+            ))
+        })?;
         let client = a.client.clone();
         *slot = Some(a);
         Ok(client)
@@ -98,10 +105,18 @@ pub struct Volumes {
 impl Volumes {
     /// Opens every volume of the store: stops agents a previous server left, measures
     /// each tree. Volumes whose tree is missing are served empty after a warning.
-    pub async fn open(data_dir: &std::path::Path, agent_exe: PathBuf, records: Vec<VolumeRecord>) -> std::io::Result<Volumes> {
+    pub async fn open(
+        data_dir: &std::path::Path,
+        agent_exe: PathBuf,
+        records: Vec<VolumeRecord>,
+    ) -> std::io::Result<Volumes> {
         let root = data_dir.join("volumes");
         std::fs::create_dir_all(&root)?;
-        let v = Volumes { root, agent_exe, open: RwLock::new(HashMap::new()) };
+        let v = Volumes {
+            root,
+            agent_exe,
+            open: RwLock::new(HashMap::new()),
+        };
         for r in records {
             let dir = v.root.join(&r.id);
             let live = dir.join("live");
@@ -111,9 +126,15 @@ impl Volumes {
             }
             let vol = v.make(&r, 0);
             locker_runtime::host_agent::stop_stale(&vol.paths());
-            let used = tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&live)).await.map_err(std::io::Error::other)??;
+            let used =
+                tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&live))
+                    .await
+                    .map_err(std::io::Error::other)??;
             vol.space.recount_to(used);
-            v.open.write().expect("volumes lock").insert(r.id.clone(), vol);
+            v.open
+                .write()
+                .expect("volumes lock")
+                .insert(r.id.clone(), vol);
         }
         Ok(v)
     }
@@ -122,7 +143,12 @@ impl Volumes {
         let dir = self.root.join(&r.id);
         Arc::new(Volume {
             id: r.id.clone(),
-            space: Space::new(dir.join("live"), format!("volume {}", r.name), r.size_mb << 20, used),
+            space: Space::new(
+                dir.join("live"),
+                format!("volume {}", r.name),
+                r.size_mb << 20,
+                used,
+            ),
             dir,
             agent: Default::default(),
         })
@@ -134,7 +160,13 @@ impl Volumes {
 
     /// Stops every volume's agent (at shutdown).
     pub async fn stop_agents(&self) {
-        let all: Vec<Arc<Volume>> = self.open.read().expect("volumes lock").values().cloned().collect();
+        let all: Vec<Arc<Volume>> = self
+            .open
+            .read()
+            .expect("volumes lock")
+            .values()
+            .cloned()
+            .collect();
         for v in all {
             v.stop_agent().await;
         }
@@ -153,9 +185,16 @@ fn view(r: &VolumeRecord, v: &Volume) -> Value {
 }
 
 /// The caller's volume by id or name, with its state; 404 for another tenant's.
-fn lookup(app: &AppState, caller: &Caller, id_or_name: &str) -> Result<(VolumeRecord, Arc<Volume>), ApiError> {
+fn lookup(
+    app: &AppState,
+    caller: &Caller,
+    id_or_name: &str,
+) -> Result<(VolumeRecord, Arc<Volume>), ApiError> {
     let missing = || ApiError::not_found(format!("volume {id_or_name} does not exist"));
-    let r = app.store.get_volume(&caller.tenant, id_or_name)?.ok_or_else(missing)?;
+    let r = app
+        .store
+        .get_volume(&caller.tenant, id_or_name)?
+        .ok_or_else(missing)?;
     let v = app.volumes.get(&r.id).ok_or_else(missing)?;
     Ok((r, v))
 }
@@ -190,17 +229,24 @@ struct CreateVolume {
 /// Checks a new volume's name: the store's rule, and not shaped like an id (a name can
 /// stand in for an id in every route, so `vol_…` stays unambiguous).
 fn check_name(name: Option<&str>) -> Result<String, ApiError> {
-    let name = name.ok_or_else(|| ApiError::bad_request("`name` is required (a volume name like \"repo\")"))?;
+    let name = name
+        .ok_or_else(|| ApiError::bad_request("`name` is required (a volume name like \"repo\")"))?;
     locker_store::validate_volume_name(name)?;
     if name.starts_with("vol_") {
-        return Err(ApiError::bad_request(format!("`name` must not start with `vol_` (ids do), got {name:?}")));
+        return Err(ApiError::bad_request(format!(
+            "`name` must not start with `vol_` (ids do), got {name:?}"
+        )));
     }
     Ok(name.to_owned())
 }
 
 /// Makes the directories of a new volume, stores its record and serves it. `fill` makes
 /// `live/` (empty, or a copy); `dir` is removed again when anything fails.
-async fn add(app: &AppState, rec: VolumeRecord, fill: impl FnOnce(&std::path::Path) -> std::io::Result<u64> + Send + 'static) -> Result<Arc<Volume>, ApiError> {
+async fn add(
+    app: &AppState,
+    rec: VolumeRecord,
+    fill: impl FnOnce(&std::path::Path) -> std::io::Result<u64> + Send + 'static,
+) -> Result<Arc<Volume>, ApiError> {
     let dir = app.volumes.root.join(&rec.id);
     let d = dir.clone();
     let made = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
@@ -213,7 +259,10 @@ async fn add(app: &AppState, rec: VolumeRecord, fill: impl FnOnce(&std::path::Pa
         Ok(Ok(n)) => n,
         Ok(Err(e)) => {
             let _ = std::fs::remove_dir_all(&dir);
-            return Err(ApiError::internal(format!("making the tree of volume {}: {e}", rec.id)));
+            return Err(ApiError::internal(format!(
+                "making the tree of volume {}: {e}",
+                rec.id
+            )));
         }
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
@@ -225,42 +274,82 @@ async fn add(app: &AppState, rec: VolumeRecord, fill: impl FnOnce(&std::path::Pa
         return Err(e.into());
     }
     let vol = app.volumes.make(&rec, used);
-    app.volumes.open.write().expect("volumes lock").insert(rec.id.clone(), vol.clone());
+    app.volumes
+        .open
+        .write()
+        .expect("volumes lock")
+        .insert(rec.id.clone(), vol.clone());
     Ok(vol)
 }
 
-async fn create(State(app): State<AppState>, caller: Caller, Json(body): Json<CreateVolume>) -> Result<impl IntoResponse, ApiError> {
+async fn create(
+    State(app): State<AppState>,
+    caller: Caller,
+    Json(body): Json<CreateVolume>,
+) -> Result<impl IntoResponse, ApiError> {
     let name = check_name(body.name.as_deref())?;
     let size_mb = body.size_mb.unwrap_or(DEFAULT_SIZE_MB);
     if !(SIZE_MB.0..=SIZE_MB.1).contains(&size_mb) {
-        return Err(ApiError::bad_request(format!("`size_mb` must be between {} and {}", SIZE_MB.0, SIZE_MB.1)));
+        return Err(ApiError::bad_request(format!(
+            "`size_mb` must be between {} and {}",
+            SIZE_MB.0, SIZE_MB.1
+        )));
     }
     if app.store.get_volume(&caller.tenant, &name)?.is_some() {
-        return Err(ApiError::conflict(format!("a volume named {name:?} already exists")));
+        return Err(ApiError::conflict(format!(
+            "a volume named {name:?} already exists"
+        )));
     }
-    let rec = VolumeRecord { id: new_id("vol_"), tenant: caller.tenant.clone(), name, size_mb, created_at: locker_types::rfc3339(now_s()) };
-    let vol = add(&app, rec.clone(), |live| std::fs::create_dir(live).map(|()| 0)).await?;
+    let rec = VolumeRecord {
+        id: new_id("vol_"),
+        tenant: caller.tenant.clone(),
+        name,
+        size_mb,
+        created_at: locker_types::rfc3339(now_s()),
+    };
+    let vol = add(&app, rec.clone(), |live| {
+        std::fs::create_dir(live).map(|()| 0)
+    })
+    .await?;
     Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
 }
 
 async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {
     let recs = app.store.list_volumes(&caller.tenant)?;
-    let items: Vec<Value> = recs.iter().filter_map(|r| app.volumes.get(&r.id).map(|v| view(r, &v))).collect();
+    let items: Vec<Value> = recs
+        .iter()
+        .filter_map(|r| app.volumes.get(&r.id).map(|v| view(r, &v)))
+        .collect();
     Ok(axum::Json(json!({ "volumes": items })))
 }
 
-async fn get_one(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn get_one(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let (r, v) = lookup(&app, &caller, &id)?;
     Ok(axum::Json(view(&r, &v)))
 }
 
-async fn delete(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn delete(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let (r, v) = lookup(&app, &caller, &id)?;
     if let Some(sb) = running_sandbox_mounting(&app, &r.id) {
-        return Err(ApiError::conflict(format!("volume {} is mounted by running sandbox {sb}: delete the sandbox first", r.name)));
+        return Err(ApiError::conflict(format!(
+            "volume {} is mounted by running sandbox {sb}: delete the sandbox first",
+            r.name
+        )));
     }
     // Wait for writes in flight; none starts after (the volume leaves the map first).
-    app.volumes.open.write().expect("volumes lock").remove(&r.id);
+    app.volumes
+        .open
+        .write()
+        .expect("volumes lock")
+        .remove(&r.id);
     let _all = v.space.gate.write().await;
     v.stop_agent().await;
     app.store.delete_volume(&caller.tenant, &r.id)?;
@@ -283,11 +372,16 @@ async fn copy_live(v: &Volume, to: PathBuf) -> Result<u64, ApiError> {
     Ok(stats.bytes)
 }
 
-async fn snapshot(State(app): State<AppState>, caller: Caller, Path(id): Path<String>) -> Result<impl IntoResponse, ApiError> {
+async fn snapshot(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
     let (r, v) = lookup(&app, &caller, &id)?;
     let snap_id = new_id("snap_");
     let dir = v.dir.join("snapshots").join(&snap_id);
-    std::fs::create_dir_all(&dir).map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    std::fs::create_dir_all(&dir)
+        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
     let size_bytes = match copy_live(&v, dir.join("tree")).await {
         Ok(n) => n,
         Err(e) => {
@@ -307,7 +401,12 @@ async fn snapshot(State(app): State<AppState>, caller: Caller, Path(id): Path<St
         let _ = std::fs::remove_dir_all(&dir);
         return Err(e.into());
     }
-    Ok((StatusCode::CREATED, axum::Json(json!({"id": snap.id, "volume_id": snap.volume_id, "size_bytes": snap.size_bytes, "created_at": snap.created_at}))))
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(
+            json!({"id": snap.id, "volume_id": snap.volume_id, "size_bytes": snap.size_bytes, "created_at": snap.created_at}),
+        ),
+    ))
 }
 
 #[derive(Deserialize)]
@@ -316,17 +415,33 @@ struct ForkBody {
     name: Option<String>,
 }
 
-async fn fork(State(app): State<AppState>, caller: Caller, Path(id): Path<String>, Json(body): Json<ForkBody>) -> Result<impl IntoResponse, ApiError> {
+async fn fork(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(body): Json<ForkBody>,
+) -> Result<impl IntoResponse, ApiError> {
     let name = check_name(body.name.as_deref())?;
     let (r, v) = lookup(&app, &caller, &id)?;
     if app.store.get_volume(&caller.tenant, &name)?.is_some() {
-        return Err(ApiError::conflict(format!("a volume named {name:?} already exists")));
+        return Err(ApiError::conflict(format!(
+            "a volume named {name:?} already exists"
+        )));
     }
-    let rec = VolumeRecord { id: new_id("vol_"), tenant: caller.tenant.clone(), name, size_mb: r.size_mb, created_at: locker_types::rfc3339(now_s()) };
+    let rec = VolumeRecord {
+        id: new_id("vol_"),
+        tenant: caller.tenant.clone(),
+        name,
+        size_mb: r.size_mb,
+        created_at: locker_types::rfc3339(now_s()),
+    };
     // Copy into a staging name inside the new volume's directory, under the source's gate.
     let staging = app.volumes.root.join(format!(".fork-{}", rec.id));
     let size = copy_live(&v, staging.clone()).await?;
-    let vol = add(&app, rec.clone(), move |live| std::fs::rename(&staging, live).map(|()| size)).await;
+    let vol = add(&app, rec.clone(), move |live| {
+        std::fs::rename(&staging, live).map(|()| size)
+    })
+    .await;
     if vol.is_err() {
         let _ = std::fs::remove_dir_all(app.volumes.root.join(format!(".fork-{}", rec.id)));
     }

@@ -192,7 +192,11 @@ pub trait Store: Send + Sync {
     fn get_volume_snapshot(&self, tenant: &str, id: &str) -> Result<Option<VolumeSnapshotRecord>>;
 
     /// The tenant's snapshots of one volume, newest first.
-    fn list_volume_snapshots(&self, tenant: &str, volume_id: &str) -> Result<Vec<VolumeSnapshotRecord>>;
+    fn list_volume_snapshots(
+        &self,
+        tenant: &str,
+        volume_id: &str,
+    ) -> Result<Vec<VolumeSnapshotRecord>>;
 
     // ---- call records and usage ----
 

@@ -26,8 +26,8 @@ use crate::model::{
     now_unix, parse_rfc3339, validate_tenant_name, CallRecord, KeyInfo, Principal, SandboxRecord,
     SandboxState, TenantUsage,
 };
-use crate::random::{fill_random, hex, new_api_key};
 use crate::model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
+use crate::random::{fill_random, hex, new_api_key};
 use crate::{SnapshotRecord, Store, DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
 
 const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at";
@@ -47,7 +47,8 @@ fn decode_volume(r: (String, String, String, i64, String)) -> Result<VolumeRecor
 }
 
 fn decode_volume_snapshot(json: &str) -> Result<VolumeSnapshotRecord> {
-    serde_json::from_str(json).map_err(|e| StoreError::Corrupt(format!("volume snapshot record: {e}")))
+    serde_json::from_str(json)
+        .map_err(|e| StoreError::Corrupt(format!("volume snapshot record: {e}")))
 }
 
 /// The schema, one migration per entry, applied in order, each once. Never edit a
@@ -596,10 +597,20 @@ impl Store for SqliteStore {
             "INSERT INTO volumes (id, tenant, name, size_mb, created_at, created_unix)
              VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         )?
-        .execute(params![v.id, v.tenant, v.name, size_mb, v.created_at, created_unix])
+        .execute(params![
+            v.id,
+            v.tenant,
+            v.name,
+            size_mb,
+            v.created_at,
+            created_unix
+        ])
         .map_err(|e| {
             conflict_on_unique(e, || {
-                format!("a volume named {:?} (or with id {}) already exists", v.name, v.id)
+                format!(
+                    "a volume named {:?} (or with id {}) already exists",
+                    v.name, v.id
+                )
             })
         })?;
         Ok(())
@@ -621,7 +632,9 @@ impl Store for SqliteStore {
 
     fn list_volumes(&self, tenant: &str) -> Result<Vec<VolumeRecord>> {
         let raw = self.read(|c| {
-            let sql = format!("SELECT {VOLUME_COLUMNS} FROM volumes WHERE tenant = ?1 ORDER BY created_unix, id");
+            let sql = format!(
+                "SELECT {VOLUME_COLUMNS} FROM volumes WHERE tenant = ?1 ORDER BY created_unix, id"
+            );
             Ok(c.prepare_cached(&sql)?
                 .query_map([tenant], volume_of)?
                 .collect::<rusqlite::Result<Vec<_>>>()?)
@@ -642,7 +655,10 @@ impl Store for SqliteStore {
     fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool> {
         let mut conn = self.writer();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-        let n = tx.execute("DELETE FROM volumes WHERE tenant = ?1 AND id = ?2", params![tenant, id])?;
+        let n = tx.execute(
+            "DELETE FROM volumes WHERE tenant = ?1 AND id = ?2",
+            params![tenant, id],
+        )?;
         if n > 0 {
             tx.execute(
                 "DELETE FROM volume_snapshots WHERE tenant = ?1 AND volume_id = ?2",
@@ -663,23 +679,38 @@ impl Store for SqliteStore {
                 "INSERT INTO volume_snapshots (id, tenant, volume_id, created_unix, record)
                  VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO NOTHING",
             )?
-            .execute(params![snap.id, snap.tenant, snap.volume_id, created_unix, record])?;
+            .execute(params![
+                snap.id,
+                snap.tenant,
+                snap.volume_id,
+                created_unix,
+                record
+            ])?;
         if n == 0 {
-            return Err(StoreError::Conflict(format!("snapshot {} already exists", snap.id)));
+            return Err(StoreError::Conflict(format!(
+                "snapshot {} already exists",
+                snap.id
+            )));
         }
         Ok(())
     }
 
     fn get_volume_snapshot(&self, tenant: &str, id: &str) -> Result<Option<VolumeSnapshotRecord>> {
         let json = self.read(|c| {
-            Ok(c.prepare_cached("SELECT record FROM volume_snapshots WHERE tenant = ?1 AND id = ?2")?
-                .query_row(params![tenant, id], |r| r.get::<_, String>(0))
-                .optional()?)
+            Ok(c.prepare_cached(
+                "SELECT record FROM volume_snapshots WHERE tenant = ?1 AND id = ?2",
+            )?
+            .query_row(params![tenant, id], |r| r.get::<_, String>(0))
+            .optional()?)
         })?;
         json.as_deref().map(decode_volume_snapshot).transpose()
     }
 
-    fn list_volume_snapshots(&self, tenant: &str, volume_id: &str) -> Result<Vec<VolumeSnapshotRecord>> {
+    fn list_volume_snapshots(
+        &self,
+        tenant: &str,
+        volume_id: &str,
+    ) -> Result<Vec<VolumeSnapshotRecord>> {
         let rows = self.read(|c| {
             Ok(c.prepare_cached(
                 "SELECT record FROM volume_snapshots WHERE tenant = ?1 AND volume_id = ?2
@@ -692,7 +723,8 @@ impl Store for SqliteStore {
     }
 
     fn insert_snapshot(&self, snap: &SnapshotRecord) -> Result<()> {
-        let record = serde_json::to_string(snap).map_err(|e| StoreError::Invalid(format!("snapshot record: {e}")))?;
+        let record = serde_json::to_string(snap)
+            .map_err(|e| StoreError::Invalid(format!("snapshot record: {e}")))?;
         let conn = self.writer();
         require_tenant(&conn, &snap.tenant)?;
         let n = conn
@@ -700,21 +732,33 @@ impl Store for SqliteStore {
                 "INSERT INTO snapshots (id, tenant, sandbox_id, created_unix, record)
                  VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO NOTHING",
             )?
-            .execute(rusqlite::params![snap.id, snap.tenant, snap.sandbox_id, now_unix(), record])?;
+            .execute(rusqlite::params![
+                snap.id,
+                snap.tenant,
+                snap.sandbox_id,
+                now_unix(),
+                record
+            ])?;
         if n == 0 {
-            return Err(StoreError::Conflict(format!("snapshot {} already exists", snap.id)));
+            return Err(StoreError::Conflict(format!(
+                "snapshot {} already exists",
+                snap.id
+            )));
         }
         Ok(())
     }
 
     fn get_snapshot(&self, tenant: &str, id: &str) -> Result<Option<SnapshotRecord>> {
         self.read(|c| {
-            let mut st = c.prepare_cached("SELECT record FROM snapshots WHERE tenant = ?1 AND id = ?2")?;
+            let mut st =
+                c.prepare_cached("SELECT record FROM snapshots WHERE tenant = ?1 AND id = ?2")?;
             let mut rows = st.query(rusqlite::params![tenant, id])?;
             match rows.next()? {
                 Some(r) => {
                     let json: String = r.get(0)?;
-                    Ok(Some(serde_json::from_str(&json).map_err(|e| StoreError::Corrupt(format!("snapshot {id}: {e}")))?))
+                    Ok(Some(serde_json::from_str(&json).map_err(|e| {
+                        StoreError::Corrupt(format!("snapshot {id}: {e}"))
+                    })?))
                 }
                 None => Ok(None),
             }
@@ -723,10 +767,17 @@ impl Store for SqliteStore {
 
     fn list_snapshots(&self, tenant: &str) -> Result<Vec<SnapshotRecord>> {
         self.read(|c| {
-            let mut st = c.prepare_cached("SELECT record FROM snapshots WHERE tenant = ?1 ORDER BY created_unix DESC, id")?;
-            let rows = st.query_map([tenant], |r| r.get::<_, String>(0))?.collect::<rusqlite::Result<Vec<_>>>()?;
+            let mut st = c.prepare_cached(
+                "SELECT record FROM snapshots WHERE tenant = ?1 ORDER BY created_unix DESC, id",
+            )?;
+            let rows = st
+                .query_map([tenant], |r| r.get::<_, String>(0))?
+                .collect::<rusqlite::Result<Vec<_>>>()?;
             rows.iter()
-                .map(|j| serde_json::from_str(j).map_err(|e| StoreError::Corrupt(format!("snapshot record: {e}"))))
+                .map(|j| {
+                    serde_json::from_str(j)
+                        .map_err(|e| StoreError::Corrupt(format!("snapshot record: {e}")))
+                })
                 .collect()
         })
     }

@@ -835,11 +835,27 @@ fn snapshots_are_isolated_between_tenants_and_survive_reopen() {
     };
     store.insert_snapshot(&snap("snap_1", "a")).unwrap();
     store.insert_snapshot(&snap("snap_2", "b")).unwrap();
-    assert!(matches!(store.insert_snapshot(&snap("snap_1", "a")), Err(StoreError::Conflict(_))));
-    assert_eq!(store.get_snapshot("a", "snap_1").unwrap().unwrap().size_bytes, 42);
-    assert!(store.get_snapshot("b", "snap_1").unwrap().is_none(), "another tenant's snapshot is invisible");
+    assert!(matches!(
+        store.insert_snapshot(&snap("snap_1", "a")),
+        Err(StoreError::Conflict(_))
+    ));
+    assert_eq!(
+        store
+            .get_snapshot("a", "snap_1")
+            .unwrap()
+            .unwrap()
+            .size_bytes,
+        42
+    );
+    assert!(
+        store.get_snapshot("b", "snap_1").unwrap().is_none(),
+        "another tenant's snapshot is invisible"
+    );
     assert_eq!(store.list_snapshots("a").unwrap().len(), 1);
-    assert!(!store.delete_snapshot("b", "snap_1").unwrap(), "nor deletable");
+    assert!(
+        !store.delete_snapshot("b", "snap_1").unwrap(),
+        "nor deletable"
+    );
     drop(store);
     let store = open(&dir);
     assert_eq!(store.list_snapshots("a").unwrap()[0].id, "snap_1");
@@ -867,16 +883,43 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated() {
         "a name is unique within its tenant"
     );
     store.insert_volume(&vol("vol_3", "b", "repo")).unwrap();
-    assert!(matches!(store.insert_volume(&vol("vol_4", "a", "Bad")), Err(StoreError::Invalid(m)) if m.contains("name")));
-    assert!(matches!(store.insert_volume(&vol("vol_5", "nobody", "x")), Err(StoreError::NotFound(_))));
+    assert!(
+        matches!(store.insert_volume(&vol("vol_4", "a", "Bad")), Err(StoreError::Invalid(m)) if m.contains("name"))
+    );
+    assert!(matches!(
+        store.insert_volume(&vol("vol_5", "nobody", "x")),
+        Err(StoreError::NotFound(_))
+    ));
     store.insert_volume(&vol("vol_6", "a", "vol_3")).unwrap();
 
-    assert_eq!(store.get_volume("a", "vol_1").unwrap().unwrap().name, "repo");
-    assert_eq!(store.get_volume("a", "repo").unwrap().unwrap().id, "vol_1", "by name too");
+    assert_eq!(
+        store.get_volume("a", "vol_1").unwrap().unwrap().name,
+        "repo"
+    );
+    assert_eq!(
+        store.get_volume("a", "repo").unwrap().unwrap().id,
+        "vol_1",
+        "by name too"
+    );
     assert_eq!(store.get_volume("b", "repo").unwrap().unwrap().id, "vol_3");
-    assert!(store.get_volume("b", "vol_1").unwrap().is_none(), "another tenant's volume is invisible");
-    assert_eq!(store.get_volume("a", "vol_3").unwrap().unwrap().id, "vol_6", "a's name, not b's id");
-    assert_eq!(store.list_volumes("a").unwrap().iter().map(|v| v.id.as_str()).collect::<Vec<_>>(), ["vol_1", "vol_6"]);
+    assert!(
+        store.get_volume("b", "vol_1").unwrap().is_none(),
+        "another tenant's volume is invisible"
+    );
+    assert_eq!(
+        store.get_volume("a", "vol_3").unwrap().unwrap().id,
+        "vol_6",
+        "a's name, not b's id"
+    );
+    assert_eq!(
+        store
+            .list_volumes("a")
+            .unwrap()
+            .iter()
+            .map(|v| v.id.as_str())
+            .collect::<Vec<_>>(),
+        ["vol_1", "vol_6"]
+    );
     assert_eq!(store.list_all_volumes().unwrap().len(), 3);
 
     let snap = |id: &str, tenant: &str, vol: &str| VolumeSnapshotRecord {
@@ -887,18 +930,39 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated() {
         created_at: rfc3339(20),
         path: format!("/x/{id}"),
     };
-    store.insert_volume_snapshot(&snap("snap_1", "a", "vol_1")).unwrap();
-    assert!(matches!(store.insert_volume_snapshot(&snap("snap_1", "a", "vol_1")), Err(StoreError::Conflict(_))));
+    store
+        .insert_volume_snapshot(&snap("snap_1", "a", "vol_1"))
+        .unwrap();
+    assert!(matches!(
+        store.insert_volume_snapshot(&snap("snap_1", "a", "vol_1")),
+        Err(StoreError::Conflict(_))
+    ));
     assert!(store.get_volume_snapshot("b", "snap_1").unwrap().is_none());
-    assert!(store.get_snapshot("a", "snap_1").unwrap().is_none(), "not a sandbox snapshot");
+    assert!(
+        store.get_snapshot("a", "snap_1").unwrap().is_none(),
+        "not a sandbox snapshot"
+    );
     assert_eq!(store.list_volume_snapshots("a", "vol_1").unwrap().len(), 1);
 
-    assert!(!store.delete_volume("b", "vol_1").unwrap(), "nor deletable by another tenant");
+    assert!(
+        !store.delete_volume("b", "vol_1").unwrap(),
+        "nor deletable by another tenant"
+    );
     drop(store);
     let store = open(&dir);
-    assert_eq!(store.get_volume_snapshot("a", "snap_1").unwrap().unwrap().size_bytes, 7);
+    assert_eq!(
+        store
+            .get_volume_snapshot("a", "snap_1")
+            .unwrap()
+            .unwrap()
+            .size_bytes,
+        7
+    );
     assert!(store.delete_volume("a", "vol_1").unwrap());
     assert!(store.get_volume("a", "repo").unwrap().is_none());
-    assert!(store.get_volume_snapshot("a", "snap_1").unwrap().is_none(), "its snapshots go with it");
+    assert!(
+        store.get_volume_snapshot("a", "snap_1").unwrap().is_none(),
+        "its snapshots go with it"
+    );
     store.insert_volume(&vol("vol_7", "a", "repo")).unwrap();
 }

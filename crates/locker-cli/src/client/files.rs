@@ -1,5 +1,6 @@
 //! `locker files get|put|ls|rm|mkdir|mv|stat`: a sandbox's files over
-//! `/v1/sandboxes/{id}/files…`.
+//! `/v1/sandboxes/{id}/files…`; the same commands serve `locker volume files …` over
+//! `/v1/volumes/{id}/files…` (see [`run_on`]).
 //!
 //! File bodies are streamed both ways, never held whole: a download goes through a
 //! temporary file beside its target and is renamed into place only once complete, so a
@@ -120,8 +121,13 @@ pub fn get_target(path: &str, local: &Path) -> Result<PathBuf, ClientError> {
     }
 }
 
-fn files_path(sandbox: &str, tail: &str) -> String {
-    format!("/v1/sandboxes/{}/files{tail}", seg(sandbox))
+/// Where the files routes of a sandbox live: `/v1/sandboxes/{id}`.
+pub fn sandbox_base(sandbox: &str) -> String {
+    format!("/v1/sandboxes/{}", seg(sandbox))
+}
+
+fn files_path(base: &str, tail: &str) -> String {
+    format!("{base}/files{tail}")
 }
 
 /// Copies `r` to `w` in 64 KiB pieces, telling read (the download) from write (the local
@@ -150,27 +156,23 @@ fn copy_stream(r: &mut impl Read, w: &mut impl Write, what: &str) -> Result<u64,
     Ok(total)
 }
 
-/// Streams the sandbox file `path` into `out`; returns its size.
+/// Streams the file `path` of the target at `base` (see [`sandbox_base`]) into `out`;
+/// returns its size.
 pub fn get_file(
     c: &Client,
-    sandbox: &str,
+    base: &str,
     path: &str,
     out: &mut impl Write,
 ) -> Result<u64, ClientError> {
-    let mut r = c.get_stream(&files_path(sandbox, ""), &[("path", path.to_string())])?;
+    let mut r = c.get_stream(&files_path(base, ""), &[("path", path.to_string())])?;
     copy_stream(&mut r, out, "the output")
 }
 
-/// Streams the sandbox file `path` into the local file `target` through a temporary file
-/// beside it, renamed into place once the whole file arrived.
-pub fn get_to_file(
-    c: &Client,
-    sandbox: &str,
-    path: &str,
-    target: &Path,
-) -> Result<u64, ClientError> {
+/// Streams the file `path` of the target at `base` into the local file `target` through a
+/// temporary file beside it, renamed into place once the whole file arrived.
+pub fn get_to_file(c: &Client, base: &str, path: &str, target: &Path) -> Result<u64, ClientError> {
     // Ask first: a missing file must not leave an empty local one behind.
-    let mut r = c.get_stream(&files_path(sandbox, ""), &[("path", path.to_string())])?;
+    let mut r = c.get_stream(&files_path(base, ""), &[("path", path.to_string())])?;
     let name = target
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
@@ -192,16 +194,16 @@ pub fn get_to_file(
     copied
 }
 
-/// Streams the local file `local` (`-`: standard input) to `path` in the sandbox; returns
-/// the Entry the server wrote.
+/// Streams the local file `local` (`-`: standard input) to `path` in the target at `base`;
+/// returns the Entry the server wrote.
 pub fn put_file(
     c: &Client,
-    sandbox: &str,
+    base: &str,
     local: &str,
     path: &str,
     mode: Option<u32>,
 ) -> Result<Value, ClientError> {
-    let url_path = files_path(sandbox, "");
+    let url_path = files_path(base, "");
     let mut query = vec![("path", path.to_string())];
     if local == "-" {
         if let Some(m) = mode {
@@ -279,7 +281,17 @@ pub fn stat_text(e: &Value) -> String {
 /// Runs `locker files …`.
 pub fn run(a: FilesArgs) -> Result<i32, ClientError> {
     let c = a.conn.client()?;
-    let json_out = a.conn.json;
+    run_on(&c, a.conn.json, a.cmd, sandbox_base)
+}
+
+/// Runs a files command on the target that `base_of(id)` names (a sandbox's or a volume's
+/// routes); `json_out` prints the server's JSON.
+pub fn run_on(
+    c: &Client,
+    json_out: bool,
+    cmd: FilesCmd,
+    base_of: fn(&str) -> String,
+) -> Result<i32, ClientError> {
     let show = |v: &Value, text: Option<String>| -> Result<(), ClientError> {
         if json_out {
             print_json(v)
@@ -289,7 +301,7 @@ pub fn run(a: FilesArgs) -> Result<i32, ClientError> {
             Ok(())
         }
     };
-    match a.cmd {
+    match cmd {
         FilesCmd::Get {
             sandbox,
             path,
@@ -297,11 +309,11 @@ pub fn run(a: FilesArgs) -> Result<i32, ClientError> {
         } => match local.as_deref() {
             None | Some("-") => {
                 let mut out = io::stdout().lock();
-                get_file(&c, &sandbox, &path, &mut out)?;
+                get_file(c, &base_of(&sandbox), &path, &mut out)?;
             }
             Some(l) => {
                 let target = get_target(&path, Path::new(l))?;
-                get_to_file(&c, &sandbox, &path, &target)?;
+                get_to_file(c, &base_of(&sandbox), &path, &target)?;
             }
         },
         FilesCmd::Put {
@@ -311,7 +323,7 @@ pub fn run(a: FilesArgs) -> Result<i32, ClientError> {
             mode,
         } => {
             let target = put_target(&local, &path)?;
-            let e = put_file(&c, &sandbox, &local, &target, mode)?;
+            let e = put_file(c, &base_of(&sandbox), &local, &target, mode)?;
             show(&e, None)?;
         }
         FilesCmd::Ls {
@@ -320,7 +332,7 @@ pub fn run(a: FilesArgs) -> Result<i32, ClientError> {
             depth,
         } => {
             let v = c.get_json(
-                &files_path(&sandbox, "/list"),
+                &files_path(&base_of(&sandbox), "/list"),
                 &[("path", path), ("depth", depth.to_string())],
             )?;
             show(&v, Some(ls_table(items(&v, "entries")?, depth > 1)))?;
@@ -331,23 +343,26 @@ pub fn run(a: FilesArgs) -> Result<i32, ClientError> {
             recursive,
         } => {
             c.delete(
-                &files_path(&sandbox, ""),
+                &files_path(&base_of(&sandbox), ""),
                 &[("path", path), ("recursive", recursive.to_string())],
             )?;
         }
         FilesCmd::Mkdir { sandbox, path } => {
-            let e = c.post_json(&files_path(&sandbox, "/mkdir"), &json!({ "path": path }))?;
+            let e = c.post_json(
+                &files_path(&base_of(&sandbox), "/mkdir"),
+                &json!({ "path": path }),
+            )?;
             show(&e, None)?;
         }
         FilesCmd::Mv { sandbox, from, to } => {
             let e = c.post_json(
-                &files_path(&sandbox, "/move"),
+                &files_path(&base_of(&sandbox), "/move"),
                 &json!({ "from": from, "to": to }),
             )?;
             show(&e, None)?;
         }
         FilesCmd::Stat { sandbox, path } => {
-            let e = c.get_json(&files_path(&sandbox, "/stat"), &[("path", path)])?;
+            let e = c.get_json(&files_path(&base_of(&sandbox), "/stat"), &[("path", path)])?;
             show(&e, Some(stat_text(&e)))?;
         }
     }

@@ -1,6 +1,6 @@
 //! The client side of the `locker` CLI: the commands that talk to `locker serve` over HTTP.
 //!
-//! This room owns `locker sandbox|exec|shell|files|tenant|key|calls|usage`. It codes
+//! This room owns `locker sandbox|exec|shell|files|volume|tenant|key|calls|usage`. It codes
 //! against the HTTP contract (`docs/api.md`) and nothing else: it must not link to the
 //! server, the runtime or the store, so that what it does is exactly what any other client
 //! of the API could do. The HTTP plumbing (base URL, Bearer key, the `{"error": …}` shape)
@@ -21,6 +21,7 @@ pub mod render;
 pub mod sandbox;
 pub mod shell;
 pub mod tty;
+pub mod volume;
 
 use std::io::Write;
 
@@ -69,6 +70,8 @@ pub enum ClientCmd {
     Shell(Box<shell::ShellArgs>),
     /// Read, write, list and move files in a sandbox.
     Files(Box<files::FilesArgs>),
+    /// Create, list, delete, snapshot and fork volumes, and move their files.
+    Volume(Box<volume::VolumeArgs>),
     /// Create tenants (admin: needs LOCKER_ADMIN_KEY).
     Tenant(Box<admin::TenantArgs>),
     /// Create and revoke API keys (admin: needs LOCKER_ADMIN_KEY).
@@ -88,6 +91,7 @@ pub fn main(cmd: ClientCmd) -> ! {
         ClientCmd::Exec(a) => exec::run(*a),
         ClientCmd::Shell(a) => shell::run(*a),
         ClientCmd::Files(a) => files::run(*a),
+        ClientCmd::Volume(a) => volume::run(*a),
         ClientCmd::Tenant(a) => admin::run_tenant(*a),
         ClientCmd::Key(a) => admin::run_key(*a),
         ClientCmd::Calls(a) => records::run_calls(*a),
@@ -272,11 +276,14 @@ mod tests {
             &["sandbox", "--json", "list"][..],
             &["sandbox", "list", "--json"],
             &["files", "ls", "sb_1", "/", "--json"],
+            &["volume", "files", "ls", "repo", "/", "--json"],
+            &["volume", "--json", "list"],
         ] {
             let cmd = parse(args).unwrap();
             let json = match cmd {
                 ClientCmd::Sandbox(a) => a.conn.json,
                 ClientCmd::Files(a) => a.conn.json,
+                ClientCmd::Volume(a) => a.conn.json,
                 _ => false,
             };
             assert!(json, "{args:?}");

@@ -104,12 +104,19 @@ pub fn run_snapshot(a: SnapshotArgs) -> Result<i32, ClientError> {
                             cell(s.get("id")),
                             cell(s.get("sandbox_id")),
                             cell(s.get("template")),
-                            format!("{:.1} MB", s.get("size_bytes").and_then(Value::as_u64).unwrap_or(0) as f64 / 1e6),
+                            format!(
+                                "{:.1} MB",
+                                s.get("size_bytes").and_then(Value::as_u64).unwrap_or(0) as f64
+                                    / 1e6
+                            ),
                             relative(now, created),
                         ]
                     })
                     .collect();
-                print_text(&table(&["ID", "SANDBOX", "TEMPLATE", "SIZE", "CREATED"], &rows))?;
+                print_text(&table(
+                    &["ID", "SANDBOX", "TEMPLATE", "SIZE", "CREATED"],
+                    &rows,
+                ))?;
             }
             Ok(0)
         }
@@ -400,7 +407,10 @@ pub fn run(a: SandboxArgs) -> Result<i32, ClientError> {
             if json_out {
                 print_json(&v)?;
             } else {
-                print_text(&format!("{id} {}\n", v.get("state").and_then(Value::as_str).unwrap_or("")))?;
+                print_text(&format!(
+                    "{id} {}\n",
+                    v.get("state").and_then(Value::as_str).unwrap_or("")
+                ))?;
             }
             Ok(0)
         }
@@ -414,7 +424,10 @@ pub fn run(a: SandboxArgs) -> Result<i32, ClientError> {
             Ok(0)
         }
         SandboxCmd::Fork { id, count } => {
-            let v = c.post_json(&format!("/v1/sandboxes/{}/fork", seg(&id)), &json!({ "count": count }))?;
+            let v = c.post_json(
+                &format!("/v1/sandboxes/{}/fork", seg(&id)),
+                &json!({ "count": count }),
+            )?;
             if json_out {
                 print_json(&v)?;
             } else {

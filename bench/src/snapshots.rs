@@ -1,0 +1,174 @@
+//! Snapshots, forks, pause and resume, measured over HTTP against a real server.
+//!
+//! The fork rows run twice when the host allows: on the default temporary directory (here
+//! ext4: every child's disk is a plain, sparse copy) and on a throwaway XFS filesystem with
+//! reflinks (a loop-mounted image under /var/tmp), which is the copy-on-write data dir the
+//! targets speak of. Everything it mounts is unmounted and removed by a guard.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use anyhow::{bail, Context};
+use locker_tests::server::{Api, Server};
+use serde_json::{json, Value};
+
+use crate::stats::{Row, Target};
+use crate::{check_stop, Args};
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+fn post(api: &Api, path: &str, body: &Value, want: u16) -> anyhow::Result<Value> {
+    let r = api
+        .try_request("POST", path, &[("Content-Type", "application/json")], serde_json::to_vec(body)?.as_slice())
+        .with_context(|| format!("POST {path}"))?;
+    if r.status != want {
+        bail!("POST {path}: HTTP {}: {}", r.status, r.text());
+    }
+    Ok(if r.body.is_empty() { Value::Null } else { serde_json::from_slice(&r.body)? })
+}
+
+fn delete(api: &Api, path: &str) -> anyhow::Result<()> {
+    let r = api.try_request("DELETE", path, &[], ()).with_context(|| format!("DELETE {path}"))?;
+    if r.status != 204 {
+        bail!("DELETE {path}: HTTP {}: {}", r.status, r.text());
+    }
+    Ok(())
+}
+
+fn id(v: &Value) -> anyhow::Result<String> {
+    Ok(v["id"].as_str().context("no id")?.to_owned())
+}
+
+/// A loop-mounted XFS filesystem with reflinks, removed on drop.
+struct CowDir {
+    img: PathBuf,
+    mnt: PathBuf,
+}
+
+impl CowDir {
+    fn new() -> anyhow::Result<Option<CowDir>> {
+        if locker_runtime::doctor::which("mkfs.xfs").is_none() {
+            return Ok(None);
+        }
+        let base = Path::new("/var/tmp").join(format!("locker-bench-xfs-{}", std::process::id()));
+        let (img, mnt) = (base.with_extension("img"), base.clone());
+        std::fs::create_dir_all(&mnt)?;
+        let f = std::fs::File::create(&img)?;
+        f.set_len(16 << 30)?;
+        drop(f);
+        let guard = CowDir { img: img.clone(), mnt: mnt.clone() };
+        let ok = Command::new("mkfs.xfs").args(["-q", "-f", "-m", "reflink=1"]).arg(&img).status()?.success()
+            && Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&mnt).status()?.success();
+        if !ok {
+            bail!("could not make an XFS filesystem with reflinks at {}", mnt.display());
+        }
+        Ok(Some(guard))
+    }
+}
+
+impl Drop for CowDir {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.mnt).status();
+        let _ = std::fs::remove_dir(&self.mnt);
+        let _ = std::fs::remove_file(&self.img);
+    }
+}
+
+/// Fork ×10 of a sandbox that wrote 200 MB, `n` times; the children are deleted between.
+fn fork_rows(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
+    let parent = id(&post(api, "/v1/sandboxes", &json!({"memory_mb": 256}), 201)?)?;
+    let r = post(api, &format!("/v1/sandboxes/{parent}/exec"), &json!({"shell": "head -c 200000000 /dev/urandom > /root/data && sync && echo ok"}), 200)?;
+    if r["stdout"] != "ok\n" {
+        bail!("writing 200 MB failed: {r}");
+    }
+    let mut samples = Vec::new();
+    for _ in 0..n {
+        check_stop()?;
+        let t = Instant::now();
+        let v = post(api, &format!("/v1/sandboxes/{parent}/fork"), &json!({"count": 10}), 201)?;
+        samples.push(ms(t));
+        for c in v["sandboxes"].as_array().context("no sandboxes")? {
+            delete(api, &format!("/v1/sandboxes/{}", id(c)?))?;
+        }
+    }
+    delete(api, &format!("/v1/sandboxes/{parent}"))?;
+    Ok(Row::new(format!("fork ×10 of a sandbox with 200 MB written ({label})"), "ms", samples, 0)
+        .note("POST /v1/sandboxes/{id}/fork {\"count\":10} until all ten answer; one frozen, flushed copy of the disk, then ten machines started from it concurrently"))
+}
+
+pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let srv = Server::start();
+    let api = srv.api();
+    let (warm, n) = (args.warmup, args.fast().min(100));
+
+    // Pause and resume of a warm sandbox.
+    let sb = id(&post(&api, "/v1/sandboxes", &json!({}), 201)?)?;
+    post(&api, &format!("/v1/sandboxes/{sb}/processes"), &json!({"shell": "sleep 100000"}), 200)?;
+    let (mut pause, mut resume) = (vec![], vec![]);
+    for i in 0..warm + n {
+        check_stop()?;
+        let t = Instant::now();
+        post(&api, &format!("/v1/sandboxes/{sb}/pause"), &json!({}), 200)?;
+        let p = ms(t);
+        let t = Instant::now();
+        post(&api, &format!("/v1/sandboxes/{sb}/resume"), &json!({}), 200)?;
+        if i >= warm {
+            pause.push(p);
+            resume.push(ms(t));
+        }
+    }
+    rows.push(Row::new("pause (HTTP)", "ms", pause, warm).note("cgroup freezer, waiting until frozen, state recorded").target(Target::P50(20.0)));
+    rows.push(Row::new("resume (HTTP)", "ms", resume, warm).note("thaw, state recorded").target(Target::P50(20.0)));
+
+    // Create from the template versus from a snapshot.
+    post(&api, &format!("/v1/sandboxes/{sb}/exec"), &json!({"shell": "head -c 20000000 /dev/urandom > /root/data"}), 200)?;
+    let snap = id(&post(&api, &format!("/v1/sandboxes/{sb}/snapshots"), &json!({}), 201)?)?;
+    let creates = args.creates().min(30);
+    let (mut from_tpl, mut from_snap) = (vec![], vec![]);
+    for i in 0..2 + creates {
+        check_stop()?;
+        for (body, out) in [(json!({}), &mut from_tpl), (json!({"from_snapshot": snap}), &mut from_snap)] {
+            let t = Instant::now();
+            let c = id(&post(&api, "/v1/sandboxes", &body, 201)?)?;
+            post(&api, &format!("/v1/sandboxes/{c}/exec"), &json!({"cmd": ["true"]}), 200)?;
+            if i >= 2 {
+                out.push(ms(t));
+            }
+            delete(&api, &format!("/v1/sandboxes/{c}"))?;
+        }
+    }
+    rows.push(Row::new("create→true from the template (HTTP)", "ms", from_tpl, 2));
+    rows.push(
+        Row::new("create→true from a snapshot (HTTP)", "ms", from_snap, 2)
+            .note("the snapshot holds 20 MB of data; its disk image is copied for the new sandbox")
+            .vs("create→true from the template (HTTP)"),
+    );
+    delete(&api, &format!("/v1/snapshots/{snap}"))?;
+    delete(&api, &format!("/v1/sandboxes/{sb}"))?;
+
+    // Forks: plain copies on this host's temp dir, then reflinks on XFS.
+    let forks = 3;
+    let fs = locker_runtime::doctor::check(&srv.data_dir).host;
+    rows.push(fork_rows(&api, forks, &format!("{} data dir, {}", fs.data_dir_fs, fs.copy_on_write))?.note("target ≤ 1 s applies to a copy-on-write data dir"));
+    drop(srv);
+    match CowDir::new()? {
+        None => rows.push(Row::skipped("fork ×10 of a sandbox with 200 MB written (XFS reflink data dir)", "mkfs.xfs not found (apt-get install xfsprogs)")),
+        Some(cow) => {
+            let old = std::env::var_os("TMPDIR");
+            std::env::set_var("TMPDIR", &cow.mnt);
+            let srv = Server::start();
+            match old {
+                Some(o) => std::env::set_var("TMPDIR", o),
+                None => std::env::remove_var("TMPDIR"),
+            }
+            let r = fork_rows(&srv.api(), forks, "XFS reflink data dir");
+            drop(srv);
+            rows.push(r?.target(Target::P50(1000.0)));
+            drop(cow);
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,123 @@
+//! `locker volume create|list|rm|snapshot|fork|files`: volumes, a tenant's persistent
+//! directory trees, over `/v1/volumes…`. A volume is named by its name or its id wherever
+//! one is asked for. `volume files …` are the sandbox files commands, aimed at a volume.
+
+use serde_json::{json, Value};
+
+use super::files::FilesCmd;
+use super::render::{cell, human_bytes, now_secs, relative, table};
+use super::{items, print_json, print_text, seg, Client, ClientError, Conn};
+
+/// `locker volume …`.
+#[derive(clap::Args, Debug)]
+pub struct VolumeArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    #[command(subcommand)]
+    pub cmd: VolumeCmd,
+}
+
+/// The volume subcommands. VOLUME is a volume's name or id.
+#[derive(clap::Subcommand, Debug)]
+pub enum VolumeCmd {
+    /// Create a volume.
+    Create {
+        name: String,
+        /// Its size limit in MiB (default 10240).
+        #[arg(long)]
+        size_mb: Option<u64>,
+    },
+    /// List this tenant's volumes.
+    List,
+    /// Delete volumes, their files and their snapshots.
+    Rm {
+        #[arg(required = true)]
+        volumes: Vec<String>,
+    },
+    /// Take a point-in-time copy of a volume.
+    Snapshot { volume: String },
+    /// Make a new volume NEW_NAME with a copy of VOLUME's files.
+    Fork { volume: String, new_name: String },
+    /// Read, write, list and move a volume's files (the first argument is the volume).
+    #[command(subcommand)]
+    Files(FilesCmd),
+}
+
+/// Where the files routes of a volume live: `/v1/volumes/{id}`.
+pub fn volume_base(volume: &str) -> String {
+    format!("/v1/volumes/{}", seg(volume))
+}
+
+fn volume_table(vols: &[Value]) -> String {
+    let now = now_secs();
+    let rows: Vec<Vec<String>> = vols
+        .iter()
+        .map(|v| {
+            let used = v.get("used_bytes").and_then(Value::as_u64).unwrap_or(0);
+            let size = v.get("size_mb").and_then(Value::as_u64).unwrap_or(0);
+            vec![
+                cell(v.get("name")),
+                cell(v.get("id")),
+                format!("{} / {}", human_bytes(used), human_bytes(size << 20)),
+                relative(
+                    now,
+                    v.get("created_at").and_then(Value::as_str).unwrap_or(""),
+                ),
+            ]
+        })
+        .collect();
+    table(&["NAME", "ID", "USED", "CREATED"], &rows)
+}
+
+/// Runs `locker volume …`.
+pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
+    let c: Client = a.conn.client()?;
+    let json_out = a.conn.json;
+    let show = |v: &Value, text: String| {
+        if json_out {
+            print_json(v)
+        } else {
+            print_text(&text)
+        }
+    };
+    match a.cmd {
+        VolumeCmd::Create { name, size_mb } => {
+            let mut body = json!({ "name": name });
+            if let Some(s) = size_mb {
+                body["size_mb"] = json!(s);
+            }
+            let v = c.post_json("/v1/volumes", &body)?;
+            show(&v, volume_table(std::slice::from_ref(&v)))?;
+        }
+        VolumeCmd::List => {
+            let v = c.get_json("/v1/volumes", &[])?;
+            show(&v, volume_table(items(&v, "volumes")?))?;
+        }
+        VolumeCmd::Rm { volumes } => {
+            let mut failed = 0;
+            for vol in volumes {
+                match c.delete(&volume_base(&vol), &[]) {
+                    Ok(()) => print_text(&format!("{vol}\n"))?,
+                    Err(e) => {
+                        failed += 1;
+                        super::report(&e);
+                    }
+                }
+            }
+            return Ok(if failed == 0 { 0 } else { 1 });
+        }
+        VolumeCmd::Snapshot { volume } => {
+            let v = c.post_json(&format!("{}/snapshots", volume_base(&volume)), &json!({}))?;
+            show(&v, format!("{}\n", cell(v.get("id"))))?;
+        }
+        VolumeCmd::Fork { volume, new_name } => {
+            let v = c.post_json(
+                &format!("{}/fork", volume_base(&volume)),
+                &json!({ "name": new_name }),
+            )?;
+            show(&v, volume_table(std::slice::from_ref(&v)))?;
+        }
+        VolumeCmd::Files(cmd) => return super::files::run_on(&c, json_out, cmd, volume_base),
+    }
+    Ok(0)
+}
