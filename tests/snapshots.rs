@@ -41,6 +41,7 @@ fn a_snapshot_restores_files_and_outlives_its_sandbox() {
         &json!({"shell": "while :; do date >> /root/log; done"}),
     )
     .expect(200, "writer");
+    api.sh(&sb, "while [ ! -s /root/log ]; do sleep 0.01; done");
     let snap = api
         .post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
         .expect(201, "snapshot");
@@ -76,9 +77,10 @@ fn a_snapshot_restores_files_and_outlives_its_sandbox() {
         ),
         format!("kept\n{}\n0\n", hash.trim())
     );
-    // The log a command was appending to is whole lines only up to the snapshot.
-    let tail = api.sh(&child_id, "tail -c 200 /root/log | tail -n 1 | wc -c");
-    assert!(tail.trim().parse::<u32>().unwrap() > 0);
+    // The log a command was appending to when the snapshot was taken ends in a whole line:
+    // the machine was frozen between two writes, never inside one.
+    let last = api.sh(&child_id, "tail -c 300 /root/log | tail -n 1");
+    assert!(last.ends_with('\n') && last.len() > 20, "a whole `date` line: {last:?}");
 
     // Bad uses.
     api.post("/v1/sandboxes", &json!({"from_snapshot": "snap_nope"}))
