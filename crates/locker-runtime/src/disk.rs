@@ -32,7 +32,7 @@ pub fn make_from_blank(img: &Path, size_mb: u64, blanks: &Path) -> io::Result<()
         // Whoever renames last wins; every candidate is a valid blank image.
         fs::rename(&tmp, &blank)?;
     }
-    copy_with(&blank, img, false).map(drop)
+    copy_ephemeral(&blank, img).map(drop)
 }
 
 /// Creates a sparse ext4 image of `size_mb` at `img` whose root directory belongs to root.
@@ -77,6 +77,11 @@ pub fn make(img: &Path, size_mb: u64) -> io::Result<()> {
 /// (a snapshot must survive a host crash). On failure `dst` is removed.
 pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyKind> {
     copy_with(src, dst, true)
+}
+
+/// [`copy`] without the final fsync: for a machine's own disk, which a host crash ends anyway.
+pub fn copy_ephemeral(src: &Path, dst: &Path) -> io::Result<CopyKind> {
+    copy_with(src, dst, false)
 }
 
 fn copy_with(src: &Path, dst: &Path, durable: bool) -> io::Result<CopyKind> {
@@ -139,7 +144,16 @@ fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
                 )
             };
             if n < 0 {
-                return Err(io::Error::last_os_error());
+                let e = io::Error::last_os_error();
+                // Across filesystems (a blank on ext4, a data dir on XFS) the kernel refuses.
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EXDEV) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+                ) {
+                    copy_range_plain(from, to, i as u64, end as u64)?;
+                    break;
+                }
+                return Err(e);
             }
             if n == 0 {
                 break;
@@ -148,6 +162,22 @@ fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
         off = end;
     }
     Ok(CopyKind::Sparse)
+}
+
+/// Copies bytes `[off, end)` with plain reads and writes.
+fn copy_range_plain(from: &fs::File, to: &fs::File, mut off: u64, end: u64) -> io::Result<()> {
+    use std::os::unix::fs::FileExt;
+    let mut buf = vec![0u8; 1 << 20];
+    while off < end {
+        let want = ((end - off) as usize).min(buf.len());
+        let n = from.read_at(&mut buf[..want], off)?;
+        if n == 0 {
+            break;
+        }
+        to.write_all_at(&buf[..n], off)?;
+        off += n as u64;
+    }
+    Ok(())
 }
 
 /// Flushes the filesystem mounted at `mountpoint` (`syncfs`), so the image under it holds

@@ -384,7 +384,7 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     let img = dir.join("disk.img");
     match &spec.disk_from {
         Some(from) => {
-            crate::disk::copy(from, &img)
+            crate::disk::copy_ephemeral(from, &img)
                 .map_err(step(format!("copy the disk image {}", from.display())))?;
         }
         None => crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir())
