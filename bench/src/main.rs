@@ -172,9 +172,11 @@ fn run() -> anyhow::Result<()> {
     print!("{}", stats::table(&rows));
     // A run that stopped early never overwrites a complete one.
     let partial = if result.is_err() { "-partial" } else { "" };
+    // A run of some groups never overwrites a full run either.
+    let subset = if args.only.is_empty() { String::new() } else { format!("-{}", args.only.join("+")) };
     let path = args
         .out_dir
-        .join(format!("{}-{}{partial}.json", info.hostname, info.date));
+        .join(format!("{}-{}{subset}{partial}.json", info.hostname, info.date));
     stats::write_json(&rows, &path).with_context(|| format!("write {}", path.display()))?;
     println!("\nsamples written to {}", path.display());
     result

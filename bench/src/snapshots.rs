@@ -99,6 +99,33 @@ fn fork_rows(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
         .note("POST /v1/sandboxes/{id}/fork {\"count\":10} until all ten answer; one frozen, flushed copy of the disk, then ten machines started from it concurrently"))
 }
 
+/// Create→true from the template and from a snapshot of `sb` (after writing 20 MB in it).
+fn create_rows(api: &Api, sb: &str, creates: usize, label: &str, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    post(api, &format!("/v1/sandboxes/{sb}/exec"), &json!({"shell": "head -c 20000000 /dev/urandom > /root/data"}), 200)?;
+    let snap = id(&post(api, &format!("/v1/sandboxes/{sb}/snapshots"), &json!({}), 201)?)?;
+    let (mut from_tpl, mut from_snap) = (vec![], vec![]);
+    for i in 0..2 + creates {
+        check_stop()?;
+        for (body, out) in [(json!({}), &mut from_tpl), (json!({"from_snapshot": snap}), &mut from_snap)] {
+            let t = Instant::now();
+            let c = id(&post(api, "/v1/sandboxes", &body, 201)?)?;
+            post(api, &format!("/v1/sandboxes/{c}/exec"), &json!({"cmd": ["true"]}), 200)?;
+            if i >= 2 {
+                out.push(ms(t));
+            }
+            delete(api, &format!("/v1/sandboxes/{c}"))?;
+        }
+    }
+    let tpl = format!("create→true from the template ({label})");
+    rows.push(Row::new(tpl.clone(), "ms", from_tpl, 2));
+    rows.push(
+        Row::new(format!("create→true from a snapshot ({label})"), "ms", from_snap, 2)
+            .note("the snapshot holds 20 MB of data; the new sandbox's disk is a copy of its image (a reflink where the data dir allows)")
+            .vs(&tpl),
+    );
+    delete(api, &format!("/v1/snapshots/{snap}"))
+}
+
 pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let srv = Server::start();
     let api = srv.api();
@@ -124,34 +151,12 @@ pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     rows.push(Row::new("resume (HTTP)", "ms", resume, warm).note("thaw, state recorded").target(Target::P50(20.0)));
 
     // Create from the template versus from a snapshot.
-    post(&api, &format!("/v1/sandboxes/{sb}/exec"), &json!({"shell": "head -c 20000000 /dev/urandom > /root/data"}), 200)?;
-    let snap = id(&post(&api, &format!("/v1/sandboxes/{sb}/snapshots"), &json!({}), 201)?)?;
-    let creates = args.creates().min(30);
-    let (mut from_tpl, mut from_snap) = (vec![], vec![]);
-    for i in 0..2 + creates {
-        check_stop()?;
-        for (body, out) in [(json!({}), &mut from_tpl), (json!({"from_snapshot": snap}), &mut from_snap)] {
-            let t = Instant::now();
-            let c = id(&post(&api, "/v1/sandboxes", &body, 201)?)?;
-            post(&api, &format!("/v1/sandboxes/{c}/exec"), &json!({"cmd": ["true"]}), 200)?;
-            if i >= 2 {
-                out.push(ms(t));
-            }
-            delete(&api, &format!("/v1/sandboxes/{c}"))?;
-        }
-    }
-    rows.push(Row::new("create→true from the template (HTTP)", "ms", from_tpl, 2));
-    rows.push(
-        Row::new("create→true from a snapshot (HTTP)", "ms", from_snap, 2)
-            .note("the snapshot holds 20 MB of data; its disk image is copied for the new sandbox")
-            .vs("create→true from the template (HTTP)"),
-    );
-    delete(&api, &format!("/v1/snapshots/{snap}"))?;
+    let fs = locker_runtime::doctor::check(&srv.data_dir).host;
+    create_rows(&api, &sb, args.creates().min(30), &format!("{} data dir", fs.data_dir_fs), rows)?;
     delete(&api, &format!("/v1/sandboxes/{sb}"))?;
 
     // Forks: plain copies on this host's temp dir, then reflinks on XFS.
     let forks = 3;
-    let fs = locker_runtime::doctor::check(&srv.data_dir).host;
     rows.push(fork_rows(&api, forks, &format!("{} data dir, {}", fs.data_dir_fs, fs.copy_on_write))?.note("target ≤ 1 s applies to a copy-on-write data dir"));
     drop(srv);
     match CowDir::new()? {
@@ -164,7 +169,11 @@ pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
                 Some(o) => std::env::set_var("TMPDIR", o),
                 None => std::env::remove_var("TMPDIR"),
             }
-            let r = fork_rows(&srv.api(), forks, "XFS reflink data dir");
+            let api = srv.api();
+            let sb = id(&post(&api, "/v1/sandboxes", &json!({}), 201)?)?;
+            create_rows(&api, &sb, args.creates().min(30), "XFS reflink data dir", rows)?;
+            delete(&api, &format!("/v1/sandboxes/{sb}"))?;
+            let r = fork_rows(&api, forks, "XFS reflink data dir");
             drop(srv);
             rows.push(r?.target(Target::P50(1000.0)));
             drop(cow);

@@ -95,6 +95,26 @@ pub struct JailSpec {
     /// The (static) agent binary, executed inside the machine.
     pub agent_path: PathBuf,
     pub hostname: String,
+    /// Extra overlay mounts (a volume under a run's private copy-on-write layer), mounted
+    /// in the machine's root before it pivots.
+    #[serde(default)]
+    pub mounts: Vec<OverlayMount>,
+}
+
+/// An overlay mounted in a machine at `target`: `lower` (host tree, canonical ids, never
+/// written) under `upper` (host directory, canonical ids) with `work` beside it. `upper`
+/// and `work` must share their parent directory: that parent is bound read-write, `lower`
+/// read-only, both id-mapped into the machine, so the files keep canonical ids on the host.
+/// Mounted with `redirect_dir=off,index=off,metacopy=off`: a renamed lower directory is
+/// copied (plus a whiteout), so the upper layer is plain files, directories, whiteouts
+/// (character devices 0:0) and opaque directories (`trusted.overlay.opaque=y`).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct OverlayMount {
+    pub lower: PathBuf,
+    pub upper: PathBuf,
+    pub work: PathBuf,
+    /// An absolute path inside the machine (not `/`).
+    pub target: PathBuf,
 }
 
 /// A running jail as the host knows it (`<dir>/state.json`).
@@ -617,6 +637,7 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     })
     .and_then(|r| r)
     .map_err(step("mount the overlay root"))?;
+    mount_overlays(spec, &root, userns)?;
 
     let r = |p: &str| root.join(p);
     let mkdir = |p: &Path| fs::create_dir_all(p).map_err(step(format!("create {}", p.display())));
@@ -727,6 +748,66 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     sys::unshare(libc::CLONE_NEWNS).map_err(step("unshare the mount namespace"))?;
     std::env::set_current_dir(&root).map_err(step("enter the root"))?;
     sys::pivot_to_cwd().map_err(step("pivot into the root"))?;
+    Ok(())
+}
+
+/// Mounts `spec.mounts` in the machine's root (see [`OverlayMount`]).
+fn mount_overlays(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), JailError> {
+    let base = spec.uid_base;
+    for (i, m) in spec.mounts.iter().enumerate() {
+        let rel = m.target.strip_prefix("/").unwrap_or(&m.target);
+        if rel.as_os_str().is_empty()
+            || rel
+                .components()
+                .any(|c| !matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(JailError::Init(format!(
+                "bad mount target {}",
+                m.target.display()
+            )));
+        }
+        let (Some(rw), Some(up), Some(wk)) =
+            (m.upper.parent(), m.upper.file_name(), m.work.file_name())
+        else {
+            return Err(JailError::Init("bad overlay upper/work".into()));
+        };
+        if m.work.parent() != Some(rw) {
+            return Err(JailError::Init(
+                "an overlay's upper and work must share their parent".into(),
+            ));
+        }
+        let lower = spec.dir.join(format!("mnt{i}-lower"));
+        let rw_at = spec.dir.join(format!("mnt{i}-rw"));
+        for d in [&lower, &rw_at] {
+            fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
+        }
+        sys::idmapped_bind(&m.lower, &lower, userns.as_raw_fd(), true)
+            .map_err(step(format!("id-map {}", m.lower.display())))?;
+        sys::idmapped_bind(rw, &rw_at, userns.as_raw_fd(), false)
+            .map_err(step(format!("id-map {}", rw.display())))?;
+        let target = root.join(rel);
+        // Created as the machine's root, so the directory is root's inside.
+        sys::with_fs_ids(base, || fs::create_dir_all(&target))
+            .and_then(|r| r)
+            .map_err(step(format!("create {}", m.target.display())))?;
+        let opts = format!(
+            "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off",
+            lower.display(),
+            rw_at.join(up).display(),
+            rw_at.join(wk).display()
+        );
+        sys::with_fs_ids(base, || {
+            sys::mount(
+                Some("overlay"),
+                &target,
+                Some("overlay"),
+                libc::MS_NODEV | libc::MS_NOSUID,
+                Some(&opts),
+            )
+        })
+        .and_then(|r| r)
+        .map_err(step(format!("mount the overlay at {}", m.target.display())))?;
+    }
     Ok(())
 }
 

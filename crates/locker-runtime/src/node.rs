@@ -276,6 +276,17 @@ impl Node {
         spec: MachineSpec,
         disk_from: Option<PathBuf>,
     ) -> Result<Machine, NodeError> {
+        self.create_with(spec, disk_from, Vec::new()).await
+    }
+
+    /// [`Node::create_from`] with extra overlay mounts (a run's volume; see
+    /// [`jail::OverlayMount`]).
+    pub async fn create_with(
+        &self,
+        spec: MachineSpec,
+        disk_from: Option<PathBuf>,
+        mounts: Vec<jail::OverlayMount>,
+    ) -> Result<Machine, NodeError> {
         let slot = lease_slot(&spec.dir)?;
         let js = JailSpec {
             id: spec.id.clone(),
@@ -289,6 +300,7 @@ impl Node {
             disk_from,
             agent_path: self.config.agent_exe.clone(),
             hostname: spec.id.clone(),
+            mounts,
         };
         let started = jail::start(&js, &self.config.init_exe).await;
         let (state, child) = match started {
@@ -393,6 +405,20 @@ impl Node {
         }
         release_slot(m.state.uid_base);
         tracing::debug!(machine = %m.id, ms = started.elapsed().as_secs_f64() * 1e3, "machine destroyed");
+        Ok(())
+    }
+
+    /// Destroys the machine `id` in `dir` that no [`Machine`] handle holds (one a killed
+    /// server left) and returns its uid range. Nothing happens if `dir` holds no machine.
+    pub async fn destroy_dir(&self, id: &str, dir: &Path) -> Result<(), NodeError> {
+        let base = JailState::load(dir).map(|s| s.uid_base);
+        let (id, d, layout) = (id.to_owned(), dir.to_owned(), self.layout.clone());
+        tokio::task::spawn_blocking(move || jail::destroy(&id, &d, &layout))
+            .await
+            .map_err(|e| NodeError::Setup(format!("destroy task failed: {e}")))??;
+        if let Some(b) = base {
+            release_slot(b);
+        }
         Ok(())
     }
 

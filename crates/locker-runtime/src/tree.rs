@@ -133,6 +133,55 @@ impl Copier {
     }
 }
 
+/// Makes `dst` (which must not exist) a hard-link farm of the tree under `src`: every
+/// directory recreated with its mode, owner and times, every regular file hard-linked (the
+/// same inode), every symlink recreated; other types (FIFOs, sockets, devices) skipped.
+/// Instant whatever the files' sizes. The farm is a point-in-time view of `src` only as long
+/// as nobody modifies a file of `src` in place: writers that replace files by renaming a new
+/// one over them (the volumes' files API, run commits) leave the linked inodes untouched.
+/// Returns the regular files linked. On failure `dst` is removed again.
+pub fn link_farm(src: &Path, dst: &Path) -> io::Result<u64> {
+    fn dir(src: &Path, dst: &Path, meta: &fs::Metadata, n: &mut u64) -> io::Result<()> {
+        for e in fs::read_dir(src)? {
+            let e = e?;
+            let (from, to) = (e.path(), dst.join(e.file_name()));
+            let m = from.symlink_metadata()?;
+            let ft = m.file_type();
+            if ft.is_dir() {
+                fs::create_dir(&to)?;
+                dir(&from, &to, &m, n)?;
+            } else if ft.is_symlink() {
+                symlink(fs::read_link(&from)?, &to)?;
+                attrs(&to, &m, false)?;
+            } else if ft.is_file() {
+                fs::hard_link(&from, &to)?;
+                *n += 1;
+            }
+        }
+        attrs(dst, meta, true)
+    }
+    let meta = src.symlink_metadata()?;
+    if !meta.is_dir() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            format!("{} is not a directory", src.display()),
+        ));
+    }
+    fs::create_dir(dst)?;
+    let mut n = 0;
+    if let Err(e) = dir(src, dst, &meta, &mut n) {
+        let _ = fs::remove_dir_all(dst);
+        return Err(e);
+    }
+    Ok(n)
+}
+
+/// Gives `path` the owner, mode and times of `m` (a directory or a file; the mode is not
+/// set on a symlink).
+pub fn copy_attrs(path: &Path, m: &fs::Metadata) -> io::Result<()> {
+    attrs(path, m, !m.file_type().is_symlink())
+}
+
 /// Gives `path` the owner, mode (not for a symlink) and times of `m`. Owner first: a chown
 /// clears set-id bits, which the mode then puts back.
 fn attrs(path: &Path, m: &fs::Metadata, with_mode: bool) -> io::Result<()> {

@@ -141,7 +141,7 @@ pub fn call_record(
     }
 }
 
-fn wants_ndjson(h: &HeaderMap) -> bool {
+pub fn wants_ndjson(h: &HeaderMap) -> bool {
     h.get(header::ACCEPT)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|a| a.contains("application/x-ndjson"))

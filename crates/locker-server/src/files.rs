@@ -67,6 +67,10 @@ pub trait FilesTarget: Sized + Send + Sync + 'static {
     fn space(&self) -> Option<&Space> {
         None
     }
+    /// Called after a write, delete, mkdir or move changed `paths` (as the caller gave
+    /// them), while the target's write gate is still held: a volume appends them to its
+    /// commit log, against which runs detect conflicts.
+    fn changed(&self, _paths: &[&str]) {}
 }
 
 impl FilesTarget for Busy {
@@ -117,7 +121,7 @@ impl Space {
         self.used.load(Ordering::Relaxed).max(0) as u64
     }
 
-    fn add(&self, n: i64) -> i64 {
+    pub(crate) fn add(&self, n: i64) -> i64 {
         self.used.fetch_add(n, Ordering::SeqCst) + n
     }
 
@@ -280,6 +284,7 @@ async fn upload<T: FilesTarget>(
     match result {
         Ok(entry) => {
             space.add(blocks_of(entry.size) - reserved - old);
+            target.changed(&[&path]);
             Ok(axum::Json(entry))
         }
         Err(e) => {
@@ -339,6 +344,7 @@ async fn remove<T: FilesTarget>(
     let writing = space.gate.read().await;
     let before = agent.stat(&path).await?;
     agent.remove(&path, q.recursive).await?;
+    target.changed(&[&path]);
     drop(writing);
     match before.kind {
         EntryType::Dir => space.recount().await?,
@@ -410,6 +416,7 @@ async fn mkdir<T: FilesTarget>(
     let entry = agent.mkdir(&b.path).await?;
     if !existed {
         space.add(4096);
+        target.changed(&[&b.path]);
     }
     Ok(axum::Json(entry))
 }
@@ -443,6 +450,7 @@ async fn rename<T: FilesTarget>(
     };
     let entry = agent.rename(&b.from, &b.to).await?;
     space.add(-replaced);
+    target.changed(&[&b.from, &b.to]);
     Ok(axum::Json(entry))
 }
 

@@ -21,6 +21,7 @@ pub mod files;
 pub mod metrics;
 pub mod ops;
 pub mod processes;
+pub mod runs;
 pub mod sandboxes;
 pub mod snapshots;
 pub mod volumes;

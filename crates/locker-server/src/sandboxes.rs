@@ -21,12 +21,12 @@ use crate::error::ApiError;
 use crate::extract::Json;
 
 /// Limits a client may ask for.
-const MAX_CPUS: f64 = 64.0;
-const MEMORY_MB: (u64, u64) = (32, 262_144);
+pub(crate) const MAX_CPUS: f64 = 64.0;
+pub(crate) const MEMORY_MB: (u64, u64) = (32, 262_144);
 const DISK_MB: (u64, u64) = (16, 1_048_576);
 const MAX_TTL_S: u64 = 30 * 24 * 3600;
 /// Processes per sandbox: enough for builds, small enough to stop a fork bomb.
-const PIDS: u64 = 1024;
+pub(crate) const PIDS: u64 = 1024;
 
 pub fn routes() -> Router<AppState> {
     Router::new()

@@ -56,6 +56,96 @@ pub struct Volume {
     pub dir: PathBuf,
     pub space: Space,
     agent: tokio::sync::Mutex<Option<HostAgent>>,
+    /// What changed when: files-API writes and run commits (see [`CommitLog`]).
+    pub log: std::sync::Mutex<CommitLog>,
+}
+
+/// A volume's in-memory log of changes, `(seq, paths)`: every files-API write, delete,
+/// mkdir and move and every run commit appends one entry under the volume's write gate.
+/// A run notes the sequence number when it snapshots the volume; at commit, a path it
+/// changed that equals, contains or is contained in a path logged after that number is a
+/// conflict. Entries no run in flight can need are dropped. In memory only: a restarted
+/// server has no run in flight.
+#[derive(Debug, Default)]
+pub struct CommitLog {
+    seq: u64,
+    entries: std::collections::VecDeque<(u64, Vec<String>)>,
+    /// Start sequence numbers of runs in flight (with their counts).
+    active: std::collections::BTreeMap<u64, usize>,
+}
+
+/// `p` made canonical: a leading `/`, no empty, `.` or `..` components, no trailing `/`.
+pub fn normalize(p: &str) -> String {
+    let mut parts: Vec<&str> = Vec::new();
+    for c in p.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            c => parts.push(c),
+        }
+    }
+    format!("/{}", parts.join("/"))
+}
+
+/// Whether `a` and `b` are the same path or one contains the other.
+pub fn overlaps(a: &str, b: &str) -> bool {
+    let within = |x: &str, y: &str| y == "/" || x.strip_prefix(y).is_some_and(|r| r.starts_with('/'));
+    a == b || within(a, b) || within(b, a)
+}
+
+impl CommitLog {
+    /// Appends a change; returns its sequence number.
+    pub fn append(&mut self, paths: Vec<String>) -> u64 {
+        self.seq += 1;
+        if !self.active.is_empty() {
+            self.entries.push_back((self.seq, paths));
+        }
+        self.seq
+    }
+
+    /// A run starts now: its start sequence number.
+    pub fn begin(&mut self) -> u64 {
+        *self.active.entry(self.seq).or_default() += 1;
+        self.seq
+    }
+
+    /// The run that started at `start` is over.
+    pub fn end(&mut self, start: u64) {
+        if let Some(n) = self.active.get_mut(&start) {
+            *n -= 1;
+            if *n == 0 {
+                self.active.remove(&start);
+            }
+        }
+        match self.active.keys().next() {
+            None => self.entries.clear(),
+            Some(&oldest) => {
+                while self.entries.front().is_some_and(|(s, _)| *s <= oldest) {
+                    self.entries.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Those of `paths` that overlap a path changed after `start`.
+    pub fn conflicts(&self, start: u64, paths: &[String]) -> Vec<String> {
+        let later: Vec<&String> = self
+            .entries
+            .iter()
+            .filter(|(s, _)| *s > start)
+            .flat_map(|(_, p)| p)
+            .collect();
+        if later.is_empty() {
+            return Vec::new();
+        }
+        paths
+            .iter()
+            .filter(|p| later.iter().any(|q| overlaps(p, q)))
+            .cloned()
+            .collect()
+    }
 }
 
 impl Volume {
@@ -100,6 +190,8 @@ pub struct Volumes {
     root: PathBuf,
     agent_exe: PathBuf,
     open: RwLock<HashMap<String, Arc<Volume>>>,
+    /// Serverless runs in flight, per tenant (the `runs` quota).
+    pub(crate) runs_inflight: std::sync::Mutex<HashMap<String, u64>>,
 }
 
 impl Volumes {
@@ -116,6 +208,7 @@ impl Volumes {
             root,
             agent_exe,
             open: RwLock::new(HashMap::new()),
+            runs_inflight: Default::default(),
         };
         for r in records {
             let dir = v.root.join(&r.id);
@@ -126,6 +219,10 @@ impl Volumes {
             }
             let vol = v.make(&r, 0);
             locker_runtime::host_agent::stop_stale(&vol.paths());
+            let d = dir.clone();
+            tokio::task::spawn_blocking(move || crate::runs::replay_journal(&d))
+                .await
+                .map_err(std::io::Error::other)??;
             let used =
                 tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&live))
                     .await
@@ -151,10 +248,11 @@ impl Volumes {
             ),
             dir,
             agent: Default::default(),
+            log: Default::default(),
         })
     }
 
-    fn get(&self, id: &str) -> Option<Arc<Volume>> {
+    pub(crate) fn get(&self, id: &str) -> Option<Arc<Volume>> {
         self.open.read().expect("volumes lock").get(id).cloned()
     }
 
@@ -185,7 +283,7 @@ fn view(r: &VolumeRecord, v: &Volume) -> Value {
 }
 
 /// The caller's volume by id or name, with its state; 404 for another tenant's.
-fn lookup(
+pub(crate) fn lookup(
     app: &AppState,
     caller: &Caller,
     id_or_name: &str,
@@ -216,6 +314,10 @@ impl FilesTarget for VolumeFiles {
     }
     fn space(&self) -> Option<&Space> {
         Some(&self.vol.space)
+    }
+    fn changed(&self, paths: &[&str]) {
+        let paths = paths.iter().map(|p| normalize(p)).collect();
+        self.vol.log.lock().expect("commit log").append(paths);
     }
 }
 
