@@ -209,12 +209,10 @@ impl MachineCgroup {
                 // The agent lives in a leaf so the machine's cgroup may have children with
                 // controllers (v2 allows no process in a cgroup that delegates controllers).
                 let init = dir.join("init");
+                // The machine's PID 1 enables the controllers for its children once it
+                // has moved into `init` (see the jail's set-up): a cgroup that delegates
+                // controllers may hold no process, and it enters this one first.
                 fs::create_dir(&init).map_err(io_err(&init, "create"))?;
-                write(
-                    &dir.join("cgroup.subtree_control"),
-                    "+memory +pids +cpu",
-                    "enable controllers",
-                )?;
                 for f in [
                     "",
                     "cgroup.procs",

@@ -571,16 +571,23 @@ fn machine_init(
 fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Result<(), JailError> {
     let dir = &spec.dir;
     let base = spec.uid_base;
-    // Enter the cgroup, then give the machine a cgroup namespace rooted there.
+    // Enter the cgroup, then give the machine a cgroup namespace rooted there. On v2 the
+    // namespace root must be the machine's own cgroup (not its `init` leaf): with the
+    // usual `nsdelegate` mount option a process may only move processes inside its
+    // namespace, and the agent moves each command into a sibling of `init`. So: enter the
+    // machine's cgroup, unshare, step into `init`, and only then enable the controllers for
+    // its children (v2 allows no process in a cgroup that delegates controllers).
     for (_, d) in cg.dirs() {
-        let target = if cg.layout().version == crate::cgroup::Version::V2 {
-            d.join("init")
-        } else {
-            d
-        };
-        fs::write(target.join("cgroup.procs"), "0").map_err(step("enter the cgroup"))?;
+        fs::write(d.join("cgroup.procs"), "0").map_err(step("enter the cgroup"))?;
     }
     sys::unshare(libc::CLONE_NEWCGROUP).map_err(step("unshare the cgroup namespace"))?;
+    if cg.layout().version == crate::cgroup::Version::V2 {
+        for (_, d) in cg.dirs() {
+            fs::write(d.join("init/cgroup.procs"), "0").map_err(step("enter the init cgroup"))?;
+            fs::write(d.join("cgroup.subtree_control"), "+memory +pids +cpu")
+                .map_err(step("delegate the controllers"))?;
+        }
+    }
     sys::mount(
         None,
         Path::new("/"),
