@@ -34,6 +34,8 @@ pub struct Server {
     /// `LOCKER_ADMIN_KEY`, unless started with [`Server::without_admin`].
     pub admin_key: Option<String>,
     extra_args: Vec<String>,
+    /// Extra environment of the server process (test hooks).
+    extra_env: Vec<(String, String)>,
     log: PathBuf,
     /// Every tenant key seen, so drop can delete each tenant's sandboxes.
     keys: Mutex<Vec<String>>,
@@ -68,6 +70,27 @@ impl Server {
         Server::build(args, true, false)
     }
 
+    /// A server with extra flags and extra environment variables (test hooks such as
+    /// `LOCKER_TEST_COMMIT_DELAY_MS`), kept across [`Server::restart`] unless cleared with
+    /// [`Server::set_env`].
+    pub fn start_with_env(args: &[&str], env: &[(&str, &str)]) -> Server {
+        let mut s = Server::build_stopped(args, true, false);
+        s.extra_env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        s.spawn();
+        s
+    }
+
+    /// Replaces the extra environment used by the next [`Server::restart`].
+    pub fn set_env(&mut self, env: &[(&str, &str)]) {
+        self.extra_env = env
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+    }
+
     /// A server without an admin key (admin routes disabled).
     pub fn without_admin(args: &[&str]) -> Server {
         Server::build(args, false, false)
@@ -80,6 +103,12 @@ impl Server {
     }
 
     fn build(args: &[&str], admin: bool, generated_key: bool) -> Server {
+        let mut s = Server::build_stopped(args, admin, generated_key);
+        s.spawn();
+        s
+    }
+
+    fn build_stopped(args: &[&str], admin: bool, generated_key: bool) -> Server {
         crate::become_subreaper();
         let dir = TempDir::new("locker-srv");
         let data_dir = dir.path().join("data");
@@ -88,7 +117,7 @@ impl Server {
         } else {
             secret("lk_test")
         };
-        let mut s = Server {
+        let s = Server {
             child: None,
             url: String::new(),
             addr: "127.0.0.1:0".parse().expect("addr"),
@@ -99,9 +128,9 @@ impl Server {
             api_key,
             generated_key,
             extra_args: args.iter().map(|a| a.to_string()).collect(),
+            extra_env: Vec::new(),
             _dir: dir,
         };
-        s.spawn();
         s
     }
 
@@ -129,6 +158,7 @@ impl Server {
                 .arg("--data-dir")
                 .arg(&self.data_dir)
                 .args(&self.extra_args)
+                .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
                 .env("LOCKER_AGENT_BIN", agent_bin())
                 .env(
                     "LOCKER_LOG",

@@ -2,6 +2,7 @@
 
 mod client;
 mod doctor_cmd;
+mod mcp_cmd;
 mod serve_cmd;
 mod template_cmd;
 
@@ -27,6 +28,8 @@ enum Cmd {
     Doctor(doctor_cmd::DoctorArgs),
     /// Serve the HTTP API (sandboxes, exec, files, records).
     Serve(serve_cmd::ServeArgs),
+    /// Serve Locker's tools to an MCP client on stdin/stdout (uses LOCKER_URL, LOCKER_API_KEY).
+    Mcp(mcp_cmd::McpArgs),
     // Client commands (sandbox, exec, shell, files, tenant, key, calls, usage): they talk
     // to `locker serve` over HTTP; see `client/mod.rs`.
     #[command(flatten)]
@@ -48,6 +51,7 @@ fn main() -> anyhow::Result<()> {
         Cmd::Template(c) => template_cmd::run(c),
         Cmd::Doctor(a) => doctor_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
+        Cmd::Mcp(a) => mcp_cmd::run(a),
         Cmd::Client(c) => client::main(c),
     }
 }

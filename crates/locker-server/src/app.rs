@@ -275,18 +275,20 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         started: Instant::now(),
     });
     crate::sandboxes::adopt_all(&app).await;
+    crate::runs::cleanup(&app).await;
     Ok(app)
 }
 
 /// Every route.
 pub fn router(app: AppState) -> Router {
-    Router::new()
+    let api = Router::new()
         .merge(crate::sandboxes::routes())
         .merge(crate::snapshots::routes())
         .merge(crate::exec::routes())
         .merge(crate::files::routes())
         .merge(crate::processes::routes())
         .merge(crate::volumes::routes())
+        .merge(crate::runs::routes())
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())
         .fallback(|| async {
@@ -300,7 +302,8 @@ pub fn router(app: AppState) -> Router {
         })
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
-        .with_state(app)
+        .with_state(app.clone());
+    crate::mcp::mount(app, api)
 }
 
 /// Records latency and status of every request.

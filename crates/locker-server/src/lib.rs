@@ -6,7 +6,8 @@
 //! - [`auth`]: API keys and tenants on every `/v1` route;
 //! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`volumes`], [`admin`], [`ops`]: the routes;
 //! - [`error`], [`extract`]: the one error shape and request parsing;
-//! - [`metrics`]: Prometheus text.
+//! - [`metrics`]: Prometheus text;
+//! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP.
 //!
 //! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
 //! itself: that is `locker-runtime`'s job.
@@ -18,6 +19,7 @@ pub mod error;
 pub mod exec;
 pub mod extract;
 pub mod files;
+pub mod mcp;
 pub mod metrics;
 pub mod ops;
 pub mod processes;

@@ -91,7 +91,8 @@ pub fn normalize(p: &str) -> String {
 
 /// Whether `a` and `b` are the same path or one contains the other.
 pub fn overlaps(a: &str, b: &str) -> bool {
-    let within = |x: &str, y: &str| y == "/" || x.strip_prefix(y).is_some_and(|r| r.starts_with('/'));
+    let within =
+        |x: &str, y: &str| y == "/" || x.strip_prefix(y).is_some_and(|r| r.starts_with('/'));
     a == b || within(a, b) || within(b, a)
 }
 

@@ -146,6 +146,9 @@ pub struct Changes {
     pub deleted: Vec<String>,
     pub committed: bool,
     pub conflicts: Vec<String>,
+    /// Why changes that were to be applied were not (e.g. the volume's size limit).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub commit_error: Option<String>,
 }
 
 /// The typed result of every exec and run.

@@ -156,7 +156,19 @@ pub fn exec_stream(
     let body = serde_json::to_value(req)
         .map_err(|e| ClientError::Protocol(format!("cannot encode the request: {e}")))?;
     let path = format!("/v1/sandboxes/{}/exec", seg(sandbox));
-    let (ctype, reader) = c.post_stream(&path, &body, "application/x-ndjson")?;
+    post_streaming(c, &path, &body, out, err)
+}
+
+/// POSTs `body` to `path` (an exec or a run) asking for NDJSON, writing the output to
+/// `out` and `err` as it arrives; returns how the command ended.
+pub fn post_streaming(
+    c: &Client,
+    path: &str,
+    body: &Value,
+    out: &mut impl Write,
+    err: &mut impl Write,
+) -> Result<ExecOutcome, ClientError> {
+    let (ctype, reader) = c.post_stream(path, body, "application/x-ndjson")?;
     let result = if ctype.starts_with("application/json") {
         let mut buf = Vec::new();
         reader

@@ -1,6 +1,6 @@
 //! The client side of the `locker` CLI: the commands that talk to `locker serve` over HTTP.
 //!
-//! This room owns `locker sandbox|exec|shell|files|volume|tenant|key|calls|usage`. It codes
+//! This room owns `locker sandbox|exec|run|shell|files|volume|tenant|key|calls|usage`. It codes
 //! against the HTTP contract (`docs/api.md`) and nothing else: it must not link to the
 //! server, the runtime or the store, so that what it does is exactly what any other client
 //! of the API could do. The HTTP plumbing (base URL, Bearer key, the `{"error": …}` shape)
@@ -18,6 +18,7 @@ pub mod files;
 pub mod http;
 pub mod records;
 pub mod render;
+pub mod run;
 pub mod sandbox;
 pub mod shell;
 pub mod tty;
@@ -66,6 +67,9 @@ pub enum ClientCmd {
     Snapshot(Box<sandbox::SnapshotArgs>),
     /// Run a command in a sandbox, streaming its output; exits with the command's code.
     Exec(Box<exec::ExecArgs>),
+    /// A serverless call: a fresh machine on a volume runs one command; its changes are
+    /// committed to the volume and listed. Exits with the command's code.
+    Run(Box<run::RunArgs>),
     /// Open an interactive terminal in a sandbox.
     Shell(Box<shell::ShellArgs>),
     /// Read, write, list and move files in a sandbox.
@@ -89,6 +93,7 @@ pub fn main(cmd: ClientCmd) -> ! {
         ClientCmd::Sandbox(a) => sandbox::run(*a),
         ClientCmd::Snapshot(a) => sandbox::run_snapshot(*a),
         ClientCmd::Exec(a) => exec::run(*a),
+        ClientCmd::Run(a) => run::run(*a),
         ClientCmd::Shell(a) => shell::run(*a),
         ClientCmd::Files(a) => files::run(*a),
         ClientCmd::Volume(a) => volume::run(*a),

@@ -1,0 +1,163 @@
+//! `locker run --volume NAME -- CMD…`: a serverless call. A fresh machine with the volume
+//! at `--mount-path` runs the command with its output live on the terminal; then the
+//! changes it made to the volume are printed on stderr (`+ added`, `~ modified`,
+//! `- deleted`, `! conflict`) and `locker run` exits with the command's code, like
+//! `locker exec`.
+
+use std::io::{IsTerminal, Read};
+
+use serde_json::{json, Value};
+
+use super::exec::{exit_code_of, note_of, post_streaming};
+use super::{base64, parse_kv, print_json, seg, ClientError, Conn};
+
+/// `locker run …`.
+#[derive(clap::Args, Debug)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// The volume (name or vol_… id).
+    #[arg(long)]
+    pub volume: String,
+    /// When the changes are applied: always (default), on_success or never.
+    #[arg(long, value_parser = ["always", "on_success", "never"])]
+    pub commit: Option<String>,
+    /// Where the volume appears in the machine (server default /workspace; the cwd).
+    #[arg(long)]
+    pub mount_path: Option<String>,
+    /// Working directory (default: the mount path).
+    #[arg(long)]
+    pub cwd: Option<String>,
+    /// The machine's template (server default: default).
+    #[arg(long)]
+    pub template: Option<String>,
+    /// An environment variable of the command (repeatable).
+    #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
+    pub env: Vec<(String, String)>,
+    /// Kill the command's whole process tree after this long (at most 300000).
+    #[arg(long)]
+    pub timeout_ms: Option<u64>,
+    /// Run this string with `/bin/sh -c` instead of CMD.
+    #[arg(long, value_name = "SCRIPT", conflicts_with = "cmd")]
+    pub shell: Option<String>,
+    /// Send no standard input, even when it is not a terminal.
+    #[arg(long, short = 'n')]
+    pub no_stdin: bool,
+    /// The program and its arguments (after `--` when they start with `-`).
+    #[arg(
+        value_name = "CMD",
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        required_unless_present = "shell"
+    )]
+    pub cmd: Vec<String>,
+}
+
+/// The request body for these flags.
+pub fn run_body(a: &RunArgs, stdin: Option<&[u8]>) -> Value {
+    let mut b = json!({});
+    match &a.shell {
+        Some(s) => b["shell"] = json!(s),
+        None => b["cmd"] = json!(a.cmd),
+    }
+    for (k, v) in [
+        ("commit", &a.commit),
+        ("mount_path", &a.mount_path),
+        ("cwd", &a.cwd),
+        ("template", &a.template),
+    ] {
+        if let Some(v) = v {
+            b[k] = json!(v);
+        }
+    }
+    if let Some(t) = a.timeout_ms {
+        b["timeout_ms"] = json!(t);
+    }
+    if !a.env.is_empty() {
+        b["env"] = json!(a
+            .env
+            .iter()
+            .cloned()
+            .collect::<std::collections::BTreeMap<_, _>>());
+    }
+    if let Some(s) = stdin.filter(|s| !s.is_empty()) {
+        b["stdin_b64"] = json!(base64(s));
+    }
+    b
+}
+
+/// The change list of a result, one line a path.
+pub fn change_lines(result: &Value) -> Vec<String> {
+    let ch = &result["changes"];
+    let mut out = Vec::new();
+    for (key, mark) in [
+        ("added", '+'),
+        ("modified", '~'),
+        ("deleted", '-'),
+        ("conflicts", '!'),
+    ] {
+        for p in ch[key].as_array().into_iter().flatten() {
+            out.push(format!("{mark} {}", p.as_str().unwrap_or_default()));
+        }
+    }
+    match (ch["committed"].as_bool(), ch["commit_error"].as_str()) {
+        (_, Some(e)) => out.push(format!("locker: not committed: {e}")),
+        (Some(false), None) if !out.is_empty() => {
+            out.push("locker: the changes were not committed".into())
+        }
+        _ => {}
+    }
+    out
+}
+
+/// Runs `locker run …`.
+pub fn run(a: RunArgs) -> Result<i32, ClientError> {
+    let c = a.conn.client()?;
+    let stdin = if a.no_stdin || std::io::stdin().is_terminal() {
+        None
+    } else {
+        let mut buf = Vec::new();
+        std::io::stdin()
+            .lock()
+            .read_to_end(&mut buf)
+            .map_err(|e| ClientError::io("cannot read standard input", e))?;
+        Some(buf)
+    };
+    let body = run_body(&a, stdin.as_deref());
+    let path = format!("/v1/volumes/{}/run", seg(&a.volume));
+    if a.conn.json {
+        let v = c.post_json(&path, &body)?;
+        print_json(&v)?;
+        return Ok(exit_code_of(&v));
+    }
+    let outcome = {
+        let mut out = std::io::stdout().lock();
+        let mut err = std::io::stderr().lock();
+        post_streaming(&c, &path, &body, &mut out, &mut err)?
+    };
+    for l in change_lines(&outcome.result) {
+        eprintln!("{l}");
+    }
+    if let Some(note) = note_of(&outcome.result) {
+        eprintln!("locker: {note}");
+    }
+    Ok(outcome.code)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn changes_print_one_line_a_path() {
+        let r = json!({"changes": {"added": ["/a"], "modified": ["/b"], "deleted": ["/c"],
+            "conflicts": ["/b"], "committed": true}});
+        assert_eq!(change_lines(&r), vec!["+ /a", "~ /b", "- /c", "! /b"]);
+        let r = json!({"changes": {"added": ["/a"], "modified": [], "deleted": [],
+            "conflicts": [], "committed": false}});
+        assert_eq!(
+            change_lines(&r)[1],
+            "locker: the changes were not committed"
+        );
+    }
+}

@@ -1,0 +1,960 @@
+//! `POST /v1/volumes/{id}/run`: the serverless call. A fresh machine per call sees the
+//! volume through a private copy-on-write layer, runs one command and is destroyed; its
+//! changes are then listed and committed to the volume atomically (all or none), or not.
+//!
+//! 1. **Snapshot**: under the volume's write gate, `<data-dir>/runs/<call>/base/` becomes a
+//!    hard-link farm of `live/` (`locker_runtime::tree::link_farm`) and the run notes the
+//!    volume's commit sequence number. Everything that writes `live/` replaces files by
+//!    renaming a new one over them (the files API's agent writes a temporary file and renames
+//!    it; commits rename files from a run's layer), so the linked inodes never change: `base/`
+//!    stays the volume as of the run's start. A writer that modified a file in place would
+//!    show through; there is none today.
+//! 2. **Machine**: a jail like a sandbox's with an overlay at `mount_path`: `base/` below
+//!    (read-only), `layer/upper` above (see `locker_runtime::jail::OverlayMount`).
+//! 3. **Run**: the exec body, as in a sandbox (`exec::build_spec`), NDJSON too; then the
+//!    machine is destroyed, so `layer/upper` is stable.
+//! 4. **Changes**: [`scan`] reads `upper/`: whiteouts (character devices 0:0) are deletions,
+//!    opaque directories replaced the lower one, files and symlinks are added or modified,
+//!    directories that exist only because of a copy-up are walked.
+//! 5. **Commit** under the gate: conflicts against the volume's [`CommitLog`]; the ops go
+//!    to a journal (`<volume>/commit.journal`, fsynced; its rename is the commit point), are
+//!    applied idempotently, flushed, and the journal removed. A server that dies mid-apply
+//!    replays the journal at its next start ([`replay_journal`]), before serving.
+//!
+//! [`CommitLog`]: crate::volumes::CommitLog
+
+use std::collections::BTreeMap;
+use std::fs;
+use std::io::{self, Write};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::path::{Path as FsPath, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::HeaderMap;
+use axum::response::{IntoResponse, Response};
+use axum::routing::post;
+use axum::Router;
+use locker_proto::{Chan, ExecSpec};
+use locker_runtime::jail::OverlayMount;
+use locker_runtime::node::MachineSpec;
+use locker_store::{CallKind, CallRecord, VolumeRecord};
+use locker_types::{Changes, ExecRequest, ExecResult};
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+use tokio::sync::mpsc;
+
+use crate::app::{ms_since, new_id, now_s, AppState};
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::exec::{build_spec, error_line, ndjson_response, pump, send_line, typed, wants_ndjson};
+use crate::extract::Json;
+use crate::volumes::Volume;
+
+/// The longest a run may take, and its default.
+pub const MAX_RUN_TIMEOUT_MS: u64 = 300_000;
+pub const DEFAULT_RUN_TIMEOUT_MS: u64 = 60_000;
+/// The machine's own disk (its root's writable layer; the volume is not on it).
+const RUN_DISK_MB: u64 = 2048;
+/// The journal of a commit in progress, in the volume's directory.
+const JOURNAL: &str = "commit.journal";
+
+pub fn routes() -> Router<AppState> {
+    Router::new().route("/v1/volumes/{id}/run", post(run))
+}
+
+/// The body of a run: an exec body plus the machine and the commit.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RunBody {
+    cmd: Option<Vec<String>>,
+    shell: Option<String>,
+    cwd: Option<String>,
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    stdin: Option<String>,
+    stdin_b64: Option<String>,
+    timeout_ms: Option<u64>,
+    max_output_bytes: Option<u64>,
+    user: Option<String>,
+    template: Option<String>,
+    runtime: Option<String>,
+    cpus: Option<f64>,
+    memory_mb: Option<u64>,
+    network: Option<Value>,
+    mount_path: Option<String>,
+    commit: Option<String>,
+}
+
+/// When a run's changes are applied.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum CommitMode {
+    Always,
+    OnSuccess,
+    Never,
+}
+
+/// A checked run.
+struct Plan {
+    rec: VolumeRecord,
+    vol: Arc<Volume>,
+    req: ExecRequest,
+    template: locker_runtime::template::Template,
+    cpus: f64,
+    memory_mb: u64,
+    mount_path: String,
+    commit: CommitMode,
+}
+
+/// Checks `mount_path`: absolute, normalized, not `/` nor under the machine's own mounts.
+fn check_mount_path(p: Option<&str>) -> Result<String, ApiError> {
+    let p = p.unwrap_or("/workspace");
+    crate::extract::check_path("mount_path", p)?;
+    let norm = crate::volumes::normalize(p);
+    if p.split('/').any(|c| c == "..") {
+        return Err(ApiError::bad_request(format!(
+            "`mount_path` must not contain `..`, got {p:?}"
+        )));
+    }
+    if norm == "/" {
+        return Err(ApiError::bad_request(
+            "`mount_path` must not be `/`: use a directory like /workspace",
+        ));
+    }
+    let first = norm.trim_start_matches('/').split('/').next().unwrap_or("");
+    if ["proc", "sys", "dev", "tmp"].contains(&first) {
+        return Err(ApiError::bad_request(format!(
+            "`mount_path` must not be under /{first} (the machine mounts its own there), got {p:?}"
+        )));
+    }
+    Ok(norm)
+}
+
+fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, ApiError> {
+    if let Some(t) = b.timeout_ms {
+        if t == 0 || t > MAX_RUN_TIMEOUT_MS {
+            return Err(ApiError::bad_request(format!(
+                "`timeout_ms` of a run must be between 1 and {MAX_RUN_TIMEOUT_MS} (long commands belong in a sandbox), got {t}"
+            )));
+        }
+    }
+    let mount_path = check_mount_path(b.mount_path.as_deref())?;
+    let commit = match b.commit.as_deref() {
+        None | Some("always") => CommitMode::Always,
+        Some("on_success") => CommitMode::OnSuccess,
+        Some("never") => CommitMode::Never,
+        Some(other) => {
+            return Err(ApiError::bad_request(format!(
+                "`commit` must be always, on_success or never, got {other:?}"
+            )))
+        }
+    };
+    crate::sandboxes::resolve_runtime(b.runtime.as_deref())?;
+    let cpus = b.cpus.unwrap_or(1.0);
+    let max_cpus = crate::sandboxes::MAX_CPUS;
+    if !(cpus > 0.0 && cpus <= max_cpus) {
+        return Err(ApiError::bad_request(format!(
+            "`cpus` must be more than 0 and at most {max_cpus}"
+        )));
+    }
+    let memory_mb = b.memory_mb.unwrap_or(512);
+    let (lo, hi) = crate::sandboxes::MEMORY_MB;
+    if !(lo..=hi).contains(&memory_mb) {
+        return Err(ApiError::bad_request(format!(
+            "`memory_mb` must be between {lo} and {hi}"
+        )));
+    }
+    crate::sandboxes::check_network(&b.network)?;
+    let req = ExecRequest {
+        cmd: b.cmd,
+        shell: b.shell,
+        cwd: Some(b.cwd.unwrap_or_else(|| mount_path.clone())),
+        env: b.env,
+        stdin: b.stdin,
+        stdin_b64: b.stdin_b64,
+        timeout_ms: Some(b.timeout_ms.unwrap_or(DEFAULT_RUN_TIMEOUT_MS)),
+        max_output_bytes: b.max_output_bytes,
+        user: b.user,
+    };
+    req.validate().map_err(ApiError::bad_request)?;
+    let (rec, vol) = crate::volumes::lookup(app, caller, id)?;
+    let name = b.template.unwrap_or_else(|| "default".into());
+    let template = app
+        .templates
+        .resolve(&name)
+        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+        .ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "unknown template {name:?}: `locker template list` shows the templates of this host"
+            ))
+        })?;
+    Ok(Plan {
+        rec,
+        vol,
+        req,
+        template,
+        cpus,
+        memory_mb,
+        mount_path,
+        commit,
+    })
+}
+
+/// One run counted against its tenant's `runs` quota while it lives.
+struct RunSlot {
+    app: AppState,
+    tenant: String,
+}
+
+impl RunSlot {
+    fn take(app: &AppState, tenant: &str) -> Result<RunSlot, ApiError> {
+        let mut m = app.volumes.runs_inflight.lock().expect("runs lock");
+        let n = m.entry(tenant.to_owned()).or_default();
+        let q = app.cfg.quotas.runs;
+        if *n >= q {
+            return Err(ApiError::quota(format!(
+                "quota exceeded: tenant {tenant} may have {q} runs in flight at once; wait for one to end"
+            )));
+        }
+        *n += 1;
+        Ok(RunSlot {
+            app: app.clone(),
+            tenant: tenant.to_owned(),
+        })
+    }
+}
+
+impl Drop for RunSlot {
+    fn drop(&mut self) {
+        let mut m = self.app.volumes.runs_inflight.lock().expect("runs lock");
+        if let Some(n) = m.get_mut(&self.tenant) {
+            *n = n.saturating_sub(1);
+            if *n == 0 {
+                m.remove(&self.tenant);
+            }
+        }
+    }
+}
+
+async fn run(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    headers: HeaderMap,
+    Json(body): Json<RunBody>,
+) -> Result<Response, ApiError> {
+    let arrived = Instant::now();
+    let stream = wants_ndjson(&headers);
+    let plan = check(&app, &caller, &id, body)?;
+    let call_id = new_id("call_");
+    let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, stream)?;
+    let slot = RunSlot::take(&app, &caller.tenant)?;
+    if !stream {
+        // A task of its own: a client that goes away never leaves a machine behind.
+        let task = tokio::spawn(async move {
+            let r = execute(&app, &caller, &plan, spec, stdin, None, arrived).await;
+            drop(slot);
+            r
+        });
+        let res = task
+            .await
+            .map_err(|e| ApiError::internal(format!("the run failed: {e}")))??;
+        return Ok(axum::Json(res).into_response());
+    }
+    let (body_tx, response) = ndjson_response();
+    tokio::spawn(async move {
+        let r = execute(&app, &caller, &plan, spec, stdin, Some(&body_tx), arrived).await;
+        drop(slot);
+        let last = match r {
+            Ok(res) => typed("result", &res),
+            Err(e) => error_line(e),
+        };
+        send_line(&body_tx, &last).await;
+    });
+    Ok(response)
+}
+
+/// Snapshot, machine, command, changes, commit, record; the run's directory is removed
+/// whatever happens.
+async fn execute(
+    app: &AppState,
+    caller: &Caller,
+    plan: &Plan,
+    spec: ExecSpec,
+    stdin: Option<Vec<u8>>,
+    body: Option<&mpsc::Sender<Bytes>>,
+    arrived: Instant,
+) -> Result<ExecResult, ApiError> {
+    let run_dir = runs_dir(app).join(&spec.call_id);
+    let vol = &plan.vol;
+    let start = snapshot(vol, &run_dir).await;
+    let r = match start {
+        Ok(seq) => {
+            let r = in_machine(app, plan, &run_dir, spec, stdin, body, arrived, seq).await;
+            vol.log.lock().expect("commit log").end(seq);
+            r
+        }
+        Err(e) => Err(e),
+    };
+    let d = run_dir.clone();
+    let _ = tokio::task::spawn_blocking(move || remove_tree(&d)).await;
+    let (mut res, changes) = r?;
+    res.timings.total_ms = ms_since(arrived);
+    app.metrics.exec_seconds.observe(res.timings.total_ms / 1e3);
+    app.metrics.add_cpu(&caller.tenant, res.usage.cpu_ms);
+    app.recorder
+        .record(call_record(caller, plan, &res, changes.as_ref()));
+    res.changes = changes;
+    Ok(res)
+}
+
+fn runs_dir(app: &AppState) -> PathBuf {
+    app.cfg.data_dir.join("runs")
+}
+
+/// Removes a tree, also when it does not exist.
+fn remove_tree(d: &FsPath) -> io::Result<()> {
+    match fs::remove_dir_all(d) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+/// Makes `run_dir` (`base/` = the volume now, `layer/{upper,work}`) and returns the
+/// volume's commit sequence number at that point.
+async fn snapshot(vol: &Arc<Volume>, run_dir: &FsPath) -> Result<u64, ApiError> {
+    let _all = vol.space.gate.write().await;
+    let live = vol.dir.join("live");
+    let rd = run_dir.to_owned();
+    tokio::task::spawn_blocking(move || -> io::Result<()> {
+        fs::create_dir_all(rd.join("layer/work"))?;
+        let upper = rd.join("layer/upper");
+        fs::create_dir(&upper)?;
+        // The mount point shows the upper layer's root: make it look like the volume's.
+        locker_runtime::tree::copy_attrs(&upper, &live.symlink_metadata()?)?;
+        locker_runtime::tree::link_farm(&live, &rd.join("base")).map(drop)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?
+    .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
+    Ok(vol.log.lock().expect("commit log").begin())
+}
+
+/// Starts the machine, runs the command, destroys the machine, commits. `Ok((result,
+/// None))` when the client of a stream went away (the command was killed; nothing is
+/// committed).
+#[allow(clippy::too_many_arguments)]
+async fn in_machine(
+    app: &AppState,
+    plan: &Plan,
+    run_dir: &FsPath,
+    spec: ExecSpec,
+    stdin: Option<Vec<u8>>,
+    body: Option<&mpsc::Sender<Bytes>>,
+    arrived: Instant,
+    start_seq: u64,
+) -> Result<(ExecResult, Option<Changes>), ApiError> {
+    let mspec = MachineSpec {
+        id: spec.call_id.clone(),
+        dir: run_dir.join("machine"),
+        template_rootfs: plan.template.rootfs.clone(),
+        cpus: plan.cpus,
+        memory_mb: plan.memory_mb,
+        disk_mb: RUN_DISK_MB,
+        pids: crate::sandboxes::PIDS,
+    };
+    let mount = OverlayMount {
+        lower: run_dir.join("base"),
+        upper: run_dir.join("layer/upper"),
+        work: run_dir.join("layer/work"),
+        target: PathBuf::from(&plan.mount_path),
+    };
+    let machine = app
+        .node
+        .create_with(mspec, None, vec![mount])
+        .await
+        .map_err(|e| ApiError::internal(format!("starting the run's machine failed: {e}")))?;
+    let queue_ms = ms_since(arrived);
+    let agent = machine.agent.clone();
+    let outcome = match body {
+        None => Some(agent.exec(spec.clone(), stdin, None).await),
+        Some(body) => {
+            let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
+            pump(
+                agent.exec(spec.clone(), stdin, Some(out_tx)),
+                &mut out_rx,
+                body,
+            )
+            .await
+        }
+    };
+    let destroyed = app.node.destroy(&machine).await;
+    let mut res = match outcome {
+        None => {
+            destroyed
+                .map_err(|e| ApiError::internal(format!("destroying the run's machine: {e}")))?;
+            return Err(ApiError::new(
+                axum::http::StatusCode::from_u16(499)
+                    .unwrap_or(axum::http::StatusCode::BAD_REQUEST),
+                "the client went away: the command was killed and nothing was committed",
+            ));
+        }
+        Some(r) => r?,
+    };
+    destroyed.map_err(|e| ApiError::internal(format!("destroying the run's machine: {e}")))?;
+    res.timings.queue_ms = queue_ms;
+    let changes = commit(plan, run_dir, &res, start_seq).await?;
+    Ok((res, Some(changes)))
+}
+
+/// Lists the changes of the run's layer and applies them per the commit mode.
+async fn commit(
+    plan: &Plan,
+    run_dir: &FsPath,
+    res: &ExecResult,
+    start_seq: u64,
+) -> Result<Changes, ApiError> {
+    let vol = &plan.vol;
+    let (base, upper) = (run_dir.join("base"), run_dir.join("layer/upper"));
+    let scan = tokio::task::spawn_blocking(move || scan(&base, &upper))
+        .await
+        .map_err(|e| ApiError::internal(format!("listing the run's changes: {e}")))?
+        .map_err(|e| ApiError::internal(format!("listing the run's changes: {e}")))?;
+    let mut changes = Changes {
+        added: scan.added,
+        modified: scan.modified,
+        deleted: scan.deleted,
+        committed: false,
+        conflicts: vec![],
+        commit_error: None,
+    };
+    let mut paths: Vec<String> = changes
+        .added
+        .iter()
+        .chain(&changes.modified)
+        .chain(&changes.deleted)
+        .cloned()
+        .collect();
+    paths.sort();
+    let _all = vol.space.gate.write().await;
+    changes.conflicts = vol
+        .log
+        .lock()
+        .expect("commit log")
+        .conflicts(start_seq, &paths);
+    let apply = match plan.commit {
+        CommitMode::Always => true,
+        CommitMode::OnSuccess => res.exit_code == Some(0) && changes.conflicts.is_empty(),
+        CommitMode::Never => false,
+    };
+    if !apply {
+        return Ok(changes);
+    }
+    if scan.ops.is_empty() {
+        changes.committed = true;
+        return Ok(changes);
+    }
+    let (dir, ops) = (vol.dir.clone(), scan.ops);
+    let limit = vol.space.limit_bytes as i64;
+    let used = vol.space.used_bytes() as i64;
+    let what = vol.space.what.clone();
+    let applied = tokio::task::spawn_blocking(move || -> io::Result<Result<i64, String>> {
+        let delta = size_delta(&dir.join("live"), &ops);
+        if delta > 0 && used + delta > limit {
+            return Ok(Err(format!(
+                "{what} is full: the run's changes need {delta} more bytes ({used} of {limit} in use); nothing was committed"
+            )));
+        }
+        write_journal(&dir, &ops)?;
+        finish_journal(&dir, &ops)?;
+        Ok(Ok(delta))
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("committing the run: {e}")))?
+    .map_err(|e| ApiError::internal(format!("committing the run to volume {}: {e}", vol.id)))?;
+    match applied {
+        Ok(delta) => {
+            vol.space.add(delta);
+            changes.committed = true;
+            vol.log.lock().expect("commit log").append(paths);
+        }
+        Err(why) => changes.commit_error = Some(why),
+    }
+    Ok(changes)
+}
+
+/// The call record of a run: the result without output, the changed paths.
+fn call_record(caller: &Caller, plan: &Plan, res: &ExecResult, ch: Option<&Changes>) -> CallRecord {
+    let mut result = res.clone();
+    result.stdout.clear();
+    result.stderr.clear();
+    result.changes = ch.cloned();
+    let argv = match (&plan.req.cmd, &plan.req.shell) {
+        (Some(c), _) => c.clone(),
+        (None, Some(s)) => vec!["/bin/sh".into(), "-c".into(), s.clone()],
+        (None, None) => vec![],
+    };
+    CallRecord {
+        id: res.call_id.clone(),
+        tenant: caller.tenant.clone(),
+        key_id: caller.key_id.clone(),
+        kind: CallKind::Run,
+        sandbox_id: None,
+        volume_id: Some(plan.rec.id.clone()),
+        command: argv,
+        cwd: plan.req.cwd.clone(),
+        env_keys: plan.req.env.keys().cloned().collect(),
+        template_digest: plan.template.digest.clone(),
+        runtime: "jail".into(),
+        result,
+        egress_denied: vec![],
+        changes: ch.map(|c| {
+            json!({"added": c.added, "modified": c.modified, "deleted": c.deleted,
+                   "conflicts": c.conflicts, "committed": c.committed})
+        }),
+        created_at: locker_types::rfc3339(now_s()),
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The layer's changes and the journal.
+// ---------------------------------------------------------------------------------------
+
+/// One step of a commit; every step can be applied again with the same outcome.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "op", rename_all = "snake_case")]
+pub enum Op {
+    /// Remove `path` (a file, or a directory with its contents).
+    Delete { path: String },
+    /// Make sure `path` is a directory with this mode and owner.
+    Mkdir {
+        path: String,
+        mode: u32,
+        uid: u32,
+        gid: u32,
+    },
+    /// Rename the file or symlink `from` (in the run's layer) to `path`.
+    Put { path: String, from: PathBuf },
+    /// Replace whatever is at `path` by the directory `from` (in the run's layer).
+    ReplaceDir { path: String, from: PathBuf },
+}
+
+/// What a run's layer holds.
+#[derive(Debug, Default)]
+pub struct Scan {
+    pub added: Vec<String>,
+    pub modified: Vec<String>,
+    pub deleted: Vec<String>,
+    pub ops: Vec<Op>,
+}
+
+fn is_whiteout(m: &fs::Metadata) -> bool {
+    m.file_type().is_char_device() && m.rdev() == 0
+}
+
+fn xattr_names(p: &FsPath) -> Vec<std::ffi::CString> {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return vec![];
+    };
+    let mut buf = vec![0u8; 4096];
+    // SAFETY: llistxattr writes at most buf.len() bytes into the buffer we own.
+    let n = unsafe { libc::llistxattr(c.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    if n <= 0 {
+        return vec![];
+    }
+    buf.truncate(n as usize);
+    buf.split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| std::ffi::CString::new(s).ok())
+        .collect()
+}
+
+/// Whether `p` carries `trusted.overlay.opaque=y`.
+fn is_opaque(p: &FsPath) -> bool {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return false;
+    };
+    let mut v = [0u8; 4];
+    // SAFETY: lgetxattr writes at most v.len() bytes into the buffer we own.
+    let n = unsafe {
+        libc::lgetxattr(
+            c.as_ptr(),
+            c"trusted.overlay.opaque".as_ptr(),
+            v.as_mut_ptr().cast(),
+            v.len(),
+        )
+    };
+    n >= 1 && v[0] == b'y'
+}
+
+/// Removes the overlay's own attributes (`trusted.overlay.*`) from `p`, so a file or
+/// directory moved into the volume carries none into the next run's lower layer.
+fn strip_overlay_xattrs(p: &FsPath) {
+    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
+        return;
+    };
+    for name in xattr_names(p) {
+        if name.as_bytes().starts_with(b"trusted.overlay.") {
+            // SAFETY: both strings are valid for the call.
+            unsafe { libc::lremovexattr(c.as_ptr(), name.as_ptr()) };
+        }
+    }
+}
+
+fn join(rel: &str, name: &str) -> String {
+    if rel.is_empty() {
+        format!("/{name}")
+    } else {
+        format!("{rel}/{name}")
+    }
+}
+
+/// Lists the changes of the overlay layer `upper` over `base` and the ops that apply them.
+/// Sorted paths, relative to the volume's root with a leading `/`. Entries of types a volume
+/// does not keep (FIFOs, sockets, devices other than whiteouts) are removed from the layer.
+pub fn scan(base: &FsPath, upper: &FsPath) -> io::Result<Scan> {
+    let mut s = Scan::default();
+    walk(base, upper, "", &mut s)?;
+    s.added.sort();
+    s.modified.sort();
+    s.deleted.sort();
+    Ok(s)
+}
+
+fn walk(base: &FsPath, upper: &FsPath, rel: &str, s: &mut Scan) -> io::Result<()> {
+    let udir = upper.join(rel.trim_start_matches('/'));
+    let mut names: Vec<_> = fs::read_dir(&udir)?
+        .map(|e| e.map(|e| e.file_name()))
+        .collect::<io::Result<_>>()?;
+    names.sort();
+    for name in names {
+        let p = join(rel, &name.to_string_lossy());
+        let (up, bp) = (udir.join(&name), base.join(p.trim_start_matches('/')));
+        let m = up.symlink_metadata()?;
+        let bm = bp.symlink_metadata().ok();
+        let ft = m.file_type();
+        if is_whiteout(&m) {
+            if bm.is_some() {
+                s.deleted.push(p.clone());
+                s.ops.push(Op::Delete { path: p });
+            }
+        } else if ft.is_dir() {
+            let was_dir = bm.as_ref().is_some_and(|b| b.is_dir());
+            if was_dir && !is_opaque(&up) {
+                strip_overlay_xattrs(&up);
+                s.ops.push(Op::Mkdir {
+                    path: p.clone(),
+                    mode: m.mode() & 0o7777,
+                    uid: m.uid(),
+                    gid: m.gid(),
+                });
+                walk(base, upper, &p, s)?;
+            } else {
+                // New, or replacing the lower directory (opaque): moved in whole.
+                if bm.is_none() {
+                    s.added.push(p.clone());
+                } else if !was_dir {
+                    s.modified.push(p.clone());
+                }
+                replaced(&up, was_dir.then_some(bp.as_path()), &p, s)?;
+                s.ops.push(Op::ReplaceDir { path: p, from: up });
+            }
+        } else if ft.is_file() || ft.is_symlink() {
+            strip_overlay_xattrs(&up);
+            if bm.is_some() {
+                s.modified.push(p.clone());
+            } else {
+                s.added.push(p.clone());
+            }
+            s.ops.push(Op::Put { path: p, from: up });
+        } else {
+            fs::remove_file(&up)?;
+        }
+    }
+    Ok(())
+}
+
+/// Lists the changes of the directory `up`, which replaces `bp` (None: nothing before),
+/// at path `p`; cleans what it holds for the move.
+fn replaced(up: &FsPath, bp: Option<&FsPath>, p: &str, s: &mut Scan) -> io::Result<()> {
+    strip_overlay_xattrs(up);
+    let mut seen = std::collections::HashSet::new();
+    for e in fs::read_dir(up)? {
+        let e = e?;
+        let name = e.file_name();
+        let (u, q) = (e.path(), join(p, &name.to_string_lossy()));
+        let m = u.symlink_metadata()?;
+        let ft = m.file_type();
+        let b = bp.map(|b| b.join(&name));
+        let bm = b.as_ref().and_then(|b| b.symlink_metadata().ok());
+        if ft.is_dir() {
+            seen.insert(name);
+            let was_dir = bm.as_ref().is_some_and(|m| m.is_dir());
+            if bm.is_none() {
+                s.added.push(q.clone());
+            } else if !was_dir {
+                s.modified.push(q.clone());
+            }
+            replaced(&u, b.as_deref().filter(|_| was_dir), &q, s)?;
+        } else if ft.is_file() || ft.is_symlink() {
+            seen.insert(name);
+            strip_overlay_xattrs(&u);
+            if bm.is_some() {
+                s.modified.push(q);
+            } else {
+                s.added.push(q);
+            }
+        } else {
+            fs::remove_file(&u)?;
+        }
+    }
+    if let Some(bp) = bp {
+        for e in fs::read_dir(bp)? {
+            let e = e?;
+            if !seen.contains(&e.file_name()) {
+                s.deleted.push(join(p, &e.file_name().to_string_lossy()));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Bytes the volume grows by (negative: shrinks) when `ops` are applied to `live`.
+fn size_delta(live: &FsPath, ops: &[Op]) -> i64 {
+    let size = |p: &FsPath| -> i64 {
+        match p.symlink_metadata() {
+            Ok(m) if m.is_dir() => {
+                (locker_runtime::tree::allocated_bytes(p).unwrap_or(0) + m.blocks() * 512) as i64
+            }
+            Ok(m) => (m.blocks() * 512) as i64,
+            Err(_) => 0,
+        }
+    };
+    let at = |path: &str| live.join(path.trim_start_matches('/'));
+    ops.iter()
+        .map(|op| match op {
+            Op::Delete { path } => -size(&at(path)),
+            Op::Mkdir { path, .. } => {
+                if at(path).is_dir() {
+                    0
+                } else {
+                    4096
+                }
+            }
+            Op::Put { path, from } | Op::ReplaceDir { path, from } => size(from) - size(&at(path)),
+        })
+        .sum()
+}
+
+#[derive(Serialize, Deserialize)]
+struct Journal {
+    ops: Vec<Op>,
+}
+
+/// Makes the ops durable as `<vol_dir>/commit.journal`: the commit point. The layer's
+/// files are flushed first, so the journal never names data that a crash could lose.
+fn write_journal(vol_dir: &FsPath, ops: &[Op]) -> io::Result<()> {
+    locker_runtime::disk::flush(vol_dir)?;
+    let tmp = vol_dir.join(format!("{JOURNAL}.tmp"));
+    let mut f = fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec(&Journal { ops: ops.to_vec() }).map_err(io::Error::other)?)?;
+    f.sync_all()?;
+    drop(f);
+    fs::rename(&tmp, vol_dir.join(JOURNAL))?;
+    fs::File::open(vol_dir)?.sync_all()
+}
+
+/// Applies the journal's ops to `<vol_dir>/live`, flushes, removes the journal.
+fn finish_journal(vol_dir: &FsPath, ops: &[Op]) -> io::Result<()> {
+    let live = vol_dir.join("live");
+    let delay = std::env::var("LOCKER_TEST_COMMIT_DELAY_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .map(Duration::from_millis);
+    for op in ops {
+        apply(&live, op)?;
+        if let Some(d) = delay {
+            std::thread::sleep(d);
+        }
+    }
+    locker_runtime::disk::flush(&live)?;
+    fs::remove_file(vol_dir.join(JOURNAL))?;
+    fs::File::open(vol_dir)?.sync_all()
+}
+
+fn missing(p: &FsPath) -> bool {
+    matches!(p.symlink_metadata(), Err(e) if e.kind() == io::ErrorKind::NotFound)
+}
+
+/// Removes whatever is at `p` (nothing there is fine).
+fn remove_any(p: &FsPath) -> io::Result<()> {
+    match p.symlink_metadata() {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(p),
+        Ok(_) => fs::remove_file(p),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Applies one op, idempotently: a `Put` or `ReplaceDir` whose source is gone was done.
+fn apply(live: &FsPath, op: &Op) -> io::Result<()> {
+    let at = |path: &str| live.join(path.trim_start_matches('/'));
+    match op {
+        Op::Delete { path } => remove_any(&at(path)),
+        Op::Mkdir {
+            path,
+            mode,
+            uid,
+            gid,
+        } => {
+            let t = at(path);
+            if !t.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+                remove_any(&t)?;
+                fs::create_dir(&t)?;
+            }
+            std::os::unix::fs::lchown(&t, Some(*uid), Some(*gid))?;
+            fs::set_permissions(&t, fs::Permissions::from_mode(*mode))
+        }
+        Op::Put { path, from } => {
+            if missing(from) {
+                return Ok(());
+            }
+            let t = at(path);
+            if t.symlink_metadata().is_ok_and(|m| m.is_dir()) {
+                fs::remove_dir_all(&t)?;
+            }
+            fs::rename(from, t)
+        }
+        Op::ReplaceDir { path, from } => {
+            if missing(from) {
+                return Ok(());
+            }
+            let t = at(path);
+            remove_any(&t)?;
+            fs::rename(from, t)
+        }
+    }
+}
+
+/// At start, before serving: finishes a commit a killed server left in `vol_dir` (its
+/// journal exists: the commit point was passed) and drops one it had not reached.
+pub fn replay_journal(vol_dir: &FsPath) -> io::Result<()> {
+    let _ = fs::remove_file(vol_dir.join(format!("{JOURNAL}.tmp")));
+    let j = vol_dir.join(JOURNAL);
+    let data = match fs::read(&j) {
+        Ok(d) => d,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    let journal: Journal = serde_json::from_slice(&data).map_err(|e| {
+        io::Error::other(format!(
+            "the commit journal {} is unreadable: {e}",
+            j.display()
+        ))
+    })?;
+    tracing::warn!(volume = %vol_dir.display(), ops = journal.ops.len(), "finishing a commit a stopped server left");
+    finish_journal(vol_dir, &journal.ops)
+}
+
+/// At start, after journals were replayed: destroys machines of runs a killed server left
+/// and removes their directories.
+pub async fn cleanup(app: &AppState) {
+    let dir = runs_dir(app);
+    let Ok(rd) = fs::read_dir(&dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let id = e.file_name().to_string_lossy().into_owned();
+        let m = e.path().join("machine");
+        if m.exists() {
+            if let Err(err) = app.node.destroy_dir(&id, &m).await {
+                tracing::warn!(run = %id, error = %err, "could not destroy a run's machine");
+                continue;
+            }
+        }
+        let p = e.path();
+        let _ = tokio::task::spawn_blocking(move || remove_tree(&p)).await;
+        tracing::info!(run = %id, "removed a run a stopped server left");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mount_paths_are_checked() {
+        assert_eq!(check_mount_path(None).unwrap(), "/workspace");
+        assert_eq!(check_mount_path(Some("/a//b/")).unwrap(), "/a/b");
+        assert!(check_mount_path(Some("rel")).is_err());
+        assert!(check_mount_path(Some("/")).is_err());
+        assert!(check_mount_path(Some("/a/../b")).is_err());
+        assert!(check_mount_path(Some("/proc/x")).is_err());
+    }
+
+    #[test]
+    fn a_layer_is_scanned_and_applied_idempotently() {
+        let t = std::env::temp_dir().join(format!("locker-runs-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&t);
+        let (live, upper) = (t.join("vol/live"), t.join("upper"));
+        fs::create_dir_all(live.join("d/sub")).unwrap();
+        fs::create_dir_all(live.join("gone")).unwrap();
+        fs::write(live.join("d/f"), b"old").unwrap();
+        fs::write(live.join("d/sub/x"), b"x").unwrap();
+        fs::write(live.join("keep"), b"k").unwrap();
+        fs::write(live.join("gone/y"), b"y").unwrap();
+        let base = t.join("base");
+        locker_runtime::tree::link_farm(&live, &base).unwrap();
+        fs::create_dir_all(upper.join("d")).unwrap();
+        fs::write(upper.join("d/f"), b"new").unwrap();
+        fs::write(upper.join("n"), b"n").unwrap();
+        fs::create_dir_all(upper.join("nd/e")).unwrap();
+        fs::write(upper.join("nd/e/z"), b"z").unwrap();
+        // A whiteout needs CAP_MKNOD: the tests run as root.
+        let wh = std::ffi::CString::new(upper.join("gone").as_os_str().as_encoded_bytes()).unwrap();
+        // SAFETY: mknod with a valid path.
+        assert_eq!(
+            unsafe { libc::mknod(wh.as_ptr(), libc::S_IFCHR | 0o600, 0) },
+            0
+        );
+        let s = scan(&base, &upper).unwrap();
+        assert_eq!(s.added, vec!["/n", "/nd", "/nd/e", "/nd/e/z"]);
+        assert_eq!(s.modified, vec!["/d/f"]);
+        assert_eq!(s.deleted, vec!["/gone"]);
+        let vol = t.join("vol");
+        write_journal(&vol, &s.ops).unwrap();
+        for op in &s.ops {
+            apply(&live, op).unwrap();
+        }
+        // A crash after applying: the replay does it all again, to the same end.
+        replay_journal(&vol).unwrap();
+        assert!(!vol.join(JOURNAL).exists());
+        assert_eq!(fs::read(live.join("d/f")).unwrap(), b"new");
+        assert_eq!(
+            fs::read(base.join("d/f")).unwrap(),
+            b"old",
+            "the base is untouched"
+        );
+        assert_eq!(fs::read(live.join("d/sub/x")).unwrap(), b"x");
+        assert_eq!(fs::read(live.join("nd/e/z")).unwrap(), b"z");
+        assert!(!live.join("gone").exists());
+        assert_eq!(fs::read(live.join("keep")).unwrap(), b"k");
+        fs::remove_dir_all(&t).unwrap();
+    }
+
+    #[test]
+    fn overlapping_paths_conflict() {
+        use crate::volumes::{overlaps, CommitLog};
+        assert!(overlaps("/a", "/a/b") && overlaps("/a/b", "/a") && overlaps("/a", "/a"));
+        assert!(!overlaps("/a", "/ab"));
+        let mut log = CommitLog::default();
+        let s = log.begin();
+        log.append(vec!["/x/y".into()]);
+        let c = log.conflicts(s, &["/x".into(), "/z".into()]);
+        assert_eq!(c, vec!["/x"]);
+        log.end(s);
+        assert!(log.conflicts(s, &["/x".into()]).is_empty());
+    }
+}
