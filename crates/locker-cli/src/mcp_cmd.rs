@@ -14,7 +14,9 @@ pub fn run(args: McpArgs) -> anyhow::Result<()> {
         .ok()
         .filter(|k| !k.trim().is_empty());
     if key.is_none() {
-        eprintln!("locker mcp: LOCKER_API_KEY is not set; every tool call will answer unauthorized");
+        eprintln!(
+            "locker mcp: LOCKER_API_KEY is not set; every tool call will answer unauthorized"
+        );
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -130,7 +130,10 @@ fn check_args(tool: &rmcp::model::Tool, args: &Map<String, Value>) -> Result<(),
     for (k, v) in args {
         if let Some(allowed) = props[k].get("enum").and_then(Value::as_array) {
             if !allowed.contains(v) {
-                return Err(Fail(format!("`{k}` must be one of {}", Value::from(allowed.clone()))));
+                return Err(Fail(format!(
+                    "`{k}` must be one of {}",
+                    Value::from(allowed.clone())
+                )));
             }
         }
     }
@@ -347,7 +350,12 @@ impl Call<'_> {
         body.extend(self.pick(&["commit", "template", "memory_mb", "cpus"]));
         if self.bool("create_volume") {
             let (status, b) = self
-                .raw(Method::GET, format!("/v1/volumes/{vol}"), None, Bytes::new())
+                .raw(
+                    Method::GET,
+                    format!("/v1/volumes/{vol}"),
+                    None,
+                    Bytes::new(),
+                )
                 .await?;
             if status == 404 {
                 let mut v = json!({"name": vol});
@@ -446,8 +454,12 @@ impl Call<'_> {
                 continue;
             };
             match v["type"].as_str() {
-                Some("stdout") => out.extend_from_slice(v["data"].as_str().unwrap_or("").as_bytes()),
-                Some("stderr") => err.extend_from_slice(v["data"].as_str().unwrap_or("").as_bytes()),
+                Some("stdout") => {
+                    out.extend_from_slice(v["data"].as_str().unwrap_or("").as_bytes())
+                }
+                Some("stderr") => {
+                    err.extend_from_slice(v["data"].as_str().unwrap_or("").as_bytes())
+                }
                 Some("error") => return Err(Fail(format!("reading the output: {}", v["error"]))),
                 _ => {}
             }
@@ -485,7 +497,9 @@ impl Call<'_> {
         if !(200..300).contains(&status) {
             return Err(Fail(api_error_text(status, &b)));
         }
-        Ok(json!({"process_id": self.need("process_id")?, "written_bytes": data.len(), "closed": close}))
+        Ok(
+            json!({"process_id": self.need("process_id")?, "written_bytes": data.len(), "closed": close}),
+        )
     }
 
     async fn process_kill(&self) -> Out {
@@ -549,9 +563,7 @@ impl Call<'_> {
         let end = match self.i64("end_line")?.unwrap_or(-1) {
             -1 => total,
             e if e < start => {
-                return Err(Fail(format!(
-                    "end_line {e} is before start_line {start}"
-                )))
+                return Err(Fail(format!("end_line {e} is before start_line {start}")))
             }
             e => e.min(total),
         };
@@ -627,7 +639,10 @@ impl Call<'_> {
         let (new_text, line) = match command {
             "str_replace" => {
                 if self.args.contains_key("insert_line") {
-                    return Err(Fail("insert_line is for command=insert; str_replace uses old_str and new_str".into()));
+                    return Err(Fail(
+                        "insert_line is for command=insert; str_replace uses old_str and new_str"
+                            .into(),
+                    ));
                 }
                 let old = self.str("old_str").ok_or_else(|| {
                     Fail("str_replace needs `old_str`: the exact text to replace".into())
@@ -636,11 +651,14 @@ impl Call<'_> {
             }
             "insert" => {
                 if self.args.contains_key("old_str") {
-                    return Err(Fail("old_str is for command=str_replace; insert uses insert_line and new_str".into()));
+                    return Err(Fail(
+                        "old_str is for command=str_replace; insert uses insert_line and new_str"
+                            .into(),
+                    ));
                 }
-                let at = self.u64("insert_line")?.ok_or_else(|| {
-                    Fail("insert needs `insert_line` (0 = at the top)".into())
-                })?;
+                let at = self
+                    .u64("insert_line")?
+                    .ok_or_else(|| Fail("insert needs `insert_line` (0 = at the top)".into()))?;
                 insert(&text, at as usize, new_str).map_err(|e| Fail(format!("{path}: {e}")))?
             }
             other => return Err(Fail(format!("unknown command {other:?}"))),
@@ -663,7 +681,9 @@ impl Call<'_> {
         let snippet: String = (from..=to)
             .filter_map(|n| lines.get(n - 1).map(|l| format!("{n}\t{l}\n")))
             .collect();
-        Ok(json!({"path": path, "command": command, "line": line, "snippet": snippet, "total_lines": lines.len()}))
+        Ok(
+            json!({"path": path, "command": command, "line": line, "snippet": snippet, "total_lines": lines.len()}),
+        )
     }
 
     async fn file_list(&self) -> Out {
@@ -697,8 +717,12 @@ impl Call<'_> {
 
     async fn volume_create(&self) -> Out {
         let body = self.pick(&["name", "size_mb"]);
-        self.json(Method::POST, "/v1/volumes".into(), Some(Value::Object(body)))
-            .await
+        self.json(
+            Method::POST,
+            "/v1/volumes".into(),
+            Some(Value::Object(body)),
+        )
+        .await
     }
 
     async fn volume_list(&self) -> Out {
@@ -713,10 +737,7 @@ fn tail(b: &[u8], cap: usize) -> (String, bool) {
     }
     let s = String::from_utf8_lossy(&b[b.len() - cap..]).into_owned();
     (
-        format!(
-            "…[locker: first {} bytes omitted]…\n{s}",
-            b.len() - cap
-        ),
+        format!("…[locker: first {} bytes omitted]…\n{s}", b.len() - cap),
         true,
     )
 }
@@ -792,7 +813,10 @@ mod tests {
     #[test]
     fn str_replace_needs_exactly_one_exact_match() {
         let t = "a = 1\nb = 2\n    c = 3\n";
-        assert_eq!(str_replace(t, "b = 2", "b = 20").unwrap(), ("a = 1\nb = 20\n    c = 3\n".into(), 2));
+        assert_eq!(
+            str_replace(t, "b = 2", "b = 20").unwrap(),
+            ("a = 1\nb = 20\n    c = 3\n".into(), 2)
+        );
         let e = str_replace(t, "c = 3\n    ", "x").unwrap_err();
         assert!(e.contains("does not occur"), "{e}");
         let e = str_replace(t, "  c = 3", "x").unwrap();
@@ -806,7 +830,10 @@ mod tests {
     #[test]
     fn insert_counts_lines_from_one_and_zero_is_top() {
         let t = "one\ntwo\n";
-        assert_eq!(insert(t, 0, "zero").unwrap(), ("zero\none\ntwo\n".into(), 1));
+        assert_eq!(
+            insert(t, 0, "zero").unwrap(),
+            ("zero\none\ntwo\n".into(), 1)
+        );
         assert_eq!(insert(t, 1, "1.5\n").unwrap().0, "one\n1.5\ntwo\n");
         assert_eq!(insert(t, 2, "three").unwrap().0, "one\ntwo\nthree\n");
         assert_eq!(insert("no newline", 1, "x").unwrap().0, "no newline\nx\n");
@@ -817,6 +844,9 @@ mod tests {
     fn tail_keeps_the_end() {
         assert_eq!(tail(b"abc", 10), ("abc".into(), false));
         let (s, t) = tail(b"0123456789", 4);
-        assert!(t && s.ends_with("6789") && s.contains("6 bytes omitted"), "{s}");
+        assert!(
+            t && s.ends_with("6789") && s.contains("6 bytes omitted"),
+            "{s}"
+        );
     }
 }

@@ -602,7 +602,11 @@ mod tests {
             let a = t.annotations.as_ref().expect("annotations");
             assert!(a.read_only_hint.is_some() && a.destructive_hint.is_some());
             assert!(a.idempotent_hint.is_some() && a.open_world_hint.is_some());
-            assert!(t.description.as_ref().is_some_and(|d| d.len() > 150), "{}", t.name);
+            assert!(
+                t.description.as_ref().is_some_and(|d| d.len() > 150),
+                "{}",
+                t.name
+            );
         }
     }
 }

@@ -99,6 +99,20 @@ pub struct JailSpec {
     /// in the machine's root before it pivots.
     #[serde(default)]
     pub mounts: Vec<OverlayMount>,
+    /// Host directories bound into the machine (a volume's live tree), id-mapped.
+    #[serde(default)]
+    pub binds: Vec<BindMount>,
+}
+
+/// A host directory (canonical ids) bound into a machine at `target`, id-mapped so the
+/// machine's root owns what the host's root owns; every machine binding it sees one live
+/// tree.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+pub struct BindMount {
+    pub source: PathBuf,
+    /// An absolute path inside the machine (not `/`).
+    pub target: PathBuf,
+    pub read_only: bool,
 }
 
 /// An overlay mounted in a machine at `target`: `lower` (host tree, canonical ids, never
@@ -645,6 +659,7 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     .and_then(|r| r)
     .map_err(step("mount the overlay root"))?;
     mount_overlays(spec, &root, userns)?;
+    mount_binds(spec, &root, userns)?;
 
     let r = |p: &str| root.join(p);
     let mkdir = |p: &Path| fs::create_dir_all(p).map_err(step(format!("create {}", p.display())));
@@ -755,6 +770,29 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     sys::unshare(libc::CLONE_NEWNS).map_err(step("unshare the mount namespace"))?;
     std::env::set_current_dir(&root).map_err(step("enter the root"))?;
     sys::pivot_to_cwd().map_err(step("pivot into the root"))?;
+    Ok(())
+}
+
+/// The machine-relative path of a mount target: absolute, not `/`, no `..`.
+fn target_rel(target: &Path) -> Result<&Path, JailError> {
+    let rel = target.strip_prefix("/").unwrap_or(target);
+    if !target.is_absolute() || rel.as_os_str().is_empty() || rel.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
+        return Err(JailError::Init(format!("bad mount target {}", target.display())));
+    }
+    Ok(rel)
+}
+
+/// Binds `spec.binds` into the machine's root (see [`BindMount`]).
+fn mount_binds(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), JailError> {
+    for b in &spec.binds {
+        let target = root.join(target_rel(&b.target)?);
+        // Created as the machine's root, so the directory is root's inside.
+        sys::with_fs_ids(spec.uid_base, || fs::create_dir_all(&target))
+            .and_then(|r| r)
+            .map_err(step(format!("create {}", b.target.display())))?;
+        sys::idmapped_bind(&b.source, &target, userns.as_raw_fd(), b.read_only)
+            .map_err(step(format!("bind {} at {}", b.source.display(), b.target.display())))?;
+    }
     Ok(())
 }
 

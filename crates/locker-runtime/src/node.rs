@@ -140,6 +140,17 @@ pub struct MachineSpec {
     pub pids: u64,
 }
 
+/// What a machine gets attached at start besides its template.
+#[derive(Debug, Clone, Default)]
+pub struct Attach {
+    /// Start from a copy of this disk image (a snapshot's).
+    pub disk_from: Option<PathBuf>,
+    /// Overlays (a run's volume under its private layer).
+    pub overlays: Vec<jail::OverlayMount>,
+    /// Bound host directories (volumes of a sandbox).
+    pub binds: Vec<jail::BindMount>,
+}
+
 /// A running machine with an open agent channel.
 #[derive(Debug)]
 pub struct Machine {
@@ -287,6 +298,13 @@ impl Node {
         disk_from: Option<PathBuf>,
         mounts: Vec<jail::OverlayMount>,
     ) -> Result<Machine, NodeError> {
+        self.create_attached(spec, Attach { disk_from, overlays: mounts, binds: Vec::new() }).await
+    }
+
+    /// Starts a machine with everything attached at start: a disk image to copy, overlay
+    /// mounts, bound directories.
+    pub async fn create_attached(&self, spec: MachineSpec, attach: Attach) -> Result<Machine, NodeError> {
+        let Attach { disk_from, overlays: mounts, binds } = attach;
         let slot = lease_slot(&spec.dir)?;
         let js = JailSpec {
             id: spec.id.clone(),
@@ -301,6 +319,7 @@ impl Node {
             agent_path: self.config.agent_exe.clone(),
             hostname: spec.id.clone(),
             mounts,
+            binds,
         };
         let started = jail::start(&js, &self.config.init_exe).await;
         let (state, child) = match started {

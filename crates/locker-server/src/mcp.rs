@@ -27,5 +27,12 @@ pub fn mount(app: AppState, api: Router) -> Router {
 
 /// Refuses a request without a valid key before the MCP service sees it.
 async fn require_key(_caller: Caller, req: Request, next: Next) -> Response {
-    next.run(req).await
+    let delete = req.method() == axum::http::Method::DELETE;
+    let mut resp = next.run(req).await;
+    // rmcp answers a session's DELETE with 202; clients (the Python SDK) expect 200 or 204
+    // for "terminated" and warn otherwise. Nothing is pending after a DELETE: say 204.
+    if delete && resp.status() == axum::http::StatusCode::ACCEPTED {
+        *resp.status_mut() = axum::http::StatusCode::NO_CONTENT;
+    }
+    resp
 }

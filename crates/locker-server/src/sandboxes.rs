@@ -165,11 +165,7 @@ async fn create(
 ) -> Result<impl IntoResponse, ApiError> {
     let started = Instant::now();
     let runtime = resolve_runtime(body.runtime.as_deref())?;
-    if body.volumes.as_ref().is_some_and(|v| !v.is_empty()) {
-        return Err(ApiError::unavailable(
-            "volumes are not available in this version yet",
-        ));
-    }
+    let volumes = resolve_volumes(&app, &caller, body.volumes.as_deref().unwrap_or(&[]))?;
     let snapshot = match &body.from_snapshot {
         None => None,
         Some(s) => Some(
@@ -271,6 +267,7 @@ async fn create(
         env: body.env,
         network,
         metadata: body.metadata,
+        volumes,
     };
     let (rec, live) = launch(&app, &caller, &new, disk_from).await?;
     app.metrics
@@ -293,6 +290,56 @@ pub struct NewSandbox {
     pub env: BTreeMap<String, String>,
     pub network: Value,
     pub metadata: BTreeMap<String, String>,
+    /// Volumes bound into the sandbox (their live trees).
+    pub volumes: Vec<VolumeMount>,
+}
+
+/// A volume mounted in a sandbox.
+#[derive(Clone, Debug)]
+pub struct VolumeMount {
+    pub volume_id: String,
+    pub path: String,
+    pub read_only: bool,
+    /// The volume's live tree on the host.
+    pub source: std::path::PathBuf,
+}
+
+/// The most volumes one sandbox mounts.
+const MAX_VOLUME_MOUNTS: usize = 16;
+
+/// Checks a sandbox's `volumes` (`[{"volume": id or name, "path": "/abs", "read_only": bool}]`)
+/// and finds the caller's volumes.
+pub fn resolve_volumes(app: &AppState, caller: &Caller, list: &[Value]) -> Result<Vec<VolumeMount>, ApiError> {
+    if list.len() > MAX_VOLUME_MOUNTS {
+        return Err(ApiError::bad_request(format!("`volumes` holds at most {MAX_VOLUME_MOUNTS} mounts")));
+    }
+    let mut out: Vec<VolumeMount> = Vec::new();
+    for (i, v) in list.iter().enumerate() {
+        let o = v.as_object().ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}]` must be an object like {{\"volume\": \"vol_…\", \"path\": \"/workspace\"}}")))?;
+        if let Some(k) = o.keys().find(|k| !["volume", "path", "read_only"].contains(&k.as_str())) {
+            return Err(ApiError::bad_request(format!("unknown field `{k}` in `volumes[{i}]`: expected volume, path, read_only")));
+        }
+        let name = o.get("volume").and_then(Value::as_str).ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}].volume` is required: a volume id or name")))?;
+        let path = match o.get("path") {
+            None => "/workspace",
+            Some(p) => p.as_str().ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}].path` must be a string")))?,
+        };
+        let read_only = match o.get("read_only") {
+            None => false,
+            Some(b) => b.as_bool().ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}].read_only` must be true or false")))?,
+        };
+        crate::extract::check_path(&format!("volumes[{i}].path"), path)?;
+        let clean = path.trim_end_matches('/');
+        if clean.is_empty() || clean.split('/').any(|c| c == ".." || c == ".") || ["/proc", "/sys", "/dev", "/tmp"].iter().any(|p| clean == *p || clean.starts_with(&format!("{p}/"))) {
+            return Err(ApiError::bad_request(format!("`volumes[{i}].path` {path:?} cannot hold a volume: use a path like /workspace")));
+        }
+        if let Some(other) = out.iter().find(|m| m.path == clean || m.path.starts_with(&format!("{clean}/")) || clean.starts_with(&format!("{}/", m.path))) {
+            return Err(ApiError::bad_request(format!("`volumes[{i}].path` {clean} overlaps {}", other.path)));
+        }
+        let (rec, vol) = crate::volumes::lookup(app, caller, name)?;
+        out.push(VolumeMount { volume_id: rec.id, path: clean.to_owned(), read_only, source: vol.dir.join("live") });
+    }
+    Ok(out)
 }
 
 /// Checks the tenant's quotas, records the sandbox and starts its machine (from a copy of
@@ -316,7 +363,7 @@ pub async fn launch(
         memory_mb: new.memory_mb,
         disk_mb: new.disk_mb,
         network: new.network.clone(),
-        volumes: json!([]),
+        volumes: Value::Array(new.volumes.iter().map(|m| json!({"volume": m.volume_id, "path": m.path, "read_only": m.read_only})).collect()),
         metadata: new.metadata.clone(),
         env: new.env.clone(),
         ttl_s: new.ttl_s,
@@ -356,7 +403,21 @@ pub async fn launch(
         disk_mb: new.disk_mb,
         pids: PIDS,
     };
-    let machine = match app.node.create_from(spec, disk_from).await {
+    let machine = match app
+        .node
+        .create_attached(
+            spec,
+            locker_runtime::node::Attach {
+                disk_from,
+                overlays: Vec::new(),
+                binds: new
+                    .volumes
+                    .iter()
+                    .map(|m| locker_runtime::jail::BindMount { source: m.source.clone(), target: m.path.clone().into(), read_only: m.read_only })
+                    .collect(),
+            },
+        )
+        .await {
         Ok(m) => m,
         Err(e) => {
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);

@@ -272,10 +272,13 @@ impl Volumes {
     }
 }
 
-/// The running sandbox that mounts volume `id`, if any: such a volume cannot be deleted.
-/// Sandboxes cannot mount volumes yet, so this is always `None`; mounts plug in here.
-pub fn running_sandbox_mounting(_app: &AppState, _volume_id: &str) -> Option<String> {
-    None
+/// A live sandbox (starting, running or paused) that mounts volume `id`, if any: such a
+/// volume cannot be deleted.
+pub fn running_sandbox_mounting(app: &AppState, volume_id: &str) -> Option<String> {
+    let live = app.store.list_live_sandboxes().ok()?;
+    live.into_iter()
+        .find(|r| r.volumes.as_array().is_some_and(|v| v.iter().any(|m| m["volume"] == volume_id)))
+        .map(|r| r.id)
 }
 
 /// The API's view of a volume.
