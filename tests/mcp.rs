@@ -149,7 +149,11 @@ fn post_mcp(url: &str, key: Option<&str>, body: &Value) -> (u16, String) {
         .post(format!("{url}/mcp"))
         .header("Accept", "application/json, text/event-stream")
         .header("Content-Type", "application/json")
-        .header("MCP-Protocol-Version", "2026-07-28");
+        .header("MCP-Protocol-Version", "2026-07-28")
+        .header("Mcp-Method", body["method"].as_str().unwrap_or(""));
+    if let Some(name) = body["params"]["name"].as_str() {
+        req = req.header("Mcp-Name", name);
+    }
     if let Some(k) = key {
         req = req.header("Authorization", format!("Bearer {k}"));
     }
@@ -177,7 +181,12 @@ fn mcp_needs_a_valid_key_and_forwards_it() {
     assert!(body.contains("sandbox_create"), "{body}");
 
     // Another tenant's key sees only its own sandboxes through the tools.
-    let (other, other_key) = srv.create_tenant("mcp-other");
+    let t = srv
+        .admin()
+        .post("/v1/tenants", &json!({"name": "mcp-other"}))
+        .expect(201, "create a tenant");
+    let other_key = t["api_key"].as_str().expect("api_key").to_owned();
+    srv.remember_key(&other_key);
     let sb = srv.api().create_sandbox(&json!({}));
     let id = sb["id"].as_str().expect("id").to_owned();
     let call = |key: &str| {
@@ -198,5 +207,4 @@ fn mcp_needs_a_valid_key_and_forwards_it() {
         body.contains("\"isError\":true") && body.contains("not_found"),
         "another tenant's sandbox is not found: {body}"
     );
-    drop(other);
 }
