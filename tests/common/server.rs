@@ -358,7 +358,8 @@ impl Drop for Server {
         // Whatever the API could not delete (a dead server, a failed delete): the
         // runtime's own crash cleanup destroys the machines of this data dir.
         let machines = self.data_dir.join("sandboxes");
-        let left = destroy_machines(&machines);
+        let mut left = destroy_machines(&machines);
+        left.extend(destroy_machines(&self.data_dir.join("pool")));
         stop_volume_agents(&self.data_dir.join("volumes"));
         if std::thread::panicking() {
             let log = self.log_text();

@@ -35,6 +35,9 @@ pub struct ServeArgs {
     /// Per-tenant quota: serverless runs in flight.
     #[arg(long, default_value_t = 32)]
     quota_runs: u64,
+    /// Warm machines kept ready for serverless runs of the default shape (0: none).
+    #[arg(long, env = "LOCKER_WARM_POOL", default_value_t = 2)]
+    warm_pool: usize,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -64,6 +67,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             runs: a.quota_runs,
         },
         cache_dir: a.cache_dir,
+        warm_pool: a.warm_pool,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

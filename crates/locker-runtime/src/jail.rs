@@ -264,18 +264,7 @@ fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
 pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
     let cg = MachineCgroup::new(layout.clone(), id);
     let state = JailState::load(dir);
-    if let Some(s) = &state {
-        if owns_pid(s.agent_pid, id) {
-            let _ = sys::kill(s.agent_pid, libc::SIGKILL);
-            // PID 1's death takes its whole pid namespace down: give the kernel a moment
-            // before falling back to freezing and killing what is left one by one.
-            let deadline = Instant::now() + Duration::from_millis(200);
-            while !cg.pids().is_empty() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_micros(500));
-            }
-        }
-    }
-    cg.kill_all()?;
+    kill_processes(id, &cg, state.as_ref())?;
     if let Some(s) = &state {
         // The shim exits right after its PID 1; wait so its mount namespace is gone too.
         let deadline = Instant::now() + Duration::from_secs(10);
@@ -287,6 +276,32 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
         }
     }
     cg.remove()?;
+    finish_destroy(dir)
+}
+
+/// Ends every process of a machine (its files stop changing) without tearing down the
+/// rest: what a run needs before it reads the machine's layer. [`destroy`] does the rest.
+pub fn stop(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
+    kill_processes(id, &MachineCgroup::new(layout.clone(), id), JailState::load(dir).as_ref())
+}
+
+fn kill_processes(id: &str, cg: &MachineCgroup, state: Option<&JailState>) -> Result<(), JailError> {
+    if let Some(s) = state {
+        if owns_pid(s.agent_pid, id) {
+            let _ = sys::kill(s.agent_pid, libc::SIGKILL);
+            // PID 1's death takes its whole pid namespace down: give the kernel a moment
+            // before falling back to freezing and killing what is left one by one.
+            let deadline = Instant::now() + Duration::from_millis(200);
+            while !cg.pids().is_empty() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_micros(500));
+            }
+        }
+    }
+    Ok(cg.kill_all()?)
+}
+
+/// Waits for the loop device to go and removes the machine's directory.
+fn finish_destroy(dir: &Path) -> Result<(), JailError> {
     // The kernel tears a dead mount namespace down asynchronously; the loop device detaches
     // once the disk is unmounted. Wait for it so "destroyed" means nothing is left.
     let img = dir.join("disk.img");
@@ -798,29 +813,8 @@ fn mount_binds(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), Jai
 
 /// Mounts `spec.mounts` in the machine's root (see [`OverlayMount`]).
 fn mount_overlays(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), JailError> {
-    let base = spec.uid_base;
     for (i, m) in spec.mounts.iter().enumerate() {
-        let rel = m.target.strip_prefix("/").unwrap_or(&m.target);
-        if rel.as_os_str().is_empty()
-            || rel
-                .components()
-                .any(|c| !matches!(c, std::path::Component::Normal(_)))
-        {
-            return Err(JailError::Init(format!(
-                "bad mount target {}",
-                m.target.display()
-            )));
-        }
-        let (Some(rw), Some(up), Some(wk)) =
-            (m.upper.parent(), m.upper.file_name(), m.work.file_name())
-        else {
-            return Err(JailError::Init("bad overlay upper/work".into()));
-        };
-        if m.work.parent() != Some(rw) {
-            return Err(JailError::Init(
-                "an overlay's upper and work must share their parent".into(),
-            ));
-        }
+        let (rel, rw, up, wk) = overlay_parts(m)?;
         let lower = spec.dir.join(format!("mnt{i}-lower"));
         let rw_at = spec.dir.join(format!("mnt{i}-rw"));
         for d in [&lower, &rw_at] {
@@ -830,30 +824,87 @@ fn mount_overlays(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), 
             .map_err(step(format!("id-map {}", m.lower.display())))?;
         sys::idmapped_bind(rw, &rw_at, userns.as_raw_fd(), false)
             .map_err(step(format!("id-map {}", rw.display())))?;
-        let target = root.join(rel);
-        // Created as the machine's root, so the directory is root's inside.
-        sys::with_fs_ids(base, || fs::create_dir_all(&target))
-            .and_then(|r| r)
-            .map_err(step(format!("create {}", m.target.display())))?;
-        let opts = format!(
-            "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off",
-            lower.display(),
-            rw_at.join(up).display(),
-            rw_at.join(wk).display()
-        );
-        sys::with_fs_ids(base, || {
-            sys::mount(
-                Some("overlay"),
-                &target,
-                Some("overlay"),
-                libc::MS_NODEV | libc::MS_NOSUID,
-                Some(&opts),
-            )
-        })
-        .and_then(|r| r)
-        .map_err(step(format!("mount the overlay at {}", m.target.display())))?;
+        mount_overlay_at(&lower, &rw_at.join(up), &rw_at.join(wk), &root.join(rel), &m.target, spec.uid_base)?;
     }
     Ok(())
+}
+
+/// Checks an overlay mount: its target relative to the machine's root, and the directory
+/// holding `upper` and `work` with their names.
+fn overlay_parts(m: &OverlayMount) -> Result<(&Path, &Path, &std::ffi::OsStr, &std::ffi::OsStr), JailError> {
+    let rel = target_rel(&m.target)?;
+    let (Some(rw), Some(up), Some(wk)) = (m.upper.parent(), m.upper.file_name(), m.work.file_name()) else {
+        return Err(JailError::Init("bad overlay upper/work".into()));
+    };
+    if m.work.parent() != Some(rw) {
+        return Err(JailError::Init("an overlay's upper and work must share their parent".into()));
+    }
+    Ok((rel, rw, up, wk))
+}
+
+/// Mounts the overlay `lower` + `upper` (+ `work`) at `target` with the machine's
+/// filesystem ids (`base`), creating `target` as the machine's root.
+fn mount_overlay_at(lower: &Path, upper: &Path, work: &Path, target: &Path, shown: &Path, base: u32) -> Result<(), JailError> {
+    sys::with_fs_ids(base, || fs::create_dir_all(target)).and_then(|r| r).map_err(step(format!("create {}", shown.display())))?;
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off",
+        lower.display(),
+        upper.display(),
+        work.display()
+    );
+    sys::with_fs_ids(base, || sys::mount(Some("overlay"), target, Some("overlay"), libc::MS_NODEV | libc::MS_NOSUID, Some(&opts)))
+        .and_then(|r| r)
+        .map_err(step(format!("mount the overlay at {}", shown.display())))
+}
+
+/// What `locker __jail-attach` mounts into a running machine.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct AttachSpec {
+    pub agent_pid: i32,
+    pub uid_base: u32,
+    pub mount: OverlayMount,
+}
+
+/// Mounts an overlay into a running machine (a pooled machine a run claims). Runs as
+/// `locker __jail-attach <json>`: `setns` into a mount namespace needs a single-threaded
+/// process. The layers are id-mapped on the host side first, then the process enters the
+/// machine's mount namespace, attaches them under a private staging directory of its
+/// `/dev` (a tmpfs), mounts the overlay at the target, and detaches the staging mounts
+/// (the overlay keeps its own references). Exits 0, or 1 with the reason on stderr.
+pub fn attach_main(arg: &str) -> ! {
+    let code = match serde_json::from_str::<AttachSpec>(arg).map_err(|e| JailError::Init(format!("bad attach spec: {e}"))).and_then(|s| run_attach(&s)) {
+        Ok(()) => 0,
+        Err(e) => {
+            eprintln!("{e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+fn run_attach(a: &AttachSpec) -> Result<(), JailError> {
+    let m = &a.mount;
+    let (rel, rw, up, wk) = overlay_parts(m)?;
+    let userns = fs::File::open(format!("/proc/{}/ns/user", a.agent_pid)).map_err(step("open the machine's user namespace"))?;
+    let mntns = fs::File::open(format!("/proc/{}/ns/mnt", a.agent_pid)).map_err(step("open the machine's mount namespace"))?;
+    let lower = sys::idmapped_tree(&m.lower, userns.as_raw_fd(), true).map_err(step(format!("id-map {}", m.lower.display())))?;
+    let rw_tree = sys::idmapped_tree(rw, userns.as_raw_fd(), false).map_err(step(format!("id-map {}", rw.display())))?;
+    sys::setns(mntns.as_raw_fd(), libc::CLONE_NEWNS).map_err(step("enter the machine's mount namespace"))?;
+    std::env::set_current_dir("/").map_err(step("enter the machine's root"))?;
+    let stage = PathBuf::from(format!("/dev/.locker-attach-{}", std::process::id()));
+    let (l, r) = (stage.join("l"), stage.join("rw"));
+    for d in [&l, &r] {
+        fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
+    }
+    let result = (|| {
+        sys::attach_tree(&lower, &l).map_err(step("attach the lower layer"))?;
+        sys::attach_tree(&rw_tree, &r).map_err(step("attach the upper layer"))?;
+        mount_overlay_at(&l, &r.join(up), &r.join(wk), &Path::new("/").join(rel), &m.target, a.uid_base)
+    })();
+    let _ = sys::umount(&l, libc::MNT_DETACH);
+    let _ = sys::umount(&r, libc::MNT_DETACH);
+    let _ = fs::remove_dir_all(&stage);
+    result
 }
 
 /// Removes what a crash left: every machine directory under `machines_dir` whose id is

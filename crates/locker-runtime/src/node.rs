@@ -372,6 +372,23 @@ impl Node {
         })
     }
 
+    /// Mounts an overlay into a running machine (see [`jail::attach_main`]).
+    pub async fn attach(&self, m: &Machine, mount: jail::OverlayMount) -> Result<(), NodeError> {
+        let spec = jail::AttachSpec { agent_pid: m.state.agent_pid, uid_base: m.state.uid_base, mount };
+        let out = tokio::process::Command::new(&self.config.init_exe)
+            .arg("__jail-attach")
+            .arg(serde_json::to_string(&spec).expect("attach spec serializes"))
+            .stdin(std::process::Stdio::null())
+            .output()
+            .await
+            .map_err(|e| NodeError::Setup(format!("run {} __jail-attach: {e}", self.config.init_exe.display())))?;
+        if out.status.success() {
+            Ok(())
+        } else {
+            Err(NodeError::Setup(format!("attaching a mount to machine {}: {}", m.id, String::from_utf8_lossy(&out.stderr).trim())))
+        }
+    }
+
     /// Copies a running machine's disk to `dest` at one consistent point: its processes
     /// are frozen, its filesystem flushed, the image copied (a reflink where the data dir's
     /// filesystem can), and the processes thawed, also on failure.
@@ -408,6 +425,16 @@ impl Node {
 
     fn is_frozen(&self, m: &Machine) -> bool {
         m.cgroup.is_frozen()
+    }
+
+    /// Kills every process of a machine and waits until none is left; its files stop
+    /// changing. [`Node::destroy`] must still follow.
+    pub async fn stop(&self, m: &Machine) -> Result<(), NodeError> {
+        let (id, dir, layout) = (m.id.clone(), m.dir.clone(), self.layout.clone());
+        tokio::task::spawn_blocking(move || jail::stop(&id, &dir, &layout))
+            .await
+            .map_err(|e| NodeError::Setup(format!("stop task failed: {e}")))??;
+        Ok(())
     }
 
     /// Destroys a machine: nothing of it remains (processes, mounts, cgroup, directory).

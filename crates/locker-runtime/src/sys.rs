@@ -83,6 +83,13 @@ const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 /// This is how a root-owned template appears root-owned inside a machine whose root is an
 /// unprivileged host uid, without copying or chowning the template.
 pub fn idmapped_bind(src: &Path, target: &Path, userns: RawFd, read_only: bool) -> io::Result<()> {
+    let tree = idmapped_tree(src, userns, read_only)?;
+    attach_tree(&tree, target)
+}
+
+/// A detached, id-mapped copy of the mount tree at `src` (see [`idmapped_bind`]), to be
+/// attached later with [`attach_tree`], possibly in another mount namespace.
+pub fn idmapped_tree(src: &Path, userns: RawFd, read_only: bool) -> io::Result<OwnedFd> {
     let s = cstr(src)?;
     // SAFETY: open_tree with a valid path string; returns a new fd we take ownership of.
     let fd = check(unsafe {
@@ -113,7 +120,13 @@ pub fn idmapped_bind(src: &Path, target: &Path, userns: RawFd, read_only: bool) 
             std::mem::size_of::<MountAttr>(),
         )
     })?;
+    Ok(tree)
+}
+
+/// Attaches a detached mount tree at `target` in the caller's mount namespace.
+pub fn attach_tree(tree: &OwnedFd, target: &Path) -> io::Result<()> {
     let t = cstr(target)?;
+    let empty = c"";
     // SAFETY: both fds and strings are valid for the call.
     check(unsafe {
         libc::syscall(

@@ -53,6 +53,8 @@ pub struct Config {
     pub quotas: Quotas,
     /// Where templates live (`LOCKER_CACHE_DIR`).
     pub cache_dir: PathBuf,
+    /// Warm machines kept ready for runs (0: start each on demand).
+    pub warm_pool: usize,
 }
 
 /// A sandbox whose machine runs on this node.
@@ -175,6 +177,8 @@ pub struct App {
     /// Serializes quota checks with the inserts they guard.
     pub create_lock: tokio::sync::Mutex<()>,
     pub started: Instant,
+    /// Warm machines for runs.
+    pub pool: crate::runs::Pool,
 }
 
 pub type AppState = Arc<App>;
@@ -229,6 +233,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         .map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
     app.volumes.stop_agents().await;
+    app.pool.drain(&app).await;
     Ok(())
 }
 
@@ -262,6 +267,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     let templates =
         TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;
     let recorder = CallRecorder::spawn(store.clone());
+    let warm_pool = cfg.warm_pool;
     let app = Arc::new(App {
         cfg,
         store,
@@ -273,9 +279,11 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         volumes,
         create_lock: tokio::sync::Mutex::new(()),
         started: Instant::now(),
+        pool: crate::runs::Pool::new(warm_pool),
     });
     crate::sandboxes::adopt_all(&app).await;
     crate::runs::cleanup(&app).await;
+    crate::runs::Pool::spawn_refill(app.clone());
     Ok(app)
 }
 

@@ -358,7 +358,8 @@ async fn in_machine(
 ) -> Result<(ExecResult, Option<Changes>), ApiError> {
     let mspec = MachineSpec {
         id: spec.call_id.clone(),
-        dir: run_dir.join("machine"),
+        // Beside the warm machines, not in `run_dir`: its teardown may outlive the run.
+        dir: pool_dir(app).join(&spec.call_id),
         template_rootfs: plan.template.rootfs.clone(),
         cpus: plan.cpus,
         memory_mb: plan.memory_mb,
@@ -371,11 +372,18 @@ async fn in_machine(
         work: run_dir.join("layer/work"),
         target: PathBuf::from(&plan.mount_path),
     };
-    let machine = app
-        .node
-        .create_with(mspec, None, vec![mount])
-        .await
-        .map_err(|e| ApiError::internal(format!("starting the run's machine failed: {e}")))?;
+    let machine = match app.pool.claim(&plan.template.digest, plan.cpus, plan.memory_mb) {
+        Some(m) => match app.node.attach(&m, mount.clone()).await {
+            Ok(()) => m,
+            Err(e) => {
+                tracing::warn!(error = %e, "a warm machine could not take the run's layer; starting a fresh one");
+                let _ = app.node.destroy(&m).await;
+                fresh(app, mspec, mount).await?
+            }
+        },
+        None => fresh(app, mspec, mount).await?,
+    };
+
     let queue_ms = ms_since(arrived);
     let agent = machine.agent.clone();
     let outcome = match body {
@@ -390,23 +398,131 @@ async fn in_machine(
             .await
         }
     };
-    let destroyed = app.node.destroy(&machine).await;
+    // The machine's processes must be gone before its layer is read; the rest of its
+    // teardown (mounts, loop device, cgroup, directory) happens after the answer.
+    let stopped = app.node.stop(&machine).await;
+    let node = app.node.clone();
+    tokio::spawn(async move {
+        if let Err(e) = node.destroy(&machine).await {
+            tracing::warn!(machine = %machine.id, error = %e, "destroying a run's machine failed");
+        }
+    });
+    let stopped = stopped.map_err(|e| ApiError::internal(format!("stopping the run's machine: {e}")));
     let mut res = match outcome {
         None => {
-            destroyed
-                .map_err(|e| ApiError::internal(format!("destroying the run's machine: {e}")))?;
+            stopped?;
             return Err(ApiError::new(
-                axum::http::StatusCode::from_u16(499)
-                    .unwrap_or(axum::http::StatusCode::BAD_REQUEST),
+                axum::http::StatusCode::from_u16(499).unwrap_or(axum::http::StatusCode::BAD_REQUEST),
                 "the client went away: the command was killed and nothing was committed",
             ));
         }
         Some(r) => r?,
     };
-    destroyed.map_err(|e| ApiError::internal(format!("destroying the run's machine: {e}")))?;
+    stopped?;
     res.timings.queue_ms = queue_ms;
     let changes = commit(plan, run_dir, &res, start_seq).await?;
     Ok((res, Some(changes)))
+}
+
+/// A machine started for this run alone, with the volume's layer mounted at start.
+async fn fresh(app: &AppState, mspec: MachineSpec, mount: OverlayMount) -> Result<locker_runtime::node::Machine, ApiError> {
+    app.node
+        .create_with(mspec, None, vec![mount])
+        .await
+        .map_err(|e| ApiError::internal(format!("starting the run's machine failed: {e}")))
+}
+
+/// Ids of warm machines start with this (their directories are `<data-dir>/pool/<id>`).
+const POOL_PREFIX: &str = "pool_";
+
+/// Where warm machines live.
+pub fn pool_dir(app: &AppState) -> PathBuf {
+    app.cfg.data_dir.join("pool")
+}
+
+/// Warm machines for runs: ready jails of the default shape (the `default` template, 1 CPU,
+/// 512 MB) waiting for a run to claim one. A run takes one, gets its volume layer mounted
+/// into it (`Node::attach`), runs, and the machine is destroyed: never reused for another
+/// call. A background task keeps `target` of them ready. Runs of another shape start a
+/// machine of their own.
+pub struct Pool {
+    target: usize,
+    ready: std::sync::Mutex<Vec<locker_runtime::node::Machine>>,
+    wake: tokio::sync::Notify,
+    /// The template digest of the shape kept warm (found when the refill task starts).
+    digest: std::sync::Mutex<Option<String>>,
+}
+
+const POOL_CPUS: f64 = 1.0;
+const POOL_MEMORY_MB: u64 = 512;
+
+impl Pool {
+    pub fn new(target: usize) -> Self {
+        Self { target, ready: Default::default(), wake: tokio::sync::Notify::new(), digest: Default::default() }
+    }
+
+    /// A warm machine of this shape, if one is ready.
+    pub fn claim(&self, digest: &str, cpus: f64, memory_mb: u64) -> Option<locker_runtime::node::Machine> {
+        if cpus != POOL_CPUS || memory_mb != POOL_MEMORY_MB || self.digest.lock().expect("pool").as_deref() != Some(digest) {
+            return None;
+        }
+        let m = self.ready.lock().expect("pool").pop();
+        self.wake.notify_one();
+        m
+    }
+
+    /// How many are ready now.
+    pub fn len(&self) -> usize {
+        self.ready.lock().expect("pool").len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Keeps the pool full, in the background, for the life of the server.
+    pub fn spawn_refill(app: AppState) {
+        if app.pool.target == 0 {
+            return;
+        }
+        tokio::spawn(async move {
+            let Ok(Some(t)) = app.templates.resolve("default") else {
+                tracing::warn!("no `default` template: runs will start their machines on demand");
+                return;
+            };
+            *app.pool.digest.lock().expect("pool") = Some(t.digest.clone());
+            loop {
+                while app.pool.len() < app.pool.target {
+                    let id = crate::app::new_id(POOL_PREFIX);
+                    let spec = MachineSpec {
+                        id: id.clone(),
+                        dir: pool_dir(&app).join(&id),
+                        template_rootfs: t.rootfs.clone(),
+                        cpus: POOL_CPUS,
+                        memory_mb: POOL_MEMORY_MB,
+                        disk_mb: RUN_DISK_MB,
+                        pids: crate::sandboxes::PIDS,
+                    };
+                    match app.node.create(spec).await {
+                        Ok(m) => app.pool.ready.lock().expect("pool").push(m),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "could not warm a machine for runs");
+                            tokio::time::sleep(Duration::from_secs(5)).await;
+                        }
+                    }
+                }
+                app.pool.wake.notified().await;
+            }
+        });
+    }
+
+    /// Destroys every warm machine (at shutdown).
+    pub async fn drain(&self, app: &AppState) {
+        let all: Vec<_> = std::mem::take(&mut *self.ready.lock().expect("pool"));
+        for m in all {
+            let _ = app.node.destroy(&m).await;
+        }
+    }
 }
 
 /// Lists the changes of the run's layer and applies them per the commit mode.
@@ -861,6 +977,11 @@ pub fn replay_journal(vol_dir: &FsPath) -> io::Result<()> {
 /// At start, after journals were replayed: destroys machines of runs a killed server left
 /// and removes their directories.
 pub async fn cleanup(app: &AppState) {
+    // Warm machines of a stopped server are never claimed again.
+    let gone = app.node.cleanup_orphans(&pool_dir(app), Vec::new()).await;
+    if !gone.is_empty() {
+        tracing::info!(count = gone.len(), "removed warm machines a stopped server left");
+    }
     let dir = runs_dir(app);
     let Ok(rd) = fs::read_dir(&dir) else {
         return;
