@@ -605,3 +605,21 @@ fn sandboxes_mounting_a_volume_share_one_live_tree_and_see_run_commits() {
         assert!(r.text().contains(needle), "{body}: {}", r.text());
     }
 }
+
+#[test]
+fn warm_machines_follow_the_shapes_runs_ask_for() {
+    let s = Server::start();
+    let api = s.api();
+    let vol = new_volume(&api, "warm");
+    // The default shape is warm from the start: its runs get a pooled machine.
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = run(&api, &vol, &json!({"cmd": ["hostname"]}));
+    assert!(r["stdout"].as_str().unwrap().starts_with("pool_"), "{r}");
+    // A new shape starts a machine of its own once, then is kept warm too.
+    let r = run(&api, &vol, &json!({"cmd": ["hostname"], "memory_mb": 256}));
+    assert!(r["stdout"].as_str().unwrap().starts_with("call_"), "{r}");
+    std::thread::sleep(Duration::from_millis(1500));
+    let r = run(&api, &vol, &json!({"cmd": ["sh", "-c", "hostname; echo warm > w.txt"], "memory_mb": 256}));
+    assert!(r["stdout"].as_str().unwrap().starts_with("pool_"), "{r}");
+    assert_eq!(r["changes"]["added"], json!(["/w.txt"]), "a pooled machine commits like any other");
+}

@@ -372,7 +372,7 @@ async fn in_machine(
         work: run_dir.join("layer/work"),
         target: PathBuf::from(&plan.mount_path),
     };
-    let machine = match app.pool.claim(&plan.template.digest, plan.cpus, plan.memory_mb) {
+    let machine = match app.pool.claim(&plan.template, plan.cpus, plan.memory_mb) {
         Some(m) => match app.node.attach(&m, mount.clone()).await {
             Ok(()) => m,
             Err(e) => {
@@ -440,44 +440,90 @@ pub fn pool_dir(app: &AppState) -> PathBuf {
     app.cfg.data_dir.join("pool")
 }
 
-/// Warm machines for runs: ready jails of the default shape (the `default` template, 1 CPU,
-/// 512 MB) waiting for a run to claim one. A run takes one, gets its volume layer mounted
+/// Warm machines for runs, per shape (template, CPUs, memory; one runtime today): ready
+/// jails waiting for a run to claim one. A run takes one, gets its volume layer mounted
 /// into it (`Node::attach`), runs, and the machine is destroyed: never reused for another
-/// call. A background task keeps `target` of them ready. Runs of another shape start a
-/// machine of their own.
+/// call. A background task keeps `target` machines ready for each shape in demand: the
+/// default shape (the `default` template, 1 CPU, 512 MB) from the start, and every shape a
+/// run asked for (up to [`MAX_SHAPES`], the least recently used dropped first).
 pub struct Pool {
     target: usize,
-    ready: std::sync::Mutex<Vec<locker_runtime::node::Machine>>,
+    shapes: std::sync::Mutex<Vec<Shape>>,
+    retired: std::sync::Mutex<Vec<locker_runtime::node::Machine>>,
     wake: tokio::sync::Notify,
-    /// The template digest of the shape kept warm (found when the refill task starts).
-    digest: std::sync::Mutex<Option<String>>,
 }
 
-const POOL_CPUS: f64 = 1.0;
-const POOL_MEMORY_MB: u64 = 512;
+/// One shape kept warm.
+struct Shape {
+    template: locker_runtime::template::Template,
+    cpus: f64,
+    memory_mb: u64,
+    ready: Vec<locker_runtime::node::Machine>,
+}
+
+impl Shape {
+    fn is(&self, digest: &str, cpus: f64, memory_mb: u64) -> bool {
+        self.template.digest == digest && self.cpus == cpus && self.memory_mb == memory_mb
+    }
+}
+
+/// Shapes kept warm at once.
+pub const MAX_SHAPES: usize = 4;
 
 impl Pool {
     pub fn new(target: usize) -> Self {
-        Self { target, ready: Default::default(), wake: tokio::sync::Notify::new(), digest: Default::default() }
+        Self { target, shapes: Default::default(), retired: Default::default(), wake: tokio::sync::Notify::new() }
     }
 
-    /// A warm machine of this shape, if one is ready.
-    pub fn claim(&self, digest: &str, cpus: f64, memory_mb: u64) -> Option<locker_runtime::node::Machine> {
-        if cpus != POOL_CPUS || memory_mb != POOL_MEMORY_MB || self.digest.lock().expect("pool").as_deref() != Some(digest) {
+    /// A warm machine of this shape, if one is ready; either way the shape is now in
+    /// demand and the refill task is woken.
+    pub fn claim(&self, template: &locker_runtime::template::Template, cpus: f64, memory_mb: u64) -> Option<locker_runtime::node::Machine> {
+        if self.target == 0 {
             return None;
         }
-        let m = self.ready.lock().expect("pool").pop();
+        let mut shapes = self.shapes.lock().expect("pool");
+        let got = match shapes.iter().position(|s| s.is(&template.digest, cpus, memory_mb)) {
+            Some(i) => {
+                // Most recently used last.
+                let mut shape = shapes.remove(i);
+                let m = shape.ready.pop();
+                shapes.push(shape);
+                m
+            }
+            None => {
+                shapes.push(Shape { template: template.clone(), cpus, memory_mb, ready: Vec::new() });
+                None
+            }
+        };
+        let extra = shapes.len().saturating_sub(MAX_SHAPES);
+        let dropped: Vec<Shape> = shapes.drain(..extra).collect();
+        drop(shapes);
         self.wake.notify_one();
-        m
+        for s in dropped {
+            self.retire(s.ready);
+        }
+        got
     }
 
-    /// How many are ready now.
+    /// Machines no shape wants any more: the refill task destroys them.
+    fn retire(&self, machines: Vec<locker_runtime::node::Machine>) {
+        self.retired.lock().expect("pool").extend(machines);
+        self.wake.notify_one();
+    }
+
+    /// How many machines are ready now, all shapes.
     pub fn len(&self) -> usize {
-        self.ready.lock().expect("pool").len()
+        self.shapes.lock().expect("pool").iter().map(|s| s.ready.len()).sum()
     }
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The first shape short of machines, if any.
+    fn wanting(&self) -> Option<(locker_runtime::template::Template, f64, u64)> {
+        let shapes = self.shapes.lock().expect("pool");
+        shapes.iter().rev().find(|s| s.ready.len() < self.target).map(|s| (s.template.clone(), s.cpus, s.memory_mb))
     }
 
     /// Keeps the pool full, in the background, for the life of the server.
@@ -486,25 +532,39 @@ impl Pool {
             return;
         }
         tokio::spawn(async move {
-            let Ok(Some(t)) = app.templates.resolve("default") else {
-                tracing::warn!("no `default` template: runs will start their machines on demand");
-                return;
-            };
-            *app.pool.digest.lock().expect("pool") = Some(t.digest.clone());
+            match app.templates.resolve("default") {
+                Ok(Some(t)) => {
+                    let _ = app.pool.claim(&t, POOL_CPUS, POOL_MEMORY_MB);
+                }
+                _ => tracing::warn!("no `default` template: warm machines follow demand only"),
+            }
             loop {
-                while app.pool.len() < app.pool.target {
+                let retired: Vec<_> = std::mem::take(&mut *app.pool.retired.lock().expect("pool"));
+                for m in retired {
+                    let _ = app.node.destroy(&m).await;
+                }
+                while let Some((t, cpus, memory_mb)) = app.pool.wanting() {
                     let id = crate::app::new_id(POOL_PREFIX);
                     let spec = MachineSpec {
                         id: id.clone(),
                         dir: pool_dir(&app).join(&id),
                         template_rootfs: t.rootfs.clone(),
-                        cpus: POOL_CPUS,
-                        memory_mb: POOL_MEMORY_MB,
+                        cpus,
+                        memory_mb,
                         disk_mb: RUN_DISK_MB,
                         pids: crate::sandboxes::PIDS,
                     };
                     match app.node.create(spec).await {
-                        Ok(m) => app.pool.ready.lock().expect("pool").push(m),
+                        Ok(m) => {
+                            let mut shapes = app.pool.shapes.lock().expect("pool");
+                            match shapes.iter_mut().find(|s| s.is(&t.digest, cpus, memory_mb)) {
+                                Some(s) => s.ready.push(m),
+                                None => {
+                                    drop(shapes);
+                                    app.pool.retire(vec![m]);
+                                }
+                            }
+                        }
                         Err(e) => {
                             tracing::warn!(error = %e, "could not warm a machine for runs");
                             tokio::time::sleep(Duration::from_secs(5)).await;
@@ -518,12 +578,16 @@ impl Pool {
 
     /// Destroys every warm machine (at shutdown).
     pub async fn drain(&self, app: &AppState) {
-        let all: Vec<_> = std::mem::take(&mut *self.ready.lock().expect("pool"));
+        let mut all: Vec<_> = self.shapes.lock().expect("pool").iter_mut().flat_map(|s| std::mem::take(&mut s.ready)).collect();
+        all.append(&mut self.retired.lock().expect("pool"));
         for m in all {
             let _ = app.node.destroy(&m).await;
         }
     }
 }
+
+const POOL_CPUS: f64 = 1.0;
+const POOL_MEMORY_MB: u64 = 512;
 
 /// Lists the changes of the run's layer and applies them per the commit mode.
 async fn commit(
