@@ -388,6 +388,14 @@ async fn add(
     Ok(vol)
 }
 
+/// The record of a new volume named `name` (409 if the caller already has one so named).
+fn new_record(app: &AppState, caller: &Caller, name: String, size_mb: u64) -> Result<VolumeRecord, ApiError> {
+    if app.store.get_volume(&caller.tenant, &name)?.is_some() {
+        return Err(ApiError::conflict(format!("a volume named {name:?} already exists")));
+    }
+    Ok(VolumeRecord { id: new_id("vol_"), tenant: caller.tenant.clone(), name, size_mb, created_at: locker_types::rfc3339(now_s()) })
+}
+
 async fn create(
     State(app): State<AppState>,
     caller: Caller,
@@ -401,18 +409,7 @@ async fn create(
             SIZE_MB.0, SIZE_MB.1
         )));
     }
-    if app.store.get_volume(&caller.tenant, &name)?.is_some() {
-        return Err(ApiError::conflict(format!(
-            "a volume named {name:?} already exists"
-        )));
-    }
-    let rec = VolumeRecord {
-        id: new_id("vol_"),
-        tenant: caller.tenant.clone(),
-        name,
-        size_mb,
-        created_at: locker_types::rfc3339(now_s()),
-    };
+    let rec = new_record(&app, &caller, name, size_mb)?;
     let vol = add(&app, rec.clone(), |live| {
         std::fs::create_dir(live).map(|()| 0)
     })
@@ -529,18 +526,7 @@ async fn fork(
 ) -> Result<impl IntoResponse, ApiError> {
     let name = check_name(body.name.as_deref())?;
     let (r, v) = lookup(&app, &caller, &id)?;
-    if app.store.get_volume(&caller.tenant, &name)?.is_some() {
-        return Err(ApiError::conflict(format!(
-            "a volume named {name:?} already exists"
-        )));
-    }
-    let rec = VolumeRecord {
-        id: new_id("vol_"),
-        tenant: caller.tenant.clone(),
-        name,
-        size_mb: r.size_mb,
-        created_at: locker_types::rfc3339(now_s()),
-    };
+    let rec = new_record(&app, &caller, name, r.size_mb)?;
     // Copy into a staging name inside the new volume's directory, under the source's gate.
     let staging = app.volumes.root.join(format!(".fork-{}", rec.id));
     let size = copy_live(&v, staging.clone()).await?;
