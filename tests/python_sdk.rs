@@ -1,0 +1,125 @@
+//! The Python SDK (`sdk/python`, package `locker`) end to end: its pytest suite
+//! (`sdk/python/tests/`) against a real `locker serve` — the HTTP client, Anthropic's bash
+//! and text editor handlers, the portable function tools and OpenAI's shell tool, the agent
+//! loop against scripted stand-in models (parallel tool calls, a failing tool, an endless
+//! loop stopped by the iteration cap, truncation into a file), and
+//! `examples/python_agent.py` against a stand-in of the Messages API.
+//!
+//! pytest and the SDK (`pip install -e sdk/python`) go into `target/python-sdk/venv` on
+//! first use; when PyPI is unreachable the test is skipped with a message saying so; any
+//! other failure fails it.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Instant;
+
+use locker_tests::become_subreaper;
+use locker_tests::server::Server;
+
+fn target_dir() -> PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| locker_tests::root().join("target"))
+}
+
+/// Whether a failed install's log says the registry could not be reached.
+fn unreachable(log: &str) -> bool {
+    [
+        "Network is unreachable",
+        "Temporary failure in name resolution",
+        "Failed to establish a new connection",
+        "Max retries exceeded",
+        "Could not find a version that satisfies",
+    ]
+    .iter()
+    .any(|m| log.contains(m))
+}
+
+fn run_logged(cmd: &mut Command) -> (bool, String) {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
+    let log = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.success(), log)
+}
+
+/// The venv's python with pytest and this checkout's SDK importable, or None (with a
+/// message) when PyPI is unreachable.
+fn python_sdk() -> Option<PathBuf> {
+    let venv = target_dir().join("python-sdk/venv");
+    let py = venv.join("bin/python");
+    let src = locker_tests::root().join("sdk/python/src");
+    // Importable, and from this checkout (an editable install of another one would not do).
+    let check = format!(
+        "import pytest, locker, os, sys; sys.exit(0 if os.path.realpath(locker.__file__).startswith(os.path.realpath({:?})) else 1)",
+        src.to_str().expect("utf-8 path")
+    );
+    let ok = |py: &Path| {
+        Command::new(py)
+            .args(["-c", &check])
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if ok(&py) {
+        return Some(py);
+    }
+    if !py.exists() {
+        let (made, log) = run_logged(Command::new("python3").args(["-m", "venv"]).arg(&venv));
+        assert!(made, "python3 -m venv {}: {log}", venv.display());
+    }
+    let started = Instant::now();
+    let (installed, log) = run_logged(
+        Command::new(venv.join("bin/pip"))
+            .args([
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "pytest>=7",
+                "-e",
+            ])
+            .arg(locker_tests::root().join("sdk/python")),
+    );
+    if !installed {
+        if unreachable(&log) {
+            eprintln!("SKIP: pytest and the SDK cannot be installed, PyPI is unreachable:\n{log}");
+            return None;
+        }
+        panic!("pip install pytest -e sdk/python failed:\n{log}");
+    }
+    eprintln!("installed pytest and the SDK in {:?}", started.elapsed());
+    assert!(
+        ok(&py),
+        "pytest or this checkout's `locker` is not importable after pip install"
+    );
+    Some(py)
+}
+
+#[test]
+fn python_sdk_pytest_against_a_real_server() {
+    become_subreaper();
+    let Some(py) = python_sdk() else { return };
+    let srv = Server::start();
+    let started = Instant::now();
+    let (ok, log) = run_logged(
+        Command::new(&py)
+            .args(["-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs"])
+            .arg(locker_tests::root().join("sdk/python/tests"))
+            .current_dir(locker_tests::root().join("sdk/python"))
+            .env("LOCKER_URL", &srv.url)
+            .env("LOCKER_API_KEY", &srv.api_key)
+            .env("PYTHONDONTWRITEBYTECODE", "1")
+            .env_remove("ANTHROPIC_API_KEY")
+            .env_remove("ANTHROPIC_BASE_URL"),
+    );
+    eprintln!("pytest took {:?}:\n{log}", started.elapsed());
+    assert!(ok, "the Python SDK's tests failed:\n{log}");
+    assert!(
+        log.contains(" passed") && !log.contains("skipped") && !log.contains("SKIPPED"),
+        "every test ran (none skipped):\n{log}"
+    );
+}
