@@ -14,10 +14,22 @@ pub struct DoctorArgs {
 
 pub fn run(args: DoctorArgs) -> anyhow::Result<()> {
     let report = locker_runtime::doctor::check(&args.data_dir);
+    // Egress enforcement, proved: a probe namespace wired like a machine must fail to
+    // reach the host and the metadata address (needs root, nft, ip, IPv4 forwarding).
+    let egress = locker_runtime::net::probe();
     if args.json {
-        println!("{}", serde_json::to_string_pretty(&report)?);
+        let mut v = serde_json::to_value(&report)?;
+        v["egress"] = match &egress {
+            Ok(d) => serde_json::json!({"ok": true, "detail": d}),
+            Err(e) => serde_json::json!({"ok": false, "detail": e}),
+        };
+        println!("{}", serde_json::to_string_pretty(&v)?);
     } else {
         print!("{}", locker_runtime::doctor::render(&report));
+        match &egress {
+            Ok(d) => println!("egress            enforced: {d}"),
+            Err(e) => println!("egress            none only (other policies answer 503): {e}"),
+        }
     }
     Ok(())
 }

@@ -276,6 +276,8 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
         }
     }
     cg.remove()?;
+    // Egress (if the machine had any): its veth and subnet lease.
+    crate::net::detach(dir, None);
     finish_destroy(dir)
 }
 

@@ -8,6 +8,7 @@
 //! - [`doctor`]: what works on this host and why.
 //! - [`host_agent`]: an agent on the host serving a volume's files with no machine.
 //! - [`tree`]: directory trees of volumes: measured, and copied copy-on-write.
+//! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
 //!
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
 
@@ -19,6 +20,7 @@ pub mod host_agent;
 pub mod jail;
 pub mod node;
 pub mod seccomp;
+pub mod net;
 mod sys;
 pub mod template;
 pub mod tree;

@@ -389,6 +389,30 @@ impl Node {
         }
     }
 
+    /// Sets a running machine's egress: `true` wires its veth, subnet and rules (egress
+    /// `all`, see [`crate::net`]), `false` removes them (loopback only, egress `none`).
+    /// Fails (and leaves no egress) when enforcement cannot be set up.
+    pub async fn set_egress(&self, m: &Machine, all: bool) -> Result<(), NodeError> {
+        let (dir, pid) = (m.dir.clone(), m.state.agent_pid);
+        tokio::task::spawn_blocking(move || {
+            if all {
+                crate::net::status()?;
+                crate::net::attach(&dir, pid).map(|_| ())
+            } else {
+                crate::net::detach(&dir, Some(pid));
+                Ok(())
+            }
+        })
+        .await
+        .map_err(|e| NodeError::Setup(format!("egress task failed: {e}")))?
+        .map_err(|e| NodeError::Setup(format!("setting the egress of machine {}: {e}", m.id)))
+    }
+
+    /// The machine's address on its veth, when it has egress.
+    pub fn egress_address(&self, m: &Machine) -> Option<std::net::Ipv4Addr> {
+        crate::net::NetLease::load(&m.dir).map(|l| l.machine_ip())
+    }
+
     /// Copies a running machine's disk to `dest` at one consistent point: its processes
     /// are frozen, its filesystem flushed, the image copied (a reflink where the data dir's
     /// filesystem can), and the processes thawed, also on failure.
@@ -479,6 +503,11 @@ impl Node {
                 .filter_map(|e| JailState::load(&e.path()).map(|s| (e.path(), s.uid_base)))
                 .collect();
             let removed = jail::cleanup_orphans(&dir, &keep, &layout);
+            // Veths and subnet leases of machines that no longer exist (host-wide).
+            let stale = crate::net::cleanup_stale();
+            if !stale.is_empty() {
+                tracing::info!(count = stale.len(), "removed stale machine networks");
+            }
             for (d, base) in leases {
                 if !d.exists() {
                     release_slot(base);

@@ -217,6 +217,12 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         .map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
     crate::sandboxes::spawn_reaper(app.clone());
+    // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
+    // before a machine gets egress).
+    tokio::task::spawn_blocking(|| match locker_runtime::net::status() {
+        Ok(d) => tracing::info!(detail = %d, "egress enforcement works"),
+        Err(e) => tracing::warn!(error = %e, "egress enforcement unavailable: sandboxes get egress none only"),
+    });
     let router = router(app.clone());
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())

@@ -378,6 +378,12 @@ async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
         })
         .collect();
     let ok = report.runtimes.get("jail").is_some_and(|v| v.ok);
+    // Egress enforcement: the verdict of the last probe (one runs at start).
+    let egress = match locker_runtime::net::cached_status() {
+        Some(Ok(_)) => "ok".to_owned(),
+        Some(Err(e)) => format!("unavailable: {e}"),
+        None => "probing".to_owned(),
+    };
     let status = if ok {
         StatusCode::OK
     } else {
@@ -386,7 +392,7 @@ async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
     (
         status,
         axum::Json(
-            json!({"status": if ok { "ok" } else { "degraded" }, "runtimes": runtimes, "uptime_s": app.started.elapsed().as_secs()}),
+            json!({"status": if ok { "ok" } else { "degraded" }, "runtimes": runtimes, "egress": egress, "uptime_s": app.started.elapsed().as_secs()}),
         ),
     )
 }

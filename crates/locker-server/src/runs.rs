@@ -166,7 +166,11 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
             "`memory_mb` must be between {lo} and {hi}"
         )));
     }
-    crate::sandboxes::check_network(&b.network)?;
+    if crate::sandboxes::has_egress(&crate::sandboxes::check_network(&b.network)?) {
+        return Err(ApiError::unavailable(
+            "runs get egress `none` only in this version (sandboxes can have `all`); Locker fails closed instead of running unprotected",
+        ));
+    }
     let req = ExecRequest {
         cmd: b.cmd,
         shell: b.shell,

@@ -60,7 +60,7 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
 }
 
-/// Validates the network policy; only `none` exists in this version, and anything else
+/// Validates the network policy: `none` (the default) and `all` are enforced; `allow`
 /// fails closed with 503 rather than running with an unenforced policy.
 pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
     let Some(v) = v else {
@@ -77,13 +77,32 @@ pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
         }
     }
     match obj.get("egress").and_then(Value::as_str) {
-        Some("none") if obj.get("allow").is_none() => Ok(json!({"egress": "none"})),
-        Some("none") => Err(ApiError::bad_request("`allow` only goes with {\"egress\": \"allow\"}")),
-        Some("all") | Some("allow") => Err(ApiError::unavailable(
-            "egress policies other than `none` are not enforced by this version yet; Locker fails closed instead of running unprotected",
+        Some(e @ ("none" | "all")) if obj.get("allow").is_none() => Ok(json!({"egress": e})),
+        Some("none" | "all") => Err(ApiError::bad_request("`allow` only goes with {\"egress\": \"allow\"}")),
+        Some("allow") => Err(ApiError::unavailable(
+            "egress `allow` (allowlists) is not enforced by this version yet; Locker fails closed instead of running unprotected: use `none` or `all`",
         )),
         Some(other) => Err(ApiError::bad_request(format!("`network.egress` must be none, all or allow, got {other:?}"))),
         None => Err(ApiError::bad_request("`network.egress` is required: none, all or allow")),
+    }
+}
+
+/// Whether a checked policy gives the machine a network (anything but `none`).
+pub fn has_egress(network: &Value) -> bool {
+    network.get("egress").and_then(Value::as_str).is_some_and(|e| e != "none")
+}
+
+/// 503 unless this host enforces egress policies (the probe of `locker_runtime::net`).
+pub async fn require_egress(network: &Value) -> Result<(), ApiError> {
+    if !has_egress(network) {
+        return Ok(());
+    }
+    match tokio::task::spawn_blocking(locker_runtime::net::status).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(ApiError::unavailable(format!(
+            "egress policies other than `none` cannot be enforced on this host, so Locker refuses them: {e}"
+        ))),
+        Err(e) => Err(ApiError::internal(format!("egress probe failed: {e}"))),
     }
 }
 
@@ -214,6 +233,7 @@ async fn create(
     check_env(&body.env)?;
     check_metadata(&body.metadata)?;
     let network = check_network(&body.network)?;
+    require_egress(&network).await?;
     let (template_name, template, disk_from, disk_mb) = match &snapshot {
         Some(snap) => {
             if body.disk_mb.is_some_and(|d| d != snap.disk_mb) {
@@ -426,6 +446,13 @@ pub async fn launch(
             )));
         }
     };
+    if has_egress(&new.network) {
+        if let Err(e) = app.node.set_egress(&machine, true).await {
+            let _ = app.node.destroy(&machine).await;
+            let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
+            return Err(ApiError::unavailable(format!("starting the sandbox failed: {e}")));
+        }
+    }
     let live = Arc::new(Live::new(
         id.clone(),
         caller.tenant.clone(),
@@ -606,7 +633,27 @@ async fn patch(
 ) -> Result<impl IntoResponse, ApiError> {
     let mut r = record_of(&app, &caller, &id)?;
     if let Some(n) = &body.network {
-        r.network = check_network(&Some(n.clone()))?;
+        let network = check_network(&Some(n.clone()))?;
+        require_egress(&network).await?;
+        // One policy change at a time (the create lock is short and rarely contended).
+        let _guard = app.create_lock.lock().await;
+        r = record_of(&app, &caller, &id)?;
+        if has_egress(&network) != has_egress(&r.network) {
+            let live = app.live.read().await.get(&id).cloned();
+            match live {
+                Some(l) => app
+                    .node
+                    .set_egress(&l.machine, has_egress(&network))
+                    .await
+                    .map_err(|e| ApiError::unavailable(format!("changing the network policy failed (unchanged): {e}")))?,
+                None => {
+                    return Err(ApiError::conflict(format!(
+                        "sandbox {id} is not running here; its network policy cannot change"
+                    )))
+                }
+            }
+        }
+        r.network = network;
     }
     if let Some(m) = body.metadata {
         check_metadata(&m)?;
