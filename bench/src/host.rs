@@ -121,6 +121,15 @@ impl Info {
     }
 }
 
+/// A field of `/proc/meminfo` in KiB (0 if unreadable).
+pub fn meminfo_kib(field: &str) -> u64 {
+    read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
 /// CPU time of the whole host and of this process tree, to tell later how much of the
 /// host's CPU went to other work during the run.
 pub struct CpuMark {

@@ -14,6 +14,10 @@
 
 mod host;
 mod jail;
+mod microvm;
+mod report;
+mod runs;
+mod scale;
 mod server;
 mod snapshots;
 mod stats;
@@ -30,7 +34,8 @@ use crate::stats::Row;
 #[derive(Parser, Debug, Clone)]
 #[command(name = "locker-bench")]
 pub struct Args {
-    /// Groups to run, comma-separated: jail, peers, server, soak (default: all).
+    /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
+    /// microvm, soak (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -48,12 +53,37 @@ pub struct Args {
     /// How many sandboxes the soak runs commands in at once (one thread each).
     #[arg(long, default_value_t = 50)]
     pub soak_sandboxes: usize,
-    /// Where the JSON results go.
+    /// Sandboxes created at once in the burst (and serverless runs at once).
+    #[arg(long, default_value_t = 100)]
+    pub burst: usize,
+    /// Idle sandboxes (and idle bwrap peers) the density rows fill the host with.
+    #[arg(long, default_value_t = 100)]
+    pub density: usize,
+    /// The kernel the QEMU microvm peer boots (default: the newest /boot/vmlinuz-*).
+    #[arg(long)]
+    pub qemu_kernel: Option<PathBuf>,
+    /// QEMU's accelerator for the microvm peer: tcg (emulation) or kvm.
+    #[arg(long, default_value = "tcg")]
+    pub qemu_accel: String,
+    /// Measured boots of the QEMU microvm peer (after one warm-up boot).
+    #[arg(long, default_value_t = 5)]
+    pub qemu_boots: usize,
+    /// Where the results (JSON, Markdown, SVG) go.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
     pub out_dir: PathBuf,
 }
 
-const GROUPS: [&str; 5] = ["jail", "peers", "server", "snapshots", "soak"];
+const GROUPS: [&str; 9] = [
+    "jail",
+    "peers",
+    "server",
+    "burst",
+    "density",
+    "runs",
+    "snapshots",
+    "microvm",
+    "soak",
+];
 
 impl Args {
     pub fn fast(&self) -> usize {
@@ -151,9 +181,11 @@ fn run() -> anyhow::Result<()> {
     );
 
     let mut rows: Vec<Row> = Vec::new();
+    let started = std::time::Instant::now();
     let mark = host::CpuMark::now();
     let result = run_groups(&args, &mut rows);
     let (host_busy, own) = mark.since(info.nproc);
+    let wall_s = started.elapsed().as_secs_f64();
     if !rows.is_empty() {
         rows.push(
             Row::new("host CPU busy during the run", "%", vec![host_busy], 0)
@@ -167,18 +199,50 @@ fn run() -> anyhow::Result<()> {
         return result;
     }
     // Described again: the load average now covers the run.
-    println!("\n{}", host::Info::collect().describe());
+    let after = host::Info::collect();
+    println!("\n{}", after.describe());
     println!("n = measured iterations; warm-up iterations are excluded. Times in ms. Ratios compare p50s measured in this run.\n");
     print!("{}", stats::table(&rows));
+    println!("\nthe run took {wall_s:.0} s");
     // A run that stopped early never overwrites a complete one.
     let partial = if result.is_err() { "-partial" } else { "" };
     // A run of some groups never overwrites a full run either.
-    let subset = if args.only.is_empty() { String::new() } else { format!("-{}", args.only.join("+")) };
-    let path = args
-        .out_dir
-        .join(format!("{}-{}{subset}{partial}.json", info.hostname, info.date));
+    let subset = if args.only.is_empty() {
+        String::new()
+    } else {
+        format!("-{}", args.only.join("+"))
+    };
+    // Not Path::with_extension: a host name may hold dots.
+    let stem = format!("{}-{}{subset}{partial}", info.hostname, info.date);
+    let file = |ext: &str| args.out_dir.join(format!("{stem}.{ext}"));
+    let path = file("json");
     stats::write_json(&rows, &path).with_context(|| format!("write {}", path.display()))?;
-    println!("\nsamples written to {}", path.display());
+    let title = format!("Locker benchmarks: {} {}", info.hostname, info.date);
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    let header = vec![
+        after.describe(),
+        format!(
+            "`bench/run {}`: {wall_s:.0} s{}; groups: {}",
+            argv.join(" "),
+            if result.is_err() { ", stopped early" } else { "" },
+            if args.only.is_empty() { "all".to_owned() } else { args.only.join(", ") }
+        ),
+        "n = measured iterations; warm-up iterations are excluded from every figure (how many, per row, in the JSON notes). Times in ms; percentiles nearest-rank; ratios compare p50s measured in this run. Every sample and the notes on what each row times: the JSON file beside this one.".to_owned(),
+    ];
+    let md = file("md");
+    std::fs::write(&md, report::markdown(&rows, &title, &header))
+        .with_context(|| format!("write {}", md.display()))?;
+    let svg = file("svg");
+    let chart = if report::svg(&rows, &format!("{title}: latency distributions"), &svg)? {
+        format!("; chart to {}", svg.display())
+    } else {
+        String::new()
+    };
+    println!(
+        "\nsamples written to {}; table to {}{chart}",
+        path.display(),
+        md.display()
+    );
     result
 }
 
@@ -201,9 +265,35 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         println!("== server: `locker serve` over HTTP, and the CLI ==");
         server::server_rows(args, rows)?;
     }
+    if args.wants("burst") {
+        check_stop()?;
+        println!(
+            "== burst: {} sandboxes created at once, each until its first command is done ==",
+            args.burst
+        );
+        scale::burst_rows(args, rows)?;
+    }
+    if args.wants("density") {
+        check_stop()?;
+        println!(
+            "== density: {} idle sandboxes, then {} idle bwrap ==",
+            args.density, args.density
+        );
+        scale::density_rows(args, rows)?;
+    }
+    if args.wants("runs") {
+        check_stop()?;
+        println!("== runs: serverless runs on a volume, beside a fresh bwrap per call ==");
+        runs::run_rows(args, rows)?;
+    }
     if args.wants("snapshots") {
         println!("== snapshots: pause, resume, create from a snapshot, fork ==");
         snapshots::snapshot_rows(args, rows)?;
+    }
+    if args.wants("microvm") {
+        check_stop()?;
+        println!("== microvm: Locker's microVM runtime, and a plain QEMU microvm boot ==");
+        microvm::microvm_rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

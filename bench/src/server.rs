@@ -10,7 +10,6 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use locker_tests::locker_bin;
 use locker_tests::server::{rss_kib, Api, Server};
 use serde_json::Value;
 
@@ -18,7 +17,8 @@ use crate::jail::{CREATE_TRUE, EXEC_TRUE};
 use crate::stats::{percentile, tail_note, Row, Target};
 use crate::{check_stop, stopping, Args};
 
-const HTTP_EXEC: &str = "server HTTP exec true (warm)";
+pub const HTTP_EXEC: &str = "server HTTP exec true (warm)";
+pub const HTTP_CREATE_EXEC: &str = "server HTTP create→exec true";
 const TRUE_BODY: &[u8] = br#"{"cmd":["true"]}"#;
 
 fn ms(since: Instant) -> f64 {
@@ -27,7 +27,7 @@ fn ms(since: Instant) -> f64 {
 
 /// Runs `true` in sandbox `id`; returns the server's own `timings.total_ms` and the agent's
 /// `timings.start_ms` (cgroup + fork/exec inside the machine).
-fn http_exec(api: &Api, id: &str) -> anyhow::Result<(f64, f64)> {
+pub(crate) fn http_exec(api: &Api, id: &str) -> anyhow::Result<(f64, f64)> {
     let r = api
         .try_request(
             "POST",
@@ -51,7 +51,7 @@ fn http_exec(api: &Api, id: &str) -> anyhow::Result<(f64, f64)> {
     ))
 }
 
-fn create(api: &Api) -> anyhow::Result<String> {
+pub(crate) fn create(api: &Api) -> anyhow::Result<String> {
     let r = api
         .try_request(
             "POST",
@@ -67,7 +67,7 @@ fn create(api: &Api) -> anyhow::Result<String> {
     Ok(v["id"].as_str().context("create: no id")?.to_owned())
 }
 
-fn delete(api: &Api, id: &str) -> anyhow::Result<()> {
+pub(crate) fn delete(api: &Api, id: &str) -> anyhow::Result<()> {
     let r = api
         .try_request("DELETE", &format!("/v1/sandboxes/{id}"), &[], ())
         .with_context(|| format!("DELETE /v1/sandboxes/{id}"))?;
@@ -106,7 +106,7 @@ pub fn server_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     );
     rows.push(
         Row::new(HTTP_EXEC, "ms", lat, warm)
-            .note("POST /v1/sandboxes/{id}/exec {\"cmd\":[\"true\"]}, JSON answer, one keep-alive connection (ureq), default tenant key")
+            .note("POST /v1/sandboxes/{id}/exec {\"cmd\":[\"true\"]}, JSON answer, default tenant key; the tests' ureq agent, which opens a connection per request (no pooling)")
             .note(format!("the server's own timings.total_ms p50 {s50:.2} ms (auth, lookup, agent round trip, call record queued); the rest is HTTP on loopback and the client"))
             .note(tail)
             .target(Target::P50(3.0))
@@ -115,11 +115,13 @@ pub fn server_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     );
 
     // The same through the CLI, a new process per call.
+    let tmp = locker_tests::TempDir::new("locker-bench-cli");
+    let locker_cli = crate::jail::locker_alias(tmp.path())?;
     let mut cli = vec![];
     for i in 0..warm + n {
         check_stop()?;
         let t0 = Instant::now();
-        let st = Command::new(locker_bin())
+        let st = Command::new(&locker_cli)
             .args(["exec", &id, "--", "true"])
             .env("LOCKER_URL", &srv.url)
             .env("LOCKER_API_KEY", &srv.api_key)
@@ -167,7 +169,7 @@ pub fn server_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         percentile(&c, 50.0),
         percentile(&d, 50.0)
     );
-    rows.push(Row::new("server HTTP create→exec true", "ms", ce, warm).note("POST /v1/sandboxes {} (default template, 1 cpu, 512 MB, 2048 MB disk) answered, then POST exec true answered").vs(CREATE_TRUE));
+    rows.push(Row::new(HTTP_CREATE_EXEC, "ms", ce, warm).note("POST /v1/sandboxes {} (default template, 1 cpu, 512 MB, 2048 MB disk) answered, then POST exec true answered").vs(CREATE_TRUE));
     rows.push(
         Row::new("server HTTP create", "ms", c, warm)
             .note("POST /v1/sandboxes until 201: store insert, Node::create, state update"),
@@ -245,7 +247,7 @@ pub fn soak_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         .iter()
         .map(|id| {
             let (shared, id) = (shared.clone(), id.clone());
-            // Each worker its own client, so each keeps its own keep-alive connection.
+            // Each worker its own client (the tests' agent opens a connection per request).
             let api = Api::new(&srv.url, Some(&srv.api_key));
             std::thread::spawn(move || {
                 let mut mine = Vec::new();
@@ -298,7 +300,7 @@ pub fn soak_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     );
     rows.push(
         Row::new(format!("soak HTTP exec true ({m} sandboxes at once)"), "ms", lat, 0)
-            .note(format!("{m} threads, one sandbox and one keep-alive connection each, `true` in a loop for {elapsed:.1} s after one warm-up exec each; {total} execs, {:.0} execs/s, {errors} errors", total as f64 / elapsed))
+            .note(format!("{m} threads, one sandbox and one HTTP client each (a connection per request), `true` in a loop for {elapsed:.1} s after one warm-up exec each; {total} execs, {:.0} execs/s, {errors} errors", total as f64 / elapsed))
             .vs(HTTP_EXEC),
     );
     let mut err_row = Row::new("soak errors", "count", vec![errors as f64], 0)

@@ -25,8 +25,8 @@ pub struct Row {
     /// Warm-up iterations run before the samples (0 for counters and gauges).
     pub warmup: usize,
     pub targets: Vec<Target>,
-    /// Another row's name this one is compared with (ratio of p50s).
-    pub peer: Option<String>,
+    /// Other rows' names this one is compared with (ratio of p50s), peers of the same run.
+    pub peers: Vec<String>,
     /// Why the row has no samples.
     pub skipped: Option<String>,
 }
@@ -45,7 +45,7 @@ impl Row {
             notes: String::new(),
             warmup,
             targets: Vec::new(),
-            peer: None,
+            peers: Vec::new(),
             skipped: None,
         }
     }
@@ -72,8 +72,9 @@ impl Row {
         self
     }
 
+    /// Compares this row with another row of the run (a ratio of p50s); may be repeated.
     pub fn vs(mut self, peer: &str) -> Row {
-        self.peer = Some(peer.to_owned());
+        self.peers.push(peer.to_owned());
         self
     }
 
@@ -86,6 +87,28 @@ impl Row {
             return f64::NAN;
         }
         self.samples.iter().sum::<f64>() / self.samples.len() as f64
+    }
+
+    /// The verdicts on its targets, then its ratio to each peer row measured in this run.
+    pub fn extras(&self, rows: &[Row]) -> Vec<String> {
+        let mut extra = self.verdicts();
+        for peer in &self.peers {
+            // A peer not measured in this run (a subset, a skipped peer) gives no ratio.
+            if let Some(p) = rows
+                .iter()
+                .find(|x| &x.name == peer && x.skipped.is_none() && !x.samples.is_empty())
+            {
+                let (a, b) = (self.p(50.0), p.p(50.0));
+                // A ratio of figures that are not both positive (a drop of memory that
+                // other work on the host turned negative) means nothing.
+                if a > 0.0 && b > 0.0 {
+                    extra.push(format!("{}× {peer}", fmt_ratio(a / b)));
+                } else {
+                    extra.push(format!("no ratio to {peer} (a p50 ≤ 0)"));
+                }
+            }
+        }
+        extra
     }
 
     /// "met" or "MISSED by X (Y×)" for each target.
@@ -142,7 +165,16 @@ pub fn tail_note(lat: &[f64], starts: &[f64]) -> String {
     )
 }
 
-fn fmt_num(v: f64) -> String {
+/// A ratio: one decimal, two below 1 (0.05×, not 0.1×).
+fn fmt_ratio(v: f64) -> String {
+    if v < 1.0 {
+        format!("{v:.2}")
+    } else {
+        format!("{v:.1}")
+    }
+}
+
+pub fn fmt_num(v: f64) -> String {
     if v.is_nan() {
         "-".into()
     } else if v.abs() >= 1000.0 {
@@ -174,15 +206,7 @@ pub fn table(rows: &[Row]) -> String {
             let _ = writeln!(out, "{:<width$}  skipped: {why}", r.name);
             continue;
         }
-        let mut extra = r.verdicts();
-        if let Some(peer) = &r.peer {
-            if let Some(p) = rows
-                .iter()
-                .find(|x| &x.name == peer && x.skipped.is_none() && !x.samples.is_empty())
-            {
-                extra.push(format!("{:.1}× {peer}", r.p(50.0) / p.p(50.0)));
-            }
-        }
+        let extra = r.extras(rows);
         let _ = writeln!(
             out,
             "{:<width$}  {:>9}  {:>9}  {:>9}  {:>9}  {:>6}  {:<5}  {}",
@@ -225,8 +249,14 @@ pub fn write_json(rows: &[Row], path: &Path) -> std::io::Result<()> {
             if r.warmup > 0 {
                 notes = format!("{} warm-up iterations excluded; {notes}", r.warmup);
             }
-            for v in r.verdicts() {
+            let verdicts = r.verdicts();
+            let ratios = r.extras(rows).split_off(verdicts.len());
+            for v in verdicts {
                 notes.push_str("; target ");
+                notes.push_str(&v);
+            }
+            for v in ratios {
+                notes.push_str("; vs peer (p50 ÷ p50): ");
                 notes.push_str(&v);
             }
             JsonRow {
