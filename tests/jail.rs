@@ -451,3 +451,39 @@ async fn destroy_and_orphan_cleanup_leave_nothing() {
         "processes of the orphan survived"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn machines_started_all_at_once_all_start() {
+    // Loop devices are handed out one free device at a time: concurrent starts must take
+    // turns, not fail (a burst of 100 once lost a few machines this way).
+    let node = std::sync::Arc::new(node());
+    let dir = TempDir::new("locker-jail-test");
+    let rootfs = default_rootfs();
+    let starts = (0..24).map(|_| {
+        let (node, machines, rootfs) = (node.clone(), dir.path().join("machines"), rootfs.clone());
+        tokio::spawn(async move {
+            let id = unique("jt").replace('-', "_");
+            let spec = MachineSpec { id: id.clone(), dir: machines.join(&id), template_rootfs: rootfs, cpus: 1.0, memory_mb: 64, disk_mb: 64, pids: 256 };
+            node.create(spec).await
+        })
+    });
+    let results: Vec<_> = futures_join(starts.collect()).await;
+    let mut failed = Vec::new();
+    for r in results {
+        match r {
+            Ok(m) => {
+                let _ = node.destroy(&m).await;
+            }
+            Err(e) => failed.push(e.to_string()),
+        }
+    }
+    assert!(failed.is_empty(), "{} of 24 machines failed to start: {:?}", failed.len(), failed.first());
+}
+
+async fn futures_join<T>(handles: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {
+    let mut out = Vec::new();
+    for h in handles {
+        out.push(h.await.expect("task"));
+    }
+    out
+}

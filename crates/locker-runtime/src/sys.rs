@@ -435,7 +435,15 @@ pub fn loop_attach(image: &Path) -> io::Result<(std::path::PathBuf, std::fs::Fil
         .write(true)
         .custom_flags(libc::O_CLOEXEC)
         .open(image)?;
-    for _ in 0..16 {
+    // Every free-device query answers the same device to concurrent callers, so machines
+    // starting at once would mostly lose the race: take turns, host-wide (shims are separate
+    // processes), and retry against other software until a deadline.
+    std::fs::create_dir_all("/run/locker")?;
+    let lock = OpenOptions::new().create(true).truncate(false).write(true).custom_flags(libc::O_CLOEXEC).open("/run/locker/loop.lock")?;
+    // SAFETY: flock on an fd we own; released when `lock` is dropped at return.
+    check(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }.into())?;
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while std::time::Instant::now() < deadline {
         // SAFETY: ioctl on the loop control fd with no argument.
         let n = check(unsafe { libc::ioctl(ctl.as_raw_fd(), LOOP_CTL_GET_FREE) }.into())?;
         let dev = std::path::PathBuf::from(format!("/dev/loop{n}"));
@@ -472,8 +480,9 @@ pub fn loop_attach(image: &Path) -> io::Result<(std::path::PathBuf, std::fs::Fil
         if e.raw_os_error() != Some(libc::EBUSY) {
             return Err(e);
         }
+        std::thread::sleep(std::time::Duration::from_micros(200));
     }
-    Err(io::Error::other("no free loop device after 16 tries"))
+    Err(io::Error::other("no free loop device within 10 s"))
 }
 
 /// Sets the access and modification times of `path` itself (a symlink is not followed).
