@@ -7,9 +7,13 @@
 //!   background processes, truncation and output_path, run on a volume, sandbox_delete);
 //! - plain HTTP for the auth rules of `/mcp`.
 //!
-//! The Python client that cannot be installed because PyPI is unreachable is skipped with a
-//! message saying so; any other failure fails the test. (The MCP Inspector CLI is not here:
-//! the versions that can send a Bearer header, 0.16 and later, need Node 22; hosts have 20.)
+//! - the MCP Inspector CLI (npm `@modelcontextprotocol/inspector-cli`, the standalone CLI
+//!   package, 1.0.3: it runs on Node 20 and sends `--header "Authorization: Bearer …"`),
+//!   installed into `target/mcp-inspector` on first use.
+//!
+//! A client that cannot be installed because its registry is unreachable is skipped with a
+//! message saying so; any other failure fails the test. (`@modelcontextprotocol/conformance`
+//! is not here: it needs Node 22, `fs.globSync`; these hosts have Node 20.)
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -207,4 +211,76 @@ fn mcp_needs_a_valid_key_and_forwards_it() {
         body.contains("\"isError\":true") && body.contains("not_found"),
         "another tenant's sandbox is not found: {body}"
     );
+}
+
+/// The Inspector CLI's entry point, or None (with a message) when npm is unreachable.
+fn inspector_cli() -> Option<PathBuf> {
+    let dir = target_dir().join("mcp-inspector");
+    let entry = dir.join("node_modules/@modelcontextprotocol/inspector-cli/build/index.js");
+    if entry.is_file() {
+        return Some(entry);
+    }
+    std::fs::create_dir_all(&dir).expect("create the inspector dir");
+    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args([
+        "install",
+        "--no-audit",
+        "--no-fund",
+        "--silent",
+        "@modelcontextprotocol/inspector-cli@1.0.3",
+    ]));
+    if !installed {
+        if ["ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "network"].iter().any(|m| log.contains(m)) {
+            eprintln!("SKIP: the MCP Inspector CLI cannot be installed, npm is unreachable:\n{log}");
+            return None;
+        }
+        panic!("npm install @modelcontextprotocol/inspector-cli failed:\n{log}");
+    }
+    assert!(entry.is_file(), "no {} after npm install", entry.display());
+    Some(entry)
+}
+
+/// Runs the Inspector CLI against `/mcp` and returns its JSON answer.
+fn inspector(entry: &Path, srv: &Server, args: &[&str]) -> Value {
+    // It reads its own package.json relative to the working directory: run it from there.
+    let build = entry.parent().expect("build dir");
+    let url = format!("{}/mcp", srv.url);
+    let auth = format!("Authorization: Bearer {}", srv.api_key);
+    let (ok, log) = run_logged(
+        Command::new("node")
+            .current_dir(build)
+            .arg(entry)
+            .arg(&url)
+            .args(["--transport", "http", "--header", &auth])
+            .args(args),
+    );
+    assert!(ok, "inspector {args:?} failed:\n{log}");
+    serde_json::from_str(&log[log.find('{').unwrap_or(0)..]).unwrap_or_else(|e| panic!("inspector {args:?}: not JSON ({e}):\n{log}"))
+}
+
+#[test]
+fn the_mcp_inspector_cli_lists_and_calls_tools() {
+    become_subreaper();
+    let Some(entry) = inspector_cli() else { return };
+    let srv = Server::start();
+    let tools = inspector(&entry, &srv, &["--method", "tools/list"]);
+    let names: Vec<&str> = tools["tools"].as_array().expect("tools").iter().filter_map(|t| t["name"].as_str()).collect();
+    for want in ["run", "sandbox_create", "exec", "file_edit", "sandbox_delete", "volume_list"] {
+        assert!(names.contains(&want), "{want} missing from {names:?}");
+    }
+    for t in tools["tools"].as_array().unwrap() {
+        assert_eq!(t["inputSchema"]["additionalProperties"], false, "{}", t["name"]);
+        assert!(t["annotations"]["readOnlyHint"].is_boolean(), "{}", t["name"]);
+    }
+    let created = inspector(&entry, &srv, &["--method", "tools/call", "--tool-name", "sandbox_create"]);
+    let sb = created["structuredContent"]["id"].as_str().unwrap_or_else(|| panic!("no sandbox id in {created}")).to_owned();
+    let ran = inspector(
+        &entry,
+        &srv,
+        &["--method", "tools/call", "--tool-name", "exec", "--tool-arg", &format!("sandbox_id={sb}"), "--tool-arg", "shell=echo from-inspector; exit 3"],
+    );
+    assert_eq!(ran["isError"], false, "a non-zero exit is a result, not an error: {ran}");
+    assert_eq!(ran["structuredContent"]["exit_code"], 3, "{ran}");
+    assert!(ran["structuredContent"]["stdout"].as_str().unwrap_or("").contains("from-inspector"), "{ran}");
+    let gone = inspector(&entry, &srv, &["--method", "tools/call", "--tool-name", "sandbox_delete", "--tool-arg", &format!("sandbox_id={sb}")]);
+    assert_eq!(gone["isError"], false, "{gone}");
 }
