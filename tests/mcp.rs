@@ -11,9 +11,12 @@
 //!   package, 1.0.3: it runs on Node 20 and sends `--header "Authorization: Bearer …"`),
 //!   installed into `target/mcp-inspector` on first use.
 //!
+//! - `@modelcontextprotocol/conformance` 0.1.5 (the newest that runs on Node 20), the server
+//!   scenarios that need no fixture tools (`server-initialize`, `tools-list`), through
+//!   `tests/mcp/bearer_proxy.py`, which adds the Bearer header the suite cannot send.
+//!
 //! A client that cannot be installed because its registry is unreachable is skipped with a
-//! message saying so; any other failure fails the test. (`@modelcontextprotocol/conformance`
-//! is not here: it needs Node 22, `fs.globSync`; these hosts have Node 20.)
+//! message saying so; any other failure fails the test.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -283,4 +286,63 @@ fn the_mcp_inspector_cli_lists_and_calls_tools() {
     assert!(ran["structuredContent"]["stdout"].as_str().unwrap_or("").contains("from-inspector"), "{ran}");
     let gone = inspector(&entry, &srv, &["--method", "tools/call", "--tool-name", "sandbox_delete", "--tool-arg", &format!("sandbox_id={sb}")]);
     assert_eq!(gone["isError"], false, "{gone}");
+}
+
+/// Installs an npm package into `target/<dir>` once; its directory, or None (with a
+/// message) when npm is unreachable.
+fn npm_package(dir: &str, spec: &str, probe: &str) -> Option<PathBuf> {
+    let dir = target_dir().join(dir);
+    if dir.join(probe).exists() {
+        return Some(dir);
+    }
+    std::fs::create_dir_all(&dir).expect("create the npm dir");
+    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args(["install", "--no-audit", "--no-fund", "--silent", spec]));
+    if !installed {
+        if ["ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "network"].iter().any(|m| log.contains(m)) {
+            eprintln!("SKIP: {spec} cannot be installed, npm is unreachable:\n{log}");
+            return None;
+        }
+        panic!("npm install {spec} failed:\n{log}");
+    }
+    assert!(dir.join(probe).exists(), "no {probe} after npm install {spec}");
+    Some(dir)
+}
+
+#[test]
+fn the_conformance_suite_passes_its_server_scenarios_without_fixtures() {
+    become_subreaper();
+    let Some(dir) = npm_package("mcp-conformance", "@modelcontextprotocol/conformance@0.1.5", "node_modules/.bin/conformance") else { return };
+    let srv = Server::start();
+    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let mut proxy = Command::new("python3")
+        .arg(locker_tests::root().join("tests/mcp/bearer_proxy.py"))
+        .arg(format!("{}/mcp", srv.url))
+        .arg(&srv.api_key)
+        .arg(port.to_string())
+        .spawn()
+        .expect("start the header proxy");
+    struct Kill<'a>(&'a mut std::process::Child);
+    impl Drop for Kill<'_> {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let _proxy = Kill(&mut proxy);
+    let deadline = Instant::now() + std::time::Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "the header proxy did not start");
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    for scenario in ["server-initialize", "tools-list"] {
+        let (ok, log) = run_logged(Command::new("node").current_dir(&dir).args([
+            "node_modules/.bin/conformance",
+            "server",
+            "--url",
+            &format!("http://127.0.0.1:{port}/mcp"),
+            "--scenario",
+            scenario,
+        ]));
+        assert!(ok && log.contains("Passed: 1/1, 0 failed"), "conformance {scenario}:\n{log}");
+    }
 }
