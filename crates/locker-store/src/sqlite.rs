@@ -633,7 +633,7 @@ impl Store for SqliteStore {
     fn list_volumes(&self, tenant: &str) -> Result<Vec<VolumeRecord>> {
         let raw = self.read(|c| {
             let sql = format!(
-                "SELECT {VOLUME_COLUMNS} FROM volumes WHERE tenant = ?1 ORDER BY created_unix, id"
+                "SELECT {VOLUME_COLUMNS} FROM volumes WHERE tenant = ?1 ORDER BY created_unix, rowid"
             );
             Ok(c.prepare_cached(&sql)?
                 .query_map([tenant], volume_of)?
@@ -644,7 +644,7 @@ impl Store for SqliteStore {
 
     fn list_all_volumes(&self) -> Result<Vec<VolumeRecord>> {
         let raw = self.read(|c| {
-            let sql = format!("SELECT {VOLUME_COLUMNS} FROM volumes ORDER BY created_unix, id");
+            let sql = format!("SELECT {VOLUME_COLUMNS} FROM volumes ORDER BY created_unix, rowid");
             Ok(c.prepare_cached(&sql)?
                 .query_map([], volume_of)?
                 .collect::<rusqlite::Result<Vec<_>>>()?)
@@ -714,7 +714,7 @@ impl Store for SqliteStore {
         let rows = self.read(|c| {
             Ok(c.prepare_cached(
                 "SELECT record FROM volume_snapshots WHERE tenant = ?1 AND volume_id = ?2
-                 ORDER BY created_unix DESC, id",
+                 ORDER BY created_unix DESC, rowid DESC",
             )?
             .query_map(params![tenant, volume_id], |r| r.get::<_, String>(0))?
             .collect::<rusqlite::Result<Vec<_>>>()?)
@@ -768,7 +768,7 @@ impl Store for SqliteStore {
     fn list_snapshots(&self, tenant: &str) -> Result<Vec<SnapshotRecord>> {
         self.read(|c| {
             let mut st = c.prepare_cached(
-                "SELECT record FROM snapshots WHERE tenant = ?1 ORDER BY created_unix DESC, id",
+                "SELECT record FROM snapshots WHERE tenant = ?1 ORDER BY created_unix DESC, rowid DESC",
             )?;
             let rows = st
                 .query_map([tenant], |r| r.get::<_, String>(0))?
@@ -1042,7 +1042,7 @@ impl Store for SqliteStore {
                 args.len()
             ));
         }
-        sql.push_str(" ORDER BY created_unix, id");
+        sql.push_str(" ORDER BY created_unix, rowid");
         self.read_sandboxes(&sql, &args)
     }
 
@@ -1136,7 +1136,7 @@ impl Store for SqliteStore {
             &format!(
                 "SELECT {SANDBOX_COLUMNS} FROM sandboxes
                  WHERE deleted_unix IS NULL AND state IN {LIVE_STATES}
-                 ORDER BY created_unix, id"
+                 ORDER BY created_unix, rowid"
             ),
             &[],
         )
