@@ -229,6 +229,8 @@ fn inspector_cli() -> Option<PathBuf> {
         "--no-audit",
         "--no-fund",
         "--silent",
+        // Install scripts could touch the enclosing git checkout (lefthook installs hooks).
+        "--ignore-scripts",
         "@modelcontextprotocol/inspector-cli@1.0.3",
     ]));
     if !installed {
@@ -296,7 +298,7 @@ fn npm_package(dir: &str, spec: &str, probe: &str) -> Option<PathBuf> {
         return Some(dir);
     }
     std::fs::create_dir_all(&dir).expect("create the npm dir");
-    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args(["install", "--no-audit", "--no-fund", "--silent", spec]));
+    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args(["install", "--no-audit", "--no-fund", "--silent", "--ignore-scripts", spec]));
     if !installed {
         if ["ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "network"].iter().any(|m| log.contains(m)) {
             eprintln!("SKIP: {spec} cannot be installed, npm is unreachable:\n{log}");
