@@ -501,9 +501,9 @@ pub fn peer_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             let r = spawn_row(
                 "peer gVisor runsc do true",
                 &runsc,
-                &["do", "true"],
+                &["--network=none", "do", "true"],
                 args,
-                "runsc do true: the host's root filesystem, gVisor's default platform",
+                "runsc --network=none do true: the host's root filesystem, gVisor's default platform (ptrace/systrap), no network like Locker's default egress",
             )?;
             println!("  peer gVisor runsc do true: p50 {:.2} ms", r.p(50.0));
             rows.push(r.vs(BWRAP));

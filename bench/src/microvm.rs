@@ -164,13 +164,23 @@ fn kernel(args: &Args) -> Option<PathBuf> {
 /// Boots `kernel` in a QEMU `microvm` machine until it gives up on finding a root file
 /// system and QEMU exits (`panic=-1` reboots at once, `-no-reboot` turns that into an
 /// exit): the guest kernel's whole boot, no user space. The wall time, or why it failed.
+/// The host CPU's frequency in kHz (for `tsc_early_khz`), from /proc/cpuinfo.
+fn host_khz() -> u64 {
+    std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| c.lines().find_map(|l| l.strip_prefix("cpu MHz").and_then(|v| v.split(':').nth(1)).and_then(|v| v.trim().parse::<f64>().ok())))
+        .map_or(2_000_000, |mhz| (mhz * 1000.0) as u64)
+}
+
 fn boot_once(qemu: &Path, kernel: &Path, accel: &str, log: &Path) -> Result<f64, String> {
     // The console goes to a file: a pipe nobody reads while it boots could fill and stall it.
     let f = std::fs::File::create(log).map_err(|e| format!("create {}: {e}", log.display()))?;
     let f2 = f.try_clone().map_err(|e| e.to_string())?;
     let t0 = Instant::now();
     let child = Command::new(qemu)
-        .args(["-M", "microvm", "-accel", accel, "-m", "256", "-smp", "1"])
+        // The RTC on and the TSC given: without them the guest's clock calibration can
+        // stall for minutes under TCG.
+        .args(["-M", "microvm,rtc=on", "-accel", accel, "-m", "256", "-smp", "1"])
         .args([
             "-nodefaults",
             "-no-user-config",
@@ -180,7 +190,7 @@ fn boot_once(qemu: &Path, kernel: &Path, accel: &str, log: &Path) -> Result<f64,
         ])
         .args(["-serial", "stdio", "-kernel"])
         .arg(kernel)
-        .args(["-append", "console=ttyS0 panic=-1 reboot=t"])
+        .args(["-append", &format!("console=ttyS0 panic=-1 reboot=t tsc_early_khz={} tsc=reliable", host_khz())])
         .stdin(Stdio::null())
         .stdout(f)
         .stderr(f2)
@@ -248,7 +258,7 @@ fn qemu_row(args: &Args) -> Row {
         "KVM"
     };
     Row::new(QEMU, "ms", s, warm).note(format!(
-        "qemu-system-x86_64 -M microvm -accel {accel} -m 256 -smp 1 -nodefaults -display none -serial stdio -no-reboot -kernel {} -append 'console=ttyS0 panic=-1 reboot=t', no initrd, no root: from QEMU's start until the kernel finished booting, found no root file system and QEMU exited; {kvm}; no snapshot restore (a plain QEMU has no fast restore path here)",
+        "qemu-system-x86_64 -M microvm,rtc=on -accel {accel} -m 256 -smp 1 -nodefaults -display none -serial stdio -no-reboot -kernel {} -append 'console=ttyS0 panic=-1 reboot=t tsc_early_khz=<host kHz> tsc=reliable', no initrd, no root: from QEMU's start until the kernel finished booting, found no root file system and QEMU exited; {kvm}; no snapshot restore (a plain QEMU has no fast restore path here)",
         k.display()
     ))
 }
