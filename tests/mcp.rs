@@ -23,39 +23,10 @@ use std::process::Command;
 use std::time::Instant;
 
 use locker_tests::become_subreaper;
+use locker_tests::tools::{pypi_unreachable as unreachable, run_logged, target_dir};
 use locker_tests::server::Server;
 use serde_json::{json, Value};
 
-fn target_dir() -> PathBuf {
-    std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| locker_tests::root().join("target"))
-}
-
-/// Whether a failed install's log says the registry could not be reached.
-fn unreachable(log: &str) -> bool {
-    [
-        "Network is unreachable",
-        "Temporary failure in name resolution",
-        "Failed to establish a new connection",
-        "Max retries exceeded",
-        "Could not find a version that satisfies",
-    ]
-    .iter()
-    .any(|m| log.contains(m))
-}
-
-fn run_logged(cmd: &mut Command) -> (bool, String) {
-    let out = cmd
-        .output()
-        .unwrap_or_else(|e| panic!("running {cmd:?}: {e}"));
-    let log = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), log)
-}
 
 /// The venv's python with `mcp` importable, or None (with a message) when PyPI is
 /// unreachable.

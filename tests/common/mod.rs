@@ -5,6 +5,7 @@
 //! `target/release/locker`, the static `locker-agent` beside it, and the default template).
 
 pub mod server;
+pub mod tools;
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU32, Ordering};
