@@ -463,7 +463,15 @@ async fn machines_started_all_at_once_all_start() {
         let (node, machines, rootfs) = (node.clone(), dir.path().join("machines"), rootfs.clone());
         tokio::spawn(async move {
             let id = unique("jt").replace('-', "_");
-            let spec = MachineSpec { id: id.clone(), dir: machines.join(&id), template_rootfs: rootfs, cpus: 1.0, memory_mb: 64, disk_mb: 64, pids: 256 };
+            let spec = MachineSpec {
+                id: id.clone(),
+                dir: machines.join(&id),
+                template_rootfs: rootfs,
+                cpus: 1.0,
+                memory_mb: 64,
+                disk_mb: 64,
+                pids: 256,
+            };
             node.create(spec).await
         })
     });
@@ -477,7 +485,12 @@ async fn machines_started_all_at_once_all_start() {
             Err(e) => failed.push(e.to_string()),
         }
     }
-    assert!(failed.is_empty(), "{} of 24 machines failed to start: {:?}", failed.len(), failed.first());
+    assert!(
+        failed.is_empty(),
+        "{} of 24 machines failed to start: {:?}",
+        failed.len(),
+        failed.first()
+    );
 }
 
 async fn futures_join<T>(handles: Vec<tokio::task::JoinHandle<T>>) -> Vec<T> {

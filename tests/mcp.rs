@@ -23,10 +23,9 @@ use std::process::Command;
 use std::time::Instant;
 
 use locker_tests::become_subreaper;
-use locker_tests::tools::{pypi_unreachable as unreachable, run_logged, target_dir};
 use locker_tests::server::Server;
+use locker_tests::tools::{pypi_unreachable as unreachable, run_logged, target_dir};
 use serde_json::{json, Value};
-
 
 /// The venv's python with `mcp` importable, or None (with a message) when PyPI is
 /// unreachable.
@@ -205,8 +204,19 @@ fn inspector_cli() -> Option<PathBuf> {
         "@modelcontextprotocol/inspector-cli@1.0.3",
     ]));
     if !installed {
-        if ["ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "network"].iter().any(|m| log.contains(m)) {
-            eprintln!("SKIP: the MCP Inspector CLI cannot be installed, npm is unreachable:\n{log}");
+        if [
+            "ENOTFOUND",
+            "EAI_AGAIN",
+            "ECONNREFUSED",
+            "ETIMEDOUT",
+            "network",
+        ]
+        .iter()
+        .any(|m| log.contains(m))
+        {
+            eprintln!(
+                "SKIP: the MCP Inspector CLI cannot be installed, npm is unreachable:\n{log}"
+            );
             return None;
         }
         panic!("npm install @modelcontextprotocol/inspector-cli failed:\n{log}");
@@ -230,7 +240,8 @@ fn inspector(entry: &Path, srv: &Server, args: &[&str]) -> Value {
             .args(args),
     );
     assert!(ok, "inspector {args:?} failed:\n{log}");
-    serde_json::from_str(&log[log.find('{').unwrap_or(0)..]).unwrap_or_else(|e| panic!("inspector {args:?}: not JSON ({e}):\n{log}"))
+    serde_json::from_str(&log[log.find('{').unwrap_or(0)..])
+        .unwrap_or_else(|e| panic!("inspector {args:?}: not JSON ({e}):\n{log}"))
 }
 
 #[test]
@@ -239,25 +250,81 @@ fn the_mcp_inspector_cli_lists_and_calls_tools() {
     let Some(entry) = inspector_cli() else { return };
     let srv = Server::start();
     let tools = inspector(&entry, &srv, &["--method", "tools/list"]);
-    let names: Vec<&str> = tools["tools"].as_array().expect("tools").iter().filter_map(|t| t["name"].as_str()).collect();
-    for want in ["run", "sandbox_create", "exec", "file_edit", "sandbox_delete", "volume_list"] {
+    let names: Vec<&str> = tools["tools"]
+        .as_array()
+        .expect("tools")
+        .iter()
+        .filter_map(|t| t["name"].as_str())
+        .collect();
+    for want in [
+        "run",
+        "sandbox_create",
+        "exec",
+        "file_edit",
+        "sandbox_delete",
+        "volume_list",
+    ] {
         assert!(names.contains(&want), "{want} missing from {names:?}");
     }
     for t in tools["tools"].as_array().unwrap() {
-        assert_eq!(t["inputSchema"]["additionalProperties"], false, "{}", t["name"]);
-        assert!(t["annotations"]["readOnlyHint"].is_boolean(), "{}", t["name"]);
+        assert_eq!(
+            t["inputSchema"]["additionalProperties"], false,
+            "{}",
+            t["name"]
+        );
+        assert!(
+            t["annotations"]["readOnlyHint"].is_boolean(),
+            "{}",
+            t["name"]
+        );
     }
-    let created = inspector(&entry, &srv, &["--method", "tools/call", "--tool-name", "sandbox_create"]);
-    let sb = created["structuredContent"]["id"].as_str().unwrap_or_else(|| panic!("no sandbox id in {created}")).to_owned();
+    let created = inspector(
+        &entry,
+        &srv,
+        &["--method", "tools/call", "--tool-name", "sandbox_create"],
+    );
+    let sb = created["structuredContent"]["id"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no sandbox id in {created}"))
+        .to_owned();
     let ran = inspector(
         &entry,
         &srv,
-        &["--method", "tools/call", "--tool-name", "exec", "--tool-arg", &format!("sandbox_id={sb}"), "--tool-arg", "shell=echo from-inspector; exit 3"],
+        &[
+            "--method",
+            "tools/call",
+            "--tool-name",
+            "exec",
+            "--tool-arg",
+            &format!("sandbox_id={sb}"),
+            "--tool-arg",
+            "shell=echo from-inspector; exit 3",
+        ],
     );
-    assert_eq!(ran["isError"], false, "a non-zero exit is a result, not an error: {ran}");
+    assert_eq!(
+        ran["isError"], false,
+        "a non-zero exit is a result, not an error: {ran}"
+    );
     assert_eq!(ran["structuredContent"]["exit_code"], 3, "{ran}");
-    assert!(ran["structuredContent"]["stdout"].as_str().unwrap_or("").contains("from-inspector"), "{ran}");
-    let gone = inspector(&entry, &srv, &["--method", "tools/call", "--tool-name", "sandbox_delete", "--tool-arg", &format!("sandbox_id={sb}")]);
+    assert!(
+        ran["structuredContent"]["stdout"]
+            .as_str()
+            .unwrap_or("")
+            .contains("from-inspector"),
+        "{ran}"
+    );
+    let gone = inspector(
+        &entry,
+        &srv,
+        &[
+            "--method",
+            "tools/call",
+            "--tool-name",
+            "sandbox_delete",
+            "--tool-arg",
+            &format!("sandbox_id={sb}"),
+        ],
+    );
     assert_eq!(gone["isError"], false, "{gone}");
 }
 
@@ -269,24 +336,53 @@ fn npm_package(dir: &str, spec: &str, probe: &str) -> Option<PathBuf> {
         return Some(dir);
     }
     std::fs::create_dir_all(&dir).expect("create the npm dir");
-    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args(["install", "--no-audit", "--no-fund", "--silent", "--ignore-scripts", spec]));
+    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args([
+        "install",
+        "--no-audit",
+        "--no-fund",
+        "--silent",
+        "--ignore-scripts",
+        spec,
+    ]));
     if !installed {
-        if ["ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "network"].iter().any(|m| log.contains(m)) {
+        if [
+            "ENOTFOUND",
+            "EAI_AGAIN",
+            "ECONNREFUSED",
+            "ETIMEDOUT",
+            "network",
+        ]
+        .iter()
+        .any(|m| log.contains(m))
+        {
             eprintln!("SKIP: {spec} cannot be installed, npm is unreachable:\n{log}");
             return None;
         }
         panic!("npm install {spec} failed:\n{log}");
     }
-    assert!(dir.join(probe).exists(), "no {probe} after npm install {spec}");
+    assert!(
+        dir.join(probe).exists(),
+        "no {probe} after npm install {spec}"
+    );
     Some(dir)
 }
 
 #[test]
 fn the_conformance_suite_passes_its_server_scenarios_without_fixtures() {
     become_subreaper();
-    let Some(dir) = npm_package("mcp-conformance", "@modelcontextprotocol/conformance@0.1.5", "node_modules/.bin/conformance") else { return };
+    let Some(dir) = npm_package(
+        "mcp-conformance",
+        "@modelcontextprotocol/conformance@0.1.5",
+        "node_modules/.bin/conformance",
+    ) else {
+        return;
+    };
     let srv = Server::start();
-    let port = std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
     let mut proxy = Command::new("python3")
         .arg(locker_tests::root().join("tests/mcp/bearer_proxy.py"))
         .arg(format!("{}/mcp", srv.url))
@@ -316,6 +412,9 @@ fn the_conformance_suite_passes_its_server_scenarios_without_fixtures() {
             "--scenario",
             scenario,
         ]));
-        assert!(ok && log.contains("Passed: 1/1, 0 failed"), "conformance {scenario}:\n{log}");
+        assert!(
+            ok && log.contains("Passed: 1/1, 0 failed"),
+            "conformance {scenario}:\n{log}"
+        );
     }
 }

@@ -14,9 +14,8 @@ use std::process::Command;
 use std::time::Instant;
 
 use locker_tests::become_subreaper;
-use locker_tests::tools::{pypi_unreachable as unreachable, run_logged, target_dir};
 use locker_tests::server::Server;
-
+use locker_tests::tools::{pypi_unreachable as unreachable, run_logged, target_dir};
 
 /// The venv's python with pytest and this checkout's SDK importable, or None (with a
 /// message) when PyPI is unreachable.

@@ -569,12 +569,19 @@ fn sandboxes_mounting_a_volume_share_one_live_tree_and_see_run_commits() {
     put(&api, &vol, "/seed.txt", b"seed\n");
     let a = api.create_sandbox(&json!({"volumes": [{"volume": "shared", "path": "/workspace"}]}));
     let a = a["id"].as_str().unwrap().to_owned();
-    let b = api.create_sandbox(&json!({"volumes": [{"volume": vol, "path": "/data", "read_only": true}]}));
+    let b = api
+        .create_sandbox(&json!({"volumes": [{"volume": vol, "path": "/data", "read_only": true}]}));
     let b_id = b["id"].as_str().unwrap().to_owned();
     assert_eq!(b["volumes"][0]["volume"], vol.as_str());
     assert_eq!(b["volumes"][0]["read_only"], true);
     // One live tree: a write in one sandbox is seen at once by the other and by the files API.
-    assert_eq!(api.sh(&a, "cat /workspace/seed.txt; echo from-a > /workspace/a.txt; stat -c %u /workspace/a.txt"), "seed\n0\n");
+    assert_eq!(
+        api.sh(
+            &a,
+            "cat /workspace/seed.txt; echo from-a > /workspace/a.txt; stat -c %u /workspace/a.txt"
+        ),
+        "seed\n0\n"
+    );
     assert_eq!(api.sh(&b_id, "cat /data/a.txt"), "from-a\n");
     assert_eq!(get(&api, &vol, "/a.txt").text(), "from-a\n");
     // Read-only means read-only.
@@ -586,18 +593,35 @@ fn sandboxes_mounting_a_volume_share_one_live_tree_and_see_run_commits() {
     assert_eq!(api.sh(&a, "cat /workspace/run.txt"), "committed\n");
     assert_eq!(api.sh(&b_id, "cat /data/run.txt"), "committed\n");
     // A mounted volume cannot be deleted; once no sandbox mounts it, it can.
-    api.delete(&format!("/v1/volumes/{vol}")).expect_error(409, "conflict", "sb_");
-    api.delete(&format!("/v1/sandboxes/{a}")).expect(204, "delete a");
-    api.delete(&format!("/v1/volumes/{vol}")).expect_error(409, "conflict", "sb_");
-    api.delete(&format!("/v1/sandboxes/{b_id}")).expect(204, "delete b");
-    api.delete(&format!("/v1/volumes/{vol}")).expect(204, "delete the volume");
+    api.delete(&format!("/v1/volumes/{vol}"))
+        .expect_error(409, "conflict", "sb_");
+    api.delete(&format!("/v1/sandboxes/{a}"))
+        .expect(204, "delete a");
+    api.delete(&format!("/v1/volumes/{vol}"))
+        .expect_error(409, "conflict", "sb_");
+    api.delete(&format!("/v1/sandboxes/{b_id}"))
+        .expect(204, "delete b");
+    api.delete(&format!("/v1/volumes/{vol}"))
+        .expect(204, "delete the volume");
     // Bad mounts name the field.
     let v2 = new_volume(&api, "other");
     for (body, needle) in [
-        (json!({"volumes": [{"volume": v2, "path": "relative"}]}), "volumes[0].path"),
-        (json!({"volumes": [{"volume": v2, "path": "/proc/x"}]}), "volumes[0].path"),
-        (json!({"volumes": [{"volume": v2, "path": "/w"}, {"volume": v2, "path": "/w/x"}]}), "overlaps"),
-        (json!({"volumes": [{"volume": "nope", "path": "/w"}]}), "nope"),
+        (
+            json!({"volumes": [{"volume": v2, "path": "relative"}]}),
+            "volumes[0].path",
+        ),
+        (
+            json!({"volumes": [{"volume": v2, "path": "/proc/x"}]}),
+            "volumes[0].path",
+        ),
+        (
+            json!({"volumes": [{"volume": v2, "path": "/w"}, {"volume": v2, "path": "/w/x"}]}),
+            "overlaps",
+        ),
+        (
+            json!({"volumes": [{"volume": "nope", "path": "/w"}]}),
+            "nope",
+        ),
         (json!({"volumes": [{"volume": v2, "mode": "rw"}]}), "mode"),
     ] {
         let r = api.post("/v1/sandboxes", &body);
@@ -619,7 +643,15 @@ fn warm_machines_follow_the_shapes_runs_ask_for() {
     let r = run(&api, &vol, &json!({"cmd": ["hostname"], "memory_mb": 256}));
     assert!(r["stdout"].as_str().unwrap().starts_with("call_"), "{r}");
     std::thread::sleep(Duration::from_millis(1500));
-    let r = run(&api, &vol, &json!({"cmd": ["sh", "-c", "hostname; echo warm > w.txt"], "memory_mb": 256}));
+    let r = run(
+        &api,
+        &vol,
+        &json!({"cmd": ["sh", "-c", "hostname; echo warm > w.txt"], "memory_mb": 256}),
+    );
     assert!(r["stdout"].as_str().unwrap().starts_with("pool_"), "{r}");
-    assert_eq!(r["changes"]["added"], json!(["/w.txt"]), "a pooled machine commits like any other");
+    assert_eq!(
+        r["changes"]["added"],
+        json!(["/w.txt"]),
+        "a pooled machine commits like any other"
+    );
 }

@@ -80,7 +80,10 @@ fn a_snapshot_restores_files_and_outlives_its_sandbox() {
     // The log a command was appending to when the snapshot was taken ends in a whole line:
     // the machine was frozen between two writes, never inside one.
     let last = api.sh(&child_id, "tail -c 300 /root/log | tail -n 1");
-    assert!(last.ends_with('\n') && last.len() > 20, "a whole `date` line: {last:?}");
+    assert!(
+        last.ends_with('\n') && last.len() > 20,
+        "a whole `date` line: {last:?}"
+    );
 
     // Bad uses.
     api.post("/v1/sandboxes", &json!({"from_snapshot": "snap_nope"}))

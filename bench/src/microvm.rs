@@ -168,7 +168,13 @@ fn kernel(args: &Args) -> Option<PathBuf> {
 fn host_khz() -> u64 {
     std::fs::read_to_string("/proc/cpuinfo")
         .ok()
-        .and_then(|c| c.lines().find_map(|l| l.strip_prefix("cpu MHz").and_then(|v| v.split(':').nth(1)).and_then(|v| v.trim().parse::<f64>().ok())))
+        .and_then(|c| {
+            c.lines().find_map(|l| {
+                l.strip_prefix("cpu MHz")
+                    .and_then(|v| v.split(':').nth(1))
+                    .and_then(|v| v.trim().parse::<f64>().ok())
+            })
+        })
         .map_or(2_000_000, |mhz| (mhz * 1000.0) as u64)
 }
 
@@ -180,7 +186,16 @@ fn boot_once(qemu: &Path, kernel: &Path, accel: &str, log: &Path) -> Result<f64,
     let child = Command::new(qemu)
         // The RTC on and the TSC given: without them the guest's clock calibration can
         // stall for minutes under TCG.
-        .args(["-M", "microvm,rtc=on", "-accel", accel, "-m", "256", "-smp", "1"])
+        .args([
+            "-M",
+            "microvm,rtc=on",
+            "-accel",
+            accel,
+            "-m",
+            "256",
+            "-smp",
+            "1",
+        ])
         .args([
             "-nodefaults",
             "-no-user-config",
@@ -190,7 +205,13 @@ fn boot_once(qemu: &Path, kernel: &Path, accel: &str, log: &Path) -> Result<f64,
         ])
         .args(["-serial", "stdio", "-kernel"])
         .arg(kernel)
-        .args(["-append", &format!("console=ttyS0 panic=-1 reboot=t tsc_early_khz={} tsc=reliable", host_khz())])
+        .args([
+            "-append",
+            &format!(
+                "console=ttyS0 panic=-1 reboot=t tsc_early_khz={} tsc=reliable",
+                host_khz()
+            ),
+        ])
         .stdin(Stdio::null())
         .stdout(f)
         .stderr(f2)

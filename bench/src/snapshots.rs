@@ -22,16 +22,27 @@ fn ms(t: Instant) -> f64 {
 
 fn post(api: &Api, path: &str, body: &Value, want: u16) -> anyhow::Result<Value> {
     let r = api
-        .try_request("POST", path, &[("Content-Type", "application/json")], serde_json::to_vec(body)?.as_slice())
+        .try_request(
+            "POST",
+            path,
+            &[("Content-Type", "application/json")],
+            serde_json::to_vec(body)?.as_slice(),
+        )
         .with_context(|| format!("POST {path}"))?;
     if r.status != want {
         bail!("POST {path}: HTTP {}: {}", r.status, r.text());
     }
-    Ok(if r.body.is_empty() { Value::Null } else { serde_json::from_slice(&r.body)? })
+    Ok(if r.body.is_empty() {
+        Value::Null
+    } else {
+        serde_json::from_slice(&r.body)?
+    })
 }
 
 fn delete(api: &Api, path: &str) -> anyhow::Result<()> {
-    let r = api.try_request("DELETE", path, &[], ()).with_context(|| format!("DELETE {path}"))?;
+    let r = api
+        .try_request("DELETE", path, &[], ())
+        .with_context(|| format!("DELETE {path}"))?;
     if r.status != 204 {
         bail!("DELETE {path}: HTTP {}: {}", r.status, r.text());
     }
@@ -59,11 +70,26 @@ impl CowDir {
         let f = std::fs::File::create(&img)?;
         f.set_len(16 << 30)?;
         drop(f);
-        let guard = CowDir { img: img.clone(), mnt: mnt.clone() };
-        let ok = Command::new("mkfs.xfs").args(["-q", "-f", "-m", "reflink=1"]).arg(&img).status()?.success()
-            && Command::new("mount").args(["-o", "loop"]).arg(&img).arg(&mnt).status()?.success();
+        let guard = CowDir {
+            img: img.clone(),
+            mnt: mnt.clone(),
+        };
+        let ok = Command::new("mkfs.xfs")
+            .args(["-q", "-f", "-m", "reflink=1"])
+            .arg(&img)
+            .status()?
+            .success()
+            && Command::new("mount")
+                .args(["-o", "loop"])
+                .arg(&img)
+                .arg(&mnt)
+                .status()?
+                .success();
         if !ok {
-            bail!("could not make an XFS filesystem with reflinks at {}", mnt.display());
+            bail!(
+                "could not make an XFS filesystem with reflinks at {}",
+                mnt.display()
+            );
         }
         Ok(Some(guard))
     }
@@ -79,8 +105,18 @@ impl Drop for CowDir {
 
 /// Fork ×10 of a sandbox that wrote 200 MB, `n` times; the children are deleted between.
 fn fork_rows(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
-    let parent = id(&post(api, "/v1/sandboxes", &json!({"memory_mb": 256}), 201)?)?;
-    let r = post(api, &format!("/v1/sandboxes/{parent}/exec"), &json!({"shell": "head -c 200000000 /dev/urandom > /root/data && sync && echo ok"}), 200)?;
+    let parent = id(&post(
+        api,
+        "/v1/sandboxes",
+        &json!({"memory_mb": 256}),
+        201,
+    )?)?;
+    let r = post(
+        api,
+        &format!("/v1/sandboxes/{parent}/exec"),
+        &json!({"shell": "head -c 200000000 /dev/urandom > /root/data && sync && echo ok"}),
+        200,
+    )?;
     if r["stdout"] != "ok\n" {
         bail!("writing 200 MB failed: {r}");
     }
@@ -88,7 +124,12 @@ fn fork_rows(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
     for _ in 0..n {
         check_stop()?;
         let t = Instant::now();
-        let v = post(api, &format!("/v1/sandboxes/{parent}/fork"), &json!({"count": 10}), 201)?;
+        let v = post(
+            api,
+            &format!("/v1/sandboxes/{parent}/fork"),
+            &json!({"count": 10}),
+            201,
+        )?;
         samples.push(ms(t));
         for c in v["sandboxes"].as_array().context("no sandboxes")? {
             delete(api, &format!("/v1/sandboxes/{}", id(c)?))?;
@@ -100,16 +141,40 @@ fn fork_rows(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
 }
 
 /// Create→true from the template and from a snapshot of `sb` (after writing 20 MB in it).
-fn create_rows(api: &Api, sb: &str, creates: usize, label: &str, rows: &mut Vec<Row>) -> anyhow::Result<()> {
-    post(api, &format!("/v1/sandboxes/{sb}/exec"), &json!({"shell": "head -c 20000000 /dev/urandom > /root/data"}), 200)?;
-    let snap = id(&post(api, &format!("/v1/sandboxes/{sb}/snapshots"), &json!({}), 201)?)?;
+fn create_rows(
+    api: &Api,
+    sb: &str,
+    creates: usize,
+    label: &str,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    post(
+        api,
+        &format!("/v1/sandboxes/{sb}/exec"),
+        &json!({"shell": "head -c 20000000 /dev/urandom > /root/data"}),
+        200,
+    )?;
+    let snap = id(&post(
+        api,
+        &format!("/v1/sandboxes/{sb}/snapshots"),
+        &json!({}),
+        201,
+    )?)?;
     let (mut from_tpl, mut from_snap) = (vec![], vec![]);
     for i in 0..2 + creates {
         check_stop()?;
-        for (body, out) in [(json!({}), &mut from_tpl), (json!({"from_snapshot": snap}), &mut from_snap)] {
+        for (body, out) in [
+            (json!({}), &mut from_tpl),
+            (json!({"from_snapshot": snap}), &mut from_snap),
+        ] {
             let t = Instant::now();
             let c = id(&post(api, "/v1/sandboxes", &body, 201)?)?;
-            post(api, &format!("/v1/sandboxes/{c}/exec"), &json!({"cmd": ["true"]}), 200)?;
+            post(
+                api,
+                &format!("/v1/sandboxes/{c}/exec"),
+                &json!({"cmd": ["true"]}),
+                200,
+            )?;
             if i >= 2 {
                 out.push(ms(t));
             }
@@ -133,7 +198,12 @@ pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
 
     // Pause and resume of a warm sandbox.
     let sb = id(&post(&api, "/v1/sandboxes", &json!({}), 201)?)?;
-    post(&api, &format!("/v1/sandboxes/{sb}/processes"), &json!({"shell": "sleep 100000"}), 200)?;
+    post(
+        &api,
+        &format!("/v1/sandboxes/{sb}/processes"),
+        &json!({"shell": "sleep 100000"}),
+        200,
+    )?;
     let (mut pause, mut resume) = (vec![], vec![]);
     for i in 0..warm + n {
         check_stop()?;
@@ -147,20 +217,44 @@ pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             resume.push(ms(t));
         }
     }
-    rows.push(Row::new("pause (HTTP)", "ms", pause, warm).note("cgroup freezer, waiting until frozen, state recorded").target(Target::P50(20.0)));
-    rows.push(Row::new("resume (HTTP)", "ms", resume, warm).note("thaw, state recorded").target(Target::P50(20.0)));
+    rows.push(
+        Row::new("pause (HTTP)", "ms", pause, warm)
+            .note("cgroup freezer, waiting until frozen, state recorded")
+            .target(Target::P50(20.0)),
+    );
+    rows.push(
+        Row::new("resume (HTTP)", "ms", resume, warm)
+            .note("thaw, state recorded")
+            .target(Target::P50(20.0)),
+    );
 
     // Create from the template versus from a snapshot.
     let fs = locker_runtime::doctor::check(&srv.data_dir).host;
-    create_rows(&api, &sb, args.creates().min(30), &format!("{} data dir", fs.data_dir_fs), rows)?;
+    create_rows(
+        &api,
+        &sb,
+        args.creates().min(30),
+        &format!("{} data dir", fs.data_dir_fs),
+        rows,
+    )?;
     delete(&api, &format!("/v1/sandboxes/{sb}"))?;
 
     // Forks: plain copies on this host's temp dir, then reflinks on XFS.
     let forks = 3;
-    rows.push(fork_rows(&api, forks, &format!("{} data dir, {}", fs.data_dir_fs, fs.copy_on_write))?.note("target ≤ 1 s applies to a copy-on-write data dir"));
+    rows.push(
+        fork_rows(
+            &api,
+            forks,
+            &format!("{} data dir, {}", fs.data_dir_fs, fs.copy_on_write),
+        )?
+        .note("target ≤ 1 s applies to a copy-on-write data dir"),
+    );
     drop(srv);
     match CowDir::new()? {
-        None => rows.push(Row::skipped("fork ×10 of a sandbox with 200 MB written (XFS reflink data dir)", "mkfs.xfs not found (apt-get install xfsprogs)")),
+        None => rows.push(Row::skipped(
+            "fork ×10 of a sandbox with 200 MB written (XFS reflink data dir)",
+            "mkfs.xfs not found (apt-get install xfsprogs)",
+        )),
         Some(cow) => {
             let old = std::env::var_os("TMPDIR");
             std::env::set_var("TMPDIR", &cow.mnt);
@@ -171,7 +265,13 @@ pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             }
             let api = srv.api();
             let sb = id(&post(&api, "/v1/sandboxes", &json!({}), 201)?)?;
-            create_rows(&api, &sb, args.creates().min(30), "XFS reflink data dir", rows)?;
+            create_rows(
+                &api,
+                &sb,
+                args.creates().min(30),
+                "XFS reflink data dir",
+                rows,
+            )?;
             delete(&api, &format!("/v1/sandboxes/{sb}"))?;
             let r = fork_rows(&api, forks, "XFS reflink data dir");
             drop(srv);

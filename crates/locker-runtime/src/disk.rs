@@ -148,7 +148,10 @@ fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
                 // Across filesystems (a blank on ext4, a data dir on XFS) the kernel refuses.
                 if matches!(
                     e.raw_os_error(),
-                    Some(libc::EXDEV) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) | Some(libc::ENOSYS)
+                    Some(libc::EXDEV)
+                        | Some(libc::EINVAL)
+                        | Some(libc::EOPNOTSUPP)
+                        | Some(libc::ENOSYS)
                 ) {
                     copy_range_plain(from, to, i as u64, end as u64)?;
                     break;

@@ -284,10 +284,18 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
 /// Ends every process of a machine (its files stop changing) without tearing down the
 /// rest: what a run needs before it reads the machine's layer. [`destroy`] does the rest.
 pub fn stop(id: &str, dir: &Path, layout: &Layout) -> Result<(), JailError> {
-    kill_processes(id, &MachineCgroup::new(layout.clone(), id), JailState::load(dir).as_ref())
+    kill_processes(
+        id,
+        &MachineCgroup::new(layout.clone(), id),
+        JailState::load(dir).as_ref(),
+    )
 }
 
-fn kill_processes(id: &str, cg: &MachineCgroup, state: Option<&JailState>) -> Result<(), JailError> {
+fn kill_processes(
+    id: &str,
+    cg: &MachineCgroup,
+    state: Option<&JailState>,
+) -> Result<(), JailError> {
     if let Some(s) = state {
         if owns_pid(s.agent_pid, id) {
             let _ = sys::kill(s.agent_pid, libc::SIGKILL);
@@ -793,8 +801,16 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
 /// The machine-relative path of a mount target: absolute, not `/`, no `..`.
 fn target_rel(target: &Path) -> Result<&Path, JailError> {
     let rel = target.strip_prefix("/").unwrap_or(target);
-    if !target.is_absolute() || rel.as_os_str().is_empty() || rel.components().any(|c| !matches!(c, std::path::Component::Normal(_))) {
-        return Err(JailError::Init(format!("bad mount target {}", target.display())));
+    if !target.is_absolute()
+        || rel.as_os_str().is_empty()
+        || rel
+            .components()
+            .any(|c| !matches!(c, std::path::Component::Normal(_)))
+    {
+        return Err(JailError::Init(format!(
+            "bad mount target {}",
+            target.display()
+        )));
     }
     Ok(rel)
 }
@@ -807,8 +823,9 @@ fn mount_binds(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), Jai
         sys::with_fs_ids(spec.uid_base, || fs::create_dir_all(&target))
             .and_then(|r| r)
             .map_err(step(format!("create {}", b.target.display())))?;
-        sys::idmapped_bind(&b.source, &target, userns.as_raw_fd(), b.read_only)
-            .map_err(step(format!("bind {} at {}", b.source.display(), b.target.display())))?;
+        sys::idmapped_bind(&b.source, &target, userns.as_raw_fd(), b.read_only).map_err(step(
+            format!("bind {} at {}", b.source.display(), b.target.display()),
+        ))?;
     }
     Ok(())
 }
@@ -826,37 +843,67 @@ fn mount_overlays(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), 
             .map_err(step(format!("id-map {}", m.lower.display())))?;
         sys::idmapped_bind(rw, &rw_at, userns.as_raw_fd(), false)
             .map_err(step(format!("id-map {}", rw.display())))?;
-        mount_overlay_at(&lower, &rw_at.join(up), &rw_at.join(wk), &root.join(rel), &m.target, spec.uid_base)?;
+        mount_overlay_at(
+            &lower,
+            &rw_at.join(up),
+            &rw_at.join(wk),
+            &root.join(rel),
+            &m.target,
+            spec.uid_base,
+        )?;
     }
     Ok(())
 }
 
 /// Checks an overlay mount: its target relative to the machine's root, and the directory
 /// holding `upper` and `work` with their names.
-fn overlay_parts(m: &OverlayMount) -> Result<(&Path, &Path, &std::ffi::OsStr, &std::ffi::OsStr), JailError> {
+fn overlay_parts(
+    m: &OverlayMount,
+) -> Result<(&Path, &Path, &std::ffi::OsStr, &std::ffi::OsStr), JailError> {
     let rel = target_rel(&m.target)?;
-    let (Some(rw), Some(up), Some(wk)) = (m.upper.parent(), m.upper.file_name(), m.work.file_name()) else {
+    let (Some(rw), Some(up), Some(wk)) =
+        (m.upper.parent(), m.upper.file_name(), m.work.file_name())
+    else {
         return Err(JailError::Init("bad overlay upper/work".into()));
     };
     if m.work.parent() != Some(rw) {
-        return Err(JailError::Init("an overlay's upper and work must share their parent".into()));
+        return Err(JailError::Init(
+            "an overlay's upper and work must share their parent".into(),
+        ));
     }
     Ok((rel, rw, up, wk))
 }
 
 /// Mounts the overlay `lower` + `upper` (+ `work`) at `target` with the machine's
 /// filesystem ids (`base`), creating `target` as the machine's root.
-fn mount_overlay_at(lower: &Path, upper: &Path, work: &Path, target: &Path, shown: &Path, base: u32) -> Result<(), JailError> {
-    sys::with_fs_ids(base, || fs::create_dir_all(target)).and_then(|r| r).map_err(step(format!("create {}", shown.display())))?;
+fn mount_overlay_at(
+    lower: &Path,
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    shown: &Path,
+    base: u32,
+) -> Result<(), JailError> {
+    sys::with_fs_ids(base, || fs::create_dir_all(target))
+        .and_then(|r| r)
+        .map_err(step(format!("create {}", shown.display())))?;
     let opts = format!(
         "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off",
         lower.display(),
         upper.display(),
         work.display()
     );
-    sys::with_fs_ids(base, || sys::mount(Some("overlay"), target, Some("overlay"), libc::MS_NODEV | libc::MS_NOSUID, Some(&opts)))
-        .and_then(|r| r)
-        .map_err(step(format!("mount the overlay at {}", shown.display())))
+    sys::with_fs_ids(base, || {
+        sys::mount(
+            Some("overlay"),
+            target,
+            Some("overlay"),
+            libc::MS_NODEV | libc::MS_NOSUID,
+            Some(&opts),
+        )
+    })
+    .and_then(|r| r)
+    .map_err(step(format!("mount the overlay at {}", shown.display())))
 }
 
 /// What `locker __jail-attach` mounts into a running machine.
@@ -874,7 +921,10 @@ pub struct AttachSpec {
 /// `/dev` (a tmpfs), mounts the overlay at the target, and detaches the staging mounts
 /// (the overlay keeps its own references). Exits 0, or 1 with the reason on stderr.
 pub fn attach_main(arg: &str) -> ! {
-    let code = match serde_json::from_str::<AttachSpec>(arg).map_err(|e| JailError::Init(format!("bad attach spec: {e}"))).and_then(|s| run_attach(&s)) {
+    let code = match serde_json::from_str::<AttachSpec>(arg)
+        .map_err(|e| JailError::Init(format!("bad attach spec: {e}")))
+        .and_then(|s| run_attach(&s))
+    {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("{e}");
@@ -887,11 +937,16 @@ pub fn attach_main(arg: &str) -> ! {
 fn run_attach(a: &AttachSpec) -> Result<(), JailError> {
     let m = &a.mount;
     let (rel, rw, up, wk) = overlay_parts(m)?;
-    let userns = fs::File::open(format!("/proc/{}/ns/user", a.agent_pid)).map_err(step("open the machine's user namespace"))?;
-    let mntns = fs::File::open(format!("/proc/{}/ns/mnt", a.agent_pid)).map_err(step("open the machine's mount namespace"))?;
-    let lower = sys::idmapped_tree(&m.lower, userns.as_raw_fd(), true).map_err(step(format!("id-map {}", m.lower.display())))?;
-    let rw_tree = sys::idmapped_tree(rw, userns.as_raw_fd(), false).map_err(step(format!("id-map {}", rw.display())))?;
-    sys::setns(mntns.as_raw_fd(), libc::CLONE_NEWNS).map_err(step("enter the machine's mount namespace"))?;
+    let userns = fs::File::open(format!("/proc/{}/ns/user", a.agent_pid))
+        .map_err(step("open the machine's user namespace"))?;
+    let mntns = fs::File::open(format!("/proc/{}/ns/mnt", a.agent_pid))
+        .map_err(step("open the machine's mount namespace"))?;
+    let lower = sys::idmapped_tree(&m.lower, userns.as_raw_fd(), true)
+        .map_err(step(format!("id-map {}", m.lower.display())))?;
+    let rw_tree = sys::idmapped_tree(rw, userns.as_raw_fd(), false)
+        .map_err(step(format!("id-map {}", rw.display())))?;
+    sys::setns(mntns.as_raw_fd(), libc::CLONE_NEWNS)
+        .map_err(step("enter the machine's mount namespace"))?;
     std::env::set_current_dir("/").map_err(step("enter the machine's root"))?;
     let stage = PathBuf::from(format!("/dev/.locker-attach-{}", std::process::id()));
     let (l, r) = (stage.join("l"), stage.join("rw"));
@@ -901,7 +956,14 @@ fn run_attach(a: &AttachSpec) -> Result<(), JailError> {
     let result = (|| {
         sys::attach_tree(&lower, &l).map_err(step("attach the lower layer"))?;
         sys::attach_tree(&rw_tree, &r).map_err(step("attach the upper layer"))?;
-        mount_overlay_at(&l, &r.join(up), &r.join(wk), &Path::new("/").join(rel), &m.target, a.uid_base)
+        mount_overlay_at(
+            &l,
+            &r.join(up),
+            &r.join(wk),
+            &Path::new("/").join(rel),
+            &m.target,
+            a.uid_base,
+        )
     })();
     let _ = sys::umount(&l, libc::MNT_DETACH);
     let _ = sys::umount(&r, libc::MNT_DETACH);

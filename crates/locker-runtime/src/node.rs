@@ -298,13 +298,29 @@ impl Node {
         disk_from: Option<PathBuf>,
         mounts: Vec<jail::OverlayMount>,
     ) -> Result<Machine, NodeError> {
-        self.create_attached(spec, Attach { disk_from, overlays: mounts, binds: Vec::new() }).await
+        self.create_attached(
+            spec,
+            Attach {
+                disk_from,
+                overlays: mounts,
+                binds: Vec::new(),
+            },
+        )
+        .await
     }
 
     /// Starts a machine with everything attached at start: a disk image to copy, overlay
     /// mounts, bound directories.
-    pub async fn create_attached(&self, spec: MachineSpec, attach: Attach) -> Result<Machine, NodeError> {
-        let Attach { disk_from, overlays: mounts, binds } = attach;
+    pub async fn create_attached(
+        &self,
+        spec: MachineSpec,
+        attach: Attach,
+    ) -> Result<Machine, NodeError> {
+        let Attach {
+            disk_from,
+            overlays: mounts,
+            binds,
+        } = attach;
         let slot = lease_slot(&spec.dir)?;
         let js = JailSpec {
             id: spec.id.clone(),
@@ -374,18 +390,31 @@ impl Node {
 
     /// Mounts an overlay into a running machine (see [`jail::attach_main`]).
     pub async fn attach(&self, m: &Machine, mount: jail::OverlayMount) -> Result<(), NodeError> {
-        let spec = jail::AttachSpec { agent_pid: m.state.agent_pid, uid_base: m.state.uid_base, mount };
+        let spec = jail::AttachSpec {
+            agent_pid: m.state.agent_pid,
+            uid_base: m.state.uid_base,
+            mount,
+        };
         let out = tokio::process::Command::new(&self.config.init_exe)
             .arg("__jail-attach")
             .arg(serde_json::to_string(&spec).expect("attach spec serializes"))
             .stdin(std::process::Stdio::null())
             .output()
             .await
-            .map_err(|e| NodeError::Setup(format!("run {} __jail-attach: {e}", self.config.init_exe.display())))?;
+            .map_err(|e| {
+                NodeError::Setup(format!(
+                    "run {} __jail-attach: {e}",
+                    self.config.init_exe.display()
+                ))
+            })?;
         if out.status.success() {
             Ok(())
         } else {
-            Err(NodeError::Setup(format!("attaching a mount to machine {}: {}", m.id, String::from_utf8_lossy(&out.stderr).trim())))
+            Err(NodeError::Setup(format!(
+                "attaching a mount to machine {}: {}",
+                m.id,
+                String::from_utf8_lossy(&out.stderr).trim()
+            )))
         }
     }
 

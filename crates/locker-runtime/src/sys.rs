@@ -439,7 +439,12 @@ pub fn loop_attach(image: &Path) -> io::Result<(std::path::PathBuf, std::fs::Fil
     // starting at once would mostly lose the race: take turns, host-wide (shims are separate
     // processes), and retry against other software until a deadline.
     std::fs::create_dir_all("/run/locker")?;
-    let lock = OpenOptions::new().create(true).truncate(false).write(true).custom_flags(libc::O_CLOEXEC).open("/run/locker/loop.lock")?;
+    let lock = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open("/run/locker/loop.lock")?;
     // SAFETY: flock on an fd we own; released when `lock` is dropped at return.
     check(unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) }.into())?;
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);

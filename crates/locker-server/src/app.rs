@@ -221,7 +221,9 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     // before a machine gets egress).
     tokio::task::spawn_blocking(|| match locker_runtime::net::status() {
         Ok(d) => tracing::info!(detail = %d, "egress enforcement works"),
-        Err(e) => tracing::warn!(error = %e, "egress enforcement unavailable: sandboxes get egress none only"),
+        Err(e) => {
+            tracing::warn!(error = %e, "egress enforcement unavailable: sandboxes get egress none only")
+        }
     });
     let router = router(app.clone());
     let shutdown = async {

@@ -411,12 +411,14 @@ async fn in_machine(
             tracing::warn!(machine = %machine.id, error = %e, "destroying a run's machine failed");
         }
     });
-    let stopped = stopped.map_err(|e| ApiError::internal(format!("stopping the run's machine: {e}")));
+    let stopped =
+        stopped.map_err(|e| ApiError::internal(format!("stopping the run's machine: {e}")));
     let mut res = match outcome {
         None => {
             stopped?;
             return Err(ApiError::new(
-                axum::http::StatusCode::from_u16(499).unwrap_or(axum::http::StatusCode::BAD_REQUEST),
+                axum::http::StatusCode::from_u16(499)
+                    .unwrap_or(axum::http::StatusCode::BAD_REQUEST),
                 "the client went away: the command was killed and nothing was committed",
             ));
         }
@@ -429,7 +431,11 @@ async fn in_machine(
 }
 
 /// A machine started for this run alone, with the volume's layer mounted at start.
-async fn fresh(app: &AppState, mspec: MachineSpec, mount: OverlayMount) -> Result<locker_runtime::node::Machine, ApiError> {
+async fn fresh(
+    app: &AppState,
+    mspec: MachineSpec,
+    mount: OverlayMount,
+) -> Result<locker_runtime::node::Machine, ApiError> {
     app.node
         .create_with(mspec, None, vec![mount])
         .await
@@ -476,17 +482,30 @@ pub const MAX_SHAPES: usize = 4;
 
 impl Pool {
     pub fn new(target: usize) -> Self {
-        Self { target, shapes: Default::default(), retired: Default::default(), wake: tokio::sync::Notify::new() }
+        Self {
+            target,
+            shapes: Default::default(),
+            retired: Default::default(),
+            wake: tokio::sync::Notify::new(),
+        }
     }
 
     /// A warm machine of this shape, if one is ready; either way the shape is now in
     /// demand and the refill task is woken.
-    pub fn claim(&self, template: &locker_runtime::template::Template, cpus: f64, memory_mb: u64) -> Option<locker_runtime::node::Machine> {
+    pub fn claim(
+        &self,
+        template: &locker_runtime::template::Template,
+        cpus: f64,
+        memory_mb: u64,
+    ) -> Option<locker_runtime::node::Machine> {
         if self.target == 0 {
             return None;
         }
         let mut shapes = self.shapes.lock().expect("pool");
-        let got = match shapes.iter().position(|s| s.is(&template.digest, cpus, memory_mb)) {
+        let got = match shapes
+            .iter()
+            .position(|s| s.is(&template.digest, cpus, memory_mb))
+        {
             Some(i) => {
                 // Most recently used last.
                 let mut shape = shapes.remove(i);
@@ -495,7 +514,12 @@ impl Pool {
                 m
             }
             None => {
-                shapes.push(Shape { template: template.clone(), cpus, memory_mb, ready: Vec::new() });
+                shapes.push(Shape {
+                    template: template.clone(),
+                    cpus,
+                    memory_mb,
+                    ready: Vec::new(),
+                });
                 None
             }
         };
@@ -517,7 +541,12 @@ impl Pool {
 
     /// How many machines are ready now, all shapes.
     pub fn len(&self) -> usize {
-        self.shapes.lock().expect("pool").iter().map(|s| s.ready.len()).sum()
+        self.shapes
+            .lock()
+            .expect("pool")
+            .iter()
+            .map(|s| s.ready.len())
+            .sum()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -527,7 +556,11 @@ impl Pool {
     /// The first shape short of machines, if any.
     fn wanting(&self) -> Option<(locker_runtime::template::Template, f64, u64)> {
         let shapes = self.shapes.lock().expect("pool");
-        shapes.iter().rev().find(|s| s.ready.len() < self.target).map(|s| (s.template.clone(), s.cpus, s.memory_mb))
+        shapes
+            .iter()
+            .rev()
+            .find(|s| s.ready.len() < self.target)
+            .map(|s| (s.template.clone(), s.cpus, s.memory_mb))
     }
 
     /// Keeps the pool full, in the background, for the life of the server.
@@ -582,7 +615,13 @@ impl Pool {
 
     /// Destroys every warm machine (at shutdown).
     pub async fn drain(&self, app: &AppState) {
-        let mut all: Vec<_> = self.shapes.lock().expect("pool").iter_mut().flat_map(|s| std::mem::take(&mut s.ready)).collect();
+        let mut all: Vec<_> = self
+            .shapes
+            .lock()
+            .expect("pool")
+            .iter_mut()
+            .flat_map(|s| std::mem::take(&mut s.ready))
+            .collect();
         all.append(&mut self.retired.lock().expect("pool"));
         for m in all {
             let _ = app.node.destroy(&m).await;
@@ -1048,7 +1087,10 @@ pub async fn cleanup(app: &AppState) {
     // Warm machines of a stopped server are never claimed again.
     let gone = app.node.cleanup_orphans(&pool_dir(app), Vec::new()).await;
     if !gone.is_empty() {
-        tracing::info!(count = gone.len(), "removed warm machines a stopped server left");
+        tracing::info!(
+            count = gone.len(),
+            "removed warm machines a stopped server left"
+        );
     }
     let dir = runs_dir(app);
     let Ok(rd) = fs::read_dir(&dir) else {

@@ -89,7 +89,10 @@ pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
 
 /// Whether a checked policy gives the machine a network (anything but `none`).
 pub fn has_egress(network: &Value) -> bool {
-    network.get("egress").and_then(Value::as_str).is_some_and(|e| e != "none")
+    network
+        .get("egress")
+        .and_then(Value::as_str)
+        .is_some_and(|e| e != "none")
 }
 
 /// 503 unless this host enforces egress policies (the probe of `locker_runtime::net`).
@@ -329,35 +332,73 @@ const MAX_VOLUME_MOUNTS: usize = 16;
 
 /// Checks a sandbox's `volumes` (`[{"volume": id or name, "path": "/abs", "read_only": bool}]`)
 /// and finds the caller's volumes.
-pub fn resolve_volumes(app: &AppState, caller: &Caller, list: &[Value]) -> Result<Vec<VolumeMount>, ApiError> {
+pub fn resolve_volumes(
+    app: &AppState,
+    caller: &Caller,
+    list: &[Value],
+) -> Result<Vec<VolumeMount>, ApiError> {
     if list.len() > MAX_VOLUME_MOUNTS {
-        return Err(ApiError::bad_request(format!("`volumes` holds at most {MAX_VOLUME_MOUNTS} mounts")));
+        return Err(ApiError::bad_request(format!(
+            "`volumes` holds at most {MAX_VOLUME_MOUNTS} mounts"
+        )));
     }
     let mut out: Vec<VolumeMount> = Vec::new();
     for (i, v) in list.iter().enumerate() {
         let o = v.as_object().ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}]` must be an object like {{\"volume\": \"vol_…\", \"path\": \"/workspace\"}}")))?;
-        if let Some(k) = o.keys().find(|k| !["volume", "path", "read_only"].contains(&k.as_str())) {
-            return Err(ApiError::bad_request(format!("unknown field `{k}` in `volumes[{i}]`: expected volume, path, read_only")));
+        if let Some(k) = o
+            .keys()
+            .find(|k| !["volume", "path", "read_only"].contains(&k.as_str()))
+        {
+            return Err(ApiError::bad_request(format!(
+                "unknown field `{k}` in `volumes[{i}]`: expected volume, path, read_only"
+            )));
         }
-        let name = o.get("volume").and_then(Value::as_str).ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}].volume` is required: a volume id or name")))?;
+        let name = o.get("volume").and_then(Value::as_str).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "`volumes[{i}].volume` is required: a volume id or name"
+            ))
+        })?;
         let path = match o.get("path") {
             None => "/workspace",
-            Some(p) => p.as_str().ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}].path` must be a string")))?,
+            Some(p) => p.as_str().ok_or_else(|| {
+                ApiError::bad_request(format!("`volumes[{i}].path` must be a string"))
+            })?,
         };
         let read_only = match o.get("read_only") {
             None => false,
-            Some(b) => b.as_bool().ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}].read_only` must be true or false")))?,
+            Some(b) => b.as_bool().ok_or_else(|| {
+                ApiError::bad_request(format!("`volumes[{i}].read_only` must be true or false"))
+            })?,
         };
         crate::extract::check_path(&format!("volumes[{i}].path"), path)?;
         let clean = path.trim_end_matches('/');
-        if clean.is_empty() || clean.split('/').any(|c| c == ".." || c == ".") || ["/proc", "/sys", "/dev", "/tmp"].iter().any(|p| clean == *p || clean.starts_with(&format!("{p}/"))) {
-            return Err(ApiError::bad_request(format!("`volumes[{i}].path` {path:?} cannot hold a volume: use a path like /workspace")));
+        if clean.is_empty()
+            || clean.split('/').any(|c| c == ".." || c == ".")
+            || ["/proc", "/sys", "/dev", "/tmp"]
+                .iter()
+                .any(|p| clean == *p || clean.starts_with(&format!("{p}/")))
+        {
+            return Err(ApiError::bad_request(format!(
+                "`volumes[{i}].path` {path:?} cannot hold a volume: use a path like /workspace"
+            )));
         }
-        if let Some(other) = out.iter().find(|m| m.path == clean || m.path.starts_with(&format!("{clean}/")) || clean.starts_with(&format!("{}/", m.path))) {
-            return Err(ApiError::bad_request(format!("`volumes[{i}].path` {clean} overlaps {}", other.path)));
+        if let Some(other) = out.iter().find(|m| {
+            m.path == clean
+                || m.path.starts_with(&format!("{clean}/"))
+                || clean.starts_with(&format!("{}/", m.path))
+        }) {
+            return Err(ApiError::bad_request(format!(
+                "`volumes[{i}].path` {clean} overlaps {}",
+                other.path
+            )));
         }
         let (rec, vol) = crate::volumes::lookup(app, caller, name)?;
-        out.push(VolumeMount { volume_id: rec.id, path: clean.to_owned(), read_only, source: vol.dir.join("live") });
+        out.push(VolumeMount {
+            volume_id: rec.id,
+            path: clean.to_owned(),
+            read_only,
+            source: vol.dir.join("live"),
+        });
     }
     Ok(out)
 }
@@ -383,7 +424,12 @@ pub async fn launch(
         memory_mb: new.memory_mb,
         disk_mb: new.disk_mb,
         network: new.network.clone(),
-        volumes: Value::Array(new.volumes.iter().map(|m| json!({"volume": m.volume_id, "path": m.path, "read_only": m.read_only})).collect()),
+        volumes: Value::Array(
+            new.volumes
+                .iter()
+                .map(|m| json!({"volume": m.volume_id, "path": m.path, "read_only": m.read_only}))
+                .collect(),
+        ),
         metadata: new.metadata.clone(),
         env: new.env.clone(),
         ttl_s: new.ttl_s,
@@ -433,11 +479,16 @@ pub async fn launch(
                 binds: new
                     .volumes
                     .iter()
-                    .map(|m| locker_runtime::jail::BindMount { source: m.source.clone(), target: m.path.clone().into(), read_only: m.read_only })
+                    .map(|m| locker_runtime::jail::BindMount {
+                        source: m.source.clone(),
+                        target: m.path.clone().into(),
+                        read_only: m.read_only,
+                    })
                     .collect(),
             },
         )
-        .await {
+        .await
+    {
         Ok(m) => m,
         Err(e) => {
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
@@ -450,7 +501,9 @@ pub async fn launch(
         if let Err(e) = app.node.set_egress(&machine, true).await {
             let _ = app.node.destroy(&machine).await;
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
-            return Err(ApiError::unavailable(format!("starting the sandbox failed: {e}")));
+            return Err(ApiError::unavailable(format!(
+                "starting the sandbox failed: {e}"
+            )));
         }
     }
     let live = Arc::new(Live::new(
@@ -645,7 +698,11 @@ async fn patch(
                     .node
                     .set_egress(&l.machine, has_egress(&network))
                     .await
-                    .map_err(|e| ApiError::unavailable(format!("changing the network policy failed (unchanged): {e}")))?,
+                    .map_err(|e| {
+                        ApiError::unavailable(format!(
+                            "changing the network policy failed (unchanged): {e}"
+                        ))
+                    })?,
                 None => {
                     return Err(ApiError::conflict(format!(
                         "sandbox {id} is not running here; its network policy cannot change"

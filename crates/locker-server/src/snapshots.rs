@@ -184,7 +184,11 @@ async fn fork(
         env: rec.env.clone(),
         network: rec.network.clone(),
         metadata: rec.metadata.clone(),
-        volumes: crate::sandboxes::resolve_volumes(&app, &caller, rec.volumes.as_array().map(Vec::as_slice).unwrap_or(&[]))?,
+        volumes: crate::sandboxes::resolve_volumes(
+            &app,
+            &caller,
+            rec.volumes.as_array().map(Vec::as_slice).unwrap_or(&[]),
+        )?,
     };
     let img = point.join("disk.img");
     let children = futures_util::future::join_all(

@@ -277,7 +277,11 @@ impl Volumes {
 pub fn running_sandbox_mounting(app: &AppState, volume_id: &str) -> Option<String> {
     let live = app.store.list_live_sandboxes().ok()?;
     live.into_iter()
-        .find(|r| r.volumes.as_array().is_some_and(|v| v.iter().any(|m| m["volume"] == volume_id)))
+        .find(|r| {
+            r.volumes
+                .as_array()
+                .is_some_and(|v| v.iter().any(|m| m["volume"] == volume_id))
+        })
         .map(|r| r.id)
 }
 
@@ -389,11 +393,24 @@ async fn add(
 }
 
 /// The record of a new volume named `name` (409 if the caller already has one so named).
-fn new_record(app: &AppState, caller: &Caller, name: String, size_mb: u64) -> Result<VolumeRecord, ApiError> {
+fn new_record(
+    app: &AppState,
+    caller: &Caller,
+    name: String,
+    size_mb: u64,
+) -> Result<VolumeRecord, ApiError> {
     if app.store.get_volume(&caller.tenant, &name)?.is_some() {
-        return Err(ApiError::conflict(format!("a volume named {name:?} already exists")));
+        return Err(ApiError::conflict(format!(
+            "a volume named {name:?} already exists"
+        )));
     }
-    Ok(VolumeRecord { id: new_id("vol_"), tenant: caller.tenant.clone(), name, size_mb, created_at: locker_types::rfc3339(now_s()) })
+    Ok(VolumeRecord {
+        id: new_id("vol_"),
+        tenant: caller.tenant.clone(),
+        name,
+        size_mb,
+        created_at: locker_types::rfc3339(now_s()),
+    })
 }
 
 async fn create(
