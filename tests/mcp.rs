@@ -188,41 +188,13 @@ fn mcp_needs_a_valid_key_and_forwards_it() {
 
 /// The Inspector CLI's entry point, or None (with a message) when npm is unreachable.
 fn inspector_cli() -> Option<PathBuf> {
-    let dir = target_dir().join("mcp-inspector");
-    let entry = dir.join("node_modules/@modelcontextprotocol/inspector-cli/build/index.js");
-    if entry.is_file() {
-        return Some(entry);
-    }
-    std::fs::create_dir_all(&dir).expect("create the inspector dir");
-    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args([
-        "install",
-        "--no-audit",
-        "--no-fund",
-        "--silent",
-        // Install scripts could touch the enclosing git checkout (lefthook installs hooks).
-        "--ignore-scripts",
+    let probe = "node_modules/@modelcontextprotocol/inspector-cli/build/index.js";
+    npm_package(
+        "mcp-inspector",
         "@modelcontextprotocol/inspector-cli@1.0.3",
-    ]));
-    if !installed {
-        if [
-            "ENOTFOUND",
-            "EAI_AGAIN",
-            "ECONNREFUSED",
-            "ETIMEDOUT",
-            "network",
-        ]
-        .iter()
-        .any(|m| log.contains(m))
-        {
-            eprintln!(
-                "SKIP: the MCP Inspector CLI cannot be installed, npm is unreachable:\n{log}"
-            );
-            return None;
-        }
-        panic!("npm install @modelcontextprotocol/inspector-cli failed:\n{log}");
-    }
-    assert!(entry.is_file(), "no {} after npm install", entry.display());
-    Some(entry)
+        probe,
+    )
+    .map(|d| d.join(probe))
 }
 
 /// Runs the Inspector CLI against `/mcp` and returns its JSON answer.
@@ -328,8 +300,9 @@ fn the_mcp_inspector_cli_lists_and_calls_tools() {
     assert_eq!(gone["isError"], false, "{gone}");
 }
 
-/// Installs an npm package into `target/<dir>` once; its directory, or None (with a
-/// message) when npm is unreachable.
+/// Installs an npm package into `target/<dir>` once (without install scripts: one of them
+/// installs git hooks into the enclosing checkout); its directory, or None (with a message)
+/// when npm is unreachable.
 fn npm_package(dir: &str, spec: &str, probe: &str) -> Option<PathBuf> {
     let dir = target_dir().join(dir);
     if dir.join(probe).exists() {

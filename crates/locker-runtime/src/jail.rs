@@ -666,23 +666,8 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     let work = mapped.join("work");
     sys::idmapped_bind(&spec.template_rootfs, &lower, userns.as_raw_fd(), true)
         .map_err(step("id-map the template"))?;
-    let opts = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower.display(),
-        upper.display(),
-        work.display()
-    );
-    sys::with_fs_ids(base, || {
-        sys::mount(
-            Some("overlay"),
-            &root,
-            Some("overlay"),
-            libc::MS_NODEV,
-            Some(&opts),
-        )
-    })
-    .and_then(|r| r)
-    .map_err(step("mount the overlay root"))?;
+    mount_overlay(&lower, &upper, &work, &root, libc::MS_NODEV, "", base)
+        .map_err(step("mount the overlay root"))?;
     mount_overlays(spec, &root, userns)?;
     mount_binds(spec, &root, userns)?;
 
@@ -887,23 +872,40 @@ fn mount_overlay_at(
     sys::with_fs_ids(base, || fs::create_dir_all(target))
         .and_then(|r| r)
         .map_err(step(format!("create {}", shown.display())))?;
+    mount_overlay(
+        lower,
+        upper,
+        work,
+        target,
+        libc::MS_NODEV | libc::MS_NOSUID,
+        ",redirect_dir=off,index=off,metacopy=off",
+        base,
+    )
+    .map_err(step(format!("mount the overlay at {}", shown.display())))
+}
+
+/// The one place overlays are mounted: `lower` under `upper` (+ `work`) at `target`, with
+/// the machine's filesystem ids (`base`: the id-mapped upper layer needs a mounter whose
+/// ids it maps) and `extra` options appended.
+fn mount_overlay(
+    lower: &Path,
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    flags: libc::c_ulong,
+    extra: &str,
+    base: u32,
+) -> io::Result<()> {
     let opts = format!(
-        "lowerdir={},upperdir={},workdir={},redirect_dir=off,index=off,metacopy=off",
+        "lowerdir={},upperdir={},workdir={}{extra}",
         lower.display(),
         upper.display(),
         work.display()
     );
     sys::with_fs_ids(base, || {
-        sys::mount(
-            Some("overlay"),
-            target,
-            Some("overlay"),
-            libc::MS_NODEV | libc::MS_NOSUID,
-            Some(&opts),
-        )
+        sys::mount(Some("overlay"), target, Some("overlay"), flags, Some(&opts))
     })
     .and_then(|r| r)
-    .map_err(step(format!("mount the overlay at {}", shown.display())))
 }
 
 /// What `locker __jail-attach` mounts into a running machine.

@@ -262,6 +262,35 @@ impl SqliteStore {
         })
     }
 
+    /// Inserts a snapshot's row (sandbox or volume snapshot: `table`, with its owner in
+    /// column `owner_col`); Conflict if the id exists.
+    #[allow(clippy::too_many_arguments)]
+    fn insert_snapshot_row(
+        &self,
+        table: &str,
+        owner_col: &str,
+        id: &str,
+        tenant: &str,
+        owner: &str,
+        created_unix: i64,
+        record: &str,
+    ) -> Result<()> {
+        let conn = self.writer();
+        require_tenant(&conn, tenant)?;
+        let n = conn
+            .prepare_cached(&format!(
+                "INSERT INTO {table} (id, tenant, {owner_col}, created_unix, record)
+                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO NOTHING"
+            ))?
+            .execute(params![id, tenant, owner, created_unix, record])?;
+        if n == 0 {
+            return Err(StoreError::Conflict(format!(
+                "snapshot {id} already exists"
+            )));
+        }
+        Ok(())
+    }
+
     fn writer(&self) -> MutexGuard<'_, Connection> {
         // A panic while holding the writer rolled its transaction back (rusqlite's
         // Transaction rolls back on drop), so the connection is still sound.
@@ -672,27 +701,15 @@ impl Store for SqliteStore {
     fn insert_volume_snapshot(&self, snap: &VolumeSnapshotRecord) -> Result<()> {
         let record = to_json("volume snapshot", snap)?;
         let created_unix = unix_of("created_at", &snap.created_at)?;
-        let conn = self.writer();
-        require_tenant(&conn, &snap.tenant)?;
-        let n = conn
-            .prepare_cached(
-                "INSERT INTO volume_snapshots (id, tenant, volume_id, created_unix, record)
-                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO NOTHING",
-            )?
-            .execute(params![
-                snap.id,
-                snap.tenant,
-                snap.volume_id,
-                created_unix,
-                record
-            ])?;
-        if n == 0 {
-            return Err(StoreError::Conflict(format!(
-                "snapshot {} already exists",
-                snap.id
-            )));
-        }
-        Ok(())
+        self.insert_snapshot_row(
+            "volume_snapshots",
+            "volume_id",
+            &snap.id,
+            &snap.tenant,
+            &snap.volume_id,
+            created_unix,
+            &record,
+        )
     }
 
     fn get_volume_snapshot(&self, tenant: &str, id: &str) -> Result<Option<VolumeSnapshotRecord>> {
@@ -723,29 +740,17 @@ impl Store for SqliteStore {
     }
 
     fn insert_snapshot(&self, snap: &SnapshotRecord) -> Result<()> {
-        let record = serde_json::to_string(snap)
-            .map_err(|e| StoreError::Invalid(format!("snapshot record: {e}")))?;
-        let conn = self.writer();
-        require_tenant(&conn, &snap.tenant)?;
-        let n = conn
-            .prepare_cached(
-                "INSERT INTO snapshots (id, tenant, sandbox_id, created_unix, record)
-                 VALUES (?1, ?2, ?3, ?4, ?5) ON CONFLICT(id) DO NOTHING",
-            )?
-            .execute(rusqlite::params![
-                snap.id,
-                snap.tenant,
-                snap.sandbox_id,
-                now_unix(),
-                record
-            ])?;
-        if n == 0 {
-            return Err(StoreError::Conflict(format!(
-                "snapshot {} already exists",
-                snap.id
-            )));
-        }
-        Ok(())
+        let record = to_json("snapshot", snap)?;
+        let created_unix = unix_of("created_at", &snap.created_at)?;
+        self.insert_snapshot_row(
+            "snapshots",
+            "sandbox_id",
+            &snap.id,
+            &snap.tenant,
+            &snap.sandbox_id,
+            created_unix,
+            &record,
+        )
     }
 
     fn get_snapshot(&self, tenant: &str, id: &str) -> Result<Option<SnapshotRecord>> {
