@@ -1,6 +1,7 @@
 //! Serverless runs (`POST /v1/volumes/{id}/run`) through the real server: a fresh machine
 //! per call on a volume, its changes listed and committed (or not) atomically, parallel runs
-//! and conflicts, NDJSON, a server killed mid-commit, big trees, bad bodies, call records.
+//! and conflicts, NDJSON, a server killed mid-commit, big trees, bad bodies, call records,
+//! a run's view that in-place writes of a mounting sandbox do not reach.
 //! After every test no machine, cgroup, run directory or process of its runs is left.
 
 use std::io::{BufRead, BufReader};
@@ -59,6 +60,20 @@ fn tree(api: &Api, vol: &str) -> Vec<(String, Vec<u8>)> {
     out
 }
 
+/// The directories that hold runs' layers and views: the data dir's `runs/` (older
+/// servers) and every volume's `fs/runs/`.
+fn run_dirs(s: &Server) -> Vec<std::path::PathBuf> {
+    let mut out = vec![s.data_dir.join("runs")];
+    for e in std::fs::read_dir(s.data_dir.join("volumes"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        out.push(e.path().join("fs/runs"));
+    }
+    out
+}
+
 /// Asserts nothing of the runs `calls` is left: their directories, cgroups, processes.
 fn assert_clean(s: &Server, calls: &[String]) {
     let deadline = Instant::now() + Duration::from_secs(5);
@@ -66,7 +81,7 @@ fn assert_clean(s: &Server, calls: &[String]) {
         let runs = s.data_dir.join("runs");
         let dirs: Vec<String> = calls
             .iter()
-            .filter(|c| runs.join(c).exists())
+            .filter(|c| run_dirs(s).iter().any(|d| d.join(c).exists()))
             .cloned()
             .collect();
         let cgroups: Vec<String> = calls
@@ -390,7 +405,11 @@ fn a_server_killed_mid_commit_leaves_the_volume_before_or_after() {
             serde_json::to_vec(&json!({"shell": "for i in 0 1 2 3 4 5 6 7 8 9; do echo after > f$i; echo new > g$i; done"})).unwrap(),
         )
     });
-    let journal = s.data_dir.join("volumes").join(&vol).join("commit.journal");
+    let journal = s
+        .data_dir
+        .join("volumes")
+        .join(&vol)
+        .join("fs/commit.journal");
     let deadline = Instant::now() + Duration::from_secs(60);
     while !journal.exists() {
         assert!(Instant::now() < deadline, "no commit started");
@@ -419,9 +438,14 @@ fn a_server_killed_mid_commit_leaves_the_volume_before_or_after() {
         "the journal was written: the commit is finished"
     );
     assert!(!journal.exists());
-    let runs: Vec<_> = std::fs::read_dir(s.data_dir.join("runs"))
-        .map(|d| d.flatten().map(|e| e.path()).collect())
-        .unwrap_or_default();
+    let runs: Vec<_> = run_dirs(&s)
+        .iter()
+        .flat_map(|d| {
+            std::fs::read_dir(d)
+                .map(|d| d.flatten().map(|e| e.path()).collect::<Vec<_>>())
+                .unwrap_or_default()
+        })
+        .collect();
     assert!(runs.is_empty(), "left: {runs:?}");
     assert!(pids_mentioning(&s.data_dir.join("runs")).is_empty());
 }
@@ -654,4 +678,88 @@ fn warm_machines_follow_the_shapes_runs_ask_for() {
         json!(["/w.txt"]),
         "a pooled machine commits like any other"
     );
+}
+
+/// Starts a streamed run of `shell` on `vol` that prints `started` first; returns once that
+/// line came (the run's view of the volume is taken), with the thread that reads the rest
+/// and returns the final result line.
+fn start_run(api: &Api, vol: &str, shell: &str) -> std::thread::JoinHandle<Value> {
+    let (status, _, r) = api
+        .open(
+            "POST",
+            &format!("/v1/volumes/{vol}/run"),
+            &[
+                ("Content-Type", "application/json"),
+                ("Accept", "application/x-ndjson"),
+            ],
+            serde_json::to_vec(&json!({ "shell": format!("echo started; {shell}") })).unwrap(),
+        )
+        .unwrap();
+    assert_eq!(status, 200);
+    let mut lines = BufReader::new(r).lines();
+    loop {
+        let l = lines.next().expect("the run ended early").unwrap();
+        if l.contains("started") {
+            break;
+        }
+    }
+    std::thread::spawn(move || {
+        let mut last = Value::Null;
+        for l in lines {
+            let l = l.unwrap();
+            if !l.trim().is_empty() {
+                last = serde_json::from_str(&l).unwrap();
+            }
+        }
+        last
+    })
+}
+
+#[test]
+fn a_run_does_not_see_in_place_writes_of_a_mounting_sandbox() {
+    let s = Server::start();
+    let api = s.api();
+    let vol = new_volume(&api, "inplace");
+    put(&api, &vol, "/data.txt", b"original\n");
+    let sb = api.create_sandbox(&json!({"volumes": [{"volume": vol, "path": "/workspace"}]}));
+    let sb = sb["id"].as_str().unwrap().to_owned();
+    // Twice: a small tree (the run's view is a reflink copy), then one of more files than
+    // a reflink view takes (a read-only snapshot of the volume's filesystem).
+    let mut calls = Vec::new();
+    for (round, text) in [(0, "CHANGED1"), (1, "CHANGED2")] {
+        if round == 1 {
+            api.sh(
+                &sb,
+                "mkdir -p /workspace/many && for i in $(seq 400); do echo $i > /workspace/many/f$i; done",
+            );
+        }
+        let h = start_run(&api, &vol, "sleep 2; cat data.txt; cat many/f7 2>/dev/null; true");
+        // In place: the same inode, overwritten (no rename), as editors and databases do.
+        let ino = api.sh(&sb, "stat -c %i /workspace/data.txt");
+        api.sh(
+            &sb,
+            &format!("printf {text} | dd of=/workspace/data.txt conv=notrunc status=none; echo x > /workspace/many/f7 2>/dev/null; true"),
+        );
+        assert_eq!(api.sh(&sb, "stat -c %i /workspace/data.txt"), ino, "written in place");
+        let r = h.join().unwrap();
+        assert_eq!(r["type"], "result", "{r}");
+        assert_eq!(r["exit_code"], 0, "{r}");
+        let want = if round == 0 {
+            "started\noriginal\n".to_owned()
+        } else {
+            "started\nCHANGED1\n7\n".to_owned()
+        };
+        assert_eq!(
+            r["stdout"].as_str().unwrap(),
+            want,
+            "round {round}: the run sees the volume as of its start"
+        );
+        assert_eq!(r["changes"]["committed"], true, "{r}");
+        calls.push(call_id(&r));
+        let now = get(&api, &vol, "/data.txt").text();
+        assert!(now.starts_with(text), "the sandbox's write stays: {now}");
+    }
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the sandbox");
+    assert_clean(&s, &calls);
 }

@@ -68,6 +68,24 @@ fn pids_mentioning(needle: &Path) -> Vec<i32> {
     out
 }
 
+/// Asserts that nothing mounts the volume in `dir` and no loop device holds its image.
+#[track_caller]
+fn assert_no_filesystem_left(dir: &Path) {
+    let d = dir.to_str().unwrap();
+    assert!(
+        !std::fs::read_to_string("/proc/self/mountinfo")
+            .unwrap()
+            .contains(d),
+        "a mount of {d} is left"
+    );
+    eventually("the volume's loop device detaches", || {
+        !std::fs::read_dir("/sys/block").unwrap().flatten().any(|e| {
+            std::fs::read_to_string(e.path().join("loop/backing_file"))
+                .is_ok_and(|b| b.contains(d))
+        })
+    });
+}
+
 fn vol_dir(srv: &Server, id: &str) -> PathBuf {
     srv.data_dir.join("volumes").join(id)
 }
@@ -204,7 +222,7 @@ fn volume_files_round_trip_and_never_leave_the_volume() {
         &api.post("/v1/volumes", &json!({"name": "files"}))
             .expect(201, "create"),
     );
-    let live = vol_dir(&srv, &id).join("live");
+    let live = vol_dir(&srv, &id).join("fs/live");
 
     // Binary data, odd names, a 20 MB file.
     let bin: Vec<u8> = (0..=255u8).cycle().take(70_000).collect();
@@ -327,6 +345,7 @@ fn volume_files_round_trip_and_never_leave_the_volume() {
     api.delete(&format!("/v1/volumes/{id}"))
         .expect(204, "delete");
     assert!(!dir.exists(), "the volume's directory is gone");
+    assert_no_filesystem_left(&dir);
     eventually("the volume's agent stops", || {
         pids_mentioning(&dir).is_empty()
     });
@@ -364,7 +383,7 @@ fn the_size_limit_refuses_writes_and_leaves_nothing_partial() {
     eventually("no temporary file is left", || {
         names(&list(&api, &id, "/", 1)) == ["/half"]
     });
-    let live = vol_dir(&srv, &id).join("live");
+    let live = vol_dir(&srv, &id).join("fs/live");
     let on_disk: Vec<_> = std::fs::read_dir(&live)
         .unwrap()
         .map(|e| e.unwrap().file_name())
@@ -472,9 +491,9 @@ fn snapshots_and_forks_are_independent_copies() {
         "the source does not see the fork's change"
     );
     let snap_tree = vol_dir(&srv, &id)
-        .join("snapshots")
+        .join("fs/snapshots")
         .join(id_of(&snap))
-        .join("tree");
+        .join("live");
     assert_eq!(
         std::fs::read_to_string(snap_tree.join("code/main.py")).unwrap(),
         "print(1)\n",
@@ -528,4 +547,73 @@ fn a_restarted_server_keeps_volumes_and_their_files() {
     api.delete(&format!("/v1/volumes/{id}"))
         .expect(204, "delete");
     eventually("no agent is left", || pids_mentioning(&dir).is_empty());
+}
+
+#[test]
+fn a_sandbox_writing_past_the_size_limit_gets_enospc_and_the_volume_stays_whole() {
+    become_subreaper();
+    let srv = Server::start();
+    let api = srv.api();
+    let id = id_of(
+        &api.post("/v1/volumes", &json!({"name": "tight", "size_mb": 64}))
+            .expect(201, "create"),
+    );
+    put(&api, &id, "/keep.txt", b"kept\n").expect(200, "put");
+    let sb = api.create_sandbox(&json!({"volumes": [{"volume": id, "path": "/workspace"}]}));
+    let sb = sb["id"].as_str().unwrap().to_owned();
+    // 100 MiB into a 64 MiB volume, through the sandbox's mount: the kernel refuses.
+    let r = api.exec(
+        &sb,
+        &json!({"shell": "dd if=/dev/zero of=/workspace/fill bs=1M count=100 conv=fsync"}),
+    );
+    assert_ne!(r["exit_code"], 0, "{r}");
+    assert!(
+        r["stderr"].as_str().unwrap().contains("No space left on device"),
+        "{r}"
+    );
+    let fill: u64 = api
+        .sh(&sb, "stat -c %s /workspace/fill")
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(fill <= 64 << 20, "at most size_mb was written: {fill}");
+    // The volume is whole: its files read back, and writes work again once space is freed.
+    assert_eq!(get(&api, &id, "/keep.txt").text(), "kept\n");
+    assert_eq!(api.sh(&sb, "cat /workspace/keep.txt"), "kept\n");
+    api.sh(&sb, "rm /workspace/fill");
+    eventually("the space comes back", || {
+        api.exec(
+            &sb,
+            &json!({"shell": "dd if=/dev/zero of=/workspace/again bs=1M count=16 conv=fsync status=none"}),
+        )["exit_code"]
+            == 0
+    });
+    put(&api, &id, "/after.txt", b"after\n").expect(200, "the files API writes again");
+    let r = api
+        .post(
+            &format!("/v1/volumes/{id}/run"),
+            &json!({"shell": "cat keep.txt after.txt; echo r > run.txt"}),
+        )
+        .expect(200, "run");
+    assert_eq!(r["stdout"], "kept\nafter\n", "{r}");
+    assert_eq!(r["changes"]["committed"], true, "{r}");
+    // A run is held to the same filesystem: it cannot write past size_mb either.
+    let r = api
+        .post(
+            &format!("/v1/volumes/{id}/run"),
+            &json!({"shell": "dd if=/dev/zero of=big bs=1M count=100 status=none"}),
+        )
+        .expect(200, "run");
+    assert_ne!(r["exit_code"], 0, "{r}");
+    assert!(
+        r["stderr"].as_str().unwrap().contains("No space left on device"),
+        "{r}"
+    );
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the sandbox");
+    let dir = vol_dir(&srv, &id);
+    api.delete(&format!("/v1/volumes/{id}"))
+        .expect(204, "delete");
+    assert!(!dir.exists());
+    assert_no_filesystem_left(&dir);
 }

@@ -399,7 +399,8 @@ pub fn destroy_machines(machines_dir: &Path) -> Vec<String> {
     rt.block_on(node.cleanup_orphans(machines_dir, Vec::new()))
 }
 
-/// Stops the host-side agents of the volumes under `volumes_dir` (the server must be dead).
+/// Stops the host-side agents of the volumes under `volumes_dir` and unmounts their
+/// filesystems (the server must be dead), so nothing of them outlives the test.
 pub fn stop_volume_agents(volumes_dir: &Path) {
     for e in std::fs::read_dir(volumes_dir)
         .into_iter()
@@ -408,10 +409,13 @@ pub fn stop_volume_agents(volumes_dir: &Path) {
     {
         let dir = e.path();
         locker_runtime::host_agent::stop_stale(&locker_runtime::host_agent::HostAgentPaths {
-            root: dir.join("live"),
+            root: locker_runtime::volume_fs::live(&dir),
             socket: dir.join("agent.sock"),
             private: dir.join("private"),
         });
+        if let Err(err) = locker_runtime::volume_fs::unmount(&dir) {
+            eprintln!("cleanup: unmounting volume {}: {err}", dir.display());
+        }
     }
 }
 

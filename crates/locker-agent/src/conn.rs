@@ -12,9 +12,9 @@
 //! connection; consumers hand credit back with [`Stream::credit`] as they use the data.
 
 use std::collections::{HashMap, VecDeque};
+use std::fs::File;
 use std::io::Write;
-use std::net::Shutdown;
-use std::os::unix::net::UnixStream;
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -48,8 +48,9 @@ pub enum Recv {
 
 /// One connection to the host.
 pub struct Conn {
-    sock: UnixStream,
-    writer: Mutex<UnixStream>,
+    /// A unix stream socket, or a microVM's virtio-serial port (read and written alike).
+    sock: File,
+    writer: Mutex<File>,
     streams: Mutex<HashMap<u32, Arc<Stream>>>,
     closed: AtomicBool,
 }
@@ -60,15 +61,17 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 
 impl Conn {
     fn write(&self, f: &Frame) -> Result<(), Gone> {
-        if self.closed.load(Ordering::Acquire) {
-            return Err(Gone);
-        }
         let mut buf = Vec::new();
         if let Err(e) = f.encode(&mut buf) {
             eprintln!("locker-agent: cannot encode a frame: {e}");
             return Err(Gone);
         }
         let mut w = lock(&self.writer);
+        // Checked under the writer lock: once `close` returned, nothing more is written
+        // (a virtio port outlives its connection and carries the next one).
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Gone);
+        }
         if w.write_all(&buf).is_err() {
             drop(w);
             self.close();
@@ -82,7 +85,10 @@ impl Conn {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        let _ = self.sock.shutdown(Shutdown::Both);
+        // SAFETY: shutdown on our own fd; a virtio port answers ENOTSOCK, which is fine.
+        unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        // Wait out a write in progress.
+        drop(lock(&self.writer));
         let streams: Vec<Arc<Stream>> = lock(&self.streams).drain().map(|(_, s)| s).collect();
         for s in streams {
             s.cancel();
@@ -280,11 +286,23 @@ impl Stream {
 }
 
 /// Serves one connection until it ends; never panics on anything the host sends.
-pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
-    let Ok(writer) = sock.try_clone() else { return };
-    let Ok(mut reader) = sock.try_clone() else {
-        return;
-    };
+pub fn serve(agent: Arc<Agent>, sock: File) {
+    serve_conn(agent, sock, None);
+}
+
+/// Serves one connection on a microVM's virtio port. A `Hello` from the host in the middle
+/// of it means a new host is on the other end (the VM was restored from a snapshot taken
+/// while connected): the connection ends and that `Hello` is returned, to start the next
+/// one with (`host_hello`).
+pub fn serve_port(agent: Arc<Agent>, port: File, host_hello: Option<Hello>) -> Option<Hello> {
+    serve_conn(agent, port, host_hello.map(Some).or(Some(None)))
+}
+
+/// `port`: `None` for a socket; `Some(hello)` for a port, with the host's `Hello` if it
+/// already came.
+fn serve_conn(agent: Arc<Agent>, sock: File, port: Option<Option<Hello>>) -> Option<Hello> {
+    let writer = sock.try_clone().ok()?;
+    let mut reader = sock.try_clone().ok()?;
     let conn = Arc::new(Conn {
         sock,
         writer: Mutex::new(writer),
@@ -296,10 +314,15 @@ pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
         peer: format!("locker-agent {}", env!("CARGO_PKG_VERSION")),
     };
     if conn.write(&Frame::Hello(hello)).is_err() {
-        return;
+        return None;
     }
+    let is_port = port.is_some();
     let mut scratch = Vec::with_capacity(64 * 1024);
-    match read_frame(&mut reader, &mut scratch) {
+    let first = match port.flatten() {
+        Some(h) => Ok(Some(Frame::Hello(h))),
+        None => read_frame(&mut reader, &mut scratch),
+    };
+    match first {
         Ok(Some(Frame::Hello(h))) if h.version == PROTOCOL_VERSION => {}
         Ok(Some(Frame::Hello(h))) => {
             eprintln!(
@@ -307,11 +330,11 @@ pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
                 h.peer, h.version
             );
             conn.close();
-            return;
+            return None;
         }
         Ok(None) => {
             conn.close();
-            return;
+            return None;
         }
         Ok(Some(other)) => {
             eprintln!(
@@ -319,41 +342,55 @@ pub fn serve(agent: Arc<Agent>, sock: UnixStream) {
                 kind_of(&other)
             );
             conn.close();
-            return;
+            return None;
         }
         Err(e) => {
             eprintln!("locker-agent: dropping a connection: {e}");
             conn.close();
-            return;
+            return None;
         }
     }
-    let read_all = std::panic::AssertUnwindSafe(|| read_loop(agent, &conn, reader, scratch));
-    if std::panic::catch_unwind(read_all).is_err() {
-        eprintln!("locker-agent: a connection reader failed; dropping the connection");
-    }
+    let read_all =
+        std::panic::AssertUnwindSafe(|| read_loop(agent, &conn, reader, scratch, is_port));
+    let next = match std::panic::catch_unwind(read_all) {
+        Ok(next) => next,
+        Err(_) => {
+            eprintln!("locker-agent: a connection reader failed; dropping the connection");
+            None
+        }
+    };
     conn.close();
+    next
 }
 
-/// Reads and routes frames until the connection ends or breaks the protocol.
-fn read_loop(agent: Arc<Agent>, conn: &Arc<Conn>, mut reader: UnixStream, mut scratch: Vec<u8>) {
+/// Reads and routes frames until the connection ends or breaks the protocol; on a port, a
+/// new host's `Hello` ends it too and is returned.
+fn read_loop(
+    agent: Arc<Agent>,
+    conn: &Arc<Conn>,
+    mut reader: File,
+    mut scratch: Vec<u8>,
+    is_port: bool,
+) -> Option<Hello> {
     loop {
         // Keep the reusable buffer from holding on to a large payload forever.
         if scratch.capacity() > 2 * DATA_CHUNK {
             scratch = Vec::with_capacity(DATA_CHUNK);
         }
         let frame = match read_frame(&mut reader, &mut scratch) {
+            Ok(Some(Frame::Hello(h))) if is_port => return Some(h),
             Ok(Some(f)) => f,
-            Ok(None) => break,
+            Ok(None) => return None,
             Err(e) => {
                 if !conn.closed.load(Ordering::Acquire) {
                     eprintln!("locker-agent: dropping a connection: {e}");
                 }
-                break;
+                return None;
             }
         };
         if let Err(why) = dispatch(&agent, conn, frame) {
             eprintln!("locker-agent: dropping a connection: {why}");
-            break;
+            return None;
         }
     }
 }
@@ -499,6 +536,22 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
         Request::Mkdir { path } => crate::files::mkdir(agent, s, &path),
         Request::Move { from, to } => crate::files::rename(agent, s, &from, &to),
         Request::Remove { path, recursive } => crate::files::remove(agent, s, &path, recursive),
+        Request::Refresh {
+            unix_ns,
+            entropy,
+            hostname,
+        } => match crate::sys::refresh(unix_ns, &entropy, &hostname) {
+            Ok(()) => s.end(EndBody::Ok),
+            Err(e) => s.fail(AgentError::new(
+                ErrorCode::Internal,
+                format!("setting the clock and entropy: {e}"),
+            )),
+        },
+        Request::Flush => {
+            // SAFETY: sync(2) takes no arguments and cannot fail.
+            unsafe { libc::sync() };
+            s.end(EndBody::Ok);
+        }
         Request::MachineUsage => {
             let m = agent.cgroups.parent_usage();
             let (cpu_ms, peak) = crate::sys::self_usage();

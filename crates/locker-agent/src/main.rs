@@ -8,6 +8,8 @@
 //! (`capture`). Raw system calls live in `sys`.
 //!
 //! Start-up:
+//! - `LOCKER_VM=1` as PID 1: a microVM's init (see `vm`): it builds the root filesystem,
+//!   then serves the host over a virtio-serial port instead of a socket.
 //! - `LOCKER_AGENT_FD=<n>`: fd `n` is an already-listening unix stream socket (the machine's
 //!   init hands it over); else `--listen PATH` binds one (tests, debugging).
 //! - `LOCKER_AGENT_ROOT` (default `/`): the directory the files API resolves paths in.
@@ -28,6 +30,7 @@ mod procs;
 mod reaper;
 mod sys;
 mod users;
+mod vm;
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;
@@ -71,6 +74,13 @@ fn env_or(name: &str, default: &str) -> String {
 
 fn main() {
     sys::cloexec_inherited();
+    let in_vm = vm::is_vm_init();
+    if in_vm {
+        if let Err(e) = vm::init() {
+            eprintln!("locker-agent: microVM init failed: {e}");
+            vm::power_off();
+        }
+    }
     let mut listen: Option<PathBuf> = None;
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -83,29 +93,10 @@ fn main() {
             _ => usage(),
         }
     }
-    let listener = match std::env::var("LOCKER_AGENT_FD")
-        .ok()
-        .and_then(|v| v.parse::<i32>().ok())
-    {
-        Some(fd) => {
-            if let Err(e) = sys::set_cloexec(fd) {
-                eprintln!("locker-agent: LOCKER_AGENT_FD={fd} is not usable: {e}");
-                std::process::exit(1);
-            }
-            // SAFETY: the fd was handed to us for exactly this purpose and nothing else owns it.
-            unsafe { UnixListener::from_raw_fd(fd) }
-        }
-        None => {
-            let Some(path) = listen else { usage() };
-            let _ = std::fs::remove_file(&path);
-            match UnixListener::bind(&path) {
-                Ok(l) => l,
-                Err(e) => {
-                    eprintln!("locker-agent: cannot listen on {}: {e}", path.display());
-                    std::process::exit(1);
-                }
-            }
-        }
+    let listener = if in_vm {
+        None
+    } else {
+        Some(bind_listener(listen))
     };
     if let Err(e) = sys::set_child_subreaper() {
         eprintln!("locker-agent: cannot become a child subreaper: {e}");
@@ -140,10 +131,14 @@ fn main() {
         max_spill_bytes,
         procs: procs::Procs::default(),
     });
+    let Some(listener) = listener else {
+        vm::serve_port(agent);
+    };
     loop {
         match listener.accept() {
             Ok((sock, _)) => {
                 let agent = agent.clone();
+                let sock = std::fs::File::from(OwnedFd::from(sock));
                 let spawned = std::thread::Builder::new()
                     .name("conn".into())
                     .stack_size(512 * 1024)
@@ -155,6 +150,34 @@ fn main() {
             Err(e) => {
                 eprintln!("locker-agent: accept failed: {e}");
                 std::thread::sleep(std::time::Duration::from_millis(50));
+            }
+        }
+    }
+}
+
+/// The socket to accept host connections on: `LOCKER_AGENT_FD` or `--listen PATH`.
+fn bind_listener(listen: Option<PathBuf>) -> UnixListener {
+    match std::env::var("LOCKER_AGENT_FD")
+        .ok()
+        .and_then(|v| v.parse::<i32>().ok())
+    {
+        Some(fd) => {
+            if let Err(e) = sys::set_cloexec(fd) {
+                eprintln!("locker-agent: LOCKER_AGENT_FD={fd} is not usable: {e}");
+                std::process::exit(1);
+            }
+            // SAFETY: the fd was handed to us for exactly this purpose and nothing else owns it.
+            unsafe { UnixListener::from_raw_fd(fd) }
+        }
+        None => {
+            let Some(path) = listen else { usage() };
+            let _ = std::fs::remove_file(&path);
+            match UnixListener::bind(&path) {
+                Ok(l) => l,
+                Err(e) => {
+                    eprintln!("locker-agent: cannot listen on {}: {e}", path.display());
+                    std::process::exit(1);
+                }
             }
         }
     }

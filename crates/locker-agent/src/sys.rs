@@ -492,3 +492,37 @@ pub fn set_child_setup(cmd: &mut std::process::Command, plan: ChildPlan) {
         cmd.pre_exec(move || child_setup(&plan));
     }
 }
+
+/// Sets the wall clock to `unix_ns` and mixes `entropy` into the kernel's pool, crediting
+/// it, then reseeds the CRNG: what a microVM restored from a snapshot needs first.
+pub fn refresh(unix_ns: u64, entropy: &[u8], hostname: &str) -> io::Result<()> {
+    if !hostname.is_empty() {
+        // SAFETY: a valid buffer of the given length.
+        cvt(unsafe { libc::sethostname(hostname.as_ptr().cast(), hostname.len()) })?;
+    }
+    let ts = libc::timespec {
+        tv_sec: (unix_ns / 1_000_000_000) as libc::time_t,
+        tv_nsec: (unix_ns % 1_000_000_000) as libc::c_long,
+    };
+    // SAFETY: a valid timespec.
+    cvt(unsafe { libc::clock_settime(libc::CLOCK_REALTIME, &ts) })?;
+    if entropy.is_empty() {
+        return Ok(());
+    }
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open("/dev/urandom")?;
+    // struct rand_pool_info { int entropy_count; int buf_size; __u32 buf[]; }
+    let mut info = Vec::with_capacity(8 + entropy.len());
+    info.extend_from_slice(&((entropy.len() * 8) as i32).to_ne_bytes());
+    info.extend_from_slice(&(entropy.len() as i32).to_ne_bytes());
+    info.extend_from_slice(entropy);
+    info.resize(8 + entropy.len().div_ceil(4) * 4, 0);
+    const RNDADDENTROPY: libc::c_ulong = 0x4008_5203;
+    const RNDRESEEDCRNG: libc::c_ulong = 0x5207;
+    // SAFETY: the buffer is a rand_pool_info of the length it declares.
+    cvt(unsafe { libc::ioctl(f.as_raw_fd(), RNDADDENTROPY, info.as_ptr()) })?;
+    // SAFETY: no argument.
+    cvt(unsafe { libc::ioctl(f.as_raw_fd(), RNDRESEEDCRNG, 0) })?;
+    Ok(())
+}

@@ -38,6 +38,11 @@ pub struct ServeArgs {
     /// Warm machines kept ready for serverless runs of the default shape (0: none).
     #[arg(long, env = "LOCKER_WARM_POOL", default_value_t = 2)]
     warm_pool: usize,
+    /// Pin a name to addresses for machines' egress, like curl's --resolve:
+    /// `name=ip[,ip…]`; repeatable. The egress proxy and DNS responder use it instead of
+    /// resolving the name on the host.
+    #[arg(long, value_name = "NAME=IP", value_parser = locker_server::egress::parse_pin)]
+    egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -68,6 +73,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         },
         cache_dir: a.cache_dir,
         warm_pool: a.warm_pool,
+        egress_resolve: a.egress_resolve,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -276,6 +276,17 @@ pub enum Request {
     Remove { path: String, recursive: bool },
     /// The whole machine's CPU and peak memory so far: `End(Usage)`.
     MachineUsage,
+    /// After a microVM is restored from a snapshot: set the wall clock to `unix_ns` and mix
+    /// `entropy` into the kernel's random pool (reseeding it), so clones of one snapshot
+    /// neither live in the past nor share random streams; set the hostname unless empty.
+    /// `End(Ok)`.
+    Refresh {
+        unix_ns: u64,
+        entropy: Vec<u8>,
+        hostname: String,
+    },
+    /// Flush every filesystem of the machine to its disks (before a snapshot). `End(Ok)`.
+    Flush,
 }
 
 /// A non-final message on a stream.

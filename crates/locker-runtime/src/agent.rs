@@ -60,6 +60,9 @@ pub enum AgentClientError {
 
 type Result<T, E = AgentClientError> = std::result::Result<T, E>;
 
+/// Frames a (restored) agent may send before its `Hello`; they are dropped.
+const MAX_FRAMES_BEFORE_HELLO: usize = 256;
+
 /// Most non-data messages that may wait unconsumed on one stream.
 const MAX_QUEUED_MSGS: usize = 4096;
 
@@ -222,11 +225,24 @@ impl AgentClient {
             .write_all(&buf)
             .await
             .map_err(|e| AgentClientError::ConnectionLost(e.to_string()))?;
-        let first = tokio::time::timeout_at(deadline, read_one(&mut read))
-            .await
-            .map_err(|_| {
-                AgentClientError::Timeout(format!("no Hello from the agent within {timeout:?}"))
-            })??;
+        // A microVM restored from a snapshot taken mid-connection may still flush frames
+        // of its old connection before it answers: skip a bounded number of them.
+        let first = tokio::time::timeout_at(deadline, async {
+            for _ in 0..MAX_FRAMES_BEFORE_HELLO {
+                match read_one(&mut read).await? {
+                    Some(Frame::Hello(h)) => return Ok(Some(Frame::Hello(h))),
+                    Some(_) => continue,
+                    None => return Ok(None),
+                }
+            }
+            Err(AgentClientError::Protocol(
+                "the agent sent too many frames before Hello".into(),
+            ))
+        })
+        .await
+        .map_err(|_| {
+            AgentClientError::Timeout(format!("no Hello from the agent within {timeout:?}"))
+        })??;
         let peer = match first {
             Some(Frame::Hello(h)) if h.version == PROTOCOL_VERSION => h.peer,
             Some(Frame::Hello(h)) => {
@@ -330,6 +346,27 @@ impl AgentClient {
         match self.call(Request::Ping).await? {
             EndBody::Pong => Ok(()),
             other => Err(unexpected("Ping", &other)),
+        }
+    }
+
+    /// After a microVM restore: sets the guest's clock, entropy and hostname.
+    pub async fn refresh(&self, unix_ns: u64, entropy: Vec<u8>, hostname: String) -> Result<()> {
+        let req = Request::Refresh {
+            unix_ns,
+            entropy,
+            hostname,
+        };
+        match self.call(req).await? {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("Refresh", &other)),
+        }
+    }
+
+    /// Flushes every filesystem of the machine to its disks.
+    pub async fn flush(&self) -> Result<()> {
+        match self.call(Request::Flush).await? {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("Flush", &other)),
         }
     }
 

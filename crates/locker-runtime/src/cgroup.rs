@@ -272,18 +272,22 @@ impl MachineCgroup {
 
     /// Moves process `pid` into the machine's cgroup (v2: its `init` leaf).
     pub fn enter(&self, pid: u32) -> Result<(), CgroupError> {
-        for (_, dir) in self.dirs() {
-            let target = match self.layout.version {
-                Version::V2 => dir.join("init"),
-                Version::V1 => dir,
-            };
-            write(
-                &target.join("cgroup.procs"),
-                &pid.to_string(),
-                "move a process in",
-            )?;
+        for procs in self.procs_files() {
+            write(&procs, &pid.to_string(), "move a process in")?;
         }
         Ok(())
+    }
+
+    /// The `cgroup.procs` files a process is written to to enter the machine (v2: its
+    /// `init` leaf): for a child that moves itself in between fork and exec.
+    pub fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs()
+            .into_iter()
+            .map(|(_, dir)| match self.layout.version {
+                Version::V2 => dir.join("init").join("cgroup.procs"),
+                Version::V1 => dir.join("cgroup.procs"),
+            })
+            .collect()
     }
 
     /// What the machine sees at `/sys/fs/cgroup`: (host directory, path inside).

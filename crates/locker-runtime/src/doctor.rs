@@ -54,6 +54,9 @@ pub struct Host {
     pub data_dir_fs: String,
     /// `btrfs-subvolume`, `reflink`, or `copy` (no copy-on-write: snapshots copy files).
     pub copy_on_write: String,
+    /// What volumes get here: their own btrfs filesystem (size limit and copy-on-write
+    /// for every writer), or why they cannot be created.
+    pub volumes: String,
     /// `kvm`, `tcg` (emulation only), or `none`.
     pub virtualization: String,
     pub virtualization_detail: String,
@@ -77,6 +80,10 @@ pub fn check(data_dir: &Path) -> Report {
         .unwrap_or(Path::new("/"));
     let fs = fs_type(existing);
     let cow = copy_on_write(existing, &fs);
+    let volumes = match crate::volume_fs::support() {
+        Ok(what) => what,
+        Err(why) => format!("unavailable, volumes cannot be created: {why}"),
+    };
     let (virt, virt_detail) = virtualization();
 
     let mut missing = Vec::new();
@@ -136,6 +143,7 @@ pub fn check(data_dir: &Path) -> Report {
             data_dir: data_dir.display().to_string(),
             data_dir_fs: fs,
             copy_on_write: cow,
+            volumes,
             virtualization: virt,
             virtualization_detail: virt_detail,
         },
@@ -258,13 +266,14 @@ pub fn render(r: &Report) -> String {
     }
     let h = &r.host;
     out.push_str(&format!(
-        "\nkernel            {}\ncgroup            {}\nuser namespaces   {}\ndata dir          {} ({})\ncopy-on-write     {}\nvirtualization    {}: {}\n",
+        "\nkernel            {}\ncgroup            {}\nuser namespaces   {}\ndata dir          {} ({})\ncopy-on-write     {}\nvolumes           {}\nvirtualization    {}: {}\n",
         h.kernel,
         h.cgroup,
         if h.user_namespaces { "yes" } else { "no" },
         h.data_dir,
         h.data_dir_fs,
         h.copy_on_write,
+        h.volumes,
         h.virtualization,
         h.virtualization_detail
     ));

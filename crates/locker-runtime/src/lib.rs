@@ -8,6 +8,7 @@
 //! - [`doctor`]: what works on this host and why.
 //! - [`host_agent`]: an agent on the host serving a volume's files with no machine.
 //! - [`tree`]: directory trees of volumes: measured, and copied copy-on-write.
+//! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots).
 //! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
 //!
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
@@ -24,3 +25,5 @@ pub mod seccomp;
 mod sys;
 pub mod template;
 pub mod tree;
+pub mod volume_fs;
+pub mod vm;

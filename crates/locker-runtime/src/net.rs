@@ -1,23 +1,33 @@
 //! Network egress of machines, enforced outside them.
 //!
 //! Owns the host side of a machine's network: its veth pair, its subnet lease, the
-//! host-wide nftables table `inet locker`, and the ruleset inside the machine's network
-//! namespace. It does not own the policy's API shape (the server does).
+//! host-wide nftables table `inet locker`, the machine's own table `ip locker_lk<slot>` on
+//! the host, and the ruleset inside the machine's network namespace. It does not own the
+//! policy's API shape, the name-checking proxy or the DNS responder (the server does: this
+//! module only steers a machine's packets to their ports).
 //!
 //! A machine with egress `none` (the default) is untouched: loopback only, no veth, no
-//! cost. A machine with egress `all` gets:
+//! cost. A machine with any other [`Policy`] gets:
 //! - a /30 of `100.96.0.0/12` leased host-wide (`/run/locker/net-slots/<slot>`, the file
 //!   names the machine's directory, which holds `net.json`); host end `.1`, machine `.2`;
 //! - a veth pair: host end `lk<slot>`, machine end `eth0` in the machine's network
 //!   namespace (owned by the host's user namespace: the machine's root cannot change it),
 //!   with its address, a default route via the host end and an nftables ruleset inside
-//!   (defence in depth: no metadata, no host end, no other machine, no IPv6, nothing in);
+//!   (defence in depth: no metadata, no host end but its DNS port, no other machine, no
+//!   IPv6, nothing in; under `allow` only TCP, DNS and the allowed CIDRs leave);
 //! - the host table `inet locker` (shared, static, replaced atomically and idempotently):
 //!   *input* drops everything arriving from `lk*` (every address of the host, Locker's
-//!   ports, the host's 127.0.0.0/8); *forward* drops from `lk*` to 169.254.0.0/16,
-//!   100.96.0.0/12 (other machines), 127/8, multicast and broadcast, every IPv6 packet and
-//!   any spoofed source, and lets nothing into `lk*` but replies; *postrouting*
-//!   masquerades machine traffic leaving by any other interface.
+//!   ports, the host's 127.0.0.0/8) except connections Locker's own per-machine rules
+//!   redirected to the server (conntrack mark [`REDIRECT_MARK`] and DNAT status, which
+//!   nothing in a machine can set); *forward* drops from `lk*` to 169.254.0.0/16,
+//!   100.96.0.0/12 (other machines), 127/8, multicast and broadcast, every IPv6 packet
+//!   and any spoofed source, and lets nothing into `lk*` but replies; *postrouting*
+//!   masquerades machine traffic leaving by any other interface;
+//! - its own host table `ip locker_lk<slot>` (installed before the link exists, so no
+//!   packet ever leaves unsteered): DNS queries to the server's DNS responder; under
+//!   `allow`, every TCP connection not to an allowed CIDR to the server's proxy, which
+//!   dials the requested *name* itself, and every other forwarded packet not to an
+//!   allowed CIDR dropped.
 //!
 //! Whether the host rules work is proved by [`probe`]: a throwaway namespace wired like a
 //! machine tries to connect to a listener on the host (which would answer without the
@@ -46,6 +56,89 @@ pub const TABLE: &str = "locker";
 /// Metadata and link-local addresses, never reachable.
 const NEVER_V4: &str =
     "169.254.0.0/16, 100.96.0.0/12, 127.0.0.0/8, 0.0.0.0/8, 224.0.0.0/4, 255.255.255.255";
+/// The conntrack mark Locker's per-machine rules put on the connections they redirect to
+/// the server (its proxy and DNS responder); the host's input chain accepts from `lk*`
+/// only those. Conntrack state is per network namespace: a machine cannot set it.
+pub const REDIRECT_MARK: u32 = 0x4c4b_0045;
+/// The most CIDRs one `allow` policy carries.
+pub const MAX_CIDRS: usize = 256;
+
+/// What a machine's link lets through beyond the host's static rules.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Policy {
+    /// No link at all: loopback only.
+    None,
+    /// Everything but the never-reachable set; DNS queries to the host end go to the
+    /// server's responder on `dns_port`.
+    All { dns_port: u16 },
+    /// Only the `cidrs` directly; every other TCP connection goes to the server's proxy on
+    /// `proxy_port`, every DNS query to its responder on `dns_port`, nothing else leaves.
+    Allow {
+        cidrs: Vec<Cidr>,
+        proxy_port: u16,
+        dns_port: u16,
+    },
+}
+
+/// An IPv4 network, `addr/prefix` (the address masked to the prefix).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Cidr {
+    pub addr: Ipv4Addr,
+    pub prefix: u8,
+}
+
+impl Cidr {
+    /// Parses `a.b.c.d/n` or a single address (`/32`); the address is masked to `n` bits.
+    pub fn parse(s: &str) -> Option<Cidr> {
+        let (a, p) = match s.split_once('/') {
+            Some((a, p)) => (a, p.parse::<u8>().ok().filter(|p| *p <= 32)?),
+            None => (s, 32),
+        };
+        let addr: Ipv4Addr = a.parse().ok()?;
+        Some(Cidr {
+            addr: Ipv4Addr::from(u32::from(addr) & Self::mask(p)),
+            prefix: p,
+        })
+    }
+
+    fn mask(prefix: u8) -> u32 {
+        if prefix == 0 {
+            0
+        } else {
+            u32::MAX << (32 - prefix)
+        }
+    }
+
+    pub fn contains(&self, ip: Ipv4Addr) -> bool {
+        u32::from(ip) & Self::mask(self.prefix) == u32::from(self.addr)
+    }
+
+    /// Whether `other` lies wholly inside this network.
+    pub fn covers(&self, other: &Cidr) -> bool {
+        other.prefix >= self.prefix && self.contains(other.addr)
+    }
+}
+
+impl std::fmt::Display for Cidr {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.addr, self.prefix)
+    }
+}
+
+/// `cidrs` without duplicates or networks inside another (nftables refuses overlapping
+/// intervals in one set).
+pub fn merge_cidrs(cidrs: &[Cidr]) -> Vec<Cidr> {
+    let mut v: Vec<Cidr> = cidrs.to_vec();
+    v.sort_by_key(|c| (c.prefix, c.addr));
+    let mut out: Vec<Cidr> = Vec::new();
+    for c in v {
+        if !out.iter().any(|o| o.covers(&c)) {
+            out.push(c);
+        }
+    }
+    out.sort();
+    out
+}
 
 /// A machine's network as written to `<dir>/net.json`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -119,6 +212,7 @@ delete table inet {TABLE}
 table inet {TABLE} {{
   chain input {{
     type filter hook input priority -10; policy accept;
+    iifname \"lk*\" ct mark {REDIRECT_MARK:#x} ct status dnat accept
     iifname \"lk*\" drop
   }}
   chain forward {{
@@ -140,15 +234,33 @@ table inet {TABLE} {{
 }
 
 /// The ruleset inside a machine's network namespace (defence in depth; the host's rules
-/// hold without it).
-fn machine_ruleset(l: &NetLease) -> String {
+/// hold without it), replacing any earlier one atomically.
+fn machine_ruleset(l: &NetLease, policy: &Policy) -> String {
+    let host = l.host_ip();
+    let dns = match policy {
+        Policy::None => String::new(),
+        _ => format!("ip daddr {host} udp dport 53 accept\n    "),
+    };
+    let allow = match policy {
+        Policy::Allow { cidrs, .. } => {
+            let mut r = String::new();
+            if !cidrs.is_empty() {
+                r += &format!("ip daddr {{ {} }} accept\n    ", join(cidrs));
+            }
+            r + "meta l4proto tcp accept\n    udp dport 53 accept\n    drop\n"
+        }
+        _ => String::new(),
+    };
     format!(
-        "table inet {TABLE} {{
+        "table inet {TABLE} {{}}
+delete table inet {TABLE}
+table inet {TABLE} {{
   chain output {{
     type filter hook output priority 0; policy accept;
     oifname \"lo\" accept
     meta nfproto ipv6 drop
-    ip daddr {{ {NEVER_V4}, {host} }} drop
+    {dns}ip daddr {{ {NEVER_V4}, {host} }} drop
+    {allow}
   }}
   chain input {{
     type filter hook input priority 0; policy accept;
@@ -157,9 +269,84 @@ fn machine_ruleset(l: &NetLease) -> String {
     drop
   }}
 }}
-",
-        host = l.host_ip()
+"
     )
+}
+
+fn join(cidrs: &[Cidr]) -> String {
+    cidrs
+        .iter()
+        .map(Cidr::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The name of a machine's own table on the host (family `ip`).
+fn machine_table(l: &NetLease) -> String {
+    format!("{TABLE}_{}", l.link())
+}
+
+/// The machine's own table on the host: where its DNS queries and (under `allow`) its TCP
+/// connections go, and (under `allow`) the drop of everything else not to an allowed
+/// CIDR. Replaces any earlier one atomically; `None` for [`Policy::None`].
+fn host_machine_ruleset(l: &NetLease, policy: &Policy) -> Option<String> {
+    let (link, m, h, t) = (l.link(), l.machine_ip(), l.host_ip(), machine_table(l));
+    let mark = format!("ct mark set {REDIRECT_MARK:#x}");
+    let (nat, forward) = match policy {
+        Policy::None => return None,
+        Policy::All { dns_port } => (
+            format!("iifname \"{link}\" ip saddr {m} ip daddr {h} udp dport 53 {mark} redirect to :{dns_port}\n"),
+            String::new(),
+        ),
+        Policy::Allow {
+            cidrs,
+            proxy_port,
+            dns_port,
+        } => {
+            let mut nat =
+                format!("iifname \"{link}\" ip saddr {m} udp dport 53 {mark} redirect to :{dns_port}\n");
+            let forward = if cidrs.is_empty() {
+                format!("iifname \"{link}\" drop")
+            } else {
+                let set = join(cidrs);
+                nat += &format!("    iifname \"{link}\" ip daddr {{ {set} }} return\n");
+                format!("iifname \"{link}\" ip daddr != {{ {set} }} drop")
+            };
+            nat += &format!(
+                "    iifname \"{link}\" ip saddr {m} meta l4proto tcp {mark} redirect to :{proxy_port}\n"
+            );
+            (
+                nat,
+                format!(
+                    "  chain forward {{
+    type filter hook forward priority -5; policy accept;
+    {forward}
+  }}
+"
+                ),
+            )
+        }
+    };
+    Some(format!(
+        "table ip {t} {{}}
+delete table ip {t}
+table ip {t} {{
+  chain prerouting {{
+    type nat hook prerouting priority -100; policy accept;
+    {nat}  }}
+{forward}}}
+"
+    ))
+}
+
+/// Removes the machine's own host table, if there is one.
+fn delete_machine_table(table: &str) {
+    if let Some(nft) = crate::doctor::which("nft") {
+        let _ = run(
+            Command::new(nft).args(["delete", "table", "ip", table]),
+            None,
+        );
+    }
 }
 
 /// Installs the host table and turns IPv4 forwarding on. Idempotent.
@@ -206,9 +393,29 @@ fn release_slot(slot: u32) {
     let _ = fs::remove_file(Path::new(SLOTS_DIR).join(slot.to_string()));
 }
 
+/// Installs the rules of `policy` for lease `l`: the machine's own host table and the
+/// ruleset inside its namespace `ns`. Safe before the link exists (the rules name it).
+fn apply_rules(l: &NetLease, ns: &Path, policy: &Policy) -> Result<(), String> {
+    let nft = tool("nft")?;
+    match host_machine_ruleset(l, policy) {
+        Some(rules) => run(Command::new(&nft).arg("-f").arg("-"), Some(&rules))
+            .map_err(|e| format!("installing the host rules of {}: {e}", l.link()))?,
+        None => delete_machine_table(&machine_table(l)),
+    }
+    run(
+        Command::new(tool("nsenter")?)
+            .arg(format!("--net={}", ns.display()))
+            .arg(&nft)
+            .arg("-f")
+            .arg("-"),
+        Some(&machine_ruleset(l, policy)),
+    )
+    .map_err(|e| format!("installing the rules inside the machine: {e}"))
+}
+
 /// Wires the namespace `ns` (a path like `/proc/<pid>/ns/net`) to the host through the
 /// veth of lease `l`.
-fn wire(l: &NetLease, ns: &Path, machine_rules: bool) -> Result<(), String> {
+fn wire(l: &NetLease, ns: &Path) -> Result<(), String> {
     let (ip, nsenter) = (tool("ip")?, tool("nsenter")?);
     let link = l.link();
     // `ip link add … netns` takes a pid or a name.
@@ -242,16 +449,6 @@ fn wire(l: &NetLease, ns: &Path, machine_rules: bool) -> Result<(), String> {
             l.host_ip()
         )),
     )?;
-    if machine_rules {
-        run(
-            Command::new(&nsenter)
-                .arg(&net_arg)
-                .arg(tool("nft")?)
-                .arg("-f")
-                .arg("-"),
-            Some(&machine_ruleset(l)),
-        )?;
-    }
     Ok(())
 }
 
@@ -270,12 +467,19 @@ fn ns_target(ns: &Path) -> Result<String, String> {
     Err(format!("unsupported namespace path {s}"))
 }
 
-/// Gives the running machine in `dir` (its PID 1 is `pid`) egress `all`: leases a subnet,
-/// wires the veth and the machine's rules. Idempotent; undone by [`detach`]. The host
-/// table must be in place ([`status`] checks and installs it).
-pub fn attach(dir: &Path, pid: i32) -> Result<NetLease, String> {
+/// Gives the running machine in `dir` (its PID 1 is `pid`) the egress `policy` (not
+/// [`Policy::None`]: that is [`detach`]): leases a subnet, installs the rules, then wires
+/// the veth; on a machine that has its link already, replaces the rules only (a policy
+/// change). Idempotent; undone by [`detach`]. The host table must be in place ([`status`]
+/// checks and installs it).
+pub fn attach(dir: &Path, pid: i32, policy: &Policy) -> Result<NetLease, String> {
+    if *policy == Policy::None {
+        return Err("egress `none` has no link to attach".into());
+    }
+    let ns = PathBuf::from(format!("/proc/{pid}/ns/net"));
     if let Some(l) = NetLease::load(dir) {
         if link_exists(&l.link()) {
+            apply_rules(&l, &ns, policy)?;
             return Ok(l);
         }
     }
@@ -288,7 +492,9 @@ pub fn attach(dir: &Path, pid: i32) -> Result<NetLease, String> {
             serde_json::to_vec(&l).expect("lease serializes"),
         )
         .map_err(|e| format!("write net.json: {e}"))?;
-        wire(&l, Path::new(&format!("/proc/{pid}/ns/net")), true)
+        // Rules first: no packet crosses the link before they hold.
+        apply_rules(&l, &ns, policy)?;
+        wire(&l, &ns)
     })();
     match result {
         Ok(()) => Ok(l),
@@ -299,9 +505,9 @@ pub fn attach(dir: &Path, pid: i32) -> Result<NetLease, String> {
     }
 }
 
-/// Takes egress away from the machine in `dir`: removes its veth (both ends), the
-/// ruleset inside (when `pid`, its PID 1, still runs), `net.json` and the subnet lease.
-/// Safe to call when nothing is there.
+/// Takes egress away from the machine in `dir`: removes its veth (both ends), its host
+/// table, the ruleset inside (when `pid`, its PID 1, still runs), `net.json` and the
+/// subnet lease. Safe to call when nothing is there.
 pub fn detach(dir: &Path, pid: Option<i32>) {
     let Some(l) = NetLease::load(dir) else {
         return;
@@ -320,6 +526,7 @@ pub fn detach(dir: &Path, pid: Option<i32>) {
         );
     }
     delete_link(&l.link());
+    delete_machine_table(&machine_table(&l));
     let _ = fs::remove_file(dir.join("net.json"));
     release_slot(l.slot);
 }
@@ -382,7 +589,41 @@ pub fn cleanup_stale() -> Vec<u32> {
             removed.push(slot);
         }
     }
+    for table in machine_tables() {
+        let slot: u32 = table[TABLE.len() + 3..].parse().unwrap_or(u32::MAX);
+        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists() {
+            delete_machine_table(&table);
+            if !removed.contains(&slot) {
+                removed.push(slot);
+            }
+        }
+    }
     removed
+}
+
+/// The machines' own host tables (`ip locker_lk<slot>`) that exist now.
+fn machine_tables() -> Vec<String> {
+    let Some(nft) = crate::doctor::which("nft") else {
+        return Vec::new();
+    };
+    let Ok(out) = Command::new(nft)
+        .args(["list", "tables", "ip"])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()
+    else {
+        return Vec::new();
+    };
+    let prefix = format!("{TABLE}_lk");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("table ip "))
+        .filter(|t| {
+            t.strip_prefix(&prefix)
+                .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .map(str::to_owned)
+        .collect()
 }
 
 /// The cached verdict of [`probe`]: whether egress other than `none` can be enforced.
@@ -433,7 +674,7 @@ pub fn probe() -> Result<String, String> {
             serde_json::to_vec(&l).expect("lease serializes"),
         )
         .map_err(|e| format!("write the probe's lease: {e}"))?;
-        wire(&l, &ns, false)?;
+        wire(&l, &ns)?;
         let listener =
             TcpListener::bind("0.0.0.0:0").map_err(|e| format!("probe listener: {e}"))?;
         let port = listener.local_addr().map_err(|e| e.to_string())?.port();
@@ -485,5 +726,79 @@ mod tests {
         assert!(l.link().len() <= 15);
         assert_eq!(ns_target(Path::new("/proc/42/ns/net")).unwrap(), "42");
         assert_eq!(ns_target(Path::new("/run/netns/x")).unwrap(), "x");
+    }
+
+    #[test]
+    fn cidrs_parse_mask_and_merge() {
+        let c = Cidr::parse("10.1.2.3/8").unwrap();
+        assert_eq!(c.to_string(), "10.0.0.0/8");
+        assert!(c.contains(Ipv4Addr::new(10, 200, 0, 1)));
+        assert!(!c.contains(Ipv4Addr::new(11, 0, 0, 1)));
+        assert_eq!(Cidr::parse("1.2.3.4").unwrap().to_string(), "1.2.3.4/32");
+        assert!(Cidr::parse("0.0.0.0/0")
+            .unwrap()
+            .contains(Ipv4Addr::new(8, 8, 8, 8)));
+        for bad in [
+            "1.2.3.4/33",
+            "1.2.3/8",
+            "example.com",
+            "::1/128",
+            "1.2.3.4/",
+        ] {
+            assert!(Cidr::parse(bad).is_none(), "{bad}");
+        }
+        let merged = merge_cidrs(&[
+            Cidr::parse("10.1.0.0/16").unwrap(),
+            Cidr::parse("10.0.0.0/8").unwrap(),
+            Cidr::parse("192.168.1.1").unwrap(),
+            Cidr::parse("10.0.0.0/8").unwrap(),
+        ]);
+        assert_eq!(join(&merged), "10.0.0.0/8, 192.168.1.1/32");
+    }
+
+    #[test]
+    fn rules_steer_allow_to_the_server_and_drop_the_rest() {
+        let l = NetLease { slot: 5 };
+        assert!(host_machine_ruleset(&l, &Policy::None).is_none());
+        let all = host_machine_ruleset(&l, &Policy::All { dns_port: 5353 }).unwrap();
+        assert!(all.contains(
+            "ip daddr 100.96.0.21 udp dport 53 ct mark set 0x4c4b0045 redirect to :5353"
+        ));
+        assert!(
+            !all.contains("forward"),
+            "all forwards by the static table: {all}"
+        );
+        let allow = Policy::Allow {
+            cidrs: vec![Cidr::parse("198.18.0.0/24").unwrap()],
+            proxy_port: 4000,
+            dns_port: 5353,
+        };
+        let r = host_machine_ruleset(&l, &allow).unwrap();
+        assert!(r.contains("table ip locker_lk5"), "{r}");
+        assert!(
+            r.contains("meta l4proto tcp ct mark set 0x4c4b0045 redirect to :4000"),
+            "{r}"
+        );
+        assert!(r.contains("ip daddr { 198.18.0.0/24 } return"), "{r}");
+        assert!(
+            r.contains("iifname \"lk5\" ip daddr != { 198.18.0.0/24 } drop"),
+            "{r}"
+        );
+        let none_allowed = Policy::Allow {
+            cidrs: vec![],
+            proxy_port: 4000,
+            dns_port: 5353,
+        };
+        let r = host_machine_ruleset(&l, &none_allowed).unwrap();
+        assert!(r.contains("iifname \"lk5\" drop"), "{r}");
+        let inner = machine_ruleset(&l, &allow);
+        assert!(
+            inner.contains("ip daddr 100.96.0.21 udp dport 53 accept"),
+            "{inner}"
+        );
+        assert!(inner.contains("meta l4proto tcp accept"), "{inner}");
+        assert!(inner.trim_end().ends_with("}"), "{inner}");
+        assert!(!machine_ruleset(&l, &Policy::All { dns_port: 1 }).contains("l4proto"));
+        assert!(host_ruleset().contains("ct mark 0x4c4b0045 ct status dnat accept"));
     }
 }

@@ -22,9 +22,10 @@ const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 const MAX_SLOTS: u32 = 60_000;
 
 /// The isolation backend of a machine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum RuntimeKind {
+    #[default]
     Jail,
     Microvm,
 }
@@ -53,6 +54,8 @@ pub enum NodeError {
     NoSlot,
     #[error("{0}")]
     Setup(String),
+    #[error(transparent)]
+    Vm(#[from] crate::vm::VmError),
 }
 
 /// Where a node keeps things and which programs it runs.
@@ -143,6 +146,10 @@ pub struct MachineSpec {
 /// What a machine gets attached at start besides its template.
 #[derive(Debug, Clone, Default)]
 pub struct Attach {
+    /// The isolation backend.
+    pub runtime: RuntimeKind,
+    /// A microVM restores this memory snapshot (with `disk_from` as its disk).
+    pub memory_from: Option<PathBuf>,
     /// Start from a copy of this disk image (a snapshot's).
     pub disk_from: Option<PathBuf>,
     /// Overlays (a run's volume under its private layer).
@@ -160,7 +167,10 @@ pub struct Machine {
     pub state: JailState,
     pub agent: AgentClient,
     cgroup: MachineCgroup,
+    /// The jail's shim, or the microVM's QEMU, when this process started it.
     shim: Mutex<Option<tokio::process::Child>>,
+    /// What a microVM machine is (none for a jail).
+    vm: Option<crate::vm::VmState>,
 }
 
 impl Machine {
@@ -190,7 +200,10 @@ impl Machine {
 
     /// Whether the machine's processes still run.
     pub fn is_alive(&self) -> bool {
-        jail::is_alive(&self.state)
+        match &self.vm {
+            Some(v) => crate::vm::is_alive(v),
+            None => jail::is_alive(&self.state),
+        }
     }
 
     /// The host path of the machine's writable layer (valid while it runs).
@@ -204,6 +217,8 @@ impl Machine {
 pub struct Node {
     config: NodeConfig,
     layout: Layout,
+    /// The microVM runtime's assets, prepared on first use.
+    vm_assets: Mutex<Option<std::sync::Arc<crate::vm::Assets>>>,
 }
 
 /// Where uid-range leases live: one file per slot, host-wide, so several servers (and test
@@ -264,7 +279,11 @@ impl Node {
     /// A node on this host. Fails if no usable cgroup hierarchy exists.
     pub fn new(config: NodeConfig) -> Result<Self, NodeError> {
         let layout = Layout::host().map_err(|e| NodeError::Unavailable("jail", e.to_string()))?;
-        Ok(Self { config, layout })
+        Ok(Self {
+            config,
+            layout,
+            vm_assets: Mutex::new(None),
+        })
     }
 
     pub fn layout(&self) -> &Layout {
@@ -303,7 +322,7 @@ impl Node {
             Attach {
                 disk_from,
                 overlays: mounts,
-                binds: Vec::new(),
+                ..Default::default()
             },
         )
         .await
@@ -316,10 +335,14 @@ impl Node {
         spec: MachineSpec,
         attach: Attach,
     ) -> Result<Machine, NodeError> {
+        if attach.runtime == RuntimeKind::Microvm {
+            return self.create_vm(spec, attach).await;
+        }
         let Attach {
             disk_from,
             overlays: mounts,
             binds,
+            ..
         } = attach;
         let slot = lease_slot(&spec.dir)?;
         let js = JailSpec {
@@ -354,6 +377,7 @@ impl Node {
                 agent,
                 cgroup: MachineCgroup::new(self.layout.clone(), &spec.id),
                 shim: Mutex::new(Some(child)),
+                vm: None,
             }),
             Err(e) => {
                 self.cleanup_failed(&spec.id, &spec.dir, js.uid_base).await;
@@ -368,8 +392,108 @@ impl Node {
         release_slot(uid_base);
     }
 
+    /// The microVM runtime's assets (QEMU, kernel, initramfs), prepared once; an error says
+    /// what this host lacks.
+    pub async fn vm_assets(&self) -> Result<std::sync::Arc<crate::vm::Assets>, NodeError> {
+        if let Some(a) = self.vm_assets.lock().expect("assets lock").clone() {
+            return Ok(a);
+        }
+        let agent = self.config.agent_exe.clone();
+        let a = tokio::task::spawn_blocking(move || crate::vm::Assets::prepare(&agent))
+            .await
+            .map_err(|e| NodeError::Setup(format!("task failed: {e}")))??;
+        let a = std::sync::Arc::new(a);
+        *self.vm_assets.lock().expect("assets lock") = Some(a.clone());
+        Ok(a)
+    }
+
+    /// Starts a microVM machine: restores its shape's base (booting it first if this host
+    /// has none yet) or a memory snapshot, and connects to its agent.
+    async fn create_vm(&self, spec: MachineSpec, attach: Attach) -> Result<Machine, NodeError> {
+        if !attach.overlays.is_empty() || !attach.binds.is_empty() {
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "volumes cannot be mounted into microVMs in this version".into(),
+            ));
+        }
+        let assets = self.vm_assets().await?;
+        let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb);
+        let base = crate::vm::ensure_base(&assets, &spec.template_rootfs, shape).await?;
+        let slot = lease_slot(&spec.dir)?;
+        let uid = jail::uid_base(slot);
+        if let Some(parent) = spec.dir.parent() {
+            traversable(parent);
+        }
+        let cgroup = MachineCgroup::new(self.layout.clone(), &spec.id);
+        let started = crate::vm::start(
+            &assets,
+            crate::vm::StartSpec {
+                id: &spec.id,
+                dir: &spec.dir,
+                uid,
+                base: &base,
+                disk_from: attach.disk_from.as_deref(),
+                memory_from: attach.memory_from.as_deref(),
+                cgroup: &cgroup,
+                cpus: spec.cpus,
+                pids: spec.pids,
+            },
+        )
+        .await;
+        let (vm, child, agent) = match started {
+            Ok(s) => s,
+            Err(e) => {
+                self.cleanup_failed(&spec.id, &spec.dir, uid).await;
+                return Err(e.into());
+            }
+        };
+        let state = JailState {
+            id: spec.id.clone(),
+            dir: spec.dir.clone(),
+            agent_pid: vm.pid,
+            shim_pid: vm.pid,
+            uid_base: uid,
+        };
+        if let Err(e) = fs::write(
+            spec.dir.join("state.json"),
+            serde_json::to_vec(&state).expect("state serializes"),
+        ) {
+            self.cleanup_failed(&spec.id, &spec.dir, uid).await;
+            return Err(NodeError::Setup(format!("write state.json: {e}")));
+        }
+        Ok(Machine {
+            id: spec.id,
+            kind: RuntimeKind::Microvm,
+            dir: spec.dir,
+            state,
+            agent,
+            cgroup,
+            shim: Mutex::new(Some(child)),
+            vm: Some(vm),
+        })
+    }
+
     /// Re-attaches to a machine an earlier server process started, if it still runs.
     pub async fn adopt(&self, id: &str, dir: &Path) -> Option<Machine> {
+        if let Some(vm) = crate::vm::VmState::load(dir) {
+            let state = JailState::load(dir)?;
+            if vm.id != id || !crate::vm::is_alive(&vm) {
+                return None;
+            }
+            let agent = AgentClient::connect(&dir.join("agent.sock"), Duration::from_secs(5))
+                .await
+                .ok()?;
+            return Some(Machine {
+                id: id.to_owned(),
+                kind: RuntimeKind::Microvm,
+                dir: dir.to_owned(),
+                state,
+                agent,
+                cgroup: MachineCgroup::new(self.layout.clone(), id),
+                shim: Mutex::new(None),
+                vm: Some(vm),
+            });
+        }
         let state = JailState::load(dir)?;
         if state.id != id || !jail::is_alive(&state) {
             return None;
@@ -385,11 +509,18 @@ impl Node {
             agent,
             cgroup: MachineCgroup::new(self.layout.clone(), id),
             shim: Mutex::new(None),
+            vm: None,
         })
     }
 
     /// Mounts an overlay into a running machine (see [`jail::attach_main`]).
     pub async fn attach(&self, m: &Machine, mount: jail::OverlayMount) -> Result<(), NodeError> {
+        if m.vm.is_some() {
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "volumes cannot be mounted into microVMs in this version".into(),
+            ));
+        }
         let spec = jail::AttachSpec {
             agent_pid: m.state.agent_pid,
             uid_base: m.state.uid_base,
@@ -418,18 +549,30 @@ impl Node {
         }
     }
 
-    /// Sets a running machine's egress: `true` wires its veth, subnet and rules (egress
-    /// `all`, see [`crate::net`]), `false` removes them (loopback only, egress `none`).
-    /// Fails (and leaves no egress) when enforcement cannot be set up.
-    pub async fn set_egress(&self, m: &Machine, all: bool) -> Result<(), NodeError> {
+    /// Sets a running machine's egress (see [`crate::net`]): any policy but `None` wires
+    /// its veth and subnet if it has none and installs the policy's rules; `None` removes
+    /// them (loopback only). Returns the machine's lease, if it has a link now. Fails (and
+    /// leaves no egress) when enforcement cannot be set up.
+    pub async fn set_egress(
+        &self,
+        m: &Machine,
+        policy: crate::net::Policy,
+    ) -> Result<Option<crate::net::NetLease>, NodeError> {
+        let all = policy != crate::net::Policy::None;
+        if m.vm.is_some() && all {
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "microVMs get egress `none` only in this version (no network device at all)".into(),
+            ));
+        }
         let (dir, pid) = (m.dir.clone(), m.state.agent_pid);
         tokio::task::spawn_blocking(move || {
             if all {
                 crate::net::status()?;
-                crate::net::attach(&dir, pid).map(|_| ())
+                crate::net::attach(&dir, pid, &policy).map(Some)
             } else {
                 crate::net::detach(&dir, Some(pid));
-                Ok(())
+                Ok(None)
             }
         })
         .await
@@ -474,6 +617,36 @@ impl Node {
             m.resume()?;
         }
         r?.map_err(|e| NodeError::Setup(format!("copying the machine's disk: {e}")))
+    }
+
+    /// Snapshots a running machine into `dir` (which exists): its disk as `disk.img`, and
+    /// for a microVM its memory and device state as `memory` too. Returns the bytes taken
+    /// and whether memory was saved.
+    pub async fn snapshot(&self, m: &Machine, dir: &Path) -> Result<(u64, bool), NodeError> {
+        let Some(vm) = m.vm.clone() else {
+            let (_, size) = self.snapshot_disk(m, &dir.join("disk.img")).await?;
+            return Ok((size, false));
+        };
+        // QMP answers only a running QEMU: thaw a paused machine for the save (the guest
+        // itself is stopped by QMP meanwhile) and freeze it again after.
+        let was_frozen = self.is_frozen(m);
+        if was_frozen {
+            m.resume()?;
+        }
+        let d = dir.to_owned();
+        let r = tokio::task::spawn_blocking(move || {
+            crate::vm::save(&vm, &d.join("memory"), &d.join("disk.img"))?;
+            Ok::<u64, crate::vm::VmError>(
+                crate::disk::allocated_bytes(&d.join("disk.img"))
+                    + crate::disk::allocated_bytes(&d.join("memory")),
+            )
+        })
+        .await
+        .map_err(|e| NodeError::Setup(format!("snapshot task failed: {e}")));
+        if was_frozen {
+            m.pause()?;
+        }
+        Ok((r??, true))
     }
 
     fn is_frozen(&self, m: &Machine) -> bool {
@@ -546,6 +719,20 @@ impl Node {
         })
         .await
         .unwrap_or_default()
+    }
+}
+
+/// Lets every user traverse (not list) `dir` and its parents, so a microVM's QEMU, which
+/// runs as the machine's own uid, can reach its directory.
+fn traversable(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    for d in dir.ancestors() {
+        if let Ok(m) = fs::metadata(d) {
+            let mode = m.permissions().mode();
+            if mode & 0o001 == 0 {
+                let _ = fs::set_permissions(d, fs::Permissions::from_mode((mode | 0o001) & 0o7777));
+            }
+        }
     }
 }
 

@@ -6,7 +6,8 @@
 //! copy (`copy_file_range`). A copy keeps what a later machine mounting it would see:
 //! hard links, symlinks, modes, owners (canonical ids: root is 0) and modification times.
 //! Extended attributes, sockets, FIFOs and device nodes are not copied (the files API makes
-//! none of them). A copy is flushed once at the end (`syncfs`), not file by file.
+//! none of them). A copy is flushed once at the end (`syncfs`), not file by file; a
+//! [`cow_view`] (a run's private view of a volume, thrown away after it) is not flushed.
 //!
 //! It never follows a symlink: a tree is read and written with `lstat`, `lchown` and
 //! no-follow times, so a link pointing out of the tree leads nowhere on the host.
@@ -60,9 +61,27 @@ pub fn allocated_bytes(root: &Path) -> io::Result<u64> {
 /// Copies the tree under `src` to `dst`, which must not exist (it is created with `src`'s
 /// mode, owner and times). On failure `dst` is removed again.
 pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyStats> {
+    let stats = copy_with(src, dst, u64::MAX)?.expect("no file limit");
+    crate::disk::flush(dst).inspect_err(|_| {
+        let _ = fs::remove_dir_all(dst);
+    })?;
+    Ok(stats)
+}
+
+/// A private view of the tree under `src` at `dst` (which must not exist) for as long as
+/// it lives: [`copy`] without the final flush (a view does not outlive a crash), given up
+/// (`Ok(None)`, `dst` removed) when the tree holds more than `max_files` regular files.
+/// On a filesystem with reflinks every file is one (no data is copied), so a writer that
+/// later modifies a file of `src` in place leaves the view as it was, unlike hard links.
+pub fn cow_view(src: &Path, dst: &Path, max_files: u64) -> io::Result<Option<CopyStats>> {
+    copy_with(src, dst, max_files)
+}
+
+fn copy_with(src: &Path, dst: &Path, max_files: u64) -> io::Result<Option<CopyStats>> {
     let mut st = Copier {
         links: HashMap::new(),
         stats: CopyStats::default(),
+        max_files,
     };
     let meta = src.symlink_metadata()?;
     if !meta.is_dir() {
@@ -72,21 +91,26 @@ pub fn copy(src: &Path, dst: &Path) -> io::Result<CopyStats> {
         ));
     }
     fs::create_dir(dst)?;
-    let r = st
-        .dir(src, dst, &meta)
-        .and_then(|()| crate::disk::flush(dst));
-    if let Err(e) = r {
-        let _ = fs::remove_dir_all(dst);
-        return Err(e);
+    match st.dir(src, dst, &meta) {
+        Ok(()) => {}
+        Err(e) => {
+            let _ = fs::remove_dir_all(dst);
+            return match e.kind() {
+                io::ErrorKind::FileTooLarge if st.stats.files > max_files => Ok(None),
+                _ => Err(e),
+            };
+        }
     }
     st.stats.bytes = allocated_bytes(dst)?;
-    Ok(st.stats)
+    Ok(Some(st.stats))
 }
 
 struct Copier {
     /// (dev, inode) of a multiply-linked source file → its first copy.
     links: HashMap<(u64, u64), PathBuf>,
     stats: CopyStats,
+    /// More regular files than this: give up (with `FileTooLarge`).
+    max_files: u64,
 }
 
 impl Copier {
@@ -117,6 +141,10 @@ impl Copier {
             }
             self.links.insert((m.dev(), m.ino()), to.to_path_buf());
         }
+        if self.stats.files >= self.max_files {
+            self.stats.files += 1;
+            return Err(io::Error::from(io::ErrorKind::FileTooLarge));
+        }
         let src = fs::File::open(from)?;
         let mut dst = fs::OpenOptions::new()
             .write(true)
@@ -131,49 +159,6 @@ impl Copier {
         drop(dst);
         attrs(to, m, true)
     }
-}
-
-/// Makes `dst` (which must not exist) a hard-link farm of the tree under `src`: every
-/// directory recreated with its mode, owner and times, every regular file hard-linked (the
-/// same inode), every symlink recreated; other types (FIFOs, sockets, devices) skipped.
-/// Instant whatever the files' sizes. The farm is a point-in-time view of `src` only as long
-/// as nobody modifies a file of `src` in place: writers that replace files by renaming a new
-/// one over them (the volumes' files API, run commits) leave the linked inodes untouched.
-/// Returns the regular files linked. On failure `dst` is removed again.
-pub fn link_farm(src: &Path, dst: &Path) -> io::Result<u64> {
-    fn dir(src: &Path, dst: &Path, meta: &fs::Metadata, n: &mut u64) -> io::Result<()> {
-        for e in fs::read_dir(src)? {
-            let e = e?;
-            let (from, to) = (e.path(), dst.join(e.file_name()));
-            let m = from.symlink_metadata()?;
-            let ft = m.file_type();
-            if ft.is_dir() {
-                fs::create_dir(&to)?;
-                dir(&from, &to, &m, n)?;
-            } else if ft.is_symlink() {
-                symlink(fs::read_link(&from)?, &to)?;
-                attrs(&to, &m, false)?;
-            } else if ft.is_file() {
-                fs::hard_link(&from, &to)?;
-                *n += 1;
-            }
-        }
-        attrs(dst, meta, true)
-    }
-    let meta = src.symlink_metadata()?;
-    if !meta.is_dir() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidInput,
-            format!("{} is not a directory", src.display()),
-        ));
-    }
-    fs::create_dir(dst)?;
-    let mut n = 0;
-    if let Err(e) = dir(src, dst, &meta, &mut n) {
-        let _ = fs::remove_dir_all(dst);
-        return Err(e);
-    }
-    Ok(n)
 }
 
 /// Gives `path` the owner, mode and times of `m` (a directory or a file; the mode is not
@@ -236,6 +221,12 @@ mod tests {
             "the copy is independent"
         );
         assert!(copy(&src, &dst).is_err(), "the target must not exist");
+        let view = base.join("view");
+        assert_eq!(cow_view(&src, &view, 1).unwrap().map(|s| s.files), Some(1));
+        fs::write(src.join("second"), b"2").unwrap();
+        fs::remove_dir_all(&view).unwrap();
+        assert_eq!(cow_view(&src, &view, 1).unwrap(), None, "too many files");
+        assert!(!view.exists(), "a view given up leaves nothing");
         assert!(
             dst.exists(),
             "a refused copy leaves the existing target alone"

@@ -55,6 +55,9 @@ pub struct Config {
     pub cache_dir: PathBuf,
     /// Warm machines kept ready for runs (0: start each on demand).
     pub warm_pool: usize,
+    /// Names pinned to addresses for machines' egress (`--egress-resolve name=ip`): the
+    /// egress proxy and DNS responder use these instead of resolving.
+    pub egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
 }
 
 /// A sandbox whose machine runs on this node.
@@ -179,6 +182,8 @@ pub struct App {
     pub started: Instant,
     /// Warm machines for runs.
     pub pool: crate::runs::Pool,
+    /// Machines' egress policies: the name-checking proxy and DNS responder.
+    pub egress: Arc<crate::egress::Egress>,
 }
 
 pub type AppState = Arc<App>;
@@ -276,6 +281,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;
     let recorder = CallRecorder::spawn(store.clone());
     let warm_pool = cfg.warm_pool;
+    let egress = crate::egress::Egress::new(&cfg.egress_resolve);
     let app = Arc::new(App {
         cfg,
         store,
@@ -288,6 +294,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         create_lock: tokio::sync::Mutex::new(()),
         started: Instant::now(),
         pool: crate::runs::Pool::new(warm_pool),
+        egress,
     });
     crate::sandboxes::adopt_all(&app).await;
     crate::runs::cleanup(&app).await;

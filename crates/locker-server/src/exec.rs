@@ -330,14 +330,9 @@ fn finish(
         .exec_wait_seconds
         .observe((res.timings.queue_ms + res.timings.start_ms) / 1e3);
     app.metrics.add_cpu(&caller.tenant, res.usage.cpu_ms);
-    app.recorder.record(call_record(
-        caller,
-        live,
-        locker_store::CallKind::Exec,
-        req,
-        spec,
-        res,
-    ));
+    let mut record = call_record(caller, live, locker_store::CallKind::Exec, req, spec, res);
+    record.egress_denied = app.egress.denied_since(&live.id, arrived);
+    app.recorder.record(record);
 }
 
 /// Turns output chunks into NDJSON lines, never splitting a UTF-8 character across lines.

@@ -7,6 +7,7 @@
 //! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`volumes`], [`admin`], [`ops`]: the routes;
 //! - [`error`], [`extract`]: the one error shape and request parsing;
 //! - [`metrics`]: Prometheus text;
+//! - [`egress`]: egress policies by name: the proxy, the DNS responder, refusals;
 //! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP.
 //!
 //! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
@@ -15,6 +16,7 @@
 pub mod admin;
 pub mod app;
 pub mod auth;
+pub mod egress;
 pub mod error;
 pub mod exec;
 pub mod extract;

@@ -74,14 +74,16 @@ async fn start(
                     res.call_id = call_id.clone();
                     res.timings.total_ms = arrived.elapsed().as_secs_f64() * 1e3;
                     app2.metrics.add_cpu(&caller2.tenant, res.usage.cpu_ms);
-                    app2.recorder.record(call_record(
+                    let mut record = call_record(
                         &caller2,
                         &live2,
                         locker_store::CallKind::Process,
                         &req,
                         &spec,
                         &res,
-                    ));
+                    );
+                    record.egress_denied = app2.egress.denied_since(&live2.id, arrived);
+                    app2.recorder.record(record);
                     return;
                 }
                 Ok(_) => {}

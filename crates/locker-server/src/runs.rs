@@ -2,22 +2,24 @@
 //! volume through a private copy-on-write layer, runs one command and is destroyed; its
 //! changes are then listed and committed to the volume atomically (all or none), or not.
 //!
-//! 1. **Snapshot**: under the volume's write gate, `<data-dir>/runs/<call>/base/` becomes a
-//!    hard-link farm of `live/` (`locker_runtime::tree::link_farm`) and the run notes the
-//!    volume's commit sequence number. Everything that writes `live/` replaces files by
-//!    renaming a new one over them (the files API's agent writes a temporary file and renames
-//!    it; commits rename files from a run's layer), so the linked inodes never change: `base/`
-//!    stays the volume as of the run's start. A writer that modified a file in place would
-//!    show through; there is none today.
-//! 2. **Machine**: a jail like a sandbox's with an overlay at `mount_path`: `base/` below
-//!    (read-only), `layer/upper` above (see `locker_runtime::jail::OverlayMount`).
+//! 1. **View**: under the volume's write gate, the run gets a private, copy-on-write view of
+//!    the live tree in `runs/<call>/` on the volume's own filesystem (see [`view`]) and notes
+//!    the volume's commit sequence number. A small tree is copied by reflink (`base/`: no
+//!    data copied, and no flush); a bigger one is a read-only btrfs snapshot of the
+//!    volume's filesystem (`snap/`, its tree `snap/live`: constant time, one transaction
+//!    commit). Either way nothing written to `live/` later shows through, in place or not.
+//! 2. **Machine**: a jail like a sandbox's with an overlay at `mount_path`: the view below
+//!    (read-only), `layer/upper` above (see `locker_runtime::jail::OverlayMount`), on the
+//!    volume's filesystem too, so the run's writes are held to `size_mb` and a commit is
+//!    a rename.
 //! 3. **Run**: the exec body, as in a sandbox (`exec::build_spec`), NDJSON too; then the
 //!    machine is destroyed, so `layer/upper` is stable.
 //! 4. **Changes**: [`scan`] reads `upper/`: whiteouts (character devices 0:0) are deletions,
 //!    opaque directories replaced the lower one, files and symlinks are added or modified,
 //!    directories that exist only because of a copy-up are walked.
 //! 5. **Commit** under the gate: conflicts against the volume's [`CommitLog`]; the ops go
-//!    to a journal (`<volume>/commit.journal`, fsynced; its rename is the commit point), are
+//!    to a journal (`fs/commit.journal` on the volume's filesystem, fsynced; its rename is
+//!    the commit point), are
 //!    applied idempotently, flushed, and the journal removed. A server that dies mid-apply
 //!    replays the journal at its next start ([`replay_journal`]), before serving.
 //!
@@ -58,8 +60,15 @@ pub const MAX_RUN_TIMEOUT_MS: u64 = 300_000;
 pub const DEFAULT_RUN_TIMEOUT_MS: u64 = 60_000;
 /// The machine's own disk (its root's writable layer; the volume is not on it).
 const RUN_DISK_MB: u64 = 2048;
-/// The journal of a commit in progress, in the volume's directory.
+/// The journal of a commit in progress, at the root of the volume's filesystem.
 const JOURNAL: &str = "commit.journal";
+/// A run's view of a volume is a reflink copy up to this many files, else a snapshot: a
+/// reflink costs tens of microseconds a file, a btrfs snapshot a transaction commit (a
+/// flush of the image: milliseconds; see docs/benchmarks.md).
+const VIEW_MAX_FILES: u64 = 256;
+/// A volume known to be too big for a reflink view is tried again every this many runs
+/// (it may have shrunk).
+const VIEW_RETRY_EVERY: u64 = 32;
 
 pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/volumes/{id}/run", post(run))
@@ -106,6 +115,8 @@ struct Plan {
     memory_mb: u64,
     mount_path: String,
     commit: CommitMode,
+    /// The checked network policy of the run's machine.
+    network: Value,
 }
 
 /// Checks `mount_path`: absolute, normalized, not `/` nor under the machine's own mounts.
@@ -151,7 +162,11 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
             )))
         }
     };
-    crate::sandboxes::resolve_runtime(b.runtime.as_deref())?;
+    if crate::sandboxes::resolve_runtime(b.runtime.as_deref())? == "microvm" {
+        return Err(ApiError::unavailable(
+            "serverless runs use runtime `jail` only in this version (microVM runs are not built yet); leave `runtime` out",
+        ));
+    }
     let cpus = b.cpus.unwrap_or(1.0);
     let max_cpus = crate::sandboxes::MAX_CPUS;
     if !(cpus > 0.0 && cpus <= max_cpus) {
@@ -166,11 +181,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
             "`memory_mb` must be between {lo} and {hi}"
         )));
     }
-    if crate::sandboxes::has_egress(&crate::sandboxes::check_network(&b.network)?) {
-        return Err(ApiError::unavailable(
-            "runs get egress `none` only in this version (sandboxes can have `all`); Locker fails closed instead of running unprotected",
-        ));
-    }
+    let network = crate::sandboxes::check_network(&b.network)?;
     let req = ExecRequest {
         cmd: b.cmd,
         shell: b.shell,
@@ -203,6 +214,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         memory_mb,
         mount_path,
         commit,
+        network,
     })
 }
 
@@ -252,6 +264,7 @@ async fn run(
     let arrived = Instant::now();
     let stream = wants_ndjson(&headers);
     let plan = check(&app, &caller, &id, body)?;
+    crate::sandboxes::require_egress(&plan.network).await?;
     let call_id = new_id("call_");
     let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, stream)?;
     let slot = RunSlot::take(&app, &caller.tenant)?;
@@ -291,25 +304,34 @@ async fn execute(
     body: Option<&mpsc::Sender<Bytes>>,
     arrived: Instant,
 ) -> Result<ExecResult, ApiError> {
-    let run_dir = runs_dir(app).join(&spec.call_id);
     let vol = &plan.vol;
-    let start = snapshot(vol, &run_dir).await;
+    let run_dir = vol.root().join("runs").join(&spec.call_id);
+    let start = view(vol, &run_dir).await;
+    let call_id = spec.call_id.clone();
     let r = match start {
-        Ok(seq) => {
-            let r = in_machine(app, plan, &run_dir, spec, stdin, body, arrived, seq).await;
+        Ok((seq, base)) => {
+            let r = in_machine(app, plan, &run_dir, &base, spec, stdin, body, arrived, seq).await;
             vol.log.lock().expect("commit log").end(seq);
             r
         }
         Err(e) => Err(e),
     };
+    // The machine is the run's alone: everything it was refused is this call's.
+    let egress_denied = app.egress.forget(&call_id);
     let d = run_dir.clone();
-    let _ = tokio::task::spawn_blocking(move || remove_tree(&d)).await;
+    let _ = tokio::task::spawn_blocking(move || {
+        if let Err(e) = locker_runtime::volume_fs::remove_tree(&d) {
+            tracing::warn!(dir = %d.display(), error = %e, "removing a run's layer failed");
+        }
+    })
+    .await;
     let (mut res, changes) = r?;
     res.timings.total_ms = ms_since(arrived);
     app.metrics.exec_seconds.observe(res.timings.total_ms / 1e3);
     app.metrics.add_cpu(&caller.tenant, res.usage.cpu_ms);
-    app.recorder
-        .record(call_record(caller, plan, &res, changes.as_ref()));
+    let mut record = call_record(caller, plan, &res, changes.as_ref());
+    record.egress_denied = egress_denied;
+    app.recorder.record(record);
     res.changes = changes;
     Ok(res)
 }
@@ -326,24 +348,45 @@ fn remove_tree(d: &FsPath) -> io::Result<()> {
     }
 }
 
-/// Makes `run_dir` (`base/` = the volume now, `layer/{upper,work}`) and returns the
-/// volume's commit sequence number at that point.
-async fn snapshot(vol: &Arc<Volume>, run_dir: &FsPath) -> Result<u64, ApiError> {
+/// Makes `run_dir` on the volume's filesystem: `layer/{upper,work}` and a private,
+/// copy-on-write view of the live tree as it is now (`base/`, a reflink copy, for a tree of
+/// at most [`VIEW_MAX_FILES`] files; else `snap/`, a read-only snapshot of the volume's
+/// filesystem). Returns the volume's commit sequence number at that point and the view's
+/// tree (the overlay's lower layer).
+async fn view(vol: &Arc<Volume>, run_dir: &FsPath) -> Result<(u64, PathBuf), ApiError> {
+    use std::sync::atomic::Ordering;
     let _all = vol.space.gate.write().await;
-    let live = vol.dir.join("live");
+    let (root, live) = (vol.root(), vol.live());
     let rd = run_dir.to_owned();
-    tokio::task::spawn_blocking(move || -> io::Result<()> {
+    let hint = vol.files_hint.load(Ordering::Relaxed);
+    let try_copy = hint <= VIEW_MAX_FILES || {
+        let n = vol.view_tries.fetch_add(1, Ordering::Relaxed);
+        n % VIEW_RETRY_EVERY == VIEW_RETRY_EVERY - 1
+    };
+    let made = tokio::task::spawn_blocking(move || -> io::Result<(PathBuf, Option<u64>)> {
         fs::create_dir_all(rd.join("layer/work"))?;
         let upper = rd.join("layer/upper");
         fs::create_dir(&upper)?;
         // The mount point shows the upper layer's root: make it look like the volume's.
         locker_runtime::tree::copy_attrs(&upper, &live.symlink_metadata()?)?;
-        locker_runtime::tree::link_farm(&live, &rd.join("base")).map(drop)
+        if try_copy {
+            let base = rd.join("base");
+            if let Some(st) = locker_runtime::tree::cow_view(&live, &base, VIEW_MAX_FILES)? {
+                return Ok((base, Some(st.files)));
+            }
+        }
+        let snap = rd.join("snap");
+        locker_runtime::volume_fs::snapshot(&root, &snap)?;
+        Ok((snap.join("live"), try_copy.then_some(u64::MAX)))
     })
     .await
-    .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?
     .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
-    Ok(vol.log.lock().expect("commit log").begin())
+    let (base, files) = made
+        .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
+    if let Some(n) = files {
+        vol.files_hint.store(n, Ordering::Relaxed);
+    }
+    Ok((vol.log.lock().expect("commit log").begin(), base))
 }
 
 /// Starts the machine, runs the command, destroys the machine, commits. `Ok((result,
@@ -354,6 +397,7 @@ async fn in_machine(
     app: &AppState,
     plan: &Plan,
     run_dir: &FsPath,
+    base: &FsPath,
     spec: ExecSpec,
     stdin: Option<Vec<u8>>,
     body: Option<&mpsc::Sender<Bytes>>,
@@ -371,7 +415,7 @@ async fn in_machine(
         pids: crate::sandboxes::PIDS,
     };
     let mount = OverlayMount {
-        lower: run_dir.join("base"),
+        lower: base.to_owned(),
         upper: run_dir.join("layer/upper"),
         work: run_dir.join("layer/work"),
         target: PathBuf::from(&plan.mount_path),
@@ -387,6 +431,19 @@ async fn in_machine(
         },
         None => fresh(app, mspec, mount).await?,
     };
+    // The network is attached after the claim (warm machines have none); destroy takes it.
+    if crate::sandboxes::has_egress(&plan.network) {
+        if let Err(e) = app
+            .egress
+            .apply(&app.node, &machine, &spec.call_id, &plan.network)
+            .await
+        {
+            let _ = app.node.destroy(&machine).await;
+            return Err(ApiError::unavailable(format!(
+                "giving the run's machine its network failed: {e}"
+            )));
+        }
+    }
 
     let queue_ms = ms_since(arrived);
     let agent = machine.agent.clone();
@@ -426,7 +483,7 @@ async fn in_machine(
     };
     stopped?;
     res.timings.queue_ms = queue_ms;
-    let changes = commit(plan, run_dir, &res, start_seq).await?;
+    let changes = commit(plan, run_dir, base, &res, start_seq).await?;
     Ok((res, Some(changes)))
 }
 
@@ -636,11 +693,12 @@ const POOL_MEMORY_MB: u64 = 512;
 async fn commit(
     plan: &Plan,
     run_dir: &FsPath,
+    base: &FsPath,
     res: &ExecResult,
     start_seq: u64,
 ) -> Result<Changes, ApiError> {
     let vol = &plan.vol;
-    let (base, upper) = (run_dir.join("base"), run_dir.join("layer/upper"));
+    let (base, upper) = (base.to_owned(), run_dir.join("layer/upper"));
     let scan = tokio::task::spawn_blocking(move || scan(&base, &upper))
         .await
         .map_err(|e| ApiError::internal(format!("listing the run's changes: {e}")))?
@@ -679,7 +737,7 @@ async fn commit(
         changes.committed = true;
         return Ok(changes);
     }
-    let (dir, ops) = (vol.dir.clone(), scan.ops);
+    let (dir, ops) = (vol.root(), scan.ops);
     let limit = vol.space.limit_bytes as i64;
     let used = vol.space.used_bytes() as i64;
     let what = vol.space.what.clone();
@@ -978,15 +1036,41 @@ struct Journal {
 
 /// Makes the ops durable as `<vol_dir>/commit.journal`: the commit point. The layer's
 /// files are flushed first, so the journal never names data that a crash could lose.
+/// `vol_dir` is the root of the volume's filesystem (the layers are on it too).
 fn write_journal(vol_dir: &FsPath, ops: &[Op]) -> io::Result<()> {
-    locker_runtime::disk::flush(vol_dir)?;
+    flush_volume(vol_dir).map_err(step("flush the run's layer"))?;
     let tmp = vol_dir.join(format!("{JOURNAL}.tmp"));
-    let mut f = fs::File::create(&tmp)?;
-    f.write_all(&serde_json::to_vec(&Journal { ops: ops.to_vec() }).map_err(io::Error::other)?)?;
-    f.sync_all()?;
-    drop(f);
-    fs::rename(&tmp, vol_dir.join(JOURNAL))?;
-    fs::File::open(vol_dir)?.sync_all()
+    let data = serde_json::to_vec(&Journal { ops: ops.to_vec() }).map_err(io::Error::other)?;
+    (|| {
+        let mut f = fs::File::create(&tmp)?;
+        f.write_all(&data)?;
+        f.sync_all()
+    })()
+    .map_err(step("write the commit journal"))?;
+    fs::rename(&tmp, vol_dir.join(JOURNAL)).map_err(step("rename the commit journal"))?;
+    fs::File::open(vol_dir)?
+        .sync_all()
+        .map_err(step("flush the commit journal"))
+}
+
+/// Flushes the volume's filesystem (`syncfs`). A writeback error nobody has seen yet is
+/// reported to the first `syncfs` after it, whoever caused it: typically a sandbox that
+/// wrote past `size_mb` through its mount. Such an error is logged and the flush made
+/// again, which reports only errors of the writes since. A run's own writes had their
+/// space reserved when they were made (btrfs), so they are not what fails here.
+fn flush_volume(dir: &FsPath) -> io::Result<()> {
+    match locker_runtime::disk::flush(dir) {
+        Ok(()) => Ok(()),
+        Err(e) => {
+            tracing::warn!(dir = %dir.display(), error = %e, "a writeback error on a volume's filesystem, from an earlier write; flushing again");
+            locker_runtime::disk::flush(dir)
+        }
+    }
+}
+
+/// Names the step of a commit that failed in its error.
+fn step(what: &'static str) -> impl Fn(io::Error) -> io::Error {
+    move |e| io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
 /// Applies the journal's ops to `<vol_dir>/live`, flushes, removes the journal.
@@ -997,14 +1081,16 @@ fn finish_journal(vol_dir: &FsPath, ops: &[Op]) -> io::Result<()> {
         .and_then(|v| v.parse::<u64>().ok())
         .map(Duration::from_millis);
     for op in ops {
-        apply(&live, op)?;
+        apply(&live, op).map_err(|e| io::Error::new(e.kind(), format!("apply {op:?}: {e}")))?;
         if let Some(d) = delay {
             std::thread::sleep(d);
         }
     }
-    locker_runtime::disk::flush(&live)?;
-    fs::remove_file(vol_dir.join(JOURNAL))?;
-    fs::File::open(vol_dir)?.sync_all()
+    flush_volume(&live).map_err(step("flush the applied commit"))?;
+    fs::remove_file(vol_dir.join(JOURNAL)).map_err(step("remove the commit journal"))?;
+    fs::File::open(vol_dir)?
+        .sync_all()
+        .map_err(step("flush the journal's removal"))
 }
 
 fn missing(p: &FsPath) -> bool {
@@ -1061,7 +1147,8 @@ fn apply(live: &FsPath, op: &Op) -> io::Result<()> {
     }
 }
 
-/// At start, before serving: finishes a commit a killed server left in `vol_dir` (its
+/// At start, before serving: finishes a commit a killed server left in `vol_dir` (the root
+/// of a volume's filesystem, or a volume directory of the layout before it had one; its
 /// journal exists: the commit point was passed) and drops one it had not reached.
 pub fn replay_journal(vol_dir: &FsPath) -> io::Result<()> {
     let _ = fs::remove_file(vol_dir.join(format!("{JOURNAL}.tmp")));
@@ -1137,7 +1224,7 @@ mod tests {
         fs::write(live.join("keep"), b"k").unwrap();
         fs::write(live.join("gone/y"), b"y").unwrap();
         let base = t.join("base");
-        locker_runtime::tree::link_farm(&live, &base).unwrap();
+        locker_runtime::tree::cow_view(&live, &base, 100).unwrap().unwrap();
         fs::create_dir_all(upper.join("d")).unwrap();
         fs::write(upper.join("d/f"), b"new").unwrap();
         fs::write(upper.join("n"), b"n").unwrap();

@@ -60,8 +60,9 @@ pub struct CreateSandbox {
     pub metadata: BTreeMap<String, String>,
 }
 
-/// Validates the network policy: `none` (the default) and `all` are enforced; `allow`
-/// fails closed with 503 rather than running with an unenforced policy.
+/// Validates the network policy and returns its normalized form: `none` (the default),
+/// `all`, or `allow` with its list checked (lowercase names, masked CIDRs, see
+/// [`crate::egress::Allowlist`]).
 pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
     let Some(v) = v else {
         return Ok(json!({"egress": "none"}));
@@ -78,12 +79,22 @@ pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
     }
     match obj.get("egress").and_then(Value::as_str) {
         Some(e @ ("none" | "all")) if obj.get("allow").is_none() => Ok(json!({"egress": e})),
-        Some("none" | "all") => Err(ApiError::bad_request("`allow` only goes with {\"egress\": \"allow\"}")),
-        Some("allow") => Err(ApiError::unavailable(
-            "egress `allow` (allowlists) is not enforced by this version yet; Locker fails closed instead of running unprotected: use `none` or `all`",
+        Some("none" | "all") => Err(ApiError::bad_request(
+            "`allow` only goes with {\"egress\": \"allow\"}",
         )),
-        Some(other) => Err(ApiError::bad_request(format!("`network.egress` must be none, all or allow, got {other:?}"))),
-        None => Err(ApiError::bad_request("`network.egress` is required: none, all or allow")),
+        Some("allow") => {
+            let list = obj.get("allow").and_then(Value::as_array).ok_or_else(|| {
+                ApiError::bad_request("`network.allow` is required with {\"egress\": \"allow\"}: a list of domains (`pypi.org`, `*.github.com`) and IPv4 CIDRs (`10.0.0.0/8`)")
+            })?;
+            let (_, norm) = crate::egress::Allowlist::parse(list).map_err(ApiError::bad_request)?;
+            Ok(json!({"egress": "allow", "allow": norm}))
+        }
+        Some(other) => Err(ApiError::bad_request(format!(
+            "`network.egress` must be none, all or allow, got {other:?}"
+        ))),
+        None => Err(ApiError::bad_request(
+            "`network.egress` is required: none, all or allow",
+        )),
     }
 }
 
@@ -138,9 +149,7 @@ fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
 pub fn resolve_runtime(r: Option<&str>) -> Result<&'static str, ApiError> {
     match r.unwrap_or("auto") {
         "auto" | "jail" => Ok("jail"),
-        "microvm" => Err(ApiError::unavailable(
-            "runtime `microvm` is not usable on this host yet (see `locker doctor`); use `jail` or `auto`",
-        )),
+        "microvm" => Ok("microvm"),
         "gvisor" => Err(ApiError::unavailable("runtime `gvisor` is not available in this version; use `jail` or `auto`")),
         other => Err(ApiError::bad_request(format!("unknown runtime {other:?}: use auto, jail, microvm or gvisor"))),
     }
@@ -237,7 +246,37 @@ async fn create(
     check_metadata(&body.metadata)?;
     let network = check_network(&body.network)?;
     require_egress(&network).await?;
-    let (template_name, template, disk_from, disk_mb) = match &snapshot {
+    // A snapshot with memory restores only as a microVM (its memory is a VM's).
+    let runtime = match &snapshot {
+        Some(snap) if snap.has_memory => {
+            if body.runtime.as_deref().is_some_and(|r| r != "microvm" && r != "auto") {
+                return Err(ApiError::bad_request(format!(
+                    "snapshot {} holds a microVM's memory: leave `runtime` out or say \"microvm\"",
+                    snap.id
+                )));
+            }
+            "microvm"
+        }
+        _ => runtime,
+    };
+    if runtime == "microvm" {
+        if !volumes.is_empty() {
+            return Err(ApiError::unavailable(
+                "volumes cannot be mounted into microVM sandboxes in this version; use runtime `jail` for sandboxes with volumes",
+            ));
+        }
+        if has_egress(&check_network(&body.network)?) {
+            return Err(ApiError::unavailable(
+                "microVM sandboxes get egress `none` only in this version (no network device at all); use runtime `jail` for network access",
+            ));
+        }
+        if let Err(e) = app.node.vm_assets().await {
+            return Err(ApiError::unavailable(format!(
+                "runtime `microvm` is not usable on this host: {e} (see `locker doctor`)"
+            )));
+        }
+    }
+    let (template_name, template, snapshot_dir, disk_mb) = match &snapshot {
         Some(snap) => {
             if body.disk_mb.is_some_and(|d| d != snap.disk_mb) {
                 return Err(ApiError::bad_request(format!(
@@ -264,7 +303,7 @@ async fn create(
             (
                 snap.template.clone(),
                 t,
-                Some(std::path::PathBuf::from(&snap.path).join("disk.img")),
+                Some(std::path::PathBuf::from(&snap.path)),
                 snap.disk_mb,
             )
         }
@@ -292,7 +331,7 @@ async fn create(
         metadata: body.metadata,
         volumes,
     };
-    let (rec, live) = launch(&app, &caller, &new, disk_from).await?;
+    let (rec, live) = launch(&app, &caller, &new, snapshot_dir).await?;
     app.metrics
         .sandbox_create_seconds
         .observe(started.elapsed().as_secs_f64());
@@ -397,20 +436,26 @@ pub fn resolve_volumes(
             volume_id: rec.id,
             path: clean.to_owned(),
             read_only,
-            source: vol.dir.join("live"),
+            source: vol.live(),
         });
     }
     Ok(out)
 }
 
-/// Checks the tenant's quotas, records the sandbox and starts its machine (from a copy of
-/// `disk_from` if given). On failure the record says `failed` and nothing else remains.
+/// Checks the tenant's quotas, records the sandbox and starts its machine (from the
+/// snapshot in directory `from` if given: its `disk.img`, and its `memory` when it has one).
+/// On failure the record says `failed` and nothing else remains.
 pub async fn launch(
     app: &AppState,
     caller: &Caller,
     new: &NewSandbox,
-    disk_from: Option<std::path::PathBuf>,
+    from: Option<std::path::PathBuf>,
 ) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+    let disk_from = from.as_ref().map(|d| d.join("disk.img"));
+    let memory_from = from
+        .as_ref()
+        .map(|d| d.join("memory"))
+        .filter(|m| m.exists());
     let id = new_id("sb_");
     let now = now_s();
     let mut record = SandboxRecord {
@@ -474,6 +519,12 @@ pub async fn launch(
         .create_attached(
             spec,
             locker_runtime::node::Attach {
+                runtime: if new.runtime == "microvm" {
+                    locker_runtime::node::RuntimeKind::Microvm
+                } else {
+                    locker_runtime::node::RuntimeKind::Jail
+                },
+                memory_from,
                 disk_from,
                 overlays: Vec::new(),
                 binds: new
@@ -498,7 +549,12 @@ pub async fn launch(
         }
     };
     if has_egress(&new.network) {
-        if let Err(e) = app.node.set_egress(&machine, true).await {
+        if let Err(e) = app
+            .egress
+            .apply(&app.node, &machine, &id, &new.network)
+            .await
+        {
+            app.egress.forget(&id);
             let _ = app.node.destroy(&machine).await;
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
             return Err(ApiError::unavailable(format!(
@@ -691,23 +747,27 @@ async fn patch(
         // One policy change at a time (the create lock is short and rarely contended).
         let _guard = app.create_lock.lock().await;
         r = record_of(&app, &caller, &id)?;
-        if has_egress(&network) != has_egress(&r.network) {
-            let live = app.live.read().await.get(&id).cloned();
-            match live {
-                Some(l) => app
-                    .node
-                    .set_egress(&l.machine, has_egress(&network))
-                    .await
-                    .map_err(|e| {
-                        ApiError::unavailable(format!(
-                            "changing the network policy failed (unchanged): {e}"
-                        ))
-                    })?,
-                None => {
-                    return Err(ApiError::conflict(format!(
+        if network != r.network {
+            // Like any call, a policy change thaws a paused sandbox (the machine's resolver
+            // is written through its agent).
+            let l = live_of(&app, &caller, &id).await.map_err(|e| {
+                if e.status == StatusCode::NOT_FOUND {
+                    ApiError::conflict(format!(
                         "sandbox {id} is not running here; its network policy cannot change"
-                    )))
+                    ))
+                } else {
+                    e
                 }
+            })?;
+            if let Err(e) = app.egress.apply(&app.node, &l.machine, &id, &network).await {
+                // Back to the policy it had (rules are replaced whole, so this restores it).
+                let _ = app
+                    .egress
+                    .apply(&app.node, &l.machine, &id, &r.network)
+                    .await;
+                return Err(ApiError::unavailable(format!(
+                    "changing the network policy failed (unchanged): {e}"
+                )));
             }
         }
         r.network = network;
@@ -791,6 +851,7 @@ async fn delete(
 /// Destroys a sandbox's machine (if live) and marks it stopped, keeping its usage.
 pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> {
     let live = app.live.write().await.remove(&r.id);
+    app.egress.forget(&r.id);
     let mut rec = r.clone();
     if let Some(l) = live {
         let u = l.machine.usage();
@@ -844,6 +905,9 @@ pub async fn adopt_all(app: &AppState) {
                 if r.state == SandboxState::Starting {
                     let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
                 }
+                if has_egress(&r.network) {
+                    readopt_egress(app, &r, &live).await;
+                }
                 app.live.write().await.insert(r.id.clone(), live);
                 keep.push(r.id.clone());
                 tracing::info!(sandbox = %r.id, "adopted a running sandbox");
@@ -866,6 +930,28 @@ pub async fn adopt_all(app: &AppState) {
     let removed = app.node.cleanup_orphans(&app.sandboxes_dir(), keep).await;
     if !removed.is_empty() {
         tracing::info!(count = removed.len(), "removed orphaned machines");
+    }
+}
+
+/// Steers an adopted sandbox's network to this server's proxy and DNS responder (a
+/// previous server's ports are gone). If that fails it gets no network at all, and its
+/// record says so: fail closed.
+async fn readopt_egress(app: &AppState, r: &SandboxRecord, live: &Live) {
+    if let Err(e) = app
+        .egress
+        .apply(&app.node, &live.machine, &r.id, &r.network)
+        .await
+    {
+        tracing::warn!(sandbox = %r.id, error = %e, "cannot restore the sandbox's egress: it now has none");
+        let none = json!({"egress": "none"});
+        let _ = app
+            .egress
+            .apply(&app.node, &live.machine, &r.id, &none)
+            .await;
+        if let Ok(Some(mut rec)) = app.store.get_sandbox_any(&r.id) {
+            rec.network = none;
+            let _ = app.store.update_sandbox(&rec);
+        }
     }
 }
 

@@ -51,16 +51,13 @@ pub fn snapshot_view(s: &SnapshotRecord) -> Value {
     })
 }
 
-/// Takes a snapshot of `live` into `dir` (created; removed again on failure).
-async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<u64, ApiError> {
+/// Takes a snapshot of `live` into `dir` (created; removed again on failure): the bytes it
+/// takes and whether it holds memory (a microVM's).
+async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<(u64, bool), ApiError> {
     std::fs::create_dir_all(&dir)
         .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
-    match app
-        .node
-        .snapshot_disk(&live.machine, &dir.join("disk.img"))
-        .await
-    {
-        Ok((_, size)) => Ok(size),
+    match app.node.snapshot(&live.machine, &dir).await {
+        Ok(r) => Ok(r),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
             Err(ApiError::internal(format!(
@@ -79,7 +76,7 @@ async fn create(
     let rec = record_of(&app, &caller, &id)?;
     let snap_id = new_id("snap_");
     let dir = app.cfg.data_dir.join("snapshots").join(&snap_id);
-    let size_bytes = take(&app, &live, dir.clone()).await?;
+    let (size_bytes, has_memory) = take(&app, &live, dir.clone()).await?;
     let snap = SnapshotRecord {
         id: snap_id,
         tenant: caller.tenant.clone(),
@@ -88,7 +85,7 @@ async fn create(
         template_digest: rec.template_digest,
         runtime: rec.runtime,
         size_bytes,
-        has_memory: false,
+        has_memory,
         cpus: rec.cpus,
         memory_mb: rec.memory_mb,
         disk_mb: rec.disk_mb,
@@ -175,7 +172,11 @@ async fn fork(
     let new = NewSandbox {
         template_name: rec.template.clone(),
         template,
-        runtime: "jail",
+        runtime: if rec.runtime == "microvm" {
+            "microvm"
+        } else {
+            "jail"
+        },
         cpus: rec.cpus,
         memory_mb: rec.memory_mb,
         disk_mb: rec.disk_mb,
@@ -190,9 +191,8 @@ async fn fork(
             rec.volumes.as_array().map(Vec::as_slice).unwrap_or(&[]),
         )?,
     };
-    let img = point.join("disk.img");
     let children = futures_util::future::join_all(
-        (0..body.count).map(|_| launch(&app, &caller, &new, Some(img.clone()))),
+        (0..body.count).map(|_| launch(&app, &caller, &new, Some(point.clone()))),
     )
     .await;
     let _ = std::fs::remove_dir_all(&point);

@@ -1,19 +1,25 @@
 //! Volumes: a tenant's persistent directory trees, and their files API with no machine.
 //!
-//! A volume is a live tree `<data-dir>/volumes/<id>/live/` whose files carry canonical ids
-//! (root = 0 on disk), plus its record in the store. A live tree rather than a disk image,
-//! because sandboxes will mount it directly (an id-mapped bind) and serverless runs will
-//! snapshot it and lay a copy-on-write layer over it. Beside `live/`:
+//! A volume is a filesystem of its own, a sparse btrfs image of `size_mb`
+//! (`<data-dir>/volumes/<id>/disk.img`, mounted at `fs/` on the host; see
+//! `locker_runtime::volume_fs`), whose live tree `fs/live/` carries canonical ids (root = 0
+//! on disk), plus its record in the store. Sandboxes mount the live tree directly (an
+//! id-mapped bind); serverless runs see a private copy-on-write view of it under a layer of
+//! their own, both in `fs/runs/<call>/` (see `runs`). Beside `fs/`:
 //! - `agent.sock` (+ `.pid`): the volume's host-side agent, started on first use of its
 //!   files API (one per volume; see `locker_runtime::host_agent`), stopped on delete and at
 //!   shutdown; a stale one is stopped and its socket removed when the server starts;
-//! - `private/`: the agent's log, output dir and empty cgroup root;
-//! - `snapshots/<snap_id>/`: point-in-time copies (removed with the volume).
+//! - `private/`: the agent's log, output dir and empty cgroup root.
 //!
-//! The size limit (`size_mb`) and the bytes in use are a [`Space`], enforced by the files
-//! API on every write. Snapshots and forks copy the tree file by file, by reflink where the
-//! filesystem allows (`locker_runtime::tree`), while holding the volume's write gate, so
-//! they see one consistent point of everything written through the API.
+//! The filesystem's size holds every writer to `size_mb` (a sandbox writing in place gets
+//! `ENOSPC`); the files API also keeps a [`Space`] (the bytes in use, measured at start and
+//! kept up to date by its writes) so it can refuse a write with a clear error before it
+//! starts. Snapshots are read-only btrfs snapshots in `fs/snapshots/<snap_id>/` (constant
+//! time; they share blocks with the volume, so blocks only they still hold count against
+//! its size); a fork copies such a snapshot's tree into the new volume's own filesystem
+//! (a copy of the data: two volumes never share blocks). Both hold the
+//! volume's write gate only for the snapshot, so they see one consistent point of
+//! everything written through the API.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -55,6 +61,11 @@ pub struct Volume {
     pub id: String,
     pub dir: PathBuf,
     pub space: Space,
+    /// Regular files the volume held at the last run's view (or more than that, when the
+    /// view gave up): decides between a reflink view and a subvolume snapshot (`runs`).
+    pub files_hint: std::sync::atomic::AtomicU64,
+    /// Runs that took a snapshot because of `files_hint` (see `runs`).
+    pub view_tries: std::sync::atomic::AtomicU64,
     agent: tokio::sync::Mutex<Option<HostAgent>>,
     /// What changed when: files-API writes and run commits (see [`CommitLog`]).
     pub log: std::sync::Mutex<CommitLog>,
@@ -150,9 +161,20 @@ impl CommitLog {
 }
 
 impl Volume {
+    /// The root of the volume's filesystem (its top-level subvolume): `live/`, `runs/`,
+    /// `snapshots/` and the commit journal.
+    pub fn root(&self) -> PathBuf {
+        locker_runtime::volume_fs::root(&self.dir)
+    }
+
+    /// The live tree: what sandboxes mount and the files API serves.
+    pub fn live(&self) -> PathBuf {
+        locker_runtime::volume_fs::live(&self.dir)
+    }
+
     fn paths(&self) -> HostAgentPaths {
         HostAgentPaths {
-            root: self.dir.join("live"),
+            root: self.live(),
             socket: self.dir.join("agent.sock"),
             private: self.dir.join("private"),
         }
@@ -196,8 +218,11 @@ pub struct Volumes {
 }
 
 impl Volumes {
-    /// Opens every volume of the store: stops agents a previous server left, measures
-    /// each tree. Volumes whose tree is missing are served empty after a warning.
+    /// Opens every volume of the store: mounts its filesystem (or adopts the mount a
+    /// previous server left), stops agents it left, finishes a commit it left, removes the
+    /// runs it left, measures each tree. A volume made before volumes had a filesystem of
+    /// their own (a plain `live/` directory) is moved into one. A volume whose image is
+    /// missing is served empty after a warning.
     pub async fn open(
         data_dir: &std::path::Path,
         agent_exe: PathBuf,
@@ -213,17 +238,13 @@ impl Volumes {
         };
         for r in records {
             let dir = v.root.join(&r.id);
-            let live = dir.join("live");
-            if !live.is_dir() {
-                tracing::warn!(volume = %r.id, dir = %live.display(), "a volume's tree is missing; recreating it empty");
-                std::fs::create_dir_all(&live)?;
-            }
             let vol = v.make(&r, 0);
             locker_runtime::host_agent::stop_stale(&vol.paths());
-            let d = dir.clone();
-            tokio::task::spawn_blocking(move || crate::runs::replay_journal(&d))
+            let (d, size_mb, id) = (dir.clone(), r.size_mb, r.id.clone());
+            tokio::task::spawn_blocking(move || open_fs(&d, size_mb, &id))
                 .await
                 .map_err(std::io::Error::other)??;
+            let live = vol.live();
             let used =
                 tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&live))
                     .await
@@ -241,8 +262,10 @@ impl Volumes {
         let dir = self.root.join(&r.id);
         Arc::new(Volume {
             id: r.id.clone(),
+            files_hint: Default::default(),
+            view_tries: Default::default(),
             space: Space::new(
-                dir.join("live"),
+                locker_runtime::volume_fs::live(&dir),
                 format!("volume {}", r.name),
                 r.size_mb << 20,
                 used,
@@ -270,6 +293,38 @@ impl Volumes {
             v.stop_agent().await;
         }
     }
+}
+
+/// Makes the volume in `dir` ready to serve: its filesystem mounted (made, and a plain
+/// `live/` of an older server moved into it, if it has none), a commit a killed server
+/// left finished, the runs it left removed.
+fn open_fs(dir: &std::path::Path, size_mb: u64, id: &str) -> std::io::Result<()> {
+    use locker_runtime::volume_fs;
+    let legacy = dir.join("live");
+    if !volume_fs::image(dir).exists() {
+        // The old layout: the journal sits beside a plain `live/`.
+        crate::runs::replay_journal(dir)?;
+        let _ = std::fs::remove_dir_all(volume_fs::root(dir));
+        volume_fs::create(dir, size_mb)?;
+        if legacy.is_dir() {
+            tracing::warn!(volume = %id, "moving a volume into a filesystem of its own");
+            let live = volume_fs::live(dir);
+            std::fs::remove_dir(&live)?;
+            locker_runtime::tree::copy(&legacy, &live)?;
+            std::fs::remove_dir_all(&legacy)?;
+        } else {
+            tracing::warn!(volume = %id, "a volume's image is missing; serving it empty");
+        }
+    }
+    volume_fs::mount(dir)?;
+    let root = volume_fs::root(dir);
+    crate::runs::replay_journal(&root)?;
+    let runs = root.join("runs");
+    std::fs::create_dir_all(&runs)?;
+    for e in std::fs::read_dir(&runs)? {
+        volume_fs::remove_tree(&e?.path())?;
+    }
+    Ok(())
 }
 
 /// A live sandbox (starting, running or paused) that mounts volume `id`, if any: such a
@@ -350,37 +405,49 @@ fn check_name(name: Option<&str>) -> Result<String, ApiError> {
     Ok(name.to_owned())
 }
 
-/// Makes the directories of a new volume, stores its record and serves it. `fill` makes
-/// `live/` (empty, or a copy); `dir` is removed again when anything fails.
+/// Makes a new volume (its directories and filesystem), stores its record and serves it.
+/// `fill` fills the empty `live/` it is given and returns the bytes it holds; everything is
+/// unmounted and removed again when anything fails.
 async fn add(
     app: &AppState,
     rec: VolumeRecord,
     fill: impl FnOnce(&std::path::Path) -> std::io::Result<u64> + Send + 'static,
 ) -> Result<Arc<Volume>, ApiError> {
+    use locker_runtime::volume_fs;
+    volume_fs::support().map_err(|why| {
+        ApiError::unavailable(format!(
+            "volumes get a filesystem of their own, which this host cannot make: {why} (`locker doctor` tells)"
+        ))
+    })?;
     let dir = app.volumes.root.join(&rec.id);
     let d = dir.clone();
+    let size_mb = rec.size_mb;
     let made = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
         std::fs::create_dir_all(d.join("private"))?;
-        fill(&d.join("live"))
+        volume_fs::create(&d, size_mb)?;
+        fill(&volume_fs::live(&d))
     })
     .await
     .map_err(|e| ApiError::internal(format!("making volume {}: {e}", rec.id)));
+    let discard = |dir: PathBuf| async move {
+        let _ = tokio::task::spawn_blocking(move || volume_fs::remove(&dir)).await;
+    };
     let used = match made {
         Ok(Ok(n)) => n,
         Ok(Err(e)) => {
-            let _ = std::fs::remove_dir_all(&dir);
+            discard(dir).await;
             return Err(ApiError::internal(format!(
-                "making the tree of volume {}: {e}",
+                "making the filesystem of volume {}: {e}",
                 rec.id
             )));
         }
         Err(e) => {
-            let _ = std::fs::remove_dir_all(&dir);
+            discard(dir).await;
             return Err(e);
         }
     };
     if let Err(e) = app.store.insert_volume(&rec) {
-        let _ = std::fs::remove_dir_all(&dir);
+        discard(dir).await;
         return Err(e.into());
     }
     let vol = app.volumes.make(&rec, used);
@@ -427,10 +494,7 @@ async fn create(
         )));
     }
     let rec = new_record(&app, &caller, name, size_mb)?;
-    let vol = add(&app, rec.clone(), |live| {
-        std::fs::create_dir(live).map(|()| 0)
-    })
-    .await?;
+    let vol = add(&app, rec.clone(), |_| Ok(0)).await?;
     Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
 }
 
@@ -474,22 +538,28 @@ async fn delete(
     v.stop_agent().await;
     app.store.delete_volume(&caller.tenant, &r.id)?;
     let dir = v.dir.clone();
-    tokio::task::spawn_blocking(move || std::fs::remove_dir_all(&dir))
+    tokio::task::spawn_blocking(move || locker_runtime::volume_fs::remove(&dir))
         .await
         .map_err(|e| ApiError::internal(format!("removing volume {}: {e}", r.id)))?
         .map_err(|e| ApiError::internal(format!("removing the files of volume {}: {e}", r.id)))?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Copies the volume's tree to `to` at one consistent point; returns the bytes it holds.
-async fn copy_live(v: &Volume, to: PathBuf) -> Result<u64, ApiError> {
+/// Makes `to` (in the volume's `snapshots/`) a read-only snapshot of the volume's whole
+/// filesystem at one consistent point (no files-API write in flight); its tree is
+/// `to/live`.
+async fn snapshot_live(v: &Volume, to: PathBuf) -> Result<(), ApiError> {
     let _all = v.space.gate.write().await;
-    let from = v.dir.join("live");
-    let stats = tokio::task::spawn_blocking(move || locker_runtime::tree::copy(&from, &to))
+    let root = v.root();
+    tokio::task::spawn_blocking(move || locker_runtime::volume_fs::snapshot(&root, &to))
         .await
-        .map_err(|e| ApiError::internal(format!("copying volume {}: {e}", v.id)))?
-        .map_err(|e| ApiError::internal(format!("copying volume {}: {e}", v.id)))?;
-    Ok(stats.bytes)
+        .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", v.id)))?
+        .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", v.id)))
+}
+
+/// Removes a snapshot of the volume's filesystem (after a failure, or a fork's).
+async fn drop_snapshot(at: PathBuf) {
+    let _ = tokio::task::spawn_blocking(move || locker_runtime::volume_fs::remove_tree(&at)).await;
 }
 
 async fn snapshot(
@@ -499,14 +569,20 @@ async fn snapshot(
 ) -> Result<impl IntoResponse, ApiError> {
     let (r, v) = lookup(&app, &caller, &id)?;
     let snap_id = new_id("snap_");
-    let dir = v.dir.join("snapshots").join(&snap_id);
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
-    let size_bytes = match copy_live(&v, dir.join("tree")).await {
-        Ok(n) => n,
+    let dir = v.root().join("snapshots").join(&snap_id);
+    snapshot_live(&v, dir.clone()).await?;
+    let tree = dir.join("live");
+    let measured =
+        tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&tree)).await;
+    let size_bytes = match measured {
+        Ok(Ok(n)) => n,
+        Ok(Err(e)) => {
+            drop_snapshot(dir).await;
+            return Err(ApiError::internal(format!("measuring a snapshot: {e}")));
+        }
         Err(e) => {
-            let _ = std::fs::remove_dir_all(&dir);
-            return Err(e);
+            drop_snapshot(dir).await;
+            return Err(ApiError::internal(format!("measuring a snapshot: {e}")));
         }
     };
     let snap = VolumeSnapshotRecord {
@@ -518,7 +594,7 @@ async fn snapshot(
         path: dir.display().to_string(),
     };
     if let Err(e) = app.store.insert_volume_snapshot(&snap) {
-        let _ = std::fs::remove_dir_all(&dir);
+        drop_snapshot(dir).await;
         return Err(e.into());
     }
     Ok((
@@ -544,16 +620,17 @@ async fn fork(
     let name = check_name(body.name.as_deref())?;
     let (r, v) = lookup(&app, &caller, &id)?;
     let rec = new_record(&app, &caller, name, r.size_mb)?;
-    // Copy into a staging name inside the new volume's directory, under the source's gate.
-    let staging = app.volumes.root.join(format!(".fork-{}", rec.id));
-    let size = copy_live(&v, staging.clone()).await?;
+    // A snapshot of the source (under its gate, constant time), copied into the new
+    // volume's filesystem without holding the gate, then dropped.
+    let point = v.root().join("snapshots").join(format!(".fork-{}", rec.id));
+    snapshot_live(&v, point.clone()).await?;
+    let from = point.join("live");
     let vol = add(&app, rec.clone(), move |live| {
-        std::fs::rename(&staging, live).map(|()| size)
+        std::fs::remove_dir(live)?;
+        locker_runtime::tree::copy(&from, live).map(|s| s.bytes)
     })
     .await;
-    if vol.is_err() {
-        let _ = std::fs::remove_dir_all(app.volumes.root.join(format!(".fork-{}", rec.id)));
-    }
+    drop_snapshot(point).await;
     let vol = vol?;
     Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
 }

@@ -1,0 +1,316 @@
+//! The agent as a microVM's init: what runs between the guest kernel and the first command.
+//!
+//! Inside a microVM the agent is `/init` of a small initramfs (the kernel starts it with
+//! `LOCKER_VM=1` in its environment, from the kernel command line). [`init`] loads the
+//! virtio modules listed in `/modules/order`, mounts the template's read-only disk
+//! (`/dev/vda`) under the machine's writable disk (`/dev/vdb`, directories `upper` and `work`,
+//! the same layout the jail runtime gives its disk images) as an overlay, moves into it and
+//! mounts `/proc`, `/sys`, `/dev` and a cgroup2 hierarchy. [`serve_port`] then serves the
+//! host over the virtio-serial port named [`PORT_NAME`]: one connection at a time, for as
+//! long as the VM lives; when the host side goes away (the server restarted, or the VM is
+//! about to be snapshotted) the connection ends and the agent waits for the next one.
+//!
+//! It owns nothing on the host and trusts nothing from it beyond the protocol.
+
+use std::ffi::CString;
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::Agent;
+
+/// The virtio-serial port the host's QEMU exposes for the agent.
+pub const PORT_NAME: &str = "org.locker.agent";
+
+/// Whether this process is a microVM's init.
+pub fn is_vm_init() -> bool {
+    std::process::id() == 1 && std::env::var_os("LOCKER_VM").is_some()
+}
+
+fn cvt(r: libc::c_int) -> io::Result<()> {
+    if r == -1 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+fn cstr(s: &str) -> CString {
+    CString::new(s).expect("no NUL in a constant path")
+}
+
+fn mount(
+    src: &str,
+    target: &str,
+    fstype: &str,
+    flags: libc::c_ulong,
+    data: &str,
+) -> io::Result<()> {
+    let _ = fs::create_dir_all(target);
+    let (s, t, f, d) = (cstr(src), cstr(target), cstr(fstype), cstr(data));
+    // SAFETY: valid NUL-terminated strings that outlive the call.
+    cvt(unsafe {
+        libc::mount(
+            s.as_ptr(),
+            t.as_ptr(),
+            f.as_ptr(),
+            flags,
+            if data.is_empty() {
+                std::ptr::null()
+            } else {
+                d.as_ptr().cast()
+            },
+        )
+    })
+    .map_err(|e| io::Error::new(e.kind(), format!("mount {fstype} on {target}: {e}")))
+}
+
+/// Loads one kernel module file; one already loaded (or built in) is fine.
+fn load_module(path: &Path) -> io::Result<()> {
+    let f = File::open(path)?;
+    let params = cstr("");
+    // SAFETY: an open fd and an empty parameter string.
+    let r = unsafe { libc::syscall(libc::SYS_finit_module, f.as_raw_fd(), params.as_ptr(), 0) };
+    if r == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EEXIST) {
+        Ok(())
+    } else {
+        Err(io::Error::new(
+            e.kind(),
+            format!("load {}: {e}", path.display()),
+        ))
+    }
+}
+
+fn wait_for(path: &str, limit: Duration) -> io::Result<()> {
+    let t0 = Instant::now();
+    while !Path::new(path).exists() {
+        if t0.elapsed() > limit {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("{path} did not appear within {limit:?}"),
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    Ok(())
+}
+
+/// Everything from the kernel's hand-over to a root filesystem the agent can serve.
+/// Failing here leaves a VM that cannot be used: the caller powers it off.
+pub fn init() -> io::Result<()> {
+    mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755")?;
+    mount(
+        "proc",
+        "/proc",
+        "proc",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        "",
+    )?;
+    mount(
+        "sysfs",
+        "/sys",
+        "sysfs",
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        "",
+    )?;
+    let order = fs::read_to_string("/modules/order").unwrap_or_default();
+    for name in order.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        load_module(&Path::new("/modules").join(name))?;
+    }
+    wait_for("/dev/vda", Duration::from_secs(10))?;
+    wait_for("/dev/vdb", Duration::from_secs(10))?;
+    mount(
+        "/dev/vda",
+        "/lower",
+        "ext4",
+        libc::MS_RDONLY | libc::MS_NODEV,
+        "",
+    )?;
+    mount(
+        "/dev/vdb",
+        "/layer",
+        "ext4",
+        libc::MS_NODEV | libc::MS_NOSUID,
+        "",
+    )?;
+    for d in ["/layer/upper", "/layer/work"] {
+        fs::create_dir_all(d)?;
+    }
+    mount(
+        "overlay",
+        "/newroot",
+        "overlay",
+        libc::MS_NODEV,
+        "lowerdir=/lower,upperdir=/layer/upper,workdir=/layer/work",
+    )?;
+    // The initramfs cannot be pivoted away from: move the new root over `/` and chroot into
+    // it (what switch_root does). The initramfs's files stay in memory; they are small.
+    std::env::set_current_dir("/newroot")?;
+    let (dot, slash) = (cstr("."), cstr("/"));
+    // SAFETY: valid strings; MS_MOVE of our own mount.
+    cvt(unsafe {
+        libc::mount(
+            dot.as_ptr(),
+            slash.as_ptr(),
+            std::ptr::null(),
+            libc::MS_MOVE,
+            std::ptr::null(),
+        )
+    })?;
+    // SAFETY: a valid string.
+    cvt(unsafe { libc::chroot(dot.as_ptr()) })?;
+    std::env::set_current_dir("/")?;
+
+    let nosuid = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    mount("proc", "/proc", "proc", nosuid, "")?;
+    mount("sysfs", "/sys", "sysfs", nosuid, "")?;
+    mount("cgroup2", "/sys/fs/cgroup", "cgroup2", nosuid, "")?;
+    mount("devtmpfs", "/dev", "devtmpfs", libc::MS_NOSUID, "mode=0755")?;
+    mount(
+        "devpts",
+        "/dev/pts",
+        "devpts",
+        libc::MS_NOSUID | libc::MS_NOEXEC,
+        "newinstance,ptmxmode=0666,mode=0620",
+    )?;
+    let _ = fs::remove_file("/dev/ptmx");
+    std::os::unix::fs::symlink("pts/ptmx", "/dev/ptmx")?;
+    mount(
+        "shm",
+        "/dev/shm",
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        "mode=1777",
+    )?;
+    mount(
+        "tmp",
+        "/tmp",
+        "tmpfs",
+        libc::MS_NOSUID | libc::MS_NODEV,
+        "mode=1777",
+    )?;
+    for (link, to) in [
+        ("fd", "/proc/self/fd"),
+        ("stdin", "/proc/self/fd/0"),
+        ("stdout", "/proc/self/fd/1"),
+        ("stderr", "/proc/self/fd/2"),
+    ] {
+        let _ = std::os::unix::fs::symlink(to, Path::new("/dev").join(link));
+    }
+    if let Ok(h) = std::env::var("LOCKER_HOSTNAME") {
+        // SAFETY: a valid buffer of the given length.
+        let _ = unsafe { libc::sethostname(h.as_ptr().cast(), h.len()) };
+    }
+    loopback_up();
+    Ok(())
+}
+
+/// Brings `lo` up (the only interface a machine with egress `none` has).
+fn loopback_up() {
+    // SAFETY: a plain socket for the ioctl; closed below.
+    let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if s < 0 {
+        return;
+    }
+    // SAFETY: ifreq is plain data; zeroed is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, c) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *c as libc::c_char;
+    }
+    // SAFETY: a valid ifreq for SIOCGIFFLAGS/SIOCSIFFLAGS.
+    unsafe {
+        if libc::ioctl(s, libc::SIOCGIFFLAGS, &mut ifr) == 0 {
+            ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
+            libc::ioctl(s, libc::SIOCSIFFLAGS, &ifr);
+        }
+        libc::close(s);
+    }
+}
+
+/// The device node of the agent's virtio-serial port.
+fn find_port() -> Option<PathBuf> {
+    let t0 = Instant::now();
+    loop {
+        for e in fs::read_dir("/sys/class/virtio-ports")
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            if fs::read_to_string(e.path().join("name")).is_ok_and(|n| n.trim() == PORT_NAME) {
+                return Some(Path::new("/dev").join(e.file_name()));
+            }
+        }
+        if t0.elapsed() > Duration::from_secs(10) {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Waits until the host side of the port is connected (poll reports no hang-up).
+fn wait_for_host(fd: i32) {
+    loop {
+        let mut p = libc::pollfd {
+            fd,
+            events: libc::POLLOUT,
+            revents: 0,
+        };
+        // SAFETY: one valid pollfd.
+        let r = unsafe { libc::poll(&mut p, 1, 1000) };
+        if r > 0 && p.revents & libc::POLLHUP == 0 {
+            return;
+        }
+        if r > 0 {
+            // Disconnected: the port reports a hang-up at once; the kernel wakes pollers
+            // when the host connects, but not from a hang-up state on every kernel.
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+}
+
+/// Serves the host over the virtio-serial port, one connection after another, forever.
+pub fn serve_port(agent: Arc<Agent>) -> ! {
+    let Some(path) = find_port() else {
+        eprintln!("locker-agent: no virtio port named {PORT_NAME}; powering off");
+        power_off();
+    };
+    let port = match fs::OpenOptions::new().read(true).write(true).open(&path) {
+        Ok(f) => f,
+        Err(e) => {
+            eprintln!("locker-agent: open {}: {e}; powering off", path.display());
+            power_off();
+        }
+    };
+    let mut host_hello = None;
+    loop {
+        if host_hello.is_none() {
+            wait_for_host(port.as_raw_fd());
+        }
+        match port.try_clone() {
+            Ok(conn) => {
+                host_hello = crate::conn::serve_port(agent.clone(), conn, host_hello.take())
+            }
+            Err(e) => {
+                eprintln!("locker-agent: dup the port: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+/// Ends the VM (QEMU exits: it runs with `-no-reboot`).
+pub fn power_off() -> ! {
+    // SAFETY: sync and reboot take no pointers.
+    unsafe {
+        libc::sync();
+        libc::reboot(libc::RB_POWER_OFF);
+    }
+    std::process::exit(1)
+}

@@ -1,0 +1,330 @@
+//! A volume's own filesystem: one sparse btrfs image per volume, mounted on the host.
+//!
+//! Owns making, mounting (and adopting after a restart), unmounting and removing a
+//! volume's filesystem, and its btrfs subvolume snapshots. It knows nothing of runs,
+//! commits or the API: the server decides what goes where.
+//!
+//! Why a filesystem per volume: its size is the volume's `size_mb`, so every writer (the
+//! files API, a run, a sandbox that mounts the volume and writes in place) meets the same
+//! limit, as `ENOSPC` from the kernel; and copy-on-write is real: a run's view of the
+//! volume is a reflink copy or a read-only snapshot, never a hard link that an in-place
+//! write would show through.
+//!
+//! Layout of a volume directory `<dir>`:
+//! - `disk.img`: the sparse image (its size: `size_mb`, at least [`MIN_SIZE_MB`]);
+//! - `fs/`: where it is mounted (`nodev,nosuid,max_inline=0,discard=async`); in it, all in
+//!   the top-level subvolume so a commit can rename from a run's layer into the tree:
+//!   `live/` (the tree), `runs/<call>/` (a run's layer and view), `snapshots/<id>/`
+//!   (read-only snapshots of the top-level subvolume) and `commit.journal` while a commit
+//!   is applied.
+//!
+//! `max_inline=0` keeps every file's data in blocks of its own, so a tree's measured size
+//! (its blocks) means what it means on ext4. Images smaller than 1 GiB use mixed block
+//! groups (data and metadata share space, the only way below 109 MiB); metadata is kept
+//! once (`single`), so the image's size is what the volume can hold, less its metadata.
+//!
+//! A mount is made in the host's mount namespace and outlives a killed server; [`mount`]
+//! adopts one that is already there. Loop devices detach themselves on the last unmount
+//! (autoclear); attaching one is serialized host-wide (`sys::loop_attach`).
+
+use std::fs;
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::MetadataExt;
+use std::path::{Path, PathBuf};
+
+use crate::sys;
+
+/// The smallest image btrfs can be formatted on (mixed block groups).
+pub const MIN_SIZE_MB: u64 = 16;
+/// Images below this size use mixed block groups.
+const MIXED_BELOW_MB: u64 = 1024;
+const MOUNT_OPTIONS: &str = "max_inline=0,discard=async";
+
+/// The image of the volume in `dir`.
+pub fn image(dir: &Path) -> PathBuf {
+    dir.join("disk.img")
+}
+
+/// Where the volume's filesystem is mounted.
+pub fn root(dir: &Path) -> PathBuf {
+    dir.join("fs")
+}
+
+/// The volume's live tree.
+pub fn live(dir: &Path) -> PathBuf {
+    root(dir).join("live")
+}
+
+/// Whether this host can give volumes a filesystem of their own: `Ok(what they get)` or
+/// `Err(what is missing)`. Cheap: looks for the tools and the kernel's support only.
+pub fn support() -> Result<String, String> {
+    let fss = fs::read_to_string("/proc/filesystems").unwrap_or_default();
+    if !fss.split_whitespace().any(|f| f == "btrfs") {
+        return Err("the kernel has no btrfs (modprobe btrfs)".into());
+    }
+    if crate::doctor::which("mkfs.btrfs").is_none() {
+        return Err("mkfs.btrfs not found (apt-get install btrfs-progs)".into());
+    }
+    if !Path::new("/dev/loop-control").exists() {
+        return Err("/dev/loop-control is missing (modprobe loop)".into());
+    }
+    Ok("a btrfs image per volume: size_mb enforced by the filesystem (ENOSPC), runs see a reflink copy or a read-only subvolume snapshot, volume snapshots are subvolume snapshots".into())
+}
+
+/// Makes the filesystem of a new volume in `dir` (which must exist), mounts it and creates
+/// an empty `live/` (root's, mode 0755). On failure nothing of it is left mounted.
+pub fn create(dir: &Path, size_mb: u64) -> io::Result<()> {
+    let img = image(dir);
+    let size_mb = size_mb.max(MIN_SIZE_MB);
+    {
+        let f = fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(&img)?;
+        f.set_len(size_mb << 20)?;
+    }
+    let mkfs = crate::doctor::which("mkfs.btrfs").ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "mkfs.btrfs not found: volumes need btrfs-progs (apt-get install btrfs-progs)",
+        )
+    })?;
+    let mut cmd = std::process::Command::new(mkfs);
+    cmd.args(["-q", "-f", "-K", "-m", "single", "-d", "single"]);
+    if size_mb < MIXED_BELOW_MB {
+        cmd.arg("--mixed");
+    }
+    let out = cmd
+        .arg(&img)
+        .stdin(std::process::Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        return Err(io::Error::other(format!(
+            "mkfs.btrfs failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    mount(dir)?;
+    let r = (|| {
+        let top = root(dir);
+        fs::create_dir(live(dir))?;
+        fs::create_dir(top.join("runs"))?;
+        fs::create_dir(top.join("snapshots"))?;
+        crate::disk::flush(&top)
+    })();
+    if r.is_err() {
+        let _ = unmount(dir);
+    }
+    r
+}
+
+/// Mounts the volume's image at `fs/`, unless it is mounted there already (a server
+/// restarted: the mount outlives it).
+pub fn mount(dir: &Path) -> io::Result<()> {
+    let target = root(dir);
+    if is_mounted(&target) {
+        return Ok(());
+    }
+    fs::create_dir_all(&target)?;
+    let (dev, lo) = sys::loop_attach(&image(dir))?;
+    let r = sys::mount(
+        dev.to_str(),
+        &target,
+        Some("btrfs"),
+        libc::MS_NODEV | libc::MS_NOSUID,
+        Some(MOUNT_OPTIONS),
+    );
+    // The mount holds the device now; closing our fd lets autoclear detach it on unmount.
+    drop(lo);
+    r.map_err(|e| io::Error::new(e.kind(), format!("mount {}: {e}", target.display())))
+}
+
+/// Whether `path` is a mount point in this mount namespace.
+pub fn is_mounted(path: &Path) -> bool {
+    let Ok(canon) = path.canonicalize() else {
+        return false;
+    };
+    let want = canon.as_os_str().as_encoded_bytes();
+    let info = fs::read("/proc/self/mountinfo").unwrap_or_default();
+    info.split(|b| *b == b'\n').any(|line| {
+        // Field 5 is the mount point, with spaces and the like octal-escaped.
+        line.split(|b| *b == b' ')
+            .nth(4)
+            .is_some_and(|m| unescape(m) == want)
+    })
+}
+
+fn unescape(s: &[u8]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(s.len());
+    let mut i = 0;
+    while i < s.len() {
+        if s[i] == b'\\' && i + 4 <= s.len() {
+            let oct = &s[i + 1..i + 4];
+            if oct.iter().all(|c| (b'0'..=b'7').contains(c)) {
+                out.push((oct[0] - b'0') * 64 + (oct[1] - b'0') * 8 + (oct[2] - b'0'));
+                i += 4;
+                continue;
+            }
+        }
+        out.push(s[i]);
+        i += 1;
+    }
+    out
+}
+
+/// Unmounts the volume's filesystem (lazily when something still holds it: the image is
+/// released, and its loop device detached, when the last user goes). Not mounted is fine.
+pub fn unmount(dir: &Path) -> io::Result<()> {
+    let target = root(dir);
+    while is_mounted(&target) {
+        if let Err(e) = sys::umount(&target, 0) {
+            if e.raw_os_error() == Some(libc::EBUSY) {
+                sys::umount(&target, libc::MNT_DETACH)?;
+            } else if e.raw_os_error() != Some(libc::EINVAL) {
+                return Err(e);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Unmounts the volume's filesystem and removes the directory `dir` with its image.
+pub fn remove(dir: &Path) -> io::Result<()> {
+    unmount(dir)?;
+    match fs::remove_dir_all(dir) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
+const BTRFS_IOC_SNAP_CREATE_V2: libc::c_ulong = 0x5000_9417;
+const BTRFS_IOC_SNAP_DESTROY: libc::c_ulong = 0x5000_940F;
+const BTRFS_SUBVOL_RDONLY: u64 = 1 << 1;
+/// The inode number of every btrfs subvolume's root directory.
+const BTRFS_FIRST_FREE_OBJECTID: u64 = 256;
+
+/// `struct btrfs_ioctl_vol_args_v2` (4096 bytes).
+#[repr(C)]
+struct VolArgsV2 {
+    fd: i64,
+    transid: u64,
+    flags: u64,
+    unused: [u64; 4],
+    name: [u8; 4040],
+}
+
+/// `struct btrfs_ioctl_vol_args` (4096 bytes).
+#[repr(C)]
+struct VolArgs {
+    fd: i64,
+    name: [u8; 4088],
+}
+
+fn name_bytes(p: &Path) -> io::Result<(PathBuf, Vec<u8>)> {
+    let parent = p
+        .parent()
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let name = p
+        .file_name()
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?
+        .as_encoded_bytes()
+        .to_vec();
+    if name.len() >= 4000 {
+        return Err(io::Error::from(io::ErrorKind::InvalidInput));
+    }
+    Ok((parent.to_path_buf(), name))
+}
+
+/// Makes `dst` (which must not exist; its parent must) a read-only snapshot of the
+/// subvolume whose root is `src` (the volume's top level: `fs/`). Constant time whatever
+/// the tree holds; commits a btrfs transaction (a flush of the image).
+pub fn snapshot(src: &Path, dst: &Path) -> io::Result<()> {
+    let (parent, name) = name_bytes(dst)?;
+    let s = fs::File::open(src)?;
+    let d = fs::File::open(&parent)?;
+    let mut args = VolArgsV2 {
+        fd: s.as_raw_fd() as i64,
+        transid: 0,
+        flags: BTRFS_SUBVOL_RDONLY,
+        unused: [0; 4],
+        name: [0; 4040],
+    };
+    args.name[..name.len()].copy_from_slice(&name);
+    // SAFETY: the ioctl reads the args struct we own, laid out as the kernel's; both fds
+    // are ours and open for the call.
+    if unsafe { libc::ioctl(d.as_raw_fd(), BTRFS_IOC_SNAP_CREATE_V2, &args as *const VolArgsV2) }
+        != 0
+    {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(
+            e.kind(),
+            format!("snapshot {} at {}: {e}", src.display(), dst.display()),
+        ));
+    }
+    Ok(())
+}
+
+/// Whether `p` is the root of a btrfs subvolume (a snapshot).
+pub fn is_subvolume(p: &Path) -> bool {
+    p.symlink_metadata()
+        .is_ok_and(|m| m.is_dir() && m.ino() == BTRFS_FIRST_FREE_OBJECTID)
+}
+
+/// Deletes the subvolume (snapshot) whose root is `p`, read-only or not. Its space comes
+/// back in the background.
+pub fn delete_subvolume(p: &Path) -> io::Result<()> {
+    let (parent, name) = name_bytes(p)?;
+    let d = fs::File::open(&parent)?;
+    let mut args = VolArgs {
+        fd: 0,
+        name: [0; 4088],
+    };
+    args.name[..name.len()].copy_from_slice(&name);
+    // SAFETY: the ioctl reads the args struct we own, laid out as the kernel's.
+    if unsafe { libc::ioctl(d.as_raw_fd(), BTRFS_IOC_SNAP_DESTROY, &args as *const VolArgs) }
+        != 0
+    {
+        let e = io::Error::last_os_error();
+        return Err(io::Error::new(
+            e.kind(),
+            format!("delete subvolume {}: {e}", p.display()),
+        ));
+    }
+    Ok(())
+}
+
+/// Removes the tree at `p` (nothing there is fine), deleting the subvolumes in it (which
+/// a plain removal cannot: a read-only snapshot refuses unlinks).
+pub fn remove_tree(p: &Path) -> io::Result<()> {
+    let m = match p.symlink_metadata() {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e),
+    };
+    if !m.is_dir() {
+        return fs::remove_file(p);
+    }
+    // A subvolume's root: inode 256, on a device of its own.
+    let own_dev = p
+        .parent()
+        .and_then(|q| q.symlink_metadata().ok())
+        .is_some_and(|pm| pm.dev() != m.dev());
+    if m.ino() == BTRFS_FIRST_FREE_OBJECTID && own_dev {
+        return delete_subvolume(p);
+    }
+    for e in fs::read_dir(p)? {
+        remove_tree(&e?.path())?;
+    }
+    fs::remove_dir(p)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn mountinfo_escapes_are_read() {
+        assert_eq!(super::unescape(br"/a\040b"), b"/a b");
+        assert_eq!(super::unescape(br"/plain"), b"/plain");
+        assert_eq!(super::unescape(br"/x\"), b"/x\\");
+    }
+}

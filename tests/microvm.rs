@@ -1,0 +1,372 @@
+//! The microVM runtime, tested for real: QEMU `microvm` machines with their own kernel,
+//! restored from a booted base (under TCG on hosts without usable KVM).
+//!
+//! VM tests run one at a time (a lock), each destroys its machines through a guard, and a
+//! final check finds no QEMU left that any of them started.
+
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use locker_proto::ExecSpec;
+use locker_runtime::node::{Attach, Machine, MachineSpec, Node, NodeConfig, RuntimeKind};
+use locker_tests::{agent_bin, become_subreaper, default_rootfs, locker_bin, unique, TempDir};
+use locker_types::{ExecResult, Reason};
+
+/// One VM test at a time: TCG on two cores has no room for more.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+fn node() -> Node {
+    become_subreaper();
+    Node::new(NodeConfig {
+        init_exe: locker_bin(),
+        agent_exe: agent_bin(),
+    })
+    .expect("a node on this host")
+}
+
+/// Machines destroyed when the guard goes, whatever happened.
+struct Vms {
+    node: Node,
+    dir: TempDir,
+    machines: Vec<Machine>,
+}
+
+impl Vms {
+    fn new() -> Self {
+        Self {
+            node: node(),
+            dir: TempDir::new("locker-vm-test"),
+            machines: Vec::new(),
+        }
+    }
+
+    fn spec(&self, memory_mb: u64) -> MachineSpec {
+        let id = unique("vm").replace('-', "_");
+        MachineSpec {
+            dir: self.dir.path().join("machines").join(&id),
+            id,
+            template_rootfs: default_rootfs(),
+            cpus: 1.0,
+            memory_mb,
+            disk_mb: 1024,
+            pids: 512,
+        }
+    }
+
+    /// Starts a microVM (from `snapshot`, a directory [`Node::snapshot`] filled, if given).
+    async fn start(&mut self, snapshot: Option<&Path>) -> usize {
+        let spec = self.spec(256);
+        let attach = Attach {
+            runtime: RuntimeKind::Microvm,
+            disk_from: snapshot.map(|d| d.join("disk.img")),
+            memory_from: snapshot.map(|d| d.join("memory")),
+            ..Default::default()
+        };
+        let m = self
+            .node
+            .create_attached(spec, attach)
+            .await
+            .expect("start a microVM");
+        assert_eq!(m.kind, RuntimeKind::Microvm);
+        self.machines.push(m);
+        self.machines.len() - 1
+    }
+
+    fn m(&self, i: usize) -> &Machine {
+        &self.machines[i]
+    }
+}
+
+impl Drop for Vms {
+    fn drop(&mut self) {
+        for m in self.machines.drain(..) {
+            let _ = locker_runtime::jail::destroy(&m.id, &m.dir, self.node.layout());
+        }
+    }
+}
+
+fn sh(script: &str, timeout_ms: u64) -> ExecSpec {
+    ExecSpec {
+        call_id: unique("call").replace('-', "_"),
+        argv: vec!["/bin/sh".into(), "-c".into(), script.into()],
+        max_output_bytes: 1 << 20,
+        timeout_ms: Some(timeout_ms),
+        ..Default::default()
+    }
+}
+
+async fn run(m: &Machine, script: &str) -> ExecResult {
+    m.agent
+        .exec(sh(script, 60_000), None, None)
+        .await
+        .expect("exec")
+}
+
+/// Pids of QEMU processes whose command line names `dir`.
+fn qemus_under(dir: &Path) -> Vec<i32> {
+    let needle = dir.as_os_str().as_encoded_bytes();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut vms = Vms::new();
+    let t0 = Instant::now();
+    let i = vms.start(None).await;
+    eprintln!("first microVM (base boot included) in {:?}", t0.elapsed());
+    let m = vms.m(i);
+
+    // Its own kernel: not the host's.
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let r = run(m, "uname -r; hostname; cat /proc/1/comm").await;
+    assert_eq!(r.exit_code, Some(0), "{r:?}");
+    let mut lines = r.stdout.lines();
+    let guest = lines.next().unwrap_or_default();
+    assert!(!guest.is_empty() && guest != host.trim(), "guest kernel {guest:?} vs host {host:?}");
+    assert_eq!(lines.next(), Some(m.id.as_str()), "hostname is the machine id: {r:?}");
+    // The clock was re-seeded after the restore.
+    let r = run(m, "date +%s").await;
+    let guest_now: i64 = r.stdout.trim().parse().expect("a number");
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!((guest_now - host_now).abs() <= 5, "guest clock {guest_now} vs host {host_now}");
+
+    // Streaming output arrives while the command runs.
+    let (tx, mut rx) = tokio::sync::mpsc::channel(64);
+    let spec = sh("for i in 1 2 3; do echo line$i; sleep 0.3; done", 30_000);
+    let agent = &m.agent;
+    let exec = agent.exec(spec, None, Some(tx));
+    let collect = async {
+        let mut got = Vec::new();
+        while let Some((_, chunk)) = rx.recv().await {
+            got.push((Instant::now(), chunk));
+        }
+        got
+    };
+    let (r, chunks) = tokio::join!(exec, collect);
+    let r = r.expect("streaming exec");
+    assert_eq!(r.exit_code, Some(0));
+    assert!(chunks.len() >= 2, "output came in pieces: {chunks:?}");
+    let spread = chunks.last().unwrap().0 - chunks[0].0;
+    assert!(spread >= Duration::from_millis(300), "chunks arrived as they were written");
+
+    // A timeout kills the whole tree.
+    let t = Instant::now();
+    let r = m
+        .agent
+        .exec(sh("sleep 300 & sleep 300; wait", 1500), None, None)
+        .await
+        .expect("exec with timeout");
+    assert_eq!(r.reason, Reason::Timeout, "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(15), "timeout took {:?}", t.elapsed());
+    let r = run(m, "pgrep -c sleep || true").await;
+    assert_eq!(r.stdout.trim(), "0", "the tree is gone: {r:?}");
+
+    // Files round trip through the agent.
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i % 251) as u8).collect();
+    m.agent
+        .write_file("/root/blob.bin", Some(0o600), &data[..])
+        .await
+        .expect("write a file");
+    let r = run(m, "sha256sum /root/blob.bin | cut -d' ' -f1").await;
+    use sha2_free::hex_sha256;
+    assert_eq!(r.stdout.trim(), hex_sha256(&data));
+    let (entry, mut reader) = m.agent.read_file("/root/blob.bin").await.expect("read");
+    assert_eq!(entry.size, data.len() as u64);
+    let mut back = Vec::new();
+    tokio::io::AsyncReadExt::read_to_end(&mut reader, &mut back)
+        .await
+        .unwrap();
+    assert_eq!(back, data);
+
+    // Destroy leaves nothing: no QEMU, no directory, no cgroup.
+    let m = vms.machines.pop().unwrap();
+    let dir = m.dir.clone();
+    vms.node.destroy(&m).await.expect("destroy");
+    assert!(!dir.exists(), "the machine's directory is gone");
+    assert!(qemus_under(&dir).is_empty(), "no QEMU left");
+    assert!(
+        !vms.node.layout().machine_ids().contains(&m.id),
+        "no cgroup left"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut vms = Vms::new();
+    let i = vms.start(None).await;
+    // A background process counting in memory only (no file): it survives only if the
+    // snapshot carries the VM's memory.
+    let m = vms.m(i);
+    let mut counter = sh(
+        "n=0; while true; do n=$((n+1)); echo $n > /dev/shm/count; sleep 0.1; done",
+        0,
+    );
+    counter.timeout_ms = None;
+    m.agent
+        .spawn(counter)
+        .await
+        .expect("spawn the counter");
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let snap = vms.dir.path().join("snap");
+    std::fs::create_dir_all(&snap).unwrap();
+    let t = Instant::now();
+    let (size, has_memory) = vms.node.snapshot(m, &snap).await.expect("snapshot");
+    eprintln!("snapshot with memory: {size} bytes in {:?}", t.elapsed());
+    assert!(has_memory);
+    let before: u64 = run(m, "cat /dev/shm/count").await.stdout.trim().parse().unwrap();
+    assert!(before > 0);
+
+    let t = Instant::now();
+    let c = vms.start(Some(&snap)).await;
+    eprintln!("restore from the snapshot in {:?}", t.elapsed());
+    let child = vms.m(c);
+    let a: u64 = run(child, "cat /dev/shm/count").await.stdout.trim().parse().unwrap();
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let b: u64 = run(child, "cat /dev/shm/count").await.stdout.trim().parse().unwrap();
+    assert!(a > 0 && b > a, "the counter continues in the child: {a} then {b}");
+    let r = run(child, "hostname").await;
+    assert_eq!(r.stdout.trim(), child.id, "the child has its own name");
+
+    // Crash: kill QEMU; destroy still removes everything.
+    let dirs: Vec<PathBuf> = vms.machines.iter().map(|m| m.dir.clone()).collect();
+    for pid in qemus_under(&dirs[1]) {
+        unsafe { libc::kill(pid, libc::SIGKILL) };
+    }
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while vms.m(c).is_alive() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(!vms.m(c).is_alive(), "a killed QEMU is seen as dead");
+    for m in std::mem::take(&mut vms.machines) {
+        vms.node.destroy(&m).await.expect("destroy");
+    }
+    for d in &dirs {
+        assert!(!d.exists(), "{} is gone", d.display());
+        assert!(qemus_under(d).is_empty());
+    }
+}
+
+/// SHA-256 without a dependency: `sha256sum` on the host.
+mod sha2_free {
+    pub fn hex_sha256(data: &[u8]) -> String {
+        use std::io::Write;
+        let mut c = std::process::Command::new("sha256sum")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("sha256sum");
+        c.stdin.take().unwrap().write_all(data).unwrap();
+        let out = c.wait_with_output().unwrap();
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .next()
+            .unwrap_or_default()
+            .to_owned()
+    }
+}
+
+/// Through the real server: microVM sandboxes, their memory snapshots and forks, adoption
+/// after a server SIGKILL, clear refusals for what microVMs do not do yet.
+#[test]
+fn microvm_sandboxes_through_the_api() {
+    use locker_tests::server::Server;
+    use serde_json::json;
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    become_subreaper();
+    let mut srv = Server::start();
+    let api = srv.api();
+    let sb = api.create_sandbox(&json!({"runtime": "microvm", "memory_mb": 256}));
+    assert_eq!(sb["runtime"], "microvm", "{sb}");
+    let sb = sb["id"].as_str().unwrap().to_owned();
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    let guest = api.sh(&sb, "uname -r");
+    assert_ne!(guest.trim(), host.trim(), "a kernel of its own");
+
+    // Files API.
+    api.write_file(&sb, "/root/hello.txt", b"from the host")
+        .expect(200, "write a file");
+    assert_eq!(api.sh(&sb, "cat /root/hello.txt"), "from the host");
+    assert_eq!(api.read_file(&sb, "/root/hello.txt").text(), "from the host");
+
+    // A background counter in memory; a snapshot carries it; forks continue it.
+    api.post(
+        &format!("/v1/sandboxes/{sb}/processes"),
+        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n; sleep 0.1; done"}),
+    )
+    .expect(200, "counter");
+    api.sh(&sb, "while [ ! -s /dev/shm/n ]; do sleep 0.05; done");
+    let snap = api
+        .post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
+        .expect(201, "snapshot");
+    assert_eq!(snap["has_memory"], true, "{snap}");
+    assert_eq!(snap["runtime"], "microvm", "{snap}");
+    let forks = api
+        .post(&format!("/v1/sandboxes/{sb}/fork"), &json!({"count": 2}))
+        .expect(201, "fork");
+    let kids: Vec<String> = forks["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|k| k["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(kids.len(), 2);
+    for k in &kids {
+        let a: u64 = api.sh(k, "cat /dev/shm/n").trim().parse().unwrap();
+        std::thread::sleep(Duration::from_millis(500));
+        let b: u64 = api.sh(k, "cat /dev/shm/n").trim().parse().unwrap();
+        assert!(a > 0 && b > a, "fork {k}: the counter continues ({a} then {b})");
+        assert_eq!(api.sh(k, "hostname").trim(), k.as_str());
+    }
+    let from_snap = api.create_sandbox(&json!({"from_snapshot": snap["id"]}));
+    assert_eq!(from_snap["runtime"], "microvm", "{from_snap}");
+    let fs_id = from_snap["id"].as_str().unwrap().to_owned();
+    assert!(api.sh(&fs_id, "cat /dev/shm/n").trim().parse::<u64>().unwrap() > 0);
+    // A memory snapshot cannot start a jail.
+    api.post(
+        "/v1/sandboxes",
+        &json!({"from_snapshot": snap["id"], "runtime": "jail"}),
+    )
+    .expect_error(400, "bad_request", "jail from a memory snapshot");
+
+    // Pause and resume freeze the whole VM.
+    api.post_empty(&format!("/v1/sandboxes/{sb}/pause"))
+        .expect(200, "pause");
+    assert_eq!(api.sh(&sb, "echo awake"), "awake\n", "a call resumes it");
+
+    // The server dies; the VMs live on and the next server adopts them.
+    srv.restart();
+    let api = srv.api();
+    assert_eq!(api.sh(&sb, "echo adopted"), "adopted\n");
+
+    // What microVMs do not do yet is refused clearly.
+    let e = api
+        .post(
+            "/v1/sandboxes",
+            &json!({"runtime": "microvm", "network": {"egress": "all"}}),
+        )
+        .expect_error(503, "unavailable", "egress in a microVM");
+    assert!(e.contains("egress"), "{e}");
+
+    // Deleting leaves no QEMU behind.
+    let data = srv.machine_dir(&sb).parent().unwrap().to_owned();
+    for id in kids.iter().chain([&sb, &fs_id]) {
+        api.delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete");
+    }
+    assert!(qemus_under(&data).is_empty(), "no QEMU left under {}", data.display());
+}
