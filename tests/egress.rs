@@ -768,8 +768,12 @@ fn allow_reaches_allowed_names_by_http_and_tls_and_nothing_else() {
             "python3 -c \"import socket,time\nt=time.time()\nfor i in range(50):\n  s=socket.create_connection(('allowed.test',80)); s.sendall(b'GET / HTTP/1.1\\r\\nHost: allowed.test\\r\\n\\r\\n'); s.recv(4096); s.close()\nprint((time.time()-t)/50*1000)\"; curl -s -o /dev/null -w '%{speed_download}\\n' http://allowed.test/big",
         );
         let mut l = out.lines();
-        let ms = l.next().unwrap().trim().parse::<f64>().unwrap();
-        let bps = l.next().unwrap().trim().parse::<f64>().unwrap();
+        let mut num = || -> f64 {
+            l.next()
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or_else(|| panic!("a measurement: {out:?}"))
+        };
+        let (ms, bps) = (num(), num());
         (ms, bps / (1 << 20) as f64)
     };
     let (p_ms, p_mib) = measure(&api);

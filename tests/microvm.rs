@@ -118,6 +118,9 @@ fn qemus_under(dir: &Path) -> Vec<i32> {
         .collect()
 }
 
+// The lock only orders whole tests (each on its own runtime); holding it across awaits is
+// the point.
+#[allow(clippy::await_holding_lock)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
@@ -204,6 +207,9 @@ async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
     );
 }
 
+// The lock only orders whole tests (each on its own runtime); holding it across awaits is
+// the point.
+#[allow(clippy::await_holding_lock)]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());

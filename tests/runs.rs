@@ -733,14 +733,22 @@ fn a_run_does_not_see_in_place_writes_of_a_mounting_sandbox() {
                 "mkdir -p /workspace/many && for i in $(seq 400); do echo $i > /workspace/many/f$i; done",
             );
         }
-        let h = start_run(&api, &vol, "sleep 2; cat data.txt; cat many/f7 2>/dev/null; true");
+        let h = start_run(
+            &api,
+            &vol,
+            "sleep 2; cat data.txt; cat many/f7 2>/dev/null; true",
+        );
         // In place: the same inode, overwritten (no rename), as editors and databases do.
         let ino = api.sh(&sb, "stat -c %i /workspace/data.txt");
         api.sh(
             &sb,
             &format!("printf {text} | dd of=/workspace/data.txt conv=notrunc status=none; echo x > /workspace/many/f7 2>/dev/null; true"),
         );
-        assert_eq!(api.sh(&sb, "stat -c %i /workspace/data.txt"), ino, "written in place");
+        assert_eq!(
+            api.sh(&sb, "stat -c %i /workspace/data.txt"),
+            ino,
+            "written in place"
+        );
         let r = h.join().unwrap();
         assert_eq!(r["type"], "result", "{r}");
         assert_eq!(r["exit_code"], 0, "{r}");

@@ -80,8 +80,7 @@ fn assert_no_filesystem_left(dir: &Path) {
     );
     eventually("the volume's loop device detaches", || {
         !std::fs::read_dir("/sys/block").unwrap().flatten().any(|e| {
-            std::fs::read_to_string(e.path().join("loop/backing_file"))
-                .is_ok_and(|b| b.contains(d))
+            std::fs::read_to_string(e.path().join("loop/backing_file")).is_ok_and(|b| b.contains(d))
         })
     });
 }
@@ -568,7 +567,10 @@ fn a_sandbox_writing_past_the_size_limit_gets_enospc_and_the_volume_stays_whole(
     );
     assert_ne!(r["exit_code"], 0, "{r}");
     assert!(
-        r["stderr"].as_str().unwrap().contains("No space left on device"),
+        r["stderr"]
+            .as_str()
+            .unwrap()
+            .contains("No space left on device"),
         "{r}"
     );
     let fill: u64 = api
@@ -606,7 +608,10 @@ fn a_sandbox_writing_past_the_size_limit_gets_enospc_and_the_volume_stays_whole(
         .expect(200, "run");
     assert_ne!(r["exit_code"], 0, "{r}");
     assert!(
-        r["stderr"].as_str().unwrap().contains("No space left on device"),
+        r["stderr"]
+            .as_str()
+            .unwrap()
+            .contains("No space left on device"),
         "{r}"
     );
     api.delete(&format!("/v1/sandboxes/{sb}"))

@@ -18,8 +18,10 @@ use crate::jail::which;
 use crate::stats::{percentile, Row};
 use crate::{check_stop, Args};
 
-const COLD: &str = "microVM create→true (cold boot, HTTP)";
-const RESTORE: &str = "microVM create→true from a snapshot (restore, HTTP)";
+const COLD: &str = "microVM create→true, cold boot (first sandbox of its shape, HTTP)";
+const BASE: &str = "microVM create→true, restored from the booted base (HTTP)";
+const RESTORE: &str = "microVM create→true from a memory snapshot (HTTP)";
+const MEMORY: &str = "microVM memory per idle sandbox (QEMU PSS)";
 const QEMU: &str = "peer QEMU microvm kernel boot";
 
 fn ms(since: Instant) -> f64 {
@@ -73,9 +75,10 @@ fn create_true(api: &Api, body: &Value, warm: usize, n: usize) -> Result<Vec<f64
 }
 
 pub fn microvm_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
+    let bases_before = bases();
     let srv = Server::start();
     let api = srv.api();
-    let body = json!({"runtime": "microvm"});
+    let body = json!({"runtime": "microvm", "memory_mb": 256});
     let probe = post(&api, "/v1/sandboxes", &body).map_err(anyhow::Error::msg)?;
     if probe.0 != 201 {
         let why = format!(
@@ -84,36 +87,125 @@ pub fn microvm_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             probe.1["error"]["message"].as_str().unwrap_or(probe.2.trim())
         );
         println!("  skipped: {why}");
-        rows.push(Row::skipped(COLD, &why));
-        rows.push(Row::skipped(RESTORE, why));
+        for r in [COLD, BASE, RESTORE, MEMORY] {
+            rows.push(Row::skipped(r, &why));
+        }
     } else {
         if let Some(id) = probe.1["id"].as_str() {
             delete(&api, &format!("/v1/sandboxes/{id}"));
         }
         let (warm, n) = (args.create_warmup(), args.creates().min(20));
-        match create_true(&api, &body, warm, n) {
+        // A cold boot: every new shape (here a new memory size) boots its base once.
+        let cold: Result<Vec<f64>, String> = (0..3u64)
+            .map(|i| {
+                create_true(
+                    &api,
+                    &json!({"runtime": "microvm", "memory_mb": 300 + i}),
+                    0,
+                    1,
+                )
+                .map(|v| v[0])
+            })
+            .collect();
+        match cold {
             Ok(s) => {
-                println!("  {COLD}: p50 {:.1} ms", percentile(&s, 50.0));
-                rows.push(Row::new(COLD, "ms", s, warm).note("POST /v1/sandboxes {\"runtime\":\"microvm\"} then exec true answered, one at a time").vs(crate::server::HTTP_CREATE_EXEC));
+                println!("  {COLD}: p50 {:.0} ms", percentile(&s, 50.0));
+                rows.push(Row::new(COLD, "ms", s, 0).note("each with a memory size no sandbox had: the base VM boots (kernel, initramfs, agent), is saved, then restored; no warm-up").vs(QEMU));
             }
             Err(e) => rows.push(Row::skipped(COLD, e)),
         }
         check_stop()?;
+        match create_true(&api, &body, warm, n) {
+            Ok(s) => {
+                println!("  {BASE}: p50 {:.1} ms", percentile(&s, 50.0));
+                rows.push(Row::new(BASE, "ms", s, warm).note("POST /v1/sandboxes {\"runtime\":\"microvm\"} then exec true answered, one at a time: QEMU maps the base's RAM copy-on-write and loads its device state").vs(COLD).vs(crate::server::HTTP_CREATE_EXEC));
+            }
+            Err(e) => rows.push(Row::skipped(BASE, e)),
+        }
+        check_stop()?;
         rows.push(match restore(&api, warm, n) {
-            Ok(s) => Row::new(RESTORE, "ms", s, warm).note("a microVM sandbox snapshotted once, then POST /v1/sandboxes {\"runtime\":\"microvm\",\"from_snapshot\":…} and exec true answered, one at a time").vs(COLD),
+            Ok(s) => Row::new(RESTORE, "ms", s, warm).note("a microVM sandbox snapshotted once with its memory, then POST /v1/sandboxes {\"from_snapshot\":…} and exec true answered, one at a time").vs(BASE),
             Err(e) => Row::skipped(RESTORE, e),
+        });
+        check_stop()?;
+        rows.push(match idle_memory(&api, &srv, 4) {
+            Ok(s) => Row::new(MEMORY, "MB", s, 0).note("4 idle 256 MB microVM sandboxes restored from one base; proportional set size of each QEMU (shared base pages split between them)"),
+            Err(e) => Row::skipped(MEMORY, e),
         });
     }
     drop(srv);
+    // The bases this run booted for its cold-boot shapes are not wanted after it.
+    for b in bases().difference(&bases_before) {
+        let _ = std::fs::remove_dir_all(b);
+        let _ = std::fs::remove_file(b.with_extension("lock"));
+    }
     check_stop()?;
     rows.push(qemu_row(args));
     Ok(())
 }
 
+/// The microVM bases on this host (`/run/locker/vm-base/<key>`).
+fn bases() -> std::collections::BTreeSet<PathBuf> {
+    std::fs::read_dir(locker_runtime::vm::BASE_DIR)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| p.is_dir())
+        .collect()
+}
+
+/// PSS in MB of each QEMU of `n` idle microVM sandboxes.
+fn idle_memory(api: &Api, srv: &Server, n: usize) -> Result<Vec<f64>, String> {
+    let mut ids = Vec::new();
+    let r = (|| {
+        for _ in 0..n {
+            let v = want(
+                "/v1/sandboxes",
+                post(
+                    api,
+                    "/v1/sandboxes",
+                    &json!({"runtime": "microvm", "memory_mb": 256}),
+                )?,
+                201,
+            )?;
+            ids.push(v["id"].as_str().unwrap_or_default().to_owned());
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        let mut out = Vec::new();
+        for id in &ids {
+            let dir = srv.machine_dir(id);
+            let state: Value = serde_json::from_slice(
+                &std::fs::read(dir.join("vm.json")).map_err(|e| e.to_string())?,
+            )
+            .map_err(|e| e.to_string())?;
+            let pid = state["pid"].as_i64().unwrap_or(0);
+            let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup"))
+                .map_err(|e| e.to_string())?;
+            let kib: f64 = text
+                .lines()
+                .find_map(|l| l.strip_prefix("Pss:"))
+                .and_then(|v| v.split_whitespace().next())
+                .and_then(|v| v.parse().ok())
+                .ok_or("no Pss in smaps_rollup")?;
+            out.push(kib / 1024.0);
+        }
+        Ok(out)
+    })();
+    for id in &ids {
+        delete(api, &format!("/v1/sandboxes/{id}"));
+    }
+    r
+}
+
 fn restore(api: &Api, warm: usize, n: usize) -> Result<Vec<f64>, String> {
     let v = want(
         "/v1/sandboxes",
-        post(api, "/v1/sandboxes", &json!({"runtime": "microvm"}))?,
+        post(
+            api,
+            "/v1/sandboxes",
+            &json!({"runtime": "microvm", "memory_mb": 256}),
+        )?,
         201,
     )?;
     let sb = v["id"].as_str().unwrap_or_default().to_owned();
@@ -121,12 +213,7 @@ fn restore(api: &Api, warm: usize, n: usize) -> Result<Vec<f64>, String> {
     let snap = want(&path, post(api, &path, &json!({}))?, 201);
     delete(api, &format!("/v1/sandboxes/{sb}"));
     let snap = snap?["id"].as_str().unwrap_or_default().to_owned();
-    let r = create_true(
-        api,
-        &json!({"runtime": "microvm", "from_snapshot": snap}),
-        warm,
-        n,
-    );
+    let r = create_true(api, &json!({"from_snapshot": snap}), warm, n);
     delete(api, &format!("/v1/snapshots/{snap}"));
     r
 }

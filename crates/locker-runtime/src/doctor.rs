@@ -124,13 +124,7 @@ pub fn check(data_dir: &Path) -> Report {
     } else {
         Verdict::no(missing.join("; "))
     };
-    let microvm = Verdict::no(format!(
-        "not in this version yet: the microVM runtime is being built; {}",
-        match virt.as_str() {
-            "kvm" => "this host has usable KVM".to_owned(),
-            _ => format!("this host would run it under TCG emulation only ({virt_detail})"),
-        }
-    ));
+    let microvm = microvm_verdict(agent.is_some());
     let runtimes = [("jail".to_owned(), jail), ("microvm".to_owned(), microvm)]
         .into_iter()
         .collect();
@@ -147,6 +141,33 @@ pub fn check(data_dir: &Path) -> Report {
             virtualization: virt,
             virtualization_detail: virt_detail,
         },
+    }
+}
+
+/// The microVM runtime: QEMU and the guest kernel present, and which accelerator it gets
+/// (KVM, or TCG emulation, which is for correctness only and not a security boundary).
+fn microvm_verdict(have_agent: bool) -> Verdict {
+    let mut missing = Vec::new();
+    if which("qemu-system-x86_64").is_none() {
+        missing.push("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86; scripts/setup does)".to_owned());
+    }
+    let kdir = crate::vm::kernel_dir();
+    if !kdir.join("vmlinuz").is_file() || !kdir.join("modules").is_dir() {
+        missing.push(format!(
+            "no guest kernel in {} (scripts/setup unpacks linux-image-cloud-amd64 there)",
+            kdir.display()
+        ));
+    }
+    if !have_agent {
+        missing.push("no static locker-agent (the guest's init)".to_owned());
+    }
+    if !missing.is_empty() {
+        return Verdict::no(missing.join("; "));
+    }
+    let (accel, why) = crate::vm::accel();
+    match accel {
+        crate::vm::Accel::Kvm => Verdict::ok(format!("KVM usable: QEMU microvm with its own guest kernel, restored from a booted snapshot ({why})")),
+        crate::vm::Accel::Tcg => Verdict::ok(format!("TCG only: {why}. MicroVMs work (own guest kernel, memory snapshots) but run emulated: use them for correctness, not as an isolation boundary, on this host")),
     }
 }
 
@@ -231,27 +252,8 @@ fn copy_on_write(dir: &Path, fs: &str) -> String {
 }
 
 fn virtualization() -> (String, String) {
-    if !Path::new("/dev/kvm").exists() {
-        return ("tcg".into(), "/dev/kvm is missing: enable VT-x/AMD-V or nested virtualization; microVMs would be emulated (TCG), which is slow and not a security boundary".into());
-    }
-    if Path::new("/sys/module/kvm_pvm").exists() {
-        return (
-            "tcg".into(),
-            "/dev/kvm is PVM-based (kvm_pvm): standard guest kernels hang under it, so microVMs fall back to TCG emulation, which is for correctness only and not a security boundary".into(),
-        );
-    }
-    if std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .open("/dev/kvm")
-        .is_err()
-    {
-        return (
-            "tcg".into(),
-            "/dev/kvm exists but cannot be opened (permissions?)".into(),
-        );
-    }
-    ("kvm".into(), "/dev/kvm is usable".into())
+    let (accel, why) = crate::vm::accel();
+    (accel.as_str().into(), why)
 }
 
 /// The human table of `locker doctor`.

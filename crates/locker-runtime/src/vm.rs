@@ -126,10 +126,91 @@ pub fn accel() -> (Accel, String) {
     {
         return (Accel::Tcg, "/dev/kvm cannot be opened (permissions?): microVMs are emulated by TCG, which is NOT a security boundary".into());
     }
-    (
-        Accel::Kvm,
-        "/dev/kvm is usable: microVMs run under KVM".into(),
-    )
+    match kvm_boots() {
+        Ok(ms) => (Accel::Kvm, format!("/dev/kvm is usable and a standard guest kernel booted under it in {ms} ms: microVMs run under KVM")),
+        Err(why) => (Accel::Tcg, format!("/dev/kvm opens but a standard guest kernel did not boot under it ({why}): microVMs are emulated by TCG, which is NOT a security boundary")),
+    }
+}
+
+/// Proves a standard guest kernel boots under KVM on this host: QEMU boots the guest kernel
+/// (no root filesystem) until it panics looking for one and exits. The verdict is cached
+/// per kernel and QEMU in `$LOCKER_CACHE_DIR/vm/kvm-probe-*`.
+fn kvm_boots() -> Result<u64, String> {
+    let kernel = kernel_dir().join("vmlinuz");
+    let qemu = crate::doctor::which("qemu-system-x86_64").ok_or("QEMU is not installed")?;
+    let klen = fs::metadata(&kernel)
+        .map_err(|_| "no guest kernel to try".to_owned())?
+        .len();
+    let qlen = fs::metadata(&qemu).map(|m| m.len()).unwrap_or(0);
+    let dir = cache_dir().join("vm");
+    let verdict = dir.join(format!("kvm-probe-{klen:x}-{qlen:x}"));
+    if let Ok(v) = fs::read_to_string(&verdict) {
+        return match v.strip_prefix("ok ") {
+            Some(ms) => Ok(ms.trim().parse().unwrap_or(0)),
+            None => Err(v.trim().to_owned()),
+        };
+    }
+    let _ = fs::create_dir_all(&dir);
+    let log = dir.join(format!(".kvm-probe-{}.log", std::process::id()));
+    let t0 = Instant::now();
+    let r = (|| {
+        let out = fs::File::create(&log).map_err(|e| e.to_string())?;
+        let mut child = std::process::Command::new(&qemu)
+            .args([
+                "-M",
+                "microvm,rtc=on",
+                "-accel",
+                "kvm",
+                "-cpu",
+                "host",
+                "-m",
+                "128",
+            ])
+            .args([
+                "-nodefaults",
+                "-no-user-config",
+                "-display",
+                "none",
+                "-no-reboot",
+                "-serial",
+                "stdio",
+            ])
+            .arg("-kernel")
+            .arg(&kernel)
+            .args(["-append", "console=ttyS0 panic=-1 reboot=t"])
+            .stdin(Stdio::null())
+            .stdout(out)
+            .stderr(Stdio::null())
+            .spawn()
+            .map_err(|e| format!("start QEMU: {e}"))?;
+        loop {
+            match child.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if t0.elapsed() > Duration::from_secs(20) => {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    return Err("the guest hung for 20 s".to_owned());
+                }
+                Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+        let text = fs::read_to_string(&log).unwrap_or_default();
+        if text.contains("Kernel panic") || text.contains("VFS") {
+            Ok(t0.elapsed().as_millis() as u64)
+        } else {
+            Err("QEMU exited before the guest kernel finished booting".to_owned())
+        }
+    })();
+    let _ = fs::remove_file(&log);
+    let _ = fs::write(
+        &verdict,
+        match &r {
+            Ok(ms) => format!("ok {ms}"),
+            Err(e) => e.clone(),
+        },
+    );
+    r
 }
 
 /// What every microVM of this host is started from.
@@ -372,7 +453,7 @@ impl Cpio {
     }
 
     fn pad(&mut self) {
-        while self.buf.len() % 4 != 0 {
+        while !self.buf.len().is_multiple_of(4) {
             self.buf.push(0);
         }
     }
@@ -1068,6 +1149,7 @@ pub async fn start(
     let disk = dir.join("disk.img");
     let src = s.disk_from.map_or_else(|| s.base.disk(), Path::to_owned);
     crate::disk::copy_ephemeral(&src, &disk).map_err(setup("copy the machine's disk"))?;
+    let t_disk = t0.elapsed();
     std::os::unix::fs::chown(&disk, Some(s.uid), Some(s.uid)).map_err(setup("chown the disk"))?;
     fs::set_permissions(&disk, fs::Permissions::from_mode(0o600))
         .map_err(setup("chmod the disk"))?;
@@ -1086,6 +1168,7 @@ pub async fn start(
         .create(limits, 0)
         .map_err(|e| VmError::Setup(format!("create the machine's cgroup: {e}")))?;
     let ram = s.base.ram();
+    let t_cg = t0.elapsed();
     let child = spawn_qemu(
         a,
         s.base.shape,
@@ -1099,6 +1182,7 @@ pub async fn start(
             cgroup_procs: s.cgroup.procs_files(),
         },
     )?;
+    let t_spawn = t0.elapsed();
     let d = dir.to_owned();
     tokio::task::spawn_blocking(move || -> Result<(), VmError> {
         let mut q = Qmp::connect(&d.join("qmp.sock"), Duration::from_secs(10))?;
@@ -1123,14 +1207,21 @@ pub async fn start(
         serde_json::to_vec(&state).expect("state serializes"),
     )
     .map_err(setup("write vm.json"))?;
-    let agent = AgentClient::connect(&dir.join("agent.sock"), Duration::from_secs(60))
-        .await
-        .map_err(|e| {
-            VmError::Setup(format!(
-                "the restored VM's agent did not answer: {e}; {}",
+    let t_incoming = t0.elapsed();
+    let mut child = child;
+    let sock = dir.join("agent.sock");
+    let agent = tokio::select! {
+        a = AgentClient::connect(&sock, Duration::from_secs(60)) => a.map_err(|e| {
+            VmError::Setup(format!("the restored VM's agent did not answer: {e}; {}", logs_of(dir)))
+        })?,
+        st = child.wait() => {
+            return Err(VmError::Setup(format!(
+                "QEMU exited ({}) while restoring the VM; {}",
+                st.map(|s| s.to_string()).unwrap_or_default(),
                 logs_of(dir)
-            ))
-        })?;
+            )))
+        }
+    };
     let mut entropy = [0u8; 64];
     // SAFETY: getrandom fills the buffer we own.
     unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
@@ -1141,7 +1232,19 @@ pub async fn start(
     agent
         .refresh(now, entropy.to_vec(), s.id.to_owned())
         .await?;
-    tracing::debug!(machine = %s.id, ms = t0.elapsed().as_secs_f64() * 1e3, "microVM restored");
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    tracing::debug!(
+        machine = %s.id,
+        disk_ms = ms(t_disk),
+        cgroup_ms = ms(t_cg),
+        spawn_ms = ms(t_spawn),
+        incoming_ms = ms(t_incoming),
+        total_ms = ms(t0.elapsed()),
+        "microVM restored"
+    );
+    if std::env::var_os("LOCKER_VM_TRACE").is_some() {
+        eprintln!("restore {}: disk {:.1} cgroup {:.1} spawn {:.1} incoming+cont {:.1} agent+refresh {:.1} ms", s.id, ms(t_disk), ms(t_cg), ms(t_spawn), ms(t_incoming), ms(t0.elapsed()));
+    }
     Ok((state, child, agent))
 }
 

@@ -95,10 +95,7 @@ pub fn create(dir: &Path, size_mb: u64) -> io::Result<()> {
     if size_mb < MIXED_BELOW_MB {
         cmd.arg("--mixed");
     }
-    let out = cmd
-        .arg(&img)
-        .stdin(std::process::Stdio::null())
-        .output()?;
+    let out = cmd.arg(&img).stdin(std::process::Stdio::null()).output()?;
     if !out.status.success() {
         return Err(io::Error::other(format!(
             "mkfs.btrfs failed: {}",
@@ -253,8 +250,13 @@ pub fn snapshot(src: &Path, dst: &Path) -> io::Result<()> {
     args.name[..name.len()].copy_from_slice(&name);
     // SAFETY: the ioctl reads the args struct we own, laid out as the kernel's; both fds
     // are ours and open for the call.
-    if unsafe { libc::ioctl(d.as_raw_fd(), BTRFS_IOC_SNAP_CREATE_V2, &args as *const VolArgsV2) }
-        != 0
+    if unsafe {
+        libc::ioctl(
+            d.as_raw_fd(),
+            BTRFS_IOC_SNAP_CREATE_V2,
+            &args as *const VolArgsV2,
+        )
+    } != 0
     {
         let e = io::Error::last_os_error();
         return Err(io::Error::new(
@@ -282,8 +284,13 @@ pub fn delete_subvolume(p: &Path) -> io::Result<()> {
     };
     args.name[..name.len()].copy_from_slice(&name);
     // SAFETY: the ioctl reads the args struct we own, laid out as the kernel's.
-    if unsafe { libc::ioctl(d.as_raw_fd(), BTRFS_IOC_SNAP_DESTROY, &args as *const VolArgs) }
-        != 0
+    if unsafe {
+        libc::ioctl(
+            d.as_raw_fd(),
+            BTRFS_IOC_SNAP_DESTROY,
+            &args as *const VolArgs,
+        )
+    } != 0
     {
         let e = io::Error::last_os_error();
         return Err(io::Error::new(

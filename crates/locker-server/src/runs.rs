@@ -381,8 +381,8 @@ async fn view(vol: &Arc<Volume>, run_dir: &FsPath) -> Result<(u64, PathBuf), Api
     })
     .await
     .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
-    let (base, files) = made
-        .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
+    let (base, files) =
+        made.map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
     if let Some(n) = files {
         vol.files_hint.store(n, Ordering::Relaxed);
     }
@@ -748,7 +748,17 @@ async fn commit(
                 "{what} is full: the run's changes need {delta} more bytes ({used} of {limit} in use); nothing was committed"
             )));
         }
-        write_journal(&dir, &ops)?;
+        if let Err(e) = write_journal(&dir, &ops) {
+            if e.kind() != io::ErrorKind::StorageFull {
+                return Err(e);
+            }
+            // The run filled the volume's filesystem itself (its layer is on it): before
+            // the commit point, so nothing was applied.
+            let _ = fs::remove_file(dir.join(format!("{JOURNAL}.tmp")));
+            return Ok(Err(format!(
+                "{what} is full: its filesystem had no room left for the commit ({e}); nothing was committed"
+            )));
+        }
         finish_journal(&dir, &ops)?;
         Ok(Ok(delta))
     })
@@ -1224,7 +1234,9 @@ mod tests {
         fs::write(live.join("keep"), b"k").unwrap();
         fs::write(live.join("gone/y"), b"y").unwrap();
         let base = t.join("base");
-        locker_runtime::tree::cow_view(&live, &base, 100).unwrap().unwrap();
+        locker_runtime::tree::cow_view(&live, &base, 100)
+            .unwrap()
+            .unwrap();
         fs::create_dir_all(upper.join("d")).unwrap();
         fs::write(upper.join("d/f"), b"new").unwrap();
         fs::write(upper.join("n"), b"n").unwrap();
