@@ -209,6 +209,8 @@ pub fn init() -> io::Result<()> {
         let _ = unsafe { libc::sethostname(h.as_ptr().cast(), h.len()) };
     }
     loopback_up();
+    // The console (the VM's serial port, `console.log` on the host) says how far it got.
+    eprintln!("locker-agent: microVM ready");
     Ok(())
 }
 

@@ -416,6 +416,14 @@ impl Node {
                 "volumes cannot be mounted into microVMs in this version".into(),
             ));
         }
+        if attach.disk_from.is_some() && attach.memory_from.is_none() {
+            // A restored base's guest has the base's disk cached in its memory: another
+            // disk under it would be corrupted. MicroVMs restore memory snapshots only.
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "a microVM starts from a snapshot with memory only (a disk alone cannot be put under a restored guest)".into(),
+            ));
+        }
         let assets = self.vm_assets().await?;
         let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb);
         let base = crate::vm::ensure_base(&assets, &spec.template_rootfs, shape).await?;

@@ -731,7 +731,13 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
                 return Err(io::Error::last_os_error());
             }
             if let Some(fd) = incoming {
-                if libc::dup2(fd, 3) < 0 {
+                // dup2 onto itself would keep close-on-exec set: clear it instead.
+                let r = if fd == 3 {
+                    libc::fcntl(3, libc::F_SETFD, 0)
+                } else {
+                    libc::dup2(fd, 3)
+                };
+                if r < 0 {
                     return Err(io::Error::last_os_error());
                 }
             }

@@ -391,9 +391,15 @@ async fn healthz(State(app): State<AppState>) -> impl IntoResponse {
     };
     (
         status,
-        axum::Json(
-            json!({"status": if ok { "ok" } else { "degraded" }, "runtimes": runtimes, "egress": egress, "uptime_s": app.started.elapsed().as_secs()}),
-        ),
+        axum::Json(json!({
+            "status": if ok { "ok" } else { "degraded" },
+            "runtimes": runtimes,
+            // How microVMs run here: `kvm`, or `tcg` (emulated: correct, but not a
+            // security boundary).
+            "virtualization": {"accel": report.host.virtualization, "detail": report.host.virtualization_detail},
+            "egress": egress,
+            "uptime_s": app.started.elapsed().as_secs(),
+        })),
     )
 }
 

@@ -306,25 +306,36 @@ async fn execute(
 ) -> Result<ExecResult, ApiError> {
     let vol = &plan.vol;
     let run_dir = vol.root().join("runs").join(&spec.call_id);
-    let start = view(vol, &run_dir).await;
     let call_id = spec.call_id.clone();
-    let r = match start {
-        Ok((seq, base)) => {
-            let r = in_machine(app, plan, &run_dir, &base, spec, stdin, body, arrived, seq).await;
-            vol.log.lock().expect("commit log").end(seq);
+    let r = match view(vol).await {
+        Ok(view) => {
+            tracing::info!(phase = "view", ms = ms_since(arrived), "PHASE-TMP");
+            let r = match layer(&run_dir, &view.base).await {
+                Ok(()) => {
+                    in_machine(
+                        app, plan, &run_dir, &view.base, spec, stdin, body, arrived, view.seq,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            vol.log.lock().expect("commit log").end(view.seq);
             r
         }
         Err(e) => Err(e),
     };
     // The machine is the run's alone: everything it was refused is this call's.
+    tracing::info!(phase = "commit", ms = ms_since(arrived), "PHASE-TMP");
     let egress_denied = app.egress.forget(&call_id);
+    // The layer goes after the answer (what a commit took from it is in `live/` already);
+    // the view goes with the last run that uses it.
     let d = run_dir.clone();
-    let _ = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         if let Err(e) = locker_runtime::volume_fs::remove_tree(&d) {
             tracing::warn!(dir = %d.display(), error = %e, "removing a run's layer failed");
         }
-    })
-    .await;
+    });
+    tracing::info!(phase = "removed", ms = ms_since(arrived), "PHASE-TMP");
     let (mut res, changes) = r?;
     res.timings.total_ms = ms_since(arrived);
     app.metrics.exec_seconds.observe(res.timings.total_ms / 1e3);
@@ -348,45 +359,143 @@ fn remove_tree(d: &FsPath) -> io::Result<()> {
     }
 }
 
-/// Makes `run_dir` on the volume's filesystem: `layer/{upper,work}` and a private,
-/// copy-on-write view of the live tree as it is now (`base/`, a reflink copy, for a tree of
-/// at most [`VIEW_MAX_FILES`] files; else `snap/`, a read-only snapshot of the volume's
-/// filesystem). Returns the volume's commit sequence number at that point and the view's
-/// tree (the overlay's lower layer).
-async fn view(vol: &Arc<Volume>, run_dir: &FsPath) -> Result<(u64, PathBuf), ApiError> {
+/// A private, copy-on-write view of a volume's live tree in `runs/<view id>/` on the
+/// volume's own filesystem: `base/`, a reflink copy, for a tree of at most
+/// [`VIEW_MAX_FILES`] files; else `snap/`, a read-only snapshot of the volume's filesystem.
+/// Shared by the runs that asked for a view while the one before was being made (see
+/// [`view`]); removed, in the background, when the last of them drops it.
+#[derive(Debug)]
+struct View {
+    dir: PathBuf,
+    /// The tree the runs' overlays lay their layers over: `base/` or `snap/live`.
+    base: PathBuf,
+    /// The volume's commit sequence number when the view was taken.
+    seq: u64,
+}
+
+impl Drop for View {
+    fn drop(&mut self) {
+        let d = std::mem::take(&mut self.dir);
+        let remove = move || {
+            if let Err(e) = locker_runtime::volume_fs::remove_tree(&d) {
+                tracing::warn!(dir = %d.display(), error = %e, "removing a run's view failed");
+            }
+        };
+        match tokio::runtime::Handle::try_current() {
+            Ok(rt) => drop(rt.spawn_blocking(remove)),
+            Err(_) => remove(),
+        }
+    }
+}
+
+/// A volume's runs waiting for a view: the batch the next view will serve, while one is
+/// forming (see [`view`]).
+#[derive(Debug, Default)]
+pub struct Views {
+    forming: std::sync::Mutex<Option<Arc<Batch>>>,
+}
+
+/// Runs that will share one view.
+#[derive(Debug, Default)]
+struct Batch {
+    /// How many; counted under [`Views::forming`], final once the batch is closed.
+    members: std::sync::atomic::AtomicU64,
+    view: tokio::sync::OnceCell<Result<Arc<View>, String>>,
+}
+
+impl Views {
+    /// The batch forming now, joined (a new one if none is).
+    fn join(&self) -> Arc<Batch> {
+        let mut forming = self.forming.lock().expect("views");
+        let b = forming.get_or_insert_with(Default::default).clone();
+        b.members.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        b
+    }
+
+    /// Closes `b` to newcomers (they form the next batch); returns how many it has.
+    fn close(&self, b: &Arc<Batch>) -> u64 {
+        let mut forming = self.forming.lock().expect("views");
+        if forming.as_ref().is_some_and(|f| Arc::ptr_eq(f, b)) {
+            *forming = None;
+        }
+        b.members.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+/// The run's view of the volume as of its start, and the volume's commit sequence number
+/// then. Runs that arrive while a view is being made wait together and share the next one:
+/// each of them arrived before it began, and it is taken under the volume's write gate, so
+/// it is the volume as of each one's start, just as a view of its own would be. A burst of
+/// runs on one volume thus makes a few views, not one after another per run.
+async fn view(vol: &Arc<Volume>) -> Result<Arc<View>, ApiError> {
+    let batch = vol.views.join();
+    batch
+        .view
+        .get_or_init(|| make_view(vol, &batch))
+        .await
+        .clone()
+        .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))
+}
+
+/// Makes the view of a batch (see [`View`]) under the volume's write gate (no files-API
+/// write, commit or other view in flight), and begins its runs in the commit log.
+async fn make_view(vol: &Arc<Volume>, batch: &Arc<Batch>) -> Result<Arc<View>, String> {
     use std::sync::atomic::Ordering;
     let _all = vol.space.gate.write().await;
+    let members = vol.views.close(batch);
     let (root, live) = (vol.root(), vol.live());
-    let rd = run_dir.to_owned();
+    let dir = root.join("runs").join(new_id("view_"));
     let hint = vol.files_hint.load(Ordering::Relaxed);
     let try_copy = hint <= VIEW_MAX_FILES || {
         let n = vol.view_tries.fetch_add(1, Ordering::Relaxed);
         n % VIEW_RETRY_EVERY == VIEW_RETRY_EVERY - 1
     };
+    let d = dir.clone();
     let made = tokio::task::spawn_blocking(move || -> io::Result<(PathBuf, Option<u64>)> {
-        fs::create_dir_all(rd.join("layer/work"))?;
-        let upper = rd.join("layer/upper");
-        fs::create_dir(&upper)?;
-        // The mount point shows the upper layer's root: make it look like the volume's.
-        locker_runtime::tree::copy_attrs(&upper, &live.symlink_metadata()?)?;
-        if try_copy {
-            let base = rd.join("base");
-            if let Some(st) = locker_runtime::tree::cow_view(&live, &base, VIEW_MAX_FILES)? {
-                return Ok((base, Some(st.files)));
+        let r = (|| {
+            fs::create_dir(&d)?;
+            if try_copy {
+                let base = d.join("base");
+                if let Some(st) = locker_runtime::tree::cow_view(&live, &base, VIEW_MAX_FILES)? {
+                    return Ok((base, Some(st.files)));
+                }
             }
+            let snap = d.join("snap");
+            locker_runtime::volume_fs::snapshot(&root, &snap)?;
+            Ok((snap.join("live"), try_copy.then_some(u64::MAX)))
+        })();
+        if r.is_err() {
+            let _ = locker_runtime::volume_fs::remove_tree(&d);
         }
-        let snap = rd.join("snap");
-        locker_runtime::volume_fs::snapshot(&root, &snap)?;
-        Ok((snap.join("live"), try_copy.then_some(u64::MAX)))
+        r
     })
     .await
-    .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
-    let (base, files) =
-        made.map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", vol.id)))?;
+    .map_err(|e| e.to_string())?;
+    let (base, files) = made.map_err(|e| e.to_string())?;
     if let Some(n) = files {
         vol.files_hint.store(n, Ordering::Relaxed);
     }
-    Ok((vol.log.lock().expect("commit log").begin(), base))
+    let mut log = vol.log.lock().expect("commit log");
+    let seq = log.begin();
+    for _ in 1..members {
+        log.begin();
+    }
+    Ok(Arc::new(View { dir, base, seq }))
+}
+
+/// Makes the run's own layer, `run_dir/layer/{upper,work}`, on the volume's filesystem,
+/// its root looking like the view's (the mount point shows it).
+async fn layer(run_dir: &FsPath, base: &FsPath) -> Result<(), ApiError> {
+    let (rd, base) = (run_dir.to_owned(), base.to_owned());
+    tokio::task::spawn_blocking(move || -> io::Result<()> {
+        fs::create_dir_all(rd.join("layer/work"))?;
+        let upper = rd.join("layer/upper");
+        fs::create_dir(&upper)?;
+        locker_runtime::tree::copy_attrs(&upper, &base.symlink_metadata()?)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("making the run's layer: {e}")))?
+    .map_err(|e| ApiError::internal(format!("making the run's layer: {e}")))
 }
 
 /// Starts the machine, runs the command, destroys the machine, commits. `Ok((result,
@@ -446,6 +555,7 @@ async fn in_machine(
     }
 
     let queue_ms = ms_since(arrived);
+    tracing::info!(phase = "machine", ms = queue_ms, "PHASE-TMP");
     let agent = machine.agent.clone();
     let outcome = match body {
         None => Some(agent.exec(spec.clone(), stdin, None).await),
@@ -461,7 +571,9 @@ async fn in_machine(
     };
     // The machine's processes must be gone before its layer is read; the rest of its
     // teardown (mounts, loop device, cgroup, directory) happens after the answer.
+    tracing::info!(phase = "exec", ms = ms_since(arrived), "PHASE-TMP");
     let stopped = app.node.stop(&machine).await;
+    tracing::info!(phase = "stop", ms = ms_since(arrived), "PHASE-TMP");
     let node = app.node.clone();
     tokio::spawn(async move {
         if let Err(e) = node.destroy(&machine).await {
@@ -719,6 +831,15 @@ async fn commit(
         .cloned()
         .collect();
     paths.sort();
+    if scan.ops.is_empty() {
+        // Nothing to apply, and no path to conflict: no need to wait for the gate.
+        changes.committed = match plan.commit {
+            CommitMode::Always => true,
+            CommitMode::OnSuccess => res.exit_code == Some(0),
+            CommitMode::Never => false,
+        };
+        return Ok(changes);
+    }
     let _all = vol.space.gate.write().await;
     changes.conflicts = vol
         .log
@@ -731,10 +852,6 @@ async fn commit(
         CommitMode::Never => false,
     };
     if !apply {
-        return Ok(changes);
-    }
-    if scan.ops.is_empty() {
-        changes.committed = true;
         return Ok(changes);
     }
     let (dir, ops) = (vol.root(), scan.ops);

@@ -150,8 +150,12 @@ pub fn resolve_runtime(r: Option<&str>) -> Result<&'static str, ApiError> {
     match r.unwrap_or("auto") {
         "auto" | "jail" => Ok("jail"),
         "microvm" => Ok("microvm"),
-        "gvisor" => Err(ApiError::unavailable("runtime `gvisor` is not available in this version; use `jail` or `auto`")),
-        other => Err(ApiError::bad_request(format!("unknown runtime {other:?}: use auto, jail, microvm or gvisor"))),
+        "gvisor" => Err(ApiError::unavailable(
+            "runtime `gvisor` is not available in this version; use `jail` or `auto`",
+        )),
+        other => Err(ApiError::bad_request(format!(
+            "unknown runtime {other:?}: use auto, jail, microvm or gvisor"
+        ))),
     }
 }
 
@@ -249,7 +253,11 @@ async fn create(
     // A snapshot with memory restores only as a microVM (its memory is a VM's).
     let runtime = match &snapshot {
         Some(snap) if snap.has_memory => {
-            if body.runtime.as_deref().is_some_and(|r| r != "microvm" && r != "auto") {
+            if body
+                .runtime
+                .as_deref()
+                .is_some_and(|r| r != "microvm" && r != "auto")
+            {
                 return Err(ApiError::bad_request(format!(
                     "snapshot {} holds a microVM's memory: leave `runtime` out or say \"microvm\"",
                     snap.id
@@ -257,7 +265,24 @@ async fn create(
             }
             "microvm"
         }
-        _ => runtime,
+        Some(snap) if runtime == "microvm" => {
+            return Err(ApiError::bad_request(format!(
+                "snapshot {} holds a disk only (a jail's): microVM sandboxes restore snapshots with memory; leave `runtime` out or say \"jail\"",
+                snap.id
+            )));
+        }
+        Some(_) => "jail",
+        // `auto`: the strongest runtime that works here and does what was asked. A microVM
+        // under TCG emulation is not a security boundary, so auto picks it on KVM only.
+        None if body.runtime.as_deref().unwrap_or("auto") == "auto" => {
+            let kvm = matches!(app.node.vm_assets().await, Ok(a) if a.accel == locker_runtime::vm::Accel::Kvm);
+            if kvm && volumes.is_empty() && !has_egress(&check_network(&body.network)?) {
+                "microvm"
+            } else {
+                "jail"
+            }
+        }
+        None => runtime,
     };
     if runtime == "microvm" {
         if !volumes.is_empty() {

@@ -66,6 +66,8 @@ pub struct Volume {
     pub files_hint: std::sync::atomic::AtomicU64,
     /// Runs that took a snapshot because of `files_hint` (see `runs`).
     pub view_tries: std::sync::atomic::AtomicU64,
+    /// Runs waiting for a view of the volume (see `runs`).
+    pub views: crate::runs::Views,
     agent: tokio::sync::Mutex<Option<HostAgent>>,
     /// What changed when: files-API writes and run commits (see [`CommitLog`]).
     pub log: std::sync::Mutex<CommitLog>,
@@ -264,6 +266,7 @@ impl Volumes {
             id: r.id.clone(),
             files_hint: Default::default(),
             view_tries: Default::default(),
+            views: Default::default(),
             space: Space::new(
                 locker_runtime::volume_fs::live(&dir),
                 format!("volume {}", r.name),
