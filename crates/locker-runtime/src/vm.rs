@@ -1062,6 +1062,20 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
                     logs_of(dir)
                 ))
             })?;
+        // Warm the guest's page cache with what every first command touches (the shell,
+        // the C library, the agent's exec path): each restored VM starts with it cached.
+        let warm = locker_proto::ExecSpec {
+            call_id: "warm-up".into(),
+            argv: vec![
+                "/bin/sh".into(),
+                "-c".into(),
+                "true; ls / >/dev/null; cat /etc/os-release >/dev/null".into(),
+            ],
+            max_output_bytes: 4096,
+            timeout_ms: Some(60_000),
+            ..Default::default()
+        };
+        let _ = agent.exec(warm, None, None).await;
         agent.flush().await?;
         drop(agent);
         // Let the guest see the host leave, so every restored VM starts out waiting for
