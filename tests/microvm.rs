@@ -136,8 +136,15 @@ async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
     assert_eq!(r.exit_code, Some(0), "{r:?}");
     let mut lines = r.stdout.lines();
     let guest = lines.next().unwrap_or_default();
-    assert!(!guest.is_empty() && guest != host.trim(), "guest kernel {guest:?} vs host {host:?}");
-    assert_eq!(lines.next(), Some(m.id.as_str()), "hostname is the machine id: {r:?}");
+    assert!(
+        !guest.is_empty() && guest != host.trim(),
+        "guest kernel {guest:?} vs host {host:?}"
+    );
+    assert_eq!(
+        lines.next(),
+        Some(m.id.as_str()),
+        "hostname is the machine id: {r:?}"
+    );
     // The clock was re-seeded after the restore.
     let r = run(m, "date +%s").await;
     let guest_now: i64 = r.stdout.trim().parse().expect("a number");
@@ -145,7 +152,10 @@ async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap()
         .as_secs() as i64;
-    assert!((guest_now - host_now).abs() <= 5, "guest clock {guest_now} vs host {host_now}");
+    assert!(
+        (guest_now - host_now).abs() <= 5,
+        "guest clock {guest_now} vs host {host_now}"
+    );
 
     // Streaming output arrives while the command runs.
     let (tx, mut rx) = tokio::sync::mpsc::channel(64);
@@ -164,7 +174,10 @@ async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
     assert_eq!(r.exit_code, Some(0));
     assert!(chunks.len() >= 2, "output came in pieces: {chunks:?}");
     let spread = chunks.last().unwrap().0 - chunks[0].0;
-    assert!(spread >= Duration::from_millis(300), "chunks arrived as they were written");
+    assert!(
+        spread >= Duration::from_millis(300),
+        "chunks arrived as they were written"
+    );
 
     // A timeout kills the whole tree.
     let t = Instant::now();
@@ -174,7 +187,11 @@ async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
         .await
         .expect("exec with timeout");
     assert_eq!(r.reason, Reason::Timeout, "{r:?}");
-    assert!(t.elapsed() < Duration::from_secs(15), "timeout took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(15),
+        "timeout took {:?}",
+        t.elapsed()
+    );
     let r = run(m, "pgrep -c sleep || true").await;
     assert_eq!(r.stdout.trim(), "0", "the tree is gone: {r:?}");
 
@@ -223,10 +240,7 @@ async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
         0,
     );
     counter.timeout_ms = None;
-    m.agent
-        .spawn(counter)
-        .await
-        .expect("spawn the counter");
+    m.agent.spawn(counter).await.expect("spawn the counter");
     tokio::time::sleep(Duration::from_millis(800)).await;
     let snap = vms.dir.path().join("snap");
     std::fs::create_dir_all(&snap).unwrap();
@@ -234,17 +248,35 @@ async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
     let (size, has_memory) = vms.node.snapshot(m, &snap).await.expect("snapshot");
     eprintln!("snapshot with memory: {size} bytes in {:?}", t.elapsed());
     assert!(has_memory);
-    let before: u64 = run(m, "cat /dev/shm/count").await.stdout.trim().parse().unwrap();
+    let before: u64 = run(m, "cat /dev/shm/count")
+        .await
+        .stdout
+        .trim()
+        .parse()
+        .unwrap();
     assert!(before > 0);
 
     let t = Instant::now();
     let c = vms.start(Some(&snap)).await;
     eprintln!("restore from the snapshot in {:?}", t.elapsed());
     let child = vms.m(c);
-    let a: u64 = run(child, "cat /dev/shm/count").await.stdout.trim().parse().unwrap();
+    let a: u64 = run(child, "cat /dev/shm/count")
+        .await
+        .stdout
+        .trim()
+        .parse()
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(600)).await;
-    let b: u64 = run(child, "cat /dev/shm/count").await.stdout.trim().parse().unwrap();
-    assert!(a > 0 && b > a, "the counter continues in the child: {a} then {b}");
+    let b: u64 = run(child, "cat /dev/shm/count")
+        .await
+        .stdout
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        a > 0 && b > a,
+        "the counter continues in the child: {a} then {b}"
+    );
     let r = run(child, "hostname").await;
     assert_eq!(r.stdout.trim(), child.id, "the child has its own name");
 
@@ -307,7 +339,48 @@ fn microvm_sandboxes_through_the_api() {
     api.write_file(&sb, "/root/hello.txt", b"from the host")
         .expect(200, "write a file");
     assert_eq!(api.sh(&sb, "cat /root/hello.txt"), "from the host");
-    assert_eq!(api.read_file(&sb, "/root/hello.txt").text(), "from the host");
+    assert_eq!(
+        api.read_file(&sb, "/root/hello.txt").text(),
+        "from the host"
+    );
+
+    // The pool: after the first create of a shape, one restored and warmed microVM waits
+    // (a directory under sandboxes/ no sandbox owns); the next create takes it, under that
+    // machine's id, with its own name and a fresh clock.
+    let sandboxes = srv.machine_dir(&sb).parent().unwrap().to_owned();
+    let waiting = || -> Vec<String> {
+        std::fs::read_dir(&sandboxes)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| *n != sb)
+            .collect()
+    };
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while waiting().is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let pooled = waiting();
+    assert_eq!(pooled.len(), 1, "one pooled microVM waits: {pooled:?}");
+    std::thread::sleep(Duration::from_millis(1500));
+    let t = Instant::now();
+    let second = api.create_sandbox(&json!({"runtime": "microvm", "memory_mb": 256}));
+    let took = t.elapsed();
+    let second = second["id"].as_str().unwrap().to_owned();
+    assert_eq!(second, pooled[0], "the create took the pooled machine");
+    assert_eq!(api.sh(&second, "hostname").trim(), second.as_str());
+    let guest_now: i64 = api.sh(&second, "date +%s").trim().parse().unwrap();
+    let host_now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs() as i64;
+    assert!(
+        (guest_now - host_now).abs() <= 2,
+        "clock refreshed at take: {guest_now} vs {host_now}"
+    );
+    eprintln!("create from the pool took {took:?}");
+    api.delete(&format!("/v1/sandboxes/{second}"))
+        .expect(204, "delete the pooled one");
 
     // A background counter in memory; a snapshot carries it; forks continue it.
     api.post(
@@ -335,13 +408,22 @@ fn microvm_sandboxes_through_the_api() {
         let a: u64 = api.sh(k, "cat /dev/shm/n").trim().parse().unwrap();
         std::thread::sleep(Duration::from_millis(500));
         let b: u64 = api.sh(k, "cat /dev/shm/n").trim().parse().unwrap();
-        assert!(a > 0 && b > a, "fork {k}: the counter continues ({a} then {b})");
+        assert!(
+            a > 0 && b > a,
+            "fork {k}: the counter continues ({a} then {b})"
+        );
         assert_eq!(api.sh(k, "hostname").trim(), k.as_str());
     }
     let from_snap = api.create_sandbox(&json!({"from_snapshot": snap["id"]}));
     assert_eq!(from_snap["runtime"], "microvm", "{from_snap}");
     let fs_id = from_snap["id"].as_str().unwrap().to_owned();
-    assert!(api.sh(&fs_id, "cat /dev/shm/n").trim().parse::<u64>().unwrap() > 0);
+    assert!(
+        api.sh(&fs_id, "cat /dev/shm/n")
+            .trim()
+            .parse::<u64>()
+            .unwrap()
+            > 0
+    );
     // A memory snapshot cannot start a jail.
     api.post(
         "/v1/sandboxes",
@@ -359,14 +441,19 @@ fn microvm_sandboxes_through_the_api() {
     let api = srv.api();
     assert_eq!(api.sh(&sb, "echo adopted"), "adopted\n");
 
-    // What microVMs do not do yet is refused clearly.
+    // A microVM created with egress `none` has no network device: no other policy fits.
     let e = api
-        .post(
-            "/v1/sandboxes",
-            &json!({"runtime": "microvm", "network": {"egress": "all"}}),
+        .patch(
+            &format!("/v1/sandboxes/{sb}"),
+            &json!({"network": {"egress": "all"}}),
         )
-        .expect_error(503, "unavailable", "egress in a microVM");
-    assert!(e.contains("egress"), "{e}");
+        .expect_error(409, "conflict", "egress for a microVM without a NIC");
+    assert!(e.contains("network device"), "{e}");
+    assert_eq!(
+        api.sh(&sb, "ls /sys/class/net | tr '\\n' ' '").trim(),
+        "lo",
+        "no network device at all"
+    );
 
     // Deleting leaves no QEMU behind.
     let data = srv.machine_dir(&sb).parent().unwrap().to_owned();
@@ -374,5 +461,174 @@ fn microvm_sandboxes_through_the_api() {
         api.delete(&format!("/v1/sandboxes/{id}"))
             .expect(204, "delete");
     }
-    assert!(qemus_under(&data).is_empty(), "no QEMU left under {}", data.display());
+    assert!(
+        qemus_under(&data).is_empty(),
+        "no QEMU left under {}",
+        data.display()
+    );
+}
+
+/// Egress of microVM sandboxes, through the real server: the same host rules as a jail's.
+/// `all` reaches a test server on the host (in a namespace of its own) but not the
+/// metadata address nor Locker's port; `allow` reaches an allowed name through the proxy
+/// and is refused another (recorded in the call); a policy change applies; destroy leaves
+/// no namespace, link, table or lease.
+#[test]
+fn microvm_egress_all_and_allow_through_the_api() {
+    use locker_tests::egress::{
+        denied_of, host_address, lease, reach, run_sh, wait_egress_ok, TestNet, GREETING, REFUSED,
+    };
+    use locker_tests::server::Server;
+    use serde_json::json;
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    become_subreaper();
+    let (a, b) = (TestNet::start(), TestNet::start());
+    let srv = Server::start_with(&[
+        "--egress-resolve",
+        &format!("allowed.test={}", a.addr),
+        "--egress-resolve",
+        &format!("other.test={}", b.addr),
+    ]);
+    wait_egress_ok(&srv);
+    let api = srv.api();
+    // The first create of a shape boots its base (seconds): time the second.
+    let create = |network: serde_json::Value| -> (String, Duration) {
+        let t = Instant::now();
+        let sb = api
+            .create_sandbox(&json!({"runtime": "microvm", "memory_mb": 256, "network": network}));
+        assert_eq!(sb["runtime"], "microvm", "{sb}");
+        (sb["id"].as_str().unwrap().to_owned(), t.elapsed())
+    };
+    for network in [json!({"egress": "all"}), json!({"egress": "none"})] {
+        let (warm, _) = create(network);
+        api.delete(&format!("/v1/sandboxes/{warm}"))
+            .expect(204, "delete");
+    }
+    let (none, t_none) = create(json!({"egress": "none"}));
+    let (all, t_all) = create(json!({"egress": "all"}));
+    eprintln!("microVM create: egress none {t_none:?}, egress all {t_all:?}");
+
+    // all: the test server, by address; nothing of the host, no metadata.
+    let (slot, link, mip) = lease(&srv, &all).expect("egress all: a lease");
+    let netns = format!("/run/netns/locker-lk{slot}");
+    assert!(Path::new("/sys/class/net").join(&link).exists(), "its veth");
+    assert!(Path::new(&netns).exists(), "its namespace");
+    assert!(
+        api.sh(&all, "cat /proc/net/fib_trie").contains(&mip),
+        "the guest owns the machine address"
+    );
+    assert_eq!(reach(&api, &all, &a.addr.to_string(), a.port), GREETING);
+    let gw = {
+        let ip: std::net::Ipv4Addr = mip.parse().unwrap();
+        std::net::Ipv4Addr::from(u32::from(ip) - 1).to_string()
+    };
+    let locker_port = srv.addr.port();
+    for (addr, port, what) in [
+        ("169.254.169.254", 80, "the metadata address"),
+        (gw.as_str(), locker_port, "Locker's port on the host end"),
+        (
+            host_address().as_str(),
+            locker_port,
+            "Locker's port on the uplink",
+        ),
+    ] {
+        assert_eq!(
+            reach(&api, &all, addr, port),
+            "FAILED",
+            "{what} ({addr}:{port})"
+        );
+    }
+    // Its resolver is the host end, which answers names (`all` resolves everything).
+    assert_eq!(
+        api.sh(&all, "getent hosts allowed.test | cut -d' ' -f1")
+            .trim(),
+        a.addr.to_string()
+    );
+
+    // none: a microVM without any network device.
+    assert_eq!(
+        api.sh(&none, "ls /sys/class/net | tr '\\n' ' '").trim(),
+        "lo",
+        "egress none: no network device"
+    );
+
+    // PATCH to allow: the allowed name through the proxy, another refused and recorded.
+    let p = api
+        .patch(
+            &format!("/v1/sandboxes/{all}"),
+            &json!({"network": {"egress": "allow", "allow": ["allowed.test"]}}),
+        )
+        .expect(200, "patch to allow");
+    assert_eq!(p["network"]["egress"], "allow", "{p}");
+    let (code, out, _, _) = run_sh(&api, &all, "curl -sS -m 5 http://allowed.test/");
+    assert_eq!((code, out.trim()), (0, a.name.as_str()), "the allowed name");
+    let (code, _, err, call) = run_sh(&api, &all, "curl -sS -m 5 http://other.test/");
+    assert_ne!(code, 0, "another name is refused: {err}");
+    assert!(
+        denied_of(&api, &format!("sandbox_id={all}"), &call).contains(&"other.test".to_owned()),
+        "the refusal is recorded"
+    );
+    let (code, _, err, _) = run_sh(&api, &all, &format!("curl -sS -m 5 http://{}/", a.addr));
+    assert_ne!(code, 0, "a bare address is refused: {err}");
+    assert!(
+        api.sh(
+            &all,
+            &format!("curl -sS -m 5 http://{}/ 2>&1 || true", a.addr)
+        )
+        .contains(REFUSED)
+            || !api
+                .sh(
+                    &all,
+                    &format!("curl -sS -m 5 http://{}/ 2>&1 || true", a.addr)
+                )
+                .contains(&a.name),
+        "a bare address reaches nothing"
+    );
+    // PATCH to none keeps the device and closes the link; back to all opens it again.
+    api.patch(
+        &format!("/v1/sandboxes/{all}"),
+        &json!({"network": {"egress": "none"}}),
+    )
+    .expect(200, "patch to none");
+    assert_eq!(
+        reach(&api, &all, &a.addr.to_string(), a.port),
+        "FAILED",
+        "closed"
+    );
+    api.patch(
+        &format!("/v1/sandboxes/{all}"),
+        &json!({"network": {"egress": "all"}}),
+    )
+    .expect(200, "patch back to all");
+    assert_eq!(
+        reach(&api, &all, &a.addr.to_string(), a.port),
+        GREETING,
+        "open again"
+    );
+
+    // Destroy leaves nothing of its network.
+    for id in [&all, &none] {
+        api.delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete");
+    }
+    assert!(!Path::new(&netns).exists(), "no namespace left");
+    assert!(
+        !Path::new("/sys/class/net").join(&link).exists(),
+        "no veth left"
+    );
+    assert!(
+        !Path::new("/run/locker/net-slots")
+            .join(slot.to_string())
+            .exists(),
+        "no lease left"
+    );
+    let tables = std::process::Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&tables.stdout).contains(&format!("locker_{link}")),
+        "no host table left"
+    );
+    drop(b);
 }

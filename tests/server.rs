@@ -1181,12 +1181,6 @@ fn bad_sandbox_requests_are_refused_with_the_error_shape() {
         ),
         (json!({"template": 5}), 400, "bad_request", "template"),
         (json!({"runtime": "qemu"}), 400, "bad_request", "qemu"),
-        (
-            json!({"runtime": "microvm", "network": {"egress": "all"}}),
-            503,
-            "unavailable",
-            "egress",
-        ),
         (json!({"runtime": "gvisor"}), 503, "unavailable", "gvisor"),
         (
             json!({"network": {"egress": "allow", "allow": ["*"]}}),

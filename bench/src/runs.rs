@@ -219,7 +219,7 @@ pub fn run_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     };
     rows.push(
         Row::new(WAIT, "ms", wait, warm)
-            .note("the server's timings.queue_ms + timings.start_ms of a run of `true`, one at a time: from the request's arrival until the command's process started (snapshot of the volume as a hard-link farm, a machine with the volume's overlay at /workspace, the agent's start of the command)")
+            .note("the server's timings.queue_ms + timings.start_ms of a run of `true`, one at a time: from the request's arrival until the command's process started (the volume's copy-on-write view, a machine with the volume's overlay at /workspace, the agent's start of the command)")
             .note(pool_note)
             .target(Target::P50(10.0)),
     );
@@ -232,8 +232,12 @@ pub fn run_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .vs(HTTP_CREATE_EXEC),
     );
     let mut r = Row::new(format!("run true ({n_burst} at once, HTTP)"), "ms", ok, 0)
-        .note(format!("{n_burst} threads released together, one HTTP client each, one run of `true` each on the same volume; {} of {n_burst} complete, {} errors; all done in {wall:.0} ms; server started with {} (the warm pool holds only a few, the rest start fresh)", n_burst - errs.len(), errs.len(), crate::scale::big_quotas(n_burst).join(" ")))
+        .note(format!("{n_burst} threads released together, one HTTP client each, one run of `true` each on the same volume; {} of {n_burst} complete, {} errors; all done in {wall:.0} ms; server started with {} (the warm pool holds only a few, the rest start fresh; runs that wait for a view of the volume together share one)", n_burst - errs.len(), errs.len(), crate::scale::big_quotas(n_burst).join(" ")))
         .vs(PEER_BURST);
+    if n_burst == 100 {
+        // Issue 4: 100 concurrent runs of `true` all complete, p99 <= 1 s on 2 cores.
+        r = r.target(Target::P99(1000.0));
+    }
     if !errs.is_empty() {
         let first: Vec<&str> = errs.iter().take(3).map(|s| s.as_str()).collect();
         r = r.note(format!("first errors: {}", first.join(" | ")));

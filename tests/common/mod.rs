@@ -4,6 +4,7 @@
 //! The tests run as root on a host prepared by `scripts/setup test` (which builds
 //! `target/release/locker`, the static `locker-agent` beside it, and the default template).
 
+pub mod egress;
 pub mod server;
 pub mod tools;
 

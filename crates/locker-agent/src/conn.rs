@@ -547,6 +547,18 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
                 format!("setting the clock and entropy: {e}"),
             )),
         },
+        Request::ConfigureNet {
+            interface,
+            address,
+            prefix,
+            gateway,
+        } => match crate::sys::configure_net(&interface, address, prefix, gateway) {
+            Ok(()) => s.end(EndBody::Ok),
+            Err(e) => s.fail(AgentError::new(
+                ErrorCode::Internal,
+                format!("configuring {interface}: {e}"),
+            )),
+        },
         Request::Flush => {
             // SAFETY: sync(2) takes no arguments and cannot fail.
             unsafe { libc::sync() };

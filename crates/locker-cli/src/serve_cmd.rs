@@ -38,6 +38,10 @@ pub struct ServeArgs {
     /// Warm machines kept ready for serverless runs of the default shape (0: none).
     #[arg(long, env = "LOCKER_WARM_POOL", default_value_t = 2)]
     warm_pool: usize,
+    /// Ready microVMs kept per sandbox shape (template, cpus, memory, disk) that has been
+    /// asked for: restored and warmed, so a create only takes one (0: none).
+    #[arg(long, env = "LOCKER_VM_POOL", default_value_t = 1)]
+    vm_pool: usize,
     /// Pin a name to addresses for machines' egress, like curl's --resolve:
     /// `name=ip[,ip…]`; repeatable. The egress proxy and DNS responder use it instead of
     /// resolving the name on the host.
@@ -73,6 +77,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         },
         cache_dir: a.cache_dir,
         warm_pool: a.warm_pool,
+        vm_pool: a.vm_pool,
         egress_resolve: a.egress_resolve,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -287,6 +287,15 @@ pub enum Request {
     },
     /// Flush every filesystem of the machine to its disks (before a snapshot). `End(Ok)`.
     Flush,
+    /// In a microVM with a network device: give `interface` the IPv4 `address`/`prefix`
+    /// (replacing the one it had), bring it and `lo` up and route everything via `gateway`
+    /// (replacing any default route). `End(Ok)`.
+    ConfigureNet {
+        interface: String,
+        address: std::net::Ipv4Addr,
+        prefix: u8,
+        gateway: std::net::Ipv4Addr,
+    },
 }
 
 /// A non-final message on a stream.

@@ -362,6 +362,27 @@ impl AgentClient {
         }
     }
 
+    /// Gives a microVM guest's `interface` its address and default route (see
+    /// [`Request::ConfigureNet`]).
+    pub async fn configure_net(
+        &self,
+        interface: &str,
+        address: std::net::Ipv4Addr,
+        prefix: u8,
+        gateway: std::net::Ipv4Addr,
+    ) -> Result<()> {
+        let req = Request::ConfigureNet {
+            interface: interface.to_owned(),
+            address,
+            prefix,
+            gateway,
+        };
+        match self.call(req).await? {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("ConfigureNet", &other)),
+        }
+    }
+
     /// Flushes every filesystem of the machine to its disks.
     pub async fn flush(&self) -> Result<()> {
         match self.call(Request::Flush).await? {

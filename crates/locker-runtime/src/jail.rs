@@ -314,10 +314,15 @@ fn kill_processes(
 fn finish_destroy(dir: &Path) -> Result<(), JailError> {
     // The kernel tears a dead mount namespace down asynchronously; the loop device detaches
     // once the disk is unmounted. Wait for it so "destroyed" means nothing is left.
+    // The devices are found once (a scan of every loop device), then only they are
+    // watched: with many machines going at once, a scan per poll would cost each of them
+    // a read per loop device on the host, every poll.
     let img = dir.join("disk.img");
     let deadline = Instant::now() + Duration::from_secs(5);
-    while loop_backs(&img) && Instant::now() < deadline {
+    let mut devs = loops_backing(&img);
+    while !devs.is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(2));
+        devs.retain(|d| backs(d, &img));
     }
     match fs::remove_dir_all(dir) {
         Ok(()) => Ok(()),
@@ -329,16 +334,21 @@ fn finish_destroy(dir: &Path) -> Result<(), JailError> {
     }
 }
 
-/// Whether some loop device is backed by `img`.
-fn loop_backs(img: &Path) -> bool {
+/// The loop devices (`/sys/block/loopN`) backed by `img`.
+fn loops_backing(img: &Path) -> Vec<PathBuf> {
     let Ok(rd) = fs::read_dir("/sys/block") else {
-        return false;
+        return Vec::new();
     };
-    let want = img.as_os_str().as_encoded_bytes();
-    rd.flatten().any(|e| {
-        let f = e.path().join("loop/backing_file");
-        fs::read(f).map(|b| b.starts_with(want)).unwrap_or(false)
-    })
+    rd.flatten()
+        .map(|e| e.path())
+        .filter(|d| backs(d, img))
+        .collect()
+}
+
+/// Whether the block device `dev` (`/sys/block/loopN`) is a loop device backed by `img`.
+fn backs(dev: &Path, img: &Path) -> bool {
+    fs::read(dev.join("loop/backing_file"))
+        .is_ok_and(|b| b.starts_with(img.as_os_str().as_encoded_bytes()))
 }
 
 /// Whether `pid` is a live (not zombie) process inside machine `id`'s cgroup.

@@ -29,6 +29,24 @@
 //!   dials the requested *name* itself, and every other forwarded packet not to an
 //!   allowed CIDR dropped.
 //!
+//! A microVM ([`prepare_vm`], [`attach_vm`]) has the same lease, veth, host tables and
+//! host rules; only the machine's side differs, because the machine's own address belongs
+//! to its guest kernel, not to a namespace the host configures:
+//! - its network namespace is a named one, `/run/netns/locker-lk<slot>`, made before QEMU
+//!   starts (QEMU joins it) and living as long as the machine (removed by [`detach`], and by
+//!   [`cleanup_stale`] after a crash);
+//! - in it the host opens the tap `tap0` that QEMU's network device uses (by fd: the
+//!   tap goes when QEMU does) and bridges it with the veth's machine end `eth0` on `br0`; the
+//!   namespace itself has no address. The guest owns `.2`, routes via `.1` and asks `.1` for
+//!   names (set through its agent);
+//! - the ruleset inside is a `bridge` table (an `inet` one would never see bridged
+//!   frames): frames from the tap must be IPv4 (or ARP) from `.2`, and then pass the same
+//!   checks as a jail's `output` chain. The guest's root can change anything in the guest,
+//!   not this table, nor the host's;
+//! - the link lives as long as the machine: under `none` (a machine created with a network
+//!   policy, then changed to `none`) its host table drops everything from it and the bridge
+//!   table everything from the tap.
+//!
 //! Whether the host rules work is proved by [`probe`]: a throwaway namespace wired like a
 //! machine tries to connect to a listener on the host (which would answer without the
 //! rules) and to the metadata address; both must fail.
@@ -60,6 +78,8 @@ const NEVER_V4: &str =
 /// the server (its proxy and DNS responder); the host's input chain accepts from `lk*`
 /// only those. Conntrack state is per network namespace: a machine cannot set it.
 pub const REDIRECT_MARK: u32 = 0x4c4b_0045;
+/// MicroVMs' network namespaces are `/run/netns/locker-lk<slot>`.
+pub const VM_NETNS_PREFIX: &str = "locker-lk";
 /// The most CIDRs one `allow` policy carries.
 pub const MAX_CIDRS: usize = 256;
 
@@ -156,6 +176,14 @@ impl NetLease {
     }
     pub fn machine_ip(&self) -> Ipv4Addr {
         Ipv4Addr::from(RANGE_BASE + self.slot * 4 + 2)
+    }
+    /// The name of a microVM's network namespace (under `/run/netns`).
+    pub fn netns_name(&self) -> String {
+        format!("{VM_NETNS_PREFIX}{}", self.slot)
+    }
+    /// The path of a microVM's network namespace.
+    pub fn netns(&self) -> PathBuf {
+        Path::new("/run/netns").join(self.netns_name())
     }
     /// Reads a machine's lease from its directory.
     pub fn load(dir: &Path) -> Option<Self> {
@@ -267,6 +295,61 @@ table inet {TABLE} {{
     iifname \"lo\" accept
     ct state established,related accept
     drop
+  }}
+}}
+"
+    )
+}
+
+/// The ruleset inside a microVM's network namespace: a `bridge` table over the frames its
+/// guest sends through the tap (the namespace's own stack carries none of them). The
+/// same checks as [`machine_ruleset`]'s output chain, plus the guest's source address
+/// (its root can change it, unlike a jail's). Replaces any earlier one atomically.
+fn vm_bridge_ruleset(l: &NetLease, policy: &Policy) -> String {
+    let (host, m) = (l.host_ip(), l.machine_ip());
+    let body = match policy {
+        Policy::None => "drop\n".to_owned(),
+        _ => {
+            let mut r = format!(
+                "ether type arp accept
+    ether type != ip drop
+    ip saddr != {m} drop
+    ip daddr {host} udp dport 53 accept
+    ip daddr {{ {NEVER_V4}, {host} }} drop
+"
+            );
+            if let Policy::Allow { cidrs, .. } = policy {
+                if !cidrs.is_empty() {
+                    r += &format!("    ip daddr {{ {} }} accept\n", join(cidrs));
+                }
+                r += "    ip protocol tcp accept\n    udp dport 53 accept\n    drop\n";
+            }
+            r
+        }
+    };
+    format!(
+        "table bridge {TABLE} {{}}
+delete table bridge {TABLE}
+table bridge {TABLE} {{
+  chain forward {{
+    type filter hook forward priority 0; policy accept;
+    iifname != \"tap0\" accept
+    {body}  }}
+}}
+"
+    )
+}
+
+/// A microVM's own host table under `none`: its link stays, nothing crosses it.
+fn host_closed_ruleset(l: &NetLease) -> String {
+    let (link, t) = (l.link(), machine_table(l));
+    format!(
+        "table ip {t} {{}}
+delete table ip {t}
+table ip {t} {{
+  chain forward {{
+    type filter hook forward priority -5; policy accept;
+    iifname \"{link}\" drop
   }}
 }}
 "
@@ -527,8 +610,151 @@ pub fn detach(dir: &Path, pid: Option<i32>) {
     }
     delete_link(&l.link());
     delete_machine_table(&machine_table(&l));
+    delete_netns(&l.netns_name());
     let _ = fs::remove_file(dir.join("net.json"));
     release_slot(l.slot);
+}
+
+/// Removes a microVM's network namespace (its bridge, the veth's machine end and its
+/// ruleset go with it), if there is one.
+fn delete_netns(name: &str) {
+    if Path::new("/run/netns").join(name).exists() {
+        if let Some(ip) = crate::doctor::which("ip") {
+            let _ = run(Command::new(ip).args(["netns", "del", name]), None);
+        }
+    }
+}
+
+/// Gives the microVM in `dir` (not started yet) its network: leases a subnet, makes its
+/// network namespace with everything closed (host table and bridge table as under
+/// `none`), the bridge `br0`, the tap `tap0` (opened here: the returned file is its only
+/// fd, for QEMU) and the veth. Returns the lease, the namespace (for QEMU to join) and the
+/// tap. [`attach_vm`] opens it to a policy once the guest runs; [`detach`] undoes it.
+pub fn prepare_vm(dir: &Path) -> Result<(NetLease, fs::File, fs::File), String> {
+    ensure_host()?;
+    let ip = tool("ip")?;
+    let slot = lease_slot(dir)?;
+    let l = NetLease { slot };
+    let result = (|| {
+        fs::create_dir_all(dir).map_err(|e| format!("create {}: {e}", dir.display()))?;
+        fs::write(
+            dir.join("net.json"),
+            serde_json::to_vec(&l).expect("lease serializes"),
+        )
+        .map_err(|e| format!("write net.json: {e}"))?;
+        let (name, ns) = (l.netns_name(), l.netns());
+        delete_netns(&name);
+        run(Command::new(&ip).args(["netns", "add", &name]), None)?;
+        // Rules first: no packet crosses the link before they hold.
+        apply_vm_rules(&l, &ns, &Policy::None)?;
+        run(
+            Command::new(&ip).args(["-n", &name, "-batch", "-"]),
+            Some(
+                "link set lo up\n\
+                 link add br0 type bridge\n\
+                 link set br0 up\n",
+            ),
+        )?;
+        let tap = open_tap(&ns)?;
+        run(
+            Command::new(&ip).args(["-n", &name, "link", "set", "tap0", "master", "br0", "up"]),
+            None,
+        )?;
+        let link = l.link();
+        run(
+            Command::new(&ip).arg("-batch").arg("-"),
+            Some(&format!(
+                "link add {link} type veth peer name eth0 netns {name}\n\
+                 addr add {}/30 dev {link}\n\
+                 link set {link} up\n",
+                l.host_ip()
+            )),
+        )?;
+        let _ = fs::write(format!("/proc/sys/net/ipv4/conf/{link}/rp_filter"), "1");
+        let _ = fs::write(format!("/proc/sys/net/ipv6/conf/{link}/disable_ipv6"), "1");
+        run(
+            Command::new(&ip).args(["-n", &name, "link", "set", "eth0", "master", "br0", "up"]),
+            None,
+        )?;
+        let netns = fs::File::open(&ns).map_err(|e| format!("open {}: {e}", ns.display()))?;
+        Ok((netns, tap))
+    })();
+    match result {
+        Ok((netns, tap)) => Ok((l, netns, tap)),
+        Err(e) => {
+            detach(dir, None);
+            release_slot(slot);
+            Err(e)
+        }
+    }
+}
+
+/// Sets the egress `policy` of the microVM in `dir` (made by [`prepare_vm`]): replaces
+/// its host table and the bridge table in its namespace. `None` closes the link.
+pub fn attach_vm(dir: &Path, policy: &Policy) -> Result<NetLease, String> {
+    let l = NetLease::load(dir).ok_or("the microVM has no network lease (net.json)")?;
+    let ns = l.netns();
+    if !ns.exists() || !link_exists(&l.link()) {
+        return Err(format!(
+            "the microVM's network ({} and {}) is gone",
+            ns.display(),
+            l.link()
+        ));
+    }
+    apply_vm_rules(&l, &ns, policy)?;
+    Ok(l)
+}
+
+/// [`apply_rules`] for a microVM: its host table (closed under `None`) and the bridge
+/// table inside its namespace `ns`.
+fn apply_vm_rules(l: &NetLease, ns: &Path, policy: &Policy) -> Result<(), String> {
+    let nft = tool("nft")?;
+    let host = host_machine_ruleset(l, policy).unwrap_or_else(|| host_closed_ruleset(l));
+    run(Command::new(&nft).arg("-f").arg("-"), Some(&host))
+        .map_err(|e| format!("installing the host rules of {}: {e}", l.link()))?;
+    run(
+        Command::new(tool("nsenter")?)
+            .arg(format!("--net={}", ns.display()))
+            .arg(&nft)
+            .arg("-f")
+            .arg("-"),
+        Some(&vm_bridge_ruleset(l, policy)),
+    )
+    .map_err(|e| format!("installing the rules in the microVM's namespace: {e}"))
+}
+
+/// Opens the tap `tap0` in the namespace `ns` (made there by this call, gone when the
+/// last fd of it closes), with the virtio-net header QEMU's device expects.
+fn open_tap(ns: &Path) -> Result<fs::File, String> {
+    let nsf = fs::File::open(ns).map_err(|e| format!("open {}: {e}", ns.display()))?;
+    std::thread::spawn(move || -> Result<fs::File, String> {
+        // A network namespace is per thread: this thread alone enters the machine's.
+        crate::sys::setns(nsf.as_raw_fd(), libc::CLONE_NEWNET)
+            .map_err(|e| format!("enter the microVM's namespace: {e}"))?;
+        let tun = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open("/dev/net/tun")
+            .map_err(|e| format!("open /dev/net/tun (modprobe tun): {e}"))?;
+        const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
+        const IFF_TAP: i16 = 0x0002;
+        const IFF_NO_PI: i16 = 0x1000;
+        const IFF_VNET_HDR: i16 = 0x4000;
+        // struct ifreq: the name (16 bytes), then the flags (a short) in a 24-byte union.
+        let mut ifr = [0u8; 40];
+        ifr[..4].copy_from_slice(b"tap0");
+        ifr[16..18].copy_from_slice(&(IFF_TAP | IFF_NO_PI | IFF_VNET_HDR).to_ne_bytes());
+        // SAFETY: an open tun fd and an ifreq-sized buffer we own.
+        if unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, ifr.as_mut_ptr()) } < 0 {
+            return Err(format!(
+                "create the microVM's tap: {}",
+                std::io::Error::last_os_error()
+            ));
+        }
+        Ok(tun)
+    })
+    .join()
+    .map_err(|_| "the tap thread panicked".to_string())?
 }
 
 fn delete_link(link: &str) {
@@ -578,6 +804,7 @@ pub fn cleanup_stale() -> Vec<u32> {
         let held = NetLease::load(&owner).is_some_and(|l| l.slot == slot);
         if old && !held {
             delete_link(&format!("lk{slot}"));
+            delete_netns(&format!("{VM_NETNS_PREFIX}{slot}"));
             release_slot(slot);
             removed.push(slot);
         }
@@ -587,6 +814,21 @@ pub fn cleanup_stale() -> Vec<u32> {
         if !Path::new(SLOTS_DIR).join(slot.to_string()).exists() {
             delete_link(&link);
             removed.push(slot);
+        }
+    }
+    for e in fs::read_dir("/run/netns").into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(slot) = name
+            .strip_prefix(VM_NETNS_PREFIX)
+            .and_then(|d| d.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists() {
+            delete_netns(&name);
+            if !removed.contains(&slot) {
+                removed.push(slot);
+            }
         }
     }
     for table in machine_tables() {

@@ -156,7 +156,13 @@ pub struct Attach {
     pub overlays: Vec<jail::OverlayMount>,
     /// Bound host directories (volumes of a sandbox).
     pub binds: Vec<jail::BindMount>,
+    /// A microVM gets a network device (it will have a network policy other than `none`;
+    /// one restored from a memory snapshot has one exactly when the snapshot's VM had).
+    pub net: bool,
 }
+
+/// Beside a memory snapshot's `memory`: present when its VM had a network device.
+const MEMORY_NIC_MARK: &str = "memory.nic";
 
 /// A running machine with an open agent channel.
 #[derive(Debug)]
@@ -204,6 +210,12 @@ impl Machine {
             Some(v) => crate::vm::is_alive(v),
             None => jail::is_alive(&self.state),
         }
+    }
+
+    /// Whether this is a microVM without a network device (created with egress `none`):
+    /// no other policy can be given to it.
+    pub fn lacks_network_device(&self) -> bool {
+        self.vm.as_ref().is_some_and(|v| !v.shape.net)
     }
 
     /// The host path of the machine's writable layer (valid while it runs).
@@ -424,8 +436,22 @@ impl Node {
                 "a microVM starts from a snapshot with memory only (a disk alone cannot be put under a restored guest)".into(),
             ));
         }
+        // A restored VM has exactly the devices its snapshot's VM had.
+        let net = match &attach.memory_from {
+            Some(mem) => {
+                let nic = mem.with_file_name(MEMORY_NIC_MARK).exists();
+                if attach.net && !nic {
+                    return Err(NodeError::Unavailable(
+                        "microvm",
+                        "the snapshot is of a microVM without a network device (egress `none`): a sandbox from it has egress `none`".into(),
+                    ));
+                }
+                nic
+            }
+            None => attach.net,
+        };
         let assets = self.vm_assets().await?;
-        let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb);
+        let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb).with_net(net);
         let base = crate::vm::ensure_base(&assets, &spec.template_rootfs, shape).await?;
         let slot = lease_slot(&spec.dir)?;
         let uid = jail::uid_base(slot);
@@ -433,6 +459,31 @@ impl Node {
             traversable(parent);
         }
         let cgroup = MachineCgroup::new(self.layout.clone(), &spec.id);
+        let netdev = if net {
+            let d = spec.dir.clone();
+            let prepared = tokio::task::spawn_blocking(move || {
+                crate::net::status()?;
+                crate::net::prepare_vm(&d)
+            })
+            .await
+            .map_err(|e| NodeError::Setup(format!("egress task failed: {e}")));
+            match prepared {
+                Ok(Ok((_, netns, tap))) => Some(crate::vm::NetDev { netns, tap }),
+                Ok(Err(e)) => {
+                    self.cleanup_failed(&spec.id, &spec.dir, uid).await;
+                    return Err(NodeError::Setup(format!(
+                        "giving machine {} its network: {e}",
+                        spec.id
+                    )));
+                }
+                Err(e) => {
+                    self.cleanup_failed(&spec.id, &spec.dir, uid).await;
+                    return Err(e);
+                }
+            }
+        } else {
+            None
+        };
         let started = crate::vm::start(
             &assets,
             crate::vm::StartSpec {
@@ -445,6 +496,7 @@ impl Node {
                 cgroup: &cgroup,
                 cpus: spec.cpus,
                 pids: spec.pids,
+                net: netdev,
             },
         )
         .await;
@@ -567,11 +619,8 @@ impl Node {
         policy: crate::net::Policy,
     ) -> Result<Option<crate::net::NetLease>, NodeError> {
         let all = policy != crate::net::Policy::None;
-        if m.vm.is_some() && all {
-            return Err(NodeError::Unavailable(
-                "microvm",
-                "microVMs get egress `none` only in this version (no network device at all)".into(),
-            ));
+        if m.vm.is_some() {
+            return self.set_vm_egress(m, policy).await;
         }
         let (dir, pid) = (m.dir.clone(), m.state.agent_pid);
         tokio::task::spawn_blocking(move || {
@@ -586,6 +635,57 @@ impl Node {
         .await
         .map_err(|e| NodeError::Setup(format!("egress task failed: {e}")))?
         .map_err(|e| NodeError::Setup(format!("setting the egress of machine {}: {e}", m.id)))
+    }
+
+    /// [`Node::set_egress`] for a microVM: its link exists from its start (when it has a
+    /// network device at all) and stays; the policy replaces the rules only (`None` closes
+    /// the link). The first policy that opens it also configures the guest's `eth0`, route
+    /// and `/etc/resolv.conf` through the agent (`net-guest` in the machine's directory
+    /// remembers that).
+    async fn set_vm_egress(
+        &self,
+        m: &Machine,
+        policy: crate::net::Policy,
+    ) -> Result<Option<crate::net::NetLease>, NodeError> {
+        let open = policy != crate::net::Policy::None;
+        if m.lacks_network_device() {
+            if !open {
+                return Ok(None);
+            }
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "this microVM has no network device (it was created with egress `none`): create a sandbox with the network policy instead".into(),
+            ));
+        }
+        let dir = m.dir.clone();
+        let lease = tokio::task::spawn_blocking(move || {
+            if open {
+                crate::net::status()?;
+            }
+            crate::net::attach_vm(&dir, &policy)
+        })
+        .await
+        .map_err(|e| NodeError::Setup(format!("egress task failed: {e}")))?
+        .map_err(|e| NodeError::Setup(format!("setting the egress of machine {}: {e}", m.id)))?;
+        if !open {
+            return Ok(None);
+        }
+        let mark = m.dir.join("net-guest");
+        if !mark.exists() {
+            m.agent
+                .configure_net("eth0", lease.machine_ip(), 30, lease.host_ip())
+                .await?;
+            let conf = format!(
+                "# Written by Locker: the host answers for the names this machine may reach.\nnameserver {}\noptions timeout:2 attempts:2\n",
+                lease.host_ip()
+            );
+            m.agent
+                .write_file("/etc/resolv.conf", Some(0o644), conf.as_bytes())
+                .await?;
+            fs::write(&mark, b"")
+                .map_err(|e| NodeError::Setup(format!("write {}: {e}", mark.display())))?;
+        }
+        Ok(Some(lease))
     }
 
     /// The machine's address on its veth, when it has egress.
@@ -644,6 +744,10 @@ impl Node {
         let d = dir.to_owned();
         let r = tokio::task::spawn_blocking(move || {
             crate::vm::save(&vm, &d.join("memory"), &d.join("disk.img"))?;
+            if vm.shape.net {
+                fs::write(d.join(MEMORY_NIC_MARK), b"")
+                    .map_err(|e| crate::vm::VmError::Setup(format!("mark the snapshot: {e}")))?;
+            }
             Ok::<u64, crate::vm::VmError>(
                 crate::disk::allocated_bytes(&d.join("disk.img"))
                     + crate::disk::allocated_bytes(&d.join("memory")),

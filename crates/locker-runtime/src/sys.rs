@@ -514,3 +514,24 @@ pub fn set_times_nofollow(path: &Path, atime: (i64, i64), mtime: (i64, i64)) -> 
     } as libc::c_long)
     .map(drop)
 }
+
+/// `FS_TOPDIR_FL` (`chattr +T`), not in the `libc` crate.
+const FS_TOPDIR_FL: libc::c_int = 0x0002_0000;
+
+/// Marks the directory `dir` as the top of a hierarchy (`chattr +T`): ext4 then spreads
+/// the directories made in it over its block groups (the Orlov allocator, as at the root)
+/// instead of packing them, and the files in them, into its own group. A filesystem
+/// without the flag answers an error (`ENOTTY`, `EOPNOTSUPP`).
+pub fn set_topdir(dir: &Path) -> io::Result<()> {
+    let f = std::fs::File::open(dir)?;
+    let mut flags: libc::c_int = 0;
+    // SAFETY: FS_IOC_GETFLAGS writes an int to the one we own (the kernel's size, not the
+    // `long` its number encodes); the fd is open for the call.
+    check(unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_GETFLAGS, &mut flags) }.into())?;
+    if flags & FS_TOPDIR_FL != 0 {
+        return Ok(());
+    }
+    flags |= FS_TOPDIR_FL;
+    // SAFETY: FS_IOC_SETFLAGS reads an int we own; the fd is open for the call.
+    check(unsafe { libc::ioctl(f.as_raw_fd(), libc::FS_IOC_SETFLAGS, &flags) }.into()).map(drop)
+}

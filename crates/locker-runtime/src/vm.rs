@@ -20,9 +20,15 @@
 //!   hands over by fd, the disk copied while the VM is stopped, then `cont`.
 //!
 //! Each QEMU runs as the unprivileged uid of its machine's slot, in the machine's cgroup (cpu,
-//! memory, pids), in a network namespace of its own with no network device (egress `none`),
-//! under QEMU's seccomp sandbox (`-sandbox on`, no spawning, no privilege changes). Its files
-//! are its own directory; the kernel, initramfs and template image are read-only to it.
+//! memory, pids), under QEMU's seccomp sandbox (`-sandbox on`, no spawning, no privilege
+//! changes). Its files are its own directory; the kernel, initramfs and template image are
+//! read-only to it. A machine with egress `none` has no network device at all, and its QEMU
+//! a network namespace of its own with nothing in it. A machine with a network policy is of
+//! another shape ([`Shape::net`]: a restored VM has exactly its base's devices): one
+//! `virtio-net` device whose backend is a tap the host opened in the machine's own network
+//! namespace ([`NetDev`], made by [`crate::net::prepare_vm`]), handed to QEMU by fd; QEMU
+//! joins that namespace and opens nothing itself. The host then bridges the tap to the
+//! machine's veth, so every packet of the guest meets the same host rules as a jail's.
 //!
 //! It does not know tenants, HTTP or the database; [`crate::node`] hands its machines out.
 
@@ -48,7 +54,13 @@ pub const PORT_NAME: &str = "org.locker.agent";
 /// Where bases live: tmpfs, so their RAM files cost memory only for the pages touched.
 pub const BASE_DIR: &str = "/run/locker/vm-base";
 /// Modules the guest needs before it can mount its disks (dependencies are added).
-const MODULES: &[&str] = &["virtio_mmio", "virtio_blk", "virtio_console", "overlay"];
+const MODULES: &[&str] = &[
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "overlay",
+    "virtio_net",
+];
 /// The most a cold boot of a base may take (TCG on a loaded 2-core host is slow).
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// QEMU's own memory beside the guest's (device emulation, TCG's translation cache).
@@ -578,12 +590,15 @@ pub fn template_image(rootfs: &Path) -> Result<PathBuf, VmError> {
 // QEMU processes.
 // ---------------------------------------------------------------------------------------
 
-/// A microVM's size. VMs restored from one base share it exactly.
+/// A microVM's size and devices. VMs restored from one base share it exactly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Shape {
     pub memory_mb: u64,
     pub vcpus: u32,
     pub disk_mb: u64,
+    /// Whether it has a network device (machines with a network policy other than `none`).
+    #[serde(default)]
+    pub net: bool,
 }
 
 impl Shape {
@@ -593,7 +608,13 @@ impl Shape {
             memory_mb,
             vcpus: (cpus.ceil() as u32).clamp(1, 64),
             disk_mb,
+            net: false,
         }
+    }
+
+    /// The same shape with or without a network device.
+    pub fn with_net(self, net: bool) -> Self {
+        Self { net, ..self }
     }
 }
 
@@ -611,7 +632,13 @@ struct Launch<'a> {
     /// Run as this uid and gid (none: as the caller, for a base).
     uid: Option<u32>,
     cgroup_procs: Vec<PathBuf>,
+    /// The network device's backend (a machine of a shape with one). A base of such a
+    /// shape has none: QEMU, as root in its own empty namespace, makes its tap itself.
+    net: Option<NetDev>,
 }
+
+/// The fd a machine's QEMU finds its tap on (fd 3 is the incoming state).
+const TAP_FD: RawFd = 4;
 
 fn qemu_args(a: &Assets, shape: Shape, l: &Launch) -> Vec<String> {
     let d = |n: &str| l.dir.join(n).display().to_string();
@@ -684,6 +711,17 @@ fn qemu_args(a: &Assets, shape: Shape, l: &Launch) -> Vec<String> {
         "-sandbox".into(),
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
     ];
+    if shape.net {
+        let backend = if l.net.is_some() {
+            format!("fd={TAP_FD}")
+        } else {
+            "ifname=tap0,script=no,downscript=no".to_owned()
+        };
+        v.push("-netdev".into());
+        v.push(format!("tap,id=net0,{backend},vhost=off"));
+        v.push("-device".into());
+        v.push("virtio-net-device,netdev=net0".into());
+    }
     if l.incoming.is_some() {
         // Deferred: `x-ignore-shared` must be set before the state is read (see
         // [`Qmp::ignore_shared`]); the state itself comes on fd 3.
@@ -693,7 +731,8 @@ fn qemu_args(a: &Assets, shape: Shape, l: &Launch) -> Vec<String> {
     v
 }
 
-/// Starts QEMU: in the machine's cgroup, a network namespace of its own, as `uid`.
+/// Starts QEMU: in the machine's cgroup, in the machine's network namespace (or a new,
+/// empty one), as `uid`.
 fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Child, VmError> {
     let log = fs::File::create(l.dir.join("qemu.log")).map_err(setup("create qemu.log"))?;
     let log2 = log.try_clone().map_err(setup("dup qemu.log"))?;
@@ -711,9 +750,18 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
         })
         .collect();
     let incoming: Option<RawFd> = l.incoming.as_ref().map(|f| f.as_raw_fd());
+    // The tap above fd 4, so that putting the incoming state on 3 cannot clobber it.
+    let tap: Option<fs::File> = match &l.net {
+        Some(n) => Some(dup_above(&n.tap, TAP_FD + 1).map_err(setup("dup the tap's fd"))?),
+        None => None,
+    };
+    let (netns, tap_fd) = (
+        l.net.as_ref().map(|n| n.netns.as_raw_fd()),
+        tap.as_ref().map(|t| t.as_raw_fd()),
+    );
     let uid = l.uid;
-    // SAFETY: only async-signal-safe calls (open, write, close, unshare, dup2, set*id,
-    // prctl) on memory prepared before the fork.
+    // SAFETY: only async-signal-safe calls (open, write, close, unshare, setns, dup2,
+    // set*id, prctl) on memory prepared before the fork.
     unsafe {
         cmd.pre_exec(move || {
             for p in &procs {
@@ -727,7 +775,11 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
                     return Err(io::Error::last_os_error());
                 }
             }
-            if libc::unshare(libc::CLONE_NEWNET) != 0 {
+            let entered = match netns {
+                Some(fd) => libc::setns(fd, libc::CLONE_NEWNET),
+                None => libc::unshare(libc::CLONE_NEWNET),
+            };
+            if entered != 0 {
                 return Err(io::Error::last_os_error());
             }
             if let Some(fd) = incoming {
@@ -738,6 +790,11 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
                     libc::dup2(fd, 3)
                 };
                 if r < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            if let Some(fd) = tap_fd {
+                if libc::dup2(fd, TAP_FD) < 0 {
                     return Err(io::Error::last_os_error());
                 }
             }
@@ -760,7 +817,20 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
         .spawn()
         .map_err(setup(format!("start {}", a.qemu.display())))?;
     drop(l.incoming);
+    drop(tap);
     Ok(child)
+}
+
+/// A close-on-exec duplicate of `f` numbered `min` or above.
+fn dup_above(f: &fs::File, min: RawFd) -> io::Result<fs::File> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: fcntl on an fd we own; a new fd it returns is ours alone.
+    let fd = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, min) };
+    if fd < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: `fd` was just created and nothing else owns it.
+    Ok(unsafe { fs::File::from_raw_fd(fd) })
 }
 
 /// The tail of a QEMU's log and console, for error messages.
@@ -989,7 +1059,16 @@ pub async fn ensure_base(
             let mut h = Sha256::new();
             h.update(a2.digest.as_bytes());
             h.update(image.as_os_str().as_encoded_bytes());
-            h.update(format!("{}-{}-{}", shape.memory_mb, shape.vcpus, shape.disk_mb).as_bytes());
+            h.update(
+                format!(
+                    "{}-{}-{}{}",
+                    shape.memory_mb,
+                    shape.vcpus,
+                    shape.disk_mb,
+                    if shape.net { "-net" } else { "" }
+                )
+                .as_bytes(),
+            );
             Ok((image, hex(&h.finalize()[..8])))
         })
         .await
@@ -1051,6 +1130,7 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
             incoming: None,
             uid: None,
             cgroup_procs: Vec::new(),
+            net: None,
         },
     )?;
     let r = async {
@@ -1069,7 +1149,7 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
             argv: vec![
                 "/bin/sh".into(),
                 "-c".into(),
-                "true; ls / >/dev/null; cat /etc/os-release >/dev/null".into(),
+                "/usr/bin/true; ls / >/dev/null; cat /etc/os-release >/dev/null".into(),
             ],
             max_output_bytes: 4096,
             timeout_ms: Some(60_000),
@@ -1152,6 +1232,16 @@ pub struct StartSpec<'a> {
     pub cgroup: &'a MachineCgroup,
     pub cpus: f64,
     pub pids: u64,
+    /// The network device's backend: required exactly when the base's shape has one.
+    pub net: Option<NetDev>,
+}
+
+/// What a machine's network device is plugged into: the machine's network namespace (QEMU
+/// joins it) and a tap opened there by the host (QEMU gets the fd and opens nothing).
+#[derive(Debug)]
+pub struct NetDev {
+    pub netns: fs::File,
+    pub tap: fs::File,
 }
 
 /// Starts a machine and returns its state, its QEMU process and its connected agent.
@@ -1161,6 +1251,13 @@ pub async fn start(
 ) -> Result<(VmState, tokio::process::Child, AgentClient), VmError> {
     let t0 = Instant::now();
     let dir = s.dir;
+    if s.base.shape.net != s.net.is_some() {
+        return Err(VmError::Setup(format!(
+            "a VM of shape {:?} needs {} network device backend",
+            s.base.shape,
+            if s.base.shape.net { "a" } else { "no" }
+        )));
+    }
     fs::create_dir_all(dir).map_err(setup(format!("create {}", dir.display())))?;
     std::os::unix::fs::chown(dir, Some(s.uid), Some(s.uid))
         .map_err(setup("give the machine its directory"))?;
@@ -1200,6 +1297,7 @@ pub async fn start(
             incoming: Some(incoming),
             uid: Some(s.uid),
             cgroup_procs: s.cgroup.procs_files(),
+            net: s.net,
         },
     )?;
     let t_spawn = t0.elapsed();

@@ -55,6 +55,8 @@ pub struct Config {
     pub cache_dir: PathBuf,
     /// Warm machines kept ready for runs (0: start each on demand).
     pub warm_pool: usize,
+    /// Ready microVMs kept per sandbox shape asked for (0: each create restores).
+    pub vm_pool: usize,
     /// Names pinned to addresses for machines' egress (`--egress-resolve name=ip`): the
     /// egress proxy and DNS responder use these instead of resolving.
     pub egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
@@ -182,6 +184,8 @@ pub struct App {
     pub started: Instant,
     /// Warm machines for runs.
     pub pool: crate::runs::Pool,
+    /// Ready microVMs for sandboxes.
+    pub vm_pool: crate::vm_pool::VmPool,
     /// Machines' egress policies: the name-checking proxy and DNS responder.
     pub egress: Arc<crate::egress::Egress>,
 }
@@ -247,6 +251,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
     app.volumes.stop_agents().await;
     app.pool.drain(&app).await;
+    app.vm_pool.drain(&app).await;
     Ok(())
 }
 
@@ -281,6 +286,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;
     let recorder = CallRecorder::spawn(store.clone());
     let warm_pool = cfg.warm_pool;
+    let vm_pool = cfg.vm_pool;
     let egress = crate::egress::Egress::new(&cfg.egress_resolve);
     let app = Arc::new(App {
         cfg,
@@ -294,6 +300,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         create_lock: tokio::sync::Mutex::new(()),
         started: Instant::now(),
         pool: crate::runs::Pool::new(warm_pool),
+        vm_pool: crate::vm_pool::VmPool::new(vm_pool),
         egress,
     });
     crate::sandboxes::adopt_all(&app).await;

@@ -28,6 +28,7 @@ pub mod processes;
 pub mod runs;
 pub mod sandboxes;
 pub mod snapshots;
+pub mod vm_pool;
 pub mod volumes;
 
 pub use app::{serve, Config, Quotas};

@@ -2,12 +2,14 @@
 //! volume through a private copy-on-write layer, runs one command and is destroyed; its
 //! changes are then listed and committed to the volume atomically (all or none), or not.
 //!
-//! 1. **View**: under the volume's write gate, the run gets a private, copy-on-write view of
-//!    the live tree in `runs/<call>/` on the volume's own filesystem (see [`view`]) and notes
-//!    the volume's commit sequence number. A small tree is copied by reflink (`base/`: no
-//!    data copied, and no flush); a bigger one is a read-only btrfs snapshot of the
-//!    volume's filesystem (`snap/`, its tree `snap/live`: constant time, one transaction
-//!    commit). Either way nothing written to `live/` later shows through, in place or not.
+//! 1. **View**: under the volume's write gate, the run gets a copy-on-write view of the
+//!    live tree in `runs/view_<id>/` on the volume's own filesystem, shared with the runs
+//!    that waited for a view with it (see [`view`]), and notes the volume's commit sequence
+//!    number; its own layer is `runs/<call>/layer/`. A small tree is copied by reflink
+//!    (`base/`: no data copied, and no flush); a bigger one is a read-only btrfs snapshot
+//!    of the volume's filesystem (`snap/`, its tree `snap/live`: constant time, one
+//!    transaction commit). Either way nothing written to `live/` later shows through, in
+//!    place or not.
 //! 2. **Machine**: a jail like a sandbox's with an overlay at `mount_path`: the view below
 //!    (read-only), `layer/upper` above (see `locker_runtime::jail::OverlayMount`), on the
 //!    volume's filesystem too, so the run's writes are held to `size_mb` and a commit is
@@ -17,10 +19,10 @@
 //! 4. **Changes**: [`scan`] reads `upper/`: whiteouts (character devices 0:0) are deletions,
 //!    opaque directories replaced the lower one, files and symlinks are added or modified,
 //!    directories that exist only because of a copy-up are walked.
-//! 5. **Commit** under the gate: conflicts against the volume's [`CommitLog`]; the ops go
-//!    to a journal (`fs/commit.journal` on the volume's filesystem, fsynced; its rename is
-//!    the commit point), are
-//!    applied idempotently, flushed, and the journal removed. A server that dies mid-apply
+//! 5. **Commit** under the gate (a run that changed nothing needs neither): conflicts
+//!    against the volume's [`CommitLog`]; the ops go to a journal (`fs/commit.journal` on
+//!    the volume's filesystem, fsynced; its rename is the commit point), are applied
+//!    idempotently, flushed, and the journal removed. A server that dies mid-apply
 //!    replays the journal at its next start ([`replay_journal`]), before serving.
 //!
 //! [`CommitLog`]: crate::volumes::CommitLog
@@ -309,7 +311,6 @@ async fn execute(
     let call_id = spec.call_id.clone();
     let r = match view(vol).await {
         Ok(view) => {
-            tracing::info!(phase = "view", ms = ms_since(arrived), "PHASE-TMP");
             let r = match layer(&run_dir, &view.base).await {
                 Ok(()) => {
                     in_machine(
@@ -325,7 +326,6 @@ async fn execute(
         Err(e) => Err(e),
     };
     // The machine is the run's alone: everything it was refused is this call's.
-    tracing::info!(phase = "commit", ms = ms_since(arrived), "PHASE-TMP");
     let egress_denied = app.egress.forget(&call_id);
     // The layer goes after the answer (what a commit took from it is in `live/` already);
     // the view goes with the last run that uses it.
@@ -335,7 +335,6 @@ async fn execute(
             tracing::warn!(dir = %d.display(), error = %e, "removing a run's layer failed");
         }
     });
-    tracing::info!(phase = "removed", ms = ms_since(arrived), "PHASE-TMP");
     let (mut res, changes) = r?;
     res.timings.total_ms = ms_since(arrived);
     app.metrics.exec_seconds.observe(res.timings.total_ms / 1e3);
@@ -555,7 +554,6 @@ async fn in_machine(
     }
 
     let queue_ms = ms_since(arrived);
-    tracing::info!(phase = "machine", ms = queue_ms, "PHASE-TMP");
     let agent = machine.agent.clone();
     let outcome = match body {
         None => Some(agent.exec(spec.clone(), stdin, None).await),
@@ -571,12 +569,13 @@ async fn in_machine(
     };
     // The machine's processes must be gone before its layer is read; the rest of its
     // teardown (mounts, loop device, cgroup, directory) happens after the answer.
-    tracing::info!(phase = "exec", ms = ms_since(arrived), "PHASE-TMP");
     let stopped = app.node.stop(&machine).await;
-    tracing::info!(phase = "stop", ms = ms_since(arrived), "PHASE-TMP");
-    let node = app.node.clone();
+    let app2 = app.clone();
     tokio::spawn(async move {
-        if let Err(e) = node.destroy(&machine).await {
+        // A few at a time: under a burst, the teardowns of finished runs would otherwise
+        // take the CPU from the machines of the runs still starting.
+        let _turn = app2.pool.destroying.acquire().await;
+        if let Err(e) = app2.node.destroy(&machine).await {
             tracing::warn!(machine = %machine.id, error = %e, "destroying a run's machine failed");
         }
     });
@@ -630,7 +629,13 @@ pub struct Pool {
     shapes: std::sync::Mutex<Vec<Shape>>,
     retired: std::sync::Mutex<Vec<locker_runtime::node::Machine>>,
     wake: tokio::sync::Notify,
+    /// Turns to destroy a run's machine (see [`DESTROYS_AT_ONCE`]).
+    destroying: tokio::sync::Semaphore,
 }
+
+/// Runs' machines torn down at once, at most; the others wait for a turn (they are
+/// stopped already: their processes are gone, their layers no longer change).
+const DESTROYS_AT_ONCE: usize = 2;
 
 /// One shape kept warm.
 struct Shape {
@@ -656,6 +661,7 @@ impl Pool {
             shapes: Default::default(),
             retired: Default::default(),
             wake: tokio::sync::Notify::new(),
+            destroying: tokio::sync::Semaphore::new(DESTROYS_AT_ONCE),
         }
     }
 
@@ -1295,11 +1301,23 @@ pub fn replay_journal(vol_dir: &FsPath) -> io::Result<()> {
     finish_journal(vol_dir, &journal.ops)
 }
 
+/// Spreads the machines' directories made in `dir` over the filesystem
+/// (`locker_runtime::tree::spread_subdirs`): every run makes and removes one, a dozen
+/// inodes, and on an ext4 data dir without a journal, packed into one block group, each
+/// new inode cost a burst of runs about a millisecond of CPU (docs/benchmarks.md).
+fn spread_machines(dir: &FsPath) {
+    if let Err(e) = fs::create_dir_all(dir).and_then(|()| locker_runtime::tree::spread_subdirs(dir))
+    {
+        tracing::debug!(dir = %dir.display(), error = %e, "machine directories are not spread over block groups");
+    }
+}
+
 /// At start, after journals were replayed: destroys machines of runs a killed server left
 /// and removes their directories.
 pub async fn cleanup(app: &AppState) {
     // Warm machines of a stopped server are never claimed again.
     let gone = app.node.cleanup_orphans(&pool_dir(app), Vec::new()).await;
+    spread_machines(&pool_dir(app));
     if !gone.is_empty() {
         tracing::info!(
             count = gone.len(),

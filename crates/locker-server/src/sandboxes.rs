@@ -290,11 +290,6 @@ async fn create(
                 "volumes cannot be mounted into microVM sandboxes in this version; use runtime `jail` for sandboxes with volumes",
             ));
         }
-        if has_egress(&check_network(&body.network)?) {
-            return Err(ApiError::unavailable(
-                "microVM sandboxes get egress `none` only in this version (no network device at all); use runtime `jail` for network access",
-            ));
-        }
         if let Err(e) = app.node.vm_assets().await {
             return Err(ApiError::unavailable(format!(
                 "runtime `microvm` is not usable on this host: {e} (see `locker doctor`)"
@@ -481,7 +476,27 @@ pub async fn launch(
         .as_ref()
         .map(|d| d.join("memory"))
         .filter(|m| m.exists());
-    let id = new_id("sb_");
+    // A restored VM has exactly its snapshot's devices (see `Node::snapshot`).
+    if memory_from
+        .as_ref()
+        .is_some_and(|m| has_egress(&new.network) && !m.with_file_name("memory.nic").exists())
+    {
+        return Err(ApiError::conflict(
+            "the snapshot is of a microVM without a network device (egress `none`): a sandbox from it has egress `none`",
+        ));
+    }
+    // A plain microVM comes ready from the pool when one waits (see `vm_pool`).
+    let pool_shape = (new.runtime == "microvm"
+        && from.is_none()
+        && new.volumes.is_empty()
+        && !has_egress(&new.network))
+    .then(|| {
+        crate::vm_pool::Shape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
+    });
+    let pooled = pool_shape.as_ref().and_then(|s| app.vm_pool.take(s));
+    let id = pooled
+        .as_ref()
+        .map_or_else(|| new_id("sb_"), |m| m.id.clone());
     let now = now_s();
     let mut record = SandboxRecord {
         id: id.clone(),
@@ -514,21 +529,33 @@ pub async fn launch(
     {
         let _guard = app.create_lock.lock().await;
         let q = &app.cfg.quotas;
-        let running = app.store.count_running(&caller.tenant)?;
-        if running >= q.sandboxes {
-            return Err(ApiError::quota(format!(
-                "quota exceeded: tenant {} may have {} sandboxes at once; delete some first",
-                caller.tenant, q.sandboxes
-            )));
+        let admitted = (|| {
+            let running = app.store.count_running(&caller.tenant)?;
+            if running >= q.sandboxes {
+                return Err(ApiError::quota(format!(
+                    "quota exceeded: tenant {} may have {} sandboxes at once; delete some first",
+                    caller.tenant, q.sandboxes
+                )));
+            }
+            let mem = app.store.sum_memory_mb(&caller.tenant)?;
+            if mem + new.memory_mb > q.memory_mb {
+                return Err(ApiError::quota(format!(
+                    "quota exceeded: tenant {} may use {} MB of sandbox memory in all ({} MB in use)",
+                    caller.tenant, q.memory_mb, mem
+                )));
+            }
+            app.store.insert_sandbox(&record)?;
+            Ok(())
+        })();
+        if let Err(e) = admitted {
+            if let (Some(s), Some(m)) = (pool_shape, pooled) {
+                app.vm_pool.put_back(s, m);
+            }
+            return Err(e);
         }
-        let mem = app.store.sum_memory_mb(&caller.tenant)?;
-        if mem + new.memory_mb > q.memory_mb {
-            return Err(ApiError::quota(format!(
-                "quota exceeded: tenant {} may use {} MB of sandbox memory in all ({} MB in use)",
-                caller.tenant, q.memory_mb, mem
-            )));
-        }
-        app.store.insert_sandbox(&record)?;
+    }
+    if let Some(s) = &pool_shape {
+        crate::vm_pool::VmPool::refill(app, s.clone(), new.template.rootfs.clone(), new.cpus);
     }
     let spec = MachineSpec {
         id: id.clone(),
@@ -539,32 +566,43 @@ pub async fn launch(
         disk_mb: new.disk_mb,
         pids: PIDS,
     };
-    let machine = match app
-        .node
-        .create_attached(
-            spec,
-            locker_runtime::node::Attach {
-                runtime: if new.runtime == "microvm" {
-                    locker_runtime::node::RuntimeKind::Microvm
-                } else {
-                    locker_runtime::node::RuntimeKind::Jail
-                },
-                memory_from,
-                disk_from,
-                overlays: Vec::new(),
-                binds: new
-                    .volumes
-                    .iter()
-                    .map(|m| locker_runtime::jail::BindMount {
-                        source: m.source.clone(),
-                        target: m.path.clone().into(),
-                        read_only: m.read_only,
-                    })
-                    .collect(),
-            },
-        )
-        .await
-    {
+    let started = match pooled {
+        Some(m) => match refresh(&m).await {
+            Ok(()) => Ok(m),
+            Err(e) => {
+                let _ = app.node.destroy(&m).await;
+                Err(e)
+            }
+        },
+        None => {
+            app.node
+                .create_attached(
+                    spec,
+                    locker_runtime::node::Attach {
+                        runtime: if new.runtime == "microvm" {
+                            locker_runtime::node::RuntimeKind::Microvm
+                        } else {
+                            locker_runtime::node::RuntimeKind::Jail
+                        },
+                        net: has_egress(&new.network),
+                        memory_from,
+                        disk_from,
+                        overlays: Vec::new(),
+                        binds: new
+                            .volumes
+                            .iter()
+                            .map(|m| locker_runtime::jail::BindMount {
+                                source: m.source.clone(),
+                                target: m.path.clone().into(),
+                                read_only: m.read_only,
+                            })
+                            .collect(),
+                    },
+                )
+                .await
+        }
+    };
+    let machine = match started {
         Ok(m) => m,
         Err(e) => {
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
@@ -600,6 +638,22 @@ pub async fn launch(
     app.live.write().await.insert(id.clone(), live.clone());
     record.state = SandboxState::Running;
     Ok((record, live))
+}
+
+/// A pooled microVM waited a while since its restore: its clock and entropy are refreshed
+/// again as it becomes a sandbox.
+async fn refresh(m: &locker_runtime::node::Machine) -> Result<(), locker_runtime::node::NodeError> {
+    let mut entropy = [0u8; 64];
+    // SAFETY: getrandom fills the buffer we own.
+    unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    m.agent
+        .refresh(now, entropy.to_vec(), m.id.clone())
+        .await
+        .map_err(Into::into)
 }
 
 /// The caller's live sandbox `id` without counting a call or thawing it (pause, snapshot).
@@ -784,6 +838,11 @@ async fn patch(
                     e
                 }
             })?;
+            if has_egress(&network) && l.machine.lacks_network_device() {
+                return Err(ApiError::conflict(format!(
+                    "sandbox {id} is a microVM created with egress `none`: it has no network device, so its policy cannot change; create a new sandbox with the network policy"
+                )));
+            }
             if let Err(e) = app.egress.apply(&app.node, &l.machine, &id, &network).await {
                 // Back to the policy it had (rules are replaced whole, so this restores it).
                 let _ = app

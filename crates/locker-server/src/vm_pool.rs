@@ -1,0 +1,183 @@
+//! Ready microVMs: restored from their base, warmed, waiting to become sandboxes.
+//!
+//! Restoring a microVM takes about a tenth of a second, and under TCG its first command pays
+//! again for translating the guest's exec path (a new QEMU process starts with an empty
+//! translation cache). This room keeps, per shape (template, cpus, memory, disk) that has
+//! been asked for, up to `size` machines already restored, with one command already run in
+//! them, so a create takes one and only refreshes its clock and entropy. A pooled machine is
+//! made under a fresh sandbox id in the sandboxes directory, so taking it needs no renaming:
+//! the sandbox gets the machine's id. Machines are never shared or reused: one taken is the
+//! sandbox's from then on, and the pool makes a new one in the background.
+//!
+//! Only microVMs with nothing attached (no snapshot, no volumes, egress `none`) come from the
+//! pool. Pooled machines belong to no tenant (no record): a server that stops destroys them,
+//! and one killed leaves them to the next start's orphan clean-up.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Mutex;
+
+use locker_runtime::node::{Attach, Machine, MachineSpec, RuntimeKind};
+
+use crate::app::{new_id, AppState};
+
+/// Machines of one shape are interchangeable.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Shape {
+    pub template_digest: String,
+    pub cpus_milli: u64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+}
+
+impl Shape {
+    pub fn new(template_digest: &str, cpus: f64, memory_mb: u64, disk_mb: u64) -> Self {
+        Self {
+            template_digest: template_digest.to_owned(),
+            cpus_milli: (cpus * 1000.0).round() as u64,
+            memory_mb,
+            disk_mb,
+        }
+    }
+}
+
+/// The pool (see the module doc).
+#[derive(Debug, Default)]
+pub struct VmPool {
+    size: usize,
+    ready: Mutex<HashMap<Shape, Vec<Machine>>>,
+    filling: Mutex<HashSet<Shape>>,
+}
+
+impl VmPool {
+    /// Up to `size` ready machines per shape (0: none, every create restores).
+    pub fn new(size: usize) -> Self {
+        Self {
+            size,
+            ..Default::default()
+        }
+    }
+
+    /// A ready machine of `shape`, if one waits (alive: a dead one is dropped).
+    pub fn take(&self, shape: &Shape) -> Option<Machine> {
+        let mut ready = self.ready.lock().expect("pool lock");
+        let list = ready.get_mut(shape)?;
+        while let Some(m) = list.pop() {
+            if m.is_alive() {
+                return Some(m);
+            }
+            tracing::warn!(machine = %m.id, "a pooled microVM died while waiting; dropped");
+        }
+        None
+    }
+
+    /// Puts back a machine taken but not used (the create failed before using it).
+    pub fn put_back(&self, shape: Shape, m: Machine) {
+        self.ready
+            .lock()
+            .expect("pool lock")
+            .entry(shape)
+            .or_default()
+            .push(m);
+    }
+
+    fn count(&self, shape: &Shape) -> usize {
+        self.ready
+            .lock()
+            .expect("pool lock")
+            .get(shape)
+            .map_or(0, Vec::len)
+    }
+
+    /// Makes machines of `shape` in the background until `size` wait (one filler per shape).
+    pub fn refill(app: &AppState, shape: Shape, rootfs: std::path::PathBuf, cpus: f64) {
+        let pool = &app.vm_pool;
+        if pool.size == 0
+            || !pool
+                .filling
+                .lock()
+                .expect("pool lock")
+                .insert(shape.clone())
+        {
+            return;
+        }
+        let app = app.clone();
+        tokio::spawn(async move {
+            while app.vm_pool.count(&shape) < app.vm_pool.size {
+                match make(&app, &shape, &rootfs, cpus).await {
+                    Ok(m) => app.vm_pool.put_back(shape.clone(), m),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "could not make a pooled microVM");
+                        break;
+                    }
+                }
+            }
+            app.vm_pool
+                .filling
+                .lock()
+                .expect("pool lock")
+                .remove(&shape);
+        });
+    }
+
+    /// Destroys every waiting machine (at shutdown).
+    pub async fn drain(&self, app: &AppState) {
+        let all: Vec<Machine> = self
+            .ready
+            .lock()
+            .expect("pool lock")
+            .drain()
+            .flat_map(|(_, v)| v)
+            .collect();
+        for m in all {
+            let _ = app.node.destroy(&m).await;
+        }
+    }
+}
+
+/// One ready machine: restored, with a first command run (the guest's exec path is then
+/// translated and cached, under TCG the larger part of a first command's time).
+async fn make(
+    app: &AppState,
+    shape: &Shape,
+    rootfs: &std::path::Path,
+    cpus: f64,
+) -> Result<Machine, String> {
+    let id = new_id("sb_");
+    let spec = MachineSpec {
+        id: id.clone(),
+        dir: app.sandboxes_dir().join(&id),
+        template_rootfs: rootfs.to_owned(),
+        cpus,
+        memory_mb: shape.memory_mb,
+        disk_mb: shape.disk_mb,
+        pids: crate::sandboxes::PIDS,
+    };
+    let m = app
+        .node
+        .create_attached(
+            spec,
+            Attach {
+                runtime: RuntimeKind::Microvm,
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+    let warm = locker_proto::ExecSpec {
+        call_id: "pool-warm-up".into(),
+        argv: vec!["/bin/sh".into(), "-c".into(), "true".into()],
+        max_output_bytes: 4096,
+        timeout_ms: Some(30_000),
+        ..Default::default()
+    };
+    // A shell and a plain program: the two ways first commands come.
+    let mut direct = warm.clone();
+    direct.argv = vec!["true".into()];
+    for spec in [warm, direct] {
+        if let Err(e) = m.agent.exec(spec, None, None).await {
+            let _ = app.node.destroy(&m).await;
+            return Err(format!("warming a pooled microVM: {e}"));
+        }
+    }
+    Ok(m)
+}
