@@ -272,6 +272,14 @@ impl Assets {
         let initrd = dir.join(format!("initrd-{initrd_digest}.cpio"));
         if !initrd.exists() {
             build_initrd(&agent_bytes, &modules, &initrd)?;
+            // Older ones (earlier agent builds) are never used again: QEMU reads the
+            // initramfs at start only, and bases are keyed by it.
+            for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
+                let n = e.file_name().to_string_lossy().into_owned();
+                if n.starts_with("initrd-") && n.ends_with(".cpio") && e.path() != initrd {
+                    let _ = fs::remove_file(e.path());
+                }
+            }
         }
         let kernel_len = fs::metadata(&kernel).map(|m| m.len()).unwrap_or(0);
         let mut h = Sha256::new();
@@ -1100,10 +1108,33 @@ pub async fn ensure_base(
     }
     let _ = fs::remove_dir_all(&base.dir);
     fs::rename(&tmp, &base.dir).map_err(setup("install the base"))?;
-    fs::write(base.dir.join("ready"), b"").map_err(setup("mark the base ready"))?;
+    fs::write(base.dir.join("ready"), a.digest.as_bytes()).map_err(setup("mark the base ready"))?;
+    evict_stale_bases(&a.digest);
     drop(lock);
     tracing::info!(base = %key, ms = t0.elapsed().as_millis() as u64, accel = a.accel.as_str(), "microVM base booted and saved");
     Ok(base)
+}
+
+/// Removes bases made from other assets (an earlier agent, kernel or QEMU) over an hour
+/// ago: this server never restores them, and their RAM files hold tmpfs memory. Machines still running from
+/// one keep their private map of its RAM file; removing the file does not disturb them.
+fn evict_stale_bases(current: &str) {
+    for e in fs::read_dir(BASE_DIR).into_iter().flatten().flatten() {
+        let ready = e.path().join("ready");
+        let Ok(made_by) = fs::read_to_string(&ready) else {
+            continue;
+        };
+        // An hour's grace: another server on this host (another version) may still be
+        // restoring from it.
+        let old = fs::metadata(&ready)
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().unwrap_or_default() > Duration::from_secs(3600));
+        if !made_by.is_empty() && made_by != current && old {
+            tracing::info!(base = %e.path().display(), "removing a microVM base of older assets");
+            let _ = fs::remove_dir_all(e.path());
+            let _ = fs::remove_file(e.path().with_extension("lock"));
+        }
+    }
 }
 
 async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
