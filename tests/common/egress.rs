@@ -249,6 +249,12 @@ pub struct Pki {
     pub dir: TempDir,
 }
 
+impl Default for Pki {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl Pki {
     pub fn new() -> Pki {
         let dir = TempDir::new("ltpki");

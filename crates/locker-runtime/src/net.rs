@@ -1043,4 +1043,38 @@ mod tests {
         assert!(!machine_ruleset(&l, &Policy::All { dns_port: 1 }).contains("l4proto"));
         assert!(host_ruleset().contains("ct mark 0x4c4b0045 ct status dnat accept"));
     }
+
+    #[test]
+    fn a_microvm_bridge_checks_the_guest_frames_and_closes_under_none() {
+        let l = NetLease { slot: 5 };
+        assert_eq!(l.netns(), Path::new("/run/netns/locker-lk5"));
+        let closed = vm_bridge_ruleset(&l, &Policy::None);
+        assert!(
+            closed.contains("iifname != \"tap0\" accept\n    drop\n"),
+            "{closed}"
+        );
+        assert!(host_closed_ruleset(&l).contains("iifname \"lk5\" drop"));
+        let allow = Policy::Allow {
+            cidrs: vec![Cidr::parse("198.18.0.0/24").unwrap()],
+            proxy_port: 4000,
+            dns_port: 5353,
+        };
+        let r = vm_bridge_ruleset(&l, &allow);
+        for want in [
+            "table bridge locker",
+            "ether type != ip drop",
+            "ip saddr != 100.96.0.22 drop",
+            "ip daddr 100.96.0.21 udp dport 53 accept",
+            "ip daddr { 198.18.0.0/24 } accept",
+            "ip protocol tcp accept",
+        ] {
+            assert!(r.contains(want), "{want}: {r}");
+        }
+        assert!(
+            r.trim_end().ends_with("drop\n  }\n}") || r.contains("    drop\n  }"),
+            "{r}"
+        );
+        let all = vm_bridge_ruleset(&l, &Policy::All { dns_port: 1 });
+        assert!(!all.contains("ip protocol tcp"), "{all}");
+    }
 }

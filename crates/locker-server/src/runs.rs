@@ -1410,6 +1410,18 @@ mod tests {
     }
 
     #[test]
+    fn runs_that_wait_together_share_a_view_and_newcomers_form_the_next() {
+        let views = Views::default();
+        let (a, b) = (views.join(), views.join());
+        assert!(Arc::ptr_eq(&a, &b), "waiting together: one batch");
+        assert_eq!(views.close(&a), 2);
+        let c = views.join();
+        assert!(!Arc::ptr_eq(&a, &c), "after the view began: the next batch");
+        assert_eq!(views.close(&a), 2, "closing again changes nothing");
+        assert_eq!(views.close(&c), 1);
+    }
+
+    #[test]
     fn overlapping_paths_conflict() {
         use crate::volumes::{overlaps, CommitLog};
         assert!(overlaps("/a", "/a/b") && overlaps("/a/b", "/a") && overlaps("/a", "/a"));

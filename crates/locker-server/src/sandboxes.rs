@@ -276,7 +276,7 @@ async fn create(
         // under TCG emulation is not a security boundary, so auto picks it on KVM only.
         None if body.runtime.as_deref().unwrap_or("auto") == "auto" => {
             let kvm = matches!(app.node.vm_assets().await, Ok(a) if a.accel == locker_runtime::vm::Accel::Kvm);
-            if kvm && volumes.is_empty() && !has_egress(&check_network(&body.network)?) {
+            if kvm && volumes.is_empty() {
                 "microvm"
             } else {
                 "jail"
