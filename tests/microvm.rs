@@ -611,6 +611,34 @@ fn microvm_egress_all_and_allow_through_the_api() {
         "the new server's DNS responder answers"
     );
 
+    // A fork carries the NIC in its memory; the child gets a link of its own (another
+    // lease) and reaches the same server, the parent keeps its own.
+    let forks = api
+        .post(&format!("/v1/sandboxes/{all}/fork"), &json!({"count": 1}))
+        .expect(201, "fork a microVM with a NIC");
+    let child = forks["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(forks["sandboxes"][0]["network"]["egress"], "all", "{forks}");
+    assert_eq!(
+        reach(&api, &child, &a.addr.to_string(), a.port),
+        GREETING,
+        "the fork reaches out through its own link"
+    );
+    let (child_lease, _, _) = lease(&srv, &child).expect("the fork has a lease");
+    assert_ne!(child_lease, slot, "the fork has its own subnet");
+    assert_eq!(
+        reach(&api, &all, &a.addr.to_string(), a.port),
+        GREETING,
+        "the parent still does"
+    );
+    api.delete(&format!("/v1/sandboxes/{child}"))
+        .expect(204, "delete the fork");
+    assert!(
+        !Path::new("/run/locker/net-slots")
+            .join(child_lease.to_string())
+            .exists(),
+        "no lease of the fork left"
+    );
+
     // Destroy leaves nothing of its network.
     for id in [&all, &none] {
         api.delete(&format!("/v1/sandboxes/{id}"))
