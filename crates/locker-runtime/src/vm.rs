@@ -1391,9 +1391,6 @@ pub async fn start(
         total_ms = ms(t0.elapsed()),
         "microVM restored"
     );
-    if std::env::var_os("LOCKER_VM_TRACE").is_some() {
-        eprintln!("restore {}: disk {:.1} cgroup {:.1} spawn {:.1} incoming+cont {:.1} agent+refresh {:.1} ms", s.id, ms(t_disk), ms(t_cg), ms(t_spawn), ms(t_incoming), ms(t0.elapsed()));
-    }
     Ok((state, child, agent))
 }
 
