@@ -1100,6 +1100,9 @@ pub async fn ensure_base(
     }
     let t0 = Instant::now();
     let tmp = root.join(format!("{key}.boot"));
+    // A server killed in the middle of this boot left its QEMU behind (we hold the lock,
+    // so nobody else boots this base now).
+    kill_qemus_under(&tmp);
     let _ = fs::remove_dir_all(&tmp);
     let r = boot_base(a, &base, &tmp).await;
     if let Err(e) = r {
@@ -1113,6 +1116,22 @@ pub async fn ensure_base(
     drop(lock);
     tracing::info!(base = %key, ms = t0.elapsed().as_millis() as u64, accel = a.accel.as_str(), "microVM base booted and saved");
     Ok(base)
+}
+
+/// Kills every process whose command line names `dir` (QEMUs of an interrupted base boot).
+fn kill_qemus_under(dir: &Path) {
+    let needle = dir.as_os_str().as_encoded_bytes();
+    for e in fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if cmdline.windows(needle.len()).any(|w| w == needle) {
+            tracing::warn!(pid, dir = %dir.display(), "killing the QEMU of an interrupted base boot");
+            // SAFETY: kill takes no pointers.
+            unsafe { libc::kill(pid, libc::SIGKILL) };
+        }
+    }
 }
 
 /// Removes bases made from other assets (an earlier agent, kernel or QEMU) over an hour
