@@ -281,20 +281,6 @@ fn kernel(args: &Args) -> Option<PathBuf> {
 /// Boots `kernel` in a QEMU `microvm` machine until it gives up on finding a root file
 /// system and QEMU exits (`panic=-1` reboots at once, `-no-reboot` turns that into an
 /// exit): the guest kernel's whole boot, no user space. The wall time, or why it failed.
-/// The host CPU's frequency in kHz (for `tsc_early_khz`), from /proc/cpuinfo.
-fn host_khz() -> u64 {
-    std::fs::read_to_string("/proc/cpuinfo")
-        .ok()
-        .and_then(|c| {
-            c.lines().find_map(|l| {
-                l.strip_prefix("cpu MHz")
-                    .and_then(|v| v.split(':').nth(1))
-                    .and_then(|v| v.trim().parse::<f64>().ok())
-            })
-        })
-        .map_or(2_000_000, |mhz| (mhz * 1000.0) as u64)
-}
-
 fn boot_once(qemu: &Path, kernel: &Path, accel: &str, log: &Path) -> Result<f64, String> {
     // The console goes to a file: a pipe nobody reads while it boots could fill and stall it.
     let f = std::fs::File::create(log).map_err(|e| format!("create {}: {e}", log.display()))?;
@@ -326,7 +312,7 @@ fn boot_once(qemu: &Path, kernel: &Path, accel: &str, log: &Path) -> Result<f64,
             "-append",
             &format!(
                 "console=ttyS0 panic=-1 reboot=t tsc_early_khz={} tsc=reliable",
-                host_khz()
+                locker_runtime::vm::host_khz()
             ),
         ])
         .stdin(Stdio::null())

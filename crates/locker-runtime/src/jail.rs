@@ -362,6 +362,15 @@ fn owns_pid(pid: i32, id: &str) -> bool {
 
 /// Whether `pid` is still the shim of the machine in `dir` (and not a zombie or a reused pid).
 pub fn is_shim(pid: i32, dir: &Path) -> bool {
+    let needle = dir.join("jail.json");
+    is_running(pid)
+        && cmdline(pid)
+            .split(|b| *b == 0)
+            .any(|a| a == needle.as_os_str().as_encoded_bytes())
+}
+
+/// Whether `pid` exists and is neither a zombie nor dead.
+pub(crate) fn is_running(pid: i32) -> bool {
     let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
         return false;
     };
@@ -370,14 +379,13 @@ pub fn is_shim(pid: i32, dir: &Path) -> bool {
         .next()
         .and_then(|s| s.split_whitespace().next())
         .unwrap_or("Z");
-    if state == "Z" || state == "X" {
-        return false;
-    }
-    let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-    let needle = dir.join("jail.json");
-    cmdline
-        .split(|b| *b == 0)
-        .any(|a| a == needle.as_os_str().as_encoded_bytes())
+    state != "Z" && state != "X"
+}
+
+/// The NUL-separated command line of `pid` (empty if it is gone): to tell a machine's
+/// process from a reused pid.
+pub(crate) fn cmdline(pid: i32) -> Vec<u8> {
+    fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default()
 }
 
 /// Whether a machine found on disk is still alive (its shim and agent run).

@@ -500,22 +500,8 @@ fn apply_rules(l: &NetLease, ns: &Path, policy: &Policy) -> Result<(), String> {
 /// veth of lease `l`.
 fn wire(l: &NetLease, ns: &Path) -> Result<(), String> {
     let (ip, nsenter) = (tool("ip")?, tool("nsenter")?);
-    let link = l.link();
     // `ip link add … netns` takes a pid or a name.
-    let ns_arg = ns_target(ns)?;
-    run(
-        Command::new(&ip).arg("-batch").arg("-"),
-        Some(&format!(
-            "link add {link} type veth peer name eth0 netns {ns_arg}\n\
-             addr add {}/30 dev {link}\n\
-             link set {link} up\n",
-            l.host_ip()
-        )),
-    )?;
-    // Strict reverse-path filtering on the host end: only the machine's own subnet
-    // enters by it (the forward chain checks the source range as well).
-    let _ = fs::write(format!("/proc/sys/net/ipv4/conf/{link}/rp_filter"), "1");
-    let _ = fs::write(format!("/proc/sys/net/ipv6/conf/{link}/disable_ipv6"), "1");
+    host_veth(&ip, l, &ns_target(ns)?)?;
     let net_arg = format!("--net={}", ns.display());
     run(
         Command::new(&nsenter)
@@ -532,6 +518,26 @@ fn wire(l: &NetLease, ns: &Path) -> Result<(), String> {
             l.host_ip()
         )),
     )?;
+    Ok(())
+}
+
+/// Creates the lease's veth: host end `lk<slot>` with the host address, up, IPv4 only and
+/// strict reverse-path filtering (only the machine's own subnet enters by it; the forward
+/// chain checks the source range as well); machine end `eth0` in namespace `ns_arg` (a pid
+/// or a name, see [`ns_target`]).
+fn host_veth(ip: &Path, l: &NetLease, ns_arg: &str) -> Result<(), String> {
+    let link = l.link();
+    run(
+        Command::new(ip).arg("-batch").arg("-"),
+        Some(&format!(
+            "link add {link} type veth peer name eth0 netns {ns_arg}\n\
+             addr add {}/30 dev {link}\n\
+             link set {link} up\n",
+            l.host_ip()
+        )),
+    )?;
+    let _ = fs::write(format!("/proc/sys/net/ipv4/conf/{link}/rp_filter"), "1");
+    let _ = fs::write(format!("/proc/sys/net/ipv6/conf/{link}/disable_ipv6"), "1");
     Ok(())
 }
 
@@ -660,18 +666,7 @@ pub fn prepare_vm(dir: &Path) -> Result<(NetLease, fs::File, fs::File), String> 
             Command::new(&ip).args(["-n", &name, "link", "set", "tap0", "master", "br0", "up"]),
             None,
         )?;
-        let link = l.link();
-        run(
-            Command::new(&ip).arg("-batch").arg("-"),
-            Some(&format!(
-                "link add {link} type veth peer name eth0 netns {name}\n\
-                 addr add {}/30 dev {link}\n\
-                 link set {link} up\n",
-                l.host_ip()
-            )),
-        )?;
-        let _ = fs::write(format!("/proc/sys/net/ipv4/conf/{link}/rp_filter"), "1");
-        let _ = fs::write(format!("/proc/sys/net/ipv6/conf/{link}/disable_ipv6"), "1");
+        host_veth(&ip, &l, &name)?;
         run(
             Command::new(&ip).args(["-n", &name, "link", "set", "eth0", "master", "br0", "up"]),
             None,

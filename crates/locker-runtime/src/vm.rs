@@ -325,7 +325,7 @@ fn qemu_version(qemu: &Path) -> Result<(u32, u32), VmError> {
 
 /// The host CPU's frequency in kHz (for `tsc_early_khz`: without it, calibrating the TSC
 /// under TCG can stall a guest's boot).
-fn host_khz() -> u64 {
+pub fn host_khz() -> u64 {
     fs::read_to_string("/proc/cpuinfo")
         .ok()
         .and_then(|c| {
@@ -1413,26 +1413,12 @@ pub async fn start(
     Ok((state, child, agent))
 }
 
-/// Whether the machine's QEMU still runs.
+/// Whether the machine's QEMU still runs (a live process whose command line names the
+/// machine's agent socket, inside its `-chardev` argument).
 pub fn is_alive(s: &VmState) -> bool {
-    let Ok(stat) = fs::read_to_string(format!("/proc/{}/stat", s.pid)) else {
-        return false;
-    };
-    let st = stat
-        .rsplit(')')
-        .next()
-        .and_then(|x| x.split_whitespace().next())
-        .unwrap_or("Z");
-    if st == "Z" || st == "X" {
-        return false;
-    }
-    fs::read(format!("/proc/{}/cmdline", s.pid))
-        .map(|c| {
-            let needle = s.dir.join("agent.sock");
-            c.windows(needle.as_os_str().len())
-                .any(|w| w == needle.as_os_str().as_encoded_bytes())
-        })
-        .unwrap_or(false)
+    let needle = s.dir.join("agent.sock");
+    let n = needle.as_os_str().as_encoded_bytes();
+    crate::jail::is_running(s.pid) && crate::jail::cmdline(s.pid).windows(n.len()).any(|w| w == n)
 }
 
 /// Saves a running machine's memory and device state into `state_out` and copies its disk
