@@ -665,3 +665,159 @@ fn microvm_egress_all_and_allow_through_the_api() {
     );
     drop(b);
 }
+
+/// Volumes in microVMs, through the real server: sandboxes mount a volume live (read-write
+/// and read-only, beside a jail on the same volume), the guest kernel checks permissions,
+/// the volume's size holds, the file server survives a server restart and goes with its
+/// machine; a microVM run sees its private layer and commits like a jail's; a snapshot of
+/// a microVM with volumes is refused.
+#[test]
+fn microvm_volumes_in_sandboxes_and_runs() {
+    use locker_tests::server::{enc, Server};
+    use serde_json::json;
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    become_subreaper();
+    let mut srv = Server::start();
+    let api = srv.api();
+    let vol = api
+        .post("/v1/volumes", &json!({"name": "vmvol", "size_mb": 64}))
+        .expect(201, "create a volume");
+    let vol = vol["id"].as_str().unwrap().to_owned();
+    let put = |path: &str, data: &[u8]| {
+        api.put(&format!("/v1/volumes/{vol}/files?path={}", enc(path)), data)
+            .expect(200, "upload");
+    };
+    let get = |path: &str| api.get(&format!("/v1/volumes/{vol}/files?path={}", enc(path)));
+    put("/seed.txt", b"seeded");
+
+    let a = api.create_sandbox(&json!({
+        "runtime": "microvm", "memory_mb": 256,
+        "volumes": [{"volume": vol, "path": "/workspace"}],
+    }));
+    assert_eq!(a["runtime"], "microvm", "{a}");
+    let a = a["id"].as_str().unwrap().to_owned();
+    let b = api.create_sandbox(&json!({
+        "runtime": "microvm", "memory_mb": 256,
+        "volumes": [{"volume": vol, "path": "/data", "read_only": true}],
+    }))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let c = api.create_sandbox(&json!({
+        "runtime": "jail",
+        "volumes": [{"volume": vol, "path": "/workspace"}],
+    }))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // Live, both ways, across machines and runtimes.
+    assert_eq!(api.sh(&a, "cat /workspace/seed.txt"), "seeded");
+    api.sh(
+        &a,
+        "cd /workspace && echo from-vm > a.txt && mkdir -p d/e \
+         && for i in $(seq 1 300); do : > d/e/f$i; done && mv a.txt a2.txt && ln a2.txt hard \
+         && ln -s a2.txt link && test \"$(readlink link)\" = a2.txt",
+    );
+    assert_eq!(get("/a2.txt").text(), "from-vm\n");
+    assert_eq!(api.sh(&c, "cat /workspace/link /workspace/hard"), "from-vm\nfrom-vm\n");
+    assert_eq!(api.sh(&a, "ls /workspace/d/e | wc -l").trim(), "300");
+    api.sh(&c, "echo from-jail > /workspace/j.txt");
+    assert_eq!(api.sh(&a, "cat /workspace/j.txt"), "from-jail\n");
+    assert_eq!(api.sh(&b, "cat /data/a2.txt"), "from-vm\n");
+    // Data through FUSE both ways, checked by another runtime.
+    let sum = api.sh(
+        &a,
+        "head -c 6000000 /dev/urandom > /workspace/big && sha256sum < /workspace/big",
+    );
+    assert_eq!(api.sh(&c, "sha256sum < /workspace/big"), sum);
+    // Ownership and permissions: the guest's ids land on the host's canonical ids, and the
+    // guest kernel refuses what the modes forbid.
+    api.sh(&a, "touch /workspace/owned && chown 1234:1234 /workspace/owned && chmod 600 /workspace/owned");
+    assert_eq!(api.sh(&c, "stat -c %u:%g:%a /workspace/owned").trim(), "1234:1234:600");
+    let r = api.exec(
+        &a,
+        &json!({"shell": "setpriv --reuid 65534 --regid 65534 --clear-groups cat /workspace/owned"}),
+    );
+    assert_ne!(r["exit_code"], 0, "nobody may not read a 600 file of uid 1234: {r}");
+    assert!(r["stderr"].as_str().unwrap().contains("Permission denied"), "{r}");
+    // Read-only stays read-only.
+    let r = api.exec(&b, &json!({"shell": "touch /data/nope"}));
+    assert_ne!(r["exit_code"], 0, "{r}");
+    assert!(r["stderr"].as_str().unwrap().contains("Read-only"), "{r}");
+    assert_eq!(get("/nope").status, 404);
+    // The volume's size holds through a microVM too.
+    let r = api.exec(
+        &a,
+        &json!({"shell": "dd if=/dev/zero of=/workspace/fill bs=1M count=100 2>&1; rm -f /workspace/fill", "timeout_ms": 120000}),
+    );
+    assert!(r["stdout"].as_str().unwrap().contains("No space left"), "{r}");
+    assert_eq!(api.sh(&a, "cat /workspace/seed.txt"), "seeded");
+    // The guest's files API reaches the volume through its mount.
+    assert_eq!(api.read_file(&a, "/workspace/j.txt").text(), "from-jail\n");
+
+    // Its memory holds the volume's open files: no snapshot.
+    let e = api
+        .post_empty(&format!("/v1/sandboxes/{a}/snapshots"))
+        .expect_error(409, "conflict", "snapshot of a microVM with volumes");
+    assert!(e.contains("volumes"), "{e}");
+
+    // The server dies; the file servers live on with their VMs.
+    srv.restart();
+    let api = srv.api();
+    let get = |path: &str| api.get(&format!("/v1/volumes/{vol}/files?path={}", enc(path)));
+    assert_eq!(api.sh(&a, "cat /workspace/seed.txt"), "seeded");
+
+    // A microVM run: its own layer, committed like a jail run's.
+    let r = api
+        .post(
+            &format!("/v1/volumes/{vol}/run"),
+            &json!({"runtime": "microvm", "memory_mb": 256,
+                    "shell": "cat seed.txt && echo run > r.txt && rm seed.txt && uname -r"}),
+        )
+        .expect(200, "a microVM run");
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
+    assert!(r["stdout"].as_str().unwrap().starts_with("seeded"), "{r}");
+    assert!(!r["stdout"].as_str().unwrap().contains(host.trim()), "its own kernel: {r}");
+    assert_eq!(r["changes"]["committed"], true, "{r}");
+    assert_eq!(r["changes"]["added"], json!(["/r.txt"]), "{r}");
+    assert_eq!(r["changes"]["deleted"], json!(["/seed.txt"]), "{r}");
+    assert_eq!(get("/r.txt").text(), "run\n");
+    assert_eq!(get("/seed.txt").status, 404);
+    assert_eq!(api.sh(&a, "cat /workspace/r.txt"), "run\n", "a commit shows in live mounts");
+    // on_success with a failing command commits nothing.
+    let r = api
+        .post(
+            &format!("/v1/volumes/{vol}/run"),
+            &json!({"runtime": "microvm", "memory_mb": 256, "commit": "on_success",
+                    "shell": "echo lost > lost.txt; exit 3"}),
+        )
+        .expect(200, "a failing microVM run");
+    assert_eq!(r["exit_code"], 3, "{r}");
+    assert_eq!(r["changes"]["committed"], false, "{r}");
+    assert_eq!(get("/lost.txt").status, 404);
+
+    // Nothing of the machines is left: no QEMU, no file server.
+    let data = srv.machine_dir(&a).parent().unwrap().parent().unwrap().to_owned();
+    for id in [&a, &b, &c] {
+        api.delete(&format!("/v1/sandboxes/{id}")).expect(204, "delete");
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !qemus_under(&data).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let left: Vec<String> = qemus_under(&data)
+        .iter()
+        .map(|p| {
+            String::from_utf8_lossy(&std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default())
+                .replace('\0', " ")
+        })
+        .collect();
+    // The pool's waiting machine is the server's; anything else is debris.
+    assert!(
+        left.iter().all(|c| !c.contains("__vm-fs")),
+        "no file server left: {left:?}"
+    );
+    api.delete(&format!("/v1/volumes/{vol}")).expect(204, "delete the volume");
+}

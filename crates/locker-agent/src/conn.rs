@@ -559,6 +559,17 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
                 format!("configuring {interface}: {e}"),
             )),
         },
+        Request::MountShare {
+            channel,
+            target,
+            read_only,
+        } => match crate::share::mount(channel, &target, read_only) {
+            Ok(()) => s.end(EndBody::Ok),
+            Err(e) => s.fail(AgentError::new(
+                ErrorCode::Internal,
+                format!("mounting the volume at {target}: {e}"),
+            )),
+        },
         Request::Flush => {
             // SAFETY: sync(2) takes no arguments and cannot fail.
             unsafe { libc::sync() };

@@ -28,6 +28,7 @@ mod exec;
 mod files;
 mod procs;
 mod reaper;
+mod share;
 mod sys;
 mod users;
 mod vm;

@@ -16,7 +16,7 @@ use std::ffi::CString;
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -236,28 +236,8 @@ fn loopback_up() {
     }
 }
 
-/// The device node of the agent's virtio-serial port.
-fn find_port() -> Option<PathBuf> {
-    let t0 = Instant::now();
-    loop {
-        for e in fs::read_dir("/sys/class/virtio-ports")
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            if fs::read_to_string(e.path().join("name")).is_ok_and(|n| n.trim() == PORT_NAME) {
-                return Some(Path::new("/dev").join(e.file_name()));
-            }
-        }
-        if t0.elapsed() > Duration::from_secs(10) {
-            return None;
-        }
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 /// Waits until the host side of the port is connected (poll reports no hang-up).
-fn wait_for_host(fd: i32) {
+pub(crate) fn wait_for_host(fd: i32) {
     loop {
         let mut p = libc::pollfd {
             fd,
@@ -279,7 +259,7 @@ fn wait_for_host(fd: i32) {
 
 /// Serves the host over the virtio-serial port, one connection after another, forever.
 pub fn serve_port(agent: Arc<Agent>) -> ! {
-    let Some(path) = find_port() else {
+    let Some(path) = crate::share::find_port(PORT_NAME) else {
         eprintln!("locker-agent: no virtio port named {PORT_NAME}; powering off");
         power_off();
     };

@@ -50,6 +50,10 @@ fn main() -> anyhow::Result<()> {
     if args.nth(1).is_some_and(|a| a == "__jail-attach") {
         locker_runtime::jail::attach_main(&args.next().unwrap_or_default().to_string_lossy());
     }
+    let mut args = std::env::args_os();
+    if args.nth(1).is_some_and(|a| a == "__vm-fs") {
+        locker_runtime::vm_fs::main(&args.next().unwrap_or_default().to_string_lossy());
+    }
     let cli = Cli::parse();
     match cli.cmd {
         Cmd::Template(c) => template_cmd::run(c),

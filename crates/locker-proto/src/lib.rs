@@ -287,6 +287,14 @@ pub enum Request {
     },
     /// Flush every filesystem of the machine to its disks (before a snapshot). `End(Ok)`.
     Flush,
+    /// In a microVM: mount a host tree at `target` (created if missing) through FUSE, its
+    /// requests carried on the `org.locker.fs` virtio-serial port as frames of `channel`
+    /// (see [`fs_frame`]); the host's file server for that port answers them. `End(Ok)`.
+    MountShare {
+        channel: u32,
+        target: String,
+        read_only: bool,
+    },
     /// In a microVM with a network device: give `interface` the IPv4 `address`/`prefix`
     /// (replacing the one it had), bring it and `lo` up and route everything via `gateway`
     /// (replacing any default route). `End(Ok)`.
@@ -543,6 +551,34 @@ fn to_json<T: Serialize>(out: &mut Vec<u8>, v: &T) -> Chan {
     // Serializing our own plain data types into a Vec cannot fail.
     serde_json::to_writer(&mut *out, v).expect("protocol types serialize");
     Chan::None
+}
+
+/// The frames of a microVM's file port (`org.locker.fs`): FUSE messages between the
+/// guest's `/dev/fuse` and the host's file server, several mounts (channels) on one port.
+/// A frame is `[u32 LE payload length][u32 LE channel][payload]`; the payload is exactly
+/// one FUSE request (guest to host) or one FUSE reply (host to guest).
+pub mod fs_frame {
+    /// The virtio-serial port's name.
+    pub const PORT_NAME: &str = "org.locker.fs";
+    pub const HEADER_LEN: usize = 8;
+    /// The largest payload: a FUSE write of 1 MiB and its headers.
+    pub const MAX_PAYLOAD: usize = (1 << 20) + 4096;
+
+    /// The header of a frame of `len` payload bytes on `channel`.
+    pub fn header(channel: u32, len: usize) -> [u8; HEADER_LEN] {
+        let mut h = [0u8; HEADER_LEN];
+        h[..4].copy_from_slice(&(len as u32).to_le_bytes());
+        h[4..].copy_from_slice(&channel.to_le_bytes());
+        h
+    }
+
+    /// `(payload length, channel)` of a header; `None` when the length is over
+    /// [`MAX_PAYLOAD`] (the stream cannot be trusted any more).
+    pub fn parse_header(h: &[u8; HEADER_LEN]) -> Option<(usize, u32)> {
+        let len = u32::from_le_bytes([h[0], h[1], h[2], h[3]]) as usize;
+        let channel = u32::from_le_bytes([h[4], h[5], h[6], h[7]]);
+        (len <= MAX_PAYLOAD).then_some((len, channel))
+    }
 }
 
 /// Reads one frame; `Ok(None)` on a clean end of stream between frames.

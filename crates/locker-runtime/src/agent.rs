@@ -383,6 +383,20 @@ impl AgentClient {
         }
     }
 
+    /// In a microVM: mounts the host tree served on `channel` at `target` (see
+    /// [`Request::MountShare`]).
+    pub async fn mount_share(&self, channel: u32, target: &str, read_only: bool) -> Result<()> {
+        let req = Request::MountShare {
+            channel,
+            target: target.to_owned(),
+            read_only,
+        };
+        match self.call(req).await? {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("MountShare", &other)),
+        }
+    }
+
     /// Flushes every filesystem of the machine to its disks.
     pub async fn flush(&self) -> Result<()> {
         match self.call(Request::Flush).await? {

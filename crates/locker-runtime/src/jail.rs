@@ -902,6 +902,21 @@ fn mount_overlay_at(
     .map_err(step(format!("mount the overlay at {}", shown.display())))
 }
 
+/// Mounts a run's overlay on the host side at `at` (canonical ids; the microVM file
+/// server's private root, see [`crate::vm_fs`]) with the options a jail run's has, so its
+/// upper layer reads the same.
+pub(crate) fn mount_run_overlay(m: &OverlayMount, at: &Path) -> io::Result<()> {
+    mount_overlay(
+        &m.lower,
+        &m.upper,
+        &m.work,
+        at,
+        libc::MS_NODEV | libc::MS_NOSUID,
+        ",redirect_dir=off,index=off,metacopy=off",
+        0,
+    )
+}
+
 /// The one place overlays are mounted: `lower` under `upper` (+ `work`) at `target`, with
 /// the machine's filesystem ids (`base`: the id-mapped upper layer needs a mounter whose
 /// ids it maps) and `extra` options appended.

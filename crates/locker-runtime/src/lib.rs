@@ -6,9 +6,11 @@
 //! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces).
 //! - [`cgroup`]: cgroup v1 and v2 limits, freezing and accounting for machines.
 //! - [`doctor`]: what works on this host and why.
+//! - [`fs_share`]: the host side of a microVM's volume mounts (a FUSE passthrough server).
 //! - [`host_agent`]: an agent on the host serving a volume's files with no machine.
 //! - [`tree`]: directory trees of volumes: measured, and copied copy-on-write.
 //! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots).
+//! - [`vm_fs`]: volumes in microVMs: the per-VM file server process.
 //! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
 //!
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
@@ -17,6 +19,7 @@ pub mod agent;
 pub mod cgroup;
 pub mod disk;
 pub mod doctor;
+pub mod fs_share;
 pub mod host_agent;
 pub mod jail;
 pub mod net;
@@ -27,3 +30,4 @@ pub mod template;
 pub mod tree;
 pub mod volume_fs;
 pub mod vm;
+pub mod vm_fs;

@@ -218,6 +218,11 @@ impl Machine {
         self.vm.as_ref().is_some_and(|v| !v.shape.net)
     }
 
+    /// Whether host trees are served to this microVM (its volumes; see [`crate::vm_fs`]).
+    pub fn has_shares(&self) -> bool {
+        self.vm.is_some() && crate::vm_fs::has_shares(&self.dir)
+    }
+
     /// The host path of the machine's writable layer (valid while it runs).
     pub fn upper_dir(&self) -> PathBuf {
         self.state.upper_dir()
@@ -422,12 +427,6 @@ impl Node {
     /// Starts a microVM machine: restores its shape's base (booting it first if this host
     /// has none yet) or a memory snapshot, and connects to its agent.
     async fn create_vm(&self, spec: MachineSpec, attach: Attach) -> Result<Machine, NodeError> {
-        if !attach.overlays.is_empty() || !attach.binds.is_empty() {
-            return Err(NodeError::Unavailable(
-                "microvm",
-                "volumes cannot be mounted into microVMs in this version".into(),
-            ));
-        }
         if attach.disk_from.is_some() && attach.memory_from.is_none() {
             // A restored base's guest has the base's disk cached in its memory: another
             // disk under it would be corrupted. MicroVMs restore memory snapshots only.
@@ -521,7 +520,7 @@ impl Node {
             self.cleanup_failed(&spec.id, &spec.dir, uid).await;
             return Err(NodeError::Setup(format!("write state.json: {e}")));
         }
-        Ok(Machine {
+        let m = Machine {
             id: spec.id,
             kind: RuntimeKind::Microvm,
             dir: spec.dir,
@@ -530,7 +529,54 @@ impl Node {
             cgroup,
             shim: Mutex::new(Some(child)),
             vm: Some(vm),
-        })
+        };
+        if !attach.binds.is_empty() || !attach.overlays.is_empty() {
+            if let Err(e) = self.share(&m, attach.binds, attach.overlays).await {
+                let _ = self.destroy(&m).await;
+                return Err(e);
+            }
+        }
+        Ok(m)
+    }
+
+    /// Serves host trees to a running microVM, mounted in its guest: live trees (a
+    /// sandbox's volumes) and overlays (a run's view and layer). Once per machine: the
+    /// file server is started here with all of them (see [`crate::vm_fs`]).
+    pub async fn share(
+        &self,
+        m: &Machine,
+        binds: Vec<jail::BindMount>,
+        overlays: Vec<jail::OverlayMount>,
+    ) -> Result<(), NodeError> {
+        if m.vm.is_none() {
+            return Err(NodeError::Setup("only a microVM takes shares".into()));
+        }
+        if crate::vm_fs::has_shares(&m.dir) {
+            return Err(NodeError::Setup(format!(
+                "machine {} has its shares already",
+                m.id
+            )));
+        }
+        let spec = crate::vm_fs::Spec {
+            socket: m.dir.join(crate::vm::FS_SOCKET),
+            stage: m.dir.join("fs-root"),
+            binds,
+            overlays,
+        };
+        crate::vm_fs::start(
+            &self.config.init_exe,
+            &m.dir,
+            &spec,
+            &m.cgroup.procs_files(),
+        )
+        .await
+        .map_err(|e| NodeError::Setup(format!("serving volumes to machine {}: {e}", m.id)))?;
+        for g in spec.guest_mounts() {
+            m.agent
+                .mount_share(g.channel, &g.target, g.read_only)
+                .await?;
+        }
+        Ok(())
     }
 
     /// Re-attaches to a machine an earlier server process started, if it still runs.
@@ -576,10 +622,7 @@ impl Node {
     /// Mounts an overlay into a running machine (see [`jail::attach_main`]).
     pub async fn attach(&self, m: &Machine, mount: jail::OverlayMount) -> Result<(), NodeError> {
         if m.vm.is_some() {
-            return Err(NodeError::Unavailable(
-                "microvm",
-                "volumes cannot be mounted into microVMs in this version".into(),
-            ));
+            return self.share(m, Vec::new(), vec![mount]).await;
         }
         let spec = jail::AttachSpec {
             agent_pid: m.state.agent_pid,
@@ -735,6 +778,14 @@ impl Node {
             let (_, size) = self.snapshot_disk(m, &dir.join("disk.img")).await?;
             return Ok((size, false));
         };
+        if crate::vm_fs::has_shares(&m.dir) {
+            // The guest's FUSE mounts hold the file server's node ids: a restored copy
+            // would meet a fresh server that knows none of them.
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "a microVM with volumes cannot be snapshotted with its memory".into(),
+            ));
+        }
         // QMP answers only a running QEMU: thaw a paused machine for the save (the guest
         // itself is stopped by QMP meanwhile) and freeze it again after.
         let was_frozen = self.is_frozen(m);

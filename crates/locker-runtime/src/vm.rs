@@ -51,6 +51,8 @@ use crate::cgroup::MachineCgroup;
 
 /// The virtio-serial port name the agent looks for in the guest.
 pub const PORT_NAME: &str = "org.locker.agent";
+/// The host end of the file port, in the machine's directory.
+pub const FS_SOCKET: &str = "fs.sock";
 /// Where bases live: tmpfs, so their RAM files cost memory only for the pages touched.
 pub const BASE_DIR: &str = "/run/locker/vm-base";
 /// Modules the guest needs before it can mount its disks (dependencies are added).
@@ -60,7 +62,10 @@ const MODULES: &[&str] = &[
     "virtio_console",
     "overlay",
     "virtio_net",
+    "fuse",
 ];
+/// The devices every VM has, by version: bases made with other devices are not restored.
+const DEVICES: &str = "devices-2: agent and fs ports";
 /// The most a cold boot of a base may take (TCG on a loaded 2-core host is slow).
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// QEMU's own memory beside the guest's (device emulation, TCG's translation cache).
@@ -285,7 +290,7 @@ impl Assets {
         let mut h = Sha256::new();
         h.update(initrd_digest.as_bytes());
         h.update(kernel_len.to_le_bytes());
-        h.update(format!("{qemu_version:?}{}", accel.as_str()).as_bytes());
+        h.update(format!("{qemu_version:?}{}{DEVICES}", accel.as_str()).as_bytes());
         Ok(Self {
             qemu,
             qemu_version,
@@ -714,6 +719,14 @@ fn qemu_args(a: &Assets, shape: Shape, l: &Launch) -> Vec<String> {
         format!("socket,id=agent,path={},server=on,wait=off", d("agent.sock")),
         "-device".into(),
         format!("virtserialport,chardev=agent,name={PORT_NAME}"),
+        // Volumes: FUSE requests to the host's file server (see [`crate::vm_fs`]).
+        "-chardev".into(),
+        format!("socket,id=fs,path={},server=on,wait=off", d(FS_SOCKET)),
+        "-device".into(),
+        format!(
+            "virtserialport,chardev=fs,name={}",
+            locker_proto::fs_frame::PORT_NAME
+        ),
         "-qmp".into(),
         format!("unix:{},server=on,wait=off", d("qmp.sock")),
         "-sandbox".into(),
@@ -773,15 +786,7 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
     unsafe {
         cmd.pre_exec(move || {
             for p in &procs {
-                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                if fd < 0 {
-                    return Err(io::Error::last_os_error());
-                }
-                let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-                libc::close(fd);
-                if r < 0 {
-                    return Err(io::Error::last_os_error());
-                }
+                enter_cgroup(p)?;
             }
             let entered = match netns {
                 Some(fd) => libc::setns(fd, libc::CLONE_NEWNET),
@@ -827,6 +832,24 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
     drop(l.incoming);
     drop(tap);
     Ok(child)
+}
+
+/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs`. Only
+/// async-signal-safe calls: usable between fork and exec.
+pub(crate) fn enter_cgroup(procs: &std::ffi::CStr) -> io::Result<()> {
+    // SAFETY: open, write and close on a valid path and a static buffer.
+    unsafe {
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+        libc::close(fd);
+        if r < 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }
 
 /// A close-on-exec duplicate of `f` numbered `min` or above.

@@ -119,6 +119,8 @@ struct Plan {
     commit: CommitMode,
     /// The checked network policy of the run's machine.
     network: Value,
+    /// Runtime `microvm` (else the jail).
+    microvm: bool,
 }
 
 /// Checks `mount_path`: absolute, normalized, not `/` nor under the machine's own mounts.
@@ -164,11 +166,8 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
             )))
         }
     };
-    if crate::sandboxes::resolve_runtime(b.runtime.as_deref())? == "microvm" {
-        return Err(ApiError::unavailable(
-            "serverless runs use runtime `jail` only in this version (microVM runs are not built yet); leave `runtime` out",
-        ));
-    }
+    // `auto` is the jail: a run's start time is most of its cost.
+    let microvm = crate::sandboxes::resolve_runtime(b.runtime.as_deref())? == "microvm";
     let cpus = b.cpus.unwrap_or(1.0);
     let max_cpus = crate::sandboxes::MAX_CPUS;
     if !(cpus > 0.0 && cpus <= max_cpus) {
@@ -217,6 +216,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         mount_path,
         commit,
         network,
+        microvm,
     })
 }
 
@@ -267,6 +267,9 @@ async fn run(
     let stream = wants_ndjson(&headers);
     let plan = check(&app, &caller, &id, body)?;
     crate::sandboxes::require_egress(&plan.network).await?;
+    if plan.microvm {
+        crate::sandboxes::require_microvm(&app).await?;
+    }
     let call_id = new_id("call_");
     let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, stream)?;
     let slot = RunSlot::take(&app, &caller.tenant)?;
@@ -528,16 +531,10 @@ async fn in_machine(
         work: run_dir.join("layer/work"),
         target: PathBuf::from(&plan.mount_path),
     };
-    let machine = match app.pool.claim(&plan.template, plan.cpus, plan.memory_mb) {
-        Some(m) => match app.node.attach(&m, mount.clone()).await {
-            Ok(()) => m,
-            Err(e) => {
-                tracing::warn!(error = %e, "a warm machine could not take the run's layer; starting a fresh one");
-                let _ = app.node.destroy(&m).await;
-                fresh(app, mspec, mount).await?
-            }
-        },
-        None => fresh(app, mspec, mount).await?,
+    let machine = if plan.microvm {
+        vm_machine(app, plan, mspec, mount).await?
+    } else {
+        jail_machine(app, plan, mspec, mount).await?
     };
     // The network is attached after the claim (warm machines have none); destroy takes it.
     if crate::sandboxes::has_egress(&plan.network) {
@@ -596,6 +593,66 @@ async fn in_machine(
     res.timings.queue_ms = queue_ms;
     let changes = commit(plan, run_dir, base, &res, start_seq).await?;
     Ok((res, Some(changes)))
+}
+
+/// The run's jail: a warm one with the layer mounted into it, or a fresh one.
+async fn jail_machine(
+    app: &AppState,
+    plan: &Plan,
+    mspec: MachineSpec,
+    mount: OverlayMount,
+) -> Result<locker_runtime::node::Machine, ApiError> {
+    let Some(m) = app.pool.claim(&plan.template, plan.cpus, plan.memory_mb) else {
+        return fresh(app, mspec, mount).await;
+    };
+    match app.node.attach(&m, mount.clone()).await {
+        Ok(()) => Ok(m),
+        Err(e) => {
+            tracing::warn!(error = %e, "a warm machine could not take the run's layer; starting a fresh one");
+            let _ = app.node.destroy(&m).await;
+            fresh(app, mspec, mount).await
+        }
+    }
+}
+
+/// The run's microVM: one from the microVM pool (sandboxes' shapes; the run's disk is the
+/// sandboxes' default) served the layer, or a fresh one restored with it. A run with
+/// egress needs a network device, so it is always fresh.
+async fn vm_machine(
+    app: &AppState,
+    plan: &Plan,
+    mspec: MachineSpec,
+    mount: OverlayMount,
+) -> Result<locker_runtime::node::Machine, ApiError> {
+    let net = crate::sandboxes::has_egress(&plan.network);
+    let shape = (!net).then(|| {
+        crate::vm_pool::Shape::new(&plan.template.digest, plan.cpus, plan.memory_mb, RUN_DISK_MB)
+    });
+    let pooled = shape.as_ref().and_then(|s| app.vm_pool.take(s));
+    if let Some(s) = shape {
+        crate::vm_pool::VmPool::refill(app, s, plan.template.rootfs.clone(), plan.cpus);
+    }
+    if let Some(m) = pooled {
+        match app.node.attach(&m, mount.clone()).await {
+            Ok(()) => return Ok(m),
+            Err(e) => {
+                tracing::warn!(error = %e, "a pooled microVM could not take the run's layer; restoring a fresh one");
+                let _ = app.node.destroy(&m).await;
+            }
+        }
+    }
+    app.node
+        .create_attached(
+            mspec,
+            locker_runtime::node::Attach {
+                runtime: locker_runtime::node::RuntimeKind::Microvm,
+                net,
+                overlays: vec![mount],
+                ..Default::default()
+            },
+        )
+        .await
+        .map_err(|e| ApiError::internal(format!("starting the run's microVM failed: {e}")))
 }
 
 /// A machine started for this run alone, with the volume's layer mounted at start.

@@ -145,6 +145,16 @@ fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// 503 unless this host can run microVMs.
+pub async fn require_microvm(app: &AppState) -> Result<(), ApiError> {
+    match app.node.vm_assets().await {
+        Ok(_) => Ok(()),
+        Err(e) => Err(ApiError::unavailable(format!(
+            "runtime `microvm` is not usable on this host: {e} (see `locker doctor`)"
+        ))),
+    }
+}
+
 /// The runtime a request names, resolved on this host.
 pub fn resolve_runtime(r: Option<&str>) -> Result<&'static str, ApiError> {
     match r.unwrap_or("auto") {
@@ -273,7 +283,8 @@ async fn create(
         }
         Some(_) => "jail",
         // `auto`: the strongest runtime that works here and does what was asked. A microVM
-        // under TCG emulation is not a security boundary, so auto picks it on KVM only.
+        // under TCG emulation is not a security boundary, so auto picks it on KVM only; and
+        // not with volumes: a microVM with volumes cannot be snapshotted or forked.
         None if body.runtime.as_deref().unwrap_or("auto") == "auto" => {
             let kvm = matches!(app.node.vm_assets().await, Ok(a) if a.accel == locker_runtime::vm::Accel::Kvm);
             if kvm && volumes.is_empty() {
@@ -285,16 +296,7 @@ async fn create(
         None => runtime,
     };
     if runtime == "microvm" {
-        if !volumes.is_empty() {
-            return Err(ApiError::unavailable(
-                "volumes cannot be mounted into microVM sandboxes in this version; use runtime `jail` for sandboxes with volumes",
-            ));
-        }
-        if let Err(e) = app.node.vm_assets().await {
-            return Err(ApiError::unavailable(format!(
-                "runtime `microvm` is not usable on this host: {e} (see `locker doctor`)"
-            )));
-        }
+        require_microvm(&app).await?;
     }
     let (template_name, template, snapshot_dir, disk_mb) = match &snapshot {
         Some(snap) => {
@@ -486,10 +488,7 @@ pub async fn launch(
         ));
     }
     // A plain microVM comes ready from the pool when one waits (see `vm_pool`).
-    let pool_shape = (new.runtime == "microvm"
-        && from.is_none()
-        && new.volumes.is_empty()
-        && !has_egress(&new.network))
+    let pool_shape = (new.runtime == "microvm" && from.is_none() && !has_egress(&new.network))
     .then(|| {
         crate::vm_pool::Shape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
     });
@@ -566,8 +565,17 @@ pub async fn launch(
         disk_mb: new.disk_mb,
         pids: PIDS,
     };
+    let binds: Vec<locker_runtime::jail::BindMount> = new
+        .volumes
+        .iter()
+        .map(|m| locker_runtime::jail::BindMount {
+            source: m.source.clone(),
+            target: m.path.clone().into(),
+            read_only: m.read_only,
+        })
+        .collect();
     let started = match pooled {
-        Some(m) => match refresh(&m).await {
+        Some(m) => match ready_pooled(app, &m, binds).await {
             Ok(()) => Ok(m),
             Err(e) => {
                 let _ = app.node.destroy(&m).await;
@@ -588,15 +596,7 @@ pub async fn launch(
                         memory_from,
                         disk_from,
                         overlays: Vec::new(),
-                        binds: new
-                            .volumes
-                            .iter()
-                            .map(|m| locker_runtime::jail::BindMount {
-                                source: m.source.clone(),
-                                target: m.path.clone().into(),
-                                read_only: m.read_only,
-                            })
-                            .collect(),
+                        binds,
                     },
                 )
                 .await
@@ -640,9 +640,13 @@ pub async fn launch(
     Ok((record, live))
 }
 
-/// A pooled microVM waited a while since its restore: its clock and entropy are refreshed
-/// again as it becomes a sandbox.
-async fn refresh(m: &locker_runtime::node::Machine) -> Result<(), locker_runtime::node::NodeError> {
+/// A pooled microVM made this sandbox's: it waited a while since its restore, so its clock,
+/// entropy and hostname are refreshed again; its volumes are served and mounted.
+async fn ready_pooled(
+    app: &AppState,
+    m: &locker_runtime::node::Machine,
+    binds: Vec<locker_runtime::jail::BindMount>,
+) -> Result<(), locker_runtime::node::NodeError> {
     let mut entropy = [0u8; 64];
     // SAFETY: getrandom fills the buffer we own.
     unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
@@ -652,8 +656,11 @@ async fn refresh(m: &locker_runtime::node::Machine) -> Result<(), locker_runtime
         .as_nanos() as u64;
     m.agent
         .refresh(now, entropy.to_vec(), m.id.clone())
-        .await
-        .map_err(Into::into)
+        .await?;
+    if !binds.is_empty() {
+        app.node.share(m, binds, Vec::new()).await?;
+    }
+    Ok(())
 }
 
 /// The caller's live sandbox `id` without counting a call or thawing it (pause, snapshot).

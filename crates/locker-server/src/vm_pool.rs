@@ -9,8 +9,8 @@
 //! the sandbox gets the machine's id. Machines are never shared or reused: one taken is the
 //! sandbox's from then on, and the pool makes a new one in the background.
 //!
-//! Only microVMs with nothing attached (no snapshot, no volumes, egress `none`) come from the
-//! pool. Pooled machines belong to no tenant (no record): a server that stops destroys them,
+//! Only microVMs with nothing attached at restore (no snapshot, egress `none`) come from the
+//! pool; volumes are served to a machine after it is taken (a sandbox's, or a run's). Pooled machines belong to no tenant (no record): a server that stops destroys them,
 //! and one killed leaves them to the next start's orphan clean-up.
 
 use std::collections::{HashMap, HashSet};

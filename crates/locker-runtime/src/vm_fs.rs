@@ -1,0 +1,235 @@
+//! Volumes in microVMs, the host's half: one file server per microVM with volumes.
+//!
+//! A microVM has no host directory it could bind: its guest kernel mounts each volume
+//! through FUSE, and the guest's agent relays the FUSE requests over the VM's file port
+//! (`fs.sock` on the host, see `locker_proto::fs_frame`). This room starts and describes
+//! the process that answers them, `locker __vm-fs <spec>`:
+//! - in the machine's cgroup, so stopping or destroying the machine kills it with QEMU,
+//!   and outliving a server restart like QEMU does (adoption needs nothing);
+//! - in a mount namespace of its own, holding only what it serves: a tmpfs with each
+//!   volume bound at `/<channel>` (read-only mounts bound read-only), or a run's overlay
+//!   (the view below, the run's layer above, exactly as a jail run mounts it, so the
+//!   run's changes are read and committed the same way) mounted there;
+//! - chrooted into that tmpfs, with no capabilities beyond those of file ownership, and
+//!   `no_new_privs`; the FUSE server itself ([`crate::fs_share`]) resolves every name
+//!   beneath its export and opens nothing but regular files and directories.
+//!
+//! When the process ends its mount namespace goes with it: nothing is mounted on the host.
+//! The guest side (mounting, relaying) is the agent's `share` module.
+
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::os::unix::process::CommandExt;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::io::AsyncBufReadExt;
+
+use crate::jail::{BindMount, OverlayMount};
+use crate::sys;
+
+/// The file server's spec, written to `<dir>/vm-fs.json` too (a machine with shares).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct Spec {
+    /// The VM's file port (`<dir>/fs.sock`).
+    pub socket: PathBuf,
+    /// Where the server's private root is mounted (an empty directory of the machine).
+    pub stage: PathBuf,
+    /// Live trees, channels `0..binds.len()`.
+    pub binds: Vec<BindMount>,
+    /// Runs' overlays, the channels after the binds.
+    pub overlays: Vec<OverlayMount>,
+}
+
+/// One mount for the guest to make.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GuestMount {
+    pub channel: u32,
+    pub target: String,
+    pub read_only: bool,
+}
+
+impl Spec {
+    /// The mounts the guest makes, by channel.
+    pub fn guest_mounts(&self) -> Vec<GuestMount> {
+        let binds = self.binds.iter().map(|b| (&b.target, b.read_only));
+        let overlays = self.overlays.iter().map(|o| (&o.target, false));
+        binds
+            .chain(overlays)
+            .enumerate()
+            .map(|(i, (t, ro))| GuestMount {
+                channel: i as u32,
+                target: t.display().to_string(),
+                read_only: ro,
+            })
+            .collect()
+    }
+}
+
+/// The spec's file in a machine's directory: present exactly when the machine has shares.
+pub const SPEC_FILE: &str = "vm-fs.json";
+
+/// Whether the machine in `dir` has volumes served to it.
+pub fn has_shares(dir: &Path) -> bool {
+    dir.join(SPEC_FILE).exists()
+}
+
+/// Starts the file server of the machine in `dir` (its QEMU runs) as `exe __vm-fs` in the
+/// cgroup whose `cgroup.procs` files are `procs`, and waits until it serves.
+pub async fn start(exe: &Path, dir: &Path, spec: &Spec, procs: &[PathBuf]) -> io::Result<()> {
+    let json = serde_json::to_string(spec).expect("spec serializes");
+    fs::create_dir_all(&spec.stage)?;
+    fs::write(dir.join(SPEC_FILE), &json)?;
+    let log = fs::File::create(dir.join("vm-fs.log"))?;
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg("__vm-fs")
+        .arg(&json)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(log);
+    let procs: Vec<std::ffi::CString> = procs
+        .iter()
+        .map(|p| {
+            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+                .expect("no NUL in a cgroup path")
+        })
+        .collect();
+    // SAFETY: only async-signal-safe calls (open, write, close) on memory prepared before
+    // the fork.
+    unsafe {
+        cmd.pre_exec(move || {
+            for p in &procs {
+                crate::vm::enter_cgroup(p)?;
+            }
+            Ok(())
+        });
+    }
+    let mut child = tokio::process::Command::from(cmd)
+        .kill_on_drop(false)
+        .spawn()?;
+    let out = child.stdout.take().expect("piped");
+    let mut line = String::new();
+    let mut out = tokio::io::BufReader::new(out);
+    match tokio::time::timeout(Duration::from_secs(20), out.read_line(&mut line)).await {
+        Ok(r) => drop(r?),
+        Err(_) => line.clear(),
+    }
+    if line.trim() != "ready" {
+        let _ = child.start_kill();
+        let _ = child.wait().await;
+        let mut why = String::new();
+        let _ = fs::File::open(dir.join("vm-fs.log")).and_then(|mut f| f.read_to_string(&mut why));
+        return Err(io::Error::other(format!(
+            "the file server failed: {}",
+            why.trim()
+        )));
+    }
+    // Reaped when it ends (with the machine); a server restart leaves it to run on.
+    tokio::spawn(async move {
+        let _ = child.wait().await;
+    });
+    Ok(())
+}
+
+/// `locker __vm-fs <spec>`: sets up the private root, says `ready` on stdout, serves until
+/// the VM's end of the port goes away. Exits 0, or 1 with the reason on stderr.
+pub fn main(arg: &str) -> ! {
+    let r = serde_json::from_str::<Spec>(arg)
+        .map_err(|e| io::Error::other(format!("bad spec: {e}")))
+        .and_then(|s| {
+            let (conn, exports) = prepare(&s)?;
+            let mut out = io::stdout().lock();
+            writeln!(out, "ready")?;
+            out.flush()?;
+            // SAFETY: closing our stdout (the pipe the parent waits on) for good.
+            unsafe { libc::close(1) };
+            crate::fs_share::serve(conn, &exports)
+        });
+    match r {
+        Ok(()) => std::process::exit(0),
+        Err(e) => {
+            eprintln!("locker __vm-fs: {e}");
+            std::process::exit(1)
+        }
+    }
+}
+
+fn ctx(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> io::Error {
+    move |e| io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+/// The private root with every share in it, and the connected port.
+fn prepare(s: &Spec) -> io::Result<(UnixStream, Vec<crate::fs_share::Export>)> {
+    // SAFETY: unshare takes a flag; this process is single-threaded here.
+    if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
+        return Err(ctx("unshare the mount namespace")(
+            io::Error::last_os_error(),
+        ));
+    }
+    sys::mount(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )
+    .map_err(ctx("make mounts private"))?;
+    let stage = &s.stage;
+    let nosuid = libc::MS_NOSUID | libc::MS_NODEV;
+    sys::mount(
+        Some("locker-vm-fs"),
+        stage,
+        Some("tmpfs"),
+        nosuid | libc::MS_NOEXEC,
+        Some("mode=0755,size=1m"),
+    )
+    .map_err(ctx("mount the private root"))?;
+    let mut exports = Vec::new();
+    for m in s.guest_mounts() {
+        let at = stage.join(m.channel.to_string());
+        fs::create_dir(&at).map_err(ctx(format!("create {}", at.display())))?;
+        exports.push(crate::fs_share::Export {
+            channel: m.channel,
+            root: Path::new("/").join(m.channel.to_string()),
+            read_only: m.read_only,
+        });
+    }
+    for (i, b) in s.binds.iter().enumerate() {
+        let at = stage.join(i.to_string());
+        let ro = if b.read_only { libc::MS_RDONLY } else { 0 };
+        sys::bind(&b.source, &at, nosuid | ro)
+            .map_err(ctx(format!("bind {}", b.source.display())))?;
+    }
+    for (i, o) in s.overlays.iter().enumerate() {
+        let at = stage.join((s.binds.len() + i).to_string());
+        crate::jail::mount_run_overlay(o, &at)
+            .map_err(ctx(format!("mount the overlay of {}", o.lower.display())))?;
+    }
+    let conn = UnixStream::connect(&s.socket)
+        .map_err(ctx(format!("connect to {}", s.socket.display())))?;
+    // The server reopens files through /proc/self/fd.
+    let proc_at = stage.join("proc");
+    fs::create_dir(&proc_at).map_err(ctx("create proc"))?;
+    sys::bind(Path::new("/proc"), &proc_at, nosuid | libc::MS_NOEXEC)
+        .map_err(ctx("bind /proc"))?;
+    std::env::set_current_dir(stage).map_err(ctx("enter the private root"))?;
+    let dot = std::ffi::CString::new(".").expect("no NUL");
+    // SAFETY: a valid string.
+    if unsafe { libc::chroot(dot.as_ptr()) } != 0 {
+        return Err(ctx("chroot")(io::Error::last_os_error()));
+    }
+    std::env::set_current_dir("/").map_err(ctx("enter the private root"))?;
+    // What serving files as their owners needs, and nothing else.
+    // CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_DAC_READ_SEARCH 2, CAP_FOWNER 3, CAP_FSETID 4,
+    // CAP_SETGID 6, CAP_SETUID 7 (linux/capability.h).
+    sys::restrict_capabilities(&[0, 1, 2, 3, 4, 6, 7])
+    .map_err(ctx("drop capabilities"))?;
+    // SAFETY: prctl with integer arguments.
+    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
+        return Err(ctx("no_new_privs")(io::Error::last_os_error()));
+    }
+    Ok((conn, exports))
+}
