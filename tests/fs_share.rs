@@ -113,13 +113,24 @@ impl Mount {
             )
         };
         assert_eq!(rc, 0, "mount fuse: {}", io::Error::last_os_error());
-        // The mount's device names the connection; a stat through the mount would wait for
-        // INIT, which the relay has not carried yet.
-        let conn_id = libc::minor(mount_dev(&mnt));
-
+        // From here on the guard undoes the mount, whatever fails.
         let (relay_tx, relay_done) = mpsc::channel();
-        relay(fuse, guest.try_clone().unwrap(), relay_tx);
         let (wd_tx, wd_rx) = mpsc::channel::<()>();
+        let m = Mount {
+            // The mount's device names the connection; a stat through the mount would wait
+            // for INIT, which the relay has not carried yet.
+            conn_id: mount_dev(&mnt).map_or(u32::MAX, |d| libc::minor(d)),
+            export,
+            mnt,
+            guest,
+            relay_done,
+            served,
+            watchdog: Some(wd_tx),
+            torn_down: false,
+            _dir: dir,
+        };
+        relay(fuse, m.guest.try_clone().unwrap(), relay_tx);
+        let conn_id = m.conn_id;
         thread::spawn(move || {
             if let Err(mpsc::RecvTimeoutError::Timeout) = wd_rx.recv_timeout(WATCHDOG) {
                 eprintln!(
@@ -128,17 +139,7 @@ impl Mount {
                 abort_connection(conn_id);
             }
         });
-        Mount {
-            export,
-            mnt,
-            conn_id,
-            guest,
-            relay_done,
-            served,
-            watchdog: Some(wd_tx),
-            torn_down: false,
-            _dir: dir,
-        }
+        m
     }
 
     fn m(&self, rel: &str) -> PathBuf {
@@ -186,16 +187,15 @@ impl Drop for Mount {
 
 /// The device of what is mounted at `mnt`, from /proc/self/mountinfo (a stat would go
 /// through the FUSE mount).
-fn mount_dev(mnt: &Path) -> libc::dev_t {
-    let info = fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let want = mnt.to_str().unwrap();
+fn mount_dev(mnt: &Path) -> Option<libc::dev_t> {
+    let info = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    let want = mnt.to_str()?;
     let line = info
         .lines()
         .rev()
-        .find(|l| l.split(' ').nth(4) == Some(want))
-        .expect("the mount in mountinfo");
-    let (major, minor) = line.split(' ').nth(2).unwrap().split_once(':').unwrap();
-    libc::makedev(major.parse().unwrap(), minor.parse().unwrap())
+        .find(|l| l.split(' ').nth(4) == Some(want))?;
+    let (major, minor) = line.split(' ').nth(2)?.split_once(':')?;
+    Some(libc::makedev(major.parse().ok()?, minor.parse().ok()?))
 }
 
 /// Aborts a FUSE connection (pending and future requests fail), through fusectl: the

@@ -5,13 +5,14 @@
 //! port is a unix socket, and [`serve`] answers the requests by operating on a host
 //! directory (an [`Export`]). It is a small virtiofsd whose transport is a byte stream.
 //!
-//! **Wire.** A frame is `[u32 LE payload_len][u32 LE channel][payload]`, the payload at most
-//! [`MAX_PAYLOAD`] bytes (a bigger one ends the connection). Guest to host, the payload is one
-//! request as read from `/dev/fuse` (`fuse_in_header` and body); host to guest, it is one
-//! reply (`fuse_out_header` and body) for the relay to write to `/dev/fuse` in one `write()`.
-//! FORGET, BATCH_FORGET, INTERRUPT and NOTIFY_REPLY get no reply. One channel is one mount of
-//! one export; one connection carries several. A request on a channel no export names gets
-//! `-ENODEV`.
+//! **Wire** (`locker_proto::fs_frame`). A frame is
+//! `[u32 LE payload_len][u32 LE channel][payload]`, the payload at most [`MAX_PAYLOAD`]
+//! bytes (a bigger one ends the connection). Guest to host, the payload is one request as
+//! read from `/dev/fuse` (`fuse_in_header` and body); host to guest, it is one reply
+//! (`fuse_out_header` and body) for the relay to write to `/dev/fuse` in one `write()`.
+//! FORGET, BATCH_FORGET, INTERRUPT and NOTIFY_REPLY get no reply. One channel is one mount
+//! of one export; one connection carries several. A request on a channel no export names
+//! gets `-ENODEV`.
 //!
 //! **What this room owns:** the protocol (negotiation, decoding, replies), a node table per
 //! channel (nodeid to an `O_PATH` fd, deduplicated by `(st_dev, st_ino)` and counted by
@@ -42,6 +43,8 @@
 //!   volume at the same time.
 //! - The host must not move a directory out of a served tree while it is served: a node
 //!   the guest holds follows its inode, wherever it goes.
+//! - Nodeids live as long as the connection: a guest mount outlives a new `serve` on a new
+//!   connection only at its root (every other nodeid is then unknown, `ENOENT`).
 //! - Every node and open handle holds a host fd: [`MAX_NODES`] and [`MAX_HANDLES`] bound
 //!   them per channel (`ENFILE`/`EMFILE` beyond), and the process's `RLIMIT_NOFILE` must
 //!   leave room for them.
@@ -55,6 +58,8 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 
+use locker_proto::fs_frame;
+
 /// One tree served on one channel.
 #[derive(Debug, Clone)]
 pub struct Export {
@@ -66,8 +71,9 @@ pub struct Export {
     pub read_only: bool,
 }
 
-/// The largest frame payload either way; a bigger frame ends the connection.
-pub const MAX_PAYLOAD: usize = (1 << 20) + 4096;
+/// The largest frame payload either way (`locker_proto::fs_frame`); a bigger frame ends
+/// the connection.
+pub const MAX_PAYLOAD: usize = fs_frame::MAX_PAYLOAD;
 /// The largest WRITE the server accepts (negotiated at INIT).
 pub const MAX_WRITE: u32 = 128 * 1024;
 /// The most pages in one request (negotiated at INIT): `MAX_WRITE` in 4 KiB pages.
@@ -1544,23 +1550,24 @@ fn read_frame(r: &mut impl BufRead, payload: &mut Vec<u8>) -> io::Result<Option<
             Err(e) => return Err(e),
         }
     }
-    let mut head = [0u8; 8];
+    let mut head = [0u8; fs_frame::HEADER_LEN];
     r.read_exact(&mut head)?;
-    let len = u32::get(&head) as usize;
-    let channel = u32::get(&head[4..]);
-    if len > MAX_PAYLOAD {
+    let Some((len, channel)) = fs_frame::parse_header(&head) else {
         return Err(io::Error::new(
             io::ErrorKind::InvalidData,
-            format!("a frame of {len} bytes on channel {channel}: more than {MAX_PAYLOAD}"),
+            format!(
+                "a frame of {} bytes: more than {MAX_PAYLOAD}",
+                u32::get(&head)
+            ),
         ));
-    }
+    };
     payload.resize(len, 0);
     r.read_exact(payload)?;
     Ok(Some(channel))
 }
 
 /// Where a reply's `fuse_out_header` starts in the frame.
-const FRAME_HEAD: usize = 8;
+const FRAME_HEAD: usize = fs_frame::HEADER_LEN;
 
 /// Answers one request into `out` as a whole frame; false when it takes no reply (or has
 /// no header to reply to).
@@ -1599,16 +1606,15 @@ fn handle_frame(
         }
     };
     let len = out.len() - FRAME_HEAD;
-    let mut head = Vec::with_capacity(FRAME_HEAD + OutHeader::N);
-    (len as u32).put(&mut head);
-    channel.put(&mut head);
+    out[..FRAME_HEAD].copy_from_slice(&fs_frame::header(channel, len));
+    let mut head = Vec::with_capacity(OutHeader::N);
     OutHeader {
         len: len as u32,
         error,
         unique: h.unique,
     }
     .put(&mut head);
-    out[..head.len()].copy_from_slice(&head);
+    out[FRAME_HEAD..FRAME_HEAD + OutHeader::N].copy_from_slice(&head);
     true
 }
 
@@ -1627,27 +1633,51 @@ fn body_of<'a>(h: &InHeader, payload: &'a [u8]) -> Res<&'a [u8]> {
 /// Fails at once when an export's root cannot be opened or two exports share a channel,
 /// later on a read or write error of `conn` or a frame bigger than [`MAX_PAYLOAD`].
 pub fn serve(conn: UnixStream, exports: &[Export]) -> io::Result<()> {
-    let proc_fd = raw::open_dir(Path::new("/proc/self/fd"))?;
-    let mut channels = HashMap::new();
-    for e in exports {
-        let ch = Channel::new(e, proc_fd.as_raw_fd())?;
-        if channels.insert(e.channel, ch).is_some() {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!("channel {} is exported twice", e.channel),
-            ));
+    Server::open(exports)?.run(conn)
+}
+
+/// A server with its exports' roots and `/proc/self/fd` open: after [`Server::open`] it
+/// needs no path of the host any more (its caller may unmount `/proc`).
+pub struct Server {
+    channels: HashMap<u32, Channel>,
+    /// Every channel reopens files through this directory (its raw fd is theirs too).
+    _proc_fd: OwnedFd,
+}
+
+impl Server {
+    /// Opens `/proc/self/fd` and every export's root; fails when a root cannot be opened or
+    /// two exports share a channel.
+    pub fn open(exports: &[Export]) -> io::Result<Self> {
+        let proc_fd = raw::open_dir(Path::new("/proc/self/fd"))?;
+        let mut channels = HashMap::new();
+        for e in exports {
+            let ch = Channel::new(e, proc_fd.as_raw_fd())?;
+            if channels.insert(e.channel, ch).is_some() {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("channel {} is exported twice", e.channel),
+                ));
+            }
         }
+        Ok(Self {
+            channels,
+            _proc_fd: proc_fd,
+        })
     }
-    let mut reader = BufReader::with_capacity(256 * 1024, &conn);
-    let mut writer = &conn;
-    let mut payload = Vec::new();
-    let mut reply = Vec::new();
-    while let Some(channel) = read_frame(&mut reader, &mut payload)? {
-        if handle_frame(&mut channels, channel, &payload, &mut reply) {
-            writer.write_all(&reply)?;
+
+    /// Serves until `conn` reaches its end between frames (Ok) or fails.
+    pub fn run(mut self, conn: UnixStream) -> io::Result<()> {
+        let mut reader = BufReader::with_capacity(256 * 1024, &conn);
+        let mut writer = &conn;
+        let mut payload = Vec::new();
+        let mut reply = Vec::new();
+        while let Some(channel) = read_frame(&mut reader, &mut payload)? {
+            if handle_frame(&mut self.channels, channel, &payload, &mut reply) {
+                writer.write_all(&reply)?;
+            }
         }
+        Ok(())
     }
-    Ok(())
 }
 
 /// The system calls of this room, each with its invariant. Paths are single components

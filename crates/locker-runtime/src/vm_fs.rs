@@ -140,13 +140,13 @@ pub fn main(arg: &str) -> ! {
     let r = serde_json::from_str::<Spec>(arg)
         .map_err(|e| io::Error::other(format!("bad spec: {e}")))
         .and_then(|s| {
-            let (conn, exports) = prepare(&s)?;
+            let (conn, server) = prepare(&s)?;
             let mut out = io::stdout().lock();
             writeln!(out, "ready")?;
             out.flush()?;
             // SAFETY: closing our stdout (the pipe the parent waits on) for good.
             unsafe { libc::close(1) };
-            crate::fs_share::serve(conn, &exports)
+            server.run(conn)
         });
     match r {
         Ok(()) => std::process::exit(0),
@@ -157,12 +157,48 @@ pub fn main(arg: &str) -> ! {
     }
 }
 
+/// Raises this process's open files limit to `want`, or as far as the hard limit goes when
+/// raising that is not allowed.
+fn raise_fd_limit(want: u64) -> io::Result<()> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit/setrlimit read and write the struct we own.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let up = libc::rlimit {
+            rlim_cur: want.max(lim.rlim_cur),
+            rlim_max: want.max(lim.rlim_max),
+        };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &up) == 0 {
+            return Ok(());
+        }
+        lim.rlim_cur = lim.rlim_max;
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
+            return Err(io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
 fn ctx(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> io::Error {
     move |e| io::Error::new(e.kind(), format!("{what}: {e}"))
 }
 
-/// The private root with every share in it, and the connected port.
-fn prepare(s: &Spec) -> io::Result<(UnixStream, Vec<crate::fs_share::Export>)> {
+/// Files the server may hold open: every node the guest's kernel remembers (until it
+/// forgets it) and every open file is one host fd (at most the kernel's `nr_open`).
+const MAX_FDS: u64 = 1 << 20;
+
+/// The private root with every share in it, the connected port, and the server with its
+/// exports open.
+fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
+    let nr_open = fs::read_to_string("/proc/sys/fs/nr_open")
+        .ok()
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .unwrap_or(MAX_FDS);
     // SAFETY: unshare takes a flag; this process is single-threaded here.
     if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
         return Err(ctx("unshare the mount namespace")(
@@ -222,6 +258,11 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, Vec<crate::fs_share::Export>)> {
         return Err(ctx("chroot")(io::Error::last_os_error()));
     }
     std::env::set_current_dir("/").map_err(ctx("enter the private root"))?;
+    let server = crate::fs_share::Server::open(&exports).map_err(ctx("open the exports"))?;
+    // The server holds `/proc/self/fd` open: the path itself goes.
+    sys::umount(Path::new("/proc"), libc::MNT_DETACH).map_err(ctx("unmount /proc"))?;
+    fs::remove_dir("/proc").map_err(ctx("remove /proc"))?;
+    raise_fd_limit(MAX_FDS.min(nr_open)).map_err(ctx("raise the open files limit"))?;
     // What serving files as their owners needs, and nothing else.
     // CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_DAC_READ_SEARCH 2, CAP_FOWNER 3, CAP_FSETID 4,
     // CAP_SETGID 6, CAP_SETUID 7 (linux/capability.h).
@@ -231,5 +272,5 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, Vec<crate::fs_share::Export>)> {
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(ctx("no_new_privs")(io::Error::last_os_error()));
     }
-    Ok((conn, exports))
+    Ok((conn, server))
 }
