@@ -720,7 +720,10 @@ fn microvm_volumes_in_sandboxes_and_runs() {
          && ln -s a2.txt link && test \"$(readlink link)\" = a2.txt",
     );
     assert_eq!(get("/a2.txt").text(), "from-vm\n");
-    assert_eq!(api.sh(&c, "cat /workspace/link /workspace/hard"), "from-vm\nfrom-vm\n");
+    assert_eq!(
+        api.sh(&c, "cat /workspace/link /workspace/hard"),
+        "from-vm\nfrom-vm\n"
+    );
     assert_eq!(api.sh(&a, "ls /workspace/d/e | wc -l").trim(), "300");
     api.sh(&c, "echo from-jail > /workspace/j.txt");
     assert_eq!(api.sh(&a, "cat /workspace/j.txt"), "from-jail\n");
@@ -733,14 +736,26 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     assert_eq!(api.sh(&c, "sha256sum < /workspace/big"), sum);
     // Ownership and permissions: the guest's ids land on the host's canonical ids, and the
     // guest kernel refuses what the modes forbid.
-    api.sh(&a, "touch /workspace/owned && chown 1234:1234 /workspace/owned && chmod 600 /workspace/owned");
-    assert_eq!(api.sh(&c, "stat -c %u:%g:%a /workspace/owned").trim(), "1234:1234:600");
+    api.sh(
+        &a,
+        "touch /workspace/owned && chown 1234:1234 /workspace/owned && chmod 600 /workspace/owned",
+    );
+    assert_eq!(
+        api.sh(&c, "stat -c %u:%g:%a /workspace/owned").trim(),
+        "1234:1234:600"
+    );
     let r = api.exec(
         &a,
         &json!({"shell": "setpriv --reuid 65534 --regid 65534 --clear-groups cat /workspace/owned"}),
     );
-    assert_ne!(r["exit_code"], 0, "nobody may not read a 600 file of uid 1234: {r}");
-    assert!(r["stderr"].as_str().unwrap().contains("Permission denied"), "{r}");
+    assert_ne!(
+        r["exit_code"], 0,
+        "nobody may not read a 600 file of uid 1234: {r}"
+    );
+    assert!(
+        r["stderr"].as_str().unwrap().contains("Permission denied"),
+        "{r}"
+    );
     // Read-only stays read-only.
     let r = api.exec(&b, &json!({"shell": "touch /data/nope"}));
     assert_ne!(r["exit_code"], 0, "{r}");
@@ -751,7 +766,10 @@ fn microvm_volumes_in_sandboxes_and_runs() {
         &a,
         &json!({"shell": "dd if=/dev/zero of=/workspace/fill bs=1M count=100 2>&1; rm -f /workspace/fill", "timeout_ms": 120000}),
     );
-    assert!(r["stdout"].as_str().unwrap().contains("No space left"), "{r}");
+    assert!(
+        r["stdout"].as_str().unwrap().contains("No space left"),
+        "{r}"
+    );
     assert_eq!(api.sh(&a, "cat /workspace/seed.txt"), "seeded");
     // The guest's files API reaches the volume through its mount.
     assert_eq!(api.read_file(&a, "/workspace/j.txt").text(), "from-jail\n");
@@ -779,13 +797,20 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     assert_eq!(r["exit_code"], 0, "{r}");
     let host = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap();
     assert!(r["stdout"].as_str().unwrap().starts_with("seeded"), "{r}");
-    assert!(!r["stdout"].as_str().unwrap().contains(host.trim()), "its own kernel: {r}");
+    assert!(
+        !r["stdout"].as_str().unwrap().contains(host.trim()),
+        "its own kernel: {r}"
+    );
     assert_eq!(r["changes"]["committed"], true, "{r}");
     assert_eq!(r["changes"]["added"], json!(["/r.txt"]), "{r}");
     assert_eq!(r["changes"]["deleted"], json!(["/seed.txt"]), "{r}");
     assert_eq!(get("/r.txt").text(), "run\n");
     assert_eq!(get("/seed.txt").status, 404);
-    assert_eq!(api.sh(&a, "cat /workspace/r.txt"), "run\n", "a commit shows in live mounts");
+    assert_eq!(
+        api.sh(&a, "cat /workspace/r.txt"),
+        "run\n",
+        "a commit shows in live mounts"
+    );
     // on_success with a failing command commits nothing.
     let r = api
         .post(
@@ -797,11 +822,40 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     assert_eq!(r["exit_code"], 3, "{r}");
     assert_eq!(r["changes"]["committed"], false, "{r}");
     assert_eq!(get("/lost.txt").status, 404);
+    // `locker run --runtime microvm`, with the changes on stderr.
+    let out = std::process::Command::new(locker_bin())
+        .args([
+            "run",
+            "--volume",
+            "vmvol",
+            "--runtime",
+            "microvm",
+            "--memory-mb",
+            "256",
+        ])
+        .args(["--", "sh", "-c", "cat r.txt; echo c > cli.txt"])
+        .env("LOCKER_URL", &srv.url)
+        .env("LOCKER_API_KEY", &srv.api_key)
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "run\n");
+    assert!(err.contains("+ /cli.txt"), "{err}");
+    assert_eq!(get("/cli.txt").text(), "c\n");
 
     // Nothing of the machines is left: no QEMU, no file server.
-    let data = srv.machine_dir(&a).parent().unwrap().parent().unwrap().to_owned();
+    let data = srv
+        .machine_dir(&a)
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_owned();
     for id in [&a, &b, &c] {
-        api.delete(&format!("/v1/sandboxes/{id}")).expect(204, "delete");
+        api.delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete");
     }
     let deadline = Instant::now() + Duration::from_secs(10);
     while !qemus_under(&data).is_empty() && Instant::now() < deadline {
@@ -810,8 +864,10 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     let left: Vec<String> = qemus_under(&data)
         .iter()
         .map(|p| {
-            String::from_utf8_lossy(&std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default())
-                .replace('\0', " ")
+            String::from_utf8_lossy(
+                &std::fs::read(format!("/proc/{p}/cmdline")).unwrap_or_default(),
+            )
+            .replace('\0', " ")
         })
         .collect();
     // The pool's waiting machine is the server's; anything else is debris.
@@ -819,5 +875,6 @@ fn microvm_volumes_in_sandboxes_and_runs() {
         left.iter().all(|c| !c.contains("__vm-fs")),
         "no file server left: {left:?}"
     );
-    api.delete(&format!("/v1/volumes/{vol}")).expect(204, "delete the volume");
+    api.delete(&format!("/v1/volumes/{vol}"))
+        .expect(204, "delete the volume");
 }

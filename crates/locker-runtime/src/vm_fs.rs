@@ -249,8 +249,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
     // The server reopens files through /proc/self/fd.
     let proc_at = stage.join("proc");
     fs::create_dir(&proc_at).map_err(ctx("create proc"))?;
-    sys::bind(Path::new("/proc"), &proc_at, nosuid | libc::MS_NOEXEC)
-        .map_err(ctx("bind /proc"))?;
+    sys::bind(Path::new("/proc"), &proc_at, nosuid | libc::MS_NOEXEC).map_err(ctx("bind /proc"))?;
     std::env::set_current_dir(stage).map_err(ctx("enter the private root"))?;
     let dot = std::ffi::CString::new(".").expect("no NUL");
     // SAFETY: a valid string.
@@ -266,8 +265,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
     // What serving files as their owners needs, and nothing else.
     // CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_DAC_READ_SEARCH 2, CAP_FOWNER 3, CAP_FSETID 4,
     // CAP_SETGID 6, CAP_SETUID 7 (linux/capability.h).
-    sys::restrict_capabilities(&[0, 1, 2, 3, 4, 6, 7])
-    .map_err(ctx("drop capabilities"))?;
+    sys::restrict_capabilities(&[0, 1, 2, 3, 4, 6, 7]).map_err(ctx("drop capabilities"))?;
     // SAFETY: prctl with integer arguments.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(ctx("no_new_privs")(io::Error::last_os_error()));

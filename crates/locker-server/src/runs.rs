@@ -626,7 +626,12 @@ async fn vm_machine(
 ) -> Result<locker_runtime::node::Machine, ApiError> {
     let net = crate::sandboxes::has_egress(&plan.network);
     let shape = (!net).then(|| {
-        crate::vm_pool::Shape::new(&plan.template.digest, plan.cpus, plan.memory_mb, RUN_DISK_MB)
+        crate::vm_pool::Shape::new(
+            &plan.template.digest,
+            plan.cpus,
+            plan.memory_mb,
+            RUN_DISK_MB,
+        )
     });
     let pooled = shape.as_ref().and_then(|s| app.vm_pool.take(s));
     if let Some(s) = shape {

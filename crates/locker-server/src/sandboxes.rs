@@ -489,9 +489,9 @@ pub async fn launch(
     }
     // A plain microVM comes ready from the pool when one waits (see `vm_pool`).
     let pool_shape = (new.runtime == "microvm" && from.is_none() && !has_egress(&new.network))
-    .then(|| {
-        crate::vm_pool::Shape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
-    });
+        .then(|| {
+            crate::vm_pool::Shape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
+        });
     let pooled = pool_shape.as_ref().and_then(|s| app.vm_pool.take(s));
     let id = pooled
         .as_ref()
@@ -654,9 +654,7 @@ async fn ready_pooled(
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default()
         .as_nanos() as u64;
-    m.agent
-        .refresh(now, entropy.to_vec(), m.id.clone())
-        .await?;
+    m.agent.refresh(now, entropy.to_vec(), m.id.clone()).await?;
     if !binds.is_empty() {
         app.node.share(m, binds, Vec::new()).await?;
     }

@@ -31,6 +31,15 @@ pub struct RunArgs {
     /// The machine's template (server default: default).
     #[arg(long)]
     pub template: Option<String>,
+    /// The machine's runtime: auto (the jail), jail or microvm (its own kernel).
+    #[arg(long, value_parser = ["auto", "jail", "microvm"])]
+    pub runtime: Option<String>,
+    /// CPUs of the machine (server default 1).
+    #[arg(long)]
+    pub cpus: Option<f64>,
+    /// Memory of the machine in MiB (server default 512).
+    #[arg(long)]
+    pub memory_mb: Option<u64>,
     /// An environment variable of the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,
@@ -65,6 +74,7 @@ pub fn run_body(a: &RunArgs, stdin: Option<&[u8]>) -> Value {
         ("mount_path", &a.mount_path),
         ("cwd", &a.cwd),
         ("template", &a.template),
+        ("runtime", &a.runtime),
     ] {
         if let Some(v) = v {
             b[k] = json!(v);
@@ -72,6 +82,12 @@ pub fn run_body(a: &RunArgs, stdin: Option<&[u8]>) -> Value {
     }
     if let Some(t) = a.timeout_ms {
         b["timeout_ms"] = json!(t);
+    }
+    if let Some(c) = a.cpus {
+        b["cpus"] = json!(c);
+    }
+    if let Some(m) = a.memory_mb {
+        b["memory_mb"] = json!(m);
     }
     if !a.env.is_empty() {
         b["env"] = json!(a

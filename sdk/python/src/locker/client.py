@@ -334,7 +334,8 @@ class Client:
         mounted at `mount_path` (default /workspace, also the cwd); the machine is destroyed
         afterwards. `commit`: "always" (default), "on_success" or "never". Other options:
         cwd, env, stdin, timeout_ms (default 60000, at most 300000), max_output_bytes,
-        template, cpus, memory_mb, mount_path. Returns the ExecResult with `changes`."""
+        template, runtime ("auto": the jail, "jail" or "microvm"), cpus, memory_mb, network,
+        mount_path. Returns the ExecResult with `changes`."""
         body = _exec_body(cmd, shell, dict(options, commit=commit))
         t = (body.get("timeout_ms") or 60000) / 1000 + 60
         return ExecResult.from_dict(self.request("POST", f"/v1/volumes/{_seg(volume)}/run", body, timeout=max(t, self.timeout)))
