@@ -21,6 +21,7 @@ mod scale;
 mod server;
 mod snapshots;
 mod stats;
+mod vm_volumes;
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -35,7 +36,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, soak (default: all).
+    /// microvm, microvm-volumes, soak (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -73,7 +74,7 @@ pub struct Args {
     pub out_dir: PathBuf,
 }
 
-const GROUPS: [&str; 9] = [
+const GROUPS: [&str; 10] = [
     "jail",
     "peers",
     "server",
@@ -82,6 +83,7 @@ const GROUPS: [&str; 9] = [
     "runs",
     "snapshots",
     "microvm",
+    "microvm-volumes",
     "soak",
 ];
 
@@ -294,6 +296,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== microvm: Locker's microVM runtime, and a plain QEMU microvm boot ==");
         microvm::microvm_rows(args, rows)?;
+    }
+    if args.wants("microvm-volumes") {
+        check_stop()?;
+        println!("== microvm-volumes: runs on a volume and file I/O through a volume, microVM beside jail ==");
+        vm_volumes::rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

@@ -25,11 +25,11 @@ const RESTORE: &str = "microVM create→true from a memory snapshot (HTTP)";
 const MEMORY: &str = "microVM memory per idle sandbox (QEMU PSS)";
 const QEMU: &str = "peer QEMU microvm kernel boot";
 
-fn ms(since: Instant) -> f64 {
+pub(crate) fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
 }
 
-fn post(api: &Api, path: &str, body: &Value) -> Result<(u16, Value, String), String> {
+pub(crate) fn post(api: &Api, path: &str, body: &Value) -> Result<(u16, Value, String), String> {
     let r = api
         .try_request(
             "POST",
@@ -43,14 +43,14 @@ fn post(api: &Api, path: &str, body: &Value) -> Result<(u16, Value, String), Str
     Ok((r.status, v, text))
 }
 
-fn want(path: &str, got: (u16, Value, String), status: u16) -> Result<Value, String> {
+pub(crate) fn want(path: &str, got: (u16, Value, String), status: u16) -> Result<Value, String> {
     if got.0 != status {
         return Err(format!("POST {path}: HTTP {}: {}", got.0, got.2.trim()));
     }
     Ok(got.1)
 }
 
-fn delete(api: &Api, path: &str) {
+pub(crate) fn delete(api: &Api, path: &str) {
     let _ = api.try_request("DELETE", path, &[], ());
 }
 
@@ -175,7 +175,7 @@ pub fn microvm_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
 }
 
 /// The microVM bases on this host (`/run/locker/vm-base/<key>`).
-fn bases() -> std::collections::BTreeSet<PathBuf> {
+pub(crate) fn bases() -> std::collections::BTreeSet<PathBuf> {
     std::fs::read_dir(locker_runtime::vm::BASE_DIR)
         .into_iter()
         .flatten()

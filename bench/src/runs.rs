@@ -21,7 +21,7 @@ use crate::stats::{percentile, Row, Target};
 use crate::{check_stop, stopping, Args};
 
 const WAIT: &str = "run: wait before the command starts";
-const TOTAL: &str = "run true: whole call (HTTP)";
+pub(crate) const TOTAL: &str = "run true: whole call (HTTP)";
 const WAIT_COLD: &str = "run: wait before the command starts (--warm-pool 0)";
 const TOTAL_COLD: &str = "run true: whole call (HTTP, --warm-pool 0)";
 const PEER: &str = "peer bwrap per call true (writable bind)";

@@ -188,7 +188,8 @@ fn cpu_ticks(pid: i32) -> Option<u64> {
 /// restore and warm-up commands are done). The id of the waiting machine.
 fn wait_for_pool(srv: &Server, ours: &[String]) -> Result<String, String> {
     let t0 = Instant::now();
-    let tick = 200.0 / (1000.0 / clk_tck());
+    // Clock ticks in the 200 ms window.
+    let window = 0.2 * clk_tck();
     loop {
         check_stop().map_err(|e| e.to_string())?;
         if t0.elapsed() > Duration::from_secs(60) {
@@ -205,7 +206,7 @@ fn wait_for_pool(srv: &Server, ours: &[String]) -> Result<String, String> {
         let before: Vec<Option<u64>> = w.iter().map(|s| cpu_ticks(s.pid)).collect();
         std::thread::sleep(Duration::from_millis(200));
         let idle = w.iter().zip(&before).all(|(s, b)| {
-            matches!((b, cpu_ticks(s.pid)), (Some(b), Some(a)) if ((a - b) as f64) < tick * 0.1)
+            matches!((b, cpu_ticks(s.pid)), (Some(b), Some(a)) if (a.saturating_sub(*b) as f64) < window * 0.1)
         });
         if idle {
             return Ok(w[0].id.clone());
@@ -336,7 +337,7 @@ fn measure(
         rows.push(
             Row::new(RUN_VM, "ms", wall, 1)
                 .note(format!("POST /v1/volumes/{{id}}/run {{\"cmd\":[\"true\"],\"runtime\":\"microvm\",\"memory_mb\":{VM_MEMORY_MB}}} until answered, one at a time: a ready microVM taken from the server's pool (--vm-pool 1) is served the run's copy-on-write layer of the volume (a file server, a FUSE mount in the guest), runs `true`, is stopped, the changes are listed and committed (none)"))
-                .note(format!("before each run the bench waited (not counted; p50 {:.1} s) until the pool held a ready machine again, idle, with no machine being torn down; {pooled} of {n} runs took the waiting machine (it was gone after the answer), the rest restored a fresh one; the server's timings.queue_ms (arrival until the command was handed to the machine) p50 {:.1} / max {:.1} ms", percentile(&waits, 50.0), percentile(&queue, 50.0), percentile(&queue, 100.0)))
+                .note(format!("before each run the bench waited (not counted; p50 {:.1} s) until the pool held a ready machine again, idle, with no machine being torn down; {pooled} of {n} runs took the waiting machine (its QEMU was gone after the answer) and {} restored a fresh one; the server's timings.queue_ms (arrival until the command was handed to the machine) p50 {:.1} / max {:.1} ms", percentile(&waits, 50.0), n - pooled, percentile(&queue, 50.0), percentile(&queue, 100.0)))
                 .vs(RUN_JAIL)
                 .vs(crate::runs::TOTAL),
         );
@@ -353,8 +354,8 @@ fn io_rows(
     rows: &mut Vec<Row>,
 ) -> anyhow::Result<()> {
     let mount = json!([{"volume": vol, "path": "/workspace"}]);
-    let jail_sb = create(api, &json!({"runtime": "jail", "volumes": mount}))
-        .map_err(anyhow::Error::msg)?;
+    let jail_sb =
+        create(api, &json!({"runtime": "jail", "volumes": mount})).map_err(anyhow::Error::msg)?;
     let vm_sb = if vm_ok {
         create(
             api,
@@ -367,8 +368,8 @@ fn io_rows(
         let mut places = vec![(Place::Jail, jail_sb.clone())];
         match &vm_sb {
             Ok(id) => {
-                places.insert(0, (Place::Disk, id.clone()));
                 places.insert(0, (Place::Fuse, id.clone()));
+                places.push((Place::Disk, id.clone()));
                 // The pool refills after the create took its machine: let it finish first.
                 wait_for_pool(srv, std::slice::from_ref(id)).map_err(anyhow::Error::msg)?;
             }
@@ -396,8 +397,14 @@ fn io_rows(
                 }
             }
         }
-        for ((place, _), ios) in places.iter().zip(got) {
-            io_place_rows(*place, &ios, rows);
+        // By operation: the FUSE row (with the ratios), the jail's, the microVM disk's.
+        let mut by_place: Vec<std::vec::IntoIter<Row>> = places
+            .iter()
+            .zip(got)
+            .map(|((place, _), ios)| io_place_rows(*place, &ios).into_iter())
+            .collect();
+        for _ in 0..3 {
+            rows.extend(by_place.iter_mut().filter_map(Iterator::next));
         }
         Ok(())
     })();
@@ -408,15 +415,17 @@ fn io_rows(
     r
 }
 
-fn io_place_rows(place: Place, ios: &[Io], rows: &mut Vec<Row>) {
+/// The write, read and small-files rows of one place.
+fn io_place_rows(place: Place, ios: &[Io]) -> Vec<Row> {
     let pick = |f: fn(&Io) -> f64| ios.iter().map(f).collect::<Vec<f64>>();
     let (write, read, small) = (pick(|i| i.write), pick(|i| i.read), pick(|i| i.small));
     let walls = pick(|i| i.wall);
     let dropped = ios.iter().filter(|i| i.dropped).count();
+    let dir = place.dir();
     let how = match place {
         Place::Fuse => "a microVM sandbox (256 MB) with the volume at /workspace: the guest's FUSE mount, its requests over a virtio-serial port to the host's file server, which works on the volume's filesystem",
         Place::Jail => "a jail sandbox with the same volume at /workspace: a bind mount of the volume's filesystem",
-        Place::Disk => "the same microVM sandbox's own disk (/root: ext4 on its virtio block device, a disk image on the host), the reference for what FUSE costs",
+        Place::Disk => "the same microVM sandbox's own disk, the reference for what FUSE costs: /root is in the guest's root, an overlay whose writable layer is ext4 on the machine's virtio block disk (an image file on the host)",
     };
     let common = format!(
         "{how}; timed in the machine with bash's $EPOCHREALTIME, one exec of a script per iteration (the places take turns); {IO_REPS} iterations after one warm-up iteration of 8 MiB and 100 files; the whole exec (HTTP) p50 {:.0} ms",
@@ -429,19 +438,10 @@ fn io_place_rows(place: Place, ios: &[Io], rows: &mut Vec<Row>) {
     } else {
         format!("caches dropped in {dropped} of {} iterations", ios.len())
     };
-    let (fuse_vs, jail_vs) = match place {
-        Place::Fuse => (
-            vec![Place::Jail, Place::Disk],
-            "ratios of MB/s rows are of throughputs (below 1: slower)",
-        ),
-        _ => (vec![], ""),
-    };
+    // The FUSE rows carry the ratios: to the jail's bind mount and to the microVM's disk.
     let vs = |mut r: Row, name: fn(Place) -> String| {
-        for p in &fuse_vs {
-            r = r.vs(&name(*p));
-        }
-        if !jail_vs.is_empty() {
-            r = r.note(jail_vs);
+        if place == Place::Fuse {
+            r = r.vs(&name(Place::Jail)).vs(&name(Place::Disk));
         }
         r
     };
@@ -452,22 +452,24 @@ fn io_place_rows(place: Place, ios: &[Io], rows: &mut Vec<Row>) {
         percentile(&read, 50.0),
         percentile(&small, 50.0)
     );
-    rows.push(vs(
-        Row::new(place.write(), "MB/s", write, 1).note(format!(
-            "dd if=/dev/zero of=DIR/f bs=1M count={MIB} conv=fsync (MB = 10^6 bytes); {common}"
-        )),
-        Place::write,
-    ));
-    rows.push(vs(
-        Row::new(place.read(), "MB/s", read, 1).note(format!(
-            "dd if=DIR/f of=/dev/null bs=1M after the write and `sync`; {cache}; {common}"
-        )),
-        Place::read,
-    ));
-    rows.push(vs(
-        Row::new(place.small(), "ms", small, 1).note(format!(
-            "for i in $(seq {FILES}); do echo x > DIR/s/$i; done (no sync); {common}"
-        )),
-        Place::small,
-    ));
+    vec![
+        vs(
+            Row::new(place.write(), "MB/s", write, 1).note(format!(
+                "dd if=/dev/zero of={dir}/f bs=1M count={MIB} conv=fsync (MB = 10^6 bytes; ratios of MB/s rows are of throughputs: below 1 is slower); {common}"
+            )),
+            Place::write,
+        ),
+        vs(
+            Row::new(place.read(), "MB/s", read, 1).note(format!(
+                "dd if={dir}/f of=/dev/null bs=1M after the write and `sync`; {cache}; {common}"
+            )),
+            Place::read,
+        ),
+        vs(
+            Row::new(place.small(), "ms", small, 1).note(format!(
+                "for i in $(seq {FILES}); do echo x > {dir}/s/$i; done (no sync); {common}"
+            )),
+            Place::small,
+        ),
+    ]
 }
