@@ -845,6 +845,62 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     assert!(err.contains("+ /cli.txt"), "{err}");
     assert_eq!(get("/cli.txt").text(), "c\n");
 
+    // A file server that dies fails its mounts at once (ENOTCONN), never hangs them.
+    let servers: Vec<i32> = qemus_under(&srv.machine_dir(&b))
+        .into_iter()
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("__vm-fs"))
+        })
+        .collect();
+    assert!(!servers.is_empty(), "b has a file server");
+    // The serving process (PID 1 of its own pid namespace) sees only its exports, with the
+    // file-owner capabilities only (CHOWN, DAC_OVERRIDE, FOWNER, FSETID).
+    let serving: Vec<&i32> = servers
+        .iter()
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/status"))
+                .unwrap_or_default()
+                .lines()
+                .any(|l| l.starts_with("NSpid:") && l.split_whitespace().last() == Some("1"))
+        })
+        .collect();
+    assert_eq!(
+        serving.len(),
+        1,
+        "one server in its own pid namespace: {servers:?}"
+    );
+    let status = std::fs::read_to_string(format!("/proc/{}/status", serving[0])).unwrap();
+    assert!(status.contains("CapEff:\t000000000000001b"), "{status}");
+    let root: Vec<String> = std::fs::read_dir(format!("/proc/{}/root", serving[0]))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(
+        root,
+        vec!["0".to_owned()],
+        "its root holds its one export only"
+    );
+    for p in &servers {
+        // SAFETY: a signal to a pid we found.
+        unsafe { libc::kill(*p, libc::SIGKILL) };
+    }
+    let r = api.exec(
+        &b,
+        &json!({"shell": "ls /data 2>&1; cat /data/r.txt 2>&1", "timeout_ms": 20000}),
+    );
+    assert_eq!(r["reason"], "exited", "no hang: {r}");
+    assert!(
+        r["stdout"].as_str().unwrap().contains("not connected"),
+        "{r}"
+    );
+    assert_eq!(
+        api.sh(&b, "echo alive"),
+        "alive\n",
+        "the VM itself lives on"
+    );
+
     // Nothing of the machines is left: no QEMU, no file server.
     let data = srv
         .machine_dir(&a)

@@ -19,11 +19,19 @@ use std::time::{Duration, Instant};
 
 use locker_proto::fs_frame;
 
-/// The port, once opened: its writing end (shared by the mounts' threads) and the mounts'
-/// `/dev/fuse` files by channel.
+/// The port, once opened: its writing end (shared by the mounts' threads) and the mounts
+/// by channel.
 struct Port {
     out: Mutex<File>,
-    mounts: Mutex<HashMap<u32, Arc<File>>>,
+    mounts: Mutex<HashMap<u32, Mount>>,
+}
+
+/// One FUSE mount: its `/dev/fuse` and its connection's number under
+/// `/sys/fs/fuse/connections` (to abort it when the host's server goes away).
+#[derive(Clone)]
+struct Mount {
+    dev: Arc<File>,
+    conn: Option<u64>,
 }
 
 static PORT: OnceLock<Arc<Port>> = OnceLock::new();
@@ -118,10 +126,13 @@ pub fn mount(channel: u32, target: &str, read_only: bool) -> io::Result<()> {
         cstr("fuse")?,
         cstr(&data)?,
     );
-    port.mounts
-        .lock()
-        .expect("mounts")
-        .insert(channel, dev.clone());
+    port.mounts.lock().expect("mounts").insert(
+        channel,
+        Mount {
+            dev: dev.clone(),
+            conn: None,
+        },
+    );
     // SAFETY: valid NUL-terminated strings that outlive the call.
     let r = unsafe {
         libc::mount(
@@ -137,6 +148,9 @@ pub fn mount(channel: u32, target: &str, read_only: bool) -> io::Result<()> {
         port.mounts.lock().expect("mounts").remove(&channel);
         return Err(e);
     }
+    if let Some(m) = port.mounts.lock().expect("mounts").get_mut(&channel) {
+        m.conn = connection_of(target);
+    }
     let p2 = port.clone();
     std::thread::Builder::new()
         .name(format!("share-{channel}"))
@@ -146,6 +160,69 @@ pub fn mount(channel: u32, target: &str, read_only: bool) -> io::Result<()> {
 
 fn cstr(s: &str) -> io::Result<std::ffi::CString> {
     std::ffi::CString::new(s).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
+}
+
+/// The FUSE connection number of the mount at `target` (its device's minor number), read
+/// from `/proc/self/mountinfo`: a `stat` would be a request to the server.
+fn connection_of(target: &str) -> Option<u64> {
+    let info = fs::read_to_string("/proc/self/mountinfo").ok()?;
+    info.lines().rev().find_map(|l| {
+        let f: Vec<&str> = l.split(' ').collect();
+        (f.get(4) == Some(&target))
+            .then(|| f.get(2)?.split(':').nth(1)?.parse().ok())
+            .flatten()
+    })
+}
+
+/// Fails every request of every mount at once, now and later (`ENOTCONN`): the host's
+/// server went away, and a new one would know none of their nodes.
+fn abort_all(port: &Port) {
+    let _ = fs::create_dir_all(CONNECTIONS);
+    let mounted = fs::read_dir(CONNECTIONS).is_ok_and(|mut d| d.next().is_some());
+    if !mounted {
+        let (src, tgt, fstype) = (cstr("fusectl"), cstr(CONNECTIONS), cstr("fusectl"));
+        if let (Ok(src), Ok(tgt), Ok(fstype)) = (src, tgt, fstype) {
+            // SAFETY: valid NUL-terminated strings that outlive the call.
+            unsafe {
+                libc::mount(
+                    src.as_ptr(),
+                    tgt.as_ptr(),
+                    fstype.as_ptr(),
+                    0,
+                    std::ptr::null(),
+                )
+            };
+        }
+    }
+    for m in port.mounts.lock().expect("mounts").values() {
+        if let Some(c) = m.conn {
+            let _ = fs::write(format!("{CONNECTIONS}/{c}/abort"), "1");
+        }
+    }
+}
+
+const CONNECTIONS: &str = "/sys/fs/fuse/connections";
+
+/// FUSE requests that get no reply.
+const FUSE_FORGET: u32 = 2;
+const FUSE_INTERRUPT: u32 = 36;
+const FUSE_BATCH_FORGET: u32 = 42;
+
+/// Answers the request in `req` with `-errno` (one it could not send to the host).
+fn fail_request(dev: &File, req: &[u8], errno: i32) {
+    if req.len() < 16 {
+        return;
+    }
+    let opcode = u32::from_le_bytes([req[4], req[5], req[6], req[7]]);
+    if matches!(opcode, FUSE_FORGET | FUSE_INTERRUPT | FUSE_BATCH_FORGET) {
+        return;
+    }
+    let mut out = [0u8; 16];
+    out[..4].copy_from_slice(&16u32.to_le_bytes());
+    out[4..8].copy_from_slice(&(-errno).to_le_bytes());
+    out[8..16].copy_from_slice(&req[8..16]);
+    // SAFETY: writing our own buffer.
+    unsafe { libc::write(dev.as_raw_fd(), out.as_ptr().cast(), out.len()) };
 }
 
 /// Relays one mount's requests to the host until the mount goes away.
@@ -171,40 +248,59 @@ fn requests(port: &Port, channel: u32, dev: &File) {
         }
         let n = n as usize;
         buf[..fs_frame::HEADER_LEN].copy_from_slice(&fs_frame::header(channel, n));
-        let mut out = port.out.lock().expect("port");
-        if let Err(e) = out.write_all(&buf[..fs_frame::HEADER_LEN + n]) {
+        let sent = port
+            .out
+            .lock()
+            .expect("port")
+            .write_all(&buf[..fs_frame::HEADER_LEN + n]);
+        if let Err(e) = sent {
             eprintln!("locker-agent: writing to the file port: {e}");
-            std::thread::sleep(Duration::from_millis(10));
+            fail_request(
+                dev,
+                &buf[fs_frame::HEADER_LEN..fs_frame::HEADER_LEN + n],
+                libc::EIO,
+            );
         }
     }
     port.mounts.lock().expect("mounts").remove(&channel);
 }
 
-/// Hands the host's replies to their mounts, for as long as the VM lives.
+/// Hands the host's replies to their mounts, for as long as the VM lives. When the host's
+/// server goes away (the port's end of stream), the mounts it served are aborted.
 fn replies(port: &Port, mut reader: File) {
     let mut payload = Vec::new();
+    // The server connected before the first mount was asked for; wait until the guest's
+    // side of the port knows it, so that an end of stream means it left.
+    wait_for_host(&reader);
     loop {
         let mut h = [0u8; fs_frame::HEADER_LEN];
-        if read_full(&mut reader, &mut h).is_err() {
+        let ok = read_full(&mut reader, &mut h).is_ok()
+            && match fs_frame::parse_header(&h) {
+                Some((len, channel)) => {
+                    payload.resize(len, 0);
+                    read_full(&mut reader, &mut payload).is_ok() && {
+                        let m = port.mounts.lock().expect("mounts").get(&channel).cloned();
+                        if let Some(m) = m {
+                            // One write per reply. ENOENT: the request was interrupted.
+                            // SAFETY: writing our own buffer.
+                            unsafe {
+                                libc::write(
+                                    m.dev.as_raw_fd(),
+                                    payload.as_ptr().cast(),
+                                    payload.len(),
+                                )
+                            };
+                        }
+                        true
+                    }
+                }
+                // Only the host writes here: a bad header is a broken server.
+                None => false,
+            };
+        if !ok {
+            eprintln!("locker-agent: the host's file server went away; aborting the volume mounts");
+            abort_all(port);
             wait_for_host(&reader);
-            continue;
-        }
-        let Some((len, channel)) = fs_frame::parse_header(&h) else {
-            // A broken stream: only the host writes here, so it restarted mid-frame.
-            // What is left of this connection is garbage; wait for the next one.
-            wait_for_host(&reader);
-            continue;
-        };
-        payload.resize(len, 0);
-        if read_full(&mut reader, &mut payload).is_err() {
-            wait_for_host(&reader);
-            continue;
-        }
-        let dev = port.mounts.lock().expect("mounts").get(&channel).cloned();
-        if let Some(dev) = dev {
-            // One write per reply. ENOENT: the request was interrupted meanwhile.
-            // SAFETY: writing our own buffer.
-            unsafe { libc::write(dev.as_raw_fd(), payload.as_ptr().cast(), payload.len()) };
         }
     }
 }

@@ -82,9 +82,9 @@ pub const MAX_PAGES: u16 = 32;
 /// smaller than `fuse_in_header + fuse_write_in + max_write` (and 8 KiB).
 pub const MIN_DEV_READ: usize = InHeader::N + WriteIn::N + MAX_WRITE as usize;
 /// Open nodes (host `O_PATH` fds) one channel may hold.
-pub const MAX_NODES: usize = 1 << 20;
+pub const MAX_NODES: usize = 1 << 16;
 /// Open files and directories one channel may hold.
-pub const MAX_HANDLES: usize = 1 << 16;
+pub const MAX_HANDLES: usize = 1 << 14;
 
 /// The minor protocol version this server speaks (Linux 6.2; a 6.1 guest asks for 37).
 const OUR_MINOR: u32 = 38;
@@ -1209,7 +1209,7 @@ impl Channel {
             return Err(Errno(libc::EPERM));
         }
         let dir = self.nodes.dir(newparent)?;
-        raw::link_fd(old.fd.as_raw_fd(), dir, name)?;
+        raw::link_fd(self.proc_fd, old.fd.as_raw_fd(), dir, name)?;
         let fd = self.open_child(newparent, name)?;
         let (id, st) = self.nodes.adopt(fd)?;
         put_entry(out, id, &st);
@@ -1664,7 +1664,8 @@ impl Server {
         })
     }
 
-    /// Serves until `conn` reaches its end between frames (Ok) or fails.
+    /// Serves until `conn` reaches its end between frames, or its peer goes away while a
+    /// reply is written (Ok), or it fails.
     pub fn run(mut self, conn: UnixStream) -> io::Result<()> {
         let mut reader = BufReader::with_capacity(256 * 1024, &conn);
         let mut writer = &conn;
@@ -1672,7 +1673,20 @@ impl Server {
         let mut reply = Vec::new();
         while let Some(channel) = read_frame(&mut reader, &mut payload)? {
             if handle_frame(&mut self.channels, channel, &payload, &mut reply) {
-                writer.write_all(&reply)?;
+                match writer.write_all(&reply) {
+                    Ok(()) => {}
+                    // The guest's end closed with requests in flight (an unmount, a VM
+                    // that stopped): nobody waits for the reply.
+                    Err(e)
+                        if matches!(
+                            e.kind(),
+                            io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset
+                        ) =>
+                    {
+                        return Ok(())
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
         Ok(())
@@ -1859,11 +1873,21 @@ mod raw {
         .map(drop)
     }
 
-    /// A new name `name` under `dir` for the inode behind the `O_PATH` fd `fd`.
-    pub fn link_fd(fd: RawFd, dir: RawFd, name: &CStr) -> io::Result<()> {
+    /// A new name `name` under `dir` for the inode behind the `O_PATH` fd `fd`, through
+    /// its `/proc/self/fd` entry (`AT_EMPTY_PATH` would need `CAP_DAC_READ_SEARCH`, which
+    /// also opens files by handle: the server does not keep it). A symlink's fd links the
+    /// symlink itself.
+    pub fn link_fd(proc_fd: RawFd, fd: RawFd, dir: RawFd, name: &CStr) -> io::Result<()> {
+        let n = CString::new(fd.to_string()).expect("digits");
         // SAFETY: both paths are NUL-terminated strings.
         check_int(unsafe {
-            libc::linkat(fd, c"".as_ptr(), dir, name.as_ptr(), libc::AT_EMPTY_PATH)
+            libc::linkat(
+                proc_fd,
+                n.as_ptr(),
+                dir,
+                name.as_ptr(),
+                libc::AT_SYMLINK_FOLLOW,
+            )
         })
     }
 

@@ -70,6 +70,9 @@ const DEVICES: &str = "devices-2: agent and fs ports";
 const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
 /// QEMU's own memory beside the guest's (device emulation, TCG's translation cache).
 const QEMU_OVERHEAD_MB: u64 = 192;
+/// The volume file server's, in the same cgroup: each node the guest's kernel remembers
+/// pins an inode and a dentry on the host (about 1.3 KB; see [`crate::vm_fs`]).
+const FS_SERVER_MB: u64 = 160;
 /// TCG's translation block cache in MiB (QEMU's default is a gigabyte).
 const TCG_TB_MB: u64 = 64;
 
@@ -1350,6 +1353,7 @@ pub async fn start(
         cpus: s.cpus,
         memory_bytes: (s.base.shape.memory_mb
             + QEMU_OVERHEAD_MB
+            + FS_SERVER_MB
             + if a.accel == Accel::Tcg { TCG_TB_MB } else { 0 })
             << 20,
         pids: s.pids.max(64),

@@ -128,25 +128,41 @@ pub async fn start(exe: &Path, dir: &Path, spec: &Spec, procs: &[PathBuf]) -> io
         )));
     }
     // Reaped when it ends (with the machine); a server restart leaves it to run on.
+    let dir = dir.to_owned();
     tokio::spawn(async move {
-        let _ = child.wait().await;
+        match child.wait().await {
+            Ok(st) if st.success() => {}
+            // Killed with its machine (stop, destroy) or ended with an error: its log says.
+            st => {
+                tracing::info!(dir = %dir.display(), status = ?st, "a microVM's file server ended")
+            }
+        }
     });
     Ok(())
 }
 
-/// `locker __vm-fs <spec>`: sets up the private root, says `ready` on stdout, serves until
-/// the VM's end of the port goes away. Exits 0, or 1 with the reason on stderr.
+/// `locker __vm-fs <spec>`: in new mount and pid namespaces, sets up the private root,
+/// says `ready` on stdout, serves until the VM's end of the port goes away. Exits 0, or 1
+/// with the reason on stderr.
+///
+/// The server is PID 1 of its own pid namespace, so the `proc` it opens `/proc/self/fd`
+/// in (mounted `subset=pid`) holds nothing but itself: no other process, no `/proc/sys`.
 pub fn main(arg: &str) -> ! {
     let r = serde_json::from_str::<Spec>(arg)
         .map_err(|e| io::Error::other(format!("bad spec: {e}")))
         .and_then(|s| {
-            let (conn, server) = prepare(&s)?;
-            let mut out = io::stdout().lock();
-            writeln!(out, "ready")?;
-            out.flush()?;
-            // SAFETY: closing our stdout (the pipe the parent waits on) for good.
-            unsafe { libc::close(1) };
-            server.run(conn)
+            // SAFETY: unshare takes flags; this process is single-threaded here.
+            if unsafe { libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID) } != 0 {
+                return Err(ctx("unshare the mount and pid namespaces")(
+                    io::Error::last_os_error(),
+                ));
+            }
+            // SAFETY: single-threaded, so the child may run on after fork.
+            match unsafe { libc::fork() } {
+                -1 => Err(ctx("fork")(io::Error::last_os_error())),
+                0 => serve_main(&s),
+                child => std::process::exit(wait_exit(child)),
+            }
         });
     match r {
         Ok(()) => std::process::exit(0),
@@ -155,6 +171,39 @@ pub fn main(arg: &str) -> ! {
             std::process::exit(1)
         }
     }
+}
+
+/// The exit code of `pid` (128 + the signal that killed it).
+fn wait_exit(pid: libc::pid_t) -> i32 {
+    let mut status = 0;
+    loop {
+        // SAFETY: waiting for our own child into an int we own.
+        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
+        if r == pid {
+            break;
+        }
+        if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
+            return 1;
+        }
+    }
+    if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        128 + libc::WTERMSIG(status)
+    }
+}
+
+/// PID 1 of the new namespace: sets up, says `ready`, serves.
+fn serve_main(s: &Spec) -> io::Result<()> {
+    let (conn, server) = prepare(s)?;
+    let mut out = io::stdout().lock();
+    writeln!(out, "ready")?;
+    out.flush()?;
+    // The pipe the parent waits on is closed for good; fd 1 goes to the log (stderr), so
+    // no file the server opens later takes its number.
+    // SAFETY: dup2 of fds we own.
+    unsafe { libc::dup2(2, 1) };
+    server.run(conn)
 }
 
 /// Raises this process's open files limit to `want`, or as far as the hard limit goes when
@@ -190,7 +239,7 @@ fn ctx(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> io::Error {
 
 /// Files the server may hold open: every node the guest's kernel remembers (until it
 /// forgets it) and every open file is one host fd (at most the kernel's `nr_open`).
-const MAX_FDS: u64 = 1 << 20;
+const MAX_FDS: u64 = 1 << 17;
 
 /// The private root with every share in it, the connected port, and the server with its
 /// exports open.
@@ -199,12 +248,6 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .unwrap_or(MAX_FDS);
-    // SAFETY: unshare takes a flag; this process is single-threaded here.
-    if unsafe { libc::unshare(libc::CLONE_NEWNS) } != 0 {
-        return Err(ctx("unshare the mount namespace")(
-            io::Error::last_os_error(),
-        ));
-    }
     sys::mount(
         None,
         Path::new("/"),
@@ -246,10 +289,18 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
     }
     let conn = UnixStream::connect(&s.socket)
         .map_err(ctx(format!("connect to {}", s.socket.display())))?;
-    // The server reopens files through /proc/self/fd.
+    // The server reopens files through /proc/self/fd: a proc of this pid namespace,
+    // showing processes only (this one).
     let proc_at = stage.join("proc");
     fs::create_dir(&proc_at).map_err(ctx("create proc"))?;
-    sys::bind(Path::new("/proc"), &proc_at, nosuid | libc::MS_NOEXEC).map_err(ctx("bind /proc"))?;
+    sys::mount(
+        Some("proc"),
+        &proc_at,
+        Some("proc"),
+        nosuid | libc::MS_NOEXEC,
+        Some("subset=pid,hidepid=invisible"),
+    )
+    .map_err(ctx("mount proc"))?;
     std::env::set_current_dir(stage).map_err(ctx("enter the private root"))?;
     let dot = std::ffi::CString::new(".").expect("no NUL");
     // SAFETY: a valid string.
@@ -263,9 +314,9 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
     fs::remove_dir("/proc").map_err(ctx("remove /proc"))?;
     raise_fd_limit(MAX_FDS.min(nr_open)).map_err(ctx("raise the open files limit"))?;
     // What serving files as their owners needs, and nothing else.
-    // CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_DAC_READ_SEARCH 2, CAP_FOWNER 3, CAP_FSETID 4,
-    // CAP_SETGID 6, CAP_SETUID 7 (linux/capability.h).
-    sys::restrict_capabilities(&[0, 1, 2, 3, 4, 6, 7]).map_err(ctx("drop capabilities"))?;
+    // CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_FOWNER 3, CAP_FSETID 4 (linux/capability.h).
+    // Not CAP_DAC_READ_SEARCH: it opens files by handle, outside any root.
+    sys::restrict_capabilities(&[0, 1, 3, 4]).map_err(ctx("drop capabilities"))?;
     // SAFETY: prctl with integer arguments.
     if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
         return Err(ctx("no_new_privs")(io::Error::last_os_error()));
