@@ -771,3 +771,58 @@ fn a_run_does_not_see_in_place_writes_of_a_mounting_sandbox() {
         .expect(204, "delete the sandbox");
     assert_clean(&s, &calls);
 }
+
+/// A sandbox mounting the volume swaps a directory for a symlink to a host path while a
+/// run's commit is applied: the commit never follows it (steps under it are skipped), so
+/// nothing lands outside the volume.
+#[test]
+fn a_commit_never_follows_a_symlink_a_sandbox_swaps_in() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = Server::start_with_env(&[], &[("LOCKER_TEST_COMMIT_DELAY_MS", "150")]);
+    let api = s.api();
+    let vol = new_volume(&api, "swap");
+    put(&api, &vol, "/a/keep", b"k");
+    let victim = locker_tests::TempDir::new("locker-victim");
+    std::fs::set_permissions(victim.path(), std::fs::Permissions::from_mode(0o777)).unwrap();
+    let sb = api.create_sandbox(&json!({"volumes": [{"volume": vol, "path": "/workspace"}]}));
+    let sb = sb["id"].as_str().unwrap().to_owned();
+    let (url, key, v2) = (s.url.clone(), s.api_key.clone(), vol.clone());
+    let h = std::thread::spawn(move || {
+        Api::new(&url, Some(&key))
+            .post(
+                &format!("/v1/volumes/{v2}/run"),
+                &json!({"shell": "for i in $(seq 0 19); do echo x > a/f$i; done; mkdir a/d; echo y > a/d/g"}),
+            )
+            .expect(200, "the run")
+    });
+    let journal = s
+        .data_dir
+        .join("volumes")
+        .join(&vol)
+        .join("fs/commit.journal");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while !journal.exists() {
+        assert!(Instant::now() < deadline, "no commit started");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    api.sh(
+        &sb,
+        &format!(
+            "rm -rf /workspace/a && ln -s {} /workspace/a",
+            victim.path().display()
+        ),
+    );
+    let r = h.join().unwrap();
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let landed: Vec<_> = std::fs::read_dir(victim.path())
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(
+        landed.is_empty(),
+        "the commit wrote outside the volume: {landed:?}"
+    );
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete");
+}

@@ -244,3 +244,67 @@ mod tests {
         fs::remove_dir_all(&base).unwrap();
     }
 }
+
+/// The directory holding `rel` (a path relative to `root`, `/`-separated, no `..`), opened
+/// `O_PATH` without following any symlink on the way and without leaving `root`
+/// (`openat2`: `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS`), and the
+/// last component's name. A tree others write to at the same time (a volume's live tree
+/// under a commit) can swap a directory for a symlink at any moment: a path joined and
+/// resolved the plain way would then lead anywhere on the host. Fails with `ELOOP` when a
+/// component is a symlink, `ENOTDIR` or `ENOENT` when it is not a directory or missing,
+/// `EINVAL` for an empty name or `..`.
+pub fn parent_beneath(
+    root: &fs::File,
+    rel: &str,
+) -> io::Result<(std::os::fd::OwnedFd, std::ffi::CString)> {
+    use std::os::fd::{AsRawFd, FromRawFd};
+    let rel = rel.trim_matches('/');
+    let (dir, name) = rel.rsplit_once('/').unwrap_or(("", rel));
+    if name.is_empty() || name == "." || name == ".." || rel.split('/').any(|c| c == "..") {
+        return Err(io::Error::from_raw_os_error(libc::EINVAL));
+    }
+    let dir = std::ffi::CString::new(if dir.is_empty() { "." } else { dir })
+        .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    let name =
+        std::ffi::CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+    // SAFETY: open_how is plain data; zeroed is valid.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64;
+    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    for _ in 0..4 {
+        // SAFETY: `dir` is NUL-terminated and `how` a valid open_how of the size passed.
+        let fd = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                root.as_raw_fd(),
+                dir.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        if fd >= 0 {
+            // SAFETY: a new fd that is ours alone.
+            return Ok((
+                unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) },
+                name,
+            ));
+        }
+        let e = io::Error::last_os_error();
+        // EAGAIN: a concurrent rename made the kernel unsure the walk stayed beneath.
+        if e.raw_os_error() != Some(libc::EAGAIN) {
+            return Err(e);
+        }
+    }
+    Err(io::Error::from_raw_os_error(libc::EAGAIN))
+}
+
+/// `/proc/self/fd/<dir>/<name>`: a path whose every component but the last is the directory
+/// `dir` itself (the kernel follows that magic link to the open directory, never a symlink
+/// in the tree), for calls that take paths and do not follow their last component.
+pub fn path_at(dir: &std::os::fd::OwnedFd, name: &std::ffi::CStr) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::ffi::OsStrExt;
+    Path::new("/proc/self/fd")
+        .join(dir.as_raw_fd().to_string())
+        .join(std::ffi::OsStr::from_bytes(name.to_bytes()))
+}

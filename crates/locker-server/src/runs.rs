@@ -30,7 +30,7 @@
 use std::collections::BTreeMap;
 use std::fs;
 use std::io::{self, Write};
-use std::os::unix::fs::{FileTypeExt, MetadataExt, PermissionsExt};
+use std::os::unix::fs::{FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -1271,12 +1271,13 @@ fn step(what: &'static str) -> impl Fn(io::Error) -> io::Error {
 /// Applies the journal's ops to `<vol_dir>/live`, flushes, removes the journal.
 fn finish_journal(vol_dir: &FsPath, ops: &[Op]) -> io::Result<()> {
     let live = vol_dir.join("live");
+    let live_dir = fs::File::open(&live).map_err(step("open the live tree"))?;
     let delay = std::env::var("LOCKER_TEST_COMMIT_DELAY_MS")
         .ok()
         .and_then(|v| v.parse::<u64>().ok())
         .map(Duration::from_millis);
     for op in ops {
-        apply(&live, op).map_err(|e| io::Error::new(e.kind(), format!("apply {op:?}: {e}")))?;
+        apply(&live_dir, op).map_err(|e| io::Error::new(e.kind(), format!("apply {op:?}: {e}")))?;
         if let Some(d) = delay {
             std::thread::sleep(d);
         }
@@ -1303,39 +1304,59 @@ fn remove_any(p: &FsPath) -> io::Result<()> {
 }
 
 /// Applies one op, idempotently: a `Put` or `ReplaceDir` whose source is gone was done.
-fn apply(live: &FsPath, op: &Op) -> io::Result<()> {
-    let at = |path: &str| live.join(path.trim_start_matches('/'));
+///
+/// Sandboxes may write the live tree while a commit is applied, and may put a symlink
+/// where a directory was: every op reaches its path's parent without following any symlink
+/// (`tree::parent_beneath`) and acts on the last component without following it. An op
+/// whose parent is no longer a directory of the tree (a symlink, a file, gone) is skipped:
+/// the sandbox's change to that parent came last.
+fn apply(live: &fs::File, op: &Op) -> io::Result<()> {
+    let (Op::Delete { path }
+    | Op::Mkdir { path, .. }
+    | Op::Put { path, .. }
+    | Op::ReplaceDir { path, .. }) = op;
+    let (dir, name) = match locker_runtime::tree::parent_beneath(live, path) {
+        Ok(p) => p,
+        Err(e)
+            if matches!(
+                e.raw_os_error(),
+                Some(libc::ELOOP) | Some(libc::ENOTDIR) | Some(libc::ENOENT)
+            ) =>
+        {
+            tracing::warn!(path = %path, error = %e, "a commit step skipped: its parent is no longer a directory of the volume");
+            return Ok(());
+        }
+        Err(e) => return Err(e),
+    };
+    let t = locker_runtime::tree::path_at(&dir, &name);
     match op {
-        Op::Delete { path } => remove_any(&at(path)),
-        Op::Mkdir {
-            path,
-            mode,
-            uid,
-            gid,
-        } => {
-            let t = at(path);
+        Op::Delete { .. } => remove_any(&t),
+        Op::Mkdir { mode, uid, gid, .. } => {
             if !t.symlink_metadata().is_ok_and(|m| m.is_dir()) {
                 remove_any(&t)?;
                 fs::create_dir(&t)?;
             }
-            std::os::unix::fs::lchown(&t, Some(*uid), Some(*gid))?;
-            fs::set_permissions(&t, fs::Permissions::from_mode(*mode))
+            // The directory itself, never what a symlink put there meanwhile points at.
+            let d = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECTORY | libc::O_NOFOLLOW)
+                .open(&t)?;
+            std::os::unix::fs::fchown(&d, Some(*uid), Some(*gid))?;
+            d.set_permissions(fs::Permissions::from_mode(*mode))
         }
-        Op::Put { path, from } => {
+        Op::Put { from, .. } => {
             if missing(from) {
                 return Ok(());
             }
-            let t = at(path);
             if t.symlink_metadata().is_ok_and(|m| m.is_dir()) {
                 fs::remove_dir_all(&t)?;
             }
             fs::rename(from, t)
         }
-        Op::ReplaceDir { path, from } => {
+        Op::ReplaceDir { from, .. } => {
             if missing(from) {
                 return Ok(());
             }
-            let t = at(path);
             remove_any(&t)?;
             fs::rename(from, t)
         }
