@@ -826,3 +826,58 @@ fn a_commit_never_follows_a_symlink_a_sandbox_swaps_in() {
     api.delete(&format!("/v1/sandboxes/{sb}"))
         .expect(204, "delete");
 }
+
+/// A sandbox mounting the volume keeps swapping its files and a directory for symlinks to
+/// host paths while runs take their views of the volume: a view never copies what a
+/// symlink points at (the host's files never reach a run).
+#[test]
+fn a_view_never_copies_what_a_swapped_in_symlink_points_at() {
+    use std::os::unix::fs::PermissionsExt;
+    let s = Server::start();
+    let api = s.api();
+    let vol = new_volume(&api, "swapview");
+    let secret = locker_tests::TempDir::new("locker-secret");
+    std::fs::set_permissions(secret.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    std::fs::write(secret.path().join("f0"), "HOST SECRET\n").unwrap();
+    let sb = api.create_sandbox(&json!({"volumes": [{"volume": vol, "path": "/workspace"}]}));
+    let sb = sb["id"].as_str().unwrap().to_owned();
+    // 100 files and a directory, each swapped for a symlink to the host's secret and back,
+    // as fast as one process can.
+    let swap = format!(
+        r#"import os
+os.chdir("/workspace")
+os.mkdir("d")
+open("d/f0", "w").write("own\n")
+for i in range(100):
+    open(f"f{{i}}", "w").write("own\n")
+open("ready", "w").write("1")
+while True:
+    for i in range(100):
+        n = f"f{{i}}"
+        os.rename(n, n + ".bak"); os.symlink("{s}/f0", n); os.unlink(n); os.rename(n + ".bak", n)
+    os.rename("d", "d.bak"); os.symlink("{s}", "d"); os.unlink("d"); os.rename("d.bak", "d")
+"#,
+        s = secret.path().display()
+    );
+    api.post(
+        &format!("/v1/sandboxes/{sb}/processes"),
+        &json!({"cmd": ["python3", "-c", swap]}),
+    )
+    .expect(200, "the swapping loop");
+    api.sh(&sb, "while [ ! -e /workspace/ready ]; do sleep 0.05; done");
+    for _ in 0..12 {
+        let r = api
+            .post(
+                &format!("/v1/volumes/{vol}/run"),
+                &json!({"shell": "cat f* d/* *.bak d.bak/* 2>/dev/null; true", "commit": "never"}),
+            )
+            .expect(200, "a run");
+        let out = r["stdout"].as_str().unwrap();
+        assert!(
+            !out.contains("HOST SECRET"),
+            "a host file reached a run: {r}"
+        );
+    }
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete");
+}

@@ -91,7 +91,12 @@ fn copy_with(src: &Path, dst: &Path, max_files: u64) -> io::Result<Option<CopySt
         ));
     }
     fs::create_dir(dst)?;
-    match st.dir(src, dst, &meta) {
+    let opened = open_nofollow(src, libc::O_DIRECTORY).and_then(|d| {
+        let m = d.metadata()?;
+        Ok((d, m))
+    });
+    let walked = opened.and_then(|(d, m)| st.dir(&d, dst, &m));
+    match walked {
         Ok(()) => {}
         Err(e) => {
             let _ = fs::remove_dir_all(dst);
@@ -113,28 +118,87 @@ struct Copier {
     max_files: u64,
 }
 
+/// Opens `path` read-only without following it if it is a symlink (`ELOOP`) and without
+/// blocking on a FIFO, with `extra` flags.
+fn open_nofollow(path: &Path, extra: libc::c_int) -> io::Result<fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NONBLOCK | extra)
+        .open(path)
+}
+
+/// `/proc/self/fd/<f>`: the open directory `f` itself, whatever its path is now.
+fn fd_path(f: &fs::File) -> PathBuf {
+    use std::os::fd::AsRawFd;
+    Path::new("/proc/self/fd").join(f.as_raw_fd().to_string())
+}
+
+/// An entry that vanished, or was swapped for a symlink, between listing and opening: a
+/// tree others write to changes under the walk; what is gone is not copied.
+fn changed_meanwhile(e: &io::Error) -> bool {
+    e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ELOOP)
+}
+
 impl Copier {
-    /// Fills the existing directory `dst` from `src`, then gives it `meta`'s attributes.
-    fn dir(&mut self, src: &Path, dst: &Path, meta: &fs::Metadata) -> io::Result<()> {
-        for e in fs::read_dir(src)? {
+    /// Fills the existing directory `dst` from the open directory `src`, then gives it
+    /// `meta`'s attributes. The source may be a tree others write to (a volume's live
+    /// tree under a run's view): every directory is walked through its own open fd and
+    /// every file read through an fd opened without following symlinks, so a directory
+    /// swapped for a symlink mid-walk never leads the copy out of the tree.
+    fn dir(&mut self, src: &fs::File, dst: &Path, meta: &fs::Metadata) -> io::Result<()> {
+        let base = fd_path(src);
+        for e in fs::read_dir(&base)? {
             let e = e?;
-            let (from, to) = (e.path(), dst.join(e.file_name()));
-            let m = from.symlink_metadata()?;
+            let (from, to) = (base.join(e.file_name()), dst.join(e.file_name()));
+            if to.symlink_metadata().is_ok() {
+                // Listed twice: renamed away and back while the directory was read.
+                continue;
+            }
+            let m = match from.symlink_metadata() {
+                Ok(m) => m,
+                Err(e) if changed_meanwhile(&e) => continue,
+                Err(e) => return Err(e),
+            };
             let ft = m.file_type();
             if ft.is_dir() {
+                let sub = match open_nofollow(&from, libc::O_DIRECTORY) {
+                    Ok(d) => d,
+                    Err(e) if changed_meanwhile(&e) || e.raw_os_error() == Some(libc::ENOTDIR) => {
+                        continue
+                    }
+                    Err(e) => return Err(e),
+                };
+                let m = sub.metadata()?;
                 fs::create_dir(&to)?;
-                self.dir(&from, &to, &m)?;
+                self.dir(&sub, &to, &m)?;
             } else if ft.is_symlink() {
-                symlink(fs::read_link(&from)?, &to)?;
+                let target = match fs::read_link(&from) {
+                    Ok(t) => t,
+                    Err(e) if changed_meanwhile(&e) || e.kind() == io::ErrorKind::InvalidInput => {
+                        continue
+                    }
+                    Err(e) => return Err(e),
+                };
+                symlink(target, &to)?;
                 attrs(&to, &m, false)?;
             } else if ft.is_file() {
-                self.file(&from, &to, &m)?;
+                let f = match open_nofollow(&from, 0) {
+                    Ok(f) => f,
+                    Err(e) if changed_meanwhile(&e) => continue,
+                    Err(e) => return Err(e),
+                };
+                // What was opened, not what was listed.
+                let m = f.metadata()?;
+                if m.is_file() {
+                    self.file(f, &to, &m)?;
+                }
             }
         }
         attrs(dst, meta, true)
     }
 
-    fn file(&mut self, from: &Path, to: &Path, m: &fs::Metadata) -> io::Result<()> {
+    fn file(&mut self, src: fs::File, to: &Path, m: &fs::Metadata) -> io::Result<()> {
         if m.nlink() > 1 {
             if let Some(first) = self.links.get(&(m.dev(), m.ino())) {
                 return fs::hard_link(first, to);
@@ -145,7 +209,6 @@ impl Copier {
             self.stats.files += 1;
             return Err(io::Error::from(io::ErrorKind::FileTooLarge));
         }
-        let src = fs::File::open(from)?;
         let mut dst = fs::OpenOptions::new()
             .write(true)
             .create_new(true)
