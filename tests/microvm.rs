@@ -740,6 +740,8 @@ fn microvm_volumes_in_sandboxes_and_runs() {
         &a,
         "touch /workspace/owned && chown 1234:1234 /workspace/owned && chmod 600 /workspace/owned",
     );
+    let r = api.exec(&a, &json!({"shell": "chown 70000 /workspace/owned"}));
+    assert_ne!(r["exit_code"], 0, "ids past 65535 are refused: {r}");
     assert_eq!(
         api.sh(&c, "stat -c %u:%g:%a /workspace/owned").trim(),
         "1234:1234:600"

@@ -52,6 +52,15 @@ fn main() -> anyhow::Result<()> {
     }
     let mut args = std::env::args_os();
     if args.nth(1).is_some_and(|a| a == "__vm-fs") {
+        // Its warnings (malformed requests from the guest) go to its log, `vm-fs.log`.
+        tracing_subscriber::fmt()
+            .with_writer(std::io::stderr)
+            .with_ansi(false)
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_env("LOCKER_LOG")
+                    .unwrap_or_else(|_| "warn".into()),
+            )
+            .init();
         locker_runtime::vm_fs::main(&args.next().unwrap_or_default().to_string_lossy());
     }
     let cli = Cli::parse();

@@ -1816,7 +1816,13 @@ mod raw {
 
     /// `fchownat(fd, "", uid, gid, AT_EMPTY_PATH | AT_SYMLINK_NOFOLLOW)`: the inode of an
     /// `O_PATH` fd itself (a symlink stays unfollowed); `u32::MAX` leaves an id as it is.
+    /// Ids of 65536 and above are refused (`EOVERFLOW`, as an id-mapped mount does): a
+    /// volume holds canonical ids, which a jail maps from 0..65536 only, and the host's
+    /// own ids above that are machines' uid ranges.
     pub fn chown(fd: RawFd, uid: u32, gid: u32) -> io::Result<()> {
+        if [uid, gid].iter().any(|&id| id != u32::MAX && id >= 1 << 16) {
+            return Err(io::Error::from_raw_os_error(libc::EOVERFLOW));
+        }
         let flags = libc::AT_EMPTY_PATH | libc::AT_SYMLINK_NOFOLLOW;
         // SAFETY: integers and an empty NUL-terminated path.
         check_int(unsafe { libc::fchownat(fd, c"".as_ptr(), uid, gid, flags) })
