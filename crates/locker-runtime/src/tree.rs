@@ -254,60 +254,6 @@ fn attrs(path: &Path, m: &fs::Metadata, with_mode: bool) -> io::Result<()> {
     )
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_copy_keeps_links_modes_owners_times_and_is_independent() {
-        let base = std::env::temp_dir().join(format!("locker-tree-test-{}", std::process::id()));
-        let _ = fs::remove_dir_all(&base);
-        let (src, dst) = (base.join("src"), base.join("dst"));
-        fs::create_dir_all(src.join("a/b")).unwrap();
-        fs::write(src.join("a/b/f"), vec![7u8; 100_000]).unwrap();
-        fs::set_permissions(src.join("a/b/f"), fs::Permissions::from_mode(0o751)).unwrap();
-        fs::hard_link(src.join("a/b/f"), src.join("hl")).unwrap();
-        symlink("/etc/passwd", src.join("out")).unwrap();
-        crate::sys::set_times_nofollow(&src.join("a/b/f"), (1000, 0), (2000, 5)).unwrap();
-
-        let stats = copy(&src, &dst).unwrap();
-        assert_eq!(stats.files, 1, "a hard-linked file is copied once");
-        assert!(stats.bytes >= 100_000);
-        let f = dst.join("a/b/f").symlink_metadata().unwrap();
-        assert_eq!(f.mode() & 0o7777, 0o751);
-        assert_eq!((f.mtime(), f.mtime_nsec()), (2000, 5));
-        assert_eq!(
-            f.ino(),
-            dst.join("hl").symlink_metadata().unwrap().ino(),
-            "hard links stay linked"
-        );
-        assert_eq!(
-            fs::read_link(dst.join("out")).unwrap(),
-            Path::new("/etc/passwd")
-        );
-        assert_eq!(allocated_bytes(&dst).unwrap(), stats.bytes);
-
-        fs::write(dst.join("a/b/f"), b"changed").unwrap();
-        assert_eq!(
-            fs::read(src.join("a/b/f")).unwrap().len(),
-            100_000,
-            "the copy is independent"
-        );
-        assert!(copy(&src, &dst).is_err(), "the target must not exist");
-        let view = base.join("view");
-        assert_eq!(cow_view(&src, &view, 1).unwrap().map(|s| s.files), Some(1));
-        fs::write(src.join("second"), b"2").unwrap();
-        fs::remove_dir_all(&view).unwrap();
-        assert_eq!(cow_view(&src, &view, 1).unwrap(), None, "too many files");
-        assert!(!view.exists(), "a view given up leaves nothing");
-        assert!(
-            dst.exists(),
-            "a refused copy leaves the existing target alone"
-        );
-        fs::remove_dir_all(&base).unwrap();
-    }
-}
-
 /// The directory holding `rel` (a path relative to `root`, `/`-separated, no `..`), opened
 /// `O_PATH` without following any symlink on the way and without leaving `root`
 /// (`openat2`: `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS`), and the
@@ -370,4 +316,58 @@ pub fn path_at(dir: &std::os::fd::OwnedFd, name: &std::ffi::CStr) -> PathBuf {
     Path::new("/proc/self/fd")
         .join(dir.as_raw_fd().to_string())
         .join(std::ffi::OsStr::from_bytes(name.to_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_copy_keeps_links_modes_owners_times_and_is_independent() {
+        let base = std::env::temp_dir().join(format!("locker-tree-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&base);
+        let (src, dst) = (base.join("src"), base.join("dst"));
+        fs::create_dir_all(src.join("a/b")).unwrap();
+        fs::write(src.join("a/b/f"), vec![7u8; 100_000]).unwrap();
+        fs::set_permissions(src.join("a/b/f"), fs::Permissions::from_mode(0o751)).unwrap();
+        fs::hard_link(src.join("a/b/f"), src.join("hl")).unwrap();
+        symlink("/etc/passwd", src.join("out")).unwrap();
+        crate::sys::set_times_nofollow(&src.join("a/b/f"), (1000, 0), (2000, 5)).unwrap();
+
+        let stats = copy(&src, &dst).unwrap();
+        assert_eq!(stats.files, 1, "a hard-linked file is copied once");
+        assert!(stats.bytes >= 100_000);
+        let f = dst.join("a/b/f").symlink_metadata().unwrap();
+        assert_eq!(f.mode() & 0o7777, 0o751);
+        assert_eq!((f.mtime(), f.mtime_nsec()), (2000, 5));
+        assert_eq!(
+            f.ino(),
+            dst.join("hl").symlink_metadata().unwrap().ino(),
+            "hard links stay linked"
+        );
+        assert_eq!(
+            fs::read_link(dst.join("out")).unwrap(),
+            Path::new("/etc/passwd")
+        );
+        assert_eq!(allocated_bytes(&dst).unwrap(), stats.bytes);
+
+        fs::write(dst.join("a/b/f"), b"changed").unwrap();
+        assert_eq!(
+            fs::read(src.join("a/b/f")).unwrap().len(),
+            100_000,
+            "the copy is independent"
+        );
+        assert!(copy(&src, &dst).is_err(), "the target must not exist");
+        let view = base.join("view");
+        assert_eq!(cow_view(&src, &view, 1).unwrap().map(|s| s.files), Some(1));
+        fs::write(src.join("second"), b"2").unwrap();
+        fs::remove_dir_all(&view).unwrap();
+        assert_eq!(cow_view(&src, &view, 1).unwrap(), None, "too many files");
+        assert!(!view.exists(), "a view given up leaves nothing");
+        assert!(
+            dst.exists(),
+            "a refused copy leaves the existing target alone"
+        );
+        fs::remove_dir_all(&base).unwrap();
+    }
 }

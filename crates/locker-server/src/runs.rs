@@ -1473,8 +1473,9 @@ mod tests {
         assert_eq!(s.deleted, vec!["/gone"]);
         let vol = t.join("vol");
         write_journal(&vol, &s.ops).unwrap();
+        let live_dir = fs::File::open(&live).unwrap();
         for op in &s.ops {
-            apply(&live, op).unwrap();
+            apply(&live_dir, op).unwrap();
         }
         // A crash after applying: the replay does it all again, to the same end.
         replay_journal(&vol).unwrap();
