@@ -1250,12 +1250,7 @@ impl Channel {
             _ => return Err(Errno(libc::EACCES)),
         };
         let fh = self.add_handle(id, Open::File(file))?;
-        OpenOut {
-            fh,
-            open_flags: 0,
-            padding: 0,
-        }
-        .put(out);
+        put_open(out, fh);
         Ok(())
     }
 
@@ -1300,12 +1295,7 @@ impl Channel {
             }
         };
         put_entry(out, id, &st);
-        OpenOut {
-            fh,
-            open_flags: 0,
-            padding: 0,
-        }
-        .put(out);
+        put_open(out, fh);
         Ok(())
     }
 
@@ -1474,12 +1464,7 @@ impl Channel {
         let dir = self.nodes.dir(id)?;
         let fd = raw::reopen(self.proc_fd, dir, libc::O_RDONLY | libc::O_DIRECTORY)?;
         let fh = self.add_handle(id, Open::Dir(DirStream::new(fd)))?;
-        OpenOut {
-            fh,
-            open_flags: 0,
-            padding: 0,
-        }
-        .put(out);
+        put_open(out, fh);
         Ok(())
     }
 
@@ -1615,6 +1600,16 @@ fn handle_frame(
     .put(&mut head);
     out[FRAME_HEAD..FRAME_HEAD + OutHeader::N].copy_from_slice(&head);
     true
+}
+
+/// The reply to an open: the new handle, no flags.
+fn put_open(out: &mut Vec<u8>, fh: u64) {
+    OpenOut {
+        fh,
+        open_flags: 0,
+        padding: 0,
+    }
+    .put(out);
 }
 
 /// The request's body: after the header, before any extensions (`total_extlen`).

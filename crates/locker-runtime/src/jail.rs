@@ -645,14 +645,7 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
                 .map_err(step("delegate the controllers"))?;
         }
     }
-    sys::mount(
-        None,
-        Path::new("/"),
-        None,
-        libc::MS_REC | libc::MS_PRIVATE,
-        None,
-    )
-    .map_err(step("make mounts private"))?;
+    sys::make_mounts_private().map_err(step("make mounts private"))?;
 
     // The disk (quota = its size) holds the machine's writable layer. It stores canonical
     // ids (root = 0) and reaches the overlay through an id-mapped mount, so a disk image

@@ -39,6 +39,18 @@ pub fn mount(
     check(rc.into()).map(drop)
 }
 
+/// Makes every mount of this mount namespace private (nothing propagates to or from the
+/// host's): the first step in a namespace of one's own.
+pub fn make_mounts_private() -> io::Result<()> {
+    mount(
+        None,
+        Path::new("/"),
+        None,
+        libc::MS_REC | libc::MS_PRIVATE,
+        None,
+    )
+}
+
 /// Bind-mounts `src` on `target`, then applies `flags` (e.g. read-only) with a remount.
 pub fn bind(src: &Path, target: &Path, extra: libc::c_ulong) -> io::Result<()> {
     let s = src

@@ -765,14 +765,7 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
         .stdin(Stdio::null())
         .stdout(log)
         .stderr(log2);
-    let procs: Vec<std::ffi::CString> = l
-        .cgroup_procs
-        .iter()
-        .map(|p| {
-            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-                .expect("no NUL in a cgroup path")
-        })
-        .collect();
+    let procs = c_paths(&l.cgroup_procs);
     let incoming: Option<RawFd> = l.incoming.as_ref().map(|f| f.as_raw_fd());
     // The tap above fd 4, so that putting the incoming state on 3 cannot clobber it.
     let tap: Option<fs::File> = match &l.net {
@@ -835,6 +828,17 @@ fn spawn_qemu(a: &Assets, shape: Shape, l: Launch) -> Result<tokio::process::Chi
     drop(l.incoming);
     drop(tap);
     Ok(child)
+}
+
+/// Paths as C strings, prepared before a fork for [`enter_cgroup`] after it.
+pub(crate) fn c_paths(paths: &[PathBuf]) -> Vec<std::ffi::CString> {
+    paths
+        .iter()
+        .map(|p| {
+            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+                .expect("no NUL in a cgroup path")
+        })
+        .collect()
 }
 
 /// Moves the calling process into the cgroup whose `cgroup.procs` is `procs`. Only

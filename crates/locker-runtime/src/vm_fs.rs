@@ -90,13 +90,7 @@ pub async fn start(exe: &Path, dir: &Path, spec: &Spec, procs: &[PathBuf]) -> io
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(log);
-    let procs: Vec<std::ffi::CString> = procs
-        .iter()
-        .map(|p| {
-            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-                .expect("no NUL in a cgroup path")
-        })
-        .collect();
+    let procs = crate::vm::c_paths(procs);
     // SAFETY: only async-signal-safe calls (open, write, close) on memory prepared before
     // the fork.
     unsafe {
@@ -248,14 +242,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
         .unwrap_or(MAX_FDS);
-    sys::mount(
-        None,
-        Path::new("/"),
-        None,
-        libc::MS_REC | libc::MS_PRIVATE,
-        None,
-    )
-    .map_err(ctx("make mounts private"))?;
+    sys::make_mounts_private().map_err(ctx("make mounts private"))?;
     let stage = &s.stage;
     let nosuid = libc::MS_NOSUID | libc::MS_NODEV;
     sys::mount(
