@@ -813,6 +813,17 @@ fn microvm_volumes_in_sandboxes_and_runs() {
         "run\n",
         "a commit shows in live mounts"
     );
+    // A run with egress needs a network device: a fresh microVM restored with one, its
+    // layer served at start.
+    let r = api
+        .post(
+            &format!("/v1/volumes/{vol}/run"),
+            &json!({"runtime": "microvm", "memory_mb": 256, "network": {"egress": "all"},
+                    "shell": "ls /sys/class/net | grep -c eth; cat r.txt; echo n > net.txt"}),
+        )
+        .expect(200, "a microVM run with egress");
+    assert_eq!(r["stdout"], "1\nrun\n", "{r}");
+    assert_eq!(r["changes"]["added"], json!(["/net.txt"]), "{r}");
     // on_success with a failing command commits nothing.
     let r = api
         .post(
