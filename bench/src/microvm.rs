@@ -176,7 +176,14 @@ pub fn microvm_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
 
 /// The microVM bases on this host (`/run/locker/vm-base/<key>`).
 pub(crate) fn bases() -> std::collections::BTreeSet<PathBuf> {
-    std::fs::read_dir(locker_runtime::vm::BASE_DIR)
+    subdirs(Path::new(locker_runtime::vm::BASE_DIR))
+        .into_iter()
+        .collect()
+}
+
+/// The directories in `dir` (none when it cannot be read).
+pub(crate) fn subdirs(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()

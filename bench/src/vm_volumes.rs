@@ -11,14 +11,14 @@
 //! their steps inside the machine (bash's `$EPOCHREALTIME`), one `exec` per iteration.
 //! Everything it makes (sandboxes, the volume, bases of new shapes) is deleted after it.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use locker_runtime::vm::{self, VmState};
 use locker_tests::server::{Api, Server};
 use serde_json::{json, Value};
 
-use crate::microvm::{bases, delete, ms, post, want};
+use crate::microvm::{bases, delete, ms, post, subdirs, want};
 use crate::stats::{percentile, Row};
 use crate::{check_stop, Args};
 
@@ -140,16 +140,6 @@ fn io_once(api: &Api, sb: &str, place: Place, mib: u32, files: u32) -> Result<Io
 /// The state of a microVM machine directory, when its QEMU runs.
 fn live_vm(dir: &Path) -> Option<VmState> {
     VmState::load(dir).filter(vm::is_alive)
-}
-
-fn subdirs(dir: &Path) -> Vec<PathBuf> {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.path())
-        .filter(|p| p.is_dir())
-        .collect()
 }
 
 /// The microVMs the server's pool holds: machines under `<data>/sandboxes` with a live QEMU
