@@ -36,6 +36,8 @@ pub struct Server {
     extra_args: Vec<String>,
     /// Extra environment of the server process (test hooks).
     extra_env: Vec<(String, String)>,
+    /// The open files limit (soft and hard) the server is started with, if not inherited.
+    nofile: Option<u64>,
     log: PathBuf,
     /// Every tenant key seen, so drop can delete each tenant's sandboxes.
     keys: Mutex<Vec<String>>,
@@ -91,6 +93,15 @@ impl Server {
             .collect();
     }
 
+    /// A server with extra flags started with an open files limit of `nofile` (soft and
+    /// hard), as a service manager would start it.
+    pub fn start_with_nofile(args: &[&str], nofile: u64) -> Server {
+        let mut s = Server::build_stopped(args, true, false);
+        s.nofile = Some(nofile);
+        s.spawn();
+        s
+    }
+
     /// A server without an admin key (admin routes disabled).
     pub fn without_admin(args: &[&str]) -> Server {
         Server::build(args, false, false)
@@ -129,6 +140,7 @@ impl Server {
             generated_key,
             extra_args: args.iter().map(|a| a.to_string()).collect(),
             extra_env: Vec::new(),
+            nofile: None,
             _dir: dir,
         };
         s
@@ -151,7 +163,15 @@ impl Server {
                 .append(true)
                 .open(&self.log)
                 .expect("open the server log");
-            let mut cmd = Command::new(locker_bin());
+            // prlimit execs the server: the child's pid is the server's.
+            let mut cmd = match self.nofile {
+                Some(n) => {
+                    let mut c = Command::new("prlimit");
+                    c.arg(format!("--nofile={n}:{n}")).arg(locker_bin());
+                    c
+                }
+                None => Command::new(locker_bin()),
+            };
             cmd.arg("serve")
                 .arg("--listen")
                 .arg(self.addr.to_string())
@@ -543,6 +563,15 @@ impl Api {
             base: base.to_owned(),
             key: key.map(str::to_owned),
             agent: agent(Duration::from_secs(120)),
+        }
+    }
+
+    /// The same client with another overall timeout per request.
+    pub fn with_timeout(&self, timeout: Duration) -> Api {
+        Api {
+            base: self.base.clone(),
+            key: self.key.clone(),
+            agent: agent(timeout),
         }
     }
 

@@ -29,12 +29,18 @@ pub struct ServeArgs {
     /// Per-tenant quota: sandboxes at once.
     #[arg(long, default_value_t = 100)]
     quota_sandboxes: u64,
-    /// Per-tenant quota: total sandbox memory in MB.
-    #[arg(long, default_value_t = 65_536)]
-    quota_memory_mb: u64,
+    /// Per-tenant quota: total sandbox memory in MB [default: the host's RAM (MemTotal)].
+    #[arg(long)]
+    quota_memory_mb: Option<u64>,
     /// Per-tenant quota: serverless runs in flight.
     #[arg(long, default_value_t = 32)]
     quota_runs: u64,
+    /// Per-tenant quota: total disk in MB, the sandboxes' `disk_mb` plus the volumes'
+    /// `size_mb` [default: the size of the data dir's filesystem]. Whatever the quota, one
+    /// disk or volume larger than the data dir's free space (less a reserve of 5% of the
+    /// filesystem, 256 to 4096 MB) is refused.
+    #[arg(long)]
+    quota_disk_mb: Option<u64>,
     /// Warm machines kept ready for serverless runs of the default shape (0: none).
     #[arg(long, env = "LOCKER_WARM_POOL", default_value_t = 2)]
     warm_pool: usize,
@@ -64,6 +70,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .init();
     }
+    let host = locker_server::Quotas::for_host(&a.data_dir);
     let cfg = locker_server::Config {
         listen: a.listen,
         data_dir: a.data_dir,
@@ -72,8 +79,9 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         metrics_token: a.metrics_token,
         quotas: locker_server::Quotas {
             sandboxes: a.quota_sandboxes,
-            memory_mb: a.quota_memory_mb,
+            memory_mb: a.quota_memory_mb.unwrap_or(host.memory_mb),
             runs: a.quota_runs,
+            disk_mb: a.quota_disk_mb.unwrap_or(host.disk_mb),
         },
         cache_dir: a.cache_dir,
         warm_pool: a.warm_pool,

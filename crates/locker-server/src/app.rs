@@ -27,14 +27,23 @@ pub struct Quotas {
     pub memory_mb: u64,
     /// Serverless runs in flight at once.
     pub runs: u64,
+    /// Sum of those sandboxes' `disk_mb` and of the tenant's volumes' `size_mb`.
+    pub disk_mb: u64,
 }
 
-impl Default for Quotas {
-    fn default() -> Self {
+impl Quotas {
+    /// The defaults on this host for a data dir at `data_dir`: 100 sandboxes, 32 runs, the
+    /// host's RAM (`MemTotal`) of memory, the size of the data dir's filesystem of disk.
+    pub fn for_host(data_dir: &std::path::Path) -> Self {
+        let memory_mb = crate::capacity::host_memory_mb().unwrap_or(65_536);
+        let disk_mb = crate::capacity::Space::of(data_dir)
+            .map(|s| s.size_mb)
+            .unwrap_or(1 << 20);
         Self {
             sandboxes: 100,
-            memory_mb: 65_536,
+            memory_mb,
             runs: 32,
+            disk_mb,
         }
     }
 }
@@ -287,7 +296,9 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     let recorder = CallRecorder::spawn(store.clone());
     let warm_pool = cfg.warm_pool;
     let vm_pool = cfg.vm_pool;
-    let egress = crate::egress::Egress::new(&cfg.egress_resolve);
+    tracing::info!(quotas = ?cfg.quotas, "per-tenant quotas");
+    let egress =
+        crate::egress::Egress::new(&cfg.egress_resolve, crate::egress::limits::raise_nofile());
     let app = Arc::new(App {
         cfg,
         store,

@@ -8,6 +8,7 @@
 //! - [`error`], [`extract`]: the one error shape and request parsing;
 //! - [`metrics`]: Prometheus text;
 //! - [`egress`]: egress policies by name: the proxy, the DNS responder, refusals;
+//! - [`capacity`]: what the host holds: quota defaults and disk admission;
 //! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP.
 //!
 //! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
@@ -16,6 +17,7 @@
 pub mod admin;
 pub mod app;
 pub mod auth;
+pub mod capacity;
 pub mod egress;
 pub mod error;
 pub mod exec;

@@ -272,6 +272,7 @@ async fn run(
     }
     let call_id = new_id("call_");
     let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, stream)?;
+    crate::capacity::admit_disk(&app.cfg.data_dir, "a run's machine disk", RUN_DISK_MB)?;
     let slot = RunSlot::take(&app, &caller.tenant)?;
     if !stream {
         // A task of its own: a client that goes away never leaves a machine behind.
@@ -540,7 +541,13 @@ async fn in_machine(
     if crate::sandboxes::has_egress(&plan.network) {
         if let Err(e) = app
             .egress
-            .apply(&app.node, &machine, &spec.call_id, &plan.network)
+            .apply(
+                &app.node,
+                &machine,
+                &spec.call_id,
+                &plan.rec.tenant,
+                &plan.network,
+            )
             .await
         {
             let _ = app.node.destroy(&machine).await;

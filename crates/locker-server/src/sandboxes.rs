@@ -529,6 +529,7 @@ pub async fn launch(
         let _guard = app.create_lock.lock().await;
         let q = &app.cfg.quotas;
         let admitted = (|| {
+            crate::capacity::admit_disk(&app.cfg.data_dir, "`disk_mb`", new.disk_mb)?;
             let running = app.store.count_running(&caller.tenant)?;
             if running >= q.sandboxes {
                 return Err(ApiError::quota(format!(
@@ -543,6 +544,7 @@ pub async fn launch(
                     caller.tenant, q.memory_mb, mem
                 )));
             }
+            check_disk_quota(app, &caller.tenant, new.disk_mb, "sandbox")?;
             app.store.insert_sandbox(&record)?;
             Ok(())
         })();
@@ -614,7 +616,7 @@ pub async fn launch(
     if has_egress(&new.network) {
         if let Err(e) = app
             .egress
-            .apply(&app.node, &machine, &id, &new.network)
+            .apply(&app.node, &machine, &id, &caller.tenant, &new.network)
             .await
         {
             app.egress.forget(&id);
@@ -638,6 +640,26 @@ pub async fn launch(
     app.live.write().await.insert(id.clone(), live.clone());
     record.state = SandboxState::Running;
     Ok((record, live))
+}
+
+/// Refuses `want_mb` more disk for `tenant` (a `what`: sandbox, volume) past its disk
+/// quota, counting what its sandboxes and volumes hold and what creates in progress were
+/// granted. Called under `create_lock`.
+pub fn check_disk_quota(
+    app: &AppState,
+    tenant: &str,
+    want_mb: u64,
+    what: &str,
+) -> Result<(), ApiError> {
+    let q = app.cfg.quotas.disk_mb;
+    let held = app.store.sum_disk_mb(tenant)? + app.volumes.pending_mb.of(tenant);
+    if held + want_mb > q {
+        return Err(ApiError::quota(format!(
+            "quota exceeded: tenant {tenant} may hold {q} MB of disk in all (sandboxes' disk_mb and volumes' size_mb; {held} MB held now), \
+             so a {what} of {want_mb} MB does not fit; delete sandboxes or volumes, or ask for less"
+        )));
+    }
+    Ok(())
 }
 
 /// A pooled microVM made this sandbox's: it waited a while since its restore, so its clock,
@@ -848,11 +870,15 @@ async fn patch(
                     "sandbox {id} is a microVM created with egress `none`: it has no network device, so its policy cannot change; create a new sandbox with the network policy"
                 )));
             }
-            if let Err(e) = app.egress.apply(&app.node, &l.machine, &id, &network).await {
+            if let Err(e) = app
+                .egress
+                .apply(&app.node, &l.machine, &id, &caller.tenant, &network)
+                .await
+            {
                 // Back to the policy it had (rules are replaced whole, so this restores it).
                 let _ = app
                     .egress
-                    .apply(&app.node, &l.machine, &id, &r.network)
+                    .apply(&app.node, &l.machine, &id, &caller.tenant, &r.network)
                     .await;
                 return Err(ApiError::unavailable(format!(
                     "changing the network policy failed (unchanged): {e}"
@@ -1028,14 +1054,14 @@ pub async fn adopt_all(app: &AppState) {
 async fn readopt_egress(app: &AppState, r: &SandboxRecord, live: &Live) {
     if let Err(e) = app
         .egress
-        .apply(&app.node, &live.machine, &r.id, &r.network)
+        .apply(&app.node, &live.machine, &r.id, &r.tenant, &r.network)
         .await
     {
         tracing::warn!(sandbox = %r.id, error = %e, "cannot restore the sandbox's egress: it now has none");
         let none = json!({"egress": "none"});
         let _ = app
             .egress
-            .apply(&app.node, &live.machine, &r.id, &none)
+            .apply(&app.node, &live.machine, &r.id, &r.tenant, &none)
             .await;
         if let Ok(Some(mut rec)) = app.store.get_sandbox_any(&r.id) {
             rec.network = none;

@@ -158,6 +158,15 @@ async fn fork(
             caller.tenant, q.sandboxes
         )));
     }
+    {
+        let _guard = app.create_lock.lock().await;
+        crate::sandboxes::check_disk_quota(
+            &app,
+            &caller.tenant,
+            rec.disk_mb * body.count,
+            &format!("fork of {} sandboxes", body.count),
+        )?;
+    }
     let template = app
         .templates
         .resolve(&rec.template_digest)

@@ -217,6 +217,8 @@ pub struct Volumes {
     open: RwLock<HashMap<String, Arc<Volume>>>,
     /// Serverless runs in flight, per tenant (the `runs` quota).
     pub(crate) runs_inflight: std::sync::Mutex<HashMap<String, u64>>,
+    /// Disk granted to volumes being made (not stored yet), per tenant (the disk quota).
+    pub(crate) pending_mb: crate::capacity::Pending,
 }
 
 impl Volumes {
@@ -237,6 +239,7 @@ impl Volumes {
             agent_exe,
             open: RwLock::new(HashMap::new()),
             runs_inflight: Default::default(),
+            pending_mb: Default::default(),
         };
         for r in records {
             let dir = v.root.join(&r.id);
@@ -483,6 +486,20 @@ fn new_record(
     })
 }
 
+/// Admits a new volume of `size_mb` for `tenant`: refused past the data dir's free space
+/// (422) or the tenant's disk quota (429). The grant counts against the quota until it is
+/// dropped, which is once the volume's record is stored (or its making failed).
+async fn admit(
+    app: &AppState,
+    tenant: &str,
+    size_mb: u64,
+) -> Result<crate::capacity::PendingGrant, ApiError> {
+    crate::capacity::admit_disk(&app.cfg.data_dir, "`size_mb`", size_mb)?;
+    let _guard = app.create_lock.lock().await;
+    crate::sandboxes::check_disk_quota(app, tenant, size_mb, "volume")?;
+    Ok(app.volumes.pending_mb.hold(tenant, size_mb))
+}
+
 async fn create(
     State(app): State<AppState>,
     caller: Caller,
@@ -497,7 +514,9 @@ async fn create(
         )));
     }
     let rec = new_record(&app, &caller, name, size_mb)?;
+    let grant = admit(&app, &caller.tenant, size_mb).await?;
     let vol = add(&app, rec.clone(), |_| Ok(0)).await?;
+    drop(grant);
     Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
 }
 
@@ -623,6 +642,7 @@ async fn fork(
     let name = check_name(body.name.as_deref())?;
     let (r, v) = lookup(&app, &caller, &id)?;
     let rec = new_record(&app, &caller, name, r.size_mb)?;
+    let grant = admit(&app, &caller.tenant, r.size_mb).await?;
     // A snapshot of the source (under its gate, constant time), copied into the new
     // volume's filesystem without holding the gate, then dropped.
     let point = v.root().join("snapshots").join(format!(".fork-{}", rec.id));
@@ -634,6 +654,7 @@ async fn fork(
     })
     .await;
     drop_snapshot(point).await;
+    drop(grant);
     let vol = vol?;
     Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
 }

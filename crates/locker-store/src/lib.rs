@@ -143,6 +143,10 @@ pub trait Store: Send + Sync {
     /// The memory (MiB) the tenant's live sandboxes were given, for the memory quota.
     fn sum_memory_mb(&self, tenant: &str) -> Result<u64>;
 
+    /// The disk (MiB) the tenant holds, for the disk quota: its live sandboxes' `disk_mb`
+    /// plus its volumes' `size_mb`.
+    fn sum_disk_mb(&self, tenant: &str) -> Result<u64>;
+
     /// Ids of the sandboxes (any tenant, any state, not deleted) whose `expires_at` is at
     /// or before `now`: the reaper destroys them.
     fn expired_sandboxes(&self, now: i64) -> Result<Vec<String>>;

@@ -1167,6 +1167,17 @@ impl Store for SqliteStore {
         )
     }
 
+    fn sum_disk_mb(&self, tenant: &str) -> Result<u64> {
+        self.read_count(
+            &format!(
+                "SELECT (SELECT COALESCE(SUM(disk_mb), 0) FROM sandboxes
+                         WHERE tenant = ?1 AND deleted_unix IS NULL AND state IN {LIVE_STATES})
+                      + (SELECT COALESCE(SUM(size_mb), 0) FROM volumes WHERE tenant = ?1)"
+            ),
+            tenant,
+        )
+    }
+
     fn expired_sandboxes(&self, now: i64) -> Result<Vec<String>> {
         self.read_ids(
             "SELECT id FROM sandboxes WHERE deleted_unix IS NULL AND expires_unix <= ?1

@@ -5,6 +5,10 @@
 //! is answered NXDOMAIN and counted for the machine's call records. Only the question of
 //! a plain query over UDP is read (no compression in it, one question); AAAA and other
 //! types of an allowed name get an empty answer (machines have IPv4 only).
+//!
+//! Queries being resolved at once are capped per machine, per tenant and in all
+//! ([`super::limits::Caps::DNS`]); past a cap the answer is SERVFAIL at once, so one
+//! machine's slow names fail its own lookups, not every tenant's.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr};
 use std::sync::Arc;
@@ -12,10 +16,8 @@ use std::time::Duration;
 
 use tokio::net::UdpSocket;
 
+use super::limits::{Caps, Permit};
 use super::{forbidden, Egress};
-
-/// Queries being resolved at once, all machines; beyond that the answer is SERVFAIL.
-const MAX_INFLIGHT: usize = 256;
 /// Answers' time to live: short, so a policy change shows soon.
 const TTL_S: u32 = 30;
 /// Addresses one answer carries at most (it stays under 512 bytes).
@@ -32,7 +34,6 @@ const CLASS_IN: u16 = 1;
 
 /// Answers machines' queries for the life of the server.
 pub async fn serve(eg: Arc<Egress>, sock: Arc<UdpSocket>) {
-    let inflight = Arc::new(tokio::sync::Semaphore::new(MAX_INFLIGHT));
     let mut buf = vec![0u8; 1500];
     loop {
         let (n, peer) = match sock.recv_from(&mut buf).await {
@@ -55,7 +56,12 @@ pub async fn serve(eg: Arc<Egress>, sock: Arc<UdpSocket>) {
             }
             Err(None) => continue,
         };
-        let Ok(permit) = inflight.clone().try_acquire_owned() else {
+        let Ok(permit) = Permit::take(
+            &Caps::DNS,
+            &entry.held.dns,
+            &entry.tenant.dns,
+            &eg.total.dns,
+        ) else {
             let _ = sock.send_to(&response(&q, SERVFAIL, &[]), peer).await;
             continue;
         };

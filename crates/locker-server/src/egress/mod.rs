@@ -19,11 +19,11 @@
 //! host's input chain lets a machine reach them only through its redirect rules.
 
 pub mod dns;
+pub mod limits;
 pub mod proxy;
 
 use std::collections::{HashMap, VecDeque};
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Mutex, RwLock};
 use std::time::{Duration, Instant};
 
@@ -175,6 +175,15 @@ impl Rule {
     }
 }
 
+/// What one machine, one tenant or the whole server holds now.
+#[derive(Debug, Default)]
+pub struct Held {
+    /// Proxied connections open.
+    pub conns: limits::Count,
+    /// DNS queries being resolved.
+    pub dns: limits::Count,
+}
+
 /// One machine with a network, as the proxy and the DNS responder know it.
 #[derive(Debug)]
 pub struct Entry {
@@ -183,8 +192,11 @@ pub struct Entry {
     pub ip: Ipv4Addr,
     rule: RwLock<Arc<Rule>>,
     denied: Mutex<VecDeque<(Instant, String)>>,
-    /// Proxied connections open now.
-    pub conns: AtomicUsize,
+    /// What this machine holds, and what its tenant holds (shared by its machines).
+    pub held: Held,
+    pub tenant: Arc<Held>,
+    /// Refusals are logged at most once per [`limits::LOG_EVERY`] per machine.
+    log: limits::LogGate,
 }
 
 impl Entry {
@@ -192,9 +204,17 @@ impl Entry {
         self.rule.read().expect("egress rule").clone()
     }
 
+    /// Whether a line about this machine's refusals may be logged now: `Some(n)`, with
+    /// `n` refusals not logged since the last line.
+    pub fn log_now(&self) -> Option<u64> {
+        self.log.pass(Instant::now())
+    }
+
     /// Counts a refusal (a name, or `address:port`) for the machine's call records.
     pub fn deny(&self, what: String, why: &str) {
-        tracing::info!(machine = %self.key, denied = %what, why, "egress refused");
+        if let Some(held_back) = self.log_now() {
+            tracing::info!(machine = %self.key, denied = %what, why, more_refused_before = held_back, "egress refused");
+        }
         let mut d = self.denied.lock().expect("egress denied");
         if d.len() >= MAX_DENIED {
             d.pop_front();
@@ -216,6 +236,14 @@ pub struct Egress {
     ports: tokio::sync::OnceCell<Ports>,
     by_key: Mutex<HashMap<String, Arc<Entry>>>,
     by_ip: RwLock<HashMap<Ipv4Addr, Arc<Entry>>>,
+    /// What each tenant's machines hold (kept for the server's life: tenants are few).
+    tenants: Mutex<HashMap<String, Arc<Held>>>,
+    /// What all machines hold.
+    pub total: Held,
+    /// Caps of proxied connections (from the file limit).
+    pub proxy_caps: limits::Caps,
+    /// Accept failures of the proxy are logged at most this often.
+    accept_log: limits::LogGate,
 }
 
 /// Parses an `--egress-resolve` pin: `name=address[,address…]`.
@@ -237,18 +265,30 @@ pub fn parse_pin(s: &str) -> Result<(String, Vec<IpAddr>), String> {
 }
 
 impl Egress {
-    /// The service with the operator's pinned names (`--egress-resolve`); nothing is bound
-    /// until a machine needs it.
-    pub fn new(pins: &[(String, Vec<IpAddr>)]) -> Arc<Egress> {
+    /// The service with the operator's pinned names (`--egress-resolve`), for a server
+    /// whose open files limit is `nofile` (see [`limits::raise_nofile`]): the proxy's
+    /// connection caps come from it. Nothing is bound until a machine needs it.
+    pub fn new(pins: &[(String, Vec<IpAddr>)], nofile: u64) -> Arc<Egress> {
         let mut map: HashMap<String, Vec<IpAddr>> = HashMap::new();
         for (n, a) in pins {
             map.entry(n.clone()).or_default().extend(a.iter().copied());
         }
+        let proxy_caps = limits::Caps::proxy(nofile);
+        tracing::info!(
+            per_machine = proxy_caps.machine,
+            per_tenant = proxy_caps.tenant,
+            total = proxy_caps.total,
+            "egress proxy connection caps"
+        );
         Arc::new(Egress {
             pins: map,
             ports: tokio::sync::OnceCell::new(),
             by_key: Mutex::new(HashMap::new()),
             by_ip: RwLock::new(HashMap::new()),
+            tenants: Mutex::new(HashMap::new()),
+            total: Held::default(),
+            proxy_caps,
+            accept_log: limits::LogGate::default(),
         })
     }
 
@@ -279,14 +319,15 @@ impl Egress {
             .copied()
     }
 
-    /// Gives machine `m` (known as `key`: its sandbox id, or a run's call id) the checked
-    /// policy `network`: its link, rules and `/etc/resolv.conf` through the node, and its
-    /// rule here. `none` takes all of that away.
+    /// Gives machine `m` (known as `key`: its sandbox id, or a run's call id) of `tenant`
+    /// the checked policy `network`: its link, rules and `/etc/resolv.conf` through the
+    /// node, and its rule here. `none` takes all of that away.
     pub async fn apply(
         self: &Arc<Self>,
         node: &Node,
         m: &Machine,
         key: &str,
+        tenant: &str,
         network: &Value,
     ) -> Result<(), String> {
         let rule = Rule::of(network)?;
@@ -312,7 +353,7 @@ impl Egress {
             .map_err(|e| e.to_string())?;
         match (lease, rule) {
             (Some(lease), Some(rule)) => {
-                self.register(key, lease.machine_ip(), rule);
+                self.register(key, tenant, lease.machine_ip(), rule);
                 if had_link {
                     // A policy change (or a new server adopting the machine): its resolver
                     // is in place, and the machine may be frozen.
@@ -334,9 +375,9 @@ impl Egress {
         Ok(())
     }
 
-    /// Sets the rule of machine `key` at `ip` (replacing an earlier entry, whose refusals
-    /// it keeps).
-    fn register(&self, key: &str, ip: Ipv4Addr, rule: Rule) {
+    /// Sets the rule of machine `key` of `tenant` at `ip` (replacing an earlier entry,
+    /// whose refusals it keeps).
+    fn register(&self, key: &str, tenant: &str, ip: Ipv4Addr, rule: Rule) {
         let mut by_key = self.by_key.lock().expect("egress machines");
         if let Some(e) = by_key.get(key) {
             if e.ip == ip {
@@ -349,12 +390,21 @@ impl Egress {
             .as_ref()
             .map(|o| std::mem::take(&mut *o.denied.lock().expect("egress denied")))
             .unwrap_or_default();
+        let tenant = self
+            .tenants
+            .lock()
+            .expect("egress tenants")
+            .entry(tenant.to_owned())
+            .or_default()
+            .clone();
         let e = Arc::new(Entry {
             key: key.to_owned(),
             ip,
             rule: RwLock::new(Arc::new(rule)),
             denied: Mutex::new(denied),
-            conns: AtomicUsize::new(0),
+            held: Held::default(),
+            tenant,
+            log: limits::LogGate::default(),
         });
         by_key.insert(key.to_owned(), e.clone());
         let mut by_ip = self.by_ip.write().expect("egress addresses");
@@ -378,8 +428,19 @@ impl Egress {
                 by_ip.remove(&e.ip);
             }
         }
+        let held_back = e.log.take_held();
+        if held_back > 0 {
+            tracing::info!(machine = %e.key, refused = held_back, "egress refused (not logged one by one)");
+        }
         let d = e.denied.lock().expect("egress denied");
         unique(d.iter().map(|(_, w)| w))
+    }
+
+    /// Logs that the proxy could not accept (at most once per [`limits::LOG_EVERY`]).
+    pub fn accept_failed(&self, e: &std::io::Error) {
+        if let Some(held_back) = self.accept_log.pass(Instant::now()) {
+            tracing::warn!(error = %e, failed_before = held_back, "egress proxy: accept failed");
+        }
     }
 
     /// What machine `key` was refused since `since` (for the record of a call that
@@ -578,9 +639,9 @@ mod tests {
 
     #[test]
     fn refusals_are_kept_per_machine_and_listed_once() {
-        let eg = Egress::new(&[]);
+        let eg = Egress::new(&[], 1024);
         let t0 = Instant::now();
-        eg.register("sb_1", Ipv4Addr::new(100, 96, 0, 2), Rule::All);
+        eg.register("sb_1", "t", Ipv4Addr::new(100, 96, 0, 2), Rule::All);
         let e = eg.entry(Ipv4Addr::new(100, 96, 0, 2)).unwrap();
         e.deny("evil.test".into(), "test");
         e.deny("evil.test".into(), "test");
@@ -588,7 +649,7 @@ mod tests {
         assert_eq!(eg.denied_since("sb_1", t0), ["evil.test", "1.2.3.4:80"]);
         assert!(eg.denied_since("sb_1", Instant::now()).is_empty());
         // A new address for the same machine keeps its refusals; the old one is gone.
-        eg.register("sb_1", Ipv4Addr::new(100, 96, 0, 6), Rule::All);
+        eg.register("sb_1", "t", Ipv4Addr::new(100, 96, 0, 6), Rule::All);
         assert!(eg.entry(Ipv4Addr::new(100, 96, 0, 2)).is_none());
         assert_eq!(eg.forget("sb_1"), ["evil.test", "1.2.3.4:80"]);
         assert!(eg.entry(Ipv4Addr::new(100, 96, 0, 6)).is_none());

@@ -7,20 +7,26 @@
 //! CIDR; a connection that names nothing (a protocol where the server speaks first, raw
 //! bytes) is refused. Refusals answer `403` to HTTP, a TLS `access_denied` alert to TLS,
 //! and are counted for the machine's call records.
+//!
+//! Every connection takes server file descriptors, so how many a machine, a tenant and
+//! all machines may hold open is capped ([`super::limits`]); past a cap a connection is
+//! closed at once, and near one the proxy waits less for a client's first bytes.
 
 use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::os::fd::AsRawFd;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-use super::{forbidden, normalize_name, Egress, Entry, Rule};
+use super::limits::Permit;
+use super::{forbidden, normalize_name, Egress, Rule};
 
 /// How long a client may take to send the name it wants.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
+/// The same when a cap is near: idle connections then give their place up soon.
+const HELLO_TIMEOUT_NEAR_CAP: Duration = Duration::from_secs(1);
 /// How long dialing the name may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 /// The most bytes read before the name must be known (a ClientHello with large key
@@ -29,8 +35,6 @@ const MAX_HELLO: usize = 64 << 10;
 /// The relay's buffer per direction (bigger than tokio's 8 KiB default: fewer system
 /// calls per byte on bulk downloads).
 const RELAY_BUF: usize = 64 << 10;
-/// Proxied connections one machine may hold open at once.
-const MAX_CONNS_PER_MACHINE: usize = 512;
 
 /// Accepts redirected connections for the life of the server.
 pub async fn serve(eg: Arc<Egress>, listener: TcpListener) {
@@ -41,29 +45,10 @@ pub async fn serve(eg: Arc<Egress>, listener: TcpListener) {
                 tokio::spawn(async move { handle(&eg, sock, peer).await });
             }
             Err(e) => {
-                tracing::warn!(error = %e, "egress proxy: accept failed");
+                eg.accept_failed(&e);
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         }
-    }
-}
-
-/// Holds one of a machine's connection slots.
-struct Slot(Arc<Entry>);
-
-impl Slot {
-    fn take(e: &Arc<Entry>) -> Option<Slot> {
-        if e.conns.fetch_add(1, Ordering::SeqCst) >= MAX_CONNS_PER_MACHINE {
-            e.conns.fetch_sub(1, Ordering::SeqCst);
-            return None;
-        }
-        Some(Slot(e.clone()))
-    }
-}
-
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.conns.fetch_sub(1, Ordering::SeqCst);
     }
 }
 
@@ -77,15 +62,25 @@ async fn handle(eg: &Arc<Egress>, mut sock: TcpStream, peer: SocketAddr) {
     let Some(orig) = original_dst(&sock) else {
         return;
     };
-    let Some(_slot) = Slot::take(&entry) else {
-        entry.deny(
-            format!("{}:{}", orig.ip(), orig.port()),
-            "too many open connections",
-        );
-        return;
+    let slot = match Permit::take(
+        &eg.proxy_caps,
+        &entry.held.conns,
+        &entry.tenant.conns,
+        &eg.total.conns,
+    ) {
+        Ok(p) => p,
+        Err(full) => {
+            entry.deny(format!("{}:{}", orig.ip(), orig.port()), full.why());
+            return;
+        }
+    };
+    let wait = if slot.near_cap {
+        HELLO_TIMEOUT_NEAR_CAP
+    } else {
+        HELLO_TIMEOUT
     };
     let mut buf = Vec::with_capacity(4096);
-    let hello = match tokio::time::timeout(HELLO_TIMEOUT, read_hello(&mut sock, &mut buf)).await {
+    let hello = match tokio::time::timeout(wait, read_hello(&mut sock, &mut buf)).await {
         Ok(Ok(h)) => h,
         Ok(Err(_)) => return,
         Err(_) => Hello::Other,
@@ -117,7 +112,9 @@ async fn handle(eg: &Arc<Egress>, mut sock: TcpStream, peer: SocketAddr) {
                     }
                 }
                 Err(e) => {
-                    tracing::info!(machine = %entry.key, error = %e, "egress proxy: cannot resolve an allowed name");
+                    if let Some(held_back) = entry.log_now() {
+                        tracing::info!(machine = %entry.key, error = %e, more_refused_before = held_back, "egress proxy: cannot resolve an allowed name");
+                    }
                     refuse(&mut sock, &hello, &format!("{n} cannot be resolved")).await;
                     return;
                 }
@@ -173,6 +170,7 @@ async fn handle(eg: &Arc<Egress>, mut sock: TcpStream, peer: SocketAddr) {
     drop(buf);
     let _ =
         tokio::io::copy_bidirectional_with_sizes(&mut sock, &mut up, RELAY_BUF, RELAY_BUF).await;
+    drop(slot);
 }
 
 /// Tells the client no, in its own protocol where there is one, and closes.
