@@ -42,7 +42,7 @@ impl Space {
         if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
             return Err(std::io::Error::last_os_error());
         }
-        let mb = |blocks: libc::fsblkcnt_t| (blocks as u128 * st.f_frsize as u128 >> 20) as u64;
+        let mb = |blocks: libc::fsblkcnt_t| ((blocks as u128 * st.f_frsize as u128) >> 20) as u64;
         Ok(Space {
             size_mb: mb(st.f_blocks),
             free_mb: mb(st.f_bavail),

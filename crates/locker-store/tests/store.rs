@@ -883,6 +883,21 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated() {
         "a name is unique within its tenant"
     );
     store.insert_volume(&vol("vol_3", "b", "repo")).unwrap();
+    // The disk quota counts volumes' sizes and live sandboxes' disks, per tenant.
+    assert_eq!(store.sum_disk_mb("a").unwrap(), 100);
+    let mut sb = sandbox("sb_disk", "a", 10);
+    sb.disk_mb = 300;
+    store.insert_sandbox(&sb).unwrap();
+    let mut gone = sandbox("sb_gone", "a", 10);
+    gone.state = SandboxState::Failed;
+    store.insert_sandbox(&gone).unwrap();
+    assert_eq!(
+        store.sum_disk_mb("a").unwrap(),
+        400,
+        "a failed sandbox holds no disk"
+    );
+    assert_eq!(store.sum_disk_mb("b").unwrap(), 100);
+    assert_eq!(store.sum_disk_mb("nobody").unwrap(), 0);
     assert!(
         matches!(store.insert_volume(&vol("vol_4", "a", "Bad")), Err(StoreError::Invalid(m)) if m.contains("name"))
     );
