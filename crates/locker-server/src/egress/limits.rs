@@ -246,18 +246,21 @@ mod tests {
             Full::Tenant
         );
         assert_eq!(m2.load(Ordering::SeqCst), 2, "a refusal holds nothing");
-        let near = Permit::take(&caps, &m3, &tb, &total).unwrap();
-        assert!(near.near_cap, "6 of 8 in all is near the cap");
-        held.push(near);
+        let sixth = Permit::take(&caps, &m3, &tb, &total).unwrap();
+        assert!(!sixth.near_cap, "6 of 8 in all is three quarters, not more");
+        held.push(sixth);
+        let seventh = Permit::take(&caps, &m3, &tb, &total).unwrap();
+        assert!(seventh.near_cap, "7 of 8 in all is near the cap");
+        held.push(seventh);
         held.push(Permit::take(&caps, &m3, &tb, &total).unwrap());
         assert_eq!(
             Permit::take(&caps, &m3, &tb, &total).unwrap_err(),
             Full::Machine
         );
+        // All 8 are held: a machine and a tenant under their own caps are refused too.
         let m4 = count();
-        held.push(Permit::take(&caps, &m4, &tb, &total).unwrap());
         assert_eq!(
-            Permit::take(&caps, &count(), &count(), &total).unwrap_err(),
+            Permit::take(&caps, &m4, &tb, &total).unwrap_err(),
             Full::All
         );
         assert_eq!(total.load(Ordering::SeqCst), 8);
