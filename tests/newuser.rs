@@ -66,11 +66,23 @@ fn binary_output_reaches_every_client_unchanged() {
     let inside = inside.trim();
 
     // The CLI writes the raw bytes (it streams NDJSON chunks, `data_b64` where not text).
-    let out = locker(&s, &["exec", &id, "--", "cat", "/usr/bin/ls"], Stdio::null())
-        .output()
-        .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
-    assert_eq!(sha256_hex(&out.stdout), inside, "locker exec corrupted binary stdout");
+    let out = locker(
+        &s,
+        &["exec", &id, "--", "cat", "/usr/bin/ls"],
+        Stdio::null(),
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        sha256_hex(&out.stdout),
+        inside,
+        "locker exec corrupted binary stdout"
+    );
 
     // The ExecResult carries the bytes in `stdout_b64` when they are not UTF-8.
     let r = api.exec(
@@ -111,7 +123,16 @@ fn binary_output_reaches_every_client_unchanged() {
     // The CLI's `--json` keeps them too.
     let out = locker(
         &s,
-        &["exec", "--json", &id, "--", "head", "-c", "100", "/usr/bin/ls"],
+        &[
+            "exec",
+            "--json",
+            &id,
+            "--",
+            "head",
+            "-c",
+            "100",
+            "/usr/bin/ls",
+        ],
         Stdio::null(),
     )
     .output()
@@ -138,14 +159,29 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
     .unwrap();
     let _ = yes.kill();
     let _ = yes.wait();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(out.stdout, b"y\n");
-    assert!(t.elapsed() < Duration::from_secs(20), "took {:?}", t.elapsed());
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
 
     // The command starts before stdin ends: it sees the first line while we still write.
     let mut c = locker(
         &s,
-        &["exec", &id, "--", "sh", "-c", "read a; echo got-$a; cat >/dev/null; echo end"],
+        &[
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "read a; echo got-$a; cat >/dev/null; echo end",
+        ],
         Stdio::piped(),
     )
     .spawn()
@@ -173,7 +209,10 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
     let data = dir.path().join("data");
     let ok = Command::new("sh")
         .arg("-c")
-        .arg(format!("head -c 104857600 /dev/urandom > {}", data.display()))
+        .arg(format!(
+            "head -c 104857600 /dev/urandom > {}",
+            data.display()
+        ))
         .status()
         .unwrap();
     assert!(ok.success());
@@ -190,14 +229,27 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
         .unwrap();
     let out = locker(
         &s,
-        &["exec", "--timeout-ms", "300000", &id, "--", "sh", "-c", "tee /tmp/in | sha256sum | cut -d' ' -f1; wc -c < /tmp/in"],
+        &[
+            "exec",
+            "--timeout-ms",
+            "300000",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "tee /tmp/in | sha256sum | cut -d' ' -f1; wc -c < /tmp/in",
+        ],
         Stdio::from(cat.stdout.take().unwrap()),
     )
     .output()
     .unwrap();
     let _ = cat.wait();
     let text = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let mut lines = text.lines();
     assert_eq!(lines.next(), Some(want.as_str()));
     assert_eq!(lines.next().map(str::trim), Some("104857600"));
@@ -221,7 +273,14 @@ fn an_interrupted_streamed_exec_kills_its_command() {
     let id = sandbox(&api);
     let c = locker(
         &s,
-        &["exec", &id, "--", "sh", "-c", "cat > /dev/null & exec sleep 600"],
+        &[
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "cat > /dev/null & exec sleep 600",
+        ],
         Stdio::piped(),
     )
     .spawn()
@@ -243,7 +302,63 @@ fn an_interrupted_streamed_exec_kills_its_command() {
         if !running(&api, &id, "sleep") {
             break;
         }
-        assert!(Instant::now() < deadline, "the command outlived its interrupted exec");
+        assert!(
+            Instant::now() < deadline,
+            "the command outlived its interrupted exec"
+        );
         std::thread::sleep(Duration::from_millis(100));
     }
+}
+
+/// The README's quick tour, run as written (one bash, `set -eu`, as typed at a prompt: no
+/// pipefail, so `yes | …` is not a failure) in a fresh directory
+/// against a fresh server: the first thing a newcomer does must work. The `export` of the
+/// key is the test's own (the server's key); `locker shell` reads the end of stdin and
+/// leaves.
+#[test]
+fn the_readme_tour_runs_as_written() {
+    let readme = std::fs::read_to_string(locker_tests::root().join("README.md")).unwrap();
+    let tour = readme
+        .split("## Quick tour")
+        .nth(1)
+        .and_then(|t| t.split("```sh\n").nth(1))
+        .and_then(|t| t.split("```").next())
+        .expect("README.md has a ```sh block under ## Quick tour");
+    let script: String = tour
+        .lines()
+        .filter(|l| !l.starts_with("export LOCKER_API_KEY="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(script.contains("locker sandbox create"), "{script}");
+    let s = Server::start();
+    let dir = locker_tests::TempDir::new("tour");
+    let bin_dir = locker_tests::locker_bin().parent().unwrap().to_owned();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new("bash")
+        .args(["-eu", "-c", &script])
+        .current_dir(dir.path())
+        .env("PATH", path)
+        .env("LOCKER_URL", &s.url)
+        .env("LOCKER_API_KEY", &s.api_key)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "the tour failed:\n{script}\nstdout:\n{o}\nstderr:\n{e}"
+    );
+    assert!(
+        o.contains("42\n") && o.contains("hello from app.py\n"),
+        "{o}"
+    );
+    assert!(o.contains("y\ny\n"), "{o}");
+    assert!(o.contains("hello from app.py"), "{o}");
 }

@@ -587,7 +587,10 @@ fn build_result(
                 Ok(text) => (text, None),
                 Err(e) => {
                     let b64 = locker_types::base64::encode(e.as_bytes());
-                    (String::from_utf8_lossy(e.as_bytes()).into_owned(), Some(b64))
+                    (
+                        String::from_utf8_lossy(e.as_bytes()).into_owned(),
+                        Some(b64),
+                    )
                 }
             }
         });

@@ -81,6 +81,9 @@ mod tests {
         assert_eq!(decode(&encode(&all)).unwrap(), all);
         assert_eq!(decode("AP8").unwrap(), vec![0, 255]);
         assert_eq!(decode("AP-_").unwrap(), decode("AP+/").unwrap());
-        assert_eq!(decode("a*b").unwrap_err(), "invalid base64 character at offset 1");
+        assert_eq!(
+            decode("a*b").unwrap_err(),
+            "invalid base64 character at offset 1"
+        );
     }
 }

@@ -19,6 +19,7 @@
 
 use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
 use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 
 use locker_types::ExecRequest;
@@ -42,7 +43,8 @@ pub struct ExecArgs {
     /// An environment variable of the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,
-    /// Kill the command's whole process tree after this long (exit code 124).
+    /// Kill the command's whole process tree after this long, in milliseconds (exit code
+    /// 124). Default 60000 (one minute); at most 3600000.
     #[arg(long)]
     pub timeout_ms: Option<u64>,
     /// Bytes of each output stream kept in the call's record (the terminal gets it all).
@@ -201,8 +203,9 @@ pub fn post_streaming(
 /// output was not text, else the text.
 fn kept_output(result: &Value, key: &str) -> Result<Vec<u8>, ClientError> {
     match result.get(format!("{key}_b64")).and_then(Value::as_str) {
-        Some(b) => base64_decode(b)
-            .ok_or_else(|| ClientError::Protocol(format!("the result's `{key}_b64` is not base64"))),
+        Some(b) => base64_decode(b).ok_or_else(|| {
+            ClientError::Protocol(format!("the result's `{key}_b64` is not base64"))
+        }),
         None => Ok(result
             .get(key)
             .and_then(Value::as_str)
@@ -403,9 +406,13 @@ fn run_streamed(c: &Client, a: &ExecArgs) -> Result<i32, ClientError> {
     let body = serde_json::to_value(&req)
         .map_err(|e| ClientError::Protocol(format!("cannot encode the request: {e}")))?;
     let started: Arc<Mutex<Option<String>>> = Arc::default();
+    // The signal that interrupted us (0: none). Set before the kill is asked for, so the
+    // killed command's result arriving first cannot make us leave with its code.
+    let interrupted = Arc::new(AtomicI32::new(0));
     {
-        let (c, started) = (c.clone(), started.clone());
+        let (c, started, interrupted) = (c.clone(), started.clone(), interrupted.clone());
         super::tty::on_interrupt(move |sig| {
+            interrupted.store(sig, Ordering::SeqCst);
             let path = started.lock().ok().and_then(|p| p.clone());
             if let Some(p) = path {
                 let _ = c.post_json(&format!("{p}/signal"), &json!({"signal": "SIGKILL"}));
@@ -416,10 +423,9 @@ fn run_streamed(c: &Client, a: &ExecArgs) -> Result<i32, ClientError> {
     }
     let sandbox = seg(&a.sandbox);
     let v = c.post_json(&format!("/v1/sandboxes/{sandbox}/processes"), &body)?;
-    let id = v
-        .get("id")
-        .and_then(Value::as_str)
-        .ok_or_else(|| ClientError::Protocol("the server did not name the started process".into()))?;
+    let id = v.get("id").and_then(Value::as_str).ok_or_else(|| {
+        ClientError::Protocol("the server did not name the started process".into())
+    })?;
     let path = format!("/v1/sandboxes/{sandbox}/processes/{}", seg(id));
     if let Ok(mut p) = started.lock() {
         *p = Some(path.clone());
@@ -445,6 +451,10 @@ fn run_streamed(c: &Client, a: &ExecArgs) -> Result<i32, ClientError> {
         let mut err = io::stderr().lock();
         pump_ndjson(BufReader::new(reader), &mut out, &mut err)?
     };
+    let sig = interrupted.load(Ordering::SeqCst);
+    if sig != 0 {
+        return Ok(128 + sig);
+    }
     if !a.conn.json {
         if let Some(note) = note_of(&result) {
             eprintln!("locker: {note}");
