@@ -186,14 +186,21 @@ impl Capture {
         }
     }
 
-    /// The text the result shows: everything when it fits `budget` bytes, else the head and
-    /// the tail with a marker between them. Lossy UTF-8; cut points avoid splitting characters.
+    /// The text the result shows: [`Capture::render_bytes`] as lossy UTF-8.
+    #[cfg(test)]
     pub fn render(&self, budget: usize) -> String {
+        String::from_utf8_lossy(&self.render_bytes(budget)).into_owned()
+    }
+
+    /// The bytes the result shows: everything when it fits `budget` bytes, else the head and
+    /// the tail with a marker line between them. Cut points avoid splitting UTF-8
+    /// characters, so text output stays valid text.
+    pub fn render_bytes(&self, budget: usize) -> Vec<u8> {
         let budget = budget.min(self.head_cap + self.tail_cap);
         if self.total <= budget as u64 {
             let mut all = self.head.clone();
             all.extend(self.tail.iter());
-            return String::from_utf8_lossy(&all).into_owned();
+            return all;
         }
         let want_head = budget / 2;
         let want_tail = budget - want_head;
@@ -204,13 +211,13 @@ impl Capture {
         let skip = utf8_continuation_prefix(&tail);
         tail.drain(..skip);
         let omitted = self.total - head.len() as u64 - tail.len() as u64;
-        let mut text = String::from_utf8_lossy(&head).into_owned();
-        if !text.is_empty() && !text.ends_with('\n') {
-            text.push('\n');
+        let mut out = head;
+        if !out.is_empty() && !out.ends_with(b"\n") {
+            out.push(b'\n');
         }
-        text.push_str(&format!("…[locker: {omitted} bytes omitted]…\n"));
-        text.push_str(&String::from_utf8_lossy(&tail));
-        text
+        out.extend_from_slice(format!("…[locker: {omitted} bytes omitted]…\n").as_bytes());
+        out.extend_from_slice(&tail);
+        out
     }
 
     fn prefix(&self, n: usize) -> Vec<u8> {

@@ -581,7 +581,19 @@ fn build_result(
     let cap = usize::try_from(run.cap).unwrap_or(usize::MAX / 4).max(1);
     let mut budgets = [cap, cap];
     loop {
-        let texts = [caps[0].render(budgets[0]), caps[1].render(budgets[1])];
+        let [(stdout, stdout_b64), (stderr, stderr_b64)] = [0, 1].map(|i| {
+            let kept = caps[i].render_bytes(budgets[i]);
+            match String::from_utf8(kept) {
+                Ok(text) => (text, None),
+                Err(e) => {
+                    let b64 = locker_types::base64::encode(e.as_bytes());
+                    (
+                        String::from_utf8_lossy(e.as_bytes()).into_owned(),
+                        Some(b64),
+                    )
+                }
+            }
+        });
         let truncated = [
             caps[0].total() > budgets[0] as u64,
             caps[1].total() > budgets[1] as u64,
@@ -593,7 +605,6 @@ fn build_result(
         } else {
             None
         };
-        let [stdout, stderr] = texts;
         let result = ExecResult {
             call_id: run.call_id.clone(),
             exit_code: o.exit.code(),
@@ -601,6 +612,8 @@ fn build_result(
             reason,
             stdout,
             stderr,
+            stdout_b64,
+            stderr_b64,
             stdout_truncated: truncated[0],
             stderr_truncated: truncated[1],
             stdout_bytes: caps[0].total(),
@@ -648,6 +661,8 @@ pub fn not_started(call_id: &str, argv0: &str, opened: Instant, e: &io::Error) -
         stderr_bytes: stderr.len() as u64,
         stderr,
         stdout: String::new(),
+        stdout_b64: None,
+        stderr_b64: None,
         stdout_truncated: false,
         stderr_truncated: false,
         stdout_bytes: 0,

@@ -6,7 +6,7 @@ mod mcp_cmd;
 mod serve_cmd;
 mod template_cmd;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
@@ -30,6 +30,13 @@ enum Cmd {
     Serve(serve_cmd::ServeArgs),
     /// Serve Locker's tools to an MCP client on stdin/stdout (uses LOCKER_URL, LOCKER_API_KEY).
     Mcp(mcp_cmd::McpArgs),
+    /// Print a shell completion script: `source <(locker completion bash)`, or for zsh
+    /// `locker completion zsh > "${fpath[1]}/_locker"`, for fish
+    /// `locker completion fish > ~/.config/fish/completions/locker.fish`.
+    Completion {
+        /// The shell to complete for.
+        shell: clap_complete::Shell,
+    },
     // Client commands (sandbox, exec, shell, files, tenant, key, calls, usage): they talk
     // to `locker serve` over HTTP; see `client/mod.rs`.
     #[command(flatten)]
@@ -69,6 +76,10 @@ fn main() -> anyhow::Result<()> {
         Cmd::Doctor(a) => doctor_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
         Cmd::Mcp(a) => mcp_cmd::run(a),
+        Cmd::Completion { shell } => {
+            clap_complete::generate(shell, &mut Cli::command(), "locker", &mut std::io::stdout());
+            Ok(())
+        }
         Cmd::Client(c) => client::main(c),
     }
 }

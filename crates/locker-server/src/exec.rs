@@ -38,30 +38,7 @@ pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/sandboxes/{id}/exec", post(exec))
 }
 
-/// Decodes standard base64 (with or without padding).
-pub fn base64_decode(s: &str) -> Result<Vec<u8>, String> {
-    let mut out = Vec::with_capacity(s.len() * 3 / 4);
-    let (mut acc, mut bits) = (0u32, 0u32);
-    for (i, c) in s.bytes().enumerate() {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' | b'-' => 62,
-            b'/' | b'_' => 63,
-            b'=' => break,
-            b'\n' | b'\r' | b' ' => continue,
-            _ => return Err(format!("invalid base64 character at offset {i}")),
-        };
-        acc = (acc << 6) | u32::from(v);
-        bits += 6;
-        if bits >= 8 {
-            bits -= 8;
-            out.push((acc >> bits) as u8);
-        }
-    }
-    Ok(out)
-}
+pub use locker_types::base64::decode as base64_decode;
 
 /// Checks an exec body and turns it into what the agent runs.
 pub fn build_spec(
@@ -297,6 +274,8 @@ fn killed_with_machine(call_id: &str, started: Instant) -> ExecResult {
         reason: Reason::Killed,
         stdout: String::new(),
         stderr: String::new(),
+        stdout_b64: None,
+        stderr_b64: None,
         stdout_truncated: false,
         stderr_truncated: false,
         stdout_bytes: 0,
@@ -359,9 +338,9 @@ impl LineEncoder {
         if cut == 0 {
             return None;
         }
-        let text = String::from_utf8_lossy(&buf[..cut]).into_owned();
+        let l = line(name, &buf[..cut]);
         buf.drain(..cut);
-        Some(line(name, &text))
+        Some(l)
     }
 
     /// Whatever is left (an incomplete character at the very end).
@@ -369,7 +348,7 @@ impl LineEncoder {
         let mut out = Vec::new();
         for (i, name) in [(0, "stdout"), (1, "stderr")] {
             if !self.carry[i].is_empty() {
-                out.push(line(name, &String::from_utf8_lossy(&self.carry[i])));
+                out.push(line(name, &self.carry[i]));
                 self.carry[i].clear();
             }
         }
@@ -377,8 +356,18 @@ impl LineEncoder {
     }
 }
 
-fn line(kind: &str, text: &str) -> Bytes {
-    let mut v = serde_json::to_vec(&json!({"type": kind, "data": text})).expect("json");
+/// One output line: `data` is the text; bytes that are not valid UTF-8 also travel
+/// unchanged in `data_b64` (and `data` is then their lossy text).
+fn line(kind: &str, bytes: &[u8]) -> Bytes {
+    let msg = match std::str::from_utf8(bytes) {
+        Ok(text) => json!({"type": kind, "data": text}),
+        Err(_) => json!({
+            "type": kind,
+            "data": String::from_utf8_lossy(bytes),
+            "data_b64": locker_types::base64::encode(bytes),
+        }),
+    };
+    let mut v = serde_json::to_vec(&msg).expect("json");
     v.push(b'\n');
     Bytes::from(v)
 }
@@ -426,6 +415,21 @@ mod tests {
         assert_eq!(&l[..], "{\"data\":\"☃x\",\"type\":\"stdout\"}\n".as_bytes());
         assert_eq!(utf8_cut(b"abc"), 3);
         assert_eq!(utf8_cut(&[b'a', 0xE2]), 1);
+    }
+
+    #[test]
+    fn bytes_that_are_not_text_travel_unchanged() {
+        let mut e = LineEncoder::default();
+        let raw = [b'E', b'L', b'F', 0xff, 0x00, 0xfe, b'x'];
+        let l = e.chunk(Chan::Stdout, &raw).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&l).unwrap();
+        assert_eq!(v["type"], "stdout");
+        let b64 = v["data_b64"].as_str().unwrap();
+        assert_eq!(base64_decode(b64).unwrap(), raw);
+        let text = e.chunk(Chan::Stderr, b"plain").unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&text).unwrap();
+        assert_eq!(v["data"], "plain");
+        assert!(v.get("data_b64").is_none());
     }
 
     #[test]

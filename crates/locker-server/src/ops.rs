@@ -450,12 +450,26 @@ async fn calls(
             )));
         }
     }
+    // A volume may be named like on every volume route. A `vol_…` id is taken as is: the
+    // records of a deleted volume stay listable. Any other name must exist.
+    let volume_id = match q.volume_id.as_deref() {
+        Some(v) => match app.store.get_volume(&caller.tenant, v)? {
+            Some(rec) => Some(rec.id),
+            None if v.starts_with("vol_") => Some(v.to_owned()),
+            None => {
+                return Err(ApiError::not_found(format!(
+                    "volume {v:?} does not exist (`locker volume list` shows this tenant's volumes)"
+                )))
+            }
+        },
+        None => None,
+    };
     // Records are written in batches; make the caller's own recent calls visible.
     app.recorder.flush().await;
     let calls = app.store.list_calls(
         &caller.tenant,
         q.sandbox_id.as_deref(),
-        q.volume_id.as_deref(),
+        volume_id.as_deref(),
         q.limit,
     )?;
     Ok(axum::Json(json!({ "calls": calls })))

@@ -201,11 +201,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         .templates
         .resolve(&name)
         .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-        .ok_or_else(|| {
-            ApiError::bad_request(format!(
-                "unknown template {name:?}: `locker template list` shows the templates of this host"
-            ))
-        })?;
+        .ok_or_else(|| crate::sandboxes::unknown_template(&name))?;
     Ok(Plan {
         rec,
         vol,

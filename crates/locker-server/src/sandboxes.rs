@@ -335,7 +335,7 @@ async fn create(
                 .templates
                 .resolve(&name)
                 .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-                .ok_or_else(|| ApiError::bad_request(format!("unknown template {name:?}: `locker template list` shows the templates of this host")))?;
+                .ok_or_else(|| unknown_template(&name))?;
             (name, t, None, disk_mb)
         }
     };
@@ -991,6 +991,18 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> 
     app.store.update_sandbox(&rec)?;
     app.store.delete_sandbox(&rec.id)?;
     Ok(())
+}
+
+/// The answer for a template this host has not built: how to build it.
+pub fn unknown_template(name: &str) -> ApiError {
+    let how = if name == "default" {
+        "build it with `locker template build default` (Debian bookworm with python3, git and node; `scripts/setup` does it too)".to_string()
+    } else {
+        format!("build it with `locker template build {name} --file SPEC.json` or import a root filesystem with `locker template import {name} ROOTFS.tar`")
+    };
+    ApiError::bad_request(format!(
+        "unknown template {name:?}: {how}; `locker template list` shows the templates of this host"
+    ))
 }
 
 /// At start: re-attach to machines a previous server left running, mark the others

@@ -216,6 +216,8 @@ pub fn strip_output(result: &ExecResult) -> ExecResult {
     ExecResult {
         stdout: String::new(),
         stderr: String::new(),
+        stdout_b64: None,
+        stderr_b64: None,
         ..result.clone()
     }
 }
@@ -225,6 +227,8 @@ impl CallRecord {
     pub fn strip_output(&mut self) {
         self.result.stdout = String::new();
         self.result.stderr = String::new();
+        self.result.stdout_b64 = None;
+        self.result.stderr_b64 = None;
     }
 }
 
@@ -374,6 +378,8 @@ mod tests {
             reason: locker_types::Reason::Exited,
             stdout: "secret output".into(),
             stderr: "err".into(),
+            stdout_b64: Some("c2VjcmV0".into()),
+            stderr_b64: None,
             stdout_truncated: true,
             stderr_truncated: false,
             stdout_bytes: 13,
@@ -392,6 +398,7 @@ mod tests {
             ExecResult {
                 stdout: r.stdout.clone(),
                 stderr: r.stderr.clone(),
+                stdout_b64: r.stdout_b64.clone(),
                 ..s
             },
             r

@@ -86,6 +86,8 @@ fn call(id: &str, tenant: &str, kind: CallKind, sandbox_id: Option<&str>, at: i6
             reason: Reason::Exited,
             stdout: "OUTPUT-BODY-MUST-NOT-BE-STORED".into(),
             stderr: "ERR-BODY".into(),
+            stdout_b64: Some("T1VUUFVU".into()),
+            stderr_b64: None,
             stdout_truncated: false,
             stderr_truncated: false,
             stdout_bytes: 30,
@@ -625,6 +627,7 @@ fn call_records_strip_output_filter_and_isolate() {
 
     let bytes = db_bytes(&dir.db());
     assert!(!contains(&bytes, b"OUTPUT-BODY-MUST-NOT-BE-STORED"));
+    assert!(!contains(&bytes, b"T1VUUFVU"));
     assert!(contains(&bytes, b"evil.example"));
 
     // One transaction: a duplicate id fails the whole batch, nothing of it is stored.

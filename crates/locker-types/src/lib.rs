@@ -5,6 +5,8 @@
 //! no I/O, no validation beyond what serde does, so the agent (a static binary inside every
 //! machine) can depend on it without pulling anything else in.
 
+pub mod base64;
+
 use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
@@ -158,8 +160,15 @@ pub struct ExecResult {
     pub exit_code: Option<i32>,
     pub signal: Option<String>,
     pub reason: Reason,
+    /// UTF-8 (lossy) text of what was kept of stdout.
     pub stdout: String,
     pub stderr: String,
+    /// The same bytes as `stdout`, base64, present only when they are not valid UTF-8
+    /// (binary output reaches a client unchanged).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_b64: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stderr_b64: Option<String>,
     pub stdout_truncated: bool,
     pub stderr_truncated: bool,
     pub stdout_bytes: u64,

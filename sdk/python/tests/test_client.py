@@ -32,6 +32,34 @@ def test_exec_stream(sandbox):
     assert events[-1].result.exit_code == 2
 
 
+def test_bytes_stay_bytes_and_stdin_streams(sandbox):
+    blob = bytes(range(256)) * 40
+    r = sandbox.exec(["cat"], stdin=blob)
+    assert r.ok and r.stdout_raw == blob and r.stdout_b64 is not None
+    assert sandbox.exec(shell="echo text").stdout_b64 is None
+    events = list(sandbox.exec_stream(["cat"], stdin_b64=__import__("base64").b64encode(blob).decode()))
+    assert b"".join(e.data_raw for e in events if e.type == "stdout") == blob
+
+    # A stream: 40 MiB from a generator, never held whole, counted and hashed inside.
+    import hashlib
+    h = hashlib.sha256()
+
+    def gen():
+        for i in range(40):
+            b = bytes([i]) * (1 << 20)
+            h.update(b)
+            yield b
+
+    r = sandbox.exec(shell="tee /tmp/in | sha256sum | cut -d' ' -f1; wc -c < /tmp/in", stdin=gen(), timeout_ms=120000)
+    assert r.ok, r
+    digest, size = r.stdout.split()
+    assert (digest, int(size)) == (h.hexdigest(), 40 << 20)
+    # A command that stops reading early ends the call at once.
+    import io
+    r = sandbox.exec(["head", "-c", "3"], stdin=io.BytesIO(b"abcdef" * 1000000))
+    assert r.ok and r.stdout == "abc"
+
+
 def test_sandbox_lifecycle_and_errors(client):
     sb = client.sandboxes.create(ttl_s=120, metadata={"who": "lifecycle"})
     assert sb.id.startswith("sb_") and sb.state == "running"

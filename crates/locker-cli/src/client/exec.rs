@@ -4,18 +4,26 @@
 //!
 //! The output arrives as NDJSON (`Accept: application/x-ndjson`): one `stdout`/`stderr`
 //! chunk a line, then the `result` (an ExecResult). Chunks are written and flushed as their
-//! line arrives. Ctrl-C needs no handler: the default SIGINT ends this process, the kernel
-//! closes the connection, and the contract says closing the stream kills the command.
+//! line arrives, byte for byte (`data_b64` carries what is not UTF-8 text). Ctrl-C needs no
+//! handler: the default SIGINT ends this process, the kernel closes the connection, and the
+//! contract says closing the stream kills the command.
+//!
+//! Standard input: none from a terminal; a small regular file travels in the request; a
+//! pipe (or anything else) is streamed into the command while it runs, through a
+//! background process (see [`run_streamed`]), which then is killed on Ctrl-C explicitly.
 //!
 //! Exit codes follow the shell's and coreutils' conventions: the command's own code when it
 //! exited, 128 + the signal's number when a signal ended it, 124 on timeout (as
 //! `timeout(1)`), 137 (128 + SIGKILL) when it was killed for memory or output or by a
 //! caller.
 
-use std::io::{BufRead, BufReader, IsTerminal, Read, Write};
+use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicI32, Ordering};
+use std::sync::{Arc, Mutex};
 
 use locker_types::ExecRequest;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::{base64_decode, parse_kv, print_json, seg, Client, ClientError, Conn};
 
@@ -35,7 +43,8 @@ pub struct ExecArgs {
     /// An environment variable of the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,
-    /// Kill the command's whole process tree after this long (exit code 124).
+    /// Kill the command's whole process tree after this long, in milliseconds (exit code
+    /// 124). Default 60000 (one minute); at most 3600000.
     #[arg(long)]
     pub timeout_ms: Option<u64>,
     /// Bytes of each output stream kept in the call's record (the terminal gets it all).
@@ -178,9 +187,7 @@ pub fn post_streaming(
         let v: Value = serde_json::from_slice(&buf)
             .map_err(|e| ClientError::Protocol(format!("the result is not JSON ({e})")))?;
         for (key, w) in [("stdout", &mut *out as &mut dyn Write), ("stderr", err)] {
-            if let Some(s) = v.get(key).and_then(Value::as_str) {
-                write_chunk(w, s.as_bytes())?;
-            }
+            write_chunk(w, &kept_output(&v, key)?)?;
         }
         v
     } else {
@@ -190,6 +197,22 @@ pub fn post_streaming(
         code: exit_code_of(&result),
         result,
     })
+}
+
+/// The bytes an ExecResult kept of `key` (`stdout` or `stderr`): `<key>_b64` when the
+/// output was not text, else the text.
+fn kept_output(result: &Value, key: &str) -> Result<Vec<u8>, ClientError> {
+    match result.get(format!("{key}_b64")).and_then(Value::as_str) {
+        Some(b) => base64_decode(b).ok_or_else(|| {
+            ClientError::Protocol(format!("the result's `{key}_b64` is not base64"))
+        }),
+        None => Ok(result
+            .get(key)
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .as_bytes()
+            .to_vec()),
+    }
 }
 
 fn write_chunk(w: &mut dyn Write, data: &[u8]) -> Result<(), ClientError> {
@@ -260,10 +283,10 @@ pub fn pump_ndjson(
                 // Output that only the result carries (a command that could not even
                 // start says why in its stderr) is shown rather than lost.
                 for (key, i) in [("stdout", 0), ("stderr", 1)] {
-                    let text = msg.get(key).and_then(Value::as_str).unwrap_or("");
-                    if streamed[i] == 0 && !text.is_empty() {
+                    let kept = kept_output(&msg, key)?;
+                    if streamed[i] == 0 && !kept.is_empty() {
                         let w: &mut dyn Write = if i == 0 { &mut *out } else { &mut *err };
-                        write_chunk(w, text.as_bytes())?;
+                        write_chunk(w, &kept)?;
                     }
                 }
                 return Ok(msg);
@@ -307,18 +330,49 @@ pub fn status_of(code: &str) -> u16 {
     }
 }
 
+/// Standard input up to this size, when it is a regular file, travels inside the exec's
+/// JSON body (one request); anything else (a pipe, a socket, a device, a bigger file) is
+/// streamed into the command as it comes (see [`run_streamed`]).
+const INLINE_STDIN_MAX: u64 = 512 << 10;
+/// How much of a streamed stdin one request carries (the server takes 64 MiB a request).
+const STDIN_REQUEST_BYTES: u64 = 32 << 20;
+
+/// What `locker exec` does with its own standard input.
+enum StdinUse {
+    None,
+    Inline(Vec<u8>),
+    Streamed,
+}
+
+fn stdin_use(no_stdin: bool) -> Result<StdinUse, ClientError> {
+    let stdin = std::io::stdin();
+    if no_stdin || stdin.is_terminal() {
+        return Ok(StdinUse::None);
+    }
+    let meta = stdin
+        .as_fd()
+        .try_clone_to_owned()
+        .and_then(|fd| std::fs::File::from(fd).metadata())
+        .map_err(|e| ClientError::io("cannot inspect standard input", e))?;
+    if !meta.is_file() || meta.len() > INLINE_STDIN_MAX {
+        return Ok(StdinUse::Streamed);
+    }
+    let mut buf = Vec::new();
+    stdin
+        .lock()
+        .take(INLINE_STDIN_MAX + 1)
+        .read_to_end(&mut buf)
+        .map_err(|e| ClientError::io("cannot read standard input", e))?;
+    Ok(StdinUse::Inline(buf))
+}
+
 /// Runs `locker exec …`.
 pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
     let c = a.conn.client()?;
-    let stdin = if a.no_stdin || std::io::stdin().is_terminal() {
-        None
-    } else {
-        let mut buf = Vec::new();
-        std::io::stdin()
-            .lock()
-            .read_to_end(&mut buf)
-            .map_err(|e| ClientError::io("cannot read standard input", e))?;
-        Some(buf)
+    let stdin = match stdin_use(a.no_stdin)? {
+        StdinUse::Streamed => return run_streamed(&c, &a),
+        StdinUse::Inline(b) => Some(b),
+        StdinUse::None => None,
     };
     let req = exec_request(&a, stdin.as_deref());
     req.validate().map_err(ClientError::Usage)?;
@@ -338,6 +392,112 @@ pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
         eprintln!("locker: {note}");
     }
     Ok(outcome.code)
+}
+
+/// `locker exec` with a piped standard input: the command starts at once as a process
+/// whose stdin is fed from ours as it comes (`yes | locker exec SB -- head -1` ends when
+/// `head` does; gigabytes pass through without being held), while its output is followed
+/// live. The command lives on the server beyond this connection, so an interrupt
+/// (Ctrl-C, SIGTERM, SIGHUP) kills it before this process leaves, as closing an exec's
+/// stream would.
+fn run_streamed(c: &Client, a: &ExecArgs) -> Result<i32, ClientError> {
+    let req = exec_request(a, None);
+    req.validate().map_err(ClientError::Usage)?;
+    let body = serde_json::to_value(&req)
+        .map_err(|e| ClientError::Protocol(format!("cannot encode the request: {e}")))?;
+    let started: Arc<Mutex<Option<String>>> = Arc::default();
+    // The signal that interrupted us (0: none). Set before the kill is asked for, so the
+    // killed command's result arriving first cannot make us leave with its code.
+    let interrupted = Arc::new(AtomicI32::new(0));
+    {
+        let (c, started, interrupted) = (c.clone(), started.clone(), interrupted.clone());
+        super::tty::on_interrupt(move |sig| {
+            interrupted.store(sig, Ordering::SeqCst);
+            let path = started.lock().ok().and_then(|p| p.clone());
+            if let Some(p) = path {
+                let _ = c.post_json(&format!("{p}/signal"), &json!({"signal": "SIGKILL"}));
+            }
+            std::process::exit(128 + sig);
+        })
+        .map_err(|e| ClientError::io("cannot take over interrupts", e))?;
+    }
+    let sandbox = seg(&a.sandbox);
+    let v = c.post_json(&format!("/v1/sandboxes/{sandbox}/processes"), &body)?;
+    let id = v.get("id").and_then(Value::as_str).ok_or_else(|| {
+        ClientError::Protocol("the server did not name the started process".into())
+    })?;
+    let path = format!("/v1/sandboxes/{sandbox}/processes/{}", seg(id));
+    if let Ok(mut p) = started.lock() {
+        *p = Some(path.clone());
+    }
+    {
+        let (c, stdin_path) = (c.clone(), format!("{path}/stdin"));
+        std::thread::Builder::new()
+            .name("stdin".into())
+            .spawn(move || feed_stdin(&c, &stdin_path))
+            .map_err(|e| ClientError::io("cannot start the stdin thread", e))?;
+    }
+    let reader = c.get_stream_accept(
+        &format!("{path}/output"),
+        &[("follow", "true".to_string())],
+        "application/x-ndjson",
+    )?;
+    let result = if a.conn.json {
+        let v = pump_ndjson(BufReader::new(reader), &mut io::sink(), &mut io::sink())?;
+        print_json(&v)?;
+        v
+    } else {
+        let mut out = io::stdout().lock();
+        let mut err = io::stderr().lock();
+        pump_ndjson(BufReader::new(reader), &mut out, &mut err)?
+    };
+    let sig = interrupted.load(Ordering::SeqCst);
+    if sig != 0 {
+        return Ok(128 + sig);
+    }
+    if !a.conn.json {
+        if let Some(note) = note_of(&result) {
+            eprintln!("locker: {note}");
+        }
+    }
+    Ok(exit_code_of(&result))
+}
+
+/// Streams our standard input into a process's stdin: each request carries up to
+/// [`STDIN_REQUEST_BYTES`], sent as it is read; at end of file the command's stdin is
+/// closed. A failed request ends the feed quietly: the command has ended (it stopped
+/// reading), or the output stream reports what went wrong.
+fn feed_stdin(c: &Client, path: &str) {
+    let mut stdin = io::stdin().lock();
+    loop {
+        let mut part = Counted {
+            inner: (&mut stdin).take(STDIN_REQUEST_BYTES),
+            n: 0,
+        };
+        if c.post_body(path, &[], ureq::SendBody::from_reader(&mut part))
+            .is_err()
+        {
+            return;
+        }
+        if part.n < STDIN_REQUEST_BYTES {
+            break;
+        }
+    }
+    let _ = c.post_body(path, &[("close", "true".to_string())], &[][..]);
+}
+
+/// A reader that counts what passed through it.
+struct Counted<R> {
+    inner: R,
+    n: u64,
+}
+
+impl<R: Read> Read for Counted<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let n = self.inner.read(buf)?;
+        self.n += n as u64;
+        Ok(n)
+    }
 }
 
 #[cfg(test)]

@@ -28,18 +28,26 @@ pub struct FilesArgs {
 /// The files subcommands. Paths inside the sandbox are absolute.
 #[derive(clap::Subcommand, Debug)]
 pub enum FilesCmd {
-    /// Copy a file out of a sandbox: to LOCAL (a file or a directory), or to stdout when
-    /// LOCAL is `-` or left out.
+    /// Copy a file out of the sandbox (or volume): to LOCAL (a file or a directory), or to
+    /// stdout when LOCAL is `-` or left out.
     Get {
+        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
+        #[arg(value_name = "SANDBOX|VOLUME")]
         sandbox: String,
+        /// The file's absolute path inside it.
         path: String,
+        /// Where to write it: a local file or directory, `-` for stdout (the default).
         local: Option<String>,
     },
-    /// Copy a local file (`-`: standard input) into a sandbox, creating parent
-    /// directories; a PATH ending in `/` keeps the local file's name.
+    /// Copy a local file (`-`: standard input) into the sandbox (or volume), creating
+    /// parent directories; a PATH ending in `/` keeps the local file's name.
     Put {
+        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
+        #[arg(value_name = "SANDBOX|VOLUME")]
         sandbox: String,
+        /// The local file to send, or `-` for standard input.
         local: String,
+        /// The absolute path to write inside (ending in `/`: a directory to write into).
         path: String,
         /// Permission bits in octal (default: the local file's).
         #[arg(long, value_parser = parse_mode)]
@@ -47,7 +55,10 @@ pub enum FilesCmd {
     },
     /// List a directory.
     Ls {
+        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
+        #[arg(value_name = "SANDBOX|VOLUME")]
         sandbox: String,
+        /// The directory to list (absolute).
         #[arg(default_value = "/")]
         path: String,
         /// How many levels down to list.
@@ -56,21 +67,41 @@ pub enum FilesCmd {
     },
     /// Delete a file (a directory and all it holds with -r).
     Rm {
+        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
+        #[arg(value_name = "SANDBOX|VOLUME")]
         sandbox: String,
+        /// The absolute path to delete.
         path: String,
+        /// Delete a directory and everything in it.
         #[arg(short, long)]
         recursive: bool,
     },
     /// Create a directory (and its parents).
-    Mkdir { sandbox: String, path: String },
+    Mkdir {
+        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
+        #[arg(value_name = "SANDBOX|VOLUME")]
+        sandbox: String,
+        /// The directory to create (absolute).
+        path: String,
+    },
     /// Move or rename a file or directory.
     Mv {
+        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
+        #[arg(value_name = "SANDBOX|VOLUME")]
         sandbox: String,
+        /// What to move (absolute).
         from: String,
+        /// Where to (absolute).
         to: String,
     },
     /// Show a file's type, size, mode and modification time.
-    Stat { sandbox: String, path: String },
+    Stat {
+        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
+        #[arg(value_name = "SANDBOX|VOLUME")]
+        sandbox: String,
+        /// The file's absolute path.
+        path: String,
+    },
 }
 
 /// Parses an octal mode (`0644`, `755`, `0o600`).

@@ -176,6 +176,7 @@ pub fn error_from_response(
 }
 
 /// An HTTP client of one Locker server, holding the key it authenticates with.
+#[derive(Clone)]
 pub struct Client {
     base: String,
     key: Option<String>,
@@ -289,8 +290,19 @@ impl Client {
         path: &str,
         query: &[(&str, String)],
     ) -> Result<BodyReader<'static>, ClientError> {
+        self.get_stream_accept(path, query, "*/*")
+    }
+
+    /// `GET path?query` asking for `accept` → the body as a stream (NDJSON is read line by
+    /// line as it arrives).
+    pub fn get_stream_accept(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+        accept: &str,
+    ) -> Result<BodyReader<'static>, ClientError> {
         let url = self.url(path);
-        let mut req = self.agent.get(&url);
+        let mut req = self.agent.get(&url).header("Accept", accept);
         for (k, v) in query {
             req = req.query(k, v);
         }
@@ -310,9 +322,30 @@ impl Client {
         body: impl AsSendBody,
     ) -> Result<Value, ClientError> {
         let url = self.url(path);
-        let mut req = self
-            .agent
-            .put(&url)
+        let req = self.agent.put(&url);
+        self.send_raw(&url, req, query, body)
+    }
+
+    /// `POST path?query` with a raw body streamed as it is read (chunked) → the JSON body.
+    pub fn post_body(
+        &self,
+        path: &str,
+        query: &[(&str, String)],
+        body: impl AsSendBody,
+    ) -> Result<Value, ClientError> {
+        let url = self.url(path);
+        let req = self.agent.post(&url);
+        self.send_raw(&url, req, query, body)
+    }
+
+    fn send_raw(
+        &self,
+        url: &str,
+        req: ureq::RequestBuilder<ureq::typestate::WithBody>,
+        query: &[(&str, String)],
+        body: impl AsSendBody,
+    ) -> Result<Value, ClientError> {
+        let mut req = req
             .header("Accept", "application/json")
             .header("Content-Type", "application/octet-stream");
         for (k, v) in query {
@@ -321,7 +354,7 @@ impl Client {
         if let Some(b) = self.bearer() {
             req = req.header("Authorization", b);
         }
-        let resp = self.finish(&url, req.send(body))?;
+        let resp = self.finish(url, req.send(body))?;
         read_json(resp)
     }
 

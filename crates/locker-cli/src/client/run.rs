@@ -43,7 +43,8 @@ pub struct RunArgs {
     /// An environment variable of the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,
-    /// Kill the command's whole process tree after this long (at most 300000).
+    /// Kill the command's whole process tree after this long, in milliseconds. Default
+    /// 60000 (one minute); at most 300000 (longer work belongs in a sandbox).
     #[arg(long)]
     pub timeout_ms: Option<u64>,
     /// Run this string with `/bin/sh -c` instead of CMD.

@@ -273,6 +273,10 @@ fn pump(
     let sock = ws.get_ref().as_raw_fd();
     let mut out = io::stdout().lock();
     let mut stdin_open = true;
+    // Piped input waits for the remote side's first output (its prompt): bytes, and the
+    // end-of-input Ctrl-D above all, that reach the terminal before the shell switched it
+    // to raw mode can be flushed and lost, leaving the shell waiting forever.
+    let mut remote_ready = interactive;
     let mut buf = vec![0u8; 16 * 1024];
     let mut exit: Option<i32> = None;
     let mut failure: Option<String> = None;
@@ -290,7 +294,11 @@ fn pump(
             },
             libc::pollfd {
                 // A negative fd is skipped by poll: no new input while a send is queued.
-                fd: if stdin_open && !pending { 0 } else { -1 },
+                fd: if stdin_open && remote_ready && !pending {
+                    0
+                } else {
+                    -1
+                },
                 events: libc::POLLIN,
                 revents: 0,
             },
@@ -316,6 +324,7 @@ fn pump(
             loop {
                 match ws.read() {
                     Ok(Message::Binary(b)) => {
+                        remote_ready = true;
                         if let Some(last) = b.last() {
                             *at_line_start = *last == b'\n';
                         }

@@ -162,6 +162,38 @@ impl Drop for Signals {
     }
 }
 
+/// Runs `then(signal)` on a thread of its own when SIGINT, SIGTERM or SIGHUP arrives,
+/// instead of their default of ending the process at once: for a command that lives on
+/// the server beyond this process's connection, which must be told to end first. Call it
+/// before starting other threads: they inherit the blocked signals, so only this thread
+/// takes them.
+pub fn on_interrupt(then: impl FnOnce(libc::c_int) + Send + 'static) -> io::Result<()> {
+    // SAFETY: sigset_t is plain old data (all-zero is valid) and is initialised by
+    // sigemptyset before use; pthread_sigmask only changes this thread's mask.
+    let set = unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        for sig in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+            libc::sigaddset(&mut set, sig);
+        }
+        let rc = libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
+        if rc != 0 {
+            return Err(io::Error::from_raw_os_error(rc));
+        }
+        set
+    };
+    std::thread::Builder::new()
+        .name("interrupt".into())
+        .spawn(move || {
+            let mut sig: libc::c_int = 0;
+            // SAFETY: `set` is an initialised signal set and `sig` outlives the call.
+            if unsafe { libc::sigwait(&set, &mut sig) } == 0 {
+                then(sig);
+            }
+        })?;
+    Ok(())
+}
+
 /// `read(2)` on a raw descriptor, unbuffered (std's `Stdin` buffers, which would hide
 /// bytes from `poll`).
 pub fn read_fd(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {

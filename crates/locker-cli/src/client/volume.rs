@@ -20,8 +20,9 @@ pub struct VolumeArgs {
 /// The volume subcommands. VOLUME is a volume's name or id.
 #[derive(clap::Subcommand, Debug)]
 pub enum VolumeCmd {
-    /// Create a volume.
+    /// Create a volume; prints its id (the whole volume with --json).
     Create {
+        /// Its name, unique in this tenant (every volume command takes it instead of the id).
         name: String,
         /// Its size limit in MiB (default 10240).
         #[arg(long)]
@@ -31,13 +32,22 @@ pub enum VolumeCmd {
     List,
     /// Delete volumes, their files and their snapshots.
     Rm {
+        /// The volumes' names or ids.
         #[arg(required = true)]
         volumes: Vec<String>,
     },
-    /// Take a point-in-time copy of a volume.
-    Snapshot { volume: String },
-    /// Make a new volume NEW_NAME with a copy of VOLUME's files.
-    Fork { volume: String, new_name: String },
+    /// Take a point-in-time copy of a volume; prints the snapshot's id.
+    Snapshot {
+        /// The volume's name or id.
+        volume: String,
+    },
+    /// Make a new volume NEW_NAME with a copy of VOLUME's files; prints its id.
+    Fork {
+        /// The volume to copy (name or id).
+        volume: String,
+        /// The new volume's name.
+        new_name: String,
+    },
     /// Read, write, list and move a volume's files (the first argument is the volume).
     #[command(subcommand)]
     Files(FilesCmd),
@@ -87,7 +97,7 @@ pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
                 body["size_mb"] = json!(s);
             }
             let v = c.post_json("/v1/volumes", &body)?;
-            show(&v, volume_table(std::slice::from_ref(&v)))?;
+            show(&v, format!("{}\n", cell(v.get("id"))))?;
         }
         VolumeCmd::List => {
             let v = c.get_json("/v1/volumes", &[])?;
@@ -115,7 +125,7 @@ pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
                 &format!("{}/fork", volume_base(&volume)),
                 &json!({ "name": new_name }),
             )?;
-            show(&v, volume_table(std::slice::from_ref(&v)))?;
+            show(&v, format!("{}\n", cell(v.get("id"))))?;
         }
         VolumeCmd::Files(cmd) => return super::files::run_on(&c, json_out, cmd, volume_base),
     }

@@ -17,11 +17,13 @@ could not do what was asked (an HTTP error of the API, or the server unreachable
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import os
 import socket
 import ssl
+import threading
 import urllib.parse
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
@@ -93,6 +95,10 @@ class ExecResult:
     reason: str = "exited"  # exited | signaled | timeout | oom | output_limit | killed
     stdout: str = ""
     stderr: str = ""
+    # The same bytes as stdout/stderr, base64, only when they are not valid UTF-8:
+    # read them through `stdout_raw` and `stderr_raw`.
+    stdout_b64: Optional[str] = None
+    stderr_b64: Optional[str] = None
     stdout_truncated: bool = False
     stderr_truncated: bool = False
     stdout_bytes: int = 0
@@ -118,6 +124,15 @@ class ExecResult:
     @property
     def truncated(self) -> bool:
         return self.stdout_truncated or self.stderr_truncated
+
+    @property
+    def stdout_raw(self) -> bytes:
+        """stdout exactly as the command wrote it (binary output included)."""
+        return base64.b64decode(self.stdout_b64) if self.stdout_b64 is not None else self.stdout.encode()
+
+    @property
+    def stderr_raw(self) -> bytes:
+        return base64.b64decode(self.stderr_b64) if self.stderr_b64 is not None else self.stderr.encode()
 
 
 @dataclass
@@ -150,6 +165,12 @@ class StreamEvent:
     data: str = ""
     result: Optional[ExecResult] = None
     raw: Dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def data_raw(self) -> bytes:
+        """The chunk exactly as the command wrote it (`data` is its lossy UTF-8 text)."""
+        b64 = self.raw.get("data_b64")
+        return base64.b64decode(b64) if b64 is not None else self.data.encode()
 
 
 @dataclass
@@ -529,11 +550,58 @@ class Sandbox:
         """Runs a command and waits for it: `cmd=["python3", "x.py"]` or `shell="cd app &&
         make"`. Options: cwd (default /root), env, stdin, stdin_b64, timeout_ms (default
         60000), max_output_bytes (default 65536 per stream; the full output is then in
-        `output_path`), user. Nothing of the shell persists between calls (cd, export)."""
+        `output_path`), user. Nothing of the shell persists between calls (cd, export).
+
+        `stdin` is text, bytes, or a stream: a binary file object (anything with `read`)
+        or an iterable of bytes chunks, fed to the command as it runs (never held whole in
+        memory: gigabytes pass through). Binary output is in `result.stdout_raw`."""
+        stdin = options.get("stdin")
+        if isinstance(stdin, (bytes, bytearray, memoryview)):
+            options = dict(options, stdin=None, stdin_b64=base64.b64encode(bytes(stdin)).decode())
+        elif stdin is not None and not isinstance(stdin, str):
+            return self._exec_fed(_exec_body(cmd, shell, dict(options, stdin=None)), stdin)
         body = _exec_body(cmd, shell, options)
         t = (body.get("timeout_ms") or 60000) / 1000 + 60
         d = self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/exec", body, timeout=max(t, self._c.timeout))
         return ExecResult.from_dict(d)
+
+    def _exec_fed(self, body: Dict[str, Any], source: Any) -> ExecResult:
+        """exec with a streamed stdin: a background process whose stdin a thread feeds
+        from `source`, in chunks of at most 1 MiB, then closes; its result once it ends."""
+        d = self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/processes", body)
+        proc = Process(self, d["id"], d.get("pid"))
+
+        def chunks() -> Iterator[bytes]:
+            if hasattr(source, "read"):
+                while True:
+                    b = source.read(1 << 20)
+                    if not b:
+                        return
+                    yield b.encode() if isinstance(b, str) else bytes(b)
+            else:
+                for b in source:
+                    yield b.encode() if isinstance(b, str) else bytes(b)
+
+        def feed() -> None:
+            try:
+                for b in chunks():
+                    if b:
+                        proc.write_stdin(b)
+                proc.write_stdin(b"", close=True)
+            except LockerError:
+                pass  # the command ended (it stopped reading); its result says how
+
+        feeder = threading.Thread(target=feed, name=f"stdin-{proc.id}", daemon=True)
+        feeder.start()
+        t = (body.get("timeout_ms") or 60000) / 1000 + 60
+        try:
+            return proc.wait(timeout=max(t, self._c.timeout))
+        except BaseException:
+            try:
+                proc.kill()
+            except LockerError:
+                pass
+            raise
 
     def exec_stream(self, cmd: Optional[Sequence[str]] = None, *, shell: Optional[str] = None, **options: Any) -> Iterator[StreamEvent]:
         """Like exec, but yields StreamEvents as output arrives (`stdout`, `stderr`), the last

@@ -1,0 +1,364 @@
+//! A new user's first hour (`shared/reports/newuser-2.md`), each reproduction a test
+//! against the real server and the real `locker` binary.
+//!
+//! Bytes stay bytes: binary output reaches every client unchanged (`stdout_b64` in the
+//! ExecResult, `data_b64` in NDJSON chunks, raw bytes on `locker exec`'s stdout), and piped
+//! stdin streams into the command as it comes (`yes | locker exec SB -- head -1` returns at
+//! once; a stream larger than any request body passes through).
+
+use std::io::Write;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use locker_tests::server::{Api, Server};
+use serde_json::{json, Value};
+
+fn sandbox(api: &Api) -> String {
+    api.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+/// `locker ARGS…` against `s`, with `stdin` as its standard input.
+fn locker(s: &Server, args: &[&str], stdin: Stdio) -> Command {
+    let mut c = Command::new(locker_tests::locker_bin());
+    c.args(args)
+        .env("LOCKER_URL", &s.url)
+        .env("LOCKER_API_KEY", &s.api_key)
+        .stdin(stdin)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    c
+}
+
+fn sha256_hex(data: &[u8]) -> String {
+    let mut c = Command::new("sha256sum")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    c.stdin.take().unwrap().write_all(data).unwrap();
+    let out = c.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned()
+}
+
+/// Whether a process named `comm` runs in the sandbox.
+fn running(api: &Api, id: &str, comm: &str) -> bool {
+    let script = format!("cat /proc/[0-9]*/comm 2>/dev/null | grep -cx {comm} || true");
+    api.sh(id, &script).trim() != "0"
+}
+
+fn b64(v: &Value) -> Vec<u8> {
+    locker_types::base64::decode(v.as_str().expect("a base64 string")).unwrap()
+}
+
+#[test]
+fn binary_output_reaches_every_client_unchanged() {
+    let s = Server::start();
+    let api = s.api();
+    let id = sandbox(&api);
+    let inside = api.sh(&id, "sha256sum /usr/bin/ls | cut -d' ' -f1");
+    let inside = inside.trim();
+
+    // The CLI writes the raw bytes (it streams NDJSON chunks, `data_b64` where not text).
+    let out = locker(
+        &s,
+        &["exec", &id, "--", "cat", "/usr/bin/ls"],
+        Stdio::null(),
+    )
+    .output()
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        sha256_hex(&out.stdout),
+        inside,
+        "locker exec corrupted binary stdout"
+    );
+
+    // The ExecResult carries the bytes in `stdout_b64` when they are not UTF-8.
+    let r = api.exec(
+        &id,
+        &json!({"shell": "head -c 4000 /usr/bin/ls; printf 'err\\377' >&2", "max_output_bytes": 65536}),
+    );
+    let head = api.sh(&id, "head -c 4000 /usr/bin/ls | sha256sum | cut -d' ' -f1");
+    assert_eq!(sha256_hex(&b64(&r["stdout_b64"])), head.trim());
+    assert_eq!(b64(&r["stderr_b64"]), b"err\xff");
+    // Text output has no `_b64` twin.
+    let t = api.exec(&id, &json!({"cmd": ["echo", "plain ☃"]}));
+    assert_eq!(t["stdout"], "plain ☃\n");
+    assert!(t.get("stdout_b64").is_none(), "{t}");
+
+    // NDJSON chunks: the concatenated bytes equal the file.
+    let body = json!({"cmd": ["cat", "/usr/bin/ls"]}).to_string();
+    let resp = api.request(
+        "POST",
+        &format!("/v1/sandboxes/{id}/exec"),
+        &[
+            ("Accept", "application/x-ndjson"),
+            ("Content-Type", "application/json"),
+        ],
+        body.as_str(),
+    );
+    let mut got = Vec::new();
+    for line in resp.text().lines() {
+        let v: Value = serde_json::from_str(line).unwrap();
+        if v["type"] == "stdout" {
+            match v.get("data_b64") {
+                Some(b) => got.extend(b64(b)),
+                None => got.extend(v["data"].as_str().unwrap().as_bytes()),
+            }
+        }
+    }
+    assert_eq!(sha256_hex(&got), inside);
+
+    // The CLI's `--json` keeps them too.
+    let out = locker(
+        &s,
+        &[
+            "exec",
+            "--json",
+            &id,
+            "--",
+            "head",
+            "-c",
+            "100",
+            "/usr/bin/ls",
+        ],
+        Stdio::null(),
+    )
+    .output()
+    .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(b64(&v["stdout_b64"]).len(), 100);
+}
+
+#[test]
+fn piped_stdin_streams_into_the_command_as_it_comes() {
+    let s = Server::start();
+    let api = s.api();
+    let id = sandbox(&api);
+
+    // `yes | locker exec SB -- head -1` returns at once (stdin is endless).
+    let t = Instant::now();
+    let mut yes = Command::new("yes").stdout(Stdio::piped()).spawn().unwrap();
+    let out = locker(
+        &s,
+        &["exec", &id, "--", "head", "-1"],
+        Stdio::from(yes.stdout.take().unwrap()),
+    )
+    .output()
+    .unwrap();
+    let _ = yes.kill();
+    let _ = yes.wait();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(out.stdout, b"y\n");
+    assert!(
+        t.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        t.elapsed()
+    );
+
+    // The command starts before stdin ends: it sees the first line while we still write.
+    let mut c = locker(
+        &s,
+        &[
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "read a; echo got-$a; cat >/dev/null; echo end",
+        ],
+        Stdio::piped(),
+    )
+    .spawn()
+    .unwrap();
+    let mut w = c.stdin.take().unwrap();
+    w.write_all(b"first\n").unwrap();
+    w.flush().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let mut seen = false;
+    while Instant::now() < deadline {
+        if running(&api, &id, "cat") {
+            seen = true;
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert!(seen, "the command did not start while stdin was open");
+    drop(w);
+    let out = c.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "got-first\nend\n");
+
+    // More than a request body may hold (64 MiB a request; 1 MiB of JSON): 100 MiB of
+    // bytes pass through, counted and hashed inside, without the CLI holding them.
+    let dir = locker_tests::TempDir::new("stdin");
+    let data = dir.path().join("data");
+    let ok = Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "head -c 104857600 /dev/urandom > {}",
+            data.display()
+        ))
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let want = Command::new("sha256sum").arg(&data).output().unwrap();
+    let want = String::from_utf8_lossy(&want.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
+    let mut cat = Command::new("cat")
+        .arg(&data)
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = locker(
+        &s,
+        &[
+            "exec",
+            "--timeout-ms",
+            "300000",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "tee /tmp/in | sha256sum | cut -d' ' -f1; wc -c < /tmp/in",
+        ],
+        Stdio::from(cat.stdout.take().unwrap()),
+    )
+    .output()
+    .unwrap();
+    let _ = cat.wait();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{text} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some(want.as_str()));
+    assert_eq!(lines.next().map(str::trim), Some("104857600"));
+
+    // A small regular file still works (it travels inside the request).
+    std::fs::write(dir.path().join("small"), b"abc\xff").unwrap();
+    let out = locker(
+        &s,
+        &["exec", &id, "--", "od", "-An", "-tx1"],
+        Stdio::from(std::fs::File::open(dir.path().join("small")).unwrap()),
+    )
+    .output()
+    .unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "61 62 63 ff");
+}
+
+#[test]
+fn an_interrupted_streamed_exec_kills_its_command() {
+    let s = Server::start();
+    let api = s.api();
+    let id = sandbox(&api);
+    let c = locker(
+        &s,
+        &[
+            "exec",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "cat > /dev/null & exec sleep 600",
+        ],
+        Stdio::piped(),
+    )
+    .spawn()
+    .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline && !running(&api, &id, "sleep") {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    // SIGINT, as a user's Ctrl-C would arrive.
+    let ok = Command::new("kill")
+        .args(["-INT", &c.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let out = c.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(130));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if !running(&api, &id, "sleep") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the command outlived its interrupted exec"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// The README's quick tour, run as written (one bash, `set -eu`, as typed at a prompt: no
+/// pipefail, so `yes | …` is not a failure) in a fresh directory
+/// against a fresh server: the first thing a newcomer does must work. The `export` of the
+/// key is the test's own (the server's key); `locker shell` reads the end of stdin and
+/// leaves.
+#[test]
+fn the_readme_tour_runs_as_written() {
+    let readme = std::fs::read_to_string(locker_tests::root().join("README.md")).unwrap();
+    let tour = readme
+        .split("## Quick tour")
+        .nth(1)
+        .and_then(|t| t.split("```sh\n").nth(1))
+        .and_then(|t| t.split("```").next())
+        .expect("README.md has a ```sh block under ## Quick tour");
+    let script: String = tour
+        .lines()
+        .filter(|l| !l.starts_with("export LOCKER_API_KEY="))
+        .map(|l| format!("{l}\n"))
+        .collect();
+    assert!(script.contains("locker sandbox create"), "{script}");
+    let s = Server::start();
+    let dir = locker_tests::TempDir::new("tour");
+    let bin_dir = locker_tests::locker_bin().parent().unwrap().to_owned();
+    let path = format!(
+        "{}:{}",
+        bin_dir.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let out = Command::new("bash")
+        .args(["-eu", "-c", &script])
+        .current_dir(dir.path())
+        .env("PATH", path)
+        .env("LOCKER_URL", &s.url)
+        .env("LOCKER_API_KEY", &s.api_key)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (o, e) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "the tour failed:\n{script}\nstdout:\n{o}\nstderr:\n{e}"
+    );
+    assert!(
+        o.contains("42\n") && o.contains("hello from app.py\n"),
+        "{o}"
+    );
+    assert!(o.contains("y\ny\n"), "{o}");
+    assert!(o.contains("hello from app.py"), "{o}");
+}
