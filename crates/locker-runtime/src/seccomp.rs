@@ -116,9 +116,10 @@ fn build_err(e: impl std::fmt::Display) -> SeccompError {
     SeccompError::Build(e.to_string())
 }
 
-/// The first filter, as libseccomp writes it: a call that is not x86-64 (another audit
-/// arch, i.e. the i386 `int 0x80` entry) or carries the x32 bit fails with EPERM before any
-/// rule keyed by number is looked at.
+/// The first filter, as libseccomp writes it: a call that carries the x32 bit fails with
+/// EPERM whatever its number. A call of another audit arch (the i386 `int 0x80` entry)
+/// gets EPERM here too; seccompiler's own filters kill the process for it, and the
+/// strictest answer wins.
 fn native_only() -> BpfProgram {
     use seccompiler::sock_filter;
     const LD_W_ABS: u16 = (libc::BPF_LD | libc::BPF_W | libc::BPF_ABS) as u16;
