@@ -15,12 +15,23 @@
 //! The child joins its cgroups itself, between fork and exec, by writing "0" to `cgroup.procs`
 //! files the parent opened beforehand (see `sys::child_setup`). This room owns no policy about
 //! *when* to kill; `exec` decides that.
+//!
+//! A command runs as the agent's user, so whatever the agent may do to cgroups it may do
+//! too. In a jail the host keeps the files that lead out of the commands' cgroups (the
+//! agent's own cgroup's `cgroup.procs`: see the runtime's `cgroup` room), but a command can
+//! still create a cgroup of its own beside the commands' (or below its own) and move there.
+//! So a command's cgroup is killed with everything below it, and when any command ends,
+//! every cgroup under the parent that is not a live command's nor the agent's own (a
+//! *stray*) is killed and removed too ([`Cgroups::kill_strays`]). In a microVM the guest's
+//! root owns the whole kernel and may run its own cgroup managers: no sweep there.
 
+use std::collections::HashSet;
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Resource use read from cgroup files; `None` where a file is missing.
@@ -45,17 +56,26 @@ pub enum Layout {
     None,
 }
 
+/// The names of the command cgroups that exist on purpose (under every parent).
+type Live = Arc<Mutex<HashSet<String>>>;
+
 /// The agent's cgroup layout plus a counter for naming command cgroups.
 #[derive(Debug)]
 pub struct Cgroups {
     pub layout: Layout,
     next: AtomicU64,
     warned: AtomicBool,
+    live: Live,
+    /// The agent's own cgroup when it is a child of the parent (v2: `init`): never a stray.
+    own: Option<String>,
+    /// Whether strays are killed (in a jail; not in a microVM).
+    sweep: bool,
 }
 
 impl Cgroups {
-    /// Detects the layout from `$LOCKER_CGROUP_ROOT` and `$LOCKER_CGROUP_PARENT`.
-    pub fn detect(root: &Path, parent: &str) -> Cgroups {
+    /// Detects the layout from `$LOCKER_CGROUP_ROOT` and `$LOCKER_CGROUP_PARENT`; `sweep`
+    /// says whether cgroups nobody made on purpose are killed when a command ends.
+    pub fn detect(root: &Path, parent: &str, sweep: bool) -> Cgroups {
         let parent = parent.trim_matches('/');
         let layout = if root.join("cgroup.controllers").exists() {
             let dir = root.join(parent);
@@ -109,20 +129,78 @@ impl Cgroups {
                 root.display()
             );
         }
+        let own = match layout {
+            Layout::V2 { .. } => own_cgroup_name(parent),
+            // v1: the agent lives in the parent itself.
+            _ => None,
+        };
         Cgroups {
             layout,
             next: AtomicU64::new(1),
             warned: AtomicBool::new(false),
+            live: Live::default(),
+            own,
+            sweep,
+        }
+    }
+
+    fn parents(&self) -> Vec<(&'static str, PathBuf)> {
+        match &self.layout {
+            Layout::None => Vec::new(),
+            Layout::V2 { parent } => vec![("", parent.clone())],
+            Layout::V1 { parents } => parents.clone(),
+        }
+    }
+
+    /// Kills and removes every stray cgroup under the parent: one that is neither a live
+    /// command's nor the agent's own (a command made it to leave its own). A few
+    /// `getdents` per hierarchy when there is none.
+    pub fn kill_strays(&self) {
+        if !self.sweep {
+            return;
+        }
+        let v2 = matches!(self.layout, Layout::V2 { .. });
+        let mut strays: Vec<(String, Vec<(&'static str, PathBuf)>)> = Vec::new();
+        {
+            let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+            for (c, p) in self.parents() {
+                let Ok(rd) = fs::read_dir(&p) else { continue };
+                for e in rd.flatten() {
+                    if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                        continue;
+                    }
+                    let name = e.file_name().to_string_lossy().into_owned();
+                    if live.contains(&name) || self.own.as_deref() == Some(name.as_str()) {
+                        continue;
+                    }
+                    match strays.iter_mut().find(|(n, _)| *n == name) {
+                        Some((_, dirs)) => dirs.push((c, e.path())),
+                        None => strays.push((name, vec![(c, e.path())])),
+                    }
+                }
+            }
+        }
+        for (name, dirs) in strays {
+            let cg = CmdCgroup {
+                dirs,
+                procs: Vec::new(),
+                v2,
+                name,
+                live: self.live.clone(),
+            };
+            cg.kill_all();
+            cg.remove();
         }
     }
 
     /// Creates the cgroup(s) of one command. `None` when cgroups are not usable.
     pub fn create(&self) -> Option<CmdCgroup> {
-        let parents: Vec<(&'static str, PathBuf)> = match &self.layout {
-            Layout::None => return None,
-            Layout::V2 { parent } => vec![("", parent.clone())],
-            Layout::V1 { parents } => parents.clone(),
-        };
+        let parents = self.parents();
+        if parents.is_empty() {
+            return None;
+        }
+        // Held while the directories appear, so a sweep never takes them for strays.
+        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
         for _ in 0..1000 {
             let n = self.next.fetch_add(1, Ordering::Relaxed);
             let name = format!("cmd-{n}");
@@ -170,7 +248,14 @@ impl Cgroups {
                 }
             }
             let v2 = matches!(self.layout, Layout::V2 { .. });
-            let cg = CmdCgroup { dirs, procs, v2 };
+            live.insert(name.clone());
+            let cg = CmdCgroup {
+                dirs,
+                procs,
+                v2,
+                name,
+                live: self.live.clone(),
+            };
             return Some(cg);
         }
         None
@@ -202,6 +287,8 @@ pub struct CmdCgroup {
     /// Open `cgroup.procs` for the child to join; closed once it has.
     procs: Vec<OwnedFd>,
     v2: bool,
+    name: String,
+    live: Live,
 }
 
 impl CmdCgroup {
@@ -222,14 +309,21 @@ impl CmdCgroup {
             .map(|(_, d)| d.as_path())
     }
 
-    /// The best directory to list members from: the freezer's (v1), else any.
+    /// The best directory to name the group by: the freezer's (v1), else any.
     fn members_dir(&self) -> &Path {
         self.dir("freezer").unwrap_or(&self.dirs[0].1)
     }
 
-    /// The pids in the cgroup now.
+    /// The pids in the cgroup and below it now, in every hierarchy (on v1 a member may have
+    /// moved itself in one hierarchy and not in another).
     pub fn pids(&self) -> Vec<i32> {
-        read_pids(self.members_dir())
+        let mut out = Vec::new();
+        for (_, d) in &self.dirs {
+            tree_pids(d, &mut out);
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
     }
 
     /// Sends `sig` to every member.
@@ -245,7 +339,7 @@ impl CmdCgroup {
         let deadline = Instant::now() + Duration::from_secs(5);
         if self.v2 {
             let dir = &self.dirs[0].1;
-            if fs::write(dir.join("cgroup.kill"), "1").is_ok() && wait_empty(dir, deadline) {
+            if fs::write(dir.join("cgroup.kill"), "1").is_ok() && self.wait_empty(deadline) {
                 return true;
             }
         }
@@ -324,27 +418,83 @@ impl CmdCgroup {
         }
     }
 
-    /// Removes the (empty) cgroups.
+    fn wait_empty(&self, deadline: Instant) -> bool {
+        loop {
+            if self.pids().is_empty() {
+                return true;
+            }
+            if Instant::now() > deadline {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Removes the (empty) cgroups, and any a command made below them. The name is free
+    /// again afterwards: what could not be removed is a stray for the next sweep.
     pub fn remove(&self) {
         for (_, d) in &self.dirs {
-            let mut tries = 0;
-            loop {
-                match fs::remove_dir(d) {
-                    Ok(()) => break,
-                    Err(e) if e.kind() == io::ErrorKind::NotFound => break,
-                    // The last members may still be on their way out.
-                    Err(_) if tries < 100 => {
-                        tries += 1;
-                        std::thread::sleep(Duration::from_millis(10));
-                    }
-                    Err(e) => {
-                        eprintln!("locker-agent: cannot remove cgroup {}: {e}", d.display());
-                        break;
-                    }
-                }
+            remove_tree(d);
+        }
+        self.live
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.name);
+    }
+}
+
+/// rmdir a cgroup and the cgroups below it, bottom-up.
+fn remove_tree(dir: &Path) {
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                remove_tree(&e.path());
             }
         }
     }
+    let mut tries = 0;
+    loop {
+        match fs::remove_dir(dir) {
+            Ok(()) => break,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => break,
+            // The last members may still be on their way out.
+            Err(_) if tries < 100 => {
+                tries += 1;
+                std::thread::sleep(Duration::from_millis(10));
+            }
+            Err(e) => {
+                eprintln!("locker-agent: cannot remove cgroup {}: {e}", dir.display());
+                break;
+            }
+        }
+    }
+}
+
+/// The pids in `dir` and every cgroup below it.
+fn tree_pids(dir: &Path, out: &mut Vec<i32>) {
+    out.extend(read_pids(dir));
+    if let Ok(rd) = fs::read_dir(dir) {
+        for e in rd.flatten() {
+            if e.file_type().is_ok_and(|t| t.is_dir()) {
+                tree_pids(&e.path(), out);
+            }
+        }
+    }
+}
+
+/// The name of the agent's own v2 cgroup if it is a child of the parent (a jail's `init`),
+/// read from `/proc/self/cgroup`, whose paths are relative to the machine's cgroup
+/// namespace (rooted where the cgroup root is).
+fn own_cgroup_name(parent: &str) -> Option<String> {
+    let text = fs::read_to_string("/proc/self/cgroup").ok()?;
+    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
+    let path = path.trim().trim_start_matches('/');
+    let rest = if parent.is_empty() {
+        path
+    } else {
+        path.strip_prefix(parent)?.strip_prefix('/')?
+    };
+    (!rest.is_empty() && !rest.contains('/')).then(|| rest.to_owned())
 }
 
 fn read_pids(dir: &Path) -> Vec<i32> {
@@ -353,18 +503,6 @@ fn read_pids(dir: &Path) -> Vec<i32> {
         .lines()
         .filter_map(|l| l.trim().parse().ok())
         .collect()
-}
-
-fn wait_empty(dir: &Path, deadline: Instant) -> bool {
-    loop {
-        if read_pids(dir).is_empty() {
-            return true;
-        }
-        if Instant::now() > deadline {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(2));
-    }
 }
 
 fn read_u64(path: &Path) -> Option<u64> {

@@ -227,6 +227,7 @@ pub fn start(
         user: switch.then(|| (prep.user.uid, prep.user.gid, prep.user.groups.clone())),
         cwd: std::ffi::CString::new(prep.cwd.clone())
             .map_err(|_| StartError::Agent(bad("cwd contains NUL")))?,
+        reset_oom: agent.reset_oom,
     };
     let mut cmd = Command::new(&prep.argv[0]);
     cmd.args(&prep.argv[1..])
@@ -549,6 +550,8 @@ pub fn wait(
     if let Some(c) = run.cgroup.take() {
         c.remove();
     }
+    // Whatever left its cgroup for one of its own dies with the command too.
+    agent.cgroups.kill_strays();
     result
 }
 

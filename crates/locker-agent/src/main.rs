@@ -47,6 +47,9 @@ pub struct Agent {
     pub output_dir: PathBuf,
     pub max_spill_bytes: u64,
     pub procs: procs::Procs,
+    /// Whether commands reset their `oom_score_adj` to 0 (the agent's own is not 0: a
+    /// jail's agent is exempt from the OOM killer).
+    pub reset_oom: bool,
 }
 
 /// A fresh id with the given prefix: 16 random hex digits.
@@ -74,6 +77,13 @@ fn env_or(name: &str, default: &str) -> String {
 }
 
 fn main() {
+    // First: from here on no command of the machine can trace this process or open its
+    // /proc files (memory, descriptors). In a microVM the guest's root owns the agent by
+    // design; it is harmless there.
+    if let Err(e) = sys::set_non_dumpable() {
+        eprintln!("locker-agent: cannot make itself non-dumpable: {e}");
+        std::process::exit(1);
+    }
     sys::cloexec_inherited();
     let in_vm = vm::is_vm_init();
     if in_vm {
@@ -120,6 +130,7 @@ fn main() {
     let cgroups = cgroup::Cgroups::detect(
         std::path::Path::new(&env_or("LOCKER_CGROUP_ROOT", "/sys/fs/cgroup")),
         &std::env::var("LOCKER_CGROUP_PARENT").unwrap_or_default(),
+        !in_vm,
     );
     let max_spill_bytes = env_or("LOCKER_MAX_SPILL_BYTES", "1073741824")
         .parse()
@@ -131,6 +142,7 @@ fn main() {
         output_dir: PathBuf::from(env_or("LOCKER_OUTPUT_DIR", "/var/tmp/locker")),
         max_spill_bytes,
         procs: procs::Procs::default(),
+        reset_oom: sys::oom_score_adj() != 0,
     });
     let Some(listener) = listener else {
         vm::serve_port(agent);

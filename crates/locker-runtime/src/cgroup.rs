@@ -5,6 +5,18 @@
 //! (these build machines: cpu, memory, pids and freezer on v1). Inside a machine the agent
 //! creates a cgroup per command below the machine's own; this room never touches those
 //! except to kill and remove everything when the machine goes.
+//!
+//! # What is delegated to the machine's root
+//! Only what the agent needs to put commands into cgroups of their own: the machine's
+//! directory (to create them) and, on v2, the machine cgroup's `cgroup.procs` (v2 checks
+//! the common ancestor of the source and the destination, and the agent's leaf `init` and
+//! the commands' cgroups meet there; the machine cgroup itself never holds a process, as it
+//! delegates controllers). The files that would let a command leave its cgroup stay the
+//! host's: on v1 the machine cgroup's `cgroup.procs` and `tasks` (where the agent lives),
+//! on v2 `init`'s, and everywhere the limits and `cgroup.subtree_control`. Capabilities in
+//! the machine's user namespace do not apply to files owned by ids it does not map, so its
+//! root cannot write them. What a command can still do is make a cgroup of its own beside
+//! the commands' and move there; the agent kills every such cgroup when a command ends.
 
 use std::fs;
 use std::io;
@@ -213,16 +225,8 @@ impl MachineCgroup {
                 // has moved into `init` (see the jail's set-up): a cgroup that delegates
                 // controllers may hold no process, and it enters this one first.
                 fs::create_dir(&init).map_err(io_err(&init, "create"))?;
-                for f in [
-                    "",
-                    "cgroup.procs",
-                    "cgroup.subtree_control",
-                    "cgroup.threads",
-                ] {
+                for f in ["", "cgroup.procs"] {
                     chown(&dir.join(f), owner_uid)?;
-                }
-                for f in ["", "cgroup.procs", "cgroup.threads"] {
-                    chown(&init.join(f), owner_uid)?;
                 }
             }
             Version::V1 => {
@@ -261,9 +265,9 @@ impl MachineCgroup {
                         }
                         _ => {}
                     }
-                    for f in ["", "cgroup.procs", "tasks"] {
-                        chown(&dir.join(f), owner_uid)?;
-                    }
+                    // v1 checks the destination's `cgroup.procs` only: the agent's own (this
+                    // directory's) stays the host's, so no command can move back here.
+                    chown(&dir, owner_uid)?;
                 }
             }
         }

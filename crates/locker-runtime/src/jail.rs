@@ -20,9 +20,17 @@
 //!    drops capabilities to the usual container set, sets `no_new_privs`, installs the
 //!    seccomp filter and executes `locker-agent` with the socket as fd 3.
 //!
-//! The shim prints `{"agent_pid":…,"shim_pid":…}` and waits for PID 1. Every mount lives
+//! The shim prints `{"agent_pid":…,"shim_pid":…}`, copies the agent's output (a pipe: its
+//! stdout and stderr) into `<dir>/machine.log` up to [`LOG_HEAD`] bytes plus a tail, and
+//! waits for PID 1. The log is a host file, so nothing of the machine writes it directly:
+//! the agent is non-dumpable and the filter refuses `pidfd_getfd` and `ptrace`, so no
+//! command reaches the pipe either. PID 1 is exempt from the OOM killer (set while it is
+//! still the host's root, through the legacy `oom_adj` so that its commands, which reset
+//! theirs to 0, cannot lower theirs again). Every mount lives
 //! only in the machine's mount namespaces, so none is ever visible on the host and all
 //! vanish with the machine's last process; the loop device detaches itself (autoclear).
+//! Overlays are mounted from paths relative to the machine's directory (the set-up runs
+//! in it), so the machine's mount table names nothing of the host's data dir.
 //! The mount, network and pid namespaces belong to the host's user namespace, so the
 //! machine's root can neither mount nor reconfigure its network.
 
@@ -38,6 +46,12 @@ use serde::{Deserialize, Serialize};
 
 use crate::cgroup::{Layout, Limits, MachineCgroup};
 use crate::sys;
+
+/// How much of the agent's output `machine.log` keeps from the start.
+pub const LOG_HEAD: u64 = 1 << 20;
+/// How much of the agent's last output past [`LOG_HEAD`] is kept (in the shim's memory)
+/// and written when the machine stops.
+const LOG_TAIL: usize = 64 << 10;
 
 /// Ids per machine user namespace.
 pub const UID_RANGE: u32 = 65_536;
@@ -487,17 +501,26 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     )
     .map_err(step("unshare namespaces"))?;
     let (ready_r, ready_w) = sys::pipe().map_err(step("pipe"))?;
+    let (log_r, log_w) = sys::pipe().map_err(step("pipe"))?;
     // SAFETY: the shim is single-threaded (no runtime, no threads were started).
     let pid = unsafe { sys::fork() }.map_err(step("fork the machine's PID 1"))?;
     if pid == 0 {
         drop(ready_r);
+        drop(log_r);
         let mut w = fs::File::from(ready_w);
-        let err = machine_init(&spec, &cg, userns, listener, agent, &seccomp, &mut w);
+        let handed = Handed {
+            listener,
+            agent,
+            log: log_w,
+        };
+        let err = machine_init(&spec, &cg, userns, handed, &seccomp, &mut w);
         let _ = writeln!(w, "{err}");
         // SAFETY: leaving the child without running the parent's destructors.
         unsafe { libc::_exit(1) };
     }
     drop(ready_w);
+    // The log pipe must have no writer but the agent, or its end would never be seen.
+    drop(log_w);
     drop(listener);
     drop(agent);
     let mut report = String::new();
@@ -516,12 +539,64 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
         // SAFETY: dup2 onto stdout of this single-threaded process.
         unsafe { libc::dup2(null.as_raw_fd(), 1) };
     }
+    copy_log(log_r);
     let status = sys::waitpid(pid).map_err(step("wait for the machine"))?;
     Ok(if libc::WIFEXITED(status) {
         libc::WEXITSTATUS(status)
     } else {
         128 + libc::WTERMSIG(status)
     })
+}
+
+/// Copies the agent's output from `from` into the shim's stderr (`machine.log`) until the
+/// agent is gone: the first [`LOG_HEAD`] bytes as they come, then a note, and at the end
+/// the last [`LOG_TAIL`] bytes with the count of what was dropped. Always reads on, so the
+/// agent never blocks on its own log.
+fn copy_log(from: OwnedFd) {
+    let mut from = fs::File::from(from);
+    let mut to = io::stderr().lock();
+    let mut buf = vec![0u8; 64 << 10];
+    let mut head_left = LOG_HEAD;
+    let mut dropped: u64 = 0;
+    let mut tail: Vec<u8> = Vec::new();
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        let head = n.min(usize::try_from(head_left).unwrap_or(usize::MAX));
+        if head > 0 {
+            let _ = to.write_all(&buf[..head]);
+            head_left -= head as u64;
+        }
+        let rest = &buf[head..n];
+        if rest.is_empty() {
+            continue;
+        }
+        if dropped == 0 {
+            let _ = writeln!(
+                to,
+                "\n[locker: the agent's log passed {LOG_HEAD} bytes; the rest is dropped but for \
+                 its last {LOG_TAIL} bytes, written when the machine stops]"
+            );
+        }
+        dropped += rest.len() as u64;
+        tail.extend_from_slice(rest);
+        if tail.len() > 2 * LOG_TAIL {
+            tail.drain(..tail.len() - LOG_TAIL);
+        }
+    }
+    if dropped > 0 {
+        let keep = tail.len().min(LOG_TAIL);
+        let _ = writeln!(
+            to,
+            "[locker: {} bytes of the agent's log were dropped; its last {keep} bytes follow]",
+            dropped - keep as u64
+        );
+        let _ = to.write_all(&tail[tail.len() - keep..]);
+    }
 }
 
 /// Creates a user namespace mapping 0..65536 inside to `uid_base..` outside and returns a
@@ -561,19 +636,44 @@ fn make_userns(uid_base: u32) -> Result<OwnedFd, JailError> {
     result
 }
 
+/// What the shim hands to PID 1: the agent's listening socket, the agent's binary and the
+/// write end of the log pipe. The shim drops its copies once PID 1 is forked.
+struct Handed {
+    listener: std::os::unix::net::UnixListener,
+    agent: fs::File,
+    log: OwnedFd,
+}
+
 /// PID 1's set-up, ending in the agent. Returns only on failure, with the reason.
 fn machine_init(
     spec: &JailSpec,
     cg: &MachineCgroup,
     userns: OwnedFd,
-    listener: std::os::unix::net::UnixListener,
-    agent: fs::File,
+    handed: Handed,
     seccomp: &[seccompiler::BpfProgram],
     ready: &mut fs::File,
 ) -> String {
+    let Handed {
+        listener,
+        agent,
+        log,
+    } = handed;
     match machine_setup(spec, cg, &userns) {
         Ok(()) => {}
         Err(e) => return e.to_string(),
+    }
+    // Still the host's root: exempt PID 1 from the OOM killer, so a machine that fills its
+    // memory (a full /tmp, a bomb) loses a command, never its agent. Through the legacy
+    // file on purpose: `oom_score_adj` written with CAP_SYS_RESOURCE also lowers the floor
+    // the agent's children inherit (`oom_score_adj_min`), and a command could then make
+    // itself unkillable again after the agent reset it to 0; `oom_adj` leaves the floor at 0.
+    // A host root without CAP_SYS_RESOURCE (some container hosts) cannot: the machine still
+    // starts, /tmp and /dev/shm are sized to leave its processes room, and the log says so.
+    if let Err(e) = fs::write("/proc/self/oom_adj", "-17") {
+        eprintln!(
+            "locker jail init: the agent is not exempt from the OOM killer (the host's root \
+             lacks CAP_SYS_RESOURCE?): {e}"
+        );
     }
     // Enter the machine's user namespace: from here on we are its root, nobody on the host.
     if let Err(e) = sys::setns(userns.as_raw_fd(), libc::CLONE_NEWUSER) {
@@ -614,9 +714,13 @@ fn machine_init(
         .map(|s| CString::new(*s).expect("static env"))
         .collect();
     let argv = [CString::new("locker-agent").expect("static")];
-    // stdout goes to the machine log with stderr, never to the shim's caller.
-    // SAFETY: dup2 of our own stderr onto stdout.
-    unsafe { libc::dup2(2, 1) };
+    // stdout and stderr go to the shim's log pipe, never to the shim's caller nor straight
+    // into the host's machine.log (which nothing would bound).
+    // SAFETY: dup2 of a pipe we own onto stdout and stderr of this single-threaded process.
+    unsafe {
+        libc::dup2(log.as_raw_fd(), 1);
+        libc::dup2(log.as_raw_fd(), 2);
+    }
     if let Ok(null) = fs::File::open("/dev/null") {
         // SAFETY: dup2 onto stdin.
         unsafe { libc::dup2(null.as_raw_fd(), 0) };
@@ -647,6 +751,10 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     }
     sys::make_mounts_private().map_err(step("make mounts private"))?;
 
+    // Every overlay is mounted from paths relative to here: its options show in the
+    // machine's mount table, and must name nothing of the host.
+    std::env::set_current_dir(dir).map_err(step(format!("enter {}", dir.display())))?;
+
     // The disk (quota = its size) holds the machine's writable layer. It stores canonical
     // ids (root = 0) and reaches the overlay through an id-mapped mount, so a disk image
     // (a snapshot) can start a machine with any uid range.
@@ -673,12 +781,18 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     }
     sys::idmapped_bind(&disk, &mapped, userns.as_raw_fd(), false)
         .map_err(step("id-map the disk"))?;
-    let upper = mapped.join("upper");
-    let work = mapped.join("work");
     sys::idmapped_bind(&spec.template_rootfs, &lower, userns.as_raw_fd(), true)
         .map_err(step("id-map the template"))?;
-    mount_overlay(&lower, &upper, &work, &root, libc::MS_NODEV, "", base)
-        .map_err(step("mount the overlay root"))?;
+    mount_overlay(
+        Path::new("lower"),
+        Path::new("disk-mapped/upper"),
+        Path::new("disk-mapped/work"),
+        &root,
+        libc::MS_NODEV,
+        "",
+        base,
+    )
+    .map_err(step("mount the overlay root"))?;
     mount_overlays(spec, &root, userns)?;
     mount_binds(spec, &root, userns)?;
 
@@ -720,6 +834,17 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
         sys::bind(&host, &root.join(&inside), 0)
             .map_err(step(format!("bind the cgroup {}", host.display())))?;
     }
+    // The host's loop devices name their backing files (every machine's disk image, every
+    // volume's) in sysfs, and `mount` would show them: the machine sees no block device.
+    if r("sys/devices/virtual/block").exists() {
+        let _ = sys::mount(
+            Some("none"),
+            &r("sys/devices/virtual/block"),
+            Some("tmpfs"),
+            nodev | libc::MS_RDONLY,
+            Some("size=4k"),
+        );
+    }
     if r("sys/firmware").exists() {
         let _ = sys::mount(
             Some("none"),
@@ -755,12 +880,16 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     .map_err(step("mount /dev/pts"))?;
     mkdir(&r("dev/shm"))?;
     let owned = format!("mode=1777,uid={base},gid={base}");
+    // tmpfs pages are charged to the machine's memory and cannot be reclaimed (no swap):
+    // together /tmp (half the memory) and /dev/shm (a quarter, at most 64 MiB) leave a
+    // quarter for the processes, so filling them ends in ENOSPC, not in an OOM kill.
+    let (tmp_mb, shm_mb) = tmpfs_sizes(spec.memory_mb);
     sys::mount(
         Some("shm"),
         &r("dev/shm"),
         Some("tmpfs"),
         libc::MS_NOSUID | libc::MS_NODEV,
-        Some(&format!("{owned},size=64m")),
+        Some(&format!("{owned},size={shm_mb}m")),
     )
     .map_err(step("mount /dev/shm"))?;
     for (link, to) in [
@@ -774,7 +903,6 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
             .map_err(step(format!("link /dev/{link}")))?;
     }
     mkdir(&r("tmp"))?;
-    let tmp_mb = spec.memory_mb.clamp(16, 1024);
     sys::mount(
         Some("tmp"),
         &r("tmp"),
@@ -792,6 +920,11 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     std::env::set_current_dir(&root).map_err(step("enter the root"))?;
     sys::pivot_to_cwd().map_err(step("pivot into the root"))?;
     Ok(())
+}
+
+/// The sizes of `/tmp` and `/dev/shm` (MiB) of a machine with `memory_mb` of memory.
+fn tmpfs_sizes(memory_mb: u64) -> (u64, u64) {
+    ((memory_mb / 2).clamp(8, 1024), (memory_mb / 4).clamp(4, 64))
 }
 
 /// The machine-relative path of a mount target: absolute, not `/`, no `..`.
@@ -826,12 +959,13 @@ fn mount_binds(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), Jai
     Ok(())
 }
 
-/// Mounts `spec.mounts` in the machine's root (see [`OverlayMount`]).
+/// Mounts `spec.mounts` in the machine's root (see [`OverlayMount`]). Runs in the
+/// machine's directory: the layers are named relative to it.
 fn mount_overlays(spec: &JailSpec, root: &Path, userns: &OwnedFd) -> Result<(), JailError> {
     for (i, m) in spec.mounts.iter().enumerate() {
         let (rel, rw, up, wk) = overlay_parts(m)?;
-        let lower = spec.dir.join(format!("mnt{i}-lower"));
-        let rw_at = spec.dir.join(format!("mnt{i}-rw"));
+        let lower = PathBuf::from(format!("mnt{i}-lower"));
+        let rw_at = PathBuf::from(format!("mnt{i}-rw"));
         for d in [&lower, &rw_at] {
             fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
         }
