@@ -18,7 +18,8 @@
 //! [`MAX_LIST_ENTRIES`] / [`MAX_LIST_BYTES`] ([`AgentClientError::TooLarge`]).
 //!
 //! Deadlines: a stopped agent (a command can stop it) must not hang its caller. A call
-//! without a timeout of its own waits at most [`CALL_DEADLINE`] for each message; an exec
+//! without a timeout of its own waits at most [`CALL_DEADLINE`] for each message (one that
+//! may do much disk work first, [`SLOW_CALL_DEADLINE`]); an exec
 //! waits its command's `timeout_ms` plus [`EXEC_GRACE`], and then again at most
 //! `EXEC_GRACE` between messages (so a slow HTTP client reading a long output is not cut).
 //! Past a deadline the call fails with [`AgentClientError::Unresponsive`]; what that means
@@ -82,8 +83,10 @@ pub use locker_proto::{MAX_LIST_BYTES, MAX_LIST_ENTRIES, MAX_LIST_PROCESSES};
 /// minute covers a machine under heavy load or a slow disk.
 pub const CALL_DEADLINE: Duration = Duration::from_secs(60);
 
-/// How long a `Flush` may take: it writes every dirty page of the machine to disk.
-pub const FLUSH_DEADLINE: Duration = Duration::from_secs(300);
+/// How long a call that may do much disk work before its one answer may take: a `Flush`
+/// (every dirty page of the machine), a recursive remove (a tree of a million files), the
+/// fsync of a file just written.
+pub const SLOW_CALL_DEADLINE: Duration = Duration::from_secs(300);
 
 /// How long after its command's `timeout_ms` an exec waits for the agent's result (the
 /// agent kills the command's tree at the timeout and answers at once; the grace covers a
@@ -456,7 +459,7 @@ impl AgentClient {
 
     /// Flushes every filesystem of the machine to its disks.
     pub async fn flush(&self) -> Result<()> {
-        match self.call_within(Request::Flush, FLUSH_DEADLINE).await? {
+        match self.call_within(Request::Flush, SLOW_CALL_DEADLINE).await? {
             EndBody::Ok => Ok(()),
             other => Err(unexpected("Flush", &other)),
         }
@@ -753,10 +756,13 @@ impl AgentClient {
     /// Removes a file, link or empty directory; a non-empty directory needs `recursive`.
     pub async fn remove(&self, path: &str, recursive: bool) -> Result<()> {
         match self
-            .call(Request::Remove {
-                path: path.into(),
-                recursive,
-            })
+            .call_within(
+                Request::Remove {
+                    path: path.into(),
+                    recursive,
+                },
+                SLOW_CALL_DEADLINE,
+            )
             .await?
         {
             EndBody::Ok => Ok(()),
@@ -856,9 +862,10 @@ fn unexpected(what: &str, body: &EndBody) -> AgentClientError {
 
 /// Sends everything `data` yields on `chan`, then `Eof` on `end_chan`, while watching for the
 /// stream's `End` (which may come early, e.g. an error before all data was sent). With
-/// `deadline`, the agent must take each chunk (return credit) and answer after the last
-/// within it: a file write, which only the agent's disk slows. Without, a reader inside
-/// the machine sets the pace (a process's stdin).
+/// `deadline`, the agent must take each chunk (return credit) within it, and answer within
+/// [`SLOW_CALL_DEADLINE`] after the last (it syncs the file): a file write, which only the
+/// agent's disk slows. Without, a reader inside the machine sets the pace (a process's
+/// stdin).
 async fn upload(
     mut stream: AgentStream,
     chan: Chan,
@@ -909,10 +916,10 @@ async fn upload(
                 if let Err(e @ (AgentClientError::Input(_) | AgentClientError::Unresponsive(_))) = r {
                     return Err(e);
                 }
-                if let Some(d) = deadline {
-                    return tokio::time::timeout(d, &mut recv)
+                if deadline.is_some() {
+                    return tokio::time::timeout(SLOW_CALL_DEADLINE, &mut recv)
                         .await
-                        .map_err(|_| AgentClientError::Unresponsive(d))?;
+                        .map_err(|_| AgentClientError::Unresponsive(SLOW_CALL_DEADLINE))?;
                 }
             }
             b = &mut recv => return b,

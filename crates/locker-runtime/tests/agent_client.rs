@@ -1651,7 +1651,17 @@ async fn a_hostile_agent_answering_a_list_without_end_is_cut_at_the_bound() {
         mtime: "2026-12-01T00:00:00Z".into(),
     };
     let batch: Vec<_> = std::iter::repeat_n(entry, 120).collect();
+    // Without end, as far as a host without a bound would see: 256 MiB, then an `End`
+    // (so a host that buffers everything fails this test instead of the machine).
+    let pushed = std::sync::atomic::AtomicU64::new(0);
     let (peer, sock) = FakePeer::start(move |stream, write| {
+        if pushed.fetch_add(1, Ordering::SeqCst) >= 512 {
+            write(&locker_proto::Frame::End {
+                stream,
+                body: EndBody::Entries(vec![]),
+            });
+            return false;
+        }
         write(&locker_proto::Frame::Msg {
             stream,
             msg: Reply::Entries {

@@ -51,20 +51,20 @@ pub fn conflict(id: &str) -> ApiError {
 }
 
 /// Whether an agent error means the machine can no longer answer (rather than one
-/// request failing).
-pub fn is_fatal(e: &AgentClientError) -> bool {
-    matches!(
-        e,
-        AgentClientError::ConnectionLost(_)
-            | AgentClientError::Unresponsive(_)
-            | AgentClientError::Protocol(_)
-    )
+/// request failing). A protocol error counts only when it cost the connection (a request
+/// the host could not encode is the caller's problem, not the machine's).
+pub fn is_fatal(e: &AgentClientError, live: &Live) -> bool {
+    match e {
+        AgentClientError::ConnectionLost(_) | AgentClientError::Unresponsive(_) => true,
+        AgentClientError::Protocol(_) => live.machine.agent.is_closed(),
+        _ => false,
+    }
 }
 
 /// The answer for an agent error on sandbox `live`: a fatal one marks the sandbox failed
 /// (unless it was deleted meanwhile: then it is a plain 404) and answers 409.
 pub async fn check(app: &AppState, live: &Arc<Live>, e: AgentClientError) -> ApiError {
-    if !is_fatal(&e) {
+    if !is_fatal(&e, live) {
         return e.into();
     }
     if live.is_paused() {
