@@ -417,21 +417,21 @@ fn special_files_are_refused_or_capped_not_a_500_or_a_dropped_connection() {
         .post("/v1/volumes", &json!({"name": "special", "size_mb": 64}))
         .expect(201, "create a volume");
     let vid = vol["id"].as_str().expect("id").to_owned();
-    let run = api
-        .post(
-            &format!("/v1/volumes/{vid}/run"),
-            &json!({"shell": "python3 -c 'import socket;s=socket.socket(socket.AF_UNIX);s.bind(\"/workspace/sock\")' && mkfifo /workspace/fifo"}),
-        )
-        .expect(200, "a run making a socket and a FIFO in the volume");
-    assert_eq!(run["exit_code"], 0, "{run}");
+    // A sandbox mounting the volume plants a socket and a FIFO in it.
+    let with_vol = new_sandbox(
+        &api,
+        json!({"volumes": [{"volume": vid, "path": "/workspace"}]}),
+    );
+    api.sh(
+        &with_vol,
+        "python3 -c 'import socket;s=socket.socket(socket.AF_UNIX);s.bind(\"/workspace/sock\")' && mkfifo /workspace/fifo",
+    );
     for p in ["/sock", "/fifo"] {
         let r = api.get(&format!("/v1/volumes/{vid}/files?path={}", enc(p)));
-        if r.status == 404 {
-            // Not committed (a run commits regular files, links and directories only).
-            continue;
-        }
-        r.expect_error(400, "bad_request", &format!("volume GET {p}"));
+        let msg = r.expect_error(400, "bad_request", &format!("volume GET {p}"));
+        assert!(msg.contains("not a regular file"), "{p}: {msg}");
     }
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{with_vol}")).status, 204);
     assert_eq!(api.sh(&id, "echo fine"), "fine\n");
 }
 
