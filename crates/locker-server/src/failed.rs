@@ -67,10 +67,12 @@ pub async fn check(app: &AppState, live: &Arc<Live>, e: AgentClientError) -> Api
     if !is_fatal(&e, live) {
         return e.into();
     }
-    if live.is_paused() {
-        // Paused under the call: its agent is frozen, not broken.
+    if live.is_paused() || live.machine.is_frozen() {
+        // Paused (or held still for a snapshot) under the call: its agent is frozen, not
+        // broken.
         return ApiError::conflict(format!(
-            "sandbox {} was paused while the call ran; resume it and retry",
+            "sandbox {} was paused or snapshotted while the call ran, which took too long; \
+             retry once it runs",
             live.id
         ));
     }
