@@ -28,6 +28,6 @@ pub mod seccomp;
 mod sys;
 pub mod template;
 pub mod tree;
+pub mod volume_fs;
 pub mod vm;
 pub mod vm_fs;
-pub mod volume_fs;
