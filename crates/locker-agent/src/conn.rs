@@ -450,8 +450,11 @@ fn dispatch(agent: &Arc<Agent>, conn: &Arc<Conn>, frame: Frame) -> Result<(), St
                 .spawn(move || handle_guarded(&agent, &worker, req));
             if let Err(e) = spawned {
                 s.fail(AgentError::new(
-                    ErrorCode::Exhausted,
-                    format!("cannot start a thread: {e}"),
+                    ErrorCode::Busy,
+                    format!(
+                        "the machine cannot start another thread ({e}): it is out of processes \
+                         or memory; end some of its processes and retry"
+                    ),
                 ));
             }
         }

@@ -208,7 +208,7 @@ pub fn start(
             e.raw_os_error(),
             Some(libc::EMFILE | libc::ENFILE | libc::EAGAIN | libc::ENOMEM)
         ) {
-            ErrorCode::Exhausted
+            ErrorCode::Busy
         } else {
             ErrorCode::Internal
         };

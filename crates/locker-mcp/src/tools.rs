@@ -513,7 +513,8 @@ if you are not sure of its exact text.",
             "file_list",
             "List a directory of a sandbox (sandbox_id) or a volume (volume): name, type (file, dir, \
 symlink), size in bytes, mode and mtime of each entry; depth > 1 also lists subdirectories. \
-Cheaper and more exact than `exec ls`.",
+Cheaper and more exact than `exec ls`. A listing of more than 100 000 entries (or 64 MiB) \
+fails: list a subdirectory or use a smaller depth (start with depth 1 or 2 on big trees).",
             input(file_list_props, &["path"]),
             json!({"type": "object",
                    "properties": {"entries": {"type": "array", "items": entry_schema()}},

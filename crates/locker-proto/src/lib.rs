@@ -48,6 +48,22 @@ pub const HEADER_LEN: usize = 12;
 pub const MAX_PAYLOAD: usize = 1 << 20;
 /// Bytes of `Data` a sender may have in flight on one stream direction before credit returns.
 pub const INITIAL_WINDOW: u32 = 1 << 20;
+/// The most entries one `List` answer may hold. Far past what a person or a model reads
+/// (a checkout of the Linux kernel is about 80 000 files); the agent refuses a listing
+/// that would pass it before sending any entry, and the host stops reading at it whatever
+/// the agent does.
+pub const MAX_LIST_ENTRIES: usize = 100_000;
+/// The most bytes one `List` (or `ListProcesses`) answer may hold, counted with
+/// [`entry_cost`]: about the size of its JSON. Bounds what the host holds for one answer.
+pub const MAX_LIST_BYTES: usize = 64 << 20;
+/// The most background processes one `ListProcesses` answer may describe.
+pub const MAX_LIST_PROCESSES: usize = 100_000;
+
+/// What an entry counts for against [`MAX_LIST_BYTES`]: its strings plus a fixed share
+/// for the other fields and the JSON around them. Both sides count the same way.
+pub fn entry_cost(e: &Entry) -> usize {
+    e.path.len() + e.name.len() + e.mtime.len() + 80
+}
 /// The size in which senders cut file and output data into `Data` frames.
 pub const DATA_CHUNK: usize = 64 * 1024;
 
@@ -349,8 +365,12 @@ pub enum ErrorCode {
     NotFound,
     /// The target exists in a way that conflicts (e.g. a non-empty directory).
     Conflict,
-    /// The machine ran out of something (disk, processes).
+    /// The machine ran out of space (disk, a file size limit) or the answer is larger than
+    /// the protocol allows: the host answers 413.
     Exhausted,
+    /// The machine is out of processes, threads, memory or file descriptors right now:
+    /// the host answers 429; the same request may work once something in it ends.
+    Busy,
     Internal,
 }
 

@@ -14,10 +14,20 @@
 //! Hostile agents: the machine's side is untrusted (its root user can replace the agent). A
 //! frame that does not decode, data beyond the window, credit never earned, or a flood of
 //! messages drops the connection; nothing the agent sends can panic the host or make it hold
-//! unbounded memory.
+//! unbounded memory. A list answer is counted while it arrives and refused past
+//! [`MAX_LIST_ENTRIES`] / [`MAX_LIST_BYTES`] ([`AgentClientError::TooLarge`]).
+//!
+//! Deadlines: a stopped agent (a command can stop it) must not hang its caller. A call
+//! without a timeout of its own waits at most [`CALL_DEADLINE`] for each message (one that
+//! may do much disk work first, [`SLOW_CALL_DEADLINE`]); an exec
+//! waits its command's `timeout_ms` plus [`EXEC_GRACE`], and then again at most
+//! `EXEC_GRACE` between messages (so a slow HTTP client reading a long output is not cut).
+//! Past a deadline the call fails with [`AgentClientError::Unresponsive`]; what that means
+//! for the machine (failed, killed) is the caller's policy. Long-lived streams opened with
+//! [`AgentClient::open`] (a terminal, a followed output) have no deadline.
 
 use std::collections::HashMap;
-use std::future::poll_fn;
+use std::future::{poll_fn, Future};
 use std::io;
 use std::path::Path;
 use std::pin::Pin;
@@ -56,7 +66,32 @@ pub enum AgentClientError {
     /// Reading the caller's data to send (a file body, stdin) failed.
     #[error("reading the data to send to the agent failed: {0}")]
     Input(#[source] io::Error),
+    /// The agent did not answer within its deadline: it is stopped, hung or hostile. The
+    /// connection may still be open, but the machine cannot be trusted to answer again.
+    #[error("the agent did not answer within {0:?}: the machine's agent is stopped or broken")]
+    Unresponsive(Duration),
+    /// The answer is larger than the host accepts (see [`MAX_LIST_ENTRIES`]); nothing more
+    /// of it was read.
+    #[error("{0}")]
+    TooLarge(String),
 }
+
+pub use locker_proto::{MAX_LIST_BYTES, MAX_LIST_ENTRIES, MAX_LIST_PROCESSES};
+
+/// How long a call without a timeout of its own (stat, list, mkdir, a file's next chunk...)
+/// waits for the agent's next message. An honest agent answers these in milliseconds; a
+/// minute covers a machine under heavy load or a slow disk.
+pub const CALL_DEADLINE: Duration = Duration::from_secs(60);
+
+/// How long a call that may do much disk work before its one answer may take: a `Flush`
+/// (every dirty page of the machine), a recursive remove (a tree of a million files), the
+/// fsync of a file just written.
+pub const SLOW_CALL_DEADLINE: Duration = Duration::from_secs(300);
+
+/// How long after its command's `timeout_ms` an exec waits for the agent's result (the
+/// agent kills the command's tree at the timeout and answers at once; the grace covers a
+/// loaded host), and then at most between two messages.
+pub const EXEC_GRACE: Duration = Duration::from_secs(5);
 
 type Result<T, E = AgentClientError> = std::result::Result<T, E>;
 
@@ -99,6 +134,8 @@ struct Shared {
     streams: Mutex<HashMap<u32, Slot>>,
     closed: Mutex<Option<String>>,
     is_closed: AtomicBool,
+    /// Flips to `true` when the connection is gone, for [`AgentClient::closed`].
+    closed_tx: tokio::sync::watch::Sender<bool>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -116,6 +153,7 @@ impl Shared {
             *c = Some(why.clone());
             self.is_closed.store(true, Ordering::Release);
         }
+        self.closed_tx.send_replace(true);
         let slots: Vec<Slot> = lock(&self.streams).drain().map(|(_, s)| s).collect();
         for s in slots {
             s.credit.close();
@@ -266,6 +304,7 @@ impl AgentClient {
             streams: Mutex::new(HashMap::new()),
             closed: Mutex::new(None),
             is_closed: AtomicBool::new(false),
+            closed_tx: tokio::sync::watch::channel(false).0,
         });
         let (out, out_rx) = mpsc::unbounded_channel();
         let writer = tokio::spawn(write_loop(write, out_rx, shared.clone()));
@@ -291,6 +330,21 @@ impl AgentClient {
     /// Whether the connection is gone.
     pub fn is_closed(&self) -> bool {
         self.inner.shared.is_closed.load(Ordering::Acquire)
+    }
+
+    /// Completes when the connection is gone, with why (the agent died, closed it or broke
+    /// the protocol). Holds no reference to the connection, so a watcher does not keep it
+    /// open.
+    pub fn closed(&self) -> impl Future<Output = String> + Send + 'static {
+        let mut rx = self.inner.shared.closed_tx.subscribe();
+        let shared = Arc::downgrade(&self.inner.shared);
+        async move {
+            let _ = rx.wait_for(|c| *c).await;
+            shared
+                .upgrade()
+                .and_then(|s| lock(&s.closed).clone())
+                .unwrap_or_else(|| "the connection was closed".into())
+        }
     }
 
     /// Opens a stream with any request. Dropping the stream before its end cancels it.
@@ -337,8 +391,14 @@ impl AgentClient {
 
     /// Runs a request that answers with only an `End`; an agent error becomes `Err`.
     async fn call(&self, req: Request) -> Result<EndBody> {
+        self.call_within(req, CALL_DEADLINE).await
+    }
+
+    async fn call_within(&self, req: Request, deadline: Duration) -> Result<EndBody> {
         let mut s = self.open(req)?;
-        s.finish().await
+        tokio::time::timeout(deadline, s.finish())
+            .await
+            .map_err(|_| AgentClientError::Unresponsive(deadline))?
     }
 
     /// A liveness check.
@@ -399,7 +459,7 @@ impl AgentClient {
 
     /// Flushes every filesystem of the machine to its disks.
     pub async fn flush(&self) -> Result<()> {
-        match self.call(Request::Flush).await? {
+        match self.call_within(Request::Flush, SLOW_CALL_DEADLINE).await? {
             EndBody::Ok => Ok(()),
             other => Err(unexpected("Flush", &other)),
         }
@@ -417,6 +477,9 @@ impl AgentClient {
     ) -> Result<ExecResult> {
         spec.stdin = stdin.is_some();
         spec.stream_output = output.is_some();
+        let first = spec
+            .timeout_ms
+            .map(|t| Duration::from_millis(t).saturating_add(EXEC_GRACE));
         let mut stream = self.open(Request::Exec(spec))?;
         let sender = stream.sender();
         let feed = async move {
@@ -428,8 +491,30 @@ impl AgentClient {
             std::future::pending::<()>().await
         };
         let read = async {
+            // One timer for the whole call. When it fires, the exec fails only if nothing
+            // came since it was last armed; otherwise it is re-armed for EXEC_GRACE. The
+            // per-message cost is one counter increment.
+            let far = Duration::from_secs(100 * 365 * 24 * 3600);
+            let timer = tokio::time::sleep(first.unwrap_or(far));
+            tokio::pin!(timer);
+            let (mut seen, mut armed_at) = (0u64, 0u64);
             loop {
-                match stream.recv_raw().await? {
+                let ev = tokio::select! {
+                    biased;
+                    ev = stream.recv_raw() => ev?,
+                    _ = &mut timer, if first.is_some() => {
+                        if seen == armed_at {
+                            return Err(AgentClientError::Unresponsive(
+                                first.unwrap_or(far),
+                            ));
+                        }
+                        armed_at = seen;
+                        timer.as_mut().reset(tokio::time::Instant::now() + EXEC_GRACE);
+                        continue;
+                    }
+                };
+                seen += 1;
+                match ev {
                     Some(StreamEvent::Data(chan, bytes)) => {
                         let n = bytes.len();
                         if let Some(tx) = &output {
@@ -471,11 +556,28 @@ impl AgentClient {
     pub async fn list_processes(&self) -> Result<Vec<ProcessInfo>> {
         let mut s = self.open(Request::ListProcesses)?;
         let mut all = Vec::new();
+        let mut bytes = 0usize;
+        let mut take = |batch: Vec<ProcessInfo>, all: &mut Vec<ProcessInfo>| {
+            for p in batch {
+                bytes += process_cost(&p);
+                if all.len() >= MAX_LIST_PROCESSES || bytes > MAX_LIST_BYTES {
+                    return Err(AgentClientError::TooLarge(format!(
+                        "the machine's list of background processes passed {MAX_LIST_PROCESSES} \
+                         processes or {} MiB; signal or wait for some of them",
+                        MAX_LIST_BYTES >> 20
+                    )));
+                }
+                all.push(p);
+            }
+            Ok(())
+        };
         loop {
-            match s.recv().await? {
-                Some(StreamEvent::Msg(Reply::Processes { processes })) => all.extend(processes),
+            match s.recv_within(CALL_DEADLINE).await? {
+                Some(StreamEvent::Msg(Reply::Processes { processes })) => {
+                    take(processes, &mut all)?
+                }
                 Some(StreamEvent::End(EndBody::Processes(batch))) => {
-                    all.extend(batch);
+                    take(batch, &mut all)?;
                     return Ok(all);
                 }
                 Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
@@ -532,7 +634,7 @@ impl AgentClient {
     ) -> Result<()> {
         let s = self.open(Request::ProcessStdin { id: id.into() })?;
         let end_chan = if close { Chan::Stdin } else { Chan::Bytes };
-        match upload(s, Chan::Stdin, data, end_chan).await? {
+        match upload(s, Chan::Stdin, data, end_chan, None).await? {
             EndBody::Ok => Ok(()),
             EndBody::Error(e) => Err(e.into()),
             other => Err(unexpected("ProcessStdin", &other)),
@@ -558,7 +660,7 @@ impl AgentClient {
     pub async fn read_file(&self, path: &str) -> Result<(Entry, FileReader)> {
         let mut s = self.open(Request::ReadFile { path: path.into() })?;
         loop {
-            match s.recv().await? {
+            match s.recv_within(CALL_DEADLINE).await? {
                 Some(StreamEvent::Msg(Reply::Entry(e))) => {
                     return Ok((
                         e,
@@ -567,6 +669,8 @@ impl AgentClient {
                             buf: Vec::new(),
                             pos: 0,
                             done: false,
+                            timer: Box::pin(tokio::time::sleep(CALL_DEADLINE)),
+                            waiting: false,
                         },
                     ))
                 }
@@ -590,33 +694,39 @@ impl AgentClient {
             path: path.into(),
             mode,
         })?;
-        match upload(s, Chan::Bytes, data, Chan::Bytes).await? {
+        match upload(s, Chan::Bytes, data, Chan::Bytes, Some(CALL_DEADLINE)).await? {
             EndBody::Entry(e) => Ok(e),
             EndBody::Error(e) => Err(e.into()),
             other => Err(unexpected("WriteFile", &other)),
         }
     }
 
-    /// The entries under a directory, `depth` levels down (1: its own children).
+    /// The entries under a directory, `depth` levels down (1: its own children), at most
+    /// [`MAX_LIST_ENTRIES`] and [`MAX_LIST_BYTES`] of them.
     pub async fn list(&self, path: &str, depth: u32) -> Result<Vec<Entry>> {
-        let mut s = self.open(Request::List {
+        let mut l = self.list_stream(path, depth)?;
+        let mut all = Vec::new();
+        while let Some(batch) = l.next_batch().await? {
+            all.extend(batch);
+        }
+        Ok(all)
+    }
+
+    /// Like [`list`](Self::list), batch by batch as they arrive, so a caller can pass a
+    /// large answer on without holding it whole. The bounds are counted here.
+    pub fn list_stream(&self, path: &str, depth: u32) -> Result<ListStream> {
+        let stream = self.open(Request::List {
             path: path.into(),
             depth,
         })?;
-        let mut all = Vec::new();
-        loop {
-            match s.recv().await? {
-                Some(StreamEvent::Msg(Reply::Entries { entries })) => all.extend(entries),
-                Some(StreamEvent::End(EndBody::Entries(batch))) => {
-                    all.extend(batch);
-                    return Ok(all);
-                }
-                Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
-                Some(StreamEvent::End(other)) => return Err(unexpected("List", &other)),
-                Some(_) => {}
-                None => return Err(s.lost()),
-            }
-        }
+        Ok(ListStream {
+            stream,
+            path: path.to_owned(),
+            depth,
+            entries: 0,
+            bytes: 0,
+            done: false,
+        })
     }
 
     /// Describes a path (a symlink itself, not its target).
@@ -646,10 +756,13 @@ impl AgentClient {
     /// Removes a file, link or empty directory; a non-empty directory needs `recursive`.
     pub async fn remove(&self, path: &str, recursive: bool) -> Result<()> {
         match self
-            .call(Request::Remove {
-                path: path.into(),
-                recursive,
-            })
+            .call_within(
+                Request::Remove {
+                    path: path.into(),
+                    recursive,
+                },
+                SLOW_CALL_DEADLINE,
+            )
             .await?
         {
             EndBody::Ok => Ok(()),
@@ -673,6 +786,64 @@ impl AgentClient {
     }
 }
 
+/// What a process counts for against [`MAX_LIST_BYTES`]: its strings plus a fixed share
+/// for the rest (a result's output bodies are empty in a list).
+fn process_cost(p: &ProcessInfo) -> usize {
+    let result = p
+        .result
+        .as_ref()
+        .map_or(0, |r| 512 + r.stdout.len() + r.stderr.len());
+    p.id.len() + p.state.len() + p.argv.iter().map(|a| a.len() + 4).sum::<usize>() + result + 96
+}
+
+/// A `List` answer arriving batch by batch (see [`AgentClient::list_stream`]).
+#[derive(Debug)]
+pub struct ListStream {
+    stream: AgentStream,
+    path: String,
+    depth: u32,
+    entries: usize,
+    bytes: usize,
+    done: bool,
+}
+
+impl ListStream {
+    /// The next batch; `None` after the last. Past the bounds: `TooLarge`, and the stream is
+    /// dropped (cancelled) without reading further.
+    pub async fn next_batch(&mut self) -> Result<Option<Vec<Entry>>> {
+        if self.done {
+            return Ok(None);
+        }
+        let batch = loop {
+            match self.stream.recv_within(CALL_DEADLINE).await? {
+                Some(StreamEvent::Msg(Reply::Entries { entries })) => break entries,
+                Some(StreamEvent::End(EndBody::Entries(batch))) => {
+                    self.done = true;
+                    break batch;
+                }
+                Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
+                Some(StreamEvent::End(other)) => return Err(unexpected("List", &other)),
+                Some(_) => {}
+                None => return Err(self.stream.lost()),
+            }
+        };
+        self.entries += batch.len();
+        self.bytes += batch.iter().map(locker_proto::entry_cost).sum::<usize>();
+        if self.entries > MAX_LIST_ENTRIES || self.bytes > MAX_LIST_BYTES {
+            self.done = true;
+            let _ = self.stream.cancel();
+            return Err(AgentClientError::TooLarge(format!(
+                "the listing of {} at depth {} has more than {MAX_LIST_ENTRIES} entries or {} MiB: \
+                 list a subdirectory or use a smaller depth",
+                self.path,
+                self.depth,
+                MAX_LIST_BYTES >> 20
+            )));
+        }
+        Ok(Some(batch))
+    }
+}
+
 fn unexpected(what: &str, body: &EndBody) -> AgentClientError {
     let kind = match body {
         EndBody::Ok => "ok",
@@ -690,12 +861,17 @@ fn unexpected(what: &str, body: &EndBody) -> AgentClientError {
 }
 
 /// Sends everything `data` yields on `chan`, then `Eof` on `end_chan`, while watching for the
-/// stream's `End` (which may come early, e.g. an error before all data was sent).
+/// stream's `End` (which may come early, e.g. an error before all data was sent). With
+/// `deadline`, the agent must take each chunk (return credit) within it, and answer within
+/// [`SLOW_CALL_DEADLINE`] after the last (it syncs the file): a file write, which only the
+/// agent's disk slows. Without, a reader inside the machine sets the pace (a process's
+/// stdin).
 async fn upload(
     mut stream: AgentStream,
     chan: Chan,
     mut data: impl AsyncRead + Unpin,
     end_chan: Chan,
+    deadline: Option<Duration>,
 ) -> Result<EndBody> {
     let sender = stream.sender();
     let send = async {
@@ -705,7 +881,12 @@ async fn upload(
             if n == 0 {
                 break;
             }
-            sender.send_data(chan, &buf[..n]).await?;
+            match deadline {
+                Some(d) => tokio::time::timeout(d, sender.send_data(chan, &buf[..n]))
+                    .await
+                    .map_err(|_| AgentClientError::Unresponsive(d))??,
+                None => sender.send_data(chan, &buf[..n]).await?,
+            }
         }
         sender.send_eof(end_chan)
     };
@@ -732,8 +913,13 @@ async fn upload(
                 // A local read failure aborts the upload (dropping the stream cancels it, so
                 // the agent discards the partial file); a send failure means the stream ended
                 // or the connection died, which `recv` reports.
-                if let Err(e @ AgentClientError::Input(_)) = r {
+                if let Err(e @ (AgentClientError::Input(_) | AgentClientError::Unresponsive(_))) = r {
                     return Err(e);
+                }
+                if deadline.is_some() {
+                    return tokio::time::timeout(SLOW_CALL_DEADLINE, &mut recv)
+                        .await
+                        .map_err(|_| AgentClientError::Unresponsive(SLOW_CALL_DEADLINE))?;
                 }
             }
             b = &mut recv => return b,
@@ -840,6 +1026,14 @@ impl AgentStream {
             self.ack(*chan, b.len());
         }
         Poll::Ready(ev)
+    }
+
+    /// Like [`recv`](Self::recv), failing with `Unresponsive` if nothing comes within
+    /// `deadline`.
+    pub async fn recv_within(&mut self, deadline: Duration) -> Result<Option<StreamEvent>> {
+        tokio::time::timeout(deadline, self.recv())
+            .await
+            .map_err(|_| AgentClientError::Unresponsive(deadline))?
     }
 
     async fn recv_raw(&mut self) -> Result<Option<StreamEvent>> {
@@ -950,6 +1144,10 @@ pub struct FileReader {
     buf: Vec<u8>,
     pos: usize,
     done: bool,
+    /// [`CALL_DEADLINE`] for the next chunk, armed when the reader starts waiting for it
+    /// (time the consumer spends elsewhere does not count).
+    timer: Pin<Box<tokio::time::Sleep>>,
+    waiting: bool,
 }
 
 impl std::fmt::Debug for FileReader {
@@ -978,9 +1176,24 @@ impl FileReader {
             if self.done {
                 return Poll::Ready(Ok(None));
             }
-            match std::task::ready!(self.stream.poll_recv(cx)) {
+            if !self.waiting {
+                self.waiting = true;
+                self.timer
+                    .as_mut()
+                    .reset(tokio::time::Instant::now() + CALL_DEADLINE);
+            }
+            let ev = match self.stream.poll_recv(cx) {
+                Poll::Ready(ev) => ev,
+                Poll::Pending => {
+                    std::task::ready!(self.timer.as_mut().poll(cx));
+                    self.done = true;
+                    return Poll::Ready(Err(AgentClientError::Unresponsive(CALL_DEADLINE)));
+                }
+            };
+            match ev {
                 Ok(Some(StreamEvent::Data(_, b))) if !b.is_empty() => {
-                    return Poll::Ready(Ok(Some(b)))
+                    self.waiting = false;
+                    return Poll::Ready(Ok(Some(b)));
                 }
                 Ok(Some(StreamEvent::End(EndBody::Ok))) | Ok(None) => self.done = true,
                 Ok(Some(StreamEvent::End(EndBody::Error(e)))) => {

@@ -180,6 +180,11 @@ pub struct Machine {
 }
 
 impl Machine {
+    /// Whether its processes are frozen now (paused, or held still for a snapshot).
+    pub fn is_frozen(&self) -> bool {
+        self.cgroup.is_frozen()
+    }
+
     /// Freezes every process of the machine (no CPU used until [`Machine::resume`]).
     pub fn pause(&self) -> Result<(), NodeError> {
         Ok(self.cgroup.set_frozen(true)?)

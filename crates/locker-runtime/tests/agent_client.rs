@@ -1547,3 +1547,178 @@ async fn the_cgroup_v2_layout_kills_trees_and_accounts() {
     assert!(a.client.machine_usage().await.unwrap().cpu_ms >= r.usage.cpu_ms);
     assert!(a.cgroups().command_cgroups().is_empty());
 }
+
+/// A fake agent on a unix socket: answers `Hello`, then hands each frame the host sends to
+/// `serve` with a writer (the host's side is the real [`AgentClient`]).
+struct FakePeer {
+    dir: PathBuf,
+    /// Bytes the fake wrote after `Hello`.
+    sent: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Set when the host cancelled a stream.
+    cancelled: std::sync::Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for FakePeer {
+    fn drop(&mut self) {
+        let _ = fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl FakePeer {
+    /// Starts a fake whose answer to the first `Open` is `answer(stream, write)`, called
+    /// until it returns false or the host cancels.
+    fn start(
+        answer: impl Fn(u32, &mut dyn FnMut(&locker_proto::Frame) -> bool) -> bool + Send + 'static,
+    ) -> (FakePeer, PathBuf) {
+        use std::os::unix::net::UnixListener;
+        use std::sync::atomic::{AtomicBool, AtomicU64};
+        use std::sync::Arc;
+        let dir = std::env::temp_dir().join(unique("locker-fake-peer"));
+        fs::create_dir_all(&dir).unwrap();
+        let sock = dir.join("agent.sock");
+        let listener = UnixListener::bind(&sock).unwrap();
+        let sent = Arc::new(AtomicU64::new(0));
+        let cancelled = Arc::new(AtomicBool::new(false));
+        let (sent2, cancelled2) = (sent.clone(), cancelled.clone());
+        std::thread::spawn(move || {
+            let Ok((mut s, _)) = listener.accept() else {
+                return;
+            };
+            let mut scratch = Vec::new();
+            let Ok(Some(locker_proto::Frame::Hello(_))) =
+                locker_proto::read_frame(&mut s, &mut scratch)
+            else {
+                return;
+            };
+            let mut b = Vec::new();
+            locker_proto::Frame::Hello(locker_proto::Hello {
+                version: locker_proto::PROTOCOL_VERSION,
+                peer: "fake".into(),
+            })
+            .encode(&mut b)
+            .unwrap();
+            s.write_all(&b).unwrap();
+            let Ok(Some(locker_proto::Frame::Open { stream, .. })) =
+                locker_proto::read_frame(&mut s, &mut scratch)
+            else {
+                return;
+            };
+            // The host's later frames (Cancel) are watched from a second thread.
+            let mut r = s.try_clone().unwrap();
+            let c = cancelled2.clone();
+            std::thread::spawn(move || {
+                let mut scratch = Vec::new();
+                while let Ok(Some(f)) = locker_proto::read_frame(&mut r, &mut scratch) {
+                    if matches!(f, locker_proto::Frame::Cancel { .. }) {
+                        c.store(true, Ordering::SeqCst);
+                    }
+                }
+                c.store(true, Ordering::SeqCst);
+            });
+            let mut write = |f: &locker_proto::Frame| -> bool {
+                if cancelled2.load(Ordering::SeqCst) {
+                    return false;
+                }
+                let mut b = Vec::new();
+                f.encode(&mut b).unwrap();
+                sent2.fetch_add(b.len() as u64, Ordering::SeqCst);
+                s.write_all(&b).is_ok()
+            };
+            while answer(stream, &mut write) {}
+            // Keep the connection open (a stopped agent neither answers nor closes).
+            std::thread::sleep(Duration::from_secs(30));
+        });
+        (
+            FakePeer {
+                dir,
+                sent,
+                cancelled,
+            },
+            sock,
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_agent_answering_a_list_without_end_is_cut_at_the_bound() {
+    // Batches of long entries, without end (the report's 300 MiB answer, and more).
+    let entry = locker_types::Entry {
+        path: format!("/{}", "p".repeat(4000)),
+        name: "p".repeat(250),
+        kind: EntryType::File,
+        size: 0,
+        mode: 0o644,
+        mtime: "2026-12-01T00:00:00Z".into(),
+    };
+    let batch: Vec<_> = std::iter::repeat_n(entry, 120).collect();
+    // Without end, as far as a host without a bound would see: 256 MiB, then an `End`
+    // (so a host that buffers everything fails this test instead of the machine).
+    let pushed = std::sync::atomic::AtomicU64::new(0);
+    let (peer, sock) = FakePeer::start(move |stream, write| {
+        if pushed.fetch_add(1, Ordering::SeqCst) >= 512 {
+            write(&locker_proto::Frame::End {
+                stream,
+                body: EndBody::Entries(vec![]),
+            });
+            return false;
+        }
+        write(&locker_proto::Frame::Msg {
+            stream,
+            msg: Reply::Entries {
+                entries: batch.clone(),
+            },
+        })
+    });
+    let client = AgentClient::connect(&sock, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let t = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(60), client.list("/", 16))
+        .await
+        .expect("the list ends")
+        .unwrap_err();
+    assert!(matches!(err, AgentClientError::TooLarge(_)), "{err}");
+    assert!(err.to_string().contains("subdirectory"), "{err}");
+    // The host stopped reading at the bound: it cancelled, and the agent could not push
+    // much more than the bound before that (what sits in the socket's buffers).
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(
+        peer.cancelled.load(Ordering::SeqCst),
+        "the host cancelled the stream"
+    );
+    let sent = peer.sent.load(Ordering::SeqCst);
+    println!(
+        "hostile list: refused after {:?}, the fake sent {} MiB",
+        t.elapsed(),
+        sent >> 20
+    );
+    assert!(
+        sent < (locker_runtime::agent::MAX_LIST_BYTES as u64) + (16 << 20),
+        "the fake pushed {sent} bytes"
+    );
+    // The connection is still usable for other streams (the fake only answered one).
+    assert!(!client.is_closed());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_on_a_silent_agent_ends_after_its_timeout_and_grace() {
+    // The fake takes the exec and never answers, like a stopped agent.
+    let (_peer, sock) = FakePeer::start(|_, _| false);
+    let client = AgentClient::connect(&sock, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let mut s = sh("sleep 100");
+    s.timeout_ms = Some(500);
+    let t = Instant::now();
+    let err = tokio::time::timeout(Duration::from_secs(20), client.exec(s, None, None))
+        .await
+        .expect("the exec ends")
+        .unwrap_err();
+    let took = t.elapsed();
+    assert!(matches!(err, AgentClientError::Unresponsive(_)), "{err}");
+    let grace = locker_runtime::agent::EXEC_GRACE;
+    assert!(
+        took >= Duration::from_millis(500) + grace && took < Duration::from_millis(1500) + grace,
+        "the exec failed after {took:?}"
+    );
+}

@@ -107,6 +107,8 @@ impl From<AgentError> for ApiError {
             ErrorCode::Conflict => Self::conflict(e.message),
             // A full disk is the machine's quota, not the platform's failure.
             ErrorCode::Exhausted => Self::too_large(e.message),
+            // Out of processes or memory inside the machine: its own limits, for now.
+            ErrorCode::Busy => Self::quota(e.message),
             ErrorCode::Internal => Self::internal(e.message),
         }
     }
@@ -116,6 +118,10 @@ impl From<AgentClientError> for ApiError {
     fn from(e: AgentClientError) -> Self {
         match e {
             AgentClientError::Agent(a) => a.into(),
+            AgentClientError::TooLarge(m) => Self::too_large(m),
+            e @ AgentClientError::Unresponsive(_) => Self::unavailable(format!(
+                "{e}; the machine was stopped (a command may have stopped its agent)"
+            )),
             other => Self::internal(format!("the machine's agent failed: {other}")),
         }
     }

@@ -142,7 +142,7 @@ async fn exec(
         let mut res = match live.machine.agent.exec(spec.clone(), stdin, None).await {
             Ok(r) => r,
             Err(_) if machine_gone(&app, &live).await => killed_with_machine(&call_id, started),
-            Err(e) => return Err(e.into()),
+            Err(e) => return Err(crate::failed::check(&app, &live, e).await),
         };
         finish(
             &app, &caller, &live, &req, &spec, &mut res, queue_ms, arrived,
@@ -178,7 +178,7 @@ async fn exec(
                 );
                 typed("result", &res)
             }
-            Err(e) => error_line(e.into()),
+            Err(e) => error_line(crate::failed::check(&app, &live, e).await),
         };
         send_line(&body_tx, &last).await;
     });
@@ -259,8 +259,9 @@ pub async fn send_line(body: &mpsc::Sender<Bytes>, v: &serde_json::Value) {
 
 /// Whether the sandbox of a call was destroyed (deleted or expired) while the call ran:
 /// its agent connection then breaks, which is the command's end, not a platform failure.
+/// A sandbox that failed under the call is not "gone" that way: the call answers why.
 async fn machine_gone(app: &AppState, live: &Live) -> bool {
-    !app.live.read().await.contains_key(&live.id)
+    !app.live.read().await.contains_key(&live.id) && crate::failed::reason(&live.id).is_none()
 }
 
 /// The result of a command killed with its machine (the sandbox was deleted or expired

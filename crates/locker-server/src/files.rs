@@ -71,6 +71,27 @@ pub trait FilesTarget: Sized + Send + Sync + 'static {
     /// them), while the target's write gate is still held: a volume appends them to its
     /// commit log, against which runs detect conflicts.
     fn changed(&self, _paths: &[&str]) {}
+    /// The answer for an agent error; a sandbox whose agent is gone or stopped answering
+    /// is marked failed here.
+    fn failed(
+        &self,
+        _app: &AppState,
+        e: AgentClientError,
+    ) -> impl Future<Output = ApiError> + Send {
+        std::future::ready(e.into())
+    }
+}
+
+/// `r`, with an agent error answered as the target says (see [`FilesTarget::failed`]).
+async fn agent_result<T: FilesTarget, R>(
+    app: &AppState,
+    target: &T,
+    r: Result<R, AgentClientError>,
+) -> Result<R, ApiError> {
+    match r {
+        Ok(v) => Ok(v),
+        Err(e) => Err(target.failed(app, e).await),
+    }
 }
 
 impl FilesTarget for Busy {
@@ -79,6 +100,9 @@ impl FilesTarget for Busy {
     }
     fn agent(&self) -> &AgentClient {
         &self.machine.agent
+    }
+    async fn failed(&self, app: &AppState, e: AgentClientError) -> ApiError {
+        crate::failed::check(app, self, e).await
     }
 }
 
@@ -175,7 +199,8 @@ async fn download<T: FilesTarget>(
 ) -> Result<Response, ApiError> {
     let path = required(q.path)?;
     let target = T::resolve(&app, &caller, &id).await?;
-    let (entry, reader) = target.agent().read_file(&path).await?;
+    let (entry, reader) =
+        agent_result(&app, &target, target.agent().read_file(&path).await).await?;
     if entry.kind == EntryType::Dir {
         return Err(ApiError::bad_request(format!(
             "{path} is a directory: list it with files/list"
@@ -243,10 +268,10 @@ async fn upload<T: FilesTarget>(
     let agent = target.agent();
     let mut stream = body.into_data_stream().map_err(std::io::Error::other);
     let Some(space) = target.space() else {
-        let entry = agent
+        let r = agent
             .write_file(&path, mode, tokio_util::io::StreamReader::new(stream))
-            .await?;
-        return Ok(axum::Json(entry));
+            .await;
+        return Ok(axum::Json(agent_result(&app, &target, r).await?));
     };
     let _writing = space.gate.read().await;
     let old = counted(agent, &path).await;
@@ -338,7 +363,7 @@ async fn remove<T: FilesTarget>(
     let target = T::resolve(&app, &caller, &id).await?;
     let agent = target.agent();
     let Some(space) = target.space() else {
-        agent.remove(&path, q.recursive).await?;
+        agent_result(&app, &target, agent.remove(&path, q.recursive).await).await?;
         return Ok(StatusCode::NO_CONTENT);
     };
     let writing = space.gate.read().await;
@@ -375,8 +400,55 @@ async fn list<T: FilesTarget>(
         return Err(ApiError::bad_request("`depth` must be between 1 and 16"));
     }
     let target = T::resolve(&app, &caller, &id).await?;
-    let entries = target.agent().list(&path, depth).await?;
-    Ok(axum::Json(json!({ "entries": entries })))
+    let entries = agent_result(&app, &target, target.agent().list(&path, depth).await).await?;
+    Ok(entries_body(entries))
+}
+
+/// Entries serialized per this many while the body is sent, not all at once.
+const ENTRIES_PER_CHUNK: usize = 512;
+
+/// `{"entries": [...]}`, serialized chunk by chunk as the client reads it: a listing near
+/// the bound (64 MiB of entries) is held once, not twice.
+fn entries_body(entries: Vec<locker_types::Entry>) -> Response {
+    if entries.len() <= ENTRIES_PER_CHUNK {
+        return axum::Json(json!({ "entries": entries })).into_response();
+    }
+    let total = entries.len();
+    let chunks = futures_util::stream::unfold(
+        (entries.into_iter(), 0usize),
+        move |(mut it, done)| async move {
+            if done > total {
+                return None;
+            }
+            let mut buf = Vec::with_capacity(64 << 10);
+            if done == 0 {
+                buf.extend_from_slice(b"{\"entries\":[");
+            }
+            let mut n = 0;
+            for e in it.by_ref().take(ENTRIES_PER_CHUNK) {
+                if done + n > 0 {
+                    buf.push(b',');
+                }
+                serde_json::to_writer(&mut buf, &e).expect("an entry serializes");
+                n += 1;
+            }
+            let done = done + n;
+            if done == total {
+                buf.extend_from_slice(b"]}");
+                // One past the end: the next call ends the stream.
+                return Some((
+                    Ok::<_, std::convert::Infallible>(bytes::Bytes::from(buf)),
+                    (it, total + 1),
+                ));
+            }
+            Some((Ok(bytes::Bytes::from(buf)), (it, done)))
+        },
+    );
+    (
+        [(header::CONTENT_TYPE, "application/json")],
+        Body::from_stream(chunks),
+    )
+        .into_response()
 }
 
 async fn stat<T: FilesTarget>(
@@ -387,7 +459,8 @@ async fn stat<T: FilesTarget>(
 ) -> Result<impl IntoResponse, ApiError> {
     let path = required(q.path)?;
     let target = T::resolve(&app, &caller, &id).await?;
-    Ok(axum::Json(target.agent().stat(&path).await?))
+    let entry = agent_result(&app, &target, target.agent().stat(&path).await).await?;
+    Ok(axum::Json(entry))
 }
 
 #[derive(Deserialize)]
@@ -406,7 +479,8 @@ async fn mkdir<T: FilesTarget>(
     let target = T::resolve(&app, &caller, &id).await?;
     let agent = target.agent();
     let Some(space) = target.space() else {
-        return Ok(axum::Json(agent.mkdir(&b.path).await?));
+        let entry = agent_result(&app, &target, agent.mkdir(&b.path).await).await?;
+        return Ok(axum::Json(entry));
     };
     let _writing = space.gate.read().await;
     let existed = agent.stat(&b.path).await.is_ok();
@@ -439,7 +513,8 @@ async fn rename<T: FilesTarget>(
     let target = T::resolve(&app, &caller, &id).await?;
     let agent = target.agent();
     let Some(space) = target.space() else {
-        return Ok(axum::Json(agent.rename(&b.from, &b.to).await?));
+        let entry = agent_result(&app, &target, agent.rename(&b.from, &b.to).await).await?;
+        return Ok(axum::Json(entry));
     };
     let _writing = space.gate.read().await;
     // A file moved over another frees the one it replaces.

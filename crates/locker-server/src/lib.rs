@@ -6,6 +6,7 @@
 //! - [`auth`]: API keys and tenants on every `/v1` route;
 //! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`volumes`], [`admin`], [`ops`]: the routes;
 //! - [`error`], [`extract`]: the one error shape and request parsing;
+//! - [`failed`]: sandboxes whose agent died or stopped answering;
 //! - [`metrics`]: Prometheus text;
 //! - [`egress`]: egress policies by name: the proxy, the DNS responder, refusals;
 //! - [`capacity`]: what the host holds: quota defaults and disk admission;
@@ -22,6 +23,7 @@ pub mod egress;
 pub mod error;
 pub mod exec;
 pub mod extract;
+pub mod failed;
 pub mod files;
 pub mod mcp;
 pub mod metrics;

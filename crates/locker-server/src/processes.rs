@@ -10,7 +10,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use futures_util::TryStreamExt;
 use locker_proto::{Chan, PtySize, Request};
-use locker_runtime::agent::StreamEvent;
+use locker_runtime::agent::{AgentClientError, StreamEvent};
 use locker_types::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
@@ -21,6 +21,7 @@ use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::exec::{build_spec, call_record, error_line, ndjson_response, pump, send_line, typed};
 use crate::extract::{Json, Query};
+use crate::failed::result;
 use crate::sandboxes::live_of;
 
 pub fn routes() -> Router<AppState> {
@@ -58,9 +59,10 @@ async fn start(
     // Background processes keep a stdin pipe for later writes unless the body gave stdin.
     spec.stdin = true;
     let agent = live.machine.agent.clone();
-    let (proc_id, pid) = agent.spawn(spec.clone()).await?;
+    let (proc_id, pid) = result(&app, &live, agent.spawn(spec.clone()).await).await?;
     if let Some(data) = stdin {
-        agent.process_stdin(&proc_id, &data[..], true).await?;
+        let r = agent.process_stdin(&proc_id, &data[..], true).await;
+        result(&app, &live, r).await?;
     }
     // Record the call when the process ends; polling is cheap and moves no output.
     let (app2, live2, caller2, pid_s) =
@@ -87,6 +89,8 @@ async fn start(
                     return;
                 }
                 Ok(_) => {}
+                // Frozen (paused) under the poll: ask again once it runs.
+                Err(AgentClientError::Unresponsive(_)) if live2.is_paused() => {}
                 Err(_) => return,
             }
         }
@@ -100,7 +104,7 @@ async fn list(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let live = live_of(&app, &caller, &id).await?;
-    let procs = live.machine.agent.list_processes().await?;
+    let procs = result(&app, &live, live.machine.agent.list_processes().await).await?;
     Ok(axum::Json(json!({ "processes": procs })))
 }
 
@@ -111,7 +115,8 @@ async fn get_one(
 ) -> Result<impl IntoResponse, ApiError> {
     check_proc_id(&proc_id)?;
     let live = live_of(&app, &caller, &id).await?;
-    Ok(axum::Json(live.machine.agent.get_process(&proc_id).await?))
+    let p = result(&app, &live, live.machine.agent.get_process(&proc_id).await).await?;
+    Ok(axum::Json(p))
 }
 
 #[derive(Deserialize)]
@@ -130,7 +135,7 @@ async fn output(
     check_proc_id(&proc_id)?;
     let live = live_of(&app, &caller, &id).await?;
     // Fail before streaming if the process is unknown.
-    live.machine.agent.get_process(&proc_id).await?;
+    result(&app, &live, live.machine.agent.get_process(&proc_id).await).await?;
     let (body_tx, response) = ndjson_response();
     tokio::spawn(async move {
         let (out_tx, mut out_rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
@@ -175,10 +180,12 @@ async fn stdin(
     let live = live_of(&app, &caller, &id).await?;
     let reader =
         tokio_util::io::StreamReader::new(body.into_data_stream().map_err(std::io::Error::other));
-    live.machine
+    let r = live
+        .machine
         .agent
         .process_stdin(&proc_id, reader, q.close)
-        .await?;
+        .await;
+    result(&app, &live, r).await?;
     Ok(axum::Json(json!({"ok": true})))
 }
 
@@ -237,7 +244,8 @@ async fn signal(
     check_proc_id(&proc_id)?;
     let sig = parse_signal(&b.signal)?;
     let live = live_of(&app, &caller, &id).await?;
-    live.machine.agent.signal_process(&proc_id, sig).await?;
+    let r = live.machine.agent.signal_process(&proc_id, sig).await;
+    result(&app, &live, r).await?;
     Ok(axum::Json(json!({"ok": true})))
 }
 

@@ -200,6 +200,8 @@ pub fn view(r: &SandboxRecord, live: Option<&Live>) -> Value {
         "expires_at": r.expires_at,
         "last_active_at": last_active,
         "usage": usage,
+        "failure": (r.state == SandboxState::Failed)
+            .then(|| crate::failed::reason(&r.id).unwrap_or_else(|| "unknown".into())),
     })
 }
 
@@ -607,6 +609,7 @@ pub async fn launch(
     let machine = match started {
         Ok(m) => m,
         Err(e) => {
+            crate::failed::note(&id, format!("starting its machine failed: {e}"));
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
             return Err(ApiError::internal(format!(
                 "starting the sandbox failed: {e}"
@@ -621,6 +624,7 @@ pub async fn launch(
         {
             app.egress.forget(&id);
             let _ = app.node.destroy(&machine).await;
+            crate::failed::note(&id, format!("giving its machine a network failed: {e}"));
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
             return Err(ApiError::unavailable(format!(
                 "starting the sandbox failed: {e}"
@@ -638,6 +642,7 @@ pub async fn launch(
     ));
     app.store.set_sandbox_state(&id, SandboxState::Running)?;
     app.live.write().await.insert(id.clone(), live.clone());
+    crate::failed::watch(app, &live);
     record.state = SandboxState::Running;
     Ok((record, live))
 }
@@ -724,9 +729,7 @@ pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, 
         _ => {
             // Exists but not live here: say why rather than pretending it is missing.
             match app.store.get_sandbox(&caller.tenant, id)? {
-                Some(r) if r.state == SandboxState::Failed => Err(ApiError::conflict(format!(
-                    "sandbox {id} failed to start; delete it and create another"
-                ))),
+                Some(r) if r.state == SandboxState::Failed => Err(crate::failed::conflict(id)),
                 Some(r) if r.state == SandboxState::Starting => Err(ApiError::conflict(format!(
                     "sandbox {id} is still starting"
                 ))),
@@ -990,6 +993,7 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> 
     }
     app.store.update_sandbox(&rec)?;
     app.store.delete_sandbox(&rec.id)?;
+    crate::failed::forget(&rec.id);
     Ok(())
 }
 
@@ -1035,6 +1039,7 @@ pub async fn adopt_all(app: &AppState) {
                 if has_egress(&r.network) {
                     readopt_egress(app, &r, &live).await;
                 }
+                crate::failed::watch(app, &live);
                 app.live.write().await.insert(r.id.clone(), live);
                 keep.push(r.id.clone());
                 tracing::info!(sandbox = %r.id, "adopted a running sandbox");
