@@ -50,7 +50,15 @@ pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/volumes", post(create).get(list))
         .route("/v1/volumes/{id}", get(get_one).delete(delete))
-        .route("/v1/volumes/{id}/snapshots", post(snapshot))
+        .route(
+            "/v1/volumes/{id}/snapshots",
+            post(snapshot).get(list_snapshots),
+        )
+        .route(
+            "/v1/volumes/{id}/snapshots/{snap}",
+            axum::routing::delete(delete_snapshot),
+        )
+        .route("/v1/volumes/{id}/restore", post(restore))
         .route("/v1/volumes/{id}/fork", post(fork))
         .merge(crate::files::routes_for::<VolumeFiles>("/v1/volumes/{id}"))
 }
@@ -619,18 +627,113 @@ async fn snapshot(
         drop_snapshot(dir).await;
         return Err(e.into());
     }
-    Ok((
-        StatusCode::CREATED,
-        axum::Json(
-            json!({"id": snap.id, "volume_id": snap.volume_id, "size_bytes": snap.size_bytes, "created_at": snap.created_at}),
-        ),
-    ))
+    Ok((StatusCode::CREATED, axum::Json(snapshot_view(&snap))))
+}
+
+fn snapshot_view(s: &VolumeSnapshotRecord) -> Value {
+    json!({"id": s.id, "volume_id": s.volume_id, "size_bytes": s.size_bytes, "created_at": s.created_at})
+}
+
+/// The caller's snapshot `snap` of volume `r`; 404 for another volume's or tenant's.
+fn snapshot_of(
+    app: &AppState,
+    caller: &Caller,
+    r: &VolumeRecord,
+    snap: &str,
+) -> Result<VolumeSnapshotRecord, ApiError> {
+    app.store
+        .get_volume_snapshot(&caller.tenant, snap)?
+        .filter(|s| s.volume_id == r.id)
+        .ok_or_else(|| {
+            ApiError::not_found(format!(
+                "volume {} has no snapshot {snap} (`GET /v1/volumes/{}/snapshots` lists them)",
+                r.name, r.name
+            ))
+        })
+}
+
+async fn list_snapshots(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<impl IntoResponse, ApiError> {
+    let (r, _) = lookup(&app, &caller, &id)?;
+    let snaps = app.store.list_volume_snapshots(&caller.tenant, &r.id)?;
+    let list: Vec<Value> = snaps.iter().map(snapshot_view).collect();
+    Ok(axum::Json(json!({ "snapshots": list })))
+}
+
+async fn delete_snapshot(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path((id, snap)): Path<(String, String)>,
+) -> Result<impl IntoResponse, ApiError> {
+    let (r, _) = lookup(&app, &caller, &id)?;
+    let s = snapshot_of(&app, &caller, &r, &snap)?;
+    // The record goes first: a crash in between leaves a directory nothing names, which
+    // costs space but never a record without its files.
+    app.store.delete_volume_snapshot(&caller.tenant, &s.id)?;
+    drop_snapshot(PathBuf::from(&s.path)).await;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RestoreBody {
+    snapshot: String,
+}
+
+/// `POST /v1/volumes/{id}/restore {"snapshot"}`: the volume's tree becomes the snapshot's.
+/// Refused while a running sandbox mounts the volume (it would keep the old tree). Runs in
+/// flight see every path as changed (their commits conflict rather than mix two trees).
+/// The new tree is copied beside the live one first and swapped in by two renames under
+/// the volume's gate, so a failure leaves the volume as it was.
+async fn restore(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+    Json(body): Json<RestoreBody>,
+) -> Result<impl IntoResponse, ApiError> {
+    let (r, v) = lookup(&app, &caller, &id)?;
+    let s = snapshot_of(&app, &caller, &r, &body.snapshot)?;
+    if let Some(sb) = running_sandbox_mounting(&app, &r.id) {
+        return Err(ApiError::conflict(format!(
+            "volume {} is mounted by running sandbox {sb}: delete the sandbox before restoring a snapshot",
+            r.name
+        )));
+    }
+    let _all = v.space.gate.write().await;
+    // The files API's agent holds the old tree open: it starts again on the next call.
+    v.stop_agent().await;
+    let (live, root, from) = (v.live(), v.root(), PathBuf::from(&s.path).join("live"));
+    let staged = root.join(format!(".restore-{}", s.id));
+    let old = root.join(format!(".restored-from-{}", s.id));
+    let used = tokio::task::spawn_blocking(move || -> std::io::Result<u64> {
+        locker_runtime::volume_fs::remove_tree(&staged)?;
+        locker_runtime::volume_fs::remove_tree(&old)?;
+        let copied = locker_runtime::tree::copy(&from, &staged)?;
+        std::fs::rename(&live, &old)?;
+        if let Err(e) = std::fs::rename(&staged, &live) {
+            let _ = std::fs::rename(&old, &live);
+            return Err(e);
+        }
+        locker_runtime::volume_fs::remove_tree(&old)?;
+        Ok(copied.bytes)
+    })
+    .await
+    .map_err(|e| ApiError::internal(format!("restoring volume {}: {e}", r.id)))?
+    .map_err(|e| ApiError::internal(format!("restoring volume {} from {}: {e}", r.id, s.id)))?;
+    v.space.recount_to(used);
+    v.log.lock().expect("commit log").append(vec!["/".into()]);
+    Ok(axum::Json(view(&r, &v)))
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ForkBody {
     name: Option<String>,
+    /// Fork from this snapshot of the volume instead of from its tree now.
+    snapshot: Option<String>,
 }
 
 async fn fork(
@@ -641,19 +744,32 @@ async fn fork(
 ) -> Result<impl IntoResponse, ApiError> {
     let name = check_name(body.name.as_deref())?;
     let (r, v) = lookup(&app, &caller, &id)?;
+    let from_snapshot = match &body.snapshot {
+        Some(snap) => Some(snapshot_of(&app, &caller, &r, snap)?),
+        None => None,
+    };
     let rec = new_record(&app, &caller, name, r.size_mb)?;
     let grant = admit(&app, &caller.tenant, r.size_mb).await?;
-    // A snapshot of the source (under its gate, constant time), copied into the new
-    // volume's filesystem without holding the gate, then dropped.
-    let point = v.root().join("snapshots").join(format!(".fork-{}", rec.id));
-    snapshot_live(&v, point.clone()).await?;
+    // A snapshot of the source (under its gate, constant time; or the one asked for),
+    // copied into the new volume's filesystem without holding the gate; a snapshot taken
+    // for the fork is dropped after.
+    let point = match &from_snapshot {
+        Some(s) => PathBuf::from(&s.path),
+        None => {
+            let p = v.root().join("snapshots").join(format!(".fork-{}", rec.id));
+            snapshot_live(&v, p.clone()).await?;
+            p
+        }
+    };
     let from = point.join("live");
     let vol = add(&app, rec.clone(), move |live| {
         std::fs::remove_dir(live)?;
         locker_runtime::tree::copy(&from, live).map(|s| s.bytes)
     })
     .await;
-    drop_snapshot(point).await;
+    if from_snapshot.is_none() {
+        drop_snapshot(point).await;
+    }
     drop(grant);
     let vol = vol?;
     Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))

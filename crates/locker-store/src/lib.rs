@@ -202,6 +202,9 @@ pub trait Store: Send + Sync {
         volume_id: &str,
     ) -> Result<Vec<VolumeSnapshotRecord>>;
 
+    /// Removes a volume snapshot's record; false if the tenant has no such snapshot.
+    fn delete_volume_snapshot(&self, tenant: &str, id: &str) -> Result<bool>;
+
     // ---- call records and usage ----
 
     /// Stores call records, all in one transaction (all or none). Output bodies are

@@ -262,6 +262,17 @@ impl SqliteStore {
         })
     }
 
+    /// Deletes the tenant's row `id` of `table` (one of this file's own table names).
+    fn delete_row(&self, table: &'static str, tenant: &str, id: &str) -> Result<bool> {
+        let conn = self.writer();
+        let n = conn
+            .prepare_cached(&format!(
+                "DELETE FROM {table} WHERE tenant = ?1 AND id = ?2"
+            ))?
+            .execute(rusqlite::params![tenant, id])?;
+        Ok(n > 0)
+    }
+
     /// Inserts a snapshot's row (sandbox or volume snapshot: `table`, with its owner in
     /// column `owner_col`); Conflict if the id exists.
     #[allow(clippy::too_many_arguments)]
@@ -788,11 +799,11 @@ impl Store for SqliteStore {
     }
 
     fn delete_snapshot(&self, tenant: &str, id: &str) -> Result<bool> {
-        let conn = self.writer();
-        let n = conn
-            .prepare_cached("DELETE FROM snapshots WHERE tenant = ?1 AND id = ?2")?
-            .execute(rusqlite::params![tenant, id])?;
-        Ok(n > 0)
+        self.delete_row("snapshots", tenant, id)
+    }
+
+    fn delete_volume_snapshot(&self, tenant: &str, id: &str) -> Result<bool> {
+        self.delete_row("volume_snapshots", tenant, id)
     }
 
     fn ensure_tenant(&self, name: &str) -> Result<()> {

@@ -1,4 +1,4 @@
-//! `locker volume create|list|rm|snapshot|fork|files`: volumes, a tenant's persistent
+//! `locker volume create|list|rm|snapshot|snapshots|snapshot-rm|restore|fork|files`: volumes, a tenant's persistent
 //! directory trees, over `/v1/volumes…`. A volume is named by its name or its id wherever
 //! one is asked for. `volume files …` are the sandbox files commands, aimed at a volume.
 
@@ -41,12 +41,36 @@ pub enum VolumeCmd {
         /// The volume's name or id.
         volume: String,
     },
-    /// Make a new volume NEW_NAME with a copy of VOLUME's files; prints its id.
+    /// List a volume's snapshots.
+    Snapshots {
+        /// The volume's name or id.
+        volume: String,
+    },
+    /// Delete snapshots of a volume.
+    SnapshotRm {
+        /// The volume's name or id.
+        volume: String,
+        /// The snapshots (snap_…).
+        #[arg(required = true)]
+        snapshots: Vec<String>,
+    },
+    /// Make a volume's tree what a snapshot of it holds (refused while a sandbox mounts it).
+    Restore {
+        /// The volume's name or id.
+        volume: String,
+        /// The snapshot (snap_…) to go back to.
+        snapshot: String,
+    },
+    /// Make a new volume NEW_NAME with a copy of VOLUME's files (now, or of a snapshot);
+    /// prints its id.
     Fork {
         /// The volume to copy (name or id).
         volume: String,
         /// The new volume's name.
         new_name: String,
+        /// Copy this snapshot of VOLUME (snap_…) instead of its files now.
+        #[arg(long)]
+        snapshot: Option<String>,
     },
     /// Read, write, list and move a volume's files (the first argument is the volume).
     #[command(subcommand)]
@@ -120,11 +144,55 @@ pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
             let v = c.post_json(&format!("{}/snapshots", volume_base(&volume)), &json!({}))?;
             show(&v, format!("{}\n", cell(v.get("id"))))?;
         }
-        VolumeCmd::Fork { volume, new_name } => {
+        VolumeCmd::Snapshots { volume } => {
+            let v = c.get_json(&format!("{}/snapshots", volume_base(&volume)), &[])?;
+            let now = now_secs();
+            let rows: Vec<Vec<String>> = items(&v, "snapshots")?
+                .iter()
+                .map(|s| {
+                    vec![
+                        cell(s.get("id")),
+                        human_bytes(s.get("size_bytes").and_then(Value::as_u64).unwrap_or(0)),
+                        relative(
+                            now,
+                            s.get("created_at").and_then(Value::as_str).unwrap_or(""),
+                        ),
+                    ]
+                })
+                .collect();
+            show(&v, table(&["ID", "SIZE", "CREATED"], &rows))?;
+        }
+        VolumeCmd::SnapshotRm { volume, snapshots } => {
+            let mut failed = 0;
+            for snap in snapshots {
+                let path = format!("{}/snapshots/{}", volume_base(&volume), seg(&snap));
+                match c.delete(&path, &[]) {
+                    Ok(()) => print_text(&format!("{snap}\n"))?,
+                    Err(e) => {
+                        failed += 1;
+                        super::report(&e);
+                    }
+                }
+            }
+            return Ok(if failed == 0 { 0 } else { 1 });
+        }
+        VolumeCmd::Restore { volume, snapshot } => {
             let v = c.post_json(
-                &format!("{}/fork", volume_base(&volume)),
-                &json!({ "name": new_name }),
+                &format!("{}/restore", volume_base(&volume)),
+                &json!({ "snapshot": snapshot }),
             )?;
+            show(&v, volume_table(std::slice::from_ref(&v)))?;
+        }
+        VolumeCmd::Fork {
+            volume,
+            new_name,
+            snapshot,
+        } => {
+            let mut body = json!({ "name": new_name });
+            if let Some(s) = snapshot {
+                body["snapshot"] = json!(s);
+            }
+            let v = c.post_json(&format!("{}/fork", volume_base(&volume)), &body)?;
             show(&v, format!("{}\n", cell(v.get("id"))))?;
         }
         VolumeCmd::Files(cmd) => return super::files::run_on(&c, json_out, cmd, volume_base),
