@@ -90,8 +90,9 @@ pub const SLOW_CALL_DEADLINE: Duration = Duration::from_secs(300);
 
 /// How long after its command's `timeout_ms` an exec waits for the agent's result (the
 /// agent kills the command's tree at the timeout and answers at once; the grace covers a
-/// loaded host), and then at most between two messages.
-pub const EXEC_GRACE: Duration = Duration::from_secs(5);
+/// loaded host, or a microVM emulated by TCG), and then at most between two messages.
+/// Missing it destroys the sandbox's machine, so it errs on the long side.
+pub const EXEC_GRACE: Duration = Duration::from_secs(10);
 
 type Result<T, E = AgentClientError> = std::result::Result<T, E>;
 
