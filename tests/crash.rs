@@ -92,8 +92,13 @@ fn mounts_and_loops_under(dir: &Path) -> Vec<String> {
         .filter(|l| l.contains(&d))
         .map(|l| format!("mount: {l}"))
         .collect();
-    for e in std::fs::read_dir("/sys/block").into_iter().flatten().flatten() {
-        let backing = std::fs::read_to_string(e.path().join("loop/backing_file")).unwrap_or_default();
+    for e in std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let backing =
+            std::fs::read_to_string(e.path().join("loop/backing_file")).unwrap_or_default();
         if backing.contains(&d) {
             out.push(format!(
                 "loop: {} -> {}",
@@ -243,12 +248,7 @@ fn a_server_killed_during_a_snapshot_keeps_the_sandbox_and_no_partial_snapshot()
         let sb2 = sb.clone();
         let req = std::thread::spawn(move || {
             Api::new(&url, Some(&key))
-                .try_request(
-                    "POST",
-                    &format!("/v1/sandboxes/{sb2}/snapshots"),
-                    &[],
-                    (),
-                )
+                .try_request("POST", &format!("/v1/sandboxes/{sb2}/snapshots"), &[], ())
                 .map(|r| r.status)
         });
         std::thread::sleep(Duration::from_millis(delay_ms));
@@ -262,7 +262,10 @@ fn a_server_killed_during_a_snapshot_keeps_the_sandbox_and_no_partial_snapshot()
         );
         assert_eq!(frozen(&sb), Some(false), "the sandbox is thawed");
         assert_eq!(
-            api.sh(&sb, "cat /root/marker; md5sum -c /root/big.md5 >/dev/null && echo ok"),
+            api.sh(
+                &sb,
+                "cat /root/marker; md5sum -c /root/big.md5 >/dev/null && echo ok"
+            ),
             "marker\nok\n",
             "its files are whole"
         );
@@ -287,7 +290,10 @@ fn a_server_killed_during_a_snapshot_keeps_the_sandbox_and_no_partial_snapshot()
         for snap in &listed {
             let child = sandbox_id(&api.create_sandbox(&json!({"from_snapshot": snap})));
             assert_eq!(
-                api.sh(&child, "cat /root/marker; md5sum -c /root/big.md5 >/dev/null && echo ok"),
+                api.sh(
+                    &child,
+                    "cat /root/marker; md5sum -c /root/big.md5 >/dev/null && echo ok"
+                ),
                 "marker\nok\n",
                 "snapshot {snap} (killed {delay_ms} ms in) is whole"
             );
@@ -313,33 +319,43 @@ fn a_stopped_server_leaves_no_volume_mounted_and_the_next_start_mounts_them() {
         .as_str()
         .expect("id")
         .to_owned();
-    let file = |api: &Api, path: &str| {
-        api.get(&format!("/v1/volumes/{vol}/files?path={}", enc(path)))
-    };
-    api.put(&format!("/v1/volumes/{vol}/files?path=/a.txt"), &b"before the stop"[..])
-        .expect(200, "write to the volume");
+    let file =
+        |api: &Api, path: &str| api.get(&format!("/v1/volumes/{vol}/files?path={}", enc(path)));
+    api.put(
+        &format!("/v1/volumes/{vol}/files?path=/a.txt"),
+        &b"before the stop"[..],
+    )
+    .expect(200, "write to the volume");
     assert!(
         !mounts_and_loops_under(&data).is_empty(),
         "a running server mounts its volumes"
     );
 
     let took = terminate(&srv, Duration::from_secs(20));
-    let left = wait_for(Duration::from_secs(5), "the volume's mount and loop go", || {
-        let left = mounts_and_loops_under(&data);
-        left.is_empty().then_some(left)
-    });
+    let left = wait_for(
+        Duration::from_secs(5),
+        "the volume's mount and loop go",
+        || {
+            let left = mounts_and_loops_under(&data);
+            left.is_empty().then_some(left)
+        },
+    );
     assert!(left.is_empty());
     eprintln!("stopped in {took:?}; nothing of the volume is mounted");
 
     srv.restart();
     let api = srv.api();
-    assert_eq!(file(&api, "/a.txt").body, b"before the stop", "remounted at start");
+    assert_eq!(
+        file(&api, "/a.txt").body,
+        b"before the stop",
+        "remounted at start"
+    );
 
     // A sandbox that mounts the volume outlives the server: its filesystem stays in use
     // (its loop device too) and the next start mounts that same device again.
-    let sb = sandbox_id(&api.create_sandbox(
-        &json!({"volumes": [{"volume": vol, "path": "/workspace"}]}),
-    ));
+    let sb = sandbox_id(
+        &api.create_sandbox(&json!({"volumes": [{"volume": vol, "path": "/workspace"}]})),
+    );
     api.sh(&sb, "echo from-sandbox > /workspace/b.txt");
     terminate(&srv, Duration::from_secs(20));
     let host_mounts: Vec<String> = mounts_and_loops_under(&data)
@@ -352,9 +368,16 @@ fn a_stopped_server_leaves_no_volume_mounted_and_the_next_start_mounts_them() {
     );
     srv.restart();
     let api = srv.api();
-    assert_eq!(file(&api, "/b.txt").body, b"from-sandbox\n", "remounted beside the sandbox");
-    api.put(&format!("/v1/volumes/{vol}/files?path=/c.txt"), &b"from-api"[..])
-        .expect(200, "write after the restart");
+    assert_eq!(
+        file(&api, "/b.txt").body,
+        b"from-sandbox\n",
+        "remounted beside the sandbox"
+    );
+    api.put(
+        &format!("/v1/volumes/{vol}/files?path=/c.txt"),
+        &b"from-api"[..],
+    )
+    .expect(200, "write after the restart");
     assert_eq!(
         api.sh(&sb, "cat /workspace/c.txt /workspace/a.txt"),
         "from-apibefore the stop",
@@ -366,13 +389,21 @@ fn a_stopped_server_leaves_no_volume_mounted_and_the_next_start_mounts_them() {
     srv.kill9();
     srv.restart();
     let api = srv.api();
-    assert_eq!(file(&api, "/a.txt").body, b"before the stop", "after a kill");
+    assert_eq!(
+        file(&api, "/a.txt").body,
+        b"before the stop",
+        "after a kill"
+    );
 
     drop(srv);
-    let left = wait_for(Duration::from_secs(5), "nothing is left after the end", || {
-        let left = mounts_and_loops_under(&data);
-        left.is_empty().then_some(left)
-    });
+    let left = wait_for(
+        Duration::from_secs(5),
+        "nothing is left after the end",
+        || {
+            let left = mounts_and_loops_under(&data);
+            left.is_empty().then_some(left)
+        },
+    );
     assert!(left.is_empty());
 }
 
@@ -384,7 +415,8 @@ fn a_second_server_on_a_held_data_dir_refuses_to_start() {
     let mut a = Server::start();
     let api = a.api();
     let sb = sandbox_id(&api.create_sandbox(&json!({})));
-    api.write_file(&sb, "/root/a.txt", b"a's").expect(200, "write");
+    api.write_file(&sb, "/root/a.txt", b"a's")
+        .expect(200, "write");
     let vol = api
         .post("/v1/volumes", &json!({"name": "runs", "size_mb": 64}))
         .expect(201, "a volume")["id"]
@@ -442,7 +474,10 @@ fn a_second_server_on_a_held_data_dir_refuses_to_start() {
     // A is untouched: its sandbox, its warm pool, its runs.
     assert_eq!(api.sh(&sb, "cat /root/a.txt"), "a's");
     let n = std::fs::read_dir(&pool).map(|d| d.count()).unwrap_or(0);
-    assert!(n >= warm, "A's warm machines are still there ({n} of {warm})");
+    assert!(
+        n >= warm,
+        "A's warm machines are still there ({n} of {warm})"
+    );
     let r = api
         .post(
             &format!("/v1/volumes/{vol}/run"),
@@ -459,7 +494,65 @@ fn a_second_server_on_a_held_data_dir_refuses_to_start() {
     a.kill9();
     a.restart();
     let api = a.api();
-    assert_eq!(api.sh(&sb, "cat /root/a.txt"), "a's", "adopted after the kill");
+    assert_eq!(
+        api.sh(&sb, "cat /root/a.txt"),
+        "a's",
+        "adopted after the kill"
+    );
+}
+
+/// A `locker serve` started by hand (not waited for), killed and cleaned up on drop.
+struct Bare {
+    child: std::process::Child,
+    dir: locker_tests::TempDir,
+}
+
+impl Bare {
+    fn start(args: &[&str]) -> Bare {
+        let dir = locker_tests::TempDir::new("locker-bare");
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .expect("a free port")
+            .port();
+        let log = std::fs::File::create(dir.path().join("server.log")).expect("log");
+        let child = Command::new(locker_bin())
+            .arg("serve")
+            .arg("--listen")
+            .arg(format!("127.0.0.1:{port}"))
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args(args)
+            .env("LOCKER_AGENT_BIN", agent_bin())
+            .env("LOCKER_API_KEY", "lk_bare_test_key")
+            .env("NO_COLOR", "1")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log"))
+            .stderr(log)
+            .spawn()
+            .expect("start locker serve");
+        locker_tests::register_child(child.id());
+        Bare { child, dir }
+    }
+
+    fn data(&self) -> std::path::PathBuf {
+        self.dir.path().join("data")
+    }
+}
+
+impl Drop for Bare {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let data = self.data();
+        locker_tests::server::destroy_machines(&data.join("pool"));
+        locker_tests::server::destroy_machines(&data.join("sandboxes"));
+        locker_tests::server::stop_volume_agents(&data.join("volumes"));
+        if std::thread::panicking() {
+            let log =
+                std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default();
+            eprintln!("---- locker serve log ----\n{log}");
+        }
+    }
 }
 
 /// A stop that comes while the warm pool refills (it does from the start) ends within
@@ -467,46 +560,53 @@ fn a_second_server_on_a_held_data_dir_refuses_to_start() {
 #[test]
 fn a_stop_during_the_warm_pool_refill_leaves_nothing() {
     become_subreaper();
-    let mut srv = Server::start_with(&["--warm-pool", "4"]);
-    let data = srv.data_dir.clone();
+    let mut srv = Bare::start(&["--warm-pool", "8"]);
+    let data = srv.data();
     let pool = data.join("pool");
-    // The refill has begun: a machine is being made (or is ready, with more to come).
-    let seen: Vec<String> = wait_for(Duration::from_secs(20), "the refill begins", || {
-        let ids: Vec<String> = std::fs::read_dir(&pool)
+    let pool_ids = || -> Vec<String> {
+        std::fs::read_dir(&pool)
             .into_iter()
             .flatten()
             .flatten()
             .map(|e| e.file_name().to_string_lossy().into_owned())
             .filter(|n| n.starts_with("pool_"))
-            .collect();
+            .collect()
+    };
+    // The refill has begun: the first machine is being made.
+    let seen = wait_for(Duration::from_secs(30), "the refill begins", || {
+        let ids = pool_ids();
         (!ids.is_empty()).then_some(ids)
     });
-    let took = terminate(&srv, Duration::from_secs(30));
-    assert!(
-        took < Duration::from_secs(10),
-        "a stop during a refill ends within seconds: {took:?}"
+    let t0 = Instant::now();
+    // SAFETY: kill with the pid of the server this test started.
+    unsafe { libc::kill(srv.child.id() as i32, libc::SIGTERM) };
+    let status = wait_for(
+        Duration::from_secs(30),
+        "the server exits after SIGTERM",
+        || srv.child.try_wait().expect("wait"),
     );
-    let mut left: Vec<String> = std::fs::read_dir(&pool)
+    let took = t0.elapsed();
+    let mut left: Vec<String> = pool_ids()
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| e.file_name().to_string_lossy().starts_with("pool_"))
-        .map(|e| format!("machine dir: {}", e.path().display()))
+        .map(|id| format!("machine dir: {id}"))
         .collect();
     for id in &seen {
         left.extend(traces_of(id, &pool.join(id)));
     }
     left.extend(mounts_and_loops_under(&data));
     left.extend(processes_under(&data));
+    eprintln!(
+        "stopped ({status}) in {took:?}, {seen:?} in the pool dir at the stop; left: {left:?}"
+    );
+    assert!(status.success(), "a stop is a clean exit: {status}");
+    assert!(
+        took < Duration::from_secs(10),
+        "a stop during a refill ends within seconds: {took:?}"
+    );
     assert!(
         left.is_empty(),
         "stopped in {took:?}, during a refill; left behind: {left:#?}"
     );
-    // The next start on the data dir works.
-    srv.restart();
-    let api = srv.api();
-    let sb = sandbox_id(&api.create_sandbox(&json!({})));
-    assert_eq!(api.sh(&sb, "echo ok"), "ok\n");
 }
 
 /// F6 for microVMs: a paused microVM survives a graceful restart (frozen QEMU thawed to
