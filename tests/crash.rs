@@ -448,6 +448,7 @@ fn a_second_server_on_a_held_data_dir_refuses_to_start() {
         .stderr(Stdio::piped())
         .spawn()
         .expect("start server B");
+    locker_tests::register_child(b.id());
     let deadline = Instant::now() + Duration::from_secs(30);
     let status = loop {
         if let Some(st) = b.try_wait().expect("wait for B") {
