@@ -58,6 +58,15 @@ pub enum NodeError {
     Vm(#[from] crate::vm::VmError),
 }
 
+/// Why a machine could not be adopted.
+#[derive(Debug, thiserror::Error)]
+pub enum AdoptError {
+    #[error("the machine is gone (its processes ended while no server ran)")]
+    Gone,
+    #[error("the machine runs but cannot be reached: {0}")]
+    Unreachable(NodeError),
+}
+
 /// Where a node keeps things and which programs it runs.
 #[derive(Debug, Clone)]
 pub struct NodeConfig {
@@ -584,43 +593,52 @@ impl Node {
         Ok(())
     }
 
-    /// Re-attaches to a machine an earlier server process started, if it still runs.
-    pub async fn adopt(&self, id: &str, dir: &Path) -> Option<Machine> {
-        if let Some(vm) = crate::vm::VmState::load(dir) {
-            let state = JailState::load(dir)?;
-            if vm.id != id || !crate::vm::is_alive(&vm) {
-                return None;
+    /// Re-attaches to a machine an earlier server process started, if it still runs. The
+    /// machine comes back running whatever that server left it as: frozen (paused, or in
+    /// the middle of a snapshot) it is thawed, and a microVM QEMU had stopped (a memory
+    /// snapshot cut short) is let run again; a frozen or stopped agent could not answer.
+    /// The caller freezes it again if it is to stay paused.
+    pub async fn adopt(&self, id: &str, dir: &Path) -> Result<Machine, AdoptError> {
+        let vm = crate::vm::VmState::load(dir);
+        let state = JailState::load(dir).ok_or(AdoptError::Gone)?;
+        let alive = match &vm {
+            Some(v) => v.id == id && crate::vm::is_alive(v),
+            None => state.id == id && jail::is_alive(&state),
+        };
+        if !alive {
+            return Err(AdoptError::Gone);
+        }
+        let cgroup = MachineCgroup::new(self.layout.clone(), id);
+        let (vm2, id2) = (vm.clone(), id.to_owned());
+        // Failures here are only logged: the agent's answer below decides.
+        let _ = tokio::task::spawn_blocking(move || {
+            // Unconditionally: a freeze cut short is neither frozen nor thawed.
+            if let Err(e) = cgroup.set_frozen(false) {
+                tracing::warn!(machine = %id2, error = %e, "cannot thaw a machine to adopt");
             }
-            let agent = AgentClient::connect(&dir.join("agent.sock"), Duration::from_secs(5))
-                .await
-                .ok()?;
-            return Some(Machine {
-                id: id.to_owned(),
-                kind: RuntimeKind::Microvm,
-                dir: dir.to_owned(),
-                state,
-                agent,
-                cgroup: MachineCgroup::new(self.layout.clone(), id),
-                shim: Mutex::new(None),
-                vm: Some(vm),
-            });
-        }
-        let state = JailState::load(dir)?;
-        if state.id != id || !jail::is_alive(&state) {
-            return None;
-        }
-        let agent = AgentClient::connect(&state.socket(), Duration::from_secs(2))
+            if let Some(v) = vm2 {
+                if let Err(e) = crate::vm::ensure_running(&v) {
+                    tracing::warn!(machine = %id2, error = %e, "cannot let a stopped microVM run on");
+                }
+            }
+        })
+        .await;
+        let (kind, sock) = match &vm {
+            Some(_) => (RuntimeKind::Microvm, dir.join("agent.sock")),
+            None => (RuntimeKind::Jail, state.socket()),
+        };
+        let agent = AgentClient::connect(&sock, AGENT_CONNECT_TIMEOUT)
             .await
-            .ok()?;
-        Some(Machine {
+            .map_err(|e| AdoptError::Unreachable(e.into()))?;
+        Ok(Machine {
             id: id.to_owned(),
-            kind: RuntimeKind::Jail,
+            kind,
             dir: dir.to_owned(),
             state,
             agent,
             cgroup: MachineCgroup::new(self.layout.clone(), id),
             shim: Mutex::new(None),
-            vm: None,
+            vm,
         })
     }
 

@@ -1452,6 +1452,39 @@ pub fn is_alive(s: &VmState) -> bool {
     crate::jail::is_running(s.pid) && crate::jail::cmdline(s.pid).windows(n.len()).any(|w| w == n)
 }
 
+/// Lets a machine's guest run again if a server stopped it and died before letting it go
+/// on (a memory snapshot cut short by a kill): a migration still going is cancelled, then
+/// `cont`. A running guest is left alone. QMP answers only a thawed QEMU.
+pub fn ensure_running(s: &VmState) -> Result<(), VmError> {
+    let mut q = Qmp::connect(&s.dir.join("qmp.sock"), Duration::from_secs(5))?;
+    let t0 = Instant::now();
+    loop {
+        let st = q.cmd("query-status", json!({}))?;
+        match st.get("status").and_then(Value::as_str).unwrap_or("") {
+            "running" => return Ok(()),
+            "finish-migrate" if t0.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            _ => {
+                let mig = q.cmd("query-migrate", json!({}))?;
+                let active = matches!(
+                    mig.get("status").and_then(Value::as_str),
+                    Some("setup" | "active" | "pre-switchover" | "device" | "cancelling")
+                );
+                if active {
+                    let _ = q.cmd("migrate_cancel", json!({}));
+                    if t0.elapsed() < Duration::from_secs(30) {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                }
+                q.cmd("cont", json!({}))?;
+                return Ok(());
+            }
+        }
+    }
+}
+
 /// Saves a running machine's memory and device state into `state_out` and copies its disk
 /// to `disk_out`, both at one instant (the VM is stopped meanwhile), then lets it run on.
 pub fn save(

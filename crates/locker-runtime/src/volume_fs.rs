@@ -23,9 +23,13 @@
 //! groups (data and metadata share space, the only way below 109 MiB); metadata is kept
 //! once (`single`), so the image's size is what the volume can hold, less its metadata.
 //!
-//! A mount is made in the host's mount namespace and outlives a killed server; [`mount`]
-//! adopts one that is already there. Loop devices detach themselves on the last unmount
-//! (autoclear); attaching one is serialized host-wide (`sys::loop_attach`).
+//! A mount is made in the host's mount namespace; a server unmounts it when it stops, and
+//! one killed leaves it: [`mount`] adopts a mount that is already there. Loop devices detach
+//! themselves on the last unmount (autoclear); attaching one is serialized host-wide
+//! (`sys::loop_attach`). While anything else still mounts the filesystem (a sandbox that
+//! binds the volume and outlived its server), its loop device stays, and [`mount`] mounts
+//! that device again: a second loop device on the same image would be a second writer
+//! (btrfs refuses it anyway, a device of a mounted filesystem under another path).
 
 use std::fs;
 use std::io;
@@ -116,25 +120,60 @@ pub fn create(dir: &Path, size_mb: u64) -> io::Result<()> {
     r
 }
 
-/// Mounts the volume's image at `fs/`, unless it is mounted there already (a server
-/// restarted: the mount outlives it).
+/// Mounts the volume's image at `fs/`, unless it is mounted there already (a server was
+/// killed: the mount outlives it). A loop device already attached to the image (the
+/// filesystem is still mounted elsewhere) is mounted again rather than a second one made.
 pub fn mount(dir: &Path) -> io::Result<()> {
     let target = root(dir);
     if is_mounted(&target) {
         return Ok(());
     }
     fs::create_dir_all(&target)?;
-    let (dev, lo) = sys::loop_attach(&image(dir))?;
-    let r = sys::mount(
-        dev.to_str(),
-        &target,
-        Some("btrfs"),
-        libc::MS_NODEV | libc::MS_NOSUID,
-        Some(MOUNT_OPTIONS),
-    );
+    let img = image(dir);
+    let mount_dev = |dev: &Path| {
+        sys::mount(
+            dev.to_str(),
+            &target,
+            Some("btrfs"),
+            libc::MS_NODEV | libc::MS_NOSUID,
+            Some(MOUNT_OPTIONS),
+        )
+        .map_err(|e| io::Error::new(e.kind(), format!("mount {}: {e}", target.display())))
+    };
+    if let Some(dev) = attached_loop(&img) {
+        match mount_dev(&dev) {
+            Ok(()) => return Ok(()),
+            // It detached itself in between (its last user went): attach a fresh one.
+            Err(_) if attached_loop(&img).is_none() => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let (dev, lo) = sys::loop_attach(&img)?;
+    let r = mount_dev(&dev);
     // The mount holds the device now; closing our fd lets autoclear detach it on unmount.
     drop(lo);
-    r.map_err(|e| io::Error::new(e.kind(), format!("mount {}: {e}", target.display())))
+    r
+}
+
+/// The loop device attached to `img`, if one is (`/sys/block/loopN/loop/backing_file`
+/// names the image as it was when attached; a file replaced or moved since reads
+/// `… (deleted)` or another path, and is not taken for it).
+pub fn attached_loop(img: &Path) -> Option<PathBuf> {
+    let want = img.canonicalize().ok()?;
+    for e in fs::read_dir("/sys/block").ok()?.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        let Ok(backing) = fs::read(e.path().join("loop/backing_file")) else {
+            continue;
+        };
+        let backing = backing.strip_suffix(b"\n").unwrap_or(&backing);
+        if backing == want.as_os_str().as_encoded_bytes() {
+            return Some(PathBuf::from("/dev").join(name));
+        }
+    }
+    None
 }
 
 /// Whether `path` is a mount point in this mount namespace.

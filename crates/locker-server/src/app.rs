@@ -1,6 +1,16 @@
 //! Configuration, shared state, start-up and shutdown of the server.
+//!
+//! One server per data dir: [`build`] takes an exclusive `flock` on `<data-dir>/serve.lock`
+//! (holding the server's pid) before it touches anything, and a second server on the same
+//! data dir refuses to start, naming the first. The kernel drops the lock when its holder
+//! dies, so a killed server's lock is free at once.
+//!
+//! A stop (SIGINT, SIGTERM) keeps sandboxes running for the next start to adopt, and takes
+//! down everything else this server made: warm machines (waiting for refills in flight),
+//! volume agents and volume mounts.
 
 use std::collections::{BTreeMap, HashMap};
+use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
@@ -197,6 +207,8 @@ pub struct App {
     pub vm_pool: crate::vm_pool::VmPool,
     /// Machines' egress policies: the name-checking proxy and DNS responder.
     pub egress: Arc<crate::egress::Egress>,
+    /// This server's hold on its data dir, for as long as the process lives.
+    _lock: DataDirLock,
 }
 
 pub type AppState = Arc<App>;
@@ -223,16 +235,84 @@ pub enum ServeError {
     Templates(String),
     #[error("volumes: {0}")]
     Volumes(std::io::Error),
+    #[error("another locker serve ({holder}) uses this data dir {}: stop it first or pass another --data-dir", .dir.display())]
+    Busy { dir: PathBuf, holder: String },
+    #[error("cannot lock the data dir ({}): {source}", .path.display())]
+    Lock {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+}
+
+/// How long requests in flight may take to finish once a stop is asked for.
+const GRACE: Duration = Duration::from_secs(10);
+
+/// An exclusive `flock` on `<data-dir>/serve.lock`, which holds the holder's pid. The file
+/// is opened close-on-exec, so machines' processes never inherit the lock.
+#[derive(Debug)]
+struct DataDirLock {
+    _file: std::fs::File,
+}
+
+impl DataDirLock {
+    fn take(dir: &std::path::Path) -> Result<Self, ServeError> {
+        use std::io::{Read, Seek, Write};
+        use std::os::fd::AsRawFd;
+        let path = dir.join("serve.lock");
+        let err = |source| ServeError::Lock {
+            path: path.clone(),
+            source,
+        };
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(err)?;
+        // SAFETY: flock on a descriptor we own; the lock lives as long as the file.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
+                return Err(err(e));
+            }
+            let mut pid = String::new();
+            let _ = f.read_to_string(&mut pid);
+            let holder = match pid.trim().parse::<u32>() {
+                Ok(p) => format!("pid {p}"),
+                Err(_) => "pid unknown".into(),
+            };
+            return Err(ServeError::Busy {
+                dir: dir.to_owned(),
+                holder,
+            });
+        }
+        f.set_len(0).map_err(err)?;
+        f.rewind().map_err(err)?;
+        write!(f, "{}", std::process::id()).map_err(err)?;
+        Ok(Self { _file: f })
+    }
 }
 
 /// Builds the state, adopts or cleans up machines a previous server left, and serves until
-/// SIGINT or SIGTERM; then stops accepting, lets requests in flight finish (up to 10 s),
-/// and flushes call records. Machines keep running: the next start adopts them.
+/// SIGINT or SIGTERM; then stops accepting, lets requests in flight finish (up to
+/// [`GRACE`]), flushes call records and takes down what only this server uses (see the
+/// module doc). Sandboxes keep running: the next start adopts them.
 pub async fn serve(cfg: Config) -> Result<(), ServeError> {
+    // Listen for a stop before anything else: one that comes while the server starts is
+    // honoured once it is up (the default action would kill it half-way).
+    let stop = stop_signal();
     let app = build(cfg).await?;
     let listener = tokio::net::TcpListener::bind(app.cfg.listen)
         .await
-        .map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
+        .map_err(|e| ServeError::Listen(app.cfg.listen, e));
+    let listener = match listener {
+        Ok(l) => l,
+        Err(e) => {
+            shutdown(&app).await;
+            return Err(e);
+        }
+    };
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
     crate::sandboxes::spawn_reaper(app.clone());
     // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
@@ -244,28 +324,76 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         }
     });
     let router = router(app.clone());
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutting down: finishing requests in flight");
+    let quit = Arc::new(tokio::sync::Notify::new());
+    let quit2 = quit.clone();
+    let mut serving = tokio::spawn(
+        axum::serve(listener, router)
+            .with_graceful_shutdown(async move { quit2.notified().await })
+            .into_future(),
+    );
+    let served = tokio::select! {
+        r = &mut serving => Some(r),
+        () = stop => None,
     };
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(|e| ServeError::Listen(app.cfg.listen, e))?;
+    let result = match served {
+        Some(r) => r
+            .map_err(|e| ServeError::Listen(app.cfg.listen, std::io::Error::other(e)))
+            .and_then(|r| r.map_err(|e| ServeError::Listen(app.cfg.listen, e))),
+        None => {
+            tracing::info!("shutting down: finishing requests in flight");
+            quit.notify_one();
+            if tokio::time::timeout(GRACE, &mut serving).await.is_err() {
+                tracing::warn!(
+                    grace_s = GRACE.as_secs(),
+                    "requests still in flight after the grace period: cut"
+                );
+                serving.abort();
+            }
+            Ok(())
+        }
+    };
+    shutdown(&app).await;
+    result
+}
+
+/// Resolves on the first SIGINT or SIGTERM after this call.
+fn stop_signal() -> impl std::future::Future<Output = ()> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let term = signal(SignalKind::terminate());
+    let int = signal(SignalKind::interrupt());
+    async move {
+        match (term, int) {
+            (Ok(mut t), Ok(mut i)) => {
+                tokio::select! {
+                    _ = t.recv() => {}
+                    _ = i.recv() => {}
+                }
+            }
+            _ => {
+                tracing::warn!("cannot listen for SIGTERM: stop the server with SIGINT");
+                let _ = tokio::signal::ctrl_c().await;
+            }
+        }
+    }
+}
+
+/// What a stop takes down: call records flushed, warm machines destroyed (after the
+/// refills in flight), volume agents stopped, volumes unmounted.
+async fn shutdown(app: &AppState) {
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
+    app.pool.drain(app).await;
+    app.vm_pool.drain(app).await;
     app.volumes.stop_agents().await;
-    app.pool.drain(&app).await;
-    app.vm_pool.drain(&app).await;
-    Ok(())
+    app.volumes.unmount_all().await;
+    tracing::info!("stopped: sandboxes keep running for the next start");
 }
 
 /// The state, with machines adopted. Public for tests that serve on their own listener.
+/// Fails without touching anything when another server holds the data dir.
 pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
+    std::fs::create_dir_all(&cfg.data_dir)
+        .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
+    let lock = DataDirLock::take(&cfg.data_dir)?;
     std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))
         .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
     let store: Arc<dyn Store> = Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?);
@@ -313,8 +441,10 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         pool: crate::runs::Pool::new(warm_pool),
         vm_pool: crate::vm_pool::VmPool::new(vm_pool),
         egress,
+        _lock: lock,
     });
     crate::sandboxes::adopt_all(&app).await;
+    crate::snapshots::cleanup(&app).await;
     crate::runs::cleanup(&app).await;
     crate::runs::Pool::spawn_refill(app.clone());
     Ok(app)

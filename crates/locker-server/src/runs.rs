@@ -696,7 +696,14 @@ pub struct Pool {
     wake: tokio::sync::Notify,
     /// Turns to destroy a run's machine (see [`DESTROYS_AT_ONCE`]).
     destroying: tokio::sync::Semaphore,
+    /// Set by [`Pool::drain`]: the refill task makes no more machines and ends.
+    closing: std::sync::atomic::AtomicBool,
+    /// The refill task, for [`Pool::drain`] to wait for.
+    refill: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
+
+/// How long a stop waits for a machine being made (or torn down) to be done.
+const DRAIN_WAIT: Duration = Duration::from_secs(30);
 
 /// Runs' machines torn down at once, at most; the others wait for a turn (they are
 /// stopped already: their processes are gone, their layers no longer change).
@@ -727,7 +734,13 @@ impl Pool {
             retired: Default::default(),
             wake: tokio::sync::Notify::new(),
             destroying: tokio::sync::Semaphore::new(DESTROYS_AT_ONCE),
+            closing: Default::default(),
+            refill: Default::default(),
         }
+    }
+
+    fn is_closing(&self) -> bool {
+        self.closing.load(std::sync::atomic::Ordering::SeqCst)
     }
 
     /// A warm machine of this shape, if one is ready; either way the shape is now in
@@ -803,24 +816,28 @@ impl Pool {
             .map(|s| (s.template.clone(), s.cpus, s.memory_mb))
     }
 
-    /// Keeps the pool full, in the background, for the life of the server.
+    /// Keeps the pool full, in the background, until [`Pool::drain`].
     pub fn spawn_refill(app: AppState) {
         if app.pool.target == 0 {
             return;
         }
-        tokio::spawn(async move {
+        let pool_app = app.clone();
+        let task = tokio::spawn(async move {
             match app.templates.resolve("default") {
                 Ok(Some(t)) => {
                     let _ = app.pool.claim(&t, POOL_CPUS, POOL_MEMORY_MB);
                 }
                 _ => tracing::warn!("no `default` template: warm machines follow demand only"),
             }
-            loop {
+            while !app.pool.is_closing() {
                 let retired: Vec<_> = std::mem::take(&mut *app.pool.retired.lock().expect("pool"));
                 for m in retired {
                     let _ = app.node.destroy(&m).await;
                 }
                 while let Some((t, cpus, memory_mb)) = app.pool.wanting() {
+                    if app.pool.is_closing() {
+                        break;
+                    }
                     let id = crate::app::new_id(POOL_PREFIX);
                     let spec = MachineSpec {
                         id: id.clone(),
@@ -844,17 +861,46 @@ impl Pool {
                         }
                         Err(e) => {
                             tracing::warn!(error = %e, "could not warm a machine for runs");
-                            tokio::time::sleep(Duration::from_secs(5)).await;
+                            // Five seconds before the next try, unless a stop comes.
+                            for _ in 0..50 {
+                                if app.pool.is_closing() {
+                                    break;
+                                }
+                                tokio::time::sleep(Duration::from_millis(100)).await;
+                            }
                         }
                     }
                 }
-                app.pool.wake.notified().await;
+                if !app.pool.is_closing() {
+                    app.pool.wake.notified().await;
+                }
             }
         });
+        *pool_app.pool.refill.lock().expect("pool") = Some(task);
     }
 
-    /// Destroys every warm machine (at shutdown).
+    /// Destroys every warm machine (at shutdown), after the refill task finished the
+    /// machine it was making and the teardowns of runs' machines in flight are done.
     pub async fn drain(&self, app: &AppState) {
+        self.closing
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.wake.notify_one();
+        let task = self.refill.lock().expect("pool").take();
+        if let Some(mut task) = task {
+            if tokio::time::timeout(DRAIN_WAIT, &mut task).await.is_err() {
+                tracing::warn!("a warm machine was still being made at shutdown: left to the next start's clean-up");
+                task.abort();
+            }
+        }
+        if tokio::time::timeout(
+            DRAIN_WAIT,
+            self.destroying.acquire_many(DESTROYS_AT_ONCE as u32),
+        )
+        .await
+        .is_err()
+        {
+            tracing::warn!("runs' machines were still being torn down at shutdown: left to the next start's clean-up");
+        }
         let mut all: Vec<_> = self
             .shapes
             .lock()

@@ -742,6 +742,7 @@ pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, 
 /// Records a thaw: state running and, after an idle pause, the TTL pushed back by the time
 /// spent paused (the user did not ask for that pause).
 fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
+    PauseMarks::of(app).clear(id);
     if let Some(mut r) = app.store.get_sandbox_any(id)? {
         r.state = SandboxState::Running;
         if idle_secs > 0 {
@@ -941,6 +942,7 @@ async fn pause(
         // An explicit pause is the caller's: its time counts against the TTL.
         st.by_idle = false;
     }
+    PauseMarks::of(&app).clear(&id);
     app.store.set_sandbox_state(&id, SandboxState::Paused)?;
     let r = record_of(&app, &caller, &id)?;
     Ok(axum::Json(view(&r, Some(&live))))
@@ -970,6 +972,7 @@ async fn delete(
 pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> {
     let live = app.live.write().await.remove(&r.id);
     app.egress.forget(&r.id);
+    PauseMarks::of(app).clear(&r.id);
     let mut rec = r.clone();
     if let Some(l) = live {
         let u = l.machine.usage();
@@ -1010,7 +1013,9 @@ pub fn unknown_template(name: &str) -> ApiError {
 }
 
 /// At start: re-attach to machines a previous server left running, mark the others
-/// stopped, and remove machine directories nobody owns.
+/// stopped, and remove machine directories nobody owns. A machine comes back running (see
+/// `Node::adopt`: a frozen one is thawed to reach its agent); one whose record says paused
+/// is frozen again, with its pause's time and cause as they were (see [`PauseMarks`]).
 pub async fn adopt_all(app: &AppState) {
     let recs = match app.store.list_live_sandboxes() {
         Ok(r) => r,
@@ -1019,49 +1024,105 @@ pub async fn adopt_all(app: &AppState) {
             return;
         }
     };
+    let marks = PauseMarks::of(app);
     let mut keep = Vec::new();
     for r in recs {
         let dir = std::path::PathBuf::from(&r.machine_dir);
-        match app.node.adopt(&r.id, &dir).await {
-            Some(machine) => {
-                let live = Arc::new(Live::new(
-                    r.id.clone(),
-                    r.tenant.clone(),
-                    machine,
-                    r.env.clone(),
-                    r.template_digest.clone(),
-                    r.idle_timeout_s,
-                    r.state == SandboxState::Paused,
-                ));
-                if r.state == SandboxState::Starting {
+        let machine = match app.node.adopt(&r.id, &dir).await {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = app.store.delete_sandbox(&r.id);
+                tracing::warn!(sandbox = %r.id, error = %e, "sandbox did not survive the restart; marked stopped");
+                continue;
+            }
+        };
+        let live = Arc::new(Live::new(
+            r.id.clone(),
+            r.tenant.clone(),
+            machine,
+            r.env.clone(),
+            r.template_digest.clone(),
+            r.idle_timeout_s,
+            false,
+        ));
+        if let Some(at) = locker_store::parse_rfc3339(&r.last_active_at) {
+            live.last_active
+                .store(at, std::sync::atomic::Ordering::Relaxed);
+        }
+        if r.state == SandboxState::Starting {
+            let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
+        }
+        // While it runs: restoring its egress may need its agent.
+        if has_egress(&r.network) {
+            readopt_egress(app, &r, &live).await;
+        }
+        let paused = r.state == SandboxState::Paused;
+        if paused {
+            let mut st = live.pause.lock().expect("pause lock");
+            match live.machine.pause() {
+                Ok(()) => {
+                    let (since, by_idle) = marks.get(&r.id).unwrap_or((now_s(), false));
+                    st.since = Some(since);
+                    st.by_idle = by_idle;
+                }
+                Err(e) => {
+                    // Running is better than lost; its record says so.
+                    tracing::warn!(sandbox = %r.id, error = %e, "cannot freeze an adopted paused sandbox again: it runs");
                     let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
                 }
-                if has_egress(&r.network) {
-                    readopt_egress(app, &r, &live).await;
-                }
-                crate::failed::watch(app, &live);
-                app.live.write().await.insert(r.id.clone(), live);
-                keep.push(r.id.clone());
-                tracing::info!(sandbox = %r.id, "adopted a running sandbox");
-            }
-            None => {
-                let _ = app.store.delete_sandbox(&r.id);
-                tracing::info!(sandbox = %r.id, "sandbox did not survive the restart; marked stopped");
             }
         }
+        crate::failed::watch(app, &live);
+        app.live.write().await.insert(r.id.clone(), live);
+        keep.push(r.id.clone());
+        tracing::info!(sandbox = %r.id, paused, "adopted a sandbox");
     }
-    // Fork points a crash interrupted are never needed again.
-    if let Ok(rd) = std::fs::read_dir(app.cfg.data_dir.join("snapshots")) {
-        for e in rd
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().starts_with(".fork-"))
-        {
-            let _ = std::fs::remove_dir_all(e.path());
-        }
-    }
+    marks.retain(&keep);
     let removed = app.node.cleanup_orphans(&app.sandboxes_dir(), keep).await;
     if !removed.is_empty() {
         tracing::info!(count = removed.len(), "removed orphaned machines");
+    }
+}
+
+/// Idle pauses on disk, so a restarted server knows which paused sandboxes the idle policy
+/// paused and since when (their paused time does not count against the TTL): one file per
+/// sandbox in `<data-dir>/idle-paused/`, named by its id, holding the Unix second of the
+/// pause. Written by the idle policy, removed when the sandbox runs again or is destroyed;
+/// a paused sandbox without one was paused by its caller.
+pub struct PauseMarks(std::path::PathBuf);
+
+impl PauseMarks {
+    pub fn of(app: &AppState) -> Self {
+        Self(app.cfg.data_dir.join("idle-paused"))
+    }
+
+    /// Notes that the idle policy paused sandbox `id` at `since`.
+    pub fn set(&self, id: &str, since: i64) {
+        let r = std::fs::create_dir_all(&self.0)
+            .and_then(|()| std::fs::write(self.0.join(id), since.to_string()));
+        if let Err(e) = r {
+            tracing::warn!(sandbox = %id, error = %e, "cannot note an idle pause: a restart would count it against the TTL");
+        }
+    }
+
+    /// Forgets sandbox `id`'s idle pause (it runs again, was paused by its caller, or is gone).
+    pub fn clear(&self, id: &str) {
+        let _ = std::fs::remove_file(self.0.join(id));
+    }
+
+    /// When the idle policy paused sandbox `id`, if it did: `(since, true)`.
+    fn get(&self, id: &str) -> Option<(i64, bool)> {
+        let s = std::fs::read_to_string(self.0.join(id)).ok()?;
+        Some((s.trim().parse().ok()?, true))
+    }
+
+    /// Removes the marks of every sandbox but `keep`.
+    fn retain(&self, keep: &[String]) {
+        for e in std::fs::read_dir(&self.0).into_iter().flatten().flatten() {
+            if !keep.iter().any(|k| *k == *e.file_name().to_string_lossy()) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
     }
 }
 
@@ -1125,6 +1186,7 @@ async fn idle_pass(app: &AppState) {
             }
         };
         if paused {
+            PauseMarks::of(app).set(&l.id, now);
             let _ = app.store.set_sandbox_state(&l.id, SandboxState::Paused);
             tracing::info!(sandbox = %l.id, idle_s = idle, "paused by the idle policy");
         }

@@ -6,6 +6,11 @@
 //! filesystem allows (btrfs, XFS), otherwise a sparse copy. `/tmp` (memory) and processes
 //! are not part of it: the jail has no memory snapshots (`has_memory: false`).
 //! A snapshot lives on after its sandbox is deleted, until it is deleted itself.
+//!
+//! A snapshot's directory (`<data-dir>/snapshots/<id>/`) is whole once its record exists:
+//! the record is written after the copy. A server killed during a copy leaves a directory
+//! without a record (or a fork's point, `.fork-…`); the next start removes those
+//! ([`cleanup`]), and the sandbox, frozen for the copy, is thawed when it is adopted.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -102,6 +107,50 @@ async fn create(
         return Err(e.into());
     }
     Ok((StatusCode::CREATED, axum::Json(snapshot_view(&snap))))
+}
+
+/// At start (no request is served yet): removes snapshot directories without a record, the
+/// partial copies of snapshots and the fork points a killed server left.
+pub async fn cleanup(app: &AppState) {
+    let dir = app.cfg.data_dir.join("snapshots");
+    let mut known = std::collections::HashSet::new();
+    let tenants = match app.store.list_tenants() {
+        Ok(t) => t,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot list snapshots: partial snapshots stay");
+            return;
+        }
+    };
+    for t in tenants {
+        match app.store.list_snapshots(&t) {
+            Ok(snaps) => known.extend(snaps.into_iter().map(|s| s.id)),
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list snapshots: partial snapshots stay");
+                return;
+            }
+        }
+    }
+    let removed = tokio::task::spawn_blocking(move || {
+        let mut removed = Vec::new();
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if known.contains(&name) {
+                continue;
+            }
+            match std::fs::remove_dir_all(e.path()) {
+                Ok(()) => removed.push(name),
+                Err(err) => {
+                    tracing::warn!(path = %e.path().display(), error = %err, "cannot remove a partial snapshot")
+                }
+            }
+        }
+        removed
+    })
+    .await
+    .unwrap_or_default();
+    if !removed.is_empty() {
+        tracing::info!(count = removed.len(), snapshots = ?removed, "removed snapshots a stopped server left unfinished");
+    }
 }
 
 async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {

@@ -10,8 +10,10 @@
 //! sandbox's from then on, and the pool makes a new one in the background.
 //!
 //! Only microVMs with nothing attached at restore (no snapshot, egress `none`) come from the
-//! pool; volumes are served to a machine after it is taken (a sandbox's, or a run's). Pooled machines belong to no tenant (no record): a server that stops destroys them,
-//! and one killed leaves them to the next start's orphan clean-up.
+//! pool; volumes are served to a machine after it is taken (a sandbox's, or a run's). Pooled
+//! machines belong to no tenant (no record): a server that stops destroys them (after the
+//! fillers in flight are done: they make no more once a stop began), and one killed leaves
+//! them to the next start's orphan clean-up.
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Mutex;
@@ -46,7 +48,18 @@ pub struct VmPool {
     size: usize,
     ready: Mutex<HashMap<Shape, Vec<Machine>>>,
     filling: Mutex<HashSet<Shape>>,
+    /// The fillers started, and whether a stop began (then no filler starts or goes on).
+    fillers: Mutex<Fillers>,
 }
+
+#[derive(Debug, Default)]
+struct Fillers {
+    closing: bool,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// How long a stop waits for a machine being made to be done.
+const DRAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl VmPool {
     /// Up to `size` ready machines per shape (0: none, every create restores).
@@ -88,10 +101,16 @@ impl VmPool {
             .map_or(0, Vec::len)
     }
 
+    fn is_closing(&self) -> bool {
+        self.fillers.lock().expect("pool lock").closing
+    }
+
     /// Makes machines of `shape` in the background until `size` wait (one filler per shape).
     pub fn refill(app: &AppState, shape: Shape, rootfs: std::path::PathBuf, cpus: f64) {
         let pool = &app.vm_pool;
+        let mut fillers = pool.fillers.lock().expect("pool lock");
         if pool.size == 0
+            || fillers.closing
             || !pool
                 .filling
                 .lock()
@@ -100,10 +119,14 @@ impl VmPool {
         {
             return;
         }
+        fillers.tasks.retain(|t| !t.is_finished());
         let app = app.clone();
-        tokio::spawn(async move {
-            while app.vm_pool.count(&shape) < app.vm_pool.size {
+        fillers.tasks.push(tokio::spawn(async move {
+            while app.vm_pool.count(&shape) < app.vm_pool.size && !app.vm_pool.is_closing() {
                 match make(&app, &shape, &rootfs, cpus).await {
+                    Ok(m) if app.vm_pool.is_closing() => {
+                        let _ = app.node.destroy(&m).await;
+                    }
                     Ok(m) => app.vm_pool.put_back(shape.clone(), m),
                     Err(e) => {
                         tracing::warn!(error = %e, "could not make a pooled microVM");
@@ -116,11 +139,22 @@ impl VmPool {
                 .lock()
                 .expect("pool lock")
                 .remove(&shape);
-        });
+        }));
     }
 
-    /// Destroys every waiting machine (at shutdown).
+    /// Destroys every waiting machine (at shutdown), after the fillers in flight are done.
     pub async fn drain(&self, app: &AppState) {
+        let tasks = {
+            let mut f = self.fillers.lock().expect("pool lock");
+            f.closing = true;
+            std::mem::take(&mut f.tasks)
+        };
+        for mut t in tasks {
+            if tokio::time::timeout(DRAIN_WAIT, &mut t).await.is_err() {
+                tracing::warn!("a pooled microVM was still being made at shutdown: left to the next start's clean-up");
+                t.abort();
+            }
+        }
         let all: Vec<Machine> = self
             .ready
             .lock()

@@ -294,6 +294,28 @@ impl Volumes {
         self.open.read().expect("volumes lock").get(id).cloned()
     }
 
+    /// Unmounts every volume's filesystem (at shutdown, after the agents stopped): a stopped
+    /// server leaves no volume mounted on the host, and its loop device goes with the last
+    /// user (a sandbox that mounts the volume keeps it until it ends or is adopted). The next
+    /// start mounts them again.
+    pub async fn unmount_all(&self) {
+        let dirs: Vec<(String, PathBuf)> = self
+            .open
+            .read()
+            .expect("volumes lock")
+            .values()
+            .map(|v| (v.id.clone(), v.dir.clone()))
+            .collect();
+        let _ = tokio::task::spawn_blocking(move || {
+            for (id, dir) in dirs {
+                if let Err(e) = locker_runtime::volume_fs::unmount(&dir) {
+                    tracing::warn!(volume = %id, error = %e, "cannot unmount a volume");
+                }
+            }
+        })
+        .await;
+    }
+
     /// Stops every volume's agent (at shutdown).
     pub async fn stop_agents(&self) {
         let all: Vec<Arc<Volume>> = self
