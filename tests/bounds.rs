@@ -335,7 +335,8 @@ fn a_run_answers_when_its_agent_is_stopped_and_leaves_nothing() {
         r.text()
     );
     assert!(
-        took < Duration::from_secs(20),
+        // 3 s timeout + 10 s grace + killing a machine whose agent is stopped + slack.
+        took < Duration::from_secs(35),
         "the run answered after {took:?}"
     );
     assert!(r.status >= 400, "the run reports the failure: {}", r.text());

@@ -32,6 +32,21 @@ fn locker(s: &Server, args: &[&str], stdin: Stdio) -> Command {
     c
 }
 
+/// Waits for a `locker` child's output. Registered first: the tests' orphan reaper
+/// (`become_subreaper`) reaps zombies named `locker` that no test waits for itself.
+fn output_of(mut c: Command) -> std::process::Output {
+    let child = c.spawn().unwrap();
+    locker_tests::register_child(child.id());
+    child.wait_with_output().unwrap()
+}
+
+/// Spawns a `locker` child that the test waits for itself (see [`output_of`]).
+fn spawned(mut c: Command) -> std::process::Child {
+    let child = c.spawn().unwrap();
+    locker_tests::register_child(child.id());
+    child
+}
+
 fn sha256_hex(data: &[u8]) -> String {
     let mut c = Command::new("sha256sum")
         .stdin(Stdio::piped())
@@ -66,13 +81,11 @@ fn binary_output_reaches_every_client_unchanged() {
     let inside = inside.trim();
 
     // The CLI writes the raw bytes (it streams NDJSON chunks, `data_b64` where not text).
-    let out = locker(
+    let out = output_of(locker(
         &s,
         &["exec", &id, "--", "cat", "/usr/bin/ls"],
         Stdio::null(),
-    )
-    .output()
-    .unwrap();
+    ));
     assert!(
         out.status.success(),
         "{}",
@@ -121,7 +134,7 @@ fn binary_output_reaches_every_client_unchanged() {
     assert_eq!(sha256_hex(&got), inside);
 
     // The CLI's `--json` keeps them too.
-    let out = locker(
+    let out = output_of(locker(
         &s,
         &[
             "exec",
@@ -134,9 +147,7 @@ fn binary_output_reaches_every_client_unchanged() {
             "/usr/bin/ls",
         ],
         Stdio::null(),
-    )
-    .output()
-    .unwrap();
+    ));
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(b64(&v["stdout_b64"]).len(), 100);
 }
@@ -150,13 +161,11 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
     // `yes | locker exec SB -- head -1` returns at once (stdin is endless).
     let t = Instant::now();
     let mut yes = Command::new("yes").stdout(Stdio::piped()).spawn().unwrap();
-    let out = locker(
+    let out = output_of(locker(
         &s,
         &["exec", &id, "--", "head", "-1"],
         Stdio::from(yes.stdout.take().unwrap()),
-    )
-    .output()
-    .unwrap();
+    ));
     let _ = yes.kill();
     let _ = yes.wait();
     assert!(
@@ -172,7 +181,7 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
     );
 
     // The command starts before stdin ends: it sees the first line while we still write.
-    let mut c = locker(
+    let mut c = spawned(locker(
         &s,
         &[
             "exec",
@@ -183,9 +192,7 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
             "read a; echo got-$a; cat >/dev/null; echo end",
         ],
         Stdio::piped(),
-    )
-    .spawn()
-    .unwrap();
+    ));
     let mut w = c.stdin.take().unwrap();
     w.write_all(b"first\n").unwrap();
     w.flush().unwrap();
@@ -227,7 +234,7 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
         .stdout(Stdio::piped())
         .spawn()
         .unwrap();
-    let out = locker(
+    let out = output_of(locker(
         &s,
         &[
             "exec",
@@ -240,9 +247,7 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
             "tee /tmp/in | sha256sum | cut -d' ' -f1; wc -c < /tmp/in",
         ],
         Stdio::from(cat.stdout.take().unwrap()),
-    )
-    .output()
-    .unwrap();
+    ));
     let _ = cat.wait();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(
@@ -256,13 +261,11 @@ fn piped_stdin_streams_into_the_command_as_it_comes() {
 
     // A small regular file still works (it travels inside the request).
     std::fs::write(dir.path().join("small"), b"abc\xff").unwrap();
-    let out = locker(
+    let out = output_of(locker(
         &s,
         &["exec", &id, "--", "od", "-An", "-tx1"],
         Stdio::from(std::fs::File::open(dir.path().join("small")).unwrap()),
-    )
-    .output()
-    .unwrap();
+    ));
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "61 62 63 ff");
 }
 
@@ -271,7 +274,7 @@ fn an_interrupted_streamed_exec_kills_its_command() {
     let s = Server::start();
     let api = s.api();
     let id = sandbox(&api);
-    let c = locker(
+    let c = spawned(locker(
         &s,
         &[
             "exec",
@@ -282,9 +285,7 @@ fn an_interrupted_streamed_exec_kills_its_command() {
             "cat > /dev/null & exec sleep 600",
         ],
         Stdio::piped(),
-    )
-    .spawn()
-    .unwrap();
+    ));
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline && !running(&api, &id, "sleep") {
         std::thread::sleep(Duration::from_millis(100));
@@ -361,4 +362,118 @@ fn the_readme_tour_runs_as_written() {
     );
     assert!(o.contains("y\ny\n"), "{o}");
     assert!(o.contains("hello from app.py"), "{o}");
+}
+
+fn vol_put(api: &Api, vol: &str, path: &str, data: &[u8]) {
+    let p = format!(
+        "/v1/volumes/{vol}/files?path={}",
+        locker_tests::server::enc(path)
+    );
+    api.put(&p, data).expect(200, "upload");
+}
+
+fn vol_get(api: &Api, vol: &str, path: &str) -> (u16, Vec<u8>) {
+    let p = format!(
+        "/v1/volumes/{vol}/files?path={}",
+        locker_tests::server::enc(path)
+    );
+    let r = api.get(&p);
+    (r.status, r.body)
+}
+
+/// Newuser bug 5: a volume snapshot was a dead end (no list, read, restore or delete).
+#[test]
+fn volume_snapshots_can_be_listed_forked_restored_and_deleted() {
+    let s = Server::start();
+    let api = s.api();
+    api.post("/v1/volumes", &json!({"name": "repo"}))
+        .expect(201, "create a volume");
+    vol_put(&api, "repo", "/a.txt", b"one");
+    let snap = api
+        .post("/v1/volumes/repo/snapshots", &json!({}))
+        .expect(201, "snapshot");
+    let snap_id = snap["id"].as_str().unwrap().to_owned();
+    vol_put(&api, "repo", "/a.txt", b"two");
+    vol_put(&api, "repo", "/b.txt", b"later");
+
+    // Listed, by name.
+    let list = api.get("/v1/volumes/repo/snapshots").expect(200, "list");
+    assert_eq!(list["snapshots"][0]["id"], snap_id.as_str(), "{list}");
+
+    // Read through a fork of the snapshot.
+    api.post(
+        "/v1/volumes/repo/fork",
+        &json!({"name": "old", "snapshot": snap_id}),
+    )
+    .expect(201, "fork from a snapshot");
+    assert_eq!(vol_get(&api, "old", "/a.txt"), (200, b"one".to_vec()));
+    assert_eq!(vol_get(&api, "old", "/b.txt").0, 404);
+
+    // Restored: refused while a sandbox mounts the volume, then the tree goes back.
+    let sb = api.create_sandbox(&json!({"volumes": [{"volume": "repo", "path": "/workspace"}]}));
+    let sb = sb["id"].as_str().unwrap().to_owned();
+    api.post("/v1/volumes/repo/restore", &json!({"snapshot": snap_id}))
+        .expect_error(409, "conflict", "restore while mounted");
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the sandbox");
+    let v = api
+        .post("/v1/volumes/repo/restore", &json!({"snapshot": snap_id}))
+        .expect(200, "restore");
+    assert_eq!(v["name"], "repo");
+    assert_eq!(vol_get(&api, "repo", "/a.txt"), (200, b"one".to_vec()));
+    assert_eq!(vol_get(&api, "repo", "/b.txt").0, 404);
+    // The volume keeps working after the restore (files API and a run).
+    vol_put(&api, "repo", "/c.txt", b"after");
+    let r = api
+        .post(
+            "/v1/volumes/repo/run",
+            &json!({"shell": "cat a.txt c.txt", "commit": "never"}),
+        )
+        .expect(200, "run after restore");
+    assert_eq!(r["stdout"], "oneafter", "{r}");
+
+    // Another volume's snapshot id is not this volume's.
+    api.post("/v1/volumes", &json!({"name": "other"}))
+        .expect(201, "create another");
+    api.post("/v1/volumes/other/restore", &json!({"snapshot": snap_id}))
+        .expect_error(404, "not_found", "a snapshot of another volume");
+
+    // Deleted: gone from the list and from disk.
+    api.delete(&format!("/v1/volumes/repo/snapshots/{snap_id}"))
+        .expect(204, "delete the snapshot");
+    let list = api.get("/v1/volumes/repo/snapshots").expect(200, "list");
+    assert_eq!(list["snapshots"], json!([]));
+    api.delete(&format!("/v1/volumes/repo/snapshots/{snap_id}"))
+        .expect_error(404, "not_found", "delete twice");
+    let left = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ls -d {}/volumes/*/fs/snapshots/{snap_id} 2>/dev/null | wc -l",
+            s.data_dir.display()
+        ))
+        .output()
+        .unwrap();
+    assert_eq!(String::from_utf8_lossy(&left.stdout).trim(), "0");
+}
+
+/// Newuser bug 6: `locker calls --volume NAME` silently listed nothing.
+#[test]
+fn calls_of_a_volume_are_found_by_its_name() {
+    let s = Server::start();
+    let api = s.api();
+    api.post("/v1/volumes", &json!({"name": "repo"}))
+        .expect(201, "create a volume");
+    api.post("/v1/volumes/repo/run", &json!({"cmd": ["true"]}))
+        .expect(200, "run");
+    let by_name = api.get("/v1/calls?volume_id=repo").expect(200, "calls");
+    assert_eq!(by_name["calls"].as_array().unwrap().len(), 1, "{by_name}");
+    api.get("/v1/calls?volume_id=nosuch")
+        .expect_error(404, "not_found", "an unknown volume name");
+    let out = output_of(locker(&s, &["calls", "--volume", "repo"], Stdio::null()));
+    assert!(out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("call_"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
 }
