@@ -15,24 +15,8 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use locker_tests::server::{enc, Api, Server};
-use locker_tests::{agent_bin, become_subreaper, locker_bin, traces_of};
+use locker_tests::{agent_bin, become_subreaper, locker_bin, traces_of, wait_for};
 use serde_json::{json, Value};
-
-/// Polls `f` every 50 ms until it returns `Some`, or panics with `what` after `limit`.
-#[track_caller]
-fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
 
 fn sandbox_id(v: &Value) -> String {
     v["id"]
@@ -137,20 +121,7 @@ fn expires_at(api: &Api, sb: &str) -> i64 {
 
 /// The API's RFC 3339 UTC times (`2026-11-30T12:00:00Z`) as Unix seconds.
 fn parse_time(s: &str) -> i64 {
-    let n = |r: std::ops::Range<usize>| -> i64 {
-        s.get(r)
-            .and_then(|x| x.parse().ok())
-            .unwrap_or_else(|| panic!("not an RFC 3339 UTC time: {s:?}"))
-    };
-    let (y, m, d) = (n(0..4), n(5..7), n(8..10));
-    let (hh, mm, ss) = (n(11..13), n(14..16), n(17..19));
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    (era * 146_097 + doe - 719_468) * 86_400 + hh * 3600 + mm * 60 + ss
+    locker_types::parse_rfc3339(s).unwrap_or_else(|| panic!("not an RFC 3339 time: {s:?}"))
 }
 
 fn state_of(api: &Api, sb: &str) -> Value {

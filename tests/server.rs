@@ -16,7 +16,7 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use locker_tests::server::{enc, rss_kib, Api, Resp, Server};
-use locker_tests::{become_subreaper, traces_of, TempDir};
+use locker_tests::{become_subreaper, traces_of, wait_for, TempDir};
 use serde_json::{json, Value};
 
 // ---------------------------------------------------------------------------------------
@@ -32,31 +32,7 @@ fn now_s() -> i64 {
 
 /// Parses the API's RFC 3339 UTC times (`2026-11-30T12:00:00Z`) to Unix seconds.
 fn parse_time(s: &str) -> i64 {
-    let b = s.as_bytes();
-    assert!(
-        s.len() >= 20
-            && b[4] == b'-'
-            && b[7] == b'-'
-            && b[10] == b'T'
-            && b[13] == b':'
-            && s.ends_with('Z'),
-        "not an RFC 3339 UTC time: {s:?}"
-    );
-    let n = |r: std::ops::Range<usize>| -> i64 {
-        s[r].parse()
-            .unwrap_or_else(|_| panic!("not an RFC 3339 UTC time: {s:?}"))
-    };
-    let (y, m, d) = (n(0..4), n(5..7), n(8..10));
-    let (hh, mm, ss) = (n(11..13), n(14..16), n(17..19));
-    // Howard Hinnant's days_from_civil.
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    days * 86_400 + hh * 3600 + mm * 60 + ss
+    locker_types::parse_rfc3339(s).unwrap_or_else(|| panic!("not an RFC 3339 time: {s:?}"))
 }
 
 fn sandbox_id(v: &Value) -> String {
@@ -75,22 +51,6 @@ fn ids(list: &Value, key: &str) -> Vec<String> {
         .iter()
         .map(|s| s["id"].as_str().expect("id").to_owned())
         .collect()
-}
-
-/// Polls `f` every 50 ms until it returns `Some`, or panics with `what` after `limit`.
-#[track_caller]
-fn wait_for<T>(limit: Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
-    let deadline = Instant::now() + limit;
-    loop {
-        if let Some(v) = f() {
-            return v;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "timed out after {limit:?} waiting for: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    }
 }
 
 /// The machine's freezer state on the host: `Some(true)` when frozen.

@@ -146,6 +146,22 @@ fn reap_adopted_orphans() {
     }
 }
 
+/// Polls `f` every 50 ms until it returns `Some`, or panics with `what` after `limit`.
+#[track_caller]
+pub fn wait_for<T>(limit: std::time::Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if let Some(v) = f() {
+            return v;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out after {limit:?} waiting for: {what}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
 /// A temporary directory removed on drop.
 pub struct TempDir(pub PathBuf);
 
