@@ -477,3 +477,67 @@ fn calls_of_a_volume_are_found_by_its_name() {
         String::from_utf8_lossy(&out.stdout)
     );
 }
+
+/// Newuser bug 7: a template without `/proc`, `/dev`, `/sys` (a minimal root filesystem)
+/// failed every create with a 500 (EOVERFLOW making `/proc` through the overlay). The
+/// runtime now makes the mount points it needs. The template lives in a cache of its own,
+/// removed with the test.
+#[test]
+fn a_template_without_proc_dev_or_sys_starts() {
+    let cache = locker_tests::TempDir::new("mini-cache");
+    let work = locker_tests::TempDir::new("mini-root");
+    let root = work.path().join("rootfs");
+    // /bin/sh (dash) and the libraries it loads, /etc/passwd: nothing else.
+    let ldd = Command::new("ldd").arg("/bin/dash").output().unwrap();
+    let mut files = vec![std::path::PathBuf::from("/bin/dash")];
+    for l in String::from_utf8_lossy(&ldd.stdout).lines() {
+        if let Some(p) = l.split_whitespace().find(|w| w.starts_with('/')) {
+            files.push(p.into());
+        }
+    }
+    for f in &files {
+        let to = if f.as_os_str() == "/bin/dash" {
+            root.join("bin/sh")
+        } else {
+            root.join(f.strip_prefix("/").unwrap())
+        };
+        std::fs::create_dir_all(to.parent().unwrap()).unwrap();
+        std::fs::copy(f, &to).unwrap();
+    }
+    std::fs::create_dir_all(root.join("etc")).unwrap();
+    std::fs::create_dir_all(root.join("root")).unwrap();
+    std::fs::write(root.join("etc/passwd"), "root:x:0:0:root:/root:/bin/sh\n").unwrap();
+    assert!(!root.join("proc").exists() && !root.join("dev").exists());
+    let tarball = work.path().join("mini.tar.gz");
+    let ok = Command::new("tar")
+        .arg("-C")
+        .arg(&root)
+        .arg("-czf")
+        .arg(&tarball)
+        .arg(".")
+        .status()
+        .unwrap();
+    assert!(ok.success());
+    let mut import = Command::new(locker_tests::locker_bin());
+    import
+        .args(["template", "import", "mini"])
+        .arg(&tarball)
+        .env("LOCKER_CACHE_DIR", cache.path())
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let out = output_of(import);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+
+    let cache_arg = cache.path().display().to_string();
+    let s = Server::start_with(&["--cache-dir", &cache_arg]);
+    let api = s.api();
+    let sb = api.create_sandbox(&json!({"template": "mini"}));
+    let id = sb["id"].as_str().unwrap();
+    let r = api.exec(
+        id,
+        &json!({"cmd": ["/bin/sh", "-c", "echo hi; cd /proc/self && cd /tmp && echo > /dev/null && echo ok"]}),
+    );
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert_eq!(r["stdout"], "hi\nok\n", "{r}");
+}

@@ -779,6 +779,20 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     for d in [disk.join("upper"), disk.join("work")] {
         fs::create_dir_all(&d).map_err(step("create the writable layer"))?;
     }
+    // Mount points a template may lack (a minimal root filesystem without /proc, /sys,
+    // /dev or /tmp) are made in the writable layer here, on the raw disk, where ids are
+    // canonical: through the overlay the host's root is not mapped and mkdir fails with
+    // EOVERFLOW.
+    for (p, mode) in [("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("tmp", 0o1777)] {
+        let upper = disk.join("upper").join(p);
+        if fs::symlink_metadata(spec.template_rootfs.join(p)).is_err()
+            && fs::symlink_metadata(&upper).is_err()
+        {
+            fs::create_dir(&upper).map_err(step(format!("create the mount point /{p}")))?;
+            fs::set_permissions(&upper, fs::Permissions::from_mode(mode))
+                .map_err(step(format!("create the mount point /{p}")))?;
+        }
+    }
     sys::idmapped_bind(&disk, &mapped, userns.as_raw_fd(), false)
         .map_err(step("id-map the disk"))?;
     sys::idmapped_bind(&spec.template_rootfs, &lower, userns.as_raw_fd(), true)
