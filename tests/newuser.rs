@@ -527,7 +527,11 @@ fn a_template_without_proc_dev_or_sys_starts() {
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let out = output_of(import);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 
     let cache_arg = cache.path().display().to_string();
     let s = Server::start_with(&["--cache-dir", &cache_arg]);

@@ -153,31 +153,44 @@ impl Cgroups {
     }
 
     /// Kills and removes every stray cgroup under the parent: one that is neither a live
-    /// command's nor the agent's own (a command made it to leave its own). A few
-    /// `getdents` per hierarchy when there is none.
+    /// command's nor the agent's own (a command made it to leave its own). Strays are found
+    /// in the members' hierarchy alone (v1: the freezer's; see [`CmdCgroup::pids`] for why
+    /// one is enough), then removed from every hierarchy that has one of that name: one
+    /// `getdents` when there is none. Empty cgroups a command made in the other hierarchies
+    /// only hold nothing and go with the machine.
     pub fn kill_strays(&self) {
         if !self.sweep {
             return;
         }
         let v2 = matches!(self.layout, Layout::V2 { .. });
+        let parents = self.parents();
+        let Some((_, members)) = parents
+            .iter()
+            .find(|(c, _)| *c == "freezer")
+            .or_else(|| parents.first())
+        else {
+            return;
+        };
         let mut strays: Vec<(String, Vec<(&'static str, PathBuf)>)> = Vec::new();
         {
             let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
-            for (c, p) in self.parents() {
-                let Ok(rd) = fs::read_dir(&p) else { continue };
-                for e in rd.flatten() {
-                    if !e.file_type().is_ok_and(|t| t.is_dir()) {
-                        continue;
-                    }
-                    let name = e.file_name().to_string_lossy().into_owned();
-                    if live.contains(&name) || self.own.as_deref() == Some(name.as_str()) {
-                        continue;
-                    }
-                    match strays.iter_mut().find(|(n, _)| *n == name) {
-                        Some((_, dirs)) => dirs.push((c, e.path())),
-                        None => strays.push((name, vec![(c, e.path())])),
-                    }
+            let Ok(rd) = fs::read_dir(members) else {
+                return;
+            };
+            for e in rd.flatten() {
+                if !e.file_type().is_ok_and(|t| t.is_dir()) {
+                    continue;
                 }
+                let name = e.file_name().to_string_lossy().into_owned();
+                if live.contains(&name) || self.own.as_deref() == Some(name.as_str()) {
+                    continue;
+                }
+                let dirs = parents
+                    .iter()
+                    .map(|(c, p)| (*c, p.join(&name)))
+                    .filter(|(_, d)| d.is_dir())
+                    .collect();
+                strays.push((name, dirs));
             }
         }
         for (name, dirs) in strays {
@@ -309,18 +322,20 @@ impl CmdCgroup {
             .map(|(_, d)| d.as_path())
     }
 
-    /// The best directory to name the group by: the freezer's (v1), else any.
+    /// The directory whose tree holds the members: the freezer's (v1), else the only one.
     fn members_dir(&self) -> &Path {
         self.dir("freezer").unwrap_or(&self.dirs[0].1)
     }
 
-    /// The pids in the cgroup and below it now, in every hierarchy (on v1 a member may have
-    /// moved itself in one hierarchy and not in another).
+    /// The pids in the cgroup and below it now, in the members' hierarchy (v1: the
+    /// freezer's). One hierarchy is enough: every process is in exactly one cgroup of it,
+    /// so a member that moved itself elsewhere in another hierarchy is still found here,
+    /// and one that moved out of this one is in a stray cgroup of it
+    /// ([`Cgroups::kill_strays`] looks there). Reading one hierarchy instead of each keeps
+    /// the end of every command cheap.
     pub fn pids(&self) -> Vec<i32> {
         let mut out = Vec::new();
-        for (_, d) in &self.dirs {
-            tree_pids(d, &mut out);
-        }
+        tree_pids(self.members_dir(), &mut out);
         out.sort_unstable();
         out.dedup();
         out

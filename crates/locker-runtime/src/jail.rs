@@ -435,7 +435,12 @@ pub fn init_main(spec_path: &Path) -> ! {
     let code = match run_shim(spec_path) {
         Ok(code) => code,
         Err(e) => {
-            let msg = serde_json::json!({ "error": e.to_string() });
+            // The caller wraps this in its own `JailError::Init`: send the bare reason.
+            let reason = match &e {
+                JailError::Init(m) => m.clone(),
+                e => e.to_string(),
+            };
+            let msg = serde_json::json!({ "error": reason });
             println!("{msg}");
             eprintln!("locker jail init: {e}");
             1
@@ -783,7 +788,12 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     // /dev or /tmp) are made in the writable layer here, on the raw disk, where ids are
     // canonical: through the overlay the host's root is not mapped and mkdir fails with
     // EOVERFLOW.
-    for (p, mode) in [("proc", 0o555), ("sys", 0o555), ("dev", 0o755), ("tmp", 0o1777)] {
+    for (p, mode) in [
+        ("proc", 0o555),
+        ("sys", 0o555),
+        ("dev", 0o755),
+        ("tmp", 0o1777),
+    ] {
         let upper = disk.join("upper").join(p);
         if fs::symlink_metadata(spec.template_rootfs.join(p)).is_err()
             && fs::symlink_metadata(&upper).is_err()

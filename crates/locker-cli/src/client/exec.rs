@@ -19,6 +19,7 @@
 
 use std::io::{self, BufRead, BufReader, IsTerminal, Read, Write};
 use std::os::fd::AsFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::sync::atomic::{AtomicI32, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -337,13 +338,22 @@ const INLINE_STDIN_MAX: u64 = 512 << 10;
 /// How much of a streamed stdin one request carries (the server takes 64 MiB a request).
 const STDIN_REQUEST_BYTES: u64 = 32 << 20;
 
+/// How long a pipe may take to show its first bytes (or its end) before `locker exec`
+/// streams it instead of sending it in the request: enough for `echo x | locker exec …`.
+const PIPE_FIRST_BYTES_MS: i32 = 5;
+
 /// What `locker exec` does with its own standard input.
 enum StdinUse {
     None,
     Inline(Vec<u8>),
-    Streamed,
+    /// Streamed into the command, starting with what was already read.
+    Streamed(Vec<u8>),
 }
 
+/// Decides without blocking: `/dev/null` is no input; a small regular file, or a pipe that
+/// ends within [`INLINE_STDIN_MAX`] bytes as soon as it is looked at, travels in the
+/// request (one round trip, the common scripted case); anything else (a pipe still being
+/// written, a bigger file, a socket) is streamed.
 fn stdin_use(no_stdin: bool) -> Result<StdinUse, ClientError> {
     let stdin = std::io::stdin();
     if no_stdin || stdin.is_terminal() {
@@ -354,23 +364,60 @@ fn stdin_use(no_stdin: bool) -> Result<StdinUse, ClientError> {
         .try_clone_to_owned()
         .and_then(|fd| std::fs::File::from(fd).metadata())
         .map_err(|e| ClientError::io("cannot inspect standard input", e))?;
-    if !meta.is_file() || meta.len() > INLINE_STDIN_MAX {
-        return Ok(StdinUse::Streamed);
+    let ft = meta.file_type();
+    if ft.is_char_device() && meta.rdev() == libc::makedev(1, 3) {
+        return Ok(StdinUse::None); // /dev/null
     }
+    if meta.is_file() {
+        if meta.len() > INLINE_STDIN_MAX {
+            return Ok(StdinUse::Streamed(Vec::new()));
+        }
+        let mut buf = Vec::new();
+        stdin
+            .lock()
+            .take(INLINE_STDIN_MAX + 1)
+            .read_to_end(&mut buf)
+            .map_err(|e| ClientError::io("cannot read standard input", e))?;
+        return Ok(StdinUse::Inline(buf));
+    }
+    if !ft.is_fifo() && !ft.is_socket() {
+        return Ok(StdinUse::Streamed(Vec::new()));
+    }
+    // A pipe or socket: take what is there already, waiting briefly for the first bytes.
     let mut buf = Vec::new();
-    stdin
-        .lock()
-        .take(INLINE_STDIN_MAX + 1)
-        .read_to_end(&mut buf)
-        .map_err(|e| ClientError::io("cannot read standard input", e))?;
-    Ok(StdinUse::Inline(buf))
+    let mut chunk = vec![0u8; 64 << 10];
+    let mut wait = PIPE_FIRST_BYTES_MS;
+    while buf.len() as u64 <= INLINE_STDIN_MAX {
+        let mut fds = [libc::pollfd {
+            fd: 0,
+            events: libc::POLLIN,
+            revents: 0,
+        }];
+        let ready = super::tty::poll(&mut fds, wait)
+            .map_err(|e| ClientError::io("cannot wait for standard input", e))?;
+        if ready == 0 {
+            return Ok(StdinUse::Streamed(buf));
+        }
+        let n = super::tty::read_fd(0, &mut chunk)
+            .map_err(|e| ClientError::io("cannot read standard input", e))?;
+        if n == 0 {
+            return Ok(if buf.is_empty() {
+                StdinUse::None
+            } else {
+                StdinUse::Inline(buf)
+            });
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        wait = 0;
+    }
+    Ok(StdinUse::Streamed(buf))
 }
 
 /// Runs `locker exec …`.
 pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
     let c = a.conn.client()?;
     let stdin = match stdin_use(a.no_stdin)? {
-        StdinUse::Streamed => return run_streamed(&c, &a),
+        StdinUse::Streamed(prefix) => return run_streamed(&c, &a, prefix),
         StdinUse::Inline(b) => Some(b),
         StdinUse::None => None,
     };
@@ -400,7 +447,7 @@ pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
 /// live. The command lives on the server beyond this connection, so an interrupt
 /// (Ctrl-C, SIGTERM, SIGHUP) kills it before this process leaves, as closing an exec's
 /// stream would.
-fn run_streamed(c: &Client, a: &ExecArgs) -> Result<i32, ClientError> {
+fn run_streamed(c: &Client, a: &ExecArgs, prefix: Vec<u8>) -> Result<i32, ClientError> {
     let req = exec_request(a, None);
     req.validate().map_err(ClientError::Usage)?;
     let body = serde_json::to_value(&req)
@@ -434,7 +481,7 @@ fn run_streamed(c: &Client, a: &ExecArgs) -> Result<i32, ClientError> {
         let (c, stdin_path) = (c.clone(), format!("{path}/stdin"));
         std::thread::Builder::new()
             .name("stdin".into())
-            .spawn(move || feed_stdin(&c, &stdin_path))
+            .spawn(move || feed_stdin(&c, &stdin_path, prefix))
             .map_err(|e| ClientError::io("cannot start the stdin thread", e))?;
     }
     let reader = c.get_stream_accept(
@@ -467,7 +514,10 @@ fn run_streamed(c: &Client, a: &ExecArgs) -> Result<i32, ClientError> {
 /// [`STDIN_REQUEST_BYTES`], sent as it is read; at end of file the command's stdin is
 /// closed. A failed request ends the feed quietly: the command has ended (it stopped
 /// reading), or the output stream reports what went wrong.
-fn feed_stdin(c: &Client, path: &str) {
+fn feed_stdin(c: &Client, path: &str, prefix: Vec<u8>) {
+    if !prefix.is_empty() && c.post_body(path, &[], &prefix[..]).is_err() {
+        return;
+    }
     let mut stdin = io::stdin().lock();
     loop {
         let mut part = Counted {
