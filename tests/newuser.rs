@@ -545,3 +545,68 @@ fn a_template_without_proc_dev_or_sys_starts() {
     assert_eq!(r["exit_code"], 0, "{r}");
     assert_eq!(r["stdout"], "hi\nok\n", "{r}");
 }
+
+/// Newuser friction 3: no interactive exec. `locker exec -it SB -- python3` and `locker
+/// shell SB -- CMD` give the command a terminal, driven here through a real
+/// pseudo-terminal (`script`), keys typed ahead included; `-t` takes `--cwd` and `--env`
+/// and leaves with the command's code.
+#[test]
+fn exec_it_and_shell_with_a_command_run_in_a_terminal() {
+    let s = Server::start();
+    let api = s.api();
+    let id = sandbox(&api);
+    let bin = locker_tests::locker_bin().display().to_string();
+    let through_pty = |cmd: String| {
+        let mut c = Command::new("bash");
+        c.arg("-c")
+            .arg(format!(
+                "printf 'print(6*7)\\nexit()\\n' | script -qec {} /dev/null",
+                shell_quote(&cmd)
+            ))
+            .env("LOCKER_URL", &s.url)
+            .env("LOCKER_API_KEY", &s.api_key)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        output_of(c)
+    };
+    for cmd in [
+        format!("{bin} exec -it {id} -- python3"),
+        format!("{bin} shell {id} -- python3"),
+    ] {
+        let out = through_pty(cmd.clone());
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success(), "{cmd}: {text}");
+        assert!(
+            text.contains(">>> ") && text.contains("\n42"),
+            "{cmd}: {text}"
+        );
+    }
+    let out = output_of(locker(
+        &s,
+        &[
+            "exec",
+            "-t",
+            "--cwd",
+            "/tmp",
+            "-e",
+            "A=b c",
+            &id,
+            "--",
+            "sh",
+            "-c",
+            "echo \"$A\" $(pwd); tty; exit 3",
+        ],
+        Stdio::null(),
+    ));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(3), "{text}");
+    assert!(
+        text.contains("b c /tmp") && text.contains("/dev/pts/"),
+        "{text}"
+    );
+}
+
+fn shell_quote(s: &str) -> String {
+    format!("'{}'", s.replace('\'', "'\\''"))
+}

@@ -58,8 +58,17 @@ pub struct ExecArgs {
     #[arg(long, value_name = "SCRIPT", conflicts_with = "cmd")]
     pub shell: Option<String>,
     /// Send no standard input, even when it is not a terminal (as `ssh -n`).
-    #[arg(long, short = 'n')]
+    #[arg(long, short = 'n', conflicts_with_all = ["interactive", "tty"])]
     pub no_stdin: bool,
+    /// Keep standard input open and stream it to the command, also from a terminal
+    /// (line by line, as the terminal sends it). Without it a terminal sends nothing.
+    #[arg(long, short = 'i')]
+    pub interactive: bool,
+    /// Run the command in a terminal of its own (`-it` for an interactive program:
+    /// `locker exec -it SB -- python3`): keys go to it raw, the window size follows.
+    /// Takes `--cwd` and `--env`; not `--user`, `--timeout-ms` or `--json`.
+    #[arg(long, short = 't', conflicts_with_all = ["user", "timeout_ms", "max_output_bytes"])]
+    pub tty: bool,
     /// The program and its arguments (after `--` when they start with `-`).
     #[arg(
         value_name = "CMD",
@@ -415,7 +424,13 @@ fn stdin_use(no_stdin: bool) -> Result<StdinUse, ClientError> {
 
 /// Runs `locker exec …`.
 pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
+    if a.tty {
+        return super::shell::terminal(&a.conn, &a.sandbox, Some(&tty_command(&a)));
+    }
     let c = a.conn.client()?;
+    if a.interactive && std::io::stdin().is_terminal() {
+        return run_streamed(&c, &a, Vec::new());
+    }
     let stdin = match stdin_use(a.no_stdin)? {
         StdinUse::Streamed(prefix) => return run_streamed(&c, &a, prefix),
         StdinUse::Inline(b) => Some(b),
@@ -439,6 +454,33 @@ pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
         eprintln!("locker: {note}");
     }
     Ok(outcome.code)
+}
+
+/// The `/bin/sh` command line `locker exec -t` runs in its terminal: the working
+/// directory, the environment, then the command itself (`exec`, so its exit code is the
+/// terminal's).
+fn tty_command(a: &ExecArgs) -> String {
+    use super::shell::shell_words;
+    let mut line = String::new();
+    if let Some(cwd) = &a.cwd {
+        line.push_str(&format!(
+            "cd {} && ",
+            shell_words(std::slice::from_ref(cwd))
+        ));
+    }
+    line.push_str("exec ");
+    if !a.env.is_empty() {
+        let kv: Vec<String> = a.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        line.push_str(&format!("env {} ", shell_words(&kv)));
+    }
+    match &a.shell {
+        Some(script) => line.push_str(&format!(
+            "/bin/sh -c {}",
+            shell_words(std::slice::from_ref(script))
+        )),
+        None => line.push_str(&shell_words(&a.cmd)),
+    }
+    line
 }
 
 /// `locker exec` with a piped standard input: the command starts at once as a process
@@ -569,6 +611,8 @@ mod tests {
             user: None,
             shell: None,
             no_stdin: false,
+            interactive: false,
+            tty: false,
             cmd: cmd.iter().map(|s| s.to_string()).collect(),
         }
     }

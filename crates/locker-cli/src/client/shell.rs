@@ -30,6 +30,23 @@ pub struct ShellArgs {
     pub conn: Conn,
     /// The sandbox (sb_…).
     pub sandbox: String,
+    /// A command to run in the terminal instead of a login shell (after `--`):
+    /// `locker shell SB -- python3`.
+    #[arg(
+        value_name = "CMD",
+        trailing_var_arg = true,
+        allow_hyphen_values = true
+    )]
+    pub cmd: Vec<String>,
+}
+
+/// `argv` as one `/bin/sh` command line: each word single-quoted, so nothing in it is
+/// expanded by the shell that runs it.
+pub fn shell_words(argv: &[String]) -> String {
+    argv.iter()
+        .map(|a| format!("'{}'", a.replace('\'', "'\\''")))
+        .collect::<Vec<_>>()
+        .join(" ")
 }
 
 /// The WebSocket URL of an API path on the server at `base` (`http://h:p` → `ws://h:p…`),
@@ -65,8 +82,16 @@ fn ws_error(e: tungstenite::Error) -> ClientError {
 
 /// Opens the terminal WebSocket of `sandbox` (blocking; the handshake's error answer is
 /// turned into the contract error it carries).
-pub fn connect(c: &Client, sandbox: &str) -> Result<WebSocket<TcpStream>, ClientError> {
-    let path = format!("/v1/sandboxes/{}/pty", seg(sandbox));
+pub fn connect(
+    c: &Client,
+    sandbox: &str,
+    cmd: Option<&str>,
+) -> Result<WebSocket<TcpStream>, ClientError> {
+    let mut path = format!("/v1/sandboxes/{}/pty", seg(sandbox));
+    if let Some(cmd) = cmd {
+        path.push_str("?cmd=");
+        path.push_str(&seg(cmd));
+    }
     let (url, addr) = ws_target(c.base_url(), &path)?;
     let mut req = url
         .as_str()
@@ -176,8 +201,16 @@ pub fn dechunk(raw: &[u8]) -> Vec<u8> {
 
 /// Runs `locker shell …`.
 pub fn run(a: ShellArgs) -> Result<i32, ClientError> {
-    let c = a.conn.client()?;
-    let ws = connect(&c, &a.sandbox)?;
+    let cmd = (!a.cmd.is_empty()).then(|| format!("exec {}", shell_words(&a.cmd)));
+    terminal(&a.conn, &a.sandbox, cmd.as_deref())
+}
+
+/// A terminal in `sandbox` running `cmd` (a `/bin/sh` command line; a login shell when
+/// `None`), with this process's terminal (or pipe) as its keyboard and screen; returns
+/// the exit code to leave with.
+pub fn terminal(conn: &Conn, sandbox: &str, cmd: Option<&str>) -> Result<i32, ClientError> {
+    let c = conn.client()?;
+    let ws = connect(&c, sandbox, cmd)?;
     let interactive = io::stdin().is_terminal();
     let signals = Signals::install().map_err(|e| ClientError::io("cannot watch signals", e))?;
     let raw = if interactive {
@@ -403,6 +436,16 @@ mod tests {
         assert_eq!(dechunk(raw), b"{\"error\"}");
         assert_eq!(dechunk(b"a\r\nshort"), b"short");
         assert_eq!(dechunk(b"zz\r\n"), b"");
+    }
+
+    #[test]
+    fn words_are_quoted_for_sh() {
+        let w = |v: &[&str]| shell_words(&v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+        assert_eq!(
+            w(&["python3", "-c", "print('a b')"]),
+            r#"'python3' '-c' 'print('\''a b'\'')'"#
+        );
+        assert_eq!(w(&["$HOME", "`x`"]), "'$HOME' '`x`'");
     }
 
     #[test]
