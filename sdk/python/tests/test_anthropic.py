@@ -30,6 +30,7 @@ def test_bash_timeout_and_truncation(sandbox):
     bash = BashTool(sandbox, timeout_ms=500, max_output_bytes=2000)
     r = bash({"command": "echo started; sleep 10"})
     assert not r.is_error and r.content.startswith("started\n") and "timed out after 0.5 s" in r.content
+    assert "nohup" not in r.content and "everything it started" in r.content
     r = bash({"command": "seq 1 20000"})
     assert "omitted" in r.content and r.content.rstrip().endswith("]")
     assert "[output truncated" in r.content and "/var/tmp/locker/" in r.content

@@ -35,6 +35,8 @@ def test_schemas_and_definitions(sandbox):
         assert resp["type"] == "function" and resp["parameters"] is s
         anth = t.definition("anthropic")
         assert anth["input_schema"] is s
+        # Newuser bug 3: no text may tell a model that backgrounding (`nohup … &`) outlives a call.
+        assert "nohup cmd > log" not in t.description and "do. cwd" not in t.description, t.name
     assert kit.tools["file_edit"].parameters["properties"]["command"]["enum"] == ["str_replace", "insert"]
     assert strict_schema(kit.tools["run"].parameters)["properties"]["commit"]["enum"][-1] is None
     assert "volume" not in kit.tools["run"].parameters["properties"], "bound to a volume"

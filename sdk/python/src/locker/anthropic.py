@@ -127,8 +127,8 @@ def format_exec(r, timeout_ms: Optional[int] = None, merged: bool = True) -> str
     if r.reason == "timeout":
         t = f" after {timeout_ms / 1000:g} s" if timeout_ms else ""
         notes.append(
-            f"[the command timed out{t} and was killed. For long-running work, run it in the background "
-            "(nohup CMD > /tmp/out.log 2>&1 &) and check the log later]"
+            f"[the command timed out{t} and was killed with everything it started (background jobs "
+            "too). Split long work into shorter steps that save their progress to files]"
         )
     elif r.reason == "oom":
         notes.append("[the command ran out of memory and was killed]")

@@ -159,8 +159,8 @@ def function_tools(
             "exec",
             "Run a command in the sandbox (an isolated Debian machine; you are root; python3, pip, git, curl) and wait for it. "
             "Use it for anything you would type in a terminal: run tests, inspect the system. Prefer file_read / file_write / "
-            "file_edit for files. Each call is a fresh shell: `cd` and `export` do not carry over (pass cwd); files and "
-            "background processes (`nohup cmd > log 2>&1 &`) do. cwd defaults to /root.\n\n"
+            "file_edit for files. Each call is a fresh shell: `cd` and `export` do not carry over (pass cwd); files do, "
+            "processes do not: everything a call starts (`cmd &`, `nohup`) ends with it. cwd defaults to /root.\n\n"
             "Returns {exit_code, reason (exited | signaled | timeout | oom | output_limit | killed), stdout, stderr}. A non-zero "
             "exit code is a normal result to read, not a tool error. Output over 65536 bytes per stream keeps its head and tail; "
             "then stdout_truncated is true and the full output is in the file output_path in the sandbox. " + _NET,
