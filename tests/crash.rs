@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use locker_tests::server::{enc, Api, Server};
-use locker_tests::{agent_bin, become_subreaper, locker_bin, traces_of, wait_for};
+use locker_tests::{agent_bin, become_subreaper, frozen, locker_bin, traces_of, wait_for};
 use serde_json::{json, Value};
 
 fn sandbox_id(v: &Value) -> String {
@@ -23,22 +23,6 @@ fn sandbox_id(v: &Value) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("no id in {v}"))
         .to_owned()
-}
-
-/// The machine's freezer state on the host: `Some(true)` when frozen.
-fn frozen(id: &str) -> Option<bool> {
-    let v1 = Path::new("/sys/fs/cgroup/freezer/locker")
-        .join(id)
-        .join("freezer.state");
-    if let Ok(s) = std::fs::read_to_string(&v1) {
-        return Some(s.trim() == "FROZEN");
-    }
-    let v2 = Path::new("/sys/fs/cgroup/locker")
-        .join(id)
-        .join("cgroup.events");
-    std::fs::read_to_string(v2)
-        .ok()
-        .map(|s| s.lines().any(|l| l == "frozen 1"))
 }
 
 /// Whether process `pid` has exited (gone, or a zombie nobody reaped yet).

@@ -12,11 +12,10 @@
 
 use std::io::{BufRead, BufReader, Read};
 use std::net::TcpStream;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use locker_tests::server::{enc, rss_kib, Api, Resp, Server};
-use locker_tests::{become_subreaper, traces_of, wait_for, TempDir};
+use locker_tests::{become_subreaper, frozen, traces_of, wait_for, TempDir};
 use serde_json::{json, Value};
 
 // ---------------------------------------------------------------------------------------
@@ -51,20 +50,6 @@ fn ids(list: &Value, key: &str) -> Vec<String> {
         .iter()
         .map(|s| s["id"].as_str().expect("id").to_owned())
         .collect()
-}
-
-/// The machine's freezer state on the host: `Some(true)` when frozen.
-fn frozen(id: &str) -> Option<bool> {
-    let v1 = Path::new("/sys/fs/cgroup/freezer/locker")
-        .join(id)
-        .join("freezer.state");
-    if let Ok(s) = std::fs::read_to_string(&v1) {
-        return Some(s.trim() == "FROZEN");
-    }
-    let v2 = Path::new("/sys/fs/cgroup/locker")
-        .join(id)
-        .join("cgroup.freeze");
-    std::fs::read_to_string(v2).ok().map(|s| s.trim() == "1")
 }
 
 /// Whether any process of the sandbox has `needle` in its command line.

@@ -146,6 +146,24 @@ fn reap_adopted_orphans() {
     }
 }
 
+/// A machine's freezer state on the host: `Some(true)` when frozen, `None` when it has no
+/// cgroup (v1: `freezer.state`; v2: the `frozen` line of `cgroup.events`, the state reached
+/// rather than the one asked for).
+pub fn frozen(id: &str) -> Option<bool> {
+    let v1 = Path::new("/sys/fs/cgroup/freezer/locker")
+        .join(id)
+        .join("freezer.state");
+    if let Ok(s) = std::fs::read_to_string(&v1) {
+        return Some(s.trim() == "FROZEN");
+    }
+    let v2 = Path::new("/sys/fs/cgroup/locker")
+        .join(id)
+        .join("cgroup.events");
+    std::fs::read_to_string(v2)
+        .ok()
+        .map(|s| s.lines().any(|l| l == "frozen 1"))
+}
+
 /// Polls `f` every 50 ms until it returns `Some`, or panics with `what` after `limit`.
 #[track_caller]
 pub fn wait_for<T>(limit: std::time::Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
