@@ -225,10 +225,28 @@ pub const ROUTES: &[RouteDoc] = &[
         "Snapshot the volume's tree (copy-on-write where possible)",
     ),
     r(
+        "get",
+        "/v1/volumes/{id}/snapshots",
+        200,
+        "The volume's snapshots, newest first",
+    ),
+    r(
+        "delete",
+        "/v1/volumes/{id}/snapshots/{snap}",
+        204,
+        "Delete a snapshot of the volume",
+    ),
+    r(
+        "post",
+        "/v1/volumes/{id}/restore",
+        200,
+        "Make the volume's tree a snapshot's (409 while mounted)",
+    ),
+    r(
         "post",
         "/v1/volumes/{id}/fork",
         201,
-        "A new volume with a copy of this one's tree",
+        "A new volume with a copy of this one's tree (now, or of one of its snapshots)",
     ),
     r(
         "get",
