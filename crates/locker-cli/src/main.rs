@@ -1,4 +1,6 @@
-//! The `locker` binary: a thin shell over the libraries.
+//! The `locker` binary: a thin shell over the libraries. It owns how the command line is
+//! read (the connection flags may come before the subcommand) and how a failure is shown:
+//! one `locker: …` line on stderr for every command, local or client, never a backtrace.
 
 mod client;
 mod doctor_cmd;
@@ -6,17 +8,81 @@ mod mcp_cmd;
 mod serve_cmd;
 mod template_cmd;
 
+use std::ffi::OsString;
+
 use clap::{CommandFactory, Parser, Subcommand};
 
 #[derive(Parser)]
 #[command(
     name = "locker",
     version,
-    about = "Disposable, isolated machines for AI agents' tool calls"
+    about = "Disposable, isolated machines for AI agents' tool calls",
+    after_help = "The client commands talk to `locker serve` at --url or LOCKER_URL \
+                  (default http://127.0.0.1:7070) with the key in --api-key or LOCKER_API_KEY \
+                  (`locker serve` prints one at its first start)."
 )]
 struct Cli {
+    #[command(flatten)]
+    leading: Leading,
     #[command(subcommand)]
     cmd: Cmd,
+}
+
+/// Flags that may come before the subcommand (`locker --json sandbox list`). [`hoist`]
+/// moves them behind the subcommand's name, where the subcommand reads them, so these
+/// fields document them in `locker --help` and are set only when hoisting could not
+/// apply. Their ids differ from the subcommands' own flags: clap copies a global flag's
+/// value to a parent's flag of the same id.
+#[derive(clap::Args)]
+struct Leading {
+    /// Print JSON instead of text for people (client commands, doctor, template list…).
+    #[arg(long = "json", id = "leading_json")]
+    json: bool,
+    /// The Locker server the client commands talk to [env: LOCKER_URL; default:
+    /// http://127.0.0.1:7070].
+    #[arg(long = "url", id = "leading_url", value_name = "URL")]
+    url: Option<String>,
+    /// The API key the client commands send [env: LOCKER_API_KEY].
+    #[arg(long = "api-key", id = "leading_api_key", value_name = "KEY")]
+    api_key: Option<String>,
+}
+
+/// The flags [`Leading`] names, and whether each takes a value.
+const LEADING: &[(&str, bool)] = &[("--json", false), ("--url", true), ("--api-key", true)];
+
+/// `locker [LEADING…] SUBCOMMAND REST…` → `locker SUBCOMMAND [LEADING…] REST…`: the
+/// connection flags typed before the subcommand go right after its name (with `depth`
+/// 2, after the name of its subcommand: `template list`). Anything else before the
+/// subcommand (`--help`, `-V`, a typo) leaves the line as it is for clap.
+fn hoist(args: &[OsString], depth: usize) -> Vec<OsString> {
+    let mut leading = Vec::new();
+    let mut i = 1;
+    while let Some(a) = args.get(i).and_then(|a| a.to_str()) {
+        let flag = a.split_once('=').map_or(a, |(f, _)| f);
+        let Some(&(_, takes_value)) = LEADING.iter().find(|(f, _)| *f == flag) else {
+            break;
+        };
+        let n = if takes_value && !a.contains('=') {
+            2
+        } else {
+            1
+        };
+        leading.extend(args[i..(i + n).min(args.len())].iter().cloned());
+        i += n;
+    }
+    let names = args[i.min(args.len())..]
+        .iter()
+        .take(depth)
+        .take_while(|a| a.to_str().is_some_and(|a| !a.starts_with('-')))
+        .count();
+    if leading.is_empty() || names < depth {
+        return args.to_vec();
+    }
+    let mut out = vec![args[0].clone()];
+    out.extend(args[i..i + names].iter().cloned());
+    out.extend(leading);
+    out.extend(args[i + names..].iter().cloned());
+    out
 }
 
 #[derive(Subcommand)]
@@ -43,7 +109,16 @@ enum Cmd {
     Client(client::ClientCmd),
 }
 
-fn main() -> anyhow::Result<()> {
+/// The command line, with [`Leading`] flags moved where the subcommand reads them.
+fn parse() -> Cli {
+    let args: Vec<OsString> = std::env::args_os().collect();
+    match Cli::try_parse_from(hoist(&args, 1)) {
+        Ok(cli) => cli,
+        Err(e) => Cli::try_parse_from(hoist(&args, 2)).unwrap_or_else(|_| e.exit()),
+    }
+}
+
+fn main() {
     // The jail's shim must start single-threaded, before anything else runs.
     let mut args = std::env::args_os();
     if args.nth(1).is_some_and(|a| a == "__jail-init") {
@@ -70,8 +145,17 @@ fn main() -> anyhow::Result<()> {
             .init();
         locker_runtime::vm_fs::main(&args.next().unwrap_or_default().to_string_lossy());
     }
-    let cli = Cli::parse();
-    match cli.cmd {
+    let cli = parse();
+    let l = &cli.leading;
+    if l.json || l.url.is_some() || l.api_key.is_some() {
+        // `hoist` moves them whenever a subcommand follows; this line had something else
+        // in between.
+        eprintln!(
+            "locker: put --json, --url and --api-key right before or after the subcommand's name"
+        );
+        std::process::exit(2);
+    }
+    let result = match cli.cmd {
         Cmd::Template(c) => template_cmd::run(c),
         Cmd::Doctor(a) => doctor_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
@@ -81,5 +165,105 @@ fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Cmd::Client(c) => client::main(c),
+    };
+    if let Err(e) = result {
+        // The same one line as a client command's failure: the error and its causes,
+        // never a backtrace (RUST_BACKTRACE is for panics).
+        eprintln!("locker: {}", client::render::clean(&format!("{e:#}")));
+        std::process::exit(1);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(args: &[&str]) -> Vec<OsString> {
+        std::iter::once("locker")
+            .chain(args.iter().copied())
+            .map(OsString::from)
+            .collect()
+    }
+
+    fn hoisted(args: &[&str], depth: usize) -> Vec<String> {
+        hoist(&line(args), depth)
+            .into_iter()
+            .map(|a| a.into_string().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn leading_flags_move_behind_the_subcommand() {
+        assert_eq!(
+            hoisted(&["--json", "sandbox", "list"], 1),
+            ["locker", "sandbox", "--json", "list"]
+        );
+        assert_eq!(
+            hoisted(&["--json", "template", "list"], 2),
+            ["locker", "template", "list", "--json"]
+        );
+        assert_eq!(
+            hoisted(
+                &[
+                    "--url",
+                    "http://h:1",
+                    "--api-key=k",
+                    "exec",
+                    "sb_1",
+                    "--",
+                    "ls"
+                ],
+                1
+            ),
+            [
+                "locker",
+                "exec",
+                "--url",
+                "http://h:1",
+                "--api-key=k",
+                "sb_1",
+                "--",
+                "ls"
+            ]
+        );
+        for same in [
+            &["sandbox", "list", "--json"][..],
+            &["--json"],
+            &["--json", "--help"],
+            &["--url"],
+            &["-V"],
+        ] {
+            let mut want = vec!["locker"];
+            want.extend(same);
+            assert_eq!(hoisted(same, 1), want);
+        }
+    }
+
+    #[test]
+    fn every_command_parses_after_hoisting() {
+        Cli::command().debug_assert();
+        for args in [
+            &["--json", "sandbox", "list"][..],
+            &[
+                "--url",
+                "http://h:1",
+                "--api-key",
+                "k",
+                "exec",
+                "sb_1",
+                "true",
+            ],
+            &["--json", "doctor"],
+            &["--url=http://h:1", "mcp"],
+            &["--json", "process", "list", "sb_1"],
+            &["--json", "ps", "sb_1"],
+        ] {
+            assert!(
+                Cli::try_parse_from(hoist(&line(args), 1)).is_ok(),
+                "{args:?}"
+            );
+        }
+        assert!(Cli::try_parse_from(hoist(&line(&["--json", "template", "list"]), 1)).is_err());
+        assert!(Cli::try_parse_from(hoist(&line(&["--json", "template", "list"]), 2)).is_ok());
     }
 }

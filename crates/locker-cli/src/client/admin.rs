@@ -1,16 +1,16 @@
 //! `locker tenant create` and `locker key create|revoke`: the admin routes, authenticated
-//! with `LOCKER_ADMIN_KEY` (the key `locker serve --admin-key` was given).
+//! with `--admin-key` or `LOCKER_ADMIN_KEY` (the key `locker serve --admin-key` was given).
 
 use serde_json::{json, Value};
 
 use super::render::cell;
-use super::{print_json, print_text, seg, ClientError, Conn};
+use super::{print_json, print_text, seg, AdminConn, ClientError};
 
 /// `locker tenant …`.
 #[derive(clap::Args, Debug)]
 pub struct TenantArgs {
     #[command(flatten)]
-    pub conn: Conn,
+    pub conn: AdminConn,
     #[command(subcommand)]
     pub cmd: TenantCmd,
 }
@@ -29,7 +29,7 @@ pub enum TenantCmd {
 #[derive(clap::Args, Debug)]
 pub struct KeyArgs {
     #[command(flatten)]
-    pub conn: Conn,
+    pub conn: AdminConn,
     #[command(subcommand)]
     pub cmd: KeyCmd,
 }
@@ -43,8 +43,11 @@ pub enum KeyCmd {
         #[arg(long)]
         tenant: String,
     },
-    /// Revoke a key at once (key_…).
-    Revoke { key_id: String },
+    /// Revoke a key at once; prints its id.
+    Revoke {
+        /// The key's id (key_…), as `key create` printed it.
+        key_id: String,
+    },
 }
 
 /// A new key for people: tenant, key id and the key itself, one a line.
@@ -69,7 +72,7 @@ fn show_new_key(v: &Value, json_out: bool) -> Result<i32, ClientError> {
 
 /// Runs `locker tenant …`.
 pub fn run_tenant(a: TenantArgs) -> Result<i32, ClientError> {
-    let c = a.conn.admin_client()?;
+    let c = a.conn.client()?;
     match a.cmd {
         TenantCmd::Create { name } => {
             let v = c.post_json("/v1/tenants", &json!({ "name": name }))?;
@@ -80,7 +83,7 @@ pub fn run_tenant(a: TenantArgs) -> Result<i32, ClientError> {
 
 /// Runs `locker key …`.
 pub fn run_key(a: KeyArgs) -> Result<i32, ClientError> {
-    let c = a.conn.admin_client()?;
+    let c = a.conn.client()?;
     match a.cmd {
         KeyCmd::Create { tenant } => {
             let v = c.post_json(&format!("/v1/tenants/{}/keys", seg(&tenant)), &json!({}))?;
@@ -88,6 +91,11 @@ pub fn run_key(a: KeyArgs) -> Result<i32, ClientError> {
         }
         KeyCmd::Revoke { key_id } => {
             c.delete(&format!("/v1/keys/{}", seg(&key_id)), &[])?;
+            if a.conn.json {
+                print_json(&json!({ "revoked": key_id }))?;
+            } else {
+                print_text(&format!("{key_id}\n"))?;
+            }
             Ok(0)
         }
     }

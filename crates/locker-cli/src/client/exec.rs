@@ -38,20 +38,24 @@ pub struct ExecArgs {
     pub conn: Conn,
     /// The sandbox to run in (sb_…).
     pub sandbox: String,
-    /// Working directory inside the sandbox (absolute).
+    /// Working directory inside the sandbox (absolute; default: the user's home, /root for
+    /// root).
     #[arg(long)]
     pub cwd: Option<String>,
     /// An environment variable of the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,
     /// Kill the command's whole process tree after this long, in milliseconds (exit code
-    /// 124). Default 60000 (one minute); at most 3600000.
+    /// 124). Default 60000 (one minute); at most 3600000. A `--background` process runs
+    /// until it ends or its sandbox does, unless this is given.
     #[arg(long)]
     pub timeout_ms: Option<u64>,
-    /// Bytes of each output stream kept in the call's record (the terminal gets it all).
+    /// Bytes of each output stream kept in the ExecResult (`--json`), head and tail; the
+    /// rest is in a file in the sandbox (`output_path`). The terminal gets it all. Default
+    /// 65536.
     #[arg(long)]
     pub max_output_bytes: Option<u64>,
-    /// The user to run as, a name or a uid (server default: root).
+    /// The user to run as, a name or a uid (default: root).
     #[arg(long, short = 'u')]
     pub user: Option<String>,
     /// Run this string with `/bin/sh -c` instead of CMD.
@@ -60,6 +64,12 @@ pub struct ExecArgs {
     /// Send no standard input, even when it is not a terminal (as `ssh -n`).
     #[arg(long, short = 'n', conflicts_with_all = ["interactive", "tty"])]
     pub no_stdin: bool,
+    /// Start the command as a background process and print its id (proc_…) at once; it
+    /// outlives this call. Follow it with `locker process logs SB PROC -f`, wait for its
+    /// exit code with `process wait`, stop it with `process kill`, feed its stdin (open,
+    /// and not read from here) with `process stdin`; `locker ps SB` lists them.
+    #[arg(long, short = 'd', conflicts_with_all = ["interactive", "tty", "no_stdin"])]
+    pub background: bool,
     /// Keep standard input open and stream it to the command, also from a terminal
     /// (line by line, as the terminal sends it). Without it a terminal sends nothing.
     #[arg(long, short = 'i')]
@@ -286,6 +296,13 @@ pub fn pump_ndjson(
                 write_chunk(w, &bytes)?;
                 streamed[i] += bytes.len();
             }
+            // A process's output read without following ends with its state while it runs.
+            "state" => {
+                if let Some(m) = msg.as_object_mut() {
+                    m.remove("type");
+                }
+                return Ok(msg);
+            }
             "result" => {
                 if let Some(m) = msg.as_object_mut() {
                     m.remove("type");
@@ -424,10 +441,19 @@ fn stdin_use(no_stdin: bool) -> Result<StdinUse, ClientError> {
 
 /// Runs `locker exec …`.
 pub fn run(a: ExecArgs) -> Result<i32, ClientError> {
+    if a.tty && a.conn.json {
+        return Err(ClientError::Usage(
+            "-t runs the command in a terminal, whose output is not JSON: leave out --json or -t"
+                .into(),
+        ));
+    }
     if a.tty {
-        return super::shell::terminal(&a.conn, &a.sandbox, Some(&tty_command(&a)));
+        return super::shell::terminal(&a.conn.endpoint, &a.sandbox, Some(&tty_command(&a)));
     }
     let c = a.conn.client()?;
+    if a.background {
+        return super::process::start(&c, &a);
+    }
     if a.interactive && std::io::stdin().is_terminal() {
         return run_streamed(&c, &a, Vec::new());
     }
@@ -523,7 +549,11 @@ fn run_streamed(c: &Client, a: &ExecArgs, prefix: Vec<u8>) -> Result<i32, Client
         let (c, stdin_path) = (c.clone(), format!("{path}/stdin"));
         std::thread::Builder::new()
             .name("stdin".into())
-            .spawn(move || feed_stdin(&c, &stdin_path, prefix))
+            .spawn(move || {
+                // A failed write ends the feed quietly: the command has ended (it stopped
+                // reading), or the output stream reports what went wrong.
+                let _ = feed_stdin(&c, &stdin_path, prefix, true);
+            })
             .map_err(|e| ClientError::io("cannot start the stdin thread", e))?;
     }
     let reader = c.get_stream_accept(
@@ -553,12 +583,11 @@ fn run_streamed(c: &Client, a: &ExecArgs, prefix: Vec<u8>) -> Result<i32, Client
 }
 
 /// Streams our standard input into a process's stdin: each request carries up to
-/// [`STDIN_REQUEST_BYTES`], sent as it is read; at end of file the command's stdin is
-/// closed. A failed request ends the feed quietly: the command has ended (it stopped
-/// reading), or the output stream reports what went wrong.
-fn feed_stdin(c: &Client, path: &str, prefix: Vec<u8>) {
-    if !prefix.is_empty() && c.post_body(path, &[], &prefix[..]).is_err() {
-        return;
+/// [`STDIN_REQUEST_BYTES`], sent as it is read, starting with `prefix` (what was read
+/// already); at end of file the process's stdin is closed when `close` says so.
+pub fn feed_stdin(c: &Client, path: &str, prefix: Vec<u8>, close: bool) -> Result<(), ClientError> {
+    if !prefix.is_empty() {
+        c.post_body(path, &[], &prefix[..])?;
     }
     let mut stdin = io::stdin().lock();
     loop {
@@ -566,16 +595,15 @@ fn feed_stdin(c: &Client, path: &str, prefix: Vec<u8>) {
             inner: (&mut stdin).take(STDIN_REQUEST_BYTES),
             n: 0,
         };
-        if c.post_body(path, &[], ureq::SendBody::from_reader(&mut part))
-            .is_err()
-        {
-            return;
-        }
+        c.post_body(path, &[], ureq::SendBody::from_reader(&mut part))?;
         if part.n < STDIN_REQUEST_BYTES {
             break;
         }
     }
-    let _ = c.post_body(path, &[("close", "true".to_string())], &[][..]);
+    if close {
+        c.post_body(path, &[("close", "true".to_string())], &[][..])?;
+    }
+    Ok(())
 }
 
 /// A reader that counts what passed through it.
@@ -599,10 +627,7 @@ mod tests {
 
     fn args(cmd: &[&str]) -> ExecArgs {
         ExecArgs {
-            conn: Conn {
-                url: super::super::DEFAULT_URL.into(),
-                json: false,
-            },
+            conn: super::super::Conn::default(),
             sandbox: "sb_1".into(),
             cwd: None,
             env: vec![],
@@ -613,6 +638,7 @@ mod tests {
             no_stdin: false,
             interactive: false,
             tty: false,
+            background: false,
             cmd: cmd.iter().map(|s| s.to_string()).collect(),
         }
     }

@@ -33,6 +33,21 @@ impl KeyKind {
             KeyKind::Admin => "LOCKER_ADMIN_KEY",
         }
     }
+
+    /// The command-line flag that gives this kind of key.
+    pub fn flag(self) -> &'static str {
+        match self {
+            KeyKind::Tenant => "--api-key",
+            KeyKind::Admin => "--admin-key",
+        }
+    }
+
+    /// The key in this kind's environment variable, if it is set and not blank.
+    pub fn from_env(self) -> Option<String> {
+        std::env::var(self.env_var())
+            .ok()
+            .filter(|k| !k.trim().is_empty())
+    }
 }
 
 /// Everything that can go wrong in a client command; each displays as one line.
@@ -154,7 +169,7 @@ pub fn error_from_response(
     if message.is_empty() {
         message = format!("the server refused the request with {code}");
     }
-    let var = kind.env_var();
+    let var = format!("{} (or {})", kind.env_var(), kind.flag());
     let hint = match status {
         401 if !has_key => Some(match kind {
             KeyKind::Tenant => format!(
@@ -196,7 +211,7 @@ impl Client {
         }
         if !base.starts_with("http://") || base.len() <= "http://".len() {
             return Err(ClientError::Usage(format!(
-                "LOCKER_URL {base:?} is not an http:// URL (for example {})",
+                "the server URL {base:?} (--url or LOCKER_URL) is not an http:// URL (for example {})",
                 super::DEFAULT_URL
             )));
         }
@@ -214,20 +229,6 @@ impl Client {
             kind,
             agent,
         })
-    }
-
-    /// A client keyed from the environment (`LOCKER_API_KEY` or `LOCKER_ADMIN_KEY`). The
-    /// admin key is required up front: without it every admin route is a 401 anyway.
-    pub fn from_env(base_url: &str, kind: KeyKind) -> Result<Client, ClientError> {
-        let key = std::env::var(kind.env_var())
-            .ok()
-            .filter(|k| !k.trim().is_empty());
-        if kind == KeyKind::Admin && key.is_none() {
-            return Err(ClientError::Config(
-                "LOCKER_ADMIN_KEY is not set: admin commands need the admin key `locker serve` was started with".into(),
-            ));
-        }
-        Client::new(base_url, key, kind)
     }
 
     /// The server's base URL, without a trailing slash.
@@ -263,6 +264,17 @@ impl Client {
     pub fn post_json(&self, path: &str, body: &Value) -> Result<Value, ClientError> {
         let url = self.url(path);
         let mut req = self.agent.post(&url).header("Accept", "application/json");
+        if let Some(b) = self.bearer() {
+            req = req.header("Authorization", b);
+        }
+        let resp = self.finish(&url, req.send_json(body))?;
+        read_json(resp)
+    }
+
+    /// `PATCH path` with a JSON body → the JSON body.
+    pub fn patch_json(&self, path: &str, body: &Value) -> Result<Value, ClientError> {
+        let url = self.url(path);
+        let mut req = self.agent.patch(&url).header("Accept", "application/json");
         if let Some(b) = self.bearer() {
             req = req.header("Authorization", b);
         }
@@ -402,7 +414,7 @@ impl Client {
                 }
             }
             ureq::Error::BadUri(why) => ClientError::Usage(format!(
-                "LOCKER_URL {:?} does not make a valid URL: {why}",
+                "the server URL {:?} (--url or LOCKER_URL) does not make a valid URL: {why}",
                 self.base
             )),
             other => ClientError::Transport {
@@ -483,7 +495,11 @@ mod tests {
         let e = error_from_response("u", 401, body, KeyKind::Tenant, false);
         assert!(e.to_string().contains("set LOCKER_API_KEY"), "{e}");
         let e = error_from_response("u", 401, body, KeyKind::Admin, true);
-        assert!(e.to_string().ends_with("check LOCKER_ADMIN_KEY"), "{e}");
+        assert!(
+            e.to_string()
+                .ends_with("check LOCKER_ADMIN_KEY (or --admin-key)"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -18,10 +18,10 @@ pub struct CallsArgs {
     /// Only the calls in this sandbox (sb_…).
     #[arg(long)]
     pub sandbox: Option<String>,
-    /// Only the runs on this volume (vol_…).
+    /// Only the runs on this volume (its name or vol_… id).
     #[arg(long)]
     pub volume: Option<String>,
-    /// At most this many calls, newest first.
+    /// At most this many calls, newest first (default 100, at most 1000).
     #[arg(long)]
     pub limit: Option<u32>,
 }
@@ -31,9 +31,15 @@ pub struct CallsArgs {
 pub struct UsageArgs {
     #[command(flatten)]
     pub conn: Conn,
-    /// Count from this time on (RFC 3339, e.g. 2026-11-01T00:00:00Z).
-    #[arg(long)]
-    pub since: Option<String>,
+    /// Count from this moment on (default: since the tenant began): a UTC date
+    /// (2026-12-01), a time (2026-12-01T08:00:00Z), a span back from now (30m, 24h, 7d),
+    /// today, yesterday, or Unix seconds.
+    #[arg(long, value_name = "WHEN", value_parser = parse_since)]
+    pub since: Option<i64>,
+}
+
+fn parse_since(s: &str) -> Result<i64, String> {
+    super::parse_moment(s, now_secs())
 }
 
 /// The query of `GET /v1/calls` for these flags.
@@ -154,11 +160,17 @@ pub fn run_calls(a: CallsArgs) -> Result<i32, ClientError> {
 /// Runs `locker usage`.
 pub fn run_usage(a: UsageArgs) -> Result<i32, ClientError> {
     let c = a.conn.client()?;
-    let q: Vec<(&str, String)> = a.since.iter().map(|s| ("since", s.clone())).collect();
-    let v = c.get_json("/v1/usage", &q)?;
+    let since = a.since.map(locker_types::rfc3339);
+    let q: Vec<(&str, String)> = since.iter().map(|s| ("since", s.clone())).collect();
+    let mut v = c.get_json("/v1/usage", &q)?;
     if a.conn.json {
         print_json(&v)?;
     } else {
+        // People see the moment the totals count from, as the CLI understood it.
+        if let (Some(s), Some(m)) = (since, v.as_object_mut()) {
+            let when = format!("{s} ({})", relative(now_secs(), &s));
+            m.entry("since").or_insert(Value::String(when));
+        }
         let order = [
             "tenant",
             "since",
@@ -180,10 +192,7 @@ mod tests {
     #[test]
     fn calls_filters_become_query_parameters() {
         let a = CallsArgs {
-            conn: super::super::Conn {
-                url: super::super::DEFAULT_URL.into(),
-                json: false,
-            },
+            conn: super::super::Conn::default(),
             sandbox: Some("sb_1".into()),
             volume: None,
             limit: Some(20),

@@ -19,30 +19,35 @@ pub struct RunArgs {
     /// The volume (name or vol_… id).
     #[arg(long)]
     pub volume: String,
-    /// When the changes are applied: always (default), on_success or never.
+    /// When the changes are applied: always (default: whatever the exit), on_success (only
+    /// after exit 0 and with no conflict) or never.
     #[arg(long, value_parser = ["always", "on_success", "never"])]
     pub commit: Option<String>,
-    /// Where the volume appears in the machine (server default /workspace; the cwd).
+    /// Where the volume appears in the machine (default /workspace; also the default working directory).
     #[arg(long)]
     pub mount_path: Option<String>,
     /// Working directory (default: the mount path).
     #[arg(long)]
     pub cwd: Option<String>,
-    /// The machine's template (server default: default).
+    /// The machine's template (default: default).
     #[arg(long)]
     pub template: Option<String>,
-    /// The machine's runtime: auto (the jail), jail or microvm (its own kernel).
+    /// The machine's runtime: auto (default: the jail), jail or microvm (its own kernel).
     #[arg(long, value_parser = ["auto", "jail", "microvm"])]
     pub runtime: Option<String>,
-    /// CPUs of the machine (server default 1).
+    /// CPUs of the machine (default 1).
     #[arg(long)]
     pub cpus: Option<f64>,
-    /// Memory of the machine in MiB (server default 512).
+    /// Memory of the machine in MiB (default 512).
     #[arg(long)]
     pub memory_mb: Option<u64>,
     /// An environment variable of the command (repeatable).
     #[arg(long = "env", short = 'e', value_name = "K=V", value_parser = parse_kv)]
     pub env: Vec<(String, String)>,
+    /// The machine's egress: `none` (default), `all`, `allow:pypi.org,*.github.com,10.0.0.0/8`,
+    /// or the policy's JSON (as `sandbox create --network`).
+    #[arg(long, value_name = "POLICY", value_parser = super::sandbox::parse_network)]
+    pub network: Option<Value>,
     /// Kill the command's whole process tree after this long, in milliseconds. Default
     /// 60000 (one minute); at most 300000 (longer work belongs in a sandbox).
     #[arg(long)]
@@ -90,6 +95,9 @@ pub fn run_body(a: &RunArgs, stdin: Option<&[u8]>) -> Value {
     if let Some(m) = a.memory_mb {
         b["memory_mb"] = json!(m);
     }
+    if let Some(n) = &a.network {
+        b["network"] = n.clone();
+    }
     if !a.env.is_empty() {
         b["env"] = json!(a
             .env
@@ -103,8 +111,9 @@ pub fn run_body(a: &RunArgs, stdin: Option<&[u8]>) -> Value {
     b
 }
 
-/// The change list of a result, one line a path.
-pub fn change_lines(result: &Value) -> Vec<String> {
+/// The change list of a result, one line a path, and when the changes were not applied,
+/// a last line saying why (`commit`: the mode asked for; the server's default is always).
+pub fn change_lines(result: &Value, commit: Option<&str>) -> Vec<String> {
     let ch = &result["changes"];
     let mut out = Vec::new();
     for (key, mark) in [
@@ -118,13 +127,44 @@ pub fn change_lines(result: &Value) -> Vec<String> {
         }
     }
     match (ch["committed"].as_bool(), ch["commit_error"].as_str()) {
-        (_, Some(e)) => out.push(format!("locker: not committed: {e}")),
-        (Some(false), None) if !out.is_empty() => {
-            out.push("locker: the changes were not committed".into())
-        }
+        (_, Some(e)) => out.push(format!("locker: the changes were not committed: {e}")),
+        (Some(false), None) if !out.is_empty() => out.push(format!(
+            "locker: the changes were not committed: {}",
+            why_not_committed(result, commit.unwrap_or("always"))
+        )),
         _ => {}
     }
     out
+}
+
+/// Why a run's changes were left out, from what the run asked for and how it ended.
+fn why_not_committed(result: &Value, commit: &str) -> String {
+    let conflicts = result["changes"]["conflicts"]
+        .as_array()
+        .map_or(0, Vec::len);
+    let ended = match (
+        result["reason"].as_str(),
+        result["exit_code"].as_i64(),
+        result["signal"].as_str(),
+    ) {
+        (Some("exited") | None, Some(0), _) => None,
+        (Some("exited") | None, Some(c), _) => Some(format!("the command exited {c}")),
+        (Some("timeout"), _, _) => Some("the command ran past its timeout".to_string()),
+        (Some("oom"), _, _) => Some("the command ran out of memory".to_string()),
+        (_, _, Some(sig)) => Some(format!("the command was ended by {sig}")),
+        (Some(r), _, _) => Some(format!("the command ended: {r}")),
+        (None, None, None) => None,
+    };
+    match (commit, ended) {
+        ("never", _) => "--commit never keeps a run's changes out of the volume".into(),
+        ("on_success", Some(how)) => {
+            format!("{how}, and --commit on_success applies them only after exit 0")
+        }
+        ("on_success", None) if conflicts > 0 => format!(
+            "{conflicts} of its paths changed on the volume since this run started, and --commit on_success applies nothing then"
+        ),
+        _ => "the server gave no reason".into(),
+    }
 }
 
 /// Runs `locker run …`.
@@ -152,7 +192,7 @@ pub fn run(a: RunArgs) -> Result<i32, ClientError> {
         let mut err = std::io::stderr().lock();
         post_streaming(&c, &path, &body, &mut out, &mut err)?
     };
-    for l in change_lines(&outcome.result) {
+    for l in change_lines(&outcome.result, a.commit.as_deref()) {
         eprintln!("{l}");
     }
     if let Some(note) = note_of(&outcome.result) {
@@ -169,12 +209,31 @@ mod tests {
     fn changes_print_one_line_a_path() {
         let r = json!({"changes": {"added": ["/a"], "modified": ["/b"], "deleted": ["/c"],
             "conflicts": ["/b"], "committed": true}});
-        assert_eq!(change_lines(&r), vec!["+ /a", "~ /b", "- /c", "! /b"]);
-        let r = json!({"changes": {"added": ["/a"], "modified": [], "deleted": [],
-            "conflicts": [], "committed": false}});
+        assert_eq!(change_lines(&r, None), vec!["+ /a", "~ /b", "- /c", "! /b"]);
+        let changes = json!({"added": ["/a"], "modified": [], "deleted": [],
+            "conflicts": [], "committed": false});
+        let r = json!({"reason": "exited", "exit_code": 0, "changes": changes});
         assert_eq!(
-            change_lines(&r)[1],
-            "locker: the changes were not committed"
+            change_lines(&r, Some("never"))[1],
+            "locker: the changes were not committed: --commit never keeps a run's changes out of the volume"
+        );
+        let r = json!({"reason": "exited", "exit_code": 3, "changes": changes});
+        assert_eq!(
+            change_lines(&r, Some("on_success"))[1],
+            "locker: the changes were not committed: the command exited 3, and --commit on_success applies them only after exit 0"
+        );
+        let r = json!({"reason": "timeout", "exit_code": null, "changes": changes});
+        assert!(change_lines(&r, Some("on_success"))[1].contains("ran past its timeout"));
+        let mut c = changes.clone();
+        c["conflicts"] = json!(["/a"]);
+        let r = json!({"reason": "exited", "exit_code": 0, "changes": c});
+        assert!(change_lines(&r, Some("on_success"))[2].contains("1 of its paths changed"));
+        let mut c = changes.clone();
+        c["commit_error"] = json!("the volume is full");
+        let r = json!({"reason": "exited", "exit_code": 0, "changes": c});
+        assert_eq!(
+            change_lines(&r, None)[1],
+            "locker: the changes were not committed: the volume is full"
         );
     }
 }

@@ -1,12 +1,12 @@
-//! `locker sandbox create|list|get|rm|pause|resume|snapshot|fork` and `locker snapshot
-//! list|rm`: session machines over `/v1/sandboxes` and their snapshots.
+//! `locker sandbox create|list|get|rm|pause|resume|ttl|network|snapshot|fork` and `locker
+//! snapshot list|rm`: session machines over `/v1/sandboxes` and their snapshots.
 
 use std::collections::BTreeMap;
 
 use serde_json::{json, Map, Value};
 
-use super::render::{cell, kv_lines, now_secs, relative, table};
-use super::{items, parse_kv, print_json, print_text, seg, Client, ClientError, Conn};
+use super::render::{cell, human_bytes, kv_lines, now_secs, relative, table};
+use super::{delete_each, items, parse_kv, print_json, print_text, seg, Client, ClientError, Conn};
 
 /// `locker sandbox …`.
 #[derive(clap::Args, Debug)]
@@ -46,6 +46,24 @@ pub enum SandboxCmd {
     Resume {
         /// The sandbox (sb_…).
         id: String,
+    },
+    /// Set how long a sandbox lives from now (it is destroyed then); prints its new expiry.
+    Ttl {
+        /// The sandbox (sb_…).
+        id: String,
+        /// Seconds from now, or with a unit: 90s, 30m, 2h, 7d (at most 30 days).
+        #[arg(value_name = "TTL", value_parser = parse_ttl)]
+        ttl_s: u64,
+    },
+    /// Change a running sandbox's egress policy; new connections follow it at once. Prints
+    /// the policy as the server normalized it.
+    Network {
+        /// The sandbox (sb_…).
+        id: String,
+        /// `none`, `all`, `allow:pypi.org,*.github.com,10.0.0.0/8`, or the policy's JSON
+        /// (as `sandbox create --network`).
+        #[arg(value_name = "POLICY", value_parser = parse_network)]
+        policy: Value,
     },
     /// Save a sandbox's files as a snapshot (snap_…) to start new sandboxes from.
     Snapshot {
@@ -104,11 +122,7 @@ pub fn run_snapshot(a: SnapshotArgs) -> Result<i32, ClientError> {
                             cell(s.get("id")),
                             cell(s.get("sandbox_id")),
                             cell(s.get("template")),
-                            format!(
-                                "{:.1} MB",
-                                s.get("size_bytes").and_then(Value::as_u64).unwrap_or(0) as f64
-                                    / 1e6
-                            ),
+                            human_bytes(s.get("size_bytes").and_then(Value::as_u64).unwrap_or(0)),
                             relative(now, created),
                         ]
                     })
@@ -120,44 +134,35 @@ pub fn run_snapshot(a: SnapshotArgs) -> Result<i32, ClientError> {
             }
             Ok(0)
         }
-        SnapshotCmd::Rm { ids } => {
-            let mut failed = 0;
-            for id in ids {
-                match c.delete(&format!("/v1/snapshots/{}", seg(&id)), &[]) {
-                    Ok(()) => print_text(&format!("{id}\n"))?,
-                    Err(e) => {
-                        failed += 1;
-                        super::report(&e);
-                    }
-                }
-            }
-            Ok(if failed == 0 { 0 } else { 1 })
-        }
+        SnapshotCmd::Rm { ids } => delete_each(&ids, a.conn.json, |id| {
+            c.delete(&format!("/v1/snapshots/{}", seg(id)), &[])
+        }),
     }
 }
 
 /// Flags of `locker sandbox create`; every one left out takes the server's default.
 #[derive(clap::Args, Debug, Default, Clone)]
 pub struct CreateArgs {
-    /// The template to start from (server default: `default`).
+    /// The template to start from (default: `default`; `locker template list` shows them).
     #[arg(long)]
     pub template: Option<String>,
-    /// The isolation backend: auto, jail, gvisor or microvm.
-    #[arg(long)]
+    /// The isolation backend: auto (default: microvm where KVM works and no volume is
+    /// mounted, else jail), jail (Linux namespaces) or microvm (its own kernel).
+    #[arg(long, value_parser = ["auto", "jail", "microvm"])]
     pub runtime: Option<String>,
-    /// CPUs (fractions allowed, e.g. 0.5).
+    /// CPUs (fractions allowed, e.g. 0.5; default 1).
     #[arg(long)]
     pub cpus: Option<f64>,
-    /// Memory limit in MiB.
+    /// Memory limit in MiB (default 512).
     #[arg(long)]
     pub memory_mb: Option<u64>,
-    /// Disk quota of its writable layer in MiB.
+    /// Disk quota of its writable layer in MiB (default 2048).
     #[arg(long)]
     pub disk_mb: Option<u64>,
-    /// Seconds until it is destroyed.
+    /// Seconds until it is destroyed (default 1800; `sandbox ttl` changes it later).
     #[arg(long)]
     pub ttl_s: Option<u64>,
-    /// Pause it after this many seconds with no call.
+    /// Pause it after this many seconds with no call (default: never); any call resumes it.
     #[arg(long)]
     pub idle_timeout_s: Option<u64>,
     /// An environment variable of every command in it (repeatable).
@@ -167,11 +172,12 @@ pub struct CreateArgs {
     #[arg(long = "metadata", value_name = "K=V", value_parser = parse_kv)]
     pub metadata: Vec<(String, String)>,
     /// Egress: `none` (default), `all`, `allow:pypi.org,*.github.com,10.0.0.0/8`, or the
-    /// policy's JSON.
+    /// policy's JSON (`sandbox network` changes it later).
     #[arg(long, value_name = "POLICY", value_parser = parse_network)]
     pub network: Option<Value>,
-    /// Mount a volume: `vol_…:/path`, or `vol_…:/path:ro` read-only (repeatable).
-    #[arg(long = "volume", value_name = "VOL:PATH[:ro]", value_parser = parse_volume)]
+    /// Mount a volume (its name or vol_… id) at /workspace, or at PATH; `:ro` mounts it
+    /// read-only (repeatable): `repo`, `repo:/src`, `repo:/src:ro`.
+    #[arg(long = "volume", value_name = "VOL[:PATH][:ro]", value_parser = parse_volume)]
     pub volumes: Vec<Value>,
     /// Start from a snapshot (snap_…) instead of the template.
     #[arg(long)]
@@ -221,18 +227,26 @@ pub fn parse_network(s: &str) -> Result<Value, String> {
     }
 }
 
-/// The `--volume` flag (`vol_…:/path[:ro]`) as one entry of the API's `volumes`.
+/// Where a volume given without a path is mounted (the API's default).
+pub const DEFAULT_MOUNT: &str = "/workspace";
+
+/// The `--volume` flag (`VOL[:/path][:ro]`) as one entry of the API's `volumes`.
 pub fn parse_volume(s: &str) -> Result<Value, String> {
     let (spec, read_only) = match s.strip_suffix(":ro") {
         Some(rest) => (rest, true),
         None => (s.strip_suffix(":rw").unwrap_or(s), false),
     };
-    match spec.split_once(':') {
-        Some((vol, path)) if !vol.is_empty() && path.starts_with('/') => {
-            Ok(json!({"volume": vol, "path": path, "read_only": read_only}))
-        }
-        _ => Err(format!("expected VOLUME:/abs/path[:ro], got {s:?}")),
+    let (vol, path) = spec.split_once(':').unwrap_or((spec, DEFAULT_MOUNT));
+    if vol.is_empty() || !path.starts_with('/') {
+        return Err(format!("expected VOLUME[:/abs/path][:ro], got {s:?}"));
     }
+    Ok(json!({"volume": vol, "path": path, "read_only": read_only}))
+}
+
+/// The TTL argument of `sandbox ttl`: seconds, or a span with a unit.
+pub fn parse_ttl(s: &str) -> Result<u64, String> {
+    super::parse_span_s(s)
+        .ok_or_else(|| format!("expected seconds or a span (90s, 30m, 2h, 7d), got {s:?}"))
 }
 
 fn map_of(pairs: &[(String, String)]) -> BTreeMap<&str, &str> {
@@ -371,32 +385,43 @@ pub fn run(a: SandboxArgs) -> Result<i32, ClientError> {
             if json_out {
                 print_json(&v)?;
             } else {
-                print_text(&kv_lines(&v, GET_ORDER, now_secs()))?;
+                let names = volume_names(&c, &v);
+                print_text(&kv_lines(&for_people(&v, &names), GET_ORDER, now_secs()))?;
             }
             Ok(0)
         }
-        SandboxCmd::Rm { ids } => {
-            let mut failed = 0;
-            let mut gone = Vec::new();
-            for id in ids {
-                match c.delete(&format!("/v1/sandboxes/{}", seg(&id)), &[]) {
-                    Ok(()) => {
-                        if !json_out {
-                            print_text(&format!("{id}\n"))?;
-                        }
-                        gone.push(id);
-                    }
-                    Err(e) => {
-                        failed += 1;
-                        super::report(&e);
-                    }
-                }
-            }
+        SandboxCmd::Ttl { id, ttl_s } => {
+            let v = c.post_json(
+                &format!("/v1/sandboxes/{}/ttl", seg(&id)),
+                &json!({ "ttl_s": ttl_s }),
+            )?;
             if json_out {
-                print_json(&json!({ "deleted": gone }))?;
+                print_json(&v)?;
+            } else {
+                let at = v.get("expires_at").and_then(Value::as_str).unwrap_or("");
+                print_text(&format!(
+                    "{id} expires at {} ({})\n",
+                    cell(v.get("expires_at")),
+                    relative(now_secs(), at)
+                ))?;
             }
-            Ok(if failed == 0 { 0 } else { 1 })
+            Ok(0)
         }
+        SandboxCmd::Network { id, policy } => {
+            let v = c.patch_json(
+                &format!("/v1/sandboxes/{}", seg(&id)),
+                &json!({ "network": policy }),
+            )?;
+            if json_out {
+                print_json(&v)?;
+            } else {
+                print_text(&format!("{id} network: {}\n", network_text(&v["network"])))?;
+            }
+            Ok(0)
+        }
+        SandboxCmd::Rm { ids } => delete_each(&ids, json_out, |id| {
+            c.delete(&format!("/v1/sandboxes/{}", seg(id)), &[])
+        }),
         cmd @ (SandboxCmd::Pause { .. } | SandboxCmd::Resume { .. }) => {
             let (verb, id) = match cmd {
                 SandboxCmd::Pause { id } => ("pause", id),
@@ -438,6 +463,85 @@ pub fn run(a: SandboxArgs) -> Result<i32, ClientError> {
             Ok(0)
         }
     }
+}
+
+/// A network policy in the words of `--network`: `none`, `all`, `allow:a,b`.
+pub fn network_text(n: &Value) -> String {
+    match n.get("egress").and_then(Value::as_str) {
+        Some("allow") => {
+            let list: Vec<String> = n
+                .get("allow")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+                .map(|a| cell(Some(a)))
+                .collect();
+            format!("allow:{}", list.join(","))
+        }
+        Some(e) => cell(Some(&json!(e))),
+        None => cell(Some(n)),
+    }
+}
+
+/// The names of the volumes a sandbox mounts by id (`vol_…` → name), when they can be
+/// found; a sandbox without volumes costs no request.
+fn volume_names(c: &Client, sb: &Value) -> BTreeMap<String, String> {
+    let mounts = sb.get("volumes").and_then(Value::as_array);
+    if mounts.is_none_or(|m| m.is_empty()) {
+        return BTreeMap::new();
+    }
+    let Ok(list) = c.get_json("/v1/volumes", &[]) else {
+        return BTreeMap::new();
+    };
+    items(&list, "volumes")
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|v| {
+            Some((
+                v.get("id")?.as_str()?.to_string(),
+                v.get("name")?.as_str()?.to_string(),
+            ))
+        })
+        .collect()
+}
+
+/// A Sandbox as `sandbox get` shows it: each volume mount as `name:/path` (`:ro` when
+/// read-only), the network in `--network`'s words, byte counts in the size style.
+pub fn for_people(sb: &Value, names: &BTreeMap<String, String>) -> Value {
+    let mut v = sb.clone();
+    if let Some(mounts) = sb.get("volumes").and_then(Value::as_array) {
+        let shown: Vec<Value> = mounts
+            .iter()
+            .map(|m| {
+                let vol = m.get("volume").and_then(Value::as_str).unwrap_or("?");
+                let vol = match names.get(vol) {
+                    Some(name) => format!("{name} ({vol})"),
+                    None => vol.to_string(),
+                };
+                let path = m
+                    .get("path")
+                    .and_then(Value::as_str)
+                    .unwrap_or(DEFAULT_MOUNT);
+                let ro = if m.get("read_only").and_then(Value::as_bool) == Some(true) {
+                    ":ro"
+                } else {
+                    ""
+                };
+                json!(format!("{vol}:{path}{ro}"))
+            })
+            .collect();
+        v["volumes"] = Value::Array(shown);
+    }
+    if let Some(n) = sb.get("network").filter(|n| n.is_object()) {
+        v["network"] = json!(network_text(n));
+    }
+    if let Some(b) = sb
+        .pointer("/usage/peak_memory_bytes")
+        .and_then(Value::as_u64)
+    {
+        v["usage"]["peak_memory_bytes"] = json!(human_bytes(b));
+    }
+    v
 }
 
 /// `GET /v1/sandboxes/{id}`.
@@ -488,13 +592,42 @@ mod tests {
     }
 
     #[test]
-    fn volumes_need_an_absolute_path() {
+    fn volumes_mount_at_workspace_or_an_absolute_path() {
         assert_eq!(
             parse_volume("vol_1:/w").unwrap(),
             json!({"volume": "vol_1", "path": "/w", "read_only": false})
         );
-        assert!(parse_volume("vol_1").is_err());
+        assert_eq!(
+            parse_volume("repo").unwrap(),
+            json!({"volume": "repo", "path": "/workspace", "read_only": false})
+        );
+        assert_eq!(
+            parse_volume("repo:ro").unwrap(),
+            json!({"volume": "repo", "path": "/workspace", "read_only": true})
+        );
         assert!(parse_volume("vol_1:rel").is_err());
+        assert!(parse_volume(":/w").is_err());
+        assert!(parse_volume("").is_err());
+    }
+
+    #[test]
+    fn a_sandbox_reads_as_text() {
+        let sb = json!({"id": "sb_1", "network": {"egress": "allow", "allow": ["a.b", "10.0.0.0/8"]},
+            "volumes": [{"volume": "vol_1", "path": "/workspace", "read_only": false},
+                        {"volume": "vol_2", "path": "/data", "read_only": true}],
+            "usage": {"cpu_ms": 5, "peak_memory_bytes": 3_145_728}});
+        let names = BTreeMap::from([("vol_1".to_string(), "repo".to_string())]);
+        assert_eq!(
+            kv_lines(&for_people(&sb, &names), GET_ORDER, 0),
+            "id:                      sb_1\n\
+             network:                 allow:a.b,10.0.0.0/8\n\
+             usage.cpu_ms:            5\n\
+             usage.peak_memory_bytes: 3.0M\n\
+             volumes:                 repo (vol_1):/workspace, vol_2:/data:ro\n"
+        );
+        assert_eq!(network_text(&json!({"egress": "none"})), "none");
+        assert_eq!(parse_ttl("2h"), Ok(7200));
+        assert!(parse_ttl("soon").is_err());
     }
 
     #[test]

@@ -21,13 +21,13 @@ use tungstenite::{Message, WebSocket};
 
 use super::http::is_unreachable;
 use super::tty::{self, RawMode, Signals};
-use super::{seg, Client, ClientError, Conn};
+use super::{seg, Client, ClientError, Endpoint};
 
 /// `locker shell …`.
 #[derive(clap::Args, Debug)]
 pub struct ShellArgs {
     #[command(flatten)]
-    pub conn: Conn,
+    pub endpoint: Endpoint,
     /// The sandbox (sb_…).
     pub sandbox: String,
     /// A command to run in the terminal instead of a login shell (after `--`):
@@ -202,14 +202,14 @@ pub fn dechunk(raw: &[u8]) -> Vec<u8> {
 /// Runs `locker shell …`.
 pub fn run(a: ShellArgs) -> Result<i32, ClientError> {
     let cmd = (!a.cmd.is_empty()).then(|| format!("exec {}", shell_words(&a.cmd)));
-    terminal(&a.conn, &a.sandbox, cmd.as_deref())
+    terminal(&a.endpoint, &a.sandbox, cmd.as_deref())
 }
 
 /// A terminal in `sandbox` running `cmd` (a `/bin/sh` command line; a login shell when
 /// `None`), with this process's terminal (or pipe) as its keyboard and screen; returns
 /// the exit code to leave with.
-pub fn terminal(conn: &Conn, sandbox: &str, cmd: Option<&str>) -> Result<i32, ClientError> {
-    let c = conn.client()?;
+pub fn terminal(endpoint: &Endpoint, sandbox: &str, cmd: Option<&str>) -> Result<i32, ClientError> {
+    let c = endpoint.client()?;
     let ws = connect(&c, sandbox, cmd)?;
     let interactive = io::stdin().is_terminal();
     let signals = Signals::install().map_err(|e| ClientError::io("cannot watch signals", e))?;

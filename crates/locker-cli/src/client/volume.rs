@@ -1,12 +1,12 @@
-//! `locker volume create|list|rm|snapshot|snapshots|snapshot-rm|restore|fork|files`: volumes, a tenant's persistent
+//! `locker volume create|list|get|rm|snapshot|snapshots|snapshot-rm|restore|fork|files`: volumes, a tenant's persistent
 //! directory trees, over `/v1/volumes…`. A volume is named by its name or its id wherever
 //! one is asked for. `volume files …` are the sandbox files commands, aimed at a volume.
 
 use serde_json::{json, Value};
 
 use super::files::FilesCmd;
-use super::render::{cell, human_bytes, now_secs, relative, table};
-use super::{items, print_json, print_text, seg, Client, ClientError, Conn};
+use super::render::{cell, human_bytes, kv_lines, now_secs, relative, table};
+use super::{delete_each, items, print_json, print_text, seg, Client, ClientError, Conn};
 
 /// `locker volume …`.
 #[derive(clap::Args, Debug)]
@@ -24,13 +24,20 @@ pub enum VolumeCmd {
     Create {
         /// Its name, unique in this tenant (every volume command takes it instead of the id).
         name: String,
-        /// Its size limit in MiB (default 10240).
+        /// Its size limit in MiB (default 10240, i.e. 10 GiB).
         #[arg(long)]
         size_mb: Option<u64>,
     },
     /// List this tenant's volumes.
+    #[command(visible_alias = "ls")]
     List,
-    /// Delete volumes, their files and their snapshots.
+    /// Show one volume: its id, name, size limit, space used, creation time.
+    Get {
+        /// The volume's name or id.
+        volume: String,
+    },
+    /// Delete volumes, their files and their snapshots (refused while a sandbox mounts one).
+    #[command(visible_alias = "delete")]
     Rm {
         /// The volumes' names or ids.
         #[arg(required = true)]
@@ -103,6 +110,23 @@ fn volume_table(vols: &[Value]) -> String {
     table(&["NAME", "ID", "USED", "CREATED"], &rows)
 }
 
+/// The fields `volume get` shows first, in this order.
+const GET_ORDER: &[&str] = &["id", "name", "size", "used", "created_at"];
+
+/// A Volume as `volume get` shows it: its size limit and use in the size style.
+pub fn for_people(vol: &Value) -> Value {
+    let mut v = vol.clone();
+    if let Some(m) = v.as_object_mut() {
+        if let Some(mb) = m.remove("size_mb").and_then(|s| s.as_u64()) {
+            m.insert("size".into(), json!(human_bytes(mb << 20)));
+        }
+        if let Some(b) = m.remove("used_bytes").and_then(|s| s.as_u64()) {
+            m.insert("used".into(), json!(human_bytes(b)));
+        }
+    }
+    v
+}
+
 /// Runs `locker volume …`.
 pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
     let c: Client = a.conn.client()?;
@@ -127,18 +151,12 @@ pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
             let v = c.get_json("/v1/volumes", &[])?;
             show(&v, volume_table(items(&v, "volumes")?))?;
         }
+        VolumeCmd::Get { volume } => {
+            let v = c.get_json(&volume_base(&volume), &[])?;
+            show(&v, kv_lines(&for_people(&v), GET_ORDER, now_secs()))?;
+        }
         VolumeCmd::Rm { volumes } => {
-            let mut failed = 0;
-            for vol in volumes {
-                match c.delete(&volume_base(&vol), &[]) {
-                    Ok(()) => print_text(&format!("{vol}\n"))?,
-                    Err(e) => {
-                        failed += 1;
-                        super::report(&e);
-                    }
-                }
-            }
-            return Ok(if failed == 0 { 0 } else { 1 });
+            return delete_each(&volumes, json_out, |vol| c.delete(&volume_base(vol), &[]));
         }
         VolumeCmd::Snapshot { volume } => {
             let v = c.post_json(&format!("{}/snapshots", volume_base(&volume)), &json!({}))?;
@@ -163,18 +181,12 @@ pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
             show(&v, table(&["ID", "SIZE", "CREATED"], &rows))?;
         }
         VolumeCmd::SnapshotRm { volume, snapshots } => {
-            let mut failed = 0;
-            for snap in snapshots {
-                let path = format!("{}/snapshots/{}", volume_base(&volume), seg(&snap));
-                match c.delete(&path, &[]) {
-                    Ok(()) => print_text(&format!("{snap}\n"))?,
-                    Err(e) => {
-                        failed += 1;
-                        super::report(&e);
-                    }
-                }
-            }
-            return Ok(if failed == 0 { 0 } else { 1 });
+            return delete_each(&snapshots, json_out, |snap| {
+                c.delete(
+                    &format!("{}/snapshots/{}", volume_base(&volume), seg(snap)),
+                    &[],
+                )
+            });
         }
         VolumeCmd::Restore { volume, snapshot } => {
             let v = c.post_json(
@@ -198,4 +210,23 @@ pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
         VolumeCmd::Files(cmd) => return super::files::run_on(&c, json_out, cmd, volume_base),
     }
     Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_volume_reads_with_sizes_for_people() {
+        let v = json!({"id": "vol_1", "name": "repo", "size_mb": 10240, "used_bytes": 4096,
+                       "created_at": "2026-11-30T11:00:00Z"});
+        assert_eq!(
+            kv_lines(&for_people(&v), GET_ORDER, 1_796_040_000),
+            "id:         vol_1\n\
+             name:       repo\n\
+             size:       10G\n\
+             used:       4.0K\n\
+             created_at: 2026-11-30T11:00:00Z (60m ago)\n"
+        );
+    }
 }
