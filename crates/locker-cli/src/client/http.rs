@@ -43,7 +43,7 @@ impl KeyKind {
     }
 
     /// The key in this kind's environment variable, if it is set and not blank.
-    pub fn from_env(self) -> Option<String> {
+    pub fn key_in_env(self) -> Option<String> {
         std::env::var(self.env_var())
             .ok()
             .filter(|k| !k.trim().is_empty())

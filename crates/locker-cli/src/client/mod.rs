@@ -70,7 +70,7 @@ impl Endpoint {
                 return Err(ClientError::Usage("--api-key is empty".into()))
             }
             Some(k) => Some(k.clone()),
-            None => KeyKind::Tenant.from_env(),
+            None => KeyKind::Tenant.key_in_env(),
         };
         Client::new(&self.base_url(), key, KeyKind::Tenant)
     }
@@ -117,7 +117,7 @@ impl AdminConn {
             .admin_key
             .clone()
             .filter(|k| !k.trim().is_empty())
-            .or_else(|| KeyKind::Admin.from_env());
+            .or_else(|| KeyKind::Admin.key_in_env());
         if key.is_none() {
             return Err(ClientError::Config(
                 "LOCKER_ADMIN_KEY is not set: admin commands need the admin key `locker serve` was started with (or pass --admin-key)".into(),
