@@ -207,6 +207,31 @@ fn a_background_process_is_started_followed_waited_for_and_killed_from_the_cli()
     assert_eq!(out.status.code(), Some(0), "{}", text(&out.stderr));
     assert_eq!(ok(&s, &["process", "logs", &sb, &p4]), "HELLO\ndone\n");
 
+    // `attach`: its output, our stdin into it, its exit code.
+    let p5 = the_id(
+        &ok(
+            &s,
+            &[
+                "exec",
+                "--background",
+                &sb,
+                "--",
+                "sh",
+                "-c",
+                "echo ready; tr a-z A-Z; exit 4",
+            ],
+        ),
+        "proc_",
+    );
+    let mut c = locker(&s, &["process", "attach", &sb, &p5]);
+    c.stdin(Stdio::piped());
+    let mut child = c.spawn().unwrap();
+    locker_tests::register_child(child.id());
+    child.stdin.take().unwrap().write_all(b"shout\n").unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert_eq!(out.status.code(), Some(4), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout), "ready\nSHOUT\n");
+
     // Mistakes are one clear line.
     let out = output_of(locker(&s, &["process", "wait", &sb, "proc_nope"]));
     assert_eq!(out.status.code(), Some(1));

@@ -1,4 +1,4 @@
-//! `locker exec --background`, `locker ps SB` and `locker process list|get|logs|wait|kill|stdin`:
+//! `locker exec --background`, `locker ps SB` and `locker process list|get|logs|wait|kill|stdin|attach`:
 //! commands that outlive one call, over `/v1/sandboxes/{id}/processes…`.
 //!
 //! A background process is started like an exec (same flags, same body) and answered at
@@ -94,6 +94,18 @@ pub enum ProcessCmd {
         /// more writes).
         #[arg(long)]
         close: bool,
+    },
+    /// Attach to a process: print its output (from its start, then as it comes) while this
+    /// command's standard input streams into its stdin (closed at the end of the input;
+    /// `-n`: none sent). Leaves with its exit code when it ends; Ctrl-C leaves it running.
+    Attach {
+        /// The sandbox (sb_…).
+        sandbox: String,
+        /// The process (proc_…).
+        process: String,
+        /// Send no input and leave its stdin open.
+        #[arg(long, short = 'n')]
+        no_stdin: bool,
     },
 }
 
@@ -220,6 +232,32 @@ pub fn run(a: ProcessArgs) -> Result<i32, ClientError> {
                 output(&c, &sandbox, &process, follow, false)?;
             }
             Ok(0)
+        }
+        ProcessCmd::Attach {
+            sandbox,
+            process,
+            no_stdin,
+        } => {
+            let path = proc_path(&sandbox, &process);
+            c.get_json(&path, &[])?;
+            if !no_stdin {
+                let (c, stdin_path) = (c.clone(), format!("{path}/stdin"));
+                std::thread::Builder::new()
+                    .name("stdin".into())
+                    .spawn(move || {
+                        // A failed write ends the feed quietly: the process has ended or
+                        // closed its input; the output stream says how it ended.
+                        let _ = feed_stdin(&c, &stdin_path, Vec::new(), true);
+                    })
+                    .map_err(|e| ClientError::io("cannot start the stdin thread", e))?;
+            }
+            let result = output(&c, &sandbox, &process, true, json_out)?;
+            if json_out {
+                print_json(&result)?;
+            } else if let Some(note) = note_of(&result) {
+                eprintln!("locker: {note}");
+            }
+            Ok(exit_code_of(&result))
         }
         ProcessCmd::Wait { sandbox, process } => {
             let result = output(&c, &sandbox, &process, true, true)?;
