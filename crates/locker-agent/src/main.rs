@@ -17,6 +17,7 @@
 //! - `LOCKER_MAX_SPILL_BYTES` (default 1 GiB): per stream; past it the command is killed.
 //! - `LOCKER_CGROUP_ROOT` (default `/sys/fs/cgroup`), `LOCKER_CGROUP_PARENT` (default empty):
 //!   where command cgroups are created (see `cgroup`).
+//! - `LOCKER_VIEW_FD=<n>` (jails): fd `n` writes the machine's `/proc/meminfo` (see `view`).
 //!
 //! It only depends on `locker-types`, `locker-proto`, serde and libc, and builds as a static
 //! binary (it reads `/etc/passwd` itself instead of using NSS).
@@ -31,6 +32,7 @@ mod reaper;
 mod share;
 mod sys;
 mod users;
+mod view;
 mod vm;
 
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -50,6 +52,8 @@ pub struct Agent {
     /// Whether commands reset their `oom_score_adj` to 0 (the agent's own is not 0: a
     /// jail's agent is exempt from the OOM killer).
     pub reset_oom: bool,
+    /// The machine's `/proc/meminfo` view (jails only).
+    pub view: Option<Arc<view::View>>,
 }
 
 /// A fresh id with the given prefix: 16 random hex digits.
@@ -143,7 +147,20 @@ fn main() {
         max_spill_bytes,
         procs: procs::Procs::default(),
         reset_oom: sys::oom_score_adj() != 0,
+        view: if in_vm { None } else { view::View::from_env() },
     });
+    if let Some(v) = &agent.view {
+        // Before the first call is served: no command ever reads an empty file.
+        v.refresh(&agent);
+        let a = agent.clone();
+        let spawned = std::thread::Builder::new()
+            .name("view".into())
+            .stack_size(128 * 1024)
+            .spawn(move || view::serve(a));
+        if let Err(e) = spawned {
+            eprintln!("locker-agent: cannot start the view's refresher: {e}");
+        }
+    }
     let Some(listener) = listener else {
         vm::serve_port(agent);
     };
