@@ -220,6 +220,17 @@ fn no_command_can_rewrite_its_machines_view_nor_another_machines() {
     );
     assert_eq!(api.sh(&b, "nproc").trim(), "1");
     assert_eq!(api.sh(&a, "nproc").trim(), "1", "a later command of a");
+    // Nor does widening the agent's (same uid): each command is pinned as it starts.
+    let host = std::thread::available_parallelism().map_or(1, |n| n.get());
+    api.exec(
+        &a,
+        &json!({"shell": format!("python3 -c 'import os;os.sched_setaffinity(1, range({host}))'")}),
+    );
+    assert_eq!(
+        api.sh(&a, "nproc").trim(),
+        "1",
+        "a command after one widened PID 1's affinity"
+    );
 }
 
 #[test]

@@ -216,8 +216,8 @@ pub fn start(
         };
         StartError::Agent(AgentError::new(code, format!("{what}: {e}")))
     };
-    // Before the fork: the view is rewritten while the command starts, so what it reads
-    // of its machine's memory is as of now.
+    // Before the fork: the view is rewritten while the command starts (unless it just was),
+    // so what it reads of its machine's memory is fresh.
     let busy = agent.view.as_ref().map(crate::view::Busy::new);
     let cgroup = agent.cgroups.create();
     let oom_before = (
@@ -233,6 +233,7 @@ pub fn start(
         cwd: std::ffi::CString::new(prep.cwd.clone())
             .map_err(|_| StartError::Agent(bad("cwd contains NUL")))?,
         reset_oom: agent.reset_oom,
+        cpus: agent.cpus,
     };
     let mut cmd = Command::new(&prep.argv[0]);
     cmd.args(&prep.argv[1..])

@@ -18,6 +18,7 @@
 //! - `LOCKER_CGROUP_ROOT` (default `/sys/fs/cgroup`), `LOCKER_CGROUP_PARENT` (default empty):
 //!   where command cgroups are created (see `cgroup`).
 //! - `LOCKER_VIEW_FD=<n>` (jails): fd `n` writes the machine's `/proc/meminfo` (see `view`).
+//! - `LOCKER_CPUS=<list>` (jails): every command is pinned to these CPUs (see `view`).
 //!
 //! It only depends on `locker-types`, `locker-proto`, serde and libc, and builds as a static
 //! binary (it reads `/etc/passwd` itself instead of using NSS).
@@ -54,6 +55,8 @@ pub struct Agent {
     pub reset_oom: bool,
     /// The machine's `/proc/meminfo` view (jails only).
     pub view: Option<Arc<view::View>>,
+    /// The CPUs every command is pinned to (jails smaller than the host only).
+    pub cpus: Option<sys::CpuSet>,
 }
 
 /// A fresh id with the given prefix: 16 random hex digits.
@@ -148,6 +151,7 @@ fn main() {
         procs: procs::Procs::default(),
         reset_oom: sys::oom_score_adj() != 0,
         view: if in_vm { None } else { view::View::from_env() },
+        cpus: if in_vm { None } else { view::cpus_from_env() },
     });
     if let Some(v) = &agent.view {
         // Before the first call is served: no command ever reads an empty file.

@@ -1,12 +1,19 @@
-//! The machine's `/proc/meminfo` as its limits make it: `free`, `top`, JVMs and Python's
-//! `psutil` read the machine's memory limit as MemTotal and what its cgroup uses as used.
+//! What a jail's commands see of its resources: its CPUs and its `/proc/meminfo`.
 //!
-//! In a jail the shim binds a file of its own, read-only, over `/proc/meminfo` and hands the
-//! agent the only write descriptor (`LOCKER_VIEW_FD`; see the runtime's `view` room, which
-//! also pins the machine to its CPUs). This room rewrites that file from the machine's
-//! memory cgroup: once before the agent serves anything, when a command starts or ends, and
+//! CPUs: the shim names the machine's CPUs in `LOCKER_CPUS` (see the runtime's `view` room,
+//! which also binds a matching `/sys/devices/system/cpu/online`); every command is pinned
+//! to them between fork and exec (`sys::child_setup`), so `nproc` and
+//! `os.sched_getaffinity` say the machine's size. The agent itself is not pinned: its own
+//! threads run wherever the host has room, and a command that changes the agent's
+//! affinity (same uid) changes nothing for later commands.
+//!
+//! Memory: `free`, `top`, JVMs and Python's `psutil` read MemTotal as the machine's limit
+//! and used as what its cgroup is charged. The shim binds a file of its own, read-only,
+//! over `/proc/meminfo` and hands the agent the only write descriptor (`LOCKER_VIEW_FD`).
+//! This room rewrites it from the machine's memory cgroup: once before the agent serves
+//! anything, when a command starts (unless it was rewritten in the last [`FRESH`]), and
 //! every [`PERIOD`] while any command runs (an idle machine costs nothing). A microVM's
-//! guest has a kernel of its own whose `/proc/meminfo` is already right: no view there.
+//! guest has a kernel of its own whose `/proc` is already right: no view there.
 //!
 //! The file keeps one length for a given limit (every value is padded to the width of
 //! MemTotal and none exceeds it), so a rewrite is one `pwrite` at offset 0 and a reader
@@ -17,13 +24,26 @@ use std::fs::File;
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use crate::cgroup::MemSample;
 use crate::{sys, Agent};
 
 /// How stale the view may get while commands run.
 pub const PERIOD: Duration = Duration::from_millis(200);
+/// A view at most this old is fresh enough for a command that starts now: back-to-back
+/// commands cost at most one rewrite per this long.
+pub const FRESH: Duration = Duration::from_millis(10);
+
+/// The CPUs the shim named in `LOCKER_CPUS`, if any.
+pub fn cpus_from_env() -> Option<sys::CpuSet> {
+    let list = std::env::var("LOCKER_CPUS").ok()?;
+    let set = sys::CpuSet::parse(&list);
+    if set.is_none() {
+        eprintln!("locker-agent: LOCKER_CPUS={list:?} is not a CPU list: commands are not pinned");
+    }
+    set
+}
 
 /// The writer of the machine's `/proc/meminfo`.
 pub struct View {
@@ -34,11 +54,12 @@ pub struct View {
     cv: Condvar,
 }
 
-#[derive(Default)]
 struct Wake {
     kicked: bool,
     /// Commands (and background processes) running now.
     active: usize,
+    /// When the refresher last started a rewrite.
+    refreshed: Instant,
 }
 
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -59,7 +80,11 @@ impl View {
         Some(Arc::new(View {
             file,
             last: Mutex::new(Vec::new()),
-            wake: Mutex::new(Wake::default()),
+            wake: Mutex::new(Wake {
+                kicked: false,
+                active: 0,
+                refreshed: Instant::now(),
+            }),
             cv: Condvar::new(),
         }))
     }
@@ -97,29 +122,30 @@ impl View {
             }
         }
     }
-
-    fn kick(&self, delta: isize) {
-        let mut w = lock(&self.wake);
-        w.kicked = true;
-        w.active = w.active.saturating_add_signed(delta);
-        self.cv.notify_one();
-    }
 }
 
 /// Held while a command runs: keeps the view refreshing, and refreshes it when the command
-/// starts and when it ends.
+/// starts. When the last command ends the refresher rewrites it once more, a period later,
+/// and sleeps.
 pub struct Busy(Arc<View>);
 
 impl Busy {
     pub fn new(view: &Arc<View>) -> Busy {
-        view.kick(1);
+        let mut w = lock(&view.wake);
+        w.active += 1;
+        if w.active == 1 || w.refreshed.elapsed() >= FRESH {
+            w.kicked = true;
+            view.cv.notify_one();
+        }
+        drop(w);
         Busy(view.clone())
     }
 }
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.0.kick(-1);
+        let mut w = lock(&self.0.wake);
+        w.active = w.active.saturating_sub(1);
     }
 }
 
@@ -141,6 +167,7 @@ pub fn serve(agent: Arc<Agent>) {
             };
         }
         w.kicked = false;
+        w.refreshed = Instant::now();
         drop(w);
         view.refresh(&agent);
         w = lock(&view.wake);

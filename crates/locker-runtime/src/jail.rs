@@ -17,7 +17,7 @@
 //!    (the template below through an id-mapped read-only mount, the machine's layer above),
 //!    a fresh /proc, a minimal /dev, tmpfs /tmp, its cgroup at /sys/fs/cgroup, the view of
 //!    its own CPUs and memory (see [`crate::view`]); brings up loopback (its only
-//!    interface); pivots into the root; pins itself to its CPUs; then joins the user namespace,
+//!    interface); pivots into the root; then joins the user namespace,
 //!    drops capabilities to the usual container set, sets `no_new_privs`, installs the
 //!    seccomp filter and executes `locker-agent` with the socket as fd 3.
 //!
@@ -681,17 +681,6 @@ fn machine_init(
         Ok(v) => v,
         Err(e) => return e.to_string(),
     };
-    // Inherited by the agent and every command: the view's CPU count is a fact, not a
-    // story. A command may widen its own affinity again (unprivileged for one's own
-    // process), which gains it no CPU time: the cgroup's quota is the limit.
-    if let Some(cpus) = cpus {
-        if let Err(e) = sys::set_affinity(cpus) {
-            return format!(
-                "pin the machine to CPUs {}: {e}",
-                crate::view::cpu_list(cpus)
-            );
-        }
-    }
     // Still the host's root: exempt PID 1 from the OOM killer, so a machine that fills its
     // memory (a full /tmp, a bomb) loses a command, never its agent. Through the legacy
     // file on purpose: `oom_score_adj` written with CAP_SYS_RESOURCE also lowers the floor
@@ -733,16 +722,23 @@ fn machine_init(
     if let Err(e) = sys::keep_fds(&[(listener.as_raw_fd(), 3), (view.as_raw_fd(), 4)]) {
         return format!("hand the socket and the view to the agent: {e}");
     }
-    let env = [
+    let mut env: Vec<String> = [
         "LOCKER_AGENT_FD=3",
         "LOCKER_VIEW_FD=4",
         "LOCKER_CGROUP_ROOT=/sys/fs/cgroup",
         "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME=/root",
-    ];
+    ]
+    .map(String::from)
+    .to_vec();
+    // The agent pins every command to these (not itself: its own threads run where the
+    // host has room).
+    if let Some(cpus) = cpus {
+        env.push(format!("LOCKER_CPUS={}", crate::view::cpu_list(cpus)));
+    }
     let env: Vec<CString> = env
-        .iter()
-        .map(|s| CString::new(*s).expect("static env"))
+        .into_iter()
+        .map(|s| CString::new(s).expect("no NUL in the agent's env"))
         .collect();
     let argv = [CString::new("locker-agent").expect("static")];
     // stdout and stderr go to the shim's log pipe, never to the shim's caller nor straight

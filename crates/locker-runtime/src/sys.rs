@@ -421,22 +421,6 @@ pub fn affinity() -> io::Result<Vec<usize>> {
         .collect())
 }
 
-/// Restricts this process (and what it starts later) to `cpus` (`sched_setaffinity(2)`).
-pub fn set_affinity(cpus: &[usize]) -> io::Result<()> {
-    // SAFETY: a zeroed cpu_set_t is a valid empty set.
-    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
-    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
-    for c in cpus.iter().filter(|c| **c < max) {
-        // SAFETY: CPU_SET writes a bit of the live set, within its size (checked above).
-        unsafe { libc::CPU_SET(*c, &mut set) };
-    }
-    // SAFETY: `set` is a live cpu_set_t of the size passed.
-    check(
-        unsafe { libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) }.into(),
-    )
-    .map(drop)
-}
-
 /// Fills `buf` from the kernel's random source (`getrandom(2)`); on failure (a kernel
 /// without it) `buf` keeps what it held.
 pub fn random_bytes(buf: &mut [u8]) {

@@ -5,8 +5,9 @@
 //! `os.cpu_count()`, JVMs and build tools would size themselves to the host. This room
 //! gives each jail a view of its limits instead (see docs/architecture.md, "What a machine
 //! sees of its resources"):
-//! - CPUs: the machine's PID 1 (so everything in it) is pinned to `ceil(cpus)` of the CPUs
-//!   the server may use, placed round-robin host-wide ([`pick_cpus`]), and the machine's
+//! - CPUs: every command of the machine is pinned (by the agent, between fork and exec; the
+//!   shim names the CPUs in `LOCKER_CPUS`) to `ceil(cpus)` of the CPUs the server may use,
+//!   placed round-robin host-wide ([`pick_cpus`]), and the machine's
 //!   `/sys/devices/system/cpu/online` lists exactly those CPUs. The cgroup's CFS quota stays
 //!   the limit; the affinity is what makes the count right.
 //! - Memory: `/proc/meminfo` is a file of a small tmpfs private to the machine, bound
