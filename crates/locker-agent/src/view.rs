@@ -322,6 +322,15 @@ mod tests {
     }
 
     #[test]
+    fn cpu_lists_from_the_shim_parse_like_the_kernels() {
+        assert_eq!(sys::CpuSet::parse("1").map(|s| s.count()), Some(1));
+        assert_eq!(sys::CpuSet::parse("0-3,6\n").map(|s| s.count()), Some(5));
+        for bad in ["", "3-1", "a", "0,", "-1", "100000"] {
+            assert!(sys::CpuSet::parse(bad).is_none(), "{bad:?}");
+        }
+    }
+
+    #[test]
     fn the_file_keeps_one_length_whatever_the_use() {
         let idle = render(&sample(false, 0, &[]), None);
         let full = render(
