@@ -5,7 +5,8 @@
 //! run commands (`exec`), keep background processes (`procs`), move files (`files`), report
 //! usage. It reaps every orphan (`reaper`), gives every command its own cgroup so its whole
 //! tree can be killed (`cgroup`), and never holds a whole file or output stream in memory
-//! (`capture`). Raw system calls live in `sys`.
+//! (`capture`). In a jail it pins every command to the machine's CPUs and keeps the
+//! machine's `/proc/meminfo` view (`view`). Raw system calls live in `sys`.
 //!
 //! Start-up:
 //! - `LOCKER_VM=1` as PID 1: a microVM's init (see `vm`): it builds the root filesystem,
