@@ -94,18 +94,18 @@ fn a_jail_with_as_many_cpus_as_the_host_sees_them_all_and_one_cpu_jails_spread()
     }
     // Machines are placed round-robin over the host's CPUs: one-CPU machines started one
     // after the other do not pile up on one CPU (pinned there, they could not move away).
-    // Twice as many as CPUs: other servers on this host advance the same cursor.
-    let ones: Vec<String> = (0..2 * host)
+    // Twice as many as needed: other servers on this host advance the same cursor.
+    let k = host.min(4);
+    let ones: Vec<String> = (0..2 * k)
         .map(|_| sandbox(&api, json!({"cpus": 1, "memory_mb": 256})))
         .collect();
     let mut placed: Vec<String> = ones.iter().map(|id| allowed_cpus(&api, id)).collect();
     placed.sort();
     placed.dedup();
-    assert_eq!(
-        placed.len(),
-        host,
-        "{} one-CPU machines started in a row use all {host} CPUs: {placed:?}",
-        2 * host
+    assert!(
+        placed.len() >= k,
+        "{} one-CPU machines started in a row use at least {k} CPUs: {placed:?}",
+        2 * k
     );
 }
 
@@ -207,6 +207,30 @@ fn no_command_can_rewrite_its_machines_view_nor_another_machines() {
             >= 400,
         "the files API cannot write /proc/meminfo"
     );
+    // The view's mounts are read-only and name nothing of the host.
+    let table = api.sh(
+        &a,
+        "grep -E ' /proc/meminfo | /sys/devices/system/cpu/online ' /proc/self/mountinfo",
+    );
+    let host = std::thread::available_parallelism().map_or(1, |n| n.get());
+    // A one-CPU host pins nothing, so it has no `online` view.
+    assert_eq!(
+        table.lines().count(),
+        if host > 1 { 2 } else { 1 },
+        "{table}"
+    );
+    let data_dir = s.machine_dir(&a);
+    let data_dir = data_dir
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("a data dir");
+    for line in table.lines() {
+        assert!(line.contains(" ro,"), "read-only: {line}");
+        assert!(
+            !line.contains(&*data_dir.to_string_lossy()) && !line.contains(&a),
+            "names the host: {line}"
+        );
+    }
     let view_a = api.sh(&a, "cat /proc/meminfo");
     assert_eq!(meminfo_kb(&view_a, "MemTotal"), 512 * 1024, "{view_a}");
     let view_b = api.sh(&b, "cat /proc/meminfo");
@@ -221,7 +245,6 @@ fn no_command_can_rewrite_its_machines_view_nor_another_machines() {
     assert_eq!(api.sh(&b, "nproc").trim(), "1");
     assert_eq!(api.sh(&a, "nproc").trim(), "1", "a later command of a");
     // Nor does widening the agent's (same uid): each command is pinned as it starts.
-    let host = std::thread::available_parallelism().map_or(1, |n| n.get());
     api.exec(
         &a,
         &json!({"shell": format!("python3 -c 'import os;os.sched_setaffinity(1, range({host}))'")}),
