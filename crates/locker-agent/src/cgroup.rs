@@ -283,6 +283,39 @@ impl Cgroups {
         }
     }
 
+    /// The parent memory cgroup (the machine's) as `/proc/meminfo` needs it, where readable.
+    pub fn memory(&self) -> Option<MemSample> {
+        match &self.layout {
+            Layout::None => None,
+            Layout::V2 { parent } => {
+                let max = fs::read_to_string(parent.join("memory.max")).ok()?;
+                Some(MemSample {
+                    v2: true,
+                    limit: max.trim().parse().ok(),
+                    usage: read_u64(&parent.join("memory.current"))?,
+                    stat: read_stat(&parent.join("memory.stat")),
+                })
+            }
+            Layout::V1 { parents } => {
+                let dir = &parents.iter().find(|(c, _)| *c == "memory")?.1;
+                let stat = read_stat(&dir.join("memory.stat"));
+                // The limit in force is the smallest up the tree; "unlimited" reads as a
+                // huge number, left to the caller to cap at the host's memory.
+                let limit = stat
+                    .iter()
+                    .find(|(k, _)| k == "hierarchical_memory_limit")
+                    .map(|(_, v)| *v)
+                    .or_else(|| read_u64(&dir.join("memory.limit_in_bytes")));
+                Some(MemSample {
+                    v2: false,
+                    limit,
+                    usage: read_u64(&dir.join("memory.usage_in_bytes"))?,
+                    stat,
+                })
+            }
+        }
+    }
+
     /// The parent memory cgroup's OOM-kill counter.
     pub fn parent_oom_kills(&self) -> u64 {
         match &self.layout {
@@ -291,6 +324,37 @@ impl Cgroups {
             Layout::V1 { parents } => oom_kills_v1(parents),
         }
     }
+}
+
+/// A memory cgroup's limit, usage (bytes) and `memory.stat`, as read.
+#[derive(Debug, Clone)]
+pub struct MemSample {
+    pub v2: bool,
+    /// `None`: no limit.
+    pub limit: Option<u64>,
+    pub usage: u64,
+    pub stat: Vec<(String, u64)>,
+}
+
+impl MemSample {
+    /// A `memory.stat` value (bytes), 0 where absent.
+    pub fn get(&self, key: &str) -> u64 {
+        self.stat
+            .iter()
+            .find(|(k, _)| k == key)
+            .map_or(0, |(_, v)| *v)
+    }
+}
+
+fn read_stat(path: &Path) -> Vec<(String, u64)> {
+    fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .filter_map(|l| {
+            let (k, v) = l.split_once(' ')?;
+            Some((k.to_owned(), v.trim().parse().ok()?))
+        })
+        .collect()
 }
 
 /// The cgroup(s) of one running command.

@@ -173,6 +173,8 @@ pub struct Running {
     oom_before: (u64, u64),
     call_id: String,
     cap: u64,
+    /// Keeps the machine's memory view fresh while the command runs.
+    _busy: Option<crate::view::Busy>,
 }
 
 /// Why a command could not start.
@@ -214,6 +216,9 @@ pub fn start(
         };
         StartError::Agent(AgentError::new(code, format!("{what}: {e}")))
     };
+    // Before the fork: the view is rewritten while the command starts (unless it just was),
+    // so what it reads of its machine's memory is fresh.
+    let busy = agent.view.as_ref().map(crate::view::Busy::new);
     let cgroup = agent.cgroups.create();
     let oom_before = (
         cgroup.as_ref().map(|c| c.oom_kills()).unwrap_or(0),
@@ -228,6 +233,7 @@ pub fn start(
         cwd: std::ffi::CString::new(prep.cwd.clone())
             .map_err(|_| StartError::Agent(bad("cwd contains NUL")))?,
         reset_oom: agent.reset_oom,
+        cpus: agent.cpus,
     };
     let mut cmd = Command::new(&prep.argv[0]);
     cmd.args(&prep.argv[1..])
@@ -347,6 +353,7 @@ pub fn start(
         oom_before,
         call_id: call_id.to_string(),
         cap: opts.max_output_bytes,
+        _busy: busy,
     };
     match pump {
         Ok(h) => Ok(Running {

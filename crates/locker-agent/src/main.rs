@@ -5,7 +5,8 @@
 //! run commands (`exec`), keep background processes (`procs`), move files (`files`), report
 //! usage. It reaps every orphan (`reaper`), gives every command its own cgroup so its whole
 //! tree can be killed (`cgroup`), and never holds a whole file or output stream in memory
-//! (`capture`). Raw system calls live in `sys`.
+//! (`capture`). In a jail it pins every command to the machine's CPUs and keeps the
+//! machine's `/proc/meminfo` view (`view`). Raw system calls live in `sys`.
 //!
 //! Start-up:
 //! - `LOCKER_VM=1` as PID 1: a microVM's init (see `vm`): it builds the root filesystem,
@@ -17,6 +18,8 @@
 //! - `LOCKER_MAX_SPILL_BYTES` (default 1 GiB): per stream; past it the command is killed.
 //! - `LOCKER_CGROUP_ROOT` (default `/sys/fs/cgroup`), `LOCKER_CGROUP_PARENT` (default empty):
 //!   where command cgroups are created (see `cgroup`).
+//! - `LOCKER_VIEW_FD=<n>` (jails): fd `n` writes the machine's `/proc/meminfo` (see `view`).
+//! - `LOCKER_CPUS=<list>` (jails): every command is pinned to these CPUs (see `view`).
 //!
 //! It only depends on `locker-types`, `locker-proto`, serde and libc, and builds as a static
 //! binary (it reads `/etc/passwd` itself instead of using NSS).
@@ -31,6 +34,7 @@ mod reaper;
 mod share;
 mod sys;
 mod users;
+mod view;
 mod vm;
 
 use std::os::fd::{FromRawFd, OwnedFd};
@@ -50,6 +54,10 @@ pub struct Agent {
     /// Whether commands reset their `oom_score_adj` to 0 (the agent's own is not 0: a
     /// jail's agent is exempt from the OOM killer).
     pub reset_oom: bool,
+    /// The machine's `/proc/meminfo` view (jails only).
+    pub view: Option<Arc<view::View>>,
+    /// The CPUs every command is pinned to (jails smaller than the host only).
+    pub cpus: Option<sys::CpuSet>,
 }
 
 /// A fresh id with the given prefix: 16 random hex digits.
@@ -143,7 +151,21 @@ fn main() {
         max_spill_bytes,
         procs: procs::Procs::default(),
         reset_oom: sys::oom_score_adj() != 0,
+        view: if in_vm { None } else { view::View::from_env() },
+        cpus: if in_vm { None } else { view::cpus_from_env() },
     });
+    if let Some(v) = &agent.view {
+        // Before the first call is served: no command ever reads an empty file.
+        v.refresh(&agent);
+        let a = agent.clone();
+        let spawned = std::thread::Builder::new()
+            .name("view".into())
+            .stack_size(128 * 1024)
+            .spawn(move || view::serve(a));
+        if let Err(e) = spawned {
+            eprintln!("locker-agent: cannot start the view's refresher: {e}");
+        }
+    }
     let Some(listener) = listener else {
         vm::serve_port(agent);
     };

@@ -15,8 +15,9 @@
 //! 5. unshares mount, net, ipc, uts and pid namespaces and forks the machine's PID 1, which
 //!    enters the cgroup and a cgroup namespace, mounts the disk and an overlay root
 //!    (the template below through an id-mapped read-only mount, the machine's layer above),
-//!    a fresh /proc, a minimal /dev, tmpfs /tmp, its cgroup at /sys/fs/cgroup; brings up
-//!    loopback (its only interface); pivots into the root; then joins the user namespace,
+//!    a fresh /proc, a minimal /dev, tmpfs /tmp, its cgroup at /sys/fs/cgroup, the view of
+//!    its own CPUs and memory (see [`crate::view`]); brings up loopback (its only
+//!    interface); pivots into the root; then joins the user namespace,
 //!    drops capabilities to the usual container set, sets `no_new_privs`, installs the
 //!    seccomp filter and executes `locker-agent` with the socket as fd 3.
 //!
@@ -81,6 +82,8 @@ pub enum JailError {
     Init(String),
     #[error(transparent)]
     Cgroup(#[from] crate::cgroup::CgroupError),
+    #[error(transparent)]
+    View(#[from] crate::view::ViewError),
     #[error("the machine did not stop within {0:?}")]
     StopTimeout(Duration),
 }
@@ -475,6 +478,8 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
         pids: spec.pids,
     };
     cg.create(limits, spec.uid_base)?;
+    // Where the machine runs: its count is what `nproc` and `os.cpu_count()` will say.
+    let cpus = crate::view::pick_cpus(spec.cpus);
 
     // 4. The disk: a fresh image, or a copy of a snapshot's.
     let img = dir.join("disk.img");
@@ -518,7 +523,15 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
             agent,
             log: log_w,
         };
-        let err = machine_init(&spec, &cg, userns, handed, &seccomp, &mut w);
+        let err = machine_init(
+            &spec,
+            &cg,
+            cpus.as_deref(),
+            userns,
+            handed,
+            &seccomp,
+            &mut w,
+        );
         let _ = writeln!(w, "{err}");
         // SAFETY: leaving the child without running the parent's destructors.
         unsafe { libc::_exit(1) };
@@ -653,6 +666,7 @@ struct Handed {
 fn machine_init(
     spec: &JailSpec,
     cg: &MachineCgroup,
+    cpus: Option<&[usize]>,
     userns: OwnedFd,
     handed: Handed,
     seccomp: &[seccompiler::BpfProgram],
@@ -663,10 +677,10 @@ fn machine_init(
         agent,
         log,
     } = handed;
-    match machine_setup(spec, cg, &userns) {
-        Ok(()) => {}
+    let view = match machine_setup(spec, cg, cpus, &userns) {
+        Ok(v) => v,
         Err(e) => return e.to_string(),
-    }
+    };
     // Still the host's root: exempt PID 1 from the OOM killer, so a machine that fills its
     // memory (a full /tmp, a bomb) loses a command, never its agent. Through the legacy
     // file on purpose: `oom_score_adj` written with CAP_SYS_RESOURCE also lowers the floor
@@ -705,18 +719,26 @@ fn machine_init(
     }
     // Tell the shim we made it; the pipe closes on exec, so an exec failure is reported too.
     let _ = ready.flush();
-    if let Err(e) = sys::keep_only_fd(listener.as_raw_fd(), 3) {
-        return format!("hand the socket to the agent: {e}");
+    if let Err(e) = sys::keep_fds(&[(listener.as_raw_fd(), 3), (view.as_raw_fd(), 4)]) {
+        return format!("hand the socket and the view to the agent: {e}");
     }
-    let env = [
+    let mut env: Vec<String> = [
         "LOCKER_AGENT_FD=3",
+        "LOCKER_VIEW_FD=4",
         "LOCKER_CGROUP_ROOT=/sys/fs/cgroup",
         "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
         "HOME=/root",
-    ];
+    ]
+    .map(String::from)
+    .to_vec();
+    // The agent pins every command to these (not itself: its own threads run where the
+    // host has room).
+    if let Some(cpus) = cpus {
+        env.push(format!("LOCKER_CPUS={}", crate::view::cpu_list(cpus)));
+    }
     let env: Vec<CString> = env
-        .iter()
-        .map(|s| CString::new(*s).expect("static env"))
+        .into_iter()
+        .map(|s| CString::new(s).expect("no NUL in the agent's env"))
         .collect();
     let argv = [CString::new("locker-agent").expect("static")];
     // stdout and stderr go to the shim's log pipe, never to the shim's caller nor straight
@@ -734,7 +756,14 @@ fn machine_init(
     format!("execute the agent: {e}")
 }
 
-fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Result<(), JailError> {
+/// Builds the machine's root and pivots into it. Returns the agent's write descriptor on
+/// the machine's `/proc/meminfo` view (see [`crate::view`]).
+fn machine_setup(
+    spec: &JailSpec,
+    cg: &MachineCgroup,
+    cpus: Option<&[usize]>,
+    userns: &OwnedFd,
+) -> Result<OwnedFd, JailError> {
     let dir = &spec.dir;
     let base = spec.uid_base;
     // Enter the cgroup, then give the machine a cgroup namespace rooted there. On v2 the
@@ -858,6 +887,7 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
         sys::bind(&host, &root.join(&inside), 0)
             .map_err(step(format!("bind the cgroup {}", host.display())))?;
     }
+    let view = crate::view::mount(dir, &root, cpus)?;
     // The host's loop devices name their backing files (every machine's disk image, every
     // volume's) in sysfs, and `mount` would show them: the machine sees no block device.
     if r("sys/devices/virtual/block").exists() {
@@ -943,7 +973,7 @@ fn machine_setup(spec: &JailSpec, cg: &MachineCgroup, userns: &OwnedFd) -> Resul
     sys::unshare(libc::CLONE_NEWNS).map_err(step("unshare the mount namespace"))?;
     std::env::set_current_dir(&root).map_err(step("enter the root"))?;
     sys::pivot_to_cwd().map_err(step("pivot into the root"))?;
-    Ok(())
+    Ok(view)
 }
 
 /// The sizes of `/tmp` and `/dev/shm` (MiB) of a machine with `memory_mb` of memory.

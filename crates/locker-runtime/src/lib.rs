@@ -11,6 +11,7 @@
 //! - [`tree`]: directory trees of volumes: measured, and copied copy-on-write.
 //! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots).
 //! - [`vm_fs`]: volumes in microVMs: the per-VM file server process.
+//! - [`view`]: what a jail sees of its own CPUs and memory (pinning, `/proc/meminfo`).
 //! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
 //!
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
@@ -28,6 +29,7 @@ pub mod seccomp;
 mod sys;
 pub mod template;
 pub mod tree;
+pub mod view;
 pub mod vm;
 pub mod vm_fs;
 pub mod volume_fs;

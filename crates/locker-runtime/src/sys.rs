@@ -371,10 +371,11 @@ pub fn execveat(fd: RawFd, argv: &[CString], envp: &[CString]) -> io::Error {
     io::Error::last_os_error()
 }
 
-/// Makes `fd` available as number `to` across exec and marks every other fd above 2
-/// close-on-exec, so the next program starts with stdio and `to` only. Owned fds stay
-/// valid until the exec (nothing is closed under their owners' feet).
-pub fn keep_only_fd(fd: RawFd, to: RawFd) -> io::Result<()> {
+/// Makes each `(fd, to)`'s `fd` available as number `to` across exec and marks every
+/// other fd above 2 close-on-exec, so the next program starts with stdio and the `to`s
+/// only. Owned fds stay valid until the exec (nothing is closed under their owners' feet).
+/// The targets must be distinct and below 100.
+pub fn keep_fds(fds: &[(RawFd, RawFd)]) -> io::Result<()> {
     const CLOSE_RANGE_CLOEXEC: libc::c_uint = 1 << 2;
     // SAFETY: close_range in CLOEXEC mode only sets flags on fds.
     check(unsafe {
@@ -385,15 +386,57 @@ pub fn keep_only_fd(fd: RawFd, to: RawFd) -> io::Result<()> {
             CLOSE_RANGE_CLOEXEC,
         )
     })?;
-    if fd != to {
+    // Copies first, above every target, so that one source sitting on another's target
+    // number is not overwritten before it is moved.
+    let mut copies = Vec::with_capacity(fds.len());
+    for (fd, _) in fds {
+        // SAFETY: F_DUPFD_CLOEXEC makes a new descriptor we own; `fd` is the caller's.
+        let c = check(unsafe { libc::fcntl(*fd, libc::F_DUPFD_CLOEXEC, 100) }.into())?;
+        copies.push(c as RawFd);
+    }
+    for (c, (_, to)) in copies.into_iter().zip(fds) {
         // SAFETY: dup2 onto `to`, which the caller reserved for this purpose; the copy has
-        // no close-on-exec flag.
-        check(unsafe { libc::dup2(fd, to) }.into())?;
-    } else {
-        // SAFETY: clearing FD_CLOEXEC on an fd we own.
-        check(unsafe { libc::fcntl(fd, libc::F_SETFD, 0) }.into())?;
+        // no close-on-exec flag. The temporary copy is ours to close (it is close-on-exec
+        // anyway, closing it just keeps the table small).
+        check(unsafe { libc::dup2(c, *to) }.into())?;
+        // SAFETY: `c` is the temporary descriptor made above; nothing else refers to it.
+        unsafe { libc::close(c) };
     }
     Ok(())
+}
+
+/// The CPUs this process may run on (`sched_getaffinity(2)`), in ascending order.
+pub fn affinity() -> io::Result<Vec<usize>> {
+    // SAFETY: a zeroed cpu_set_t is a valid empty set; the kernel fills at most its size.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a live cpu_set_t of the size passed.
+    check(
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
+            .into(),
+    )?;
+    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
+    // SAFETY: CPU_ISSET reads a bit of the live set, within its size.
+    Ok((0..max)
+        .filter(|c| unsafe { libc::CPU_ISSET(*c, &set) })
+        .collect())
+}
+
+/// Fills `buf` from the kernel's random source (`getrandom(2)`); on failure (a kernel
+/// without it) `buf` keeps what it held.
+pub fn random_bytes(buf: &mut [u8]) {
+    // SAFETY: the kernel writes at most `buf.len()` bytes into the live buffer.
+    unsafe { libc::getrandom(buf.as_mut_ptr().cast(), buf.len(), 0) };
+}
+
+/// Takes an exclusive `flock(2)` on `file`, waiting for it; released when the file closes.
+pub fn lock_exclusive(file: &std::fs::File) -> io::Result<()> {
+    loop {
+        // SAFETY: plain syscall on a descriptor the caller keeps open.
+        match check(unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) }.into()) {
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            r => return r.map(drop),
+        }
+    }
 }
 
 /// Sends `sig` to `pid`.
