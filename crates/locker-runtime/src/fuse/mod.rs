@@ -48,6 +48,12 @@
 //! - Every node and open handle holds a host fd: [`MAX_NODES`] and [`MAX_HANDLES`] bound
 //!   them per channel (`ENFILE`/`EMFILE` beyond), and the process's `RLIMIT_NOFILE` must
 //!   leave room for them.
+//!
+//! **Rooms.** `wire` (opcodes, flags, the `fuse.h` mirrors: pure data), `codec` (the checks a
+//! request's bytes pass before an op sees them, and the reply shapes), `nodes` (the node and
+//! handle tables), `ops` (a channel and its one `match` per opcode, with the ops by family:
+//! `entry`, `file`, `attr`, `dir`), `server` (frames in, replies out), `raw` (the system
+//! calls, each with its invariant), `tests` (the protocol spoken raw, as a hostile guest).
 
 mod codec;
 mod nodes;
