@@ -6,6 +6,7 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
+use std::time::{Duration, SystemTime};
 
 use sha2::{Digest, Sha256};
 
@@ -39,6 +40,10 @@ pub struct Assets {
     pub tsc_khz: u64,
     /// Identifies kernel, initramfs, QEMU and accelerator: bases are keyed by it.
     pub digest: String,
+    /// What the initramfs is built from, to build it again if another server on this host
+    /// removed it (see [`Assets::ensure_initrd`]).
+    agent: PathBuf,
+    modules: Vec<PathBuf>,
 }
 
 impl Assets {
@@ -62,27 +67,17 @@ impl Assets {
         let (accel, _) = accel();
         let agent_bytes = fs::read(agent).map_err(setup(format!("read {}", agent.display())))?;
         let modules = resolve_modules(&kdir.join("modules"), MODULES)?;
-        let mut h = Sha256::new();
-        h.update(&agent_bytes);
-        for m in &modules {
-            h.update(m.as_os_str().as_encoded_bytes());
-            h.update(fs::metadata(m).map(|m| m.len()).unwrap_or(0).to_le_bytes());
-        }
-        let initrd_digest = hex(&h.finalize()[..8]);
+        let initrd_digest = initrd_digest(&agent_bytes, &modules);
         let dir = cache_dir().join("vm");
         fs::create_dir_all(&dir).map_err(setup(format!("create {}", dir.display())))?;
         let initrd = dir.join(format!("initrd-{initrd_digest}.cpio"));
-        if !initrd.exists() {
+        if initrd.exists() {
+            // In use again: eviction by another server on this host goes by this time.
+            let _ = fs::File::open(&initrd).and_then(|f| f.set_modified(SystemTime::now()));
+        } else {
             build_initrd(&agent_bytes, &modules, &initrd)?;
-            // Older ones (earlier agent builds) are never used again: QEMU reads the
-            // initramfs at start only, and bases are keyed by it.
-            for e in fs::read_dir(&dir).into_iter().flatten().flatten() {
-                let n = e.file_name().to_string_lossy().into_owned();
-                if n.starts_with("initrd-") && n.ends_with(".cpio") && e.path() != initrd {
-                    let _ = fs::remove_file(e.path());
-                }
-            }
         }
+        evict_stale_initrds(&dir, &initrd);
         let kernel_len = fs::metadata(&kernel).map(|m| m.len()).unwrap_or(0);
         let mut h = Sha256::new();
         h.update(initrd_digest.as_bytes());
@@ -96,7 +91,30 @@ impl Assets {
             accel,
             tsc_khz: host_khz(),
             digest: hex(&h.finalize()[..8]),
+            agent: agent.to_path_buf(),
+            modules,
         })
+    }
+
+    /// Builds the initramfs again if it is gone (a server of another build on this host
+    /// evicted it as stale while this one kept running): QEMU reads it at every start, a
+    /// restore included. Refuses when the agent binary changed since [`Assets::prepare`]:
+    /// the bases of this server hold the agent it started with.
+    pub fn ensure_initrd(&self) -> Result<(), VmError> {
+        if self.initrd.exists() {
+            return Ok(());
+        }
+        let agent_bytes =
+            fs::read(&self.agent).map_err(setup(format!("read {}", self.agent.display())))?;
+        let name = format!("initrd-{}.cpio", initrd_digest(&agent_bytes, &self.modules));
+        if self.initrd.file_name() != Some(std::ffi::OsStr::new(&name)) {
+            return Err(VmError::Setup(format!(
+                "{} changed since this server started: restart locker serve",
+                self.agent.display()
+            )));
+        }
+        tracing::warn!(initrd = %self.initrd.display(), "the microVM initramfs was removed; building it again");
+        build_initrd(&agent_bytes, &self.modules, &self.initrd)
     }
 
     /// QEMU 8.2 and later can map a read-only RAM file privately (`readonly=on,rom=off`);
@@ -273,6 +291,38 @@ impl Cpio {
     pub(super) fn pad(&mut self) {
         while !self.buf.len().is_multiple_of(4) {
             self.buf.push(0);
+        }
+    }
+}
+
+/// Names the initramfs by what goes in it: the agent's bytes and the modules.
+fn initrd_digest(agent: &[u8], modules: &[PathBuf]) -> String {
+    let mut h = Sha256::new();
+    h.update(agent);
+    for m in modules {
+        h.update(m.as_os_str().as_encoded_bytes());
+        h.update(fs::metadata(m).map(|m| m.len()).unwrap_or(0).to_le_bytes());
+    }
+    hex(&h.finalize()[..8])
+}
+
+/// How long an initramfs no server prepared stays in the cache: other servers on this host
+/// (other builds, other checkouts) may run from theirs.
+const INITRD_GRACE: Duration = Duration::from_secs(24 * 3600);
+
+/// Removes the initramfs files of other agent builds that no server prepared for a day.
+fn evict_stale_initrds(dir: &Path, current: &Path) {
+    for e in fs::read_dir(dir).into_iter().flatten().flatten() {
+        let n = e.file_name().to_string_lossy().into_owned();
+        if !(n.starts_with("initrd-") && n.ends_with(".cpio")) || e.path() == current {
+            continue;
+        }
+        let stale = e
+            .metadata()
+            .and_then(|m| m.modified())
+            .is_ok_and(|t| t.elapsed().unwrap_or_default() > INITRD_GRACE);
+        if stale {
+            let _ = fs::remove_file(e.path());
         }
     }
 }

@@ -170,6 +170,7 @@ pub(super) fn spawn_qemu(
     shape: Shape,
     l: Launch,
 ) -> Result<tokio::process::Child, VmError> {
+    a.ensure_initrd()?;
     let log = fs::File::create(l.dir.join("qemu.log")).map_err(setup("create qemu.log"))?;
     let log2 = log.try_clone().map_err(setup("dup qemu.log"))?;
     let mut cmd = std::process::Command::new(&a.qemu);
