@@ -446,26 +446,29 @@ fn a_machine_out_of_processes_answers_429_not_413_and_recovers() {
     let srv = Server::start();
     let api = srv.api();
     let id = new_sandbox(&api, json!({"memory_mb": 2048}));
-    // Fill the machine's pids limit with sleepers that end by themselves after 25 s.
+    // Fill the machine's pids limit and keep it full for 40 s: the filler keeps taking any
+    // pid that frees up (the agent's own threads come and go), and every sleeper ends at
+    // the same moment. Stopping at the first failed fork would leave slack under load.
     let r = api.post(
         &format!("/v1/sandboxes/{id}/processes"),
         &json!({"cmd": ["python3", "-c", r#"
 import os, time
-while True:
+end = time.time() + 40
+while time.time() < end:
     try:
         pid = os.fork()
     except OSError:
-        break
+        time.sleep(0.02)
+        continue
     if pid == 0:
-        time.sleep(25)
+        time.sleep(max(0, end - time.time()))
         os._exit(0)
-time.sleep(25)
 "#]}),
     );
     r.expect(200, "start the filler");
-    std::thread::sleep(Duration::from_secs(3));
     let mut seen = Vec::new();
-    for _ in 0..10 {
+    let t0 = std::time::Instant::now();
+    while t0.elapsed() < Duration::from_secs(30) {
         let r = api.post(
             &format!("/v1/sandboxes/{id}/exec"),
             &json!({"shell": "echo hi", "timeout_ms": 5000}),
@@ -476,13 +479,21 @@ time.sleep(25)
             "exhaustion is not payload_too_large: {}",
             r.text()
         );
-        if r.status == 429 {
+        let full = if r.status == 429 {
             let msg = r.expect_error(429, "quota_exceeded", "an exec in a full machine");
             seen.push(msg);
+            true
         } else {
             let v = r.expect(200, "an exec in a full machine");
-            seen.push(v.to_string());
+            let text = v.to_string();
+            let full = text.contains("Resource temporarily unavailable");
+            seen.push(text);
+            full
+        };
+        if full {
+            break;
         }
+        std::thread::sleep(Duration::from_millis(500));
     }
     println!("execs in a machine out of processes: {seen:?}");
     assert!(
@@ -491,7 +502,7 @@ time.sleep(25)
         "the answers say the machine is out of processes: {seen:?}"
     );
     // Once the sleepers end, the sandbox works again.
-    eventually("the sandbox recovers", 60, || {
+    eventually("the sandbox recovers", 90, || {
         let r = api.post(
             &format!("/v1/sandboxes/{id}/exec"),
             &json!({"shell": "echo back", "timeout_ms": 5000}),

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::thread;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
-use locker_runtime::fs_share::{serve, Export, MAX_PAYLOAD};
+use locker_runtime::fuse::{serve, Export, MAX_PAYLOAD};
 use locker_tests::{unique, TempDir};
 
 /// The channel the relay tags every frame with.

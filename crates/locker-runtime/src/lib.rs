@@ -6,7 +6,7 @@
 //! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces).
 //! - [`cgroup`]: cgroup v1 and v2 limits, freezing and accounting for machines.
 //! - [`doctor`]: what works on this host and why.
-//! - [`fs_share`]: the host side of a microVM's volume mounts (a FUSE passthrough server).
+//! - [`fuse`]: the host side of a microVM's volume mounts (a FUSE passthrough server).
 //! - [`host_agent`]: an agent on the host serving a volume's files with no machine.
 //! - [`tree`]: directory trees of volumes: measured, and copied copy-on-write.
 //! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots).
@@ -20,7 +20,7 @@ pub mod agent;
 pub mod cgroup;
 pub mod disk;
 pub mod doctor;
-pub mod fs_share;
+pub mod fuse;
 pub mod host_agent;
 pub mod jail;
 pub mod net;

@@ -11,7 +11,7 @@
 //!   (the view below, the run's layer above, exactly as a jail run mounts it, so the
 //!   run's changes are read and committed the same way) mounted there;
 //! - chrooted into that tmpfs, with no capabilities beyond those of file ownership, and
-//!   `no_new_privs`; the FUSE server itself ([`crate::fs_share`]) resolves every name
+//!   `no_new_privs`; the FUSE server itself ([`crate::fuse`]) resolves every name
 //!   beneath its export and opens nothing but regular files and directories.
 //!
 //! When the process ends its mount namespace goes with it: nothing is mounted on the host.
@@ -237,7 +237,7 @@ const MAX_FDS: u64 = 1 << 17;
 
 /// The private root with every share in it, the connected port, and the server with its
 /// exports open.
-fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
+fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
     let nr_open = fs::read_to_string("/proc/sys/fs/nr_open")
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
@@ -257,7 +257,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
     for m in s.guest_mounts() {
         let at = stage.join(m.channel.to_string());
         fs::create_dir(&at).map_err(ctx(format!("create {}", at.display())))?;
-        exports.push(crate::fs_share::Export {
+        exports.push(crate::fuse::Export {
             channel: m.channel,
             root: Path::new("/").join(m.channel.to_string()),
             read_only: m.read_only,
@@ -295,7 +295,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fs_share::Server)> {
         return Err(ctx("chroot")(io::Error::last_os_error()));
     }
     std::env::set_current_dir("/").map_err(ctx("enter the private root"))?;
-    let server = crate::fs_share::Server::open(&exports).map_err(ctx("open the exports"))?;
+    let server = crate::fuse::Server::open(&exports).map_err(ctx("open the exports"))?;
     // The server holds `/proc/self/fd` open: the path itself goes.
     sys::umount(Path::new("/proc"), libc::MNT_DETACH).map_err(ctx("unmount /proc"))?;
     fs::remove_dir("/proc").map_err(ctx("remove /proc"))?;

@@ -1,0 +1,331 @@
+//! The microVM runtime: a machine with its own guest kernel, in a QEMU `microvm`, started by
+//! restoring a booted snapshot instead of booting.
+//!
+//! This room owns the guest assets, the warm "base" snapshots and the QEMU processes:
+//! - **Assets** ([`Assets`]): QEMU, the guest kernel (Debian's cloud kernel, unpacked by
+//!   `scripts/setup` into `$LOCKER_CACHE_DIR/vm-kernel`), an initramfs built here from the
+//!   static `locker-agent` (which is the guest's init, see the agent's `vm` module) and the
+//!   virtio modules it needs, and per template a read-only ext4 image of its root filesystem.
+//! - **Bases** ([`ensure_base`]): per (assets, template, shape) one VM is booted once, its
+//!   agent waited for, its filesystems flushed, and its device state saved while its RAM sits
+//!   in a shared file on tmpfs (`/run/locker/vm-base/<key>/`). Migration capability
+//!   `x-ignore-shared` keeps that RAM out of the state file: the snapshot is tens of KiB.
+//! - **Machines** ([`start`]): every microVM sandbox restores a base (or a memory snapshot
+//!   of another sandbox): QEMU maps the base's RAM file privately (copy-on-write), reads the
+//!   device state from an inherited fd (`-incoming fd:3`), and runs on. The host then connects
+//!   to the agent's virtio-serial port (a unix socket on the host side, `agent.sock` in the
+//!   machine's directory, the same name the jail runtime uses) and refreshes the guest's
+//!   clock, entropy and hostname.
+//! - **Snapshots with memory** ([`save`]): QMP `stop`, a migration into a file the host
+//!   hands over by fd, the disk copied while the VM is stopped, then `cont`.
+//!
+//! Each QEMU runs as the unprivileged uid of its machine's slot, in the machine's cgroup (cpu,
+//! memory, pids), under QEMU's seccomp sandbox (`-sandbox on`, no spawning, no privilege
+//! changes). Its files are its own directory; the kernel, initramfs and template image are
+//! read-only to it. A machine with egress `none` has no network device at all, and its QEMU
+//! a network namespace of its own with nothing in it. A machine with a network policy is of
+//! another shape ([`Shape::net`]: a restored VM has exactly its base's devices): one
+//! `virtio-net` device whose backend is a tap the host opened in the machine's own network
+//! namespace ([`NetDev`], made by [`crate::net::prepare_vm`]), handed to QEMU by fd; QEMU
+//! joins that namespace and opens nothing itself. The host then bridges the tap to the
+//! machine's veth, so every packet of the guest meets the same host rules as a jail's.
+//!
+//! It does not know tenants, HTTP or the database; [`crate::node`] hands its machines out.
+
+mod accel;
+mod assets;
+mod base;
+mod qemu;
+mod qmp;
+
+pub use accel::{accel, Accel};
+pub use assets::{cache_dir, host_khz, kernel_dir, template_image, Assets};
+pub use base::{ensure_base, Base};
+pub use qemu::Shape;
+use qemu::*;
+pub(crate) use qemu::{c_paths, enter_cgroup};
+use qmp::*;
+
+use std::fs;
+use std::io;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+use serde_json::{json, Value};
+
+use crate::agent::AgentClient;
+use crate::cgroup::MachineCgroup;
+
+/// The virtio-serial port name the agent looks for in the guest.
+pub const PORT_NAME: &str = "org.locker.agent";
+/// The host end of the file port, in the machine's directory.
+pub const FS_SOCKET: &str = "fs.sock";
+/// Where bases live: tmpfs, so their RAM files cost memory only for the pages touched.
+pub const BASE_DIR: &str = "/run/locker/vm-base";
+/// Modules the guest needs before it can mount its disks (dependencies are added).
+const MODULES: &[&str] = &[
+    "virtio_mmio",
+    "virtio_blk",
+    "virtio_console",
+    "overlay",
+    "virtio_net",
+    "fuse",
+];
+/// The devices every VM has, by version: bases made with other devices are not restored.
+const DEVICES: &str = "devices-2: agent and fs ports";
+/// The most a cold boot of a base may take (TCG on a loaded 2-core host is slow).
+const BOOT_TIMEOUT: Duration = Duration::from_secs(180);
+/// QEMU's own memory beside the guest's (device emulation, TCG's translation cache).
+const QEMU_OVERHEAD_MB: u64 = 192;
+/// The volume file server's, in the same cgroup: each node the guest's kernel remembers
+/// pins an inode and a dentry on the host (about 1.3 KB; see [`crate::vm_fs`]).
+const FS_SERVER_MB: u64 = 160;
+/// TCG's translation block cache in MiB (QEMU's default is a gigabyte).
+const TCG_TB_MB: u64 = 64;
+
+/// Errors of the microVM runtime.
+#[derive(Debug, thiserror::Error)]
+pub enum VmError {
+    /// Something this host lacks (QEMU, a kernel): the message says what to install.
+    #[error("{0}")]
+    Unavailable(String),
+    #[error("{0}")]
+    Setup(String),
+    #[error("the VM's agent did not answer: {0}")]
+    Agent(#[from] crate::agent::AgentClientError),
+}
+
+fn setup(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> VmError {
+    move |e| VmError::Setup(format!("{what}: {e}"))
+}
+
+/// What a microVM machine is, written to `<dir>/vm.json`.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct VmState {
+    pub id: String,
+    pub dir: PathBuf,
+    pub pid: i32,
+    pub uid: u32,
+    pub base: PathBuf,
+    pub shape: Shape,
+    pub accel: Accel,
+}
+
+impl VmState {
+    pub fn load(dir: &Path) -> Option<Self> {
+        serde_json::from_slice(&fs::read(dir.join("vm.json")).ok()?).ok()
+    }
+}
+
+/// Whether `dir` holds a microVM machine.
+pub fn is_vm_dir(dir: &Path) -> bool {
+    dir.join("vm.json").exists()
+}
+
+/// A new machine: restored from `base`, or from a memory snapshot of another machine
+/// (`memory_from`, with its disk as `disk_from`).
+pub struct StartSpec<'a> {
+    pub id: &'a str,
+    pub dir: &'a Path,
+    pub uid: u32,
+    pub base: &'a Base,
+    pub disk_from: Option<&'a Path>,
+    pub memory_from: Option<&'a Path>,
+    pub cgroup: &'a MachineCgroup,
+    pub cpus: f64,
+    pub pids: u64,
+    /// The network device's backend: required exactly when the base's shape has one.
+    pub net: Option<NetDev>,
+}
+
+/// What a machine's network device is plugged into: the machine's network namespace (QEMU
+/// joins it) and a tap opened there by the host (QEMU gets the fd and opens nothing).
+#[derive(Debug)]
+pub struct NetDev {
+    pub netns: fs::File,
+    pub tap: fs::File,
+}
+
+/// Starts a machine and returns its state, its QEMU process and its connected agent.
+pub async fn start(
+    a: &Assets,
+    s: StartSpec<'_>,
+) -> Result<(VmState, tokio::process::Child, AgentClient), VmError> {
+    let t0 = Instant::now();
+    let dir = s.dir;
+    if s.base.shape.net != s.net.is_some() {
+        return Err(VmError::Setup(format!(
+            "a VM of shape {:?} needs {} network device backend",
+            s.base.shape,
+            if s.base.shape.net { "a" } else { "no" }
+        )));
+    }
+    fs::create_dir_all(dir).map_err(setup(format!("create {}", dir.display())))?;
+    std::os::unix::fs::chown(dir, Some(s.uid), Some(s.uid))
+        .map_err(setup("give the machine its directory"))?;
+    fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
+        .map_err(setup("chmod the machine directory"))?;
+    let disk = dir.join("disk.img");
+    let src = s.disk_from.map_or_else(|| s.base.disk(), Path::to_owned);
+    crate::disk::copy_ephemeral(&src, &disk).map_err(setup("copy the machine's disk"))?;
+    let t_disk = t0.elapsed();
+    std::os::unix::fs::chown(&disk, Some(s.uid), Some(s.uid)).map_err(setup("chown the disk"))?;
+    fs::set_permissions(&disk, fs::Permissions::from_mode(0o600))
+        .map_err(setup("chmod the disk"))?;
+    let state_src = s.memory_from.map_or_else(|| s.base.state(), Path::to_owned);
+    let incoming =
+        fs::File::open(&state_src).map_err(setup(format!("open {}", state_src.display())))?;
+    let limits = crate::cgroup::Limits {
+        cpus: s.cpus,
+        memory_bytes: (s.base.shape.memory_mb
+            + QEMU_OVERHEAD_MB
+            + FS_SERVER_MB
+            + if a.accel == Accel::Tcg { TCG_TB_MB } else { 0 })
+            << 20,
+        pids: s.pids.max(64),
+    };
+    s.cgroup
+        .create(limits, 0)
+        .map_err(|e| VmError::Setup(format!("create the machine's cgroup: {e}")))?;
+    let ram = s.base.ram();
+    let t_cg = t0.elapsed();
+    let child = spawn_qemu(
+        a,
+        s.base.shape,
+        Launch {
+            dir,
+            template_image: &s.base.template_image,
+            ram: &ram,
+            share: false,
+            incoming: Some(incoming),
+            uid: Some(s.uid),
+            cgroup_procs: s.cgroup.procs_files(),
+            net: s.net,
+        },
+    )?;
+    let t_spawn = t0.elapsed();
+    let d = dir.to_owned();
+    tokio::task::spawn_blocking(move || -> Result<(), VmError> {
+        let mut q = Qmp::connect(&d.join("qmp.sock"), Duration::from_secs(10))?;
+        q.ignore_shared()?;
+        q.cmd("migrate-incoming", json!({"uri": "fd:3"}))?;
+        q.run_after_incoming()
+    })
+    .await
+    .map_err(|e| VmError::Setup(format!("task failed: {e}")))?
+    .map_err(|e| VmError::Setup(format!("{e}; {}", logs_of(dir))))?;
+    let state = VmState {
+        id: s.id.to_owned(),
+        dir: dir.to_owned(),
+        pid: child.id().unwrap_or(0) as i32,
+        uid: s.uid,
+        base: s.base.dir.clone(),
+        shape: s.base.shape,
+        accel: a.accel,
+    };
+    fs::write(
+        dir.join("vm.json"),
+        serde_json::to_vec(&state).expect("state serializes"),
+    )
+    .map_err(setup("write vm.json"))?;
+    let t_incoming = t0.elapsed();
+    let mut child = child;
+    let sock = dir.join("agent.sock");
+    let agent = tokio::select! {
+        a = AgentClient::connect(&sock, Duration::from_secs(60)) => a.map_err(|e| {
+            VmError::Setup(format!("the restored VM's agent did not answer: {e}; {}", logs_of(dir)))
+        })?,
+        st = child.wait() => {
+            return Err(VmError::Setup(format!(
+                "QEMU exited ({}) while restoring the VM; {}",
+                st.map(|s| s.to_string()).unwrap_or_default(),
+                logs_of(dir)
+            )))
+        }
+    };
+    let mut entropy = [0u8; 64];
+    // SAFETY: getrandom fills the buffer we own.
+    unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    agent
+        .refresh(now, entropy.to_vec(), s.id.to_owned())
+        .await?;
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    tracing::debug!(
+        machine = %s.id,
+        disk_ms = ms(t_disk),
+        cgroup_ms = ms(t_cg),
+        spawn_ms = ms(t_spawn),
+        incoming_ms = ms(t_incoming),
+        total_ms = ms(t0.elapsed()),
+        "microVM restored"
+    );
+    Ok((state, child, agent))
+}
+
+/// Whether the machine's QEMU still runs (a live process whose command line names the
+/// machine's agent socket, inside its `-chardev` argument).
+pub fn is_alive(s: &VmState) -> bool {
+    let needle = s.dir.join("agent.sock");
+    let n = needle.as_os_str().as_encoded_bytes();
+    crate::jail::is_running(s.pid) && crate::jail::cmdline(s.pid).windows(n.len()).any(|w| w == n)
+}
+
+/// Lets a machine's guest run again if a server stopped it and died before letting it go
+/// on (a memory snapshot cut short by a kill): a migration still going is cancelled, then
+/// `cont`. A running guest is left alone. QMP answers only a thawed QEMU.
+pub fn ensure_running(s: &VmState) -> Result<(), VmError> {
+    let mut q = Qmp::connect(&s.dir.join("qmp.sock"), Duration::from_secs(5))?;
+    let t0 = Instant::now();
+    loop {
+        let st = q.cmd("query-status", json!({}))?;
+        match st.get("status").and_then(Value::as_str).unwrap_or("") {
+            "running" => return Ok(()),
+            "finish-migrate" if t0.elapsed() < Duration::from_secs(30) => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            _ => {
+                let mig = q.cmd("query-migrate", json!({}))?;
+                let active = matches!(
+                    mig.get("status").and_then(Value::as_str),
+                    Some("setup" | "active" | "pre-switchover" | "device" | "cancelling")
+                );
+                if active {
+                    let _ = q.cmd("migrate_cancel", json!({}));
+                    if t0.elapsed() < Duration::from_secs(30) {
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                }
+                q.cmd("cont", json!({}))?;
+                return Ok(());
+            }
+        }
+    }
+}
+
+/// Saves a running machine's memory and device state into `state_out` and copies its disk
+/// to `disk_out`, both at one instant (the VM is stopped meanwhile), then lets it run on.
+pub fn save(
+    s: &VmState,
+    state_out: &Path,
+    disk_out: &Path,
+) -> Result<crate::disk::CopyKind, VmError> {
+    let mut q = Qmp::connect(&s.dir.join("qmp.sock"), Duration::from_secs(5))?;
+    q.cmd("stop", json!({}))?;
+    let r = (|| {
+        let out = fs::File::create(state_out).map_err(setup("create the state file"))?;
+        q.migrate_to(&out)?;
+        out.sync_all().map_err(setup("sync the state file"))?;
+        crate::disk::copy(&s.dir.join("disk.img"), disk_out).map_err(setup("copy the disk"))
+    })();
+    let cont = q.cmd("cont", json!({}));
+    let kind = r?;
+    cont?;
+    Ok(kind)
+}

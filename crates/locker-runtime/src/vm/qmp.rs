@@ -1,0 +1,187 @@
+//! QMP, QEMU's control socket: the few commands the runtime sends, and passing an fd.
+
+use std::fs;
+use std::io::{self, BufRead, BufReader, Write};
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use super::*;
+
+/// A connection to one QEMU's QMP socket (blocking; use from blocking tasks).
+pub(super) struct Qmp {
+    pub(super) r: BufReader<UnixStream>,
+    pub(super) w: UnixStream,
+}
+
+impl Qmp {
+    pub(super) fn connect(sock: &Path, timeout: Duration) -> Result<Self, VmError> {
+        let t0 = Instant::now();
+        let s = loop {
+            match UnixStream::connect(sock) {
+                Ok(s) => break s,
+                Err(_) if t0.elapsed() < timeout => std::thread::sleep(Duration::from_millis(5)),
+                Err(e) => {
+                    return Err(VmError::Setup(format!(
+                        "connect to QMP {}: {e}",
+                        sock.display()
+                    )))
+                }
+            }
+        };
+        s.set_read_timeout(Some(Duration::from_secs(120)))
+            .map_err(setup("QMP timeout"))?;
+        let w = s.try_clone().map_err(setup("QMP socket"))?;
+        let mut q = Self {
+            r: BufReader::new(s),
+            w,
+        };
+        q.read()?; // the greeting
+        q.cmd("qmp_capabilities", json!({}))?;
+        Ok(q)
+    }
+
+    pub(super) fn read(&mut self) -> Result<Value, VmError> {
+        let mut line = String::new();
+        if self
+            .r
+            .read_line(&mut line)
+            .map_err(setup("read from QMP"))?
+            == 0
+        {
+            return Err(VmError::Setup("QEMU closed its QMP socket".into()));
+        }
+        serde_json::from_str(&line).map_err(|e| VmError::Setup(format!("QMP sent bad JSON: {e}")))
+    }
+
+    /// Runs a command, optionally passing `fd` along (`SCM_RIGHTS`), and returns its result.
+    pub(super) fn cmd_fd(
+        &mut self,
+        name: &str,
+        args: Value,
+        fd: Option<RawFd>,
+    ) -> Result<Value, VmError> {
+        let msg = format!("{}\n", json!({"execute": name, "arguments": args}));
+        match fd {
+            None => self
+                .w
+                .write_all(msg.as_bytes())
+                .map_err(setup("write to QMP"))?,
+            Some(fd) => {
+                send_with_fd(&self.w, msg.as_bytes(), fd).map_err(setup("pass an fd to QMP"))?
+            }
+        }
+        loop {
+            let v = self.read()?;
+            if let Some(r) = v.get("return") {
+                return Ok(r.clone());
+            }
+            if let Some(e) = v.get("error") {
+                return Err(VmError::Setup(format!(
+                    "QMP {name}: {}",
+                    e.get("desc").and_then(Value::as_str).unwrap_or("failed")
+                )));
+            }
+            // An event: skip it.
+        }
+    }
+
+    pub(super) fn cmd(&mut self, name: &str, args: Value) -> Result<Value, VmError> {
+        self.cmd_fd(name, args, None)
+    }
+
+    /// Keeps RAM mapped from a shared file out of migrations (both directions must agree):
+    /// a base's state is then only device state, and its RAM file is mapped, not copied.
+    pub(super) fn ignore_shared(&mut self) -> Result<(), VmError> {
+        self.cmd(
+            "migrate-set-capabilities",
+            json!({"capabilities": [{"capability": "x-ignore-shared", "state": true}]}),
+        )
+        .map(drop)
+    }
+
+    /// Waits for an incoming migration to finish and lets the VM run: a VM saved while
+    /// stopped (every base and snapshot is) stays paused after loading until `cont`.
+    pub(super) fn run_after_incoming(&mut self) -> Result<(), VmError> {
+        let t0 = Instant::now();
+        loop {
+            let st = self.cmd("query-status", json!({}))?;
+            match st.get("status").and_then(Value::as_str).unwrap_or("") {
+                "running" => return Ok(()),
+                "inmigrate" if t0.elapsed() < Duration::from_secs(120) => {
+                    std::thread::sleep(Duration::from_micros(500))
+                }
+                "paused" | "postmigrate" | "prelaunch" | "restore-vm" => {
+                    self.cmd("cont", json!({}))?;
+                    return Ok(());
+                }
+                other => {
+                    return Err(VmError::Setup(format!(
+                        "restoring the VM: it is {other:?} instead of running"
+                    )))
+                }
+            }
+        }
+    }
+
+    /// Migrates the VM's state into `out` and waits until it is written.
+    pub(super) fn migrate_to(&mut self, out: &fs::File) -> Result<(), VmError> {
+        self.ignore_shared()?;
+        self.cmd_fd("getfd", json!({"fdname": "snap"}), Some(out.as_raw_fd()))?;
+        self.cmd("migrate", json!({"uri": "fd:snap"}))?;
+        let t0 = Instant::now();
+        loop {
+            let st = self.cmd("query-migrate", json!({}))?;
+            match st.get("status").and_then(Value::as_str) {
+                Some("completed") => return Ok(()),
+                Some("failed") | Some("cancelled") => {
+                    return Err(VmError::Setup(format!(
+                        "saving the VM's state failed: {}",
+                        st.get("error-desc")
+                            .and_then(Value::as_str)
+                            .unwrap_or("no reason given")
+                    )))
+                }
+                _ if t0.elapsed() > Duration::from_secs(300) => {
+                    return Err(VmError::Setup(
+                        "saving the VM's state took over 300 s".into(),
+                    ))
+                }
+                _ => std::thread::sleep(Duration::from_millis(2)),
+            }
+        }
+    }
+}
+
+pub(super) fn send_with_fd(sock: &UnixStream, data: &[u8], fd: RawFd) -> io::Result<()> {
+    // SAFETY: a msghdr over our own buffers; CMSG macros compute offsets inside `cbuf`.
+    unsafe {
+        let mut iov = libc::iovec {
+            iov_base: data.as_ptr() as *mut _,
+            iov_len: data.len(),
+        };
+        let space = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize;
+        let mut cbuf = vec![0u8; space];
+        let mut msg: libc::msghdr = std::mem::zeroed();
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space as _;
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
+        let n = libc::sendmsg(sock.as_raw_fd(), &msg, 0);
+        if n < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        if (n as usize) < data.len() {
+            (&*sock).write_all(&data[n as usize..])?;
+        }
+    }
+    Ok(())
+}
