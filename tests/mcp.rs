@@ -5,6 +5,9 @@
 //!   through `locker mcp`; `tests/mcp/check_client.py` holds the scenario (tool list,
 //!   schemas and annotations; sandbox_create, exec, file_write, file_edit, file_read,
 //!   background processes, truncation and output_path, run on a volume, sandbox_delete);
+//!   `tests/mcp/check_agents.py` an agent's session management (sandbox_list after a
+//!   context reset, process_list, sandbox_set_ttl, snapshot_list and snapshot_delete,
+//!   repeatable deletes) and the `network` argument, which the server enforces;
 //! - plain HTTP for the auth rules of `/mcp`.
 //!
 //! - the MCP Inspector CLI (npm `@modelcontextprotocol/inspector-cli`, the standalone CLI
@@ -47,7 +50,9 @@ fn python_mcp() -> Option<PathBuf> {
     let (made, log) = run_logged(Command::new("python3").args(["-m", "venv"]).arg(&venv));
     assert!(made, "python3 -m venv {}: {log}", venv.display());
     let started = Instant::now();
-    let (installed, log) = run_logged(Command::new(venv.join("bin/pip")).args([
+    let (installed, log) = run_logged(Command::new(&py).args([
+        "-m",
+        "pip",
         "install",
         "--quiet",
         "--disable-pip-version-check",
@@ -94,7 +99,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
     // The session-based revision: initialize, then Mcp-Session-Id on every request.
     let v = check_client(&py, &["http", &url, &key, "legacy"]);
     assert_eq!(v["protocol_version"], "2025-11-25", "{v}");
-    assert_eq!(v["tools"], 15);
+    assert_eq!(v["tools"], 20);
     assert_eq!(v["run"], "ok", "the run tool works: {v}");
 
     // The current revision: server/discover, stateless requests.
@@ -107,7 +112,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
         &py,
         &["stdio", bin.to_str().expect("utf-8 path"), &url, &key],
     );
-    assert_eq!(v["tools"], 15);
+    assert_eq!(v["tools"], 20);
 
     // Every tool call was an ordinary API call of the key's tenant, on the record.
     let calls = srv
@@ -118,6 +123,51 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
         calls["calls"].as_array().is_some_and(|c| c.len() >= 10),
         "the tools' execs are recorded: {calls}"
     );
+}
+
+/// Runs `tests/mcp/check_agents.py URL KEY WHAT` and returns its JSON summary.
+fn check_agents(py: &Path, srv: &Server, what: &str) -> Value {
+    let script = locker_tests::root().join("tests/mcp/check_agents.py");
+    let started = Instant::now();
+    let (ok, log) = run_logged(
+        Command::new(py)
+            .arg(&script)
+            .args([&srv.url, &srv.api_key, what]),
+    );
+    assert!(ok, "check_agents.py {what} failed:\n{log}");
+    let last = log.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
+    let v: Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("no JSON summary from check_agents.py ({e}):\n{log}"));
+    eprintln!("{what} -> {v} in {:?}", started.elapsed());
+    v
+}
+
+#[test]
+fn an_agent_finds_its_sandboxes_processes_and_snapshots_again_after_a_context_reset() {
+    become_subreaper();
+    let Some(py) = python_mcp() else { return };
+    let srv = Server::start();
+    let v = check_agents(&py, &srv, "session");
+    assert_eq!(v["tools"], 20, "{v}");
+    let left = srv
+        .api()
+        .get("/v1/snapshots")
+        .expect(200, "GET /v1/snapshots");
+    assert_eq!(
+        left["snapshots"],
+        json!([]),
+        "the agent cleaned up its snapshots"
+    );
+}
+
+#[test]
+fn an_agent_asks_for_a_network_and_the_server_enforces_it() {
+    become_subreaper();
+    let Some(py) = python_mcp() else { return };
+    let srv = Server::start();
+    locker_tests::egress::wait_egress_ok(&srv);
+    let v = check_agents(&py, &srv, "network");
+    assert_eq!(v["run"], "ok", "{v}");
 }
 
 fn post_mcp(url: &str, key: Option<&str>, body: &Value) -> (u16, String) {
