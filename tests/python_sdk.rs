@@ -23,9 +23,10 @@ fn python_sdk() -> Option<PathBuf> {
     let venv = target_dir().join("python-sdk/venv");
     let py = venv.join("bin/python");
     let src = locker_tests::root().join("sdk/python/src");
-    // Importable, and from this checkout (an editable install of another one would not do).
+    // Importable, from this checkout (an editable install of another one would not do), and
+    // under the distribution name `locker-sandbox` (an older install was named `locker`).
     let check = format!(
-        "import pytest, locker, os, sys; sys.exit(0 if os.path.realpath(locker.__file__).startswith(os.path.realpath({:?})) else 1)",
+        "import pytest, locker, os, sys, importlib.metadata as m; m.version('locker-sandbox'); sys.exit(0 if os.path.realpath(locker.__file__).startswith(os.path.realpath({:?})) else 1)",
         src.to_str().expect("utf-8 path")
     );
     let ok = |py: &Path| {
@@ -43,9 +44,20 @@ fn python_sdk() -> Option<PathBuf> {
         assert!(made, "python3 -m venv {}: {log}", venv.display());
     }
     let started = Instant::now();
+    // An install under the old name would shadow or confuse the new one; its absence is fine.
+    let _ = run_logged(Command::new(&py).args([
+        "-m",
+        "pip",
+        "uninstall",
+        "--quiet",
+        "--yes",
+        "locker",
+    ]));
     let (installed, log) = run_logged(
-        Command::new(venv.join("bin/pip"))
+        Command::new(&py)
             .args([
+                "-m",
+                "pip",
                 "install",
                 "--quiet",
                 "--disable-pip-version-check",

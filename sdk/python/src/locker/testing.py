@@ -1,6 +1,15 @@
-"""Stand-ins for model APIs (the real ones are unreachable from the tests): scripted
-model functions for run_agent, and a tiny HTTP server that speaks enough of Anthropic's
-Messages API (`POST /v1/messages`) to drive examples/python_agent.py."""
+"""Stand-ins for model APIs, to run an agent with no model and no API key: scripted
+model functions for `run_agent` (`Scripted`, `endless`), and `MessagesStandIn`, a tiny
+HTTP server that speaks enough of Anthropic's Messages API (`POST /v1/messages`) to drive
+code written for the real one (examples/python_agent.py --offline, the SDK's tests).
+
+    from locker.testing import MessagesStandIn, anthropic_turn, text, tool_use
+    srv = MessagesStandIn(lambda body: anthropic_turn(text("done")))
+    # point the client at srv.url with x-api-key srv.api_key; srv.requests keeps each request
+    srv.close()
+
+Nothing here is a model: the answers are whatever the script returns.
+"""
 
 import http.server
 import itertools
@@ -88,3 +97,9 @@ class MessagesStandIn:
     def close(self):
         self.httpd.shutdown()
         self.httpd.server_close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
