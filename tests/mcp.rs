@@ -171,6 +171,12 @@ fn an_agent_asks_for_a_network_and_the_server_enforces_it() {
 }
 
 fn post_mcp(url: &str, key: Option<&str>, body: &Value) -> (u16, String) {
+    let (status, text, _) = post_mcp_full(url, key, body);
+    (status, text)
+}
+
+/// Status, body and the `WWW-Authenticate` header of one POST to `/mcp`.
+fn post_mcp_full(url: &str, key: Option<&str>, body: &Value) -> (u16, String, Option<String>) {
     let agent = locker_tests::server::agent(std::time::Duration::from_secs(30));
     let mut req = agent
         .post(format!("{url}/mcp"))
@@ -186,8 +192,13 @@ fn post_mcp(url: &str, key: Option<&str>, body: &Value) -> (u16, String) {
     }
     let mut resp = req.send(body.to_string()).expect("POST /mcp");
     let status = resp.status().as_u16();
+    let www = resp
+        .headers()
+        .get("www-authenticate")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let text = resp.body_mut().read_to_string().unwrap_or_default();
-    (status, text)
+    (status, text, www)
 }
 
 #[test]
@@ -198,11 +209,14 @@ fn mcp_needs_a_valid_key_and_forwards_it() {
         "io.modelcontextprotocol/protocolVersion": "2026-07-28",
         "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
         "io.modelcontextprotocol/clientCapabilities": {}}}});
-    let (s, body) = post_mcp(&srv.url, None, &list);
+    let (s, body, www) = post_mcp_full(&srv.url, None, &list);
     assert_eq!(s, 401, "{body}");
     assert!(body.contains("unauthorized"), "{body}");
-    let (s, body) = post_mcp(&srv.url, Some("lk_wrong"), &list);
+    // A client learns from the 401 which credentials to send (RFC 6750, MCP authorization).
+    assert_eq!(www.as_deref(), Some("Bearer realm=\"locker\""), "{body}");
+    let (s, body, www) = post_mcp_full(&srv.url, Some("lk_wrong"), &list);
     assert_eq!(s, 401, "{body}");
+    assert!(www.is_some_and(|w| w.starts_with("Bearer")), "{body}");
     let (s, body) = post_mcp(&srv.url, Some(&srv.api_key), &list);
     assert_eq!(s, 200, "{body}");
     assert!(body.contains("sandbox_create"), "{body}");

@@ -24,7 +24,7 @@ def test_background_tools_start_read_and_stop_a_process_that_outlives_the_call(s
     assert srv["process_id"].startswith("proc_") and srv["state"] == "running"
     fetch = "import time, urllib.request\nfor _ in range(100):\n    try:\n        print(urllib.request.urlopen('http://127.0.0.1:8123/index.html').read().decode()); break\n    except OSError:\n        time.sleep(0.1)\n"
     r = call(kit, "exec", {"cmd": ["python3", "-c", fetch]})
-    assert r["stdout"] == "served\n", f"the server outlived process_start's call: {r}"
+    assert r["stdout"].strip() == "served", f"the server outlived process_start's call: {r}"
     out = call(kit, "process_output", {"process_id": srv["process_id"]})
     assert out["state"] == "running" and "GET /index.html" in out["stderr"], out
     stop = call(kit, "process_stop", {"process_id": srv["process_id"], "signal": "SIGKILL"})
@@ -52,7 +52,8 @@ def test_descriptions_follow_the_sandbox_and_promise_nothing_else(client, sandbo
     assert f"template `{sandbox.info['template']}`" in exec_d
     assert "}}" not in kit.tools["file_read"].description
     for t in kit:
-        assert "}}" not in t.description and "{{" not in t.description, t.name
+        d = t.description
+        assert "{{" not in d and d.count("{") == d.count("}"), (t.name, d)
     assert "No network" in kit.tools["run"].description, "runs get no network unless asked"
     run_all = function_tools(client=client, run_network={"egress": "all"}).tools["run"].description
     assert "No network" not in run_all and "internet" in run_all
