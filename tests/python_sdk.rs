@@ -2,8 +2,11 @@
 //! (`sdk/python/tests/`) against a real `locker serve` — the HTTP client, Anthropic's bash
 //! and text editor handlers, the portable function tools and OpenAI's shell tool, the agent
 //! loop against scripted stand-in models (parallel tool calls, a failing tool, an endless
-//! loop stopped by the iteration cap, truncation into a file), and
-//! `examples/python_agent.py` against a stand-in of the Messages API.
+//! loop stopped by the iteration cap, truncation into a file), the background-process
+//! tools and descriptions that follow the sandbox's network policy, snapshots, network and
+//! metadata changes, `examples/python_agent.py` against a stand-in of the Messages API
+//! (`locker.testing`), `--offline` and `--help`, and `pip install` from the checkout
+//! (distribution `locker-sandbox`), which must leave the checkout clean.
 //!
 //! pytest and the SDK (`pip install -e sdk/python`) go into `target/python-sdk/venv` on
 //! first use; when PyPI is unreachable the test is skipped with a message saying so; any
