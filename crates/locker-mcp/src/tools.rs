@@ -12,8 +12,9 @@ use serde_json::{json, Value};
 
 /// Server-level instructions sent at initialization (and in `server/discover`).
 pub const INSTRUCTIONS: &str = "\
-Locker gives you disposable, isolated Linux machines (Debian, root, python3, git, curl) to run \
-commands and edit files in, instead of the user's own computer.
+Locker gives you disposable, isolated Linux machines (you are root; the default template is \
+Debian with python3, git and curl) to run commands and edit files in, instead of the user's own \
+computer.
 
 Two ways to work:
 - A sandbox (sandbox_create, then exec / file_* / process_*, then sandbox_delete): a machine \
