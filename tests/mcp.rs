@@ -5,6 +5,9 @@
 //!   through `locker mcp`; `tests/mcp/check_client.py` holds the scenario (tool list,
 //!   schemas and annotations; sandbox_create, exec, file_write, file_edit, file_read,
 //!   background processes, truncation and output_path, run on a volume, sandbox_delete);
+//!   `tests/mcp/check_agents.py` an agent's session management (sandbox_list after a
+//!   context reset, process_list, sandbox_set_ttl, snapshot_list and snapshot_delete,
+//!   repeatable deletes) and the `network` argument, which the server enforces;
 //! - plain HTTP for the auth rules of `/mcp`.
 //!
 //! - the MCP Inspector CLI (npm `@modelcontextprotocol/inspector-cli`, the standalone CLI
@@ -47,7 +50,9 @@ fn python_mcp() -> Option<PathBuf> {
     let (made, log) = run_logged(Command::new("python3").args(["-m", "venv"]).arg(&venv));
     assert!(made, "python3 -m venv {}: {log}", venv.display());
     let started = Instant::now();
-    let (installed, log) = run_logged(Command::new(venv.join("bin/pip")).args([
+    let (installed, log) = run_logged(Command::new(&py).args([
+        "-m",
+        "pip",
         "install",
         "--quiet",
         "--disable-pip-version-check",
@@ -94,7 +99,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
     // The session-based revision: initialize, then Mcp-Session-Id on every request.
     let v = check_client(&py, &["http", &url, &key, "legacy"]);
     assert_eq!(v["protocol_version"], "2025-11-25", "{v}");
-    assert_eq!(v["tools"], 15);
+    assert_eq!(v["tools"], 20);
     assert_eq!(v["run"], "ok", "the run tool works: {v}");
 
     // The current revision: server/discover, stateless requests.
@@ -107,7 +112,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
         &py,
         &["stdio", bin.to_str().expect("utf-8 path"), &url, &key],
     );
-    assert_eq!(v["tools"], 15);
+    assert_eq!(v["tools"], 20);
 
     // Every tool call was an ordinary API call of the key's tenant, on the record.
     let calls = srv
@@ -120,7 +125,58 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
     );
 }
 
+/// Runs `tests/mcp/check_agents.py URL KEY WHAT` and returns its JSON summary.
+fn check_agents(py: &Path, srv: &Server, what: &str) -> Value {
+    let script = locker_tests::root().join("tests/mcp/check_agents.py");
+    let started = Instant::now();
+    let (ok, log) = run_logged(
+        Command::new(py)
+            .arg(&script)
+            .args([&srv.url, &srv.api_key, what]),
+    );
+    assert!(ok, "check_agents.py {what} failed:\n{log}");
+    let last = log.lines().rev().find(|l| l.starts_with('{')).unwrap_or("");
+    let v: Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("no JSON summary from check_agents.py ({e}):\n{log}"));
+    eprintln!("{what} -> {v} in {:?}", started.elapsed());
+    v
+}
+
+#[test]
+fn an_agent_finds_its_sandboxes_processes_and_snapshots_again_after_a_context_reset() {
+    become_subreaper();
+    let Some(py) = python_mcp() else { return };
+    let srv = Server::start();
+    let v = check_agents(&py, &srv, "session");
+    assert_eq!(v["tools"], 20, "{v}");
+    let left = srv
+        .api()
+        .get("/v1/snapshots")
+        .expect(200, "GET /v1/snapshots");
+    assert_eq!(
+        left["snapshots"],
+        json!([]),
+        "the agent cleaned up its snapshots"
+    );
+}
+
+#[test]
+fn an_agent_asks_for_a_network_and_the_server_enforces_it() {
+    become_subreaper();
+    let Some(py) = python_mcp() else { return };
+    let srv = Server::start();
+    locker_tests::egress::wait_egress_ok(&srv);
+    let v = check_agents(&py, &srv, "network");
+    assert_eq!(v["run"], "ok", "{v}");
+}
+
 fn post_mcp(url: &str, key: Option<&str>, body: &Value) -> (u16, String) {
+    let (status, text, _) = post_mcp_full(url, key, body);
+    (status, text)
+}
+
+/// Status, body and the `WWW-Authenticate` header of one POST to `/mcp`.
+fn post_mcp_full(url: &str, key: Option<&str>, body: &Value) -> (u16, String, Option<String>) {
     let agent = locker_tests::server::agent(std::time::Duration::from_secs(30));
     let mut req = agent
         .post(format!("{url}/mcp"))
@@ -136,8 +192,13 @@ fn post_mcp(url: &str, key: Option<&str>, body: &Value) -> (u16, String) {
     }
     let mut resp = req.send(body.to_string()).expect("POST /mcp");
     let status = resp.status().as_u16();
+    let www = resp
+        .headers()
+        .get("www-authenticate")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned);
     let text = resp.body_mut().read_to_string().unwrap_or_default();
-    (status, text)
+    (status, text, www)
 }
 
 #[test]
@@ -148,11 +209,14 @@ fn mcp_needs_a_valid_key_and_forwards_it() {
         "io.modelcontextprotocol/protocolVersion": "2026-07-28",
         "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
         "io.modelcontextprotocol/clientCapabilities": {}}}});
-    let (s, body) = post_mcp(&srv.url, None, &list);
+    let (s, body, www) = post_mcp_full(&srv.url, None, &list);
     assert_eq!(s, 401, "{body}");
     assert!(body.contains("unauthorized"), "{body}");
-    let (s, body) = post_mcp(&srv.url, Some("lk_wrong"), &list);
+    // A client learns from the 401 which credentials to send (RFC 6750, MCP authorization).
+    assert_eq!(www.as_deref(), Some("Bearer realm=\"locker\""), "{body}");
+    let (s, body, www) = post_mcp_full(&srv.url, Some("lk_wrong"), &list);
     assert_eq!(s, 401, "{body}");
+    assert!(www.is_some_and(|w| w.starts_with("Bearer")), "{body}");
     let (s, body) = post_mcp(&srv.url, Some(&srv.api_key), &list);
     assert_eq!(s, 200, "{body}");
     assert!(body.contains("sandbox_create"), "{body}");

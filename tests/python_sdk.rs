@@ -2,8 +2,11 @@
 //! (`sdk/python/tests/`) against a real `locker serve` — the HTTP client, Anthropic's bash
 //! and text editor handlers, the portable function tools and OpenAI's shell tool, the agent
 //! loop against scripted stand-in models (parallel tool calls, a failing tool, an endless
-//! loop stopped by the iteration cap, truncation into a file), and
-//! `examples/python_agent.py` against a stand-in of the Messages API.
+//! loop stopped by the iteration cap, truncation into a file), the background-process
+//! tools and descriptions that follow the sandbox's network policy, snapshots, network and
+//! metadata changes, `examples/python_agent.py` against a stand-in of the Messages API
+//! (`locker.testing`), `--offline` and `--help`, and `pip install` from the checkout
+//! (distribution `locker-sandbox`), which must leave the checkout clean.
 //!
 //! pytest and the SDK (`pip install -e sdk/python`) go into `target/python-sdk/venv` on
 //! first use; when PyPI is unreachable the test is skipped with a message saying so; any
@@ -23,9 +26,10 @@ fn python_sdk() -> Option<PathBuf> {
     let venv = target_dir().join("python-sdk/venv");
     let py = venv.join("bin/python");
     let src = locker_tests::root().join("sdk/python/src");
-    // Importable, and from this checkout (an editable install of another one would not do).
+    // Importable, from this checkout (an editable install of another one would not do), and
+    // under the distribution name `locker-sandbox` (an older install was named `locker`).
     let check = format!(
-        "import pytest, locker, os, sys; sys.exit(0 if os.path.realpath(locker.__file__).startswith(os.path.realpath({:?})) else 1)",
+        "import pytest, locker, os, sys, importlib.metadata as m; m.version('locker-sandbox'); sys.exit(0 if os.path.realpath(locker.__file__).startswith(os.path.realpath({:?})) else 1)",
         src.to_str().expect("utf-8 path")
     );
     let ok = |py: &Path| {
@@ -43,9 +47,20 @@ fn python_sdk() -> Option<PathBuf> {
         assert!(made, "python3 -m venv {}: {log}", venv.display());
     }
     let started = Instant::now();
+    // An install under the old name would shadow or confuse the new one; its absence is fine.
+    let _ = run_logged(Command::new(&py).args([
+        "-m",
+        "pip",
+        "uninstall",
+        "--quiet",
+        "--yes",
+        "locker",
+    ]));
     let (installed, log) = run_logged(
-        Command::new(venv.join("bin/pip"))
+        Command::new(&py)
             .args([
+                "-m",
+                "pip",
                 "install",
                 "--quiet",
                 "--disable-pip-version-check",

@@ -20,7 +20,8 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 TOOLS = {
     "run", "sandbox_create", "exec", "process_output", "process_write_stdin", "process_kill",
     "sandbox_delete", "file_read", "file_write", "file_edit", "file_list", "snapshot_create",
-    "sandbox_fork", "volume_create", "volume_list",
+    "sandbox_fork", "volume_create", "volume_list", "sandbox_list", "sandbox_set_ttl", "process_list",
+    "snapshot_list", "snapshot_delete",
 }
 
 
@@ -117,6 +118,8 @@ async def full_scenario(c):
     finally:
         d = await call(c, "sandbox_delete", {"sandbox_id": sid})
     check(d == {"sandbox_id": sid, "deleted": True}, f"delete: {d}")
+    d = await call(c, "sandbox_delete", {"sandbox_id": sid})
+    check(d == {"sandbox_id": sid, "deleted": False}, f"a second delete is not an error: {d}")
     err = await call(c, "exec", {"sandbox_id": sid, "shell": "true"}, expect_error=True)
     check("not_found" in err, f"deleted sandbox: {err}")
 
@@ -175,4 +178,5 @@ async def main():
     print(json.dumps(summary))
 
 
-asyncio.run(main())
+if __name__ == "__main__":
+    asyncio.run(main())

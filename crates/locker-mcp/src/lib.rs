@@ -4,6 +4,9 @@
 //! Rooms:
 //! - [`tools`]: the catalogue (names, descriptions the model reads, schemas, annotations);
 //! - [`server`]: [`LockerMcp`], which carries a tool call out as Locker API requests;
+//!   `session` carries out the session-management tools (`tools_session`: sandbox_list,
+//!   sandbox_set_ttl, process_list, snapshot_list, snapshot_delete); [`text`] holds the
+//!   pure text operations (file_edit's `str_replace` and `insert`, an output's tail);
 //! - [`api`]: the one way out, Locker's public HTTP API ([`HttpApi`] over the network,
 //!   [`TowerApi`] in-process through `locker serve`'s router). Nothing private of the
 //!   server is used, so both transports run the same code against the same contract.
@@ -16,7 +19,10 @@
 
 pub mod api;
 pub mod server;
+mod session;
+pub mod text;
 pub mod tools;
+mod tools_session;
 
 use std::sync::Arc;
 

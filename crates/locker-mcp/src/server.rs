@@ -20,6 +20,7 @@ use rmcp::ServerHandler;
 use serde_json::{json, Map, Value};
 
 use crate::api::{Api, ApiRequest};
+use crate::text::{insert, str_replace, tail};
 use crate::tools;
 
 /// Lines of context shown around an edit.
@@ -36,7 +37,7 @@ pub struct LockerMcp {
 
 /// A tool call that could not be carried out; becomes a result with `isError`.
 #[derive(Debug)]
-struct Fail(String);
+pub(crate) struct Fail(pub(crate) String);
 
 impl<E: std::fmt::Display> From<E> for Fail {
     fn from(e: E) -> Self {
@@ -44,7 +45,7 @@ impl<E: std::fmt::Display> From<E> for Fail {
     }
 }
 
-type Out = Result<Value, Fail>;
+pub(crate) type Out = Result<Value, Fail>;
 
 impl LockerMcp {
     pub fn new(api: Arc<dyn Api>, default_key: Option<String>) -> Self {
@@ -96,6 +97,11 @@ impl LockerMcp {
             "sandbox_fork" => c.sandbox_fork().await,
             "volume_create" => c.volume_create().await,
             "volume_list" => c.volume_list().await,
+            "sandbox_list" => c.sandbox_list().await,
+            "sandbox_set_ttl" => c.sandbox_set_ttl().await,
+            "process_list" => c.process_list().await,
+            "snapshot_list" => c.snapshot_list().await,
+            "snapshot_delete" => c.snapshot_delete().await,
             _ => Err(Fail(format!("there is no tool {name:?}"))),
         }
     }
@@ -189,14 +195,14 @@ impl ServerHandler for LockerMcp {
 }
 
 /// One tool call in progress.
-struct Call<'a> {
+pub(crate) struct Call<'a> {
     api: &'a dyn Api,
     key: Option<String>,
-    args: &'a Map<String, Value>,
+    pub(crate) args: &'a Map<String, Value>,
 }
 
 /// `{"error": {"code", "message"}}` → "not_found: sandbox sb_1 does not exist".
-fn api_error_text(status: u16, body: &[u8]) -> String {
+pub(crate) fn api_error_text(status: u16, body: &[u8]) -> String {
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let code = v["error"]["code"].as_str().unwrap_or("error");
     let msg = v["error"]["message"]
@@ -207,7 +213,7 @@ fn api_error_text(status: u16, body: &[u8]) -> String {
 }
 
 /// Percent-encodes a query value.
-fn enc(s: &str) -> String {
+pub(crate) fn enc(s: &str) -> String {
     let mut o = String::with_capacity(s.len());
     for b in s.bytes() {
         match b {
@@ -221,7 +227,7 @@ fn enc(s: &str) -> String {
 }
 
 /// A path segment (ids and names are plain already; refuse anything that would escape it).
-fn seg(s: &str) -> Result<&str, Fail> {
+pub(crate) fn seg(s: &str) -> Result<&str, Fail> {
     if s.is_empty() || s.contains(['/', '?', '#', '%']) || s == "." || s == ".." {
         return Err(Fail(format!("{s:?} is not a valid id or name")));
     }
@@ -229,14 +235,14 @@ fn seg(s: &str) -> Result<&str, Fail> {
 }
 
 impl Call<'_> {
-    fn str(&self, k: &str) -> Option<&str> {
+    pub(crate) fn str(&self, k: &str) -> Option<&str> {
         self.args.get(k).and_then(Value::as_str)
     }
-    fn need(&self, k: &str) -> Result<&str, Fail> {
+    pub(crate) fn need(&self, k: &str) -> Result<&str, Fail> {
         self.str(k)
             .ok_or_else(|| Fail(format!("`{k}` must be a string")))
     }
-    fn u64(&self, k: &str) -> Result<Option<u64>, Fail> {
+    pub(crate) fn u64(&self, k: &str) -> Result<Option<u64>, Fail> {
         match self.args.get(k) {
             None | Some(Value::Null) => Ok(None),
             Some(v) => v
@@ -258,7 +264,7 @@ impl Call<'_> {
         self.args.get(k).and_then(Value::as_bool).unwrap_or(false)
     }
     /// Copies the listed arguments (when given) into a JSON body.
-    fn pick(&self, keys: &[&str]) -> Map<String, Value> {
+    pub(crate) fn pick(&self, keys: &[&str]) -> Map<String, Value> {
         keys.iter()
             .filter_map(|k| {
                 self.args
@@ -269,7 +275,7 @@ impl Call<'_> {
             .collect()
     }
 
-    async fn raw(
+    pub(crate) async fn raw(
         &self,
         method: Method,
         path: String,
@@ -290,7 +296,7 @@ impl Call<'_> {
     }
 
     /// A JSON request; a non-2xx answer is a [`Fail`] with the API's message.
-    async fn json(&self, method: Method, path: String, body: Option<Value>) -> Out {
+    pub(crate) async fn json(&self, method: Method, path: String, body: Option<Value>) -> Out {
         let (ct, b) = match body {
             Some(v) => (Some("application/json"), Bytes::from(v.to_string())),
             None => (None, Bytes::new()),
@@ -347,7 +353,7 @@ impl Call<'_> {
     async fn run(&self) -> Out {
         let vol = seg(self.need("volume")?)?.to_owned();
         let mut body = self.exec_body()?;
-        body.extend(self.pick(&["commit", "template", "memory_mb", "cpus"]));
+        body.extend(self.pick(&["commit", "template", "memory_mb", "cpus", "network"]));
         if self.bool("create_volume") {
             let (status, b) = self
                 .raw(
@@ -398,6 +404,7 @@ impl Call<'_> {
             "ttl_s",
             "idle_timeout_s",
             "env",
+            "network",
             "from_snapshot",
             "metadata",
         ]);
@@ -516,9 +523,19 @@ impl Call<'_> {
 
     async fn sandbox_delete(&self) -> Out {
         let sb = seg(self.need("sandbox_id")?)?.to_owned();
-        self.json(Method::DELETE, format!("/v1/sandboxes/{sb}"), None)
-            .await?;
-        Ok(json!({"sandbox_id": sb, "deleted": true}))
+        let deleted = self.delete(format!("/v1/sandboxes/{sb}")).await?;
+        Ok(json!({"sandbox_id": sb, "deleted": deleted}))
+    }
+
+    /// A DELETE that is safe to repeat: whether the thing existed (404 is `false`, not a
+    /// failure; another tenant's thing is a 404 too, so nothing leaks).
+    pub(crate) async fn delete(&self, path: String) -> Result<bool, Fail> {
+        let (status, b) = self.raw(Method::DELETE, path, None, Bytes::new()).await?;
+        match status {
+            200..=299 => Ok(true),
+            404 if !api_error_text(status, &b).contains("no such route") => Ok(false),
+            _ => Err(Fail(api_error_text(status, &b))),
+        }
     }
 
     /// The file's bytes.
@@ -727,126 +744,5 @@ impl Call<'_> {
 
     async fn volume_list(&self) -> Out {
         self.json(Method::GET, "/v1/volumes".into(), None).await
-    }
-}
-
-/// The last `cap` bytes of `b` as text (cut on a char boundary), and whether it was cut.
-fn tail(b: &[u8], cap: usize) -> (String, bool) {
-    if b.len() <= cap {
-        return (String::from_utf8_lossy(b).into_owned(), false);
-    }
-    let s = String::from_utf8_lossy(&b[b.len() - cap..]).into_owned();
-    (
-        format!("…[locker: first {} bytes omitted]…\n{s}", b.len() - cap),
-        true,
-    )
-}
-
-/// The 1-based line numbers where `needle` starts in `text`.
-fn match_lines(text: &str, needle: &str) -> Vec<usize> {
-    text.match_indices(needle)
-        .map(|(i, _)| text[..i].matches('\n').count() + 1)
-        .collect()
-}
-
-/// Replaces the one occurrence of `old`; returns the new text and the first changed line.
-pub fn str_replace(text: &str, old: &str, new: &str) -> Result<(String, usize), String> {
-    if old.is_empty() {
-        return Err("old_str is empty; give the exact text to replace".into());
-    }
-    let at = match_lines(text, old);
-    match at.len() {
-        1 => {
-            let i = text.find(old).expect("one match");
-            let mut out = String::with_capacity(text.len() + new.len());
-            out.push_str(&text[..i]);
-            out.push_str(new);
-            out.push_str(&text[i + old.len()..]);
-            Ok((out, at[0]))
-        }
-        0 => {
-            let hint = if text.contains(old.trim()) && !old.trim().is_empty() {
-                " (it does occur with different leading/trailing whitespace: copy the exact text, indentation and line breaks included)"
-            } else {
-                " (read the file with file_read to copy the exact text)"
-            };
-            Err(format!("old_str does not occur in the file; nothing was changed{hint}"))
-        }
-        n => Err(format!(
-            "old_str occurs {n} times (starting on lines {}); it must occur exactly once, nothing was changed: include more surrounding lines to make it unique",
-            at.iter().map(|l| l.to_string()).collect::<Vec<_>>().join(", ")
-        )),
-    }
-}
-
-/// Inserts `new` after line `after` (0 = top); returns the new text and its first line.
-pub fn insert(text: &str, after: usize, new: &str) -> Result<(String, usize), String> {
-    let lines: Vec<&str> = text.split_inclusive('\n').collect();
-    if after > lines.len() {
-        return Err(format!(
-            "insert_line {after} is past the end: the file has {} lines (use {} to append)",
-            lines.len(),
-            lines.len()
-        ));
-    }
-    let mut out = String::with_capacity(text.len() + new.len() + 2);
-    for l in &lines[..after] {
-        out.push_str(l);
-    }
-    if after > 0 && !out.ends_with('\n') {
-        out.push('\n');
-    }
-    out.push_str(new);
-    if !new.ends_with('\n') {
-        out.push('\n');
-    }
-    for l in &lines[after..] {
-        out.push_str(l);
-    }
-    Ok((out, after + 1))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::{insert, str_replace, tail};
-
-    #[test]
-    fn str_replace_needs_exactly_one_exact_match() {
-        let t = "a = 1\nb = 2\n    c = 3\n";
-        assert_eq!(
-            str_replace(t, "b = 2", "b = 20").unwrap(),
-            ("a = 1\nb = 20\n    c = 3\n".into(), 2)
-        );
-        let e = str_replace(t, "c = 3\n    ", "x").unwrap_err();
-        assert!(e.contains("does not occur"), "{e}");
-        let e = str_replace(t, "  c = 3", "x").unwrap();
-        assert_eq!(e.1, 3);
-        let e = str_replace("x\nx\n", "x", "y").unwrap_err();
-        assert!(e.contains("2 times") && e.contains("lines 1, 2"), "{e}");
-        let e = str_replace(t, "c  = 3", "x").unwrap_err();
-        assert!(e.contains("nothing was changed"), "{e}");
-    }
-
-    #[test]
-    fn insert_counts_lines_from_one_and_zero_is_top() {
-        let t = "one\ntwo\n";
-        assert_eq!(
-            insert(t, 0, "zero").unwrap(),
-            ("zero\none\ntwo\n".into(), 1)
-        );
-        assert_eq!(insert(t, 1, "1.5\n").unwrap().0, "one\n1.5\ntwo\n");
-        assert_eq!(insert(t, 2, "three").unwrap().0, "one\ntwo\nthree\n");
-        assert_eq!(insert("no newline", 1, "x").unwrap().0, "no newline\nx\n");
-        assert!(insert(t, 3, "x").unwrap_err().contains("past the end"));
-    }
-
-    #[test]
-    fn tail_keeps_the_end() {
-        assert_eq!(tail(b"abc", 10), ("abc".into(), false));
-        let (s, t) = tail(b"0123456789", 4);
-        assert!(
-            t && s.ends_with("6789") && s.contains("6 bytes omitted"),
-            "{s}"
-        );
     }
 }

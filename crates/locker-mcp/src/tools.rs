@@ -12,8 +12,9 @@ use serde_json::{json, Value};
 
 /// Server-level instructions sent at initialization (and in `server/discover`).
 pub const INSTRUCTIONS: &str = "\
-Locker gives you disposable, isolated Linux machines (Debian, root, python3, git, curl) to run \
-commands and edit files in, instead of the user's own computer.
+Locker gives you disposable, isolated Linux machines (you are root; the default template is \
+Debian with python3, git and curl) to run commands and edit files in, instead of the user's own \
+computer.
 
 Two ways to work:
 - A sandbox (sandbox_create, then exec / file_* / process_*, then sandbox_delete): a machine \
@@ -24,8 +25,12 @@ persist between calls; each exec starts a fresh shell, so `cd` and `export` do n
 the machine is destroyed after the command, the volume's changes are kept. Best for one-shot \
 work on a project that must persist without a machine in between.
 
-Network: machines have no network at all (egress none: no DNS, no package downloads); bring \
-inputs with file_write. A command that exits non-zero, times out or is killed is a normal \
+Network: a machine has none unless you ask (egress none: no DNS, no package downloads); bring \
+inputs with file_write, or give sandbox_create or run a `network` policy ({\"egress\": \"all\"}, or \
+{\"egress\": \"allow\", \"allow\": [\"pypi.org\", \"files.pythonhosted.org\"]}) to pip install or \
+fetch; the server enforces it. After a context reset, sandbox_list finds your sandboxes again \
+(metadata helps tell them apart); sandbox_set_ttl keeps one alive longer; snapshot_list and \
+snapshot_delete clean up the snapshots you made. A command that exits non-zero, times out or is killed is a normal \
 result (see exit_code and reason), not a tool error; tool errors (isError) mean the platform \
 could not do what was asked (no such sandbox, bad arguments, a quota). Outputs over \
 max_output_bytes are cut in the middle and the full text is kept in a file inside the machine \
@@ -38,7 +43,7 @@ fn obj(v: Value) -> Arc<JsonObject> {
     }
 }
 
-fn input(props: Value, required: &[&str]) -> Arc<JsonObject> {
+pub(crate) fn input(props: Value, required: &[&str]) -> Arc<JsonObject> {
     obj(json!({
         "type": "object",
         "properties": props,
@@ -47,9 +52,14 @@ fn input(props: Value, required: &[&str]) -> Arc<JsonObject> {
     }))
 }
 
-fn ann(title: &str, read_only: bool, destructive: bool, idempotent: bool) -> ToolAnnotations {
-    // Locker's machines have no network (egress none), so no tool reaches the open world:
-    // every effect stays inside the tenant's own machines and volumes.
+pub(crate) fn ann(
+    title: &str,
+    read_only: bool,
+    destructive: bool,
+    idempotent: bool,
+) -> ToolAnnotations {
+    // Only a command can reach beyond the tenant's own machines and volumes, and only when
+    // its machine has a network policy; the other tools never leave them.
     ToolAnnotations::with_title(title)
         .read_only(read_only)
         .destructive(destructive)
@@ -57,7 +67,26 @@ fn ann(title: &str, read_only: bool, destructive: bool, idempotent: bool) -> Too
         .open_world(false)
 }
 
-fn tool(
+/// A tool that runs a command: it reaches the open world when the machine's network policy
+/// lets it (`network` on sandbox_create or run).
+fn ann_command(title: &str) -> ToolAnnotations {
+    ann(title, false, true, false).open_world(true)
+}
+
+/// The `network` argument: the API's policy object, checked by the server as for the API.
+fn network(what: &str) -> Value {
+    json!({"type": "object",
+           "description": format!("Network policy of {what} (default {{\"egress\": \"none\"}}: no network, not even DNS). {{\"egress\": \"all\"}} reaches the internet; {{\"egress\": \"allow\", \"allow\": [\"pypi.org\", \"files.pythonhosted.org\", \"*.github.com\", \"10.1.2.0/24\"]}} reaches only those names (a `*.` prefix for subdomains) and IPv4 ranges. The server enforces it below the machine (what is not allowed is refused), never reaches link-local or metadata addresses or the host, and refuses a policy it cannot enforce (unavailable)."),
+           "properties": {
+               "egress": {"type": "string", "enum": ["none", "all", "allow"]},
+               "allow": {"type": "array", "items": {"type": "string", "minLength": 1},
+                         "description": "With egress allow: domain names and IPv4 CIDRs."}
+           },
+           "required": ["egress"],
+           "additionalProperties": false})
+}
+
+pub(crate) fn tool(
     name: &'static str,
     description: &'static str,
     input: Arc<JsonObject>,
@@ -71,12 +100,12 @@ fn tool(
         .with_annotations(annotations)
 }
 
-fn sandbox_id() -> Value {
+pub(crate) fn sandbox_id() -> Value {
     json!({"type": "string", "pattern": "^sb_[0-9a-f]+$",
            "description": "The sandbox's id, `sb_…`, as sandbox_create returned it."})
 }
 
-fn process_id() -> Value {
+pub(crate) fn process_id() -> Value {
     json!({"type": "string", "pattern": "^proc_[0-9A-Za-z]+$",
            "description": "The background process's id, `proc_…`, as exec with background=true returned it."})
 }
@@ -96,13 +125,19 @@ fn timeout(default: u64, max: u64) -> Value {
            "description": format!("Wall-clock limit in milliseconds (default {default}, at most {max}). When it passes, the whole process tree is killed and the result has reason \"timeout\" with the output produced so far.")})
 }
 
+/// process_output's cap: it keeps the end of each stream, not the head and tail.
+fn max_output_tail() -> Value {
+    json!({"type": "integer", "minimum": 1024, "maximum": 1048576, "default": 65536,
+           "description": "Bytes of stdout and of stderr to return (each; default 65536): the LAST this many bytes of each stream, after a `…[locker: first N bytes omitted]…` line when it is longer (then *_truncated is true; *_bytes count the whole stream). Nothing is written to a file: call exec with tail/grep on a redirect, or start the process with its output redirected, to keep everything."})
+}
+
 fn max_output() -> Value {
     json!({"type": "integer", "minimum": 1024, "maximum": 1048576, "default": 65536,
            "description": "Bytes of stdout and of stderr to return (each; default 65536). Longer output keeps its head and tail with a `…[locker: N bytes omitted]…` line between, and the full stream is written to output_path."})
 }
 
 /// The ExecResult every exec and run returns.
-fn exec_result_schema(with_changes: bool) -> Value {
+pub(crate) fn exec_result_schema(with_changes: bool) -> Value {
     let mut props = json!({
         "call_id": {"type": "string", "description": "The call's record id (`call_…`)."},
         "exit_code": {"type": ["integer", "null"], "description": "The exit status; null when the command did not exit by itself (signal, timeout, oom)."},
@@ -115,8 +150,13 @@ fn exec_result_schema(with_changes: bool) -> Value {
         "stdout_bytes": {"type": "integer", "description": "Bytes produced in all, before truncation."},
         "stderr_bytes": {"type": "integer"},
         "output_path": {"type": ["string", "null"], "description": "When truncated: the file inside the machine (or volume) holding the full output."},
-        "timings": {"type": "object", "description": "queue_ms, start_ms, run_ms, total_ms (milliseconds)."},
-        "usage": {"type": "object", "description": "cpu_ms, peak_memory_bytes."},
+        "stdout_b64": {"type": ["string", "null"], "description": "The kept stdout bytes, base64, only when they are not valid UTF-8 (stdout is then lossy text)."},
+        "stderr_b64": {"type": ["string", "null"], "description": "The same for stderr."},
+        "timings": {"type": "object", "description": "Milliseconds: queue_ms (arrival to start), start_ms, run_ms, total_ms.",
+                    "properties": {"queue_ms": {"type": "number"}, "start_ms": {"type": "number"},
+                                   "run_ms": {"type": "number"}, "total_ms": {"type": "number"}}},
+        "usage": {"type": "object", "description": "Resources the command used.",
+                  "properties": {"cpu_ms": {"type": "integer"}, "peak_memory_bytes": {"type": "integer"}}},
         "changes": {"type": ["object", "null"], "description": "Runs only: added, modified, deleted paths, committed, conflicts."},
     });
     if !with_changes {
@@ -126,7 +166,29 @@ fn exec_result_schema(with_changes: bool) -> Value {
            "required": ["exit_code", "reason", "stdout", "stderr", "stdout_truncated", "stderr_truncated"]})
 }
 
-fn sandbox_schema() -> Value {
+/// exec's answer: the ExecResult in the foreground, the process's ids in the background.
+fn exec_output_schema() -> Value {
+    let mut s = exec_result_schema(false);
+    let m = s.as_object_mut().expect("schema");
+    m.remove("required");
+    m.insert(
+        "description".into(),
+        "Foreground: the ExecResult (every field below but process_id, pid and sandbox_id). Background: process_id, pid and sandbox_id only.".into(),
+    );
+    let props = m["properties"].as_object_mut().expect("properties");
+    props.insert("process_id".into(), json!({"type": "string", "description": "Background only: the process's id (`proc_…`) for process_output, process_write_stdin, process_kill."}));
+    props.insert(
+        "pid".into(),
+        json!({"type": "integer", "description": "Background only: its pid inside the sandbox."}),
+    );
+    props.insert(
+        "sandbox_id".into(),
+        json!({"type": "string", "description": "Background only: the sandbox it runs in."}),
+    );
+    s
+}
+
+pub(crate) fn sandbox_schema() -> Value {
     json!({"type": "object",
            "properties": {
                "id": {"type": "string"},
@@ -249,7 +311,9 @@ status, \"on_success\" only if it exited 0 and no other run changed the same pat
 Returns the ExecResult: exit_code (null when killed), reason (exited | signaled | timeout | oom \
 | output_limit | killed), stdout, stderr, *_truncated, output_path, timings, usage, changes. A \
 non-zero exit or a timeout is a normal result, not a tool error. Limits: timeout_ms default \
-60000, at most 300000; memory_mb default 512. No network (egress none: no DNS, no downloads).",
+60000, at most 300000; memory_mb default 512. Network: none (no DNS, no downloads) unless you \
+give `network`, e.g. {\"egress\": \"allow\", \"allow\": [\"pypi.org\", \"files.pythonhosted.org\"]} for pip; \
+the server enforces it.",
             input(
                 json!({
                     "volume": volume_ref("The volume to mount at /workspace."),
@@ -272,17 +336,18 @@ non-zero exit or a timeout is a normal result, not a tool error. Limits: timeout
                                  "description": "The machine's root filesystem (template name)."},
                     "memory_mb": {"type": "integer", "minimum": 64, "maximum": 65536, "default": 512,
                                   "description": "Memory limit in MiB; past it the command is killed with reason \"oom\"."},
-                    "cpus": {"type": "number", "minimum": 0.1, "maximum": 64, "default": 1}
+                    "cpus": {"type": "number", "minimum": 0.1, "maximum": 64, "default": 1},
+                    "network": network("the run's machine")
                 }),
                 &["volume"],
             ),
             exec_result_schema(true),
-            ann("Run a command on a volume (serverless)", false, true, false),
+            ann_command("Run a command on a volume (serverless)"),
         ),
         tool(
             "sandbox_create",
-            "Create a sandbox: an isolated Linux machine (Debian, you are root; python3, pip, git, \
-curl) that stays up across calls until you delete it or its ttl_s passes. Use it when you will \
+            "Create a sandbox: an isolated Linux machine (you are root; the default template is Debian \
+with python3, pip, git and curl) that stays up across calls until you delete it or its ttl_s passes. Use it when you will \
 run several commands, keep background processes (servers, watchers) or build up state step by \
 step; for a single command on persistent files prefer `run`.\n\
 \n\
@@ -290,7 +355,10 @@ Returns the sandbox (id `sb_…`, state, expires_at). Pass its id to exec, file_
 file_write, file_edit, file_list, process_* and finally sandbox_delete. What persists inside: \
 files (up to disk_mb) and background processes. What does not: each exec is a new shell, so \
 `cd` and `export` do not carry over; use exec's cwd and env, or the env given here, which \
-every exec inherits. Network: none (no DNS, no package downloads). Quotas per tenant limit how \
+every exec inherits. Network: none (no DNS, no package downloads) unless you give `network` \
+(all, or an allow list such as pypi.org and files.pythonhosted.org for pip); the server \
+enforces it. metadata labels (e.g. {\"task\": \"fix-bug-12\"}) let sandbox_list find it again \
+after a context reset. Quotas per tenant limit how \
 many sandboxes and how much memory exist at once; past them the call fails with \
 quota_exceeded: delete sandboxes you no longer need.",
             input(
@@ -302,12 +370,13 @@ quota_exceeded: delete sandboxes you no longer need.",
                                   "description": "Memory limit in MiB for all its processes together."},
                     "disk_mb": {"type": "integer", "minimum": 64, "maximum": 1048576, "default": 2048,
                                 "description": "Disk space in MiB for the files it writes."},
-                    "ttl_s": {"type": "integer", "minimum": 1, "maximum": 604800, "default": 1800,
-                              "description": "Seconds until it is destroyed automatically (default 1800 = 30 min)."},
+                    "ttl_s": {"type": "integer", "minimum": 1, "maximum": 2592000, "default": 1800,
+                              "description": "Seconds until it is destroyed automatically (default 1800 = 30 min, at most 2592000 = 30 days). sandbox_set_ttl changes it later."},
                     "idle_timeout_s": {"type": "integer", "minimum": 1,
                                        "description": "Pause it after this many seconds with no call and no CPU use; the next call resumes it. Default: never."},
                     "env": {"type": "object", "additionalProperties": {"type": "string"},
                             "description": "Environment variables every exec in it inherits."},
+                    "network": network("the sandbox"),
                     "from_snapshot": {"type": "string", "pattern": "^snap_[0-9a-f]+$",
                                       "description": "Start from a snapshot (snapshot_create) instead of the template."},
                     "metadata": {"type": "object", "additionalProperties": {"type": "string"},
@@ -340,7 +409,8 @@ Background (background=true): for servers, watchers and anything longer than a f
 Returns at once with process_id; the process keeps running between calls until it exits, you \
 process_kill it, or the sandbox is deleted. Read its output with process_output, feed it with \
 process_write_stdin. timeout_ms still applies (default 60000, at most 3600000). No network: \
-the sandbox has no egress at all.",
+the sandbox has no egress unless sandbox_create gave it a `network` policy, which the server \
+enforces.",
             input(
                 json!({
                     "sandbox_id": sandbox_id(),
@@ -358,17 +428,8 @@ the sandbox has no egress at all.",
                 }),
                 &["sandbox_id"],
             ),
-            json!({"type": "object",
-                   "description": "Foreground: the ExecResult. Background: process_id and pid.",
-                   "properties": {
-                       "process_id": {"type": "string"}, "pid": {"type": "integer"},
-                       "exit_code": {"type": ["integer", "null"]},
-                       "reason": {"type": "string"},
-                       "stdout": {"type": "string"}, "stderr": {"type": "string"},
-                       "stdout_truncated": {"type": "boolean"}, "stderr_truncated": {"type": "boolean"},
-                       "output_path": {"type": ["string", "null"]}
-                   }}),
-            ann("Run a command in a sandbox", false, true, false),
+            exec_output_schema(),
+            ann_command("Run a command in a sandbox"),
         ),
         tool(
             "process_output",
@@ -385,7 +446,7 @@ the start.",
                     "process_id": process_id(),
                     "wait_ms": {"type": "integer", "minimum": 0, "maximum": 60000, "default": 0,
                                 "description": "Wait up to this many milliseconds for the process to exit before answering (0: answer at once)."},
-                    "max_output_bytes": max_output()
+                    "max_output_bytes": max_output_tail()
                 }),
                 &["sandbox_id", "process_id"],
             ),
@@ -444,9 +505,11 @@ ignore.",
             "sandbox_delete",
             "Destroy a sandbox now: its processes, its files and its disk are gone for good (a \
 snapshot taken before survives). Do it when the task is done; sandboxes also go away by \
-themselves when their ttl_s passes. Deleting one that no longer exists answers not_found.",
+themselves when their ttl_s passes. Deleting one that does not exist (any more) is not an \
+error: it answers deleted=false, so a repeated call is safe.",
             input(json!({"sandbox_id": sandbox_id()}), &["sandbox_id"]),
-            json!({"type": "object", "properties": {"sandbox_id": {"type": "string"}, "deleted": {"type": "boolean"}},
+            json!({"type": "object", "properties": {"sandbox_id": {"type": "string"},
+                                                  "deleted": {"type": "boolean", "description": "true: it existed and is gone now; false: there was no such sandbox."}},
                    "required": ["sandbox_id", "deleted"]}),
             ann("Delete a sandbox", false, true, true),
         ),
@@ -477,7 +540,8 @@ Invalid UTF-8 is shown with replacement characters (binary=true then).",
             "file_write",
             "Create a file or replace its whole content, in a sandbox (sandbox_id) or a volume \
 (volume). Parent directories are created. Use it to bring code, data or configuration into the \
-machine (it has no network). To change part of an existing file use file_edit instead: it does \
+machine (a machine has no network unless it was given a policy). To change part of an \
+existing file use file_edit instead: it does \
 not need the whole file and cannot clobber unrelated lines. Returns the file's entry (size in \
 bytes, mode).",
             input(file_write_props, &["path", "content"]),
@@ -584,6 +648,9 @@ of each. Use it to find a project's volume by name before calling run or file_re
             ann("List volumes", true, false, true),
         ),
     ]
+    .into_iter()
+    .chain(crate::tools_session::all())
+    .collect()
 }
 
 #[cfg(test)]
@@ -591,7 +658,7 @@ mod tests {
     #[test]
     fn every_tool_is_strict_and_documented() {
         let tools = super::all();
-        assert_eq!(tools.len(), 15);
+        assert_eq!(tools.len(), 20);
         for t in &tools {
             assert_eq!(
                 t.input_schema.get("additionalProperties"),

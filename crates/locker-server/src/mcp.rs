@@ -9,12 +9,14 @@
 use std::sync::Arc;
 
 use axum::extract::Request;
+use axum::http::{header, HeaderValue, StatusCode};
 use axum::middleware::Next;
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::Router;
 
 use crate::app::AppState;
 use crate::auth::Caller;
+use crate::error::ApiError;
 
 /// `api` plus `/mcp` in front of it.
 pub fn mount(app: AppState, api: Router) -> Router {
@@ -25,14 +27,26 @@ pub fn mount(app: AppState, api: Router) -> Router {
     api.merge(mcp)
 }
 
-/// Refuses a request without a valid key before the MCP service sees it.
-async fn require_key(_caller: Caller, req: Request, next: Next) -> Response {
+/// Refuses a request without a valid key before the MCP service sees it. The 401 carries
+/// `WWW-Authenticate: Bearer` (RFC 6750, as MCP's authorization rules ask), so a client
+/// knows which credentials to send.
+async fn require_key(caller: Result<Caller, ApiError>, req: Request, next: Next) -> Response {
+    if let Err(e) = caller {
+        let mut resp = e.into_response();
+        if resp.status() == StatusCode::UNAUTHORIZED {
+            resp.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"locker\""),
+            );
+        }
+        return resp;
+    }
     let delete = req.method() == axum::http::Method::DELETE;
     let mut resp = next.run(req).await;
     // rmcp answers a session's DELETE with 202; clients (the Python SDK) expect 200 or 204
     // for "terminated" and warn otherwise. Nothing is pending after a DELETE: say 204.
-    if delete && resp.status() == axum::http::StatusCode::ACCEPTED {
-        *resp.status_mut() = axum::http::StatusCode::NO_CONTENT;
+    if delete && resp.status() == StatusCode::ACCEPTED {
+        *resp.status_mut() = StatusCode::NO_CONTENT;
     }
     resp
 }

@@ -112,7 +112,7 @@ def test_background_processes(sandbox):
     p.write_stdin("two\n", close=True)
     r = p.wait(timeout=30)
     assert r.exit_code == 0 and r.stdout == "got one\ngot two\n"
-    assert any(x["id"] == p.id for x in sandbox.processes.list())
+    assert any(x.id == p.id for x in sandbox.processes.list())
     q = sandbox.processes.start(shell="sleep 60")
     q.signal("SIGTERM")
     r = q.wait(timeout=30)

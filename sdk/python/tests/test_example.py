@@ -43,3 +43,34 @@ def test_example_agent_against_a_standin_model(client):
     assert len(srv.requests) == 3 and srv.requests[0]["body"]["model"]
     sid = p.stderr.rsplit("sandbox ", 1)[1].split(")")[0]
     assert sid not in [s.id for s in client.sandboxes.list()], "the example deletes its sandbox"
+
+
+def example_env(client, **extra):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ANTHROPIC_")}
+    env.update(LOCKER_URL=client.url, LOCKER_API_KEY=client.api_key, **extra)
+    return env
+
+
+def test_example_runs_offline_end_to_end_without_a_key(client):
+    p = subprocess.run([sys.executable, EXAMPLE, "--offline"], env=example_env(client), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "fib(30) = 832040", (p.stdout, p.stderr)
+    assert "done after 3 model calls, 3 tool calls" in p.stderr, p.stderr
+    sid = p.stderr.rsplit("sandbox ", 1)[1].split(")")[0]
+    assert sid.startswith("sb_") and sid not in [s.id for s in client.sandboxes.list()], "it deletes its sandbox"
+
+
+def test_example_help_prints_help_and_calls_no_model(client):
+    srv = MessagesStandIn(lambda body: anthropic_turn(text("should not be asked")))
+    try:
+        env = example_env(client, ANTHROPIC_API_KEY=srv.api_key, ANTHROPIC_BASE_URL=srv.url)
+        before = len(client.sandboxes.list())
+        p = subprocess.run([sys.executable, EXAMPLE, "--help"], env=env, capture_output=True, text=True, timeout=60)
+        assert srv.requests == [], "--help is not a task for the model"
+        assert p.returncode == 0, p.stderr
+        assert p.stdout.startswith("usage:") and "--offline" in p.stdout, p.stdout
+        assert len(client.sandboxes.list()) == before, "and makes no sandbox"
+    finally:
+        srv.close()
+    p = subprocess.run([sys.executable, EXAMPLE], env=example_env(client), capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "--offline" in p.stderr, "without a key it says how to run offline"

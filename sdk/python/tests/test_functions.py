@@ -7,7 +7,7 @@ import pytest
 
 from locker.functions import dispatch, function_tools, strict_schema
 
-NAMES = ["exec", "run", "file_read", "file_write", "file_edit", "file_list"]
+NAMES = ["exec", "process_start", "process_output", "process_stop", "run", "file_read", "file_write", "file_edit", "file_list"]
 
 
 def walk(schema):

@@ -16,10 +16,13 @@ from .client import (
     Files,
     LockerError,
     Process,
+    ProcessInfo,
     ProcessOutput,
     Sandbox,
+    Snapshot,
     StreamEvent,
     Volume,
+    VolumeSnapshot,
 )
 from .tools import FunctionTool, Tool, Toolkit, ToolResult
 from .agent import AgentResult, run_agent
@@ -28,6 +31,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client", "LockerError", "ExecResult", "Changes", "Entry", "StreamEvent", "ProcessOutput",
-    "Sandbox", "Volume", "Process", "Files", "Tool", "FunctionTool", "Toolkit", "ToolResult",
+    "Sandbox", "Volume", "Process", "ProcessInfo", "Files", "Snapshot", "VolumeSnapshot", "Tool", "FunctionTool", "Toolkit", "ToolResult",
     "run_agent", "AgentResult",
 ]

@@ -35,6 +35,15 @@ from .tools import Tool, ToolResult, error_result
 __all__ = ["BashTool", "TextEditorTool"]
 
 
+def _unknown_keys(tool: str, input: Mapping[str, Any], valid: tuple) -> Optional[ToolResult]:  # noqa: A002
+    """An error naming the valid keys when the input has any other (a setting such as
+    `allow_overwrite` belongs to the handler's constructor, not to a call)."""
+    unknown = sorted(k for k in input if k not in valid)
+    if not unknown:
+        return None
+    return ToolResult(f"{tool}: unknown input key(s) {unknown}; the valid keys are: {', '.join(valid)}.", True)
+
+
 def _files_of(target: Union[Sandbox, Volume, Files]) -> Files:
     if isinstance(target, Files):
         return target
@@ -88,7 +97,12 @@ class BashTool(Tool):
             f"{command}\n"
         )
 
+    KEYS = ("command", "restart")
+
     def __call__(self, input: Mapping[str, Any]) -> ToolResult:  # noqa: A002
+        bad = _unknown_keys(self.name, input, self.KEYS)
+        if bad is not None:
+            return bad
         try:
             if input.get("restart"):
                 old = self.state_dir
@@ -166,7 +180,12 @@ class TextEditorTool(Tool):
             d["max_characters"] = self.max_characters
         return d
 
+    KEYS = ("command", "path", "view_range", "file_text", "old_str", "new_str", "insert_line", "insert_text")
+
     def __call__(self, input: Mapping[str, Any]) -> ToolResult:  # noqa: A002
+        bad = _unknown_keys(self.name, input, self.KEYS)
+        if bad is not None:
+            return bad
         command = input.get("command")
         path = input.get("path")
         try:

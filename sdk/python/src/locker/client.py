@@ -28,6 +28,8 @@ import urllib.parse
 from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
+from ._records import ProcessInfo, Snapshot, Snapshots, VolumeSnapshot
+
 __all__ = [
     "Client",
     "LockerError",
@@ -39,7 +41,10 @@ __all__ = [
     "Sandbox",
     "Volume",
     "Process",
+    "ProcessInfo",
     "Files",
+    "Snapshot",
+    "VolumeSnapshot",
 ]
 
 DEFAULT_URL = "http://127.0.0.1:7070"
@@ -232,6 +237,7 @@ class Client:
         self._prefix = u.path.rstrip("/")
         self.sandboxes = Sandboxes(self)
         self.volumes = Volumes(self)
+        self.snapshots = Snapshots(self)
 
     def __repr__(self) -> str:
         return f"Client({self.url!r})"
@@ -424,21 +430,45 @@ class Files:
         return Entry.from_dict(self._c.request("POST", f"{self._base}/files/move", {"from": src, "to": dst}))
 
 
-class Process:
-    """A background process of a sandbox (`sandbox.processes.start`)."""
+def _process_info(d: Mapping[str, Any]) -> ProcessInfo:
+    info = ProcessInfo.from_dict(d)
+    if isinstance(d.get("result"), Mapping):
+        info.result = ExecResult.from_dict(d["result"])
+    return info
 
-    def __init__(self, sandbox: "Sandbox", process_id: str, pid: Optional[int] = None):
+
+class Process:
+    """A background process of a sandbox (`sandbox.processes.start`, `.list()`, `.get()`).
+    `info` is the last ProcessInfo seen (state, argv, started_at, result), or None before
+    `describe()`."""
+
+    def __init__(self, sandbox: "Sandbox", process_id: str, pid: Optional[int] = None, info: Optional[ProcessInfo] = None):
         self.sandbox = sandbox
         self.id = process_id
-        self.pid = pid
+        self.pid = pid if pid is not None else (info.pid if info is not None else None)
+        self.info = info
         self._base = f"/v1/sandboxes/{_seg(sandbox.id)}/processes/{_seg(process_id)}"
 
     def __repr__(self) -> str:
-        return f"Process({self.id!r}, pid={self.pid})"
+        state = f", state={self.info.state!r}" if self.info is not None else ""
+        return f"Process({self.id!r}, pid={self.pid}{state})"
+
+    @property
+    def state(self) -> Optional[str]:
+        return self.info.state if self.info is not None else None
+
+    @property
+    def result(self) -> Optional["ExecResult"]:
+        return self.info.result if self.info is not None else None
 
     def get(self) -> Dict[str, Any]:
-        """`{id, pid, argv, state, started_at, result}` (result: an ExecResult dict once ended)."""
+        """`{id, pid, argv, state, started_at, result}` as JSON (see `describe` for it typed)."""
         return self.sandbox._c.request("GET", self._base)
+
+    def describe(self) -> ProcessInfo:
+        """Its state now, typed (also kept in `info`)."""
+        self.info = _process_info(self.get())
+        return self.info
 
     def output(self, follow: bool = False, timeout: Optional[float] = None) -> ProcessOutput:
         """The output so far (with `follow=True`: wait until the process ends)."""
@@ -497,8 +527,11 @@ class Processes:
         d = self._sb._c.request("POST", f"/v1/sandboxes/{_seg(self._sb.id)}/processes", body)
         return Process(self._sb, d["id"], d.get("pid"))
 
-    def list(self) -> List[Dict[str, Any]]:
-        return self._sb._c.request("GET", f"/v1/sandboxes/{_seg(self._sb.id)}/processes")["processes"]
+    def list(self) -> List[Process]:
+        """The sandbox's background processes, each a Process with `info` set (state,
+        argv, started_at, result)."""
+        d = self._sb._c.request("GET", f"/v1/sandboxes/{_seg(self._sb.id)}/processes")
+        return [Process(self._sb, i.id, info=i) for i in (_process_info(p) for p in d.get("processes", []))]
 
     def get(self, process_id: str) -> Process:
         return Process(self._sb, process_id)
@@ -612,8 +645,37 @@ class Sandbox:
             yield _event(ev)
 
     def set_ttl(self, ttl_s: int) -> "Sandbox":
+        """expires_at becomes now + ttl_s (1 to 2592000)."""
         self.info = self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/ttl", {"ttl_s": ttl_s})
         return self
+
+    def update(self, *, network: Optional[Mapping[str, Any]] = None, metadata: Optional[Mapping[str, str]] = None) -> "Sandbox":
+        """Changes the network policy and/or the metadata of the running sandbox
+        (`PATCH /v1/sandboxes/{id}`): `network` is {"egress": "none" | "all"} or
+        {"egress": "allow", "allow": ["pypi.org", "10.0.0.0/8"]}, enforced by the server from
+        the next connection on; `metadata` replaces the labels."""
+        body: Dict[str, Any] = {}
+        if network is not None:
+            body["network"] = dict(network)
+        if metadata is not None:
+            body["metadata"] = dict(metadata)
+        if not body:
+            raise ValueError("give network= and/or metadata=")
+        self.info = self._c.request("PATCH", f"/v1/sandboxes/{_seg(self.id)}", body)
+        return self
+
+    def set_network(self, network: Mapping[str, Any]) -> "Sandbox":
+        """`update(network=…)`."""
+        return self.update(network=network)
+
+    def set_metadata(self, metadata: Mapping[str, str]) -> "Sandbox":
+        """`update(metadata=…)`."""
+        return self.update(metadata=metadata)
+
+    @property
+    def network(self) -> Optional[Dict[str, Any]]:
+        """The egress policy as last seen (`info["network"]`)."""
+        return self.info.get("network")
 
     def pause(self) -> None:
         self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/pause")
@@ -621,8 +683,14 @@ class Sandbox:
     def resume(self) -> None:
         self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/resume")
 
-    def snapshot(self) -> Dict[str, Any]:
-        return self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/snapshots")
+    def snapshot(self) -> Snapshot:
+        """Snapshots its filesystem; `snapshots()` lists them, `client.snapshots.delete(id)`
+        deletes one."""
+        return Snapshot.from_dict(self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/snapshots"))
+
+    def snapshots(self) -> List[Snapshot]:
+        """The snapshots taken of this sandbox."""
+        return self._c.snapshots.list(sandbox_id=self.id)
 
     def fork(self, count: int = 1) -> List["Sandbox"]:
         d = self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/fork", {"count": count})
@@ -684,11 +752,30 @@ class Volume:
         """The serverless call on this volume (see Client.run)."""
         return self._c.run(self.id, cmd, shell=shell, commit=commit, **options)
 
-    def snapshot(self) -> Dict[str, Any]:
-        return self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/snapshots")
+    def snapshot(self) -> VolumeSnapshot:
+        return VolumeSnapshot.from_dict(self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/snapshots"))
 
-    def fork(self, name: str) -> "Volume":
-        return Volume(self._c, self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/fork", {"name": name}))
+    def snapshots(self) -> List[VolumeSnapshot]:
+        """Its snapshots, newest first."""
+        d = self._c.request("GET", f"/v1/volumes/{_seg(self.id)}/snapshots")
+        return [VolumeSnapshot.from_dict(s) for s in d.get("snapshots", [])]
+
+    def delete_snapshot(self, snapshot: Union[str, VolumeSnapshot]) -> None:
+        sid = snapshot.id if isinstance(snapshot, VolumeSnapshot) else snapshot
+        self._c.request("DELETE", f"/v1/volumes/{_seg(self.id)}/snapshots/{_seg(sid)}")
+
+    def restore(self, snapshot: Union[str, VolumeSnapshot]) -> "Volume":
+        """Its tree becomes the snapshot's (409 while a running sandbox mounts it)."""
+        sid = snapshot.id if isinstance(snapshot, VolumeSnapshot) else snapshot
+        self.info = self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/restore", {"snapshot": sid})
+        return self
+
+    def fork(self, name: str, snapshot: Optional[Union[str, VolumeSnapshot]] = None) -> "Volume":
+        """A new volume `name`: a copy of this one now, or of one of its snapshots."""
+        body: Dict[str, Any] = {"name": name}
+        if snapshot is not None:
+            body["snapshot"] = snapshot.id if isinstance(snapshot, VolumeSnapshot) else snapshot
+        return Volume(self._c, self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/fork", body))
 
 
 class Volumes:
@@ -722,3 +809,4 @@ class Volumes:
 
     def delete(self, volume: str) -> None:
         self._c.request("DELETE", f"/v1/volumes/{_seg(volume)}")
+

@@ -3,7 +3,7 @@ tools, Gemini, any API that takes a JSON Schema), and OpenAI Responses' `shell` 
 
     from locker.functions import function_tools, ShellTool, dispatch
 
-    tools = function_tools(sandbox=sb, volume="repo")   # exec, run, file_read, file_write, file_edit, file_list
+    tools = function_tools(sandbox=sb, volume="repo")   # exec, process_*, run, file_read, file_write, file_edit, file_list
     defs = [t.definition("openai_chat", strict=True) for t in tools]
     # for each tool call of the answer:
     result = dispatch(tools, call.function.name, call.function.arguments)   # ToolResult
@@ -27,9 +27,30 @@ from ._edit import ToolFailure
 from .client import Client, Files, LockerError, Sandbox, Volume
 from .tools import Tool, Toolkit, ToolResult, error_result, function_definition
 
-__all__ = ["function_tools", "dispatch", "LockerFunction", "ShellTool", "ShellResult", "strict_schema"]
+__all__ = ["function_tools", "background_tools", "dispatch", "LockerFunction", "ShellTool", "ShellResult", "strict_schema"]
 
-_NET = "No network: the machine has no egress at all (no DNS, no downloads)."
+BACKGROUND = ("process_start", "process_output", "process_stop")
+
+
+def network_text(policy: Optional[Mapping[str, Any]]) -> str:
+    """What a machine's network policy lets a command do, said for a model; "" when the
+    policy is not known (then nothing is promised)."""
+    if not isinstance(policy, Mapping):
+        return ""
+    egress = policy.get("egress")
+    if egress == "none":
+        return "No network: the machine has no egress at all (no DNS, no downloads); bring inputs with file_write."
+    if egress == "all":
+        return "Network: the machine can reach the internet (pip install, git clone, curl work)."
+    if egress == "allow":
+        allow = ", ".join(str(a) for a in policy.get("allow") or []) or "nothing"
+        return f"Network: only {allow} (by name or address range); every other destination is refused."
+    return ""
+
+
+def _machine(sandbox: Sandbox) -> str:
+    t = sandbox.info.get("template")
+    return f"an isolated Linux machine from the template `{t}`; you are root" if t else "an isolated Linux machine; you are root"
 
 
 def _exec_summary(r) -> Dict[str, Any]:
@@ -129,11 +150,15 @@ def function_tools(
     volume: Optional[Union[str, Volume]] = None,
     client: Optional[Client] = None,
     names: Optional[Iterable[str]] = None,
+    run_network: Optional[Mapping[str, Any]] = None,
 ) -> Toolkit:
-    """The portable tools, bound to a sandbox (exec and the file tools act on it) and/or a
-    volume (run uses it; the file tools act on it when there is no sandbox). Without a bound
-    volume, `run` takes a `volume` argument. `names` picks a subset. Returns a Toolkit (a
-    collection of tools with `definitions(api)` and `call(name, args)`)."""
+    """The portable tools, bound to a sandbox (exec, the background tools process_start,
+    process_output and process_stop, and the file tools act on it) and/or a volume (run
+    uses it; the file tools act on it when there is no sandbox). Without a bound volume,
+    `run` takes a `volume` argument. `run_network` is the network policy of every run
+    (default none). The descriptions say what the sandbox's network policy allows (as
+    `sandbox.info` last saw it). `names` picks a subset. Returns a Toolkit (a collection of
+    tools with `definitions(api)` and `call(name, args)`)."""
     if sandbox is None and volume is None and client is None:
         raise ValueError("bind the tools to a sandbox, a volume, or at least a client (for run)")
     client = client or (sandbox._c if sandbox is not None else volume._c if isinstance(volume, Volume) else None)  # noqa: SLF001
@@ -155,26 +180,29 @@ def function_tools(
             r = sandbox.exec(**_cmd_args(a), cwd=a.get("cwd"), stdin=a.get("stdin"), timeout_ms=a.get("timeout_ms", 60_000))
             return _exec_summary(r)
 
+        net = network_text(sandbox.info.get("network"))
         tools.append(LockerFunction(
             "exec",
-            "Run a command in the sandbox (an isolated Debian machine; you are root; python3, pip, git, curl) and wait for it. "
+            f"Run a command in the sandbox ({_machine(sandbox)}) and wait for it. "
             "Use it for anything you would type in a terminal: run tests, inspect the system. Prefer file_read / file_write / "
             "file_edit for files. Each call is a fresh shell: `cd` and `export` do not carry over (pass cwd); files do, "
-            "processes do not: everything a call starts (`cmd &`, `nohup`) ends with it. cwd defaults to /root.\n\n"
+            "processes do not: everything a call starts (`cmd &`, `nohup`) ends with it; start servers and long jobs with "
+            "process_start instead. cwd defaults to /root.\n\n"
             "Returns {exit_code, reason (exited | signaled | timeout | oom | output_limit | killed), stdout, stderr}. A non-zero "
             "exit code is a normal result to read, not a tool error. Output over 65536 bytes per stream keeps its head and tail; "
-            "then stdout_truncated is true and the full output is in the file output_path in the sandbox. " + _NET,
+            "then stdout_truncated is true and the full output is in the file output_path in the sandbox." + (" " + net if net else ""),
             _obj({"shell": shell_p, "cmd": cmd_p,
                   "cwd": {"type": "string", "description": "Working directory, absolute (default /root)."},
                   "stdin": {"type": "string", "description": "Text fed to standard input, then closed."},
                   "timeout_ms": timeout_p(60_000, 300_000)}, []),
             do_exec, sandbox))
+        tools.extend(_background(sandbox, shell_p, cmd_p, net))
 
     def do_run(a: Dict[str, Any]) -> Any:
         v = a.get("volume") or vol_name
         if not v:
             raise ToolFailure("`volume` is required: the name or id of the volume to run on.")
-        r = client.run(v, **_cmd_args(a), commit=a.get("commit"), timeout_ms=a.get("timeout_ms"), cwd=a.get("cwd"))
+        r = client.run(v, **_cmd_args(a), commit=a.get("commit"), timeout_ms=a.get("timeout_ms"), cwd=a.get("cwd"), network=run_network)
         return _exec_summary(r)
 
     run_props: Dict[str, Any] = {
@@ -195,7 +223,7 @@ def function_tools(
         "files elsewhere. The command sees the volume as it was when the run started; when it ends, every path it added, "
         "modified or deleted is listed in `changes` and applied to the volume all at once per `commit`.\n\n"
         "Returns {exit_code, reason, stdout, stderr, changes: {added, modified, deleted, committed, conflicts}}. A non-zero "
-        "exit is a result, not a tool error. " + _NET,
+        "exit is a result, not a tool error. " + network_text(run_network or {"egress": "none"}),
         _obj(run_props, [] if vol_name else ["volume"]), do_run, sandbox))
 
     if files is not None:
@@ -212,7 +240,7 @@ def function_tools(
         tools.append(LockerFunction(
             "file_read",
             f"Read a UTF-8 text file of {where}, or a range of its lines. Returns {{content, start_line, end_line, "
-            "total_lines}}; content has each line prefixed by its number and a tab (`    12\\t…`): the numbers are not part of "
+            "total_lines}; content has each line prefixed by its number and a tab (`    12\\t…`): the numbers are not part of "
             "the file (leave them out of file_edit's old_str). For a long file, read a range (start_line, end_line).",
             _obj({"path": path_p,
                   "start_line": {"type": "integer", "minimum": 1, "default": 1, "description": "First line to return, counting from 1."},
@@ -285,6 +313,81 @@ def function_tools(
         if wanted is None or t.name in wanted:
             tk.add(t)
     return tk
+
+
+def _tail(s: str, n: int) -> str:
+    b = s.encode()
+    if len(b) <= n:
+        return s
+    return f"…[first {len(b) - n} bytes omitted]…\n" + b[len(b) - n :].decode("utf-8", "replace")
+
+
+def _background(sandbox: Sandbox, shell_p: Dict[str, Any], cmd_p: Dict[str, Any], net: str) -> List[LockerFunction]:
+    """process_start, process_output, process_stop: a command that outlives the tool call
+    (a server, a watcher, a long build), through the sandbox's background processes."""
+
+    def do_start(a: Dict[str, Any]) -> Any:
+        p = sandbox.processes.start(**_cmd_args(a), cwd=a.get("cwd"), env=a.get("env"), timeout_ms=a.get("timeout_ms"))
+        return {"process_id": p.id, "pid": p.pid, "state": "running"}
+
+    def do_output(a: Dict[str, Any]) -> Any:
+        p = sandbox.processes.get(a["process_id"])
+        deadline = time.monotonic() + min(int(a.get("wait_ms", 0)), 60_000) / 1000
+        while p.describe().running and time.monotonic() < deadline:
+            time.sleep(0.1)
+        o = p.output()
+        cap = int(a.get("max_output_bytes", 30_000))
+        d: Dict[str, Any] = {"process_id": p.id, "state": "exited" if o.result is not None else "running",
+                             "stdout": _tail(o.stdout, cap), "stderr": _tail(o.stderr, cap)}
+        if o.result is not None:
+            d["exit_code"], d["reason"] = o.result.exit_code, o.result.reason
+            if o.result.signal:
+                d["signal"] = o.result.signal
+        return d
+
+    def do_stop(a: Dict[str, Any]) -> Any:
+        sig = a.get("signal", "SIGTERM")
+        sandbox.processes.get(a["process_id"]).signal(sig)
+        return {"process_id": a["process_id"], "signal": sig}
+
+    pid_p = {"type": "string", "description": "The id process_start returned (`proc_…`)."}
+    return [
+        LockerFunction(
+            "process_start",
+            "Start a command in the background in the sandbox and return at once with its process_id: for servers, watchers "
+            "and jobs longer than a call (`cmd &` and `nohup` in exec end with the call; this does not). It keeps running "
+            "between calls until it exits, process_stop stops it, or the sandbox ends. Read its output with process_output. "
+            "timeout_ms, when given, kills it after that many milliseconds." + (" " + net if net else ""),
+            _obj({"shell": shell_p, "cmd": cmd_p,
+                  "cwd": {"type": "string", "description": "Working directory, absolute (default /root)."},
+                  "env": {"type": "object", "additionalProperties": {"type": "string"}, "description": "Extra environment variables."},
+                  "timeout_ms": {"type": "integer", "minimum": 1, "description": "Kill it after this many milliseconds."}}, []),
+            do_start, sandbox),
+        LockerFunction(
+            "process_output",
+            "What a process started by process_start has printed so far (from its start: reading does not consume it) and "
+            "whether it still runs; once it exited, its exit_code and reason. wait_ms waits up to that long (at most 60000) "
+            "for it to exit instead of polling. Each stream is cut to its LAST max_output_bytes bytes.",
+            _obj({"process_id": pid_p,
+                  "wait_ms": {"type": "integer", "minimum": 0, "maximum": 60_000, "default": 0, "description": "Wait up to this many milliseconds for it to exit (0: answer at once)."},
+                  "max_output_bytes": {"type": "integer", "minimum": 1024, "maximum": 1_048_576, "default": 30_000, "description": "Keep the last this many bytes of stdout and of stderr."}},
+                 ["process_id"]),
+            do_output, sandbox),
+        LockerFunction(
+            "process_stop",
+            "Stop a process started by process_start: SIGTERM (default) asks it to stop, SIGKILL stops it at once, SIGINT is "
+            "Ctrl-C. Then process_output shows its last output and exit status.",
+            _obj({"process_id": pid_p,
+                  "signal": {"type": "string", "enum": ["SIGTERM", "SIGKILL", "SIGINT", "SIGHUP"], "default": "SIGTERM", "description": "The signal to send."}},
+                 ["process_id"]),
+            do_stop, sandbox),
+    ]
+
+
+def background_tools(sandbox: Sandbox) -> Toolkit:
+    """Just process_start, process_output and process_stop, e.g. next to Anthropic's bash
+    tool (whose commands end with each call)."""
+    return function_tools(sandbox=sandbox, names=BACKGROUND)
 
 
 def dispatch(tools: Union[Toolkit, Iterable[Tool]], name: str, arguments: Union[str, Mapping[str, Any], None]) -> ToolResult:
