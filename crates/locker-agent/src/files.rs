@@ -26,12 +26,12 @@ use crate::conn::{Inbound, Recv, Stream};
 use crate::{sys, Agent};
 
 /// A cleaned absolute path: its components, none of them empty, `.` or `..`.
-struct CleanPath {
-    comps: Vec<String>,
+pub(crate) struct CleanPath {
+    pub(crate) comps: Vec<String>,
 }
 
 impl CleanPath {
-    fn parse(path: &str) -> Result<CleanPath, AgentError> {
+    pub(crate) fn parse(path: &str) -> Result<CleanPath, AgentError> {
         if !path.starts_with('/') {
             return Err(bad(format!("path must be absolute, got {path:?}")));
         }
@@ -51,7 +51,7 @@ impl CleanPath {
         Ok(CleanPath { comps })
     }
 
-    fn display(&self) -> String {
+    pub(crate) fn display(&self) -> String {
         format!("/{}", self.comps.join("/"))
     }
 
@@ -76,12 +76,12 @@ impl CleanPath {
     }
 }
 
-fn bad(msg: impl Into<String>) -> AgentError {
+pub(crate) fn bad(msg: impl Into<String>) -> AgentError {
     AgentError::new(ErrorCode::BadRequest, msg)
 }
 
 /// Maps an OS error of `what` on `path` onto the error classes the host understands.
-fn os_err(what: &str, path: &str, e: io::Error) -> AgentError {
+pub(crate) fn os_err(what: &str, path: &str, e: io::Error) -> AgentError {
     let code = match e.raw_os_error().unwrap_or(0) {
         libc::ENOENT | libc::ENOTDIR => ErrorCode::NotFound,
         libc::EEXIST | libc::ENOTEMPTY | libc::EBUSY => ErrorCode::Conflict,
@@ -107,11 +107,11 @@ fn open(agent: &Agent, comps: &[String], flags: i32) -> io::Result<OwnedFd> {
     sys::open_in_root(agent.root.as_raw_fd(), &CleanPath::rel(comps), flags, 0)
 }
 
-fn open_dir(agent: &Agent, comps: &[String]) -> io::Result<OwnedFd> {
+pub(crate) fn open_dir(agent: &Agent, comps: &[String]) -> io::Result<OwnedFd> {
     open(agent, comps, libc::O_RDONLY | libc::O_DIRECTORY)
 }
 
-fn kind_of(mode: u32) -> EntryType {
+pub(crate) fn kind_of(mode: u32) -> EntryType {
     match mode & libc::S_IFMT {
         libc::S_IFREG => EntryType::File,
         libc::S_IFDIR => EntryType::Dir,
@@ -120,7 +120,7 @@ fn kind_of(mode: u32) -> EntryType {
     }
 }
 
-fn entry(path: String, name: String, st: &libc::stat) -> Entry {
+pub(crate) fn entry(path: String, name: String, st: &libc::stat) -> Entry {
     Entry {
         path,
         name,
@@ -148,7 +148,11 @@ fn lstat_entry(agent: &Agent, p: &CleanPath) -> Result<Entry, AgentError> {
 }
 
 /// Creates `comps` and its missing parents; returns the directory opened.
-fn mkdir_p(agent: &Agent, comps: &[String], display: &str) -> Result<OwnedFd, AgentError> {
+pub(crate) fn mkdir_p(
+    agent: &Agent,
+    comps: &[String],
+    display: &str,
+) -> Result<OwnedFd, AgentError> {
     match open_dir(agent, comps) {
         Ok(fd) => return Ok(fd),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
@@ -279,9 +283,9 @@ pub fn write_file(agent: &Agent, s: &Stream, path: &str, mode: Option<u32>) {
 }
 
 /// Removes a temporary file when dropped, unless disarmed.
-struct TempGuard {
-    dir: RawFd,
-    name: Option<CString>,
+pub(crate) struct TempGuard {
+    pub(crate) dir: RawFd,
+    pub(crate) name: Option<CString>,
 }
 
 impl Drop for TempGuard {
@@ -435,7 +439,7 @@ pub fn remove(agent: &Agent, s: &Stream, path: &str, recursive: bool) {
             Some(libc::ENOTEMPTY | libc::EEXIST) => AgentError::new(
                 ErrorCode::Conflict,
                 format!(
-                    "remove {shown}: the directory is not empty (pass recursive to remove it all)"
+                    "remove {shown}: the directory is not empty (pass recursive=true, or `-r` on the command line, to remove it all)"
                 ),
             ),
             _ => os_err("remove", &shown, e),
@@ -447,14 +451,14 @@ pub fn remove(agent: &Agent, s: &Stream, path: &str, recursive: bool) {
     }
 }
 
-fn sorted_names(fd: &OwnedFd) -> io::Result<Vec<CString>> {
+pub(crate) fn sorted_names(fd: &OwnedFd) -> io::Result<Vec<CString>> {
     let mut names = sys::read_dir_names(fd.try_clone()?)?;
     // Descending, so popping yields ascending order.
     names.sort_by(|a, b| b.as_bytes().cmp(a.as_bytes()));
     Ok(names)
 }
 
-fn open_child_dir(dir: RawFd, name: &CString) -> io::Result<OwnedFd> {
+pub(crate) fn open_child_dir(dir: RawFd, name: &CString) -> io::Result<OwnedFd> {
     sys::openat(
         dir,
         name,
