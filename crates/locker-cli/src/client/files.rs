@@ -122,8 +122,13 @@ pub enum FilesCmd {
 
 /// The files commands as `locker volume files` shows them: the first argument is a volume.
 pub fn for_volume(cmd: clap::Command) -> clap::Command {
-    cmd.mut_arg("sandbox", |a| {
-        a.value_name("VOLUME").help("The volume (its name or id).")
+    // In place (not `mut_arg`, which moves the argument last among the positionals).
+    cmd.mut_args(|a| {
+        if a.get_id() == "sandbox" {
+            a.value_name("VOLUME").help("The volume (its name or id).")
+        } else {
+            a
+        }
     })
 }
 

@@ -36,80 +36,162 @@ fn header(kind: tar::EntryType, m: &fs::Metadata, size: u64) -> tar::Header {
     h
 }
 
-/// Writes the tree under `root` as a tar archive to `out`: regular files, directories and
-/// symlinks (as links), depth first, names sorted; sockets, FIFOs and devices are left out
-/// with a note on stderr.
-fn archive(root: &Path, out: impl Write) -> Result<(), ClientError> {
-    let mut b = tar::Builder::new(out);
-    let sorted = |dir: &Path| -> Result<Vec<PathBuf>, ClientError> {
-        let mut v: Vec<PathBuf> = fs::read_dir(dir)
-            .map_err(io_err(format!("cannot read {}", dir.display())))?
-            .map(|e| e.map(|e| e.path()))
-            .collect::<Result<_, _>>()
-            .map_err(io_err(format!("cannot read {}", dir.display())))?;
-        // Descending, so popping yields ascending order.
-        v.sort_by(|a, b| b.as_os_str().as_bytes().cmp(a.as_os_str().as_bytes()));
-        Ok(v)
-    };
-    let mut stack = vec![sorted(root)?];
-    while let Some(top) = stack.last_mut() {
-        let Some(p) = top.pop() else {
-            stack.pop();
-            continue;
-        };
-        let rel = p.strip_prefix(root).unwrap_or(&p).to_path_buf();
-        let shown = p.display().to_string();
-        let m = fs::symlink_metadata(&p).map_err(io_err(format!("cannot read {shown}")))?;
-        let ft = m.file_type();
-        let w = io_err(format!("cannot send {shown}"));
-        if ft.is_dir() {
-            let mut h = header(tar::EntryType::Directory, &m, 0);
-            b.append_data(&mut h, &rel, io::empty()).map_err(w)?;
-            stack.push(sorted(&p)?);
-        } else if ft.is_file() {
-            let f = fs::OpenOptions::new()
-                .read(true)
-                .custom_flags(libc::O_NOFOLLOW)
-                .open(&p)
-                .map_err(io_err(format!("cannot open {shown}")))?;
-            let m = f
-                .metadata()
-                .map_err(io_err(format!("cannot read {shown}")))?;
-            let mut h = header(tar::EntryType::Regular, &m, m.len());
-            // A file that changes size while it is sent would break the archive: it is
-            // sent as long as it was when its header was written.
-            b.append_data(&mut h, &rel, Exactly(f.take(m.len()), m.len()))
-                .map_err(w)?;
-        } else if ft.is_symlink() {
-            let target = fs::read_link(&p).map_err(io_err(format!("cannot read {shown}")))?;
-            let mut h = header(tar::EntryType::Symlink, &m, 0);
-            b.append_link(&mut h, &rel, &target).map_err(w)?;
-        } else {
-            eprintln!("locker: left out {shown}: not a file, directory or symlink");
-        }
-    }
-    b.finish()
-        .map_err(io_err("cannot send the archive".to_string()))
+/// The tree under a local directory as a tar archive, made as it is read: regular files,
+/// directories and symlinks (as links), depth first, names sorted; sockets, FIFOs and
+/// devices are left out with a note on stderr. It holds one header and one read's worth of
+/// a file at a time; a local failure ends the read with an error and is kept in `failed`.
+struct TreeReader {
+    root: PathBuf,
+    /// Directory entries left to visit, per level, in descending order (popped ascending).
+    stack: Vec<Vec<PathBuf>>,
+    /// Makes the header records (GNU long names included) into its buffer.
+    headers: tar::Builder<Vec<u8>>,
+    /// Bytes made and not yet read, from `pos`.
+    buf: Vec<u8>,
+    pos: usize,
+    /// The file being sent: its reader and the bytes left of its announced size.
+    file: Option<(File, u64)>,
+    /// Zeros owed after the current file's data (padding to 512).
+    pad: usize,
+    done: bool,
+    failed: Option<ClientError>,
 }
 
-/// A reader padded with zeros up to its announced length.
-struct Exactly<R>(R, u64);
+fn sorted(dir: &Path) -> Result<Vec<PathBuf>, ClientError> {
+    let mut v: Vec<PathBuf> = fs::read_dir(dir)
+        .map_err(io_err(format!("cannot read {}", dir.display())))?
+        .map(|e| e.map(|e| e.path()))
+        .collect::<Result<_, _>>()
+        .map_err(io_err(format!("cannot read {}", dir.display())))?;
+    v.sort_by(|a, b| b.as_os_str().as_bytes().cmp(a.as_os_str().as_bytes()));
+    Ok(v)
+}
 
-impl<R: Read> Read for Exactly<R> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let want = buf.len().min(self.1.min(usize::MAX as u64) as usize);
-        if want == 0 {
+impl TreeReader {
+    fn new(root: &Path) -> Result<TreeReader, ClientError> {
+        Ok(TreeReader {
+            root: root.to_path_buf(),
+            stack: vec![sorted(root)?],
+            headers: tar::Builder::new(Vec::new()),
+            buf: Vec::new(),
+            pos: 0,
+            file: None,
+            pad: 0,
+            done: false,
+            failed: None,
+        })
+    }
+
+    /// Appends the header of `rel` (and, for a file, no data: that is streamed after it).
+    fn header(&mut self, h: &mut tar::Header, rel: &Path, link: Option<&Path>) -> io::Result<()> {
+        match link {
+            Some(t) => self.headers.append_link(h, rel, t)?,
+            None => self.headers.append_data(h, rel, io::empty())?,
+        }
+        self.buf = std::mem::take(self.headers.get_mut());
+        self.pos = 0;
+        Ok(())
+    }
+
+    /// Makes the next entry's header (and opens its file); false at the end of the tree.
+    fn next_entry(&mut self) -> Result<bool, ClientError> {
+        loop {
+            let Some(top) = self.stack.last_mut() else {
+                return Ok(false);
+            };
+            let Some(p) = top.pop() else {
+                self.stack.pop();
+                continue;
+            };
+            let rel = p.strip_prefix(&self.root).unwrap_or(&p).to_path_buf();
+            let shown = p.display().to_string();
+            let m = fs::symlink_metadata(&p).map_err(io_err(format!("cannot read {shown}")))?;
+            let ft = m.file_type();
+            let w = io_err(format!("cannot send {shown}"));
+            if ft.is_dir() {
+                let mut h = header(tar::EntryType::Directory, &m, 0);
+                self.header(&mut h, &rel, None).map_err(w)?;
+                self.stack.push(sorted(&p)?);
+            } else if ft.is_file() {
+                let f = fs::OpenOptions::new()
+                    .read(true)
+                    .custom_flags(libc::O_NOFOLLOW)
+                    .open(&p)
+                    .map_err(io_err(format!("cannot open {shown}")))?;
+                let m = f
+                    .metadata()
+                    .map_err(io_err(format!("cannot read {shown}")))?;
+                let mut h = header(tar::EntryType::Regular, &m, m.len());
+                self.header(&mut h, &rel, None).map_err(w)?;
+                self.pad = ((512 - m.len() % 512) % 512) as usize;
+                self.file = Some((f, m.len()));
+            } else if ft.is_symlink() {
+                let target = fs::read_link(&p).map_err(io_err(format!("cannot read {shown}")))?;
+                let mut h = header(tar::EntryType::Symlink, &m, 0);
+                self.header(&mut h, &rel, Some(&target)).map_err(w)?;
+            } else {
+                eprintln!("locker: left out {shown}: not a file, directory or symlink");
+                continue;
+            }
+            return Ok(true);
+        }
+    }
+
+    fn fill(&mut self, out: &mut [u8]) -> Result<usize, ClientError> {
+        loop {
+            if self.pos < self.buf.len() {
+                let n = out.len().min(self.buf.len() - self.pos);
+                out[..n].copy_from_slice(&self.buf[self.pos..self.pos + n]);
+                self.pos += n;
+                return Ok(n);
+            }
+            if let Some((f, left)) = &mut self.file {
+                if *left > 0 {
+                    let want = out.len().min((*left).min(usize::MAX as u64) as usize);
+                    let n = match f.read(&mut out[..want]) {
+                        // A file that shrank while it is sent is padded to the size its
+                        // header announced, one that grew is cut: the archive stays whole.
+                        Ok(0) => {
+                            out[..want].fill(0);
+                            want
+                        }
+                        Ok(n) => n,
+                        Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                        Err(e) => return Err(ClientError::io("cannot read a file to send", e)),
+                    };
+                    *left -= n as u64;
+                    return Ok(n);
+                }
+                self.file = None;
+                self.buf = vec![0u8; self.pad];
+                self.pos = 0;
+                continue;
+            }
+            if self.done {
+                return Ok(0);
+            }
+            if !self.next_entry()? {
+                self.done = true;
+                self.headers
+                    .finish()
+                    .map_err(io_err("cannot end the archive".to_string()))?;
+                self.buf = std::mem::take(self.headers.get_mut());
+                self.pos = 0;
+            }
+        }
+    }
+}
+
+impl Read for TreeReader {
+    fn read(&mut self, out: &mut [u8]) -> io::Result<usize> {
+        if out.is_empty() {
             return Ok(0);
         }
-        let n = match self.0.read(&mut buf[..want])? {
-            0 => {
-                buf[..want].fill(0);
-                want
-            }
-            n => n,
-        };
-        self.1 -= n as u64;
-        Ok(n)
+        self.fill(out).map_err(|e| {
+            let io = io::Error::other(e.to_string());
+            self.failed = Some(e);
+            io
+        })
     }
 }
 
@@ -128,19 +210,16 @@ pub fn send_tree(
             local.display()
         )));
     }
-    let (rx, tx) = io::pipe().map_err(io_err("cannot make a pipe".to_string()))?;
-    let root = local.to_path_buf();
-    let maker = std::thread::spawn(move || archive(&root, tx));
+    let mut r = TreeReader::new(local)?;
     let sent = c.put_body(
         url_path,
         &[("path", path.to_string()), ("format", "tar".to_string())],
-        ureq::SendBody::from_owned_reader(rx),
+        ureq::SendBody::from_reader(&mut r),
     );
     // A local failure explains a broken upload better than the server's answer to it.
-    match maker.join() {
-        Ok(Err(e)) => Err(e),
-        Err(_) => Err(ClientError::Protocol("building the archive failed".into())),
-        Ok(Ok(())) => sent,
+    match r.failed.take() {
+        Some(e) => Err(e),
+        None => sent,
     }
 }
 
