@@ -556,7 +556,7 @@ fn arguments(help: &str) -> Vec<(String, String)> {
         }
         let t = l.trim_start();
         if inside && (t.starts_with('<') || t.starts_with('[')) && l.len() - t.len() == 2 {
-            let end = t.find(|c| c == '>' || c == ']').unwrap() + 1;
+            let end = t.find(['>', ']']).unwrap() + 1;
             out.push((t[..end].to_string(), t[end..].trim().to_string()));
         }
     }
