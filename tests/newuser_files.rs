@@ -33,20 +33,29 @@ fn volume(api: &Api, name: &str, size_mb: u64) -> String {
     v["id"].as_str().unwrap().to_owned()
 }
 
-/// `locker ARGS…` against `s`.
-fn locker(s: &Server, args: &[&str]) -> Command {
-    let mut c = Command::new(locker_tests::locker_bin());
-    c.args(args)
-        .env("LOCKER_URL", &s.url)
-        .env("LOCKER_API_KEY", &s.api_key)
+/// `locker ARGS…`, through a shell that waits for it: a `locker` that exits at once
+/// would otherwise be a zombie the tests' orphan reaper may take before it is registered.
+fn locker_cmd(args: &[&str]) -> Command {
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg("\"$0\" \"$@\"")
+        .arg(locker_tests::locker_bin())
+        .args(args)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     c
 }
 
-/// Waits for a `locker` child's output (registered first, so the tests' orphan reaper
-/// leaves it to us).
+/// `locker ARGS…` against `s`.
+fn locker(s: &Server, args: &[&str]) -> Command {
+    let mut c = locker_cmd(args);
+    c.env("LOCKER_URL", &s.url)
+        .env("LOCKER_API_KEY", &s.api_key);
+    c
+}
+
+/// Waits for a child's output (registered, as every test here does).
 fn output_of(mut c: Command) -> std::process::Output {
     let child = c.spawn().unwrap();
     locker_tests::register_child(child.id());
@@ -566,13 +575,9 @@ fn arguments(help: &str) -> Vec<(String, String)> {
 #[test]
 fn help_texts_name_the_volume_and_describe_every_argument() {
     let help = |args: &[&str]| {
-        let mut c = Command::new(locker_tests::locker_bin());
-        c.args(args)
-            .arg("--help")
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-        ok(&output_of(c), &args.join(" "))
+        let mut a = args.to_vec();
+        a.push("--help");
+        ok(&output_of(locker_cmd(&a)), &args.join(" "))
     };
     for cmd in ["get", "put", "ls", "rm", "mkdir", "mv", "stat"] {
         for prefix in [&["files"][..], &["volume", "files"][..]] {
@@ -606,6 +611,34 @@ fn help_texts_name_the_volume_and_describe_every_argument() {
             .unwrap_or_else(|| panic!("files {cmd} has no -r:\n{h}"));
         assert!(line.trim().len() > "-r, --recursive".len() + 4, "{line}");
     }
+}
+
+#[test]
+fn a_tar_past_the_sandbox_disk_is_413_like_a_file() {
+    let s = Server::start();
+    let api = s.api();
+    let id = api.create_sandbox(&json!({"disk_mb": 64}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let big = noise(5, 100 << 20);
+    let tar = tar_of(&[
+        record(b"small.txt", b'0', b"", b"fits\n"),
+        record(b"big.bin", b'0', b"", &big),
+    ]);
+    let r = api.request(
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files?path=/root/t&format=tar"),
+        &[],
+        &tar[..],
+    );
+    let msg = r.expect_error(413, "payload_too_large", "a tar past the disk");
+    assert!(msg.contains("big.bin"), "names the entry: {msg}");
+    // The entry before stays, the one that did not fit leaves nothing behind.
+    assert_eq!(
+        api.sh(&id, "cat /root/t/small.txt; ls -A /root/t | wc -l"),
+        "fits\n1\n"
+    );
 }
 
 /// A tree of `files` files of `each` bytes.

@@ -26,7 +26,7 @@ use locker_types::EntryType;
 
 use crate::conn::{Inbound, Recv, Stream};
 use crate::files::{bad, entry, kind_of, mkdir_p, open_dir, os_err, sorted_names, CleanPath};
-use crate::files::{open_child_dir, TempGuard};
+use crate::files::{open_child_dir, TempGuard, PSEUDO_FS};
 use crate::{sys, Agent};
 
 /// Directories whose mode and mtime are set at the end of an extraction (after their
@@ -147,14 +147,24 @@ fn read_tar_inner(agent: &Agent, s: &Stream, path: &str) -> Result<(), AgentErro
     Ok(())
 }
 
+/// Whether `fd` is on a filesystem whose files the kernel makes up (procfs, sysfs...):
+/// their sizes mean nothing (`/proc/kcore`) and some never end, so they are left out.
+fn pseudo(fd: &OwnedFd) -> bool {
+    sys::fs_type(fd.as_raw_fd()).is_ok_and(|t| PSEUDO_FS.contains(&t))
+}
+
 /// Appends everything under `root` to `b`, depth first, each directory's entries sorted
-/// by name, never following a symlink. Sockets, FIFOs and devices are left out; an entry
-/// that vanishes while it is read is skipped.
+/// by name, never following a symlink. Sockets, FIFOs, devices and whatever is on a pseudo
+/// filesystem (a `/proc` below the directory) are left out; an entry that vanishes while
+/// it is read is skipped.
 fn archive_tree(b: &mut tar::Builder<Sender<'_>>, root: OwnedFd) -> io::Result<()> {
     struct Level {
         fd: OwnedFd,
         prefix: Vec<u8>,
         names: Vec<CString>,
+    }
+    if pseudo(&root) {
+        return Ok(());
     }
     let names = sorted_names(&root)?;
     let mut stack = vec![Level {
@@ -182,6 +192,9 @@ fn archive_tree(b: &mut tar::Builder<Sender<'_>>, root: OwnedFd) -> io::Result<(
                     Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
                     Err(e) => return Err(e),
                 };
+                if pseudo(&fd) {
+                    continue;
+                }
                 rel.push(b'/');
                 let mut h = header(tar::EntryType::Directory, &st, 0);
                 b.append_data(&mut h, Path::new(OsStr::from_bytes(&rel)), io::empty())?;
