@@ -622,6 +622,13 @@ fn a_tar_past_the_sandbox_disk_is_413_like_a_file() {
         .unwrap()
         .to_owned();
     let big = noise(5, 100 << 20);
+    let file = api.request(
+        "PUT",
+        &format!("/v1/sandboxes/{id}/files?path=/root/one.bin"),
+        &[],
+        &big[..],
+    );
+    file.expect_error(413, "payload_too_large", "a file past the disk");
     let tar = tar_of(&[
         record(b"small.txt", b'0', b"", b"fits\n"),
         record(b"big.bin", b'0', b"", &big),

@@ -304,8 +304,13 @@ async fn upload<T: FilesTarget>(
     let mut stream = body.into_data_stream().map_err(std::io::Error::other);
     let Some(space) = target.space() else {
         let r = agent
-            .write_file(&path, mode, tokio_util::io::StreamReader::new(stream))
+            .write_file(&path, mode, tokio_util::io::StreamReader::new(&mut stream))
             .await;
+        if r.is_err() {
+            // A full disk is answered while the client may still be sending: it should
+            // read the 413, not a reset connection.
+            drain(&mut stream).await;
+        }
         return Ok(axum::Json(agent_result(&app, &target, r).await?).into_response());
     };
     let _writing = space.gate.read().await;
