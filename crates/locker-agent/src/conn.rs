@@ -534,6 +534,8 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
         Request::SignalProcess { id, signal } => crate::procs::signal(agent, s, &id, signal),
         Request::ReadFile { path } => crate::files::read_file(agent, s, &path),
         Request::WriteFile { path, mode } => crate::files::write_file(agent, s, &path, mode),
+        Request::ReadTar { path } => crate::archive::read_tar(agent, s, &path),
+        Request::WriteTar { path } => crate::archive::write_tar(agent, s, &path),
         Request::List { path, depth } => crate::files::list(agent, s, &path, depth),
         Request::Stat { path } => crate::files::stat(agent, s, &path),
         Request::Mkdir { path } => crate::files::mkdir(agent, s, &path),

@@ -24,6 +24,7 @@
 //! It only depends on `locker-types`, `locker-proto`, serde and libc, and builds as a static
 //! binary (it reads `/etc/passwd` itself instead of using NSS).
 
+mod archive;
 mod capture;
 mod cgroup;
 mod conn;

@@ -280,6 +280,15 @@ pub enum Request {
     /// Write a file from the host's `Data` on `Chan::Bytes` up to `Eof`; parents are created.
     /// The file appears whole or not at all (temporary name, then rename). `End(Entry)`.
     WriteFile { path: String, mode: Option<u32> },
+    /// Stream a directory as a tar archive: `Msg(Entry)` of the directory, then the archive
+    /// as `Data` on `Chan::Bytes` (regular files, directories, symlinks; paths relative to
+    /// the directory), then `End(Ok)`.
+    ReadTar { path: String },
+    /// Extract the tar archive the host sends as `Data` on `Chan::Bytes` (up to `Eof`) into
+    /// the directory `path` (created if missing). Nothing is written outside it whatever the
+    /// archive holds; a refused entry ends the request with `BadRequest` (entries before it
+    /// stay). `End(Extracted)`.
+    WriteTar { path: String },
     /// `End(Entries)`; `depth` 1 lists the directory's own children.
     List { path: String, depth: u32 },
     /// `End(Entry)`; a symlink is described, not followed.
@@ -405,11 +414,20 @@ pub enum EndBody {
     Ok,
     Pong,
     Exec(Box<ExecResult>),
-    Spawned { id: String, pid: i32 },
+    Spawned {
+        id: String,
+        pid: i32,
+    },
     Processes(Vec<ProcessInfo>),
     Process(Box<ProcessInfo>),
     Entry(Entry),
     Entries(Vec<Entry>),
+    /// The answer of a `WriteTar`: the directory, the entries and file bytes written.
+    Extracted {
+        entry: Entry,
+        entries: u64,
+        bytes: u64,
+    },
     Usage(Usage),
     Error(AgentError),
 }
@@ -577,6 +595,8 @@ fn to_json<T: Serialize>(out: &mut Vec<u8>, v: &T) -> Chan {
 /// guest's `/dev/fuse` and the host's file server, several mounts (channels) on one port.
 /// A frame is `[u32 LE payload length][u32 LE channel][payload]`; the payload is exactly
 /// one FUSE request (guest to host) or one FUSE reply (host to guest).
+pub mod tar_guard;
+
 pub mod fs_frame {
     /// The virtio-serial port's name.
     pub const PORT_NAME: &str = "org.locker.fs";

@@ -659,7 +659,38 @@ impl AgentClient {
     /// Opens a file for streaming: its entry, and a reader of its bytes (an [`AsyncRead`],
     /// or chunk by chunk with [`FileReader::next_chunk`]).
     pub async fn read_file(&self, path: &str) -> Result<(Entry, FileReader)> {
-        let mut s = self.open(Request::ReadFile { path: path.into() })?;
+        self.read_stream(Request::ReadFile { path: path.into() }, "ReadFile")
+            .await
+    }
+
+    /// Opens a directory for streaming as a tar archive: its entry, and a reader of the
+    /// archive's bytes.
+    pub async fn read_tar(&self, path: &str) -> Result<(Entry, FileReader)> {
+        self.read_stream(Request::ReadTar { path: path.into() }, "ReadTar")
+            .await
+    }
+
+    /// Streams a tar archive from `data` into the directory `path` (created if missing);
+    /// returns the directory's entry and the entries and file bytes written.
+    pub async fn write_tar(
+        &self,
+        path: &str,
+        data: impl AsyncRead + Unpin,
+    ) -> Result<(Entry, u64, u64)> {
+        let s = self.open(Request::WriteTar { path: path.into() })?;
+        match upload(s, Chan::Bytes, data, Chan::Bytes, Some(CALL_DEADLINE)).await? {
+            EndBody::Extracted {
+                entry,
+                entries,
+                bytes,
+            } => Ok((entry, entries, bytes)),
+            EndBody::Error(e) => Err(e.into()),
+            other => Err(unexpected("WriteTar", &other)),
+        }
+    }
+
+    async fn read_stream(&self, req: Request, what: &str) -> Result<(Entry, FileReader)> {
+        let mut s = self.open(req)?;
         loop {
             match s.recv_within(CALL_DEADLINE).await? {
                 Some(StreamEvent::Msg(Reply::Entry(e))) => {
@@ -676,7 +707,7 @@ impl AgentClient {
                     ))
                 }
                 Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
-                Some(StreamEvent::End(other)) => return Err(unexpected("ReadFile", &other)),
+                Some(StreamEvent::End(other)) => return Err(unexpected(what, &other)),
                 Some(_) => {}
                 None => return Err(s.lost()),
             }
@@ -855,6 +886,7 @@ fn unexpected(what: &str, body: &EndBody) -> AgentClientError {
         EndBody::Process(_) => "process",
         EndBody::Entry(_) => "entry",
         EndBody::Entries(_) => "entries",
+        EndBody::Extracted { .. } => "extracted",
         EndBody::Usage(_) => "usage",
         EndBody::Error(_) => "error",
     };

@@ -3,7 +3,8 @@
 //! Streamed download and upload, list, stat, mkdir, move, remove. Paths are resolved by the
 //! agent with `openat2(RESOLVE_IN_ROOT)`, so nothing outside the target's root is reachable
 //! whatever the path or symlinks say. Bodies are streamed both ways: a 1 GiB file never
-//! sits in the server's memory.
+//! sits in the server's memory. A directory goes either way as a tar archive when the call
+//! asks for it (see `files_tar`).
 //!
 //! A target that has a [`Space`] (a volume) gets its size limit enforced here, on every
 //! write, while the body streams: a write that would pass the limit is aborted (the agent
@@ -29,6 +30,7 @@ use crate::app::{AppState, Busy};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::{check_path, Json, Query};
+use crate::files_tar;
 
 /// The files routes of sandboxes.
 pub fn routes() -> Router<AppState> {
@@ -83,7 +85,7 @@ pub trait FilesTarget: Sized + Send + Sync + 'static {
 }
 
 /// `r`, with an agent error answered as the target says (see [`FilesTarget::failed`]).
-async fn agent_result<T: FilesTarget, R>(
+pub(crate) async fn agent_result<T: FilesTarget, R>(
     app: &AppState,
     target: &T,
     r: Result<R, AgentClientError>,
@@ -166,7 +168,7 @@ impl Space {
         Ok(())
     }
 
-    fn full(&self, path: &str) -> ApiError {
+    pub(crate) fn full(&self, path: &str) -> ApiError {
         ApiError::too_large(format!(
             "{} is full: writing {path} would take it past its size_mb ({} MiB; {} bytes in use). \
              Delete files, or create a volume with a larger size_mb",
@@ -191,20 +193,43 @@ fn required(p: Option<String>) -> Result<String, ApiError> {
     Ok(p)
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GetQuery {
+    path: Option<String>,
+    format: Option<String>,
+}
+
 async fn download<T: FilesTarget>(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
-    Query(q): Query<PathQuery>,
+    Query(q): Query<GetQuery>,
+    headers: HeaderMap,
 ) -> Result<Response, ApiError> {
     let path = required(q.path)?;
+    let tar = files_tar::asked(q.format.as_deref(), &headers, header::ACCEPT)?;
     let target = T::resolve(&app, &caller, &id).await?;
-    let (entry, reader) =
-        agent_result(&app, &target, target.agent().read_file(&path).await).await?;
+    if tar {
+        return files_tar::download(&app, target, &path).await;
+    }
+    let (entry, reader) = match target.agent().read_file(&path).await {
+        Ok(v) => v,
+        // Only on this error path: is it a directory, to say how to download one?
+        Err(AgentClientError::Agent(e))
+            if e.code == locker_proto::ErrorCode::BadRequest
+                && target
+                    .agent()
+                    .stat(&path)
+                    .await
+                    .is_ok_and(|s| s.kind == EntryType::Dir) =>
+        {
+            return Err(files_tar::directory_hint(&path));
+        }
+        Err(e) => return Err(target.failed(&app, e).await),
+    };
     if entry.kind == EntryType::Dir {
-        return Err(ApiError::bad_request(format!(
-            "{path} is a directory: list it with files/list"
-        )));
+        return Err(files_tar::directory_hint(&path));
     }
     let stream = tokio_util::io::ReaderStream::with_capacity(reader, locker_proto::DATA_CHUNK)
         .map_ok(move |b| {
@@ -230,6 +255,7 @@ async fn download<T: FilesTarget>(
 struct PutQuery {
     path: Option<String>,
     mode: Option<String>,
+    format: Option<String>,
 }
 
 /// Parses an octal mode (`0644`, `644`, `0o644`).
@@ -261,17 +287,31 @@ async fn upload<T: FilesTarget>(
     Query(q): Query<PutQuery>,
     headers: HeaderMap,
     body: Body,
-) -> Result<impl IntoResponse, ApiError> {
+) -> Result<Response, ApiError> {
     let path = required(q.path)?;
     let mode = q.mode.as_deref().map(parse_mode).transpose()?;
+    let tar = files_tar::asked(q.format.as_deref(), &headers, header::CONTENT_TYPE)?;
+    if tar && mode.is_some() {
+        return Err(ApiError::bad_request(
+            "`mode` does not apply to a tar upload: each entry of the archive carries its own",
+        ));
+    }
     let target = T::resolve(&app, &caller, &id).await?;
+    if tar {
+        return files_tar::upload(&app, target, &path, &headers, body).await;
+    }
     let agent = target.agent();
     let mut stream = body.into_data_stream().map_err(std::io::Error::other);
     let Some(space) = target.space() else {
         let r = agent
-            .write_file(&path, mode, tokio_util::io::StreamReader::new(stream))
+            .write_file(&path, mode, tokio_util::io::StreamReader::new(&mut stream))
             .await;
-        return Ok(axum::Json(agent_result(&app, &target, r).await?));
+        if r.is_err() {
+            // A full disk is answered while the client may still be sending: it should
+            // read the 413, not a reset connection.
+            drain(&mut stream).await;
+        }
+        return Ok(axum::Json(agent_result(&app, &target, r).await?).into_response());
     };
     let _writing = space.gate.read().await;
     let old = counted(agent, &path).await;
@@ -310,7 +350,7 @@ async fn upload<T: FilesTarget>(
         Ok(entry) => {
             space.add(blocks_of(entry.size) - reserved - old);
             target.changed(&[&path]);
-            Ok(axum::Json(entry))
+            Ok(axum::Json(entry).into_response())
         }
         Err(e) => {
             space.add(-reserved);
@@ -326,7 +366,7 @@ async fn upload<T: FilesTarget>(
 
 /// Reads and drops what is left of a refused upload (up to 64 MiB or 10 s), so the client,
 /// still sending, reads the answer instead of a reset connection.
-async fn drain<S, E>(stream: &mut S)
+pub(crate) async fn drain<S, E>(stream: &mut S)
 where
     S: futures_util::Stream<Item = Result<bytes::Bytes, E>> + Unpin,
 {

@@ -25,6 +25,7 @@ pub mod exec;
 pub mod extract;
 pub mod failed;
 pub mod files;
+pub mod files_tar;
 pub mod mcp;
 pub mod metrics;
 pub mod ops;

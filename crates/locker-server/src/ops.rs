@@ -161,13 +161,13 @@ pub const ROUTES: &[RouteDoc] = &[
         "get",
         "/v1/sandboxes/{id}/files",
         200,
-        "Download a file (streamed)",
+        "Download a file, or a directory as a tar (Accept: application/x-tar or ?format=tar), streamed",
     ),
     r(
         "put",
         "/v1/sandboxes/{id}/files",
         200,
-        "Upload a file (streamed); creates parents",
+        "Upload a file, or extract a tar into a directory (Content-Type: application/x-tar or ?format=tar), streamed; creates parents",
     ),
     r(
         "delete",
@@ -252,13 +252,13 @@ pub const ROUTES: &[RouteDoc] = &[
         "get",
         "/v1/volumes/{id}/files",
         200,
-        "Download a file of a volume (streamed)",
+        "Download a file of a volume, or a directory as a tar (?format=tar), streamed",
     ),
     r(
         "put",
         "/v1/volumes/{id}/files",
         200,
-        "Upload a file to a volume (streamed; 413 past size_mb)",
+        "Upload a file to a volume, or extract a tar into a directory (?format=tar), streamed; 413 past size_mb",
     ),
     r(
         "delete",

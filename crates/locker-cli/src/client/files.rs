@@ -4,7 +4,10 @@
 //!
 //! File bodies are streamed both ways, never held whole: a download goes through a
 //! temporary file beside its target and is renamed into place only once complete, so a
-//! broken transfer never leaves a truncated file under the real name.
+//! broken transfer never leaves a truncated file under the real name. Directories go both
+//! ways with `-r`, as tar archives made and unpacked on the fly (see [`tree`]).
+
+mod tree;
 
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
@@ -28,35 +31,47 @@ pub struct FilesArgs {
 /// The files subcommands. Paths inside the sandbox are absolute.
 #[derive(clap::Subcommand, Debug)]
 pub enum FilesCmd {
-    /// Copy a file out of the sandbox (or volume): to LOCAL (a file or a directory), or to
-    /// stdout when LOCAL is `-` or left out.
+    /// Copy a file out: to LOCAL (a file or a directory), or to stdout when LOCAL is `-`
+    /// or left out. With -r, copy the directory PATH's whole tree into the local directory
+    /// LOCAL (created if missing), or write it to stdout as a tar archive when LOCAL is `-`.
     Get {
-        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
-        #[arg(value_name = "SANDBOX|VOLUME")]
+        /// The sandbox (sb_…).
+        #[arg(value_name = "SANDBOX")]
         sandbox: String,
-        /// The file's absolute path inside it.
+        /// The absolute path of the file (with -r: the directory) to copy.
         path: String,
-        /// Where to write it: a local file or directory, `-` for stdout (the default).
+        /// Where to write it: a local file or directory, `-` for stdout (the default; with
+        /// -r a local directory is required, or `-` for a tar archive on stdout).
         local: Option<String>,
+        /// Copy a directory and everything under it (files, directories, symlinks).
+        #[arg(short, long)]
+        recursive: bool,
     },
-    /// Copy a local file (`-`: standard input) into the sandbox (or volume), creating
-    /// parent directories; a PATH ending in `/` keeps the local file's name.
+    /// Copy a local file (`-`: standard input) in, creating parent directories; a PATH
+    /// ending in `/` keeps the local file's name. With -r, copy the local directory LOCAL's
+    /// whole tree into the directory PATH (created if missing).
     Put {
-        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
-        #[arg(value_name = "SANDBOX|VOLUME")]
+        /// The sandbox (sb_…).
+        #[arg(value_name = "SANDBOX")]
         sandbox: String,
-        /// The local file to send, or `-` for standard input.
+        /// The local file to send, or `-` for standard input (with -r: a local directory,
+        /// or `-` for a tar archive on standard input).
         local: String,
-        /// The absolute path to write inside (ending in `/`: a directory to write into).
+        /// The absolute path to write (ending in `/`: a directory to write into; with -r:
+        /// the directory to copy the tree into).
         path: String,
-        /// Permission bits in octal (default: the local file's).
-        #[arg(long, value_parser = parse_mode)]
+        /// Permission bits in octal (default: the local file's; not with -r, where each
+        /// file keeps its own).
+        #[arg(long, value_parser = parse_mode, conflicts_with = "recursive")]
         mode: Option<u32>,
+        /// Copy a directory and everything under it (files, directories, symlinks).
+        #[arg(short, long)]
+        recursive: bool,
     },
     /// List a directory.
     Ls {
-        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
-        #[arg(value_name = "SANDBOX|VOLUME")]
+        /// The sandbox (sb_…).
+        #[arg(value_name = "SANDBOX")]
         sandbox: String,
         /// The directory to list (absolute).
         #[arg(default_value = "/")]
@@ -65,29 +80,30 @@ pub enum FilesCmd {
         #[arg(long, default_value_t = 1)]
         depth: u32,
     },
-    /// Delete a file (a directory and all it holds with -r).
+    /// Delete a file or an empty directory (a directory and all it holds with -r).
     Rm {
-        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
-        #[arg(value_name = "SANDBOX|VOLUME")]
+        /// The sandbox (sb_…).
+        #[arg(value_name = "SANDBOX")]
         sandbox: String,
         /// The absolute path to delete.
         path: String,
-        /// Delete a directory and everything in it.
+        /// Delete a directory and everything in it (needed for a directory that is not
+        /// empty).
         #[arg(short, long)]
         recursive: bool,
     },
     /// Create a directory (and its parents).
     Mkdir {
-        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
-        #[arg(value_name = "SANDBOX|VOLUME")]
+        /// The sandbox (sb_…).
+        #[arg(value_name = "SANDBOX")]
         sandbox: String,
         /// The directory to create (absolute).
         path: String,
     },
     /// Move or rename a file or directory.
     Mv {
-        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
-        #[arg(value_name = "SANDBOX|VOLUME")]
+        /// The sandbox (sb_…).
+        #[arg(value_name = "SANDBOX")]
         sandbox: String,
         /// What to move (absolute).
         from: String,
@@ -96,12 +112,24 @@ pub enum FilesCmd {
     },
     /// Show a file's type, size, mode and modification time.
     Stat {
-        /// The sandbox (sb_…); for `locker volume files`, the volume's name or id.
-        #[arg(value_name = "SANDBOX|VOLUME")]
+        /// The sandbox (sb_…).
+        #[arg(value_name = "SANDBOX")]
         sandbox: String,
         /// The file's absolute path.
         path: String,
     },
+}
+
+/// The files commands as `locker volume files` shows them: the first argument is a volume.
+pub fn for_volume(cmd: clap::Command) -> clap::Command {
+    // In place (not `mut_arg`, which moves the argument last among the positionals).
+    cmd.mut_args(|a| {
+        if a.get_id() == "sandbox" {
+            a.value_name("VOLUME").help("The volume (its name or id).")
+        } else {
+            a
+        }
+    })
 }
 
 /// Parses an octal mode (`0644`, `755`, `0o600`).
@@ -248,7 +276,7 @@ pub fn put_file(
         .map_err(|e| ClientError::io(format!("cannot read {local}"), e))?;
     if meta.is_dir() {
         return Err(ClientError::Usage(format!(
-            "{local} is a directory: `files put` copies one file"
+            "{local} is a directory: copy it with `files put -r`"
         )));
     }
     let mode = mode.unwrap_or(meta.permissions().mode() & 0o777);
@@ -337,6 +365,33 @@ pub fn run_on(
             sandbox,
             path,
             local,
+            recursive: true,
+        } => {
+            let url_path = files_path(&base_of(&sandbox), "");
+            match local.as_deref() {
+                None => {
+                    return Err(ClientError::Usage(
+                        "`files get -r` needs a local directory to write into (or `-` for a \
+                         tar archive on stdout)"
+                            .into(),
+                    ))
+                }
+                Some("-") => {
+                    let mut r =
+                        c.get_stream(&url_path, &[("path", path), ("format", "tar".to_string())])?;
+                    copy_stream(&mut r, &mut io::stdout().lock(), "the output")?;
+                }
+                Some(l) => {
+                    let v = tree::fetch_tree(c, &url_path, &path, Path::new(l))?;
+                    show(&v, None)?;
+                }
+            }
+        }
+        FilesCmd::Get {
+            sandbox,
+            path,
+            local,
+            recursive: false,
         } => match local.as_deref() {
             None | Some("-") => {
                 let mut out = io::stdout().lock();
@@ -351,7 +406,27 @@ pub fn run_on(
             sandbox,
             local,
             path,
+            recursive: true,
+            ..
+        } => {
+            let url_path = files_path(&base_of(&sandbox), "");
+            let e = if local == "-" {
+                c.put_body(
+                    &url_path,
+                    &[("path", path), ("format", "tar".to_string())],
+                    io::stdin(),
+                )?
+            } else {
+                tree::send_tree(c, &url_path, Path::new(&local), &path)?
+            };
+            show(&e, None)?;
+        }
+        FilesCmd::Put {
+            sandbox,
+            local,
+            path,
             mode,
+            recursive: false,
         } => {
             let target = put_target(&local, &path)?;
             let e = put_file(c, &base_of(&sandbox), &local, &target, mode)?;

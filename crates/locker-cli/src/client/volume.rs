@@ -80,7 +80,7 @@ pub enum VolumeCmd {
         snapshot: Option<String>,
     },
     /// Read, write, list and move a volume's files (the first argument is the volume).
-    #[command(subcommand)]
+    #[command(subcommand, mut_subcommands(super::files::for_volume))]
     Files(FilesCmd),
 }
 
