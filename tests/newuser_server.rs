@@ -195,9 +195,11 @@ fn a_gone_sandbox_says_when_it_expired_or_was_deleted() {
         .expect_error(404, "not_found", "typo");
     assert!(m.contains("does not exist"), "{m}");
     let (other, _) = s.create_tenant("tomb-other");
-    let m = other
-        .get(&format!("/v1/sandboxes/{deleted}"))
-        .expect_error(404, "not_found", "another tenant");
+    let m = other.get(&format!("/v1/sandboxes/{deleted}")).expect_error(
+        404,
+        "not_found",
+        "another tenant",
+    );
     assert!(m.contains("does not exist"), "{m}");
 }
 
@@ -259,7 +261,10 @@ fn serve_prints_the_lines_to_export_on_stdout_and_no_colour_into_a_file() {
     let line = locker_tests::wait_for(Duration::from_secs(30), "the key", || {
         s.out()
             .lines()
-            .find(|l| l.trim_start().starts_with("export LOCKER_URL=http://127.0.0.1:"))
+            .find(|l| {
+                l.trim_start()
+                    .starts_with("export LOCKER_URL=http://127.0.0.1:")
+            })
             .map(str::to_owned)
     });
     assert!(line.contains(" LOCKER_API_KEY=lk_"), "{line}");
@@ -267,14 +272,24 @@ fn serve_prints_the_lines_to_export_on_stdout_and_no_colour_into_a_file() {
         s.err().contains("locker serve ready").then_some(())
     });
     let (err, out) = (s.err(), s.out());
-    assert!(!err.contains("\u{1b}["), "colour codes in a log file:\n{err}");
+    assert!(
+        !err.contains("\u{1b}["),
+        "colour codes in a log file:\n{err}"
+    );
     assert!(!err.contains("lk_"), "the key went to the log:\n{err}");
     assert!(!out.contains("INFO"), "log lines on stdout:\n{out}");
     // The printed line is the one to paste: it works.
-    let url = line.split("LOCKER_URL=").nth(1).unwrap().split_whitespace().next().unwrap();
+    let url = line
+        .split("LOCKER_URL=")
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap();
     let key = line.split("LOCKER_API_KEY=").nth(1).unwrap().trim();
     let api = Api::new(url, Some(key));
-    api.get("/v1/sandboxes").expect(200, "the printed key works");
+    api.get("/v1/sandboxes")
+        .expect(200, "the printed key works");
 }
 
 fn as_nobody(args: &[&str]) -> Command {
@@ -289,7 +304,12 @@ fn as_nobody(args: &[&str]) -> Command {
 fn doctor_and_serve_tell_a_non_root_user_the_truth() {
     let dir = locker_tests::TempDir::new("locker-nobody");
     let missing = dir.path().join("not/yet/data");
-    let out = output_of(as_nobody(&["doctor", "--json", "--data-dir", missing.to_str().unwrap()]));
+    let out = output_of(as_nobody(&[
+        "doctor",
+        "--json",
+        "--data-dir",
+        missing.to_str().unwrap(),
+    ]));
     let text = String::from_utf8_lossy(&out.stdout);
     let v: Value = serde_json::from_str(&text)
         .unwrap_or_else(|e| panic!("{e}: {text} {}", String::from_utf8_lossy(&out.stderr)));
@@ -302,7 +322,11 @@ fn doctor_and_serve_tell_a_non_root_user_the_truth() {
         "{v}"
     );
     assert_eq!(v["host"]["data_dir_exists"], false, "{v}");
-    let out = output_of(as_nobody(&["doctor", "--data-dir", missing.to_str().unwrap()]));
+    let out = output_of(as_nobody(&[
+        "doctor",
+        "--data-dir",
+        missing.to_str().unwrap(),
+    ]));
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(table.contains("does not exist yet"), "{table}");
     assert!(!table.contains("jail      yes"), "{table}");
@@ -326,7 +350,10 @@ fn doctor_and_serve_tell_a_non_root_user_the_truth() {
     assert!(!out.status.success(), "serve as nobody started: {so} {se}");
     assert!(t0.elapsed() < Duration::from_secs(20));
     assert!(se.contains("needs root"), "{se}");
-    assert!(!so.contains("lk_") && !se.contains("lk_"), "printed a key: {so} {se}");
+    assert!(
+        !so.contains("lk_") && !se.contains("lk_"),
+        "printed a key: {so} {se}"
+    );
     assert!(!se.contains("removed stale machine networks"), "{se}");
 }
 
@@ -335,7 +362,8 @@ fn doctor_checks_the_default_template_and_the_build_tools() {
     let empty = locker_tests::TempDir::new("locker-cache-empty");
     let out = output_of({
         let mut c = Command::new(locker_tests::locker_bin());
-        c.args(["doctor", "--json", "--cache-dir"]).arg(empty.path());
+        c.args(["doctor", "--json", "--cache-dir"])
+            .arg(empty.path());
         c
     });
     let v: Value = serde_json::from_slice(&out.stdout).unwrap();
@@ -354,7 +382,8 @@ fn doctor_checks_the_default_template_and_the_build_tools() {
     assert!(!empty.path().join("templates").exists());
     let out = output_of({
         let mut c = Command::new(locker_tests::locker_bin());
-        c.args(["doctor", "--cache-dir"]).arg(locker_tests::cache_dir());
+        c.args(["doctor", "--cache-dir"])
+            .arg(locker_tests::cache_dir());
         c
     });
     let table = String::from_utf8_lossy(&out.stdout);
@@ -398,11 +427,18 @@ fn a_server_without_the_default_template_builds_it_and_says_so_meanwhile() {
         msg.contains("the default template is being built since 20") && msg.contains("try again"),
         "{msg}"
     );
-    assert!(s.log_text().contains("building it in the background"), "{}", s.log_text());
+    assert!(
+        s.log_text().contains("building it in the background"),
+        "{}",
+        s.log_text()
+    );
     // The build (waiting on the test's lock) finds the template built once it may go on:
     // the shared cache's copy stands in for a real mmdebstrap run.
-    std::os::unix::fs::symlink(shared.join(&digest), cache.path().join("templates").join(&digest))
-        .unwrap();
+    std::os::unix::fs::symlink(
+        shared.join(&digest),
+        cache.path().join("templates").join(&digest),
+    )
+    .unwrap();
     drop(lock);
     locker_tests::wait_for(Duration::from_secs(60), "the build ends", || {
         s.log_text()
@@ -430,10 +466,11 @@ fn a_server_told_not_to_build_warns_and_creates_say_what_to_run() {
         l.contains("WARN").then_some(l)
     });
     assert!(log.contains("locker template build default"), "{log}");
-    let msg = s
-        .api()
-        .post("/v1/sandboxes", &json!({}))
-        .expect_error(400, "bad_request", "create without default");
+    let msg = s.api().post("/v1/sandboxes", &json!({})).expect_error(
+        400,
+        "bad_request",
+        "create without default",
+    );
     assert!(msg.contains("locker template build default"), "{msg}");
 }
 
@@ -473,13 +510,18 @@ fn a_template_is_removed_through_the_server_but_not_while_in_use() {
         .delete("/v1/templates/default")
         .expect_error(409, "conflict", "default");
     assert!(m.contains("rebuild it"), "{m}");
-    api.delete(&format!("/v1/sandboxes/{id}")).expect(204, "delete");
+    api.delete(&format!("/v1/sandboxes/{id}"))
+        .expect(204, "delete");
     let (other, _) = s.create_tenant("tpl-other");
     other
         .delete(&format!("/v1/templates/{name}"))
         .expect_error(403, "forbidden", "another tenant");
     let out = cli(&["template", "rm", &name]);
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert!(!names.join(&name).exists());
     assert!(
         store.resolve("default").unwrap().is_some(),

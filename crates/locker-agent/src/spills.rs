@@ -54,7 +54,8 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         for i in 0..(super::KEEP_FILES + 5) {
             std::fs::write(dir.join(format!("call_{i:03}.stdout")), b"x").unwrap();
-            let t = std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i as u64);
+            let t =
+                std::time::SystemTime::UNIX_EPOCH + std::time::Duration::from_secs(1000 + i as u64);
             let f = std::fs::File::options()
                 .write(true)
                 .open(dir.join(format!("call_{i:03}.stdout")))

@@ -63,7 +63,8 @@ pub enum TemplateCmd {
 pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
     if let TemplateCmd::Rm { name, conn } = &cmd {
         validate_name(name).map_err(one_line)?;
-        conn.client()?.delete(&format!("/v1/templates/{name}"), &[])?;
+        conn.client()?
+            .delete(&format!("/v1/templates/{name}"), &[])?;
         println!("{name}");
         return Ok(());
     }

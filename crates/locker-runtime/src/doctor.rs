@@ -339,7 +339,9 @@ pub fn check_templates(cache_dir: &Path) -> Templates {
     let (default_built, detail) = if !cache_dir.join("templates").is_dir() {
         (
             false,
-            format!("no template cache yet: run `{BUILD}` (a few minutes; `scripts/setup` does it too)"),
+            format!(
+                "no template cache yet: run `{BUILD}` (a few minutes; `scripts/setup` does it too)"
+            ),
         )
     } else {
         match crate::template::TemplateStore::open(cache_dir)

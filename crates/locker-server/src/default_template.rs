@@ -118,7 +118,11 @@ struct LogProgress {
 
 impl Progress for LogProgress {
     fn step(&mut self, name: &str, fraction: f64) {
-        tracing::info!(step = name, percent = (fraction * 100.0).round(), "building the template `default`");
+        tracing::info!(
+            step = name,
+            percent = (fraction * 100.0).round(),
+            "building the template `default`"
+        );
     }
 
     fn fraction(&mut self, fraction: f64) {

@@ -459,7 +459,8 @@ mod tests {
         base.insert("B".to_string(), "1".to_string());
         let req: ExecRequest =
             serde_json::from_str(r#"{"shell":"echo hi","env":{"B":"2"}}"#).unwrap();
-        let (spec, stdin) = build_spec(&base, &req, "call_x", false).unwrap();
+        let (spec, stdin) =
+            build_spec(&base, &req, "call_x", Wait::Call { stream: false }).unwrap();
         assert_eq!(spec.argv, vec!["/bin/sh", "-c", "echo hi"]);
         assert_eq!(
             spec.env,
@@ -468,6 +469,13 @@ mod tests {
         assert!(stdin.is_none());
         let bad: ExecRequest =
             serde_json::from_str(r#"{"cmd":["x"],"max_output_bytes":999999999}"#).unwrap();
-        assert!(build_spec(&base, &bad, "c", false).is_err());
+        assert!(build_spec(&base, &bad, "c", Wait::Call { stream: false }).is_err());
+        assert_eq!(spec.timeout_ms, Some(60_000), "exec's default");
+        let (bg, _) = build_spec(&base, &req, "c", Wait::Background).unwrap();
+        assert_eq!(bg.timeout_ms, None, "a background process has none");
+        let long: ExecRequest =
+            serde_json::from_str(r#"{"cmd":["x"],"timeout_ms":7200000}"#).unwrap();
+        assert!(build_spec(&base, &long, "c", Wait::Call { stream: false }).is_err());
+        assert!(build_spec(&base, &long, "c", Wait::Background).is_ok());
     }
 }

@@ -22,13 +22,13 @@ use rusqlite::{
 use sha2::{Digest, Sha256};
 
 use crate::error::{Result, StoreError};
-use crate::Tombstone;
 use crate::model::{
     now_unix, parse_rfc3339, validate_tenant_name, CallRecord, KeyInfo, Principal, SandboxRecord,
     SandboxState, TenantUsage,
 };
 use crate::model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 use crate::random::{fill_random, hex, new_api_key};
+use crate::Tombstone;
 use crate::{SnapshotRecord, Store, DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
 
 const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at";
@@ -1184,7 +1184,12 @@ impl Store for SqliteStore {
                 // Rows ended before causes were recorded: a delete at or past the expiry
                 // was the TTL reaper's.
                 let cause = cause.unwrap_or_else(|| {
-                    if ended >= expires { "expired" } else { "deleted" }.to_owned()
+                    if ended >= expires {
+                        "expired"
+                    } else {
+                        "deleted"
+                    }
+                    .to_owned()
                 });
                 Tombstone {
                     ended_at: rfc3339(ended),
