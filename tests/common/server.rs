@@ -211,7 +211,7 @@ impl Server {
                         let log = self.log_text();
                         let key = log
                             .lines()
-                            .find_map(|l| l.split_once("(shown only now): "))
+                            .find_map(|l| l.split_once(" LOCKER_API_KEY="))
                             .and_then(|(_, rest)| rest.split_whitespace().next())
                             .unwrap_or_else(|| panic!("no generated API key in the log:\n{log}"))
                             .to_owned();

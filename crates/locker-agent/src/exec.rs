@@ -755,7 +755,11 @@ pub fn run_exec(agent: &Arc<Agent>, s: &Arc<Stream>, mut spec: ExecSpec) {
     }
     let timeout = spec.timeout_ms.map(Duration::from_millis);
     let result = wait(agent, run, timeout, 0);
+    let spilled = result.output_path.is_some();
     s.end(EndBody::Exec(Box::new(result)));
+    if spilled {
+        crate::spills::prune(&agent.output_dir);
+    }
 }
 
 /// The spill/spool file of a stream.

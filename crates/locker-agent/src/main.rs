@@ -33,6 +33,7 @@ mod files;
 mod procs;
 mod reaper;
 mod share;
+mod spills;
 mod sys;
 mod users;
 mod view;

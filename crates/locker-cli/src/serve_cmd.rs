@@ -53,11 +53,19 @@ pub struct ServeArgs {
     /// resolving the name on the host.
     #[arg(long, value_name = "NAME=IP", value_parser = locker_server::egress::parse_pin)]
     egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
+    /// Do not build the template `default` when it is missing (the server then only warns:
+    /// build it with `locker template build default`).
+    #[arg(long)]
+    no_template_build: bool,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     let filter =
         tracing_subscriber::EnvFilter::try_from_env("LOCKER_LOG").unwrap_or_else(|_| "info".into());
+    // Colour codes only for a person at a terminal, never in a redirected log or journald
+    // (and never under NO_COLOR).
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     if a.log_json {
         tracing_subscriber::fmt()
             .json()
@@ -67,6 +75,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
     } else {
         tracing_subscriber::fmt()
             .with_env_filter(filter)
+            .with_ansi(ansi)
             .with_writer(std::io::stderr)
             .init();
     }
@@ -87,6 +96,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         warm_pool: a.warm_pool,
         vm_pool: a.vm_pool,
         egress_resolve: a.egress_resolve,
+        template_build: !a.no_template_build,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

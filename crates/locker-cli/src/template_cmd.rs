@@ -1,7 +1,11 @@
-//! `locker template …`: build, import and list templates in `LOCKER_CACHE_DIR`.
+//! `locker template …`: build, import and list templates in `LOCKER_CACHE_DIR`; remove one
+//! through the server.
 //!
 //! A thin shell over `locker_runtime::template`: it parses arguments, draws progress on
 //! stderr, and prints results on stdout. Errors become one line that says what to fix.
+//! `rm` alone goes through the server (`DELETE /v1/templates/{name}`): only the server
+//! knows which sandboxes and snapshots stand on a template, so only it can refuse while
+//! one does; deleting the files under a running machine would pull its root away.
 
 use std::path::PathBuf;
 
@@ -46,9 +50,24 @@ pub enum TemplateCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Remove a template, through the server at LOCKER_URL (with tenant `default`'s
+    /// LOCKER_API_KEY); refused while a sandbox or snapshot uses it.
+    Rm {
+        /// The template's name (`locker template list`).
+        name: String,
+        #[command(flatten)]
+        conn: crate::client::Conn,
+    },
 }
 
 pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
+    if let TemplateCmd::Rm { name, conn } = &cmd {
+        validate_name(name).map_err(one_line)?;
+        conn.client()?
+            .delete(&format!("/v1/templates/{name}"), &[])?;
+        println!("{name}");
+        return Ok(());
+    }
     let store = TemplateStore::from_env().map_err(one_line)?;
     match cmd {
         TemplateCmd::Build {
@@ -82,6 +101,7 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
+        TemplateCmd::Rm { .. } => unreachable!("handled above"),
     }
 }
 

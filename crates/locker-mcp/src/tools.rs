@@ -407,8 +407,8 @@ the full output is in the file output_path inside the sandbox. timeout_ms defaul
 \n\
 Background (background=true): for servers, watchers and anything longer than a few minutes. \
 Returns at once with process_id; the process keeps running between calls until it exits, you \
-process_kill it, or the sandbox is deleted. Read its output with process_output, feed it with \
-process_write_stdin. timeout_ms still applies (default 60000, at most 3600000). No network: \
+process_kill it, or the sandbox is deleted or expires. Read its output with process_output, \
+feed it with process_write_stdin. It has no timeout unless you give timeout_ms. No network: \
 the sandbox has no egress unless sandbox_create gave it a `network` policy, which the server \
 enforces.",
             input(
@@ -421,10 +421,11 @@ enforces.",
                     "cwd": {"type": "string", "description": "Working directory, absolute (default /root)."},
                     "env": env(),
                     "stdin": {"type": "string", "description": "Text fed to standard input (then closed in the foreground; a background process keeps stdin open only if this is absent)."},
-                    "timeout_ms": timeout(60_000, 3_600_000),
+                    "timeout_ms": {"type": "integer", "minimum": 1, "maximum": 2_592_000_000u64,
+                                   "description": "Wall-clock limit in milliseconds. Foreground: default 60000, at most 3600000. Background: none unless given (at most 2592000000, the longest a sandbox lives); the process ends with its sandbox anyway. When it passes, the whole process tree is killed and the result has reason \"timeout\" with the output produced so far."},
                     "max_output_bytes": max_output(),
                     "background": {"type": "boolean", "default": false,
-                                   "description": "Start it and return its process_id at once instead of waiting."}
+                                   "description": "Start it and return its process_id at once instead of waiting; it runs until it exits, is killed, or the sandbox ends (no timeout unless timeout_ms is given)."}
                 }),
                 &["sandbox_id"],
             ),

@@ -2,8 +2,10 @@
 //!
 //! Owns the checks behind `locker doctor` and `/healthz`: per runtime whether it can run
 //! here (with the reason when not), and the host facts that decide it (cgroup version, user
-//! namespaces, the data dir's filesystem and copy-on-write, KVM). Checks are cheap reads and
-//! probes; the end-to-end proof (start a machine, ping its agent) is `probe_jail`.
+//! namespaces, the data dir's filesystem and copy-on-write, KVM, who runs it), and whether
+//! the template `default` is built and the tools builds need are there. Checks are cheap
+//! reads and probes; the end-to-end proof (start a machine, ping its agent) is `probe_jail`.
+//! Nothing here creates or changes anything (the template cache is only read).
 
 use std::collections::BTreeMap;
 use std::ffi::CString;
@@ -51,9 +53,17 @@ pub struct Host {
     pub cgroup: String,
     pub user_namespaces: bool,
     pub data_dir: String,
+    /// Whether the data dir exists; if not, `data_dir_fs` is that of `data_dir_fs_of`, its
+    /// nearest existing parent, where `locker serve` will create it.
+    pub data_dir_exists: bool,
+    pub data_dir_fs_of: String,
     pub data_dir_fs: String,
     /// `btrfs-subvolume`, `reflink`, or `copy` (no copy-on-write: snapshots copy files).
     pub copy_on_write: String,
+    /// What `copy_on_write` means for snapshots and forks, in words.
+    pub copy_on_write_detail: String,
+    /// The effective user id: machines need root.
+    pub uid: u32,
     /// What volumes get here: their own btrfs filesystem (size limit and copy-on-write
     /// for every writer), or why they cannot be created.
     pub volumes: String,
@@ -80,6 +90,13 @@ pub fn check(data_dir: &Path) -> Report {
         .unwrap_or(Path::new("/"));
     let fs = fs_type(existing);
     let cow = copy_on_write(existing, &fs);
+    let cow_detail = match cow.as_str() {
+        "btrfs-subvolume" => "snapshots and forks are btrfs subvolume snapshots: instant, and they share unchanged data",
+        "reflink" => "snapshots and forks clone files with reflinks: instant, and they share unchanged blocks",
+        _ => "none: this filesystem cannot share file blocks, so snapshots and forks copy every file of a machine (slower, full size each); a btrfs or XFS data dir makes them instant",
+    };
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let uid = unsafe { libc::geteuid() };
     let volumes = match crate::volume_fs::support() {
         Ok(what) => what,
         Err(why) => format!("unavailable, volumes cannot be created: {why}"),
@@ -87,6 +104,9 @@ pub fn check(data_dir: &Path) -> Report {
     let (virt, virt_detail) = virtualization();
 
     let mut missing = Vec::new();
+    if uid != 0 {
+        missing.push(not_root(uid));
+    }
     if let Err(e) = &layout {
         missing.push(e.to_string());
     }
@@ -124,7 +144,7 @@ pub fn check(data_dir: &Path) -> Report {
     } else {
         Verdict::no(missing.join("; "))
     };
-    let microvm = microvm_verdict(agent.is_some());
+    let microvm = microvm_verdict(agent.is_some(), uid);
     let runtimes = [("jail".to_owned(), jail), ("microvm".to_owned(), microvm)]
         .into_iter()
         .collect();
@@ -135,8 +155,12 @@ pub fn check(data_dir: &Path) -> Report {
             cgroup,
             user_namespaces: userns.0,
             data_dir: data_dir.display().to_string(),
+            data_dir_exists: data_dir.exists(),
+            data_dir_fs_of: existing.display().to_string(),
             data_dir_fs: fs,
             copy_on_write: cow,
+            copy_on_write_detail: cow_detail.into(),
+            uid,
             volumes,
             virtualization: virt,
             virtualization_detail: virt_detail,
@@ -146,8 +170,11 @@ pub fn check(data_dir: &Path) -> Report {
 
 /// The microVM runtime: QEMU and the guest kernel present, and which accelerator it gets
 /// (KVM, or TCG emulation, which is for correctness only and not a security boundary).
-fn microvm_verdict(have_agent: bool) -> Verdict {
+fn microvm_verdict(have_agent: bool, uid: u32) -> Verdict {
     let mut missing = Vec::new();
+    if uid != 0 {
+        missing.push(not_root(uid));
+    }
     if which("qemu-system-x86_64").is_none() {
         missing.push("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86; scripts/setup does)".to_owned());
     }
@@ -169,6 +196,10 @@ fn microvm_verdict(have_agent: bool) -> Verdict {
         crate::vm::Accel::Kvm => Verdict::ok(format!("KVM usable: QEMU microvm with its own guest kernel, restored from a booted snapshot ({why})")),
         crate::vm::Accel::Tcg => Verdict::ok(format!("TCG only: {why}. MicroVMs work (own guest kernel, memory snapshots) but run emulated: use them for correctness, not as an isolation boundary, on this host")),
     }
+}
+
+fn not_root(uid: u32) -> String {
+    format!("this runs as uid {uid}, not root: machines need root (namespaces, cgroups, mounts, network devices); run `sudo locker doctor` and the server as root")
 }
 
 fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
@@ -267,19 +298,133 @@ pub fn render(r: &Report) -> String {
         ));
     }
     let h = &r.host;
+    let data_dir = if h.data_dir_exists {
+        format!("{} ({})", h.data_dir, h.data_dir_fs)
+    } else {
+        format!(
+            "{} (does not exist yet: `locker serve` creates it, on the {} filesystem of {})",
+            h.data_dir, h.data_dir_fs, h.data_dir_fs_of
+        )
+    };
     out.push_str(&format!(
-        "\nkernel            {}\ncgroup            {}\nuser namespaces   {}\ndata dir          {} ({})\ncopy-on-write     {}\nvolumes           {}\nvirtualization    {}: {}\n",
+        "\nkernel            {}\ncgroup            {}\nuser namespaces   {}\ndata dir          {}\ncopy-on-write     {}: {}\nvolumes           {}\nvirtualization    {}: {}\n",
         h.kernel,
         h.cgroup,
         if h.user_namespaces { "yes" } else { "no" },
-        h.data_dir,
-        h.data_dir_fs,
+        data_dir,
         h.copy_on_write,
+        h.copy_on_write_detail,
         h.volumes,
         h.virtualization,
         h.virtualization_detail
     ));
     out
+}
+
+/// The template cache and the tools that builds and machines need.
+#[derive(Debug, Clone, Serialize)]
+pub struct Templates {
+    pub cache_dir: String,
+    /// Whether the template `default` (what a create without `template` uses) is built.
+    pub default_built: bool,
+    pub detail: String,
+    /// Per tool: whether it is installed, and what it is for or what to install.
+    pub tools: BTreeMap<String, Verdict>,
+}
+
+/// Checks the template cache at `cache_dir` (read only: a missing cache is reported, not
+/// created) and the tools template builds, machine disks and volumes need.
+pub fn check_templates(cache_dir: &Path) -> Templates {
+    const BUILD: &str = "sudo locker template build default";
+    let (default_built, detail) = if !cache_dir.join("templates").is_dir() {
+        (
+            false,
+            format!(
+                "no template cache yet: run `{BUILD}` (a few minutes; `scripts/setup` does it too)"
+            ),
+        )
+    } else {
+        match crate::template::TemplateStore::open(cache_dir)
+            .and_then(|s| s.resolve(crate::template::DEFAULT_TEMPLATE))
+        {
+            Ok(Some(t)) => (
+                true,
+                format!(
+                    "`default` built ({}, {} MiB)",
+                    &t.digest[..t.digest.len().min(12)],
+                    t.size_bytes >> 20
+                ),
+            ),
+            Ok(None) => (
+                false,
+                format!("`default` is not built: run `{BUILD}` (or start `locker serve`, which builds it in the background)"),
+            ),
+            Err(e) => (false, format!("cannot read the cache: {e}")),
+        }
+    };
+    let tool = |names: &[&str], ok: &str, fix: &str| {
+        if names.iter().all(|n| which(n).is_some()) {
+            Verdict::ok(ok)
+        } else {
+            Verdict::no(fix)
+        }
+    };
+    let tools = [
+        (
+            "mkfs.ext4",
+            tool(
+                &["mkfs.ext4"],
+                "machine disks",
+                "missing: machine disks need it: apt-get install e2fsprogs",
+            ),
+        ),
+        (
+            "mmdebstrap",
+            tool(
+                &["mmdebstrap"],
+                "template builds",
+                "missing: template builds need it: apt-get install mmdebstrap",
+            ),
+        ),
+        (
+            "btrfs-progs",
+            tool(
+                &["mkfs.btrfs", "btrfs"],
+                "volumes",
+                "missing: volumes need mkfs.btrfs and btrfs: apt-get install btrfs-progs",
+            ),
+        ),
+    ]
+    .into_iter()
+    .map(|(k, v)| (k.to_owned(), v))
+    .collect();
+    Templates {
+        cache_dir: cache_dir.display().to_string(),
+        default_built,
+        detail,
+        tools,
+    }
+}
+
+/// The templates part of `locker doctor`'s table.
+pub fn render_templates(t: &Templates) -> String {
+    let tools: Vec<String> = t
+        .tools
+        .iter()
+        .map(|(name, v)| {
+            if v.ok {
+                format!("{name} yes ({})", v.detail)
+            } else {
+                format!("{name} NO ({})", v.detail)
+            }
+        })
+        .collect();
+    format!(
+        "templates         {}: {}\ntools             {}\n",
+        t.cache_dir,
+        t.detail,
+        tools.join(", ")
+    )
 }
 
 #[cfg(test)]

@@ -423,12 +423,15 @@ table ip {t} {{
 }
 
 /// Removes the machine's own host table, if there is one.
-fn delete_machine_table(table: &str) {
-    if let Some(nft) = crate::doctor::which("nft") {
-        let _ = run(
+/// Deletes a machine's host table; whether it is gone.
+fn delete_machine_table(table: &str) -> bool {
+    match crate::doctor::which("nft") {
+        Some(nft) => run(
             Command::new(nft).args(["delete", "table", "ip", table]),
             None,
-        );
+        )
+        .is_ok(),
+        None => false,
     }
 }
 
@@ -472,8 +475,12 @@ fn lease_slot(owner: &Path) -> Result<u32, String> {
     Err("no free machine subnet on this host".into())
 }
 
-fn release_slot(slot: u32) {
-    let _ = fs::remove_file(Path::new(SLOTS_DIR).join(slot.to_string()));
+/// Frees a subnet lease; whether its file is gone.
+fn release_slot(slot: u32) -> bool {
+    match fs::remove_file(Path::new(SLOTS_DIR).join(slot.to_string())) {
+        Ok(()) => true,
+        Err(e) => e.kind() == std::io::ErrorKind::NotFound,
+    }
 }
 
 /// Installs the rules of `policy` for lease `l`: the machine's own host table and the
@@ -483,7 +490,9 @@ fn apply_rules(l: &NetLease, ns: &Path, policy: &Policy) -> Result<(), String> {
     match host_machine_ruleset(l, policy) {
         Some(rules) => run(Command::new(&nft).arg("-f").arg("-"), Some(&rules))
             .map_err(|e| format!("installing the host rules of {}: {e}", l.link()))?,
-        None => delete_machine_table(&machine_table(l)),
+        None => {
+            delete_machine_table(&machine_table(l));
+        }
     }
     run(
         Command::new(tool("nsenter")?)
@@ -623,12 +632,15 @@ pub fn detach(dir: &Path, pid: Option<i32>) {
 
 /// Removes a microVM's network namespace (its bridge, the veth's machine end and its
 /// ruleset go with it), if there is one.
-fn delete_netns(name: &str) {
-    if Path::new("/run/netns").join(name).exists() {
+/// Deletes a named network namespace; whether it is gone.
+fn delete_netns(name: &str) -> bool {
+    let path = Path::new("/run/netns").join(name);
+    if path.exists() {
         if let Some(ip) = crate::doctor::which("ip") {
             let _ = run(Command::new(ip).args(["netns", "del", name]), None);
         }
     }
+    !path.exists()
 }
 
 /// Gives the microVM in `dir` (not started yet) its network: leases a subnet, makes its
@@ -752,12 +764,14 @@ fn open_tap(ns: &Path) -> Result<fs::File, String> {
     .map_err(|_| "the tap thread panicked".to_string())?
 }
 
-fn delete_link(link: &str) {
+/// Deletes a host link; whether it is gone.
+fn delete_link(link: &str) -> bool {
     if link_exists(link) {
         if let Some(ip) = crate::doctor::which("ip") {
             let _ = run(Command::new(ip).args(["link", "del", link]), None);
         }
     }
+    !link_exists(link)
 }
 
 /// Whether a network interface of this name exists in the host's namespace.
@@ -797,17 +811,19 @@ pub fn cleanup_stale() -> Vec<u32> {
             .map(|t| t.elapsed().unwrap_or_default() > Duration::from_secs(60))
             .unwrap_or(false);
         let held = NetLease::load(&owner).is_some_and(|l| l.slot == slot);
+        // Counted only when every part is gone: without the rights to delete (not root)
+        // nothing was removed, whatever was tried.
         if old && !held {
-            delete_link(&format!("lk{slot}"));
-            delete_netns(&format!("{VM_NETNS_PREFIX}{slot}"));
-            release_slot(slot);
-            removed.push(slot);
+            let link = delete_link(&format!("lk{slot}"));
+            let ns = delete_netns(&format!("{VM_NETNS_PREFIX}{slot}"));
+            if link && ns && release_slot(slot) {
+                removed.push(slot);
+            }
         }
     }
     for link in machine_links() {
         let slot: u32 = link[2..].parse().unwrap_or(u32::MAX);
-        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists() {
-            delete_link(&link);
+        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists() && delete_link(&link) {
             removed.push(slot);
         }
     }
@@ -819,20 +835,20 @@ pub fn cleanup_stale() -> Vec<u32> {
         else {
             continue;
         };
-        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists() {
-            delete_netns(&name);
-            if !removed.contains(&slot) {
-                removed.push(slot);
-            }
+        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists()
+            && delete_netns(&name)
+            && !removed.contains(&slot)
+        {
+            removed.push(slot);
         }
     }
     for table in machine_tables() {
         let slot: u32 = table[TABLE.len() + 3..].parse().unwrap_or(u32::MAX);
-        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists() {
-            delete_machine_table(&table);
-            if !removed.contains(&slot) {
-                removed.push(slot);
-            }
+        if !Path::new(SLOTS_DIR).join(slot.to_string()).exists()
+            && delete_machine_table(&table)
+            && !removed.contains(&slot)
+        {
+            removed.push(slot);
         }
     }
     removed

@@ -733,6 +733,35 @@ impl TemplateStore {
         })
     }
 
+    /// Removes the name `name` (not a digest). When no other name points at its template
+    /// any more and `keep(digest)` is false, deletes the built template's files too.
+    /// `None` if no such name; else whether the files were deleted. Callers check that no
+    /// machine uses the template first: its files are the lower layer of their root.
+    pub fn remove(
+        &self,
+        name: &str,
+        keep: impl Fn(&str) -> bool,
+    ) -> Result<Option<bool>, TemplateError> {
+        validate_name(name)?;
+        let Some(digest) = self.name_target(name)? else {
+            return Ok(None);
+        };
+        let path = self.names_dir().join(name);
+        match fs::remove_file(&path) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => {
+                return Err(io_err("cannot remove", &path)(e))
+            }
+            _ => {}
+        }
+        self.edit_names(&digest, |names| names.retain(|n| n != name))?;
+        if self.names_by_digest()?.contains_key(&digest) || keep(&digest) {
+            return Ok(Some(false));
+        }
+        let _lock = self.lock(&digest, &mut NoProgress)?;
+        remove_tree(&self.templates.join(&digest))?;
+        Ok(Some(true))
+    }
+
     /// The spec a template was built from, if it was built (not imported).
     pub fn spec_of(&self, template: &Template) -> Result<Option<TemplateSpec>, TemplateError> {
         Ok(self.read_meta(&template.digest)?.and_then(|m| m.spec))

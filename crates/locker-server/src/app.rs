@@ -79,6 +79,8 @@ pub struct Config {
     /// Names pinned to addresses for machines' egress (`--egress-resolve name=ip`): the
     /// egress proxy and DNS responder use these instead of resolving.
     pub egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
+    /// Build the template `default` in the background at start when it is missing.
+    pub template_build: bool,
 }
 
 /// A sandbox whose machine runs on this node.
@@ -99,6 +101,9 @@ pub struct Live {
     /// Pause state; every transition holds this lock, so a call that is being admitted and
     /// the idle policy can never cross (a call is counted and the machine thawed atomically).
     pub pause: std::sync::Mutex<PauseState>,
+    /// Queue times of this sandbox's latest background processes, by process id (the agent
+    /// cannot know them; `processes::fill_timings` adds them to the results).
+    pub proc_queue_ms: std::sync::Mutex<std::collections::VecDeque<(String, f64)>>,
 }
 
 /// Whether and why a sandbox is frozen.
@@ -138,6 +143,7 @@ impl Live {
                 cpu_active_at: now,
                 ..Default::default()
             }),
+            proc_queue_ms: Default::default(),
         }
     }
 
@@ -207,6 +213,8 @@ pub struct App {
     pub vm_pool: crate::vm_pool::VmPool,
     /// Machines' egress policies: the name-checking proxy and DNS responder.
     pub egress: Arc<crate::egress::Egress>,
+    /// Whether the template `default` is being built (see `default_template`).
+    pub default_template: crate::default_template::DefaultTemplate,
     /// This server's hold on its data dir, for as long as the process lives.
     _lock: DataDirLock,
 }
@@ -223,6 +231,8 @@ impl App {
 /// Errors that stop the server from starting.
 #[derive(Debug, thiserror::Error)]
 pub enum ServeError {
+    #[error("locker serve runs machines, which needs root (namespaces, cgroups, mounts, network devices); this process runs as uid {0}: start it with sudo or as a system service (`locker doctor` checks the host)")]
+    NotRoot(u32),
     #[error("data dir {0}: {1}")]
     DataDir(PathBuf, std::io::Error),
     #[error("state store: {0}")]
@@ -315,6 +325,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     };
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
     crate::sandboxes::spawn_reaper(app.clone());
+    crate::default_template::ensure(&app, app.cfg.template_build);
     // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
     // before a machine gets egress).
     tokio::task::spawn_blocking(|| match locker_runtime::net::status() {
@@ -391,6 +402,11 @@ async fn shutdown(app: &AppState) {
 /// The state, with machines adopted. Public for tests that serve on their own listener.
 /// Fails without touching anything when another server holds the data dir.
 pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let euid = unsafe { libc::geteuid() };
+    if euid != 0 {
+        return Err(ServeError::NotRoot(euid));
+    }
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
     let lock = DataDirLock::take(&cfg.data_dir)?;
@@ -405,8 +421,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         None => {
             if store.list_keys("default")?.is_empty() {
                 let (info, clear) = store.create_key("default")?;
-                // Printed once, on purpose, to the terminal of whoever started the server.
-                eprintln!("locker: created an API key for tenant `default` (shown only now): {clear}  (key id {})", info.key_id);
+                print_new_key(&cfg.listen, &clear, &info.key_id);
             }
         }
     }
@@ -441,6 +456,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         pool: crate::runs::Pool::new(warm_pool),
         vm_pool: crate::vm_pool::VmPool::new(vm_pool),
         egress,
+        default_template: Default::default(),
         _lock: lock,
     });
     crate::sandboxes::adopt_all(&app).await;
@@ -448,6 +464,28 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     crate::runs::cleanup(&app).await;
     crate::runs::Pool::spawn_refill(app.clone());
     Ok(app)
+}
+
+/// Prints a generated key once, on stdout (the log is stderr), as the line to paste into
+/// the shell that runs clients.
+fn print_new_key(listen: &SocketAddr, key: &str, key_id: &str) {
+    use std::io::Write;
+    // A wildcard address is not one a client can dial; the loopback one reaches it.
+    let host = match listen.ip() {
+        std::net::IpAddr::V4(ip) if ip.is_unspecified() => "127.0.0.1".to_owned(),
+        std::net::IpAddr::V6(ip) if ip.is_unspecified() => "[::1]".to_owned(),
+        std::net::IpAddr::V6(ip) => format!("[{ip}]"),
+        ip => ip.to_string(),
+    };
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(
+        out,
+        "locker: created an API key for tenant `default` (shown only now; key id {key_id}).\n\
+         Clients (locker CLI, SDK, MCP) find the server with:\n\
+         \n  export LOCKER_URL=http://{host}:{port} LOCKER_API_KEY={key}\n",
+        port = listen.port()
+    );
+    let _ = out.flush();
 }
 
 /// Every route.
@@ -462,6 +500,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::runs::routes())
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())
+        .merge(crate::templates::routes())
         .fallback(|| async {
             crate::error::ApiError::not_found("no such route: see /openapi.json")
         })

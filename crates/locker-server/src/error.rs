@@ -67,6 +67,7 @@ pub fn code_of(status: StatusCode) -> &'static str {
     match status.as_u16() {
         400 => "bad_request",
         401 => "unauthorized",
+        403 => "forbidden",
         404 => "not_found",
         405 => "method_not_allowed",
         409 => "conflict",

@@ -40,14 +40,33 @@ pub fn routes() -> Router<AppState> {
 
 pub use locker_types::base64::decode as base64_decode;
 
+/// How a command is waited for, which sets its default and largest timeout.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wait {
+    /// The call returns when the command ends (exec, run): 60 s by default, at most 1 h;
+    /// `stream` answers NDJSON.
+    Call { stream: bool },
+    /// A background process: no timeout unless asked for; it ends with its sandbox.
+    Background,
+}
+
 /// Checks an exec body and turns it into what the agent runs.
 pub fn build_spec(
     live_env: &BTreeMap<String, String>,
     req: &ExecRequest,
     call_id: &str,
-    stream: bool,
+    wait: Wait,
 ) -> Result<(ExecSpec, Option<Vec<u8>>), ApiError> {
-    req.validate().map_err(ApiError::bad_request)?;
+    let (stream, timeout_ms) = match wait {
+        Wait::Call { stream } => {
+            req.validate().map_err(ApiError::bad_request)?;
+            (stream, Some(req.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)))
+        }
+        Wait::Background => {
+            req.validate_background().map_err(ApiError::bad_request)?;
+            (false, req.timeout_ms)
+        }
+    };
     if let Some(m) = req.max_output_bytes {
         if m > MAX_OUTPUT_CAP {
             return Err(ApiError::bad_request(format!("`max_output_bytes` must be at most {MAX_OUTPUT_CAP}; the full output is always kept in a file in the machine")));
@@ -78,7 +97,7 @@ pub fn build_spec(
         cwd: req.cwd.clone(),
         env: env.into_iter().collect(),
         stdin: stdin.is_some(),
-        timeout_ms: Some(req.timeout_ms.unwrap_or(DEFAULT_TIMEOUT_MS)),
+        timeout_ms,
         max_output_bytes: req.max_output_bytes.unwrap_or(DEFAULT_MAX_OUTPUT_BYTES),
         user: req.user.clone(),
         stream_output: stream,
@@ -135,7 +154,7 @@ async fn exec(
     let call_id = new_id("call_");
     let stream = wants_ndjson(&headers);
     let live = live_of(&app, &caller, &id).await?;
-    let (spec, stdin) = build_spec(&live.env, &req, &call_id, stream)?;
+    let (spec, stdin) = build_spec(&live.env, &req, &call_id, Wait::Call { stream })?;
     if !stream {
         let queue_ms = ms_since(arrived);
         let started = Instant::now();
@@ -440,7 +459,8 @@ mod tests {
         base.insert("B".to_string(), "1".to_string());
         let req: ExecRequest =
             serde_json::from_str(r#"{"shell":"echo hi","env":{"B":"2"}}"#).unwrap();
-        let (spec, stdin) = build_spec(&base, &req, "call_x", false).unwrap();
+        let (spec, stdin) =
+            build_spec(&base, &req, "call_x", Wait::Call { stream: false }).unwrap();
         assert_eq!(spec.argv, vec!["/bin/sh", "-c", "echo hi"]);
         assert_eq!(
             spec.env,
@@ -449,6 +469,13 @@ mod tests {
         assert!(stdin.is_none());
         let bad: ExecRequest =
             serde_json::from_str(r#"{"cmd":["x"],"max_output_bytes":999999999}"#).unwrap();
-        assert!(build_spec(&base, &bad, "c", false).is_err());
+        assert!(build_spec(&base, &bad, "c", Wait::Call { stream: false }).is_err());
+        assert_eq!(spec.timeout_ms, Some(60_000), "exec's default");
+        let (bg, _) = build_spec(&base, &req, "c", Wait::Background).unwrap();
+        assert_eq!(bg.timeout_ms, None, "a background process has none");
+        let long: ExecRequest =
+            serde_json::from_str(r#"{"cmd":["x"],"timeout_ms":7200000}"#).unwrap();
+        assert!(build_spec(&base, &long, "c", Wait::Call { stream: false }).is_err());
+        assert!(build_spec(&base, &long, "c", Wait::Background).is_ok());
     }
 }

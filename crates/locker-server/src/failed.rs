@@ -79,7 +79,7 @@ pub async fn check(app: &AppState, live: &Arc<Live>, e: AgentClientError) -> Api
     if mark(app, live, describe(&e)).await || reason(&live.id).is_some() {
         conflict(&live.id)
     } else {
-        ApiError::not_found(format!("sandbox {} does not exist", live.id))
+        crate::tombstone::gone(app, &live.tenant, &live.id)
     }
 }
 

@@ -4,12 +4,15 @@
 //! - [`app`]: configuration, shared state, start-up (adoption of machines a killed server
 //!   left running), background lifecycle (TTL reaping) and graceful shutdown;
 //! - [`auth`]: API keys and tenants on every `/v1` route;
+//! - [`templates`]: removing a template (`DELETE /v1/templates/{name}`);
 //! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`volumes`], [`admin`], [`ops`]: the routes;
 //! - [`error`], [`extract`]: the one error shape and request parsing;
 //! - [`failed`]: sandboxes whose agent died or stopped answering;
+//! - [`tombstone`]: what the id of a sandbox that is gone answers;
 //! - [`metrics`]: Prometheus text;
 //! - [`egress`]: egress policies by name: the proxy, the DNS responder, refusals;
 //! - [`capacity`]: what the host holds: quota defaults and disk admission;
+//! - [`default_template`]: the template `default` built at start when it is missing;
 //! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP.
 //!
 //! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
@@ -19,6 +22,7 @@ pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod capacity;
+pub mod default_template;
 pub mod egress;
 pub mod error;
 pub mod exec;
@@ -33,6 +37,8 @@ pub mod processes;
 pub mod runs;
 pub mod sandboxes;
 pub mod snapshots;
+pub mod templates;
+pub mod tombstone;
 pub mod vm_pool;
 pub mod volumes;
 

@@ -297,6 +297,12 @@ pub const ROUTES: &[RouteDoc] = &[
         "Serverless call: a fresh machine on the volume runs one command; its changes are committed (NDJSON with Accept: application/x-ndjson)",
     ),
     r("get", "/v1/templates", 200, "List templates"),
+    r(
+        "delete",
+        "/v1/templates/{name}",
+        204,
+        "Remove a template (tenant `default` only; 409 while a sandbox or snapshot uses it)",
+    ),
     r("get", "/v1/calls", 200, "Call records, newest first"),
     r("get", "/v1/usage", 200, "Per-tenant totals"),
     r(

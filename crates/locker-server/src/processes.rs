@@ -16,10 +16,12 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::app::{new_id, AppState};
+use crate::app::{ms_since, new_id, AppState, Live};
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::exec::{build_spec, call_record, error_line, ndjson_response, pump, send_line, typed};
+use crate::exec::{
+    build_spec, call_record, error_line, ndjson_response, pump, send_line, typed, Wait,
+};
 use crate::extract::{Json, Query};
 use crate::failed::result;
 use crate::sandboxes::live_of;
@@ -55,11 +57,15 @@ async fn start(
     let arrived = Instant::now();
     let live = live_of(&app, &caller, &id).await?;
     let call_id = new_id("call_");
-    let (mut spec, stdin) = build_spec(&live.env, &req, &call_id, false)?;
+    // No timeout unless the body asks for one: the process lives until it exits or its
+    // sandbox ends.
+    let (mut spec, stdin) = build_spec(&live.env, &req, &call_id, Wait::Background)?;
     // Background processes keep a stdin pipe for later writes unless the body gave stdin.
     spec.stdin = true;
     let agent = live.machine.agent.clone();
+    let queue_ms = ms_since(arrived);
     let (proc_id, pid) = result(&app, &live, agent.spawn(spec.clone()).await).await?;
+    remember_queue(&live, &proc_id, queue_ms);
     if let Some(data) = stdin {
         let r = agent.process_stdin(&proc_id, &data[..], true).await;
         result(&app, &live, r).await?;
@@ -71,10 +77,10 @@ async fn start(
         loop {
             tokio::time::sleep(Duration::from_millis(250)).await;
             match live2.machine.agent.get_process(&pid_s).await {
-                Ok(p) if p.result.is_some() => {
+                Ok(mut p) if p.result.is_some() => {
+                    fill_timings(&live2, &mut p);
                     let mut res = p.result.expect("checked");
                     res.call_id = call_id.clone();
-                    res.timings.total_ms = arrived.elapsed().as_secs_f64() * 1e3;
                     app2.metrics.add_cpu(&caller2.tenant, res.usage.cpu_ms);
                     let mut record = call_record(
                         &caller2,
@@ -98,13 +104,48 @@ async fn start(
     Ok(axum::Json(json!({"id": proc_id, "pid": pid})))
 }
 
+/// How many background processes' queue times a sandbox remembers: more than the agent
+/// keeps (256 ended ones plus the running ones, in practice).
+const QUEUE_TIMES: usize = 1024;
+
+fn remember_queue(live: &Live, proc_id: &str, queue_ms: f64) {
+    let mut q = live.proc_queue_ms.lock().expect("queue times lock");
+    if q.len() >= QUEUE_TIMES {
+        q.pop_front();
+    }
+    q.push_back((proc_id.to_owned(), queue_ms));
+}
+
+/// Completes an ended process's timings, which the agent leaves at 0: `queue_ms` as this
+/// server saw it (0 for a process started before a restart) and `total_ms` from the
+/// request's arrival to the process's end (queue + start + run).
+fn fill_timings(live: &Live, info: &mut locker_proto::ProcessInfo) {
+    let Some(res) = info.result.as_mut() else {
+        return;
+    };
+    let queue_ms = live
+        .proc_queue_ms
+        .lock()
+        .expect("queue times lock")
+        .iter()
+        .rev()
+        .find(|(id, _)| *id == info.id)
+        .map_or(0.0, |(_, q)| *q);
+    let t = &mut res.timings;
+    t.queue_ms = queue_ms;
+    t.total_ms = ((queue_ms + t.start_ms + t.run_ms) * 1000.0).round() / 1000.0;
+}
+
 async fn list(
     State(app): State<AppState>,
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let live = live_of(&app, &caller, &id).await?;
-    let procs = result(&app, &live, live.machine.agent.list_processes().await).await?;
+    let mut procs = result(&app, &live, live.machine.agent.list_processes().await).await?;
+    for p in &mut procs {
+        fill_timings(&live, p);
+    }
     Ok(axum::Json(json!({ "processes": procs })))
 }
 
@@ -115,7 +156,8 @@ async fn get_one(
 ) -> Result<impl IntoResponse, ApiError> {
     check_proc_id(&proc_id)?;
     let live = live_of(&app, &caller, &id).await?;
-    let p = result(&app, &live, live.machine.agent.get_process(&proc_id).await).await?;
+    let mut p = result(&app, &live, live.machine.agent.get_process(&proc_id).await).await?;
+    fill_timings(&live, &mut p);
     Ok(axum::Json(p))
 }
 
@@ -150,10 +192,13 @@ async fn output(
             return;
         };
         let last = match end {
-            Ok(info) => match info.result {
-                Some(res) => typed("result", &res),
-                None => json!({"type": "state", "state": info.state}),
-            },
+            Ok(mut info) => {
+                fill_timings(&live, &mut info);
+                match info.result {
+                    Some(res) => typed("result", &res),
+                    None => json!({"type": "state", "state": info.state}),
+                }
+            }
             Err(e) => error_line(e.into()),
         };
         send_line(&body_tx, &last).await;

@@ -53,7 +53,9 @@ use tokio::sync::mpsc;
 use crate::app::{ms_since, new_id, now_s, AppState};
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::exec::{build_spec, error_line, ndjson_response, pump, send_line, typed, wants_ndjson};
+use crate::exec::{
+    build_spec, error_line, ndjson_response, pump, send_line, typed, wants_ndjson, Wait,
+};
 use crate::extract::Json;
 use crate::volumes::Volume;
 
@@ -201,7 +203,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         .templates
         .resolve(&name)
         .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-        .ok_or_else(|| crate::sandboxes::unknown_template(&name))?;
+        .ok_or_else(|| crate::default_template::unknown(app, &name))?;
     Ok(Plan {
         rec,
         vol,
@@ -267,7 +269,7 @@ async fn run(
         crate::sandboxes::require_microvm(&app).await?;
     }
     let call_id = new_id("call_");
-    let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, stream)?;
+    let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, Wait::Call { stream })?;
     crate::capacity::admit_disk(&app.cfg.data_dir, "a run's machine disk", RUN_DISK_MB)?;
     let slot = RunSlot::take(&app, &caller.tenant)?;
     if !stream {

@@ -19,12 +19,12 @@ use crate::app::{new_id, now_s, AppState, Busy, Live};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
+use locker_types::MAX_TTL_S;
 
 /// Limits a client may ask for.
 pub(crate) const MAX_CPUS: f64 = 64.0;
 pub(crate) const MEMORY_MB: (u64, u64) = (32, 262_144);
 const DISK_MB: (u64, u64) = (16, 1_048_576);
-const MAX_TTL_S: u64 = 30 * 24 * 3600;
 /// Processes per sandbox: enough for builds, small enough to stop a fork bomb.
 pub(crate) const PIDS: u64 = 1024;
 
@@ -337,7 +337,7 @@ async fn create(
                 .templates
                 .resolve(&name)
                 .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-                .ok_or_else(|| unknown_template(&name))?;
+                .ok_or_else(|| crate::default_template::unknown(&app, &name))?;
             (name, t, None, disk_mb)
         }
     };
@@ -702,7 +702,7 @@ pub async fn live_quiet(app: &AppState, caller: &Caller, id: &str) -> Result<Arc
         None => Err(live_of(app, caller, id)
             .await
             .err()
-            .unwrap_or_else(|| ApiError::not_found(format!("sandbox {id} does not exist")))),
+            .unwrap_or_else(|| crate::tombstone::gone(app, &caller.tenant, id))),
     }
 }
 
@@ -710,7 +710,7 @@ pub async fn live_quiet(app: &AppState, caller: &Caller, id: &str) -> Result<Arc
 pub fn record_of(app: &AppState, caller: &Caller, id: &str) -> Result<SandboxRecord, ApiError> {
     match app.store.get_sandbox(&caller.tenant, id)? {
         Some(r) if r.state != SandboxState::Stopped => Ok(r),
-        _ => Err(ApiError::not_found(format!("sandbox {id} does not exist"))),
+        _ => Err(crate::tombstone::gone(app, &caller.tenant, id)),
     }
 }
 
@@ -733,7 +733,7 @@ pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, 
                 Some(r) if r.state == SandboxState::Starting => Err(ApiError::conflict(format!(
                     "sandbox {id} is still starting"
                 ))),
-                _ => Err(ApiError::not_found(format!("sandbox {id} does not exist"))),
+                _ => Err(crate::tombstone::gone(app, &caller.tenant, id)),
             }
         }
     }
@@ -964,12 +964,13 @@ async fn delete(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let r = record_of(&app, &caller, &id)?;
-    destroy(&app, &r).await?;
+    destroy(&app, &r, "deleted").await?;
     Ok(StatusCode::NO_CONTENT)
 }
 
-/// Destroys a sandbox's machine (if live) and marks it stopped, keeping its usage.
-pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> {
+/// Destroys a sandbox's machine (if live) and marks it stopped, keeping its usage; `ending`
+/// (`deleted`, `expired`) is what its id answers afterwards (see `tombstone`).
+pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<(), ApiError> {
     let live = app.live.write().await.remove(&r.id);
     app.egress.forget(&r.id);
     PauseMarks::of(app).clear(&r.id);
@@ -995,7 +996,8 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> 
                 .await;
     }
     app.store.update_sandbox(&rec)?;
-    app.store.delete_sandbox(&rec.id)?;
+    app.store
+        .end_sandbox_at(&rec.id, now_s(), &crate::tombstone::cause(r, ending))?;
     crate::failed::forget(&rec.id);
     Ok(())
 }
@@ -1031,7 +1033,11 @@ pub async fn adopt_all(app: &AppState) {
         let machine = match app.node.adopt(&r.id, &dir).await {
             Ok(m) => m,
             Err(e) => {
-                let _ = app.store.delete_sandbox(&r.id);
+                let _ = app.store.end_sandbox_at(
+                    &r.id,
+                    now_s(),
+                    "lost: its machine did not survive a restart of the server",
+                );
                 tracing::warn!(sandbox = %r.id, error = %e, "sandbox did not survive the restart; marked stopped");
                 continue;
             }
@@ -1219,7 +1225,7 @@ pub fn spawn_reaper(app: AppState) {
             };
             for id in ids {
                 if let Ok(Some(r)) = app.store.get_sandbox_any(&id) {
-                    match destroy(&app, &r).await {
+                    match destroy(&app, &r, "expired").await {
                         Ok(()) => tracing::info!(sandbox = %id, "expired (TTL) and destroyed"),
                         Err(e) => tracing::warn!(sandbox = %id, error = %e, "TTL reaper failed"),
                     }

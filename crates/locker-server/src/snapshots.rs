@@ -265,7 +265,7 @@ async fn fork(
     if let Some(Err(e)) = failed.into_iter().next() {
         // All or nothing: a fork that could not make every child leaves none.
         for (r, _) in &ok {
-            let _ = crate::sandboxes::destroy(&app, r).await;
+            let _ = crate::sandboxes::destroy(&app, r, "deleted").await;
         }
         return Err(e);
     }

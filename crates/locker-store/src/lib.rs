@@ -37,6 +37,18 @@ pub use sqlite::{SqliteStore, SCHEMA_VERSION};
 
 /// The largest page of call records one [`Store::list_calls`] returns.
 pub const MAX_CALLS_LIMIT: u32 = 1000;
+/// How long an ended sandbox's id still answers with why it ended (its tombstone): 7 days.
+pub const TOMBSTONE_S: i64 = 7 * 24 * 3600;
+
+/// Why and when a sandbox ended, answered for [`TOMBSTONE_S`] after its end.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Tombstone {
+    /// RFC 3339 UTC.
+    pub ended_at: String,
+    /// `deleted`, `expired`, or `failed: <reason>`.
+    pub cause: String,
+}
+
 /// The page size of [`Store::list_calls`] when the caller gives none.
 pub const DEFAULT_CALLS_LIMIT: u32 = 100;
 
@@ -126,6 +138,14 @@ pub trait Store: Send + Sync {
     /// env wiped; invisible to every sandbox read afterwards, still counted by usage.
     /// `false` if it was missing or already deleted.
     fn delete_sandbox_at(&self, id: &str, now: i64) -> Result<bool>;
+
+    /// [`Store::delete_sandbox_at`] that also records why the sandbox ended (`deleted`,
+    /// `expired`, `failed: …`) for its tombstone.
+    fn end_sandbox_at(&self, id: &str, now: i64, cause: &str) -> Result<bool>;
+
+    /// Why the tenant's sandbox `id` ended, if it ended less than [`TOMBSTONE_S`] before
+    /// `now`; older ends answer `None`, like an id that never existed.
+    fn tombstone_at(&self, tenant: &str, id: &str, now: i64) -> Result<Option<Tombstone>>;
 
     /// [`Store::delete_sandbox_at`] with the clock's time.
     fn delete_sandbox(&self, id: &str) -> Result<bool> {

@@ -28,6 +28,7 @@ use crate::model::{
 };
 use crate::model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 use crate::random::{fill_random, hex, new_api_key};
+use crate::Tombstone;
 use crate::{SnapshotRecord, Store, DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
 
 const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at";
@@ -162,6 +163,10 @@ const MIGRATIONS: &[&str] = &[
         record       TEXT NOT NULL
     ) STRICT;
     CREATE INDEX volume_snapshots_volume ON volume_snapshots(tenant, volume_id, created_unix);
+    "#,
+    // 3: why a sandbox ended ("deleted", "expired", "failed: …"), for its tombstone.
+    r#"
+    ALTER TABLE sandboxes ADD COLUMN end_cause TEXT;
     "#,
 ];
 
@@ -1145,6 +1150,53 @@ impl Store for SqliteStore {
             )?
             .execute(params![id, now])?;
         Ok(n > 0)
+    }
+
+    fn end_sandbox_at(&self, id: &str, now: i64, cause: &str) -> Result<bool> {
+        let n = self
+            .writer()
+            .prepare_cached(
+                "UPDATE sandboxes SET state = 'stopped', env = '{}', deleted_unix = ?2,
+                     ended_unix = COALESCE(ended_unix, ?2), end_cause = ?3
+                 WHERE id = ?1 AND deleted_unix IS NULL",
+            )?
+            .execute(params![id, now, cause])?;
+        Ok(n > 0)
+    }
+
+    fn tombstone_at(&self, tenant: &str, id: &str, now: i64) -> Result<Option<Tombstone>> {
+        self.read(|c| {
+            let row = c
+                .prepare_cached(
+                    "SELECT deleted_unix, expires_unix, end_cause FROM sandboxes
+                     WHERE id = ?1 AND tenant = ?2 AND deleted_unix IS NOT NULL
+                       AND deleted_unix >= ?3",
+                )?
+                .query_row(params![id, tenant, now - crate::TOMBSTONE_S], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, i64>(1)?,
+                        r.get::<_, Option<String>>(2)?,
+                    ))
+                })
+                .optional()?;
+            Ok(row.map(|(ended, expires, cause)| {
+                // Rows ended before causes were recorded: a delete at or past the expiry
+                // was the TTL reaper's.
+                let cause = cause.unwrap_or_else(|| {
+                    if ended >= expires {
+                        "expired"
+                    } else {
+                        "deleted"
+                    }
+                    .to_owned()
+                });
+                Tombstone {
+                    ended_at: rfc3339(ended),
+                    cause,
+                }
+            }))
+        })
     }
 
     fn list_live_sandboxes(&self) -> Result<Vec<SandboxRecord>> {

@@ -13,10 +13,15 @@ use serde::{Deserialize, Serialize};
 
 /// Default per-stream output cap in bytes (`max_output_bytes`).
 pub const DEFAULT_MAX_OUTPUT_BYTES: u64 = 65_536;
-/// Default wall-clock limit of one command.
+/// Default wall-clock limit of one command (exec, run). Background processes have none.
 pub const DEFAULT_TIMEOUT_MS: u64 = 60_000;
 /// The largest `timeout_ms` a single exec may ask for (one hour).
 pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
+/// The longest a sandbox may live (`ttl_s`), in seconds: 30 days.
+pub const MAX_TTL_S: u64 = 30 * 24 * 3600;
+/// The largest `timeout_ms` a background process may ask for: the longest a sandbox may
+/// live, since a background process never outlives its sandbox anyway.
+pub const MAX_BACKGROUND_TIMEOUT_MS: u64 = MAX_TTL_S * 1000;
 
 /// What to run: the body of `POST /v1/sandboxes/{id}/exec` and of background processes.
 ///
@@ -49,8 +54,19 @@ pub struct ExecRequest {
 }
 
 impl ExecRequest {
-    /// Checks the request's own consistency; the message says what to fix.
+    /// Checks the request's own consistency for a call that returns when the command ends
+    /// (exec, run); the message says what to fix.
     pub fn validate(&self) -> Result<(), String> {
+        self.validate_within(MAX_TIMEOUT_MS)
+    }
+
+    /// The same checks for a background process, whose `timeout_ms` may reach
+    /// [`MAX_BACKGROUND_TIMEOUT_MS`].
+    pub fn validate_background(&self) -> Result<(), String> {
+        self.validate_within(MAX_BACKGROUND_TIMEOUT_MS)
+    }
+
+    fn validate_within(&self, max_timeout_ms: u64) -> Result<(), String> {
         match (&self.cmd, &self.shell) {
             (Some(_), Some(_)) => return Err("give either `cmd` or `shell`, not both".into()),
             (None, None) => return Err("give `cmd` (an argv array) or `shell` (a string)".into()),
@@ -89,9 +105,14 @@ impl ExecRequest {
             return Err("give either `stdin` or `stdin_b64`, not both".into());
         }
         if let Some(t) = self.timeout_ms {
-            if t == 0 || t > MAX_TIMEOUT_MS {
+            if t == 0 || t > max_timeout_ms {
+                let hint = if max_timeout_ms == MAX_TIMEOUT_MS {
+                    "; start a background process for longer commands"
+                } else {
+                    ""
+                };
                 return Err(format!(
-                    "`timeout_ms` must be between 1 and {MAX_TIMEOUT_MS}"
+                    "`timeout_ms` must be between 1 and {max_timeout_ms}{hint}"
                 ));
             }
         }

@@ -522,7 +522,10 @@ class Processes:
         self._sb = sandbox
 
     def start(self, cmd: Optional[Sequence[str]] = None, *, shell: Optional[str] = None, **options: Any) -> Process:
-        """Starts a command in the background; returns at once. Options as for exec."""
+        """Starts a command in the background; returns at once. Options as for exec, except
+        that a background process has no timeout unless `timeout_ms` is given (at most
+        2592000000, the longest a sandbox lives): it runs until it exits, is signalled, or
+        its sandbox ends."""
         body = _exec_body(cmd, shell, options)
         d = self._sb._c.request("POST", f"/v1/sandboxes/{_seg(self._sb.id)}/processes", body)
         return Process(self._sb, d["id"], d.get("pid"))
