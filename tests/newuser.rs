@@ -314,7 +314,7 @@ fn an_interrupted_streamed_exec_kills_its_command() {
 /// The README's quick tour, run as written (one bash, `set -eu`, as typed at a prompt: no
 /// pipefail, so `yes | …` is not a failure) in a fresh directory
 /// against a fresh server: the first thing a newcomer does must work. The `export` of the
-/// key is the test's own (the server's key); `locker shell` reads the end of stdin and
+/// URL and key is the test's own (its server's); `locker shell` reads the end of stdin and
 /// leaves.
 #[test]
 fn the_readme_tour_runs_as_written() {
@@ -327,7 +327,7 @@ fn the_readme_tour_runs_as_written() {
         .expect("README.md has a ```sh block under ## Quick tour");
     let script: String = tour
         .lines()
-        .filter(|l| !l.starts_with("export LOCKER_API_KEY="))
+        .filter(|l| !l.starts_with("export LOCKER_"))
         .map(|l| format!("{l}\n"))
         .collect();
     assert!(script.contains("locker sandbox create"), "{script}");
