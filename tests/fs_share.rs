@@ -536,10 +536,8 @@ fn attributes_are_set_and_reported() {
     // utimensat(NULL): now.
     let p = cpath(&mnt.m("f"));
     // SAFETY: a NUL-terminated path and a null times pointer.
-    assert_eq!(
-        unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), std::ptr::null(), 0) },
-        0
-    );
+    let rc = unsafe { libc::utimensat(libc::AT_FDCWD, p.as_ptr(), std::ptr::null(), 0) };
+    assert_eq!(rc, 0);
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap()

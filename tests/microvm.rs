@@ -283,6 +283,7 @@ async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
     // Crash: kill QEMU; destroy still removes everything.
     let dirs: Vec<PathBuf> = vms.machines.iter().map(|m| m.dir.clone()).collect();
     for pid in qemus_under(&dirs[1]) {
+        // SAFETY: kill(2) on a pid; no memory is involved.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -17,6 +17,8 @@
 //! revision (2026-07-28, stateless) and the previous session-based ones (2025-11-25 and
 //! earlier, `Mcp-Session-Id`), as `rmcp` negotiates them.
 
+#![forbid(unsafe_code)]
+
 pub mod api;
 pub mod server;
 mod session;

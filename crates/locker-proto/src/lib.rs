@@ -35,6 +35,8 @@
 //! length or a payload that is not the JSON it should be is an error, never a panic, and the
 //! side that sees it drops the connection.
 
+#![forbid(unsafe_code)]
+
 use std::io::{self, Read, Write};
 
 use locker_types::{Entry, ExecResult, Usage};

@@ -409,16 +409,18 @@ pub fn keep_fds(fds: &[(RawFd, RawFd)]) -> io::Result<()> {
 pub fn affinity() -> io::Result<Vec<usize>> {
     // SAFETY: a zeroed cpu_set_t is a valid empty set; the kernel fills at most its size.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let size = std::mem::size_of::<libc::cpu_set_t>();
     // SAFETY: `set` is a live cpu_set_t of the size passed.
-    check(
-        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
-            .into(),
-    )?;
-    let max = 8 * std::mem::size_of::<libc::cpu_set_t>();
-    // SAFETY: CPU_ISSET reads a bit of the live set, within its size.
-    Ok((0..max)
-        .filter(|c| unsafe { libc::CPU_ISSET(*c, &set) })
-        .collect())
+    let rc = unsafe { libc::sched_getaffinity(0, size, &mut set) };
+    check(rc.into())?;
+    let mut cpus = Vec::new();
+    for c in 0..8 * size {
+        // SAFETY: CPU_ISSET reads a bit of the live set, within its size.
+        if unsafe { libc::CPU_ISSET(c, &set) } {
+            cpus.push(c);
+        }
+    }
+    Ok(cpus)
 }
 
 /// Fills `buf` from the kernel's random source (`getrandom(2)`); on failure (a kernel

@@ -1514,10 +1514,8 @@ mod tests {
         // A whiteout needs CAP_MKNOD: the tests run as root.
         let wh = std::ffi::CString::new(upper.join("gone").as_os_str().as_encoded_bytes()).unwrap();
         // SAFETY: mknod with a valid path.
-        assert_eq!(
-            unsafe { libc::mknod(wh.as_ptr(), libc::S_IFCHR | 0o600, 0) },
-            0
-        );
+        let rc = unsafe { libc::mknod(wh.as_ptr(), libc::S_IFCHR | 0o600, 0) };
+        assert_eq!(rc, 0);
         let s = scan(&base, &upper).unwrap();
         assert_eq!(s.added, vec!["/n", "/nd", "/nd/e", "/nd/e/z"]);
         assert_eq!(s.modified, vec!["/d/f"]);

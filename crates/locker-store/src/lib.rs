@@ -19,6 +19,8 @@
 //! - Deleting a sandbox is a soft delete: its row stays (state `stopped`, env wiped) so
 //!   usage can still count its seconds, but no sandbox read returns it again.
 
+#![forbid(unsafe_code)]
+
 mod error;
 mod model;
 mod random;

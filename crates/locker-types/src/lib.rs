@@ -5,6 +5,8 @@
 //! no I/O, no validation beyond what serde does, so the agent (a static binary inside every
 //! machine) can depend on it without pulling anything else in.
 
+#![forbid(unsafe_code)]
+
 pub mod base64;
 
 use std::collections::BTreeMap;
