@@ -1,18 +1,23 @@
 //! The node layer: what turns a template into a running machine and talks to its agent.
 //!
 //! Rooms:
-//! - [`template`]: building, importing and finding templates (root filesystems by digest).
+//! - [`node`]: the machines of a host, either runtime: create, adopt, destroy, orphan
+//!   clean-up, uid ranges. The server's one door into this crate.
+//! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces),
+//!   with [`seccomp`] (the commands' filter), [`cgroup`] (v1 and v2 limits, freezing,
+//!   accounting) and [`view`] (what a jail sees of its own CPUs and memory).
+//! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots): `accel`,
+//!   `assets`, `qemu`, `qmp`, `base`; [`vm_fs`] is the per-VM file server process and
+//!   [`fuse`] the FUSE passthrough server it runs.
 //! - [`agent`]: the host side of the agent channel (tokio; speaks `locker-proto`).
-//! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces).
-//! - [`cgroup`]: cgroup v1 and v2 limits, freezing and accounting for machines.
-//! - [`doctor`]: what works on this host and why.
-//! - [`fuse`]: the host side of a microVM's volume mounts (a FUSE passthrough server).
-//! - [`host_agent`]: an agent on the host serving a volume's files with no machine.
-//! - [`tree`]: directory trees of volumes: measured, and copied copy-on-write.
-//! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots).
-//! - [`vm_fs`]: volumes in microVMs: the per-VM file server process.
-//! - [`view`]: what a jail sees of its own CPUs and memory (pinning, `/proc/meminfo`).
+//! - [`template`]: building, importing and finding templates (root filesystems by digest).
+//! - [`disk`]: a machine's writable disk (an ext4 image per machine, from blank images).
 //! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
+//! - Volumes: [`volume_fs`] (a volume's storage: btrfs images, snapshots, forks),
+//!   [`tree`] (directory trees measured and copied copy-on-write) and [`host_agent`] (an
+//!   agent on the host serving a volume's files with no machine).
+//! - [`doctor`]: what works on this host and why.
+//! - `sys`: the system calls the rooms above share, each with its invariant.
 //!
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
 
