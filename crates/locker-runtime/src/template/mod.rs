@@ -1,0 +1,171 @@
+//! Templates: immutable root filesystems, built once from a spec and stored by digest.
+//!
+//! This room owns the template cache, `$LOCKER_CACHE_DIR/templates/` (default
+//! `/var/cache/locker`), which every data dir on a host shares:
+//!
+//! ```text
+//! templates/<digest>/rootfs/       the root filesystem, never changed once in place
+//! templates/<digest>/meta.json     names, digest, spec, size, creation time, packages
+//! templates/names/<name>           the digest a name points at (one line)
+//! templates/.locks/<digest>.lock   flock(2) held by whoever builds <digest>
+//! templates/.tmp-<digest>-<pid>/   a build in progress (or one that died)
+//! ```
+//!
+//! A template is stored by the digest of its content, never by its name: the digest of a
+//! spec hashes a canonical form of its base, packages and run steps together with
+//! [`SPEC_FORMAT`], which names the build recipe, so two names with the same content share
+//! one build, and changing how templates are made changes every digest. An imported
+//! tarball's digest hashes its bytes with [`IMPORT_FORMAT`].
+//!
+//! Why builds are safe to interrupt: a build writes into `.tmp-<digest>-<pid>` while it
+//! holds that digest's lock, and renames the finished directory into place only after its
+//! metadata and contents are synced, so `templates/<digest>/` exists only when complete.
+//! The lock also makes two concurrent builds of one digest build once: the second waits,
+//! then finds the first's result. Children (mmdebstrap, tar) inherit the lock and die with
+//! the builder, so a lock that is free means nobody writes into a `.tmp-*` directory any
+//! more; the next build or listing unmounts whatever is left mounted there and removes it.
+//!
+//! Run steps execute as root inside the new root filesystem, in their own mount and pid
+//! namespaces (`unshare --root --mount-proc`): `/proc` exists only for the step, and every
+//! process a step leaves behind dies with it.
+//!
+//! This room does not mount templates for machines, own sandboxes, or know about the
+//! database: runtimes take [`Template::rootfs`] and use it read-only.
+//!
+//! Rooms: `spec` (a spec and its digest), `store` (the cache: names, metadata, locks),
+//! `build` (mmdebstrap and run steps), `extract` (importing a tarball), `progress` (what a
+//! build reports), `fsutil` (atomic writes, tree removal, mounts), `sys` (its system calls).
+
+mod build;
+mod extract;
+mod fsutil;
+mod progress;
+mod spec;
+mod store;
+mod sys;
+#[cfg(test)]
+mod tests;
+
+pub use progress::{NoProgress, Progress, StderrProgress};
+pub use spec::{default_spec, validate_name, TemplateSpec};
+pub use store::TemplateStore;
+
+use serde::{Deserialize, Serialize};
+use std::io;
+use std::path::{Path, PathBuf};
+
+/// Where templates live when `LOCKER_CACHE_DIR` is not set.
+pub const DEFAULT_CACHE_DIR: &str = "/var/cache/locker";
+/// The environment variable that moves the cache.
+pub const CACHE_DIR_ENV: &str = "LOCKER_CACHE_DIR";
+/// The name of the template built from [`default_spec`].
+pub const DEFAULT_TEMPLATE: &str = "default";
+/// The only base a spec may name for now.
+pub const DEFAULT_BASE: &str = "debian:bookworm";
+/// The build recipe a spec digest stands for. Change it whenever the way a spec becomes a
+/// root filesystem changes (variant, mirrors, dpkg filters, finishing touches), so that
+/// old builds are not mistaken for new ones.
+pub const SPEC_FORMAT: &str = "locker-template-spec-v1 mmdebstrap-minbase-bookworm";
+/// What an import digest stands for: these bytes, extracted as-is.
+pub const IMPORT_FORMAT: &str = "locker-template-import-v1";
+
+/// The packages of the default template: enough for an agent to run Python, Node and git.
+pub const DEFAULT_PACKAGES: &[&str] = &[
+    "python3",
+    "python3-pip",
+    "python3-venv",
+    "git",
+    "curl",
+    "ca-certificates",
+    "procps",
+    "iproute2",
+    "nodejs",
+    "npm",
+    "less",
+    "jq",
+];
+
+const META_FORMAT: u32 = 1;
+const DEBIAN_SOURCES: &[&str] = &[
+    "deb http://deb.debian.org/debian bookworm main",
+    "deb http://deb.debian.org/debian bookworm-updates main",
+    "deb http://deb.debian.org/debian-security bookworm-security main",
+];
+/// Documentation and translations nobody reads inside a machine; copyright files stay.
+const DPKG_FILTERS: &[&str] = &[
+    "path-exclude=/usr/share/man/*",
+    "path-exclude=/usr/share/info/*",
+    "path-exclude=/usr/share/doc/*",
+    "path-include=/usr/share/doc/*/copyright",
+    "path-exclude=/usr/share/locale/*",
+    "path-include=/usr/share/locale/locale.alias",
+];
+const STEP_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// Environment variables passed from the host to mmdebstrap and run steps (mirror access).
+const PASSED_ENV: &[&str] = &[
+    "http_proxy",
+    "https_proxy",
+    "no_proxy",
+    "HTTP_PROXY",
+    "HTTPS_PROXY",
+    "NO_PROXY",
+];
+
+/// What went wrong with a template; every message says what to do about it.
+#[derive(Debug, thiserror::Error)]
+pub enum TemplateError {
+    #[error("invalid template name {name:?}: {why}")]
+    InvalidName { name: String, why: &'static str },
+    #[error("invalid template spec: {0}")]
+    InvalidSpec(String),
+    #[error("unsupported base {0:?}: only \"debian:bookworm\" is supported for now")]
+    UnsupportedBase(String),
+    #[error("{tool} not found: {fix}")]
+    ToolMissing {
+        tool: &'static str,
+        fix: &'static str,
+    },
+    #[error("building templates needs root (mmdebstrap's root mode, chroot): run as root")]
+    NotRoot,
+    #[error("{step} failed: {detail}")]
+    BuildFailed { step: String, detail: String },
+    #[error("{0:?} matches more than one template digest: give more characters")]
+    Ambiguous(String),
+    #[error("template metadata {path} is unreadable ({detail}): remove {dir} and build again")]
+    Corrupt {
+        path: PathBuf,
+        dir: PathBuf,
+        detail: String,
+    },
+    #[error("{what} {path}: {err}")]
+    Io {
+        what: &'static str,
+        path: PathBuf,
+        err: io::Error,
+    },
+}
+
+fn io_err<'a>(what: &'static str, path: &'a Path) -> impl FnOnce(io::Error) -> TemplateError + 'a {
+    move |err| TemplateError::Io {
+        what,
+        path: path.to_path_buf(),
+        err,
+    }
+}
+
+/// A built template, as runtimes see it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Template {
+    /// The name it was found by; empty for a digest no name points at.
+    pub name: String,
+    /// Its content digest (64 hex digits).
+    pub digest: String,
+    /// Its root filesystem: read-only for everyone.
+    pub rootfs: PathBuf,
+    /// Disk space the root filesystem takes (hard links counted once).
+    pub size_bytes: u64,
+    /// When it was built or imported (RFC 3339, UTC).
+    pub created_at: String,
+    /// The packages its spec asked for (empty for imports).
+    pub packages: Vec<String>,
+}
