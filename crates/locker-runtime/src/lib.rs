@@ -13,7 +13,7 @@
 //! - [`template`]: building, importing and finding templates (root filesystems by digest).
 //! - [`disk`]: a machine's writable disk (an ext4 image per machine, from blank images).
 //! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
-//! - Volumes: [`volume_fs`] (a volume's storage: btrfs images, snapshots, forks),
+//! - Volumes: [`commit`] (a run's changes, journalled and applied all or nothing), [`volume_fs`] (a volume's storage: btrfs images, snapshots, forks),
 //!   [`tree`] (directory trees measured and copied copy-on-write) and [`host_agent`] (an
 //!   agent on the host serving a volume's files with no machine).
 //! - [`doctor`]: what works on this host and why.
@@ -23,6 +23,7 @@
 
 pub mod agent;
 pub mod cgroup;
+pub mod commit;
 pub mod disk;
 pub mod doctor;
 pub mod fuse;

@@ -339,7 +339,7 @@ fn open_fs(dir: &std::path::Path, size_mb: u64, id: &str) -> std::io::Result<()>
     let legacy = dir.join("live");
     if !volume_fs::image(dir).exists() {
         // The old layout: the journal sits beside a plain `live/`.
-        crate::runs::replay_journal(dir)?;
+        locker_runtime::commit::replay_journal(dir)?;
         let _ = std::fs::remove_dir_all(volume_fs::root(dir));
         volume_fs::create(dir, size_mb)?;
         if legacy.is_dir() {
@@ -354,7 +354,7 @@ fn open_fs(dir: &std::path::Path, size_mb: u64, id: &str) -> std::io::Result<()>
     }
     volume_fs::mount(dir)?;
     let root = volume_fs::root(dir);
-    crate::runs::replay_journal(&root)?;
+    locker_runtime::commit::replay_journal(&root)?;
     let runs = root.join("runs");
     std::fs::create_dir_all(&runs)?;
     for e in std::fs::read_dir(&runs)? {
