@@ -262,6 +262,9 @@ pub fn start(
     sys::set_child_setup(&mut cmd, plan);
     let (tx, rx) = mpsc::channel();
     let exit_tx = tx.clone();
+    // The command starts when it is forked: a command that ends at once may be reaped
+    // before `spawn` returns, and its run must not come out as 0 ms.
+    let started = Instant::now();
     let spawned = agent.reaper.spawn(
         || {
             let child = cmd.spawn()?;
@@ -286,7 +289,6 @@ pub fn start(
             return Err(StartError::Exec(e));
         }
     };
-    let started = Instant::now();
     let start_ms = started.duration_since(opened).as_secs_f64() * 1000.0;
     let spill = |ext: &str| Some(output_file(agent, &opts.name, ext));
     let caps = [
