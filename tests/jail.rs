@@ -194,7 +194,7 @@ async fn fork_bomb_is_contained_and_the_host_stays_responsive() {
     let bomb = g.m().agent.exec(
         ExecSpec {
             timeout_ms: Some(4000),
-            ..sh("bomb() { bomb | bomb & }; bomb; sleep 100")
+            ..sh("bomb() { bomb | bomb & }; bomb; exec sleep 100")
         },
         None,
         None,

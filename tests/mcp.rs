@@ -33,6 +33,9 @@ use serde_json::{json, Value};
 /// The venv's python with `mcp` importable, or None (with a message) when PyPI is
 /// unreachable.
 fn python_mcp() -> Option<PathBuf> {
+    // The tests of this file run in parallel; one of them makes the venv, the others wait.
+    static SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = SETUP.lock().unwrap_or_else(|e| e.into_inner());
     let venv = target_dir().join("mcp-py/venv");
     let py = venv.join("bin/python");
     let ok = |py: &Path| {
