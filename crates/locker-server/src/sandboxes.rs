@@ -674,14 +674,7 @@ async fn ready_pooled(
     m: &locker_runtime::node::Machine,
     binds: Vec<locker_runtime::jail::BindMount>,
 ) -> Result<(), locker_runtime::node::NodeError> {
-    let mut entropy = [0u8; 64];
-    // SAFETY: getrandom fills the buffer we own.
-    unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64;
-    m.agent.refresh(now, entropy.to_vec(), m.id.clone()).await?;
+    locker_runtime::vm::refresh_guest(&m.agent, &m.id).await?;
     if !binds.is_empty() {
         app.node.share(m, binds, Vec::new()).await?;
     }

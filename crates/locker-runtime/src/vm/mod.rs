@@ -245,16 +245,7 @@ pub async fn start(
             )))
         }
     };
-    let mut entropy = [0u8; 64];
-    // SAFETY: getrandom fills the buffer we own.
-    unsafe { libc::getrandom(entropy.as_mut_ptr().cast(), entropy.len(), 0) };
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64;
-    agent
-        .refresh(now, entropy.to_vec(), s.id.to_owned())
-        .await?;
+    refresh_guest(&agent, s.id).await?;
     let ms = |d: Duration| d.as_secs_f64() * 1e3;
     tracing::debug!(
         machine = %s.id,
@@ -328,4 +319,21 @@ pub fn save(
     let kind = r?;
     cont?;
     Ok(kind)
+}
+
+/// Gives a restored guest the host's clock, fresh entropy and its own hostname: a restore
+/// (or a wait in the pool since) left it with its base's.
+pub async fn refresh_guest(
+    agent: &AgentClient,
+    hostname: &str,
+) -> Result<(), crate::agent::AgentClientError> {
+    let mut entropy = [0u8; 64];
+    crate::sys::random_bytes(&mut entropy);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as u64;
+    agent
+        .refresh(now, entropy.to_vec(), hostname.to_owned())
+        .await
 }
