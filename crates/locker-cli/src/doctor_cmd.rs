@@ -27,7 +27,7 @@ pub fn run(args: DoctorArgs) -> anyhow::Result<()> {
         v["templates"] = serde_json::to_value(&templates)?;
         v["egress"] = match &egress {
             Ok(d) => serde_json::json!({"ok": true, "detail": d}),
-            Err(e) => serde_json::json!({"ok": false, "detail": e}),
+            Err(e) => serde_json::json!({"ok": false, "detail": e.to_string()}),
         };
         println!("{}", serde_json::to_string_pretty(&v)?);
     } else {

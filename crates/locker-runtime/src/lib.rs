@@ -9,10 +9,15 @@
 //! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots): `accel`,
 //!   `assets`, `qemu`, `qmp`, `base`; [`vm_fs`] is the per-VM file server process and
 //!   [`fuse`] the FUSE passthrough server it runs.
-//! - [`agent`]: the host side of the agent channel (tokio; speaks `locker-proto`).
+//! - [`agent`]: the host side of the agent channel (tokio; speaks `locker-proto`): `conn`
+//!   (connect, `Hello`, the reader's dispatch and the writer), `stream` (one request's
+//!   frames and credit), and the calls by family: `control`, `exec`, `processes`, `files`.
 //! - [`template`]: building, importing and finding templates (root filesystems by digest).
 //! - [`disk`]: a machine's writable disk (an ext4 image per machine, from blank images).
-//! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
+//! - [`net`]: network egress of machines, enforced outside them: `policy` (the policy and
+//!   its CIDRs), `rules` (the nftables rulesets as text), `lease` (subnets), `nft` (running
+//!   the tools, installing a ruleset), `link` (veth, tap, namespaces), `attach` (the ordered
+//!   steps and their undoing), `cleanup`, `probe`.
 //! - Volumes: [`commit`] (a run's changes, journalled and applied all or nothing), [`volume_fs`] (a volume's storage: btrfs images, snapshots, forks),
 //!   [`tree`] (directory trees measured and copied copy-on-write) and [`host_agent`] (an
 //!   agent on the host serving a volume's files with no machine).
