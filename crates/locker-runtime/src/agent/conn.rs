@@ -9,12 +9,10 @@ use std::io;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-
 use std::time::Duration;
 
-use locker_proto::Chan;
 use locker_proto::{
-    EndBody, Frame, Header, Hello, Reply, HEADER_LEN, INITIAL_WINDOW, PROTOCOL_VERSION,
+    Chan, EndBody, Frame, Header, Hello, Reply, HEADER_LEN, INITIAL_WINDOW, PROTOCOL_VERSION,
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::net::unix::{OwnedReadHalf, OwnedWriteHalf};

@@ -27,7 +27,7 @@
 //! [`AgentClient::open`] (a terminal, a followed output) have no deadline.
 //!
 //! Rooms: `conn` (connecting, the `Hello` exchange, the reader task whose
-//! [`dispatch`](conn) routes every frame, the writer task), `stream` ([`AgentStream`],
+//! `dispatch` routes every frame, the writer task), `stream` ([`AgentStream`],
 //! [`StreamSender`]: one request's frames, credit both ways, cancel on drop), and one room
 //! per family of calls: `control` (ping, refresh, network and share set-up, flush,
 //! usage), `exec` (a command to its end), `processes` (background processes) and `files`
