@@ -3,8 +3,9 @@
 //! [`Server`] starts the built binary on a free port with a fresh data dir and known keys,
 //! waits until `/healthz` answers, and on drop leaves nothing behind even when the test
 //! failed: it deletes every sandbox through the API (so the server tears machines down
-//! the normal way), kills the server, then destroys whatever machine is still on disk with
-//! the runtime's own orphan cleanup. When the test is failing, the server's log is printed.
+//! the normal way), stops the server (SIGTERM), then destroys whatever machine is still on
+//! disk with the runtime's own orphan cleanup. When the test is failing, the server's log
+//! is printed.
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener};
@@ -276,6 +277,29 @@ impl Server {
         }
     }
 
+    /// Stops the server the way a service manager does, with SIGTERM: it drains its warm
+    /// pool, where a SIGKILL can orphan a machine it was still starting (its state not yet
+    /// on disk for the orphan cleanup to find). Killed if it has not exited within 20 s.
+    fn stop_gracefully(&self) {
+        let child = self.child.lock().map(|mut c| c.take());
+        let Ok(Some(mut c)) = child else {
+            return;
+        };
+        // SAFETY: kill with the pid of the server process this guard started and has not
+        // reaped yet (so the pid is still its).
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("cleanup: the server did not exit within 20 s of SIGTERM: killed");
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
     fn running(&self) -> bool {
         self.child.lock().map(|c| c.is_some()).unwrap_or(false)
     }
@@ -351,8 +375,9 @@ impl Server {
     }
 
     /// Leaves nothing behind, even when the test failed: deletes every sandbox through the
-    /// API (so the server tears machines down the normal way), kills the server, then
-    /// destroys whatever machine is still on disk with the runtime's own orphan cleanup.
+    /// API (so the server tears machines down the normal way), stops the server (SIGTERM,
+    /// then SIGKILL after 20 s), then destroys whatever machine is still on disk with the
+    /// runtime's own orphan cleanup.
     /// Drop calls it; so does the exit of a test binary whose tests shared this server.
     pub fn shut_down(&self) {
         let failed = if self.running() {
@@ -360,7 +385,7 @@ impl Server {
         } else {
             Vec::new()
         };
-        self.stop();
+        self.stop_gracefully();
         // Whatever the API could not delete (a dead server, a failed delete): the
         // runtime's own crash cleanup destroys the machines of this data dir.
         let machines = self.data_dir.join("sandboxes");

@@ -9,9 +9,11 @@
 
 use std::path::Path;
 use std::process::Command;
+use std::time::Duration;
 
+use locker_tests::server::{destroy_machines, stop_volume_agents};
 use locker_tests::shared::Tenant;
-use locker_tests::{register_child, traces_of, TempDir};
+use locker_tests::{become_subreaper, register_child, traces_of, wait_for, TempDir};
 use serde_json::{json, Value};
 
 /// Where the child test writes what it made (set only for the child).
@@ -51,6 +53,8 @@ fn alive(pid: u64) -> bool {
 
 #[test]
 fn a_failing_test_leaves_nothing_of_the_shared_server() {
+    // A server the child left behind would be reparented here, to be reaped.
+    become_subreaper();
     let dir = TempDir::new("locker-shared-child");
     let report = dir.path().join("report.json");
     let child = Command::new(std::env::current_exe().expect("this test binary"))
@@ -83,23 +87,43 @@ fn a_failing_test_leaves_nothing_of_the_shared_server() {
     let sb = made["sandbox"].as_str().expect("sandbox");
     let machine_dir = Path::new(made["machine_dir"].as_str().expect("machine_dir"));
     let data_dir = made["data_dir"].as_str().expect("data_dir");
-    assert!(
-        !alive(pid),
-        "the shared server {pid} outlived its binary:\n{text}"
-    );
-    let traces = traces_of(sb, machine_dir);
-    assert!(
-        traces.is_empty(),
-        "the failed test's sandbox left {traces:?}:\n{text}"
-    );
+    let mut left = Vec::new();
+    if alive(pid) {
+        left.push(format!("the server process {pid}"));
+    }
+    left.extend(traces_of(sb, machine_dir));
     let mounts = std::fs::read_to_string("/proc/self/mountinfo").expect("mountinfo");
-    let left: Vec<&str> = mounts.lines().filter(|l| l.contains(data_dir)).collect();
+    left.extend(
+        mounts
+            .lines()
+            .filter(|l| l.contains(data_dir))
+            .map(|l| format!("mount: {l}")),
+    );
+    if Path::new(data_dir).exists() {
+        left.push(format!("the data dir {data_dir}"));
+    }
+    if !left.is_empty() {
+        clean_up_after_a_broken_fixture(pid, Path::new(data_dir));
+    }
     assert!(
         left.is_empty(),
-        "mounts of the shared server's data dir: {left:?}"
+        "the shared server outlived its binary: {left:#?}\n{text}"
     );
-    assert!(
-        !Path::new(data_dir).exists(),
-        "the shared server's data dir {data_dir} is left"
-    );
+}
+
+/// What the fixture should have done, so a failing check leaves nothing either: the
+/// server killed (an orphan of the child binary, now reaped here), its machines and
+/// volumes destroyed, its directory removed.
+fn clean_up_after_a_broken_fixture(pid: u64, data_dir: &Path) {
+    // SAFETY: kill with the pid of the server the child reported; it was alive just now.
+    unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+    wait_for(Duration::from_secs(10), "the leftover server dies", || {
+        (!alive(pid)).then_some(())
+    });
+    destroy_machines(&data_dir.join("sandboxes"));
+    destroy_machines(&data_dir.join("pool"));
+    stop_volume_agents(&data_dir.join("volumes"));
+    if let Some(dir) = data_dir.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
