@@ -4,8 +4,11 @@
 //! The tests run as root on a host prepared by `scripts/setup test` (which builds
 //! `target/release/locker`, the static `locker-agent` beside it, and the default template).
 
+pub mod answers;
 pub mod egress;
 pub mod server;
+pub mod shared;
+pub mod streams;
 pub mod tools;
 
 use std::path::{Path, PathBuf};

@@ -3,8 +3,9 @@
 //! [`Server`] starts the built binary on a free port with a fresh data dir and known keys,
 //! waits until `/healthz` answers, and on drop leaves nothing behind even when the test
 //! failed: it deletes every sandbox through the API (so the server tears machines down
-//! the normal way), kills the server, then destroys whatever machine is still on disk with
-//! the runtime's own orphan cleanup. When the test is failing, the server's log is printed.
+//! the normal way), stops the server (SIGTERM), then destroys whatever machine is still on
+//! disk with the runtime's own orphan cleanup. When the test is failing, the server's log
+//! is printed.
 
 use std::io::Read;
 use std::net::{SocketAddr, TcpListener};
@@ -21,7 +22,9 @@ use crate::{agent_bin, locker_bin, register_child, unique, TempDir};
 
 /// A `locker serve` process owned by a test.
 pub struct Server {
-    child: Option<Child>,
+    /// The `locker serve` process; behind a lock so a server shared by a test binary's
+    /// tests (see [`crate::shared`]) can be shut down through `&self` at exit.
+    child: Mutex<Option<Child>>,
     /// `http://127.0.0.1:PORT` (changes when [`Server::restart`] picks a new port).
     pub url: String,
     pub addr: SocketAddr,
@@ -129,7 +132,7 @@ impl Server {
             secret("lk_test")
         };
         let s = Server {
-            child: None,
+            child: Mutex::new(None),
             url: String::new(),
             addr: "127.0.0.1:0".parse().expect("addr"),
             log: dir.path().join("server.log"),
@@ -148,7 +151,12 @@ impl Server {
 
     /// The server's process id.
     pub fn pid(&self) -> u32 {
-        self.child.as_ref().expect("the server is running").id()
+        self.child
+            .lock()
+            .expect("the server's process")
+            .as_ref()
+            .expect("the server is running")
+            .id()
     }
 
     /// Starts the process on a free port and waits for `/healthz` (retrying on a port that
@@ -204,7 +212,7 @@ impl Server {
                 .spawn()
                 .unwrap_or_else(|e| panic!("start {}: {e}", locker_bin().display()));
             register_child(child.id());
-            self.child = Some(child);
+            *self.child.get_mut().expect("the server's process") = Some(child);
             match self.wait_ready() {
                 Ok(()) => {
                     if self.generated_key && self.api_key.is_empty() {
@@ -231,12 +239,9 @@ impl Server {
         let deadline = Instant::now() + Duration::from_secs(30);
         let api = self.anon();
         loop {
-            if let Some(st) = self
-                .child
-                .as_mut()
-                .and_then(|c| c.try_wait().ok().flatten())
-            {
-                self.child = None;
+            let child = self.child.get_mut().expect("the server's process");
+            if let Some(st) = child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
+                *child = None;
                 return Err(format!("exited with {st}:\n{}", self.log_text()));
             }
             if let Ok(r) = api.try_request("GET", "/healthz", &[], ()) {
@@ -261,10 +266,42 @@ impl Server {
 
     /// Kills the server with SIGKILL (no graceful shutdown; machines keep running).
     pub fn kill9(&mut self) {
-        if let Some(mut c) = self.child.take() {
+        self.stop();
+    }
+
+    fn stop(&self) {
+        let child = self.child.lock().map(|mut c| c.take());
+        if let Ok(Some(mut c)) = child {
             let _ = c.kill();
             let _ = c.wait();
         }
+    }
+
+    /// Stops the server the way a service manager does, with SIGTERM: it drains its warm
+    /// pool, where a SIGKILL can orphan a machine it was still starting (its state not yet
+    /// on disk for the orphan cleanup to find). Killed if it has not exited within 20 s.
+    fn stop_gracefully(&self) {
+        let child = self.child.lock().map(|mut c| c.take());
+        let Ok(Some(mut c)) = child else {
+            return;
+        };
+        // SAFETY: kill with the pid of the server process this guard started and has not
+        // reaped yet (so the pid is still its).
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            if let Ok(Some(_)) = c.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        eprintln!("cleanup: the server did not exit within 20 s of SIGTERM: killed");
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+
+    fn running(&self) -> bool {
+        self.child.lock().map(|c| c.is_some()).unwrap_or(false)
     }
 
     /// Starts the server again on the same data dir (after [`Server::kill9`]).
@@ -330,51 +367,25 @@ impl Server {
     /// Deletes every sandbox and volume of every tenant this test used; returns what could
     /// not be.
     fn delete_all_sandboxes(&self) -> Vec<String> {
-        let mut failed = Vec::new();
         let keys = self.keys.lock().map(|k| k.clone()).unwrap_or_default();
-        for key in keys.iter().filter(|k| !k.is_empty()) {
-            let api = Api::new(&self.url, Some(key));
-            if let Ok(r) = api.try_request("GET", "/v1/volumes", &[], ()) {
-                let list = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null);
-                for v in list["volumes"].as_array().into_iter().flatten() {
-                    let id = v["id"].as_str().unwrap_or_default();
-                    match api.try_request("DELETE", &format!("/v1/volumes/{id}"), &[], ()) {
-                        Ok(r) if r.status == 204 || r.status == 404 => {}
-                        other => {
-                            failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text()))))
-                        }
-                    }
-                }
-            }
-            let Ok(r) = api.try_request("GET", "/v1/sandboxes", &[], ()) else {
-                continue;
-            };
-            if r.status != 200 {
-                continue;
-            }
-            let list = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null);
-            for sb in list["sandboxes"].as_array().into_iter().flatten() {
-                let id = sb["id"].as_str().unwrap_or_default();
-                match api.try_request("DELETE", &format!("/v1/sandboxes/{id}"), &[], ()) {
-                    Ok(r) if r.status == 204 || r.status == 404 => {}
-                    other => {
-                        failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text()))))
-                    }
-                }
-            }
-        }
-        failed
+        keys.iter()
+            .filter(|k| !k.is_empty())
+            .flat_map(|key| delete_all_of(&Api::new(&self.url, Some(key))))
+            .collect()
     }
-}
 
-impl Drop for Server {
-    fn drop(&mut self) {
-        let failed = if self.child.is_some() {
+    /// Leaves nothing behind, even when the test failed: deletes every sandbox through the
+    /// API (so the server tears machines down the normal way), stops the server (SIGTERM,
+    /// then SIGKILL after 20 s), then destroys whatever machine is still on disk with the
+    /// runtime's own orphan cleanup.
+    /// Drop calls it; so does the exit of a test binary whose tests shared this server.
+    pub fn shut_down(&self) {
+        let failed = if self.running() {
             self.delete_all_sandboxes()
         } else {
             Vec::new()
         };
-        self.kill9();
+        self.stop_gracefully();
         // Whatever the API could not delete (a dead server, a failed delete): the
         // runtime's own crash cleanup destroys the machines of this data dir.
         let machines = self.data_dir.join("sandboxes");
@@ -382,16 +393,50 @@ impl Drop for Server {
         left.extend(destroy_machines(&self.data_dir.join("pool")));
         stop_volume_agents(&self.data_dir.join("volumes"));
         if std::thread::panicking() {
-            let log = self.log_text();
-            let tail: Vec<&str> = log.lines().rev().take(60).collect();
-            eprintln!("---- locker serve log ({}), last lines ----", self.url);
-            for l in tail.iter().rev() {
-                eprintln!("{l}");
-            }
-            if !failed.is_empty() || !left.is_empty() {
-                eprintln!("cleanup: delete failed for {failed:?}; destroyed leftovers {left:?}");
+            self.print_log_tail();
+        }
+        if !failed.is_empty() || !left.is_empty() {
+            eprintln!("cleanup: delete failed for {failed:?}; destroyed leftovers {left:?}");
+        }
+        // A shared server is never dropped: its data dir and log go here.
+        let _ = std::fs::remove_dir_all(self._dir.path());
+    }
+
+    /// Prints the last lines of the server's log (for a failing test).
+    pub fn print_log_tail(&self) {
+        let log = self.log_text();
+        let tail: Vec<&str> = log.lines().rev().take(60).collect();
+        eprintln!("---- locker serve log ({}), last lines ----", self.url);
+        for l in tail.iter().rev() {
+            eprintln!("{l}");
+        }
+    }
+}
+
+/// Deletes every volume and sandbox of the tenant whose key `api` has; returns what could
+/// not be.
+pub fn delete_all_of(api: &Api) -> Vec<String> {
+    let mut failed = Vec::new();
+    // Volumes first: a sandbox's delete does not wait for them.
+    for kind in ["volumes", "sandboxes"] {
+        let Ok(r) = api.try_request("GET", &format!("/v1/{kind}"), &[], ()) else {
+            continue;
+        };
+        let list = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null);
+        for v in list[kind].as_array().into_iter().flatten() {
+            let id = v["id"].as_str().unwrap_or_default();
+            match api.try_request("DELETE", &format!("/v1/{kind}/{id}"), &[], ()) {
+                Ok(r) if r.status == 204 || r.status == 404 => {}
+                other => failed.push(format!("{id}: {:?}", other.map(|r| (r.status, r.text())))),
             }
         }
+    }
+    failed
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shut_down();
     }
 }
 
