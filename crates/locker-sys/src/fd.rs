@@ -437,6 +437,42 @@ pub fn pipe_with(flags: libc::c_int) -> io::Result<(OwnedFd, OwnedFd)> {
     Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
 }
 
+/// Sends `data` on the unix socket `sock` with the descriptor `fd` attached
+/// (`SCM_RIGHTS`): how QEMU is handed a file it may not open itself. Returns the bytes
+/// sent, which may be fewer than `data.len()`: the caller writes the rest plainly (the
+/// descriptor went with the first byte).
+pub fn send_with_fd(sock: RawFd, data: &[u8], fd: RawFd) -> io::Result<usize> {
+    // SAFETY: CMSG_SPACE is arithmetic on its argument.
+    let space = unsafe { libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) } as usize;
+    let mut cbuf = vec![0u8; space];
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut _,
+        iov_len: data.len(),
+    };
+    // SAFETY: msghdr is plain data; all zeroes is a valid value.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = space as _;
+    // SAFETY: `msg` points at `cbuf`, which has room for one cmsg carrying one fd
+    // (CMSG_SPACE above), so CMSG_FIRSTHDR is non-null and CMSG_DATA lies inside it.
+    unsafe {
+        let c = libc::CMSG_FIRSTHDR(&msg);
+        (*c).cmsg_level = libc::SOL_SOCKET;
+        (*c).cmsg_type = libc::SCM_RIGHTS;
+        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
+        std::ptr::copy_nonoverlapping(
+            (&fd as *const RawFd).cast::<u8>(),
+            libc::CMSG_DATA(c),
+            std::mem::size_of::<RawFd>(),
+        );
+    }
+    // SAFETY: `msg` and everything it points at (`iov` over `data`, `cbuf`) live across
+    // the call.
+    check(unsafe { libc::sendmsg(sock, &msg, 0) } as libc::c_long).map(|n| n as usize)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

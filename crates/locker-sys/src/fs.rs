@@ -149,10 +149,29 @@ pub fn set_times_nofollow(path: &Path, atime: (i64, i64), mtime: (i64, i64)) -> 
     crate::fd::set_times_at(libc::AT_FDCWD, &p, &ts)
 }
 
-/// The filesystem type (`f_type` of `statfs(2)`) of the filesystem holding `path`.
+/// The filesystem type (`f_type` of `statfs(2)`) of the filesystem holding `path`
+/// (which needs no permission on `path` itself, unlike opening it).
 pub fn fs_type(path: &Path) -> io::Result<i64> {
-    let f = File::open(path)?;
-    crate::fd::fs_type(f.as_raw_fd())
+    let p = cstr(path)?;
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::uninit();
+    // SAFETY: the kernel fills `st` on success, which is the only case we read it; `p` is
+    // a NUL-terminated path alive for the call.
+    check_int(unsafe { libc::statfs(p.as_ptr(), st.as_mut_ptr()) })?;
+    // SAFETY: initialized by the successful call above.
+    let st = unsafe { st.assume_init() };
+    // `f_type`'s width differs between libcs and architectures.
+    #[allow(clippy::unnecessary_cast)]
+    Ok(st.f_type as i64)
+}
+
+/// `statvfs(3)` of the filesystem holding `path`: its size and free blocks.
+pub fn statvfs(path: &Path) -> io::Result<libc::statvfs> {
+    let p = cstr(path)?;
+    let mut st = std::mem::MaybeUninit::<libc::statvfs>::uninit();
+    // SAFETY: statvfs writes a statvfs into `st` and reads the NUL-terminated path we own.
+    check_int(unsafe { libc::statvfs(p.as_ptr(), st.as_mut_ptr()) })?;
+    // SAFETY: initialized by the successful call above.
+    Ok(unsafe { st.assume_init() })
 }
 
 /// `mknod(2)`: a device node, FIFO or (`S_IFCHR` with device 0) an overlayfs whiteout.

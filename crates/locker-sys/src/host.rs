@@ -61,3 +61,14 @@ pub fn power_off() -> io::Error {
     unsafe { libc::reboot(libc::RB_POWER_OFF) };
     io::Error::last_os_error()
 }
+
+/// Loads the kernel module in `file` (`finit_module(2)`, no parameters); `EEXIST` if it
+/// is loaded already or built in.
+pub fn load_module(file: &std::fs::File) -> io::Result<()> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: an open fd and an empty, static parameter string.
+    crate::check(unsafe {
+        libc::syscall(libc::SYS_finit_module, file.as_raw_fd(), c"".as_ptr(), 0)
+    })
+    .map(drop)
+}

@@ -153,6 +153,13 @@ pub fn pivot_to_cwd() -> io::Result<()> {
     check(unsafe { libc::chdir(c"/".as_ptr()) }.into()).map(drop)
 }
 
+/// `chroot(".")`: the current directory becomes this process's `/` (its mounts stay
+/// reachable through open fds, so callers that mean it detach or drop those first).
+pub fn chroot_cwd() -> io::Result<()> {
+    // SAFETY: a static string.
+    check(unsafe { libc::chroot(c".".as_ptr()) }.into()).map(drop)
+}
+
 /// Moves the mount at the current directory onto `/` and makes it the root
 /// (`mount --move . /; chroot .`): how an initramfs hands over to the real root, where
 /// `pivot_root` is not allowed.
@@ -170,6 +177,5 @@ pub fn move_to_root() -> io::Result<()> {
         }
         .into(),
     )?;
-    // SAFETY: a static string.
-    check(unsafe { libc::chroot(c".".as_ptr()) }.into()).map(drop)
+    chroot_cwd()
 }

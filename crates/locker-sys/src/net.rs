@@ -134,3 +134,41 @@ pub fn configure(iface: &str, addr: Ipv4Addr, prefix: u8, gw: Ipv4Addr) -> io::R
     while ioctl(&sock, libc::SIOCDELRT, (&mut old as *mut RtEntry).cast()).is_ok() {}
     ioctl(&sock, libc::SIOCADDRT, (&mut rt as *mut RtEntry).cast())
 }
+
+/// The destination a connection redirected by nftables (`redirect`, `dnat`) had before
+/// (`SO_ORIGINAL_DST`); `None` for a connection that was not redirected or not IPv4.
+pub fn original_dst(sock: std::os::fd::RawFd) -> Option<std::net::SocketAddrV4> {
+    // SAFETY: sockaddr_in is plain data; all zeroes is a valid value.
+    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+    // SAFETY: getsockopt writes at most `len` bytes into `addr`, which we own; the
+    // descriptor is the caller's, open for the call.
+    let r = unsafe {
+        libc::getsockopt(
+            sock,
+            libc::SOL_IP,
+            libc::SO_ORIGINAL_DST,
+            (&mut addr as *mut libc::sockaddr_in).cast(),
+            &mut len,
+        )
+    };
+    if r != 0 || addr.sin_family != libc::AF_INET as libc::sa_family_t {
+        return None;
+    }
+    Some(std::net::SocketAddrV4::new(
+        Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
+        u16::from_be(addr.sin_port),
+    ))
+}
+
+/// `TUNSETIFF`, not in the `libc` crate.
+const TUNSETIFF: libc::c_ulong = 0x4004_54CA;
+
+/// Makes the open `/dev/net/tun` fd `tun` the interface `name` with `flags` (`IFF_TAP`,
+/// `IFF_NO_PI`, `IFF_VNET_HDR`: `TUNSETIFF`), in the caller's network namespace.
+pub fn tun_attach(tun: std::os::fd::RawFd, name: &str, flags: u16) -> io::Result<()> {
+    let mut r = ifreq(name, &flags.to_ne_bytes())?;
+    // SAFETY: an ifreq-sized buffer we own, for a request that reads and writes one; the
+    // fd is the caller's, open for the call.
+    check_int(unsafe { libc::ioctl(tun, TUNSETIFF, r.as_mut_ptr()) })
+}

@@ -417,6 +417,58 @@ pub fn die_with_parent(cmd: &mut Command, keep_fd: RawFd, signal: libc::c_int) {
     }
 }
 
+/// Ends this process at once with `code`, running no destructors and flushing nothing:
+/// how a forked child that must not touch its parent's state leaves (`_exit(2)`).
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit takes an integer and never returns.
+    unsafe { libc::_exit(code) }
+}
+
+/// `dup2(2)`: makes `to` a copy of `from` (closing what `to` was), without close-on-exec.
+pub fn dup2(from: RawFd, to: RawFd) -> io::Result<()> {
+    // SAFETY: integer arguments; `to` is a number the caller reserved for this.
+    check(unsafe { libc::dup2(from, to) }.into()).map(drop)
+}
+
+/// A close-on-exec duplicate of `fd` numbered `min` or above (`F_DUPFD_CLOEXEC`).
+pub fn dup_above(fd: RawFd, min: RawFd) -> io::Result<std::os::fd::OwnedFd> {
+    // SAFETY: fcntl on the caller's fd; `owned` takes the new fd it returns.
+    crate::owned(unsafe { libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, min) }.into())
+}
+
+/// Becomes uid and gid 0 with no supplementary groups (`setgroups(0)`, `setresgid`,
+/// `setresuid`): root of the user namespace just joined.
+pub fn become_root() -> io::Result<()> {
+    // SAFETY: a null list of length 0 and integer arguments.
+    check_int(unsafe { libc::setgroups(0, std::ptr::null()) })?;
+    // SAFETY: integer arguments only.
+    check_int(unsafe { libc::setresgid(0, 0, 0) })?;
+    // SAFETY: integer arguments only.
+    check_int(unsafe { libc::setresuid(0, 0, 0) })
+}
+
+/// The open files limit of this process: (soft, hard); `RLIM_INFINITY` for none.
+pub fn nofile_limit() -> io::Result<(u64, u64)> {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct we own.
+    check_int(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) })?;
+    Ok((lim.rlim_cur, lim.rlim_max))
+}
+
+/// Sets the open files limit of this process (raising the hard one needs
+/// `CAP_SYS_RESOURCE`).
+pub fn set_nofile_limit(soft: u64, hard: u64) -> io::Result<()> {
+    let lim = libc::rlimit {
+        rlim_cur: soft,
+        rlim_max: hard,
+    };
+    // SAFETY: setrlimit reads the struct we own.
+    check_int(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -429,6 +481,18 @@ mod tests {
             assert!(CpuSet::parse(bad).is_none(), "{bad:?}");
         }
         assert!(!affinity().unwrap().is_empty());
+    }
+
+    #[test]
+    fn the_open_files_limit_reads_back_as_set() {
+        let (soft, hard) = nofile_limit().unwrap();
+        let lower = soft.min(hard).min(1 << 16) - 1;
+        set_nofile_limit(lower, hard).unwrap();
+        assert_eq!(nofile_limit().unwrap(), (lower, hard));
+        set_nofile_limit(soft, hard).unwrap();
+        let copy = dup_above(2, 100).unwrap();
+        use std::os::fd::AsRawFd;
+        assert!(copy.as_raw_fd() >= 100);
     }
 
     #[test]
