@@ -16,7 +16,7 @@ pub fn encode(bytes: &[u8]) -> String {
 pub fn decode(s: &str) -> Option<Vec<u8>> {
     let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
     let b = s.as_bytes();
-    if b.len() % 2 != 0 {
+    if b.len() & 1 == 1 {
         return None;
     }
     b.chunks(2)

@@ -164,18 +164,10 @@ pub fn chroot_cwd() -> io::Result<()> {
 /// (`mount --move . /; chroot .`): how an initramfs hands over to the real root, where
 /// `pivot_root` is not allowed.
 pub fn move_to_root() -> io::Result<()> {
-    // SAFETY: static strings; MS_MOVE of the caller's own mount.
-    check(
-        unsafe {
-            libc::mount(
-                c".".as_ptr(),
-                c"/".as_ptr(),
-                std::ptr::null(),
-                libc::MS_MOVE,
-                std::ptr::null(),
-            )
-        }
-        .into(),
-    )?;
+    let (dot, slash) = (c".".as_ptr(), c"/".as_ptr());
+    let none = std::ptr::null();
+    // SAFETY: static strings and null pointers; MS_MOVE of the caller's own mount.
+    let rc = unsafe { libc::mount(dot, slash, none, libc::MS_MOVE, none.cast()) };
+    check(rc.into())?;
     chroot_cwd()
 }

@@ -499,7 +499,7 @@ mod tests {
     fn signals_have_their_names_and_a_child_is_waited_for() {
         assert_eq!(signal_name(libc::SIGKILL), "SIGKILL");
         assert_eq!(signal_name(40), "SIG40");
-        let child = Command::new("true").spawn().unwrap();
+        let mut child = Command::new("true").spawn().unwrap();
         let status = waitpid(child.id() as libc::pid_t).unwrap();
         assert!(libc::WIFEXITED(status) && libc::WEXITSTATUS(status) == 0);
         assert_eq!(
@@ -508,5 +508,7 @@ mod tests {
                 .raw_os_error(),
             Some(libc::ESRCH)
         );
+        // Reaped above: std's own wait only finds it gone.
+        assert!(child.wait().is_err());
     }
 }
