@@ -85,8 +85,8 @@ impl Conn {
         if self.closed.swap(true, Ordering::AcqRel) {
             return;
         }
-        // SAFETY: shutdown on our own fd; a virtio port answers ENOTSOCK, which is fine.
-        unsafe { libc::shutdown(self.sock.as_raw_fd(), libc::SHUT_RDWR) };
+        // A virtio port answers ENOTSOCK, which is fine.
+        let _ = locker_sys::fd::shutdown(self.sock.as_raw_fd());
         // Wait out a write in progress.
         drop(lock(&self.writer));
         let streams: Vec<Arc<Stream>> = lock(&self.streams).drain().map(|(_, s)| s).collect();
@@ -576,8 +576,7 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
             )),
         },
         Request::Flush => {
-            // SAFETY: sync(2) takes no arguments and cannot fail.
-            unsafe { libc::sync() };
+            locker_sys::host::sync();
             s.end(EndBody::Ok);
         }
         Request::MachineUsage => {

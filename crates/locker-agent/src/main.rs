@@ -64,14 +64,7 @@ pub struct Agent {
 
 /// A fresh id with the given prefix: 16 random hex digits.
 pub fn random_id(prefix: &str) -> String {
-    let mut b = [0u8; 8];
-    sys::random_bytes(&mut b);
-    let mut s = String::with_capacity(prefix.len() + 16);
-    s.push_str(prefix);
-    for x in b {
-        s.push_str(&format!("{x:02x}"));
-    }
-    s
+    locker_sys::random::new_id(prefix, 8)
 }
 
 fn usage() -> ! {

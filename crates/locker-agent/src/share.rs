@@ -120,12 +120,6 @@ pub fn mount(channel: u32, target: &str, read_only: bool) -> io::Result<()> {
     if read_only {
         flags |= libc::MS_RDONLY;
     }
-    let (src, tgt, fstype, data) = (
-        cstr("locker-volume")?,
-        cstr(target)?,
-        cstr("fuse")?,
-        cstr(&data)?,
-    );
     port.mounts.lock().expect("mounts").insert(
         channel,
         Mount {
@@ -133,18 +127,14 @@ pub fn mount(channel: u32, target: &str, read_only: bool) -> io::Result<()> {
             conn: None,
         },
     );
-    // SAFETY: valid NUL-terminated strings that outlive the call.
-    let r = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            tgt.as_ptr(),
-            fstype.as_ptr(),
-            flags,
-            data.as_ptr().cast(),
-        )
-    };
-    if r != 0 {
-        let e = io::Error::last_os_error();
+    let mounted = locker_sys::mount::mount(
+        Some("locker-volume"),
+        Path::new(target),
+        Some("fuse"),
+        flags,
+        Some(&data),
+    );
+    if let Err(e) = mounted {
         port.mounts.lock().expect("mounts").remove(&channel);
         return Err(e);
     }
@@ -156,10 +146,6 @@ pub fn mount(channel: u32, target: &str, read_only: bool) -> io::Result<()> {
         .name(format!("share-{channel}"))
         .spawn(move || requests(&p2, channel, &dev))?;
     Ok(())
-}
-
-fn cstr(s: &str) -> io::Result<std::ffi::CString> {
-    std::ffi::CString::new(s).map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))
 }
 
 /// The FUSE connection number of the mount at `target` (its device's minor number), read
@@ -180,19 +166,8 @@ fn abort_all(port: &Port) {
     let _ = fs::create_dir_all(CONNECTIONS);
     let mounted = fs::read_dir(CONNECTIONS).is_ok_and(|mut d| d.next().is_some());
     if !mounted {
-        let (src, tgt, fstype) = (cstr("fusectl"), cstr(CONNECTIONS), cstr("fusectl"));
-        if let (Ok(src), Ok(tgt), Ok(fstype)) = (src, tgt, fstype) {
-            // SAFETY: valid NUL-terminated strings that outlive the call.
-            unsafe {
-                libc::mount(
-                    src.as_ptr(),
-                    tgt.as_ptr(),
-                    fstype.as_ptr(),
-                    0,
-                    std::ptr::null(),
-                )
-            };
-        }
+        let target = Path::new(CONNECTIONS);
+        let _ = locker_sys::mount::mount(Some("fusectl"), target, Some("fusectl"), 0, None);
     }
     for m in port.mounts.lock().expect("mounts").values() {
         if let Some(c) = m.conn {
@@ -221,8 +196,7 @@ fn fail_request(dev: &File, req: &[u8], errno: i32) {
     out[..4].copy_from_slice(&16u32.to_le_bytes());
     out[4..8].copy_from_slice(&(-errno).to_le_bytes());
     out[8..16].copy_from_slice(&req[8..16]);
-    // SAFETY: writing our own buffer.
-    unsafe { libc::write(dev.as_raw_fd(), out.as_ptr().cast(), out.len()) };
+    let _ = locker_sys::fd::write(dev.as_raw_fd(), &out);
 }
 
 /// Relays one mount's requests to the host until the mount goes away.
@@ -230,23 +204,16 @@ fn requests(port: &Port, channel: u32, dev: &File) {
     // The kernel hands out one request per read and wants room for the largest write.
     let mut buf = vec![0u8; fs_frame::MAX_PAYLOAD + fs_frame::HEADER_LEN];
     loop {
-        // SAFETY: reading into our own buffer past the header's room.
-        let n = unsafe {
-            libc::read(
-                dev.as_raw_fd(),
-                buf[fs_frame::HEADER_LEN..].as_mut_ptr().cast(),
-                buf.len() - fs_frame::HEADER_LEN,
-            )
-        };
-        if n < 0 {
-            match io::Error::last_os_error().raw_os_error() {
-                // Interrupted, or a request that was aborted before we read it.
-                Some(libc::EINTR) | Some(libc::EAGAIN) | Some(libc::ENOENT) => continue,
-                // Unmounted (ENODEV), or anything else: this mount is done.
-                _ => break,
+        // Into the buffer past the header's room (interruptions are retried inside).
+        let n = match locker_sys::fd::read(dev.as_raw_fd(), &mut buf[fs_frame::HEADER_LEN..]) {
+            Ok(n) => n,
+            // A request that was aborted before we read it.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EAGAIN) | Some(libc::ENOENT)) => {
+                continue
             }
-        }
-        let n = n as usize;
+            // Unmounted (ENODEV), or anything else: this mount is done.
+            Err(_) => break,
+        };
         buf[..fs_frame::HEADER_LEN].copy_from_slice(&fs_frame::header(channel, n));
         let sent = port
             .out
@@ -282,14 +249,7 @@ fn replies(port: &Port, mut reader: File) {
                         let m = port.mounts.lock().expect("mounts").get(&channel).cloned();
                         if let Some(m) = m {
                             // One write per reply. ENOENT: the request was interrupted.
-                            // SAFETY: writing our own buffer.
-                            unsafe {
-                                libc::write(
-                                    m.dev.as_raw_fd(),
-                                    payload.as_ptr().cast(),
-                                    payload.len(),
-                                )
-                            };
+                            let _ = locker_sys::fd::write(m.dev.as_raw_fd(), &payload);
                         }
                         true
                     }

@@ -12,7 +12,6 @@
 //!
 //! It owns nothing on the host and trusts nothing from it beyond the protocol.
 
-use std::ffi::CString;
 use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
@@ -30,18 +29,6 @@ pub fn is_vm_init() -> bool {
     std::process::id() == 1 && std::env::var_os("LOCKER_VM").is_some()
 }
 
-fn cvt(r: libc::c_int) -> io::Result<()> {
-    if r == -1 {
-        Err(io::Error::last_os_error())
-    } else {
-        Ok(())
-    }
-}
-
-fn cstr(s: &str) -> CString {
-    CString::new(s).expect("no NUL in a constant path")
-}
-
 fn mount(
     src: &str,
     target: &str,
@@ -50,41 +37,19 @@ fn mount(
     data: &str,
 ) -> io::Result<()> {
     let _ = fs::create_dir_all(target);
-    let (s, t, f, d) = (cstr(src), cstr(target), cstr(fstype), cstr(data));
-    // SAFETY: valid NUL-terminated strings that outlive the call.
-    cvt(unsafe {
-        libc::mount(
-            s.as_ptr(),
-            t.as_ptr(),
-            f.as_ptr(),
-            flags,
-            if data.is_empty() {
-                std::ptr::null()
-            } else {
-                d.as_ptr().cast()
-            },
-        )
-    })
-    .map_err(|e| io::Error::new(e.kind(), format!("mount {fstype} on {target}: {e}")))
+    let data = (!data.is_empty()).then_some(data);
+    locker_sys::mount::mount(Some(src), Path::new(target), Some(fstype), flags, data)
+        .map_err(|e| io::Error::new(e.kind(), format!("mount {fstype} on {target}: {e}")))
 }
 
 /// Loads one kernel module file; one already loaded (or built in) is fine.
 fn load_module(path: &Path) -> io::Result<()> {
-    let f = File::open(path)?;
-    let params = cstr("");
-    // SAFETY: an open fd and an empty parameter string.
-    let r = unsafe { libc::syscall(libc::SYS_finit_module, f.as_raw_fd(), params.as_ptr(), 0) };
-    if r == 0 {
-        return Ok(());
-    }
-    let e = io::Error::last_os_error();
-    if e.raw_os_error() == Some(libc::EEXIST) {
-        Ok(())
-    } else {
-        Err(io::Error::new(
+    match locker_sys::host::load_module(&File::open(path)?) {
+        Err(e) if e.raw_os_error() != Some(libc::EEXIST) => Err(io::Error::new(
             e.kind(),
             format!("load {}: {e}", path.display()),
-        ))
+        )),
+        _ => Ok(()),
     }
 }
 
@@ -153,19 +118,7 @@ pub fn init() -> io::Result<()> {
     // The initramfs cannot be pivoted away from: move the new root over `/` and chroot into
     // it (what switch_root does). The initramfs's files stay in memory; they are small.
     std::env::set_current_dir("/newroot")?;
-    let (dot, slash) = (cstr("."), cstr("/"));
-    // SAFETY: valid strings; MS_MOVE of our own mount.
-    cvt(unsafe {
-        libc::mount(
-            dot.as_ptr(),
-            slash.as_ptr(),
-            std::ptr::null(),
-            libc::MS_MOVE,
-            std::ptr::null(),
-        )
-    })?;
-    // SAFETY: a valid string.
-    cvt(unsafe { libc::chroot(dot.as_ptr()) })?;
+    locker_sys::mount::move_to_root()?;
     std::env::set_current_dir("/")?;
 
     let nosuid = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
@@ -205,48 +158,25 @@ pub fn init() -> io::Result<()> {
         let _ = std::os::unix::fs::symlink(to, Path::new("/dev").join(link));
     }
     if let Ok(h) = std::env::var("LOCKER_HOSTNAME") {
-        // SAFETY: a valid buffer of the given length.
-        let _ = unsafe { libc::sethostname(h.as_ptr().cast(), h.len()) };
+        let _ = locker_sys::host::sethostname(&h);
     }
-    loopback_up();
+    // `lo` is the only interface a machine with egress `none` has.
+    let _ = locker_sys::net::loopback_up();
     // The console (the VM's serial port, `console.log` on the host) says how far it got.
     eprintln!("locker-agent: microVM ready");
     Ok(())
 }
 
-/// Brings `lo` up (the only interface a machine with egress `none` has).
-fn loopback_up() {
-    // SAFETY: a plain socket for the ioctl; closed below.
-    let s = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
-    if s < 0 {
-        return;
-    }
-    // SAFETY: ifreq is plain data; zeroed is a valid value.
-    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
-    for (d, c) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
-        *d = *c as libc::c_char;
-    }
-    // SAFETY: a valid ifreq for SIOCGIFFLAGS/SIOCSIFFLAGS.
-    unsafe {
-        if libc::ioctl(s, libc::SIOCGIFFLAGS, &mut ifr) == 0 {
-            ifr.ifr_ifru.ifru_flags |= libc::IFF_UP as libc::c_short;
-            libc::ioctl(s, libc::SIOCSIFFLAGS, &ifr);
-        }
-        libc::close(s);
-    }
-}
-
 /// Waits until the host side of the port is connected (poll reports no hang-up).
 pub(crate) fn wait_for_host(fd: i32) {
     loop {
-        let mut p = libc::pollfd {
+        let mut p = [libc::pollfd {
             fd,
             events: libc::POLLOUT,
             revents: 0,
-        };
-        // SAFETY: one valid pollfd.
-        let r = unsafe { libc::poll(&mut p, 1, 1000) };
-        if r > 0 && p.revents & libc::POLLHUP == 0 {
+        }];
+        let r = locker_sys::fd::poll(&mut p, 1000).unwrap_or(0);
+        if r > 0 && p[0].revents & libc::POLLHUP == 0 {
             return;
         }
         if r > 0 {
@@ -289,10 +219,7 @@ pub fn serve_port(agent: Arc<Agent>) -> ! {
 
 /// Ends the VM (QEMU exits: it runs with `-no-reboot`).
 pub fn power_off() -> ! {
-    // SAFETY: sync and reboot take no pointers.
-    unsafe {
-        libc::sync();
-        libc::reboot(libc::RB_POWER_OFF);
-    }
+    let e = locker_sys::host::power_off();
+    eprintln!("locker-agent: power off: {e}");
     std::process::exit(1)
 }

@@ -2,6 +2,9 @@
 //! read (the connection flags may come before the subcommand) and how a failure is shown:
 //! one `locker: …` line on stderr for every command, local or client, never a backtrace.
 
+// The terminal's system calls are `locker-sys`'s; nothing here needs `unsafe`.
+#![forbid(unsafe_code)]
+
 mod client;
 mod doctor_cmd;
 mod mcp_cmd;

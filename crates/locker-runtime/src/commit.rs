@@ -56,51 +56,21 @@ fn is_whiteout(m: &fs::Metadata) -> bool {
     m.file_type().is_char_device() && m.rdev() == 0
 }
 
-fn xattr_names(p: &FsPath) -> Vec<std::ffi::CString> {
-    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
-        return vec![];
-    };
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: llistxattr writes at most buf.len() bytes into the buffer we own.
-    let n = unsafe { libc::llistxattr(c.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if n <= 0 {
-        return vec![];
-    }
-    buf.truncate(n as usize);
-    buf.split(|b| *b == 0)
-        .filter(|s| !s.is_empty())
-        .filter_map(|s| std::ffi::CString::new(s).ok())
-        .collect()
-}
-
 /// Whether `p` carries `trusted.overlay.opaque=y`.
 fn is_opaque(p: &FsPath) -> bool {
-    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
-        return false;
-    };
     let mut v = [0u8; 4];
-    // SAFETY: lgetxattr writes at most v.len() bytes into the buffer we own.
-    let n = unsafe {
-        libc::lgetxattr(
-            c.as_ptr(),
-            c"trusted.overlay.opaque".as_ptr(),
-            v.as_mut_ptr().cast(),
-            v.len(),
-        )
-    };
-    n >= 1 && v[0] == b'y'
+    matches!(
+        locker_sys::xattr::get(p, c"trusted.overlay.opaque", &mut v),
+        Ok([b'y', ..])
+    )
 }
 
 /// Removes the overlay's own attributes (`trusted.overlay.*`) from `p`, so a file or
 /// directory moved into the volume carries none into the next run's lower layer.
 fn strip_overlay_xattrs(p: &FsPath) {
-    let Ok(c) = std::ffi::CString::new(p.as_os_str().as_encoded_bytes()) else {
-        return;
-    };
-    for name in xattr_names(p) {
+    for name in locker_sys::xattr::list(p).unwrap_or_default() {
         if name.as_bytes().starts_with(b"trusted.overlay.") {
-            // SAFETY: both strings are valid for the call.
-            unsafe { libc::lremovexattr(c.as_ptr(), name.as_ptr()) };
+            let _ = locker_sys::xattr::remove(p, &name);
         }
     }
 }
@@ -274,9 +244,7 @@ pub fn write_journal(vol_dir: &FsPath, ops: &[Op]) -> io::Result<()> {
         step("write the commit journal")(e)
     })?;
     fs::rename(&tmp, vol_dir.join(JOURNAL)).map_err(step("rename the commit journal"))?;
-    fs::File::open(vol_dir)?
-        .sync_all()
-        .map_err(step("flush the commit journal"))
+    locker_sys::fs::fsync_dir(vol_dir).map_err(step("flush the commit journal"))
 }
 
 /// Flushes the volume's filesystem (`syncfs`). A writeback error nobody has seen yet is
@@ -315,9 +283,7 @@ pub fn finish_journal(vol_dir: &FsPath, ops: &[Op]) -> io::Result<()> {
     }
     flush_volume(&live).map_err(step("flush the applied commit"))?;
     fs::remove_file(vol_dir.join(JOURNAL)).map_err(step("remove the commit journal"))?;
-    fs::File::open(vol_dir)?
-        .sync_all()
-        .map_err(step("flush the journal's removal"))
+    locker_sys::fs::fsync_dir(vol_dir).map_err(step("flush the journal's removal"))
 }
 
 fn missing(p: &FsPath) -> bool {
@@ -438,10 +404,7 @@ mod tests {
         fs::create_dir_all(upper.join("nd/e")).unwrap();
         fs::write(upper.join("nd/e/z"), b"z").unwrap();
         // A whiteout needs CAP_MKNOD: the tests run as root.
-        let wh = std::ffi::CString::new(upper.join("gone").as_os_str().as_encoded_bytes()).unwrap();
-        // SAFETY: mknod with a valid path.
-        let rc = unsafe { libc::mknod(wh.as_ptr(), libc::S_IFCHR | 0o600, 0) };
-        assert_eq!(rc, 0);
+        locker_sys::fs::mknod(&upper.join("gone"), libc::S_IFCHR | 0o600, 0).unwrap();
         let s = scan(&base, &upper).unwrap();
         assert_eq!(s.added, vec!["/n", "/nd", "/nd/e", "/nd/e/z"]);
         assert_eq!(s.modified, vec!["/d/f"]);

@@ -10,6 +10,8 @@ use std::io;
 use std::os::fd::AsRawFd;
 use std::path::Path;
 
+use locker_sys::fd as sys_fd;
+
 /// How an image was copied.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyKind {
@@ -102,13 +104,7 @@ fn copy_with(src: &Path, dst: &Path, durable: bool) -> io::Result<CopyKind> {
     r
 }
 
-/// Makes `to` share `from`'s blocks copy-on-write (`FICLONE`); false where the filesystem
-/// cannot (ext4, across filesystems), and then `to` is left as it was.
-pub fn reflink(from: &fs::File, to: &fs::File) -> bool {
-    const FICLONE: libc::c_ulong = 0x4004_9409;
-    // SAFETY: FICLONE between two fds we own.
-    unsafe { libc::ioctl(to.as_raw_fd(), FICLONE, from.as_raw_fd()) == 0 }
-}
+pub use locker_sys::ioctl::reflink;
 
 fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
     if reflink(from, to) {
@@ -116,50 +112,35 @@ fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
     }
     let len = from.metadata()?.len();
     to.set_len(len)?;
+    let (src, dst) = (from.as_raw_fd(), to.as_raw_fd());
     let mut off: i64 = 0;
     while (off as u64) < len {
-        // SAFETY: lseek on an fd we own.
-        let data = unsafe { libc::lseek(from.as_raw_fd(), off, libc::SEEK_DATA) };
-        if data < 0 {
-            let e = io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENXIO) {
-                break; // only a hole is left
-            }
-            return Err(e);
-        }
-        // SAFETY: as above.
-        let hole = unsafe { libc::lseek(from.as_raw_fd(), data, libc::SEEK_HOLE) };
-        let end = if hole < 0 { len as i64 } else { hole };
-        let (mut i, mut o) = (data, data);
+        let data = match sys_fd::seek(src, off, libc::SEEK_DATA) {
+            Ok(d) => d as i64,
+            // Only a hole is left.
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => break,
+            Err(e) => return Err(e),
+        };
+        let end = sys_fd::seek(src, data, libc::SEEK_HOLE).map_or(len as i64, |h| h as i64);
+        let mut i = data;
         while i < end {
-            // SAFETY: copy_file_range between fds we own, with offsets we own.
-            let n = unsafe {
-                libc::copy_file_range(
-                    from.as_raw_fd(),
-                    &mut i,
-                    to.as_raw_fd(),
-                    &mut o,
-                    (end - i) as usize,
-                    0,
-                )
-            };
-            if n < 0 {
-                let e = io::Error::last_os_error();
+            match sys_fd::copy_file_range(src, i, dst, i, (end - i) as usize) {
+                Ok(0) => break,
+                Ok(n) => i += n as i64,
                 // Across filesystems (a blank on ext4, a data dir on XFS) the kernel refuses.
-                if matches!(
-                    e.raw_os_error(),
-                    Some(libc::EXDEV)
-                        | Some(libc::EINVAL)
-                        | Some(libc::EOPNOTSUPP)
-                        | Some(libc::ENOSYS)
-                ) {
+                Err(e)
+                    if matches!(
+                        e.raw_os_error(),
+                        Some(libc::EXDEV)
+                            | Some(libc::EINVAL)
+                            | Some(libc::EOPNOTSUPP)
+                            | Some(libc::ENOSYS)
+                    ) =>
+                {
                     copy_range_plain(from, to, i as u64, end as u64)?;
                     break;
                 }
-                return Err(e);
-            }
-            if n == 0 {
-                break;
+                Err(e) => return Err(e),
             }
         }
         off = end;
@@ -186,12 +167,7 @@ fn copy_range_plain(from: &fs::File, to: &fs::File, mut off: u64, end: u64) -> i
 /// Flushes the filesystem mounted at `mountpoint` (`syncfs`), so the image under it holds
 /// everything written so far.
 pub fn flush(mountpoint: &Path) -> io::Result<()> {
-    let d = fs::File::open(mountpoint)?;
-    // SAFETY: syncfs on an fd we own.
-    if unsafe { libc::syncfs(d.as_raw_fd()) } != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(())
+    locker_sys::fs::syncfs(&fs::File::open(mountpoint)?)
 }
 
 /// Bytes an image really occupies (its allocated blocks).

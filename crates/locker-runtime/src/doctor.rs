@@ -8,8 +8,6 @@
 //! Nothing here creates or changes anything (the template cache is only read).
 
 use std::collections::BTreeMap;
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use serde::Serialize;
@@ -95,8 +93,7 @@ pub fn check(data_dir: &Path) -> Report {
         "reflink" => "snapshots and forks clone files with reflinks: instant, and they share unchanged blocks",
         _ => "none: this filesystem cannot share file blocks, so snapshots and forks copy every file of a machine (slower, full size each); a btrfs or XFS data dir makes them instant",
     };
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let uid = unsafe { libc::geteuid() };
+    let uid = locker_sys::host::geteuid();
     let volumes = match crate::volume_fs::support() {
         Ok(what) => what,
         Err(why) => format!("unavailable, volumes cannot be created: {why}"),
@@ -237,16 +234,10 @@ fn user_namespaces() -> (bool, String) {
 }
 
 fn fs_type(p: &Path) -> String {
-    let Ok(c) = CString::new(p.as_os_str().as_bytes()) else {
+    let Ok(f_type) = locker_sys::fs::fs_type(p) else {
         return "unknown".into();
     };
-    // SAFETY: statfs fills the zeroed struct we own from a valid path string.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return "unknown".into();
-    }
-    match st.f_type as u32 {
+    match f_type as u32 {
         0xEF53 => "ext4",
         0x9123_683E => "btrfs",
         0x5846_5342 => "xfs",
@@ -271,10 +262,7 @@ fn copy_on_write(dir: &Path, fs: &str) -> String {
         std::fs::write(&a, b"probe")?;
         let src = std::fs::File::open(&a)?;
         let dst = std::fs::File::create(&b)?;
-        use std::os::fd::AsRawFd;
-        const FICLONE: libc::c_ulong = 0x4004_9409;
-        // SAFETY: FICLONE between two fds we own.
-        Ok(unsafe { libc::ioctl(dst.as_raw_fd(), FICLONE, src.as_raw_fd()) } == 0)
+        Ok(locker_sys::ioctl::reflink(&src, &dst))
     })()
     .unwrap_or(false);
     let _ = std::fs::remove_file(&a);

@@ -22,7 +22,8 @@
 //!   [`tree`] (directory trees measured and copied copy-on-write) and [`host_agent`] (an
 //!   agent on the host serving a volume's files with no machine).
 //! - [`doctor`]: what works on this host and why.
-//! - `sys`: the system calls the rooms above share, each with its invariant.
+//! - `sys`: the `locker-sys` calls the rooms above make, re-exported under one name (the
+//!   calls and their `unsafe` live in that crate, each with its invariant).
 //!
 //! This crate knows nothing of HTTP, tenants or the database: the server owns those.
 

@@ -266,7 +266,7 @@ pub fn parent_beneath(
     root: &fs::File,
     rel: &str,
 ) -> io::Result<(std::os::fd::OwnedFd, std::ffi::CString)> {
-    use std::os::fd::{AsRawFd, FromRawFd};
+    use std::os::fd::AsRawFd;
     let rel = rel.trim_matches('/');
     let (dir, name) = rel.rsplit_once('/').unwrap_or(("", rel));
     if name.is_empty() || name == "." || name == ".." || rel.split('/').any(|c| c == "..") {
@@ -276,35 +276,10 @@ pub fn parent_beneath(
         .map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
     let name =
         std::ffi::CString::new(name).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-    // SAFETY: open_how is plain data; zeroed is valid.
-    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
-    how.flags = (libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC) as u64;
-    how.resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
-    for _ in 0..4 {
-        // SAFETY: `dir` is NUL-terminated and `how` a valid open_how of the size passed.
-        let fd = unsafe {
-            libc::syscall(
-                libc::SYS_openat2,
-                root.as_raw_fd(),
-                dir.as_ptr(),
-                &how as *const libc::open_how,
-                std::mem::size_of::<libc::open_how>(),
-            )
-        };
-        if fd >= 0 {
-            // SAFETY: a new fd that is ours alone.
-            return Ok((
-                unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as i32) },
-                name,
-            ));
-        }
-        let e = io::Error::last_os_error();
-        // EAGAIN: a concurrent rename made the kernel unsure the walk stayed beneath.
-        if e.raw_os_error() != Some(libc::EAGAIN) {
-            return Err(e);
-        }
-    }
-    Err(io::Error::from_raw_os_error(libc::EAGAIN))
+    let resolve = libc::RESOLVE_BENEATH | libc::RESOLVE_NO_SYMLINKS | libc::RESOLVE_NO_MAGICLINKS;
+    let flags = libc::O_PATH | libc::O_DIRECTORY;
+    let fd = locker_sys::fd::openat2(root.as_raw_fd(), &dir, flags, 0, resolve)?;
+    Ok((fd, name))
 }
 
 /// `/proc/self/fd/<dir>/<name>`: a path whose every component but the last is the directory

@@ -31,6 +31,7 @@
 //! that device again: a second loop device on the same image would be a second writer
 //! (btrfs refuses it anyway, a device of a mounted filesystem under another path).
 
+use std::ffi::CString;
 use std::fs;
 use std::io;
 use std::os::fd::AsRawFd;
@@ -228,82 +229,37 @@ pub fn unmount(dir: &Path) -> io::Result<()> {
 /// Unmounts the volume's filesystem and removes the directory `dir` with its image.
 pub fn remove(dir: &Path) -> io::Result<()> {
     unmount(dir)?;
-    match fs::remove_dir_all(dir) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
+    locker_sys::fs::remove_tree(dir)
 }
 
-const BTRFS_IOC_SNAP_CREATE_V2: libc::c_ulong = 0x5000_9417;
-const BTRFS_IOC_SNAP_DESTROY: libc::c_ulong = 0x5000_940F;
-const BTRFS_SUBVOL_RDONLY: u64 = 1 << 1;
 /// The inode number of every btrfs subvolume's root directory.
 const BTRFS_FIRST_FREE_OBJECTID: u64 = 256;
 
-/// `struct btrfs_ioctl_vol_args_v2` (4096 bytes).
-#[repr(C)]
-struct VolArgsV2 {
-    fd: i64,
-    transid: u64,
-    flags: u64,
-    unused: [u64; 4],
-    name: [u8; 4040],
-}
-
-/// `struct btrfs_ioctl_vol_args` (4096 bytes).
-#[repr(C)]
-struct VolArgs {
-    fd: i64,
-    name: [u8; 4088],
-}
-
-fn name_bytes(p: &Path) -> io::Result<(PathBuf, Vec<u8>)> {
+/// The parent directory of `p`, open, and `p`'s last component.
+fn parent_and_name(p: &Path) -> io::Result<(fs::File, CString)> {
     let parent = p
         .parent()
         .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
     let name = p
         .file_name()
-        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?
-        .as_encoded_bytes()
-        .to_vec();
-    if name.len() >= 4000 {
-        return Err(io::Error::from(io::ErrorKind::InvalidInput));
-    }
-    Ok((parent.to_path_buf(), name))
+        .ok_or_else(|| io::Error::from(io::ErrorKind::InvalidInput))?;
+    let name = CString::new(name.as_encoded_bytes())
+        .map_err(|_| io::Error::from(io::ErrorKind::InvalidInput))?;
+    Ok((fs::File::open(parent)?, name))
 }
 
 /// Makes `dst` (which must not exist; its parent must) a read-only snapshot of the
 /// subvolume whose root is `src` (the volume's top level: `fs/`). Constant time whatever
 /// the tree holds; commits a btrfs transaction (a flush of the image).
 pub fn snapshot(src: &Path, dst: &Path) -> io::Result<()> {
-    let (parent, name) = name_bytes(dst)?;
+    let (d, name) = parent_and_name(dst)?;
     let s = fs::File::open(src)?;
-    let d = fs::File::open(&parent)?;
-    let mut args = VolArgsV2 {
-        fd: s.as_raw_fd() as i64,
-        transid: 0,
-        flags: BTRFS_SUBVOL_RDONLY,
-        unused: [0; 4],
-        name: [0; 4040],
-    };
-    args.name[..name.len()].copy_from_slice(&name);
-    // SAFETY: the ioctl reads the args struct we own, laid out as the kernel's; both fds
-    // are ours and open for the call.
-    if unsafe {
-        libc::ioctl(
-            d.as_raw_fd(),
-            BTRFS_IOC_SNAP_CREATE_V2,
-            &args as *const VolArgsV2,
-        )
-    } != 0
-    {
-        let e = io::Error::last_os_error();
-        return Err(io::Error::new(
+    locker_sys::ioctl::btrfs_snapshot(s.as_raw_fd(), d.as_raw_fd(), &name, true).map_err(|e| {
+        io::Error::new(
             e.kind(),
             format!("snapshot {} at {}: {e}", src.display(), dst.display()),
-        ));
-    }
-    Ok(())
+        )
+    })
 }
 
 /// Whether `p` is the root of a btrfs subvolume (a snapshot).
@@ -315,29 +271,9 @@ pub fn is_subvolume(p: &Path) -> bool {
 /// Deletes the subvolume (snapshot) whose root is `p`, read-only or not. Its space comes
 /// back in the background.
 pub fn delete_subvolume(p: &Path) -> io::Result<()> {
-    let (parent, name) = name_bytes(p)?;
-    let d = fs::File::open(&parent)?;
-    let mut args = VolArgs {
-        fd: 0,
-        name: [0; 4088],
-    };
-    args.name[..name.len()].copy_from_slice(&name);
-    // SAFETY: the ioctl reads the args struct we own, laid out as the kernel's.
-    if unsafe {
-        libc::ioctl(
-            d.as_raw_fd(),
-            BTRFS_IOC_SNAP_DESTROY,
-            &args as *const VolArgs,
-        )
-    } != 0
-    {
-        let e = io::Error::last_os_error();
-        return Err(io::Error::new(
-            e.kind(),
-            format!("delete subvolume {}: {e}", p.display()),
-        ));
-    }
-    Ok(())
+    let (d, name) = parent_and_name(p)?;
+    locker_sys::ioctl::btrfs_delete_subvolume(d.as_raw_fd(), &name)
+        .map_err(|e| io::Error::new(e.kind(), format!("delete subvolume {}: {e}", p.display())))
 }
 
 /// Removes the tree at `p` (nothing there is fine), deleting the subvolumes in it (which

@@ -44,8 +44,8 @@ pub enum StoreError {
     /// A stored row did not decode; the database was edited by hand or is damaged.
     #[error("corrupt row in the database: {0}")]
     Corrupt(String),
-    /// Reading the system's random source failed.
-    #[error("cannot read /dev/urandom: {0}")]
+    /// Reading the kernel's random source (`getrandom(2)`) failed.
+    #[error("cannot read the kernel's random source (getrandom): {0}")]
     Random(#[source] std::io::Error),
 }
 

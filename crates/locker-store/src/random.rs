@@ -1,11 +1,7 @@
 //! Identifiers and secrets from the kernel's random source.
 //!
-//! Owns: reading `/dev/urandom`, the shape of IDs (`<prefix>_<24 hex digits>`) and of API
+//! Owns: the shape of IDs (`<prefix>_<24 hex digits>`) and of API
 //! keys (`lk_<52 base32 letters>`, 256 random bits). It does not know where they are stored.
-
-use std::fs::File;
-use std::io::Read;
-use std::sync::OnceLock;
 
 use crate::error::{Result, StoreError};
 
@@ -16,26 +12,15 @@ const KEY_BYTES: usize = 32;
 /// The prefix of every key Locker generates (a user-chosen `LOCKER_API_KEY` may differ).
 pub const API_KEY_PREFIX: &str = "lk_";
 
-/// Fills `buf` from `/dev/urandom`, kept open after the first call.
+/// Fills `buf` from the kernel's random source (`locker-sys`'s one `getrandom` call).
 pub fn fill_random(buf: &mut [u8]) -> Result<()> {
-    static URANDOM: OnceLock<File> = OnceLock::new();
-    let file = match URANDOM.get() {
-        Some(f) => f,
-        None => {
-            let f = File::open("/dev/urandom").map_err(StoreError::Random)?;
-            URANDOM.get_or_init(|| f)
-        }
-    };
-    // `Read` is implemented for `&File`; reads from /dev/urandom never block once the
-    // kernel's pool is initialised, and a short read is retried by read_exact.
-    let mut reader: &File = file;
-    reader.read_exact(buf).map_err(StoreError::Random)
+    locker_sys::random::fill_random(buf).map_err(StoreError::Random)
 }
 
 /// A new ID such as `sb_0c4f…` (`prefix` without the underscore: `"sb"`, `"call"`, …).
 ///
 /// # Panics
-/// If `/dev/urandom` cannot be read: a Linux host without it cannot run Locker at all.
+/// If the kernel's random source fails: a Linux host without it cannot run Locker at all.
 pub fn new_id(prefix: &str) -> String {
     let mut buf = [0u8; ID_BYTES];
     if let Err(e) = fill_random(&mut buf) {
@@ -51,16 +36,7 @@ pub(crate) fn new_api_key() -> Result<String> {
     Ok(format!("{API_KEY_PREFIX}{}", base32(&buf)))
 }
 
-/// Lowercase hexadecimal.
-pub(crate) fn hex(bytes: &[u8]) -> String {
-    const DIGITS: &[u8; 16] = b"0123456789abcdef";
-    let mut s = String::with_capacity(bytes.len() * 2);
-    for b in bytes {
-        s.push(DIGITS[usize::from(b >> 4)] as char);
-        s.push(DIGITS[usize::from(b & 0xf)] as char);
-    }
-    s
-}
+pub(crate) use locker_sys::hex::encode as hex;
 
 /// RFC 4648 base32, lowercased, without padding: letters and digits only, so a key
 /// survives shells, URLs and double-click selection.

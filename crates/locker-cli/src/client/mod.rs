@@ -5,7 +5,8 @@
 //! server, the runtime or the store, so that what it does is exactly what any other client
 //! of the API could do. The HTTP plumbing (base URL, Bearer key, the `{"error": …}` shape)
 //! lives in [`http`]; what people see (tables, one-line errors, relative times) in
-//! [`render`]; raw terminal handling, the only `unsafe` here, in [`tty`].
+//! [`render`]; raw terminal handling in [`tty`] (its system calls are `locker-sys`'s: the
+//! CLI has no `unsafe`).
 //!
 //! Every command reads `--url` or `LOCKER_URL` (default `http://127.0.0.1:7070`) and
 //! `--api-key` or `LOCKER_API_KEY` (`--admin-key` or `LOCKER_ADMIN_KEY` for the admin

@@ -1,13 +1,12 @@
-//! File system helpers of this room: atomic writes, synced directories, tree removal,
-//! mounts under a path, hex and digests.
+//! File system helpers of this room: `locker-sys`'s atomic writes, synced directories, tree
+//! removal and hex with this room's errors; the mounts under a path; digests.
 
 use serde::Serialize;
 use std::collections::HashSet;
-use std::fs::{self, File};
-use std::io::{self, Write};
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::fs;
+use std::io;
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use super::*;
@@ -51,10 +50,7 @@ pub(super) fn remove_tree(path: &Path) -> Result<(), TemplateError> {
             err: io::ErrorKind::ResourceBusy.into(),
         });
     }
-    match fs::remove_dir_all(path) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(io_err("cannot remove", path)(e)),
-        _ => Ok(()),
-    }
+    locker_sys::fs::remove_tree(path).map_err(io_err("cannot remove", path))
 }
 
 /// Mount points at or under `path` in this mount namespace, deepest first.
@@ -101,30 +97,12 @@ pub(super) fn write_json_atomic(path: &Path, value: &impl Serialize) -> Result<(
 
 /// Writes `bytes` to a temporary name beside `path`, fsyncs, renames, fsyncs the directory.
 pub(super) fn write_atomic(path: &Path, bytes: &[u8]) -> Result<(), TemplateError> {
-    let dir = path.parent().expect("an absolute path");
-    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
-    // Unique per write: threads of one process may write the same name at once.
-    static WRITES: AtomicU64 = AtomicU64::new(0);
-    let n = WRITES.fetch_add(1, Ordering::Relaxed);
-    let tmp = dir.join(format!(".tmp-{name}-{}-{n}", std::process::id()));
-    let write = || -> io::Result<()> {
-        let mut f = File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.set_permissions(fs::Permissions::from_mode(0o644))?;
-        f.sync_all()?;
-        fs::rename(&tmp, path)
-    };
-    if let Err(e) = write() {
-        let _ = fs::remove_file(&tmp);
-        return Err(io_err("cannot write", path)(e));
-    }
-    fsync_dir(dir)
+    locker_sys::fs::write_atomic(path, bytes, locker_sys::fs::Durability::Disk)
+        .map_err(io_err("cannot write", path))
 }
 
 pub(super) fn fsync_dir(dir: &Path) -> Result<(), TemplateError> {
-    File::open(dir)
-        .and_then(|d| d.sync_all())
-        .map_err(io_err("cannot sync", dir))
+    locker_sys::fs::fsync_dir(dir).map_err(io_err("cannot sync", dir))
 }
 
 pub(super) fn unix_now() -> i64 {
@@ -134,16 +112,10 @@ pub(super) fn unix_now() -> i64 {
         .unwrap_or(0)
 }
 
-pub(super) fn is_lower_hex(b: u8) -> bool {
-    b.is_ascii_digit() || (b'a'..=b'f').contains(&b)
-}
+pub(super) use locker_sys::hex::{encode as hex, is_lower_digit as is_lower_hex};
 
 pub(super) fn is_digest(s: &str) -> bool {
     s.len() == 64 && s.bytes().all(is_lower_hex)
-}
-
-pub(super) fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
 pub(super) fn one_line(s: &str) -> String {

@@ -34,7 +34,8 @@
 //!
 //! Rooms: `spec` (a spec and its digest), `store` (the cache: names, metadata, locks),
 //! `build` (mmdebstrap and run steps), `extract` (importing a tarball), `progress` (what a
-//! build reports), `fsutil` (atomic writes, tree removal, mounts), `sys` (its system calls).
+//! build reports), `fsutil` (this room's errors around `locker-sys`'s atomic writes and tree
+//! removal, and the mounts under a path); its system calls are `crate::sys`'s.
 
 mod build;
 mod extract;
@@ -42,7 +43,6 @@ mod fsutil;
 mod progress;
 mod spec;
 mod store;
-mod sys;
 #[cfg(test)]
 mod tests;
 
@@ -52,6 +52,8 @@ pub use store::TemplateStore;
 
 use serde::{Deserialize, Serialize};
 use std::io;
+
+use crate::sys;
 use std::path::{Path, PathBuf};
 
 /// Where templates live when `LOCKER_CACHE_DIR` is not set.
