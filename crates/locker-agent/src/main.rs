@@ -30,6 +30,7 @@ mod cgroup;
 mod conn;
 mod exec;
 mod files;
+mod jobs;
 mod procs;
 mod reaper;
 mod share;
@@ -53,6 +54,8 @@ pub struct Agent {
     pub output_dir: PathBuf,
     pub max_spill_bytes: u64,
     pub procs: procs::Procs,
+    /// What ended commands left running.
+    pub jobs: jobs::Jobs,
     /// Whether commands reset their `oom_score_adj` to 0 (the agent's own is not 0: a
     /// jail's agent is exempt from the OOM killer).
     pub reset_oom: bool,
@@ -152,6 +155,7 @@ fn main() {
         output_dir: PathBuf::from(env_or("LOCKER_OUTPUT_DIR", "/var/tmp/locker")),
         max_spill_bytes,
         procs: procs::Procs::default(),
+        jobs: jobs::Jobs::default(),
         reset_oom: sys::oom_score_adj() != 0,
         view: if in_vm { None } else { view::View::from_env() },
         cpus: if in_vm { None } else { view::cpus_from_env() },

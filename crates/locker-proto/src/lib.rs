@@ -244,6 +244,16 @@ pub struct ExecSpec {
     pub stream_output: bool,
     /// Run on a pseudo-terminal (the PTY route): output comes on [`Chan::Bytes`].
     pub pty: Option<PtySize>,
+    /// Whether what the command leaves running dies with it (serverless runs). Without it,
+    /// processes the command started and left behind (`cmd &`, daemons) keep running in the
+    /// machine after the command's end, as after `docker exec`. Sent only when true, so an
+    /// agent of an earlier release (which rejects unknown fields) still takes every other spec.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub kill_jobs: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// A terminal size.
