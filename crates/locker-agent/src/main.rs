@@ -31,6 +31,7 @@ mod conn;
 mod exec;
 mod files;
 mod jobs;
+mod ports;
 mod procs;
 mod reaper;
 mod share;
@@ -56,6 +57,8 @@ pub struct Agent {
     pub procs: procs::Procs,
     /// What ended commands left running.
     pub jobs: jobs::Jobs,
+    /// Tunnels to ports open now (bounded).
+    pub tunnels: std::sync::atomic::AtomicUsize,
     /// Whether commands reset their `oom_score_adj` to 0 (the agent's own is not 0: a
     /// jail's agent is exempt from the OOM killer).
     pub reset_oom: bool,
@@ -156,6 +159,7 @@ fn main() {
         max_spill_bytes,
         procs: procs::Procs::default(),
         jobs: jobs::Jobs::default(),
+        tunnels: std::sync::atomic::AtomicUsize::new(0),
         reset_oom: sys::oom_score_adj() != 0,
         view: if in_vm { None } else { view::View::from_env() },
         cpus: if in_vm { None } else { view::cpus_from_env() },

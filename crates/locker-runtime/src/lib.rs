@@ -10,6 +10,8 @@
 //!   `assets`, `qemu`, `qmp`, `base`; [`vm_fs`] is the per-VM file server process and
 //!   [`fuse`] the FUSE passthrough server it runs.
 //! - [`agent`]: the host side of the agent channel (tokio; speaks `locker-proto`).
+//! - [`ports`]: the TCP ports listening in a machine, and tunnels to them over the agent
+//!   channel (the way in for the server's port proxy; no route into or out of the machine).
 //! - [`template`]: building, importing and finding templates (root filesystems by digest).
 //! - [`disk`]: a machine's writable disk (an ext4 image per machine, from blank images).
 //! - [`net`]: network egress of machines (veth, subnet leases, nftables), enforced outside them.
@@ -31,6 +33,7 @@ pub mod host_agent;
 pub mod jail;
 pub mod net;
 pub mod node;
+pub mod ports;
 pub mod seccomp;
 mod sys;
 pub mod template;
