@@ -479,6 +479,7 @@ fn global_flags_go_before_the_subcommand_and_the_key_has_a_flag() {
         &["volume"],
         &["process"],
         &["ps"],
+        &["port"],
         &["calls"],
         &["usage"],
         &["snapshot"],

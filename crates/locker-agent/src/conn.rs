@@ -156,6 +156,17 @@ impl Stream {
         Ok(())
     }
 
+    /// Says that nothing more comes on `chan` (the stream itself stays open).
+    pub fn eof(&self, chan: Chan) -> Result<(), Gone> {
+        if lock(&self.state).ended {
+            return Err(Gone);
+        }
+        self.conn.write(&Frame::Eof {
+            stream: self.id,
+            chan,
+        })
+    }
+
     /// Hands `n` bytes of credit back to the host after consuming its data.
     pub fn credit(&self, chan: Chan, n: usize) {
         if n == 0 || lock(&self.state).ended {
@@ -575,6 +586,8 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
                 format!("mounting the volume at {target}: {e}"),
             )),
         },
+        Request::ListPorts => crate::ports::list(s),
+        Request::Connect { port } => crate::ports::connect(agent, s, port),
         Request::Flush => {
             locker_sys::host::sync();
             s.end(EndBody::Ok);

@@ -3,16 +3,19 @@
 //! A command gets its own session (so its own process group), its own cgroup, pipes (or a
 //! pseudo-terminal) for its standard streams, and a supervisor that waits for the first of:
 //! its exit (from the reaper), its timeout, a cancel from the host, or too much output. Any of
-//! the last three kills its whole tree. When the command's own process has exited, whatever
-//! it left running in its cgroup is killed too: an exec ends when its command does (long-lived
-//! work belongs in a background process, see `procs`).
+//! the last three kills its whole tree. An exec ends when its command's own process exits:
+//! what it left running (`cmd &`, daemons) keeps running as a job (see `jobs`), and the exec
+//! does not wait for it to close the output pipes; unless the spec says `kill_jobs` (a
+//! serverless run, whose machine ends with the command) or the caller signalled the process
+//! (a background process being killed), and then the whole tree dies with the command.
 //!
 //! Threads per command: the supervisor (the stream's own thread), one output pump (all output
 //! fds through `poll`), and for `Exec` with stdin or a terminal one input pump.
 
 use std::fs::File;
-use std::io::{self, Write};
+use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
@@ -28,6 +31,7 @@ use locker_types::{ExecResult, Reason, Timings, Usage};
 use crate::capture::{Capture, Pushed};
 use crate::cgroup::CmdCgroup;
 use crate::conn::{Inbound, Recv, Stream};
+use crate::jobs::Drain;
 use crate::reaper::ExitInfo;
 use crate::users::{self, User};
 use crate::{sys, Agent};
@@ -40,8 +44,22 @@ const QUIET_GRACE: Duration = Duration::from_secs(2);
 /// stops after this long even if data keeps coming from a process that escaped.
 const HARD_GRACE: Duration = Duration::from_secs(10);
 
-/// When the output pump may stop before every pipe is closed: (when quiet after, hard stop).
-type StopAt = Arc<Mutex<Option<(Instant, Option<Instant>)>>>;
+/// After a command that left jobs ended: how long its output already in the pipes may take
+/// to drain (it is there when the process exits; jobs writing on keep it from going quiet).
+const JOBS_DRAIN: Duration = Duration::from_millis(100);
+
+/// When the output pump may stop before every pipe is closed.
+#[derive(Debug, Clone, Copy)]
+struct StopRule {
+    /// Stop as soon as no pipe has data after this.
+    quiet_after: Instant,
+    /// Stop now even if data keeps coming.
+    hard: Option<Instant>,
+    /// Jobs still hold the pipes: hand them to the jobs' drain instead of closing them.
+    hand_over: bool,
+}
+
+type StopAt = Arc<Mutex<Option<StopRule>>>;
 
 /// What wakes a command's supervisor.
 #[derive(Debug)]
@@ -155,6 +173,8 @@ pub struct RunOptions {
     pub progress: Option<Arc<dyn Fn(usize, u64) + Send + Sync>>,
     /// Gets `Msg(Started)` once the process exists, before any of its output.
     pub announce: Option<Arc<Stream>>,
+    /// Whether what the command leaves running dies with it (`ExecSpec::kill_jobs`).
+    pub kill_jobs: bool,
 }
 
 /// A command that has started.
@@ -170,6 +190,9 @@ pub struct Running {
     events_rx: Receiver<Event>,
     pump: Option<JoinHandle<[Capture; 2]>>,
     stop: StopAt,
+    /// Wakes the output pump when its stop rule changes.
+    wake: UnixStream,
+    kill_jobs: bool,
     oom_before: (u64, u64),
     call_id: String,
     cap: u64,
@@ -219,6 +242,7 @@ pub fn start(
     // Before the fork: the view is rewritten while the command starts (unless it just was),
     // so what it reads of its machine's memory is fresh.
     let busy = agent.view.as_ref().map(crate::view::Busy::new);
+    agent.jobs.reap();
     let cgroup = agent.cgroups.create();
     let oom_before = (
         cgroup.as_ref().map(|c| c.oom_kills()).unwrap_or(0),
@@ -330,13 +354,15 @@ pub fn start(
     let stop = Arc::new(Mutex::new(None));
     let pump_stop = stop.clone();
     let pump_tx = tx.clone();
+    let (wake, pump_wake) = UnixStream::pair().map_err(|e| internal("socketpair", e))?;
+    let drain = agent.jobs.drain();
     let pump = spawn_thread("output", move || {
         pump_output(
             sources,
             caps,
             opts.stream,
             pump_tx,
-            pump_stop,
+            (pump_stop, pump_wake, drain),
             opts.progress,
         )
     });
@@ -352,6 +378,8 @@ pub fn start(
         events_rx: rx,
         pump: None,
         stop,
+        wake,
+        kill_jobs: opts.kill_jobs,
         oom_before,
         call_id: call_id.to_string(),
         cap: opts.max_output_bytes,
@@ -376,22 +404,40 @@ fn pump_output(
     mut caps: [Capture; 2],
     mut stream: Option<Arc<Stream>>,
     events: Sender<Event>,
-    stop: StopAt,
+    (stop, mut wake, drain): (StopAt, UnixStream, Arc<Drain>),
     progress: Option<Arc<dyn Fn(usize, u64) + Send + Sync>>,
 ) -> [Capture; 2] {
     let mut buf = vec![0u8; 64 * 1024];
     let mut over = false;
+    let mut hand_over = false;
     while !sources.is_empty() {
-        let fds: Vec<RawFd> = sources.iter().map(|s| s.2.as_raw_fd()).collect();
-        let Ok(revents) = sys::poll(&fds, 100) else {
+        let rule = *stop.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        // Poll no longer than until the rule may stop the pump (the wake fd cuts it short
+        // when the rule changes).
+        let timeout = rule.map_or(100, |r| {
+            r.quiet_after
+                .saturating_duration_since(now)
+                .as_millis()
+                .min(100) as i32
+        });
+        let mut fds: Vec<RawFd> = sources.iter().map(|s| s.2.as_raw_fd()).collect();
+        fds.push(wake.as_raw_fd());
+        let Ok(revents) = sys::poll(&fds, timeout) else {
             break;
         };
+        let (revents, woken) = revents.split_at(sources.len());
+        if woken.first().is_some_and(|r| *r != 0) {
+            let _ = wake.read(&mut buf);
+            continue;
+        }
         // Never give up on a pipe that still has data while the tree is known to be dead:
         // a slow stream consumer must not lose the tail of the output.
         let quiet = revents.iter().all(|r| *r == 0);
-        if let Some((quiet_after, hard)) = *stop.lock().unwrap_or_else(|e| e.into_inner()) {
+        if let Some(r) = rule {
             let now = Instant::now();
-            if (quiet && now >= quiet_after) || hard.is_some_and(|h| now >= h) {
+            if (quiet && now >= r.quiet_after) || r.hard.is_some_and(|h| now >= h) {
+                hand_over = r.hand_over;
                 break;
             }
         }
@@ -424,6 +470,9 @@ fn pump_output(
         for i in done.into_iter().rev() {
             sources.remove(i);
         }
+    }
+    if hand_over {
+        drain.adopt(sources.into_iter().map(|s| s.2).collect());
     }
     for c in caps.iter_mut() {
         c.finish();
@@ -521,17 +570,38 @@ pub fn wait(
             Event::CallerSignal => caller_signaled = true,
         }
     };
-    // The command is over: nothing it started may outlive it.
-    let tree_gone = match &run.cgroup {
-        Some(c) => c.kill_all(),
-        None => {
-            let _ = sys::kill(-run.pid, libc::SIGKILL);
-            false
+    // What the command left running outlives it as a job, unless the command was killed,
+    // its caller signalled it (killing a background process kills its tree), or the spec
+    // says its tree ends with it. Without cgroups, jobs cannot be told apart: kept.
+    let keep = !run.kill_jobs
+        && cause.is_none()
+        && !caller_signaled
+        && run.cgroup.as_ref().is_none_or(|c| !c.pids().is_empty());
+    let now = Instant::now();
+    let rule = if keep {
+        StopRule {
+            quiet_after: now,
+            hard: Some(now + JOBS_DRAIN),
+            hand_over: true,
+        }
+    } else {
+        // The command is over: nothing it started may outlive it.
+        let tree_gone = match &run.cgroup {
+            Some(c) => c.kill_all(),
+            None => {
+                let _ = sys::kill(-run.pid, libc::SIGKILL);
+                false
+            }
+        };
+        StopRule {
+            quiet_after: now + QUIET_GRACE,
+            hard: (!tree_gone).then(|| now + HARD_GRACE),
+            hand_over: false,
         }
     };
-    let now = Instant::now();
-    let hard = (!tree_gone).then(|| now + HARD_GRACE);
-    *run.stop.lock().unwrap_or_else(|e| e.into_inner()) = Some((now + QUIET_GRACE, hard));
+    *run.stop.lock().unwrap_or_else(|e| e.into_inner()) = Some(rule);
+    // A full socket buffer already holds a wake-up.
+    let _ = (&run.wake).write(&[1]);
     run.stdin = None;
     run.pty_master = None;
     let caps = run.pump.take().and_then(|h| h.join().ok());
@@ -556,10 +626,13 @@ pub fn wait(
         caller_signaled,
     };
     let result = build_result(&run, outcome, caps, usage, oom_grew, reserve);
-    if let Some(c) = run.cgroup.take() {
-        c.remove();
+    match run.cgroup.take() {
+        Some(c) if keep => agent.jobs.keep(c),
+        Some(c) => c.remove(),
+        None => {}
     }
-    // Whatever left its cgroup for one of its own dies with the command too.
+    // Whatever left its cgroup for one of its own dies with the command, job or not: a job
+    // stays in (or below) its command's cgroup, where its tree can be told and killed.
     agent.cgroups.kill_strays();
     result
 }
@@ -713,6 +786,7 @@ pub fn run_exec(agent: &Arc<Agent>, s: &Arc<Stream>, mut spec: ExecSpec) {
         stream: streaming.then(|| s.clone()),
         progress: None,
         announce: Some(s.clone()),
+        kill_jobs: spec.kill_jobs,
     };
     let mut run = match start(
         agent,

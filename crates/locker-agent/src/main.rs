@@ -30,6 +30,8 @@ mod cgroup;
 mod conn;
 mod exec;
 mod files;
+mod jobs;
+mod ports;
 mod procs;
 mod reaper;
 mod share;
@@ -53,6 +55,10 @@ pub struct Agent {
     pub output_dir: PathBuf,
     pub max_spill_bytes: u64,
     pub procs: procs::Procs,
+    /// What ended commands left running.
+    pub jobs: jobs::Jobs,
+    /// Tunnels to ports open now (bounded).
+    pub tunnels: std::sync::atomic::AtomicUsize,
     /// Whether commands reset their `oom_score_adj` to 0 (the agent's own is not 0: a
     /// jail's agent is exempt from the OOM killer).
     pub reset_oom: bool,
@@ -145,6 +151,8 @@ fn main() {
         output_dir: PathBuf::from(env_or("LOCKER_OUTPUT_DIR", "/var/tmp/locker")),
         max_spill_bytes,
         procs: procs::Procs::default(),
+        jobs: jobs::Jobs::default(),
+        tunnels: std::sync::atomic::AtomicUsize::new(0),
         reset_oom: sys::oom_score_adj() != 0,
         view: if in_vm { None } else { view::View::from_env() },
         cpus: if in_vm { None } else { view::cpus_from_env() },

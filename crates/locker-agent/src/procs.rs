@@ -119,6 +119,7 @@ pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
             p2.1.notify_all();
         })),
         announce: None,
+        kill_jobs: spec.kill_jobs,
     };
     let stdin_mode = if spec.stdin {
         StdinMode::Pipe

@@ -244,6 +244,16 @@ pub struct ExecSpec {
     pub stream_output: bool,
     /// Run on a pseudo-terminal (the PTY route): output comes on [`Chan::Bytes`].
     pub pty: Option<PtySize>,
+    /// Whether what the command leaves running dies with it (serverless runs). Without it,
+    /// processes the command started and left behind (`cmd &`, daemons) keep running in the
+    /// machine after the command's end, as after `docker exec`. Sent only when true, so an
+    /// agent of an earlier release (which rejects unknown fields) still takes every other spec.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub kill_jobs: bool,
+}
+
+fn is_false(b: &bool) -> bool {
+    !*b
 }
 
 /// A terminal size.
@@ -314,6 +324,14 @@ pub enum Request {
     },
     /// Flush every filesystem of the machine to its disks (before a snapshot). `End(Ok)`.
     Flush,
+    /// The TCP ports listening in the machine now: `End(Ports)`.
+    ListPorts,
+    /// A byte tunnel to `127.0.0.1:port` (else `[::1]:port`) in the machine, for the host's
+    /// port proxy: `Msg(Connected)`, then the host's `Data` on `Chan::Stdin` goes to the
+    /// connection and what it answers comes as `Data` on `Chan::Stdout`; `Eof` on either
+    /// side half-closes that direction; `End(Ok)` once both are closed. Nothing listening:
+    /// `End(Error(NotFound))`. `Cancel` closes the connection.
+    Connect { port: u16 },
     /// In a microVM: mount a host tree at `target` (created if missing) through FUSE, its
     /// requests carried on the `org.locker.fs` virtio-serial port as frames of `channel`
     /// (see [`fs_frame`]); the host's file server for that port answers them. `End(Ok)`.
@@ -346,6 +364,19 @@ pub enum Reply {
     Entries { entries: Vec<Entry> },
     /// A batch of a long `ListProcesses` answer; the final `End(Processes)` carries the last.
     Processes { processes: Vec<ProcessInfo> },
+    /// A `Connect` reached its port; `address` is the one it connected to.
+    Connected { address: String },
+}
+
+/// A TCP port listening in the machine.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PortInfo {
+    pub port: u16,
+    /// The address it listens on (`0.0.0.0`, `127.0.0.1`, `::`...).
+    pub address: String,
+    /// The listening process, where the agent could tell (its pid and name).
+    pub pid: Option<i32>,
+    pub process: Option<String>,
 }
 
 /// A host -> agent message on an open stream.
@@ -431,6 +462,7 @@ pub enum EndBody {
         bytes: u64,
     },
     Usage(Usage),
+    Ports(Vec<PortInfo>),
     Error(AgentError),
 }
 

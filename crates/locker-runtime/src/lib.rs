@@ -12,6 +12,8 @@
 //! - [`agent`]: the host side of the agent channel (tokio; speaks `locker-proto`): `conn`
 //!   (connect, `Hello`, the reader's dispatch and the writer), `stream` (one request's
 //!   frames and credit), and the calls by family: `control`, `exec`, `processes`, `files`.
+//! - [`ports`]: the TCP ports listening in a machine, and tunnels to them over the agent
+//!   channel (the way in for the server's port proxy; no route into or out of the machine).
 //! - [`template`]: building, importing and finding templates (root filesystems by digest).
 //! - [`disk`]: a machine's writable disk (an ext4 image per machine, from blank images).
 //! - [`net`]: network egress of machines, enforced outside them: `policy` (the policy and
@@ -37,6 +39,7 @@ pub mod host_agent;
 pub mod jail;
 pub mod net;
 pub mod node;
+pub mod ports;
 pub mod seccomp;
 mod sys;
 pub mod template;

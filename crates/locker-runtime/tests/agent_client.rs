@@ -387,31 +387,38 @@ async fn exec_runs_argv_shell_env_cwd_stdin_and_users() {
         "SigBlk:\t0000000000000000\nSigIgn:\t0000000000000000\n"
     );
 
-    // An exec ends when its command does: what it left running is killed, not waited for.
-    let pidfile = a.dir.join("bg.pid");
-    let t = Instant::now();
-    let r = c
-        .exec(
-            sh(&format!(
-                "sleep 300 & echo $! > {}; echo bg",
-                pidfile.display()
-            )),
-            None,
-            None,
-        )
-        .await
-        .unwrap();
-    assert_eq!(r.stdout, "bg\n");
-    assert!(t.elapsed() < Duration::from_secs(10));
-    let pid: i32 = fs::read_to_string(&pidfile)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
-    assert!(
-        gone_within(pid, Duration::from_secs(3)),
-        "leftover {pid} survived its exec"
-    );
+    // An exec ends when its command does: what it left running is a job that keeps running,
+    // and is not waited for; with `kill_jobs` (a run's machine) it is killed with the command.
+    for kill_jobs in [false, true] {
+        let pidfile = a.dir.join(format!("bg-{kill_jobs}.pid"));
+        let t = Instant::now();
+        let mut spec = sh(&format!(
+            "sleep 300 & echo $! > {}; echo bg",
+            pidfile.display()
+        ));
+        spec.kill_jobs = kill_jobs;
+        let r = c.exec(spec, None, None).await.unwrap();
+        assert_eq!(r.stdout, "bg\n");
+        assert!(t.elapsed() < Duration::from_secs(10));
+        let pid: i32 = fs::read_to_string(&pidfile)
+            .unwrap()
+            .trim()
+            .parse()
+            .unwrap();
+        if kill_jobs {
+            assert!(
+                gone_within(pid, Duration::from_secs(3)),
+                "leftover {pid} survived its exec with kill_jobs"
+            );
+        } else {
+            std::thread::sleep(Duration::from_millis(300));
+            assert!(
+                !gone_within(pid, Duration::from_millis(200)),
+                "job {pid} died with its exec"
+            );
+            let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        }
+    }
 
     let r = c.exec(sh("kill -TERM $$"), None, None).await.unwrap();
     assert_eq!(

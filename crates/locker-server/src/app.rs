@@ -496,6 +496,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::exec::routes())
         .merge(crate::files::routes())
         .merge(crate::processes::routes())
+        .merge(crate::ports::routes())
         .merge(crate::volumes::routes())
         .merge(crate::runs::routes())
         .merge(crate::admin::routes())

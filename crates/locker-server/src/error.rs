@@ -50,6 +50,10 @@ impl ApiError {
     pub fn unavailable(m: impl Into<String>) -> Self {
         Self::new(StatusCode::SERVICE_UNAVAILABLE, m)
     }
+    /// What a sandbox's port answered (or did not) cannot be relayed.
+    pub fn bad_gateway(m: impl Into<String>) -> Self {
+        Self::new(StatusCode::BAD_GATEWAY, m)
+    }
 
     /// The contract's code for a status.
     pub fn code(&self) -> &'static str {
@@ -74,6 +78,7 @@ pub fn code_of(status: StatusCode) -> &'static str {
         413 => "payload_too_large",
         422 => "unprocessable",
         429 => "quota_exceeded",
+        502 => "bad_gateway",
         503 => "unavailable",
         _ => "internal",
     }

@@ -102,6 +102,7 @@ pub fn build_spec(
         user: req.user.clone(),
         stream_output: stream,
         pty: None,
+        kill_jobs: false,
     };
     Ok((spec, stdin))
 }

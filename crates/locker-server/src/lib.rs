@@ -33,6 +33,7 @@ pub mod files_tar;
 pub mod mcp;
 pub mod metrics;
 pub mod ops;
+pub mod ports;
 pub mod processes;
 pub mod runs;
 pub mod sandboxes;

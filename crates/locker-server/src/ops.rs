@@ -116,6 +116,18 @@ pub const ROUTES: &[RouteDoc] = &[
         "Run a command; ExecResult, or NDJSON with Accept: application/x-ndjson",
     ),
     r(
+        "get",
+        "/v1/sandboxes/{id}/ports",
+        200,
+        "The TCP ports listening in the machine",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/ports/{port}/{path}",
+        200,
+        "Proxied to 127.0.0.1:{port}/{path} in the machine (any method; WebSocket upgrades)",
+    ),
+    r(
         "post",
         "/v1/sandboxes/{id}/processes",
         200,

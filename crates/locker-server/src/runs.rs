@@ -267,7 +267,11 @@ async fn run(
         crate::sandboxes::require_microvm(&app).await?;
     }
     let call_id = new_id("call_");
-    let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, Wait::Call { stream })?;
+    let (mut spec, stdin) =
+        build_spec(&BTreeMap::new(), &plan.req, &call_id, Wait::Call { stream })?;
+    // A run's machine ends with its command: nothing the command left running may write to
+    // the volume after the commit has begun.
+    spec.kill_jobs = true;
     crate::capacity::admit_disk(&app.cfg.data_dir, "a run's machine disk", RUN_DISK_MB)?;
     let slot = RunSlot::take(&app, &caller.tenant)?;
     if !stream {

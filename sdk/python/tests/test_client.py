@@ -2,6 +2,7 @@
 volumes, runs, and errors (LockerError only for platform failures)."""
 
 import time
+import urllib.request
 
 import pytest
 
@@ -144,3 +145,20 @@ def test_volumes_and_runs(client, volume):
         client.volumes.create(volume.name)
     assert (e.value.status, e.value.code) == (409, "conflict")
     assert client.volumes.get_or_create(volume.name).id == volume.id
+
+
+def test_a_job_serves_a_port_reached_by_url(client, sandbox):
+    # A server started with `&` outlives its exec; the path proxy reaches it with the key.
+    sandbox.exec(shell="mkdir -p /tmp/www && echo hi > /tmp/www/x.txt && cd /tmp/www && python3 -m http.server 8123 &")
+    deadline = time.time() + 30
+    while not any(p["port"] == 8123 for p in sandbox.ports()):
+        assert time.time() < deadline, sandbox.ports()
+        time.sleep(0.2)
+    url = sandbox.url(8123, "/x.txt")
+    assert url.endswith(f"/v1/sandboxes/{sandbox.id}/ports/8123/x.txt")
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {client.api_key}"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        assert r.status == 200
+        assert r.read() == b"hi\n"
+    with pytest.raises(ValueError):
+        sandbox.url(0)

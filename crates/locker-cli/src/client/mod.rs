@@ -17,6 +17,7 @@ pub mod admin;
 pub mod exec;
 pub mod files;
 pub mod http;
+pub mod port;
 pub mod process;
 pub mod records;
 pub mod render;
@@ -152,6 +153,8 @@ pub enum ClientCmd {
     Process(Box<process::ProcessArgs>),
     /// List a sandbox's background processes (as `locker process list`).
     Ps(Box<process::PsArgs>),
+    /// The TCP ports listening in a sandbox and the URLs that reach them.
+    Port(Box<port::PortArgs>),
     /// Read, write, list and move files in a sandbox.
     Files(Box<files::FilesArgs>),
     /// Create, list, delete, snapshot and fork volumes, and move their files.
@@ -177,6 +180,7 @@ pub fn main(cmd: ClientCmd) -> ! {
         ClientCmd::Shell(a) => shell::run(*a),
         ClientCmd::Process(a) => process::run(*a),
         ClientCmd::Ps(a) => process::run_ps(*a),
+        ClientCmd::Port(a) => port::run(*a),
         ClientCmd::Files(a) => files::run(*a),
         ClientCmd::Volume(a) => volume::run(*a),
         ClientCmd::Tenant(a) => admin::run_tenant(*a),

@@ -210,6 +210,7 @@ fn unexpected(what: &str, body: &EndBody) -> AgentClientError {
         EndBody::Entries(_) => "entries",
         EndBody::Extracted { .. } => "extracted",
         EndBody::Usage(_) => "usage",
+        EndBody::Ports(_) => "ports",
         EndBody::Error(_) => "error",
     };
     AgentClientError::Protocol(format!("a {what} request ended with a {kind} reply"))

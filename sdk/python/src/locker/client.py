@@ -680,6 +680,19 @@ class Sandbox:
         """The egress policy as last seen (`info["network"]`)."""
         return self.info.get("network")
 
+    def ports(self) -> List[Dict[str, Any]]:
+        """The TCP ports listening in the sandbox now: dicts with port, address, process,
+        pid, public and url (the path proxy's URL, reached with the API key)."""
+        return self._c.request("GET", f"/v1/sandboxes/{_seg(self.id)}/ports")["ports"]
+
+    def url(self, port: int, path: str = "/") -> str:
+        """The URL that reaches `port` in the sandbox through the server's path proxy
+        (send the API key as a Bearer token, as for every call). WebSocket and streamed
+        bodies pass too; a paused sandbox wakes for a request."""
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"port must be 1-65535, got {port!r}")
+        return f"{self._c.url}/v1/sandboxes/{_seg(self.id)}/ports/{int(port)}/{path.lstrip('/')}"
+
     def pause(self) -> None:
         self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/pause")
 

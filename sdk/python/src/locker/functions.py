@@ -186,8 +186,9 @@ def function_tools(
             f"Run a command in the sandbox ({_machine(sandbox)}) and wait for it. "
             "Use it for anything you would type in a terminal: run tests, inspect the system. Prefer file_read / file_write / "
             "file_edit for files. Each call is a fresh shell: `cd` and `export` do not carry over (pass cwd); files do, "
-            "processes do not: everything a call starts (`cmd &`, `nohup`) ends with it; start servers and long jobs with "
-            "process_start instead. cwd defaults to /root.\n\n"
+            "and so do jobs: what a call leaves running (`cmd &`, `nohup`) keeps running after it returns, but what it prints "
+            "later is discarded (redirect it to a file); start servers and long jobs with process_start to read their "
+            "output. A timeout kills the whole tree. cwd defaults to /root.\n\n"
             "Returns {exit_code, reason (exited | signaled | timeout | oom | output_limit | killed), stdout, stderr}. A non-zero "
             "exit code is a normal result to read, not a tool error. Output over 65536 bytes per stream keeps its head and tail; "
             "then stdout_truncated is true and the full output is in the file output_path in the sandbox." + (" " + net if net else ""),
@@ -355,7 +356,8 @@ def _background(sandbox: Sandbox, shell_p: Dict[str, Any], cmd_p: Dict[str, Any]
         LockerFunction(
             "process_start",
             "Start a command in the background in the sandbox and return at once with its process_id: for servers, watchers "
-            "and jobs longer than a call (`cmd &` and `nohup` in exec end with the call; this does not). It keeps running "
+            "and jobs longer than a call whose output you want (a `cmd &` left by exec keeps running too, but its later "
+            "output is discarded). It keeps running "
             "between calls until it exits, process_stop stops it, or the sandbox ends. Read its output with process_output. "
             "timeout_ms, when given, kills it after that many milliseconds." + (" " + net if net else ""),
             _obj({"shell": shell_p, "cmd": cmd_p,

@@ -1,0 +1,307 @@
+//! Ports of a sandbox through the real server (issue 17, API.md "Ports, preview URLs, MCP
+//! servers in a sandbox"): a server started with `&` inside a machine is listed and reached
+//! through the path proxy, bodies stream both ways, server-sent events arrive as they are
+//! sent, a WebSocket echoes, a paused sandbox wakes for a request; credentials never reach
+//! the machine, another tenant gets 404, and bad ports, climbing paths, ports nothing listens
+//! on and malformed answers get clear errors. Jail and microVM. Each server cleans up.
+
+use std::io::Read;
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use locker_tests::server::{enc, Api, Server};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+/// A test server for the machine: echoes requests as JSON, streams `/big?n=`, sends events on
+/// `/sse`, answers garbage on `/garbage`, echoes WebSocket frames on `/ws`.
+const SERVER_PY: &str = r#"
+import base64, hashlib, json, sys, time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+class H(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_GET(self): self.route()
+    def do_POST(self): self.route()
+    def do_PUT(self): self.route()
+    def route(self):
+        p = self.path
+        if p.startswith("/big"):
+            n = int(p.split("n=")[1])
+            self.send_response(200)
+            self.send_header("Content-Length", str(n))
+            self.end_headers()
+            chunk = b"x" * 65536
+            while n > 0:
+                k = min(n, len(chunk)); self.wfile.write(chunk[:k]); n -= k
+            return
+        if p == "/sse":
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.send_header("Connection", "close")
+            self.end_headers()
+            for i in range(3):
+                self.wfile.write(("data: %d\n\n" % i).encode()); self.wfile.flush(); time.sleep(0.7)
+            self.close_connection = True
+            return
+        if p == "/garbage":
+            self.wfile.write(b"NOT HTTP AT ALL\r\n\r\n"); self.wfile.flush()
+            self.close_connection = True
+            return
+        if p == "/ws":
+            key = self.headers["Sec-WebSocket-Key"]
+            acc = base64.b64encode(hashlib.sha1((key + "258EAFA5-E914-47DA-95CA-C5AB0DC85B11").encode()).digest()).decode()
+            self.send_response(101)
+            self.send_header("Upgrade", "websocket"); self.send_header("Connection", "Upgrade")
+            self.send_header("Sec-WebSocket-Accept", acc); self.end_headers(); self.wfile.flush()
+            r = self.rfile
+            while True:
+                h = r.read(2)
+                if len(h) < 2: return
+                op = h[0] & 0x0f; ln = h[1] & 0x7f
+                if ln == 126: ln = int.from_bytes(r.read(2), "big")
+                elif ln == 127: ln = int.from_bytes(r.read(8), "big")
+                mask = r.read(4) if h[1] & 0x80 else b"\0\0\0\0"
+                data = bytes(b ^ mask[i % 4] for i, b in enumerate(r.read(ln)))
+                if op == 8:
+                    self.wfile.write(b"\x88\x00"); self.wfile.flush(); self.close_connection = True; return
+                if ln < 126: hdr = bytes([0x80 | op, ln])
+                elif ln < 65536: hdr = bytes([0x80 | op, 126]) + ln.to_bytes(2, "big")
+                else: hdr = bytes([0x80 | op, 127]) + ln.to_bytes(8, "big")
+                self.wfile.write(hdr + data); self.wfile.flush()
+        n = int(self.headers.get("Content-Length") or 0)
+        h = hashlib.sha256(); left = n
+        while left > 0:
+            b = self.rfile.read(min(left, 1 << 20)); h.update(b); left -= len(b)
+        body = json.dumps({"method": self.command, "path": self.path, "length": n,
+                           "sha256": h.hexdigest(),
+                           "headers": {k.lower(): v for k, v in self.headers.items()}}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+ThreadingHTTPServer(("0.0.0.0", int(sys.argv[1])), H).serve_forever()
+"#;
+
+const PORT: u16 = 8000;
+
+/// A sandbox running the test server on `PORT`, started with `&` (a job of its exec).
+fn serving(api: &Api, body: &Value) -> String {
+    let id = api.create_sandbox(body)["id"].as_str().unwrap().to_owned();
+    api.put(
+        &format!("/v1/sandboxes/{id}/files?path={}", enc("/root/srv.py")),
+        SERVER_PY.as_bytes(),
+    )
+    .expect(200, "upload the server");
+    let r = api.exec(
+        &id,
+        &json!({"shell": format!("python3 /root/srv.py {PORT} &")}),
+    );
+    assert_eq!(r["exit_code"], 0, "{r}");
+    locker_tests::wait_for(Duration::from_secs(30), "the port to be listed", || {
+        let ports = api
+            .get(&format!("/v1/sandboxes/{id}/ports"))
+            .expect(200, "list ports");
+        ports["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["port"] == PORT)
+            .then_some(())
+    });
+    id
+}
+
+fn path(id: &str, rest: &str) -> String {
+    format!("/v1/sandboxes/{id}/ports/{PORT}{rest}")
+}
+
+fn reached_through_the_proxy(body: Value) {
+    let s = Server::start();
+    let api = s.api();
+    let id = serving(&api, &body);
+
+    let ports = api
+        .get(&format!("/v1/sandboxes/{id}/ports"))
+        .expect(200, "list ports");
+    let p = ports["ports"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["port"] == PORT)
+        .cloned()
+        .unwrap();
+    assert_eq!(p["address"], "0.0.0.0", "{ports}");
+    assert!(
+        p["process"].as_str().unwrap().starts_with("python"),
+        "{ports}"
+    );
+    assert_eq!(p["public"], false, "{ports}");
+    assert!(
+        p["url"]
+            .as_str()
+            .unwrap()
+            .ends_with(&format!("/v1/sandboxes/{id}/ports/{PORT}/")),
+        "{ports}"
+    );
+
+    // The path (still encoded) and the query reach the server; the caller's key does not.
+    let r = api
+        .get(&path(&id, "/a/b%20c?x=1&y=%2F"))
+        .expect(200, "GET through the proxy");
+    assert_eq!(r["method"], "GET", "{r}");
+    assert_eq!(r["path"], "/a/b%20c?x=1&y=%2F", "{r}");
+    assert!(r["headers"].get("authorization").is_none(), "{r}");
+    assert_eq!(r["headers"]["host"], format!("127.0.0.1:{PORT}"), "{r}");
+    let root = api.get(&path(&id, "")).expect(200, "the port's root");
+    assert_eq!(root["path"], "/", "{root}");
+
+    // Bodies both ways, whole and exact.
+    let up: Vec<u8> = (0..20_000_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    let r = api
+        .request("POST", &path(&id, "/upload"), &[], up.as_slice())
+        .expect(200, "a 20 MB upload");
+    assert_eq!(r["length"], up.len(), "{r}");
+    assert_eq!(r["sha256"], hex(&Sha256::digest(&up)), "{r}");
+    let n = 100 * 1024 * 1024;
+    let (status, _, mut body) = api
+        .open("GET", &path(&id, &format!("/big?n={n}")), &[], ())
+        .unwrap();
+    assert_eq!(status, 200);
+    let got = std::io::copy(&mut body, &mut std::io::sink()).unwrap();
+    assert_eq!(got, n as u64, "a 100 MiB download");
+}
+
+#[test]
+fn a_server_in_a_jail_is_listed_and_reached_through_the_path_proxy() {
+    reached_through_the_proxy(json!({}));
+}
+
+#[test]
+fn a_server_in_a_microvm_is_listed_and_reached_through_the_path_proxy() {
+    reached_through_the_proxy(json!({"runtime": "microvm", "memory_mb": 256}));
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[test]
+fn events_stream_as_they_come_and_a_websocket_echoes() {
+    let s = Server::start();
+    let api = s.api();
+    let id = serving(&api, &json!({}));
+
+    let t0 = Instant::now();
+    let (status, headers, mut body) = api.open("GET", &path(&id, "/sse"), &[], ()).unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(headers["content-type"], "text/event-stream");
+    let mut first = [0u8; 9];
+    body.read_exact(&mut first).unwrap();
+    assert_eq!(&first, b"data: 0\n\n");
+    assert!(
+        t0.elapsed() < Duration::from_millis(1200),
+        "the first event waited for the rest: {:?}",
+        t0.elapsed()
+    );
+    let mut rest = String::new();
+    body.read_to_string(&mut rest).unwrap();
+    assert_eq!(rest, "data: 1\n\ndata: 2\n\n");
+
+    use tungstenite::client::IntoClientRequest;
+    let addr = api.base.strip_prefix("http://").unwrap().to_owned();
+    let mut req = format!("ws://{addr}{}", path(&id, "/ws"))
+        .into_client_request()
+        .unwrap();
+    req.headers_mut().insert(
+        "Authorization",
+        format!("Bearer {}", s.api_key).parse().unwrap(),
+    );
+    let stream = TcpStream::connect(&addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let (mut ws, resp) = tungstenite::client(req, stream).expect("a WebSocket through the proxy");
+    assert_eq!(resp.status().as_u16(), 101);
+    for msg in ["hello", &"y".repeat(100_000)] {
+        ws.send(tungstenite::Message::Text(msg.into())).unwrap();
+        match ws.read().unwrap() {
+            tungstenite::Message::Text(t) => assert_eq!(t.as_str(), msg),
+            other => panic!("not an echo: {other:?}"),
+        }
+    }
+    ws.send(tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into()))
+        .unwrap();
+    assert_eq!(
+        ws.read().unwrap(),
+        tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into())
+    );
+    let _ = ws.close(None);
+}
+
+#[test]
+fn a_paused_sandbox_wakes_for_a_request_to_its_port() {
+    let s = Server::start();
+    let api = s.api();
+    let id = serving(&api, &json!({}));
+    api.post_empty(&format!("/v1/sandboxes/{id}/pause"))
+        .expect(200, "pause");
+    assert_eq!(
+        api.get(&format!("/v1/sandboxes/{id}")).json()["state"],
+        "paused"
+    );
+    let r = api
+        .get(&path(&id, "/after-pause"))
+        .expect(200, "a request to a paused sandbox");
+    assert_eq!(r["path"], "/after-pause", "{r}");
+    assert_eq!(
+        api.get(&format!("/v1/sandboxes/{id}")).json()["state"],
+        "running"
+    );
+}
+
+#[test]
+fn bad_ports_paths_and_answers_get_clear_errors_and_other_tenants_get_404() {
+    let s = Server::start();
+    let api = s.api();
+    let id = serving(&api, &json!({}));
+
+    for bad in ["0", "65536", "http", "-1"] {
+        let m = api
+            .get(&format!("/v1/sandboxes/{id}/ports/{bad}/"))
+            .expect_error(400, "bad_request", "a bad port");
+        assert!(m.contains("1 to 65535"), "{m}");
+    }
+    for climb in ["/../../../v1/sandboxes", "/a/%2e%2e/b", "/a%2Fb"] {
+        api.get(&path(&id, climb))
+            .expect_error(400, "bad_request", "a climbing path");
+    }
+    let m = api
+        .get(&format!("/v1/sandboxes/{id}/ports/9/"))
+        .expect_error(502, "bad_gateway", "a port nothing listens on");
+    assert!(m.contains("nothing listens on port 9"), "{m}");
+    let m = api
+        .get(&path(&id, "/garbage"))
+        .expect_error(502, "bad_gateway", "a malformed answer");
+    assert!(m.contains("valid HTTP"), "{m}");
+    // The server is still fine after all of that.
+    api.get(&path(&id, "/still"))
+        .expect(200, "the port after errors");
+
+    // No key, another tenant's key, a deleted sandbox.
+    let anon = s.anon();
+    assert_eq!(anon.get(&path(&id, "/")).status, 401);
+    let (other, _) = s.create_tenant("other");
+    other
+        .get(&path(&id, "/"))
+        .expect_error(404, "not_found", "another tenant's sandbox");
+    other
+        .get(&format!("/v1/sandboxes/{id}/ports"))
+        .expect_error(404, "not_found", "another tenant's ports");
+    api.delete(&format!("/v1/sandboxes/{id}"))
+        .expect(204, "delete");
+    api.get(&path(&id, "/"))
+        .expect_error(404, "not_found", "a deleted sandbox's port");
+}
