@@ -61,8 +61,7 @@ impl NetLease {
 pub(super) fn lease_slot(owner: &Path) -> Result<u32, NetError> {
     fs::create_dir_all(SLOTS_DIR).map_err(NetError::io(format!("create {SLOTS_DIR}")))?;
     let mut r = [0u8; 4];
-    // SAFETY: getrandom fills the buffer we own.
-    unsafe { libc::getrandom(r.as_mut_ptr().cast(), 4, 0) };
+    crate::sys::random_bytes(&mut r);
     let start = u32::from_le_bytes(r) % SLOTS;
     for i in 0..SLOTS {
         let slot = (start + i) % SLOTS;

@@ -86,20 +86,11 @@ pub(super) fn open_tap(ns: &Path) -> Result<fs::File, NetError> {
             .write(true)
             .open("/dev/net/tun")
             .map_err(NetError::io("open /dev/net/tun (modprobe tun)"))?;
-        const TUNSETIFF: libc::c_ulong = 0x4004_54ca;
-        const IFF_TAP: i16 = 0x0002;
-        const IFF_NO_PI: i16 = 0x1000;
-        const IFF_VNET_HDR: i16 = 0x4000;
-        // struct ifreq: the name (16 bytes), then the flags (a short) in a 24-byte union.
-        let mut ifr = [0u8; 40];
-        ifr[..4].copy_from_slice(b"tap0");
-        ifr[16..18].copy_from_slice(&(IFF_TAP | IFF_NO_PI | IFF_VNET_HDR).to_ne_bytes());
-        // SAFETY: an open tun fd and an ifreq-sized buffer we own.
-        if unsafe { libc::ioctl(tun.as_raw_fd(), TUNSETIFF, ifr.as_mut_ptr()) } < 0 {
-            return Err(NetError::io("create the microVM's tap")(
-                std::io::Error::last_os_error(),
-            ));
-        }
+        const IFF_TAP: u16 = 0x0002;
+        const IFF_NO_PI: u16 = 0x1000;
+        const IFF_VNET_HDR: u16 = 0x4000;
+        locker_sys::net::tun_attach(tun.as_raw_fd(), "tap0", IFF_TAP | IFF_NO_PI | IFF_VNET_HDR)
+            .map_err(NetError::io("create the microVM's tap"))?;
         Ok(tun)
     })
     .join()
