@@ -483,6 +483,21 @@ fn a_data_dir_of_the_previous_release_adopts(stop: Stop) {
         "the previous release runs its own agent"
     );
 
+    // The previous release's warm machines for runs (its default pool).
+    let old_pool: Vec<(String, PathBuf)> = wait_for(
+        Duration::from_secs(30),
+        "the previous release keeps warm machines",
+        || {
+            let pool: Vec<_> = std::fs::read_dir(srv.data_dir.join("pool"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+                .collect();
+            (!pool.is_empty()).then_some(pool)
+        },
+    );
+
     match stop {
         Stop::Kill => srv.kill9(),
         Stop::Term => {
@@ -509,6 +524,15 @@ fn a_data_dir_of_the_previous_release_adopts(stop: Stop) {
         t0.elapsed()
     );
     check(&srv, &made, &prev_agent_sum);
+    // Its warm machines were not adopted: they are gone (destroyed by the old server when
+    // stopped, by this one when the old one was killed).
+    for (id, dir) in &old_pool {
+        wait_for(
+            Duration::from_secs(20),
+            "the old warm machine is gone",
+            || traces_of(id, dir).is_empty().then_some(()),
+        );
+    }
 }
 
 #[test]
