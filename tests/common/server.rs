@@ -41,6 +41,9 @@ pub struct Server {
     extra_env: Vec<(String, String)>,
     /// The open files limit (soft and hard) the server is started with, if not inherited.
     nofile: Option<u64>,
+    /// Another build's `locker` and `locker-agent` to run instead of this checkout's (the
+    /// previous release, for the upgrade tests), until [`Server::upgrade`].
+    release: Option<(PathBuf, PathBuf)>,
     log: PathBuf,
     /// Every tenant key seen, so drop can delete each tenant's sandboxes.
     keys: Mutex<Vec<String>>,
@@ -105,6 +108,24 @@ impl Server {
         s
     }
 
+    /// A server of another build (`locker` and its static `locker-agent`), with extra
+    /// flags, an API key and an admin key; [`Server::upgrade`] replaces it with this
+    /// checkout's build on the same data dir.
+    pub fn start_release(locker: &Path, agent: &Path, args: &[&str]) -> Server {
+        let mut s = Server::build_stopped(args, true, false);
+        s.release = Some((locker.to_owned(), agent.to_owned()));
+        s.spawn();
+        s
+    }
+
+    /// Starts this checkout's build on the data dir of a stopped (or killed) server that
+    /// [`Server::start_release`] started, with the same keys and flags.
+    pub fn upgrade(&mut self) {
+        self.kill9();
+        self.release = None;
+        self.spawn();
+    }
+
     /// A server without an admin key (admin routes disabled).
     pub fn without_admin(args: &[&str]) -> Server {
         Server::build(args, false, false)
@@ -144,6 +165,7 @@ impl Server {
             extra_args: args.iter().map(|a| a.to_string()).collect(),
             extra_env: Vec::new(),
             nofile: None,
+            release: None,
             _dir: dir,
         };
         s
@@ -172,13 +194,17 @@ impl Server {
                 .open(&self.log)
                 .expect("open the server log");
             // prlimit execs the server: the child's pid is the server's.
+            let (locker, agent) = match &self.release {
+                Some((l, a)) => (l.clone(), a.clone()),
+                None => (locker_bin(), agent_bin()),
+            };
             let mut cmd = match self.nofile {
                 Some(n) => {
                     let mut c = Command::new("prlimit");
-                    c.arg(format!("--nofile={n}:{n}")).arg(locker_bin());
+                    c.arg(format!("--nofile={n}:{n}")).arg(&locker);
                     c
                 }
-                None => Command::new(locker_bin()),
+                None => Command::new(&locker),
             };
             cmd.arg("serve")
                 .arg("--listen")
@@ -187,7 +213,7 @@ impl Server {
                 .arg(&self.data_dir)
                 .args(&self.extra_args)
                 .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-                .env("LOCKER_AGENT_BIN", agent_bin())
+                .env("LOCKER_AGENT_BIN", &agent)
                 .env(
                     "LOCKER_LOG",
                     std::env::var("LOCKER_LOG").unwrap_or_else(|_| "info".into()),
@@ -210,7 +236,7 @@ impl Server {
             }
             let child = cmd
                 .spawn()
-                .unwrap_or_else(|e| panic!("start {}: {e}", locker_bin().display()));
+                .unwrap_or_else(|e| panic!("start {}: {e}", locker.display()));
             register_child(child.id());
             *self.child.get_mut().expect("the server's process") = Some(child);
             match self.wait_ready() {

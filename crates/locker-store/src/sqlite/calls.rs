@@ -1,0 +1,131 @@
+//! Call records (append-only, newest first) and the usage totals read from them and from
+//! the sandboxes' lifetimes.
+//!
+//! Owns: the `calls` table. Records arrive without output bodies (see
+//! [`crate::CallRecorder`]); a record that still has them is stripped here.
+
+use rusqlite::{params, params_from_iter, TransactionBehavior};
+
+use super::codec::{conflict_on_unique, from_i64, from_json, to_i64, to_json, unix_of};
+use super::SqliteStore;
+use crate::error::Result;
+use crate::model::{CallRecord, TenantUsage};
+use crate::{DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
+
+pub(super) fn insert_calls(db: &SqliteStore, calls: &[CallRecord]) -> Result<()> {
+    if calls.is_empty() {
+        return Ok(());
+    }
+    // Encode everything before taking the writer, so a bad record fails the batch
+    // without holding the lock.
+    let mut rows = Vec::with_capacity(calls.len());
+    for call in calls {
+        let created = unix_of(&format!("call {} created_at", call.id), &call.created_at)?;
+        let json = if call.result.stdout.is_empty() && call.result.stderr.is_empty() {
+            to_json("call record", call)?
+        } else {
+            let mut stripped = call.clone();
+            stripped.strip_output();
+            to_json("call record", &stripped)?
+        };
+        let cpu_ms = to_i64("cpu_ms", call.result.usage.cpu_ms)?;
+        rows.push((call, created, cpu_ms, json));
+    }
+    let mut conn = db.writer();
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    {
+        let mut st = tx.prepare_cached(
+            "INSERT INTO calls (id, tenant, key_id, kind, sandbox_id, volume_id,
+                 created_unix, cpu_ms, record)
+             VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
+        )?;
+        for (call, created, cpu_ms, json) in &rows {
+            st.execute(params![
+                call.id,
+                call.tenant,
+                call.key_id,
+                call.kind.as_str(),
+                call.sandbox_id,
+                call.volume_id,
+                created,
+                cpu_ms,
+                json
+            ])
+            .map_err(|e| {
+                conflict_on_unique(e, || format!("call record {} already exists", call.id))
+            })?;
+        }
+    }
+    tx.commit()?;
+    Ok(())
+}
+
+pub(super) fn list_calls(
+    db: &SqliteStore,
+    tenant: &str,
+    sandbox_id: Option<&str>,
+    volume_id: Option<&str>,
+    limit: Option<u32>,
+) -> Result<Vec<CallRecord>> {
+    let limit = limit
+        .unwrap_or(DEFAULT_CALLS_LIMIT)
+        .clamp(1, MAX_CALLS_LIMIT)
+        .to_string();
+    let mut sql = String::from("SELECT record FROM calls WHERE tenant = ?1");
+    let mut args: Vec<&str> = vec![tenant];
+    if let Some(sb) = sandbox_id {
+        args.push(sb);
+        sql.push_str(&format!(" AND sandbox_id = ?{}", args.len()));
+    }
+    if let Some(vol) = volume_id {
+        args.push(vol);
+        sql.push_str(&format!(" AND volume_id = ?{}", args.len()));
+    }
+    args.push(&limit);
+    sql.push_str(&format!(
+        " ORDER BY seq DESC LIMIT CAST(?{} AS INTEGER)",
+        args.len()
+    ));
+    db.read(|c| {
+        let mut st = c.prepare_cached(&sql)?;
+        let jsons = st
+            .query_map(params_from_iter(&args), |r| r.get::<_, String>(0))?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        jsons.iter().map(|j| from_json("call record", j)).collect()
+    })
+}
+
+pub(super) fn usage_at(
+    db: &SqliteStore,
+    tenant: &str,
+    since: Option<i64>,
+    now: i64,
+) -> Result<TenantUsage> {
+    let since = since.unwrap_or(i64::MIN);
+    db.read(|c| {
+        let (cpu_ms, runs, execs): (i64, i64, i64) = c
+            .prepare_cached(
+                "SELECT COALESCE(SUM(cpu_ms), 0),
+                        COALESCE(SUM(kind = 'run'), 0),
+                        COALESCE(SUM(kind IN ('exec','process')), 0)
+                 FROM calls WHERE tenant = ?1 AND created_unix >= ?2",
+            )?
+            .query_row(params![tenant, since], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            })?;
+        let seconds: i64 = c
+            .prepare_cached(
+                "SELECT COALESCE(SUM(MAX(0,
+                            MIN(?3, COALESCE(ended_unix, ?3)) - MAX(created_unix, ?2))), 0)
+                 FROM sandboxes
+                 WHERE tenant = ?1 AND (ended_unix IS NULL OR ended_unix > ?2)",
+            )?
+            .query_row(params![tenant, since, now], |r| r.get(0))?;
+        Ok(TenantUsage {
+            cpu_ms: from_i64("cpu_ms", cpu_ms)?,
+            sandbox_seconds: from_i64("sandbox_seconds", seconds)?,
+            runs: from_i64("runs", runs)?,
+            execs: from_i64("execs", execs)?,
+        })
+    })
+}

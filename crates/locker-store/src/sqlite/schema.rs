@@ -1,0 +1,173 @@
+//! The database's tables, and the migrations that bring a file of any earlier Locker up to
+//! this build's [`SCHEMA_VERSION`].
+//!
+//! Owns: the DDL and the `schema_version` table. The queries on the rows live in the
+//! concern modules beside it. A migration that must rewrite rows does it in SQL, in its own
+//! entry, which runs in the one transaction of [`migrate`]: a file is never half migrated.
+
+use std::path::Path;
+
+use locker_types::rfc3339;
+use rusqlite::{params, Connection, TransactionBehavior};
+
+use crate::error::{Result, StoreError};
+use crate::model::now_unix;
+
+/// The schema, one migration per entry, applied in order, each once. Never edit a
+/// released entry: append a new one. `schema_version` holds one row per applied entry.
+const MIGRATIONS: &[&str] = &[
+    // 1: tenants, keys, sandboxes, call records.
+    r#"
+    CREATE TABLE tenants (
+        name         TEXT PRIMARY KEY,
+        created_at   TEXT NOT NULL,
+        created_unix INTEGER NOT NULL
+    ) STRICT;
+
+    -- Only the SHA-256 of a key is stored, never the key.
+    CREATE TABLE api_keys (
+        key_id       TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        key_hash     BLOB NOT NULL UNIQUE,
+        created_at   TEXT NOT NULL,
+        revoked_unix INTEGER
+    ) STRICT;
+    CREATE INDEX api_keys_tenant ON api_keys(tenant);
+
+    -- A deleted sandbox keeps its row (deleted_unix set) so usage still counts it.
+    CREATE TABLE sandboxes (
+        id                TEXT PRIMARY KEY,
+        tenant            TEXT NOT NULL REFERENCES tenants(name),
+        state             TEXT NOT NULL
+                          CHECK (state IN ('starting','running','paused','stopped','failed')),
+        template          TEXT NOT NULL,
+        template_digest   TEXT NOT NULL,
+        runtime           TEXT NOT NULL,
+        cpus              REAL NOT NULL,
+        memory_mb         INTEGER NOT NULL,
+        disk_mb           INTEGER NOT NULL,
+        network           TEXT NOT NULL,  -- JSON
+        volumes           TEXT NOT NULL,  -- JSON
+        metadata          TEXT NOT NULL,  -- JSON object of strings
+        env               TEXT NOT NULL,  -- JSON object of strings
+        ttl_s             INTEGER NOT NULL,
+        idle_timeout_s    INTEGER,
+        created_at        TEXT NOT NULL,
+        expires_at        TEXT NOT NULL,
+        last_active_at    TEXT NOT NULL,
+        machine_dir       TEXT NOT NULL,
+        cpu_ms            INTEGER NOT NULL,
+        peak_memory_bytes INTEGER NOT NULL,
+        created_unix      INTEGER NOT NULL,
+        expires_unix      INTEGER NOT NULL,
+        last_active_unix  INTEGER NOT NULL,
+        ended_unix        INTEGER,
+        deleted_unix      INTEGER
+    ) STRICT;
+    CREATE INDEX sandboxes_tenant_live ON sandboxes(tenant, created_unix)
+        WHERE deleted_unix IS NULL;
+    CREATE INDEX sandboxes_expires_live ON sandboxes(expires_unix)
+        WHERE deleted_unix IS NULL;
+    CREATE INDEX sandboxes_state_live ON sandboxes(state)
+        WHERE deleted_unix IS NULL;
+    CREATE INDEX sandboxes_tenant_state_live ON sandboxes(tenant, state)
+        WHERE deleted_unix IS NULL;
+    CREATE INDEX sandboxes_tenant_all ON sandboxes(tenant, ended_unix);
+
+    -- Append-only. `seq` orders records as they were written (newest = highest);
+    -- `record` is the whole CallRecord as JSON, the other columns are for queries.
+    CREATE TABLE calls (
+        seq          INTEGER PRIMARY KEY,
+        id           TEXT NOT NULL UNIQUE,
+        tenant       TEXT NOT NULL,
+        key_id       TEXT NOT NULL,
+        kind         TEXT NOT NULL CHECK (kind IN ('exec','run','process')),
+        sandbox_id   TEXT,
+        volume_id    TEXT,
+        created_unix INTEGER NOT NULL,
+        cpu_ms       INTEGER NOT NULL,
+        record       TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX calls_tenant ON calls(tenant, seq);
+    CREATE INDEX calls_tenant_time ON calls(tenant, created_unix);
+    CREATE INDEX calls_sandbox ON calls(sandbox_id, seq) WHERE sandbox_id IS NOT NULL;
+    CREATE INDEX calls_volume ON calls(volume_id, seq) WHERE volume_id IS NOT NULL;
+    "#,
+    // 2: snapshots of sandboxes. `record` is the whole SnapshotRecord as JSON.
+    r#"
+    CREATE TABLE snapshots (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        sandbox_id   TEXT NOT NULL,
+        created_unix INTEGER NOT NULL,
+        record       TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX snapshots_tenant ON snapshots(tenant, created_unix);
+    "#,
+    // 3: volumes (names unique per tenant) and their snapshots (their own kind: a copy of
+    // a directory tree, not a disk image). `record` is the whole VolumeSnapshotRecord.
+    r#"
+    CREATE TABLE volumes (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        name         TEXT NOT NULL,
+        size_mb      INTEGER NOT NULL,
+        created_at   TEXT NOT NULL,
+        created_unix INTEGER NOT NULL,
+        UNIQUE (tenant, name)
+    ) STRICT;
+    CREATE TABLE volume_snapshots (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        volume_id    TEXT NOT NULL,
+        created_unix INTEGER NOT NULL,
+        record       TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX volume_snapshots_volume ON volume_snapshots(tenant, volume_id, created_unix);
+    "#,
+    // 4: why a sandbox ended ("deleted", "expired", "failed: …"), for its tombstone.
+    r#"
+    ALTER TABLE sandboxes ADD COLUMN end_cause TEXT;
+    "#,
+];
+
+/// The schema version this build writes (the number of migrations it knows).
+pub const SCHEMA_VERSION: i64 = MIGRATIONS.len() as i64;
+
+/// Applies the missing migrations in one `IMMEDIATE` transaction, so two processes
+/// opening a new file at once cannot both migrate it.
+pub(super) fn migrate(conn: &mut Connection, path: &Path) -> Result<()> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    tx.execute_batch(
+        "CREATE TABLE IF NOT EXISTS schema_version (
+            version    INTEGER PRIMARY KEY,
+            applied_at TEXT NOT NULL
+        )",
+    )?;
+    let found: i64 = tx.query_row(
+        "SELECT COALESCE(MAX(version), 0) FROM schema_version",
+        [],
+        |r| r.get(0),
+    )?;
+    if found > SCHEMA_VERSION {
+        return Err(StoreError::SchemaTooNew {
+            path: path.to_path_buf(),
+            found,
+            supported: SCHEMA_VERSION,
+        });
+    }
+    let now = rfc3339(now_unix());
+    for (version, sql) in (1i64..)
+        .zip(MIGRATIONS)
+        .skip(usize::try_from(found).unwrap_or(0))
+    {
+        tx.execute_batch(sql)?;
+        tx.execute(
+            "INSERT INTO schema_version (version, applied_at) VALUES (?1, ?2)",
+            params![version, now],
+        )?;
+        tracing::info!(path = %path.display(), version, "applied database migration");
+    }
+    tx.commit()?;
+    Ok(())
+}
