@@ -68,7 +68,7 @@ impl Vms {
             .create_attached(spec, attach)
             .await
             .expect("start a microVM");
-        assert_eq!(m.kind, RuntimeKind::Microvm);
+        assert_eq!(m.kind(), RuntimeKind::Microvm);
         self.machines.push(m);
         self.machines.len() - 1
     }
@@ -81,7 +81,7 @@ impl Vms {
 impl Drop for Vms {
     fn drop(&mut self) {
         for m in self.machines.drain(..) {
-            let _ = locker_runtime::jail::destroy(&m.id, &m.dir, self.node.layout());
+            let _ = locker_runtime::machine::destroy(&m.id, &m.dir, self.node.layout());
         }
     }
 }

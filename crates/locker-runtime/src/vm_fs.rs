@@ -28,7 +28,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncBufReadExt;
 
-use crate::jail::{BindMount, OverlayMount};
+use crate::machine::{BindMount, OverlayMount};
 use crate::sys;
 
 /// The file server's spec, written to `<dir>/vm-fs.json` too (a machine with shares).
@@ -271,7 +271,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
     }
     for (i, o) in s.overlays.iter().enumerate() {
         let at = stage.join((s.binds.len() + i).to_string());
-        crate::jail::mount_run_overlay(o, &at)
+        crate::machine::mounts::mount_run_overlay(o, &at)
             .map_err(ctx(format!("mount the overlay of {}", o.lower.display())))?;
     }
     let conn = UnixStream::connect(&s.socket)
