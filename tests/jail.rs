@@ -152,12 +152,15 @@ async fn root_inside_is_nobody_outside() {
     // The machine's disk stores canonical ids (root = 0), whatever the machine's uid range,
     // so a disk image can start another machine (snapshots, forks).
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(g.m().upper_dir().join("etc/written"))
+    let meta = std::fs::metadata(g.m().upper_dir().expect("a jail").join("etc/written"))
         .expect("the file is in the machine's layer");
     assert_eq!((meta.uid(), meta.gid()), (0, 0));
     // On the host the agent runs as the machine's unprivileged uid.
-    let status =
-        std::fs::read_to_string(format!("/proc/{}/status", g.m().jail().expect("a jail").agent_pid)).unwrap();
+    let status = std::fs::read_to_string(format!(
+        "/proc/{}/status",
+        g.m().jail().expect("a jail").agent_pid
+    ))
+    .unwrap();
     let uid: u32 = status
         .lines()
         .find_map(|l| l.strip_prefix("Uid:"))

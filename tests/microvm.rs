@@ -381,7 +381,11 @@ async fn a_microvm_start_given_up_half_way_leaves_nothing() {
         }
     }
     assert!(!qemus_under(&loose.dir).is_empty(), "QEMU runs");
-    assert_eq!(leases_of(&loose.dir).len(), 1, "the machine holds a uid lease");
+    assert_eq!(
+        leases_of(&loose.dir).len(),
+        1,
+        "the machine holds a uid lease"
+    );
     drop(create);
 
     let cgroup = locker_runtime::cgroup::MachineCgroup::new(loose.layout.clone(), &loose.id);

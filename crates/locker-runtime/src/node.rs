@@ -59,13 +59,12 @@ pub enum NodeError {
     NoInitExe(io::Error),
     #[error("locker-agent not found: set LOCKER_AGENT_BIN or install it beside the locker binary (scripts/setup does)")]
     NoAgent,
-    /// The host could not wire or police a machine's network (see [`crate::net`]).
-    #[error("{doing} of machine {machine}: {reason}")]
-    Network {
-        doing: &'static str,
-        machine: String,
-        reason: String,
-    },
+    /// The host could not wire a new microVM's network device (see [`crate::net`]).
+    #[error("giving machine {machine} its network: {reason}")]
+    Network { machine: String, reason: String },
+    /// The host could not set a machine's egress (see [`crate::net`]).
+    #[error("setting the egress of machine {machine}: {reason}")]
+    Egress { machine: String, reason: String },
     /// A microVM's volumes could not be served or mounted.
     #[error("serving volumes to machine {machine}: {reason}")]
     Shares { machine: String, reason: String },
@@ -461,7 +460,6 @@ impl Node {
                 .await
                 .map_err(task("egress"))?
                 .map_err(|reason| NodeError::Network {
-                    doing: "giving its network",
                     machine: spec.id.clone(),
                     reason,
                 })?;
@@ -641,8 +639,7 @@ impl Node {
         })
         .await
         .map_err(task("egress"))?
-        .map_err(|reason| NodeError::Network {
-            doing: "setting the egress",
+        .map_err(|reason| NodeError::Egress {
             machine: m.id.clone(),
             reason,
         })
@@ -677,8 +674,7 @@ impl Node {
         })
         .await
         .map_err(task("egress"))?
-        .map_err(|reason| NodeError::Network {
-            doing: "setting the egress",
+        .map_err(|reason| NodeError::Egress {
             machine: m.id.clone(),
             reason,
         })?;

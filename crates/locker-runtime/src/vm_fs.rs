@@ -90,13 +90,13 @@ pub async fn start(exe: &Path, dir: &Path, spec: &Spec, procs: &[PathBuf]) -> io
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(log);
-    let procs = crate::vm::c_paths(procs);
+    let procs = crate::cgroup::c_paths(procs);
     // SAFETY: only async-signal-safe calls (open, write, close) on memory prepared before
     // the fork.
     unsafe {
         cmd.pre_exec(move || {
             for p in &procs {
-                crate::vm::enter_cgroup(p)?;
+                crate::cgroup::enter_cgroup(p)?;
             }
             Ok(())
         });

@@ -43,7 +43,6 @@ pub use assets::{cache_dir, host_khz, kernel_dir, template_image, Assets};
 pub use base::{ensure_base, Base};
 pub use qemu::Shape;
 use qemu::*;
-pub(crate) use qemu::{c_paths, enter_cgroup};
 pub use qmp::QmpError;
 use qmp::*;
 
