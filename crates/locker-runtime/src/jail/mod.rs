@@ -78,8 +78,6 @@ fn step(s: impl Into<String>) -> impl FnOnce(io::Error) -> JailError {
     move |source| JailError::Io { step: s, source }
 }
 
-/// Everything the shim needs to build one machine (written as `<dir>/jail.json`).
-
 /// A running jail as the host knows it (`<dir>/state.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct JailState {
@@ -206,10 +204,6 @@ fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     fs::rename(tmp, path)
 }
 
-/// Stops a machine and removes every trace of it: its processes (the whole pid namespace
-/// dies with its PID 1), its cgroup, its directory (disk image included). Mounts and the
-/// loop device go with the namespaces. Works on a half-started machine too, and on one
-
 /// Whether `pid` is a live (not zombie) process inside machine `id`'s cgroup.
 pub(crate) fn owns_pid(pid: i32, id: &str) -> bool {
     let cg = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
@@ -227,8 +221,6 @@ pub fn is_shim(pid: i32, dir: &Path) -> bool {
             .split(|b| *b == 0)
             .any(|a| a == needle.as_os_str().as_encoded_bytes())
 }
-
-/// Whether `pid` exists and is neither a zombie nor dead.
 
 /// Whether a machine found on disk is still alive (its shim and agent run).
 pub fn is_alive(state: &JailState) -> bool {

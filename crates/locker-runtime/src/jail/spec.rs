@@ -35,9 +35,6 @@ pub struct JailSpec {
     pub binds: Vec<BindMount>,
 }
 
-/// A host directory (canonical ids) bound into a machine at `target`, id-mapped so the
-/// machine's root owns what the host's root owns; every machine binding it sees one live
-
 /// What `locker __jail-attach` mounts into a running machine.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AttachSpec {
