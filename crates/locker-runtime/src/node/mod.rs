@@ -19,6 +19,11 @@ use crate::machine::slots::{self, SlotError};
 use crate::machine::{self, BindMount, MachineState, OverlayMount};
 
 pub use crate::machine::state::RuntimeKind;
+pub use config::{find_agent, is_static_elf, NodeConfig};
+use unwind::Unwind;
+
+mod config;
+mod unwind;
 
 /// How long a new machine's agent may take to answer.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
@@ -98,75 +103,6 @@ pub enum AdoptError {
     Gone,
     #[error("the machine runs but cannot be reached: {0}")]
     Unreachable(NodeError),
-}
-
-/// Where a node keeps things and which programs it runs.
-#[derive(Debug, Clone)]
-pub struct NodeConfig {
-    /// The `locker` binary that runs `__jail-init`.
-    pub init_exe: PathBuf,
-    /// The static `locker-agent` binary.
-    pub agent_exe: PathBuf,
-}
-
-impl NodeConfig {
-    /// The current executable as init, and the agent found by [`find_agent`].
-    pub fn from_current_exe() -> Result<Self, NodeError> {
-        let init_exe = std::env::current_exe().map_err(NodeError::NoInitExe)?;
-        let agent_exe = find_agent(&init_exe).ok_or(NodeError::NoAgent)?;
-        Ok(Self {
-            init_exe,
-            agent_exe,
-        })
-    }
-}
-
-/// Finds the agent: `$LOCKER_AGENT_BIN`, the static build in the cargo target directory
-/// above `exe`, beside `exe`, or `/usr/local/lib/locker/locker-agent`. Only a statically
-/// linked binary qualifies: the agent runs inside any root filesystem, with or without a
-/// C library (a plain `cargo build` leaves a dynamic `locker-agent` beside `locker`).
-pub fn find_agent(exe: &Path) -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("LOCKER_AGENT_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let mut candidates = Vec::new();
-    for dir in exe.ancestors().skip(1).take(4) {
-        for profile in ["release", "debug"] {
-            candidates.push(
-                dir.join("x86_64-unknown-linux-gnu")
-                    .join(profile)
-                    .join("locker-agent"),
-            );
-        }
-        candidates.push(dir.join("locker-agent"));
-    }
-    candidates.push(PathBuf::from("/usr/local/lib/locker/locker-agent"));
-    candidates.into_iter().find(|p| is_static_elf(p))
-}
-
-/// Whether `path` is an ELF executable without a program interpreter (statically linked).
-pub fn is_static_elf(path: &Path) -> bool {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut f) = fs::File::open(path) else {
-        return false;
-    };
-    let mut h = [0u8; 64];
-    if f.read_exact(&mut h).is_err() || &h[..4] != b"\x7fELF" || h[4] != 2 {
-        return false;
-    }
-    let phoff = u64::from_le_bytes(h[0x20..0x28].try_into().expect("8 bytes"));
-    let phentsize = u16::from_le_bytes([h[0x36], h[0x37]]) as usize;
-    let phnum = u16::from_le_bytes([h[0x38], h[0x39]]) as usize;
-    if phentsize < 4 || phnum > 256 || f.seek(SeekFrom::Start(phoff)).is_err() {
-        return false;
-    }
-    let mut ph = vec![0u8; phentsize * phnum];
-    if f.read_exact(&mut ph).is_err() {
-        return false;
-    }
-    const PT_INTERP: u32 = 3;
-    !ph.chunks(phentsize)
-        .any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
 }
 
 /// What a new machine is made of.
@@ -847,69 +783,6 @@ impl Node {
     }
 }
 
-/// Tears down a machine whose start failed or was given up (its future dropped): its
-/// processes, cgroup, directory and uid lease. [`Unwind::check`] does it before handing
-/// the error on; a start cancelled at any await point gets it from `Drop`, on the blocking
-/// pool, since nothing is left to await it.
-struct Unwind {
-    id: String,
-    dir: PathBuf,
-    uid_base: u32,
-    layout: Layout,
-    armed: bool,
-}
-
-impl Unwind {
-    fn new(spec: &MachineSpec, uid_base: u32, layout: &Layout) -> Self {
-        Self {
-            id: spec.id.clone(),
-            dir: spec.dir.clone(),
-            uid_base,
-            layout: layout.clone(),
-            armed: true,
-        }
-    }
-
-    /// Passes a start's outcome on: a success disarms the guard, a failure tears the
-    /// machine down first.
-    async fn check<T>(mut self, r: Result<T, NodeError>) -> Result<T, NodeError> {
-        self.armed = false;
-        if r.is_err() {
-            let _ = tokio::task::spawn_blocking(self.teardown()).await;
-        }
-        r
-    }
-
-    fn teardown(&self) -> impl FnOnce() + Send + 'static {
-        let (id, dir, layout, base) = (
-            self.id.clone(),
-            self.dir.clone(),
-            self.layout.clone(),
-            self.uid_base,
-        );
-        move || {
-            if let Err(e) = machine::destroy(&id, &dir, &layout) {
-                tracing::warn!(machine = %id, error = %e, "cannot tear down a machine that failed to start");
-            }
-            // A start that failed before the machine recorded itself leaves its lease.
-            slots::release_uid_range(base, &dir);
-        }
-    }
-}
-
-impl Drop for Unwind {
-    fn drop(&mut self) {
-        if !self.armed {
-            return;
-        }
-        let teardown = self.teardown();
-        match tokio::runtime::Handle::try_current() {
-            Ok(rt) => drop(rt.spawn_blocking(teardown)),
-            Err(_) => teardown(),
-        }
-    }
-}
-
 /// Lets every user traverse (not list) `dir` and its parents, so a microVM's QEMU, which
 /// runs as the machine's own uid, can reach its directory.
 fn traversable(dir: &Path) {
@@ -920,25 +793,6 @@ fn traversable(dir: &Path) {
             if mode & 0o001 == 0 {
                 let _ = fs::set_permissions(d, fs::Permissions::from_mode((mode | 0o001) & 0o7777));
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn static_binaries_are_told_apart() {
-        let me = std::env::current_exe().unwrap();
-        assert!(
-            !super::is_static_elf(&me),
-            "test binaries are dynamically linked"
-        );
-        assert!(!super::is_static_elf(std::path::Path::new("/etc/passwd")));
-        if std::path::Path::new("/sbin/ldconfig").exists() {
-            assert!(
-                super::is_static_elf(std::path::Path::new("/sbin/ldconfig")),
-                "Debian's ldconfig is static"
-            );
         }
     }
 }
