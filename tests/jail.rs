@@ -30,7 +30,7 @@ impl Guard {
 impl Drop for Guard {
     fn drop(&mut self) {
         if let Some(m) = self.machine.take() {
-            let _ = locker_runtime::jail::destroy(&m.id, &m.dir, self.node.layout());
+            let _ = locker_runtime::machine::destroy(&m.id, &m.dir, self.node.layout());
         }
     }
 }
@@ -152,12 +152,15 @@ async fn root_inside_is_nobody_outside() {
     // The machine's disk stores canonical ids (root = 0), whatever the machine's uid range,
     // so a disk image can start another machine (snapshots, forks).
     use std::os::unix::fs::MetadataExt;
-    let meta = std::fs::metadata(g.m().upper_dir().join("etc/written"))
+    let meta = std::fs::metadata(g.m().upper_dir().expect("a jail").join("etc/written"))
         .expect("the file is in the machine's layer");
     assert_eq!((meta.uid(), meta.gid()), (0, 0));
     // On the host the agent runs as the machine's unprivileged uid.
-    let status =
-        std::fs::read_to_string(format!("/proc/{}/status", g.m().state.agent_pid)).unwrap();
+    let status = std::fs::read_to_string(format!(
+        "/proc/{}/status",
+        g.m().jail().expect("a jail").agent_pid
+    ))
+    .unwrap();
     let uid: u32 = status
         .lines()
         .find_map(|l| l.strip_prefix("Uid:"))
@@ -167,7 +170,7 @@ async fn root_inside_is_nobody_outside() {
         .unwrap()
         .parse()
         .unwrap();
-    assert_eq!(uid, g.m().state.uid_base);
+    assert_eq!(uid, g.m().uid_base());
     assert!(uid >= 65_536 * 16, "uid {uid} is in an unprivileged range");
     // What only real root could do fails.
     for (what, script) in [
@@ -341,7 +344,7 @@ async fn hundred_megabytes_of_output_come_back_capped_with_memory_flat() {
     assert_eq!(e.size, r.stdout_bytes, "the spill file holds every byte");
     let grown = rss_kb(std::process::id()).saturating_sub(before);
     assert!(grown < 60_000, "the host side grew by {grown} KiB");
-    let agent_rss = rss_kb(g.m().state.agent_pid as u32);
+    let agent_rss = rss_kb(g.m().jail().expect("a jail").agent_pid as u32);
     assert!(agent_rss < 60_000, "the agent holds {agent_rss} KiB");
 }
 
@@ -432,7 +435,7 @@ async fn destroy_and_orphan_cleanup_leave_nothing() {
     }
     // One destroyed the normal way.
     let m = made.remove(0);
-    let (id, mdir, base) = (m.id.clone(), m.dir.clone(), m.state.uid_base);
+    let (id, mdir, base) = (m.id.clone(), m.dir.clone(), m.uid_base());
     node.destroy(&m).await.unwrap();
     let t = traces_of(&id, &mdir);
     assert!(t.is_empty(), "{t:?}");
@@ -442,7 +445,7 @@ async fn destroy_and_orphan_cleanup_leave_nothing() {
     );
     // One "forgotten" as if the server crashed, then found by the orphan sweep.
     let m = made.remove(0);
-    let (id, mdir, base) = (m.id.clone(), m.dir.clone(), m.state.uid_base);
+    let (id, mdir, base) = (m.id.clone(), m.dir.clone(), m.uid_base());
     std::mem::forget(m);
     let removed = node.cleanup_orphans(&machines, vec![]).await;
     assert_eq!(removed, vec![id.clone()]);

@@ -68,7 +68,7 @@ impl Vms {
             .create_attached(spec, attach)
             .await
             .expect("start a microVM");
-        assert_eq!(m.kind, RuntimeKind::Microvm);
+        assert_eq!(m.kind(), RuntimeKind::Microvm);
         self.machines.push(m);
         self.machines.len() - 1
     }
@@ -81,7 +81,7 @@ impl Vms {
 impl Drop for Vms {
     fn drop(&mut self) {
         for m in self.machines.drain(..) {
-            let _ = locker_runtime::jail::destroy(&m.id, &m.dir, self.node.layout());
+            let _ = locker_runtime::machine::destroy(&m.id, &m.dir, self.node.layout());
         }
     }
 }
@@ -321,6 +321,89 @@ mod sha2_free {
 
 /// Through the real server: microVM sandboxes, their memory snapshots and forks, adoption
 /// after a server SIGKILL, clear refusals for what microVMs do not do yet.
+/// A machine that no [`Machine`] handle holds, destroyed when the guard goes.
+struct Loose {
+    id: String,
+    dir: PathBuf,
+    layout: locker_runtime::cgroup::Layout,
+}
+
+impl Drop for Loose {
+    fn drop(&mut self) {
+        let _ = locker_runtime::machine::destroy(&self.id, &self.dir, &self.layout);
+    }
+}
+
+/// The uid-range lease files naming `dir` as their owner.
+fn leases_of(dir: &Path) -> Vec<PathBuf> {
+    std::fs::read_dir("/run/locker/uid-slots")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| std::fs::read(p).is_ok_and(|o| o == dir.as_os_str().as_encoded_bytes()))
+        .collect()
+}
+
+// A start given up half way (its caller went away, as an HTTP client that hangs up does)
+// leaves nothing of the machine: no QEMU, no cgroup, no directory, no uid lease.
+#[allow(clippy::await_holding_lock)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_microvm_start_given_up_half_way_leaves_nothing() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut vms = Vms::new();
+    // The base is booted (or found) first, so the start given up below is a restore.
+    vms.start(None).await;
+    let spec = vms.spec(256);
+    let loose = Loose {
+        id: spec.id.clone(),
+        dir: spec.dir.clone(),
+        layout: vms.node.layout().clone(),
+    };
+    let attach = Attach {
+        runtime: RuntimeKind::Microvm,
+        ..Default::default()
+    };
+    let mut create = Box::pin(vms.node.create_attached(spec, attach));
+    // QEMU's control socket: QEMU runs, in the machine's cgroup, as the machine's uid.
+    let qmp = loose.dir.join("qmp.sock");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while !qmp.exists() {
+        assert!(Instant::now() < deadline, "QEMU never started");
+        tokio::select! {
+            r = &mut create => {
+                if let Ok(m) = r {
+                    vms.machines.push(m);
+                }
+                panic!("the start ended before QEMU was seen");
+            }
+            _ = tokio::time::sleep(Duration::from_millis(1)) => {}
+        }
+    }
+    assert!(!qemus_under(&loose.dir).is_empty(), "QEMU runs");
+    assert_eq!(
+        leases_of(&loose.dir).len(),
+        1,
+        "the machine holds a uid lease"
+    );
+    drop(create);
+
+    let cgroup = locker_runtime::cgroup::MachineCgroup::new(loose.layout.clone(), &loose.id);
+    let what = "the machine given up is torn down (QEMU, cgroup, directory, uid lease)";
+    tokio::task::spawn_blocking(move || {
+        locker_tests::wait_for(Duration::from_secs(20), what, || {
+            let left = !qemus_under(&loose.dir).is_empty()
+                || cgroup.dirs().iter().any(|(_, d)| d.exists())
+                || loose.dir.exists()
+                || !leases_of(&loose.dir).is_empty();
+            (!left).then_some(())
+        });
+        drop(loose);
+    })
+    .await
+    .expect("the wait");
+}
+
 #[test]
 fn microvm_sandboxes_through_the_api() {
     use locker_tests::server::Server;

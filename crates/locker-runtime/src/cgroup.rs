@@ -4,7 +4,8 @@
 //! `locker/<id>` (v2). Works on pure v2 hosts (most users) and on v1 or hybrid hosts
 //! (these build machines: cpu, memory, pids and freezer on v1). Inside a machine the agent
 //! creates a cgroup per command below the machine's own; this room never touches those
-//! except to kill and remove everything when the machine goes.
+//! except to kill and remove everything when the machine goes. It also enters a process
+//! into a machine's cgroup between fork and exec ([`enter_cgroup`]: QEMU, the file server).
 //!
 //! # What is delegated to the machine's root
 //! Only what the agent needs to put commands into cgroups of their own: the machine's
@@ -534,4 +535,33 @@ fn remove_tree(dir: &Path) -> Result<(), CgroupError> {
             }
         }
     }
+}
+
+/// Paths as C strings, prepared before a fork for [`enter_cgroup`] after it.
+pub(crate) fn c_paths(paths: &[std::path::PathBuf]) -> Vec<std::ffi::CString> {
+    paths
+        .iter()
+        .map(|p| {
+            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
+                .expect("no NUL in a cgroup path")
+        })
+        .collect()
+}
+
+/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs`. Only
+/// async-signal-safe calls: usable between fork and exec.
+pub(crate) fn enter_cgroup(procs: &std::ffi::CStr) -> std::io::Result<()> {
+    // SAFETY: open, write and close on a valid path and a static buffer.
+    unsafe {
+        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+        if fd < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let r = libc::write(fd, b"0".as_ptr().cast(), 1);
+        libc::close(fd);
+        if r < 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
 }

@@ -1,11 +1,14 @@
 //! The node layer: what turns a template into a running machine and talks to its agent.
 //!
 //! Rooms:
-//! - [`node`]: the machines of a host, either runtime: create, adopt, destroy, orphan
-//!   clean-up, uid ranges. The server's one door into this crate.
-//! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces),
-//!   with [`seccomp`] (the commands' filter), [`cgroup`] (v1 and v2 limits, freezing,
-//!   accounting) and [`view`] (what a jail sees of its own CPUs and memory).
+//! - [`node`]: the machines of a host, either runtime: create, adopt, destroy, egress,
+//!   snapshots. The server's one door into this crate.
+//! - [`machine`]: what both runtimes share: a machine's recorded state (`MachineState`),
+//!   teardown and orphan clean-up, bind and overlay mounts, uid-range leases (`Slots`).
+//! - [`jail`]: the namespace runtime (user, mount, pid, net, ipc, uts, cgroup namespaces):
+//!   `spec`, `shim`, `setup` (PID 1's root in named steps), `attach`; with [`seccomp`]
+//!   (the commands' filter), [`cgroup`] (v1 and v2 limits, freezing, accounting) and
+//!   [`view`] (what a jail sees of its own CPUs and memory).
 //! - [`vm`]: the microVM runtime (QEMU `microvm`, restored from booted snapshots): `accel`,
 //!   `assets`, `qemu`, `qmp`, `base`; [`vm_fs`] is the per-VM file server process and
 //!   [`fuse`] the FUSE passthrough server it runs.
@@ -37,6 +40,7 @@ pub mod doctor;
 pub mod fuse;
 pub mod host_agent;
 pub mod jail;
+pub mod machine;
 pub mod net;
 pub mod node;
 pub mod ports;

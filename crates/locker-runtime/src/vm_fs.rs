@@ -28,7 +28,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::io::AsyncBufReadExt;
 
-use crate::jail::{BindMount, OverlayMount};
+use crate::machine::{BindMount, OverlayMount};
 use crate::sys;
 
 /// The file server's spec, written to `<dir>/vm-fs.json` too (a machine with shares).
@@ -90,13 +90,13 @@ pub async fn start(exe: &Path, dir: &Path, spec: &Spec, procs: &[PathBuf]) -> io
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(log);
-    let procs = crate::vm::c_paths(procs);
+    let procs = crate::cgroup::c_paths(procs);
     // SAFETY: only async-signal-safe calls (open, write, close) on memory prepared before
     // the fork.
     unsafe {
         cmd.pre_exec(move || {
             for p in &procs {
-                crate::vm::enter_cgroup(p)?;
+                crate::cgroup::enter_cgroup(p)?;
             }
             Ok(())
         });
@@ -271,7 +271,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
     }
     for (i, o) in s.overlays.iter().enumerate() {
         let at = stage.join((s.binds.len() + i).to_string());
-        crate::jail::mount_run_overlay(o, &at)
+        crate::machine::mounts::mount_run_overlay(o, &at)
             .map_err(ctx(format!("mount the overlay of {}", o.lower.display())))?;
     }
     let conn = UnixStream::connect(&s.socket)

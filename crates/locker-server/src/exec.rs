@@ -130,7 +130,7 @@ pub fn call_record(
         cwd: req.cwd.clone(),
         env_keys: req.env.keys().cloned().collect(),
         template_digest: live.template_digest.clone(),
-        runtime: live.machine.kind.as_str().into(),
+        runtime: live.machine.kind().as_str().into(),
         result,
         egress_denied: vec![],
         changes: None,

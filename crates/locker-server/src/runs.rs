@@ -11,7 +11,7 @@
 //!    transaction commit). Either way nothing written to `live/` later shows through, in
 //!    place or not.
 //! 2. **Machine**: a jail like a sandbox's with an overlay at `mount_path`: the view below
-//!    (read-only), `layer/upper` above (see `locker_runtime::jail::OverlayMount`), on the
+//!    (read-only), `layer/upper` above (see `locker_runtime::machine::OverlayMount`), on the
 //!    volume's filesystem too, so the run's writes are held to `size_mb` and a commit is
 //!    a rename.
 //! 3. **Run**: the exec body, as in a sandbox (`exec::build_spec`), NDJSON too; then the
@@ -42,7 +42,7 @@ use axum::routing::post;
 use axum::Router;
 use locker_proto::{Chan, ExecSpec};
 use locker_runtime::commit::{finish_journal, scan, size_delta, write_journal};
-use locker_runtime::jail::OverlayMount;
+use locker_runtime::machine::OverlayMount;
 use locker_runtime::node::MachineSpec;
 use locker_store::{CallKind, CallRecord, VolumeRecord};
 use locker_types::{Changes, ExecRequest, ExecResult};

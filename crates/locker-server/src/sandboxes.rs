@@ -569,10 +569,10 @@ pub async fn launch(
         disk_mb: new.disk_mb,
         pids: PIDS,
     };
-    let binds: Vec<locker_runtime::jail::BindMount> = new
+    let binds: Vec<locker_runtime::machine::BindMount> = new
         .volumes
         .iter()
-        .map(|m| locker_runtime::jail::BindMount {
+        .map(|m| locker_runtime::machine::BindMount {
             source: m.source.clone(),
             target: m.path.clone().into(),
             read_only: m.read_only,
@@ -672,7 +672,7 @@ pub fn check_disk_quota(
 async fn ready_pooled(
     app: &AppState,
     m: &locker_runtime::node::Machine,
-    binds: Vec<locker_runtime::jail::BindMount>,
+    binds: Vec<locker_runtime::machine::BindMount>,
 ) -> Result<(), locker_runtime::node::NodeError> {
     locker_runtime::vm::refresh_guest(&m.agent, &m.id).await?;
     if !binds.is_empty() {
@@ -984,9 +984,10 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<
             std::path::PathBuf::from(&r.machine_dir),
             app.node.layout().clone(),
         );
-        let _ =
-            tokio::task::spawn_blocking(move || locker_runtime::jail::destroy(&id, &dir, &layout))
-                .await;
+        let _ = tokio::task::spawn_blocking(move || {
+            locker_runtime::machine::destroy(&id, &dir, &layout)
+        })
+        .await;
     }
     app.store.update_sandbox(&rec)?;
     app.store

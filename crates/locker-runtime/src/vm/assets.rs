@@ -49,19 +49,11 @@ pub struct Assets {
 impl Assets {
     /// Finds QEMU and the kernel, and builds (once, cached by content) the initramfs.
     pub fn prepare(agent: &Path) -> Result<Self, VmError> {
-        let qemu = crate::doctor::which("qemu-system-x86_64").ok_or_else(|| {
-            VmError::Unavailable(
-                "qemu-system-x86_64 is not installed (scripts/setup installs qemu-system-x86)"
-                    .into(),
-            )
-        })?;
+        let qemu = crate::doctor::which("qemu-system-x86_64").ok_or(VmError::QemuMissing)?;
         let kdir = kernel_dir();
         let kernel = kdir.join("vmlinuz");
         if !kernel.is_file() || !kdir.join("modules").is_dir() {
-            return Err(VmError::Unavailable(format!(
-                "no guest kernel in {} (scripts/setup unpacks linux-image-cloud-amd64 there: vmlinuz and modules/)",
-                kdir.display()
-            )));
+            return Err(VmError::KernelMissing(kdir));
         }
         let qemu_version = qemu_version(&qemu)?;
         let (accel, _) = accel();
@@ -108,7 +100,7 @@ impl Assets {
             fs::read(&self.agent).map_err(setup(format!("read {}", self.agent.display())))?;
         let name = format!("initrd-{}.cpio", initrd_digest(&agent_bytes, &self.modules));
         if self.initrd.file_name() != Some(std::ffi::OsStr::new(&name)) {
-            return Err(VmError::Setup(format!(
+            return Err(VmError::Initrd(format!(
                 "{} changed since this server started: restart locker serve",
                 self.agent.display()
             )));
@@ -197,7 +189,7 @@ pub(super) fn resolve_modules(dir: &Path, wanted: &[&str]) -> Result<Vec<PathBuf
         depth: u32,
     ) -> Result<(), VmError> {
         if depth > 32 {
-            return Err(VmError::Setup(format!(
+            return Err(VmError::Initrd(format!(
                 "module dependencies loop at {name}"
             )));
         }
@@ -205,9 +197,7 @@ pub(super) fn resolve_modules(dir: &Path, wanted: &[&str]) -> Result<Vec<PathBuf
             if is_builtin(name) {
                 return Ok(());
             }
-            return Err(VmError::Unavailable(format!(
-                "the guest kernel has no module {name}"
-            )));
+            return Err(VmError::ModuleMissing(name.to_owned()));
         };
         if order.contains(path) {
             return Ok(());
@@ -373,7 +363,10 @@ pub(super) fn lock_file(path: &Path) -> Result<fs::File, VmError> {
         }
         let e = io::Error::last_os_error();
         if e.kind() != io::ErrorKind::Interrupted {
-            return Err(VmError::Setup(format!("lock {}: {e}", path.display())));
+            return Err(VmError::Io {
+                step: format!("lock {}", path.display()),
+                source: e,
+            });
         }
     }
 }
@@ -386,7 +379,7 @@ pub fn template_image(rootfs: &Path) -> Result<PathBuf, VmError> {
         .and_then(|p| p.file_name())
         .and_then(|n| n.to_str())
         .ok_or_else(|| {
-            VmError::Setup(format!(
+            VmError::TemplateImage(format!(
                 "template root {} is not in a template directory",
                 rootfs.display()
             ))
@@ -427,7 +420,7 @@ pub fn template_image(rootfs: &Path) -> Result<PathBuf, VmError> {
         .map_err(setup("run mkfs.ext4 (apt-get install e2fsprogs)"))?;
     if !out.status.success() {
         let _ = fs::remove_file(&tmp);
-        return Err(VmError::Setup(format!(
+        return Err(VmError::TemplateImage(format!(
             "building the template's disk image: mkfs.ext4: {}",
             String::from_utf8_lossy(&out.stderr).trim()
         )));

@@ -63,7 +63,7 @@ pub async fn ensure_base(
             Ok((image, hex(&h.finalize()[..8])))
         })
         .await
-        .map_err(|e| VmError::Setup(format!("task failed: {e}")))??;
+        .map_err(task("template image"))??;
     let root = Path::new(BASE_DIR);
     fs::create_dir_all(root).map_err(setup(format!("create {BASE_DIR}")))?;
     let base = Base {
@@ -77,7 +77,7 @@ pub async fn ensure_base(
     let lock_path = root.join(format!("{key}.lock"));
     let lock = tokio::task::spawn_blocking(move || lock_file(&lock_path))
         .await
-        .map_err(|e| VmError::Setup(format!("task failed: {e}")))??;
+        .map_err(task("base lock"))??;
     if base.dir.join("ready").exists() {
         return Ok(base);
     }
@@ -149,7 +149,7 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
     crate::disk::make_from_blank(
         &dir.join("disk.img"),
         base.shape.disk_mb,
-        &crate::jail::blank_disks_dir(),
+        &crate::machine::blank_disks_dir(),
     )
     .map_err(setup("make the base's disk"))?;
     let mut child = spawn_qemu(
@@ -169,11 +169,9 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
     let r = async {
         let agent = AgentClient::connect(&dir.join("agent.sock"), BOOT_TIMEOUT)
             .await
-            .map_err(|e| {
-                VmError::Setup(format!(
-                    "the base VM did not start its agent: {e}; {}",
-                    logs_of(dir)
-                ))
+            .map_err(|e| VmError::Qemu {
+                step: "the base VM did not start its agent",
+                detail: format!("{e}; {}", logs_of(dir)),
             })?;
         // Warm the guest's page cache with what every first command touches (the shell,
         // the C library, the agent's exec path): each restored VM starts with it cached.
@@ -205,7 +203,7 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
             Ok(())
         })
         .await
-        .map_err(|e| VmError::Setup(format!("task failed: {e}")))?
+        .map_err(task("base save"))?
     }
     .await;
     let _ = child.kill().await;

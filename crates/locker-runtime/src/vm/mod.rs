@@ -43,7 +43,7 @@ pub use assets::{cache_dir, host_khz, kernel_dir, template_image, Assets};
 pub use base::{ensure_base, Base};
 pub use qemu::Shape;
 use qemu::*;
-pub(crate) use qemu::{c_paths, enter_cgroup};
+pub use qmp::QmpError;
 use qmp::*;
 
 use std::fs;
@@ -85,20 +85,57 @@ const FS_SERVER_MB: u64 = 160;
 /// TCG's translation block cache in MiB (QEMU's default is a gigabyte).
 const TCG_TB_MB: u64 = 64;
 
-/// Errors of the microVM runtime.
+/// Errors of the microVM runtime; each names the step that failed and carries its cause.
+/// The first three are what this host lacks: their messages say what to install.
 #[derive(Debug, thiserror::Error)]
 pub enum VmError {
-    /// Something this host lacks (QEMU, a kernel): the message says what to install.
+    #[error("qemu-system-x86_64 is not installed (scripts/setup installs qemu-system-x86)")]
+    QemuMissing,
+    #[error("no guest kernel in {} (scripts/setup unpacks linux-image-cloud-amd64 there: vmlinuz and modules/)", .0.display())]
+    KernelMissing(PathBuf),
+    #[error("the guest kernel has no module {0}")]
+    ModuleMissing(String),
+    /// A host-side step (a file, a directory, a disk copy, a lock) failed.
+    #[error("{step}: {source}")]
+    Io { step: String, source: io::Error },
+    /// QEMU could not be run, exited, or its VM did not get where it should; `detail`
+    /// ends with QEMU's and the guest's logs where there are any.
+    #[error("{step}: {detail}")]
+    Qemu { step: &'static str, detail: String },
+    /// A QMP command (or the connection for it) failed.
+    #[error("QMP {cmd}: {source}")]
+    Qmp { cmd: String, source: QmpError },
+    /// The initramfs cannot be built as this server needs it.
     #[error("{0}")]
-    Unavailable(String),
+    Initrd(String),
+    /// A template's read-only disk image cannot be built.
     #[error("{0}")]
-    Setup(String),
+    TemplateImage(String),
+    #[error("create the machine's cgroup: {0}")]
+    Cgroup(#[source] crate::cgroup::CgroupError),
+    #[error("a VM of shape {shape:?} needs {} network device backend", if shape.net { "a" } else { "no" })]
+    NetDevice { shape: Shape },
+    /// A blocking task of the runtime panicked or was cancelled.
+    #[error("{what} task failed: {source}")]
+    Task {
+        what: &'static str,
+        source: tokio::task::JoinError,
+    },
     #[error("the VM's agent did not answer: {0}")]
     Agent(#[from] crate::agent::AgentClientError),
 }
 
+/// An I/O error's step, for [`VmError::Io`].
 fn setup(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> VmError {
-    move |e| VmError::Setup(format!("{what}: {e}"))
+    move |source| VmError::Io {
+        step: what.to_string(),
+        source,
+    }
+}
+
+/// A task's failure, for [`VmError::Task`].
+fn task(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> VmError {
+    move |source| VmError::Task { what, source }
 }
 
 /// What a microVM machine is, written to `<dir>/vm.json`.
@@ -156,11 +193,9 @@ pub async fn start(
     let t0 = Instant::now();
     let dir = s.dir;
     if s.base.shape.net != s.net.is_some() {
-        return Err(VmError::Setup(format!(
-            "a VM of shape {:?} needs {} network device backend",
-            s.base.shape,
-            if s.base.shape.net { "a" } else { "no" }
-        )));
+        return Err(VmError::NetDevice {
+            shape: s.base.shape,
+        });
     }
     fs::create_dir_all(dir).map_err(setup(format!("create {}", dir.display())))?;
     std::os::unix::fs::chown(dir, Some(s.uid), Some(s.uid))
@@ -186,9 +221,7 @@ pub async fn start(
             << 20,
         pids: s.pids.max(64),
     };
-    s.cgroup
-        .create(limits, 0)
-        .map_err(|e| VmError::Setup(format!("create the machine's cgroup: {e}")))?;
+    s.cgroup.create(limits, 0).map_err(VmError::Cgroup)?;
     let ram = s.base.ram();
     let t_cg = t0.elapsed();
     let child = spawn_qemu(
@@ -214,8 +247,11 @@ pub async fn start(
         q.run_after_incoming()
     })
     .await
-    .map_err(|e| VmError::Setup(format!("task failed: {e}")))?
-    .map_err(|e| VmError::Setup(format!("{e}; {}", logs_of(dir))))?;
+    .map_err(task("restore"))?
+    .map_err(|e| VmError::Qemu {
+        step: "restoring the VM",
+        detail: format!("{e}; {}", logs_of(dir)),
+    })?;
     let state = VmState {
         id: s.id.to_owned(),
         dir: dir.to_owned(),
@@ -234,15 +270,19 @@ pub async fn start(
     let mut child = child;
     let sock = dir.join("agent.sock");
     let agent = tokio::select! {
-        a = AgentClient::connect(&sock, Duration::from_secs(60)) => a.map_err(|e| {
-            VmError::Setup(format!("the restored VM's agent did not answer: {e}; {}", logs_of(dir)))
+        a = AgentClient::connect(&sock, Duration::from_secs(60)) => a.map_err(|e| VmError::Qemu {
+            step: "the restored VM's agent did not answer",
+            detail: format!("{e}; {}", logs_of(dir)),
         })?,
         st = child.wait() => {
-            return Err(VmError::Setup(format!(
-                "QEMU exited ({}) while restoring the VM; {}",
-                st.map(|s| s.to_string()).unwrap_or_default(),
-                logs_of(dir)
-            )))
+            return Err(VmError::Qemu {
+                step: "QEMU exited while restoring the VM",
+                detail: format!(
+                    "{}; {}",
+                    st.map(|s| s.to_string()).unwrap_or_default(),
+                    logs_of(dir)
+                ),
+            })
         }
     };
     refresh_guest(&agent, s.id).await?;
@@ -264,7 +304,10 @@ pub async fn start(
 pub fn is_alive(s: &VmState) -> bool {
     let needle = s.dir.join("agent.sock");
     let n = needle.as_os_str().as_encoded_bytes();
-    crate::jail::is_running(s.pid) && crate::jail::cmdline(s.pid).windows(n.len()).any(|w| w == n)
+    crate::machine::is_running(s.pid)
+        && crate::machine::cmdline(s.pid)
+            .windows(n.len())
+            .any(|w| w == n)
 }
 
 /// Lets a machine's guest run again if a server stopped it and died before letting it go

@@ -13,6 +13,7 @@ use serde::{Deserialize, Serialize};
 use super::accel::*;
 use super::assets::*;
 use super::*;
+use crate::cgroup::{c_paths, enter_cgroup};
 
 /// A microVM's size and devices. VMs restored from one base share it exactly.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -241,35 +242,6 @@ pub(super) fn spawn_qemu(
     drop(l.incoming);
     drop(tap);
     Ok(child)
-}
-
-/// Paths as C strings, prepared before a fork for [`enter_cgroup`] after it.
-pub(crate) fn c_paths(paths: &[PathBuf]) -> Vec<std::ffi::CString> {
-    paths
-        .iter()
-        .map(|p| {
-            std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-                .expect("no NUL in a cgroup path")
-        })
-        .collect()
-}
-
-/// Moves the calling process into the cgroup whose `cgroup.procs` is `procs`. Only
-/// async-signal-safe calls: usable between fork and exec.
-pub(crate) fn enter_cgroup(procs: &std::ffi::CStr) -> io::Result<()> {
-    // SAFETY: open, write and close on a valid path and a static buffer.
-    unsafe {
-        let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let r = libc::write(fd, b"0".as_ptr().cast(), 1);
-        libc::close(fd);
-        if r < 0 {
-            return Err(io::Error::last_os_error());
-        }
-    }
-    Ok(())
 }
 
 /// A close-on-exec duplicate of `f` numbered `min` or above.

@@ -11,6 +11,31 @@ use serde_json::{json, Value};
 
 use super::*;
 
+/// How a QMP exchange failed.
+#[derive(Debug, thiserror::Error)]
+pub enum QmpError {
+    #[error("{0}")]
+    Io(#[from] io::Error),
+    #[error("QEMU closed its QMP socket")]
+    Closed,
+    #[error("QMP sent bad JSON: {0}")]
+    BadJson(#[from] serde_json::Error),
+    /// QEMU answered the command with an error.
+    #[error("{0}")]
+    Refused(String),
+    /// The VM did not reach the state the command was for.
+    #[error("{0}")]
+    Stuck(String),
+}
+
+/// A QMP failure of `cmd`.
+fn qmp(cmd: &str, source: impl Into<QmpError>) -> VmError {
+    VmError::Qmp {
+        cmd: cmd.to_owned(),
+        source: source.into(),
+    }
+}
+
 /// A connection to one QEMU's QMP socket (blocking; use from blocking tasks).
 pub(super) struct Qmp {
     pub(super) r: BufReader<UnixStream>,
@@ -24,37 +49,28 @@ impl Qmp {
             match UnixStream::connect(sock) {
                 Ok(s) => break s,
                 Err(_) if t0.elapsed() < timeout => std::thread::sleep(Duration::from_millis(5)),
-                Err(e) => {
-                    return Err(VmError::Setup(format!(
-                        "connect to QMP {}: {e}",
-                        sock.display()
-                    )))
-                }
+                Err(e) => return Err(qmp(&format!("connect {}", sock.display()), e)),
             }
         };
         s.set_read_timeout(Some(Duration::from_secs(120)))
-            .map_err(setup("QMP timeout"))?;
-        let w = s.try_clone().map_err(setup("QMP socket"))?;
+            .map_err(|e| qmp("connect", e))?;
+        let w = s.try_clone().map_err(|e| qmp("connect", e))?;
         let mut q = Self {
             r: BufReader::new(s),
             w,
         };
-        q.read()?; // the greeting
+        q.read("greeting")?;
         q.cmd("qmp_capabilities", json!({}))?;
         Ok(q)
     }
 
-    pub(super) fn read(&mut self) -> Result<Value, VmError> {
+    /// Reads one message, on behalf of `cmd`.
+    pub(super) fn read(&mut self, cmd: &str) -> Result<Value, VmError> {
         let mut line = String::new();
-        if self
-            .r
-            .read_line(&mut line)
-            .map_err(setup("read from QMP"))?
-            == 0
-        {
-            return Err(VmError::Setup("QEMU closed its QMP socket".into()));
+        if self.r.read_line(&mut line).map_err(|e| qmp(cmd, e))? == 0 {
+            return Err(qmp(cmd, QmpError::Closed));
         }
-        serde_json::from_str(&line).map_err(|e| VmError::Setup(format!("QMP sent bad JSON: {e}")))
+        serde_json::from_str(&line).map_err(|e| qmp(cmd, e))
     }
 
     /// Runs a command, optionally passing `fd` along (`SCM_RIGHTS`), and returns its result.
@@ -66,24 +82,18 @@ impl Qmp {
     ) -> Result<Value, VmError> {
         let msg = format!("{}\n", json!({"execute": name, "arguments": args}));
         match fd {
-            None => self
-                .w
-                .write_all(msg.as_bytes())
-                .map_err(setup("write to QMP"))?,
-            Some(fd) => {
-                send_with_fd(&self.w, msg.as_bytes(), fd).map_err(setup("pass an fd to QMP"))?
-            }
+            None => self.w.write_all(msg.as_bytes()),
+            Some(fd) => send_with_fd(&self.w, msg.as_bytes(), fd),
         }
+        .map_err(|e| qmp(name, e))?;
         loop {
-            let v = self.read()?;
+            let v = self.read(name)?;
             if let Some(r) = v.get("return") {
                 return Ok(r.clone());
             }
             if let Some(e) = v.get("error") {
-                return Err(VmError::Setup(format!(
-                    "QMP {name}: {}",
-                    e.get("desc").and_then(Value::as_str).unwrap_or("failed")
-                )));
+                let desc = e.get("desc").and_then(Value::as_str).unwrap_or("failed");
+                return Err(qmp(name, QmpError::Refused(desc.to_owned())));
             }
             // An event: skip it.
         }
@@ -119,9 +129,12 @@ impl Qmp {
                     return Ok(());
                 }
                 other => {
-                    return Err(VmError::Setup(format!(
-                        "restoring the VM: it is {other:?} instead of running"
-                    )))
+                    return Err(qmp(
+                        "query-status",
+                        QmpError::Stuck(format!(
+                            "restoring the VM: it is {other:?} instead of running"
+                        )),
+                    ))
                 }
             }
         }
@@ -138,16 +151,19 @@ impl Qmp {
             match st.get("status").and_then(Value::as_str) {
                 Some("completed") => return Ok(()),
                 Some("failed") | Some("cancelled") => {
-                    return Err(VmError::Setup(format!(
-                        "saving the VM's state failed: {}",
-                        st.get("error-desc")
-                            .and_then(Value::as_str)
-                            .unwrap_or("no reason given")
-                    )))
+                    let why = st
+                        .get("error-desc")
+                        .and_then(Value::as_str)
+                        .unwrap_or("no reason given");
+                    return Err(qmp(
+                        "migrate",
+                        QmpError::Stuck(format!("saving the VM's state failed: {why}")),
+                    ));
                 }
                 _ if t0.elapsed() > Duration::from_secs(300) => {
-                    return Err(VmError::Setup(
-                        "saving the VM's state took over 300 s".into(),
+                    return Err(qmp(
+                        "migrate",
+                        QmpError::Stuck("saving the VM's state took over 300 s".into()),
                     ))
                 }
                 _ => std::thread::sleep(Duration::from_millis(2)),

@@ -2,42 +2,31 @@
 //!
 //! Owns creating, adopting, pausing and destroying machines and allocating what they need
 //! from the host (uid ranges, directories). It hands out [`Machine`]s whose agent channel is
-//! open. It does not know tenants, sandboxes or HTTP: the server maps those onto machines.
+//! open, each with its runtime's own state ([`MachineState`]). It does not know tenants,
+//! sandboxes or HTTP: the server maps those onto machines. It starts machines through
+//! [`crate::jail`] and [`crate::vm`] and tears them down through [`crate::machine`].
 
 use std::fs;
-use std::os::unix::ffi::OsStrExt;
+use std::io;
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use serde::{Deserialize, Serialize};
-
 use crate::agent::AgentClient;
 use crate::cgroup::{Layout, MachineCgroup};
-use crate::jail::{self, JailSpec, JailState};
+use crate::jail::{self, JailSpec};
+use crate::machine::slots::{self, SlotError};
+use crate::machine::{self, BindMount, MachineState, OverlayMount};
+
+pub use crate::machine::state::RuntimeKind;
+pub use config::{find_agent, is_static_elf, NodeConfig};
+use unwind::Unwind;
+
+mod config;
+mod unwind;
 
 /// How long a new machine's agent may take to answer.
 const AGENT_CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
-/// How many uid ranges (machines) one host can hand out.
-const MAX_SLOTS: u32 = 60_000;
-
-/// The isolation backend of a machine.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum RuntimeKind {
-    #[default]
-    Jail,
-    Microvm,
-}
-
-impl RuntimeKind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            RuntimeKind::Jail => "jail",
-            RuntimeKind::Microvm => "microvm",
-        }
-    }
-}
 
 /// Errors of the node.
 #[derive(Debug, thiserror::Error)]
@@ -50,12 +39,61 @@ pub enum NodeError {
     Agent(#[from] crate::agent::AgentClientError),
     #[error("runtime {0} is not usable on this host: {1}")]
     Unavailable(&'static str, String),
-    #[error("no free uid range: {MAX_SLOTS} machines already exist on this host")]
+    #[error(
+        "no free uid range: {} machines already exist on this host",
+        slots::UID_SLOTS
+    )]
     NoSlot,
-    #[error("{0}")]
-    Setup(String),
+    /// The uid-range leases cannot be read or written.
+    #[error(transparent)]
+    Slot(SlotError),
     #[error(transparent)]
     Vm(#[from] crate::vm::VmError),
+    #[error(transparent)]
+    Teardown(#[from] machine::TeardownError),
+    /// A host-side step of the node failed (a file it writes, a program it runs).
+    #[error("{step}: {source}")]
+    Io { step: String, source: io::Error },
+    /// A blocking task of the node panicked or was cancelled.
+    #[error("{what} task failed: {source}")]
+    Task {
+        what: &'static str,
+        source: tokio::task::JoinError,
+    },
+    #[error("cannot find the locker binary: {0}")]
+    NoInitExe(io::Error),
+    #[error("locker-agent not found: set LOCKER_AGENT_BIN or install it beside the locker binary (scripts/setup does)")]
+    NoAgent,
+    /// The host could not wire a new microVM's network device (see [`crate::net`]).
+    #[error("giving machine {machine} its network: {reason}")]
+    Network { machine: String, reason: String },
+    /// The host could not set a machine's egress (see [`crate::net`]).
+    #[error("setting the egress of machine {machine}: {reason}")]
+    Egress { machine: String, reason: String },
+    /// A microVM's volumes could not be served or mounted.
+    #[error("serving volumes to machine {machine}: {reason}")]
+    Shares { machine: String, reason: String },
+    #[error("only a microVM takes shares")]
+    NotVm,
+    #[error("machine {0} has its shares already")]
+    SharedAlready(String),
+    /// `__jail-attach` refused or failed.
+    #[error("attaching a mount to machine {machine}: {reason}")]
+    Attach { machine: String, reason: String },
+}
+
+impl From<SlotError> for NodeError {
+    fn from(e: SlotError) -> Self {
+        match e {
+            SlotError::Full { .. } => NodeError::NoSlot,
+            e => NodeError::Slot(e),
+        }
+    }
+}
+
+/// A task's failure, for [`NodeError::Task`].
+fn task(what: &'static str) -> impl FnOnce(tokio::task::JoinError) -> NodeError {
+    move |source| NodeError::Task { what, source }
 }
 
 /// Why a machine could not be adopted.
@@ -65,78 +103,6 @@ pub enum AdoptError {
     Gone,
     #[error("the machine runs but cannot be reached: {0}")]
     Unreachable(NodeError),
-}
-
-/// Where a node keeps things and which programs it runs.
-#[derive(Debug, Clone)]
-pub struct NodeConfig {
-    /// The `locker` binary that runs `__jail-init`.
-    pub init_exe: PathBuf,
-    /// The static `locker-agent` binary.
-    pub agent_exe: PathBuf,
-}
-
-impl NodeConfig {
-    /// The current executable as init, and the agent found by [`find_agent`].
-    pub fn from_current_exe() -> Result<Self, NodeError> {
-        let init_exe = std::env::current_exe()
-            .map_err(|e| NodeError::Setup(format!("cannot find the locker binary: {e}")))?;
-        let agent_exe = find_agent(&init_exe).ok_or_else(|| {
-            NodeError::Setup("locker-agent not found: set LOCKER_AGENT_BIN or install it beside the locker binary (scripts/setup does)".into())
-        })?;
-        Ok(Self {
-            init_exe,
-            agent_exe,
-        })
-    }
-}
-
-/// Finds the agent: `$LOCKER_AGENT_BIN`, the static build in the cargo target directory
-/// above `exe`, beside `exe`, or `/usr/local/lib/locker/locker-agent`. Only a statically
-/// linked binary qualifies: the agent runs inside any root filesystem, with or without a
-/// C library (a plain `cargo build` leaves a dynamic `locker-agent` beside `locker`).
-pub fn find_agent(exe: &Path) -> Option<PathBuf> {
-    if let Some(p) = std::env::var_os("LOCKER_AGENT_BIN") {
-        return Some(PathBuf::from(p));
-    }
-    let mut candidates = Vec::new();
-    for dir in exe.ancestors().skip(1).take(4) {
-        for profile in ["release", "debug"] {
-            candidates.push(
-                dir.join("x86_64-unknown-linux-gnu")
-                    .join(profile)
-                    .join("locker-agent"),
-            );
-        }
-        candidates.push(dir.join("locker-agent"));
-    }
-    candidates.push(PathBuf::from("/usr/local/lib/locker/locker-agent"));
-    candidates.into_iter().find(|p| is_static_elf(p))
-}
-
-/// Whether `path` is an ELF executable without a program interpreter (statically linked).
-pub fn is_static_elf(path: &Path) -> bool {
-    use std::io::{Read, Seek, SeekFrom};
-    let Ok(mut f) = fs::File::open(path) else {
-        return false;
-    };
-    let mut h = [0u8; 64];
-    if f.read_exact(&mut h).is_err() || &h[..4] != b"\x7fELF" || h[4] != 2 {
-        return false;
-    }
-    let phoff = u64::from_le_bytes(h[0x20..0x28].try_into().expect("8 bytes"));
-    let phentsize = u16::from_le_bytes([h[0x36], h[0x37]]) as usize;
-    let phnum = u16::from_le_bytes([h[0x38], h[0x39]]) as usize;
-    if phentsize < 4 || phnum > 256 || f.seek(SeekFrom::Start(phoff)).is_err() {
-        return false;
-    }
-    let mut ph = vec![0u8; phentsize * phnum];
-    if f.read_exact(&mut ph).is_err() {
-        return false;
-    }
-    const PT_INTERP: u32 = 3;
-    !ph.chunks(phentsize)
-        .any(|p| u32::from_le_bytes([p[0], p[1], p[2], p[3]]) == PT_INTERP)
 }
 
 /// What a new machine is made of.
@@ -162,9 +128,9 @@ pub struct Attach {
     /// Start from a copy of this disk image (a snapshot's).
     pub disk_from: Option<PathBuf>,
     /// Overlays (a run's volume under its private layer).
-    pub overlays: Vec<jail::OverlayMount>,
+    pub overlays: Vec<OverlayMount>,
     /// Bound host directories (volumes of a sandbox).
-    pub binds: Vec<jail::BindMount>,
+    pub binds: Vec<BindMount>,
     /// A microVM gets a network device (it will have a network policy other than `none`;
     /// one restored from a memory snapshot has one exactly when the snapshot's VM had).
     pub net: bool,
@@ -177,18 +143,35 @@ const MEMORY_NIC_MARK: &str = "memory.nic";
 #[derive(Debug)]
 pub struct Machine {
     pub id: String,
-    pub kind: RuntimeKind,
     pub dir: PathBuf,
-    pub state: JailState,
+    /// Its runtime and that runtime's processes.
+    pub state: MachineState,
     pub agent: AgentClient,
     cgroup: MachineCgroup,
     /// The jail's shim, or the microVM's QEMU, when this process started it.
     shim: Mutex<Option<tokio::process::Child>>,
-    /// What a microVM machine is (none for a jail).
-    vm: Option<crate::vm::VmState>,
 }
 
 impl Machine {
+    pub fn kind(&self) -> RuntimeKind {
+        self.state.kind()
+    }
+
+    /// The jail's state, if this machine is a jail.
+    pub fn jail(&self) -> Option<&jail::JailState> {
+        self.state.as_jail()
+    }
+
+    /// The microVM's state, if this machine is a microVM.
+    pub fn vm(&self) -> Option<&crate::vm::VmState> {
+        self.state.as_vm()
+    }
+
+    /// The first host uid of its range.
+    pub fn uid_base(&self) -> u32 {
+        self.state.uid_base()
+    }
+
     /// Whether its processes are frozen now (paused, or held still for a snapshot).
     pub fn is_frozen(&self) -> bool {
         self.cgroup.is_frozen()
@@ -220,26 +203,24 @@ impl Machine {
 
     /// Whether the machine's processes still run.
     pub fn is_alive(&self) -> bool {
-        match &self.vm {
-            Some(v) => crate::vm::is_alive(v),
-            None => jail::is_alive(&self.state),
-        }
+        self.state.is_alive()
     }
 
     /// Whether this is a microVM without a network device (created with egress `none`):
     /// no other policy can be given to it.
     pub fn lacks_network_device(&self) -> bool {
-        self.vm.as_ref().is_some_and(|v| !v.shape.net)
+        self.vm().is_some_and(|v| !v.shape.net)
     }
 
     /// Whether host trees are served to this microVM (its volumes; see [`crate::vm_fs`]).
     pub fn has_shares(&self) -> bool {
-        self.vm.is_some() && crate::vm_fs::has_shares(&self.dir)
+        self.vm().is_some() && crate::vm_fs::has_shares(&self.dir)
     }
 
-    /// The host path of the machine's writable layer (valid while it runs).
-    pub fn upper_dir(&self) -> PathBuf {
-        self.state.upper_dir()
+    /// The host path of a jail's writable layer (valid while it runs). A microVM's layer
+    /// is inside its guest.
+    pub fn upper_dir(&self) -> Option<PathBuf> {
+        self.jail().map(jail::JailState::upper_dir)
     }
 }
 
@@ -250,60 +231,6 @@ pub struct Node {
     layout: Layout,
     /// The microVM runtime's assets, prepared on first use.
     vm_assets: Mutex<Option<std::sync::Arc<crate::vm::Assets>>>,
-}
-
-/// Where uid-range leases live: one file per slot, host-wide, so several servers (and test
-/// runs) on one host never hand out the same range.
-const SLOTS_DIR: &str = "/run/locker/uid-slots";
-
-/// Leases a free uid slot for the machine in `dir`.
-fn lease_slot(dir: &Path) -> Result<u32, NodeError> {
-    use std::io::Write;
-    fs::create_dir_all(SLOTS_DIR)
-        .map_err(|e| NodeError::Setup(format!("create {SLOTS_DIR}: {e}")))?;
-    // Start somewhere random so concurrent allocators rarely race for the same file.
-    let mut r = [0u8; 4];
-    // SAFETY: getrandom fills the buffer we own.
-    unsafe { libc::getrandom(r.as_mut_ptr().cast(), 4, 0) };
-    let start = u32::from_le_bytes(r) % MAX_SLOTS;
-    for i in 0..MAX_SLOTS {
-        let slot = (start + i) % MAX_SLOTS;
-        let f = Path::new(SLOTS_DIR).join(slot.to_string());
-        match fs::OpenOptions::new().write(true).create_new(true).open(&f) {
-            Ok(mut file) => {
-                let _ = file.write_all(dir.as_os_str().as_encoded_bytes());
-                return Ok(slot);
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-                // A lease whose machine directory is gone is stale (a crash between
-                // lease and start, or a host whose data dir was wiped).
-                let owner = fs::read(&f).unwrap_or_default();
-                let owner = Path::new(std::ffi::OsStr::from_bytes(&owner));
-                let old = fs::metadata(&f)
-                    .and_then(|m| m.modified())
-                    .map(|t| t.elapsed().unwrap_or_default() > Duration::from_secs(60))
-                    .unwrap_or(false);
-                if old && !owner.join("jail.json").exists() && fs::remove_file(&f).is_ok() {
-                    continue;
-                }
-            }
-            Err(e) => {
-                return Err(NodeError::Setup(format!(
-                    "lease a uid range in {SLOTS_DIR}: {e}"
-                )))
-            }
-        }
-    }
-    Err(NodeError::NoSlot)
-}
-
-fn slot_of(uid_base: u32) -> u32 {
-    uid_base / jail::UID_RANGE - jail::uid_base(0) / jail::UID_RANGE
-}
-
-/// Returns a uid slot lease.
-fn release_slot(uid_base: u32) {
-    let _ = fs::remove_file(Path::new(SLOTS_DIR).join(slot_of(uid_base).to_string()));
 }
 
 impl Node {
@@ -341,12 +268,12 @@ impl Node {
     }
 
     /// [`Node::create_from`] with extra overlay mounts (a run's volume; see
-    /// [`jail::OverlayMount`]).
+    /// [`OverlayMount`]).
     pub async fn create_with(
         &self,
         spec: MachineSpec,
         disk_from: Option<PathBuf>,
-        mounts: Vec<jail::OverlayMount>,
+        mounts: Vec<OverlayMount>,
     ) -> Result<Machine, NodeError> {
         self.create_attached(
             spec,
@@ -375,12 +302,13 @@ impl Node {
             binds,
             ..
         } = attach;
-        let slot = lease_slot(&spec.dir)?;
+        let slot = slots::uid_ranges().lease(&spec.dir)?;
+        let unwind = Unwind::new(&spec, slots::uid_base(slot), &self.layout);
         let js = JailSpec {
             id: spec.id.clone(),
-            template_rootfs: spec.template_rootfs,
+            template_rootfs: spec.template_rootfs.clone(),
             dir: spec.dir.clone(),
-            uid_base: jail::uid_base(slot),
+            uid_base: slots::uid_base(slot),
             cpus: spec.cpus,
             memory_mb: spec.memory_mb,
             pids: spec.pids,
@@ -391,36 +319,21 @@ impl Node {
             mounts,
             binds,
         };
-        let started = jail::start(&js, &self.config.init_exe).await;
-        let (state, child) = match started {
-            Ok(s) => s,
-            Err(e) => {
-                self.cleanup_failed(&spec.id, &spec.dir, js.uid_base).await;
-                return Err(e.into());
-            }
-        };
-        match AgentClient::connect(&state.socket(), AGENT_CONNECT_TIMEOUT).await {
-            Ok(agent) => Ok(Machine {
-                id: spec.id.clone(),
-                kind: RuntimeKind::Jail,
-                dir: spec.dir,
-                state,
-                agent,
-                cgroup: MachineCgroup::new(self.layout.clone(), &spec.id),
-                shim: Mutex::new(Some(child)),
-                vm: None,
-            }),
-            Err(e) => {
-                self.cleanup_failed(&spec.id, &spec.dir, js.uid_base).await;
-                Err(e.into())
-            }
+        let started = async {
+            let (state, child) = jail::start(&js, &self.config.init_exe).await?;
+            let agent = AgentClient::connect(&state.socket(), AGENT_CONNECT_TIMEOUT).await?;
+            Ok::<_, NodeError>((state, child, agent))
         }
-    }
-
-    async fn cleanup_failed(&self, id: &str, dir: &Path, uid_base: u32) {
-        let (id, dir, layout) = (id.to_owned(), dir.to_owned(), self.layout.clone());
-        let _ = tokio::task::spawn_blocking(move || jail::destroy(&id, &dir, &layout)).await;
-        release_slot(uid_base);
+        .await;
+        let (state, child, agent) = unwind.check(started).await?;
+        Ok(Machine {
+            id: spec.id.clone(),
+            dir: spec.dir,
+            state: MachineState::Jail(state),
+            agent,
+            cgroup: MachineCgroup::new(self.layout.clone(), &spec.id),
+            shim: Mutex::new(Some(child)),
+        })
     }
 
     /// The microVM runtime's assets (QEMU, kernel, initramfs), prepared once; an error says
@@ -432,7 +345,7 @@ impl Node {
         let agent = self.config.agent_exe.clone();
         let a = tokio::task::spawn_blocking(move || crate::vm::Assets::prepare(&agent))
             .await
-            .map_err(|e| NodeError::Setup(format!("task failed: {e}")))??;
+            .map_err(task("microVM assets"))??;
         let a = std::sync::Arc::new(a);
         *self.vm_assets.lock().expect("assets lock") = Some(a.clone());
         Ok(a)
@@ -466,83 +379,57 @@ impl Node {
         let assets = self.vm_assets().await?;
         let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb).with_net(net);
         let base = crate::vm::ensure_base(&assets, &spec.template_rootfs, shape).await?;
-        let slot = lease_slot(&spec.dir)?;
-        let uid = jail::uid_base(slot);
+        let slot = slots::uid_ranges().lease(&spec.dir)?;
+        let uid = slots::uid_base(slot);
+        let unwind = Unwind::new(&spec, uid, &self.layout);
         if let Some(parent) = spec.dir.parent() {
             traversable(parent);
         }
         let cgroup = MachineCgroup::new(self.layout.clone(), &spec.id);
-        let netdev = if net {
-            let d = spec.dir.clone();
-            let prepared = tokio::task::spawn_blocking(move || {
-                crate::net::status()?;
-                crate::net::prepare_vm(&d)
-            })
-            .await
-            .map_err(|e| NodeError::Setup(format!("egress task failed: {e}")));
-            match prepared {
-                Ok(Ok((_, netns, tap))) => Some(crate::vm::NetDev { netns, tap }),
-                Ok(Err(e)) => {
-                    self.cleanup_failed(&spec.id, &spec.dir, uid).await;
-                    return Err(NodeError::Setup(format!(
-                        "giving machine {} its network: {e}",
-                        spec.id
-                    )));
-                }
-                Err(e) => {
-                    self.cleanup_failed(&spec.id, &spec.dir, uid).await;
-                    return Err(e);
-                }
-            }
-        } else {
-            None
-        };
-        let started = crate::vm::start(
-            &assets,
-            crate::vm::StartSpec {
-                id: &spec.id,
-                dir: &spec.dir,
-                uid,
-                base: &base,
-                disk_from: attach.disk_from.as_deref(),
-                memory_from: attach.memory_from.as_deref(),
-                cgroup: &cgroup,
-                cpus: spec.cpus,
-                pids: spec.pids,
-                net: netdev,
-            },
-        )
-        .await;
-        let (vm, child, agent) = match started {
-            Ok(s) => s,
-            Err(e) => {
-                self.cleanup_failed(&spec.id, &spec.dir, uid).await;
-                return Err(e.into());
-            }
-        };
-        let state = JailState {
-            id: spec.id.clone(),
-            dir: spec.dir.clone(),
-            agent_pid: vm.pid,
-            shim_pid: vm.pid,
-            uid_base: uid,
-        };
-        if let Err(e) = fs::write(
-            spec.dir.join("state.json"),
-            serde_json::to_vec(&state).expect("state serializes"),
-        ) {
-            self.cleanup_failed(&spec.id, &spec.dir, uid).await;
-            return Err(NodeError::Setup(format!("write state.json: {e}")));
+        let started = async {
+            let netdev = if net {
+                let d = spec.dir.clone();
+                let (_, netns, tap) = tokio::task::spawn_blocking(move || {
+                    crate::net::status()?;
+                    crate::net::prepare_vm(&d)
+                })
+                .await
+                .map_err(task("egress"))?
+                .map_err(|reason| NodeError::Network {
+                    machine: spec.id.clone(),
+                    reason,
+                })?;
+                Some(crate::vm::NetDev { netns, tap })
+            } else {
+                None
+            };
+            let started = crate::vm::start(
+                &assets,
+                crate::vm::StartSpec {
+                    id: &spec.id,
+                    dir: &spec.dir,
+                    uid,
+                    base: &base,
+                    disk_from: attach.disk_from.as_deref(),
+                    memory_from: attach.memory_from.as_deref(),
+                    cgroup: &cgroup,
+                    cpus: spec.cpus,
+                    pids: spec.pids,
+                    net: netdev,
+                },
+            )
+            .await?;
+            Ok::<_, NodeError>(started)
         }
+        .await;
+        let (vm, child, agent) = unwind.check(started).await?;
         let m = Machine {
             id: spec.id,
-            kind: RuntimeKind::Microvm,
             dir: spec.dir,
-            state,
+            state: MachineState::Vm(vm),
             agent,
             cgroup,
             shim: Mutex::new(Some(child)),
-            vm: Some(vm),
         };
         if !attach.binds.is_empty() || !attach.overlays.is_empty() {
             if let Err(e) = self.share(&m, attach.binds, attach.overlays).await {
@@ -559,17 +446,14 @@ impl Node {
     pub async fn share(
         &self,
         m: &Machine,
-        binds: Vec<jail::BindMount>,
-        overlays: Vec<jail::OverlayMount>,
+        binds: Vec<BindMount>,
+        overlays: Vec<OverlayMount>,
     ) -> Result<(), NodeError> {
-        if m.vm.is_none() {
-            return Err(NodeError::Setup("only a microVM takes shares".into()));
+        if m.vm().is_none() {
+            return Err(NodeError::NotVm);
         }
         if crate::vm_fs::has_shares(&m.dir) {
-            return Err(NodeError::Setup(format!(
-                "machine {} has its shares already",
-                m.id
-            )));
+            return Err(NodeError::SharedAlready(m.id.clone()));
         }
         let spec = crate::vm_fs::Spec {
             socket: m.dir.join(crate::vm::FS_SOCKET),
@@ -584,7 +468,10 @@ impl Node {
             &m.cgroup.procs_files(),
         )
         .await
-        .map_err(|e| NodeError::Setup(format!("serving volumes to machine {}: {e}", m.id)))?;
+        .map_err(|e| NodeError::Shares {
+            machine: m.id.clone(),
+            reason: e.to_string(),
+        })?;
         for g in spec.guest_mounts() {
             m.agent
                 .mount_share(g.channel, &g.target, g.read_only)
@@ -599,57 +486,47 @@ impl Node {
     /// snapshot cut short) is let run again; a frozen or stopped agent could not answer.
     /// The caller freezes it again if it is to stay paused.
     pub async fn adopt(&self, id: &str, dir: &Path) -> Result<Machine, AdoptError> {
-        let vm = crate::vm::VmState::load(dir);
-        let state = JailState::load(dir).ok_or(AdoptError::Gone)?;
-        let alive = match &vm {
-            Some(v) => v.id == id && crate::vm::is_alive(v),
-            None => state.id == id && jail::is_alive(&state),
-        };
-        if !alive {
+        let state = MachineState::load(dir).ok_or(AdoptError::Gone)?;
+        if state.id() != id || !state.is_alive() {
             return Err(AdoptError::Gone);
         }
         let cgroup = MachineCgroup::new(self.layout.clone(), id);
-        let (vm2, id2) = (vm.clone(), id.to_owned());
+        let (vm, id2) = (state.as_vm().cloned(), id.to_owned());
         // Failures here are only logged: the agent's answer below decides.
         let _ = tokio::task::spawn_blocking(move || {
             // Unconditionally: a freeze cut short is neither frozen nor thawed.
             if let Err(e) = cgroup.set_frozen(false) {
                 tracing::warn!(machine = %id2, error = %e, "cannot thaw a machine to adopt");
             }
-            if let Some(v) = vm2 {
+            if let Some(v) = vm {
                 if let Err(e) = crate::vm::ensure_running(&v) {
                     tracing::warn!(machine = %id2, error = %e, "cannot let a stopped microVM run on");
                 }
             }
         })
         .await;
-        let (kind, sock) = match &vm {
-            Some(_) => (RuntimeKind::Microvm, dir.join("agent.sock")),
-            None => (RuntimeKind::Jail, state.socket()),
-        };
-        let agent = AgentClient::connect(&sock, AGENT_CONNECT_TIMEOUT)
+        let agent = AgentClient::connect(&state.socket(), AGENT_CONNECT_TIMEOUT)
             .await
             .map_err(|e| AdoptError::Unreachable(e.into()))?;
         Ok(Machine {
             id: id.to_owned(),
-            kind,
             dir: dir.to_owned(),
             state,
             agent,
             cgroup: MachineCgroup::new(self.layout.clone(), id),
             shim: Mutex::new(None),
-            vm,
         })
     }
 
     /// Mounts an overlay into a running machine (see [`jail::attach_main`]).
-    pub async fn attach(&self, m: &Machine, mount: jail::OverlayMount) -> Result<(), NodeError> {
-        if m.vm.is_some() {
-            return self.share(m, Vec::new(), vec![mount]).await;
-        }
+    pub async fn attach(&self, m: &Machine, mount: OverlayMount) -> Result<(), NodeError> {
+        let j = match &m.state {
+            MachineState::Vm(_) => return self.share(m, Vec::new(), vec![mount]).await,
+            MachineState::Jail(j) => j,
+        };
         let spec = jail::AttachSpec {
-            agent_pid: m.state.agent_pid,
-            uid_base: m.state.uid_base,
+            agent_pid: j.agent_pid,
+            uid_base: j.uid_base,
             mount,
         };
         let out = tokio::process::Command::new(&self.config.init_exe)
@@ -658,20 +535,17 @@ impl Node {
             .stdin(std::process::Stdio::null())
             .output()
             .await
-            .map_err(|e| {
-                NodeError::Setup(format!(
-                    "run {} __jail-attach: {e}",
-                    self.config.init_exe.display()
-                ))
+            .map_err(|source| NodeError::Io {
+                step: format!("run {} __jail-attach", self.config.init_exe.display()),
+                source,
             })?;
         if out.status.success() {
             Ok(())
         } else {
-            Err(NodeError::Setup(format!(
-                "attaching a mount to machine {}: {}",
-                m.id,
-                String::from_utf8_lossy(&out.stderr).trim()
-            )))
+            Err(NodeError::Attach {
+                machine: m.id.clone(),
+                reason: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+            })
         }
     }
 
@@ -685,10 +559,11 @@ impl Node {
         policy: crate::net::Policy,
     ) -> Result<Option<crate::net::NetLease>, NodeError> {
         let all = policy != crate::net::Policy::None;
-        if m.vm.is_some() {
-            return self.set_vm_egress(m, policy).await;
-        }
-        let (dir, pid) = (m.dir.clone(), m.state.agent_pid);
+        let pid = match &m.state {
+            MachineState::Vm(_) => return self.set_vm_egress(m, policy).await,
+            MachineState::Jail(j) => j.agent_pid,
+        };
+        let dir = m.dir.clone();
         tokio::task::spawn_blocking(move || {
             if all {
                 crate::net::status()?;
@@ -699,8 +574,11 @@ impl Node {
             }
         })
         .await
-        .map_err(|e| NodeError::Setup(format!("egress task failed: {e}")))?
-        .map_err(|e| NodeError::Setup(format!("setting the egress of machine {}: {e}", m.id)))
+        .map_err(task("egress"))?
+        .map_err(|reason| NodeError::Egress {
+            machine: m.id.clone(),
+            reason,
+        })
     }
 
     /// [`Node::set_egress`] for a microVM: its link exists from its start (when it has a
@@ -731,8 +609,11 @@ impl Node {
             crate::net::attach_vm(&dir, &policy)
         })
         .await
-        .map_err(|e| NodeError::Setup(format!("egress task failed: {e}")))?
-        .map_err(|e| NodeError::Setup(format!("setting the egress of machine {}: {e}", m.id)))?;
+        .map_err(task("egress"))?
+        .map_err(|reason| NodeError::Egress {
+            machine: m.id.clone(),
+            reason,
+        })?;
         if !open {
             return Ok(None);
         }
@@ -748,8 +629,10 @@ impl Node {
             m.agent
                 .write_file("/etc/resolv.conf", Some(0o644), conf.as_bytes())
                 .await?;
-            fs::write(&mark, b"")
-                .map_err(|e| NodeError::Setup(format!("write {}: {e}", mark.display())))?;
+            fs::write(&mark, b"").map_err(|source| NodeError::Io {
+                step: format!("write {}", mark.display()),
+                source,
+            })?;
         }
         Ok(Some(lease))
     }
@@ -771,11 +654,11 @@ impl Node {
         if !was_frozen {
             m.pause()?;
         }
+        // A jail's disk as its shim mounted it; a microVM's guest flushed nothing here (its
+        // memory snapshot is [`Node::snapshot`]'s).
         let mount = m
-            .state
             .upper_dir()
-            .parent()
-            .map(Path::to_owned)
+            .and_then(|u| u.parent().map(Path::to_owned))
             .unwrap_or_default();
         let (img, dest) = (m.dir.join("disk.img"), dest.to_owned());
         let r = tokio::task::spawn_blocking(
@@ -786,18 +669,21 @@ impl Node {
             },
         )
         .await
-        .map_err(|e| NodeError::Setup(format!("snapshot task failed: {e}")));
+        .map_err(task("snapshot"));
         if !was_frozen {
             m.resume()?;
         }
-        r?.map_err(|e| NodeError::Setup(format!("copying the machine's disk: {e}")))
+        r?.map_err(|source| NodeError::Io {
+            step: "copying the machine's disk".into(),
+            source,
+        })
     }
 
     /// Snapshots a running machine into `dir` (which exists): its disk as `disk.img`, and
     /// for a microVM its memory and device state as `memory` too. Returns the bytes taken
     /// and whether memory was saved.
     pub async fn snapshot(&self, m: &Machine, dir: &Path) -> Result<(u64, bool), NodeError> {
-        let Some(vm) = m.vm.clone() else {
+        let Some(vm) = m.vm().cloned() else {
             let (_, size) = self.snapshot_disk(m, &dir.join("disk.img")).await?;
             return Ok((size, false));
         };
@@ -819,8 +705,12 @@ impl Node {
         let r = tokio::task::spawn_blocking(move || {
             crate::vm::save(&vm, &d.join("memory"), &d.join("disk.img"))?;
             if vm.shape.net {
-                fs::write(d.join(MEMORY_NIC_MARK), b"")
-                    .map_err(|e| crate::vm::VmError::Setup(format!("mark the snapshot: {e}")))?;
+                fs::write(d.join(MEMORY_NIC_MARK), b"").map_err(|source| {
+                    crate::vm::VmError::Io {
+                        step: "mark the snapshot".into(),
+                        source,
+                    }
+                })?;
             }
             Ok::<u64, crate::vm::VmError>(
                 crate::disk::allocated_bytes(&d.join("disk.img"))
@@ -828,7 +718,7 @@ impl Node {
             )
         })
         .await
-        .map_err(|e| NodeError::Setup(format!("snapshot task failed: {e}")));
+        .map_err(task("snapshot"));
         if was_frozen {
             m.pause()?;
         }
@@ -843,9 +733,9 @@ impl Node {
     /// changing. [`Node::destroy`] must still follow.
     pub async fn stop(&self, m: &Machine) -> Result<(), NodeError> {
         let (id, dir, layout) = (m.id.clone(), m.dir.clone(), self.layout.clone());
-        tokio::task::spawn_blocking(move || jail::stop(&id, &dir, &layout))
+        tokio::task::spawn_blocking(move || machine::stop(&id, &dir, &layout))
             .await
-            .map_err(|e| NodeError::Setup(format!("stop task failed: {e}")))??;
+            .map_err(task("stop"))??;
         Ok(())
     }
 
@@ -854,29 +744,24 @@ impl Node {
         let shim = m.shim.lock().expect("shim lock").take();
         let (id, dir, layout) = (m.id.clone(), m.dir.clone(), self.layout.clone());
         let started = Instant::now();
-        tokio::task::spawn_blocking(move || jail::destroy(&id, &dir, &layout))
+        tokio::task::spawn_blocking(move || machine::destroy(&id, &dir, &layout))
             .await
-            .map_err(|e| NodeError::Setup(format!("destroy task failed: {e}")))??;
+            .map_err(task("destroy"))??;
         if let Some(mut child) = shim {
             // The shim has exited (destroy waited for it); reap it now.
             let _ = tokio::time::timeout(Duration::from_secs(5), child.wait()).await;
         }
-        release_slot(m.state.uid_base);
         tracing::debug!(machine = %m.id, ms = started.elapsed().as_secs_f64() * 1e3, "machine destroyed");
         Ok(())
     }
 
     /// Destroys the machine `id` in `dir` that no [`Machine`] handle holds (one a killed
-    /// server left) and returns its uid range. Nothing happens if `dir` holds no machine.
+    /// server left), its uid range included. Nothing happens if `dir` holds no machine.
     pub async fn destroy_dir(&self, id: &str, dir: &Path) -> Result<(), NodeError> {
-        let base = JailState::load(dir).map(|s| s.uid_base);
         let (id, d, layout) = (id.to_owned(), dir.to_owned(), self.layout.clone());
-        tokio::task::spawn_blocking(move || jail::destroy(&id, &d, &layout))
+        tokio::task::spawn_blocking(move || machine::destroy(&id, &d, &layout))
             .await
-            .map_err(|e| NodeError::Setup(format!("destroy task failed: {e}")))??;
-        if let Some(b) = base {
-            release_slot(b);
-        }
+            .map_err(task("destroy"))??;
         Ok(())
     }
 
@@ -884,22 +769,12 @@ impl Node {
     pub async fn cleanup_orphans(&self, machines_dir: &Path, keep: Vec<String>) -> Vec<String> {
         let (dir, layout) = (machines_dir.to_owned(), self.layout.clone());
         tokio::task::spawn_blocking(move || {
-            let leases: Vec<(PathBuf, u32)> = fs::read_dir(&dir)
-                .into_iter()
-                .flatten()
-                .flatten()
-                .filter_map(|e| JailState::load(&e.path()).map(|s| (e.path(), s.uid_base)))
-                .collect();
-            let removed = jail::cleanup_orphans(&dir, &keep, &layout);
+            // Each machine destroyed gives its uid range back (see [`machine::destroy`]).
+            let removed = machine::cleanup_orphans(&dir, &keep, &layout);
             // Veths and subnet leases of machines that no longer exist (host-wide).
             let stale = crate::net::cleanup_stale();
             if !stale.is_empty() {
                 tracing::info!(count = stale.len(), "removed stale machine networks");
-            }
-            for (d, base) in leases {
-                if !d.exists() {
-                    release_slot(base);
-                }
             }
             removed
         })
@@ -918,25 +793,6 @@ fn traversable(dir: &Path) {
             if mode & 0o001 == 0 {
                 let _ = fs::set_permissions(d, fs::Permissions::from_mode((mode | 0o001) & 0o7777));
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn static_binaries_are_told_apart() {
-        let me = std::env::current_exe().unwrap();
-        assert!(
-            !super::is_static_elf(&me),
-            "test binaries are dynamically linked"
-        );
-        assert!(!super::is_static_elf(std::path::Path::new("/etc/passwd")));
-        if std::path::Path::new("/sbin/ldconfig").exists() {
-            assert!(
-                super::is_static_elf(std::path::Path::new("/sbin/ldconfig")),
-                "Debian's ldconfig is static"
-            );
         }
     }
 }

@@ -1,0 +1,364 @@
+//! The shim, `locker __jail-init <dir>/jail.json`: a fresh single-threaded process that
+//! makes a jail's user namespace, cgroup and disk, forks its PID 1, and copies the agent's
+//! log. PID 1 builds its root ([`super::setup`]), drops its privileges and executes the
+//! agent. Nothing here runs in the server's process.
+
+use std::ffi::CString;
+use std::fs;
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+use std::path::Path;
+
+use super::setup::machine_setup;
+use super::spec::JailSpec;
+use super::{step, JailError, LOG_HEAD};
+use crate::cgroup::{Layout, Limits, MachineCgroup};
+use crate::machine::{blank_disks_dir, slots::UID_RANGE};
+use crate::sys;
+
+/// How much of the agent's last output past [`LOG_HEAD`] is kept (in the shim's memory)
+/// and written when the machine stops.
+const LOG_TAIL: usize = 64 << 10;
+
+/// Capabilities root inside a machine keeps (in its own user namespace only): the set
+/// container runtimes grant by default.
+const KEEP_CAPS: &[u32] = &[
+    0,  // CHOWN
+    1,  // DAC_OVERRIDE
+    3,  // FOWNER
+    4,  // FSETID
+    5,  // KILL
+    6,  // SETGID
+    7,  // SETUID
+    8,  // SETPCAP
+    10, // NET_BIND_SERVICE
+    13, // NET_RAW
+    18, // SYS_CHROOT
+    27, // MKNOD
+    29, // AUDIT_WRITE
+    31, // SETFCAP
+];
+
+/// The shim's entry point. Never returns: exits with PID 1's status.
+pub fn init_main(spec_path: &Path) -> ! {
+    let code = match run_shim(spec_path) {
+        Ok(code) => code,
+        Err(e) => {
+            // The caller wraps this in its own `JailError::Init`: send the bare reason.
+            let reason = match &e {
+                JailError::Init(m) => m.clone(),
+                e => e.to_string(),
+            };
+            let msg = serde_json::json!({ "error": reason });
+            println!("{msg}");
+            eprintln!("locker jail init: {e}");
+            1
+        }
+    };
+    std::process::exit(code)
+}
+
+fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
+    let spec: JailSpec =
+        serde_json::from_slice(&fs::read(spec_path).map_err(step("read jail.json"))?)
+            .map_err(|e| JailError::Init(format!("bad jail.json: {e}")))?;
+    let dir = &spec.dir;
+
+    // 1. The agent's socket: bound here, on the host side, handed to the agent as fd 3.
+    let sock_path = dir.join("agent.sock");
+    let _ = fs::remove_file(&sock_path);
+    let listener =
+        std::os::unix::net::UnixListener::bind(&sock_path).map_err(step("bind agent.sock"))?;
+    fs::set_permissions(&sock_path, fs::Permissions::from_mode(0o600))
+        .map_err(step("chmod agent.sock"))?;
+
+    // 2. The user namespace.
+    let userns = make_userns(spec.uid_base)?;
+
+    // 3. The cgroup.
+    let layout = Layout::host()?;
+    let cg = MachineCgroup::new(layout, &spec.id);
+    let limits = Limits {
+        cpus: spec.cpus,
+        memory_bytes: spec.memory_mb << 20,
+        pids: spec.pids,
+    };
+    cg.create(limits, spec.uid_base)?;
+    // Where the machine runs: its count is what `nproc` and `os.cpu_count()` will say.
+    let cpus = crate::view::pick_cpus(spec.cpus);
+
+    // 4. The disk: a fresh image, or a copy of a snapshot's.
+    let img = dir.join("disk.img");
+    match &spec.disk_from {
+        Some(from) => {
+            crate::disk::copy_ephemeral(from, &img)
+                .map_err(step(format!("copy the disk image {}", from.display())))?;
+        }
+        None => crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir())
+            .map_err(step("make the disk image"))?,
+    }
+    let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
+    let agent = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(&spec.agent_path)
+        .map_err(step(format!(
+            "open the agent {}",
+            spec.agent_path.display()
+        )))?;
+
+    // 5. The namespaces and PID 1.
+    sys::unshare(
+        libc::CLONE_NEWNS
+            | libc::CLONE_NEWNET
+            | libc::CLONE_NEWIPC
+            | libc::CLONE_NEWUTS
+            | libc::CLONE_NEWPID,
+    )
+    .map_err(step("unshare namespaces"))?;
+    let (ready_r, ready_w) = sys::pipe().map_err(step("pipe"))?;
+    let (log_r, log_w) = sys::pipe().map_err(step("pipe"))?;
+    // SAFETY: the shim is single-threaded (no runtime, no threads were started).
+    let pid = unsafe { sys::fork() }.map_err(step("fork the machine's PID 1"))?;
+    if pid == 0 {
+        drop(ready_r);
+        drop(log_r);
+        let mut w = fs::File::from(ready_w);
+        let handed = Handed {
+            listener,
+            agent,
+            log: log_w,
+        };
+        let err = machine_init(
+            &spec,
+            &cg,
+            cpus.as_deref(),
+            userns,
+            handed,
+            &seccomp,
+            &mut w,
+        );
+        let _ = writeln!(w, "{err}");
+        // SAFETY: leaving the child without running the parent's destructors.
+        unsafe { libc::_exit(1) };
+    }
+    drop(ready_w);
+    // The log pipe must have no writer but the agent, or its end would never be seen.
+    drop(log_w);
+    drop(listener);
+    drop(agent);
+    let mut report = String::new();
+    let _ = fs::File::from(ready_r).read_to_string(&mut report);
+    if !report.is_empty() {
+        let _ = sys::waitpid(pid);
+        return Err(JailError::Init(report.trim().to_owned()));
+    }
+    println!(
+        "{}",
+        serde_json::json!({ "agent_pid": pid, "shim_pid": std::process::id() })
+    );
+    let _ = io::stdout().flush();
+    // Nothing more goes to the caller's pipe: let it see EOF.
+    if let Ok(null) = fs::OpenOptions::new().write(true).open("/dev/null") {
+        // SAFETY: dup2 onto stdout of this single-threaded process.
+        unsafe { libc::dup2(null.as_raw_fd(), 1) };
+    }
+    copy_log(log_r);
+    let status = sys::waitpid(pid).map_err(step("wait for the machine"))?;
+    Ok(if libc::WIFEXITED(status) {
+        libc::WEXITSTATUS(status)
+    } else {
+        128 + libc::WTERMSIG(status)
+    })
+}
+
+/// Copies the agent's output from `from` into the shim's stderr (`machine.log`) until the
+/// agent is gone: the first [`LOG_HEAD`] bytes as they come, then a note, and at the end
+/// the last [`LOG_TAIL`] bytes with the count of what was dropped. Always reads on, so the
+/// agent never blocks on its own log.
+fn copy_log(from: OwnedFd) {
+    let mut from = fs::File::from(from);
+    let mut to = io::stderr().lock();
+    let mut buf = vec![0u8; 64 << 10];
+    let mut head_left = LOG_HEAD;
+    let mut dropped: u64 = 0;
+    let mut tail: Vec<u8> = Vec::new();
+    loop {
+        let n = match from.read(&mut buf) {
+            Ok(0) => break,
+            Ok(n) => n,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+            Err(_) => break,
+        };
+        let head = n.min(usize::try_from(head_left).unwrap_or(usize::MAX));
+        if head > 0 {
+            let _ = to.write_all(&buf[..head]);
+            head_left -= head as u64;
+        }
+        let rest = &buf[head..n];
+        if rest.is_empty() {
+            continue;
+        }
+        if dropped == 0 {
+            let _ = writeln!(
+                to,
+                "\n[locker: the agent's log passed {LOG_HEAD} bytes; the rest is dropped but for \
+                 its last {LOG_TAIL} bytes, written when the machine stops]"
+            );
+        }
+        dropped += rest.len() as u64;
+        tail.extend_from_slice(rest);
+        if tail.len() > 2 * LOG_TAIL {
+            tail.drain(..tail.len() - LOG_TAIL);
+        }
+    }
+    if dropped > 0 {
+        let keep = tail.len().min(LOG_TAIL);
+        let _ = writeln!(
+            to,
+            "[locker: {} bytes of the agent's log were dropped; its last {keep} bytes follow]",
+            dropped - keep as u64
+        );
+        let _ = to.write_all(&tail[tail.len() - keep..]);
+    }
+}
+
+/// Creates a user namespace mapping 0..65536 inside to `uid_base..` outside and returns a
+/// handle to it. A throwaway child owns it while the maps are written.
+fn make_userns(uid_base: u32) -> Result<OwnedFd, JailError> {
+    let (r1, w1) = sys::pipe().map_err(step("pipe"))?;
+    let (r2, w2) = sys::pipe().map_err(step("pipe"))?;
+    // SAFETY: the shim is single-threaded.
+    let pid = unsafe { sys::fork() }.map_err(step("fork"))?;
+    if pid == 0 {
+        drop(r1);
+        drop(w2);
+        let ok = sys::unshare(libc::CLONE_NEWUSER).is_ok();
+        let _ = fs::File::from(w1).write_all(if ok { b"1" } else { b"0" });
+        let mut b = [0u8; 1];
+        let _ = fs::File::from(r2).read(&mut b);
+        // SAFETY: leaving the child without running destructors.
+        unsafe { libc::_exit(0) };
+    }
+    drop(w1);
+    drop(r2);
+    let mut b = [0u8; 1];
+    let _ = fs::File::from(r1).read(&mut b);
+    let result = (|| {
+        if b[0] != b'1' {
+            return Err(JailError::Init("cannot create a user namespace (is kernel.unprivileged_userns_clone or user.max_user_namespaces 0?)".into()));
+        }
+        let map = format!("0 {uid_base} {UID_RANGE}\n");
+        fs::write(format!("/proc/{pid}/uid_map"), &map).map_err(step("write uid_map"))?;
+        fs::write(format!("/proc/{pid}/gid_map"), &map).map_err(step("write gid_map"))?;
+        let ns = fs::File::open(format!("/proc/{pid}/ns/user"))
+            .map_err(step("open the user namespace"))?;
+        Ok(OwnedFd::from(ns))
+    })();
+    drop(w2);
+    let _ = sys::waitpid(pid);
+    result
+}
+
+/// What the shim hands to PID 1: the agent's listening socket, the agent's binary and the
+/// write end of the log pipe. The shim drops its copies once PID 1 is forked.
+struct Handed {
+    listener: std::os::unix::net::UnixListener,
+    agent: fs::File,
+    log: OwnedFd,
+}
+
+/// PID 1's set-up, ending in the agent. Returns only on failure, with the reason.
+fn machine_init(
+    spec: &JailSpec,
+    cg: &MachineCgroup,
+    cpus: Option<&[usize]>,
+    userns: OwnedFd,
+    handed: Handed,
+    seccomp: &[seccompiler::BpfProgram],
+    ready: &mut fs::File,
+) -> String {
+    let Handed {
+        listener,
+        agent,
+        log,
+    } = handed;
+    let view = match machine_setup(spec, cg, cpus, &userns) {
+        Ok(v) => v,
+        Err(e) => return e.to_string(),
+    };
+    // Still the host's root: exempt PID 1 from the OOM killer, so a machine that fills its
+    // memory (a full /tmp, a bomb) loses a command, never its agent. Through the legacy
+    // file on purpose: `oom_score_adj` written with CAP_SYS_RESOURCE also lowers the floor
+    // the agent's children inherit (`oom_score_adj_min`), and a command could then make
+    // itself unkillable again after the agent reset it to 0; `oom_adj` leaves the floor at 0.
+    // A host root without CAP_SYS_RESOURCE (some container hosts) cannot: the machine still
+    // starts, /tmp and /dev/shm are sized to leave its processes room, and the log says so.
+    if let Err(e) = fs::write("/proc/self/oom_adj", "-17") {
+        eprintln!(
+            "locker jail init: the agent is not exempt from the OOM killer (the host's root \
+             lacks CAP_SYS_RESOURCE?): {e}"
+        );
+    }
+    // Enter the machine's user namespace: from here on we are its root, nobody on the host.
+    if let Err(e) = sys::setns(userns.as_raw_fd(), libc::CLONE_NEWUSER) {
+        return format!("join the user namespace: {e}");
+    }
+    drop(userns);
+    // SAFETY: plain credential syscalls on this single-threaded process.
+    let ids_ok = unsafe {
+        libc::setgroups(0, std::ptr::null()) == 0
+            && libc::setresgid(0, 0, 0) == 0
+            && libc::setresuid(0, 0, 0) == 0
+    };
+    if !ids_ok {
+        return format!("become root of the machine: {}", io::Error::last_os_error());
+    }
+    if let Err(e) = sys::restrict_capabilities(KEEP_CAPS) {
+        return format!("drop capabilities: {e}");
+    }
+    if let Err(e) = sys::set_no_new_privs() {
+        return format!("set no_new_privs: {e}");
+    }
+    if let Err(e) = crate::seccomp::install(seccomp) {
+        return e.to_string();
+    }
+    // Tell the shim we made it; the pipe closes on exec, so an exec failure is reported too.
+    let _ = ready.flush();
+    if let Err(e) = sys::keep_fds(&[(listener.as_raw_fd(), 3), (view.as_raw_fd(), 4)]) {
+        return format!("hand the socket and the view to the agent: {e}");
+    }
+    let mut env: Vec<String> = [
+        "LOCKER_AGENT_FD=3",
+        "LOCKER_VIEW_FD=4",
+        "LOCKER_CGROUP_ROOT=/sys/fs/cgroup",
+        "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        "HOME=/root",
+    ]
+    .map(String::from)
+    .to_vec();
+    // The agent pins every command to these (not itself: its own threads run where the
+    // host has room).
+    if let Some(cpus) = cpus {
+        env.push(format!("LOCKER_CPUS={}", crate::view::cpu_list(cpus)));
+    }
+    let env: Vec<CString> = env
+        .into_iter()
+        .map(|s| CString::new(s).expect("no NUL in the agent's env"))
+        .collect();
+    let argv = [CString::new("locker-agent").expect("static")];
+    // stdout and stderr go to the shim's log pipe, never to the shim's caller nor straight
+    // into the host's machine.log (which nothing would bound).
+    // SAFETY: dup2 of a pipe we own onto stdout and stderr of this single-threaded process.
+    unsafe {
+        libc::dup2(log.as_raw_fd(), 1);
+        libc::dup2(log.as_raw_fd(), 2);
+    }
+    if let Ok(null) = fs::File::open("/dev/null") {
+        // SAFETY: dup2 onto stdin.
+        unsafe { libc::dup2(null.as_raw_fd(), 0) };
+    }
+    let e = sys::execveat(agent.as_raw_fd(), &argv, &env);
+    format!("execute the agent: {e}")
+}

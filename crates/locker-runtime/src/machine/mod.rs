@@ -1,0 +1,25 @@
+//! The machine layer both runtimes stand on: what a machine's directory records, how any
+//! machine is stopped and torn down, the mounts a machine is given, and host-wide slot
+//! leases.
+//!
+//! - [`state`]: [`MachineState`], a jail's or a microVM's record, read back from its
+//!   directory (adoption, teardown).
+//! - [`teardown`]: [`destroy`], [`stop`], [`cleanup_orphans`]: whatever the runtime, a
+//!   machine's processes die with its cgroup, and its directory, network and uid lease go.
+//! - [`mounts`]: [`BindMount`], [`OverlayMount`] (the shapes the server asks for) and the
+//!   one place an overlay is mounted.
+//! - [`slots`]: [`Slots`], a lease on a numbered host resource (uid ranges) as a lock file.
+//!
+//! It does not start machines (see [`crate::jail`] and [`crate::vm`]) and does not talk to
+//! their agents (see [`crate::agent`]); [`crate::node`] puts the pieces together.
+
+pub mod mounts;
+pub mod slots;
+pub mod state;
+pub mod teardown;
+
+pub use mounts::{blank_disks_dir, BindMount, OverlayMount};
+pub use slots::{SlotError, Slots};
+pub use state::MachineState;
+pub use teardown::{cleanup_orphans, destroy, stop, TeardownError};
+pub(crate) use teardown::{cmdline, is_running};
