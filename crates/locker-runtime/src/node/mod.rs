@@ -65,11 +65,17 @@ pub enum NodeError {
     #[error("locker-agent not found: set LOCKER_AGENT_BIN or install it beside the locker binary (scripts/setup does)")]
     NoAgent,
     /// The host could not wire a new microVM's network device (see [`crate::net`]).
-    #[error("giving machine {machine} its network: {reason}")]
-    Network { machine: String, reason: String },
+    #[error("giving machine {machine} its network: {source}")]
+    Network {
+        machine: String,
+        source: crate::net::NetError,
+    },
     /// The host could not set a machine's egress (see [`crate::net`]).
-    #[error("setting the egress of machine {machine}: {reason}")]
-    Egress { machine: String, reason: String },
+    #[error("setting the egress of machine {machine}: {source}")]
+    Egress {
+        machine: String,
+        source: crate::net::NetError,
+    },
     /// A microVM's volumes could not be served or mounted.
     #[error("serving volumes to machine {machine}: {reason}")]
     Shares { machine: String, reason: String },
@@ -395,9 +401,9 @@ impl Node {
                 })
                 .await
                 .map_err(task("egress"))?
-                .map_err(|reason| NodeError::Network {
+                .map_err(|source| NodeError::Network {
                     machine: spec.id.clone(),
-                    reason,
+                    source,
                 })?;
                 Some(crate::vm::NetDev { netns, tap })
             } else {
@@ -575,9 +581,9 @@ impl Node {
         })
         .await
         .map_err(task("egress"))?
-        .map_err(|reason| NodeError::Egress {
+        .map_err(|source| NodeError::Egress {
             machine: m.id.clone(),
-            reason,
+            source,
         })
     }
 
@@ -610,9 +616,9 @@ impl Node {
         })
         .await
         .map_err(task("egress"))?
-        .map_err(|reason| NodeError::Egress {
+        .map_err(|source| NodeError::Egress {
             machine: m.id.clone(),
-            reason,
+            source,
         })?;
         if !open {
             return Ok(None);
