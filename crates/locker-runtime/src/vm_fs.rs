@@ -145,15 +145,11 @@ pub fn main(arg: &str) -> ! {
     let r = serde_json::from_str::<Spec>(arg)
         .map_err(|e| io::Error::other(format!("bad spec: {e}")))
         .and_then(|s| {
-            // SAFETY: unshare takes flags; this process is single-threaded here.
-            if unsafe { libc::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID) } != 0 {
-                return Err(ctx("unshare the mount and pid namespaces")(
-                    io::Error::last_os_error(),
-                ));
-            }
-            // SAFETY: single-threaded, so the child may run on after fork.
-            match unsafe { libc::fork() } {
-                -1 => Err(ctx("fork")(io::Error::last_os_error())),
+            sys::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWPID)
+                .map_err(ctx("unshare the mount and pid namespaces"))?;
+            // SAFETY: this process is single-threaded here, so the child may run on after
+            // the fork.
+            match unsafe { sys::fork() }.map_err(ctx("fork"))? {
                 0 => serve_main(&s),
                 child => std::process::exit(wait_exit(child)),
             }
@@ -169,17 +165,9 @@ pub fn main(arg: &str) -> ! {
 
 /// The exit code of `pid` (128 + the signal that killed it).
 fn wait_exit(pid: libc::pid_t) -> i32 {
-    let mut status = 0;
-    loop {
-        // SAFETY: waiting for our own child into an int we own.
-        let r = unsafe { libc::waitpid(pid, &mut status, 0) };
-        if r == pid {
-            break;
-        }
-        if r < 0 && io::Error::last_os_error().raw_os_error() != Some(libc::EINTR) {
-            return 1;
-        }
-    }
+    let Ok(status) = sys::waitpid(pid) else {
+        return 1;
+    };
     if libc::WIFEXITED(status) {
         libc::WEXITSTATUS(status)
     } else {
@@ -195,36 +183,19 @@ fn serve_main(s: &Spec) -> io::Result<()> {
     out.flush()?;
     // The pipe the parent waits on is closed for good; fd 1 goes to the log (stderr), so
     // no file the server opens later takes its number.
-    // SAFETY: dup2 of fds we own.
-    unsafe { libc::dup2(2, 1) };
+    let _ = locker_sys::proc::dup2(2, 1);
     server.run(conn)
 }
 
 /// Raises this process's open files limit to `want`, or as far as the hard limit goes when
 /// raising that is not allowed.
 fn raise_fd_limit(want: u64) -> io::Result<()> {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: getrlimit/setrlimit read and write the struct we own.
-    unsafe {
-        if libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        let up = libc::rlimit {
-            rlim_cur: want.max(lim.rlim_cur),
-            rlim_max: want.max(lim.rlim_max),
-        };
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &up) == 0 {
-            return Ok(());
-        }
-        lim.rlim_cur = lim.rlim_max;
-        if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) != 0 {
-            return Err(io::Error::last_os_error());
-        }
+    use locker_sys::proc::{nofile_limit, set_nofile_limit};
+    let (soft, hard) = nofile_limit()?;
+    if set_nofile_limit(want.max(soft), want.max(hard)).is_ok() {
+        return Ok(());
     }
-    Ok(())
+    set_nofile_limit(hard, hard)
 }
 
 fn ctx(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> io::Error {
@@ -289,11 +260,7 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
     )
     .map_err(ctx("mount proc"))?;
     std::env::set_current_dir(stage).map_err(ctx("enter the private root"))?;
-    let dot = std::ffi::CString::new(".").expect("no NUL");
-    // SAFETY: a valid string.
-    if unsafe { libc::chroot(dot.as_ptr()) } != 0 {
-        return Err(ctx("chroot")(io::Error::last_os_error()));
-    }
+    locker_sys::mount::chroot_cwd().map_err(ctx("chroot"))?;
     std::env::set_current_dir("/").map_err(ctx("enter the private root"))?;
     let server = crate::fuse::Server::open(&exports).map_err(ctx("open the exports"))?;
     // The server holds `/proc/self/fd` open: the path itself goes.
@@ -304,9 +271,6 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
     // CAP_CHOWN 0, CAP_DAC_OVERRIDE 1, CAP_FOWNER 3, CAP_FSETID 4 (linux/capability.h).
     // Not CAP_DAC_READ_SEARCH: it opens files by handle, outside any root.
     sys::restrict_capabilities(&[0, 1, 3, 4]).map_err(ctx("drop capabilities"))?;
-    // SAFETY: prctl with integer arguments.
-    if unsafe { libc::prctl(libc::PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) } != 0 {
-        return Err(ctx("no_new_privs")(io::Error::last_os_error()));
-    }
+    locker_sys::proc::set_no_new_privs().map_err(ctx("no_new_privs"))?;
     Ok((conn, server))
 }

@@ -140,8 +140,8 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
             &mut w,
         );
         let _ = writeln!(w, "{err}");
-        // SAFETY: leaving the child without running the parent's destructors.
-        unsafe { libc::_exit(1) };
+        // Leaving the child without running the parent's destructors.
+        locker_sys::proc::exit_now(1);
     }
     drop(ready_w);
     // The log pipe must have no writer but the agent, or its end would never be seen.
@@ -161,8 +161,7 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     let _ = io::stdout().flush();
     // Nothing more goes to the caller's pipe: let it see EOF.
     if let Ok(null) = fs::OpenOptions::new().write(true).open("/dev/null") {
-        // SAFETY: dup2 onto stdout of this single-threaded process.
-        unsafe { libc::dup2(null.as_raw_fd(), 1) };
+        let _ = locker_sys::proc::dup2(null.as_raw_fd(), 1);
     }
     copy_log(log_r);
     let status = sys::waitpid(pid).map_err(step("wait for the machine"))?;
@@ -238,8 +237,8 @@ fn make_userns(uid_base: u32) -> Result<OwnedFd, JailError> {
         let _ = fs::File::from(w1).write_all(if ok { b"1" } else { b"0" });
         let mut b = [0u8; 1];
         let _ = fs::File::from(r2).read(&mut b);
-        // SAFETY: leaving the child without running destructors.
-        unsafe { libc::_exit(0) };
+        // Leaving the child without running destructors.
+        locker_sys::proc::exit_now(0);
     }
     drop(w1);
     drop(r2);
@@ -306,14 +305,8 @@ fn machine_init(
         return format!("join the user namespace: {e}");
     }
     drop(userns);
-    // SAFETY: plain credential syscalls on this single-threaded process.
-    let ids_ok = unsafe {
-        libc::setgroups(0, std::ptr::null()) == 0
-            && libc::setresgid(0, 0, 0) == 0
-            && libc::setresuid(0, 0, 0) == 0
-    };
-    if !ids_ok {
-        return format!("become root of the machine: {}", io::Error::last_os_error());
+    if let Err(e) = locker_sys::proc::become_root() {
+        return format!("become root of the machine: {e}");
     }
     if let Err(e) = sys::restrict_capabilities(KEEP_CAPS) {
         return format!("drop capabilities: {e}");
@@ -350,14 +343,10 @@ fn machine_init(
     let argv = [CString::new("locker-agent").expect("static")];
     // stdout and stderr go to the shim's log pipe, never to the shim's caller nor straight
     // into the host's machine.log (which nothing would bound).
-    // SAFETY: dup2 of a pipe we own onto stdout and stderr of this single-threaded process.
-    unsafe {
-        libc::dup2(log.as_raw_fd(), 1);
-        libc::dup2(log.as_raw_fd(), 2);
-    }
+    let _ = locker_sys::proc::dup2(log.as_raw_fd(), 1);
+    let _ = locker_sys::proc::dup2(log.as_raw_fd(), 2);
     if let Ok(null) = fs::File::open("/dev/null") {
-        // SAFETY: dup2 onto stdin.
-        unsafe { libc::dup2(null.as_raw_fd(), 0) };
+        let _ = locker_sys::proc::dup2(null.as_raw_fd(), 0);
     }
     let e = sys::execveat(agent.as_raw_fd(), &argv, &env);
     format!("execute the agent: {e}")

@@ -2,8 +2,6 @@
 //! and the virtio modules it needs, and per template a read-only ext4 image of its root.
 
 use std::fs;
-use std::io;
-use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, SystemTime};
@@ -356,19 +354,11 @@ pub(super) fn lock_file(path: &Path) -> Result<fs::File, VmError> {
         .write(true)
         .open(path)
         .map_err(setup(format!("open {}", path.display())))?;
-    loop {
-        // SAFETY: flock on an fd we own.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } == 0 {
-            return Ok(f);
-        }
-        let e = io::Error::last_os_error();
-        if e.kind() != io::ErrorKind::Interrupted {
-            return Err(VmError::Io {
-                step: format!("lock {}", path.display()),
-                source: e,
-            });
-        }
-    }
+    locker_sys::fs::lock_exclusive(&f).map_err(|source| VmError::Io {
+        step: format!("lock {}", path.display()),
+        source,
+    })?;
+    Ok(f)
 }
 
 /// The read-only ext4 image of a template's root filesystem (built once, cached by the

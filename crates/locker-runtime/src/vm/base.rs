@@ -111,8 +111,7 @@ pub(super) fn kill_qemus_under(dir: &Path) {
         let cmdline = fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
         if cmdline.windows(needle.len()).any(|w| w == needle) {
             tracing::warn!(pid, dir = %dir.display(), "killing the QEMU of an interrupted base boot");
-            // SAFETY: kill takes no pointers.
-            unsafe { libc::kill(pid, libc::SIGKILL) };
+            let _ = crate::sys::kill(pid, libc::SIGKILL);
         }
     }
 }

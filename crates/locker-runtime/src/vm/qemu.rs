@@ -246,14 +246,7 @@ pub(super) fn spawn_qemu(
 
 /// A close-on-exec duplicate of `f` numbered `min` or above.
 pub(super) fn dup_above(f: &fs::File, min: RawFd) -> io::Result<fs::File> {
-    use std::os::fd::FromRawFd;
-    // SAFETY: fcntl on an fd we own; a new fd it returns is ours alone.
-    let fd = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_DUPFD_CLOEXEC, min) };
-    if fd < 0 {
-        return Err(io::Error::last_os_error());
-    }
-    // SAFETY: `fd` was just created and nothing else owns it.
-    Ok(unsafe { fs::File::from_raw_fd(fd) })
+    locker_sys::proc::dup_above(f.as_raw_fd(), min).map(fs::File::from)
 }
 
 /// The tail of a QEMU's log and console, for error messages.

@@ -173,31 +173,9 @@ impl Qmp {
 }
 
 pub(super) fn send_with_fd(sock: &UnixStream, data: &[u8], fd: RawFd) -> io::Result<()> {
-    // SAFETY: a msghdr over our own buffers; CMSG macros compute offsets inside `cbuf`.
-    unsafe {
-        let mut iov = libc::iovec {
-            iov_base: data.as_ptr() as *mut _,
-            iov_len: data.len(),
-        };
-        let space = libc::CMSG_SPACE(std::mem::size_of::<RawFd>() as u32) as usize;
-        let mut cbuf = vec![0u8; space];
-        let mut msg: libc::msghdr = std::mem::zeroed();
-        msg.msg_iov = &mut iov;
-        msg.msg_iovlen = 1;
-        msg.msg_control = cbuf.as_mut_ptr().cast();
-        msg.msg_controllen = space as _;
-        let c = libc::CMSG_FIRSTHDR(&msg);
-        (*c).cmsg_level = libc::SOL_SOCKET;
-        (*c).cmsg_type = libc::SCM_RIGHTS;
-        (*c).cmsg_len = libc::CMSG_LEN(std::mem::size_of::<RawFd>() as u32) as _;
-        std::ptr::write_unaligned(libc::CMSG_DATA(c).cast::<RawFd>(), fd);
-        let n = libc::sendmsg(sock.as_raw_fd(), &msg, 0);
-        if n < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        if (n as usize) < data.len() {
-            (&*sock).write_all(&data[n as usize..])?;
-        }
+    let n = locker_sys::fd::send_with_fd(sock.as_raw_fd(), data, fd)?;
+    if n < data.len() {
+        (&*sock).write_all(&data[n..])?;
     }
     Ok(())
 }
