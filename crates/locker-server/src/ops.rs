@@ -15,10 +15,10 @@ use axum::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Query;
+use crate::state::AppState;
 
 pub fn routes() -> Router<AppState> {
     Router::new()

@@ -14,7 +14,7 @@
 //!    (read-only), `layer/upper` above (see `locker_runtime::jail::OverlayMount`), on the
 //!    volume's filesystem too, so the run's writes are held to `size_mb` and a commit is
 //!    a rename.
-//! 3. **Run**: the exec body, as in a sandbox (`exec::build_spec`), NDJSON too; then the
+//! 3. **Run**: the exec body, as in a sandbox (`command::build_spec`), NDJSON too; then the
 //!    machine is destroyed, so `layer/upper` is stable.
 //! 4. **Changes**: `locker_runtime::commit::scan` reads `upper/`: whiteouts (character devices 0:0) are deletions,
 //!    opaque directories replaced the lower one, files and symlinks are added or modified,
@@ -32,7 +32,7 @@ use std::fs;
 use std::io;
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -50,20 +50,20 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::app::{ms_since, new_id, now_s, AppState};
 use crate::auth::Caller;
+use crate::command::{build_spec, Wait};
 use crate::error::ApiError;
-use crate::exec::{
-    build_spec, error_line, ndjson_response, pump, send_line, typed, wants_ndjson, Wait,
-};
 use crate::extract::Json;
+use crate::pool::pool_dir;
+use crate::state::{ms_since, new_id, now_s, AppState};
+use crate::stream::{error_line, ndjson_response, pump, send_line, typed, wants_ndjson};
 use crate::volumes::Volume;
 
 /// The longest a run may take, and its default.
 pub const MAX_RUN_TIMEOUT_MS: u64 = 300_000;
 pub const DEFAULT_RUN_TIMEOUT_MS: u64 = 60_000;
 /// The machine's own disk (its root's writable layer; the volume is not on it).
-const RUN_DISK_MB: u64 = 2048;
+pub const RUN_DISK_MB: u64 = 2048;
 /// A run's view of a volume is a reflink copy up to this many files, else a snapshot: a
 /// reflink costs tens of microseconds a file, a btrfs snapshot a transaction commit (a
 /// flush of the image: milliseconds; see docs/benchmarks.md).
@@ -167,22 +167,22 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         }
     };
     // `auto` is the jail: a run's start time is most of its cost.
-    let microvm = crate::sandboxes::resolve_runtime(b.runtime.as_deref())? == "microvm";
+    let microvm = crate::limits::resolve_runtime(b.runtime.as_deref())? == "microvm";
     let cpus = b.cpus.unwrap_or(1.0);
-    let max_cpus = crate::sandboxes::MAX_CPUS;
+    let max_cpus = crate::limits::MAX_CPUS;
     if !(cpus > 0.0 && cpus <= max_cpus) {
         return Err(ApiError::bad_request(format!(
             "`cpus` must be more than 0 and at most {max_cpus}"
         )));
     }
     let memory_mb = b.memory_mb.unwrap_or(512);
-    let (lo, hi) = crate::sandboxes::MEMORY_MB;
+    let (lo, hi) = crate::limits::MEMORY_MB;
     if !(lo..=hi).contains(&memory_mb) {
         return Err(ApiError::bad_request(format!(
             "`memory_mb` must be between {lo} and {hi}"
         )));
     }
-    let network = crate::sandboxes::check_network(&b.network)?;
+    let network = crate::limits::check_network(&b.network)?;
     let req = ExecRequest {
         cmd: b.cmd,
         shell: b.shell,
@@ -262,9 +262,9 @@ async fn run(
     let arrived = Instant::now();
     let stream = wants_ndjson(&headers);
     let plan = check(&app, &caller, &id, body)?;
-    crate::sandboxes::require_egress(&plan.network).await?;
+    crate::limits::require_egress(&plan.network).await?;
     if plan.microvm {
-        crate::sandboxes::require_microvm(&app).await?;
+        crate::limits::require_microvm(&app).await?;
     }
     let call_id = new_id("call_");
     let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, Wait::Call { stream })?;
@@ -515,12 +515,12 @@ async fn in_machine(
     let mspec = MachineSpec {
         id: spec.call_id.clone(),
         // Beside the warm machines, not in `run_dir`: its teardown may outlive the run.
-        dir: pool_dir(app).join(&spec.call_id),
+        dir: pool_dir(&app.cfg.data_dir).join(&spec.call_id),
         template_rootfs: plan.template.rootfs.clone(),
         cpus: plan.cpus,
         memory_mb: plan.memory_mb,
         disk_mb: RUN_DISK_MB,
-        pids: crate::sandboxes::PIDS,
+        pids: crate::limits::PIDS,
     };
     let mount = OverlayMount {
         lower: base.to_owned(),
@@ -534,7 +534,7 @@ async fn in_machine(
         jail_machine(app, plan, mspec, mount).await?
     };
     // The network is attached after the claim (warm machines have none); destroy takes it.
-    if crate::sandboxes::has_egress(&plan.network) {
+    if crate::limits::has_egress(&plan.network) {
         if let Err(e) = app
             .egress
             .apply(
@@ -572,9 +572,7 @@ async fn in_machine(
     let stopped = app.node.stop(&machine).await;
     let app2 = app.clone();
     tokio::spawn(async move {
-        // A few at a time: under a burst, the teardowns of finished runs would otherwise
-        // take the CPU from the machines of the runs still starting.
-        let _turn = app2.pool.destroying.acquire().await;
+        let _turn = app2.pool.destroy_turn().await;
         if let Err(e) = app2.node.destroy(&machine).await {
             tracing::warn!(machine = %machine.id, error = %e, "destroying a run's machine failed");
         }
@@ -627,9 +625,9 @@ async fn vm_machine(
     mspec: MachineSpec,
     mount: OverlayMount,
 ) -> Result<locker_runtime::node::Machine, ApiError> {
-    let net = crate::sandboxes::has_egress(&plan.network);
+    let net = crate::limits::has_egress(&plan.network);
     let shape = (!net).then(|| {
-        crate::vm_pool::Shape::new(
+        crate::vm_pool::VmShape::new(
             &plan.template.digest,
             plan.cpus,
             plan.memory_mb,
@@ -638,7 +636,8 @@ async fn vm_machine(
     });
     let pooled = shape.as_ref().and_then(|s| app.vm_pool.take(s));
     if let Some(s) = shape {
-        crate::vm_pool::VmPool::refill(app, s, plan.template.rootfs.clone(), plan.cpus);
+        app.vm_pool
+            .refill(s, plan.template.rootfs.clone(), plan.cpus);
     }
     if let Some(m) = pooled {
         match app.node.attach(&m, mount.clone()).await {
@@ -674,249 +673,6 @@ async fn fresh(
         .await
         .map_err(|e| ApiError::internal(format!("starting the run's machine failed: {e}")))
 }
-
-/// Ids of warm machines start with this (their directories are `<data-dir>/pool/<id>`).
-const POOL_PREFIX: &str = "pool_";
-
-/// Where warm machines live.
-pub fn pool_dir(app: &AppState) -> PathBuf {
-    app.cfg.data_dir.join("pool")
-}
-
-/// Warm machines for runs, per shape (template, CPUs, memory; one runtime today): ready
-/// jails waiting for a run to claim one. A run takes one, gets its volume layer mounted
-/// into it (`Node::attach`), runs, and the machine is destroyed: never reused for another
-/// call. A background task keeps `target` machines ready for each shape in demand: the
-/// default shape (the `default` template, 1 CPU, 512 MB) from the start, and every shape a
-/// run asked for (up to [`MAX_SHAPES`], the least recently used dropped first).
-pub struct Pool {
-    target: usize,
-    shapes: std::sync::Mutex<Vec<Shape>>,
-    retired: std::sync::Mutex<Vec<locker_runtime::node::Machine>>,
-    wake: tokio::sync::Notify,
-    /// Turns to destroy a run's machine (see [`DESTROYS_AT_ONCE`]).
-    destroying: tokio::sync::Semaphore,
-    /// Set by [`Pool::drain`]: the refill task makes no more machines and ends.
-    closing: std::sync::atomic::AtomicBool,
-    /// The refill task, for [`Pool::drain`] to wait for.
-    refill: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-/// How long a stop waits for a machine being made (or torn down) to be done.
-const DRAIN_WAIT: Duration = Duration::from_secs(30);
-
-/// Runs' machines torn down at once, at most; the others wait for a turn (they are
-/// stopped already: their processes are gone, their layers no longer change).
-const DESTROYS_AT_ONCE: usize = 2;
-
-/// One shape kept warm.
-struct Shape {
-    template: locker_runtime::template::Template,
-    cpus: f64,
-    memory_mb: u64,
-    ready: Vec<locker_runtime::node::Machine>,
-}
-
-impl Shape {
-    fn is(&self, digest: &str, cpus: f64, memory_mb: u64) -> bool {
-        self.template.digest == digest && self.cpus == cpus && self.memory_mb == memory_mb
-    }
-}
-
-/// Shapes kept warm at once.
-pub const MAX_SHAPES: usize = 4;
-
-impl Pool {
-    pub fn new(target: usize) -> Self {
-        Self {
-            target,
-            shapes: Default::default(),
-            retired: Default::default(),
-            wake: tokio::sync::Notify::new(),
-            destroying: tokio::sync::Semaphore::new(DESTROYS_AT_ONCE),
-            closing: Default::default(),
-            refill: Default::default(),
-        }
-    }
-
-    fn is_closing(&self) -> bool {
-        self.closing.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// A warm machine of this shape, if one is ready; either way the shape is now in
-    /// demand and the refill task is woken.
-    pub fn claim(
-        &self,
-        template: &locker_runtime::template::Template,
-        cpus: f64,
-        memory_mb: u64,
-    ) -> Option<locker_runtime::node::Machine> {
-        if self.target == 0 {
-            return None;
-        }
-        let mut shapes = self.shapes.lock().expect("pool");
-        let got = match shapes
-            .iter()
-            .position(|s| s.is(&template.digest, cpus, memory_mb))
-        {
-            Some(i) => {
-                // Most recently used last.
-                let mut shape = shapes.remove(i);
-                let m = shape.ready.pop();
-                shapes.push(shape);
-                m
-            }
-            None => {
-                shapes.push(Shape {
-                    template: template.clone(),
-                    cpus,
-                    memory_mb,
-                    ready: Vec::new(),
-                });
-                None
-            }
-        };
-        let extra = shapes.len().saturating_sub(MAX_SHAPES);
-        let dropped: Vec<Shape> = shapes.drain(..extra).collect();
-        drop(shapes);
-        self.wake.notify_one();
-        for s in dropped {
-            self.retire(s.ready);
-        }
-        got
-    }
-
-    /// Machines no shape wants any more: the refill task destroys them.
-    fn retire(&self, machines: Vec<locker_runtime::node::Machine>) {
-        self.retired.lock().expect("pool").extend(machines);
-        self.wake.notify_one();
-    }
-
-    /// How many machines are ready now, all shapes.
-    pub fn len(&self) -> usize {
-        self.shapes
-            .lock()
-            .expect("pool")
-            .iter()
-            .map(|s| s.ready.len())
-            .sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The first shape short of machines, if any.
-    fn wanting(&self) -> Option<(locker_runtime::template::Template, f64, u64)> {
-        let shapes = self.shapes.lock().expect("pool");
-        shapes
-            .iter()
-            .rev()
-            .find(|s| s.ready.len() < self.target)
-            .map(|s| (s.template.clone(), s.cpus, s.memory_mb))
-    }
-
-    /// Keeps the pool full, in the background, until [`Pool::drain`].
-    pub fn spawn_refill(app: AppState) {
-        if app.pool.target == 0 {
-            return;
-        }
-        let pool_app = app.clone();
-        let task = tokio::spawn(async move {
-            match app.templates.resolve("default") {
-                Ok(Some(t)) => {
-                    let _ = app.pool.claim(&t, POOL_CPUS, POOL_MEMORY_MB);
-                }
-                _ => tracing::warn!("no `default` template: warm machines follow demand only"),
-            }
-            while !app.pool.is_closing() {
-                let retired: Vec<_> = std::mem::take(&mut *app.pool.retired.lock().expect("pool"));
-                for m in retired {
-                    let _ = app.node.destroy(&m).await;
-                }
-                while let Some((t, cpus, memory_mb)) = app.pool.wanting() {
-                    if app.pool.is_closing() {
-                        break;
-                    }
-                    let id = crate::app::new_id(POOL_PREFIX);
-                    let spec = MachineSpec {
-                        id: id.clone(),
-                        dir: pool_dir(&app).join(&id),
-                        template_rootfs: t.rootfs.clone(),
-                        cpus,
-                        memory_mb,
-                        disk_mb: RUN_DISK_MB,
-                        pids: crate::sandboxes::PIDS,
-                    };
-                    match app.node.create(spec).await {
-                        Ok(m) => {
-                            let mut shapes = app.pool.shapes.lock().expect("pool");
-                            match shapes.iter_mut().find(|s| s.is(&t.digest, cpus, memory_mb)) {
-                                Some(s) => s.ready.push(m),
-                                None => {
-                                    drop(shapes);
-                                    app.pool.retire(vec![m]);
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not warm a machine for runs");
-                            // Five seconds before the next try, unless a stop comes.
-                            for _ in 0..50 {
-                                if app.pool.is_closing() {
-                                    break;
-                                }
-                                tokio::time::sleep(Duration::from_millis(100)).await;
-                            }
-                        }
-                    }
-                }
-                if !app.pool.is_closing() {
-                    app.pool.wake.notified().await;
-                }
-            }
-        });
-        *pool_app.pool.refill.lock().expect("pool") = Some(task);
-    }
-
-    /// Destroys every warm machine (at shutdown), after the refill task finished the
-    /// machine it was making and the teardowns of runs' machines in flight are done.
-    pub async fn drain(&self, app: &AppState) {
-        self.closing
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        self.wake.notify_one();
-        let task = self.refill.lock().expect("pool").take();
-        if let Some(mut task) = task {
-            if tokio::time::timeout(DRAIN_WAIT, &mut task).await.is_err() {
-                tracing::warn!("a warm machine was still being made at shutdown: left to the next start's clean-up");
-                task.abort();
-            }
-        }
-        if tokio::time::timeout(
-            DRAIN_WAIT,
-            self.destroying.acquire_many(DESTROYS_AT_ONCE as u32),
-        )
-        .await
-        .is_err()
-        {
-            tracing::warn!("runs' machines were still being torn down at shutdown: left to the next start's clean-up");
-        }
-        let mut all: Vec<_> = self
-            .shapes
-            .lock()
-            .expect("pool")
-            .iter_mut()
-            .flat_map(|s| std::mem::take(&mut s.ready))
-            .collect();
-        all.append(&mut self.retired.lock().expect("pool"));
-        for m in all {
-            let _ = app.node.destroy(&m).await;
-        }
-    }
-}
-
-const POOL_CPUS: f64 = 1.0;
-const POOL_MEMORY_MB: u64 = 512;
 
 /// Lists the changes of the run's layer and applies them per the commit mode.
 async fn commit(
@@ -1057,8 +813,11 @@ fn spread_machines(dir: &FsPath) {
 /// and removes their directories.
 pub async fn cleanup(app: &AppState) {
     // Warm machines of a stopped server are never claimed again.
-    let gone = app.node.cleanup_orphans(&pool_dir(app), Vec::new()).await;
-    spread_machines(&pool_dir(app));
+    let gone = app
+        .node
+        .cleanup_orphans(&pool_dir(&app.cfg.data_dir), Vec::new())
+        .await;
+    spread_machines(&pool_dir(&app.cfg.data_dir));
     if !gone.is_empty() {
         tracing::info!(
             count = gone.len(),

@@ -24,11 +24,12 @@ use locker_store::SnapshotRecord;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::{new_id, now_s, AppState, Live};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
-use crate::sandboxes::{launch, live_quiet, record_of, view, NewSandbox};
+use crate::lifecycle::{launch, live_quiet, record_of, NewSandbox};
+use crate::sandboxes::view;
+use crate::state::{new_id, now_s, AppState, Live};
 
 /// The most sandboxes one fork makes.
 pub const MAX_FORK: u64 = 100;
@@ -209,7 +210,7 @@ async fn fork(
     }
     {
         let _guard = app.create_lock.lock().await;
-        crate::sandboxes::check_disk_quota(
+        crate::limits::check_disk_quota(
             &app,
             &caller.tenant,
             rec.disk_mb * body.count,
@@ -265,7 +266,7 @@ async fn fork(
     if let Some(Err(e)) = failed.into_iter().next() {
         // All or nothing: a fork that could not make every child leaves none.
         for (r, _) in &ok {
-            let _ = crate::sandboxes::destroy(&app, r, "deleted").await;
+            let _ = crate::lifecycle::destroy(&app, r, "deleted").await;
         }
         return Err(e);
     }

@@ -1,0 +1,150 @@
+//! The rules of what a sandbox or a run may ask for: CPUs, memory, disk and processes, its
+//! environment and metadata, its network policy (and whether this host can enforce it),
+//! its runtime (and whether this host runs it), and the tenant's disk quota.
+//!
+//! Checks only: each answers a 4xx (or a 503 for what this host cannot do) that says what
+//! to fix, and changes nothing. It must not start machines or write records: `lifecycle`
+//! does, after these rules passed.
+
+use std::collections::BTreeMap;
+
+use serde_json::{json, Value};
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// Limits a client may ask for.
+pub const MAX_CPUS: f64 = 64.0;
+pub const MEMORY_MB: (u64, u64) = (32, 262_144);
+pub const DISK_MB: (u64, u64) = (16, 1_048_576);
+/// Processes per sandbox: enough for builds, small enough to stop a fork bomb.
+pub const PIDS: u64 = 1024;
+
+/// Validates the network policy and returns its normalized form: `none` (the default),
+/// `all`, or `allow` with its list checked (lowercase names, masked CIDRs, see
+/// [`crate::egress::Allowlist`]).
+pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
+    let Some(v) = v else {
+        return Ok(json!({"egress": "none"}));
+    };
+    let obj = v.as_object().ok_or_else(|| {
+        ApiError::bad_request("`network` must be an object like {\"egress\": \"none\"}")
+    })?;
+    for k in obj.keys() {
+        if k != "egress" && k != "allow" {
+            return Err(ApiError::bad_request(format!(
+                "unknown field `{k}` in `network`: expected `egress` and `allow`"
+            )));
+        }
+    }
+    match obj.get("egress").and_then(Value::as_str) {
+        Some(e @ ("none" | "all")) if obj.get("allow").is_none() => Ok(json!({"egress": e})),
+        Some("none" | "all") => Err(ApiError::bad_request(
+            "`allow` only goes with {\"egress\": \"allow\"}",
+        )),
+        Some("allow") => {
+            let list = obj.get("allow").and_then(Value::as_array).ok_or_else(|| {
+                ApiError::bad_request("`network.allow` is required with {\"egress\": \"allow\"}: a list of domains (`pypi.org`, `*.github.com`) and IPv4 CIDRs (`10.0.0.0/8`)")
+            })?;
+            let (_, norm) = crate::egress::Allowlist::parse(list).map_err(ApiError::bad_request)?;
+            Ok(json!({"egress": "allow", "allow": norm}))
+        }
+        Some(other) => Err(ApiError::bad_request(format!(
+            "`network.egress` must be none, all or allow, got {other:?}"
+        ))),
+        None => Err(ApiError::bad_request(
+            "`network.egress` is required: none, all or allow",
+        )),
+    }
+}
+
+/// Whether a checked policy gives the machine a network (anything but `none`).
+pub fn has_egress(network: &Value) -> bool {
+    network
+        .get("egress")
+        .and_then(Value::as_str)
+        .is_some_and(|e| e != "none")
+}
+
+/// 503 unless this host enforces egress policies (the probe of `locker_runtime::net`).
+pub async fn require_egress(network: &Value) -> Result<(), ApiError> {
+    if !has_egress(network) {
+        return Ok(());
+    }
+    match tokio::task::spawn_blocking(locker_runtime::net::status).await {
+        Ok(Ok(_)) => Ok(()),
+        Ok(Err(e)) => Err(ApiError::unavailable(format!(
+            "egress policies other than `none` cannot be enforced on this host, so Locker refuses them: {e}"
+        ))),
+        Err(e) => Err(ApiError::internal(format!("egress probe failed: {e}"))),
+    }
+}
+
+pub fn check_env(env: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    for (k, v) in env {
+        if k.is_empty() || k.contains('=') || k.contains('\0') || v.contains('\0') {
+            return Err(ApiError::bad_request(format!(
+                "env key {k:?}: keys must be non-empty without '=' or NUL, values without NUL"
+            )));
+        }
+    }
+    Ok(())
+}
+
+pub fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
+    if m.len() > 64 {
+        return Err(ApiError::bad_request("`metadata` holds at most 64 keys"));
+    }
+    for (k, v) in m {
+        if k.is_empty() || k.len() > 128 || v.len() > 1024 {
+            return Err(ApiError::bad_request(format!(
+                "metadata {k:?}: keys 1-128 bytes, values up to 1024 bytes"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// 503 unless this host can run microVMs.
+pub async fn require_microvm(app: &AppState) -> Result<(), ApiError> {
+    match app.node.vm_assets().await {
+        Ok(_) => Ok(()),
+        Err(e) => Err(ApiError::unavailable(format!(
+            "runtime `microvm` is not usable on this host: {e} (see `locker doctor`)"
+        ))),
+    }
+}
+
+/// The runtime a request names, resolved on this host.
+pub fn resolve_runtime(r: Option<&str>) -> Result<&'static str, ApiError> {
+    match r.unwrap_or("auto") {
+        "auto" | "jail" => Ok("jail"),
+        "microvm" => Ok("microvm"),
+        "gvisor" => Err(ApiError::unavailable(
+            "runtime `gvisor` is not available in this version; use `jail` or `auto`",
+        )),
+        other => Err(ApiError::bad_request(format!(
+            "unknown runtime {other:?}: use auto, jail, microvm or gvisor"
+        ))),
+    }
+}
+
+/// Refuses `want_mb` more disk for `tenant` (a `what`: sandbox, volume) past its disk
+/// quota, counting what its sandboxes and volumes hold and what creates in progress were
+/// granted. Called under `create_lock`.
+pub fn check_disk_quota(
+    app: &AppState,
+    tenant: &str,
+    want_mb: u64,
+    what: &str,
+) -> Result<(), ApiError> {
+    let q = app.cfg.quotas.disk_mb;
+    let held = app.store.sum_disk_mb(tenant)? + app.volumes.pending_mb.of(tenant);
+    if held + want_mb > q {
+        return Err(ApiError::quota(format!(
+            "quota exceeded: tenant {tenant} may hold {q} MB of disk in all (sandboxes' disk_mb and volumes' size_mb; {held} MB held now), \
+             so a {what} of {want_mb} MB does not fit; delete sandboxes or volumes, or ask for less"
+        )));
+    }
+    Ok(())
+}
