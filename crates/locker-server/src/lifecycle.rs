@@ -13,11 +13,12 @@ use std::time::Duration;
 
 use locker_runtime::node::MachineSpec;
 use locker_store::{SandboxRecord, SandboxState};
+use locker_types::Runtime;
 use serde_json::{json, Value};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::limits::{check_disk_quota, has_egress, PIDS};
+use crate::limits::{check_disk_quota, has_egress, kind_of, PIDS};
 use crate::state::{new_id, now_s, AppState, Busy, Live};
 
 /// Everything a new sandbox is made of, checked.
@@ -25,7 +26,7 @@ use crate::state::{new_id, now_s, AppState, Busy, Live};
 pub struct NewSandbox {
     pub template_name: String,
     pub template: locker_runtime::template::Template,
-    pub runtime: &'static str,
+    pub runtime: Runtime,
     pub cpus: f64,
     pub memory_mb: u64,
     pub disk_mb: u64,
@@ -35,12 +36,12 @@ pub struct NewSandbox {
     pub network: Value,
     pub metadata: BTreeMap<String, String>,
     /// Volumes bound into the sandbox (their live trees).
-    pub volumes: Vec<VolumeMount>,
+    pub volumes: Vec<MountedVolume>,
 }
 
 /// A volume mounted in a sandbox.
 #[derive(Clone, Debug)]
-pub struct VolumeMount {
+pub struct MountedVolume {
     pub volume_id: String,
     pub path: String,
     pub read_only: bool,
@@ -72,10 +73,12 @@ pub async fn launch(
         ));
     }
     // A plain microVM comes ready from the pool when one waits (see `vm_pool`).
-    let pool_shape = (new.runtime == "microvm" && from.is_none() && !has_egress(&new.network))
-        .then(|| {
-            crate::vm_pool::VmShape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
-        });
+    let pool_shape = (new.runtime == Runtime::Microvm
+        && from.is_none()
+        && !has_egress(&new.network))
+    .then(|| {
+        crate::vm_pool::VmShape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
+    });
     let pooled = pool_shape.as_ref().and_then(|s| app.vm_pool.take(s));
     let id = pooled
         .as_ref()
@@ -87,7 +90,7 @@ pub async fn launch(
         state: SandboxState::Starting,
         template: new.template_name.clone(),
         template_digest: new.template.digest.clone(),
-        runtime: new.runtime.into(),
+        runtime: new.runtime.as_str().into(),
         cpus: new.cpus,
         memory_mb: new.memory_mb,
         disk_mb: new.disk_mb,
@@ -174,11 +177,7 @@ pub async fn launch(
                 .create_attached(
                     spec,
                     locker_runtime::node::Attach {
-                        runtime: if new.runtime == "microvm" {
-                            locker_runtime::node::RuntimeKind::Microvm
-                        } else {
-                            locker_runtime::node::RuntimeKind::Jail
-                        },
+                        runtime: kind_of(new.runtime),
                         net: has_egress(&new.network),
                         memory_from,
                         disk_from,
@@ -194,9 +193,7 @@ pub async fn launch(
         Err(e) => {
             crate::failed::note(&id, format!("starting its machine failed: {e}"));
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
-            return Err(ApiError::internal(format!(
-                "starting the sandbox failed: {e}"
-            )));
+            return Err(ApiError::during("starting the sandbox failed")(e));
         }
     };
     if has_egress(&new.network) {
@@ -302,7 +299,7 @@ fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
     if let Some(mut r) = app.store.get_sandbox_any(id)? {
         r.state = SandboxState::Running;
         if idle_secs > 0 {
-            if let Some(exp) = locker_store::parse_rfc3339(&r.expires_at) {
+            if let Some(exp) = locker_types::parse_rfc3339(&r.expires_at) {
                 r.expires_at = locker_types::rfc3339(exp + idle_secs);
             }
         }
@@ -324,10 +321,11 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<
         rec.peak_memory_bytes = u.peak_memory_bytes;
         // Thaw first: a frozen machine cannot die.
         let _ = l.machine.resume();
-        app.node
-            .destroy(&l.machine)
-            .await
-            .map_err(|e| ApiError::internal(format!("destroying sandbox {}: {e}", r.id)))?;
+        app.node.destroy(&l.machine).await.map_err(|e| {
+            let mut a = ApiError::from(e);
+            a.message = format!("destroying sandbox {}: {}", r.id, a.message);
+            a
+        })?;
     } else {
         let (id, dir, layout) = (
             r.id.clone(),
@@ -382,7 +380,7 @@ pub async fn adopt_all(app: &AppState) {
             r.idle_timeout_s,
             false,
         ));
-        if let Some(at) = locker_store::parse_rfc3339(&r.last_active_at) {
+        if let Some(at) = locker_types::parse_rfc3339(&r.last_active_at) {
             live.last_active
                 .store(at, std::sync::atomic::Ordering::Relaxed);
         }

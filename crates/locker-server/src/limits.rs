@@ -8,6 +8,8 @@
 
 use std::collections::BTreeMap;
 
+use locker_runtime::node::RuntimeKind;
+use locker_types::{NetworkPolicy, Runtime, RuntimeChoice};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
@@ -20,41 +22,18 @@ pub const DISK_MB: (u64, u64) = (16, 1_048_576);
 /// Processes per sandbox: enough for builds, small enough to stop a fork bomb.
 pub const PIDS: u64 = 1024;
 
-/// Validates the network policy and returns its normalized form: `none` (the default),
-/// `all`, or `allow` with its list checked (lowercase names, masked CIDRs, see
+/// Checks a request's network policy (its shape was checked with the body, see
+/// [`NetworkPolicy`]) and returns its normalized form as records keep it: `none` (the
+/// default), `all`, or `allow` with its list checked (lowercase names, masked CIDRs, see
 /// [`crate::egress::Allowlist`]).
-pub fn check_network(v: &Option<Value>) -> Result<Value, ApiError> {
-    let Some(v) = v else {
-        return Ok(json!({"egress": "none"}));
-    };
-    let obj = v.as_object().ok_or_else(|| {
-        ApiError::bad_request("`network` must be an object like {\"egress\": \"none\"}")
-    })?;
-    for k in obj.keys() {
-        if k != "egress" && k != "allow" {
-            return Err(ApiError::bad_request(format!(
-                "unknown field `{k}` in `network`: expected `egress` and `allow`"
-            )));
-        }
-    }
-    match obj.get("egress").and_then(Value::as_str) {
-        Some(e @ ("none" | "all")) if obj.get("allow").is_none() => Ok(json!({"egress": e})),
-        Some("none" | "all") => Err(ApiError::bad_request(
-            "`allow` only goes with {\"egress\": \"allow\"}",
-        )),
-        Some("allow") => {
-            let list = obj.get("allow").and_then(Value::as_array).ok_or_else(|| {
-                ApiError::bad_request("`network.allow` is required with {\"egress\": \"allow\"}: a list of domains (`pypi.org`, `*.github.com`) and IPv4 CIDRs (`10.0.0.0/8`)")
-            })?;
+pub fn check_network(p: Option<&NetworkPolicy>) -> Result<Value, ApiError> {
+    match p {
+        None => Ok(NetworkPolicy::None.to_value()),
+        Some(NetworkPolicy::Allow(list)) => {
             let (_, norm) = crate::egress::Allowlist::parse(list).map_err(ApiError::bad_request)?;
             Ok(json!({"egress": "allow", "allow": norm}))
         }
-        Some(other) => Err(ApiError::bad_request(format!(
-            "`network.egress` must be none, all or allow, got {other:?}"
-        ))),
-        None => Err(ApiError::bad_request(
-            "`network.egress` is required: none, all or allow",
-        )),
+        Some(p) => Ok(p.to_value()),
     }
 }
 
@@ -115,17 +94,23 @@ pub async fn require_microvm(app: &AppState) -> Result<(), ApiError> {
     }
 }
 
-/// The runtime a request names, resolved on this host.
-pub fn resolve_runtime(r: Option<&str>) -> Result<&'static str, ApiError> {
-    match r.unwrap_or("auto") {
-        "auto" | "jail" => Ok("jail"),
-        "microvm" => Ok("microvm"),
-        "gvisor" => Err(ApiError::unavailable(
+/// The runtime a request names, resolved on this host (`auto` is the jail here; a
+/// sandbox's create may pick a microVM for `auto` itself, see `sandboxes::create`).
+pub fn resolve_runtime(r: RuntimeChoice) -> Result<Runtime, ApiError> {
+    match r {
+        RuntimeChoice::Auto | RuntimeChoice::Jail => Ok(Runtime::Jail),
+        RuntimeChoice::Microvm => Ok(Runtime::Microvm),
+        RuntimeChoice::Gvisor => Err(ApiError::unavailable(
             "runtime `gvisor` is not available in this version; use `jail` or `auto`",
         )),
-        other => Err(ApiError::bad_request(format!(
-            "unknown runtime {other:?}: use auto, jail, microvm or gvisor"
-        ))),
+    }
+}
+
+/// The runtime's name for a runtime.
+pub fn kind_of(r: Runtime) -> RuntimeKind {
+    match r {
+        Runtime::Jail => RuntimeKind::Jail,
+        Runtime::Microvm => RuntimeKind::Microvm,
     }
 }
 

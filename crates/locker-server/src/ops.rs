@@ -513,7 +513,7 @@ async fn usage(
     let since = match &q.since {
         None => None,
         Some(s) => Some(
-            s.parse::<i64>().ok().or_else(|| locker_store::parse_rfc3339(s)).ok_or_else(|| {
+            s.parse::<i64>().ok().or_else(|| locker_types::parse_rfc3339(s)).ok_or_else(|| {
                 ApiError::bad_request(format!("`since` must be an RFC 3339 time (2026-01-31T00:00:00Z) or Unix seconds, got {s:?}"))
             })?,
         ),

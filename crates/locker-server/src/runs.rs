@@ -45,8 +45,7 @@ use locker_runtime::commit::{finish_journal, scan, size_delta, write_journal};
 use locker_runtime::jail::OverlayMount;
 use locker_runtime::node::MachineSpec;
 use locker_store::{CallKind, CallRecord, VolumeRecord};
-use locker_types::{Changes, ExecRequest, ExecResult};
-use serde::Deserialize;
+use locker_types::{Changes, CommitMode, ExecRequest, ExecResult, RunRequest, Runtime};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
@@ -76,37 +75,6 @@ pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/volumes/{id}/run", post(run))
 }
 
-/// The body of a run: an exec body plus the machine and the commit.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RunBody {
-    cmd: Option<Vec<String>>,
-    shell: Option<String>,
-    cwd: Option<String>,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
-    stdin: Option<String>,
-    stdin_b64: Option<String>,
-    timeout_ms: Option<u64>,
-    max_output_bytes: Option<u64>,
-    user: Option<String>,
-    template: Option<String>,
-    runtime: Option<String>,
-    cpus: Option<f64>,
-    memory_mb: Option<u64>,
-    network: Option<Value>,
-    mount_path: Option<String>,
-    commit: Option<String>,
-}
-
-/// When a run's changes are applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CommitMode {
-    Always,
-    OnSuccess,
-    Never,
-}
-
 /// A checked run.
 struct Plan {
     rec: VolumeRecord,
@@ -119,8 +87,7 @@ struct Plan {
     commit: CommitMode,
     /// The checked network policy of the run's machine.
     network: Value,
-    /// Runtime `microvm` (else the jail).
-    microvm: bool,
+    runtime: Runtime,
 }
 
 /// Checks `mount_path`: absolute, normalized, not `/` nor under the machine's own mounts.
@@ -147,8 +114,9 @@ fn check_mount_path(p: Option<&str>) -> Result<String, ApiError> {
     Ok(norm)
 }
 
-fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, ApiError> {
-    if let Some(t) = b.timeout_ms {
+fn check(app: &AppState, caller: &Caller, id: &str, body: RunRequest) -> Result<Plan, ApiError> {
+    let (mut req, b) = body.split();
+    if let Some(t) = req.timeout_ms {
         if t == 0 || t > MAX_RUN_TIMEOUT_MS {
             return Err(ApiError::bad_request(format!(
                 "`timeout_ms` of a run must be between 1 and {MAX_RUN_TIMEOUT_MS} (long commands belong in a sandbox), got {t}"
@@ -156,18 +124,9 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         }
     }
     let mount_path = check_mount_path(b.mount_path.as_deref())?;
-    let commit = match b.commit.as_deref() {
-        None | Some("always") => CommitMode::Always,
-        Some("on_success") => CommitMode::OnSuccess,
-        Some("never") => CommitMode::Never,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "`commit` must be always, on_success or never, got {other:?}"
-            )))
-        }
-    };
+    let commit = b.commit.unwrap_or_default();
     // `auto` is the jail: a run's start time is most of its cost.
-    let microvm = crate::limits::resolve_runtime(b.runtime.as_deref())? == "microvm";
+    let runtime = crate::limits::resolve_runtime(b.runtime.unwrap_or_default())?;
     let cpus = b.cpus.unwrap_or(1.0);
     let max_cpus = crate::limits::MAX_CPUS;
     if !(cpus > 0.0 && cpus <= max_cpus) {
@@ -182,18 +141,9 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
             "`memory_mb` must be between {lo} and {hi}"
         )));
     }
-    let network = crate::limits::check_network(&b.network)?;
-    let req = ExecRequest {
-        cmd: b.cmd,
-        shell: b.shell,
-        cwd: Some(b.cwd.unwrap_or_else(|| mount_path.clone())),
-        env: b.env,
-        stdin: b.stdin,
-        stdin_b64: b.stdin_b64,
-        timeout_ms: Some(b.timeout_ms.unwrap_or(DEFAULT_RUN_TIMEOUT_MS)),
-        max_output_bytes: b.max_output_bytes,
-        user: b.user,
-    };
+    let network = crate::limits::check_network(b.network.as_ref())?;
+    req.cwd = Some(req.cwd.unwrap_or_else(|| mount_path.clone()));
+    req.timeout_ms = Some(req.timeout_ms.unwrap_or(DEFAULT_RUN_TIMEOUT_MS));
     req.validate().map_err(ApiError::bad_request)?;
     let (rec, vol) = crate::volumes::lookup(app, caller, id)?;
     let name = b.template.unwrap_or_else(|| "default".into());
@@ -212,7 +162,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         mount_path,
         commit,
         network,
-        microvm,
+        runtime,
     })
 }
 
@@ -257,13 +207,13 @@ async fn run(
     caller: Caller,
     Path(id): Path<String>,
     headers: HeaderMap,
-    Json(body): Json<RunBody>,
+    Json(body): Json<RunRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let stream = wants_ndjson(&headers);
     let plan = check(&app, &caller, &id, body)?;
     crate::limits::require_egress(&plan.network).await?;
-    if plan.microvm {
+    if plan.runtime == Runtime::Microvm {
         crate::limits::require_microvm(&app).await?;
     }
     let call_id = new_id("call_");
@@ -528,7 +478,7 @@ async fn in_machine(
         work: run_dir.join("layer/work"),
         target: PathBuf::from(&plan.mount_path),
     };
-    let machine = if plan.microvm {
+    let machine = if plan.runtime == Runtime::Microvm {
         vm_machine(app, plan, mspec, mount).await?
     } else {
         jail_machine(app, plan, mspec, mount).await?
@@ -577,8 +527,7 @@ async fn in_machine(
             tracing::warn!(machine = %machine.id, error = %e, "destroying a run's machine failed");
         }
     });
-    let stopped =
-        stopped.map_err(|e| ApiError::internal(format!("stopping the run's machine: {e}")));
+    let stopped = stopped.map_err(ApiError::during("stopping the run's machine"));
     let mut res = match outcome {
         None => {
             stopped?;
@@ -659,7 +608,7 @@ async fn vm_machine(
             },
         )
         .await
-        .map_err(|e| ApiError::internal(format!("starting the run's microVM failed: {e}")))
+        .map_err(ApiError::during("starting the run's microVM failed"))
 }
 
 /// A machine started for this run alone, with the volume's layer mounted at start.
@@ -671,7 +620,7 @@ async fn fresh(
     app.node
         .create_with(mspec, None, vec![mount])
         .await
-        .map_err(|e| ApiError::internal(format!("starting the run's machine failed: {e}")))
+        .map_err(ApiError::during("starting the run's machine failed"))
 }
 
 /// Lists the changes of the run's layer and applies them per the commit mode.
@@ -706,11 +655,7 @@ async fn commit(
     paths.sort();
     if scan.ops.is_empty() {
         // Nothing to apply, and no path to conflict: no need to wait for the gate.
-        changes.committed = match plan.commit {
-            CommitMode::Always => true,
-            CommitMode::OnSuccess => res.exit_code == Some(0),
-            CommitMode::Never => false,
-        };
+        changes.committed = plan.commit.applies(res.exit_code, false);
         return Ok(changes);
     }
     let _all = vol.space.gate.write().await;
@@ -719,12 +664,10 @@ async fn commit(
         .lock()
         .expect("commit log")
         .conflicts(start_seq, &paths);
-    let apply = match plan.commit {
-        CommitMode::Always => true,
-        CommitMode::OnSuccess => res.exit_code == Some(0) && changes.conflicts.is_empty(),
-        CommitMode::Never => false,
-    };
-    if !apply {
+    if !plan
+        .commit
+        .applies(res.exit_code, !changes.conflicts.is_empty())
+    {
         return Ok(changes);
     }
     let (dir, ops) = (vol.root(), scan.ops);
@@ -787,7 +730,7 @@ fn call_record(caller: &Caller, plan: &Plan, res: &ExecResult, ch: Option<&Chang
         cwd: plan.req.cwd.clone(),
         env_keys: plan.req.env.keys().cloned().collect(),
         template_digest: plan.template.digest.clone(),
-        runtime: "jail".into(),
+        runtime: plan.runtime.as_str().into(),
         result,
         egress_denied: vec![],
         changes: ch.map(|c| {

@@ -4,10 +4,9 @@
 //! sandbox's life itself (launch, destroy, adoption, idle policy, TTL reaper) is in
 //! `lifecycle`.
 
-use std::collections::BTreeMap;
 use std::time::Instant;
 
-use axum::extract::{Path, RawQuery, State};
+use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
@@ -18,16 +17,16 @@ use serde_json::{json, Value};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::extract::Json;
+use crate::extract::{Json, Query};
 use crate::lifecycle::{
-    destroy, launch, live_of, live_quiet, record_of, NewSandbox, PauseMarks, VolumeMount,
+    destroy, launch, live_of, live_quiet, record_of, MountedVolume, NewSandbox, PauseMarks,
 };
 use crate::limits::{
     check_env, check_metadata, check_network, has_egress, require_egress, require_microvm,
     resolve_runtime, DISK_MB, MAX_CPUS, MEMORY_MB,
 };
 use crate::state::{now_s, AppState, Live};
-use locker_types::MAX_TTL_S;
+use locker_types::{CreateSandbox, PatchSandbox, Runtime, RuntimeChoice, MAX_TTL_S};
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -39,26 +38,6 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sandboxes/{id}/ttl", post(set_ttl))
         .route("/v1/sandboxes/{id}/pause", post(pause))
         .route("/v1/sandboxes/{id}/resume", post(resume))
-}
-
-/// The body of `POST /v1/sandboxes`.
-#[derive(Debug, Default, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct CreateSandbox {
-    pub template: Option<String>,
-    pub runtime: Option<String>,
-    pub cpus: Option<f64>,
-    pub memory_mb: Option<u64>,
-    pub disk_mb: Option<u64>,
-    pub ttl_s: Option<u64>,
-    pub idle_timeout_s: Option<u64>,
-    #[serde(default)]
-    pub env: BTreeMap<String, String>,
-    pub network: Option<Value>,
-    pub volumes: Option<Vec<Value>>,
-    pub from_snapshot: Option<String>,
-    #[serde(default)]
-    pub metadata: BTreeMap<String, String>,
 }
 
 /// The API's view of a sandbox.
@@ -103,8 +82,24 @@ async fn create(
     Json(body): Json<CreateSandbox>,
 ) -> Result<impl IntoResponse, ApiError> {
     let started = Instant::now();
-    let runtime = resolve_runtime(body.runtime.as_deref())?;
-    let volumes = resolve_volumes(&app, &caller, body.volumes.as_deref().unwrap_or(&[]))?;
+    let (new, snapshot_dir) = checked(&app, &caller, body).await?;
+    let (rec, live) = launch(&app, &caller, &new, snapshot_dir).await?;
+    app.metrics
+        .sandbox_create_seconds
+        .observe(started.elapsed().as_secs_f64());
+    Ok((StatusCode::CREATED, axum::Json(view(&rec, Some(&live)))))
+}
+
+/// A create's body checked against the limits, its snapshot and this host: the sandbox to
+/// launch, and the snapshot directory it starts from, if any.
+async fn checked(
+    app: &AppState,
+    caller: &Caller,
+    body: CreateSandbox,
+) -> Result<(NewSandbox, Option<std::path::PathBuf>), ApiError> {
+    let choice = body.runtime.unwrap_or_default();
+    let runtime = resolve_runtime(choice)?;
+    let volumes = resolve_volumes(app, caller, body.volumes.as_ref().map_or(&[][..], |v| &v.0))?;
     let snapshot = match &body.from_snapshot {
         None => None,
         Some(s) => Some(
@@ -152,45 +147,41 @@ async fn create(
     }
     check_env(&body.env)?;
     check_metadata(&body.metadata)?;
-    let network = check_network(&body.network)?;
+    let network = check_network(body.network.as_ref())?;
     require_egress(&network).await?;
     // A snapshot with memory restores only as a microVM (its memory is a VM's).
     let runtime = match &snapshot {
         Some(snap) if snap.has_memory => {
-            if body
-                .runtime
-                .as_deref()
-                .is_some_and(|r| r != "microvm" && r != "auto")
-            {
+            if !matches!(choice, RuntimeChoice::Microvm | RuntimeChoice::Auto) {
                 return Err(ApiError::bad_request(format!(
                     "snapshot {} holds a microVM's memory: leave `runtime` out or say \"microvm\"",
                     snap.id
                 )));
             }
-            "microvm"
+            Runtime::Microvm
         }
-        Some(snap) if runtime == "microvm" => {
+        Some(snap) if runtime == Runtime::Microvm => {
             return Err(ApiError::bad_request(format!(
                 "snapshot {} holds a disk only (a jail's): microVM sandboxes restore snapshots with memory; leave `runtime` out or say \"jail\"",
                 snap.id
             )));
         }
-        Some(_) => "jail",
+        Some(_) => Runtime::Jail,
         // `auto`: the strongest runtime that works here and does what was asked. A microVM
         // under TCG emulation is not a security boundary, so auto picks it on KVM only; and
         // not with volumes: a microVM with volumes cannot be snapshotted or forked.
-        None if body.runtime.as_deref().unwrap_or("auto") == "auto" => {
+        None if choice == RuntimeChoice::Auto => {
             let kvm = matches!(app.node.vm_assets().await, Ok(a) if a.accel == locker_runtime::vm::Accel::Kvm);
             if kvm && volumes.is_empty() {
-                "microvm"
+                Runtime::Microvm
             } else {
-                "jail"
+                Runtime::Jail
             }
         }
         None => runtime,
     };
-    if runtime == "microvm" {
-        require_microvm(&app).await?;
+    if runtime == Runtime::Microvm {
+        require_microvm(app).await?;
     }
     let (template_name, template, snapshot_dir, disk_mb) = match &snapshot {
         Some(snap) => {
@@ -229,7 +220,7 @@ async fn create(
                 .templates
                 .resolve(&name)
                 .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-                .ok_or_else(|| crate::default_template::unknown(&app, &name))?;
+                .ok_or_else(|| crate::default_template::unknown(app, &name))?;
             (name, t, None, disk_mb)
         }
     };
@@ -247,56 +238,19 @@ async fn create(
         metadata: body.metadata,
         volumes,
     };
-    let (rec, live) = launch(&app, &caller, &new, snapshot_dir).await?;
-    app.metrics
-        .sandbox_create_seconds
-        .observe(started.elapsed().as_secs_f64());
-    Ok((StatusCode::CREATED, axum::Json(view(&rec, Some(&live)))))
+    Ok((new, snapshot_dir))
 }
 
-/// The most volumes one sandbox mounts.
-const MAX_VOLUME_MOUNTS: usize = 16;
-
-/// Checks a sandbox's `volumes` (`[{"volume": id or name, "path": "/abs", "read_only": bool}]`)
-/// and finds the caller's volumes.
+/// Checks the paths of a sandbox's `volumes` (their shape was checked with the body, see
+/// [`locker_types::VolumeMount`]) and finds the caller's volumes.
 pub fn resolve_volumes(
     app: &AppState,
     caller: &Caller,
-    list: &[Value],
-) -> Result<Vec<VolumeMount>, ApiError> {
-    if list.len() > MAX_VOLUME_MOUNTS {
-        return Err(ApiError::bad_request(format!(
-            "`volumes` holds at most {MAX_VOLUME_MOUNTS} mounts"
-        )));
-    }
-    let mut out: Vec<VolumeMount> = Vec::new();
-    for (i, v) in list.iter().enumerate() {
-        let o = v.as_object().ok_or_else(|| ApiError::bad_request(format!("`volumes[{i}]` must be an object like {{\"volume\": \"vol_…\", \"path\": \"/workspace\"}}")))?;
-        if let Some(k) = o
-            .keys()
-            .find(|k| !["volume", "path", "read_only"].contains(&k.as_str()))
-        {
-            return Err(ApiError::bad_request(format!(
-                "unknown field `{k}` in `volumes[{i}]`: expected volume, path, read_only"
-            )));
-        }
-        let name = o.get("volume").and_then(Value::as_str).ok_or_else(|| {
-            ApiError::bad_request(format!(
-                "`volumes[{i}].volume` is required: a volume id or name"
-            ))
-        })?;
-        let path = match o.get("path") {
-            None => "/workspace",
-            Some(p) => p.as_str().ok_or_else(|| {
-                ApiError::bad_request(format!("`volumes[{i}].path` must be a string"))
-            })?,
-        };
-        let read_only = match o.get("read_only") {
-            None => false,
-            Some(b) => b.as_bool().ok_or_else(|| {
-                ApiError::bad_request(format!("`volumes[{i}].read_only` must be true or false"))
-            })?,
-        };
+    list: &[locker_types::VolumeMount],
+) -> Result<Vec<MountedVolume>, ApiError> {
+    let mut out: Vec<MountedVolume> = Vec::new();
+    for (i, m) in list.iter().enumerate() {
+        let (name, path, read_only) = (m.volume.as_str(), m.path.as_str(), m.read_only);
         crate::extract::check_path(&format!("volumes[{i}].path"), path)?;
         let clean = path.trim_end_matches('/');
         if clean.is_empty()
@@ -320,7 +274,7 @@ pub fn resolve_volumes(
             )));
         }
         let (rec, vol) = crate::volumes::lookup(app, caller, name)?;
-        out.push(VolumeMount {
+        out.push(MountedVolume {
             volume_id: rec.id,
             path: clean.to_owned(),
             read_only,
@@ -333,11 +287,11 @@ pub fn resolve_volumes(
 async fn list(
     State(app): State<AppState>,
     caller: Caller,
-    RawQuery(q): RawQuery,
+    Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<impl IntoResponse, ApiError> {
     let mut state = None;
     let mut meta = Vec::new();
-    for (k, v) in form_pairs(q.as_deref().unwrap_or("")) {
+    for (k, v) in pairs {
         if k == "state" {
             state = Some(v);
         } else if let Some(mk) = k.strip_prefix("metadata.") {
@@ -365,43 +319,6 @@ async fn list(
     Ok(axum::Json(json!({ "sandboxes": items })))
 }
 
-/// Decodes `a=b&c=d` (percent-decoding and `+` as space).
-pub fn form_pairs(q: &str) -> Vec<(String, String)> {
-    q.split('&')
-        .filter(|p| !p.is_empty())
-        .map(|p| {
-            let (k, v) = p.split_once('=').unwrap_or((p, ""));
-            (pct_decode(k), pct_decode(v))
-        })
-        .collect()
-}
-
-fn pct_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        match b[i] {
-            b'+' => out.push(b' '),
-            b'%' if i + 2 < b.len() => {
-                let h = std::str::from_utf8(&b[i + 1..i + 3])
-                    .ok()
-                    .and_then(|h| u8::from_str_radix(h, 16).ok());
-                match h {
-                    Some(v) => {
-                        out.push(v);
-                        i += 2;
-                    }
-                    None => out.push(b'%'),
-                }
-            }
-            c => out.push(c),
-        }
-        i += 1;
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 async fn get_one(
     State(app): State<AppState>,
     caller: Caller,
@@ -412,13 +329,6 @@ async fn get_one(
     Ok(axum::Json(view(&r, live.as_deref())))
 }
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-struct PatchSandbox {
-    network: Option<Value>,
-    metadata: Option<BTreeMap<String, String>>,
-}
-
 async fn patch(
     State(app): State<AppState>,
     caller: Caller,
@@ -427,7 +337,7 @@ async fn patch(
 ) -> Result<impl IntoResponse, ApiError> {
     let mut r = record_of(&app, &caller, &id)?;
     if let Some(n) = &body.network {
-        let network = check_network(&Some(n.clone()))?;
+        let network = check_network(Some(n))?;
         require_egress(&network).await?;
         // One policy change at a time (the create lock is short and rarely contended).
         let _guard = app.create_lock.lock().await;
@@ -509,9 +419,7 @@ async fn pause(
     {
         let mut st = live.pause.lock().expect("pause lock");
         if st.since.is_none() {
-            live.machine
-                .pause()
-                .map_err(|e| ApiError::internal(format!("pausing: {e}")))?;
+            live.machine.pause().map_err(ApiError::during("pausing"))?;
             st.since = Some(now_s());
         }
         // An explicit pause is the caller's: its time counts against the TTL.
@@ -557,12 +465,24 @@ pub fn unknown_template(name: &str) -> ApiError {
 
 #[cfg(test)]
 mod tests {
+    /// The list's query, decoded as `list` decodes it: repeated keys kept in order,
+    /// percent-decoding, `+` as a space, and a broken escape left as it is.
+    fn pairs(q: &str) -> Vec<(String, String)> {
+        let uri: axum::http::Uri = format!("/v1/sandboxes?{q}").parse().unwrap();
+        axum::extract::Query::<Vec<(String, String)>>::try_from_uri(&uri)
+            .unwrap()
+            .0
+    }
+
     #[test]
     fn form_pairs_decode() {
-        let p = super::form_pairs("state=running&metadata.team=a%20b&metadata.x=1+2");
+        let p = pairs("state=running&metadata.team=a%20b&metadata.x=1+2");
         assert_eq!(p[0], ("state".into(), "running".into()));
         assert_eq!(p[1], ("metadata.team".into(), "a b".into()));
         assert_eq!(p[2], ("metadata.x".into(), "1 2".into()));
-        assert_eq!(super::pct_decode("%zz%4"), "%zz%4");
+        assert_eq!(pairs("k=%zz%4")[0].1, "%zz%4");
+        let p = pairs("metadata.a=1&metadata.a=2&&flag");
+        assert_eq!(p.len(), 3, "repeated keys stay, empty pairs go: {p:?}");
+        assert_eq!(p[2], ("flag".into(), String::new()));
     }
 }
