@@ -18,7 +18,7 @@ use serde_json::{json, Value};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
-use crate::limits::{check_disk_quota, has_egress, kind_of, PIDS};
+use crate::limits::{has_egress, kind_of, PIDS};
 use crate::state::{new_id, now_s, AppState, Busy, Live};
 
 /// Everything a new sandbox is made of, checked.
@@ -562,4 +562,24 @@ pub fn spawn_reaper(app: AppState) {
             }
         }
     });
+}
+
+/// Refuses `want_mb` more disk for `tenant` (a `what`: sandbox, volume) past its disk
+/// quota, counting what its sandboxes and volumes hold and what creates in progress were
+/// granted. Called under `create_lock`.
+pub fn check_disk_quota(
+    app: &AppState,
+    tenant: &str,
+    want_mb: u64,
+    what: &str,
+) -> Result<(), ApiError> {
+    let q = app.cfg.quotas.disk_mb;
+    let held = app.store.sum_disk_mb(tenant)? + app.volumes.pending_mb.of(tenant);
+    if held + want_mb > q {
+        return Err(ApiError::quota(format!(
+            "quota exceeded: tenant {tenant} may hold {q} MB of disk in all (sandboxes' disk_mb and volumes' size_mb; {held} MB held now), \
+             so a {what} of {want_mb} MB does not fit; delete sandboxes or volumes, or ask for less"
+        )));
+    }
+    Ok(())
 }

@@ -1,19 +1,19 @@
 //! The rules of what a sandbox or a run may ask for: CPUs, memory, disk and processes, its
 //! environment and metadata, its network policy (and whether this host can enforce it),
-//! its runtime (and whether this host runs it), and the tenant's disk quota.
+//! its runtime (and whether this host runs it).
 //!
 //! Checks only: each answers a 4xx (or a 503 for what this host cannot do) that says what
 //! to fix, and changes nothing. It must not start machines or write records: `lifecycle`
-//! does, after these rules passed.
+//! does, after these rules passed. It reads no shared state (the node at most), so the
+//! pools can use its limits without a way back to `state`.
 
 use std::collections::BTreeMap;
 
-use locker_runtime::node::RuntimeKind;
+use locker_runtime::node::{Node, RuntimeKind};
 use locker_types::{NetworkPolicy, Runtime, RuntimeChoice};
 use serde_json::{json, Value};
 
 use crate::error::ApiError;
-use crate::state::AppState;
 
 /// Limits a client may ask for.
 pub const MAX_CPUS: f64 = 64.0;
@@ -85,8 +85,8 @@ pub fn check_metadata(m: &BTreeMap<String, String>) -> Result<(), ApiError> {
 }
 
 /// 503 unless this host can run microVMs.
-pub async fn require_microvm(app: &AppState) -> Result<(), ApiError> {
-    match app.node.vm_assets().await {
+pub async fn require_microvm(node: &Node) -> Result<(), ApiError> {
+    match node.vm_assets().await {
         Ok(_) => Ok(()),
         Err(e) => Err(ApiError::unavailable(format!(
             "runtime `microvm` is not usable on this host: {e} (see `locker doctor`)"
@@ -112,24 +112,4 @@ pub fn kind_of(r: Runtime) -> RuntimeKind {
         Runtime::Jail => RuntimeKind::Jail,
         Runtime::Microvm => RuntimeKind::Microvm,
     }
-}
-
-/// Refuses `want_mb` more disk for `tenant` (a `what`: sandbox, volume) past its disk
-/// quota, counting what its sandboxes and volumes hold and what creates in progress were
-/// granted. Called under `create_lock`.
-pub fn check_disk_quota(
-    app: &AppState,
-    tenant: &str,
-    want_mb: u64,
-    what: &str,
-) -> Result<(), ApiError> {
-    let q = app.cfg.quotas.disk_mb;
-    let held = app.store.sum_disk_mb(tenant)? + app.volumes.pending_mb.of(tenant);
-    if held + want_mb > q {
-        return Err(ApiError::quota(format!(
-            "quota exceeded: tenant {tenant} may hold {q} MB of disk in all (sandboxes' disk_mb and volumes' size_mb; {held} MB held now), \
-             so a {what} of {want_mb} MB does not fit; delete sandboxes or volumes, or ask for less"
-        )));
-    }
-    Ok(())
 }

@@ -12,8 +12,8 @@ use std::time::Duration;
 use locker_runtime::node::{Machine, MachineSpec, Node};
 use locker_runtime::template::Template;
 
+use crate::ids::new_id;
 use crate::limits::PIDS;
-use crate::state::new_id;
 
 /// Ids of warm machines start with this (their directories are `<data-dir>/pool/<id>`).
 const POOL_PREFIX: &str = "pool_";

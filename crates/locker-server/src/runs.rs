@@ -214,7 +214,7 @@ async fn run(
     let plan = check(&app, &caller, &id, body)?;
     crate::limits::require_egress(&plan.network).await?;
     if plan.runtime == Runtime::Microvm {
-        crate::limits::require_microvm(&app).await?;
+        crate::limits::require_microvm(&app.node).await?;
     }
     let call_id = new_id("call_");
     let (spec, stdin) = build_spec(&BTreeMap::new(), &plan.req, &call_id, Wait::Call { stream })?;

@@ -181,7 +181,7 @@ async fn checked(
         None => runtime,
     };
     if runtime == Runtime::Microvm {
-        require_microvm(app).await?;
+        require_microvm(&app.node).await?;
     }
     let (template_name, template, snapshot_dir, disk_mb) = match &snapshot {
         Some(snap) => {

@@ -209,7 +209,7 @@ async fn fork(
     }
     {
         let _guard = app.create_lock.lock().await;
-        crate::limits::check_disk_quota(
+        crate::lifecycle::check_disk_quota(
             &app,
             &caller.tenant,
             rec.disk_mb * body.count,

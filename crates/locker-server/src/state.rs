@@ -1,11 +1,12 @@
 //! The server's shared state and what every room reads from it: [`Config`] and [`Quotas`]
 //! (how `locker serve` was started), [`App`] (the one shared state, as [`AppState`]),
 //! [`Live`] sandboxes with their pause state, [`Busy`] (a call in flight), the hold on the
-//! data dir, and the id and clock helpers.
+//! data dir; the id and clock helpers of `ids` are re-exported here for the handlers.
 //!
 //! It owns no behaviour beyond these values' own invariants (a call admitted and a
 //! sandbox thawed atomically): handlers and services live in their rooms, start-up and
-//! shutdown in `app`. It must not import the handler rooms: they import it.
+//! shutdown in `app`. It names the services it holds (the pools, volumes, egress,
+//! metrics, the default template's build) and calls none of the handlers: they import it.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -19,6 +20,7 @@ use locker_runtime::template::TemplateStore;
 use locker_store::{CallRecorder, Store};
 use tokio::sync::RwLock;
 
+pub use crate::ids::{ms_since, new_id, now_s};
 use crate::metrics::Metrics;
 
 /// Per-tenant limits.
@@ -278,27 +280,4 @@ impl DataDirLock {
         write!(f, "{}", std::process::id()).map_err(err)?;
         Ok(Self { _file: f })
     }
-}
-
-/// Milliseconds since `t`, as the API reports them.
-pub fn ms_since(t: Instant) -> f64 {
-    (t.elapsed().as_secs_f64() * 1e3 * 1000.0).round() / 1000.0
-}
-
-/// Seconds since the Unix epoch.
-pub fn now_s() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0)
-}
-
-/// A random id with a prefix (`sb_…`, `call_…`): 16 hex digits from the kernel's CSPRNG.
-pub fn new_id(prefix: &str) -> String {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom fills the buffer we own.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 8, "getrandom");
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{prefix}{hex}")
 }

@@ -21,8 +21,8 @@ use std::sync::{Arc, Mutex};
 
 use locker_runtime::node::{Attach, Machine, MachineSpec, Node, RuntimeKind};
 
+use crate::ids::new_id;
 use crate::limits::PIDS;
-use crate::state::new_id;
 
 /// Machines of one shape are interchangeable (a microVM's: template, CPUs, memory, disk;
 /// not the jail pool's `pool::JailShape`).

@@ -526,7 +526,7 @@ async fn admit(
 ) -> Result<crate::capacity::PendingGrant, ApiError> {
     crate::capacity::admit_disk(&app.cfg.data_dir, "`size_mb`", size_mb)?;
     let _guard = app.create_lock.lock().await;
-    crate::limits::check_disk_quota(app, tenant, size_mb, "volume")?;
+    crate::lifecycle::check_disk_quota(app, tenant, size_mb, "volume")?;
     Ok(app.volumes.pending_mb.hold(tenant, size_mb))
 }
 
