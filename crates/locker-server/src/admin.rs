@@ -8,10 +8,10 @@ use axum::Router;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::AppState;
 use crate::auth::Admin;
 use crate::error::ApiError;
 use crate::extract::Json;
+use crate::state::AppState;
 
 pub fn routes() -> Router<AppState> {
     Router::new()

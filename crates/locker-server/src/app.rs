@@ -1,4 +1,4 @@
-//! Configuration, shared state, start-up and shutdown of the server.
+//! Start-up, the router and shutdown of the server (its shared state is in `state`).
 //!
 //! One server per data dir: [`build`] takes an exclusive `flock` on `<data-dir>/serve.lock`
 //! (holding the server's pid) before it touches anything, and a second server on the same
@@ -9,11 +9,10 @@
 //! down everything else this server made: warm machines (waiting for refills in flight),
 //! volume agents and volume mounts.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::future::IntoFuture;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -21,212 +20,13 @@ use axum::extract::{MatchedPath, Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
 use axum::Router;
-use locker_runtime::node::{Machine, Node, NodeConfig};
+use locker_runtime::node::{Node, NodeConfig};
 use locker_runtime::template::TemplateStore;
 use locker_store::{CallRecorder, SqliteStore, Store};
 use tokio::sync::RwLock;
 
 use crate::metrics::Metrics;
-
-/// Per-tenant limits.
-#[derive(Debug, Clone)]
-pub struct Quotas {
-    /// Sandboxes that exist at once (starting, running or paused).
-    pub sandboxes: u64,
-    /// Sum of `memory_mb` over those sandboxes.
-    pub memory_mb: u64,
-    /// Serverless runs in flight at once.
-    pub runs: u64,
-    /// Sum of those sandboxes' `disk_mb` and of the tenant's volumes' `size_mb`.
-    pub disk_mb: u64,
-}
-
-impl Quotas {
-    /// The defaults on this host for a data dir at `data_dir`: 100 sandboxes, 32 runs, the
-    /// host's RAM (`MemTotal`) of memory, the size of the data dir's filesystem of disk.
-    pub fn for_host(data_dir: &std::path::Path) -> Self {
-        let memory_mb = crate::capacity::host_memory_mb().unwrap_or(65_536);
-        let disk_mb = crate::capacity::Space::of(data_dir)
-            .map(|s| s.size_mb)
-            .unwrap_or(1 << 20);
-        Self {
-            sandboxes: 100,
-            memory_mb,
-            runs: 32,
-            disk_mb,
-        }
-    }
-}
-
-/// How `locker serve` was started.
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub listen: SocketAddr,
-    pub data_dir: PathBuf,
-    /// A key of tenant `default` (`LOCKER_API_KEY`); generated and printed once if absent.
-    pub api_key: Option<String>,
-    /// Enables the admin routes (`LOCKER_ADMIN_KEY`).
-    pub admin_key: Option<String>,
-    /// Bearer token `/metrics` requires, if any.
-    pub metrics_token: Option<String>,
-    pub quotas: Quotas,
-    /// Where templates live (`LOCKER_CACHE_DIR`).
-    pub cache_dir: PathBuf,
-    /// Warm machines kept ready for runs (0: start each on demand).
-    pub warm_pool: usize,
-    /// Ready microVMs kept per sandbox shape asked for (0: each create restores).
-    pub vm_pool: usize,
-    /// Names pinned to addresses for machines' egress (`--egress-resolve name=ip`): the
-    /// egress proxy and DNS responder use these instead of resolving.
-    pub egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
-    /// Build the template `default` in the background at start when it is missing.
-    pub template_build: bool,
-}
-
-/// A sandbox whose machine runs on this node.
-#[derive(Debug)]
-pub struct Live {
-    pub id: String,
-    pub tenant: String,
-    pub machine: Machine,
-    /// The sandbox's default environment for every exec.
-    pub env: BTreeMap<String, String>,
-    pub template_digest: String,
-    /// Pause after this long without calls or CPU use (the idle policy).
-    pub idle_timeout_s: Option<u64>,
-    /// Calls in flight (exec, files, processes, PTY, streams): never idle while > 0.
-    pub inflight: AtomicU64,
-    /// Unix seconds of the last call; written to the store by the reaper, not per call.
-    pub last_active: AtomicI64,
-    /// Pause state; every transition holds this lock, so a call that is being admitted and
-    /// the idle policy can never cross (a call is counted and the machine thawed atomically).
-    pub pause: std::sync::Mutex<PauseState>,
-    /// Queue times of this sandbox's latest background processes, by process id (the agent
-    /// cannot know them; `processes::fill_timings` adds them to the results).
-    pub proc_queue_ms: std::sync::Mutex<std::collections::VecDeque<(String, f64)>>,
-}
-
-/// Whether and why a sandbox is frozen.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct PauseState {
-    /// Unix seconds when it was frozen; `None` while running.
-    pub since: Option<i64>,
-    /// Frozen by the idle policy (not by the caller): the time does not count against the TTL.
-    pub by_idle: bool,
-    /// CPU time seen at the last idle check, and when it last grew noticeably.
-    pub cpu_ms: u64,
-    pub cpu_active_at: i64,
-}
-
-impl Live {
-    pub fn new(
-        id: String,
-        tenant: String,
-        machine: Machine,
-        env: BTreeMap<String, String>,
-        template_digest: String,
-        idle_timeout_s: Option<u64>,
-        paused: bool,
-    ) -> Self {
-        let now = now_s();
-        Self {
-            id,
-            tenant,
-            machine,
-            env,
-            template_digest,
-            idle_timeout_s,
-            inflight: Default::default(),
-            last_active: AtomicI64::new(now),
-            pause: std::sync::Mutex::new(PauseState {
-                since: paused.then_some(now),
-                cpu_active_at: now,
-                ..Default::default()
-            }),
-            proc_queue_ms: Default::default(),
-        }
-    }
-
-    pub fn is_paused(&self) -> bool {
-        self.pause.lock().expect("pause lock").since.is_some()
-    }
-}
-
-/// A call in flight on a sandbox, for as long as it lives; derefs to the sandbox.
-pub struct Busy(Arc<Live>);
-
-impl Busy {
-    /// Counts a call and thaws the sandbox if it was frozen, atomically with respect to the
-    /// idle policy. If it was paused, returns for how many seconds the idle policy (not the
-    /// caller) had it paused: the TTL is extended by that much.
-    pub fn enter(live: Arc<Live>) -> Result<(Self, Option<i64>), String> {
-        let mut st = live.pause.lock().expect("pause lock");
-        live.inflight.fetch_add(1, Ordering::SeqCst);
-        live.last_active.store(now_s(), Ordering::Relaxed);
-        let busy = Busy(live.clone());
-        let mut idle_for = None;
-        if let Some(since) = st.since {
-            live.machine
-                .resume()
-                .map_err(|e| format!("resuming the sandbox: {e}"))?;
-            idle_for = Some(if st.by_idle { now_s() - since } else { 0 });
-            st.since = None;
-            st.by_idle = false;
-            st.cpu_active_at = now_s();
-        }
-        drop(st);
-        Ok((busy, idle_for))
-    }
-}
-
-impl std::ops::Deref for Busy {
-    type Target = Arc<Live>;
-    fn deref(&self) -> &Arc<Live> {
-        &self.0
-    }
-}
-
-impl Drop for Busy {
-    fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::SeqCst);
-        self.0.last_active.store(now_s(), Ordering::Relaxed);
-    }
-}
-
-/// The server's shared state.
-pub struct App {
-    pub cfg: Config,
-    pub store: Arc<dyn Store>,
-    pub recorder: CallRecorder,
-    pub node: Arc<Node>,
-    pub templates: TemplateStore,
-    pub live: RwLock<HashMap<String, Arc<Live>>>,
-    pub metrics: Metrics,
-    /// Volumes and their host-side files agents.
-    pub volumes: crate::volumes::Volumes,
-    /// Serializes quota checks with the inserts they guard.
-    pub create_lock: tokio::sync::Mutex<()>,
-    pub started: Instant,
-    /// Warm machines for runs.
-    pub pool: crate::runs::Pool,
-    /// Ready microVMs for sandboxes.
-    pub vm_pool: crate::vm_pool::VmPool,
-    /// Machines' egress policies: the name-checking proxy and DNS responder.
-    pub egress: Arc<crate::egress::Egress>,
-    /// Whether the template `default` is being built (see `default_template`).
-    pub default_template: crate::default_template::DefaultTemplate,
-    /// This server's hold on its data dir, for as long as the process lives.
-    _lock: DataDirLock,
-}
-
-pub type AppState = Arc<App>;
-
-impl App {
-    /// The machines directory of sandboxes.
-    pub fn sandboxes_dir(&self) -> PathBuf {
-        self.cfg.data_dir.join("sandboxes")
-    }
-}
+use crate::state::{App, AppState, Config, DataDirLock};
 
 /// Errors that stop the server from starting.
 #[derive(Debug, thiserror::Error)]
@@ -245,64 +45,12 @@ pub enum ServeError {
     Templates(String),
     #[error("volumes: {0}")]
     Volumes(std::io::Error),
-    #[error("another locker serve ({holder}) uses this data dir {}: stop it first or pass another --data-dir", .dir.display())]
-    Busy { dir: PathBuf, holder: String },
-    #[error("cannot lock the data dir ({}): {source}", .path.display())]
-    Lock {
-        path: PathBuf,
-        source: std::io::Error,
-    },
+    #[error(transparent)]
+    Lock(#[from] crate::state::LockError),
 }
 
 /// How long requests in flight may take to finish once a stop is asked for.
 const GRACE: Duration = Duration::from_secs(10);
-
-/// An exclusive `flock` on `<data-dir>/serve.lock`, which holds the holder's pid. The file
-/// is opened close-on-exec, so machines' processes never inherit the lock.
-#[derive(Debug)]
-struct DataDirLock {
-    _file: std::fs::File,
-}
-
-impl DataDirLock {
-    fn take(dir: &std::path::Path) -> Result<Self, ServeError> {
-        use std::io::{Read, Seek, Write};
-        use std::os::fd::AsRawFd;
-        let path = dir.join("serve.lock");
-        let err = |source| ServeError::Lock {
-            path: path.clone(),
-            source,
-        };
-        let mut f = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .open(&path)
-            .map_err(err)?;
-        // SAFETY: flock on a descriptor we own; the lock lives as long as the file.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                return Err(err(e));
-            }
-            let mut pid = String::new();
-            let _ = f.read_to_string(&mut pid);
-            let holder = match pid.trim().parse::<u32>() {
-                Ok(p) => format!("pid {p}"),
-                Err(_) => "pid unknown".into(),
-            };
-            return Err(ServeError::Busy {
-                dir: dir.to_owned(),
-                holder,
-            });
-        }
-        f.set_len(0).map_err(err)?;
-        f.rewind().map_err(err)?;
-        write!(f, "{}", std::process::id()).map_err(err)?;
-        Ok(Self { _file: f })
-    }
-}
 
 /// Builds the state, adopts or cleans up machines a previous server left, and serves until
 /// SIGINT or SIGTERM; then stops accepting, lets requests in flight finish (up to
@@ -324,7 +72,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         }
     };
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
-    crate::sandboxes::spawn_reaper(app.clone());
+    crate::lifecycle::spawn_reaper(app.clone());
     crate::default_template::ensure(&app, app.cfg.template_build);
     // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
     // before a machine gets egress).
@@ -392,8 +140,8 @@ fn stop_signal() -> impl std::future::Future<Output = ()> {
 /// refills in flight), volume agents stopped, volumes unmounted.
 async fn shutdown(app: &AppState) {
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
-    app.pool.drain(app).await;
-    app.vm_pool.drain(app).await;
+    app.pool.drain().await;
+    app.vm_pool.drain().await;
     app.volumes.stop_agents().await;
     app.volumes.unmount_all().await;
     tracing::info!("stopped: sandboxes keep running for the next start");
@@ -442,6 +190,17 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     tracing::info!(quotas = ?cfg.quotas, "per-tenant quotas");
     let egress =
         crate::egress::Egress::new(&cfg.egress_resolve, crate::egress::limits::raise_nofile());
+    let pool = Arc::new(crate::pool::Pool::new(
+        warm_pool,
+        node.clone(),
+        crate::pool::pool_dir(&cfg.data_dir),
+        crate::runs::RUN_DISK_MB,
+    ));
+    let vm_pool = Arc::new(crate::vm_pool::VmPool::new(
+        vm_pool,
+        node.clone(),
+        cfg.data_dir.join("sandboxes"),
+    ));
     let app = Arc::new(App {
         cfg,
         store,
@@ -453,16 +212,17 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         volumes,
         create_lock: tokio::sync::Mutex::new(()),
         started: Instant::now(),
-        pool: crate::runs::Pool::new(warm_pool),
-        vm_pool: crate::vm_pool::VmPool::new(vm_pool),
+        pool,
+        vm_pool,
         egress,
         default_template: Default::default(),
         _lock: lock,
     });
-    crate::sandboxes::adopt_all(&app).await;
+    crate::lifecycle::adopt_all(&app).await;
     crate::snapshots::cleanup(&app).await;
     crate::runs::cleanup(&app).await;
-    crate::runs::Pool::spawn_refill(app.clone());
+    let default = app.templates.resolve("default").ok().flatten();
+    app.pool.spawn_refill(default);
     Ok(app)
 }
 
@@ -534,27 +294,4 @@ async fn observe(State(app): State<AppState>, req: Request, next: Next) -> Respo
         started.elapsed().as_secs_f64(),
     );
     resp
-}
-
-/// Milliseconds since `t`, as the API reports them.
-pub fn ms_since(t: Instant) -> f64 {
-    (t.elapsed().as_secs_f64() * 1e3 * 1000.0).round() / 1000.0
-}
-
-/// Seconds since the Unix epoch.
-pub fn now_s() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs() as i64)
-        .unwrap_or(0)
-}
-
-/// A random id with a prefix (`sb_…`, `call_…`): 16 hex digits from the kernel's CSPRNG.
-pub fn new_id(prefix: &str) -> String {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom fills the buffer we own.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 8, "getrandom");
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{prefix}{hex}")
 }

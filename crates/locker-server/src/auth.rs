@@ -6,8 +6,8 @@
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 
-use crate::app::AppState;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// The caller of a `/v1` route.
 #[derive(Debug, Clone)]

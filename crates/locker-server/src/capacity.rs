@@ -5,7 +5,7 @@
 //!
 //! Disks and volumes are sparse images, so a grant costs nothing until it is filled; a
 //! grant larger than what is free could never be filled, and a tenant's grants together
-//! are bounded by its disk quota (counted by the store, see `sandboxes::launch` and
+//! are bounded by its disk quota (counted by the store, see `lifecycle::launch` and
 //! `volumes::create`). Owns none of the images themselves.
 
 use std::collections::HashMap;

@@ -11,8 +11,8 @@ use std::sync::Mutex;
 
 use locker_runtime::template::{Progress, DEFAULT_TEMPLATE};
 
-use crate::app::{now_s, AppState};
 use crate::error::ApiError;
+use crate::state::{now_s, AppState};
 
 /// The command that builds the default template by hand.
 const BUILD_CMD: &str = "sudo locker template build default";

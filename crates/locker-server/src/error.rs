@@ -8,6 +8,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use locker_proto::{AgentError, ErrorCode};
 use locker_runtime::agent::AgentClientError;
+use locker_runtime::node::NodeError;
 
 /// An API failure: `{"error": {"code": …, "message": …}}`.
 #[derive(Debug, Clone)]
@@ -129,6 +130,39 @@ impl From<AgentClientError> for ApiError {
                 "{e}; the machine was stopped (a command may have stopped its agent)"
             )),
             other => Self::internal(format!("the machine's agent failed: {other}")),
+        }
+    }
+}
+
+/// A machine operation that failed, as the client sees it: what this host cannot do is a
+/// 503 (a runtime that is not usable here, no free machine slot: the host is full, which
+/// is no tenant's quota); the rest is the platform's failure, a 500 whose message names the runtime's step.
+impl From<NodeError> for ApiError {
+    fn from(e: NodeError) -> Self {
+        match e {
+            NodeError::Unavailable(..)
+            | NodeError::Vm(
+                locker_runtime::vm::VmError::QemuMissing
+                | locker_runtime::vm::VmError::KernelMissing(_),
+            ) => {
+                Self::unavailable(e.to_string())
+            }
+            NodeError::NoSlot => Self::unavailable(format!(
+                "{e}: this host is full; try again when machines have ended"
+            )),
+            other => Self::internal(other.to_string()),
+        }
+    }
+}
+
+impl ApiError {
+    /// Maps a machine operation's failure (see `From<NodeError>`) with the step it was in
+    /// said first: `starting the sandbox failed: …`.
+    pub fn during(step: &'static str) -> impl Fn(NodeError) -> ApiError {
+        move |e| {
+            let mut a = ApiError::from(e);
+            a.message = format!("{step}: {}", a.message);
+            a
         }
     }
 }

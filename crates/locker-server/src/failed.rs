@@ -17,8 +17,8 @@ use std::sync::{Arc, LazyLock, Mutex};
 use locker_runtime::agent::AgentClientError;
 use locker_store::SandboxState;
 
-use crate::app::{AppState, Live};
 use crate::error::ApiError;
+use crate::state::{AppState, Live};
 
 /// Why each failed sandbox failed, by id (ids are unique across the process's servers).
 static REASONS: LazyLock<Mutex<HashMap<String, String>>> = LazyLock::new(Default::default);

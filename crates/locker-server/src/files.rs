@@ -26,11 +26,11 @@ use locker_types::EntryType;
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::app::{AppState, Busy};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::{check_path, Json, Query};
 use crate::files_tar;
+use crate::state::{AppState, Busy};
 
 /// The files routes of sandboxes.
 pub fn routes() -> Router<AppState> {
@@ -98,7 +98,7 @@ pub(crate) async fn agent_result<T: FilesTarget, R>(
 
 impl FilesTarget for Busy {
     async fn resolve(app: &AppState, caller: &Caller, id: &str) -> Result<Self, ApiError> {
-        crate::sandboxes::live_of(app, caller, id).await
+        crate::lifecycle::live_of(app, caller, id).await
     }
     fn agent(&self) -> &AgentClient {
         &self.machine.agent

@@ -15,9 +15,9 @@ use axum::response::{IntoResponse, Response};
 use futures_util::{StreamExt, TryStreamExt};
 use locker_runtime::agent::AgentClientError;
 
-use crate::app::AppState;
 use crate::error::ApiError;
 use crate::files::{agent_result, blocks_of, drain, FilesTarget};
+use crate::state::AppState;
 
 /// The media type of a tar archive.
 pub const TAR: &str = "application/x-tar";

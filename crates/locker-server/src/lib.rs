@@ -1,11 +1,19 @@
 //! The server: Locker's HTTP API (`docs/api.md`) over the node's machines.
 //!
 //! Rooms:
-//! - [`app`]: configuration, shared state, start-up (adoption of machines a killed server
-//!   left running), background lifecycle (TTL reaping) and graceful shutdown;
+//! - [`state`]: configuration and the shared state ([`state::App`], live sandboxes, calls in
+//!   flight, ids and clock);
+//! - [`app`]: start-up (adoption of machines a killed server left running), the router and
+//!   graceful shutdown;
 //! - [`auth`]: API keys and tenants on every `/v1` route;
-//! - [`templates`]: removing a template (`DELETE /v1/templates/{name}`);
-//! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`volumes`], [`admin`], [`ops`]: the routes;
+//! - [`sandboxes`], [`exec`], [`files`], [`processes`], [`volumes`], [`runs`], [`snapshots`],
+//!   [`templates`], [`admin`], [`ops`]: the routes (handlers: extract, check, call, answer);
+//! - [`limits`]: what a sandbox or run may ask for; [`lifecycle`]: a sandbox's life (launch,
+//!   lookups, destroy, adoption, idle policy, TTL reaper);
+//! - [`ids`]: ids and clocks (a leaf room);
+//! - [`command`]: an exec body turned into the agent's spec, and its call record;
+//!   [`stream`]: NDJSON answers;
+//! - [`pool`]: warm jails for runs; [`vm_pool`]: ready microVMs for sandboxes;
 //! - [`error`], [`extract`]: the one error shape and request parsing;
 //! - [`failed`]: sandboxes whose agent died or stopped answering;
 //! - [`tombstone`]: what the id of a sandbox that is gone answers;
@@ -22,6 +30,7 @@ pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod capacity;
+pub mod command;
 pub mod default_template;
 pub mod egress;
 pub mod error;
@@ -30,17 +39,24 @@ pub mod extract;
 pub mod failed;
 pub mod files;
 pub mod files_tar;
+pub mod ids;
+pub mod lifecycle;
+pub mod limits;
 pub mod mcp;
 pub mod metrics;
 pub mod ops;
 pub mod ports;
+pub mod pool;
 pub mod processes;
 pub mod runs;
 pub mod sandboxes;
 pub mod snapshots;
+pub mod state;
+pub mod stream;
 pub mod templates;
 pub mod tombstone;
 pub mod vm_pool;
 pub mod volumes;
 
-pub use app::{serve, Config, Quotas};
+pub use app::serve;
+pub use state::{Config, Quotas};

@@ -14,9 +14,9 @@ use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Router;
 
-use crate::app::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 /// `api` plus `/mcp` in front of it.
 pub fn mount(app: AppState, api: Router) -> Router {

@@ -15,10 +15,10 @@ use axum::Router;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Query;
+use crate::state::AppState;
 
 pub fn routes() -> Router<AppState> {
     Router::new()
@@ -525,7 +525,7 @@ async fn usage(
     let since = match &q.since {
         None => None,
         Some(s) => Some(
-            s.parse::<i64>().ok().or_else(|| locker_store::parse_rfc3339(s)).ok_or_else(|| {
+            s.parse::<i64>().ok().or_else(|| locker_types::parse_rfc3339(s)).ok_or_else(|| {
                 ApiError::bad_request(format!("`since` must be an RFC 3339 time (2026-01-31T00:00:00Z) or Unix seconds, got {s:?}"))
             })?,
         ),

@@ -16,15 +16,14 @@ use serde::Deserialize;
 use serde_json::json;
 use tokio::sync::mpsc;
 
-use crate::app::{ms_since, new_id, AppState, Live};
 use crate::auth::Caller;
+use crate::command::{build_spec, call_record, Wait};
 use crate::error::ApiError;
-use crate::exec::{
-    build_spec, call_record, error_line, ndjson_response, pump, send_line, typed, Wait,
-};
 use crate::extract::{Json, Query};
 use crate::failed::result;
-use crate::sandboxes::live_of;
+use crate::lifecycle::live_of;
+use crate::state::{ms_since, new_id, AppState, Live};
+use crate::stream::{error_line, ndjson_response, pump, send_line, typed};
 
 pub fn routes() -> Router<AppState> {
     Router::new()

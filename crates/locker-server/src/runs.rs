@@ -14,7 +14,7 @@
 //!    (read-only), `layer/upper` above (see `locker_runtime::machine::OverlayMount`), on the
 //!    volume's filesystem too, so the run's writes are held to `size_mb` and a commit is
 //!    a rename.
-//! 3. **Run**: the exec body, as in a sandbox (`exec::build_spec`), NDJSON too; then the
+//! 3. **Run**: the exec body, as in a sandbox (`command::build_spec`), NDJSON too; then the
 //!    machine is destroyed, so `layer/upper` is stable.
 //! 4. **Changes**: `locker_runtime::commit::scan` reads `upper/`: whiteouts (character devices 0:0) are deletions,
 //!    opaque directories replaced the lower one, files and symlinks are added or modified,
@@ -32,7 +32,7 @@ use std::fs;
 use std::io;
 use std::path::{Path as FsPath, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -45,25 +45,24 @@ use locker_runtime::commit::{finish_journal, scan, size_delta, write_journal};
 use locker_runtime::machine::OverlayMount;
 use locker_runtime::node::MachineSpec;
 use locker_store::{CallKind, CallRecord, VolumeRecord};
-use locker_types::{Changes, ExecRequest, ExecResult};
-use serde::Deserialize;
+use locker_types::{Changes, CommitMode, ExecRequest, ExecResult, RunRequest, Runtime};
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 
-use crate::app::{ms_since, new_id, now_s, AppState};
 use crate::auth::Caller;
+use crate::command::{build_spec, Wait};
 use crate::error::ApiError;
-use crate::exec::{
-    build_spec, error_line, ndjson_response, pump, send_line, typed, wants_ndjson, Wait,
-};
 use crate::extract::Json;
+use crate::pool::pool_dir;
+use crate::state::{ms_since, new_id, now_s, AppState};
+use crate::stream::{error_line, ndjson_response, pump, send_line, typed, wants_ndjson};
 use crate::volumes::Volume;
 
 /// The longest a run may take, and its default.
 pub const MAX_RUN_TIMEOUT_MS: u64 = 300_000;
 pub const DEFAULT_RUN_TIMEOUT_MS: u64 = 60_000;
 /// The machine's own disk (its root's writable layer; the volume is not on it).
-const RUN_DISK_MB: u64 = 2048;
+pub const RUN_DISK_MB: u64 = 2048;
 /// A run's view of a volume is a reflink copy up to this many files, else a snapshot: a
 /// reflink costs tens of microseconds a file, a btrfs snapshot a transaction commit (a
 /// flush of the image: milliseconds; see docs/benchmarks.md).
@@ -74,37 +73,6 @@ const VIEW_RETRY_EVERY: u64 = 32;
 
 pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/volumes/{id}/run", post(run))
-}
-
-/// The body of a run: an exec body plus the machine and the commit.
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RunBody {
-    cmd: Option<Vec<String>>,
-    shell: Option<String>,
-    cwd: Option<String>,
-    #[serde(default)]
-    env: BTreeMap<String, String>,
-    stdin: Option<String>,
-    stdin_b64: Option<String>,
-    timeout_ms: Option<u64>,
-    max_output_bytes: Option<u64>,
-    user: Option<String>,
-    template: Option<String>,
-    runtime: Option<String>,
-    cpus: Option<f64>,
-    memory_mb: Option<u64>,
-    network: Option<Value>,
-    mount_path: Option<String>,
-    commit: Option<String>,
-}
-
-/// When a run's changes are applied.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum CommitMode {
-    Always,
-    OnSuccess,
-    Never,
 }
 
 /// A checked run.
@@ -119,8 +87,7 @@ struct Plan {
     commit: CommitMode,
     /// The checked network policy of the run's machine.
     network: Value,
-    /// Runtime `microvm` (else the jail).
-    microvm: bool,
+    runtime: Runtime,
 }
 
 /// Checks `mount_path`: absolute, normalized, not `/` nor under the machine's own mounts.
@@ -147,8 +114,9 @@ fn check_mount_path(p: Option<&str>) -> Result<String, ApiError> {
     Ok(norm)
 }
 
-fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, ApiError> {
-    if let Some(t) = b.timeout_ms {
+fn check(app: &AppState, caller: &Caller, id: &str, body: RunRequest) -> Result<Plan, ApiError> {
+    let (mut req, b) = body.split();
+    if let Some(t) = req.timeout_ms {
         if t == 0 || t > MAX_RUN_TIMEOUT_MS {
             return Err(ApiError::bad_request(format!(
                 "`timeout_ms` of a run must be between 1 and {MAX_RUN_TIMEOUT_MS} (long commands belong in a sandbox), got {t}"
@@ -156,44 +124,26 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         }
     }
     let mount_path = check_mount_path(b.mount_path.as_deref())?;
-    let commit = match b.commit.as_deref() {
-        None | Some("always") => CommitMode::Always,
-        Some("on_success") => CommitMode::OnSuccess,
-        Some("never") => CommitMode::Never,
-        Some(other) => {
-            return Err(ApiError::bad_request(format!(
-                "`commit` must be always, on_success or never, got {other:?}"
-            )))
-        }
-    };
+    let commit = b.commit.unwrap_or_default();
     // `auto` is the jail: a run's start time is most of its cost.
-    let microvm = crate::sandboxes::resolve_runtime(b.runtime.as_deref())? == "microvm";
+    let runtime = crate::limits::resolve_runtime(b.runtime.unwrap_or_default())?;
     let cpus = b.cpus.unwrap_or(1.0);
-    let max_cpus = crate::sandboxes::MAX_CPUS;
+    let max_cpus = crate::limits::MAX_CPUS;
     if !(cpus > 0.0 && cpus <= max_cpus) {
         return Err(ApiError::bad_request(format!(
             "`cpus` must be more than 0 and at most {max_cpus}"
         )));
     }
     let memory_mb = b.memory_mb.unwrap_or(512);
-    let (lo, hi) = crate::sandboxes::MEMORY_MB;
+    let (lo, hi) = crate::limits::MEMORY_MB;
     if !(lo..=hi).contains(&memory_mb) {
         return Err(ApiError::bad_request(format!(
             "`memory_mb` must be between {lo} and {hi}"
         )));
     }
-    let network = crate::sandboxes::check_network(&b.network)?;
-    let req = ExecRequest {
-        cmd: b.cmd,
-        shell: b.shell,
-        cwd: Some(b.cwd.unwrap_or_else(|| mount_path.clone())),
-        env: b.env,
-        stdin: b.stdin,
-        stdin_b64: b.stdin_b64,
-        timeout_ms: Some(b.timeout_ms.unwrap_or(DEFAULT_RUN_TIMEOUT_MS)),
-        max_output_bytes: b.max_output_bytes,
-        user: b.user,
-    };
+    let network = crate::limits::check_network(b.network.as_ref())?;
+    req.cwd = Some(req.cwd.unwrap_or_else(|| mount_path.clone()));
+    req.timeout_ms = Some(req.timeout_ms.unwrap_or(DEFAULT_RUN_TIMEOUT_MS));
     req.validate().map_err(ApiError::bad_request)?;
     let (rec, vol) = crate::volumes::lookup(app, caller, id)?;
     let name = b.template.unwrap_or_else(|| "default".into());
@@ -212,7 +162,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, b: RunBody) -> Result<Plan, 
         mount_path,
         commit,
         network,
-        microvm,
+        runtime,
     })
 }
 
@@ -257,14 +207,14 @@ async fn run(
     caller: Caller,
     Path(id): Path<String>,
     headers: HeaderMap,
-    Json(body): Json<RunBody>,
+    Json(body): Json<RunRequest>,
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let stream = wants_ndjson(&headers);
     let plan = check(&app, &caller, &id, body)?;
-    crate::sandboxes::require_egress(&plan.network).await?;
-    if plan.microvm {
-        crate::sandboxes::require_microvm(&app).await?;
+    crate::limits::require_egress(&plan.network).await?;
+    if plan.runtime == Runtime::Microvm {
+        crate::limits::require_microvm(&app.node).await?;
     }
     let call_id = new_id("call_");
     let (mut spec, stdin) =
@@ -519,12 +469,12 @@ async fn in_machine(
     let mspec = MachineSpec {
         id: spec.call_id.clone(),
         // Beside the warm machines, not in `run_dir`: its teardown may outlive the run.
-        dir: pool_dir(app).join(&spec.call_id),
+        dir: pool_dir(&app.cfg.data_dir).join(&spec.call_id),
         template_rootfs: plan.template.rootfs.clone(),
         cpus: plan.cpus,
         memory_mb: plan.memory_mb,
         disk_mb: RUN_DISK_MB,
-        pids: crate::sandboxes::PIDS,
+        pids: crate::limits::PIDS,
     };
     let mount = OverlayMount {
         lower: base.to_owned(),
@@ -532,13 +482,13 @@ async fn in_machine(
         work: run_dir.join("layer/work"),
         target: PathBuf::from(&plan.mount_path),
     };
-    let machine = if plan.microvm {
+    let machine = if plan.runtime == Runtime::Microvm {
         vm_machine(app, plan, mspec, mount).await?
     } else {
         jail_machine(app, plan, mspec, mount).await?
     };
     // The network is attached after the claim (warm machines have none); destroy takes it.
-    if crate::sandboxes::has_egress(&plan.network) {
+    if crate::limits::has_egress(&plan.network) {
         if let Err(e) = app
             .egress
             .apply(
@@ -576,15 +526,12 @@ async fn in_machine(
     let stopped = app.node.stop(&machine).await;
     let app2 = app.clone();
     tokio::spawn(async move {
-        // A few at a time: under a burst, the teardowns of finished runs would otherwise
-        // take the CPU from the machines of the runs still starting.
-        let _turn = app2.pool.destroying.acquire().await;
+        let _turn = app2.pool.destroy_turn().await;
         if let Err(e) = app2.node.destroy(&machine).await {
             tracing::warn!(machine = %machine.id, error = %e, "destroying a run's machine failed");
         }
     });
-    let stopped =
-        stopped.map_err(|e| ApiError::internal(format!("stopping the run's machine: {e}")));
+    let stopped = stopped.map_err(ApiError::during("stopping the run's machine"));
     let mut res = match outcome {
         None => {
             stopped?;
@@ -631,9 +578,9 @@ async fn vm_machine(
     mspec: MachineSpec,
     mount: OverlayMount,
 ) -> Result<locker_runtime::node::Machine, ApiError> {
-    let net = crate::sandboxes::has_egress(&plan.network);
+    let net = crate::limits::has_egress(&plan.network);
     let shape = (!net).then(|| {
-        crate::vm_pool::Shape::new(
+        crate::vm_pool::VmShape::new(
             &plan.template.digest,
             plan.cpus,
             plan.memory_mb,
@@ -642,7 +589,8 @@ async fn vm_machine(
     });
     let pooled = shape.as_ref().and_then(|s| app.vm_pool.take(s));
     if let Some(s) = shape {
-        crate::vm_pool::VmPool::refill(app, s, plan.template.rootfs.clone(), plan.cpus);
+        app.vm_pool
+            .refill(s, plan.template.rootfs.clone(), plan.cpus);
     }
     if let Some(m) = pooled {
         match app.node.attach(&m, mount.clone()).await {
@@ -664,7 +612,7 @@ async fn vm_machine(
             },
         )
         .await
-        .map_err(|e| ApiError::internal(format!("starting the run's microVM failed: {e}")))
+        .map_err(ApiError::during("starting the run's microVM failed"))
 }
 
 /// A machine started for this run alone, with the volume's layer mounted at start.
@@ -676,251 +624,8 @@ async fn fresh(
     app.node
         .create_with(mspec, None, vec![mount])
         .await
-        .map_err(|e| ApiError::internal(format!("starting the run's machine failed: {e}")))
+        .map_err(ApiError::during("starting the run's machine failed"))
 }
-
-/// Ids of warm machines start with this (their directories are `<data-dir>/pool/<id>`).
-const POOL_PREFIX: &str = "pool_";
-
-/// Where warm machines live.
-pub fn pool_dir(app: &AppState) -> PathBuf {
-    app.cfg.data_dir.join("pool")
-}
-
-/// Warm machines for runs, per shape (template, CPUs, memory; one runtime today): ready
-/// jails waiting for a run to claim one. A run takes one, gets its volume layer mounted
-/// into it (`Node::attach`), runs, and the machine is destroyed: never reused for another
-/// call. A background task keeps `target` machines ready for each shape in demand: the
-/// default shape (the `default` template, 1 CPU, 512 MB) from the start, and every shape a
-/// run asked for (up to [`MAX_SHAPES`], the least recently used dropped first).
-pub struct Pool {
-    target: usize,
-    shapes: std::sync::Mutex<Vec<Shape>>,
-    retired: std::sync::Mutex<Vec<locker_runtime::node::Machine>>,
-    wake: tokio::sync::Notify,
-    /// Turns to destroy a run's machine (see [`DESTROYS_AT_ONCE`]).
-    destroying: tokio::sync::Semaphore,
-    /// Set by [`Pool::drain`]: the refill task makes no more machines and ends.
-    closing: std::sync::atomic::AtomicBool,
-    /// The refill task, for [`Pool::drain`] to wait for.
-    refill: std::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
-}
-
-/// How long a stop waits for a machine being made (or torn down) to be done.
-const DRAIN_WAIT: Duration = Duration::from_secs(30);
-
-/// Runs' machines torn down at once, at most; the others wait for a turn (they are
-/// stopped already: their processes are gone, their layers no longer change).
-const DESTROYS_AT_ONCE: usize = 2;
-
-/// One shape kept warm.
-struct Shape {
-    template: locker_runtime::template::Template,
-    cpus: f64,
-    memory_mb: u64,
-    ready: Vec<locker_runtime::node::Machine>,
-}
-
-impl Shape {
-    fn is(&self, digest: &str, cpus: f64, memory_mb: u64) -> bool {
-        self.template.digest == digest && self.cpus == cpus && self.memory_mb == memory_mb
-    }
-}
-
-/// Shapes kept warm at once.
-pub const MAX_SHAPES: usize = 4;
-
-impl Pool {
-    pub fn new(target: usize) -> Self {
-        Self {
-            target,
-            shapes: Default::default(),
-            retired: Default::default(),
-            wake: tokio::sync::Notify::new(),
-            destroying: tokio::sync::Semaphore::new(DESTROYS_AT_ONCE),
-            closing: Default::default(),
-            refill: Default::default(),
-        }
-    }
-
-    fn is_closing(&self) -> bool {
-        self.closing.load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    /// A warm machine of this shape, if one is ready; either way the shape is now in
-    /// demand and the refill task is woken.
-    pub fn claim(
-        &self,
-        template: &locker_runtime::template::Template,
-        cpus: f64,
-        memory_mb: u64,
-    ) -> Option<locker_runtime::node::Machine> {
-        if self.target == 0 {
-            return None;
-        }
-        let mut shapes = self.shapes.lock().expect("pool");
-        let got = match shapes
-            .iter()
-            .position(|s| s.is(&template.digest, cpus, memory_mb))
-        {
-            Some(i) => {
-                // Most recently used last.
-                let mut shape = shapes.remove(i);
-                let m = shape.ready.pop();
-                shapes.push(shape);
-                m
-            }
-            None => {
-                shapes.push(Shape {
-                    template: template.clone(),
-                    cpus,
-                    memory_mb,
-                    ready: Vec::new(),
-                });
-                None
-            }
-        };
-        let extra = shapes.len().saturating_sub(MAX_SHAPES);
-        let dropped: Vec<Shape> = shapes.drain(..extra).collect();
-        drop(shapes);
-        self.wake.notify_one();
-        for s in dropped {
-            self.retire(s.ready);
-        }
-        got
-    }
-
-    /// Machines no shape wants any more: the refill task destroys them.
-    fn retire(&self, machines: Vec<locker_runtime::node::Machine>) {
-        self.retired.lock().expect("pool").extend(machines);
-        self.wake.notify_one();
-    }
-
-    /// How many machines are ready now, all shapes.
-    pub fn len(&self) -> usize {
-        self.shapes
-            .lock()
-            .expect("pool")
-            .iter()
-            .map(|s| s.ready.len())
-            .sum()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// The first shape short of machines, if any.
-    fn wanting(&self) -> Option<(locker_runtime::template::Template, f64, u64)> {
-        let shapes = self.shapes.lock().expect("pool");
-        shapes
-            .iter()
-            .rev()
-            .find(|s| s.ready.len() < self.target)
-            .map(|s| (s.template.clone(), s.cpus, s.memory_mb))
-    }
-
-    /// Keeps the pool full, in the background, until [`Pool::drain`].
-    pub fn spawn_refill(app: AppState) {
-        if app.pool.target == 0 {
-            return;
-        }
-        let pool_app = app.clone();
-        let task = tokio::spawn(async move {
-            match app.templates.resolve("default") {
-                Ok(Some(t)) => {
-                    let _ = app.pool.claim(&t, POOL_CPUS, POOL_MEMORY_MB);
-                }
-                _ => tracing::warn!("no `default` template: warm machines follow demand only"),
-            }
-            while !app.pool.is_closing() {
-                let retired: Vec<_> = std::mem::take(&mut *app.pool.retired.lock().expect("pool"));
-                for m in retired {
-                    let _ = app.node.destroy(&m).await;
-                }
-                while let Some((t, cpus, memory_mb)) = app.pool.wanting() {
-                    if app.pool.is_closing() {
-                        break;
-                    }
-                    let id = crate::app::new_id(POOL_PREFIX);
-                    let spec = MachineSpec {
-                        id: id.clone(),
-                        dir: pool_dir(&app).join(&id),
-                        template_rootfs: t.rootfs.clone(),
-                        cpus,
-                        memory_mb,
-                        disk_mb: RUN_DISK_MB,
-                        pids: crate::sandboxes::PIDS,
-                    };
-                    match app.node.create(spec).await {
-                        Ok(m) => {
-                            let mut shapes = app.pool.shapes.lock().expect("pool");
-                            match shapes.iter_mut().find(|s| s.is(&t.digest, cpus, memory_mb)) {
-                                Some(s) => s.ready.push(m),
-                                None => {
-                                    drop(shapes);
-                                    app.pool.retire(vec![m]);
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            tracing::warn!(error = %e, "could not warm a machine for runs");
-                            // Five seconds before the next try, unless a stop comes.
-                            for _ in 0..50 {
-                                if app.pool.is_closing() {
-                                    break;
-                                }
-                                tokio::time::sleep(Duration::from_millis(100)).await;
-                            }
-                        }
-                    }
-                }
-                if !app.pool.is_closing() {
-                    app.pool.wake.notified().await;
-                }
-            }
-        });
-        *pool_app.pool.refill.lock().expect("pool") = Some(task);
-    }
-
-    /// Destroys every warm machine (at shutdown), after the refill task finished the
-    /// machine it was making and the teardowns of runs' machines in flight are done.
-    pub async fn drain(&self, app: &AppState) {
-        self.closing
-            .store(true, std::sync::atomic::Ordering::SeqCst);
-        self.wake.notify_one();
-        let task = self.refill.lock().expect("pool").take();
-        if let Some(mut task) = task {
-            if tokio::time::timeout(DRAIN_WAIT, &mut task).await.is_err() {
-                tracing::warn!("a warm machine was still being made at shutdown: left to the next start's clean-up");
-                task.abort();
-            }
-        }
-        if tokio::time::timeout(
-            DRAIN_WAIT,
-            self.destroying.acquire_many(DESTROYS_AT_ONCE as u32),
-        )
-        .await
-        .is_err()
-        {
-            tracing::warn!("runs' machines were still being torn down at shutdown: left to the next start's clean-up");
-        }
-        let mut all: Vec<_> = self
-            .shapes
-            .lock()
-            .expect("pool")
-            .iter_mut()
-            .flat_map(|s| std::mem::take(&mut s.ready))
-            .collect();
-        all.append(&mut self.retired.lock().expect("pool"));
-        for m in all {
-            let _ = app.node.destroy(&m).await;
-        }
-    }
-}
-
-const POOL_CPUS: f64 = 1.0;
-const POOL_MEMORY_MB: u64 = 512;
 
 /// Lists the changes of the run's layer and applies them per the commit mode.
 async fn commit(
@@ -954,11 +659,7 @@ async fn commit(
     paths.sort();
     if scan.ops.is_empty() {
         // Nothing to apply, and no path to conflict: no need to wait for the gate.
-        changes.committed = match plan.commit {
-            CommitMode::Always => true,
-            CommitMode::OnSuccess => res.exit_code == Some(0),
-            CommitMode::Never => false,
-        };
+        changes.committed = plan.commit.applies(res.exit_code, false);
         return Ok(changes);
     }
     let _all = vol.space.gate.write().await;
@@ -967,12 +668,10 @@ async fn commit(
         .lock()
         .expect("commit log")
         .conflicts(start_seq, &paths);
-    let apply = match plan.commit {
-        CommitMode::Always => true,
-        CommitMode::OnSuccess => res.exit_code == Some(0) && changes.conflicts.is_empty(),
-        CommitMode::Never => false,
-    };
-    if !apply {
+    if !plan
+        .commit
+        .applies(res.exit_code, !changes.conflicts.is_empty())
+    {
         return Ok(changes);
     }
     let (dir, ops) = (vol.root(), scan.ops);
@@ -1035,7 +734,7 @@ fn call_record(caller: &Caller, plan: &Plan, res: &ExecResult, ch: Option<&Chang
         cwd: plan.req.cwd.clone(),
         env_keys: plan.req.env.keys().cloned().collect(),
         template_digest: plan.template.digest.clone(),
-        runtime: "jail".into(),
+        runtime: plan.runtime.as_str().into(),
         result,
         egress_denied: vec![],
         changes: ch.map(|c| {
@@ -1061,8 +760,11 @@ fn spread_machines(dir: &FsPath) {
 /// and removes their directories.
 pub async fn cleanup(app: &AppState) {
     // Warm machines of a stopped server are never claimed again.
-    let gone = app.node.cleanup_orphans(&pool_dir(app), Vec::new()).await;
-    spread_machines(&pool_dir(app));
+    let gone = app
+        .node
+        .cleanup_orphans(&pool_dir(&app.cfg.data_dir), Vec::new())
+        .await;
+    spread_machines(&pool_dir(&app.cfg.data_dir));
     if !gone.is_empty() {
         tracing::info!(
             count = gone.len(),

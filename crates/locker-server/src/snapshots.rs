@@ -24,11 +24,13 @@ use locker_store::SnapshotRecord;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::{new_id, now_s, AppState, Live};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
-use crate::sandboxes::{launch, live_quiet, record_of, view, NewSandbox};
+use crate::lifecycle::{launch, live_quiet, record_of, NewSandbox};
+use crate::sandboxes::view;
+use crate::state::{new_id, now_s, AppState, Live};
+use locker_types::Runtime;
 
 /// The most sandboxes one fork makes.
 pub const MAX_FORK: u64 = 100;
@@ -70,9 +72,7 @@ async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<(u64, bool), 
         Ok(r) => Ok(r),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);
-            Err(ApiError::internal(format!(
-                "taking the snapshot failed: {e}"
-            )))
+            Err(ApiError::during("taking the snapshot failed")(e))
         }
     }
 }
@@ -209,7 +209,7 @@ async fn fork(
     }
     {
         let _guard = app.create_lock.lock().await;
-        crate::sandboxes::check_disk_quota(
+        crate::lifecycle::check_disk_quota(
             &app,
             &caller.tenant,
             rec.disk_mb * body.count,
@@ -235,10 +235,10 @@ async fn fork(
     let new = NewSandbox {
         template_name: rec.template.clone(),
         template,
-        runtime: if rec.runtime == "microvm" {
-            "microvm"
+        runtime: if rec.runtime == Runtime::Microvm.as_str() {
+            Runtime::Microvm
         } else {
-            "jail"
+            Runtime::Jail
         },
         cpus: rec.cpus,
         memory_mb: rec.memory_mb,
@@ -248,11 +248,7 @@ async fn fork(
         env: rec.env.clone(),
         network: rec.network.clone(),
         metadata: rec.metadata.clone(),
-        volumes: crate::sandboxes::resolve_volumes(
-            &app,
-            &caller,
-            rec.volumes.as_array().map(Vec::as_slice).unwrap_or(&[]),
-        )?,
+        volumes: crate::sandboxes::resolve_volumes(&app, &caller, &recorded_volumes(&rec)?)?,
     };
     let children = futures_util::future::join_all(
         (0..body.count).map(|_| launch(&app, &caller, &new, Some(point.clone()))),
@@ -265,7 +261,7 @@ async fn fork(
     if let Some(Err(e)) = failed.into_iter().next() {
         // All or nothing: a fork that could not make every child leaves none.
         for (r, _) in &ok {
-            let _ = crate::sandboxes::destroy(&app, r, "deleted").await;
+            let _ = crate::lifecycle::destroy(&app, r, "deleted").await;
         }
         return Err(e);
     }
@@ -274,4 +270,14 @@ async fn fork(
         StatusCode::CREATED,
         axum::Json(json!({ "sandboxes": items })),
     ))
+}
+
+/// The volumes a sandbox's record says it mounts, as a create's body would name them.
+fn recorded_volumes(
+    rec: &locker_store::SandboxRecord,
+) -> Result<Vec<locker_types::VolumeMount>, ApiError> {
+    let list = rec.volumes.as_array().cloned().unwrap_or_default();
+    locker_types::VolumeMounts::try_from(list)
+        .map(|v| v.0)
+        .map_err(|e| ApiError::internal(format!("the record of sandbox {}: {e}", rec.id)))
 }

@@ -15,9 +15,9 @@ use axum::routing::delete;
 use axum::Router;
 use locker_runtime::template::DEFAULT_TEMPLATE;
 
-use crate::app::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::state::AppState;
 
 pub fn routes() -> Router<AppState> {
     Router::new().route("/v1/templates/{name}", delete(remove))

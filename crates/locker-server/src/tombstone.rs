@@ -8,8 +8,8 @@
 
 use locker_store::{SandboxRecord, SandboxState};
 
-use crate::app::{now_s, AppState};
 use crate::error::ApiError;
+use crate::state::{now_s, AppState};
 
 /// The 404 for sandbox `id` of `tenant`, which is not live here.
 pub fn gone(app: &AppState, tenant: &str, id: &str) -> ApiError {

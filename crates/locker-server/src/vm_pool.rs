@@ -16,22 +16,25 @@
 //! them to the next start's orphan clean-up.
 
 use std::collections::{HashMap, HashSet};
-use std::sync::Mutex;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
 
-use locker_runtime::node::{Attach, Machine, MachineSpec, RuntimeKind};
+use locker_runtime::node::{Attach, Machine, MachineSpec, Node, RuntimeKind};
 
-use crate::app::{new_id, AppState};
+use crate::ids::new_id;
+use crate::limits::PIDS;
 
-/// Machines of one shape are interchangeable.
+/// Machines of one shape are interchangeable (a microVM's: template, CPUs, memory, disk;
+/// not the jail pool's `pool::JailShape`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct Shape {
+pub struct VmShape {
     pub template_digest: String,
     pub cpus_milli: u64,
     pub memory_mb: u64,
     pub disk_mb: u64,
 }
 
-impl Shape {
+impl VmShape {
     pub fn new(template_digest: &str, cpus: f64, memory_mb: u64, disk_mb: u64) -> Self {
         Self {
             template_digest: template_digest.to_owned(),
@@ -43,11 +46,16 @@ impl Shape {
 }
 
 /// The pool (see the module doc).
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct VmPool {
     size: usize,
-    ready: Mutex<HashMap<Shape, Vec<Machine>>>,
-    filling: Mutex<HashSet<Shape>>,
+    /// Makes and destroys its machines.
+    node: Arc<Node>,
+    /// Where its machines' directories are: the sandboxes directory, so a machine taken
+    /// is already where a sandbox's is.
+    dir: PathBuf,
+    ready: Mutex<HashMap<VmShape, Vec<Machine>>>,
+    filling: Mutex<HashSet<VmShape>>,
     /// The fillers started, and whether a stop began (then no filler starts or goes on).
     fillers: Mutex<Fillers>,
 }
@@ -62,16 +70,21 @@ struct Fillers {
 const DRAIN_WAIT: std::time::Duration = std::time::Duration::from_secs(60);
 
 impl VmPool {
-    /// Up to `size` ready machines per shape (0: none, every create restores).
-    pub fn new(size: usize) -> Self {
+    /// Up to `size` ready machines per shape (0: none, every create restores), made by
+    /// `node` in `dir`.
+    pub fn new(size: usize, node: Arc<Node>, dir: PathBuf) -> Self {
         Self {
             size,
-            ..Default::default()
+            node,
+            dir,
+            ready: Default::default(),
+            filling: Default::default(),
+            fillers: Default::default(),
         }
     }
 
     /// A ready machine of `shape`, if one waits (alive: a dead one is dropped).
-    pub fn take(&self, shape: &Shape) -> Option<Machine> {
+    pub fn take(&self, shape: &VmShape) -> Option<Machine> {
         let mut ready = self.ready.lock().expect("pool lock");
         let list = ready.get_mut(shape)?;
         while let Some(m) = list.pop() {
@@ -84,7 +97,7 @@ impl VmPool {
     }
 
     /// Puts back a machine taken but not used (the create failed before using it).
-    pub fn put_back(&self, shape: Shape, m: Machine) {
+    pub fn put_back(&self, shape: VmShape, m: Machine) {
         self.ready
             .lock()
             .expect("pool lock")
@@ -93,7 +106,7 @@ impl VmPool {
             .push(m);
     }
 
-    fn count(&self, shape: &Shape) -> usize {
+    fn count(&self, shape: &VmShape) -> usize {
         self.ready
             .lock()
             .expect("pool lock")
@@ -106,12 +119,11 @@ impl VmPool {
     }
 
     /// Makes machines of `shape` in the background until `size` wait (one filler per shape).
-    pub fn refill(app: &AppState, shape: Shape, rootfs: std::path::PathBuf, cpus: f64) {
-        let pool = &app.vm_pool;
-        let mut fillers = pool.fillers.lock().expect("pool lock");
-        if pool.size == 0
+    pub fn refill(self: &Arc<Self>, shape: VmShape, rootfs: PathBuf, cpus: f64) {
+        let mut fillers = self.fillers.lock().expect("pool lock");
+        if self.size == 0
             || fillers.closing
-            || !pool
+            || !self
                 .filling
                 .lock()
                 .expect("pool lock")
@@ -120,30 +132,26 @@ impl VmPool {
             return;
         }
         fillers.tasks.retain(|t| !t.is_finished());
-        let app = app.clone();
+        let pool = self.clone();
         fillers.tasks.push(tokio::spawn(async move {
-            while app.vm_pool.count(&shape) < app.vm_pool.size && !app.vm_pool.is_closing() {
-                match make(&app, &shape, &rootfs, cpus).await {
-                    Ok(m) if app.vm_pool.is_closing() => {
-                        let _ = app.node.destroy(&m).await;
+            while pool.count(&shape) < pool.size && !pool.is_closing() {
+                match pool.make(&shape, &rootfs, cpus).await {
+                    Ok(m) if pool.is_closing() => {
+                        let _ = pool.node.destroy(&m).await;
                     }
-                    Ok(m) => app.vm_pool.put_back(shape.clone(), m),
+                    Ok(m) => pool.put_back(shape.clone(), m),
                     Err(e) => {
                         tracing::warn!(error = %e, "could not make a pooled microVM");
                         break;
                     }
                 }
             }
-            app.vm_pool
-                .filling
-                .lock()
-                .expect("pool lock")
-                .remove(&shape);
+            pool.filling.lock().expect("pool lock").remove(&shape);
         }));
     }
 
     /// Destroys every waiting machine (at shutdown), after the fillers in flight are done.
-    pub async fn drain(&self, app: &AppState) {
+    pub async fn drain(&self) {
         let tasks = {
             let mut f = self.fillers.lock().expect("pool lock");
             f.closing = true;
@@ -163,55 +171,55 @@ impl VmPool {
             .flat_map(|(_, v)| v)
             .collect();
         for m in all {
-            let _ = app.node.destroy(&m).await;
+            let _ = self.node.destroy(&m).await;
         }
     }
-}
 
-/// One ready machine: restored, with a first command run (the guest's exec path is then
-/// translated and cached, under TCG the larger part of a first command's time).
-async fn make(
-    app: &AppState,
-    shape: &Shape,
-    rootfs: &std::path::Path,
-    cpus: f64,
-) -> Result<Machine, String> {
-    let id = new_id("sb_");
-    let spec = MachineSpec {
-        id: id.clone(),
-        dir: app.sandboxes_dir().join(&id),
-        template_rootfs: rootfs.to_owned(),
-        cpus,
-        memory_mb: shape.memory_mb,
-        disk_mb: shape.disk_mb,
-        pids: crate::sandboxes::PIDS,
-    };
-    let m = app
-        .node
-        .create_attached(
-            spec,
-            Attach {
-                runtime: RuntimeKind::Microvm,
-                ..Default::default()
-            },
-        )
-        .await
-        .map_err(|e| e.to_string())?;
-    let warm = locker_proto::ExecSpec {
-        call_id: "pool-warm-up".into(),
-        argv: vec!["/bin/sh".into(), "-c".into(), "true".into()],
-        max_output_bytes: 4096,
-        timeout_ms: Some(30_000),
-        ..Default::default()
-    };
-    // A shell and a plain program: the two ways first commands come.
-    let mut direct = warm.clone();
-    direct.argv = vec!["true".into()];
-    for spec in [warm, direct] {
-        if let Err(e) = m.agent.exec(spec, None, None).await {
-            let _ = app.node.destroy(&m).await;
-            return Err(format!("warming a pooled microVM: {e}"));
+    /// One ready machine: restored, with a first command run (the guest's exec path is then
+    /// translated and cached, under TCG the larger part of a first command's time).
+    async fn make(
+        &self,
+        shape: &VmShape,
+        rootfs: &std::path::Path,
+        cpus: f64,
+    ) -> Result<Machine, String> {
+        let id = new_id("sb_");
+        let spec = MachineSpec {
+            id: id.clone(),
+            dir: self.dir.join(&id),
+            template_rootfs: rootfs.to_owned(),
+            cpus,
+            memory_mb: shape.memory_mb,
+            disk_mb: shape.disk_mb,
+            pids: PIDS,
+        };
+        let m = self
+            .node
+            .create_attached(
+                spec,
+                Attach {
+                    runtime: RuntimeKind::Microvm,
+                    ..Default::default()
+                },
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        let warm = locker_proto::ExecSpec {
+            call_id: "pool-warm-up".into(),
+            argv: vec!["/bin/sh".into(), "-c".into(), "true".into()],
+            max_output_bytes: 4096,
+            timeout_ms: Some(30_000),
+            ..Default::default()
+        };
+        // A shell and a plain program: the two ways first commands come.
+        let mut direct = warm.clone();
+        direct.argv = vec!["true".into()];
+        for spec in [warm, direct] {
+            if let Err(e) = m.agent.exec(spec, None, None).await {
+                let _ = self.node.destroy(&m).await;
+                return Err(format!("warming a pooled microVM: {e}"));
+            }
         }
+        Ok(m)
     }
-    Ok(m)
 }

@@ -36,11 +36,11 @@ use locker_store::{VolumeRecord, VolumeSnapshotRecord};
 use serde::Deserialize;
 use serde_json::{json, Value};
 
-use crate::app::{new_id, now_s, AppState};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
 use crate::files::{FilesTarget, Space};
+use crate::state::{new_id, now_s, AppState};
 
 /// `size_mb` when a request gives none, and the range a request may ask for.
 pub const DEFAULT_SIZE_MB: u64 = 10_240;
@@ -526,7 +526,7 @@ async fn admit(
 ) -> Result<crate::capacity::PendingGrant, ApiError> {
     crate::capacity::admit_disk(&app.cfg.data_dir, "`size_mb`", size_mb)?;
     let _guard = app.create_lock.lock().await;
-    crate::sandboxes::check_disk_quota(app, tenant, size_mb, "volume")?;
+    crate::lifecycle::check_disk_quota(app, tenant, size_mb, "volume")?;
     Ok(app.volumes.pending_mb.hold(tenant, size_mb))
 }
 

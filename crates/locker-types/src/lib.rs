@@ -1,13 +1,20 @@
 //! The data types of Locker's public contract (`docs/api.md`), shared by every crate.
 //!
 //! This room owns the shapes that cross a boundary: what a client sends to exec a command,
-//! what comes back (`ExecResult`), what a file looks like (`Entry`). It owns no behaviour:
-//! no I/O, no validation beyond what serde does, so the agent (a static binary inside every
+//! what comes back (`ExecResult`), what a file looks like (`Entry`), the bodies that create
+//! sandboxes and runs (`requests`). It owns no behaviour: no I/O, no validation beyond the
+//! body's own shape (what serde and the `requests` conversions check), so the agent (a static binary inside every
 //! machine) can depend on it without pulling anything else in.
 
 #![forbid(unsafe_code)]
 
 pub mod base64;
+pub mod requests;
+
+pub use requests::{
+    CommitMode, CreateSandbox, NetworkPolicy, PatchSandbox, RunMachine, RunRequest, Runtime,
+    RuntimeChoice, VolumeMount, VolumeMounts,
+};
 
 use std::collections::BTreeMap;
 

@@ -1,0 +1,30 @@
+//! Ids and clocks: random prefixed ids (`sb_…`, `call_…`), Unix seconds, and milliseconds
+//! as the API reports them.
+//!
+//! A leaf room (it imports nothing of the crate), so the pools and the state can both use
+//! it; `state` re-exports it for the handlers.
+
+use std::time::Instant;
+
+/// Milliseconds since `t`, as the API reports them.
+pub fn ms_since(t: Instant) -> f64 {
+    (t.elapsed().as_secs_f64() * 1e3 * 1000.0).round() / 1000.0
+}
+
+/// Seconds since the Unix epoch.
+pub fn now_s() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs() as i64)
+        .unwrap_or(0)
+}
+
+/// A random id with a prefix (`sb_…`, `call_…`): 16 hex digits from the kernel's CSPRNG.
+pub fn new_id(prefix: &str) -> String {
+    let mut b = [0u8; 8];
+    // SAFETY: getrandom fills the buffer we own.
+    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
+    assert_eq!(n, 8, "getrandom");
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("{prefix}{hex}")
+}

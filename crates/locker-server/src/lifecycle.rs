@@ -1,0 +1,585 @@
+//! A sandbox's life on this node: [`launch`] (quotas, record, machine, network), the
+//! lookups every call makes ([`live_of`] counts a call and thaws a paused sandbox,
+//! [`live_quiet`] and [`record_of`] do not), [`destroy`], [`adopt_all`] after a restart,
+//! the idle policy ([`idle_pass`], [`PauseMarks`]) and the TTL reaper ([`spawn_reaper`]).
+//!
+//! The handlers in `sandboxes` and `snapshots` check requests and call these; this room
+//! takes checked values ([`NewSandbox`]) and never parses a request body. It must not
+//! touch namespaces or cgroups: the runtime's `Node` does.
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use locker_runtime::node::MachineSpec;
+use locker_store::{SandboxRecord, SandboxState};
+use locker_types::Runtime;
+use serde_json::{json, Value};
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::limits::{has_egress, kind_of, PIDS};
+use crate::state::{new_id, now_s, AppState, Busy, Live};
+
+/// Everything a new sandbox is made of, checked.
+#[derive(Clone)]
+pub struct NewSandbox {
+    pub template_name: String,
+    pub template: locker_runtime::template::Template,
+    pub runtime: Runtime,
+    pub cpus: f64,
+    pub memory_mb: u64,
+    pub disk_mb: u64,
+    pub ttl_s: u64,
+    pub idle_timeout_s: Option<u64>,
+    pub env: BTreeMap<String, String>,
+    pub network: Value,
+    pub metadata: BTreeMap<String, String>,
+    /// Volumes bound into the sandbox (their live trees).
+    pub volumes: Vec<MountedVolume>,
+}
+
+/// A volume mounted in a sandbox.
+#[derive(Clone, Debug)]
+pub struct MountedVolume {
+    pub volume_id: String,
+    pub path: String,
+    pub read_only: bool,
+    /// The volume's live tree on the host.
+    pub source: std::path::PathBuf,
+}
+
+/// Checks the tenant's quotas, records the sandbox and starts its machine (from the
+/// snapshot in directory `from` if given: its `disk.img`, and its `memory` when it has one).
+/// On failure the record says `failed` and nothing else remains.
+pub async fn launch(
+    app: &AppState,
+    caller: &Caller,
+    new: &NewSandbox,
+    from: Option<std::path::PathBuf>,
+) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+    let disk_from = from.as_ref().map(|d| d.join("disk.img"));
+    let memory_from = from
+        .as_ref()
+        .map(|d| d.join("memory"))
+        .filter(|m| m.exists());
+    // A restored VM has exactly its snapshot's devices (see `Node::snapshot`).
+    if memory_from
+        .as_ref()
+        .is_some_and(|m| has_egress(&new.network) && !m.with_file_name("memory.nic").exists())
+    {
+        return Err(ApiError::conflict(
+            "the snapshot is of a microVM without a network device (egress `none`): a sandbox from it has egress `none`",
+        ));
+    }
+    // A plain microVM comes ready from the pool when one waits (see `vm_pool`).
+    let pool_shape = (new.runtime == Runtime::Microvm
+        && from.is_none()
+        && !has_egress(&new.network))
+    .then(|| {
+        crate::vm_pool::VmShape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
+    });
+    let pooled = pool_shape.as_ref().and_then(|s| app.vm_pool.take(s));
+    let id = pooled
+        .as_ref()
+        .map_or_else(|| new_id("sb_"), |m| m.id.clone());
+    let now = now_s();
+    let mut record = SandboxRecord {
+        id: id.clone(),
+        tenant: caller.tenant.clone(),
+        state: SandboxState::Starting,
+        template: new.template_name.clone(),
+        template_digest: new.template.digest.clone(),
+        runtime: new.runtime.as_str().into(),
+        cpus: new.cpus,
+        memory_mb: new.memory_mb,
+        disk_mb: new.disk_mb,
+        network: new.network.clone(),
+        volumes: Value::Array(
+            new.volumes
+                .iter()
+                .map(|m| json!({"volume": m.volume_id, "path": m.path, "read_only": m.read_only}))
+                .collect(),
+        ),
+        metadata: new.metadata.clone(),
+        env: new.env.clone(),
+        ttl_s: new.ttl_s,
+        idle_timeout_s: new.idle_timeout_s,
+        created_at: locker_types::rfc3339(now),
+        expires_at: locker_types::rfc3339(now + new.ttl_s as i64),
+        last_active_at: locker_types::rfc3339(now),
+        machine_dir: app.sandboxes_dir().join(&id).display().to_string(),
+        cpu_ms: 0,
+        peak_memory_bytes: 0,
+    };
+    {
+        let _guard = app.create_lock.lock().await;
+        let q = &app.cfg.quotas;
+        let admitted = (|| {
+            crate::capacity::admit_disk(&app.cfg.data_dir, "`disk_mb`", new.disk_mb)?;
+            let running = app.store.count_running(&caller.tenant)?;
+            if running >= q.sandboxes {
+                return Err(ApiError::quota(format!(
+                    "quota exceeded: tenant {} may have {} sandboxes at once; delete some first",
+                    caller.tenant, q.sandboxes
+                )));
+            }
+            let mem = app.store.sum_memory_mb(&caller.tenant)?;
+            if mem + new.memory_mb > q.memory_mb {
+                return Err(ApiError::quota(format!(
+                    "quota exceeded: tenant {} may use {} MB of sandbox memory in all ({} MB in use)",
+                    caller.tenant, q.memory_mb, mem
+                )));
+            }
+            check_disk_quota(app, &caller.tenant, new.disk_mb, "sandbox")?;
+            app.store.insert_sandbox(&record)?;
+            Ok(())
+        })();
+        if let Err(e) = admitted {
+            if let (Some(s), Some(m)) = (pool_shape, pooled) {
+                app.vm_pool.put_back(s, m);
+            }
+            return Err(e);
+        }
+    }
+    if let Some(s) = &pool_shape {
+        app.vm_pool
+            .refill(s.clone(), new.template.rootfs.clone(), new.cpus);
+    }
+    let spec = MachineSpec {
+        id: id.clone(),
+        dir: app.sandboxes_dir().join(&id),
+        template_rootfs: new.template.rootfs.clone(),
+        cpus: new.cpus,
+        memory_mb: new.memory_mb,
+        disk_mb: new.disk_mb,
+        pids: PIDS,
+    };
+    let binds: Vec<locker_runtime::machine::BindMount> = new
+        .volumes
+        .iter()
+        .map(|m| locker_runtime::machine::BindMount {
+            source: m.source.clone(),
+            target: m.path.clone().into(),
+            read_only: m.read_only,
+        })
+        .collect();
+    let started = match pooled {
+        Some(m) => match ready_pooled(app, &m, binds).await {
+            Ok(()) => Ok(m),
+            Err(e) => {
+                let _ = app.node.destroy(&m).await;
+                Err(e)
+            }
+        },
+        None => {
+            app.node
+                .create_attached(
+                    spec,
+                    locker_runtime::node::Attach {
+                        runtime: kind_of(new.runtime),
+                        net: has_egress(&new.network),
+                        memory_from,
+                        disk_from,
+                        overlays: Vec::new(),
+                        binds,
+                    },
+                )
+                .await
+        }
+    };
+    let machine = match started {
+        Ok(m) => m,
+        Err(e) => {
+            crate::failed::note(&id, format!("starting its machine failed: {e}"));
+            let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
+            return Err(ApiError::during("starting the sandbox failed")(e));
+        }
+    };
+    if has_egress(&new.network) {
+        if let Err(e) = app
+            .egress
+            .apply(&app.node, &machine, &id, &caller.tenant, &new.network)
+            .await
+        {
+            app.egress.forget(&id);
+            let _ = app.node.destroy(&machine).await;
+            crate::failed::note(&id, format!("giving its machine a network failed: {e}"));
+            let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
+            return Err(ApiError::unavailable(format!(
+                "starting the sandbox failed: {e}"
+            )));
+        }
+    }
+    let live = Arc::new(Live::new(
+        id.clone(),
+        caller.tenant.clone(),
+        machine,
+        new.env.clone(),
+        new.template.digest.clone(),
+        new.idle_timeout_s,
+        false,
+    ));
+    app.store.set_sandbox_state(&id, SandboxState::Running)?;
+    app.live.write().await.insert(id.clone(), live.clone());
+    crate::failed::watch(app, &live);
+    record.state = SandboxState::Running;
+    Ok((record, live))
+}
+
+/// A pooled microVM made this sandbox's: it waited a while since its restore, so its clock,
+/// entropy and hostname are refreshed again; its volumes are served and mounted.
+async fn ready_pooled(
+    app: &AppState,
+    m: &locker_runtime::node::Machine,
+    binds: Vec<locker_runtime::machine::BindMount>,
+) -> Result<(), locker_runtime::node::NodeError> {
+    locker_runtime::vm::refresh_guest(&m.agent, &m.id).await?;
+    if !binds.is_empty() {
+        app.node.share(m, binds, Vec::new()).await?;
+    }
+    Ok(())
+}
+
+/// The caller's live sandbox `id` without counting a call or thawing it (pause, snapshot).
+pub async fn live_quiet(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
+    let live = app
+        .live
+        .read()
+        .await
+        .get(id)
+        .cloned()
+        .filter(|l| l.tenant == caller.tenant);
+    match live {
+        Some(l) => Ok(l),
+        None => Err(live_of(app, caller, id)
+            .await
+            .err()
+            .unwrap_or_else(|| crate::tombstone::gone(app, &caller.tenant, id))),
+    }
+}
+
+/// The caller's record of sandbox `id` (404 for another tenant's or a deleted one).
+pub fn record_of(app: &AppState, caller: &Caller, id: &str) -> Result<SandboxRecord, ApiError> {
+    match app.store.get_sandbox(&caller.tenant, id)? {
+        Some(r) if r.state != SandboxState::Stopped => Ok(r),
+        _ => Err(crate::tombstone::gone(app, &caller.tenant, id)),
+    }
+}
+
+/// The caller's running sandbox `id` with this call counted in flight; a paused sandbox is
+/// thawed first (transparently: any call resumes it).
+pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, ApiError> {
+    let live = app.live.read().await.get(id).cloned();
+    match live {
+        Some(l) if l.tenant == caller.tenant => {
+            let (busy, idle_for) = Busy::enter(l).map_err(ApiError::internal)?;
+            if let Some(secs) = idle_for {
+                resumed(app, id, secs)?;
+            }
+            Ok(busy)
+        }
+        _ => {
+            // Exists but not live here: say why rather than pretending it is missing.
+            match app.store.get_sandbox(&caller.tenant, id)? {
+                Some(r) if r.state == SandboxState::Failed => Err(crate::failed::conflict(id)),
+                Some(r) if r.state == SandboxState::Starting => Err(ApiError::conflict(format!(
+                    "sandbox {id} is still starting"
+                ))),
+                _ => Err(crate::tombstone::gone(app, &caller.tenant, id)),
+            }
+        }
+    }
+}
+
+/// Records a thaw: state running and, after an idle pause, the TTL pushed back by the time
+/// spent paused (the user did not ask for that pause).
+fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
+    PauseMarks::of(app).clear(id);
+    if let Some(mut r) = app.store.get_sandbox_any(id)? {
+        r.state = SandboxState::Running;
+        if idle_secs > 0 {
+            if let Some(exp) = locker_types::parse_rfc3339(&r.expires_at) {
+                r.expires_at = locker_types::rfc3339(exp + idle_secs);
+            }
+        }
+        app.store.update_sandbox(&r)?;
+    }
+    Ok(())
+}
+
+/// Destroys a sandbox's machine (if live) and marks it stopped, keeping its usage; `ending`
+/// (`deleted`, `expired`) is what its id answers afterwards (see `tombstone`).
+pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<(), ApiError> {
+    let live = app.live.write().await.remove(&r.id);
+    app.egress.forget(&r.id);
+    PauseMarks::of(app).clear(&r.id);
+    let mut rec = r.clone();
+    if let Some(l) = live {
+        let u = l.machine.usage();
+        rec.cpu_ms = u.cpu_ms;
+        rec.peak_memory_bytes = u.peak_memory_bytes;
+        // Thaw first: a frozen machine cannot die.
+        let _ = l.machine.resume();
+        app.node.destroy(&l.machine).await.map_err(|e| {
+            let mut a = ApiError::from(e);
+            a.message = format!("destroying sandbox {}: {}", r.id, a.message);
+            a
+        })?;
+    } else {
+        let (id, dir, layout) = (
+            r.id.clone(),
+            std::path::PathBuf::from(&r.machine_dir),
+            app.node.layout().clone(),
+        );
+        let _ =
+            tokio::task::spawn_blocking(move || locker_runtime::machine::destroy(&id, &dir, &layout))
+                .await;
+    }
+    app.store.update_sandbox(&rec)?;
+    app.store
+        .end_sandbox_at(&rec.id, now_s(), &crate::tombstone::cause(r, ending))?;
+    crate::failed::forget(&rec.id);
+    Ok(())
+}
+
+/// At start: re-attach to machines a previous server left running, mark the others
+/// stopped, and remove machine directories nobody owns. A machine comes back running (see
+/// `Node::adopt`: a frozen one is thawed to reach its agent); one whose record says paused
+/// is frozen again, with its pause's time and cause as they were (see [`PauseMarks`]).
+pub async fn adopt_all(app: &AppState) {
+    let recs = match app.store.list_live_sandboxes() {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot list sandboxes to adopt");
+            return;
+        }
+    };
+    let marks = PauseMarks::of(app);
+    let mut keep = Vec::new();
+    for r in recs {
+        let dir = std::path::PathBuf::from(&r.machine_dir);
+        let machine = match app.node.adopt(&r.id, &dir).await {
+            Ok(m) => m,
+            Err(e) => {
+                let _ = app.store.end_sandbox_at(
+                    &r.id,
+                    now_s(),
+                    "lost: its machine did not survive a restart of the server",
+                );
+                tracing::warn!(sandbox = %r.id, error = %e, "sandbox did not survive the restart; marked stopped");
+                continue;
+            }
+        };
+        let live = Arc::new(Live::new(
+            r.id.clone(),
+            r.tenant.clone(),
+            machine,
+            r.env.clone(),
+            r.template_digest.clone(),
+            r.idle_timeout_s,
+            false,
+        ));
+        if let Some(at) = locker_types::parse_rfc3339(&r.last_active_at) {
+            live.last_active
+                .store(at, std::sync::atomic::Ordering::Relaxed);
+        }
+        if r.state == SandboxState::Starting {
+            let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
+        }
+        // While it runs: restoring its egress may need its agent.
+        if has_egress(&r.network) {
+            readopt_egress(app, &r, &live).await;
+        }
+        let paused = r.state == SandboxState::Paused;
+        if paused {
+            let mut st = live.pause.lock().expect("pause lock");
+            match live.machine.pause() {
+                Ok(()) => {
+                    let (since, by_idle) = marks.get(&r.id).unwrap_or((now_s(), false));
+                    st.since = Some(since);
+                    st.by_idle = by_idle;
+                }
+                Err(e) => {
+                    // Running is better than lost; its record says so.
+                    tracing::warn!(sandbox = %r.id, error = %e, "cannot freeze an adopted paused sandbox again: it runs");
+                    let _ = app.store.set_sandbox_state(&r.id, SandboxState::Running);
+                }
+            }
+        }
+        crate::failed::watch(app, &live);
+        app.live.write().await.insert(r.id.clone(), live);
+        keep.push(r.id.clone());
+        tracing::info!(sandbox = %r.id, paused, "adopted a sandbox");
+    }
+    marks.retain(&keep);
+    let removed = app.node.cleanup_orphans(&app.sandboxes_dir(), keep).await;
+    if !removed.is_empty() {
+        tracing::info!(count = removed.len(), "removed orphaned machines");
+    }
+}
+
+/// Idle pauses on disk, so a restarted server knows which paused sandboxes the idle policy
+/// paused and since when (their paused time does not count against the TTL): one file per
+/// sandbox in `<data-dir>/idle-paused/`, named by its id, holding the Unix second of the
+/// pause. Written by the idle policy, removed when the sandbox runs again or is destroyed;
+/// a paused sandbox without one was paused by its caller.
+pub struct PauseMarks(std::path::PathBuf);
+
+impl PauseMarks {
+    pub fn of(app: &AppState) -> Self {
+        Self(app.cfg.data_dir.join("idle-paused"))
+    }
+
+    /// Notes that the idle policy paused sandbox `id` at `since`.
+    pub fn set(&self, id: &str, since: i64) {
+        let r = std::fs::create_dir_all(&self.0)
+            .and_then(|()| std::fs::write(self.0.join(id), since.to_string()));
+        if let Err(e) = r {
+            tracing::warn!(sandbox = %id, error = %e, "cannot note an idle pause: a restart would count it against the TTL");
+        }
+    }
+
+    /// Forgets sandbox `id`'s idle pause (it runs again, was paused by its caller, or is gone).
+    pub fn clear(&self, id: &str) {
+        let _ = std::fs::remove_file(self.0.join(id));
+    }
+
+    /// When the idle policy paused sandbox `id`, if it did: `(since, true)`.
+    fn get(&self, id: &str) -> Option<(i64, bool)> {
+        let s = std::fs::read_to_string(self.0.join(id)).ok()?;
+        Some((s.trim().parse().ok()?, true))
+    }
+
+    /// Removes the marks of every sandbox but `keep`.
+    fn retain(&self, keep: &[String]) {
+        for e in std::fs::read_dir(&self.0).into_iter().flatten().flatten() {
+            if !keep.iter().any(|k| *k == *e.file_name().to_string_lossy()) {
+                let _ = std::fs::remove_file(e.path());
+            }
+        }
+    }
+}
+
+/// Steers an adopted sandbox's network to this server's proxy and DNS responder (a
+/// previous server's ports are gone). If that fails it gets no network at all, and its
+/// record says so: fail closed.
+async fn readopt_egress(app: &AppState, r: &SandboxRecord, live: &Live) {
+    if let Err(e) = app
+        .egress
+        .apply(&app.node, &live.machine, &r.id, &r.tenant, &r.network)
+        .await
+    {
+        tracing::warn!(sandbox = %r.id, error = %e, "cannot restore the sandbox's egress: it now has none");
+        let none = json!({"egress": "none"});
+        let _ = app
+            .egress
+            .apply(&app.node, &live.machine, &r.id, &r.tenant, &none)
+            .await;
+        if let Ok(Some(mut rec)) = app.store.get_sandbox_any(&r.id) {
+            rec.network = none;
+            let _ = app.store.update_sandbox(&rec);
+        }
+    }
+}
+
+/// CPU a sandbox may use per reaper tick (about a second) and still count as idle.
+const IDLE_CPU_MS_PER_TICK: u64 = 20;
+
+/// The idle policy: a sandbox with `idle_timeout_s` is paused once no call has been in flight
+/// and its processes used (almost) no CPU for that long. Never in the middle of work: the
+/// check and the freeze hold the same lock that admits calls.
+pub async fn idle_pass(app: &AppState) {
+    let now = now_s();
+    let live: Vec<Arc<Live>> = app.live.read().await.values().cloned().collect();
+    for l in live {
+        let Some(idle) = l.idle_timeout_s else {
+            continue;
+        };
+        let paused = {
+            let mut st = l.pause.lock().expect("pause lock");
+            if st.since.is_some() {
+                continue;
+            }
+            let cpu = l.machine.usage().cpu_ms;
+            if cpu > st.cpu_ms + IDLE_CPU_MS_PER_TICK {
+                st.cpu_active_at = now;
+            }
+            st.cpu_ms = cpu;
+            let quiet_since = l
+                .last_active
+                .load(std::sync::atomic::Ordering::Relaxed)
+                .max(st.cpu_active_at);
+            let idle_now = l.inflight.load(std::sync::atomic::Ordering::SeqCst) == 0
+                && now - quiet_since >= idle as i64;
+            if idle_now && l.machine.pause().is_ok() {
+                st.since = Some(now);
+                st.by_idle = true;
+                true
+            } else {
+                false
+            }
+        };
+        if paused {
+            PauseMarks::of(app).set(&l.id, now);
+            let _ = app.store.set_sandbox_state(&l.id, SandboxState::Paused);
+            tracing::info!(sandbox = %l.id, idle_s = idle, "paused by the idle policy");
+        }
+    }
+}
+
+/// Destroys sandboxes whose TTL passed, once a second.
+pub fn spawn_reaper(app: AppState) {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        let mut persisted: std::collections::HashMap<String, i64> = Default::default();
+        loop {
+            tick.tick().await;
+            // Last-activity times live in memory on the hot path; persist them here.
+            let live: Vec<Arc<Live>> = app.live.read().await.values().cloned().collect();
+            persisted.retain(|id, _| live.iter().any(|l| &l.id == id));
+            for l in live {
+                let at = l.last_active.load(std::sync::atomic::Ordering::Relaxed);
+                if persisted.get(&l.id) != Some(&at) && app.store.touch_sandbox(&l.id, at).is_ok() {
+                    persisted.insert(l.id.clone(), at);
+                }
+            }
+            idle_pass(&app).await;
+            let ids = match app.store.expired_sandboxes(now_s()) {
+                Ok(ids) => ids,
+                Err(e) => {
+                    tracing::warn!(error = %e, "TTL reaper: cannot read expired sandboxes");
+                    continue;
+                }
+            };
+            for id in ids {
+                if let Ok(Some(r)) = app.store.get_sandbox_any(&id) {
+                    match destroy(&app, &r, "expired").await {
+                        Ok(()) => tracing::info!(sandbox = %id, "expired (TTL) and destroyed"),
+                        Err(e) => tracing::warn!(sandbox = %id, error = %e, "TTL reaper failed"),
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Refuses `want_mb` more disk for `tenant` (a `what`: sandbox, volume) past its disk
+/// quota, counting what its sandboxes and volumes hold and what creates in progress were
+/// granted. Called under `create_lock`.
+pub fn check_disk_quota(
+    app: &AppState,
+    tenant: &str,
+    want_mb: u64,
+    what: &str,
+) -> Result<(), ApiError> {
+    let q = app.cfg.quotas.disk_mb;
+    let held = app.store.sum_disk_mb(tenant)? + app.volumes.pending_mb.of(tenant);
+    if held + want_mb > q {
+        return Err(ApiError::quota(format!(
+            "quota exceeded: tenant {tenant} may hold {q} MB of disk in all (sandboxes' disk_mb and volumes' size_mb; {held} MB held now), \
+             so a {what} of {want_mb} MB does not fit; delete sandboxes or volumes, or ask for less"
+        )));
+    }
+    Ok(())
+}
