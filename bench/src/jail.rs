@@ -42,7 +42,7 @@ impl MachineGuard<'_> {
 impl Drop for MachineGuard<'_> {
     fn drop(&mut self) {
         if let Some(m) = self.machine.take() {
-            if let Err(e) = locker_runtime::jail::destroy(&m.id, &m.dir, self.node.layout()) {
+            if let Err(e) = locker_runtime::machine::destroy(&m.id, &m.dir, self.node.layout()) {
                 eprintln!("cleanup: destroying machine {} failed: {e}", m.id);
             }
         }
@@ -267,7 +267,7 @@ pub fn locker_alias(dir: &Path) -> anyhow::Result<PathBuf> {
 fn disk_rows(dir: &Path, args: &Args) -> anyhow::Result<Vec<Row>> {
     let (warm, n) = (args.create_warmup(), args.creates());
     let img = dir.join("phase-disk.img");
-    let blanks = locker_runtime::jail::blank_disks_dir();
+    let blanks = locker_runtime::machine::blank_disks_dir();
     let (mut copy, mut mkfs) = (vec![], vec![]);
     for i in 0..warm + n {
         check_stop()?;

@@ -150,8 +150,7 @@ async fn shutdown(app: &AppState) {
 /// The state, with machines adopted. Public for tests that serve on their own listener.
 /// Fails without touching anything when another server holds the data dir.
 pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
-    // SAFETY: geteuid has no preconditions and cannot fail.
-    let euid = unsafe { libc::geteuid() };
+    let euid = locker_sys::host::geteuid();
     if euid != 0 {
         return Err(ServeError::NotRoot(euid));
     }

@@ -33,15 +33,7 @@ impl Space {
         while !p.exists() {
             p = p.parent().unwrap_or(Path::new("/"));
         }
-        let c = std::ffi::CString::new(p.as_os_str().as_encoded_bytes())
-            .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
-        // SAFETY: all zeroes is a valid statvfs; statvfs writes the struct we own and reads
-        // the NUL-terminated path we own.
-        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-        // SAFETY: as above.
-        if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
+        let st = locker_sys::fs::statvfs(p)?;
         let mb = |blocks: libc::fsblkcnt_t| ((blocks as u128 * st.f_frsize as u128) >> 20) as u64;
         Ok(Space {
             size_mb: mb(st.f_blocks),

@@ -21,10 +21,5 @@ pub fn now_s() -> i64 {
 
 /// A random id with a prefix (`sb_…`, `call_…`): 16 hex digits from the kernel's CSPRNG.
 pub fn new_id(prefix: &str) -> String {
-    let mut b = [0u8; 8];
-    // SAFETY: getrandom fills the buffer we own.
-    let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
-    assert_eq!(n, 8, "getrandom");
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("{prefix}{hex}")
+    locker_sys::random::new_id(prefix, 8)
 }

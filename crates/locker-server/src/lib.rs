@@ -26,6 +26,8 @@
 //! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
 //! itself: that is `locker-runtime`'s job.
 
+#![forbid(unsafe_code)]
+
 pub mod admin;
 pub mod app;
 pub mod auth;
@@ -45,8 +47,8 @@ pub mod limits;
 pub mod mcp;
 pub mod metrics;
 pub mod ops;
-pub mod ports;
 pub mod pool;
+pub mod ports;
 pub mod processes;
 pub mod runs;
 pub mod sandboxes;

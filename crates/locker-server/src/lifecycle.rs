@@ -332,9 +332,10 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<
             std::path::PathBuf::from(&r.machine_dir),
             app.node.layout().clone(),
         );
-        let _ =
-            tokio::task::spawn_blocking(move || locker_runtime::machine::destroy(&id, &dir, &layout))
-                .await;
+        let _ = tokio::task::spawn_blocking(move || {
+            locker_runtime::machine::destroy(&id, &dir, &layout)
+        })
+        .await;
     }
     app.store.update_sandbox(&rec)?;
     app.store

@@ -26,10 +26,10 @@ use hyper_util::rt::TokioIo;
 use locker_runtime::ports::{self, PortError};
 use serde_json::json;
 
-use crate::state::AppState;
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::lifecycle::live_of;
+use crate::state::AppState;
 
 /// How long a port may take to send its response's head.
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(60);

@@ -304,14 +304,6 @@ fn runs_dir(app: &AppState) -> PathBuf {
     app.cfg.data_dir.join("runs")
 }
 
-/// Removes a tree, also when it does not exist.
-fn remove_tree(d: &FsPath) -> io::Result<()> {
-    match fs::remove_dir_all(d) {
-        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
-        _ => Ok(()),
-    }
-}
-
 /// A private, copy-on-write view of a volume's live tree in `runs/<view id>/` on the
 /// volume's own filesystem: `base/`, a reflink copy, for a tree of at most
 /// [`VIEW_MAX_FILES`] files; else `snap/`, a read-only snapshot of the volume's filesystem.
@@ -785,7 +777,7 @@ pub async fn cleanup(app: &AppState) {
             }
         }
         let p = e.path();
-        let _ = tokio::task::spawn_blocking(move || remove_tree(&p)).await;
+        let _ = tokio::task::spawn_blocking(move || locker_sys::fs::remove_tree(&p)).await;
         tracing::info!(run = %id, "removed a run a stopped server left");
     }
 }

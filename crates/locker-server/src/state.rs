@@ -245,7 +245,6 @@ pub struct DataDirLock {
 impl DataDirLock {
     pub fn take(dir: &std::path::Path) -> Result<Self, LockError> {
         use std::io::{Read, Seek, Write};
-        use std::os::fd::AsRawFd;
         let path = dir.join("serve.lock");
         let err = |source| LockError::Lock {
             path: path.clone(),
@@ -258,12 +257,8 @@ impl DataDirLock {
             .truncate(false)
             .open(&path)
             .map_err(err)?;
-        // SAFETY: flock on a descriptor we own; the lock lives as long as the file.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
-            let e = std::io::Error::last_os_error();
-            if e.raw_os_error() != Some(libc::EWOULDBLOCK) {
-                return Err(err(e));
-            }
+        // The lock lives as long as the file.
+        if !locker_sys::fs::flock(&f, false).map_err(err)? {
             let mut pid = String::new();
             let _ = f.read_to_string(&mut pid);
             let holder = match pid.trim().parse::<u32>() {

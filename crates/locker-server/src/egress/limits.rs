@@ -151,43 +151,36 @@ impl LogGate {
 /// Service managers start processes with 1024, which a few machines' idle connections
 /// would use up.
 pub fn raise_nofile() -> u64 {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
+    use locker_sys::proc::{nofile_limit, set_nofile_limit};
+    let (before, hard) = match nofile_limit() {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!(error = %e, "reading the open files limit failed; assuming 1024");
+            return 1024;
+        }
     };
-    // SAFETY: getrlimit writes the struct we own.
-    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) } != 0 {
-        let e = std::io::Error::last_os_error();
-        tracing::warn!(error = %e, "reading the open files limit failed; assuming 1024");
-        return 1024;
-    }
-    let before = lim.rlim_cur;
-    let mut want = lim.rlim_max;
+    let mut soft = before;
+    let mut want = hard;
     if want == libc::RLIM_INFINITY {
         want = std::fs::read_to_string("/proc/sys/fs/nr_open")
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(1 << 20);
     }
-    if want > lim.rlim_cur {
-        let up = libc::rlimit {
-            rlim_cur: want,
-            rlim_max: lim.rlim_max,
-        };
-        // SAFETY: setrlimit reads the struct we own.
-        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &up) } == 0 {
-            lim.rlim_cur = want;
-        } else {
-            let e = std::io::Error::last_os_error();
-            tracing::warn!(error = %e, soft = before, hard = lim.rlim_max, "raising the open files limit failed");
+    if want > soft {
+        match set_nofile_limit(want, hard) {
+            Ok(()) => soft = want,
+            Err(e) => {
+                tracing::warn!(error = %e, soft = before, hard, "raising the open files limit failed")
+            }
         }
     }
     tracing::info!(
-        nofile = lim.rlim_cur,
+        nofile = soft,
         was = before,
         "open files limit (soft, raised to the hard limit)"
     );
-    lim.rlim_cur
+    soft
 }
 
 #[cfg(test)]
@@ -311,13 +304,8 @@ mod tests {
     #[test]
     fn the_soft_file_limit_is_raised_to_the_hard_one() {
         let n = raise_nofile();
-        let mut lim = libc::rlimit {
-            rlim_cur: 0,
-            rlim_max: 0,
-        };
-        // SAFETY: getrlimit writes the struct we own.
-        assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-        assert_eq!(lim.rlim_cur, n);
-        assert!(lim.rlim_max == libc::RLIM_INFINITY || lim.rlim_cur == lim.rlim_max);
+        let (soft, hard) = locker_sys::proc::nofile_limit().unwrap();
+        assert_eq!(soft, n);
+        assert!(hard == libc::RLIM_INFINITY || soft == hard);
     }
 }

@@ -12,7 +12,7 @@
 //! all machines may hold open is capped ([`super::limits`]); past a cap a connection is
 //! closed at once, and near one the proxy waits less for a client's first bytes.
 
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{IpAddr, SocketAddr, SocketAddrV4};
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 use std::time::Duration;
@@ -197,27 +197,7 @@ async fn refuse(sock: &mut TcpStream, hello: &Hello, message: &str) {
 
 /// The destination a redirected connection had before nftables sent it here.
 fn original_dst(s: &TcpStream) -> Option<SocketAddrV4> {
-    // SAFETY: sockaddr_in is plain data; all zeroes is a valid value.
-    let mut addr: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-    let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-    // SAFETY: getsockopt writes at most `len` bytes into `addr`, which we own, and the
-    // descriptor stays open for the call (borrowed from `s`).
-    let r = unsafe {
-        libc::getsockopt(
-            s.as_raw_fd(),
-            libc::SOL_IP,
-            libc::SO_ORIGINAL_DST,
-            (&mut addr as *mut libc::sockaddr_in).cast(),
-            &mut len,
-        )
-    };
-    if r != 0 || addr.sin_family != libc::AF_INET as libc::sa_family_t {
-        return None;
-    }
-    Some(SocketAddrV4::new(
-        Ipv4Addr::from(u32::from_be(addr.sin_addr.s_addr)),
-        u16::from_be(addr.sin_port),
-    ))
+    locker_sys::net::original_dst(s.as_raw_fd())
 }
 
 /// What the first bytes of a connection ask for.
