@@ -272,7 +272,12 @@ mod tests {
         for p in [t.join("a/b"), t.join("a")] {
             fs::set_permissions(&p, fs::Permissions::from_mode(0o555)).unwrap();
         }
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
+        // A copy of this binary that nobody can reach: the checkout may sit under a
+        // directory only root may enter (a `mktemp -d` clone is 0700).
+        let exe = d.join("test-binary");
+        fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+        fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).unwrap();
+        let out = std::process::Command::new(&exe)
             .args([
                 "--exact",
                 "fs::tests::removes_the_tree_named_in_the_environment",
