@@ -573,10 +573,18 @@ pub fn wait(
     // What the command left running outlives it as a job, unless the command was killed,
     // its caller signalled it (killing a background process kills its tree), or the spec
     // says its tree ends with it. Without cgroups, jobs cannot be told apart: kept.
+    // One read of the cgroup tells both: whether jobs were left, and (when none were)
+    // that there is no tree left to kill.
+    let emptied = match &run.cgroup {
+        Some(c) if !run.kill_jobs && cause.is_none() && !caller_signaled => {
+            Some(c.pids().is_empty())
+        }
+        _ => None,
+    };
     let keep = !run.kill_jobs
         && cause.is_none()
         && !caller_signaled
-        && run.cgroup.as_ref().is_none_or(|c| !c.pids().is_empty());
+        && emptied != Some(true);
     let now = Instant::now();
     let rule = if keep {
         StopRule {
@@ -587,6 +595,7 @@ pub fn wait(
     } else {
         // The command is over: nothing it started may outlive it.
         let tree_gone = match &run.cgroup {
+            Some(_) if emptied == Some(true) => true,
             Some(c) => c.kill_all(),
             None => {
                 let _ = sys::kill(-run.pid, libc::SIGKILL);
