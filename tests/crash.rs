@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use locker_tests::server::{enc, Api, Server};
-use locker_tests::{agent_bin, become_subreaper, frozen, locker_bin, traces_of, wait_for};
+use locker_tests::{agent_bin, become_subreaper, exited, frozen, locker_bin, traces_of, wait_for};
 use serde_json::{json, Value};
 
 fn sandbox_id(v: &Value) -> String {
@@ -23,18 +23,6 @@ fn sandbox_id(v: &Value) -> String {
         .as_str()
         .unwrap_or_else(|| panic!("no id in {v}"))
         .to_owned()
-}
-
-/// Whether process `pid` has exited (gone, or a zombie nobody reaped yet).
-fn exited(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .and_then(|r| r.split_whitespace().next())
-            .is_some_and(|st| st == "Z" || st == "X"),
-    }
 }
 
 /// Stops the server with SIGTERM and waits until it exited (at most `limit`): how long the

@@ -104,18 +104,6 @@ fn ids(v: &Value, list: &str) -> Vec<String> {
         .collect()
 }
 
-/// Whether process `pid` has exited (gone, or a zombie nobody reaped yet).
-fn exited(pid: u32) -> bool {
-    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
-        Err(_) => true,
-        Ok(stat) => stat
-            .rsplit(')')
-            .next()
-            .and_then(|r| r.split_whitespace().next())
-            .is_some_and(|st| st == "Z" || st == "X"),
-    }
-}
-
 /// The highest `tick N` a background process has printed so far.
 fn last_tick(api: &Api, sb: &str, proc_id: &str) -> u64 {
     let r = api.get(&format!("/v1/sandboxes/{sb}/processes/{proc_id}/output"));
@@ -507,7 +495,7 @@ fn a_data_dir_of_the_previous_release_adopts(stop: Stop) {
             wait_for(
                 Duration::from_secs(60),
                 "the old server exits on SIGTERM",
-                || exited(pid).then_some(()),
+                || locker_tests::exited(pid).then_some(()),
             );
         }
     }

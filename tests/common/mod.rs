@@ -167,6 +167,18 @@ pub fn frozen(id: &str) -> Option<bool> {
         .map(|s| s.lines().any(|l| l == "frozen 1"))
 }
 
+/// Whether process `pid` has exited (gone, or a zombie nobody reaped yet).
+pub fn exited(pid: u32) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Err(_) => true,
+        Ok(stat) => stat
+            .rsplit(')')
+            .next()
+            .and_then(|r| r.split_whitespace().next())
+            .is_some_and(|st| st == "Z" || st == "X"),
+    }
+}
+
 /// Polls `f` every 50 ms until it returns `Some`, or panics with `what` after `limit`.
 #[track_caller]
 pub fn wait_for<T>(limit: std::time::Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {
