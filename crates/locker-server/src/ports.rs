@@ -248,6 +248,9 @@ async fn proxy(
         };
         let machine_upgrade = hyper::upgrade::on(&mut resp);
         tokio::spawn(async move {
+            // An open WebSocket is a call in flight: the idle policy leaves the sandbox
+            // running until it closes.
+            let _busy = live;
             let (Ok(client), Ok(machine)) = (client_upgrade.await, machine_upgrade.await) else {
                 return;
             };
@@ -261,7 +264,8 @@ async fn proxy(
     }
     let (mut parts, body) = resp.into_parts();
     strip(&mut parts.headers, false);
-    // The busy guard lives as long as the body streams: a download keeps the sandbox active.
+    // The busy guard lives as long as the body streams (the closure owns it): a download
+    // keeps the sandbox active.
     let body = Body::new(http_body_util::BodyExt::map_err(body, move |e| {
         let _ = &live;
         e
