@@ -581,10 +581,7 @@ pub fn wait(
         }
         _ => None,
     };
-    let keep = !run.kill_jobs
-        && cause.is_none()
-        && !caller_signaled
-        && emptied != Some(true);
+    let keep = !run.kill_jobs && cause.is_none() && !caller_signaled && emptied != Some(true);
     let now = Instant::now();
     let rule = if keep {
         StopRule {

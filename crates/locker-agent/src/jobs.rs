@@ -59,11 +59,6 @@ impl Jobs {
         });
     }
 
-    /// How many ended commands still have processes running.
-    pub fn count(&self) -> usize {
-        lock(&self.cgroups).len()
-    }
-
     /// The drain that survivors' output pipes are handed to.
     pub fn drain(&self) -> Arc<Drain> {
         self.drain.clone()

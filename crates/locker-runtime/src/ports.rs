@@ -51,62 +51,56 @@ fn classify(e: AgentClientError) -> PortError {
     }
 }
 
-/// The TCP ports listening in the machine now, by port then address.
-pub async fn list(client: &AgentClient) -> Result<Vec<PortInfo>, PortError> {
-    let mut s = client.open(Request::ListPorts).map_err(classify)?;
+/// The first answer on a stream: a message, or its `End` (an error `End` as the error).
+async fn answer(s: &mut AgentStream, what: &str) -> Result<StreamEvent, PortError> {
     loop {
         match s.recv_within(CALL_DEADLINE).await.map_err(classify)? {
-            Some(StreamEvent::End(EndBody::Ports(p))) => return Ok(p),
             Some(StreamEvent::End(EndBody::Error(e))) => {
                 return Err(classify(AgentClientError::Agent(e)))
             }
-            Some(StreamEvent::End(other)) => {
-                return Err(PortError::Agent(AgentClientError::Protocol(format!(
-                    "ListPorts answered {other:?}"
-                ))))
-            }
+            Some(ev @ (StreamEvent::Msg(_) | StreamEvent::End(_))) => return Ok(ev),
             Some(_) => {}
             None => {
-                return Err(PortError::Agent(AgentClientError::ConnectionLost(
-                    "the ports list ended without an answer".into(),
-                )))
+                return Err(PortError::Agent(AgentClientError::ConnectionLost(format!(
+                    "{what} ended without an answer"
+                ))))
             }
         }
+    }
+}
+
+fn unexpected(what: &str, ev: &StreamEvent) -> PortError {
+    PortError::Agent(AgentClientError::Protocol(format!(
+        "{what} answered {ev:?}"
+    )))
+}
+
+/// The TCP ports listening in the machine now, by port then address.
+pub async fn list(client: &AgentClient) -> Result<Vec<PortInfo>, PortError> {
+    let mut s = client.open(Request::ListPorts).map_err(classify)?;
+    match answer(&mut s, "ListPorts").await? {
+        StreamEvent::End(EndBody::Ports(p)) => Ok(p),
+        other => Err(unexpected("ListPorts", &other)),
     }
 }
 
 /// Opens a tunnel to `port` on the machine's loopback.
 pub async fn connect(client: &AgentClient, port: u16) -> Result<Tunnel, PortError> {
     let mut stream = client.open(Request::Connect { port }).map_err(classify)?;
-    loop {
-        match stream.recv_within(CALL_DEADLINE).await.map_err(classify)? {
-            Some(StreamEvent::Msg(Reply::Connected { address })) => {
-                let sender = stream.sender();
-                return Ok(Tunnel {
-                    stream,
-                    sender,
-                    address,
-                    pending: Vec::new(),
-                    at: 0,
-                    read_done: false,
-                    write: None,
-                });
-            }
-            Some(StreamEvent::End(EndBody::Error(e))) => {
-                return Err(classify(AgentClientError::Agent(e)))
-            }
-            Some(StreamEvent::End(other)) => {
-                return Err(PortError::Agent(AgentClientError::Protocol(format!(
-                    "Connect answered {other:?}"
-                ))))
-            }
-            Some(_) => {}
-            None => {
-                return Err(PortError::Agent(AgentClientError::ConnectionLost(
-                    "the tunnel ended before it connected".into(),
-                )))
-            }
+    match answer(&mut stream, "Connect").await? {
+        StreamEvent::Msg(Reply::Connected { address }) => {
+            let sender = stream.sender();
+            Ok(Tunnel {
+                stream,
+                sender,
+                address,
+                pending: Vec::new(),
+                at: 0,
+                read_done: false,
+                write: None,
+            })
         }
+        other => Err(unexpected("Connect", &other)),
     }
 }
 
