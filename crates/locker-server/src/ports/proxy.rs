@@ -1,123 +1,34 @@
-//! Ports of a sandbox over HTTP: the list of what listens in the machine
-//! (`GET /v1/sandboxes/{id}/ports`) and the path proxy (`ANY /v1/sandboxes/{id}/ports/{port}/…`)
-//! that carries a request to `127.0.0.1:{port}` inside the machine and its answer back:
-//! bodies streamed both ways (never held whole), WebSocket and other upgrades relayed as raw
-//! bytes, server-sent events as they come.
+//! The forwarding core of the port proxy: one request into `127.0.0.1:{port}` of a machine
+//! through the agent's tunnel, and the answer back. Bodies stream both ways (never held
+//! whole), upgrades (WebSocket) are relayed as raw bytes, server-sent events pass as they
+//! come. What the machine answers is hostile input: a malformed response is a 502, a port
+//! that accepts and never answers is cut after [`ANSWER_DEADLINE`], and the caller's
+//! credentials (`Authorization`, Locker's token and cookie) are never forwarded.
 //!
-//! The way in is a tunnel of the agent channel (`locker_runtime::ports`): no route, address
-//! or listener is added to the machine, so egress is unchanged and no sandbox can reach
-//! another's ports by any address. What the machine answers is hostile input: a malformed
-//! response is a 502, a port that accepts and never answers is cut after
-//! [`ANSWER_DEADLINE`], and the caller's credentials (`Authorization`, Locker's token) are
-//! never forwarded into the machine. A request resumes a sandbox its idle policy paused and
-//! counts as activity (it goes through `live_of` like every call).
-//!
-//! This room owns the HTTP side only; tunnels and the port list are the runtime's.
+//! Owns one request's way through; who may ask, and which sandbox and port a request names
+//! (the API path or a preview host), are decided before it, in `ports` and `ports::preview`.
 
 use std::time::Duration;
 
 use axum::body::Body;
-use axum::extract::{Path, Request, State};
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode, Uri};
-use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get};
-use axum::Router;
+use axum::extract::Request;
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::Response;
 use hyper_util::rt::TokioIo;
-use locker_runtime::ports::{self, PortError};
-use serde_json::json;
+use locker_runtime::ports;
 
-use crate::auth::Caller;
+use super::port_error;
 use crate::error::ApiError;
-use crate::lifecycle::live_of;
-use crate::state::AppState;
+use crate::state::Busy;
 
 /// How long a port may take to send its response's head.
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(60);
 
-pub fn routes() -> Router<AppState> {
-    Router::new()
-        .route("/v1/sandboxes/{id}/ports", get(list))
-        .route("/v1/sandboxes/{id}/ports/{port}", any(proxy_root))
-        .route("/v1/sandboxes/{id}/ports/{port}/", any(proxy_root))
-        .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", any(proxy_rest))
-}
-
-fn port_of(raw: &str) -> Result<u16, ApiError> {
-    match raw.parse::<u32>() {
-        Ok(p @ 1..=65535) => Ok(p as u16),
-        _ => Err(ApiError::bad_request(format!(
-            "port must be a number from 1 to 65535, got {raw:?}"
-        ))),
-    }
-}
-
-fn port_error(id: &str, port: u16, e: PortError) -> ApiError {
-    match e {
-        PortError::NotListening(why) => ApiError::bad_gateway(format!(
-            "nothing listens on port {port} in sandbox {id}: {why}; start a server there \
-             (listening on 127.0.0.1 or 0.0.0.0) and retry"
-        )),
-        PortError::Unsupported => ApiError::conflict(PortError::Unsupported.to_string()),
-        PortError::Agent(e) => ApiError::from(e),
-    }
-}
-
-async fn list(
-    State(app): State<AppState>,
-    caller: Caller,
-    Path(id): Path<String>,
-    headers: HeaderMap,
-) -> Result<Response, ApiError> {
-    let live = live_of(&app, &caller, &id).await?;
-    let found = ports::list(&live.machine.agent)
-        .await
-        .map_err(|e| port_error(&id, 0, e))?;
-    let base = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(|h| format!("http://{h}"))
-        .unwrap_or_default();
-    let items: Vec<_> = found
-        .iter()
-        .map(|p| {
-            json!({
-                "port": p.port,
-                "address": p.address,
-                "process": p.process,
-                "pid": p.pid,
-                "public": false,
-                "url": format!("{base}/v1/sandboxes/{id}/ports/{}/", p.port),
-            })
-        })
-        .collect();
-    Ok(axum::Json(json!({ "ports": items })).into_response())
-}
-
-async fn proxy_root(
-    state: State<AppState>,
-    caller: Caller,
-    Path((id, port)): Path<(String, String)>,
-    req: Request,
-) -> Result<Response, ApiError> {
-    proxy(state, caller, id, port, req).await
-}
-
-async fn proxy_rest(
-    state: State<AppState>,
-    caller: Caller,
-    Path((id, port, _rest)): Path<(String, String, String)>,
-    req: Request,
-) -> Result<Response, ApiError> {
-    proxy(state, caller, id, port, req).await
-}
-
-/// The part of the request's path after `/ports/{port}`, still percent-encoded, with its
-/// query: what the server in the machine is asked for. A `.` or `..` segment (also
-/// encoded) is refused: it means nothing to the machine's server but a way around a
-/// client's or a proxy's idea of the path.
-fn target_of(uri: &Uri, id: &str, port: &str) -> Result<String, ApiError> {
-    let prefix = format!("/v1/sandboxes/{id}/ports/{port}");
-    let rest = uri.path().strip_prefix(&prefix).unwrap_or("");
+/// What the server in the machine is asked for: `rest` (the request's path after the part
+/// that named the sandbox and port, still percent-encoded) with the query. A `.` or `..`
+/// segment (also encoded) is refused: it means nothing to the machine's server but a way
+/// around a client's or a proxy's idea of the path; so is an encoded slash or backslash.
+pub(crate) fn target_of(rest: &str, query: Option<&str>) -> Result<String, ApiError> {
     let rest = if rest.is_empty() { "/" } else { rest };
     for seg in rest.split('/') {
         let decoded = seg.replace("%2e", ".").replace("%2E", ".");
@@ -133,7 +44,7 @@ fn target_of(uri: &Uri, id: &str, port: &str) -> Result<String, ApiError> {
             ));
         }
     }
-    Ok(match uri.query() {
+    Ok(match query {
         Some(q) => format!("{rest}?{q}"),
         None => rest.to_owned(),
     })
@@ -182,23 +93,23 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
             })
 }
 
-async fn proxy(
-    State(app): State<AppState>,
-    caller: Caller,
-    id: String,
-    port_raw: String,
+/// Carries `req` to `target` (from [`target_of`]) on `port` of the sandbox `live` holds, and
+/// its answer back. `live` is the sandbox's busy guard: it is held while the answer's body
+/// streams or an upgraded connection stays open, so neither is idle time.
+pub(crate) async fn forward(
+    live: Busy,
+    id: &str,
+    port: u16,
+    target: String,
     mut req: Request,
 ) -> Result<Response, ApiError> {
-    let port = port_of(&port_raw)?;
-    let target = target_of(req.uri(), &id, &port_raw)?;
-    let live = live_of(&app, &caller, &id).await?;
     let tunnel = ports::connect(&live.machine.agent, port)
         .await
-        .map_err(|e| port_error(&id, port, e))?;
+        .map_err(|e| port_error(id, port, e))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel))
         .await
         .map_err(|e| ApiError::bad_gateway(format!("port {port} in sandbox {id}: {e}")))?;
-    let sandbox = id.clone();
+    let sandbox = id.to_owned();
     tokio::spawn(async move {
         // The connection ends with the response (or the upgrade): its error, if any, is the
         // client's to see in the response.
@@ -279,25 +190,15 @@ mod tests {
 
     #[test]
     fn targets_keep_the_encoded_path_and_query_and_refuse_dot_segments() {
-        let t = |u: &str| target_of(&u.parse().unwrap(), "sb_1", "8000");
-        assert_eq!(t("/v1/sandboxes/sb_1/ports/8000").unwrap(), "/");
-        assert_eq!(t("/v1/sandboxes/sb_1/ports/8000/").unwrap(), "/");
+        assert_eq!(target_of("", None).unwrap(), "/");
+        assert_eq!(target_of("/", None).unwrap(), "/");
         assert_eq!(
-            t("/v1/sandboxes/sb_1/ports/8000/a/b%20c?x=1&y").unwrap(),
+            target_of("/a/b%20c", Some("x=1&y")).unwrap(),
             "/a/b%20c?x=1&y"
         );
-        for bad in [
-            "/v1/sandboxes/sb_1/ports/8000/../x",
-            "/v1/sandboxes/sb_1/ports/8000/a/%2e%2E/x",
-            "/v1/sandboxes/sb_1/ports/8000/./x",
-            "/v1/sandboxes/sb_1/ports/8000/a%2fb",
-        ] {
-            assert!(t(bad).is_err(), "{bad}");
+        for bad in ["/../x", "/a/%2e%2E/x", "/./x", "/a%2fb", "/a%5Cb"] {
+            assert!(target_of(bad, None).is_err(), "{bad}");
         }
-        assert!(port_of("0").is_err());
-        assert!(port_of("65536").is_err());
-        assert!(port_of("x").is_err());
-        assert_eq!(port_of("65535").unwrap(), 65535);
     }
 
     #[test]
