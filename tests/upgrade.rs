@@ -287,6 +287,15 @@ fn check(srv: &Server, made: &Made, prev_agent: &str) {
         (&json!("running"), &json!({"role": "running"})),
         "{v}"
     );
+    // Made before preview URLs: the migration gave it a preview token of its own.
+    let token = v["preview_token"].as_str().unwrap_or_default();
+    assert!(token.starts_with("lpt_") && token.len() > 30, "{v}");
+    let vm_token = api.get(&format!("/v1/sandboxes/{}", made.vm)).json()["preview_token"].clone();
+    assert_ne!(
+        vm_token,
+        json!(token),
+        "two sandboxes share a migrated token"
+    );
     assert_eq!(
         agent_of_jail(srv, &made.jail),
         prev_agent,

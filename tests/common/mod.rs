@@ -4,6 +4,47 @@
 //! The tests run as root on a host prepared by `scripts/setup test` (which builds
 //! `target/release/locker`, the static `locker-agent` beside it, and the default template).
 
+/// A test server for machines (python3, stdlib only; `python3 srv.py PORT`): echoes requests
+/// as JSON (method, path, length, sha256 and headers of the body), streams `/big?n=`, sends
+/// events on `/sse`, answers garbage on `/garbage`, echoes WebSocket frames on `/ws`.
+pub const HTTP_SERVER_PY: &str = include_str!("http_server.py");
+
+/// A new sandbox (created with `body`) running [`HTTP_SERVER_PY`] on `port`, started with
+/// `&` (a job of its exec), once the port is listed.
+pub fn serving_http(api: &server::Api, body: &serde_json::Value, port: u16) -> String {
+    let id = api.create_sandbox(body)["id"]
+        .as_str()
+        .expect("a sandbox id")
+        .to_owned();
+    api.put(
+        &format!(
+            "/v1/sandboxes/{id}/files?path={}",
+            server::enc("/root/srv.py")
+        ),
+        HTTP_SERVER_PY.as_bytes(),
+    )
+    .expect(200, "upload the server");
+    let r = api.exec(
+        &id,
+        &serde_json::json!({"shell": format!("python3 /root/srv.py {port} &")}),
+    );
+    assert_eq!(r["exit_code"], 0, "{r}");
+    wait_for(
+        std::time::Duration::from_secs(60),
+        "the port to be listed",
+        || {
+            let ports = api
+                .get(&format!("/v1/sandboxes/{id}/ports"))
+                .expect(200, "list ports");
+            ports["ports"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|p| p["port"] == port))
+                .then_some(())
+        },
+    );
+    id
+}
+
 pub mod answers;
 pub mod egress;
 pub mod server;

@@ -647,6 +647,11 @@ impl Api {
     }
 
     /// The same server with another key.
+    /// The key this client sends, if any.
+    pub fn key(&self) -> Option<&str> {
+        self.key.as_deref()
+    }
+
     pub fn with_key(&self, key: Option<&str>) -> Api {
         Api {
             base: self.base.clone(),

@@ -57,6 +57,13 @@ pub struct ServeArgs {
     /// build it with `locker template build default`).
     #[arg(long)]
     no_template_build: bool,
+    /// Serve sandboxes' ports at preview URLs `{port}-{sandbox_id}.D` (point a wildcard DNS
+    /// name `*.D` at this server): `D` (URLs on this server's port), `D:PORT`, or
+    /// `https://D` behind a proxy that terminates TLS. `none` turns preview URLs off.
+    /// [default: `localhost` when listening on a loopback address (browsers resolve
+    /// `*.localhost` themselves), else none]
+    #[arg(long, env = "LOCKER_PREVIEW_DOMAIN", value_name = "D")]
+    preview_domain: Option<String>,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -79,6 +86,15 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .init();
     }
+    let preview_raw = match a.preview_domain.as_deref() {
+        Some("none") | Some("") => None,
+        Some(d) => Some(d.to_owned()),
+        None => a.listen.ip().is_loopback().then(|| "localhost".to_owned()),
+    };
+    let preview = preview_raw
+        .map(|d| locker_server::PreviewDomain::parse(&d, a.listen.port()))
+        .transpose()
+        .map_err(|e| anyhow::anyhow!(e))?;
     let host = locker_server::Quotas::for_host(&a.data_dir);
     let cfg = locker_server::Config {
         listen: a.listen,
@@ -97,6 +113,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         vm_pool: a.vm_pool,
         egress_resolve: a.egress_resolve,
         template_build: !a.no_template_build,
+        preview,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -273,7 +273,11 @@ pub fn router(app: AppState) -> Router {
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(app.clone());
-    crate::mcp::mount(app, api)
+    // Preview hosts first: their every path belongs to the machine, none to the API.
+    crate::mcp::mount(app.clone(), api).layer(axum::middleware::from_fn_with_state(
+        app,
+        crate::ports::preview_dispatch,
+    ))
 }
 
 /// Records latency and status of every request.

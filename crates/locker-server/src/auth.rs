@@ -5,6 +5,7 @@
 
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
+use axum::http::HeaderMap;
 
 use crate::error::ApiError;
 use crate::state::AppState;
@@ -16,9 +17,8 @@ pub struct Caller {
     pub key_id: String,
 }
 
-fn bearer(parts: &Parts) -> Result<&str, ApiError> {
-    let h = parts
-        .headers
+fn bearer(headers: &HeaderMap) -> Result<&str, ApiError> {
+    let h = headers
         .get(axum::http::header::AUTHORIZATION)
         .ok_or_else(|| {
             ApiError::unauthorized("missing `Authorization: Bearer <api-key>` header")
@@ -41,15 +41,21 @@ impl FromRequestParts<AppState> for Caller {
         parts: &mut Parts,
         app: &AppState,
     ) -> Result<Self, Self::Rejection> {
-        let key = bearer(parts)?;
-        match app.store.authenticate(key) {
-            Ok(Some(p)) => Ok(Caller {
-                tenant: p.tenant,
-                key_id: p.key_id,
-            }),
-            Ok(None) => Err(ApiError::unauthorized("unknown or revoked API key")),
-            Err(e) => Err(ApiError::internal(format!("checking the API key: {e}"))),
-        }
+        caller_of(app, &parts.headers)
+    }
+}
+
+/// The caller whose key `headers` carry (for routes outside the `/v1` extractors: preview
+/// hosts).
+pub fn caller_of(app: &AppState, headers: &HeaderMap) -> Result<Caller, ApiError> {
+    let key = bearer(headers)?;
+    match app.store.authenticate(key) {
+        Ok(Some(p)) => Ok(Caller {
+            tenant: p.tenant,
+            key_id: p.key_id,
+        }),
+        Ok(None) => Err(ApiError::unauthorized("unknown or revoked API key")),
+        Err(e) => Err(ApiError::internal(format!("checking the API key: {e}"))),
     }
 }
 
@@ -69,7 +75,7 @@ impl FromRequestParts<AppState> for Admin {
                 "admin routes are disabled: start the server with LOCKER_ADMIN_KEY",
             ));
         };
-        let key = bearer(parts)?;
+        let key = bearer(&parts.headers)?;
         if constant_time_eq(key.as_bytes(), admin.as_bytes()) {
             Ok(Admin)
         } else {
@@ -80,7 +86,8 @@ impl FromRequestParts<AppState> for Admin {
     }
 }
 
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+/// Compares secrets in time that does not depend on where they differ.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     if a.len() != b.len() {
         return false;
     }

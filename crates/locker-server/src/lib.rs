@@ -61,4 +61,5 @@ pub mod vm_pool;
 pub mod volumes;
 
 pub use app::serve;
+pub use ports::PreviewDomain;
 pub use state::{Config, Quotas};

@@ -111,6 +111,8 @@ pub async fn launch(
         machine_dir: app.sandboxes_dir().join(&id).display().to_string(),
         cpu_ms: 0,
         peak_memory_bytes: 0,
+        preview_token: locker_store::new_preview_token(),
+        public_ports: Vec::new(),
     };
     {
         let _guard = app.create_lock.lock().await;
@@ -211,15 +213,7 @@ pub async fn launch(
             )));
         }
     }
-    let live = Arc::new(Live::new(
-        id.clone(),
-        caller.tenant.clone(),
-        machine,
-        new.env.clone(),
-        new.template.digest.clone(),
-        new.idle_timeout_s,
-        false,
-    ));
+    let live = Arc::new(Live::new(&record, machine, false));
     app.store.set_sandbox_state(&id, SandboxState::Running)?;
     app.live.write().await.insert(id.clone(), live.clone());
     crate::failed::watch(app, &live);
@@ -272,24 +266,33 @@ pub fn record_of(app: &AppState, caller: &Caller, id: &str) -> Result<SandboxRec
 pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, ApiError> {
     let live = app.live.read().await.get(id).cloned();
     match live {
-        Some(l) if l.tenant == caller.tenant => {
-            let (busy, idle_for) = Busy::enter(l).map_err(ApiError::internal)?;
-            if let Some(secs) = idle_for {
-                resumed(app, id, secs)?;
-            }
-            Ok(busy)
-        }
-        _ => {
-            // Exists but not live here: say why rather than pretending it is missing.
-            match app.store.get_sandbox(&caller.tenant, id)? {
-                Some(r) if r.state == SandboxState::Failed => Err(crate::failed::conflict(id)),
-                Some(r) if r.state == SandboxState::Starting => Err(ApiError::conflict(format!(
-                    "sandbox {id} is still starting"
-                ))),
-                _ => Err(crate::tombstone::gone(app, &caller.tenant, id)),
-            }
-        }
+        Some(l) if l.tenant == caller.tenant => enter(app, l),
+        _ => Err(not_live(app, caller, id)),
     }
+}
+
+/// Why the caller's sandbox `id` is not live here: it failed, is still starting, or is
+/// gone (rather than pretending it is missing).
+pub fn not_live(app: &AppState, caller: &Caller, id: &str) -> ApiError {
+    match app.store.get_sandbox(&caller.tenant, id) {
+        Err(e) => e.into(),
+        Ok(Some(r)) if r.state == SandboxState::Failed => crate::failed::conflict(id),
+        Ok(Some(r)) if r.state == SandboxState::Starting => {
+            ApiError::conflict(format!("sandbox {id} is still starting"))
+        }
+        Ok(_) => crate::tombstone::gone(app, &caller.tenant, id),
+    }
+}
+
+/// `l` with a call counted in flight; a paused sandbox is thawed first. For callers that
+/// found and admitted the sandbox themselves (preview hosts); [`live_of`] does both.
+pub fn enter(app: &AppState, l: Arc<Live>) -> Result<Busy, ApiError> {
+    let id = l.id.clone();
+    let (busy, idle_for) = Busy::enter(l).map_err(ApiError::internal)?;
+    if let Some(secs) = idle_for {
+        resumed(app, &id, secs)?;
+    }
+    Ok(busy)
 }
 
 /// Records a thaw: state running and, after an idle pause, the TTL pushed back by the time
@@ -372,15 +375,7 @@ pub async fn adopt_all(app: &AppState) {
                 continue;
             }
         };
-        let live = Arc::new(Live::new(
-            r.id.clone(),
-            r.tenant.clone(),
-            machine,
-            r.env.clone(),
-            r.template_digest.clone(),
-            r.idle_timeout_s,
-            false,
-        ));
+        let live = Arc::new(Live::new(&r, machine, false));
         if let Some(at) = locker_types::parse_rfc3339(&r.last_active_at) {
             live.last_active
                 .store(at, std::sync::atomic::Ordering::Relaxed);

@@ -128,6 +128,18 @@ pub const ROUTES: &[RouteDoc] = &[
         "Proxied to 127.0.0.1:{port}/{path} in the machine (any method; WebSocket upgrades)",
     ),
     r(
+        "put",
+        "/v1/sandboxes/{id}/ports/{port}",
+        200,
+        "A port's preview settings: {\"public\": true} opens it to anyone with the URL",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/preview-token",
+        200,
+        "Rotate the sandbox's preview token (the old one and its cookies stop working)",
+    ),
+    r(
         "post",
         "/v1/sandboxes/{id}/processes",
         200,

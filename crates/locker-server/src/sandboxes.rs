@@ -25,7 +25,7 @@ use crate::limits::{
     check_env, check_metadata, check_network, has_egress, require_egress, require_microvm,
     resolve_runtime, DISK_MB, MAX_CPUS, MEMORY_MB,
 };
-use crate::state::{now_s, AppState, Live};
+use crate::state::{now_s, App, AppState, Live};
 use locker_types::{CreateSandbox, PatchSandbox, Runtime, RuntimeChoice, MAX_TTL_S};
 
 pub fn routes() -> Router<AppState> {
@@ -41,7 +41,7 @@ pub fn routes() -> Router<AppState> {
 }
 
 /// The API's view of a sandbox.
-pub fn view(r: &SandboxRecord, live: Option<&Live>) -> Value {
+pub fn view(app: &App, r: &SandboxRecord, live: Option<&Live>) -> Value {
     let last_active = match live {
         Some(l) => locker_types::rfc3339(l.last_active.load(std::sync::atomic::Ordering::Relaxed)),
         None => r.last_active_at.clone(),
@@ -71,6 +71,8 @@ pub fn view(r: &SandboxRecord, live: Option<&Live>) -> Value {
         "expires_at": r.expires_at,
         "last_active_at": last_active,
         "usage": usage,
+        "preview_token": r.preview_token,
+        "preview_url": app.cfg.preview.as_ref().map(|d| d.template(&r.id)),
         "failure": (r.state == SandboxState::Failed)
             .then(|| crate::failed::reason(&r.id).unwrap_or_else(|| "unknown".into())),
     })
@@ -87,7 +89,10 @@ async fn create(
     app.metrics
         .sandbox_create_seconds
         .observe(started.elapsed().as_secs_f64());
-    Ok((StatusCode::CREATED, axum::Json(view(&rec, Some(&live)))))
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(view(&app, &rec, Some(&live))),
+    ))
 }
 
 /// A create's body checked against the limits, its snapshot and this host: the sandbox to
@@ -314,7 +319,7 @@ async fn list(
     let live = app.live.read().await;
     let items: Vec<Value> = recs
         .iter()
-        .map(|r| view(r, live.get(&r.id).map(|l| l.as_ref())))
+        .map(|r| view(&app, r, live.get(&r.id).map(|l| l.as_ref())))
         .collect();
     Ok(axum::Json(json!({ "sandboxes": items })))
 }
@@ -326,7 +331,7 @@ async fn get_one(
 ) -> Result<impl IntoResponse, ApiError> {
     let r = record_of(&app, &caller, &id)?;
     let live = app.live.read().await.get(&id).cloned();
-    Ok(axum::Json(view(&r, live.as_deref())))
+    Ok(axum::Json(view(&app, &r, live.as_deref())))
 }
 
 async fn patch(
@@ -382,7 +387,7 @@ async fn patch(
     }
     app.store.update_sandbox(&r)?;
     let live = app.live.read().await.get(&id).cloned();
-    Ok(axum::Json(view(&r, live.as_deref())))
+    Ok(axum::Json(view(&app, &r, live.as_deref())))
 }
 
 #[derive(Deserialize)]
@@ -407,7 +412,7 @@ async fn set_ttl(
     r.expires_at = locker_types::rfc3339(now_s() + body.ttl_s as i64);
     app.store.update_sandbox(&r)?;
     let live = app.live.read().await.get(&id).cloned();
-    Ok(axum::Json(view(&r, live.as_deref())))
+    Ok(axum::Json(view(&app, &r, live.as_deref())))
 }
 
 async fn pause(
@@ -428,7 +433,7 @@ async fn pause(
     PauseMarks::of(&app).clear(&id);
     app.store.set_sandbox_state(&id, SandboxState::Paused)?;
     let r = record_of(&app, &caller, &id)?;
-    Ok(axum::Json(view(&r, Some(&live))))
+    Ok(axum::Json(view(&app, &r, Some(&live))))
 }
 
 async fn resume(
@@ -438,7 +443,7 @@ async fn resume(
 ) -> Result<impl IntoResponse, ApiError> {
     let live = live_of(&app, &caller, &id).await?;
     let r = record_of(&app, &caller, &id)?;
-    Ok(axum::Json(view(&r, Some(&live))))
+    Ok(axum::Json(view(&app, &r, Some(&live))))
 }
 
 async fn delete(

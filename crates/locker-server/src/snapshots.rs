@@ -265,7 +265,7 @@ async fn fork(
         }
         return Err(e);
     }
-    let items: Vec<Value> = ok.iter().map(|(r, l)| view(r, Some(l))).collect();
+    let items: Vec<Value> = ok.iter().map(|(r, l)| view(&app, r, Some(l))).collect();
     Ok((
         StatusCode::CREATED,
         axum::Json(json!({ "sandboxes": items })),

@@ -17,7 +17,7 @@ use std::time::Instant;
 
 use locker_runtime::node::{Machine, Node};
 use locker_runtime::template::TemplateStore;
-use locker_store::{CallRecorder, Store};
+use locker_store::{CallRecorder, SandboxRecord, Store};
 use tokio::sync::RwLock;
 
 pub use crate::ids::{ms_since, new_id, now_s};
@@ -76,6 +76,8 @@ pub struct Config {
     pub egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
     /// Build the template `default` in the background at start when it is missing.
     pub template_build: bool,
+    /// Where preview URLs live (`--preview-domain`); `None`: no preview hosts.
+    pub preview: Option<crate::ports::PreviewDomain>,
 }
 
 /// A sandbox whose machine runs on this node.
@@ -99,6 +101,16 @@ pub struct Live {
     /// Queue times of this sandbox's latest background processes, by process id (the agent
     /// cannot know them; `processes::fill_timings` adds them to the results).
     pub proc_queue_ms: std::sync::Mutex<std::collections::VecDeque<(String, f64)>>,
+    /// Who may reach its ports by preview URL without an API key (kept beside the store's
+    /// copy, so a preview request reads no database).
+    pub preview: std::sync::RwLock<Preview>,
+}
+
+/// A sandbox's preview access: its token and its public ports.
+#[derive(Debug, Clone, Default)]
+pub struct Preview {
+    pub token: String,
+    pub public_ports: Vec<u16>,
 }
 
 /// Whether and why a sandbox is frozen.
@@ -114,23 +126,16 @@ pub struct PauseState {
 }
 
 impl Live {
-    pub fn new(
-        id: String,
-        tenant: String,
-        machine: Machine,
-        env: BTreeMap<String, String>,
-        template_digest: String,
-        idle_timeout_s: Option<u64>,
-        paused: bool,
-    ) -> Self {
+    /// The live side of `record`'s sandbox, whose machine is `machine`.
+    pub fn new(record: &SandboxRecord, machine: Machine, paused: bool) -> Self {
         let now = now_s();
         Self {
-            id,
-            tenant,
+            id: record.id.clone(),
+            tenant: record.tenant.clone(),
             machine,
-            env,
-            template_digest,
-            idle_timeout_s,
+            env: record.env.clone(),
+            template_digest: record.template_digest.clone(),
+            idle_timeout_s: record.idle_timeout_s,
             inflight: Default::default(),
             last_active: AtomicI64::new(now),
             pause: std::sync::Mutex::new(PauseState {
@@ -139,6 +144,10 @@ impl Live {
                 ..Default::default()
             }),
             proc_queue_ms: Default::default(),
+            preview: std::sync::RwLock::new(Preview {
+                token: record.preview_token.clone(),
+                public_ports: record.public_ports.clone(),
+            }),
         }
     }
 

@@ -33,7 +33,7 @@ pub use model::{
     Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
 };
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
-pub use random::{fill_random, new_id, API_KEY_PREFIX};
+pub use random::{fill_random, new_id, new_preview_token, API_KEY_PREFIX, PREVIEW_TOKEN_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
 pub use sqlite::{SqliteStore, SCHEMA_VERSION};
 

@@ -154,6 +154,14 @@ pub struct SandboxRecord {
     pub machine_dir: String,
     pub cpu_ms: u64,
     pub peak_memory_bytes: u64,
+    /// Opens the sandbox's private ports through preview URLs (`X-Locker-Token`, or the
+    /// cookie `?locker_token=` sets); rotated on demand. Empty only in a record made by a
+    /// release before preview URLs, which the migration then fills.
+    #[serde(default)]
+    pub preview_token: String,
+    /// Ports anyone with the preview URL may reach, without a token; sorted, unique.
+    #[serde(default)]
+    pub public_ports: Vec<u16>,
 }
 
 /// What kind of call a [`CallRecord`] is of.

@@ -36,6 +36,22 @@ pub(crate) fn new_api_key() -> Result<String> {
     Ok(format!("{API_KEY_PREFIX}{}", base32(&buf)))
 }
 
+/// The prefix of a sandbox's preview token.
+pub const PREVIEW_TOKEN_PREFIX: &str = "lpt_";
+
+/// A new preview token: `lpt_` and 192 random bits in lowercase base32. It opens a
+/// sandbox's private ports through preview URLs, nothing else.
+///
+/// # Panics
+/// If the kernel's random source fails (as [`new_id`]).
+pub fn new_preview_token() -> String {
+    let mut buf = [0u8; 24];
+    if let Err(e) = fill_random(&mut buf) {
+        panic!("{e}: Locker needs the kernel's random source to make tokens");
+    }
+    format!("{PREVIEW_TOKEN_PREFIX}{}", base32(&buf))
+}
+
 pub(crate) use locker_sys::hex::encode as hex;
 
 /// RFC 4648 base32, lowercased, without padding: letters and digits only, so a key

@@ -63,6 +63,8 @@ fn sandbox(id: &str, tenant: &str, created: i64) -> SandboxRecord {
         machine_dir: format!("/var/lib/locker/sandboxes/{id}"),
         cpu_ms: 0,
         peak_memory_bytes: 0,
+        preview_token: format!("lpt_{id}"),
+        public_ports: vec![],
     }
 }
 
@@ -357,6 +359,8 @@ fn update_round_trips_every_field() {
     sb.peak_memory_bytes = 5 << 20;
     sb.expires_at = rfc3339(T0 + 10);
     sb.cpus = 0.25;
+    sb.preview_token = "lpt_rotated".into();
+    sb.public_ports = vec![3000, 8000];
     s.update_sandbox(&sb).unwrap();
     assert_eq!(s.get_sandbox("a", "sb_1").unwrap().unwrap(), sb);
     assert!(matches!(

@@ -2,6 +2,8 @@
 volumes, runs, and errors (LockerError only for platform failures)."""
 
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -162,3 +164,45 @@ def test_a_job_serves_a_port_reached_by_url(client, sandbox):
         assert r.read() == b"hi\n"
     with pytest.raises(ValueError):
         sandbox.url(0)
+
+
+def _get(url, host=None, headers=None):
+    """GET `url` from the test server's own address with `Host: host` (Python's resolver
+    does not know `*.localhost` the way browsers do); status and body, errors included."""
+    parts = urllib.parse.urlsplit(url)
+    h = dict(headers or {})
+    h["Host"] = host or parts.netloc
+    req = urllib.request.Request(url, headers=h)
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_an_exposed_port_opens_its_preview_url_to_anyone(client, sandbox):
+    sandbox.exec(shell="mkdir -p /tmp/pv && echo pv > /tmp/pv/x.txt && cd /tmp/pv && python3 -m http.server 8124 &")
+    deadline = time.time() + 30
+    while not any(p["port"] == 8124 for p in sandbox.ports()):
+        assert time.time() < deadline, sandbox.ports()
+        time.sleep(0.2)
+    preview = sandbox.preview_url(8124, "/x.txt", token=False)
+    assert preview is not None and preview.startswith(f"http://8124-{sandbox.id}.localhost:"), preview
+    host = urllib.parse.urlsplit(preview).netloc
+    direct = client.url + "/x.txt"
+    assert _get(direct, host)[0] == 401
+    # The token in the URL: a redirect that sets the cookie (urllib follows it without one).
+    with_token = sandbox.preview_url(8124, "/x.txt")
+    assert "locker_token=lpt_" in with_token
+    assert _get(direct, host, {"X-Locker-Token": sandbox.info["preview_token"]}) == (200, b"pv\n")
+    url = sandbox.expose(8124)
+    assert url == preview.rsplit("/", 1)[0] + "/", (url, preview)
+    assert _get(direct, host) == (200, b"pv\n")
+    assert [p["public"] for p in sandbox.ports() if p["port"] == 8124] == [True]
+    sandbox.expose(8124, public=False)
+    assert _get(direct, host)[0] == 401
+    old = sandbox.info["preview_token"]
+    new = sandbox.rotate_preview_token()
+    assert new != old
+    assert _get(direct, host, {"X-Locker-Token": old})[0] == 401
+    assert _get(direct, host, {"X-Locker-Token": new}) == (200, b"pv\n")

@@ -282,6 +282,17 @@ impl Client {
         read_json(resp)
     }
 
+    /// `PUT path` with a JSON body → the JSON body.
+    pub fn put_json(&self, path: &str, body: &Value) -> Result<Value, ClientError> {
+        let url = self.url(path);
+        let mut req = self.agent.put(&url).header("Accept", "application/json");
+        if let Some(b) = self.bearer() {
+            req = req.header("Authorization", b);
+        }
+        let resp = self.finish(&url, req.send_json(body))?;
+        read_json(resp)
+    }
+
     /// `DELETE path?query`; any 2xx is success.
     pub fn delete(&self, path: &str, query: &[(&str, String)]) -> Result<(), ClientError> {
         let url = self.url(path);

@@ -1,6 +1,9 @@
-//! `locker port ls|url`: the TCP ports listening in a sandbox and the URLs that reach them
-//! through the server's path proxy (`/v1/sandboxes/{id}/ports…`). Nothing here forwards
-//! traffic; the server does, with the caller's key.
+//! `locker port ls|url|open|close`: the TCP ports listening in a sandbox, the URLs that
+//! reach them (preview URLs `{port}-{id}.{domain}`, or the server's path proxy
+//! `/v1/sandboxes/{id}/ports…` where it has no preview domain), and whether a port is
+//! public. Nothing here forwards traffic; the server does.
+
+use serde_json::{json, Value};
 
 use super::render::{cell, table};
 use super::{items, print_json, print_text, seg, ClientError, Conn};
@@ -24,9 +27,11 @@ pub enum PortCmd {
         /// The sandbox (sb_…).
         sandbox: String,
     },
-    /// Print the URL that reaches PORT in the sandbox through the server (send the API key
-    /// as `Authorization: Bearer …`, e.g. `curl -H "Authorization: Bearer $LOCKER_API_KEY"
-    /// "$(locker port url SB 8000)"`).
+    /// Print the URL that reaches PORT in the sandbox: its preview URL, with
+    /// `?locker_token=` for a private port so that a browser opens it at once (the server
+    /// swaps it for a cookie); on a server without a preview domain, the path proxy's URL
+    /// (send the API key: `curl -H "Authorization: Bearer $LOCKER_API_KEY" "$(locker port
+    /// url SB 8000)"`).
     Url {
         /// The sandbox (sb_…).
         sandbox: String,
@@ -35,6 +40,23 @@ pub enum PortCmd {
         /// A path on that port (default `/`).
         #[arg(default_value = "/")]
         path: String,
+        /// Without the token, even for a private port.
+        #[arg(long)]
+        bare: bool,
+    },
+    /// Make PORT public: anyone with its preview URL reaches it, without a key or token.
+    Open {
+        /// The sandbox (sb_…).
+        sandbox: String,
+        /// The port in the sandbox (1-65535); it need not listen yet.
+        port: u16,
+    },
+    /// Make PORT private again (the default): the API key, the preview token or its cookie.
+    Close {
+        /// The sandbox (sb_…).
+        sandbox: String,
+        /// The port in the sandbox (1-65535).
+        port: u16,
     },
 }
 
@@ -70,21 +92,108 @@ pub fn run(a: PortArgs) -> Result<i32, ClientError> {
             sandbox,
             port,
             path,
+            bare,
         } => {
-            if port == 0 {
-                return Err(ClientError::Usage("the port must be 1-65535".into()));
-            }
-            let url = c.url(&format!(
-                "/v1/sandboxes/{}/ports/{port}/{}",
-                seg(&sandbox),
-                path.trim_start_matches('/')
-            ));
+            check_port(port)?;
+            let sb = c.get_json(&format!("/v1/sandboxes/{}", seg(&sandbox)), &[])?;
+            let url = match sb.get("preview_url").and_then(Value::as_str) {
+                Some(template) => {
+                    let public = is_public(&c, &sandbox, port);
+                    let token = sb.get("preview_token").and_then(Value::as_str);
+                    preview_url(template, port, &path, token.filter(|_| !bare && !public))
+                }
+                None => c.url(&format!(
+                    "/v1/sandboxes/{}/ports/{port}/{}",
+                    seg(&sandbox),
+                    path.trim_start_matches('/')
+                )),
+            };
             if a.conn.json {
-                print_json(&serde_json::json!({ "url": url }))?;
+                print_json(&json!({ "url": url }))?;
             } else {
                 print_text(&format!("{url}\n"))?;
             }
             Ok(0)
         }
+        cmd @ (PortCmd::Open { .. } | PortCmd::Close { .. }) => {
+            let (public, sandbox, port) = match cmd {
+                PortCmd::Open { sandbox, port } => (true, sandbox, port),
+                PortCmd::Close { sandbox, port } => (false, sandbox, port),
+                _ => unreachable!("matched above"),
+            };
+            check_port(port)?;
+            let v = c.put_json(
+                &format!("/v1/sandboxes/{}/ports/{port}", seg(&sandbox)),
+                &json!({ "public": public }),
+            )?;
+            if a.conn.json {
+                print_json(&v)?;
+            } else if public {
+                print_text(&format!("port {port} is public: {}\n", cell(v.get("url"))))?;
+            } else {
+                print_text(&format!("port {port} is private\n"))?;
+            }
+            Ok(0)
+        }
+    }
+}
+
+fn check_port(port: u16) -> Result<(), ClientError> {
+    if port == 0 {
+        return Err(ClientError::Usage("the port must be 1-65535".into()));
+    }
+    Ok(())
+}
+
+/// Whether `port` of the sandbox is public now (listening or not); false when unknown.
+fn is_public(c: &super::Client, sandbox: &str, port: u16) -> bool {
+    c.get_json(&format!("/v1/sandboxes/{}/ports", seg(sandbox)), &[])
+        .ok()
+        .and_then(|v| {
+            v.get("ports")?
+                .as_array()?
+                .iter()
+                .find(|p| p.get("port").and_then(Value::as_u64) == Some(u64::from(port)))
+                .and_then(|p| p.get("public")?.as_bool())
+        })
+        .unwrap_or(false)
+}
+
+/// The preview URL of `port` from the sandbox's template, with `path`, and the token as
+/// `?locker_token=` when given.
+fn preview_url(template: &str, port: u16, path: &str, token: Option<&str>) -> String {
+    let base = template.replace("{port}", &port.to_string());
+    let mut url = format!(
+        "{}/{}",
+        base.trim_end_matches('/'),
+        path.trim_start_matches('/')
+    );
+    if let Some(t) = token {
+        url.push(if url.contains('?') { '&' } else { '?' });
+        url.push_str("locker_token=");
+        url.push_str(t);
+    }
+    url
+}
+
+#[cfg(test)]
+mod tests {
+    use super::preview_url;
+
+    #[test]
+    fn preview_urls_take_the_port_the_path_and_the_token() {
+        let t = "http://{port}-sb_1.localhost:7070/";
+        assert_eq!(
+            preview_url(t, 8000, "/", None),
+            "http://8000-sb_1.localhost:7070/"
+        );
+        assert_eq!(
+            preview_url(t, 3000, "/a?b=1", Some("lpt_x")),
+            "http://3000-sb_1.localhost:7070/a?b=1&locker_token=lpt_x"
+        );
+        assert_eq!(
+            preview_url(t, 3000, "app", Some("lpt_x")),
+            "http://3000-sb_1.localhost:7070/app?locker_token=lpt_x"
+        );
     }
 }

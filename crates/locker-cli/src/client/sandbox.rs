@@ -366,6 +366,13 @@ pub fn run(a: SandboxArgs) -> Result<i32, ClientError> {
                     ClientError::Protocol("the created sandbox has no `id`".into())
                 })?;
                 print_text(&format!("{id}\n"))?;
+                // For people, on stderr: `SB=$(locker sandbox create)` still gets the id alone.
+                if let Some(url) = sb.get("preview_url").and_then(Value::as_str) {
+                    eprintln!(
+                        "preview: {url} (private; `locker port url {id} PORT` prints one a \
+                         browser opens, `locker port open {id} PORT` makes a port public)"
+                    );
+                }
             }
             Ok(0)
         }

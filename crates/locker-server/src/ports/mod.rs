@@ -8,29 +8,40 @@
 //! another's ports by any address. A request resumes a sandbox its idle policy paused and
 //! counts as activity (it goes through `live_of` like every call).
 //!
+//! Preview URLs (`{port}-{id}.{domain}`, [`preview`]) reach the same ports by host name;
+//! this module also owns their settings: a port made public (`PUT …/ports/{port}`) and the
+//! rotation of a sandbox's preview token (`POST …/preview-token`).
+//!
 //! This room owns the HTTP side only; tunnels and the port list are the runtime's.
 
+mod preview;
 mod proxy;
 
+pub use preview::{dispatch as preview_dispatch, PreviewDomain};
 pub use proxy::ANSWER_DEADLINE;
 
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{any, get};
+use axum::routing::{any, get, post, put};
 use axum::Router;
 use locker_runtime::ports::{self, PortError};
 use serde_json::json;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
+use crate::extract::Json;
 use crate::lifecycle::live_of;
 use crate::state::AppState;
 
 pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/sandboxes/{id}/ports", get(list))
-        .route("/v1/sandboxes/{id}/ports/{port}", any(proxy_root))
+        .route(
+            "/v1/sandboxes/{id}/ports/{port}",
+            put(set_port).fallback(proxy_root),
+        )
+        .route("/v1/sandboxes/{id}/preview-token", post(rotate_token))
         .route("/v1/sandboxes/{id}/ports/{port}/", any(proxy_root))
         .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", any(proxy_rest))
 }
@@ -65,11 +76,13 @@ async fn list(
     let found = ports::list(&live.machine.agent)
         .await
         .map_err(|e| port_error(&id, 0, e))?;
-    let base = headers
-        .get(header::HOST)
-        .and_then(|h| h.to_str().ok())
-        .map(|h| format!("http://{h}"))
-        .unwrap_or_default();
+    let public = live
+        .preview
+        .read()
+        .expect("preview lock")
+        .public_ports
+        .clone();
+    let base = api_base(&headers);
     let items: Vec<_> = found
         .iter()
         .map(|p| {
@@ -78,12 +91,113 @@ async fn list(
                 "address": p.address,
                 "process": p.process,
                 "pid": p.pid,
-                "public": false,
-                "url": format!("{base}/v1/sandboxes/{id}/ports/{}/", p.port),
+                "public": public.contains(&p.port),
+                "url": port_url(&app, &base, &id, p.port),
+                "proxy_url": format!("{base}/v1/sandboxes/{id}/ports/{}/", p.port),
             })
         })
         .collect();
     Ok(axum::Json(json!({ "ports": items })).into_response())
+}
+
+/// `http://{host}` of the API as the caller reached it.
+fn api_base(headers: &HeaderMap) -> String {
+    headers
+        .get(header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .map(|h| format!("http://{h}"))
+        .unwrap_or_default()
+}
+
+/// The URL a person opens for `port`: the preview URL where the server has a preview
+/// domain, else the path proxy's.
+fn port_url(app: &AppState, base: &str, id: &str, port: u16) -> String {
+    match &app.cfg.preview {
+        Some(d) => d.url(id, port),
+        None => format!("{base}/v1/sandboxes/{id}/ports/{port}/"),
+    }
+}
+
+/// `PUT /v1/sandboxes/{id}/ports/{port}` `{"public": bool}`.
+#[derive(Debug, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PortSettings {
+    public: bool,
+}
+
+/// The caller's sandbox `id`, live on this node, without counting a call (a settings change
+/// neither needs the machine nor wakes it).
+async fn owned_live(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> Result<std::sync::Arc<crate::state::Live>, ApiError> {
+    let live = app.live.read().await.get(id).cloned();
+    match live {
+        Some(l) if l.tenant == caller.tenant => Ok(l),
+        _ => Err(crate::lifecycle::not_live(app, caller, id)),
+    }
+}
+
+async fn set_port(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path((id, port_raw)): Path<(String, String)>,
+    headers: HeaderMap,
+    Json(body): Json<PortSettings>,
+) -> Result<Response, ApiError> {
+    let port = port_of(&port_raw)?;
+    let live = owned_live(&app, &caller, &id).await?;
+    let public = {
+        let mut p = live.preview.write().expect("preview lock");
+        let mut ports = p.public_ports.clone();
+        ports.retain(|&q| q != port);
+        if body.public {
+            ports.push(port);
+            ports.sort_unstable();
+        }
+        let mut rec = app
+            .store
+            .get_sandbox(&caller.tenant, &id)?
+            .ok_or_else(|| ApiError::not_found(format!("no sandbox {id}")))?;
+        rec.public_ports = ports.clone();
+        app.store.update_sandbox(&rec)?;
+        p.public_ports = ports;
+        body.public
+    };
+    let base = api_base(&headers);
+    Ok(axum::Json(json!({
+        "port": port,
+        "public": public,
+        "url": port_url(&app, &base, &id, port),
+    }))
+    .into_response())
+}
+
+/// `POST /v1/sandboxes/{id}/preview-token`: a new token; the old one and every cookie made
+/// from it stop working at once.
+async fn rotate_token(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    let live = owned_live(&app, &caller, &id).await?;
+    let token = locker_store::new_preview_token();
+    {
+        let mut p = live.preview.write().expect("preview lock");
+        let mut rec = app
+            .store
+            .get_sandbox(&caller.tenant, &id)?
+            .ok_or_else(|| ApiError::not_found(format!("no sandbox {id}")))?;
+        rec.preview_token = token.clone();
+        app.store.update_sandbox(&rec)?;
+        p.token = token.clone();
+    }
+    Ok(axum::Json(json!({
+        "preview_token": token,
+        "preview_url": app.cfg.preview.as_ref().map(|d| d.template(&id)),
+    }))
+    .into_response())
 }
 
 async fn proxy_root(
@@ -116,6 +230,17 @@ async fn proxy(
     let rest = req.uri().path().strip_prefix(&prefix).unwrap_or("");
     let target = proxy::target_of(rest, req.uri().query())?;
     let live = live_of(&app, &caller, &id).await?;
+    // HTTP/2 names the host in the URI only; the machine's server gets it as HTTP/1's Host.
+    let mut req = req;
+    if !req.headers().contains_key(header::HOST) {
+        if let Some(h) = req
+            .uri()
+            .authority()
+            .and_then(|a| axum::http::HeaderValue::from_str(a.as_str()).ok())
+        {
+            req.headers_mut().insert(header::HOST, h);
+        }
+    }
     proxy::forward(live, &id, port, target, req).await
 }
 

@@ -21,6 +21,11 @@ use super::port_error;
 use crate::error::ApiError;
 use crate::state::Busy;
 
+/// A request extension: the request's `Authorization` is the app's own (a preview host let
+/// it in by token, cookie or public port), so it goes to the machine.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AppAuthorization;
+
 /// How long a port may take to send its response's head.
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(60);
 
@@ -122,7 +127,14 @@ pub(crate) async fn forward(
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
     let (mut parts, body) = req.into_parts();
     let client_host = parts.headers.get(header::HOST).cloned();
+    let app_auth = parts
+        .extensions
+        .get::<AppAuthorization>()
+        .and_then(|_| parts.headers.get(header::AUTHORIZATION).cloned());
     strip(&mut parts.headers, upgrade);
+    if let Some(a) = app_auth {
+        parts.headers.insert(header::AUTHORIZATION, a);
+    }
     parts.uri = target
         .parse()
         .map_err(|_| ApiError::bad_request("the path is not a valid URI"))?;

@@ -16,7 +16,7 @@ use crate::Tombstone;
 
 const SANDBOX_COLUMNS: &str = "id, tenant, state, template, template_digest, runtime, cpus, \
     memory_mb, disk_mb, network, volumes, metadata, env, ttl_s, idle_timeout_s, created_at, \
-    expires_at, last_active_at, machine_dir, cpu_ms, peak_memory_bytes";
+    expires_at, last_active_at, machine_dir, cpu_ms, peak_memory_bytes, preview_token, public_ports";
 const LIVE_STATES: &str = "('starting','running','paused')";
 
 /// A sandbox row as SQLite gives it, before the fallible conversions.
@@ -42,6 +42,8 @@ struct RawSandbox {
     machine_dir: String,
     cpu_ms: i64,
     peak_memory_bytes: i64,
+    preview_token: String,
+    public_ports: String,
 }
 
 /// Reads a row selected with [`SANDBOX_COLUMNS`], in that order.
@@ -68,6 +70,8 @@ fn raw_sandbox(r: &Row<'_>) -> rusqlite::Result<RawSandbox> {
         machine_dir: r.get(18)?,
         cpu_ms: r.get(19)?,
         peak_memory_bytes: r.get(20)?,
+        preview_token: r.get(21)?,
+        public_ports: r.get(22)?,
     })
 }
 
@@ -92,6 +96,8 @@ fn decode_sandbox(r: RawSandbox) -> Result<SandboxRecord> {
             .transpose()?,
         cpu_ms: from_i64(&ctx("cpu_ms"), r.cpu_ms)?,
         peak_memory_bytes: from_i64(&ctx("peak_memory_bytes"), r.peak_memory_bytes)?,
+        public_ports: from_json(&ctx("public_ports"), &r.public_ports)?,
+        preview_token: r.preview_token,
         id: r.id,
         tenant: r.tenant,
         template: r.template,
@@ -118,6 +124,7 @@ struct SandboxColumns<'a> {
     idle_timeout_s: Option<i64>,
     cpu_ms: i64,
     peak_memory_bytes: i64,
+    public_ports: String,
     created_unix: i64,
     expires_unix: i64,
     last_active_unix: i64,
@@ -149,6 +156,7 @@ fn encode_sandbox(s: &SandboxRecord) -> Result<SandboxColumns<'_>> {
             .transpose()?,
         cpu_ms: to_i64("cpu_ms", s.cpu_ms)?,
         peak_memory_bytes: to_i64("peak_memory_bytes", s.peak_memory_bytes)?,
+        public_ports: to_json("public_ports", &s.public_ports)?,
         created_unix: unix_of("created_at", &s.created_at)?,
         expires_unix: unix_of("expires_at", &s.expires_at)?,
         last_active_unix: unix_of("last_active_at", &s.last_active_at)?,
@@ -183,6 +191,8 @@ impl SandboxColumns<'_> {
             (":machine_dir", &s.machine_dir),
             (":cpu_ms", &self.cpu_ms),
             (":peak_memory_bytes", &self.peak_memory_bytes),
+            (":preview_token", &s.preview_token),
+            (":public_ports", &self.public_ports),
             (":created_unix", &self.created_unix),
             (":expires_unix", &self.expires_unix),
             (":last_active_unix", &self.last_active_unix),

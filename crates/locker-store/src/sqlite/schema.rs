@@ -129,6 +129,14 @@ const MIGRATIONS: &[&str] = &[
     r#"
     ALTER TABLE sandboxes ADD COLUMN end_cause TEXT;
     "#,
+    // 5: preview URLs: each sandbox's token (sandboxes of earlier releases get one here, from
+    // SQLite's CSPRNG) and its public ports (a JSON array of numbers).
+    r#"
+    ALTER TABLE sandboxes ADD COLUMN preview_token TEXT NOT NULL DEFAULT '';
+    ALTER TABLE sandboxes ADD COLUMN public_ports TEXT NOT NULL DEFAULT '[]';
+    UPDATE sandboxes SET preview_token = 'lpt_' || lower(hex(randomblob(24)))
+        WHERE preview_token = '';
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).

@@ -547,6 +547,12 @@ def _event(ev: Mapping[str, Any]) -> StreamEvent:
     return StreamEvent(t, data=ev.get("data", ""), raw=dict(ev))
 
 
+def _port(port: int) -> int:
+    if not 1 <= int(port) <= 65535:
+        raise ValueError(f"port must be 1-65535, got {port!r}")
+    return int(port)
+
+
 class Sandbox:
     """A sandbox: a machine that lives across calls (files, background processes) until
     it is deleted or its TTL ends. `info` is the last Sandbox object seen."""
@@ -682,16 +688,45 @@ class Sandbox:
 
     def ports(self) -> List[Dict[str, Any]]:
         """The TCP ports listening in the sandbox now: dicts with port, address, process,
-        pid, public and url (the path proxy's URL, reached with the API key)."""
+        pid, public, url (the preview URL where the server has a preview domain) and
+        proxy_url (the path proxy's URL, reached with the API key)."""
         return self._c.request("GET", f"/v1/sandboxes/{_seg(self.id)}/ports")["ports"]
 
     def url(self, port: int, path: str = "/") -> str:
         """The URL that reaches `port` in the sandbox through the server's path proxy
-        (send the API key as a Bearer token, as for every call). WebSocket and streamed
-        bodies pass too; a paused sandbox wakes for a request."""
-        if not 1 <= int(port) <= 65535:
-            raise ValueError(f"port must be 1-65535, got {port!r}")
-        return f"{self._c.url}/v1/sandboxes/{_seg(self.id)}/ports/{int(port)}/{path.lstrip('/')}"
+        (send the API key as a Bearer token, as for every call): for code, since it needs
+        no DNS name. WebSocket and streamed bodies pass too; a paused sandbox wakes for a
+        request. For a browser use `preview_url`."""
+        port = _port(port)
+        return f"{self._c.url}/v1/sandboxes/{_seg(self.id)}/ports/{port}/{path.lstrip('/')}"
+
+    def preview_url(self, port: int, path: str = "/", token: bool = True) -> Optional[str]:
+        """The preview URL of `port` (`http://{port}-{id}.{domain}/…`) for a person's
+        browser, with `?locker_token=` unless `token=False` (the server swaps it for a cookie
+        for that host); None when the server has no preview domain. A public port (see
+        `expose`) needs no token."""
+        port = _port(port)
+        template = self.info.get("preview_url") or self.refresh().info.get("preview_url")
+        if not template:
+            return None
+        url = template.replace("{port}", str(port)).rstrip("/") + "/" + path.lstrip("/")
+        if token and self.info.get("preview_token"):
+            url += ("&" if "?" in url else "?") + "locker_token=" + self.info["preview_token"]
+        return url
+
+    def expose(self, port: int, public: bool = True) -> str:
+        """Opens `port` to anyone with its preview URL (`public=False` makes it private
+        again: the API key, the preview token or its cookie) and returns that URL (the path
+        proxy's on a server without a preview domain)."""
+        port = _port(port)
+        d = self._c.request("PUT", f"/v1/sandboxes/{_seg(self.id)}/ports/{port}", {"public": bool(public)})
+        return d["url"]
+
+    def rotate_preview_token(self) -> str:
+        """A new preview token; the old one and the cookies made from it stop working."""
+        d = self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/preview-token")
+        self.info["preview_token"] = d["preview_token"]
+        return d["preview_token"]
 
     def pause(self) -> None:
         self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/pause")
