@@ -680,3 +680,77 @@ fn local_commands_fail_in_one_locker_line_like_client_commands() {
         );
     }
 }
+
+#[test]
+fn ports_get_preview_urls_a_browser_opens_and_open_and_close_from_the_cli() {
+    let s = Server::start();
+    // `sandbox create` prints the id alone on stdout and the preview URL on stderr.
+    let out = output_of(locker(&s, &["sandbox", "create"]));
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let sb = the_id(&text(&out.stdout), "sb_");
+    let err = text(&out.stderr);
+    assert!(
+        err.contains(&format!("preview: http://{{port}}-{sb}.localhost:")),
+        "{err}"
+    );
+    let got = ok(&s, &["sandbox", "get", &sb]);
+    assert!(
+        got.contains("preview_url:") && got.contains("lpt_"),
+        "{got}"
+    );
+    let token = ok_json(&s, &["sandbox", "get", &sb])["preview_token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let port = s.url.rsplit_once(':').unwrap().1;
+
+    // A private port's URL carries the token; --bare does not.
+    let url = ok(&s, &["port", "url", &sb, "8000", "/app?x=1"]);
+    assert_eq!(
+        url.trim(),
+        format!("http://8000-{sb}.localhost:{port}/app?x=1&locker_token={token}")
+    );
+    let bare_url = ok(&s, &["port", "url", &sb, "8000", "--bare"]);
+    assert_eq!(
+        bare_url.trim(),
+        format!("http://8000-{sb}.localhost:{port}/")
+    );
+
+    // open / close flip the port; a public port's URL needs no token.
+    let opened = ok(&s, &["port", "open", &sb, "8000"]);
+    assert_eq!(
+        opened.trim(),
+        format!("port 8000 is public: http://8000-{sb}.localhost:{port}/")
+    );
+    api_serving_check(&s, &sb);
+    assert_eq!(
+        ok(&s, &["port", "url", &sb, "8000"]).trim(),
+        format!("http://8000-{sb}.localhost:{port}/")
+    );
+    assert_eq!(
+        ok(&s, &["port", "close", &sb, "8000"]).trim(),
+        "port 8000 is private"
+    );
+    let out = output_of(locker(&s, &["port", "open", &sb, "0"]));
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+}
+
+/// A server on port 8000 of `sb`, so that `locker port url` sees whether it is public.
+fn api_serving_check(s: &Server, sb: &str) {
+    let api = s.api();
+    api.sh(
+        sb,
+        "cd /tmp && (python3 -m http.server 8000 >/dev/null 2>&1 &)",
+    );
+    locker_tests::wait_for(Duration::from_secs(30), "port 8000 to listen", || {
+        let v = api
+            .get(&format!("/v1/sandboxes/{sb}/ports"))
+            .expect(200, "ports");
+        v["ports"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["port"] == 8000)
+            .map(|p| assert_eq!(p["public"], true, "{v}"))
+    });
+}
