@@ -94,6 +94,13 @@ fn a_server_in_a_jail_is_listed_and_reached_through_the_path_proxy() {
 }
 
 #[test]
+fn a_server_in_a_jail_with_egress_is_reached_through_the_path_proxy() {
+    // The proxy dials into the jail's own namespace: its egress rules must not stand in
+    // the way (loopback) and the way in must not change them.
+    reached_through_the_proxy(json!({"network": {"egress": "all"}}));
+}
+
+#[test]
 fn a_server_in_a_microvm_is_listed_and_reached_through_the_path_proxy() {
     reached_through_the_proxy(json!({"runtime": "microvm", "memory_mb": 256}));
 }

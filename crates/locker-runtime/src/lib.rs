@@ -35,6 +35,7 @@
 pub mod agent;
 pub mod cgroup;
 pub mod commit;
+pub mod dial;
 pub mod disk;
 pub mod doctor;
 pub mod fuse;

@@ -34,6 +34,15 @@ pub enum PortError {
     Unsupported,
     #[error(transparent)]
     Agent(#[from] AgentClientError),
+    /// The machine has this many connections from the proxy open already.
+    #[error(
+        "{0} connections to the machine's ports are open already (the limit per sandbox): \
+         close some (kept-alive connections, WebSockets) and retry"
+    )]
+    Busy(usize),
+    /// The host could not make the connection (entering the jail's namespace, a thread).
+    #[error("connecting into the machine: {0}")]
+    Dial(std::io::Error),
 }
 
 fn classify(e: AgentClientError) -> PortError {

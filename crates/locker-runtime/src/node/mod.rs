@@ -156,9 +156,26 @@ pub struct Machine {
     cgroup: MachineCgroup,
     /// The jail's shim, or the microVM's QEMU, when this process started it.
     shim: Mutex<Option<tokio::process::Child>>,
+    /// A jail's network namespace, taken while its PID 1 was known alive (the proxy dials
+    /// ports there, see [`crate::dial`]); `None` for a microVM.
+    netns: Option<crate::dial::Netns>,
+}
+
+/// The handle on a jail's network namespace, if it can be had (else the proxy takes the
+/// agent's tunnel).
+fn jail_netns(state: &MachineState) -> Option<crate::dial::Netns> {
+    let jail = state.as_jail()?;
+    crate::dial::Netns::of_pid(jail.agent_pid)
+        .map_err(|e| tracing::debug!(machine = %jail.id, error = %e, "no handle on the jail's network namespace"))
+        .ok()
 }
 
 impl Machine {
+    /// The jail's network namespace handle, if any.
+    pub fn netns(&self) -> Option<&crate::dial::Netns> {
+        self.netns.as_ref()
+    }
+
     pub fn kind(&self) -> RuntimeKind {
         self.state.kind()
     }
@@ -332,10 +349,12 @@ impl Node {
         }
         .await;
         let (state, child, agent) = unwind.check(started).await?;
+        let state = MachineState::Jail(state);
         Ok(Machine {
             id: spec.id.clone(),
             dir: spec.dir,
-            state: MachineState::Jail(state),
+            netns: jail_netns(&state),
+            state,
             agent,
             cgroup: MachineCgroup::new(self.layout.clone(), &spec.id),
             shim: Mutex::new(Some(child)),
@@ -436,6 +455,7 @@ impl Node {
             agent,
             cgroup,
             shim: Mutex::new(Some(child)),
+            netns: None,
         };
         if !attach.binds.is_empty() || !attach.overlays.is_empty() {
             if let Err(e) = self.share(&m, attach.binds, attach.overlays).await {
@@ -517,6 +537,7 @@ impl Node {
         Ok(Machine {
             id: id.to_owned(),
             dir: dir.to_owned(),
+            netns: jail_netns(&state),
             state,
             agent,
             cgroup: MachineCgroup::new(self.layout.clone(), id),

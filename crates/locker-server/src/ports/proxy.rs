@@ -1,5 +1,6 @@
 //! The forwarding core of the port proxy: one request into `127.0.0.1:{port}` of a machine
-//! through the agent's tunnel, and the answer back. Bodies stream both ways (never held
+//! (a socket in a jail's namespace, or the agent's tunnel: `locker_runtime::dial`), and the
+//! answer back. Bodies stream both ways (never held
 //! whole), upgrades (WebSocket) are relayed as raw bytes, server-sent events pass as they
 //! come. What the machine answers is hostile input: a malformed response is a 502, a port
 //! that accepts and never answers is cut after [`ANSWER_DEADLINE`], and the caller's
@@ -15,7 +16,6 @@ use axum::extract::Request;
 use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::Response;
 use hyper_util::rt::TokioIo;
-use locker_runtime::ports;
 
 use super::port_error;
 use crate::error::ApiError;
@@ -108,7 +108,7 @@ pub(crate) async fn forward(
     target: String,
     mut req: Request,
 ) -> Result<Response, ApiError> {
-    let tunnel = ports::connect(&live.machine.agent, port)
+    let tunnel = locker_runtime::dial::dial(&live.machine, port)
         .await
         .map_err(|e| port_error(id, port, e))?;
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel))
