@@ -162,6 +162,25 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
             })
 }
 
+/// The task driving a connection into the machine, ended when dropped unless an answer took
+/// it over: a request that got an error instead (no head in time, a malformed one) must not
+/// keep streaming its upload into the machine or hold its tunnel's place.
+struct Connection(Option<tokio::task::AbortHandle>);
+
+impl Connection {
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
 /// Carries `req` to `target` (from [`target_of`]) on `port` of the sandbox `live` holds, and
 /// its answer back. `live` is the sandbox's busy guard: it is held while the answer's body
 /// streams or an upgraded connection stays open, so neither is idle time.
@@ -179,13 +198,16 @@ pub(crate) async fn forward(
         .await
         .map_err(|e| ApiError::bad_gateway(format!("port {port} in sandbox {id}: {e}")))?;
     let sandbox = id.to_owned();
-    tokio::spawn(async move {
-        // The connection ends with the response (or the upgrade): its error, if any, is the
-        // client's to see in the response.
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(sandbox = %sandbox, port, error = %e, "port connection ended");
-        }
-    });
+    let connection = Connection(Some(
+        tokio::spawn(async move {
+            // The connection ends with the response (or the upgrade): its error, if any, is
+            // the client's to see in the response.
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(sandbox = %sandbox, port, error = %e, "port connection ended");
+            }
+        })
+        .abort_handle(),
+    ));
 
     let upgrade = is_upgrade(req.headers());
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
@@ -247,6 +269,7 @@ pub(crate) async fn forward(
         });
         let (mut parts, _) = resp.into_parts();
         strip(&mut parts.headers, true);
+        connection.keep();
         return Ok(Response::from_parts(parts, Body::empty()));
     }
     let (mut parts, body) = resp.into_parts();
@@ -257,6 +280,7 @@ pub(crate) async fn forward(
         let _ = &live;
         e
     }));
+    connection.keep();
     Ok(Response::from_parts(parts, body))
 }
 
