@@ -105,9 +105,17 @@ fn get_raw(s: &Server, target: &str) -> Raw {
 }
 
 fn message_of(r: &Raw) -> String {
-    let v: Value = serde_json::from_slice(&r.body)
-        .unwrap_or_else(|_| panic!("a JSON error: {} {:?}", r.head, String::from_utf8_lossy(&r.body)));
-    v["error"]["message"].as_str().unwrap_or_default().to_owned()
+    let v: Value = serde_json::from_slice(&r.body).unwrap_or_else(|_| {
+        panic!(
+            "a JSON error: {} {:?}",
+            r.head,
+            String::from_utf8_lossy(&r.body)
+        )
+    });
+    v["error"]["message"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
 }
 
 #[test]
@@ -117,9 +125,9 @@ fn a_port_that_never_answers_is_cut_at_the_deadline_but_a_slow_upload_is_not() {
     let id = serving(&api, &json!({}));
 
     let t = Instant::now();
-    let m = api
-        .get(&path(&id, "/hang"))
-        .expect_error(502, "bad_gateway", "a port that never answers");
+    let m =
+        api.get(&path(&id, "/hang"))
+            .expect_error(502, "bad_gateway", "a port that never answers");
     let took = t.elapsed();
     eprintln!("a silent port was cut after {took:?}");
     assert!(m.contains("sent no response within 1500 ms"), "{m}");
@@ -154,7 +162,13 @@ fn a_port_that_never_answers_is_cut_at_the_deadline_but_a_slow_upload_is_not() {
     let mut all = Vec::new();
     let _ = c.read_to_end(&mut all);
     let r = parse(&all);
-    assert_eq!(r.status, 200, "{} {:?}", r.head, String::from_utf8_lossy(&r.body));
+    assert_eq!(
+        r.status,
+        200,
+        "{} {:?}",
+        r.head,
+        String::from_utf8_lossy(&r.body)
+    );
     let v: Value = serde_json::from_slice(&r.body).unwrap();
     assert_eq!(v["length"], 6 * 64 * 1024, "{v}");
 
@@ -188,8 +202,15 @@ fn a_port_that_never_answers_is_cut_at_the_deadline_but_a_slow_upload_is_not() {
     eprintln!("a port that never read the upload was cut, its connection closed, after {took:?}");
     assert_eq!(r.status, 502, "{}", r.head);
     // Cut is cut: the upload does not go on trickling into the machine behind the 502.
-    assert!(took < Duration::from_secs(10), "the connection stayed open {took:?}");
-    assert!(message_of(&r).contains("no response within"), "{}", message_of(&r));
+    assert!(
+        took < Duration::from_secs(10),
+        "the connection stayed open {took:?}"
+    );
+    assert!(
+        message_of(&r).contains("no response within"),
+        "{}",
+        message_of(&r)
+    );
     // Unblocks the writer however the server left the connection.
     let _ = c.shutdown(std::net::Shutdown::Both);
     let _ = writer.join();
@@ -213,7 +234,10 @@ fn malformed_and_huge_answer_heads_get_502_and_the_server_stays_small() {
             .get(&path(&id, route))
             .expect_error(502, "bad_gateway", what);
         eprintln!("{what}: {m}");
-        assert!(m.contains("did not answer with valid HTTP/1"), "{what}: {m}");
+        assert!(
+            m.contains("did not answer with valid HTTP/1"),
+            "{what}: {m}"
+        );
         assert!(m.contains(&format!("port {PORT} in sandbox {id}")), "{m}");
     }
     let grew = rss_kib(s.pid()).saturating_sub(before);
@@ -375,7 +399,9 @@ fn a_server_that_closes_mid_body_leaves_the_client_a_visibly_cut_answer() {
     let r = get_raw(&s, &path(&id, "/cutchunked"));
     assert_eq!(r.status, 200, "{}", r.head);
     assert!(
-        r.head.to_ascii_lowercase().contains("transfer-encoding: chunked"),
+        r.head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
         "{}",
         r.head
     );
@@ -427,7 +453,10 @@ fn upgraded(s: &Server, id: &str) -> Result<TcpStream, (u16, String)> {
     let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
     Err((
         r.status,
-        v["error"]["message"].as_str().unwrap_or_default().to_owned(),
+        v["error"]["message"]
+            .as_str()
+            .unwrap_or_default()
+            .to_owned(),
     ))
 }
 
@@ -662,7 +691,10 @@ fn no_address_leads_from_one_sandbox_to_another_sandboxs_port() {
                 );
             }
             let got = http_probe(&api, &a, addr, *port, &path(&b, "/echo"));
-            eprintln!("egress {net}: {what} ({addr}:{port}): {:?}", got.lines().next());
+            eprintln!(
+                "egress {net}: {what} ({addr}:{port}): {:?}",
+                got.lines().next()
+            );
             assert!(
                 !got.contains("sha256") && !got.contains("unauthorized"),
                 "egress {net}: {what} ({addr}:{port}) answered: {got}"
@@ -675,7 +707,11 @@ fn no_address_leads_from_one_sandbox_to_another_sandboxs_port() {
         let seen = network_of(&api, &a);
         api.get(&path(&a, "/echo"))
             .expect(200, "a request through the proxy");
-        assert_eq!(network_of(&api, &a), seen, "egress {net}: the network changed");
+        assert_eq!(
+            network_of(&api, &a),
+            seen,
+            "egress {net}: the network changed"
+        );
         if net["egress"] == "none" {
             assert_eq!(
                 api.sh(&a, "ls /sys/class/net | tr '\\n' ' '").trim(),

@@ -48,7 +48,12 @@ fn first_byte_after_idle_pause(api: &Api, id: &str, port: u16, rest: &str) -> Du
     });
     let t = Instant::now();
     let (status, _, mut body) = api
-        .open("GET", &format!("/v1/sandboxes/{id}/ports/{port}{rest}"), &[], ())
+        .open(
+            "GET",
+            &format!("/v1/sandboxes/{id}/ports/{port}{rest}"),
+            &[],
+            (),
+        )
         .unwrap();
     let first = t.elapsed();
     assert_eq!(status, 200, "a request to a paused sandbox");
@@ -62,7 +67,8 @@ fn a_server_in_a_microvm_serves_files_events_a_websocket_and_wakes_from_an_idle_
     let s = Server::start();
     let api = s.api().with_timeout(Duration::from_secs(600));
     let t = Instant::now();
-    let id = api.create_sandbox(&json!({"runtime": "microvm", "memory_mb": 512, "idle_timeout_s": 3}))
+    let id = api
+        .create_sandbox(&json!({"runtime": "microvm", "memory_mb": 512, "idle_timeout_s": 3}))
         ["id"]
         .as_str()
         .unwrap()
@@ -82,21 +88,36 @@ fn a_server_in_a_microvm_serves_files_events_a_websocket_and_wakes_from_an_idle_
             "timeout_ms": 120000}),
     );
     assert_eq!(r["exit_code"], 0, "{r}");
-    let want = r["stdout"].as_str().unwrap().split_whitespace().next().unwrap().to_owned();
+    let want = r["stdout"]
+        .as_str()
+        .unwrap()
+        .split_whitespace()
+        .next()
+        .unwrap()
+        .to_owned();
     wait_listed(&api, &id, 8001);
     wait_listed(&api, &id, 8000);
 
     // A file from `python3 -m http.server`, exact.
     let t = Instant::now();
     let (status, _, mut body) = api
-        .open("GET", &format!("/v1/sandboxes/{id}/ports/8001/f.bin"), &[], ())
+        .open(
+            "GET",
+            &format!("/v1/sandboxes/{id}/ports/8001/f.bin"),
+            &[],
+            (),
+        )
         .unwrap();
     assert_eq!(status, 200);
     let mut got = Vec::new();
     body.read_to_end(&mut got).unwrap();
     let secs = t.elapsed().as_secs_f64();
     assert_eq!(got.len() as u64, 32 * MIB);
-    assert_eq!(hex(&Sha256::digest(&got)), want, "the file through the proxy");
+    assert_eq!(
+        hex(&Sha256::digest(&got)),
+        want,
+        "the file through the proxy"
+    );
     eprintln!(
         "microVM download: 32 MiB in {secs:.1} s = {:.1} MB/s",
         32.0 * 1.048576 / secs
@@ -124,7 +145,12 @@ fn a_server_in_a_microvm_serves_files_events_a_websocket_and_wakes_from_an_idle_
     // Events as they are sent (0.7 s apart), not at the end.
     let t = Instant::now();
     let (status, headers, mut body) = api
-        .open("GET", &format!("/v1/sandboxes/{id}/ports/8000/sse"), &[], ())
+        .open(
+            "GET",
+            &format!("/v1/sandboxes/{id}/ports/8000/sse"),
+            &[],
+            (),
+        )
         .unwrap();
     assert_eq!(status, 200);
     assert_eq!(headers["content-type"], "text/event-stream");
@@ -208,7 +234,10 @@ fn an_idle_paused_jail_answers_its_first_request_quickly() {
         .map(|_| first_byte_after_idle_pause(&api, &id, 8000, "/echo"))
         .collect();
     times.sort();
-    eprintln!("jail: first byte after an idle pause: {times:?}, p50 {:?}", times[2]);
+    eprintln!(
+        "jail: first byte after an idle pause: {times:?}, p50 {:?}",
+        times[2]
+    );
     assert!(
         times[2] < Duration::from_millis(500),
         "a paused jail took {:?} (p50) to answer",

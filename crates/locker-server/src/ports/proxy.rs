@@ -80,7 +80,11 @@ impl Progress {
 }
 
 /// Waits for `answer` until the request has been still for `deadline`; `None` past it.
-async fn within<F: Future>(progress: &Progress, deadline: Duration, answer: F) -> Option<F::Output> {
+async fn within<F: Future>(
+    progress: &Progress,
+    deadline: Duration,
+    answer: F,
+) -> Option<F::Output> {
     let mut answer = pin!(answer);
     loop {
         let until = progress.last() + deadline;
