@@ -306,6 +306,36 @@ mod tests {
     }
 
     #[test]
+    fn the_answer_deadline_counts_from_the_requests_last_move() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let deadline = Duration::from_millis(150);
+            let still = Progress::new();
+            let t = Instant::now();
+            assert!(within(&still, deadline, std::future::pending::<()>())
+                .await
+                .is_none());
+            assert!(t.elapsed() >= deadline);
+            // A body moving for three deadlines, then the answer: served.
+            let moving = Progress::new();
+            let mover = moving.clone();
+            let answer = async move {
+                for _ in 0..9 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    mover.touch();
+                }
+                7
+            };
+            assert_eq!(within(&moving, deadline, answer).await, Some(7));
+        });
+        assert_eq!(spoken(Duration::from_secs(60)), "60 s");
+        assert_eq!(spoken(Duration::from_millis(1500)), "1500 ms");
+    }
+
+    #[test]
     fn credentials_and_hop_headers_are_not_forwarded() {
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, "Bearer lk_secret".parse().unwrap());
