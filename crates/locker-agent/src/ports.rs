@@ -20,8 +20,11 @@ use locker_proto::{AgentError, Chan, EndBody, ErrorCode, PortInfo, Reply};
 use crate::conn::{Inbound, Recv, Stream};
 use crate::Agent;
 
-/// Tunnels open at once at most; past it a `Connect` answers `Busy`.
-pub const MAX_TUNNELS: usize = 512;
+/// Tunnels open at once at most; past it a `Connect` answers `Busy` (a 429 at the proxy).
+/// Each costs the machine two threads (this stream's and its `port-out` pump), counted in
+/// the sandbox's process limit (1024): at 256, a flood of connections takes half of it and
+/// the machine's own commands can still start.
+pub const MAX_TUNNELS: usize = 256;
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// `st` of a listening socket in `/proc/net/tcp*`.
 const TCP_LISTEN: &str = "0A";
@@ -161,7 +164,10 @@ pub fn connect(agent: &Agent, s: &Arc<Stream>, port: u16) {
     if open >= MAX_TUNNELS {
         return s.fail(AgentError::new(
             ErrorCode::Busy,
-            format!("{MAX_TUNNELS} connections into the machine are open already"),
+            format!(
+                "{MAX_TUNNELS} connections to the machine's ports are open already (the limit \
+                 per sandbox): close some (kept-alive connections, WebSockets) and retry"
+            ),
         ));
     }
     let targets = [

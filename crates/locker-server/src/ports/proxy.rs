@@ -2,14 +2,19 @@
 //! (a socket in a jail's namespace, or the agent's tunnel: `locker_runtime::dial`), and the
 //! answer back. Bodies stream both ways (never held
 //! whole), upgrades (WebSocket) are relayed as raw bytes, server-sent events pass as they
-//! come. What the machine answers is hostile input: a malformed response is a 502, a port
-//! that accepts and never answers is cut after [`ANSWER_DEADLINE`], and the caller's
-//! credentials (`Authorization`, Locker's token and cookie) are never forwarded.
+//! come. What the machine answers is hostile input: a malformed response (or a head past
+//! hyper's limits) is a 502, a port that accepts and never answers is cut [`ANSWER_DEADLINE`]
+//! after the request's last byte (`LOCKER_PORT_ANSWER_DEADLINE_MS` overrides it), and the
+//! caller's credentials (`Authorization`, Locker's token and cookie) are never forwarded.
 //!
 //! Owns one request's way through; who may ask, and which sandbox and port a request names
 //! (the API path or a preview host), are decided before it, in `ports` and `ports::preview`.
 
-use std::time::Duration;
+use std::future::Future;
+use std::pin::pin;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::Request;
@@ -26,8 +31,76 @@ use crate::state::Busy;
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AppAuthorization;
 
-/// How long a port may take to send its response's head.
+/// How long a port may take to send its response's head, counted from the request's last
+/// byte (an upload that takes minutes is not the port's silence).
 pub const ANSWER_DEADLINE: Duration = Duration::from_secs(60);
+
+/// [`ANSWER_DEADLINE`], or `LOCKER_PORT_ANSWER_DEADLINE_MS` when it is set to a positive
+/// number (read once: tests and operators with slow services set it at start).
+fn answer_deadline() -> Duration {
+    static DEADLINE: OnceLock<Duration> = OnceLock::new();
+    *DEADLINE.get_or_init(|| {
+        std::env::var("LOCKER_PORT_ANSWER_DEADLINE_MS")
+            .ok()
+            .and_then(|v| v.trim().parse::<u64>().ok())
+            .filter(|ms| *ms > 0)
+            .map(Duration::from_millis)
+            .unwrap_or(ANSWER_DEADLINE)
+    })
+}
+
+/// `60 s`, or `1500 ms` where seconds would round.
+fn spoken(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{} ms", d.as_millis())
+    }
+}
+
+/// When the request last moved: its start, then each chunk of its body taken for the machine.
+#[derive(Clone)]
+struct Progress {
+    start: Instant,
+    /// Milliseconds after `start`.
+    last: Arc<AtomicU64>,
+}
+
+impl Progress {
+    fn new() -> Self {
+        Progress {
+            start: Instant::now(),
+            last: Arc::new(AtomicU64::new(0)),
+        }
+    }
+
+    fn touch(&self) {
+        let ms = self.start.elapsed().as_millis() as u64;
+        self.last.store(ms, Ordering::Relaxed);
+    }
+
+    fn last(&self) -> Instant {
+        self.start + Duration::from_millis(self.last.load(Ordering::Relaxed))
+    }
+}
+
+/// Waits for `answer` until the request has been still for `deadline`; `None` past it.
+async fn within<F: Future>(
+    progress: &Progress,
+    deadline: Duration,
+    answer: F,
+) -> Option<F::Output> {
+    let mut answer = pin!(answer);
+    loop {
+        let until = progress.last() + deadline;
+        if let Ok(out) = tokio::time::timeout_at(until.into(), answer.as_mut()).await {
+            return Some(out);
+        }
+        if progress.last() + deadline <= Instant::now() {
+            return None;
+        }
+    }
+}
 
 /// What the server in the machine is asked for: `rest` (the request's path after the part
 /// that named the sandbox and port, still percent-encoded) with the query. A `.` or `..`
@@ -98,6 +171,25 @@ fn is_upgrade(headers: &HeaderMap) -> bool {
             })
 }
 
+/// The task driving a connection into the machine, ended when dropped unless an answer took
+/// it over: a request that got an error instead (no head in time, a malformed one) must not
+/// keep streaming its upload into the machine or hold its tunnel's place.
+struct Connection(Option<tokio::task::AbortHandle>);
+
+impl Connection {
+    fn keep(mut self) {
+        self.0 = None;
+    }
+}
+
+impl Drop for Connection {
+    fn drop(&mut self) {
+        if let Some(task) = self.0.take() {
+            task.abort();
+        }
+    }
+}
+
 /// Carries `req` to `target` (from [`target_of`]) on `port` of the sandbox `live` holds, and
 /// its answer back. `live` is the sandbox's busy guard: it is held while the answer's body
 /// streams or an upgraded connection stays open, so neither is idle time.
@@ -115,13 +207,16 @@ pub(crate) async fn forward(
         .await
         .map_err(|e| ApiError::bad_gateway(format!("port {port} in sandbox {id}: {e}")))?;
     let sandbox = id.to_owned();
-    tokio::spawn(async move {
-        // The connection ends with the response (or the upgrade): its error, if any, is the
-        // client's to see in the response.
-        if let Err(e) = conn.with_upgrades().await {
-            tracing::debug!(sandbox = %sandbox, port, error = %e, "port connection ended");
-        }
-    });
+    let connection = Connection(Some(
+        tokio::spawn(async move {
+            // The connection ends with the response (or the upgrade): its error, if any, is
+            // the client's to see in the response.
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(sandbox = %sandbox, port, error = %e, "port connection ended");
+            }
+        })
+        .abort_handle(),
+    ));
 
     let upgrade = is_upgrade(req.headers());
     let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
@@ -145,22 +240,29 @@ pub(crate) async fn forward(
     if let Some(h) = client_host {
         parts.headers.insert("x-forwarded-host", h);
     }
+    let progress = Progress::new();
+    let moved = progress.clone();
+    let body = Body::new(http_body_util::BodyExt::map_frame(body, move |f| {
+        moved.touch();
+        f
+    }));
     let out = Request::from_parts(parts, body);
 
-    let answered = tokio::time::timeout(ANSWER_DEADLINE, sender.send_request(out)).await;
-    let mut resp = match answered {
-        Err(_) => {
+    let deadline = answer_deadline();
+    let mut resp = match within(&progress, deadline, sender.send_request(out)).await {
+        None => {
             return Err(ApiError::bad_gateway(format!(
-                "port {port} in sandbox {id} accepted the request but sent no response within {} s",
-                ANSWER_DEADLINE.as_secs()
+                "port {port} in sandbox {id} accepted the request but sent no response within \
+                 {} of its last byte; the server there is stuck or too slow",
+                spoken(deadline)
             )))
         }
-        Ok(Err(e)) => {
+        Some(Err(e)) => {
             return Err(ApiError::bad_gateway(format!(
                 "port {port} in sandbox {id} did not answer with valid HTTP/1: {e}"
             )))
         }
-        Ok(Ok(r)) => r,
+        Some(Ok(r)) => r,
     };
 
     if resp.status() == StatusCode::SWITCHING_PROTOCOLS {
@@ -183,6 +285,7 @@ pub(crate) async fn forward(
         });
         let (mut parts, _) = resp.into_parts();
         strip(&mut parts.headers, true);
+        connection.keep();
         return Ok(Response::from_parts(parts, Body::empty()));
     }
     let (mut parts, body) = resp.into_parts();
@@ -193,6 +296,7 @@ pub(crate) async fn forward(
         let _ = &live;
         e
     }));
+    connection.keep();
     Ok(Response::from_parts(parts, body))
 }
 
@@ -211,6 +315,36 @@ mod tests {
         for bad in ["/../x", "/a/%2e%2E/x", "/./x", "/a%2fb", "/a%5Cb"] {
             assert!(target_of(bad, None).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_answer_deadline_counts_from_the_requests_last_move() {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .unwrap();
+        rt.block_on(async {
+            let deadline = Duration::from_millis(150);
+            let still = Progress::new();
+            let t = Instant::now();
+            assert!(within(&still, deadline, std::future::pending::<()>())
+                .await
+                .is_none());
+            assert!(t.elapsed() >= deadline);
+            // A body moving for three deadlines, then the answer: served.
+            let moving = Progress::new();
+            let mover = moving.clone();
+            let answer = async move {
+                for _ in 0..9 {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    mover.touch();
+                }
+                7
+            };
+            assert_eq!(within(&moving, deadline, answer).await, Some(7));
+        });
+        assert_eq!(spoken(Duration::from_secs(60)), "60 s");
+        assert_eq!(spoken(Duration::from_millis(1500)), "1500 ms");
     }
 
     #[test]
