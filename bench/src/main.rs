@@ -78,6 +78,9 @@ pub struct Args {
     /// Size of the ports rows' download, in MiB (through the proxy and directly).
     #[arg(long, default_value_t = 1024)]
     pub download_mib: u64,
+    /// Measured downloads each way of the ports rows (alternating direct and proxied).
+    #[arg(long, default_value_t = 3)]
+    pub downloads: usize,
     /// Measured pause/wake cycles of the ports rows (after one warm-up cycle).
     #[arg(long, default_value_t = 20)]
     pub wake_cycles: usize,

@@ -280,8 +280,8 @@ impl Cpus {
     }
 }
 
-/// A download of `--download-mib` MiB through the proxy and directly, each after a 64 MiB
-/// warm-up on the same connection; with the CPU each process on the way spent per GiB.
+/// `--downloads` downloads of `--download-mib` MiB each through the proxy and directly,
+/// alternating, after a 64 MiB warm-up on each connection; with the CPU each process on the way spent per GiB.
 fn download_rows(
     args: &Args,
     srv: &Server,
@@ -304,47 +304,61 @@ fn download_rows(
 
     let mut near = direct(ns)?;
     near.get(&warm).context("direct warm-up download")?;
-    let c0 = cpus.now();
-    let t0 = Instant::now();
-    let a = near.get(&big).context("direct download")?;
-    let direct_s = t0.elapsed().as_secs_f64();
-    let direct_cpu = cpus.per_gib(&c0, &cpus.now(), a.body_bytes);
-    drop(near);
-    check_stop()?;
-
     let mut proxy = Conn::to(srv.addr, Some(&srv.api_key))?;
     proxy
         .get(&proxied(id, &warm))
         .context("proxied warm-up download")?;
-    let c0 = cpus.now();
-    let t0 = Instant::now();
-    let b = proxy.get(&proxied(id, &big)).context("proxied download")?;
-    let proxy_s = t0.elapsed().as_secs_f64();
-    let proxy_cpu = cpus.per_gib(&c0, &cpus.now(), b.body_bytes);
-    let (d_mbs, p_mbs) = (
-        a.body_bytes as f64 / 1e6 / direct_s,
-        b.body_bytes as f64 / 1e6 / proxy_s,
+    // Alternated, so both sides see the same weather on a shared host.
+    let runs = args.downloads.max(1);
+    let (mut d_mbs, mut p_mbs, mut p_first) = (vec![], vec![], vec![]);
+    let (mut d_cpu, mut p_cpu) = (vec![0.0; cpus.who.len()], vec![0.0; cpus.who.len()]);
+    let add = |acc: &mut Vec<f64>, before: Vec<f64>, after: Vec<f64>| {
+        for (k, (b, a)) in before.iter().zip(after).enumerate() {
+            acc[k] += a - b;
+        }
+    };
+    for _ in 0..runs {
+        check_stop()?;
+        let c0 = cpus.now();
+        let t0 = Instant::now();
+        let a = near.get(&big).context("direct download")?;
+        d_mbs.push(a.body_bytes as f64 / 1e6 / t0.elapsed().as_secs_f64());
+        add(&mut d_cpu, c0, cpus.now());
+        check_stop()?;
+        let c0 = cpus.now();
+        let t0 = Instant::now();
+        let b = proxy.get(&proxied(id, &big)).context("proxied download")?;
+        p_mbs.push(b.body_bytes as f64 / 1e6 / t0.elapsed().as_secs_f64());
+        p_first.push(ms(b.first_byte));
+        add(&mut p_cpu, c0, cpus.now());
+    }
+    let zero = vec![0.0; cpus.who.len()];
+    let moved = bytes * runs as u64;
+    let (direct_cpu, proxy_cpu) = (
+        cpus.per_gib(&zero, &d_cpu, moved),
+        cpus.per_gib(&zero, &p_cpu, moved),
     );
-    let share = 100.0 * p_mbs / d_mbs;
+    let (d50, p50) = (percentile(&d_mbs, 50.0), percentile(&p_mbs, 50.0));
+    let share = 100.0 * p50 / d50;
     println!(
-        "  {} MiB download: proxy {p_mbs:.0} MB/s, direct {d_mbs:.0} MB/s ({share:.0}%)\n    CPU per GiB, proxied: {proxy_cpu}\n    CPU per GiB, direct: {direct_cpu}",
+        "  {} MiB download ×{runs}: proxy p50 {p50:.0} MB/s, direct p50 {d50:.0} MB/s ({share:.0}%)\n    CPU per GiB, proxied: {proxy_cpu}\n    CPU per GiB, direct: {direct_cpu}",
         args.download_mib
     );
-    let what = format!("GET /big?n={bytes} ({} MiB, written in 1 MiB blocks by the asyncio server), read and discarded in 1 MiB reads; one measured download after a 64 MiB warm-up on the same connection", args.download_mib);
+    let what = format!("GET /big?n={bytes} ({} MiB, written in 1 MiB blocks by the asyncio server), read and discarded in 1 MiB reads; {runs} downloads each way, alternating direct and proxied, after a 64 MiB warm-up on each connection", args.download_mib);
     rows.push(
-        Row::new(PROXY_DOWNLOAD, "MB/s", vec![p_mbs], 1)
-            .note(format!("{what}; through the proxy on loopback; {proxy_s:.2} s, first byte after {:.2} ms; CPU (user + system) per GiB: {proxy_cpu}", ms(b.first_byte)))
+        Row::new(PROXY_DOWNLOAD, "MB/s", p_mbs, 1)
+            .note(format!("{what}; through the proxy on one kept-alive connection to locker serve on loopback; first byte after {} ms p50; CPU (user + system) per GiB: {proxy_cpu}", fmt_num(percentile(&p_first, 50.0))))
             .vs(DIRECT_DOWNLOAD),
     );
     rows.push(
-        Row::new(DIRECT_DOWNLOAD, "MB/s", vec![d_mbs], 1).note(format!(
-            "{what}; in the jail's network namespace; {direct_s:.2} s; CPU (user + system) per GiB: {direct_cpu}"
+        Row::new(DIRECT_DOWNLOAD, "MB/s", d_mbs, 1).note(format!(
+            "{what}; on one kept-alive connection in the jail's network namespace; CPU (user + system) per GiB: {direct_cpu}"
         )),
     );
     rows.push(
         Row::new("ports proxy download ÷ direct", "%", vec![share], 0)
             .note(format!(
-                "{PROXY_DOWNLOAD} MB/s as a share of {DIRECT_DOWNLOAD} MB/s, same run"
+                "p50 of {PROXY_DOWNLOAD} as a share of p50 of {DIRECT_DOWNLOAD}, same run"
             ))
             .target(Target::P50AtLeast(50.0)),
     );
