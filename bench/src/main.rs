@@ -13,8 +13,11 @@
 //! Run it through `bench/run`, which builds the release binaries first.
 
 mod host;
+mod http1;
 mod jail;
+mod jobs;
 mod microvm;
+mod ports;
 mod report;
 mod runs;
 mod scale;
@@ -36,7 +39,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, microvm-volumes, soak (default: all).
+    /// microvm, microvm-volumes, ports, jobs, soak (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -69,12 +72,24 @@ pub struct Args {
     /// Measured boots of the QEMU microvm peer (after one warm-up boot).
     #[arg(long, default_value_t = 5)]
     pub qemu_boots: usize,
+    /// Small requests of the ports rows (each through the proxy and directly).
+    #[arg(long, default_value_t = 1000)]
+    pub port_requests: usize,
+    /// Size of the ports rows' download, in MiB (through the proxy and directly).
+    #[arg(long, default_value_t = 1024)]
+    pub download_mib: u64,
+    /// Measured downloads each way of the ports rows (alternating direct and proxied).
+    #[arg(long, default_value_t = 3)]
+    pub downloads: usize,
+    /// Measured pause/wake cycles of the ports rows (after one warm-up cycle).
+    #[arg(long, default_value_t = 20)]
+    pub wake_cycles: usize,
     /// Where the results (JSON, Markdown, SVG) go.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
     pub out_dir: PathBuf,
 }
 
-const GROUPS: [&str; 10] = [
+const GROUPS: [&str; 12] = [
     "jail",
     "peers",
     "server",
@@ -84,6 +99,8 @@ const GROUPS: [&str; 10] = [
     "snapshots",
     "microvm",
     "microvm-volumes",
+    "ports",
+    "jobs",
     "soak",
 ];
 
@@ -301,6 +318,16 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== microvm-volumes: runs on a volume and file I/O through a volume, microVM beside jail ==");
         vm_volumes::rows(args, rows)?;
+    }
+    if args.wants("ports") {
+        check_stop()?;
+        println!("== ports: the path proxy beside a direct connection into the machine's network namespace ==");
+        ports::port_rows(args, rows)?;
+    }
+    if args.wants("jobs") {
+        check_stop()?;
+        println!("== jobs: an exec that leaves a job running, beside one that does not ==");
+        jobs::job_rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

@@ -13,6 +13,8 @@ use serde::Serialize;
 pub enum Target {
     P50(f64),
     P99(f64),
+    /// A floor rather than a ceiling (throughput, a share of a peer's).
+    P50AtLeast(f64),
 }
 
 /// One measured quantity.
@@ -119,6 +121,21 @@ impl Row {
                 let (label, want, got) = match *t {
                     Target::P50(w) => ("p50", w, self.p(50.0)),
                     Target::P99(w) => ("p99", w, self.p(99.0)),
+                    Target::P50AtLeast(w) => {
+                        let got = self.p(50.0);
+                        return if got >= w {
+                            format!("p50 ≥ {} {}: met", fmt_num(w), self.unit)
+                        } else {
+                            format!(
+                                "p50 ≥ {} {}: MISSED by {} {} ({:.2}× of it)",
+                                fmt_num(w),
+                                self.unit,
+                                fmt_num(w - got),
+                                self.unit,
+                                got / w
+                            )
+                        };
+                    }
                 };
                 if got <= want {
                     format!("{label} ≤ {} {}: met", fmt_num(want), self.unit)
@@ -309,5 +326,12 @@ mod tests {
         );
         let r = Row::new("x", "ms", vec![1.0; 10], 0).target(Target::P50(2.0));
         assert_eq!(r.verdicts(), vec!["p50 ≤ 2.00 ms: met".to_owned()]);
+        let r = Row::new("x", "%", vec![40.0], 0).target(Target::P50AtLeast(50.0));
+        assert_eq!(
+            r.verdicts(),
+            vec!["p50 ≥ 50.00 %: MISSED by 10.00 % (0.80× of it)".to_owned()]
+        );
+        let r = Row::new("x", "%", vec![60.0], 0).target(Target::P50AtLeast(50.0));
+        assert_eq!(r.verdicts(), vec!["p50 ≥ 50.00 %: met".to_owned()]);
     }
 }
