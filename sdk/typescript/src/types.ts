@@ -255,12 +255,26 @@ export interface Port {
 
 /** The record of one exec or run (never its output bodies, never env values). */
 export interface CallRecord {
-  id?: string;
-  callId?: string;
-  sandboxId?: string | null;
-  volumeId?: string | null;
-  cmd?: string[];
-  egressDenied?: string[];
+  /** The call's id (the ExecResult's `callId`). */
+  id: string;
+  /** "exec", "run", "process", … */
+  kind: string;
+  /** The argument list (`["/bin/sh", "-c", …]` for a shell line). */
+  command: string[];
+  cwd: string | null;
+  /** The names of the env variables it was given (never their values). */
+  envKeys: string[];
+  sandboxId: string | null;
+  volumeId: string | null;
+  runtime: string;
+  templateDigest: string | null;
+  keyId: string | null;
+  createdAt: string;
+  /** Names or addresses its egress policy refused. */
+  egressDenied: string[];
+  /** Its ExecResult without the output bodies; null while it runs. */
+  result: Record<string, unknown> | null;
+  changes: Changes | null;
   [more: string]: unknown;
 }
 

@@ -17,7 +17,7 @@ test("seed 002's example prints the tool's typed result and deletes its sandbox"
   assert.match(stdout, /stderr: ''/);
   assert.match(stdout, /timedOut: false/);
   const mine = (await c.calls({ limit: 1000 })).filter(
-    (r) => !before.has(r.id) && JSON.stringify(r.cmd) === JSON.stringify(["python3", "cell.py"]),
+    (r) => !before.has(r.id) && JSON.stringify(r.command) === JSON.stringify(["python3", "cell.py"]),
   );
   assert.equal(mine.length, 1, "the example's exec is recorded once");
   assert.equal(mine[0]!.cwd, "/workspace");

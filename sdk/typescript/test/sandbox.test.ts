@@ -135,9 +135,13 @@ test("a snapshot and a fork carry the sandbox's files", async () => {
 test("call records list the sandbox's execs and usage counts them", async () => {
   const r = await sbx.exec(["echo", "recorded"]);
   const calls = await sbx.calls({ limit: 50 });
-  const rec = calls.find((x) => x.id === r.callId || x.callId === r.callId);
+  const rec = calls.find((x) => x.id === r.callId);
   assert.ok(rec, `the exec ${r.callId} is in the records: ${JSON.stringify(calls.slice(0, 2))}`);
-  assert.deepEqual(rec.cmd, ["echo", "recorded"]);
+  assert.deepEqual(rec.command, ["echo", "recorded"]);
+  assert.equal(rec.kind, "exec");
+  assert.equal(rec.sandboxId, sbx.id);
+  assert.equal(rec.cwd, "/workspace");
+  assert.equal(rec.result?.["exit_code"] ?? rec.result?.["exitCode"], 0);
   const viaClient = await c.calls({ sandboxId: sbx.id, limit: 1 });
   assert.equal(viaClient.length, 1);
   const usage = await c.usage({ since: new Date(Date.now() - 3600_000) });

@@ -59,7 +59,10 @@ test("aborting the signal kills the command", async () => {
     (async () => {
       for await (const ev of sbx.execStream(["sh", "-c", `echo started; exec sleep ${marker}`], { signal: ac.signal })) {
         events.push(ev.type);
-        if (ev.type === "stdout") ac.abort();
+        if (ev.type === "stdout") {
+          await waitFor("the command to run", () => running(marker));
+          ac.abort();
+        }
       }
     })(),
     (e: unknown) => e instanceof Error && e.name === "AbortError",
@@ -72,6 +75,7 @@ test("leaving the loop early kills the command", async () => {
   const marker = sleepFor();
   for await (const ev of sbx.execStream(["sh", "-c", `echo started; exec sleep ${marker}`])) {
     assert.equal(ev.type, "stdout");
+    await waitFor("the command to run", () => running(marker));
     break;
   }
   await waitFor("the abandoned command to be killed", async () => !(await running(marker)));
