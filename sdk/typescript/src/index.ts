@@ -14,6 +14,7 @@ export { Sandbox, DEFAULT_WORKDIR, type CreateOptions, type ListFilter, type Con
 export { Volume, Volumes, type CommitMode, type RunOptions } from "./volume.js";
 export { Files, type WriteData } from "./files.js";
 export { Process, Processes, type Command, type ExecOptions, type ProcessOptions } from "./exec.js";
+export { Pty, type PtyOptions, type WebSocketLike } from "./pty.js";
 export { DEFAULT_URL, type ClientOptions } from "./transport.js";
 export * from "./errors.js";
 export type {

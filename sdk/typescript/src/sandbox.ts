@@ -11,6 +11,7 @@
 import { Transport, seg, type ClientOptions } from "./transport.js";
 import { NotFound } from "./errors.js";
 import { Files } from "./files.js";
+import { openPty, type Pty, type PtyOptions } from "./pty.js";
 import { Processes, execBody, streamCommand, type Command, type ExecOptions } from "./exec.js";
 import {
   camel,
@@ -198,6 +199,11 @@ export class Sandbox {
   execStream(cmd: Command, opts: ExecOptions = {}): AsyncGenerator<StreamEvent, void, undefined> {
     const body = execBody(cmd, opts, this.workdir);
     return streamCommand(this.transport, "POST", `${this.base}/exec`, body, opts.signal);
+  }
+
+  /** A terminal running `cmd` (default a login shell); see `Pty`. Needs a WebSocket that sends headers. */
+  pty(opts: PtyOptions = {}): Promise<Pty> {
+    return openPty(this.transport, this.base, opts);
   }
 
   /** Sets `expiresAt` to now + `seconds`. */
