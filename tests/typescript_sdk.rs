@@ -52,7 +52,10 @@ fn node_major() -> u32 {
         .next()
         .and_then(|m| m.parse().ok())
         .unwrap_or_else(|| panic!("node --version said {v:?}"));
-    assert!(major >= 18, "node {v} is too old: the SDK needs Node 18 or later (fetch)");
+    assert!(
+        major >= 18,
+        "node {v} is too old: the SDK needs Node 18 or later (fetch)"
+    );
     major
 }
 
@@ -91,11 +94,11 @@ fn dev_dependencies(pkg: &Path) -> Option<()> {
 
 /// Runs the package's TypeScript compiler with `project`; fails the test with its output.
 fn tsc(pkg: &Path, project: &str) {
-    let (ok, log) = run_logged(
-        Command::new("node")
-            .current_dir(pkg)
-            .args(["node_modules/typescript/bin/tsc", "-p", project]),
-    );
+    let (ok, log) = run_logged(Command::new("node").current_dir(pkg).args([
+        "node_modules/typescript/bin/tsc",
+        "-p",
+        project,
+    ]));
     assert!(ok, "tsc -p {project} failed:\n{log}");
 }
 
@@ -105,7 +108,10 @@ fn websocket_flags() -> Option<Vec<&'static str>> {
     let has = |flags: &[&str]| {
         Command::new("node")
             .args(flags)
-            .args(["-e", "process.exit(typeof WebSocket === 'function' ? 0 : 1)"])
+            .args([
+                "-e",
+                "process.exit(typeof WebSocket === 'function' ? 0 : 1)",
+            ])
             .output()
             .is_ok_and(|o| o.status.success())
     };
@@ -131,7 +137,10 @@ fn typescript_sdk_node_tests_against_a_real_server() {
     tsc(&pkg, "tsconfig.test.json");
     // The examples type-check on their own (tsc --noEmit), against the built declarations.
     tsc(&pkg, "tsconfig.examples.json");
-    eprintln!("tsc (package, tests, examples) took {:?}", started.elapsed());
+    eprintln!(
+        "tsc (package, tests, examples) took {:?}",
+        started.elapsed()
+    );
 
     let mut files: Vec<String> = std::fs::read_dir(pkg.join("build/test"))
         .expect("tsc wrote build/test")
@@ -169,7 +178,11 @@ fn typescript_sdk_node_tests_against_a_real_server() {
     assert!(count("pass") >= 30, "every test ran:\n{log}");
     assert_eq!(count("fail"), 0, "{log}");
     let skips = if ws.is_some() { 0 } else { 1 };
-    assert_eq!(count("skipped"), skips, "no test skipped but the terminal's without a WebSocket:\n{log}");
+    assert_eq!(
+        count("skipped"),
+        skips,
+        "no test skipped but the terminal's without a WebSocket:\n{log}"
+    );
     assert_eq!(count("todo"), 0, "{log}");
     assert_eq!(count("cancelled"), 0, "{log}");
 }
