@@ -5,9 +5,9 @@
 
 import { Transport, type ClientOptions } from "./transport.js";
 import { Sandbox, type CreateOptions, type ListFilter } from "./sandbox.js";
-import { Volumes, type RunOptions } from "./volume.js";
+import { Volumes, runBody, type RunOptions } from "./volume.js";
 import type { Command } from "./exec.js";
-import { camel, type CallRecord, type ExecResult, type Snapshot, type Usage } from "./types.js";
+import { camel, execResult, type CallRecord, type ExecResult, type Snapshot, type Usage } from "./types.js";
 import { seg } from "./transport.js";
 
 export class Client {
@@ -51,10 +51,13 @@ export class Client {
     return this.transport.url;
   }
 
-  /** A serverless run on `volume` (its id or name); see `Volume.run`. */
+  /** A serverless run on `volume` (its id or name) in one call; see `Volume.run`. */
   async run(volume: string, cmd: Command, opts: RunOptions = {}): Promise<ExecResult> {
-    const v = await this.volumes.get(volume);
-    return v.run(cmd, opts);
+    const wire = await this.transport.json("POST", `/v1/volumes/${seg(volume)}/run`, {
+      body: runBody(cmd, opts),
+      signal: opts.signal,
+    });
+    return execResult(wire);
   }
 
   /** Call records (every exec and run), newest first; `volumeId` takes a volume's name too. */

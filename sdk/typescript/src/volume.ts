@@ -36,7 +36,8 @@ export interface RunOptions extends ExecOptions {
   network?: Network;
 }
 
-function runBody(cmd: Command, o: RunOptions): Record<string, unknown> {
+/** The API's run body for `cmd` with `opts` (everything but `signal`). */
+export function runBody(cmd: Command, o: RunOptions): Record<string, unknown> {
   const body = execBody(cmd, o);
   if (o.commit !== undefined) body["commit"] = o.commit;
   if (o.mountPath !== undefined) body["mount_path"] = o.mountPath;
