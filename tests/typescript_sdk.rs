@@ -155,7 +155,8 @@ fn typescript_sdk_node_tests_against_a_real_server() {
     if ws.is_none() {
         eprintln!("SKIP (one test): node {major} has no WebSocket, so the terminal test cannot run; Node 22, or 20.10+, runs it");
     }
-    let srv = Server::start();
+    // A memory quota well under the largest sandbox the API takes, so that a test can go past it.
+    let srv = Server::start_with(&["--quota-memory-mb", "16384"]);
     let started = Instant::now();
     let (ok, log) = run_logged(
         Command::new("node")

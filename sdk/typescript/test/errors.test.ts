@@ -10,6 +10,7 @@ import {
   LockerError,
   NotFound,
   QuotaExceeded,
+  Sandbox,
   Unauthorized,
   Unprocessable,
 } from "locker-sandbox";
@@ -44,8 +45,9 @@ test("bad input is BadRequest naming what to fix; a quota or host limit is its o
 });
 
 test("a quota past its limit is QuotaExceeded", async () => {
-  // The memory quota defaults to the host's RAM; the largest sandbox the API takes is 256 GiB.
-  const e = await c.sandboxes.create({ memoryMb: 262144, diskMb: 64 }).catch((x: unknown) => x);
+  // tests/typescript_sdk.rs starts the server with --quota-memory-mb 16384.
+  const e = await c.sandboxes.create({ memoryMb: 32768, diskMb: 64 }).catch((x: unknown) => x);
+  if (e instanceof Sandbox) await e.delete();
   assert.ok(e instanceof QuotaExceeded, String(e));
   assert.equal(e.status, 429);
   assert.match(e.message, /memory/i);
