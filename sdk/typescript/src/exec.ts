@@ -16,8 +16,12 @@ export interface ExecOptions {
   /** Working directory (absolute); default the sandbox's `workdir`, else the user's home. */
   cwd?: string;
   env?: Record<string, string>;
-  /** Input for the command (at most 768 KiB; for more, start a process and write its stdin). */
-  stdin?: string | Uint8Array;
+  /**
+   * Input for the command: text or bytes travel in the call (at most 768 KiB); a stream or
+   * an async iterable of bytes is fed as it comes (any size, endless too), each chunk one
+   * write, through a background process (`exec` only).
+   */
+  stdin?: string | Uint8Array | ReadableStream<Uint8Array> | AsyncIterable<Uint8Array>;
   /** Killed after this long (default 60 000; at most 1 h): the result says `timedOut: true`. */
   timeoutMs?: number;
   /** Output kept per stream (default 65 536); the rest goes to `outputPath`. */
@@ -42,6 +46,9 @@ export function execBody(cmd: Command, opts: ExecOptions, defaultCwd?: string): 
   if (opts.env !== undefined) body["env"] = opts.env;
   if (typeof opts.stdin === "string") body["stdin"] = opts.stdin;
   else if (opts.stdin instanceof Uint8Array) body["stdin_b64"] = b64encode(opts.stdin);
+  else if (opts.stdin !== undefined) {
+    throw new TypeError("a streamed stdin is taken by Sandbox.exec only; here give text or bytes, or write a process's stdin");
+  }
   if (opts.timeoutMs !== undefined) body["timeout_ms"] = opts.timeoutMs;
   if (opts.maxOutputBytes !== undefined) body["max_output_bytes"] = opts.maxOutputBytes;
   if (opts.user !== undefined) body["user"] = opts.user;
@@ -49,6 +56,67 @@ export function execBody(cmd: Command, opts: ExecOptions, defaultCwd?: string): 
 }
 
 /** Streams a command's output; the result is the last event. */
+/** Whether `stdin` is to be fed as it comes rather than sent in the call. */
+export function isFed(stdin: ExecOptions["stdin"]): stdin is ReadableStream<Uint8Array> | AsyncIterable<Uint8Array> {
+  return stdin !== undefined && typeof stdin !== "string" && !(stdin instanceof Uint8Array);
+}
+
+async function* chunksOf(src: ReadableStream<Uint8Array> | AsyncIterable<Uint8Array>): AsyncGenerator<Uint8Array> {
+  if (typeof ReadableStream !== "undefined" && src instanceof ReadableStream) {
+    const reader = src.getReader();
+    try {
+      for (;;) {
+        const { value, done } = await reader.read();
+        if (done) return;
+        yield value;
+      }
+    } finally {
+      await reader.cancel().catch(() => undefined);
+    }
+  } else {
+    yield* src as AsyncIterable<Uint8Array>;
+  }
+}
+
+/**
+ * An exec whose stdin is a stream: the command runs as a background process (with the
+ * exec's timeout, 60 s unless given), is fed chunk by chunk while its result is awaited,
+ * and is killed if `signal` aborts. Feeding stops when the command ends, even if the
+ * source has more (`head -1` of an endless source returns at once).
+ */
+export async function execFed(processes: Processes, cmd: Command, opts: ExecOptions): Promise<ExecResult> {
+  const { stdin, signal, ...rest } = opts;
+  if (!isFed(stdin)) throw new TypeError("execFed takes a streamed stdin");
+  signal?.throwIfAborted();
+  const p = await processes.start(cmd, { ...rest, timeoutMs: rest.timeoutMs ?? 60_000 });
+  const kill = () => void p.kill().catch(() => undefined);
+  signal?.addEventListener("abort", kill, { once: true });
+  let ended = false;
+  const feed = (async () => {
+    const source = chunksOf(stdin);
+    try {
+      for await (const chunk of source) {
+        if (ended) break;
+        if (chunk.length) await p.writeStdin(chunk);
+      }
+      if (!ended) await p.writeStdin(new Uint8Array(0), { close: true });
+    } catch {
+      // A write after the command stopped reading (it ended, or closed its stdin) fails;
+      // the command's result, awaited below, is what the caller needs to see.
+    } finally {
+      await source.return(undefined);
+    }
+  })();
+  try {
+    return await p.wait({ signal });
+  } finally {
+    ended = true;
+    signal?.removeEventListener("abort", kill);
+    if (signal?.aborted) kill();
+    await feed;
+  }
+}
+
 export async function* streamCommand(
   t: Transport,
   method: string,

@@ -12,7 +12,7 @@ import { Transport, seg, type ClientOptions } from "./transport.js";
 import { NotFound } from "./errors.js";
 import { Files } from "./files.js";
 import { openPty, type Pty, type PtyOptions } from "./pty.js";
-import { Processes, execBody, streamCommand, type Command, type ExecOptions } from "./exec.js";
+import { Processes, execBody, execFed, isFed, streamCommand, type Command, type ExecOptions } from "./exec.js";
 import {
   camel,
   execResult,
@@ -188,6 +188,7 @@ export class Sandbox {
    * far kept) or a kill is a result, never an exception; exceptions are the platform's.
    */
   async exec(cmd: Command, opts: ExecOptions = {}): Promise<ExecResult> {
+    if (isFed(opts.stdin)) return execFed(this.processes, cmd, opts);
     const body = execBody(cmd, opts, this.workdir);
     return execResult(await this.transport.json("POST", `${this.base}/exec`, { body, signal: opts.signal }));
   }
@@ -197,6 +198,9 @@ export class Sandbox {
    * Breaking out of the loop or aborting `signal` closes the stream, which kills the command.
    */
   execStream(cmd: Command, opts: ExecOptions = {}): AsyncGenerator<StreamEvent, void, undefined> {
+    if (isFed(opts.stdin)) {
+      throw new TypeError("a streamed stdin is for exec(); for output as it comes too, start a process and follow its output");
+    }
     const body = execBody(cmd, opts, this.workdir);
     return streamCommand(this.transport, "POST", `${this.base}/exec`, body, opts.signal);
   }

@@ -66,3 +66,36 @@ test("streaming stdin in several writes", async () => {
   await p.closeStdin();
   assert.equal((await p.wait()).stdout.trim(), String(3 << 20));
 });
+
+test("exec feeds a streamed stdin of any size, and stops feeding when the command ends", async () => {
+  const mib = new Uint8Array(1 << 20).fill(122);
+  async function* three() {
+    for (let i = 0; i < 3; i++) yield mib;
+  }
+  const counted = await sbx.exec(["wc", "-c"], { stdin: three() });
+  assert.equal(counted.stdout.trim(), String(3 << 20));
+  assert.equal(counted.exitCode, 0);
+  let sent = 0;
+  async function* endless() {
+    for (;;) {
+      sent++;
+      yield new TextEncoder().encode("line\n");
+    }
+  }
+  const t0 = Date.now();
+  const head = await sbx.exec(["head", "-n", "2"], { stdin: endless() });
+  assert.equal(head.stdout, "line\nline\n");
+  assert.ok(Date.now() - t0 < 30_000, "head returned without the endless source ending");
+  const afterwards = sent;
+  await new Promise((r) => setTimeout(r, 300));
+  assert.equal(sent, afterwards, "feeding stopped when the command ended");
+  const rs = new ReadableStream<Uint8Array>({
+    start(ctl) {
+      ctl.enqueue(new TextEncoder().encode("from a "));
+      ctl.enqueue(new TextEncoder().encode("ReadableStream"));
+      ctl.close();
+    },
+  });
+  assert.equal((await sbx.exec(["cat"], { stdin: rs })).stdout, "from a ReadableStream");
+  assert.throws(() => sbx.execStream(["cat"], { stdin: three() }), TypeError);
+});

@@ -80,3 +80,13 @@ test("leaving the loop early kills the command", async () => {
   }
   await waitFor("the abandoned command to be killed", async () => !(await running(marker)));
 });
+
+test("aborting a whole (not streamed) exec kills the command too", async () => {
+  const marker = sleepFor();
+  const ac = new AbortController();
+  const call = sbx.exec(["sleep", marker], { signal: ac.signal });
+  await waitFor("the command to run", () => running(marker));
+  ac.abort();
+  await assert.rejects(call, (e: unknown) => e instanceof Error && e.name === "AbortError");
+  await waitFor("the aborted command to be killed", async () => !(await running(marker)));
+});
