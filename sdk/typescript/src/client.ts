@@ -7,7 +7,7 @@ import { Transport, type ClientOptions } from "./transport.js";
 import { Sandbox, type CreateOptions, type ListFilter } from "./sandbox.js";
 import { Volumes, runBody, type RunOptions } from "./volume.js";
 import type { Command } from "./exec.js";
-import { camel, execResult, type CallRecord, type ExecResult, type Snapshot, type Usage } from "./types.js";
+import { camel, execResult, type CallRecord, type ExecResult, type Snapshot, type TemplateInfo, type Usage } from "./types.js";
 import { seg } from "./transport.js";
 
 export class Client {
@@ -23,6 +23,12 @@ export class Client {
   readonly snapshots: {
     list(): Promise<Snapshot[]>;
     delete(id: string): Promise<void>;
+  };
+  /** The host's templates (building one over HTTP is not served yet: `locker template build`). */
+  readonly templates: {
+    list(): Promise<TemplateInfo[]>;
+    /** Removes a template from the host (tenant `default` only; 409 while in use, and for `default`). */
+    delete(name: string): Promise<void>;
   };
 
   /** `url` defaults to `$LOCKER_URL` (else http://127.0.0.1:7070), `apiKey` to `$LOCKER_API_KEY`. */
@@ -43,6 +49,12 @@ export class Client {
       list: async () => camel<Snapshot[]>((await t.json<{ snapshots: unknown[] }>("GET", "/v1/snapshots")).snapshots),
       delete: async (id) => {
         await t.json("DELETE", `/v1/snapshots/${seg(id)}`);
+      },
+    };
+    this.templates = {
+      list: async () => camel<TemplateInfo[]>((await t.json<{ templates: unknown[] }>("GET", "/v1/templates")).templates),
+      delete: async (name) => {
+        await t.json("DELETE", `/v1/templates/${seg(name)}`);
       },
     };
   }

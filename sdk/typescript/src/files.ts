@@ -1,7 +1,7 @@
 /**
  * The files API of a sandbox or a volume (the same routes under `/v1/sandboxes/{id}` and
- * `/v1/volumes/{id}`): read and write as text, bytes or streams; list, stat, mkdir, move,
- * remove. Bodies are streamed both ways, never held whole unless the caller asks for a
+ * `/v1/volumes/{id}`): read and write as text, bytes or streams; directories as tar
+ * archives; list, stat, mkdir, move, remove. Bodies are streamed both ways, never held whole unless the caller asks for a
  * whole file (`read`, `readText`).
  */
 
@@ -32,6 +32,14 @@ function toStream(it: AsyncIterable<Uint8Array>): ReadableStream<Uint8Array> {
   });
 }
 
+function bodyOf(data: WriteData): BodyInit {
+  if (typeof data === "string") return new TextEncoder().encode(data);
+  if (data instanceof Uint8Array || data instanceof ArrayBuffer) return data as BodyInit;
+  if (typeof Blob !== "undefined" && data instanceof Blob) return data;
+  if (data instanceof ReadableStream) return data;
+  return toStream(data as AsyncIterable<Uint8Array>);
+}
+
 export class Files {
   /** @internal */
   constructor(
@@ -58,15 +66,38 @@ export class Files {
 
   /** Writes (creates or replaces) a file, creating its parent directories; `mode` like 0o755 or "0755". */
   async write(path: string, data: WriteData, opts: { mode?: number | string; signal?: AbortSignal } = {}): Promise<Entry> {
-    let body: BodyInit;
-    if (typeof data === "string") body = new TextEncoder().encode(data);
-    else if (data instanceof Uint8Array || data instanceof ArrayBuffer) body = data as BodyInit;
-    else if (typeof Blob !== "undefined" && data instanceof Blob) body = data;
-    else if (data instanceof ReadableStream) body = data;
-    else body = toStream(data as AsyncIterable<Uint8Array>);
+    const body = bodyOf(data);
     const mode = typeof opts.mode === "number" ? opts.mode.toString(8).padStart(4, "0") : opts.mode;
     const wire = await this.t.json("PUT", `${this.base}/files`, { query: { path, mode }, body, signal: opts.signal });
     return camel<Entry>(wire);
+  }
+
+  /**
+   * The directory `path` as a tar archive, streamed (files with their mode and mtime,
+   * directories, symlinks as links; depth first, sorted).
+   */
+  async readTar(path: string, opts: { signal?: AbortSignal } = {}): Promise<ReadableStream<Uint8Array>> {
+    const res = await this.t.send("GET", `${this.base}/files`, {
+      query: { path, format: "tar" },
+      headers: { Accept: "application/x-tar" },
+      signal: opts.signal,
+    });
+    return res.body ?? new ReadableStream({ start: (c) => c.close() });
+  }
+
+  /**
+   * Extracts a tar archive into the directory `path` (made with its parents if missing):
+   * the directory's Entry with `entries` (written) and `bytes` (file data). An entry that
+   * would leave the directory is refused (400), those before it stay.
+   */
+  async writeTar(path: string, archive: WriteData, opts: { signal?: AbortSignal } = {}): Promise<Entry & { entries: number; bytes: number }> {
+    const wire = await this.t.json("PUT", `${this.base}/files`, {
+      query: { path, format: "tar" },
+      body: bodyOf(archive),
+      headers: { "Content-Type": "application/x-tar" },
+      signal: opts.signal,
+    });
+    return camel(wire);
   }
 
   /** The entries under `path` (`depth` levels down, default 1). */

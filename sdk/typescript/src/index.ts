@@ -30,6 +30,7 @@ export type {
   SandboxState,
   Snapshot,
   StreamEvent,
+  TemplateInfo,
   Timings,
   Usage,
   VolumeInfo,

@@ -299,3 +299,13 @@ export interface ProcessInfo {
   result?: ExecResult | null;
   [more: string]: unknown;
 }
+
+/** A template on the host (shared by every tenant). */
+export interface TemplateInfo {
+  name: string;
+  digest: string;
+  sizeBytes: number;
+  createdAt: string;
+  packages: string[];
+  [more: string]: unknown;
+}

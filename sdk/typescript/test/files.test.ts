@@ -65,3 +65,19 @@ test("list, stat, mkdir, move, remove, mode", async () => {
   assert.equal(await sbx.files.exists("/workspace/d"), false);
   await assert.rejects(sbx.files.readText("/workspace/d/e/moved.sh"), NotFound);
 });
+
+test("a directory goes down as a tar and comes back up into another", async () => {
+  await sbx.files.write("/workspace/tree/a.txt", "A");
+  await sbx.files.write("/workspace/tree/sub/b.sh", "#!/bin/sh\n", { mode: 0o755 });
+  await sbx.exec(["ln", "-s", "a.txt", "tree/link"]);
+  const tar = new Uint8Array(await new Response(await sbx.files.readTar("/workspace/tree")).arrayBuffer());
+  assert.ok(tar.length >= 512 * 4, `a tar archive: ${tar.length} bytes`);
+  const up = await sbx.files.writeTar("/workspace/copy", tar);
+  assert.equal(up.type, "dir");
+  assert.ok(up.entries >= 4, JSON.stringify(up));
+  assert.equal(up.bytes, 1 + "#!/bin/sh\n".length);
+  assert.equal(await sbx.files.readText("/workspace/copy/a.txt"), "A");
+  assert.equal((await sbx.files.stat("/workspace/copy/sub/b.sh")).mode & 0o777, 0o755);
+  assert.equal((await sbx.exec(["readlink", "copy/link"])).stdout, "a.txt\n");
+  await assert.rejects(sbx.files.writeTar("/workspace/bad", "not a tar archive at all".repeat(40)), BadRequest);
+});
