@@ -62,9 +62,7 @@ fn port_error(id: &str, port: u16, e: PortError) -> ApiError {
              (listening on 127.0.0.1 or 0.0.0.0) and retry"
         )),
         PortError::Unsupported => ApiError::conflict(PortError::Unsupported.to_string()),
-        e @ PortError::Busy(_) => {
-            ApiError::unavailable(format!("port {port} in sandbox {id}: {e}"))
-        }
+        e @ PortError::Busy(_) => ApiError::quota(format!("port {port} in sandbox {id}: {e}")),
         e @ PortError::Dial(_) => {
             ApiError::bad_gateway(format!("port {port} in sandbox {id}: {e}"))
         }
