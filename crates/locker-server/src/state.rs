@@ -99,6 +99,8 @@ pub struct Live {
     /// Queue times of this sandbox's latest background processes, by process id (the agent
     /// cannot know them; `processes::fill_timings` adds them to the results).
     pub proc_queue_ms: std::sync::Mutex<std::collections::VecDeque<(String, f64)>>,
+    /// The MCP servers bridged from this sandbox (`mcp_bridge`); they end with it.
+    pub mcp: crate::mcp_bridge::Servers,
 }
 
 /// Whether and why a sandbox is frozen.
@@ -139,6 +141,7 @@ impl Live {
                 ..Default::default()
             }),
             proc_queue_ms: Default::default(),
+            mcp: Default::default(),
         }
     }
 
