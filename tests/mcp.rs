@@ -27,9 +27,7 @@ use std::time::Instant;
 
 use locker_tests::become_subreaper;
 use locker_tests::server::Server;
-use locker_tests::tools::{
-    npm_package, pypi_unreachable as unreachable, python_mcp, run_logged, target_dir,
-};
+use locker_tests::tools::{npm_package, python_mcp, run_logged};
 use serde_json::{json, Value};
 
 fn check_client(py: &Path, args: &[&str]) -> Value {

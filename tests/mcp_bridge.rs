@@ -67,7 +67,7 @@ fn upload_tree(api: &Api, vol: &str, src: &Path, path: &str) {
 
 /// Runs `check_bridge.py ARGS` and returns its JSON summary.
 fn check_bridge(py: &Path, args: &[&str]) -> Value {
-    check_bridge_or(py, args, || String::new())
+    check_bridge_or(py, args, String::new)
 }
 
 /// [`check_bridge`], adding `more()` (the server's side of the story) to a failure.
