@@ -278,6 +278,23 @@ fn a_hostile_stdio_server_gets_clear_errors_and_never_hurts_the_server() {
         (rss_after.saturating_sub(rss_before)) / 1024
     );
 
+    // A server that stops reading its stdin: requests still end at their deadline, even the
+    // one whose write cannot get through the full pipe.
+    let deaf = start_server(
+        &api,
+        &sb,
+        &json!({"name": "deaf", "cmd": ["python3", "/root/hostile.py"], "request_timeout_s": 3}),
+    );
+    let d = check_bridge(
+        &py,
+        &["deaf", deaf["url"].as_str().expect("url"), &srv.api_key],
+    );
+    let blocked = d["blocked"].as_str().expect("blocked");
+    assert!(blocked.contains("did not answer tools/call within 3 s"), "{d}");
+    assert!(d["blocked_s"].as_f64() < Some(10.0), "{d}");
+    api.delete(&format!("/v1/sandboxes/{sb}/mcp/deaf"))
+        .expect(204, "stop the deaf server");
+
     // The server is gone: a clear 502, its state and why in the list.
     let r = api.post(&format!("/v1/sandboxes/{sb}/mcp/hostile"), &json!({}));
     let msg = r.expect_error(502, "bad_gateway", "a request to an exited server");

@@ -5,6 +5,7 @@ official Python MCP client (PyPI `mcp`). Run by tests/mcp_bridge.rs against a re
     python check_bridge.py fs URL KEY MODE        # @modelcontextprotocol/server-filesystem
     python check_bridge.py time URL KEY MODE      # mcp-server-time from PyPI
     python check_bridge.py hostile URL KEY        # tests/mcp/hostile_server.py
+    python check_bridge.py deaf URL KEY           # the same, once it stops reading stdin
 
 MODE: legacy (initialize, Mcp-Session-Id) | auto (the current revision, server/discover).
 Every check raises on failure; the last line printed is a JSON summary.
@@ -13,6 +14,7 @@ Every check raises on failure; the last line printed is a JSON summary.
 import asyncio
 import json
 import sys
+import time
 
 from mcp import Client
 from mcp.client.streamable_http import streamable_http_client
@@ -115,6 +117,19 @@ async def hostile(url, key):
     return out
 
 
+async def deaf(url, key):
+    """A server that stops reading its stdin: requests still end at their deadline, even
+    once the pipe to it is full."""
+    out = {}
+    async with client(url, key, "legacy") as c:
+        await c.list_tools()
+        out["deaf"] = await error_of(c, "deaf")
+        started = time.monotonic()
+        out["blocked"] = await error_of(c, "stats", {"pad": "x" * (4 << 20)})
+        out["blocked_s"] = time.monotonic() - started
+    return out
+
+
 async def main():
     what, url, key = sys.argv[1], sys.argv[2], sys.argv[3]
     if what == "fs":
@@ -123,6 +138,8 @@ async def main():
         summary = await time_server(url, key, sys.argv[4])
     elif what == "hostile":
         summary = await hostile(url, key)
+    elif what == "deaf":
+        summary = await deaf(url, key)
     else:
         raise SystemExit(f"unknown scenario {what}")
     print(json.dumps(summary))

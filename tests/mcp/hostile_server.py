@@ -9,13 +9,15 @@ It answers `initialize`, `ping` and `tools/list` properly; each tool misbehaves 
     close_stdout  answers, then closes its stdout and keeps running (answers go nowhere)
     exit          exits at once with code 7
     notify        answers, then sends notifications/tools/list_changed
+    deaf          never answers and stops reading its stdin (the pipe fills up)
 """
 
 import json
 import os
 import sys
+import time
 
-TOOLS = ["stats", "garbage", "huge", "never", "close_stdout", "exit", "notify"]
+TOOLS = ["stats", "garbage", "huge", "never", "close_stdout", "exit", "notify", "deaf"]
 inits = 0
 
 
@@ -68,6 +70,8 @@ for line in sys.stdin:
             sys.stderr.write("hostile: exiting on purpose\n")
             sys.stderr.flush()
             os._exit(7)
+        elif name == "deaf":
+            time.sleep(3600)
         elif name == "notify":
             ok(mid, "notifying")
             send({"jsonrpc": "2.0", "method": "notifications/tools/list_changed"})

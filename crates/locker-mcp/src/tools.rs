@@ -660,7 +660,7 @@ mod tests {
     #[test]
     fn every_tool_is_strict_and_documented() {
         let tools = super::all();
-        assert_eq!(tools.len(), 20);
+        assert_eq!(tools.len(), 22);
         for t in &tools {
             assert_eq!(
                 t.input_schema.get("additionalProperties"),

@@ -225,29 +225,50 @@ impl Upstream {
             t.pending.remove(&id);
             t.progress.remove(&format!("{TOKEN_PREFIX}{id}"));
         };
-        if !self.send(msg).await {
-            forget();
-            return Err(bridge_error(self.gone().map_or_else(
-                || "the MCP server is gone".into(),
-                |g| self.explain(&g),
-            )));
+        // The deadline covers the write too: a server that stops reading its stdin fills the
+        // pipe, then the queue, and must not hold its callers forever.
+        let until = tokio::time::Instant::now() + deadline;
+        let late = || {
+            bridge_error(format!(
+                "the MCP server did not answer {method} within {} s (the bridge's request_timeout_s); it may be stuck",
+                deadline.as_secs()
+            ))
+        };
+        let gone = || {
+            bridge_error(
+                self.gone()
+                    .map_or_else(|| "the MCP server is gone".into(), |g| self.explain(&g)),
+            )
+        };
+        match tokio::time::timeout_at(until, self.send(msg)).await {
+            Ok(true) => {}
+            Ok(false) => {
+                forget();
+                return Err(gone());
+            }
+            Err(_) => {
+                forget();
+                return Err(late());
+            }
         }
         tokio::select! {
             a = rx => {
                 lock(&self.table).progress.remove(&format!("{TOKEN_PREFIX}{id}"));
-                a.unwrap_or_else(|_| Err(bridge_error(self.gone().map_or_else(|| "the MCP server is gone".into(), |g| self.explain(&g)))))
+                a.unwrap_or_else(|_| Err(gone()))
             }
-            _ = tokio::time::sleep(deadline) => {
+            _ = tokio::time::sleep_until(until) => {
                 forget();
-                self.cancelled(id, "deadline").await;
-                Err(bridge_error(format!(
-                    "the MCP server did not answer {method} within {} s (the bridge's request_timeout_s); it may be stuck",
-                    deadline.as_secs()
-                )))
+                // Best effort: a server that stopped reading gets no more of the caller's time.
+                let _ = tokio::time::timeout(Duration::from_millis(100), self.cancelled(id, "deadline")).await;
+                Err(late())
             }
             _ = cancel.cancelled() => {
                 forget();
-                self.cancelled(id, "the client cancelled the request").await;
+                let _ = tokio::time::timeout(
+                    Duration::from_millis(100),
+                    self.cancelled(id, "the client cancelled the request"),
+                )
+                .await;
                 Err(bridge_error("cancelled"))
             }
         }
