@@ -7,7 +7,9 @@
 //!   the template's `node` and `python3`, in both protocol revisions;
 //! - a hostile stdio server (`tests/mcp/hostile_server.py`): garbage lines, a 100 MB line, a
 //!   request never answered, stdout closed, an exit, sessions sharing one process;
-//! - bad input: names, cmd, duplicates, another tenant, a paused sandbox, stop vs end session.
+//!   and one that stops reading its stdin;
+//! - bad input: names, cmd, duplicates, another tenant, a paused sandbox, stop vs end session;
+//! - the same bridge to a server in a microVM (raw Streamable HTTP).
 //!
 //! A registry that cannot be reached skips its test with a message saying so.
 
@@ -290,7 +292,10 @@ fn a_hostile_stdio_server_gets_clear_errors_and_never_hurts_the_server() {
         &["deaf", deaf["url"].as_str().expect("url"), &srv.api_key],
     );
     let blocked = d["blocked"].as_str().expect("blocked");
-    assert!(blocked.contains("did not answer tools/call within 3 s"), "{d}");
+    assert!(
+        blocked.contains("did not answer tools/call within 3 s"),
+        "{d}"
+    );
     assert!(d["blocked_s"].as_f64() < Some(10.0), "{d}");
     api.delete(&format!("/v1/sandboxes/{sb}/mcp/deaf"))
         .expect(204, "stop the deaf server");
@@ -464,4 +469,72 @@ fn bad_input_is_refused_with_errors_that_say_what_to_fix() {
     // Without it, the server stops.
     api.delete(&format!("{path}/h1")).expect(204, "stop");
     assert_eq!(api.get(&path).expect(200, "list")["servers"], json!([]));
+}
+
+/// The last JSON-RPC message of an answer, JSON or SSE (`data:` lines).
+fn rpc_answer(text: &str) -> Value {
+    let data = text
+        .lines()
+        .rev()
+        .filter_map(|l| l.strip_prefix("data:"))
+        .map(str::trim)
+        .find(|l| !l.is_empty())
+        .unwrap_or(text);
+    serde_json::from_str(data).unwrap_or_else(|e| panic!("not JSON-RPC ({e}): {text}"))
+}
+
+#[test]
+fn a_server_in_a_microvm_is_bridged_like_one_in_a_jail() {
+    become_subreaper();
+    let srv = Server::start();
+    let api = srv.api();
+    let sb = api.create_sandbox(&json!({"runtime": "microvm", "memory_mb": 256, "ttl_s": 600}));
+    assert_eq!(sb["runtime"], "microvm", "{sb}");
+    let sb = sb["id"].as_str().expect("id").to_owned();
+    let script = std::fs::read(locker_tests::root().join("tests/mcp/hostile_server.py"))
+        .expect("read hostile_server.py");
+    api.write_file(&sb, "/root/hostile.py", &script)
+        .expect(200, "write the server");
+    start_server(
+        &api,
+        &sb,
+        &json!({"name": "h", "cmd": ["python3", "/root/hostile.py"], "request_timeout_s": 60}),
+    );
+    let path = format!("/v1/sandboxes/{sb}/mcp/h");
+    let headers = [
+        ("Content-Type", "application/json"),
+        ("Accept", "application/json, text/event-stream"),
+    ];
+    let init = json!({"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "raw", "version": "1"}}});
+    let r = api.request("POST", &path, &headers, init.to_string().into_bytes());
+    assert_eq!(r.status, 200, "{}", r.text());
+    let session = r
+        .headers
+        .get("mcp-session-id")
+        .and_then(|v| v.to_str().ok())
+        .expect("a session id")
+        .to_owned();
+    let with_session = [
+        headers[0],
+        headers[1],
+        ("Mcp-Session-Id", session.as_str()),
+        ("MCP-Protocol-Version", "2025-11-25"),
+    ];
+    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                      "params": {"name": "stats", "arguments": {}}});
+    let r = api.request("POST", &path, &with_session, call.to_string().into_bytes());
+    assert_eq!(r.status, 200, "{}", r.text());
+    let v = rpc_answer(&r.text());
+    let stats: Value = serde_json::from_str(
+        v["result"]["content"][0]["text"]
+            .as_str()
+            .unwrap_or_else(|| panic!("a tool result: {v}")),
+    )
+    .expect("stats JSON");
+    assert_eq!(stats["inits"], 1, "{stats}");
+    api.delete(&path).expect(204, "stop the server");
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the sandbox");
 }
