@@ -455,6 +455,28 @@ fn bad_input_is_refused_with_errors_that_say_what_to_fix() {
         .to_owned();
     let state = api.get(&format!("/v1/sandboxes/{sb}")).expect(200, "get")["state"].clone();
     assert_eq!(state, "running");
+    // Paused again: a request forwarded to the process resumes it and gets its answer.
+    api.post_empty(&format!("/v1/sandboxes/{sb}/pause"))
+        .expect(200, "pause again");
+    let call = json!({"jsonrpc": "2.0", "id": 2, "method": "tools/call",
+                      "params": {"name": "stats", "arguments": {}}});
+    let r = api.request(
+        "POST",
+        &format!("{path}/h1"),
+        &[
+            headers[0],
+            headers[1],
+            ("Mcp-Session-Id", session.as_str()),
+            ("MCP-Protocol-Version", "2025-11-25"),
+        ],
+        call.to_string().into_bytes(),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert!(
+        r.text().contains("inits"),
+        "the process answered: {}",
+        r.text()
+    );
 
     // DELETE with the session header ends that session only; the server keeps running.
     let r = api.request(
