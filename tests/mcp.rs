@@ -27,53 +27,8 @@ use std::time::Instant;
 
 use locker_tests::become_subreaper;
 use locker_tests::server::Server;
-use locker_tests::tools::{pypi_unreachable as unreachable, run_logged, target_dir};
+use locker_tests::tools::{npm_package, python_mcp, run_logged};
 use serde_json::{json, Value};
-
-/// The venv's python with `mcp` importable, or None (with a message) when PyPI is
-/// unreachable.
-fn python_mcp() -> Option<PathBuf> {
-    // The tests of this file run in parallel; one of them makes the venv, the others wait.
-    static SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    let _one_at_a_time = SETUP.lock().unwrap_or_else(|e| e.into_inner());
-    let venv = target_dir().join("mcp-py/venv");
-    let py = venv.join("bin/python");
-    let ok = |py: &Path| {
-        Command::new(py)
-            .args([
-                "-c",
-                "import mcp, mcp.client.streamable_http; from mcp import Client",
-            ])
-            .output()
-            .is_ok_and(|o| o.status.success())
-    };
-    if ok(&py) {
-        return Some(py);
-    }
-    let (made, log) = run_logged(Command::new("python3").args(["-m", "venv"]).arg(&venv));
-    assert!(made, "python3 -m venv {}: {log}", venv.display());
-    let started = Instant::now();
-    let (installed, log) = run_logged(Command::new(&py).args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "mcp>=2.3,<3",
-    ]));
-    if !installed {
-        if unreachable(&log) {
-            eprintln!(
-                "SKIP: the Python `mcp` client cannot be installed, PyPI is unreachable:\n{log}"
-            );
-            return None;
-        }
-        panic!("pip install mcp failed:\n{log}");
-    }
-    eprintln!("installed the Python mcp client in {:?}", started.elapsed());
-    assert!(ok(&py), "mcp is not importable after pip install");
-    Some(py)
-}
 
 fn check_client(py: &Path, args: &[&str]) -> Value {
     let script = locker_tests::root().join("tests/mcp/check_client.py");
@@ -102,7 +57,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
     // The session-based revision: initialize, then Mcp-Session-Id on every request.
     let v = check_client(&py, &["http", &url, &key, "legacy"]);
     assert_eq!(v["protocol_version"], "2025-11-25", "{v}");
-    assert_eq!(v["tools"], 20);
+    assert_eq!(v["tools"], 22);
     assert_eq!(v["run"], "ok", "the run tool works: {v}");
 
     // The current revision: server/discover, stateless requests.
@@ -115,7 +70,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
         &py,
         &["stdio", bin.to_str().expect("utf-8 path"), &url, &key],
     );
-    assert_eq!(v["tools"], 20);
+    assert_eq!(v["tools"], 22);
 
     // Every tool call was an ordinary API call of the key's tenant, on the record.
     let calls = srv
@@ -151,7 +106,7 @@ fn an_agent_finds_its_sandboxes_processes_and_snapshots_again_after_a_context_re
     let Some(py) = python_mcp() else { return };
     let srv = Server::start();
     let v = check_agents(&py, &srv, "session");
-    assert_eq!(v["tools"], 20, "{v}");
+    assert_eq!(v["tools"], 22, "{v}");
     let left = srv
         .api()
         .get("/v1/snapshots")
@@ -171,6 +126,21 @@ fn an_agent_asks_for_a_network_and_the_server_enforces_it() {
     locker_tests::egress::wait_egress_ok(&srv);
     let v = check_agents(&py, &srv, "network");
     assert_eq!(v["run"], "ok", "{v}");
+}
+
+#[test]
+fn an_agent_starts_a_service_and_reaches_it_by_the_url_it_got() {
+    become_subreaper();
+    let Some(py) = python_mcp() else { return };
+    let srv = Server::start();
+    let v = check_agents(&py, &srv, "services");
+    let text = |k: &str| v[k].as_str().unwrap_or_default().to_owned();
+    assert!(text("again").contains("already listens"), "{v}");
+    assert!(text("exits").contains("exit_code 5"), "{v}");
+    assert!(
+        text("silent").contains("nothing listens on port 9001 after 2 s"),
+        "{v}"
+    );
 }
 
 fn post_mcp(url: &str, key: Option<&str>, body: &Value) -> (u16, String) {
@@ -365,46 +335,6 @@ fn the_mcp_inspector_cli_lists_and_calls_tools() {
         ],
     );
     assert_eq!(gone["isError"], false, "{gone}");
-}
-
-/// Installs an npm package into `target/<dir>` once (without install scripts: one of them
-/// installs git hooks into the enclosing checkout); its directory, or None (with a message)
-/// when npm is unreachable.
-fn npm_package(dir: &str, spec: &str, probe: &str) -> Option<PathBuf> {
-    let dir = target_dir().join(dir);
-    if dir.join(probe).exists() {
-        return Some(dir);
-    }
-    std::fs::create_dir_all(&dir).expect("create the npm dir");
-    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args([
-        "install",
-        "--no-audit",
-        "--no-fund",
-        "--silent",
-        "--ignore-scripts",
-        spec,
-    ]));
-    if !installed {
-        if [
-            "ENOTFOUND",
-            "EAI_AGAIN",
-            "ECONNREFUSED",
-            "ETIMEDOUT",
-            "network",
-        ]
-        .iter()
-        .any(|m| log.contains(m))
-        {
-            eprintln!("SKIP: {spec} cannot be installed, npm is unreachable:\n{log}");
-            return None;
-        }
-        panic!("npm install {spec} failed:\n{log}");
-    }
-    assert!(
-        dir.join(probe).exists(),
-        "no {probe} after npm install {spec}"
-    );
-    Some(dir)
 }
 
 #[test]

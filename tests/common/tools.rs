@@ -1,8 +1,9 @@
 //! Installing and running outside clients (Python packages from PyPI, npm packages) for the
 //! tests that drive Locker with them.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
+use std::time::Instant;
 
 /// The cargo target directory, where test tool installs are cached.
 pub fn target_dir() -> PathBuf {
@@ -35,4 +36,89 @@ pub fn run_logged(cmd: &mut Command) -> (bool, String) {
         String::from_utf8_lossy(&out.stderr)
     );
     (out.status.success(), log)
+}
+
+/// The venv's python with `mcp` importable, or None (with a message) when PyPI is
+/// unreachable.
+pub fn python_mcp() -> Option<PathBuf> {
+    // The tests of this file run in parallel; one of them makes the venv, the others wait.
+    static SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one_at_a_time = SETUP.lock().unwrap_or_else(|e| e.into_inner());
+    let venv = target_dir().join("mcp-py/venv");
+    let py = venv.join("bin/python");
+    let ok = |py: &Path| {
+        Command::new(py)
+            .args([
+                "-c",
+                "import mcp, mcp.client.streamable_http; from mcp import Client",
+            ])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    if ok(&py) {
+        return Some(py);
+    }
+    let (made, log) = run_logged(Command::new("python3").args(["-m", "venv"]).arg(&venv));
+    assert!(made, "python3 -m venv {}: {log}", venv.display());
+    let started = Instant::now();
+    let (installed, log) = run_logged(Command::new(&py).args([
+        "-m",
+        "pip",
+        "install",
+        "--quiet",
+        "--disable-pip-version-check",
+        "mcp>=2.3,<3",
+    ]));
+    if !installed {
+        if pypi_unreachable(&log) {
+            eprintln!(
+                "SKIP: the Python `mcp` client cannot be installed, PyPI is unreachable:\n{log}"
+            );
+            return None;
+        }
+        panic!("pip install mcp failed:\n{log}");
+    }
+    eprintln!("installed the Python mcp client in {:?}", started.elapsed());
+    assert!(ok(&py), "mcp is not importable after pip install");
+    Some(py)
+}
+
+/// Installs an npm package into `target/<dir>` once (without install scripts: one of them
+/// installs git hooks into the enclosing checkout); its directory, or None (with a message)
+/// when npm is unreachable.
+pub fn npm_package(dir: &str, spec: &str, probe: &str) -> Option<PathBuf> {
+    let dir = target_dir().join(dir);
+    if dir.join(probe).exists() {
+        return Some(dir);
+    }
+    std::fs::create_dir_all(&dir).expect("create the npm dir");
+    let (installed, log) = run_logged(Command::new("npm").current_dir(&dir).args([
+        "install",
+        "--no-audit",
+        "--no-fund",
+        "--silent",
+        "--ignore-scripts",
+        spec,
+    ]));
+    if !installed {
+        if [
+            "ENOTFOUND",
+            "EAI_AGAIN",
+            "ECONNREFUSED",
+            "ETIMEDOUT",
+            "network",
+        ]
+        .iter()
+        .any(|m| log.contains(m))
+        {
+            eprintln!("SKIP: {spec} cannot be installed, npm is unreachable:\n{log}");
+            return None;
+        }
+        panic!("npm install {spec} failed:\n{log}");
+    }
+    assert!(
+        dir.join(probe).exists(),
+        "no {probe} after npm install {spec}"
+    );
+    Some(dir)
 }

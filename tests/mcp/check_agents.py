@@ -1,7 +1,7 @@
 """An MCP agent's session management, driven with the official Python MCP client (PyPI
 `mcp`) over Streamable HTTP against a real `locker serve` (run by tests/mcp.rs):
 
-    python check_agents.py URL KEY
+    python check_agents.py URL KEY session|network|services
 
 - after a "context reset" (a second client session that knows no ids) sandbox_list finds
   the sandbox by its metadata, process_list finds its background process, snapshot_list
@@ -11,6 +11,8 @@
 - a `network` argument on sandbox_create and run is passed to the server, which enforces
   it (a machine with egress all has a network interface, one without has only `lo`) and
   validates it as for the API;
+- service_start starts a server and returns the URL that reaches it through Locker (fetched
+  here), port_list finds it again, and a server that exits or never listens fails clearly;
 - the annotations, argument texts and output schemas say what the tools do (ttl cap as
   the API's, process_output's max_output_bytes is the LAST N bytes, exec's output schema
   names every field an ExecResult has).
@@ -162,9 +164,39 @@ async def network(url, key):
     return summary
 
 
+async def services(url, key):
+    """service_start runs a server and hands back a URL that reaches it through Locker;
+    port_list finds it again; a server that exits or never listens fails clearly."""
+    summary = {}
+    async with client(url, key) as c:
+        by = {t.name: t for t in (await c.list_tools()).tools}
+        check(by["port_list"].annotations.read_only_hint is True, "port_list is read-only")
+        check("localhost" in by["service_start"].description, "service_start says how to reach it inside")
+        sid = (await call(c, "sandbox_create", {"ttl_s": 600}))["id"]
+        try:
+            await call(c, "file_write", {"sandbox_id": sid, "path": "/root/site/index.html", "content": "hello service"})
+            s = await call(c, "service_start", {"sandbox_id": sid, "port": 8000, "cwd": "/root/site",
+                                                "shell": "python3 -m http.server 8000 --bind 0.0.0.0"})
+            check(s["url"] == f"{url}/v1/sandboxes/{sid}/ports/8000/", f"service_start's url: {s}")
+            http = create_mcp_http_client(headers={"Authorization": f"Bearer {key}"})
+            async with http:
+                r = await http.get(s["url"] + "index.html")
+            check(r.status_code == 200 and r.text == "hello service", f"the URL reaches the server: {r.status_code} {r.text[:200]}")
+            ports = (await call(c, "port_list", {"sandbox_id": sid}))["ports"]
+            check(any(p["port"] == 8000 and p["url"] == s["url"] for p in ports), f"port_list: {ports}")
+            summary["again"] = await call(c, "service_start", {"sandbox_id": sid, "port": 8000, "shell": "sleep 1"}, expect_error=True)
+            summary["exits"] = await call(c, "service_start", {"sandbox_id": sid, "port": 9000, "shell": "exit 5"}, expect_error=True)
+            summary["silent"] = await call(c, "service_start", {"sandbox_id": sid, "port": 9001, "shell": "sleep 60", "wait_s": 2}, expect_error=True)
+            summary["waited_ms"] = s["waited_ms"]
+        finally:
+            await call(c, "sandbox_delete", {"sandbox_id": sid})
+    return summary
+
+
 async def main():
     url, key, what = sys.argv[1], sys.argv[2], sys.argv[3]
-    summary = await (scenario(url, key) if what == "session" else network(url, key))
+    run = {"session": scenario, "network": network, "services": services}[what]
+    summary = await run(url, key)
     print(json.dumps(summary))
 
 

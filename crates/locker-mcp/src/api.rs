@@ -55,6 +55,10 @@ pub enum ApiError {
 /// Something that answers Locker API requests.
 pub trait Api: Send + Sync + 'static {
     fn send(&self, req: ApiRequest) -> BoxFuture<'_, Result<ApiResponse, ApiError>>;
+    /// The Locker URL requests go to, when there is one (not in-process).
+    fn base_url(&self) -> Option<&str> {
+        None
+    }
 }
 
 /// Locker over the network (plain HTTP, like the CLI).
@@ -125,6 +129,9 @@ impl HttpApi {
 }
 
 impl Api for std::sync::Arc<HttpApi> {
+    fn base_url(&self) -> Option<&str> {
+        Some(&self.base)
+    }
     fn send(&self, req: ApiRequest) -> BoxFuture<'_, Result<ApiResponse, ApiError>> {
         let me = self.clone();
         Box::pin(async move {

@@ -5,7 +5,8 @@
 //! - [`tools`]: the catalogue (names, descriptions the model reads, schemas, annotations);
 //! - [`server`]: [`LockerMcp`], which carries a tool call out as Locker API requests;
 //!   `session` carries out the session-management tools (`tools_session`: sandbox_list,
-//!   sandbox_set_ttl, process_list, snapshot_list, snapshot_delete); [`text`] holds the
+//!   sandbox_set_ttl, process_list, snapshot_list, snapshot_delete), `service` the service
+//!   tools (`tools_service`: service_start, port_list); [`text`] holds the
 //!   pure text operations (file_edit's `str_replace` and `insert`, an output's tail);
 //! - [`api`]: the one way out, Locker's public HTTP API ([`HttpApi`] over the network,
 //!   [`TowerApi`] in-process through `locker serve`'s router). Nothing private of the
@@ -21,14 +22,18 @@
 
 pub mod api;
 pub mod server;
+mod service;
 mod session;
 pub mod text;
 pub mod tools;
+mod tools_service;
 mod tools_session;
 
 use std::sync::Arc;
 
 pub use api::{Api, ApiError, ApiRequest, ApiResponse, HttpApi, TowerApi};
+/// The MCP SDK this crate is built on, for the server's bridge of stdio servers.
+pub use rmcp;
 use rmcp::transport::streamable_http_server::session::local::LocalSessionManager;
 use rmcp::transport::{StreamableHttpServerConfig, StreamableHttpService};
 use rmcp::ServiceExt;

@@ -69,7 +69,24 @@ impl LockerMcp {
             .or_else(|| self.default_key.clone())
     }
 
-    async fn dispatch(&self, name: &str, args: Map<String, Value>, key: Option<String>) -> Out {
+    /// The Locker URL this request came to (Streamable HTTP: its `Host`), else the one the
+    /// API client was configured with (stdio: `LOCKER_URL`).
+    fn base(&self, ctx: &RequestContext<RoleServer>) -> Option<String> {
+        ctx.extensions
+            .get::<http::request::Parts>()
+            .and_then(|p| p.headers.get(http::header::HOST))
+            .and_then(|h| h.to_str().ok())
+            .map(|h| format!("http://{h}"))
+            .or_else(|| self.api.base_url().map(str::to_owned))
+    }
+
+    async fn dispatch(
+        &self,
+        name: &str,
+        args: Map<String, Value>,
+        key: Option<String>,
+        base: Option<String>,
+    ) -> Out {
         let tool = self
             .tools
             .iter()
@@ -79,6 +96,7 @@ impl LockerMcp {
         let c = Call {
             api: &*self.api,
             key,
+            base,
             args: &args,
         };
         match name {
@@ -102,6 +120,8 @@ impl LockerMcp {
             "process_list" => c.process_list().await,
             "snapshot_list" => c.snapshot_list().await,
             "snapshot_delete" => c.snapshot_delete().await,
+            "service_start" => c.service_start().await,
+            "port_list" => c.port_list().await,
             _ => Err(Fail(format!("there is no tool {name:?}"))),
         }
     }
@@ -182,9 +202,10 @@ impl ServerHandler for LockerMcp {
             ));
         }
         let key = self.key(&context);
+        let base = self.base(&context);
         let args = request.arguments.unwrap_or_default();
         let started = Instant::now();
-        let out = self.dispatch(&request.name, args, key).await;
+        let out = self.dispatch(&request.name, args, key, base).await;
         tracing::debug!(tool = %request.name, ok = out.is_ok(), ms = started.elapsed().as_millis() as u64, "mcp tool call");
         Ok(match out {
             Ok(v) => CallToolResult::structured(v),
@@ -198,6 +219,8 @@ impl ServerHandler for LockerMcp {
 pub(crate) struct Call<'a> {
     api: &'a dyn Api,
     key: Option<String>,
+    /// The Locker URL the client used (`http://host:port`), for URLs handed back.
+    pub(crate) base: Option<String>,
     pub(crate) args: &'a Map<String, Value>,
 }
 
@@ -324,7 +347,7 @@ impl Call<'_> {
         }
     }
 
-    fn exec_body(&self) -> Result<Map<String, Value>, Fail> {
+    pub(crate) fn exec_body(&self) -> Result<Map<String, Value>, Fail> {
         match (self.args.get("shell"), self.args.get("cmd")) {
             (Some(_), Some(_)) => {
                 return Err(Fail(

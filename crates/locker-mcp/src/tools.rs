@@ -20,7 +20,7 @@ Two ways to work:
 - A sandbox (sandbox_create, then exec / file_* / process_*, then sandbox_delete): a machine \
 that lives across calls for up to its ttl_s (default 1800 s). Files and background processes \
 persist between calls; each exec starts a fresh shell, so `cd` and `export` do not carry over \
-(pass cwd and env instead). Delete it when done.
+(pass cwd and env instead). A server you run there (service_start) is reached from later calls at http://localhost:PORT and from outside at the URL service_start returns (port_list lists them again). Delete it when done.
 - A serverless run (run): one command in a fresh machine on a named volume (a persistent disk); \
 the machine is destroyed after the command, the volume's changes are kept. Best for one-shot \
 work on a project that must persist without a machine in between.
@@ -69,7 +69,7 @@ pub(crate) fn ann(
 
 /// A tool that runs a command: it reaches the open world when the machine's network policy
 /// lets it (`network` on sandbox_create or run).
-fn ann_command(title: &str) -> ToolAnnotations {
+pub(crate) fn ann_command(title: &str) -> ToolAnnotations {
     ann(title, false, true, false).open_world(true)
 }
 
@@ -651,6 +651,7 @@ of each. Use it to find a project's volume by name before calling run or file_re
     ]
     .into_iter()
     .chain(crate::tools_session::all())
+    .chain(crate::tools_service::all())
     .collect()
 }
 
@@ -659,7 +660,7 @@ mod tests {
     #[test]
     fn every_tool_is_strict_and_documented() {
         let tools = super::all();
-        assert_eq!(tools.len(), 20);
+        assert_eq!(tools.len(), 22);
         for t in &tools {
             assert_eq!(
                 t.input_schema.get("additionalProperties"),

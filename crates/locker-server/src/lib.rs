@@ -45,6 +45,7 @@ pub mod ids;
 pub mod lifecycle;
 pub mod limits;
 pub mod mcp;
+pub mod mcp_bridge;
 pub mod metrics;
 pub mod ops;
 pub mod pool;

@@ -141,6 +141,36 @@ pub const ROUTES: &[RouteDoc] = &[
     ),
     r(
         "post",
+        "/v1/sandboxes/{id}/mcp",
+        201,
+        "Start a stdio MCP server in the machine, served as Streamable HTTP",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/mcp",
+        200,
+        "The MCP servers of the sandbox",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/mcp/{name}",
+        200,
+        "The MCP server as Streamable HTTP: a JSON-RPC message (JSON or SSE answer)",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/mcp/{name}",
+        200,
+        "The MCP server's server-to-client SSE stream (Mcp-Session-Id)",
+    ),
+    r(
+        "delete",
+        "/v1/sandboxes/{id}/mcp/{name}",
+        204,
+        "With Mcp-Session-Id: end that MCP session; without: stop the server",
+    ),
+    r(
+        "post",
         "/v1/sandboxes/{id}/processes",
         200,
         "Start a background process",

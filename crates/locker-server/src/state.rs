@@ -104,6 +104,8 @@ pub struct Live {
     /// Who may reach its ports by preview URL without an API key (kept beside the store's
     /// copy, so a preview request reads no database).
     pub preview: std::sync::RwLock<Preview>,
+    /// The MCP servers bridged from this sandbox (`mcp_bridge`); they end with it.
+    pub mcp: crate::mcp_bridge::Servers,
 }
 
 /// A sandbox's preview access: its token and its public ports.
@@ -148,6 +150,7 @@ impl Live {
                 token: record.preview_token.clone(),
                 public_ports: record.public_ports.clone(),
             }),
+            mcp: Default::default(),
         }
     }
 

@@ -15,6 +15,7 @@ from .client import (
     ExecResult,
     Files,
     LockerError,
+    McpServer,
     Process,
     ProcessInfo,
     ProcessOutput,
@@ -31,6 +32,6 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client", "LockerError", "ExecResult", "Changes", "Entry", "StreamEvent", "ProcessOutput",
-    "Sandbox", "Volume", "Process", "ProcessInfo", "Files", "Snapshot", "VolumeSnapshot", "Tool", "FunctionTool", "Toolkit", "ToolResult",
+    "Sandbox", "McpServer", "Volume", "Process", "ProcessInfo", "Files", "Snapshot", "VolumeSnapshot", "Tool", "FunctionTool", "Toolkit", "ToolResult",
     "run_agent", "AgentResult",
 ]

@@ -728,6 +728,30 @@ class Sandbox:
         self.info["preview_token"] = d["preview_token"]
         return d["preview_token"]
 
+    def mcp_server(self, name: str, cmd: Sequence[str], env: Optional[Mapping[str, str]] = None,
+                   cwd: Optional[str] = None, request_timeout_s: Optional[int] = None) -> "McpServer":
+        """Starts a stdio MCP server in the sandbox (`cmd`, e.g. ["npx", "-y",
+        "@modelcontextprotocol/server-filesystem", "/workspace"]) and serves it as Streamable
+        HTTP: point any MCP client at `server.url` with `server.headers`. It runs as a
+        background process of the sandbox (its limits, its egress policy) and is shared by
+        every client; returns once it answered `initialize` (LockerError 502 if it did not:
+        the message has the end of its stderr). `name`: 1-64 of a-z, 0-9, - and _.
+        `request_timeout_s` (default 300): how long one request may wait for its answer."""
+        body: Dict[str, Any] = {"name": name, "cmd": list(cmd)}
+        if env is not None:
+            body["env"] = dict(env)
+        if cwd is not None:
+            body["cwd"] = cwd
+        if request_timeout_s is not None:
+            body["request_timeout_s"] = request_timeout_s
+        d = self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/mcp", body, timeout=max(90.0, self._c.timeout))
+        return McpServer(self, d)
+
+    def mcp_servers(self) -> List["McpServer"]:
+        """The MCP servers started in this sandbox (running or exited)."""
+        d = self._c.request("GET", f"/v1/sandboxes/{_seg(self.id)}/mcp")
+        return [McpServer(self, s) for s in d["servers"]]
+
     def pause(self) -> None:
         self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/pause")
 
@@ -746,6 +770,56 @@ class Sandbox:
     def fork(self, count: int = 1) -> List["Sandbox"]:
         d = self._c.request("POST", f"/v1/sandboxes/{_seg(self.id)}/fork", {"count": count})
         return [Sandbox(self._c, s) for s in d["sandboxes"]]
+
+
+class McpServer:
+    """An MCP server running in a sandbox, reachable as Streamable HTTP at `url` with
+    `headers` (the API key). `info` is the last server object seen: name, url, state
+    (running | exited), cmd, process_id, pid, server_info, error."""
+
+    def __init__(self, sandbox: Sandbox, info: Mapping[str, Any]):
+        self.sandbox = sandbox
+        self.info: Dict[str, Any] = dict(info)
+        self.name: str = info["name"]
+
+    def __repr__(self) -> str:
+        return f"McpServer({self.name!r}, state={self.state!r})"
+
+    def __enter__(self) -> "McpServer":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.stop()
+        except LockerError as e:
+            if e.status != 404:
+                raise
+
+    @property
+    def url(self) -> str:
+        """The server's URL as this client reaches Locker."""
+        return f"{self.sandbox._c.url}/v1/sandboxes/{_seg(self.sandbox.id)}/mcp/{_seg(self.name)}"
+
+    @property
+    def headers(self) -> Dict[str, str]:
+        """What an MCP client must send with every request."""
+        key = self.sandbox._c.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    @property
+    def state(self) -> Optional[str]:
+        return self.info.get("state")
+
+    def refresh(self) -> "McpServer":
+        for s in self.sandbox.mcp_servers():
+            if s.name == self.name:
+                self.info = s.info
+                return self
+        raise LockerError(404, "not_found", f"no MCP server named {self.name!r} in {self.sandbox.id}")
+
+    def stop(self) -> None:
+        """Stops the server (its process ends; open sessions close)."""
+        self.sandbox._c.request("DELETE", f"/v1/sandboxes/{_seg(self.sandbox.id)}/mcp/{_seg(self.name)}")
 
 
 class Sandboxes:

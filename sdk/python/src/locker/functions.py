@@ -188,7 +188,9 @@ def function_tools(
             "file_edit for files. Each call is a fresh shell: `cd` and `export` do not carry over (pass cwd); files do, "
             "and so do jobs: what a call leaves running (`cmd &`, `nohup`) keeps running after it returns, but what it prints "
             "later is discarded (redirect it to a file); start servers and long jobs with process_start to read their "
-            "output. A timeout kills the whole tree. cwd defaults to /root.\n\n"
+            "output. A server left listening is reached by later calls at http://localhost:PORT, and from outside the "
+            f"sandbox at {sandbox._c.url}/v1/sandboxes/{sandbox.id}/ports/PORT/ (the API key as a Bearer token). "
+            "A timeout kills the whole tree. cwd defaults to /root.\n\n"
             "Returns {exit_code, reason (exited | signaled | timeout | oom | output_limit | killed), stdout, stderr}. A non-zero "
             "exit code is a normal result to read, not a tool error. Output over 65536 bytes per stream keeps its head and tail; "
             "then stdout_truncated is true and the full output is in the file output_path in the sandbox." + (" " + net if net else ""),
