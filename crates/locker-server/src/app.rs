@@ -256,6 +256,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::files::routes())
         .merge(crate::processes::routes())
         .merge(crate::ports::routes())
+        .merge(crate::code::routes())
         .merge(crate::volumes::routes())
         .merge(crate::runs::routes())
         .merge(crate::admin::routes())

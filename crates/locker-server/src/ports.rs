@@ -79,6 +79,7 @@ async fn list(
         .unwrap_or_default();
     let items: Vec<_> = found
         .iter()
+        .filter(|p| !crate::code::is_driver_port(p.port))
         .map(|p| {
             json!({
                 "port": p.port,
@@ -190,6 +191,11 @@ async fn proxy(
     mut req: Request,
 ) -> Result<Response, ApiError> {
     let port = port_of(&port_raw)?;
+    if crate::code::is_driver_port(port) {
+        return Err(ApiError::not_found(format!(
+            "port {port} in a sandbox is the code interpreter's own: use the /code and /contexts routes"
+        )));
+    }
     let target = target_of(req.uri(), &id, &port_raw)?;
     let live = live_of(&app, &caller, &id).await?;
     let tunnel = ports::connect(&live.machine.agent, port)
