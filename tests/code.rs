@@ -261,6 +261,7 @@ fn a_timeout_interrupts_the_kernel_and_the_next_cell_sees_earlier_variables() {
         .expect(200, "interrupt");
     assert_eq!(i["interrupted"], true, "{i}");
     let r = long.join().unwrap();
+    assert_eq!(r["reason"], "interrupted", "{r}");
     assert_eq!(r["error"]["name"], "KeyboardInterrupt", "{r}");
     let next = run_in(&api, &id, &ctx, "kept");
     assert_eq!(next["results"][0]["text"], "'yes'", "{next}");
@@ -368,10 +369,12 @@ fn a_context_of_another_sandbox_or_tenant_is_not_found() {
 fn killing_the_driver_from_user_code_breaks_neither_the_sandbox_nor_the_server() {
     let (_t, api, id) = code_sandbox();
     let ctx = new_context(&api, &id, &json!({}));
-    let r = run_in(&api, &id, &ctx, "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)");
-    // The cell's answer may or may not make it out before its driver dies; either way it
-    // is an answer, not a hang, and the next calls work.
-    let _ = r;
+    let r = api.post(
+        &format!("/v1/sandboxes/{id}/code"),
+        &json!({ "context": ctx, "code": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)" }),
+    );
+    // The cell's driver died under it: an answer that says so (502), not a hang.
+    assert!(r.status == 502 || r.status == 200, "{} {}", r.status, r.text());
     let gone = api.post(
         &format!("/v1/sandboxes/{id}/code"),
         &json!({ "context": ctx, "code": "1" }),
@@ -384,11 +387,20 @@ fn killing_the_driver_from_user_code_breaks_neither_the_sandbox_nor_the_server()
     api.get("/healthz").expect(200, "the server is fine");
 
     // Someone else's server on the driver's port: a clear error, never a hang or a crash.
-    api.sh(&id, "pkill -9 -f 'python3 - --start' || true");
-    api.sh(
-        &id,
-        "(python3 -c \"import socket;s=socket.socket();s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1);s.bind(('127.0.0.1',49999));s.listen();\nwhile True:\n c,_=s.accept();c.recv(65536);c.sendall(b'HTTP/1.0 200 OK\\r\\n\\r\\n{\\\"type\\\":\\\"stdout\\\",\\\"text\\\":5}\\n');c.close()\" > /dev/null 2>&1 &) ; sleep 1",
-    );
+    let impostor = r#"import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 49999))
+s.listen()
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b'HTTP/1.0 200 OK\r\n\r\n{"type": "stdout", "text": 5}\n')
+    c.close()
+"#;
+    let put = api.write_file(&id, "/root/impostor.py", impostor.as_bytes());
+    assert!(put.status < 300, "{}", put.text());
+    api.sh(&id, "pkill -9 -f 'python3 - --star[t]'; sleep 0.5; (python3 /root/impostor.py > /dev/null 2>&1 &); sleep 1");
     let r = api.post(&format!("/v1/sandboxes/{id}/code"), &json!({ "code": "1" }));
     let msg = r.expect_error(502, "bad_gateway", "an impostor on the driver's port");
     assert!(msg.contains("driver"), "{msg}");
@@ -502,4 +514,120 @@ fn the_driver_port_is_hidden_from_the_port_list_and_the_proxy() {
     assert!(!ports.to_string().contains("49999"), "{ports}");
     api.get(&format!("/v1/sandboxes/{id}/ports/49999/health"))
         .expect_error(404, "not_found", "the driver through the proxy");
+}
+
+fn locker_code(t: &Tenant, args: &[&str], stdin: Option<&str>) -> std::process::Output {
+    use std::io::Write;
+    let mut c = std::process::Command::new(locker_bin());
+    c.arg("code")
+        .args(args)
+        .env("LOCKER_URL", &t.srv.url)
+        .env("LOCKER_API_KEY", &t.key)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().expect("start `locker code`");
+    register_child(child.id());
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn the_cli_runs_code_and_files_and_saves_charts() {
+    let (t, _api, id) = code_sandbox();
+    let out = locker_code(&t, &[&id, "n = 20\nprint(n + 1)\nn * 2"], None);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "21\n40\n");
+
+    let dir = locker_tests::TempDir::new("code-cli");
+    let script = dir.path().join("script.py");
+    std::fs::write(
+        &script,
+        "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nprint('n was', n)\n",
+    )
+    .unwrap();
+    let images = dir.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let out = locker_code(
+        &t,
+        &[&id, "-f", script.to_str().unwrap(), "--save-images", images.to_str().unwrap()],
+        None,
+    );
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.starts_with("n was 20\n"), "the default context kept n: {text}");
+    let png = std::fs::read(images.join("result-1.png")).expect("the chart was saved");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+
+    let out = locker_code(&t, &[&id, "-f", "-"], Some("raise ValueError('bad input')"));
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("ValueError: bad input"), "{out:?}");
+}
+
+#[test]
+fn the_python_sdk_runs_code_and_drives_the_seeds_run_code_tool_loop() {
+    template();
+    let t = Tenant::new();
+    let script = locker_tests::root().join("sdk/python/tests/test_code.py");
+    let mut c = std::process::Command::new("python3");
+    c.arg(&script)
+        .env("LOCKER_URL", &t.srv.url)
+        .env("LOCKER_API_KEY", &t.key)
+        .env("LOCKER_CODE_TEMPLATE", "1")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = c.spawn().expect("start python3");
+    register_child(child.id());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "sdk/python/tests/test_code.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("ok test_the_seeds_run_code_tool_loop_with_a_scripted_model"), "{said}");
+}
+
+#[test]
+fn the_mcp_run_code_tool_keeps_state_between_calls() {
+    let (t, _api, id) = code_sandbox();
+    let meta = json!({
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
+        "io.modelcontextprotocol/clientCapabilities": {}});
+    let call = |args: Value| -> Value {
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                          "params": {"name": "run_code", "arguments": args, "_meta": meta}});
+        let agent = locker_tests::server::agent(Duration::from_secs(120));
+        let mut resp = agent
+            .post(format!("{}/mcp", t.srv.url))
+            .header("Accept", "application/json, text/event-stream")
+            .header("Content-Type", "application/json")
+            .header("MCP-Protocol-Version", "2026-07-28")
+            .header("Mcp-Method", "tools/call")
+            .header("Mcp-Name", "run_code")
+            .header("Authorization", format!("Bearer {}", t.key))
+            .send(body.to_string())
+            .expect("POST /mcp");
+        let text = resp.body_mut().read_to_string().unwrap();
+        let json_text = text
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or(&text)
+            .to_owned();
+        let v: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        v["result"]["structuredContent"].clone()
+    };
+    let a = call(json!({"sandbox_id": id, "code": "import statistics\nvals = [1, 2, 3, 4]"}));
+    assert_eq!(a["reason"], "finished", "{a}");
+    let b = call(json!({"sandbox_id": id, "code": "print(statistics.mean(vals))\nlen(vals)"}));
+    assert_eq!(b["stdout"], "2.5\n", "{b}");
+    assert_eq!(b["result"], "4", "{b}");
+    let c = call(json!({"sandbox_id": id, "code": "import matplotlib.pyplot as plt\nplt.plot(vals)\nplt.show()\nint('x')"}));
+    assert_eq!(c["images"], 1, "{c}");
+    assert_eq!(c["error"]["name"], "ValueError", "{c}");
 }

@@ -7,6 +7,7 @@
 //!   `session` carries out the session-management tools (`tools_session`: sandbox_list,
 //!   sandbox_set_ttl, process_list, snapshot_list, snapshot_delete); [`text`] holds the
 //!   pure text operations (file_edit's `str_replace` and `insert`, an output's tail);
+//!   `tools_code` is the code interpreter's `run_code` (catalogue entry and call);
 //! - [`api`]: the one way out, Locker's public HTTP API ([`HttpApi`] over the network,
 //!   [`TowerApi`] in-process through `locker serve`'s router). Nothing private of the
 //!   server is used, so both transports run the same code against the same contract.
@@ -24,6 +25,7 @@ pub mod server;
 mod session;
 pub mod text;
 pub mod tools;
+mod tools_code;
 mod tools_session;
 
 use std::sync::Arc;

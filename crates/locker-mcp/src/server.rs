@@ -102,6 +102,7 @@ impl LockerMcp {
             "process_list" => c.process_list().await,
             "snapshot_list" => c.snapshot_list().await,
             "snapshot_delete" => c.snapshot_delete().await,
+            "run_code" => c.run_code().await,
             _ => Err(Fail(format!("there is no tool {name:?}"))),
         }
     }

@@ -166,6 +166,7 @@ class Context:
         self.jobs = queue.Queue()
         self.busy = False
         self.restarting = False
+        self.interrupt_asked = False
         self.closed = False
         self.last_error = None
         threading.Thread(target=self.work, daemon=True).start()
@@ -327,6 +328,7 @@ class Context:
                 return
 
     def run_cell(self, job, kw, started, deadline, out, emit):
+        self.interrupt_asked = False
         results, results_size = [], 0
         error = None
         count = None
@@ -432,6 +434,8 @@ class Context:
                 "killed); the next call on this context starts a new kernel with empty state",
                 "traceback": "",
             }
+        if reason in ("finished", "error") and self.interrupt_asked:
+            reason = "interrupted"
         if reason == "finished" and error is not None:
             reason = "error"
         if reason == "timeout" and error is None:
@@ -588,6 +592,8 @@ class Handler(BaseHTTPRequestHandler):
         if len(parts) == 3 and parts[0] == "contexts" and method == "POST":
             ctx = DRIVER.get(parts[1])
             if parts[2] == "interrupt":
+                if ctx.busy:
+                    ctx.interrupt_asked = True
                 ctx.signal_kernel(signal.SIGINT)
                 return self.answer(200, {"interrupted": ctx.busy})
             if parts[2] == "restart":
@@ -605,8 +611,9 @@ class Handler(BaseHTTPRequestHandler):
         submitted = time.monotonic()
         cid = b.get("context")
         if cid is None:
-            cid = "ctx_default_" + b["language"]
-            ctx, _ = DRIVER.create(cid, b["language"], b.get("cwd"), {})
+            language = b.get("language") or "python"
+            cid = "ctx_default_" + language
+            ctx, _ = DRIVER.create(cid, language, b.get("cwd"), {})
         else:
             ctx = DRIVER.get(cid)
             if b.get("language") and b["language"] != ctx.language:

@@ -235,7 +235,8 @@ fn cell_body(req: &RunCode, stream: bool) -> Result<(Value, u64), ApiError> {
     check_env(&req.env)?;
     let body = json!({
         "context": req.context,
-        "language": req.language.as_ref().map(|_| language).unwrap_or(language),
+        // Only what the caller said: a context keeps its own language.
+        "language": req.language.as_ref().map(|_| language),
         "code": req.code,
         "timeout_ms": timeout_ms,
         "env": req.env,
@@ -334,4 +335,26 @@ async fn relay(
         send_line(tx, &out).await;
     }
     Err(garbled("its answer ended before the cell's end"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn context_ids_and_languages_are_checked() {
+        assert!(check_context_id("sb_1", "ctx_0123abcd").is_ok());
+        assert!(check_context_id("sb_1", "ctx_default_python").is_ok());
+        for bad in ["", "ctx", "../ctx_a", "ctx_A", "ctx_a/b", &format!("ctx_{}", "a".repeat(70))] {
+            let e = check_context_id("sb_1", bad).unwrap_err();
+            assert_eq!(e.status, StatusCode::NOT_FOUND, "{bad}");
+        }
+        assert_eq!(language_of(None).unwrap(), "python");
+        assert_eq!(language_of(Some("bash")).unwrap(), "bash");
+        assert_eq!(
+            language_of(Some("ruby")).unwrap_err().status,
+            StatusCode::BAD_REQUEST
+        );
+        assert!(is_driver_port(PORT) && !is_driver_port(8000));
+    }
 }

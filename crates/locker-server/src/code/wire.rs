@@ -241,3 +241,59 @@ pub fn garbled(why: &str) -> ApiError {
          its context may be lost (was it killed or its port taken?): retry, or restart the context"
     ))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn line(s: &str) -> Result<Line, serde_json::Error> {
+        serde_json::from_str(s)
+    }
+
+    #[test]
+    fn the_drivers_lines_parse_into_the_contract_and_nothing_else() {
+        assert!(matches!(
+            line(r#"{"type":"stdout","text":"hi\n"}"#),
+            Ok(Line::Stdout { .. })
+        ));
+        let r = line(r#"{"type":"result","is_main_result":true,"text":"2","png":"iVBO"}"#);
+        let Ok(Line::Result(r)) = r else {
+            panic!("{r:?}")
+        };
+        assert_eq!(r.png.as_deref(), Some("iVBO"));
+        let e = line(
+            r#"{"type":"execution","execution_count":3,"stdout":"","stderr":"","results":[],
+                "error":{"name":"ValueError","value":"x","traceback":"tb"},"reason":"error",
+                "context":"ctx_a","timings":{"run_ms":1.5}}"#,
+        );
+        let Ok(Line::Execution(e)) = e else {
+            panic!("{e:?}")
+        };
+        assert_eq!(e.reason, Reason::Error);
+        assert_eq!(e.timings.run_ms, 1.5);
+        for bad in [
+            r#"{"type":"stdout","text":5}"#,
+            r#"{"type":"shell","cmd":"rm -rf /"}"#,
+            r#"{"type":"result","is_main_result":true,"extra":"x"}"#,
+            r#"{"type":"execution","reason":"exploded"}"#,
+            r#"not json"#,
+        ] {
+            assert!(line(bad).is_err(), "{bad}");
+        }
+        let out = serde_json::to_value(CodeResult {
+            is_main_result: true,
+            text: Some("1".into()),
+            ..Default::default()
+        })
+        .unwrap();
+        assert_eq!(out, serde_json::json!({"is_main_result": true, "text": "1"}));
+    }
+
+    #[test]
+    fn requests_refuse_unknown_fields() {
+        assert!(serde_json::from_str::<RunCode>(r#"{"code":"1","cwd":"/"}"#).is_err());
+        assert!(serde_json::from_str::<NewContext>(r#"{"lang":"python"}"#).is_err());
+        let r: RunCode = serde_json::from_str(r#"{"code":"1"}"#).unwrap();
+        assert!(r.context.is_none() && r.env.is_empty());
+    }
+}
