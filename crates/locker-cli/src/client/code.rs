@@ -78,7 +78,13 @@ pub fn run(a: CodeArgs) -> Result<i32, ClientError> {
         saved: 0,
     };
     let quiet = a.conn.json;
-    let execution = follow(BufReader::new(reader), quiet, &mut out, &mut err, &mut images)?;
+    let execution = follow(
+        BufReader::new(reader),
+        quiet,
+        &mut out,
+        &mut err,
+        &mut images,
+    )?;
     if quiet {
         print_json(&execution)?;
     }
@@ -206,7 +212,10 @@ fn tail_note(execution: &Value, err: &mut impl Write) -> Result<(), ClientError>
             )?;
         }
     }
-    let reason = execution.get("reason").and_then(Value::as_str).unwrap_or("");
+    let reason = execution
+        .get("reason")
+        .and_then(Value::as_str)
+        .unwrap_or("");
     if matches!(reason, "timeout" | "interrupted" | "context_died") {
         let e = &execution["error"];
         write(

@@ -14,10 +14,10 @@
 //! exits with the command's own code.
 
 pub mod admin;
+pub mod code;
 pub mod exec;
 pub mod files;
 pub mod http;
-pub mod code;
 pub mod port;
 pub mod process;
 pub mod records;

@@ -57,6 +57,29 @@ MIME_FIELDS = {
     "application/javascript": "javascript",
 }
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Run silently in every new kernel: ipykernel buffers a cell's output without bound until
+# its IO thread sends it (every 0.2 s), so a print loop can grow the kernel by hundreds of
+# MB before an interrupt lands. Past 1 MiB buffered, a write waits for the send: the
+# kernel's memory stays bounded and SIGINT is seen at once.
+OUTPUT_BACKPRESSURE = """
+def __locker_backpressure():
+    import sys
+    for s in (sys.stdout, sys.stderr):
+        if getattr(s, "_locker_backpressure", False) or not hasattr(s, "_buffer"):
+            continue
+        def write(text, _s=s, _write=s.write):
+            n = _write(text)
+            try:
+                if _s._buffer.tell() > (1 << 20):
+                    _s.flush()
+            except Exception:
+                pass
+            return n
+        s.write = write
+        s._locker_backpressure = True
+__locker_backpressure()
+del __locker_backpressure
+"""
 
 
 def now_rfc3339():
@@ -261,6 +284,7 @@ class Context:
             km.shutdown_kernel(now=True)
             raise ApiError(500, "the kernel did not start: %s" % e)
         self.km, self.kc = km, kc
+        self.run_silent(OUTPUT_BACKPRESSURE)
 
     def stop(self):
         if self.kc is not None:
@@ -538,6 +562,8 @@ DRIVER = Driver()
 
 class Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.0"
+    # An answer is a head and a line or two: Nagle's delay would hold each back ~40 ms.
+    disable_nagle_algorithm = True
 
     def log_message(self, fmt, *args):
         pass

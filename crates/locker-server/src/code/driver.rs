@@ -112,7 +112,11 @@ async fn tunnel(live: &Live, start: Start) -> Result<Option<Tunnel>, ApiError> {
         Err(PortError::NotListening(_)) => Err(ApiError::internal(format!(
             "the code interpreter's driver did not start in sandbox {}: {}",
             live.id,
-            if why.is_empty() { "it exited at once" } else { &why }
+            if why.is_empty() {
+                "it exited at once"
+            } else {
+                &why
+            }
         ))),
         Err(e) => Err(port_error(e)),
     }
@@ -194,6 +198,8 @@ pub fn status_error(status: u16, message: String) -> ApiError {
         400 => ApiError::bad_request(message),
         404 => ApiError::not_found(message),
         409 => ApiError::conflict(message),
-        _ => ApiError::internal(format!("the code interpreter in the sandbox failed: {message}")),
+        _ => ApiError::internal(format!(
+            "the code interpreter in the sandbox failed: {message}"
+        )),
     }
 }

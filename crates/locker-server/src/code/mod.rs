@@ -32,8 +32,8 @@ use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::time::timeout_at;
 
-use self::driver::{Start, CONTEXT_DEADLINE, EXECUTE_SLACK};
 pub use self::driver::PORT;
+use self::driver::{Start, CONTEXT_DEADLINE, EXECUTE_SLACK};
 use self::wire::*;
 use crate::auth::Caller;
 use crate::command::MAX_OUTPUT_CAP;
@@ -49,7 +49,10 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sandboxes/{id}/contexts", post(create).get(list))
         .route("/v1/sandboxes/{id}/contexts/{ctx}", delete(remove))
         .route("/v1/sandboxes/{id}/contexts/{ctx}/restart", post(restart))
-        .route("/v1/sandboxes/{id}/contexts/{ctx}/interrupt", post(interrupt))
+        .route(
+            "/v1/sandboxes/{id}/contexts/{ctx}/interrupt",
+            post(interrupt),
+        )
         .route("/v1/sandboxes/{id}/code", post(run_code))
 }
 
@@ -142,9 +145,15 @@ async fn create(
         "cwd": req.cwd,
         "env": req.env,
     });
-    let resp = ask(&live, Start::IfMissing, Method::POST, "/contexts", Some(&body))
-        .await?
-        .ok_or_else(|| stuck(&id))?;
+    let resp = ask(
+        &live,
+        Start::IfMissing,
+        Method::POST,
+        "/contexts",
+        Some(&body),
+    )
+    .await?
+    .ok_or_else(|| stuck(&id))?;
     let ctx: Context = read_json(resp).await?;
     Ok((StatusCode::CREATED, axum::Json(ctx)).into_response())
 }
@@ -260,12 +269,17 @@ async fn run_code(
         check_context_id(&id, ctx)?;
     }
     let live = live_of(&app, &caller, &id).await?;
-    let until = tokio::time::Instant::from_std(arrived)
-        + Duration::from_millis(timeout_ms)
-        + EXECUTE_SLACK;
+    let until =
+        tokio::time::Instant::from_std(arrived) + Duration::from_millis(timeout_ms) + EXECUTE_SLACK;
     let resp = timeout_at(
         until,
-        driver::send(&live, Start::IfMissing, Method::POST, "/execute", Some(&body)),
+        driver::send(
+            &live,
+            Start::IfMissing,
+            Method::POST,
+            "/execute",
+            Some(&body),
+        ),
     )
     .await
     .map_err(|_| stuck(&id))??
@@ -345,7 +359,14 @@ mod tests {
     fn context_ids_and_languages_are_checked() {
         assert!(check_context_id("sb_1", "ctx_0123abcd").is_ok());
         assert!(check_context_id("sb_1", "ctx_default_python").is_ok());
-        for bad in ["", "ctx", "../ctx_a", "ctx_A", "ctx_a/b", &format!("ctx_{}", "a".repeat(70))] {
+        for bad in [
+            "",
+            "ctx",
+            "../ctx_a",
+            "ctx_A",
+            "ctx_a/b",
+            &format!("ctx_{}", "a".repeat(70)),
+        ] {
             let e = check_context_id("sb_1", bad).unwrap_err();
             assert_eq!(e.status, StatusCode::NOT_FOUND, "{bad}");
         }

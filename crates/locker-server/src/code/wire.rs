@@ -169,13 +169,20 @@ pub struct Execution {
 #[derive(Debug, Deserialize)]
 #[serde(tag = "type", rename_all = "snake_case")]
 pub enum Line {
-    Stdout { text: String },
-    Stderr { text: String },
+    Stdout {
+        text: String,
+    },
+    Stderr {
+        text: String,
+    },
     Result(CodeResult),
     Error(CodeError),
     Execution(Execution),
     /// The job failed before or while running (the kernel would not start).
-    Failure { status: u16, error: String },
+    Failure {
+        status: u16,
+        error: String,
+    },
 }
 
 /// Reads a driver's body as lines, each at most [`MAX_LINE`] bytes.
@@ -286,7 +293,10 @@ mod tests {
             ..Default::default()
         })
         .unwrap();
-        assert_eq!(out, serde_json::json!({"is_main_result": true, "text": "1"}));
+        assert_eq!(
+            out,
+            serde_json::json!({"is_main_result": true, "text": "1"})
+        );
     }
 
     #[test]
