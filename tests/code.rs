@@ -760,7 +760,10 @@ fn a_cell_that_corrupts_connection_files_or_leaves_a_child_running_breaks_nothin
     );
     assert_eq!(r["stdout"], "True True\n", "{r}");
     let next = run_in(&api, &id, &ctx, "child.poll() is None");
-    assert_eq!(next["results"][0]["text"], "True", "the child outlives its cell: {next}");
+    assert_eq!(
+        next["results"][0]["text"], "True",
+        "the child outlives its cell: {next}"
+    );
     // The context restarts (a new connection file), and other contexts start.
     api.post_empty(&format!("/v1/sandboxes/{id}/contexts/{ctx}/restart"))
         .expect(200, "restart after corrupted connection files");

@@ -87,7 +87,10 @@ fn the_code_interpreter_spec_is_default_with_a_jupyter_kernel() {
     let spec = builtin_spec("code-interpreter").unwrap();
     assert_eq!(spec.name, "code-interpreter");
     assert!(spec.validate().is_ok());
-    for p in DEFAULT_PACKAGES.iter().chain(CODE_INTERPRETER_PACKAGES) {
+    for p in super::DEFAULT_PACKAGES
+        .iter()
+        .chain(super::CODE_INTERPRETER_PACKAGES)
+    {
         assert!(spec.packages.iter().any(|q| q == p), "{p}");
     }
     assert!(spec.run.is_empty());
