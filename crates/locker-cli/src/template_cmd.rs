@@ -11,18 +11,20 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context};
 use locker_runtime::template::{
-    default_spec, validate_name, StderrProgress, Template, TemplateSpec, TemplateStore,
-    DEFAULT_TEMPLATE,
+    builtin_spec, validate_name, StderrProgress, Template, TemplateSpec, TemplateStore,
 };
 
 #[derive(clap::Subcommand)]
 pub enum TemplateCmd {
     /// Build a template (returns at once if the same content is already built).
     ///
-    /// `locker template build default` builds the default Debian bookworm template;
+    /// `locker template build default` builds the default Debian bookworm template,
+    /// `locker template build code-interpreter` the code interpreter's (default's packages,
+    /// Jupyter's Python kernel, numpy, pandas, matplotlib, scipy: about 6 minutes, 1.6 GiB);
     /// `--file spec.json` builds a spec file; NAME alone rebuilds a stored template's spec.
     Build {
-        /// `default`, a template built before, or (with --file) the name to give the spec.
+        /// `default`, `code-interpreter`, a template built before, or (with --file) the name
+        /// to give the spec.
         name: Option<String>,
         /// A JSON spec: {"name": …, "base": "debian:bookworm", "packages": […], "run": […]}.
         #[arg(long, short)]
@@ -127,10 +129,10 @@ fn spec_to_build(
         return Ok(spec);
     }
     let Some(name) = name else {
-        bail!("say what to build: `locker template build default` or `--file spec.json`");
+        bail!("say what to build: `locker template build default`, `locker template build code-interpreter` or `--file spec.json`");
     };
-    if name == DEFAULT_TEMPLATE {
-        return Ok(default_spec());
+    if let Some(spec) = builtin_spec(&name) {
+        return Ok(spec);
     }
     let Some(stored) = store.resolve(&name).map_err(one_line)? else {
         bail!(

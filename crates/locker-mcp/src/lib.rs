@@ -8,6 +8,7 @@
 //!   sandbox_set_ttl, process_list, snapshot_list, snapshot_delete), `service` the service
 //!   tools (`tools_service`: service_start, port_list); [`text`] holds the
 //!   pure text operations (file_edit's `str_replace` and `insert`, an output's tail);
+//!   `tools_code` is the code interpreter's `run_code` (catalogue entry and call);
 //! - [`api`]: the one way out, Locker's public HTTP API ([`HttpApi`] over the network,
 //!   [`TowerApi`] in-process through `locker serve`'s router). Nothing private of the
 //!   server is used, so both transports run the same code against the same contract.
@@ -26,6 +27,7 @@ mod service;
 mod session;
 pub mod text;
 pub mod tools;
+mod tools_code;
 mod tools_service;
 mod tools_session;
 

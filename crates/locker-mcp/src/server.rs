@@ -122,6 +122,7 @@ impl LockerMcp {
             "snapshot_delete" => c.snapshot_delete().await,
             "service_start" => c.service_start().await,
             "port_list" => c.port_list().await,
+            "run_code" => c.run_code().await,
             _ => Err(Fail(format!("there is no tool {name:?}"))),
         }
     }

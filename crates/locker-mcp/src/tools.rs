@@ -652,6 +652,7 @@ of each. Use it to find a project's volume by name before calling run or file_re
     .into_iter()
     .chain(crate::tools_session::all())
     .chain(crate::tools_service::all())
+    .chain(crate::tools_code::all())
     .collect()
 }
 
@@ -660,7 +661,7 @@ mod tests {
     #[test]
     fn every_tool_is_strict_and_documented() {
         let tools = super::all();
-        assert_eq!(tools.len(), 22);
+        assert_eq!(tools.len(), 23);
         for t in &tools {
             assert_eq!(
                 t.input_schema.get("additionalProperties"),

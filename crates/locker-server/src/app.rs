@@ -257,6 +257,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::processes::routes())
         .merge(crate::ports::routes())
         .merge(crate::mcp_bridge::routes())
+        .merge(crate::code::routes())
         .merge(crate::volumes::routes())
         .merge(crate::runs::routes())
         .merge(crate::admin::routes())

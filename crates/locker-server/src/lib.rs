@@ -21,7 +21,8 @@
 //! - [`egress`]: egress policies by name: the proxy, the DNS responder, refusals;
 //! - [`capacity`]: what the host holds: quota defaults and disk admission;
 //! - [`default_template`]: the template `default` built at start when it is missing;
-//! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP.
+//! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP;
+//! - [`code`]: the code interpreter: contexts on Jupyter kernels in the machine, cells.
 //!
 //! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
 //! itself: that is `locker-runtime`'s job.
@@ -32,6 +33,7 @@ pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod capacity;
+pub mod code;
 pub mod command;
 pub mod default_template;
 pub mod egress;

@@ -116,6 +116,42 @@ pub const ROUTES: &[RouteDoc] = &[
         "Run a command; ExecResult, or NDJSON with Accept: application/x-ndjson",
     ),
     r(
+        "post",
+        "/v1/sandboxes/{id}/contexts",
+        201,
+        "Create a code context (a Jupyter kernel in the machine)",
+    ),
+    r(
+        "get",
+        "/v1/sandboxes/{id}/contexts",
+        200,
+        "The sandbox's code contexts",
+    ),
+    r(
+        "delete",
+        "/v1/sandboxes/{id}/contexts/{ctx}",
+        204,
+        "End a code context (its kernel)",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/contexts/{ctx}/restart",
+        200,
+        "Restart a context's kernel (its state is cleared)",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/contexts/{ctx}/interrupt",
+        200,
+        "Interrupt the cell a context runs (its state is kept)",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/code",
+        200,
+        "Run a cell in a code context (an Execution, or NDJSON)",
+    ),
+    r(
         "get",
         "/v1/sandboxes/{id}/ports",
         200,

@@ -14,6 +14,7 @@
 //! exits with the command's own code.
 
 pub mod admin;
+pub mod code;
 pub mod exec;
 pub mod files;
 pub mod http;
@@ -155,6 +156,9 @@ pub enum ClientCmd {
     Ps(Box<process::PsArgs>),
     /// The TCP ports listening in a sandbox and the URLs that reach them.
     Port(Box<port::PortArgs>),
+    /// Run code in a sandbox's code context (a Jupyter kernel: variables persist between
+    /// calls); output streams as it comes, images are saved with --save-images.
+    Code(Box<code::CodeArgs>),
     /// Read, write, list and move files in a sandbox.
     Files(Box<files::FilesArgs>),
     /// Create, list, delete, snapshot and fork volumes, and move their files.
@@ -181,6 +185,7 @@ pub fn main(cmd: ClientCmd) -> ! {
         ClientCmd::Process(a) => process::run(*a),
         ClientCmd::Ps(a) => process::run_ps(*a),
         ClientCmd::Port(a) => port::run(*a),
+        ClientCmd::Code(a) => code::run(*a),
         ClientCmd::Files(a) => files::run(*a),
         ClientCmd::Volume(a) => volume::run(*a),
         ClientCmd::Tenant(a) => admin::run_tenant(*a),

@@ -47,7 +47,7 @@ mod store;
 mod tests;
 
 pub use progress::{NoProgress, Progress, StderrProgress};
-pub use spec::{default_spec, validate_name, TemplateSpec};
+pub use spec::{builtin_spec, code_interpreter_spec, default_spec, validate_name, TemplateSpec};
 pub use store::TemplateStore;
 
 use serde::{Deserialize, Serialize};
@@ -85,6 +85,21 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "npm",
     "less",
     "jq",
+];
+
+/// The name of the template built from [`code_interpreter_spec`].
+pub const CODE_INTERPRETER_TEMPLATE: &str = "code-interpreter";
+/// What the `code-interpreter` template adds to [`DEFAULT_PACKAGES`]: a Jupyter kernel for
+/// Python (the code interpreter's contexts) and the usual data libraries, all Debian's own.
+pub const CODE_INTERPRETER_PACKAGES: &[&str] = &[
+    "python3-ipykernel",
+    "python3-jupyter-client",
+    "python3-numpy",
+    "python3-pandas",
+    "python3-matplotlib",
+    "python3-scipy",
+    "python3-requests",
+    "python3-pil",
 ];
 
 const META_FORMAT: u32 = 1;

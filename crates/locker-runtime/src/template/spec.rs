@@ -103,6 +103,25 @@ pub fn default_spec() -> TemplateSpec {
     }
 }
 
+/// The spec of the `code-interpreter` template: `default`'s packages and Jupyter's Python
+/// kernel with numpy, pandas, matplotlib, scipy, requests and pillow.
+pub fn code_interpreter_spec() -> TemplateSpec {
+    let mut spec = default_spec();
+    spec.name = CODE_INTERPRETER_TEMPLATE.to_string();
+    spec.packages
+        .extend(CODE_INTERPRETER_PACKAGES.iter().map(|p| p.to_string()));
+    spec
+}
+
+/// The spec of a template Locker knows by name (`default`, `code-interpreter`).
+pub fn builtin_spec(name: &str) -> Option<TemplateSpec> {
+    match name {
+        DEFAULT_TEMPLATE => Some(default_spec()),
+        CODE_INTERPRETER_TEMPLATE => Some(code_interpreter_spec()),
+        _ => None,
+    }
+}
+
 /// Checks a template name: `[a-z0-9][a-z0-9._-]{0,62}`.
 pub fn validate_name(name: &str) -> Result<(), TemplateError> {
     let bad = |why| {

@@ -81,3 +81,20 @@ fn compression_is_detected_by_magic() {
     assert_eq!(compression_flag(b"BZh91A"), Some("--bzip2"));
     assert_eq!(compression_flag(b"etc/\0\0"), None);
 }
+
+#[test]
+fn the_code_interpreter_spec_is_default_with_a_jupyter_kernel() {
+    let spec = builtin_spec("code-interpreter").unwrap();
+    assert_eq!(spec.name, "code-interpreter");
+    assert!(spec.validate().is_ok());
+    for p in super::DEFAULT_PACKAGES
+        .iter()
+        .chain(super::CODE_INTERPRETER_PACKAGES)
+    {
+        assert!(spec.packages.iter().any(|q| q == p), "{p}");
+    }
+    assert!(spec.run.is_empty());
+    assert_ne!(spec.digest(), default_spec().digest());
+    assert_eq!(builtin_spec("default").unwrap(), default_spec());
+    assert!(builtin_spec("other").is_none());
+}

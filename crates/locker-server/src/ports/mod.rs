@@ -46,8 +46,16 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/sandboxes/{id}/ports/{port}/{*rest}", any(proxy_rest))
 }
 
+/// A port the API may reach: 1–65535 and not the code interpreter's own (its driver is
+/// reached only through the `/code` and `/contexts` routes, whichever way a port is named).
 fn port_of(raw: &str) -> Result<u16, ApiError> {
     match raw.parse::<u32>() {
+        Ok(p) if crate::code::is_driver_port(p as u16) && p <= 65535 => {
+            Err(ApiError::not_found(format!(
+                "port {p} in a sandbox is the code interpreter's own: use the /code and \
+                 /contexts routes"
+            )))
+        }
         Ok(p @ 1..=65535) => Ok(p as u16),
         _ => Err(ApiError::bad_request(format!(
             "port must be a number from 1 to 65535, got {raw:?}"
@@ -89,6 +97,7 @@ async fn list(
     let base = api_base(&headers);
     let items: Vec<_> = found
         .iter()
+        .filter(|p| !crate::code::is_driver_port(p.port))
         .map(|p| {
             json!({
                 "port": p.port,

@@ -4,6 +4,8 @@
 - `locker.anthropic`: handlers of Anthropic's `bash_20250124` and `text_editor_20250728`.
 - `locker.functions`: portable JSON function tools (OpenAI and others) and the OpenAI
   Responses `shell` tool.
+- `locker.code`: code contexts (Jupyter kernels; `sandbox.create_code_context()`) and the
+  `run_code` tool for every model API.
 - `locker.agent.run_agent`: a small agent loop (parallel tool calls, iteration cap,
   errors as results, truncation of large results into a file).
 """
@@ -26,6 +28,7 @@ from .client import (
     VolumeSnapshot,
 )
 from .tools import FunctionTool, Tool, Toolkit, ToolResult
+from .code import CodeContext, Execution, ExecutionError, code_tools, run_code_tool
 from .agent import AgentResult, run_agent
 
 __version__ = "0.1.0"
@@ -34,4 +37,5 @@ __all__ = [
     "Client", "LockerError", "ExecResult", "Changes", "Entry", "StreamEvent", "ProcessOutput",
     "Sandbox", "McpServer", "Volume", "Process", "ProcessInfo", "Files", "Snapshot", "VolumeSnapshot", "Tool", "FunctionTool", "Toolkit", "ToolResult",
     "run_agent", "AgentResult",
+    "CodeContext", "Execution", "ExecutionError", "run_code_tool", "code_tools",
 ]

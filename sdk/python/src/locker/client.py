@@ -588,6 +588,21 @@ class Sandbox:
     def delete(self) -> None:
         self._c.request("DELETE", f"/v1/sandboxes/{_seg(self.id)}")
 
+    def create_code_context(self, language: str = "python", cwd: Optional[str] = None, env: Optional[Mapping[str, str]] = None) -> Any:
+        """A code context (locker.code.CodeContext): a Jupyter kernel whose variables persist
+        between `ctx.run_code(code)` calls. Needs the `code-interpreter` template."""
+        from .code import create_code_context
+        return create_code_context(self, language, cwd, env)
+
+    def code_contexts(self) -> List[Any]:
+        from .code import code_contexts
+        return code_contexts(self)
+
+    def run_code(self, code: str, **options: Any) -> Any:
+        """Runs a cell in the sandbox's default context (locker.code.run_code's options)."""
+        from .code import run_code
+        return run_code(self, code, **options)
+
     def exec(self, cmd: Optional[Sequence[str]] = None, *, shell: Optional[str] = None, **options: Any) -> ExecResult:
         """Runs a command and waits for it: `cmd=["python3", "x.py"]` or `shell="cd app &&
         make"`. Options: cwd (default /root), env, stdin, stdin_b64, timeout_ms (default

@@ -1,0 +1,736 @@
+"""Locker's code-context driver: Jupyter kernels inside one machine, on jupyter_client.
+
+The locker server ships this file inside its binary and starts it on a sandbox's first code
+call as `python3 - --start` (the source on stdin, nothing written to the machine's disk).
+The starting process checks that jupyter_client and ipykernel import, forks the driver
+(its own session, output to /var/tmp/locker/code-driver.log), waits until it listens on
+127.0.0.1:PORT and exits: 0 started (or one already runs), 3 the template has no Jupyter
+kernel, 4 the port is taken or the driver failed to start.
+
+The driver answers small HTTP/1.0 requests from the server (through the agent's port
+tunnel, never from the network): contexts (create, list, restart, interrupt, delete) and
+executions, streamed as NDJSON in the API contract's shapes. Each context is one kernel
+(jupyter_client's KernelManager and BlockingKernelClient, the Jupyter messaging protocol)
+owned by one worker thread, which runs the context's jobs one at a time in arrival order:
+that is the queue of concurrent calls on one context. Interrupts are SIGINT to the kernel
+(ipykernel's interrupt mode); a timeout interrupts, then restarts a kernel that does not
+stop within INTERRUPT_GRACE_S. A kernel that dies is reported (`context_died`) and the next
+job on its context starts a fresh one.
+
+What user code does to this process (kill it, flood it) is contained by the server: every
+line it sends back is parsed and capped there, and a driver that is gone is started again.
+"""
+
+import json
+import os
+import queue
+import re
+import signal
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+PORT = 49999
+LOG = "/var/tmp/locker/code-driver.log"
+# After an interrupt, a kernel that sends nothing for this long is deemed stuck (native
+# code that ignores SIGINT), and one still sending after INTERRUPT_LIMIT_S (a flood it
+# keeps printing) too: both are restarted.
+INTERRUPT_GRACE_S = 15.0
+INTERRUPT_LIMIT_S = 60.0
+KERNEL_READY_S = 60.0
+# A single result MIME value larger than this is dropped (its text/plain is kept, capped).
+RESULT_VALUE_CAP = 8 << 20
+# All results of one execution together.
+RESULTS_CAP = 32 << 20
+KERNELS = {"python": "python3", "javascript": "javascript", "bash": "bash"}
+MIME_FIELDS = {
+    "text/plain": "text",
+    "text/html": "html",
+    "text/markdown": "markdown",
+    "image/svg+xml": "svg",
+    "image/png": "png",
+    "image/jpeg": "jpeg",
+    "application/pdf": "pdf",
+    "text/latex": "latex",
+    "application/json": "json",
+    "application/javascript": "javascript",
+}
+ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+# Run silently in every new kernel: ipykernel buffers a cell's output without bound until
+# its IO thread sends it (every 0.2 s), so a print loop can grow the kernel by hundreds of
+# MB before an interrupt lands. Past 1 MiB buffered, a write waits for the send: the
+# kernel's memory stays bounded and SIGINT is seen at once.
+OUTPUT_BACKPRESSURE = """
+def __locker_backpressure():
+    import sys
+    for s in (sys.stdout, sys.stderr):
+        if getattr(s, "_locker_backpressure", False) or not hasattr(s, "_buffer"):
+            continue
+        def write(text, _s=s, _write=s.write):
+            n = _write(text)
+            try:
+                if _s._buffer.tell() > (1 << 20):
+                    _s.flush()
+            except Exception:
+                pass
+            return n
+        s.write = write
+        s._locker_backpressure = True
+__locker_backpressure()
+del __locker_backpressure
+"""
+
+
+def now_rfc3339():
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+class ApiError(Exception):
+    def __init__(self, status, message):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+class Capture:
+    """One output stream, capped like exec: the head and the tail are kept."""
+
+    def __init__(self, cap):
+        self.cap = cap
+        self.head = []
+        self.head_len = 0
+        self.tail = []
+        self.tail_len = 0
+        self.total = 0
+
+    def add(self, text):
+        """Adds text; returns what of it may still be streamed (the head part)."""
+        raw = text.encode("utf-8", "replace")
+        self.total += len(raw)
+        half = self.cap // 2
+        room = half - self.head_len
+        streamed = b""
+        if room > 0:
+            streamed = raw[:room]
+            self.head.append(streamed)
+            self.head_len += len(streamed)
+            raw = raw[len(streamed):]
+        if raw:
+            self.tail.append(raw[-half:] if half else b"")
+            self.tail_len += len(self.tail[-1])
+            while self.tail_len - len(self.tail[0]) >= half and len(self.tail) > 1:
+                self.tail_len -= len(self.tail.pop(0))
+        return streamed.decode("utf-8", "ignore")
+
+    def truncated(self):
+        return self.total > self.head_len + min(self.tail_len, self.cap // 2)
+
+    def text(self):
+        head = b"".join(self.head)
+        tail = b"".join(self.tail)
+        half = self.cap // 2
+        if len(tail) > half:
+            tail = tail[len(tail) - half:]
+        kept = len(head) + len(tail)
+        if self.total <= kept:
+            return (head + tail).decode("utf-8", "replace")
+        return "%s\n…[locker: %d bytes omitted]…\n%s" % (
+            head.decode("utf-8", "ignore"),
+            self.total - kept,
+            tail.decode("utf-8", "ignore"),
+        )
+
+
+def result_of(data, is_main, budget):
+    """A Jupyter MIME bundle as the contract's Result, within `budget` bytes."""
+    out = {"is_main_result": is_main}
+    size = 0
+    for mime, field in MIME_FIELDS.items():
+        if mime not in data:
+            continue
+        value = data[mime]
+        if isinstance(value, list):
+            value = "".join(value)
+        n = len(value) if isinstance(value, str) else len(json.dumps(value))
+        if n > RESULT_VALUE_CAP or size + n > budget:
+            out["truncated"] = True
+            continue
+        out[field] = value
+        size += n
+    if "text" not in out and isinstance(data.get("text/plain"), str):
+        out["text"] = data["text/plain"][:65536]
+        size += len(out["text"])
+    extra = sorted(m for m in data if m not in MIME_FIELDS)
+    if extra:
+        out["other_types"] = extra
+    return out, size
+
+
+class Job:
+    def __init__(self, kind, **kw):
+        self.kind = kind
+        self.kw = kw
+        self.events = queue.Queue()
+        self.cancelled = False
+
+
+class Context:
+    """One kernel and the worker thread that owns it."""
+
+    def __init__(self, cid, language, cwd, env):
+        self.id = cid
+        self.language = language
+        self.cwd = cwd
+        self.env = env
+        self.created_at = now_rfc3339()
+        self.km = None
+        self.kc = None
+        self.jobs = queue.Queue()
+        self.busy = False
+        self.restarting = False
+        self.interrupt_asked = False
+        self.closed = False
+        self.last_error = None
+        threading.Thread(target=self.work, daemon=True).start()
+
+    def describe(self):
+        return {
+            "id": self.id,
+            "language": self.language,
+            "cwd": self.cwd,
+            "created_at": self.created_at,
+        }
+
+    def submit(self, job):
+        if self.closed:
+            raise ApiError(404, "context %s was deleted" % self.id)
+        self.jobs.put(job)
+        return job
+
+    def kernel_pid(self):
+        try:
+            return self.km.provisioner.process.pid
+        except AttributeError:
+            return None
+
+    def signal_kernel(self, sig):
+        pid = self.kernel_pid()
+        if pid:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+
+    def alive(self):
+        return self.km is not None and self.km.is_alive()
+
+    # The worker thread: the only one that touches km and kc.
+    def work(self):
+        while True:
+            job = self.jobs.get()
+            try:
+                if job.kind == "start":
+                    self.start()
+                    job.events.put(("done", self.describe()))
+                elif job.kind == "execute":
+                    self.busy = True
+                    try:
+                        self.execute(job)
+                    finally:
+                        self.busy = False
+                elif job.kind == "restart":
+                    self.stop()
+                    self.start()
+                    self.restarting = False
+                    job.events.put(("done", self.describe()))
+                elif job.kind == "delete":
+                    self.stop()
+                    job.events.put(("done", {}))
+                    return
+            except ApiError as e:
+                job.events.put(("fail", e))
+            except Exception as e:  # the kernel's own failure, said as it is
+                job.events.put(("fail", ApiError(500, "%s: %s" % (type(e).__name__, e))))
+
+    def start(self):
+        from jupyter_client import KernelManager
+        from jupyter_client.kernelspec import NoSuchKernel
+
+        env = dict(os.environ)
+        env.update(self.env)
+        env.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+        # ipykernel's debugger warns on every start that Python's modules are frozen.
+        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        env.pop("LOCKER_CODE_DRIVER", None)
+        if not os.path.isdir(self.cwd):
+            raise ApiError(400, "cwd %s is not a directory in the sandbox" % self.cwd)
+        try:
+            km = KernelManager(kernel_name=KERNELS[self.language])
+            km.start_kernel(cwd=self.cwd, env=env)
+        except NoSuchKernel:
+            raise ApiError(
+                400,
+                "no %s kernel in this sandbox's template (kernelspec %r): "
+                "python is the language the code-interpreter template has"
+                % (self.language, KERNELS[self.language]),
+            )
+        kc = km.client()
+        kc.start_channels()
+        try:
+            kc.wait_for_ready(timeout=KERNEL_READY_S)
+        except RuntimeError as e:
+            kc.stop_channels()
+            km.shutdown_kernel(now=True)
+            raise ApiError(500, "the kernel did not start: %s" % e)
+        self.km, self.kc = km, kc
+        self.run_silent(OUTPUT_BACKPRESSURE)
+
+    def stop(self):
+        if self.kc is not None:
+            self.kc.stop_channels()
+        if self.km is not None:
+            try:
+                self.km.shutdown_kernel(now=True)
+            except Exception:
+                self.signal_kernel(signal.SIGKILL)
+        self.km, self.kc = None, None
+
+    def not_run(self, kw, started):
+        """A cell whose timeout passed while it waited behind earlier cells."""
+        return {
+            "type": "execution",
+            "execution_count": None,
+            "stdout": "",
+            "stderr": "",
+            "results": [],
+            "error": {
+                "name": "TimeoutError",
+                "value": "timeout_ms=%d passed while the cell waited behind earlier cells of "
+                "context %s; it did not run" % (kw["timeout_ms"], self.id),
+                "traceback": "",
+            },
+            "reason": "timeout",
+            "context": self.id,
+            "timings": {"run_ms": 0.0},
+        }
+
+    def execute(self, job):
+        emit = job.events.put
+        kw = job.kw
+        started = time.monotonic()
+        deadline = kw["submitted"] + kw["timeout_ms"] / 1000.0
+        if started >= deadline:
+            emit(("end", self.not_run(kw, started)))
+            return
+        if not self.alive():
+            self.stop()
+            self.start()
+        cap = kw["max_output_bytes"]
+        out = {"stdout": Capture(cap), "stderr": Capture(cap)}
+        env = kw.get("env") or {}
+        if env:
+            self.run_silent(env_setup(env))
+        try:
+            self.run_cell(job, kw, started, deadline, out, emit)
+        finally:
+            if env and self.alive():
+                self.run_silent(ENV_RESTORE)
+
+    def run_silent(self, code):
+        """Runs bookkeeping code that shows nothing and counts no execution."""
+        msg_id = self.kc.execute(code, silent=True, store_history=False, allow_stdin=False)
+        until = time.monotonic() + 10.0
+        while time.monotonic() < until:
+            try:
+                reply = self.kc.get_shell_msg(timeout=0.5)
+            except queue.Empty:
+                if not self.alive():
+                    return
+                continue
+            if reply["parent_header"].get("msg_id") == msg_id:
+                return
+
+    def run_cell(self, job, kw, started, deadline, out, emit):
+        self.interrupt_asked = False
+        results, results_size = [], 0
+        error = None
+        count = None
+        reason = "finished"
+        msg_id = self.kc.execute(
+            kw["code"], store_history=True, allow_stdin=False, stop_on_error=False
+        )
+        interrupted_at = None
+        progress_at = None
+        idle = False
+        replied = False
+        died = False
+        while not (idle and replied):
+            now = time.monotonic()
+            if job.cancelled and interrupted_at is None:
+                self.signal_kernel(signal.SIGINT)
+                interrupted_at = progress_at = now
+                reason = "interrupted"
+            if now >= deadline and interrupted_at is None:
+                self.signal_kernel(signal.SIGINT)
+                interrupted_at = progress_at = now
+                reason = "timeout"
+            if interrupted_at is not None and (
+                now - progress_at > INTERRUPT_GRACE_S or now - interrupted_at > INTERRUPT_LIMIT_S
+            ):
+                # The kernel ignores SIGINT (stuck in native code): a new kernel, state lost.
+                self.stop()
+                self.start()
+                error = {
+                    "name": "KernelRestarted",
+                    "value": "the kernel did not stop after its interrupt and was restarted: "
+                    "the context's variables are gone",
+                    "traceback": "",
+                }
+                break
+            if idle:
+                # Only the shell's reply is missing: wait for it there.
+                try:
+                    reply = self.kc.get_shell_msg(timeout=0.2)
+                except queue.Empty:
+                    died = not self.alive()
+                    if died:
+                        break
+                    continue
+                if reply["parent_header"].get("msg_id") == msg_id:
+                    replied = True
+                    count = reply["content"].get("execution_count", count)
+                continue
+            if not replied:
+                try:
+                    reply = self.kc.get_shell_msg(timeout=0)
+                    if reply["parent_header"].get("msg_id") == msg_id:
+                        replied = True
+                        count = reply["content"].get("execution_count", count)
+                except queue.Empty:
+                    pass
+            try:
+                msg = self.kc.get_iopub_msg(timeout=0.2)
+            except queue.Empty:
+                died = not self.alive()
+                if died:
+                    break
+                continue
+            progress_at = time.monotonic()
+            if msg["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind = msg["msg_type"]
+            content = msg["content"]
+            if kind == "status":
+                idle = content.get("execution_state") == "idle"
+            elif kind == "stream":
+                name = "stderr" if content.get("name") == "stderr" else "stdout"
+                shown = out[name].add(content.get("text", ""))
+                if shown and kw["stream"]:
+                    emit(("line", {"type": name, "text": shown}))
+            elif kind in ("execute_result", "display_data"):
+                r, n = result_of(
+                    content.get("data", {}), kind == "execute_result", RESULTS_CAP - results_size
+                )
+                results_size += n
+                results.append(r)
+                if kw["stream"]:
+                    line = dict(r)
+                    line["type"] = "result"
+                    emit(("line", line))
+            elif kind == "error":
+                error = {
+                    "name": content.get("ename", ""),
+                    "value": content.get("evalue", ""),
+                    "traceback": ANSI.sub("", "\n".join(content.get("traceback", []))),
+                }
+                if kw["stream"]:
+                    line = dict(error)
+                    line["type"] = "error"
+                    emit(("line", line))
+            elif kind == "execute_input":
+                count = content.get("execution_count", count)
+        if died:
+            reason = "interrupted" if self.restarting else "context_died"
+            error = {
+                "name": "ContextDied",
+                "value": "the kernel exited while running this code (os._exit, a crash, or "
+                "killed); the next call on this context starts a new kernel with empty state",
+                "traceback": "",
+            }
+        if reason in ("finished", "error") and self.interrupt_asked:
+            reason = "interrupted"
+        if reason == "finished" and error is not None:
+            reason = "error"
+        if reason == "timeout" and error is None:
+            error = {
+                "name": "TimeoutError",
+                "value": "the code ran past timeout_ms=%d and was interrupted; the "
+                "context keeps its state" % kw["timeout_ms"],
+                "traceback": "",
+            }
+        execution = {
+            "type": "execution",
+            "execution_count": count,
+            "stdout": out["stdout"].text(),
+            "stderr": out["stderr"].text(),
+            "stdout_truncated": out["stdout"].truncated(),
+            "stderr_truncated": out["stderr"].truncated(),
+            "results": results,
+            "error": error,
+            "reason": reason,
+            "context": self.id,
+            "timings": {"run_ms": round((time.monotonic() - started) * 1000.0, 3)},
+        }
+        emit(("end", execution))
+
+
+def env_setup(env):
+    """Code that sets a cell's own variables in os.environ, keeping what they were."""
+    return (
+        "import os as __locker_os\n"
+        "__locker_saved_env = {k: __locker_os.environ.get(k) for k in %r}\n"
+        "__locker_os.environ.update(%r)\n" % (list(env), env)
+    )
+
+
+ENV_RESTORE = """
+for __k, __v in __locker_saved_env.items():
+    if __v is None:
+        __locker_os.environ.pop(__k, None)
+    else:
+        __locker_os.environ[__k] = __v
+del __locker_saved_env, __locker_os
+"""
+
+
+class Driver:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.contexts = {}
+
+    def get(self, cid):
+        with self.lock:
+            ctx = self.contexts.get(cid)
+        if ctx is None or ctx.closed:
+            raise ApiError(
+                404,
+                "no context %s in this sandbox (contexts live in the machine's memory: they "
+                "end when deleted, with the machine, or when the code driver is killed)" % cid,
+            )
+        return ctx
+
+    def create(self, cid, language, cwd, env):
+        if language not in KERNELS:
+            raise ApiError(400, "language must be python, javascript or bash")
+        if not cwd:
+            home = os.environ.get("HOME") or "/"
+            cwd = home if os.path.isdir(home) else "/"
+        with self.lock:
+            if cid in self.contexts:
+                return self.contexts[cid], False
+            ctx = Context(cid, language, cwd, env)
+            self.contexts[cid] = ctx
+        outcome, value = wait(ctx.submit(Job("start")))
+        if outcome == "fail":
+            with self.lock:
+                self.contexts.pop(cid, None)
+            ctx.closed = True
+            ctx.jobs.put(Job("delete"))
+            raise value
+        return ctx, True
+
+    def delete(self, cid):
+        ctx = self.get(cid)
+        with self.lock:
+            self.contexts.pop(cid, None)
+        ctx.closed = True
+        ctx.restarting = True
+        ctx.signal_kernel(signal.SIGKILL)
+        job = Job("delete")
+        ctx.jobs.put(job)
+        wait(job)
+
+
+def wait(job):
+    kind, value = job.events.get()
+    return kind, value
+
+
+DRIVER = Driver()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.0"
+    # An answer is a head and a line or two: Nagle's delay would hold each back ~40 ms.
+    disable_nagle_algorithm = True
+
+    def log_message(self, fmt, *args):
+        pass
+
+    def body(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(n) if n else b"{}"
+        try:
+            return json.loads(raw)
+        except ValueError:
+            raise ApiError(400, "the body is not JSON")
+
+    def answer(self, status, value):
+        raw = json.dumps(value).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(raw)))
+        self.end_headers()
+        self.wfile.write(raw)
+
+    def handle_any(self, method):
+        try:
+            self.route(method, self.path.rstrip("/").split("/")[1:])
+        except ApiError as e:
+            self.answer(e.status, {"error": e.message})
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+
+    def do_GET(self):
+        self.handle_any("GET")
+
+    def do_POST(self):
+        self.handle_any("POST")
+
+    def do_DELETE(self):
+        self.handle_any("DELETE")
+
+    def route(self, method, parts):
+        if method == "GET" and parts == ["health"]:
+            return self.answer(200, {"ok": True, "pid": os.getpid()})
+        if parts == ["contexts"] and method == "GET":
+            with DRIVER.lock:
+                items = [c.describe() for c in DRIVER.contexts.values() if not c.closed]
+            return self.answer(200, {"contexts": items})
+        if parts == ["contexts"] and method == "POST":
+            b = self.body()
+            ctx, _ = DRIVER.create(b["id"], b["language"], b.get("cwd"), b.get("env") or {})
+            return self.answer(201, ctx.describe())
+        if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
+            DRIVER.delete(parts[1])
+            return self.answer(200, {})
+        if len(parts) == 3 and parts[0] == "contexts" and method == "POST":
+            ctx = DRIVER.get(parts[1])
+            if parts[2] == "interrupt":
+                if ctx.busy:
+                    ctx.interrupt_asked = True
+                ctx.signal_kernel(signal.SIGINT)
+                return self.answer(200, {"interrupted": ctx.busy})
+            if parts[2] == "restart":
+                ctx.restarting = True
+                ctx.signal_kernel(signal.SIGKILL)
+                kind, value = wait(ctx.submit(Job("restart")))
+                if kind == "fail":
+                    raise value
+                return self.answer(200, value)
+        if parts == ["execute"] and method == "POST":
+            return self.execute(self.body())
+        raise ApiError(404, "no route %s %s" % (method, self.path))
+
+    def execute(self, b):
+        submitted = time.monotonic()
+        cid = b.get("context")
+        if cid is None:
+            language = b.get("language") or "python"
+            cid = "ctx_default_" + language
+            ctx, _ = DRIVER.create(cid, language, b.get("cwd"), {})
+        else:
+            ctx = DRIVER.get(cid)
+            if b.get("language") and b["language"] != ctx.language:
+                raise ApiError(
+                    400,
+                    "context %s runs %s, not %s" % (cid, ctx.language, b["language"]),
+                )
+        job = ctx.submit(
+            Job(
+                "execute",
+                code=b["code"],
+                timeout_ms=b["timeout_ms"],
+                env=b.get("env") or {},
+                max_output_bytes=b["max_output_bytes"],
+                stream=b["stream"],
+                submitted=submitted,
+            )
+        )
+        self.send_response(200)
+        self.send_header("Content-Type", "application/x-ndjson")
+        self.end_headers()
+        self.wfile.flush()
+        while True:
+            kind, value = job.events.get()
+            if kind == "fail":
+                value = {"type": "failure", "status": value.status, "error": value.message}
+                kind = "end"
+            try:
+                self.wfile.write(json.dumps(value).encode() + b"\n")
+                self.wfile.flush()
+            except (BrokenPipeError, ConnectionResetError):
+                # The caller went away: stop the code like exec stops a command.
+                job.cancelled = True
+                ctx.signal_kernel(signal.SIGINT)
+                while kind != "end":
+                    kind, _ = job.events.get()
+                    kind = "end" if kind == "fail" else kind
+                return
+            if kind == "end":
+                return
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+
+
+def start():
+    """Checks the modules, forks the driver and waits until it listens."""
+    missing = []
+    for mod in ("jupyter_client", "ipykernel"):
+        try:
+            __import__(mod)
+        except ImportError:
+            missing.append(mod)
+    if missing:
+        sys.stderr.write("missing Python modules: %s\n" % ", ".join(missing))
+        return 3
+    r, w = os.pipe()
+    if os.fork() > 0:
+        os.close(w)
+        with os.fdopen(r) as f:
+            word = f.read().strip()
+        if word == "ok":
+            return 0
+        sys.stderr.write("the code driver did not start: %s\n" % (word or "it died"))
+        return 4
+    os.close(r)
+    os.setsid()
+    if os.fork() > 0:
+        os._exit(0)
+    os.makedirs(os.path.dirname(LOG), exist_ok=True)
+    log = os.open(LOG, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    try:
+        server = Server(("127.0.0.1", PORT), Handler)
+    except OSError as e:
+        os.write(w, ("port %d: %s" % (PORT, e.strerror)).encode())
+        os._exit(1)
+    os.write(w, b"ok")
+    os.close(w)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    server.serve_forever()
+    return 0
+
+
+if __name__ == "__main__":
+    if "--start" in sys.argv:
+        sys.exit(start())
+    sys.stderr.write("run by the locker server as `python3 - --start`\n")
+    sys.exit(2)

@@ -1,0 +1,775 @@
+//! The code interpreter through the real server (issue 18, API.md "Code contexts"): real
+//! Jupyter kernels in real jails of the `code-interpreter` template. State and imports
+//! persist, charts come back as PNG and DataFrames as HTML, exceptions as errors with
+//! their traceback; a timeout interrupts and keeps the state, restart clears it, a kernel
+//! that dies is reported and replaced, floods are capped, other sandboxes' and tenants'
+//! contexts are 404, and user code that kills the driver breaks neither the sandbox nor the
+//! server. Every test runs on the binary's shared server with a tenant of its own, whose
+//! sandboxes are deleted when the test ends, passed or failed.
+
+use std::io::{BufRead, BufReader};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use locker_tests::server::Api;
+use locker_tests::shared::Tenant;
+use locker_tests::{locker_bin, register_child};
+use serde_json::{json, Value};
+
+/// Builds the `code-interpreter` template once per host (a no-op when it is cached).
+fn template() {
+    static BUILT: OnceLock<()> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let started = Instant::now();
+        // A spawn can meet a passing ETXTBSY while another test's thread writes a file
+        // (fork and exec race in a threaded process): a few tries, then the error.
+        let mut tries = 0;
+        let child = loop {
+            match std::process::Command::new(locker_bin())
+                .args(["template", "build", "code-interpreter"])
+                .stdout(std::process::Stdio::inherit())
+                .stderr(std::process::Stdio::inherit())
+                .spawn()
+            {
+                Ok(c) => break c,
+                Err(e) if tries < 5 => {
+                    eprintln!("start `locker template build code-interpreter`: {e}; again");
+                    tries += 1;
+                    std::thread::sleep(Duration::from_millis(200));
+                }
+                Err(e) => panic!("start `locker template build code-interpreter`: {e}"),
+            }
+        };
+        register_child(child.id());
+        let out = child
+            .wait_with_output()
+            .expect("wait for the template build");
+        assert!(
+            out.status.success(),
+            "building the code-interpreter template failed"
+        );
+        eprintln!(
+            "the code-interpreter template is ready ({:.1} s)",
+            started.elapsed().as_secs_f64()
+        );
+    });
+}
+
+/// A tenant with one sandbox of the `code-interpreter` template.
+fn code_sandbox() -> (Tenant, Api, String) {
+    template();
+    let t = Tenant::new();
+    let api = t.api();
+    let id = t.sandbox(&json!({ "template": "code-interpreter" }));
+    (t, api, id)
+}
+
+fn new_context(api: &Api, id: &str, body: &Value) -> String {
+    let c = api
+        .post(&format!("/v1/sandboxes/{id}/contexts"), body)
+        .expect(201, "create a context");
+    assert!(c["id"].as_str().unwrap().starts_with("ctx_"), "{c}");
+    assert!(c["created_at"].as_str().unwrap().ends_with('Z'), "{c}");
+    c["id"].as_str().unwrap().to_owned()
+}
+
+#[track_caller]
+fn run(api: &Api, id: &str, body: &Value) -> Value {
+    api.post(&format!("/v1/sandboxes/{id}/code"), body)
+        .expect(200, &format!("run {body}"))
+}
+
+#[track_caller]
+fn run_in(api: &Api, id: &str, ctx: &str, code: &str) -> Value {
+    run(api, id, &json!({ "context": ctx, "code": code }))
+}
+
+#[test]
+fn state_and_imports_persist_between_cells_of_a_context() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({ "language": "python" }));
+    let a = run_in(&api, &id, &ctx, "import math\nx = 41");
+    assert_eq!(a["reason"], "finished", "{a}");
+    assert_eq!(a["error"], Value::Null, "{a}");
+    let b = run_in(&api, &id, &ctx, "print(math.sqrt(16))\nx + 1");
+    assert_eq!(b["stdout"], "4.0\n", "{b}");
+    assert_eq!(b["results"][0]["is_main_result"], true, "{b}");
+    assert_eq!(b["results"][0]["text"], "42", "{b}");
+    assert!(
+        b["execution_count"].as_i64().unwrap() > a["execution_count"].as_i64().unwrap(),
+        "execution counts grow: {a} {b}"
+    );
+    assert!(b["timings"]["total_ms"].as_f64().unwrap() > 0.0, "{b}");
+
+    // No context: the sandbox's default Python context, made on first use and kept.
+    run(&api, &id, &json!({ "code": "y = 'kept'" }));
+    let c = run(&api, &id, &json!({ "code": "y" }));
+    assert_eq!(c["results"][0]["text"], "'kept'", "{c}");
+    let other = run_in(&api, &id, &ctx, "'y' in globals()");
+    assert_eq!(
+        other["results"][0]["text"], "False",
+        "contexts are apart: {other}"
+    );
+
+    let list = api
+        .get(&format!("/v1/sandboxes/{id}/contexts"))
+        .expect(200, "list contexts");
+    let ids: Vec<&str> = list["contexts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert!(ids.contains(&ctx.as_str()), "{list}");
+    assert!(ids.contains(&"ctx_default_python"), "{list}");
+}
+
+#[test]
+fn a_context_has_its_working_directory_and_environment() {
+    let (_t, api, id) = code_sandbox();
+    api.sh(&id, "mkdir -p /srv/work");
+    let ctx = new_context(
+        &api,
+        &id,
+        &json!({ "cwd": "/srv/work", "env": { "GREETING": "hello" } }),
+    );
+    let r = run_in(
+        &api,
+        &id,
+        &ctx,
+        "import os\nprint(os.getcwd(), os.environ['GREETING'])",
+    );
+    assert_eq!(r["stdout"], "/srv/work hello\n", "{r}");
+    // A cell's own env is set for that cell only.
+    let r = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "print(os.environ.get('ONCE'))", "env": { "ONCE": "1" } }),
+    );
+    assert_eq!(r["stdout"], "1\n", "{r}");
+    let r = run_in(&api, &id, &ctx, "print(os.environ.get('ONCE'))");
+    assert_eq!(r["stdout"], "None\n", "{r}");
+    let bad = api.post(
+        &format!("/v1/sandboxes/{id}/contexts"),
+        &json!({ "cwd": "/no/such/dir" }),
+    );
+    bad.expect_error(400, "bad_request", "a cwd that does not exist");
+}
+
+/// Base64 of a PNG: its signature, a non-empty IHDR and IEND at the end.
+fn png_size(b64: &str) -> (u32, u32, Vec<u8>) {
+    let bytes = locker_types::base64::decode(b64).expect("the png is base64");
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "PNG signature");
+    assert_eq!(&bytes[12..16], b"IHDR");
+    let w = u32::from_be_bytes(bytes[16..20].try_into().unwrap());
+    let h = u32::from_be_bytes(bytes[20..24].try_into().unwrap());
+    assert_eq!(&bytes[bytes.len() - 8..bytes.len() - 4], b"IEND");
+    (w, h, bytes)
+}
+
+#[test]
+fn a_chart_comes_back_as_a_decodable_png_and_a_dataframe_as_html() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    let shown = run_in(
+        &api,
+        &id,
+        &ctx,
+        "import matplotlib.pyplot as plt\nplt.plot(range(100))\nplt.show()",
+    );
+    assert_eq!(shown["reason"], "finished", "{shown}");
+    let pngs: Vec<&Value> = shown["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["png"].is_string())
+        .collect();
+    assert_eq!(pngs.len(), 1, "plt.show() gives one PNG: {shown}");
+    let (w, h, bytes) = png_size(pngs[0]["png"].as_str().unwrap());
+    assert!(w > 100 && h > 100, "{w}x{h}");
+
+    // A figure left at the end of a cell comes back too.
+    let left = run_in(
+        &api,
+        &id,
+        &ctx,
+        "fig, ax = plt.subplots()\nax.bar([1, 2], [3, 4])",
+    );
+    assert!(
+        left["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|r| r["png"].is_string()),
+        "a figure left at the end: {left}"
+    );
+
+    // The PNG decodes: Pillow in another context opens every pixel of the bytes we got.
+    let put = api.write_file(&id, "/tmp/chart.png", &bytes);
+    assert!(put.status < 300, "write the png back: {}", put.text());
+    let check = run(
+        &api,
+        &id,
+        &json!({ "code": "from PIL import Image\nim = Image.open('/tmp/chart.png')\nim.load()\nprint(im.format, im.size)" }),
+    );
+    assert_eq!(check["stdout"], format!("PNG ({w}, {h})\n"), "{check}");
+
+    let df = run_in(
+        &api,
+        &id,
+        &ctx,
+        "import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})",
+    );
+    let main = &df["results"][0];
+    assert_eq!(main["is_main_result"], true, "{df}");
+    assert!(main["html"].as_str().unwrap().contains("<table"), "{df}");
+    assert!(main["text"].as_str().unwrap().contains('a'), "{df}");
+
+    let rich = run_in(
+        &api,
+        &id,
+        &ctx,
+        "from IPython.display import display, Markdown, Latex, JSON, SVG\n\
+         display(Markdown('**hi**'))\ndisplay(Latex(r'$x^2$'))\ndisplay(JSON({'k': 1}))\n\
+         display(SVG('<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"1\" height=\"1\"></svg>'))",
+    );
+    let r = rich["results"].as_array().unwrap();
+    assert_eq!(r.len(), 4, "{rich}");
+    assert_eq!(r[0]["markdown"], "**hi**", "{rich}");
+    assert_eq!(r[1]["latex"], "$x^2$", "{rich}");
+    assert_eq!(r[2]["json"]["k"], 1, "{rich}");
+    assert!(r[3]["svg"].as_str().unwrap().contains("<svg"), "{rich}");
+    assert!(r.iter().all(|x| x["is_main_result"] == false), "{rich}");
+}
+
+#[test]
+fn an_exception_is_an_error_with_its_traceback() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    let r = run_in(&api, &id, &ctx, "def f():\n    1 / 0\nprint('before')\nf()");
+    assert_eq!(r["reason"], "error", "{r}");
+    assert_eq!(r["stdout"], "before\n", "{r}");
+    assert_eq!(r["error"]["name"], "ZeroDivisionError", "{r}");
+    assert_eq!(r["error"]["value"], "division by zero", "{r}");
+    let tb = r["error"]["traceback"].as_str().unwrap();
+    assert!(tb.contains("f()") && tb.contains("1 / 0"), "{tb}");
+    assert!(!tb.contains('\u{1b}'), "no terminal colours: {tb:?}");
+
+    let syntax = run_in(&api, &id, &ctx, "def (:");
+    assert_eq!(syntax["error"]["name"], "SyntaxError", "{syntax}");
+    // sys.exit() is an exception in a kernel: the context lives on.
+    let exit = run_in(&api, &id, &ctx, "import sys\nz = 5\nsys.exit(3)");
+    assert_eq!(exit["error"]["name"], "SystemExit", "{exit}");
+    let after = run_in(&api, &id, &ctx, "z");
+    assert_eq!(after["results"][0]["text"], "5", "{after}");
+}
+
+#[test]
+fn a_timeout_interrupts_the_kernel_and_the_next_cell_sees_earlier_variables() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    run_in(&api, &id, &ctx, "kept = 'yes'");
+    let started = Instant::now();
+    let r = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "import time\nprint('start', flush=True)\nwhile True: time.sleep(0.1)", "timeout_ms": 1500 }),
+    );
+    let took = started.elapsed();
+    assert_eq!(r["reason"], "timeout", "{r}");
+    assert_eq!(r["stdout"], "start\n", "{r}");
+    assert!(r["error"]["name"].is_string(), "{r}");
+    assert!(
+        took < Duration::from_secs(10),
+        "interrupted promptly: {took:?}"
+    );
+    let next = run_in(&api, &id, &ctx, "kept");
+    assert_eq!(next["results"][0]["text"], "'yes'", "{next}");
+
+    // An explicit interrupt stops a running cell the same way.
+    let (api2, id2, ctx2) = (api.clone(), id.clone(), ctx.clone());
+    let long = std::thread::spawn(move || {
+        run(
+            &api2,
+            &id2,
+            &json!({ "context": ctx2, "code": "import time\ntime.sleep(60)" }),
+        )
+    });
+    std::thread::sleep(Duration::from_secs(2));
+    let i = api
+        .post_empty(&format!("/v1/sandboxes/{id}/contexts/{ctx}/interrupt"))
+        .expect(200, "interrupt");
+    assert_eq!(i["interrupted"], true, "{i}");
+    let r = long.join().unwrap();
+    assert_eq!(r["reason"], "interrupted", "{r}");
+    assert_eq!(r["error"]["name"], "KeyboardInterrupt", "{r}");
+    let next = run_in(&api, &id, &ctx, "kept");
+    assert_eq!(next["results"][0]["text"], "'yes'", "{next}");
+}
+
+#[test]
+fn restart_clears_state_and_delete_ends_the_context() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    run_in(&api, &id, &ctx, "gone = 1");
+    let r = api
+        .post_empty(&format!("/v1/sandboxes/{id}/contexts/{ctx}/restart"))
+        .expect(200, "restart");
+    assert_eq!(r["id"], ctx.as_str(), "{r}");
+    let after = run_in(&api, &id, &ctx, "'gone' in globals()");
+    assert_eq!(after["results"][0]["text"], "False", "{after}");
+    assert_eq!(after["execution_count"], 1, "{after}");
+
+    let d = api.delete(&format!("/v1/sandboxes/{id}/contexts/{ctx}"));
+    assert_eq!(d.status, 204, "{}", d.text());
+    api.post(
+        &format!("/v1/sandboxes/{id}/code"),
+        &json!({ "context": ctx, "code": "1" }),
+    )
+    .expect_error(404, "not_found", "a deleted context");
+    api.delete(&format!("/v1/sandboxes/{id}/contexts/{ctx}"))
+        .expect_error(404, "not_found", "deleted twice");
+    let list = api
+        .get(&format!("/v1/sandboxes/{id}/contexts"))
+        .expect(200, "list");
+    assert!(!list.to_string().contains(&ctx), "{list}");
+}
+
+#[test]
+fn a_dying_kernel_is_reported_and_the_next_cell_starts_a_fresh_one() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    run_in(&api, &id, &ctx, "lost = 1");
+    let r = run_in(
+        &api,
+        &id,
+        &ctx,
+        "import os\nprint('bye', flush=True)\nos._exit(1)",
+    );
+    assert_eq!(r["reason"], "context_died", "{r}");
+    assert_eq!(r["error"]["name"], "ContextDied", "{r}");
+    let next = run_in(&api, &id, &ctx, "'lost' in globals()");
+    assert_eq!(next["reason"], "finished", "{next}");
+    assert_eq!(
+        next["results"][0]["text"], "False",
+        "a fresh kernel: {next}"
+    );
+    // The sandbox itself is untouched.
+    assert_eq!(api.sh(&id, "echo ok"), "ok\n");
+}
+
+#[test]
+fn an_output_flood_is_capped_with_head_and_tail() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    let r = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "print('HEAD')\nfor i in range(3000): print('x' * 1000)\nprint('TAIL')" }),
+    );
+    let out = r["stdout"].as_str().unwrap();
+    assert!(out.len() < 70_000, "capped: {} bytes", out.len());
+    assert!(out.starts_with("HEAD\n"), "head kept");
+    assert!(out.ends_with("TAIL\n"), "tail kept");
+    assert!(out.contains("bytes omitted"), "says what was cut");
+    assert_eq!(r["stdout_truncated"], true, "{}", r["stdout_truncated"]);
+    // A flood that never ends is cut by its timeout, and the context still answers.
+    let r = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "while True: print('x' * 10000)", "timeout_ms": 2000, "max_output_bytes": 4096 }),
+    );
+    assert_eq!(r["reason"], "timeout", "{}", r["reason"]);
+    assert!(r["stdout"].as_str().unwrap().len() < 6000);
+    let next = run_in(&api, &id, &ctx, "1 + 1");
+    assert_eq!(next["results"][0]["text"], "2", "{next}");
+}
+
+#[test]
+fn a_context_of_another_sandbox_or_tenant_is_not_found() {
+    let (t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    let other = t.sandbox(&json!({ "template": "code-interpreter" }));
+    api.post(
+        &format!("/v1/sandboxes/{other}/code"),
+        &json!({ "context": ctx, "code": "1" }),
+    )
+    .expect_error(404, "not_found", "a context of another sandbox");
+    api.post_empty(&format!("/v1/sandboxes/{other}/contexts/{ctx}/restart"))
+        .expect_error(404, "not_found", "restart another sandbox's context");
+    let stranger = Tenant::new();
+    let sapi = stranger.api();
+    sapi.post(
+        &format!("/v1/sandboxes/{id}/code"),
+        &json!({ "context": ctx, "code": "1" }),
+    )
+    .expect_error(404, "not_found", "another tenant's sandbox");
+    sapi.delete(&format!("/v1/sandboxes/{id}/contexts/{ctx}"))
+        .expect_error(404, "not_found", "another tenant's context");
+    sapi.get(&format!("/v1/sandboxes/{id}/contexts"))
+        .expect_error(404, "not_found", "another tenant's list");
+    // The owner's context is untouched.
+    let r = run_in(&api, &id, &ctx, "1");
+    assert_eq!(r["results"][0]["text"], "1", "{r}");
+}
+
+#[test]
+fn killing_the_driver_from_user_code_breaks_neither_the_sandbox_nor_the_server() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    let r = api.post(
+        &format!("/v1/sandboxes/{id}/code"),
+        &json!({ "context": ctx, "code": "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)" }),
+    );
+    // The cell's driver died under it: an answer that says so (502), not a hang.
+    assert!(
+        r.status == 502 || r.status == 200,
+        "{} {}",
+        r.status,
+        r.text()
+    );
+    let gone = api.post(
+        &format!("/v1/sandboxes/{id}/code"),
+        &json!({ "context": ctx, "code": "1" }),
+    );
+    gone.expect_error(404, "not_found", "a context whose driver was killed");
+    let fresh = new_context(&api, &id, &json!({}));
+    let r = run_in(&api, &id, &fresh, "40 + 2");
+    assert_eq!(r["results"][0]["text"], "42", "{r}");
+    assert_eq!(api.sh(&id, "echo alive"), "alive\n");
+    api.get("/healthz").expect(200, "the server is fine");
+
+    // Someone else's server on the driver's port: a clear error, never a hang or a crash.
+    let impostor = r#"import socket
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", 49999))
+s.listen()
+while True:
+    c, _ = s.accept()
+    c.recv(65536)
+    c.sendall(b'HTTP/1.0 200 OK\r\n\r\n{"type": "stdout", "text": 5}\n')
+    c.close()
+"#;
+    let put = api.write_file(&id, "/root/impostor.py", impostor.as_bytes());
+    assert!(put.status < 300, "{}", put.text());
+    api.sh(&id, "pkill -9 -f 'python3 - --star[t]'; sleep 0.5; (python3 /root/impostor.py > /dev/null 2>&1 &); sleep 1");
+    let r = api.post(&format!("/v1/sandboxes/{id}/code"), &json!({ "code": "1" }));
+    let msg = r.expect_error(502, "bad_gateway", "an impostor on the driver's port");
+    assert!(msg.contains("driver"), "{msg}");
+    api.get("/healthz").expect(200, "the server is fine");
+}
+
+#[test]
+fn cells_stream_as_ndjson_with_the_execution_last() {
+    let (_t, api, id) = code_sandbox();
+    let (status, _, body) = api
+        .open(
+            "POST",
+            &format!("/v1/sandboxes/{id}/code"),
+            &[("Accept", "application/x-ndjson"), ("Content-Type", "application/json")],
+            json!({ "code": "import sys, time\nprint('one', flush=True)\ntime.sleep(1)\nprint('two', file=sys.stderr)\n1/0" }).to_string(),
+        )
+        .expect("stream a cell");
+    assert_eq!(status, 200);
+    let started = Instant::now();
+    let mut lines = Vec::new();
+    let mut first_at = None;
+    for line in BufReader::new(body).lines() {
+        let v: Value = serde_json::from_str(&line.unwrap()).unwrap();
+        first_at.get_or_insert(started.elapsed());
+        lines.push(v);
+    }
+    let kinds: Vec<&str> = lines.iter().map(|l| l["type"].as_str().unwrap()).collect();
+    assert_eq!(
+        kinds,
+        ["stdout", "stderr", "error", "execution"],
+        "{lines:?}"
+    );
+    assert_eq!(lines[0]["text"], "one\n");
+    assert_eq!(lines[2]["name"], "ZeroDivisionError");
+    let last = &lines[3];
+    assert_eq!(last["reason"], "error", "{last}");
+    assert_eq!(last["stdout"], "one\n", "{last}");
+    assert!(
+        first_at.unwrap() < Duration::from_millis(900),
+        "stdout came before the cell's end"
+    );
+}
+
+#[test]
+fn two_cells_at_once_on_one_context_run_in_arrival_order() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    run_in(&api, &id, &ctx, "order = []");
+    let (a_api, a_id, a_ctx) = (api.clone(), id.clone(), ctx.clone());
+    let first = std::thread::spawn(move || {
+        run_in(
+            &a_api,
+            &a_id,
+            &a_ctx,
+            "import time\ntime.sleep(1.5)\norder.append('first')",
+        )
+    });
+    std::thread::sleep(Duration::from_millis(400));
+    let second = run_in(&api, &id, &ctx, "order.append('second')\norder");
+    first.join().unwrap();
+    assert_eq!(
+        second["results"][0]["text"], "['first', 'second']",
+        "{second}"
+    );
+}
+
+#[test]
+fn a_sandbox_without_a_jupyter_kernel_says_which_template_to_use() {
+    let t = Tenant::new();
+    let api = t.api();
+    let id = t.sandbox(&json!({}));
+    let msg = api
+        .post(&format!("/v1/sandboxes/{id}/code"), &json!({ "code": "1" }))
+        .expect_error(409, "conflict", "code on the default template");
+    assert!(msg.contains("code-interpreter"), "{msg}");
+    let msg = api
+        .post(&format!("/v1/sandboxes/{id}/contexts"), &json!({}))
+        .expect_error(409, "conflict", "a context on the default template");
+    assert!(msg.contains("code-interpreter"), "{msg}");
+    let list = api
+        .get(&format!("/v1/sandboxes/{id}/contexts"))
+        .expect(200, "no contexts");
+    assert_eq!(list["contexts"], json!([]));
+}
+
+#[test]
+fn bad_code_requests_get_clear_errors() {
+    let (_t, api, id) = code_sandbox();
+    let path = format!("/v1/sandboxes/{id}/code");
+    for (body, needle) in [
+        (json!({ "code": "1", "language": "cobol" }), "language"),
+        (json!({ "code": "1", "timeout_ms": 0 }), "timeout_ms"),
+        (
+            json!({ "code": "1", "max_output_bytes": 1u64 << 40 }),
+            "max_output_bytes",
+        ),
+        (json!({ "code": "1", "cwd": "/" }), "cwd"),
+        (json!({ "context": "ctx_x" }), "code"),
+        (json!({ "code": "1", "env": { "A=B": "c" } }), "env"),
+    ] {
+        let msg = api
+            .post(&path, &body)
+            .expect_error(400, "bad_request", &body.to_string());
+        assert!(msg.contains(needle), "{body}: {msg}");
+    }
+    api.post(&path, &json!({ "code": "1", "context": "../etc" }))
+        .expect_error(404, "not_found", "a malformed context id");
+    let msg = api
+        .post(&path, &json!({ "code": "1", "language": "javascript" }))
+        .expect_error(400, "bad_request", "a language without a kernel");
+    assert!(msg.contains("javascript"), "{msg}");
+    let ctx = new_context(&api, &id, &json!({}));
+    let msg = api
+        .post(
+            &path,
+            &json!({ "code": "1", "context": ctx, "language": "bash" }),
+        )
+        .expect_error(400, "bad_request", "a language other than the context's");
+    assert!(msg.contains("python"), "{msg}");
+    api.post(
+        &format!("/v1/sandboxes/{id}/contexts"),
+        &json!({ "cwd": "relative" }),
+    )
+    .expect_error(400, "bad_request", "a relative cwd");
+}
+
+#[test]
+fn the_driver_port_is_hidden_from_the_port_list_and_the_proxy() {
+    let (_t, api, id) = code_sandbox();
+    run(&api, &id, &json!({ "code": "1" }));
+    let ports = api
+        .get(&format!("/v1/sandboxes/{id}/ports"))
+        .expect(200, "ports");
+    assert!(!ports.to_string().contains("49999"), "{ports}");
+    api.get(&format!("/v1/sandboxes/{id}/ports/49999/health"))
+        .expect_error(404, "not_found", "the driver through the proxy");
+}
+
+fn locker_code(t: &Tenant, args: &[&str], stdin: Option<&str>) -> std::process::Output {
+    use std::io::Write;
+    let mut c = std::process::Command::new(locker_bin());
+    c.arg("code")
+        .args(args)
+        .env("LOCKER_URL", &t.srv.url)
+        .env("LOCKER_API_KEY", &t.key)
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let mut child = c.spawn().expect("start `locker code`");
+    register_child(child.id());
+    let mut input = child.stdin.take().unwrap();
+    input.write_all(stdin.unwrap_or("").as_bytes()).unwrap();
+    drop(input);
+    child.wait_with_output().unwrap()
+}
+
+#[test]
+fn the_cli_runs_code_and_files_and_saves_charts() {
+    let (t, _api, id) = code_sandbox();
+    let out = locker_code(&t, &[&id, "n = 20\nprint(n + 1)\nn * 2"], None);
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "21\n40\n");
+
+    let dir = locker_tests::TempDir::new("code-cli");
+    let script = dir.path().join("script.py");
+    std::fs::write(
+        &script,
+        "import matplotlib.pyplot as plt\nplt.plot([1, 3, 2])\nprint('n was', n)\n",
+    )
+    .unwrap();
+    let images = dir.path().join("images");
+    std::fs::create_dir(&images).unwrap();
+    let out = locker_code(
+        &t,
+        &[
+            &id,
+            "-f",
+            script.to_str().unwrap(),
+            "--save-images",
+            images.to_str().unwrap(),
+        ],
+        None,
+    );
+    assert!(out.status.success(), "{out:?}");
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.starts_with("n was 20\n"),
+        "the default context kept n: {text}"
+    );
+    let png = std::fs::read(images.join("result-1.png")).expect("the chart was saved");
+    assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
+
+    let out = locker_code(&t, &[&id, "-f", "-"], Some("raise ValueError('bad input')"));
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("ValueError: bad input"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn the_python_sdk_runs_code_and_drives_the_seeds_run_code_tool_loop() {
+    template();
+    let t = Tenant::new();
+    let script = locker_tests::root().join("sdk/python/tests/test_code.py");
+    let mut c = std::process::Command::new("python3");
+    c.arg(&script)
+        .env("LOCKER_URL", &t.srv.url)
+        .env("LOCKER_API_KEY", &t.key)
+        .env("LOCKER_CODE_TEMPLATE", "1")
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped());
+    let child = c.spawn().expect("start python3");
+    register_child(child.id());
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "sdk/python/tests/test_code.py failed:\n{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.contains("ok test_the_seeds_run_code_tool_loop_with_a_scripted_model"),
+        "{said}"
+    );
+}
+
+#[test]
+fn the_mcp_run_code_tool_keeps_state_between_calls() {
+    let (t, _api, id) = code_sandbox();
+    let meta = json!({
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientInfo": {"name": "t", "version": "1"},
+        "io.modelcontextprotocol/clientCapabilities": {}});
+    let call = |args: Value| -> Value {
+        let body = json!({"jsonrpc": "2.0", "id": 1, "method": "tools/call",
+                          "params": {"name": "run_code", "arguments": args, "_meta": meta}});
+        let agent = locker_tests::server::agent(Duration::from_secs(120));
+        let mut resp = agent
+            .post(format!("{}/mcp", t.srv.url))
+            .header("Accept", "application/json, text/event-stream")
+            .header("Content-Type", "application/json")
+            .header("MCP-Protocol-Version", "2026-07-28")
+            .header("Mcp-Method", "tools/call")
+            .header("Mcp-Name", "run_code")
+            .header("Authorization", format!("Bearer {}", t.key))
+            .send(body.to_string())
+            .expect("POST /mcp");
+        let text = resp.body_mut().read_to_string().unwrap();
+        let json_text = text
+            .lines()
+            .find_map(|l| l.strip_prefix("data: "))
+            .unwrap_or(&text)
+            .to_owned();
+        let v: Value = serde_json::from_str(&json_text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        v["result"]["structuredContent"].clone()
+    };
+    let a = call(json!({"sandbox_id": id, "code": "import statistics\nvals = [1, 2, 3, 4]"}));
+    assert_eq!(a["reason"], "finished", "{a}");
+    let b = call(json!({"sandbox_id": id, "code": "print(statistics.mean(vals))\nlen(vals)"}));
+    assert_eq!(b["stdout"], "2.5\n", "{b}");
+    assert_eq!(b["result"], "4", "{b}");
+    let c = call(
+        json!({"sandbox_id": id, "code": "import matplotlib.pyplot as plt\nplt.plot(vals)\nplt.show()\nint('x')"}),
+    );
+    assert_eq!(c["images"], 1, "{c}");
+    assert_eq!(c["error"]["name"], "ValueError", "{c}");
+}
+
+/// The bench rows of issue 18 (`bench/code_interpreter.py`), printed, not asserted: run with
+/// `--ignored code_interpreter_figures --nocapture`.
+#[test]
+#[ignore = "a measurement: run it by name"]
+fn code_interpreter_figures() {
+    template();
+    let t = Tenant::new();
+    let mut c = std::process::Command::new("python3");
+    c.arg(locker_tests::root().join("bench/code_interpreter.py"))
+        .env("LOCKER_URL", &t.srv.url)
+        .env("LOCKER_API_KEY", &t.key)
+        .env("PYTHONDONTWRITEBYTECODE", "1");
+    let child = c.spawn().expect("start python3");
+    register_child(child.id());
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success());
+}
+
+#[test]
+fn a_cell_that_corrupts_connection_files_or_leaves_a_child_running_breaks_nothing() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    let r = run_in(
+        &api,
+        &id,
+        &ctx,
+        "import glob, os, subprocess\n\
+         from ipykernel import get_connection_file\n\
+         files = glob.glob(os.path.join(os.path.dirname(get_connection_file()), '*.json'))\n\
+         for f in files: open(f, 'w').write('garbage')\n\
+         child = subprocess.Popen(['sleep', '300'])\n\
+         print(len(files) > 0, child.pid > 0)",
+    );
+    assert_eq!(r["stdout"], "True True\n", "{r}");
+    let next = run_in(&api, &id, &ctx, "child.poll() is None");
+    assert_eq!(
+        next["results"][0]["text"], "True",
+        "the child outlives its cell: {next}"
+    );
+    // The context restarts (a new connection file), and other contexts start.
+    api.post_empty(&format!("/v1/sandboxes/{id}/contexts/{ctx}/restart"))
+        .expect(200, "restart after corrupted connection files");
+    let r = run_in(&api, &id, &ctx, "1 + 1");
+    assert_eq!(r["results"][0]["text"], "2", "{r}");
+    let other = new_context(&api, &id, &json!({}));
+    let r = run_in(&api, &id, &other, "2 + 2");
+    assert_eq!(r["results"][0]["text"], "4", "{r}");
+}
