@@ -57,6 +57,19 @@ const OPERATIONS: Record<string, Covered> = {
   "DELETE /v1/volumes/{id}/snapshots/{snap}": { by: "Volume#deleteSnapshot" },
   "POST /v1/volumes/{id}/restore": { by: "Volume#restore" },
   "POST /v1/volumes/{id}/fork": { by: "Volume#fork" },
+  // Served since the TypeScript SDK's first version; its methods for them are the next step of
+  // issue 22 (the Python SDK has them: `create_code_context`, `run_code`, `mcp_server`).
+  "POST /v1/sandboxes/{id}/contexts": { not: "code contexts: not yet in this package (Python SDK: create_code_context)" },
+  "GET /v1/sandboxes/{id}/contexts": { not: "code contexts: not yet in this package (Python SDK: code_contexts)" },
+  "DELETE /v1/sandboxes/{id}/contexts/{ctx}": { not: "code contexts: not yet in this package" },
+  "POST /v1/sandboxes/{id}/contexts/{ctx}/restart": { not: "code contexts: not yet in this package" },
+  "POST /v1/sandboxes/{id}/contexts/{ctx}/interrupt": { not: "code contexts: not yet in this package" },
+  "POST /v1/sandboxes/{id}/code": { not: "code contexts: not yet in this package (Python SDK: run_code)" },
+  "POST /v1/sandboxes/{id}/mcp": { not: "MCP servers in a sandbox: not yet in this package (Python SDK: mcp_server)" },
+  "GET /v1/sandboxes/{id}/mcp": { not: "MCP servers in a sandbox: not yet in this package (Python SDK: mcp_servers)" },
+  "POST /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients" },
+  "GET /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients" },
+  "DELETE /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients (stopping a server: not yet in this package)" },
 };
 for (const owner of ["sandboxes", "volumes"]) {
   Object.assign(OPERATIONS, {
