@@ -21,7 +21,7 @@ TOOLS = {
     "run", "sandbox_create", "exec", "process_output", "process_write_stdin", "process_kill",
     "sandbox_delete", "file_read", "file_write", "file_edit", "file_list", "snapshot_create",
     "sandbox_fork", "volume_create", "volume_list", "sandbox_list", "sandbox_set_ttl", "process_list",
-    "snapshot_list", "snapshot_delete", "service_start", "port_list",
+    "snapshot_list", "snapshot_delete", "service_start", "port_list", "run_code",
 }
 
 
