@@ -542,6 +542,10 @@ pub fn for_people(sb: &Value, names: &BTreeMap<String, String>) -> Value {
     if let Some(n) = sb.get("network").filter(|n| n.is_object()) {
         v["network"] = json!(network_text(n));
     }
+    // A template reads as one to people: `http://PORT-sb_….localhost:7070/`.
+    if let Some(u) = sb.get("preview_url").and_then(Value::as_str) {
+        v["preview_url"] = json!(u.replace("{port}", "PORT"));
+    }
     if let Some(b) = sb
         .pointer("/usage/peak_memory_bytes")
         .and_then(Value::as_u64)
