@@ -9,7 +9,7 @@ use std::io::Read;
 use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
-use locker_tests::server::{enc, Api, Server};
+use locker_tests::server::{Api, Server};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -131,41 +131,12 @@ fn events_stream_as_they_come_and_a_websocket_echoes() {
     body.read_to_string(&mut rest).unwrap();
     assert_eq!(rest, "data: 1\n\ndata: 2\n\n");
 
-    let mut ws = websocket(&s, &api, &id);
-    for msg in ["hello", &"y".repeat(100_000)] {
-        ws.send(tungstenite::Message::Text(msg.into())).unwrap();
-        match ws.read().unwrap() {
-            tungstenite::Message::Text(t) => assert_eq!(t.as_str(), msg),
-            other => panic!("not an echo: {other:?}"),
-        }
-    }
-    ws.send(tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into()))
-        .unwrap();
-    assert_eq!(
-        ws.read().unwrap(),
-        tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into())
-    );
-    let _ = ws.close(None);
+    locker_tests::websocket_echoes(websocket(&s, &id));
 }
 
 /// A WebSocket to the test server's `/ws` through the path proxy.
-fn websocket(s: &Server, api: &Api, id: &str) -> tungstenite::WebSocket<TcpStream> {
-    use tungstenite::client::IntoClientRequest;
-    let addr = api.base.strip_prefix("http://").unwrap().to_owned();
-    let mut req = format!("ws://{addr}{}", path(id, "/ws"))
-        .into_client_request()
-        .unwrap();
-    req.headers_mut().insert(
-        "Authorization",
-        format!("Bearer {}", s.api_key).parse().unwrap(),
-    );
-    let stream = TcpStream::connect(&addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(20)))
-        .unwrap();
-    let (ws, resp) = tungstenite::client(req, stream).expect("a WebSocket through the proxy");
-    assert_eq!(resp.status().as_u16(), 101);
-    ws
+fn websocket(s: &Server, id: &str) -> tungstenite::WebSocket<TcpStream> {
+    locker_tests::port_websocket(s, id, PORT, Duration::from_secs(20))
 }
 
 fn echoes(ws: &mut tungstenite::WebSocket<TcpStream>, msg: &str) {
@@ -181,7 +152,7 @@ fn an_open_websocket_keeps_an_idle_sandbox_running_until_it_closes() {
     let s = Server::start();
     let api = s.api();
     let id = serving(&api, &json!({"idle_timeout_s": 1}));
-    let mut ws = websocket(&s, &api, &id);
+    let mut ws = websocket(&s, &id);
     echoes(&mut ws, "first");
     // Three idle timeouts with nothing but the open connection.
     std::thread::sleep(Duration::from_secs(3));

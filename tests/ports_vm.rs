@@ -5,7 +5,6 @@
 //! under TCG on these hosts, so its bodies are smaller than the jail's (`ports_hostile`).
 
 use std::io::Read;
-use std::net::TcpStream;
 use std::time::{Duration, Instant};
 
 use locker_tests::server::{enc, Api, Server};
@@ -169,46 +168,16 @@ fn a_server_in_a_microvm_serves_files_events_a_websocket_and_wakes_from_an_idle_
     );
 
     // A WebSocket echo.
-    let mut ws = websocket(&s, &api, &id, 8000);
-    for msg in ["hello", &"y".repeat(100_000)] {
-        ws.send(tungstenite::Message::Text(msg.into())).unwrap();
-        match ws.read().unwrap() {
-            tungstenite::Message::Text(t) => assert_eq!(t.as_str(), msg),
-            other => panic!("not an echo: {other:?}"),
-        }
-    }
-    ws.send(tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into()))
-        .unwrap();
-    assert_eq!(
-        ws.read().unwrap(),
-        tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into())
-    );
-    let _ = ws.close(None);
-    drop(ws);
+    locker_tests::websocket_echoes(locker_tests::port_websocket(
+        &s,
+        &id,
+        8000,
+        Duration::from_secs(60),
+    ));
 
     // Idle-paused, woken by a request to the port.
     let first = first_byte_after_idle_pause(&api, &id, 8001, "/");
     eprintln!("microVM: first byte after an idle pause in {first:?}");
-}
-
-/// A WebSocket to the test server's `/ws` through the path proxy.
-fn websocket(s: &Server, api: &Api, id: &str, port: u16) -> tungstenite::WebSocket<TcpStream> {
-    use tungstenite::client::IntoClientRequest;
-    let addr = api.base.strip_prefix("http://").unwrap().to_owned();
-    let mut req = format!("ws://{addr}/v1/sandboxes/{id}/ports/{port}/ws")
-        .into_client_request()
-        .unwrap();
-    req.headers_mut().insert(
-        "Authorization",
-        format!("Bearer {}", s.api_key).parse().unwrap(),
-    );
-    let stream = TcpStream::connect(&addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(60)))
-        .unwrap();
-    let (ws, resp) = tungstenite::client(req, stream).expect("a WebSocket through the proxy");
-    assert_eq!(resp.status().as_u16(), 101);
-    ws
 }
 
 #[test]

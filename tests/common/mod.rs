@@ -45,6 +45,57 @@ pub fn serving_http(api: &server::Api, body: &serde_json::Value, port: u16) -> S
     id
 }
 
+/// A WebSocket to `/ws` of `port` in sandbox `id` through the path proxy, with the server's
+/// key; reads wait at most `read_timeout`.
+pub fn port_websocket(
+    s: &server::Server,
+    id: &str,
+    port: u16,
+    read_timeout: std::time::Duration,
+) -> tungstenite::WebSocket<std::net::TcpStream> {
+    use tungstenite::client::IntoClientRequest;
+    let addr = s
+        .url
+        .strip_prefix("http://")
+        .expect("an http URL")
+        .to_owned();
+    let mut req = format!("ws://{addr}/v1/sandboxes/{id}/ports/{port}/ws")
+        .into_client_request()
+        .expect("a WebSocket request");
+    req.headers_mut().insert(
+        "Authorization",
+        format!("Bearer {}", s.api_key)
+            .parse()
+            .expect("a header value"),
+    );
+    let stream = std::net::TcpStream::connect(&addr).expect("connect to the server");
+    stream
+        .set_read_timeout(Some(read_timeout))
+        .expect("a read timeout");
+    let (ws, resp) = tungstenite::client(req, stream).expect("a WebSocket through the proxy");
+    assert_eq!(resp.status().as_u16(), 101);
+    ws
+}
+
+/// Checks that `ws` (to [`HTTP_SERVER_PY`]'s `/ws` or the like) echoes a short and a 100 KB
+/// text frame and a binary one, then closes it.
+pub fn websocket_echoes(mut ws: tungstenite::WebSocket<std::net::TcpStream>) {
+    for msg in ["hello", &"y".repeat(100_000)] {
+        ws.send(tungstenite::Message::Text(msg.into())).unwrap();
+        match ws.read().unwrap() {
+            tungstenite::Message::Text(t) => assert_eq!(t.as_str(), msg),
+            other => panic!("not an echo: {other:?}"),
+        }
+    }
+    ws.send(tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into()))
+        .unwrap();
+    assert_eq!(
+        ws.read().unwrap(),
+        tungstenite::Message::Binary(vec![0u8, 1, 2, 255].into())
+    );
+    let _ = ws.close(None);
+}
+
 pub mod answers;
 pub mod egress;
 pub mod server;
