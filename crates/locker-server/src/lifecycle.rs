@@ -264,9 +264,14 @@ pub fn record_of(app: &AppState, caller: &Caller, id: &str) -> Result<SandboxRec
 /// The caller's running sandbox `id` with this call counted in flight; a paused sandbox is
 /// thawed first (transparently: any call resumes it).
 pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, ApiError> {
-    let live = app.live.read().await.get(id).cloned();
-    match live {
-        Some(l) if l.tenant == caller.tenant => enter(app, l),
+    enter(app, live_entry(app, caller, id).await?)
+}
+
+/// The caller's sandbox `id`, live on this node, without counting a call (a settings change
+/// neither needs the machine nor wakes it).
+pub async fn live_entry(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
+    match app.live.read().await.get(id).cloned() {
+        Some(l) if l.tenant == caller.tenant => Ok(l),
         _ => Err(not_live(app, caller, id)),
     }
 }

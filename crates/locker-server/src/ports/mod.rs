@@ -138,20 +138,6 @@ struct PortSettings {
     public: bool,
 }
 
-/// The caller's sandbox `id`, live on this node, without counting a call (a settings change
-/// neither needs the machine nor wakes it).
-async fn owned_live(
-    app: &AppState,
-    caller: &Caller,
-    id: &str,
-) -> Result<std::sync::Arc<crate::state::Live>, ApiError> {
-    let live = app.live.read().await.get(id).cloned();
-    match live {
-        Some(l) if l.tenant == caller.tenant => Ok(l),
-        _ => Err(crate::lifecycle::not_live(app, caller, id)),
-    }
-}
-
 async fn set_port(
     State(app): State<AppState>,
     caller: Caller,
@@ -160,7 +146,7 @@ async fn set_port(
     Json(body): Json<PortSettings>,
 ) -> Result<Response, ApiError> {
     let port = port_of(&port_raw)?;
-    let live = owned_live(&app, &caller, &id).await?;
+    let live = crate::lifecycle::live_entry(&app, &caller, &id).await?;
     let public = {
         let mut p = live.preview.write().expect("preview lock");
         let mut ports = p.public_ports.clone();
@@ -194,7 +180,7 @@ async fn rotate_token(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
-    let live = owned_live(&app, &caller, &id).await?;
+    let live = crate::lifecycle::live_entry(&app, &caller, &id).await?;
     let token = locker_store::new_preview_token();
     {
         let mut p = live.preview.write().expect("preview lock");

@@ -373,13 +373,11 @@ fn strip_cookie(headers: &mut HeaderMap) {
     }
 }
 
-/// The first value of `name` in a query string, percent-decoded.
+/// The first value of `name` in a query string, decoded.
 fn query_param(query: Option<&str>, name: &str) -> Option<String> {
-    query?
-        .split('&')
-        .filter_map(|kv| kv.split_once('=').or(Some((kv, ""))))
-        .find(|(k, _)| *k == name)
-        .map(|(_, v)| percent_decode(v))
+    form_urlencoded::parse(query?.as_bytes())
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.into_owned())
 }
 
 /// The query without any `name=` pair, or `None` when nothing is left.
@@ -389,29 +387,6 @@ fn strip_query_param(query: Option<&str>, name: &str) -> Option<String> {
         .filter(|kv| !kv.is_empty() && kv.split_once('=').map_or(*kv, |(k, _)| k) != name)
         .collect();
     (!kept.is_empty()).then(|| kept.join("&"))
-}
-
-fn percent_decode(s: &str) -> String {
-    let b = s.as_bytes();
-    let hex = |c: u8| (c as char).to_digit(16);
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let pair = (b[i] == b'%' && i + 2 < b.len())
-            .then(|| hex(b[i + 1]).zip(hex(b[i + 2])))
-            .flatten();
-        match pair {
-            Some((h, l)) => {
-                out.push((h * 16 + l) as u8);
-                i += 3;
-            }
-            None => {
-                out.push(if b[i] == b'+' { b' ' } else { b[i] });
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
 }
 
 #[cfg(test)]
@@ -498,7 +473,10 @@ mod tests {
         only.insert(header::COOKIE, "locker_token=t".parse().unwrap());
         strip_cookie(&mut only);
         assert!(only.get(header::COOKIE).is_none());
-        assert_eq!(percent_decode("%zz%4"), "%zz%4");
+        assert_eq!(
+            query_param(Some("locker_token=%zz%4"), COOKIE).as_deref(),
+            Some("%zz%4")
+        );
         assert_eq!(
             same_host_location("//evil.example/x", Some("a=1")),
             "/evil.example/x?a=1"
