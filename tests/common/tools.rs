@@ -41,17 +41,25 @@ pub fn run_logged(cmd: &mut Command) -> (bool, String) {
 /// The venv's python with `mcp` importable, or None (with a message) when PyPI is
 /// unreachable.
 pub fn python_mcp() -> Option<PathBuf> {
-    // The tests of this file run in parallel; one of them makes the venv, the others wait.
+    python_venv(
+        "mcp-py",
+        &["mcp>=2.3,<3"],
+        "import mcp, mcp.client.streamable_http; from mcp import Client",
+    )
+}
+
+/// A venv in `target/<dir>/venv` with `packages` installed (pip specs), made once; its
+/// python, or None (with a message) when PyPI is unreachable. `probe` is Python code that
+/// succeeds once the packages are importable.
+pub fn python_venv(dir: &str, packages: &[&str], probe: &str) -> Option<PathBuf> {
+    // Tests run in parallel; one of them makes a venv, the others wait.
     static SETUP: std::sync::Mutex<()> = std::sync::Mutex::new(());
     let _one_at_a_time = SETUP.lock().unwrap_or_else(|e| e.into_inner());
-    let venv = target_dir().join("mcp-py/venv");
+    let venv = target_dir().join(dir).join("venv");
     let py = venv.join("bin/python");
     let ok = |py: &Path| {
         Command::new(py)
-            .args([
-                "-c",
-                "import mcp, mcp.client.streamable_http; from mcp import Client",
-            ])
+            .args(["-c", probe])
             .output()
             .is_ok_and(|o| o.status.success())
     };
@@ -61,26 +69,35 @@ pub fn python_mcp() -> Option<PathBuf> {
     let (made, log) = run_logged(Command::new("python3").args(["-m", "venv"]).arg(&venv));
     assert!(made, "python3 -m venv {}: {log}", venv.display());
     let started = Instant::now();
-    let (installed, log) = run_logged(Command::new(&py).args([
-        "-m",
-        "pip",
-        "install",
-        "--quiet",
-        "--disable-pip-version-check",
-        "mcp>=2.3,<3",
-    ]));
+    let (installed, log) = run_logged(
+        Command::new(&py)
+            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args(packages),
+    );
     if !installed {
         if pypi_unreachable(&log) {
-            eprintln!(
-                "SKIP: the Python `mcp` client cannot be installed, PyPI is unreachable:\n{log}"
-            );
+            eprintln!("SKIP: {packages:?} cannot be installed, PyPI is unreachable:\n{log}");
             return None;
         }
-        panic!("pip install mcp failed:\n{log}");
+        panic!("pip install {packages:?} failed:\n{log}");
     }
-    eprintln!("installed the Python mcp client in {:?}", started.elapsed());
-    assert!(ok(&py), "mcp is not importable after pip install");
+    eprintln!("installed {packages:?} in {:?}", started.elapsed());
+    assert!(ok(&py), "{probe:?} fails after pip install {packages:?}");
     Some(py)
+}
+
+/// E2B's Python SDKs, unmodified, from PyPI: the newest `e2b` and `e2b-code-interpreter`.
+pub fn python_e2b() -> Option<PathBuf> {
+    python_venv(
+        "e2b-py",
+        &["e2b", "e2b-code-interpreter"],
+        "import e2b, e2b_code_interpreter",
+    )
+}
+
+/// An older E2B Python SDK (2.x before 2.51, which still creates with `POST /sandboxes`).
+pub fn python_e2b_old() -> Option<PathBuf> {
+    python_venv("e2b-py-old", &["e2b==2.50.0"], "import e2b")
 }
 
 /// Installs an npm package into `target/<dir>` once (without install scripts: one of them

@@ -263,6 +263,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())
         .merge(crate::templates::routes())
+        .merge(crate::e2b::routes())
         .fallback(|| async {
             crate::error::ApiError::not_found("no such route: see /openapi.json")
         })
@@ -276,10 +277,17 @@ pub fn router(app: AppState) -> Router {
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(app.clone());
     // Preview hosts first: their every path belongs to the machine, none to the API.
-    crate::mcp::mount(app.clone(), api).layer(axum::middleware::from_fn_with_state(
-        app,
-        crate::ports::preview_dispatch,
-    ))
+    // E2B's data plane next: a request naming a sandbox with `E2b-Sandbox-Id` is the
+    // sandbox's, whatever its path.
+    crate::mcp::mount(app.clone(), api)
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crate::e2b::dispatch,
+        ))
+        .layer(axum::middleware::from_fn_with_state(
+            app,
+            crate::ports::preview_dispatch,
+        ))
 }
 
 /// Records latency and status of every request.

@@ -36,6 +36,7 @@ pub mod capacity;
 pub mod code;
 pub mod command;
 pub mod default_template;
+pub mod e2b;
 pub mod egress;
 pub mod error;
 pub mod exec;

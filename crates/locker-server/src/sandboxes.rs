@@ -83,16 +83,27 @@ async fn create(
     caller: Caller,
     Json(body): Json<CreateSandbox>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let started = Instant::now();
-    let (new, snapshot_dir) = checked(&app, &caller, body).await?;
-    let (rec, live) = launch(&app, &caller, &new, snapshot_dir).await?;
-    app.metrics
-        .sandbox_create_seconds
-        .observe(started.elapsed().as_secs_f64());
+    let (rec, live) = create_sandbox(&app, &caller, body).await?;
     Ok((
         StatusCode::CREATED,
         axum::Json(view(&app, &rec, Some(&live))),
     ))
+}
+
+/// Creates a sandbox from a create's body (checked here): the door for other protocols'
+/// creates (`e2b`), so that theirs meet the same limits and records.
+pub(crate) async fn create_sandbox(
+    app: &AppState,
+    caller: &Caller,
+    body: CreateSandbox,
+) -> Result<(SandboxRecord, std::sync::Arc<Live>), ApiError> {
+    let started = Instant::now();
+    let (new, snapshot_dir) = checked(app, caller, body).await?;
+    let (rec, live) = launch(app, caller, &new, snapshot_dir).await?;
+    app.metrics
+        .sandbox_create_seconds
+        .observe(started.elapsed().as_secs_f64());
+    Ok((rec, live))
 }
 
 /// A create's body checked against the limits, its snapshot and this host: the sandbox to

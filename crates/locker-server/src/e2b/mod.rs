@@ -1,0 +1,126 @@
+//! E2B compatibility: E2B's own SDKs (Python `e2b`, `e2b-code-interpreter`; npm `e2b`,
+//! `@e2b/code-interpreter`) run unmodified against Locker with `E2B_API_URL` and
+//! `E2B_SANDBOX_URL` set to Locker's URL and `E2B_API_KEY` to a Locker key.
+//!
+//! Owns: E2B's wire protocol, translated onto Locker's own rooms. The control plane
+//! ([`control`]: `/sandboxes`, `/v2/sandboxes`, `/snapshots`, …) becomes `sandboxes`,
+//! `lifecycle` and `snapshots` calls; the data plane of a sandbox (envd on port 49983:
+//! [`envd`]; the code interpreter on 49999: [`interp`]) becomes `exec`, `processes`,
+//! `files` and `code` calls. Each E2B call so gets Locker's limits, quotas, call records
+//! and egress policy.
+//!
+//! Must not: keep a second engine or state of its own that Locker's rooms already keep
+//! (sandboxes, processes, files, contexts live where they always do), or run E2B's envd or
+//! code-interpreter server inside machines.
+//!
+//! Routing ([`dispatch`], in front of the API): a request that names a sandbox with
+//! `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`, 49983 when absent) belongs to the data plane,
+//! whatever its path. A data-plane request is let through by the sandbox's
+//! `envdAccessToken` (`X-Access-Token`), which is the sandbox's preview token: one secret
+//! per sandbox, rotated together (`POST /v1/sandboxes/{id}/preview-token`).
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::HeaderMap;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Router;
+
+use crate::auth::{constant_time_eq, Caller};
+use crate::state::{AppState, Live};
+
+mod control;
+mod envd;
+mod error;
+mod interp;
+
+pub use error::E2bError;
+
+/// The envd port of E2B's sandboxes.
+pub const ENVD_PORT: u16 = 49983;
+/// The code interpreter's port.
+pub const INTERP_PORT: u16 = 49999;
+/// The envd version create and connect advertise: the SDKs turn features on by it, so it
+/// names the newest version whose features Locker really serves.
+pub const ENVD_VERSION: &str = "0.5.7";
+
+/// The control plane's routes (E2B's REST API, authenticated by `X-API-KEY`).
+pub fn routes() -> Router<AppState> {
+    control::routes()
+}
+
+/// A data-plane request's sandbox, found and let through.
+#[derive(Clone)]
+pub(crate) struct Target {
+    pub live: Arc<Live>,
+    /// The sandbox's tenant, as Locker's rooms take a caller.
+    pub caller: Caller,
+    /// 49983 (envd), 49999 (code interpreter) or a port of the machine.
+    pub port: u16,
+    /// Whether the request carried the sandbox's access token (`/health` and signed `/files`
+    /// URLs need none; everything else does).
+    pub authorized: bool,
+}
+
+/// Middleware in front of every route: a request for a sandbox's data plane goes there,
+/// any other on to the API.
+pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> Response {
+    let Some(id) = header_str(req.headers(), "e2b-sandbox-id") else {
+        return next.run(req).await;
+    };
+    let port = match header_str(req.headers(), "e2b-sandbox-port") {
+        None => ENVD_PORT,
+        Some(p) => match p.parse::<u16>() {
+            Ok(p) if p > 0 => p,
+            _ => {
+                return E2bError::bad_request(format!(
+                    "E2b-Sandbox-Port {p:?} is not a port number (1-65535)"
+                ))
+                .into_response()
+            }
+        },
+    };
+    let id = id.to_owned();
+    match target(&app, &id, port, req.headers()).await {
+        Ok(t) => serve(app, t, req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The data plane of one sandbox: envd, the code interpreter, or a port of the machine.
+async fn serve(app: AppState, t: Target, req: Request) -> Response {
+    match t.port {
+        ENVD_PORT => envd::serve(app, t, req).await,
+        INTERP_PORT => interp::serve(app, t, req).await,
+        _ => E2bError::bad_request(format!(
+            "E2b-Sandbox-Port {}: only envd (49983) and the code interpreter (49999) are \
+             served through E2B_SANDBOX_URL; reach other ports with get_host()",
+            t.port
+        ))
+        .into_response(),
+    }
+}
+
+/// Finds sandbox `id` on this server and checks the request's access token against it.
+async fn target(app: &AppState, id: &str, port: u16, headers: &HeaderMap) -> Result<Target, E2bError> {
+    let live = app.live.read().await.get(id).cloned();
+    let live = live.ok_or_else(|| E2bError::not_found(format!("sandbox {id} is not running")))?;
+    let token = live.preview.read().expect("preview lock").token.clone();
+    let authorized = header_str(headers, "x-access-token")
+        .is_some_and(|t| !token.is_empty() && constant_time_eq(t.as_bytes(), token.as_bytes()));
+    let caller = Caller {
+        tenant: live.tenant.clone(),
+        key_id: "e2b-access-token".into(),
+    };
+    Ok(Target {
+        live,
+        caller,
+        port,
+        authorized,
+    })
+}
+
+fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim).filter(|s| !s.is_empty())
+}
