@@ -14,7 +14,35 @@ export { Sandbox, DEFAULT_WORKDIR, type CreateOptions, type ListFilter, type Con
 export { Volume, Volumes, type CommitMode, type RunOptions } from "./volume.js";
 export { Files, type WriteData } from "./files.js";
 export { Process, Processes, type Command, type ExecOptions, type ProcessOptions } from "./exec.js";
+export {
+  CodeContext,
+  RESULT_FORMATS,
+  type CodeContextInfo,
+  type CodeEvent,
+  type CodeReason,
+  type CodeResult,
+  type CreateContextOptions,
+  type Execution,
+  type ExecutionError,
+  type ResultFormat,
+  type RunCodeOptions,
+} from "./code.js";
+export { McpServer, type McpServerInfo, type McpServerOptions } from "./mcp.js";
 export { Pty, type PtyOptions, type WebSocketLike } from "./pty.js";
+export {
+  BashSession,
+  CodeCells,
+  TextEditor,
+  ToolFailure,
+  RUN_CODE_DESCRIPTION,
+  asToolOutput,
+  capText,
+  formatExec,
+  replaceOnce,
+  type BashOptions,
+  type EditorOptions,
+  type ToolOutput,
+} from "./tools.js";
 export { DEFAULT_URL, type ClientOptions } from "./transport.js";
 export * from "./errors.js";
 export type {

@@ -10,8 +10,11 @@
 
 import { Transport, seg, type ClientOptions } from "./transport.js";
 import { NotFound } from "./errors.js";
+import { asyncDispose } from "./dispose.js";
 import { Files } from "./files.js";
 import { openPty, type Pty, type PtyOptions } from "./pty.js";
+import { CodeContext, runCode, streamCode, type CodeEvent, type CreateContextOptions, type Execution, type RunCodeOptions } from "./code.js";
+import { McpServer, type McpServerOptions } from "./mcp.js";
 import { Processes, execBody, execFed, isFed, streamCommand, type Command, type ExecOptions } from "./exec.js";
 import {
   camel,
@@ -28,12 +31,6 @@ import {
   type StreamEvent,
   type VolumeMount,
 } from "./types.js";
-
-// `await using` needs Symbol.asyncDispose; runtimes before it (Node < 18.18) get the
-// well-known registry symbol that TypeScript's downlevel helper also looks for.
-const asyncDispose: typeof Symbol.asyncDispose =
-  (Symbol as { asyncDispose?: typeof Symbol.asyncDispose }).asyncDispose ??
-  ((Symbol as { asyncDispose?: symbol }).asyncDispose = Symbol.for("Symbol.asyncDispose") as typeof Symbol.asyncDispose);
 
 /** The working directory `Sandbox.create` makes and execs start in, unless told otherwise. */
 export const DEFAULT_WORKDIR = "/workspace";
@@ -208,6 +205,47 @@ export class Sandbox {
   /** A terminal running `cmd` (default a login shell); see `Pty`. Needs a WebSocket that sends headers. */
   pty(opts: PtyOptions = {}): Promise<Pty> {
     return openPty(this.transport, this.base, opts);
+  }
+
+  /**
+   * A code context: a Jupyter kernel whose variables and imports persist between cells
+   * (sandboxes of the `code-interpreter` template; another template answers Conflict).
+   */
+  createCodeContext(opts: CreateContextOptions = {}): Promise<CodeContext> {
+    return CodeContext.create(this.transport, this.id, opts);
+  }
+
+  /** Its code contexts. */
+  codeContexts(): Promise<CodeContext[]> {
+    return CodeContext.list(this.transport, this.id);
+  }
+
+  /**
+   * Runs a cell in `opts.context`, else the sandbox's default context of its language. An
+   * exception in the cell is the Execution's `error`, never thrown.
+   */
+  runCode(code: string, opts: RunCodeOptions = {}): Promise<Execution> {
+    return runCode(this.transport, this.id, code, opts);
+  }
+
+  /** Runs a cell, its output as it comes; the last event is its Execution. */
+  runCodeStream(code: string, opts: RunCodeOptions = {}): AsyncGenerator<CodeEvent, void, undefined> {
+    return streamCode(this.transport, this.id, code, opts);
+  }
+
+  /**
+   * Starts a stdio MCP server in the sandbox (`cmd`, e.g. `["npx", "-y",
+   * "@modelcontextprotocol/server-filesystem", "/workspace"]`) and serves it as Streamable
+   * HTTP at `server.url` (send `server.headers`); resolves once it answered `initialize`
+   * (BadGateway with its exit code and stderr when it did not).
+   */
+  mcpServer(name: string, cmd: readonly string[], opts: McpServerOptions = {}): Promise<McpServer> {
+    return McpServer.start(this.transport, this.id, name, cmd, opts);
+  }
+
+  /** The MCP servers started in it (running or exited). */
+  mcpServers(): Promise<McpServer[]> {
+    return McpServer.list(this.transport, this.id);
   }
 
   /** Sets `expiresAt` to now + `seconds`. */

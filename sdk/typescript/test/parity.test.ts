@@ -57,19 +57,17 @@ const OPERATIONS: Record<string, Covered> = {
   "DELETE /v1/volumes/{id}/snapshots/{snap}": { by: "Volume#deleteSnapshot" },
   "POST /v1/volumes/{id}/restore": { by: "Volume#restore" },
   "POST /v1/volumes/{id}/fork": { by: "Volume#fork" },
-  // Served since the TypeScript SDK's first version; its methods for them are the next step of
-  // issue 22 (the Python SDK has them: `create_code_context`, `run_code`, `mcp_server`).
-  "POST /v1/sandboxes/{id}/contexts": { not: "code contexts: not yet in this package (Python SDK: create_code_context)" },
-  "GET /v1/sandboxes/{id}/contexts": { not: "code contexts: not yet in this package (Python SDK: code_contexts)" },
-  "DELETE /v1/sandboxes/{id}/contexts/{ctx}": { not: "code contexts: not yet in this package" },
-  "POST /v1/sandboxes/{id}/contexts/{ctx}/restart": { not: "code contexts: not yet in this package" },
-  "POST /v1/sandboxes/{id}/contexts/{ctx}/interrupt": { not: "code contexts: not yet in this package" },
-  "POST /v1/sandboxes/{id}/code": { not: "code contexts: not yet in this package (Python SDK: run_code)" },
-  "POST /v1/sandboxes/{id}/mcp": { not: "MCP servers in a sandbox: not yet in this package (Python SDK: mcp_server)" },
-  "GET /v1/sandboxes/{id}/mcp": { not: "MCP servers in a sandbox: not yet in this package (Python SDK: mcp_servers)" },
-  "POST /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients" },
-  "GET /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients" },
-  "DELETE /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients (stopping a server: not yet in this package)" },
+  "POST /v1/sandboxes/{id}/contexts": { by: "Sandbox#createCodeContext" },
+  "GET /v1/sandboxes/{id}/contexts": { by: "Sandbox#codeContexts" },
+  "DELETE /v1/sandboxes/{id}/contexts/{ctx}": { by: "CodeContext#delete" },
+  "POST /v1/sandboxes/{id}/contexts/{ctx}/restart": { by: "CodeContext#restart" },
+  "POST /v1/sandboxes/{id}/contexts/{ctx}/interrupt": { by: "CodeContext#interrupt" },
+  "POST /v1/sandboxes/{id}/code": { by: "Sandbox#runCode" },
+  "POST /v1/sandboxes/{id}/mcp": { by: "Sandbox#mcpServer" },
+  "GET /v1/sandboxes/{id}/mcp": { by: "Sandbox#mcpServers" },
+  "POST /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients (McpServer#url and #headers say how to reach it)" },
+  "GET /v1/sandboxes/{id}/mcp/{name}": { not: "a bridged MCP server's Streamable HTTP endpoint, for MCP clients (McpServer#url and #headers say how to reach it)" },
+  "DELETE /v1/sandboxes/{id}/mcp/{name}": { by: "McpServer#stop" },
 };
 for (const owner of ["sandboxes", "volumes"]) {
   Object.assign(OPERATIONS, {
@@ -118,6 +116,8 @@ test("every operation of /openapi.json is a method of the package or has a reaso
   for (const [op, c] of Object.entries(OPERATIONS)) {
     if ("by" in c) assert.ok(exists(c.by), `${op} is listed as covered by ${c.by}, which the package does not have`);
   }
+  const notYet = Object.entries(OPERATIONS).filter(([, c]) => "not" in c && /not yet/i.test(c.not));
+  assert.deepEqual(notYet, [], "every operation a client can use has a method: none is \"not yet\"");
   const stale = Object.keys(OPERATIONS).filter((op) => !served.includes(op));
   assert.deepEqual(stale, [], "operations listed here that the server no longer serves");
 });
