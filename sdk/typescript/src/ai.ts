@@ -15,7 +15,7 @@
  * exits non-zero is a result. `ai` and `zod` are peer dependencies, needed only here.
  */
 
-import { tool } from "ai";
+import { tool, type Tool } from "ai";
 import { z } from "zod";
 import type { Sandbox } from "./sandbox.js";
 import type { Volume, CommitMode } from "./volume.js";
@@ -32,6 +32,9 @@ export interface LockerToolsOptions {
   /** The commit mode of `run` (default "on_success"). */
   commit?: CommitMode;
 }
+
+/** The tools, by name (`runCode` and `run` only when asked for). */
+export type LockerToolSet = Record<"bash" | "readFile" | "writeFile" | "editFile", Tool<any, string>> & Record<string, Tool<any, string>>;
 
 /** Runs a tool body; a failure becomes an Error whose message is for the model. */
 async function attempt(name: string, f: () => Promise<string>): Promise<string> {
@@ -50,8 +53,8 @@ function networkNote(sbx: Sandbox): string {
   return " The sandbox has internet access.";
 }
 
-/** Locker's tools for the AI SDK, bound to `sbx`. */
-export function lockerTools(sbx: Sandbox, opts: LockerToolsOptions = {}) {
+/** Locker's tools for the AI SDK, bound to `sbx`: `bash`, `readFile`, `writeFile`, `editFile`, and `runCode`/`run` when asked for. */
+export function lockerTools(sbx: Sandbox, opts: LockerToolsOptions = {}): LockerToolSet {
   const bash = new BashSession(sbx, opts.bash);
   const editor = new TextEditor(sbx.files, opts.editor);
   const base = {
@@ -96,23 +99,21 @@ export function lockerTools(sbx: Sandbox, opts: LockerToolsOptions = {}) {
       execute: ({ path, oldStr, newStr }) => attempt("editFile", () => editor.call({ command: "str_replace", path, old_str: oldStr, new_str: newStr })),
     }),
   };
+  const tools: LockerToolSet = base;
   const cells = opts.code ? new CodeCells(sbx, typeof opts.code === "object" ? opts.code : undefined) : undefined;
-  const runCode = cells
-    ? {
-        runCode: tool({
+  if (cells) {
+    tools["runCode"] = tool({
           description: RUN_CODE_DESCRIPTION,
           inputSchema: z.object({
             code: z.string().describe("Python source to run, as in a notebook cell."),
             timeoutMs: z.number().int().min(1).max(600_000).optional().describe("Wall-clock limit in milliseconds (default 60000)."),
           }),
           execute: ({ code, timeoutMs }) => attempt("runCode", () => cells.run(code, timeoutMs)),
-        }),
-      }
-    : {};
+    });
+  }
   const volume = opts.volume;
-  const run = volume
-    ? {
-        run: tool({
+  if (volume) {
+    tools["run"] = tool({
           description:
             `Run a shell command in a fresh machine on the persistent volume "${volume.name}" (mounted as the working ` +
             `directory). Its file changes are committed ${opts.commit === "always" ? "always" : opts.commit === "never" ? "never" : "when it exits 0"}; ` +
@@ -122,8 +123,7 @@ export function lockerTools(sbx: Sandbox, opts: LockerToolsOptions = {}) {
             timeoutMs: z.number().int().min(1).optional().describe("Killed after this long (default 60000)."),
           }),
           execute: ({ command, timeoutMs }) => attempt("run", () => runOnVolume(volume, command, { commit: opts.commit, timeoutMs })),
-        }),
-      }
-    : {};
-  return { ...base, ...runCode, ...run };
+    });
+  }
+  return tools;
 }
