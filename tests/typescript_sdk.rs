@@ -125,14 +125,11 @@ fn websocket_flags() -> Option<Vec<&'static str>> {
     }
 }
 
-#[test]
-fn typescript_sdk_node_tests_against_a_real_server() {
-    become_subreaper();
-    let major = node_major();
+/// The package built and type-checked (with its tests and examples), or None when the npm
+/// registry cannot be reached for its devDependencies.
+fn built_package() -> Option<PathBuf> {
     let pkg = package();
-    let Some(()) = dev_dependencies(&pkg) else {
-        return;
-    };
+    dev_dependencies(&pkg)?;
     let started = Instant::now();
     tsc(&pkg, "tsconfig.json");
     tsc(&pkg, "tsconfig.test.json");
@@ -142,31 +139,36 @@ fn typescript_sdk_node_tests_against_a_real_server() {
         "tsc (package, tests, examples) took {:?}",
         started.elapsed()
     );
+    Some(pkg)
+}
 
-    let mut files: Vec<String> = std::fs::read_dir(pkg.join("build/test"))
-        .expect("tsc wrote build/test")
+/// The `.test.js` files of `dir` (under the package), sorted.
+fn test_files(pkg: &Path, dir: &str) -> Vec<String> {
+    let mut files: Vec<String> = std::fs::read_dir(pkg.join(dir))
+        .unwrap_or_else(|e| panic!("tsc wrote {dir}: {e}"))
         .filter_map(|e| e.ok()?.file_name().into_string().ok())
         .filter(|n| n.ends_with(".test.js"))
-        .map(|n| format!("build/test/{n}"))
+        .map(|n| format!("{dir}/{n}"))
         .collect();
     files.sort();
-    assert!(files.len() >= 12, "the suite's files: {files:?}");
+    files
+}
 
-    let ws = websocket_flags();
-    if ws.is_none() {
-        eprintln!("SKIP (one test): node {major} has no WebSocket, so the terminal test cannot run; Node 22, or 20.10+, runs it");
-    }
-    // A memory quota well under the largest sandbox the API takes, so that a test can go past it.
-    let srv = Server::start_with(&["--quota-memory-mb", "16384"]);
+/// Runs `files` with `node --test` against `srv`: node's TAP counts (pass, skipped) once
+/// nothing failed, was cancelled or left to do.
+fn node_test(pkg: &Path, srv: &Server, files: &[String], flags: &[&str], major: u32) -> (u32, u32) {
     let started = Instant::now();
     let (ok, log) = run_logged(
         Command::new("node")
-            .current_dir(&pkg)
-            .args(ws.clone().unwrap_or_default())
+            .current_dir(pkg)
+            .args(flags)
             .args(["--test", "--test-reporter=tap"])
-            .args(&files)
+            .args(files)
             .env("LOCKER_URL", &srv.url)
             .env("LOCKER_API_KEY", &srv.api_key)
+            .env("OPENAI_AGENTS_DISABLE_TRACING", "1")
+            .env_remove("OPENAI_API_KEY")
+            .env_remove("ANTHROPIC_API_KEY")
             .env_remove("NODE_OPTIONS"),
     );
     eprintln!("node {major} --test took {:?}:\n{log}", started.elapsed());
@@ -177,14 +179,59 @@ fn typescript_sdk_node_tests_against_a_real_server() {
             .and_then(|n| n.trim().parse().ok())
             .unwrap_or_else(|| panic!("no `# {what}` line in node's TAP output:\n{log}"))
     };
-    assert!(count("pass") >= 45, "every test ran:\n{log}");
     assert_eq!(count("fail"), 0, "{log}");
-    let skips = if ws.is_some() { 0 } else { 1 };
-    assert_eq!(
-        count("skipped"),
-        skips,
-        "no test skipped but the terminal's without a WebSocket:\n{log}"
-    );
     assert_eq!(count("todo"), 0, "{log}");
     assert_eq!(count("cancelled"), 0, "{log}");
+    (count("pass"), count("skipped"))
+}
+
+#[test]
+fn typescript_sdk_node_tests_against_a_real_server() {
+    become_subreaper();
+    let major = node_major();
+    let Some(pkg) = built_package() else {
+        return;
+    };
+    let files = test_files(&pkg, "build/test");
+    assert!(files.len() >= 16, "the suite's files: {files:?}");
+
+    let ws = websocket_flags();
+    if ws.is_none() {
+        eprintln!("SKIP (one test): node {major} has no WebSocket, so the terminal test cannot run; Node 22, or 20.10+, runs it");
+    }
+    // A memory quota well under the largest sandbox the API takes, so that a test can go past it.
+    let srv = Server::start_with(&["--quota-memory-mb", "16384"]);
+    let (pass, skipped) = node_test(&pkg, &srv, &files, &ws.clone().unwrap_or_default(), major);
+    assert!(pass >= 58, "every test ran: {pass} passed");
+    let skips = if ws.is_some() { 0 } else { 1 };
+    assert_eq!(
+        skipped, skips,
+        "no test skipped but the terminal's without a WebSocket"
+    );
+}
+
+/// The code interpreter through the SDK (`sdk/typescript/test/template/`): needs the
+/// `code-interpreter` template, built here once per host as tests/code.rs does (about 6
+/// minutes the first time, then cached), so it runs apart from the main suite.
+#[test]
+fn typescript_sdk_code_contexts_on_the_code_interpreter_template() {
+    become_subreaper();
+    let major = node_major();
+    let Some(pkg) = built_package() else {
+        return;
+    };
+    let started = Instant::now();
+    let (built, log) = run_logged(Command::new(locker_tests::locker_bin()).args([
+        "template",
+        "build",
+        "code-interpreter",
+    ]));
+    assert!(built, "building the code-interpreter template failed:\n{log}");
+    eprintln!("the code-interpreter template is ready ({:?})", started.elapsed());
+    let files = test_files(&pkg, "build/test/template");
+    assert!(!files.is_empty(), "the template tests: {files:?}");
+    let srv = Server::start();
+    let (pass, skipped) = node_test(&pkg, &srv, &files, &[], major);
+    assert!(pass >= 3, "every test ran: {pass} passed");
+    assert_eq!(skipped, 0);
 }
