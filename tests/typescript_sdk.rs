@@ -166,6 +166,7 @@ fn node_test(pkg: &Path, srv: &Server, files: &[String], flags: &[&str], major: 
             .args(files)
             .env("LOCKER_URL", &srv.url)
             .env("LOCKER_API_KEY", &srv.api_key)
+            .env("LOCKER_BIN", locker_tests::locker_bin())
             .env("OPENAI_AGENTS_DISABLE_TRACING", "1")
             .env_remove("OPENAI_API_KEY")
             .env_remove("ANTHROPIC_API_KEY")
