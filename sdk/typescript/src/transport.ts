@@ -189,7 +189,9 @@ export class Transport {
           buf = buf.slice(nl + 1);
           if (!line) continue;
           const ev = JSON.parse(line) as Record<string, unknown>;
-          if (ev["type"] === "error") {
+          // A failure of the call itself: `{"type":"error","error":{code,message}}` (a code
+          // cell's own exception is also `type: "error"`, with `name` and `value`: an event).
+          if (ev["type"] === "error" && ev["error"] !== null && typeof ev["error"] === "object") {
             throw errorFromEvent(res.status, ev["error"] as { code?: unknown; message?: unknown });
           }
           yield ev;

@@ -56,6 +56,11 @@ test("a context keeps state, returns values, charts as PNG and exceptions as res
     events.push(ev.type === "execution" ? `execution:${ev.execution.text}` : ev.type === "result" ? `result:${ev.result.text}` : `${ev.type}:${"text" in ev ? ev.text : ""}`);
   }
   assert.deepEqual(events, ["stdout:one\n", "result:42", "execution:42"]);
+  const raised: string[] = [];
+  for await (const ev of ctx.runCodeStream("print('before', flush=True)\n1 / 0")) {
+    raised.push(ev.type === "error" ? `error:${ev.error.name}` : ev.type === "execution" ? `execution:${ev.execution.reason}` : ev.type);
+  }
+  assert.deepEqual(raised, ["stdout", "error:ZeroDivisionError", "execution:error"], "a cell's exception is an event of the stream, not a failure of the call");
 
   assert.equal(await ctx.interrupt(), false, "no cell was running");
   await ctx.restart();
@@ -70,14 +75,16 @@ test("the default context, an interrupted cell, and `await using` on a context",
   assert.equal((await sbx.runCode("z * 2")).text, "10");
   {
     await using ctx = await sbx.createCodeContext();
-    const running = ctx.runCode("import time\ntime.sleep(60)", { timeoutMs: 120_000 });
-    // Interrupt once the cell runs (interrupt answers false until then).
-    const end = Date.now() + 30_000;
-    while (!(await ctx.interrupt())) {
-      if (Date.now() > end) throw new Error("the cell never started");
-      await new Promise((r) => setTimeout(r, 200));
-    }
-    const ex = await running;
+    // Interrupt once the cell is running (it says so on stdout, streamed as it comes).
+    let started!: () => void;
+    const running = new Promise<void>((r) => (started = r));
+    const cell = ctx.runCode("import time\nprint('started', flush=True)\ntime.sleep(60)", {
+      timeoutMs: 120_000,
+      onStdout: (t) => t.includes("started") && started(),
+    });
+    await running;
+    assert.equal(await ctx.interrupt(), true, "a cell was running");
+    const ex = await cell;
     assert.equal(ex.reason, "interrupted");
     assert.equal(ex.error?.name, "KeyboardInterrupt");
     assert.ok((await sbx.codeContexts()).some((k) => k.id === ctx.id));
