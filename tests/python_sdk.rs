@@ -20,7 +20,7 @@ use locker_tests::become_subreaper;
 use locker_tests::server::Server;
 use locker_tests::tools::{pypi_unreachable as unreachable, run_logged, target_dir};
 
-/// The venv's python with pytest and this checkout's SDK importable, or None (with a
+/// The venv's python with pytest, the OpenAI Agents SDK and this checkout's SDK importable, or None (with a
 /// message) when PyPI is unreachable.
 fn python_sdk() -> Option<PathBuf> {
     let venv = target_dir().join("python-sdk/venv");
@@ -29,7 +29,7 @@ fn python_sdk() -> Option<PathBuf> {
     // Importable, from this checkout (an editable install of another one would not do), and
     // under the distribution name `locker-sandbox` (an older install was named `locker`).
     let check = format!(
-        "import pytest, locker, os, sys, importlib.metadata as m; m.version('locker-sandbox'); sys.exit(0 if os.path.realpath(locker.__file__).startswith(os.path.realpath({:?})) else 1)",
+        "import pytest, locker, agents.sandbox, os, sys, importlib.metadata as m; m.version('locker-sandbox'); sys.exit(0 if os.path.realpath(locker.__file__).startswith(os.path.realpath({:?})) else 1)",
         src.to_str().expect("utf-8 path")
     );
     let ok = |py: &Path| {
@@ -65,6 +65,8 @@ fn python_sdk() -> Option<PathBuf> {
                 "--quiet",
                 "--disable-pip-version-check",
                 "pytest>=7",
+                // The OpenAI Agents SDK, for `locker.openai_agents` (its SandboxClient) and its test.
+                "openai-agents>=0.24",
                 "-e",
             ])
             .arg(locker_tests::root().join("sdk/python")),
