@@ -43,6 +43,7 @@ export {
   type EditorOptions,
   type ToolOutput,
 } from "./tools.js";
+export { SessionSandboxes, SESSION_KEY } from "./sessions.js";
 export { DEFAULT_URL, type ClientOptions } from "./transport.js";
 export * from "./errors.js";
 export type {
