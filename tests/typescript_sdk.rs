@@ -227,8 +227,14 @@ fn typescript_sdk_code_contexts_on_the_code_interpreter_template() {
         "build",
         "code-interpreter",
     ]));
-    assert!(built, "building the code-interpreter template failed:\n{log}");
-    eprintln!("the code-interpreter template is ready ({:?})", started.elapsed());
+    assert!(
+        built,
+        "building the code-interpreter template failed:\n{log}"
+    );
+    eprintln!(
+        "the code-interpreter template is ready ({:?})",
+        started.elapsed()
+    );
     let files = test_files(&pkg, "build/test/template");
     assert!(!files.is_empty(), "the template tests: {files:?}");
     let srv = Server::start();
