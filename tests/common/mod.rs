@@ -123,7 +123,7 @@ fn target_dir() -> PathBuf {
 
 /// Builds the `code-interpreter` template once per host (a no-op when it is cached).
 pub fn code_interpreter_template() {
-    static BUILT: std::sync::OnceLock<()> = OnceLock::new();
+    static BUILT: std::sync::OnceLock<()> = std::sync::OnceLock::new();
     BUILT.get_or_init(|| {
         let started = std::time::Instant::now();
         // A spawn can meet a passing ETXTBSY while another test's thread writes a file

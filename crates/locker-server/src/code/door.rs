@@ -44,9 +44,15 @@ pub(crate) async fn create(live: &Live, req: &NewContext) -> Result<Context, Api
         "cwd": req.cwd,
         "env": req.env,
     });
-    let resp = ask(live, Start::IfMissing, Method::POST, "/contexts", Some(&body))
-        .await?
-        .ok_or_else(|| stuck(&live.id))?;
+    let resp = ask(
+        live,
+        Start::IfMissing,
+        Method::POST,
+        "/contexts",
+        Some(&body),
+    )
+    .await?
+    .ok_or_else(|| stuck(&live.id))?;
     read_json(resp).await
 }
 
@@ -105,12 +111,17 @@ pub(crate) async fn cell(live: &Live, req: &RunCode) -> Result<Cell, ApiError> {
         // The driver's name for a language's default context (`driver.py`, `execute`).
         None => format!("ctx_default_{}", language_of(req.language.as_deref())?),
     };
-    let until = tokio::time::Instant::from_std(arrived)
-        + Duration::from_millis(timeout_ms)
-        + EXECUTE_SLACK;
+    let until =
+        tokio::time::Instant::from_std(arrived) + Duration::from_millis(timeout_ms) + EXECUTE_SLACK;
     let resp = tokio::time::timeout_at(
         until,
-        driver::send(live, Start::IfMissing, Method::POST, "/execute", Some(&body)),
+        driver::send(
+            live,
+            Start::IfMissing,
+            Method::POST,
+            "/execute",
+            Some(&body),
+        ),
     )
     .await
     .map_err(|_| stuck(&live.id))??

@@ -181,7 +181,9 @@ async fn json_body<T: serde::de::DeserializeOwned>(body: Body, what: &str) -> Re
         .collect()
         .await
         .map_err(|e| {
-            if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() {
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some()
+            {
                 Refusal::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     format!(
@@ -190,7 +192,10 @@ async fn json_body<T: serde::de::DeserializeOwned>(body: Body, what: &str) -> Re
                     ),
                 )
             } else {
-                Refusal::new(StatusCode::BAD_REQUEST, format!("{what} could not be read: {e}"))
+                Refusal::new(
+                    StatusCode::BAD_REQUEST,
+                    format!("{what} could not be read: {e}"),
+                )
             }
         })?
         .to_bytes();
@@ -210,7 +215,9 @@ async fn json_body<T: serde::de::DeserializeOwned>(body: Body, what: &str) -> Re
 /// E2B's language names as Locker's: case and spaces do not count, `js` is `javascript`
 /// (E2B's own server does the same); the code room refuses what has no kernel.
 fn language(raw: Option<&str>) -> Option<String> {
-    let l = raw.map(|l| l.trim().to_ascii_lowercase()).filter(|l| !l.is_empty())?;
+    let l = raw
+        .map(|l| l.trim().to_ascii_lowercase())
+        .filter(|l| !l.is_empty())?;
     Some(match l.as_str() {
         "js" => "javascript".into(),
         "ts" => "typescript".into(),
@@ -249,7 +256,9 @@ async fn execute(app: &AppState, t: &Target, body: Body) -> Result<Response, Ref
         max_output_bytes: Some(CELL_MAX_OUTPUT),
     };
     let busy = enter(app, t.live.clone())?;
-    let cell = door::cell(&busy, &run).await.map_err(|e| context_error(e, &t.live.id))?;
+    let cell = door::cell(&busy, &run)
+        .await
+        .map_err(|e| context_error(e, &t.live.id))?;
     let (tx, response) = ndjson_response();
     tokio::spawn(relay(busy, cell, tx));
     Ok(response)
@@ -350,9 +359,7 @@ impl Translator {
                 self.error_sent = true;
                 (vec![error(&e)], false)
             }
-            Line::Failure { status, error } => {
-                self.broken(&format!("{error} (status {status})"))
-            }
+            Line::Failure { status, error } => self.broken(&format!("{error} (status {status})")),
             Line::Execution(e) => (self.end(e, now), true),
         }
     }
@@ -362,7 +369,10 @@ impl Translator {
         if let Some(n) = e.execution_count {
             out.push(json!({"type": "number_of_executions", "execution_count": n}));
         }
-        for (name, sent, all) in [("stdout", &self.stdout, &e.stdout), ("stderr", &self.stderr, &e.stderr)] {
+        for (name, sent, all) in [
+            ("stdout", &self.stdout, &e.stdout),
+            ("stderr", &self.stderr, &e.stderr),
+        ] {
             if let Some(rest) = all.strip_prefix(sent.as_str()).filter(|r| !r.is_empty()) {
                 out.push(output(name, rest, now));
             }
@@ -481,13 +491,17 @@ async fn list(app: &AppState, t: &Target) -> Result<Response, Refusal> {
 
 async fn remove(app: &AppState, t: &Target, id: &str) -> Result<Response, Refusal> {
     let busy = enter(app, t.live.clone())?;
-    door::remove(&busy, id).await.map_err(|e| context_error(e, &t.live.id))?;
+    door::remove(&busy, id)
+        .await
+        .map_err(|e| context_error(e, &t.live.id))?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn restart(app: &AppState, t: &Target, id: &str) -> Result<Response, Refusal> {
     let busy = enter(app, t.live.clone())?;
-    door::restart(&busy, id).await.map_err(|e| context_error(e, &t.live.id))?;
+    door::restart(&busy, id)
+        .await
+        .map_err(|e| context_error(e, &t.live.id))?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
@@ -514,8 +528,16 @@ mod tests {
     #[test]
     fn a_cells_lines_become_e2bs_with_the_end_adding_only_what_is_missing() {
         let mut t = Translator::default();
-        let (out, done) = t.line(Line::Stdout { text: "head".into() }, "T");
-        assert_eq!(out, vec![json!({"type": "stdout", "text": "head", "timestamp": "T"})]);
+        let (out, done) = t.line(
+            Line::Stdout {
+                text: "head".into(),
+            },
+            "T",
+        );
+        assert_eq!(
+            out,
+            vec![json!({"type": "stdout", "text": "head", "timestamp": "T"})]
+        );
         assert!(!done);
         // A capped stream: the tail only comes in the execution.
         let (out, done) = t.line(
@@ -542,7 +564,9 @@ mod tests {
         let (out, _) = t.line(Line::Error(boom.clone()), "T");
         assert_eq!(
             out,
-            vec![json!({"type": "error", "name": "ValueError", "value": "boom", "traceback": "tb"})]
+            vec![
+                json!({"type": "error", "name": "ValueError", "value": "boom", "traceback": "tb"})
+            ]
         );
         let (out, _) = t.line(Line::Execution(execution("", Some(boom.clone()))), "T");
         assert_eq!(out.len(), 2, "{out:?}");
