@@ -99,6 +99,12 @@ fn the_python_sdk_runs_code_with_state_charts_tables_and_errors() {
 
     assert_eq!(v["env_once"], "yes", "a cell's envs are set for it: {v}");
     assert_eq!(v["env_after"], "None", "and for it only: {v}");
+    let flood = &v["flood"];
+    assert_eq!(flood["head"], "aaa", "{flood}");
+    assert_eq!(flood["end"], "END\n", "the tail is kept: {flood}");
+    assert_eq!(flood["marker"], true, "{flood}");
+    let length = flood["length"].as_u64().unwrap();
+    assert!((1 << 20..(1 << 20) + 200).contains(&length), "{flood}");
     assert_eq!(
         v["language_python"], "82",
         "language=python is the default context: {v}"

@@ -75,6 +75,16 @@ try:
     ).text
     seen["env_after"] = sbx.run_code("repr(os.environ.get('ONLY_HERE'))").text
 
+    # A flood keeps its head (streamed) and its tail (sent at the end), 512 KiB each.
+    big = sbx.run_code("print('a' * 1500000 + 'END')")
+    joined = "".join(big.logs.stdout)
+    seen["flood"] = {
+        "length": len(joined),
+        "head": joined[:3],
+        "end": joined[-4:],
+        "marker": "bytes omitted" in joined,
+    }
+
     # `language` picks that language's default context: Python's is the one used so far.
     seen["language_python"] = sbx.run_code("x * 2", language="python").text
 finally:
