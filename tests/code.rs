@@ -8,7 +8,6 @@
 //! sandboxes are deleted when the test ends, passed or failed.
 
 use std::io::{BufRead, BufReader};
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use locker_tests::server::Api;
@@ -18,41 +17,7 @@ use serde_json::{json, Value};
 
 /// Builds the `code-interpreter` template once per host (a no-op when it is cached).
 fn template() {
-    static BUILT: OnceLock<()> = OnceLock::new();
-    BUILT.get_or_init(|| {
-        let started = Instant::now();
-        // A spawn can meet a passing ETXTBSY while another test's thread writes a file
-        // (fork and exec race in a threaded process): a few tries, then the error.
-        let mut tries = 0;
-        let child = loop {
-            match std::process::Command::new(locker_bin())
-                .args(["template", "build", "code-interpreter"])
-                .stdout(std::process::Stdio::inherit())
-                .stderr(std::process::Stdio::inherit())
-                .spawn()
-            {
-                Ok(c) => break c,
-                Err(e) if tries < 5 => {
-                    eprintln!("start `locker template build code-interpreter`: {e}; again");
-                    tries += 1;
-                    std::thread::sleep(Duration::from_millis(200));
-                }
-                Err(e) => panic!("start `locker template build code-interpreter`: {e}"),
-            }
-        };
-        register_child(child.id());
-        let out = child
-            .wait_with_output()
-            .expect("wait for the template build");
-        assert!(
-            out.status.success(),
-            "building the code-interpreter template failed"
-        );
-        eprintln!(
-            "the code-interpreter template is ready ({:.1} s)",
-            started.elapsed().as_secs_f64()
-        );
-    });
+    locker_tests::code_interpreter_template();
 }
 
 /// A tenant with one sandbox of the `code-interpreter` template.

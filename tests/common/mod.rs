@@ -121,6 +121,45 @@ fn target_dir() -> PathBuf {
         .unwrap_or_else(|| root().join("target"))
 }
 
+/// Builds the `code-interpreter` template once per host (a no-op when it is cached).
+pub fn code_interpreter_template() {
+    static BUILT: std::sync::OnceLock<()> = std::sync::OnceLock::new();
+    BUILT.get_or_init(|| {
+        let started = std::time::Instant::now();
+        // A spawn can meet a passing ETXTBSY while another test's thread writes a file
+        // (fork and exec race in a threaded process): a few tries, then the error.
+        let mut tries = 0;
+        let child = loop {
+            match std::process::Command::new(locker_bin())
+                .args(["template", "build", "code-interpreter"])
+                .stdout(std::process::Stdio::inherit())
+                .stderr(std::process::Stdio::inherit())
+                .spawn()
+            {
+                Ok(c) => break c,
+                Err(e) if tries < 5 => {
+                    eprintln!("start `locker template build code-interpreter`: {e}; again");
+                    tries += 1;
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                }
+                Err(e) => panic!("start `locker template build code-interpreter`: {e}"),
+            }
+        };
+        register_child(child.id());
+        let out = child
+            .wait_with_output()
+            .expect("wait for the template build");
+        assert!(
+            out.status.success(),
+            "building the code-interpreter template failed"
+        );
+        eprintln!(
+            "the code-interpreter template is ready ({:.1} s)",
+            started.elapsed().as_secs_f64()
+        );
+    });
+}
+
 /// The `locker` binary: `$LOCKER_BIN`, else the release build, else the debug build.
 pub fn locker_bin() -> PathBuf {
     if let Some(p) = std::env::var_os("LOCKER_BIN") {

@@ -13,6 +13,7 @@
 //! It does not run commands, own ports or keep state: a context lives in the machine's
 //! memory only.
 
+pub(crate) mod door;
 mod driver;
 pub mod wire;
 
