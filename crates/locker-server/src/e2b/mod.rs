@@ -102,8 +102,35 @@ async fn serve(app: AppState, t: Target, req: Request) -> Response {
     }
 }
 
+/// Whether `port` is one E2B's SDKs reach a sandbox's own services on (envd, the code
+/// interpreter): a preview host for it is served here, not proxied to the machine.
+pub fn is_e2b_port(port: u16) -> bool {
+    port == ENVD_PORT || port == INTERP_PORT
+}
+
+/// A request to the preview host `{port}-{id}.{domain}` of envd's or the code interpreter's
+/// port (E2B's SDKs without `E2B_SANDBOX_URL`, and every signed `/files` URL).
+pub async fn serve_host(app: AppState, id: &str, port: u16, req: Request) -> Response {
+    match target(&app, id, port, req.headers()).await {
+        Ok(t) => serve(app, t, req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The answer for a path no route serves, when it lies under E2B's control-plane prefixes:
+/// a 404 in E2B's shape (the SDKs parse every error body). `None` for Locker's own paths.
+pub fn unknown_route(path: &str) -> Option<Response> {
+    control::is_e2b_path(path)
+        .then(|| E2bError::not_found(format!("no such E2B route: {path}")).into_response())
+}
+
 /// Finds sandbox `id` on this server and checks the request's access token against it.
-async fn target(app: &AppState, id: &str, port: u16, headers: &HeaderMap) -> Result<Target, E2bError> {
+async fn target(
+    app: &AppState,
+    id: &str,
+    port: u16,
+    headers: &HeaderMap,
+) -> Result<Target, E2bError> {
     let live = app.live.read().await.get(id).cloned();
     let live = live.ok_or_else(|| E2bError::not_found(format!("sandbox {id} is not running")))?;
     let token = live.preview.read().expect("preview lock").token.clone();
@@ -122,5 +149,9 @@ async fn target(app: &AppState, id: &str, port: u16, headers: &HeaderMap) -> Res
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim).filter(|s| !s.is_empty())
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
 }
