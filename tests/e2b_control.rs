@@ -247,7 +247,7 @@ fn bad_input_answers_in_e2b_shape_and_hosts_route_to_envd() {
     e2b_error(e2b(&srv, k, "POST", &format!("/v2/sandboxes/{id}/connect"), "{}"), 404, &id);
 }
 
-/// The bench rows of issue 19 (`bench/e2b.py`), printed, not asserted: run with
+/// The bench rows of issue 19 (`bench/e2b_layer.py`), printed, not asserted: run with
 /// `--ignored e2b_figures --nocapture`.
 #[test]
 #[ignore = "a measurement: run it by name"]
@@ -256,11 +256,11 @@ fn e2b_figures() {
     let srv = server();
     let key = e2b_key(&srv);
     let mut cmd = Command::new(&py);
-    cmd.arg(locker_tests::root().join("bench/e2b.py"))
+    cmd.arg(locker_tests::root().join("bench/e2b_layer.py"))
         .env("LOCKER_URL", &srv.url)
         .env("LOCKER_API_KEY", &key)
         .env("PYTHONDONTWRITEBYTECODE", "1");
     e2b_env(&mut cmd, &srv, &key);
-    let status = cmd.status().expect("run bench/e2b.py");
+    let status = cmd.status().expect("run bench/e2b_layer.py");
     assert!(status.success());
 }
