@@ -11,7 +11,8 @@
 //! every bad input the SDKs would not send (no key, a wrong key, malformed bodies, unknown
 //! routes and methods, bad list parameters) is answered in E2B's error shape
 //! `{"code", "message"}`, and that a sandbox's preview host for port 49983 reaches envd
-//! (E2B's `{port}-{id}.{domain}` routing, with `domain` from create).
+//! (E2B's `{port}-{id}.{domain}` routing, with `domain` from create), as does a `/files`
+//! request that carries only the sandbox's access token (older JavaScript SDKs).
 //!
 //! The SDKs install into the target dir on first use; when a registry is unreachable the
 //! test that needs it is skipped with a message.
@@ -224,6 +225,24 @@ fn bad_input_answers_in_e2b_shape_and_hosts_route_to_envd() {
     let (code, body) = envd_host("/process.Process/List", &["-X", "POST", "-d", "{}"]);
     assert_eq!(code, 401, "no access token: {body}");
     assert!(body.contains("X-Access-Token"), "{body}");
+    // `/files` without routing headers (older JavaScript SDKs) is the sandbox's whose access
+    // token it carries; with another token it is no E2B request at all (the API's 404).
+    let token = sb["envdAccessToken"].as_str().unwrap();
+    let files = |t: &str| {
+        Api::new(&srv.url, None).request(
+            "GET",
+            "/files?path=%2Fetc%2Fhostname",
+            &[("X-Access-Token", t)],
+            (),
+        )
+    };
+    let r = files(token);
+    assert_ne!(r.status, 404, "{}", r.text());
+    let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+    assert!(v.get("error").is_none(), "not the API's answer: {}", r.text());
+    let r = files("lpt_not_this_sandboxes_token");
+    assert_eq!(r.status, 404, "{}", r.text());
+    assert!(r.json()["error"]["message"].as_str().is_some_and(|m| m.contains("no such route")), "{}", r.text());
     // Another tenant: its key finds nothing, kills nothing.
     let (other, _) = srv.create_tenant("e2b-bad-other");
     let ok = other.key().map(str::to_owned);

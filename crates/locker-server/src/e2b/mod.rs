@@ -15,7 +15,9 @@
 //!
 //! Routing ([`dispatch`], in front of the API): a request that names a sandbox with
 //! `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`, 49983 when absent) belongs to the data plane,
-//! whatever its path. A data-plane request is let through by the sandbox's
+//! whatever its path; so does a `/files` request without it that carries a sandbox's access
+//! token (older JavaScript SDKs), and a request to the preview host of port 49983 or 49999
+//! ([`serve_host`]). A data-plane request is let through by the sandbox's
 //! `envdAccessToken` (`X-Access-Token`), which is the sandbox's preview token: one secret
 //! per sandbox, rotated together (`POST /v1/sandboxes/{id}/preview-token`).
 
@@ -69,8 +71,23 @@ pub(crate) struct Target {
 /// Middleware in front of every route: a request for a sandbox's data plane goes there,
 /// any other on to the API.
 pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(id) = header_str(req.headers(), "e2b-sandbox-id") else {
-        return next.run(req).await;
+    let id = match header_str(req.headers(), "e2b-sandbox-id") {
+        Some(id) => id.to_owned(),
+        None => {
+            // Only what the lookup needs: a request is not `Sync`, so no borrow of it may
+            // be held across the lookup's await.
+            let token = (req.uri().path() == "/files")
+                .then(|| header_str(req.headers(), "x-access-token").map(str::to_owned))
+                .flatten();
+            let found = match token {
+                Some(t) => sandbox_of_token(&app, &t).await,
+                None => None,
+            };
+            match found {
+                Some(id) => id,
+                None => return next.run(req).await,
+            }
+        }
     };
     let port = match header_str(req.headers(), "e2b-sandbox-port") {
         None => ENVD_PORT,
@@ -84,11 +101,24 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
             }
         },
     };
-    let id = id.to_owned();
     match target(&app, &id, port, req.headers()).await {
         Ok(t) => serve(app, t, req).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// The sandbox whose access token is `token`, for a `/files` request without routing
+/// headers: some JavaScript SDK versions sent envd's `/files` requests without
+/// `E2b-Sandbox-Id` (E2B issue #1158). A token names exactly one sandbox; a request with
+/// none (or another) goes on to the API as before.
+async fn sandbox_of_token(app: &AppState, token: &str) -> Option<String> {
+    let live = app.live.read().await;
+    live.values()
+        .find(|l| {
+            let own = l.preview.read().expect("preview lock").token.clone();
+            !own.is_empty() && constant_time_eq(own.as_bytes(), token.as_bytes())
+        })
+        .map(|l| l.id.clone())
 }
 
 /// The data plane of one sandbox: envd, the code interpreter, or a port of the machine.
