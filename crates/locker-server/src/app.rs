@@ -264,8 +264,12 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::ops::routes())
         .merge(crate::templates::routes())
         .merge(crate::e2b::routes())
-        .fallback(|| async {
-            crate::error::ApiError::not_found("no such route: see /openapi.json")
+        .fallback(|uri: axum::http::Uri| async move {
+            crate::e2b::unknown_route(uri.path()).unwrap_or_else(|| {
+                axum::response::IntoResponse::into_response(crate::error::ApiError::not_found(
+                    "no such route: see /openapi.json",
+                ))
+            })
         })
         .method_not_allowed_fallback(|| async {
             crate::error::ApiError::new(

@@ -351,47 +351,10 @@ async fn patch(
     Path(id): Path<String>,
     Json(body): Json<PatchSandbox>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let mut r = record_of(&app, &caller, &id)?;
-    if let Some(n) = &body.network {
-        let network = check_network(Some(n))?;
-        require_egress(&network).await?;
-        // One policy change at a time (the create lock is short and rarely contended).
-        let _guard = app.create_lock.lock().await;
-        r = record_of(&app, &caller, &id)?;
-        if network != r.network {
-            // Like any call, a policy change thaws a paused sandbox (the machine's resolver
-            // is written through its agent).
-            let l = live_of(&app, &caller, &id).await.map_err(|e| {
-                if e.status == StatusCode::NOT_FOUND {
-                    ApiError::conflict(format!(
-                        "sandbox {id} is not running here; its network policy cannot change"
-                    ))
-                } else {
-                    e
-                }
-            })?;
-            if has_egress(&network) && l.machine.lacks_network_device() {
-                return Err(ApiError::conflict(format!(
-                    "sandbox {id} is a microVM created with egress `none`: it has no network device, so its policy cannot change; create a new sandbox with the network policy"
-                )));
-            }
-            if let Err(e) = app
-                .egress
-                .apply(&app.node, &l.machine, &id, &caller.tenant, &network)
-                .await
-            {
-                // Back to the policy it had (rules are replaced whole, so this restores it).
-                let _ = app
-                    .egress
-                    .apply(&app.node, &l.machine, &id, &caller.tenant, &r.network)
-                    .await;
-                return Err(ApiError::unavailable(format!(
-                    "changing the network policy failed (unchanged): {e}"
-                )));
-            }
-        }
-        r.network = network;
-    }
+    let mut r = match &body.network {
+        Some(n) => change_network(&app, &caller, &id, n).await?,
+        None => record_of(&app, &caller, &id)?,
+    };
     if let Some(m) = body.metadata {
         check_metadata(&m)?;
         r.metadata = m;
@@ -413,15 +376,7 @@ async fn set_ttl(
     Path(id): Path<String>,
     Json(body): Json<Ttl>,
 ) -> Result<impl IntoResponse, ApiError> {
-    if body.ttl_s == 0 || body.ttl_s > MAX_TTL_S {
-        return Err(ApiError::bad_request(format!(
-            "`ttl_s` must be between 1 and {MAX_TTL_S}"
-        )));
-    }
-    let mut r = record_of(&app, &caller, &id)?;
-    r.ttl_s = body.ttl_s;
-    r.expires_at = locker_types::rfc3339(now_s() + body.ttl_s as i64);
-    app.store.update_sandbox(&r)?;
+    let r = set_ttl_of(&app, &caller, &id, body.ttl_s)?;
     let live = app.live.read().await.get(&id).cloned();
     Ok(axum::Json(view(&app, &r, live.as_deref())))
 }
@@ -431,7 +386,87 @@ async fn pause(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let live = live_quiet(&app, &caller, &id).await?;
+    let (r, live) = pause_sandbox(&app, &caller, &id).await?;
+    Ok(axum::Json(view(&app, &r, Some(&live))))
+}
+
+/// Applies network policy `n` to the caller's sandbox `id` (egress rules replaced whole;
+/// unchanged on failure): its record with the new policy, for the caller to store. The door
+/// for other protocols' policy changes (`e2b`).
+pub(crate) async fn change_network(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    n: &locker_types::NetworkPolicy,
+) -> Result<SandboxRecord, ApiError> {
+    let network = check_network(Some(n))?;
+    require_egress(&network).await?;
+    // One policy change at a time (the create lock is short and rarely contended).
+    let _guard = app.create_lock.lock().await;
+    let mut r = record_of(app, caller, id)?;
+    if network != r.network {
+        // Like any call, a policy change thaws a paused sandbox (the machine's resolver
+        // is written through its agent).
+        let l = live_of(app, caller, id).await.map_err(|e| {
+            if e.status == StatusCode::NOT_FOUND {
+                ApiError::conflict(format!(
+                    "sandbox {id} is not running here; its network policy cannot change"
+                ))
+            } else {
+                e
+            }
+        })?;
+        if has_egress(&network) && l.machine.lacks_network_device() {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is a microVM created with egress `none`: it has no network device, so its policy cannot change; create a new sandbox with the network policy"
+            )));
+        }
+        if let Err(e) = app
+            .egress
+            .apply(&app.node, &l.machine, id, &caller.tenant, &network)
+            .await
+        {
+            // Back to the policy it had (rules are replaced whole, so this restores it).
+            let _ = app
+                .egress
+                .apply(&app.node, &l.machine, id, &caller.tenant, &r.network)
+                .await;
+            return Err(ApiError::unavailable(format!(
+                "changing the network policy failed (unchanged): {e}"
+            )));
+        }
+    }
+    r.network = network;
+    Ok(r)
+}
+
+/// Sets the caller's sandbox `id` to expire `ttl_s` seconds from now (stored): its record.
+pub(crate) fn set_ttl_of(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    ttl_s: u64,
+) -> Result<SandboxRecord, ApiError> {
+    if ttl_s == 0 || ttl_s > MAX_TTL_S {
+        return Err(ApiError::bad_request(format!(
+            "`ttl_s` must be between 1 and {MAX_TTL_S}"
+        )));
+    }
+    let mut r = record_of(app, caller, id)?;
+    r.ttl_s = ttl_s;
+    r.expires_at = locker_types::rfc3339(now_s() + ttl_s as i64);
+    app.store.update_sandbox(&r)?;
+    Ok(r)
+}
+
+/// Pauses (freezes) the caller's sandbox `id`; a paused one stays paused, now by its
+/// caller. Its record and live entry.
+pub(crate) async fn pause_sandbox(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> Result<(SandboxRecord, std::sync::Arc<Live>), ApiError> {
+    let live = live_quiet(app, caller, id).await?;
     {
         let mut st = live.pause.lock().expect("pause lock");
         if st.since.is_none() {
@@ -441,10 +476,10 @@ async fn pause(
         // An explicit pause is the caller's: its time counts against the TTL.
         st.by_idle = false;
     }
-    PauseMarks::of(&app).clear(&id);
-    app.store.set_sandbox_state(&id, SandboxState::Paused)?;
-    let r = record_of(&app, &caller, &id)?;
-    Ok(axum::Json(view(&app, &r, Some(&live))))
+    PauseMarks::of(app).clear(id);
+    app.store.set_sandbox_state(id, SandboxState::Paused)?;
+    let r = record_of(app, caller, id)?;
+    Ok((r, live))
 }
 
 async fn resume(

@@ -82,15 +82,26 @@ async fn create(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let live = live_quiet(&app, &caller, &id).await?;
-    let rec = record_of(&app, &caller, &id)?;
+    let snap = snapshot_sandbox(&app, &caller, &id).await?;
+    Ok((StatusCode::CREATED, axum::Json(snapshot_view(&snap))))
+}
+
+/// Takes a snapshot of the caller's sandbox `id` and records it: the door for other
+/// protocols' snapshots (`e2b`).
+pub(crate) async fn snapshot_sandbox(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> Result<SnapshotRecord, ApiError> {
+    let live = live_quiet(app, caller, id).await?;
+    let rec = record_of(app, caller, id)?;
     let snap_id = new_id("snap_");
     let dir = app.cfg.data_dir.join("snapshots").join(&snap_id);
-    let (size_bytes, has_memory) = take(&app, &live, dir.clone()).await?;
+    let (size_bytes, has_memory) = take(app, &live, dir.clone()).await?;
     let snap = SnapshotRecord {
         id: snap_id,
         tenant: caller.tenant.clone(),
-        sandbox_id: id,
+        sandbox_id: id.to_owned(),
         template: rec.template,
         template_digest: rec.template_digest,
         runtime: rec.runtime,
@@ -106,7 +117,7 @@ async fn create(
         let _ = std::fs::remove_dir_all(&dir);
         return Err(e.into());
     }
-    Ok((StatusCode::CREATED, axum::Json(snapshot_view(&snap))))
+    Ok(snap)
 }
 
 /// At start (no request is served yet): removes snapshot directories without a record, the
@@ -165,14 +176,20 @@ async fn remove(
     caller: Caller,
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
+    remove_snapshot(&app, &caller, &id)?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// Deletes the caller's snapshot `id` (404 when it has none of that id).
+pub(crate) fn remove_snapshot(app: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
     let snap = app
         .store
-        .get_snapshot(&caller.tenant, &id)?
+        .get_snapshot(&caller.tenant, id)?
         .ok_or_else(|| ApiError::not_found(format!("snapshot {id} does not exist")))?;
     // Sandboxes started from it hold their own copies: removing it never affects them.
-    app.store.delete_snapshot(&caller.tenant, &id)?;
+    app.store.delete_snapshot(&caller.tenant, id)?;
     let _ = std::fs::remove_dir_all(&snap.path);
-    Ok(StatusCode::NO_CONTENT)
+    Ok(())
 }
 
 #[derive(Deserialize)]
@@ -192,16 +209,32 @@ async fn fork(
     Path(id): Path<String>,
     Json(body): Json<ForkBody>,
 ) -> Result<impl IntoResponse, ApiError> {
-    if !(1..=MAX_FORK).contains(&body.count) {
+    let ok = fork_sandbox(&app, &caller, &id, body.count).await?;
+    let items: Vec<Value> = ok.iter().map(|(r, l)| view(&app, r, Some(l))).collect();
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(json!({ "sandboxes": items })),
+    ))
+}
+
+/// Forks the caller's sandbox `id` into `count` new sandboxes from one consistent point,
+/// all or none: the door for other protocols' forks (`e2b`).
+pub(crate) async fn fork_sandbox(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    count: u64,
+) -> Result<Vec<(locker_store::SandboxRecord, Arc<Live>)>, ApiError> {
+    if !(1..=MAX_FORK).contains(&count) {
         return Err(ApiError::bad_request(format!(
             "`count` must be between 1 and {MAX_FORK}"
         )));
     }
-    let live = live_quiet(&app, &caller, &id).await?;
-    let rec = record_of(&app, &caller, &id)?;
+    let live = live_quiet(app, caller, id).await?;
+    let rec = record_of(app, caller, id)?;
     let q = &app.cfg.quotas;
     let running = app.store.count_running(&caller.tenant)?;
-    if running + body.count > q.sandboxes {
+    if running + count > q.sandboxes {
         return Err(ApiError::quota(format!(
             "quota exceeded: tenant {} may have {} sandboxes at once ({running} now); fork fewer",
             caller.tenant, q.sandboxes
@@ -210,10 +243,10 @@ async fn fork(
     {
         let _guard = app.create_lock.lock().await;
         crate::lifecycle::check_disk_quota(
-            &app,
+            app,
             &caller.tenant,
-            rec.disk_mb * body.count,
-            &format!("fork of {} sandboxes", body.count),
+            rec.disk_mb * count,
+            &format!("fork of {count} sandboxes"),
         )?;
     }
     let template = app
@@ -231,7 +264,7 @@ async fn fork(
         .data_dir
         .join("snapshots")
         .join(format!(".fork-{}", new_id("")));
-    take(&app, &live, point.clone()).await?;
+    take(app, &live, point.clone()).await?;
     let new = NewSandbox {
         template_name: rec.template.clone(),
         template,
@@ -248,10 +281,10 @@ async fn fork(
         env: rec.env.clone(),
         network: rec.network.clone(),
         metadata: rec.metadata.clone(),
-        volumes: crate::sandboxes::resolve_volumes(&app, &caller, &recorded_volumes(&rec)?)?,
+        volumes: crate::sandboxes::resolve_volumes(app, caller, &recorded_volumes(&rec)?)?,
     };
     let children = futures_util::future::join_all(
-        (0..body.count).map(|_| launch(&app, &caller, &new, Some(point.clone()))),
+        (0..count).map(|_| launch(app, caller, &new, Some(point.clone()))),
     )
     .await;
     let _ = std::fs::remove_dir_all(&point);
@@ -261,15 +294,11 @@ async fn fork(
     if let Some(Err(e)) = failed.into_iter().next() {
         // All or nothing: a fork that could not make every child leaves none.
         for (r, _) in &ok {
-            let _ = crate::lifecycle::destroy(&app, r, "deleted").await;
+            let _ = crate::lifecycle::destroy(app, r, "deleted").await;
         }
         return Err(e);
     }
-    let items: Vec<Value> = ok.iter().map(|(r, l)| view(&app, r, Some(l))).collect();
-    Ok((
-        StatusCode::CREATED,
-        axum::Json(json!({ "sandboxes": items })),
-    ))
+    Ok(ok)
 }
 
 /// The volumes a sandbox's record says it mounts, as a create's body would name them.

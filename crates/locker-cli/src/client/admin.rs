@@ -42,6 +42,10 @@ pub enum KeyCmd {
         /// The tenant the key belongs to.
         #[arg(long)]
         tenant: String,
+        /// A key in E2B's shape (`e2b_` and 40 hex digits), for E2B's SDKs (`E2B_API_KEY`);
+        /// it works as any Locker key.
+        #[arg(long)]
+        e2b: bool,
     },
     /// Revoke a key at once; prints its id.
     Revoke {
@@ -85,8 +89,13 @@ pub fn run_tenant(a: TenantArgs) -> Result<i32, ClientError> {
 pub fn run_key(a: KeyArgs) -> Result<i32, ClientError> {
     let c = a.conn.client()?;
     match a.cmd {
-        KeyCmd::Create { tenant } => {
-            let v = c.post_json(&format!("/v1/tenants/{}/keys", seg(&tenant)), &json!({}))?;
+        KeyCmd::Create { tenant, e2b } => {
+            let body = if e2b {
+                json!({"format": "e2b"})
+            } else {
+                json!({})
+            };
+            let v = c.post_json(&format!("/v1/tenants/{}/keys", seg(&tenant)), &body)?;
             show_new_key(&v, a.conn.json)
         }
         KeyCmd::Revoke { key_id } => {

@@ -85,7 +85,17 @@ pub const DEFAULT_PACKAGES: &[&str] = &[
     "npm",
     "less",
     "jq",
+    "sudo",
 ];
+
+/// The user E2B's SDKs run commands as unless told otherwise (and Locker's `user` option
+/// can name): `user`, uid 1000, home `/home/user`, passwordless `sudo`.
+pub const DEFAULT_USER: &str = "user";
+/// The build step of the default templates that makes [`DEFAULT_USER`]'s account.
+pub const DEFAULT_USER_STEP: &str =
+    "useradd --create-home --shell /bin/bash --uid 1000 --user-group user \
+&& printf 'user ALL=(ALL:ALL) NOPASSWD: ALL\\n' > /etc/sudoers.d/user \
+&& chmod 0440 /etc/sudoers.d/user";
 
 /// The name of the template built from [`code_interpreter_spec`].
 pub const CODE_INTERPRETER_TEMPLATE: &str = "code-interpreter";

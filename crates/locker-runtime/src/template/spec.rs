@@ -93,13 +93,13 @@ impl TemplateSpec {
 }
 
 /// The spec of the `default` template: Debian bookworm with Python, Node, git and the
-/// usual command-line tools.
+/// usual command-line tools, and the account [`DEFAULT_USER`] (E2B's SDKs expect it).
 pub fn default_spec() -> TemplateSpec {
     TemplateSpec {
         name: DEFAULT_TEMPLATE.to_string(),
         base: DEFAULT_BASE.to_string(),
         packages: DEFAULT_PACKAGES.iter().map(|p| p.to_string()).collect(),
-        run: Vec::new(),
+        run: vec![DEFAULT_USER_STEP.to_string()],
     }
 }
 

@@ -93,7 +93,7 @@ fn the_code_interpreter_spec_is_default_with_a_jupyter_kernel() {
     {
         assert!(spec.packages.iter().any(|q| q == p), "{p}");
     }
-    assert!(spec.run.is_empty());
+    assert_eq!(spec.run, [super::DEFAULT_USER_STEP]);
     assert_ne!(spec.digest(), default_spec().digest());
     assert_eq!(builtin_spec("default").unwrap(), default_spec());
     assert!(builtin_spec("other").is_none());

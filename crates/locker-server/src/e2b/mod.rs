@@ -15,7 +15,9 @@
 //!
 //! Routing ([`dispatch`], in front of the API): a request that names a sandbox with
 //! `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`, 49983 when absent) belongs to the data plane,
-//! whatever its path. A data-plane request is let through by the sandbox's
+//! whatever its path; so does a `/files` request without it that carries a sandbox's access
+//! token (older JavaScript SDKs), and a request to the preview host of port 49983 or 49999
+//! ([`serve_host`]). A data-plane request is let through by the sandbox's
 //! `envdAccessToken` (`X-Access-Token`), which is the sandbox's preview token: one secret
 //! per sandbox, rotated together (`POST /v1/sandboxes/{id}/preview-token`).
 
@@ -51,6 +53,9 @@ pub fn routes() -> Router<AppState> {
 }
 
 /// A data-plane request's sandbox, found and let through.
+// `live` and `caller` are what envd's and the interpreter's handlers call Locker's rooms
+// with; until those rooms serve their calls, nothing here reads them.
+#[allow(dead_code)]
 #[derive(Clone)]
 pub(crate) struct Target {
     pub live: Arc<Live>,
@@ -66,8 +71,23 @@ pub(crate) struct Target {
 /// Middleware in front of every route: a request for a sandbox's data plane goes there,
 /// any other on to the API.
 pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    let Some(id) = header_str(req.headers(), "e2b-sandbox-id") else {
-        return next.run(req).await;
+    let id = match header_str(req.headers(), "e2b-sandbox-id") {
+        Some(id) => id.to_owned(),
+        None => {
+            // Only what the lookup needs: a request is not `Sync`, so no borrow of it may
+            // be held across the lookup's await.
+            let token = (req.uri().path() == "/files")
+                .then(|| header_str(req.headers(), "x-access-token").map(str::to_owned))
+                .flatten();
+            let found = match token {
+                Some(t) => sandbox_of_token(&app, &t).await,
+                None => None,
+            };
+            match found {
+                Some(id) => id,
+                None => return next.run(req).await,
+            }
+        }
     };
     let port = match header_str(req.headers(), "e2b-sandbox-port") {
         None => ENVD_PORT,
@@ -81,11 +101,24 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
             }
         },
     };
-    let id = id.to_owned();
     match target(&app, &id, port, req.headers()).await {
         Ok(t) => serve(app, t, req).await,
         Err(e) => e.into_response(),
     }
+}
+
+/// The sandbox whose access token is `token`, for a `/files` request without routing
+/// headers: some JavaScript SDK versions sent envd's `/files` requests without
+/// `E2b-Sandbox-Id` (E2B issue #1158). A token names exactly one sandbox; a request with
+/// none (or another) goes on to the API as before.
+async fn sandbox_of_token(app: &AppState, token: &str) -> Option<String> {
+    let live = app.live.read().await;
+    live.values()
+        .find(|l| {
+            let own = l.preview.read().expect("preview lock").token.clone();
+            !own.is_empty() && constant_time_eq(own.as_bytes(), token.as_bytes())
+        })
+        .map(|l| l.id.clone())
 }
 
 /// The data plane of one sandbox: envd, the code interpreter, or a port of the machine.
@@ -102,8 +135,35 @@ async fn serve(app: AppState, t: Target, req: Request) -> Response {
     }
 }
 
+/// Whether `port` is one E2B's SDKs reach a sandbox's own services on (envd, the code
+/// interpreter): a preview host for it is served here, not proxied to the machine.
+pub fn is_e2b_port(port: u16) -> bool {
+    port == ENVD_PORT || port == INTERP_PORT
+}
+
+/// A request to the preview host `{port}-{id}.{domain}` of envd's or the code interpreter's
+/// port (E2B's SDKs without `E2B_SANDBOX_URL`, and every signed `/files` URL).
+pub async fn serve_host(app: AppState, id: &str, port: u16, req: Request) -> Response {
+    match target(&app, id, port, req.headers()).await {
+        Ok(t) => serve(app, t, req).await,
+        Err(e) => e.into_response(),
+    }
+}
+
+/// The answer for a path no route serves, when it lies under E2B's control-plane prefixes:
+/// a 404 in E2B's shape (the SDKs parse every error body). `None` for Locker's own paths.
+pub fn unknown_route(path: &str) -> Option<Response> {
+    control::is_e2b_path(path)
+        .then(|| E2bError::not_found(format!("no such E2B route: {path}")).into_response())
+}
+
 /// Finds sandbox `id` on this server and checks the request's access token against it.
-async fn target(app: &AppState, id: &str, port: u16, headers: &HeaderMap) -> Result<Target, E2bError> {
+async fn target(
+    app: &AppState,
+    id: &str,
+    port: u16,
+    headers: &HeaderMap,
+) -> Result<Target, E2bError> {
     let live = app.live.read().await.get(id).cloned();
     let live = live.ok_or_else(|| E2bError::not_found(format!("sandbox {id} is not running")))?;
     let token = live.preview.read().expect("preview lock").token.clone();
@@ -122,5 +182,9 @@ async fn target(app: &AppState, id: &str, port: u16, headers: &HeaderMap) -> Res
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {
-    headers.get(name).and_then(|v| v.to_str().ok()).map(str::trim).filter(|s| !s.is_empty())
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
 }

@@ -105,6 +105,12 @@ impl PreviewDomain {
         )
     }
 
+    /// The host (and port, where URLs name one) that preview hosts are under: what E2B's
+    /// SDKs take as a sandbox's `domain`.
+    pub fn authority(&self) -> String {
+        format!("{}{}", self.host, self.port_suffix)
+    }
+
     fn is_https(&self) -> bool {
         self.scheme == "https"
     }
@@ -165,6 +171,10 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     match target {
         None => next.run(req).await,
         Some(Err(e)) => e.into_response(),
+        // E2B's envd and code interpreter of the sandbox, as E2B's SDKs reach them by host.
+        Some(Ok((id, port))) if crate::e2b::is_e2b_port(port) => {
+            crate::e2b::serve_host(app.clone(), &id, port, req).await
+        }
         Some(Ok((id, port))) => {
             let https = domain.is_https();
             serve(&app, id, port, authority.unwrap_or_default(), https, req)
@@ -249,8 +259,11 @@ fn admit(
         return Ok(Pass::Public);
     }
     let matches = |t: &str| !token.is_empty() && constant_time_eq(t.as_bytes(), token.as_bytes());
+    // `E2b-Traffic-Access-Token` is E2B's name for it (the `trafficAccessToken` E2B's
+    // create answers), so hosts from E2B's `get_host` take what E2B's users send.
     let header_token = headers
         .get("x-locker-token")
+        .or_else(|| headers.get("e2b-traffic-access-token"))
         .map(|t| t.to_str().map(str::trim).unwrap_or(""));
     if header_token.is_some_and(matches) {
         return Ok(Pass::Token);

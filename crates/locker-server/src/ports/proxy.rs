@@ -153,6 +153,8 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool) {
     }
     headers.remove("keep-alive");
     headers.remove("x-locker-token");
+    // E2B's name for the same credential (`trafficAccessToken`, see `e2b`).
+    headers.remove("e2b-traffic-access-token");
     if !keep_upgrade {
         headers.remove(header::CONNECTION);
         headers.remove(header::UPGRADE);
@@ -352,12 +354,14 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert(header::AUTHORIZATION, "Bearer lk_secret".parse().unwrap());
         h.insert("x-locker-token", "tok".parse().unwrap());
+        h.insert("e2b-traffic-access-token", "tok".parse().unwrap());
         h.insert(header::CONNECTION, "keep-alive, x-drop".parse().unwrap());
         h.insert("x-drop", "1".parse().unwrap());
         h.insert("x-keep", "1".parse().unwrap());
         strip(&mut h, false);
         assert!(h.get(header::AUTHORIZATION).is_none());
         assert!(h.get("x-locker-token").is_none());
+        assert!(h.get("e2b-traffic-access-token").is_none());
         assert!(h.get("x-drop").is_none());
         assert!(h.get(header::CONNECTION).is_none());
         assert_eq!(h.get("x-keep").unwrap(), "1");
