@@ -187,6 +187,7 @@ fn contexts_live_in_their_sandbox_and_a_client_timeout_interrupts_the_kernel() {
         "one sandbox's token opens no other: {raw}"
     );
     assert_eq!(status("contexts_wrong_token"), 401, "{raw}");
+    assert_eq!(status("contexts_without_token"), 401, "{raw}");
     assert_eq!(status("contexts_traffic_token"), 200, "{raw}");
     assert_eq!(status("both"), 400, "{raw}");
     assert!(text("both").contains("context_id or language"), "{raw}");

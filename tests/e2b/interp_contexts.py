@@ -85,6 +85,7 @@ try:
         "execute_wrong_token": raw(a, "POST", "/execute", token="nope", body={"code": "1"}),
         "execute_b_token": raw(b, "POST", "/execute", token=token, body={"code": "1"}),
         "contexts_wrong_token": raw(a, "GET", "/contexts", traffic="nope"),
+        "contexts_without_token": raw(a, "GET", "/contexts"),
         "contexts_traffic_token": raw(a, "GET", "/contexts", traffic=token),
         "both": raw(a, "POST", "/execute", token=token,
                     body={"code": "1", "context_id": "ctx_x", "language": "python"}),

@@ -13,9 +13,9 @@
 //!
 //! Access: the SDKs send the sandbox's access token (`X-Access-Token`) on `/execute` only,
 //! and `E2B-Traffic-Access-Token` on every call when create returned a
-//! `trafficAccessToken`. Running code needs the access token (or that traffic token,
-//! which is the same secret); `/contexts` calls without any token are served (the SDKs send
-//! none), a wrong token is refused. Contexts live inside their sandbox's machine, so a
+//! `trafficAccessToken` (Locker's create and connect always return it: it is the same
+//! secret as the access token). Every route but `/health` needs one of the two; a missing
+//! or wrong token is a 401. Contexts live inside their sandbox's machine, so a
 //! context id of another sandbox is unknown here (404) whoever asks.
 
 use std::collections::BTreeMap;
@@ -69,10 +69,17 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
                  that create and connect return; the E2B SDKs send it themselves)",
             )),
         },
-        ["contexts"] | ["contexts", _] | ["contexts", _, "restart"]
-            if access == Access::Refused =>
-        {
-            Err(refused())
+        ["contexts"] | ["contexts", _] | ["contexts", _, "restart"] if access != Access::Granted => {
+            Err(if access == Access::Refused {
+                refused()
+            } else {
+                Refusal::new(
+                    StatusCode::UNAUTHORIZED,
+                    "contexts need the sandbox's token as E2B-Traffic-Access-Token (the \
+                     trafficAccessToken that create and connect return; the E2B SDKs send it \
+                     themselves) or X-Access-Token",
+                )
+            })
         }
         ["contexts"] if m == Method::GET => list(&app, &t).await,
         ["contexts"] if m == Method::POST => create(&app, &t, body).await,
