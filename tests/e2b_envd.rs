@@ -178,6 +178,19 @@ fn bad_input_gets_connect_errors() {
     let srv = Server::start();
     let s = E2bSandbox::create(&srv);
 
+    // E2B's templates have the user `user` (the default user of envd calls); make it
+    // where this one does not yet, as root.
+    let r = s.stream(
+        "/process.Process/Start",
+        envelope(
+            0,
+            br#"{"process":{"cmd":"/bin/sh","args":["-c","id user >/dev/null 2>&1 || useradd -m -s /bin/bash user"]},"stdin":false}"#,
+        ),
+        &[("Authorization", "Basic cm9vdDo=")],
+    );
+    let e = envelopes(&r);
+    assert_eq!(e.last().map(|e| (e.0, e.1.clone())), Some((2, serde_json::json!({}))), "{e:?}");
+
     // A good call first, so the failures below are about their input.
     let r = s.unary("/process.Process/List", "{}");
     assert_eq!(r.status, 200, "{}", r.text());

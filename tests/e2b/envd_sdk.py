@@ -10,6 +10,7 @@ import base64
 import gzip
 import io
 import sys
+import threading
 import time
 
 from e2b import AsyncSandbox, CommandExitException, Sandbox, TimeoutException
@@ -117,23 +118,36 @@ def commands(sbx):
 
 def pty(sbx):
     got = bytearray()
-    h = sbx.pty.create(PtySize(rows=24, cols=80), on_data=got.extend, timeout=30)
+    h = sbx.pty.create(PtySize(rows=24, cols=80), timeout=30)
+    result = {}
+
+    def wait():
+        try:
+            result["r"] = h.wait(on_pty=lambda b: got.extend(b))
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["e"] = e
+
+    t = threading.Thread(target=wait)
+    t.start()
+
+    def until(needle):
+        deadline = time.time() + 10
+        while needle not in got and time.time() < deadline:
+            time.sleep(0.1)
+        if needle not in got:
+            raise AssertionError(f"pty output without {needle!r}: {bytes(got)!r}")
+
     sbx.pty.send_stdin(h.pid, b"stty size; echo pty-$((40+2))\n")
-    deadline = time.time() + 10
-    while b"pty-42" not in got and time.time() < deadline:
-        time.sleep(0.1)
-    if b"24 80" not in got or b"pty-42" not in got:
-        raise AssertionError(f"pty output: {bytes(got)!r}")
+    until(b"pty-42")
+    until(b"24 80")
     sbx.pty.resize(h.pid, PtySize(rows=30, cols=100))
     sbx.pty.send_stdin(h.pid, b"stty size\n")
-    deadline = time.time() + 10
-    while b"30 100" not in got and time.time() < deadline:
-        time.sleep(0.1)
-    if b"30 100" not in got:
-        raise AssertionError(f"pty after resize: {bytes(got)!r}")
+    until(b"30 100")
     sbx.pty.send_stdin(h.pid, b"exit 0\n")
-    r = h.wait()
-    eq(r.exit_code, 0, "pty exit")
+    t.join(20)
+    if "r" not in result:
+        raise AssertionError(f"pty wait: {result}")
+    eq(result["r"].exit_code, 0, "pty exit")
     ok("pty")
 
 
@@ -204,8 +218,16 @@ def files(sbx):
     ok("watch")
 
 
-async def watch_stream(sandbox_id):
-    sbx = await AsyncSandbox.connect(sandbox_id)
+async def watch_stream():
+    # A sandbox of its own (the async SDK's watch is the streaming WatchDir).
+    sbx = await AsyncSandbox.create()
+    try:
+        await watch_in(sbx)
+    finally:
+        await sbx.kill()
+
+
+async def watch_in(sbx):
     events = []
     await sbx.files.make_dir("/tmp/awatch")
     h = await sbx.files.watch_dir("/tmp/awatch", on_event=events.append, recursive=True)
@@ -231,7 +253,7 @@ def main():
         commands(sbx)
         pty(sbx)
         files(sbx)
-        asyncio.run(watch_stream(sbx.sandbox_id))
+        asyncio.run(watch_stream())
         eq(sbx.is_running(), True, "health")
         ok("health")
     finally:

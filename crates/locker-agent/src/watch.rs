@@ -34,8 +34,7 @@ const MASK: u32 = libc::IN_CREATE
     | libc::IN_MOVED_TO
     | libc::IN_MOVE_SELF
     | libc::IN_ATTRIB
-    | libc::IN_ONLYDIR
-    | libc::IN_DONT_FOLLOW;
+    | libc::IN_ONLYDIR;
 
 struct Watch {
     fd: OwnedFd,

@@ -528,10 +528,11 @@ async fn multipart(
         if let Err(e) = streamed {
             let _ = tx.send(Err(std::io::Error::other(e.message.clone()))).await;
             drop(tx);
-            // The machine's own refusal (a directory there, a full disk) says more.
+            // The machine's own refusal (a directory there, a full disk) says more than
+            // the end of the stream it then caused; a failure of the body stays its own.
             return Err(match finish_write(app, live, task, &dest).await {
-                Err(agent) => agent,
-                Ok(_) => e,
+                Err(agent) if !agent.status.is_server_error() => agent,
+                _ => e,
             });
         }
         drop(tx);
