@@ -31,7 +31,10 @@ impl E2bSandbox {
         let r = api.request(
             "POST",
             "/sandboxes",
-            &[("X-API-KEY", &srv.api_key), ("Content-Type", "application/json")],
+            &[
+                ("X-API-KEY", &srv.api_key),
+                ("Content-Type", "application/json"),
+            ],
             r#"{"templateID":"base","timeout":600}"#,
         );
         let v = r.expect(201, "E2B create");
@@ -39,13 +42,24 @@ impl E2bSandbox {
             api,
             key: srv.api_key.clone(),
             id: v["sandboxID"].as_str().expect("sandboxID").to_owned(),
-            token: v["envdAccessToken"].as_str().expect("envdAccessToken").to_owned(),
+            token: v["envdAccessToken"]
+                .as_str()
+                .expect("envdAccessToken")
+                .to_owned(),
         }
     }
 
     /// A data-plane request with the sandbox's headers (and the token unless `anon`).
-    fn envd(&self, method: &str, path: &str, headers: &[(&str, &str)], body: Vec<u8>, anon: bool) -> Resp {
-        let mut h: Vec<(&str, &str)> = vec![("E2b-Sandbox-Id", &self.id), ("E2b-Sandbox-Port", "49983")];
+    fn envd(
+        &self,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        body: Vec<u8>,
+        anon: bool,
+    ) -> Resp {
+        let mut h: Vec<(&str, &str)> =
+            vec![("E2b-Sandbox-Id", &self.id), ("E2b-Sandbox-Port", "49983")];
         if !anon {
             h.push(("X-Access-Token", &self.token));
         }
@@ -57,14 +71,20 @@ impl E2bSandbox {
         self.envd(
             "POST",
             method,
-            &[("Content-Type", "application/json"), ("Connect-Protocol-Version", "1")],
+            &[
+                ("Content-Type", "application/json"),
+                ("Connect-Protocol-Version", "1"),
+            ],
             body.as_bytes().to_vec(),
             false,
         )
     }
 
     fn stream(&self, method: &str, body: Vec<u8>, extra: &[(&str, &str)]) -> Resp {
-        let mut h = vec![("Content-Type", "application/connect+json"), ("Connect-Protocol-Version", "1")];
+        let mut h = vec![
+            ("Content-Type", "application/connect+json"),
+            ("Connect-Protocol-Version", "1"),
+        ];
         h.extend_from_slice(extra);
         self.envd("POST", method, &h, body, false)
     }
@@ -72,7 +92,12 @@ impl E2bSandbox {
 
 impl Drop for E2bSandbox {
     fn drop(&mut self) {
-        let _ = self.api.try_request("DELETE", &format!("/sandboxes/{}", self.id), &[("X-API-KEY", &self.key)], "");
+        let _ = self.api.try_request(
+            "DELETE",
+            &format!("/sandboxes/{}", self.id),
+            &[("X-API-KEY", &self.key)],
+            "",
+        );
     }
 }
 
@@ -88,7 +113,11 @@ fn envelopes(r: &Resp) -> Vec<(u8, Value)> {
     let mut out = Vec::new();
     let mut b = &r.body[..];
     while !b.is_empty() {
-        assert!(b.len() >= 5, "a truncated envelope in the answer: {:?}", r.text());
+        assert!(
+            b.len() >= 5,
+            "a truncated envelope in the answer: {:?}",
+            r.text()
+        );
         let len = u32::from_be_bytes([b[1], b[2], b[3], b[4]]) as usize;
         let v: Value = serde_json::from_slice(&b[5..5 + len]).expect("envelope JSON");
         out.push((b[0], v));
@@ -103,7 +132,10 @@ fn connect_error(r: &Resp, status: u16, code: &str, what: &str) {
     assert_eq!(r.status, status, "{what}: {}", r.text());
     let v = r.json();
     assert_eq!(v["code"], code, "{what}: {v}");
-    assert!(v["message"].as_str().is_some_and(|m| !m.is_empty()), "{what}: {v}");
+    assert!(
+        v["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{what}: {v}"
+    );
 }
 
 /// A streaming Connect error: 200, `application/connect+json`, and only the end-of-stream
@@ -129,7 +161,9 @@ fn python_env(cmd: &mut Command, srv: &Server) {
 
 #[test]
 fn python_sdk_drives_envd() {
-    let Some(py) = locker_tests::tools::python_e2b() else { return };
+    let Some(py) = locker_tests::tools::python_e2b() else {
+        return;
+    };
     let srv = Server::start();
     let script = locker_tests::root().join("tests/e2b/envd_sdk.py");
     let mut cmd = Command::new(&py);
@@ -141,20 +175,43 @@ fn python_sdk_drives_envd() {
     if !out.status.success() {
         srv.print_log_tail();
     }
-    assert!(out.status.success(), "envd_sdk.py failed:\n{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "envd_sdk.py failed:\n{stdout}\n{stderr}"
+    );
     for check in [
-        "run", "exit_code", "envs", "cwd_user", "callbacks", "timeout", "background_list", "kill", "stdin",
-        "connect", "pty", "read_write", "write_files", "list", "exists_remove_rename", "watch",
-        "watch_stream", "health",
+        "run",
+        "exit_code",
+        "envs",
+        "cwd_user",
+        "callbacks",
+        "timeout",
+        "background_list",
+        "kill",
+        "stdin",
+        "connect",
+        "pty",
+        "read_write",
+        "write_files",
+        "list",
+        "exists_remove_rename",
+        "watch",
+        "watch_stream",
+        "health",
     ] {
-        assert!(stdout.lines().any(|l| l == format!("ok {check}")), "check {check} missing:\n{stdout}\n{stderr}");
+        assert!(
+            stdout.lines().any(|l| l == format!("ok {check}")),
+            "check {check} missing:\n{stdout}\n{stderr}"
+        );
     }
     assert!(stdout.contains("done"), "{stdout}");
 }
 
 #[test]
 fn npm_sdk_runs_a_command_and_a_file() {
-    let Some(dir) = locker_tests::tools::npm_package("e2b-npm", "e2b", "node_modules/e2b/package.json") else {
+    let Some(dir) =
+        locker_tests::tools::npm_package("e2b-npm", "e2b", "node_modules/e2b/package.json")
+    else {
         return;
     };
     let srv = Server::start();
@@ -167,9 +224,15 @@ fn npm_sdk_runs_a_command_and_a_file() {
     let out = cmd.output().expect("node runs");
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "envd_npm.mjs failed:\n{stdout}\n{stderr}");
+    assert!(
+        out.status.success(),
+        "envd_npm.mjs failed:\n{stdout}\n{stderr}"
+    );
     for check in ["run", "background", "files", "watch"] {
-        assert!(stdout.lines().any(|l| l == format!("ok {check}")), "check {check} missing:\n{stdout}\n{stderr}");
+        assert!(
+            stdout.lines().any(|l| l == format!("ok {check}")),
+            "check {check} missing:\n{stdout}\n{stderr}"
+        );
     }
 }
 
@@ -189,7 +252,11 @@ fn bad_input_gets_connect_errors() {
         &[("Authorization", "Basic cm9vdDo=")],
     );
     let e = envelopes(&r);
-    assert_eq!(e.last().map(|e| (e.0, e.1.clone())), Some((2, serde_json::json!({}))), "{e:?}");
+    assert_eq!(
+        e.last().map(|e| (e.0, e.1.clone())),
+        Some((2, serde_json::json!({}))),
+        "{e:?}"
+    );
 
     // A good call first, so the failures below are about their input.
     let r = s.unary("/process.Process/List", "{}");
@@ -197,30 +264,81 @@ fn bad_input_gets_connect_errors() {
     assert!(r.json()["processes"].is_array(), "{}", r.text());
     let r = s.stream(
         "/process.Process/Start",
-        envelope(0, br#"{"process":{"cmd":"/bin/echo","args":["hi"]},"stdin":false}"#),
+        envelope(
+            0,
+            br#"{"process":{"cmd":"/bin/echo","args":["hi"]},"stdin":false}"#,
+        ),
         &[],
     );
     let e = envelopes(&r);
-    assert_eq!(e.first().map(|e| e.1["event"]["start"]["pid"].is_number()), Some(true), "{e:?}");
-    assert_eq!(e.last().map(|e| (e.0, e.1.clone())), Some((2, serde_json::json!({}))), "{e:?}");
-    assert!(e.iter().any(|(_, v)| v["event"]["data"]["stdout"] == "aGkK"), "{e:?}");
+    assert_eq!(
+        e.first().map(|e| e.1["event"]["start"]["pid"].is_number()),
+        Some(true),
+        "{e:?}"
+    );
+    assert_eq!(
+        e.last().map(|e| (e.0, e.1.clone())),
+        Some((2, serde_json::json!({}))),
+        "{e:?}"
+    );
+    assert!(
+        e.iter()
+            .any(|(_, v)| v["event"]["data"]["stdout"] == "aGkK"),
+        "{e:?}"
+    );
 
     // Unary: invalid ProtoJSON, wrong types, unknown methods and services, content types,
     // timeouts, user names, a missing token.
-    connect_error(&s.unary("/process.Process/List", "{not json"), 400, "invalid_argument", "bad JSON");
-    connect_error(&s.unary("/filesystem.Filesystem/Stat", r#"{"path": 7}"#), 400, "invalid_argument", "wrong type");
     connect_error(
-        &s.unary("/process.Process/SendSignal", r#"{"process":{"pid":"x"},"signal":"SIGNAL_SIGKILL"}"#),
+        &s.unary("/process.Process/List", "{not json"),
+        400,
+        "invalid_argument",
+        "bad JSON",
+    );
+    connect_error(
+        &s.unary("/filesystem.Filesystem/Stat", r#"{"path": 7}"#),
+        400,
+        "invalid_argument",
+        "wrong type",
+    );
+    connect_error(
+        &s.unary(
+            "/process.Process/SendSignal",
+            r#"{"process":{"pid":"x"},"signal":"SIGNAL_SIGKILL"}"#,
+        ),
         400,
         "invalid_argument",
         "pid not a number",
     );
-    connect_error(&s.unary("/process.Process/Nope", "{}"), 501, "unimplemented", "unknown method");
-    connect_error(&s.unary("/filesystem.Filesystem/Nope", "{}"), 501, "unimplemented", "unknown method");
-    connect_error(&s.unary("/filesystem.Filesystem/Stat", r#"{"path":"/nope/x"}"#), 404, "not_found", "stat missing");
-    connect_error(&s.unary("/filesystem.Filesystem/Stat", r#"{"path":""}"#), 400, "invalid_argument", "empty path");
     connect_error(
-        &s.unary("/process.Process/SendInput", r#"{"process":{"pid":999999},"input":{"stdin":"aGkK"}}"#),
+        &s.unary("/process.Process/Nope", "{}"),
+        501,
+        "unimplemented",
+        "unknown method",
+    );
+    connect_error(
+        &s.unary("/filesystem.Filesystem/Nope", "{}"),
+        501,
+        "unimplemented",
+        "unknown method",
+    );
+    connect_error(
+        &s.unary("/filesystem.Filesystem/Stat", r#"{"path":"/nope/x"}"#),
+        404,
+        "not_found",
+        "stat missing",
+    );
+    connect_error(
+        &s.unary("/filesystem.Filesystem/Stat", r#"{"path":""}"#),
+        400,
+        "invalid_argument",
+        "empty path",
+    );
+    connect_error(
+        &s.unary(
+            "/process.Process/SendInput",
+            r#"{"process":{"pid":999999},"input":{"stdin":"aGkK"}}"#,
+        ),
         404,
         "not_found",
         "unknown pid",
@@ -236,7 +354,10 @@ fn bad_input_gets_connect_errors() {
     let r = s.envd(
         "POST",
         "/process.Process/List",
-        &[("Content-Type", "application/json"), ("Connect-Timeout-Ms", "soon")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Connect-Timeout-Ms", "soon"),
+        ],
         b"{}".to_vec(),
         false,
     );
@@ -244,56 +365,119 @@ fn bad_input_gets_connect_errors() {
     let r = s.envd(
         "POST",
         "/process.Process/List",
-        &[("Content-Type", "application/json"), ("Authorization", "Basic bm8gc3VjaCB1c2VyOg==")],
+        &[
+            ("Content-Type", "application/json"),
+            ("Authorization", "Basic bm8gc3VjaCB1c2VyOg=="),
+        ],
         b"{}".to_vec(),
         false,
     );
     connect_error(&r, 401, "unauthenticated", "a user name with a space");
-    let r = s.envd("POST", "/process.Process/List", &[("Content-Type", "application/json")], b"{}".to_vec(), true);
+    let r = s.envd(
+        "POST",
+        "/process.Process/List",
+        &[("Content-Type", "application/json")],
+        b"{}".to_vec(),
+        true,
+    );
     connect_error(&r, 401, "unauthenticated", "no access token");
 
     // Streaming: malformed envelopes answer 200 with the error in the end-of-stream envelope.
     let start = br#"{"process":{"cmd":"/bin/true"}}"#;
-    stream_error(&s.stream("/process.Process/Start", envelope(1, start), &[]), "invalid_argument", "compressed flag");
-    stream_error(&s.stream("/process.Process/Start", envelope(2, start), &[]), "invalid_argument", "end flag from the client");
+    stream_error(
+        &s.stream("/process.Process/Start", envelope(1, start), &[]),
+        "invalid_argument",
+        "compressed flag",
+    );
+    stream_error(
+        &s.stream("/process.Process/Start", envelope(2, start), &[]),
+        "invalid_argument",
+        "end flag from the client",
+    );
     let mut huge = vec![0u8];
     huge.extend_from_slice(&u32::MAX.to_be_bytes());
     huge.extend_from_slice(b"{}");
-    stream_error(&s.stream("/process.Process/Start", huge, &[]), "resource_exhausted", "oversized length");
+    stream_error(
+        &s.stream("/process.Process/Start", huge, &[]),
+        "resource_exhausted",
+        "oversized length",
+    );
     let mut cut = envelope(0, start);
     cut.truncate(cut.len() - 4);
-    stream_error(&s.stream("/process.Process/Start", cut, &[]), "invalid_argument", "truncated payload");
-    stream_error(&s.stream("/process.Process/Start", vec![0, 0, 0], &[]), "invalid_argument", "truncated header");
-    stream_error(&s.stream("/process.Process/Start", Vec::new(), &[]), "invalid_argument", "no message");
-    stream_error(&s.stream("/process.Process/Start", envelope(0, b"[1,2]"), &[]), "invalid_argument", "not an object");
+    stream_error(
+        &s.stream("/process.Process/Start", cut, &[]),
+        "invalid_argument",
+        "truncated payload",
+    );
+    stream_error(
+        &s.stream("/process.Process/Start", vec![0, 0, 0], &[]),
+        "invalid_argument",
+        "truncated header",
+    );
+    stream_error(
+        &s.stream("/process.Process/Start", Vec::new(), &[]),
+        "invalid_argument",
+        "no message",
+    );
+    stream_error(
+        &s.stream("/process.Process/Start", envelope(0, b"[1,2]"), &[]),
+        "invalid_argument",
+        "not an object",
+    );
     let mut two = envelope(0, start);
     two.extend_from_slice(&envelope(0, start));
-    stream_error(&s.stream("/process.Process/Start", two, &[]), "invalid_argument", "two messages");
     stream_error(
-        &s.stream("/process.Process/Start", envelope(0, br#"{"process":{"cmd":""}}"#), &[]),
+        &s.stream("/process.Process/Start", two, &[]),
+        "invalid_argument",
+        "two messages",
+    );
+    stream_error(
+        &s.stream(
+            "/process.Process/Start",
+            envelope(0, br#"{"process":{"cmd":""}}"#),
+            &[],
+        ),
         "invalid_argument",
         "no command",
     );
     stream_error(
-        &s.stream("/process.Process/Connect", envelope(0, br#"{"process":{"pid":999999}}"#), &[]),
+        &s.stream(
+            "/process.Process/Connect",
+            envelope(0, br#"{"process":{"pid":999999}}"#),
+            &[],
+        ),
         "not_found",
         "connect to an unknown pid",
     );
     stream_error(
-        &s.stream("/filesystem.Filesystem/WatchDir", envelope(0, br#"{"path":"/nope"}"#), &[]),
+        &s.stream(
+            "/filesystem.Filesystem/WatchDir",
+            envelope(0, br#"{"path":"/nope"}"#),
+            &[],
+        ),
         "not_found",
         "watch a missing directory",
     );
     // Start under a deadline: the process dies with it and the stream says so.
     let r = s.stream(
         "/process.Process/Start",
-        envelope(0, br#"{"process":{"cmd":"/bin/sleep","args":["30"]},"stdin":false}"#),
+        envelope(
+            0,
+            br#"{"process":{"cmd":"/bin/sleep","args":["30"]},"stdin":false}"#,
+        ),
         &[("Connect-Timeout-Ms", "1000")],
     );
     let e = envelopes(&r);
     assert_eq!(e.last().map(|e| e.0), Some(2), "{e:?}");
-    assert_eq!(e.last().unwrap().1["error"]["code"], "deadline_exceeded", "{e:?}");
-    assert!(e.iter().any(|(_, v)| v["event"]["end"].is_object()), "{e:?}");
+    assert_eq!(
+        e.last().unwrap().1["error"]["code"],
+        "deadline_exceeded",
+        "{e:?}"
+    );
+    assert!(
+        e.iter().any(|(_, v)| v["event"]["end"].is_object()),
+        "{e:?}"
+    );
 
     // /files: E2B's REST error shape.
     let files = |q: &str, headers: &[(&str, &str)], body: Vec<u8>, method: &str, anon: bool| {
@@ -303,10 +487,38 @@ fn bad_input_gets_connect_errors() {
         assert_eq!(r.status, status, "{what}: {}", r.text());
         assert_eq!(r.json()["code"], status, "{what}: {}", r.text());
     };
-    e2b_error(&files("path=/nope", &[], vec![], "GET", false), 404, "missing file");
-    e2b_error(&files("path=/etc/hostname", &[], vec![], "GET", true), 401, "no token");
-    e2b_error(&files("path=/etc/hostname&signature=v1_wrong", &[], vec![], "GET", true), 401, "wrong signature");
-    e2b_error(&files("path=/tmp/x", &[("Content-Type", "multipart/form-data")], b"x".to_vec(), "POST", false), 400, "no boundary");
+    e2b_error(
+        &files("path=/nope", &[], vec![], "GET", false),
+        404,
+        "missing file",
+    );
+    e2b_error(
+        &files("path=/etc/hostname", &[], vec![], "GET", true),
+        401,
+        "no token",
+    );
+    e2b_error(
+        &files(
+            "path=/etc/hostname&signature=v1_wrong",
+            &[],
+            vec![],
+            "GET",
+            true,
+        ),
+        401,
+        "wrong signature",
+    );
+    e2b_error(
+        &files(
+            "path=/tmp/x",
+            &[("Content-Type", "multipart/form-data")],
+            b"x".to_vec(),
+            "POST",
+            false,
+        ),
+        400,
+        "no boundary",
+    );
     e2b_error(
         &files(
             "",
@@ -318,16 +530,29 @@ fn bad_input_gets_connect_errors() {
         400,
         "truncated multipart",
     );
-    e2b_error(&files("path=/tmp/x&username=a%20b", &[], vec![], "GET", false), 400, "bad user name");
     e2b_error(
-        &files("path=/tmp/y", &[("Content-Type", "text/plain")], b"x".to_vec(), "POST", false),
+        &files("path=/tmp/x&username=a%20b", &[], vec![], "GET", false),
+        400,
+        "bad user name",
+    );
+    e2b_error(
+        &files(
+            "path=/tmp/y",
+            &[("Content-Type", "text/plain")],
+            b"x".to_vec(),
+            "POST",
+            false,
+        ),
         415,
         "text/plain upload",
     );
     e2b_error(
         &files(
             "path=/tmp/y",
-            &[("Content-Type", "application/octet-stream"), ("Content-Encoding", "gzip")],
+            &[
+                ("Content-Type", "application/octet-stream"),
+                ("Content-Encoding", "gzip"),
+            ],
             b"not gzip at all".to_vec(),
             "POST",
             false,
@@ -339,12 +564,20 @@ fn bad_input_gets_connect_errors() {
     let bomb = gzip_bomb();
     let r = files(
         "path=/tmp/bomb",
-        &[("Content-Type", "application/octet-stream"), ("Content-Encoding", "gzip")],
+        &[
+            ("Content-Type", "application/octet-stream"),
+            ("Content-Encoding", "gzip"),
+        ],
         bomb,
         "POST",
         false,
     );
-    assert!(matches!(r.status, 413 | 507), "gzip bomb: {} {}", r.status, r.text());
+    assert!(
+        matches!(r.status, 413 | 507),
+        "gzip bomb: {} {}",
+        r.status,
+        r.text()
+    );
     assert!(r.json()["code"].is_number(), "{}", r.text());
 
     // A range, and a signed URL without the token.
@@ -357,10 +590,22 @@ fn bad_input_gets_connect_errors() {
     );
     assert_eq!(up.status, 200, "{}", up.text());
     assert_eq!(up.json()[0]["path"], "/tmp/r.txt", "{}", up.text());
-    let r = files("path=/tmp/r.txt", &[("Range", "bytes=2-4")], vec![], "GET", false);
+    let r = files(
+        "path=/tmp/r.txt",
+        &[("Range", "bytes=2-4")],
+        vec![],
+        "GET",
+        false,
+    );
     assert_eq!((r.status, r.text()), (206, "234".to_string()));
     let sig = signature("/tmp/r.txt", "read", "", &s.token);
-    let r = files(&format!("path=/tmp/r.txt&signature={sig}"), &[], vec![], "GET", true);
+    let r = files(
+        &format!("path=/tmp/r.txt&signature={sig}"),
+        &[],
+        vec![],
+        "GET",
+        true,
+    );
     assert_eq!((r.status, r.text()), (200, "0123456789".to_string()));
     let r = s.envd("GET", "/health", &[], vec![], true);
     assert_eq!(r.status, 204);
@@ -381,7 +626,11 @@ fn signature(path: &str, op: &str, user: &str, token: &str) -> String {
         ])
         .output()
         .expect("python3");
-    String::from_utf8(out.stdout).unwrap().trim().replace('+', "%2B").replace('/', "%2F")
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .replace('+', "%2B")
+        .replace('/', "%2F")
 }
 
 /// 1.1 GiB of zeros, gzipped (about 1 MiB), made by Python's gzip.

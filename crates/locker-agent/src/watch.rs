@@ -49,17 +49,25 @@ impl Watch {
         if self.dirs.len() >= MAX_DIRS {
             return Ok(());
         }
-        let path = CString::new(format!("/proc/self/fd/{}", dir.as_raw_fd()))
-            .expect("no NUL in a number");
+        let path =
+            CString::new(format!("/proc/self/fd/{}", dir.as_raw_fd())).expect("no NUL in a number");
         // SAFETY: a valid inotify fd and a NUL-terminated path.
         let wd = unsafe { libc::inotify_add_watch(self.fd.as_raw_fd(), path.as_ptr(), MASK) };
         if wd < 0 {
             return Err(io::Error::last_os_error());
         }
-        let children = if self.recursive { subdirs(dir.as_raw_fd()) } else { Vec::new() };
+        let children = if self.recursive {
+            subdirs(dir.as_raw_fd())
+        } else {
+            Vec::new()
+        };
         self.dirs.insert(wd, (dir, rel.clone()));
         for (name, fd) in children {
-            let child = if rel.is_empty() { name } else { format!("{rel}/{name}") };
+            let child = if rel.is_empty() {
+                name
+            } else {
+                format!("{rel}/{name}")
+            };
             let _ = self.add(fd, child);
         }
         Ok(())
@@ -155,7 +163,9 @@ pub fn watch(agent: &Agent, s: &Stream, path: &str, recursive: bool) {
         Err(e) => return s.fail(os_err("watch", &shown, e)),
     };
     let name = p.comps.last().cloned().unwrap_or_else(|| "/".into());
-    if s.msg(Reply::Entry(crate::files::entry(shown.clone(), name, &st))).is_err() {
+    if s.msg(Reply::Entry(crate::files::entry(shown.clone(), name, &st)))
+        .is_err()
+    {
         return;
     }
     let mut buf = vec![0u8; 64 * 1024];
@@ -206,10 +216,14 @@ fn decode(w: &mut Watch, mut b: &[u8]) -> (Vec<FsEvent>, bool) {
             break;
         }
         let raw = &b[HDR..HDR + len];
-        let name = String::from_utf8_lossy(raw.split(|&c| c == 0).next().unwrap_or(&[])).into_owned();
+        let name =
+            String::from_utf8_lossy(raw.split(|&c| c == 0).next().unwrap_or(&[])).into_owned();
         b = &b[HDR + len..];
         if ev.mask & libc::IN_Q_OVERFLOW != 0 {
-            out.push(FsEvent { name: String::new(), op: FsOp::Write });
+            out.push(FsEvent {
+                name: String::new(),
+                op: FsOp::Write,
+            });
             continue;
         }
         if ev.mask & libc::IN_IGNORED != 0 {
@@ -220,7 +234,9 @@ fn decode(w: &mut Watch, mut b: &[u8]) -> (Vec<FsEvent>, bool) {
             }
             continue;
         }
-        let Some((dirfd, rel)) = w.dirs.get(&ev.wd) else { continue };
+        let Some((dirfd, rel)) = w.dirs.get(&ev.wd) else {
+            continue;
+        };
         if name.is_empty() {
             // An event on a watched directory itself: its removal shows in its parent.
             if ev.mask & (libc::IN_DELETE_SELF | libc::IN_MOVE_SELF) != 0 && rel.is_empty() {
@@ -228,7 +244,11 @@ fn decode(w: &mut Watch, mut b: &[u8]) -> (Vec<FsEvent>, bool) {
             }
             continue;
         }
-        let full = if rel.is_empty() { name.clone() } else { format!("{rel}/{name}") };
+        let full = if rel.is_empty() {
+            name.clone()
+        } else {
+            format!("{rel}/{name}")
+        };
         let op = if ev.mask & (libc::IN_CREATE | libc::IN_MOVED_TO) != 0 {
             FsOp::Create
         } else if ev.mask & libc::IN_MODIFY != 0 {

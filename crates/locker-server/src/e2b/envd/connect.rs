@@ -166,7 +166,13 @@ pub enum Shape {
 fn media_type(h: &HeaderMap) -> String {
     h.get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
-        .map(|v| v.split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+        .map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        })
         .unwrap_or_default()
 }
 
@@ -232,23 +238,26 @@ pub fn parse<T: DeserializeOwned>(what: &str, data: &[u8]) -> Result<T, ConnectE
 
 /// Reads a unary call's body (bounded, within [`REQUEST_DEADLINE`]) and parses it.
 pub async fn read_unary<T: DeserializeOwned>(what: &str, body: Body) -> Result<T, ConnectError> {
-    let bytes = match tokio::time::timeout(REQUEST_DEADLINE, axum::body::to_bytes(body, MAX_MESSAGE))
-        .await
-    {
-        Err(_) => {
-            return Err(ConnectError::new(
-                Code::DeadlineExceeded,
-                "the request body did not arrive in time",
-            ))
-        }
-        Ok(Err(e)) => {
-            return Err(ConnectError::new(
-                Code::ResourceExhausted,
-                format!("request body unreadable or over {} MiB: {e}", MAX_MESSAGE >> 20),
-            ))
-        }
-        Ok(Ok(b)) => b,
-    };
+    let bytes =
+        match tokio::time::timeout(REQUEST_DEADLINE, axum::body::to_bytes(body, MAX_MESSAGE)).await
+        {
+            Err(_) => {
+                return Err(ConnectError::new(
+                    Code::DeadlineExceeded,
+                    "the request body did not arrive in time",
+                ))
+            }
+            Ok(Err(e)) => {
+                return Err(ConnectError::new(
+                    Code::ResourceExhausted,
+                    format!(
+                        "request body unreadable or over {} MiB: {e}",
+                        MAX_MESSAGE >> 20
+                    ),
+                ))
+            }
+            Ok(Ok(b)) => b,
+        };
     parse(what, &bytes)
 }
 
@@ -333,7 +342,10 @@ impl Envelopes {
     }
 
     /// The next message, parsed.
-    pub async fn next<T: DeserializeOwned>(&mut self, what: &str) -> Result<Option<T>, ConnectError> {
+    pub async fn next<T: DeserializeOwned>(
+        &mut self,
+        what: &str,
+    ) -> Result<Option<T>, ConnectError> {
         match self.next_raw().await? {
             None => Ok(None),
             Some(raw) => parse(what, &raw).map(Some),
@@ -531,7 +543,10 @@ mod tests {
         assert!(timeout(&h).unwrap().is_none());
         h.insert("connect-timeout-ms", HeaderValue::from_static("1500"));
         assert_eq!(timeout(&h).unwrap(), Some(Duration::from_millis(1500)));
-        h.insert("connect-timeout-ms", HeaderValue::from_static("12345678901"));
+        h.insert(
+            "connect-timeout-ms",
+            HeaderValue::from_static("12345678901"),
+        );
         assert!(timeout(&h).is_err());
         h.insert("connect-timeout-ms", HeaderValue::from_static("-1"));
         assert!(timeout(&h).is_err());

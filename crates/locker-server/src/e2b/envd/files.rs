@@ -84,7 +84,9 @@ fn check_access(t: &Target, q: &Query, op: &str) -> Result<(), E2bError> {
     };
     let token = t.live.preview.read().expect("preview lock").token.clone();
     if token.is_empty() {
-        return Err(E2bError::unauthorized("this sandbox has no access token to sign with"));
+        return Err(E2bError::unauthorized(
+            "this sandbox has no access token to sign with",
+        ));
     }
     if let Some(e) = &q.expiration {
         let at: i64 = e
@@ -104,7 +106,9 @@ fn check_access(t: &Target, q: &Query, op: &str) -> Result<(), E2bError> {
     if constant_time_eq(sig.as_bytes(), want.as_bytes()) {
         Ok(())
     } else {
-        Err(E2bError::unauthorized(format!("the signature does not match this path, {op} and user")))
+        Err(E2bError::unauthorized(format!(
+            "the signature does not match this path, {op} and user"
+        )))
     }
 }
 
@@ -122,7 +126,10 @@ pub(super) async fn serve(app: AppState, t: Target, req: Request) -> Response {
     let r = match *req.method() {
         Method::GET => download(app, t, req).await,
         Method::POST => upload(app, t, req).await,
-        _ => Err(E2bError::new(StatusCode::METHOD_NOT_ALLOWED, "/files takes GET or POST")),
+        _ => Err(E2bError::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "/files takes GET or POST",
+        )),
     };
     r.unwrap_or_else(IntoResponse::into_response)
 }
@@ -160,7 +167,11 @@ fn range(h: &HeaderMap, size: u64) -> Option<Result<(u64, u64), ()>> {
         (size.saturating_sub(n), size - 1)
     } else {
         let start: u64 = a.parse().ok()?;
-        let end = if b.is_empty() { size.saturating_sub(1) } else { b.parse::<u64>().ok()?.min(size.saturating_sub(1)) };
+        let end = if b.is_empty() {
+            size.saturating_sub(1)
+        } else {
+            b.parse::<u64>().ok()?.min(size.saturating_sub(1))
+        };
         if start >= size || end < start {
             return Some(Err(()));
         }
@@ -192,8 +203,9 @@ async fn download(app: AppState, t: Target, req: Request) -> Result<Response, E2
     let live = busy(&app, &t).await?;
     let agent = live.machine.agent.clone();
     let r = agent.read_file(&path).await;
-    let (entry, mut reader) =
-        crate::failed::result(&app, &live, r).await.map_err(|e| agent_error(e, &path))?;
+    let (entry, mut reader) = crate::failed::result(&app, &live, r)
+        .await
+        .map_err(|e| agent_error(e, &path))?;
     let size = entry.size;
     let wanted = range(req.headers(), size);
     if let Some(Err(())) = wanted {
@@ -216,7 +228,8 @@ async fn download(app: AppState, t: Target, req: Request) -> Result<Response, E2
             Some((a, b)) => (a, b - a + 1),
             None => (0, u64::MAX),
         };
-        let mut gz = gzip.then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
+        let mut gz =
+            gzip.then(|| flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast()));
         loop {
             let chunk = match reader.next_chunk().await {
                 Ok(Some(c)) => c,
@@ -260,7 +273,10 @@ async fn download(app: AppState, t: Target, req: Request) -> Result<Response, E2
     }));
     let mut resp = Response::new(body);
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/octet-stream"));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
     let name = entry.name.replace(['"', '\\', '\r', '\n'], "_");
     if let Ok(v) = HeaderValue::from_str(&format!("inline; filename=\"{name}\"")) {
         h.insert(header::CONTENT_DISPOSITION, v);
@@ -279,21 +295,22 @@ async fn download(app: AppState, t: Target, req: Request) -> Result<Response, E2
             }
         }
         None if !gzip => {
-            resp.headers_mut().insert(header::CONTENT_LENGTH, HeaderValue::from(size));
+            resp.headers_mut()
+                .insert(header::CONTENT_LENGTH, HeaderValue::from(size));
         }
         None => {}
     }
     Ok(resp)
 }
 
+/// Chunks of a file on their way to the machine (an error aborts the write).
+type Chunks = mpsc::Sender<Result<Bytes, std::io::Error>>;
+/// A file write in the machine, answering the file's entry.
+type WriteTask =
+    tokio::task::JoinHandle<Result<locker_types::Entry, locker_runtime::agent::AgentClientError>>;
+
 /// Writes one file from chunks sent on the returned sender; the task answers its entry.
-fn start_write(
-    agent: locker_runtime::agent::AgentClient,
-    path: String,
-) -> (
-    mpsc::Sender<Result<Bytes, std::io::Error>>,
-    tokio::task::JoinHandle<Result<locker_types::Entry, locker_runtime::agent::AgentClientError>>,
-) {
+fn start_write(agent: locker_runtime::agent::AgentClient, path: String) -> (Chunks, WriteTask) {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
     let reader = channel_reader(rx);
     let task = tokio::spawn(async move { agent.write_file(&path, None, reader).await });
@@ -304,9 +321,10 @@ fn start_write(
 pub(super) fn channel_reader(
     rx: mpsc::Receiver<Result<Bytes, std::io::Error>>,
 ) -> impl tokio::io::AsyncRead + Unpin + Send {
-    tokio_util::io::StreamReader::new(Box::pin(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (b, rx))
-    })))
+    tokio_util::io::StreamReader::new(Box::pin(futures_util::stream::unfold(
+        rx,
+        |mut rx| async move { rx.recv().await.map(|b| (b, rx)) },
+    )))
 }
 
 /// Inflates gzip a little at a time, counting against [`MAX_INFLATED`].
@@ -332,23 +350,33 @@ impl Inflate {
     ) -> Result<(), E2bError> {
         while !data.is_empty() {
             let n = data.len().min(4096);
-            self.dec
-                .write_all(&data[..n])
-                .map_err(|e| E2bError::bad_request(format!("the gzip body is not valid gzip: {e}")))?;
+            self.dec.write_all(&data[..n]).map_err(|e| {
+                E2bError::bad_request(format!("the gzip body is not valid gzip: {e}"))
+            })?;
             data = &data[n..];
             self.flush_out(out).await?;
         }
         Ok(())
     }
 
-    async fn flush_out(&mut self, out: &mpsc::Sender<Result<Bytes, std::io::Error>>) -> Result<(), E2bError> {
+    async fn flush_out(
+        &mut self,
+        out: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+    ) -> Result<(), E2bError> {
         let chunk = std::mem::take(self.dec.get_mut());
         self.total += chunk.len() as u64;
         if self.total > MAX_INFLATED {
-            let _ = out.send(Err(std::io::Error::other("gzip body inflates past the limit"))).await;
+            let _ = out
+                .send(Err(std::io::Error::other(
+                    "gzip body inflates past the limit",
+                )))
+                .await;
             return Err(E2bError::new(
                 StatusCode::PAYLOAD_TOO_LARGE,
-                format!("the gzip body inflates to more than {} GiB", MAX_INFLATED >> 30),
+                format!(
+                    "the gzip body inflates to more than {} GiB",
+                    MAX_INFLATED >> 30
+                ),
             ));
         }
         if !chunk.is_empty() {
@@ -357,7 +385,10 @@ impl Inflate {
         Ok(())
     }
 
-    async fn finish(mut self, out: &mpsc::Sender<Result<Bytes, std::io::Error>>) -> Result<(), E2bError> {
+    async fn finish(
+        mut self,
+        out: &mpsc::Sender<Result<Bytes, std::io::Error>>,
+    ) -> Result<(), E2bError> {
         self.dec
             .try_finish()
             .map_err(|e| E2bError::bad_request(format!("the gzip body is truncated: {e}")))?;
@@ -366,7 +397,11 @@ impl Inflate {
 }
 
 fn content_encoding_gzip(h: &HeaderMap) -> Result<bool, E2bError> {
-    match h.get(header::CONTENT_ENCODING).and_then(|v| v.to_str().ok()).map(str::trim) {
+    match h
+        .get(header::CONTENT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+    {
         None | Some("") | Some("identity") => Ok(false),
         Some(v) if v.eq_ignore_ascii_case("gzip") => Ok(true),
         Some(v) => Err(E2bError::new(
@@ -387,7 +422,12 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_owned();
-    let mt = ct.split(';').next().unwrap_or("").trim().to_ascii_lowercase();
+    let mt = ct
+        .split(';')
+        .next()
+        .unwrap_or("")
+        .trim()
+        .to_ascii_lowercase();
     let live = busy(&app, &t).await?;
     let written = if mt == "multipart/form-data" {
         let boundary = ct
@@ -406,7 +446,9 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
     } else if mt == "application/octet-stream" || mt.is_empty() {
         let raw = q.path.clone().unwrap_or_default();
         if raw.is_empty() {
-            return Err(E2bError::bad_request("`path` is required for an octet-stream upload"));
+            return Err(E2bError::bad_request(
+                "`path` is required for an octet-stream upload",
+            ));
         }
         let path = resolve_path(&user, &raw).map_err(E2bError::bad_request)?;
         let (tx, task) = start_write(live.machine.agent.clone(), path.clone());
@@ -414,7 +456,8 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
         let mut inflate = gzip.then(Inflate::new);
         let fed: Result<(), E2bError> = async {
             while let Some(chunk) = body.next().await {
-                let chunk = chunk.map_err(|e| E2bError::bad_request(format!("reading the body: {e}")))?;
+                let chunk =
+                    chunk.map_err(|e| E2bError::bad_request(format!("reading the body: {e}")))?;
                 match &mut inflate {
                     Some(i) => i.feed(&chunk, &tx).await?,
                     None => {
@@ -441,7 +484,9 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
     } else {
         return Err(E2bError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            format!("Content-Type {mt:?}: upload with multipart/form-data or application/octet-stream"),
+            format!(
+                "Content-Type {mt:?}: upload with multipart/form-data or application/octet-stream"
+            ),
         ));
     };
     let list: Vec<_> = written
@@ -454,13 +499,18 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
 async fn finish_write(
     app: &AppState,
     live: &Busy,
-    task: tokio::task::JoinHandle<Result<locker_types::Entry, locker_runtime::agent::AgentClientError>>,
+    task: WriteTask,
     path: &str,
 ) -> Result<locker_types::Entry, E2bError> {
-    let r = task
+    let r = task.await.map_err(|e| {
+        E2bError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("the write task failed: {e}"),
+        )
+    })?;
+    crate::failed::result(app, live, r)
         .await
-        .map_err(|e| E2bError::new(StatusCode::INTERNAL_SERVER_ERROR, format!("the write task failed: {e}")))?;
-    crate::failed::result(app, live, r).await.map_err(|e| agent_error(e, path))
+        .map_err(|e| agent_error(e, path))
 }
 
 /// Streams a multipart body: each part with a file goes to its own file (the `path`
@@ -497,7 +547,9 @@ async fn multipart(
             break;
         }
         if !p.buf.starts_with(b"\r\n") {
-            return Err(E2bError::bad_request("multipart: a boundary line must end with CRLF"));
+            return Err(E2bError::bad_request(
+                "multipart: a boundary line must end with CRLF",
+            ));
         }
         p.buf.advance(2);
         let headers = p.take_until(b"\r\n\r\n", MAX_PART_HEADERS).await?;
@@ -556,7 +608,11 @@ fn part_filename(headers: &str) -> Option<String> {
     } else {
         rest.split(';').next().unwrap_or("").trim()
     };
-    Some(name.replace("%22", "\"").replace("%0D", "\r").replace("%0A", "\n"))
+    Some(
+        name.replace("%22", "\"")
+            .replace("%0D", "\r")
+            .replace("%0A", "\n"),
+    )
 }
 
 struct Parts {
@@ -586,7 +642,9 @@ impl Parts {
     async fn fill(&mut self, n: usize) -> Result<(), E2bError> {
         while self.buf.len() < n {
             if !self.more().await? {
-                return Err(E2bError::bad_request("multipart: the body ends before its closing boundary"));
+                return Err(E2bError::bad_request(
+                    "multipart: the body ends before its closing boundary",
+                ));
             }
         }
         Ok(())
@@ -604,10 +662,14 @@ impl Parts {
                 return Ok(());
             }
             if self.buf.len() > limit {
-                return Err(E2bError::bad_request("multipart: no boundary where one was expected"));
+                return Err(E2bError::bad_request(
+                    "multipart: no boundary where one was expected",
+                ));
             }
             if !self.more().await? {
-                return Err(E2bError::bad_request("multipart: the body holds no boundary"));
+                return Err(E2bError::bad_request(
+                    "multipart: the body holds no boundary",
+                ));
             }
         }
     }
@@ -621,10 +683,14 @@ impl Parts {
                 return Ok(out);
             }
             if self.buf.len() > limit {
-                return Err(E2bError::bad_request("multipart: a part's headers are too long"));
+                return Err(E2bError::bad_request(
+                    "multipart: a part's headers are too long",
+                ));
             }
             if !self.more().await? {
-                return Err(E2bError::bad_request("multipart: the body ends inside a part's headers"));
+                return Err(E2bError::bad_request(
+                    "multipart: the body ends inside a part's headers",
+                ));
             }
         }
     }
@@ -649,11 +715,16 @@ impl Parts {
             if self.buf.len() > keep {
                 let chunk = self.buf.split_to(self.buf.len() - keep).freeze();
                 if out.send(Ok(chunk)).await.is_err() {
-                    return Err(E2bError::new(StatusCode::BAD_GATEWAY, "the machine stopped taking the file"));
+                    return Err(E2bError::new(
+                        StatusCode::BAD_GATEWAY,
+                        "the machine stopped taking the file",
+                    ));
                 }
             }
             if !self.more().await? {
-                return Err(E2bError::bad_request("multipart: the body ends inside a part"));
+                return Err(E2bError::bad_request(
+                    "multipart: the body ends inside a part",
+                ));
             }
         }
     }

@@ -98,7 +98,9 @@ pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request
     };
     let body = req.into_body();
     if shape == Shape::ServerStream {
-        return watch_dir(app, t, user, body).await.unwrap_or_else(stream_error);
+        return watch_dir(app, t, user, body)
+            .await
+            .unwrap_or_else(stream_error);
     }
     let call = unary(app, t, user, &method, body);
     let r = match timeout {
@@ -181,7 +183,11 @@ async fn unary(
             let live = busy(&app, &t).await?;
             let agent = &live.machine.agent;
             if let Ok(e) = agent.stat(&path).await {
-                let what = if e.kind == EntryType::Dir { "directory" } else { "file" };
+                let what = if e.kind == EntryType::Dir {
+                    "directory"
+                } else {
+                    "file"
+                };
                 return Err(ConnectError::new(
                     Code::AlreadyExists,
                     format!("{what} {path} already exists"),
@@ -206,7 +212,9 @@ async fn unary(
             let agent = &live.machine.agent;
             let dir = result(&app, &live, agent.stat(&path).await).await?;
             if dir.kind != EntryType::Dir {
-                return Err(ConnectError::invalid(format!("path {path} is not a directory")));
+                return Err(ConnectError::invalid(format!(
+                    "path {path} is not a directory"
+                )));
             }
             let entries = result(&app, &live, agent.list(&path, depth).await).await?;
             let list: Vec<Value> = entries.iter().map(entry_json).collect();
@@ -216,7 +224,9 @@ async fn unary(
             let m: PathRequest = connect::read_unary("filesystem.RemoveRequest", body).await?;
             let path = path_of(&user, &m.path, "path")?;
             if path == "/" {
-                return Err(ConnectError::invalid("refusing to remove the machine's root"));
+                return Err(ConnectError::invalid(
+                    "refusing to remove the machine's root",
+                ));
             }
             let live = busy(&app, &t).await?;
             match live.machine.agent.remove(&path, true).await {
@@ -231,7 +241,8 @@ async fn unary(
             }
         }
         "CreateWatcher" => {
-            let m: WatchRequest = connect::read_unary("filesystem.CreateWatcherRequest", body).await?;
+            let m: WatchRequest =
+                connect::read_unary("filesystem.CreateWatcherRequest", body).await?;
             let path = path_of(&user, &m.path, "path")?;
             let live = busy(&app, &t).await?;
             let id = create_watcher(&app, &live, path, m).await?;
@@ -255,7 +266,10 @@ async fn unary(
                 connect::read_unary("filesystem.RemoveWatcherRequest", body).await?;
             let w = watcher(&t, &m.watcher_id)?;
             w.task.abort();
-            WATCHERS.lock().expect("watchers lock").remove(&m.watcher_id);
+            WATCHERS
+                .lock()
+                .expect("watchers lock")
+                .remove(&m.watcher_id);
             Ok(unary_ok(&json!({})))
         }
         _ => unreachable!("dispatched above"),
@@ -285,7 +299,9 @@ async fn open_watch(
     let agent = &live.machine.agent;
     let dir = result(app, live, agent.stat(path).await).await?;
     if dir.kind != EntryType::Dir {
-        return Err(ConnectError::invalid(format!("path {path} is not a directory")));
+        return Err(ConnectError::invalid(format!(
+            "path {path} is not a directory"
+        )));
     }
     let r = agent.watch(path, m.recursive).await;
     Ok(result(app, live, r).await?)
@@ -297,7 +313,9 @@ async fn watch_dir(
     user: String,
     body: axum::body::Body,
 ) -> Result<Response, ConnectError> {
-    let m: WatchRequest = Envelopes::new(body).single("filesystem.WatchDirRequest").await?;
+    let m: WatchRequest = Envelopes::new(body)
+        .single("filesystem.WatchDirRequest")
+        .await?;
     let path = path_of(&user, &m.path, "path")?;
     let live = busy(&app, &t).await?;
     let mut w = open_watch(&app, &live, &path, &m).await?;

@@ -59,7 +59,9 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
         return match path.strip_prefix("/process.Process/") {
             Some(m) => process::serve(app, t, m.to_owned(), req).await,
             None => {
-                let m = path.trim_start_matches("/filesystem.Filesystem/").to_owned();
+                let m = path
+                    .trim_start_matches("/filesystem.Filesystem/")
+                    .to_owned();
                 filesystem::serve(app, t, m, req).await
             }
         };
@@ -69,7 +71,9 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
             let live = &t.live;
             axum::Json(live.env.clone()).into_response()
         }
-        (_, "/envs") => E2bError::new(StatusCode::METHOD_NOT_ALLOWED, "/envs takes GET").into_response(),
+        (_, "/envs") => {
+            E2bError::new(StatusCode::METHOD_NOT_ALLOWED, "/envs takes GET").into_response()
+        }
         _ => E2bError::not_found(format!(
             "{} {path}: envd serves /process.Process/*, /filesystem.Filesystem/*, /files, \
              /health and /envs",
@@ -91,14 +95,21 @@ fn rpc_user(h: &HeaderMap) -> Result<String, ConnectError> {
         )
     };
     let v = v.to_str().map_err(|_| bad("not ASCII"))?.trim();
-    let Some(b64) = v.strip_prefix("Basic ").or_else(|| v.strip_prefix("basic ")) else {
+    let Some(b64) = v
+        .strip_prefix("Basic ")
+        .or_else(|| v.strip_prefix("basic "))
+    else {
         return Err(bad("not a Basic credential"));
     };
     let raw = crate::command::base64_decode(b64.trim()).map_err(|_| bad("not base64"))?;
     let text = String::from_utf8(raw).map_err(|_| bad("not UTF-8"))?;
     let user = text.split(':').next().unwrap_or("").trim().to_owned();
     check_user(&user).map_err(|m| bad(&m))?;
-    Ok(if user.is_empty() { DEFAULT_USER.into() } else { user })
+    Ok(if user.is_empty() {
+        DEFAULT_USER.into()
+    } else {
+        user
+    })
 }
 
 /// A user name as `/etc/passwd` has them (or a uid).

@@ -173,7 +173,9 @@ pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request
                 Some(d) => tokio::time::timeout(d, call).await.unwrap_or_else(|_| {
                     Err(ConnectError::new(
                         Code::DeadlineExceeded,
-                        format!("process.Process/{method} did not finish within Connect-Timeout-Ms"),
+                        format!(
+                            "process.Process/{method} did not finish within Connect-Timeout-Ms"
+                        ),
                     ))
                 }),
                 None => call.await,
@@ -198,14 +200,19 @@ async fn busy(app: &AppState, t: &Target) -> Result<Busy, ConnectError> {
 }
 
 /// The process a selector names, by pid: the newest with that pid, a running one first.
-async fn find(app: &AppState, live: &Busy, sel: Option<Selector>) -> Result<ProcessInfo, ConnectError> {
-    let sel = sel.ok_or_else(|| ConnectError::invalid("`process` (a selector with `pid`) is required"))?;
+async fn find(
+    app: &AppState,
+    live: &Busy,
+    sel: Option<Selector>,
+) -> Result<ProcessInfo, ConnectError> {
+    let sel =
+        sel.ok_or_else(|| ConnectError::invalid("`process` (a selector with `pid`) is required"))?;
     let pid = match (sel.pid, sel.tag) {
         (Some(pid), _) => pid,
         (None, Some(tag)) => {
             return Err(ConnectError::not_found(format!(
-                "process with tag {tag:?} not found: Locker finds processes by pid (tags are not kept)"
-            )))
+            "process with tag {tag:?} not found: Locker finds processes by pid (tags are not kept)"
+        )))
         }
         (None, None) => return Err(ConnectError::invalid("`process` must give a `pid`")),
     };
@@ -220,10 +227,17 @@ async fn find(app: &AppState, live: &Busy, sel: Option<Selector>) -> Result<Proc
 }
 
 /// A running process, else `not_found` (E2B forgets a process once it ends).
-async fn find_running(app: &AppState, live: &Busy, sel: Option<Selector>) -> Result<ProcessInfo, ConnectError> {
+async fn find_running(
+    app: &AppState,
+    live: &Busy,
+    sel: Option<Selector>,
+) -> Result<ProcessInfo, ConnectError> {
     let p = find(app, live, sel).await?;
     if p.result.is_some() {
-        return Err(ConnectError::not_found(format!("process with pid {} has ended", p.pid)));
+        return Err(ConnectError::not_found(format!(
+            "process with pid {} has ended",
+            p.pid
+        )));
     }
     Ok(p)
 }
@@ -235,7 +249,9 @@ fn pty_size(p: Option<Pty>) -> Result<Option<PtySize>, ConnectError> {
         match v {
             None | Some(0) => Ok(def),
             Some(n) if n <= 1000 => Ok(n as u16),
-            Some(n) => Err(ConnectError::invalid(format!("pty size {name} {n} is over 1000"))),
+            Some(n) => Err(ConnectError::invalid(format!(
+                "pty size {name} {n} is over 1000"
+            ))),
         }
     };
     Ok(Some(PtySize {
@@ -257,7 +273,9 @@ async fn start(
         .process
         .ok_or_else(|| ConnectError::invalid("`process` (cmd, args, envs, cwd) is required"))?;
     if p.cmd.is_empty() {
-        return Err(ConnectError::invalid("`process.cmd` (the program to run) is required"));
+        return Err(ConnectError::invalid(
+            "`process.cmd` (the program to run) is required",
+        ));
     }
     let cwd = match p.cwd.as_deref() {
         None | Some("") => None,
@@ -278,11 +296,12 @@ async fn start(
         ..Default::default()
     };
     let live = busy(&app, &t).await?;
-    let (proc_id, pid) = crate::processes::spawn_background(&app, &t.caller, &live, req, arrived, |s| {
-        s.stdin = stdin;
-        s.pty = pty;
-    })
-    .await?;
+    let (proc_id, pid) =
+        crate::processes::spawn_background(&app, &t.caller, &live, req, arrived, |s| {
+            s.stdin = stdin;
+            s.pty = pty;
+        })
+        .await?;
     let (out, resp) = stream_response();
     tokio::spawn(async move {
         if !out.send(&json!({"event": {"start": {"pid": pid}}})).await {
@@ -293,8 +312,14 @@ async fn start(
     Ok(resp)
 }
 
-async fn connect_to(app: AppState, t: Target, body: axum::body::Body) -> Result<Response, ConnectError> {
-    let msg: SelectRequest = Envelopes::new(body).single("process.ConnectRequest").await?;
+async fn connect_to(
+    app: AppState,
+    t: Target,
+    body: axum::body::Body,
+) -> Result<Response, ConnectError> {
+    let msg: SelectRequest = Envelopes::new(body)
+        .single("process.ConnectRequest")
+        .await?;
     let live = busy(&app, &t).await?;
     let p = find_running(&app, &live, msg.process).await?;
     let (out, resp) = stream_response();
@@ -339,7 +364,10 @@ async fn follow(app: &AppState, live: &Busy, proc_id: &str, pty: bool, out: Stre
     };
     let Some(res) = info.result else {
         return out
-            .end(Some(ConnectError::new(Code::Unavailable, "the process's output stream ended early")))
+            .end(Some(ConnectError::new(
+                Code::Unavailable,
+                "the process's output stream ended early",
+            )))
             .await;
     };
     let mut end = serde_json::Map::new();
@@ -357,15 +385,24 @@ async fn follow(app: &AppState, live: &Busy, proc_id: &str, pty: bool, out: Stre
     end.insert("status".into(), json!(status));
     let timed_out = res.reason == Reason::Timeout;
     if timed_out {
-        end.insert("error".into(), json!("the process ran past Connect-Timeout-Ms and was killed"));
+        end.insert(
+            "error".into(),
+            json!("the process ran past Connect-Timeout-Ms and was killed"),
+        );
     } else if res.reason == Reason::OutputLimit {
-        end.insert("error".into(), json!("the process wrote more output than the machine keeps and was killed"));
+        end.insert(
+            "error".into(),
+            json!("the process wrote more output than the machine keeps and was killed"),
+        );
     }
     if !out.send(&json!({"event": {"end": end}})).await {
         return;
     }
     let err = timed_out.then(|| {
-        ConnectError::new(Code::DeadlineExceeded, "the process ran past Connect-Timeout-Ms and was killed")
+        ConnectError::new(
+            Code::DeadlineExceeded,
+            "the process ran past Connect-Timeout-Ms and was killed",
+        )
     });
     out.end(err).await;
 }
@@ -380,7 +417,12 @@ async fn send_data(out: &StreamOut, chan: Chan, bytes: &[u8], pty: bool) -> bool
     out.send(&json!({"event": {"data": {key: b64}}})).await
 }
 
-async fn unary(app: AppState, t: Target, method: &str, body: axum::body::Body) -> Result<Response, ConnectError> {
+async fn unary(
+    app: AppState,
+    t: Target,
+    method: &str,
+    body: axum::body::Body,
+) -> Result<Response, ConnectError> {
     let empty = json!({});
     match method {
         "List" => {
@@ -404,7 +446,11 @@ async fn unary(app: AppState, t: Target, method: &str, body: axum::body::Body) -
             let data = match (input.stdin, input.pty) {
                 (Some(s), _) | (None, Some(s)) => locker_types::base64::decode(&s)
                     .map_err(|e| ConnectError::invalid(format!("`input`: not base64: {e}")))?,
-                (None, None) => return Err(ConnectError::invalid("`input` needs `stdin` or `pty` (base64)")),
+                (None, None) => {
+                    return Err(ConnectError::invalid(
+                        "`input` needs `stdin` or `pty` (base64)",
+                    ))
+                }
             };
             let live = busy(&app, &t).await?;
             let p = find_running(&app, &live, m.process).await?;
@@ -425,7 +471,8 @@ async fn unary(app: AppState, t: Target, method: &str, body: axum::body::Body) -
             Ok(unary_ok(&empty))
         }
         "SendSignal" => {
-            let m: SendSignalRequest = connect::read_unary("process.SendSignalRequest", body).await?;
+            let m: SendSignalRequest =
+                connect::read_unary("process.SendSignalRequest", body).await?;
             let sig = match m.signal.as_deref() {
                 Some("SIGNAL_SIGKILL") | Some("9") => libc::SIGKILL,
                 Some("SIGNAL_SIGTERM") | Some("15") => libc::SIGTERM,
@@ -443,7 +490,10 @@ async fn unary(app: AppState, t: Target, method: &str, body: axum::body::Body) -
                 Err(locker_runtime::agent::AgentClientError::Agent(e))
                     if e.code == locker_proto::ErrorCode::Conflict =>
                 {
-                    Err(ConnectError::not_found(format!("process with pid {} has ended", p.pid)))
+                    Err(ConnectError::not_found(format!(
+                        "process with pid {} has ended",
+                        p.pid
+                    )))
                 }
                 Err(e) => Err(crate::failed::check(&app, &live, e).await.into()),
             }
@@ -489,14 +539,27 @@ async fn write_stdin(
 
 /// `StreamInput`: a `start` message naming the process, then `data` messages whose bytes
 /// go to its stdin (or terminal) as they come, in one agent write.
-async fn stream_input(app: AppState, t: Target, body: axum::body::Body) -> Result<(), ConnectError> {
+async fn stream_input(
+    app: AppState,
+    t: Target,
+    body: axum::body::Body,
+) -> Result<(), ConnectError> {
     let mut env = Envelopes::new(body);
-    let first: Option<StreamInputRequest> =
-        tokio::time::timeout(connect::REQUEST_DEADLINE, env.next("process.StreamInputRequest"))
-            .await
-            .map_err(|_| ConnectError::new(Code::DeadlineExceeded, "no `start` message arrived in time"))??;
-    let Some(StreamInputRequest { start: Some(start), .. }) = first else {
-        return Err(ConnectError::invalid("the first StreamInput message must be `start` (naming the process)"));
+    let first: Option<StreamInputRequest> = tokio::time::timeout(
+        connect::REQUEST_DEADLINE,
+        env.next("process.StreamInputRequest"),
+    )
+    .await
+    .map_err(|_| {
+        ConnectError::new(Code::DeadlineExceeded, "no `start` message arrived in time")
+    })??;
+    let Some(StreamInputRequest {
+        start: Some(start), ..
+    }) = first
+    else {
+        return Err(ConnectError::invalid(
+            "the first StreamInput message must be `start` (naming the process)",
+        ));
     };
     let live = busy(&app, &t).await?;
     let p = find_running(&app, &live, start.process).await?;
@@ -504,19 +567,27 @@ async fn stream_input(app: AppState, t: Target, body: axum::body::Body) -> Resul
     let reader = super::files::channel_reader(rx);
     let feed = async move {
         loop {
-            match env.next::<StreamInputRequest>("process.StreamInputRequest").await {
+            match env
+                .next::<StreamInputRequest>("process.StreamInputRequest")
+                .await
+            {
                 Ok(None) => return Ok(()),
                 Ok(Some(m)) => {
                     if let Some(d) = m.data {
                         let input = d.input.unwrap_or_default();
-                        let Some(s) = input.stdin.or(input.pty) else { continue };
-                        let bytes = locker_types::base64::decode(&s)
-                            .map_err(|e| ConnectError::invalid(format!("`data.input`: not base64: {e}")))?;
+                        let Some(s) = input.stdin.or(input.pty) else {
+                            continue;
+                        };
+                        let bytes = locker_types::base64::decode(&s).map_err(|e| {
+                            ConnectError::invalid(format!("`data.input`: not base64: {e}"))
+                        })?;
                         if tx.send(Ok(Bytes::from(bytes))).await.is_err() {
                             return Ok(());
                         }
                     } else if m.start.is_some() {
-                        return Err(ConnectError::invalid("`start` may only be the first message"));
+                        return Err(ConnectError::invalid(
+                            "`start` may only be the first message",
+                        ));
                     }
                     let _ = m.keepalive;
                 }
@@ -530,5 +601,4 @@ async fn stream_input(app: AppState, t: Target, body: axum::body::Body) -> Resul
     let (fed, written) = tokio::join!(feed, write_stdin(&app, &live, &p, reader, false));
     fed?;
     written
-
 }
