@@ -178,6 +178,11 @@ def files(sbx):
     )
     eq(sorted(w.path for w in written), ["/home/user/c.txt", "/tmp/many/a.txt", "/tmp/many/sub/b.txt"], "write_files")
     eq(f.read("/tmp/many/sub/b.txt"), "B", "write_files content")
+    # What a call creates is its user's: files and the directories made for them.
+    r = sbx.commands.run("stat -c %U /tmp/many /tmp/many/sub /tmp/many/sub/b.txt; echo more >> c.txt; cat c.txt")
+    eq(r.stdout, "user\nuser\nuser\nCmore\n", "owners")
+    f.write("/root/r.txt", "r", user="root")
+    eq(sbx.commands.run("stat -c %U /root/r.txt", user="root").stdout, "root\n", "root's file")
     ok("write_files")
 
     names = sorted(e.name for e in f.list("/tmp/many"))
@@ -207,7 +212,7 @@ def files(sbx):
     f.make_dir("/tmp/watched")
     w = f.watch_dir("/tmp/watched")
     f.write("/tmp/watched/new.txt", "x")
-    sbx.commands.run("echo more >> /tmp/watched/new.txt; rm /tmp/watched/new.txt", user="root")
+    sbx.commands.run("echo more >> /tmp/watched/new.txt; rm /tmp/watched/new.txt")
     time.sleep(1)
     events = w.get_new_events()
     w.stop()

@@ -551,6 +551,7 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
         Request::List { path, depth } => crate::files::list(agent, s, &path, depth),
         Request::Stat { path } => crate::files::stat(agent, s, &path),
         Request::Mkdir { path } => crate::files::mkdir(agent, s, &path),
+        Request::Chown { path, user } => crate::files::chown(agent, s, &path, &user),
         Request::Move { from, to } => crate::files::rename(agent, s, &from, &to),
         Request::Remove { path, recursive } => crate::files::remove(agent, s, &path, recursive),
         Request::Refresh {

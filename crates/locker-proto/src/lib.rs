@@ -312,6 +312,9 @@ pub enum Request {
     Mkdir { path: String },
     /// `End(Entry)` of the destination.
     Move { from: String, to: String },
+    /// Give `path` (a final link itself, not its target) to `user` and the user's primary
+    /// group. `End(Ok)`.
+    Chown { path: String, user: UserSpec },
     /// `End(Ok)`. A non-empty directory needs `recursive`.
     Remove { path: String, recursive: bool },
     /// The whole machine's CPU and peak memory so far: `End(Usage)`.

@@ -158,6 +158,20 @@ impl AgentClient {
             .await
     }
 
+    /// Gives `path` (a final link itself) to `user` and the user's primary group.
+    pub async fn chown(&self, path: &str, user: &str) -> Result<()> {
+        match self
+            .call(Request::Chown {
+                path: path.into(),
+                user: user.into(),
+            })
+            .await?
+        {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("Chown", &other)),
+        }
+    }
+
     /// Renames `from` to `to` (the files API's move); returns the destination's entry.
     pub async fn rename(&self, from: &str, to: &str) -> Result<Entry> {
         self.entry_call(

@@ -451,6 +451,7 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
             ));
         }
         let path = resolve_path(&user, &raw).map_err(E2bError::bad_request)?;
+        let made = super::missing_dirs(&live.machine.agent, &path, false).await;
         let (tx, task) = start_write(live.machine.agent.clone(), path.clone());
         let mut body = req.into_body().into_data_stream();
         let mut inflate = gzip.then(Inflate::new);
@@ -480,7 +481,9 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
             return Err(e);
         }
         drop(tx);
-        vec![finish_write(&app, &live, task, &path).await?]
+        let entry = finish_write(&app, &live, task, &path).await?;
+        own(&app, &live, &user, &made, &path).await?;
+        vec![entry]
     } else {
         return Err(E2bError::new(
             StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -511,6 +514,22 @@ async fn finish_write(
     crate::failed::result(app, live, r)
         .await
         .map_err(|e| agent_error(e, path))
+}
+
+/// Gives a written file and the directories made for it to the call's user.
+async fn own(
+    app: &AppState,
+    live: &Busy,
+    user: &str,
+    made: &[String],
+    file: &str,
+) -> Result<(), E2bError> {
+    let mut paths = made.to_vec();
+    paths.push(file.to_owned());
+    let r = super::give_to(&live.machine.agent, user, &paths).await;
+    crate::failed::result(app, live, r)
+        .await
+        .map_err(|e| agent_error(e, file))
 }
 
 /// Streams a multipart body: each part with a file goes to its own file (the `path`
@@ -575,6 +594,7 @@ async fn multipart(
                 ))
             }
         };
+        let made = super::missing_dirs(&live.machine.agent, &dest, false).await;
         let (tx, task) = start_write(live.machine.agent.clone(), dest.clone());
         let streamed = p.stream_until(delim.as_bytes(), &tx).await;
         if let Err(e) = streamed {
@@ -589,6 +609,7 @@ async fn multipart(
         }
         drop(tx);
         written.push(finish_write(app, live, task, &dest).await?);
+        own(app, live, user, &made, &dest).await?;
     }
     if written.is_empty() {
         return Err(E2bError::bad_request("multipart: the body holds no file"));

@@ -193,7 +193,10 @@ async fn unary(
                     format!("{what} {path} already exists"),
                 ));
             }
+            let made = super::missing_dirs(agent, &path, true).await;
             let e = result(&app, &live, agent.mkdir(&path).await).await?;
+            let r = super::give_to(agent, &user, &made).await;
+            result(&app, &live, r).await?;
             Ok(unary_ok(&json!({"entry": entry_json(&e)})))
         }
         "Move" => {

@@ -11,11 +11,14 @@
 //!
 //! Users: an RPC names its user with `Authorization: Basic base64("<user>:")`, a `/files`
 //! call with `?username=`; without either it runs as E2B's default user `user`. Relative
-//! paths resolve against that user's home (`/root` or `/home/<user>`).
+//! paths resolve against that user's home (`/root` or `/home/<user>`), and what a call
+//! creates (files, directories and their missing parents) is given to that user.
 
 use axum::extract::Request;
 use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
+
+use locker_runtime::agent::{AgentClient, AgentClientError};
 
 use super::{E2bError, Target};
 use crate::state::AppState;
@@ -112,6 +115,54 @@ fn rpc_user(h: &HeaderMap) -> Result<String, ConnectError> {
     })
 }
 
+/// The directories among `path`'s parents (and `path` itself with `itself`) that do not
+/// exist yet, outermost first: what a write or a mkdir is about to create.
+async fn missing_dirs(agent: &AgentClient, path: &str, itself: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = if itself {
+        path.to_owned()
+    } else {
+        parent_of(path)
+    };
+    // Bounded: a path has at most 4096 bytes, so at most 2048 components.
+    while cur != "/" {
+        match agent.stat(&cur).await {
+            Err(locker_runtime::agent::AgentClientError::Agent(e))
+                if e.code == locker_proto::ErrorCode::NotFound =>
+            {
+                out.push(cur.clone());
+                cur = parent_of(&cur);
+            }
+            _ => break,
+        }
+    }
+    out.reverse();
+    out
+}
+
+fn parent_of(p: &str) -> String {
+    match p.rfind('/') {
+        Some(0) | None => "/".into(),
+        Some(i) => p[..i].to_owned(),
+    }
+}
+
+/// Gives what a call created to its user, as envd does (files belong to whoever made
+/// them); root's are root's already.
+async fn give_to(
+    agent: &AgentClient,
+    user: &str,
+    paths: &[String],
+) -> Result<(), AgentClientError> {
+    if user == "root" || user == "0" {
+        return Ok(());
+    }
+    for p in paths {
+        agent.chown(p, user).await?;
+    }
+    Ok(())
+}
+
 /// A user name as `/etc/passwd` has them (or a uid).
 fn check_user(u: &str) -> Result<(), String> {
     if u.len() > 64
@@ -172,6 +223,12 @@ mod tests {
         assert_eq!(resolve_path("user", "/../../etc").unwrap(), "/etc");
         assert_eq!(resolve_path("user", "/").unwrap(), "/");
         assert!(resolve_path("user", "a\0b").is_err());
+    }
+
+    #[test]
+    fn parents() {
+        assert_eq!(parent_of("/a/b"), "/a");
+        assert_eq!(parent_of("/a"), "/");
     }
 
     #[test]
