@@ -756,8 +756,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn signatures_match_the_sdk() {
-        // hashlib.sha256(b"/a:read::tok").digest(), base64 without padding.
+    fn signatures_depend_on_every_part() {
+        // The SDK's own signatures are checked end to end (tests/e2b_envd.rs signs a URL
+        // with Python's hashlib, as `e2b/sandbox/signature.py` does).
         let s = signature("/a", "read", "", "tok", None);
         assert!(s.starts_with("v1_") && !s.ends_with('='));
         assert_ne!(s, signature("/a", "write", "", "tok", None));
