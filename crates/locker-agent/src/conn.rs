@@ -540,6 +540,7 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
         Request::Spawn(spec) => crate::procs::spawn(agent, s, spec),
         Request::ListProcesses => crate::procs::list(agent, s),
         Request::GetProcess { id } => crate::procs::get(agent, s, &id),
+        Request::ResizeProcess { id, size } => crate::procs::resize(agent, s, &id, size),
         Request::ProcessOutput { id, follow } => crate::procs::output(agent, s, &id, follow),
         Request::ProcessStdin { id } => crate::procs::stdin(agent, s, &id),
         Request::SignalProcess { id, signal } => crate::procs::signal(agent, s, &id, signal),
@@ -550,6 +551,7 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
         Request::List { path, depth } => crate::files::list(agent, s, &path, depth),
         Request::Stat { path } => crate::files::stat(agent, s, &path),
         Request::Mkdir { path } => crate::files::mkdir(agent, s, &path),
+        Request::Chown { path, user } => crate::files::chown(agent, s, &path, &user),
         Request::Move { from, to } => crate::files::rename(agent, s, &from, &to),
         Request::Remove { path, recursive } => crate::files::remove(agent, s, &path, recursive),
         Request::Refresh {
@@ -587,6 +589,7 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
             )),
         },
         Request::ListPorts => crate::ports::list(s),
+        Request::Watch { path, recursive } => crate::watch::watch(agent, s, &path, recursive),
         Request::Connect { port } => crate::ports::connect(agent, s, port),
         Request::Flush => {
             locker_sys::host::sync();

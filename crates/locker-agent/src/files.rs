@@ -382,6 +382,22 @@ pub fn stat(agent: &Agent, s: &Stream, path: &str) {
     }
 }
 
+/// Serves `Request::Chown`.
+pub fn chown(agent: &Agent, s: &Stream, path: &str, user: &str) {
+    let r = (|| {
+        let u = crate::users::resolve(Some(user)).map_err(bad)?;
+        let p = CleanPath::parse(path)?;
+        let shown = p.display();
+        let fd = open(agent, &p.comps, libc::O_PATH | libc::O_NOFOLLOW)
+            .map_err(|e| os_err("chown", &shown, e))?;
+        sys::fchown_empty(fd.as_raw_fd(), u.uid, u.gid).map_err(|e| os_err("chown", &shown, e))
+    })();
+    match r {
+        Ok(()) => s.end(EndBody::Ok),
+        Err(e) => s.fail(e),
+    }
+}
+
 /// Serves `Request::Mkdir`.
 pub fn mkdir(agent: &Agent, s: &Stream, path: &str) {
     let r = CleanPath::parse(path).and_then(|p| {

@@ -40,6 +40,7 @@ mod sys;
 mod users;
 mod view;
 mod vm;
+mod watch;
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::os::unix::net::UnixListener;

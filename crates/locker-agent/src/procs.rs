@@ -48,6 +48,8 @@ struct Proc {
     argv: Vec<String>,
     started_at: String,
     stdin: Mutex<Option<File>>,
+    /// The terminal's master side, for resizes (a process started with `pty`).
+    pty: Option<File>,
     events: Mutex<Sender<Event>>,
     cgroup: Option<Arc<CmdCgroup>>,
     progress: Arc<(Mutex<Progress>, Condvar)>,
@@ -73,6 +75,7 @@ impl Proc {
             .into(),
             started_at: self.started_at.clone(),
             result,
+            pty: self.pty.is_some(),
         }
     }
 }
@@ -146,6 +149,7 @@ pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
         argv: prep.argv.clone(),
         started_at: now_rfc3339(),
         stdin: Mutex::new(stdin),
+        pty: run.pty_master.as_ref().and_then(|m| m.try_clone().ok()),
         events: Mutex::new(run.events_tx.clone()),
         cgroup: run.cgroup.clone(),
         progress: progress.clone(),
@@ -376,4 +380,26 @@ pub fn signal(agent: &Agent, s: &Stream, id: &str, sig: i32) {
         }
     }
     s.end(EndBody::Ok);
+}
+
+/// Serves `Request::ResizeProcess`.
+pub fn resize(agent: &Agent, s: &Stream, id: &str, size: locker_proto::PtySize) {
+    let p = match find(agent, id) {
+        Ok(p) => p,
+        Err(e) => return s.fail(e),
+    };
+    let Some(master) = &p.pty else {
+        return s.fail(AgentError::new(
+            ErrorCode::BadRequest,
+            format!("{id} does not run on a terminal: only a pty process can be resized"),
+        ));
+    };
+    use std::os::fd::AsRawFd;
+    match sys::set_winsize(master.as_raw_fd(), size.cols.max(1), size.rows.max(1)) {
+        Ok(()) => s.end(EndBody::Ok),
+        Err(e) => s.fail(AgentError::new(
+            ErrorCode::Conflict,
+            format!("resizing the terminal of {id}: {e}"),
+        )),
+    }
 }

@@ -19,9 +19,9 @@ use std::io;
 use std::os::fd::RawFd;
 
 pub use locker_sys::fd::{
-    cloexec_from_3 as cloexec_inherited, fchmod, fs_type, fstat, fsync, linkat, lstatat, mkdirat,
-    open_beneath, open_in_root, openat, read, read_dir_names, readlinkat, set_cloexec, symlinkat,
-    syncfs,
+    cloexec_from_3 as cloexec_inherited, fchmod, fchown_empty, fs_type, fstat, fsync, linkat,
+    lstatat, mkdirat, open_beneath, open_in_root, openat, read, read_dir_names, readlinkat,
+    set_cloexec, symlinkat, syncfs,
 };
 pub use locker_sys::host::{geteuid, memory as host_memory};
 pub use locker_sys::net::configure as configure_net;

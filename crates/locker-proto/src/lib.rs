@@ -278,6 +278,9 @@ pub enum Request {
     ListProcesses,
     /// `End(Process)`.
     GetProcess { id: String },
+    /// Resize the terminal of a background process started with `pty`. `End(Ok)`; a
+    /// process without a terminal is `BadRequest`.
+    ResizeProcess { id: String, size: PtySize },
     /// Replay a background process's output from its start as `Data`, then (with `follow`)
     /// what comes until it ends; `End(Process)`.
     ProcessOutput { id: String, follow: bool },
@@ -309,6 +312,9 @@ pub enum Request {
     Mkdir { path: String },
     /// `End(Entry)` of the destination.
     Move { from: String, to: String },
+    /// Give `path` (a final link itself, not its target) to `user` and the user's primary
+    /// group. `End(Ok)`.
+    Chown { path: String, user: UserSpec },
     /// `End(Ok)`. A non-empty directory needs `recursive`.
     Remove { path: String, recursive: bool },
     /// The whole machine's CPU and peak memory so far: `End(Usage)`.
@@ -324,6 +330,11 @@ pub enum Request {
     },
     /// Flush every filesystem of the machine to its disks (before a snapshot). `End(Ok)`.
     Flush,
+    /// Watch a directory (and, `recursive`, the directories under it) with inotify:
+    /// `Msg(Entry)` of the directory once it is watched, then batches of [`FsEvent`] as
+    /// JSON arrays, one a line, as `Data` on `Chan::Stdout`, until `Cancel`; `End(Ok)` when
+    /// the directory itself goes.
+    Watch { path: String, recursive: bool },
     /// The TCP ports listening in the machine now: `End(Ports)`.
     ListPorts,
     /// A byte tunnel to `127.0.0.1:port` (else `[::1]:port`) in the machine, for the host's
@@ -368,6 +379,25 @@ pub enum Reply {
     Connected { address: String },
 }
 
+/// A change inside a watched directory; `name` is relative to it (empty: the kernel's
+/// event queue overflowed and events were lost).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FsEvent {
+    pub name: String,
+    pub op: FsOp,
+}
+
+/// What happened to a watched entry.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FsOp {
+    Create,
+    Write,
+    Remove,
+    Rename,
+    Chmod,
+}
+
 /// A TCP port listening in the machine.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PortInfo {
@@ -396,6 +426,10 @@ pub struct ProcessInfo {
     pub state: String,
     pub started_at: String,
     pub result: Option<ExecResult>,
+    /// Whether it runs on a terminal (its output is the terminal's, on stdout). Absent
+    /// from an agent of an earlier release.
+    #[serde(default, skip_serializing_if = "is_false")]
+    pub pty: bool,
 }
 
 /// Error classes the agent reports; the host maps them onto HTTP statuses.
@@ -758,6 +792,7 @@ mod tests {
             state: "running".into(),
             started_at: locker_types::rfc3339(0),
             result: None,
+            pty: false,
         };
         roundtrip(Frame::Msg {
             stream: 7,

@@ -55,19 +55,37 @@ async fn start(
 ) -> Result<impl IntoResponse, ApiError> {
     let arrived = Instant::now();
     let live = live_of(&app, &caller, &id).await?;
+    // Background processes keep a stdin pipe for later writes unless the body gave stdin.
+    let (proc_id, pid) = spawn_background(&app, &caller, &live, req, arrived, |spec| {
+        spec.stdin = true;
+    })
+    .await?;
+    Ok(axum::Json(json!({"id": proc_id, "pid": pid})))
+}
+
+/// Starts a background process from an exec body (its id and pid) and records its call
+/// when it ends: the one way in for Locker's own route and other protocols' (E2B's
+/// `process.Process/Start`). `adjust` sets what the body cannot say (stdin, a terminal).
+pub(crate) async fn spawn_background(
+    app: &AppState,
+    caller: &Caller,
+    live: &std::sync::Arc<Live>,
+    req: ExecRequest,
+    arrived: Instant,
+    adjust: impl FnOnce(&mut locker_proto::ExecSpec),
+) -> Result<(String, i32), ApiError> {
     let call_id = new_id("call_");
     // No timeout unless the body asks for one: the process lives until it exits or its
     // sandbox ends.
     let (mut spec, stdin) = build_spec(&live.env, &req, &call_id, Wait::Background)?;
-    // Background processes keep a stdin pipe for later writes unless the body gave stdin.
-    spec.stdin = true;
+    adjust(&mut spec);
     let agent = live.machine.agent.clone();
     let queue_ms = ms_since(arrived);
-    let (proc_id, pid) = result(&app, &live, agent.spawn(spec.clone()).await).await?;
-    remember_queue(&live, &proc_id, queue_ms);
+    let (proc_id, pid) = result(app, live, agent.spawn(spec.clone()).await).await?;
+    remember_queue(live, &proc_id, queue_ms);
     if let Some(data) = stdin {
         let r = agent.process_stdin(&proc_id, &data[..], true).await;
-        result(&app, &live, r).await?;
+        result(app, live, r).await?;
     }
     // Record the call when the process ends; polling is cheap and moves no output.
     let (app2, live2, caller2, pid_s) =
@@ -100,7 +118,7 @@ async fn start(
             }
         }
     });
-    Ok(axum::Json(json!({"id": proc_id, "pid": pid})))
+    Ok((proc_id, pid))
 }
 
 /// How many background processes' queue times a sandbox remembers: more than the agent

@@ -122,6 +122,30 @@ impl AgentClient {
         })
     }
 
+    /// Watches a directory with inotify in the machine (see `Request::Watch`): ready once
+    /// the agent has set its watches; events come from [`WatchStream::next`]. Dropping it
+    /// ends the watch.
+    pub async fn watch(&self, path: &str, recursive: bool) -> Result<WatchStream> {
+        let mut stream = self.open(Request::Watch {
+            path: path.into(),
+            recursive,
+        })?;
+        loop {
+            match stream.recv_within(SLOW_CALL_DEADLINE).await? {
+                Some(StreamEvent::Msg(Reply::Entry(_))) => {
+                    return Ok(WatchStream {
+                        stream,
+                        buf: Vec::new(),
+                    })
+                }
+                Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
+                Some(StreamEvent::End(other)) => return Err(unexpected("Watch", &other)),
+                Some(_) => {}
+                None => return Err(stream.lost()),
+            }
+        }
+    }
+
     /// Describes a path (a symlink itself, not its target).
     pub async fn stat(&self, path: &str) -> Result<Entry> {
         self.entry_call("Stat", Request::Stat { path: path.into() })
@@ -132,6 +156,20 @@ impl AgentClient {
     pub async fn mkdir(&self, path: &str) -> Result<Entry> {
         self.entry_call("Mkdir", Request::Mkdir { path: path.into() })
             .await
+    }
+
+    /// Gives `path` (a final link itself) to `user` and the user's primary group.
+    pub async fn chown(&self, path: &str, user: &str) -> Result<()> {
+        match self
+            .call(Request::Chown {
+                path: path.into(),
+                user: user.into(),
+            })
+            .await?
+        {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("Chown", &other)),
+        }
     }
 
     /// Renames `from` to `to` (the files API's move); returns the destination's entry.
@@ -216,6 +254,44 @@ impl ListStream {
             )));
         }
         Ok(Some(batch))
+    }
+}
+
+/// An inotify watch in the machine.
+pub struct WatchStream {
+    stream: AgentStream,
+    /// A line of events not yet complete (the agent's batches may span frames).
+    buf: Vec<u8>,
+}
+
+/// The longest line of events the host takes (a batch is far smaller).
+const MAX_EVENT_LINE: usize = 1 << 20;
+
+impl WatchStream {
+    /// The next batch of events; `None` once the watched directory is gone. Waits as long
+    /// as nothing changes.
+    pub async fn next(&mut self) -> Result<Option<Vec<locker_proto::FsEvent>>> {
+        loop {
+            if let Some(i) = self.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.buf.drain(..=i).collect();
+                return serde_json::from_slice(&line[..i]).map(Some).map_err(|e| {
+                    AgentClientError::Protocol(format!("a watch sent a bad event line: {e}"))
+                });
+            }
+            match self.stream.recv().await? {
+                Some(StreamEvent::Data(_, bytes)) => {
+                    self.buf.extend_from_slice(&bytes);
+                    if self.buf.len() > MAX_EVENT_LINE {
+                        return Err(AgentClientError::Protocol(
+                            "a watch sent an event line over 1 MiB".into(),
+                        ));
+                    }
+                }
+                Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
+                Some(StreamEvent::End(_)) | None => return Ok(None),
+                Some(_) => {}
+            }
+        }
     }
 }
 

@@ -50,7 +50,7 @@ mod processes;
 mod stream;
 
 use conn::{lock, Inner, Slot};
-pub use files::{FileReader, ListStream};
+pub use files::{FileReader, ListStream, WatchStream};
 pub use stream::{AgentStream, StreamEvent, StreamSender};
 
 /// What can go wrong talking to an agent.

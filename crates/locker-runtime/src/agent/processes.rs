@@ -110,6 +110,20 @@ impl AgentClient {
         }
     }
 
+    /// Resizes the terminal of a background process started with a pty.
+    pub async fn resize_process(&self, id: &str, size: locker_proto::PtySize) -> Result<()> {
+        match self
+            .call(Request::ResizeProcess {
+                id: id.into(),
+                size,
+            })
+            .await?
+        {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("ResizeProcess", &other)),
+        }
+    }
+
     /// Sends a signal (a number, e.g. `libc::SIGTERM`) to a background process's whole tree.
     pub async fn signal_process(&self, id: &str, signal: i32) -> Result<()> {
         match self

@@ -1,25 +1,247 @@
 //! envd, E2B's in-sandbox daemon, served by the server onto Locker's rooms: the Connect
-//! services `process.Process` and `filesystem.Filesystem` (JSON codec), and `/files`,
-//! `/health`, `/envs`.
+//! services `process.Process` ([`process`]) and `filesystem.Filesystem` ([`filesystem`]),
+//! JSON codec ([`connect`]), and the plain-HTTP endpoints `/files` ([`files`]), `/health`,
+//! `/envs`.
+//!
+//! Owns: the translation of envd's wire protocol onto Locker's background processes
+//! (`processes`, the agent's process table: E2B's pids are looked up there, no second
+//! table), its files (the agent's file operations) and the machine's inotify watches.
+//! Must not touch: routing and the access token (`e2b/mod.rs`), the control plane
+//! (`control.rs`), the code interpreter (`interp.rs`).
+//!
+//! Users: an RPC names its user with `Authorization: Basic base64("<user>:")`, a `/files`
+//! call with `?username=`; without either it runs as E2B's default user `user`. Relative
+//! paths resolve against that user's home (`/root` or `/home/<user>`), and what a call
+//! creates (files, directories and their missing parents) is given to that user.
 
 use axum::extract::Request;
-use axum::http::StatusCode;
+use axum::http::{HeaderMap, Method, StatusCode};
 use axum::response::{IntoResponse, Response};
+
+use locker_runtime::agent::{AgentClient, AgentClientError};
 
 use super::{E2bError, Target};
 use crate::state::AppState;
 
-pub(crate) async fn serve(_app: AppState, t: Target, req: Request) -> Response {
-    if req.uri().path() == "/health" {
+mod connect;
+mod files;
+mod filesystem;
+mod process;
+
+use connect::{Code, ConnectError};
+
+/// E2B's default user when a call names none.
+pub const DEFAULT_USER: &str = "user";
+
+pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
+    let path = req.uri().path().to_owned();
+    if path == "/health" {
         return StatusCode::NO_CONTENT.into_response();
     }
-    if !t.authorized {
-        return E2bError::unauthorized("missing or wrong X-Access-Token: use the sandbox's envdAccessToken")
-            .into_response();
+    // `/files` may be let through by a signature instead of the token.
+    if path == "/files" {
+        return files::serve(app, t, req).await;
     }
-    E2bError::new(
-        StatusCode::NOT_IMPLEMENTED,
-        format!("{} {}: not served yet", req.method(), req.uri().path()),
-    )
-    .into_response()
+    let rpc = path.starts_with("/process.Process/") || path.starts_with("/filesystem.Filesystem/");
+    if !t.authorized {
+        let m = "missing or wrong X-Access-Token: use the sandbox's envdAccessToken";
+        return if rpc {
+            ConnectError::new(Code::Unauthenticated, m).into_response()
+        } else {
+            E2bError::unauthorized(m).into_response()
+        };
+    }
+    if rpc {
+        if req.method() != Method::POST {
+            return ConnectError::new(
+                Code::Unimplemented,
+                format!("{} {path}: Connect calls are POST", req.method()),
+            )
+            .into_response();
+        }
+        return match path.strip_prefix("/process.Process/") {
+            Some(m) => process::serve(app, t, m.to_owned(), req).await,
+            None => {
+                let m = path
+                    .trim_start_matches("/filesystem.Filesystem/")
+                    .to_owned();
+                filesystem::serve(app, t, m, req).await
+            }
+        };
+    }
+    match (req.method().clone(), path.as_str()) {
+        (Method::GET, "/envs") => {
+            let live = &t.live;
+            axum::Json(live.env.clone()).into_response()
+        }
+        (_, "/envs") => {
+            E2bError::new(StatusCode::METHOD_NOT_ALLOWED, "/envs takes GET").into_response()
+        }
+        _ => E2bError::not_found(format!(
+            "{} {path}: envd serves /process.Process/*, /filesystem.Filesystem/*, /files, \
+             /health and /envs",
+            req.method()
+        ))
+        .into_response(),
+    }
+}
+
+/// The user an RPC runs as: `Authorization: Basic base64("<user>:")`, else E2B's default.
+fn rpc_user(h: &HeaderMap) -> Result<String, ConnectError> {
+    let Some(v) = h.get(axum::http::header::AUTHORIZATION) else {
+        return Ok(DEFAULT_USER.into());
+    };
+    let bad = |why: &str| {
+        ConnectError::new(
+            Code::Unauthenticated,
+            format!("Authorization: {why}; envd takes `Basic base64(\"<user>:\")`"),
+        )
+    };
+    let v = v.to_str().map_err(|_| bad("not ASCII"))?.trim();
+    let Some(b64) = v
+        .strip_prefix("Basic ")
+        .or_else(|| v.strip_prefix("basic "))
+    else {
+        return Err(bad("not a Basic credential"));
+    };
+    let raw = crate::command::base64_decode(b64.trim()).map_err(|_| bad("not base64"))?;
+    let text = String::from_utf8(raw).map_err(|_| bad("not UTF-8"))?;
+    let user = text.split(':').next().unwrap_or("").trim().to_owned();
+    check_user(&user).map_err(|m| bad(&m))?;
+    Ok(if user.is_empty() {
+        DEFAULT_USER.into()
+    } else {
+        user
+    })
+}
+
+/// The directories among `path`'s parents (and `path` itself with `itself`) that do not
+/// exist yet, outermost first: what a write or a mkdir is about to create.
+async fn missing_dirs(agent: &AgentClient, path: &str, itself: bool) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = if itself {
+        path.to_owned()
+    } else {
+        parent_of(path)
+    };
+    // Bounded: a path has at most 4096 bytes, so at most 2048 components.
+    while cur != "/" {
+        match agent.stat(&cur).await {
+            Err(locker_runtime::agent::AgentClientError::Agent(e))
+                if e.code == locker_proto::ErrorCode::NotFound =>
+            {
+                out.push(cur.clone());
+                cur = parent_of(&cur);
+            }
+            _ => break,
+        }
+    }
+    out.reverse();
+    out
+}
+
+fn parent_of(p: &str) -> String {
+    match p.rfind('/') {
+        Some(0) | None => "/".into(),
+        Some(i) => p[..i].to_owned(),
+    }
+}
+
+/// Gives what a call created to its user, as envd does (files belong to whoever made
+/// them); root's are root's already.
+async fn give_to(
+    agent: &AgentClient,
+    user: &str,
+    paths: &[String],
+) -> Result<(), AgentClientError> {
+    if user == "root" || user == "0" {
+        return Ok(());
+    }
+    for p in paths {
+        agent.chown(p, user).await?;
+    }
+    Ok(())
+}
+
+/// A user name as `/etc/passwd` has them (or a uid).
+fn check_user(u: &str) -> Result<(), String> {
+    if u.len() > 64
+        || !u
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'-' | b'.'))
+    {
+        return Err(format!("user {u:?} is not a user name"));
+    }
+    Ok(())
+}
+
+/// A user's home in the machine (E2B's layout: `/root`, else `/home/<user>`).
+fn home_of(user: &str) -> String {
+    if user == "root" || user == "0" {
+        "/root".into()
+    } else {
+        format!("/home/{user}")
+    }
+}
+
+/// `p` made absolute: relative paths are relative to the user's home; `.` and `..`
+/// segments are folded (the agent resolves the result inside the machine's root, so no
+/// path reaches outside it whatever it says).
+fn resolve_path(user: &str, p: &str) -> Result<String, String> {
+    if p.contains('\0') {
+        return Err("a path must not contain NUL bytes".into());
+    }
+    if p.len() > 4096 {
+        return Err("a path must be at most 4096 bytes".into());
+    }
+    let joined = if p.starts_with('/') {
+        p.to_owned()
+    } else {
+        format!("{}/{p}", home_of(user))
+    };
+    let mut parts: Vec<&str> = Vec::new();
+    for seg in joined.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                parts.pop();
+            }
+            s => parts.push(s),
+        }
+    }
+    Ok(format!("/{}", parts.join("/")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn paths_resolve_against_home() {
+        assert_eq!(resolve_path("user", "a.txt").unwrap(), "/home/user/a.txt");
+        assert_eq!(resolve_path("root", "x/../y").unwrap(), "/root/y");
+        assert_eq!(resolve_path("user", "/../../etc").unwrap(), "/etc");
+        assert_eq!(resolve_path("user", "/").unwrap(), "/");
+        assert!(resolve_path("user", "a\0b").is_err());
+    }
+
+    #[test]
+    fn parents() {
+        assert_eq!(parent_of("/a/b"), "/a");
+        assert_eq!(parent_of("/a"), "/");
+    }
+
+    #[test]
+    fn basic_auth_names_the_user() {
+        let mut h = HeaderMap::new();
+        assert_eq!(rpc_user(&h).unwrap(), "user");
+        // base64("root:")
+        h.insert("authorization", "Basic cm9vdDo=".parse().unwrap());
+        assert_eq!(rpc_user(&h).unwrap(), "root");
+        h.insert("authorization", "Bearer x".parse().unwrap());
+        assert!(rpc_user(&h).is_err());
+        // base64("a b:")
+        h.insert("authorization", "Basic YSBiOg==".parse().unwrap());
+        assert!(rpc_user(&h).is_err());
+    }
 }

@@ -1,0 +1,459 @@
+//! envd's `filesystem.Filesystem` service onto the agent's file operations (the same ones
+//! Locker's files API uses, so paths resolve inside the machine's root whatever they say)
+//! and its inotify watches (`Request::Watch`): `WatchDir` streams them; `CreateWatcher`
+//! keeps one running here, its events buffered (bounded) until `GetWatcherEvents` takes
+//! them. A watcher ends with its sandbox (the agent's stream ends), with `RemoveWatcher`,
+//! or when its sandbox is no longer live when one is next created.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, LazyLock, Mutex};
+
+use axum::extract::Request;
+use axum::response::{IntoResponse, Response};
+use locker_proto::{FsEvent, FsOp};
+use locker_types::{Entry, EntryType};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::connect::{
+    self, check_request, stream_error, stream_response, unary_ok, Code, ConnectError, Envelopes,
+    Shape,
+};
+use super::process::rejected;
+use super::{resolve_path, rpc_user};
+use crate::e2b::Target;
+use crate::failed::result;
+use crate::lifecycle::live_of;
+use crate::state::{new_id, AppState, Busy};
+
+/// The most events a watcher keeps between two `GetWatcherEvents`; past it the oldest go.
+const MAX_BUFFERED_EVENTS: usize = 10_000;
+/// The most watchers (`CreateWatcher`) one sandbox may hold at once.
+const MAX_WATCHERS_PER_SANDBOX: usize = 64;
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct PathRequest {
+    path: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct MoveRequest {
+    source: String,
+    destination: String,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default)]
+struct ListDirRequest {
+    path: String,
+    #[serde(deserialize_with = "connect::pj::opt_u32")]
+    depth: Option<u32>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default, rename_all = "camelCase")]
+struct WatchRequest {
+    path: String,
+    recursive: bool,
+    #[serde(alias = "include_entry")]
+    include_entry: bool,
+    #[serde(alias = "allow_network_mounts")]
+    allow_network_mounts: bool,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(default, rename_all = "camelCase")]
+struct WatcherIdRequest {
+    #[serde(alias = "watcher_id")]
+    watcher_id: String,
+}
+
+pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request) -> Response {
+    let shape = match method.as_str() {
+        "WatchDir" => Shape::ServerStream,
+        "Stat" | "MakeDir" | "Move" | "ListDir" | "Remove" | "CreateWatcher"
+        | "GetWatcherEvents" | "RemoveWatcher" => Shape::Unary,
+        _ => {
+            return ConnectError::new(
+                Code::Unimplemented,
+                format!(
+                    "filesystem.Filesystem/{method} does not exist: the service has Stat, \
+                     MakeDir, Move, ListDir, Remove, WatchDir, CreateWatcher, \
+                     GetWatcherEvents and RemoveWatcher"
+                ),
+            )
+            .into_response()
+        }
+    };
+    let timeout = match check_request(req.headers(), shape) {
+        Ok(t) => t,
+        Err(e) => return rejected(e),
+    };
+    let user = match rpc_user(req.headers()) {
+        Ok(u) => u,
+        Err(e) if shape == Shape::Unary => return e.into_response(),
+        Err(e) => return stream_error(e),
+    };
+    let body = req.into_body();
+    if shape == Shape::ServerStream {
+        return watch_dir(app, t, user, body)
+            .await
+            .unwrap_or_else(stream_error);
+    }
+    let call = unary(app, t, user, &method, body);
+    let r = match timeout {
+        Some(d) => tokio::time::timeout(d, call).await.unwrap_or_else(|_| {
+            Err(ConnectError::new(
+                Code::DeadlineExceeded,
+                format!("filesystem.Filesystem/{method} did not finish within Connect-Timeout-Ms"),
+            ))
+        }),
+        None => call.await,
+    };
+    r.unwrap_or_else(|e| e.into_response())
+}
+
+fn path_of(user: &str, p: &str, field: &str) -> Result<String, ConnectError> {
+    if p.is_empty() {
+        return Err(ConnectError::invalid(format!("`{field}` is required")));
+    }
+    resolve_path(user, p).map_err(|e| ConnectError::invalid(format!("`{field}`: {e}")))
+}
+
+/// `-rwxr-xr-x`, as Go's `FileMode.String()` writes it for the kinds E2B shows.
+fn permissions(kind: EntryType, mode: u32) -> String {
+    let mut s = String::with_capacity(10);
+    s.push(match kind {
+        EntryType::Dir => 'd',
+        EntryType::Symlink => 'L',
+        _ => '-',
+    });
+    for shift in [6u32, 3, 0] {
+        let bits = (mode >> shift) & 7;
+        s.push(if bits & 4 != 0 { 'r' } else { '-' });
+        s.push(if bits & 2 != 0 { 'w' } else { '-' });
+        s.push(if bits & 1 != 0 { 'x' } else { '-' });
+    }
+    s
+}
+
+/// An entry as envd's `EntryInfo` (ProtoJSON: `size` is an int64, so a string).
+fn entry_json(e: &Entry) -> Value {
+    let kind = match e.kind {
+        EntryType::Dir => "FILE_TYPE_DIRECTORY",
+        EntryType::Symlink => "FILE_TYPE_SYMLINK",
+        EntryType::File => "FILE_TYPE_FILE",
+        EntryType::Other => "FILE_TYPE_UNSPECIFIED",
+    };
+    json!({
+        "name": e.name,
+        "type": kind,
+        "path": e.path,
+        "size": e.size.to_string(),
+        "mode": e.mode & 0o7777,
+        "permissions": permissions(e.kind, e.mode),
+        "modifiedTime": e.mtime,
+    })
+}
+
+async fn busy(app: &AppState, t: &Target) -> Result<Busy, ConnectError> {
+    Ok(live_of(app, &t.caller, &t.live.id).await?)
+}
+
+async fn unary(
+    app: AppState,
+    t: Target,
+    user: String,
+    method: &str,
+    body: axum::body::Body,
+) -> Result<Response, ConnectError> {
+    match method {
+        "Stat" => {
+            let m: PathRequest = connect::read_unary("filesystem.StatRequest", body).await?;
+            let path = path_of(&user, &m.path, "path")?;
+            let live = busy(&app, &t).await?;
+            let e = result(&app, &live, live.machine.agent.stat(&path).await).await?;
+            Ok(unary_ok(&json!({"entry": entry_json(&e)})))
+        }
+        "MakeDir" => {
+            let m: PathRequest = connect::read_unary("filesystem.MakeDirRequest", body).await?;
+            let path = path_of(&user, &m.path, "path")?;
+            let live = busy(&app, &t).await?;
+            let agent = &live.machine.agent;
+            if let Ok(e) = agent.stat(&path).await {
+                let what = if e.kind == EntryType::Dir {
+                    "directory"
+                } else {
+                    "file"
+                };
+                return Err(ConnectError::new(
+                    Code::AlreadyExists,
+                    format!("{what} {path} already exists"),
+                ));
+            }
+            let made = super::missing_dirs(agent, &path, true).await;
+            let e = result(&app, &live, agent.mkdir(&path).await).await?;
+            let r = super::give_to(agent, &user, &made).await;
+            result(&app, &live, r).await?;
+            Ok(unary_ok(&json!({"entry": entry_json(&e)})))
+        }
+        "Move" => {
+            let m: MoveRequest = connect::read_unary("filesystem.MoveRequest", body).await?;
+            let from = path_of(&user, &m.source, "source")?;
+            let to = path_of(&user, &m.destination, "destination")?;
+            let live = busy(&app, &t).await?;
+            let e = result(&app, &live, live.machine.agent.rename(&from, &to).await).await?;
+            Ok(unary_ok(&json!({"entry": entry_json(&e)})))
+        }
+        "ListDir" => {
+            let m: ListDirRequest = connect::read_unary("filesystem.ListDirRequest", body).await?;
+            let path = path_of(&user, &m.path, "path")?;
+            let depth = m.depth.unwrap_or(1).clamp(1, 64);
+            let live = busy(&app, &t).await?;
+            let agent = &live.machine.agent;
+            let dir = result(&app, &live, agent.stat(&path).await).await?;
+            if dir.kind != EntryType::Dir {
+                return Err(ConnectError::invalid(format!(
+                    "path {path} is not a directory"
+                )));
+            }
+            let entries = result(&app, &live, agent.list(&path, depth).await).await?;
+            let list: Vec<Value> = entries.iter().map(entry_json).collect();
+            Ok(unary_ok(&json!({"entries": list})))
+        }
+        "Remove" => {
+            let m: PathRequest = connect::read_unary("filesystem.RemoveRequest", body).await?;
+            let path = path_of(&user, &m.path, "path")?;
+            if path == "/" {
+                return Err(ConnectError::invalid(
+                    "refusing to remove the machine's root",
+                ));
+            }
+            let live = busy(&app, &t).await?;
+            match live.machine.agent.remove(&path, true).await {
+                Ok(()) => Ok(unary_ok(&json!({}))),
+                // As envd's `os.RemoveAll`: a path that is not there is removed already.
+                Err(locker_runtime::agent::AgentClientError::Agent(e))
+                    if e.code == locker_proto::ErrorCode::NotFound =>
+                {
+                    Ok(unary_ok(&json!({})))
+                }
+                Err(e) => Err(crate::failed::check(&app, &live, e).await.into()),
+            }
+        }
+        "CreateWatcher" => {
+            let m: WatchRequest =
+                connect::read_unary("filesystem.CreateWatcherRequest", body).await?;
+            let path = path_of(&user, &m.path, "path")?;
+            let live = busy(&app, &t).await?;
+            let id = create_watcher(&app, &live, path, m).await?;
+            Ok(unary_ok(&json!({"watcherId": id})))
+        }
+        "GetWatcherEvents" => {
+            let m: WatcherIdRequest =
+                connect::read_unary("filesystem.GetWatcherEventsRequest", body).await?;
+            let w = watcher(&t, &m.watcher_id)?;
+            let events: Vec<Value> = w.events.lock().expect("events lock").drain(..).collect();
+            let failed = w.failed.lock().expect("failed lock").clone();
+            if events.is_empty() {
+                if let Some(e) = failed {
+                    return Err(e);
+                }
+            }
+            Ok(unary_ok(&json!({"events": events})))
+        }
+        "RemoveWatcher" => {
+            let m: WatcherIdRequest =
+                connect::read_unary("filesystem.RemoveWatcherRequest", body).await?;
+            let w = watcher(&t, &m.watcher_id)?;
+            w.task.abort();
+            WATCHERS
+                .lock()
+                .expect("watchers lock")
+                .remove(&m.watcher_id);
+            Ok(unary_ok(&json!({})))
+        }
+        _ => unreachable!("dispatched above"),
+    }
+}
+
+/// An inotify watch's events as envd's `FilesystemEvent`s; `name` is relative to the
+/// watched directory.
+fn event_json(e: &FsEvent) -> Value {
+    let kind = match e.op {
+        FsOp::Create => "EVENT_TYPE_CREATE",
+        FsOp::Write => "EVENT_TYPE_WRITE",
+        FsOp::Remove => "EVENT_TYPE_REMOVE",
+        FsOp::Rename => "EVENT_TYPE_RENAME",
+        FsOp::Chmod => "EVENT_TYPE_CHMOD",
+    };
+    json!({"name": e.name, "type": kind})
+}
+
+async fn open_watch(
+    app: &AppState,
+    live: &Busy,
+    path: &str,
+    m: &WatchRequest,
+) -> Result<locker_runtime::agent::WatchStream, ConnectError> {
+    let _ = (m.include_entry, m.allow_network_mounts);
+    let agent = &live.machine.agent;
+    let dir = result(app, live, agent.stat(path).await).await?;
+    if dir.kind != EntryType::Dir {
+        return Err(ConnectError::invalid(format!(
+            "path {path} is not a directory"
+        )));
+    }
+    let r = agent.watch(path, m.recursive).await;
+    Ok(result(app, live, r).await?)
+}
+
+async fn watch_dir(
+    app: AppState,
+    t: Target,
+    user: String,
+    body: axum::body::Body,
+) -> Result<Response, ConnectError> {
+    let m: WatchRequest = Envelopes::new(body)
+        .single("filesystem.WatchDirRequest")
+        .await?;
+    let path = path_of(&user, &m.path, "path")?;
+    let live = busy(&app, &t).await?;
+    let mut w = open_watch(&app, &live, &path, &m).await?;
+    let (out, resp) = stream_response();
+    tokio::spawn(async move {
+        let _live = live;
+        if !out.send(&json!({"start": {}})).await {
+            return;
+        }
+        loop {
+            tokio::select! {
+                next = w.next() => match next {
+                    Ok(Some(events)) => {
+                        for e in &events {
+                            if !out.send(&json!({"filesystem": event_json(e)})).await {
+                                return;
+                            }
+                        }
+                    }
+                    Ok(None) => return out.end(None).await,
+                    Err(e) => {
+                        let e: ConnectError = crate::error::ApiError::from(e).into();
+                        return out.end(Some(e)).await;
+                    }
+                },
+                _ = out.closed() => return,
+            }
+        }
+    });
+    Ok(resp)
+}
+
+/// A watcher made by `CreateWatcher`.
+struct Watcher {
+    sandbox: String,
+    tenant: String,
+    events: Arc<Mutex<VecDeque<Value>>>,
+    /// Why its watch ended, if it did with an error.
+    failed: Arc<Mutex<Option<ConnectError>>>,
+    task: tokio::task::AbortHandle,
+}
+
+static WATCHERS: LazyLock<Mutex<HashMap<String, Watcher>>> = LazyLock::new(Default::default);
+
+fn watcher(t: &Target, id: &str) -> Result<WatcherView, ConnectError> {
+    let map = WATCHERS.lock().expect("watchers lock");
+    match map.get(id) {
+        Some(w) if w.sandbox == t.live.id && w.tenant == t.caller.tenant => Ok(WatcherView {
+            events: w.events.clone(),
+            failed: w.failed.clone(),
+            task: w.task.clone(),
+        }),
+        _ => Err(ConnectError::not_found(format!("watcher {id:?} not found"))),
+    }
+}
+
+struct WatcherView {
+    events: Arc<Mutex<VecDeque<Value>>>,
+    failed: Arc<Mutex<Option<ConnectError>>>,
+    task: tokio::task::AbortHandle,
+}
+
+async fn create_watcher(
+    app: &AppState,
+    live: &Busy,
+    path: String,
+    m: WatchRequest,
+) -> Result<String, ConnectError> {
+    // Forget the watchers of sandboxes that are no longer live here.
+    let live_ids: Vec<String> = app.live.read().await.keys().cloned().collect();
+    {
+        let mut map = WATCHERS.lock().expect("watchers lock");
+        map.retain(|_, w| {
+            let keep = live_ids.contains(&w.sandbox);
+            if !keep {
+                w.task.abort();
+            }
+            keep
+        });
+        let mine = map.values().filter(|w| w.sandbox == live.id).count();
+        if mine >= MAX_WATCHERS_PER_SANDBOX {
+            return Err(ConnectError::new(
+                Code::ResourceExhausted,
+                format!(
+                    "sandbox {} already has {MAX_WATCHERS_PER_SANDBOX} watchers: remove some with RemoveWatcher",
+                    live.id
+                ),
+            ));
+        }
+    }
+    let mut w = open_watch(app, live, &path, &m).await?;
+    let events: Arc<Mutex<VecDeque<Value>>> = Arc::default();
+    let failed: Arc<Mutex<Option<ConnectError>>> = Arc::default();
+    let (ev2, failed2) = (events.clone(), failed.clone());
+    let task = tokio::spawn(async move {
+        loop {
+            match w.next().await {
+                Ok(Some(batch)) => {
+                    let mut q = ev2.lock().expect("events lock");
+                    for e in &batch {
+                        if q.len() >= MAX_BUFFERED_EVENTS {
+                            q.pop_front();
+                        }
+                        q.push_back(event_json(e));
+                    }
+                }
+                Ok(None) => return,
+                Err(e) => {
+                    let e: ConnectError = crate::error::ApiError::from(e).into();
+                    *failed2.lock().expect("failed lock") = Some(e);
+                    return;
+                }
+            }
+        }
+    });
+    let id = new_id("w_");
+    WATCHERS.lock().expect("watchers lock").insert(
+        id.clone(),
+        Watcher {
+            sandbox: live.id.clone(),
+            tenant: live.tenant.clone(),
+            events,
+            failed,
+            task: task.abort_handle(),
+        },
+    );
+    Ok(id)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn permissions_read_like_go() {
+        use locker_types::EntryType;
+        assert_eq!(super::permissions(EntryType::File, 0o644), "-rw-r--r--");
+        assert_eq!(super::permissions(EntryType::Dir, 0o755), "drwxr-xr-x");
+    }
+}
