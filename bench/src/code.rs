@@ -31,7 +31,8 @@ const KERNEL_AGE: &str = "import os\n\
     print(round(up - ticks / os.sysconf('SC_CLK_TCK'), 3))";
 
 /// The PSS (KiB) of each kernel (`k`) and of the driver (`d`) in the machine.
-const PSS_SCRIPT: &str = "for p in /proc/[0-9]*; do c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); \
+const PSS_SCRIPT: &str = "for p in /proc/[0-9]*; do [ ${p#/proc/} = $$ ] && continue; \
+    c=$(tr '\\0' ' ' < $p/cmdline 2>/dev/null); \
     case \"$c\" in *ipykernel_launcher*) t=k;; *' - --start'*) t=d;; *) continue;; esac; \
     echo $t $(awk '/^Pss:/{print $2}' $p/smaps_rollup); done";
 
