@@ -815,11 +815,16 @@ fn a_new_sandboxs_first_context_takes_a_kernel_started_before_the_sandbox() {
             "the context's cwd and env: {r}"
         );
         if age > took + 0.05 {
-            eprintln!("a pooled kernel: create + context + cell {took:.3} s, kernel {age:.1} s old");
+            eprintln!(
+                "a pooled kernel: create + context + cell {took:.3} s, kernel {age:.1} s old"
+            );
             // Only one spare: the sandbox's next context starts its own kernel.
             let r = run(&api, &id, &json!({ "code": KERNEL_AGE }));
             let fresh: f64 = r["stdout"].as_str().unwrap().trim().parse().unwrap();
-            assert!(fresh < age, "a second context's kernel is new: {fresh} vs {age}");
+            assert!(
+                fresh < age,
+                "a second context's kernel is new: {fresh} vs {age}"
+            );
             let list = api
                 .get(&format!("/v1/sandboxes/{id}/contexts"))
                 .expect(200, "list contexts");
@@ -856,7 +861,10 @@ fn cells_are_recorded_in_the_call_records() {
         .open(
             "POST",
             &format!("/v1/sandboxes/{id}/code"),
-            &[("Accept", "application/x-ndjson"), ("Content-Type", "application/json")],
+            &[
+                ("Accept", "application/x-ndjson"),
+                ("Content-Type", "application/json"),
+            ],
             json!({ "context": ctx, "code": "import time; time.sleep(5)", "timeout_ms": 500 })
                 .to_string(),
         )
@@ -884,9 +892,15 @@ fn cells_are_recorded_in_the_call_records() {
     };
     assert_eq!(calls.len(), 3, "{calls:?}");
     let text = serde_json::to_string(&calls).unwrap();
-    assert!(!text.contains("hidden-value"), "env values are never recorded");
+    assert!(
+        !text.contains("hidden-value"),
+        "env values are never recorded"
+    );
     // Newest first.
-    assert_eq!(calls[0]["command"], json!([ctx, "import time; time.sleep(5)"]));
+    assert_eq!(
+        calls[0]["command"],
+        json!([ctx, "import time; time.sleep(5)"])
+    );
     assert_eq!(calls[0]["result"]["reason"], "timeout", "{}", calls[0]);
     assert_eq!(calls[1]["command"][1], "1/0");
     assert_eq!(calls[1]["result"]["exit_code"], 1, "{}", calls[1]);
@@ -919,7 +933,10 @@ fn a_200_mb_dataframe_renders_capped_and_the_context_goes_on() {
     assert_eq!(r["stdout"], "True\n", "{r}");
     let res = &r["results"][0];
     assert!(
-        res["text"].as_str().unwrap().contains("[3300000 rows x 8 columns]"),
+        res["text"]
+            .as_str()
+            .unwrap()
+            .contains("[3300000 rows x 8 columns]"),
         "{res}"
     );
     assert!(res["html"].as_str().unwrap().contains("<table"), "{res}");

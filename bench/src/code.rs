@@ -66,7 +66,11 @@ fn create(api: &Api) -> anyhow::Result<Option<String>> {
         return Ok(None);
     }
     if r.status != 201 {
-        bail!("create a code-interpreter sandbox: HTTP {}: {}", r.status, r.text());
+        bail!(
+            "create a code-interpreter sandbox: HTTP {}: {}",
+            r.status,
+            r.text()
+        );
     }
     let v: Value = serde_json::from_slice(&r.body)?;
     Ok(Some(v["id"].as_str().context("no id")?.to_owned()))
@@ -101,7 +105,12 @@ fn firsts(api: &Api, warm: usize, n: usize, gap: Duration) -> anyhow::Result<(Ve
             bail!("1+1 gave {v}");
         }
         let age = cell(api, &id, &json!({ "code": KERNEL_AGE }))?;
-        let age: f64 = age["stdout"].as_str().unwrap_or("").trim().parse().unwrap_or(0.0);
+        let age: f64 = age["stdout"]
+            .as_str()
+            .unwrap_or("")
+            .trim()
+            .parse()
+            .unwrap_or(0.0);
         if i >= warm {
             samples.push(t * 1e3);
             pooled += usize::from(age > t + 0.05);
@@ -151,7 +160,11 @@ pub fn code_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     );
 
     // A warm chart cell.
-    cell(&api, &id, &json!({ "context": ctx, "code": "import matplotlib.pyplot as plt" }))?;
+    cell(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "import matplotlib.pyplot as plt" }),
+    )?;
     let charts = n.clamp(1, 50);
     let mut lat = Vec::new();
     for i in 0..2 + charts {

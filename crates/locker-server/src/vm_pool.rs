@@ -87,7 +87,10 @@ pub fn has_jupyter_kernel(rootfs: &std::path::Path) -> bool {
             }
         }
     }
-    let has = |module: &str| dirs.iter().any(|d| d.join(module).join("__init__.py").is_file());
+    let has = |module: &str| {
+        dirs.iter()
+            .any(|d| d.join(module).join("__init__.py").is_file())
+    };
     has("ipykernel") && has("jupyter_client")
 }
 

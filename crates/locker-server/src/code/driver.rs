@@ -93,11 +93,21 @@ const PRESTART_DEADLINE: Duration = Duration::from_secs(90);
 /// kernel in it, returning once the kernel is ready: the machine's first context takes it.
 pub async fn prestart(id: &str, agent: &AgentClient) -> Result<(), String> {
     let env = BTreeMap::new();
-    let target = Target { id, agent, env: &env };
+    let target = Target {
+        id,
+        agent,
+        env: &env,
+    };
     let body = serde_json::json!({ "language": "python" });
     let asked = tokio::time::timeout(
         PRESTART_DEADLINE,
-        send_to(&target, Start::IfMissing, Method::POST, "/spare", Some(&body)),
+        send_to(
+            &target,
+            Start::IfMissing,
+            Method::POST,
+            "/spare",
+            Some(&body),
+        ),
     )
     .await
     .map_err(|_| "the code driver's spare kernel did not start in 90 s".to_string())?;
