@@ -970,3 +970,16 @@ fn a_200_mb_dataframe_renders_capped_and_the_context_goes_on() {
     assert_eq!(next["results"][0]["text"], "(3300000, 8)", "{next}");
     assert_eq!(api.sh(&id, "echo ok"), "ok\n");
 }
+
+#[test]
+fn a_microvm_sandbox_runs_cells_and_keeps_state() {
+    template();
+    let t = Tenant::new();
+    let api = t.api().with_timeout(Duration::from_secs(600));
+    let id = t.sandbox(&json!({ "template": "code-interpreter", "runtime": "microvm", "memory_mb": 1024 }));
+    let ctx = new_context(&api, &id, &json!({}));
+    let a = run_in(&api, &id, &ctx, "import numpy as np\nx = np.arange(4)");
+    assert_eq!(a["reason"], "finished", "{a}");
+    let b = run_in(&api, &id, &ctx, "int(x.sum())");
+    assert_eq!(b["results"][0]["text"], "6", "{b}");
+}
