@@ -983,3 +983,37 @@ fn a_microvm_sandbox_runs_cells_and_keeps_state() {
     let b = run_in(&api, &id, &ctx, "int(x.sum())");
     assert_eq!(b["results"][0]["text"], "6", "{b}");
 }
+
+#[test]
+fn a_fork_of_a_microvm_sandbox_carries_its_contexts_and_a_jails_starts_without_them() {
+    template();
+    let t = Tenant::new();
+    let api = t.api().with_timeout(Duration::from_secs(600));
+    for runtime in ["microvm", "jail"] {
+        let id = t.sandbox(
+            &json!({ "template": "code-interpreter", "runtime": runtime, "memory_mb": 1024 }),
+        );
+        let ctx = new_context(&api, &id, &json!({}));
+        run_in(&api, &id, &ctx, "x = 'from the parent'");
+        let forked = api
+            .post(&format!("/v1/sandboxes/{id}/fork"), &json!({ "count": 1 }))
+            .expect(201, "fork");
+        let child = forked["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+        let r = api.post(
+            &format!("/v1/sandboxes/{child}/code"),
+            &json!({ "context": ctx, "code": "x" }),
+        );
+        if runtime == "microvm" {
+            let r = r.expect(200, "the parent's context in the fork");
+            assert_eq!(r["results"][0]["text"], "'from the parent'", "{r}");
+            // The two are apart from then on.
+            run_in(&api, &child, &ctx, "x = 'the child'");
+            let p = run_in(&api, &id, &ctx, "x");
+            assert_eq!(p["results"][0]["text"], "'from the parent'", "{p}");
+        } else {
+            r.expect(404, "a jail's fork has no contexts: its memory is not copied");
+            let fresh = run(&api, &child, &json!({ "code": "1 + 1" }));
+            assert_eq!(fresh["results"][0]["text"], "2", "{fresh}");
+        }
+    }
+}
