@@ -328,3 +328,34 @@ impl VmPool {
         Ok(m)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_template_has_a_jupyter_kernel_when_both_modules_import() {
+        let root = std::env::temp_dir().join(new_id("vm-pool-test-"));
+        let module = |dir: &str, name: &str| {
+            let d = root.join(dir).join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("__init__.py"), "").unwrap();
+        };
+        assert!(!has_jupyter_kernel(&root), "an empty root");
+        module("usr/lib/python3/dist-packages", "ipykernel");
+        assert!(!has_jupyter_kernel(&root), "ipykernel alone");
+        // pip's place in Debian counts too.
+        module("usr/local/lib/python3.11/dist-packages", "jupyter_client");
+        assert!(has_jupyter_kernel(&root));
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(
+            VmShape::code_jail("d", 1.0, 512, 2048).flavor,
+            Flavor::CodeJail
+        );
+        assert_ne!(
+            VmShape::code_jail("d", 1.0, 512, 2048),
+            VmShape::new("d", 1.0, 512, 2048),
+            "a code jail's shape is not a microVM's"
+        );
+    }
+}
