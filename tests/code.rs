@@ -791,7 +791,9 @@ fn a_new_sandboxs_first_context_takes_a_kernel_started_before_the_sandbox() {
     let deadline = Instant::now() + Duration::from_secs(240);
     loop {
         let asked = Instant::now();
-        let id = t.sandbox(&json!({ "template": "code-interpreter" }));
+        // With a network policy: a pooled jail gets its network when it is taken.
+        let id =
+            t.sandbox(&json!({ "template": "code-interpreter", "network": { "egress": "all" } }));
         // A context with a working directory and an environment of its own: a spare kernel
         // taken is moved there.
         let ctx = new_context(
@@ -817,6 +819,14 @@ fn a_new_sandboxs_first_context_takes_a_kernel_started_before_the_sandbox() {
         if age > took + 0.05 {
             eprintln!(
                 "a pooled kernel: create + context + cell {took:.3} s, kernel {age:.1} s old"
+            );
+            let resolver = run_in(&api, &id, &ctx, "print(open('/etc/resolv.conf').read())");
+            assert!(
+                resolver["stdout"]
+                    .as_str()
+                    .unwrap()
+                    .contains("Written by Locker"),
+                "the policy's resolver, seen from the pooled kernel: {resolver}"
             );
             // Only one spare: the sandbox's next context starts its own kernel.
             let r = run(&api, &id, &json!({ "code": KERNEL_AGE }));
@@ -976,7 +986,9 @@ fn a_microvm_sandbox_runs_cells_and_keeps_state() {
     template();
     let t = Tenant::new();
     let api = t.api().with_timeout(Duration::from_secs(600));
-    let id = t.sandbox(&json!({ "template": "code-interpreter", "runtime": "microvm", "memory_mb": 1024 }));
+    let id = t.sandbox(
+        &json!({ "template": "code-interpreter", "runtime": "microvm", "memory_mb": 1024 }),
+    );
     let ctx = new_context(&api, &id, &json!({}));
     let a = run_in(&api, &id, &ctx, "import numpy as np\nx = np.arange(4)");
     assert_eq!(a["reason"], "finished", "{a}");
@@ -1011,7 +1023,10 @@ fn a_fork_of_a_microvm_sandbox_carries_its_contexts_and_a_jails_starts_without_t
             let p = run_in(&api, &id, &ctx, "x");
             assert_eq!(p["results"][0]["text"], "'from the parent'", "{p}");
         } else {
-            r.expect(404, "a jail's fork has no contexts: its memory is not copied");
+            r.expect(
+                404,
+                "a jail's fork has no contexts: its memory is not copied",
+            );
             let fresh = run(&api, &child, &json!({ "code": "1 + 1" }));
             assert_eq!(fresh["results"][0]["text"], "2", "{fresh}");
         }

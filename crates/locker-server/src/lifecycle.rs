@@ -74,31 +74,33 @@ pub async fn launch(
     }
     // A plain microVM, or a plain jail of a template with a Jupyter kernel, comes ready
     // from the pool when one waits (see `vm_pool`).
-    let plain = from.is_none() && !has_egress(&new.network);
-    let pool_shape = if plain && new.runtime == Runtime::Microvm {
-        Some(crate::vm_pool::VmShape::new(
-            &new.template.digest,
-            new.cpus,
-            new.memory_mb,
-            new.disk_mb,
-        ))
-    } else if plain
-        && new.runtime == Runtime::Jail
-        && new.volumes.is_empty()
-        && new.env.is_empty()
-        && app
-            .vm_pool
-            .pools_kernels(&new.template.digest, &new.template.rootfs)
-    {
-        Some(crate::vm_pool::VmShape::code_jail(
-            &new.template.digest,
-            new.cpus,
-            new.memory_mb,
-            new.disk_mb,
-        ))
-    } else {
-        None
-    };
+    // A jail's network is set up after it is made (below), so a pooled jail may have one;
+    // a microVM's device is chosen at its restore.
+    let pool_shape =
+        if from.is_none() && !has_egress(&new.network) && new.runtime == Runtime::Microvm {
+            Some(crate::vm_pool::VmShape::new(
+                &new.template.digest,
+                new.cpus,
+                new.memory_mb,
+                new.disk_mb,
+            ))
+        } else if from.is_none()
+            && new.runtime == Runtime::Jail
+            && new.volumes.is_empty()
+            && new.env.is_empty()
+            && app
+                .vm_pool
+                .pools_kernels(&new.template.digest, &new.template.rootfs)
+        {
+            Some(crate::vm_pool::VmShape::code_jail(
+                &new.template.digest,
+                new.cpus,
+                new.memory_mb,
+                new.disk_mb,
+            ))
+        } else {
+            None
+        };
     let pooled = pool_shape.as_ref().and_then(|s| app.vm_pool.take(s));
     let id = pooled
         .as_ref()

@@ -15,7 +15,7 @@
 //! start, so a pooled one has both started (`code::prestart`) and the sandbox's first
 //! Python context takes the waiting kernel. A jail is only pooled for such a template, and
 //! only with nothing a pooled machine could not have had: no volumes, no environment of its
-//! own, egress `none`.
+//! own (a jail's network policy is applied after it is taken, as to any new jail).
 //!
 //! Only microVMs with nothing attached at restore (no snapshot, egress `none`) come from the
 //! pool; volumes are served to a machine after it is taken (a sandbox's, or a run's). Pooled
