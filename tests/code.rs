@@ -738,3 +738,262 @@ fn a_cell_that_corrupts_connection_files_or_leaves_a_child_running_breaks_nothin
     let r = run_in(&api, &id, &other, "2 + 2");
     assert_eq!(r["results"][0]["text"], "4", "{r}");
 }
+
+/// Prints how many seconds ago the cell's kernel process started (from /proc).
+const KERNEL_AGE: &str = "import os\n\
+    with open('/proc/self/stat') as f: ticks = int(f.read().rsplit(')', 1)[1].split()[19])\n\
+    with open('/proc/uptime') as f: up = float(f.read().split()[0])\n\
+    print(round(up - ticks / os.sysconf('SC_CLK_TCK'), 3))";
+
+#[test]
+fn a_new_sandboxs_first_context_takes_a_kernel_started_before_the_sandbox() {
+    template();
+    let t = Tenant::new();
+    let api = t.api();
+    // The first create of the template's shape puts it in demand; the warm pool then keeps a
+    // jail with its driver and a spare kernel ready. Other tests take pooled jails too, so
+    // this one tries until it gets one.
+    let deadline = Instant::now() + Duration::from_secs(240);
+    loop {
+        let asked = Instant::now();
+        // With a network policy: a pooled jail gets its network when it is taken.
+        let id =
+            t.sandbox(&json!({ "template": "code-interpreter", "network": { "egress": "all" } }));
+        // A context with a working directory and an environment of its own: a spare kernel
+        // taken is moved there.
+        let ctx = new_context(
+            &api,
+            &id,
+            &json!({ "cwd": "/tmp", "env": { "LOCKER_WARM": "yes" } }),
+        );
+        let r = run_in(
+            &api,
+            &id,
+            &ctx,
+            &format!("{KERNEL_AGE}\nprint(os.getcwd(), os.environ.get('LOCKER_WARM'))"),
+        );
+        let took = asked.elapsed().as_secs_f64();
+        let out = r["stdout"].as_str().unwrap_or_default().to_owned();
+        let mut lines = out.lines();
+        let age: f64 = lines.next().unwrap_or("").parse().expect("a kernel's age");
+        assert_eq!(
+            lines.next(),
+            Some("/tmp yes"),
+            "the context's cwd and env: {r}"
+        );
+        if age > took + 0.05 {
+            eprintln!(
+                "a pooled kernel: create + context + cell {took:.3} s, kernel {age:.1} s old"
+            );
+            let resolver = run_in(&api, &id, &ctx, "print(open('/etc/resolv.conf').read())");
+            assert!(
+                resolver["stdout"]
+                    .as_str()
+                    .unwrap()
+                    .contains("Written by Locker"),
+                "the policy's resolver, seen from the pooled kernel: {resolver}"
+            );
+            // Only one spare: the sandbox's next context starts its own kernel.
+            let r = run(&api, &id, &json!({ "code": KERNEL_AGE }));
+            let fresh: f64 = r["stdout"].as_str().unwrap().trim().parse().unwrap();
+            assert!(
+                fresh < age,
+                "a second context's kernel is new: {fresh} vs {age}"
+            );
+            let list = api
+                .get(&format!("/v1/sandboxes/{id}/contexts"))
+                .expect(200, "list contexts");
+            assert_eq!(
+                list["contexts"].as_array().unwrap().len(),
+                2,
+                "the spare is no context of its own: {list}"
+            );
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no sandbox came with a kernel started before it (last: {took:.3} s, kernel {age:.3} s old)"
+        );
+        api.delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete a sandbox that was not pooled");
+        std::thread::sleep(Duration::from_secs(2));
+    }
+}
+
+#[test]
+fn cells_are_recorded_in_the_call_records() {
+    let (_t, api, id) = code_sandbox();
+    let ctx = new_context(&api, &id, &json!({}));
+    run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "print('recorded')", "env": { "SECRET_NAME": "hidden-value" } }),
+    );
+    let failed = run_in(&api, &id, &ctx, "1/0");
+    assert_eq!(failed["reason"], "error", "{failed}");
+    // NDJSON cells too.
+    let (status, _, body) = api
+        .open(
+            "POST",
+            &format!("/v1/sandboxes/{id}/code"),
+            &[
+                ("Accept", "application/x-ndjson"),
+                ("Content-Type", "application/json"),
+            ],
+            json!({ "context": ctx, "code": "import time; time.sleep(5)", "timeout_ms": 500 })
+                .to_string(),
+        )
+        .expect("stream a cell");
+    assert_eq!(status, 200);
+    let last = BufReader::new(body).lines().last().unwrap().unwrap();
+    assert!(last.contains("\"execution\""), "{last}");
+    // Records are written in the background.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let calls = loop {
+        let got = api
+            .get(&format!("/v1/calls?sandbox_id={id}"))
+            .expect(200, "list calls");
+        let code: Vec<Value> = got["calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|c| c["kind"] == "code")
+            .cloned()
+            .collect();
+        if code.len() >= 3 || Instant::now() > deadline {
+            break code;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    };
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    let text = serde_json::to_string(&calls).unwrap();
+    assert!(
+        !text.contains("hidden-value"),
+        "env values are never recorded"
+    );
+    // Newest first.
+    assert_eq!(
+        calls[0]["command"],
+        json!([ctx, "import time; time.sleep(5)"])
+    );
+    assert_eq!(calls[0]["result"]["reason"], "timeout", "{}", calls[0]);
+    assert_eq!(calls[1]["command"][1], "1/0");
+    assert_eq!(calls[1]["result"]["exit_code"], 1, "{}", calls[1]);
+    assert_eq!(calls[2]["env_keys"], json!(["SECRET_NAME"]), "{}", calls[2]);
+    assert_eq!(calls[2]["result"]["exit_code"], 0, "{}", calls[2]);
+    assert_eq!(calls[2]["result"]["stdout"], "", "no output is recorded");
+    assert_eq!(calls[2]["result"]["stdout_bytes"], 9, "{}", calls[2]);
+    assert_eq!(calls[2]["runtime"], "jail");
+    assert!(calls[2]["id"].as_str().unwrap().starts_with("call_"));
+}
+
+#[test]
+fn a_200_mb_dataframe_renders_capped_and_the_context_goes_on() {
+    template();
+    let t = Tenant::new();
+    let api = t.api();
+    let id = t.sandbox(&json!({ "template": "code-interpreter", "memory_mb": 1536 }));
+    let ctx = new_context(&api, &id, &json!({}));
+    // pandas' display options cut the rendering of a large frame to its first and last rows.
+    let r = run_in(
+        &api,
+        &id,
+        &ctx,
+        "import numpy as np, pandas as pd\n\
+         big = pd.DataFrame(np.zeros((3_300_000, 8)))\n\
+         print(big.memory_usage().sum() > 200e6)\n\
+         big",
+    );
+    assert_eq!(r["reason"], "finished", "{r}");
+    assert_eq!(r["stdout"], "True\n", "{r}");
+    let res = &r["results"][0];
+    assert!(
+        res["text"]
+            .as_str()
+            .unwrap()
+            .contains("[3300000 rows x 8 columns]"),
+        "{res}"
+    );
+    assert!(res["html"].as_str().unwrap().contains("<table"), "{res}");
+    let size = serde_json::to_string(&r).unwrap().len();
+    assert!(size < 100_000, "the answer is small: {size} bytes");
+    // Rendered whole (the caller lifted pandas' limits): the text is capped at
+    // max_output_bytes with its head and tail kept, and an HTML table over the result cap
+    // (8 MiB) is left out and said so.
+    let r = run(
+        &api,
+        &id,
+        &json!({
+            "context": ctx,
+            "code": "pd.set_option('display.max_rows', None)\n\
+                     pd.DataFrame(np.arange(320_000.0).reshape(80_000, 4) + 0.123456)",
+            "max_output_bytes": 65536,
+            "timeout_ms": 300_000,
+        }),
+    );
+    assert_eq!(r["reason"], "finished", "{}", r["error"]);
+    let res = &r["results"][0];
+    assert_eq!(res["truncated"], true, "{}", res["truncated"]);
+    assert!(res.get("html").is_none(), "the 11 MB table is left out");
+    let text = res["text"].as_str().unwrap();
+    assert!(text.len() < 70_000, "{}", text.len());
+    assert!(text.contains("bytes omitted"), "says what was cut");
+    assert!(text.contains("0.123456"), "the head is kept");
+    assert!(text.contains("\n79999 "), "the tail (the last row) is kept");
+    // The kernel and the sandbox are fine.
+    let next = run_in(&api, &id, &ctx, "big.shape");
+    assert_eq!(next["results"][0]["text"], "(3300000, 8)", "{next}");
+    assert_eq!(api.sh(&id, "echo ok"), "ok\n");
+}
+
+#[test]
+fn a_microvm_sandbox_runs_cells_and_keeps_state() {
+    template();
+    let t = Tenant::new();
+    let api = t.api().with_timeout(Duration::from_secs(600));
+    let id = t.sandbox(
+        &json!({ "template": "code-interpreter", "runtime": "microvm", "memory_mb": 1024 }),
+    );
+    let ctx = new_context(&api, &id, &json!({}));
+    let a = run_in(&api, &id, &ctx, "import numpy as np\nx = np.arange(4)");
+    assert_eq!(a["reason"], "finished", "{a}");
+    let b = run_in(&api, &id, &ctx, "int(x.sum())");
+    assert_eq!(b["results"][0]["text"], "6", "{b}");
+}
+
+#[test]
+fn a_fork_of_a_microvm_sandbox_carries_its_contexts_and_a_jails_starts_without_them() {
+    template();
+    let t = Tenant::new();
+    let api = t.api().with_timeout(Duration::from_secs(600));
+    for runtime in ["microvm", "jail"] {
+        let id = t.sandbox(
+            &json!({ "template": "code-interpreter", "runtime": runtime, "memory_mb": 1024 }),
+        );
+        let ctx = new_context(&api, &id, &json!({}));
+        run_in(&api, &id, &ctx, "x = 'from the parent'");
+        let forked = api
+            .post(&format!("/v1/sandboxes/{id}/fork"), &json!({ "count": 1 }))
+            .expect(201, "fork");
+        let child = forked["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+        let r = api.post(
+            &format!("/v1/sandboxes/{child}/code"),
+            &json!({ "context": ctx, "code": "x" }),
+        );
+        if runtime == "microvm" {
+            let r = r.expect(200, "the parent's context in the fork");
+            assert_eq!(r["results"][0]["text"], "'from the parent'", "{r}");
+            // The two are apart from then on.
+            run_in(&api, &child, &ctx, "x = 'the child'");
+            let p = run_in(&api, &id, &ctx, "x");
+            assert_eq!(p["results"][0]["text"], "'from the parent'", "{p}");
+        } else {
+            r.expect(
+                404,
+                "a jail's fork has no contexts: its memory is not copied",
+            );
+            let fresh = run(&api, &child, &json!({ "code": "1 + 1" }));
+            assert_eq!(fresh["results"][0]["text"], "2", "{fresh}");
+        }
+    }
+}

@@ -12,6 +12,7 @@
 //! starts is cleaned up by guards, also on Ctrl-C (the handler only raises a flag).
 //! Run it through `bench/run`, which builds the release binaries first.
 
+mod code;
 mod host;
 mod http1;
 mod jail;
@@ -39,7 +40,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, microvm-volumes, ports, jobs, soak (default: all).
+    /// microvm, microvm-volumes, ports, jobs, code, soak (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -89,7 +90,7 @@ pub struct Args {
     pub out_dir: PathBuf,
 }
 
-const GROUPS: [&str; 12] = [
+const GROUPS: [&str; 13] = [
     "jail",
     "peers",
     "server",
@@ -101,6 +102,7 @@ const GROUPS: [&str; 12] = [
     "microvm-volumes",
     "ports",
     "jobs",
+    "code",
     "soak",
 ];
 
@@ -328,6 +330,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== jobs: an exec that leaves a job running, beside one that does not ==");
         jobs::job_rows(args, rows)?;
+    }
+    if args.wants("code") {
+        check_stop()?;
+        println!("== code: the code interpreter's cells, first cells with and without a pre-started kernel ==");
+        code::code_rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

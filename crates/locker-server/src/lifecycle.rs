@@ -72,13 +72,35 @@ pub async fn launch(
             "the snapshot is of a microVM without a network device (egress `none`): a sandbox from it has egress `none`",
         ));
     }
-    // A plain microVM comes ready from the pool when one waits (see `vm_pool`).
-    let pool_shape = (new.runtime == Runtime::Microvm
-        && from.is_none()
-        && !has_egress(&new.network))
-    .then(|| {
-        crate::vm_pool::VmShape::new(&new.template.digest, new.cpus, new.memory_mb, new.disk_mb)
-    });
+    // A plain microVM, or a plain jail of a template with a Jupyter kernel, comes ready
+    // from the pool when one waits (see `vm_pool`).
+    // A jail's network is set up after it is made (below), so a pooled jail may have one;
+    // a microVM's device is chosen at its restore.
+    let pool_shape =
+        if from.is_none() && !has_egress(&new.network) && new.runtime == Runtime::Microvm {
+            Some(crate::vm_pool::VmShape::new(
+                &new.template.digest,
+                new.cpus,
+                new.memory_mb,
+                new.disk_mb,
+            ))
+        } else if from.is_none()
+            && new.runtime == Runtime::Jail
+            && new.volumes.is_empty()
+            && new.env.is_empty()
+            && app
+                .vm_pool
+                .pools_kernels(&new.template.digest, &new.template.rootfs)
+        {
+            Some(crate::vm_pool::VmShape::code_jail(
+                &new.template.digest,
+                new.cpus,
+                new.memory_mb,
+                new.disk_mb,
+            ))
+        } else {
+            None
+        };
     let pooled = pool_shape.as_ref().and_then(|s| app.vm_pool.take(s));
     let id = pooled
         .as_ref()
@@ -222,12 +244,16 @@ pub async fn launch(
 }
 
 /// A pooled microVM made this sandbox's: it waited a while since its restore, so its clock,
-/// entropy and hostname are refreshed again; its volumes are served and mounted.
+/// entropy and hostname are refreshed again; its volumes are served and mounted. A pooled
+/// jail shares the host's clock and has no volumes: it is ready as it is.
 async fn ready_pooled(
     app: &AppState,
     m: &locker_runtime::node::Machine,
     binds: Vec<locker_runtime::machine::BindMount>,
 ) -> Result<(), locker_runtime::node::NodeError> {
+    if m.kind() != locker_runtime::node::RuntimeKind::Microvm {
+        return Ok(());
+    }
     locker_runtime::vm::refresh_guest(&m.agent, &m.id).await?;
     if !binds.is_empty() {
         app.node.share(m, binds, Vec::new()).await?;

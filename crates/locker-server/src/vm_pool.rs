@@ -9,6 +9,14 @@
 //! the sandbox gets the machine's id. Machines are never shared or reused: one taken is the
 //! sandbox's from then on, and the pool makes a new one in the background.
 //!
+//! Jails of a template with Jupyter's Python kernel (`ipykernel` and `jupyter_client`, like
+//! `code-interpreter`) are kept here too, in shapes of their own ([`Flavor::CodeJail`]): a jail
+//! is made in ~15 ms, but the code interpreter's driver and a kernel take a second or more to
+//! start, so a pooled one has both started (`code::prestart`) and the sandbox's first
+//! Python context takes the waiting kernel. A jail is only pooled for such a template, and
+//! only with nothing a pooled machine could not have had: no volumes, no environment of its
+//! own (a jail's network policy is applied after it is taken, as to any new jail).
+//!
 //! Only microVMs with nothing attached at restore (no snapshot, egress `none`) come from the
 //! pool; volumes are served to a machine after it is taken (a sandbox's, or a run's). Pooled
 //! machines belong to no tenant (no record): a server that stops destroys them (after the
@@ -24,25 +32,66 @@ use locker_runtime::node::{Attach, Machine, MachineSpec, Node, RuntimeKind};
 use crate::ids::new_id;
 use crate::limits::PIDS;
 
-/// Machines of one shape are interchangeable (a microVM's: template, CPUs, memory, disk;
-/// not the jail pool's `pool::JailShape`).
+/// Machines of one shape are interchangeable (a microVM's, or a jail's with its code
+/// driver: template, CPUs, memory, disk; not the run pool's `pool::JailShape`).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct VmShape {
     pub template_digest: String,
     pub cpus_milli: u64,
     pub memory_mb: u64,
     pub disk_mb: u64,
+    pub flavor: Flavor,
+}
+
+/// What a pooled machine is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Flavor {
+    /// A restored microVM with a first command run.
+    Microvm,
+    /// A jail with the code interpreter's driver and a spare Python kernel started.
+    CodeJail,
 }
 
 impl VmShape {
+    /// A microVM's shape.
     pub fn new(template_digest: &str, cpus: f64, memory_mb: u64, disk_mb: u64) -> Self {
         Self {
             template_digest: template_digest.to_owned(),
             cpus_milli: (cpus * 1000.0).round() as u64,
             memory_mb,
             disk_mb,
+            flavor: Flavor::Microvm,
         }
     }
+
+    /// A jail's with a kernel ready (see the module doc).
+    pub fn code_jail(template_digest: &str, cpus: f64, memory_mb: u64, disk_mb: u64) -> Self {
+        Self {
+            flavor: Flavor::CodeJail,
+            ..Self::new(template_digest, cpus, memory_mb, disk_mb)
+        }
+    }
+}
+
+/// Whether a template's root filesystem has Python's `ipykernel` and `jupyter_client` in one
+/// of the places Debian's `python3` imports from (its packages', or pip's under /usr/local).
+pub fn has_jupyter_kernel(rootfs: &std::path::Path) -> bool {
+    let mut dirs = vec![rootfs.join("usr/lib/python3/dist-packages")];
+    for base in ["usr/local/lib", "usr/lib"] {
+        if let Ok(entries) = std::fs::read_dir(rootfs.join(base)) {
+            for e in entries.flatten() {
+                if e.file_name().to_string_lossy().starts_with("python3") {
+                    dirs.push(e.path().join("dist-packages"));
+                    dirs.push(e.path().join("site-packages"));
+                }
+            }
+        }
+    }
+    let has = |module: &str| {
+        dirs.iter()
+            .any(|d| d.join(module).join("__init__.py").is_file())
+    };
+    has("ipykernel") && has("jupyter_client")
 }
 
 /// The pool (see the module doc).
@@ -56,6 +105,8 @@ pub struct VmPool {
     dir: PathBuf,
     ready: Mutex<HashMap<VmShape, Vec<Machine>>>,
     filling: Mutex<HashSet<VmShape>>,
+    /// Whether each template (by digest) has a Jupyter kernel ([`has_jupyter_kernel`]).
+    kernels: Mutex<HashMap<String, bool>>,
     /// The fillers started, and whether a stop began (then no filler starts or goes on).
     fillers: Mutex<Fillers>,
 }
@@ -79,8 +130,20 @@ impl VmPool {
             dir,
             ready: Default::default(),
             filling: Default::default(),
+            kernels: Default::default(),
             fillers: Default::default(),
         }
+    }
+
+    /// Whether jails of this template are pooled with a kernel (asked once per template).
+    pub fn pools_kernels(&self, digest: &str, rootfs: &std::path::Path) -> bool {
+        if self.size == 0 {
+            return false;
+        }
+        let mut known = self.kernels.lock().expect("pool lock");
+        *known
+            .entry(digest.to_owned())
+            .or_insert_with(|| has_jupyter_kernel(rootfs))
     }
 
     /// A ready machine of `shape`, if one waits (alive: a dead one is dropped).
@@ -175,9 +238,51 @@ impl VmPool {
         }
     }
 
-    /// One ready machine: restored, with a first command run (the guest's exec path is then
-    /// translated and cached, under TCG the larger part of a first command's time).
+    /// One ready machine of `shape`'s flavor.
     async fn make(
+        &self,
+        shape: &VmShape,
+        rootfs: &std::path::Path,
+        cpus: f64,
+    ) -> Result<Machine, String> {
+        match shape.flavor {
+            Flavor::Microvm => self.make_vm(shape, rootfs, cpus).await,
+            Flavor::CodeJail => self.make_code_jail(shape, rootfs, cpus).await,
+        }
+    }
+
+    /// A jail with the code driver and a spare kernel started.
+    async fn make_code_jail(
+        &self,
+        shape: &VmShape,
+        rootfs: &std::path::Path,
+        cpus: f64,
+    ) -> Result<Machine, String> {
+        let id = new_id("sb_");
+        let spec = MachineSpec {
+            id: id.clone(),
+            dir: self.dir.join(&id),
+            template_rootfs: rootfs.to_owned(),
+            cpus,
+            memory_mb: shape.memory_mb,
+            disk_mb: shape.disk_mb,
+            pids: PIDS,
+        };
+        let m = self
+            .node
+            .create_attached(spec, Attach::default())
+            .await
+            .map_err(|e| e.to_string())?;
+        if let Err(e) = crate::code::prestart(&m.id, &m.agent).await {
+            let _ = self.node.destroy(&m).await;
+            return Err(format!("starting a pooled jail's kernel: {e}"));
+        }
+        Ok(m)
+    }
+
+    /// One ready microVM: restored, with a first command run (the guest's exec path is then
+    /// translated and cached, under TCG the larger part of a first command's time).
+    async fn make_vm(
         &self,
         shape: &VmShape,
         rootfs: &std::path::Path,
@@ -221,5 +326,36 @@ impl VmPool {
             }
         }
         Ok(m)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_template_has_a_jupyter_kernel_when_both_modules_import() {
+        let root = std::env::temp_dir().join(new_id("vm-pool-test-"));
+        let module = |dir: &str, name: &str| {
+            let d = root.join(dir).join(name);
+            std::fs::create_dir_all(&d).unwrap();
+            std::fs::write(d.join("__init__.py"), "").unwrap();
+        };
+        assert!(!has_jupyter_kernel(&root), "an empty root");
+        module("usr/lib/python3/dist-packages", "ipykernel");
+        assert!(!has_jupyter_kernel(&root), "ipykernel alone");
+        // pip's place in Debian counts too.
+        module("usr/local/lib/python3.11/dist-packages", "jupyter_client");
+        assert!(has_jupyter_kernel(&root));
+        std::fs::remove_dir_all(&root).unwrap();
+        assert_eq!(
+            VmShape::code_jail("d", 1.0, 512, 2048).flavor,
+            Flavor::CodeJail
+        );
+        assert_ne!(
+            VmShape::code_jail("d", 1.0, 512, 2048),
+            VmShape::new("d", 1.0, 512, 2048),
+            "a code jail's shape is not a microVM's"
+        );
     }
 }

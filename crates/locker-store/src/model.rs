@@ -174,6 +174,9 @@ pub enum CallKind {
     Run,
     /// A background process (`POST /v1/sandboxes/{id}/processes`).
     Process,
+    /// A cell of the code interpreter (`POST /v1/sandboxes/{id}/code`): `command` is the
+    /// context and the code.
+    Code,
 }
 
 impl CallKind {
@@ -183,6 +186,7 @@ impl CallKind {
             CallKind::Exec => "exec",
             CallKind::Run => "run",
             CallKind::Process => "process",
+            CallKind::Code => "code",
         }
     }
 }

@@ -988,3 +988,33 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated() {
     );
     store.insert_volume(&vol("vol_7", "a", "repo")).unwrap();
 }
+
+#[test]
+fn code_cells_are_recorded_beside_execs_newest_first() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.insert_calls(&[
+        call("call_1", "a", CallKind::Exec, Some("sb_1"), T0),
+        call("call_2", "a", CallKind::Code, Some("sb_1"), T0),
+    ])
+    .unwrap();
+    drop(s);
+    // Reopened (every migration already applied: none runs again), then more records.
+    let s = open(&dir);
+    s.insert_calls(&[call("call_3", "a", CallKind::Code, Some("sb_1"), T0)])
+        .unwrap();
+    let got = s.list_calls("a", Some("sb_1"), None, None).unwrap();
+    assert_eq!(
+        got.iter().map(|c| (c.id.as_str(), c.kind)).collect::<Vec<_>>(),
+        [
+            ("call_3", CallKind::Code),
+            ("call_2", CallKind::Code),
+            ("call_1", CallKind::Exec)
+        ]
+    );
+    assert_eq!(
+        serde_json::to_value(CallKind::Code).unwrap(),
+        json!("code"),
+        "the API's name"
+    );
+}

@@ -17,6 +17,12 @@ that is the queue of concurrent calls on one context. Interrupts are SIGINT to t
 stop within INTERRUPT_GRACE_S. A kernel that dies is reported (`context_died`) and the next
 job on its context starts a fresh one.
 
+A spare kernel (`POST /spare`, asked by the server's warm pool before the machine is a
+sandbox's) is a Python kernel started ahead of any context: the first Python context
+created (the default one of a cell without `context`, or `POST /contexts`) takes it, moved to
+its working directory and given its environment, instead of paying a kernel's start-up. No
+new spare is started after it is taken, so a sandbox keeps no idle kernel of its own.
+
 What user code does to this process (kill it, flood it) is contained by the server: every
 line it sends back is parsed and capped there, and a driver that is gone is started again.
 """
@@ -39,7 +45,8 @@ LOG = "/var/tmp/locker/code-driver.log"
 INTERRUPT_GRACE_S = 15.0
 INTERRUPT_LIMIT_S = 60.0
 KERNEL_READY_S = 60.0
-# A single result MIME value larger than this is dropped (its text/plain is kept, capped).
+# A single result MIME value larger than this is dropped (its text/plain is capped at the
+# call's max_output_bytes instead, head and tail kept).
 RESULT_VALUE_CAP = 8 << 20
 # All results of one execution together.
 RESULTS_CAP = 32 << 20
@@ -142,8 +149,23 @@ class Capture:
         )
 
 
-def result_of(data, is_main, budget):
-    """A Jupyter MIME bundle as the contract's Result, within `budget` bytes."""
+def head_and_tail(text, cap):
+    """`text` within `cap` bytes: its head and its tail kept, what was cut said between."""
+    raw = text.encode("utf-8", "replace")
+    if len(raw) <= cap:
+        return text, False
+    half = cap // 2
+    return "%s\n…[locker: %d bytes omitted]…\n%s" % (
+        raw[:half].decode("utf-8", "ignore"),
+        len(raw) - 2 * half,
+        raw[len(raw) - half:].decode("utf-8", "ignore"),
+    ), True
+
+
+def result_of(data, is_main, budget, text_cap):
+    """A Jupyter MIME bundle as the contract's Result, within `budget` bytes. Its text/plain
+    is capped like a stream (`text_cap`, head and tail kept); a larger value of another type
+    is left out (`truncated`), since half an image or half a page is no use."""
     out = {"is_main_result": is_main}
     size = 0
     for mime, field in MIME_FIELDS.items():
@@ -152,15 +174,16 @@ def result_of(data, is_main, budget):
         value = data[mime]
         if isinstance(value, list):
             value = "".join(value)
+        if mime == "text/plain" and isinstance(value, str):
+            value, cut = head_and_tail(value, min(text_cap, budget))
+            if cut:
+                out["truncated"] = True
         n = len(value) if isinstance(value, str) else len(json.dumps(value))
         if n > RESULT_VALUE_CAP or size + n > budget:
             out["truncated"] = True
             continue
         out[field] = value
         size += n
-    if "text" not in out and isinstance(data.get("text/plain"), str):
-        out["text"] = data["text/plain"][:65536]
-        size += len(out["text"])
     extra = sorted(m for m in data if m not in MIME_FIELDS)
     if extra:
         out["other_types"] = extra
@@ -233,6 +256,9 @@ class Context:
                 if job.kind == "start":
                     self.start()
                     job.events.put(("done", self.describe()))
+                elif job.kind == "adopt":
+                    self.adopt()
+                    job.events.put(("done", self.describe()))
                 elif job.kind == "execute":
                     self.busy = True
                     try:
@@ -285,6 +311,21 @@ class Context:
             raise ApiError(500, "the kernel did not start: %s" % e)
         self.km, self.kc = km, kc
         self.run_silent(OUTPUT_BACKPRESSURE)
+
+    def adopt(self):
+        """Makes a spare kernel this context's: its working directory and environment."""
+        if not os.path.isdir(self.cwd):
+            raise ApiError(400, "cwd %s is not a directory in the sandbox" % self.cwd)
+        if not self.alive():
+            self.stop()
+            self.start()
+            return
+        self.run_silent(
+            "import os as __locker_os\n"
+            "__locker_os.chdir(%r)\n"
+            "__locker_os.environ.update(%r)\n"
+            "del __locker_os\n" % (self.cwd, dict(self.env))
+        )
 
     def stop(self):
         if self.kc is not None:
@@ -430,7 +471,10 @@ class Context:
                     emit(("line", {"type": name, "text": shown}))
             elif kind in ("execute_result", "display_data"):
                 r, n = result_of(
-                    content.get("data", {}), kind == "execute_result", RESULTS_CAP - results_size
+                    content.get("data", {}),
+                    kind == "execute_result",
+                    RESULTS_CAP - results_size,
+                    kw["max_output_bytes"],
                 )
                 results_size += n
                 results.append(r)
@@ -504,10 +548,45 @@ del __locker_saved_env, __locker_os
 """
 
 
+def default_cwd():
+    home = os.environ.get("HOME") or "/"
+    return home if os.path.isdir(home) else "/"
+
+
 class Driver:
     def __init__(self):
         self.lock = threading.Lock()
         self.contexts = {}
+        # Started kernels waiting for their context, by language (see the module doc).
+        self.spares = {}
+
+    def start_spare(self, language):
+        """Starts a spare kernel of `language` unless one waits; returns when it is ready."""
+        if language != "python":
+            raise ApiError(400, "only python kernels are kept spare")
+        with self.lock:
+            if language in self.spares:
+                return
+            ctx = Context("spare_" + language, language, default_cwd(), {})
+            self.spares[language] = ctx
+        outcome, value = wait(ctx.submit(Job("start")))
+        if outcome == "fail":
+            with self.lock:
+                self.spares.pop(language, None)
+            ctx.closed = True
+            ctx.jobs.put(Job("delete"))
+            raise value
+
+    def take_spare(self, cid, language, cwd, env):
+        """The spare kernel of `language` as context `cid` (under the lock), if one waits."""
+        ctx = self.spares.pop(language, None)
+        if ctx is None:
+            return None
+        ctx.id = cid
+        ctx.cwd = cwd
+        ctx.env = env
+        ctx.created_at = now_rfc3339()
+        return ctx
 
     def get(self, cid):
         with self.lock:
@@ -524,14 +603,16 @@ class Driver:
         if language not in KERNELS:
             raise ApiError(400, "language must be python, javascript or bash")
         if not cwd:
-            home = os.environ.get("HOME") or "/"
-            cwd = home if os.path.isdir(home) else "/"
+            cwd = default_cwd()
         with self.lock:
             if cid in self.contexts:
                 return self.contexts[cid], False
-            ctx = Context(cid, language, cwd, env)
+            ctx = self.take_spare(cid, language, cwd, env)
+            job = Job("start") if ctx is None else Job("adopt")
+            if ctx is None:
+                ctx = Context(cid, language, cwd, env)
             self.contexts[cid] = ctx
-        outcome, value = wait(ctx.submit(Job("start")))
+        outcome, value = wait(ctx.submit(job))
         if outcome == "fail":
             with self.lock:
                 self.contexts.pop(cid, None)
@@ -608,6 +689,9 @@ class Handler(BaseHTTPRequestHandler):
             with DRIVER.lock:
                 items = [c.describe() for c in DRIVER.contexts.values() if not c.closed]
             return self.answer(200, {"contexts": items})
+        if parts == ["spare"] and method == "POST":
+            DRIVER.start_spare(self.body().get("language") or "python")
+            return self.answer(200, {"spare": True})
         if parts == ["contexts"] and method == "POST":
             b = self.body()
             ctx, _ = DRIVER.create(b["id"], b["language"], b.get("cwd"), b.get("env") or {})

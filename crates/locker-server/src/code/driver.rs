@@ -18,7 +18,10 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full, Limited};
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
+use std::collections::BTreeMap;
+
 use locker_proto::ExecSpec;
+use locker_runtime::agent::AgentClient;
 use locker_runtime::ports::{self, PortError, Tunnel};
 use serde::Deserialize;
 use serde_json::Value;
@@ -53,10 +56,74 @@ pub enum Start {
     Never,
 }
 
+/// A machine whose driver is spoken to: a sandbox's, or a warm pool's not yet a sandbox's.
+pub struct Target<'a> {
+    pub id: &'a str,
+    pub agent: &'a AgentClient,
+    /// The environment the driver (and so every kernel) starts with.
+    pub env: &'a BTreeMap<String, String>,
+}
+
+impl<'a> From<&'a Live> for Target<'a> {
+    fn from(live: &'a Live) -> Self {
+        Self {
+            id: &live.id,
+            agent: &live.machine.agent,
+            env: &live.env,
+        }
+    }
+}
+
 /// Sends one request to the driver of `live` and returns its answer when it is a success.
 /// `None`: the driver is not running and `start` said not to start it.
 pub async fn send(
     live: &Live,
+    start: Start,
+    method: Method,
+    path: &str,
+    body: Option<&Value>,
+) -> Result<Option<Response<Incoming>>, ApiError> {
+    send_to(&Target::from(live), start, method, path, body).await
+}
+
+/// How long a warm machine may take to start its driver and spare kernel.
+const PRESTART_DEADLINE: Duration = Duration::from_secs(90);
+
+/// Starts the driver of a machine not yet a sandbox's (the warm pool's) and a spare Python
+/// kernel in it, returning once the kernel is ready: the machine's first context takes it.
+pub async fn prestart(id: &str, agent: &AgentClient) -> Result<(), String> {
+    let env = BTreeMap::new();
+    let target = Target {
+        id,
+        agent,
+        env: &env,
+    };
+    let body = serde_json::json!({ "language": "python" });
+    let asked = tokio::time::timeout(
+        PRESTART_DEADLINE,
+        send_to(
+            &target,
+            Start::IfMissing,
+            Method::POST,
+            "/spare",
+            Some(&body),
+        ),
+    )
+    .await
+    .map_err(|_| "the code driver's spare kernel did not start in 90 s".to_string())?;
+    let resp = asked
+        .map_err(|e| e.message)?
+        .ok_or_else(|| "the code driver did not start".to_string())?;
+    // The answer is read whole: the kernel is ready when it ends.
+    Limited::new(resp.into_body(), 1 << 16)
+        .collect()
+        .await
+        .map(|_| ())
+        .map_err(|e| format!("the code driver's answer broke off ({e})"))
+}
+
+async fn send_to(
+    live: &Target<'_>,
     start: Start,
     method: Method,
     path: &str,
@@ -68,7 +135,7 @@ pub async fn send(
     let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel))
         .await
         .map_err(|e| garbled(&format!("no HTTP/1 connection ({e})")))?;
-    let sandbox = live.id.clone();
+    let sandbox = live.id.to_owned();
     tokio::spawn(async move {
         // The connection ends with the response; a broken one shows in the response.
         if let Err(e) = conn.await {
@@ -97,8 +164,8 @@ pub async fn send(
 }
 
 /// A tunnel to the driver, starting it first when `start` allows.
-async fn tunnel(live: &Live, start: Start) -> Result<Option<Tunnel>, ApiError> {
-    match ports::connect(&live.machine.agent, PORT).await {
+async fn tunnel(live: &Target<'_>, start: Start) -> Result<Option<Tunnel>, ApiError> {
+    match ports::connect(live.agent, PORT).await {
         Ok(t) => return Ok(Some(t)),
         Err(PortError::NotListening(_)) => {}
         Err(e) => return Err(port_error(e)),
@@ -107,7 +174,7 @@ async fn tunnel(live: &Live, start: Start) -> Result<Option<Tunnel>, ApiError> {
         return Ok(None);
     }
     let why = launch(live).await?;
-    match ports::connect(&live.machine.agent, PORT).await {
+    match ports::connect(live.agent, PORT).await {
         Ok(t) => Ok(Some(t)),
         Err(PortError::NotListening(_)) => Err(ApiError::internal(format!(
             "the code interpreter's driver did not start in sandbox {}: {}",
@@ -139,7 +206,7 @@ fn port_error(e: PortError) -> ApiError {
 
 /// Starts the driver: one exec that returns once it listens. `Ok` with what it said when
 /// it did not start itself (another start won the port): the next connect decides.
-async fn launch(live: &Live) -> Result<String, ApiError> {
+async fn launch(live: &Target<'_>) -> Result<String, ApiError> {
     let mut env: Vec<(String, String)> = live
         .env
         .iter()
@@ -160,7 +227,6 @@ async fn launch(live: &Live) -> Result<String, ApiError> {
         kill_jobs: false,
     };
     let res = live
-        .machine
         .agent
         .exec(spec, Some(SOURCE.as_bytes().to_vec()), None)
         .await

@@ -10,6 +10,9 @@
 //! through unread. Two cells on one context queue in arrival order inside the driver (one
 //! worker per kernel); `timeout_ms` counts from the cell's arrival, its wait included.
 //!
+//! Every cell that reaches the driver is recorded like an exec (`GET /v1/calls`, kind
+//! `code`, `command` = the context and the code, no output).
+//!
 //! It does not run commands, own ports or keep state: a context lives in the machine's
 //! memory only.
 
@@ -27,13 +30,16 @@ use axum::Router;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use locker_types::DEFAULT_MAX_OUTPUT_BYTES;
+use locker_store::{CallKind, CallRecord};
+use locker_types::{
+    ExecResult, Reason as ExecReason, Timings as ExecTimings, DEFAULT_MAX_OUTPUT_BYTES,
+};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 use tokio::sync::mpsc;
 use tokio::time::timeout_at;
 
-pub use self::driver::PORT;
+pub use self::driver::{prestart, PORT};
 use self::driver::{Start, CONTEXT_DEADLINE, EXECUTE_SLACK};
 use self::wire::*;
 use crate::auth::Caller;
@@ -42,7 +48,7 @@ use crate::error::ApiError;
 use crate::extract::{check_path, Json};
 use crate::lifecycle::live_of;
 use crate::limits::check_env;
-use crate::state::{ms_since, new_id, AppState};
+use crate::state::{ms_since, new_id, now_s, AppState, Live};
 use crate::stream::{error_line, ndjson_response, send_line, typed, wants_ndjson};
 
 pub fn routes() -> Router<AppState> {
@@ -293,15 +299,20 @@ async fn run_code(
             .map_err(|_| stuck(&id))??;
         execution.timings.queue_ms = queue_ms;
         execution.timings.total_ms = ms_since(arrived);
+        app.recorder
+            .record(call_record(&caller, &live, &req, &execution));
         return Ok(axum::Json(execution).into_response());
     }
     let (tx, response) = ndjson_response();
     tokio::spawn(async move {
         // The sandbox is busy until the stream's last line.
-        let _busy = live;
         let relayed = timeout_at(until, relay(&mut lines, &tx, arrived, queue_ms)).await;
+        if let Ok(Ok(Some(execution))) = &relayed {
+            app.recorder
+                .record(call_record(&caller, &live, &req, execution));
+        }
         let failed = match relayed {
-            Ok(Ok(())) => return,
+            Ok(Ok(_)) => return,
             Ok(Err(e)) => e,
             Err(_) => stuck(&id),
         };
@@ -322,14 +333,14 @@ async fn last_execution(lines: &mut LineReader<Incoming>) -> Result<Execution, A
     Err(garbled("its answer ended before the cell's end"))
 }
 
-/// Relays the driver's lines as the contract's NDJSON, the Execution last. A client that
-/// goes away ends the relay: the tunnel closes and the driver interrupts the cell.
+/// Relays the driver's lines as the contract's NDJSON, the Execution last (and returned). A
+/// client that goes away ends the relay: the tunnel closes and the driver interrupts the cell.
 async fn relay(
     lines: &mut LineReader<Incoming>,
     tx: &mpsc::Sender<Bytes>,
     arrived: Instant,
     queue_ms: f64,
-) -> Result<(), ApiError> {
+) -> Result<Option<Execution>, ApiError> {
     while let Some(line) = lines.next().await? {
         let out = match line {
             Line::Stdout { text } => json!({"type": "stdout", "text": text}),
@@ -341,15 +352,67 @@ async fn relay(
                 e.timings.queue_ms = queue_ms;
                 e.timings.total_ms = ms_since(arrived);
                 send_line(tx, &typed("execution", &e)).await;
-                return Ok(());
+                return Ok(Some(e));
             }
         };
         if tx.is_closed() {
-            return Ok(());
+            return Ok(None);
         }
         send_line(tx, &out).await;
     }
     Err(garbled("its answer ended before the cell's end"))
+}
+
+/// The call record of a cell: its context and code, the names of its env variables, and
+/// its end as an exec's result (no output, only its size).
+fn call_record(caller: &Caller, live: &Live, req: &RunCode, e: &Execution) -> CallRecord {
+    let (reason, exit_code) = match e.reason {
+        Reason::Finished => (ExecReason::Exited, Some(0)),
+        Reason::Error => (ExecReason::Exited, Some(1)),
+        Reason::Timeout => (ExecReason::Timeout, None),
+        Reason::Interrupted => (ExecReason::Killed, None),
+        Reason::ContextDied => (ExecReason::Signaled, None),
+    };
+    let call_id = new_id("call_");
+    CallRecord {
+        id: call_id.clone(),
+        tenant: caller.tenant.clone(),
+        key_id: caller.key_id.clone(),
+        kind: CallKind::Code,
+        sandbox_id: Some(live.id.clone()),
+        volume_id: None,
+        command: vec![e.context.clone(), req.code.clone()],
+        cwd: None,
+        env_keys: req.env.keys().cloned().collect(),
+        template_digest: live.template_digest.clone(),
+        runtime: live.machine.kind().as_str().into(),
+        result: ExecResult {
+            call_id,
+            exit_code,
+            signal: None,
+            reason,
+            stdout: String::new(),
+            stderr: String::new(),
+            stdout_b64: None,
+            stderr_b64: None,
+            stdout_truncated: e.stdout_truncated,
+            stderr_truncated: e.stderr_truncated,
+            stdout_bytes: e.stdout.len() as u64,
+            stderr_bytes: e.stderr.len() as u64,
+            output_path: None,
+            timings: ExecTimings {
+                queue_ms: e.timings.queue_ms,
+                start_ms: 0.0,
+                run_ms: e.timings.run_ms,
+                total_ms: e.timings.total_ms,
+            },
+            usage: Default::default(),
+            changes: None,
+        },
+        egress_denied: vec![],
+        changes: None,
+        created_at: locker_types::rfc3339(now_s()),
+    }
 }
 
 #[cfg(test)]

@@ -137,6 +137,32 @@ const MIGRATIONS: &[&str] = &[
     UPDATE sandboxes SET preview_token = 'lpt_' || lower(hex(randomblob(24)))
         WHERE preview_token = '';
     "#,
+    // 6: cells of the code interpreter are recorded too (kind `code`). SQLite cannot change
+    // a CHECK in place: the table is copied into a new one, its order (`seq`) kept.
+    r#"
+    CREATE TABLE calls_v6 (
+        seq          INTEGER PRIMARY KEY,
+        id           TEXT NOT NULL UNIQUE,
+        tenant       TEXT NOT NULL,
+        key_id       TEXT NOT NULL,
+        kind         TEXT NOT NULL CHECK (kind IN ('exec','run','process','code')),
+        sandbox_id   TEXT,
+        volume_id    TEXT,
+        created_unix INTEGER NOT NULL,
+        cpu_ms       INTEGER NOT NULL,
+        record       TEXT NOT NULL
+    ) STRICT;
+    INSERT INTO calls_v6 (seq, id, tenant, key_id, kind, sandbox_id, volume_id, created_unix,
+            cpu_ms, record)
+        SELECT seq, id, tenant, key_id, kind, sandbox_id, volume_id, created_unix, cpu_ms,
+            record FROM calls;
+    DROP TABLE calls;
+    ALTER TABLE calls_v6 RENAME TO calls;
+    CREATE INDEX calls_tenant ON calls(tenant, seq);
+    CREATE INDEX calls_tenant_time ON calls(tenant, created_unix);
+    CREATE INDEX calls_sandbox ON calls(sandbox_id, seq) WHERE sandbox_id IS NOT NULL;
+    CREATE INDEX calls_volume ON calls(volume_id, seq) WHERE volume_id IS NOT NULL;
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).
