@@ -40,7 +40,10 @@ fn e2b_key(srv: &Server) -> String {
     let out = Command::new(locker_tests::locker_bin())
         .args(["key", "create", "--tenant", "default", "--e2b", "--json"])
         .env("LOCKER_URL", &srv.url)
-        .env("LOCKER_ADMIN_KEY", srv.admin_key.as_deref().expect("admin key"))
+        .env(
+            "LOCKER_ADMIN_KEY",
+            srv.admin_key.as_deref().expect("admin key"),
+        )
         .output()
         .expect("run locker key create");
     assert!(
@@ -53,7 +56,9 @@ fn e2b_key(srv: &Server) -> String {
     assert!(
         key.len() == 44
             && key.starts_with("e2b_")
-            && key[4..].bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
+            && key[4..]
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)),
         "not e2b_<40 hex>: {key}"
     );
     srv.remember_key(&key);
@@ -62,7 +67,14 @@ fn e2b_key(srv: &Server) -> String {
 
 /// The SDK's environment: everything through this server, no proxy.
 fn e2b_env<'a>(cmd: &'a mut Command, srv: &Server, key: &str) -> &'a mut Command {
-    for p in ["http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"] {
+    for p in [
+        "http_proxy",
+        "https_proxy",
+        "HTTP_PROXY",
+        "HTTPS_PROXY",
+        "all_proxy",
+        "ALL_PROXY",
+    ] {
         cmd.env_remove(p);
     }
     cmd.env("E2B_API_URL", &srv.url)
@@ -109,7 +121,13 @@ fn get_host_reaches_a_server_in_the_sandbox() {
     let srv = server();
     let key = e2b_key(&srv);
     let id = locker_tests::serving_http(&srv.api(), &json!({}), 8000);
-    scenario(&py, &srv, &key, "get_host", &[("SANDBOX_ID", id.as_str()), ("PORT", "8000")]);
+    scenario(
+        &py,
+        &srv,
+        &key,
+        "get_host",
+        &[("SANDBOX_ID", id.as_str()), ("PORT", "8000")],
+    );
 }
 
 #[test]
@@ -155,7 +173,9 @@ fn e2b_error(got: (u16, Value), status: u16, needle: &str) {
     let (s, v) = got;
     assert_eq!(s, status, "{v}");
     assert_eq!(v["code"], json!(status), "{v}");
-    let msg = v["message"].as_str().unwrap_or_else(|| panic!("no message: {v}"));
+    let msg = v["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no message: {v}"));
     assert!(msg.contains(needle), "{needle:?} not in {msg:?}");
 }
 
@@ -165,53 +185,156 @@ fn bad_input_answers_in_e2b_shape_and_hosts_route_to_envd() {
     let key = srv.api_key.clone();
     let k = Some(key.as_str());
     // Keys.
-    e2b_error(e2b(&srv, None, "POST", "/v2/sandboxes", "{}"), 401, "X-API-KEY");
     e2b_error(
-        e2b(&srv, Some("e2b_0000000000000000000000000000000000000000"), "GET", "/v2/sandboxes", ""),
+        e2b(&srv, None, "POST", "/v2/sandboxes", "{}"),
+        401,
+        "X-API-KEY",
+    );
+    e2b_error(
+        e2b(
+            &srv,
+            Some("e2b_0000000000000000000000000000000000000000"),
+            "GET",
+            "/v2/sandboxes",
+            "",
+        ),
         401,
         "unknown",
     );
     // Bodies.
-    e2b_error(e2b(&srv, k, "POST", "/v2/sandboxes", "{not json"), 400, "request body");
-    e2b_error(e2b(&srv, k, "POST", "/v2/sandboxes", "{}"), 400, "templateID");
-    e2b_error(e2b(&srv, k, "POST", "/sandboxes", r#"{"templateID": 7}"#), 400, "expected a string");
     e2b_error(
-        e2b(&srv, k, "POST", "/v2/sandboxes", r#"{"templateID": "base", "timeout": 0}"#),
+        e2b(&srv, k, "POST", "/v2/sandboxes", "{not json"),
+        400,
+        "request body",
+    );
+    e2b_error(
+        e2b(&srv, k, "POST", "/v2/sandboxes", "{}"),
+        400,
+        "templateID",
+    );
+    e2b_error(
+        e2b(&srv, k, "POST", "/sandboxes", r#"{"templateID": 7}"#),
+        400,
+        "expected a string",
+    );
+    e2b_error(
+        e2b(
+            &srv,
+            k,
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID": "base", "timeout": 0}"#,
+        ),
         400,
         "timeout",
     );
     e2b_error(
-        e2b(&srv, k, "POST", "/v2/sandboxes", r#"{"templateID": "base", "network": {"denyOut": ["8.8.8.8"]}}"#),
+        e2b(
+            &srv,
+            k,
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID": "base", "network": {"denyOut": ["8.8.8.8"]}}"#,
+        ),
         400,
         "allowlists",
     );
     e2b_error(
-        e2b(&srv, k, "POST", "/v2/sandboxes", r#"{"templateID": "base", "envVars": {"A=B": "x"}}"#),
+        e2b(
+            &srv,
+            k,
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID": "base", "envVars": {"A=B": "x"}}"#,
+        ),
         400,
         "env",
     );
-    e2b_error(e2b(&srv, k, "POST", "/v2/sandboxes", r#"{"templateID": "nope"}"#), 400, "nope");
+    e2b_error(
+        e2b(
+            &srv,
+            k,
+            "POST",
+            "/v2/sandboxes",
+            r#"{"templateID": "nope"}"#,
+        ),
+        400,
+        "nope",
+    );
     // Unknown sandboxes, routes, methods, list parameters.
-    e2b_error(e2b(&srv, k, "GET", "/sandboxes/sb_000000000000000000000000", ""), 404, "sb_0");
-    e2b_error(e2b(&srv, k, "DELETE", "/sandboxes/sb_000000000000000000000000", ""), 404, "sb_0");
-    e2b_error(e2b(&srv, k, "GET", "/sandboxes/x/nothing-here", ""), 404, "no such E2B route");
+    e2b_error(
+        e2b(&srv, k, "GET", "/sandboxes/sb_000000000000000000000000", ""),
+        404,
+        "sb_0",
+    );
+    e2b_error(
+        e2b(
+            &srv,
+            k,
+            "DELETE",
+            "/sandboxes/sb_000000000000000000000000",
+            "",
+        ),
+        404,
+        "sb_0",
+    );
+    e2b_error(
+        e2b(&srv, k, "GET", "/sandboxes/x/nothing-here", ""),
+        404,
+        "no such E2B route",
+    );
     e2b_error(e2b(&srv, k, "PATCH", "/v2/sandboxes", "{}"), 405, "method");
-    e2b_error(e2b(&srv, k, "GET", "/v2/sandboxes?limit=0", ""), 400, "limit");
-    e2b_error(e2b(&srv, k, "GET", "/v2/sandboxes?state=gone", ""), 400, "state");
-    e2b_error(e2b(&srv, k, "GET", "/v2/sandboxes?nextToken=zzz", ""), 400, "nextToken");
-    e2b_error(e2b(&srv, k, "DELETE", "/templates/default", ""), 404, "locker template");
+    e2b_error(
+        e2b(&srv, k, "GET", "/v2/sandboxes?limit=0", ""),
+        400,
+        "limit",
+    );
+    e2b_error(
+        e2b(&srv, k, "GET", "/v2/sandboxes?state=gone", ""),
+        400,
+        "state",
+    );
+    e2b_error(
+        e2b(&srv, k, "GET", "/v2/sandboxes?nextToken=zzz", ""),
+        400,
+        "nextToken",
+    );
+    e2b_error(
+        e2b(&srv, k, "DELETE", "/templates/default", ""),
+        404,
+        "locker template",
+    );
 
     // A sandbox: its domain is this server's preview domain, its host for 49983 is envd.
-    let (s, sb) = e2b(&srv, k, "POST", "/v2/sandboxes", r#"{"templateID": "base", "timeout": 60}"#);
+    let (s, sb) = e2b(
+        &srv,
+        k,
+        "POST",
+        "/v2/sandboxes",
+        r#"{"templateID": "base", "timeout": 60}"#,
+    );
     assert_eq!(s, 201, "{sb}");
     let id = sb["sandboxID"].as_str().expect("sandboxID").to_owned();
     let port = srv.url.rsplit_once(':').unwrap().1;
     assert_eq!(sb["domain"], json!(format!("localhost:{port}")), "{sb}");
-    assert!(sb["envdAccessToken"].as_str().is_some_and(|t| !t.is_empty()), "{sb}");
+    assert!(
+        sb["envdAccessToken"]
+            .as_str()
+            .is_some_and(|t| !t.is_empty()),
+        "{sb}"
+    );
     let envd_host = |path: &str, extra: &[&str]| -> (u16, String) {
         let addr = srv.url.strip_prefix("http://").unwrap();
         let out = Command::new("curl")
-            .args(["-sS", "--max-time", "30", "-w", "\n%{http_code}", "--noproxy", "*"])
+            .args([
+                "-sS",
+                "--max-time",
+                "30",
+                "-w",
+                "\n%{http_code}",
+                "--noproxy",
+                "*",
+            ])
             .args(["--connect-to", &format!("::{addr}")])
             .args(extra)
             .arg(format!("http://49983-{id}.localhost:{port}{path}"))
@@ -239,31 +362,101 @@ fn bad_input_answers_in_e2b_shape_and_hosts_route_to_envd() {
     let r = files(token);
     assert_ne!(r.status, 404, "{}", r.text());
     let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
-    assert!(v.get("error").is_none(), "not the API's answer: {}", r.text());
+    assert!(
+        v.get("error").is_none(),
+        "not the API's answer: {}",
+        r.text()
+    );
     let r = files("lpt_not_this_sandboxes_token");
     assert_eq!(r.status, 404, "{}", r.text());
-    assert!(r.json()["error"]["message"].as_str().is_some_and(|m| m.contains("no such route")), "{}", r.text());
+    assert!(
+        r.json()["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("no such route")),
+        "{}",
+        r.text()
+    );
     // Another tenant: its key finds nothing, kills nothing.
     let (other, _) = srv.create_tenant("e2b-bad-other");
     let ok = other.key().map(str::to_owned);
-    e2b_error(e2b(&srv, ok.as_deref(), "GET", &format!("/sandboxes/{id}"), ""), 404, &id);
-    e2b_error(e2b(&srv, ok.as_deref(), "POST", &format!("/sandboxes/{id}/pause"), ""), 404, &id);
     e2b_error(
-        e2b(&srv, ok.as_deref(), "POST", &format!("/sandboxes/{id}/timeout"), r#"{"timeout": 5}"#),
+        e2b(&srv, ok.as_deref(), "GET", &format!("/sandboxes/{id}"), ""),
+        404,
+        &id,
+    );
+    e2b_error(
+        e2b(
+            &srv,
+            ok.as_deref(),
+            "POST",
+            &format!("/sandboxes/{id}/pause"),
+            "",
+        ),
+        404,
+        &id,
+    );
+    e2b_error(
+        e2b(
+            &srv,
+            ok.as_deref(),
+            "POST",
+            &format!("/sandboxes/{id}/timeout"),
+            r#"{"timeout": 5}"#,
+        ),
         404,
         &id,
     );
     // Timeout bodies, a second pause, a resume of a running one.
-    e2b_error(e2b(&srv, k, "POST", &format!("/sandboxes/{id}/timeout"), "{}"), 400, "timeout");
-    e2b_error(e2b(&srv, k, "POST", &format!("/sandboxes/{id}/resume"), "{}"), 409, "not paused");
-    assert_eq!(e2b(&srv, k, "POST", &format!("/sandboxes/{id}/pause"), "").0, 204);
-    e2b_error(e2b(&srv, k, "POST", &format!("/sandboxes/{id}/pause"), "{}"), 409, "already paused");
-    let (s, v) = e2b(&srv, k, "POST", &format!("/sandboxes/{id}/resume"), r#"{"timeout": 60}"#);
+    e2b_error(
+        e2b(&srv, k, "POST", &format!("/sandboxes/{id}/timeout"), "{}"),
+        400,
+        "timeout",
+    );
+    e2b_error(
+        e2b(&srv, k, "POST", &format!("/sandboxes/{id}/resume"), "{}"),
+        409,
+        "not paused",
+    );
+    assert_eq!(
+        e2b(&srv, k, "POST", &format!("/sandboxes/{id}/pause"), "").0,
+        204
+    );
+    e2b_error(
+        e2b(&srv, k, "POST", &format!("/sandboxes/{id}/pause"), "{}"),
+        409,
+        "already paused",
+    );
+    let (s, v) = e2b(
+        &srv,
+        k,
+        "POST",
+        &format!("/sandboxes/{id}/resume"),
+        r#"{"timeout": 60}"#,
+    );
     assert_eq!(s, 201, "{v}");
-    let (s, v) = e2b(&srv, k, "POST", &format!("/v2/sandboxes/{id}/connect"), "{}");
+    let (s, v) = e2b(
+        &srv,
+        k,
+        "POST",
+        &format!("/v2/sandboxes/{id}/connect"),
+        "{}",
+    );
     assert_eq!(s, 200, "a running sandbox connects with 200: {v}");
-    assert_eq!(e2b(&srv, k, "DELETE", &format!("/sandboxes/{id}"), "").0, 204);
-    e2b_error(e2b(&srv, k, "POST", &format!("/v2/sandboxes/{id}/connect"), "{}"), 404, &id);
+    assert_eq!(
+        e2b(&srv, k, "DELETE", &format!("/sandboxes/{id}"), "").0,
+        204
+    );
+    e2b_error(
+        e2b(
+            &srv,
+            k,
+            "POST",
+            &format!("/v2/sandboxes/{id}/connect"),
+            "{}",
+        ),
+        404,
+        &id,
+    );
 }
 
 /// The bench rows of issue 19 (`bench/e2b_layer.py`), printed, not asserted: run with

@@ -71,7 +71,13 @@ pub fn python_venv(dir: &str, packages: &[&str], probe: &str) -> Option<PathBuf>
     let started = Instant::now();
     let (installed, log) = run_logged(
         Command::new(&py)
-            .args(["-m", "pip", "install", "--quiet", "--disable-pip-version-check"])
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
             .args(packages),
     );
     if !installed {

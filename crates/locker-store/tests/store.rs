@@ -1005,7 +1005,9 @@ fn code_cells_are_recorded_beside_execs_newest_first() {
         .unwrap();
     let got = s.list_calls("a", Some("sb_1"), None, None).unwrap();
     assert_eq!(
-        got.iter().map(|c| (c.id.as_str(), c.kind)).collect::<Vec<_>>(),
+        got.iter()
+            .map(|c| (c.id.as_str(), c.kind))
+            .collect::<Vec<_>>(),
         [
             ("call_3", CallKind::Code),
             ("call_2", CallKind::Code),

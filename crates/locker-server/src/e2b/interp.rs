@@ -69,7 +69,9 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
                  that create and connect return; the E2B SDKs send it themselves)",
             )),
         },
-        ["contexts"] | ["contexts", _] | ["contexts", _, "restart"] if access != Access::Granted => {
+        ["contexts"] | ["contexts", _] | ["contexts", _, "restart"]
+            if access != Access::Granted =>
+        {
             Err(if access == Access::Refused {
                 refused()
             } else {

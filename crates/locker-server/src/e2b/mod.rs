@@ -53,9 +53,6 @@ pub fn routes() -> Router<AppState> {
 }
 
 /// A data-plane request's sandbox, found and let through.
-// `live` and `caller` are what envd's and the interpreter's handlers call Locker's rooms
-// with; until those rooms serve their calls, nothing here reads them.
-#[allow(dead_code)]
 #[derive(Clone)]
 pub(crate) struct Target {
     pub live: Arc<Live>,
