@@ -251,6 +251,20 @@ impl VmPool {
         }
     }
 
+    /// A new machine's spec for `shape`, with a fresh id.
+    fn spec(&self, shape: &VmShape, rootfs: &std::path::Path, cpus: f64) -> MachineSpec {
+        let id = new_id("sb_");
+        MachineSpec {
+            dir: self.dir.join(&id),
+            id,
+            template_rootfs: rootfs.to_owned(),
+            cpus,
+            memory_mb: shape.memory_mb,
+            disk_mb: shape.disk_mb,
+            pids: PIDS,
+        }
+    }
+
     /// A jail with the code driver and a spare kernel started.
     async fn make_code_jail(
         &self,
@@ -258,16 +272,7 @@ impl VmPool {
         rootfs: &std::path::Path,
         cpus: f64,
     ) -> Result<Machine, String> {
-        let id = new_id("sb_");
-        let spec = MachineSpec {
-            id: id.clone(),
-            dir: self.dir.join(&id),
-            template_rootfs: rootfs.to_owned(),
-            cpus,
-            memory_mb: shape.memory_mb,
-            disk_mb: shape.disk_mb,
-            pids: PIDS,
-        };
+        let spec = self.spec(shape, rootfs, cpus);
         let m = self
             .node
             .create_attached(spec, Attach::default())
@@ -288,16 +293,7 @@ impl VmPool {
         rootfs: &std::path::Path,
         cpus: f64,
     ) -> Result<Machine, String> {
-        let id = new_id("sb_");
-        let spec = MachineSpec {
-            id: id.clone(),
-            dir: self.dir.join(&id),
-            template_rootfs: rootfs.to_owned(),
-            cpus,
-            memory_mb: shape.memory_mb,
-            disk_mb: shape.disk_mb,
-            pids: PIDS,
-        };
+        let spec = self.spec(shape, rootfs, cpus);
         let m = self
             .node
             .create_attached(

@@ -38,6 +38,16 @@ pub const V1_TIMEOUT_S: u64 = 15;
 pub const V2_TIMEOUT_S: u64 = 300;
 /// The most items one list page holds (E2B's own bound), and its default.
 const PAGE_MAX: usize = 100;
+
+/// A list's `limit`: 1 to [`PAGE_MAX`].
+fn page_limit(v: &str) -> Result<usize, E2bError> {
+    match v.parse::<usize>() {
+        Ok(n) if (1..=PAGE_MAX).contains(&n) => Ok(n),
+        _ => Err(E2bError::bad_request(format!(
+            "`limit` {v:?} must be a number from 1 to {PAGE_MAX}"
+        ))),
+    }
+}
 /// The address every IPv4 destination falls in: E2B's way to say "all traffic".
 const ALL_TRAFFIC: [&str; 2] = ["0.0.0.0/0", "::/0"];
 
@@ -718,14 +728,7 @@ async fn list_v2(
                 }
             }
             "limit" => {
-                limit = match v.parse::<usize>() {
-                    Ok(n) if (1..=PAGE_MAX).contains(&n) => n,
-                    _ => {
-                        return Err(E2bError::bad_request(format!(
-                            "`limit` {v:?} must be a number from 1 to {PAGE_MAX}"
-                        )))
-                    }
-                }
+                limit = page_limit(&v)?
             }
             "nextToken" => token = Some(v),
             "template" => template = Some(template_of(&v)),
@@ -809,14 +812,7 @@ async fn list_snapshots(
         match k.as_str() {
             "sandboxID" => sandbox = Some(v),
             "limit" => {
-                limit = match v.parse::<usize>() {
-                    Ok(n) if (1..=PAGE_MAX).contains(&n) => n,
-                    _ => {
-                        return Err(E2bError::bad_request(format!(
-                            "`limit` {v:?} must be a number from 1 to {PAGE_MAX}"
-                        )))
-                    }
-                }
+                limit = page_limit(&v)?
             }
             "nextToken" => token = Some(v),
             "name" => {
