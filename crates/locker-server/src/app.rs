@@ -85,6 +85,13 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     let router = router(app.clone());
     let quit = Arc::new(tokio::sync::Notify::new());
     let quit2 = quit.clone();
+    // Streamed answers (NDJSON exec, Connect streams, SSE, proxied bodies) are many small
+    // writes: without TCP_NODELAY the second waits for the client's delayed ACK (~40 ms).
+    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
+        if let Err(e) = tcp.set_nodelay(true) {
+            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
+        }
+    });
     let mut serving = tokio::spawn(
         axum::serve(listener, router)
             .with_graceful_shutdown(async move { quit2.notified().await })
