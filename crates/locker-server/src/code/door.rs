@@ -1,7 +1,7 @@
-//! The code interpreter's door for other protocols (E2B's port 49999, `e2b::interp`): the
-//! same checks and driver requests as this room's routes, for a sandbox the caller already
-//! found and admitted (`lifecycle::enter`), so that another wire format is a thin
-//! translation and never a second code interpreter.
+//! The code interpreter's contexts for a sandbox the caller already found and admitted
+//! (`lifecycle::enter`): the checks and driver requests behind this room's own context
+//! routes and behind other protocols' (E2B's port 49999, `e2b::interp`), so that another
+//! wire format is a thin translation and never a second code interpreter.
 //!
 //! It owns no route and no shape of its own: contexts come back as [`Context`], a cell as
 //! the driver's parsed [`Line`]s (streamed), exactly what this room's routes relay.
@@ -31,25 +31,37 @@ pub(crate) async fn list(live: &Live) -> Result<Vec<Context>, ApiError> {
     )
 }
 
-/// A new context (a kernel started) in the sandbox.
-pub(crate) async fn create(live: &Live, req: &NewContext) -> Result<Context, ApiError> {
+/// A new context's request checked, as the driver takes it (with its new id).
+pub(crate) fn context_body(req: &NewContext) -> Result<serde_json::Value, ApiError> {
     let language = language_of(req.language.as_deref())?;
     if let Some(cwd) = &req.cwd {
         check_path("cwd", cwd)?;
     }
     check_env(&req.env)?;
-    let body = json!({
+    Ok(json!({
         "id": new_id("ctx_"),
         "language": language,
         "cwd": req.cwd,
         "env": req.env,
-    });
+    }))
+}
+
+/// A new context (a kernel started) in the sandbox.
+pub(crate) async fn create(live: &Live, req: &NewContext) -> Result<Context, ApiError> {
+    start_context(live, &context_body(req)?).await
+}
+
+/// Starts the context [`context_body`] describes.
+pub(crate) async fn start_context(
+    live: &Live,
+    body: &serde_json::Value,
+) -> Result<Context, ApiError> {
     let resp = ask(
         live,
         Start::IfMissing,
         Method::POST,
         "/contexts",
-        Some(&body),
+        Some(body),
     )
     .await?
     .ok_or_else(|| stuck(&live.id))?;

@@ -45,7 +45,7 @@ use self::wire::*;
 use crate::auth::Caller;
 use crate::command::MAX_OUTPUT_CAP;
 use crate::error::ApiError;
-use crate::extract::{check_path, Json};
+use crate::extract::Json;
 use crate::lifecycle::live_of;
 use crate::limits::check_env;
 use crate::state::{ms_since, new_id, now_s, AppState, Live};
@@ -140,28 +140,10 @@ async fn create(
     Path(id): Path<String>,
     Json(req): Json<NewContext>,
 ) -> Result<Response, ApiError> {
-    let language = language_of(req.language.as_deref())?;
-    if let Some(cwd) = &req.cwd {
-        check_path("cwd", cwd)?;
-    }
-    check_env(&req.env)?;
+    // Checked before the sandbox is found (and a paused one resumed).
+    let body = door::context_body(&req)?;
     let live = live_of(&app, &caller, &id).await?;
-    let body = json!({
-        "id": new_id("ctx_"),
-        "language": language,
-        "cwd": req.cwd,
-        "env": req.env,
-    });
-    let resp = ask(
-        &live,
-        Start::IfMissing,
-        Method::POST,
-        "/contexts",
-        Some(&body),
-    )
-    .await?
-    .ok_or_else(|| stuck(&id))?;
-    let ctx: Context = read_json(resp).await?;
+    let ctx = door::start_context(&live, &body).await?;
     Ok((StatusCode::CREATED, axum::Json(ctx)).into_response())
 }
 
@@ -171,10 +153,7 @@ async fn list(
     Path(id): Path<String>,
 ) -> Result<Response, ApiError> {
     let live = live_of(&app, &caller, &id).await?;
-    let contexts = match ask(&live, Start::Never, Method::GET, "/contexts", None).await? {
-        Some(resp) => read_json::<ContextList>(resp).await?.contexts,
-        None => Vec::new(),
-    };
+    let contexts = door::list(&live).await?;
     Ok(axum::Json(json!({ "contexts": contexts })).into_response())
 }
 
@@ -185,11 +164,8 @@ async fn remove(
 ) -> Result<Response, ApiError> {
     check_context_id(&id, &ctx)?;
     let live = live_of(&app, &caller, &id).await?;
-    let path = format!("/contexts/{ctx}");
-    match ask(&live, Start::Never, Method::DELETE, &path, None).await? {
-        Some(_) => Ok(StatusCode::NO_CONTENT.into_response()),
-        None => Err(no_context(&id, &ctx)),
-    }
+    door::remove(&live, &ctx).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn restart(
@@ -199,11 +175,7 @@ async fn restart(
 ) -> Result<Response, ApiError> {
     check_context_id(&id, &ctx)?;
     let live = live_of(&app, &caller, &id).await?;
-    let path = format!("/contexts/{ctx}/restart");
-    match ask(&live, Start::Never, Method::POST, &path, None).await? {
-        Some(resp) => Ok(axum::Json(read_json::<Context>(resp).await?).into_response()),
-        None => Err(no_context(&id, &ctx)),
-    }
+    Ok(axum::Json(door::restart(&live, &ctx).await?).into_response())
 }
 
 async fn interrupt(
@@ -213,18 +185,8 @@ async fn interrupt(
 ) -> Result<Response, ApiError> {
     check_context_id(&id, &ctx)?;
     let live = live_of(&app, &caller, &id).await?;
-    let path = format!("/contexts/{ctx}/interrupt");
-    match ask(&live, Start::Never, Method::POST, &path, None).await? {
-        Some(resp) => {
-            #[derive(serde::Deserialize)]
-            struct Interrupted {
-                interrupted: bool,
-            }
-            let r: Interrupted = read_json(resp).await?;
-            Ok(axum::Json(json!({ "id": ctx, "interrupted": r.interrupted })).into_response())
-        }
-        None => Err(no_context(&id, &ctx)),
-    }
+    let interrupted = door::interrupt(&live, &ctx).await?;
+    Ok(axum::Json(json!({ "id": ctx, "interrupted": interrupted })).into_response())
 }
 
 /// A cell's request checked, as the driver takes it.

@@ -727,9 +727,7 @@ async fn list_v2(
                     }
                 }
             }
-            "limit" => {
-                limit = page_limit(&v)?
-            }
+            "limit" => limit = page_limit(&v)?,
             "nextToken" => token = Some(v),
             "template" => template = Some(template_of(&v)),
             "startedAfter" => {
@@ -811,9 +809,7 @@ async fn list_snapshots(
     for (k, v) in pairs(q.as_deref()) {
         match k.as_str() {
             "sandboxID" => sandbox = Some(v),
-            "limit" => {
-                limit = page_limit(&v)?
-            }
+            "limit" => limit = page_limit(&v)?,
             "nextToken" => token = Some(v),
             "name" => {
                 return Err(E2bError::bad_request(
