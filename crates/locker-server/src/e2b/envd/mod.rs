@@ -86,6 +86,23 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
     }
 }
 
+/// An RPC's checked headers, its deadline (`Connect-Timeout-Ms`) and its user, or the answer
+/// that refuses it (a stream's in its end-of-stream envelope, as Connect streams answer).
+fn rpc_headers(
+    h: &HeaderMap,
+    shape: connect::Shape,
+) -> Result<(Option<std::time::Duration>, String), Response> {
+    let timeout = connect::check_request(h, shape).map_err(process::rejected)?;
+    let user = rpc_user(h).map_err(|e| {
+        if shape == connect::Shape::Unary {
+            e.into_response()
+        } else {
+            connect::stream_error(e)
+        }
+    })?;
+    Ok((timeout, user))
+}
+
 /// The user an RPC runs as: `Authorization: Basic base64("<user>:")`, else E2B's default.
 fn rpc_user(h: &HeaderMap) -> Result<String, ConnectError> {
     let Some(v) = h.get(axum::http::header::AUTHORIZATION) else {

@@ -21,10 +21,10 @@ use serde_json::json;
 use tokio::sync::mpsc;
 
 use super::connect::{
-    self, check_request, pj, stream_error, stream_response, unary_ok, Code, ConnectError,
-    Envelopes, Shape, StreamOut,
+    self, pj, stream_error, stream_response, unary_ok, Code, ConnectError, Envelopes, Shape,
+    StreamOut,
 };
-use super::{resolve_path, rpc_user};
+use super::resolve_path;
 use crate::e2b::Target;
 use crate::failed::result;
 use crate::lifecycle::live_of;
@@ -143,14 +143,9 @@ pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request
             .into_response()
         }
     };
-    let timeout = match check_request(req.headers(), shape) {
-        Ok(t) => t,
-        Err(e) => return rejected(e),
-    };
-    let user = match rpc_user(req.headers()) {
-        Ok(u) => u,
-        Err(e) if shape == Shape::Unary => return e.into_response(),
-        Err(e) => return stream_error(e),
+    let (timeout, user) = match super::rpc_headers(req.headers(), shape) {
+        Ok(h) => h,
+        Err(refused) => return refused,
     };
     let body = req.into_body();
     match shape {
