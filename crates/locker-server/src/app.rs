@@ -222,6 +222,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         vm_pool,
         egress,
         default_template: Default::default(),
+        events: Default::default(),
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;

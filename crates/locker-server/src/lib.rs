@@ -39,6 +39,7 @@ pub mod default_template;
 pub mod e2b;
 pub mod egress;
 pub mod error;
+pub mod events;
 pub mod exec;
 pub mod extract;
 pub mod failed;

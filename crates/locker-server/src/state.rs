@@ -222,6 +222,8 @@ pub struct App {
     pub egress: Arc<crate::egress::Egress>,
     /// Whether the template `default` is being built (see `default_template`).
     pub default_template: crate::default_template::DefaultTemplate,
+    /// Lifecycle events (`events`): rooms emit, the event room delivers.
+    pub events: crate::events::Events,
     /// This server's hold on its data dir, for as long as the process lives.
     pub(crate) _lock: DataDirLock,
 }

@@ -40,12 +40,14 @@
 mod build;
 mod extract;
 mod fsutil;
+mod image;
 mod progress;
 mod spec;
 mod store;
 #[cfg(test)]
 mod tests;
 
+pub use image::{ImageLimits, ImageSource, RegistryAuth};
 pub use progress::{NoProgress, Progress, StderrProgress};
 pub use spec::{builtin_spec, code_interpreter_spec, default_spec, validate_name, TemplateSpec};
 pub use store::TemplateStore;
@@ -195,4 +197,31 @@ pub struct Template {
     pub created_at: String,
     /// The packages its spec asked for (empty for imports).
     pub packages: Vec<String>,
+    /// How sandboxes made from it start: environment, working directory, user, start and
+    /// ready commands (an image's config, a Dockerfile's `ENV`/`WORKDIR`/`USER`/`CMD`, or
+    /// a build request's fields); empty for package templates.
+    #[serde(default)]
+    pub config: RunConfig,
+}
+
+/// What a template asks of the sandboxes made from it.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RunConfig {
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub env: std::collections::BTreeMap<String, String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub workdir: Option<String>,
+    /// A user name or `uid[:gid]` inside the template.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<String>,
+    /// Started in the background when a sandbox starts (an image's entrypoint + cmd).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_cmd: Option<Vec<String>>,
+    /// Run until it succeeds before the sandbox counts as `running`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ready_cmd: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub exposed_ports: Vec<u16>,
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub labels: std::collections::BTreeMap<String, String>,
 }

@@ -25,6 +25,8 @@ pub(super) struct Meta {
     pub(super) size_bytes: u64,
     pub(super) created_at: String,
     pub(super) packages: Vec<String>,
+    #[serde(default)]
+    pub(super) config: RunConfig,
 }
 
 impl Meta {
@@ -44,6 +46,7 @@ impl Meta {
             size_bytes: 0,
             created_at: String::new(),
             packages,
+            config: RunConfig::default(),
         }
     }
 }
@@ -199,6 +202,7 @@ impl TemplateStore {
             size_bytes: m.size_bytes,
             created_at: m.created_at,
             packages: m.packages,
+            config: m.config,
         }))
     }
 
