@@ -199,6 +199,12 @@ pub fn mkdirat(dir: RawFd, name: &CStr, mode: u32) -> io::Result<()> {
     check_int(unsafe { libc::mkdirat(dir, name.as_ptr(), mode as libc::mode_t) })
 }
 
+/// `mkfifoat(3)`: a FIFO `name` in `dir` (the only special file image layers may hold).
+pub fn mkfifoat(dir: RawFd, name: &CStr, mode: u32) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated; integers otherwise.
+    check_int(unsafe { libc::mkfifoat(dir, name.as_ptr(), mode as libc::mode_t) })
+}
+
 /// `symlinkat(2)`: `name` in `dir`, pointing at `target` (stored as given, never followed).
 pub fn symlinkat(target: &CStr, dir: RawFd, name: &CStr) -> io::Result<()> {
     // SAFETY: both strings are NUL-terminated.

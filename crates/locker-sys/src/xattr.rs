@@ -60,6 +60,14 @@ pub fn remove(path: &Path, name: &std::ffi::CStr) -> io::Result<()> {
     check(unsafe { libc::lremovexattr(c.as_ptr(), name.as_ptr()) }.into()).map(drop)
 }
 
+/// Sets the attribute `name` of the file `fd` is open on (a regular file or directory
+/// opened for I/O; `O_PATH` fds are refused by the kernel).
+pub fn fset(fd: std::os::fd::RawFd, name: &std::ffi::CStr, value: &[u8]) -> io::Result<()> {
+    // SAFETY: `name` is NUL-terminated; `value` is readable for its length.
+    check(unsafe { libc::fsetxattr(fd, name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }.into())
+        .map(drop)
+}
+
 /// Sets the attribute `name` of `path` to `value`.
 pub fn set(path: &Path, name: &std::ffi::CStr, value: &[u8]) -> io::Result<()> {
     let c = cstr(path)?;

@@ -15,7 +15,8 @@
 //! spec hashes a canonical form of its base, packages and run steps together with
 //! [`SPEC_FORMAT`], which names the build recipe, so two names with the same content share
 //! one build, and changing how templates are made changes every digest. An imported
-//! tarball's digest hashes its bytes with [`IMPORT_FORMAT`].
+//! tarball's digest hashes its bytes with [`IMPORT_FORMAT`]; an image's hashes its config
+//! digest with [`IMAGE_FORMAT`].
 //!
 //! Why builds are safe to interrupt: a build writes into `.tmp-<digest>-<pid>` while it
 //! holds that digest's lock, and renames the finished directory into place only after its
@@ -33,7 +34,8 @@
 //! database: runtimes take [`Template::rootfs`] and use it read-only.
 //!
 //! Rooms: `spec` (a spec and its digest), `store` (the cache: names, metadata, locks),
-//! `build` (mmdebstrap and run steps), `extract` (importing a tarball), `progress` (what a
+//! `build` (mmdebstrap and run steps), `extract` (importing a tarball), `image` (OCI images
+//! from a registry or an archive, unpacked layer by layer), `progress` (what a
 //! build reports), `fsutil` (this room's errors around `locker-sys`'s atomic writes and tree
 //! removal, and the mounts under a path); its system calls are `crate::sys`'s.
 
@@ -47,7 +49,9 @@ mod store;
 #[cfg(test)]
 mod tests;
 
-pub use image::{ImageLimits, ImageSource, RegistryAuth};
+pub use image::{
+    ImageLimits, ImageSource, RegistryAuth, IMAGE_FORMAT, MAX_DOWNLOAD_ENV, MAX_UNPACKED_ENV,
+};
 pub use progress::{NoProgress, Progress, StderrProgress};
 pub use spec::{builtin_spec, code_interpreter_spec, default_spec, validate_name, TemplateSpec};
 pub use store::TemplateStore;
@@ -166,6 +170,15 @@ pub enum TemplateError {
         dir: PathBuf,
         detail: String,
     },
+    /// An image (archive, manifest, config or layer) that is malformed or hostile.
+    #[error("bad image: {0}")]
+    BadImage(String),
+    /// An image over the size limits.
+    #[error("image too big: {0}")]
+    ImageTooBig(String),
+    /// The registry could not be reached, refused, or sent something that does not check.
+    #[error("registry: {0}")]
+    Registry(String),
     #[error("{what} {path}: {err}")]
     Io {
         what: &'static str,

@@ -27,6 +27,9 @@ pub(super) struct Meta {
     pub(super) packages: Vec<String>,
     #[serde(default)]
     pub(super) config: RunConfig,
+    /// The image it was made from: `reference@manifest-digest` or the archive's path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) image: Option<String>,
 }
 
 impl Meta {
@@ -47,6 +50,7 @@ impl Meta {
             created_at: String::new(),
             packages,
             config: RunConfig::default(),
+            image: None,
         }
     }
 }
