@@ -11,7 +11,8 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context};
 use locker_runtime::template::{
-    builtin_spec, validate_name, StderrProgress, Template, TemplateSpec, TemplateStore,
+    builtin_spec, validate_name, ImageLimits, ImageSource, RegistryAuth, StderrProgress,
+    Template, TemplateSpec, TemplateStore,
 };
 
 #[derive(clap::Subcommand)]
@@ -36,12 +37,35 @@ pub enum TemplateCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Import a root filesystem tarball (plain, gzip, bzip2, xz or zstd) as a template.
+    /// Import a root filesystem tarball (plain, gzip, bzip2, xz or zstd) or an image
+    /// archive (`docker save`, or an OCI archive) as a template.
+    ///
+    /// An image archive (told by its content: `manifest.json` or `oci-layout` at its top)
+    /// goes to the server when one is named (`--url` or LOCKER_URL, with tenant `default`'s
+    /// key), else into the local cache; a tarball always into the local cache.
     Import {
         /// The name to give it.
         name: String,
-        /// The tarball.
+        /// The tarball or image archive.
         tarball: PathBuf,
+        /// Print the template as JSON on stdout when done.
+        #[arg(long)]
+        json: bool,
+        #[command(flatten)]
+        endpoint: crate::client::Endpoint,
+    },
+    /// Pull an image from a registry into the local cache as a template.
+    Pull {
+        /// The name to give it.
+        name: String,
+        /// `registry/ns/name:tag` or `…@sha256:…` (Docker Hub's short forms allowed).
+        reference: String,
+        /// A registry (host or host:port) to speak plain HTTP to; repeatable.
+        #[arg(long, value_name = "HOST")]
+        plain_http: Vec<String>,
+        /// The user name for the registry; the password is read from standard input.
+        #[arg(long)]
+        username: Option<String>,
         /// Print the template as JSON on stdout when done.
         #[arg(long)]
         json: bool,
@@ -88,12 +112,23 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
             name,
             tarball,
             json,
+            endpoint,
         } => {
+            if is_image_archive(&tarball)? {
+                return import_image(&store, &name, &tarball, json, &endpoint);
+            }
             let t = store
                 .import(&name, &tarball, &mut StderrProgress::new(false))
                 .map_err(one_line)?;
             print_done(&t, json)
         }
+        TemplateCmd::Pull {
+            name,
+            reference,
+            plain_http,
+            username,
+            json,
+        } => pull(&store, &name, reference, plain_http, username, json),
         TemplateCmd::List { json } => {
             let all = store.list().map_err(one_line)?;
             if json {
@@ -105,6 +140,111 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
         }
         TemplateCmd::Rm { .. } => unreachable!("handled above"),
     }
+}
+
+/// Whether `path` is an image archive: a plain tar with `manifest.json` (docker save) or
+/// `oci-layout` (OCI) at its top. Reads headers only.
+fn is_image_archive(path: &std::path::Path) -> anyhow::Result<bool> {
+    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let mut archive = tar::Archive::new(file);
+    let Ok(entries) = archive.entries_with_seek() else {
+        return Ok(false);
+    };
+    for entry in entries {
+        let Ok(entry) = entry else {
+            return Ok(false);
+        };
+        let name = entry.path_bytes();
+        let name = name.strip_prefix(b"./").unwrap_or(&name);
+        if name == b"manifest.json" || name == b"oci-layout" {
+            return Ok(true);
+        }
+    }
+    Ok(false)
+}
+
+/// An image archive into the server's cache when a server is named, else the local one.
+fn import_image(
+    store: &TemplateStore,
+    name: &str,
+    archive: &std::path::Path,
+    json: bool,
+    endpoint: &crate::client::Endpoint,
+) -> anyhow::Result<()> {
+    validate_name(name).map_err(one_line)?;
+    let remote = endpoint.url.is_some()
+        || std::env::var("LOCKER_URL").is_ok_and(|u| !u.trim().is_empty());
+    if remote {
+        let file = std::fs::File::open(archive)
+            .with_context(|| format!("cannot open {}", archive.display()))?;
+        eprintln!("uploading {} to {}", archive.display(), endpoint.base_url());
+        let t = endpoint
+            .client()?
+            .put_body(&format!("/v1/templates/{name}/image"), &[], file)?;
+        if json {
+            println!("{}", serde_json::to_string_pretty(&t)?);
+        } else {
+            let digest = t["digest"].as_str().unwrap_or_default();
+            println!(
+                "{} {} {}",
+                t["name"].as_str().unwrap_or(name),
+                short(digest),
+                human_size(t["size_bytes"].as_u64().unwrap_or(0))
+            );
+        }
+        return Ok(());
+    }
+    let t = store
+        .import_image_archive(
+            name,
+            archive,
+            ImageLimits::from_env(),
+            &mut StderrProgress::new(true),
+        )
+        .map_err(one_line)?;
+    print_done(&t, json)
+}
+
+/// `locker template pull`: a registry image into the local cache.
+fn pull(
+    store: &TemplateStore,
+    name: &str,
+    reference: String,
+    plain_http: Vec<String>,
+    username: Option<String>,
+    json: bool,
+) -> anyhow::Result<()> {
+    let auth = match username {
+        Some(username) => {
+            let mut password = String::new();
+            std::io::stdin()
+                .read_line(&mut password)
+                .context("cannot read the registry password from standard input")?;
+            Some(RegistryAuth {
+                username,
+                password: password.trim_end_matches(['\r', '\n']).to_string(),
+            })
+        }
+        None => None,
+    };
+    let source = ImageSource {
+        reference,
+        auth,
+        plain_http,
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    let t = rt
+        .block_on(store.pull_image(
+            name,
+            &source,
+            ImageLimits::from_env(),
+            &mut StderrProgress::new(true),
+        ))
+        .map_err(one_line)?;
+    print_done(&t, json)
 }
 
 /// Library errors already say what to fix; keep them to their one line.

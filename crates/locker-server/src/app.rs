@@ -271,6 +271,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())
         .merge(crate::templates::routes())
+        .merge(crate::template_image::routes())
         .merge(crate::e2b::routes())
         .fallback(|uri: axum::http::Uri| async move {
             crate::e2b::unknown_route(uri.path()).unwrap_or_else(|| {

@@ -60,6 +60,7 @@ pub mod sandboxes;
 pub mod snapshots;
 pub mod state;
 pub mod stream;
+pub mod template_image;
 pub mod templates;
 pub mod tombstone;
 pub mod vm_pool;

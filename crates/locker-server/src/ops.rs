@@ -393,6 +393,12 @@ pub const ROUTES: &[RouteDoc] = &[
         204,
         "Remove a template (tenant `default` only; 409 while a sandbox or snapshot uses it)",
     ),
+    r(
+        "put",
+        "/v1/templates/{name}/image",
+        201,
+        "Import a `docker save` or OCI archive (the body) as a template (tenant `default` only)",
+    ),
     r("get", "/v1/calls", 200, "Call records, newest first"),
     r("get", "/v1/usage", 200, "Per-tenant totals"),
     r(

@@ -1,0 +1,557 @@
+//! Templates from OCI images (issue 20, points 1 and 2, "Hostile images"), with real
+//! components only: Debian's `docker-registry` (the CNCF distribution server) on a free
+//! loopback port with its own config and storage, a second one behind htpasswd basic auth,
+//! an image that `umoci` makes from a small busybox rootfs and `skopeo` pushes, and
+//! archives `skopeo` writes. An image pulled with `locker template pull` becomes a sandbox
+//! that runs with the image's files at its working directory; the same image imported as
+//! a docker or OCI archive through `PUT /v1/templates/{name}/image` (the CLI's `template
+//! import` with a server) is the same template. Hostile archives go through the API and are
+//! refused with a 400 or 413 that names the problem, leaving no template, no build
+//! directory and nothing outside; a registry that lies about a digest, answers garbage or
+//! stalls (a tiny Python server) is refused with a registry error. Everything the test
+//! starts dies with it.
+
+use std::fs;
+use std::io::Write;
+use std::net::TcpStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use locker_tests::server::Server;
+use locker_tests::{cache_dir, locker_bin, unique, wait_for, TempDir};
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn run(cmd: &mut Command, what: &str) -> Output {
+    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what} failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+/// A child process killed and reaped when dropped.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn wait_listening(port: u16, child: &mut Child, what: &str) {
+    wait_for(Duration::from_secs(20), what, || {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!("{what}: exited with {status}");
+        }
+        TcpStream::connect(("127.0.0.1", port)).ok().map(drop)
+    });
+}
+
+/// Debian's docker-registry on a free loopback port, its config and storage in `dir`.
+struct Registry {
+    host: String,
+    _proc: Proc,
+}
+
+impl Registry {
+    fn start(dir: &Path, basic_auth: Option<(&str, &str)>) -> Registry {
+        fs::create_dir_all(dir.join("storage")).unwrap();
+        let port = free_port();
+        let mut config = format!(
+            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\n",
+            dir.join("storage").display()
+        );
+        if let Some((user, pass)) = basic_auth {
+            let out = run(
+                Command::new("htpasswd").args(["-Bbn", user, pass]),
+                "htpasswd (apt-get install apache2-utils)",
+            );
+            fs::write(dir.join("htpasswd"), &out.stdout).unwrap();
+            config.push_str(&format!(
+                "auth:\n  htpasswd:\n    realm: locker-test\n    path: {}\n",
+                dir.join("htpasswd").display()
+            ));
+        }
+        fs::write(dir.join("config.yml"), config).unwrap();
+        let mut child = Command::new("docker-registry")
+            .arg("serve")
+            .arg(dir.join("config.yml"))
+            .stdout(Stdio::null())
+            .stderr(fs::File::create(dir.join("registry.log")).unwrap())
+            .spawn()
+            .expect("docker-registry runs (apt-get install docker-registry)");
+        wait_listening(port, &mut child, "the registry listens");
+        Registry {
+            host: format!("127.0.0.1:{port}"),
+            _proc: Proc(child),
+        }
+    }
+}
+
+/// An OCI layout `dir/oci:t` made by umoci: busybox as /bin/sh, a file, a working directory
+/// and an environment variable; `extra` (MiB of random bytes) makes it bigger.
+fn make_image(dir: &Path) -> String {
+    let layout = dir.join("oci");
+    let image = format!("{}:t", layout.display());
+    run(
+        Command::new("umoci").args(["init", "--layout"]).arg(&layout),
+        "umoci init (apt-get install umoci)",
+    );
+    run(Command::new("umoci").args(["new", "--image", &image]), "umoci new");
+    let bundle = dir.join("bundle");
+    run(
+        Command::new("umoci")
+            .args(["unpack", "--image", &image])
+            .arg(&bundle),
+        "umoci unpack",
+    );
+    let rootfs = bundle.join("rootfs");
+    for d in ["bin", "etc", "srv/app"] {
+        fs::create_dir_all(rootfs.join(d)).unwrap();
+    }
+    fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
+        .expect("busybox (apt-get install busybox-static)");
+    std::os::unix::fs::symlink("busybox", rootfs.join("bin/sh")).unwrap();
+    fs::write(rootfs.join("etc/greeting"), "hello from the image\n").unwrap();
+    fs::write(rootfs.join("srv/app/data.txt"), "app data\n").unwrap();
+    run(
+        Command::new("umoci")
+            .args(["repack", "--image", &image])
+            .arg(&bundle),
+        "umoci repack",
+    );
+    run(
+        Command::new("umoci").args([
+            "config",
+            "--image",
+            &image,
+            "--config.env",
+            "GREETING=hello-from-config",
+            "--config.env",
+            "PATH=/bin",
+            "--config.workingdir",
+            "/srv/app",
+            "--config.cmd",
+            "/bin/sh",
+        ]),
+        "umoci config",
+    );
+    image
+}
+
+fn skopeo_copy(from: &str, to: &str, extra: &[&str]) {
+    run(
+        Command::new("skopeo")
+            .args(["copy", "--quiet", "--dest-tls-verify=false", "--src-tls-verify=false"])
+            .args(extra)
+            .arg(from)
+            .arg(to),
+        &format!("skopeo copy {from} {to} (apt-get install skopeo)"),
+    );
+}
+
+fn locker(args: &[&str], stdin: Option<&str>, env: &[(&str, &str)]) -> Output {
+    let mut cmd = Command::new(locker_bin());
+    cmd.args(args)
+        .envs(env.iter().copied())
+        .env_remove("LOCKER_URL")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let mut child = cmd.spawn().expect("locker runs");
+    if let Some(s) = stdin {
+        child
+            .stdin
+            .take()
+            .unwrap()
+            .write_all(s.as_bytes())
+            .unwrap();
+    }
+    drop(child.stdin.take());
+    child.wait_with_output().unwrap()
+}
+
+fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}
+
+/// `.tmp-*` build directories in the template cache.
+fn build_dirs() -> Vec<String> {
+    fs::read_dir(cache_dir().join("templates"))
+        .map(|rd| {
+            rd.flatten()
+                .map(|e| e.file_name().to_string_lossy().into_owned())
+                .filter(|n| n.starts_with(".tmp-"))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Removes the names this test gave, whatever happened.
+struct Names(Vec<String>);
+
+impl Drop for Names {
+    fn drop(&mut self) {
+        if let Ok(store) = locker_runtime::template::TemplateStore::open(cache_dir()) {
+            for n in &self.0 {
+                let _ = store.remove(n, |_| false);
+            }
+        }
+    }
+}
+
+#[test]
+fn an_image_pulled_or_imported_becomes_a_sandbox() {
+    let dir = TempDir::new("locker-oci");
+    let image = make_image(dir.path());
+    let reg = Registry::start(&dir.path().join("reg"), None);
+    let private = Registry::start(&dir.path().join("reg-auth"), Some(("agent", "s3cret")));
+    let reference = format!("{}/test/busybox:1", reg.host);
+    skopeo_copy(&format!("oci:{image}"), &format!("docker://{reference}"), &[]);
+    let private_ref = format!("{}/private/busybox:1", private.host);
+    skopeo_copy(
+        &format!("oci:{image}"),
+        &format!("docker://{private_ref}"),
+        &["--dest-creds", "agent:s3cret"],
+    );
+    let pulled = unique("oci-pulled");
+    let from_docker = unique("oci-docker");
+    let from_oci = unique("oci-archive");
+    let from_private = unique("oci-private");
+    let _names = Names(vec![
+        pulled.clone(),
+        from_docker.clone(),
+        from_oci.clone(),
+        from_private.clone(),
+    ]);
+
+    // Pull over plain HTTP from the loopback registry.
+    let out = locker(
+        &["template", "pull", &pulled, &reference, "--plain-http", &reg.host, "--json"],
+        None,
+        &[],
+    );
+    assert!(out.status.success(), "pull: {}", text(&out));
+    let t: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(t["config"]["env"]["GREETING"], "hello-from-config", "{t}");
+    assert_eq!(t["config"]["workdir"], "/srv/app", "{t}");
+    assert_eq!(t["config"]["start_cmd"], json!(["/bin/sh"]), "{t}");
+    let digest = t["digest"].as_str().unwrap().to_owned();
+    assert!(
+        Path::new(t["rootfs"].as_str().unwrap()).join("etc/greeting").is_file(),
+        "{t}"
+    );
+
+    // A sandbox from it runs the image's busybox, with its files at its working directory.
+    let s = Server::start();
+    let api = s.api();
+    let sb = api.create_sandbox(&json!({ "template": pulled }));
+    let id = sb["id"].as_str().unwrap();
+    let r = api.exec(
+        id,
+        &json!({ "shell": "cat /etc/greeting; cat data.txt; echo $GREETING", "cwd": "/srv/app", "env": {"GREETING": t["config"]["env"]["GREETING"]} }),
+    );
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert_eq!(
+        r["stdout"],
+        "hello from the image\napp data\nhello-from-config\n",
+        "{r}"
+    );
+    api.delete(&format!("/v1/sandboxes/{id}"));
+
+    // The same image as a docker archive and as an OCI archive, through the server: the
+    // same template (its digest stands for the image config).
+    let docker_tar = dir.path().join("docker.tar");
+    let oci_tar = dir.path().join("oci.tar");
+    skopeo_copy(
+        &format!("oci:{image}"),
+        &format!("docker-archive:{}:test/busybox:1", docker_tar.display()),
+        &[],
+    );
+    skopeo_copy(
+        &format!("oci:{image}"),
+        &format!("oci-archive:{}:t", oci_tar.display()),
+        &[],
+    );
+    let env = [("LOCKER_API_KEY", s.api_key.as_str())];
+    for (name, tar) in [(&from_docker, &docker_tar), (&from_oci, &oci_tar)] {
+        let out = locker(
+            &["template", "import", name, tar.to_str().unwrap(), "--json", "--url", &s.url],
+            None,
+            &env,
+        );
+        assert!(out.status.success(), "import {}: {}", tar.display(), text(&out));
+        let t: Value = serde_json::from_slice(&out.stdout).unwrap();
+        assert_eq!(t["name"], name.as_str(), "{t}");
+        assert_eq!(t["digest"], digest.as_str(), "same image, same template: {t}");
+        assert!(t.get("rootfs").is_none(), "no host path over the API: {t}");
+    }
+
+    // Basic auth: refused without credentials, pulled with them (the same image again).
+    let out = locker(
+        &["template", "pull", &from_private, &private_ref, "--plain-http", &private.host],
+        None,
+        &[],
+    );
+    assert!(!out.status.success());
+    assert!(text(&out).contains("registry"), "{}", text(&out));
+    let out = locker(
+        &[
+            "template", "pull", &from_private, &private_ref, "--plain-http", &private.host,
+            "--username", "agent", "--json",
+        ],
+        Some("s3cret\n"),
+        &[],
+    );
+    assert!(out.status.success(), "pull with auth: {}", text(&out));
+    let t: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(t["digest"], digest.as_str());
+    assert!(build_dirs().is_empty(), "{:?}", build_dirs());
+}
+
+// Hostile archives through the API.
+
+/// One tar entry with raw header bytes (any name fits, `..` included).
+fn entry(out: &mut Vec<u8>, name: &str, kind: u8, data: &[u8], size: Option<u64>, link: &str) {
+    let mut h = tar::Header::new_gnu();
+    {
+        let g = h.as_gnu_mut().unwrap();
+        g.name[..name.len()].copy_from_slice(name.as_bytes());
+        g.linkname[..link.len()].copy_from_slice(link.as_bytes());
+    }
+    h.set_entry_type(tar::EntryType::new(kind));
+    h.set_size(size.unwrap_or(data.len() as u64));
+    h.set_mode(0o644);
+    h.set_cksum();
+    out.extend_from_slice(h.as_bytes());
+    let mut d = data.to_vec();
+    d.resize(d.len().div_ceil(512) * 512, 0);
+    out.extend_from_slice(&d);
+}
+
+fn sha(b: &[u8]) -> String {
+    Sha256::digest(b)
+        .iter()
+        .map(|x| format!("{x:02x}"))
+        .collect()
+}
+
+/// A docker-save archive of one layer.
+fn docker_archive(layer: &[u8], compressed: Option<&[u8]>) -> Vec<u8> {
+    let config = json!({
+        "architecture": "amd64", "os": "linux", "config": {},
+        "rootfs": {"type": "layers", "diff_ids": [format!("sha256:{}", sha(layer))]},
+    })
+    .to_string();
+    let config_name = format!("{}.json", sha(config.as_bytes()));
+    let manifest =
+        json!([{"Config": config_name, "Layers": ["l/layer.tar"]}]).to_string();
+    let mut out = Vec::new();
+    entry(&mut out, "manifest.json", b'0', manifest.as_bytes(), None, "");
+    entry(&mut out, &config_name, b'0', config.as_bytes(), None, "");
+    entry(&mut out, "l/layer.tar", b'0', compressed.unwrap_or(layer), None, "");
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+fn tar_of(build: impl FnOnce(&mut Vec<u8>)) -> Vec<u8> {
+    let mut out = Vec::new();
+    build(&mut out);
+    out.extend_from_slice(&[0u8; 1024]);
+    out
+}
+
+#[test]
+fn hostile_archives_are_refused_through_the_api_and_leave_nothing() {
+    let outside = TempDir::new("locker-oci-outside");
+    let target = outside.path().join("secret");
+    fs::write(&target, "host").unwrap();
+    let s = Server::start_with_env(
+        &[],
+        &[
+            ("LOCKER_IMAGE_MAX_UNPACKED_BYTES", "67108864"),
+            ("LOCKER_IMAGE_MAX_DOWNLOAD_BYTES", "33554432"),
+        ],
+    );
+    let api = s.api();
+    let out_dir = outside.path().display().to_string();
+    let zeros = vec![0u8; 8 << 20];
+    let bomb_layer = tar_of(|t| {
+        for i in 0..16 {
+            entry(t, &format!("z{i}"), b'0', &zeros, None, "");
+        }
+    });
+    let mut gz = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::fast());
+    gz.write_all(&bomb_layer).unwrap();
+    let bomb_gz = gz.finish().unwrap();
+    let mut huge = Vec::new();
+    entry(&mut huge, "huge", b'0', b"", Some(10 << 30), "");
+    huge.extend_from_slice(&[0u8; 1024]);
+    let cases: Vec<(&str, Vec<u8>, u16, &str)> = vec![
+        (
+            "dotdot",
+            docker_archive(&tar_of(|t| entry(t, "../../escape", b'0', b"x", None, "")), None),
+            400,
+            "climbs out",
+        ),
+        (
+            "symlink-then-file",
+            docker_archive(
+                &tar_of(|t| {
+                    entry(t, "out", b'2', b"", None, &out_dir);
+                    entry(t, "out/pwned", b'0', b"x", None, "");
+                }),
+                None,
+            ),
+            400,
+            "symlink whose target is not in the image",
+        ),
+        (
+            "hardlink",
+            docker_archive(
+                &tar_of(|t| entry(t, "stolen", b'1', b"", None, target.to_str().unwrap())),
+                None,
+            ),
+            400,
+            "not in the image",
+        ),
+        (
+            "device",
+            docker_archive(&tar_of(|t| entry(t, "dev/sda", b'4', b"", None, "")), None),
+            400,
+            "device node",
+        ),
+        ("sparse-10g", docker_archive(&huge, None), 413, "over its limit"),
+        ("bomb", docker_archive(&bomb_layer, Some(&bomb_gz)), 413, "unpacks to more than"),
+        (
+            "not-an-image",
+            tar_of(|t| entry(t, "etc/passwd", b'0', b"root", None, "")),
+            400,
+            "not an image archive",
+        ),
+        ("too-big-body", vec![0u8; 40 << 20], 413, "over the image limit"),
+    ];
+    let before: Vec<String> = list_templates(&api);
+    for (what, body, status, needle) in cases {
+        let name = unique("oci-hostile");
+        let _names = Names(vec![name.clone()]);
+        let started = Instant::now();
+        let r = api.put(&format!("/v1/templates/{name}/image"), &body[..]);
+        let msg = r.expect_error(status, if status == 400 { "bad_request" } else { "payload_too_large" }, what);
+        assert!(msg.contains(needle), "{what}: {msg}");
+        assert!(started.elapsed() < Duration::from_secs(30), "{what} took {:?}", started.elapsed());
+        assert!(build_dirs().is_empty(), "{what}: {:?}", build_dirs());
+        assert_eq!(list_templates(&api), before, "{what}: no template appeared");
+        let names: Vec<_> = fs::read_dir(outside.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names.len(), 1, "{what}: nothing written outside: {names:?}");
+        assert_eq!(fs::read_to_string(&target).unwrap(), "host");
+    }
+    let uploads = s.data_dir.join("uploads");
+    let left: Vec<_> = fs::read_dir(&uploads)
+        .map(|rd| rd.flatten().map(|e| e.path()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "uploads left behind: {left:?}");
+    // Names Locker builds itself are not for importing.
+    api.put("/v1/templates/default/image", &b"x"[..])
+        .expect_error(409, "conflict", "import over default");
+}
+
+fn list_templates(api: &locker_tests::server::Api) -> Vec<String> {
+    let v = api.get("/v1/templates").expect(200, "list templates");
+    let mut names: Vec<String> = v["templates"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| format!("{}={}", t["name"], t["digest"]))
+        .collect();
+    names.sort();
+    names
+}
+
+// Registries that lie, answer garbage or stall: a tiny server speaking just enough of the
+// distribution API.
+const FAKE_REGISTRY: &str = r#"
+import hashlib, http.server, json, sys, time
+mode = sys.argv[2]
+config = json.dumps({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}}).encode()
+manifest = json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+    "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "size": len(config),
+               "digest": "sha256:" + hashlib.sha256(config).hexdigest()}, "layers": []}).encode()
+class H(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *a): pass
+    def do_GET(self):
+        if self.path == "/v2/":
+            self.send_response(200); self.send_header("Content-Length", "0"); self.end_headers(); return
+        if mode == "stall":
+            time.sleep(600); return
+        body = manifest if mode == "lying" else b"\x00garbage{{{"
+        self.send_response(200)
+        self.send_header("Content-Type", "application/vnd.oci.image.manifest.v1+json")
+        self.send_header("Docker-Content-Digest", "sha256:" + "0" * 64)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"#;
+
+#[test]
+fn lying_garbage_and_stalling_registries_are_refused() {
+    let cache = TempDir::new("locker-oci-cache");
+    for (mode, needle, within) in [
+        ("lying", "registry", 20),
+        ("garbage", "registry", 20),
+        ("stall", "registry", 100),
+    ] {
+        let port = free_port();
+        let mut child = Command::new("python3")
+            .args(["-c", FAKE_REGISTRY, &port.to_string(), mode])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("python3 runs");
+        wait_listening(port, &mut child, "the fake registry listens");
+        let _p = Proc(child);
+        let host = format!("127.0.0.1:{port}");
+        let started = Instant::now();
+        let out = locker(
+            &["template", "pull", "liar", &format!("{host}/x/y:1"), "--plain-http", &host],
+            None,
+            &[("LOCKER_CACHE_DIR", cache.path().to_str().unwrap())],
+        );
+        assert!(!out.status.success(), "{mode}: {}", text(&out));
+        let t = text(&out);
+        assert!(t.contains(needle), "{mode}: {t}");
+        assert!(
+            started.elapsed() < Duration::from_secs(within),
+            "{mode} took {:?}",
+            started.elapsed()
+        );
+        let templates: Vec<PathBuf> = fs::read_dir(cache.path().join("templates"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| !p.ends_with("names") && !p.ends_with(".locks"))
+            .collect();
+        assert!(templates.is_empty(), "{mode}: {templates:?}");
+    }
+}
