@@ -15,6 +15,7 @@
 mod code;
 mod host;
 mod http1;
+mod images;
 mod jail;
 mod jobs;
 mod microvm;
@@ -40,7 +41,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, microvm-volumes, ports, jobs, code, soak (default: all).
+    /// microvm, microvm-volumes, ports, jobs, code, soak, images (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -90,7 +91,7 @@ pub struct Args {
     pub out_dir: PathBuf,
 }
 
-const GROUPS: [&str; 13] = [
+const GROUPS: [&str; 14] = [
     "jail",
     "peers",
     "server",
@@ -104,6 +105,7 @@ const GROUPS: [&str; 13] = [
     "jobs",
     "code",
     "soak",
+    "images",
 ];
 
 impl Args {
@@ -335,6 +337,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== code: the code interpreter's cells, first cells with and without a pre-started kernel ==");
         code::code_rows(args, rows)?;
+    }
+    if args.wants("images") {
+        check_stop()?;
+        println!("== images: pull and unpack of a 100 MB image from a loopback registry, beside skopeo + umoci ==");
+        images::image_rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;
