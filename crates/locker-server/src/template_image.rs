@@ -60,6 +60,20 @@ pub fn template_json(t: &Template) -> serde_json::Value {
     })
 }
 
+/// Most of a refused body read (and dropped) so that the client gets to read the 413
+/// rather than a reset connection; past it the connection is closed.
+const DRAIN_BYTES: u64 = 256 << 20;
+
+async fn drain(stream: &mut axum::body::BodyDataStream) {
+    let mut n = 0u64;
+    while let Ok(Some(chunk)) = stream.try_next().await {
+        n += chunk.len() as u64;
+        if n > DRAIN_BYTES {
+            break;
+        }
+    }
+}
+
 /// Removes the uploaded archive however the request ends.
 struct Upload(std::path::PathBuf);
 
@@ -99,7 +113,9 @@ async fn import(
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.parse::<u64>().ok());
+    let mut stream = body.into_data_stream();
     if declared.is_some_and(|n| n > limits.max_download_bytes) {
+        drain(&mut stream).await;
         return Err(too_big());
     }
     let dir = app.cfg.data_dir.join("uploads");
@@ -110,7 +126,6 @@ async fn import(
     let mut file = tokio::fs::File::create(&upload.0)
         .await
         .map_err(|e| ApiError::internal(format!("creating {}: {e}", upload.0.display())))?;
-    let mut stream = body.into_data_stream();
     let mut received = 0u64;
     while let Some(chunk) = stream
         .try_next()
@@ -119,6 +134,7 @@ async fn import(
     {
         received += chunk.len() as u64;
         if received > limits.max_download_bytes {
+            drain(&mut stream).await;
             return Err(too_big());
         }
         file.write_all(&chunk)

@@ -153,7 +153,14 @@ impl TemplateStore {
         )
         .await
         .map_err(|_| registry_error("fetching the manifest", "the registry did not answer in time"))?
-        .map_err(|e| registry_error(&format!("fetching the manifest of {reference}"), e))?;
+        .map_err(|e| {
+            let hint = if source.plain_http.is_empty() && e.to_string().contains("https://") {
+                " (a registry without TLS must be named as a plain-HTTP one: --plain-http HOST)"
+            } else {
+                ""
+            };
+            registry_error(&format!("fetching the manifest of {reference}"), format!("{e}{hint}"))
+        })?;
         if !CONFIG_TYPES.contains(&manifest.config.media_type.as_str()) {
             return Err(TemplateError::BadImage(format!(
                 "{reference} is not a container image (its config is {:?})",

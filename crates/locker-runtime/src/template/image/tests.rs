@@ -432,3 +432,10 @@ fn a_docker_archive_imports_once_and_a_hostile_one_leaves_nothing() {
     let r = store.import_image_archive("plain", &not_image, ImageLimits::default(), &mut NoProgress);
     assert!(matches!(&r, Err(TemplateError::BadImage(m)) if m.contains("not an image archive")), "{r:?}");
 }
+
+/// Builds run pulls on spawned tasks: the future must be `Send`.
+#[allow(dead_code)]
+fn pull_image_is_send(store: &TemplateStore, source: &ImageSource, p: &mut (dyn Progress + Send)) {
+    fn send<T: Send>(_: T) {}
+    send(store.pull_image("x", source, ImageLimits::default(), p));
+}
