@@ -729,6 +729,8 @@ fn call_record(caller: &Caller, plan: &Plan, res: &ExecResult, ch: Option<&Chang
         runtime: plan.runtime.as_str().into(),
         result,
         egress_denied: vec![],
+        secrets_used: vec![],
+        secret_misuse: vec![],
         changes: ch.map(|c| {
             json!({"added": c.added, "modified": c.modified, "deleted": c.deleted,
                    "conflicts": c.conflicts, "committed": c.committed})
