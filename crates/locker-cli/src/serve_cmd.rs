@@ -53,6 +53,10 @@ pub struct ServeArgs {
     /// resolving the name on the host.
     #[arg(long, value_name = "NAME=IP", value_parser = locker_server::egress::parse_pin)]
     egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
+    /// A CA (PEM file) the egress proxy trusts, beside the host's trust store, when it
+    /// connects to a secret's host; repeatable (private hosts, tests).
+    #[arg(long, value_name = "FILE")]
+    egress_ca: Vec<std::path::PathBuf>,
     /// Do not build the template `default` when it is missing (the server then only warns:
     /// build it with `locker template build default`).
     #[arg(long)]
@@ -112,6 +116,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         warm_pool: a.warm_pool,
         vm_pool: a.vm_pool,
         egress_resolve: a.egress_resolve,
+        egress_ca: a.egress_ca,
         template_build: !a.no_template_build,
         preview,
     };

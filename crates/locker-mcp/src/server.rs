@@ -377,7 +377,9 @@ impl Call<'_> {
     async fn run(&self) -> Out {
         let vol = seg(self.need("volume")?)?.to_owned();
         let mut body = self.exec_body()?;
-        body.extend(self.pick(&["commit", "template", "memory_mb", "cpus", "network"]));
+        body.extend(self.pick(&[
+            "commit", "template", "memory_mb", "cpus", "network", "secrets",
+        ]));
         if self.bool("create_volume") {
             let (status, b) = self
                 .raw(
@@ -429,6 +431,7 @@ impl Call<'_> {
             "idle_timeout_s",
             "env",
             "network",
+            "secrets",
             "from_snapshot",
             "metadata",
         ]);

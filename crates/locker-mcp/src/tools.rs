@@ -188,6 +188,15 @@ fn exec_output_schema() -> Value {
     s
 }
 
+/// The `secrets` input of the tools that make machines: names only (a tool never reads a
+/// value; the operator creates secrets with `locker secret create`).
+fn secrets() -> Value {
+    json!({"type": "array", "items": {"type": "string"}, "maxItems": 32,
+           "description": "Secrets to attach, by name (created by the operator). Each one's env variable \
+holds a placeholder, not the value; the network proxy puts the real value into HTTPS requests to the \
+secret's own hosts only, which join the allow list. Sent anywhere else it stays a placeholder."})
+}
+
 pub(crate) fn sandbox_schema() -> Value {
     json!({"type": "object",
            "properties": {
@@ -337,7 +346,8 @@ the server enforces it.",
                     "memory_mb": {"type": "integer", "minimum": 64, "maximum": 65536, "default": 512,
                                   "description": "Memory limit in MiB; past it the command is killed with reason \"oom\"."},
                     "cpus": {"type": "number", "minimum": 0.1, "maximum": 64, "default": 1},
-                    "network": network("the run's machine")
+                    "network": network("the run's machine"),
+                    "secrets": secrets()
                 }),
                 &["volume"],
             ),
@@ -377,6 +387,7 @@ quota_exceeded: delete sandboxes you no longer need.",
                     "env": {"type": "object", "additionalProperties": {"type": "string"},
                             "description": "Environment variables every exec in it inherits."},
                     "network": network("the sandbox"),
+                    "secrets": secrets(),
                     "from_snapshot": {"type": "string", "pattern": "^snap_[0-9a-f]+$",
                                       "description": "Start from a snapshot (snapshot_create) instead of the template."},
                     "metadata": {"type": "object", "additionalProperties": {"type": "string"},

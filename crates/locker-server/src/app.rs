@@ -47,6 +47,8 @@ pub enum ServeError {
     Volumes(std::io::Error),
     #[error(transparent)]
     Lock(#[from] crate::state::LockError),
+    #[error("secrets: {0}")]
+    Secrets(String),
 }
 
 /// How long requests in flight may take to finish once a stop is asked for.
@@ -196,6 +198,12 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     tracing::info!(quotas = ?cfg.quotas, "per-tenant quotas");
     let egress =
         crate::egress::Egress::new(&cfg.egress_resolve, crate::egress::limits::raise_nofile());
+    let sealer = crate::secrets::Sealer::load(&cfg.data_dir)
+        .map_err(|e| ServeError::Secrets(e.to_string()))?;
+    let secrets = crate::secrets::Secrets::new(sealer, store.clone());
+    egress
+        .configure_secrets(secrets.clone(), &cfg.egress_ca)
+        .map_err(ServeError::Secrets)?;
     let pool = Arc::new(crate::pool::Pool::new(
         warm_pool,
         node.clone(),
@@ -221,6 +229,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         pool,
         vm_pool,
         egress,
+        secrets,
         default_template: Default::default(),
         events: Default::default(),
         _lock: lock,
@@ -267,6 +276,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::mcp_bridge::routes())
         .merge(crate::code::routes())
         .merge(crate::volumes::routes())
+        .merge(crate::secrets::routes())
         .merge(crate::runs::routes())
         .merge(crate::admin::routes())
         .merge(crate::ops::routes())

@@ -115,6 +115,8 @@ pub fn call_record(
         runtime: live.machine.kind().as_str().into(),
         result,
         egress_denied: vec![],
+        secrets_used: vec![],
+        secret_misuse: vec![],
         changes: None,
         created_at: locker_types::rfc3339(now_s()),
     }

@@ -144,5 +144,6 @@ fn finish(
     app.metrics.add_cpu(&caller.tenant, res.usage.cpu_ms);
     let mut record = call_record(caller, live, locker_store::CallKind::Exec, req, spec, res);
     record.egress_denied = app.egress.denied_since(&live.id, arrived);
+    (record.secrets_used, record.secret_misuse) = app.egress.secrets_since(&live.id, arrived);
     app.recorder.record(record);
 }

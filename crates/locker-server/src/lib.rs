@@ -57,6 +57,7 @@ pub mod ports;
 pub mod processes;
 pub mod runs;
 pub mod sandboxes;
+pub mod secrets;
 pub mod snapshots;
 pub mod state;
 pub mod stream;

@@ -221,11 +221,15 @@ pub async fn launch(
         }
     };
     if has_egress(&new.network) {
-        if let Err(e) = app
+        let net = match app
             .egress
             .apply(&app.node, &machine, &id, &caller.tenant, &new.network)
             .await
         {
+            Ok(()) => crate::secrets::arm(app, &machine, &id, &caller.tenant, &new.env).await,
+            Err(e) => Err(e),
+        };
+        if let Err(e) = net {
             app.egress.forget(&id);
             let _ = app.node.destroy(&machine).await;
             crate::failed::note(&id, format!("giving its machine a network failed: {e}"));
@@ -492,11 +496,15 @@ impl PauseMarks {
 /// previous server's ports are gone). If that fails it gets no network at all, and its
 /// record says so: fail closed.
 async fn readopt_egress(app: &AppState, r: &SandboxRecord, live: &Live) {
-    if let Err(e) = app
+    let net = match app
         .egress
         .apply(&app.node, &live.machine, &r.id, &r.tenant, &r.network)
         .await
     {
+        Ok(()) => crate::secrets::arm(app, &live.machine, &r.id, &r.tenant, &r.env).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = net {
         tracing::warn!(sandbox = %r.id, error = %e, "cannot restore the sandbox's egress: it now has none");
         let none = json!({"egress": "none"});
         let _ = app

@@ -297,6 +297,21 @@ pub const ROUTES: &[RouteDoc] = &[
     ),
     r("get", "/v1/volumes", 200, "List the tenant's volumes"),
     r(
+        "post",
+        "/v1/secrets",
+        201,
+        "Create a secret (its value never enters a machine)",
+    ),
+    r("get", "/v1/secrets", 200, "List the tenant's secrets (never values)"),
+    r("get", "/v1/secrets/{name}", 200, "Get a secret (never its value)"),
+    r(
+        "put",
+        "/v1/secrets/{name}",
+        200,
+        "Rotate a secret's value, hosts or env variable",
+    ),
+    r("delete", "/v1/secrets/{name}", 204, "Delete a secret"),
+    r(
         "get",
         "/v1/volumes/{id}",
         200,

@@ -108,6 +108,8 @@ pub(crate) async fn spawn_background(
                         &res,
                     );
                     record.egress_denied = app2.egress.denied_since(&live2.id, arrived);
+                    (record.secrets_used, record.secret_misuse) =
+                        app2.egress.secrets_since(&live2.id, arrived);
                     app2.recorder.record(record);
                     return;
                 }

@@ -141,7 +141,16 @@ fn check(app: &AppState, caller: &Caller, id: &str, body: RunRequest) -> Result<
             "`memory_mb` must be between {lo} and {hi}"
         )));
     }
-    let network = crate::limits::check_network(b.network.as_ref())?;
+    let mut network = crate::limits::check_network(b.network.as_ref())?;
+    crate::limits::check_env(&req.env)?;
+    crate::secrets::resolve(
+        app,
+        &caller.tenant,
+        &b.secrets,
+        &mut req.env,
+        &mut network,
+        b.network.is_some(),
+    )?;
     req.cwd = Some(req.cwd.unwrap_or_else(|| mount_path.clone()));
     req.timeout_ms = Some(req.timeout_ms.unwrap_or(DEFAULT_RUN_TIMEOUT_MS));
     req.validate().map_err(ApiError::bad_request)?;
@@ -280,6 +289,7 @@ async fn execute(
         Err(e) => Err(e),
     };
     // The machine is the run's alone: everything it was refused is this call's.
+    let secrets_seen = app.egress.disarm(&call_id);
     let egress_denied = app.egress.forget(&call_id);
     // The layer goes after the answer (what a commit took from it is in `live/` already);
     // the view goes with the last run that uses it.
@@ -295,6 +305,7 @@ async fn execute(
     app.metrics.add_cpu(&caller.tenant, res.usage.cpu_ms);
     let mut record = call_record(caller, plan, &res, changes.as_ref());
     record.egress_denied = egress_denied;
+    (record.secrets_used, record.secret_misuse) = secrets_seen;
     app.recorder.record(record);
     res.changes = changes;
     Ok(res)
@@ -481,7 +492,7 @@ async fn in_machine(
     };
     // The network is attached after the claim (warm machines have none); destroy takes it.
     if crate::limits::has_egress(&plan.network) {
-        if let Err(e) = app
+        let net = match app
             .egress
             .apply(
                 &app.node,
@@ -492,6 +503,19 @@ async fn in_machine(
             )
             .await
         {
+            Ok(()) => {
+                crate::secrets::arm(
+                    app,
+                    &machine,
+                    &spec.call_id,
+                    &plan.rec.tenant,
+                    &plan.req.env,
+                )
+                .await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = net {
             let _ = app.node.destroy(&machine).await;
             return Err(ApiError::unavailable(format!(
                 "giving the run's machine its network failed: {e}"
@@ -729,6 +753,8 @@ fn call_record(caller: &Caller, plan: &Plan, res: &ExecResult, ch: Option<&Chang
         runtime: plan.runtime.as_str().into(),
         result,
         egress_denied: vec![],
+        secrets_used: vec![],
+        secret_misuse: vec![],
         changes: ch.map(|c| {
             json!({"added": c.added, "modified": c.modified, "deleted": c.deleted,
                    "conflicts": c.conflicts, "committed": c.committed})

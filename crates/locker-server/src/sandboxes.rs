@@ -163,7 +163,16 @@ async fn checked(
     }
     check_env(&body.env)?;
     check_metadata(&body.metadata)?;
-    let network = check_network(body.network.as_ref())?;
+    let mut network = check_network(body.network.as_ref())?;
+    let mut env = body.env;
+    crate::secrets::resolve(
+        app,
+        &caller.tenant,
+        &body.secrets,
+        &mut env,
+        &mut network,
+        body.network.is_some(),
+    )?;
     require_egress(&network).await?;
     // A snapshot with memory restores only as a microVM (its memory is a VM's).
     let runtime = match &snapshot {
@@ -249,7 +258,7 @@ async fn checked(
         disk_mb,
         ttl_s,
         idle_timeout_s: body.idle_timeout_s,
-        env: body.env,
+        env,
         network,
         metadata: body.metadata,
         volumes,

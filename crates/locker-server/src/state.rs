@@ -74,6 +74,9 @@ pub struct Config {
     /// Names pinned to addresses for machines' egress (`--egress-resolve name=ip`): the
     /// egress proxy and DNS responder use these instead of resolving.
     pub egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
+    /// CA files the egress proxy trusts beside the host's when it connects to a secret's
+    /// host (`--egress-ca`: private hosts, tests).
+    pub egress_ca: Vec<PathBuf>,
     /// Build the template `default` in the background at start when it is missing.
     pub template_build: bool,
     /// Where preview URLs live (`--preview-domain`); `None`: no preview hosts.
@@ -220,6 +223,8 @@ pub struct App {
     pub vm_pool: Arc<crate::vm_pool::VmPool>,
     /// Machines' egress policies: the name-checking proxy and DNS responder.
     pub egress: Arc<crate::egress::Egress>,
+    /// Tenants' secrets: sealing, opening, placeholders.
+    pub secrets: Arc<crate::secrets::Secrets>,
     /// Whether the template `default` is being built (see `default_template`).
     pub default_template: crate::default_template::DefaultTemplate,
     /// Lifecycle events (`events`): rooms emit, the event room delivers.

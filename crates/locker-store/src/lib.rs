@@ -33,6 +33,7 @@ pub use model::{
     Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
 };
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
+pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
 pub use random::{fill_random, new_id, new_preview_token, API_KEY_PREFIX, PREVIEW_TOKEN_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
 pub use sqlite::{SqliteStore, SCHEMA_VERSION};
@@ -255,4 +256,21 @@ pub trait Store: Send + Sync {
     fn usage(&self, tenant: &str, since: Option<i64>) -> Result<TenantUsage> {
         self.usage_at(tenant, since, now_unix())
     }
+
+    // ---- secrets (sealed values only) ----
+
+    /// Adds a secret; `Conflict` when the tenant has one by that name.
+    fn insert_secret(&self, secret: &SecretRecord) -> Result<()>;
+
+    /// The tenant's secret `name`.
+    fn get_secret(&self, tenant: &str, name: &str) -> Result<Option<SecretRecord>>;
+
+    /// The tenant's secrets, by name.
+    fn list_secrets(&self, tenant: &str) -> Result<Vec<SecretRecord>>;
+
+    /// Replaces a secret's hosts, env, sealed value and `updated_at`; `false` if none.
+    fn update_secret(&self, secret: &SecretRecord) -> Result<bool>;
+
+    /// Deletes a secret; `false` if none.
+    fn delete_secret(&self, tenant: &str, name: &str) -> Result<bool>;
 }

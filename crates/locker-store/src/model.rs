@@ -216,6 +216,13 @@ pub struct CallRecord {
     /// Names or addresses the network policy refused during the call.
     #[serde(default)]
     pub egress_denied: Vec<String>,
+    /// Which secret's value the egress proxy put into a request to which host.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets_used: Vec<SecretUse>,
+    /// A secret's placeholder seen going where its value may not (another host, plain
+    /// HTTP): it went out as the placeholder, never the value.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secret_misuse: Vec<SecretMisuse>,
     /// For runs on volumes: the changed paths (no contents).
     pub changes: Option<serde_json::Value>,
     /// RFC 3339 UTC.
@@ -417,4 +424,55 @@ pub struct VolumeSnapshotRecord {
     pub created_at: String,
     /// Where its tree is on the host.
     pub path: String,
+}
+
+/// A secret's value put into a request by the egress proxy (a call record's `secrets_used`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretUse {
+    pub name: String,
+    pub host: String,
+}
+
+/// A secret's placeholder seen going elsewhere (a call record's `secret_misuse`):
+/// `destination` is the name or `address:port` it went to, with `http://` when in clear.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SecretMisuse {
+    pub name: String,
+    pub destination: String,
+}
+
+/// A tenant's secret as the store keeps it: the value only sealed (see the server's
+/// `secrets` room); names, hosts and the env variable in clear.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SecretRecord {
+    pub tenant: String,
+    /// Unique per tenant; see [`validate_secret_name`].
+    pub name: String,
+    /// The hosts the value may be sent to (exact names, lowercase).
+    pub hosts: Vec<String>,
+    /// The environment variable that holds the placeholder inside a machine.
+    pub env: String,
+    /// Nonce and ciphertext; opaque to the store.
+    pub sealed: Vec<u8>,
+    /// RFC 3339 UTC.
+    pub created_at: String,
+    /// RFC 3339 UTC: the last rotation.
+    pub updated_at: String,
+}
+
+/// Checks a secret's name: 1 to 64 of `a-z`, `0-9`, `_`, `-`, starting with a letter or digit.
+pub fn validate_secret_name(name: &str) -> crate::error::Result<()> {
+    let ok = !name.is_empty()
+        && name.len() <= 64
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_' || b == b'-')
+        && name.as_bytes()[0].is_ascii_alphanumeric();
+    if ok {
+        Ok(())
+    } else {
+        Err(crate::error::StoreError::Invalid(format!(
+            "secret name {name:?}: use 1 to 64 of a-z, 0-9, `_` and `-`, starting with a letter or digit"
+        )))
+    }
 }

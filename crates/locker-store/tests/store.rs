@@ -108,6 +108,8 @@ fn call(id: &str, tenant: &str, kind: CallKind, sandbox_id: Option<&str>, at: i6
             changes: None,
         },
         egress_denied: vec![],
+        secrets_used: vec![],
+        secret_misuse: vec![],
         changes: None,
         created_at: rfc3339(at),
     }

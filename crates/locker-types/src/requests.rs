@@ -230,6 +230,10 @@ pub struct CreateSandbox {
     pub from_snapshot: Option<String>,
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub metadata: BTreeMap<String, String>,
+    /// Secrets by name: the machine's env gets a placeholder for each, and the egress
+    /// proxy puts the value in requests to the secret's hosts only.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// The body of `PATCH /v1/sandboxes/{id}`: what may change on a live sandbox.
@@ -319,6 +323,9 @@ pub struct RunRequest {
     pub mount_path: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub commit: Option<CommitMode>,
+    /// Secrets by name, as a sandbox's create takes them.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub secrets: Vec<String>,
 }
 
 /// What a run asks for besides its command.
@@ -331,6 +338,7 @@ pub struct RunMachine {
     pub network: Option<NetworkPolicy>,
     pub mount_path: Option<String>,
     pub commit: Option<CommitMode>,
+    pub secrets: Vec<String>,
 }
 
 impl RunRequest {
@@ -355,6 +363,7 @@ impl RunRequest {
             network: self.network,
             mount_path: self.mount_path,
             commit: self.commit,
+            secrets: self.secrets,
         };
         (exec, machine)
     }

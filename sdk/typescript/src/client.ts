@@ -6,6 +6,7 @@
 import { Transport, type ClientOptions } from "./transport.js";
 import { Sandbox, type CreateOptions, type ListFilter } from "./sandbox.js";
 import { Volumes, runBody, type RunOptions } from "./volume.js";
+import { Secrets } from "./secret.js";
 import type { Command } from "./exec.js";
 import { camel, execResult, type CallRecord, type ExecResult, type Snapshot, type TemplateInfo, type Usage } from "./types.js";
 import { seg } from "./transport.js";
@@ -20,6 +21,8 @@ export class Client {
     delete(id: string): Promise<void>;
   };
   readonly volumes: Volumes;
+  /** Values a machine's code uses but never sees (never returned by any call). */
+  readonly secrets: Secrets;
   readonly snapshots: {
     list(): Promise<Snapshot[]>;
     delete(id: string): Promise<void>;
@@ -45,6 +48,7 @@ export class Client {
       },
     };
     this.volumes = new Volumes(t);
+    this.secrets = new Secrets(t);
     this.snapshots = {
       list: async () => camel<Snapshot[]>((await t.json<{ snapshots: unknown[] }>("GET", "/v1/snapshots")).snapshots),
       delete: async (id) => {

@@ -12,6 +12,7 @@
 export { Client } from "./client.js";
 export { Sandbox, DEFAULT_WORKDIR, type CreateOptions, type ListFilter, type Connection } from "./sandbox.js";
 export { Volume, Volumes, type CommitMode, type RunOptions } from "./volume.js";
+export { Secrets, type SecretInfo } from "./secret.js";
 export { Files, type WriteData } from "./files.js";
 export { Process, Processes, type Command, type ExecOptions, type ProcessOptions } from "./exec.js";
 export {

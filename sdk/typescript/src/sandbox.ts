@@ -52,6 +52,11 @@ export interface CreateOptions {
   fromSnapshot?: string;
   metadata?: Record<string, string>;
   /**
+   * Secrets by name (`client.secrets.create`): each one's env variable holds a placeholder,
+   * and the egress proxy puts the value into requests to the secret's hosts only.
+   */
+  secrets?: string[];
+  /**
    * The directory execs and processes start in when they name no `cwd`: made right after
    * the sandbox (default `/workspace`). `null`: none is made, commands start in the
    * user's home as the API does.
@@ -88,6 +93,7 @@ function createBody(o: CreateOptions): Record<string, unknown> {
     volumes: o.volumes?.map((v) => snake({ ...v })),
     fromSnapshot: o.fromSnapshot,
     metadata: o.metadata,
+    secrets: o.secrets,
   });
 }
 

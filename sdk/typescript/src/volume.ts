@@ -34,6 +34,8 @@ export interface RunOptions extends ExecOptions {
   cpus?: number;
   memoryMb?: number;
   network?: Network;
+  /** Secrets by name, as a sandbox's create takes them. */
+  secrets?: string[];
 }
 
 /** The API's run body for `cmd` with `opts` (everything but `signal`). */
@@ -46,6 +48,7 @@ export function runBody(cmd: Command, o: RunOptions): Record<string, unknown> {
   if (o.cpus !== undefined) body["cpus"] = o.cpus;
   if (o.memoryMb !== undefined) body["memory_mb"] = o.memoryMb;
   if (o.network !== undefined) body["network"] = wireNetwork(o.network);
+  if (o.secrets !== undefined) body["secrets"] = o.secrets;
   return body;
 }
 

@@ -1,6 +1,6 @@
 //! The client side of the `locker` CLI: the commands that talk to `locker serve` over HTTP.
 //!
-//! This room owns `locker sandbox|snapshot|exec|run|shell|process|ps|files|volume|tenant|key|calls|usage`. It codes
+//! This room owns `locker sandbox|snapshot|exec|run|shell|process|ps|files|volume|secret|tenant|key|calls|usage`. It codes
 //! against the HTTP contract (`docs/api.md`) and nothing else: it must not link to the
 //! server, the runtime or the store, so that what it does is exactly what any other client
 //! of the API could do. The HTTP plumbing (base URL, Bearer key, the `{"error": …}` shape)
@@ -24,6 +24,7 @@ pub mod records;
 pub mod render;
 pub mod run;
 pub mod sandbox;
+pub mod secret;
 pub mod shell;
 pub mod tty;
 pub mod volume;
@@ -163,6 +164,8 @@ pub enum ClientCmd {
     Files(Box<files::FilesArgs>),
     /// Create, list, delete, snapshot and fork volumes, and move their files.
     Volume(Box<volume::VolumeArgs>),
+    /// Create, list, rotate and delete secrets (values machines use but never see).
+    Secret(Box<secret::SecretArgs>),
     /// Create tenants (admin: needs --admin-key or LOCKER_ADMIN_KEY).
     Tenant(Box<admin::TenantArgs>),
     /// Create and revoke API keys (admin: needs --admin-key or LOCKER_ADMIN_KEY).
@@ -188,6 +191,7 @@ pub fn main(cmd: ClientCmd) -> ! {
         ClientCmd::Code(a) => code::run(*a),
         ClientCmd::Files(a) => files::run(*a),
         ClientCmd::Volume(a) => volume::run(*a),
+        ClientCmd::Secret(a) => secret::run(*a),
         ClientCmd::Tenant(a) => admin::run_tenant(*a),
         ClientCmd::Key(a) => admin::run_key(*a),
         ClientCmd::Calls(a) => records::run_calls(*a),

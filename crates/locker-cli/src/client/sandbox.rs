@@ -175,6 +175,10 @@ pub struct CreateArgs {
     /// policy's JSON (`sandbox network` changes it later).
     #[arg(long, value_name = "POLICY", value_parser = parse_network)]
     pub network: Option<Value>,
+    /// A secret by name (repeatable): its env variable gets a placeholder, and the egress
+    /// proxy puts the value in requests to its hosts only (`locker secret create`).
+    #[arg(long = "secret", value_name = "NAME")]
+    pub secrets: Vec<String>,
     /// Mount a volume (its name or vol_… id) at /workspace, or at PATH; `:ro` mounts it
     /// read-only (repeatable): `repo`, `repo:/src`, `repo:/src:ro`.
     #[arg(long = "volume", value_name = "VOL[:PATH][:ro]", value_parser = parse_volume)]
@@ -291,6 +295,9 @@ pub fn create_body(a: &CreateArgs) -> Value {
     }
     if let Some(n) = &a.network {
         put("network", n.clone());
+    }
+    if !a.secrets.is_empty() {
+        put("secrets", json!(a.secrets));
     }
     if !a.volumes.is_empty() {
         put("volumes", Value::Array(a.volumes.clone()));

@@ -372,6 +372,8 @@ fn call_record(caller: &Caller, live: &Live, req: &RunCode, e: &Execution) -> Ca
             changes: None,
         },
         egress_denied: vec![],
+        secrets_used: vec![],
+        secret_misuse: vec![],
         changes: None,
         created_at: locker_types::rfc3339(now_s()),
     }

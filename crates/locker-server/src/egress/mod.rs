@@ -18,7 +18,9 @@
 //! machines' own addresses are served (anything else is closed or ignored), and the
 //! host's input chain lets a machine reach them only through its redirect rules.
 
+pub mod ca;
 pub mod dns;
+pub mod intercept;
 pub mod limits;
 pub mod proxy;
 
@@ -223,6 +225,47 @@ impl Entry {
     }
 }
 
+/// A machine armed for secrets (see `secrets::arm`): its placeholders, its CA, and what
+/// the proxy saw them do, for call records.
+#[derive(Debug)]
+pub struct Armed {
+    pub tenant: String,
+    /// `(secret name, placeholder)`.
+    pub secrets: Vec<(String, String)>,
+    pub ca: Arc<ca::MachineCa>,
+    seen: Mutex<VecDeque<(Instant, Seen)>>,
+}
+
+/// What the proxy saw a placeholder do.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Seen {
+    /// Its value went into a request to `host`.
+    Used { name: String, host: String },
+    /// It went to `destination`, where its value may not go; it stayed a placeholder.
+    Misuse { name: String, destination: String },
+}
+
+impl Armed {
+    /// Notes what the proxy saw (the oldest notes go first past [`MAX_DENIED`]).
+    pub fn note(&self, s: Seen) {
+        if let Seen::Misuse { name, destination } = &s {
+            tracing::info!(secret = %name, destination = %destination, "a secret's placeholder went where its value may not (it was not replaced)");
+        }
+        let mut q = self.seen.lock().expect("secrets seen");
+        if q.len() >= MAX_DENIED {
+            q.pop_front();
+        }
+        q.push_back((Instant::now(), s));
+    }
+
+    /// The secrets whose placeholders occur in `bytes`.
+    pub fn found_in<'a>(&'a self, bytes: &'a [u8]) -> impl Iterator<Item = &'a (String, String)> + 'a {
+        self.secrets
+            .iter()
+            .filter(move |(_, p)| bytes.windows(p.len()).any(|w| w == p.as_bytes()))
+    }
+}
+
 /// The two listeners, once started.
 #[derive(Debug, Clone, Copy)]
 struct Ports {
@@ -244,6 +287,11 @@ pub struct Egress {
     pub proxy_caps: limits::Caps,
     /// Accept failures of the proxy are logged at most this often.
     accept_log: limits::LogGate,
+    /// Machines armed for secrets, by key.
+    armed: Mutex<HashMap<String, Arc<Armed>>>,
+    /// Where values come from, and how upstream TLS is checked (set once at start).
+    secrets: std::sync::OnceLock<Arc<crate::secrets::Secrets>>,
+    pub(crate) upstream: std::sync::OnceLock<intercept::UpstreamTls>,
 }
 
 /// Parses an `--egress-resolve` pin: `name=address[,address…]`.
@@ -289,9 +337,101 @@ impl Egress {
             total: Held::default(),
             proxy_caps,
             accept_log: limits::LogGate::default(),
+            armed: Mutex::new(HashMap::new()),
+            secrets: std::sync::OnceLock::new(),
+            upstream: std::sync::OnceLock::new(),
         })
     }
 
+    /// Gives the proxy the secrets service and the CAs it trusts upstream beside the
+    /// host's (`--egress-ca`). Called once at start; an unreadable CA file is an error.
+    pub fn configure_secrets(
+        &self,
+        secrets: Arc<crate::secrets::Secrets>,
+        extra_cas: &[std::path::PathBuf],
+    ) -> Result<(), String> {
+        let tls = intercept::UpstreamTls::new(extra_cas)?;
+        let _ = self.upstream.set(tls);
+        let _ = self.secrets.set(secrets);
+        Ok(())
+    }
+
+    /// The secrets service, once configured.
+    pub fn secrets(&self) -> Option<&Arc<crate::secrets::Secrets>> {
+        self.secrets.get()
+    }
+
+    /// Arms machine `key` for `secrets` (`(name, placeholder)`) with CA `ca`.
+    pub fn arm(&self, key: &str, tenant: &str, secrets: Vec<(String, String)>, ca: Arc<ca::MachineCa>) {
+        let armed = Arc::new(Armed {
+            tenant: tenant.to_owned(),
+            secrets,
+            ca,
+            seen: Mutex::new(VecDeque::new()),
+        });
+        self.armed.lock().expect("armed").insert(key.to_owned(), armed);
+    }
+
+    /// Machine `key`'s secrets, if it has any.
+    pub fn armed(&self, key: &str) -> Option<Arc<Armed>> {
+        self.armed.lock().expect("armed").get(key).cloned()
+    }
+
+    /// What machine `key`'s placeholders did since `since`: `(secrets_used,
+    /// secret_misuse)` for a call record, each once.
+    pub fn secrets_since(
+        &self,
+        key: &str,
+        since: Instant,
+    ) -> (Vec<locker_store::SecretUse>, Vec<locker_store::SecretMisuse>) {
+        match self.armed(key) {
+            Some(a) => a.seen_since(Some(since)),
+            None => (Vec::new(), Vec::new()),
+        }
+    }
+
+    /// Forgets machine `key`'s secrets and returns what they did over its life (for a
+    /// run's record).
+    pub fn disarm(
+        &self,
+        key: &str,
+    ) -> (Vec<locker_store::SecretUse>, Vec<locker_store::SecretMisuse>) {
+        match self.armed.lock().expect("armed").remove(key) {
+            Some(a) => a.seen_since(None),
+            None => (Vec::new(), Vec::new()),
+        }
+    }
+}
+
+impl Armed {
+    fn seen_since(
+        &self,
+        since: Option<Instant>,
+    ) -> (Vec<locker_store::SecretUse>, Vec<locker_store::SecretMisuse>) {
+        let q = self.seen.lock().expect("secrets seen");
+        let mut used: Vec<locker_store::SecretUse> = Vec::new();
+        let mut misuse: Vec<locker_store::SecretMisuse> = Vec::new();
+        for (_, s) in q.iter().filter(|(t, _)| since.is_none_or(|x| *t >= x)) {
+            match s {
+                Seen::Used { name, host } => {
+                    let u = locker_store::SecretUse { name: name.clone(), host: host.clone() };
+                    if !used.contains(&u) && used.len() < MAX_DENIED_PER_CALL {
+                        used.push(u);
+                    }
+                }
+                Seen::Misuse { name, destination } => {
+                    let m = locker_store::SecretMisuse { name: name.clone(), destination: destination.clone() };
+                    if !misuse.contains(&m) && misuse.len() < MAX_DENIED_PER_CALL {
+                        misuse.push(m);
+                    }
+                }
+            }
+        }
+        (used, misuse)
+    }
+}
+
+impl Egress {
     /// Starts the proxy and the DNS responder (once) and returns their ports.
     async fn ports(self: &Arc<Self>) -> Result<Ports, String> {
         self.ports
@@ -419,6 +559,7 @@ impl Egress {
     /// Forgets machine `key` (it lost its link or is gone) and returns what it was
     /// refused, each name or address once.
     pub fn forget(&self, key: &str) -> Vec<String> {
+        self.armed.lock().expect("armed").remove(key);
         let Some(e) = self.by_key.lock().expect("egress machines").remove(key) else {
             return Vec::new();
         };

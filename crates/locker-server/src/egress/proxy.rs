@@ -8,6 +8,10 @@
 //! bytes) is refused. Refusals answer `403` to HTTP, a TLS `access_denied` alert to TLS,
 //! and are counted for the machine's call records.
 //!
+//! A machine armed for secrets has its TLS connections to its secrets' hosts handed to
+//! [`super::intercept`] instead of relayed; a placeholder seen in a plain HTTP request
+//! head is noted as misuse (and relayed unchanged).
+//!
 //! Every connection takes server file descriptors, so how many a machine, a tenant and
 //! all machines may hold open is capped ([`super::limits`]); past a cap a connection is
 //! closed at once, and near one the proxy waits less for a client's first bytes.
@@ -21,7 +25,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
 use super::limits::Permit;
-use super::{forbidden, normalize_name, Egress, Rule};
+use super::{forbidden, intercept, normalize_name, Egress, Rule, Seen};
 
 /// How long a client may take to send the name it wants.
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -86,6 +90,22 @@ async fn handle(eg: &Arc<Egress>, mut sock: TcpStream, peer: SocketAddr) {
         Err(_) => Hello::Other,
     };
     let port = orig.port();
+    let armed = eg.armed(&entry.key);
+    if let (Some(a), Hello::Http(h)) = (&armed, &hello) {
+        // Plain HTTP is never given a value; a placeholder in it is noted (the head only:
+        // bodies are not read).
+        let dest = match h {
+            Some(n) => format!("http://{n}"),
+            None => format!("http://{}:{port}", orig.ip()),
+        };
+        let found: Vec<String> = a.found_in(&buf).map(|(n, _)| n.clone()).collect();
+        for name in found {
+            a.note(Seen::Misuse {
+                name,
+                destination: dest.clone(),
+            });
+        }
+    }
     let named = match &hello {
         Hello::Tls(Some(n)) | Hello::Http(Some(n)) => Some(n.clone()),
         _ => None,
@@ -146,6 +166,22 @@ async fn handle(eg: &Arc<Egress>, mut sock: TcpStream, peer: SocketAddr) {
             return;
         }
     };
+    if let (Some(a), Hello::Tls(Some(n)), Some(secrets)) = (&armed, &hello, eg.secrets()) {
+        if a
+            .secrets
+            .iter()
+            .any(|(name, _)| secrets.has_host(&a.tenant, name, n))
+        {
+            let target = intercept::Target {
+                host: n.clone(),
+                port,
+                addrs,
+            };
+            intercept::serve(eg.clone(), a.clone(), sock, buf, target).await;
+            drop(slot);
+            return;
+        }
+    }
     let mut upstream = None;
     for a in &addrs {
         if let Ok(Ok(s)) = tokio::time::timeout(CONNECT_TIMEOUT, TcpStream::connect(a)).await {

@@ -19,6 +19,7 @@ mod calls;
 mod codec;
 mod sandboxes;
 mod schema;
+mod secrets;
 mod snapshots;
 mod tenants;
 mod volumes;
@@ -36,7 +37,7 @@ use crate::model::{
     CallRecord, KeyInfo, Principal, SandboxRecord, SandboxState, TenantUsage, VolumeRecord,
     VolumeSnapshotRecord,
 };
-use crate::{SnapshotRecord, Store, Tombstone};
+use crate::{SecretRecord, SnapshotRecord, Store, Tombstone};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -355,5 +356,27 @@ impl Store for SqliteStore {
 
     fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool> {
         volumes::delete_volume(self, tenant, id)
+    }
+
+    // ---- secrets ----
+
+    fn insert_secret(&self, s: &SecretRecord) -> Result<()> {
+        secrets::insert_secret(self, s)
+    }
+
+    fn get_secret(&self, tenant: &str, name: &str) -> Result<Option<SecretRecord>> {
+        secrets::get_secret(self, tenant, name)
+    }
+
+    fn list_secrets(&self, tenant: &str) -> Result<Vec<SecretRecord>> {
+        secrets::list_secrets(self, tenant)
+    }
+
+    fn update_secret(&self, s: &SecretRecord) -> Result<bool> {
+        secrets::update_secret(self, s)
+    }
+
+    fn delete_secret(&self, tenant: &str, name: &str) -> Result<bool> {
+        secrets::delete_secret(self, tenant, name)
     }
 }

@@ -163,6 +163,20 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX calls_sandbox ON calls(sandbox_id, seq) WHERE sandbox_id IS NOT NULL;
     CREATE INDEX calls_volume ON calls(volume_id, seq) WHERE volume_id IS NOT NULL;
     "#,
+    // Secrets: values sealed by the server (ChaCha20-Poly1305, the tenant and name as
+    // associated data); the store never sees a clear value.
+    r#"
+    CREATE TABLE secrets (
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        name         TEXT NOT NULL,
+        hosts        TEXT NOT NULL,  -- JSON array of names
+        env          TEXT NOT NULL,
+        sealed       BLOB NOT NULL,
+        created_at   TEXT NOT NULL,
+        updated_at   TEXT NOT NULL,
+        PRIMARY KEY (tenant, name)
+    ) STRICT;
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).

@@ -237,6 +237,7 @@ class Client:
         self._prefix = u.path.rstrip("/")
         self.sandboxes = Sandboxes(self)
         self.volumes = Volumes(self)
+        self.secrets = Secrets(self)
         self.snapshots = Snapshots(self)
 
     def __repr__(self) -> str:
@@ -362,7 +363,7 @@ class Client:
         afterwards. `commit`: "always" (default), "on_success" or "never". Other options:
         cwd, env, stdin, timeout_ms (default 60000, at most 300000), max_output_bytes,
         template, runtime ("auto": the jail, "jail" or "microvm"), cpus, memory_mb, network,
-        mount_path. Returns the ExecResult with `changes`."""
+        mount_path, secrets (names). Returns the ExecResult with `changes`."""
         body = _exec_body(cmd, shell, dict(options, commit=commit))
         t = (body.get("timeout_ms") or 60000) / 1000 + 60
         return ExecResult.from_dict(self.request("POST", f"/v1/volumes/{_seg(volume)}/run", body, timeout=max(t, self.timeout)))
@@ -844,7 +845,9 @@ class Sandboxes:
     def create(self, **options: Any) -> Sandbox:
         """Creates a sandbox. Options (docs/api.md): template, runtime, cpus, memory_mb,
         disk_mb, ttl_s (default 1800), idle_timeout_s, env, network, volumes
-        ([{"volume": "repo", "path": "/workspace"}]), from_snapshot, metadata."""
+        ([{"volume": "repo", "path": "/workspace"}]), from_snapshot, metadata, secrets
+        (names: each one's env variable holds a placeholder; the egress proxy puts the
+        value into requests to the secret's hosts only)."""
         body = {k: v for k, v in options.items() if v is not None}
         return Sandbox(self._c, self._c.request("POST", "/v1/sandboxes", body))
 
@@ -916,6 +919,41 @@ class Volume:
         if snapshot is not None:
             body["snapshot"] = snapshot.id if isinstance(snapshot, VolumeSnapshot) else snapshot
         return Volume(self._c, self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/fork", body))
+
+
+class Secrets:
+    """A tenant's secrets: values a machine's code uses but never sees (`/v1/secrets`).
+    Nothing here ever returns a value."""
+
+    def __init__(self, client: Client):
+        self._c = client
+
+    def create(self, name: str, value: str, hosts: Sequence[str], env: str) -> Dict[str, Any]:
+        """Creates secret `name`; machines that name it get `env`=<placeholder>, and the
+        egress proxy sends `value` in its place to `hosts` only."""
+        return self._c.request("POST", "/v1/secrets", {"name": name, "value": value, "hosts": list(hosts), "env": env})
+
+    def list(self) -> List[Dict[str, Any]]:
+        return self._c.request("GET", "/v1/secrets").get("secrets", [])
+
+    def get(self, name: str) -> Dict[str, Any]:
+        return self._c.request("GET", f"/v1/secrets/{_seg(name)}")
+
+    def rotate(self, name: str, *, value: Optional[str] = None, hosts: Optional[Sequence[str]] = None, env: Optional[str] = None) -> Dict[str, Any]:
+        """Changes the value (next requests use it), the hosts or the env variable."""
+        body: Dict[str, Any] = {}
+        if value is not None:
+            body["value"] = value
+        if hosts is not None:
+            body["hosts"] = list(hosts)
+        if env is not None:
+            body["env"] = env
+        if not body:
+            raise ValueError("give value=, hosts= and/or env=")
+        return self._c.request("PUT", f"/v1/secrets/{_seg(name)}", body)
+
+    def delete(self, name: str) -> None:
+        self._c.request("DELETE", f"/v1/secrets/{_seg(name)}")
 
 
 class Volumes:
