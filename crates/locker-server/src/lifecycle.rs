@@ -407,6 +407,9 @@ pub async fn adopt_all(app: &AppState) {
             }
         };
         let live = Arc::new(Live::new(&r, machine, false));
+        if let Ok(Some(t)) = app.store.sandbox_times(&r.id) {
+            *live.clock.lock().expect("clock lock") = crate::state::Clock::new(t, false);
+        }
         if let Some(at) = locker_types::parse_rfc3339(&r.last_active_at) {
             live.last_active
                 .store(at, std::sync::atomic::Ordering::Relaxed);
@@ -426,6 +429,7 @@ pub async fn adopt_all(app: &AppState) {
                     let (since, by_idle) = marks.get(&r.id).unwrap_or((now_s(), false));
                     st.since = Some(since);
                     st.by_idle = by_idle;
+                    live.clock.lock().expect("clock lock").paused(true);
                 }
                 Err(e) => {
                     // Running is better than lost; its record says so.
@@ -542,6 +546,7 @@ pub async fn idle_pass(app: &AppState) {
             if idle_now && l.machine.pause().is_ok() {
                 st.since = Some(now);
                 st.by_idle = true;
+                l.clock.lock().expect("clock lock").paused(true);
                 true
             } else {
                 false

@@ -472,6 +472,7 @@ pub(crate) async fn pause_sandbox(
         if st.since.is_none() {
             live.machine.pause().map_err(ApiError::during("pausing"))?;
             st.since = Some(now_s());
+            live.clock.lock().expect("clock lock").paused(true);
         }
         // An explicit pause is the caller's: its time counts against the TTL.
         st.by_idle = false;
