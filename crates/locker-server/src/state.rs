@@ -168,6 +168,7 @@ impl Clock {
                     .position(|b| gap <= *b)
                     .unwrap_or(GAP_BOUNDS.len());
                 self.times.call_gaps[i] += 1;
+                self.times.call_gap_sum_ms += now.duration_since(end).as_millis() as u64;
             }
         } else {
             self.last_call_end = Some(now);

@@ -269,6 +269,9 @@ pub trait Store: Send + Sync {
     fn events_after(&self, tenant: Option<&str>, after: u64, limit: u32)
         -> Result<Vec<EventRecord>>;
 
+    /// The newest event's `seq` ever stored (pruned ones included); 0 if none.
+    fn latest_event_seq(&self) -> Result<u64>;
+
     /// Removes events older than `before` and all but the newest `keep`; returns how many.
     fn prune_events(&self, before: i64, keep: u64) -> Result<u64>;
 

@@ -464,4 +464,7 @@ pub struct SandboxTimes {
     pub idle_ms: u64,
     pub paused_ms: u64,
     pub call_gaps: Vec<u64>,
+    /// The gaps' sum.
+    #[serde(default)]
+    pub call_gap_sum_ms: u64,
 }

@@ -542,6 +542,7 @@ fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
         idle_ms: i,
         paused_ms: p,
         call_gaps: vec![1, 0, 2],
+        call_gap_sum_ms: 4321,
     };
     s.put_sandbox_times("sb_1", &times(1000, 3000, 500)).unwrap();
     s.put_sandbox_times("sb_2", &times(7, 7, 7)).unwrap();
@@ -1079,6 +1080,7 @@ fn events_grow_prune_and_feed_webhook_cursors() {
     assert_eq!(left.len(), 1);
     assert_eq!(left[0].seq, e3);
     s.prune_events(T0 + 10, 0).unwrap();
+    assert_eq!(s.latest_event_seq().unwrap(), e3);
     assert!(s.insert_event("a", "sandbox.created", "sb_3", "{}", T0 + 3).unwrap() > e3);
     assert!(s.delete_webhook("a", "wh_1").unwrap());
 }

@@ -65,6 +65,17 @@ pub(super) fn events_after(
     })
 }
 
+pub(super) fn latest_event_seq(db: &SqliteStore) -> Result<u64> {
+    let seq: i64 = db.read(|c| {
+        Ok(c.query_row(
+            "SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'events'), 0)",
+            [],
+            |r| r.get(0),
+        )?)
+    })?;
+    from_i64("event seq", seq)
+}
+
 pub(super) fn prune_events(db: &SqliteStore, before: i64, keep: u64) -> Result<u64> {
     let keep = to_i64("events kept", keep)?;
     let conn = db.writer();
@@ -153,7 +164,8 @@ pub(super) fn put_sandbox_times(db: &SqliteStore, id: &str, t: &SandboxTimes) ->
     let gaps = to_json("call gaps", &t.call_gaps)?;
     db.writer()
         .prepare_cached(
-            "UPDATE sandboxes SET active_ms = ?2, idle_ms = ?3, paused_ms = ?4, call_gaps = ?5
+            "UPDATE sandboxes SET active_ms = ?2, idle_ms = ?3, paused_ms = ?4, call_gaps = ?5,
+                 call_gap_sum_ms = ?6
              WHERE id = ?1",
         )?
         .execute(params![
@@ -161,7 +173,8 @@ pub(super) fn put_sandbox_times(db: &SqliteStore, id: &str, t: &SandboxTimes) ->
             to_i64("active_ms", t.active_ms)?,
             to_i64("idle_ms", t.idle_ms)?,
             to_i64("paused_ms", t.paused_ms)?,
-            gaps
+            gaps,
+            to_i64("call_gap_sum_ms", t.call_gap_sum_ms)?
         ])?;
     Ok(())
 }
@@ -170,7 +183,8 @@ pub(super) fn sandbox_times(db: &SqliteStore, id: &str) -> Result<Option<Sandbox
     db.read(|c| {
         let row = c
             .prepare_cached(
-                "SELECT active_ms, idle_ms, paused_ms, call_gaps FROM sandboxes WHERE id = ?1",
+                "SELECT active_ms, idle_ms, paused_ms, call_gaps, call_gap_sum_ms FROM sandboxes
+                 WHERE id = ?1",
             )?
             .query_row([id], |r| {
                 Ok((
@@ -178,12 +192,14 @@ pub(super) fn sandbox_times(db: &SqliteStore, id: &str) -> Result<Option<Sandbox
                     r.get::<_, i64>(1)?,
                     r.get::<_, i64>(2)?,
                     r.get::<_, String>(3)?,
+                    r.get::<_, i64>(4)?,
                 ))
             })
             .optional()?;
         match row {
             None => Ok(None),
-            Some((a, i, p, g)) => Ok(Some(SandboxTimes {
+            Some((a, i, p, g, sum)) => Ok(Some(SandboxTimes {
+                call_gap_sum_ms: from_i64("call_gap_sum_ms", sum)?,
                 active_ms: from_i64("active_ms", a)?,
                 idle_ms: from_i64("idle_ms", i)?,
                 paused_ms: from_i64("paused_ms", p)?,

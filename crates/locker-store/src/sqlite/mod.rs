@@ -321,6 +321,10 @@ impl Store for SqliteStore {
         events::events_after(self, tenant, after, limit)
     }
 
+    fn latest_event_seq(&self) -> Result<u64> {
+        events::latest_event_seq(self)
+    }
+
     fn prune_events(&self, before: i64, keep: u64) -> Result<u64> {
         events::prune_events(self, before, keep)
     }

@@ -191,6 +191,7 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE sandboxes ADD COLUMN idle_ms INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE sandboxes ADD COLUMN paused_ms INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE sandboxes ADD COLUMN call_gaps TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE sandboxes ADD COLUMN call_gap_sum_ms INTEGER NOT NULL DEFAULT 0;
     "#,
 ];
 
