@@ -75,6 +75,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     };
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
     crate::lifecycle::spawn_reaper(app.clone());
+    crate::events::spawn(app.clone());
     crate::default_template::ensure(&app, app.cfg.template_build);
     // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
     // before a machine gets egress).
@@ -215,6 +216,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         node.clone(),
         cfg.data_dir.join("sandboxes"),
     ));
+    let events = crate::events::Events::new(store.clone());
     let app = Arc::new(App {
         cfg,
         store,
@@ -231,7 +233,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         egress,
         secrets,
         default_template: Default::default(),
-        events: Default::default(),
+        events,
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;
@@ -282,6 +284,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::ops::routes())
         .merge(crate::templates::routes())
         .merge(crate::template_image::routes())
+        .merge(crate::events::routes())
         .merge(crate::e2b::routes())
         .fallback(|uri: axum::http::Uri| async move {
             crate::e2b::unknown_route(uri.path()).unwrap_or_else(|| {

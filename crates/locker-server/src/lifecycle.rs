@@ -217,6 +217,7 @@ pub async fn launch(
         Err(e) => {
             crate::failed::note(&id, format!("starting its machine failed: {e}"));
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
+            app.events.emit(&caller.tenant, crate::events::Kind::SandboxFailed, &id, json!({"reason": format!("create failed: starting its machine failed: {e}")}));
             return Err(ApiError::during("starting the sandbox failed")(e));
         }
     };
@@ -234,6 +235,7 @@ pub async fn launch(
             let _ = app.node.destroy(&machine).await;
             crate::failed::note(&id, format!("giving its machine a network failed: {e}"));
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
+            app.events.emit(&caller.tenant, crate::events::Kind::SandboxFailed, &id, json!({"reason": format!("create failed: giving its machine a network failed: {e}")}));
             return Err(ApiError::unavailable(format!(
                 "starting the sandbox failed: {e}"
             )));
@@ -335,6 +337,7 @@ pub fn enter(app: &AppState, l: Arc<Live>) -> Result<Busy, ApiError> {
 fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
     PauseMarks::of(app).clear(id);
     if let Some(mut r) = app.store.get_sandbox_any(id)? {
+        app.events.emit(&r.tenant, crate::events::Kind::SandboxResumed, id, json!({"ttl_extended_s": idle_secs.max(0)}));
         r.state = SandboxState::Running;
         if idle_secs > 0 {
             if let Some(exp) = locker_types::parse_rfc3339(&r.expires_at) {
@@ -353,10 +356,15 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<
     app.egress.forget(&r.id);
     PauseMarks::of(app).clear(&r.id);
     let mut rec = r.clone();
+    let mut times = None;
     if let Some(l) = live {
         let u = l.machine.usage();
         rec.cpu_ms = u.cpu_ms;
         rec.peak_memory_bytes = u.peak_memory_bytes;
+        let t = l.times();
+        let _ = app.store.put_sandbox_times(&r.id, &t);
+        app.metrics.retire(&r.tenant, &t, u.cpu_ms);
+        times = Some(t);
         // Thaw first: a frozen machine cannot die.
         let _ = l.machine.resume();
         app.node.destroy(&l.machine).await.map_err(|e| {
@@ -379,6 +387,7 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<
     app.store
         .end_sandbox_at(&rec.id, now_s(), &crate::tombstone::cause(r, ending))?;
     crate::failed::forget(&rec.id);
+    app.events.emit(&r.tenant, if ending == "expired" { crate::events::Kind::SandboxExpired } else { crate::events::Kind::SandboxDeleted }, &r.id, json!({"usage": times.map(|t| crate::sandboxes::usage_json(&t, rec.cpu_ms, rec.peak_memory_bytes))}));
     Ok(())
 }
 
@@ -411,6 +420,9 @@ pub async fn adopt_all(app: &AppState) {
             }
         };
         let live = Arc::new(Live::new(&r, machine, false));
+        if let Ok(Some(t)) = app.store.sandbox_times(&r.id) {
+            *live.clock.lock().expect("clock lock") = crate::state::Clock::new(t, false);
+        }
         if let Some(at) = locker_types::parse_rfc3339(&r.last_active_at) {
             live.last_active
                 .store(at, std::sync::atomic::Ordering::Relaxed);
@@ -430,6 +442,7 @@ pub async fn adopt_all(app: &AppState) {
                     let (since, by_idle) = marks.get(&r.id).unwrap_or((now_s(), false));
                     st.since = Some(since);
                     st.by_idle = by_idle;
+                    live.clock.lock().expect("clock lock").paused(true);
                 }
                 Err(e) => {
                     // Running is better than lost; its record says so.
@@ -550,6 +563,7 @@ pub async fn idle_pass(app: &AppState) {
             if idle_now && l.machine.pause().is_ok() {
                 st.since = Some(now);
                 st.by_idle = true;
+                l.clock.lock().expect("clock lock").paused(true);
                 true
             } else {
                 false
@@ -558,6 +572,7 @@ pub async fn idle_pass(app: &AppState) {
         if paused {
             PauseMarks::of(app).set(&l.id, now);
             let _ = app.store.set_sandbox_state(&l.id, SandboxState::Paused);
+            app.events.emit(&l.tenant, crate::events::Kind::SandboxPaused, &l.id, json!({"reason": "idle", "idle_timeout_s": idle}));
             tracing::info!(sandbox = %l.id, idle_s = idle, "paused by the idle policy");
         }
     }
@@ -568,8 +583,16 @@ pub fn spawn_reaper(app: AppState) {
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(Duration::from_secs(1));
         let mut persisted: std::collections::HashMap<String, i64> = Default::default();
+        let mut ticks: u64 = 0;
         loop {
             tick.tick().await;
+            ticks += 1;
+            // Time splits too, every 10 ticks (and at each sandbox's end, in `destroy`).
+            if ticks % 10 == 0 {
+                for l in app.live.read().await.values() {
+                    let _ = app.store.put_sandbox_times(&l.id, &l.times());
+                }
+            }
             // Last-activity times live in memory on the hot path; persist them here.
             let live: Vec<Arc<Live>> = app.live.read().await.values().cloned().collect();
             persisted.retain(|id, _| live.iter().any(|l| &l.id == id));

@@ -91,6 +91,38 @@ pub struct Metrics {
     pub sandbox_create_seconds: Histogram,
     cpu_ms_by_tenant: Mutex<BTreeMap<String, u64>>,
     pub calls_dropped: AtomicU64,
+    /// Time splits of the sandboxes that ended while this server ran, by tenant (the live
+    /// ones are added at each render).
+    retired: Mutex<BTreeMap<String, TimeTotals>>,
+}
+
+/// A tenant's sandboxes' time split, machine CPU and gaps between calls.
+#[derive(Debug, Default, Clone)]
+pub struct TimeTotals {
+    pub active_ms: u64,
+    pub idle_ms: u64,
+    pub paused_ms: u64,
+    pub cpu_ms: u64,
+    /// Per bucket of `state::GAP_BOUNDS` (and `+Inf`), not cumulative.
+    pub gaps: Vec<u64>,
+    pub gap_sum_ms: u64,
+}
+
+impl TimeTotals {
+    /// Adds one sandbox's figures.
+    pub fn add(&mut self, t: &locker_store::SandboxTimes, cpu_ms: u64) {
+        self.active_ms += t.active_ms;
+        self.idle_ms += t.idle_ms;
+        self.paused_ms += t.paused_ms;
+        self.cpu_ms += cpu_ms;
+        if self.gaps.len() < t.call_gaps.len() {
+            self.gaps.resize(t.call_gaps.len(), 0);
+        }
+        for (g, n) in self.gaps.iter_mut().zip(&t.call_gaps) {
+            *g += n;
+        }
+        self.gap_sum_ms += t.call_gap_sum_ms;
+    }
 }
 
 impl Metrics {
@@ -116,9 +148,40 @@ impl Metrics {
             .or_default() += cpu_ms;
     }
 
-    /// The text exposition format; `sandboxes` are counts by state.
-    pub fn render(&self, sandboxes: &BTreeMap<String, u64>) -> String {
+    /// Keeps the figures of a sandbox that ended, so the tenant's counters do not go back.
+    pub fn retire(&self, tenant: &str, t: &locker_store::SandboxTimes, cpu_ms: u64) {
+        self.retired
+            .lock()
+            .expect("metrics lock")
+            .entry(tenant.to_owned())
+            .or_default()
+            .add(t, cpu_ms);
+    }
+
+    /// The text exposition format; `sandboxes` are counts by state, `live` the live
+    /// sandboxes' time splits by tenant.
+    pub fn render(
+        &self,
+        sandboxes: &BTreeMap<String, u64>,
+        live: &BTreeMap<String, TimeTotals>,
+    ) -> String {
         let mut out = String::new();
+        let mut times = self.retired.lock().expect("metrics lock").clone();
+        for (t, l) in live {
+            let e = times.entry(t.clone()).or_default();
+            e.active_ms += l.active_ms;
+            e.idle_ms += l.idle_ms;
+            e.paused_ms += l.paused_ms;
+            e.cpu_ms += l.cpu_ms;
+            if e.gaps.len() < l.gaps.len() {
+                e.gaps.resize(l.gaps.len(), 0);
+            }
+            for (g, n) in e.gaps.iter_mut().zip(&l.gaps) {
+                *g += n;
+            }
+            e.gap_sum_ms += l.gap_sum_ms;
+        }
+        render_times(&mut out, &times);
         out.push_str("# HELP locker_http_request_duration_seconds HTTP request latency by route.\n# TYPE locker_http_request_duration_seconds histogram\n");
         for (labels, h) in self.requests.by_label.read().expect("metrics lock").iter() {
             h.render(&mut out, "locker_http_request_duration_seconds", labels);
@@ -159,6 +222,51 @@ impl Metrics {
     }
 }
 
+/// The sandboxes' time split, idle fraction, machine CPU and call gaps, by tenant.
+fn render_times(out: &mut String, times: &BTreeMap<String, TimeTotals>) {
+    out.push_str("# HELP locker_sandbox_seconds_total Sandboxes' up time by phase: a call in flight (active), up with none (idle), frozen (paused).\n# TYPE locker_sandbox_seconds_total counter\n");
+    for (t, x) in times {
+        for (phase, ms) in [("active", x.active_ms), ("idle", x.idle_ms), ("paused", x.paused_ms)] {
+            let _ = writeln!(
+                out,
+                "locker_sandbox_seconds_total{{tenant=\"{t}\",phase=\"{phase}\"}} {}",
+                ms as f64 / 1000.0
+            );
+        }
+    }
+    out.push_str("# HELP locker_sandbox_idle_fraction Idle time over active and idle time of the tenant's sandboxes.\n# TYPE locker_sandbox_idle_fraction gauge\n");
+    for (t, x) in times {
+        let up = x.active_ms + x.idle_ms;
+        let f = if up == 0 { 0.0 } else { x.idle_ms as f64 / up as f64 };
+        let _ = writeln!(out, "locker_sandbox_idle_fraction{{tenant=\"{t}\"}} {f}");
+    }
+    out.push_str("# HELP locker_sandbox_cpu_seconds_total CPU time used by sandboxes' machines (cgroup), by tenant.\n# TYPE locker_sandbox_cpu_seconds_total counter\n");
+    for (t, x) in times {
+        let _ = writeln!(
+            out,
+            "locker_sandbox_cpu_seconds_total{{tenant=\"{t}\"}} {}",
+            x.cpu_ms as f64 / 1000.0
+        );
+    }
+    out.push_str("# HELP locker_sandbox_call_gap_seconds Gaps between one call's end and the next call's start on a sandbox.\n# TYPE locker_sandbox_call_gap_seconds histogram\n");
+    for (t, x) in times {
+        let mut acc = 0;
+        for (i, b) in crate::state::GAP_BOUNDS.iter().enumerate() {
+            acc += x.gaps.get(i).copied().unwrap_or(0);
+            let _ = writeln!(
+                out,
+                "locker_sandbox_call_gap_seconds_bucket{{tenant=\"{t}\",le=\"{b}\"}} {acc}"
+            );
+        }
+        let n: u64 = x.gaps.iter().sum();
+        let _ = writeln!(
+            out,
+            "locker_sandbox_call_gap_seconds_bucket{{tenant=\"{t}\",le=\"+Inf\"}} {n}\nlocker_sandbox_call_gap_seconds_sum{{tenant=\"{t}\"}} {}\nlocker_sandbox_call_gap_seconds_count{{tenant=\"{t}\"}} {n}",
+            x.gap_sum_ms as f64 / 1000.0
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -166,7 +274,7 @@ mod tests {
         let m = super::Metrics::default();
         m.exec_seconds.observe(0.0015);
         m.exec_seconds.observe(0.3);
-        let t = m.render(&Default::default());
+        let t = m.render(&Default::default(), &Default::default());
         assert!(t.contains("locker_exec_duration_seconds_bucket{le=\"0.001\"} 0"));
         assert!(t.contains("locker_exec_duration_seconds_bucket{le=\"0.002\"} 1"));
         assert!(t.contains("locker_exec_duration_seconds_bucket{le=\"+Inf\"} 2"));

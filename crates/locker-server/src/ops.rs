@@ -417,6 +417,15 @@ pub const ROUTES: &[RouteDoc] = &[
     r("get", "/v1/calls", 200, "Call records, newest first"),
     r("get", "/v1/usage", 200, "Per-tenant totals"),
     r(
+        "get",
+        "/v1/events",
+        200,
+        "Lifecycle events as server-sent events (Last-Event-ID resumes; ?types= filters)",
+    ),
+    r("post", "/v1/webhooks", 201, "Register a webhook for lifecycle events"),
+    r("get", "/v1/webhooks", 200, "The tenant's webhooks"),
+    r("delete", "/v1/webhooks/{id}", 204, "Remove a webhook"),
+    r(
         "post",
         "/v1/tenants",
         201,
@@ -554,13 +563,18 @@ async fn metrics(
         }
     }
     let mut by_state: BTreeMap<String, u64> = BTreeMap::new();
+    let mut times: BTreeMap<String, crate::metrics::TimeTotals> = BTreeMap::new();
     let live = app.live.read().await;
     for l in live.values() {
         let s = if l.is_paused() { "paused" } else { "running" };
         *by_state.entry(s.into()).or_default() += 1;
+        times
+            .entry(l.tenant.clone())
+            .or_default()
+            .add(&l.times(), l.machine.usage().cpu_ms);
     }
     drop(live);
-    let text = app.metrics.render(&by_state);
+    let text = app.metrics.render(&by_state, &times);
     Ok(([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], text))
 }
 
@@ -631,9 +645,31 @@ async fn usage(
     };
     app.recorder.flush().await;
     let u = app.store.usage(&caller.tenant, since)?;
-    Ok(axum::Json(
-        json!({"tenant": caller.tenant, "cpu_ms": u.cpu_ms, "sandbox_seconds": u.sandbox_seconds, "runs": u.runs, "execs": u.execs}),
-    ))
+    // Ended sandboxes' figures come from the store, live ones' from memory.
+    let mut t = crate::metrics::TimeTotals {
+        active_ms: u.ended_active_ms,
+        idle_ms: u.ended_idle_ms,
+        paused_ms: u.ended_paused_ms,
+        cpu_ms: u.ended_cpu_ms,
+        ..Default::default()
+    };
+    let live: Vec<_> = app.live.read().await.values().filter(|l| l.tenant == caller.tenant).cloned().collect();
+    for l in live {
+        t.add(&l.times(), l.machine.usage().cpu_ms);
+    }
+    let up = t.active_ms + t.idle_ms;
+    Ok(axum::Json(json!({
+        "tenant": caller.tenant,
+        "cpu_ms": u.cpu_ms,
+        "sandbox_seconds": u.sandbox_seconds,
+        "runs": u.runs,
+        "execs": u.execs,
+        "active_s": t.active_ms as f64 / 1000.0,
+        "idle_s": t.idle_ms as f64 / 1000.0,
+        "paused_s": t.paused_ms as f64 / 1000.0,
+        "idle_fraction": if up == 0 { 0.0 } else { t.idle_ms as f64 / up as f64 },
+        "sandbox_cpu_ms": t.cpu_ms,
+    })))
 }
 
 async fn templates(

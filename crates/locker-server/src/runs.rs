@@ -307,6 +307,9 @@ async fn execute(
     record.egress_denied = egress_denied;
     (record.secrets_used, record.secret_misuse) = secrets_seen;
     app.recorder.record(record);
+    if let Some(c) = &changes {
+        app.events.emit(&caller.tenant, crate::events::Kind::RunCommitted, &res.call_id, run_event(&plan.rec.id, res.exit_code, c));
+    }
     res.changes = changes;
     Ok(res)
 }
@@ -761,6 +764,21 @@ fn call_record(caller: &Caller, plan: &Plan, res: &ExecResult, ch: Option<&Chang
         }),
         created_at: locker_types::rfc3339(now_s()),
     }
+}
+
+/// The data of a run's `run.committed` event: its volume, change counts, conflicts and
+/// outcome (`committed`, or why not).
+fn run_event(volume: &str, exit_code: Option<i32>, c: &locker_types::Changes) -> Value {
+    json!({
+        "volume": volume,
+        "exit_code": exit_code,
+        "added": c.added.len(),
+        "modified": c.modified.len(),
+        "deleted": c.deleted.len(),
+        "conflicts": c.conflicts,
+        "committed": c.committed,
+        "commit_error": c.commit_error,
+    })
 }
 
 /// Spreads the machines' directories made in `dir` over the filesystem

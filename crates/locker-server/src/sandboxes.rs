@@ -49,9 +49,12 @@ pub fn view(app: &App, r: &SandboxRecord, live: Option<&Live>) -> Value {
     let usage = match live {
         Some(l) => {
             let u = l.machine.usage();
-            json!({"cpu_ms": u.cpu_ms, "peak_memory_bytes": u.peak_memory_bytes})
+            usage_json(&l.times(), u.cpu_ms, u.peak_memory_bytes)
         }
-        None => json!({"cpu_ms": r.cpu_ms, "peak_memory_bytes": r.peak_memory_bytes}),
+        None => {
+            let t = app.store.sandbox_times(&r.id).ok().flatten().unwrap_or_default();
+            usage_json(&t, r.cpu_ms, r.peak_memory_bytes)
+        }
     };
     json!({
         "id": r.id,
@@ -78,6 +81,28 @@ pub fn view(app: &App, r: &SandboxRecord, live: Option<&Live>) -> Value {
     })
 }
 
+/// A sandbox's `usage`: machine CPU and memory, its time split with the idle fraction
+/// (idle over active and idle), and the histogram of gaps between its calls (`le`: a
+/// bucket's upper bound in seconds, `null` for the last, unbounded one; counts not
+/// cumulative).
+pub fn usage_json(t: &locker_store::SandboxTimes, cpu_ms: u64, peak_memory_bytes: u64) -> Value {
+    let up = t.active_ms + t.idle_ms;
+    let gaps: Vec<Value> = (0..=crate::state::GAP_BOUNDS.len())
+        .map(|i| {
+            json!({"le": crate::state::GAP_BOUNDS.get(i), "count": t.call_gaps.get(i).copied().unwrap_or(0)})
+        })
+        .collect();
+    json!({
+        "cpu_ms": cpu_ms,
+        "peak_memory_bytes": peak_memory_bytes,
+        "active_s": t.active_ms as f64 / 1000.0,
+        "idle_s": t.idle_ms as f64 / 1000.0,
+        "paused_s": t.paused_ms as f64 / 1000.0,
+        "idle_fraction": if up == 0 { 0.0 } else { t.idle_ms as f64 / up as f64 },
+        "call_gaps": gaps,
+    })
+}
+
 async fn create(
     State(app): State<AppState>,
     caller: Caller,
@@ -99,7 +124,9 @@ pub(crate) async fn create_sandbox(
 ) -> Result<(SandboxRecord, std::sync::Arc<Live>), ApiError> {
     let started = Instant::now();
     let (new, snapshot_dir) = checked(app, caller, body).await?;
+    let from_snapshot = snapshot_dir.as_ref().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().into_owned());
     let (rec, live) = launch(app, caller, &new, snapshot_dir).await?;
+    app.events.emit(&caller.tenant, crate::events::Kind::SandboxCreated, &rec.id, json!({"template": rec.template, "runtime": rec.runtime, "from_snapshot": from_snapshot}));
     app.metrics
         .sandbox_create_seconds
         .observe(started.elapsed().as_secs_f64());
@@ -481,12 +508,14 @@ pub(crate) async fn pause_sandbox(
         if st.since.is_none() {
             live.machine.pause().map_err(ApiError::during("pausing"))?;
             st.since = Some(now_s());
+            live.clock.lock().expect("clock lock").paused(true);
         }
         // An explicit pause is the caller's: its time counts against the TTL.
         st.by_idle = false;
     }
     PauseMarks::of(app).clear(id);
     app.store.set_sandbox_state(id, SandboxState::Paused)?;
+    app.events.emit(&caller.tenant, crate::events::Kind::SandboxPaused, id, json!({"reason": "explicit"}));
     let r = record_of(app, caller, id)?;
     Ok((r, live))
 }

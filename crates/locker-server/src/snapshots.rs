@@ -117,6 +117,7 @@ pub(crate) async fn snapshot_sandbox(
         let _ = std::fs::remove_dir_all(&dir);
         return Err(e.into());
     }
+    app.events.emit(&caller.tenant, crate::events::Kind::SandboxSnapshotted, id, json!({"snapshot": snap.id, "size_bytes": snap.size_bytes, "has_memory": snap.has_memory}));
     Ok(snap)
 }
 
@@ -297,6 +298,9 @@ pub(crate) async fn fork_sandbox(
             let _ = crate::lifecycle::destroy(app, r, "deleted").await;
         }
         return Err(e);
+    }
+    for (r, _) in &ok {
+        app.events.emit(&caller.tenant, crate::events::Kind::SandboxForked, &r.id, json!({"from": id}));
     }
     Ok(ok)
 }

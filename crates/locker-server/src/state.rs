@@ -109,6 +109,87 @@ pub struct Live {
     pub preview: std::sync::RwLock<Preview>,
     /// The MCP servers bridged from this sandbox (`mcp_bridge`); they end with it.
     pub mcp: crate::mcp_bridge::Servers,
+    /// How its up time splits (active, idle, paused) and the gaps between its calls:
+    /// moved only when `inflight` goes 0↔>0 or the pause state changes.
+    pub clock: std::sync::Mutex<Clock>,
+}
+
+/// Upper bounds (seconds) of the buckets of gaps between a sandbox's calls; one more bucket
+/// holds the longer ones (`+Inf`).
+pub const GAP_BOUNDS: [f64; 12] = [
+    0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 300.0, 600.0, 1800.0, 3600.0,
+];
+
+/// A sandbox's time split, kept by transitions: a call in flight (active), up with none
+/// (idle), frozen (paused); and a histogram of the gaps between one call's end and the
+/// next one's start (paused time included: it is time the sandbox was not needed).
+#[derive(Debug)]
+pub struct Clock {
+    calls: bool,
+    paused: bool,
+    since: Instant,
+    last_call_end: Option<Instant>,
+    times: locker_store::SandboxTimes,
+}
+
+impl Clock {
+    /// A clock that goes on from `times` (persisted before), idle or paused from now.
+    pub fn new(times: locker_store::SandboxTimes, paused: bool) -> Self {
+        let mut times = times;
+        times.call_gaps.resize(GAP_BOUNDS.len() + 1, 0);
+        Self {
+            calls: false,
+            paused,
+            since: Instant::now(),
+            last_call_end: None,
+            times,
+        }
+    }
+
+    fn settle(&mut self, now: Instant) {
+        let ms = now.duration_since(self.since).as_millis() as u64;
+        self.since = now;
+        let slot = if self.paused {
+            &mut self.times.paused_ms
+        } else if self.calls {
+            &mut self.times.active_ms
+        } else {
+            &mut self.times.idle_ms
+        };
+        *slot += ms;
+    }
+
+    /// A first call came in (`true`) or the last one left (`false`).
+    pub fn calls(&mut self, on: bool) {
+        let now = Instant::now();
+        self.settle(now);
+        if on {
+            if let Some(end) = self.last_call_end.take() {
+                let gap = now.duration_since(end).as_secs_f64();
+                let i = GAP_BOUNDS
+                    .iter()
+                    .position(|b| gap <= *b)
+                    .unwrap_or(GAP_BOUNDS.len());
+                self.times.call_gaps[i] += 1;
+                self.times.call_gap_sum_ms += now.duration_since(end).as_millis() as u64;
+            }
+        } else {
+            self.last_call_end = Some(now);
+        }
+        self.calls = on;
+    }
+
+    /// The sandbox was frozen (`true`) or thawed (`false`).
+    pub fn paused(&mut self, on: bool) {
+        self.settle(Instant::now());
+        self.paused = on;
+    }
+
+    /// The figures up to now.
+    pub fn times(&mut self) -> locker_store::SandboxTimes {
+        self.settle(Instant::now());
+        self.times.clone()
+    }
 }
 
 /// A sandbox's preview access: its token and its public ports.
@@ -154,7 +235,13 @@ impl Live {
                 public_ports: record.public_ports.clone(),
             }),
             mcp: Default::default(),
+            clock: std::sync::Mutex::new(Clock::new(Default::default(), paused)),
         }
+    }
+
+    /// Its time split up to now.
+    pub fn times(&self) -> locker_store::SandboxTimes {
+        self.clock.lock().expect("clock lock").times()
     }
 
     pub fn is_paused(&self) -> bool {
@@ -171,7 +258,12 @@ impl Busy {
     /// caller) had it paused: the TTL is extended by that much.
     pub fn enter(live: Arc<Live>) -> Result<(Self, Option<i64>), String> {
         let mut st = live.pause.lock().expect("pause lock");
-        live.inflight.fetch_add(1, Ordering::SeqCst);
+        {
+            let mut clock = live.clock.lock().expect("clock lock");
+            if live.inflight.fetch_add(1, Ordering::SeqCst) == 0 {
+                clock.calls(true);
+            }
+        }
         live.last_active.store(now_s(), Ordering::Relaxed);
         let busy = Busy(live.clone());
         let mut idle_for = None;
@@ -183,6 +275,7 @@ impl Busy {
             st.since = None;
             st.by_idle = false;
             st.cpu_active_at = now_s();
+            live.clock.lock().expect("clock lock").paused(false);
         }
         drop(st);
         Ok((busy, idle_for))
@@ -198,7 +291,12 @@ impl std::ops::Deref for Busy {
 
 impl Drop for Busy {
     fn drop(&mut self) {
-        self.0.inflight.fetch_sub(1, Ordering::SeqCst);
+        {
+            let mut clock = self.0.clock.lock().unwrap_or_else(|e| e.into_inner());
+            if self.0.inflight.fetch_sub(1, Ordering::SeqCst) == 1 {
+                clock.calls(false);
+            }
+        }
         self.0.last_active.store(now_s(), Ordering::Relaxed);
     }
 }

@@ -34,6 +34,7 @@ pub use model::{
 };
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
+pub use model::{EventRecord, SandboxTimes, WebhookRecord};
 pub use random::{fill_random, new_id, new_preview_token, API_KEY_PREFIX, PREVIEW_TOKEN_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
 pub use sqlite::{SqliteStore, SCHEMA_VERSION};
@@ -251,6 +252,48 @@ pub trait Store: Send + Sync {
     /// - `sandbox_seconds`: for every sandbox of the tenant, deleted ones included,
     ///   `min(now, ended) - max(created, since)` when positive, summed.
     fn usage_at(&self, tenant: &str, since: Option<i64>, now: i64) -> Result<TenantUsage>;
+
+    // ---- lifecycle events and webhooks ----
+
+    /// Appends an event; returns its `seq`, greater than every `seq` before it.
+    fn insert_event(
+        &self,
+        tenant: &str,
+        kind: &str,
+        subject: &str,
+        data: &str,
+        at: i64,
+    ) -> Result<u64>;
+
+    /// Events after `after` (exclusive) in `seq` order, of `tenant` (or of all tenants),
+    /// at most `limit`.
+    fn events_after(&self, tenant: Option<&str>, after: u64, limit: u32)
+        -> Result<Vec<EventRecord>>;
+
+    /// The newest event's `seq` ever stored (pruned ones included); 0 if none.
+    fn latest_event_seq(&self) -> Result<u64>;
+
+    /// Removes events older than `before` and all but the newest `keep`; returns how many.
+    fn prune_events(&self, before: i64, keep: u64) -> Result<u64>;
+
+    /// Stores a webhook whose cursor is the newest event's `seq` (it gets events from now
+    /// on), atomically with respect to [`Store::insert_event`]; returns it as stored.
+    fn insert_webhook(&self, webhook: &WebhookRecord) -> Result<WebhookRecord>;
+
+    /// The tenant's webhooks (or every tenant's), oldest first.
+    fn list_webhooks(&self, tenant: Option<&str>) -> Result<Vec<WebhookRecord>>;
+
+    /// Removes the tenant's webhook; `false` if it has none of that id.
+    fn delete_webhook(&self, tenant: &str, id: &str) -> Result<bool>;
+
+    /// Moves a webhook's cursor forward to `seq` (never back).
+    fn set_webhook_cursor(&self, id: &str, seq: u64) -> Result<()>;
+
+    /// Persists a sandbox's time split (deleted ones included: their figures count).
+    fn put_sandbox_times(&self, id: &str, times: &SandboxTimes) -> Result<()>;
+
+    /// A sandbox's persisted time split; `None` if there is no such sandbox.
+    fn sandbox_times(&self, id: &str) -> Result<Option<SandboxTimes>>;
 
     /// [`Store::usage_at`] up to the clock's time.
     fn usage(&self, tenant: &str, since: Option<i64>) -> Result<TenantUsage> {

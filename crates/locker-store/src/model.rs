@@ -263,6 +263,12 @@ pub struct TenantUsage {
     pub runs: u64,
     /// Execs and background processes recorded in the window.
     pub execs: u64,
+    /// Time splits and machine CPU of the tenant's sandboxes that have ended (and ended
+    /// after `since`), as persisted at their end; the server adds its live ones.
+    pub ended_active_ms: u64,
+    pub ended_idle_ms: u64,
+    pub ended_paused_ms: u64,
+    pub ended_cpu_ms: u64,
 }
 
 /// Seconds since the Unix epoch, now.
@@ -475,4 +481,46 @@ pub fn validate_secret_name(name: &str) -> crate::error::Result<()> {
             "secret name {name:?}: use 1 to 64 of a-z, 0-9, `_` and `-`, starting with a letter or digit"
         )))
     }
+/// One stored lifecycle event (the server's `events` room gives it its wire form).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EventRecord {
+    /// Increasing in the order events were stored; never reused.
+    pub seq: u64,
+    pub tenant: String,
+    /// `sandbox.created`, `run.committed`, …
+    pub kind: String,
+    pub subject: String,
+    /// JSON text.
+    pub data: String,
+    pub at_unix: i64,
+}
+
+/// A tenant's webhook: where its events go and which of them.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WebhookRecord {
+    /// `wh_…`.
+    pub id: String,
+    pub tenant: String,
+    pub url: String,
+    /// Type patterns: `sandbox.created`, `sandbox.*`, `*`.
+    pub events: Vec<String>,
+    /// The HMAC key of its signatures (kept as given: it must sign).
+    pub secret: String,
+    pub created_unix: i64,
+    /// The last event's `seq` it has been given (delivered, or given up on).
+    pub cursor: u64,
+}
+
+/// How a sandbox's up time split: a call in flight (`active_ms`), up with none
+/// (`idle_ms`), frozen (`paused_ms`), and how long the gaps between its calls were
+/// (`call_gaps[i]`: gaps in the i-th bucket of the server's fixed bounds).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SandboxTimes {
+    pub active_ms: u64,
+    pub idle_ms: u64,
+    pub paused_ms: u64,
+    pub call_gaps: Vec<u64>,
+    /// The gaps' sum.
+    #[serde(default)]
+    pub call_gap_sum_ms: u64,
 }

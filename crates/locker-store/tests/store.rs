@@ -538,6 +538,20 @@ fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
         .unwrap();
     // Ending again does not move the end.
     s.delete_sandbox_at("sb_3", T0 + 500).unwrap();
+    // Time splits count once their sandbox ended: sb_1's and sb_3's, not sb_2's yet.
+    let times = |a, i, p| locker_store::SandboxTimes {
+        active_ms: a,
+        idle_ms: i,
+        paused_ms: p,
+        call_gaps: vec![1, 0, 2],
+        call_gap_sum_ms: 4321,
+    };
+    s.put_sandbox_times("sb_1", &times(1000, 3000, 500)).unwrap();
+    s.put_sandbox_times("sb_2", &times(7, 7, 7)).unwrap();
+    s.put_sandbox_times("sb_3", &times(10, 20, 0)).unwrap();
+    assert_eq!(s.sandbox_times("sb_1").unwrap(), Some(times(1000, 3000, 500)));
+    assert_eq!(s.sandbox_times("sb_none").unwrap(), None);
+    let cpu = sandbox("sb_x", "a", T0).cpu_ms;
 
     let mut calls = vec![
         call("call_1", "a", CallKind::Exec, Some("sb_1"), T0 + 1),
@@ -557,6 +571,10 @@ fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
             sandbox_seconds: 100 + 150 + 10,
             runs: 1,
             execs: 2,
+            ended_active_ms: 1010,
+            ended_idle_ms: 3020,
+            ended_paused_ms: 500,
+            ended_cpu_ms: 2 * cpu,
         }
     );
     assert_eq!(
@@ -567,6 +585,10 @@ fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
             sandbox_seconds: 40 + 140,
             runs: 1,
             execs: 1,
+            ended_active_ms: 1000,
+            ended_idle_ms: 3000,
+            ended_paused_ms: 500,
+            ended_cpu_ms: cpu,
         }
     );
     assert_eq!(
@@ -1021,4 +1043,46 @@ fn code_cells_are_recorded_beside_execs_newest_first() {
         json!("code"),
         "the API's name"
     );
+}
+
+#[test]
+fn events_grow_prune_and_feed_webhook_cursors() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    s.create_tenant("a").unwrap();
+    s.create_tenant("b").unwrap();
+    let e1 = s.insert_event("a", "sandbox.created", "sb_1", "{}", T0).unwrap();
+    let e2 = s.insert_event("b", "sandbox.created", "sb_2", "{}", T0 + 1).unwrap();
+    let hook = locker_store::WebhookRecord {
+        id: "wh_1".into(),
+        tenant: "a".into(),
+        url: "http://127.0.0.1:1/".into(),
+        events: vec!["sandbox.*".into()],
+        secret: "s3cret".into(),
+        created_unix: T0,
+        cursor: 0,
+    };
+    // A new webhook starts after the newest event.
+    assert_eq!(s.insert_webhook(&hook).unwrap().cursor, e2);
+    let e3 = s.insert_event("a", "sandbox.deleted", "sb_1", "{\"x\":1}", T0 + 2).unwrap();
+    assert!(e1 < e2 && e2 < e3);
+    let a: Vec<u64> = s.events_after(Some("a"), 0, 10).unwrap().iter().map(|e| e.seq).collect();
+    assert_eq!(a, vec![e1, e3]);
+    assert_eq!(s.events_after(None, e1, 10).unwrap().len(), 2);
+    assert_eq!(s.events_after(None, 0, 1).unwrap()[0].seq, e1);
+    s.set_webhook_cursor("wh_1", e3).unwrap();
+    s.set_webhook_cursor("wh_1", e1).unwrap();
+    assert_eq!(s.list_webhooks(Some("a")).unwrap()[0].cursor, e3);
+    assert!(s.list_webhooks(Some("b")).unwrap().is_empty());
+    assert!(!s.delete_webhook("b", "wh_1").unwrap());
+    // Pruning: by age, then by count; seq never goes back.
+    assert_eq!(s.prune_events(T0 + 1, 100).unwrap(), 1);
+    assert_eq!(s.prune_events(0, 1).unwrap(), 1);
+    let left = s.events_after(None, 0, 10).unwrap();
+    assert_eq!(left.len(), 1);
+    assert_eq!(left[0].seq, e3);
+    s.prune_events(T0 + 10, 0).unwrap();
+    assert_eq!(s.latest_event_seq().unwrap(), e3);
+    assert!(s.insert_event("a", "sandbox.created", "sb_3", "{}", T0 + 3).unwrap() > e3);
+    assert!(s.delete_webhook("a", "wh_1").unwrap());
 }

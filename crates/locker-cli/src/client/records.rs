@@ -178,6 +178,11 @@ pub fn run_usage(a: UsageArgs) -> Result<i32, ClientError> {
             "runs",
             "cpu_ms",
             "sandbox_seconds",
+            "active_s",
+            "idle_s",
+            "paused_s",
+            "idle_fraction",
+            "sandbox_cpu_ms",
         ];
         print_text(&kv_lines(&v, &order, now_secs()))?;
     }

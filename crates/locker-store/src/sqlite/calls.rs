@@ -121,7 +121,21 @@ pub(super) fn usage_at(
                  WHERE tenant = ?1 AND (ended_unix IS NULL OR ended_unix > ?2)",
             )?
             .query_row(params![tenant, since, now], |r| r.get(0))?;
+        let (active, idle, paused, sb_cpu): (i64, i64, i64, i64) = c
+            .prepare_cached(
+                "SELECT COALESCE(SUM(active_ms), 0), COALESCE(SUM(idle_ms), 0),
+                        COALESCE(SUM(paused_ms), 0), COALESCE(SUM(cpu_ms), 0)
+                 FROM sandboxes
+                 WHERE tenant = ?1 AND ended_unix IS NOT NULL AND ended_unix > ?2",
+            )?
+            .query_row(params![tenant, since], |r| {
+                Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
+            })?;
         Ok(TenantUsage {
+            ended_active_ms: from_i64("active_ms", active)?,
+            ended_idle_ms: from_i64("idle_ms", idle)?,
+            ended_paused_ms: from_i64("paused_ms", paused)?,
+            ended_cpu_ms: from_i64("cpu_ms", sb_cpu)?,
             cpu_ms: from_i64("cpu_ms", cpu_ms)?,
             sandbox_seconds: from_i64("sandbox_seconds", seconds)?,
             runs: from_i64("runs", runs)?,

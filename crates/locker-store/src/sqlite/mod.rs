@@ -17,6 +17,7 @@
 
 mod calls;
 mod codec;
+mod events;
 mod sandboxes;
 mod schema;
 mod secrets;
@@ -34,6 +35,7 @@ use rusqlite::{Connection, OpenFlags};
 
 use crate::error::{Result, StoreError};
 use crate::model::{
+    EventRecord, SandboxTimes, WebhookRecord,
     CallRecord, KeyInfo, Principal, SandboxRecord, SandboxState, TenantUsage, VolumeRecord,
     VolumeSnapshotRecord,
 };
@@ -296,6 +298,60 @@ impl Store for SqliteStore {
 
     fn usage_at(&self, tenant: &str, since: Option<i64>, now: i64) -> Result<TenantUsage> {
         calls::usage_at(self, tenant, since, now)
+    }
+
+    // ---- lifecycle events and webhooks ----
+
+    fn insert_event(
+        &self,
+        tenant: &str,
+        kind: &str,
+        subject: &str,
+        data: &str,
+        at: i64,
+    ) -> Result<u64> {
+        events::insert_event(self, tenant, kind, subject, data, at)
+    }
+
+    fn events_after(
+        &self,
+        tenant: Option<&str>,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<EventRecord>> {
+        events::events_after(self, tenant, after, limit)
+    }
+
+    fn latest_event_seq(&self) -> Result<u64> {
+        events::latest_event_seq(self)
+    }
+
+    fn prune_events(&self, before: i64, keep: u64) -> Result<u64> {
+        events::prune_events(self, before, keep)
+    }
+
+    fn insert_webhook(&self, webhook: &WebhookRecord) -> Result<WebhookRecord> {
+        events::insert_webhook(self, webhook)
+    }
+
+    fn list_webhooks(&self, tenant: Option<&str>) -> Result<Vec<WebhookRecord>> {
+        events::list_webhooks(self, tenant)
+    }
+
+    fn delete_webhook(&self, tenant: &str, id: &str) -> Result<bool> {
+        events::delete_webhook(self, tenant, id)
+    }
+
+    fn set_webhook_cursor(&self, id: &str, seq: u64) -> Result<()> {
+        events::set_webhook_cursor(self, id, seq)
+    }
+
+    fn put_sandbox_times(&self, id: &str, times: &SandboxTimes) -> Result<()> {
+        events::put_sandbox_times(self, id, times)
+    }
+
+    fn sandbox_times(&self, id: &str) -> Result<Option<SandboxTimes>> {
+        events::sandbox_times(self, id)
     }
 
     // ---- snapshots ----

@@ -177,6 +177,36 @@ const MIGRATIONS: &[&str] = &[
         PRIMARY KEY (tenant, name)
     ) STRICT;
     "#,
+    // Lifecycle events (an ever-increasing `seq`, never reused even after pruning),
+    // webhooks with the last event each has had delivered (`cursor`), and each sandbox's
+    // time split (active, idle, paused) with its histogram of gaps between calls.
+    r#"
+    CREATE TABLE events (
+        seq      INTEGER PRIMARY KEY AUTOINCREMENT,
+        tenant   TEXT NOT NULL,
+        kind     TEXT NOT NULL,
+        subject  TEXT NOT NULL,
+        data     TEXT NOT NULL,
+        at_unix  INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX events_tenant ON events(tenant, seq);
+    CREATE INDEX events_time ON events(at_unix);
+    CREATE TABLE webhooks (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL REFERENCES tenants(name),
+        url          TEXT NOT NULL,
+        events       TEXT NOT NULL,
+        secret       TEXT NOT NULL,
+        created_unix INTEGER NOT NULL,
+        cursor       INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX webhooks_tenant ON webhooks(tenant);
+    ALTER TABLE sandboxes ADD COLUMN active_ms INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN idle_ms INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN paused_ms INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE sandboxes ADD COLUMN call_gaps TEXT NOT NULL DEFAULT '[]';
+    ALTER TABLE sandboxes ADD COLUMN call_gap_sum_ms INTEGER NOT NULL DEFAULT 0;
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).
