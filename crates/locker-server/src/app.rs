@@ -223,11 +223,13 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         egress,
         default_template: Default::default(),
         events: Default::default(),
+        builds: Default::default(),
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;
     crate::snapshots::cleanup(&app).await;
     crate::runs::cleanup(&app).await;
+    crate::templates::fail_interrupted(&app);
     let default = app.templates.resolve("default").ok().flatten();
     app.pool.spawn_refill(default);
     Ok(app)

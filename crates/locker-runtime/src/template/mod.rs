@@ -41,6 +41,7 @@ mod build;
 mod extract;
 mod fsutil;
 mod image;
+mod layer;
 mod progress;
 mod spec;
 mod store;
@@ -48,6 +49,7 @@ mod store;
 mod tests;
 
 pub use image::{ImageLimits, ImageSource, RegistryAuth};
+pub use layer::{apply_upper, copy_into, link_tree, resolve_in_root, Applied};
 pub use progress::{NoProgress, Progress, StderrProgress};
 pub use spec::{builtin_spec, code_interpreter_spec, default_spec, validate_name, TemplateSpec};
 pub use store::TemplateStore;

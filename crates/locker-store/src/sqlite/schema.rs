@@ -163,6 +163,19 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX calls_sandbox ON calls(sandbox_id, seq) WHERE sandbox_id IS NOT NULL;
     CREATE INDEX calls_volume ON calls(volume_id, seq) WHERE volume_id IS NOT NULL;
     "#,
+    // Template builds: their state and record (JSON the server's template room owns), so
+    // a restart can tell the builds it was running that they failed.
+    r#"
+    CREATE TABLE template_builds (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL,
+        state        TEXT NOT NULL CHECK (state IN ('queued','running','succeeded','failed')),
+        record       TEXT NOT NULL,
+        created_unix INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX template_builds_unfinished ON template_builds(state)
+        WHERE state IN ('queued', 'running');
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).
