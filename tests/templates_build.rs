@@ -486,3 +486,56 @@ fn tenants_limits_and_restart() {
     let events = follow(&api, &id);
     assert_eq!(events.last().unwrap()["state"], "failed");
 }
+
+#[test]
+fn python_sdk_builds_lists_and_deletes() {
+    let cache = Cache::new();
+    let srv = cache.server();
+    let ctx = tempdir("py-ctx");
+    std::fs::write(ctx.join("data.txt"), "from python\n").unwrap();
+    let script = format!(
+        r#"
+import locker, sys
+c = locker.Client({url:?}, {key:?})
+seen = []
+t = c.templates.build("pyt", dockerfile="FROM default\nCOPY data.txt /data.txt\nENV FROM_SDK=1\n",
+                      context={ctx:?}, on_event=seen.append)
+assert t["name"] == "pyt" and t["env"]["FROM_SDK"] == "1", t
+assert any(e["type"] == "log" for e in seen) and any(e["type"] == "progress" for e in seen), seen
+assert "pyt" in [x["name"] for x in c.templates.list()]
+assert c.templates.get("pyt")["digest"] == t["digest"]
+sb = c.sandboxes.create(template="pyt")
+r = sb.exec(shell="cat /data.txt; echo $FROM_SDK")
+assert r.stdout == "from python\n1\n", r
+sb.delete()
+try:
+    c.templates.build("pyt2", dockerfile="FROM default\nRUN exit 7\n")
+    sys.exit("a failing build did not raise")
+except locker.BuildFailed as e:
+    assert "code 7" in e.error, e.error
+c.templates.delete("pyt")
+try:
+    c.templates.get("pyt")
+    sys.exit("a deleted template is still there")
+except locker.LockerError as e:
+    assert e.status == 404
+print("ok")
+"#,
+        url = srv.url,
+        key = srv.api_key,
+        ctx = ctx.to_str().unwrap(),
+    );
+    let out = Command::new("python3")
+        .args(["-c", &script])
+        .env("PYTHONPATH", locker_tests::root().join("sdk/python/src"))
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "python: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
+    let _ = std::fs::remove_dir_all(&ctx);
+}

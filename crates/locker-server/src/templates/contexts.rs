@@ -64,7 +64,7 @@ pub async fn upload(
     fs::create_dir_all(&dir)
         .map_err(|e| ApiError::internal(format!("creating {}: {e}", dir.display())))?;
     expire(&dir);
-    let id = new_id("ctx");
+    let id = new_id("ctx_");
     let ctx = dir.join(&id);
     let staging = dir.join(format!(".tmp-{id}"));
     fs::create_dir(&staging)

@@ -476,7 +476,7 @@ async fn create(
             )
         }
     };
-    let id = new_id("tpl");
+    let id = new_id("tpl_");
     let build = app
         .builds
         .start(&id, &tenant, &b.name)

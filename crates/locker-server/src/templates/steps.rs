@@ -46,7 +46,13 @@ const RUN_DISK_MB: u64 = 8192;
 /// Output of one RUN kept for its result (the log streams all of it).
 const RUN_OUTPUT_BYTES: u64 = 1 << 20;
 /// Paths of a machine's writable layer that are the machine's, not the step's.
-const MACHINE_PATHS: &[&str] = &["etc/resolv.conf", "etc/hostname", "etc/hosts"];
+const MACHINE_PATHS: &[&str] = &[
+    "etc/resolv.conf",
+    "etc/hostname",
+    "etc/hosts",
+    // The agent's spill files of command output (`LOCKER_OUTPUT_DIR`).
+    "var/tmp/locker",
+];
 
 /// Everything a build needs besides its steps.
 pub struct Job {
@@ -251,7 +257,7 @@ async fn run_step(
     workdir: &str,
     user: Option<&str>,
 ) -> Result<Template, String> {
-    let id = new_id("bld");
+    let id = new_id("bld_");
     let mspec = MachineSpec {
         id: id.clone(),
         dir: crate::pool::pool_dir(&app.cfg.data_dir).join(&id),
