@@ -57,7 +57,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
     // The session-based revision: initialize, then Mcp-Session-Id on every request.
     let v = check_client(&py, &["http", &url, &key, "legacy"]);
     assert_eq!(v["protocol_version"], "2025-11-25", "{v}");
-    assert_eq!(v["tools"], 23);
+    assert_eq!(v["tools"], 25);
     assert_eq!(v["run"], "ok", "the run tool works: {v}");
 
     // The current revision: server/discover, stateless requests.
@@ -70,7 +70,7 @@ fn python_client_over_streamable_http_both_revisions_and_stdio() {
         &py,
         &["stdio", bin.to_str().expect("utf-8 path"), &url, &key],
     );
-    assert_eq!(v["tools"], 23);
+    assert_eq!(v["tools"], 25);
 
     // Every tool call was an ordinary API call of the key's tenant, on the record.
     let calls = srv
@@ -106,7 +106,7 @@ fn an_agent_finds_its_sandboxes_processes_and_snapshots_again_after_a_context_re
     let Some(py) = python_mcp() else { return };
     let srv = Server::start();
     let v = check_agents(&py, &srv, "session");
-    assert_eq!(v["tools"], 23, "{v}");
+    assert_eq!(v["tools"], 25, "{v}");
     let left = srv
         .api()
         .get("/v1/snapshots")

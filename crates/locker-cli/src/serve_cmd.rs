@@ -35,6 +35,9 @@ pub struct ServeArgs {
     /// Per-tenant quota: serverless runs in flight.
     #[arg(long, default_value_t = 32)]
     quota_runs: u64,
+    /// Per-tenant quota: template builds running at once (more wait, queued).
+    #[arg(long, default_value_t = 2)]
+    quota_template_builds: u64,
     /// Per-tenant quota: total disk in MB, the sandboxes' `disk_mb` plus the volumes'
     /// `size_mb` [default: the size of the data dir's filesystem]. Whatever the quota, one
     /// disk or volume larger than the data dir's free space (less a reserve of 5% of the
@@ -110,6 +113,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             sandboxes: a.quota_sandboxes,
             memory_mb: a.quota_memory_mb.unwrap_or(host.memory_mb),
             runs: a.quota_runs,
+            template_builds: a.quota_template_builds,
             disk_mb: a.quota_disk_mb.unwrap_or(host.disk_mb),
         },
         cache_dir: a.cache_dir,

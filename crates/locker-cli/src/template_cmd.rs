@@ -1,5 +1,5 @@
 //! `locker template …`: build, import and list templates in `LOCKER_CACHE_DIR`; remove one
-//! through the server.
+//! through the server; build from a Dockerfile, list and read templates through the server.
 //!
 //! A thin shell over `locker_runtime::template`: it parses arguments, draws progress on
 //! stderr, and prints results on stdout. Errors become one line that says what to fix.
@@ -23,13 +23,30 @@ pub enum TemplateCmd {
     /// `locker template build code-interpreter` the code interpreter's (default's packages,
     /// Jupyter's Python kernel, numpy, pandas, matplotlib, scipy: about 6 minutes, 1.6 GiB);
     /// `--file spec.json` builds a spec file; NAME alone rebuilds a stored template's spec.
+    ///
+    /// `locker template build -f Dockerfile [--name N] [--build-arg K=V] DIR` builds a
+    /// Dockerfile on the server at LOCKER_URL with DIR (default `.`) as its context, and
+    /// follows the build (a progress bar on a terminal, log lines otherwise).
     Build {
         /// `default`, `code-interpreter`, a template built before, or (with --file) the name
-        /// to give the spec.
+        /// to give the spec; with a Dockerfile, the context directory.
         name: Option<String>,
-        /// A JSON spec: {"name": …, "base": "debian:bookworm", "packages": […], "run": […]}.
+        /// A JSON spec: {"name": …, "base": "debian:bookworm", "packages": […], "run": […]},
+        /// or a Dockerfile (a file whose name holds `Dockerfile`, or any file not `*.json`).
         #[arg(long, short)]
         file: Option<PathBuf>,
+        /// With a Dockerfile: the template's name [default: the context directory's name].
+        #[arg(long = "name", value_name = "NAME")]
+        template_name: Option<String>,
+        /// With a Dockerfile: a value for one of its ARGs (repeatable).
+        #[arg(long = "build-arg", value_name = "KEY=VALUE")]
+        build_args: Vec<String>,
+        /// With a Dockerfile: the build's network, `none` (default), `all`, or a
+        /// comma-separated allowlist of names and CIDRs.
+        #[arg(long)]
+        network: Option<String>,
+        #[command(flatten)]
+        endpoint: crate::client::Endpoint,
         /// Print every line of mmdebstrap's and the run steps' output.
         #[arg(long, short)]
         verbose: bool,
@@ -70,11 +87,21 @@ pub enum TemplateCmd {
         #[arg(long)]
         json: bool,
     },
-    /// List the templates in the cache.
+    /// List the templates in the cache, or the server's (yours and the shared ones) when
+    /// LOCKER_URL or --url names one.
     List {
         /// One JSON array instead of a table.
         #[arg(long)]
         json: bool,
+        #[command(flatten)]
+        endpoint: crate::client::Endpoint,
+    },
+    /// Show one template of the server at LOCKER_URL (JSON: digest, size, run config).
+    Get {
+        /// The template's name.
+        name: String,
+        #[command(flatten)]
+        endpoint: crate::client::Endpoint,
     },
     /// Remove a template, through the server at LOCKER_URL (with tenant `default`'s
     /// LOCKER_API_KEY); refused while a sandbox or snapshot uses it.
@@ -94,6 +121,41 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
         println!("{name}");
         return Ok(());
     }
+    if let TemplateCmd::Get { name, endpoint } = &cmd {
+        validate_name(name).map_err(one_line)?;
+        let v = endpoint.client()?.get_json(&format!("/v1/templates/{name}"), &[])?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(());
+    }
+    if let TemplateCmd::List { json, endpoint } = &cmd {
+        if endpoint.url.is_some() || std::env::var("LOCKER_URL").is_ok_and(|u| !u.trim().is_empty()) {
+            return list_remote(endpoint, *json);
+        }
+    }
+    if let TemplateCmd::Build {
+        name,
+        file: Some(file),
+        template_name,
+        build_args,
+        network,
+        endpoint,
+        json,
+        ..
+    } = &cmd
+    {
+        if is_dockerfile(file) {
+            let dir = PathBuf::from(name.clone().unwrap_or_else(|| ".".into()));
+            return build_dockerfile(
+                endpoint,
+                file,
+                &dir,
+                template_name.clone(),
+                build_args,
+                network.as_deref(),
+                *json,
+            );
+        }
+    }
     let store = TemplateStore::from_env().map_err(one_line)?;
     match cmd {
         TemplateCmd::Build {
@@ -101,7 +163,13 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
             file,
             verbose,
             json,
+            template_name,
+            build_args,
+            ..
         } => {
+            if template_name.is_some() || !build_args.is_empty() {
+                bail!("--name and --build-arg go with a Dockerfile (-f Dockerfile DIR)");
+            }
             let spec = spec_to_build(&store, name, file)?;
             let t = store
                 .build(&spec, &mut StderrProgress::new(verbose))
@@ -129,7 +197,7 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
             username,
             json,
         } => pull(&store, &name, reference, plain_http, username, json),
-        TemplateCmd::List { json } => {
+        TemplateCmd::List { json, .. } => {
             let all = store.list().map_err(one_line)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&all)?);
@@ -138,7 +206,7 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
             }
             Ok(())
         }
-        TemplateCmd::Rm { .. } => unreachable!("handled above"),
+        TemplateCmd::Rm { .. } | TemplateCmd::Get { .. } => unreachable!("handled above"),
     }
 }
 
@@ -358,4 +426,169 @@ fn human_size(bytes: u64) -> String {
     } else {
         format!("{v:.1} {}", UNITS[unit])
     }
+}
+
+/// Whether `-f FILE` names a Dockerfile rather than a JSON spec.
+fn is_dockerfile(file: &std::path::Path) -> bool {
+    let name = file
+        .file_name()
+        .map(|n| n.to_string_lossy().to_ascii_lowercase())
+        .unwrap_or_default();
+    name.contains("dockerfile") || !name.ends_with(".json")
+}
+
+/// `locker template list` against a server: name, digest, size, creation.
+fn list_remote(endpoint: &crate::client::Endpoint, json: bool) -> anyhow::Result<()> {
+    let v = endpoint.client()?.get_json("/v1/templates", &[])?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&v["templates"])?);
+        return Ok(());
+    }
+    let all: Vec<Template> = v["templates"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .map(|t| Template {
+            name: t["name"].as_str().unwrap_or("").to_string(),
+            digest: t["digest"].as_str().unwrap_or("").to_string(),
+            rootfs: PathBuf::new(),
+            size_bytes: t["size_bytes"].as_u64().unwrap_or(0),
+            created_at: t["created_at"].as_str().unwrap_or("").to_string(),
+            packages: serde_json::from_value(t["packages"].clone()).unwrap_or_default(),
+            config: Default::default(),
+        })
+        .collect();
+    print_table(&all);
+    Ok(())
+}
+
+/// Uploads `dir` as the context, starts the Dockerfile's build and follows it.
+fn build_dockerfile(
+    endpoint: &crate::client::Endpoint,
+    file: &std::path::Path,
+    dir: &std::path::Path,
+    name: Option<String>,
+    build_args: &[String],
+    network: Option<&str>,
+    json: bool,
+) -> anyhow::Result<()> {
+    use std::io::{BufRead, IsTerminal};
+    let text = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read the Dockerfile {}", file.display()))?;
+    if !dir.is_dir() {
+        bail!("the context {} is not a directory", dir.display());
+    }
+    let name = match name {
+        Some(n) => n,
+        None => {
+            let base = dir
+                .canonicalize()
+                .ok()
+                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_ascii_lowercase()))
+                .unwrap_or_default();
+            let clean: String = base
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '-' })
+                .collect();
+            let clean = clean.trim_start_matches(['.', '_', '-']).to_string();
+            if clean.is_empty() {
+                bail!("give the template a name with --name");
+            }
+            clean
+        }
+    };
+    validate_name(&name).map_err(one_line)?;
+    let mut args = serde_json::Map::new();
+    for a in build_args {
+        let (k, v) = crate::client::parse_kv(a).map_err(|e| anyhow!("--build-arg {a:?}: {e}"))?;
+        args.insert(k, serde_json::Value::String(v));
+    }
+    let network = match network {
+        None | Some("none") => serde_json::json!({"egress": "none"}),
+        Some("all") => serde_json::json!({"egress": "all"}),
+        Some(list) => serde_json::json!({"egress": "allow", "allow": list.split(',').map(str::trim).collect::<Vec<_>>()}),
+    };
+    let client = endpoint.client()?;
+    // The context: DIR as a tar archive in a temporary file, streamed with its length.
+    let tar_path = std::env::temp_dir().join(format!("locker-context-{}.tar", std::process::id()));
+    let result = (|| -> anyhow::Result<serde_json::Value> {
+        let f = std::fs::File::create(&tar_path)
+            .with_context(|| format!("cannot create {}", tar_path.display()))?;
+        let mut b = tar::Builder::new(f);
+        b.follow_symlinks(false);
+        b.append_dir_all(".", dir)
+            .with_context(|| format!("cannot archive the context {}", dir.display()))?;
+        b.into_inner()?.sync_all()?;
+        let f = std::fs::File::open(&tar_path)?;
+        Ok(client.post_body("/v1/templates/contexts", &[], f)?)
+    })();
+    let _ = std::fs::remove_file(&tar_path);
+    let ctx = result?;
+    let body = serde_json::json!({
+        "name": name,
+        "from": {"dockerfile": text, "context_id": ctx["context_id"]},
+        "build_args": args,
+        "network": network,
+    });
+    let started = client.post_json("/v1/templates", &body)?;
+    let id = started["build_id"].as_str().unwrap_or_default().to_string();
+    let stream = client.get_stream_accept(
+        &format!("/v1/templates/builds/{id}"),
+        &[("follow", "true".to_string())],
+        "application/x-ndjson",
+    )?;
+    let tty = std::io::stderr().is_terminal();
+    let mut bar = String::new();
+    let mut result = serde_json::Value::Null;
+    for line in std::io::BufReader::new(stream).lines() {
+        let line = line.context("reading the build's progress")?;
+        let Ok(ev) = serde_json::from_str::<serde_json::Value>(&line) else {
+            continue;
+        };
+        match ev["type"].as_str() {
+            Some("log") => {
+                let text = ev["line"].as_str().unwrap_or("");
+                if tty {
+                    eprint!("\r\x1b[K{text}\n{bar}");
+                } else {
+                    eprintln!("{text}");
+                }
+            }
+            Some("progress") if tty => {
+                let (step, steps) = (ev["step"].as_u64().unwrap_or(0), ev["steps"].as_u64().unwrap_or(1));
+                let done = (step * 30 / steps.max(1)) as usize;
+                bar = format!(
+                    "[{}{}] step {step}/{steps} · {}",
+                    "#".repeat(done),
+                    ".".repeat(30 - done.min(30)),
+                    human_size(ev["bytes"].as_u64().unwrap_or(0))
+                );
+                eprint!("\r\x1b[K{bar}");
+            }
+            Some("result") => result = ev,
+            _ => {}
+        }
+    }
+    if tty {
+        eprint!("\r\x1b[K");
+    }
+    if result["state"] != "succeeded" {
+        bail!(
+            "build {id} failed: {}",
+            result["error"].as_str().unwrap_or("the stream ended without a result")
+        );
+    }
+    let t = &result["template"];
+    if json {
+        println!("{}", serde_json::to_string_pretty(t)?);
+    } else {
+        println!(
+            "{} {} {}",
+            t["name"].as_str().unwrap_or(""),
+            short(t["digest"].as_str().unwrap_or("")),
+            human_size(t["size_bytes"].as_u64().unwrap_or(0))
+        );
+    }
+    Ok(())
 }

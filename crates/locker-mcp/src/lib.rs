@@ -30,6 +30,8 @@ pub mod tools;
 mod tools_code;
 mod tools_service;
 mod tools_session;
+mod template;
+mod tools_template;
 
 use std::sync::Arc;
 

@@ -123,6 +123,8 @@ impl LockerMcp {
             "service_start" => c.service_start().await,
             "port_list" => c.port_list().await,
             "run_code" => c.run_code().await,
+            "template_build" => c.template_build().await,
+            "template_list" => c.template_list().await,
             _ => Err(Fail(format!("there is no tool {name:?}"))),
         }
     }

@@ -74,7 +74,7 @@ pub(crate) fn ann_command(title: &str) -> ToolAnnotations {
 }
 
 /// The `network` argument: the API's policy object, checked by the server as for the API.
-fn network(what: &str) -> Value {
+pub(crate) fn network(what: &str) -> Value {
     json!({"type": "object",
            "description": format!("Network policy of {what} (default {{\"egress\": \"none\"}}: no network, not even DNS). {{\"egress\": \"all\"}} reaches the internet; {{\"egress\": \"allow\", \"allow\": [\"pypi.org\", \"files.pythonhosted.org\", \"*.github.com\", \"10.1.2.0/24\"]}} reaches only those names (a `*.` prefix for subdomains) and IPv4 ranges. The server enforces it below the machine (what is not allowed is refused), never reaches link-local or metadata addresses or the host, and refuses a policy it cannot enforce (unavailable)."),
            "properties": {
@@ -664,6 +664,7 @@ of each. Use it to find a project's volume by name before calling run or file_re
     .chain(crate::tools_session::all())
     .chain(crate::tools_service::all())
     .chain(crate::tools_code::all())
+    .chain(crate::tools_template::all())
     .collect()
 }
 
@@ -672,7 +673,7 @@ mod tests {
     #[test]
     fn every_tool_is_strict_and_documented() {
         let tools = super::all();
-        assert_eq!(tools.len(), 23);
+        assert_eq!(tools.len(), 25);
         for t in &tools {
             assert_eq!(
                 t.input_schema.get("additionalProperties"),

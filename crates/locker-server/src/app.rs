@@ -234,11 +234,13 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         secrets,
         default_template: Default::default(),
         events,
+        builds: Default::default(),
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;
     crate::snapshots::cleanup(&app).await;
     crate::runs::cleanup(&app).await;
+    crate::templates::fail_interrupted(&app);
     let default = app.templates.resolve("default").ok().flatten();
     app.pool.spawn_refill(default);
     Ok(app)

@@ -39,7 +39,8 @@ async fn exec(
     let call_id = new_id("call_");
     let stream = wants_ndjson(&headers);
     let live = live_of(&app, &caller, &id).await?;
-    let (spec, stdin) = build_spec(&live.env, &req, &call_id, Wait::Call { stream })?;
+    let (mut spec, stdin) = build_spec(&live.env, &req, &call_id, Wait::Call { stream })?;
+    crate::templates::apply_defaults(&app, &live.template_digest, &mut spec);
     if !stream {
         let queue_ms = ms_since(arrived);
         let started = Instant::now();

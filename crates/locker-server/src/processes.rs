@@ -78,6 +78,7 @@ pub(crate) async fn spawn_background(
     // No timeout unless the body asks for one: the process lives until it exits or its
     // sandbox ends.
     let (mut spec, stdin) = build_spec(&live.env, &req, &call_id, Wait::Background)?;
+    crate::templates::apply_defaults(app, &live.template_digest, &mut spec);
     adjust(&mut spec);
     let agent = live.machine.agent.clone();
     let queue_ms = ms_since(arrived);

@@ -156,10 +156,7 @@ fn check(app: &AppState, caller: &Caller, id: &str, body: RunRequest) -> Result<
     req.validate().map_err(ApiError::bad_request)?;
     let (rec, vol) = crate::volumes::lookup(app, caller, id)?;
     let name = b.template.unwrap_or_else(|| "default".into());
-    let template = app
-        .templates
-        .resolve(&name)
-        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+    let template = crate::templates::resolve_for(app, &caller.tenant, &name)?
         .ok_or_else(|| crate::default_template::unknown(app, &name))?;
     Ok(Plan {
         rec,
@@ -231,6 +228,7 @@ async fn run(
     // A run's machine ends with its command: nothing the command left running may write to
     // the volume after the commit has begun.
     spec.kill_jobs = true;
+    crate::templates::apply_defaults(&app, &plan.template.digest, &mut spec);
     crate::capacity::admit_disk(&app.cfg.data_dir, "a run's machine disk", RUN_DISK_MB)?;
     let slot = RunSlot::take(&app, &caller.tenant)?;
     if !stream {

@@ -125,7 +125,15 @@ pub(crate) async fn create_sandbox(
     let started = Instant::now();
     let (new, snapshot_dir) = checked(app, caller, body).await?;
     let from_snapshot = snapshot_dir.as_ref().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().into_owned());
+    let fresh = snapshot_dir.is_none();
     let (rec, live) = launch(app, caller, &new, snapshot_dir).await?;
+    // A template's start command, and its ready command before the sandbox is answered.
+    if fresh {
+        if let Err(e) = crate::templates::start_sandbox(app, caller, &live).await {
+            let _ = crate::lifecycle::destroy(app, &rec, "deleted").await;
+            return Err(e);
+        }
+    }
     app.events.emit(&caller.tenant, crate::events::Kind::SandboxCreated, &rec.id, json!({"template": rec.template, "runtime": rec.runtime, "from_snapshot": from_snapshot}));
     app.metrics
         .sandbox_create_seconds
@@ -268,14 +276,14 @@ async fn checked(
         }
         None => {
             let name = body.template.clone().unwrap_or_else(|| "default".into());
-            let t = app
-                .templates
-                .resolve(&name)
-                .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+            let t = crate::templates::resolve_for(app, &caller.tenant, &name)?
                 .ok_or_else(|| crate::default_template::unknown(app, &name))?;
             (name, t, None, disk_mb)
         }
     };
+    // The template's environment under the request's.
+    let mut env = template.config.env.clone();
+    env.extend(body.env);
     let new = NewSandbox {
         template_name,
         template,

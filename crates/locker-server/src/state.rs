@@ -34,6 +34,8 @@ pub struct Quotas {
     pub runs: u64,
     /// Sum of those sandboxes' `disk_mb` and of the tenant's volumes' `size_mb`.
     pub disk_mb: u64,
+    /// Template builds running at once (more wait, queued).
+    pub template_builds: u64,
 }
 
 impl Quotas {
@@ -49,6 +51,7 @@ impl Quotas {
             memory_mb,
             runs: 32,
             disk_mb,
+            template_builds: 2,
         }
     }
 }
@@ -327,6 +330,7 @@ pub struct App {
     pub default_template: crate::default_template::DefaultTemplate,
     /// Lifecycle events (`events`): rooms emit, the event room delivers.
     pub events: crate::events::Events,
+    pub builds: crate::templates::Builds,
     /// This server's hold on its data dir, for as long as the process lives.
     pub(crate) _lock: DataDirLock,
 }

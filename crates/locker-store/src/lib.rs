@@ -229,6 +229,20 @@ pub trait Store: Send + Sync {
     /// Removes a volume snapshot's record; false if the tenant has no such snapshot.
     fn delete_volume_snapshot(&self, tenant: &str, id: &str) -> Result<bool>;
 
+    // ---- template builds ----
+
+    /// Stores (or replaces) template build `id` of `tenant`: its state (`queued`,
+    /// `running`, `succeeded`, `failed`) and its record, JSON the server owns.
+    fn put_template_build(&self, id: &str, tenant: &str, state: &str, record: &str)
+        -> Result<()>;
+
+    /// The record of the tenant's build `id` (`None` for another tenant's).
+    fn get_template_build(&self, tenant: &str, id: &str) -> Result<Option<String>>;
+
+    /// `(tenant, record)` of every build still queued or running, oldest first (at start,
+    /// these are the builds a stopped server left unfinished).
+    fn unfinished_template_builds(&self) -> Result<Vec<(String, String)>>;
+
     // ---- call records and usage ----
 
     /// Stores call records, all in one transaction (all or none). Output bodies are

@@ -43,6 +43,7 @@ mod build;
 mod extract;
 mod fsutil;
 mod image;
+mod layer;
 mod progress;
 mod spec;
 mod store;
@@ -52,6 +53,7 @@ mod tests;
 pub use image::{
     ImageLimits, ImageSource, RegistryAuth, IMAGE_FORMAT, MAX_DOWNLOAD_ENV, MAX_UNPACKED_ENV,
 };
+pub use layer::{apply_upper, copy_into, link_tree, resolve_in_root, Applied};
 pub use progress::{NoProgress, Progress, StderrProgress};
 pub use spec::{builtin_spec, code_interpreter_spec, default_spec, validate_name, TemplateSpec};
 pub use store::TemplateStore;

@@ -15,6 +15,7 @@
 //! columns that they share). Those modules take the store as `db` and borrow its
 //! connections; none opens its own.
 
+mod builds;
 mod calls;
 mod codec;
 mod events;
@@ -278,6 +279,20 @@ impl Store for SqliteStore {
 
     fn idle_sandboxes(&self, now: i64) -> Result<Vec<String>> {
         sandboxes::idle_sandboxes(self, now)
+    }
+
+    // ---- template builds ----
+
+    fn put_template_build(&self, id: &str, tenant: &str, state: &str, record: &str) -> Result<()> {
+        builds::put_template_build(self, id, tenant, state, record)
+    }
+
+    fn get_template_build(&self, tenant: &str, id: &str) -> Result<Option<String>> {
+        builds::get_template_build(self, tenant, id)
+    }
+
+    fn unfinished_template_builds(&self) -> Result<Vec<(String, String)>> {
+        builds::unfinished_template_builds(self)
     }
 
     // ---- call records and usage ----

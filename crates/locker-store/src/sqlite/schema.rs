@@ -207,6 +207,19 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE sandboxes ADD COLUMN call_gaps TEXT NOT NULL DEFAULT '[]';
     ALTER TABLE sandboxes ADD COLUMN call_gap_sum_ms INTEGER NOT NULL DEFAULT 0;
     "#,
+    // Template builds: their state and record (JSON the server's template room owns), so
+    // a restart can tell the builds it was running that they failed.
+    r#"
+    CREATE TABLE template_builds (
+        id           TEXT PRIMARY KEY,
+        tenant       TEXT NOT NULL,
+        state        TEXT NOT NULL CHECK (state IN ('queued','running','succeeded','failed')),
+        record       TEXT NOT NULL,
+        created_unix INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX template_builds_unfinished ON template_builds(state)
+        WHERE state IN ('queued', 'running');
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).

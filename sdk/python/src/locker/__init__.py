@@ -27,6 +27,7 @@ from .client import (
     Volume,
     VolumeSnapshot,
 )
+from ._templates import BuildFailed, Templates
 from .tools import FunctionTool, Tool, Toolkit, ToolResult
 from .code import CodeContext, Execution, ExecutionError, code_tools, run_code_tool
 from .agent import AgentResult, run_agent
@@ -35,7 +36,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Client", "LockerError", "ExecResult", "Changes", "Entry", "StreamEvent", "ProcessOutput",
-    "Sandbox", "McpServer", "Volume", "Process", "ProcessInfo", "Files", "Snapshot", "VolumeSnapshot", "Tool", "FunctionTool", "Toolkit", "ToolResult",
+    "Sandbox", "McpServer", "Volume", "Process", "ProcessInfo", "Files", "Snapshot", "VolumeSnapshot", "Templates", "BuildFailed", "Tool", "FunctionTool", "Toolkit", "ToolResult",
     "run_agent", "AgentResult",
     "CodeContext", "Execution", "ExecutionError", "run_code_tool", "code_tools",
 ]

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ._records import ProcessInfo, Snapshot, Snapshots, VolumeSnapshot
+from ._templates import BuildFailed, Templates
 
 __all__ = [
     "Client",
@@ -239,6 +240,7 @@ class Client:
         self.volumes = Volumes(self)
         self.secrets = Secrets(self)
         self.snapshots = Snapshots(self)
+        self.templates = Templates(self)
 
     def __repr__(self) -> str:
         return f"Client({self.url!r})"
