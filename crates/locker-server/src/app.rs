@@ -223,6 +223,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         egress,
         default_template: Default::default(),
         events: Default::default(),
+        tickets: Default::default(),
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;
@@ -272,6 +273,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::ops::routes())
         .merge(crate::templates::routes())
         .merge(crate::e2b::routes())
+        .merge(crate::ui::routes())
         .fallback(|uri: axum::http::Uri| async move {
             crate::e2b::unknown_route(uri.path()).unwrap_or_else(|| {
                 axum::response::IntoResponse::into_response(crate::error::ApiError::not_found(
@@ -285,6 +287,7 @@ pub fn router(app: AppState) -> Router {
                 "this route does not take that method: see /openapi.json",
             )
         })
+        .layer(axum::middleware::from_fn(crate::ui::refuse_cross_site))
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(app.clone());
