@@ -182,8 +182,9 @@ fn pty_handshake(
         .into_client_request()
         .unwrap();
     for (k, v) in headers {
+        let name = tungstenite::http::HeaderName::from_bytes(k.as_bytes()).expect("a header name");
         req.headers_mut()
-            .insert(*k, v.parse().expect("a header value"));
+            .insert(name, v.parse().expect("a header value"));
     }
     let stream = std::net::TcpStream::connect(&addr).unwrap();
     stream
@@ -199,7 +200,7 @@ fn pty_handshake(
                 .to_owned();
             (resp.status().as_u16(), Some(ws), proto)
         }
-        Err(tungstenite::Error::Http(resp)) => {
+        Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(resp))) => {
             let body = String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default()).into_owned();
             (resp.status().as_u16(), None, body)
         }
