@@ -235,6 +235,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         default_template: Default::default(),
         events,
         builds: Default::default(),
+        tickets: Default::default(),
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;
@@ -288,6 +289,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::template_image::routes())
         .merge(crate::events::routes())
         .merge(crate::e2b::routes())
+        .merge(crate::ui::routes())
         .fallback(|uri: axum::http::Uri| async move {
             crate::e2b::unknown_route(uri.path()).unwrap_or_else(|| {
                 axum::response::IntoResponse::into_response(crate::error::ApiError::not_found(
@@ -301,6 +303,7 @@ pub fn router(app: AppState) -> Router {
                 "this route does not take that method: see /openapi.json",
             )
         })
+        .layer(axum::middleware::from_fn(crate::ui::refuse_cross_site))
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))
         .with_state(app.clone());

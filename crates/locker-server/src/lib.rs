@@ -22,7 +22,9 @@
 //! - [`capacity`]: what the host holds: quota defaults and disk admission;
 //! - [`default_template`]: the template `default` built at start when it is missing;
 //! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP;
-//! - [`code`]: the code interpreter: contexts on Jupyter kernels in the machine, cells.
+//! - [`code`]: the code interpreter: contexts on Jupyter kernels in the machine, cells;
+//! - [`ui`]: the dashboard at `/ui` (assets built into the binary, terminal tickets, the
+//!   refusal of cross-site state-changing requests).
 //!
 //! The server owns tenants, records and HTTP; it never touches namespaces or cgroups
 //! itself: that is `locker-runtime`'s job.
@@ -64,6 +66,7 @@ pub mod stream;
 pub mod template_image;
 pub mod templates;
 pub mod tombstone;
+pub mod ui;
 pub mod vm_pool;
 pub mod volumes;
 

@@ -244,7 +244,13 @@ pub const ROUTES: &[RouteDoc] = &[
         "get",
         "/v1/sandboxes/{id}/pty",
         101,
-        "A terminal over WebSocket",
+        "A terminal over WebSocket (the key in Authorization, or a ticket as the subprotocol locker-ticket.<ticket>)",
+    ),
+    r(
+        "post",
+        "/v1/sandboxes/{id}/pty/ticket",
+        201,
+        "A single-use, 30 s ticket that opens this sandbox's terminal from a browser (offered as WebSocket subprotocols)",
     ),
     r(
         "get",
@@ -462,6 +468,7 @@ pub const ROUTES: &[RouteDoc] = &[
         "Revoke a key at once (admin key)",
     ),
     open("get", "/healthz", "Health, with per-runtime status"),
+    open("get", "/ui", "The dashboard (its assets; the page asks for an API key)"),
     open("get", "/metrics", "Prometheus metrics"),
     open("get", "/openapi.json", "This document"),
     r(
@@ -601,6 +608,11 @@ async fn metrics(
 struct CallsQuery {
     sandbox_id: Option<String>,
     volume_id: Option<String>,
+    key_id: Option<String>,
+    kind: Option<String>,
+    outcome: Option<String>,
+    /// A previous page's `next_cursor`.
+    cursor: Option<String>,
     limit: Option<u32>,
 }
 
@@ -633,13 +645,46 @@ async fn calls(
     };
     // Records are written in batches; make the caller's own recent calls visible.
     app.recorder.flush().await;
-    let calls = app.store.list_calls(
+    let kind = match q.kind.as_deref() {
+        None => None,
+        Some("exec") => Some(locker_store::CallKind::Exec),
+        Some("run") => Some(locker_store::CallKind::Run),
+        Some("process") => Some(locker_store::CallKind::Process),
+        Some("code") => Some(locker_store::CallKind::Code),
+        Some(k) => {
+            return Err(ApiError::bad_request(format!(
+                "`kind` must be exec, run, process or code, got {k:?}"
+            )))
+        }
+    };
+    let outcome = match q.outcome.as_deref() {
+        None => None,
+        Some(o) => Some(o.parse().map_err(ApiError::bad_request)?),
+    };
+    let before = match q.cursor.as_deref() {
+        None => None,
+        Some(c) => Some(c.parse::<i64>().ok().filter(|n| *n > 0).ok_or_else(|| {
+            ApiError::bad_request(format!(
+                "`cursor` must be a previous page's `next_cursor`, got {c:?}"
+            ))
+        })?),
+    };
+    let page = app.store.list_calls_page(
         &caller.tenant,
-        q.sandbox_id.as_deref(),
-        volume_id.as_deref(),
-        q.limit,
+        &locker_store::CallQuery {
+            sandbox_id: q.sandbox_id,
+            volume_id,
+            key_id: q.key_id,
+            kind,
+            outcome,
+            before,
+            limit: q.limit,
+        },
     )?;
-    Ok(axum::Json(json!({ "calls": calls })))
+    Ok(axum::Json(json!({
+        "calls": page.calls,
+        "next_cursor": page.next_cursor.map(|c| c.to_string()),
+    })))
 }
 
 #[derive(Deserialize)]

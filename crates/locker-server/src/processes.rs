@@ -325,11 +325,13 @@ struct PtyQuery {
 
 async fn pty(
     State(app): State<AppState>,
-    caller: Caller,
+    headers: axum::http::HeaderMap,
     Path(id): Path<String>,
     Query(q): Query<PtyQuery>,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
+    // The key, or a browser's single-use ticket (the dashboard's terminal): see `ui`.
+    let caller = crate::ui::pty_caller(&app, &headers, &id)?;
     let live = live_of(&app, &caller, &id).await?;
     let size = PtySize {
         cols: q.cols.unwrap_or(80).clamp(1, 1000),
@@ -351,6 +353,7 @@ async fn pty(
         stdin: true,
         ..Default::default()
     };
+    let ws = ws.protocols([crate::ui::PTY_PROTOCOL]);
     Ok(ws.on_upgrade(move |socket| async move {
         if let Err(e) = bridge(socket, &live.machine.agent, spec).await {
             tracing::debug!(sandbox = %live.id, error = %e, "pty ended");

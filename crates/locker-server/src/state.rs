@@ -331,6 +331,8 @@ pub struct App {
     /// Lifecycle events (`events`): rooms emit, the event room delivers.
     pub events: crate::events::Events,
     pub builds: crate::templates::Builds,
+    /// The dashboard's single-use terminal tickets (`ui`).
+    pub tickets: crate::ui::Tickets,
     /// This server's hold on its data dir, for as long as the process lives.
     pub(crate) _lock: DataDirLock,
 }

@@ -32,6 +32,7 @@ pub use model::{
     now_unix, parse_rfc3339, strip_output, validate_tenant_name, CallKind, CallRecord, KeyInfo,
     Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
 };
+pub use model::{CallOutcome, CallPage, CallQuery};
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
 pub use model::{EventRecord, SandboxTimes, WebhookRecord};
@@ -259,6 +260,12 @@ pub trait Store: Send + Sync {
         volume_id: Option<&str>,
         limit: Option<u32>,
     ) -> Result<Vec<CallRecord>>;
+
+    /// One page of the tenant's call records, newest first, that match every filter of
+    /// `q`; `next_cursor` (pass it as [`CallQuery::before`]) when older ones may follow.
+    /// Keyed on the insertion order, so a page never repeats or skips a record whatever
+    /// is written meanwhile.
+    fn list_calls_page(&self, tenant: &str, q: &CallQuery) -> Result<CallPage>;
 
     /// The tenant's totals from `since` (or from the beginning) up to `now`:
     /// - `cpu_ms`, `runs`, `execs` (execs and background processes): from the call

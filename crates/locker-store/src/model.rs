@@ -523,4 +523,60 @@ pub struct SandboxTimes {
     /// The gaps' sum.
     #[serde(default)]
     pub call_gap_sum_ms: u64,
+
+/// How a call ended, as a filter of [`CallQuery`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallOutcome {
+    /// Exited with code 0.
+    Ok,
+    /// Anything else: a non-zero exit, a signal, a timeout, OOM, the output limit, a kill.
+    Failed,
+    /// The result's `reason` is exactly this (`exited`, `signaled`, `timeout`, `oom`,
+    /// `output_limit`, `killed`).
+    Reason(&'static str),
+}
+
+impl FromStr for CallOutcome {
+    type Err = String;
+
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        Ok(match s {
+            "ok" => CallOutcome::Ok,
+            "failed" => CallOutcome::Failed,
+            "exited" => CallOutcome::Reason("exited"),
+            "signaled" => CallOutcome::Reason("signaled"),
+            "timeout" => CallOutcome::Reason("timeout"),
+            "oom" => CallOutcome::Reason("oom"),
+            "output_limit" => CallOutcome::Reason("output_limit"),
+            "killed" => CallOutcome::Reason("killed"),
+            other => {
+                return Err(format!(
+                    "`outcome` must be ok, failed, exited, signaled, timeout, oom, output_limit or killed, got {other:?}"
+                ))
+            }
+        })
+    }
+}
+
+/// Which call records one page of [`crate::Store::list_calls_page`] holds.
+#[derive(Debug, Clone, Default)]
+pub struct CallQuery {
+    pub sandbox_id: Option<String>,
+    pub volume_id: Option<String>,
+    /// The key that made the call (`key_…`).
+    pub key_id: Option<String>,
+    pub kind: Option<CallKind>,
+    pub outcome: Option<CallOutcome>,
+    /// Only records older than this cursor (a previous page's `next_cursor`).
+    pub before: Option<i64>,
+    /// Default [`crate::DEFAULT_CALLS_LIMIT`], clamped to 1..=[`crate::MAX_CALLS_LIMIT`].
+    pub limit: Option<u32>,
+}
+
+/// One page of call records, newest first.
+#[derive(Debug, Clone)]
+pub struct CallPage {
+    pub calls: Vec<CallRecord>,
+    /// The cursor of the next (older) page; None when this page is the last.
+    pub next_cursor: Option<i64>,
 }

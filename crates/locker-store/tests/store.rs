@@ -1086,3 +1086,72 @@ fn events_grow_prune_and_feed_webhook_cursors() {
     assert!(s.insert_event("a", "sandbox.created", "sb_3", "{}", T0 + 3).unwrap() > e3);
     assert!(s.delete_webhook("a", "wh_1").unwrap());
 }
+
+#[test]
+fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
+    let dir = TempDir::new();
+    let s = open(&dir);
+    let mut batch = Vec::new();
+    for i in 0..25 {
+        let kind = if i % 5 == 0 { CallKind::Run } else { CallKind::Exec };
+        let mut c = call(&format!("call_{i:02}"), "a", kind, Some("sb_1"), T0 + i);
+        c.key_id = if i % 2 == 0 { "key_even" } else { "key_odd" }.into();
+        match i % 3 {
+            0 => {}
+            1 => c.result.exit_code = Some(2),
+            _ => {
+                c.result.reason = Reason::Timeout;
+                c.result.exit_code = None;
+            }
+        }
+        batch.push(c);
+    }
+    batch.push(call("call_b", "b", CallKind::Exec, Some("sb_1"), T0));
+    s.insert_calls(&batch).unwrap();
+
+    let mut q = locker_store::CallQuery {
+        limit: Some(10),
+        ..Default::default()
+    };
+    let mut ids = Vec::new();
+    let mut pages = 0;
+    loop {
+        let page = s.list_calls_page("a", &q).unwrap();
+        pages += 1;
+        ids.extend(page.calls.into_iter().map(|c| c.id));
+        match page.next_cursor {
+            Some(c) => q.before = Some(c),
+            None => break,
+        }
+        // A record written between pages is newer than the cursor: it never shifts a page.
+        if pages == 1 {
+            s.insert_calls(&[call("call_late", "a", CallKind::Exec, None, T0)]).unwrap();
+        }
+    }
+    assert_eq!(pages, 3);
+    let expected: Vec<String> = (0..25).rev().map(|i| format!("call_{i:02}")).collect();
+    assert_eq!(ids, expected);
+
+    let n = |q: locker_store::CallQuery| s.list_calls_page("a", &q).unwrap().calls.len();
+    let all = || locker_store::CallQuery {
+        limit: Some(1000),
+        ..Default::default()
+    };
+    use locker_store::CallOutcome;
+    assert_eq!(n(locker_store::CallQuery { outcome: Some(CallOutcome::Ok), ..all() }), 9 + 1, "i%3==0, and call_late");
+    assert_eq!(n(locker_store::CallQuery { outcome: Some(CallOutcome::Failed), ..all() }), 16);
+    assert_eq!(n(locker_store::CallQuery { outcome: Some(CallOutcome::Reason("timeout")), ..all() }), 8);
+    assert_eq!(n(locker_store::CallQuery { key_id: Some("key_even".into()), ..all() }), 13);
+    assert_eq!(n(locker_store::CallQuery { kind: Some(CallKind::Run), ..all() }), 5);
+    assert_eq!(
+        n(locker_store::CallQuery {
+            kind: Some(CallKind::Run),
+            key_id: Some("key_odd".into()),
+            outcome: Some(CallOutcome::Reason("exited")),
+            ..all()
+        }),
+        1,
+        "run 15 (exit 0); run 5 timed out"
+    );
+    assert!("sometimes".parse::<CallOutcome>().is_err());
+}

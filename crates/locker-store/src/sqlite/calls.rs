@@ -9,7 +9,7 @@ use rusqlite::{params, params_from_iter, TransactionBehavior};
 use super::codec::{conflict_on_unique, from_i64, from_json, to_i64, to_json, unix_of};
 use super::SqliteStore;
 use crate::error::Result;
-use crate::model::{CallRecord, TenantUsage};
+use crate::model::{CallOutcome, CallPage, CallQuery, CallRecord, TenantUsage};
 use crate::{DEFAULT_CALLS_LIMIT, MAX_CALLS_LIMIT};
 
 pub(super) fn insert_calls(db: &SqliteStore, calls: &[CallRecord]) -> Result<()> {
@@ -92,6 +92,70 @@ pub(super) fn list_calls(
             .query_map(params_from_iter(&args), |r| r.get::<_, String>(0))?
             .collect::<rusqlite::Result<Vec<_>>>()?;
         jsons.iter().map(|j| from_json("call record", j)).collect()
+    })
+}
+
+/// One page of [`CallQuery`]: the filters become `WHERE` terms on the indexed columns
+/// (the outcome is read from the record's JSON), `before` a `seq <` bound, and one row
+/// more than the page is read to know whether another page follows.
+pub(super) fn list_calls_page(db: &SqliteStore, tenant: &str, q: &CallQuery) -> Result<CallPage> {
+    let limit = q.limit.unwrap_or(DEFAULT_CALLS_LIMIT).clamp(1, MAX_CALLS_LIMIT) as usize;
+    let mut sql = String::from("SELECT seq, record FROM calls WHERE tenant = ?1");
+    let mut args: Vec<rusqlite::types::Value> = vec![tenant.to_owned().into()];
+    let mut bind = |sql: &mut String, term: &str, v: rusqlite::types::Value| {
+        args.push(v);
+        sql.push_str(&term.replace('?', &format!("?{}", args.len())));
+    };
+    if let Some(sb) = &q.sandbox_id {
+        bind(&mut sql, " AND sandbox_id = ?", sb.clone().into());
+    }
+    if let Some(vol) = &q.volume_id {
+        bind(&mut sql, " AND volume_id = ?", vol.clone().into());
+    }
+    if let Some(key) = &q.key_id {
+        bind(&mut sql, " AND key_id = ?", key.clone().into());
+    }
+    if let Some(kind) = q.kind {
+        bind(&mut sql, " AND kind = ?", kind.as_str().to_owned().into());
+    }
+    if let Some(before) = q.before {
+        bind(&mut sql, " AND seq < ?", before.into());
+    }
+    match q.outcome {
+        None => {}
+        Some(CallOutcome::Ok) => sql.push_str(
+            " AND json_extract(record, '$.result.reason') = 'exited' \
+             AND json_extract(record, '$.result.exit_code') = 0",
+        ),
+        Some(CallOutcome::Failed) => sql.push_str(
+            " AND NOT (json_extract(record, '$.result.reason') = 'exited' \
+             AND IFNULL(json_extract(record, '$.result.exit_code'), -1) = 0)",
+        ),
+        Some(CallOutcome::Reason(r)) => bind(
+            &mut sql,
+            " AND json_extract(record, '$.result.reason') = ?",
+            r.to_owned().into(),
+        ),
+    }
+    bind(&mut sql, " ORDER BY seq DESC LIMIT ?", ((limit + 1) as i64).into());
+    db.read(|c| {
+        let mut st = c.prepare_cached(&sql)?;
+        let rows = st
+            .query_map(params_from_iter(&args), |r| {
+                Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?))
+            })?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let more = rows.len() > limit;
+        let mut calls = Vec::with_capacity(limit.min(rows.len()));
+        let mut last = None;
+        for (seq, json) in rows.iter().take(limit) {
+            calls.push(from_json("call record", json)?);
+            last = Some(*seq);
+        }
+        Ok(CallPage {
+            calls,
+            next_cursor: if more { last } else { None },
+        })
     })
 }
 

@@ -311,6 +311,10 @@ impl Store for SqliteStore {
         calls::list_calls(self, tenant, sandbox_id, volume_id, limit)
     }
 
+    fn list_calls_page(&self, tenant: &str, q: &crate::CallQuery) -> Result<crate::CallPage> {
+        calls::list_calls_page(self, tenant, q)
+    }
+
     fn usage_at(&self, tenant: &str, since: Option<i64>, now: i64) -> Result<TenantUsage> {
         calls::usage_at(self, tenant, since, now)
     }

@@ -1,0 +1,452 @@
+//! The dashboard (`/ui`): a page for people, over the same `/v1` API as every client.
+//!
+//! This room owns: serving the dashboard's assets (compiled into the binary from `ui/` at
+//! the repository root, xterm.js from `ui/node_modules` when `npm ci` ran there; see
+//! `build.rs`), their caching and compression, the security headers of every `/ui`
+//! answer, the terminal tickets (`POST /v1/sandboxes/{id}/pty/ticket`: how a browser,
+//! which cannot set headers on a WebSocket, opens the PTY without its key in a URL), and
+//! the refusal of cross-site state-changing requests on the API.
+//!
+//! It must not touch: what the API answers (the page holds no privilege the key lacks; it
+//! calls the public routes with the key in `Authorization`), sandboxes or the store.
+//!
+//! Caching: every asset lives under `/ui/v/{version}/…`, where the version is a hash of all
+//! of them, so those answers are `immutable` and a new build changes every URL at once; the
+//! page itself (`/ui`, `/ui/…`) is `no-cache` with an ETag. Assets are gzipped once, on
+//! first use, and sent compressed to clients that accept gzip.
+
+use std::collections::HashMap;
+use std::io::Write;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::extract::{Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/ui", get(page))
+        .route("/ui/", get(page))
+        .route("/ui/{*rest}", get(page_or_asset))
+        .route("/v1/sandboxes/{id}/pty/ticket", post(mint_ticket))
+}
+
+/// The Content-Security-Policy of every `/ui` answer: scripts and everything else from this
+/// origin only, no inline script, no eval, no framing, no plugins, no forms. Inline style is
+/// allowed (xterm.js sizes its rows with a `<style>` element); style cannot run code.
+pub const CSP: &str = "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; \
+img-src 'self' data:; connect-src 'self'; font-src 'self'; object-src 'none'; base-uri 'none'; \
+form-action 'none'; frame-ancestors 'none'";
+
+/// One file of the dashboard.
+struct Asset {
+    name: &'static str,
+    content_type: &'static str,
+    bytes: &'static [u8],
+}
+
+macro_rules! asset {
+    ($name:literal, $ty:literal) => {
+        Asset {
+            name: $name,
+            content_type: $ty,
+            bytes: include_bytes!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../ui/", $name)),
+        }
+    };
+}
+
+const JS: &str = "text/javascript; charset=utf-8";
+const CSS: &str = "text/css; charset=utf-8";
+
+const ASSETS: &[Asset] = &[
+    asset!("app.js", "text/javascript; charset=utf-8"),
+    asset!("api.js", "text/javascript; charset=utf-8"),
+    asset!("dom.js", "text/javascript; charset=utf-8"),
+    asset!("pages.js", "text/javascript; charset=utf-8"),
+    asset!("detail.js", "text/javascript; charset=utf-8"),
+    asset!("charts.js", "text/javascript; charset=utf-8"),
+    asset!("style.css", "text/css; charset=utf-8"),
+    asset!("icon.svg", "image/svg+xml"),
+    Asset {
+        name: "xterm.js",
+        content_type: JS,
+        bytes: include_bytes!(concat!(env!("OUT_DIR"), "/xterm.js")),
+    },
+    Asset {
+        name: "xterm.css",
+        content_type: CSS,
+        bytes: include_bytes!(concat!(env!("OUT_DIR"), "/xterm.css")),
+    },
+];
+
+const INDEX: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../ui/index.html"));
+
+/// An asset (or the page) ready to send: its bytes, gzipped bytes and ETag.
+struct Ready {
+    content_type: &'static str,
+    plain: Vec<u8>,
+    gzip: Vec<u8>,
+    etag: String,
+}
+
+impl Ready {
+    fn new(content_type: &'static str, plain: Vec<u8>) -> Ready {
+        let digest = Sha256::digest(&plain);
+        let etag = format!("\"{}\"", hex(&digest[..12]));
+        let mut enc = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::best());
+        let gzip = match enc.write_all(&plain).and_then(|()| enc.finish()) {
+            Ok(g) if g.len() < plain.len() => g,
+            _ => Vec::new(),
+        };
+        Ready {
+            content_type,
+            plain,
+            gzip,
+            etag,
+        }
+    }
+}
+
+/// Everything served, built once.
+struct Built {
+    version: String,
+    page: Ready,
+    assets: HashMap<&'static str, Ready>,
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn built() -> &'static Built {
+    static BUILT: OnceLock<Built> = OnceLock::new();
+    BUILT.get_or_init(|| {
+        let mut h = Sha256::new();
+        for a in ASSETS {
+            h.update(a.name.as_bytes());
+            h.update((a.bytes.len() as u64).to_le_bytes());
+            h.update(a.bytes);
+        }
+        let version = hex(&h.finalize()[..8]);
+        let xterm = if ASSETS.iter().any(|a| a.name == "xterm.js" && !a.bytes.is_empty()) {
+            "yes"
+        } else {
+            "no"
+        };
+        let page = INDEX
+            .replace("{{V}}", &version)
+            .replace("{{XTERM}}", xterm);
+        Built {
+            page: Ready::new("text/html; charset=utf-8", page.into_bytes()),
+            assets: ASSETS
+                .iter()
+                .filter(|a| !a.bytes.is_empty())
+                .map(|a| (a.name, Ready::new(a.content_type, a.bytes.to_vec())))
+                .collect(),
+            version,
+        }
+    })
+}
+
+/// The headers every `/ui` answer carries.
+fn secure(resp: &mut Response) {
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
+    h.insert(
+        "cross-origin-opener-policy",
+        HeaderValue::from_static("same-origin"),
+    );
+    h.insert(
+        "cross-origin-resource-policy",
+        HeaderValue::from_static("same-origin"),
+    );
+}
+
+fn send(r: &Ready, req: &HeaderMap, cache: &'static str) -> Response {
+    let not_modified = req
+        .get(header::IF_NONE_MATCH)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.split(',').any(|t| t.trim() == r.etag));
+    let gzip = !r.gzip.is_empty()
+        && req
+            .get(header::ACCEPT_ENCODING)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.split(',').any(|e| e.trim().starts_with("gzip")));
+    let mut resp = if not_modified {
+        StatusCode::NOT_MODIFIED.into_response()
+    } else if gzip {
+        let mut r2 = Response::new(Body::from(r.gzip.clone()));
+        r2.headers_mut()
+            .insert(header::CONTENT_ENCODING, HeaderValue::from_static("gzip"));
+        r2
+    } else {
+        Response::new(Body::from(r.plain.clone()))
+    };
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(r.content_type));
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static(cache));
+    h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
+    if let Ok(v) = HeaderValue::from_str(&r.etag) {
+        h.insert(header::ETAG, v);
+    }
+    secure(&mut resp);
+    resp
+}
+
+async fn page(headers: HeaderMap) -> Response {
+    send(&built().page, &headers, "no-cache")
+}
+
+async fn page_or_asset(Path(rest): Path<String>, headers: HeaderMap) -> Response {
+    let Some(versioned) = rest.strip_prefix("v/") else {
+        // Any other path is a page of the dashboard (its router reads the fragment).
+        return page(headers).await;
+    };
+    let b = built();
+    let (version, name) = versioned.split_once('/').unwrap_or(("", versioned));
+    let Some(asset) = b.assets.get(name) else {
+        let msg = if name == "xterm.js" || name == "xterm.css" {
+            "the terminal (xterm.js) is not built into this binary: run `npm ci` in ui/ (scripts/setup does), then rebuild locker".to_owned()
+        } else {
+            format!("no dashboard asset {name:?}")
+        };
+        let mut resp = ApiError::not_found(msg).into_response();
+        secure(&mut resp);
+        return resp;
+    };
+    // An old page asking for an asset of another build gets this build's, uncached.
+    let cache = if version == b.version {
+        "public, max-age=31536000, immutable"
+    } else {
+        "no-cache"
+    };
+    send(asset, &headers, cache)
+}
+
+/// How long a terminal ticket may wait for its WebSocket.
+const TICKET_TTL: Duration = Duration::from_secs(30);
+/// Tickets outstanding at once (each is tiny; the cap keeps a loop of mints bounded).
+const MAX_TICKETS: usize = 10_000;
+/// The WebSocket subprotocol the dashboard's terminal speaks (the PTY route's frames), and
+/// the prefix of the one that carries a ticket.
+pub const PTY_PROTOCOL: &str = "locker-pty";
+const TICKET_PROTOCOL_PREFIX: &str = "locker-ticket.";
+
+/// A ticket: one WebSocket to one sandbox's PTY, for the tenant and key that minted it.
+struct Ticket {
+    caller: Caller,
+    sandbox: String,
+    expires: Instant,
+}
+
+/// Outstanding terminal tickets (single use, short-lived, in memory: a restart voids them,
+/// which only means the page mints another).
+#[derive(Default)]
+pub struct Tickets(Mutex<HashMap<String, Ticket>>);
+
+impl Tickets {
+    fn mint(&self, caller: Caller, sandbox: &str) -> Result<String, ApiError> {
+        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        map.retain(|_, t| t.expires > now);
+        if map.len() >= MAX_TICKETS {
+            return Err(ApiError::quota(format!(
+                "{MAX_TICKETS} terminal tickets are outstanding: use one (open its WebSocket) or wait {}s for them to expire",
+                TICKET_TTL.as_secs()
+            )));
+        }
+        let id = locker_sys::random::new_id("pt_", 32);
+        map.insert(
+            id.clone(),
+            Ticket {
+                caller,
+                sandbox: sandbox.to_owned(),
+                expires: now + TICKET_TTL,
+            },
+        );
+        Ok(id)
+    }
+
+    /// Takes the ticket (it is gone whatever follows) if it is live and for `sandbox`.
+    fn redeem(&self, ticket: &str, sandbox: &str) -> Option<Caller> {
+        let t = self
+            .0
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(ticket)?;
+        (t.expires > Instant::now() && t.sandbox == sandbox).then_some(t.caller)
+    }
+}
+
+async fn mint_ticket(
+    State(app): State<AppState>,
+    caller: Caller,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    // Only for a sandbox of the caller's tenant that is live here (404/409 as the PTY would).
+    crate::lifecycle::live_entry(&app, &caller, &id).await?;
+    let ticket = app.tickets.mint(caller, &id)?;
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(json!({
+            "ticket": ticket,
+            "expires_in_s": TICKET_TTL.as_secs(),
+            "protocols": [PTY_PROTOCOL, format!("{TICKET_PROTOCOL_PREFIX}{ticket}")],
+        })),
+    )
+        .into_response())
+}
+
+/// The caller of the PTY route `GET /v1/sandboxes/{sandbox}/pty`: the API key in
+/// `Authorization`, or else a ticket in `Sec-WebSocket-Protocol`
+/// (`locker-pty, locker-ticket.pt_…`), used up here. A ticket comes from a browser, so its
+/// handshake must also come from this server's own origin (no other site's page can open
+/// it, even with a stolen ticket).
+pub fn pty_caller(app: &AppState, headers: &HeaderMap, sandbox: &str) -> Result<Caller, ApiError> {
+    if headers.contains_key(header::AUTHORIZATION) {
+        return crate::auth::caller_of(app, headers);
+    }
+    let ticket = headers
+        .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .find_map(|p| p.trim().strip_prefix(TICKET_PROTOCOL_PREFIX))
+        .ok_or_else(|| {
+            ApiError::unauthorized(
+                "missing `Authorization: Bearer <api-key>` header (a browser passes a ticket from `POST /v1/sandboxes/{id}/pty/ticket` as the WebSocket subprotocol `locker-ticket.<ticket>` instead)",
+            )
+        })?;
+    if !same_origin(headers) {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "a terminal ticket works only from a page of this server's own origin",
+        ));
+    }
+    app.tickets.redeem(ticket, sandbox).ok_or_else(|| {
+        ApiError::unauthorized(
+            "unknown, used or expired terminal ticket: mint a new one with `POST /v1/sandboxes/{id}/pty/ticket` (each works once, within 30 s, for its sandbox)",
+        )
+    })
+}
+
+/// Whether a browser's request comes from this server's own origin: its `Origin` (when
+/// sent) names the same host and port as its `Host`.
+fn same_origin(headers: &HeaderMap) -> bool {
+    let Some(origin) = headers.get(header::ORIGIN).and_then(|v| v.to_str().ok()) else {
+        return true;
+    };
+    let Some(host) = headers.get(header::HOST).and_then(|v| v.to_str().ok()) else {
+        return false;
+    };
+    let authority = origin
+        .strip_prefix("http://")
+        .or_else(|| origin.strip_prefix("https://"));
+    authority.is_some_and(|a| a.eq_ignore_ascii_case(host))
+}
+
+/// Refuses a state-changing request that a browser sends on behalf of another site (a form
+/// post, a cross-site `fetch`): the API's keys travel in a header no other site can set, so
+/// such a request could never be authenticated anyway; this refuses it before any handler
+/// runs, with a message that says why. Browsers mark the request with
+/// `Sec-Fetch-Site`; older ones are judged by `Origin`. Clients that are not browsers send
+/// neither and pass.
+pub async fn refuse_cross_site(req: Request, next: Next) -> Response {
+    let safe = matches!(*req.method(), Method::GET | Method::HEAD | Method::OPTIONS);
+    if !safe {
+        let h = req.headers();
+        let site = h.get("sec-fetch-site").and_then(|v| v.to_str().ok());
+        let foreign = match site {
+            Some(s) => !(s.eq_ignore_ascii_case("same-origin") || s.eq_ignore_ascii_case("none")),
+            None => !same_origin(h),
+        };
+        if foreign {
+            return ApiError::new(
+                StatusCode::FORBIDDEN,
+                "a browser request from another site (a cross-site form or fetch) may not change anything here: call the API from the dashboard (/ui) or from a client that is not a browser",
+            )
+            .into_response();
+        }
+    }
+    next.run(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for (k, v) in pairs {
+            h.append(*k, HeaderValue::from_static(*v));
+        }
+        h
+    }
+
+    #[test]
+    fn every_asset_is_served_and_the_page_names_them() {
+        let b = built();
+        for name in ["app.js", "api.js", "dom.js", "pages.js", "detail.js", "charts.js", "style.css"] {
+            assert!(b.assets.contains_key(name), "{name} is embedded");
+            let path = format!("/ui/v/{}/{name}", b.version);
+            if name == "app.js" || name == "style.css" {
+                let page = String::from_utf8_lossy(&b.page.plain);
+                assert!(page.contains(&path), "index.html links {path}");
+            }
+        }
+        let page = String::from_utf8_lossy(&b.page.plain);
+        assert!(!page.contains("{{"), "every placeholder of index.html is filled");
+        assert!(!page.contains("<script>"), "no inline script");
+    }
+
+    #[test]
+    fn same_origin_compares_host_and_port() {
+        assert!(same_origin(&headers(&[("host", "127.0.0.1:7070")])));
+        assert!(same_origin(&headers(&[
+            ("host", "127.0.0.1:7070"),
+            ("origin", "http://127.0.0.1:7070")
+        ])));
+        assert!(!same_origin(&headers(&[
+            ("host", "127.0.0.1:7070"),
+            ("origin", "http://evil.example")
+        ])));
+        assert!(!same_origin(&headers(&[
+            ("host", "127.0.0.1:7070"),
+            ("origin", "http://127.0.0.1:7071")
+        ])));
+        assert!(!same_origin(&headers(&[
+            ("host", "127.0.0.1:7070"),
+            ("origin", "null")
+        ])));
+    }
+
+    #[test]
+    fn tickets_work_once_for_their_sandbox() {
+        let t = Tickets::default();
+        let caller = Caller {
+            tenant: "a".into(),
+            key_id: "key_1".into(),
+        };
+        let id = t.mint(caller.clone(), "sb_1").unwrap();
+        assert!(t.redeem(&id, "sb_2").is_none(), "another sandbox");
+        // The failed redeem used it up.
+        assert!(t.redeem(&id, "sb_1").is_none(), "used once already");
+        let id = t.mint(caller, "sb_1").unwrap();
+        assert_eq!(t.redeem(&id, "sb_1").unwrap().tenant, "a");
+        assert!(t.redeem(&id, "sb_1").is_none(), "single use");
+    }
+}
