@@ -281,9 +281,10 @@ async fn checked(
             (name, t, None, disk_mb)
         }
     };
-    // The template's environment under the request's.
+    // The template's environment under the request's (with its secrets' placeholders).
+    let request_env = env;
     let mut env = template.config.env.clone();
-    env.extend(body.env);
+    env.extend(request_env);
     let new = NewSandbox {
         template_name,
         template,

@@ -481,6 +481,8 @@ pub fn validate_secret_name(name: &str) -> crate::error::Result<()> {
             "secret name {name:?}: use 1 to 64 of a-z, 0-9, `_` and `-`, starting with a letter or digit"
         )))
     }
+}
+
 /// One stored lifecycle event (the server's `events` room gives it its wire form).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct EventRecord {
@@ -523,6 +525,7 @@ pub struct SandboxTimes {
     /// The gaps' sum.
     #[serde(default)]
     pub call_gap_sum_ms: u64,
+}
 
 /// How a call ended, as a filter of [`CallQuery`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
