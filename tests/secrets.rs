@@ -190,19 +190,17 @@ fn record(api: &Api, sandbox: &str, call_id: &str) -> Value {
     }
 }
 
+/// The files directly in the data dir (the database, its journal, the key) that hold
+/// `needle`.
 fn files_hold(dir: &Path, needle: &str) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else { return out };
-    for e in rd.flatten() {
+    for e in std::fs::read_dir(dir).expect("the data dir").flatten() {
         let p = e.path();
-        if p.is_dir() {
-            if p.file_name().is_some_and(|n| n == "sandboxes") {
-                continue;
-            }
-            out.extend(files_hold(&p, needle));
-        } else if let Ok(b) = std::fs::read(&p) {
-            if b.windows(needle.len()).any(|w| w == needle.as_bytes()) {
-                out.push(p);
+        if p.is_file() {
+            if let Ok(b) = std::fs::read(&p) {
+                if b.windows(needle.len()).any(|w| w == needle.as_bytes()) {
+                    out.push(p);
+                }
             }
         }
     }
@@ -322,19 +320,20 @@ fn values_reach_only_their_hosts_through_the_proxy() {
     let (out, curl_call) = sh(
         &api,
         &id,
-        "curl -sS -m 10 --http1.1 -H \"Authorization: Bearer $EXAMPLE_KEY\" \"https://api.secret.test/h1?key=$EXAMPLE_KEY\"",
+        "curl -sS -m 10 --http1.1 -w '\\nHTTP/%{http_version}\\n' -H \"Authorization: Bearer $EXAMPLE_KEY\" \"https://api.secret.test/h1?key=$EXAMPLE_KEY\"",
     );
+    assert!(out.contains("HTTP/1.1"), "the machine spoke HTTP/1.1: {out}");
     let e = echo(&out);
-    assert_eq!(e["version"], "1.1");
     assert_eq!(e["headers"]["authorization"], "Bearer [value-1]", "{e}");
     assert_eq!(e["url"], "/h1?key=[value-1]");
     let (out, _) = sh(
         &api,
         &id,
-        "curl -sS -m 10 --http2 -H \"Authorization: Bearer $EXAMPLE_KEY\" -d \"body $EXAMPLE_KEY\" https://api.secret.test/h2",
+        "curl -sS -m 10 --http2 -w '\\nHTTP/%{http_version}\\n' -H \"Authorization: Bearer $EXAMPLE_KEY\" -d \"body $EXAMPLE_KEY\" https://api.secret.test/h2",
     );
+    assert!(out.contains("HTTP/2"), "the machine spoke HTTP/2 with the proxy: {out}");
     let e = echo(&out);
-    assert_eq!(e["version"], "2.0", "HTTP/2 through the interception: {e}");
+    assert_eq!(e["version"], "2.0", "and the proxy with the host: {e}");
     assert_eq!(e["headers"]["authorization"], "Bearer [value-1]");
     assert_eq!(e["body"], format!("body {placeholder}"), "bodies are never changed");
 
@@ -425,12 +424,41 @@ print(s.recv(4096).decode())
     assert!(!blog.contains(&v1) && !blog.contains(&v2), "the other host got a value: {blog}");
     assert!(blog.contains(&placeholder));
 
-    // The machine never holds the value: env, files, processes' environments.
+    // The machine never holds the value: env, files, processes' environments and command
+    // lines. The checker gets each value in two halves, so that no command line (its own
+    // included) holds it whole.
+    let scan = r#"
+import os, sys
+needle = (sys.argv[1] + sys.argv[2]).encode()
+me = str(os.getpid())
+hits = []
+for pid in os.listdir('/proc'):
+    if not pid.isdigit() or pid == me:
+        continue
+    for f in ('environ', 'cmdline'):
+        try:
+            if needle in open(f'/proc/{pid}/{f}', 'rb').read():
+                hits.append(f'/proc/{pid}/{f}')
+        except OSError:
+            pass
+for top in ('/etc', '/root', '/tmp', '/home', '/usr/local', '/workspace'):
+    for d, _, files in os.walk(top):
+        for f in files:
+            p = os.path.join(d, f)
+            try:
+                if os.path.isfile(p) and needle in open(p, 'rb').read():
+                    hits.append(p)
+            except OSError:
+                pass
+print(len(hits), hits)
+"#;
+    api.write_file(&id, "/tmp/scan.py", scan.as_bytes()).expect(200, "the scanner");
     for v in [&v1, &v2] {
-        let r = api.exec(&id, &json!({"shell": format!(
-            "env | grep -c -- '{v}'; grep -rls -- '{v}' /etc /root /tmp /home /usr/local /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | head"
-        )}));
-        assert_eq!(r["stdout"].as_str().unwrap().trim(), "0", "the value inside the machine: {r}");
+        let (a, b) = v.split_at(v.len() / 2);
+        let (out, _) = sh(&api, &id, &format!("python3 /tmp/scan.py '{a}' '{b}'"));
+        assert_eq!(out.trim(), "0 []", "the value inside the machine");
+        let (out, _) = sh(&api, &id, &format!("env | grep -c -- '{a}' || true"));
+        assert_eq!(out.trim(), "0");
     }
 
     // Call records.
