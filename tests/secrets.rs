@@ -29,7 +29,11 @@ impl Pki {
         let dir = TempDir::new("ltsecpki");
         let d = dir.path();
         let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
-        std::fs::write(d.join("ext.cnf"), format!("subjectAltName={}\n", san.join(","))).unwrap();
+        std::fs::write(
+            d.join("ext.cnf"),
+            format!("subjectAltName={}\n", san.join(",")),
+        )
+        .unwrap();
         let key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
         for cmd in [
             format!("req -x509 {key} -keyout ca.key -out ca.pem -days 2 -subj /CN=locker-secrets-test-ca"),
@@ -68,7 +72,10 @@ impl EchoHost {
         let ns = format!("ltsec-{pid}-{n}");
         let link = format!("ls{}x{n}", pid % 100_000);
         let third = (((pid % 60) * 4 + n) % 256) as u8;
-        let (srv, host) = (Ipv4Addr::new(198, 19, third, 1), Ipv4Addr::new(198, 19, third, 2));
+        let (srv, host) = (
+            Ipv4Addr::new(198, 19, third, 1),
+            Ipv4Addr::new(198, 19, third, 2),
+        );
         let dir = TempDir::new("ltsecho");
         let mut h = EchoHost {
             ns: ns.clone(),
@@ -79,7 +86,9 @@ impl EchoHost {
             _dir: dir,
         };
         ip(&["netns", "add", &ns]);
-        ip(&["link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &ns]);
+        ip(&[
+            "link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+        ]);
         ip(&["addr", "add", &format!("{host}/30"), "dev", &link]);
         ip(&["link", "set", &link, "up"]);
         for c in [
@@ -130,7 +139,9 @@ impl Drop for EchoHost {
             let _ = c.kill();
             let _ = c.wait();
         }
-        let _ = Command::new("ip").args(["link", "del", &self.link]).output();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.link])
+            .output();
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
     }
 }
@@ -176,7 +187,9 @@ fn sh(api: &Api, id: &str, script: &str) -> (String, String) {
 fn record(api: &Api, sandbox: &str, call_id: &str) -> Value {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
-        let calls = api.get(&format!("/v1/calls?sandbox_id={sandbox}&limit=200")).json();
+        let calls = api
+            .get(&format!("/v1/calls?sandbox_id={sandbox}&limit=200"))
+            .json();
         if let Some(c) = calls["calls"]
             .as_array()
             .into_iter()
@@ -190,19 +203,17 @@ fn record(api: &Api, sandbox: &str, call_id: &str) -> Value {
     }
 }
 
+/// The files directly in the data dir (the database, its journal, the key) that hold
+/// `needle`.
 fn files_hold(dir: &Path, needle: &str) -> Vec<PathBuf> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir(dir) else { return out };
-    for e in rd.flatten() {
+    for e in std::fs::read_dir(dir).expect("the data dir").flatten() {
         let p = e.path();
-        if p.is_dir() {
-            if p.file_name().is_some_and(|n| n == "sandboxes") {
-                continue;
-            }
-            out.extend(files_hold(&p, needle));
-        } else if let Ok(b) = std::fs::read(&p) {
-            if b.windows(needle.len()).any(|w| w == needle.as_bytes()) {
-                out.push(p);
+        if p.is_file() {
+            if let Ok(b) = std::fs::read(&p) {
+                if b.windows(needle.len()).any(|w| w == needle.as_bytes()) {
+                    out.push(p);
+                }
             }
         }
     }
@@ -226,39 +237,81 @@ fn the_api_never_shows_a_value_and_checks_what_it_is_given() {
     assert_eq!(list["secrets"][0]["name"], "example");
     assert_eq!(list["secrets"][0]["env"], "EXAMPLE_KEY");
     assert!(!list.to_string().contains(&value));
-    assert!(!api.get("/v1/secrets/example").expect(200, "get").to_string().contains(&value));
+    assert!(!api
+        .get("/v1/secrets/example")
+        .expect(200, "get")
+        .to_string()
+        .contains(&value));
     api.post(
         "/v1/secrets",
         &json!({"name": "example", "value": "x", "hosts": ["a.test"], "env": "X"}),
     )
     .expect(409, "a second secret by that name");
     for (bad, why) in [
-        (json!({"name": "Bad Name", "value": "x", "hosts": ["a.test"], "env": "X"}), "name"),
-        (json!({"name": "b", "value": "", "hosts": ["a.test"], "env": "X"}), "empty value"),
-        (json!({"name": "b", "value": "a\nb", "hosts": ["a.test"], "env": "X"}), "line break"),
-        (json!({"name": "b", "value": "x", "hosts": [], "env": "X"}), "no hosts"),
-        (json!({"name": "b", "value": "x", "hosts": ["*.a.test"], "env": "X"}), "wildcard"),
-        (json!({"name": "b", "value": "x", "hosts": ["10.0.0.1"], "env": "X"}), "address"),
-        (json!({"name": "b", "value": "x", "hosts": ["a.test"], "env": "1X"}), "env"),
-        (json!({"name": "b", "value": "x", "hosts": ["a.test"], "env": "SSL_CERT_FILE"}), "env"),
-        (json!({"name": "b", "value": "x", "hosts": ["a.test"], "env": "X", "extra": 1}), "field"),
+        (
+            json!({"name": "Bad Name", "value": "x", "hosts": ["a.test"], "env": "X"}),
+            "name",
+        ),
+        (
+            json!({"name": "b", "value": "", "hosts": ["a.test"], "env": "X"}),
+            "empty value",
+        ),
+        (
+            json!({"name": "b", "value": "a\nb", "hosts": ["a.test"], "env": "X"}),
+            "line break",
+        ),
+        (
+            json!({"name": "b", "value": "x", "hosts": [], "env": "X"}),
+            "no hosts",
+        ),
+        (
+            json!({"name": "b", "value": "x", "hosts": ["*.a.test"], "env": "X"}),
+            "wildcard",
+        ),
+        (
+            json!({"name": "b", "value": "x", "hosts": ["10.0.0.1"], "env": "X"}),
+            "address",
+        ),
+        (
+            json!({"name": "b", "value": "x", "hosts": ["a.test"], "env": "1X"}),
+            "env",
+        ),
+        (
+            json!({"name": "b", "value": "x", "hosts": ["a.test"], "env": "SSL_CERT_FILE"}),
+            "env",
+        ),
+        (
+            json!({"name": "b", "value": "x", "hosts": ["a.test"], "env": "X", "extra": 1}),
+            "field",
+        ),
     ] {
         api.post("/v1/secrets", &bad).expect(400, why);
     }
     // Rotation: value, hosts, env; never echoed.
     let value2 = random_value("api2");
-    let r = json_put(&api, "/v1/secrets/example", &json!({"value": value2, "hosts": ["b.test"]}))
-        .expect(200, "rotate");
+    let r = json_put(
+        &api,
+        "/v1/secrets/example",
+        &json!({"value": value2, "hosts": ["b.test"]}),
+    )
+    .expect(200, "rotate");
     assert_eq!(r["hosts"], json!(["b.test"]));
     assert!(!r.to_string().contains(&value2));
     json_put(&api, "/v1/secrets/example", &json!({})).expect(400, "nothing to change");
     json_put(&api, "/v1/secrets/nope", &json!({"value": "x"})).expect(404, "no such secret");
     // Sandboxes: `none` with secrets, unknown secrets and placeholder-shaped env are refused.
-    api.post("/v1/sandboxes", &json!({"secrets": ["example"], "network": {"egress": "none"}}))
-        .expect(400, "secrets under none");
-    api.post("/v1/sandboxes", &json!({"secrets": ["example"], "network": {"egress": "all"}}))
-        .expect(400, "secrets under all");
-    api.post("/v1/sandboxes", &json!({"secrets": ["nope"]})).expect(404, "an unknown secret");
+    api.post(
+        "/v1/sandboxes",
+        &json!({"secrets": ["example"], "network": {"egress": "none"}}),
+    )
+    .expect(400, "secrets under none");
+    api.post(
+        "/v1/sandboxes",
+        &json!({"secrets": ["example"], "network": {"egress": "all"}}),
+    )
+    .expect(400, "secrets under all");
+    api.post("/v1/sandboxes", &json!({"secrets": ["nope"]}))
+        .expect(404, "an unknown secret");
     api.post(
         "/v1/sandboxes",
         &json!({"env": {"X": "locker-secret-example-0123456789abcdef0123456789abcdef"}}),
@@ -266,18 +319,34 @@ fn the_api_never_shows_a_value_and_checks_what_it_is_given() {
     .expect(400, "a forged placeholder");
     // Another tenant sees none of it.
     let (other, _) = srv.create_tenant("sec-other");
-    assert_eq!(other.get("/v1/secrets").expect(200, "list")["secrets"], json!([]));
-    other.get("/v1/secrets/example").expect(404, "another tenant's secret");
+    assert_eq!(
+        other.get("/v1/secrets").expect(200, "list")["secrets"],
+        json!([])
+    );
+    other
+        .get("/v1/secrets/example")
+        .expect(404, "another tenant's secret");
     // The key file is 0600; the value is nowhere on disk in clear, nor in the log.
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(srv.data_dir.join("secrets.key")).unwrap().permissions().mode();
+    let mode = std::fs::metadata(srv.data_dir.join("secrets.key"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o600);
     for v in [&value, &value2] {
-        assert_eq!(files_hold(&srv.data_dir, v), Vec::<PathBuf>::new(), "a value in clear");
-        assert!(!srv.log_text().contains(v.as_str()), "a value in the server log");
+        assert_eq!(
+            files_hold(&srv.data_dir, v),
+            Vec::<PathBuf>::new(),
+            "a value in clear"
+        );
+        assert!(
+            !srv.log_text().contains(v.as_str()),
+            "a value in the server log"
+        );
     }
     api.delete("/v1/secrets/example").expect(204, "delete");
-    api.delete("/v1/secrets/example").expect(404, "delete twice");
+    api.delete("/v1/secrets/example")
+        .expect(404, "delete twice");
 }
 
 #[test]
@@ -292,7 +361,12 @@ fn values_reach_only_their_hosts_through_the_proxy() {
     let pin_a = format!("api.secret.test={}", a.addr);
     let pin_b = format!("other.test={}", b.addr);
     let srv = Server::start_with(&[
-        "--egress-ca", &ca, "--egress-resolve", &pin_a, "--egress-resolve", &pin_b,
+        "--egress-ca",
+        &ca,
+        "--egress-resolve",
+        &pin_a,
+        "--egress-resolve",
+        &pin_b,
     ]);
     wait_egress_ok(&srv);
     let api = srv.api();
@@ -311,32 +385,50 @@ fn values_reach_only_their_hosts_through_the_proxy() {
         json!({"egress": "allow", "allow": ["other.test", "api.secret.test"]}),
         "the secret's host joins the allowlist"
     );
-    api.write_file(&id, "/tmp/test-ca.pem", &std::fs::read(pki.path("ca.pem")).unwrap())
-        .expect(200, "the test CA (for other.test, passed through)");
+    api.write_file(
+        &id,
+        "/tmp/test-ca.pem",
+        &std::fs::read(pki.path("ca.pem")).unwrap(),
+    )
+    .expect(200, "the test CA (for other.test, passed through)");
 
     let (env, _) = sh(&api, &id, "printf %s \"$EXAMPLE_KEY\"");
-    assert!(env.starts_with("locker-secret-example-"), "a placeholder: {env}");
+    assert!(
+        env.starts_with("locker-secret-example-"),
+        "a placeholder: {env}"
+    );
     let placeholder = env.clone();
 
     // curl, HTTP/1.1 and HTTP/2: the host sees the value, in a header and in the query.
     let (out, curl_call) = sh(
         &api,
         &id,
-        "curl -sS -m 10 --http1.1 -H \"Authorization: Bearer $EXAMPLE_KEY\" \"https://api.secret.test/h1?key=$EXAMPLE_KEY\"",
+        "curl -sS -m 10 --http1.1 -w '\\nHTTP/%{http_version}\\n' -H \"Authorization: Bearer $EXAMPLE_KEY\" \"https://api.secret.test/h1?key=$EXAMPLE_KEY\"",
+    );
+    assert!(
+        out.contains("HTTP/1.1"),
+        "the machine spoke HTTP/1.1: {out}"
     );
     let e = echo(&out);
-    assert_eq!(e["version"], "1.1");
     assert_eq!(e["headers"]["authorization"], "Bearer [value-1]", "{e}");
     assert_eq!(e["url"], "/h1?key=[value-1]");
     let (out, _) = sh(
         &api,
         &id,
-        "curl -sS -m 10 --http2 -H \"Authorization: Bearer $EXAMPLE_KEY\" -d \"body $EXAMPLE_KEY\" https://api.secret.test/h2",
+        "curl -sS -m 10 --http2 -w '\\nHTTP/%{http_version}\\n' -H \"Authorization: Bearer $EXAMPLE_KEY\" -d \"body $EXAMPLE_KEY\" https://api.secret.test/h2",
+    );
+    assert!(
+        out.contains("HTTP/2"),
+        "the machine spoke HTTP/2 with the proxy: {out}"
     );
     let e = echo(&out);
-    assert_eq!(e["version"], "2.0", "HTTP/2 through the interception: {e}");
+    assert_eq!(e["version"], "2.0", "and the proxy with the host: {e}");
     assert_eq!(e["headers"]["authorization"], "Bearer [value-1]");
-    assert_eq!(e["body"], format!("body {placeholder}"), "bodies are never changed");
+    assert_eq!(
+        e["body"],
+        format!("body {placeholder}"),
+        "bodies are never changed"
+    );
 
     // Keep-alive: two requests on one connection, both swapped.
     let (out, _) = sh(
@@ -376,10 +468,15 @@ for l in head.decode().split('\r\n'):
 s.sendall(b'ping over the upgrade')
 print(s.recv(4096).decode())
 "#;
-    api.write_file(&id, "/tmp/ws.py", ws.as_bytes()).expect(200, "ws client");
+    api.write_file(&id, "/tmp/ws.py", ws.as_bytes())
+        .expect(200, "ws client");
     let (out, _) = sh(&api, &id, "python3 /tmp/ws.py");
     assert!(out.contains("101"), "{out}");
-    assert!(out.to_lowercase().contains("x-authorization-seen: bearer [value-1]"), "{out}");
+    assert!(
+        out.to_lowercase()
+            .contains("x-authorization-seen: bearer [value-1]"),
+        "{out}"
+    );
     assert!(out.contains("PING OVER THE UPGRADE"), "{out}");
 
     // Another host gets the placeholder (passed through by SNI, checked with the test CA).
@@ -388,27 +485,43 @@ print(s.recv(4096).decode())
         &id,
         "curl -sS -m 10 --cacert /tmp/test-ca.pem -H \"Authorization: Bearer $EXAMPLE_KEY\" https://other.test/x",
     );
-    assert_eq!(echo(&out)["headers"]["authorization"], format!("Bearer {placeholder}"));
+    assert_eq!(
+        echo(&out)["headers"]["authorization"],
+        format!("Bearer {placeholder}")
+    );
     // Plain HTTP to the right host: never the value, and noted as misuse.
     let (out, http_call) = sh(
         &api,
         &id,
         "curl -sS -m 10 -H \"Authorization: Bearer $EXAMPLE_KEY\" http://api.secret.test/plain",
     );
-    assert_eq!(echo(&out)["headers"]["authorization"], format!("Bearer {placeholder}"));
+    assert_eq!(
+        echo(&out)["headers"]["authorization"],
+        format!("Bearer {placeholder}")
+    );
     // A forged SNI aimed at the other host's address reaches the secret's own host.
     let (out, _) = sh(
         &api,
         &id,
         &format!("curl -sS -m 10 --resolve api.secret.test:443:{} -H \"Authorization: Bearer $EXAMPLE_KEY\" https://api.secret.test/forged", b.addr),
     );
-    assert_eq!(echo(&out)["server"], "a", "the proxy dials the name, not the address");
+    assert_eq!(
+        echo(&out)["server"],
+        "a",
+        "the proxy dials the name, not the address"
+    );
     // A proxy CONNECT through the other host never makes the proxy send the value there.
     let r = api.exec(
         &id,
         &json!({"shell": "curl -sS -m 10 -p -x http://other.test:80 -H \"Authorization: Bearer $EXAMPLE_KEY\" https://api.secret.test/connect", "timeout_ms": 30000}),
     );
-    assert!(!r["stdout"].as_str().unwrap_or_default().contains("[value-1]"), "{r}");
+    assert!(
+        !r["stdout"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("[value-1]"),
+        "{r}"
+    );
 
     // Rotation applies to new connections.
     json_put(&api, "/v1/secrets/example", &json!({"value": v2})).expect(200, "rotate");
@@ -420,17 +533,54 @@ print(s.recv(4096).decode())
     assert_eq!(echo(&out)["headers"]["authorization"], "Bearer [value-2]");
 
     // Only the secret's host ever received a value.
-    assert!(a.log().contains(&v1) && a.log().contains(&v2), "{}", a.log());
+    assert!(
+        a.log().contains(&v1) && a.log().contains(&v2),
+        "{}",
+        a.log()
+    );
     let blog = b.log();
-    assert!(!blog.contains(&v1) && !blog.contains(&v2), "the other host got a value: {blog}");
+    assert!(
+        !blog.contains(&v1) && !blog.contains(&v2),
+        "the other host got a value: {blog}"
+    );
     assert!(blog.contains(&placeholder));
 
-    // The machine never holds the value: env, files, processes' environments.
+    // The machine never holds the value: env, files, processes' environments and command
+    // lines. The checker gets each value in two halves, so that no command line (its own
+    // included) holds it whole.
+    let scan = r#"
+import os, sys
+needle = (sys.argv[1] + sys.argv[2]).encode()
+me = str(os.getpid())
+hits = []
+for pid in os.listdir('/proc'):
+    if not pid.isdigit() or pid == me:
+        continue
+    for f in ('environ', 'cmdline'):
+        try:
+            if needle in open(f'/proc/{pid}/{f}', 'rb').read():
+                hits.append(f'/proc/{pid}/{f}')
+        except OSError:
+            pass
+for top in ('/etc', '/root', '/tmp', '/home', '/usr/local', '/workspace'):
+    for d, _, files in os.walk(top):
+        for f in files:
+            p = os.path.join(d, f)
+            try:
+                if os.path.isfile(p) and needle in open(p, 'rb').read():
+                    hits.append(p)
+            except OSError:
+                pass
+print(len(hits), hits)
+"#;
+    api.write_file(&id, "/tmp/scan.py", scan.as_bytes())
+        .expect(200, "the scanner");
     for v in [&v1, &v2] {
-        let r = api.exec(&id, &json!({"shell": format!(
-            "env | grep -c -- '{v}'; grep -rls -- '{v}' /etc /root /tmp /home /usr/local /proc/[0-9]*/environ /proc/[0-9]*/cmdline 2>/dev/null | head"
-        )}));
-        assert_eq!(r["stdout"].as_str().unwrap().trim(), "0", "the value inside the machine: {r}");
+        let (a, b) = v.split_at(v.len() / 2);
+        let (out, _) = sh(&api, &id, &format!("python3 /tmp/scan.py '{a}' '{b}'"));
+        assert_eq!(out.trim(), "0 []", "the value inside the machine");
+        let (out, _) = sh(&api, &id, &format!("env | grep -c -- '{a}' || true"));
+        assert_eq!(out.trim(), "0");
     }
 
     // Call records.
@@ -449,18 +599,32 @@ print(s.recv(4096).decode())
     );
 
     // A run gets the same.
-    let vol = api.post("/v1/volumes", &json!({"name": "secvol"})).expect(201, "volume");
+    let vol = api
+        .post("/v1/volumes", &json!({"name": "secvol"}))
+        .expect(201, "volume");
     let run = api
         .post(
             &format!("/v1/volumes/{}/run", vol["id"].as_str().unwrap()),
             &json!({"shell": "curl -sS -m 10 -H \"Authorization: Bearer $EXAMPLE_KEY\" https://api.secret.test/run", "secrets": ["example"]}),
         )
         .expect(200, "a run with a secret");
-    assert_eq!(echo(run["stdout"].as_str().unwrap())["headers"]["authorization"], "Bearer [value-2]", "{run}");
+    assert_eq!(
+        echo(run["stdout"].as_str().unwrap())["headers"]["authorization"],
+        "Bearer [value-2]",
+        "{run}"
+    );
 
-    api.delete(&format!("/v1/sandboxes/{id}")).expect(204, "delete");
+    api.delete(&format!("/v1/sandboxes/{id}"))
+        .expect(204, "delete");
     for v in [&v1, &v2] {
-        assert!(!srv.log_text().contains(v.as_str()), "a value in the server log");
-        assert_eq!(files_hold(&srv.data_dir, v), Vec::<PathBuf>::new(), "a value on disk");
+        assert!(
+            !srv.log_text().contains(v.as_str()),
+            "a value in the server log"
+        );
+        assert_eq!(
+            files_hold(&srv.data_dir, v),
+            Vec::<PathBuf>::new(),
+            "a value on disk"
+        );
     }
 }

@@ -380,7 +380,12 @@ impl Call<'_> {
         let vol = seg(self.need("volume")?)?.to_owned();
         let mut body = self.exec_body()?;
         body.extend(self.pick(&[
-            "commit", "template", "memory_mb", "cpus", "network", "secrets",
+            "commit",
+            "template",
+            "memory_mb",
+            "cpus",
+            "network",
+            "secrets",
         ]));
         if self.bool("create_volume") {
             let (status, b) = self

@@ -80,7 +80,10 @@ fn secret_table(list: &[Value]) -> String {
                 cell(s.get("name")),
                 cell(s.get("env")),
                 hosts.join(","),
-                relative(now, s.get("updated_at").and_then(Value::as_str).unwrap_or("")),
+                relative(
+                    now,
+                    s.get("updated_at").and_then(Value::as_str).unwrap_or(""),
+                ),
             ]
         })
         .collect();

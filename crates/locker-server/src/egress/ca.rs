@@ -84,9 +84,7 @@ impl MachineCa {
         p.not_before = rcgen::date_time_ymd(y - 1, 1, 1);
         p.not_after = rcgen::date_time_ymd(y + 1, 1, 1);
         let leaf_key = KeyPair::generate().map_err(err)?;
-        let leaf = p
-            .signed_by(&leaf_key, &self.cert, &self.key)
-            .map_err(err)?;
+        let leaf = p.signed_by(&leaf_key, &self.cert, &self.key).map_err(err)?;
         let chain: Vec<CertificateDer<'static>> = vec![leaf.der().clone(), self.cert.der().clone()];
         let pk = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
         let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
@@ -142,7 +140,9 @@ pub fn upstream_config(
         }
     }
     if added == 0 && extra.is_empty() {
-        tracing::warn!("no trusted roots on this host: intercepted hosts will fail their certificate checks");
+        tracing::warn!(
+            "no trusted roots on this host: intercepted hosts will fail their certificate checks"
+        );
     }
     let mut cfg = rustls::ClientConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()

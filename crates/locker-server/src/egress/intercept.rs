@@ -110,17 +110,20 @@ impl AsyncWrite for Prefixed {
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
-    fn poll_shutdown(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
 
 /// Serves one intercepted connection until either side closes. `hello` holds the bytes
 /// the proxy read (the ClientHello).
-pub async fn serve(eg: Arc<Egress>, armed: Arc<Armed>, sock: TcpStream, hello: Vec<u8>, target: Target) {
+pub async fn serve(
+    eg: Arc<Egress>,
+    armed: Arc<Armed>,
+    sock: TcpStream,
+    hello: Vec<u8>,
+    target: Target,
+) {
     let Some(tls_up) = eg.upstream.get().cloned() else {
         return;
     };
@@ -254,7 +257,9 @@ impl Conn {
                     .build()
                 {
                     Ok(u) => u,
-                    Err(e) => return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}")),
+                    Err(e) => {
+                        return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}"))
+                    }
                 };
                 s.send_request(Request::from_parts(parts, body)).await
             }
@@ -272,7 +277,9 @@ impl Conn {
                 parts.version = Version::HTTP_11;
                 parts.uri = match pq.parse() {
                     Ok(u) => u,
-                    Err(e) => return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}")),
+                    Err(e) => {
+                        return text(StatusCode::BAD_REQUEST, format!("bad request target: {e}"))
+                    }
                 };
                 s.send_request(Request::from_parts(parts, body)).await
             }
@@ -338,7 +345,10 @@ impl Conn {
         let names: Vec<HeaderName> = parts.headers.keys().cloned().collect();
         for k in names {
             let all: Vec<HeaderValue> = parts.headers.get_all(&k).iter().cloned().collect();
-            if !all.iter().any(|v| self.armed.found_in(v.as_bytes()).next().is_some()) {
+            if !all
+                .iter()
+                .any(|v| self.armed.found_in(v.as_bytes()).next().is_some())
+            {
                 continue;
             }
             parts.headers.remove(&k);
@@ -388,11 +398,7 @@ impl Conn {
                         }),
                     }
                 }
-                let pq = format!(
-                    "{}?{}",
-                    parts.uri.path(),
-                    String::from_utf8_lossy(&q)
-                );
+                let pq = format!("{}?{}", parts.uri.path(), String::from_utf8_lossy(&q));
                 let mut b = hyper::http::uri::Parts::default();
                 b.scheme = parts.uri.scheme().cloned();
                 b.authority = parts.uri.authority().cloned();
@@ -400,7 +406,8 @@ impl Conn {
                     pq.parse()
                         .map_err(|_| "the URL cannot carry a secret's value".to_owned())?,
                 );
-                parts.uri = Uri::from_parts(b).map_err(|_| "the URL cannot carry a secret's value".to_owned())?;
+                parts.uri = Uri::from_parts(b)
+                    .map_err(|_| "the URL cannot carry a secret's value".to_owned())?;
             }
         }
         Ok(())
@@ -516,7 +523,10 @@ mod tests {
 
     #[test]
     fn placeholders_are_replaced_everywhere_they_occur() {
-        assert_eq!(replace_all(b"Bearer P and P", b"P", b"xy"), b"Bearer xy and xy");
+        assert_eq!(
+            replace_all(b"Bearer P and P", b"P", b"xy"),
+            b"Bearer xy and xy"
+        );
         assert_eq!(replace_all(b"none", b"P", b"xy"), b"none");
         assert_eq!(percent_encode(b"a b&c=d"), "a%20b%26c%3Dd");
         assert!(contains(b"abc", b"bc") && !contains(b"abc", b""));

@@ -259,7 +259,10 @@ impl Armed {
     }
 
     /// The secrets whose placeholders occur in `bytes`.
-    pub fn found_in<'a>(&'a self, bytes: &'a [u8]) -> impl Iterator<Item = &'a (String, String)> + 'a {
+    pub fn found_in<'a>(
+        &'a self,
+        bytes: &'a [u8],
+    ) -> impl Iterator<Item = &'a (String, String)> + 'a {
         self.secrets
             .iter()
             .filter(move |(_, p)| bytes.windows(p.len()).any(|w| w == p.as_bytes()))
@@ -362,14 +365,23 @@ impl Egress {
     }
 
     /// Arms machine `key` for `secrets` (`(name, placeholder)`) with CA `ca`.
-    pub fn arm(&self, key: &str, tenant: &str, secrets: Vec<(String, String)>, ca: Arc<ca::MachineCa>) {
+    pub fn arm(
+        &self,
+        key: &str,
+        tenant: &str,
+        secrets: Vec<(String, String)>,
+        ca: Arc<ca::MachineCa>,
+    ) {
         let armed = Arc::new(Armed {
             tenant: tenant.to_owned(),
             secrets,
             ca,
             seen: Mutex::new(VecDeque::new()),
         });
-        self.armed.lock().expect("armed").insert(key.to_owned(), armed);
+        self.armed
+            .lock()
+            .expect("armed")
+            .insert(key.to_owned(), armed);
     }
 
     /// Machine `key`'s secrets, if it has any.
@@ -383,7 +395,10 @@ impl Egress {
         &self,
         key: &str,
         since: Instant,
-    ) -> (Vec<locker_store::SecretUse>, Vec<locker_store::SecretMisuse>) {
+    ) -> (
+        Vec<locker_store::SecretUse>,
+        Vec<locker_store::SecretMisuse>,
+    ) {
         match self.armed(key) {
             Some(a) => a.seen_since(Some(since)),
             None => (Vec::new(), Vec::new()),
@@ -395,7 +410,10 @@ impl Egress {
     pub fn disarm(
         &self,
         key: &str,
-    ) -> (Vec<locker_store::SecretUse>, Vec<locker_store::SecretMisuse>) {
+    ) -> (
+        Vec<locker_store::SecretUse>,
+        Vec<locker_store::SecretMisuse>,
+    ) {
         match self.armed.lock().expect("armed").remove(key) {
             Some(a) => a.seen_since(None),
             None => (Vec::new(), Vec::new()),
@@ -407,20 +425,29 @@ impl Armed {
     fn seen_since(
         &self,
         since: Option<Instant>,
-    ) -> (Vec<locker_store::SecretUse>, Vec<locker_store::SecretMisuse>) {
+    ) -> (
+        Vec<locker_store::SecretUse>,
+        Vec<locker_store::SecretMisuse>,
+    ) {
         let q = self.seen.lock().expect("secrets seen");
         let mut used: Vec<locker_store::SecretUse> = Vec::new();
         let mut misuse: Vec<locker_store::SecretMisuse> = Vec::new();
         for (_, s) in q.iter().filter(|(t, _)| since.is_none_or(|x| *t >= x)) {
             match s {
                 Seen::Used { name, host } => {
-                    let u = locker_store::SecretUse { name: name.clone(), host: host.clone() };
+                    let u = locker_store::SecretUse {
+                        name: name.clone(),
+                        host: host.clone(),
+                    };
                     if !used.contains(&u) && used.len() < MAX_DENIED_PER_CALL {
                         used.push(u);
                     }
                 }
                 Seen::Misuse { name, destination } => {
-                    let m = locker_store::SecretMisuse { name: name.clone(), destination: destination.clone() };
+                    let m = locker_store::SecretMisuse {
+                        name: name.clone(),
+                        destination: destination.clone(),
+                    };
                     if !misuse.contains(&m) && misuse.len() < MAX_DENIED_PER_CALL {
                         misuse.push(m);
                     }

@@ -167,8 +167,7 @@ async fn handle(eg: &Arc<Egress>, mut sock: TcpStream, peer: SocketAddr) {
         }
     };
     if let (Some(a), Hello::Tls(Some(n)), Some(secrets)) = (&armed, &hello, eg.secrets()) {
-        if a
-            .secrets
+        if a.secrets
             .iter()
             .any(|(name, _)| secrets.has_host(&a.tenant, name, n))
         {

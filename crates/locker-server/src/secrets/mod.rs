@@ -173,7 +173,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())
@@ -250,7 +250,10 @@ impl Secrets {
             return None;
         }
         let Some(value) = self.sealer.open(tenant, name, &rec.sealed) else {
-            tracing::warn!(secret = name, "a secret does not open under this server's key (was the key changed?)");
+            tracing::warn!(
+                secret = name,
+                "a secret does not open under this server's key (was the key changed?)"
+            );
             return None;
         };
         Some(Opened {
@@ -315,7 +318,10 @@ pub fn resolve(
     if names.len() > 32 {
         return Err(ApiError::bad_request("`secrets` names at most 32 secrets"));
     }
-    let egress = network.get("egress").and_then(Value::as_str).unwrap_or("none");
+    let egress = network
+        .get("egress")
+        .and_then(Value::as_str)
+        .unwrap_or("none");
     match egress {
         "allow" => {}
         "none" if !explicit => *network = json!({"egress": "allow", "allow": []}),
@@ -448,7 +454,10 @@ async fn install_ca(m: &locker_runtime::node::Machine, pem: &str) -> Result<(), 
 pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/secrets", post(create).get(list))
-        .route("/v1/secrets/{name}", put(rotate).delete(remove).get(get_one))
+        .route(
+            "/v1/secrets/{name}",
+            put(rotate).delete(remove).get(get_one),
+        )
 }
 
 #[derive(Deserialize)]
@@ -527,8 +536,14 @@ fn check_env_name(e: &str) -> Result<(), ApiError> {
             "`env` {e:?}: an environment variable's name like OPENAI_API_KEY (letters, digits, `_`, not starting with a digit)"
         )));
     }
-    if ["SSL_CERT_FILE", "REQUESTS_CA_BUNDLE", "NODE_EXTRA_CA_CERTS", "PATH", "HOME"]
-        .contains(&e)
+    if [
+        "SSL_CERT_FILE",
+        "REQUESTS_CA_BUNDLE",
+        "NODE_EXTRA_CA_CERTS",
+        "PATH",
+        "HOME",
+    ]
+    .contains(&e)
     {
         return Err(ApiError::bad_request(format!(
             "`env` {e}: Locker sets that variable itself; pick another name"
@@ -615,7 +630,9 @@ async fn rotate(
     }
     rec.updated_at = locker_types::rfc3339(now_s());
     if !app.store.update_secret(&rec)? {
-        return Err(ApiError::not_found(format!("secret {name:?} does not exist")));
+        return Err(ApiError::not_found(format!(
+            "secret {name:?} does not exist"
+        )));
     }
     Ok(axum::Json(view(&rec)))
 }
@@ -626,7 +643,9 @@ async fn remove(
     UrlPath(name): UrlPath<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     if !app.store.delete_secret(&caller.tenant, &name)? {
-        return Err(ApiError::not_found(format!("secret {name:?} does not exist")));
+        return Err(ApiError::not_found(format!(
+            "secret {name:?} does not exist"
+        )));
     }
     Ok(StatusCode::NO_CONTENT)
 }
@@ -643,12 +662,18 @@ mod tests {
         assert_eq!(s.open("t1", "openai", &sealed).unwrap(), b"sk-live-123");
         assert!(s.open("t2", "openai", &sealed).is_none(), "another tenant");
         assert!(s.open("t1", "github", &sealed).is_none(), "another name");
-        assert!(Sealer::new(&[8u8; 32]).open("t1", "openai", &sealed).is_none());
+        assert!(Sealer::new(&[8u8; 32])
+            .open("t1", "openai", &sealed)
+            .is_none());
         let mut bad = sealed.clone();
         let l = bad.len();
         bad[l - 1] ^= 1;
         assert!(s.open("t1", "openai", &bad).is_none(), "tampered");
-        assert_ne!(sealed, s.seal("t1", "openai", b"sk-live-123").unwrap(), "fresh nonce");
+        assert_ne!(
+            sealed,
+            s.seal("t1", "openai", b"sk-live-123").unwrap(),
+            "fresh nonce"
+        );
     }
 
     #[test]
@@ -683,7 +708,10 @@ mod tests {
             return;
         }
         let a = Sealer::load(&dir).unwrap();
-        let mode = std::fs::metadata(dir.join(KEY_FILE)).unwrap().permissions().mode();
+        let mode = std::fs::metadata(dir.join(KEY_FILE))
+            .unwrap()
+            .permissions()
+            .mode();
         assert_eq!(mode & 0o777, 0o600);
         let sealed = a.seal("t", "n", b"v").unwrap();
         let b = Sealer::load(&dir).unwrap();

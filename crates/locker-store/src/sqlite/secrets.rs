@@ -56,11 +56,22 @@ pub(super) fn insert_secret(db: &SqliteStore, s: &SecretRecord) -> Result<()> {
         s.created_at,
         s.updated_at
     ])
-    .map_err(|e| conflict_on_unique(e, || format!("a secret named {:?} already exists: rotate it with PUT /v1/secrets/{}", s.name, s.name)))?;
+    .map_err(|e| {
+        conflict_on_unique(e, || {
+            format!(
+                "a secret named {:?} already exists: rotate it with PUT /v1/secrets/{}",
+                s.name, s.name
+            )
+        })
+    })?;
     Ok(())
 }
 
-pub(super) fn get_secret(db: &SqliteStore, tenant: &str, name: &str) -> Result<Option<SecretRecord>> {
+pub(super) fn get_secret(
+    db: &SqliteStore,
+    tenant: &str,
+    name: &str,
+) -> Result<Option<SecretRecord>> {
     let raw = db.read(|c| {
         Ok(c.prepare_cached(&format!(
             "SELECT {COLUMNS} FROM secrets WHERE tenant = ?1 AND name = ?2"
@@ -90,7 +101,14 @@ pub(super) fn update_secret(db: &SqliteStore, s: &SecretRecord) -> Result<bool> 
             "UPDATE secrets SET hosts = ?3, env = ?4, sealed = ?5, updated_at = ?6
              WHERE tenant = ?1 AND name = ?2",
         )?
-        .execute(params![s.tenant, s.name, hosts, s.env, s.sealed, s.updated_at])?;
+        .execute(params![
+            s.tenant,
+            s.name,
+            hosts,
+            s.env,
+            s.sealed,
+            s.updated_at
+        ])?;
     Ok(n > 0)
 }
 
