@@ -139,14 +139,15 @@ fn built() -> &'static Built {
             h.update(a.bytes);
         }
         let version = hex(&h.finalize()[..8]);
-        let xterm = if ASSETS.iter().any(|a| a.name == "xterm.js" && !a.bytes.is_empty()) {
+        let xterm = if ASSETS
+            .iter()
+            .any(|a| a.name == "xterm.js" && !a.bytes.is_empty())
+        {
             "yes"
         } else {
             "no"
         };
-        let page = INDEX
-            .replace("{{V}}", &version)
-            .replace("{{XTERM}}", xterm);
+        let page = INDEX.replace("{{V}}", &version).replace("{{XTERM}}", xterm);
         Built {
             page: Ready::new("text/html; charset=utf-8", page.into_bytes()),
             assets: ASSETS
@@ -162,9 +163,18 @@ fn built() -> &'static Built {
 /// The headers every `/ui` answer carries.
 fn secure(resp: &mut Response) {
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     h.insert(
         "cross-origin-opener-policy",
@@ -197,7 +207,10 @@ fn send(r: &Ready, req: &HeaderMap, cache: &'static str) -> Response {
         Response::new(Body::from(r.plain.clone()))
     };
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(r.content_type));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(r.content_type),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static(cache));
     h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
     if let Ok(v) = HeaderValue::from_str(&r.etag) {
@@ -400,7 +413,15 @@ mod tests {
     #[test]
     fn every_asset_is_served_and_the_page_names_them() {
         let b = built();
-        for name in ["app.js", "api.js", "dom.js", "pages.js", "detail.js", "charts.js", "style.css"] {
+        for name in [
+            "app.js",
+            "api.js",
+            "dom.js",
+            "pages.js",
+            "detail.js",
+            "charts.js",
+            "style.css",
+        ] {
             assert!(b.assets.contains_key(name), "{name} is embedded");
             let path = format!("/ui/v/{}/{name}", b.version);
             if name == "app.js" || name == "style.css" {
@@ -409,7 +430,10 @@ mod tests {
             }
         }
         let page = String::from_utf8_lossy(&b.page.plain);
-        assert!(!page.contains("{{"), "every placeholder of index.html is filled");
+        assert!(
+            !page.contains("{{"),
+            "every placeholder of index.html is filled"
+        );
         assert!(!page.contains("<script>"), "no inline script");
     }
 
