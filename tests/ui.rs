@@ -144,6 +144,15 @@ fn assets_are_served_with_a_strict_csp_caching_and_gzip() {
     assert_eq!(again.status, 304);
     let gz = plain.request("GET", &app_js, &[("Accept-Encoding", "gzip, br")], ());
     assert_eq!(header(&gz, "content-encoding"), "gzip");
+    let gz_etag = header(&gz, "etag");
+    assert_ne!(gz_etag, etag, "each encoding has its own tag");
+    let again = plain.request(
+        "GET",
+        &app_js,
+        &[("If-None-Match", &gz_etag), ("Accept-Encoding", "gzip")],
+        (),
+    );
+    assert_eq!(again.status, 304);
     assert!(gz.body.len() < js.body.len(), "gzip is smaller");
     let mut unzipped = Vec::new();
     flate2_decode(&gz.body, &mut unzipped);

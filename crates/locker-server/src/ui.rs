@@ -95,8 +95,9 @@ const INDEX: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../ui/
 /// An asset (or the page) ready to send: its bytes, gzipped bytes and ETag.
 struct Ready {
     content_type: &'static str,
-    plain: Vec<u8>,
-    gzip: Vec<u8>,
+    plain: bytes::Bytes,
+    /// Empty when gzip would not make it smaller.
+    gzip: bytes::Bytes,
     etag: String,
 }
 
@@ -111,8 +112,8 @@ impl Ready {
         };
         Ready {
             content_type,
-            plain,
-            gzip,
+            plain: plain.into(),
+            gzip: gzip.into(),
             etag,
         }
     }
@@ -186,16 +187,37 @@ fn secure(resp: &mut Response) {
     );
 }
 
+/// Whether `Accept-Encoding` takes gzip (named, and not with `q=0`).
+fn takes_gzip(req: &HeaderMap) -> bool {
+    let Some(v) = req
+        .get(header::ACCEPT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    v.split(',').any(|e| {
+        let mut parts = e.split(';').map(str::trim);
+        parts.next() == Some("gzip")
+            && !parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q <= 0.0)
+            })
+    })
+}
+
 fn send(r: &Ready, req: &HeaderMap, cache: &'static str) -> Response {
+    let gzip = !r.gzip.is_empty() && takes_gzip(req);
+    // Each encoding is its own representation, with its own tag.
+    let etag = if gzip {
+        format!("{}-gz\"", r.etag.trim_end_matches('"'))
+    } else {
+        r.etag.clone()
+    };
     let not_modified = req
         .get(header::IF_NONE_MATCH)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.split(',').any(|t| t.trim() == r.etag));
-    let gzip = !r.gzip.is_empty()
-        && req
-            .get(header::ACCEPT_ENCODING)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.split(',').any(|e| e.trim().starts_with("gzip")));
+        .is_some_and(|v| v.split(',').any(|t| t.trim() == etag));
     let mut resp = if not_modified {
         StatusCode::NOT_MODIFIED.into_response()
     } else if gzip {
@@ -213,7 +235,7 @@ fn send(r: &Ready, req: &HeaderMap, cache: &'static str) -> Response {
     );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static(cache));
     h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
-    if let Ok(v) = HeaderValue::from_str(&r.etag) {
+    if let Ok(v) = HeaderValue::from_str(&etag) {
         h.insert(header::ETAG, v);
     }
     secure(&mut resp);
@@ -435,6 +457,21 @@ mod tests {
             "every placeholder of index.html is filled"
         );
         assert!(!page.contains("<script>"), "no inline script");
+    }
+
+    #[test]
+    fn gzip_is_sent_only_when_taken() {
+        assert!(takes_gzip(&headers(&[(
+            "accept-encoding",
+            "gzip, deflate, br"
+        )])));
+        assert!(takes_gzip(&headers(&[(
+            "accept-encoding",
+            "br;q=1.0, gzip;q=0.8"
+        )])));
+        assert!(!takes_gzip(&headers(&[("accept-encoding", "gzip;q=0")])));
+        assert!(!takes_gzip(&headers(&[("accept-encoding", "identity")])));
+        assert!(!takes_gzip(&headers(&[])));
     }
 
     #[test]
