@@ -129,8 +129,14 @@ fn assets_are_served_with_a_strict_csp_caching_and_gzip() {
         .to_owned();
     let js = plain.get(&app_js);
     assert_eq!(js.status, 200);
-    assert_eq!(header(&js, "content-type"), "text/javascript; charset=utf-8");
-    assert_eq!(header(&js, "cache-control"), "public, max-age=31536000, immutable");
+    assert_eq!(
+        header(&js, "content-type"),
+        "text/javascript; charset=utf-8"
+    );
+    assert_eq!(
+        header(&js, "cache-control"),
+        "public, max-age=31536000, immutable"
+    );
     assert!(header(&js, "content-security-policy").contains("default-src 'self'"));
     let etag = header(&js, "etag");
     assert!(etag.starts_with('"'), "{etag}");
@@ -138,6 +144,15 @@ fn assets_are_served_with_a_strict_csp_caching_and_gzip() {
     assert_eq!(again.status, 304);
     let gz = plain.request("GET", &app_js, &[("Accept-Encoding", "gzip, br")], ());
     assert_eq!(header(&gz, "content-encoding"), "gzip");
+    let gz_etag = header(&gz, "etag");
+    assert_ne!(gz_etag, etag, "each encoding has its own tag");
+    let again = plain.request(
+        "GET",
+        &app_js,
+        &[("If-None-Match", &gz_etag), ("Accept-Encoding", "gzip")],
+        (),
+    );
+    assert_eq!(again.status, 304);
     assert!(gz.body.len() < js.body.len(), "gzip is smaller");
     let mut unzipped = Vec::new();
     flate2_decode(&gz.body, &mut unzipped);
@@ -153,7 +168,10 @@ fn assets_are_served_with_a_strict_csp_caching_and_gzip() {
     // The terminal's code is built in (tests run after scripts/setup's `npm ci` in ui/).
     let xterm = plain.get(&app_js.replace("/app.js", "/xterm.js"));
     assert_eq!(xterm.status, 200, "xterm.js is embedded: {}", xterm.text());
-    assert!(html.contains("content=\"yes\""), "the page knows the terminal is there");
+    assert!(
+        html.contains("content=\"yes\""),
+        "the page knows the terminal is there"
+    );
 }
 
 /// gzip decoding with the system's `gzip` (the tests crate has no deflate crate).
@@ -175,7 +193,11 @@ fn pty_handshake(
     srv: &Server,
     sb: &str,
     headers: &[(&str, &str)],
-) -> (u16, Option<tungstenite::WebSocket<std::net::TcpStream>>, String) {
+) -> (
+    u16,
+    Option<tungstenite::WebSocket<std::net::TcpStream>>,
+    String,
+) {
     use tungstenite::client::IntoClientRequest;
     let addr = srv.url.strip_prefix("http://").unwrap().to_owned();
     let mut req = format!("ws://{addr}/v1/sandboxes/{sb}/pty")
@@ -201,7 +223,8 @@ fn pty_handshake(
             (resp.status().as_u16(), Some(ws), proto)
         }
         Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(resp))) => {
-            let body = String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default()).into_owned();
+            let body =
+                String::from_utf8_lossy(resp.body().as_deref().unwrap_or_default()).into_owned();
             (resp.status().as_u16(), None, body)
         }
         Err(e) => panic!("handshake: {e}"),
@@ -219,9 +242,15 @@ fn mint(api: &Api, sb: &str) -> (String, String) {
         .map(|p| p.as_str().unwrap())
         .collect();
     assert_eq!(protocols[0], "locker-pty");
-    assert_eq!(protocols[1], format!("locker-ticket.{}", t["ticket"].as_str().unwrap()));
+    assert_eq!(
+        protocols[1],
+        format!("locker-ticket.{}", t["ticket"].as_str().unwrap())
+    );
     assert_eq!(t["expires_in_s"], 30);
-    (t["ticket"].as_str().unwrap().to_owned(), protocols.join(", "))
+    (
+        t["ticket"].as_str().unwrap().to_owned(),
+        protocols.join(", "),
+    )
 }
 
 #[test]
@@ -229,22 +258,41 @@ fn terminal_tickets_work_once_for_their_sandbox_and_origin() {
     become_subreaper();
     let srv = Server::start();
     let api = srv.api();
-    let a = api.create_sandbox(&json!({}))["id"].as_str().unwrap().to_owned();
-    let b = api.create_sandbox(&json!({}))["id"].as_str().unwrap().to_owned();
+    let a = api.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let b = api.create_sandbox(&json!({}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
 
     // A browser's handshake: the ticket as a subprotocol, its own origin.
     let (_, protos) = mint(&api, &a);
     let origin = srv.url.clone();
-    let (status, ws, chosen) = pty_handshake(&srv, &a, &[("Sec-WebSocket-Protocol", &protos), ("Origin", &origin)]);
+    let (status, ws, chosen) = pty_handshake(
+        &srv,
+        &a,
+        &[("Sec-WebSocket-Protocol", &protos), ("Origin", &origin)],
+    );
     assert_eq!(status, 101, "{chosen}");
-    assert_eq!(chosen, "locker-pty", "the server picks the terminal's subprotocol");
+    assert_eq!(
+        chosen, "locker-pty",
+        "the server picks the terminal's subprotocol"
+    );
     let mut ws = ws.unwrap();
-    ws.send(tungstenite::Message::Binary(b"echo tick$((6*7))et\n".to_vec().into()))
-        .unwrap();
+    ws.send(tungstenite::Message::Binary(
+        b"echo tick$((6*7))et\n".to_vec().into(),
+    ))
+    .unwrap();
     let mut seen = Vec::new();
     let deadline = Instant::now() + Duration::from_secs(30);
     while !String::from_utf8_lossy(&seen).contains("tick42et") {
-        assert!(Instant::now() < deadline, "no echo: {}", String::from_utf8_lossy(&seen));
+        assert!(
+            Instant::now() < deadline,
+            "no echo: {}",
+            String::from_utf8_lossy(&seen)
+        );
         if let tungstenite::Message::Binary(b) = ws.read().expect("terminal output") {
             seen.extend_from_slice(&b);
         }
@@ -265,10 +313,21 @@ fn terminal_tickets_work_once_for_their_sandbox_and_origin() {
     assert_eq!(status, 401, "a refused ticket is spent");
     // Another site's page cannot use one, even a live one.
     let (_, protos) = mint(&api, &a);
-    let (status, _, body) = pty_handshake(&srv, &a, &[("Sec-WebSocket-Protocol", &protos), ("Origin", "http://evil.example")]);
+    let (status, _, body) = pty_handshake(
+        &srv,
+        &a,
+        &[
+            ("Sec-WebSocket-Protocol", &protos),
+            ("Origin", "http://evil.example"),
+        ],
+    );
     assert_eq!(status, 403, "{body}");
     // A made-up ticket.
-    let (status, _, _) = pty_handshake(&srv, &a, &[("Sec-WebSocket-Protocol", "locker-pty, locker-ticket.pt_00")]);
+    let (status, _, _) = pty_handshake(
+        &srv,
+        &a,
+        &[("Sec-WebSocket-Protocol", "locker-pty, locker-ticket.pt_00")],
+    );
     assert_eq!(status, 401);
     // The key in the header still works (the CLI and SDKs).
     let key = format!("Bearer {}", srv.api_key);
@@ -278,9 +337,23 @@ fn terminal_tickets_work_once_for_their_sandbox_and_origin() {
 
     // Minting needs the key, and a sandbox of the key's tenant.
     let other = srv.api_with(&new_tenant(&srv, "ui-other"));
-    assert_eq!(other.post_empty(&format!("/v1/sandboxes/{a}/pty/ticket")).status, 404);
-    assert_eq!(Api::new(&srv.url, None).post_empty(&format!("/v1/sandboxes/{a}/pty/ticket")).status, 401);
-    assert_eq!(api.post_empty("/v1/sandboxes/sb_0000000000000000/pty/ticket").status, 404);
+    assert_eq!(
+        other
+            .post_empty(&format!("/v1/sandboxes/{a}/pty/ticket"))
+            .status,
+        404
+    );
+    assert_eq!(
+        Api::new(&srv.url, None)
+            .post_empty(&format!("/v1/sandboxes/{a}/pty/ticket"))
+            .status,
+        401
+    );
+    assert_eq!(
+        api.post_empty("/v1/sandboxes/sb_0000000000000000/pty/ticket")
+            .status,
+        404
+    );
 }
 
 #[test]
@@ -291,8 +364,14 @@ fn cross_site_state_changing_requests_are_refused() {
     let form = [("Content-Type", "application/x-www-form-urlencoded")];
     for (extra, what) in [
         (("Sec-Fetch-Site", "cross-site"), "another site"),
-        (("Sec-Fetch-Site", "same-site"), "a sibling host (a preview URL)"),
-        (("Origin", "http://evil.example"), "an Origin of another site"),
+        (
+            ("Sec-Fetch-Site", "same-site"),
+            "a sibling host (a preview URL)",
+        ),
+        (
+            ("Origin", "http://evil.example"),
+            "an Origin of another site",
+        ),
     ] {
         let r = api.request("POST", "/v1/sandboxes", &[form[0], extra], "a=b");
         assert_eq!(r.status, 403, "{what}: {}", r.text());
@@ -302,13 +381,22 @@ fn cross_site_state_changing_requests_are_refused() {
         assert_eq!(r.status, 403, "{what}");
     }
     // Reads are not refused, nor the dashboard's own requests, nor clients without the headers.
-    let r = api.request("GET", "/v1/sandboxes", &[("Sec-Fetch-Site", "cross-site")], ());
+    let r = api.request(
+        "GET",
+        "/v1/sandboxes",
+        &[("Sec-Fetch-Site", "cross-site")],
+        (),
+    );
     assert_eq!(r.status, 200);
     let own = srv.url.clone();
     let v = api.request(
         "POST",
         "/v1/volumes",
-        &[("Content-Type", "application/json"), ("Sec-Fetch-Site", "same-origin"), ("Origin", &own)],
+        &[
+            ("Content-Type", "application/json"),
+            ("Sec-Fetch-Site", "same-origin"),
+            ("Origin", &own),
+        ],
         r#"{"name":"ui-same-origin"}"#,
     );
     assert_eq!(v.status, 201, "{}", v.text());
@@ -346,15 +434,17 @@ fn calls_are_paginated_with_a_cursor_and_filtered() {
     }
     assert_eq!(pages, 3);
     assert_eq!(seen.len(), 250);
-    let mut expected: Vec<String> = (0..250).rev().map(|i| format!("call_bulk{i:012}")).collect();
+    let mut expected: Vec<String> = (0..250)
+        .rev()
+        .map(|i| format!("call_bulk{i:012}"))
+        .collect();
     assert_eq!(seen, expected, "newest first, none repeated or skipped");
     // A page that ends exactly at the last record says there is no next one.
     let last = api.get("/v1/calls?limit=250").expect(200, "all");
     assert!(last["next_cursor"].is_null(), "{}", last["next_cursor"]);
 
     let count = |q: &str| -> usize {
-        api.get(&format!("/v1/calls?limit=1000&{q}"))
-            .expect(200, q)["calls"]
+        api.get(&format!("/v1/calls?limit=1000&{q}")).expect(200, q)["calls"]
             .as_array()
             .unwrap()
             .len()
@@ -391,9 +481,16 @@ fn insert_records_other(srv: &Server) {
 
 /// Whether a failed npm command's log says the registry could not be reached.
 fn npm_unreachable(log: &str) -> bool {
-    ["ENOTFOUND", "EAI_AGAIN", "ECONNREFUSED", "ETIMEDOUT", "ENETUNREACH", "ECONNRESET"]
-        .iter()
-        .any(|m| log.contains(m))
+    [
+        "ENOTFOUND",
+        "EAI_AGAIN",
+        "ECONNREFUSED",
+        "ETIMEDOUT",
+        "ENETUNREACH",
+        "ECONNRESET",
+    ]
+    .iter()
+    .any(|m| log.contains(m))
 }
 
 /// `tests/ui/node_modules` with the locked playwright-core, or None when npm cannot reach
@@ -401,12 +498,19 @@ fn npm_unreachable(log: &str) -> bool {
 fn playwright(dir: &Path) -> Option<()> {
     let installed_lock = dir.join("node_modules/.package-lock.json");
     let modified = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).ok();
-    if dir.join("node_modules/playwright-core/package.json").exists()
+    if dir
+        .join("node_modules/playwright-core/package.json")
+        .exists()
         && modified(&installed_lock) >= modified(&dir.join("package-lock.json"))
     {
         return Some(());
     }
-    let (ok, log) = run_logged(Command::new("npm").current_dir(dir).args(["ci", "--no-audit", "--no-fund"]));
+    let (ok, log) =
+        run_logged(
+            Command::new("npm")
+                .current_dir(dir)
+                .args(["ci", "--no-audit", "--no-fund"]),
+        );
     if !ok {
         if npm_unreachable(&log) {
             eprintln!("SKIP: playwright-core cannot be installed, the npm registry is unreachable:\n{log}");

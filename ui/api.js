@@ -44,7 +44,7 @@ export async function api(method, path, opts = {}) {
       const e = (await r.json()).error;
       if (e) { code = e.code; msg = e.message; }
     } catch { /* not JSON */ }
-    if (r.status === 401) window.dispatchEvent(new CustomEvent('locker-unauthorized'));
+    if (r.status === 401 && !opts.signingIn) window.dispatchEvent(new CustomEvent('locker-unauthorized'));
     throw new ApiError(r.status, code, msg);
   }
   if (opts.raw) return r;

@@ -90,8 +90,10 @@ async function terminal(body, id) {
   const fit = () => {
     // One cell of xterm's DOM renderer, measured, gives the grid that fits the box.
     const cell = box.querySelector('.xterm-char-measure-element');
-    const w = cell?.getBoundingClientRect().width || 8;
-    const ht = cell?.getBoundingClientRect().height || 17;
+    const rect = cell?.getBoundingClientRect();
+    // The measure element holds a run of one character: its width over their count is a cell.
+    const w = rect?.width ? rect.width / Math.max(1, cell.textContent.length) : 8;
+    const ht = rect?.height || 17;
     const cols = Math.max(20, Math.floor((box.clientWidth - 8) / w));
     const rows = Math.max(5, Math.floor((box.clientHeight - 8) / ht));
     if (cols !== term.cols || rows !== term.rows) term.resize(cols, rows);

@@ -32,7 +32,7 @@ export async function signin(main) {
     ev.preventDefault();
     auth.set(input.value.trim());
     try {
-      await get('/v1/sandboxes');
+      await api('GET', '/v1/sandboxes', { signingIn: true });
       location.hash = '#/sandboxes';
       window.dispatchEvent(new Event('locker-signed-in'));
     } catch (e) {
@@ -345,7 +345,7 @@ export async function templates(main) {
         h('td', { class: 'num' }, fmtBytes(t.size_bytes)), h('td', { class: 'hide-sm' }, time(t.created_at)), h('td', { class: 'hide-sm' }, (t.packages || []).join(', '))))))),
     h('h2', null, 'Builds'),
     builds.error
-      ? h('p', { class: 'muted' }, builds.error.status === 404
+      ? h('p', { class: 'muted' }, [404, 405].includes(builds.error.status)
         ? 'This server does not serve template builds over HTTP yet: build with `sudo locker template build NAME`; its log is on that terminal.'
         : builds.error.message)
       : h('div', { class: 'card' }, (builds.builds || []).map((b) => h('details', null, h('summary', null, `${b.id || ''} ${b.name || ''} ${b.state || ''}`), h('pre', null, b.log || '')))));

@@ -11,13 +11,32 @@ fn main() {
         ("ui/node_modules/@xterm/xterm/lib/xterm.js", "xterm.js"),
         ("ui/node_modules/@xterm/xterm/css/xterm.css", "xterm.css"),
     ];
-    // A later `npm ci` must be picked up by the next build.
-    println!("cargo:rerun-if-changed={}", root.join("ui/node_modules/@xterm/xterm/package.json").display());
-    println!("cargo:rerun-if-changed={}", root.join("ui/package-lock.json").display());
+    // Watch only paths that exist (cargo reruns a build script whose watched path is missing
+    // on every build); without xterm, watch `ui/` so that a later `npm ci` is picked up.
+    let lock = root.join("ui/package-lock.json");
+    if lock.exists() {
+        println!("cargo:rerun-if-changed={}", lock.display());
+    }
+    let mut missing = false;
     for (src, name) in vendored {
         let src = root.join(src);
-        println!("cargo:rerun-if-changed={}", src.display());
-        let bytes = std::fs::read(&src).unwrap_or_default();
-        std::fs::write(out.join(name), bytes).expect("write into OUT_DIR");
+        let bytes = match std::fs::read(&src) {
+            Ok(b) => {
+                println!("cargo:rerun-if-changed={}", src.display());
+                b
+            }
+            Err(_) => {
+                missing = true;
+                Vec::new()
+            }
+        };
+        // Rewritten only when different, so an unchanged copy does not rebuild the crate.
+        let dst = out.join(name);
+        if std::fs::read(&dst).ok().as_deref() != Some(&bytes[..]) {
+            std::fs::write(&dst, bytes).expect("write into OUT_DIR");
+        }
+    }
+    if missing {
+        println!("cargo:rerun-if-changed={}", root.join("ui").display());
     }
 }

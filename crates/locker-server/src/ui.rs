@@ -95,8 +95,9 @@ const INDEX: &str = include_str!(concat!(env!("CARGO_MANIFEST_DIR"), "/../../ui/
 /// An asset (or the page) ready to send: its bytes, gzipped bytes and ETag.
 struct Ready {
     content_type: &'static str,
-    plain: Vec<u8>,
-    gzip: Vec<u8>,
+    plain: bytes::Bytes,
+    /// Empty when gzip would not make it smaller.
+    gzip: bytes::Bytes,
     etag: String,
 }
 
@@ -111,8 +112,8 @@ impl Ready {
         };
         Ready {
             content_type,
-            plain,
-            gzip,
+            plain: plain.into(),
+            gzip: gzip.into(),
             etag,
         }
     }
@@ -139,14 +140,15 @@ fn built() -> &'static Built {
             h.update(a.bytes);
         }
         let version = hex(&h.finalize()[..8]);
-        let xterm = if ASSETS.iter().any(|a| a.name == "xterm.js" && !a.bytes.is_empty()) {
+        let xterm = if ASSETS
+            .iter()
+            .any(|a| a.name == "xterm.js" && !a.bytes.is_empty())
+        {
             "yes"
         } else {
             "no"
         };
-        let page = INDEX
-            .replace("{{V}}", &version)
-            .replace("{{XTERM}}", xterm);
+        let page = INDEX.replace("{{V}}", &version).replace("{{XTERM}}", xterm);
         Built {
             page: Ready::new("text/html; charset=utf-8", page.into_bytes()),
             assets: ASSETS
@@ -162,9 +164,18 @@ fn built() -> &'static Built {
 /// The headers every `/ui` answer carries.
 fn secure(resp: &mut Response) {
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_SECURITY_POLICY, HeaderValue::from_static(CSP));
-    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
-    h.insert(header::REFERRER_POLICY, HeaderValue::from_static("no-referrer"));
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(CSP),
+    );
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(
+        header::REFERRER_POLICY,
+        HeaderValue::from_static("no-referrer"),
+    );
     h.insert(header::X_FRAME_OPTIONS, HeaderValue::from_static("DENY"));
     h.insert(
         "cross-origin-opener-policy",
@@ -176,16 +187,37 @@ fn secure(resp: &mut Response) {
     );
 }
 
+/// Whether `Accept-Encoding` takes gzip (named, and not with `q=0`).
+fn takes_gzip(req: &HeaderMap) -> bool {
+    let Some(v) = req
+        .get(header::ACCEPT_ENCODING)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return false;
+    };
+    v.split(',').any(|e| {
+        let mut parts = e.split(';').map(str::trim);
+        parts.next() == Some("gzip")
+            && !parts.any(|p| {
+                p.strip_prefix("q=")
+                    .and_then(|q| q.parse::<f32>().ok())
+                    .is_some_and(|q| q <= 0.0)
+            })
+    })
+}
+
 fn send(r: &Ready, req: &HeaderMap, cache: &'static str) -> Response {
+    let gzip = !r.gzip.is_empty() && takes_gzip(req);
+    // Each encoding is its own representation, with its own tag.
+    let etag = if gzip {
+        format!("{}-gz\"", r.etag.trim_end_matches('"'))
+    } else {
+        r.etag.clone()
+    };
     let not_modified = req
         .get(header::IF_NONE_MATCH)
         .and_then(|v| v.to_str().ok())
-        .is_some_and(|v| v.split(',').any(|t| t.trim() == r.etag));
-    let gzip = !r.gzip.is_empty()
-        && req
-            .get(header::ACCEPT_ENCODING)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.split(',').any(|e| e.trim().starts_with("gzip")));
+        .is_some_and(|v| v.split(',').any(|t| t.trim() == etag));
     let mut resp = if not_modified {
         StatusCode::NOT_MODIFIED.into_response()
     } else if gzip {
@@ -197,10 +229,13 @@ fn send(r: &Ready, req: &HeaderMap, cache: &'static str) -> Response {
         Response::new(Body::from(r.plain.clone()))
     };
     let h = resp.headers_mut();
-    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(r.content_type));
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static(r.content_type),
+    );
     h.insert(header::CACHE_CONTROL, HeaderValue::from_static(cache));
     h.insert(header::VARY, HeaderValue::from_static("Accept-Encoding"));
-    if let Ok(v) = HeaderValue::from_str(&r.etag) {
+    if let Ok(v) = HeaderValue::from_str(&etag) {
         h.insert(header::ETAG, v);
     }
     secure(&mut resp);
@@ -400,7 +435,15 @@ mod tests {
     #[test]
     fn every_asset_is_served_and_the_page_names_them() {
         let b = built();
-        for name in ["app.js", "api.js", "dom.js", "pages.js", "detail.js", "charts.js", "style.css"] {
+        for name in [
+            "app.js",
+            "api.js",
+            "dom.js",
+            "pages.js",
+            "detail.js",
+            "charts.js",
+            "style.css",
+        ] {
             assert!(b.assets.contains_key(name), "{name} is embedded");
             let path = format!("/ui/v/{}/{name}", b.version);
             if name == "app.js" || name == "style.css" {
@@ -409,8 +452,26 @@ mod tests {
             }
         }
         let page = String::from_utf8_lossy(&b.page.plain);
-        assert!(!page.contains("{{"), "every placeholder of index.html is filled");
+        assert!(
+            !page.contains("{{"),
+            "every placeholder of index.html is filled"
+        );
         assert!(!page.contains("<script>"), "no inline script");
+    }
+
+    #[test]
+    fn gzip_is_sent_only_when_taken() {
+        assert!(takes_gzip(&headers(&[(
+            "accept-encoding",
+            "gzip, deflate, br"
+        )])));
+        assert!(takes_gzip(&headers(&[(
+            "accept-encoding",
+            "br;q=1.0, gzip;q=0.8"
+        )])));
+        assert!(!takes_gzip(&headers(&[("accept-encoding", "gzip;q=0")])));
+        assert!(!takes_gzip(&headers(&[("accept-encoding", "identity")])));
+        assert!(!takes_gzip(&headers(&[])));
     }
 
     #[test]

@@ -1093,7 +1093,11 @@ fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
     let s = open(&dir);
     let mut batch = Vec::new();
     for i in 0..25 {
-        let kind = if i % 5 == 0 { CallKind::Run } else { CallKind::Exec };
+        let kind = if i % 5 == 0 {
+            CallKind::Run
+        } else {
+            CallKind::Exec
+        };
         let mut c = call(&format!("call_{i:02}"), "a", kind, Some("sb_1"), T0 + i);
         c.key_id = if i % 2 == 0 { "key_even" } else { "key_odd" }.into();
         match i % 3 {
@@ -1125,7 +1129,8 @@ fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
         }
         // A record written between pages is newer than the cursor: it never shifts a page.
         if pages == 1 {
-            s.insert_calls(&[call("call_late", "a", CallKind::Exec, None, T0)]).unwrap();
+            s.insert_calls(&[call("call_late", "a", CallKind::Exec, None, T0)])
+                .unwrap();
         }
     }
     assert_eq!(pages, 3);
@@ -1138,11 +1143,42 @@ fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
         ..Default::default()
     };
     use locker_store::CallOutcome;
-    assert_eq!(n(locker_store::CallQuery { outcome: Some(CallOutcome::Ok), ..all() }), 9 + 1, "i%3==0, and call_late");
-    assert_eq!(n(locker_store::CallQuery { outcome: Some(CallOutcome::Failed), ..all() }), 16);
-    assert_eq!(n(locker_store::CallQuery { outcome: Some(CallOutcome::Reason("timeout")), ..all() }), 8);
-    assert_eq!(n(locker_store::CallQuery { key_id: Some("key_even".into()), ..all() }), 13);
-    assert_eq!(n(locker_store::CallQuery { kind: Some(CallKind::Run), ..all() }), 5);
+    assert_eq!(
+        n(locker_store::CallQuery {
+            outcome: Some(CallOutcome::Ok),
+            ..all()
+        }),
+        9 + 1,
+        "i%3==0, and call_late"
+    );
+    assert_eq!(
+        n(locker_store::CallQuery {
+            outcome: Some(CallOutcome::Failed),
+            ..all()
+        }),
+        16
+    );
+    assert_eq!(
+        n(locker_store::CallQuery {
+            outcome: Some(CallOutcome::Reason("timeout")),
+            ..all()
+        }),
+        8
+    );
+    assert_eq!(
+        n(locker_store::CallQuery {
+            key_id: Some("key_even".into()),
+            ..all()
+        }),
+        13
+    );
+    assert_eq!(
+        n(locker_store::CallQuery {
+            kind: Some(CallKind::Run),
+            ..all()
+        }),
+        5
+    );
     assert_eq!(
         n(locker_store::CallQuery {
             kind: Some(CallKind::Run),

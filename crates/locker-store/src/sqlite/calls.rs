@@ -99,7 +99,10 @@ pub(super) fn list_calls(
 /// (the outcome is read from the record's JSON), `before` a `seq <` bound, and one row
 /// more than the page is read to know whether another page follows.
 pub(super) fn list_calls_page(db: &SqliteStore, tenant: &str, q: &CallQuery) -> Result<CallPage> {
-    let limit = q.limit.unwrap_or(DEFAULT_CALLS_LIMIT).clamp(1, MAX_CALLS_LIMIT) as usize;
+    let limit = q
+        .limit
+        .unwrap_or(DEFAULT_CALLS_LIMIT)
+        .clamp(1, MAX_CALLS_LIMIT) as usize;
     let mut sql = String::from("SELECT seq, record FROM calls WHERE tenant = ?1");
     let mut args: Vec<rusqlite::types::Value> = vec![tenant.to_owned().into()];
     let mut bind = |sql: &mut String, term: &str, v: rusqlite::types::Value| {
@@ -137,7 +140,11 @@ pub(super) fn list_calls_page(db: &SqliteStore, tenant: &str, q: &CallQuery) -> 
             r.to_owned().into(),
         ),
     }
-    bind(&mut sql, " ORDER BY seq DESC LIMIT ?", ((limit + 1) as i64).into());
+    bind(
+        &mut sql,
+        " ORDER BY seq DESC LIMIT ?",
+        ((limit + 1) as i64).into(),
+    );
     db.read(|c| {
         let mut st = c.prepare_cached(&sql)?;
         let rows = st
