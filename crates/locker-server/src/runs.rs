@@ -297,7 +297,12 @@ async fn execute(
     record.egress_denied = egress_denied;
     app.recorder.record(record);
     if let Some(c) = &changes {
-        app.events.emit(&caller.tenant, crate::events::Kind::RunCommitted, &res.call_id, run_event(&plan.rec.id, res.exit_code, c));
+        app.events.emit(
+            &caller.tenant,
+            crate::events::Kind::RunCommitted,
+            &res.call_id,
+            run_event(&plan.rec.id, res.exit_code, c),
+        );
     }
     res.changes = changes;
     Ok(res)

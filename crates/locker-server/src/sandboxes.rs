@@ -52,7 +52,12 @@ pub fn view(app: &App, r: &SandboxRecord, live: Option<&Live>) -> Value {
             usage_json(&l.times(), u.cpu_ms, u.peak_memory_bytes)
         }
         None => {
-            let t = app.store.sandbox_times(&r.id).ok().flatten().unwrap_or_default();
+            let t = app
+                .store
+                .sandbox_times(&r.id)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
             usage_json(&t, r.cpu_ms, r.peak_memory_bytes)
         }
     };
@@ -124,9 +129,17 @@ pub(crate) async fn create_sandbox(
 ) -> Result<(SandboxRecord, std::sync::Arc<Live>), ApiError> {
     let started = Instant::now();
     let (new, snapshot_dir) = checked(app, caller, body).await?;
-    let from_snapshot = snapshot_dir.as_ref().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().into_owned());
+    let from_snapshot = snapshot_dir
+        .as_ref()
+        .and_then(|d| d.file_name())
+        .map(|n| n.to_string_lossy().into_owned());
     let (rec, live) = launch(app, caller, &new, snapshot_dir).await?;
-    app.events.emit(&caller.tenant, crate::events::Kind::SandboxCreated, &rec.id, json!({"template": rec.template, "runtime": rec.runtime, "from_snapshot": from_snapshot}));
+    app.events.emit(
+        &caller.tenant,
+        crate::events::Kind::SandboxCreated,
+        &rec.id,
+        json!({"template": rec.template, "runtime": rec.runtime, "from_snapshot": from_snapshot}),
+    );
     app.metrics
         .sandbox_create_seconds
         .observe(started.elapsed().as_secs_f64());
@@ -506,7 +519,12 @@ pub(crate) async fn pause_sandbox(
     }
     PauseMarks::of(app).clear(id);
     app.store.set_sandbox_state(id, SandboxState::Paused)?;
-    app.events.emit(&caller.tenant, crate::events::Kind::SandboxPaused, id, json!({"reason": "explicit"}));
+    app.events.emit(
+        &caller.tenant,
+        crate::events::Kind::SandboxPaused,
+        id,
+        json!({"reason": "explicit"}),
+    );
     let r = record_of(app, caller, id)?;
     Ok((r, live))
 }
