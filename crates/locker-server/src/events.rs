@@ -461,7 +461,7 @@ async fn stream(
                     }
                 }
                 () = tx.closed() => return,
-                _ = closing.wait_for(|c| *c) => return,
+                _ = closing.changed() => return,
             }
         }
     });
