@@ -595,7 +595,7 @@ pub fn spawn_reaper(app: AppState) {
             tick.tick().await;
             ticks += 1;
             // Time splits too, every 10 ticks (and at each sandbox's end, in `destroy`).
-            if ticks % 10 == 0 {
+            if ticks.is_multiple_of(10) {
                 for l in app.live.read().await.values() {
                     let _ = app.store.put_sandbox_times(&l.id, &l.times());
                 }
