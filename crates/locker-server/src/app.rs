@@ -110,6 +110,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
             .and_then(|r| r.map_err(|e| ServeError::Listen(app.cfg.listen, e))),
         None => {
             tracing::info!("shutting down: finishing requests in flight");
+            app.events.close();
             quit.notify_one();
             if tokio::time::timeout(GRACE, &mut serving).await.is_err() {
                 tracing::warn!(

@@ -168,7 +168,10 @@ impl Filter {
     /// Checks each pattern names a known type or group.
     fn parse(patterns: &[String]) -> Result<Filter, String> {
         if patterns.is_empty() {
-            return Err("`events` must name at least one event type (`sandbox.*`, `run.committed`, `*`)".into());
+            return Err(
+                "`events` must name at least one event type (`sandbox.*`, `run.committed`, `*`)"
+                    .into(),
+            );
         }
         for p in patterns {
             let ok = p == "*"
@@ -219,6 +222,8 @@ pub struct Events {
     latest: tokio::sync::watch::Sender<u64>,
     hooks: Mutex<HashMap<String, tokio::task::AbortHandle>>,
     status: Arc<Mutex<HashMap<String, HookStatus>>>,
+    /// Set when the server stops: open streams end, so the stop need not wait for them.
+    closing: tokio::sync::watch::Sender<bool>,
 }
 
 impl Events {
@@ -230,7 +235,14 @@ impl Events {
             latest: tokio::sync::watch::channel(0).0,
             hooks: Default::default(),
             status: Default::default(),
+            closing: tokio::sync::watch::channel(false).0,
         }
+    }
+
+    /// Ends every open event stream (the server is stopping; clients resume from their
+    /// last id at the next start).
+    pub fn close(&self) {
+        self.closing.send_replace(true);
     }
 
     /// Records that `kind` happened to `subject` of `tenant`: stored, then broadcast to
@@ -374,7 +386,9 @@ async fn stream(
         })?),
         None => match &q.after {
             Some(a) => Some(parse_event_id(a).ok_or_else(|| {
-                ApiError::bad_request(format!("`after` must be an event id (`evt_…`) or 0, got {a:?}"))
+                ApiError::bad_request(format!(
+                    "`after` must be an event id (`evt_…`) or 0, got {a:?}"
+                ))
             })?),
             None => None,
         },
@@ -388,8 +402,13 @@ async fn stream(
     let (tx, mut out) = tokio::sync::mpsc::channel::<Result<Bytes, Infallible>>(64);
     let store = app.store.clone();
     let tenant = caller.tenant.clone();
+    let mut closing = app.events.closing.subscribe();
     tokio::spawn(async move {
-        if tx.send(Ok(Bytes::from_static(b": locker events\n\n"))).await.is_err() {
+        if tx
+            .send(Ok(Bytes::from_static(b": locker events\n\n")))
+            .await
+            .is_err()
+        {
             return;
         }
         let mut keep_alive = tokio::time::interval(KEEP_ALIVE);
@@ -442,12 +461,12 @@ async fn stream(
                     }
                 }
                 () = tx.closed() => return,
+                _ = closing.changed() => return,
             }
         }
     });
-    let body = axum::body::Body::from_stream(futures_util::stream::poll_fn(move |cx| {
-        out.poll_recv(cx)
-    }));
+    let body =
+        axum::body::Body::from_stream(futures_util::stream::poll_fn(move |cx| out.poll_recv(cx)));
     Ok(Response::builder()
         .header("content-type", "text/event-stream")
         .header("cache-control", "no-cache")
@@ -471,16 +490,22 @@ fn check_url(url: &str) -> Result<axum::http::Uri, String> {
     if url.len() > 2048 {
         return Err("`url` is longer than 2048 bytes".into());
     }
-    let uri: axum::http::Uri = url
-        .parse()
-        .map_err(|e| format!("`url` is not a URL ({e}): give an absolute http:// or https:// URL"))?;
+    let uri: axum::http::Uri = url.parse().map_err(|e| {
+        format!("`url` is not a URL ({e}): give an absolute http:// or https:// URL")
+    })?;
     match uri.scheme_str() {
         Some("http") | Some("https") => {}
-        _ => return Err(format!("`url` must start with http:// or https://, got {url:?}")),
+        _ => {
+            return Err(format!(
+                "`url` must start with http:// or https://, got {url:?}"
+            ))
+        }
     }
     let auth = uri.authority().ok_or("`url` has no host")?;
     if auth.as_str().contains('@') {
-        return Err("`url` must not hold credentials (user:password@): sign with `secret` instead".into());
+        return Err(
+            "`url` must not hold credentials (user:password@): sign with `secret` instead".into(),
+        );
     }
     if auth.host().is_empty() {
         return Err("`url` has no host".into());
@@ -645,7 +670,10 @@ async fn deliver_one(
             let mut st = status.lock().expect("status lock");
             let s = st.entry(hook.id.clone()).or_default();
             s.failed_attempts += 1;
-            s.last_error = Some(format!("{} (event {}, try {attempt}): {err}", hook.url, e.id));
+            s.last_error = Some(format!(
+                "{} (event {}, try {attempt}): {err}",
+                hook.url, e.id
+            ));
             if attempt == ATTEMPTS {
                 s.given_up += 1;
             }
@@ -679,7 +707,10 @@ async fn post(uri: &axum::http::Uri, body: Bytes, sig: &str, e: &Event) -> Resul
     let req = axum::http::Request::post(path)
         .header("host", uri.authority().map_or(host, |a| a.as_str()))
         .header("content-type", "application/json")
-        .header("user-agent", concat!("locker-webhooks/", env!("CARGO_PKG_VERSION")))
+        .header(
+            "user-agent",
+            concat!("locker-webhooks/", env!("CARGO_PKG_VERSION")),
+        )
         .header("locker-signature", sig)
         .header("locker-event-id", &e.id)
         .header("locker-event-type", e.kind.name())
@@ -753,7 +784,9 @@ mod tests {
         assert!(f.wants(Kind::SandboxDeleted));
         assert!(f.wants(Kind::RunCommitted));
         assert!(!f.wants(Kind::TemplateBuilt));
-        assert!(Filter::parse(&["*".into()]).unwrap().wants(Kind::TemplateFailed));
+        assert!(Filter::parse(&["*".into()])
+            .unwrap()
+            .wants(Kind::TemplateFailed));
         assert!(Filter::parse(&["sandbox.exploded".into()]).is_err());
         assert!(Filter::parse(&["nope.*".into()]).is_err());
         assert!(Filter::parse(&[]).is_err());

@@ -115,7 +115,12 @@ pub async fn mark(app: &AppState, live: &Arc<Live>, reason: String) -> bool {
     let times = live.times();
     let _ = app.store.put_sandbox_times(&live.id, &times);
     app.metrics.retire(&live.tenant, &times, usage.cpu_ms);
-    app.events.emit(&live.tenant, crate::events::Kind::SandboxFailed, &live.id, serde_json::json!({"reason": reason}));
+    app.events.emit(
+        &live.tenant,
+        crate::events::Kind::SandboxFailed,
+        &live.id,
+        serde_json::json!({"reason": reason}),
+    );
     // A frozen machine cannot die: thaw first.
     let _ = live.machine.resume();
     if let Err(e) = app.node.destroy(&live.machine).await {

@@ -217,7 +217,12 @@ pub async fn launch(
         Err(e) => {
             crate::failed::note(&id, format!("starting its machine failed: {e}"));
             let _ = app.store.set_sandbox_state(&id, SandboxState::Failed);
-            app.events.emit(&caller.tenant, crate::events::Kind::SandboxFailed, &id, json!({"reason": format!("create failed: starting its machine failed: {e}")}));
+            app.events.emit(
+                &caller.tenant,
+                crate::events::Kind::SandboxFailed,
+                &id,
+                json!({"reason": format!("create failed: starting its machine failed: {e}")}),
+            );
             return Err(ApiError::during("starting the sandbox failed")(e));
         }
     };
@@ -337,7 +342,12 @@ pub fn enter(app: &AppState, l: Arc<Live>) -> Result<Busy, ApiError> {
 fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
     PauseMarks::of(app).clear(id);
     if let Some(mut r) = app.store.get_sandbox_any(id)? {
-        app.events.emit(&r.tenant, crate::events::Kind::SandboxResumed, id, json!({"ttl_extended_s": idle_secs.max(0)}));
+        app.events.emit(
+            &r.tenant,
+            crate::events::Kind::SandboxResumed,
+            id,
+            json!({"ttl_extended_s": idle_secs.max(0)}),
+        );
         r.state = SandboxState::Running;
         if idle_secs > 0 {
             if let Some(exp) = locker_types::parse_rfc3339(&r.expires_at) {
@@ -572,7 +582,12 @@ pub async fn idle_pass(app: &AppState) {
         if paused {
             PauseMarks::of(app).set(&l.id, now);
             let _ = app.store.set_sandbox_state(&l.id, SandboxState::Paused);
-            app.events.emit(&l.tenant, crate::events::Kind::SandboxPaused, &l.id, json!({"reason": "idle", "idle_timeout_s": idle}));
+            app.events.emit(
+                &l.tenant,
+                crate::events::Kind::SandboxPaused,
+                &l.id,
+                json!({"reason": "idle", "idle_timeout_s": idle}),
+            );
             tracing::info!(sandbox = %l.id, idle_s = idle, "paused by the idle policy");
         }
     }
@@ -588,7 +603,7 @@ pub fn spawn_reaper(app: AppState) {
             tick.tick().await;
             ticks += 1;
             // Time splits too, every 10 ticks (and at each sandbox's end, in `destroy`).
-            if ticks % 10 == 0 {
+            if ticks.is_multiple_of(10) {
                 for l in app.live.read().await.values() {
                     let _ = app.store.put_sandbox_times(&l.id, &l.times());
                 }

@@ -226,7 +226,11 @@ impl Metrics {
 fn render_times(out: &mut String, times: &BTreeMap<String, TimeTotals>) {
     out.push_str("# HELP locker_sandbox_seconds_total Sandboxes' up time by phase: a call in flight (active), up with none (idle), frozen (paused).\n# TYPE locker_sandbox_seconds_total counter\n");
     for (t, x) in times {
-        for (phase, ms) in [("active", x.active_ms), ("idle", x.idle_ms), ("paused", x.paused_ms)] {
+        for (phase, ms) in [
+            ("active", x.active_ms),
+            ("idle", x.idle_ms),
+            ("paused", x.paused_ms),
+        ] {
             let _ = writeln!(
                 out,
                 "locker_sandbox_seconds_total{{tenant=\"{t}\",phase=\"{phase}\"}} {}",
@@ -237,7 +241,11 @@ fn render_times(out: &mut String, times: &BTreeMap<String, TimeTotals>) {
     out.push_str("# HELP locker_sandbox_idle_fraction Idle time over active and idle time of the tenant's sandboxes.\n# TYPE locker_sandbox_idle_fraction gauge\n");
     for (t, x) in times {
         let up = x.active_ms + x.idle_ms;
-        let f = if up == 0 { 0.0 } else { x.idle_ms as f64 / up as f64 };
+        let f = if up == 0 {
+            0.0
+        } else {
+            x.idle_ms as f64 / up as f64
+        };
         let _ = writeln!(out, "locker_sandbox_idle_fraction{{tenant=\"{t}\"}} {f}");
     }
     out.push_str("# HELP locker_sandbox_cpu_seconds_total CPU time used by sandboxes' machines (cgroup), by tenant.\n# TYPE locker_sandbox_cpu_seconds_total counter\n");

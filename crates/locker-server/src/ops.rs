@@ -716,7 +716,14 @@ async fn usage(
         cpu_ms: u.ended_cpu_ms,
         ..Default::default()
     };
-    let live: Vec<_> = app.live.read().await.values().filter(|l| l.tenant == caller.tenant).cloned().collect();
+    let live: Vec<_> = app
+        .live
+        .read()
+        .await
+        .values()
+        .filter(|l| l.tenant == caller.tenant)
+        .cloned()
+        .collect();
     for l in live {
         t.add(&l.times(), l.machine.usage().cpu_ms);
     }

@@ -306,7 +306,12 @@ async fn execute(
     (record.secrets_used, record.secret_misuse) = secrets_seen;
     app.recorder.record(record);
     if let Some(c) = &changes {
-        app.events.emit(&caller.tenant, crate::events::Kind::RunCommitted, &res.call_id, run_event(&plan.rec.id, res.exit_code, c));
+        app.events.emit(
+            &caller.tenant,
+            crate::events::Kind::RunCommitted,
+            &res.call_id,
+            run_event(&plan.rec.id, res.exit_code, c),
+        );
     }
     res.changes = changes;
     Ok(res)

@@ -52,7 +52,12 @@ pub fn view(app: &App, r: &SandboxRecord, live: Option<&Live>) -> Value {
             usage_json(&l.times(), u.cpu_ms, u.peak_memory_bytes)
         }
         None => {
-            let t = app.store.sandbox_times(&r.id).ok().flatten().unwrap_or_default();
+            let t = app
+                .store
+                .sandbox_times(&r.id)
+                .ok()
+                .flatten()
+                .unwrap_or_default();
             usage_json(&t, r.cpu_ms, r.peak_memory_bytes)
         }
     };
@@ -524,7 +529,12 @@ pub(crate) async fn pause_sandbox(
     }
     PauseMarks::of(app).clear(id);
     app.store.set_sandbox_state(id, SandboxState::Paused)?;
-    app.events.emit(&caller.tenant, crate::events::Kind::SandboxPaused, id, json!({"reason": "explicit"}));
+    app.events.emit(
+        &caller.tenant,
+        crate::events::Kind::SandboxPaused,
+        id,
+        json!({"reason": "explicit"}),
+    );
     let r = record_of(app, caller, id)?;
     Ok((r, live))
 }

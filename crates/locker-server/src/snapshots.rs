@@ -117,7 +117,12 @@ pub(crate) async fn snapshot_sandbox(
         let _ = std::fs::remove_dir_all(&dir);
         return Err(e.into());
     }
-    app.events.emit(&caller.tenant, crate::events::Kind::SandboxSnapshotted, id, json!({"snapshot": snap.id, "size_bytes": snap.size_bytes, "has_memory": snap.has_memory}));
+    app.events.emit(
+        &caller.tenant,
+        crate::events::Kind::SandboxSnapshotted,
+        id,
+        json!({"snapshot": snap.id, "size_bytes": snap.size_bytes, "has_memory": snap.has_memory}),
+    );
     Ok(snap)
 }
 
@@ -300,7 +305,12 @@ pub(crate) async fn fork_sandbox(
         return Err(e);
     }
     for (r, _) in &ok {
-        app.events.emit(&caller.tenant, crate::events::Kind::SandboxForked, &r.id, json!({"from": id}));
+        app.events.emit(
+            &caller.tenant,
+            crate::events::Kind::SandboxForked,
+            &r.id,
+            json!({"from": id}),
+        );
     }
     Ok(ok)
 }

@@ -288,8 +288,12 @@ pub trait Store: Send + Sync {
 
     /// Events after `after` (exclusive) in `seq` order, of `tenant` (or of all tenants),
     /// at most `limit`.
-    fn events_after(&self, tenant: Option<&str>, after: u64, limit: u32)
-        -> Result<Vec<EventRecord>>;
+    fn events_after(
+        &self,
+        tenant: Option<&str>,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<EventRecord>>;
 
     /// The newest event's `seq` ever stored (pruned ones included); 0 if none.
     fn latest_event_seq(&self) -> Result<u64>;

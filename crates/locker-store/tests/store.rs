@@ -546,10 +546,14 @@ fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
         call_gaps: vec![1, 0, 2],
         call_gap_sum_ms: 4321,
     };
-    s.put_sandbox_times("sb_1", &times(1000, 3000, 500)).unwrap();
+    s.put_sandbox_times("sb_1", &times(1000, 3000, 500))
+        .unwrap();
     s.put_sandbox_times("sb_2", &times(7, 7, 7)).unwrap();
     s.put_sandbox_times("sb_3", &times(10, 20, 0)).unwrap();
-    assert_eq!(s.sandbox_times("sb_1").unwrap(), Some(times(1000, 3000, 500)));
+    assert_eq!(
+        s.sandbox_times("sb_1").unwrap(),
+        Some(times(1000, 3000, 500))
+    );
     assert_eq!(s.sandbox_times("sb_none").unwrap(), None);
     let cpu = sandbox("sb_x", "a", T0).cpu_ms;
 
@@ -1051,8 +1055,12 @@ fn events_grow_prune_and_feed_webhook_cursors() {
     let s = open(&dir);
     s.create_tenant("a").unwrap();
     s.create_tenant("b").unwrap();
-    let e1 = s.insert_event("a", "sandbox.created", "sb_1", "{}", T0).unwrap();
-    let e2 = s.insert_event("b", "sandbox.created", "sb_2", "{}", T0 + 1).unwrap();
+    let e1 = s
+        .insert_event("a", "sandbox.created", "sb_1", "{}", T0)
+        .unwrap();
+    let e2 = s
+        .insert_event("b", "sandbox.created", "sb_2", "{}", T0 + 1)
+        .unwrap();
     let hook = locker_store::WebhookRecord {
         id: "wh_1".into(),
         tenant: "a".into(),
@@ -1064,9 +1072,16 @@ fn events_grow_prune_and_feed_webhook_cursors() {
     };
     // A new webhook starts after the newest event.
     assert_eq!(s.insert_webhook(&hook).unwrap().cursor, e2);
-    let e3 = s.insert_event("a", "sandbox.deleted", "sb_1", "{\"x\":1}", T0 + 2).unwrap();
+    let e3 = s
+        .insert_event("a", "sandbox.deleted", "sb_1", "{\"x\":1}", T0 + 2)
+        .unwrap();
     assert!(e1 < e2 && e2 < e3);
-    let a: Vec<u64> = s.events_after(Some("a"), 0, 10).unwrap().iter().map(|e| e.seq).collect();
+    let a: Vec<u64> = s
+        .events_after(Some("a"), 0, 10)
+        .unwrap()
+        .iter()
+        .map(|e| e.seq)
+        .collect();
     assert_eq!(a, vec![e1, e3]);
     assert_eq!(s.events_after(None, e1, 10).unwrap().len(), 2);
     assert_eq!(s.events_after(None, 0, 1).unwrap()[0].seq, e1);
@@ -1083,7 +1098,11 @@ fn events_grow_prune_and_feed_webhook_cursors() {
     assert_eq!(left[0].seq, e3);
     s.prune_events(T0 + 10, 0).unwrap();
     assert_eq!(s.latest_event_seq().unwrap(), e3);
-    assert!(s.insert_event("a", "sandbox.created", "sb_3", "{}", T0 + 3).unwrap() > e3);
+    assert!(
+        s.insert_event("a", "sandbox.created", "sb_3", "{}", T0 + 3)
+            .unwrap()
+            > e3
+    );
     assert!(s.delete_webhook("a", "wh_1").unwrap());
 }
 

@@ -1,6 +1,6 @@
 //! The client side of the `locker` CLI: the commands that talk to `locker serve` over HTTP.
 //!
-//! This room owns `locker sandbox|snapshot|exec|run|shell|process|ps|files|volume|secret|tenant|key|calls|usage`. It codes
+//! This room owns `locker sandbox|snapshot|exec|run|shell|process|ps|files|volume|secret|tenant|key|calls|usage|events`. It codes
 //! against the HTTP contract (`docs/api.md`) and nothing else: it must not link to the
 //! server, the runtime or the store, so that what it does is exactly what any other client
 //! of the API could do. The HTTP plumbing (base URL, Bearer key, the `{"error": …}` shape)
@@ -174,6 +174,9 @@ pub enum ClientCmd {
     Calls(Box<records::CallsArgs>),
     /// This tenant's usage totals.
     Usage(Box<records::UsageArgs>),
+    /// Follow this tenant's lifecycle events (sandboxes created, paused, deleted, runs
+    /// committed, …) as they happen, one line each.
+    Events(Box<records::EventsArgs>),
 }
 
 /// Runs one client command and exits the process: 0 on success, the command's code for
@@ -196,6 +199,7 @@ pub fn main(cmd: ClientCmd) -> ! {
         ClientCmd::Key(a) => admin::run_key(*a),
         ClientCmd::Calls(a) => records::run_calls(*a),
         ClientCmd::Usage(a) => records::run_usage(*a),
+        ClientCmd::Events(a) => records::run_events(*a),
     };
     let code = match result {
         Ok(code) => code,

@@ -38,6 +38,59 @@ pub struct UsageArgs {
     pub since: Option<i64>,
 }
 
+/// `locker events`.
+#[derive(clap::Args, Debug)]
+pub struct EventsArgs {
+    #[command(flatten)]
+    pub conn: Conn,
+    /// Only these types, comma-separated (`sandbox.*,run.committed`).
+    #[arg(long)]
+    pub types: Option<String>,
+    /// Start after this event id (`evt_…`; `0`: every event the server keeps) instead of now.
+    #[arg(long, value_name = "ID")]
+    pub after: Option<String>,
+}
+
+/// Runs `locker events`: follows `GET /v1/events` until interrupted; one line per event
+/// (`--json`: the event's JSON).
+pub fn run_events(a: EventsArgs) -> Result<i32, ClientError> {
+    use std::io::{BufRead, Write};
+    let c = a.conn.client()?;
+    let mut q: Vec<(&str, String)> = Vec::new();
+    if let Some(t) = &a.types {
+        q.push(("types", t.clone()));
+    }
+    if let Some(x) = &a.after {
+        q.push(("after", x.clone()));
+    }
+    let body = c.get_stream_accept("/v1/events", &q, "text/event-stream")?;
+    let mut out = std::io::stdout().lock();
+    for line in std::io::BufReader::new(body).lines() {
+        let line = line.map_err(|e| ClientError::io("reading the event stream", e))?;
+        let Some(data) = line.strip_prefix("data: ") else {
+            continue;
+        };
+        let text = if a.conn.json {
+            data.to_owned()
+        } else {
+            let e: Value = serde_json::from_str(data).unwrap_or(Value::Null);
+            let s = |k: &str| e[k].as_str().unwrap_or("").to_owned();
+            format!(
+                "{} {} {} {} {}",
+                s("at"),
+                s("id"),
+                s("type"),
+                s("subject"),
+                e["data"]
+            )
+        };
+        writeln!(out, "{text}")
+            .and_then(|()| out.flush())
+            .map_err(|e| ClientError::io("writing to stdout", e))?;
+    }
+    Ok(0)
+}
+
 fn parse_since(s: &str) -> Result<i64, String> {
     super::parse_moment(s, now_secs())
 }

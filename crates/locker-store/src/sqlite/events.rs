@@ -104,7 +104,15 @@ pub(super) fn insert_webhook(db: &SqliteStore, w: &WebhookRecord) -> Result<Webh
         "INSERT INTO webhooks (id, tenant, url, events, secret, created_unix, cursor)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
     )?
-    .execute(params![w.id, w.tenant, w.url, events, w.secret, w.created_unix, cursor])?;
+    .execute(params![
+        w.id,
+        w.tenant,
+        w.url,
+        events,
+        w.secret,
+        w.created_unix,
+        cursor
+    ])?;
     let mut out = w.clone();
     out.cursor = from_i64("webhook cursor", cursor)?;
     Ok(out)

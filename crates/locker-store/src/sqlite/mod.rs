@@ -36,9 +36,8 @@ use rusqlite::{Connection, OpenFlags};
 
 use crate::error::{Result, StoreError};
 use crate::model::{
-    EventRecord, SandboxTimes, WebhookRecord,
-    CallRecord, KeyInfo, Principal, SandboxRecord, SandboxState, TenantUsage, VolumeRecord,
-    VolumeSnapshotRecord,
+    CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
+    TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
 };
 use crate::{SecretRecord, SnapshotRecord, Store, Tombstone};
 
