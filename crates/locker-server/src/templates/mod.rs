@@ -185,7 +185,7 @@ async fn get_one(
 
 fn not_found(name: &str) -> ApiError {
     ApiError::not_found(format!(
-        "template {name:?} does not exist: GET /v1/templates lists yours"
+        "template {name:?} does not exist: `locker template list` (GET /v1/templates) lists yours"
     ))
 }
 
