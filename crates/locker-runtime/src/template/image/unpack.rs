@@ -283,13 +283,11 @@ impl Pending {
                 b"uid" => meta.uid = number().and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
                 b"gid" => meta.gid = number().and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
                 b"mtime" => meta.mtime = number().unwrap_or(0),
-                b"size" => {
-                    if number() != Some(entry.size() as i64) {
-                        return Err(bad(
-                            label,
-                            "a PAX size record (a file over 8 GB) is not supported",
-                        ));
-                    }
+                b"size" if number() != Some(entry.size() as i64) => {
+                    return Err(bad(
+                        label,
+                        "a PAX size record (a file over 8 GB) is not supported",
+                    ));
                 }
                 k if k.starts_with(b"GNU.sparse.") => {
                     return Err(bad(label, "sparse files (GNU.sparse PAX records) are not supported: build the layer without --sparse"));
