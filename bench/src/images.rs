@@ -63,11 +63,21 @@ fn have(tool: &str) -> bool {
 fn make_image(dir: &Path) -> anyhow::Result<String> {
     let layout = dir.join("oci");
     let image = format!("{}:t", layout.display());
-    run(Command::new("umoci").args(["init", "--layout"]).arg(&layout), "umoci init")?;
-    run(Command::new("umoci").args(["new", "--image", &image]), "umoci new")?;
+    run(
+        Command::new("umoci")
+            .args(["init", "--layout"])
+            .arg(&layout),
+        "umoci init",
+    )?;
+    run(
+        Command::new("umoci").args(["new", "--image", &image]),
+        "umoci new",
+    )?;
     let bundle = dir.join("bundle");
     run(
-        Command::new("umoci").args(["unpack", "--image", &image]).arg(&bundle),
+        Command::new("umoci")
+            .args(["unpack", "--image", &image])
+            .arg(&bundle),
         "umoci unpack",
     )?;
     let rootfs = bundle.join("rootfs");
@@ -81,7 +91,9 @@ fn make_image(dir: &Path) -> anyhow::Result<String> {
         fs::write(rootfs.join(format!("data/{i}.bin")), &buf)?;
     }
     run(
-        Command::new("umoci").args(["repack", "--image", &image]).arg(&bundle),
+        Command::new("umoci")
+            .args(["repack", "--image", &image])
+            .arg(&bundle),
         "umoci repack",
     )?;
     fs::remove_dir_all(&bundle)?;
@@ -89,7 +101,9 @@ fn make_image(dir: &Path) -> anyhow::Result<String> {
 }
 
 fn free_port() -> anyhow::Result<u16> {
-    Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port())
+    Ok(std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port())
 }
 
 fn secs(t: Instant) -> f64 {

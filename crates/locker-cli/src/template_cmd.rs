@@ -11,8 +11,8 @@ use std::path::PathBuf;
 
 use anyhow::{anyhow, bail, Context};
 use locker_runtime::template::{
-    builtin_spec, validate_name, ImageLimits, ImageSource, RegistryAuth, StderrProgress,
-    Template, TemplateSpec, TemplateStore,
+    builtin_spec, validate_name, ImageLimits, ImageSource, RegistryAuth, StderrProgress, Template,
+    TemplateSpec, TemplateStore,
 };
 
 #[derive(clap::Subcommand)]
@@ -213,7 +213,8 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
 /// Whether `path` is an image archive: a plain tar with `manifest.json` (docker save) or
 /// `oci-layout` (OCI) at its top. Reads headers only.
 fn is_image_archive(path: &std::path::Path) -> anyhow::Result<bool> {
-    let file = std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
+    let file =
+        std::fs::File::open(path).with_context(|| format!("cannot open {}", path.display()))?;
     let mut archive = tar::Archive::new(file);
     let Ok(entries) = archive.entries_with_seek() else {
         return Ok(false);
@@ -240,8 +241,8 @@ fn import_image(
     endpoint: &crate::client::Endpoint,
 ) -> anyhow::Result<()> {
     validate_name(name).map_err(one_line)?;
-    let remote = endpoint.url.is_some()
-        || std::env::var("LOCKER_URL").is_ok_and(|u| !u.trim().is_empty());
+    let remote =
+        endpoint.url.is_some() || std::env::var("LOCKER_URL").is_ok_and(|u| !u.trim().is_empty());
     if remote {
         let file = std::fs::File::open(archive)
             .with_context(|| format!("cannot open {}", archive.display()))?;

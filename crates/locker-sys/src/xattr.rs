@@ -64,8 +64,10 @@ pub fn remove(path: &Path, name: &std::ffi::CStr) -> io::Result<()> {
 /// opened for I/O; `O_PATH` fds are refused by the kernel).
 pub fn fset(fd: std::os::fd::RawFd, name: &std::ffi::CStr, value: &[u8]) -> io::Result<()> {
     // SAFETY: `name` is NUL-terminated; `value` is readable for its length.
-    check(unsafe { libc::fsetxattr(fd, name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }.into())
-        .map(drop)
+    check(
+        unsafe { libc::fsetxattr(fd, name.as_ptr(), value.as_ptr().cast(), value.len(), 0) }.into(),
+    )
+    .map(drop)
 }
 
 /// Sets the attribute `name` of `path` to `value`.

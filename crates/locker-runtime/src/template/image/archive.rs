@@ -222,7 +222,11 @@ fn resolve_oci(index: &Index) -> Result<Resolved, TemplateError> {
         let config_digest = doc["config"]["digest"].as_str().unwrap_or_default();
         let config = index.read_blob(config_digest)?;
         let mut layers = Vec::new();
-        for l in doc["layers"].as_array().map(Vec::as_slice).unwrap_or_default() {
+        for l in doc["layers"]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+        {
             let digest = l["digest"].as_str().unwrap_or_default();
             if !is_sha256_digest(digest) {
                 return Err(bad(format!("names the layer digest {digest:?}")));
@@ -321,9 +325,12 @@ impl TemplateStore {
         }
         let mut sizes = Vec::new();
         for l in &image.layers {
-            let (_, size) = index
-                .find(&l.member)
-                .ok_or_else(|| bad(format!("has no member {:?}, which its manifest names", l.member)))?;
+            let (_, size) = index.find(&l.member).ok_or_else(|| {
+                bad(format!(
+                    "has no member {:?}, which its manifest names",
+                    l.member
+                ))
+            })?;
             sizes.push(size);
         }
         let total: u64 = sizes.iter().sum();
@@ -359,9 +366,7 @@ impl TemplateStore {
                     let mut metered = Metered::new(reader, u64::MAX);
                     let summary =
                         unpacker.apply(&mut metered, &label, Some(&config.diff_ids[i]))?;
-                    metered
-                        .drain()
-                        .map_err(io_err("cannot read", archive))?;
+                    metered.drain().map_err(io_err("cannot read", archive))?;
                     if let Some(want) = &layer.digest {
                         if metered.digest() != *want {
                             return Err(bad(format!(

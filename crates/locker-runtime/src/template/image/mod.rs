@@ -95,7 +95,6 @@ impl Default for ImageLimits {
     }
 }
 
-
 /// The template digest of the image whose config has digest `config_digest`.
 pub(crate) fn template_digest(config_digest: &str) -> String {
     let mut h = Sha256::new();
@@ -134,7 +133,11 @@ pub(crate) fn parse_config(bytes: &[u8]) -> Result<ImageConfig, TemplateError> {
     }
     let strings = |x: &serde_json::Value| -> Vec<String> {
         x.as_array()
-            .map(|a| a.iter().filter_map(|s| s.as_str().map(str::to_string)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s.as_str().map(str::to_string))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let c = &v["config"];
@@ -175,7 +178,9 @@ pub(crate) fn parse_config(bytes: &[u8]) -> Result<ImageConfig, TemplateError> {
         return Err(bad("lists no layers (rootfs.diff_ids)".into()));
     }
     if let Some(d) = diff_ids.iter().find(|d| !is_sha256_digest(d)) {
-        return Err(bad(format!("names the layer digest {d:?}: only sha256 digests are supported")));
+        return Err(bad(format!(
+            "names the layer digest {d:?}: only sha256 digests are supported"
+        )));
     }
     Ok(ImageConfig { run, diff_ids })
 }

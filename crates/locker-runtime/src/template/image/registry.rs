@@ -84,10 +84,7 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for Capped<W> {
         Pin::new(&mut self.inner).poll_flush(cx)
     }
 
-    fn poll_shutdown(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<std::io::Result<()>> {
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
         Pin::new(&mut self.inner).poll_shutdown(cx)
     }
 }
@@ -152,14 +149,22 @@ impl TemplateStore {
             client.pull_image_manifest(&reference, &auth),
         )
         .await
-        .map_err(|_| registry_error("fetching the manifest", "the registry did not answer in time"))?
+        .map_err(|_| {
+            registry_error(
+                "fetching the manifest",
+                "the registry did not answer in time",
+            )
+        })?
         .map_err(|e| {
             let hint = if source.plain_http.is_empty() && e.to_string().contains("https://") {
                 " (a registry without TLS must be named as a plain-HTTP one: --plain-http HOST)"
             } else {
                 ""
             };
-            registry_error(&format!("fetching the manifest of {reference}"), format!("{e}{hint}"))
+            registry_error(
+                &format!("fetching the manifest of {reference}"),
+                format!("{e}{hint}"),
+            )
         })?;
         if !CONFIG_TYPES.contains(&manifest.config.media_type.as_str()) {
             return Err(TemplateError::BadImage(format!(
@@ -184,7 +189,12 @@ impl TemplateStore {
             client.pull_blob(&reference, &manifest.config, &mut config_bytes),
         )
         .await
-        .map_err(|_| registry_error("fetching the image config", "the registry did not answer in time"))?
+        .map_err(|_| {
+            registry_error(
+                "fetching the image config",
+                "the registry did not answer in time",
+            )
+        })?
         .map_err(|e| registry_error("fetching the image config", e))?;
         let config = parse_config(&config_bytes.inner)?;
         if config.diff_ids.len() != manifest.layers.len() {
@@ -236,7 +246,16 @@ impl TemplateStore {
             if !self.is_built(&digest) {
                 let tmp = TmpDir::create(&self.templates, &digest)?;
                 let fetched = self
-                    .fetch_and_unpack(&client, &reference, &manifest.layers, &config, &tmp, limits, total, progress)
+                    .fetch_and_unpack(
+                        &client,
+                        &reference,
+                        &manifest.layers,
+                        &config,
+                        &tmp,
+                        limits,
+                        total,
+                        progress,
+                    )
                     .await;
                 if let Err(e) = fetched {
                     drop(tmp);
@@ -292,7 +311,13 @@ impl TemplateStore {
             );
             let path = dir.join(i.to_string());
             let got = self
-                .download(client, reference, layer, &path, limits.max_download_bytes - downloaded)
+                .download(
+                    client,
+                    reference,
+                    layer,
+                    &path,
+                    limits.max_download_bytes - downloaded,
+                )
                 .await;
             if let Some((h, l, size)) = running.take() {
                 match finish(h, &l, size, progress).await {
@@ -311,7 +336,9 @@ impl TemplateStore {
                 }
             };
             downloaded += size;
-            let mut u = unpacker.take().expect("the unpacker is back after each layer");
+            let mut u = unpacker
+                .take()
+                .expect("the unpacker is back after each layer");
             let diff_id = config.diff_ids[i].clone();
             let l = label.clone();
             let handle = tokio::task::spawn_blocking(move || {

@@ -17,10 +17,8 @@ struct Scratch(PathBuf);
 
 impl Scratch {
     fn new(what: &str) -> Self {
-        let p = std::env::temp_dir().join(format!(
-            "locker-image-test-{what}-{}",
-            std::process::id()
-        ));
+        let p =
+            std::env::temp_dir().join(format!("locker-image-test-{what}-{}", std::process::id()));
         let _ = locker_sys::fs::remove_tree(&p);
         fs::create_dir_all(p.join("root")).unwrap();
         fs::create_dir_all(p.join("outside")).unwrap();
@@ -186,8 +184,14 @@ fn a_layer_keeps_modes_owners_links_fifos_and_user_xattrs() {
     assert_eq!(m.permissions().mode() & 0o7777, 0o4755, "setuid kept");
     assert_eq!(m.nlink(), 2, "hard link made");
     assert_eq!(fs::metadata(r.join("home/u/notes")).unwrap().uid(), 1234);
-    assert_eq!(fs::read_link(r.join("bin")).unwrap(), PathBuf::from("usr/bin"));
-    assert!(fs::symlink_metadata(r.join("run/fifo")).unwrap().file_type().is_fifo());
+    assert_eq!(
+        fs::read_link(r.join("bin")).unwrap(),
+        PathBuf::from("usr/bin")
+    );
+    assert!(fs::symlink_metadata(r.join("run/fifo"))
+        .unwrap()
+        .file_type()
+        .is_fifo());
     let mut buf = [0u8; 64];
     let v = locker_sys::xattr::get(&r.join("etc/attrs"), c"user.origin", &mut buf);
     if let Ok(v) = v {
@@ -230,8 +234,14 @@ fn whiteouts_and_opaque_directories_hide_lower_layers_only() {
 #[test]
 fn dot_dot_paths_are_refused() {
     let s = Scratch::new("dotdot");
-    is_bad(apply(&s, &[layer(&[file("../outside/pwned", b"x")])]), "climbs out");
-    is_bad(apply(&s, &[layer(&[file("a/../../outside/pwned", b"x")])]), "climbs out");
+    is_bad(
+        apply(&s, &[layer(&[file("../outside/pwned", b"x")])]),
+        "climbs out",
+    );
+    is_bad(
+        apply(&s, &[layer(&[file("a/../../outside/pwned", b"x")])]),
+        "climbs out",
+    );
     assert!(s.outside_is_empty());
 }
 
@@ -244,7 +254,10 @@ fn a_symlink_pointing_out_never_takes_a_write_out() {
         link("escape", b'2', out.to_str().unwrap()),
         file("escape/pwned", b"x"),
     ]);
-    is_bad(apply(&s, &[l]), "a symlink whose target is not in the image");
+    is_bad(
+        apply(&s, &[l]),
+        "a symlink whose target is not in the image",
+    );
     // Relative, climbing: resolved inside the root it is the root itself.
     let l = layer(&[
         link("up", b'2', "../../../../../../.."),
@@ -266,7 +279,10 @@ fn hard_links_must_name_a_file_inside_the_root() {
     fs::write(s.outside().join("secret"), b"host").unwrap();
     let target = s.outside().join("secret");
     is_bad(
-        apply(&s, &[layer(&[link("stolen", b'1', target.to_str().unwrap())])]),
+        apply(
+            &s,
+            &[layer(&[link("stolen", b'1', target.to_str().unwrap())])],
+        ),
         "not in the image",
     );
     is_bad(
@@ -303,13 +319,17 @@ fn device_nodes_and_sparse_files_are_refused() {
 fn a_ten_gigabyte_file_is_refused_from_its_header_at_once() {
     let s = Scratch::new("huge");
     // Only the header: the refusal must come before any data is needed.
-    let mut l = header(b"huge", b'0', 10 << 30, 0o644, 0, b"").as_bytes().to_vec();
+    let mut l = header(b"huge", b'0', 10 << 30, 0o644, 0, b"")
+        .as_bytes()
+        .to_vec();
     l.extend_from_slice(&[0u8; 4096]);
     let started = Instant::now();
     let r = apply(&s, &[l]);
     assert!(matches!(r, Err(TemplateError::ImageTooBig(_))), "{r:?}");
     assert!(started.elapsed() < Duration::from_secs(2));
-    assert!(!s.root().join("huge").exists() || fs::metadata(s.root().join("huge")).unwrap().len() == 0);
+    assert!(
+        !s.root().join("huge").exists() || fs::metadata(s.root().join("huge")).unwrap().len() == 0
+    );
 }
 
 #[test]
@@ -336,7 +356,10 @@ fn a_layer_that_does_not_match_its_diff_id_is_refused() {
     u.apply(&gzip(&l)[..], "layer 1", Some(&right)).unwrap();
     let wrong = format!("sha256:{}", "0".repeat(64));
     let r = u.apply(&l[..], "layer 2", Some(&wrong));
-    assert!(matches!(&r, Err(TemplateError::BadImage(m)) if m.contains("tampered")), "{r:?}");
+    assert!(
+        matches!(&r, Err(TemplateError::BadImage(m)) if m.contains("tampered")),
+        "{r:?}"
+    );
 }
 
 #[test]
@@ -373,7 +396,9 @@ fn docker_archive(path: &Path, layers: &[Vec<u8>], env: &str) {
     })
     .to_string();
     let config_hex = hex(&Sha256::digest(config.as_bytes()));
-    let names: Vec<String> = (0..layers.len()).map(|i| format!("l{i}/layer.tar")).collect();
+    let names: Vec<String> = (0..layers.len())
+        .map(|i| format!("l{i}/layer.tar"))
+        .collect();
     let manifest = serde_json::json!([{"Config": format!("{config_hex}.json"), "RepoTags": ["t:1"], "Layers": names}]).to_string();
     let mut b = tar::Builder::new(fs::File::create(path).unwrap());
     let mut add = |name: &str, data: &[u8]| {
@@ -398,7 +423,10 @@ fn a_docker_archive_imports_once_and_a_hostile_one_leaves_nothing() {
     let good = s.0.join("good.tar");
     docker_archive(
         &good,
-        &[layer(&[file("bin/hello", b"hi\n")]), layer(&[file("etc/motd", b"m")])],
+        &[
+            layer(&[file("bin/hello", b"hi\n")]),
+            layer(&[file("etc/motd", b"m")]),
+        ],
         "GREETING=hello",
     );
     let t = store
@@ -419,7 +447,10 @@ fn a_docker_archive_imports_once_and_a_hostile_one_leaves_nothing() {
         "X=1",
     );
     let r = store.import_image_archive("bad", &hostile, ImageLimits::default(), &mut NoProgress);
-    assert!(matches!(&r, Err(TemplateError::BadImage(m)) if m.contains("device node")), "{r:?}");
+    assert!(
+        matches!(&r, Err(TemplateError::BadImage(m)) if m.contains("device node")),
+        "{r:?}"
+    );
     assert!(store.resolve("bad").unwrap().is_none());
     let leftovers: Vec<_> = fs::read_dir(s.0.join("cache/templates"))
         .unwrap()
@@ -429,8 +460,12 @@ fn a_docker_archive_imports_once_and_a_hostile_one_leaves_nothing() {
     assert!(leftovers.is_empty(), "{leftovers:?}");
     let not_image = s.0.join("plain.tar");
     fs::write(&not_image, layer(&[file("x", b"1")])).unwrap();
-    let r = store.import_image_archive("plain", &not_image, ImageLimits::default(), &mut NoProgress);
-    assert!(matches!(&r, Err(TemplateError::BadImage(m)) if m.contains("not an image archive")), "{r:?}");
+    let r =
+        store.import_image_archive("plain", &not_image, ImageLimits::default(), &mut NoProgress);
+    assert!(
+        matches!(&r, Err(TemplateError::BadImage(m)) if m.contains("not an image archive")),
+        "{r:?}"
+    );
 }
 
 /// Builds run pulls on spawned tasks: the future must be `Send`.

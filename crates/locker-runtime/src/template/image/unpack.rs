@@ -248,9 +248,20 @@ impl Pending {
                 .take()
                 .or_else(|| h.link_name_bytes().map(|l| l.into_owned())),
             mode: h.mode().unwrap_or(0o644) & 0o7777,
-            uid: h.uid().ok().and_then(|u| u32::try_from(u).ok()).unwrap_or(0),
-            gid: h.gid().ok().and_then(|g| u32::try_from(g).ok()).unwrap_or(0),
-            mtime: h.mtime().map(|t| t.min(i64::MAX as u64) as i64).unwrap_or(0),
+            uid: h
+                .uid()
+                .ok()
+                .and_then(|u| u32::try_from(u).ok())
+                .unwrap_or(0),
+            gid: h
+                .gid()
+                .ok()
+                .and_then(|g| u32::try_from(g).ok())
+                .unwrap_or(0),
+            mtime: h
+                .mtime()
+                .map(|t| t.min(i64::MAX as u64) as i64)
+                .unwrap_or(0),
             xattrs: Vec::new(),
         };
         let Some(pax) = self.pax.take() else {
@@ -272,13 +283,11 @@ impl Pending {
                 b"uid" => meta.uid = number().and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
                 b"gid" => meta.gid = number().and_then(|n| u32::try_from(n).ok()).unwrap_or(0),
                 b"mtime" => meta.mtime = number().unwrap_or(0),
-                b"size" => {
-                    if number() != Some(entry.size() as i64) {
-                        return Err(bad(
-                            label,
-                            "a PAX size record (a file over 8 GB) is not supported",
-                        ));
-                    }
+                b"size" if number() != Some(entry.size() as i64) => {
+                    return Err(bad(
+                        label,
+                        "a PAX size record (a file over 8 GB) is not supported",
+                    ));
                 }
                 k if k.starts_with(b"GNU.sparse.") => {
                     return Err(bad(label, "sparse files (GNU.sparse PAX records) are not supported: build the layer without --sparse"));
@@ -429,7 +438,8 @@ impl Unpacker {
         let mut summary = LayerSummary::default();
         let mut pending = Pending::default();
         for entry in entries {
-            let mut entry = entry.map_err(|e| bad(label, format!("not a valid tar stream: {e}")))?;
+            let mut entry =
+                entry.map_err(|e| bad(label, format!("not a valid tar stream: {e}")))?;
             if pending.absorb(&mut entry, label)? {
                 continue;
             }
@@ -637,7 +647,12 @@ impl Unpacker {
         }
         let flags = libc::O_PATH | libc::O_DIRECTORY;
         let mut made = false;
-        let fd = match sysfd::open_in_root(self.root.as_raw_fd(), &cstring_or_dot(&key, label)?, flags, 0) {
+        let fd = match sysfd::open_in_root(
+            self.root.as_raw_fd(),
+            &cstring_or_dot(&key, label)?,
+            flags,
+            0,
+        ) {
             Ok(fd) => fd,
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
                 let mut dir = self
@@ -703,7 +718,12 @@ impl Unpacker {
                 dir.try_clone()
                     .map_err(io_err("cannot duplicate", Path::new("/proc/self/fd")))?,
             )
-            .map_err(|e| bad(label, format!("cannot list a directory to make it opaque: {e}")))?;
+            .map_err(|e| {
+                bad(
+                    label,
+                    format!("cannot list a directory to make it opaque: {e}"),
+                )
+            })?;
             for name in names {
                 let mut path = parents.to_vec();
                 path.push(name.to_bytes().to_vec());
@@ -752,13 +772,13 @@ impl Unpacker {
         if !self.chown {
             return Ok(());
         }
-        let node = sysfd::openat(
-            parent.as_raw_fd(),
-            name,
-            libc::O_PATH | libc::O_NOFOLLOW,
-            0,
-        )
-        .map_err(|e| bad(label, format!("cannot open {:?}: {e}", name.to_string_lossy())))?;
+        let node = sysfd::openat(parent.as_raw_fd(), name, libc::O_PATH | libc::O_NOFOLLOW, 0)
+            .map_err(|e| {
+                bad(
+                    label,
+                    format!("cannot open {:?}: {e}", name.to_string_lossy()),
+                )
+            })?;
         sysfd::fchown_empty(node.as_raw_fd(), meta.uid, meta.gid)
             .map_err(|e| bad(label, format!("cannot set the owner: {e}")))
     }
@@ -780,7 +800,10 @@ impl Unpacker {
                 Err(e) => {
                     return Err(bad(
                         label,
-                        format!("cannot set the attribute {:?}: {e}", cname.to_string_lossy()),
+                        format!(
+                            "cannot set the attribute {:?}: {e}",
+                            cname.to_string_lossy()
+                        ),
                     ))
                 }
             }
@@ -800,7 +823,10 @@ fn cstring_or_dot(path: &[u8], label: &str) -> Result<CString, TemplateError> {
 fn parent_error(label: &str, comps: &[Vec<u8>], e: io::Error) -> TemplateError {
     let path = String::from_utf8_lossy(&join(comps)).into_owned();
     if e.raw_os_error() == Some(libc::ENOTDIR) {
-        bad(label, format!("{path:?} is not a directory, yet an entry lies under it"))
+        bad(
+            label,
+            format!("{path:?} is not a directory, yet an entry lies under it"),
+        )
     } else {
         bad(label, format!("cannot open the directory {path:?}: {e}"))
     }
