@@ -219,3 +219,54 @@ fn hundreds_of_jobs_leave_the_machine_serving() {
     assert_eq!(api.sh(&id, "echo fine"), "fine\n");
     assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
 }
+
+/// A command's cgroup left frozen (cgroup v1: the agent freezes a command's own cgroup to
+/// kill its tree, and may die before it thaws it, as when the machine is destroyed) must not
+/// keep the machine's processes alive: a frozen task never acts on SIGKILL, and PID 1's
+/// namespace teardown then waits for it forever. Deleting the sandbox ends everything.
+#[test]
+fn a_command_cgroup_left_frozen_does_not_outlive_its_sandbox() {
+    let root = std::path::Path::new("/sys/fs/cgroup/freezer/locker");
+    if !root.is_dir() {
+        eprintln!("no cgroup v1 freezer here: cgroup v2 kills frozen tasks itself");
+        return;
+    }
+    let s = Server::start();
+    let api = s.api();
+    let id = sandbox(&api, &json!({}));
+    api.sh(id.as_str(), "nohup sleep 1000 >/dev/null 2>&1 &");
+    let dir = root.join(&id);
+    let frozen: Vec<_> = std::fs::read_dir(&dir)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|p| {
+            p.is_dir()
+                && !std::fs::read_to_string(p.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .trim()
+                    .is_empty()
+        })
+        .collect();
+    assert!(
+        !frozen.is_empty(),
+        "the job's command cgroup under {}",
+        dir.display()
+    );
+    for p in &frozen {
+        std::fs::write(p.join("freezer.state"), "FROZEN").unwrap();
+    }
+    let t = Instant::now();
+    let r = api.delete(&format!("/v1/sandboxes/{id}"));
+    assert_eq!(r.status, 204, "{r:?}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "delete took {:?}",
+        t.elapsed()
+    );
+    locker_tests::wait_for(
+        Duration::from_secs(10),
+        "the machine's cgroup to go",
+        || (!dir.exists()).then_some(()),
+    );
+}

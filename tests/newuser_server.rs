@@ -514,9 +514,11 @@ fn a_template_is_removed_through_the_server_but_not_while_in_use() {
         .expect(204, "delete");
     let (other, _) = s.create_tenant("tpl-other");
     // Templates are per tenant: another tenant's is answered like a missing one.
-    other
-        .delete(&format!("/v1/templates/{name}"))
-        .expect_error(404, "not_found", "another tenant's template");
+    other.delete(&format!("/v1/templates/{name}")).expect_error(
+        404,
+        "not_found",
+        "another tenant's template",
+    );
     let out = cli(&["template", "rm", &name]);
     assert!(
         out.status.success(),

@@ -103,7 +103,10 @@ fn crafted_tar(script: &str) -> Vec<u8> {
          t.addfile(i, io.BytesIO(data) if i.isreg() else None)\n\
          {script}\nt.close()\nsys.stdout.buffer.write(buf.getvalue())\n"
     );
-    let out = Command::new("python3").args(["-c", &code]).output().unwrap();
+    let out = Command::new("python3")
+        .args(["-c", &code])
+        .output()
+        .unwrap();
     assert!(
         out.status.success(),
         "python: {}",
@@ -163,7 +166,8 @@ fn succeeded(events: &[Value]) -> Value {
     let last = events.last().expect("events");
     assert_eq!(last["type"], "result", "the last event is the result");
     assert_eq!(
-        last["state"], "succeeded",
+        last["state"],
+        "succeeded",
         "the build failed: {last}\n{}",
         logs(events).join("\n")
     );
@@ -175,13 +179,7 @@ fn cached_steps(events: &[Value]) -> Vec<usize> {
     logs(events)
         .iter()
         .filter(|l| l.ends_with(": cached"))
-        .filter_map(|l| {
-            l.strip_prefix("step ")?
-                .split('/')
-                .next()?
-                .parse()
-                .ok()
-        })
+        .filter_map(|l| l.strip_prefix("step ")?.split('/').next()?.parse().ok())
         .collect()
 }
 
@@ -189,13 +187,7 @@ fn ran_steps(events: &[Value]) -> Vec<usize> {
     logs(events)
         .iter()
         .filter(|l| l.ends_with(": running"))
-        .filter_map(|l| {
-            l.strip_prefix("step ")?
-                .split('/')
-                .next()?
-                .parse()
-                .ok()
-        })
+        .filter_map(|l| l.strip_prefix("step ")?.split('/').next()?.parse().ok())
         .collect()
 }
 
@@ -234,30 +226,42 @@ fn dockerfile_build_sandbox_and_cache() {
     let id = start_build(&api, &body(DOCKERFILE));
     let events = follow(&api, &id);
     let t = succeeded(&events);
-    assert!(events.iter().any(|e| e["type"] == "progress" && e["steps"] == 9));
+    assert!(events
+        .iter()
+        .any(|e| e["type"] == "progress" && e["steps"] == 9));
     assert_eq!(ran_steps(&events), vec![3, 4, 7], "{:#?}", logs(&events));
     assert_eq!(t["name"], "web");
     assert_eq!(t["workdir"], "/srv/app");
     assert_eq!(t["user"], "user");
     assert_eq!(t["env"]["APP_MODE"], "test");
-    let got = api.get(&format!("/v1/templates/builds/{id}")).expect(200, "build state");
+    let got = api
+        .get(&format!("/v1/templates/builds/{id}"))
+        .expect(200, "build state");
     assert_eq!(got["state"], "succeeded");
-    assert_eq!(api.get("/v1/templates/web").expect(200, "get")["digest"], t["digest"]);
+    assert_eq!(
+        api.get("/v1/templates/web").expect(200, "get")["digest"],
+        t["digest"]
+    );
 
     // A sandbox from it: env, workdir, user, and the start command serving (the create
     // answered only once the ready command succeeded).
     let sb = api.create_sandbox(&json!({"template": "web"}));
     let sb = sb["id"].as_str().unwrap().to_string();
-    let out = api.sh(&sb, "echo \"$APP_MODE $(id -un) $(pwd)\"; cat /opt/greeting built.txt");
+    let out = api.sh(
+        &sb,
+        "echo \"$APP_MODE $(id -un) $(pwd)\"; cat /opt/greeting built.txt",
+    );
     assert_eq!(
-        out,
-        "test user /srv/app\nhello from the build\none\n",
+        out, "test user /srv/app\nhello from the build\none\n",
         "env, user, workdir and the build's files"
     );
     let served = api.sh(&sb, "curl -sf http://127.0.0.1:8123/hello.txt");
     assert_eq!(served, "hello from the context\n");
     // An exec that names its own cwd and user still gets them.
-    let r = api.exec(&sb, &json!({"shell": "id -un; pwd", "cwd": "/tmp", "user": "root"}));
+    let r = api.exec(
+        &sb,
+        &json!({"shell": "id -un; pwd", "cwd": "/tmp", "user": "root"}),
+    );
     assert_eq!(r["stdout"], "root\n/tmp\n");
 
     // In use: not removed.
@@ -279,11 +283,16 @@ fn dockerfile_build_sandbox_and_cache() {
     assert_eq!(cached_steps(&events), vec![3, 4, 7], "{:#?}", logs(&events));
     assert!(ran_steps(&events).is_empty());
     eprintln!("fully cached rebuild: {:.3} s", took.as_secs_f64());
-    assert!(took < Duration::from_secs(1), "a cached rebuild took {took:?}");
+    assert!(
+        took < Duration::from_secs(1),
+        "a cached rebuild took {took:?}"
+    );
 
-    api.delete(&format!("/v1/sandboxes/{sb}")).expect(204, "delete the sandbox");
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the sandbox");
     assert_eq!(api.delete("/v1/templates/web").status, 204);
-    api.get("/v1/templates/web").expect_error(404, "not_found", "removed");
+    api.get("/v1/templates/web")
+        .expect_error(404, "not_found", "removed");
     let _ = std::fs::remove_dir_all(&ctx_dir);
 }
 
@@ -296,11 +305,17 @@ fn bad_inputs_are_clear_4xx_and_leave_nothing() {
     let df = |text: &str| json!({"name": "bad", "from": {"dockerfile": text}});
 
     let m = api
-        .post("/v1/templates", &df("FROM default\nRUN true\n\nHEALTHCHECK CMD true\n"))
+        .post(
+            "/v1/templates",
+            &df("FROM default\nRUN true\n\nHEALTHCHECK CMD true\n"),
+        )
         .expect_error(400, "bad_request", "an unsupported instruction");
     assert!(m.contains("line 4") && m.contains("HEALTHCHECK"), "{m}");
     let m = api
-        .post("/v1/templates", &df("FROM default\nRUN true \\\n  && true\nFROBNICATE\n"))
+        .post(
+            "/v1/templates",
+            &df("FROM default\nRUN true \\\n  && true\nFROBNICATE\n"),
+        )
         .expect_error(400, "bad_request", "an unknown instruction");
     assert!(m.contains("line 4") && m.contains("FROBNICATE"), "{m}");
     let m = api
@@ -308,7 +323,10 @@ fn bad_inputs_are_clear_4xx_and_leave_nothing() {
         .expect_error(400, "bad_request", "COPY without a context");
     assert!(m.contains("line 2") && m.contains("context"), "{m}");
     let m = api
-        .post("/v1/templates", &df("FROM default\nADD https://example.com/x /x\n"))
+        .post(
+            "/v1/templates",
+            &df("FROM default\nADD https://example.com/x /x\n"),
+        )
         .expect_error(400, "bad_request", "ADD from a URL");
     assert!(m.contains("URL"), "{m}");
     let m = api
@@ -327,14 +345,26 @@ fn bad_inputs_are_clear_4xx_and_leave_nothing() {
         )
         .expect_error(400, "bad_request", "bad JSON");
     assert!(m.contains("JSON"), "{m}");
-    api.post("/v1/templates", &json!({"name": "bad", "from": {"template": "default", "image": "x"}}))
-        .expect_error(400, "bad_request", "two sources");
-    api.post("/v1/templates", &json!({"name": "Bad Name", "from": {"template": "default"}}))
-        .expect_error(400, "bad_request", "a bad name");
-    api.post("/v1/templates", &json!({"name": "default", "from": {"template": "default"}}))
-        .expect_error(409, "conflict", "a shared name");
-    api.post("/v1/templates", &json!({"name": "x", "from": {"template": "default"}, "packages": ["jq"]}))
-        .expect_error(400, "bad_request", "packages without a network");
+    api.post(
+        "/v1/templates",
+        &json!({"name": "bad", "from": {"template": "default", "image": "x"}}),
+    )
+    .expect_error(400, "bad_request", "two sources");
+    api.post(
+        "/v1/templates",
+        &json!({"name": "Bad Name", "from": {"template": "default"}}),
+    )
+    .expect_error(400, "bad_request", "a bad name");
+    api.post(
+        "/v1/templates",
+        &json!({"name": "default", "from": {"template": "default"}}),
+    )
+    .expect_error(409, "conflict", "a shared name");
+    api.post(
+        "/v1/templates",
+        &json!({"name": "x", "from": {"template": "default"}, "packages": ["jq"]}),
+    )
+    .expect_error(400, "bad_request", "packages without a network");
 
     // COPY of a path outside the context: refused before any build.
     let ctx_dir = tempdir("ctx-bad");
@@ -358,8 +388,14 @@ fn bad_inputs_are_clear_4xx_and_leave_nothing() {
             "a file through a symlink",
             "add('link', type=tarfile.SYMTYPE, linkname='/tmp')\nadd('link/evil')",
         ),
-        ("a device node", "add('dev', type=tarfile.CHRTYPE, devmajor=1, devminor=3)"),
-        ("a hard link out", "add('h', type=tarfile.LNKTYPE, linkname='../../etc/passwd')"),
+        (
+            "a device node",
+            "add('dev', type=tarfile.CHRTYPE, devmajor=1, devminor=3)",
+        ),
+        (
+            "a hard link out",
+            "add('h', type=tarfile.LNKTYPE, linkname='../../etc/passwd')",
+        ),
     ];
     for (what, script) in hostile {
         let r = api.request(
@@ -399,7 +435,8 @@ fn bad_inputs_are_clear_4xx_and_leave_nothing() {
     let err = last["error"].as_str().unwrap();
     assert!(err.contains("line 2") && err.contains("code 3"), "{err}");
     assert!(logs(&events).iter().any(|l| l == "before"));
-    api.get("/v1/templates/fails").expect_error(404, "not_found", "no template");
+    api.get("/v1/templates/fails")
+        .expect_error(404, "not_found", "no template");
     assert_eq!(cache.templates(), before, "no half-made template");
     let _ = std::fs::remove_dir_all(&ctx_dir);
 }
@@ -421,8 +458,11 @@ fn tenants_limits_and_restart() {
     let b1 = build(&b, "mine", "echo b > /who");
     succeeded(&follow(&api, &a1));
     succeeded(&follow(&b, &b1));
-    b.get(&format!("/v1/templates/builds/{a1}"))
-        .expect_error(404, "not_found", "another tenant's build");
+    b.get(&format!("/v1/templates/builds/{a1}")).expect_error(
+        404,
+        "not_found",
+        "another tenant's build",
+    );
     let names = |api: &Api| -> Vec<String> {
         api.get("/v1/templates").expect(200, "list")["templates"]
             .as_array()
@@ -432,17 +472,31 @@ fn tenants_limits_and_restart() {
             .collect()
     };
     assert!(names(&b).contains(&"mine".to_string()) && names(&b).contains(&"default".to_string()));
-    assert!(!names(&b).iter().any(|n| n.contains('.')), "{:?}", names(&b));
-    let sa = api.create_sandbox(&json!({"template": "mine"}))["id"].as_str().unwrap().to_string();
-    let sb = b.create_sandbox(&json!({"template": "mine"}))["id"].as_str().unwrap().to_string();
+    assert!(
+        !names(&b).iter().any(|n| n.contains('.')),
+        "{:?}",
+        names(&b)
+    );
+    let sa = api.create_sandbox(&json!({"template": "mine"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let sb = b.create_sandbox(&json!({"template": "mine"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
     assert_eq!(api.sh(&sa, "cat /who; echo $WHO"), "a\nmine\n");
     assert_eq!(b.sh(&sb, "cat /who"), "b\n");
-    b.delete(&format!("/v1/sandboxes/{sb}")).expect(204, "delete");
+    b.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete");
     assert_eq!(b.delete("/v1/templates/mine").status, 204);
-    b.get("/v1/templates/mine").expect_error(404, "not_found", "b's is gone");
+    b.get("/v1/templates/mine")
+        .expect_error(404, "not_found", "b's is gone");
     api.get("/v1/templates/mine").expect(200, "a's stays");
-    b.delete("/v1/templates/code-interpreter").expect_error(403, "forbidden", "a shared one");
-    api.delete(&format!("/v1/sandboxes/{sa}")).expect(204, "delete");
+    b.delete("/v1/templates/code-interpreter")
+        .expect_error(403, "forbidden", "a shared one");
+    api.delete(&format!("/v1/sandboxes/{sa}"))
+        .expect(204, "delete");
 
     // Two builds of a tenant at once; the third waits, queued.
     let ids: Vec<String> = (0..3)
@@ -453,7 +507,8 @@ fn tenants_limits_and_restart() {
         let s: Vec<String> = ids
             .iter()
             .map(|id| {
-                api.get(&format!("/v1/templates/builds/{id}")).expect(200, "state")["state"]
+                api.get(&format!("/v1/templates/builds/{id}"))
+                    .expect(200, "state")["state"]
                     .as_str()
                     .unwrap()
                     .to_string()
@@ -464,8 +519,16 @@ fn tenants_limits_and_restart() {
         }
         std::thread::sleep(Duration::from_millis(100));
     };
-    assert_eq!(states.iter().filter(|x| *x == "running").count(), 2, "{states:?}");
-    assert_eq!(states.iter().filter(|x| *x == "queued").count(), 1, "{states:?}");
+    assert_eq!(
+        states.iter().filter(|x| *x == "running").count(),
+        2,
+        "{states:?}"
+    );
+    assert_eq!(
+        states.iter().filter(|x| *x == "queued").count(),
+        1,
+        "{states:?}"
+    );
     for id in &ids {
         succeeded(&follow(&api, id));
     }
@@ -473,16 +536,25 @@ fn tenants_limits_and_restart() {
     // A restart fails the build it interrupted, and says why.
     let id = build(&api, "cut", "sleep 60");
     let deadline = Instant::now() + Duration::from_secs(30);
-    while api.get(&format!("/v1/templates/builds/{id}")).expect(200, "state")["state"] != "running" {
+    while api
+        .get(&format!("/v1/templates/builds/{id}"))
+        .expect(200, "state")["state"]
+        != "running"
+    {
         assert!(Instant::now() < deadline, "the build never ran");
         std::thread::sleep(Duration::from_millis(100));
     }
     srv.kill9();
     srv.restart();
     let api = srv.api();
-    let v = api.get(&format!("/v1/templates/builds/{id}")).expect(200, "after the restart");
+    let v = api
+        .get(&format!("/v1/templates/builds/{id}"))
+        .expect(200, "after the restart");
     assert_eq!(v["state"], "failed", "{v}");
-    assert!(v["error"].as_str().unwrap().contains("server stopped"), "{v}");
+    assert!(
+        v["error"].as_str().unwrap().contains("server stopped"),
+        "{v}"
+    );
     let events = follow(&api, &id);
     assert_eq!(events.last().unwrap()["state"], "failed");
 }

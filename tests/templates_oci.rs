@@ -291,18 +291,19 @@ fn an_image_pulled_or_imported_becomes_a_sandbox() {
         "{t}"
     );
 
-    // A sandbox from it runs the image's busybox, with its files at its working directory.
+    // A sandbox from it runs the image's busybox, with its files at its working directory
+    // and its config's environment (the template's RunConfig, applied at create).
     let s = Server::start();
     let api = s.api();
     let sb = api.create_sandbox(&json!({ "template": pulled }));
     let id = sb["id"].as_str().unwrap();
     let r = api.exec(
         id,
-        &json!({ "shell": "cat /etc/greeting; cat data.txt; busybox | head -1 | cut -c1-7", "cwd": "/srv/app" }),
+        &json!({ "shell": "cat /etc/greeting; cat data.txt; busybox | head -1 | cut -c1-7; echo $GREETING; pwd" }),
     );
     assert_eq!(r["exit_code"], 0, "{r}");
     assert_eq!(
-        r["stdout"], "hello from the image\napp data\nBusyBox\n",
+        r["stdout"], "hello from the image\napp data\nBusyBox\nhello-from-config\n/srv/app\n",
         "{r}"
     );
     api.delete(&format!("/v1/sandboxes/{id}"));

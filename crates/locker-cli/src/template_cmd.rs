@@ -123,12 +123,15 @@ pub fn run(cmd: TemplateCmd) -> anyhow::Result<()> {
     }
     if let TemplateCmd::Get { name, endpoint } = &cmd {
         validate_name(name).map_err(one_line)?;
-        let v = endpoint.client()?.get_json(&format!("/v1/templates/{name}"), &[])?;
+        let v = endpoint
+            .client()?
+            .get_json(&format!("/v1/templates/{name}"), &[])?;
         println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(());
     }
     if let TemplateCmd::List { json, endpoint } = &cmd {
-        if endpoint.url.is_some() || std::env::var("LOCKER_URL").is_ok_and(|u| !u.trim().is_empty()) {
+        if endpoint.url.is_some() || std::env::var("LOCKER_URL").is_ok_and(|u| !u.trim().is_empty())
+        {
             return list_remote(endpoint, *json);
         }
     }
@@ -486,11 +489,20 @@ fn build_dockerfile(
             let base = dir
                 .canonicalize()
                 .ok()
-                .and_then(|d| d.file_name().map(|n| n.to_string_lossy().to_ascii_lowercase()))
+                .and_then(|d| {
+                    d.file_name()
+                        .map(|n| n.to_string_lossy().to_ascii_lowercase())
+                })
                 .unwrap_or_default();
             let clean: String = base
                 .chars()
-                .map(|c| if c.is_ascii_alphanumeric() || "._-".contains(c) { c } else { '-' })
+                .map(|c| {
+                    if c.is_ascii_alphanumeric() || "._-".contains(c) {
+                        c
+                    } else {
+                        '-'
+                    }
+                })
                 .collect();
             let clean = clean.trim_start_matches(['.', '_', '-']).to_string();
             if clean.is_empty() {
@@ -508,7 +520,9 @@ fn build_dockerfile(
     let network = match network {
         None | Some("none") => serde_json::json!({"egress": "none"}),
         Some("all") => serde_json::json!({"egress": "all"}),
-        Some(list) => serde_json::json!({"egress": "allow", "allow": list.split(',').map(str::trim).collect::<Vec<_>>()}),
+        Some(list) => {
+            serde_json::json!({"egress": "allow", "allow": list.split(',').map(str::trim).collect::<Vec<_>>()})
+        }
     };
     let client = endpoint.client()?;
     // The context: DIR as a tar archive in a temporary file, streamed with its length.
@@ -557,7 +571,10 @@ fn build_dockerfile(
                 }
             }
             Some("progress") if tty => {
-                let (step, steps) = (ev["step"].as_u64().unwrap_or(0), ev["steps"].as_u64().unwrap_or(1));
+                let (step, steps) = (
+                    ev["step"].as_u64().unwrap_or(0),
+                    ev["steps"].as_u64().unwrap_or(1),
+                );
                 let done = (step * 30 / steps.max(1)) as usize;
                 bar = format!(
                     "[{}{}] step {step}/{steps} · {}",
@@ -577,7 +594,9 @@ fn build_dockerfile(
     if result["state"] != "succeeded" {
         bail!(
             "build {id} failed: {}",
-            result["error"].as_str().unwrap_or("the stream ended without a result")
+            result["error"]
+                .as_str()
+                .unwrap_or("the stream ended without a result")
         );
     }
     let t = &result["template"];

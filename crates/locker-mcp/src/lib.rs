@@ -25,12 +25,12 @@ pub mod api;
 pub mod server;
 mod service;
 mod session;
+mod template;
 pub mod text;
 pub mod tools;
 mod tools_code;
 mod tools_service;
 mod tools_session;
-mod template;
 mod tools_template;
 
 use std::sync::Arc;

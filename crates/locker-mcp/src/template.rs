@@ -83,7 +83,11 @@ impl Call<'_> {
         let until = Instant::now() + timeout;
         loop {
             let b = self
-                .json(Method::GET, format!("/v1/templates/builds/{}", seg(&id)?), None)
+                .json(
+                    Method::GET,
+                    format!("/v1/templates/builds/{}", seg(&id)?),
+                    None,
+                )
                 .await?;
             let tail: Vec<Value> = b["log"]
                 .as_array()
@@ -91,7 +95,9 @@ impl Call<'_> {
                 .unwrap_or_default();
             match b["state"].as_str() {
                 Some("succeeded") => {
-                    return Ok(json!({"template": brief(&b["template"]), "build_id": id, "log_tail": tail}))
+                    return Ok(
+                        json!({"template": brief(&b["template"]), "build_id": id, "log_tail": tail}),
+                    )
                 }
                 Some("failed") => {
                     let lines: Vec<&str> = tail.iter().filter_map(Value::as_str).collect();

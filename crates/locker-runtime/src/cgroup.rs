@@ -412,6 +412,13 @@ impl MachineCgroup {
                     let _ = crate::sys::kill(*p, libc::SIGKILL);
                 }
                 let _ = self.set_frozen(false);
+                // A v1 cgroup frozen by itself stays frozen when its parent thaws, and a
+                // frozen task never acts on its SIGKILL: the agent freezes a command's
+                // cgroup to kill its tree, and if it dies in between (the machine is being
+                // destroyed), that command would hang the pid namespace's teardown.
+                if self.layout.version == Version::V1 {
+                    thaw_descendants(&self.freezer_dir());
+                }
             }
             std::thread::sleep(Duration::from_millis(2));
         }
@@ -492,6 +499,20 @@ impl MachineCgroup {
             .ok()
             .and_then(|s| s.trim().parse().ok())
             .unwrap_or(0)
+    }
+}
+
+/// Writes `THAWED` to every v1 freezer cgroup below `dir`.
+fn thaw_descendants(dir: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for e in entries.flatten() {
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            let child = e.path();
+            let _ = fs::write(child.join("freezer.state"), "THAWED");
+            thaw_descendants(&child);
+        }
     }
 }
 

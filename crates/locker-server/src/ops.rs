@@ -782,8 +782,7 @@ mod tests {
         );
         for (m, p) in &contract {
             let served = ROUTES.iter().any(|r| r.method == m && r.path == p);
-            let planned =
-                PLANNED.iter().any(|pl| p.starts_with(pl));
+            let planned = PLANNED.iter().any(|pl| p.starts_with(pl));
             assert!(
                 served || planned,
                 "docs/api.md has `{m} {p}` but the server neither serves nor plans it"

@@ -129,7 +129,10 @@ pub(crate) async fn create_sandbox(
 ) -> Result<(SandboxRecord, std::sync::Arc<Live>), ApiError> {
     let started = Instant::now();
     let (new, snapshot_dir) = checked(app, caller, body).await?;
-    let from_snapshot = snapshot_dir.as_ref().and_then(|d| d.file_name()).map(|n| n.to_string_lossy().into_owned());
+    let from_snapshot = snapshot_dir
+        .as_ref()
+        .and_then(|d| d.file_name())
+        .map(|n| n.to_string_lossy().into_owned());
     let fresh = snapshot_dir.is_none();
     let (rec, live) = launch(app, caller, &new, snapshot_dir).await?;
     // A template's start command, and its ready command before the sandbox is answered.
@@ -139,7 +142,12 @@ pub(crate) async fn create_sandbox(
             return Err(e);
         }
     }
-    app.events.emit(&caller.tenant, crate::events::Kind::SandboxCreated, &rec.id, json!({"template": rec.template, "runtime": rec.runtime, "from_snapshot": from_snapshot}));
+    app.events.emit(
+        &caller.tenant,
+        crate::events::Kind::SandboxCreated,
+        &rec.id,
+        json!({"template": rec.template, "runtime": rec.runtime, "from_snapshot": from_snapshot}),
+    );
     app.metrics
         .sandbox_create_seconds
         .observe(started.elapsed().as_secs_f64());

@@ -32,10 +32,10 @@ pub use model::{
     now_unix, parse_rfc3339, strip_output, validate_tenant_name, CallKind, CallRecord, KeyInfo,
     Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
 };
-pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
-pub use model::{EventRecord, SandboxTimes, WebhookRecord};
+pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 pub use model::{CallOutcome, CallPage, CallQuery};
+pub use model::{EventRecord, SandboxTimes, WebhookRecord};
 pub use random::{fill_random, new_id, new_preview_token, API_KEY_PREFIX, PREVIEW_TOKEN_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
 pub use sqlite::{SqliteStore, SCHEMA_VERSION};
@@ -234,8 +234,7 @@ pub trait Store: Send + Sync {
 
     /// Stores (or replaces) template build `id` of `tenant`: its state (`queued`,
     /// `running`, `succeeded`, `failed`) and its record, JSON the server owns.
-    fn put_template_build(&self, id: &str, tenant: &str, state: &str, record: &str)
-        -> Result<()>;
+    fn put_template_build(&self, id: &str, tenant: &str, state: &str, record: &str) -> Result<()>;
 
     /// The record of the tenant's build `id` (`None` for another tenant's).
     fn get_template_build(&self, tenant: &str, id: &str) -> Result<Option<String>>;

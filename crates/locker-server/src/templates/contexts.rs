@@ -222,7 +222,10 @@ fn unpack(tar: &Path, root: &Path) -> Result<(u64, u64), ApiError> {
                     .map_err(|e| bad(format!("entry {}: {e}", rel.display())))?
                     .ok_or_else(|| bad(format!("hard link {} has no target", rel.display())))?;
                 let t = clean(&target).ok_or_else(|| {
-                    bad(format!("hard link {} points out of the context", rel.display()))
+                    bad(format!(
+                        "hard link {} points out of the context",
+                        rel.display()
+                    ))
                 })?;
                 let src = root.join(&t);
                 // Only a regular file unpacked before it, reached without a symlink.
@@ -264,7 +267,9 @@ fn clean(p: &Path) -> Option<PathBuf> {
 
 /// Makes `dir` under `root`, refusing to pass through a symlink or a file.
 fn ensure_dirs(root: &Path, dir: &Path) -> io::Result<()> {
-    let rel = dir.strip_prefix(root).map_err(|_| io::Error::other("outside the context"))?;
+    let rel = dir
+        .strip_prefix(root)
+        .map_err(|_| io::Error::other("outside the context"))?;
     let mut at = root.to_path_buf();
     for c in rel.components() {
         at.push(c);

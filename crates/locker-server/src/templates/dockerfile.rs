@@ -122,9 +122,7 @@ pub fn parse(text: &str) -> Result<Vec<Raw>, DockerfileError> {
         let mut rest = rest.trim_start();
         let mut flags = Vec::new();
         while let Some(f) = rest.strip_prefix("--") {
-            let (flag, after) = f
-                .split_once(|c: char| c.is_whitespace())
-                .unwrap_or((f, ""));
+            let (flag, after) = f.split_once(|c: char| c.is_whitespace()).unwrap_or((f, ""));
             let (k, v) = flag.split_once('=').unwrap_or((flag, ""));
             flags.push((k.to_string(), v.to_string()));
             rest = after.trim_start();
@@ -264,8 +262,7 @@ pub fn plan(raw: &[Raw], build_args: &BTreeMap<String, String>) -> Result<Plan, 
             "FROM" => {
                 if seen_from {
                     return Err(err(
-                        "a second FROM: multi-stage builds are not supported, use one stage"
-                            .into(),
+                        "a second FROM: multi-stage builds are not supported, use one stage".into(),
                     ));
                 }
                 seen_from = true;
@@ -344,9 +341,10 @@ pub fn plan(raw: &[Raw], build_args: &BTreeMap<String, String>) -> Result<Plan, 
             "EXPOSE" => {
                 for w in words(&r.args, &vars).map_err(&err)? {
                     let port = w.split('/').next().unwrap_or("");
-                    let p: u16 = port.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
-                        err(format!("EXPOSE {w:?}: give a port number 1-65535"))
-                    })?;
+                    let p: u16 =
+                        port.parse().ok().filter(|p| *p > 0).ok_or_else(|| {
+                            err(format!("EXPOSE {w:?}: give a port number 1-65535"))
+                        })?;
                     if !config.exposed_ports.contains(&p) {
                         config.exposed_ports.push(p);
                     }
@@ -450,9 +448,11 @@ pub fn plan(raw: &[Raw], build_args: &BTreeMap<String, String>) -> Result<Plan, 
 
 fn is_archive(s: &str) -> bool {
     let s = s.to_ascii_lowercase();
-    [".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst"]
-        .iter()
-        .any(|e| s.ends_with(e))
+    [
+        ".tar", ".tar.gz", ".tgz", ".tar.bz2", ".tbz2", ".tar.xz", ".txz", ".tar.zst",
+    ]
+    .iter()
+    .any(|e| s.ends_with(e))
 }
 
 fn one_line(s: &str) -> String {
@@ -523,7 +523,10 @@ fn key_values(
 ) -> Result<Vec<(String, String)>, String> {
     let first = text.split_whitespace().next().unwrap_or("");
     if !first.contains('=') {
-        let (k, v) = text.trim().split_once(char::is_whitespace).unwrap_or((text.trim(), ""));
+        let (k, v) = text
+            .trim()
+            .split_once(char::is_whitespace)
+            .unwrap_or((text.trim(), ""));
         let v = words(v.trim(), vars)?.join(" ");
         return Ok(vec![(k.to_string(), v)]);
     }
@@ -724,7 +727,12 @@ mod tests {
         let mut args = BTreeMap::new();
         args.insert("V".to_string(), "7".to_string());
         let p = plan(&raw, &args).unwrap();
-        assert_eq!(p.steps[0].2, Step::From { image: "default".into() });
+        assert_eq!(
+            p.steps[0].2,
+            Step::From {
+                image: "default".into()
+            }
+        );
         assert_eq!(p.config.env["A"], "x y");
         assert_eq!(p.config.env["B"], "7z");
         assert_eq!(p.config.env["C"], "d");
@@ -734,12 +742,18 @@ mod tests {
         assert_eq!(p.config.exposed_ports, vec![8080, 9000]);
         assert_eq!(p.config.labels["k"], "$V");
         let copy = p.steps.iter().find_map(|(_, _, s)| match s {
-            Step::Copy { srcs, dest, chown, .. } => Some((srcs.clone(), dest.clone(), chown.clone())),
+            Step::Copy {
+                srcs, dest, chown, ..
+            } => Some((srcs.clone(), dest.clone(), chown.clone())),
             _ => None,
         });
         assert_eq!(
             copy,
-            Some((vec!["a".into(), "b".into()], "/dst/".into(), Some("user:user".into())))
+            Some((
+                vec!["a".into(), "b".into()],
+                "/dst/".into(),
+                Some("user:user".into())
+            ))
         );
         let e = plan(&parse("FROM default\nCOPY a b /dst\n").unwrap(), &args).unwrap_err();
         assert!(e.message.contains("ending in /"));
@@ -757,7 +771,10 @@ mod tests {
         };
         assert_eq!(
             env,
-            &[("X".to_string(), "1".to_string()), ("Y".to_string(), "2".to_string())]
+            &[
+                ("X".to_string(), "1".to_string()),
+                ("Y".to_string(), "2".to_string())
+            ]
         );
     }
 }

@@ -18,7 +18,6 @@ mod contexts;
 pub mod dockerfile;
 mod steps;
 
-use std::collections::BTreeMap;
 use axum::extract::{Path, State};
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
@@ -31,6 +30,7 @@ use locker_runtime::template::{
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest as _, Sha256};
+use std::collections::BTreeMap;
 
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -118,11 +118,7 @@ fn check_name(name: &str) -> Result<(), ApiError> {
 
 /// `tenant`'s template `name` (or a shared one), shown under `name`. Tenant `default` may
 /// also name a template by digest, as the CLI does.
-pub fn resolve_for(
-    app: &AppState,
-    tenant: &str,
-    name: &str,
-) -> Result<Option<Template>, ApiError> {
+pub fn resolve_for(app: &AppState, tenant: &str, name: &str) -> Result<Option<Template>, ApiError> {
     let read = |e: locker_runtime::template::TemplateError| {
         ApiError::internal(format!("reading templates: {e}"))
     };
@@ -348,7 +344,9 @@ async fn create(
         return Err(ApiError::bad_request("`start_cmd` is empty"));
     }
     for p in &b.packages {
-        if !p.bytes().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"+.-".contains(&c))
+        if !p
+            .bytes()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || b"+.-".contains(&c))
             || p.len() < 2
         {
             return Err(ApiError::bad_request(format!(
@@ -358,10 +356,14 @@ async fn create(
     }
     let from = b.from.as_ref();
     let sources = from.map_or(0, |f| {
-        [f.template.is_some(), f.image.is_some(), f.dockerfile.is_some()]
-            .iter()
-            .filter(|x| **x)
-            .count()
+        [
+            f.template.is_some(),
+            f.image.is_some(),
+            f.dockerfile.is_some(),
+        ]
+        .iter()
+        .filter(|x| **x)
+        .count()
     });
     if from.is_some() && sources != 1 {
         return Err(ApiError::bad_request(
@@ -374,7 +376,9 @@ async fn create(
         ));
     }
     if from.is_some_and(|f| f.dockerfile.is_none() && f.context_id.is_some()) {
-        return Err(ApiError::bad_request("`context_id` goes with `from.dockerfile` only"));
+        return Err(ApiError::bad_request(
+            "`context_id` goes with `from.dockerfile` only",
+        ));
     }
     let mut context = None;
     let (base, steps) = match from {
@@ -410,8 +414,10 @@ async fn create(
                     }
                 }
                 context = Some(ctx);
-            } else if let Some((line, _, _)) =
-                plan.steps.iter().find(|(_, _, s)| matches!(s, Step::Copy { .. }))
+            } else if let Some((line, _, _)) = plan
+                .steps
+                .iter()
+                .find(|(_, _, s)| matches!(s, Step::Copy { .. }))
             {
                 return Err(ApiError::bad_request(format!(
                     "Dockerfile line {line}: COPY needs a build context: upload it (POST /v1/templates/contexts, a tar body) and pass its `context_id`"
@@ -436,7 +442,10 @@ async fn create(
                 ))
             })?;
             let from = Step::From { image: t.clone() };
-            (Base::Template(base), simple_steps(from, &b.packages, &b.run, &network)?)
+            (
+                Base::Template(base),
+                simple_steps(from, &b.packages, &b.run, &network)?,
+            )
         }
         Some(FromBody {
             image: Some(r),
@@ -470,9 +479,13 @@ async fn create(
                 .map_err(|e| ApiError::bad_request(e.to_string()))?;
             (
                 Base::Spec(spec),
-                vec![(0, "FROM debian:bookworm".to_string(), Step::From {
-                    image: DEFAULT_BASE.into(),
-                })],
+                vec![(
+                    0,
+                    "FROM debian:bookworm".to_string(),
+                    Step::From {
+                        image: DEFAULT_BASE.into(),
+                    },
+                )],
             )
         }
     };
@@ -489,8 +502,14 @@ async fn create(
         let app = app2;
         let _slot = slots.acquire_owned().await;
         build.running(&app);
-        build.log(format!("building template {name:?} ({} steps)", steps.len()));
-        let result = execute(&app, &build, &tenant, &name, base, steps, context, network, config).await;
+        build.log(format!(
+            "building template {name:?} ({} steps)",
+            steps.len()
+        ));
+        let result = execute(
+            &app, &build, &tenant, &name, base, steps, context, network, config,
+        )
+        .await;
         match &result {
             Ok(t) => app.events.emit(
                 &tenant,
@@ -544,10 +563,17 @@ fn simple_steps(
     run: &[String],
     network: &Value,
 ) -> Result<Vec<(usize, String, Step)>, ApiError> {
-    let mut steps = vec![(0, format!("FROM {}", match &from {
-        Step::From { image } => image.as_str(),
-        _ => "",
-    }), from)];
+    let mut steps = vec![(
+        0,
+        format!(
+            "FROM {}",
+            match &from {
+                Step::From { image } => image.as_str(),
+                _ => "",
+            }
+        ),
+        from,
+    )];
     let mut cmds = Vec::new();
     if !packages.is_empty() {
         if !crate::limits::has_egress(network) {
@@ -562,7 +588,9 @@ fn simple_steps(
     }
     for (i, r) in run.iter().enumerate() {
         if r.trim().is_empty() || r.contains('\0') {
-            return Err(ApiError::bad_request(format!("`run[{i}]` is empty or holds a NUL byte")));
+            return Err(ApiError::bad_request(format!(
+                "`run[{i}]` is empty or holds a NUL byte"
+            )));
         }
         cmds.push(r.clone());
     }
@@ -767,9 +795,14 @@ pub async fn start_sandbox(
             cmd: Some(cmd.clone()),
             ..Default::default()
         };
-        crate::processes::spawn_background(app, caller, live, req, std::time::Instant::now(), |s| {
-            apply_defaults(app, &live.template_digest, s)
-        })
+        crate::processes::spawn_background(
+            app,
+            caller,
+            live,
+            req,
+            std::time::Instant::now(),
+            |s| apply_defaults(app, &live.template_digest, s),
+        )
         .await
         .map_err(|e| {
             ApiError::unprocessable(format!(

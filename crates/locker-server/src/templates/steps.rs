@@ -80,7 +80,11 @@ pub async fn run(
     let mut chain = digest_of(&[STEP_FORMAT.as_bytes(), b"from", cur.digest.as_bytes()]);
     let mut bytes = 0u64;
     build.progress(1, total, 0);
-    build.log(format!("step 1/{total}: {}: {}", steps[0].1, short(&cur.digest)));
+    build.log(format!(
+        "step 1/{total}: {}: {}",
+        steps[0].1,
+        short(&cur.digest)
+    ));
     for (i, (line, text, step)) in steps.iter().enumerate().skip(1) {
         let n = i + 1;
         let extra = match step {
@@ -128,11 +132,19 @@ pub async fn run(
                 env,
                 workdir,
                 user,
-            } => {
-                run_step(app, build, job, &cur, &chain, argv, env, workdir, user.as_deref())
-                    .await
-                    .map_err(|e| format!("line {line}: {text}: {e}"))?
-            }
+            } => run_step(
+                app,
+                build,
+                job,
+                &cur,
+                &chain,
+                argv,
+                env,
+                workdir,
+                user.as_deref(),
+            )
+            .await
+            .map_err(|e| format!("line {line}: {text}: {e}"))?,
             Step::Copy {
                 srcs,
                 dest,
@@ -151,16 +163,18 @@ pub async fn run(
                     (app.templates.clone(), chain.clone(), cur.packages.clone());
                 let mut copied = 0u64;
                 let t = blocking(move || {
-                    store.make_layer(&digest, packages, RunConfig::default(), |rootfs| {
-                        link_tree(&parent.rootfs, rootfs).map_err(io("linking the parent's tree"))?;
-                        copied = copy_step(&ctx, rootfs, &srcs, &dest, chown.as_deref(), chmod)
-                            .map_err(|e| TemplateError::BuildFailed {
-                                step: "COPY".into(),
-                                detail: e,
-                            })?;
-                        Ok(())
-                    })
-                    .map(|t| (t, copied))
+                    store
+                        .make_layer(&digest, packages, RunConfig::default(), |rootfs| {
+                            link_tree(&parent.rootfs, rootfs)
+                                .map_err(io("linking the parent's tree"))?;
+                            copied = copy_step(&ctx, rootfs, &srcs, &dest, chown.as_deref(), chmod)
+                                .map_err(|e| TemplateError::BuildFailed {
+                                    step: "COPY".into(),
+                                    detail: e,
+                                })?;
+                            Ok(())
+                        })
+                        .map(|t| (t, copied))
                 })
                 .await?
                 .map_err(|e| format!("line {line}: {text}: {e}"))?;
@@ -173,7 +187,8 @@ pub async fn run(
                     (app.templates.clone(), chain.clone(), cur.packages.clone());
                 blocking(move || {
                     store.make_layer(&digest, packages, RunConfig::default(), |rootfs| {
-                        link_tree(&parent.rootfs, rootfs).map_err(io("linking the parent's tree"))?;
+                        link_tree(&parent.rootfs, rootfs)
+                            .map_err(io("linking the parent's tree"))?;
                         let at = resolve_in_root(rootfs, &path, true)
                             .map_err(io("resolving the working directory"))?;
                         make_dirs(rootfs, &at).map_err(io("making the working directory"))?;
@@ -195,10 +210,7 @@ pub async fn run(
     // The result: the last written tree with the build's run config.
     let config = merge_config(&job.base.config, &job.config);
     if config == cur.config {
-        build.log(format!(
-            "built in {:.1}s",
-            started.elapsed().as_secs_f64()
-        ));
+        build.log(format!("built in {:.1}s", started.elapsed().as_secs_f64()));
         return Ok(cur);
     }
     let cfg_json = serde_json::to_string(&config).expect("a config serializes");
@@ -211,10 +223,7 @@ pub async fn run(
     })
     .await?
     .map_err(|e| format!("saving the template: {e}"))?;
-    build.log(format!(
-        "built in {:.1}s",
-        started.elapsed().as_secs_f64()
-    ));
+    build.log(format!("built in {:.1}s", started.elapsed().as_secs_f64()));
     Ok(t)
 }
 
@@ -329,12 +338,17 @@ async fn run_step(
             .ok_or("the build machine has no writable layer on the host")?;
         let (store, digest, parent) = (app.templates.clone(), digest.to_string(), parent.clone());
         blocking(move || {
-            store.make_layer(&digest, parent.packages.clone(), RunConfig::default(), |rootfs| {
-                link_tree(&parent.rootfs, rootfs).map_err(io("linking the parent's tree"))?;
-                apply_upper(&upper, rootfs, MACHINE_PATHS)
-                    .map_err(io("applying the command's changes"))?;
-                Ok(())
-            })
+            store.make_layer(
+                &digest,
+                parent.packages.clone(),
+                RunConfig::default(),
+                |rootfs| {
+                    link_tree(&parent.rootfs, rootfs).map_err(io("linking the parent's tree"))?;
+                    apply_upper(&upper, rootfs, MACHINE_PATHS)
+                        .map_err(io("applying the command's changes"))?;
+                    Ok(())
+                },
+            )
         })
         .await?
         .map_err(|e| format!("saving the step: {e}"))
@@ -509,7 +523,10 @@ fn make_dirs(rootfs: &Path, dir: &Path) -> std::io::Result<()> {
             Ok(_) => {
                 return Err(std::io::Error::new(
                     std::io::ErrorKind::AlreadyExists,
-                    format!("/{} is not a directory", at.strip_prefix(rootfs).unwrap_or(&at).display()),
+                    format!(
+                        "/{} is not a directory",
+                        at.strip_prefix(rootfs).unwrap_or(&at).display()
+                    ),
                 ))
             }
             Err(_) => {

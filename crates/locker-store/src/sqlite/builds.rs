@@ -41,9 +41,11 @@ pub(super) fn get_template_build(
     id: &str,
 ) -> Result<Option<String>> {
     db.read(|c| {
-        Ok(c.prepare_cached("SELECT record FROM template_builds WHERE tenant = ?1 AND id = ?2")?
-            .query_row(params![tenant, id], |r| r.get(0))
-            .optional()?)
+        Ok(
+            c.prepare_cached("SELECT record FROM template_builds WHERE tenant = ?1 AND id = ?2")?
+                .query_row(params![tenant, id], |r| r.get(0))
+                .optional()?,
+        )
     })
 }
 
