@@ -22,6 +22,7 @@ TOOLS = {
     "sandbox_delete", "file_read", "file_write", "file_edit", "file_list", "snapshot_create",
     "sandbox_fork", "volume_create", "volume_list", "sandbox_list", "sandbox_set_ttl", "process_list",
     "snapshot_list", "snapshot_delete", "service_start", "port_list", "run_code",
+    "template_build", "template_list",
 }
 
 
