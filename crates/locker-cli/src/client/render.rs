@@ -118,6 +118,25 @@ fn flatten(prefix: &str, v: &Value, out: &mut Vec<(String, String)>) {
             };
             out.push((prefix.to_string(), joined));
         }
+        // A list of flat records (a histogram's buckets): `k=v k=v; k=v k=v`, as text.
+        Value::Array(items)
+            if items.iter().all(|i| {
+                i.as_object()
+                    .is_some_and(|m| m.values().all(|v| !v.is_object() && !v.is_array()))
+            }) =>
+        {
+            let parts: Vec<String> = items
+                .iter()
+                .filter_map(Value::as_object)
+                .map(|m| {
+                    m.iter()
+                        .map(|(k, v)| format!("{}={}", clean(k), cell(Some(v))))
+                        .collect::<Vec<_>>()
+                        .join(" ")
+                })
+                .collect();
+            out.push((prefix.to_string(), parts.join("; ")));
+        }
         other => out.push((prefix.to_string(), cell(Some(other)))),
     }
 }
@@ -255,6 +274,14 @@ mod tests {
              network.egress: none\n\
              volumes:        -\n"
         );
+    }
+
+    #[test]
+    fn lists_of_records_read_as_text() {
+        let v = json!({"gaps": [{"le": 0.1, "count": 2}, {"le": null, "count": 0}]});
+        let text = kv_lines(&v, &[], 0);
+        assert_eq!(text, "gaps: count=2 le=0.1; count=0 le=-\n");
+        assert!(!text.contains('{') && !text.contains('"'));
     }
 
     #[test]
