@@ -70,6 +70,10 @@ fn node_major() -> u32 {
 /// `sdk/typescript/node_modules` with the locked devDependencies, or None (with a message)
 /// when the npm registry is unreachable.
 fn dev_dependencies(pkg: &Path) -> Option<()> {
+    // The tests of this binary run at once: one npm ci in the package at a time (a second
+    // one would delete the first's node_modules under it).
+    static NPM: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    let _one = NPM.lock().unwrap_or_else(|e| e.into_inner());
     let tsc = pkg.join("node_modules/typescript/bin/tsc");
     let types = pkg.join("node_modules/@types/node/package.json");
     // npm ci writes this copy of the lock last; an older install of another lock is redone.
