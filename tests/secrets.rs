@@ -14,7 +14,7 @@ use std::process::{Command, Stdio};
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use locker_tests::egress::{ip, ns_listens, wait_egress_ok};
+use locker_tests::egress::{ns_listens, wait_egress_ok, wire_namespace};
 use locker_tests::server::{Api, Server};
 use locker_tests::{become_subreaper, register_child, TempDir};
 use serde_json::{json, Value};
@@ -85,22 +85,7 @@ impl EchoHost {
             log: dir.path().join("requests.log"),
             _dir: dir,
         };
-        ip(&["netns", "add", &ns]);
-        ip(&[
-            "link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &ns,
-        ]);
-        ip(&["addr", "add", &format!("{host}/30"), "dev", &link]);
-        ip(&["link", "set", &link, "up"]);
-        for c in [
-            vec!["link", "set", "lo", "up"],
-            vec!["addr", "add", &format!("{srv}/30"), "dev", "eth0"],
-            vec!["link", "set", "eth0", "up"],
-            vec!["route", "add", "default", "via", &host.to_string()],
-        ] {
-            let mut a = vec!["-n", ns.as_str()];
-            a.extend(c.iter().copied());
-            ip(&a);
-        }
+        wire_namespace(&ns, &link, host, srv);
         let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/secrets_echo.js");
         std::fs::write(&h.log, "").unwrap();
         let child = Command::new("ip")

@@ -27,24 +27,10 @@ use std::time::Instant;
 
 use locker_tests::become_subreaper;
 use locker_tests::server::Server;
-use locker_tests::tools::run_logged;
+use locker_tests::tools::{npm_unreachable, run_logged};
 
 fn package() -> PathBuf {
     locker_tests::root().join("sdk/typescript")
-}
-
-/// Whether a failed npm command's log says the registry could not be reached.
-fn npm_unreachable(log: &str) -> bool {
-    [
-        "ENOTFOUND",
-        "EAI_AGAIN",
-        "ECONNREFUSED",
-        "ETIMEDOUT",
-        "ENETUNREACH",
-        "ECONNRESET",
-    ]
-    .iter()
-    .any(|m| log.contains(m))
 }
 
 /// Node's major version, failing the test with what to run when Node is missing or older

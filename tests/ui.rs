@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 use locker_store::{CallRecord, SqliteStore, Store};
 use locker_tests::become_subreaper;
 use locker_tests::server::{enc, Api, Server};
-use locker_tests::tools::run_logged;
+use locker_tests::tools::{npm_unreachable, run_logged};
 use serde_json::{json, Value};
 
 fn header(r: &locker_tests::server::Resp, name: &str) -> String {
@@ -477,20 +477,6 @@ fn insert_records_other(srv: &Server) {
     r.id = "call_bulk_other_tenant".into();
     r.result.call_id = r.id.clone();
     store.insert_calls(&[r]).unwrap();
-}
-
-/// Whether a failed npm command's log says the registry could not be reached.
-fn npm_unreachable(log: &str) -> bool {
-    [
-        "ENOTFOUND",
-        "EAI_AGAIN",
-        "ECONNREFUSED",
-        "ETIMEDOUT",
-        "ENETUNREACH",
-        "ECONNRESET",
-    ]
-    .iter()
-    .any(|m| log.contains(m))
 }
 
 /// `tests/ui/node_modules` with the locked playwright-core, or None when npm cannot reach

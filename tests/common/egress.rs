@@ -16,6 +16,27 @@ use crate::{register_child, TempDir};
 
 pub const GREETING: &str = "hello-from-the-test-server";
 
+/// Makes network namespace `ns` wired to the host by veth `link`: the host side at `host`,
+/// the namespace's `eth0` at `srv` (a /30), with its default route via the host.
+pub fn wire_namespace(ns: &str, link: &str, host: Ipv4Addr, srv: Ipv4Addr) {
+    ip(&["netns", "add", ns]);
+    ip(&[
+        "link", "add", link, "type", "veth", "peer", "name", "eth0", "netns", ns,
+    ]);
+    ip(&["addr", "add", &format!("{host}/30"), "dev", link]);
+    ip(&["link", "set", link, "up"]);
+    for c in [
+        vec!["link", "set", "lo", "up"],
+        vec!["addr", "add", &format!("{srv}/30"), "dev", "eth0"],
+        vec!["link", "set", "eth0", "up"],
+        vec!["route", "add", "default", "via", &host.to_string()],
+    ] {
+        let mut a = vec!["-n", ns];
+        a.extend(c.iter().copied());
+        ip(&a);
+    }
+}
+
 pub fn ip(args: &[&str]) {
     let out = Command::new("ip").args(args).output().expect("run ip");
     assert!(
@@ -71,22 +92,7 @@ impl TestNet {
             tls: None,
             _www: None,
         };
-        ip(&["netns", "add", &ns]);
-        ip(&[
-            "link", "add", &link, "type", "veth", "peer", "name", "eth0", "netns", &ns,
-        ]);
-        ip(&["addr", "add", &format!("{host}/30"), "dev", &link]);
-        ip(&["link", "set", &link, "up"]);
-        for c in [
-            vec!["link", "set", "lo", "up"],
-            vec!["addr", "add", &format!("{srv}/30"), "dev", "eth0"],
-            vec!["link", "set", "eth0", "up"],
-            vec!["route", "add", "default", "via", &host.to_string()],
-        ] {
-            let mut a = vec!["-n", ns.as_str()];
-            a.extend(c.iter().copied());
-            ip(&a);
-        }
+        wire_namespace(&ns, &link, host, srv);
         let nsf = std::fs::File::open(format!("/run/netns/{ns}")).expect("open the namespace");
         let (stop, hits) = (t.stop.clone(), t.hits.clone());
         let count_443 = pki.is_none();

@@ -25,6 +25,20 @@ pub fn pypi_unreachable(log: &str) -> bool {
     .any(|m| log.contains(m))
 }
 
+/// Whether a failed npm command's log says the registry could not be reached.
+pub fn npm_unreachable(log: &str) -> bool {
+    [
+        "ENOTFOUND",
+        "EAI_AGAIN",
+        "ECONNREFUSED",
+        "ETIMEDOUT",
+        "ENETUNREACH",
+        "ECONNRESET",
+    ]
+    .iter()
+    .any(|m| log.contains(m))
+}
+
 /// Runs `cmd` to its end: whether it succeeded, and its stdout and stderr together.
 pub fn run_logged(cmd: &mut Command) -> (bool, String) {
     let out = cmd
