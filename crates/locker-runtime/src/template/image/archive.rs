@@ -376,18 +376,7 @@ impl TemplateStore {
                         }
                     }
                     done += size;
-                    progress.output(&format!(
-                        "{label} {} ({} entries, {} unpacked)",
-                        megabytes(size),
-                        summary.entries,
-                        megabytes(summary.bytes)
-                    ));
-                    if summary.dropped_xattrs > 0 {
-                        progress.output(&format!(
-                            "{label}: dropped {} extended attributes outside user.* and security.capability",
-                            summary.dropped_xattrs
-                        ));
-                    }
+                    report_layer(progress, &label, size, &summary);
                 }
                 let origin = archive
                     .canonicalize()

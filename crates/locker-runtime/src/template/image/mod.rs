@@ -204,6 +204,28 @@ impl TemplateStore {
     }
 }
 
+/// Reports one unpacked layer: its compressed size, entries and unpacked bytes, and any
+/// extended attributes the unpacker dropped.
+pub(crate) fn report_layer(
+    progress: &mut dyn Progress,
+    label: &str,
+    size: u64,
+    summary: &unpack::LayerSummary,
+) {
+    progress.output(&format!(
+        "{label} {} ({} entries, {} unpacked)",
+        megabytes(size),
+        summary.entries,
+        megabytes(summary.bytes)
+    ));
+    if summary.dropped_xattrs > 0 {
+        progress.output(&format!(
+            "{label}: dropped {} extended attributes outside user.* and security.capability",
+            summary.dropped_xattrs
+        ));
+    }
+}
+
 /// `12.3 MB`.
 pub(crate) fn megabytes(bytes: u64) -> String {
     format!("{:.1} MB", bytes as f64 / 1e6)

@@ -423,17 +423,6 @@ async fn finish(
         .await
         .map_err(|e| registry_error("unpacking a layer", e))?;
     let summary = r?;
-    progress.output(&format!(
-        "{label} {} ({} entries, {} unpacked)",
-        megabytes(size),
-        summary.entries,
-        megabytes(summary.bytes)
-    ));
-    if summary.dropped_xattrs > 0 {
-        progress.output(&format!(
-            "{label}: dropped {} extended attributes outside user.* and security.capability",
-            summary.dropped_xattrs
-        ));
-    }
+    report_layer(progress, label, size, &summary);
     Ok(u)
 }
