@@ -560,3 +560,36 @@ fn truncated_outputs_leave_a_bounded_number_of_files_in_the_machine() {
     let size = api.sh(&id, &format!("stat -c %s {last}"));
     assert_eq!(size.trim(), "20000");
 }
+
+/// A freshly booted host makes every move of a process into a cgroup wait an RCU grace
+/// period after a quiet spell (8-20 ms here: every create, and every exec after a pause).
+/// `locker serve` puts moves on the kernel's fast path at start (`favordynmods`, a named
+/// cgroup v1 hierarchy it leaves mounted), and `locker doctor` says which path the host has.
+#[test]
+fn serve_puts_cgroup_moves_on_the_fast_path_and_doctor_says_so() {
+    let _s = Server::start();
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let favoring = info.lines().find(|l| {
+        l.split_once(" - ").is_some_and(|(_, post)| {
+            let mut f = post.split_whitespace();
+            let fstype = f.next().unwrap_or("");
+            let opts = f.nth(1).unwrap_or("");
+            fstype.starts_with("cgroup") && opts.split(',').any(|o| o == "favordynmods")
+        })
+    });
+    assert!(favoring.is_some(), "no cgroup mount with favordynmods after a server start:\n{info}");
+    let out = output_of({
+        let mut c = Command::new(locker_tests::locker_bin());
+        c.args(["doctor", "--json"]);
+        c
+    });
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["host"]["cgroup_moves"], "favored", "{v}");
+    assert!(
+        v["host"]["cgroup_moves_detail"]
+            .as_str()
+            .unwrap()
+            .contains("favordynmods"),
+        "{v}"
+    );
+}

@@ -15,6 +15,12 @@ pub struct Info {
     pub load: String,
     /// The workspace's commit, `+dirty` when tracked files differ from it.
     pub commit: String,
+    /// How long since the host booted: a fresh boot is what a new user's host is.
+    pub uptime: String,
+    /// The cgroup version and how moves into cgroups fare (`favored`: some hierarchy is
+    /// mounted with `favordynmods`; `default`: the first move after a quiet spell waits an
+    /// RCU grace period, as on a freshly booted host).
+    pub cgroup: String,
 }
 
 fn commit() -> String {
@@ -98,6 +104,25 @@ impl Info {
             kernel: read("/proc/sys/kernel/osrelease"),
             cpu,
             commit: commit(),
+            uptime: {
+                let s: f64 = read("/proc/uptime")
+                    .split_whitespace()
+                    .next()
+                    .and_then(|v| v.parse().ok())
+                    .unwrap_or(0.0);
+                format!("up {:.0} min", s / 60.0)
+            },
+            cgroup: {
+                let v = match locker_runtime::cgroup::Layout::host() {
+                    Ok(l) => format!("{:?}", l.version).to_lowercase(),
+                    Err(_) => "none".into(),
+                };
+                let moves = match locker_runtime::cgroup::move_mode() {
+                    locker_runtime::cgroup::MoveMode::Favored(_) => "moves favored (favordynmods)",
+                    locker_runtime::cgroup::MoveMode::Default(_) => "moves on the default path (as a fresh boot)",
+                };
+                format!("cgroup {v}, {moves}")
+            },
             load: read("/proc/loadavg")
                 .split_whitespace()
                 .take(3)
@@ -108,7 +133,7 @@ impl Info {
 
     pub fn describe(&self) -> String {
         format!(
-            "host {} | {} | nproc {} | {:.1} GiB RAM | kernel {} | {} | load {} | {}",
+            "host {} | {} | nproc {} | {:.1} GiB RAM | kernel {} | {} | load {} | {} | {} | {}",
             self.hostname,
             self.date,
             self.nproc,
@@ -116,6 +141,8 @@ impl Info {
             self.kernel,
             self.cpu,
             self.load,
+            self.uptime,
+            self.cgroup,
             self.commit
         )
     }

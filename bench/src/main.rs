@@ -89,6 +89,12 @@ pub struct Args {
     /// Where the results (JSON, Markdown, SVG) go.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
     pub out_dir: PathBuf,
+    /// Measure the kernel's default cgroup move path, what a freshly booted host gives
+    /// without Locker's setting: neither the bench nor the servers it starts set
+    /// `favordynmods`. Only meaningful where nothing has set it since the host booted
+    /// (`locker doctor` says; any `locker serve` without --no-favordynmods sets it).
+    #[arg(long)]
+    pub no_favordynmods: bool,
 }
 
 const GROUPS: [&str; 14] = [
@@ -185,6 +191,14 @@ fn run() -> anyhow::Result<()> {
     }
     install_signal_handler();
     locker_tests::become_subreaper();
+    // As `locker serve` does at start, so the rows through the node and those through a
+    // server measure the same host (see locker_runtime::cgroup::MoveMode).
+    if args.no_favordynmods {
+        // Before any thread starts; the servers the rows start inherit it.
+        std::env::set_var("LOCKER_NO_FAVORDYNMODS", "true");
+    } else if let Err(e) = locker_runtime::cgroup::favor_dynamic_moves() {
+        println!("warning: cgroup moves stay on the kernel's default path: {e}");
+    }
 
     let info = host::Info::collect();
     println!("{}", info.describe());

@@ -71,6 +71,13 @@ pub struct ServeArgs {
     /// `*.localhost` themselves), else none]
     #[arg(long, env = "LOCKER_PREVIEW_DOMAIN", value_name = "D")]
     preview_domain: Option<String>,
+    /// Leave the kernel's cgroup settings as they are. By default the server puts moves of
+    /// processes into cgroups on the kernel's fast path (`favordynmods`, for as long as the
+    /// host runs): without it, every create and every exec after a pause waits an RCU grace
+    /// period (8-20 ms on a small VM); with it, forks and exits host-wide take a slightly
+    /// slower path. `locker doctor` says which this host has.
+    #[arg(long, env = "LOCKER_NO_FAVORDYNMODS")]
+    no_favordynmods: bool,
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -123,6 +130,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         egress_ca: a.egress_ca,
         template_build: !a.no_template_build,
         preview,
+        favordynmods: !a.no_favordynmods,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

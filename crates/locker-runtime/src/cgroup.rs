@@ -586,3 +586,139 @@ pub(crate) fn enter_cgroup(procs: &std::ffi::CStr) -> std::io::Result<()> {
     }
     Ok(())
 }
+
+/// Where [`favor_dynamic_moves`] mounts its named v1 hierarchy.
+pub const FAVOR_MOUNT: &str = "/run/locker/cgroup-favordynmods";
+
+/// How cgroup migrations fare on this host: every machine start moves its PID 1 into the
+/// machine's cgroup, and every command moves into a cgroup of its own (the way a timeout
+/// kills its whole tree). A move takes the kernel's `cgroup_threadgroup_rwsem` for writing;
+/// unless the kernel *favours dynamic modifications*, the first writer after a quiet spell
+/// waits for an RCU grace period: 8–20 ms on a 2-core VM, measured. So on a freshly booted
+/// host a create, and an exec that follows a pause (an agent's model turn), each wait that
+/// long, where back-to-back calls do not. The cost of favouring: forks and exits on the
+/// whole host take the reader side's slow path (a shared atomic instead of a per-CPU count),
+/// which matters on hosts with many cores forking hard and little on a sandbox host.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case", tag = "state", content = "detail")]
+pub enum MoveMode {
+    /// Some cgroup hierarchy is mounted with `favordynmods`: moves are fast.
+    Favored(String),
+    /// Moves wait a grace period after a quiet spell (the kernel's default).
+    Default(String),
+}
+
+/// Whether any cgroup hierarchy on the host is mounted with `favordynmods` (the kernel
+/// state is global: one such mount puts every migration on the fast path).
+pub fn move_mode() -> MoveMode {
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    match favoring_mount(&info) {
+        Some(at) => MoveMode::Favored(format!("favordynmods is set on the cgroup mount at {at}")),
+        None => MoveMode::Default(
+            "no cgroup hierarchy is mounted with favordynmods: the first cgroup move after a quiet spell waits an RCU grace period".into(),
+        ),
+    }
+}
+
+/// The mount point of a cgroup (v1 or v2) mount whose superblock options hold
+/// `favordynmods`, from `/proc/self/mountinfo`'s text.
+fn favoring_mount(mountinfo: &str) -> Option<String> {
+    mountinfo.lines().find_map(|l| {
+        let (pre, post) = l.split_once(" - ")?;
+        let mut post = post.split_whitespace();
+        let fstype = post.next()?;
+        let super_opts = post.nth(1)?;
+        ((fstype == "cgroup" || fstype == "cgroup2")
+            && super_opts.split(',').any(|o| o == "favordynmods"))
+        .then(|| pre.split_whitespace().nth(4).unwrap_or("?").to_owned())
+    })
+}
+
+/// Puts cgroup migrations on the kernel's fast path for as long as the host runs (see
+/// [`MoveMode`] for why and at what cost), unless something already did. Mounts a named
+/// cgroup v1 hierarchy without controllers (`name=locker`) with `favordynmods` at
+/// [`FAVOR_MOUNT`] and leaves it there: the kernel favours dynamic modifications while
+/// any hierarchy so mounted exists, and nothing uses this one. Where the kernel has no
+/// cgroup v1 (or refuses the option), a pure v2 host's `/sys/fs/cgroup` is remounted with
+/// its own options plus `favordynmods`. Changes nothing when it fails; says why.
+pub fn favor_dynamic_moves() -> Result<MoveMode, String> {
+    if let m @ MoveMode::Favored(_) = move_mode() {
+        return Ok(m);
+    }
+    let at = Path::new(FAVOR_MOUNT);
+    fs::create_dir_all(at).map_err(|e| format!("create {FAVOR_MOUNT}: {e}"))?;
+    let v1 = crate::sys::mount(
+        Some("locker"),
+        at,
+        Some("cgroup"),
+        libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC,
+        Some("none,name=locker,favordynmods"),
+    );
+    let v1_err = match v1 {
+        Ok(()) => {
+            return Ok(MoveMode::Favored(format!(
+                "favordynmods set by mounting a named cgroup v1 hierarchy at {FAVOR_MOUNT}"
+            )))
+        }
+        Err(e) => {
+            let _ = fs::remove_dir(at);
+            e
+        }
+    };
+    // A pure v2 host whose kernel has no v1: remount the unified hierarchy, keeping its
+    // options (a remount without them would drop nsdelegate and the others).
+    let info = fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let root_opts = info.lines().find_map(|l| {
+        let (pre, post) = l.split_once(" - ")?;
+        let mut post = post.split_whitespace();
+        (pre.split_whitespace().nth(4)? == "/sys/fs/cgroup" && post.next()? == "cgroup2")
+            .then(|| post.nth(1).unwrap_or("").to_owned())
+    });
+    let Some(opts) = root_opts else {
+        return Err(format!(
+            "mount a named cgroup v1 hierarchy with favordynmods: {v1_err} (and /sys/fs/cgroup is not cgroup2)"
+        ));
+    };
+    let mut kept: Vec<&str> = opts
+        .split(',')
+        .filter(|o| !o.is_empty() && *o != "rw" && *o != "ro")
+        .collect();
+    kept.push("favordynmods");
+    crate::sys::mount(
+        None,
+        Path::new("/sys/fs/cgroup"),
+        None,
+        libc::MS_REMOUNT,
+        Some(&kept.join(",")),
+    )
+    .map_err(|e| {
+        format!("mount a named cgroup v1 hierarchy with favordynmods: {v1_err}; remount /sys/fs/cgroup with it: {e}")
+    })?;
+    Ok(MoveMode::Favored(
+        "favordynmods added to the options of /sys/fs/cgroup (cgroup2)".into(),
+    ))
+}
+
+#[cfg(test)]
+mod favor_tests {
+    use super::favoring_mount;
+
+    #[test]
+    fn a_cgroup_mount_with_favordynmods_is_found_by_its_superblock_options() {
+        let info = "\
+35 25 0:30 / /sys/fs/cgroup/pids rw,nosuid,nodev,noexec,relatime shared:12 - cgroup cgroup rw,pids
+36 25 0:31 / /sys/fs/cgroup/unified rw,nosuid,nodev,noexec,relatime shared:9 - cgroup2 cgroup2 rw,nsdelegate
+";
+        assert_eq!(favoring_mount(info), None);
+        let with = format!(
+            "{info}90 24 0:55 / /run/locker/cgroup-favordynmods rw,nosuid,nodev,noexec,relatime - cgroup locker rw,name=locker,favordynmods\n"
+        );
+        assert_eq!(
+            favoring_mount(&with).as_deref(),
+            Some("/run/locker/cgroup-favordynmods")
+        );
+        // The word in a mount point or another filesystem's options does not count.
+        let other = "91 24 0:56 / /mnt/favordynmods rw - tmpfs tmpfs rw,favordynmods\n";
+        assert_eq!(favoring_mount(other), None);
+    }
+}

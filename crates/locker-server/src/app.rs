@@ -62,6 +62,14 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     // Listen for a stop before anything else: one that comes while the server starts is
     // honoured once it is up (the default action would kill it half-way).
     let stop = stop_signal();
+    if cfg.favordynmods {
+        // Before any machine starts: each start and each command moves a process into a
+        // cgroup, and without this the first move after a quiet spell waits ~10 ms.
+        match locker_runtime::cgroup::favor_dynamic_moves() {
+            Ok(m) => tracing::info!(mode = ?m, "cgroup moves on the fast path"),
+            Err(e) => tracing::warn!(error = %e, "cgroup moves stay on the kernel's default path (each create and each exec after a pause waits an RCU grace period)"),
+        }
+    }
     let app = build(cfg).await?;
     let listener = tokio::net::TcpListener::bind(app.cfg.listen)
         .await

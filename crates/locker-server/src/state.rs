@@ -84,6 +84,9 @@ pub struct Config {
     pub template_build: bool,
     /// Where preview URLs live (`--preview-domain`); `None`: no preview hosts.
     pub preview: Option<crate::ports::PreviewDomain>,
+    /// Put cgroup moves on the kernel's fast path at start (`favordynmods`; off with
+    /// `--no-favordynmods`): see `locker_runtime::cgroup::MoveMode`.
+    pub favordynmods: bool,
 }
 
 /// A sandbox whose machine runs on this node.
