@@ -331,7 +331,10 @@ fn smoke(pkg: &Path, srv: &Server, runtime: &[&std::ffi::OsStr], name: &str) {
             .env("DENO_DIR", target_dir().join("deno-npm/cache"))
             .env_remove("NODE_OPTIONS"),
     );
-    eprintln!("{name}: the smoke program took {:?}:\n{log}", started.elapsed());
+    eprintln!(
+        "{name}: the smoke program took {:?}:\n{log}",
+        started.elapsed()
+    );
     assert!(ok, "the SDK's smoke program failed under {name}:\n{log}");
     assert!(log.contains("# fail 0"), "{name}: {log}");
     let pass: u32 = log
