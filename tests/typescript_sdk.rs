@@ -14,7 +14,11 @@
 //! sandbox per hosted-loop session, and the examples (seed 002's, the frameworks', the
 //! session worker) run as programs; plus `tsc --noEmit` over the examples. A second test
 //! runs `test/template/` (code contexts and the doors' `run_code`) after building the
-//! `code-interpreter` template.
+//! `code-interpreter` template; a third runs `test/builds/` (template builds from a
+//! Dockerfile and its context, followed as events, and image imports) against a server on
+//! a private template cache; a fourth runs `test/runtimes/smoke.js` (create, exec and its
+//! timeout, streaming and its cancellation, files, `await using`, typed errors) under Bun
+//! and Deno, from their npm packages, with Node as the control.
 //!
 //! The package's devDependencies (`typescript`, `@types/node`, the frameworks) are
 //! installed with `npm ci` into `sdk/typescript/node_modules` (ignored by git) on first use; when the npm registry
@@ -27,7 +31,7 @@ use std::time::Instant;
 
 use locker_tests::become_subreaper;
 use locker_tests::server::Server;
-use locker_tests::tools::{npm_unreachable, run_logged};
+use locker_tests::tools::{npm_package, npm_unreachable, run_logged, target_dir};
 
 fn package() -> PathBuf {
     locker_tests::root().join("sdk/typescript")
@@ -125,8 +129,15 @@ fn websocket_flags() -> Option<Vec<&'static str>> {
 /// The package built and type-checked (with its tests and examples), or None when the npm
 /// registry cannot be reached for its devDependencies.
 fn built_package() -> Option<PathBuf> {
+    // The tests of this binary run at once: the first builds, the others wait for it (a
+    // second tsc rewriting dist/ and build/ would change files under a running test).
+    static BUILT: std::sync::Mutex<bool> = std::sync::Mutex::new(false);
+    let mut built = BUILT.lock().unwrap_or_else(|e| e.into_inner());
     let pkg = package();
     dev_dependencies(&pkg)?;
+    if *built {
+        return Some(pkg);
+    }
     let started = Instant::now();
     tsc(&pkg, "tsconfig.json");
     tsc(&pkg, "tsconfig.test.json");
@@ -136,6 +147,7 @@ fn built_package() -> Option<PathBuf> {
         "tsc (package, tests, examples) took {:?}",
         started.elapsed()
     );
+    *built = true;
     Some(pkg)
 }
 
@@ -200,7 +212,7 @@ fn typescript_sdk_node_tests_against_a_real_server() {
     // A memory quota well under the largest sandbox the API takes, so that a test can go past it.
     let srv = Server::start_with(&["--quota-memory-mb", "16384"]);
     let (pass, skipped) = node_test(&pkg, &srv, &files, &ws.clone().unwrap_or_default(), major);
-    assert!(pass >= 66, "every test ran: {pass} passed");
+    assert!(pass >= 69, "every test ran: {pass} passed");
     let skips = if ws.is_some() { 0 } else { 1 };
     assert_eq!(
         skipped, skips,
@@ -238,4 +250,150 @@ fn typescript_sdk_code_contexts_on_the_code_interpreter_template() {
     let (pass, skipped) = node_test(&pkg, &srv, &files, &[], major);
     assert!(pass >= 5, "every test ran: {pass} passed");
     assert_eq!(skipped, 0);
+}
+
+/// A private template cache holding a hard-linked copy of the host's `default` (builds
+/// write step templates, which must never reach the host's cache); removed when dropped.
+struct PrivateCache(PathBuf);
+
+impl PrivateCache {
+    fn new() -> PrivateCache {
+        let host = locker_tests::cache_dir();
+        let dir = host
+            .parent()
+            .expect("the cache has a parent")
+            .join(locker_tests::unique("locker-ts-builds"));
+        let digest = std::fs::read_to_string(host.join("templates/names/default"))
+            .expect("the default template is built (scripts/setup build)")
+            .trim()
+            .to_string();
+        std::fs::create_dir_all(dir.join("templates/names")).unwrap();
+        let cache = PrivateCache(dir);
+        let (copied, log) = run_logged(
+            Command::new("cp")
+                .arg("-al")
+                .arg(host.join("templates").join(&digest))
+                .arg(cache.0.join("templates").join(&digest)),
+        );
+        assert!(copied, "cp -al of the default template: {log}");
+        // Builds write names into its metadata: a file of its own, not the host's inode.
+        let meta = cache.0.join("templates").join(&digest).join("meta.json");
+        let text = std::fs::read(&meta).unwrap();
+        std::fs::remove_file(&meta).unwrap();
+        std::fs::write(&meta, text).unwrap();
+        std::fs::write(
+            cache.0.join("templates/names/default"),
+            format!("{digest}\n"),
+        )
+        .unwrap();
+        cache
+    }
+}
+
+impl Drop for PrivateCache {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// Template builds and image imports through the SDK (`sdk/typescript/test/builds/`), on a
+/// server of its own over a private template cache.
+#[test]
+fn typescript_sdk_template_builds_and_imports() {
+    become_subreaper();
+    let major = node_major();
+    let Some(pkg) = built_package() else {
+        return;
+    };
+    let files = test_files(&pkg, "build/test/builds");
+    assert!(!files.is_empty(), "the build tests: {files:?}");
+    let cache = PrivateCache::new();
+    let srv = Server::start_with(&["--cache-dir", cache.0.to_str().expect("utf-8 path")]);
+    let (pass, skipped) = node_test(&pkg, &srv, &files, &[], major);
+    assert!(pass >= 4, "every test ran: {pass} passed");
+    assert_eq!(skipped, 0);
+    drop(srv);
+}
+
+/// Runs the smoke program with `runtime` (argv before the script) against `srv`: its TAP
+/// output, asserting that every check passed.
+fn smoke(pkg: &Path, srv: &Server, runtime: &[&std::ffi::OsStr], name: &str) {
+    let started = Instant::now();
+    let (ok, log) = run_logged(
+        Command::new(runtime[0])
+            .current_dir(pkg)
+            .args(&runtime[1..])
+            .arg("build/test/runtimes/smoke.js")
+            .env("LOCKER_URL", &srv.url)
+            .env("LOCKER_API_KEY", &srv.api_key)
+            .env("NO_COLOR", "1")
+            // Deno's module cache in the target directory, not the user's home.
+            .env("DENO_DIR", target_dir().join("deno-npm/cache"))
+            .env_remove("NODE_OPTIONS"),
+    );
+    eprintln!(
+        "{name}: the smoke program took {:?}:\n{log}",
+        started.elapsed()
+    );
+    assert!(ok, "the SDK's smoke program failed under {name}:\n{log}");
+    assert!(log.contains("# fail 0"), "{name}: {log}");
+    let pass: u32 = log
+        .lines()
+        .find_map(|l| l.strip_prefix("# pass "))
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or_else(|| panic!("{name}: no `# pass` line:\n{log}"));
+    assert!(pass >= 7, "{name}: every check ran: {log}");
+}
+
+/// The package under Bun and Deno (their official npm packages, installed once into the
+/// target directory without install scripts; the platform binary comes as an optional
+/// dependency), running `test/runtimes/smoke.js` against a real server, with Node first as
+/// the control. Skipped with a message when the npm registry is unreachable.
+#[test]
+fn typescript_sdk_under_bun_and_deno() {
+    become_subreaper();
+    node_major();
+    let Some(pkg) = built_package() else {
+        return;
+    };
+    // Pinned: a new major of either may change what it supports. Bun's default x64 build
+    // needs AVX2; without it, its `baseline` build (not one of `bun`'s optional
+    // dependencies, so installed by its own name).
+    let avx2 = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|c| c.contains(" avx2"));
+    let (bun_spec, bun_bin) = if avx2 {
+        ("bun@1.4.4", "node_modules/@oven/bun-linux-x64/bin/bun")
+    } else {
+        (
+            "@oven/bun-linux-x64-baseline@1.4.4",
+            "node_modules/@oven/bun-linux-x64-baseline/bin/bun",
+        )
+    };
+    let Some(bun_dir) = npm_package("bun-npm", bun_spec, bun_bin) else {
+        return;
+    };
+    let deno_bin = "node_modules/@deno/linux-x64-glibc/deno";
+    let Some(deno_dir) = npm_package("deno-npm", "deno@2.9.6", deno_bin) else {
+        return;
+    };
+    let bun = bun_dir.join(bun_bin);
+    let deno = deno_dir.join(deno_bin);
+    let srv = Server::start();
+    let node = std::ffi::OsStr::new("node");
+    smoke(&pkg, &srv, &[node], "node");
+    smoke(&pkg, &srv, &[bun.as_os_str()], "bun");
+    smoke(
+        &pkg,
+        &srv,
+        &[
+            deno.as_os_str(),
+            "run".as_ref(),
+            "--allow-net".as_ref(),
+            "--allow-env".as_ref(),
+            "--allow-read".as_ref(),
+            // The package's node_modules (devDependencies) are not needed, and Deno
+            // must not try to install from package.json.
+            "--no-npm".as_ref(),
+        ],
+        "deno",
+    );
 }

@@ -23,6 +23,7 @@ mod ports;
 mod report;
 mod runs;
 mod scale;
+mod sdk;
 mod server;
 mod snapshots;
 mod stats;
@@ -41,7 +42,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, microvm-volumes, ports, jobs, code, soak, images (default: all).
+    /// microvm, microvm-volumes, ports, jobs, code, soak, images, sdk (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -97,7 +98,7 @@ pub struct Args {
     pub no_favordynmods: bool,
 }
 
-const GROUPS: [&str; 14] = [
+const GROUPS: [&str; 15] = [
     "jail",
     "peers",
     "server",
@@ -112,6 +113,7 @@ const GROUPS: [&str; 14] = [
     "code",
     "soak",
     "images",
+    "sdk",
 ];
 
 impl Args {
@@ -356,6 +358,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== images: pull and unpack of a 100 MB image from a loopback registry, beside skopeo + umoci ==");
         images::image_rows(args, rows)?;
+    }
+    if args.wants("sdk") {
+        check_stop()?;
+        println!("== sdk: exec through the TypeScript SDK beside a raw fetch, and bursts of 100 parallel execs ==");
+        sdk::sdk_rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

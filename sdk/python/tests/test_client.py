@@ -206,3 +206,12 @@ def test_an_exposed_port_opens_its_preview_url_to_anyone(client, sandbox):
     assert new != old
     assert _get(direct, host, {"X-Locker-Token": old})[0] == 401
     assert _get(direct, host, {"X-Locker-Token": new}) == (200, b"pv\n")
+
+
+def test_usage_counts_the_tenants_execs(client, sandbox):
+    before = client.usage()
+    assert {"cpu_ms", "sandbox_seconds", "runs", "execs"} <= set(before)
+    sandbox.exec(["true"])
+    sandbox.exec(["true"])
+    assert client.usage()["execs"] >= before["execs"] + 2
+    assert client.usage(since="2999-01-01T00:00:00Z")["execs"] == 0

@@ -1,14 +1,15 @@
 /**
  * The client: one server and one API key, with the tenant's collections (sandboxes,
- * volumes, snapshots) and the account-wide reads (call records, usage, health).
+ * volumes, secrets, snapshots, templates) and the account-wide reads (call records, usage, health).
  */
 
 import { Transport, type ClientOptions } from "./transport.js";
 import { Sandbox, type CreateOptions, type ListFilter } from "./sandbox.js";
 import { Volumes, runBody, type RunOptions } from "./volume.js";
 import { Secrets } from "./secret.js";
+import { Templates } from "./template.js";
 import type { Command } from "./exec.js";
-import { camel, execResult, type CallRecord, type ExecResult, type Snapshot, type TemplateInfo, type Usage } from "./types.js";
+import { camel, execResult, type CallRecord, type ExecResult, type Snapshot, type Usage } from "./types.js";
 import { seg } from "./transport.js";
 
 export class Client {
@@ -27,12 +28,8 @@ export class Client {
     list(): Promise<Snapshot[]>;
     delete(id: string): Promise<void>;
   };
-  /** The host's templates (building one over HTTP is not served yet: `locker template build`). */
-  readonly templates: {
-    list(): Promise<TemplateInfo[]>;
-    /** Removes a template from the host (tenant `default` only; 409 while in use, and for `default`). */
-    delete(name: string): Promise<void>;
-  };
+  /** Templates: list, get, delete, build (Dockerfile, template, image, packages) and image import. */
+  readonly templates: Templates;
 
   /** `url` defaults to `$LOCKER_URL` (else http://127.0.0.1:7070), `apiKey` to `$LOCKER_API_KEY`. */
   constructor(opts: ClientOptions = {}) {
@@ -55,12 +52,7 @@ export class Client {
         await t.json("DELETE", `/v1/snapshots/${seg(id)}`);
       },
     };
-    this.templates = {
-      list: async () => camel<TemplateInfo[]>((await t.json<{ templates: unknown[] }>("GET", "/v1/templates")).templates),
-      delete: async (name) => {
-        await t.json("DELETE", `/v1/templates/${seg(name)}`);
-      },
-    };
+    this.templates = new Templates(t);
   }
 
   get url(): string {

@@ -13,6 +13,16 @@ export { Client } from "./client.js";
 export { Sandbox, DEFAULT_WORKDIR, type CreateOptions, type ListFilter, type Connection } from "./sandbox.js";
 export { Volume, Volumes, type CommitMode, type RunOptions } from "./volume.js";
 export { Secrets, type SecretInfo } from "./secret.js";
+export {
+  BuildFailed,
+  TemplateBuild,
+  Templates,
+  type BuildContext,
+  type BuildEvent,
+  type BuildInfo,
+  type BuildOptions,
+  type ContextFile,
+} from "./template.js";
 export { Files, type WriteData } from "./files.js";
 export { Process, Processes, type Command, type ExecOptions, type ProcessOptions } from "./exec.js";
 export {
@@ -61,6 +71,7 @@ export type {
   Snapshot,
   StreamEvent,
   TemplateInfo,
+  TemplateRunConfig,
   Timings,
   Usage,
   VolumeInfo,

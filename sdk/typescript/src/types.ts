@@ -8,7 +8,7 @@
  */
 
 /** Keys whose values are user maps: their own keys are never renamed. */
-const USER_MAPS = new Set(["metadata", "env"]);
+const USER_MAPS = new Set(["metadata", "env", "labels"]);
 
 function toCamel(k: string): string {
   return k.replace(/_([a-z0-9])/g, (_, c: string) => c.toUpperCase());
@@ -300,12 +300,25 @@ export interface ProcessInfo {
   [more: string]: unknown;
 }
 
-/** A template on the host (shared by every tenant). */
-export interface TemplateInfo {
+/** What a sandbox made from a template gets (an imported image's config says the same). */
+export interface TemplateRunConfig {
+  env?: Record<string, string>;
+  workdir?: string | null;
+  user?: string | null;
+  startCmd?: string | string[] | null;
+  readyCmd?: string | null;
+  exposedPorts?: number[];
+  labels?: Record<string, string>;
+}
+
+/** A template: the tenant's own, or the shared `default` and `code-interpreter`. */
+export interface TemplateInfo extends TemplateRunConfig {
   name: string;
   digest: string;
   sizeBytes: number;
   createdAt: string;
   packages: string[];
+  /** On an imported image's answer: the image's run config. */
+  config?: TemplateRunConfig;
   [more: string]: unknown;
 }

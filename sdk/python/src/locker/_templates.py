@@ -1,6 +1,6 @@
 """Templates of your own (`client.templates`): build one from a Dockerfile and a context
 directory, from a template or an image with run steps, or from Debian packages; follow the
-build's log; list, read and delete templates.
+build's log; list, read and delete templates; import an image archive.
 
 Owns no transport: the client's `request` and `_ndjson` make the calls.
 """
@@ -11,7 +11,7 @@ import io
 import os
 import tarfile
 import urllib.parse
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, BinaryIO, Callable, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 __all__ = ["Templates", "BuildFailed"]
 
@@ -58,6 +58,16 @@ class Templates:
     def delete(self, name: str) -> None:
         """Removes a template (409 while a sandbox or snapshot uses it)."""
         self._c.request("DELETE", "/v1/templates/" + urllib.parse.quote(name, safe=""))
+
+    def import_image(self, name: str, archive: Union[str, os.PathLike, bytes, BinaryIO]) -> Dict[str, Any]:
+        """Imports an image archive as template `name` (tenant `default` only): the tar
+        `docker save` writes or an OCI archive, given as a path, bytes, or a binary file
+        (streamed). Returns the template with the image's run config under `config`."""
+        path = "/v1/templates/" + urllib.parse.quote(name, safe="") + "/image"
+        if isinstance(archive, (str, os.PathLike)):
+            with open(archive, "rb") as f:
+                return self._c.request("PUT", path, f, timeout=3600)
+        return self._c.request("PUT", path, archive, timeout=3600)
 
     def upload_context(self, context: Union[str, os.PathLike, bytes]) -> str:
         """Uploads a build context (a directory, or tar bytes) and returns its `context_id`."""

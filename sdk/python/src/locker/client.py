@@ -26,7 +26,7 @@ import ssl
 import threading
 import urllib.parse
 from dataclasses import dataclass, field, fields
-from typing import Any, Dict, Iterator, List, Mapping, Optional, Sequence, Union
+from typing import Any, BinaryIO, Dict, Iterator, List, Mapping, Optional, Sequence, Union
 
 from ._records import ProcessInfo, Snapshot, Snapshots, VolumeSnapshot
 from ._templates import BuildFailed, Templates
@@ -257,17 +257,26 @@ class Client:
         self,
         method: str,
         path: str,
-        body: Union[None, bytes, Mapping[str, Any]] = None,
+        body: Union[None, bytes, Mapping[str, Any], BinaryIO] = None,
         headers: Optional[Mapping[str, str]] = None,
         timeout: Optional[float] = None,
     ):
         h = {"Accept": "application/json"}
         if self.api_key:
             h["Authorization"] = f"Bearer {self.api_key}"
-        data: Optional[bytes] = None
+        data: Any = None
         if isinstance(body, (bytes, bytearray)):
             data = bytes(body)
             h["Content-Type"] = "application/octet-stream"
+        elif hasattr(body, "read"):
+            # A binary file: streamed by http.client, with its length when it has one (else
+            # http.client sends it chunked).
+            data = body
+            h["Content-Type"] = "application/octet-stream"
+            try:
+                h["Content-Length"] = str(os.fstat(body.fileno()).st_size - body.tell())  # type: ignore[union-attr]
+            except (AttributeError, OSError, ValueError):
+                pass
         elif body is not None:
             data = json.dumps(body).encode()
             h["Content-Type"] = "application/json"
@@ -299,7 +308,7 @@ class Client:
         self,
         method: str,
         path: str,
-        body: Union[None, bytes, Mapping[str, Any]] = None,
+        body: Union[None, bytes, Mapping[str, Any], BinaryIO] = None,
         timeout: Optional[float] = None,
     ) -> Any:
         """One API call; returns the decoded JSON answer (None for 204), raw bytes for an
@@ -373,6 +382,11 @@ class Client:
     def calls(self, sandbox_id: Optional[str] = None, volume_id: Optional[str] = None, limit: Optional[int] = None) -> List[Dict[str, Any]]:
         """The record of execs and runs (`GET /v1/calls`)."""
         return self.request("GET", "/v1/calls" + _q(sandbox_id=sandbox_id, volume_id=volume_id, limit=limit))["calls"]
+
+    def usage(self, since: Optional[str] = None) -> Dict[str, Any]:
+        """The tenant's totals (`GET /v1/usage`): cpu_ms, sandbox_seconds, runs, execs and
+        the time split, since `since` (an RFC 3339 time) when given."""
+        return self.request("GET", "/v1/usage" + _q(since=since))
 
 
 def _seg(s: str) -> str:
