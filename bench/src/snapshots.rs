@@ -117,7 +117,7 @@ fn create_ten_row(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
                         id(&post(
                             api,
                             "/v1/sandboxes",
-                            &json!({"memory_mb": 256}),
+                            &json!({"memory_mb": 256, "disk_mb": 1024}),
                             201,
                         )?)
                     })
@@ -149,16 +149,17 @@ fn create_ten_row(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
         0,
     )
     .note(
-        "ten POST /v1/sandboxes {\"memory_mb\":256} at once, one thread each, until all ten answer",
+        "ten POST /v1/sandboxes {\"memory_mb\":256,\"disk_mb\":1024} at once, one thread each, until all ten answer",
     ))
 }
 
 /// Fork ×10 of a sandbox that wrote 200 MB, `n` times; the children are deleted between.
 fn fork_rows(api: &Api, n: usize, label: &str) -> anyhow::Result<Row> {
+    // 1 GB disks: eleven of them fit the 16 GB XFS data dir's disk quota.
     let parent = id(&post(
         api,
         "/v1/sandboxes",
-        &json!({"memory_mb": 256}),
+        &json!({"memory_mb": 256, "disk_mb": 1024}),
         201,
     )?)?;
     let r = post(
