@@ -241,8 +241,15 @@ fn fifty_pause_resume_cycles_keep_files_and_processes() {
     );
 }
 
-/// The loop devices (`losetup -a` lines) whose backing file lies under `dir`.
-fn loops_under(dir: &std::path::Path) -> Vec<String> {
+/// The loop devices (`losetup -a` lines) whose backing file lies under the data dir's
+/// sandboxes or snapshots (the server's warm pool keeps machines of its own).
+fn loops_under(data_dir: &std::path::Path) -> Vec<String> {
+    let mut v = loops_of(&data_dir.join("sandboxes"));
+    v.extend(loops_of(&data_dir.join("snapshots")));
+    v
+}
+
+fn loops_of(dir: &std::path::Path) -> Vec<String> {
     let out = std::process::Command::new("losetup")
         .arg("-a")
         .output()
