@@ -240,3 +240,310 @@ fn fifty_pause_resume_cycles_keep_files_and_processes() {
         "running"
     );
 }
+
+/// The loop devices (`losetup -a` lines) whose backing file lies under the data dir's
+/// sandboxes or snapshots (the server's warm pool keeps machines of its own).
+fn loops_under(data_dir: &std::path::Path) -> Vec<String> {
+    let mut v = loops_of(&data_dir.join("sandboxes"));
+    v.extend(loops_of(&data_dir.join("snapshots")));
+    v
+}
+
+fn loops_of(dir: &std::path::Path) -> Vec<String> {
+    let out = std::process::Command::new("losetup")
+        .arg("-a")
+        .output()
+        .expect("losetup");
+    let d = dir.display().to_string();
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.contains(&d))
+        .map(str::to_owned)
+        .collect()
+}
+
+fn inode(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .ino()
+}
+
+fn allocated(p: &std::path::Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+/// A child of a snapshot stands on the snapshot's image, shared and read-only: it sees the
+/// snapshot's files, deletions (whiteouts) and replaced directories (opaque), its own disk
+/// starts blank (nothing copied, the quota is for its own writes), and it writes only there.
+#[test]
+fn a_child_stands_on_the_snapshot_layer_and_writes_only_its_own_disk() {
+    become_subreaper();
+    let srv = Server::start();
+    let api = srv.api();
+    let sb = id_of(&api.create_sandbox(&json!({"memory_mb": 128, "disk_mb": 64})));
+    let hash = api.sh(
+        &sb,
+        "test -e /etc/issue && test -d /usr/share/doc-base \
+         && head -c 8388608 /dev/urandom > /root/blob && echo one > /root/note \
+         && rm /etc/issue && rm -rf /usr/share/doc-base && mkdir /usr/share/doc-base \
+         && echo fresh > /usr/share/doc-base/only && sha256sum /root/blob | cut -d' ' -f1",
+    );
+    let snap = id_of(
+        &api.post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
+            .expect(201, "snapshot"),
+    );
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the source");
+    let a = id_of(&api.create_sandbox(&json!({"from_snapshot": snap})));
+    let b = id_of(&api.create_sandbox(&json!({"from_snapshot": snap})));
+    let seen = "sha256sum /root/blob | cut -d' ' -f1; cat /root/note; \
+                test -e /etc/issue && echo issue-back; ls /usr/share/doc-base; stat -c %u /root/blob";
+    for k in [&a, &b] {
+        assert_eq!(
+            api.sh(k, seen),
+            format!("{}\none\nonly\n0\n", hash.trim()),
+            "child {k} sees the files, the deletion and the replaced directory"
+        );
+    }
+    // Stored once: each child links the snapshot's image and copies none of it.
+    let data_dir = srv
+        .machine_dir(&a)
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_owned();
+    let snap_img = data_dir.join("snapshots").join(&snap).join("disk.img");
+    for k in [&a, &b] {
+        let dir = srv.machine_dir(k);
+        assert_eq!(
+            inode(&dir.join("layers/0.img")),
+            inode(&snap_img),
+            "child {k} links the image"
+        );
+        assert!(
+            allocated(&dir.join("disk.img")) < 4 << 20,
+            "child {k}'s own disk holds none of the snapshot's 8 MB: {} bytes",
+            allocated(&dir.join("disk.img"))
+        );
+    }
+    let before = std::fs::read(&snap_img).unwrap();
+    // Writes go to the writer's own disk: the snapshot and the sibling never see them.
+    api.sh(
+        &a,
+        "echo two > /root/note && rm /root/blob && echo a > /etc/issue && sync",
+    );
+    assert_eq!(
+        api.sh(
+            &a,
+            "cat /root/note /etc/issue; test -e /root/blob || echo gone"
+        ),
+        "two\na\ngone\n"
+    );
+    assert_eq!(
+        api.sh(&b, seen),
+        format!("{}\none\nonly\n0\n", hash.trim()),
+        "the sibling"
+    );
+    let c = id_of(&api.create_sandbox(&json!({"from_snapshot": snap})));
+    assert_eq!(
+        api.sh(&c, seen),
+        format!("{}\none\nonly\n0\n", hash.trim()),
+        "a later child"
+    );
+    assert!(
+        std::fs::read(&snap_img).unwrap() == before,
+        "the snapshot's image is never written"
+    );
+    // The quota is the child's own disk (64 MB), whatever the layers beneath it hold.
+    let r = api.exec(
+        &c,
+        &json!({"shell": "head -c 100000000 /dev/zero > /root/big"}),
+    );
+    assert_ne!(r["exit_code"], 0, "100 MB on a 64 MB disk: {r}");
+    assert!(
+        r["stderr"].as_str().unwrap().contains("No space left"),
+        "{r}"
+    );
+    api.sh(
+        &c,
+        "rm /root/big && head -c 40000000 /dev/zero > /root/fits",
+    );
+    for k in [&a, &b, &c] {
+        api.delete(&format!("/v1/sandboxes/{k}"))
+            .expect(204, "delete a child");
+        assert!(
+            traces_of(k, &srv.machine_dir(k)).is_empty(),
+            "{:?}",
+            traces_of(k, &srv.machine_dir(k))
+        );
+    }
+    api.delete(&format!("/v1/snapshots/{snap}"))
+        .expect(204, "delete the snapshot");
+    assert!(
+        loops_under(&data_dir).is_empty(),
+        "{:?}",
+        loops_under(&data_dir)
+    );
+}
+
+/// A snapshot of a sandbox that came from a snapshot stacks both layers; either snapshot
+/// may be deleted while sandboxes and later snapshots stand on it (they keep its image).
+#[test]
+fn a_chain_of_two_snapshots_stacks_their_layers_and_outlives_deletes() {
+    become_subreaper();
+    let srv = Server::start();
+    let api = srv.api();
+    let sb = id_of(&api.create_sandbox(&json!({"memory_mb": 128, "disk_mb": 64})));
+    api.sh(&sb, "echo first > /root/one && echo doomed > /root/gone && mkdir /root/d && echo old > /root/d/old");
+    let s1 = id_of(
+        &api.post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
+            .expect(201, "s1"),
+    );
+    let mid = id_of(&api.create_sandbox(&json!({"from_snapshot": s1})));
+    // Over the lower layer: a deletion, a replaced directory, a change and an addition.
+    api.sh(&mid, "rm /root/gone && rm -rf /root/d && mkdir /root/d && echo new > /root/d/new && echo changed > /root/one && echo second > /root/two");
+    let s2 = id_of(
+        &api.post_empty(&format!("/v1/sandboxes/{mid}/snapshots"))
+            .expect(201, "s2"),
+    );
+    let data_dir = srv
+        .machine_dir(&mid)
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_owned();
+    let snaps = data_dir.join("snapshots");
+    assert_eq!(
+        inode(&snaps.join(&s2).join("lower/1.img")),
+        inode(&snaps.join(&s1).join("disk.img")),
+        "s2 records s1 beneath it, linked"
+    );
+    let want = "changed\nsecond\nnew\n";
+    let probe =
+        "cat /root/one /root/two; ls /root/d; test -e /root/gone && echo gone-is-back; true";
+    let g = id_of(&api.create_sandbox(&json!({"from_snapshot": s2})));
+    assert_eq!(api.sh(&g, probe), want);
+    assert_eq!(
+        std::fs::read_dir(srv.machine_dir(&g).join("layers"))
+            .unwrap()
+            .count(),
+        2,
+        "the grandchild stands on two layers"
+    );
+    // Deleting both snapshots while they are stood on: allowed, nothing standing moves.
+    api.delete(&format!("/v1/snapshots/{s1}"))
+        .expect(204, "delete s1 in use");
+    assert!(!snaps.join(&s1).exists());
+    let g2 = id_of(&api.create_sandbox(&json!({"from_snapshot": s2})));
+    assert_eq!(
+        api.sh(&g2, probe),
+        want,
+        "s2 keeps s1's layer after s1 is deleted"
+    );
+    api.delete(&format!("/v1/snapshots/{s2}"))
+        .expect(204, "delete s2 in use");
+    assert_eq!(
+        api.sh(&g, probe),
+        want,
+        "a child keeps its layers after their snapshots went"
+    );
+    assert_eq!(
+        api.sh(&mid, "cat /root/one; test -e /root/gone || echo no-gone"),
+        "changed\nno-gone\n"
+    );
+    for k in [&sb, &mid, &g, &g2] {
+        api.delete(&format!("/v1/sandboxes/{k}"))
+            .expect(204, "delete");
+        assert!(
+            traces_of(k, &srv.machine_dir(k)).is_empty(),
+            "{:?}",
+            traces_of(k, &srv.machine_dir(k))
+        );
+    }
+    assert!(
+        loops_under(&data_dir).is_empty(),
+        "{:?}",
+        loops_under(&data_dir)
+    );
+    assert_eq!(
+        std::fs::read_dir(&snaps).unwrap().count(),
+        0,
+        "no snapshot files left"
+    );
+}
+
+/// Snapshots of sandboxes made from snapshots, 32 deep (each level deleting the one
+/// before, which its layers outlive): the last child sees every level's file, and a
+/// snapshot that would stack a 33rd layer is refused with a 409 saying why.
+#[test]
+fn a_chain_stops_at_its_layer_limit_with_a_clear_conflict() {
+    become_subreaper();
+    let srv = Server::start();
+    let api = srv.api();
+    let mut sb = id_of(&api.create_sandbox(&json!({"memory_mb": 64, "disk_mb": 32})));
+    let mut prev_snap: Option<String> = None;
+    for level in 0..32 {
+        api.sh(&sb, &format!("echo {level} > /root/l{level}"));
+        let snap = id_of(
+            &api.post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
+                .expect(201, &format!("snapshot at level {level}")),
+        );
+        api.delete(&format!("/v1/sandboxes/{sb}"))
+            .expect(204, "delete");
+        if let Some(p) = prev_snap.take() {
+            api.delete(&format!("/v1/snapshots/{p}"))
+                .expect(204, "delete the snapshot below");
+        }
+        sb = id_of(&api.create_sandbox(&json!({"from_snapshot": snap})));
+        prev_snap = Some(snap);
+    }
+    assert_eq!(
+        std::fs::read_dir(srv.machine_dir(&sb).join("layers"))
+            .unwrap()
+            .count(),
+        32
+    );
+    let want: String = (0..32).map(|i| format!("{i}\n")).collect();
+    let got = api.sh(&sb, "for i in $(seq 0 31); do cat /root/l$i; done");
+    assert_eq!(got, want, "every level's file through 32 layers");
+    for msg in [
+        api.post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
+            .expect_error(409, "conflict", "a 33rd layer by snapshot"),
+        api.post(&format!("/v1/sandboxes/{sb}/fork"), &json!({"count": 1}))
+            .expect_error(409, "conflict", "a 33rd layer by fork"),
+    ] {
+        assert!(msg.contains("stands on 32 snapshot layers"), "{msg}");
+    }
+    assert_eq!(
+        api.sh(&sb, "cat /root/l0"),
+        "0\n",
+        "the refused sandbox runs on"
+    );
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete");
+    api.delete(&format!("/v1/snapshots/{}", prev_snap.unwrap()))
+        .expect(204, "delete");
+    let data_dir = srv
+        .machine_dir(&sb)
+        .parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .to_owned();
+    assert!(
+        loops_under(&data_dir).is_empty(),
+        "{:?}",
+        loops_under(&data_dir)
+    );
+    assert_eq!(
+        std::fs::read_dir(data_dir.join("snapshots"))
+            .unwrap()
+            .count(),
+        0,
+        "no snapshot files left (a refused fork leaves no point)"
+    );
+}

@@ -4,6 +4,14 @@
 //! fork, a machine started from a snapshot) as cheaply as the filesystem allows, and
 //! flushing a mounted one so a copy is consistent. Images store canonical ids (root = 0):
 //! the jail maps them onto each machine's uid range, so any image can start any machine.
+//!
+//! Also a snapshot's **layer stack** ([`stack_of`], [`link_stack`]): a jail snapshot is its
+//! machine's disk image (`disk.img`, whose `upper` is the top layer) over the images its
+//! machine itself stood on (`lower/1.img`, `lower/2.img`, … top first), each a hard link
+//! to the one image every snapshot, fork and machine of that chain shares. A machine
+//! started from the snapshot links the stack into its own directory (`layers/0.img`, …)
+//! and mounts each read-only beneath its own blank disk. The links are the reference
+//! count: an image's blocks go when its last snapshot and its last machine have gone.
 
 use std::fs;
 use std::io;
@@ -170,6 +178,73 @@ pub fn flush(mountpoint: &Path) -> io::Result<()> {
     locker_sys::fs::syncfs(&fs::File::open(mountpoint)?)
 }
 
+/// The most layer images a machine stands on (beneath its own disk): each is a loop device
+/// and a mount at every start, so a chain of snapshots of snapshots ends here with a clear
+/// refusal instead of at the kernel's limits.
+pub const MAX_LAYERS: usize = 32;
+
+/// Where a machine keeps the layer images it stands on (`layers/<n>.img`, top first).
+pub const MACHINE_LAYERS: &str = "layers";
+/// Where a snapshot keeps the layers beneath its own `disk.img` (`lower/<n>.img`, n ≥ 1).
+pub const SNAPSHOT_LOWERS: &str = "lower";
+
+/// A snapshot's layer stack, top first: its image `img` (`<snapshot>/disk.img`), then the
+/// images recorded beside it in `lower/` in order. A snapshot without `lower/` (one
+/// taken of a machine that stood on no snapshot, or before layers) is its image alone.
+pub fn stack_of(img: &Path) -> Vec<std::path::PathBuf> {
+    let mut stack = vec![img.to_owned()];
+    if let Some(dir) = img.parent() {
+        stack.extend(numbered(&dir.join(SNAPSHOT_LOWERS)));
+    }
+    stack
+}
+
+/// The layer images of a machine's directory `dir`, top first.
+pub fn machine_layers(dir: &Path) -> Vec<std::path::PathBuf> {
+    numbered(&dir.join(MACHINE_LAYERS))
+}
+
+/// The files `<n>.img` in `dir`, by `n`.
+fn numbered(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut found: Vec<(u32, std::path::PathBuf)> = fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name();
+            let n = name.to_str()?.strip_suffix(".img")?.parse().ok()?;
+            Some((n, e.path()))
+        })
+        .collect();
+    found.sort();
+    found.into_iter().map(|(_, p)| p).collect()
+}
+
+/// Links each image of `stack` into `dir` (created) as `<first + i>.img`: a hard link,
+/// so the image is stored once, or a copy where `dir` is on another filesystem.
+pub fn link_stack(stack: &[std::path::PathBuf], dir: &Path, first: usize) -> io::Result<()> {
+    if stack.is_empty() {
+        return Ok(());
+    }
+    fs::create_dir_all(dir)?;
+    for (i, src) in stack.iter().enumerate() {
+        let dst = dir.join(format!("{}.img", first + i));
+        match fs::hard_link(src, &dst) {
+            Ok(()) => {}
+            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
+                copy_ephemeral(src, &dst)?;
+            }
+            Err(e) => {
+                return Err(io::Error::new(
+                    e.kind(),
+                    format!("link the layer {}: {e}", src.display()),
+                ))
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Bytes an image really occupies (its allocated blocks).
 pub fn allocated_bytes(img: &Path) -> u64 {
     use std::os::unix::fs::MetadataExt;
@@ -202,6 +277,43 @@ mod tests {
         );
         assert!(copy(&a, &b).is_err(), "the destination must not exist");
         assert!(b.exists(), "a refused copy leaves the existing file alone");
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_stack_is_the_image_then_its_lowers_in_order_and_links_share_the_inode() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("locker-stack-test-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let snap = dir.join("snap");
+        fs::create_dir_all(snap.join(SNAPSHOT_LOWERS)).unwrap();
+        fs::write(snap.join("disk.img"), b"top").unwrap();
+        // Numbered, not sorted by name: 10 comes after 2.
+        for n in [10, 1, 2] {
+            fs::write(
+                snap.join(SNAPSHOT_LOWERS).join(format!("{n}.img")),
+                n.to_string(),
+            )
+            .unwrap();
+        }
+        fs::write(snap.join(SNAPSHOT_LOWERS).join("junk"), b"").unwrap();
+        let stack = stack_of(&snap.join("disk.img"));
+        let names: Vec<String> = stack
+            .iter()
+            .map(|p| fs::read_to_string(p).unwrap())
+            .collect();
+        assert_eq!(names, ["top", "1", "2", "10"]);
+        let m = dir.join("machine");
+        link_stack(&stack, &m.join(MACHINE_LAYERS), 0).unwrap();
+        let linked = machine_layers(&m);
+        assert_eq!(linked.len(), 4);
+        for (a, b) in stack.iter().zip(&linked) {
+            assert_eq!(
+                fs::metadata(a).unwrap().ino(),
+                fs::metadata(b).unwrap().ino()
+            );
+        }
+        assert_eq!(stack_of(&dir.join("none/disk.img")).len(), 1);
         fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -5,7 +5,12 @@
 //! one consistent point even while commands run. The copy is a reflink where the data dir's
 //! filesystem allows (btrfs, XFS), otherwise a sparse copy. `/tmp` (memory) and processes
 //! are not part of it: the jail has no memory snapshots (`has_memory: false`).
-//! A snapshot lives on after its sandbox is deleted, until it is deleted itself.
+//! A sandbox started from a snapshot (or forked) copies nothing: the snapshot's image, and
+//! those of the snapshots beneath it, are read-only lower layers of its overlay, linked
+//! into its directory (see `locker_runtime::disk::stack_of`).
+//! A snapshot lives on after its sandbox is deleted, until it is deleted itself; deleting
+//! it while sandboxes or later snapshots stand on it is allowed: they hold links to its
+//! image, whose blocks go with the last of them.
 //!
 //! A snapshot's directory (`<data-dir>/snapshots/<id>/`) is whole once its record exists:
 //! the record is written after the copy. A server killed during a copy leaves a directory
@@ -192,7 +197,8 @@ pub(crate) fn remove_snapshot(app: &AppState, caller: &Caller, id: &str) -> Resu
         .store
         .get_snapshot(&caller.tenant, id)?
         .ok_or_else(|| ApiError::not_found(format!("snapshot {id} does not exist")))?;
-    // Sandboxes started from it hold their own copies: removing it never affects them.
+    // Sandboxes started from it, and snapshots of those, hold their own hard links to its
+    // image: removing it never affects them, and its blocks go with the last of them.
     app.store.delete_snapshot(&caller.tenant, id)?;
     let _ = std::fs::remove_dir_all(&snap.path);
     Ok(())

@@ -43,6 +43,7 @@ pub fn set_topdir(dir: &Path) -> io::Result<()> {
 
 const LOOP_CTL_GET_FREE: libc::c_ulong = 0x4C82;
 const LOOP_CONFIGURE: libc::c_ulong = 0x4C0A;
+const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_AUTOCLEAR: u32 = 4;
 
 #[repr(C)]
@@ -82,8 +83,26 @@ fn open_rw(p: &Path) -> io::Result<File> {
 /// (autoclear), and returns the device path with an open fd on it. Keep the fd until the
 /// device is mounted: autoclear detaches the device as soon as its last opener closes it.
 pub fn loop_attach(image: &Path) -> io::Result<(PathBuf, File)> {
+    loop_attach_with(image, false)
+}
+
+/// [`loop_attach`] of a device that refuses writes (`LO_FLAGS_READ_ONLY`), the image opened
+/// read-only: a filesystem on it can be mounted only read-only, and ext4 then leaves even
+/// its orphan list alone (it writes to a read-only *mount* of a writable device).
+pub fn loop_attach_read_only(image: &Path) -> io::Result<(PathBuf, File)> {
+    loop_attach_with(image, true)
+}
+
+fn loop_attach_with(image: &Path, read_only: bool) -> io::Result<(PathBuf, File)> {
     let ctl = open_rw(Path::new("/dev/loop-control"))?;
-    let backing = open_rw(image)?;
+    let backing = if read_only {
+        OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(image)?
+    } else {
+        open_rw(image)?
+    };
     // Every free-device query answers the same device to concurrent callers, so machines
     // starting at once would mostly lose the race: take turns, host-wide (shims are separate
     // processes), and retry against other software until a deadline.
@@ -111,7 +130,7 @@ pub fn loop_attach(image: &Path) -> io::Result<(PathBuf, File)> {
         // SAFETY: LoopConfig is plain old data; zeroed is valid.
         let mut cfg: LoopConfig = unsafe { std::mem::zeroed() };
         cfg.fd = backing.as_raw_fd() as u32;
-        cfg.info.lo_flags = LO_FLAGS_AUTOCLEAR;
+        cfg.info.lo_flags = LO_FLAGS_AUTOCLEAR | if read_only { LO_FLAGS_READ_ONLY } else { 0 };
         // SAFETY: LOOP_CONFIGURE reads the config struct we own.
         let rc = unsafe { libc::ioctl(lo.as_raw_fd(), LOOP_CONFIGURE, &cfg as *const LoopConfig) };
         if rc == 0 {

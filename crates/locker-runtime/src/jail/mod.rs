@@ -14,10 +14,12 @@
 //! 2. creates the machine's user namespace (root inside = host uid `uid_base`, 65536 ids)
 //!    with a throwaway child, and keeps a handle to it;
 //! 3. creates the machine's cgroup with its limits, delegated to the machine's root;
-//! 4. formats the machine's disk, a sparse ext4 image of `disk_mb` (the disk quota);
+//! 4. formats the machine's disk, a sparse ext4 image of `disk_mb` (the disk quota), and
+//!    links the layer images of the snapshot it starts from into `<dir>/layers/`;
 //! 5. unshares mount, net, ipc, uts and pid namespaces and forks the machine's PID 1, which
 //!    enters the cgroup and a cgroup namespace, mounts the disk and an overlay root
-//!    (the template below through an id-mapped read-only mount, the machine's layer above),
+//!    (the template below through an id-mapped read-only mount, a snapshot's layers above
+//!    it, each a read-only loop device and mount, the machine's layer on top),
 //!    a fresh /proc, a minimal /dev, tmpfs /tmp, its cgroup at /sys/fs/cgroup, the view of
 //!    its own CPUs and memory (see [`crate::view`]); brings up loopback (its only
 //!    interface); pivots into the root; then joins the user namespace,

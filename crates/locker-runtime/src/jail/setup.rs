@@ -144,23 +144,61 @@ fn mount_disk(spec: &JailSpec, l: &Layers) -> Result<(), JailError> {
     Ok(())
 }
 
-/// Mounts the machine's root: the template (id-mapped, read-only) under the disk's
-/// writable layer (id-mapped).
+/// Mounts the machine's root: the template (id-mapped, read-only) under the layers of the
+/// snapshot it starts from, if any (each read-only), under the disk's writable layer
+/// (id-mapped).
 fn mount_root(spec: &JailSpec, l: &Layers, userns: &OwnedFd) -> Result<(), JailError> {
     sys::idmapped_bind(&l.disk, &l.mapped, userns.as_raw_fd(), false)
         .map_err(step("id-map the disk"))?;
     sys::idmapped_bind(&spec.template_rootfs, &l.lower, userns.as_raw_fd(), true)
         .map_err(step("id-map the template"))?;
+    let mut lowers = mount_layers(l, userns)?;
+    lowers.push("lower".into());
     mount_overlay(
-        Path::new("lower"),
+        Path::new(&lowers.join(":")),
         Path::new("disk-mapped/upper"),
         Path::new("disk-mapped/work"),
         &l.root,
         libc::MS_NODEV,
-        "",
+        // Every upper file holds its data (no metadata-only copy-up, whatever the host's
+        // default): a snapshot of this layer must stand alone as another machine's lower.
+        ",metacopy=off",
         spec.uid_base,
     )
     .map_err(step("mount the overlay root"))
+}
+
+/// Mounts each layer image the machine stands on (`layers/<n>.img`, a snapshot's stack,
+/// top first): a read-only loop device (ext4 then writes nothing, not even its orphan
+/// list), the filesystem read-only at `layer<n>-raw`, its `upper` tree id-mapped read-only
+/// at `layer<n>`. Returns those names, top first, for the overlay's `lowerdir`. A former
+/// upper tree works as a lower layer: overlayfs honours its whiteouts and opaque
+/// directories there. Nothing here is visible on the host, and it all goes with the
+/// machine's mount namespace (the loop devices detach themselves).
+fn mount_layers(l: &Layers, userns: &OwnedFd) -> Result<Vec<String>, JailError> {
+    let mut names = Vec::new();
+    for (i, img) in crate::disk::machine_layers(&l.dir).iter().enumerate() {
+        let (raw, name) = (l.dir.join(format!("layer{i}-raw")), format!("layer{i}"));
+        let mapped = l.dir.join(&name);
+        for d in [&raw, &mapped] {
+            fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
+        }
+        let (dev, lo) = sys::loop_attach_read_only(img)
+            .map_err(step(format!("attach the layer {name} to a loop device")))?;
+        sys::mount(
+            dev.to_str(),
+            &raw,
+            Some("ext4"),
+            libc::MS_RDONLY | libc::MS_NODEV | libc::MS_NOSUID,
+            None,
+        )
+        .map_err(step(format!("mount the layer {name}")))?;
+        drop(lo);
+        sys::idmapped_bind(&raw.join("upper"), &mapped, userns.as_raw_fd(), true)
+            .map_err(step(format!("id-map the layer {name}")))?;
+        names.push(name);
+    }
+    Ok(names)
 }
 
 /// Mounts a fresh `/proc`, with the host-wide files a machine has no business reading

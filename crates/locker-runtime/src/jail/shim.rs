@@ -88,16 +88,12 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     // Where the machine runs: its count is what `nproc` and `os.cpu_count()` will say.
     let cpus = crate::view::pick_cpus(spec.cpus);
 
-    // 4. The disk: a fresh image, or a copy of a snapshot's.
+    // 4. The disk: a fresh image; a snapshot's layers are linked beside it (read-only).
     let img = dir.join("disk.img");
-    match &spec.disk_from {
-        Some(from) => {
-            crate::disk::copy_ephemeral(from, &img)
-                .map_err(step(format!("copy the disk image {}", from.display())))?;
-        }
-        None => crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir())
-            .map_err(step("make the disk image"))?,
-    }
+    crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir())
+        .map_err(step("make the disk image"))?;
+    crate::disk::link_stack(&spec.layers, &dir.join(crate::disk::MACHINE_LAYERS), 0)
+        .map_err(step("link the snapshot's layers"))?;
     let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
     let agent = fs::OpenOptions::new()
         .read(true)

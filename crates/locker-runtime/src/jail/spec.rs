@@ -20,9 +20,12 @@ pub struct JailSpec {
     pub memory_mb: u64,
     pub pids: u64,
     pub disk_mb: u64,
-    /// Start from a copy of this disk image (a snapshot) instead of an empty disk.
+    /// Read-only layers between the template and the machine's own (always blank) disk,
+    /// top first: a snapshot's layer stack (see [`crate::disk::stack_of`]). The shim
+    /// links them into `<dir>/layers/` and the machine mounts each image read-only, its
+    /// `upper` tree id-mapped, as a lower layer of its overlay root.
     #[serde(default)]
-    pub disk_from: Option<PathBuf>,
+    pub layers: Vec<PathBuf>,
     /// The (static) agent binary, executed inside the machine.
     pub agent_path: PathBuf,
     pub hostname: String,

@@ -105,14 +105,16 @@ fn kill_processes(
     Ok(cg.kill_all()?)
 }
 
-/// Waits (at most 5 s) for the loop devices backed by the machine's disk image to go.
+/// Waits (at most 5 s) for the loop devices backed by the machine's images (its disk, the
+/// snapshot layers linked in its directory) to go.
 fn wait_loops_gone(dir: &Path) {
     // The kernel tears a dead mount namespace down asynchronously; the loop device detaches
     // once the disk is unmounted. Wait for it so "destroyed" means nothing is left.
     // The devices are found once (a scan of every loop device), then only they are
     // watched: with many machines going at once, a scan per poll would cost each of them
     // a read per loop device on the host, every poll.
-    let img = dir.join("disk.img");
+    // Every image is under the machine's directory: match that prefix, with its slash.
+    let img = dir.join("");
     let deadline = Instant::now() + Duration::from_secs(5);
     let mut devs = loops_backing(&img);
     while !devs.is_empty() && Instant::now() < deadline {

@@ -79,6 +79,9 @@ pub enum NodeError {
     /// A microVM's volumes could not be served or mounted.
     #[error("serving volumes to machine {machine}: {reason}")]
     Shares { machine: String, reason: String },
+    /// A snapshot would stack more layers than a machine may stand on.
+    #[error("this sandbox already stands on {0} snapshot layers (a snapshot of a sandbox made from a snapshot adds one), the most a snapshot may hold is {max}: snapshot a sandbox made from the template (copy the files over) instead", max = crate::disk::MAX_LAYERS)]
+    LayersTooDeep(usize),
     #[error("only a microVM takes shares")]
     NotVm,
     #[error("machine {0} has its shares already")]
@@ -131,7 +134,10 @@ pub struct Attach {
     pub runtime: RuntimeKind,
     /// A microVM restores this memory snapshot (with `disk_from` as its disk).
     pub memory_from: Option<PathBuf>,
-    /// Start from a copy of this disk image (a snapshot's).
+    /// Start from this snapshot image (`<snapshot>/disk.img`). A jail stands on the
+    /// snapshot's layer stack ([`crate::disk::stack_of`]), each image mounted read-only
+    /// beneath the machine's own blank disk of `disk_mb`: nothing is copied. A microVM
+    /// (with `memory_from`) starts from a copy of the image, the disk its memory knows.
     pub disk_from: Option<PathBuf>,
     /// Overlays (a run's volume under its private layer).
     pub overlays: Vec<OverlayMount>,
@@ -280,8 +286,9 @@ impl Node {
         self.create_from(spec, None).await
     }
 
-    /// Starts a jailed machine whose disk is a copy of `disk_from` (a snapshot's image;
-    /// `spec.disk_mb` is then the image's size) or empty, and connects to its agent.
+    /// Starts a jailed machine from the snapshot whose image is `disk_from` (its layer
+    /// stack mounted read-only beneath a blank disk; see [`Attach::disk_from`]) or from
+    /// the template alone, and connects to its agent.
     pub async fn create_from(
         &self,
         spec: MachineSpec,
@@ -336,7 +343,10 @@ impl Node {
             memory_mb: spec.memory_mb,
             pids: spec.pids,
             disk_mb: spec.disk_mb,
-            disk_from,
+            layers: disk_from
+                .as_deref()
+                .map(crate::disk::stack_of)
+                .unwrap_or_default(),
             agent_path: self.config.agent_exe.clone(),
             hostname: spec.id.clone(),
             mounts,
@@ -707,11 +717,29 @@ impl Node {
     }
 
     /// Snapshots a running machine into `dir` (which exists): its disk as `disk.img`, and
-    /// for a microVM its memory and device state as `memory` too. Returns the bytes taken
-    /// and whether memory was saved.
+    /// for a microVM its memory and device state as `memory` too. A jail's snapshot also
+    /// records the layers the machine stands on, linked (stored once) as `lower/1.img`, …
+    /// (see [`crate::disk::stack_of`]). Returns the bytes taken (the machine's own layer;
+    /// shared lower layers are counted by the snapshot that made them) and whether memory
+    /// was saved.
     pub async fn snapshot(&self, m: &Machine, dir: &Path) -> Result<(u64, bool), NodeError> {
         let Some(vm) = m.vm().cloned() else {
+            let below = crate::disk::machine_layers(&m.dir).len();
+            if below + 1 > crate::disk::MAX_LAYERS {
+                return Err(NodeError::LayersTooDeep(below));
+            }
             let (_, size) = self.snapshot_disk(m, &dir.join("disk.img")).await?;
+            let (layers, lowers) = (
+                crate::disk::machine_layers(&m.dir),
+                dir.join(crate::disk::SNAPSHOT_LOWERS),
+            );
+            tokio::task::spawn_blocking(move || crate::disk::link_stack(&layers, &lowers, 1))
+                .await
+                .map_err(task("snapshot"))?
+                .map_err(|source| NodeError::Io {
+                    step: "recording the machine's layers".into(),
+                    source,
+                })?;
             return Ok((size, false));
         };
         if crate::vm_fs::has_shares(&m.dir) {
