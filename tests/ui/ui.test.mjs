@@ -385,13 +385,6 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
         rows: document.querySelectorAll('#calls tr[data-call]').length,
         first_screen_ms: window.__lockerCallsFirstScreen,
       }));
-      // The next page (cursor) too.
-      const t1 = performance.now();
-      const firstId = await p.getAttribute('#calls tr[data-call]', 'data-call');
-      await p.click('#older');
-      await waitUntil(p, (id) => document.querySelector('#calls tr[data-call]')?.dataset.call !== id, firstId);
-      const next = performance.now() - t1;
-      runs.push({ rows: f.rows, first_screen_ms: Math.round(f.first_screen_ms), wall_ms: Math.round(wall), next_page_ms: Math.round(next) });
       if (i === 0) {
         await shot(p, 'calls-100k');
         // The newest record used a secret and misused it (see tests/ui.rs): both shown, as text.
@@ -406,6 +399,13 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
         assert.ok(net.includes('pypi.org'), net);
         await clean(p, 'calls with secrets');
       }
+      // The next page (cursor) too.
+      const t1 = performance.now();
+      const firstId = await p.getAttribute('#calls tr[data-call]', 'data-call');
+      await p.click('#older');
+      await waitUntil(p, (id) => document.querySelector('#calls tr[data-call]')?.dataset.call !== id, firstId);
+      const next = performance.now() - t1;
+      runs.push({ rows: f.rows, first_screen_ms: Math.round(f.first_screen_ms), wall_ms: Math.round(wall), next_page_ms: Math.round(next) });
       await p.context().close();
     }
     const best = runs.reduce((a, b) => (a.first_screen_ms <= b.first_screen_ms ? a : b));
