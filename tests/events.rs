@@ -541,6 +541,70 @@ fn the_stream_resumes_across_a_restart_and_tenants_see_only_their_own() {
         .expect_error(400, "bad_request", "bad Last-Event-ID");
 }
 
+#[test]
+fn a_fork_that_fails_half_way_announces_none_of_its_children() {
+    become_subreaper();
+    // Memory for the parent and one child of 256 MB, not two: of a fork of two, one child
+    // starts and the other is refused, so the fork undoes the one that started.
+    let srv = Server::start_with(&["--quota-memory-mb", "600"]);
+    let api = srv.api();
+    let seen = follow(&api, None);
+    let parent = id_of(&api.create_sandbox(&json!({"memory_mb": 256})));
+    let r = api.post(
+        &format!("/v1/sandboxes/{parent}/fork"),
+        &json!({"count": 2}),
+    );
+    assert_eq!(
+        r.status,
+        429,
+        "the second child is past the quota: {}",
+        r.text()
+    );
+    assert_eq!(
+        api.get("/v1/sandboxes").json()["sandboxes"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1,
+        "all or none: the child that started is gone"
+    );
+    // A fork that fits, whose event ends what this test waits for.
+    let child = id_of(
+        &api.post(
+            &format!("/v1/sandboxes/{parent}/fork"),
+            &json!({"count": 1}),
+        )
+        .expect(201, "a fork within the quota")["sandboxes"][0],
+    );
+    wait_for(Duration::from_secs(10), "the fork's event", || {
+        seen.lock()
+            .unwrap()
+            .iter()
+            .any(|(_, e)| e["subject"] == child.as_str())
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    let got: Vec<(String, String)> = seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(_, e)| {
+            (
+                e["type"].as_str().unwrap().to_owned(),
+                e["subject"].as_str().unwrap().to_owned(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        got,
+        [
+            ("sandbox.created".to_owned(), parent.clone()),
+            ("sandbox.forked".to_owned(), child.clone()),
+        ],
+        "no sandbox.deleted for a child that never had sandbox.forked"
+    );
+}
+
 // ---- usage figures ----
 
 fn usage_of(api: &Api, sb: &str) -> Value {

@@ -4,8 +4,11 @@
 //! refusal of cross-site state-changing requests, the cursor pagination and filters of
 //! `GET /v1/calls`, and the page itself in headless Chromium (Debian's `chromium`, driven by
 //! `playwright-core` from npm: `tests/ui/ui.test.mjs`): sign-in, a sandbox created from the
-//! page, `echo hello` typed in its terminal, a file uploaded and listed, a run's change list,
-//! idle fraction, hostile strings shown as text with nothing run, screenshots into
+//! page, live updates from the event stream (a sandbox created and deleted via the API shows
+//! with no reload and no polling), `echo hello` typed in its terminal, a file uploaded and
+//! listed, a run's change list, idle fraction, a template build's log followed while it
+//! runs, usage charts from `/v1/usage/series`, secrets used and misused in the calls page,
+//! hostile strings shown as text with nothing run, phone-width pages, screenshots into
 //! `docs/ui/`, and the first load and the calls page over 100 000 records measured into
 //! `bench/results/ui.json`.
 //!
@@ -63,7 +66,15 @@ fn record(tenant: &str, i: usize) -> CallRecord {
             "usage": {"cpu_ms": i % 300, "peak_memory_bytes": 1 << 20},
             "changes": null
         },
-        "egress_denied": if i % 50 == 0 { json!(["pypi.org"]) } else { json!([]) },
+        "egress_denied": if i % 50 == 0 || i % 20 == 19 { json!(["pypi.org"]) } else { json!([]) },
+        // Secrets: used on every tenth, misused (to a hostile-looking destination, shown as
+        // text by the page) on every twentieth; the newest record (99 999) has both.
+        "secrets_used": if i % 10 == 9 { json!([{"name": "openai", "host": "api.openai.com"}]) } else { json!([]) },
+        "secret_misuse": if i % 20 == 19 {
+            json!([{"name": "openai", "destination": "http://\"><img src=x onerror=window.__pwned=2>:80"}])
+        } else {
+            json!([])
+        },
         "changes": null,
         "created_at": locker_types::rfc3339(locker_store::now_unix() - 100_000 + i as i64),
     }))
@@ -549,5 +560,5 @@ fn dashboard_in_chromium() {
             .unwrap_or_else(|| panic!("no `# {what}` line in node's TAP output:\n{log}"))
     };
     assert_eq!(count("fail"), 0, "{log}");
-    assert!(count("pass") >= 14, "{log}");
+    assert!(count("pass") >= 17, "{log}");
 }

@@ -1,7 +1,8 @@
 // The API client: the key lives in sessionStorage only (gone when the tab closes) and
 // travels in the Authorization header, never in a URL. Live events are read from
-// `GET /v1/events` with fetch (EventSource cannot send a header); where the server has no
-// such route the page polls instead.
+// `GET /v1/events` with fetch and a streamed body rather than EventSource, because
+// EventSource cannot send a header: so the stream carries the key the same way as every
+// other call, and no ticket or key has to go into its URL. Nothing polls.
 
 const KEY = 'locker.api_key';
 
@@ -80,19 +81,37 @@ export async function download(path, name) {
 }
 
 /**
- * Follows the event stream, calling `onEvent(event)` for each and `onState('live'|'polling'|
- * 'offline')`; resumes with Last-Event-ID after a cut. Falls back to calling `onPoll()` every
- * 2 s when the server has no `/v1/events`. Returns a function that stops it.
+ * Reads `path` as NDJSON, calling `onLine(object)` for each line until the body ends or
+ * `signal` aborts (a template build's log with `?follow=true`).
  */
-export function followEvents(onEvent, onState, onPoll) {
+export async function followLines(path, onLine, signal) {
+  const r = await api('GET', path, { raw: true, signal });
+  const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = '';
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) break;
+    buf += value;
+    let i;
+    while ((i = buf.indexOf('\n')) >= 0) {
+      const line = buf.slice(0, i).trim();
+      buf = buf.slice(i + 1);
+      if (line) onLine(JSON.parse(line));
+    }
+  }
+  if (buf.trim()) onLine(JSON.parse(buf));
+}
+
+/**
+ * Follows the event stream, calling `onEvent(event)` for each and `onState('live' |
+ * 'offline')`. After a cut it reconnects (1 s, doubling up to 15 s) with `Last-Event-ID`,
+ * so the server sends what happened meanwhile: no gap, no duplicate. Returns a function
+ * that stops it.
+ */
+export function followEvents(onEvent, onState) {
   let stopped = false;
   let ctrl = null;
   let last = null;
-  let timer = null;
-  const poll = () => {
-    onState('polling');
-    timer = setInterval(() => { if (!document.hidden) onPoll(); }, 2000);
-  };
   (async function loop() {
     let delay = 1000;
     while (!stopped) {
@@ -101,7 +120,7 @@ export function followEvents(onEvent, onState, onPoll) {
         const h = { Accept: 'text/event-stream' };
         if (last) h['Last-Event-ID'] = last;
         const r = await fetch('/v1/events', { headers: headers(h), signal: ctrl.signal, cache: 'no-store', credentials: 'omit' });
-        if (r.status === 404 || r.status === 405) { poll(); return; }
+        if (r.status === 401) { window.dispatchEvent(new CustomEvent('locker-unauthorized')); return; }
         if (!r.ok || !r.body) throw new Error(`events: ${r.status}`);
         onState('live');
         delay = 1000;
@@ -123,7 +142,7 @@ export function followEvents(onEvent, onState, onPoll) {
             }
             if (id) last = id;
             if (data) {
-              try { onEvent(JSON.parse(data)); } catch { /* a comment or keep-alive */ }
+              try { onEvent(JSON.parse(data)); } catch { /* not JSON: skipped */ }
             }
           }
         }
@@ -135,5 +154,5 @@ export function followEvents(onEvent, onState, onPoll) {
       delay = Math.min(delay * 2, 15000);
     }
   })();
-  return () => { stopped = true; ctrl?.abort(); clearInterval(timer); };
+  return () => { stopped = true; ctrl?.abort(); };
 }

@@ -1,5 +1,6 @@
 // The dashboard's shell: sign-in state, the router (the URL fragment names the page, so a
-// reload stays put and nothing reaches the server's logs), live updates.
+// reload stays put and nothing reaches the server's logs), live updates: one event stream
+// for the whole tab; a page says which events concern it (`wants`) and is refreshed then.
 
 import { auth, followEvents } from './api.js';
 import { h, fill, toast } from './dom.js';
@@ -59,10 +60,13 @@ async function route() {
 }
 
 let pending = null;
-/** Refreshes the page at most every 300 ms, however many events arrive. */
-function soon(fn) {
+/**
+ * Refreshes the current page 300 ms from now, once however many events arrive meanwhile
+ * (the refresh reads the state after them all).
+ */
+function soon() {
   if (pending) return;
-  pending = setTimeout(() => { pending = null; Promise.resolve(fn()).catch(() => {}); }, 300);
+  pending = setTimeout(() => { pending = null; Promise.resolve(current?.refresh?.()).catch(() => {}); }, 300);
 }
 
 function startEvents() {
@@ -70,13 +74,15 @@ function startEvents() {
   stopEvents = followEvents(
     (e) => {
       window.__lockerEvents = (window.__lockerEvents || 0) + 1;
-      if (current?.onEvent) soon(() => current?.onEvent?.(e));
+      if (current?.refresh && current.wants?.(e)) soon();
     },
     (state) => {
-      fill(live, state === 'live' ? 'live' : state === 'polling' ? 'polling every 2 s' : 'offline');
-      live.className = state === 'offline' ? 'live' : 'live on';
+      fill(live, state === 'live' ? 'live' : 'offline');
+      live.className = state === 'live' ? 'live on' : 'live';
+      // Whatever happened between the page's first read and this stream's start (or, on
+      // a first connect, before a Last-Event-ID existed) is read once, not polled for.
+      if (state === 'live' && current?.refresh) soon();
     },
-    () => { if (current?.refresh) soon(() => current?.refresh?.()); },
   );
 }
 

@@ -32,7 +32,7 @@ export function stackedBars(buckets, series, fmt = String) {
       const v = b.values[sr.key] || 0;
       const hgt = (plotH * v) / max;
       if (hgt > 0) {
-        const r = s('rect', { x, y: y - hgt, width: bw * 0.7, height: hgt, fill: sr.color });
+        const r = s('rect', { x, y: y - hgt, width: bw * 0.7, height: hgt, fill: sr.color, 'data-series': sr.key });
         r.append(s('title', {}, `${b.label} ${sr.name}: ${fmt(v)}`));
         svg.append(r);
       }

@@ -13,8 +13,22 @@ export async function sandbox(main, params, id) {
   const body = h('div');
   fill(main, head, tabsBox, body);
   let term = null;
+  let first = true;
   async function refresh() {
-    const sb = await get(`/v1/sandboxes/${enc}`);
+    let sb;
+    try {
+      sb = await get(`/v1/sandboxes/${enc}`);
+    } catch (e) {
+      // Gone while open (its `sandbox.deleted` or `sandbox.expired` event): say why.
+      if (first || e.status !== 404) throw e;
+      term?.close();
+      term = null;
+      fill(head, h('h1', null, h('span', { class: 'mono' }, id)), h('p', { class: 'bad', id: 'sandbox-gone' }, e.message));
+      fill(tabsBox);
+      fill(body);
+      return null;
+    }
+    first = false;
     const u = sb.usage || {};
     fill(head,
       h('h1', null, h('span', { class: 'mono' }, sb.id), ' ', pill(sb.state)),
@@ -49,7 +63,7 @@ export async function sandbox(main, params, id) {
   show(params.get('tab') === 'files' ? 'Files' : 'Terminal');
   return {
     refresh,
-    onEvent: (e) => e.subject === id && refresh(),
+    wants: (e) => e.subject === id,
     leave: () => term?.close(),
   };
 }

@@ -1,7 +1,8 @@
 // The dashboard's list pages: sign-in, sandboxes, calls, volumes, usage, templates, health.
-// Each page is `async function(main, params) -> {refresh?, onEvent?}`.
+// Each page is `async function(main, params) -> {refresh?, wants?(event), leave?}`: `wants`
+// says which live events make the shell call `refresh`.
 
-import { api, auth, get, post, del, qs, ApiError } from './api.js';
+import { api, auth, get, post, del, qs, followLines, ApiError } from './api.js';
 import { h, fill, toast, fmtMs, fmtS, fmtBytes, fmtPct, rel, time } from './dom.js';
 import { stackedBars, legend } from './charts.js';
 
@@ -82,7 +83,7 @@ export async function sandboxes(main) {
       h('td', null, actions(sb, refresh, open)));
   }
   await refresh();
-  return { refresh, onEvent: (e) => e.type?.startsWith('sandbox.') && refresh() };
+  return { refresh, wants: (e) => e.type.startsWith('sandbox.') };
 }
 
 /** Pause/resume, snapshot, fork, delete buttons for a sandbox. */
@@ -150,8 +151,32 @@ export function outcome(r) {
 export function callDetail(r) {
   return h('div', { class: 'card', id: 'call-detail' },
     h('h2', null, 'Call ', h('span', { class: 'mono' }, r.id)),
+    networkOf(r),
     changesOf(r),
     h('pre', null, JSON.stringify(r, null, 2)));
+}
+
+/** A call's network: names refused by its egress policy, secrets used and misused. */
+export function networkOf(r) {
+  const denied = r.egress_denied || [];
+  const used = r.secrets_used || [];
+  const misuse = r.secret_misuse || [];
+  if (!denied.length && !used.length && !misuse.length) return null;
+  const list = (title, cls, items) => (items.length
+    ? [h('h3', null, title), h('ul', { class: `net ${cls}` }, items.map((x) => h('li', { class: 'mono' }, x)))]
+    : null);
+  return h('div', { class: 'net-block' },
+    list('Secrets used', 'used', used.map((u) => `${u.name} → ${u.host}`)),
+    list('Secret misuse (sent as the placeholder, never the value)', 'misuse bad', misuse.map((m) => `${m.name} → ${m.destination}`)),
+    list('Egress denied', 'denied warn', denied));
+}
+
+/** The secrets column of a call: names used, and a warning for misuse. */
+function secretsCell(r) {
+  const used = [...new Set((r.secrets_used || []).map((u) => u.name))];
+  const misuse = [...new Set((r.secret_misuse || []).map((m) => m.name))];
+  return [used.length ? h('span', { class: 'used' }, used.join(', ')) : null,
+    misuse.length ? h('span', { class: 'bad misuse', title: 'a placeholder went where the secret may not' }, ` misuse: ${misuse.join(', ')}`) : null];
 }
 
 /** A run's change list: added, modified, deleted, conflicts, and whether it was committed. */
@@ -197,7 +222,7 @@ export async function calls(main, params) {
     h('div', { class: 'tablewrap' }, h('table', null,
       h('thead', null, h('tr', null, h('th', null, 'When'), h('th', null, 'Kind'), h('th', { class: 'hide-sm' }, 'Where'),
         h('th', null, 'Command'), h('th', null, 'Outcome'), h('th', { class: 'num' }, 'Wait'), h('th', { class: 'num' }, 'Duration'),
-        h('th', { class: 'num hide-sm' }, 'CPU'), h('th', { class: 'num hide-sm' }, 'Egress denied'), h('th', { class: 'hide-sm' }, 'Key'))),
+        h('th', { class: 'num hide-sm' }, 'CPU'), h('th', { class: 'num hide-sm' }, 'Egress denied'), h('th', null, 'Secrets'), h('th', { class: 'hide-sm' }, 'Key'))),
       tbody)), detail);
   const stack = [];
   let cursor = null;
@@ -207,7 +232,7 @@ export async function calls(main, params) {
     const r = await get(`/v1/calls${qs(q)}`);
     next = r.next_cursor || null;
     const list = r.calls || [];
-    fill(tbody, list.length ? list.map(row) : h('tr', null, h('td', { colspan: 10, class: 'muted' }, 'No calls match.')));
+    fill(tbody, list.length ? list.map(row) : h('tr', null, h('td', { colspan: 11, class: 'muted' }, 'No calls match.')));
     newer.disabled = stack.length === 0;
     older.disabled = !next;
     fill(pageInfo, `page ${stack.length + 1} · ${list.length} calls`);
@@ -231,11 +256,13 @@ export async function calls(main, params) {
       h('td', { class: 'num' }, fmtMs((t.queue_ms || 0) + (t.start_ms || 0))),
       h('td', { class: 'num' }, fmtMs(t.run_ms)),
       h('td', { class: 'num hide-sm' }, fmtMs(res.usage?.cpu_ms)),
-      h('td', { class: 'num hide-sm' }, (r.egress_denied || []).length || ''),
+      h('td', { class: 'num hide-sm', title: (r.egress_denied || []).join(' ') }, (r.egress_denied || []).length || ''),
+      h('td', { class: 'secrets' }, secretsCell(r)),
       h('td', { class: 'mono hide-sm' }, r.key_id));
   }
   await load();
-  return { refresh: () => (cursor === null ? load() : null), onEvent: (e) => e.type === 'run.committed' && cursor === null && load() };
+  // Only the first page follows events (a later one stays put while the user reads it).
+  return { refresh: () => (cursor === null ? load() : null), wants: (e) => e.type === 'run.committed' };
 }
 
 // ---- volumes ----
@@ -269,7 +296,7 @@ export async function volumes(main, params) {
         : h('p', { class: 'muted' }, runs.error ? runs.error.message : 'No runs on this volume yet.'));
   }
   await refresh();
-  return { refresh, onEvent: (e) => e.type === 'run.committed' && refresh() };
+  return { refresh, wants: (e) => e.type === 'run.committed' };
 }
 
 function treeOf(entries) {
@@ -283,6 +310,26 @@ function treeOf(entries) {
 }
 
 // ---- usage ----
+/**
+ * The intervals of `/v1/usage/series` summed into `n` buckets of `step` seconds ending now
+ * (each interval goes to the bucket that holds its middle).
+ */
+export function bucketize(intervals, now, step, n) {
+  const keys = ['active_s', 'idle_s', 'paused_s', 'cpu_ms'];
+  const start = now - n * step;
+  const buckets = Array.from({ length: n }, (_, i) => {
+    const d = new Date((start + i * step) * 1000);
+    return { label: `${String(d.getHours()).padStart(2, '0')}:${String(d.getMinutes()).padStart(2, '0')}`, values: Object.fromEntries(keys.map((k) => [k, 0])) };
+  });
+  for (const iv of intervals) {
+    const mid = (Date.parse(iv.from) + Date.parse(iv.to)) / 2000;
+    const i = Math.floor((mid - start) / step);
+    if (i < 0 || i >= n) continue;
+    for (const k of keys) buckets[i].values[k] += Math.max(0, iv[k] || 0);
+  }
+  return buckets;
+}
+
 export async function usage(main) {
   const body = h('div');
   fill(main, h('h1', null, 'Usage'), body);
@@ -290,32 +337,25 @@ export async function usage(main) {
     const now = Math.floor(Date.now() / 1000);
     const step = 300;
     const n = 12;
-    const edges = Array.from({ length: n + 1 }, (_, i) => now - (n - i) * step);
-    // `since` totals at each edge; a bucket is the difference of two neighbours.
-    const totals = await Promise.all(edges.map((t) => get(`/v1/usage${qs({ since: t })}`)));
-    const all = await get('/v1/usage');
-    const keys = ['active_s', 'idle_s', 'paused_s', 'cpu_ms', 'sandbox_seconds', 'runs', 'execs'];
-    const buckets = edges.slice(0, n).map((t, i) => {
-      const values = {};
-      for (const k of keys) values[k] = Math.max(0, (totals[i][k] || 0) - (totals[i + 1][k] || 0));
-      const d = new Date(t * 1000);
-      return { label: `${String(d.getHours()).padStart(2, '0')}:${String(d.getMinutes()).padStart(2, '0')}`, values };
-    });
-    const hasIdle = typeof all.idle_s === 'number';
-    const timeSeries = hasIdle
-      ? [{ key: 'active_s', name: 'active', color: '#2b6cb0' }, { key: 'idle_s', name: 'idle', color: '#ecc94b' }, { key: 'paused_s', name: 'paused', color: '#a0aec0' }]
-      : [{ key: 'sandbox_seconds', name: 'sandbox time', color: '#2b6cb0' }];
-    const sbs = (await get('/v1/sandboxes')).sandboxes || [];
+    const [all, series, list] = await Promise.all([
+      get('/v1/usage'),
+      get(`/v1/usage/series${qs({ since: now - n * step })}`),
+      get('/v1/sandboxes'),
+    ]);
+    const buckets = bucketize(series.intervals || [], now, step, n);
+    const timeSeries = [{ key: 'active_s', name: 'active', color: '#2b6cb0' }, { key: 'idle_s', name: 'idle', color: '#ecc94b' }, { key: 'paused_s', name: 'paused', color: '#a0aec0' }];
+    const sbs = list.sandboxes || [];
     fill(body,
       h('div', { class: 'card grid kv', id: 'usage-totals' },
-        kv('Sandbox time', fmtS(all.sandbox_seconds)), kv('CPU', fmtMs(all.cpu_ms)), kv('Runs', all.runs), kv('Execs', all.execs),
-        kv('Active', hasIdle ? fmtS(all.active_s) : '—'), kv('Idle', hasIdle ? fmtS(all.idle_s) : '—'),
-        kv('Paused', hasIdle ? fmtS(all.paused_s) : '—'), kv('Idle fraction', h('span', { id: 'tenant-idle' }, fmtPct(all.idle_fraction)))),
-      hasIdle ? null : h('p', { class: 'muted' }, 'This server does not report active/idle/paused time yet; sandbox time is shown instead.'),
-      h('h2', null, 'Time, last hour (5 min buckets)'),
-      h('div', { class: 'card' }, stackedBars(buckets, timeSeries, fmtS), legend(timeSeries)),
-      h('h2', null, 'CPU used, last hour'),
-      h('div', { class: 'card' }, stackedBars(buckets, [{ key: 'cpu_ms', name: 'CPU', color: '#38a169' }], fmtMs)),
+        kv('Sandbox time', fmtS(all.sandbox_seconds)), kv('CPU of calls', fmtMs(all.cpu_ms)), kv('CPU of machines', fmtMs(all.sandbox_cpu_ms)),
+        kv('Runs', all.runs), kv('Execs', all.execs),
+        kv('Active', fmtS(all.active_s)), kv('Idle', fmtS(all.idle_s)),
+        kv('Paused', fmtS(all.paused_s)), kv('Idle fraction', h('span', { id: 'tenant-idle' }, fmtPct(all.idle_fraction)))),
+      h('h2', null, 'Time of your sandboxes, last hour (5 min bars)'),
+      h('div', { class: 'card', id: 'usage-time' }, stackedBars(buckets, timeSeries, fmtS), legend(timeSeries)),
+      h('h2', null, 'CPU your machines used, last hour'),
+      h('div', { class: 'card', id: 'usage-cpu' }, stackedBars(buckets, [{ key: 'cpu_ms', name: 'CPU', color: '#38a169' }], fmtMs)),
+      h('p', { class: 'muted' }, `Sampled every ${series.interval_s} s since ${time(series.since)} (the series starts again when the server restarts; the totals above do not).`),
       h('h2', null, 'Per sandbox'),
       h('div', { class: 'tablewrap' }, h('table', null,
         h('thead', null, h('tr', null, h('th', null, 'Sandbox'), h('th', { class: 'num' }, 'CPU'), h('th', { class: 'num' }, 'Active'), h('th', { class: 'num' }, 'Idle'), h('th', { class: 'num' }, 'Paused'), h('th', { class: 'num' }, 'Idle fraction'))),
@@ -326,7 +366,7 @@ export async function usage(main) {
         })))));
   }
   await refresh();
-  return { refresh };
+  return { refresh, wants: (e) => e.type.startsWith('sandbox.') };
 }
 
 function kv(k, v) {
@@ -334,22 +374,62 @@ function kv(k, v) {
 }
 
 // ---- templates ----
-export async function templates(main) {
-  const list = (await get('/v1/templates')).templates || [];
-  let builds = null;
-  try { builds = await get('/v1/templates/builds'); } catch (e) { builds = { error: e }; }
+export async function templates(main, params) {
+  const chosen = params.get('build');
+  const tbody = h('tbody', { id: 'templates' });
+  const builds = h('div', { id: 'builds' });
+  const log = h('div', { id: 'build-log' });
   fill(main, h('h1', null, 'Templates'),
     h('div', { class: 'tablewrap' }, h('table', null,
       h('thead', null, h('tr', null, h('th', null, 'Name'), h('th', { class: 'hide-sm' }, 'Digest'), h('th', { class: 'num' }, 'Size'), h('th', { class: 'hide-sm' }, 'Created'), h('th', { class: 'hide-sm' }, 'Packages'))),
-      h('tbody', { id: 'templates' }, list.map((t) => h('tr', null, h('td', null, t.name), h('td', { class: 'mono hide-sm' }, (t.digest || '').slice(0, 19)),
-        h('td', { class: 'num' }, fmtBytes(t.size_bytes)), h('td', { class: 'hide-sm' }, time(t.created_at)), h('td', { class: 'hide-sm' }, (t.packages || []).join(', '))))))),
-    h('h2', null, 'Builds'),
-    builds.error
-      ? h('p', { class: 'muted' }, [404, 405].includes(builds.error.status)
-        ? 'This server does not serve template builds over HTTP yet: build with `sudo locker template build NAME`; its log is on that terminal.'
-        : builds.error.message)
-      : h('div', { class: 'card' }, (builds.builds || []).map((b) => h('details', null, h('summary', null, `${b.id || ''} ${b.name || ''} ${b.state || ''}`), h('pre', null, b.log || '')))));
-  return {};
+      tbody)),
+    h('h2', null, 'Builds'), builds, log);
+  let following = null;
+  let shown = null;
+  async function refresh() {
+    const [list, b] = await Promise.all([get('/v1/templates'), get('/v1/templates/builds?limit=20')]);
+    fill(tbody, (list.templates || []).map((t) => h('tr', null, h('td', null, t.name), h('td', { class: 'mono hide-sm' }, (t.digest || '').slice(0, 19)),
+      h('td', { class: 'num' }, fmtBytes(t.size_bytes)), h('td', { class: 'hide-sm' }, time(t.created_at)), h('td', { class: 'hide-sm' }, (t.packages || []).join(', ')))));
+    const rows = b.builds || [];
+    fill(builds, rows.length
+      ? h('div', { class: 'tablewrap' }, h('table', null,
+        h('thead', null, h('tr', null, h('th', null, 'Build'), h('th', null, 'Template'), h('th', null, 'State'), h('th', { class: 'num' }, 'Step'), h('th', { class: 'hide-sm' }, 'Started'), h('th', { class: 'hide-sm' }, 'Finished'))),
+        h('tbody', null, rows.map((x) => h('tr', { class: 'click', dataset: { build: x.build_id }, on: { click: () => { location.hash = `#/templates?build=${encodeURIComponent(x.build_id)}`; } } },
+          h('td', { class: 'mono' }, x.build_id), h('td', null, x.name), h('td', null, pill(x.state)),
+          h('td', { class: 'num' }, x.steps ? `${x.step}/${x.steps}` : ''), h('td', { class: 'hide-sm' }, time(x.created_at)), h('td', { class: 'hide-sm' }, time(x.finished_at)))))))
+      : h('p', { class: 'muted' }, 'No builds yet (`POST /v1/templates`, or `locker template build`).'));
+    if (chosen && shown !== chosen) { shown = chosen; await showBuild(chosen); }
+  }
+  /** A build's log: followed live (NDJSON) while it runs, else its record's last lines. */
+  async function showBuild(id) {
+    following?.abort();
+    following = new AbortController();
+    const pre = h('pre', { id: 'build-lines' });
+    const state = h('span', { id: 'build-state' }, '…');
+    const err = h('p', { class: 'bad', id: 'build-error' });
+    fill(log, h('div', { class: 'card' }, h('h2', null, 'Build ', h('span', { class: 'mono' }, id), ' ', state), err, pre));
+    const enc = encodeURIComponent(id);
+    const b = await get(`/v1/templates/builds/${enc}`);
+    fill(state, pill(b.state));
+    if (b.state === 'succeeded' || b.state === 'failed') {
+      pre.append(`${(b.log || []).join('\n')}\n`);
+      if (b.log_dropped) pre.append(`(${b.log_dropped} earlier lines not kept)\n`);
+      if (b.error) fill(err, b.error);
+      return;
+    }
+    const signal = following.signal;
+    followLines(`/v1/templates/builds/${enc}?follow=true`, (ev) => {
+      if (ev.type === 'log') pre.append(`${ev.line}\n`);
+      else if (ev.type === 'progress') fill(state, pill('running'), ` step ${ev.step}/${ev.steps}`);
+      else if (ev.type === 'result') {
+        fill(state, pill(ev.state));
+        if (ev.error) fill(err, ev.error);
+      }
+      pre.scrollTop = pre.scrollHeight;
+    }, signal).catch((e) => { if (!signal.aborted) fill(err, String(e.message || e)); });
+  }
+  await refresh();
+  return { refresh, wants: (e) => e.type.startsWith('template.'), leave: () => following?.abort() };
 }
 
 // ---- health ----

@@ -29,6 +29,8 @@ const IMG = '"><img src=x onerror="window.__pwned=\'img\'">';
 const ANSI = '\u001b[31mRED\u001b[0m\u001b]0;owned\u0007';
 const HOSTILE_FILE = `"><img src=x onerror=window.__pwned=1>.txt`;
 const HOSTILE_LABEL = `x=${IMG}${SCRIPT}`;
+// The misuse destination tests/ui.rs writes into the newest bulk record.
+const MISUSE_DEST = 'http://"><img src=x onerror=window.__pwned=2>:80';
 
 async function api(method, path, body, key = KEY) {
   const r = await fetch(`${URL_}${path}`, {
@@ -100,9 +102,15 @@ async function loadFigures(page) {
     const nav = performance.getEntriesByType('navigation')[0];
     const res = performance.getEntriesByType('resource').filter((r) => r.name.includes('/ui/'));
     const bytes = [nav, ...res].reduce((a, r) => a + (r.transferSize || r.encodedBodySize || 0), 0);
+    // Where the time goes: the page's own request, the parse, the slowest asset.
     return {
       bytes,
       assets: res.length + 1,
+      page_request_ms: Math.round(nav.responseEnd - nav.requestStart),
+      page_response_end_ms: Math.round(nav.responseEnd),
+      dom_interactive_ms: Math.round(nav.domInteractive),
+      slowest_asset_ms: Math.round(Math.max(0, ...res.map((r) => r.responseEnd - r.startTime))),
+      assets_done_ms: Math.round(Math.max(0, ...res.map((r) => r.responseEnd))),
       dom_content_loaded_ms: nav.domContentLoadedEventEnd,
       load_ms: nav.loadEventEnd,
       names: res.map((r) => r.name.replace(/^.*\/ui\/v\/[0-9a-f]+\//, '')),
@@ -183,6 +191,30 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
     assert.equal(labels, HOSTILE_LABEL, 'the label is shown as text');
     await clean(page, 'sandboxes');
     await shot(page, 'sandboxes');
+  });
+
+  await t.test('live: a sandbox made via the API appears with no reload and no polling', async () => {
+    await page.goto(`${URL_}/ui/#/sandboxes`);
+    await page.waitForSelector('#sandboxes tr[data-id]');
+    await waitUntil(page, () => document.getElementById('live').textContent === 'live');
+    await page.evaluate(() => { window.__sameDocument = true; });
+    // The one read that follows the stream's start settles first.
+    await sleep(1000);
+    const requests = [];
+    const onRequest = (r) => { if (!r.url().includes('/ui/')) requests.push(`${r.method()} ${new URL(r.url()).pathname}`); };
+    page.on('request', onRequest);
+    await sleep(3000);
+    assert.deepEqual(requests, [], 'nothing is asked for while nothing happens (no polling)');
+    const sb = await api('POST', '/v1/sandboxes', { metadata: { made: 'by-the-api' } });
+    await waitUntil(page, (id) => !!document.querySelector(`#sandboxes tr[data-id="${id}"]`), sb.id);
+    await api('DELETE', `/v1/sandboxes/${sb.id}`);
+    await waitUntil(page, (id) => !document.querySelector(`#sandboxes tr[data-id="${id}"]`), sb.id);
+    page.off('request', onRequest);
+    assert.equal(await page.evaluate(() => window.__sameDocument), true, 'the page was not reloaded');
+    assert.ok(await page.evaluate(() => window.__lockerEvents >= 2), 'both events came through the stream');
+    // Each event led to one read of the list, and nothing else was asked for.
+    assert.ok(requests.length >= 2 && requests.length <= 4 && requests.every((r) => r === 'GET /v1/sandboxes'), requests.join(', '));
+    bench.live = { requests_while_idle_3s: 0, requests_for_two_events: requests.length };
   });
 
   await t.test('type `echo hello` in the terminal and see hello', async () => {
@@ -275,24 +307,57 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
     bench.idle_fraction = { before: before.idle_fraction, after: now };
   });
 
-  await t.test('usage, templates and health pages render', async () => {
-    for (const [name, sel] of [['usage', '#usage-totals'], ['templates', '#templates'], ['health', '#health']]) {
-      await page.goto(`${URL_}/ui/#/${name}`);
-      await page.waitForSelector(sel);
-      await clean(page, name);
-      await shot(page, name);
-    }
+  await t.test("a template build's log, live while it runs, and its failure", async () => {
+    const dockerfile = "FROM default\nRUN echo 'first <b>line</b>'; sleep 6; echo second-line; exit 3\n";
+    const b = await api('POST', '/v1/templates', { name: 'ui-build', from: { dockerfile } });
+    await page.goto(`${URL_}/ui/#/templates?build=${b.build_id}`);
+    await page.waitForSelector(`#builds tr[data-build="${b.build_id}"]`);
+    await waitUntil(page, () => (document.getElementById('build-lines')?.textContent || '').includes('first <b>line</b>'), null, 120_000);
+    const whileRunning = await page.textContent('#build-state');
+    assert.ok(!/succeeded|failed/.test(whileRunning), `the first line is shown while the build runs (state: ${whileRunning})`);
+    await waitUntil(page, () => (document.getElementById('build-lines')?.textContent || '').includes('second-line'), null, 60_000);
+    await waitUntil(page, () => document.getElementById('build-state')?.textContent.includes('failed'), null, 60_000);
+    assert.match(await page.textContent('#build-error'), /code 3/);
+    // The list follows the `template.failed` event (no reload).
+    await waitUntil(page, (id) => document.querySelector(`#builds tr[data-build="${id}"]`)?.textContent.includes('failed'), b.build_id);
+    assert.equal(await page.evaluate(() => document.querySelectorAll('#build-lines b').length), 0, 'the log is text');
+    await clean(page, 'templates');
+    await shot(page, 'templates');
+  });
+
+  await t.test('usage: time and CPU over time, from the series', async () => {
+    const s = await api('GET', '/v1/usage/series');
+    assert.equal(s.interval_s, 60);
+    assert.ok(s.intervals.length >= 1, JSON.stringify(s));
+    const up = s.intervals.reduce((a, x) => a + x.active_s + x.idle_s, 0);
+    assert.ok(up > 0, `the sandboxes' time is in the series: ${JSON.stringify(s)}`);
+    await page.goto(`${URL_}/ui/#/usage`);
+    await page.waitForSelector('#usage-time svg');
+    const bars = await page.evaluate(() => ['active_s', 'idle_s'].map((k) => [...document.querySelectorAll(`#usage-time rect[data-series="${k}"]`)].reduce((a, r) => a + Number(r.getAttribute('height')), 0)));
+    assert.ok(bars[0] + bars[1] > 0, `bars of active and idle time: ${bars}`);
+    await clean(page, 'usage');
+    await shot(page, 'usage');
+  });
+
+  await t.test('health page renders', async () => {
+    await page.goto(`${URL_}/ui/#/health`);
+    await page.waitForSelector('#health');
+    await clean(page, 'health');
+    await shot(page, 'health');
     const health = await page.textContent('#health');
     assert.match(health, /Runtime jail/);
   });
 
   await t.test('a phone-width screen', async () => {
     const phone = await freshPage(390, 844, KEY);
-    await phone.goto(`${URL_}/ui/#/sandboxes`);
-    await phone.waitForSelector('#sandboxes tr[data-id]');
-    const overflow = await phone.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
-    assert.ok(overflow <= 1, `the page fits a phone's width (overflows by ${overflow}px)`);
-    await shot(phone, 'phone-sandboxes');
+    for (const [name, sel] of [['sandboxes', '#sandboxes tr[data-id]'], ['calls', '#calls tr[data-call]'], ['usage', '#usage-time svg']]) {
+      await phone.goto(`${URL_}/ui/#/${name}`);
+      await phone.waitForSelector(sel);
+      const overflow = await phone.evaluate(() => document.documentElement.scrollWidth - window.innerWidth);
+      assert.ok(overflow <= 1, `${name} fits a phone's width (overflows by ${overflow}px)`);
+      await clean(phone, `phone ${name}`);
+      await shot(phone, `phone-${name}`);
+    }
     await phone.context().close();
   });
 
@@ -320,6 +385,20 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
         rows: document.querySelectorAll('#calls tr[data-call]').length,
         first_screen_ms: window.__lockerCallsFirstScreen,
       }));
+      if (i === 0) {
+        await shot(p, 'calls-100k');
+        // The newest record used a secret and misused it (see tests/ui.rs): both shown, as text.
+        const row = '#calls tr[data-call="call_bulk000000099999"]';
+        const cell = await p.textContent(`${row} .secrets`);
+        assert.ok(cell.includes('openai') && cell.includes('misuse: openai'), cell);
+        await p.click(row);
+        await p.waitForSelector('#call-detail .net-block');
+        const net = await p.textContent('#call-detail .net-block');
+        assert.ok(net.includes('openai → api.openai.com'), net);
+        assert.ok(net.includes(`openai → ${MISUSE_DEST}`), net);
+        assert.ok(net.includes('pypi.org'), net);
+        await clean(p, 'calls with secrets');
+      }
       // The next page (cursor) too.
       const t1 = performance.now();
       const firstId = await p.getAttribute('#calls tr[data-call]', 'data-call');
@@ -327,7 +406,6 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
       await waitUntil(p, (id) => document.querySelector('#calls tr[data-call]')?.dataset.call !== id, firstId);
       const next = performance.now() - t1;
       runs.push({ rows: f.rows, first_screen_ms: Math.round(f.first_screen_ms), wall_ms: Math.round(wall), next_page_ms: Math.round(next) });
-      if (i === 0) await shot(p, 'calls-100k');
       await p.context().close();
     }
     const best = runs.reduce((a, b) => (a.first_screen_ms <= b.first_screen_ms ? a : b));

@@ -84,6 +84,8 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
     crate::lifecycle::spawn_reaper(app.clone());
     crate::events::spawn(app.clone());
+    crate::usage_series::spawn(app.clone());
+    crate::ui::warm();
     crate::default_template::ensure(&app, app.cfg.template_build);
     // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
     // before a machine gets egress).
@@ -245,6 +247,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         events,
         builds: Default::default(),
         tickets: Default::default(),
+        usage_series: Default::default(),
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;
@@ -299,6 +302,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::events::routes())
         .merge(crate::e2b::routes())
         .merge(crate::ui::routes())
+        .merge(crate::usage_series::routes())
         .fallback(|uri: axum::http::Uri| async move {
             crate::e2b::unknown_route(uri.path()).unwrap_or_else(|| {
                 axum::response::IntoResponse::into_response(crate::error::ApiError::not_found(

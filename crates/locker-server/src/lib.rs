@@ -67,6 +67,7 @@ pub mod template_image;
 pub mod templates;
 pub mod tombstone;
 pub mod ui;
+pub mod usage_series;
 pub mod vm_pool;
 pub mod volumes;
 

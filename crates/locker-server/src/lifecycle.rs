@@ -362,6 +362,22 @@ fn resumed(app: &AppState, id: &str, idle_secs: i64) -> Result<(), ApiError> {
 /// Destroys a sandbox's machine (if live) and marks it stopped, keeping its usage; `ending`
 /// (`deleted`, `expired`) is what its id answers afterwards (see `tombstone`).
 pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<(), ApiError> {
+    end(app, r, ending, true).await
+}
+
+/// Destroys a sandbox that was never announced (a create whose start command failed, the
+/// children of a fork that failed half-way): as [`destroy`], without the `sandbox.deleted`
+/// event, since no `sandbox.created` or `sandbox.forked` told anyone it existed.
+pub async fn discard(app: &AppState, r: &SandboxRecord) -> Result<(), ApiError> {
+    end(app, r, "deleted", false).await
+}
+
+async fn end(
+    app: &AppState,
+    r: &SandboxRecord,
+    ending: &str,
+    announce: bool,
+) -> Result<(), ApiError> {
     let live = app.live.write().await.remove(&r.id);
     app.egress.forget(&r.id);
     PauseMarks::of(app).clear(&r.id);
@@ -397,7 +413,9 @@ pub async fn destroy(app: &AppState, r: &SandboxRecord, ending: &str) -> Result<
     app.store
         .end_sandbox_at(&rec.id, now_s(), &crate::tombstone::cause(r, ending))?;
     crate::failed::forget(&rec.id);
-    app.events.emit(&r.tenant, if ending == "expired" { crate::events::Kind::SandboxExpired } else { crate::events::Kind::SandboxDeleted }, &r.id, json!({"usage": times.map(|t| crate::sandboxes::usage_json(&t, rec.cpu_ms, rec.peak_memory_bytes))}));
+    if announce {
+        app.events.emit(&r.tenant, if ending == "expired" { crate::events::Kind::SandboxExpired } else { crate::events::Kind::SandboxDeleted }, &r.id, json!({"usage": times.map(|t| crate::sandboxes::usage_json(&t, rec.cpu_ms, rec.peak_memory_bytes))}));
+    }
     Ok(())
 }
 

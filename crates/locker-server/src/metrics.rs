@@ -158,6 +158,11 @@ impl Metrics {
             .add(t, cpu_ms);
     }
 
+    /// The time splits of the sandboxes that ended while this server ran, by tenant.
+    pub fn retired_totals(&self) -> BTreeMap<String, TimeTotals> {
+        self.retired.lock().expect("metrics lock").clone()
+    }
+
     /// The text exposition format; `sandboxes` are counts by state, `live` the live
     /// sandboxes' time splits by tenant.
     pub fn render(

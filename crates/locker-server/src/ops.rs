@@ -421,6 +421,12 @@ pub const ROUTES: &[RouteDoc] = &[
     ),
     r(
         "get",
+        "/v1/templates/builds",
+        200,
+        "The tenant's newest template builds, newest first, without logs (?limit=, default 20)",
+    ),
+    r(
+        "get",
         "/v1/templates/builds/{id}",
         200,
         "A template build's state and log (NDJSON events with ?follow=true)",
@@ -440,6 +446,12 @@ pub const ROUTES: &[RouteDoc] = &[
     ),
     r("get", "/v1/calls", 200, "Call records, newest first"),
     r("get", "/v1/usage", 200, "Per-tenant totals"),
+    r(
+        "get",
+        "/v1/usage/series",
+        200,
+        "The tenant's active, idle and paused time and CPU per minute, the last 24 hours (since the server started)",
+    ),
     r(
         "get",
         "/v1/events",

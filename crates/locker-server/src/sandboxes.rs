@@ -138,7 +138,8 @@ pub(crate) async fn create_sandbox(
     // A template's start command, and its ready command before the sandbox is answered.
     if fresh {
         if let Err(e) = crate::templates::start_sandbox(app, caller, &live).await {
-            let _ = crate::lifecycle::destroy(app, &rec, "deleted").await;
+            // Never announced (no `sandbox.created`): no `sandbox.deleted` either.
+            let _ = crate::lifecycle::discard(app, &rec).await;
             return Err(e);
         }
     }

@@ -305,8 +305,9 @@ pub(crate) async fn fork_sandbox(
         ok.into_iter().map(|r| r.expect("partitioned")).collect();
     if let Some(Err(e)) = failed.into_iter().next() {
         // All or nothing: a fork that could not make every child leaves none.
+        // They were never announced (no `sandbox.forked`): no `sandbox.deleted` either.
         for (r, _) in &ok {
-            let _ = crate::lifecycle::destroy(app, r, "deleted").await;
+            let _ = crate::lifecycle::discard(app, r).await;
         }
         return Err(e);
     }

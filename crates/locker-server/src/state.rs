@@ -336,6 +336,8 @@ pub struct App {
     pub builds: crate::templates::Builds,
     /// The dashboard's single-use terminal tickets (`ui`).
     pub tickets: crate::ui::Tickets,
+    /// Each tenant's usage minute by minute, for the dashboard's charts (`usage_series`).
+    pub usage_series: crate::usage_series::Series,
     /// This server's hold on its data dir, for as long as the process lives.
     pub(crate) _lock: DataDirLock,
 }

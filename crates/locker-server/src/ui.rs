@@ -12,8 +12,8 @@
 //!
 //! Caching: every asset lives under `/ui/v/{version}/…`, where the version is a hash of all
 //! of them, so those answers are `immutable` and a new build changes every URL at once; the
-//! page itself (`/ui`, `/ui/…`) is `no-cache` with an ETag. Assets are gzipped once, on
-//! first use, and sent compressed to clients that accept gzip.
+//! page itself (`/ui`, `/ui/…`) is `no-cache` with an ETag. Assets are gzipped once, at
+//! start (in the background, see [`warm`]), and sent compressed to clients that accept gzip.
 
 use std::collections::HashMap;
 use std::io::Write;
@@ -159,6 +159,14 @@ fn built() -> &'static Built {
             version,
         }
     })
+}
+
+/// Builds (and gzips) every asset now, on a thread of its own, so that the first visitor
+/// does not wait for it (gzip at its best level over xterm.js takes tens of milliseconds).
+pub fn warm() {
+    std::thread::spawn(|| {
+        built();
+    });
 }
 
 /// The headers every `/ui` answer carries.

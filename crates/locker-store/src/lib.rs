@@ -243,6 +243,10 @@ pub trait Store: Send + Sync {
     /// these are the builds a stopped server left unfinished).
     fn unfinished_template_builds(&self) -> Result<Vec<(String, String)>>;
 
+    /// The records of the tenant's `limit` newest builds, newest first (the dashboard's
+    /// list of builds).
+    fn list_template_builds(&self, tenant: &str, limit: u32) -> Result<Vec<String>>;
+
     // ---- call records and usage ----
 
     /// Stores call records, all in one transaction (all or none). Output bodies are

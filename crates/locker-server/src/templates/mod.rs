@@ -53,6 +53,7 @@ pub fn routes() -> Router<AppState> {
             "/v1/templates/contexts",
             post(contexts::upload).layer(axum::extract::DefaultBodyLimit::disable()),
         )
+        .route("/v1/templates/builds", get(list_builds))
         .route("/v1/templates/builds/{id}", get(build_status))
         .route("/v1/templates/{name}", get(get_one).delete(remove))
 }
@@ -683,6 +684,45 @@ impl locker_runtime::template::Progress for LogProgress<'_> {
 struct FollowQuery {
     #[serde(default)]
     follow: bool,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct BuildsQuery {
+    limit: Option<u32>,
+}
+
+/// `GET /v1/templates/builds`: the tenant's newest builds, newest first, without their
+/// logs (`GET /v1/templates/builds/{id}` has a build's log; the dashboard's list).
+async fn list_builds(
+    State(app): State<AppState>,
+    caller: Caller,
+    Query(q): Query<BuildsQuery>,
+) -> Result<Response, ApiError> {
+    let limit = q.limit.unwrap_or(20);
+    if !(1..=100).contains(&limit) {
+        return Err(ApiError::bad_request(format!(
+            "`limit` must be 1 to 100, got {limit}"
+        )));
+    }
+    let builds: Vec<Value> = app
+        .store
+        .list_template_builds(&caller.tenant, limit)?
+        .iter()
+        .filter_map(|r| serde_json::from_str::<Value>(r).ok())
+        .map(|v| {
+            // A build of this server is newer in memory (its step, its state) than stored.
+            let mut v = v["build_id"]
+                .as_str()
+                .and_then(|id| app.builds.get(&caller.tenant, id))
+                .map_or(v, |b| b.to_json());
+            if let Some(o) = v.as_object_mut() {
+                o.remove("log");
+            }
+            v
+        })
+        .collect();
+    Ok(axum::Json(json!({ "builds": builds })).into_response())
 }
 
 /// `GET /v1/templates/builds/{id}`: the build as JSON, or with `?follow=true` its events

@@ -59,3 +59,18 @@ pub(super) fn unfinished_template_builds(db: &SqliteStore) -> Result<Vec<(String
         Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
     })
 }
+
+pub(super) fn list_template_builds(
+    db: &SqliteStore,
+    tenant: &str,
+    limit: u32,
+) -> Result<Vec<String>> {
+    db.read(|c| {
+        let mut stmt = c.prepare_cached(
+            "SELECT record FROM template_builds WHERE tenant = ?1
+             ORDER BY created_unix DESC, rowid DESC LIMIT ?2",
+        )?;
+        let rows = stmt.query_map(params![tenant, limit], |r| r.get(0))?;
+        Ok(rows.collect::<rusqlite::Result<Vec<_>>>()?)
+    })
+}

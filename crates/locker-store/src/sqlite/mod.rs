@@ -294,6 +294,10 @@ impl Store for SqliteStore {
         builds::unfinished_template_builds(self)
     }
 
+    fn list_template_builds(&self, tenant: &str, limit: u32) -> Result<Vec<String>> {
+        builds::list_template_builds(self, tenant, limit)
+    }
+
     // ---- call records and usage ----
 
     fn insert_calls(&self, calls: &[CallRecord]) -> Result<()> {
