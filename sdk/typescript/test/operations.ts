@@ -30,7 +30,7 @@ export const OPERATIONS: Record<string, Covered> = {
   "POST /v1/templates/contexts": { by: "Templates#uploadContext" },
   "GET /v1/templates/{name}": { by: "Templates#get" },
   "PUT /v1/templates/{name}/image": { by: "Templates#importImage" },
-  "GET /v1/templates/builds": { not: "the dashboard's list of builds; templates are built by an operator: `locker template build`" },
+  "GET /v1/templates/builds": { not: "the dashboard's list of a tenant's recent builds; an application follows its own build (Templates#build)" },
   "GET /v1/sandboxes": { by: "Sandbox.list" },
   "POST /v1/sandboxes": { by: "Sandbox.create" },
   "GET /v1/sandboxes/{id}": { by: "Sandbox.get" },
