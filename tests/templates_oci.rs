@@ -527,12 +527,13 @@ fn a_zstd_image_is_pulled_like_a_gzip_one() {
     let reg = Registry::start(&dir.path().join("reg"), None);
     let gz_ref = format!("{}/test/gz:1", reg.host);
     let zst_ref = format!("{}/test/zst:1", reg.host);
-    skopeo_copy(&format!("oci:{image}"), &format!("docker://{gz_ref}"), &[]);
+    // zstd first, recompressing (skopeo would otherwise reuse the gzip blob it has).
     skopeo_copy(
         &format!("oci:{image}"),
         &format!("docker://{zst_ref}"),
-        &["--dest-compress-format", "zstd"],
+        &["--dest-compress", "--dest-compress-format", "zstd"],
     );
+    skopeo_copy(&format!("oci:{image}"), &format!("docker://{gz_ref}"), &[]);
     let raw = Command::new("skopeo")
         .args(["inspect", "--raw", "--tls-verify=false"])
         .arg(format!("docker://{zst_ref}"))
