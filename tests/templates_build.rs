@@ -17,64 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use locker_tests::server::{Api, Server};
+use locker_tests::images::Cache;
+use locker_tests::server::Api;
 use serde_json::{json, Value};
-
-/// A private template cache with `default` in it; removed when dropped.
-struct Cache(PathBuf);
-
-impl Cache {
-    fn new() -> Cache {
-        let host = locker_tests::cache_dir();
-        let dir = host
-            .parent()
-            .expect("the cache has a parent")
-            .join(locker_tests::unique("locker-build-test"));
-        let digest = std::fs::read_to_string(host.join("templates/names/default"))
-            .expect("the default template is built (scripts/setup build)")
-            .trim()
-            .to_string();
-        std::fs::create_dir_all(dir.join("templates/names")).unwrap();
-        let st = Command::new("cp")
-            .arg("-al")
-            .arg(host.join("templates").join(&digest))
-            .arg(dir.join("templates").join(&digest))
-            .status()
-            .unwrap();
-        assert!(st.success(), "cp -al of the default template");
-        // Its metadata gets names written: a copy of its own, not the host's inode.
-        let meta = dir.join("templates").join(&digest).join("meta.json");
-        let text = std::fs::read(&meta).unwrap();
-        std::fs::remove_file(&meta).unwrap();
-        std::fs::write(&meta, text).unwrap();
-        std::fs::write(dir.join("templates/names/default"), format!("{digest}\n")).unwrap();
-        Cache(dir)
-    }
-
-    fn server(&self) -> Server {
-        Server::start_with(&["--cache-dir", self.0.to_str().unwrap()])
-    }
-
-    /// Template directories in the cache (digests).
-    fn templates(&self) -> usize {
-        std::fs::read_dir(self.0.join("templates"))
-            .unwrap()
-            .filter(|e| {
-                e.as_ref()
-                    .unwrap()
-                    .file_name()
-                    .to_str()
-                    .is_some_and(|n| n.len() == 64)
-            })
-            .count()
-    }
-}
-
-impl Drop for Cache {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn tempdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(locker_tests::unique(tag));
@@ -610,4 +555,279 @@ print("ok")
     );
     assert_eq!(String::from_utf8_lossy(&out.stdout), "ok\n");
     let _ = std::fs::remove_dir_all(&ctx);
+}
+
+/// A Dockerfile `FROM` an image in a loopback registry behind basic auth (issue 20's "a
+/// Dockerfile build FROM that image"): RUN, COPY, ENV, WORKDIR and USER on the image's
+/// busybox; the image's own config (its environment) under the Dockerfile's; refused
+/// without the credentials; a sandbox from the result; a fully cached rebuild.
+#[test]
+fn dockerfile_from_a_registry_image() {
+    use locker_tests::images::{make_image, skopeo_copy, Registry};
+    let dir = locker_tests::TempDir::new("locker-df-image");
+    let image = make_image(dir.path());
+    let reg = Registry::start(&dir.path().join("reg"), Some(("builder", "s3cret")));
+    let reference = format!("{}/private/busybox:1", reg.host);
+    skopeo_copy(
+        &format!("oci:{image}"),
+        &format!("docker://{reference}"),
+        &["--dest-creds", "builder:s3cret"],
+    );
+    let cache = Cache::new();
+    let srv = cache.server_with_env(&[("LOCKER_PLAIN_HTTP_REGISTRIES", reg.host.as_str())]);
+    let api = srv.api();
+    let ctx_dir = tempdir("ctx-image");
+    std::fs::create_dir_all(ctx_dir.join("app")).unwrap();
+    std::fs::write(ctx_dir.join("app/hello.txt"), "hello from the context\n").unwrap();
+    let ctx = upload_context(&api, tar_of(&ctx_dir));
+    let dockerfile = format!(
+        "FROM {reference}\n\
+         RUN echo \"built on $GREETING\" > /built.txt\n\
+         COPY app/ /srv/app/\n\
+         ENV MODE=image\n\
+         WORKDIR /srv/work\n\
+         RUN chown -R 1000:1000 /srv/work /srv/app /home/app && echo $MODE > mode.txt\n\
+         USER app\n\
+         RUN id -u > /srv/work/uid.txt && touch /home/app/as-app\n"
+    );
+    let body = |auth: bool| {
+        let mut from = json!({"dockerfile": dockerfile, "context_id": ctx});
+        if auth {
+            from["auth"] = json!({"username": "builder", "password": "s3cret"});
+        }
+        json!({"name": "from-image", "from": from})
+    };
+
+    // Without the credentials the pull is refused and the build fails saying so.
+    let events = follow(&api, &start_build(&api, &body(false)));
+    let last = events.last().unwrap();
+    assert_eq!(last["state"], "failed", "{last}");
+    let err = last["error"].as_str().unwrap();
+    assert!(err.contains("registry"), "{err}");
+    api.get("/v1/templates/from-image")
+        .expect_error(404, "not_found", "no template without auth");
+
+    let events = follow(&api, &start_build(&api, &body(true)));
+    let t = succeeded(&events);
+    assert_eq!(ran_steps(&events), vec![2, 3, 5, 6, 8], "{:#?}", logs(&events));
+    assert_eq!(t["workdir"], "/srv/work", "{t}");
+    assert_eq!(t["user"], "app", "{t}");
+    assert_eq!(t["env"]["MODE"], "image", "{t}");
+    assert_eq!(t["env"]["GREETING"], "hello-from-config", "the image's env: {t}");
+
+    let sb = api.create_sandbox(&json!({"template": "from-image"}));
+    let sb = sb["id"].as_str().unwrap().to_string();
+    let out = api.sh(
+        &sb,
+        "cat /built.txt mode.txt uid.txt /srv/app/hello.txt; pwd; id -u; echo $MODE; ls /home/app",
+    );
+    assert_eq!(
+        out,
+        "built on hello-from-config\nimage\n1000\nhello from the context\n/srv/work\n1000\nimage\nas-app\n",
+        "the image's files and config, the Dockerfile's steps"
+    );
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the sandbox");
+
+    // A fully cached rebuild: the image is only resolved again (its manifest and config),
+    // every step is found.
+    let t0 = Instant::now();
+    let events = follow(&api, &start_build(&api, &body(true)));
+    let took = t0.elapsed();
+    let again = succeeded(&events);
+    assert_eq!(again["digest"], t["digest"]);
+    assert_eq!(
+        cached_steps(&events),
+        vec![2, 3, 5, 6, 8],
+        "{:#?}",
+        logs(&events)
+    );
+    eprintln!("fully cached rebuild from a registry image: {:.3} s", took.as_secs_f64());
+    assert!(
+        took < Duration::from_secs(2),
+        "a cached rebuild took {took:?}"
+    );
+    let _ = std::fs::remove_dir_all(&ctx_dir);
+}
+
+/// A sandbox of a template with a ready command reads `starting`, and takes no calls,
+/// until the command succeeds (API.md: states starting/running/…); one whose ready command
+/// never succeeds within the server's ready timeout fails its create with a 422 that
+/// names the command and its last output, and leaves no machine, no record in the list
+/// and nothing on the host.
+#[test]
+fn a_sandbox_is_starting_until_its_ready_command_succeeds() {
+    let cache = Cache::new();
+    let srv = cache.server_with_env(&[("LOCKER_READY_TIMEOUT_S", "5")]);
+    let api = srv.api();
+    let build = |name: &str, start: &str, ready: &str| {
+        succeeded(&follow(
+            &api,
+            &start_build(
+                &api,
+                &json!({"name": name, "from": {"template": "default"},
+                        "start_cmd": start, "ready_cmd": ready}),
+            ),
+        ));
+    };
+    build(
+        "slow-ready",
+        "sleep 3; touch /tmp/ready; exec sleep 1000",
+        "test -f /tmp/ready",
+    );
+    build("never-ready", "exec sleep 1000", "echo not yet; exit 1");
+
+    let creating = {
+        let api = api.clone();
+        std::thread::spawn(move || {
+            api.post("/v1/sandboxes", &json!({"template": "slow-ready"}))
+                .expect(201, "create a sandbox that gets ready")
+        })
+    };
+    let seen = locker_tests::wait_for(Duration::from_secs(60), "the sandbox listed", || {
+        api.get("/v1/sandboxes").expect(200, "list")["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["template"] == "slow-ready")
+            .cloned()
+    });
+    let id = seen["id"].as_str().unwrap().to_string();
+    assert_eq!(seen["state"], "starting", "listed while not ready: {seen}");
+    let got = api.get(&format!("/v1/sandboxes/{id}")).expect(200, "get");
+    if !creating.is_finished() {
+        assert_eq!(got["state"], "starting", "{got}");
+        let m = api
+            .post(
+                &format!("/v1/sandboxes/{id}/exec"),
+                &json!({"shell": "true"}),
+            )
+            .expect_error(409, "conflict", "a call while starting");
+        assert!(m.contains("starting"), "{m}");
+    }
+    let created = creating.join().unwrap();
+    assert_eq!(created["id"], id.as_str());
+    assert_eq!(created["state"], "running", "{created}");
+    assert_eq!(
+        api.get(&format!("/v1/sandboxes/{id}")).expect(200, "get")["state"],
+        "running"
+    );
+    assert_eq!(api.sh(&id, "ls /tmp/ready"), "/tmp/ready\n");
+    api.delete(&format!("/v1/sandboxes/{id}"))
+        .expect(204, "delete");
+
+    // Never ready: the create fails after the timeout and leaves nothing.
+    let machines = |srv: &locker_tests::server::Server| -> Vec<String> {
+        std::fs::read_dir(srv.data_dir.join("sandboxes"))
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default()
+    };
+    let before = machines(&srv);
+    let t0 = Instant::now();
+    let m = api
+        .post("/v1/sandboxes", &json!({"template": "never-ready"}))
+        .expect_error(422, "unprocessable", "a sandbox that never gets ready");
+    let took = t0.elapsed();
+    assert!(
+        m.contains("ready command") && m.contains("not yet") && m.contains("5 s"),
+        "{m}"
+    );
+    assert!(
+        took >= Duration::from_secs(5) && took < Duration::from_secs(40),
+        "{took:?}"
+    );
+    let listed = api.get("/v1/sandboxes").expect(200, "list");
+    assert!(
+        !listed["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["template"] == "never-ready"),
+        "{listed}"
+    );
+    assert_eq!(machines(&srv), before, "no machine directory left");
+    let id = m
+        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
+        .find(|w| w.starts_with("sb_"))
+        .unwrap_or_else(|| panic!("the message names the sandbox: {m}"))
+        .to_string();
+    let traces = locker_tests::traces_of(&id, &srv.data_dir.join("sandboxes").join(&id));
+    assert!(traces.is_empty(), "{id}: {traces:?}");
+    let gone = api
+        .post(&format!("/v1/sandboxes/{id}/exec"), &json!({"shell": "true"}))
+        .expect_error(404, "not_found", "the failed sandbox is gone");
+    assert!(gone.contains("ready command"), "{gone}");
+}
+
+/// The step cache is bounded (`LOCKER_STEP_CACHE_MAX_COUNT` 0 here: keep no step nothing
+/// needs), but never loses a step of a named template (its rebuild stays cached) nor one a
+/// sandbox stands on, with its parents; what a failed build or a replaced version left goes
+/// once nothing uses it.
+#[test]
+fn the_step_cache_is_pruned_but_never_what_is_named_or_in_use() {
+    let cache = Cache::new();
+    let srv = cache.server_with_env(&[("LOCKER_STEP_CACHE_MAX_COUNT", "0")]);
+    let api = srv.api();
+    let df = |first: &str| {
+        json!({"name": "keep", "from": {"dockerfile":
+            format!("FROM default\nRUN echo {first} > /a\nRUN echo 2 > /b\n")}})
+    };
+    let base = cache.digests();
+    let without = |all: &[String], gone: &[String]| -> Vec<String> {
+        all.iter().filter(|d| !gone.contains(d)).cloned().collect()
+    };
+    let v1 = succeeded(&follow(&api, &start_build(&api, &df("1"))));
+    let v1_steps = without(&cache.digests(), &base);
+    assert_eq!(v1_steps.len(), 2, "two RUN steps: {v1_steps:?}");
+    assert!(v1_steps.contains(&v1["digest"].as_str().unwrap().to_string()));
+    let sb = api.create_sandbox(&json!({"template": "keep"}))["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    // A new version: the old one is nameless now, but a sandbox stands on it.
+    let v2 = succeeded(&follow(&api, &start_build(&api, &df("X"))));
+    assert_ne!(v2["digest"], v1["digest"]);
+    let now = cache.digests();
+    let v2_steps = without(&now, &[base.clone(), v1_steps.clone()].concat());
+    assert_eq!(v2_steps.len(), 2, "{now:?}");
+    for d in &v1_steps {
+        assert!(now.contains(d), "a step the sandbox stands on was pruned");
+    }
+    assert_eq!(api.sh(&sb, "cat /a /b"), "1\n2\n");
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete the sandbox");
+
+    // A failed build leaves a step nothing needs: it goes when the build ends, and so do
+    // the old version's steps, no longer used.
+    let events = follow(
+        &api,
+        &start_build(
+            &api,
+            &json!({"name": "broken", "from": {"dockerfile": "FROM default\nRUN echo ok > /ok\nRUN exit 1\n"}}),
+        ),
+    );
+    assert_eq!(events.last().unwrap()["state"], "failed");
+    let mut want = [base.clone(), v2_steps.clone()].concat();
+    want.sort();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cache.digests() != want {
+        assert!(
+            Instant::now() < deadline,
+            "the step cache was not pruned: {:?}, want {want:?} (v1 {v1_steps:?}, v2 {v2_steps:?})\n{}",
+            cache.digests(),
+            srv.log_text()
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+
+    // The named template's steps were kept: its rebuild is fully cached.
+    let events = follow(&api, &start_build(&api, &df("X")));
+    succeeded(&events);
+    assert_eq!(cached_steps(&events), vec![2, 3], "{:#?}", logs(&events));
+    assert_eq!(cache.digests(), want);
 }

@@ -13,13 +13,15 @@
 
 use std::fs;
 use std::io::Write;
-use std::net::TcpStream;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use locker_tests::images::{
+    free_port, make_image, skopeo_copy, wait_listening, Proc, Registry,
+};
 use locker_tests::server::Server;
-use locker_tests::{cache_dir, locker_bin, unique, wait_for, TempDir};
+use locker_tests::{cache_dir, locker_bin, unique, TempDir};
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
@@ -29,157 +31,6 @@ static SERIAL: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn serial() -> std::sync::MutexGuard<'static, ()> {
     SERIAL.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn run(cmd: &mut Command, what: &str) -> Output {
-    let out = cmd.output().unwrap_or_else(|e| panic!("{what}: {e}"));
-    assert!(
-        out.status.success(),
-        "{what} failed: {}\n{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    out
-}
-
-/// A child process killed and reaped when dropped.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn wait_listening(port: u16, child: &mut Child, what: &str) {
-    wait_for(Duration::from_secs(20), what, || {
-        if let Ok(Some(status)) = child.try_wait() {
-            panic!("{what}: exited with {status}");
-        }
-        TcpStream::connect(("127.0.0.1", port)).ok().map(drop)
-    });
-}
-
-/// Debian's docker-registry on a free loopback port, its config and storage in `dir`.
-struct Registry {
-    host: String,
-    _proc: Proc,
-}
-
-impl Registry {
-    fn start(dir: &Path, basic_auth: Option<(&str, &str)>) -> Registry {
-        fs::create_dir_all(dir.join("storage")).unwrap();
-        let port = free_port();
-        let mut config = format!(
-            "version: 0.1\nlog:\n  level: error\nstorage:\n  filesystem:\n    rootdirectory: {}\nhttp:\n  addr: 127.0.0.1:{port}\n",
-            dir.join("storage").display()
-        );
-        if let Some((user, pass)) = basic_auth {
-            let out = run(
-                Command::new("htpasswd").args(["-Bbn", user, pass]),
-                "htpasswd (apt-get install apache2-utils)",
-            );
-            fs::write(dir.join("htpasswd"), &out.stdout).unwrap();
-            config.push_str(&format!(
-                "auth:\n  htpasswd:\n    realm: locker-test\n    path: {}\n",
-                dir.join("htpasswd").display()
-            ));
-        }
-        fs::write(dir.join("config.yml"), config).unwrap();
-        let mut child = Command::new("docker-registry")
-            .arg("serve")
-            .arg(dir.join("config.yml"))
-            .stdout(Stdio::null())
-            .stderr(fs::File::create(dir.join("registry.log")).unwrap())
-            .spawn()
-            .expect("docker-registry runs (apt-get install docker-registry)");
-        wait_listening(port, &mut child, "the registry listens");
-        Registry {
-            host: format!("127.0.0.1:{port}"),
-            _proc: Proc(child),
-        }
-    }
-}
-
-/// An OCI layout `dir/oci:t` made by umoci: busybox as /bin/sh, a file, a working directory
-/// and an environment variable; `extra` (MiB of random bytes) makes it bigger.
-fn make_image(dir: &Path) -> String {
-    let layout = dir.join("oci");
-    let image = format!("{}:t", layout.display());
-    run(
-        Command::new("umoci")
-            .args(["init", "--layout"])
-            .arg(&layout),
-        "umoci init (apt-get install umoci)",
-    );
-    run(
-        Command::new("umoci").args(["new", "--image", &image]),
-        "umoci new",
-    );
-    let bundle = dir.join("bundle");
-    run(
-        Command::new("umoci")
-            .args(["unpack", "--image", &image])
-            .arg(&bundle),
-        "umoci unpack",
-    );
-    let rootfs = bundle.join("rootfs");
-    for d in ["bin", "etc", "srv/app"] {
-        fs::create_dir_all(rootfs.join(d)).unwrap();
-    }
-    fs::copy("/bin/busybox", rootfs.join("bin/busybox"))
-        .expect("busybox (apt-get install busybox-static)");
-    std::os::unix::fs::symlink("busybox", rootfs.join("bin/sh")).unwrap();
-    fs::write(rootfs.join("etc/greeting"), "hello from the image\n").unwrap();
-    fs::write(rootfs.join("srv/app/data.txt"), "app data\n").unwrap();
-    run(
-        Command::new("umoci")
-            .args(["repack", "--image", &image])
-            .arg(&bundle),
-        "umoci repack",
-    );
-    run(
-        Command::new("umoci").args([
-            "config",
-            "--image",
-            &image,
-            "--config.env",
-            "GREETING=hello-from-config",
-            "--config.env",
-            "PATH=/bin",
-            "--config.workingdir",
-            "/srv/app",
-            "--config.cmd",
-            "/bin/sh",
-        ]),
-        "umoci config",
-    );
-    image
-}
-
-fn skopeo_copy(from: &str, to: &str, extra: &[&str]) {
-    run(
-        Command::new("skopeo")
-            .args([
-                "copy",
-                "--quiet",
-                "--dest-tls-verify=false",
-                "--src-tls-verify=false",
-            ])
-            .args(extra)
-            .arg(from)
-            .arg(to),
-        &format!("skopeo copy {from} {to} (apt-get install skopeo)"),
-    );
 }
 
 fn locker(args: &[&str], stdin: Option<&str>, env: &[(&str, &str)]) -> Output {
@@ -663,4 +514,62 @@ fn lying_garbage_and_stalling_registries_are_refused() {
             .collect();
         assert!(templates.is_empty(), "{mode}: {templates:?}");
     }
+}
+
+/// zstd layers (`application/vnd.oci.image.layer.v1.tar+zstd`), as `skopeo copy
+/// --dest-compress-format zstd` pushes them: pulled and unpacked into the same template as
+/// the gzip push of the same image (the config, and so the digest, are the same).
+#[test]
+fn a_zstd_image_is_pulled_like_a_gzip_one() {
+    let _serial = serial();
+    let dir = TempDir::new("locker-oci-zstd");
+    let image = make_image(dir.path());
+    let reg = Registry::start(&dir.path().join("reg"), None);
+    let gz_ref = format!("{}/test/gz:1", reg.host);
+    let zst_ref = format!("{}/test/zst:1", reg.host);
+    // zstd first, recompressing (skopeo would otherwise reuse the gzip blob it has).
+    skopeo_copy(
+        &format!("oci:{image}"),
+        &format!("docker://{zst_ref}"),
+        &["--dest-compress", "--dest-compress-format", "zstd"],
+    );
+    skopeo_copy(&format!("oci:{image}"), &format!("docker://{gz_ref}"), &[]);
+    let raw = Command::new("skopeo")
+        .args(["inspect", "--raw", "--tls-verify=false"])
+        .arg(format!("docker://{zst_ref}"))
+        .output()
+        .unwrap();
+    let manifest: Value = serde_json::from_slice(&raw.stdout).unwrap();
+    assert_eq!(
+        manifest["layers"][0]["mediaType"],
+        "application/vnd.oci.image.layer.v1.tar+zstd",
+        "skopeo pushed zstd: {manifest}"
+    );
+    let mut digests = Vec::new();
+    for reference in [&zst_ref, &gz_ref] {
+        let cache = TempDir::new("locker-oci-zstd-cache");
+        let out = locker(
+            &[
+                "template",
+                "pull",
+                "z",
+                reference,
+                "--plain-http",
+                &reg.host,
+                "--json",
+            ],
+            None,
+            &[("LOCKER_CACHE_DIR", cache.path().to_str().unwrap())],
+        );
+        assert!(out.status.success(), "pull {reference}: {}", text(&out));
+        let t: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let rootfs = Path::new(t["rootfs"].as_str().unwrap());
+        assert_eq!(
+            fs::read_to_string(rootfs.join("etc/greeting")).unwrap(),
+            "hello from the image\n"
+        );
+        assert!(rootfs.join("bin/busybox").is_file());
+        digests.push(t["digest"].as_str().unwrap().to_string());
+    }
+    assert_eq!(digests[0], digests[1], "one image, one template");
 }

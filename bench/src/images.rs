@@ -13,14 +13,24 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
-use locker_tests::locker_bin;
+use std::io::{BufRead, BufReader};
 
-use crate::stats::Row;
+use anyhow::{bail, Context};
+use locker_tests::images::Cache;
+use locker_tests::locker_bin;
+use locker_tests::server::{Api, Server};
+use serde_json::{json, Value};
+
+use crate::server::delete;
+use crate::stats::{Row, Target};
 use crate::{check_stop, Args};
 
 const LOCKER: &str = "images locker template pull (100 MB image, loopback registry)";
 const PEER: &str = "images skopeo copy + umoci unpack (same image)";
+const REBUILD: &str = "images cached Dockerfile rebuild, FROM default (POST to result)";
+const REBUILD_IMAGE: &str = "images cached Dockerfile rebuild, FROM the registry image";
+const FIRST_IMAGE: &str = "images create → first command, image template";
+const FIRST_DEFAULT: &str = "images create → first command, default template";
 /// Incompressible bytes in the image (random files), so the layer is ~100 MB compressed.
 const PAYLOAD_MB: usize = 100;
 
@@ -84,6 +94,9 @@ fn make_image(dir: &Path) -> anyhow::Result<String> {
     fs::create_dir_all(rootfs.join("bin"))?;
     fs::create_dir_all(rootfs.join("data"))?;
     fs::copy("/bin/busybox", rootfs.join("bin/busybox")).context("busybox-static")?;
+    for applet in ["sh", "true"] {
+        std::os::unix::fs::symlink("busybox", rootfs.join("bin").join(applet))?;
+    }
     let mut random = fs::File::open("/dev/urandom")?;
     let mut buf = vec![0u8; 1 << 20];
     for i in 0..PAYLOAD_MB {
@@ -232,5 +245,157 @@ pub fn image_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .note(&how)
             .note("skopeo copy docker://… oci:… then umoci unpack (Debian's), in the same rounds"),
     );
+    check_stop()?;
+    server_rows(args, rows, &reference, &host)
+}
+
+fn post(api: &Api, path: &str, body: &Value) -> anyhow::Result<locker_tests::server::Resp> {
+    api.try_request(
+        "POST",
+        path,
+        &[("Content-Type", "application/json")],
+        serde_json::to_vec(body)?,
+    )
+    .with_context(|| format!("POST {path}"))
+}
+
+/// A build over the API, followed to its end: the events, or why it failed.
+fn build(api: &Api, body: &Value) -> anyhow::Result<Vec<Value>> {
+    let r = post(api, "/v1/templates", body)?;
+    if r.status != 202 {
+        bail!("POST /v1/templates: HTTP {}: {}", r.status, r.text());
+    }
+    let id = r.json()["build_id"].as_str().unwrap_or_default().to_owned();
+    let (status, _, body) = api
+        .with_timeout(Duration::from_secs(900))
+        .open(
+            "GET",
+            &format!("/v1/templates/builds/{id}?follow=true"),
+            &[],
+            (),
+        )
+        .context("following the build")?;
+    if status != 200 {
+        bail!("following build {id}: HTTP {status}");
+    }
+    let events: Vec<Value> = BufReader::new(body)
+        .lines()
+        .map_while(Result::ok)
+        .filter_map(|l| serde_json::from_str(&l).ok())
+        .collect();
+    match events.last() {
+        Some(e) if e["state"] == "succeeded" => Ok(events),
+        e => bail!("build {id} did not succeed: {e:?}"),
+    }
+}
+
+/// Create → first command (`/bin/true`) of `template`, ms; the sandbox deleted after
+/// (not counted).
+fn first_command(api: &Api, template: &str) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    let r = post(
+        api,
+        "/v1/sandboxes",
+        &json!({"template": template, "runtime": "jail"}),
+    )?;
+    if r.status != 201 {
+        bail!("create from {template}: HTTP {}: {}", r.status, r.text());
+    }
+    let id = r.json()["id"].as_str().unwrap_or_default().to_owned();
+    let e = post(
+        api,
+        &format!("/v1/sandboxes/{id}/exec"),
+        &json!({"cmd": ["/bin/true"]}),
+    )?;
+    let ms = t.elapsed().as_secs_f64() * 1000.0;
+    delete(api, &id)?;
+    if e.status != 200 || e.json()["exit_code"] != 0 {
+        bail!("/bin/true in {template}: HTTP {}: {}", e.status, e.text());
+    }
+    Ok(ms)
+}
+
+/// The server-side rows: cached Dockerfile rebuilds (FROM `default`, FROM the registry
+/// image) and create → first command from the image's template beside `default`'s, on a
+/// server with no warm pools and a private template cache.
+fn server_rows(
+    args: &Args,
+    rows: &mut Vec<Row>,
+    reference: &str,
+    host: &str,
+) -> anyhow::Result<()> {
+    let cache = Cache::new();
+    let srv = Server::start_with_env(
+        &[
+            "--cache-dir",
+            cache.0.to_str().unwrap_or_default(),
+            "--warm-pool",
+            "0",
+            "--vm-pool",
+            "0",
+        ],
+        &[("LOCKER_PLAIN_HTTP_REGISTRIES", host)],
+    );
+    let api = srv.api();
+    let n = args.iterations.unwrap_or(10).clamp(1, 50);
+    let steps = "RUN echo one > /one\nENV MODE=bench\nWORKDIR /srv/work\nRUN echo two > two.txt\n";
+    let mut timings = Vec::new();
+    for (name, from) in [("bench-df", "default"), ("bench-df-image", reference)] {
+        let body = json!({"name": name, "from": {"dockerfile": format!("FROM {from}\n{steps}")}});
+        build(&api, &body)?;
+        let mut samples = Vec::new();
+        for _ in 0..n {
+            check_stop()?;
+            let t = Instant::now();
+            let events = build(&api, &body)?;
+            samples.push(t.elapsed().as_secs_f64() * 1000.0);
+            let ran = events
+                .iter()
+                .filter(|e| e["line"].as_str().is_some_and(|l| l.ends_with(": running")))
+                .count();
+            if ran > 0 {
+                bail!("a rebuild of {name} ran {ran} steps: the step cache missed");
+            }
+        }
+        timings.push(samples);
+    }
+    let image_samples = timings.pop().unwrap_or_default();
+    let default_samples = timings.pop().unwrap_or_default();
+    let how = "POST /v1/templates with a Dockerfile (FROM, 2 RUN, ENV, WORKDIR) built once before, then GET …/builds/{id}?follow=true to the result: every step found in the step cache";
+    rows.push(
+        Row::new(REBUILD, "ms", default_samples, 0)
+            .note(how)
+            .target(Target::P50(1000.0)),
+    );
+    rows.push(
+        Row::new(REBUILD_IMAGE, "ms", image_samples, 0)
+            .note(how)
+            .note("the image's manifest and config are fetched again from the loopback registry (a tag may have moved), its layers are not")
+            .target(Target::P50(1000.0))
+            .vs(REBUILD),
+    );
+
+    // The image itself as a template (the 100 MB one), and create → first command from it
+    // beside `default`, interleaved.
+    build(
+        &api,
+        &json!({"name": "bench-image", "from": {"image": reference}}),
+    )?;
+    let warm = args.create_warmup().max(1);
+    let (mut img, mut def) = (Vec::new(), Vec::new());
+    for _ in 0..args.creates().min(30) + warm {
+        check_stop()?;
+        img.push(first_command(&api, "bench-image")?);
+        def.push(first_command(&api, "default")?);
+    }
+    let how = "POST /v1/sandboxes {\"template\": …, \"runtime\": \"jail\"} then exec /bin/true, on a server with no warm pool (--warm-pool 0 --vm-pool 0), interleaved; the sandbox deleted after (not counted)";
+    rows.push(
+        Row::new(FIRST_IMAGE, "ms", img, warm)
+            .note(how)
+            .note("the template pulled from the loopback registry: busybox and 100 MiB of random files")
+            .vs(FIRST_DEFAULT),
+    );
+    rows.push(Row::new(FIRST_DEFAULT, "ms", def, warm).note(how));
+    drop(srv);
     Ok(())
 }

@@ -51,7 +51,9 @@ pub struct MountedVolume {
 
 /// Checks the tenant's quotas, records the sandbox and starts its machine (from the
 /// snapshot in directory `from` if given: its `disk.img`, and its `memory` when it has one).
-/// On failure the record says `failed` and nothing else remains.
+/// On failure the record says `failed` and nothing else remains. A fresh sandbox of a
+/// template with a ready command comes back `starting` and not yet reachable by calls: the
+/// caller runs the ready command, then [`make_running`] or [`discard`].
 pub async fn launch(
     app: &AppState,
     caller: &Caller,
@@ -247,11 +249,54 @@ pub async fn launch(
         }
     }
     let live = Arc::new(Live::new(&record, machine, false));
-    app.store.set_sandbox_state(&id, SandboxState::Running)?;
-    app.live.write().await.insert(id.clone(), live.clone());
-    crate::failed::watch(app, &live);
-    record.state = SandboxState::Running;
+    let ready_first = from.is_none()
+        && crate::templates::run_config(app, &new.template.digest)
+            .ready_cmd
+            .is_some();
+    if !ready_first {
+        make_running(app, &mut record, &live).await?;
+    }
     Ok((record, live))
+}
+
+/// Makes a launched sandbox `running` and reachable by calls.
+pub async fn make_running(
+    app: &AppState,
+    record: &mut SandboxRecord,
+    live: &Arc<Live>,
+) -> Result<(), ApiError> {
+    app.store
+        .set_sandbox_state(&record.id, SandboxState::Running)?;
+    app.live
+        .write()
+        .await
+        .insert(record.id.clone(), live.clone());
+    crate::failed::watch(app, live);
+    record.state = SandboxState::Running;
+    Ok(())
+}
+
+/// Ends a launched sandbox whose create failed after its machine started (its template's
+/// start or ready command): the machine and everything of it destroyed, the record
+/// `failed` with `why` (a `sandbox.failed` event says why), then ended. Never announced
+/// by `sandbox.created`, so no `sandbox.deleted` follows (see [`discard`]).
+pub async fn discard_failed(app: &AppState, record: &SandboxRecord, live: Arc<Live>, why: &str) {
+    crate::failed::note(&record.id, why);
+    let _ = app
+        .store
+        .set_sandbox_state(&record.id, SandboxState::Failed);
+    app.events.emit(
+        &record.tenant,
+        crate::events::Kind::SandboxFailed,
+        &record.id,
+        json!({"reason": format!("create failed: {why}")}),
+    );
+    let mut r = record.clone();
+    r.state = SandboxState::Failed;
+    app.live.write().await.remove(&r.id);
+    if let Err(e) = destroy_with(app, &r, Some(live), "deleted", false).await {
+        tracing::warn!(sandbox = %r.id, "cannot destroy a sandbox whose create failed: {}", e.message);
+    }
 }
 
 /// A pooled microVM made this sandbox's: it waited a while since its restore, so its clock,
@@ -379,6 +424,17 @@ async fn end(
     announce: bool,
 ) -> Result<(), ApiError> {
     let live = app.live.write().await.remove(&r.id);
+    destroy_with(app, r, live, ending, announce).await
+}
+
+/// [`destroy`] of a sandbox whose [`Live`] (if any) is already out of the live map.
+async fn destroy_with(
+    app: &AppState,
+    r: &SandboxRecord,
+    live: Option<Arc<Live>>,
+    ending: &str,
+    announce: bool,
+) -> Result<(), ApiError> {
     app.egress.forget(&r.id);
     PauseMarks::of(app).clear(&r.id);
     let mut rec = r.clone();

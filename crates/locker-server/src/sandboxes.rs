@@ -134,13 +134,21 @@ pub(crate) async fn create_sandbox(
         .and_then(|d| d.file_name())
         .map(|n| n.to_string_lossy().into_owned());
     let fresh = snapshot_dir.is_none();
-    let (rec, live) = launch(app, caller, &new, snapshot_dir).await?;
-    // A template's start command, and its ready command before the sandbox is answered.
+    let (mut rec, live) = launch(app, caller, &new, snapshot_dir).await?;
+    // A template's start command, and its ready command before the sandbox is answered
+    // (it reads `starting` until then).
     if fresh {
         if let Err(e) = crate::templates::start_sandbox(app, caller, &live).await {
-            // Never announced (no `sandbox.created`): no `sandbox.deleted` either.
-            let _ = crate::lifecycle::discard(app, &rec).await;
+            // Never announced (no `sandbox.created`): `sandbox.failed` says why, and no
+            // `sandbox.deleted` follows.
+            crate::lifecycle::discard_failed(app, &rec, live, &e.message).await;
             return Err(e);
+        }
+        if rec.state == SandboxState::Starting {
+            if let Err(e) = crate::lifecycle::make_running(app, &mut rec, &live).await {
+                crate::lifecycle::discard_failed(app, &rec, live, &e.message).await;
+                return Err(e);
+            }
         }
     }
     app.events.emit(

@@ -40,13 +40,16 @@ impl TemplateStore {
         self.load(digest, "")
     }
 
-    /// The template `digest`, made unless already built: `fill` writes its root filesystem
-    /// into an empty path (which does not exist yet) in the cache's temporary directory;
-    /// the result is renamed into place with `packages` and `config` as its metadata. The
-    /// digest's lock makes two builders of one digest make it once.
+    /// The template `digest`, made on template `parent` unless already built: `fill`
+    /// writes its root filesystem into an empty path (which does not exist yet) in the
+    /// cache's temporary directory; the result is renamed into place with `packages`,
+    /// `config` and `parent` as its metadata. The digest's lock makes two builders of one
+    /// digest make it once. Until a name points at it, it is a step template, which
+    /// [`TemplateStore::prune_steps`] may remove.
     pub fn make_layer(
         &self,
         digest: &str,
+        parent: &str,
         packages: Vec<String>,
         config: RunConfig,
         fill: impl FnOnce(&Path) -> Result<(), TemplateError>,
@@ -66,6 +69,7 @@ impl TemplateStore {
             let mut meta = Meta::new(digest, "", None, None, packages);
             meta.names.clear();
             meta.config = config;
+            meta.parent = Some(parent.to_string());
             self.commit(tmp, meta, &mut NoProgress)?;
         }
         drop(lock);

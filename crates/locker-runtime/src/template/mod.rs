@@ -35,8 +35,9 @@
 //!
 //! Rooms: `spec` (a spec and its digest), `store` (the cache: names, metadata, locks),
 //! `build` (mmdebstrap and run steps), `extract` (importing a tarball), `image` (OCI images
-//! from a registry or an archive, unpacked layer by layer), `progress` (what a
-//! build reports), `fsutil` (this room's errors around `locker-sys`'s atomic writes and tree
+//! from a registry or an archive, unpacked layer by layer), `layer` (step templates made
+//! on a parent's tree), `prune` (bounding the step cache), `progress` (what a build
+//! reports), `fsutil` (this room's errors around `locker-sys`'s atomic writes and tree
 //! removal, and the mounts under a path); its system calls are `crate::sys`'s.
 
 mod build;
@@ -45,6 +46,7 @@ mod fsutil;
 mod image;
 mod layer;
 mod progress;
+mod prune;
 mod spec;
 mod store;
 #[cfg(test)]
@@ -55,6 +57,10 @@ pub use image::{
 };
 pub use layer::{apply_upper, copy_into, link_tree, resolve_in_root, Applied};
 pub use progress::{NoProgress, Progress, StderrProgress};
+pub use prune::{
+    Pruned, StepCacheLimits, STEP_CACHE_MAX_AGE_ENV, STEP_CACHE_MAX_BYTES_ENV,
+    STEP_CACHE_MAX_COUNT_ENV,
+};
 pub use spec::{builtin_spec, code_interpreter_spec, default_spec, validate_name, TemplateSpec};
 pub use store::TemplateStore;
 

@@ -30,6 +30,11 @@ pub(super) struct Meta {
     /// The image it was made from: `reference@manifest-digest` or the archive's path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub(super) image: Option<String>,
+    /// For a build step's template ([`TemplateStore::make_layer`]): the template it was
+    /// made on. Its presence marks a step template, which the step cache's pruning may
+    /// remove once nothing needs it (see `prune`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub(super) parent: Option<String>,
 }
 
 impl Meta {
@@ -51,6 +56,7 @@ impl Meta {
             packages,
             config: RunConfig::default(),
             image: None,
+            parent: None,
         }
     }
 }

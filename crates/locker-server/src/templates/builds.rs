@@ -51,6 +51,9 @@ pub struct Builds {
     map: Mutex<HashMap<String, Arc<Build>>>,
     slots: Mutex<HashMap<String, Arc<Semaphore>>>,
     configs: Mutex<HashMap<String, Arc<locker_runtime::template::RunConfig>>>,
+    /// Held shared by each running build, exclusively by a prune of the step cache (a
+    /// running build's steps are neither named nor in a sandbox yet).
+    gate: tokio::sync::RwLock<()>,
 }
 
 /// One build.
@@ -79,6 +82,11 @@ struct Inner {
 }
 
 impl Builds {
+    /// See the field `gate`.
+    pub fn gate(&self) -> &tokio::sync::RwLock<()> {
+        &self.gate
+    }
+
     /// Registers a new queued build of `tenant`, refusing one past [`MAX_PENDING`].
     pub fn start(&self, id: &str, tenant: &str, name: &str) -> Result<Arc<Build>, String> {
         let mut map = self.map.lock().expect("builds lock");

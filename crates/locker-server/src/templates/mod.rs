@@ -24,8 +24,8 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Router;
 use locker_runtime::template::{
-    validate_name, ImageLimits, ImageSource, RegistryAuth, RunConfig, Template, TemplateSpec,
-    CODE_INTERPRETER_TEMPLATE, DEFAULT_BASE, DEFAULT_TEMPLATE,
+    validate_name, ImageLimits, ImageSource, RegistryAuth, RunConfig, StepCacheLimits, Template,
+    TemplateSpec, CODE_INTERPRETER_TEMPLATE, DEFAULT_BASE, DEFAULT_TEMPLATE,
 };
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -224,6 +224,8 @@ async fn remove(
         .map_err(|e| ApiError::internal(format!("removing the template: {e}")))?
         .map_err(|e| ApiError::internal(format!("removing the template: {e}")))?
         .ok_or_else(|| not_found(&name))?;
+    // Its steps may be all that is left of it.
+    tokio::spawn(prune_steps(app.clone()));
     Ok(StatusCode::NO_CONTENT)
 }
 
@@ -386,6 +388,7 @@ async fn create(
         Some(FromBody {
             dockerfile: Some(text),
             context_id,
+            auth,
             ..
         }) => {
             if text.len() > MAX_DOCKERFILE_BYTES {
@@ -430,7 +433,8 @@ async fn create(
             };
             let base = match resolve_for(&app, &tenant, image)? {
                 Some(t) => Base::Template(t),
-                None => image_base(image, None)?,
+                // `from.auth` is the credentials of the registry the FROM image is in.
+                None => image_base(image, auth.clone())?,
             };
             (base, plan.steps)
         }
@@ -502,6 +506,7 @@ async fn create(
     tokio::spawn(async move {
         let app = app2;
         let _slot = slots.acquire_owned().await;
+        let running = app.builds.gate().read().await;
         build.running(&app);
         build.log(format!(
             "building template {name:?} ({} steps)",
@@ -529,8 +534,59 @@ async fn create(
             }
         }
         build.finish(&app, result);
+        drop(running);
+        prune_steps(app).await;
     });
     Ok((StatusCode::ACCEPTED, axum::Json(json!({ "build_id": id }))).into_response())
+}
+
+/// Bounds the step cache (`locker_runtime::template::prune`) after a build or a removal,
+/// with the limits `LOCKER_STEP_CACHE_*` set; skipped while a build runs.
+async fn prune_steps(app: AppState) {
+    let Ok(_quiet) = app.builds.gate().try_write() else {
+        return;
+    };
+    let in_use = match digests_in_use(&app) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("pruning the step cache: {}", e.message);
+            return;
+        }
+    };
+    let store = app.templates.clone();
+    let limits = StepCacheLimits::from_env();
+    match tokio::task::spawn_blocking(move || store.prune_steps(limits, &in_use)).await {
+        Ok(Ok(p)) if !p.removed.is_empty() => tracing::info!(
+            removed = p.removed.len(),
+            bytes = p.bytes,
+            kept = p.kept,
+            kept_bytes = p.kept_bytes,
+            "pruned the template step cache"
+        ),
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!("pruning the step cache: {e}"),
+        Err(e) => tracing::warn!("pruning the step cache: {e}"),
+    }
+}
+
+/// The template digests sandboxes (live or failed, not yet deleted) and snapshots of any
+/// tenant stand on.
+fn digests_in_use(app: &AppState) -> Result<std::collections::HashSet<String>, ApiError> {
+    let mut used: std::collections::HashSet<String> = app
+        .store
+        .list_live_sandboxes()?
+        .into_iter()
+        .map(|s| s.template_digest)
+        .collect();
+    for tenant in app.store.list_tenants()? {
+        used.extend(
+            app.store
+                .list_snapshots(&tenant)?
+                .into_iter()
+                .map(|s| s.template_digest),
+        );
+    }
+    Ok(used)
 }
 
 fn image_base(reference: &str, auth: Option<RegistryAuth>) -> Result<Base, ApiError> {
@@ -817,13 +873,26 @@ pub fn apply_defaults(app: &AppState, digest: &str, spec: &mut locker_proto::Exe
     }
 }
 
-/// How long a template's ready command may take to succeed at a sandbox's create.
-const READY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(60);
+/// How long a template's ready command may take to succeed at a sandbox's create, unless
+/// [`READY_TIMEOUT_ENV`] says otherwise (seconds).
+const READY_TIMEOUT_S: u64 = 60;
+/// The environment variable that sets the server's ready timeout.
+pub const READY_TIMEOUT_ENV: &str = "LOCKER_READY_TIMEOUT_S";
+
+fn ready_timeout() -> std::time::Duration {
+    let s = std::env::var(READY_TIMEOUT_ENV)
+        .ok()
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .unwrap_or(READY_TIMEOUT_S);
+    std::time::Duration::from_secs(s)
+}
 
 /// After a sandbox of a template with a start or ready command started: the start command
 /// as a background process (it outlives this call), then the ready command, again every
-/// 250 ms, until it exits 0. An error (the ready command never succeeded within
-/// [`READY_TIMEOUT`], with its last output) means the caller destroys the sandbox.
+/// 250 ms, until it exits 0; the sandbox reads `starting` meanwhile (see
+/// `lifecycle::launch`). An error (the ready command never succeeded within the ready
+/// timeout, with its last output) means the caller discards the sandbox.
 pub async fn start_sandbox(
     app: &AppState,
     caller: &Caller,
@@ -854,15 +923,17 @@ pub async fn start_sandbox(
     let Some(ready) = &c.ready_cmd else {
         return Ok(());
     };
-    let deadline = std::time::Instant::now() + READY_TIMEOUT;
+    let timeout = ready_timeout();
+    let deadline = std::time::Instant::now() + timeout;
     loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
         let mut spec = locker_proto::ExecSpec {
             call_id: new_id("call_"),
             argv: vec!["/bin/sh".into(), "-c".into(), ready.clone()],
             cwd: None,
             env: live.env.clone().into_iter().collect(),
             stdin: false,
-            timeout_ms: Some(10_000),
+            timeout_ms: Some(left.as_millis().clamp(250, 10_000) as u64),
             max_output_bytes: 16 << 10,
             user: None,
             stream_output: false,
@@ -886,8 +957,9 @@ pub async fn start_sandbox(
         };
         if std::time::Instant::now() >= deadline {
             return Err(ApiError::unprocessable(format!(
-                "the template's ready command {ready:?} did not succeed within {} s (last: {last}): the sandbox was removed",
-                READY_TIMEOUT.as_secs()
+                "the template's ready command {ready:?} did not succeed within {} s (last: {last}): the sandbox {} was removed; fix the command or what it waits for ({READY_TIMEOUT_ENV} sets the server's timeout)",
+                timeout.as_secs(),
+                live.id
             )));
         }
         tokio::time::sleep(std::time::Duration::from_millis(250)).await;

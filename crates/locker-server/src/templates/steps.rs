@@ -121,6 +121,7 @@ pub async fn run(
         {
             build.log(format!("step {n}/{total}: {text}: cached"));
             build.progress(n, total, bytes);
+            app.templates.touch(&t.digest);
             cur = t;
             continue;
         }
@@ -164,7 +165,7 @@ pub async fn run(
                 let mut copied = 0u64;
                 let t = blocking(move || {
                     store
-                        .make_layer(&digest, packages, RunConfig::default(), |rootfs| {
+                        .make_layer(&digest, &parent.digest, packages, RunConfig::default(), |rootfs| {
                             link_tree(&parent.rootfs, rootfs)
                                 .map_err(io("linking the parent's tree"))?;
                             copied = copy_step(&ctx, rootfs, &srcs, &dest, chown.as_deref(), chmod)
@@ -186,7 +187,7 @@ pub async fn run(
                 let (store, digest, packages) =
                     (app.templates.clone(), chain.clone(), cur.packages.clone());
                 blocking(move || {
-                    store.make_layer(&digest, packages, RunConfig::default(), |rootfs| {
+                    store.make_layer(&digest, &parent.digest, packages, RunConfig::default(), |rootfs| {
                         link_tree(&parent.rootfs, rootfs)
                             .map_err(io("linking the parent's tree"))?;
                         let at = resolve_in_root(rootfs, &path, true)
@@ -217,7 +218,7 @@ pub async fn run(
     let digest = digest_of(&[chain.as_bytes(), b"config", cfg_json.as_bytes()]);
     let (store, parent) = (app.templates.clone(), cur.clone());
     let t = blocking(move || {
-        store.make_layer(&digest, parent.packages.clone(), config, |rootfs| {
+        store.make_layer(&digest, &parent.digest, parent.packages.clone(), config, |rootfs| {
             link_tree(&parent.rootfs, rootfs).map_err(io("linking the last step's tree"))
         })
     })
@@ -340,6 +341,7 @@ async fn run_step(
         blocking(move || {
             store.make_layer(
                 &digest,
+                &parent.digest,
                 parent.packages.clone(),
                 RunConfig::default(),
                 |rootfs| {

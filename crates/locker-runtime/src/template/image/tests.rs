@@ -347,6 +347,46 @@ fn a_decompression_bomb_stops_at_the_limit() {
     assert!(started.elapsed() < Duration::from_secs(10));
 }
 
+fn zstd(bytes: &[u8]) -> Vec<u8> {
+    ruzstd::encoding::compress_to_vec(bytes, ruzstd::encoding::CompressionLevel::Fastest)
+}
+
+#[test]
+fn zstd_layers_unpack_frame_after_frame() {
+    let s = Scratch::new("zstd");
+    let l = layer(&[file("a", b"first"), file("dir/b", &vec![7u8; 300_000])]);
+    let diff_id = format!("sha256:{}", hex(&Sha256::digest(&l)));
+    // Two frames with a skippable frame (zstd:chunked keeps its metadata in one) between.
+    let (one, two) = l.split_at(l.len() / 3);
+    let mut z = zstd(one);
+    z.extend_from_slice(&[0x5e, 0x2a, 0x4d, 0x18, 3, 0, 0, 0, 1, 2, 3]);
+    z.extend_from_slice(&zstd(two));
+    let mut u = Unpacker::new(&s.root(), limits(1 << 30)).unwrap();
+    let summary = u.apply(&z[..], "layer 1", Some(&diff_id)).unwrap();
+    assert_eq!(summary.bytes, 300_005);
+    assert_eq!(fs::read(s.root().join("a")).unwrap(), b"first");
+    assert_eq!(fs::metadata(s.root().join("dir/b")).unwrap().len(), 300_000);
+    // A cut stream is an error, never a short layer.
+    let s2 = Scratch::new("zstd-cut");
+    let mut u = Unpacker::new(&s2.root(), limits(1 << 30)).unwrap();
+    let cut = &z[..z.len() - 40];
+    assert!(u.apply(cut, "layer 1", Some(&diff_id)).is_err());
+}
+
+#[test]
+fn a_zstd_bomb_stops_at_the_limit() {
+    let s = Scratch::new("zstd-bomb");
+    let zeros = vec![0u8; 4 << 20];
+    let entries: Vec<E> = (0..40).map(|i| file(&format!("z{i}"), &zeros)).collect();
+    let bomb = zstd(&layer(&entries));
+    assert!(bomb.len() < 1 << 20, "{}", bomb.len());
+    let started = Instant::now();
+    let mut u = Unpacker::new(&s.root(), limits(32 << 20)).unwrap();
+    let r = u.apply(&bomb[..], "layer 1", None);
+    assert!(matches!(r, Err(TemplateError::ImageTooBig(_))), "{r:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
 #[test]
 fn a_layer_that_does_not_match_its_diff_id_is_refused() {
     let s = Scratch::new("diffid");

@@ -22,7 +22,7 @@
 //! Bounds: the uncompressed tar streams of all layers together (headers included) may not
 //! exceed [`ImageLimits::max_unpacked_bytes`]; a file whose header alone declares more is
 //! refused before a byte of it is read, so a sparse 10 GB file or a decompression bomb
-//! costs nothing. Runs of zeros are written as holes.
+//! (gzip or zstd) costs nothing. Runs of zeros are written as holes.
 //!
 //! This room writes only below the root it was given and knows nothing of registries,
 //! archives or the template cache.
@@ -100,15 +100,84 @@ pub(crate) fn decompress<'a, R: Read + 'a>(
         .map_err(|e| bad(label, format!("cannot read the layer: {e}")))?;
     match head {
         [0x1f, 0x8b, ..] => Ok(Box::new(MultiGzDecoder::new(buf))),
-        [0x28, 0xb5, 0x2f, 0xfd, ..] => Err(bad(
-            label,
-            "the layer is zstd-compressed, which this build cannot unpack yet: push the image with gzip layers (skopeo copy --dest-compress-format gzip)",
-        )),
+        [0x28, 0xb5, 0x2f, 0xfd, ..] => Ok(Box::new(ZstdFrames::new(buf))),
         [b'B', b'Z', b'h', ..] | [0xfd, b'7', b'z', b'X', b'Z', ..] => Err(bad(
             label,
             "the layer is bzip2- or xz-compressed, which the OCI image format does not allow: use gzip or plain tar",
         )),
         _ => Ok(Box::new(buf)),
+    }
+}
+
+/// A zstd stream of one or more frames (skippable frames, such as `zstd:chunked`'s
+/// metadata, passed over), decoded by `ruzstd`, a pure-Rust decoder. Its memory is
+/// bounded by the decoder's own cap on a frame's window; the bytes it yields are bounded by
+/// the caller's [`Metered`], as with gzip.
+struct ZstdFrames<R: BufRead> {
+    /// The frame being decoded, or the stream between frames.
+    state: Option<ZstdState<R>>,
+}
+
+enum ZstdState<R: BufRead> {
+    Between(R),
+    Frame(Box<ruzstd::decoding::StreamingDecoder<R, ruzstd::decoding::FrameDecoder>>),
+}
+
+/// The magic numbers of skippable frames: `0x184D2A5?`, little-endian.
+fn is_skippable(head: &[u8]) -> bool {
+    head.len() >= 4 && head[0] & 0xf0 == 0x50 && head[1..4] == [0x2a, 0x4d, 0x18]
+}
+
+impl<R: BufRead> ZstdFrames<R> {
+    fn new(inner: R) -> Self {
+        ZstdFrames {
+            state: Some(ZstdState::Between(inner)),
+        }
+    }
+}
+
+impl<R: BufRead> Read for ZstdFrames<R> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        if buf.is_empty() {
+            return Ok(0);
+        }
+        loop {
+            match self.state.take() {
+                None => return Ok(0),
+                Some(ZstdState::Frame(mut d)) => {
+                    let n = d.read(buf)?;
+                    if n > 0 {
+                        self.state = Some(ZstdState::Frame(d));
+                        return Ok(n);
+                    }
+                    self.state = Some(ZstdState::Between(d.into_inner()));
+                }
+                Some(ZstdState::Between(mut r)) => {
+                    let head = r.fill_buf()?;
+                    if head.is_empty() {
+                        return Ok(0);
+                    }
+                    if is_skippable(head) {
+                        let mut h = [0u8; 8];
+                        r.read_exact(&mut h)?;
+                        let len = u64::from(u32::from_le_bytes([h[4], h[5], h[6], h[7]]));
+                        let skipped = io::copy(&mut (&mut r).take(len), &mut io::sink())?;
+                        if skipped != len {
+                            return Err(io::Error::new(
+                                io::ErrorKind::UnexpectedEof,
+                                "a zstd skippable frame ends early",
+                            ));
+                        }
+                        self.state = Some(ZstdState::Between(r));
+                        continue;
+                    }
+                    let d = ruzstd::decoding::StreamingDecoder::new(r).map_err(|e| {
+                        io::Error::new(io::ErrorKind::InvalidData, format!("zstd: {e}"))
+                    })?;
+                    self.state = Some(ZstdState::Frame(Box::new(d)));
+                }
+            }
+        }
     }
 }
 
