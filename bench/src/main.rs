@@ -23,6 +23,7 @@ mod ports;
 mod report;
 mod runs;
 mod scale;
+mod secrets;
 mod server;
 mod snapshots;
 mod stats;
@@ -41,7 +42,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, microvm-volumes, ports, jobs, code, soak, images (default: all).
+    /// microvm, microvm-volumes, ports, jobs, code, soak, images, secrets (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -91,7 +92,7 @@ pub struct Args {
     pub out_dir: PathBuf,
 }
 
-const GROUPS: [&str; 14] = [
+const GROUPS: [&str; 15] = [
     "jail",
     "peers",
     "server",
@@ -106,6 +107,7 @@ const GROUPS: [&str; 14] = [
     "code",
     "soak",
     "images",
+    "secrets",
 ];
 
 impl Args {
@@ -342,6 +344,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== images: pull and unpack of a 100 MB image from a loopback registry, beside skopeo + umoci ==");
         images::image_rows(args, rows)?;
+    }
+    if args.wants("secrets") {
+        check_stop()?;
+        println!("== secrets: HTTPS through the egress proxy with a secret put in (intercepted) beside passed through by SNI ==");
+        secrets::rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;
