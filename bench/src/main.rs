@@ -24,6 +24,7 @@ mod report;
 mod runs;
 mod scale;
 mod sdk;
+mod secrets;
 mod server;
 mod snapshots;
 mod stats;
@@ -42,7 +43,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, microvm-volumes, ports, jobs, code, soak, images, sdk (default: all).
+    /// microvm, microvm-volumes, ports, jobs, code, soak, images, sdk, secrets (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -98,7 +99,7 @@ pub struct Args {
     pub no_favordynmods: bool,
 }
 
-const GROUPS: [&str; 15] = [
+const GROUPS: [&str; 16] = [
     "jail",
     "peers",
     "server",
@@ -114,6 +115,7 @@ const GROUPS: [&str; 15] = [
     "soak",
     "images",
     "sdk",
+    "secrets",
 ];
 
 impl Args {
@@ -363,6 +365,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== sdk: exec through the TypeScript SDK beside a raw fetch, and bursts of 100 parallel execs ==");
         sdk::sdk_rows(args, rows)?;
+    }
+    if args.wants("secrets") {
+        check_stop()?;
+        println!("== secrets: HTTPS through the egress proxy with a secret put in (intercepted) beside passed through by SNI ==");
+        secrets::rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

@@ -222,10 +222,22 @@ async fn checked(
     check_metadata(&body.metadata)?;
     let mut network = check_network(body.network.as_ref())?;
     let mut env = body.env;
-    crate::secrets::resolve(
+    // A snapshot's secrets come back by name, with the placeholders its disk and memory hold.
+    let kept = match &snapshot {
+        Some(s) => crate::secrets::for_snapshot(std::path::Path::new(&s.path))?,
+        None => Vec::new(),
+    };
+    let mut names = body.secrets;
+    for (n, _) in &kept {
+        if !names.contains(n) {
+            names.push(n.clone());
+        }
+    }
+    crate::secrets::resolve_keeping(
         app,
         &caller.tenant,
-        &body.secrets,
+        &names,
+        &kept,
         &mut env,
         &mut network,
         body.network.is_some(),

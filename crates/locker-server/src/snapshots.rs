@@ -103,6 +103,11 @@ pub(crate) async fn snapshot_sandbox(
     let snap_id = new_id("snap_");
     let dir = app.cfg.data_dir.join("snapshots").join(&snap_id);
     let (size_bytes, has_memory) = take(app, &live, dir.clone()).await?;
+    // The secrets go with it by name (and placeholder), never by value.
+    if let Err(e) = crate::secrets::save_for_snapshot(&dir, &rec.env) {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(ApiError::internal(e));
+    }
     let snap = SnapshotRecord {
         id: snap_id,
         tenant: caller.tenant.clone(),

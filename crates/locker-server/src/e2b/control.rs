@@ -4,7 +4,8 @@
 //! Owns: E2B's request and response shapes, `X-API-KEY`, and the mapping of E2B's fields to
 //! Locker's: `templateID` aliases (and a `snap_…` id: a sandbox from that snapshot),
 //! `timeout` to the TTL, `autoPause` to the idle policy, `envVars` to the sandbox's env,
-//! `allow_internet_access` and `network` to the egress policy, `metadata` as it is.
+//! `allow_internet_access` and `network` to the egress policy, `metadata` as it is (its
+//! `locker.secrets` key, comma-separated names, also becomes the create's `secrets`).
 //!
 //! Must not: decide anything a sandbox's life decides. Every handler checks E2B's input and
 //! calls the door Locker's own handler calls (`sandboxes::create_sandbox`,
@@ -200,6 +201,9 @@ fn template_of(e2b: &str) -> String {
     }
 }
 
+/// The metadata key of an E2B create that names Locker secrets (comma-separated).
+pub const SECRETS_KEY: &str = "locker.secrets";
+
 /// Locker's egress policy for E2B's network settings. E2B allows all traffic unless told
 /// otherwise; Locker allows none unless told (see docs/e2b.md), so nothing said is `none`.
 /// `allowOut` names what may be reached (its entries win over `denyOut`, as in E2B);
@@ -324,13 +328,26 @@ async fn create(
     } else {
         (Some(template_of(&new.template_id)), None)
     };
+    let metadata = new.metadata.unwrap_or_default();
+    // E2B's create has no secrets: Locker's secrets are named in metadata (see docs/e2b.md).
+    let secrets: Vec<String> = metadata
+        .get(SECRETS_KEY)
+        .map(|v| {
+            v.split(',')
+                .map(str::trim)
+                .filter(|n| !n.is_empty())
+                .map(str::to_owned)
+                .collect()
+        })
+        .unwrap_or_default();
     let create = CreateSandbox {
         template,
         from_snapshot,
         ttl_s: Some(ttl_s),
         idle_timeout_s,
         env: new.env_vars.unwrap_or_default(),
-        metadata: new.metadata.unwrap_or_default(),
+        metadata,
+        secrets,
         network: Some(network),
         ..Default::default()
     };

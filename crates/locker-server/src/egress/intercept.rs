@@ -135,6 +135,9 @@ pub async fn serve(
         }
     };
     let acceptor = tokio_rustls::TlsAcceptor::from(cfg);
+    // Nagle off, as on the passed-through path: a response's head and body go out as
+    // separate TLS records, and the second would wait for the client's delayed ACK.
+    let _ = sock.set_nodelay(true);
     let stream = Prefixed {
         pre: hello,
         pos: 0,

@@ -5,7 +5,9 @@
 //! under the server's key, with the tenant and the name as associated data so that a sealed
 //! value cannot be moved to another row), the placeholders a machine's environment gets
 //! instead of values ([`placeholder`]), and arming a machine for them ([`arm`]: its CA in its
-//! trust store, its secrets known to the egress proxy). It does not touch packets or TLS:
+//! trust store, its secrets known to the egress proxy), what a snapshot keeps of them
+//! (names and placeholders, [`save_for_snapshot`]), and the allowlists of the sandboxes that
+//! hold a secret whose hosts change. It does not touch packets or TLS:
 //! the egress room (`egress::intercept`) finds placeholders and swaps values in; it asks
 //! this room for a value with [`Secrets::value_for`] at each new connection, so a rotation
 //! takes effect for new connections.
@@ -307,6 +309,21 @@ pub fn resolve(
     network: &mut Value,
     explicit: bool,
 ) -> Result<(), ApiError> {
+    resolve_keeping(app, tenant, names, &[], env, network, explicit)
+}
+
+/// [`resolve`], with the placeholders of `keep` (`(name, placeholder)`, a snapshot's: see
+/// [`for_snapshot`]) given again to their secrets instead of new ones, so that what the
+/// snapshot's disk and memory hold keeps working.
+pub fn resolve_keeping(
+    app: &AppState,
+    tenant: &str,
+    names: &[String],
+    keep: &[(String, String)],
+    env: &mut BTreeMap<String, String>,
+    network: &mut Value,
+    explicit: bool,
+) -> Result<(), ApiError> {
     if let Some((k, _)) = env.iter().find(|(_, v)| placeholder_name(v).is_some()) {
         return Err(ApiError::bad_request(format!(
             "`env` {k}: a value shaped like a secret's placeholder (`{PLACEHOLDER_PREFIX}…`) is Locker's to give: name the secret in `secrets` instead"
@@ -355,7 +372,13 @@ pub fn resolve(
                 ),
             }));
         }
-        env.insert(rec.env.clone(), placeholder(name));
+        let kept = keep
+            .iter()
+            .find(|(n, p)| n == name && placeholder_name(p) == Some(name.as_str()));
+        env.insert(
+            rec.env.clone(),
+            kept.map_or_else(|| placeholder(name), |(_, p)| p.clone()),
+        );
         for h in rec.hosts {
             if !hosts.contains(&h) {
                 hosts.push(h);
@@ -385,6 +408,118 @@ pub fn bound(env: &BTreeMap<String, String>) -> Vec<(String, String)> {
     env.values()
         .filter_map(|v| placeholder_name(v).map(|n| (n.to_owned(), v.clone())))
         .collect()
+}
+
+/// The file in a snapshot's directory that names the secrets of the sandbox it was taken
+/// from, with their placeholders (never a value: values live only in the store, sealed).
+pub const SNAPSHOT_FILE: &str = "secrets.json";
+
+/// Notes in snapshot directory `dir` the secrets whose placeholders `env` holds (nothing
+/// without secrets).
+pub fn save_for_snapshot(dir: &Path, env: &BTreeMap<String, String>) -> Result<(), String> {
+    let secrets = bound(env);
+    if secrets.is_empty() {
+        return Ok(());
+    }
+    let list: Vec<Value> = secrets
+        .iter()
+        .map(|(n, p)| json!({"name": n, "placeholder": p}))
+        .collect();
+    let path = dir.join(SNAPSHOT_FILE);
+    std::fs::write(&path, json!({ "secrets": list }).to_string())
+        .map_err(|e| format!("writing {}: {e}", path.display()))
+}
+
+/// The secrets a snapshot in `dir` was taken with: `(name, placeholder)`, none if its file is
+/// missing (a snapshot without secrets, or one taken before snapshots kept them).
+pub fn for_snapshot(dir: &Path) -> Result<Vec<(String, String)>, ApiError> {
+    let path = dir.join(SNAPSHOT_FILE);
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(Vec::new()),
+        Err(e) => {
+            return Err(ApiError::internal(format!(
+                "reading {}: {e}",
+                path.display()
+            )))
+        }
+    };
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::internal(format!("{}: {e}", path.display())))?;
+    Ok(v["secrets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .filter_map(|s| {
+            let (n, p) = (s["name"].as_str()?, s["placeholder"].as_str()?);
+            (placeholder_name(p) == Some(n)).then(|| (n.to_owned(), p.to_owned()))
+        })
+        .collect())
+}
+
+/// After secret `name` of `tenant` was given `hosts`: every running (or paused) sandbox that
+/// holds its placeholder gets those hosts in its allowlist, stored in its record, so that
+/// its egress follows the secret. Hosts only join: one the secret no longer names stays in
+/// the list (the caller may have allowed it for itself) but gets no value any more, as
+/// interception asks the secret's hosts at each connection. Failures are logged: the
+/// secret's change stands.
+async fn widen_allowlists(app: &AppState, tenant: &str, name: &str, hosts: &[String]) {
+    // One policy change at a time, as `sandboxes::change_network` does.
+    let _guard = app.create_lock.lock().await;
+    let holders: Vec<Arc<crate::state::Live>> = app
+        .live
+        .read()
+        .await
+        .values()
+        .filter(|l| l.tenant == tenant && bound(&l.env).iter().any(|(n, _)| n == name))
+        .cloned()
+        .collect();
+    for l in holders {
+        let mut rec = match app.store.get_sandbox_any(&l.id) {
+            Ok(Some(r)) => r,
+            _ => continue,
+        };
+        if rec.network.get("egress").and_then(Value::as_str) != Some("allow") {
+            continue;
+        }
+        let mut list: Vec<Value> = rec
+            .network
+            .get("allow")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        let before = list.len();
+        for h in hosts {
+            if !list.iter().any(|v| v.as_str() == Some(h.as_str())) {
+                list.push(Value::String(h.clone()));
+            }
+        }
+        if list.len() == before {
+            continue;
+        }
+        let network = match crate::egress::Allowlist::parse(&list) {
+            Ok((_, norm)) => json!({"egress": "allow", "allow": norm}),
+            Err(e) => {
+                tracing::warn!(sandbox = %l.id, secret = name, error = %e, "a secret's new hosts do not fit the sandbox's allowlist");
+                continue;
+            }
+        };
+        match app
+            .egress
+            .apply(&app.node, &l.machine, &l.id, tenant, &network)
+            .await
+        {
+            Ok(()) => {
+                rec.network = network;
+                if let Err(e) = app.store.update_sandbox(&rec) {
+                    tracing::warn!(sandbox = %l.id, error = %e, "storing a sandbox's widened allowlist failed");
+                }
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %l.id, secret = name, error = %e, "giving a sandbox its secret's new hosts failed")
+            }
+        }
+    }
 }
 
 /// Arms machine `m` (known to egress as `key`) of `tenant` for the secrets whose
@@ -634,6 +769,9 @@ async fn rotate(
             "secret {name:?} does not exist"
         )));
     }
+    if b.hosts.is_some() {
+        widen_allowlists(&app, &caller.tenant, &name, &rec.hosts).await;
+    }
     Ok(axum::Json(view(&rec)))
 }
 
@@ -696,6 +834,35 @@ mod tests {
         assert_ne!(p, placeholder("open-ai_2"));
         assert_eq!(placeholder_name("locker-secret-x-123"), None);
         assert_eq!(placeholder_name("sk-123"), None);
+    }
+
+    #[test]
+    fn snapshots_keep_names_and_placeholders_only() {
+        let dir = std::env::temp_dir().join(format!("locker-secsnap-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = placeholder("openai");
+        let mut env = BTreeMap::new();
+        env.insert("OPENAI_API_KEY".to_owned(), p.clone());
+        env.insert("PLAIN".to_owned(), "x".to_owned());
+        save_for_snapshot(&dir, &env).unwrap();
+        assert_eq!(
+            for_snapshot(&dir).unwrap(),
+            vec![("openai".to_owned(), p.clone())]
+        );
+        // An entry whose placeholder is not its name's is dropped.
+        std::fs::write(
+            dir.join(SNAPSHOT_FILE),
+            json!({"secrets": [{"name": "github", "placeholder": p}]}).to_string(),
+        )
+        .unwrap();
+        assert!(for_snapshot(&dir).unwrap().is_empty());
+        // No secrets, no file; a snapshot without the file has none.
+        std::fs::remove_file(dir.join(SNAPSHOT_FILE)).unwrap();
+        env.remove("OPENAI_API_KEY");
+        save_for_snapshot(&dir, &env).unwrap();
+        assert!(!dir.join(SNAPSHOT_FILE).exists());
+        assert!(for_snapshot(&dir).unwrap().is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
