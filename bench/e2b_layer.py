@@ -64,3 +64,28 @@ print(f"{what}, n={N}:")
 print(f"  E2B SDK     p50 {pct(e2b_ms, 50):7.1f} ms  p99 {pct(e2b_ms, 99):7.1f} ms")
 print(f"  Locker SDK  p50 {pct(locker_ms, 50):7.1f} ms  p99 {pct(locker_ms, 99):7.1f} ms")
 print(f"  E2B layer   p50 {pct(diff, 50):+7.1f} ms (pairwise difference; the contract: < 5 ms)")
+
+if with_command:
+    # The command alone, in one running sandbox each way (alternating): what a command
+    # costs once the sandbox exists, without the create and the first connection.
+    sbx = Sandbox.create(timeout=120)
+    sb = c.sandboxes.create(ttl_s=120)
+    try:
+        sbx.commands.run("echo hi")
+        sb.exec(cmd=["/bin/bash", "-l", "-c", "echo hi"], user="user")
+        warm_e2b, warm_locker = [], []
+        for _ in range(N):
+            t0 = time.perf_counter()
+            assert sbx.commands.run("echo hi").stdout == "hi\n"
+            warm_e2b.append((time.perf_counter() - t0) * 1000)
+            t0 = time.perf_counter()
+            assert sb.exec(cmd=["/bin/bash", "-l", "-c", "echo hi"], user="user").stdout == "hi\n"
+            warm_locker.append((time.perf_counter() - t0) * 1000)
+    finally:
+        sbx.kill()
+        sb.delete()
+    wdiff = [a - b for a, b in zip(warm_e2b, warm_locker)]
+    print(f"echo hi in a running sandbox, n={N}:")
+    print(f"  E2B SDK     p50 {pct(warm_e2b, 50):7.1f} ms  p99 {pct(warm_e2b, 99):7.1f} ms")
+    print(f"  Locker SDK  p50 {pct(warm_locker, 50):7.1f} ms  p99 {pct(warm_locker, 99):7.1f} ms")
+    print(f"  difference  p50 {pct(wdiff, 50):+7.1f} ms (pairwise)")

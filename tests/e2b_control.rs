@@ -151,6 +151,38 @@ fn older_python_sdk_and_npm_create_and_kill() {
     }
 }
 
+/// `examples/e2b/agent_tools.py`, unchanged, against this server: a session's sandbox, a
+/// program written and run, paused between turns and found again by its metadata, a
+/// snapshot, two forks running variants, and the cleanup. Its output is checked against
+/// what the program computes.
+#[test]
+fn the_agent_tools_example_runs() {
+    let Some(py) = python_e2b() else { return };
+    let srv = server();
+    let key = e2b_key(&srv);
+    let mut cmd = Command::new(&py);
+    cmd.arg(locker_tests::root().join("examples/e2b/agent_tools.py"))
+        .env("PYTHONDONTWRITEBYTECODE", "1");
+    e2b_env(&mut cmd, &srv, &key);
+    let (ok, log) = run_logged(&mut cmd);
+    if !ok {
+        srv.print_log_tail();
+    }
+    assert!(ok, "agent_tools.py failed:\n{log}");
+    for want in [
+        "fib(30) = 832040",
+        "resumed: ['demo', 'user']",
+        ": fib(10) = 55",
+        ": fib(20) = 6765",
+    ] {
+        assert!(log.contains(want), "{want:?} not in the output:\n{log}");
+    }
+    // The cleanup left nothing running.
+    let (status, v) = e2b(&srv, Some(&key), "GET", "/v2/sandboxes", "");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v, json!([]), "agent_tools.py left sandboxes behind");
+}
+
 /// An E2B request with `X-API-KEY` (or none).
 fn e2b(srv: &Server, key: Option<&str>, method: &str, path: &str, body: &str) -> (u16, Value) {
     let mut headers = vec![("Content-Type", "application/json")];

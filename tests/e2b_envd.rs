@@ -648,3 +648,120 @@ fn gzip_bomb() -> Vec<u8> {
     assert!(child.wait().unwrap().success());
     v
 }
+
+/// Long streams send envd's keepalive events at the request's `Keepalive-Ping-Interval`
+/// while a command prints nothing (the SDKs send the header and skip the events; proxies
+/// on the way would close a silent stream), and `List` shows a running process's `envs`
+/// and `cwd` as its `Start` gave them (the sandbox's own `envVars` are not repeated).
+#[test]
+fn keepalives_on_silent_streams_and_list_shows_envs_and_cwd() {
+    let srv = Server::start();
+    let api = srv.anon().with_timeout(Duration::from_secs(300));
+    let r = api.request(
+        "POST",
+        "/sandboxes",
+        &[
+            ("X-API-KEY", &srv.api_key),
+            ("Content-Type", "application/json"),
+        ],
+        r#"{"templateID":"base","timeout":600,"envVars":{"FROM_SANDBOX":"s"}}"#,
+    );
+    let v = r.expect(201, "E2B create");
+    let s = E2bSandbox {
+        api,
+        key: srv.api_key.clone(),
+        id: v["sandboxID"].as_str().expect("sandboxID").to_owned(),
+        token: v["envdAccessToken"]
+            .as_str()
+            .expect("envdAccessToken")
+            .to_owned(),
+    };
+    let root = ("Authorization", "Basic cm9vdDo=");
+
+    // Silent for 2.5 s with a 1 s interval: two keepalives between start and the output.
+    let r = s.stream(
+        "/process.Process/Start",
+        envelope(
+            0,
+            br#"{"process":{"cmd":"/bin/sh","args":["-c","sleep 2.5; echo done"]},"stdin":false}"#,
+        ),
+        &[root, ("Keepalive-Ping-Interval", "1")],
+    );
+    let e = envelopes(&r);
+    let kinds: Vec<String> = e
+        .iter()
+        .map(|(flags, v)| match v["event"].as_object() {
+            Some(o) if *flags == 0 => o.keys().next().cloned().unwrap_or_default(),
+            _ => format!("flags {flags}"),
+        })
+        .collect();
+    let keepalives = kinds.iter().filter(|k| *k == "keepalive").count();
+    assert!(
+        kinds.first().map(String::as_str) == Some("start")
+            && (2..=4).contains(&keepalives)
+            && kinds.ends_with(&["data".into(), "end".into(), "flags 2".into()]),
+        "start, 2 keepalives, data, end, end of stream: {kinds:?}"
+    );
+    assert!(
+        e.iter()
+            .all(|(_, v)| v["event"]["keepalive"].is_null() || v["event"]["keepalive"] == serde_json::json!({})),
+        "{e:?}"
+    );
+    // Without the header (envd's default of 90 s) a short command gets none.
+    let r = s.stream(
+        "/process.Process/Start",
+        envelope(
+            0,
+            br#"{"process":{"cmd":"/bin/sh","args":["-c","sleep 1.2; echo done"]},"stdin":false}"#,
+        ),
+        &[root],
+    );
+    assert!(
+        envelopes(&r)
+            .iter()
+            .all(|(_, v)| v["event"]["keepalive"].is_null()),
+        "no keepalive within envd's default interval: {:?}",
+        envelopes(&r)
+    );
+
+    // A process started with envs and a cwd, listed while it runs.
+    std::thread::scope(|scope| {
+        let started = scope.spawn(|| {
+            s.stream(
+                "/process.Process/Start",
+                envelope(
+                    0,
+                    br#"{"process":{"cmd":"/bin/sleep","args":["3"],"envs":{"MINE":"m1","FROM_SANDBOX":"s"},"cwd":"/tmp"},"stdin":false}"#,
+                ),
+                &[root],
+            )
+        });
+        let mut listed = None;
+        for _ in 0..40 {
+            std::thread::sleep(Duration::from_millis(100));
+            let r = s.unary("/process.Process/List", "{}");
+            assert_eq!(r.status, 200, "{}", r.text());
+            let v = r.json();
+            if let Some(p) = v["processes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["config"]["cmd"] == "/bin/sleep")
+            {
+                listed = Some(p.clone());
+                break;
+            }
+        }
+        let p = listed.expect("the running sleep is listed");
+        assert_eq!(p["config"]["args"], serde_json::json!(["3"]), "{p}");
+        assert_eq!(p["config"]["cwd"], "/tmp", "{p}");
+        // The sandbox's own variable is every process's: not repeated as this one's.
+        assert_eq!(
+            p["config"]["envs"],
+            serde_json::json!({"MINE": "m1"}),
+            "{p}"
+        );
+        let r = started.join().expect("the Start stream");
+        assert_eq!(envelopes(&r).last().map(|e| e.0), Some(2));
+    });
+}

@@ -75,12 +75,14 @@ def commands(sbx):
     eq([p for p in c.list() if "sleep 30" in " ".join(p.args)], [], "timed-out process")
     ok("timeout")
 
-    h = c.run("sleep 600", background=True)
+    h = c.run("sleep 600", background=True, envs={"LISTED": "yes"}, cwd="/tmp")
     pids = [p.pid for p in c.list()]
     if h.pid not in pids:
         raise AssertionError(f"background pid {h.pid} not in list {pids}")
     listed = [p for p in c.list() if p.pid == h.pid][0]
     eq((listed.cmd, listed.args), ("/bin/bash", ["-l", "-c", "sleep 600"]), "listed config")
+    # envd lists the envs and cwd the Start gave.
+    eq((listed.envs, listed.cwd), ({"LISTED": "yes"}, "/tmp"), "listed envs and cwd")
     ok("background_list")
     eq(c.kill(h.pid), True, "kill")
     try:

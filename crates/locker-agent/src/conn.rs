@@ -323,6 +323,7 @@ fn serve_conn(agent: Arc<Agent>, sock: File, port: Option<Option<Hello>>) -> Opt
     let hello = Hello {
         version: PROTOCOL_VERSION,
         peer: format!("locker-agent {}", env!("CARGO_PKG_VERSION")),
+        features: vec![locker_proto::FEATURE_SPAWN_FOLLOW.into()],
     };
     if conn.write(&Frame::Hello(hello)).is_err() {
         return None;
@@ -537,7 +538,8 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
     match req {
         Request::Ping => s.end(EndBody::Pong),
         Request::Exec(spec) => crate::exec::run_exec(agent, s, spec),
-        Request::Spawn(spec) => crate::procs::spawn(agent, s, spec),
+        Request::Spawn(spec) => crate::procs::spawn(agent, s, spec, false),
+        Request::SpawnFollow(spec) => crate::procs::spawn(agent, s, spec, true),
         Request::ListProcesses => crate::procs::list(agent, s),
         Request::GetProcess { id } => crate::procs::get(agent, s, &id),
         Request::ResizeProcess { id, size } => crate::procs::resize(agent, s, &id, size),

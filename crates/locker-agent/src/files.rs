@@ -128,6 +128,8 @@ pub(crate) fn entry(path: String, name: String, st: &libc::stat) -> Entry {
         size: st.st_size.max(0) as u64,
         mode: st.st_mode & 0o7777,
         mtime: locker_types::rfc3339(st.st_mtime),
+        uid: Some(st.st_uid),
+        gid: Some(st.st_gid),
     }
 }
 

@@ -46,6 +46,8 @@ struct Proc {
     id: String,
     pid: i32,
     argv: Vec<String>,
+    cwd: Option<String>,
+    env: Vec<(String, String)>,
     started_at: String,
     stdin: Mutex<Option<File>>,
     /// The terminal's master side, for resizes (a process started with `pty`).
@@ -76,6 +78,8 @@ impl Proc {
             started_at: self.started_at.clone(),
             result,
             pty: self.pty.is_some(),
+            cwd: self.cwd.clone(),
+            env: self.env.clone(),
         }
     }
 }
@@ -95,8 +99,11 @@ fn now_rfc3339() -> String {
     locker_types::rfc3339(secs as i64)
 }
 
-/// Serves `Request::Spawn`: answers at once, then supervises the process on this thread.
-pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
+/// Serves `Request::Spawn` (`follow` false: `End(Spawned)` at once) and
+/// `Request::SpawnFollow` (`follow`: `Msg(Spawned)` at once, then the output is followed
+/// on this stream by a thread of its own, as `ProcessOutput` would); then supervises the
+/// process on this thread.
+pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec, follow: bool) {
     let id = crate::random_id("proc_");
     let call_id = if spec.call_id.is_empty() {
         id.clone()
@@ -147,6 +154,8 @@ pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
         id: id.clone(),
         pid: run.pid,
         argv: prep.argv.clone(),
+        cwd: spec.cwd.clone(),
+        env: spec.env.clone(),
         started_at: now_rfc3339(),
         stdin: Mutex::new(stdin),
         pty: run.pty_master.as_ref().and_then(|m| m.try_clone().ok()),
@@ -159,13 +168,20 @@ pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
         ],
     });
     lock(&agent.procs.map).insert(id.clone(), proc.clone());
-    s.end(EndBody::Spawned {
-        id: id.clone(),
-        pid: run.pid,
-    });
+    if follow {
+        follow_on_own_thread(agent, s, &id, run.pid);
+    } else {
+        s.end(EndBody::Spawned {
+            id: id.clone(),
+            pid: run.pid,
+        });
+    }
 
     // Room for the rest of a ProcessInfo around the result, so GetProcess always fits a frame.
-    let reserve = serde_json::to_vec(&proc.argv).map(|v| v.len()).unwrap_or(0) + 1024;
+    let reserve = serde_json::to_vec(&(&proc.argv, &proc.cwd, &proc.env))
+        .map(|v| v.len())
+        .unwrap_or(0)
+        + 1024;
     let timeout = spec.timeout_ms.map(Duration::from_millis);
     let result = exec::wait(agent, run, timeout, reserve);
     *lock(&proc.stdin) = None;
@@ -191,6 +207,33 @@ pub fn spawn(agent: &Arc<Agent>, s: &Arc<Stream>, spec: ExecSpec) {
                 let _ = std::fs::remove_file(f);
             }
         }
+    }
+}
+
+/// `SpawnFollow`'s answer: `Msg(Spawned)`, then the output followed to the end by a
+/// thread of its own (the spawning thread supervises the process). The process runs on
+/// whether or not the following starts or lasts.
+fn follow_on_own_thread(agent: &Arc<Agent>, s: &Arc<Stream>, id: &str, pid: i32) {
+    let spawned = Reply::Spawned {
+        id: id.to_owned(),
+        pid,
+    };
+    if s.msg(spawned).is_err() {
+        return;
+    }
+    let (agent2, s2, id2) = (agent.clone(), s.clone(), id.to_owned());
+    let started = std::thread::Builder::new()
+        .name(format!("follow-{}", s.id))
+        .stack_size(512 * 1024)
+        .spawn(move || output(&agent2, &s2, &id2, true));
+    if let Err(e) = started {
+        s.fail(AgentError::new(
+            ErrorCode::Busy,
+            format!(
+                "{id} runs, but its output cannot be followed: no thread ({e}); \
+                 follow it with ProcessOutput"
+            ),
+        ));
     }
 }
 

@@ -180,7 +180,16 @@ pub struct Hello {
     pub version: u32,
     /// Free text naming the peer, e.g. `locker-agent 0.1.0`.
     pub peer: String,
+    /// What an agent serves beyond the version's base set (e.g. [`FEATURE_SPAWN_FOLLOW`]):
+    /// the host sends a request that needs a feature only to an agent that names it, so a
+    /// host and an agent of different releases keep working together. Absent from the
+    /// Hello of an agent (or host) of an earlier release.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub features: Vec<String>,
 }
+
+/// The agent serves [`Request::SpawnFollow`].
+pub const FEATURE_SPAWN_FOLLOW: &str = "spawn_follow";
 
 /// One frame.
 #[derive(Debug, Clone, PartialEq)]
@@ -274,6 +283,11 @@ pub enum Request {
     Exec(ExecSpec),
     /// Start a background process; `End(Spawned)` at once.
     Spawn(ExecSpec),
+    /// Start a background process and follow its output on the same stream (one round
+    /// trip where `Spawn` then `ProcessOutput` take two): `Msg(Spawned)` at once, then as
+    /// `ProcessOutput { follow: true }`. `Cancel` stops the following, not the process.
+    /// Sent only to an agent whose `Hello` names [`FEATURE_SPAWN_FOLLOW`].
+    SpawnFollow(ExecSpec),
     /// `End(Processes)`.
     ListProcesses,
     /// `End(Process)`.
@@ -368,6 +382,8 @@ pub enum Request {
 pub enum Reply {
     /// The command's process exists; `start_ms` from `Open` to here.
     Started { pid: i32, start_ms: f64 },
+    /// A `SpawnFollow`'s background process exists: its id and pid.
+    Spawned { id: String, pid: i32 },
     /// The entry a `ReadFile` is about to stream.
     Entry(Entry),
     /// A batch of a long `List` answer (which would not fit in one frame); the final
@@ -430,6 +446,15 @@ pub struct ProcessInfo {
     /// from an agent of an earlier release.
     #[serde(default, skip_serializing_if = "is_false")]
     pub pty: bool,
+    /// The working directory its spawn named (none: the user's home). Absent from an agent
+    /// of an earlier release.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cwd: Option<String>,
+    /// The environment its spawn gave it, besides the agent's defaults (E2B's process
+    /// list shows it; Locker's own routes leave the values out). Absent from an agent of
+    /// an earlier release.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<(String, String)>,
 }
 
 /// Error classes the agent reports; the host maps them onto HTTP statuses.
@@ -738,12 +763,45 @@ mod tests {
         }
     }
 
+    /// A `Hello` without features (an earlier release's) reads as none, and one without
+    /// any is written as the earlier releases wrote it.
+    #[test]
+    fn hello_features_are_optional_both_ways() {
+        let old: Hello = serde_json::from_str(r#"{"version":1,"peer":"locker-agent 0.1.0"}"#)
+            .expect("an earlier release's Hello");
+        assert!(old.features.is_empty());
+        let none = Hello {
+            version: 1,
+            peer: "p".into(),
+            features: Vec::new(),
+        };
+        assert_eq!(
+            serde_json::to_string(&none).expect("json"),
+            r#"{"version":1,"peer":"p"}"#
+        );
+    }
+
     #[test]
     fn every_kind_round_trips() {
         roundtrip(Frame::Hello(Hello {
             version: PROTOCOL_VERSION,
             peer: "t".into(),
+            features: vec![FEATURE_SPAWN_FOLLOW.into()],
         }));
+        roundtrip(Frame::Open {
+            stream: 5,
+            req: Request::SpawnFollow(ExecSpec {
+                argv: vec!["true".into()],
+                ..Default::default()
+            }),
+        });
+        roundtrip(Frame::Msg {
+            stream: 5,
+            msg: Reply::Spawned {
+                id: "proc_1".into(),
+                pid: 4,
+            },
+        });
         roundtrip(Frame::Open {
             stream: 7,
             req: Request::Exec(ExecSpec {
@@ -774,6 +832,8 @@ mod tests {
             size: 1,
             mode: 0o644,
             mtime: locker_types::rfc3339(0),
+            uid: Some(1000),
+            gid: Some(1000),
         };
         roundtrip(Frame::Msg {
             stream: 7,
@@ -793,6 +853,8 @@ mod tests {
             started_at: locker_types::rfc3339(0),
             result: None,
             pty: false,
+            cwd: Some("/w".into()),
+            env: vec![("A".into(), "b".into())],
         };
         roundtrip(Frame::Msg {
             stream: 7,

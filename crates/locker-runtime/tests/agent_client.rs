@@ -1126,6 +1126,7 @@ async fn a_garbage_frame_drops_only_its_connection() {
                 locker_proto::Frame::Hello(locker_proto::Hello {
                     version: locker_proto::PROTOCOL_VERSION,
                     peer: "t".into(),
+                    features: Vec::new(),
                 })
                 .encode(&mut b)
                 .unwrap();
@@ -1147,6 +1148,7 @@ async fn a_garbage_frame_drops_only_its_connection() {
         locker_proto::Frame::Hello(locker_proto::Hello {
             version: 99,
             peer: "future".into(),
+            features: Vec::new(),
         })
         .encode(&mut b)
         .unwrap();
@@ -1601,6 +1603,7 @@ impl FakePeer {
             locker_proto::Frame::Hello(locker_proto::Hello {
                 version: locker_proto::PROTOCOL_VERSION,
                 peer: "fake".into(),
+                features: Vec::new(),
             })
             .encode(&mut b)
             .unwrap();
@@ -1656,6 +1659,8 @@ async fn a_hostile_agent_answering_a_list_without_end_is_cut_at_the_bound() {
         size: 0,
         mode: 0o644,
         mtime: "2026-12-01T00:00:00Z".into(),
+        uid: None,
+        gid: None,
     };
     let batch: Vec<_> = std::iter::repeat_n(entry, 120).collect();
     // Without end, as far as a host without a bound would see: 256 MiB, then an `End`

@@ -10,7 +10,7 @@ use axum::routing::{get, post};
 use axum::Router;
 use futures_util::TryStreamExt;
 use locker_proto::{Chan, PtySize, Request};
-use locker_runtime::agent::{AgentClientError, StreamEvent};
+use locker_runtime::agent::{AgentClientError, Following, StreamEvent};
 use locker_types::ExecRequest;
 use serde::Deserialize;
 use serde_json::json;
@@ -74,6 +74,33 @@ pub(crate) async fn spawn_background(
     arrived: Instant,
     adjust: impl FnOnce(&mut locker_proto::ExecSpec),
 ) -> Result<(String, i32), ApiError> {
+    let (id, pid, _) = start_background(app, caller, live, req, arrived, adjust, false).await?;
+    Ok((id, pid))
+}
+
+/// [`spawn_background`], with its output followed from its start (E2B's `Start`, which
+/// streams what it starts): in one agent round trip where the agent serves it.
+pub(crate) async fn spawn_background_following(
+    app: &AppState,
+    caller: &Caller,
+    live: &std::sync::Arc<Live>,
+    req: ExecRequest,
+    arrived: Instant,
+    adjust: impl FnOnce(&mut locker_proto::ExecSpec),
+) -> Result<(String, i32, Following), ApiError> {
+    let (id, pid, following) = start_background(app, caller, live, req, arrived, adjust, true).await?;
+    Ok((id, pid, following.expect("asked to follow")))
+}
+
+async fn start_background(
+    app: &AppState,
+    caller: &Caller,
+    live: &std::sync::Arc<Live>,
+    req: ExecRequest,
+    arrived: Instant,
+    adjust: impl FnOnce(&mut locker_proto::ExecSpec),
+    follow: bool,
+) -> Result<(String, i32, Option<Following>), ApiError> {
     let call_id = new_id("call_");
     // No timeout unless the body asks for one: the process lives until it exits or its
     // sandbox ends.
@@ -82,7 +109,13 @@ pub(crate) async fn spawn_background(
     adjust(&mut spec);
     let agent = live.machine.agent.clone();
     let queue_ms = ms_since(arrived);
-    let (proc_id, pid) = result(app, live, agent.spawn(spec.clone()).await).await?;
+    let (proc_id, pid, following) = if follow {
+        let (id, pid, f) = result(app, live, agent.spawn_follow(spec.clone()).await).await?;
+        (id, pid, Some(f))
+    } else {
+        let (id, pid) = result(app, live, agent.spawn(spec.clone()).await).await?;
+        (id, pid, None)
+    };
     remember_queue(live, &proc_id, queue_ms);
     if let Some(data) = stdin {
         let r = agent.process_stdin(&proc_id, &data[..], true).await;
@@ -121,7 +154,7 @@ pub(crate) async fn spawn_background(
             }
         }
     });
-    Ok((proc_id, pid))
+    Ok((proc_id, pid, following))
 }
 
 /// How many background processes' queue times a sandbox remembers: more than the agent
@@ -165,6 +198,8 @@ async fn list(
     let mut procs = result(&app, &live, live.machine.agent.list_processes().await).await?;
     for p in &mut procs {
         fill_timings(&live, p);
+        // Environment values stay out of Locker's answers, as out of its call records.
+        p.env.clear();
     }
     Ok(axum::Json(json!({ "processes": procs })))
 }
@@ -178,6 +213,7 @@ async fn get_one(
     let live = live_of(&app, &caller, &id).await?;
     let mut p = result(&app, &live, live.machine.agent.get_process(&proc_id).await).await?;
     fill_timings(&live, &mut p);
+    p.env.clear();
     Ok(axum::Json(p))
 }
 

@@ -232,6 +232,12 @@ pub struct Entry {
     pub mode: u32,
     /// Modification time, RFC 3339 UTC.
     pub mtime: String,
+    /// The owner's uid inside the machine. Absent from an agent of an earlier release.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub uid: Option<u32>,
+    /// The group's gid inside the machine. Absent from an agent of an earlier release.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub gid: Option<u32>,
 }
 
 /// Formats seconds since the Unix epoch as RFC 3339 UTC (`2026-11-30T12:00:00Z`).

@@ -92,6 +92,8 @@ pub(super) struct Inner {
     pub(super) out: mpsc::UnboundedSender<Vec<u8>>,
     pub(super) next_id: AtomicU32,
     pub(super) peer: String,
+    /// The features the agent's `Hello` named.
+    pub(super) features: Vec<String>,
     pub(super) reader: JoinHandle<()>,
     pub(super) writer: JoinHandle<()>,
 }
@@ -156,6 +158,7 @@ impl AgentClient {
         let hello = Hello {
             version: PROTOCOL_VERSION,
             peer: format!("locker-runtime {}", env!("CARGO_PKG_VERSION")),
+            features: Vec::new(),
         };
         let mut buf = Vec::new();
         Frame::Hello(hello)
@@ -183,8 +186,8 @@ impl AgentClient {
         .map_err(|_| {
             AgentClientError::Timeout(format!("no Hello from the agent within {timeout:?}"))
         })??;
-        let peer = match first {
-            Some(Frame::Hello(h)) if h.version == PROTOCOL_VERSION => h.peer,
+        let (peer, features) = match first {
+            Some(Frame::Hello(h)) if h.version == PROTOCOL_VERSION => (h.peer, h.features),
             Some(Frame::Hello(h)) => {
                 return Err(AgentClientError::Protocol(format!(
                     "agent {:?} speaks protocol version {}, this host {PROTOCOL_VERSION}",
@@ -216,6 +219,7 @@ impl AgentClient {
             out,
             next_id: AtomicU32::new(1),
             peer,
+            features,
             reader,
             writer,
         };

@@ -51,6 +51,7 @@ mod stream;
 
 use conn::{lock, Inner, Slot};
 pub use files::{FileReader, ListStream, WatchStream};
+pub use processes::Following;
 pub use stream::{AgentStream, StreamEvent, StreamSender};
 
 /// What can go wrong talking to an agent.
@@ -121,6 +122,12 @@ impl AgentClient {
     /// The agent's self-description from its `Hello` (`locker-agent 0.1.0`).
     pub fn peer(&self) -> &str {
         &self.inner.peer
+    }
+
+    /// Whether the agent's `Hello` named `feature` (an agent of an earlier release names
+    /// none): requests that need one are sent only then.
+    pub fn has_feature(&self, feature: &str) -> bool {
+        self.inner.features.iter().any(|f| f == feature)
     }
 
     /// Whether the connection is gone.

@@ -7,8 +7,8 @@ use tokio::sync::mpsc;
 
 use super::stream::upload;
 use super::{
-    unexpected, AgentClient, AgentClientError, Result, StreamEvent, CALL_DEADLINE, MAX_LIST_BYTES,
-    MAX_LIST_PROCESSES,
+    unexpected, AgentClient, AgentClientError, AgentStream, Result, StreamEvent, CALL_DEADLINE,
+    MAX_LIST_BYTES, MAX_LIST_PROCESSES,
 };
 
 impl AgentClient {
@@ -19,6 +19,39 @@ impl AgentClient {
             EndBody::Spawned { id, pid } => Ok((id, pid)),
             other => Err(unexpected("Spawn", &other)),
         }
+    }
+
+    /// Starts a background process and opens the following of its output from its start
+    /// (see [`Following`]): one agent round trip where the agent serves it
+    /// ([`locker_proto::FEATURE_SPAWN_FOLLOW`]), else [`spawn`](Self::spawn) then
+    /// `ProcessOutput`, with the same result.
+    pub async fn spawn_follow(&self, spec: ExecSpec) -> Result<(String, i32, Following)> {
+        if !self.has_feature(locker_proto::FEATURE_SPAWN_FOLLOW) {
+            let (id, pid) = self.spawn(spec).await?;
+            let following = self.follow_process(&id)?;
+            return Ok((id, pid, following));
+        }
+        let mut s = self.open(Request::SpawnFollow(spec))?;
+        match s.recv_within(CALL_DEADLINE).await? {
+            Some(StreamEvent::Msg(Reply::Spawned { id, pid })) => {
+                Ok((id, pid, Following { stream: s }))
+            }
+            Some(StreamEvent::End(EndBody::Error(e))) => Err(e.into()),
+            Some(StreamEvent::End(other)) => Err(unexpected("SpawnFollow", &other)),
+            Some(_) => Err(AgentClientError::Protocol(
+                "a SpawnFollow request's first answer is not Spawned".into(),
+            )),
+            None => Err(s.lost()),
+        }
+    }
+
+    /// Opens the following of a background process's output from its start to its end.
+    pub fn follow_process(&self, id: &str) -> Result<Following> {
+        let stream = self.open(Request::ProcessOutput {
+            id: id.into(),
+            follow: true,
+        })?;
+        Ok(Following { stream })
     }
 
     /// Every background process the agent remembers, running or ended.
@@ -73,24 +106,11 @@ impl AgentClient {
         follow: bool,
         output: mpsc::Sender<(Chan, Vec<u8>)>,
     ) -> Result<ProcessInfo> {
-        let mut s = self.open(Request::ProcessOutput {
+        let stream = self.open(Request::ProcessOutput {
             id: id.into(),
             follow,
         })?;
-        loop {
-            match s.recv_raw().await? {
-                Some(StreamEvent::Data(chan, bytes)) => {
-                    let n = bytes.len();
-                    let _ = output.send((chan, bytes)).await;
-                    s.ack(chan, n);
-                }
-                Some(StreamEvent::End(EndBody::Process(p))) => return Ok(*p),
-                Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
-                Some(StreamEvent::End(other)) => return Err(unexpected("ProcessOutput", &other)),
-                Some(_) => {}
-                None => return Err(s.lost()),
-            }
-        }
+        Following { stream }.output(output).await
     }
 
     /// Writes `data` to a background process's stdin; with `close` its stdin is closed
@@ -146,5 +166,42 @@ fn process_cost(p: &ProcessInfo) -> usize {
         .result
         .as_ref()
         .map_or(0, |r| 512 + r.stdout.len() + r.stderr.len());
-    p.id.len() + p.state.len() + p.argv.iter().map(|a| a.len() + 4).sum::<usize>() + result + 96
+    let env: usize = p.env.iter().map(|(k, v)| k.len() + v.len() + 8).sum();
+    let cwd = p.cwd.as_ref().map_or(0, |c| c.len());
+    p.id.len()
+        + p.state.len()
+        + p.argv.iter().map(|a| a.len() + 4).sum::<usize>()
+        + env
+        + cwd
+        + result
+        + 96
+}
+
+/// The output of a background process being followed (from [`AgentClient::spawn_follow`]
+/// or [`AgentClient::follow_process`]). Dropping it stops the following, not the process.
+pub struct Following {
+    stream: AgentStream,
+}
+
+impl Following {
+    /// Passes the output into `output` as it comes, from the process's start, until it
+    /// ends; returns the process's state at its end. Credit goes back to the agent only as
+    /// `output` takes the chunks.
+    pub async fn output(mut self, output: mpsc::Sender<(Chan, Vec<u8>)>) -> Result<ProcessInfo> {
+        let s = &mut self.stream;
+        loop {
+            match s.recv_raw().await? {
+                Some(StreamEvent::Data(chan, bytes)) => {
+                    let n = bytes.len();
+                    let _ = output.send((chan, bytes)).await;
+                    s.ack(chan, n);
+                }
+                Some(StreamEvent::End(EndBody::Process(p))) => return Ok(*p),
+                Some(StreamEvent::End(EndBody::Error(e))) => return Err(e.into()),
+                Some(StreamEvent::End(other)) => return Err(unexpected("ProcessOutput", &other)),
+                Some(_) => {}
+                None => return Err(s.lost()),
+            }
+        }
+    }
 }

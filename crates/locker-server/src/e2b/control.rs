@@ -707,10 +707,11 @@ async fn list_v2(
     E2bCaller(caller): E2bCaller,
     RawQuery(q): RawQuery,
 ) -> Result<Response, E2bError> {
+    // Newest first unless `order=asc`, as E2B's API (its SDK's paging test expects it).
     let (mut meta, mut states, mut desc, mut limit, mut token, mut template, mut after) = (
         Vec::new(),
         vec!["running", "paused"],
-        false,
+        true,
         PAGE_MAX,
         None,
         None,

@@ -41,7 +41,8 @@ impl From<ApiError> for E2bError {
 
 impl IntoResponse for E2bError {
     fn into_response(self) -> Response {
-        if self.status.is_server_error() {
+        // A 502 is E2B's answer for a sandbox not running, not a failure of this server.
+        if self.status.is_server_error() && self.status != StatusCode::BAD_GATEWAY {
             tracing::error!(status = self.status.as_u16(), message = %self.message, "E2B request failed");
         }
         let body = serde_json::json!({"code": self.status.as_u16(), "message": self.message});

@@ -16,7 +16,8 @@
 //! Routing ([`dispatch`], in front of the API): a request that names a sandbox with
 //! `E2b-Sandbox-Id` (and `E2b-Sandbox-Port`, 49983 when absent) belongs to the data plane,
 //! whatever its path; so does a `/files` request without it that carries a sandbox's access
-//! token (older JavaScript SDKs), and a request to the preview host of port 49983 or 49999
+//! token (older JavaScript SDKs) or a signature made with it (signed URLs on
+//! `E2B_SANDBOX_URL`), and a request to the preview host of port 49983 or 49999
 //! ([`serve_host`]). A data-plane request is let through by the sandbox's
 //! `envdAccessToken` (`X-Access-Token`), which is the sandbox's preview token: one secret
 //! per sandbox, rotated together (`POST /v1/sandboxes/{id}/preview-token`).
@@ -73,12 +74,20 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
         None => {
             // Only what the lookup needs: a request is not `Sync`, so no borrow of it may
             // be held across the lookup's await.
-            let token = (req.uri().path() == "/files")
+            let files = req.uri().path() == "/files";
+            let token = files
                 .then(|| header_str(req.headers(), "x-access-token").map(str::to_owned))
                 .flatten();
-            let found = match token {
-                Some(t) => sandbox_of_token(&app, &t).await,
-                None => None,
+            // A signed URL on `E2B_SANDBOX_URL` names neither the sandbox nor its token.
+            let signed = (files && token.is_none())
+                .then(|| req.uri().query().map(str::to_owned))
+                .flatten()
+                .filter(|q| q.contains("signature="));
+            let method = req.method().clone();
+            let found = match (token, signed) {
+                (Some(t), _) => sandbox_of_token(&app, &t).await,
+                (None, Some(q)) => envd::sandbox_of_signature(&app, &method, &q).await,
+                (None, None) => None,
             };
             match found {
                 Some(id) => id,
@@ -162,7 +171,7 @@ async fn target(
     headers: &HeaderMap,
 ) -> Result<Target, E2bError> {
     let live = app.live.read().await.get(id).cloned();
-    let live = live.ok_or_else(|| E2bError::not_found(format!("sandbox {id} is not running")))?;
+    let live = live.ok_or_else(|| sandbox_not_found(id))?;
     let token = live.preview.read().expect("preview lock").token.clone();
     let authorized = header_str(headers, "x-access-token")
         .is_some_and(|t| !token.is_empty() && constant_time_eq(t.as_bytes(), token.as_bytes()));
@@ -176,6 +185,17 @@ async fn target(
         port,
         authorized,
     })
+}
+
+/// What E2B's proxy answers a data-plane request for a sandbox it does not find running
+/// (killed, past its timeout, never made): 502 with "… was not found". The SDKs read it
+/// as "not running": `is_running()` is `False`, and a request that failed in flight
+/// becomes their `SandboxNotRunningException`, where a 404 would be an error of envd's.
+pub(crate) fn sandbox_not_found(id: &str) -> E2bError {
+    E2bError::new(
+        axum::http::StatusCode::BAD_GATEWAY,
+        format!("The sandbox {id} was not found: it was killed or reached its timeout"),
+    )
 }
 
 fn header_str<'a>(headers: &'a HeaderMap, name: &str) -> Option<&'a str> {

@@ -43,13 +43,17 @@ struct Query {
 }
 
 fn query(req: &Request) -> Query {
+    parse_query(req.uri().query().unwrap_or(""))
+}
+
+fn parse_query(raw: &str) -> Query {
     let mut q = Query {
         path: None,
         username: None,
         signature: None,
         expiration: None,
     };
-    for (k, v) in form_urlencoded::parse(req.uri().query().unwrap_or("").as_bytes()) {
+    for (k, v) in form_urlencoded::parse(raw.as_bytes()) {
         let v = Some(v.into_owned());
         match &*k {
             "path" => q.path = v,
@@ -71,6 +75,40 @@ fn signature(path: &str, op: &str, user: &str, token: &str, expiration: Option<&
     let digest = Sha256::digest(raw.as_bytes());
     let b64 = locker_types::base64::encode(&digest);
     format!("v1_{}", b64.trim_end_matches('='))
+}
+
+/// The sandbox a signed `/files` URL without routing headers is for (the SDKs build signed
+/// URLs on `E2B_SANDBOX_URL` when it is set, with neither the sandbox's id nor its token):
+/// the one whose access token the signature was made with. Expiry is checked afterwards,
+/// with the rest of the access check, so an expired URL is answered 401 by its sandbox.
+pub(super) async fn sandbox_of_signature(
+    app: &AppState,
+    method: &axum::http::Method,
+    raw_query: &str,
+) -> Option<String> {
+    let q = parse_query(raw_query);
+    let sig = q.signature?;
+    let op = if method == axum::http::Method::GET {
+        "read"
+    } else {
+        "write"
+    };
+    let live = app.live.read().await;
+    live.values()
+        .find(|l| {
+            let token = l.preview.read().expect("preview lock").token.clone();
+            !token.is_empty() && {
+                let want = signature(
+                    q.path.as_deref().unwrap_or(""),
+                    op,
+                    q.username.as_deref().unwrap_or(""),
+                    &token,
+                    q.expiration.as_deref(),
+                );
+                constant_time_eq(sig.as_bytes(), want.as_bytes())
+            }
+        })
+        .map(|l| l.id.clone())
 }
 
 fn check_access(t: &Target, q: &Query, op: &str) -> Result<(), E2bError> {

@@ -89,9 +89,10 @@ pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request
         Ok(h) => h,
         Err(refused) => return refused,
     };
+    let keepalive = super::keepalive_interval(req.headers());
     let body = req.into_body();
     if shape == Shape::ServerStream {
-        return watch_dir(app, t, user, body)
+        return watch_dir(app, t, user, keepalive, body)
             .await
             .unwrap_or_else(stream_error);
     }
@@ -132,8 +133,61 @@ fn permissions(kind: EntryType, mode: u32) -> String {
     s
 }
 
+/// The machine's user and group names (its `/etc/passwd` and `/etc/group`), for the
+/// `owner` and `group` of envd's `EntryInfo`; read once per call that shows entries. An id
+/// without a name shows as its number, as `ls -l` does.
+#[derive(Default)]
+struct Names {
+    users: HashMap<u32, String>,
+    groups: HashMap<u32, String>,
+}
+
+impl Names {
+    async fn of(agent: &locker_runtime::agent::AgentClient) -> Names {
+        Names {
+            users: ids_of(agent, "/etc/passwd").await,
+            groups: ids_of(agent, "/etc/group").await,
+        }
+    }
+
+    fn user(&self, id: Option<u32>) -> String {
+        id.map(|i| self.users.get(&i).cloned().unwrap_or_else(|| i.to_string()))
+            .unwrap_or_default()
+    }
+
+    fn group(&self, id: Option<u32>) -> String {
+        id.map(|i| self.groups.get(&i).cloned().unwrap_or_else(|| i.to_string()))
+            .unwrap_or_default()
+    }
+}
+
+/// `name:x:id:…` lines of a passwd or group file in the machine, its first 1 MiB (the
+/// machine's root writes it: nothing in it is trusted past that bound); none when it
+/// cannot be read.
+async fn ids_of(agent: &locker_runtime::agent::AgentClient, path: &str) -> HashMap<u32, String> {
+    let mut text = Vec::new();
+    if let Ok((_, mut r)) = agent.read_file(path).await {
+        while let Ok(Some(chunk)) = r.next_chunk().await {
+            text.extend_from_slice(&chunk);
+            if text.len() >= 1 << 20 {
+                break;
+            }
+        }
+    }
+    let mut ids = HashMap::new();
+    for line in String::from_utf8_lossy(&text).lines() {
+        let mut f = line.split(':');
+        if let (Some(name), Some(_), Some(Ok(id))) = (f.next(), f.next(), f.next().map(str::parse)) {
+            if !name.is_empty() {
+                ids.entry(id).or_insert_with(|| name.to_owned());
+            }
+        }
+    }
+    ids
+}
+
 /// An entry as envd's `EntryInfo` (ProtoJSON: `size` is an int64, so a string).
-fn entry_json(e: &Entry) -> Value {
+fn entry_json(e: &Entry, names: &Names) -> Value {
     let kind = match e.kind {
         EntryType::Dir => "FILE_TYPE_DIRECTORY",
         EntryType::Symlink => "FILE_TYPE_SYMLINK",
@@ -147,6 +201,8 @@ fn entry_json(e: &Entry) -> Value {
         "size": e.size.to_string(),
         "mode": e.mode & 0o7777,
         "permissions": permissions(e.kind, e.mode),
+        "owner": names.user(e.uid),
+        "group": names.group(e.gid),
         "modifiedTime": e.mtime,
     })
 }
@@ -168,7 +224,8 @@ async fn unary(
             let path = path_of(&user, &m.path, "path")?;
             let live = busy(&app, &t).await?;
             let e = result(&app, &live, live.machine.agent.stat(&path).await).await?;
-            Ok(unary_ok(&json!({"entry": entry_json(&e)})))
+            let names = Names::of(&live.machine.agent).await;
+            Ok(unary_ok(&json!({"entry": entry_json(&e, &names)})))
         }
         "MakeDir" => {
             let m: PathRequest = connect::read_unary("filesystem.MakeDirRequest", body).await?;
@@ -190,7 +247,10 @@ async fn unary(
             let e = result(&app, &live, agent.mkdir(&path).await).await?;
             let r = super::give_to(agent, &user, &made).await;
             result(&app, &live, r).await?;
-            Ok(unary_ok(&json!({"entry": entry_json(&e)})))
+            // Stat again: the directory now belongs to the call's user.
+            let e = agent.stat(&path).await.unwrap_or(e);
+            let names = Names::of(agent).await;
+            Ok(unary_ok(&json!({"entry": entry_json(&e, &names)})))
         }
         "Move" => {
             let m: MoveRequest = connect::read_unary("filesystem.MoveRequest", body).await?;
@@ -198,7 +258,8 @@ async fn unary(
             let to = path_of(&user, &m.destination, "destination")?;
             let live = busy(&app, &t).await?;
             let e = result(&app, &live, live.machine.agent.rename(&from, &to).await).await?;
-            Ok(unary_ok(&json!({"entry": entry_json(&e)})))
+            let names = Names::of(&live.machine.agent).await;
+            Ok(unary_ok(&json!({"entry": entry_json(&e, &names)})))
         }
         "ListDir" => {
             let m: ListDirRequest = connect::read_unary("filesystem.ListDirRequest", body).await?;
@@ -213,7 +274,8 @@ async fn unary(
                 )));
             }
             let entries = result(&app, &live, agent.list(&path, depth).await).await?;
-            let list: Vec<Value> = entries.iter().map(entry_json).collect();
+            let names = Names::of(agent).await;
+            let list: Vec<Value> = entries.iter().map(|e| entry_json(e, &names)).collect();
             Ok(unary_ok(&json!({"entries": list})))
         }
         "Remove" => {
@@ -274,6 +336,63 @@ async fn unary(
 
 /// An inotify watch's events as envd's `FilesystemEvent`s; `name` is relative to the
 /// watched directory.
+/// Shows a write through `/files` as envd's in-place write shows (`CREATE`, `WRITE`, then
+/// `CHMOD` from the ownership): the agent writes a file whole or not at all, into a
+/// temporary `.<name>.<hex>.locker-tmp` beside it that it then renames over the name, so
+/// inotify reports the temporary file's events and the rename. Events on the temporary
+/// name are reported on the file's own name, its mode change and the rename are left out,
+/// and so is the `CREATE` the rename lands as. Differs from envd: a file written over
+/// shows a `CREATE` too.
+#[derive(Default)]
+struct TempWrites {
+    /// Names whose temporary file was renamed and whose landing is still to come.
+    landing: std::collections::HashSet<String>,
+}
+
+impl TempWrites {
+    /// The events of `batch` as envd would report them.
+    fn translate(&mut self, batch: Vec<FsEvent>) -> Vec<FsEvent> {
+        let mut out = Vec::with_capacity(batch.len());
+        for e in batch {
+            match temp_target(&e.name) {
+                Some(target) => match e.op {
+                    FsOp::Create | FsOp::Write => out.push(FsEvent {
+                        name: target,
+                        op: e.op,
+                    }),
+                    FsOp::Rename => {
+                        if self.landing.len() < 1024 {
+                            self.landing.insert(target);
+                        }
+                    }
+                    FsOp::Chmod | FsOp::Remove => {}
+                },
+                None if e.op == FsOp::Create && self.landing.remove(&e.name) => {}
+                None => out.push(e),
+            }
+        }
+        out
+    }
+}
+
+/// The file a name of the agent's temporary files (`[dir/].<name>.<16 hex>.locker-tmp`)
+/// stands for: `[dir/]<name>`.
+fn temp_target(name: &str) -> Option<String> {
+    let (dir, base) = match name.rsplit_once('/') {
+        Some((d, b)) => (Some(d), b),
+        None => (None, name),
+    };
+    let rest = base.strip_prefix('.')?.strip_suffix(".locker-tmp")?;
+    let (file, hex) = rest.rsplit_once('.')?;
+    if file.is_empty() || hex.len() < 8 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    Some(match dir {
+        Some(d) => format!("{d}/{file}"),
+        None => file.to_owned(),
+    })
+}
+
 fn event_json(e: &FsEvent) -> Value {
     let kind = match e.op {
         FsOp::Create => "EVENT_TYPE_CREATE",
@@ -307,6 +426,7 @@ async fn watch_dir(
     app: AppState,
     t: Target,
     user: String,
+    keepalive: std::time::Duration,
     body: axum::body::Body,
 ) -> Result<Response, ConnectError> {
     let m: WatchRequest = Envelopes::new(body)
@@ -321,15 +441,20 @@ async fn watch_dir(
         if !out.send(&json!({"start": {}})).await {
             return;
         }
+        // A `keepalive` message after each `keepalive` without one, as envd sends.
+        let idle = tokio::time::sleep(keepalive);
+        tokio::pin!(idle);
+        let mut temp = TempWrites::default();
         loop {
             tokio::select! {
                 next = w.next() => match next {
                     Ok(Some(events)) => {
-                        for e in &events {
+                        for e in &temp.translate(events) {
                             if !out.send(&json!({"filesystem": event_json(e)})).await {
                                 return;
                             }
                         }
+                        idle.as_mut().reset(tokio::time::Instant::now() + keepalive);
                     }
                     Ok(None) => return out.end(None).await,
                     Err(e) => {
@@ -337,6 +462,12 @@ async fn watch_dir(
                         return out.end(Some(e)).await;
                     }
                 },
+                () = &mut idle => {
+                    if !out.send(&json!({"keepalive": {}})).await {
+                        return;
+                    }
+                    idle.as_mut().reset(tokio::time::Instant::now() + keepalive);
+                }
                 _ = out.closed() => return,
             }
         }
@@ -407,9 +538,11 @@ async fn create_watcher(
     let failed: Arc<Mutex<Option<ConnectError>>> = Arc::default();
     let (ev2, failed2) = (events.clone(), failed.clone());
     let task = tokio::spawn(async move {
+        let mut temp = TempWrites::default();
         loop {
             match w.next().await {
                 Ok(Some(batch)) => {
+                    let batch = temp.translate(batch);
                     let mut q = ev2.lock().expect("events lock");
                     for e in &batch {
                         if q.len() >= MAX_BUFFERED_EVENTS {
@@ -448,5 +581,45 @@ mod tests {
         use locker_types::EntryType;
         assert_eq!(super::permissions(EntryType::File, 0o644), "-rw-r--r--");
         assert_eq!(super::permissions(EntryType::Dir, 0o755), "drwxr-xr-x");
+    }
+
+    /// A write through `/files` (temporary file, its mode, the rename, the ownership)
+    /// reads as envd's in-place write; other events pass unchanged.
+    #[test]
+    fn temporary_files_read_as_writes_in_place() {
+        use locker_proto::{FsEvent, FsOp};
+        let ev = |name: &str, op| FsEvent {
+            name: name.into(),
+            op,
+        };
+        let tmp = "d/.a.txt.0123456789abcdef.locker-tmp";
+        let mut t = super::TempWrites::default();
+        let got = t.translate(vec![
+            ev(tmp, FsOp::Create),
+            ev(tmp, FsOp::Write),
+            ev(tmp, FsOp::Chmod),
+            ev(tmp, FsOp::Rename),
+            ev("d/a.txt", FsOp::Create),
+            ev("d/a.txt", FsOp::Chmod),
+            ev("d/b", FsOp::Create),
+            ev(".hidden", FsOp::Write),
+            ev(".x.locker-tmp", FsOp::Create),
+        ]);
+        assert_eq!(
+            got,
+            vec![
+                ev("d/a.txt", FsOp::Create),
+                ev("d/a.txt", FsOp::Write),
+                ev("d/a.txt", FsOp::Chmod),
+                ev("d/b", FsOp::Create),
+                ev(".hidden", FsOp::Write),
+                ev(".x.locker-tmp", FsOp::Create),
+            ]
+        );
+        // A later create of the same name (not a landing) is reported.
+        assert_eq!(
+            t.translate(vec![ev("d/a.txt", FsOp::Create)]),
+            vec![ev("d/a.txt", FsOp::Create)]
+        );
     }
 }

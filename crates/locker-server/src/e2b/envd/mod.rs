@@ -36,6 +36,18 @@ pub const DEFAULT_USER: &str = "user";
 pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
     let path = req.uri().path().to_owned();
     if path == "/health" {
+        // A paused sandbox is not running for E2B (`is_running()` is `False` until a
+        // connect or any other call resumes it); this probe alone does not resume it.
+        if t.live.is_paused() {
+            return E2bError::new(
+                StatusCode::BAD_GATEWAY,
+                format!(
+                    "The sandbox {} was not found running: it is paused (connect resumes it)",
+                    t.live.id
+                ),
+            )
+            .into_response();
+        }
         return StatusCode::NO_CONTENT.into_response();
     }
     // `/files` may be let through by a signature instead of the token.
@@ -84,6 +96,34 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
         ))
         .into_response(),
     }
+}
+
+/// The sandbox a signed `/files` URL without routing headers is for (see
+/// [`files::sandbox_of_signature`]).
+pub(crate) async fn sandbox_of_signature(
+    app: &AppState,
+    method: &Method,
+    raw_query: &str,
+) -> Option<String> {
+    files::sandbox_of_signature(app, method, raw_query).await
+}
+
+/// envd's interval between keepalive messages when it does not name one.
+const DEFAULT_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(90);
+
+/// How long a server stream (`Start`, `Connect`, `WatchDir`) may go without a message
+/// before it sends a keepalive one, as envd does (proxies and load balancers on the way
+/// close idle connections): the request's `Keepalive-Ping-Interval` in seconds (the SDKs
+/// send 50; bounded to 1 s – 1 h), else envd's 90 s. A value that is not a number of
+/// seconds is ignored, as envd ignores it.
+fn keepalive_interval(h: &HeaderMap) -> std::time::Duration {
+    h.get("keepalive-ping-interval")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|s| s.trim().parse::<u64>().ok())
+        .filter(|s| *s > 0)
+        .map_or(DEFAULT_KEEPALIVE, |s| {
+            std::time::Duration::from_secs(s.min(3600))
+        })
 }
 
 /// An RPC's checked headers, its deadline (`Connect-Timeout-Ms`) and its user, or the answer

@@ -15,6 +15,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::Bytes;
 use locker_proto::{Chan, ProcessInfo, PtySize};
+use locker_runtime::agent::Following;
 use locker_types::{ExecRequest, Reason};
 use serde::Deserialize;
 use serde_json::json;
@@ -147,13 +148,14 @@ pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request
         Ok(h) => h,
         Err(refused) => return refused,
     };
+    let keepalive = super::keepalive_interval(req.headers());
     let body = req.into_body();
     match shape {
         Shape::ServerStream => {
             let r = if method == "Start" {
-                start(app, t, user, timeout, body).await
+                start(app, t, user, timeout, keepalive, body).await
             } else {
-                connect_to(app, t, body).await
+                connect_to(app, t, keepalive, body).await
             };
             r.unwrap_or_else(stream_error)
         }
@@ -260,6 +262,7 @@ async fn start(
     t: Target,
     user: String,
     timeout: Option<Duration>,
+    keepalive: Duration,
     body: axum::body::Body,
 ) -> Result<Response, ConnectError> {
     let arrived = Instant::now();
@@ -291,8 +294,8 @@ async fn start(
         ..Default::default()
     };
     let live = busy(&app, &t).await?;
-    let (proc_id, pid) =
-        crate::processes::spawn_background(&app, &t.caller, &live, req, arrived, |s| {
+    let (_, pid, following) =
+        crate::processes::spawn_background_following(&app, &t.caller, &live, req, arrived, |s| {
             s.stdin = stdin;
             s.pty = pty;
         })
@@ -302,7 +305,7 @@ async fn start(
         if !out.send(&json!({"event": {"start": {"pid": pid}}})).await {
             return;
         }
-        follow(&app, &live, &proc_id, pty.is_some(), out).await;
+        follow(&app, &live, following, pty.is_some(), out, keepalive).await;
     });
     Ok(resp)
 }
@@ -310,6 +313,7 @@ async fn start(
 async fn connect_to(
     app: AppState,
     t: Target,
+    keepalive: Duration,
     body: axum::body::Body,
 ) -> Result<Response, ConnectError> {
     let msg: SelectRequest = Envelopes::new(body)
@@ -317,23 +321,33 @@ async fn connect_to(
         .await?;
     let live = busy(&app, &t).await?;
     let p = find_running(&app, &live, msg.process).await?;
+    let following = result(&app, &live, live.machine.agent.follow_process(&p.id)).await?;
     let (out, resp) = stream_response();
     tokio::spawn(async move {
         if !out.send(&json!({"event": {"start": {"pid": p.pid}}})).await {
             return;
         }
-        follow(&app, &live, &p.id, p.pty, out).await;
+        follow(&app, &live, following, p.pty, out, keepalive).await;
     });
     Ok(resp)
 }
 
 /// Streams a process's output as `data` events until it ends (`end`, then the end of the
-/// stream) or the client goes (the process keeps running, as in envd).
-async fn follow(app: &AppState, live: &Busy, proc_id: &str, pty: bool, out: StreamOut) {
+/// stream) or the client goes (the process keeps running, as in envd); a `keepalive`
+/// event after each `keepalive` without one.
+async fn follow(
+    app: &AppState,
+    live: &Busy,
+    following: Following,
+    pty: bool,
+    out: StreamOut,
+    keepalive: Duration,
+) {
     let (tx, mut rx) = mpsc::channel::<(Chan, Vec<u8>)>(32);
-    let agent = live.machine.agent.clone();
-    let run = agent.process_output(proc_id, true, tx);
+    let run = following.output(tx);
     tokio::pin!(run);
+    let idle = tokio::time::sleep(keepalive);
+    tokio::pin!(idle);
     let ended = loop {
         tokio::select! {
             r = &mut run => break r,
@@ -341,6 +355,13 @@ async fn follow(app: &AppState, live: &Busy, proc_id: &str, pty: bool, out: Stre
                 if !send_data(&out, chan, &bytes, pty).await {
                     return;
                 }
+                idle.as_mut().reset(tokio::time::Instant::now() + keepalive);
+            }
+            () = &mut idle => {
+                if !out.send(&json!({"event": {"keepalive": {}}})).await {
+                    return;
+                }
+                idle.as_mut().reset(tokio::time::Instant::now() + keepalive);
             }
             _ = out.closed() => return,
         }
@@ -353,7 +374,22 @@ async fn follow(app: &AppState, live: &Busy, proc_id: &str, pty: bool, out: Stre
     let info = match ended {
         Ok(info) => info,
         Err(e) => {
-            let e: ConnectError = crate::failed::check(app, live, e).await.into();
+            let lost = matches!(e, locker_runtime::agent::AgentClientError::ConnectionLost(_));
+            let mut e: ConnectError = crate::failed::check(app, live, e).await.into();
+            // Its own words left out: the SDKs read "was not found" in an `unavailable` as
+            // the proxy's answer, not as a stream cut short.
+            if lost {
+                // The machine went (killed, past its timeout): `unavailable`, as envd ends
+                // a stream whose sandbox went; the SDKs then probe `/health` (502: not
+                // found) and say the sandbox was killed or reached its end of life.
+                e = ConnectError::new(
+                    Code::Unavailable,
+                    format!(
+                        "the connection to sandbox {} ended before the stream completed",
+                        live.id
+                    ),
+                );
+            }
             return out.end(Some(e)).await;
         }
     };
@@ -427,11 +463,7 @@ async fn unary(
             let list: Vec<_> = procs
                 .into_iter()
                 .filter(|p| p.result.is_none())
-                .map(|p| {
-                    let mut argv = p.argv.into_iter();
-                    let cmd = argv.next().unwrap_or_default();
-                    json!({"pid": p.pid, "config": {"cmd": cmd, "args": argv.collect::<Vec<_>>(), "envs": {}}})
-                })
+                .map(|p| list_entry(&live.env, p))
                 .collect();
             Ok(unary_ok(&json!({"processes": list})))
         }
@@ -512,6 +544,24 @@ async fn unary(
         }
         _ => unreachable!("dispatched above"),
     }
+}
+
+/// A running process as `List` shows it: its `cmd` and `args`, the `envs` its `Start` gave
+/// (the environment the agent keeps, less the sandbox's own, which every process has) and
+/// the `cwd` it named. An agent of an earlier release keeps neither: then both are empty.
+fn list_entry(sandbox_env: &BTreeMap<String, String>, p: ProcessInfo) -> serde_json::Value {
+    let mut argv = p.argv.into_iter();
+    let cmd = argv.next().unwrap_or_default();
+    let envs: BTreeMap<String, String> = p
+        .env
+        .into_iter()
+        .filter(|(k, v)| sandbox_env.get(k) != Some(v))
+        .collect();
+    let mut config = json!({"cmd": cmd, "args": argv.collect::<Vec<_>>(), "envs": envs});
+    if let Some(cwd) = p.cwd {
+        config["cwd"] = json!(cwd);
+    }
+    json!({"pid": p.pid, "config": config})
 }
 
 async fn write_stdin(
