@@ -86,20 +86,30 @@ export async function download(path, name) {
  */
 export async function followLines(path, onLine, signal) {
   const r = await api('GET', path, { raw: true, signal });
-  const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
+  const rest = await splitStream(r.body, '\n', (line) => {
+    if (line.trim()) onLine(JSON.parse(line));
+  });
+  if (rest.trim()) onLine(JSON.parse(rest));
+}
+
+/**
+ * Reads a response body as text, calling `onPart(part)` for each piece ended by `sep`;
+ * resolves with what is left after the last separator when the body ends.
+ */
+async function splitStream(body, sep, onPart) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
   let buf = '';
   for (;;) {
     const { value, done } = await reader.read();
-    if (done) break;
+    if (done) return buf;
     buf += value;
     let i;
-    while ((i = buf.indexOf('\n')) >= 0) {
-      const line = buf.slice(0, i).trim();
-      buf = buf.slice(i + 1);
-      if (line) onLine(JSON.parse(line));
+    while ((i = buf.indexOf(sep)) >= 0) {
+      const part = buf.slice(0, i);
+      buf = buf.slice(i + sep.length);
+      onPart(part);
     }
   }
-  if (buf.trim()) onLine(JSON.parse(buf));
 }
 
 /**
@@ -124,28 +134,18 @@ export function followEvents(onEvent, onState) {
         if (!r.ok || !r.body) throw new Error(`events: ${r.status}`);
         onState('live');
         delay = 1000;
-        const reader = r.body.pipeThrough(new TextDecoderStream()).getReader();
-        let buf = '';
-        for (;;) {
-          const { value, done } = await reader.read();
-          if (done) break;
-          buf += value;
-          let i;
-          while ((i = buf.indexOf('\n\n')) >= 0) {
-            const block = buf.slice(0, i);
-            buf = buf.slice(i + 2);
-            let data = '';
-            let id = null;
-            for (const line of block.split('\n')) {
-              if (line.startsWith('data:')) data += line.slice(5).trimStart();
-              else if (line.startsWith('id:')) id = line.slice(3).trim();
-            }
-            if (id) last = id;
-            if (data) {
-              try { onEvent(JSON.parse(data)); } catch { /* not JSON: skipped */ }
-            }
+        await splitStream(r.body, '\n\n', (block) => {
+          let data = '';
+          let id = null;
+          for (const line of block.split('\n')) {
+            if (line.startsWith('data:')) data += line.slice(5).trimStart();
+            else if (line.startsWith('id:')) id = line.slice(3).trim();
           }
-        }
+          if (id) last = id;
+          if (data) {
+            try { onEvent(JSON.parse(data)); } catch { /* not JSON: skipped */ }
+          }
+        });
       } catch (e) {
         if (stopped) return;
       }

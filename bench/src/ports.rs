@@ -78,19 +78,7 @@ fn ms(d: Duration) -> f64 {
 /// once the port is listed; returns its id and the host pid of the server (whose network
 /// namespace the direct rows enter).
 fn serving(api: &Api, body: &Value) -> anyhow::Result<(String, u32)> {
-    let r = api
-        .try_request(
-            "POST",
-            "/v1/sandboxes",
-            &[("Content-Type", "application/json")],
-            body.to_string().as_bytes(),
-        )
-        .context("POST /v1/sandboxes")?;
-    if r.status != 201 {
-        bail!("create a sandbox: HTTP {}: {}", r.status, r.text());
-    }
-    let v: Value = serde_json::from_slice(&r.body).context("create: not JSON")?;
-    let id = v["id"].as_str().context("create: no id")?.to_owned();
+    let id = crate::server::create_with(api, body)?;
     let r = api
         .try_request(
             "PUT",

@@ -116,22 +116,6 @@ fn sh(api: &Api, id: &str, script: &str) -> anyhow::Result<String> {
     Ok(v["stdout"].as_str().unwrap_or_default().to_owned())
 }
 
-fn create(api: &Api, body: Value) -> anyhow::Result<String> {
-    let r = api
-        .try_request(
-            "POST",
-            "/v1/sandboxes",
-            &[("Content-Type", "application/json")],
-            body.to_string().as_bytes(),
-        )
-        .context("POST /v1/sandboxes")?;
-    if r.status != 201 {
-        bail!("create a sandbox: HTTP {}: {}", r.status, r.text());
-    }
-    let v: Value = serde_json::from_slice(&r.body).context("create: not JSON")?;
-    Ok(v["id"].as_str().context("create: no id")?.to_owned())
-}
-
 /// The curl options both sides share: the same CA bundle, the key header, HTTP/1.1 (what
 /// Python's clients speak; the proxy and the host offer HTTP/2 too).
 const CURL: &str = "curl -sS --http1.1 -m 60 --cacert /tmp/both.pem -H \"Authorization: Bearer $BENCH_KEY\"";
@@ -220,12 +204,12 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     if r.status != 201 {
         bail!("create the secret: HTTP {}: {}", r.status, r.text());
     }
-    let icpt = create(&api, json!({"secrets": ["bench"]}))?;
+    let icpt = crate::server::create_with(&api, &json!({"secrets": ["bench"]}))?;
     // A key as long as a placeholder, so both requests carry as many bytes.
     let dummy = format!("unused-secret-bench-{}", "0".repeat(32));
-    let pass = create(
+    let pass = crate::server::create_with(
         &api,
-        json!({"network": {"egress": "allow", "allow": [HOST]}, "env": {"BENCH_KEY": dummy}}),
+        &json!({"network": {"egress": "allow", "allow": [HOST]}, "env": {"BENCH_KEY": dummy}}),
     )?;
     for id in [&icpt, &pass] {
         let put = api

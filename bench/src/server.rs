@@ -53,12 +53,17 @@ pub(crate) fn http_exec(api: &Api, id: &str) -> anyhow::Result<(f64, f64)> {
 }
 
 pub(crate) fn create(api: &Api) -> anyhow::Result<String> {
+    create_with(api, &serde_json::json!({}))
+}
+
+/// Creates a sandbox from `body` (the create route's JSON); returns its id.
+pub(crate) fn create_with(api: &Api, body: &Value) -> anyhow::Result<String> {
     let r = api
         .try_request(
             "POST",
             "/v1/sandboxes",
             &[("Content-Type", "application/json")],
-            &b"{}"[..],
+            body.to_string().as_bytes(),
         )
         .context("POST /v1/sandboxes")?;
     if r.status != 201 {
