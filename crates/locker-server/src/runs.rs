@@ -270,12 +270,23 @@ async fn execute(
     let vol = &plan.vol;
     let run_dir = vol.root().join("runs").join(&spec.call_id);
     let call_id = spec.call_id.clone();
+    let mut phases = Phases::new(arrived);
     let r = match view(vol).await {
         Ok(view) => {
+            phases.mark("view");
             let r = match layer(&run_dir, &view.base).await {
                 Ok(()) => {
+                    phases.mark("layer");
                     in_machine(
-                        app, plan, &run_dir, &view.base, spec, stdin, body, arrived, view.seq,
+                        app,
+                        plan,
+                        &run_dir,
+                        &view.base,
+                        spec,
+                        stdin,
+                        body,
+                        &mut phases,
+                        view.seq,
                     )
                     .await
                 }
@@ -314,7 +325,44 @@ async fn execute(
         );
     }
     res.changes = changes;
+    phases.mark("record");
+    tracing::debug!(call = %res.call_id, phases = %phases, "run phases (ms)");
     Ok(res)
+}
+
+/// Where a run's time went, phase by phase, logged at debug level
+/// (`LOCKER_LOG=locker_server::runs=debug`): how docs/benchmarks.md splits a run's call.
+struct Phases {
+    arrived: Instant,
+    last: Instant,
+    marks: Vec<(&'static str, f64)>,
+}
+
+impl Phases {
+    fn new(arrived: Instant) -> Self {
+        Phases {
+            arrived,
+            last: arrived,
+            marks: Vec::with_capacity(10),
+        }
+    }
+
+    /// Ends the phase `name` now.
+    fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        self.marks
+            .push((name, (now - self.last).as_secs_f64() * 1e3));
+        self.last = now;
+    }
+}
+
+impl std::fmt::Display for Phases {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (name, ms) in &self.marks {
+            write!(f, "{name}={ms:.3} ")?;
+        }
+        write!(f, "total={:.3}", ms_since(self.arrived))
+    }
 }
 
 fn runs_dir(app: &AppState) -> PathBuf {
@@ -472,7 +520,7 @@ async fn in_machine(
     spec: ExecSpec,
     stdin: Option<Vec<u8>>,
     body: Option<&mpsc::Sender<Bytes>>,
-    arrived: Instant,
+    phases: &mut Phases,
     start_seq: u64,
 ) -> Result<(ExecResult, Option<Changes>), ApiError> {
     let mspec = MachineSpec {
@@ -496,6 +544,7 @@ async fn in_machine(
     } else {
         jail_machine(app, plan, mspec, mount).await?
     };
+    phases.mark("machine");
     // The network is attached after the claim (warm machines have none); destroy takes it.
     if crate::limits::has_egress(&plan.network) {
         let net = match app
@@ -529,7 +578,8 @@ async fn in_machine(
         }
     }
 
-    let queue_ms = ms_since(arrived);
+    phases.mark("network");
+    let queue_ms = ms_since(phases.arrived);
     let agent = machine.agent.clone();
     let outcome = match body {
         None => Some(agent.exec(spec.clone(), stdin, None).await),
@@ -543,9 +593,11 @@ async fn in_machine(
             .await
         }
     };
+    phases.mark("exec");
     // The machine's processes must be gone before its layer is read; the rest of its
     // teardown (mounts, loop device, cgroup, directory) happens after the answer.
     let stopped = app.node.stop(&machine).await;
+    phases.mark("stop");
     let app2 = app.clone();
     tokio::spawn(async move {
         let _turn = app2.pool.destroy_turn().await;
@@ -568,6 +620,7 @@ async fn in_machine(
     stopped?;
     res.timings.queue_ms = queue_ms;
     let changes = commit(plan, run_dir, base, &res, start_seq).await?;
+    phases.mark("commit");
     Ok((res, Some(changes)))
 }
 

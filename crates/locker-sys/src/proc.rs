@@ -240,6 +240,48 @@ pub fn kill(pid: libc::pid_t, sig: libc::c_int) -> io::Result<()> {
     check(unsafe { libc::kill(pid, sig) }.into()).map(drop)
 }
 
+/// A descriptor for process `pid` (`pidfd_open(2)`): it names that process even after its
+/// pid is reused, and becomes readable once the process has exited.
+pub fn pidfd_open(pid: libc::pid_t) -> io::Result<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain syscall; on success the kernel gives us a new descriptor we own.
+    let fd = check(unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) })?;
+    // SAFETY: `fd` is a fresh descriptor nobody else owns.
+    Ok(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Waits until the process behind `pidfd` has exited, at most `timeout`. `Ok(true)` once it
+/// has (for a pid namespace's PID 1 that also means every other process of the namespace
+/// is gone: the kernel reaps them before it reports PID 1's exit), `Ok(false)` on timeout.
+pub fn pidfd_wait_exit(
+    pidfd: &std::os::fd::OwnedFd,
+    timeout: std::time::Duration,
+) -> io::Result<bool> {
+    use std::os::fd::AsRawFd;
+    let deadline = std::time::Instant::now() + timeout;
+    loop {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        let mut p = libc::pollfd {
+            fd: pidfd.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        let ms = left.as_millis().min(i32::MAX as u128) as libc::c_int;
+        // SAFETY: `p` is one valid pollfd for the duration of the call.
+        let rc = unsafe { libc::poll(&mut p, 1, ms) };
+        if rc > 0 {
+            return Ok(true);
+        }
+        if rc == 0 {
+            return Ok(false);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() != io::ErrorKind::Interrupted {
+            return Err(e);
+        }
+    }
+}
+
 /// Makes this process non-dumpable: its `/proc/<pid>` files become root's of the host's
 /// choosing and `ptrace_may_access` refuses whoever lacks `CAP_SYS_PTRACE` (no command
 /// has it), so no command traces the agent, reads its memory or opens its descriptors.

@@ -87,12 +87,23 @@ fn kill_processes(
 ) -> Result<(), TeardownError> {
     match state {
         Some(MachineState::Jail(s)) if crate::jail::owns_pid(s.agent_pid, id) => {
+            // PID 1's death takes its whole pid namespace down, and the kernel reports it
+            // only once every other process of the namespace is gone: wait for exactly that
+            // (a run's answer waits on this), then let `kill_all` check and kill whatever
+            // is left one by one. The descriptor is taken before the signal, so a pid
+            // reused meanwhile is never waited on.
+            let pidfd = sys::pidfd_open(s.agent_pid);
             let _ = sys::kill(s.agent_pid, libc::SIGKILL);
-            // PID 1's death takes its whole pid namespace down: give the kernel a moment
-            // before falling back to freezing and killing what is left one by one.
-            let deadline = Instant::now() + Duration::from_millis(200);
-            while !cg.pids().is_empty() && Instant::now() < deadline {
-                std::thread::sleep(Duration::from_micros(500));
+            match pidfd {
+                Ok(fd) => {
+                    let _ = sys::pidfd_wait_exit(&fd, Duration::from_millis(200));
+                }
+                Err(_) => {
+                    let deadline = Instant::now() + Duration::from_millis(200);
+                    while !cg.pids().is_empty() && Instant::now() < deadline {
+                        std::thread::sleep(Duration::from_micros(500));
+                    }
+                }
             }
         }
         // QEMU's death takes nothing else with it (the file server runs on): the cgroup
