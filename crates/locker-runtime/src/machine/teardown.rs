@@ -94,6 +94,9 @@ fn kill_processes(
             // reused meanwhile is never waited on.
             let pidfd = sys::pidfd_open(s.agent_pid);
             let _ = sys::kill(s.agent_pid, libc::SIGKILL);
+            // A frozen machine (paused, or held for a run's commit) acts on the signal only
+            // once thawed; a thawed one is left as it is.
+            let _ = cg.set_frozen(false);
             match pidfd {
                 Ok(fd) => {
                     let _ = sys::pidfd_wait_exit(&fd, Duration::from_millis(200));
