@@ -209,9 +209,10 @@ fn many_idle_sandboxes_cost_almost_no_cpu_and_no_wakeups_per_sandbox() {
         "the server used {:.2}% of a core while {n} sandboxes idled",
         srv_idle.cpu_pct
     );
-    // The shims wait for their machine's end; the agents for a connection or a command.
+    // The shims wait for their machine's end; the agents for a connection or a command (an
+    // agent's reaper that looked every 5 s made 200 idle machines wake 42 times a second).
     assert!(
-        shim_idle.wakeups_per_s + agent_idle.wakeups_per_s < n as f64 / 4.0,
+        shim_idle.wakeups_per_s + agent_idle.wakeups_per_s < n as f64 / 10.0,
         "idle machines wake up: shims {:.1}/s, agents {:.1}/s for {n}",
         shim_idle.wakeups_per_s,
         agent_idle.wakeups_per_s
