@@ -23,6 +23,7 @@ const BASE: &str = "microVM create→true, restored from the booted base (HTTP, 
 const POOL: &str = "microVM create→true, a ready microVM from the pool (HTTP, --vm-pool 1)";
 const RESTORE: &str = "microVM create→true from a memory snapshot (HTTP)";
 const MEMORY: &str = "microVM memory per idle sandbox (QEMU PSS)";
+const IDLE_CPU: &str = "microVM idle CPU per sandbox (QEMU)";
 const QEMU: &str = "peer QEMU microvm kernel boot";
 
 pub(crate) fn ms(since: Instant) -> f64 {
@@ -100,7 +101,7 @@ pub fn microvm_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             probe.1["error"]["message"].as_str().unwrap_or(probe.2.trim())
         );
         println!("  skipped: {why}");
-        for r in [COLD, BASE, POOL, RESTORE, MEMORY] {
+        for r in [COLD, BASE, POOL, RESTORE, MEMORY, IDLE_CPU] {
             rows.push(Row::skipped(r, &why));
         }
     } else {
@@ -158,10 +159,17 @@ pub fn microvm_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             Err(e) => Row::skipped(RESTORE, e),
         });
         check_stop()?;
-        rows.push(match idle_memory(&api, &srv, 4) {
-            Ok(s) => Row::new(MEMORY, "MB", s, 0).note("4 idle 256 MB microVM sandboxes restored from one base; proportional set size of each QEMU (shared base pages split between them)"),
-            Err(e) => Row::skipped(MEMORY, e),
-        });
+        match idle_memory(&api, &srv, 4) {
+            Ok((pss, cpu)) => {
+                println!("  {IDLE_CPU}: p50 {:.2}% of a core", percentile(&cpu, 50.0));
+                rows.push(Row::new(MEMORY, "MB", pss, 0).note("4 idle 256 MB microVM sandboxes restored from one base; proportional set size of each QEMU (shared base pages split between them)"));
+                rows.push(Row::new(IDLE_CPU, "%", cpu, 0).note(format!("the same 4 idle microVM sandboxes, 2 s after their creates: utime + stime of each QEMU over {} s of doing nothing, as a share of one core ({}; the guest kernel's idle ticks and QEMU's main loop)", IDLE_WINDOW.as_secs(), locker_runtime::vm::accel().0.as_str())));
+            }
+            Err(e) => {
+                rows.push(Row::skipped(MEMORY, e.clone()));
+                rows.push(Row::skipped(IDLE_CPU, e));
+            }
+        }
     }
     drop(srv);
     // The bases this run booted for its cold-boot shapes are not wanted after it.
@@ -192,8 +200,12 @@ pub(crate) fn subdirs(dir: &Path) -> Vec<PathBuf> {
         .collect()
 }
 
-/// PSS in MB of each QEMU of `n` idle microVM sandboxes.
-fn idle_memory(api: &Api, srv: &Server, n: usize) -> Result<Vec<f64>, String> {
+/// How long the idle CPU of microVMs is watched.
+const IDLE_WINDOW: Duration = Duration::from_secs(10);
+
+/// PSS in MB of each QEMU of `n` idle microVM sandboxes, and the CPU each used over
+/// [`IDLE_WINDOW`] of doing nothing, in % of one core.
+fn idle_memory(api: &Api, srv: &Server, n: usize) -> Result<(Vec<f64>, Vec<f64>), String> {
     let mut ids = Vec::new();
     let r = (|| {
         for _ in 0..n {
@@ -209,7 +221,8 @@ fn idle_memory(api: &Api, srv: &Server, n: usize) -> Result<Vec<f64>, String> {
             ids.push(v["id"].as_str().unwrap_or_default().to_owned());
         }
         std::thread::sleep(Duration::from_secs(2));
-        let mut out = Vec::new();
+        let mut pss = Vec::new();
+        let mut pids = Vec::new();
         for id in &ids {
             let dir = srv.machine_dir(id);
             let state: Value = serde_json::from_slice(
@@ -225,9 +238,19 @@ fn idle_memory(api: &Api, srv: &Server, n: usize) -> Result<Vec<f64>, String> {
                 .and_then(|v| v.split_whitespace().next())
                 .and_then(|v| v.parse().ok())
                 .ok_or("no Pss in smaps_rollup")?;
-            out.push(kib / 1024.0);
+            pss.push(kib / 1024.0);
+            pids.push(pid as u32);
         }
-        Ok(out)
+        let before: Vec<f64> = pids.iter().map(|&p| crate::scale::proc_cpu_ms(p)).collect();
+        let t0 = Instant::now();
+        std::thread::sleep(IDLE_WINDOW);
+        let wall = ms(t0);
+        let cpu = pids
+            .iter()
+            .zip(before)
+            .map(|(&p, b)| 100.0 * (crate::scale::proc_cpu_ms(p) - b).max(0.0) / wall)
+            .collect();
+        Ok((pss, cpu))
     })();
     for id in &ids {
         delete(api, &format!("/v1/sandboxes/{id}"));

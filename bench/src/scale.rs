@@ -16,8 +16,8 @@ use locker_tests::server::{rss_kib, Api, Server};
 
 use crate::host::meminfo_kib;
 use crate::jail::bwrap;
-use crate::server::{create, delete, http_exec, HTTP_CREATE_EXEC};
-use crate::stats::{percentile, Row};
+use crate::server::{create, delete, http_exec, HTTP_CREATE_EXEC, HTTP_EXEC};
+use crate::stats::{percentile, Row, Target};
 use crate::{check_stop, stopping, Args};
 
 pub const BURST_BWRAP: &str = "peer bwrap true (burst, all at once)";
@@ -71,10 +71,14 @@ fn split(outcomes: &[Result<f64, String>]) -> (Vec<f64>, usize, Vec<String>) {
     (ok, errs.len(), first)
 }
 
-/// The quota flags of a server that holds `n` default sandboxes (512 MB each) at once.
+/// The quota flags of a server that holds `n` default sandboxes (512 MB of memory and a
+/// 2048 MB sparse disk each) at once. The disk quota counts each disk's full size, so the
+/// default (the data dir's filesystem) would stop a fill of a thousand long before the
+/// disk does.
 pub fn big_quotas(n: usize) -> Vec<String> {
     let sandboxes = (n + 10).max(200);
     let mem = ((n as u64 + 10) * 512).max(200_000);
+    let disk = ((n as u64 + 10) * 2048).max(500_000);
     vec![
         "--quota-sandboxes".into(),
         sandboxes.to_string(),
@@ -82,6 +86,8 @@ pub fn big_quotas(n: usize) -> Vec<String> {
         mem.to_string(),
         "--quota-runs".into(),
         sandboxes.to_string(),
+        "--quota-disk-mb".into(),
+        disk.to_string(),
     ]
 }
 
@@ -435,6 +441,94 @@ fn shim_pss_kib(machines: &Path) -> std::collections::HashMap<String, u64> {
     out
 }
 
+/// How long density watches its idle sandboxes' CPU.
+const IDLE_WINDOW: Duration = Duration::from_secs(5);
+
+/// CPU used over an idle window, each as a share of one core (%).
+struct IdleCpu {
+    server_pct: f64,
+    shims_pct: f64,
+    machines_pct: f64,
+}
+
+/// Watches the server `pid`, the shims of the machines under `machines` and the cgroups of
+/// `ids` for `window` and says how much CPU each used.
+fn idle_cpu(pid: u32, machines: &Path, ids: &[String], window: Duration) -> IdleCpu {
+    let shims = |prefix: &str| -> f64 {
+        procs_naming(prefix)
+            .into_iter()
+            .map(|p| proc_cpu_ms(p as u32))
+            .sum()
+    };
+    let prefix = machines.to_string_lossy().into_owned() + "/";
+    let cgroups = || -> f64 { ids.iter().filter_map(|id| cgroup_cpu_ms(id)).sum() };
+    let (s0, h0, c0) = (proc_cpu_ms(pid), shims(&prefix), cgroups());
+    let t0 = Instant::now();
+    std::thread::sleep(window);
+    let (s1, h1, c1) = (proc_cpu_ms(pid), shims(&prefix), cgroups());
+    let wall = ms(t0);
+    let pct = |a: f64, b: f64| 100.0 * (b - a).max(0.0) / wall;
+    IdleCpu {
+        server_pct: pct(s0, s1),
+        shims_pct: pct(h0, h1),
+        machines_pct: pct(c0, c1),
+    }
+}
+
+/// User + system CPU time of a process so far, in ms (0 when it is gone).
+pub fn proc_cpu_ms(pid: u32) -> f64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+        return 0.0;
+    };
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<f64>().ok()).unwrap_or(0.0);
+    // utime and stime: fields 14 and 15 of stat, 12 and 13 after the command name.
+    (ticks(11) + ticks(12)) * 1e3 / hz
+}
+
+/// Processes with an argument that starts with `prefix`.
+fn procs_naming(prefix: &str) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if String::from_utf8_lossy(&cmd)
+            .split('\0')
+            .any(|a| a.starts_with(prefix))
+        {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// CPU used so far by machine `id`'s cgroup in ms: `cpuacct.usage` of `cpuacct/locker/<id>`
+/// (v1), or `usage_usec` of `cpu.stat` of `locker/<id>` (v2).
+fn cgroup_cpu_ms(id: &str) -> Option<f64> {
+    let root = Path::new("/sys/fs/cgroup");
+    for v1 in ["cpuacct", "cpu,cpuacct"] {
+        if let Some(ns) = read_u64(&root.join(v1).join("locker").join(id).join("cpuacct.usage")) {
+            return Some(ns as f64 / 1e6);
+        }
+    }
+    std::fs::read_to_string(root.join("locker").join(id).join("cpu.stat"))
+        .ok()?
+        .lines()
+        .find_map(|l| l.strip_prefix("usage_usec "))
+        .and_then(|v| v.trim().parse::<f64>().ok())
+        .map(|us| us / 1e3)
+}
+
+/// How many files process `pid` has open.
+fn open_fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
 const NOISE: &str = "the host is shared: other work moves MemAvailable too (by tens of MB while other sessions build or test), so per-step drops of a few MB per sandbox are near the noise; the accounted rows are the figure to read";
 
 pub fn density_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
@@ -482,11 +576,29 @@ pub fn density_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         .map(|id| allocated_bytes(&machines.join(id)) as f64 / 1048576.0)
         .collect();
     let rss1 = rss_kib(srv.pid());
+    let fds = open_fds(srv.pid());
     let free_disk_mb = free_bytes(&srv.data_dir) as f64 / 1048576.0;
+    // What the idle sandboxes cost while nothing happens: CPU over an idle window.
+    let idle = idle_cpu(srv.pid(), &machines, &ids, IDLE_WINDOW);
+    // A sandbox in use among the idle ones: HTTP exec on one of them.
+    let busy = &ids[ids.len() / 2];
+    for _ in 0..args.warmup {
+        check_stop()?;
+        http_exec(&api, busy)?;
+    }
+    let mut exec_ms = Vec::with_capacity(args.fast());
+    for _ in 0..args.fast() {
+        check_stop()?;
+        let t = Instant::now();
+        http_exec(&api, busy)?;
+        exec_ms.push(ms(t));
+    }
+    let t_del = Instant::now();
     for id in &ids {
         check_stop()?;
         delete(&api, id)?;
     }
+    let del_s = t_del.elapsed().as_secs_f64();
     let back = mem_reading(Duration::from_millis(1000));
     drop(srv);
 
@@ -528,6 +640,29 @@ pub fn density_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     rows.push(
         Row::new("density Locker: server RSS per idle sandbox", "KiB", vec![(rss1 as f64 - rss0 as f64) / n as f64], 0)
             .note(format!("VmRSS of locker serve with {n} idle sandboxes ({rss1} KiB) minus before them ({rss0} KiB), divided by {n}")),
+    );
+    println!(
+        "  with {n} idle: server {:.2}% of a core, shims {:.2}%, machines {:.2}% over {} s; server RSS {rss1} KiB, {fds} fds; HTTP exec on one p50 {:.2} ms p99 {:.2} ms; {n} deletes took {del_s:.1} s",
+        idle.server_pct,
+        idle.shims_pct,
+        idle.machines_pct,
+        IDLE_WINDOW.as_secs(),
+        percentile(&exec_ms, 50.0),
+        percentile(&exec_ms, 99.0)
+    );
+    rows.push(
+        Row::new(format!("density Locker: HTTP exec true on one of {n} idle"), "ms", exec_ms, args.warmup)
+            .note(format!("POST exec `true` over HTTP, one after another, on one sandbox while the other {} sandboxes of the fill idle", n - 1))
+            .target(Target::P99(20.0))
+            .vs(HTTP_EXEC),
+    );
+    rows.push(
+        Row::new(format!("density Locker: CPU of the server with {n} idle"), "%", vec![idle.server_pct], 0)
+            .note(format!("utime + stime of locker serve over {} s while {n} sandboxes idle and no call is made, as a share of one core; its RSS then {rss1} KiB, {fds} open fds", IDLE_WINDOW.as_secs())),
+    );
+    rows.push(
+        Row::new(format!("density Locker: CPU of {n} idle sandboxes"), "%", vec![idle.shims_pct + idle.machines_pct], 0)
+            .note(format!("over the same {} s: the shims (locker __jail-init, outside the cgroups: {:.3}%) + every machine's cgroup (cpuacct: the agent and anything it runs: {:.3}%), all {n} together, as a share of one core; {:.4}% per sandbox", IDLE_WINDOW.as_secs(), idle.shims_pct, idle.machines_pct, (idle.shims_pct + idle.machines_pct) / n as f64)),
     );
     let bound = if by_disk < by_mem { "disk" } else { "memory" };
     rows.push(

@@ -326,6 +326,12 @@ impl Server {
         let _ = c.wait();
     }
 
+    /// Stops the server as a service manager does (SIGTERM, killed after 20 s), keeping its
+    /// data dir and whatever machines it leaves running; [`Server::restart`] starts it again.
+    pub fn terminate(&self) {
+        self.stop_gracefully();
+    }
+
     fn running(&self) -> bool {
         self.child.lock().map(|c| c.is_some()).unwrap_or(false)
     }

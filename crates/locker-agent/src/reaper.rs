@@ -41,6 +41,9 @@ impl ExitInfo {
 
 type OnExit = Box<dyn FnOnce(ExitInfo) + Send>;
 
+/// How long the reaper sleeps without children before it looks again anyway.
+const IDLE_GUARD: Duration = Duration::from_secs(60);
+
 struct Registry {
     waiting: HashMap<i32, OnExit>,
     /// Bumped by every spawn, so the reaper thread can sleep while there are no children.
@@ -113,9 +116,13 @@ fn reap_forever(inner: &(Mutex<Registry>, Condvar)) {
             }
             Err(e) if e.raw_os_error() == Some(libc::ECHILD) => {
                 let reg = lock.lock().unwrap_or_else(|e| e.into_inner());
-                // Sleep until a spawn happens; the timeout only guards against surprises.
+                // Sleep until a spawn happens. The timeout only guards against a child that
+                // came without one (a process that joined the machine from outside and was
+                // re-parented here): its zombie waits at most that long. It is long because
+                // every idle machine pays its wake-ups (a thousand idle sandboxes at 5 s
+                // were 200 wake-ups a second on the host).
                 let _ = cond
-                    .wait_timeout_while(reg, Duration::from_secs(5), |r| r.generation == generation)
+                    .wait_timeout_while(reg, IDLE_GUARD, |r| r.generation == generation)
                     .unwrap_or_else(|e| e.into_inner());
             }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}

@@ -167,22 +167,45 @@ pub fn init() -> io::Result<()> {
     Ok(())
 }
 
-/// Waits until the host side of the port is connected (poll reports no hang-up).
+/// How long [`wait_for_host`] sleeps at most between looks at the port: a guard, should a
+/// kernel not wake the port's waiters when the host connects (this guest's does).
+const HOST_WAIT_GUARD_MS: i32 = 1000;
+
+/// Whether the host side of port `fd` is connected (writable, no hang-up), looking once.
+fn host_connected(fd: i32) -> bool {
+    let mut p = [libc::pollfd {
+        fd,
+        events: libc::POLLOUT,
+        revents: 0,
+    }];
+    matches!(locker_sys::fd::poll(&mut p, 0), Ok(n) if n > 0)
+        && p[0].revents & libc::POLLHUP == 0
+        && p[0].revents & libc::POLLOUT != 0
+}
+
+/// Waits until the host side of the port is connected.
+///
+/// While it is not (a server stopped or killed, a microVM waiting in a pool whose server is
+/// gone), the port reads as hung up at once, so `poll` cannot sleep on it: this used to
+/// poll and nap 2 ms in a loop, 500 guest wake-ups a second, which under TCG kept an idle
+/// microVM at 10–20% of a host core until a server came back. It now sleeps in an
+/// edge-triggered wait: the guest kernel wakes the port's waiters when the host connects
+/// (virtio_console on `VIRTIO_CONSOLE_PORT_OPEN`), so the sleep ends at once then, and
+/// otherwise only at the guard, once a second.
 pub(crate) fn wait_for_host(fd: i32) {
-    loop {
-        let mut p = [libc::pollfd {
-            fd,
-            events: libc::POLLOUT,
-            revents: 0,
-        }];
-        let r = locker_sys::fd::poll(&mut p, 1000).unwrap_or(0);
-        if r > 0 && p[0].revents & libc::POLLHUP == 0 {
-            return;
-        }
-        if r > 0 {
-            // Disconnected: the port reports a hang-up at once; the kernel wakes pollers
-            // when the host connects, but not from a hang-up state on every kernel.
-            std::thread::sleep(Duration::from_millis(2));
+    if host_connected(fd) {
+        return;
+    }
+    let edges = locker_sys::fd::EdgeWait::new(fd);
+    if let Err(e) = &edges {
+        eprintln!("locker-agent: cannot watch the port for the host ({e}): looking every second");
+    }
+    while !host_connected(fd) {
+        match &edges {
+            Ok(w) => {
+                let _ = w.wait(HOST_WAIT_GUARD_MS);
+            }
+            Err(_) => std::thread::sleep(Duration::from_millis(HOST_WAIT_GUARD_MS as u64)),
         }
     }
 }

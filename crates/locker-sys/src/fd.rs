@@ -355,6 +355,62 @@ pub fn poll(fds: &mut [libc::pollfd], timeout_ms: i32) -> io::Result<usize> {
     }
 }
 
+/// Sleeps until something changes on `fd`, not while it merely stays ready: an
+/// edge-triggered `epoll(7)` of `fd` for input, output and hang-up. What `poll` cannot do
+/// on a file whose state is "ready" for a long time (a virtio-serial port reads as hung up
+/// at once while its host side is closed, so `poll` returns at once too).
+#[derive(Debug)]
+pub struct EdgeWait {
+    ep: OwnedFd,
+}
+
+impl EdgeWait {
+    /// Watches `fd` (borrowed: it must outlive the watcher, which does not close it).
+    /// The first [`EdgeWait::wait`] returns at once if `fd` is ready when this is made.
+    pub fn new(fd: RawFd) -> io::Result<Self> {
+        // SAFETY: integer argument only.
+        let ep = owned(unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) }.into())?;
+        let mut ev = libc::epoll_event {
+            events: (libc::EPOLLIN | libc::EPOLLOUT | libc::EPOLLHUP | libc::EPOLLET) as u32,
+            u64: 0,
+        };
+        // SAFETY: `ev` is a valid epoll_event for the duration of the call.
+        check_int(unsafe {
+            libc::epoll_ctl(
+                std::os::fd::AsRawFd::as_raw_fd(&ep),
+                libc::EPOLL_CTL_ADD,
+                fd,
+                &mut ev,
+            )
+        })?;
+        Ok(Self { ep })
+    }
+
+    /// Waits for the next change on the fd, or `timeout_ms` (-1: no limit); whether one
+    /// came. An interruption by a signal counts as none.
+    pub fn wait(&self, timeout_ms: i32) -> io::Result<bool> {
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: room for exactly one event, as passed.
+        let n = unsafe {
+            libc::epoll_wait(
+                std::os::fd::AsRawFd::as_raw_fd(&self.ep),
+                &mut ev,
+                1,
+                timeout_ms,
+            )
+        };
+        if n >= 0 {
+            return Ok(n > 0);
+        }
+        let e = io::Error::last_os_error();
+        if e.kind() == io::ErrorKind::Interrupted {
+            Ok(false)
+        } else {
+            Err(e)
+        }
+    }
+}
+
 /// `fsync(2)`.
 pub fn fsync(fd: RawFd) -> io::Result<()> {
     // SAFETY: integer argument only.
@@ -498,5 +554,22 @@ mod tests {
         let names = read_dir_names(open_beneath(root.as_raw_fd(), c".", libc::O_RDONLY).unwrap());
         assert_eq!(names.unwrap(), vec![CString::new("out").unwrap()]);
         std::fs::remove_dir_all(&d).unwrap();
+    }
+
+    #[test]
+    fn an_edge_wait_wakes_on_changes_not_on_a_lasting_state() {
+        let (r, w) = pipe().unwrap();
+        let e = EdgeWait::new(r.as_raw_fd()).unwrap();
+        assert!(!e.wait(0).unwrap(), "an empty pipe has nothing to say");
+        write(w.as_raw_fd(), b"x").unwrap();
+        assert!(e.wait(0).unwrap(), "data arrived");
+        // Still readable, but nothing new: a level-triggered wait would spin here.
+        assert!(
+            !e.wait(20).unwrap(),
+            "no new edge while the data sits unread"
+        );
+        drop(w);
+        assert!(e.wait(0).unwrap(), "the writer went away");
+        assert!(!e.wait(20).unwrap(), "a lasting hang-up is not a new edge");
     }
 }
