@@ -41,6 +41,37 @@ pub enum StoreError {
     /// A query failed.
     #[error("database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// The Postgres database was written by a newer Locker than this one.
+    #[error(
+        "the Postgres database {target} has schema version {found}, but this Locker only \
+         knows versions up to {supported}: run the newer Locker that wrote it, or point \
+         --database elsewhere"
+    )]
+    PgSchemaTooNew {
+        /// The database's URL without its password.
+        target: String,
+        found: i64,
+        supported: i64,
+    },
+    /// The Postgres server could not be reached or refused the login.
+    #[error(
+        "cannot connect to the Postgres database {target}: {source} (check that the server \
+         runs and accepts this user from this host, and that the database exists: \
+         `createdb NAME`)"
+    )]
+    PgConnect {
+        /// The database's URL without its password.
+        target: String,
+        #[source]
+        source: postgres::Error,
+    },
+    /// A query on Postgres failed.
+    #[error("database error: {0}")]
+    Postgres(#[from] postgres::Error),
+    /// The store's database connections are gone (the store is shutting down, or a query
+    /// panicked).
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
     /// A stored row did not decode; the database was edited by hand or is damaged.
     #[error("corrupt row in the database: {0}")]
     Corrupt(String),
