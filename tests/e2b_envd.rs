@@ -703,8 +703,8 @@ fn keepalives_on_silent_streams_and_list_shows_envs_and_cwd() {
         "start, 2 keepalives, data, end, end of stream: {kinds:?}"
     );
     assert!(
-        e.iter().all(|(_, v)| v["event"]["keepalive"].is_null()
-            || v["event"]["keepalive"] == serde_json::json!({})),
+        e.iter()
+            .all(|(_, v)| v["event"]["keepalive"].is_null() || v["event"]["keepalive"] == serde_json::json!({})),
         "{e:?}"
     );
     // Without the header (envd's default of 90 s) a short command gets none.

@@ -577,10 +577,7 @@ fn serve_puts_cgroup_moves_on_the_fast_path_and_doctor_says_so() {
             fstype.starts_with("cgroup") && opts.split(',').any(|o| o == "favordynmods")
         })
     });
-    assert!(
-        favoring.is_some(),
-        "no cgroup mount with favordynmods after a server start:\n{info}"
-    );
+    assert!(favoring.is_some(), "no cgroup mount with favordynmods after a server start:\n{info}");
     let out = output_of({
         let mut c = Command::new(locker_tests::locker_bin());
         c.args(["doctor", "--json"]);

@@ -418,10 +418,7 @@ impl World {
         // Also on the disk, which forks and snapshots keep (/tmp is memory in a jail).
         sh(&api, &id, "cp /tmp/test-ca.pem /root/test-ca.pem");
         let (ph, _) = sh(&api, &id, "printf %s \"$EXAMPLE_KEY\"");
-        assert!(
-            ph.starts_with("locker-secret-example-"),
-            "a placeholder: {ph}"
-        );
+        assert!(ph.starts_with("locker-secret-example-"), "a placeholder: {ph}");
         (id, ph)
     }
 }
@@ -455,11 +452,7 @@ fn hand_in_requests(api: &Api, id: &str) {
         .args(&have)
         .output()
         .expect("run tar");
-    assert!(
-        tar.status.success(),
-        "tar: {}",
-        String::from_utf8_lossy(&tar.stderr)
-    );
+    assert!(tar.status.success(), "tar: {}", String::from_utf8_lossy(&tar.stderr));
     api.request(
         "PUT",
         &format!("/v1/sandboxes/{id}/files?path=/opt/pyreq"),
@@ -916,22 +909,14 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let listed = api.get("/v1/snapshots").expect(200, "snapshots");
     assert!(!listed.to_string().contains(&w.v1), "{listed}");
     let snap_dir = w.srv.data_dir.join("snapshots").join(&snap_id);
-    let kept =
-        std::fs::read_to_string(snap_dir.join("secrets.json")).expect("the snapshot's secrets");
-    assert!(
-        kept.contains("\"example\"") && !kept.contains(&w.v1),
-        "{kept}"
-    );
+    let kept = std::fs::read_to_string(snap_dir.join("secrets.json")).expect("the snapshot's secrets");
+    assert!(kept.contains("\"example\"") && !kept.contains(&w.v1), "{kept}");
     let grep = Command::new("grep")
         .args(["-rlaF", &w.v1])
         .arg(&snap_dir)
         .output()
         .expect("grep");
-    assert!(
-        grep.stdout.is_empty(),
-        "a value in the snapshot: {}",
-        String::from_utf8_lossy(&grep.stdout)
-    );
+    assert!(grep.stdout.is_empty(), "a value in the snapshot: {}", String::from_utf8_lossy(&grep.stdout));
     api.delete(&format!("/v1/sandboxes/{id}"))
         .expect(204, "delete the source");
     let from = api.create_sandbox(&json!({"from_snapshot": snap_id}));
@@ -950,12 +935,7 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let (env, _) = sh(&api, &from_id, "printf %s \"$EXAMPLE_KEY\"");
     assert_eq!(env, placeholder, "the snapshot's placeholder comes back");
     assert_eq!(
-        auth_seen(
-            &api,
-            &from_id,
-            "https://api.secret.test/from-snapshot",
-            "$(cat /root/key.txt)"
-        ),
+        auth_seen(&api, &from_id, "https://api.secret.test/from-snapshot", "$(cat /root/key.txt)"),
         "Bearer [value-1]",
         "the placeholder on the snapshot's disk works"
     );
@@ -970,18 +950,11 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let g_snap = api
         .post(&format!("/v1/sandboxes/{g_id}/snapshots"), &json!({}))
         .expect(201, "snapshot");
-    api.delete("/v1/secrets/gone")
-        .expect(204, "delete the secret");
+    api.delete("/v1/secrets/gone").expect(204, "delete the secret");
     let r = api
-        .post(
-            "/v1/sandboxes",
-            &json!({"from_snapshot": g_snap["id"].clone()}),
-        )
+        .post("/v1/sandboxes", &json!({"from_snapshot": g_snap["id"].clone()}))
         .expect(404, "a snapshot's secret deleted since");
-    assert!(
-        r.to_string().contains("gone") && r.to_string().contains("does not exist"),
-        "{r}"
-    );
+    assert!(r.to_string().contains("gone") && r.to_string().contains("does not exist"), "{r}");
 
     // New hosts: the running sandboxes that hold the secret get them in their allowlists
     // (stored), and requests there get the value; a host dropped stays allowed but gets
@@ -1002,28 +975,14 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
             "{v}"
         );
         assert_eq!(
-            auth_seen(
-                &api,
-                sb,
-                "https://api2.secret.test/new-host",
-                "$EXAMPLE_KEY"
-            ),
+            auth_seen(&api, sb, "https://api2.secret.test/new-host", "$EXAMPLE_KEY"),
             "Bearer [value-1]"
         );
     }
-    json_put(
-        &api,
-        "/v1/secrets/example",
-        &json!({"hosts": ["api2.secret.test"]}),
-    )
-    .expect(200, "a host dropped");
+    json_put(&api, "/v1/secrets/example", &json!({"hosts": ["api2.secret.test"]}))
+        .expect(200, "a host dropped");
     assert_eq!(
-        auth_seen(
-            &api,
-            &child,
-            "https://api.secret.test/dropped",
-            "$EXAMPLE_KEY"
-        ),
+        auth_seen(&api, &child, "https://api.secret.test/dropped", "$EXAMPLE_KEY"),
         format!("Bearer {placeholder}"),
         "a host the secret no longer names gets the placeholder"
     );
@@ -1032,17 +991,10 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let out = Command::new(locker_tests::locker_bin())
         .args(["key", "create", "--tenant", "default", "--e2b", "--json"])
         .env("LOCKER_URL", &w.srv.url)
-        .env(
-            "LOCKER_ADMIN_KEY",
-            w.srv.admin_key.as_deref().expect("admin key"),
-        )
+        .env("LOCKER_ADMIN_KEY", w.srv.admin_key.as_deref().expect("admin key"))
         .output()
         .expect("run locker key create");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let key: Value = serde_json::from_slice(&out.stdout).unwrap();
     let key = key["api_key"].as_str().unwrap().to_owned();
     w.srv.remember_key(&key);
@@ -1074,12 +1026,7 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     )
     .expect(200, "the test CA");
     assert_eq!(
-        auth_seen(
-            &api,
-            &e2b_id,
-            "https://api2.secret.test/e2b",
-            "$EXAMPLE_KEY"
-        ),
+        auth_seen(&api, &e2b_id, "https://api2.secret.test/e2b", "$EXAMPLE_KEY"),
         "Bearer [value-1]"
     );
     let blog = w.b.log();

@@ -609,19 +609,11 @@ fn dockerfile_from_a_registry_image() {
 
     let events = follow(&api, &start_build(&api, &body(true)));
     let t = succeeded(&events);
-    assert_eq!(
-        ran_steps(&events),
-        vec![2, 3, 5, 6, 8],
-        "{:#?}",
-        logs(&events)
-    );
+    assert_eq!(ran_steps(&events), vec![2, 3, 5, 6, 8], "{:#?}", logs(&events));
     assert_eq!(t["workdir"], "/srv/work", "{t}");
     assert_eq!(t["user"], "app", "{t}");
     assert_eq!(t["env"]["MODE"], "image", "{t}");
-    assert_eq!(
-        t["env"]["GREETING"], "hello-from-config",
-        "the image's env: {t}"
-    );
+    assert_eq!(t["env"]["GREETING"], "hello-from-config", "the image's env: {t}");
 
     let sb = api.create_sandbox(&json!({"template": "from-image"}));
     let sb = sb["id"].as_str().unwrap().to_string();
@@ -650,10 +642,7 @@ fn dockerfile_from_a_registry_image() {
         "{:#?}",
         logs(&events)
     );
-    eprintln!(
-        "fully cached rebuild from a registry image: {:.3} s",
-        took.as_secs_f64()
-    );
+    eprintln!("fully cached rebuild from a registry image: {:.3} s", took.as_secs_f64());
     assert!(
         took < Duration::from_secs(2),
         "a cached rebuild took {took:?}"
@@ -769,10 +758,7 @@ fn a_sandbox_is_starting_until_its_ready_command_succeeds() {
     let traces = locker_tests::traces_of(&id, &srv.data_dir.join("sandboxes").join(&id));
     assert!(traces.is_empty(), "{id}: {traces:?}");
     let gone = api
-        .post(
-            &format!("/v1/sandboxes/{id}/exec"),
-            &json!({"shell": "true"}),
-        )
+        .post(&format!("/v1/sandboxes/{id}/exec"), &json!({"shell": "true"}))
         .expect_error(404, "not_found", "the failed sandbox is gone");
     assert!(gone.contains("ready command"), "{gone}");
 }

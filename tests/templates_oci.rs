@@ -17,7 +17,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use locker_tests::images::{free_port, make_image, skopeo_copy, wait_listening, Proc, Registry};
+use locker_tests::images::{
+    free_port, make_image, skopeo_copy, wait_listening, Proc, Registry,
+};
 use locker_tests::server::Server;
 use locker_tests::{cache_dir, locker_bin, unique, TempDir};
 use serde_json::{json, Value};
@@ -539,7 +541,8 @@ fn a_zstd_image_is_pulled_like_a_gzip_one() {
         .unwrap();
     let manifest: Value = serde_json::from_slice(&raw.stdout).unwrap();
     assert_eq!(
-        manifest["layers"][0]["mediaType"], "application/vnd.oci.image.layer.v1.tar+zstd",
+        manifest["layers"][0]["mediaType"],
+        "application/vnd.oci.image.layer.v1.tar+zstd",
         "skopeo pushed zstd: {manifest}"
     );
     let mut digests = Vec::new();

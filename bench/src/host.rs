@@ -119,9 +119,7 @@ impl Info {
                 };
                 let moves = match locker_runtime::cgroup::move_mode() {
                     locker_runtime::cgroup::MoveMode::Favored(_) => "moves favored (favordynmods)",
-                    locker_runtime::cgroup::MoveMode::Default(_) => {
-                        "moves on the default path (as a fresh boot)"
-                    }
+                    locker_runtime::cgroup::MoveMode::Default(_) => "moves on the default path (as a fresh boot)",
                 };
                 format!("cgroup {v}, {moves}")
             },

@@ -88,8 +88,7 @@ pub(crate) async fn spawn_background_following(
     arrived: Instant,
     adjust: impl FnOnce(&mut locker_proto::ExecSpec),
 ) -> Result<(String, i32, Following), ApiError> {
-    let (id, pid, following) =
-        start_background(app, caller, live, req, arrived, adjust, true).await?;
+    let (id, pid, following) = start_background(app, caller, live, req, arrived, adjust, true).await?;
     Ok((id, pid, following.expect("asked to follow")))
 }
 

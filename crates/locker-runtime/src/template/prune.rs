@@ -140,7 +140,10 @@ impl TemplateStore {
                 continue;
             }
             // Named meanwhile (a name is written into the metadata under this lock first).
-            if self.read_meta(&digest)?.is_none_or(|m| !m.names.is_empty()) {
+            if self
+                .read_meta(&digest)?
+                .is_none_or(|m| !m.names.is_empty())
+            {
                 continue;
             }
             remove_tree(&self.templates.join(&digest))?;

@@ -156,13 +156,8 @@ impl Names {
     }
 
     fn group(&self, id: Option<u32>) -> String {
-        id.map(|i| {
-            self.groups
-                .get(&i)
-                .cloned()
-                .unwrap_or_else(|| i.to_string())
-        })
-        .unwrap_or_default()
+        id.map(|i| self.groups.get(&i).cloned().unwrap_or_else(|| i.to_string()))
+            .unwrap_or_default()
     }
 }
 
@@ -182,8 +177,7 @@ async fn ids_of(agent: &locker_runtime::agent::AgentClient, path: &str) -> HashM
     let mut ids = HashMap::new();
     for line in String::from_utf8_lossy(&text).lines() {
         let mut f = line.split(':');
-        if let (Some(name), Some(_), Some(Ok(id))) = (f.next(), f.next(), f.next().map(str::parse))
-        {
+        if let (Some(name), Some(_), Some(Ok(id))) = (f.next(), f.next(), f.next().map(str::parse)) {
             if !name.is_empty() {
                 ids.entry(id).or_insert_with(|| name.to_owned());
             }

@@ -374,10 +374,7 @@ async fn follow(
     let info = match ended {
         Ok(info) => info,
         Err(e) => {
-            let lost = matches!(
-                e,
-                locker_runtime::agent::AgentClientError::ConnectionLost(_)
-            );
+            let lost = matches!(e, locker_runtime::agent::AgentClientError::ConnectionLost(_));
             let mut e: ConnectError = crate::failed::check(app, live, e).await.into();
             // Its own words left out: the SDKs read "was not found" in an `unavailable` as
             // the proxy's answer, not as a stream cut short.
