@@ -1425,7 +1425,7 @@ fn fill_every_table(s: &dyn Store) {
     .unwrap();
     s.insert_secret(&locker_store::SecretRecord {
         tenant: "team-a".into(),
-        name: "GITHUB_TOKEN".into(),
+        name: "gh-token".into(),
         hosts: vec!["api.github.com".into()],
         env: "GITHUB_TOKEN".into(),
         sealed: vec![0, 1, 2, 255],

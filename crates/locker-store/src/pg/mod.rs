@@ -241,33 +241,14 @@ impl PgStore {
         if config.get_application_name().is_none() {
             config.application_name("locker");
         }
-        let mut first = Conn {
-            config: config.clone(),
-            target: target.clone(),
-            client: None,
-            statements: HashMap::new(),
-        };
-        schema::migrate(&mut first)?;
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(Mutex::new(rx));
         for i in 0..POOL_SIZE {
-            let conn = if i == 0 {
-                std::mem::replace(
-                    &mut first,
-                    Conn {
-                        config: config.clone(),
-                        target: target.clone(),
-                        client: None,
-                        statements: HashMap::new(),
-                    },
-                )
-            } else {
-                Conn {
-                    config: config.clone(),
-                    target: target.clone(),
-                    client: None,
-                    statements: HashMap::new(),
-                }
+            let conn = Conn {
+                config: config.clone(),
+                target: target.clone(),
+                client: None,
+                statements: HashMap::new(),
             };
             let rx = Arc::clone(&rx);
             std::thread::Builder::new()
@@ -275,12 +256,15 @@ impl PgStore {
                 .spawn(move || worker(rx, conn))
                 .map_err(|e| StoreError::Unavailable(format!("cannot start a thread: {e}")))?;
         }
-        Ok(PgStore {
+        let store = PgStore {
             target,
             jobs: Mutex::new(tx),
             auth_cache: RwLock::new(HashMap::new()),
             auth_generation: AtomicU64::new(0),
-        })
+        };
+        // On a connection thread too: this may be called inside a runtime (the server's).
+        store.run(schema::migrate)?;
+        Ok(store)
     }
 
     /// Claims the database for this process alone, for as long as it runs: until fleet
