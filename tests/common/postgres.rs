@@ -24,6 +24,8 @@ pub struct PgCluster {
     pub port: u16,
     pub dir: PathBuf,
     bin: PathBuf,
+    /// The watchdog shell: it outlives this process on purpose (it cleans up after it).
+    _watchdog: std::process::Child,
 }
 
 /// The directory of Debian's PostgreSQL programs (the newest installed), or `None`.
@@ -142,7 +144,7 @@ fn start() -> PgCluster {
     let server = as_owner(&bin, "postgres");
     let mut args: Vec<String> = vec![server.get_program().to_string_lossy().into_owned()];
     args.extend(server.get_args().map(|a| a.to_string_lossy().into_owned()));
-    Command::new("sh")
+    let watchdog = Command::new("sh")
         .arg("-c")
         .arg(script)
         .arg("locker-pg-watchdog")
@@ -155,7 +157,12 @@ fn start() -> PgCluster {
         .stderr(Stdio::null())
         .spawn()
         .expect("start the Postgres watchdog");
-    let c = PgCluster { port, dir, bin };
+    let c = PgCluster {
+        port,
+        dir,
+        bin,
+        _watchdog: watchdog,
+    };
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let ok = Command::new(c.bin.join("pg_isready"))

@@ -34,9 +34,12 @@ enum Kind {
 
 use Kind::{Blob, Int, Real, Text};
 
+/// A table's copied columns and their kinds.
+type Columns = &'static [(&'static str, Kind)];
+
 /// Every table the store has, in an order that satisfies the foreign keys, with the
 /// columns both databases share.
-const TABLES: &[(&str, &[(&str, Kind)])] = &[
+const TABLES: &[(&str, Columns)] = &[
     (
         "tenants",
         &[("name", Text), ("created_at", Text), ("created_unix", Int)],
@@ -258,7 +261,7 @@ pub fn copy_sqlite_to_postgres(sqlite_path: &Path, url: &str) -> Result<CopyRepo
     })?;
     // One read transaction: every table as of the same moment.
     src.execute_batch("BEGIN")?;
-    let mut data: Vec<(&str, &[(&str, Kind)], Vec<Vec<Cell>>)> = Vec::new();
+    let mut data: Vec<(&str, Columns, Vec<Vec<Cell>>)> = Vec::new();
     for (table, cols) in TABLES {
         let names: Vec<&str> = cols.iter().map(|(n, _)| *n).collect();
         let mut st = src.prepare(&format!(

@@ -60,7 +60,7 @@ pub const POOL_SIZE: usize = 4;
 /// How long a key stays answered from memory (see the module docs).
 pub const AUTH_CACHE_TTL: Duration = Duration::from_secs(2);
 /// The advisory lock of [`PgStore::claim_single_server`].
-const SERVER_LOCK: i64 = 0x6c6f_636b_7372_76; // "locksrv"
+const SERVER_LOCK: i64 = 0x006c_6f63_6b73_7276; // "locksrv"
 /// How long connecting may take before a call fails.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 

@@ -21,7 +21,7 @@ use crate::error::{Result, StoreError};
 use crate::model::now_unix;
 
 /// The advisory lock two servers migrating the same database at once serialise on.
-const MIGRATE_LOCK: i64 = 0x6c6f_636b_6d69_67; // "lockmig"
+const MIGRATE_LOCK: i64 = 0x006c_6f63_6b6d_6967; // "lockmig"
 
 /// The schema, one migration per entry, applied in order, each once. Never edit a
 /// released entry: append a new one.
