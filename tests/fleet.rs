@@ -138,7 +138,7 @@ fn state_of(srv: &Server, tenant_key: &str) -> Vec<Value> {
             "/v1/webhooks",
         ] {
             let mut v = api.get(path).expect(200, path);
-            // Live figures that move between two reads.
+            // Live figures that move between two reads, and URLs with the server's port.
             for list in ["sandboxes", "volumes", "webhooks"] {
                 if let Some(items) = v[list].as_array_mut() {
                     for it in items {
@@ -146,6 +146,7 @@ fn state_of(srv: &Server, tenant_key: &str) -> Vec<Value> {
                             "usage",
                             "last_active_at",
                             "used_bytes",
+                            "preview_url",
                             "status",
                             "delivered_through",
                         ] {
