@@ -336,6 +336,12 @@ impl Server {
         self.child.lock().map(|c| c.is_some()).unwrap_or(false)
     }
 
+    /// Adds `locker serve` flags for the next [`Server::restart`] (`--database URL` after
+    /// `locker db migrate`).
+    pub fn add_args(&mut self, args: &[&str]) {
+        self.extra_args.extend(args.iter().map(|a| a.to_string()));
+    }
+
     /// Starts the server again on the same data dir (after [`Server::kill9`]).
     pub fn restart(&mut self) {
         self.kill9();

@@ -6,6 +6,7 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod db_cmd;
 mod doctor_cmd;
 mod mcp_cmd;
 mod serve_cmd;
@@ -97,6 +98,10 @@ enum Cmd {
     Doctor(doctor_cmd::DoctorArgs),
     /// Serve the HTTP API (sandboxes, exec, files, records).
     Serve(serve_cmd::ServeArgs),
+    /// Manage the state database: `locker db migrate --to postgres://…` moves a one-host
+    /// install's SQLite data into Postgres.
+    #[command(subcommand)]
+    Db(db_cmd::DbCmd),
     /// Serve Locker's tools to an MCP client on stdin/stdout (uses LOCKER_URL, LOCKER_API_KEY).
     Mcp(mcp_cmd::McpArgs),
     /// Print a shell completion script: `source <(locker completion bash)`, or for zsh
@@ -163,6 +168,7 @@ fn main() {
         Cmd::Doctor(a) => doctor_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
         Cmd::Mcp(a) => mcp_cmd::run(a),
+        Cmd::Db(c) => db_cmd::run(c),
         Cmd::Completion { shell } => {
             clap_complete::generate(shell, &mut Cli::command(), "locker", &mut std::io::stdout());
             Ok(())

@@ -78,6 +78,26 @@ pub struct ServeArgs {
     /// slower path. `locker doctor` says which this host has.
     #[arg(long, env = "LOCKER_NO_FAVORDYNMODS")]
     no_favordynmods: bool,
+    /// Keep the state (tenants, keys, sandboxes, records…) in this Postgres database
+    /// instead of SQLite in the data dir: `postgres://USER:PASSWORD@HOST:PORT/DB`. Several
+    /// servers may share one. Move a one-host install's data there first with
+    /// `locker db migrate --to URL`. [default: SQLite, `<data-dir>/db.sqlite`]
+    #[arg(long, env = "LOCKER_DATABASE", hide_env_values = true, value_name = "URL",
+          value_parser = parse_database)]
+    database: Option<String>,
+}
+
+/// `--database`: a Postgres URL (SQLite needs no flag: it is the default).
+pub fn parse_database(s: &str) -> Result<String, String> {
+    if locker_store::is_postgres_url(s) {
+        Ok(s.to_owned())
+    } else {
+        Err(
+            "expected a Postgres URL, postgres://USER:PASSWORD@HOST:PORT/DB (without \
+             --database, the state is SQLite in the data dir)"
+                .to_owned(),
+        )
+    }
 }
 
 pub fn run(a: ServeArgs) -> anyhow::Result<()> {
@@ -131,6 +151,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         template_build: !a.no_template_build,
         preview,
         favordynmods: !a.no_favordynmods,
+        database: a.database,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -22,7 +22,7 @@ use axum::response::Response;
 use axum::Router;
 use locker_runtime::node::{Node, NodeConfig};
 use locker_runtime::template::TemplateStore;
-use locker_store::{CallRecorder, SqliteStore, Store};
+use locker_store::{CallRecorder, PgStore, SqliteStore, Store};
 use tokio::sync::RwLock;
 
 use crate::metrics::Metrics;
@@ -67,7 +67,9 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         // cgroup, and without this the first move after a quiet spell waits ~10 ms.
         match locker_runtime::cgroup::favor_dynamic_moves() {
             Ok(m) => tracing::info!(mode = ?m, "cgroup moves on the fast path"),
-            Err(e) => tracing::warn!(error = %e, "cgroup moves stay on the kernel's default path (each create and each exec after a pause waits an RCU grace period)"),
+            Err(e) => {
+                tracing::warn!(error = %e, "cgroup moves stay on the kernel's default path (each create and each exec after a pause waits an RCU grace period)")
+            }
         }
     }
     let app = build(cfg).await?;
@@ -180,7 +182,15 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     let lock = DataDirLock::take(&cfg.data_dir)?;
     std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))
         .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
-    let store: Arc<dyn Store> = Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?);
+    let store: Arc<dyn Store> = match &cfg.database {
+        None => Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?),
+        Some(url) => {
+            let pg = PgStore::connect(url)?;
+            pg.claim_single_server()?;
+            tracing::info!(database = %pg.target(), "state store on Postgres");
+            Arc::new(pg)
+        }
+    };
     store.ensure_tenant("default")?;
     match &cfg.api_key {
         Some(k) => {

@@ -87,6 +87,9 @@ pub struct Config {
     /// Put cgroup moves on the kernel's fast path at start (`favordynmods`; off with
     /// `--no-favordynmods`): see `locker_runtime::cgroup::MoveMode`.
     pub favordynmods: bool,
+    /// The Postgres database several servers share (`--database postgres://…`); `None`:
+    /// SQLite in the data dir (`db.sqlite`), one host.
+    pub database: Option<String>,
 }
 
 /// A sandbox whose machine runs on this node.

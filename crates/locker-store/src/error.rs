@@ -41,12 +41,63 @@ pub enum StoreError {
     /// A query failed.
     #[error("database error: {0}")]
     Sqlite(#[from] rusqlite::Error),
+    /// The Postgres database was written by a newer Locker than this one.
+    #[error(
+        "the Postgres database {target} has schema version {found}, but this Locker only \
+         knows versions up to {supported}: run the newer Locker that wrote it, or point \
+         --database elsewhere"
+    )]
+    PgSchemaTooNew {
+        /// The database's URL without its password.
+        target: String,
+        found: i64,
+        supported: i64,
+    },
+    /// The Postgres server could not be reached or refused the login.
+    #[error(
+        "cannot connect to the Postgres database {target}: {} (check that the server \
+         runs and accepts this user from this host, and that the database exists: \
+         `createdb NAME`)",
+        pg_message(source)
+    )]
+    PgConnect {
+        /// The database's URL without its password.
+        target: String,
+        #[source]
+        source: postgres::Error,
+    },
+    /// A query on Postgres failed.
+    #[error("database error: {}", pg_message(.0))]
+    Postgres(#[from] postgres::Error),
+    /// The store's database connections are gone (the store is shutting down, or a query
+    /// panicked).
+    #[error("database unavailable: {0}")]
+    Unavailable(String),
     /// A stored row did not decode; the database was edited by hand or is damaged.
     #[error("corrupt row in the database: {0}")]
     Corrupt(String),
     /// Reading the kernel's random source (`getrandom(2)`) failed.
     #[error("cannot read the kernel's random source (getrandom): {0}")]
     Random(#[source] std::io::Error),
+}
+
+/// A Postgres error with what the server said (tokio-postgres's own text is only "db
+/// error"): severity, message and detail, or the chain of causes of a connection error.
+fn pg_message(e: &postgres::Error) -> String {
+    if let Some(db) = e.as_db_error() {
+        let mut s = format!("{}: {}", db.severity(), db.message());
+        if let Some(d) = db.detail() {
+            s.push_str(&format!(" ({d})"));
+        }
+        return s;
+    }
+    let mut s = e.to_string();
+    let mut cause = std::error::Error::source(e);
+    while let Some(c) = cause {
+        s.push_str(&format!(": {c}"));
+        cause = c.source();
+    }
+    s
 }
 
 /// The store's result type.

@@ -5,8 +5,11 @@
 //! record of every call. It owns no machines and no files of them (`locker-runtime` does),
 //! no HTTP (`locker-server` does).
 //!
-//! The [`Store`] trait is the whole contract, so a Postgres store can join the SQLite one
-//! ([`SqliteStore`]) when several hosts share one control plane. Its methods are
+//! The [`Store`] trait is the whole contract. Two stores keep it: [`SqliteStore`] (one file
+//! in the data dir: the default, one host) and [`PgStore`] (a Postgres database that several
+//! `locker serve` processes on several hosts can share, `--database postgres://…`); the
+//! same behaviour tests run on both, and [`copy_sqlite_to_postgres`] moves an install from
+//! the first to the second. Its methods are
 //! synchronous: reads are fast enough to call from a request handler (authentication is
 //! answered from memory), writes belong in `tokio::task::spawn_blocking` when they sit on a
 //! hot path. Call records never do: [`CallRecorder`] queues them without waiting and
@@ -21,8 +24,10 @@
 
 #![forbid(unsafe_code)]
 
+mod codec;
 mod error;
 mod model;
+mod pg;
 mod random;
 mod recorder;
 mod sqlite;
@@ -36,6 +41,8 @@ pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 pub use model::{CallOutcome, CallPage, CallQuery};
 pub use model::{EventRecord, SandboxTimes, WebhookRecord};
+pub use pg::copy::{copy_sqlite_to_postgres, CopyReport};
+pub use pg::{is_postgres_url, redact_url, PgStore, AUTH_CACHE_TTL, PG_SCHEMA_VERSION, POOL_SIZE};
 pub use random::{fill_random, new_id, new_preview_token, API_KEY_PREFIX, PREVIEW_TOKEN_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
 pub use sqlite::{SqliteStore, SCHEMA_VERSION};

@@ -1,4 +1,10 @@
-//! The store's contract, exercised on real SQLite files through `Arc<dyn Store>`.
+//! The store's contract, exercised through `Arc<dyn Store>` on both stores: real SQLite
+//! files, and real Postgres databases in a cluster this test process starts (and that goes
+//! with it: `tests/common/postgres.rs`). Each behaviour test runs once per store
+//! (`sqlite::NAME`, `postgres::NAME`); the tests of one store's own files and URLs follow.
+
+#[path = "../../../tests/common/postgres.rs"]
+mod pg;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -6,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use locker_store::{
-    new_id, CallKind, CallRecord, CallRecorder, SandboxRecord, SandboxState, SqliteStore, Store,
-    StoreError, TenantUsage, SCHEMA_VERSION,
+    new_id, CallKind, CallRecord, CallRecorder, PgStore, SandboxRecord, SandboxState, SqliteStore,
+    Store, StoreError, TenantUsage, SCHEMA_VERSION,
 };
 use locker_types::{rfc3339, ExecResult, Reason, Timings, Usage};
 use serde_json::json;
@@ -36,6 +42,67 @@ impl Drop for TempDir {
 
 fn open(dir: &TempDir) -> Arc<dyn Store> {
     Arc::new(SqliteStore::open(dir.db()).unwrap())
+}
+
+/// Which store a behaviour test runs on.
+#[derive(Clone, Copy)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// One empty database of a [`Backend`], removed with the test (SQLite) or with the test
+/// process's cluster (Postgres).
+enum Db {
+    Sqlite(TempDir),
+    Postgres { name: String, url: String },
+}
+
+impl Db {
+    fn new(b: Backend) -> Db {
+        match b {
+            Backend::Sqlite => Db::Sqlite(TempDir::new()),
+            Backend::Postgres => {
+                let (name, url) = pg::cluster().new_database();
+                Db::Postgres { name, url }
+            }
+        }
+    }
+
+    /// A new store on this database (a second one is what a second server would have).
+    fn open(&self) -> Arc<dyn Store> {
+        match self {
+            Db::Sqlite(dir) => open(dir),
+            Db::Postgres { url, .. } => Arc::new(PgStore::connect(url).unwrap()),
+        }
+    }
+
+    /// Everything the database holds, as bytes: the SQLite file and its log, or a dump.
+    fn raw(&self) -> Vec<u8> {
+        match self {
+            Db::Sqlite(dir) => db_bytes(&dir.db()),
+            Db::Postgres { name, .. } => pg::cluster().dump(name).into_bytes(),
+        }
+    }
+
+    /// The one row of `sql`, its columns joined by `|`.
+    fn row(&self, sql: &str) -> String {
+        match self {
+            Db::Sqlite(dir) => {
+                let c = rusqlite::Connection::open(dir.db()).unwrap();
+                let mut st = c.prepare(sql).unwrap();
+                let n = st.column_count();
+                st.query_row([], |r| {
+                    Ok((0..n)
+                        .map(|i| r.get::<_, String>(i).unwrap())
+                        .collect::<Vec<_>>()
+                        .join("|"))
+                })
+                .unwrap()
+            }
+            Db::Postgres { name, .. } => pg::cluster().psql(name, sql).trim_end().to_owned(),
+        }
+    }
 }
 
 const T0: i64 = 1_796_040_000; // 2026-11-30T12:00:00Z
@@ -126,8 +193,13 @@ fn db_bytes(path: &Path) -> Vec<u8> {
     bytes
 }
 
+/// Whether `hay` holds `needle`, as it is or in hex (how a dump shows a blob).
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    hay.windows(needle.len()).any(|w| w == needle)
+    let hex: Vec<u8> = needle
+        .iter()
+        .flat_map(|b| format!("{b:02x}").into_bytes())
+        .collect();
+    hay.windows(needle.len()).any(|w| w == needle) || hay.windows(hex.len()).any(|w| w == hex)
 }
 
 #[test]
@@ -185,10 +257,9 @@ fn open_refuses_memory_and_unwritable_paths() {
     assert!(err.to_string().contains("cannot open database"), "{err}");
 }
 
-#[test]
-fn tenants_are_validated_and_unique() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn tenants_are_validated_and_unique(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("team-b").unwrap();
     assert!(matches!(
         s.create_tenant("team-b").unwrap_err(),
@@ -209,10 +280,9 @@ fn tenants_are_validated_and_unique() {
     assert!(!s.tenant_exists("nobody").unwrap());
 }
 
-#[test]
-fn keys_authenticate_revoke_and_are_stored_only_as_hashes() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn keys_authenticate_revoke_and_are_stored_only_as_hashes(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("team-a").unwrap();
     s.create_tenant("team-b").unwrap();
 
@@ -250,7 +320,7 @@ fn keys_authenticate_revoke_and_are_stored_only_as_hashes() {
     ));
 
     // Only hashes reach the disk (the database and its write-ahead log).
-    let bytes = db_bytes(&dir.db());
+    let bytes = dir.raw();
     let hash: [u8; 32] = Sha256::digest(clear2.as_bytes()).into();
     assert!(contains(&bytes, &hash), "the test must see the stored hash");
     for k in [&clear, &clear2] {
@@ -259,10 +329,9 @@ fn keys_authenticate_revoke_and_are_stored_only_as_hashes() {
     }
 }
 
-#[test]
-fn chosen_keys_are_idempotent_and_guarded() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn chosen_keys_are_idempotent_and_guarded(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.ensure_tenant("default").unwrap();
     s.create_tenant("other").unwrap();
     let key = "my-operator-chosen-key-0123456789";
@@ -298,14 +367,13 @@ fn chosen_keys_are_idempotent_and_guarded() {
     assert_eq!(s.authenticate(key).unwrap(), None);
 
     drop(s);
-    let bytes = db_bytes(&dir.db());
+    let bytes = dir.raw();
     assert!(!contains(&bytes, key.as_bytes()));
 }
 
-#[test]
-fn sandboxes_are_isolated_between_tenants() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn sandboxes_are_isolated_between_tenants(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("a").unwrap();
     s.create_tenant("b").unwrap();
     let sb = sandbox("sb_1", "a", T0);
@@ -346,10 +414,9 @@ fn sandboxes_are_isolated_between_tenants() {
     );
 }
 
-#[test]
-fn update_round_trips_every_field() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn update_round_trips_every_field(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("a").unwrap();
     let mut sb = sandbox("sb_1", "a", T0);
     s.insert_sandbox(&sb).unwrap();
@@ -371,10 +438,9 @@ fn update_round_trips_every_field() {
     ));
 }
 
-#[test]
-fn list_filters_by_state_and_metadata() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn list_filters_by_state_and_metadata(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("a").unwrap();
     s.create_tenant("b").unwrap();
     let meta = |pairs: &[(&str, &str)]| -> BTreeMap<String, String> {
@@ -418,10 +484,9 @@ fn list_filters_by_state_and_metadata() {
     assert!(ids(Some(SandboxState::Failed), &[]).is_empty());
 }
 
-#[test]
-fn lifecycle_queries_and_soft_delete() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn lifecycle_queries_and_soft_delete(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("a").unwrap();
     s.create_tenant("b").unwrap();
     let mut idle = sandbox("sb_idle", "a", T0);
@@ -510,21 +575,15 @@ fn lifecycle_queries_and_soft_delete() {
         s.insert_sandbox(&sandbox("sb_idle", "a", T0)),
         Err(StoreError::Conflict(_))
     ));
-    let c = rusqlite::Connection::open(dir.db()).unwrap();
-    let (state, env): (String, String) = c
-        .query_row(
-            "SELECT state, env FROM sandboxes WHERE id = 'sb_idle'",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .unwrap();
-    assert_eq!((state.as_str(), env.as_str()), ("stopped", "{}"));
+    assert_eq!(
+        dir.row("SELECT state, env FROM sandboxes WHERE id = 'sb_idle'"),
+        "stopped|{}"
+    );
 }
 
-#[test]
-fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn usage_counts_calls_and_sandbox_seconds_in_the_window(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("a").unwrap();
     s.create_tenant("b").unwrap();
     // sb_1: T0 .. T0+100 (deleted); sb_2: T0+50 .. still running; sb_3: failed at T0+20;
@@ -606,10 +665,9 @@ fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
     );
 }
 
-#[test]
-fn call_records_strip_output_filter_and_isolate() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn call_records_strip_output_filter_and_isolate(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     let mut run = call("call_r", "a", CallKind::Run, None, T0);
     run.volume_id = Some("vol_1".into());
     run.changes = Some(json!({"added": ["/workspace/a.txt"], "modified": [], "deleted": []}));
@@ -657,7 +715,7 @@ fn call_records_strip_output_filter_and_isolate() {
         .is_empty());
     assert_eq!(s.list_calls("b", None, None, None).unwrap().len(), 1);
 
-    let bytes = db_bytes(&dir.db());
+    let bytes = dir.raw();
     assert!(!contains(&bytes, b"OUTPUT-BODY-MUST-NOT-BE-STORED"));
     assert!(!contains(&bytes, b"T1VUUFVU"));
     assert!(contains(&bytes, b"evil.example"));
@@ -679,10 +737,9 @@ fn call_records_strip_output_filter_and_isolate() {
     ));
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn recorder_batches_a_thousand_records_without_waiting() {
-    let dir = TempDir::new();
-    let store = open(&dir);
+async fn recorder_batches_a_thousand_records_without_waiting(b: Backend) {
+    let dir = Db::new(b);
+    let store = dir.open();
     let recorder = CallRecorder::spawn(Arc::clone(&store));
 
     let start = Instant::now();
@@ -736,10 +793,9 @@ async fn recorder_batches_a_thousand_records_without_waiting() {
     );
 }
 
-#[tokio::test(flavor = "current_thread")]
-async fn recorder_drops_on_a_full_queue_and_survives_bad_records() {
-    let dir = TempDir::new();
-    let store = open(&dir);
+async fn recorder_drops_on_a_full_queue_and_survives_bad_records(b: Backend) {
+    let dir = Db::new(b);
+    let store = dir.open();
     store
         .insert_calls(&[call("call_dup", "a", CallKind::Exec, None, T0)])
         .unwrap();
@@ -774,10 +830,9 @@ async fn recorder_drops_on_a_full_queue_and_survives_bad_records() {
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn recorder_writes_what_is_queued_when_dropped() {
-    let dir = TempDir::new();
-    let store = open(&dir);
+async fn recorder_writes_what_is_queued_when_dropped(b: Backend) {
+    let dir = Db::new(b);
+    let store = dir.open();
     let recorder = CallRecorder::spawn(Arc::clone(&store));
     recorder.record(call("call_last", "a", CallKind::Exec, None, T0));
     let clone = recorder.clone();
@@ -786,12 +841,11 @@ async fn recorder_writes_what_is_queued_when_dropped() {
     assert_eq!(store.list_calls("a", None, None, None).unwrap().len(), 1);
 }
 
-#[test]
-fn concurrent_use_from_several_threads() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn concurrent_use_from_several_threads(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     // A second store on the same file, as a second process would have.
-    let other: Arc<dyn Store> = Arc::new(SqliteStore::open(dir.db()).unwrap());
+    let other: Arc<dyn Store> = dir.open();
     const THREADS: usize = 8;
     const PER_THREAD: usize = 50;
     std::thread::scope(|scope| {
@@ -847,10 +901,9 @@ fn concurrent_use_from_several_threads() {
     assert_eq!(s.list_tenants().unwrap().len(), THREADS);
 }
 
-#[test]
-fn snapshots_are_isolated_between_tenants_and_survive_reopen() {
-    let dir = TempDir::new();
-    let store = open(&dir);
+fn snapshots_are_isolated_between_tenants_and_survive_reopen(b: Backend) {
+    let dir = Db::new(b);
+    let store = dir.open();
     store.ensure_tenant("a").unwrap();
     store.ensure_tenant("b").unwrap();
     let snap = |id: &str, tenant: &str| locker_store::SnapshotRecord {
@@ -892,17 +945,16 @@ fn snapshots_are_isolated_between_tenants_and_survive_reopen() {
         "nor deletable"
     );
     drop(store);
-    let store = open(&dir);
+    let store = dir.open();
     assert_eq!(store.list_snapshots("a").unwrap()[0].id, "snap_1");
     assert!(store.delete_snapshot("a", "snap_1").unwrap());
     assert!(store.list_snapshots("a").unwrap().is_empty());
 }
 
-#[test]
-fn volumes_have_unique_names_per_tenant_and_are_isolated() {
+fn volumes_have_unique_names_per_tenant_and_are_isolated(b: Backend) {
     use locker_store::{VolumeRecord, VolumeSnapshotRecord};
-    let dir = TempDir::new();
-    let store = open(&dir);
+    let dir = Db::new(b);
+    let store = dir.open();
     store.ensure_tenant("a").unwrap();
     store.ensure_tenant("b").unwrap();
     let vol = |id: &str, tenant: &str, name: &str| VolumeRecord {
@@ -999,7 +1051,7 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated() {
         "nor deletable by another tenant"
     );
     drop(store);
-    let store = open(&dir);
+    let store = dir.open();
     assert_eq!(
         store
             .get_volume_snapshot("a", "snap_1")
@@ -1017,10 +1069,9 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated() {
     store.insert_volume(&vol("vol_7", "a", "repo")).unwrap();
 }
 
-#[test]
-fn code_cells_are_recorded_beside_execs_newest_first() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn code_cells_are_recorded_beside_execs_newest_first(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.insert_calls(&[
         call("call_1", "a", CallKind::Exec, Some("sb_1"), T0),
         call("call_2", "a", CallKind::Code, Some("sb_1"), T0),
@@ -1028,7 +1079,7 @@ fn code_cells_are_recorded_beside_execs_newest_first() {
     .unwrap();
     drop(s);
     // Reopened (every migration already applied: none runs again), then more records.
-    let s = open(&dir);
+    let s = dir.open();
     s.insert_calls(&[call("call_3", "a", CallKind::Code, Some("sb_1"), T0)])
         .unwrap();
     let got = s.list_calls("a", Some("sb_1"), None, None).unwrap();
@@ -1049,10 +1100,9 @@ fn code_cells_are_recorded_beside_execs_newest_first() {
     );
 }
 
-#[test]
-fn events_grow_prune_and_feed_webhook_cursors() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn events_grow_prune_and_feed_webhook_cursors(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     s.create_tenant("a").unwrap();
     s.create_tenant("b").unwrap();
     let e1 = s
@@ -1106,10 +1156,9 @@ fn events_grow_prune_and_feed_webhook_cursors() {
     assert!(s.delete_webhook("a", "wh_1").unwrap());
 }
 
-#[test]
-fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
-    let dir = TempDir::new();
-    let s = open(&dir);
+fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
     let mut batch = Vec::new();
     for i in 0..25 {
         let kind = if i % 5 == 0 {
@@ -1209,4 +1258,552 @@ fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
         "run 15 (exit 0); run 5 timed out"
     );
     assert!("sometimes".parse::<CallOutcome>().is_err());
+}
+
+// ---- the Postgres store's own: its schema, its URLs, its cache, the copy from SQLite ----
+
+#[test]
+fn postgres_migrations_apply_once_and_reconnect_keeps_data() {
+    let db = Db::new(Backend::Postgres);
+    let Db::Postgres { name, url } = &db else {
+        unreachable!()
+    };
+    {
+        let s = PgStore::connect(url).unwrap();
+        assert_eq!(s.schema_version().unwrap(), locker_store::PG_SCHEMA_VERSION);
+        s.create_tenant("team-a").unwrap();
+    }
+    // Two servers starting at once on the same database: one migrates, neither fails.
+    let (a, b) = std::thread::scope(|sc| {
+        let a = sc.spawn(|| PgStore::connect(url).unwrap());
+        let b = sc.spawn(|| PgStore::connect(url).unwrap());
+        (a.join().unwrap(), b.join().unwrap())
+    });
+    assert!(a.tenant_exists("team-a").unwrap());
+    assert_eq!(b.list_tenants().unwrap(), vec!["team-a".to_string()]);
+    assert_eq!(
+        pg::cluster()
+            .psql(name, "SELECT COUNT(*) FROM schema_version")
+            .trim(),
+        locker_store::PG_SCHEMA_VERSION.to_string(),
+        "each migration recorded exactly once"
+    );
+}
+
+#[test]
+fn postgres_database_from_a_newer_locker_is_refused_clearly() {
+    let db = Db::new(Backend::Postgres);
+    let Db::Postgres { name, url } = &db else {
+        unreachable!()
+    };
+    drop(PgStore::connect(url).unwrap());
+    pg::cluster().psql(
+        name,
+        &format!(
+            "INSERT INTO schema_version (version, applied_at) VALUES ({}, 'x')",
+            locker_store::PG_SCHEMA_VERSION + 5
+        ),
+    );
+    let err = PgStore::connect(url).unwrap_err();
+    assert!(
+        matches!(err, StoreError::PgSchemaTooNew { found, .. } if found == locker_store::PG_SCHEMA_VERSION + 5)
+    );
+    let msg = err.to_string();
+    assert!(
+        msg.contains("newer Locker") && msg.contains("--database"),
+        "{msg}"
+    );
+}
+
+#[test]
+fn postgres_urls_that_cannot_work_are_refused_clearly() {
+    let port = pg::cluster().port;
+    let err = PgStore::connect(&format!(
+        "postgres://postgres:hunter2@127.0.0.1:{port}/no_such_db"
+    ))
+    .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, StoreError::PgConnect { .. }) && msg.contains("no_such_db"),
+        "{msg}"
+    );
+    assert!(!msg.contains("hunter2"), "the password never shows: {msg}");
+    let err = PgStore::connect("postgres://h:notaport/db").unwrap_err();
+    assert!(matches!(err, StoreError::Invalid(_)), "{err}");
+}
+
+#[test]
+fn postgres_revoke_reaches_another_server_within_the_cache_ttl() {
+    let db = Db::new(Backend::Postgres);
+    let (a, b) = (db.open(), db.open());
+    a.create_tenant("t").unwrap();
+    let (info, key) = a.create_key("t").unwrap();
+    assert_eq!(b.authenticate(&key).unwrap().unwrap().key_id, info.key_id);
+    assert!(a.revoke_key(&info.key_id).unwrap());
+    assert_eq!(a.authenticate(&key).unwrap(), None, "at once where revoked");
+    let start = Instant::now();
+    while b.authenticate(&key).unwrap().is_some() {
+        assert!(
+            start.elapsed() < locker_store::AUTH_CACHE_TTL + std::time::Duration::from_secs(1),
+            "the other server still accepts a revoked key after {:?}",
+            start.elapsed()
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+}
+
+/// A one-host install with a row in every table, some of them ones no read returns.
+fn fill_every_table(s: &dyn Store) {
+    s.ensure_tenant("default").unwrap();
+    s.create_tenant("team-a").unwrap();
+    s.add_key_with_secret("default", "lk_chosen_key_0123456789")
+        .unwrap();
+    let (revoked, _) = s.create_key("team-a").unwrap();
+    s.create_key("team-a").unwrap();
+    s.revoke_key(&revoked.key_id).unwrap();
+    let mut sb = sandbox("sb_live", "team-a", T0);
+    sb.metadata.insert("owner".into(), "ci".into());
+    s.insert_sandbox(&sb).unwrap();
+    s.insert_sandbox(&sandbox("sb_gone", "team-a", T0 + 1))
+        .unwrap();
+    s.end_sandbox_at("sb_gone", T0 + 50, "expired").unwrap();
+    s.put_sandbox_times(
+        "sb_gone",
+        &locker_store::SandboxTimes {
+            active_ms: 5,
+            idle_ms: 6,
+            paused_ms: 7,
+            call_gaps: vec![1, 2],
+            call_gap_sum_ms: 99,
+        },
+    )
+    .unwrap();
+    let calls: Vec<CallRecord> = (0..30)
+        .map(|i| {
+            call(
+                &format!("call_{i:02}"),
+                "team-a",
+                CallKind::Exec,
+                Some("sb_live"),
+                T0 + i,
+            )
+        })
+        .collect();
+    s.insert_calls(&calls).unwrap();
+    s.insert_snapshot(&locker_store::SnapshotRecord {
+        id: "snap_1".into(),
+        tenant: "team-a".into(),
+        sandbox_id: "sb_live".into(),
+        template: "default".into(),
+        template_digest: "d".into(),
+        runtime: "jail".into(),
+        size_bytes: 42,
+        has_memory: true,
+        cpus: 1.0,
+        memory_mb: 512,
+        disk_mb: 2048,
+        created_at: rfc3339(T0),
+        path: "/x/snap_1".into(),
+    })
+    .unwrap();
+    s.insert_volume(&locker_store::VolumeRecord {
+        id: "vol_1".into(),
+        tenant: "team-a".into(),
+        name: "repo".into(),
+        size_mb: 100,
+        created_at: rfc3339(T0),
+    })
+    .unwrap();
+    s.insert_volume_snapshot(&locker_store::VolumeSnapshotRecord {
+        id: "vsnap_1".into(),
+        tenant: "team-a".into(),
+        volume_id: "vol_1".into(),
+        size_bytes: 7,
+        created_at: rfc3339(T0),
+        path: "/x/vsnap_1".into(),
+    })
+    .unwrap();
+    s.insert_secret(&locker_store::SecretRecord {
+        tenant: "team-a".into(),
+        name: "gh-token".into(),
+        hosts: vec!["api.github.com".into()],
+        env: "GITHUB_TOKEN".into(),
+        sealed: vec![0, 1, 2, 255],
+        created_at: rfc3339(T0),
+        updated_at: rfc3339(T0),
+    })
+    .unwrap();
+    for i in 0..5 {
+        s.insert_event(
+            "team-a",
+            "sandbox.created",
+            &format!("sb_{i}"),
+            "{}",
+            T0 + i,
+        )
+        .unwrap();
+    }
+    // Pruned events keep their numbers: the next one must not reuse them.
+    s.prune_events(T0 + 3, 100).unwrap();
+    s.insert_webhook(&locker_store::WebhookRecord {
+        id: "wh_1".into(),
+        tenant: "team-a".into(),
+        url: "http://127.0.0.1:1/".into(),
+        events: vec!["sandbox.*".into()],
+        secret: "whsec".into(),
+        created_unix: T0,
+        cursor: 0,
+    })
+    .unwrap();
+    s.put_template_build("bld_1", "team-a", "succeeded", "{\"id\":\"bld_1\"}")
+        .unwrap();
+    s.put_template_build("bld_2", "team-a", "running", "{\"id\":\"bld_2\"}")
+        .unwrap();
+}
+
+#[test]
+fn sqlite_data_moves_to_postgres_whole_and_only_once() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir);
+        fill_every_table(s.as_ref());
+    }
+    let target = Db::new(Backend::Postgres);
+    let Db::Postgres { url, .. } = &target else {
+        unreachable!()
+    };
+    let report = locker_store::copy_sqlite_to_postgres(&dir.db(), url).unwrap();
+    let counts: BTreeMap<String, u64> = report.tables.iter().cloned().collect();
+    let c = rusqlite::Connection::open(dir.db()).unwrap();
+    for (table, n) in &counts {
+        let src: i64 = c
+            .query_row(&format!("SELECT COUNT(*) FROM {table}"), [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(*n as i64, src, "{table}");
+        assert!(src > 0, "the test fills {table}");
+        assert_eq!(
+            target.row(&format!("SELECT COUNT(*) FROM {table}")),
+            src.to_string(),
+            "{table} in Postgres"
+        );
+    }
+    assert_eq!(counts.len(), 11, "every table: {counts:?}");
+
+    // What the API reads is the same on both stores.
+    let (a, b) = (open(&dir), target.open());
+    assert_eq!(a.list_tenants().unwrap(), b.list_tenants().unwrap());
+    for t in ["default", "team-a"] {
+        assert_eq!(a.list_keys(t).unwrap(), b.list_keys(t).unwrap());
+        assert_eq!(
+            a.list_sandboxes(t, None, &[]).unwrap(),
+            b.list_sandboxes(t, None, &[]).unwrap()
+        );
+        assert_eq!(
+            a.list_calls(t, None, None, Some(1000)).unwrap(),
+            b.list_calls(t, None, None, Some(1000)).unwrap()
+        );
+        assert_eq!(a.list_snapshots(t).unwrap(), b.list_snapshots(t).unwrap());
+        assert_eq!(a.list_volumes(t).unwrap(), b.list_volumes(t).unwrap());
+        assert_eq!(a.list_secrets(t).unwrap(), b.list_secrets(t).unwrap());
+        assert_eq!(
+            a.usage_at(t, None, T0 + 100).unwrap(),
+            b.usage_at(t, None, T0 + 100).unwrap()
+        );
+        assert_eq!(
+            a.list_template_builds(t, 10).unwrap(),
+            b.list_template_builds(t, 10).unwrap()
+        );
+    }
+    assert_eq!(
+        a.authenticate("lk_chosen_key_0123456789").unwrap(),
+        b.authenticate("lk_chosen_key_0123456789").unwrap()
+    );
+    assert!(b
+        .authenticate("lk_chosen_key_0123456789")
+        .unwrap()
+        .is_some());
+    assert_eq!(
+        a.tombstone_at("team-a", "sb_gone", T0 + 60).unwrap(),
+        b.tombstone_at("team-a", "sb_gone", T0 + 60).unwrap()
+    );
+    assert_eq!(
+        b.tombstone_at("team-a", "sb_gone", T0 + 60)
+            .unwrap()
+            .unwrap()
+            .cause,
+        "expired"
+    );
+    assert_eq!(
+        a.sandbox_times("sb_gone").unwrap(),
+        b.sandbox_times("sb_gone").unwrap()
+    );
+    assert_eq!(
+        a.events_after(None, 0, 100).unwrap(),
+        b.events_after(None, 0, 100).unwrap()
+    );
+    assert_eq!(
+        a.list_webhooks(None).unwrap(),
+        b.list_webhooks(None).unwrap()
+    );
+    assert_eq!(
+        a.unfinished_template_builds().unwrap(),
+        b.unfinished_template_builds().unwrap()
+    );
+    assert_eq!(a.latest_event_seq().unwrap(), b.latest_event_seq().unwrap());
+    assert_eq!(
+        a.list_volume_snapshots("team-a", "vol_1").unwrap(),
+        b.list_volume_snapshots("team-a", "vol_1").unwrap()
+    );
+    // The sequences go on after the copied numbers.
+    let next = b
+        .insert_event("team-a", "sandbox.created", "sb_new", "{}", T0 + 9)
+        .unwrap();
+    assert_eq!(next, a.latest_event_seq().unwrap() + 1);
+    b.insert_calls(&[call("call_new", "team-a", CallKind::Exec, None, T0)])
+        .unwrap();
+    assert_eq!(
+        b.list_calls("team-a", None, None, Some(1)).unwrap()[0].id,
+        "call_new"
+    );
+
+    // A second run refuses, naming what the target holds, and changes nothing.
+    let err = locker_store::copy_sqlite_to_postgres(&dir.db(), url).unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        matches!(err, StoreError::Conflict(_))
+            && msg.contains("already holds")
+            && msg.contains("tenants"),
+        "{msg}"
+    );
+    assert_eq!(target.row("SELECT COUNT(*) FROM tenants"), "2");
+}
+
+#[test]
+fn a_failed_copy_leaves_the_target_empty() {
+    let dir = TempDir::new();
+    {
+        let s = open(&dir);
+        fill_every_table(s.as_ref());
+    }
+    // A row Postgres refuses (its CHECK), late in the copy: nothing may stay behind.
+    let c = rusqlite::Connection::open(dir.db()).unwrap();
+    c.execute_batch("PRAGMA ignore_check_constraints = ON; UPDATE template_builds SET state = 'weird' WHERE id = 'bld_2';")
+        .unwrap();
+    drop(c);
+    let target = Db::new(Backend::Postgres);
+    let Db::Postgres { url, .. } = &target else {
+        unreachable!()
+    };
+    let err = locker_store::copy_sqlite_to_postgres(&dir.db(), url).unwrap_err();
+    assert!(err.to_string().contains("check"), "{err}");
+    for table in ["tenants", "api_keys", "sandboxes", "calls", "events"] {
+        assert_eq!(
+            target.row(&format!("SELECT COUNT(*) FROM {table}")),
+            "0",
+            "{table}"
+        );
+    }
+    // Fixed at the source, the copy then goes through.
+    let c = rusqlite::Connection::open(dir.db()).unwrap();
+    c.execute(
+        "UPDATE template_builds SET state = 'failed' WHERE id = 'bld_2'",
+        [],
+    )
+    .unwrap();
+    drop(c);
+    assert!(
+        locker_store::copy_sqlite_to_postgres(&dir.db(), url)
+            .unwrap()
+            .total()
+            > 40
+    );
+}
+
+/// Every behaviour test on the Sqlite store.
+mod sqlite {
+    #[test]
+    fn tenants_are_validated_and_unique() {
+        super::tenants_are_validated_and_unique(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn keys_authenticate_revoke_and_are_stored_only_as_hashes() {
+        super::keys_authenticate_revoke_and_are_stored_only_as_hashes(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn chosen_keys_are_idempotent_and_guarded() {
+        super::chosen_keys_are_idempotent_and_guarded(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn sandboxes_are_isolated_between_tenants() {
+        super::sandboxes_are_isolated_between_tenants(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn update_round_trips_every_field() {
+        super::update_round_trips_every_field(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn list_filters_by_state_and_metadata() {
+        super::list_filters_by_state_and_metadata(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn lifecycle_queries_and_soft_delete() {
+        super::lifecycle_queries_and_soft_delete(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
+        super::usage_counts_calls_and_sandbox_seconds_in_the_window(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn call_records_strip_output_filter_and_isolate() {
+        super::call_records_strip_output_filter_and_isolate(super::Backend::Sqlite)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn recorder_batches_a_thousand_records_without_waiting() {
+        super::recorder_batches_a_thousand_records_without_waiting(super::Backend::Sqlite).await
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn recorder_drops_on_a_full_queue_and_survives_bad_records() {
+        super::recorder_drops_on_a_full_queue_and_survives_bad_records(super::Backend::Sqlite).await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn recorder_writes_what_is_queued_when_dropped() {
+        super::recorder_writes_what_is_queued_when_dropped(super::Backend::Sqlite).await
+    }
+
+    #[test]
+    fn concurrent_use_from_several_threads() {
+        super::concurrent_use_from_several_threads(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn snapshots_are_isolated_between_tenants_and_survive_reopen() {
+        super::snapshots_are_isolated_between_tenants_and_survive_reopen(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn volumes_have_unique_names_per_tenant_and_are_isolated() {
+        super::volumes_have_unique_names_per_tenant_and_are_isolated(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn code_cells_are_recorded_beside_execs_newest_first() {
+        super::code_cells_are_recorded_beside_execs_newest_first(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn events_grow_prune_and_feed_webhook_cursors() {
+        super::events_grow_prune_and_feed_webhook_cursors(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
+        super::call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome(super::Backend::Sqlite)
+    }
+}
+
+/// Every behaviour test on the Postgres store.
+mod postgres {
+    #[test]
+    fn tenants_are_validated_and_unique() {
+        super::tenants_are_validated_and_unique(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn keys_authenticate_revoke_and_are_stored_only_as_hashes() {
+        super::keys_authenticate_revoke_and_are_stored_only_as_hashes(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn chosen_keys_are_idempotent_and_guarded() {
+        super::chosen_keys_are_idempotent_and_guarded(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn sandboxes_are_isolated_between_tenants() {
+        super::sandboxes_are_isolated_between_tenants(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn update_round_trips_every_field() {
+        super::update_round_trips_every_field(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn list_filters_by_state_and_metadata() {
+        super::list_filters_by_state_and_metadata(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn lifecycle_queries_and_soft_delete() {
+        super::lifecycle_queries_and_soft_delete(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
+        super::usage_counts_calls_and_sandbox_seconds_in_the_window(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn call_records_strip_output_filter_and_isolate() {
+        super::call_records_strip_output_filter_and_isolate(super::Backend::Postgres)
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn recorder_batches_a_thousand_records_without_waiting() {
+        super::recorder_batches_a_thousand_records_without_waiting(super::Backend::Postgres).await
+    }
+
+    #[tokio::test(flavor = "current_thread")]
+    async fn recorder_drops_on_a_full_queue_and_survives_bad_records() {
+        super::recorder_drops_on_a_full_queue_and_survives_bad_records(super::Backend::Postgres)
+            .await
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn recorder_writes_what_is_queued_when_dropped() {
+        super::recorder_writes_what_is_queued_when_dropped(super::Backend::Postgres).await
+    }
+
+    #[test]
+    fn concurrent_use_from_several_threads() {
+        super::concurrent_use_from_several_threads(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn snapshots_are_isolated_between_tenants_and_survive_reopen() {
+        super::snapshots_are_isolated_between_tenants_and_survive_reopen(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn volumes_have_unique_names_per_tenant_and_are_isolated() {
+        super::volumes_have_unique_names_per_tenant_and_are_isolated(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn code_cells_are_recorded_beside_execs_newest_first() {
+        super::code_cells_are_recorded_beside_execs_newest_first(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn events_grow_prune_and_feed_webhook_cursors() {
+        super::events_grow_prune_and_feed_webhook_cursors(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome() {
+        super::call_pages_follow_a_cursor_and_filter_by_key_kind_and_outcome(
+            super::Backend::Postgres,
+        )
+    }
 }

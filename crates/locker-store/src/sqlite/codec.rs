@@ -5,32 +5,8 @@
 
 use rusqlite::ErrorCode;
 
-use crate::error::{Result, StoreError};
-use crate::model::parse_rfc3339;
-
-pub(super) fn to_i64(what: &str, v: u64) -> Result<i64> {
-    i64::try_from(v).map_err(|_| StoreError::Invalid(format!("{what} = {v} is too large")))
-}
-
-pub(super) fn from_i64(what: &str, v: i64) -> Result<u64> {
-    u64::try_from(v).map_err(|_| StoreError::Corrupt(format!("{what} is negative ({v})")))
-}
-
-pub(super) fn unix_of(what: &str, s: &str) -> Result<i64> {
-    parse_rfc3339(s).ok_or_else(|| {
-        StoreError::Invalid(format!(
-            "{what} {s:?} is not an RFC 3339 time such as 2026-11-30T12:00:00Z"
-        ))
-    })
-}
-
-pub(super) fn to_json<T: serde::Serialize>(what: &str, v: &T) -> Result<String> {
-    serde_json::to_string(v).map_err(|e| StoreError::Invalid(format!("{what}: {e}")))
-}
-
-pub(super) fn from_json<T: serde::de::DeserializeOwned>(what: &str, s: &str) -> Result<T> {
-    serde_json::from_str(s).map_err(|e| StoreError::Corrupt(format!("{what}: {e}")))
-}
+pub(super) use crate::codec::{from_i64, from_json, to_i64, to_json, unix_of};
+use crate::error::StoreError;
 
 /// Maps a uniqueness violation to `Conflict` with `msg`, anything else unchanged.
 pub(super) fn conflict_on_unique(e: rusqlite::Error, msg: impl FnOnce() -> String) -> StoreError {

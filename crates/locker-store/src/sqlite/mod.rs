@@ -17,13 +17,13 @@
 
 mod builds;
 mod calls;
-mod codec;
+pub(crate) mod codec;
 mod events;
-mod sandboxes;
+pub(crate) mod sandboxes;
 mod schema;
 mod secrets;
 mod snapshots;
-mod tenants;
+pub(crate) mod tenants;
 mod volumes;
 
 use std::collections::HashMap;

@@ -14,36 +14,36 @@ use crate::error::{Result, StoreError};
 use crate::model::{now_unix, SandboxRecord, SandboxState};
 use crate::Tombstone;
 
-const SANDBOX_COLUMNS: &str = "id, tenant, state, template, template_digest, runtime, cpus, \
+pub(crate) const SANDBOX_COLUMNS: &str = "id, tenant, state, template, template_digest, runtime, cpus, \
     memory_mb, disk_mb, network, volumes, metadata, env, ttl_s, idle_timeout_s, created_at, \
     expires_at, last_active_at, machine_dir, cpu_ms, peak_memory_bytes, preview_token, public_ports";
-const LIVE_STATES: &str = "('starting','running','paused')";
+pub(crate) const LIVE_STATES: &str = "('starting','running','paused')";
 
 /// A sandbox row as SQLite gives it, before the fallible conversions.
-struct RawSandbox {
-    id: String,
-    tenant: String,
-    state: String,
-    template: String,
-    template_digest: String,
-    runtime: String,
-    cpus: f64,
-    memory_mb: i64,
-    disk_mb: i64,
-    network: String,
-    volumes: String,
-    metadata: String,
-    env: String,
-    ttl_s: i64,
-    idle_timeout_s: Option<i64>,
-    created_at: String,
-    expires_at: String,
-    last_active_at: String,
-    machine_dir: String,
-    cpu_ms: i64,
-    peak_memory_bytes: i64,
-    preview_token: String,
-    public_ports: String,
+pub(crate) struct RawSandbox {
+    pub(crate) id: String,
+    pub(crate) tenant: String,
+    pub(crate) state: String,
+    pub(crate) template: String,
+    pub(crate) template_digest: String,
+    pub(crate) runtime: String,
+    pub(crate) cpus: f64,
+    pub(crate) memory_mb: i64,
+    pub(crate) disk_mb: i64,
+    pub(crate) network: String,
+    pub(crate) volumes: String,
+    pub(crate) metadata: String,
+    pub(crate) env: String,
+    pub(crate) ttl_s: i64,
+    pub(crate) idle_timeout_s: Option<i64>,
+    pub(crate) created_at: String,
+    pub(crate) expires_at: String,
+    pub(crate) last_active_at: String,
+    pub(crate) machine_dir: String,
+    pub(crate) cpu_ms: i64,
+    pub(crate) peak_memory_bytes: i64,
+    pub(crate) preview_token: String,
+    pub(crate) public_ports: String,
 }
 
 /// Reads a row selected with [`SANDBOX_COLUMNS`], in that order.
@@ -75,7 +75,7 @@ fn raw_sandbox(r: &Row<'_>) -> rusqlite::Result<RawSandbox> {
     })
 }
 
-fn decode_sandbox(r: RawSandbox) -> Result<SandboxRecord> {
+pub(crate) fn decode_sandbox(r: RawSandbox) -> Result<SandboxRecord> {
     let ctx = |field: &str| format!("sandbox {} {field}", r.id);
     Ok(SandboxRecord {
         state: r
@@ -111,26 +111,26 @@ fn decode_sandbox(r: RawSandbox) -> Result<SandboxRecord> {
 }
 
 /// A sandbox record turned into column values, checked.
-struct SandboxColumns<'a> {
-    s: &'a SandboxRecord,
-    state: &'static str,
-    network: String,
-    volumes: String,
-    metadata: String,
-    env: String,
-    memory_mb: i64,
-    disk_mb: i64,
-    ttl_s: i64,
-    idle_timeout_s: Option<i64>,
-    cpu_ms: i64,
-    peak_memory_bytes: i64,
-    public_ports: String,
-    created_unix: i64,
-    expires_unix: i64,
-    last_active_unix: i64,
+pub(crate) struct SandboxColumns<'a> {
+    pub(crate) s: &'a SandboxRecord,
+    pub(crate) state: &'static str,
+    pub(crate) network: String,
+    pub(crate) volumes: String,
+    pub(crate) metadata: String,
+    pub(crate) env: String,
+    pub(crate) memory_mb: i64,
+    pub(crate) disk_mb: i64,
+    pub(crate) ttl_s: i64,
+    pub(crate) idle_timeout_s: Option<i64>,
+    pub(crate) cpu_ms: i64,
+    pub(crate) peak_memory_bytes: i64,
+    pub(crate) public_ports: String,
+    pub(crate) created_unix: i64,
+    pub(crate) expires_unix: i64,
+    pub(crate) last_active_unix: i64,
 }
 
-fn encode_sandbox(s: &SandboxRecord) -> Result<SandboxColumns<'_>> {
+pub(crate) fn encode_sandbox(s: &SandboxRecord) -> Result<SandboxColumns<'_>> {
     if s.id.is_empty() {
         return Err(StoreError::Invalid("a sandbox needs an id".into()));
     }

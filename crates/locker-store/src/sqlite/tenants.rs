@@ -19,19 +19,19 @@ use crate::random::{fill_random, hex, new_api_key};
 
 /// The longest clear key `authenticate` hashes; longer ones cannot exist (see
 /// `add_key_with_secret`), so they are refused without work.
-const MAX_KEY_LEN: usize = 1024;
+pub(crate) const MAX_KEY_LEN: usize = 1024;
 
-fn hash_key(clear_key: &str) -> [u8; 32] {
+pub(crate) fn hash_key(clear_key: &str) -> [u8; 32] {
     Sha256::digest(clear_key.as_bytes()).into()
 }
 
-fn new_key_id() -> Result<String> {
+pub(crate) fn new_key_id() -> Result<String> {
     let mut buf = [0u8; 12];
     fill_random(&mut buf)?;
     Ok(format!("key_{}", hex(&buf)))
 }
 
-fn validate_clear_key(key: &str) -> Result<()> {
+pub(crate) fn validate_clear_key(key: &str) -> Result<()> {
     if key.is_empty() || key.len() > MAX_KEY_LEN || !key.bytes().all(|b| b.is_ascii_graphic()) {
         return Err(StoreError::Invalid(format!(
             "an API key must be 1 to {MAX_KEY_LEN} printable ASCII characters without spaces \

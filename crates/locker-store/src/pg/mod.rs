@@ -1,0 +1,719 @@
+//! The Postgres store: one database shared by every `locker serve` that points at it
+//! (`--database postgres://…`), so that several hosts can share one control plane.
+//!
+//! Owns: its schema and migrations (`schema`), its connections, its SQL (one module per
+//! concern, as the SQLite store has them), and its authentication cache. It follows the
+//! [`Store`] contract and the SQLite store's behaviour exactly; the store tests run on both.
+//!
+//! Connections: the [`Store`] trait is synchronous and is called from inside the tokio
+//! runtime (request handlers, on worker threads of a multi-threaded runtime, and in tests
+//! on current-thread runtimes). A driver's blocking facade (the `postgres` crate) cannot run
+//! there: it blocks on a runtime of its own and panics inside another one; and
+//! `block_in_place` is only allowed on a multi-threaded runtime. So the store owns
+//! [`POOL_SIZE`] threads, each with one connection (the `postgres` crate's blocking client,
+//! which drives tokio-postgres on a small runtime of that thread's own, outside any other
+//! runtime). A method sends its work to them over a channel and waits for the answer, the
+//! way a SQLite call waits for the disk: the calling thread blocks and no runtime is
+//! entered twice. A thread whose connection broke connects again before its next job.
+//!
+//! Ordering across writers: `calls.seq` and `events.seq` come from sequences, and readers
+//! page and follow cursors by them. A sequence hands out numbers at insert, not at commit,
+//! so two writers could commit out of order and a reader could step over the slower one's
+//! row. Inserts into those two tables therefore take a transaction-level advisory lock
+//! first (one per table), which makes commit order equal sequence order, as SQLite's single
+//! writer does.
+//!
+//! The authentication cache holds a key for at most [`AUTH_CACHE_TTL`]: a revoke purges
+//! this process's cache at once, and another server sharing the database stops accepting
+//! the key within that time.
+
+mod calls;
+pub(crate) mod copy;
+mod events;
+mod objects;
+mod sandboxes;
+mod schema;
+mod tenants;
+
+use std::collections::HashMap;
+use std::panic::AssertUnwindSafe;
+use std::sync::atomic::AtomicU64;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
+use std::time::{Duration, Instant};
+
+use postgres::error::SqlState;
+use postgres::types::ToSql;
+use postgres::{Client, NoTls, Row, Statement};
+
+use crate::error::{Result, StoreError};
+use crate::model::{
+    CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
+    TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
+};
+use crate::{SecretRecord, SnapshotRecord, Store, Tombstone};
+
+pub use schema::PG_SCHEMA_VERSION;
+
+/// Connections (and threads) per store.
+pub const POOL_SIZE: usize = 4;
+/// How long a key stays answered from memory (see the module docs).
+pub const AUTH_CACHE_TTL: Duration = Duration::from_secs(2);
+/// The advisory lock of [`PgStore::claim_single_server`].
+const SERVER_LOCK: i64 = 0x006c_6f63_6b73_7276; // "locksrv"
+/// How long connecting may take before a call fails.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Work for a connection thread.
+type Job = Box<dyn FnOnce(&mut Conn) + Send>;
+
+/// One connection and its prepared statements, owned by one thread of the store.
+pub(crate) struct Conn {
+    config: postgres::Config,
+    target: String,
+    client: Option<Client>,
+    statements: HashMap<String, Statement>,
+}
+
+/// The [`Store`] on a Postgres database. See the module docs for its connections.
+pub struct PgStore {
+    target: String,
+    jobs: Mutex<Sender<Job>>,
+    /// SHA-256 of a clear key → who it is, and since when it is cached.
+    auth_cache: RwLock<HashMap<[u8; 32], (Principal, Instant)>>,
+    /// Bumped by every revoke (see `SqliteStore`'s field of the same name).
+    auth_generation: AtomicU64,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("target", &self.target)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A Postgres URL without its password, for messages and logs.
+pub fn redact_url(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let (auth, host) = match rest.rsplit_once('@') {
+        Some((a, h)) => (Some(a), h),
+        None => (None, rest),
+    };
+    match auth {
+        Some(a) => {
+            let user = a.split_once(':').map_or(a, |(u, _)| u);
+            format!("{scheme}://{user}@{host}")
+        }
+        None => url.to_owned(),
+    }
+}
+
+/// Whether `s` names a Postgres database (`postgres://…` or `postgresql://…`).
+pub fn is_postgres_url(s: &str) -> bool {
+    s.starts_with("postgres://") || s.starts_with("postgresql://")
+}
+
+impl Conn {
+    fn client(&mut self) -> Result<&mut Client> {
+        if self.client.as_ref().is_some_and(|c| c.is_closed()) {
+            self.client = None;
+            self.statements.clear();
+        }
+        if self.client.is_none() {
+            let c = self
+                .config
+                .connect(NoTls)
+                .map_err(|source| StoreError::PgConnect {
+                    target: self.target.clone(),
+                    source,
+                })?;
+            self.client = Some(c);
+        }
+        Ok(self.client.as_mut().expect("connected above"))
+    }
+
+    fn statement(&mut self, sql: &str) -> Result<Statement> {
+        if let Some(st) = self.statements.get(sql) {
+            return Ok(st.clone());
+        }
+        let st = self.client()?.prepare(sql)?;
+        self.statements.insert(sql.to_owned(), st.clone());
+        Ok(st)
+    }
+
+    /// Rows of `sql` (prepared once per connection).
+    pub(crate) fn query(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Vec<Row>> {
+        let st = self.statement(sql)?;
+        Ok(self.client()?.query(&st, params)?)
+    }
+
+    /// The row of `sql`, if any.
+    pub(crate) fn query_opt(
+        &mut self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>> {
+        let st = self.statement(sql)?;
+        Ok(self.client()?.query_opt(&st, params)?)
+    }
+
+    /// The one row of `sql`.
+    pub(crate) fn query_one(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<Row> {
+        let st = self.statement(sql)?;
+        Ok(self.client()?.query_one(&st, params)?)
+    }
+
+    /// How many rows `sql` changed.
+    pub(crate) fn execute(&mut self, sql: &str, params: &[&(dyn ToSql + Sync)]) -> Result<u64> {
+        let st = self.statement(sql)?;
+        Ok(self.client()?.execute(&st, params)?)
+    }
+
+    /// Statements without parameters (DDL, `BEGIN`), not prepared.
+    pub(crate) fn batch(&mut self, sql: &str) -> Result<()> {
+        Ok(self.client()?.batch_execute(sql)?)
+    }
+
+    /// Runs `f` in one transaction: committed if it returns `Ok`, rolled back otherwise.
+    pub(crate) fn transaction<T>(&mut self, f: impl FnOnce(&mut Conn) -> Result<T>) -> Result<T> {
+        self.batch("BEGIN")?;
+        match f(self) {
+            Ok(v) => {
+                self.batch("COMMIT")?;
+                Ok(v)
+            }
+            Err(e) => {
+                if self.batch("ROLLBACK").is_err() {
+                    // A connection that cannot roll back is not reused.
+                    self.client = None;
+                }
+                Err(e)
+            }
+        }
+    }
+}
+
+/// The same error for a Postgres uniqueness violation as the SQLite store gives.
+pub(crate) fn conflict_on_unique(e: StoreError, msg: impl FnOnce() -> String) -> StoreError {
+    match &e {
+        StoreError::Postgres(pe) if pe.code() == Some(&SqlState::UNIQUE_VIOLATION) => {
+            StoreError::Conflict(msg())
+        }
+        _ => e,
+    }
+}
+
+/// One connection thread: runs jobs until the store is dropped.
+fn worker(jobs: Arc<Mutex<Receiver<Job>>>, mut conn: Conn) {
+    loop {
+        let job = {
+            let rx = jobs.lock().unwrap_or_else(PoisonError::into_inner);
+            rx.recv()
+        };
+        let Ok(job) = job else { return };
+        if std::panic::catch_unwind(AssertUnwindSafe(|| job(&mut conn))).is_err() {
+            // The connection may be inside a transaction the panic left open.
+            conn.client = None;
+            conn.statements.clear();
+        }
+    }
+}
+
+impl PgStore {
+    /// Connects to the database at `url` (`postgres://user:password@host:port/db`; the
+    /// other forms tokio-postgres reads work too) and brings its schema up to
+    /// [`PG_SCHEMA_VERSION`]. The database must exist; its tables are created here.
+    ///
+    /// `PgConnect` if it cannot be reached, `PgSchemaTooNew` if a newer Locker wrote it.
+    pub fn connect(url: &str) -> Result<PgStore> {
+        let target = redact_url(url);
+        let mut config: postgres::Config = url.parse().map_err(|e| {
+            StoreError::Invalid(format!(
+                "--database {target}: {e} (write it as postgres://USER:PASSWORD@HOST:PORT/DB)"
+            ))
+        })?;
+        if config.get_connect_timeout().is_none() {
+            config.connect_timeout(CONNECT_TIMEOUT);
+        }
+        if config.get_application_name().is_none() {
+            config.application_name("locker");
+        }
+        let (tx, rx) = mpsc::channel::<Job>();
+        let rx = Arc::new(Mutex::new(rx));
+        for i in 0..POOL_SIZE {
+            let conn = Conn {
+                config: config.clone(),
+                target: target.clone(),
+                client: None,
+                statements: HashMap::new(),
+            };
+            let rx = Arc::clone(&rx);
+            std::thread::Builder::new()
+                .name(format!("locker-pg-{i}"))
+                .spawn(move || worker(rx, conn))
+                .map_err(|e| StoreError::Unavailable(format!("cannot start a thread: {e}")))?;
+        }
+        let store = PgStore {
+            target,
+            jobs: Mutex::new(tx),
+            auth_cache: RwLock::new(HashMap::new()),
+            auth_generation: AtomicU64::new(0),
+        };
+        // On a connection thread too: this may be called inside a runtime (the server's).
+        store.run(schema::migrate)?;
+        Ok(store)
+    }
+
+    /// Claims the database for this process alone, for as long as it runs: until fleet
+    /// mode's nodes exist, a second `locker serve` on the same database would take the
+    /// first one's live sandboxes for machines it lost (it cannot reach them) and end them.
+    /// A session-level advisory lock on one of the store's connections: Postgres drops it
+    /// when this process (or that connection) goes. `Conflict` if another process holds it.
+    pub fn claim_single_server(&self) -> Result<()> {
+        let target = self.target.clone();
+        self.run(move |c| {
+            let got: bool = c
+                .query_one("SELECT pg_try_advisory_lock($1)", &[&SERVER_LOCK])?
+                .try_get(0)?;
+            if got {
+                return Ok(());
+            }
+            let holder: Option<String> = c
+                .query_opt(
+                    "SELECT a.pid::text || ' from ' || COALESCE(host(a.client_addr), 'a local socket')
+                     FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid
+                     WHERE l.locktype = 'advisory' AND l.granted
+                       AND l.objid = ($1::bigint & 4294967295)::oid LIMIT 1",
+                    &[&SERVER_LOCK],
+                )?
+                .map(|r| r.try_get(0))
+                .transpose()?;
+            Err(StoreError::Conflict(format!(
+                "another locker serve already uses the Postgres database {target} (its \
+                 session: {}): one server per database until fleet mode's nodes exist \
+                 (docs/operations.md, \"Fleet mode\"); stop it first or pass another --database",
+                holder.as_deref().unwrap_or("unknown")
+            )))
+        })
+    }
+
+    /// The database's URL without its password.
+    pub fn target(&self) -> &str {
+        &self.target
+    }
+
+    /// The schema version of the database.
+    pub fn schema_version(&self) -> Result<i64> {
+        self.run(|c| {
+            Ok(
+                c.query_one("SELECT COALESCE(MAX(version), 0) FROM schema_version", &[])?
+                    .try_get(0)?,
+            )
+        })
+    }
+
+    /// Runs `f` on one of the store's connections and waits for its answer.
+    pub(crate) fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut Conn) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
+        let (reply, answer) = mpsc::sync_channel(1);
+        let job: Job = Box::new(move |conn| {
+            let _ = reply.send(f(conn));
+        });
+        self.jobs
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .send(job)
+            .map_err(|_| StoreError::Unavailable("the store's connections are closed".into()))?;
+        answer.recv().map_err(|_| {
+            StoreError::Unavailable("a database call panicked; see the server's log".into())
+        })?
+    }
+}
+
+/// `Option<&str>` → owned, for a job.
+fn own(s: Option<&str>) -> Option<String> {
+    s.map(str::to_owned)
+}
+
+impl Store for PgStore {
+    // ---- tenants and keys ----
+
+    fn ensure_tenant(&self, name: &str) -> Result<()> {
+        let name = name.to_owned();
+        self.run(move |c| tenants::ensure_tenant(c, &name))
+    }
+
+    fn create_tenant(&self, name: &str) -> Result<()> {
+        let name = name.to_owned();
+        self.run(move |c| tenants::create_tenant(c, &name))
+    }
+
+    fn tenant_exists(&self, name: &str) -> Result<bool> {
+        let name = name.to_owned();
+        self.run(move |c| tenants::tenant_exists(c, &name))
+    }
+
+    fn list_tenants(&self) -> Result<Vec<String>> {
+        self.run(tenants::list_tenants)
+    }
+
+    fn create_key(&self, tenant: &str) -> Result<(KeyInfo, String)> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| tenants::create_key(c, &tenant))
+    }
+
+    fn add_key_with_secret(&self, tenant: &str, clear_key: &str) -> Result<KeyInfo> {
+        let (tenant, key) = (tenant.to_owned(), clear_key.to_owned());
+        self.run(move |c| tenants::add_key_with_secret(c, &tenant, &key))
+    }
+
+    fn authenticate(&self, clear_key: &str) -> Result<Option<Principal>> {
+        tenants::authenticate(self, clear_key)
+    }
+
+    fn revoke_key(&self, key_id: &str) -> Result<bool> {
+        tenants::revoke_key(self, key_id)
+    }
+
+    fn list_keys(&self, tenant: &str) -> Result<Vec<KeyInfo>> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| tenants::list_keys(c, &tenant))
+    }
+
+    // ---- sandboxes ----
+
+    fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
+        let s = s.clone();
+        self.run(move |c| sandboxes::insert_sandbox(c, &s))
+    }
+
+    fn get_sandbox(&self, tenant: &str, id: &str) -> Result<Option<SandboxRecord>> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| sandboxes::get_sandbox(c, Some(&tenant), &id))
+    }
+
+    fn get_sandbox_any(&self, id: &str) -> Result<Option<SandboxRecord>> {
+        let id = id.to_owned();
+        self.run(move |c| sandboxes::get_sandbox(c, None, &id))
+    }
+
+    fn list_sandboxes(
+        &self,
+        tenant: &str,
+        state: Option<SandboxState>,
+        metadata: &[(String, String)],
+    ) -> Result<Vec<SandboxRecord>> {
+        let (tenant, metadata) = (tenant.to_owned(), metadata.to_vec());
+        self.run(move |c| sandboxes::list_sandboxes(c, &tenant, state, &metadata))
+    }
+
+    fn update_sandbox(&self, s: &SandboxRecord) -> Result<()> {
+        let s = s.clone();
+        self.run(move |c| sandboxes::update_sandbox(c, &s))
+    }
+
+    fn set_sandbox_state_at(&self, id: &str, state: SandboxState, now: i64) -> Result<()> {
+        let id = id.to_owned();
+        self.run(move |c| sandboxes::set_sandbox_state_at(c, &id, state, now))
+    }
+
+    fn touch_sandbox(&self, id: &str, at: i64) -> Result<()> {
+        let id = id.to_owned();
+        self.run(move |c| sandboxes::touch_sandbox(c, &id, at))
+    }
+
+    fn delete_sandbox_at(&self, id: &str, now: i64) -> Result<bool> {
+        let id = id.to_owned();
+        self.run(move |c| sandboxes::end_sandbox_at(c, &id, now, None))
+    }
+
+    fn end_sandbox_at(&self, id: &str, now: i64, cause: &str) -> Result<bool> {
+        let (id, cause) = (id.to_owned(), cause.to_owned());
+        self.run(move |c| sandboxes::end_sandbox_at(c, &id, now, Some(&cause)))
+    }
+
+    fn tombstone_at(&self, tenant: &str, id: &str, now: i64) -> Result<Option<Tombstone>> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| sandboxes::tombstone_at(c, &tenant, &id, now))
+    }
+
+    fn list_live_sandboxes(&self) -> Result<Vec<SandboxRecord>> {
+        self.run(sandboxes::list_live_sandboxes)
+    }
+
+    fn count_running(&self, tenant: &str) -> Result<u64> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| sandboxes::count_running(c, &tenant))
+    }
+
+    fn sum_memory_mb(&self, tenant: &str) -> Result<u64> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| sandboxes::sum_memory_mb(c, &tenant))
+    }
+
+    fn sum_disk_mb(&self, tenant: &str) -> Result<u64> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| sandboxes::sum_disk_mb(c, &tenant))
+    }
+
+    fn expired_sandboxes(&self, now: i64) -> Result<Vec<String>> {
+        self.run(move |c| sandboxes::expired_sandboxes(c, now))
+    }
+
+    fn idle_sandboxes(&self, now: i64) -> Result<Vec<String>> {
+        self.run(move |c| sandboxes::idle_sandboxes(c, now))
+    }
+
+    // ---- snapshots ----
+
+    fn insert_snapshot(&self, snap: &SnapshotRecord) -> Result<()> {
+        let snap = snap.clone();
+        self.run(move |c| objects::insert_snapshot(c, &snap))
+    }
+
+    fn get_snapshot(&self, tenant: &str, id: &str) -> Result<Option<SnapshotRecord>> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| objects::get_record(c, "snapshots", &tenant, &id))
+    }
+
+    fn list_snapshots(&self, tenant: &str) -> Result<Vec<SnapshotRecord>> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| objects::list_snapshots(c, &tenant))
+    }
+
+    fn delete_snapshot(&self, tenant: &str, id: &str) -> Result<bool> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| objects::delete_row(c, "snapshots", &tenant, &id))
+    }
+
+    // ---- volumes ----
+
+    fn insert_volume(&self, v: &VolumeRecord) -> Result<()> {
+        let v = v.clone();
+        self.run(move |c| objects::insert_volume(c, &v))
+    }
+
+    fn get_volume(&self, tenant: &str, id_or_name: &str) -> Result<Option<VolumeRecord>> {
+        let (tenant, id) = (tenant.to_owned(), id_or_name.to_owned());
+        self.run(move |c| objects::get_volume(c, &tenant, &id))
+    }
+
+    fn list_volumes(&self, tenant: &str) -> Result<Vec<VolumeRecord>> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| objects::list_volumes(c, Some(&tenant)))
+    }
+
+    fn list_all_volumes(&self) -> Result<Vec<VolumeRecord>> {
+        self.run(move |c| objects::list_volumes(c, None))
+    }
+
+    fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| objects::delete_volume(c, &tenant, &id))
+    }
+
+    fn insert_volume_snapshot(&self, snap: &VolumeSnapshotRecord) -> Result<()> {
+        let snap = snap.clone();
+        self.run(move |c| objects::insert_volume_snapshot(c, &snap))
+    }
+
+    fn get_volume_snapshot(&self, tenant: &str, id: &str) -> Result<Option<VolumeSnapshotRecord>> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| objects::get_record(c, "volume_snapshots", &tenant, &id))
+    }
+
+    fn list_volume_snapshots(
+        &self,
+        tenant: &str,
+        volume_id: &str,
+    ) -> Result<Vec<VolumeSnapshotRecord>> {
+        let (tenant, volume_id) = (tenant.to_owned(), volume_id.to_owned());
+        self.run(move |c| objects::list_volume_snapshots(c, &tenant, &volume_id))
+    }
+
+    fn delete_volume_snapshot(&self, tenant: &str, id: &str) -> Result<bool> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| objects::delete_row(c, "volume_snapshots", &tenant, &id))
+    }
+
+    // ---- template builds ----
+
+    fn put_template_build(&self, id: &str, tenant: &str, state: &str, record: &str) -> Result<()> {
+        let (id, tenant, state, record) = (
+            id.to_owned(),
+            tenant.to_owned(),
+            state.to_owned(),
+            record.to_owned(),
+        );
+        self.run(move |c| objects::put_template_build(c, &id, &tenant, &state, &record))
+    }
+
+    fn get_template_build(&self, tenant: &str, id: &str) -> Result<Option<String>> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| objects::get_template_build(c, &tenant, &id))
+    }
+
+    fn unfinished_template_builds(&self) -> Result<Vec<(String, String)>> {
+        self.run(objects::unfinished_template_builds)
+    }
+
+    fn list_template_builds(&self, tenant: &str, limit: u32) -> Result<Vec<String>> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| objects::list_template_builds(c, &tenant, limit))
+    }
+
+    // ---- call records and usage ----
+
+    fn insert_calls(&self, calls: &[CallRecord]) -> Result<()> {
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let rows = calls::encode(calls)?;
+        self.run(move |c| calls::insert_calls(c, &rows))
+    }
+
+    fn list_calls(
+        &self,
+        tenant: &str,
+        sandbox_id: Option<&str>,
+        volume_id: Option<&str>,
+        limit: Option<u32>,
+    ) -> Result<Vec<CallRecord>> {
+        let q = crate::CallQuery {
+            sandbox_id: own(sandbox_id),
+            volume_id: own(volume_id),
+            limit,
+            ..Default::default()
+        };
+        Ok(self.list_calls_page(tenant, &q)?.calls)
+    }
+
+    fn list_calls_page(&self, tenant: &str, q: &crate::CallQuery) -> Result<crate::CallPage> {
+        let (tenant, q) = (tenant.to_owned(), q.clone());
+        self.run(move |c| calls::list_calls_page(c, &tenant, &q))
+    }
+
+    fn usage_at(&self, tenant: &str, since: Option<i64>, now: i64) -> Result<TenantUsage> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| calls::usage_at(c, &tenant, since, now))
+    }
+
+    // ---- lifecycle events and webhooks ----
+
+    fn insert_event(
+        &self,
+        tenant: &str,
+        kind: &str,
+        subject: &str,
+        data: &str,
+        at: i64,
+    ) -> Result<u64> {
+        let (tenant, kind, subject, data) = (
+            tenant.to_owned(),
+            kind.to_owned(),
+            subject.to_owned(),
+            data.to_owned(),
+        );
+        self.run(move |c| events::insert_event(c, &tenant, &kind, &subject, &data, at))
+    }
+
+    fn events_after(
+        &self,
+        tenant: Option<&str>,
+        after: u64,
+        limit: u32,
+    ) -> Result<Vec<EventRecord>> {
+        let tenant = own(tenant);
+        self.run(move |c| events::events_after(c, tenant.as_deref(), after, limit))
+    }
+
+    fn latest_event_seq(&self) -> Result<u64> {
+        self.run(events::latest_event_seq)
+    }
+
+    fn prune_events(&self, before: i64, keep: u64) -> Result<u64> {
+        self.run(move |c| events::prune_events(c, before, keep))
+    }
+
+    fn insert_webhook(&self, webhook: &WebhookRecord) -> Result<WebhookRecord> {
+        let w = webhook.clone();
+        self.run(move |c| events::insert_webhook(c, &w))
+    }
+
+    fn list_webhooks(&self, tenant: Option<&str>) -> Result<Vec<WebhookRecord>> {
+        let tenant = own(tenant);
+        self.run(move |c| events::list_webhooks(c, tenant.as_deref()))
+    }
+
+    fn delete_webhook(&self, tenant: &str, id: &str) -> Result<bool> {
+        let (tenant, id) = (tenant.to_owned(), id.to_owned());
+        self.run(move |c| events::delete_webhook(c, &tenant, &id))
+    }
+
+    fn set_webhook_cursor(&self, id: &str, seq: u64) -> Result<()> {
+        let id = id.to_owned();
+        self.run(move |c| events::set_webhook_cursor(c, &id, seq))
+    }
+
+    fn put_sandbox_times(&self, id: &str, times: &SandboxTimes) -> Result<()> {
+        let (id, t) = (id.to_owned(), times.clone());
+        self.run(move |c| events::put_sandbox_times(c, &id, &t))
+    }
+
+    fn sandbox_times(&self, id: &str) -> Result<Option<SandboxTimes>> {
+        let id = id.to_owned();
+        self.run(move |c| events::sandbox_times(c, &id))
+    }
+
+    // ---- secrets ----
+
+    fn insert_secret(&self, s: &SecretRecord) -> Result<()> {
+        let s = s.clone();
+        self.run(move |c| objects::insert_secret(c, &s))
+    }
+
+    fn get_secret(&self, tenant: &str, name: &str) -> Result<Option<SecretRecord>> {
+        let (tenant, name) = (tenant.to_owned(), name.to_owned());
+        self.run(move |c| Ok(objects::list_secrets(c, &tenant, Some(&name))?.pop()))
+    }
+
+    fn list_secrets(&self, tenant: &str) -> Result<Vec<SecretRecord>> {
+        let tenant = tenant.to_owned();
+        self.run(move |c| objects::list_secrets(c, &tenant, None))
+    }
+
+    fn update_secret(&self, s: &SecretRecord) -> Result<bool> {
+        let s = s.clone();
+        self.run(move |c| objects::update_secret(c, &s))
+    }
+
+    fn delete_secret(&self, tenant: &str, name: &str) -> Result<bool> {
+        let (tenant, name) = (tenant.to_owned(), name.to_owned());
+        self.run(move |c| objects::delete_secret(c, &tenant, &name))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn urls_lose_their_password_in_messages() {
+        assert_eq!(
+            redact_url("postgres://locker:s3cret@db:5432/locker"),
+            "postgres://locker@db:5432/locker"
+        );
+        assert_eq!(redact_url("postgres://db/locker"), "postgres://db/locker");
+        assert_eq!(
+            redact_url("postgresql://u:p@ss@h/d"),
+            "postgresql://u@h/d",
+            "a password holding '@'"
+        );
+        assert!(is_postgres_url("postgresql://h/d") && !is_postgres_url("/var/lib/x.sqlite"));
+    }
+}
