@@ -34,7 +34,7 @@ pub use model::{
 };
 pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
-pub use model::{CallOutcome, CallPage, CallQuery};
+pub use model::{CallOutcome, CallPage, CallQuery, SandboxPage, SandboxQuery};
 pub use model::{EventRecord, SandboxTimes, WebhookRecord};
 pub use random::{fill_random, new_id, new_preview_token, API_KEY_PREFIX, PREVIEW_TOKEN_PREFIX};
 pub use recorder::{CallRecorder, RecorderStats, BATCH_MAX, BATCH_WINDOW, QUEUE_CAPACITY};
@@ -122,6 +122,10 @@ pub trait Store: Send + Sync {
         state: Option<SandboxState>,
         metadata: &[(String, String)],
     ) -> Result<Vec<SandboxRecord>>;
+
+    /// A page of the tenant's sandboxes (see [`SandboxQuery`]) and how many match in all:
+    /// what a list of a thousand sandboxes shows fifty at a time.
+    fn list_sandboxes_page(&self, tenant: &str, q: &SandboxQuery) -> Result<SandboxPage>;
 
     /// Replaces a sandbox's record (matched by id and tenant). Moving it to `stopped` or
     /// `failed` marks the time it ended, for usage. `NotFound` if missing or deleted.
