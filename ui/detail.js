@@ -5,6 +5,7 @@
 import { api, get, post, qs, download } from './api.js';
 import { h, fill, toast, fmtMs, fmtS, fmtPct, rel, time } from './dom.js';
 import { pill, actions, act } from './pages.js';
+import { stackedBars } from './charts.js';
 
 export async function sandbox(main, params, id) {
   const enc = encodeURIComponent(id);
@@ -41,7 +42,8 @@ export async function sandbox(main, params, id) {
         kv('Active / idle / paused', u.active_s === undefined ? '—' : `${fmtS(u.active_s)} / ${fmtS(u.idle_s)} / ${fmtS(u.paused_s)}`),
         kv('Labels', h('span', { id: 'labels' }, Object.entries(sb.metadata || {}).map(([k, v]) => h('div', { class: 'mono' }, `${k}=${v}`)))),
         sb.failure ? kv('Failure', h('span', { class: 'bad' }, sb.failure)) : null,
-        sb.preview_url ? kv('Preview URL', h('span', { class: 'mono' }, sb.preview_url)) : null));
+        sb.preview_url ? kv('Preview URL', h('span', { class: 'mono' }, sb.preview_url)) : null),
+      gapsOf(u.call_gaps));
     return sb;
   }
   const tabs = {
@@ -66,6 +68,27 @@ export async function sandbox(main, params, id) {
     wants: (e) => e.subject === id,
     leave: () => term?.close(),
   };
+}
+
+/** A bound of the call-gap histogram, in seconds, as a short label. */
+function gapLabel(le) {
+  if (le === null || le === undefined) return 'longer';
+  return le < 60 ? `≤${le} s` : `≤${le / 60} min`;
+}
+
+/**
+ * The histogram of the gaps between this sandbox's calls (`usage.call_gaps`): how long it
+ * sat idle between one call and the next, to choose an idle pause from data.
+ */
+function gapsOf(gaps) {
+  if (!Array.isArray(gaps)) return null;
+  const n = gaps.reduce((a, g) => a + (g.count || 0), 0);
+  const body = n
+    ? [stackedBars(gaps.map((g) => ({ label: gapLabel(g.le), values: { count: g.count || 0 } })),
+      [{ key: 'count', name: 'gaps', color: '#2b6cb0' }], (v) => String(Math.round(v))),
+    h('p', { class: 'muted' }, `${n} gap(s) between calls. An idle pause longer than most of them pauses the sandbox only while the agent is really away.`)]
+    : h('p', { class: 'muted' }, 'No gaps yet: the histogram starts with its second call.');
+  return h('div', { class: 'card', id: 'call-gaps' }, h('h2', null, 'Gaps between calls'), body);
 }
 
 function kv(k, v) {

@@ -33,7 +33,7 @@ export async function signin(main) {
     ev.preventDefault();
     auth.set(input.value.trim());
     try {
-      await api('GET', '/v1/sandboxes', { signingIn: true });
+      await api('GET', '/v1/sandboxes?limit=1', { signingIn: true });
       location.hash = '#/sandboxes';
       window.dispatchEvent(new Event('locker-signed-in'));
     } catch (e) {
@@ -52,22 +52,83 @@ export async function signin(main) {
 }
 
 // ---- sandboxes ----
-export async function sandboxes(main) {
+/** Rows a page of the sandboxes list holds. */
+export const PAGE_SIZE = 50;
+
+/** `key=value` as the list's `metadata.key=value` filter; null when there is no `=`. */
+function labelFilter(label) {
+  const i = label.indexOf('=');
+  return i > 0 ? { [`metadata.${label.slice(0, i).trim()}`]: label.slice(i + 1) } : null;
+}
+
+export async function sandboxes(main, params) {
+  // One page at a time, newest first, read from the server with `limit`/`offset`: the first
+  // screen costs the same with 1,000 sandboxes as with 10, and so does each live refresh.
+  const filters = { state: params.get('state') || '', label: params.get('label') || '' };
+  let pageNo = Math.max(1, Number.parseInt(params.get('page') || '1', 10) || 1);
+  let pages = 1;
   const tbody = h('tbody', { id: 'sandboxes' });
-  const count = h('span', { class: 'muted' });
-  const form = createForm(() => refresh());
+  const count = h('span', { class: 'muted', id: 'sandbox-count' });
+  const form = createForm(() => { pageNo = 1; return refresh(); });
+  const state = h('select', { name: 'state' }, ['', 'running', 'paused', 'starting', 'failed', 'stopped'].map((o) => h('option', { value: o }, o || 'any')));
+  state.value = filters.state;
+  const label = h('input', { name: 'label', placeholder: 'key=value', size: 16, value: filters.label });
+  const filterForm = h('form', { class: 'row filters', id: 'sandbox-filters', on: { submit: (ev) => {
+    ev.preventDefault();
+    const l = label.value.trim();
+    if (l && !labelFilter(l)) { toast('A label filter is key=value.', true); return; }
+    const p = new URLSearchParams();
+    if (state.value) p.set('state', state.value);
+    if (l) p.set('label', l);
+    location.hash = `#/sandboxes${p.toString() ? `?${p}` : ''}`;
+  } } },
+  h('label', null, 'State', state), h('label', null, 'Label', label), h('button', { type: 'submit' }, 'Filter'));
+  const btn = (id, text, to) => {
+    const b = h('button', { type: 'button', id }, text);
+    b.addEventListener('click', () => act(b, async () => { pageNo = to(); await refresh(); }));
+    return b;
+  };
+  const firstBtn = btn('sb-first', '« Newest', () => 1);
+  const prevBtn = btn('sb-prev', '← Newer', () => pageNo - 1);
+  const nextBtn = btn('sb-next', 'Older →', () => pageNo + 1);
+  const lastBtn = btn('sb-last', 'Oldest »', () => pages);
+  const pageInfo = h('span', { class: 'muted', id: 'sb-page' });
   fill(main,
     h('h1', null, 'Sandboxes ', count),
     form,
+    h('div', { class: 'pager' }, filterForm, firstBtn, prevBtn, nextBtn, lastBtn, pageInfo),
     h('div', { class: 'tablewrap' }, h('table', null,
       h('thead', null, h('tr', null, h('th', null, 'Sandbox'), h('th', null, 'State'), h('th', { class: 'hide-sm' }, 'Runtime'),
         h('th', { class: 'hide-sm' }, 'Template'), h('th', { class: 'hide-sm' }, 'Limits'), h('th', null, 'TTL'),
         h('th', { class: 'num' }, 'Idle'), h('th', { class: 'hide-sm' }, 'Labels'), h('th', null, ''))),
       tbody)));
   async function refresh() {
-    const list = (await get('/v1/sandboxes')).sandboxes || [];
-    fill(count, `(${list.length})`);
-    fill(tbody, list.length ? list.map(row) : h('tr', null, h('td', { colspan: 9, class: 'muted' }, 'No sandboxes yet: create one above.')));
+    const q = { limit: PAGE_SIZE, offset: (pageNo - 1) * PAGE_SIZE, order: 'newest', state: filters.state, ...labelFilter(filters.label) };
+    const r = await get(`/v1/sandboxes${qs(q)}`);
+    const list = r.sandboxes || [];
+    const total = r.total ?? list.length;
+    pages = Math.max(1, Math.ceil(total / PAGE_SIZE));
+    // The page emptied under us (deletes): show the last one there is.
+    if (pageNo > pages) { pageNo = pages; return refresh(); }
+    const filtered = filters.state || filters.label;
+    fill(count, `(${total}${filtered ? ' matching' : ''})`);
+    fill(tbody, list.length ? list.map(row) : h('tr', null, h('td', { colspan: 9, class: 'muted' },
+      filtered ? 'No sandboxes match.' : 'No sandboxes yet: create one above.')));
+    firstBtn.disabled = prevBtn.disabled = pageNo <= 1;
+    nextBtn.disabled = lastBtn.disabled = pageNo >= pages;
+    fill(pageInfo, `page ${pageNo} of ${pages}`);
+    // A reload stays on this page (no hashchange, so no new route).
+    const p = new URLSearchParams();
+    if (filters.state) p.set('state', filters.state);
+    if (filters.label) p.set('label', filters.label);
+    if (pageNo > 1) p.set('page', pageNo);
+    const hash = `#/sandboxes${p.toString() ? `?${p}` : ''}`;
+    if (location.hash !== hash && location.hash.startsWith('#/sandboxes')) history.replaceState(null, '', hash);
+    if (!window.__lockerSandboxesFirstScreen) {
+      window.__lockerSandboxesFirstScreen = performance.now();
+      performance.mark('locker-sandboxes-first-screen');
+    }
+    return null;
   }
   function row(sb) {
     const open = () => { location.hash = `#/sandboxes/${encodeURIComponent(sb.id)}`; };
@@ -340,7 +401,7 @@ export async function usage(main) {
     const [all, series, list] = await Promise.all([
       get('/v1/usage'),
       get(`/v1/usage/series${qs({ since: now - n * step })}`),
-      get('/v1/sandboxes'),
+      get(`/v1/sandboxes${qs({ limit: PAGE_SIZE, order: 'newest' })}`),
     ]);
     const buckets = bucketize(series.intervals || [], now, step, n);
     const timeSeries = [{ key: 'active_s', name: 'active', color: '#2b6cb0' }, { key: 'idle_s', name: 'idle', color: '#ecc94b' }, { key: 'paused_s', name: 'paused', color: '#a0aec0' }];
@@ -357,6 +418,7 @@ export async function usage(main) {
       h('div', { class: 'card', id: 'usage-cpu' }, stackedBars(buckets, [{ key: 'cpu_ms', name: 'CPU', color: '#38a169' }], fmtMs)),
       h('p', { class: 'muted' }, `Sampled every ${series.interval_s} s since ${time(series.since)} (the series starts again when the server restarts; the totals above do not).`),
       h('h2', null, 'Per sandbox'),
+      (list.total ?? sbs.length) > sbs.length ? h('p', { class: 'muted' }, `The ${sbs.length} newest of ${list.total} sandboxes (each sandbox's page has its own figures).`) : null,
       h('div', { class: 'tablewrap' }, h('table', null,
         h('thead', null, h('tr', null, h('th', null, 'Sandbox'), h('th', { class: 'num' }, 'CPU'), h('th', { class: 'num' }, 'Active'), h('th', { class: 'num' }, 'Idle'), h('th', { class: 'num' }, 'Paused'), h('th', { class: 'num' }, 'Idle fraction'))),
         h('tbody', null, sbs.map((sb) => {

@@ -28,6 +28,7 @@ mod secrets;
 mod server;
 mod snapshots;
 mod stats;
+mod ui;
 mod vm_volumes;
 
 use std::path::PathBuf;
@@ -43,7 +44,7 @@ use crate::stats::Row;
 #[command(name = "locker-bench")]
 pub struct Args {
     /// Groups to run, comma-separated: jail, peers, server, burst, density, runs, snapshots,
-    /// microvm, microvm-volumes, ports, jobs, code, soak, images, sdk, secrets (default: all).
+    /// microvm, microvm-volumes, ports, jobs, code, soak, images, sdk, secrets, ui (default: all).
     #[arg(long, value_delimiter = ',')]
     pub only: Vec<String>,
     /// Measured iterations of every row (default: 200 for fast operations, 50 for creates).
@@ -88,6 +89,13 @@ pub struct Args {
     /// Measured pause/wake cycles of the ports rows (after one warm-up cycle).
     #[arg(long, default_value_t = 20)]
     pub wake_cycles: usize,
+    /// Idle sandboxes the ui group fills one tenant with before it lists them and loads
+    /// the dashboard's sandboxes page (needs 10 GiB of memory available above 300).
+    #[arg(long, default_value_t = 1000)]
+    pub ui_sandboxes: usize,
+    /// Cold loads of the dashboard per tenant in the ui group (headless Chromium).
+    #[arg(long, default_value_t = 10)]
+    pub ui_loads: usize,
     /// Where the results (JSON, Markdown, SVG) go.
     #[arg(long, default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/results"))]
     pub out_dir: PathBuf,
@@ -99,7 +107,7 @@ pub struct Args {
     pub no_favordynmods: bool,
 }
 
-const GROUPS: [&str; 16] = [
+const GROUPS: [&str; 17] = [
     "jail",
     "peers",
     "server",
@@ -116,6 +124,7 @@ const GROUPS: [&str; 16] = [
     "images",
     "sdk",
     "secrets",
+    "ui",
 ];
 
 impl Args {
@@ -370,6 +379,14 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== secrets: HTTPS through the egress proxy with a secret put in (intercepted) beside passed through by SNI ==");
         secrets::rows(args, rows)?;
+    }
+    if args.wants("ui") {
+        check_stop()?;
+        println!(
+            "== ui: the dashboard with {} sandboxes: the list answer, whole and paged, and the sandboxes page loaded cold in Chromium ==",
+            args.ui_sandboxes
+        );
+        ui::rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

@@ -2,6 +2,8 @@
 // real server tests/ui.rs started. Run by tests/ui.rs with:
 //   LOCKER_URL, LOCKER_API_KEY       the server and a key of tenant `default`
 //   LOCKER_BULK_KEY                  a key of a tenant holding 100 000 call records
+//   LOCKER_MANY_KEY, LOCKER_MANY     a key of a tenant holding that many real sandboxes
+//                                    (every tenth labelled group=tenth, every 40th paused)
 //   LOCKER_VOLUME                    a volume of tenant `default` with `old.txt` in it
 //   UI_SHOTS                         where the screenshots go (docs/ui)
 //   UI_BENCH                         where the figures go (bench/results/ui.json)
@@ -14,14 +16,17 @@ import { writeFileSync, mkdirSync } from 'node:fs';
 import { dirname, join } from 'node:path';
 import { loadavg, cpus } from 'node:os';
 import { chromium } from 'playwright-core';
+import { coldLoads, percentile } from './loads.mjs';
 
 const URL_ = process.env.LOCKER_URL;
 const KEY = process.env.LOCKER_API_KEY;
 const BULK = process.env.LOCKER_BULK_KEY;
 const VOLUME = process.env.LOCKER_VOLUME;
+const MANY_KEY = process.env.LOCKER_MANY_KEY;
+const MANY = Number(process.env.LOCKER_MANY);
 const SHOTS = process.env.UI_SHOTS;
 const BENCH = process.env.UI_BENCH;
-for (const [k, v] of Object.entries({ URL_, KEY, BULK, VOLUME, SHOTS, BENCH })) assert.ok(v, `${k} is set`);
+for (const [k, v] of Object.entries({ URL_, KEY, BULK, VOLUME, SHOTS, BENCH, MANY_KEY, MANY })) assert.ok(v, `${k} is set`);
 
 // The hostile strings of issue 23: markup, an attribute breakout with a handler, ANSI escapes.
 const SCRIPT = '<script>window.__pwned="script"</script>';
@@ -96,28 +101,6 @@ async function shot(page, name) {
   await page.screenshot({ path: join(SHOTS, `${name}.png`) });
 }
 
-/** Bytes (compressed, as sent) and time of a page's first load, from Resource Timing. */
-async function loadFigures(page) {
-  return page.evaluate(() => {
-    const nav = performance.getEntriesByType('navigation')[0];
-    const res = performance.getEntriesByType('resource').filter((r) => r.name.includes('/ui/'));
-    const bytes = [nav, ...res].reduce((a, r) => a + (r.transferSize || r.encodedBodySize || 0), 0);
-    // Where the time goes: the page's own request, the parse, the slowest asset.
-    return {
-      bytes,
-      assets: res.length + 1,
-      page_request_ms: Math.round(nav.responseEnd - nav.requestStart),
-      page_response_end_ms: Math.round(nav.responseEnd),
-      dom_interactive_ms: Math.round(nav.domInteractive),
-      slowest_asset_ms: Math.round(Math.max(0, ...res.map((r) => r.responseEnd - r.startTime))),
-      assets_done_ms: Math.round(Math.max(0, ...res.map((r) => r.responseEnd))),
-      dom_content_loaded_ms: nav.domContentLoadedEventEnd,
-      load_ms: nav.loadEventEnd,
-      names: res.map((r) => r.name.replace(/^.*\/ui\/v\/[0-9a-f]+\//, '')),
-    };
-  });
-}
-
 let sandboxId;
 
 test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
@@ -138,27 +121,19 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
   });
 
   await t.test('first load: under 300 KB and 200 ms on loopback', async () => {
-    // Three cold loads (fresh context each: nothing cached); the best is the figure, the
-    // others show the spread.
-    const runs = [];
-    for (let i = 0; i < 3; i++) {
-      const page = await freshPage(1280, 800, KEY);
-      const t0 = performance.now();
-      await page.goto(`${URL_}/ui/#/sandboxes`);
-      await page.waitForSelector('#sandboxes');
-      const shown = performance.now() - t0;
-      await page.waitForLoadState('load');
-      const f = await loadFigures(page);
-      runs.push({ ...f, first_screen_ms: Math.round(shown) });
-      await page.context().close();
-    }
-    const best = runs.reduce((a, b) => (a.load_ms <= b.load_ms ? a : b));
-    bench.first_load = { best, runs, load_average_1m: loadavg()[0] };
-    best.promise_met = best.bytes < 300 * 1024 && best.load_ms < 200;
-    assert.ok(best.bytes < 300 * 1024, `first load ${best.bytes} bytes`);
+    // Twelve cold loads (a fresh context each: nothing cached) of the sandboxes page, after
+    // one that is not counted (Chromium's own first start); the p50 is the figure.
+    const opts = { url: URL_, key: KEY, route: '/sandboxes', selector: '#sandboxes tr', mark: '__lockerSandboxesFirstScreen' };
+    await coldLoads(browser, { ...opts, n: 1 });
+    const r = await coldLoads(browser, { ...opts, n: 12 });
+    const bytes = Math.max(...r.runs.map((x) => x.bytes));
+    bench.first_load = { ...r, load_average_1m: loadavg()[0] };
+    bench.first_load.promise_met = bytes < 300 * 1024 && r.p50.load_ms < 200;
+    assert.ok(bytes < 300 * 1024, `first load ${bytes} bytes`);
     // The promise is 200 ms; a shared, loaded test host gets three times that before this
-    // fails (the figure and the host's load go to the bench results either way).
-    assert.ok(best.load_ms < 600, `first load ${best.load_ms} ms`);
+    // fails (the figures and the host's load go to the bench results either way).
+    assert.ok(r.p50.load_ms < 600, `first load p50 ${r.p50.load_ms} ms`);
+    assert.ok(r.runs.every((x) => x.first_screen_ms > 0), 'the page marks its first screen');
   });
 
   const page = await freshPage(1280, 800, null);
@@ -283,9 +258,19 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
   });
 
   await t.test('idle fraction renders, and moves where the server reports it', async () => {
+    // Two calls a moment apart: at least one gap between calls for the histogram.
+    for (let i = 0; i < 2; i++) await api('POST', `/v1/sandboxes/${sandboxId}/exec`, { cmd: ['true'] });
     const before = (await api('GET', `/v1/sandboxes/${sandboxId}`)).usage || {};
     await page.goto(`${URL_}/ui/#/sandboxes/${sandboxId}`);
     await page.waitForSelector('#idle-fraction');
+    if (Array.isArray(before.call_gaps)) {
+      // The gaps between its calls, drawn from `usage.call_gaps` (one bar per bucket).
+      const gaps = before.call_gaps.reduce((a, g) => a + g.count, 0);
+      assert.ok(gaps >= 1, JSON.stringify(before.call_gaps));
+      const drawn = await page.evaluate(() => [...document.querySelectorAll('#call-gaps rect[data-series=count]')].length);
+      assert.equal(drawn, before.call_gaps.filter((g) => g.count > 0).length, 'a bar per bucket with gaps');
+      assert.match(await page.textContent('#call-gaps'), new RegExp(`${gaps} gap`));
+    }
     const first = await page.textContent('#idle-fraction');
     if (typeof before.idle_fraction !== 'number') {
       assert.equal(first, '—', 'no figure from the server: the field says so');
@@ -414,6 +399,64 @@ test('the dashboard in chromium', { timeout: 600_000 }, async (t) => {
     best.promise_met = best.first_screen_ms < 500;
     // The promise is 500 ms; as above, three times that on a loaded host fails the test.
     assert.ok(best.first_screen_ms < 1500, `first screen of the calls page in ${best.first_screen_ms} ms`);
+  });
+
+  await t.test(`the sandboxes page with ${MANY} sandboxes: page 1, the last page, filters`, async () => {
+    const ids = async (q) => (await api('GET', `/v1/sandboxes?${q}`, null, MANY_KEY)).sandboxes.map((x) => x.id);
+    const pages = Math.ceil(MANY / 50);
+    const newest = await ids('order=newest&limit=50');
+    const oldestPage = await ids(`order=newest&limit=50&offset=${(pages - 1) * 50}`);
+    // The server's list answer, whole and one page, 20 times each (ms, from node).
+    const timed = async (q) => {
+      const xs = [];
+      for (let i = 0; i < 20; i++) {
+        const t0 = performance.now();
+        await api('GET', `/v1/sandboxes${q}`, null, MANY_KEY);
+        xs.push(performance.now() - t0);
+      }
+      return { p50: Math.round(percentile(xs, 50) * 10) / 10, p99: Math.round(percentile(xs, 99) * 10) / 10 };
+    };
+    const list = { all: await timed(''), page: await timed('?limit=50&order=newest') };
+    const loads = await coldLoads(browser, { url: URL_, key: MANY_KEY, route: '/sandboxes', selector: '#sandboxes tr[data-id]', mark: '__lockerSandboxesFirstScreen', n: 5 });
+    bench.sandboxes_page = { sandboxes: MANY, list_ms: list, first_screen: loads, load_average_1m: loadavg()[0] };
+
+    const p = await freshPage(1280, 800, MANY_KEY);
+    const shown = () => p.evaluate(() => [...document.querySelectorAll('#sandboxes tr[data-id]')].map((r) => r.dataset.id));
+    const info = () => p.textContent('#sb-page');
+    await p.goto(`${URL_}/ui/#/sandboxes`);
+    await p.waitForSelector('#sandboxes tr[data-id]');
+    assert.deepEqual(await shown(), newest, 'page 1 holds the 50 newest, newest first');
+    assert.equal(await info(), `page 1 of ${pages}`);
+    assert.equal(await p.textContent('#sandbox-count'), `(${MANY})`);
+    assert.equal(await p.isDisabled('#sb-prev'), true);
+    // The last page, in one click.
+    await p.click('#sb-last');
+    await waitUntil(p, (want) => document.getElementById('sb-page').textContent === want, `page ${pages} of ${pages}`);
+    assert.deepEqual(await shown(), oldestPage, 'the last page holds the oldest');
+    assert.equal(await p.isDisabled('#sb-next'), true);
+    assert.match(p.url(), new RegExp(`page=${pages}$`), 'the page number is in the fragment');
+    // A reload stays there; a step back goes one page newer.
+    await p.reload();
+    await waitUntil(p, (want) => document.getElementById('sb-page')?.textContent === want, `page ${pages} of ${pages}`);
+    await p.click('#sb-prev');
+    await waitUntil(p, (want) => document.getElementById('sb-page').textContent === want, `page ${pages - 1} of ${pages}`);
+    await shot(p, 'sandboxes-many');
+    // Filters: a label, then a state (each a new route that starts at page 1).
+    const tenth = await ids('metadata.group=tenth&order=newest');
+    await p.fill('#sandbox-filters input[name=label]', 'group=tenth');
+    await p.click('#sandbox-filters button[type=submit]');
+    await waitUntil(p, (n) => document.querySelectorAll('#sandboxes tr[data-id]').length === n && document.getElementById('sb-page').textContent === 'page 1 of 1', tenth.length);
+    assert.deepEqual(await shown(), tenth);
+    assert.equal(await p.textContent('#sandbox-count'), `(${tenth.length} matching)`);
+    const paused = await ids('state=paused&order=newest');
+    assert.ok(paused.length >= 1, 'some are paused');
+    await p.fill('#sandbox-filters input[name=label]', '');
+    await p.selectOption('#sandbox-filters select[name=state]', 'paused');
+    await p.click('#sandbox-filters button[type=submit]');
+    await waitUntil(p, (n) => document.querySelectorAll('#sandboxes tr[data-id]').length === n && !document.querySelector('#sandboxes tr[data-id] .pill:not(.paused)'), paused.length);
+    assert.deepEqual(await shown(), paused);
+    await clean(p, 'many sandboxes');
+    await p.context().close();
   });
 
   bench.host = { cpus: cpus().length, load_average_1m: loadavg()[0] };

@@ -379,39 +379,75 @@ pub fn resolve_volumes(
     Ok(out)
 }
 
+/// The most sandboxes one page of `GET /v1/sandboxes?limit=` holds.
+pub const MAX_LIST_LIMIT: u64 = 1000;
+
 async fn list(
     State(app): State<AppState>,
     caller: Caller,
     Query(pairs): Query<Vec<(String, String)>>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let mut state = None;
-    let mut meta = Vec::new();
+    let mut q = locker_store::SandboxQuery::default();
+    let number = |k: &str, v: &str| {
+        v.parse::<u64>()
+            .map_err(|_| ApiError::bad_request(format!("`{k}` must be a whole number, got {v:?}")))
+    };
     for (k, v) in pairs {
-        if k == "state" {
-            state = Some(v);
-        } else if let Some(mk) = k.strip_prefix("metadata.") {
-            meta.push((mk.to_owned(), v));
-        } else {
-            return Err(ApiError::bad_request(format!(
-                "unknown query parameter {k:?}: use state= and metadata.KEY=VALUE"
-            )));
+        match k.as_str() {
+            "state" => {
+                q.state = Some(v.parse().map_err(|_| {
+                    ApiError::bad_request(format!(
+                        "`state` must be starting, running, paused, stopped or failed, got {v:?}"
+                    ))
+                })?)
+            }
+            "limit" => {
+                let l = number("limit", &v)?;
+                if l == 0 || l > MAX_LIST_LIMIT {
+                    return Err(ApiError::bad_request(format!(
+                        "`limit` must be between 1 and {MAX_LIST_LIMIT}, got {l}"
+                    )));
+                }
+                q.limit = Some(l);
+            }
+            "offset" => q.offset = number("offset", &v)?,
+            "order" => {
+                q.newest_first = match v.as_str() {
+                    "oldest" => false,
+                    "newest" => true,
+                    _ => {
+                        return Err(ApiError::bad_request(format!(
+                            "`order` must be oldest (the default) or newest, got {v:?}"
+                        )))
+                    }
+                }
+            }
+            _ => match k.strip_prefix("metadata.") {
+                Some(mk) => q.metadata.push((mk.to_owned(), v)),
+                None => {
+                    return Err(ApiError::bad_request(format!(
+                        "unknown query parameter {k:?}: use state=, metadata.KEY=VALUE, limit=, offset= and order="
+                    )))
+                }
+            },
         }
     }
-    let state: Option<SandboxState> = match &state {
-        None => None,
-        Some(s) => Some(s.parse().map_err(|_| {
-            ApiError::bad_request(format!(
-                "`state` must be starting, running, paused, stopped or failed, got {s:?}"
-            ))
-        })?),
-    };
-    let recs = app.store.list_sandboxes(&caller.tenant, state, &meta)?;
+    let page = app.store.list_sandboxes_page(&caller.tenant, &q)?;
     let live = app.live.read().await;
-    let items: Vec<Value> = recs
+    let items: Vec<Value> = page
+        .sandboxes
         .iter()
         .map(|r| view(&app, r, live.get(&r.id).map(|l| l.as_ref())))
         .collect();
-    Ok(axum::Json(json!({ "sandboxes": items })))
+    drop(live);
+    // The offset of the next page, when a limit was given and more match.
+    let end = q.offset.saturating_add(items.len() as u64);
+    let next_offset = (q.limit.is_some() && end < page.total).then_some(end);
+    Ok(axum::Json(json!({
+        "sandboxes": items,
+        "total": page.total,
+        "next_offset": next_offset,
+    })))
 }
 
 async fn get_one(

@@ -39,7 +39,7 @@ pub use model::{
 };
 pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
-pub use model::{CallOutcome, CallPage, CallQuery};
+pub use model::{CallOutcome, CallPage, CallQuery, SandboxPage, SandboxQuery};
 pub use model::{EventRecord, SandboxTimes, WebhookRecord};
 pub use pg::copy::{copy_sqlite_to_postgres, CopyReport};
 pub use pg::{is_postgres_url, redact_url, PgStore, AUTH_CACHE_TTL, PG_SCHEMA_VERSION, POOL_SIZE};
@@ -129,6 +129,10 @@ pub trait Store: Send + Sync {
         state: Option<SandboxState>,
         metadata: &[(String, String)],
     ) -> Result<Vec<SandboxRecord>>;
+
+    /// A page of the tenant's sandboxes (see [`SandboxQuery`]) and how many match in all:
+    /// what a list of a thousand sandboxes shows fifty at a time.
+    fn list_sandboxes_page(&self, tenant: &str, q: &SandboxQuery) -> Result<SandboxPage>;
 
     /// Replaces a sandbox's record (matched by id and tenant). Moving it to `stopped` or
     /// `failed` marks the time it ended, for usage. `NotFound` if missing or deleted.

@@ -561,6 +561,26 @@ impl FromStr for CallOutcome {
     }
 }
 
+/// Which sandboxes one page of [`crate::Store::list_sandboxes_page`] holds: those of
+/// [`crate::Store::list_sandboxes`]'s filters, in creation order (newest first when
+/// `newest_first`), `limit` of them after skipping `offset`.
+#[derive(Debug, Clone, Default)]
+pub struct SandboxQuery {
+    pub state: Option<SandboxState>,
+    pub metadata: Vec<(String, String)>,
+    pub newest_first: bool,
+    pub offset: u64,
+    /// None: every one after `offset`.
+    pub limit: Option<u64>,
+}
+
+/// One page of sandboxes and how many match the query's filters in all.
+#[derive(Debug, Clone)]
+pub struct SandboxPage {
+    pub sandboxes: Vec<SandboxRecord>,
+    pub total: u64,
+}
+
 /// Which call records one page of [`crate::Store::list_calls_page`] holds.
 #[derive(Debug, Clone, Default)]
 pub struct CallQuery {

@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use locker_store::{
-    new_id, CallKind, CallRecord, CallRecorder, PgStore, SandboxRecord, SandboxState, SqliteStore,
-    Store, StoreError, TenantUsage, SCHEMA_VERSION,
+    new_id, CallKind, CallRecord, CallRecorder, PgStore, SandboxQuery, SandboxRecord,
+    SandboxState, SqliteStore, Store, StoreError, TenantUsage, SCHEMA_VERSION,
 };
 use locker_types::{rfc3339, ExecResult, Reason, Timings, Usage};
 use serde_json::json;
@@ -482,6 +482,71 @@ fn list_filters_by_state_and_metadata(b: Backend) {
     assert_eq!(ids(Some(SandboxState::Paused), &[]), ["sb_2"]);
     assert_eq!(ids(Some(SandboxState::Running), &[("team", "x")]), ["sb_1"]);
     assert!(ids(Some(SandboxState::Failed), &[]).is_empty());
+}
+
+fn sandbox_pages_count_skip_and_order(b: Backend) {
+    let dir = Db::new(b);
+    let s = dir.open();
+    s.create_tenant("a").unwrap();
+    s.create_tenant("b").unwrap();
+    // 25 of tenant a, two created in the same second (rowid breaks the tie); every third
+    // paused and labelled; one of tenant b and one deleted never show.
+    for i in 0..25 {
+        let mut sb = sandbox(&format!("sb_{i:02}"), "a", T0 + i.min(20));
+        if i % 3 == 0 {
+            sb.state = SandboxState::Paused;
+            sb.metadata.insert("third".into(), "yes".into());
+        }
+        s.insert_sandbox(&sb).unwrap();
+    }
+    s.insert_sandbox(&sandbox("sb_b", "b", T0)).unwrap();
+    s.insert_sandbox(&sandbox("sb_gone", "a", T0)).unwrap();
+    assert!(s.delete_sandbox("sb_gone").unwrap());
+    let page = |q: SandboxQuery| -> (Vec<String>, u64) {
+        let p = s.list_sandboxes_page("a", &q).unwrap();
+        (p.sandboxes.into_iter().map(|x| x.id).collect(), p.total)
+    };
+    let all: Vec<String> = (0..25).map(|i| format!("sb_{i:02}")).collect();
+    assert_eq!(page(SandboxQuery::default()), (all.clone(), 25));
+    let (first, total) = page(SandboxQuery {
+        limit: Some(10),
+        ..Default::default()
+    });
+    assert_eq!((first.as_slice(), total), (&all[..10], 25));
+    let (last, _) = page(SandboxQuery {
+        limit: Some(10),
+        offset: 20,
+        ..Default::default()
+    });
+    assert_eq!(last, &all[20..]);
+    let mut newest = all.clone();
+    newest.reverse();
+    let (head, _) = page(SandboxQuery {
+        newest_first: true,
+        limit: Some(3),
+        ..Default::default()
+    });
+    assert_eq!(
+        head,
+        &newest[..3],
+        "newest first, same-second ties by insertion"
+    );
+    let (paused, total) = page(SandboxQuery {
+        state: Some(SandboxState::Paused),
+        metadata: vec![("third".into(), "yes".into())],
+        newest_first: true,
+        offset: 1,
+        limit: Some(2),
+    });
+    assert_eq!(paused, ["sb_21", "sb_18"]);
+    assert_eq!(total, 9, "the total counts every match, not the page");
+    let (past, total) = page(SandboxQuery {
+        offset: 100,
+        limit: Some(10),
+        ..Default::default()
+    });
+    assert!(past.is_empty());
+    assert_eq!(total, 25);
 }
 
 fn lifecycle_queries_and_soft_delete(b: Backend) {
@@ -1657,6 +1722,11 @@ mod sqlite {
     }
 
     #[test]
+    fn sandbox_pages_count_skip_and_order() {
+        super::sandbox_pages_count_skip_and_order(super::Backend::Sqlite)
+    }
+
+    #[test]
     fn usage_counts_calls_and_sandbox_seconds_in_the_window() {
         super::usage_counts_calls_and_sandbox_seconds_in_the_window(super::Backend::Sqlite)
     }
@@ -1747,6 +1817,11 @@ mod postgres {
     #[test]
     fn lifecycle_queries_and_soft_delete() {
         super::lifecycle_queries_and_soft_delete(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn sandbox_pages_count_skip_and_order() {
+        super::sandbox_pages_count_skip_and_order(super::Backend::Postgres)
     }
 
     #[test]

@@ -51,7 +51,7 @@ use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
 };
-use crate::{SecretRecord, SnapshotRecord, Store, Tombstone};
+use crate::{SandboxPage, SandboxQuery, SecretRecord, SnapshotRecord, Store, Tombstone};
 
 pub use schema::PG_SCHEMA_VERSION;
 
@@ -410,6 +410,11 @@ impl Store for PgStore {
     ) -> Result<Vec<SandboxRecord>> {
         let (tenant, metadata) = (tenant.to_owned(), metadata.to_vec());
         self.run(move |c| sandboxes::list_sandboxes(c, &tenant, state, &metadata))
+    }
+
+    fn list_sandboxes_page(&self, tenant: &str, q: &SandboxQuery) -> Result<SandboxPage> {
+        let (tenant, q) = (tenant.to_owned(), q.clone());
+        self.run(move |c| sandboxes::list_sandboxes_page(c, &tenant, &q, true))
     }
 
     fn update_sandbox(&self, s: &SandboxRecord) -> Result<()> {

@@ -11,7 +11,7 @@ use super::tenants::require_tenant;
 use super::{conflict_on_unique, Conn};
 use crate::codec::from_i64;
 use crate::error::{Result, StoreError};
-use crate::model::{now_unix, SandboxRecord, SandboxState};
+use crate::model::{now_unix, SandboxPage, SandboxQuery, SandboxRecord, SandboxState};
 use crate::sqlite::sandboxes::{
     decode_sandbox, encode_sandbox, RawSandbox, SandboxColumns, LIVE_STATES, SANDBOX_COLUMNS,
 };
@@ -157,24 +157,69 @@ pub(super) fn list_sandboxes(
     state: Option<SandboxState>,
     metadata: &[(String, String)],
 ) -> Result<Vec<SandboxRecord>> {
-    let state = state.map(SandboxState::as_str);
-    let mut sql = format!(
-        "SELECT {SANDBOX_COLUMNS} FROM sandboxes
-         WHERE tenant = $1 AND deleted_unix IS NULL AND ($2::text IS NULL OR state = $2)"
-    );
+    let q = SandboxQuery {
+        state,
+        metadata: metadata.to_vec(),
+        ..Default::default()
+    };
+    Ok(list_sandboxes_page(c, tenant, &q, false)?.sandboxes)
+}
+
+/// A page of the tenant's live sandboxes (oldest or newest first, ties by insertion) and,
+/// when `count`, how many match in all.
+pub(super) fn list_sandboxes_page(
+    c: &mut Conn,
+    tenant: &str,
+    q: &SandboxQuery,
+    count: bool,
+) -> Result<SandboxPage> {
+    let state = q.state.map(SandboxState::as_str);
+    let mut filter =
+        "tenant = $1 AND deleted_unix IS NULL AND ($2::text IS NULL OR state = $2)".to_owned();
     let mut params: Vec<&(dyn ToSql + Sync)> = vec![&tenant, &state];
-    for (k, v) in metadata {
+    for (k, v) in &q.metadata {
         // Exact key and a string value equal to `v`, whatever characters either holds.
         params.push(k);
         params.push(v);
-        sql.push_str(&format!(
+        filter.push_str(&format!(
             " AND metadata::jsonb -> ${}::text = to_jsonb(${}::text)",
             params.len() - 1,
             params.len()
         ));
     }
-    sql.push_str(" ORDER BY created_unix, ord");
-    decode_rows(c.query(&sql, &params)?)
+    let order = if q.newest_first {
+        "created_unix DESC, ord DESC"
+    } else {
+        "created_unix, ord"
+    };
+    let limit: Option<i64> = q
+        .limit
+        .map(|l| {
+            i64::try_from(l).map_err(|_| StoreError::Invalid(format!("limit {l} is too large")))
+        })
+        .transpose()?;
+    let offset = i64::try_from(q.offset)
+        .map_err(|_| StoreError::Invalid(format!("offset {} is too large", q.offset)))?;
+    let n = params.len();
+    let sql = format!(
+        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE {filter} ORDER BY {order} LIMIT ${} OFFSET ${}",
+        n + 1,
+        n + 2
+    );
+    let total = if count {
+        let row = c.query_one(
+            &format!("SELECT COUNT(*) FROM sandboxes WHERE {filter}"),
+            &params,
+        )?;
+        from_i64("count", row.get::<_, i64>(0))?
+    } else {
+        0
+    };
+    params.push(&limit);
+    params.push(&offset);
+    let sandboxes = decode_rows(c.query(&sql, &params)?)?;
+    let total = if count { total } else { sandboxes.len() as u64 };
+    Ok(SandboxPage { sandboxes, total })
 }
 
 pub(super) fn update_sandbox(c: &mut Conn, s: &SandboxRecord) -> Result<()> {

@@ -232,6 +232,14 @@ impl Store for SqliteStore {
         sandboxes::list_sandboxes(self, tenant, state, metadata)
     }
 
+    fn list_sandboxes_page(
+        &self,
+        tenant: &str,
+        q: &crate::SandboxQuery,
+    ) -> Result<crate::SandboxPage> {
+        sandboxes::list_sandboxes_page(self, tenant, q)
+    }
+
     fn update_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         sandboxes::update_sandbox(self, s)
     }

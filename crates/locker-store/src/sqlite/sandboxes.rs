@@ -11,7 +11,7 @@ use super::codec::{conflict_on_unique, from_i64, from_json, to_i64, to_json, uni
 use super::tenants::require_tenant;
 use super::SqliteStore;
 use crate::error::{Result, StoreError};
-use crate::model::{now_unix, SandboxRecord, SandboxState};
+use crate::model::{now_unix, SandboxPage, SandboxQuery, SandboxRecord, SandboxState};
 use crate::Tombstone;
 
 pub(crate) const SANDBOX_COLUMNS: &str = "id, tenant, state, template, template_digest, runtime, cpus, \
@@ -306,15 +306,14 @@ pub(super) fn get_sandbox_any(db: &SqliteStore, id: &str) -> Result<Option<Sandb
     read_sandbox(db, "id = ?1 AND deleted_unix IS NULL", &[id])
 }
 
-pub(super) fn list_sandboxes(
-    db: &SqliteStore,
-    tenant: &str,
+/// The `WHERE` clause of a tenant's listed sandboxes (not deleted, optionally in `state`,
+/// with every metadata pair) and its arguments, the tenant first.
+fn list_filter<'a>(
+    tenant: &'a str,
     state: Option<SandboxState>,
-    metadata: &[(String, String)],
-) -> Result<Vec<SandboxRecord>> {
-    let mut sql = format!(
-        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE tenant = ?1 AND deleted_unix IS NULL"
-    );
+    metadata: &'a [(String, String)],
+) -> (String, Vec<&'a str>) {
+    let mut sql = String::from("tenant = ?1 AND deleted_unix IS NULL");
     let mut args: Vec<&str> = vec![tenant];
     if let Some(st) = state {
         args.push(st.as_str());
@@ -332,8 +331,65 @@ pub(super) fn list_sandboxes(
             args.len()
         ));
     }
-    sql.push_str(" ORDER BY created_unix, rowid");
+    (sql, args)
+}
+
+pub(super) fn list_sandboxes(
+    db: &SqliteStore,
+    tenant: &str,
+    state: Option<SandboxState>,
+    metadata: &[(String, String)],
+) -> Result<Vec<SandboxRecord>> {
+    let (filter, args) = list_filter(tenant, state, metadata);
+    let sql = format!(
+        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE {filter} ORDER BY created_unix, rowid"
+    );
     read_sandboxes(db, &sql, &args)
+}
+
+pub(super) fn list_sandboxes_page(
+    db: &SqliteStore,
+    tenant: &str,
+    q: &SandboxQuery,
+) -> Result<SandboxPage> {
+    let (filter, args) = list_filter(tenant, q.state, &q.metadata);
+    let order = if q.newest_first {
+        "created_unix DESC, rowid DESC"
+    } else {
+        "created_unix, rowid"
+    };
+    // SQLite reads a negative LIMIT as none.
+    let limit = match q.limit {
+        Some(l) => to_i64("limit", l)?,
+        None => -1,
+    };
+    let offset = to_i64("offset", q.offset)?;
+    let n = args.len();
+    let sql = format!(
+        "SELECT {SANDBOX_COLUMNS} FROM sandboxes WHERE {filter} ORDER BY {order} LIMIT ?{} OFFSET ?{}",
+        n + 1,
+        n + 2
+    );
+    let count = format!("SELECT COUNT(*) FROM sandboxes WHERE {filter}");
+    db.read(|c| {
+        let mut bound: Vec<&dyn ToSql> = args.iter().map(|a| a as &dyn ToSql).collect();
+        bound.push(&limit);
+        bound.push(&offset);
+        let raws = c
+            .prepare_cached(&sql)?
+            .query_map(bound.as_slice(), raw_sandbox)?
+            .collect::<rusqlite::Result<Vec<_>>>()?;
+        let total: i64 = c
+            .prepare_cached(&count)?
+            .query_row(params_from_iter(&args), |r| r.get(0))?;
+        Ok(SandboxPage {
+            sandboxes: raws
+                .into_iter()
+                .map(decode_sandbox)
+                .collect::<Result<_>>()?,
+            total: from_i64("count", total)?,
+        })
+    })
 }
 
 pub(super) fn update_sandbox(db: &SqliteStore, s: &SandboxRecord) -> Result<()> {
