@@ -88,8 +88,10 @@ pub async fn send(
     send_to(&Target::from(live), start, method, path, body).await
 }
 
-/// How long a warm machine may take to start its driver and spare kernel.
-const PRESTART_DEADLINE: Duration = Duration::from_secs(90);
+/// How long a warm machine may take to start its driver and spare kernel: long, since it is
+/// made in the background and a microVM under TCG on a busy host took over 90 s (Python and
+/// ipykernel's imports, translated).
+const PRESTART_DEADLINE: Duration = Duration::from_secs(600);
 
 /// Starts the driver of a machine not yet a sandbox's (the warm pool's) and a spare Python
 /// kernel in it, returning once the kernel is ready: the machine's first context takes it.
@@ -112,7 +114,7 @@ pub async fn prestart(machine: &Machine) -> Result<(), String> {
         ),
     )
     .await
-    .map_err(|_| "the code driver's spare kernel did not start in 90 s".to_string())?;
+    .map_err(|_| "the code driver's spare kernel did not start in 600 s".to_string())?;
     let resp = asked
         .map_err(|e| e.message)?
         .ok_or_else(|| "the code driver did not start".to_string())?;
