@@ -820,6 +820,104 @@ fn a_new_sandboxs_first_context_takes_a_kernel_started_before_the_sandbox() {
     }
 }
 
+/// Prints the kernel's identity: its connection key, its session id and a first draw of
+/// its random generator (the three things a kernel restored from a shared memory image
+/// would have in common with every other).
+const KERNEL_IDENTITY: &str = "import json as __j, random as __r\n\
+    from ipykernel import get_connection_file as __f\n\
+    print(__j.load(open(__f()))['key'], get_ipython().kernel.session.session, __r.getrandbits(64))";
+
+/// Creates microVM sandboxes of `body` until one's first cell (the default context) runs in
+/// a kernel started before the sandbox was asked for; the others are deleted. Returns its
+/// id, the time from the create to the cell's answer, and the kernel's age.
+fn pooled_microvm(t: &Tenant, api: &Api, body: &Value) -> (String, f64, f64) {
+    // Under TCG on a busy host a microVM's kernel takes minutes to start (cold or pooled).
+    let deadline = Instant::now() + Duration::from_secs(1200);
+    loop {
+        let asked = Instant::now();
+        let id = t.sandbox(body);
+        let r = run(
+            api,
+            &id,
+            &json!({ "code": KERNEL_AGE, "timeout_ms": 600_000 }),
+        );
+        let took = asked.elapsed().as_secs_f64();
+        let age: f64 = r["stdout"]
+            .as_str()
+            .unwrap_or("")
+            .trim()
+            .parse()
+            .unwrap_or_else(|_| panic!("a kernel's age: {r}"));
+        if age > took + 0.05 {
+            return (id, took, age);
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no microVM came with a kernel started before it (last: {took:.3} s, kernel {age:.3} s old)"
+        );
+        api.delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete a sandbox that was not pooled");
+        std::thread::sleep(Duration::from_secs(2));
+    }
+}
+
+#[test]
+fn a_new_microvms_first_cell_takes_a_kernel_of_its_own_started_before_the_sandbox() {
+    template();
+    let t = Tenant::new();
+    let api = t.api().with_timeout(Duration::from_secs(900));
+    // A shape of its own (768 MB), so that other tests' microVMs do not take its pooled ones.
+    // The first create puts the shape in demand; the pool then keeps a microVM restored,
+    // warmed, with the driver and a spare kernel started in it.
+    let body = json!({ "template": "code-interpreter", "runtime": "microvm", "memory_mb": 768 });
+    let (a, took, age) = pooled_microvm(&t, &api, &body);
+    eprintln!("a pooled microVM kernel: create + first cell {took:.3} s, kernel {age:.1} s old");
+    let (b, took_b, age_b) = pooled_microvm(&t, &api, &body);
+    eprintln!("another: create + first cell {took_b:.3} s, kernel {age_b:.1} s old");
+    // Each has its own kernel: connection key, session and random state.
+    let ids: Vec<String> = [&a, &b]
+        .iter()
+        .map(|id| {
+            let r = run(&api, id, &json!({ "code": KERNEL_IDENTITY }));
+            let out = r["stdout"].as_str().unwrap().trim().to_owned();
+            assert_eq!(out.split(' ').count(), 3, "{r}");
+            out
+        })
+        .collect();
+    for (x, y) in ids[0].split(' ').zip(ids[1].split(' ')) {
+        assert_ne!(x, y, "two pooled kernels share an identity: {ids:?}");
+    }
+    // Nothing leaks between them, and state persists in each.
+    run(&api, &a, &json!({ "code": "leak = 'only in a'" }));
+    let other = run(&api, &b, &json!({ "code": "leak" }));
+    assert_eq!(other["error"]["name"], "NameError", "{other}");
+    let same = run(&api, &a, &json!({ "code": "leak" }));
+    assert_eq!(same["results"][0]["text"], "'only in a'", "{same}");
+    // A sandbox with an environment of its own gets no pooled kernel (its kernels start
+    // with it), and still runs cells.
+    let asked = Instant::now();
+    let with_env = t.sandbox(&json!({
+        "template": "code-interpreter", "runtime": "microvm", "memory_mb": 768,
+        "env": { "LOCKER_OWN": "1" },
+    }));
+    let r = run(
+        &api,
+        &with_env,
+        &json!({
+            "code": format!("{KERNEL_AGE}\nprint(os.environ['LOCKER_OWN'])"),
+            "timeout_ms": 600_000,
+        }),
+    );
+    let out = r["stdout"].as_str().unwrap().to_owned();
+    let (age, own) = out.split_once('\n').unwrap();
+    let age: f64 = age.parse().unwrap();
+    assert!(
+        age < asked.elapsed().as_secs_f64(),
+        "its kernel started after its create: {age}"
+    );
+    assert_eq!(own, "1\n", "the sandbox's env in its kernel: {r}");
+}
+
 #[test]
 fn cells_are_recorded_in_the_call_records() {
     let (_t, api, id) = code_sandbox();
@@ -996,4 +1094,132 @@ fn a_fork_of_a_microvm_sandbox_carries_its_contexts_and_a_jails_starts_without_t
             assert_eq!(fresh["results"][0]["text"], "2", "{fresh}");
         }
     }
+}
+
+/// The wheels of bash_kernel and of its one dependency the template lacks (`filetype`;
+/// `pexpect` and `ipykernel` are Debian's, in the template), from PyPI (`pip download` on
+/// the host, kept in the target dir), for a sandbox to install; None when PyPI is
+/// unreachable.
+fn bash_kernel_wheels() -> Option<Vec<(String, Vec<u8>)>> {
+    use locker_tests::tools::{pypi_unreachable, run_logged, target_dir};
+    let dir = target_dir().join("code/bash-kernel");
+    let wheels = || -> Vec<(String, std::path::PathBuf)> {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            return Vec::new();
+        };
+        entries
+            .flatten()
+            .filter_map(|e| {
+                let name = e.file_name().to_string_lossy().into_owned();
+                name.ends_with(".whl").then_some((name, e.path()))
+            })
+            .collect()
+    };
+    if wheels().len() < 2 {
+        let (ok, log) = run_logged(std::process::Command::new("python3").args([
+            "-m",
+            "pip",
+            "download",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+            "--only-binary",
+            ":all:",
+            "--dest",
+            dir.to_str().expect("utf-8 path"),
+            "bash_kernel",
+            "filetype",
+        ]));
+        if !ok {
+            if pypi_unreachable(&log) {
+                eprintln!("SKIP: bash_kernel cannot be downloaded, PyPI is unreachable:\n{log}");
+                return None;
+            }
+            panic!("pip download bash_kernel filetype failed:\n{log}");
+        }
+    }
+    let found = wheels();
+    assert_eq!(found.len(), 2, "pip left two wheels: {found:?}");
+    Some(
+        found
+            .into_iter()
+            .map(|(name, path)| (name, std::fs::read(path).expect("read a wheel")))
+            .collect(),
+    )
+}
+
+#[test]
+fn a_bash_context_runs_on_bash_kernel_installed_from_pypi() {
+    let (_t, api, id) = code_sandbox();
+    // The template has no bash kernel: the answer says how to get one.
+    let no = api
+        .post(
+            &format!("/v1/sandboxes/{id}/contexts"),
+            &json!({ "language": "bash" }),
+        )
+        .expect_error(400, "bad_request", "a bash context without bash_kernel");
+    assert!(no.contains("pip install") && no.contains("bash_kernel"), "{no}");
+    let Some(wheels) = bash_kernel_wheels() else {
+        return;
+    };
+    for (name, wheel) in &wheels {
+        let put = api.write_file(&id, &format!("/tmp/{name}"), wheel);
+        assert!((200..300).contains(&put.status), "upload: {}", put.text());
+    }
+    let r = api.exec(
+        &id,
+        &json!({
+            "shell": "pip install --quiet --break-system-packages --no-index --no-deps /tmp/*.whl \
+                      && python3 -m bash_kernel.install --sys-prefix",
+            "user": "root",
+        }),
+    );
+    assert_eq!(r["exit_code"], 0, "install bash_kernel: {r}");
+    let ctx = new_context(
+        &api,
+        &id,
+        &json!({ "language": "bash", "cwd": "/tmp", "env": { "CTX_VAR": "from the context" } }),
+    );
+    // State (shell variables, the working directory) persists between cells.
+    let a = run_in(&api, &id, &ctx, "x=41\necho \"$PWD $CTX_VAR\"");
+    assert_eq!(a["reason"], "finished", "{a}");
+    assert_eq!(a["stdout"], "/tmp from the context\n", "{a}");
+    let b = run_in(&api, &id, &ctx, "cd /etc; echo $((x + 1))");
+    assert_eq!(b["stdout"], "42\n", "{b}");
+    assert_eq!(run_in(&api, &id, &ctx, "pwd")["stdout"], "/etc\n");
+    // A cell's env holds for that cell only, quotes and all.
+    let c = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "echo \"$CELL_VAR\"", "env": { "CELL_VAR": "it's $HOME" } }),
+    );
+    assert_eq!(c["stdout"], "it's $HOME\n", "{c}");
+    let d = run_in(&api, &id, &ctx, "echo ${CELL_VAR-unset}");
+    assert_eq!(d["stdout"], "unset\n", "{d}");
+    let bad = api
+        .post(
+            &format!("/v1/sandboxes/{id}/code"),
+            &json!({ "context": ctx, "code": "true", "env": { "NOT-A-NAME": "1" } }),
+        )
+        .expect_error(400, "bad_request", "an env name bash cannot set");
+    assert!(bad.contains("NOT-A-NAME"), "{bad}");
+    // A timeout interrupts the command; the shell keeps its variables.
+    let t0 = Instant::now();
+    let slow = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "sleep 60", "timeout_ms": 1000 }),
+    );
+    assert_eq!(slow["reason"], "timeout", "{slow}");
+    assert!(t0.elapsed() < Duration::from_secs(30), "{slow}");
+    let e = run_in(&api, &id, &ctx, "echo $x");
+    assert_eq!(e["stdout"], "41\n", "{e}");
+    // The language is the context's: a Python cell there is refused.
+    let wrong = api
+        .post(
+            &format!("/v1/sandboxes/{id}/code"),
+            &json!({ "context": ctx, "code": "1", "language": "python" }),
+        )
+        .expect_error(400, "bad_request", "python in a bash context");
+    assert!(wrong.contains("runs bash"), "{wrong}");
 }

@@ -1,8 +1,8 @@
 //! Issue 18's code interpreter rows, over HTTP against a real server with the
 //! `code-interpreter` template: a warm cell `x + 1`, a new sandbox's first cell (create +
 //! `1+1`) with a kernel the warm pool started beforehand and with a cold one (a server with
-//! `--vm-pool 0`: the driver and the kernel start in the cell), a warm matplotlib chart cell,
-//! and the memory of an idle context.
+//! `--vm-pool 0`: the driver and the kernel start in the cell), on the jail and on the
+//! microVM, a warm matplotlib chart cell, and the memory of an idle context.
 //!
 //! Owns the servers and sandboxes it starts (the tests' [`Server`] guard deletes them). It
 //! does not build the template: without it the rows are skipped and say how to build it.
@@ -20,6 +20,9 @@ use crate::{check_stop, Args};
 const WARM: &str = "code warm cell x + 1 (HTTP)";
 const FIRST_POOLED: &str = "code create + first cell 1+1, kernel pre-started (HTTP, --vm-pool 1)";
 const FIRST_COLD: &str = "code create + first cell 1+1, cold kernel (HTTP, --vm-pool 0)";
+const FIRST_VM_POOLED: &str =
+    "code microVM create + first cell 1+1, kernel pre-started (HTTP, --vm-pool 1)";
+const FIRST_VM_COLD: &str = "code microVM create + first cell 1+1, cold kernel (HTTP, --vm-pool 0)";
 const CHART: &str = "code chart cell (100-point line to PNG), warm";
 const PSS: &str = "code PSS per idle context (its kernel)";
 const FIT: &str = "code idle contexts that fit in a 512 MB sandbox";
@@ -51,9 +54,18 @@ fn post(api: &Api, path: &str, body: &Value) -> anyhow::Result<Value> {
     serde_json::from_slice(&r.body).context("not JSON")
 }
 
-/// A new `code-interpreter` sandbox; `None` when the host has no such template.
-fn create(api: &Api) -> anyhow::Result<Option<String>> {
-    let body = json!({ "template": "code-interpreter" });
+/// A jail of the `code-interpreter` template.
+fn jail() -> Value {
+    json!({ "template": "code-interpreter" })
+}
+
+/// A microVM of the `code-interpreter` template (egress `none`, as the pool makes them).
+fn microvm() -> Value {
+    json!({ "template": "code-interpreter", "runtime": "microvm" })
+}
+
+/// A new sandbox of `body`; `None` when the host has no such template.
+fn create(api: &Api, body: &Value) -> anyhow::Result<Option<String>> {
     let r = api
         .try_request(
             "POST",
@@ -89,16 +101,22 @@ fn text_of(v: &Value) -> &str {
     v["results"][0]["text"].as_str().unwrap_or("")
 }
 
-/// Create + first cell, `n` times after `warm` untimed ones, each sandbox deleted after;
-/// `gap` between creates (not counted) lets the pool refill. Returns the samples and how
-/// many of them got a kernel older than their sandbox.
-fn firsts(api: &Api, warm: usize, n: usize, gap: Duration) -> anyhow::Result<(Vec<f64>, usize)> {
+/// Create (of `body`) + first cell, `n` times after `warm` untimed ones, each sandbox
+/// deleted after; `gap` between creates (not counted) lets the pool refill. Returns the
+/// samples and how many of them got a kernel older than their sandbox.
+fn firsts(
+    api: &Api,
+    body: &Value,
+    warm: usize,
+    n: usize,
+    gap: Duration,
+) -> anyhow::Result<(Vec<f64>, usize)> {
     let (mut samples, mut pooled) = (Vec::new(), 0);
     for i in 0..warm + n {
         check_stop()?;
         std::thread::sleep(gap);
         let t0 = Instant::now();
-        let id = create(api)?.context("the code-interpreter template went away")?;
+        let id = create(api, body)?.context("the code-interpreter template went away")?;
         let v = cell(api, &id, &json!({ "code": "1+1" }))?;
         let t = t0.elapsed().as_secs_f64();
         if text_of(&v) != "2" {
@@ -123,9 +141,18 @@ fn firsts(api: &Api, warm: usize, n: usize, gap: Duration) -> anyhow::Result<(Ve
 pub fn code_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let srv = Server::start();
     let api = srv.api();
-    let Some(id) = create(&api)? else {
+    let Some(id) = create(&api, &jail())? else {
         let why = "no code-interpreter template on this host: build it with `sudo locker template build code-interpreter` (about 6 minutes, once)";
-        for name in [WARM, FIRST_POOLED, FIRST_COLD, CHART, PSS, FIT] {
+        for name in [
+            WARM,
+            FIRST_POOLED,
+            FIRST_COLD,
+            FIRST_VM_POOLED,
+            FIRST_VM_COLD,
+            CHART,
+            PSS,
+            FIT,
+        ] {
             rows.push(Row::skipped(name, why));
         }
         return Ok(());
@@ -229,12 +256,33 @@ pub fn code_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
 
     // New sandboxes' first cells: with a pre-started kernel (this server's pool) ...
     let creates = args.creates().min(30);
-    let (samples, pooled) = firsts(&api, args.create_warmup(), creates, Duration::from_secs(4))?;
+    let (samples, pooled) = firsts(
+        &api,
+        &jail(),
+        args.create_warmup(),
+        creates,
+        Duration::from_secs(4),
+    )?;
     rows.push(
         Row::new(FIRST_POOLED, "ms", samples, args.create_warmup())
             .note(format!("POST /v1/sandboxes {{\"template\": \"code-interpreter\"}} then POST …/code {{\"code\": \"1+1\"}} (the default context); {pooled} of {creates} got a kernel started before their sandbox; 4 s (not counted) between creates let the pool refill"))
             .target(Target::P50(300.0))
             .vs(FIRST_COLD),
+    );
+    // The same on the microVM: the pool restores one, warms it and starts its kernel.
+    let vm_creates = args.creates().min(15);
+    let (samples, pooled) = firsts(
+        &api,
+        &microvm(),
+        args.create_warmup(),
+        vm_creates,
+        Duration::from_secs(6),
+    )?;
+    rows.push(
+        Row::new(FIRST_VM_POOLED, "ms", samples, args.create_warmup())
+            .note(format!("POST /v1/sandboxes {{\"template\": \"code-interpreter\", \"runtime\": \"microvm\"}} then POST …/code {{\"code\": \"1+1\"}}; {pooled} of {vm_creates} got a kernel started before their sandbox; 6 s (not counted) between creates let the pool restore one and start its kernel"))
+            .vs(FIRST_VM_COLD)
+            .vs(FIRST_POOLED),
     );
     drop(srv);
 
@@ -242,10 +290,27 @@ pub fn code_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let cold = Server::start_with(&["--vm-pool", "0"]);
     let api = cold.api();
     let creates = args.creates().min(15);
-    let (samples, _) = firsts(&api, args.create_warmup().min(1), creates, Duration::ZERO)?;
+    let (samples, _) = firsts(
+        &api,
+        &jail(),
+        args.create_warmup().min(1),
+        creates,
+        Duration::ZERO,
+    )?;
     rows.push(
         Row::new(FIRST_COLD, "ms", samples, args.create_warmup().min(1))
             .note("the same on a server with no pool: the first cell starts the driver (python3, jupyter_client) and an ipykernel"),
+    );
+    let (samples, _) = firsts(
+        &api,
+        &microvm(),
+        args.create_warmup().min(1),
+        vm_creates,
+        Duration::ZERO,
+    )?;
+    rows.push(
+        Row::new(FIRST_VM_COLD, "ms", samples, args.create_warmup().min(1))
+            .note("the microVM on a server with no pool: a restore from the template's base, then the first cell starts the driver and an ipykernel in the guest"),
     );
     Ok(())
 }

@@ -75,12 +75,24 @@ pub async fn launch(
         ));
     }
     // A plain microVM, or a plain jail of a template with a Jupyter kernel, comes ready
-    // from the pool when one waits (see `vm_pool`).
+    // from the pool when one waits (see `vm_pool`); a microVM of such a template with no
+    // environment of its own comes with a kernel started, like the jail.
     // A jail's network is set up after it is made (below), so a pooled jail may have one;
     // a microVM's device is chosen at its restore.
+    let kernel = || {
+        new.env.is_empty()
+            && app
+                .vm_pool
+                .pools_kernels(&new.template.digest, &new.template.rootfs)
+    };
     let pool_shape =
         if from.is_none() && !has_egress(&new.network) && new.runtime == Runtime::Microvm {
-            Some(crate::vm_pool::VmShape::new(
+            let shape = if kernel() {
+                crate::vm_pool::VmShape::code_vm
+            } else {
+                crate::vm_pool::VmShape::new
+            };
+            Some(shape(
                 &new.template.digest,
                 new.cpus,
                 new.memory_mb,
@@ -89,10 +101,7 @@ pub async fn launch(
         } else if from.is_none()
             && new.runtime == Runtime::Jail
             && new.volumes.is_empty()
-            && new.env.is_empty()
-            && app
-                .vm_pool
-                .pools_kernels(&new.template.digest, &new.template.rootfs)
+            && kernel()
         {
             Some(crate::vm_pool::VmShape::code_jail(
                 &new.template.digest,

@@ -17,6 +17,16 @@
 //! only with nothing a pooled machine could not have had: no volumes, no environment of its
 //! own (a jail's network policy is applied after it is taken, as to any new jail).
 //!
+//! MicroVMs of such a template get the same ([`Flavor::CodeVm`]): restored, warmed, and then
+//! the driver and a spare kernel started in the guest, so the first cell of a microVM sandbox
+//! pays no kernel start either. The kernel is started in each pooled machine after its
+//! restore (whose refresh gave it its own clock and entropy), not kept in the template's
+//! memory base: a kernel in the base would be restored into every machine of the template
+//! (code or not) with the same connection key, session id and random state. It is pooled
+//! only for a sandbox with no environment of its own (the driver, and every kernel it starts,
+//! gets the sandbox's environment at its start); one with an environment gets a plain
+//! pooled microVM.
+//!
 //! Only microVMs with nothing attached at restore (no snapshot, egress `none`) come from the
 //! pool; volumes are served to a machine after it is taken (a sandbox's, or a run's). Pooled
 //! machines belong to no tenant (no record): a server that stops destroys them (after the
@@ -50,6 +60,9 @@ pub enum Flavor {
     Microvm,
     /// A jail with the code interpreter's driver and a spare Python kernel started.
     CodeJail,
+    /// A restored microVM with a first command run, then its code driver and a spare Python
+    /// kernel started (see the module doc).
+    CodeVm,
 }
 
 impl VmShape {
@@ -68,6 +81,14 @@ impl VmShape {
     pub fn code_jail(template_digest: &str, cpus: f64, memory_mb: u64, disk_mb: u64) -> Self {
         Self {
             flavor: Flavor::CodeJail,
+            ..Self::new(template_digest, cpus, memory_mb, disk_mb)
+        }
+    }
+
+    /// A microVM's with a kernel ready (see the module doc).
+    pub fn code_vm(template_digest: &str, cpus: f64, memory_mb: u64, disk_mb: u64) -> Self {
+        Self {
+            flavor: Flavor::CodeVm,
             ..Self::new(template_digest, cpus, memory_mb, disk_mb)
         }
     }
@@ -247,7 +268,19 @@ impl VmPool {
     ) -> Result<Machine, String> {
         match shape.flavor {
             Flavor::Microvm => self.make_vm(shape, rootfs, cpus).await,
-            Flavor::CodeJail => self.make_code_jail(shape, rootfs, cpus).await,
+            Flavor::CodeJail => {
+                let spec = self.spec(shape, rootfs, cpus);
+                let m = self
+                    .node
+                    .create_attached(spec, Attach::default())
+                    .await
+                    .map_err(|e| e.to_string())?;
+                self.with_kernel(m).await
+            }
+            Flavor::CodeVm => {
+                let m = self.make_vm(shape, rootfs, cpus).await?;
+                self.with_kernel(m).await
+            }
         }
     }
 
@@ -265,22 +298,11 @@ impl VmPool {
         }
     }
 
-    /// A jail with the code driver and a spare kernel started.
-    async fn make_code_jail(
-        &self,
-        shape: &VmShape,
-        rootfs: &std::path::Path,
-        cpus: f64,
-    ) -> Result<Machine, String> {
-        let spec = self.spec(shape, rootfs, cpus);
-        let m = self
-            .node
-            .create_attached(spec, Attach::default())
-            .await
-            .map_err(|e| e.to_string())?;
-        if let Err(e) = crate::code::prestart(&m.id, &m.agent).await {
+    /// `m` with the code driver and a spare kernel started in it (destroyed if they fail).
+    async fn with_kernel(&self, m: Machine) -> Result<Machine, String> {
+        if let Err(e) = crate::code::prestart(&m).await {
             let _ = self.node.destroy(&m).await;
-            return Err(format!("starting a pooled jail's kernel: {e}"));
+            return Err(format!("starting a pooled machine's kernel: {e}"));
         }
         Ok(m)
     }
@@ -352,6 +374,15 @@ mod tests {
             VmShape::code_jail("d", 1.0, 512, 2048),
             VmShape::new("d", 1.0, 512, 2048),
             "a code jail's shape is not a microVM's"
+        );
+        assert_ne!(
+            VmShape::code_vm("d", 1.0, 512, 2048),
+            VmShape::new("d", 1.0, 512, 2048),
+            "a microVM with a kernel is not a plain microVM"
+        );
+        assert_ne!(
+            VmShape::code_vm("d", 1.0, 512, 2048),
+            VmShape::code_jail("d", 1.0, 512, 2048)
         );
     }
 }

@@ -7,8 +7,9 @@ The starting process checks that jupyter_client and ipykernel import, forks the 
 127.0.0.1:PORT and exits: 0 started (or one already runs), 3 the template has no Jupyter
 kernel, 4 the port is taken or the driver failed to start.
 
-The driver answers small HTTP/1.0 requests from the server (through the agent's port
-tunnel, never from the network): contexts (create, list, restart, interrupt, delete) and
+The driver answers small HTTP/1.0 requests from the server (on the machine's loopback: a
+jail's dialled by the host in its network namespace, a microVM's through the agent's port
+tunnel; never from the network): contexts (create, list, restart, interrupt, delete) and
 executions, streamed as NDJSON in the API contract's shapes. Each context is one kernel
 (jupyter_client's KernelManager and BlockingKernelClient, the Jupyter messaging protocol)
 owned by one worker thread, which runs the context's jobs one at a time in arrival order:
@@ -51,6 +52,15 @@ RESULT_VALUE_CAP = 8 << 20
 # All results of one execution together.
 RESULTS_CAP = 32 << 20
 KERNELS = {"python": "python3", "javascript": "javascript", "bash": "bash"}
+# How a sandbox gets each kernel (said when it has none).
+KERNEL_HINTS = {
+    "python": "install python3-ipykernel",
+    "javascript": "install a Jupyter kernel whose kernelspec is named 'javascript' "
+    "(IJavascript's)",
+    "bash": "install bash_kernel from PyPI in the sandbox: "
+    "pip install --break-system-packages bash_kernel && python3 -m bash_kernel.install "
+    "--sys-prefix",
+}
 MIME_FIELDS = {
     "text/plain": "text",
     "text/html": "html",
@@ -297,9 +307,9 @@ class Context:
         except NoSuchKernel:
             raise ApiError(
                 400,
-                "no %s kernel in this sandbox's template (kernelspec %r): "
-                "python is the language the code-interpreter template has"
-                % (self.language, KERNELS[self.language]),
+                "no %s kernel in this sandbox (kernelspec %r): python is the language the "
+                "code-interpreter template has; %s"
+                % (self.language, KERNELS[self.language], KERNEL_HINTS[self.language]),
             )
         kc = km.client()
         kc.start_channels()
@@ -310,7 +320,8 @@ class Context:
             km.shutdown_kernel(now=True)
             raise ApiError(500, "the kernel did not start: %s" % e)
         self.km, self.kc = km, kc
-        self.run_silent(OUTPUT_BACKPRESSURE)
+        if self.language == "python":
+            self.run_silent(OUTPUT_BACKPRESSURE)
 
     def adopt(self):
         """Makes a spare kernel this context's: its working directory and environment."""
@@ -370,13 +381,14 @@ class Context:
         cap = kw["max_output_bytes"]
         out = {"stdout": Capture(cap), "stderr": Capture(cap)}
         env = kw.get("env") or {}
+        setup, restore = env_code(self.language, env)
         if env:
-            self.run_silent(env_setup(env))
+            self.run_silent(setup)
         try:
             self.run_cell(job, kw, started, deadline, out, emit)
         finally:
             if env and self.alive():
-                self.run_silent(ENV_RESTORE)
+                self.run_silent(restore)
 
     def run_silent(self, code):
         """Runs bookkeeping code that shows nothing and counts no execution."""
@@ -529,16 +541,48 @@ class Context:
         emit(("end", execution))
 
 
-def env_setup(env):
-    """Code that sets a cell's own variables in os.environ, keeping what they were."""
-    return (
-        "import os as __locker_os\n"
-        "__locker_saved_env = {k: __locker_os.environ.get(k) for k in %r}\n"
-        "__locker_os.environ.update(%r)\n" % (list(env), env)
-    )
+def env_code(language, env):
+    """The code that sets a cell's own variables in the kernel's environment, keeping what
+    they were, and the code that puts them back, in the kernel's language."""
+    if language == "python":
+        return (
+            "import os as __locker_os\n"
+            "__locker_saved_env = {k: __locker_os.environ.get(k) for k in %r}\n"
+            "__locker_os.environ.update(%r)\n" % (list(env), env),
+            PYTHON_ENV_RESTORE,
+        )
+    if language == "bash":
+        bad = [k for k in env if not SHELL_NAME.match(k)]
+        if bad:
+            raise ApiError(
+                400,
+                "env names %s are not shell variable names (letters, digits and _, not "
+                "starting with a digit): a bash cell cannot set them" % ", ".join(bad),
+            )
+        setup, restore = [], []
+        for k, v in env.items():
+            setup.append(
+                "__locker_had_%s=${%s+1}; __locker_old_%s=${%s-}; export %s=%s"
+                % (k, k, k, k, k, shell_quote(v))
+            )
+            restore.append(
+                'if [ -n "$__locker_had_%s" ]; then export %s="$__locker_old_%s"; '
+                "else unset %s; fi; unset __locker_had_%s __locker_old_%s" % ((k,) * 6)
+            )
+        return "\n".join(setup), "\n".join(restore)
+    if env:
+        raise ApiError(400, "a %s cell takes no `env`: set it in the context" % language)
+    return "", ""
 
 
-ENV_RESTORE = """
+SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+def shell_quote(value):
+    return "'" + value.replace("'", "'\\''") + "'"
+
+
+PYTHON_ENV_RESTORE = """
 for __k, __v in __locker_saved_env.items():
     if __v is None:
         __locker_os.environ.pop(__k, None)

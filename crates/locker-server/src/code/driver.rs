@@ -1,7 +1,8 @@
 //! The way to a sandbox's code driver (`driver.py`, shipped inside this binary): started on
-//! first use by one exec of `python3 - --start` with its source on stdin, then reached over
-//! the agent's port tunnel to `127.0.0.1:`[`PORT`] in the machine, one HTTP/1 request per
-//! tunnel.
+//! first use by one exec of `python3 - --start` with its source on stdin, then reached at
+//! `127.0.0.1:`[`PORT`] in the machine the way the port proxy reaches a port
+//! (`locker_runtime::dial`: a jail's loopback dialled directly from the host, a microVM's
+//! through the agent's tunnel), one HTTP/1 request per connection.
 //!
 //! Why in the binary and not in the template: the driver and the server that speaks to it
 //! change together, so a server upgrade never meets an older driver baked into a template,
@@ -21,8 +22,9 @@ use hyper_util::rt::TokioIo;
 use std::collections::BTreeMap;
 
 use locker_proto::ExecSpec;
-use locker_runtime::agent::AgentClient;
-use locker_runtime::ports::{self, PortError, Tunnel};
+use locker_runtime::dial::{self, PortConn};
+use locker_runtime::node::Machine;
+use locker_runtime::ports::PortError;
 use serde::Deserialize;
 use serde_json::Value;
 
@@ -59,7 +61,7 @@ pub enum Start {
 /// A machine whose driver is spoken to: a sandbox's, or a warm pool's not yet a sandbox's.
 pub struct Target<'a> {
     pub id: &'a str,
-    pub agent: &'a AgentClient,
+    pub machine: &'a Machine,
     /// The environment the driver (and so every kernel) starts with.
     pub env: &'a BTreeMap<String, String>,
 }
@@ -68,7 +70,7 @@ impl<'a> From<&'a Live> for Target<'a> {
     fn from(live: &'a Live) -> Self {
         Self {
             id: &live.id,
-            agent: &live.machine.agent,
+            machine: &live.machine,
             env: &live.env,
         }
     }
@@ -86,16 +88,18 @@ pub async fn send(
     send_to(&Target::from(live), start, method, path, body).await
 }
 
-/// How long a warm machine may take to start its driver and spare kernel.
-const PRESTART_DEADLINE: Duration = Duration::from_secs(90);
+/// How long a warm machine may take to start its driver and spare kernel: long, since it is
+/// made in the background and a microVM under TCG on a busy host took over 90 s (Python and
+/// ipykernel's imports, translated).
+const PRESTART_DEADLINE: Duration = Duration::from_secs(600);
 
 /// Starts the driver of a machine not yet a sandbox's (the warm pool's) and a spare Python
 /// kernel in it, returning once the kernel is ready: the machine's first context takes it.
-pub async fn prestart(id: &str, agent: &AgentClient) -> Result<(), String> {
+pub async fn prestart(machine: &Machine) -> Result<(), String> {
     let env = BTreeMap::new();
     let target = Target {
-        id,
-        agent,
+        id: &machine.id,
+        machine,
         env: &env,
     };
     let body = serde_json::json!({ "language": "python" });
@@ -110,7 +114,7 @@ pub async fn prestart(id: &str, agent: &AgentClient) -> Result<(), String> {
         ),
     )
     .await
-    .map_err(|_| "the code driver's spare kernel did not start in 90 s".to_string())?;
+    .map_err(|_| "the code driver's spare kernel did not start in 600 s".to_string())?;
     let resp = asked
         .map_err(|e| e.message)?
         .ok_or_else(|| "the code driver did not start".to_string())?;
@@ -129,10 +133,10 @@ async fn send_to(
     path: &str,
     body: Option<&Value>,
 ) -> Result<Option<Response<Incoming>>, ApiError> {
-    let Some(tunnel) = tunnel(live, start).await? else {
+    let Some(conn) = connection(live, start).await? else {
         return Ok(None);
     };
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel))
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(conn))
         .await
         .map_err(|e| garbled(&format!("no HTTP/1 connection ({e})")))?;
     let sandbox = live.id.to_owned();
@@ -163,9 +167,9 @@ async fn send_to(
     Err(refusal(resp).await)
 }
 
-/// A tunnel to the driver, starting it first when `start` allows.
-async fn tunnel(live: &Target<'_>, start: Start) -> Result<Option<Tunnel>, ApiError> {
-    match ports::connect(live.agent, PORT).await {
+/// A connection to the driver, starting it first when `start` allows.
+async fn connection(live: &Target<'_>, start: Start) -> Result<Option<PortConn>, ApiError> {
+    match dial::dial(live.machine, PORT).await {
         Ok(t) => return Ok(Some(t)),
         Err(PortError::NotListening(_)) => {}
         Err(e) => return Err(port_error(e)),
@@ -174,7 +178,7 @@ async fn tunnel(live: &Target<'_>, start: Start) -> Result<Option<Tunnel>, ApiEr
         return Ok(None);
     }
     let why = launch(live).await?;
-    match ports::connect(live.agent, PORT).await {
+    match dial::dial(live.machine, PORT).await {
         Ok(t) => Ok(Some(t)),
         Err(PortError::NotListening(_)) => Err(ApiError::internal(format!(
             "the code interpreter's driver did not start in sandbox {}: {}",
@@ -227,6 +231,7 @@ async fn launch(live: &Target<'_>) -> Result<String, ApiError> {
         kill_jobs: false,
     };
     let res = live
+        .machine
         .agent
         .exec(spec, Some(SOURCE.as_bytes().to_vec()), None)
         .await

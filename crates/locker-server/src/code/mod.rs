@@ -296,7 +296,7 @@ async fn last_execution(lines: &mut LineReader<Incoming>) -> Result<Execution, A
 }
 
 /// Relays the driver's lines as the contract's NDJSON, the Execution last (and returned). A
-/// client that goes away ends the relay: the tunnel closes and the driver interrupts the cell.
+/// client that goes away ends the relay: the connection closes and the driver interrupts the cell.
 async fn relay(
     lines: &mut LineReader<Incoming>,
     tx: &mpsc::Sender<Bytes>,
