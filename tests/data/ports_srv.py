@@ -1,6 +1,6 @@
 # A server for the port proxy's tests, run inside a machine: one thread (asyncio), so
 # hundreds of held connections cost the machine no processes. Well-behaved routes
-# (/echo, /upload, /big, /sse, /ws a WebSocket echo, /raw a raw echo after a 101) and hostile ones (/hang, /garbage, /hugeheaders,
+# (/echo, /upload, /big, /echostream, /sse, /ws a WebSocket echo, /raw a raw echo after a 101) and hostile ones (/hang, /garbage, /hugeheaders,
 # /hugeline, /cut, /cutchunked). Usage: python3 ports_srv.py PORT
 import asyncio, base64, hashlib, json, sys
 
@@ -110,6 +110,17 @@ async def handle(r, w):
                     await w.drain()
                     if w.is_closing():
                         return
+                continue
+            if route == "/echostream":
+                # The body back as it comes (Content-Length framing both ways).
+                n = int(headers.get("content-length") or 0)
+                w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % n)
+                while n:
+                    b = await r.read(min(n, 1 << 20))
+                    if not b:
+                        raise ConnectionError("cut")
+                    w.write(b); n -= len(b)
+                    await w.drain()
                 continue
             if route == "/cut":
                 n, at = int(q["n"]), int(q["at"])

@@ -5,6 +5,9 @@
 //! data dir refuses to start, naming the first. The kernel drops the lock when its holder
 //! dies, so a killed server's lock is free at once.
 //!
+//! Connections are accepted by the port routes' own HTTP/1.1 (`ports::front`), which keeps
+//! the requests to sandboxes' ports and hands every other connection to axum's server.
+//!
 //! A stop (SIGINT, SIGTERM) keeps sandboxes running for the next start to adopt, and takes
 //! down everything else this server made: warm machines (waiting for refills in flight),
 //! volume agents and volume mounts.
@@ -98,18 +101,24 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         }
     });
     let router = router(app.clone());
-    let quit = Arc::new(tokio::sync::Notify::new());
-    let quit2 = quit.clone();
-    // Streamed answers (NDJSON exec, Connect streams, SSE, proxied bodies) are many small
-    // writes: without TCP_NODELAY the second waits for the client's delayed ACK (~40 ms).
-    let listener = axum::serve::ListenerExt::tap_io(listener, |tcp| {
-        if let Err(e) = tcp.set_nodelay(true) {
-            tracing::debug!(error = %e, "TCP_NODELAY on an accepted connection");
-        }
-    });
+    let (quit, quitting) = tokio::sync::watch::channel(false);
+    // Port requests are served by the front (bodies spliced); the rest reaches axum's
+    // server through it.
+    let (listener, front) =
+        match crate::ports::front::listen(listener, router.clone(), app.clone(), quitting.clone())
+        {
+            Ok(l) => l,
+            Err(e) => {
+                shutdown(&app).await;
+                return Err(ServeError::Listen(app.cfg.listen, e));
+            }
+        };
+    let mut stopping = quitting;
     let mut serving = tokio::spawn(
         axum::serve(listener, router)
-            .with_graceful_shutdown(async move { quit2.notified().await })
+            .with_graceful_shutdown(async move {
+                let _ = stopping.wait_for(|q| *q).await;
+            })
             .into_future(),
     );
     let served = tokio::select! {
@@ -123,8 +132,13 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         None => {
             tracing::info!("shutting down: finishing requests in flight");
             app.events.close();
-            quit.notify_one();
-            if tokio::time::timeout(GRACE, &mut serving).await.is_err() {
+            let _ = quit.send(true);
+            let finished = tokio::time::timeout(GRACE, async {
+                let _ = (&mut serving).await;
+                front.closed().await;
+            })
+            .await;
+            if finished.is_err() {
                 tracing::warn!(
                     grace_s = GRACE.as_secs(),
                     "requests still in flight after the grace period: cut"

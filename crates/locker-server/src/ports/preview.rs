@@ -118,7 +118,7 @@ impl PreviewDomain {
     /// The sandbox and port a request's authority names, or `None` when it is not a preview
     /// host (the API's own host, any other name). `sb-…` is taken for `sb_…`, for clients
     /// that refuse an underscore in a host name.
-    fn target(&self, authority: &str) -> Option<Result<(String, u16), ApiError>> {
+    pub(super) fn target(&self, authority: &str) -> Option<Result<(String, u16), ApiError>> {
         let host = match authority.rsplit_once(':') {
             Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
             _ => authority,

@@ -7,6 +7,12 @@
 //! after the request's last byte (`LOCKER_PORT_ANSWER_DEADLINE_MS` overrides it), and the
 //! caller's credentials (`Authorization`, Locker's token and cookie) are never forwarded.
 //!
+//! Two ways through, one behaviour: a request the front parsed (`front::SpliceIn`) to a
+//! socket in a jail's namespace is written to the machine by Locker itself and its bodies
+//! are spliced ([`spliced`]); any other (upgrades, a microVM's tunnel, a request that came
+//! through hyper: HTTP/2, or a connection that spoke to the API first) goes through hyper's
+//! client.
+//!
 //! Owns one request's way through; who may ask, and which sandbox and port a request names
 //! (the API path or a preview host), are decided before it, in `ports` and `ports::preview`.
 
@@ -18,11 +24,15 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::extract::Request;
-use axum::http::{header, HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::http::{header, HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use axum::response::Response;
+use bytes::BytesMut;
 use hyper_util::rt::TokioIo;
+use locker_runtime::dial::PortConn;
 
+use super::front::{Pending, SpliceIn, Spliced, SplicedBody, Upload};
 use super::port_error;
+use super::splice::{self, Framing};
 use crate::error::ApiError;
 use crate::state::Busy;
 
@@ -192,37 +202,15 @@ impl Drop for Connection {
     }
 }
 
-/// Carries `req` to `target` (from [`target_of`]) on `port` of the sandbox `live` holds, and
-/// its answer back. `live` is the sandbox's busy guard: it is held while the answer's body
-/// streams or an upgraded connection stays open, so neither is idle time.
-pub(crate) async fn forward(
-    live: Busy,
-    id: &str,
+/// The request as the machine gets it: to `target`, `Host: 127.0.0.1:{port}` (the caller's
+/// host in `X-Forwarded-Host`), without hop-by-hop headers or Locker's credentials (the
+/// app's own `Authorization` stays where a preview host let it through).
+fn outgoing(
+    parts: &mut axum::http::request::Parts,
     port: u16,
-    target: String,
-    mut req: Request,
-) -> Result<Response, ApiError> {
-    let tunnel = locker_runtime::dial::dial(&live.machine, port)
-        .await
-        .map_err(|e| port_error(id, port, e))?;
-    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel))
-        .await
-        .map_err(|e| ApiError::bad_gateway(format!("port {port} in sandbox {id}: {e}")))?;
-    let sandbox = id.to_owned();
-    let connection = Connection(Some(
-        tokio::spawn(async move {
-            // The connection ends with the response (or the upgrade): its error, if any, is
-            // the client's to see in the response.
-            if let Err(e) = conn.with_upgrades().await {
-                tracing::debug!(sandbox = %sandbox, port, error = %e, "port connection ended");
-            }
-        })
-        .abort_handle(),
-    ));
-
-    let upgrade = is_upgrade(req.headers());
-    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
-    let (mut parts, body) = req.into_parts();
+    target: &str,
+    upgrade: bool,
+) -> Result<(), ApiError> {
     let client_host = parts.headers.get(header::HOST).cloned();
     let app_auth = parts
         .extensions
@@ -242,6 +230,194 @@ pub(crate) async fn forward(
     if let Some(h) = client_host {
         parts.headers.insert("x-forwarded-host", h);
     }
+    Ok(())
+}
+
+fn deadline_passed(id: &str, port: u16, deadline: Duration) -> ApiError {
+    ApiError::bad_gateway(format!(
+        "port {port} in sandbox {id} accepted the request but sent no response within \
+         {} of its last byte; the server there is stuck or too slow",
+        spoken(deadline)
+    ))
+}
+
+fn not_http(id: &str, port: u16, e: impl std::fmt::Display) -> ApiError {
+    ApiError::bad_gateway(format!(
+        "port {port} in sandbox {id} did not answer with valid HTTP/1: {e}"
+    ))
+}
+
+/// [`forward`] for a request the front parsed ([`SpliceIn`]) to a socket in the jail's
+/// namespace: Locker writes the request's head to the machine itself, splices the upload in
+/// a task of its own while it reads the answer's head (with the same deadline, counted from
+/// the upload's last move), and answers with the head; the front then splices the answer's
+/// body ([`Spliced`]). Errors before the answer's head are the same as [`forward`]'s.
+#[allow(clippy::too_many_arguments)]
+async fn spliced(
+    live: Busy,
+    id: &str,
+    port: u16,
+    target: &str,
+    req: Request,
+    machine: tokio::net::TcpStream,
+    slot: locker_runtime::dial::Slot,
+    front: SpliceIn,
+) -> Result<Response, ApiError> {
+    let Some(pending) = front.take() else {
+        return Err(ApiError::internal(
+            "the request's connection is no longer available to the proxy",
+        ));
+    };
+    let (mut parts, _unread) = req.into_parts();
+    if let Err(e) = outgoing(&mut parts, port, target, false) {
+        front.restore(pending);
+        return Err(e);
+    }
+    // The front answered `100 Continue` itself.
+    parts.headers.remove(header::EXPECT);
+    splice::set_framing(&mut parts.headers, pending.framing);
+    if pending.framing == Framing::Empty
+        && matches!(parts.method, Method::POST | Method::PUT | Method::PATCH)
+    {
+        parts
+            .headers
+            .insert(header::CONTENT_LENGTH, HeaderValue::from(0u64));
+    }
+    let head = splice::request_head(&parts.method, target, &parts.headers);
+    let machine = Arc::new(machine);
+    if let Err(e) = splice::write_all(&machine, &head).await {
+        front.restore(pending);
+        return Err(ApiError::bad_gateway(format!(
+            "port {port} in sandbox {id}: {e}"
+        )));
+    }
+    let progress = Progress::new();
+    // A request without a body keeps its connection for a keep-alive after an error.
+    let mut idle = None;
+    let mut running = Connection(None);
+    let mut task = None;
+    if pending.framing == Framing::Empty {
+        idle = Some(pending);
+    } else {
+        let to = machine.clone();
+        let moved = progress.clone();
+        let Pending {
+            io,
+            mut buf,
+            framing,
+        } = pending;
+        let t = tokio::spawn(async move {
+            let mut pipe = None;
+            splice::relay(&io, &to, &mut buf, framing, &mut pipe, &|| moved.touch())
+                .await
+                .map(|()| buf)
+        });
+        running = Connection(Some(t.abort_handle()));
+        task = Some(t);
+    }
+    let give_back = |idle: Option<Pending>| {
+        if let Some(p) = idle {
+            front.restore(p);
+        }
+    };
+    let mut from_machine = BytesMut::with_capacity(16 * 1024);
+    let deadline = answer_deadline();
+    let answer = within(
+        &progress,
+        deadline,
+        splice::read_response_head(&machine, &mut from_machine),
+    )
+    .await;
+    let answer = match answer {
+        None => {
+            give_back(idle);
+            return Err(deadline_passed(id, port, deadline));
+        }
+        Some(Err(e)) => {
+            give_back(idle);
+            return Err(not_http(id, port, e));
+        }
+        Some(Ok(a)) => a,
+    };
+    if answer.status == StatusCode::SWITCHING_PROTOCOLS {
+        give_back(idle);
+        return Err(ApiError::bad_gateway(format!(
+            "port {port} in sandbox {id} switched protocols without being asked to"
+        )));
+    }
+    let framing = match splice::response_framing(
+        parts.method == Method::HEAD,
+        answer.status,
+        &answer.headers,
+    ) {
+        Ok(f) => f,
+        Err(e) => {
+            give_back(idle);
+            return Err(not_http(id, port, e));
+        }
+    };
+    let mut headers = answer.headers;
+    strip(&mut headers, false);
+    let upload = match (task, idle) {
+        (Some(t), _) => Upload::Running(t),
+        (None, Some(p)) => Upload::Done(p.buf),
+        (None, None) => Upload::Done(BytesMut::new()),
+    };
+    let mut resp = Response::new(Body::empty());
+    *resp.status_mut() = answer.status;
+    *resp.headers_mut() = headers;
+    resp.extensions_mut().insert(Spliced::new(SplicedBody {
+        machine,
+        buf: from_machine,
+        framing,
+        upload,
+        guards: Box::new((live, slot)),
+    }));
+    running.keep();
+    Ok(resp)
+}
+
+/// Carries `req` to `target` (from [`target_of`]) on `port` of the sandbox `live` holds, and
+/// its answer back. `live` is the sandbox's busy guard: it is held while the answer's body
+/// streams or an upgraded connection stays open, so neither is idle time.
+pub(crate) async fn forward(
+    live: Busy,
+    id: &str,
+    port: u16,
+    target: String,
+    mut req: Request,
+) -> Result<Response, ApiError> {
+    let tunnel = locker_runtime::dial::dial(&live.machine, port)
+        .await
+        .map_err(|e| port_error(id, port, e))?;
+    // A request the front parsed, to a socket in the jail: spliced. An upgrade, a microVM's
+    // tunnel, or a request that came through hyper go the way below.
+    let front = req.extensions_mut().remove::<SpliceIn>();
+    let tunnel = match (front, tunnel) {
+        (Some(front), PortConn::Tcp(machine, slot)) if !is_upgrade(req.headers()) => {
+            return spliced(live, id, port, &target, req, machine, slot, front).await;
+        }
+        (_, tunnel) => tunnel,
+    };
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(tunnel))
+        .await
+        .map_err(|e| ApiError::bad_gateway(format!("port {port} in sandbox {id}: {e}")))?;
+    let sandbox = id.to_owned();
+    let connection = Connection(Some(
+        tokio::spawn(async move {
+            // The connection ends with the response (or the upgrade): its error, if any, is
+            // the client's to see in the response.
+            if let Err(e) = conn.with_upgrades().await {
+                tracing::debug!(sandbox = %sandbox, port, error = %e, "port connection ended");
+            }
+        })
+        .abort_handle(),
+    ));
+
+    let upgrade = is_upgrade(req.headers());
+    let client_upgrade = upgrade.then(|| hyper::upgrade::on(&mut req));
+    let (mut parts, body) = req.into_parts();
+    outgoing(&mut parts, port, &target, upgrade)?;
     let progress = Progress::new();
     let moved = progress.clone();
     let body = Body::new(http_body_util::BodyExt::map_frame(body, move |f| {
@@ -252,18 +428,8 @@ pub(crate) async fn forward(
 
     let deadline = answer_deadline();
     let mut resp = match within(&progress, deadline, sender.send_request(out)).await {
-        None => {
-            return Err(ApiError::bad_gateway(format!(
-                "port {port} in sandbox {id} accepted the request but sent no response within \
-                 {} of its last byte; the server there is stuck or too slow",
-                spoken(deadline)
-            )))
-        }
-        Some(Err(e)) => {
-            return Err(ApiError::bad_gateway(format!(
-                "port {port} in sandbox {id} did not answer with valid HTTP/1: {e}"
-            )))
-        }
+        None => return Err(deadline_passed(id, port, deadline)),
+        Some(Err(e)) => return Err(not_http(id, port, e)),
         Some(Ok(r)) => r,
     };
 
