@@ -227,6 +227,9 @@ const MAX_LINKS: usize = 40;
 /// link resolves to (its type, size, mode, owner, time and metadata) and that path as its
 /// `target`. A link that does not resolve (dangling, a loop) is described as the link.
 async fn followed(agent: &locker_runtime::agent::AgentClient, e: Entry) -> Entry {
+    if e.kind != EntryType::Symlink {
+        return e;
+    }
     let mut cur = e.clone();
     for _ in 0..MAX_LINKS {
         if cur.kind != EntryType::Symlink {
