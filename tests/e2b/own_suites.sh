@@ -60,6 +60,8 @@ if [[ $which == js || $which == both ]]; then
     mkdir -p "$js/src"
     # `../src` as the tests import it: the published package.
     printf "export * from 'e2b'\nexport { default } from 'e2b'\n" >"$js/src/index.ts"
+    # `../src/errors.js`: the error classes, which the package exports too.
+    printf "export * from 'e2b'\n" >"$js/src/errors.ts"
     cat >"$js/vitest.config.mts" <<'EOF'
 import { defineConfig } from 'vitest/config'
 export default defineConfig({
