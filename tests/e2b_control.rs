@@ -491,6 +491,61 @@ fn bad_input_answers_in_e2b_shape_and_hosts_route_to_envd() {
     );
 }
 
+/// `set_timeout(0)` is the timeout now, as on E2B: an auto-pause sandbox is paused (and
+/// stays so when asked again), any other is killed. Lists order by the start to the
+/// millisecond: two sandboxes made one after the other list newest first, in pages of one,
+/// also when they started within the same second.
+#[test]
+fn zero_timeout_pauses_or_kills_and_lists_order_by_start() {
+    let srv = server();
+    let k = Some(srv.api_key.as_str());
+    let create = |body: &str| {
+        let (s, v) = e2b(&srv, k, "POST", "/v2/sandboxes", body);
+        assert_eq!(s, 201, "{v}");
+        v["sandboxID"].as_str().expect("sandboxID").to_owned()
+    };
+    let older = create(r#"{"templateID":"base","timeout":120,"metadata":{"t":"zero"}}"#);
+    let newer =
+        create(r#"{"templateID":"base","timeout":120,"autoPause":true,"metadata":{"t":"zero"}}"#);
+    let page = |token: Option<&str>| {
+        let mut path = "/v2/sandboxes?metadata=t%3Dzero&limit=1".to_owned();
+        if let Some(t) = token {
+            path += &format!("&nextToken={t}");
+        }
+        let r = Api::new(&srv.url, None).request("GET", &path, &[("X-API-KEY", k.unwrap())], "");
+        let next = r
+            .headers
+            .get("x-next-token")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        (r.expect(200, "list"), next)
+    };
+    let (first, next) = page(None);
+    assert_eq!(first[0]["sandboxID"], json!(newer), "newest first: {first}");
+    let (second, last) = page(Some(&next.expect("a next page")));
+    assert_eq!(second[0]["sandboxID"], json!(older), "{second}");
+    assert_eq!(last, None);
+
+    let zero = r#"{"timeout":0}"#;
+    for id in [&newer, &newer] {
+        let (s, v) = e2b(&srv, k, "POST", &format!("/sandboxes/{id}/timeout"), zero);
+        assert_eq!(s, 204, "{v}");
+        let (s, v) = e2b(&srv, k, "GET", &format!("/sandboxes/{id}"), "");
+        assert_eq!((s, &v["state"]), (200, &json!("paused")), "{v}");
+    }
+    let (s, v) = e2b(&srv, k, "POST", &format!("/sandboxes/{older}/timeout"), zero);
+    assert_eq!(s, 204, "{v}");
+    e2b_error(
+        e2b(&srv, k, "GET", &format!("/sandboxes/{older}"), ""),
+        404,
+        &older,
+    );
+    // The paused one connects again, running.
+    let (s, v) = e2b(&srv, k, "POST", &format!("/v2/sandboxes/{newer}/connect"), "{}");
+    assert_eq!(s, 201, "a paused sandbox resumes with 201: {v}");
+    assert_eq!(e2b(&srv, k, "DELETE", &format!("/sandboxes/{newer}"), "").0, 204);
+}
+
 /// The bench rows of issue 19 (`bench/e2b_layer.py`), printed, not asserted: run with
 /// `--ignored e2b_figures --nocapture`.
 #[test]

@@ -765,3 +765,305 @@ fn keepalives_on_silent_streams_and_list_shows_envs_and_cwd() {
         assert_eq!(envelopes(&r).last().map(|e| e.0), Some(2));
     });
 }
+
+/// What envd 0.6.2–0.6.4 added (file metadata, watch events with their entry, watches
+/// that allow network mounts), a symlink's `Stat` and `set_timeout(0)`, through the
+/// Python SDK: the checks are in `tests/e2b/envd_newer.py`.
+#[test]
+fn python_sdk_metadata_symlinks_entries_and_zero_timeout() {
+    let Some(py) = locker_tests::tools::python_e2b() else {
+        return;
+    };
+    let srv = Server::start();
+    let script = locker_tests::root().join("tests/e2b/envd_newer.py");
+    let mut cmd = Command::new(&py);
+    cmd.arg(&script);
+    python_env(&mut cmd, &srv);
+    let out = cmd.output().expect("python runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    if !out.status.success() {
+        srv.print_log_tail();
+    }
+    assert!(
+        out.status.success(),
+        "envd_newer.py failed:\n{stdout}\n{stderr}"
+    );
+    for check in [
+        "metadata_write",
+        "metadata_list_rename_overwrite",
+        "metadata_xattr",
+        "metadata_refused",
+        "symlink_stat",
+        "watch_include_entry",
+        "watch_network_mounts",
+        "set_timeout_zero_pauses",
+        "set_timeout_zero_kills",
+    ] {
+        assert!(
+            stdout.lines().any(|l| l == format!("ok {check}")),
+            "check {check} missing:\n{stdout}\n{stderr}"
+        );
+    }
+    assert!(stdout.contains("done"), "{stdout}");
+}
+
+/// envd's routes the SDKs do not call but envd serves (`/init`, `/metrics`,
+/// `/files/compose`), process tags (`Start` with a tag, `List` showing it, `Connect` and
+/// `SendSignal` by it), metadata headers the server refuses, and the whole data plane over
+/// HTTP/2 without TLS (h2c with prior knowledge, as `curl --http2-prior-knowledge`).
+#[test]
+fn init_metrics_compose_tags_and_h2c() {
+    let srv = Server::start();
+    let s = E2bSandbox::create(&srv);
+    let root = ("Authorization", "Basic cm9vdDo=");
+    let json = ("Content-Type", "application/json");
+
+    // /metrics: envd's field names, the sandbox's sizes.
+    let r = s.envd("GET", "/metrics", &[], vec![], false);
+    let m = r.expect(200, "/metrics");
+    assert!(m["ts"].as_i64().unwrap_or(0) > 1_700_000_000, "{m}");
+    assert!(m["cpu_count"].as_u64().unwrap_or(0) >= 1, "{m}");
+    assert!(m["mem_total"].as_u64().unwrap_or(0) > 0, "{m}");
+    assert_eq!(m["mem_total_mib"].as_u64(), m["mem_total"].as_u64().map(|b| b >> 20), "{m}");
+    assert!(m["disk_total"].as_u64().unwrap_or(0) > 0, "{m}");
+    assert!(m["cpu_used_pct"].is_number() && m["mem_used"].is_number(), "{m}");
+    let r = s.envd("GET", "/metrics", &[], vec![], true);
+    assert_eq!(r.status, 401, "/metrics without the token: {}", r.text());
+
+    // /init: environment, default user and working directory of later calls.
+    let r = s.envd(
+        "POST",
+        "/init",
+        &[json],
+        br#"{"envVars":{"FROM_INIT":"i1"},"defaultUser":"root","defaultWorkdir":"/tmp","timestamp":"2026-12-02T00:00:00Z","lifecycleID":"x"}"#.to_vec(),
+        false,
+    );
+    assert_eq!(r.status, 204, "/init: {}", r.text());
+    let r = s.stream(
+        "/process.Process/Start",
+        envelope(
+            0,
+            br#"{"process":{"cmd":"/bin/sh","args":["-c","echo $FROM_INIT $(whoami) $(pwd)"]},"stdin":false}"#,
+        ),
+        &[],
+    );
+    let out: String = envelopes(&r)
+        .iter()
+        .filter_map(|(_, v)| v["event"]["data"]["stdout"].as_str())
+        .map(|b| String::from_utf8_lossy(&b64(b)).into_owned())
+        .collect();
+    assert_eq!(out, "i1 root /tmp\n", "{:?}", envelopes(&r));
+    let envs = s.envd("GET", "/envs", &[], vec![], false).expect(200, "/envs");
+    assert_eq!(envs["FROM_INIT"], "i1", "{envs}");
+    for (body, what) in [
+        (&br#"{"volumeMounts":[{"nfs_target":"x","path":"/mnt"}]}"#[..], "volumeMounts"),
+        (br#"{"accessToken":"not-the-token"}"#, "accessToken"),
+        (br#"{"caBundle":"-----BEGIN CERTIFICATE-----"}"#, "caBundle"),
+        (br#"{"defaultUser":"a b"}"#, "defaultUser"),
+        (br#"{"defaultWorkdir":"rel"}"#, "defaultWorkdir"),
+        (br#"{"envVars":{"A=B":"c"}}"#, "envVars"),
+        (br#"{"envVars":"#, "truncated JSON"),
+    ] {
+        let r = s.envd("POST", "/init", &[json], body.to_vec(), false);
+        assert_eq!(r.status, 400, "/init {what}: {}", r.text());
+        let v = r.json();
+        assert_eq!(v["code"], 400, "{what}: {v}");
+    }
+    let r = s.envd("POST", "/init", &[json], b"{}".to_vec(), true);
+    assert_eq!(r.status, 401, "/init without the token: {}", r.text());
+    let r = s.envd("GET", "/init", &[], vec![], false);
+    assert_eq!(r.status, 405, "GET /init: {}", r.text());
+    // Back to E2B's default user for the rest.
+    let r = s.envd("POST", "/init", &[json], br#"{"defaultUser":"user"}"#.to_vec(), false);
+    assert_eq!(r.status, 204, "{}", r.text());
+
+    // /files/compose: joined in order, the sources removed, the result the user's.
+    for (name, body) in [("p1", "one\n"), ("p2", "two\n"), ("p3", "three\n")] {
+        let r = s.envd(
+            "POST",
+            &format!("/files?path=/home/user/parts/{name}"),
+            &[("Content-Type", "application/octet-stream")],
+            body.as_bytes().to_vec(),
+            false,
+        );
+        assert_eq!(r.status, 200, "upload {name}: {}", r.text());
+    }
+    let r = s.envd(
+        "POST",
+        "/files/compose",
+        &[json],
+        br#"{"source_paths":["parts/p1","parts/p2","/home/user/parts/p3"],"destination":"joined/all.txt"}"#.to_vec(),
+        false,
+    );
+    let v = r.expect(200, "compose");
+    assert_eq!(v["path"], "/home/user/joined/all.txt", "{v}");
+    assert_eq!(v["type"], "file", "{v}");
+    let r = s.envd("GET", "/files?path=joined/all.txt", &[], vec![], false);
+    assert_eq!(r.text(), "one\ntwo\nthree\n");
+    let r = s.envd("GET", "/files?path=parts/p1", &[], vec![], false);
+    assert_eq!(r.status, 404, "a source is removed: {}", r.text());
+    let st = s.unary(
+        "/filesystem.Filesystem/Stat",
+        r#"{"path":"/home/user/joined/all.txt"}"#,
+    );
+    assert_eq!(st.json()["entry"]["owner"], "user", "{}", st.text());
+    for (body, status, what) in [
+        (&br#"{"source_paths":["parts/none"],"destination":"x"}"#[..], 404, "a missing source"),
+        (br#"{"source_paths":["/home"],"destination":"x"}"#, 400, "a directory"),
+        (br#"{"source_paths":[],"destination":"x"}"#, 400, "no source"),
+        (br#"{"source_paths":["a"]}"#, 400, "no destination"),
+        (br#"{"source_paths":["a"],"destination":"x","username":"a b"}"#, 400, "a bad user"),
+    ] {
+        let r = s.envd("POST", "/files/compose", &[json], body.to_vec(), false);
+        assert_eq!(r.status, status, "compose with {what}: {}", r.text());
+        assert_eq!(r.json()["code"], status, "{what}");
+    }
+    let r = s.envd(
+        "POST",
+        "/files/compose",
+        &[json],
+        br#"{"source_paths":["joined/all.txt"],"destination":"y"}"#.to_vec(),
+        true,
+    );
+    assert_eq!(r.status, 401, "compose without the token: {}", r.text());
+
+    // Metadata headers the server refuses itself (the SDKs check them first).
+    for (k, v, what) in [
+        ("X-Metadata-Key", "a\tb".to_owned(), "a value that is not printable"),
+        ("X-Metadata-Big", "v".repeat(5000), "more than 4096 bytes"),
+    ] {
+        let r = s.envd(
+            "POST",
+            "/files?path=meta.txt",
+            &[("Content-Type", "application/octet-stream"), (k, &v)],
+            b"x".to_vec(),
+            false,
+        );
+        assert_eq!(r.status, 400, "metadata with {what}: {}", r.text());
+    }
+
+    // Tags: Start with one, List shows it, Connect and SendSignal find the process by it.
+    std::thread::scope(|scope| {
+        let started = scope.spawn(|| {
+            s.stream(
+                "/process.Process/Start",
+                envelope(
+                    0,
+                    br#"{"process":{"cmd":"/bin/sh","args":["-c","echo tagged; sleep 30"]},"tag":"my-server","stdin":false}"#,
+                ),
+                &[root],
+            )
+        });
+        let mut listed = None;
+        for _ in 0..50 {
+            std::thread::sleep(Duration::from_millis(100));
+            let v = s.unary("/process.Process/List", "{}").json();
+            if let Some(p) = v["processes"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .find(|p| p["tag"] == "my-server")
+            {
+                listed = Some(p.clone());
+                break;
+            }
+        }
+        let p = listed.expect("List shows the tagged process with its tag");
+        assert_eq!(p["config"]["cmd"], "/bin/sh", "{p}");
+        // Connect by tag replays its output; the signal by tag ends it.
+        let (conn, _) = std::thread::scope(|inner| {
+            let c = inner.spawn(|| {
+                s.stream(
+                    "/process.Process/Connect",
+                    envelope(0, br#"{"process":{"tag":"my-server"}}"#),
+                    &[],
+                )
+            });
+            std::thread::sleep(Duration::from_millis(500));
+            let r = s.unary(
+                "/process.Process/SendSignal",
+                r#"{"process":{"tag":"my-server"},"signal":"SIGNAL_SIGKILL"}"#,
+            );
+            assert_eq!(r.status, 200, "SendSignal by tag: {}", r.text());
+            (c.join().expect("connect"), ())
+        });
+        let e = envelopes(&conn);
+        assert_eq!(e[0].1["event"]["start"]["pid"], p["pid"], "{e:?}");
+        let said: String = e
+            .iter()
+            .filter_map(|(_, v)| v["event"]["data"]["stdout"].as_str())
+            .map(|b| String::from_utf8_lossy(&b64(b)).into_owned())
+            .collect();
+        assert_eq!(said, "tagged\n", "{e:?}");
+        assert!(
+            e.iter().any(|(_, v)| v["event"]["end"]["status"] == "signal: kill"),
+            "{e:?}"
+        );
+        started.join().expect("the Start stream");
+    });
+    let r = s.unary("/process.Process/SendSignal", r#"{"process":{"tag":"none"},"signal":"SIGNAL_SIGKILL"}"#);
+    connect_error(&r, 404, "not_found", "an unknown tag");
+
+    // HTTP/2 without TLS: a unary call, a server stream and a file read.
+    // curl (with nghttp2) is in scripts/setup's packages.
+    let dir = std::env::temp_dir().join(format!("locker-e2b-h2c-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    let h2 = |path: &str, ct: &str, body: &[u8]| -> (String, Vec<u8>) {
+        let (bf, of) = (dir.join("body"), dir.join("out"));
+        std::fs::write(&bf, body).expect("write body");
+        let _ = std::fs::remove_file(&of);
+        let mut c = Command::new("curl");
+        c.args(["-sS", "--http2-prior-knowledge", "-o"])
+            .arg(&of)
+            .args(["-w", "%{http_version} %{http_code}"])
+            .args(["-H", &format!("E2b-Sandbox-Id: {}", s.id)])
+            .args(["-H", &format!("X-Access-Token: {}", s.token)])
+            .args(["-H", "Connect-Protocol-Version: 1"]);
+        if body.is_empty() {
+            c.arg(format!("{}{path}", srv.url));
+        } else {
+            c.args(["-H", &format!("Content-Type: {ct}"), "--data-binary"])
+                .arg(format!("@{}", bf.display()))
+                .arg(format!("{}{path}", srv.url));
+        }
+        let out = c.output().expect("curl runs");
+        (
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            std::fs::read(&of).unwrap_or_default(),
+        )
+    };
+    let (how, body) = h2(
+        "/filesystem.Filesystem/Stat",
+        "application/json",
+        br#"{"path":"/home/user/joined/all.txt"}"#,
+    );
+    assert_eq!(how, "2 200", "{}", String::from_utf8_lossy(&body));
+    let v: Value = serde_json::from_slice(&body).expect("Stat JSON");
+    assert_eq!(v["entry"]["size"], "14", "{v}");
+    let (how, body) = h2(
+        "/process.Process/Start",
+        "application/connect+json",
+        &envelope(0, br#"{"process":{"cmd":"echo","args":["over h2"]},"stdin":false}"#),
+    );
+    assert_eq!(how, "2 200");
+    let e = envelopes(&Resp {
+        status: 200,
+        headers: Default::default(),
+        body,
+    });
+    assert_eq!(e.last().map(|x| x.0), Some(2), "{e:?}");
+    assert!(
+        e.iter().any(|(_, v)| v["event"]["data"]["stdout"].as_str().map(b64)
+            == Some(b"over h2\n".to_vec())),
+        "{e:?}"
+    );
+    let (how, body) = h2("/files?path=joined/all.txt", "", b"");
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(how, "2 200");
+    assert_eq!(body, b"one\ntwo\nthree\n");
+}
+
+fn b64(s: &str) -> Vec<u8> {
+    locker_types::base64::decode(s).expect("base64")
+}

@@ -323,7 +323,10 @@ fn serve_conn(agent: Arc<Agent>, sock: File, port: Option<Option<Hello>>) -> Opt
     let hello = Hello {
         version: PROTOCOL_VERSION,
         peer: format!("locker-agent {}", env!("CARGO_PKG_VERSION")),
-        features: vec![locker_proto::FEATURE_SPAWN_FOLLOW.into()],
+        features: vec![
+            locker_proto::FEATURE_SPAWN_FOLLOW.into(),
+            locker_proto::FEATURE_FILE_METADATA.into(),
+        ],
     };
     if conn.write(&Frame::Hello(hello)).is_err() {
         return None;
@@ -547,7 +550,11 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
         Request::ProcessStdin { id } => crate::procs::stdin(agent, s, &id),
         Request::SignalProcess { id, signal } => crate::procs::signal(agent, s, &id, signal),
         Request::ReadFile { path } => crate::files::read_file(agent, s, &path),
-        Request::WriteFile { path, mode } => crate::files::write_file(agent, s, &path, mode),
+        Request::WriteFile {
+            path,
+            mode,
+            metadata,
+        } => crate::files::write_file(agent, s, &path, mode, &metadata),
         Request::ReadTar { path } => crate::archive::read_tar(agent, s, &path),
         Request::WriteTar { path } => crate::archive::write_tar(agent, s, &path),
         Request::List { path, depth } => crate::files::list(agent, s, &path, depth),

@@ -130,7 +130,84 @@ pub(crate) fn entry(path: String, name: String, st: &libc::stat) -> Entry {
         mtime: locker_types::rfc3339(st.st_mtime),
         uid: Some(st.st_uid),
         gid: Some(st.st_gid),
+        target: None,
+        metadata: Default::default(),
     }
+}
+
+/// The namespace of the extended attributes that are a file's user metadata (E2B's).
+const META_PREFIX: &str = "user.e2b.";
+/// The most bytes of metadata one file may be given (names with the prefix, and values),
+/// as envd: the filesystem's per-inode budget for attributes.
+const META_MAX_BYTES: usize = 4096;
+
+/// `e` (of `name` in `dir`) with what `entry` leaves out: a symlink's target, a regular
+/// file's user metadata. Best effort: what cannot be read is left out.
+pub(crate) fn describe(dir: RawFd, name: &std::ffi::CStr, mut e: Entry) -> Entry {
+    match e.kind {
+        EntryType::Symlink => {
+            e.target = sys::readlinkat(dir, name)
+                .ok()
+                .map(|t| String::from_utf8_lossy(&t).into_owned());
+        }
+        EntryType::File => {
+            // O_NONBLOCK: the entry was a regular file when stat'ed, but may have become a
+            // FIFO since; O_NOFOLLOW: or a symlink.
+            let flags = libc::O_RDONLY | libc::O_NOFOLLOW | libc::O_NONBLOCK | libc::O_NOCTTY;
+            if let Ok(fd) = sys::openat(dir, name, flags, 0) {
+                e.metadata = metadata_of(fd.as_raw_fd());
+            }
+        }
+        _ => {}
+    }
+    e
+}
+
+/// The user metadata of the file `fd` is open on.
+fn metadata_of(fd: RawFd) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let Ok(names) = locker_sys::xattr::flist(fd) else {
+        return out;
+    };
+    let mut buf = vec![0u8; META_MAX_BYTES];
+    for n in names {
+        let Some(key) = n.to_str().ok().and_then(|k| k.strip_prefix(META_PREFIX)) else {
+            continue;
+        };
+        if let Ok(v) = locker_sys::xattr::fget(fd, &n, &mut buf) {
+            out.insert(key.to_owned(), String::from_utf8_lossy(v).into_owned());
+        }
+    }
+    out
+}
+
+/// Checks user metadata as envd does: keys and values printable US-ASCII, keys not empty
+/// and at most 246 bytes (the kernel's 255 less the prefix), the whole at most
+/// [`META_MAX_BYTES`] counting the prefix once per key.
+fn check_metadata(m: &std::collections::BTreeMap<String, String>) -> Result<(), AgentError> {
+    let printable = |s: &str| s.bytes().all(|b| (0x20..=0x7e).contains(&b));
+    let mut total = 0;
+    for (k, v) in m {
+        if k.is_empty() || k.len() > 255 - META_PREFIX.len() || !printable(k) {
+            return Err(bad(format!(
+                "metadata key {k:?}: keys are 1 to {} printable ASCII bytes",
+                255 - META_PREFIX.len()
+            )));
+        }
+        if !printable(v) {
+            return Err(bad(format!(
+                "metadata value of {k:?}: values are printable ASCII"
+            )));
+        }
+        total += META_PREFIX.len() + k.len() + v.len();
+    }
+    if total > META_MAX_BYTES {
+        return Err(bad(format!(
+            "metadata of {total} bytes (keys with the `{META_PREFIX}` prefix, and values): \
+             at most {META_MAX_BYTES}"
+        )));
+    }
+    Ok(())
 }
 
 /// Describes `p` without following a final symlink.
@@ -142,11 +219,8 @@ fn lstat_entry(agent: &Agent, p: &CleanPath) -> Result<Entry, AgentError> {
     };
     let dir = open_dir(agent, p.parent()).map_err(|e| os_err("stat", &path, e))?;
     let st = sys::lstatat(dir.as_raw_fd(), &name).map_err(|e| os_err("stat", &path, e))?;
-    Ok(entry(
-        path,
-        p.comps.last().cloned().unwrap_or_default(),
-        &st,
-    ))
+    let e = entry(path, p.comps.last().cloned().unwrap_or_default(), &st);
+    Ok(describe(dir.as_raw_fd(), &name, e))
 }
 
 /// Creates `comps` and its missing parents; returns the directory opened.
@@ -276,8 +350,14 @@ fn read_file_inner(agent: &Agent, s: &Stream, path: &str) -> Result<(), AgentErr
 }
 
 /// Serves `Request::WriteFile`.
-pub fn write_file(agent: &Agent, s: &Stream, path: &str, mode: Option<u32>) {
-    match write_file_inner(agent, s, path, mode) {
+pub fn write_file(
+    agent: &Agent,
+    s: &Stream,
+    path: &str,
+    mode: Option<u32>,
+    metadata: &std::collections::BTreeMap<String, String>,
+) {
+    match write_file_inner(agent, s, path, mode, metadata) {
         Ok(Some(e)) => s.end(EndBody::Entry(e)),
         Ok(None) => {}
         Err(e) => s.fail(e),
@@ -303,7 +383,9 @@ fn write_file_inner(
     s: &Stream,
     path: &str,
     mode: Option<u32>,
+    metadata: &std::collections::BTreeMap<String, String>,
 ) -> Result<Option<Entry>, AgentError> {
+    check_metadata(metadata)?;
     let p = CleanPath::parse(path)?;
     let shown = p.display();
     let name = p
@@ -362,6 +444,18 @@ fn write_file_inner(
         }
     }
     sys::fchmod(f.as_raw_fd(), mode).map_err(|e| os_err("write", &shown, e))?;
+    for (k, v) in metadata {
+        let n = CString::new(format!("{META_PREFIX}{k}")).map_err(|_| bad("bad metadata key"))?;
+        locker_sys::xattr::fset(f.as_raw_fd(), &n, v.as_bytes()).map_err(|e| {
+            if e.raw_os_error() == Some(libc::EOPNOTSUPP) {
+                bad(format!(
+                    "write {shown}: its filesystem keeps no user extended attributes, so no metadata"
+                ))
+            } else {
+                os_err("write metadata of", &shown, e)
+            }
+        })?;
+    }
     sys::fsync(f.as_raw_fd()).map_err(|e| os_err("write", &shown, e))?;
     drop(f);
     sys::renameat(dir.as_raw_fd(), &tmp, dir.as_raw_fd(), &name)
@@ -369,11 +463,8 @@ fn write_file_inner(
     guard.name = None;
     let _ = sys::fsync(dir.as_raw_fd());
     let st = sys::lstatat(dir.as_raw_fd(), &name).map_err(|e| os_err("write", &shown, e))?;
-    Ok(Some(entry(
-        shown,
-        p.comps.last().cloned().unwrap_or_default(),
-        &st,
-    )))
+    let e = entry(shown, p.comps.last().cloned().unwrap_or_default(), &st);
+    Ok(Some(describe(dir.as_raw_fd(), &name, e)))
 }
 
 /// Serves `Request::Stat`.
@@ -655,7 +746,11 @@ fn walk(
         let shown_name = String::from_utf8_lossy(name.as_bytes()).into_owned();
         let child_path = format!("{}/{}", top.path, shown_name);
         let descend = kind_of(st.st_mode) == EntryType::Dir && top.level < depth;
-        let e = entry(child_path.clone(), shown_name, &st);
+        let e = describe(
+            top.fd.as_raw_fd(),
+            &name,
+            entry(child_path.clone(), shown_name, &st),
+        );
         if f(e).is_break() {
             return Ok(());
         }

@@ -37,6 +37,7 @@
 
 #![forbid(unsafe_code)]
 
+use std::collections::BTreeMap;
 use std::io::{self, Read, Write};
 
 use locker_types::{Entry, ExecResult, Usage};
@@ -64,7 +65,12 @@ pub const MAX_LIST_PROCESSES: usize = 100_000;
 /// What an entry counts for against [`MAX_LIST_BYTES`]: its strings plus a fixed share
 /// for the other fields and the JSON around them. Both sides count the same way.
 pub fn entry_cost(e: &Entry) -> usize {
-    e.path.len() + e.name.len() + e.mtime.len() + 80
+    let extra = e.target.as_ref().map_or(0, String::len)
+        + e.metadata
+            .iter()
+            .map(|(k, v)| k.len() + v.len() + 8)
+            .sum::<usize>();
+    e.path.len() + e.name.len() + e.mtime.len() + 80 + extra
 }
 /// The size in which senders cut file and output data into `Data` frames.
 pub const DATA_CHUNK: usize = 64 * 1024;
@@ -191,6 +197,10 @@ pub struct Hello {
 /// The agent serves [`Request::SpawnFollow`].
 pub const FEATURE_SPAWN_FOLLOW: &str = "spawn_follow";
 
+/// The agent keeps user metadata on files: [`Request::WriteFile`] takes `metadata`, and
+/// entries carry `metadata` and a symlink's `target`.
+pub const FEATURE_FILE_METADATA: &str = "file_metadata";
+
 /// One frame.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
@@ -308,7 +318,16 @@ pub enum Request {
     ReadFile { path: String },
     /// Write a file from the host's `Data` on `Chan::Bytes` up to `Eof`; parents are created.
     /// The file appears whole or not at all (temporary name, then rename). `End(Entry)`.
-    WriteFile { path: String, mode: Option<u32> },
+    ///
+    /// `metadata` becomes the file's extended attributes in the `user.e2b.` namespace (E2B's
+    /// file metadata; the file is new, so it has no others of that namespace): sent only when
+    /// not empty, and only to an agent whose `Hello` names [`FEATURE_FILE_METADATA`].
+    WriteFile {
+        path: String,
+        mode: Option<u32>,
+        #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+        metadata: BTreeMap<String, String>,
+    },
     /// Stream a directory as a tar archive: `Msg(Entry)` of the directory, then the archive
     /// as `Data` on `Chan::Bytes` (regular files, directories, symlinks; paths relative to
     /// the directory), then `End(Ok)`.
@@ -834,6 +853,8 @@ mod tests {
             mtime: locker_types::rfc3339(0),
             uid: Some(1000),
             gid: Some(1000),
+            target: None,
+            metadata: [("author".to_owned(), "mish".to_owned())].into(),
         };
         roundtrip(Frame::Msg {
             stream: 7,

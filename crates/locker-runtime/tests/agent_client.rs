@@ -1661,6 +1661,8 @@ async fn a_hostile_agent_answering_a_list_without_end_is_cut_at_the_bound() {
         mtime: "2026-12-01T00:00:00Z".into(),
         uid: None,
         gid: None,
+        target: None,
+        metadata: Default::default(),
     };
     let batch: Vec<_> = std::iter::repeat_n(entry, 120).collect();
     // Without end, as far as a host without a bound would see: 256 MiB, then an `End`

@@ -70,6 +70,44 @@ pub fn fset(fd: std::os::fd::RawFd, name: &std::ffi::CStr, value: &[u8]) -> io::
     .map(drop)
 }
 
+/// The names of the attributes of the file `fd` is open on (opened for I/O, as [`fset`]).
+pub fn flist(fd: std::os::fd::RawFd) -> io::Result<Vec<CString>> {
+    let mut buf = vec![0u8; 1024];
+    loop {
+        // SAFETY: flistxattr writes at most buf.len() bytes into the buffer we own.
+        let n = unsafe { libc::flistxattr(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        match check(n as libc::c_long) {
+            Ok(n) => {
+                buf.truncate(n as usize);
+                break;
+            }
+            Err(e) if e.raw_os_error() == Some(libc::ERANGE) && buf.len() < 1 << 16 => {
+                buf.resize(1 << 16, 0);
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(buf
+        .split(|b| *b == 0)
+        .filter(|s| !s.is_empty())
+        .filter_map(|s| CString::new(s).ok())
+        .collect())
+}
+
+/// The value of the attribute `name` of the file `fd` is open on, read into `buf`
+/// (`ERANGE` if the value is longer than `buf`).
+pub fn fget<'a>(
+    fd: std::os::fd::RawFd,
+    name: &std::ffi::CStr,
+    buf: &'a mut [u8],
+) -> io::Result<&'a [u8]> {
+    // SAFETY: fgetxattr writes at most buf.len() bytes into the buffer we own; `name` is
+    // NUL-terminated.
+    let n = unsafe { libc::fgetxattr(fd, name.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
+    let n = check(n as libc::c_long)? as usize;
+    Ok(&buf[..n])
+}
+
 /// Sets the attribute `name` of `path` to `value`.
 pub fn set(path: &Path, name: &std::ffi::CStr, value: &[u8]) -> io::Result<()> {
     let c = cstr(path)?;
@@ -112,6 +150,14 @@ mod tests {
             get(&d, name, &mut small).unwrap_err().raw_os_error(),
             Some(libc::ERANGE)
         );
+        let f = std::fs::File::open(&d).unwrap();
+        use std::os::fd::AsRawFd;
+        assert!(flist(f.as_raw_fd())
+            .unwrap()
+            .iter()
+            .any(|n| n.as_c_str() == name));
+        assert_eq!(fget(f.as_raw_fd(), name, &mut buf).unwrap(), b"yes");
+        drop(f);
         remove(&d, name).unwrap();
         assert!(list(&d).unwrap().is_empty());
         std::fs::remove_file(&d).unwrap();

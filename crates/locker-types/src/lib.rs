@@ -238,6 +238,15 @@ pub struct Entry {
     /// The group's gid inside the machine. Absent from an agent of an earlier release.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub gid: Option<u32>,
+    /// A symlink's target, as the link holds it (relative or absolute). Absent for other
+    /// entries, and from an agent of an earlier release.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
+    /// A regular file's user metadata: its extended attributes in the `user.e2b.`
+    /// namespace, the prefix left out (E2B's file metadata). Absent when it has none, and
+    /// from an agent of an earlier release.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metadata: BTreeMap<String, String>,
 }
 
 /// Formats seconds since the Unix epoch as RFC 3339 UTC (`2026-11-30T12:00:00Z`).

@@ -83,9 +83,32 @@ impl AgentClient {
         mode: Option<u32>,
         data: impl AsyncRead + Unpin,
     ) -> Result<Entry> {
+        self.write_file_with_metadata(path, mode, std::collections::BTreeMap::new(), data)
+            .await
+    }
+
+    /// [`write_file`](Self::write_file), the new file given user `metadata` (E2B's file
+    /// metadata: extended attributes in the `user.e2b.` namespace). An agent that does not
+    /// keep metadata ([`locker_proto::FEATURE_FILE_METADATA`]) gets none to keep: asked for
+    /// some, it is `Unsupported`.
+    pub async fn write_file_with_metadata(
+        &self,
+        path: &str,
+        mode: Option<u32>,
+        metadata: std::collections::BTreeMap<String, String>,
+        data: impl AsyncRead + Unpin,
+    ) -> Result<Entry> {
+        if !metadata.is_empty() && !self.has_feature(locker_proto::FEATURE_FILE_METADATA) {
+            return Err(AgentClientError::Agent(locker_proto::AgentError::new(
+                locker_proto::ErrorCode::BadRequest,
+                "this machine's agent is of an earlier release and keeps no file metadata \
+                 (restart the sandbox on the current release)",
+            )));
+        }
         let s = self.open(Request::WriteFile {
             path: path.into(),
             mode,
+            metadata,
         })?;
         match upload(s, Chan::Bytes, data, Chan::Bytes, Some(CALL_DEADLINE)).await? {
             EndBody::Entry(e) => Ok(e),

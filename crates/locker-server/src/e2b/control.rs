@@ -535,7 +535,9 @@ struct Timeout {
     timeout: Option<u64>,
 }
 
-/// `POST /sandboxes/{id}/timeout`: the sandbox ends `timeout` seconds from now.
+/// `POST /sandboxes/{id}/timeout`: the sandbox ends `timeout` seconds from now. `0` is
+/// its timeout now, as on E2B: an auto-pause sandbox is paused (a paused one stays so),
+/// any other is killed (its id then answers as one that reached its timeout).
 async fn timeout(
     State(app): State<AppState>,
     E2bCaller(caller): E2bCaller,
@@ -545,6 +547,15 @@ async fn timeout(
     let t = body
         .timeout
         .ok_or_else(|| E2bError::bad_request("missing `timeout` (seconds from now)"))?;
+    if t == 0 {
+        let r = crate::lifecycle::record_of(&app, &caller, &id)?;
+        if r.idle_timeout_s.is_none() {
+            crate::lifecycle::destroy(&app, &r, "expired").await?;
+        } else if r.state != SandboxState::Paused {
+            crate::sandboxes::pause_sandbox(&app, &caller, &id).await?;
+        }
+        return Ok(StatusCode::NO_CONTENT);
+    }
     crate::sandboxes::set_ttl_of(&app, &caller, &id, ttl_of(t)?)?;
     Ok(StatusCode::NO_CONTENT)
 }
@@ -600,7 +611,7 @@ async fn metrics(
 
 /// A `SandboxMetric` of a live sandbox at `now`: CPU as the average use since it started
 /// (of its CPUs), memory in use now, disk as the blocks its writable layer holds.
-fn metric(r: &SandboxRecord, live: &Live, now: i64) -> Value {
+pub(super) fn metric(r: &SandboxRecord, live: &Live, now: i64) -> Value {
     let usage = live.machine.usage();
     let up_ms =
         ((now - locker_types::parse_rfc3339(&r.created_at).unwrap_or(now)).max(1) * 1000) as f64;
@@ -690,6 +701,22 @@ fn started(r: &SandboxRecord) -> (i64, String) {
     )
 }
 
+/// The order of a sandbox list: the start in milliseconds (the record keeps seconds; the
+/// birth time of the machine's directory, made by the create, gives the rest, so two
+/// sandboxes started within one second list in the order they started), then the id.
+fn started_ms(r: &SandboxRecord) -> (i64, String) {
+    let (secs, id) = started(r);
+    let born = std::fs::metadata(&r.machine_dir)
+        .and_then(|m| m.created())
+        .ok()
+        .and_then(|t| t.duration_since(std::time::UNIX_EPOCH).ok())
+        .map(|d| d.as_millis() as i64)
+        // Made during the create, after its record's time; one made otherwise (a machine
+        // adopted across a move) orders by the record's second.
+        .filter(|ms| (secs * 1000..secs * 1000 + 60_000).contains(ms));
+    (born.unwrap_or(secs * 1000), id)
+}
+
 /// The metadata filter of a list: `metadata=<urlencoded k=v&…>`.
 fn metadata_filter(v: &str) -> Result<Vec<(String, String)>, E2bError> {
     let out: Vec<(String, String)> = pairs(Some(v));
@@ -766,7 +793,7 @@ async fn list_v2(
         .filter(|r| template.as_ref().is_none_or(|t| *t == r.template))
         .filter(|r| after.is_none_or(|a| started(r).0 >= a))
         .collect();
-    let p = page(recs, started, desc, token.as_deref(), limit)?;
+    let p = page(recs, started_ms, desc, token.as_deref(), limit)?;
     Ok(list_answer(p.items.iter().map(listed).collect(), p.next))
 }
 

@@ -46,7 +46,7 @@ pub const ENVD_PORT: u16 = 49983;
 pub const INTERP_PORT: u16 = 49999;
 /// The envd version create and connect advertise: the SDKs turn features on by it, so it
 /// names the newest version whose features Locker really serves.
-pub const ENVD_VERSION: &str = "0.5.7";
+pub const ENVD_VERSION: &str = "0.6.4";
 
 /// The control plane's routes (E2B's REST API, authenticated by `X-API-KEY`).
 pub fn routes() -> Router<AppState> {

@@ -21,7 +21,7 @@ use serde_json::json;
 use sha2::{Digest, Sha256};
 use tokio::sync::mpsc;
 
-use super::{check_user, resolve_path, DEFAULT_USER};
+use super::{check_user, resolve_path};
 use crate::auth::constant_time_eq;
 use crate::e2b::{E2bError, Target};
 use crate::error::ApiError;
@@ -150,9 +150,9 @@ fn check_access(t: &Target, q: &Query, op: &str) -> Result<(), E2bError> {
     }
 }
 
-fn user_of(q: &Query) -> Result<String, E2bError> {
+fn user_of(q: &Query, t: &Target) -> Result<String, E2bError> {
     match q.username.as_deref() {
-        None | Some("") => Ok(DEFAULT_USER.into()),
+        None | Some("") => Ok(super::default_user(&t.live.id)),
         Some(u) => {
             check_user(u).map_err(E2bError::bad_request)?;
             Ok(u.into())
@@ -232,7 +232,7 @@ fn accepts_gzip(h: &HeaderMap) -> bool {
 async fn download(app: AppState, t: Target, req: Request) -> Result<Response, E2bError> {
     let q = query(&req);
     check_access(&t, &q, "read")?;
-    let user = user_of(&q)?;
+    let user = user_of(&q, &t)?;
     let raw = q.path.clone().unwrap_or_default();
     if raw.is_empty() {
         return Err(E2bError::bad_request("`path` is required"));
@@ -347,12 +347,70 @@ type Chunks = mpsc::Sender<Result<Bytes, std::io::Error>>;
 type WriteTask =
     tokio::task::JoinHandle<Result<locker_types::Entry, locker_runtime::agent::AgentClientError>>;
 
-/// Writes one file from chunks sent on the returned sender; the task answers its entry.
-fn start_write(agent: locker_runtime::agent::AgentClient, path: String) -> (Chunks, WriteTask) {
+/// Writes one file, given `metadata`, from chunks sent on the returned sender; the task
+/// answers its entry.
+fn start_write(
+    agent: locker_runtime::agent::AgentClient,
+    path: String,
+    metadata: Metadata,
+) -> (Chunks, WriteTask) {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(8);
     let reader = channel_reader(rx);
-    let task = tokio::spawn(async move { agent.write_file(&path, None, reader).await });
+    let task = tokio::spawn(async move {
+        agent
+            .write_file_with_metadata(&path, None, metadata, reader)
+            .await
+    });
     (tx, task)
+}
+
+/// A file's user metadata (envd's `X-Metadata-*` upload headers; extended attributes in the
+/// `user.e2b.` namespace in the machine).
+pub(super) type Metadata = std::collections::BTreeMap<String, String>;
+
+/// The namespace metadata keys are stored under, counted against [`MAX_METADATA`].
+const METADATA_PREFIX: &str = "user.e2b.";
+/// The most bytes of metadata on one file (keys with the prefix, and values), as envd.
+const MAX_METADATA: usize = 4096;
+
+/// The metadata an upload gives its files: each `X-Metadata-<key>: <value>` header, the key
+/// lowercased, the first value of a repeated key; checked as envd checks it (printable
+/// US-ASCII, keys of 1 to 246 bytes, 4096 bytes in all counting the prefix per key).
+pub(super) fn metadata_of(h: &HeaderMap) -> Result<Metadata, E2bError> {
+    let mut out = Metadata::new();
+    let mut total = 0usize;
+    for (name, value) in h {
+        let Some(key) = name.as_str().strip_prefix("x-metadata-") else {
+            continue;
+        };
+        if out.contains_key(key) {
+            continue;
+        }
+        let max_key = 255 - METADATA_PREFIX.len();
+        if key.is_empty() || key.len() > max_key {
+            return Err(E2bError::bad_request(format!(
+                "metadata key {key:?}: keys are 1 to {max_key} bytes"
+            )));
+        }
+        let v = value
+            .to_str()
+            .ok()
+            .filter(|v| v.bytes().all(|b| (0x20..=0x7e).contains(&b)))
+            .ok_or_else(|| {
+                E2bError::bad_request(format!(
+                    "metadata value of {key:?}: values are printable US-ASCII"
+                ))
+            })?;
+        total += METADATA_PREFIX.len() + key.len() + v.len();
+        if total > MAX_METADATA {
+            return Err(E2bError::bad_request(format!(
+                "metadata over {MAX_METADATA} bytes (keys with the `{METADATA_PREFIX}` prefix, and \
+                 values)"
+            )));
+        }
+        out.insert(key.to_owned(), v.to_owned());
+    }
+    Ok(out)
 }
 
 /// The bytes sent on `rx` as a reader (an error sent ends it with that error).
@@ -452,7 +510,7 @@ fn content_encoding_gzip(h: &HeaderMap) -> Result<bool, E2bError> {
 async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bError> {
     let q = query(&req);
     check_access(&t, &q, "write")?;
-    let user = user_of(&q)?;
+    let user = user_of(&q, &t)?;
     let gzip = content_encoding_gzip(req.headers())?;
     let ct = req
         .headers()
@@ -466,6 +524,7 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
         .unwrap_or("")
         .trim()
         .to_ascii_lowercase();
+    let metadata = metadata_of(req.headers())?;
     let live = busy(&app, &t).await?;
     let written = if mt == "multipart/form-data" {
         let boundary = ct
@@ -480,7 +539,12 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
             None | Some("") => None,
             Some(p) => Some(resolve_path(&user, p).map_err(E2bError::bad_request)?),
         };
-        multipart(&app, &live, &user, path, &boundary, gzip, req.into_body()).await?
+        let to = Dest {
+            user: &user,
+            path,
+            metadata: &metadata,
+        };
+        multipart(&app, &live, to, &boundary, gzip, req.into_body()).await?
     } else if mt == "application/octet-stream" || mt.is_empty() {
         let raw = q.path.clone().unwrap_or_default();
         if raw.is_empty() {
@@ -490,7 +554,7 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
         }
         let path = resolve_path(&user, &raw).map_err(E2bError::bad_request)?;
         let made = super::missing_dirs(&live.machine.agent, &path, false).await;
-        let (tx, task) = start_write(live.machine.agent.clone(), path.clone());
+        let (tx, task) = start_write(live.machine.agent.clone(), path.clone(), metadata);
         let mut body = req.into_body().into_data_stream();
         let mut inflate = gzip.then(Inflate::new);
         let fed: Result<(), E2bError> = async {
@@ -530,11 +594,130 @@ async fn upload(app: AppState, t: Target, req: Request) -> Result<Response, E2bE
             ),
         ));
     };
-    let list: Vec<_> = written
-        .iter()
-        .map(|e| json!({"name": e.name, "type": "file", "path": e.path}))
-        .collect();
+    let list: Vec<_> = written.iter().map(written_json).collect();
     Ok(axum::Json(list).into_response())
+}
+
+/// A written file as envd's upload answers it (`EntryInfo` of its REST API).
+pub(super) fn written_json(e: &locker_types::Entry) -> serde_json::Value {
+    let mut v = json!({"name": e.name, "type": "file", "path": e.path});
+    if !e.metadata.is_empty() {
+        v["metadata"] = json!(e.metadata);
+    }
+    v
+}
+
+/// envd's `ComposeRequest`.
+#[derive(serde::Deserialize)]
+struct Compose {
+    source_paths: Vec<String>,
+    destination: String,
+    #[serde(default)]
+    username: Option<String>,
+}
+
+/// The most source files one compose may join.
+const MAX_COMPOSE_SOURCES: usize = 1000;
+
+/// `POST /files/compose`: the source files joined in order into the destination (written
+/// whole or not at all, as every write), then the sources removed (a source that is also
+/// the destination stays, as the result). Answers the destination's `EntryInfo`. envd
+/// joins by reflink where the filesystem can; the agent copies the bytes through, a
+/// chunk at a time.
+pub(super) async fn compose(app: AppState, t: Target, req: Request) -> Result<Response, E2bError> {
+    let bytes = axum::body::to_bytes(req.into_body(), 4 << 20)
+        .await
+        .map_err(|e| E2bError::bad_request(format!("compose body: {e} (at most 4 MiB)")))?;
+    let c: Compose = serde_json::from_slice(&bytes).map_err(|e| {
+        E2bError::bad_request(format!(
+            "compose body: {e}; send {{\"source_paths\": [...], \"destination\": \"...\"}}"
+        ))
+    })?;
+    let user = match c.username.as_deref() {
+        None | Some("") => super::default_user(&t.live.id),
+        Some(u) => {
+            check_user(u).map_err(E2bError::bad_request)?;
+            u.to_owned()
+        }
+    };
+    if c.source_paths.is_empty() || c.source_paths.len() > MAX_COMPOSE_SOURCES {
+        return Err(E2bError::bad_request(format!(
+            "`source_paths` must name 1 to {MAX_COMPOSE_SOURCES} files"
+        )));
+    }
+    if c.destination.is_empty() {
+        return Err(E2bError::bad_request("`destination` is required"));
+    }
+    let dest = resolve_path(&user, &c.destination).map_err(E2bError::bad_request)?;
+    let sources = c
+        .source_paths
+        .iter()
+        .map(|p| resolve_path(&user, p))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(E2bError::bad_request)?;
+    let live = busy(&app, &t).await?;
+    let agent = live.machine.agent.clone();
+    // Every source is a file before anything is written.
+    for src in &sources {
+        let r = agent.stat(src).await;
+        let e = crate::failed::result(&app, &live, r)
+            .await
+            .map_err(|e| agent_error(e, src))?;
+        if e.kind != locker_types::EntryType::File {
+            return Err(E2bError::bad_request(format!(
+                "path '{src}' is not a file"
+            )));
+        }
+    }
+    let made = super::missing_dirs(&agent, &dest, false).await;
+    let (tx, task) = start_write(agent.clone(), dest.clone(), Metadata::new());
+    let fed: Result<(), E2bError> = async {
+        for src in &sources {
+            let r = agent.read_file(src).await;
+            let (_, mut reader) = crate::failed::result(&app, &live, r)
+                .await
+                .map_err(|e| agent_error(e, src))?;
+            loop {
+                match reader.next_chunk().await {
+                    Ok(Some(c)) => {
+                        if tx.send(Ok(c.into())).await.is_err() {
+                            return Ok(());
+                        }
+                    }
+                    Ok(None) => break,
+                    Err(e) => {
+                        return Err(E2bError::new(
+                            StatusCode::INTERNAL_SERVER_ERROR,
+                            format!("reading '{src}': {e}"),
+                        ))
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+    .await;
+    if let Err(e) = fed {
+        let _ = tx.send(Err(std::io::Error::other(e.message.clone()))).await;
+        drop(tx);
+        let _ = task.await;
+        return Err(e);
+    }
+    drop(tx);
+    let entry = finish_write(&app, &live, task, &dest).await?;
+    own(&app, &live, &user, &made, &dest).await?;
+    for src in sources.iter().filter(|s| **s != dest) {
+        match agent.remove(src, false).await {
+            Ok(()) => {}
+            Err(locker_runtime::agent::AgentClientError::Agent(e))
+                if e.code == locker_proto::ErrorCode::NotFound => {}
+            Err(e) => {
+                let e = crate::failed::check(&app, &live, e).await;
+                return Err(agent_error(e, src));
+            }
+        }
+    }
+    Ok(axum::Json(written_json(&entry)).into_response())
 }
 
 async fn finish_write(
@@ -570,13 +753,20 @@ async fn own(
         .map_err(|e| agent_error(e, file))
 }
 
+/// Where a multipart upload's files go: as `user`, to `path` (one file) or each part's
+/// filename, with `metadata`.
+struct Dest<'a> {
+    user: &'a str,
+    path: Option<String>,
+    metadata: &'a Metadata,
+}
+
 /// Streams a multipart body: each part with a file goes to its own file (the `path`
 /// query for a single file, else the part's filename, relative to the user's home).
 async fn multipart(
     app: &AppState,
     live: &Busy,
-    user: &str,
-    path: Option<String>,
+    to: Dest<'_>,
     boundary: &str,
     gzip: bool,
     body: Body,
@@ -587,6 +777,11 @@ async fn multipart(
             "a gzip body must be an application/octet-stream upload (as the SDKs send it)",
         ));
     }
+    let Dest {
+        user,
+        path,
+        metadata,
+    } = to;
     let mut p = Parts {
         body: body.into_data_stream(),
         buf: BytesMut::new(),
@@ -633,7 +828,7 @@ async fn multipart(
             }
         };
         let made = super::missing_dirs(&live.machine.agent, &dest, false).await;
-        let (tx, task) = start_write(live.machine.agent.clone(), dest.clone());
+        let (tx, task) = start_write(live.machine.agent.clone(), dest.clone(), metadata.clone());
         let streamed = p.stream_until(delim.as_bytes(), &tx).await;
         if let Err(e) = streamed {
             let _ = tx.send(Err(std::io::Error::other(e.message.clone()))).await;

@@ -85,7 +85,7 @@ pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request
             .into_response()
         }
     };
-    let (timeout, user) = match super::rpc_headers(req.headers(), shape) {
+    let (timeout, user) = match super::rpc_headers(req.headers(), shape, &t) {
         Ok(h) => h,
         Err(refused) => return refused,
     };
@@ -186,7 +186,8 @@ async fn ids_of(agent: &locker_runtime::agent::AgentClient, path: &str) -> HashM
     ids
 }
 
-/// An entry as envd's `EntryInfo` (ProtoJSON: `size` is an int64, so a string).
+/// An entry as envd's `EntryInfo` (ProtoJSON: `size` is an int64, so a string): a
+/// symlink's `symlinkTarget` as an absolute path, a file's user `metadata`.
 fn entry_json(e: &Entry, names: &Names) -> Value {
     let kind = match e.kind {
         EntryType::Dir => "FILE_TYPE_DIRECTORY",
@@ -194,7 +195,7 @@ fn entry_json(e: &Entry, names: &Names) -> Value {
         EntryType::File => "FILE_TYPE_FILE",
         EntryType::Other => "FILE_TYPE_UNSPECIFIED",
     };
-    json!({
+    let mut v = json!({
         "name": e.name,
         "type": kind,
         "path": e.path,
@@ -204,7 +205,58 @@ fn entry_json(e: &Entry, names: &Names) -> Value {
         "owner": names.user(e.uid),
         "group": names.group(e.gid),
         "modifiedTime": e.mtime,
-    })
+    });
+    if let Some(t) = &e.target {
+        let abs = if t.starts_with('/') {
+            t.clone()
+        } else {
+            format!("{}/{t}", super::parent_of(&e.path))
+        };
+        v["symlinkTarget"] = json!(resolve_path("root", &abs).unwrap_or(abs));
+    }
+    if !e.metadata.is_empty() {
+        v["metadata"] = json!(e.metadata);
+    }
+    v
+}
+
+/// The most links [`followed`] follows, as the kernel (`ELOOP` past it).
+const MAX_LINKS: usize = 40;
+
+/// `e` as envd's `Stat` describes a symlink: the name and path of the link, with what the
+/// link resolves to (its type, size, mode, owner, time and metadata) and that path as its
+/// `target`. A link that does not resolve (dangling, a loop) is described as the link.
+async fn followed(agent: &locker_runtime::agent::AgentClient, e: Entry) -> Entry {
+    if e.kind != EntryType::Symlink {
+        return e;
+    }
+    let mut cur = e.clone();
+    for _ in 0..MAX_LINKS {
+        if cur.kind != EntryType::Symlink {
+            return Entry {
+                name: e.name,
+                path: e.path,
+                target: Some(cur.path),
+                ..cur
+            };
+        }
+        let Some(t) = cur.target.as_deref() else {
+            return e;
+        };
+        let next = if t.starts_with('/') {
+            t.to_owned()
+        } else {
+            format!("{}/{t}", super::parent_of(&cur.path))
+        };
+        let Ok(next) = resolve_path("root", &next) else {
+            return e;
+        };
+        match agent.stat(&next).await {
+            Ok(n) => cur = n,
+            Err(_) => return e,
+        }
+    }
+    e
 }
 
 async fn busy(app: &AppState, t: &Target) -> Result<Busy, ConnectError> {
@@ -224,6 +276,7 @@ async fn unary(
             let path = path_of(&user, &m.path, "path")?;
             let live = busy(&app, &t).await?;
             let e = result(&app, &live, live.machine.agent.stat(&path).await).await?;
+            let e = followed(&live.machine.agent, e).await;
             let names = Names::of(&live.machine.agent).await;
             Ok(unary_ok(&json!({"entry": entry_json(&e, &names)})))
         }
@@ -404,13 +457,44 @@ fn event_json(e: &FsEvent) -> Value {
     json!({"name": e.name, "type": kind})
 }
 
+/// A batch of events (under the watched directory `dir`) as envd's `FilesystemEvent`s;
+/// with `include_entry`, each with the `entry` of what it names when that can be stat'ed
+/// (not a removed one, nor one renamed away), as envd 0.6.3 sends.
+async fn events_json(
+    agent: &locker_runtime::agent::AgentClient,
+    dir: &str,
+    batch: &[FsEvent],
+    include_entry: bool,
+) -> Vec<Value> {
+    let names = if include_entry && !batch.is_empty() {
+        Some(Names::of(agent).await)
+    } else {
+        None
+    };
+    let mut out = Vec::with_capacity(batch.len());
+    for e in batch {
+        let mut v = event_json(e);
+        if let Some(names) = &names {
+            if e.op != FsOp::Remove {
+                if let Ok(en) = agent.stat(&format!("{dir}/{}", e.name)).await {
+                    v["entry"] = entry_json(&en, names);
+                }
+            }
+        }
+        out.push(v);
+    }
+    out
+}
+
 async fn open_watch(
     app: &AppState,
     live: &Busy,
     path: &str,
     m: &WatchRequest,
 ) -> Result<locker_runtime::agent::WatchStream, ConnectError> {
-    let _ = (m.include_entry, m.allow_network_mounts);
+    // Network mounts are watched as any directory: inotify reports what the machine's
+    // kernel sees of them (changes made elsewhere may not show), as envd warns.
+    let _ = m.allow_network_mounts;
     let agent = &live.machine.agent;
     let dir = result(app, live, agent.stat(path).await).await?;
     if dir.kind != EntryType::Dir {
@@ -436,7 +520,9 @@ async fn watch_dir(
     let live = busy(&app, &t).await?;
     let mut w = open_watch(&app, &live, &path, &m).await?;
     let (out, resp) = stream_response();
+    let include = m.include_entry;
     tokio::spawn(async move {
+        let agent = live.machine.agent.clone();
         let _live = live;
         if !out.send(&json!({"start": {}})).await {
             return;
@@ -449,8 +535,9 @@ async fn watch_dir(
             tokio::select! {
                 next = w.next() => match next {
                     Ok(Some(events)) => {
-                        for e in &temp.translate(events) {
-                            if !out.send(&json!({"filesystem": event_json(e)})).await {
+                        let events = temp.translate(events);
+                        for e in events_json(&agent, &path, &events, include).await {
+                            if !out.send(&json!({"filesystem": e})).await {
                                 return;
                             }
                         }
@@ -537,18 +624,21 @@ async fn create_watcher(
     let events: Arc<Mutex<VecDeque<Value>>> = Arc::default();
     let failed: Arc<Mutex<Option<ConnectError>>> = Arc::default();
     let (ev2, failed2) = (events.clone(), failed.clone());
+    let agent = live.machine.agent.clone();
+    let include = m.include_entry;
     let task = tokio::spawn(async move {
         let mut temp = TempWrites::default();
         loop {
             match w.next().await {
                 Ok(Some(batch)) => {
                     let batch = temp.translate(batch);
+                    let batch = events_json(&agent, &path, &batch, include).await;
                     let mut q = ev2.lock().expect("events lock");
-                    for e in &batch {
+                    for e in batch {
                         if q.len() >= MAX_BUFFERED_EVENTS {
                             q.pop_front();
                         }
-                        q.push_back(event_json(e));
+                        q.push_back(e);
                     }
                 }
                 Ok(None) => return,

@@ -1,7 +1,8 @@
 //! envd, E2B's in-sandbox daemon, served by the server onto Locker's rooms: the Connect
 //! services `process.Process` ([`process`]) and `filesystem.Filesystem` ([`filesystem`]),
-//! JSON codec ([`connect`]), and the plain-HTTP endpoints `/files` ([`files`]), `/health`,
-//! `/envs`.
+//! JSON codec ([`connect`]), and the plain-HTTP endpoints `/files` and `/files/compose`
+//! ([`files`]), `/health`, `/envs`, `/metrics` and `/init` (whose defaults, and process
+//! tags, are the only state of envd's own: [`state`]).
 //!
 //! Owns: the translation of envd's wire protocol onto Locker's background processes
 //! (`processes`, the agent's process table: E2B's pids are looked up there, no second
@@ -27,6 +28,7 @@ mod connect;
 mod files;
 mod filesystem;
 mod process;
+mod state;
 
 use connect::{Code, ConnectError};
 
@@ -83,19 +85,145 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
     }
     match (req.method().clone(), path.as_str()) {
         (Method::GET, "/envs") => {
-            let live = &t.live;
-            axum::Json(live.env.clone()).into_response()
+            let mut env = t.live.env.clone();
+            env.extend(state::defaults(&t.live.id).env);
+            axum::Json(env).into_response()
         }
-        (_, "/envs") => {
-            E2bError::new(StatusCode::METHOD_NOT_ALLOWED, "/envs takes GET").into_response()
+        (Method::GET, "/metrics") => metrics(&app, &t).await.unwrap_or_else(|e| e.into_response()),
+        (Method::POST, "/init") => init(&app, &t, req)
+            .await
+            .map_or_else(|e| e.into_response(), IntoResponse::into_response),
+        (Method::POST, "/files/compose") => files::compose(app, t, req)
+            .await
+            .unwrap_or_else(|e| e.into_response()),
+        (m, p @ ("/envs" | "/metrics" | "/init" | "/files/compose")) => {
+            let want = if matches!(p, "/envs" | "/metrics") {
+                "GET"
+            } else {
+                "POST"
+            };
+            E2bError::new(
+                StatusCode::METHOD_NOT_ALLOWED,
+                format!("{m} {p}: {p} takes {want}"),
+            )
+            .into_response()
         }
         _ => E2bError::not_found(format!(
             "{} {path}: envd serves /process.Process/*, /filesystem.Filesystem/*, /files, \
-             /health and /envs",
+             /files/compose, /health, /envs, /metrics and /init",
             req.method()
         ))
         .into_response(),
     }
+}
+
+/// `GET /metrics`: envd's `Metrics` of the sandbox now (the control plane's one sample, in
+/// envd's field names).
+async fn metrics(app: &AppState, t: &Target) -> Result<Response, E2bError> {
+    let r = crate::lifecycle::record_of(app, &t.caller, &t.live.id)?;
+    let live = crate::lifecycle::live_of(app, &t.caller, &t.live.id).await?;
+    let m = super::control::metric(&r, &live, crate::state::now_s());
+    let n = |k: &str| m[k].as_u64().unwrap_or(0);
+    Ok(axum::Json(serde_json::json!({
+        "ts": m["timestampUnix"],
+        "cpu_count": m["cpuCount"],
+        "cpu_used_pct": m["cpuUsedPct"],
+        "mem_total": n("memTotal"),
+        "mem_used": n("memUsed"),
+        "mem_cache": n("memCache"),
+        "mem_total_mib": n("memTotal") >> 20,
+        "mem_used_mib": n("memUsed") >> 20,
+        "disk_used": n("diskUsed"),
+        "disk_total": n("diskTotal"),
+    }))
+    .into_response())
+}
+
+/// envd's `/init` body (what the orchestrator sends a started or resumed sandbox).
+#[derive(serde::Deserialize, Default)]
+#[serde(default, rename_all = "camelCase")]
+struct Init {
+    env_vars: std::collections::BTreeMap<String, String>,
+    access_token: Option<String>,
+    timestamp: Option<String>,
+    default_user: Option<String>,
+    default_workdir: Option<String>,
+    volume_mounts: Vec<serde_json::Value>,
+    ca_bundle: Option<String>,
+    #[serde(rename = "hyperloopIP")]
+    hyperloop_ip: Option<String>,
+    #[serde(rename = "lifecycleID")]
+    lifecycle_id: Option<String>,
+}
+
+/// `POST /init`: the environment, default user and working directory of later envd calls
+/// (kept by [`state`]); 204. Locker's server already does the rest of what the
+/// orchestrator asks of `/init`: the clock of a restored machine (`timestamp`, ignored), the
+/// access token (which `/init` cannot change here: rotate it with Locker's
+/// `POST /v1/sandboxes/{id}/preview-token`), volumes (Locker's own create mounts them) and
+/// CA certificates (Locker's secrets install theirs).
+async fn init(app: &AppState, t: &Target, req: Request) -> Result<StatusCode, E2bError> {
+    let bytes = axum::body::to_bytes(req.into_body(), 1 << 20)
+        .await
+        .map_err(|e| E2bError::bad_request(format!("/init body: {e} (at most 1 MiB)")))?;
+    let b: Init = if bytes.iter().all(u8::is_ascii_whitespace) {
+        Init::default()
+    } else {
+        serde_json::from_slice(&bytes)
+            .map_err(|e| E2bError::bad_request(format!("/init body is not envd's JSON: {e}")))?
+    };
+    let (_, _, _) = (b.timestamp, b.hyperloop_ip, b.lifecycle_id);
+    if let Some(tok) = b.access_token.as_deref().filter(|s| !s.is_empty()) {
+        let own = t.live.preview.read().expect("preview lock").token.clone();
+        if !crate::auth::constant_time_eq(tok.as_bytes(), own.as_bytes()) {
+            return Err(E2bError::bad_request(
+                "`accessToken` differs from the sandbox's: Locker's server sets the token; \
+                 rotate it with POST /v1/sandboxes/{id}/preview-token",
+            ));
+        }
+    }
+    if !b.volume_mounts.is_empty() {
+        return Err(E2bError::bad_request(
+            "`volumeMounts` are not served: mount Locker volumes with Locker's create (`volumes`)",
+        ));
+    }
+    if b.ca_bundle.as_deref().is_some_and(|c| !c.trim().is_empty()) {
+        return Err(E2bError::bad_request(
+            "`caBundle` is not served: write the certificates with /files and run \
+             update-ca-certificates, or use Locker's secrets (which install their CA)",
+        ));
+    }
+    for k in b.env_vars.keys() {
+        if k.is_empty() || k.contains('=') || k.contains('\0') {
+            return Err(E2bError::bad_request(format!(
+                "`envVars` name {k:?} is not a variable name"
+            )));
+        }
+    }
+    let user = b.default_user.filter(|u| !u.is_empty());
+    if let Some(u) = &user {
+        check_user(u).map_err(E2bError::bad_request)?;
+    }
+    let workdir = match b.default_workdir.as_deref() {
+        None | Some("") => None,
+        Some(w) if w.starts_with('/') => {
+            Some(resolve_path(DEFAULT_USER, w).map_err(E2bError::bad_request)?)
+        }
+        Some(w) => {
+            return Err(E2bError::bad_request(format!(
+                "`defaultWorkdir` {w:?} must be an absolute path"
+            )))
+        }
+    };
+    state::init(app, &t.live.id, b.env_vars, user, workdir).await;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// The user of calls of sandbox `id` that name none: `/init`'s `defaultUser`, else E2B's.
+fn default_user(id: &str) -> String {
+    state::defaults(id)
+        .user
+        .unwrap_or_else(|| DEFAULT_USER.to_owned())
 }
 
 /// The sandbox a signed `/files` URL without routing headers is for (see
@@ -133,9 +261,10 @@ fn keepalive_interval(h: &HeaderMap) -> std::time::Duration {
 fn rpc_headers(
     h: &HeaderMap,
     shape: connect::Shape,
+    t: &Target,
 ) -> Result<(Option<std::time::Duration>, String), Response> {
     let timeout = connect::check_request(h, shape).map_err(process::rejected)?;
-    let user = rpc_user(h).map_err(|e| {
+    let user = rpc_user(h, &default_user(&t.live.id)).map_err(|e| {
         if shape == connect::Shape::Unary {
             e.into_response()
         } else {
@@ -145,10 +274,10 @@ fn rpc_headers(
     Ok((timeout, user))
 }
 
-/// The user an RPC runs as: `Authorization: Basic base64("<user>:")`, else E2B's default.
-fn rpc_user(h: &HeaderMap) -> Result<String, ConnectError> {
+/// The user an RPC runs as: `Authorization: Basic base64("<user>:")`, else `default`.
+fn rpc_user(h: &HeaderMap, default: &str) -> Result<String, ConnectError> {
     let Some(v) = h.get(axum::http::header::AUTHORIZATION) else {
-        return Ok(DEFAULT_USER.into());
+        return Ok(default.into());
     };
     let bad = |why: &str| {
         ConnectError::new(
@@ -168,7 +297,7 @@ fn rpc_user(h: &HeaderMap) -> Result<String, ConnectError> {
     let user = text.split(':').next().unwrap_or("").trim().to_owned();
     check_user(&user).map_err(|m| bad(&m))?;
     Ok(if user.is_empty() {
-        DEFAULT_USER.into()
+        default.into()
     } else {
         user
     })
@@ -293,14 +422,15 @@ mod tests {
     #[test]
     fn basic_auth_names_the_user() {
         let mut h = HeaderMap::new();
-        assert_eq!(rpc_user(&h).unwrap(), "user");
+        assert_eq!(rpc_user(&h, "user").unwrap(), "user");
+        assert_eq!(rpc_user(&h, "admin").unwrap(), "admin");
         // base64("root:")
         h.insert("authorization", "Basic cm9vdDo=".parse().unwrap());
-        assert_eq!(rpc_user(&h).unwrap(), "root");
+        assert_eq!(rpc_user(&h, "user").unwrap(), "root");
         h.insert("authorization", "Bearer x".parse().unwrap());
-        assert!(rpc_user(&h).is_err());
+        assert!(rpc_user(&h, "user").is_err());
         // base64("a b:")
         h.insert("authorization", "Basic YSBiOg==".parse().unwrap());
-        assert!(rpc_user(&h).is_err());
+        assert!(rpc_user(&h, "user").is_err());
     }
 }

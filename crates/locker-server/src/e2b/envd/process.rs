@@ -2,7 +2,9 @@
 //! one (pipes or a terminal) and follows its output, so every E2B command is a Locker
 //! background process (in `GET /v1/sandboxes/{id}/processes`, with its call record).
 //! E2B names processes by pid; the agent's process table answers by pid (the newest
-//! process with that pid, a running one first), so no second table is kept here.
+//! process with that pid, a running one first), so no second table is kept here. A
+//! `Start`'s `tag` is kept beside it ([`super::state`]: envd's own), so `Connect` and the
+//! other calls find a process by tag too, and `List` shows it.
 //!
 //! `Connect-Timeout-Ms` on `Start` is the process's lifetime (as in E2B's envd): the agent
 //! kills its tree at the deadline and the stream ends with `deadline_exceeded`.
@@ -144,7 +146,7 @@ pub(super) async fn serve(app: AppState, t: Target, method: String, req: Request
             .into_response()
         }
     };
-    let (timeout, user) = match super::rpc_headers(req.headers(), shape) {
+    let (timeout, user) = match super::rpc_headers(req.headers(), shape, &t) {
         Ok(h) => h,
         Err(refused) => return refused,
     };
@@ -196,31 +198,40 @@ async fn busy(app: &AppState, t: &Target) -> Result<Busy, ConnectError> {
     Ok(live_of(app, &t.caller, &t.live.id).await?)
 }
 
-/// The process a selector names, by pid: the newest with that pid, a running one first.
+/// The process a selector names, by pid or by tag: the newest with that pid (or tag), a
+/// running one first.
 async fn find(
     app: &AppState,
     live: &Busy,
     sel: Option<Selector>,
 ) -> Result<ProcessInfo, ConnectError> {
-    let sel =
-        sel.ok_or_else(|| ConnectError::invalid("`process` (a selector with `pid`) is required"))?;
-    let pid = match (sel.pid, sel.tag) {
-        (Some(pid), _) => pid,
-        (None, Some(tag)) => {
-            return Err(ConnectError::not_found(format!(
-            "process with tag {tag:?} not found: Locker finds processes by pid (tags are not kept)"
-        )))
-        }
-        (None, None) => return Err(ConnectError::invalid("`process` must give a `pid`")),
-    };
+    let sel = sel.ok_or_else(|| {
+        ConnectError::invalid("`process` (a selector with `pid` or `tag`) is required")
+    })?;
     let procs = result(app, live, live.machine.agent.list_processes().await).await?;
-    procs
-        .into_iter()
-        .filter(|p| i64::from(p.pid) == i64::from(pid))
-        .max_by(|a, b| {
-            (a.result.is_none(), &a.started_at).cmp(&(b.result.is_none(), &b.started_at))
-        })
-        .ok_or_else(|| ConnectError::not_found(format!("process with pid {pid} not found")))
+    let newest = |a: &ProcessInfo, b: &ProcessInfo| {
+        (a.result.is_none(), &a.started_at).cmp(&(b.result.is_none(), &b.started_at))
+    };
+    match (sel.pid, sel.tag) {
+        (Some(pid), _) => procs
+            .into_iter()
+            .filter(|p| i64::from(p.pid) == i64::from(pid))
+            .max_by(newest)
+            .ok_or_else(|| ConnectError::not_found(format!("process with pid {pid} not found"))),
+        (None, Some(tag)) => {
+            let tags = super::state::tags(&live.id, None);
+            procs
+                .into_iter()
+                .filter(|p| tags.get(&p.id) == Some(&tag))
+                .max_by(newest)
+                .ok_or_else(|| {
+                    ConnectError::not_found(format!("process with tag {tag:?} not found"))
+                })
+        }
+        (None, None) => Err(ConnectError::invalid(
+            "`process` must give a `pid` or a `tag`",
+        )),
+    }
 }
 
 /// A running process, else `not_found` (E2B forgets a process once it ends).
@@ -275,31 +286,41 @@ async fn start(
             "`process.cmd` (the program to run) is required",
         ));
     }
+    // `/init`'s defaults first, the call's own over them.
+    let defaults = super::state::defaults(&t.live.id);
     let cwd = match p.cwd.as_deref() {
-        None | Some("") => None,
+        None | Some("") => defaults.workdir,
         Some(c) => Some(resolve_path(&user, c).map_err(ConnectError::invalid)?),
     };
+    let mut env = defaults.env;
+    env.extend(p.envs);
     let pty = pty_size(msg.pty)?;
     let stdin = pty.is_some() || msg.stdin.unwrap_or(true);
-    let _ = msg.tag;
+    let tag = msg.tag.filter(|t| !t.is_empty());
+    if tag.as_ref().is_some_and(|t| t.len() > 256) {
+        return Err(ConnectError::invalid("`tag` is at most 256 bytes"));
+    }
     let mut cmd = vec![p.cmd];
     cmd.extend(p.args);
     let req = ExecRequest {
         cmd: Some(cmd),
         cwd,
-        env: p.envs,
+        env,
         timeout_ms: timeout
             .map(|d| (d.as_millis() as u64).clamp(1, locker_types::MAX_BACKGROUND_TIMEOUT_MS)),
         user: Some(user),
         ..Default::default()
     };
     let live = busy(&app, &t).await?;
-    let (_, pid, following) =
+    let (proc_id, pid, following) =
         crate::processes::spawn_background_following(&app, &t.caller, &live, req, arrived, |s| {
             s.stdin = stdin;
             s.pty = pty;
         })
         .await?;
+    if let Some(tag) = &tag {
+        super::state::tag(&app, &live.id, &proc_id, tag).await;
+    }
     let (out, resp) = stream_response();
     tokio::spawn(async move {
         if !out.send(&json!({"event": {"start": {"pid": pid}}})).await {
@@ -460,10 +481,14 @@ async fn unary(
             let _: serde_json::Value = connect::read_unary("process.ListRequest", body).await?;
             let live = busy(&app, &t).await?;
             let procs = result(&app, &live, live.machine.agent.list_processes().await).await?;
+            let known: std::collections::HashSet<&str> =
+                procs.iter().map(|p| p.id.as_str()).collect();
+            let keep = |id: &str| known.contains(id);
+            let tags = super::state::tags(&live.id, Some(&keep));
             let list: Vec<_> = procs
-                .into_iter()
+                .iter()
                 .filter(|p| p.result.is_none())
-                .map(|p| list_entry(&live.env, p))
+                .map(|p| list_entry(&live.env, p.clone(), tags.get(&p.id)))
                 .collect();
             Ok(unary_ok(&json!({"processes": list})))
         }
@@ -549,7 +574,11 @@ async fn unary(
 /// A running process as `List` shows it: its `cmd` and `args`, the `envs` its `Start` gave
 /// (the environment the agent keeps, less the sandbox's own, which every process has) and
 /// the `cwd` it named. An agent of an earlier release keeps neither: then both are empty.
-fn list_entry(sandbox_env: &BTreeMap<String, String>, p: ProcessInfo) -> serde_json::Value {
+fn list_entry(
+    sandbox_env: &BTreeMap<String, String>,
+    p: ProcessInfo,
+    tag: Option<&String>,
+) -> serde_json::Value {
     let mut argv = p.argv.into_iter();
     let cmd = argv.next().unwrap_or_default();
     let envs: BTreeMap<String, String> = p
@@ -561,7 +590,11 @@ fn list_entry(sandbox_env: &BTreeMap<String, String>, p: ProcessInfo) -> serde_j
     if let Some(cwd) = p.cwd {
         config["cwd"] = json!(cwd);
     }
-    json!({"pid": p.pid, "config": config})
+    let mut v = json!({"pid": p.pid, "config": config});
+    if let Some(tag) = tag {
+        v["tag"] = json!(tag);
+    }
+    v
 }
 
 async fn write_stdin(

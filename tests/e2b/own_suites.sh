@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# E2B's own published test suites against a real `locker serve` (docs/e2b.md, "E2B's own
+# test suites"). Not part of CI: it needs a checkout of github.com/e2b-dev/E2B (nothing of
+# it is kept in this repository) and the registries (PyPI, npm).
+#
+#   tests/e2b/own_suites.sh E2B_CHECKOUT WORK_DIR [py|js|both] [pytest/vitest args...]
+#
+# E2B_CHECKOUT: a checkout of e2b-dev/E2B (its packages/python-sdk/tests and
+# packages/js-sdk/tests are run); WORK_DIR: where the venv, node_modules, the server's
+# data dir and the reports go. LOCKER_BIN / LOCKER_AGENT_BIN: the binaries (default
+# target/release). The Python suite runs with PyPI's newest `e2b` in place of the
+# checkout's source tree; the JavaScript suite runs the checkout's tests under vitest 4
+# with `../src` (the SDK's source, which the tests import) a module that re-exports npm's
+# newest `e2b`: a test that imports one of the SDK's internal modules cannot run so.
+set -euo pipefail
+
+src=$(realpath "$1")
+work=$(realpath -m "$2")
+which=${3:-both}
+shift $(($# < 3 ? $# : 3))
+here=$(cd "$(dirname "$0")/../.." && pwd)
+locker=${LOCKER_BIN:-$here/target/release/locker}
+agent=${LOCKER_AGENT_BIN:-$here/target/x86_64-unknown-linux-gnu/release/locker-agent}
+mkdir -p "$work"
+
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+key="e2b_$(head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n')"
+rm -rf "$work/data"
+LOCKER_API_KEY=$key LOCKER_AGENT_BIN=$agent "$locker" serve --listen "127.0.0.1:$port" \
+    --data-dir "$work/data" --preview-domain localhost >"$work/server.log" 2>&1 &
+server=$!
+trap 'kill $server 2>/dev/null; wait $server 2>/dev/null || true' EXIT
+for _ in $(seq 100); do
+    curl -sf "http://127.0.0.1:$port/healthz" >/dev/null && break
+    sleep 0.2
+done
+export E2B_API_URL=http://127.0.0.1:$port E2B_SANDBOX_URL=http://127.0.0.1:$port E2B_API_KEY=$key
+export E2B_DOMAIN=localhost:$port
+
+if [[ $which == py || $which == both ]]; then
+    if [[ ! -x $work/venv/bin/python ]]; then
+        python3 -m venv "$work/venv"
+        "$work/venv/bin/pip" install -q e2b pytest pytest-xdist pytest-asyncio pytest-timeout
+    fi
+    # The suite's conftest imports the SDK; the installed package stands in for the source
+    # (`pytest`, not `python -m pytest`, which would put the source tree first on the path;
+    # the suite's pytest.ini sets importlib mode). 120 s per test: the suite's 30 s is
+    # short for a busy host.
+    (cd "$src/packages/python-sdk" &&
+        "$work/venv/bin/pytest" -p no:cacheprovider -q -n 3 --timeout 120 \
+            --junitxml "$work/py.xml" tests/sync/sandbox_sync tests/sync/api_sync "$@" ||
+        true) | tee "$work/py.txt"
+fi
+
+if [[ $which == js || $which == both ]]; then
+    js=$work/js
+    mkdir -p "$js"
+    rm -rf "$js/tests"
+    cp -r "$src/packages/js-sdk/tests" "$js/tests"
+    mkdir -p "$js/src"
+    # `../src` as the tests import it: the published package.
+    printf "export * from 'e2b'\nexport { default } from 'e2b'\n" >"$js/src/index.ts"
+    # `../src/errors.js`: the error classes, which the package exports too.
+    printf "export * from 'e2b'\n" >"$js/src/errors.ts"
+    cat >"$js/vitest.config.mts" <<'EOF'
+import { defineConfig } from 'vitest/config'
+export default defineConfig({
+  test: {
+    include: ['tests/sandbox/**/*.test.ts', 'tests/api/**/*.test.ts'],
+    exclude: ['tests/sandbox/git/**'],
+    isolate: true,
+    globals: false,
+    testTimeout: 60_000,
+    hookTimeout: 60_000,
+    environment: 'node',
+    maxWorkers: 3,
+  },
+})
+EOF
+    if [[ ! -d $js/node_modules/vitest ]]; then
+        (cd "$js" && npm init -y >/dev/null &&
+            npm install --no-audit --no-fund -s e2b vitest@4 msw dotenv >/dev/null)
+    fi
+    (cd "$js" && npx vitest run --reporter=default --reporter=junit \
+        --outputFile.junit="$work/js.xml" "$@" || true) | tee "$work/js.txt"
+fi
