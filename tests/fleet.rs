@@ -53,14 +53,16 @@ fn serve_on_postgres_keeps_sandboxes_across_a_restart() {
             .trim(),
         "running"
     );
-    assert!(
-        cluster()
+    // Call records are written behind the answer (a queue): wait for the exec's.
+    wait_for(std::time::Duration::from_secs(10), "the exec's call record", || {
+        (cluster()
             .psql(&db, "SELECT COUNT(*) FROM calls")
             .trim()
             .parse::<u32>()
             .unwrap()
-            >= 1
-    );
+            >= 1)
+            .then_some(())
+    });
 
     // Until nodes exist, a database serves one server: a second one refuses, saying why.
     let other = locker_tests::TempDir::new("locker-second");
@@ -196,7 +198,7 @@ fn db_migrate_moves_a_one_host_install_to_postgres() {
     .expect(201, "secret");
     team.post(
         "/v1/webhooks",
-        &json!({"url": "http://127.0.0.1:9/hook", "events": ["sandbox.*"], "secret": "whsec_1"}),
+        &json!({"url": "http://127.0.0.1:9/hook", "events": ["sandbox.*"], "secret": "whsec_fleet_test_1"}),
     )
     .expect(201, "webhook");
     let mine = srv.api().create_sandbox(&json!({}))["id"]
@@ -299,7 +301,9 @@ fn db_migrate_moves_a_one_host_install_to_postgres() {
         !srv.data_dir.join("db.sqlite").exists(),
         "nothing written to SQLite"
     );
-    // Still usable, with the same keys: the sandbox and its files, new work on the volume.
+    // Still usable, with the same keys: the sandbox and its files, new work on the volume
+    // (a restarted server listens on a new port: a new client).
+    let team = srv.api_with(&team_key);
     assert_eq!(team.read_file(&id, "/root/f.txt").text(), "data\n");
     assert_eq!(team.sh(&id, "echo after").trim(), "after");
     let run = team

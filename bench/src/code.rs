@@ -276,11 +276,11 @@ pub fn code_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         &microvm(),
         args.create_warmup(),
         vm_creates,
-        Duration::from_secs(6),
+        Duration::from_secs(args.code_vm_gap_s),
     )?;
     rows.push(
         Row::new(FIRST_VM_POOLED, "ms", samples, args.create_warmup())
-            .note(format!("POST /v1/sandboxes {{\"template\": \"code-interpreter\", \"runtime\": \"microvm\"}} then POST …/code {{\"code\": \"1+1\"}}; {pooled} of {vm_creates} got a kernel started before their sandbox; 6 s (not counted) between creates let the pool restore one and start its kernel"))
+            .note(format!("POST /v1/sandboxes {{\"template\": \"code-interpreter\", \"runtime\": \"microvm\"}} then POST …/code {{\"code\": \"1+1\"}}; {pooled} of {vm_creates} got a kernel started before their sandbox; {} s (not counted, --code-vm-gap-s) between creates let the pool restore one and start its kernel", args.code_vm_gap_s))
             .vs(FIRST_VM_COLD)
             .vs(FIRST_POOLED),
     );

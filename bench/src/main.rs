@@ -89,6 +89,11 @@ pub struct Args {
     /// Measured pause/wake cycles of the ports rows (after one warm-up cycle).
     #[arg(long, default_value_t = 20)]
     pub wake_cycles: usize,
+    /// Seconds between the code group's pooled microVM creates (not counted): the pool
+    /// restores a machine and starts its kernel meanwhile, which takes tens of seconds
+    /// under TCG (a few on KVM).
+    #[arg(long, default_value_t = 40)]
+    pub code_vm_gap_s: u64,
     /// Idle sandboxes the ui group fills one tenant with before it lists them and loads
     /// the dashboard's sandboxes page (needs 10 GiB of memory available above 300).
     #[arg(long, default_value_t = 1000)]
