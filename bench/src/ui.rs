@@ -149,8 +149,7 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         return Ok(());
     }
     let q = crate::scale::big_quotas(want);
-    let mut q: Vec<&str> = q.iter().map(String::as_str).collect();
-    q.extend(["--quota-disk-mb", "100000000"]);
+    let q: Vec<&str> = q.iter().map(String::as_str).collect();
     let srv = Server::start_with(&q);
     let admin = srv.admin();
     let tenant = |name: &str| -> anyhow::Result<String> {

@@ -594,10 +594,9 @@ async fn in_machine(
         }
     };
     phases.mark("exec");
-    // The machine's processes must be stopped before its layer is read (frozen: a jail;
-    // killed: a microVM); their death and the rest of the teardown (mounts, loop device,
-    // cgroup, directory) happen after the answer.
-    let stopped = app.node.hold(&machine).await;
+    // The machine's processes must be gone before its layer is read; the rest of its
+    // teardown (mounts, loop device, cgroup, directory) happens after the answer.
+    let stopped = app.node.stop(&machine).await;
     phases.mark("stop");
     let app2 = app.clone();
     tokio::spawn(async move {

@@ -784,23 +784,6 @@ impl Node {
         m.cgroup.is_frozen()
     }
 
-    /// Makes a machine's files stop changing as fast as it can, for a caller that reads
-    /// them next (a run's layer): a jail is frozen (every process stopped where it stands,
-    /// none inside a system call, none to run again), a microVM is killed ([`Node::stop`]:
-    /// its file server must not be frozen halfway through a request). Freezing costs a
-    /// fraction of a millisecond where the kill waits for the pid namespace's teardown
-    /// (3–4 ms); [`Node::destroy`] must still follow, and kills what was frozen.
-    pub async fn hold(&self, m: &Machine) -> Result<(), NodeError> {
-        if matches!(m.state, MachineState::Vm(_)) {
-            return self.stop(m).await;
-        }
-        let cg = m.cgroup.clone();
-        tokio::task::spawn_blocking(move || cg.set_frozen(true))
-            .await
-            .map_err(task("freeze"))??;
-        Ok(())
-    }
-
     /// Kills every process of a machine and waits until none is left; its files stop
     /// changing. [`Node::destroy`] must still follow.
     pub async fn stop(&self, m: &Machine) -> Result<(), NodeError> {
