@@ -1223,3 +1223,92 @@ fn a_bash_context_runs_on_bash_kernel_installed_from_pypi() {
         .expect_error(400, "bad_request", "python in a bash context");
     assert!(wrong.contains("runs bash"), "{wrong}");
 }
+
+/// Deno's binary from npm (`@deno/linux-x64-glibc`, the package `deno` installs), fetched
+/// on the host once; None (the test skips, saying why) when npm is unreachable.
+fn deno_binary() -> Option<Vec<u8>> {
+    let bin = "node_modules/@deno/linux-x64-glibc/deno";
+    let dir = locker_tests::tools::npm_package("deno-npm", "deno@2.9.6", bin)?;
+    Some(std::fs::read(dir.join(bin)).expect("read the deno binary"))
+}
+
+#[test]
+fn a_javascript_context_runs_on_denos_kernel_installed_from_npm() {
+    let (_t, api, id) = code_sandbox();
+    // The template has no JavaScript kernel: the answer says how to get one.
+    let no = api
+        .post(
+            &format!("/v1/sandboxes/{id}/contexts"),
+            &json!({ "language": "javascript" }),
+        )
+        .expect_error(400, "bad_request", "a javascript context without a kernel");
+    assert!(
+        no.contains("deno jupyter --install --name javascript"),
+        "{no}"
+    );
+    let Some(deno) = deno_binary() else {
+        return;
+    };
+    // Handed in through the files API (machines reach no registry here), then installed
+    // as the kernelspec the driver looks for.
+    let put = api.write_file(&id, "/usr/local/bin/deno", &deno);
+    assert!((200..300).contains(&put.status), "upload: {}", put.text());
+    let r = api.exec(
+        &id,
+        &json!({
+            "shell": "chmod 755 /usr/local/bin/deno && deno jupyter --install --name javascript",
+            "user": "root",
+        }),
+    );
+    assert_eq!(r["exit_code"], 0, "install the kernelspec: {r}");
+    let ctx = new_context(
+        &api,
+        &id,
+        &json!({ "language": "javascript", "cwd": "/tmp" }),
+    );
+    let a = run_in(
+        &api,
+        &id,
+        &ctx,
+        "let x = 41; console.log('hi from deno'); console.error('to stderr')",
+    );
+    assert_eq!(a["reason"], "finished", "{a}");
+    assert_eq!(a["stdout"], "hi from deno\n", "{a}");
+    assert_eq!(a["stderr"], "to stderr\n", "{a}");
+    // State persists, and every cell has its result (Deno's kernel now and then publishes
+    // a result after its idle status: the driver listens a moment longer for it).
+    for i in 0..15 {
+        let b = run_in(&api, &id, &ctx, "x + 1");
+        assert_eq!(b["results"][0]["text"], "42", "cell {i}: {b}");
+        assert_eq!(b["results"][0]["is_main_result"], true, "{b}");
+    }
+    // Plain text without colour codes; HTML displays; top-level await; the context's cwd.
+    let o = run_in(&api, &id, &ctx, "({ a: 1, b: [1, 2] })");
+    assert_eq!(o["results"][0]["text"], "{ a: 1, b: [ 1, 2 ] }", "{o}");
+    let h = run_in(&api, &id, &ctx, "Deno.jupyter.html`<b>bold</b>`");
+    assert_eq!(h["results"][0]["html"], "<b>bold</b>", "{h}");
+    let w = run_in(
+        &api,
+        &id,
+        &ctx,
+        "await new Promise((r) => setTimeout(r, 10)); Deno.cwd()",
+    );
+    assert!(
+        w["results"][0]["text"].as_str().unwrap_or("").contains("/tmp"),
+        "{w}"
+    );
+    // An exception is an error with its name and message; the context goes on.
+    let e = run_in(&api, &id, &ctx, "throw new TypeError('boom')");
+    assert_eq!(e["reason"], "error", "{e}");
+    assert_eq!(e["error"]["name"], "TypeError", "{e}");
+    assert_eq!(e["error"]["value"], "boom", "{e}");
+    assert_eq!(run_in(&api, &id, &ctx, "x * 2")["results"][0]["text"], "82");
+    // A JavaScript cell takes its env from the context only.
+    let bad = api
+        .post(
+            &format!("/v1/sandboxes/{id}/code"),
+            &json!({ "context": ctx, "code": "1", "env": { "A": "1" } }),
+        )
+        .expect_error(400, "bad_request", "env on a javascript cell");
+    assert!(bad.contains("takes no `env`"), "{bad}");
+}

@@ -52,11 +52,16 @@ RESULT_VALUE_CAP = 8 << 20
 # All results of one execution together.
 RESULTS_CAP = 32 << 20
 KERNELS = {"python": "python3", "javascript": "javascript", "bash": "bash"}
+# How long a cell of these languages still listens for its own outputs after the kernel
+# said it was idle and replied: Deno's kernel publishes from more than one task and now and
+# then sends a cell's execute_result after its idle status (ipykernel never does).
+LATE_OUTPUT_S = {"javascript": 0.015}
 # How a sandbox gets each kernel (said when it has none).
 KERNEL_HINTS = {
     "python": "install python3-ipykernel",
-    "javascript": "install a Jupyter kernel whose kernelspec is named 'javascript' "
-    "(IJavascript's)",
+    "javascript": "install a Jupyter kernel whose kernelspec is named 'javascript': Deno's, "
+    "with the deno binary (npm's @deno/linux-x64-glibc) on the PATH: "
+    "deno jupyter --install --name javascript",
     "bash": "install bash_kernel from PyPI in the sandbox: "
     "pip install --break-system-packages bash_kernel && python3 -m bash_kernel.install "
     "--sys-prefix",
@@ -299,6 +304,9 @@ class Context:
         # ipykernel's debugger warns on every start that Python's modules are frozen.
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         env.pop("LOCKER_CODE_DRIVER", None)
+        if self.language == "javascript":
+            # Deno colours its text/plain results with ANSI escapes unless told not to.
+            env.setdefault("NO_COLOR", "1")
         if not os.path.isdir(self.cwd):
             raise ApiError(400, "cwd %s is not a directory in the sandbox" % self.cwd)
         try:
@@ -410,6 +418,43 @@ class Context:
         error = None
         count = None
         reason = "finished"
+
+        def take(msg):
+            """One output message of this cell: a stream, a result, an error, its input."""
+            nonlocal results_size, error, count
+            kind = msg["msg_type"]
+            content = msg["content"]
+            if kind == "stream":
+                name = "stderr" if content.get("name") == "stderr" else "stdout"
+                shown = out[name].add(content.get("text", ""))
+                if shown and kw["stream"]:
+                    emit(("line", {"type": name, "text": shown}))
+            elif kind in ("execute_result", "display_data"):
+                r, n = result_of(
+                    content.get("data", {}),
+                    kind == "execute_result",
+                    RESULTS_CAP - results_size,
+                    kw["max_output_bytes"],
+                )
+                results_size += n
+                results.append(r)
+                if kw["stream"]:
+                    line = dict(r)
+                    line["type"] = "result"
+                    emit(("line", line))
+            elif kind == "error":
+                error = {
+                    "name": content.get("ename", ""),
+                    "value": content.get("evalue", ""),
+                    "traceback": ANSI.sub("", "\n".join(content.get("traceback", []))),
+                }
+                if kw["stream"]:
+                    line = dict(error)
+                    line["type"] = "error"
+                    emit(("line", line))
+            elif kind == "execute_input":
+                count = content.get("execution_count", count)
+
         msg_id = self.kc.execute(
             kw["code"], store_history=True, allow_stdin=False, stop_on_error=False
         )
@@ -472,40 +517,20 @@ class Context:
             progress_at = time.monotonic()
             if msg["parent_header"].get("msg_id") != msg_id:
                 continue
-            kind = msg["msg_type"]
-            content = msg["content"]
-            if kind == "status":
-                idle = content.get("execution_state") == "idle"
-            elif kind == "stream":
-                name = "stderr" if content.get("name") == "stderr" else "stdout"
-                shown = out[name].add(content.get("text", ""))
-                if shown and kw["stream"]:
-                    emit(("line", {"type": name, "text": shown}))
-            elif kind in ("execute_result", "display_data"):
-                r, n = result_of(
-                    content.get("data", {}),
-                    kind == "execute_result",
-                    RESULTS_CAP - results_size,
-                    kw["max_output_bytes"],
-                )
-                results_size += n
-                results.append(r)
-                if kw["stream"]:
-                    line = dict(r)
-                    line["type"] = "result"
-                    emit(("line", line))
-            elif kind == "error":
-                error = {
-                    "name": content.get("ename", ""),
-                    "value": content.get("evalue", ""),
-                    "traceback": ANSI.sub("", "\n".join(content.get("traceback", []))),
-                }
-                if kw["stream"]:
-                    line = dict(error)
-                    line["type"] = "error"
-                    emit(("line", line))
-            elif kind == "execute_input":
-                count = content.get("execution_count", count)
+            if msg["msg_type"] == "status":
+                idle = msg["content"].get("execution_state") == "idle"
+            else:
+                take(msg)
+        late = LATE_OUTPUT_S.get(self.language)
+        if late and not died:
+            until = time.monotonic() + late
+            while True:
+                try:
+                    msg = self.kc.get_iopub_msg(timeout=max(until - time.monotonic(), 0))
+                except queue.Empty:
+                    break
+                if msg["parent_header"].get("msg_id") == msg_id and msg["msg_type"] != "status":
+                    take(msg)
         if died:
             reason = "interrupted" if self.restarting else "context_died"
             error = {
