@@ -1303,6 +1303,20 @@ fn a_javascript_context_runs_on_denos_kernel_installed_from_npm() {
     assert_eq!(e["error"]["name"], "TypeError", "{e}");
     assert_eq!(e["error"]["value"], "boom", "{e}");
     assert_eq!(run_in(&api, &id, &ctx, "x * 2")["results"][0]["text"], "82");
+    // Deno's kernel does not stop a cell on an interrupt: a timeout restarts it (after a
+    // short grace, not the Python kernel's 15 s), says so, and the context goes on empty.
+    let t0 = Instant::now();
+    let slow = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "while (true) {}", "timeout_ms": 1000 }),
+    );
+    assert_eq!(slow["reason"], "timeout", "{slow}");
+    assert_eq!(slow["error"]["name"], "KernelRestarted", "{slow}");
+    assert!(t0.elapsed() < Duration::from_secs(12), "{:?} {slow}", t0.elapsed());
+    let gone = run_in(&api, &id, &ctx, "typeof x");
+    assert_eq!(gone["results"][0]["text"], "\"undefined\"", "{gone}");
+    assert_eq!(run_in(&api, &id, &ctx, "1 + 1")["results"][0]["text"], "2");
     // A JavaScript cell takes its env from the context only.
     let bad = api
         .post(

@@ -44,6 +44,9 @@ LOG = "/var/tmp/locker/code-driver.log"
 # code that ignores SIGINT), and one still sending after INTERRUPT_LIMIT_S (a flood it
 # keeps printing) too: both are restarted.
 INTERRUPT_GRACE_S = 15.0
+# Deno's kernel does not stop a running cell on SIGINT (an endless loop or a pending
+# `await` alike): waiting the full grace would only delay its restart.
+INTERRUPT_GRACE = {"javascript": 1.0}
 INTERRUPT_LIMIT_S = 60.0
 KERNEL_READY_S = 60.0
 # A single result MIME value larger than this is dropped (its text/plain is capped at the
@@ -474,7 +477,8 @@ class Context:
                 interrupted_at = progress_at = now
                 reason = "timeout"
             if interrupted_at is not None and (
-                now - progress_at > INTERRUPT_GRACE_S or now - interrupted_at > INTERRUPT_LIMIT_S
+                now - progress_at > INTERRUPT_GRACE.get(self.language, INTERRUPT_GRACE_S)
+                or now - interrupted_at > INTERRUPT_LIMIT_S
             ):
                 # The kernel ignores SIGINT (stuck in native code): a new kernel, state lost.
                 self.stop()
