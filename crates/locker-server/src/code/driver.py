@@ -15,8 +15,10 @@ executions, streamed as NDJSON in the API contract's shapes. Each context is one
 owned by one worker thread, which runs the context's jobs one at a time in arrival order:
 that is the queue of concurrent calls on one context. Interrupts are SIGINT to the kernel
 (ipykernel's interrupt mode); a timeout interrupts, then restarts a kernel that does not
-stop within INTERRUPT_GRACE_S. A kernel that dies is reported (`context_died`) and the next
-job on its context starts a fresh one.
+stop within INTERRUPT_GRACE_S (1 s for JavaScript: Deno's kernel ignores SIGINT). A kernel
+that dies is reported (`context_died`) and the next job on its context starts a fresh one.
+Kernels are found by kernelspec name: `python3` (ipykernel), `javascript` (Deno's, installed
+with `deno jupyter --install --name javascript`), `bash` (bash_kernel).
 
 A spare kernel (`POST /spare`, asked by the server's warm pool before the machine is a
 sandbox's) is a Python kernel started ahead of any context: the first Python context
