@@ -131,7 +131,7 @@ fn check_access(t: &Target, q: &Query, op: &str) -> Result<(), E2bError> {
             .parse()
             .map_err(|_| E2bError::bad_request("signature_expiration must be a Unix time"))?;
         if at < crate::state::now_s() {
-            return Err(E2bError::unauthorized("the signed URL has expired"));
+            return Err(E2bError::unauthorized("signature is already expired"));
         }
     }
     let want = signature(
