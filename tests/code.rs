@@ -1107,6 +1107,31 @@ fn a_fork_of_a_microvm_sandbox_carries_its_contexts_and_a_jails_starts_without_t
 /// `pexpect` and `ipykernel` are Debian's, in the template), from PyPI (`pip download` on
 /// the host, kept in the target dir), for a sandbox to install; None when PyPI is
 /// unreachable.
+/// A context in `language` is refused (400) while the sandbox has no kernel for it, and
+/// the answer says how to get one (it contains `hint`).
+#[track_caller]
+fn assert_no_kernel(api: &Api, id: &str, language: &str, hint: &str) {
+    let no = api
+        .post(
+            &format!("/v1/sandboxes/{id}/contexts"),
+            &json!({ "language": language }),
+        )
+        .expect_error(400, "bad_request", &format!("a {language} context without a kernel"));
+    assert!(no.contains(hint), "{no}");
+}
+
+/// Hands a kernel's `files` (path in the sandbox, bytes) in through the files API (machines
+/// reach no registry here) and runs `install` as root to register its kernelspec.
+#[track_caller]
+fn install_kernel(api: &Api, id: &str, files: &[(String, Vec<u8>)], install: &str) {
+    for (path, bytes) in files {
+        let put = api.write_file(id, path, bytes);
+        assert!((200..300).contains(&put.status), "upload {path}: {}", put.text());
+    }
+    let r = api.exec(id, &json!({ "shell": install, "user": "root" }));
+    assert_eq!(r["exit_code"], 0, "install the kernel: {r}");
+}
+
 fn bash_kernel_wheels() -> Option<Vec<(String, Vec<u8>)>> {
     use locker_tests::tools::{pypi_unreachable, run_logged, target_dir};
     let dir = target_dir().join("code/bash-kernel");
@@ -1159,29 +1184,26 @@ fn bash_kernel_wheels() -> Option<Vec<(String, Vec<u8>)>> {
 fn a_bash_context_runs_on_bash_kernel_installed_from_pypi() {
     let (_t, api, id) = code_sandbox();
     // The template has no bash kernel: the answer says how to get one.
-    let no = api
-        .post(
-            &format!("/v1/sandboxes/{id}/contexts"),
-            &json!({ "language": "bash" }),
-        )
-        .expect_error(400, "bad_request", "a bash context without bash_kernel");
-    assert!(no.contains("pip install") && no.contains("bash_kernel"), "{no}");
+    assert_no_kernel(
+        &api,
+        &id,
+        "bash",
+        "pip install --break-system-packages bash_kernel",
+    );
     let Some(wheels) = bash_kernel_wheels() else {
         return;
     };
-    for (name, wheel) in &wheels {
-        let put = api.write_file(&id, &format!("/tmp/{name}"), wheel);
-        assert!((200..300).contains(&put.status), "upload: {}", put.text());
-    }
-    let r = api.exec(
+    let files: Vec<(String, Vec<u8>)> = wheels
+        .into_iter()
+        .map(|(name, wheel)| (format!("/tmp/{name}"), wheel))
+        .collect();
+    install_kernel(
+        &api,
         &id,
-        &json!({
-            "shell": "pip install --quiet --break-system-packages --no-index --no-deps /tmp/*.whl \
-                      && python3 -m bash_kernel.install --sys-prefix",
-            "user": "root",
-        }),
+        &files,
+        "pip install --quiet --break-system-packages --no-index --no-deps /tmp/*.whl \
+         && python3 -m bash_kernel.install --sys-prefix",
     );
-    assert_eq!(r["exit_code"], 0, "install bash_kernel: {r}");
     let ctx = new_context(
         &api,
         &id,
@@ -1243,31 +1265,21 @@ fn deno_binary() -> Option<Vec<u8>> {
 fn a_javascript_context_runs_on_denos_kernel_installed_from_npm() {
     let (_t, api, id) = code_sandbox();
     // The template has no JavaScript kernel: the answer says how to get one.
-    let no = api
-        .post(
-            &format!("/v1/sandboxes/{id}/contexts"),
-            &json!({ "language": "javascript" }),
-        )
-        .expect_error(400, "bad_request", "a javascript context without a kernel");
-    assert!(
-        no.contains("deno jupyter --install --name javascript"),
-        "{no}"
+    assert_no_kernel(
+        &api,
+        &id,
+        "javascript",
+        "deno jupyter --install --name javascript",
     );
     let Some(deno) = deno_binary() else {
         return;
     };
-    // Handed in through the files API (machines reach no registry here), then installed
-    // as the kernelspec the driver looks for.
-    let put = api.write_file(&id, "/usr/local/bin/deno", &deno);
-    assert!((200..300).contains(&put.status), "upload: {}", put.text());
-    let r = api.exec(
+    install_kernel(
+        &api,
         &id,
-        &json!({
-            "shell": "chmod 755 /usr/local/bin/deno && deno jupyter --install --name javascript",
-            "user": "root",
-        }),
+        &[("/usr/local/bin/deno".to_owned(), deno)],
+        "chmod 755 /usr/local/bin/deno && deno jupyter --install --name javascript",
     );
-    assert_eq!(r["exit_code"], 0, "install the kernelspec: {r}");
     let ctx = new_context(
         &api,
         &id,

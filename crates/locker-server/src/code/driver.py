@@ -46,9 +46,6 @@ LOG = "/var/tmp/locker/code-driver.log"
 # code that ignores SIGINT), and one still sending after INTERRUPT_LIMIT_S (a flood it
 # keeps printing) too: both are restarted.
 INTERRUPT_GRACE_S = 15.0
-# Deno's kernel does not stop a running cell on SIGINT (an endless loop or a pending
-# `await` alike): waiting the full grace would only delay its restart.
-INTERRUPT_GRACE = {"javascript": 1.0}
 INTERRUPT_LIMIT_S = 60.0
 KERNEL_READY_S = 60.0
 # A single result MIME value larger than this is dropped (its text/plain is capped at the
@@ -57,10 +54,19 @@ RESULT_VALUE_CAP = 8 << 20
 # All results of one execution together.
 RESULTS_CAP = 32 << 20
 KERNELS = {"python": "python3", "javascript": "javascript", "bash": "bash"}
-# How long a cell of these languages still listens for its own outputs after the kernel
-# said it was idle and replied: Deno's kernel publishes from more than one task and now and
-# then sends a cell's execute_result after its idle status (ipykernel never does).
-LATE_OUTPUT_S = {"javascript": 0.015}
+# Where a language's kernel departs from ipykernel's behaviour, and what the driver does
+# about it (a language not named here behaves as ipykernel does):
+# - `grace`: seconds without output after an interrupt before the kernel is restarted
+#   (INTERRUPT_GRACE_S otherwise). Deno's kernel does not stop a running cell on SIGINT (an
+#   endless loop or a pending `await` alike): waiting longer would only delay its restart.
+# - `late`: seconds a cell still listens for its own outputs after the kernel said it was
+#   idle and replied. Deno's kernel publishes from more than one task and now and then sends
+#   a cell's execute_result after its idle status.
+# - `env`: defaults for the kernel's environment. Deno colours its text/plain results with
+#   ANSI escapes unless told not to.
+KERNEL_QUIRKS = {
+    "javascript": {"grace": 1.0, "late": 0.015, "env": {"NO_COLOR": "1"}},
+}
 # How a sandbox gets each kernel (said when it has none).
 KERNEL_HINTS = {
     "python": "install python3-ipykernel",
@@ -224,6 +230,7 @@ class Context:
     def __init__(self, cid, language, cwd, env):
         self.id = cid
         self.language = language
+        self.quirks = KERNEL_QUIRKS.get(language, {})
         self.cwd = cwd
         self.env = env
         self.created_at = now_rfc3339()
@@ -309,9 +316,8 @@ class Context:
         # ipykernel's debugger warns on every start that Python's modules are frozen.
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         env.pop("LOCKER_CODE_DRIVER", None)
-        if self.language == "javascript":
-            # Deno colours its text/plain results with ANSI escapes unless told not to.
-            env.setdefault("NO_COLOR", "1")
+        for k, v in self.quirks.get("env", {}).items():
+            env.setdefault(k, v)
         if not os.path.isdir(self.cwd):
             raise ApiError(400, "cwd %s is not a directory in the sandbox" % self.cwd)
         try:
@@ -479,7 +485,7 @@ class Context:
                 interrupted_at = progress_at = now
                 reason = "timeout"
             if interrupted_at is not None and (
-                now - progress_at > INTERRUPT_GRACE.get(self.language, INTERRUPT_GRACE_S)
+                now - progress_at > self.quirks.get("grace", INTERRUPT_GRACE_S)
                 or now - interrupted_at > INTERRUPT_LIMIT_S
             ):
                 # The kernel ignores SIGINT (stuck in native code): a new kernel, state lost.
@@ -527,7 +533,7 @@ class Context:
                 idle = msg["content"].get("execution_state") == "idle"
             else:
                 take(msg)
-        late = LATE_OUTPUT_S.get(self.language)
+        late = self.quirks.get("late")
         if late and not died:
             until = time.monotonic() + late
             while True:
