@@ -228,7 +228,7 @@ fn npm_sdk_runs_a_command_and_a_file() {
         out.status.success(),
         "envd_npm.mjs failed:\n{stdout}\n{stderr}"
     );
-    for check in ["run", "background", "files", "watch"] {
+    for check in ["run", "background", "files", "watch", "killed"] {
         assert!(
             stdout.lines().any(|l| l == format!("ok {check}")),
             "check {check} missing:\n{stdout}\n{stderr}"
@@ -799,6 +799,7 @@ fn python_sdk_metadata_symlinks_entries_and_zero_timeout() {
         "watch_network_mounts",
         "set_timeout_zero_pauses",
         "set_timeout_zero_kills",
+        "killed_under_command",
     ] {
         assert!(
             stdout.lines().any(|l| l == format!("ok {check}")),

@@ -109,6 +109,20 @@ fn the_python_sdk_runs_code_with_state_charts_tables_and_errors() {
         v["language_python"], "82",
         "language=python is the default context: {v}"
     );
+    let cwd = &v["cwd"];
+    for (what, want) in [
+        ("default", "/home/user"),
+        ("shell", "/home/user"),
+        ("created", "/home/user"),
+        ("chosen", "/tmp"),
+    ] {
+        assert_eq!(cwd[what], want, "E2B's contexts start in /home/user: {cwd}");
+    }
+    let killed = v["killed_under_cell"].as_str().unwrap_or_default();
+    assert!(
+        killed.contains("sandbox was killed while the request was in progress"),
+        "a sandbox killed under a cell cuts its stream: {killed}"
+    );
     tenant
         .api()
         .get(&format!("/v1/sandboxes/{}", v["sandbox"].as_str().unwrap()))

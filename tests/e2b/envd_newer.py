@@ -1,6 +1,6 @@
 """E2B's Python SDK, unmodified, against what Locker's envd serves of envd 0.6.2-0.6.4
 (file metadata, watch events with their entry, watches that allow network mounts), a
-symlink's Stat, and `set_timeout(0)` (driven by tests/e2b_envd.rs with E2B_API_URL /
+symlink's Stat, `set_timeout(0)`, and a sandbox killed under a command (driven by tests/e2b_envd.rs with E2B_API_URL /
 E2B_SANDBOX_URL / E2B_API_KEY set).
 
 Each check prints `ok <name>`; the first failure raises (non-zero exit) with what it saw.
@@ -9,7 +9,7 @@ Every sandbox is killed at the end whatever happens.
 
 import time
 
-from e2b import Sandbox
+from e2b import Sandbox, TimeoutException
 from e2b.exceptions import InvalidArgumentException
 from e2b.sandbox.filesystem.filesystem import FileType, WriteEntry
 from e2b.sandbox.filesystem.watch_handle import FilesystemEventType
@@ -149,6 +149,24 @@ def zero_timeout():
         sbx.kill()
 
 
+def killed_under_command():
+    # The stream of a command whose sandbox is killed is cut; the SDK probes /health (502)
+    # and says the sandbox was killed, as it does on E2B.
+    sbx = Sandbox.create()
+    try:
+        cmd = sbx.commands.run("sleep 60", background=True)
+        sbx.kill()
+        try:
+            cmd.wait()
+            raise AssertionError("wait() returned for a command killed with its sandbox")
+        except TimeoutException as e:
+            if "sandbox was killed or reached its end of life" not in str(e):
+                raise AssertionError(f"a command killed with its sandbox: {e}") from e
+        ok("killed_under_command")
+    finally:
+        sbx.kill()
+
+
 def main():
     sbx = Sandbox.create()
     try:
@@ -159,6 +177,7 @@ def main():
     finally:
         sbx.kill()
     zero_timeout()
+    killed_under_command()
     print("done", flush=True)
 
 

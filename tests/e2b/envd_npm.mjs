@@ -1,7 +1,8 @@
 // E2B's npm package `e2b`, unmodified, against Locker's envd data plane (driven by
 // tests/e2b_envd.rs with E2B_API_URL / E2B_SANDBOX_URL / E2B_API_KEY set): a command, a
-// background command, a file and a watch (connect-es needs the end-of-stream envelope).
-import { Sandbox } from 'e2b'
+// background command, a file and a watch (connect-es needs the end-of-stream envelope), and
+// a sandbox killed under a command (the stream is cut; the SDK probes /health and says so).
+import { Sandbox, TimeoutError } from 'e2b'
 
 function eq(got, want, what) {
   const g = JSON.stringify(got)
@@ -41,4 +42,18 @@ try {
   console.log('ok watch')
 } finally {
   await sbx.kill()
+}
+
+const doomed = await Sandbox.create()
+try {
+  const cmd = await doomed.commands.run('sleep 60', { background: true })
+  await doomed.kill()
+  const err = await cmd.wait().then(() => new Error('wait() returned'), (e) => e)
+  if (!(err instanceof TimeoutError) ||
+      !err.message.includes('sandbox was killed or reached its end of life')) {
+    throw new Error(`a command killed with its sandbox: ${err?.constructor?.name}: ${err?.message}`)
+  }
+  console.log('ok killed')
+} finally {
+  await doomed.kill()
 }

@@ -1,7 +1,8 @@
 """Drives E2B's unmodified `e2b-code-interpreter` SDK against Locker the way its users do:
 run_code with state across calls, output callbacks, a matplotlib chart, a pandas DataFrame,
-an exception, a cell's own environment variables. Prints what it saw as one JSON line; the
-Rust test (tests/e2b_interp.rs) judges it.
+an exception, a cell's own environment variables, the working directory E2B's contexts
+start in, a sandbox killed under a cell. Prints what it saw as one JSON line; the Rust test
+(tests/e2b_interp.rs) judges it.
 
 Environment: E2B_API_URL and E2B_SANDBOX_URL (Locker's URL), E2B_API_KEY (a Locker key).
 """
@@ -9,7 +10,9 @@ Environment: E2B_API_URL and E2B_SANDBOX_URL (Locker's URL), E2B_API_KEY (a Lock
 import base64
 import json
 import struct
+import threading
 
+from e2b import TimeoutException
 from e2b_code_interpreter import Sandbox
 
 seen = {}
@@ -87,7 +90,31 @@ try:
 
     # `language` picks that language's default context: Python's is the one used so far.
     seen["language_python"] = sbx.run_code("x * 2", language="python").text
+
+    # E2B's contexts start in /home/user (the default one and a new one), shell escapes too.
+    seen["cwd"] = {
+        "default": "".join(sbx.run_code("import os\nprint(os.getcwd())").logs.stdout).strip(),
+        "shell": "".join(sbx.run_code("!pwd").logs.stdout).strip(),
+        "created": sbx.create_code_context().cwd,
+        "chosen": sbx.create_code_context(cwd="/tmp").cwd,
+    }
 finally:
     sbx.kill()
+
+# A sandbox killed while a cell runs: the stream is cut, the SDK probes the sandbox's health
+# and says it was killed (not a cell that ended normally, not a hang).
+doomed = Sandbox.create()
+timer = threading.Timer(2.0, doomed.kill)
+timer.start()
+try:
+    doomed.run_code("import time; time.sleep(300)", timeout=120)
+    seen["killed_under_cell"] = "returned"
+except TimeoutException as e:
+    seen["killed_under_cell"] = str(e)
+except Exception as e:  # noqa: BLE001 - the test says what came instead
+    seen["killed_under_cell"] = "%s: %s" % (type(e).__name__, e)
+finally:
+    timer.cancel()
+    doomed.kill()
 
 print(json.dumps(seen))

@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # E2B's own published test suites against a real `locker serve` (docs/e2b.md, "E2B's own
-# test suites"). Not part of CI: it needs a checkout of github.com/e2b-dev/E2B (nothing of
-# it is kept in this repository) and the registries (PyPI, npm).
+# test suites"). Not part of CI: it needs a checkout of github.com/e2b-dev/E2B or of
+# github.com/e2b-dev/code-interpreter (nothing of them is kept in this repository) and
+# the registries (PyPI, npm).
 #
-#   tests/e2b/own_suites.sh E2B_CHECKOUT WORK_DIR [py|js|both] [pytest/vitest args...]
+#   tests/e2b/own_suites.sh CHECKOUT WORK_DIR [py|js|both|interp-py|interp-js|interp]
+#                           [pytest/vitest args...]
 #
-# E2B_CHECKOUT: a checkout of e2b-dev/E2B (its packages/python-sdk/tests and
-# packages/js-sdk/tests are run); WORK_DIR: where the venv, node_modules, the server's
-# data dir and the reports go. LOCKER_BIN / LOCKER_AGENT_BIN: the binaries (default
+# py, js, both: CHECKOUT is e2b-dev/E2B (its packages/python-sdk/tests and
+# packages/js-sdk/tests). interp-py, interp-js, interp: CHECKOUT is e2b-dev/code-interpreter
+# (its python/tests and js/tests; build the template first: `locker template build
+# code-interpreter`). WORK_DIR: where the venvs, node_modules, the server's data dir and
+# the reports go. LOCKER_BIN / LOCKER_AGENT_BIN: the binaries (default
 # target/release). The Python suite runs with PyPI's newest `e2b` in place of the
 # checkout's source tree; the JavaScript suite runs the checkout's tests under vitest 4
 # with `../src` (the SDK's source, which the tests import) a module that re-exports npm's
@@ -83,4 +87,48 @@ EOF
     fi
     (cd "$js" && npx vitest run --reporter=default --reporter=junit \
         --outputFile.junit="$work/js.xml" "$@" || true) | tee "$work/js.txt"
+fi
+
+if [[ $which == interp-py || $which == interp ]]; then
+    if [[ ! -x $work/venv-interp/bin/python ]]; then
+        python3 -m venv "$work/venv-interp"
+        "$work/venv-interp/bin/pip" install -q e2b-code-interpreter pytest pytest-xdist \
+            pytest-asyncio pytest-timeout
+    fi
+    # PyPI's newest `e2b-code-interpreter` in place of the checkout's source (the suite's
+    # pytest.ini sets importlib mode and two workers).
+    (cd "$src/python" &&
+        "$work/venv-interp/bin/pytest" -p no:cacheprovider -q --timeout 180 \
+            --junitxml "$work/interp-py.xml" tests "$@" || true) | tee "$work/interp-py.txt"
+fi
+
+if [[ $which == interp-js || $which == interp ]]; then
+    # The code interpreter's JavaScript tests import the SDK's own source (`../src`): that
+    # is the package itself (over npm's `e2b`), so it runs as checked out.
+    js=$work/interp-js
+    rm -rf "$js"
+    mkdir -p "$js"
+    cp -r "$src/js/src" "$src/js/tests" "$js/"
+    cat >"$js/vitest.config.mts" <<'EOF'
+import { defineConfig } from 'vitest/config'
+export default defineConfig({
+  test: {
+    include: ['tests/**/*.test.ts'],
+    exclude: ['tests/runtimes/**'],
+    globals: false,
+    testTimeout: 60_000,
+    hookTimeout: 60_000,
+    environment: 'node',
+    maxWorkers: 3,
+  },
+})
+EOF
+    if [[ ! -d $work/interp-node/node_modules/vitest ]]; then
+        mkdir -p "$work/interp-node"
+        (cd "$work/interp-node" && npm init -y >/dev/null &&
+            npm install --no-audit --no-fund -s e2b vitest@4 dotenv >/dev/null)
+    fi
+    ln -sfn "$work/interp-node/node_modules" "$js/node_modules"
+    (cd "$js" && npx vitest run --reporter=default --reporter=junit \
+        --outputFile.junit="$work/interp-js.xml" "$@" || true) | tee "$work/interp-js.txt"
 fi

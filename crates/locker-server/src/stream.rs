@@ -29,17 +29,42 @@ pub fn ndjson_response() -> (mpsc::Sender<Bytes>, Response) {
     let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
     }));
+    (tx, ndjson(body))
+}
+
+/// [`ndjson_response`] over a [`cuttable_body`]: an `Err` line cuts the answer short.
+pub fn cuttable_ndjson_response() -> (mpsc::Sender<Result<Bytes, std::io::Error>>, Response) {
+    let (tx, body) = cuttable_body(32);
+    (tx, ndjson(body))
+}
+
+fn ndjson(body: Body) -> Response {
     (
-        tx,
-        (
-            [
-                (header::CONTENT_TYPE, "application/x-ndjson"),
-                (header::CACHE_CONTROL, "no-cache"),
-            ],
-            body,
-        )
-            .into_response(),
+        [
+            (header::CONTENT_TYPE, "application/x-ndjson"),
+            (header::CACHE_CONTROL, "no-cache"),
+        ],
+        body,
     )
+        .into_response()
+}
+
+/// A streamed body that can also be cut short: each `Ok` is sent as it comes, an `Err`
+/// aborts the response (HTTP/1.1 closes the connection before the last chunk, HTTP/2 resets
+/// the stream). That is how a client learns that the machine behind a stream went (killed,
+/// past its timeout) the way it would behind a proxy: E2B's SDKs then probe the sandbox's
+/// health and say it was killed, where a cleanly ended stream would read as a normal end.
+pub fn cuttable_body(capacity: usize) -> (mpsc::Sender<Result<Bytes, std::io::Error>>, Body) {
+    let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(capacity);
+    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|b| (b, rx))
+    }));
+    (tx, body)
+}
+
+/// The error that cuts a [`cuttable_body`] short, saying why in the server's log.
+pub fn cut(why: &str) -> std::io::Error {
+    std::io::Error::new(std::io::ErrorKind::ConnectionAborted, why.to_owned())
 }
 
 /// Drives `run` while turning the output it produces on `out` into NDJSON lines on `body`,

@@ -42,6 +42,7 @@ pub(crate) fn context_body(req: &NewContext) -> Result<serde_json::Value, ApiErr
         "id": new_id("ctx_"),
         "language": language,
         "cwd": req.cwd,
+        "home": req.home,
         "env": req.env,
     }))
 }

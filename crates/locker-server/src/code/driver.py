@@ -629,6 +629,12 @@ del __locker_saved_env, __locker_os
 """
 
 
+def home_dir(home):
+    """`home` (where a context starts when the request named no cwd: E2B's layer says
+    /home/user) if it is a directory here, else None (the driver's own default)."""
+    return home if home and os.path.isdir(home) else None
+
+
 def default_cwd():
     home = os.environ.get("HOME") or "/"
     return home if os.path.isdir(home) else "/"
@@ -775,7 +781,8 @@ class Handler(BaseHTTPRequestHandler):
             return self.answer(200, {"spare": True})
         if parts == ["contexts"] and method == "POST":
             b = self.body()
-            ctx, _ = DRIVER.create(b["id"], b["language"], b.get("cwd"), b.get("env") or {})
+            cwd = b.get("cwd") or home_dir(b.get("home"))
+            ctx, _ = DRIVER.create(b["id"], b["language"], cwd, b.get("env") or {})
             return self.answer(201, ctx.describe())
         if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":
             DRIVER.delete(parts[1])
@@ -804,7 +811,7 @@ class Handler(BaseHTTPRequestHandler):
         if cid is None:
             language = b.get("language") or "python"
             cid = "ctx_default_" + language
-            ctx, _ = DRIVER.create(cid, language, b.get("cwd"), {})
+            ctx, _ = DRIVER.create(cid, language, home_dir(b.get("home")), {})
         else:
             ctx = DRIVER.get(cid)
             if b.get("language") and b["language"] != ctx.language:

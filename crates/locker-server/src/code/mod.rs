@@ -220,6 +220,7 @@ fn cell_body(req: &RunCode, stream: bool) -> Result<(Value, u64), ApiError> {
         "env": req.env,
         "max_output_bytes": max_output,
         "stream": stream,
+        "home": req.home,
     });
     Ok((body, timeout_ms))
 }

@@ -36,6 +36,10 @@ pub struct NewContext {
     pub cwd: Option<String>,
     #[serde(default)]
     pub env: BTreeMap<String, String>,
+    /// Where the context starts when `cwd` is not given, if that is a directory in the
+    /// machine (else `$HOME`); not part of the API: E2B's layer sets `/home/user`.
+    #[serde(skip)]
+    pub home: Option<String>,
 }
 
 /// `POST /v1/sandboxes/{id}/code`.
@@ -54,6 +58,9 @@ pub struct RunCode {
     /// Per stream, like exec's: the head and the tail are kept.
     #[serde(default)]
     pub max_output_bytes: Option<u64>,
+    /// [`NewContext::home`] for the language's default context, when this cell starts it.
+    #[serde(skip)]
+    pub home: Option<String>,
 }
 
 /// A context as the API shows it.

@@ -37,7 +37,7 @@ use crate::code::wire::{CodeError, CodeResult, Context, Execution, Line, NewCont
 use crate::error::ApiError;
 use crate::lifecycle::enter;
 use crate::state::{AppState, Busy};
-use crate::stream::ndjson_response;
+use crate::stream::cuttable_ndjson_response;
 
 /// How long a cell may stay silent before a `keepalive` line: what E2B's server sends, and
 /// what lets a client that went away be noticed (a write to its closed connection fails).
@@ -51,6 +51,10 @@ const CELL_TIMEOUT_MS: u64 = crate::code::wire::MAX_TIMEOUT_MS;
 const CELL_MAX_OUTPUT: u64 = 1 << 20;
 /// The largest request body: a cell's code (4 MiB in the code room) escaped as JSON.
 const MAX_BODY: usize = 16 << 20;
+/// Where a context starts when no `cwd` is given, as in E2B's code interpreter (its kernels
+/// run as root in E2B's default user's home); `$HOME` where the template has no such
+/// directory.
+const E2B_HOME: &str = "/home/user";
 
 pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
     let (parts, body) = req.into_parts();
@@ -263,13 +267,14 @@ async fn execute(app: &AppState, t: &Target, body: Body) -> Result<Response, Ref
         timeout_ms: Some(CELL_TIMEOUT_MS),
         env: req.env_vars.unwrap_or_default(),
         max_output_bytes: Some(CELL_MAX_OUTPUT),
+        home: Some(E2B_HOME.into()),
     };
     let busy = enter(app, t.live.clone())?;
     let cell = door::cell(&busy, &run)
         .await
         .map_err(|e| context_error(e, &t.live.id))?;
-    let (tx, response) = ndjson_response();
-    tokio::spawn(relay(busy, cell, tx));
+    let (tx, response) = cuttable_ndjson_response();
+    tokio::spawn(relay(app.clone(), busy, cell, tx));
     Ok(response)
 }
 
@@ -288,8 +293,10 @@ fn context_error(e: ApiError, sandbox: &str) -> Refusal {
     e.into()
 }
 
-/// Relays a cell's lines as E2B's until its end; a client that goes away interrupts it.
-async fn relay(live: Busy, mut cell: Cell, tx: mpsc::Sender<Bytes>) {
+/// Relays a cell's lines as E2B's until its end; a client that goes away interrupts it. A
+/// sandbox killed under the cell cuts the stream (as E2B's proxy does when a sandbox goes):
+/// the SDKs then probe its health and say it was killed while the request was in progress.
+async fn relay(app: AppState, live: Busy, mut cell: Cell, tx: Lines) {
     let mut lines = Translator::default();
     loop {
         let next = tokio::select! {
@@ -313,6 +320,12 @@ async fn relay(live: Busy, mut cell: Cell, tx: mpsc::Sender<Bytes>) {
                 }
             },
         };
+        if !matches!(next, Ok(Some(_))) && crate::exec::machine_gone(&app, &live).await {
+            let _ = tx
+                .send(Err(crate::stream::cut("the sandbox went under a cell")))
+                .await;
+            return;
+        }
         let (out, done) = match next {
             Ok(Some(line)) => lines.line(line, &timestamp()),
             Ok(None) => lines.broken("the code interpreter's answer ended before the cell did"),
@@ -327,10 +340,13 @@ async fn relay(live: Busy, mut cell: Cell, tx: mpsc::Sender<Bytes>) {
     }
 }
 
-async fn send(tx: &mpsc::Sender<Bytes>, v: &Value) {
+/// The lines of an `/execute` answer, or the error that cuts it short.
+type Lines = mpsc::Sender<Result<Bytes, std::io::Error>>;
+
+async fn send(tx: &Lines, v: &Value) {
     let mut line = serde_json::to_vec(v).expect("a JSON value serializes");
     line.push(b'\n');
-    let _ = tx.send(Bytes::from(line)).await;
+    let _ = tx.send(Ok(Bytes::from(line))).await;
 }
 
 /// Now as E2B's server stamps output (the kernel message's date): RFC 3339, microseconds.
@@ -486,6 +502,7 @@ async fn create(app: &AppState, t: &Target, body: Body) -> Result<Response, Refu
         language: language(req.language.as_deref()),
         cwd: req.cwd.filter(|c| !c.is_empty()),
         env: BTreeMap::new(),
+        home: Some(E2B_HOME.into()),
     };
     let busy = enter(app, t.live.clone())?;
     let c = door::create(&busy, &new).await?;

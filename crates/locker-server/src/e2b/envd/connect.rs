@@ -11,7 +11,6 @@
 //! flags), a body that ends inside an envelope or a header that takes too long is a Connect
 //! error, never a panic, a 500 or a hang.
 
-use std::convert::Infallible;
 use std::time::Duration;
 
 use axum::body::{Body, BodyDataStream};
@@ -389,14 +388,14 @@ pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
 
 /// The sending side of a streaming answer.
 pub struct StreamOut {
-    tx: mpsc::Sender<Bytes>,
+    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
 }
 
 impl StreamOut {
     /// Sends one message; false once the client has gone.
     pub async fn send<T: Serialize>(&self, msg: &T) -> bool {
         let payload = serde_json::to_vec(msg).expect("messages serialize");
-        self.tx.send(envelope(0, &payload)).await.is_ok()
+        self.tx.send(Ok(envelope(0, &payload))).await.is_ok()
     }
 
     /// Waits until the client has gone.
@@ -411,17 +410,21 @@ impl StreamOut {
             Some(e) => json!({"error": e.json()}),
         };
         let payload = serde_json::to_vec(&body).expect("json");
-        let _ = self.tx.send(envelope(0x02, &payload)).await;
+        let _ = self.tx.send(Ok(envelope(0x02, &payload))).await;
+    }
+
+    /// Cuts the stream short, with no end-of-stream envelope: what a client sees when the
+    /// sandbox behind it went (E2B's proxy drops the stream of a killed sandbox; the SDKs
+    /// then probe `/health` and say the sandbox was killed or reached its end of life).
+    pub async fn cut(self, why: &str) {
+        let _ = self.tx.send(Err(crate::stream::cut(why))).await;
     }
 }
 
 /// A streaming answer: HTTP 200, `Content-Type: application/connect+json` exactly (the
 /// Python client refuses parameters), the envelopes sent on the returned [`StreamOut`].
 pub fn stream_response() -> (StreamOut, Response) {
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|b| (Ok::<_, Infallible>(b), rx))
-    }));
+    let (tx, body) = crate::stream::cuttable_body(16);
     let mut resp = Response::new(body);
     resp.headers_mut().insert(
         header::CONTENT_TYPE,

@@ -395,22 +395,15 @@ async fn follow(
     let info = match ended {
         Ok(info) => info,
         Err(e) => {
-            let lost = matches!(e, locker_runtime::agent::AgentClientError::ConnectionLost(_));
-            let mut e: ConnectError = crate::failed::check(app, live, e).await.into();
-            // Its own words left out: the SDKs read "was not found" in an `unavailable` as
-            // the proxy's answer, not as a stream cut short.
-            if lost {
-                // The machine went (killed, past its timeout): `unavailable`, as envd ends
-                // a stream whose sandbox went; the SDKs then probe `/health` (502: not
-                // found) and say the sandbox was killed or reached its end of life.
-                e = ConnectError::new(
-                    Code::Unavailable,
-                    format!(
-                        "the connection to sandbox {} ended before the stream completed",
-                        live.id
-                    ),
-                );
+            if matches!(e, locker_runtime::agent::AgentClientError::ConnectionLost(_)) {
+                // The machine went (killed, past its timeout): the stream is cut, as E2B's
+                // proxy drops the stream of a sandbox that went; both SDKs then probe
+                // `/health` (502: not found) and say the sandbox was killed or reached its
+                // end of life (the JavaScript SDK probes only for a cut connection).
+                crate::failed::check(app, live, e).await;
+                return out.cut("the sandbox's machine went under the stream").await;
             }
+            let e: ConnectError = crate::failed::check(app, live, e).await.into();
             return out.end(Some(e)).await;
         }
     };
