@@ -28,6 +28,9 @@ use crate::state::{new_id, AppState, Busy};
 const MAX_BUFFERED_EVENTS: usize = 10_000;
 /// The most watchers (`CreateWatcher`) one sandbox may hold at once.
 const MAX_WATCHERS_PER_SANDBOX: usize = 64;
+/// How long `GetWatcherEvents` waits for a batch already received from the agent to be
+/// buffered (its entries are stat'ed in the machine first, with `include_entry`).
+const SETTLE: std::time::Duration = std::time::Duration::from_secs(1);
 
 #[derive(Deserialize, Default)]
 #[serde(default)]
@@ -363,6 +366,9 @@ async fn unary(
             let m: WatcherIdRequest =
                 connect::read_unary("filesystem.GetWatcherEventsRequest", body).await?;
             let w = watcher(&t, &m.watcher_id)?;
+            // A batch the agent already sent is the caller's too (a poll right after a
+            // write must see the write's events): wait for the one being described.
+            let _ = tokio::time::timeout(SETTLE, w.settled()).await;
             let events: Vec<Value> = w.events.lock().expect("events lock").drain(..).collect();
             let failed = w.failed.lock().expect("failed lock").clone();
             if events.is_empty() {
@@ -567,6 +573,8 @@ struct Watcher {
     sandbox: String,
     tenant: String,
     events: Arc<Mutex<VecDeque<Value>>>,
+    /// Whether a batch received from the agent is being described (not yet buffered).
+    busy: Arc<tokio::sync::watch::Sender<bool>>,
     /// Why its watch ended, if it did with an error.
     failed: Arc<Mutex<Option<ConnectError>>>,
     task: tokio::task::AbortHandle,
@@ -579,6 +587,7 @@ fn watcher(t: &Target, id: &str) -> Result<WatcherView, ConnectError> {
     match map.get(id) {
         Some(w) if w.sandbox == t.live.id && w.tenant == t.caller.tenant => Ok(WatcherView {
             events: w.events.clone(),
+            busy: w.busy.subscribe(),
             failed: w.failed.clone(),
             task: w.task.clone(),
         }),
@@ -588,8 +597,16 @@ fn watcher(t: &Target, id: &str) -> Result<WatcherView, ConnectError> {
 
 struct WatcherView {
     events: Arc<Mutex<VecDeque<Value>>>,
+    busy: tokio::sync::watch::Receiver<bool>,
     failed: Arc<Mutex<Option<ConnectError>>>,
     task: tokio::task::AbortHandle,
+}
+
+impl WatcherView {
+    /// Returns once no batch is between the agent and the buffer.
+    async fn settled(&self) {
+        let _ = self.busy.clone().wait_for(|busy| !busy).await;
+    }
 }
 
 async fn create_watcher(
@@ -623,7 +640,8 @@ async fn create_watcher(
     let mut w = open_watch(app, live, &path, &m).await?;
     let events: Arc<Mutex<VecDeque<Value>>> = Arc::default();
     let failed: Arc<Mutex<Option<ConnectError>>> = Arc::default();
-    let (ev2, failed2) = (events.clone(), failed.clone());
+    let busy = Arc::new(tokio::sync::watch::channel(false).0);
+    let (ev2, failed2, busy2) = (events.clone(), failed.clone(), busy.clone());
     let agent = live.machine.agent.clone();
     let include = m.include_entry;
     let task = tokio::spawn(async move {
@@ -631,6 +649,7 @@ async fn create_watcher(
         loop {
             match w.next().await {
                 Ok(Some(batch)) => {
+                    busy2.send_replace(true);
                     let batch = temp.translate(batch);
                     let batch = events_json(&agent, &path, &batch, include).await;
                     let mut q = ev2.lock().expect("events lock");
@@ -640,6 +659,8 @@ async fn create_watcher(
                         }
                         q.push_back(e);
                     }
+                    drop(q);
+                    busy2.send_replace(false);
                 }
                 Ok(None) => return,
                 Err(e) => {
@@ -657,6 +678,7 @@ async fn create_watcher(
             sandbox: live.id.clone(),
             tenant: live.tenant.clone(),
             events,
+            busy,
             failed,
             task: task.abort_handle(),
         },
