@@ -137,10 +137,6 @@ fn main() {
         locker_runtime::jail::init_main(&spec);
     }
     let mut args = std::env::args_os();
-    if args.nth(1).is_some_and(|a| a == "__jail-attach") {
-        locker_runtime::jail::attach_main(&args.next().unwrap_or_default().to_string_lossy());
-    }
-    let mut args = std::env::args_os();
     if args.nth(1).is_some_and(|a| a == "__vm-fs") {
         // Its warnings (malformed requests from the guest) go to its log, `vm-fs.log`.
         tracing_subscriber::fmt()

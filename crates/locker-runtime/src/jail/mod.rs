@@ -45,7 +45,7 @@ mod setup;
 mod shim;
 mod spec;
 
-pub use attach::attach_main;
+pub use attach::attach;
 pub use shim::init_main;
 pub use spec::{AttachSpec, JailSpec};
 

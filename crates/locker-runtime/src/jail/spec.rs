@@ -1,5 +1,5 @@
 //! What the jail's helper processes are told: the shim's [`JailSpec`] (`<dir>/jail.json`)
-//! and `__jail-attach`'s [`AttachSpec`]. Plain data; it runs nothing.
+//! and the attach's [`AttachSpec`]. Plain data; it runs nothing.
 
 use std::path::PathBuf;
 
@@ -38,7 +38,7 @@ pub struct JailSpec {
     pub binds: Vec<BindMount>,
 }
 
-/// What `locker __jail-attach` mounts into a running machine.
+/// What `jail::attach` mounts into a running machine.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct AttachSpec {
     pub agent_pid: i32,

@@ -86,7 +86,7 @@ pub enum NodeError {
     NotVm,
     #[error("machine {0} has its shares already")]
     SharedAlready(String),
-    /// `__jail-attach` refused or failed.
+    /// Mounting a run's layer into a running machine (`jail::attach`) failed.
     #[error("attaching a mount to machine {machine}: {reason}")]
     Attach { machine: String, reason: String },
 }
@@ -555,7 +555,7 @@ impl Node {
         })
     }
 
-    /// Mounts an overlay into a running machine (see [`jail::attach_main`]).
+    /// Mounts an overlay into a running machine (see [`jail::attach`]).
     pub async fn attach(&self, m: &Machine, mount: OverlayMount) -> Result<(), NodeError> {
         let j = match &m.state {
             MachineState::Vm(_) => return self.share(m, Vec::new(), vec![mount]).await,
@@ -566,24 +566,17 @@ impl Node {
             uid_base: j.uid_base,
             mount,
         };
-        let out = tokio::process::Command::new(&self.config.init_exe)
-            .arg("__jail-attach")
-            .arg(serde_json::to_string(&spec).expect("attach spec serializes"))
-            .stdin(std::process::Stdio::null())
-            .output()
-            .await
-            .map_err(|source| NodeError::Io {
-                step: format!("run {} __jail-attach", self.config.init_exe.display()),
-                source,
-            })?;
-        if out.status.success() {
-            Ok(())
-        } else {
-            Err(NodeError::Attach {
-                machine: m.id.clone(),
-                reason: String::from_utf8_lossy(&out.stderr).trim().to_owned(),
-            })
-        }
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let done = match jail::attach(spec, move |r| drop(tx.send(r))) {
+            Ok(()) => rx
+                .await
+                .unwrap_or_else(|_| Err(jail::JailError::Init("the attach thread went".into()))),
+            Err(e) => Err(e),
+        };
+        done.map_err(|e| NodeError::Attach {
+            machine: m.id.clone(),
+            reason: e.to_string(),
+        })
     }
 
     /// Sets a running machine's egress (see [`crate::net`]): any policy but `None` wires
