@@ -41,6 +41,33 @@ done
 export E2B_API_URL=http://127.0.0.1:$port E2B_SANDBOX_URL=http://127.0.0.1:$port E2B_API_KEY=$key
 export E2B_DOMAIN=localhost:$port
 
+# A vitest config in directory $1 for the files $2 matches but not $3 (quoted globs, comma
+# separated): Node, 60 s per test, three workers.
+vitest_config() {
+    cat >"$1/vitest.config.mts" <<EOF
+import { defineConfig } from 'vitest/config'
+export default defineConfig({
+  test: {
+    include: [$2],
+    exclude: [$3],
+    globals: false,
+    testTimeout: 60_000,
+    hookTimeout: 60_000,
+    environment: 'node',
+    maxWorkers: 3,
+  },
+})
+EOF
+}
+
+# Runs vitest in directory $1, its reports as $work/$2.{xml,txt}; the rest are its arguments.
+run_vitest() {
+    local dir=$1 name=$2
+    shift 2
+    (cd "$dir" && npx vitest run --reporter=default --reporter=junit \
+        --outputFile.junit="$work/$name.xml" "$@" || true) | tee "$work/$name.txt"
+}
+
 if [[ $which == py || $which == both ]]; then
     if [[ ! -x $work/venv/bin/python ]]; then
         python3 -m venv "$work/venv"
@@ -66,27 +93,13 @@ if [[ $which == js || $which == both ]]; then
     printf "export * from 'e2b'\nexport { default } from 'e2b'\n" >"$js/src/index.ts"
     # `../src/errors.js`: the error classes, which the package exports too.
     printf "export * from 'e2b'\n" >"$js/src/errors.ts"
-    cat >"$js/vitest.config.mts" <<'EOF'
-import { defineConfig } from 'vitest/config'
-export default defineConfig({
-  test: {
-    include: ['tests/sandbox/**/*.test.ts', 'tests/api/**/*.test.ts'],
-    exclude: ['tests/sandbox/git/**'],
-    isolate: true,
-    globals: false,
-    testTimeout: 60_000,
-    hookTimeout: 60_000,
-    environment: 'node',
-    maxWorkers: 3,
-  },
-})
-EOF
+    vitest_config "$js" "'tests/sandbox/**/*.test.ts', 'tests/api/**/*.test.ts'" \
+        "'tests/sandbox/git/**'"
     if [[ ! -d $js/node_modules/vitest ]]; then
         (cd "$js" && npm init -y >/dev/null &&
             npm install --no-audit --no-fund -s e2b vitest@4 msw dotenv >/dev/null)
     fi
-    (cd "$js" && npx vitest run --reporter=default --reporter=junit \
-        --outputFile.junit="$work/js.xml" "$@" || true) | tee "$work/js.txt"
+    run_vitest "$js" js "$@"
 fi
 
 if [[ $which == interp-py || $which == interp ]]; then
@@ -109,26 +122,12 @@ if [[ $which == interp-js || $which == interp ]]; then
     rm -rf "$js"
     mkdir -p "$js"
     cp -r "$src/js/src" "$src/js/tests" "$js/"
-    cat >"$js/vitest.config.mts" <<'EOF'
-import { defineConfig } from 'vitest/config'
-export default defineConfig({
-  test: {
-    include: ['tests/**/*.test.ts'],
-    exclude: ['tests/runtimes/**'],
-    globals: false,
-    testTimeout: 60_000,
-    hookTimeout: 60_000,
-    environment: 'node',
-    maxWorkers: 3,
-  },
-})
-EOF
+    vitest_config "$js" "'tests/**/*.test.ts'" "'tests/runtimes/**'"
     if [[ ! -d $work/interp-node/node_modules/vitest ]]; then
         mkdir -p "$work/interp-node"
         (cd "$work/interp-node" && npm init -y >/dev/null &&
             npm install --no-audit --no-fund -s e2b vitest@4 dotenv >/dev/null)
     fi
     ln -sfn "$work/interp-node/node_modules" "$js/node_modules"
-    (cd "$js" && npx vitest run --reporter=default --reporter=junit \
-        --outputFile.junit="$work/interp-js.xml" "$@" || true) | tee "$work/interp-js.txt"
+    run_vitest "$js" interp-js "$@"
 fi
