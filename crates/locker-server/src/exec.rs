@@ -93,7 +93,7 @@ async fn exec(
 /// Whether the sandbox of a call was destroyed (deleted or expired) while the call ran:
 /// its agent connection then breaks, which is the command's end, not a platform failure.
 /// A sandbox that failed under the call is not "gone" that way: the call answers why.
-pub(crate) async fn machine_gone(app: &AppState, live: &Live) -> bool {
+async fn machine_gone(app: &AppState, live: &Live) -> bool {
     !app.live.read().await.contains_key(&live.id) && crate::failed::reason(&live.id).is_none()
 }
 

@@ -32,8 +32,11 @@ pub fn ndjson_response() -> (mpsc::Sender<Bytes>, Response) {
     (tx, ndjson(body))
 }
 
+/// The sender of a [`cuttable_body`]: `Ok` parts, or the [`cut`] that ends it short.
+pub type CutSender = mpsc::Sender<Result<Bytes, std::io::Error>>;
+
 /// [`ndjson_response`] over a [`cuttable_body`]: an `Err` line cuts the answer short.
-pub fn cuttable_ndjson_response() -> (mpsc::Sender<Result<Bytes, std::io::Error>>, Response) {
+pub fn cuttable_ndjson_response() -> (CutSender, Response) {
     let (tx, body) = cuttable_body(32);
     (tx, ndjson(body))
 }
@@ -54,7 +57,7 @@ fn ndjson(body: Body) -> Response {
 /// the stream). That is how a client learns that the machine behind a stream went (killed,
 /// past its timeout) the way it would behind a proxy: E2B's SDKs then probe the sandbox's
 /// health and say it was killed, where a cleanly ended stream would read as a normal end.
-pub fn cuttable_body(capacity: usize) -> (mpsc::Sender<Result<Bytes, std::io::Error>>, Body) {
+pub fn cuttable_body(capacity: usize) -> (CutSender, Body) {
     let (tx, rx) = mpsc::channel::<Result<Bytes, std::io::Error>>(capacity);
     let body = Body::from_stream(futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|b| (b, rx))

@@ -28,7 +28,6 @@ use axum::response::{IntoResponse, Response};
 use http_body_util::{BodyExt, Limited};
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokio::sync::mpsc;
 
 use super::Target;
 use crate::auth::constant_time_eq;
@@ -37,7 +36,7 @@ use crate::code::wire::{CodeError, CodeResult, Context, Execution, Line, NewCont
 use crate::error::ApiError;
 use crate::lifecycle::enter;
 use crate::state::{AppState, Busy};
-use crate::stream::cuttable_ndjson_response;
+use crate::stream::{cuttable_ndjson_response, CutSender};
 
 /// How long a cell may stay silent before a `keepalive` line: what E2B's server sends, and
 /// what lets a client that went away be noticed (a write to its closed connection fails).
@@ -270,11 +269,17 @@ async fn execute(app: &AppState, t: &Target, body: Body) -> Result<Response, Ref
         home: Some(E2B_HOME.into()),
     };
     let busy = enter(app, t.live.clone())?;
-    let cell = door::cell(&busy, &run)
-        .await
-        .map_err(|e| context_error(e, &t.live.id))?;
     let (tx, response) = cuttable_ndjson_response();
-    tokio::spawn(relay(app.clone(), busy, cell, tx));
+    match door::cell(&busy, &run).await {
+        Ok(cell) => {
+            tokio::spawn(relay(app.clone(), busy, cell, tx));
+        }
+        // Killed before the cell's first line: cut as a stream under way is (see `relay`).
+        Err(_) if super::went(app, &busy).await => {
+            let _ = tx.try_send(Err(crate::stream::cut("the sandbox went before its cell began")));
+        }
+        Err(e) => return Err(context_error(e, &t.live.id)),
+    }
     Ok(response)
 }
 
@@ -296,7 +301,7 @@ fn context_error(e: ApiError, sandbox: &str) -> Refusal {
 /// Relays a cell's lines as E2B's until its end; a client that goes away interrupts it. A
 /// sandbox killed under the cell cuts the stream (as E2B's proxy does when a sandbox goes):
 /// the SDKs then probe its health and say it was killed while the request was in progress.
-async fn relay(app: AppState, live: Busy, mut cell: Cell, tx: Lines) {
+async fn relay(app: AppState, live: Busy, mut cell: Cell, tx: CutSender) {
     let mut lines = Translator::default();
     loop {
         let next = tokio::select! {
@@ -320,7 +325,7 @@ async fn relay(app: AppState, live: Busy, mut cell: Cell, tx: Lines) {
                 }
             },
         };
-        if !matches!(next, Ok(Some(_))) && crate::exec::machine_gone(&app, &live).await {
+        if !matches!(next, Ok(Some(_))) && super::went(&app, &live).await {
             let _ = tx
                 .send(Err(crate::stream::cut("the sandbox went under a cell")))
                 .await;
@@ -340,10 +345,7 @@ async fn relay(app: AppState, live: Busy, mut cell: Cell, tx: Lines) {
     }
 }
 
-/// The lines of an `/execute` answer, or the error that cuts it short.
-type Lines = mpsc::Sender<Result<Bytes, std::io::Error>>;
-
-async fn send(tx: &Lines, v: &Value) {
+async fn send(tx: &CutSender, v: &Value) {
     let mut line = serde_json::to_vec(v).expect("a JSON value serializes");
     line.push(b'\n');
     let _ = tx.send(Ok(Bytes::from(line))).await;

@@ -53,6 +53,14 @@ pub fn routes() -> Router<AppState> {
     control::routes()
 }
 
+/// Whether sandbox `live` went while one of its streams ran (deleted, past its TTL, or
+/// failed: in each case it is no longer live here). Such a stream is cut, as E2B's proxy
+/// drops the streams of a sandbox that went; the SDKs then probe `/health` (502) and say the
+/// sandbox was killed (the JavaScript SDK probes only for a cut connection).
+async fn went(app: &AppState, live: &Live) -> bool {
+    !app.live.read().await.contains_key(&live.id)
+}
+
 /// A data-plane request's sandbox, found and let through.
 #[derive(Clone)]
 pub(crate) struct Target {

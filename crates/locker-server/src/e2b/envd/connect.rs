@@ -21,7 +21,6 @@ use futures_util::StreamExt;
 use serde::de::DeserializeOwned;
 use serde::Serialize;
 use serde_json::json;
-use tokio::sync::mpsc;
 
 use crate::error::ApiError;
 
@@ -388,7 +387,7 @@ pub fn envelope(flags: u8, payload: &[u8]) -> Bytes {
 
 /// The sending side of a streaming answer.
 pub struct StreamOut {
-    tx: mpsc::Sender<Result<Bytes, std::io::Error>>,
+    tx: crate::stream::CutSender,
 }
 
 impl StreamOut {

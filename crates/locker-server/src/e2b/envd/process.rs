@@ -395,15 +395,10 @@ async fn follow(
     let info = match ended {
         Ok(info) => info,
         Err(e) => {
-            if matches!(e, locker_runtime::agent::AgentClientError::ConnectionLost(_)) {
-                // The machine went (killed, past its timeout): the stream is cut, as E2B's
-                // proxy drops the stream of a sandbox that went; both SDKs then probe
-                // `/health` (502: not found) and say the sandbox was killed or reached its
-                // end of life (the JavaScript SDK probes only for a cut connection).
-                crate::failed::check(app, live, e).await;
-                return out.cut("the sandbox's machine went under the stream").await;
-            }
             let e: ConnectError = crate::failed::check(app, live, e).await.into();
+            if crate::e2b::went(app, live).await {
+                return out.cut("the sandbox went under the stream").await;
+            }
             return out.end(Some(e)).await;
         }
     };
