@@ -8,7 +8,8 @@
 //! - the agent's log is a bounded host file that no command can write into;
 //! - only unix, inet, inet6 and netlink sockets open (no vsock: its port space is the
 //!   host's; no packet sockets);
-//! - a command cannot leave its per-command cgroup to outlive its exec's timeout;
+//! - a command cannot leave its per-command cgroup to outlive its exec's timeout, nor hide
+//!   in an idle one kept for reuse;
 //! - the filter refuses x32 system call numbers as it refuses the x86-64 ones;
 //! - the mount table names nothing of the host's data dir or template cache;
 //! - filling `/tmp` cannot take the agent with it.
@@ -474,6 +475,46 @@ fn a_command_cannot_leave_its_cgroup_to_outlive_its_execs_timeout() {
         }
     }
     // Commands still get their own cgroups and the machine still works.
+    let own = api.sh(&id, "cat /proc/self/cgroup");
+    assert!(own.contains("cmd-"), "{own}");
+}
+
+/// Ended command cgroups are kept for later commands (the agent reuses them): one of them
+/// is no hiding place. A process a command moves into an idle one dies when the command ends.
+#[test]
+fn a_command_cannot_hide_in_an_idle_command_cgroup() {
+    let srv = Server::start();
+    let api = srv.api();
+    let id = sandbox(&api, json!({}));
+    // Two commands at once leave two cgroups idle: while the next runs in one, the other
+    // is there to move into.
+    std::thread::scope(|s| {
+        for _ in 0..2 {
+            s.spawn(|| api.sh(&id, "sleep 0.5"));
+        }
+    });
+    let esc = "own=$(grep -o cmd-[0-9]* /proc/self/cgroup | head -1); \
+               for d in /sys/fs/cgroup/*/cmd-*/ /sys/fs/cgroup/cmd-*/; do case $d in *$own/) ;; \
+               *) echo $$ > ${d}cgroup.procs 2>/dev/null;; esac; done; \
+               cat /proc/self/cgroup > /tmp/hid.txt; exec sleep 781";
+    let r = api.exec(
+        &id,
+        &json!({"shell": format!("grep -o 'cmd-[0-9]*' /proc/self/cgroup | head -1; (setsid sh -c '{esc}' 2>/dev/null &) ; sleep 1"), "timeout_ms": 20_000}),
+    );
+    assert_eq!(r["reason"], "exited", "{r}");
+    let own = r["stdout"].as_str().expect("stdout").trim().to_owned();
+    assert!(own.starts_with("cmd-"), "{r}");
+    let hid = api.sh(&id, "cat /tmp/hid.txt");
+    assert!(
+        hid.contains("cmd-") && !hid.contains(&format!("{own}\n")),
+        "the process did not move out of {own}: {hid}"
+    );
+    let left = machine_pids(&api, &id, "sleep 781");
+    assert!(
+        left.is_empty(),
+        "hid in an idle cgroup and outlived its exec: {left}"
+    );
+    // Commands still run, each in a cgroup of its own.
     let own = api.sh(&id, "cat /proc/self/cgroup");
     assert!(own.contains("cmd-"), "{own}");
 }

@@ -24,11 +24,28 @@
 //! every cgroup under the parent that is not a live command's nor the agent's own (a
 //! *stray*) is killed and removed too ([`Cgroups::kill_strays`]). In a microVM the guest's
 //! root owns the whole kernel and may run its own cgroup managers: no sweep there.
+//!
+//! **Reuse.** A command cgroup that ends empty, with no cgroup below it, is kept (up to
+//! [`IDLE_MAX`]) for a later command instead of removed. Removing a memory cgroup is what
+//! costs: the kernel then reparents the cgroup's entries in every list_lru of the host (two
+//! per mounted filesystem, and every machine mounts several), under the global cgroup
+//! mutex, so a command's end used to cost in proportion to the machines on the host. A
+//! kept cgroup is handed out again only while it is still empty and every file a command
+//! could have written to change how a later one runs (its limits, weights, freezing) reads
+//! as it did when the cgroup was made ([`Knobs`]); otherwise it is killed and removed like
+//! a stray, and a new one is made. Its counters are re-based when it is reused: CPU time
+//! and the peak are measured from the reuse (v1: `memory.max_usage_in_bytes` reset; v2:
+//! `memory.peak` reset through a descriptor kept for the command, Linux 6.12 and later:
+//! without that, v2 cgroups are not reused), and the peak is what the command added to
+//! what the cgroup held when it started (page cache an earlier command left charged to
+//! it), as a new cgroup measures nothing charged elsewhere before it. Idle cgroups are
+//! still the agent's: a process a command moves into one is killed at the next sweep.
 
 use std::collections::HashSet;
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -56,8 +73,95 @@ pub enum Layout {
     None,
 }
 
-/// The names of the command cgroups that exist on purpose (under every parent).
-type Live = Arc<Mutex<HashSet<String>>>;
+/// How many ended command cgroups are kept for later commands.
+pub const IDLE_MAX: usize = 4;
+
+/// What the agent's cgroups and the commands' share.
+#[derive(Debug, Default)]
+struct Shared {
+    /// The names of the command cgroups that exist on purpose (under every parent): the
+    /// running commands' and the idle ones.
+    live: Mutex<HashSet<String>>,
+    /// Ended empty and kept for a later command; the most recent last.
+    idle: Mutex<Vec<Idle>>,
+    /// Set once a kept cgroup's peak could not be reset (cgroup v2 before Linux 6.12):
+    /// from then on, cgroups are removed when their command ends.
+    no_reuse: AtomicBool,
+}
+
+/// A command cgroup between two commands.
+#[derive(Debug)]
+struct Idle {
+    name: String,
+    dirs: Vec<(&'static str, PathBuf)>,
+    knobs: Knobs,
+}
+
+/// The files of a command cgroup a command could write to change how a later command in it
+/// runs (limits, weights, freezing), each with its first line as read when the cgroup was
+/// made. The accounting files are not among them: they are re-based on reuse.
+type Knobs = Vec<(PathBuf, String)>;
+
+const V1_KNOBS: [&str; 12] = [
+    "memory.limit_in_bytes",
+    "memory.soft_limit_in_bytes",
+    "memory.memsw.limit_in_bytes",
+    "memory.swappiness",
+    "memory.oom_control",
+    "memory.move_charge_at_immigrate",
+    "pids.max",
+    "cpu.shares",
+    "cpu.cfs_quota_us",
+    "cpu.cfs_period_us",
+    "freezer.state",
+    "notify_on_release",
+];
+
+const V2_KNOBS: [&str; 16] = [
+    "memory.max",
+    "memory.high",
+    "memory.low",
+    "memory.min",
+    "memory.swap.max",
+    "memory.swap.high",
+    "memory.zswap.max",
+    "memory.oom.group",
+    "pids.max",
+    "cpu.max",
+    "cpu.weight",
+    "cpu.idle",
+    "cgroup.freeze",
+    "cgroup.subtree_control",
+    "cgroup.max.depth",
+    "cgroup.max.descendants",
+];
+
+fn first_line(path: &Path) -> Option<String> {
+    let text = fs::read_to_string(path).ok()?;
+    Some(text.lines().next().unwrap_or("").to_owned())
+}
+
+/// The knobs of a new cgroup, as they read now (the files that exist in its directories).
+fn read_knobs(dirs: &[(&'static str, PathBuf)], v2: bool) -> Knobs {
+    let names: &[&str] = if v2 { &V2_KNOBS } else { &V1_KNOBS };
+    let mut out = Vec::new();
+    for (_, d) in dirs {
+        for n in names {
+            let path = d.join(n);
+            if let Some(v) = first_line(&path) {
+                out.push((path, v));
+            }
+        }
+    }
+    out
+}
+
+/// Whether every knob still reads as it did when the cgroup was made.
+fn knobs_unchanged(knobs: &Knobs) -> bool {
+    knobs
+        .iter()
+        .all(|(path, was)| first_line(path).as_deref() == Some(was.as_str()))
+}
 
 /// The agent's cgroup layout plus a counter for naming command cgroups.
 #[derive(Debug)]
@@ -65,7 +169,7 @@ pub struct Cgroups {
     pub layout: Layout,
     next: AtomicU64,
     warned: AtomicBool,
-    live: Live,
+    shared: Arc<Shared>,
     /// The agent's own cgroup when it is a child of the parent (v2: `init`): never a stray.
     own: Option<String>,
     /// Whether strays are killed (in a jail; not in a microVM).
@@ -138,7 +242,7 @@ impl Cgroups {
             layout,
             next: AtomicU64::new(1),
             warned: AtomicBool::new(false),
-            live: Live::default(),
+            shared: Arc::default(),
             own,
             sweep,
         }
@@ -157,12 +261,25 @@ impl Cgroups {
     /// in the members' hierarchy alone (v1: the freezer's; see [`CmdCgroup::pids`] for why
     /// one is enough), then removed from every hierarchy that has one of that name: one
     /// `getdents` when there is none. Empty cgroups a command made in the other hierarchies
-    /// only hold nothing and go with the machine.
+    /// only hold nothing and go with the machine. An idle command cgroup that holds
+    /// processes (a command moved them there) is a stray too.
     pub fn kill_strays(&self) {
         if !self.sweep {
             return;
         }
-        let v2 = matches!(self.layout, Layout::V2 { .. });
+        let occupied: Vec<Idle> = {
+            let mut idle = lock(&self.shared.idle);
+            let (bad, good) = std::mem::take(&mut *idle)
+                .into_iter()
+                .partition(|i| !i.members_empty());
+            *idle = good;
+            bad
+        };
+        for i in occupied {
+            let cg = self.handle(i.name, i.dirs, i.knobs);
+            cg.kill_all();
+            cg.remove();
+        }
         let parents = self.parents();
         let Some((_, members)) = parents
             .iter()
@@ -173,7 +290,7 @@ impl Cgroups {
         };
         let mut strays: Vec<(String, Vec<(&'static str, PathBuf)>)> = Vec::new();
         {
-            let live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+            let live = lock(&self.shared.live);
             let Ok(rd) = fs::read_dir(members) else {
                 return;
             };
@@ -194,26 +311,39 @@ impl Cgroups {
             }
         }
         for (name, dirs) in strays {
-            let cg = CmdCgroup {
-                dirs,
-                procs: Vec::new(),
-                v2,
-                name,
-                live: self.live.clone(),
-            };
+            let cg = self.handle(name, dirs, Knobs::new());
             cg.kill_all();
             cg.remove();
         }
     }
 
-    /// Creates the cgroup(s) of one command. `None` when cgroups are not usable.
+    /// A handle on existing command cgroup directories, not yet re-based or joinable.
+    fn handle(&self, name: String, dirs: Vec<(&'static str, PathBuf)>, knobs: Knobs) -> CmdCgroup {
+        CmdCgroup {
+            dirs,
+            procs: Vec::new(),
+            v2: matches!(self.layout, Layout::V2 { .. }),
+            name,
+            shared: self.shared.clone(),
+            knobs,
+            base: Base::default(),
+            peak: None,
+            gone: Mutex::new(false),
+        }
+    }
+
+    /// The cgroup(s) of one command: an idle one reused where there is one fit for it,
+    /// else new ones. `None` when cgroups are not usable.
     pub fn create(&self) -> Option<CmdCgroup> {
+        if let Some(cg) = self.reuse() {
+            return Some(cg);
+        }
         let parents = self.parents();
         if parents.is_empty() {
             return None;
         }
         // Held while the directories appear, so a sweep never takes them for strays.
-        let mut live = self.live.lock().unwrap_or_else(|e| e.into_inner());
+        let mut live = lock(&self.shared.live);
         for _ in 0..1000 {
             let n = self.next.fetch_add(1, Ordering::Relaxed);
             let name = format!("cmd-{n}");
@@ -247,39 +377,58 @@ impl Cgroups {
             if dirs.is_empty() {
                 return None;
             }
-            let mut procs = Vec::new();
-            for (_, d) in &dirs {
-                match fs::OpenOptions::new()
-                    .write(true)
-                    .open(d.join("cgroup.procs"))
-                {
-                    Ok(f) => procs.push(OwnedFd::from(f)),
-                    Err(e) => eprintln!(
-                        "locker-agent: cannot open {}/cgroup.procs: {e}",
-                        d.display()
-                    ),
-                }
-            }
-            let v2 = matches!(self.layout, Layout::V2 { .. });
             live.insert(name.clone());
-            let cg = CmdCgroup {
-                dirs,
-                procs,
-                v2,
-                name,
-                live: self.live.clone(),
-            };
+            let knobs = read_knobs(&dirs, matches!(self.layout, Layout::V2 { .. }));
+            let mut cg = self.handle(name, dirs, knobs);
+            cg.open_procs();
             return Some(cg);
         }
         None
+    }
+
+    /// Makes one command cgroup ahead and keeps it idle, for the first command.
+    pub fn prepare(&self) {
+        if let Some(cg) = self.create() {
+            cg.release();
+        }
+    }
+
+    /// An idle command cgroup made ready for a new command: still empty, its knobs as they
+    /// were, its counters re-based. One that is not fit is killed and removed.
+    fn reuse(&self) -> Option<CmdCgroup> {
+        if self.shared.no_reuse.load(Ordering::Relaxed) {
+            return None;
+        }
+        loop {
+            let i = lock(&self.shared.idle).pop()?;
+            let fit = i.members_empty() && knobs_unchanged(&i.knobs);
+            let mut cg = self.handle(i.name, i.dirs, i.knobs);
+            if !fit {
+                cg.kill_all();
+                cg.remove();
+                continue;
+            }
+            if let Err(e) = cg.rebase() {
+                if !self.shared.no_reuse.swap(true, Ordering::Relaxed) {
+                    eprintln!(
+                        "locker-agent: cannot re-base a kept command cgroup ({e}): every command \
+                         gets a new cgroup from now on"
+                    );
+                }
+                cg.remove();
+                return None;
+            }
+            cg.open_procs();
+            return Some(cg);
+        }
     }
 
     /// The CPU and peak memory of the parent cgroup (the machine), where readable.
     pub fn parent_usage(&self) -> Measured {
         match &self.layout {
             Layout::None => Measured::default(),
-            Layout::V2 { parent } => usage_v2(parent),
-            Layout::V1 { parents } => usage_v1(parents),
+            Layout::V2 { parent } => usage_v2(parent).into(),
+            Layout::V1 { parents } => usage_v1(parents).into(),
         }
     }
 
@@ -336,6 +485,25 @@ pub struct MemSample {
     pub stat: Vec<(String, u64)>,
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl Idle {
+    /// No process in the cgroup or below it (in the members' hierarchy: see
+    /// [`CmdCgroup::pids`]).
+    fn members_empty(&self) -> bool {
+        let members = self
+            .dirs
+            .iter()
+            .find(|(c, _)| *c == "freezer")
+            .unwrap_or(&self.dirs[0]);
+        let mut pids = Vec::new();
+        tree_pids(&members.1, &mut pids);
+        pids.is_empty()
+    }
+}
+
 impl MemSample {
     /// A `memory.stat` value (bytes), 0 where absent.
     pub fn get(&self, key: &str) -> u64 {
@@ -357,6 +525,13 @@ fn read_stat(path: &Path) -> Vec<(String, u64)> {
         .collect()
 }
 
+/// The counters of a reused cgroup when its command started (zero for a new one).
+#[derive(Debug, Default, Clone, Copy)]
+struct Base {
+    cpu_us: u64,
+    memory: u64,
+}
+
 /// The cgroup(s) of one running command.
 #[derive(Debug)]
 pub struct CmdCgroup {
@@ -365,10 +540,58 @@ pub struct CmdCgroup {
     procs: Vec<OwnedFd>,
     v2: bool,
     name: String,
-    live: Live,
+    shared: Arc<Shared>,
+    knobs: Knobs,
+    base: Base,
+    /// v2, reused: `memory.peak` opened and reset for this command.
+    peak: Option<fs::File>,
+    /// Set (under the lock) once the cgroup is removed or handed back for reuse: a late
+    /// signal through an old handle must never reach a later command's processes.
+    gone: Mutex<bool>,
 }
 
 impl CmdCgroup {
+    fn open_procs(&mut self) {
+        for (_, d) in &self.dirs {
+            match fs::OpenOptions::new()
+                .write(true)
+                .open(d.join("cgroup.procs"))
+            {
+                Ok(f) => self.procs.push(OwnedFd::from(f)),
+                Err(e) => eprintln!(
+                    "locker-agent: cannot open {}/cgroup.procs: {e}",
+                    d.display()
+                ),
+            }
+        }
+    }
+
+    /// Starts the counters over for a new command in a reused cgroup.
+    fn rebase(&mut self) -> io::Result<()> {
+        if self.v2 {
+            let dir = &self.dirs[0].1;
+            let peak = dir.join("memory.peak");
+            if peak.exists() {
+                let f = fs::OpenOptions::new().read(true).write(true).open(&peak)?;
+                // Linux 6.12+: a write resets the peak seen through this descriptor.
+                (&f).write_all(b"reset\n")?;
+                self.peak = Some(f);
+                self.base.memory = read_u64(&dir.join("memory.current")).unwrap_or(0);
+            }
+            self.base.cpu_us = keyed(&dir.join("cpu.stat"), "usage_usec").unwrap_or(0);
+        } else {
+            if let Some(d) = self.dir("memory") {
+                // Resets the peak to the usage now.
+                fs::write(d.join("memory.max_usage_in_bytes"), "0")?;
+                self.base.memory = read_u64(&d.join("memory.usage_in_bytes")).unwrap_or(0);
+            }
+            if let Some(d) = self.dir("cpuacct") {
+                self.base.cpu_us = read_u64(&d.join("cpuacct.usage")).unwrap_or(0) / 1000;
+            }
+        }
+        Ok(())
+    }
+
     /// The descriptors the child writes "0" to.
     pub fn procs_fds(&self) -> Vec<RawFd> {
         self.procs.iter().map(|f| f.as_raw_fd()).collect()
@@ -407,6 +630,10 @@ impl CmdCgroup {
 
     /// Sends `sig` to every member.
     pub fn signal_all(&self, sig: i32) {
+        let gone = lock(&self.gone);
+        if *gone {
+            return;
+        }
         for pid in self.pids() {
             let _ = crate::sys::kill(pid, sig);
         }
@@ -415,6 +642,10 @@ impl CmdCgroup {
     /// Kills every process in the cgroup and waits (up to a few seconds) until it is empty.
     /// Returns whether it is empty.
     pub fn kill_all(&self) -> bool {
+        let gone = lock(&self.gone);
+        if *gone {
+            return true;
+        }
         let deadline = Instant::now() + Duration::from_secs(5);
         if self.v2 {
             let dir = &self.dirs[0].1;
@@ -479,12 +710,28 @@ impl CmdCgroup {
         false
     }
 
-    /// What the command used, where the accounting files are readable.
+    /// What the command used, where the accounting files are readable: since the cgroup was
+    /// made or (reused) since the command started.
     pub fn usage(&self) -> Measured {
-        if self.v2 {
+        let mut m = if self.v2 {
             usage_v2(&self.dirs[0].1)
         } else {
             usage_v1(&self.dirs)
+        };
+        if let Some(f) = &self.peak {
+            let mut buf = [0u8; 32];
+            m.peak_memory_bytes = f
+                .read_at(&mut buf, 0)
+                .ok()
+                .and_then(|n| std::str::from_utf8(&buf[..n]).ok()?.trim().parse().ok());
+        }
+        Measured {
+            cpu_ms: m
+                .cpu_us
+                .map(|us| us.saturating_sub(self.base.cpu_us) / 1000),
+            peak_memory_bytes: m
+                .peak_memory_bytes
+                .map(|b| b.saturating_sub(self.base.memory)),
         }
     }
 
@@ -509,17 +756,57 @@ impl CmdCgroup {
         }
     }
 
+    /// Hands the cgroup back once its command (and every job of it) has ended: kept for a
+    /// later command when it is empty with no cgroup below it and there is room among the
+    /// idle ones, else removed.
+    pub fn release(&self) {
+        let mut gone = lock(&self.gone);
+        if *gone {
+            return;
+        }
+        let keep = !self.shared.no_reuse.load(Ordering::Relaxed)
+            && lock(&self.shared.idle).len() < IDLE_MAX
+            && read_pids(self.members_dir()).is_empty()
+            && self.dirs.iter().all(|(_, d)| no_subdirs(d));
+        if !keep {
+            drop(gone);
+            return self.remove();
+        }
+        *gone = true;
+        let mut idle = lock(&self.shared.idle);
+        if idle.len() < IDLE_MAX {
+            idle.push(Idle {
+                name: self.name.clone(),
+                dirs: self.dirs.clone(),
+                knobs: self.knobs.clone(),
+            });
+            return;
+        }
+        drop(idle);
+        self.remove_dirs();
+    }
+
     /// Removes the (empty) cgroups, and any a command made below them. The name is free
     /// again afterwards: what could not be removed is a stray for the next sweep.
     pub fn remove(&self) {
+        *lock(&self.gone) = true;
+        self.remove_dirs();
+    }
+
+    fn remove_dirs(&self) {
         for (_, d) in &self.dirs {
             remove_tree(d);
         }
-        self.live
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(&self.name);
+        lock(&self.shared.live).remove(&self.name);
     }
+}
+
+/// Whether a cgroup directory has no cgroup below it.
+fn no_subdirs(dir: &Path) -> bool {
+    fs::read_dir(dir).is_ok_and(|rd| {
+        !rd.flatten()
+            .any(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+    })
 }
 
 /// rmdir a cgroup and the cgroups below it, bottom-up.
@@ -598,20 +885,35 @@ fn keyed(path: &Path, key: &str) -> Option<u64> {
     })
 }
 
-fn usage_v2(dir: &Path) -> Measured {
-    Measured {
-        cpu_ms: keyed(&dir.join("cpu.stat"), "usage_usec").map(|us| us / 1000),
+/// A cgroup's counters as read: CPU in microseconds, the memory peak in bytes.
+struct Counters {
+    cpu_us: Option<u64>,
+    peak_memory_bytes: Option<u64>,
+}
+
+impl From<Counters> for Measured {
+    fn from(c: Counters) -> Measured {
+        Measured {
+            cpu_ms: c.cpu_us.map(|us| us / 1000),
+            peak_memory_bytes: c.peak_memory_bytes,
+        }
+    }
+}
+
+fn usage_v2(dir: &Path) -> Counters {
+    Counters {
+        cpu_us: keyed(&dir.join("cpu.stat"), "usage_usec"),
         // memory.peak is new (Linux 5.19) and absent where the memory controller is off.
         peak_memory_bytes: read_u64(&dir.join("memory.peak")),
     }
 }
 
-fn usage_v1(dirs: &[(&'static str, PathBuf)]) -> Measured {
+fn usage_v1(dirs: &[(&'static str, PathBuf)]) -> Counters {
     let find = |c: &str| dirs.iter().find(|(n, _)| *n == c).map(|(_, d)| d);
-    Measured {
-        cpu_ms: find("cpuacct")
+    Counters {
+        cpu_us: find("cpuacct")
             .and_then(|d| read_u64(&d.join("cpuacct.usage")))
-            .map(|ns| ns / 1_000_000),
+            .map(|ns| ns / 1000),
         peak_memory_bytes: find("memory")
             .and_then(|d| read_u64(&d.join("memory.max_usage_in_bytes"))),
     }

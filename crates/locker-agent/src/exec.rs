@@ -308,7 +308,7 @@ pub fn start(
         Ok(x) => x,
         Err(e) => {
             if let Some(c) = cgroup {
-                c.remove();
+                c.release();
             }
             return Err(StartError::Exec(e));
         }
@@ -634,7 +634,7 @@ pub fn wait(
     let result = build_result(&run, outcome, caps, usage, oom_grew, reserve);
     match run.cgroup.take() {
         Some(c) if keep => agent.jobs.keep(c),
-        Some(c) => c.remove(),
+        Some(c) => c.release(),
         None => {}
     }
     // Whatever left its cgroup for one of its own dies with the command, job or not: a job

@@ -51,7 +51,7 @@ impl Jobs {
         }
         kept.retain(|c| {
             if c.pids().is_empty() {
-                c.remove();
+                c.release();
                 false
             } else {
                 true

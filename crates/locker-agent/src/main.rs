@@ -158,6 +158,18 @@ fn main() {
         view: if in_vm { None } else { view::View::from_env() },
         cpus: if in_vm { None } else { view::cpus_from_env() },
     });
+    {
+        // One command cgroup made ahead, off the first command's path (a warm machine's
+        // first command is a run's only one).
+        let a = agent.clone();
+        let spawned = std::thread::Builder::new()
+            .name("cgroup".into())
+            .stack_size(64 * 1024)
+            .spawn(move || a.cgroups.prepare());
+        if let Err(e) = spawned {
+            eprintln!("locker-agent: cannot start the cgroup thread: {e}");
+        }
+    }
     if let Some(v) = &agent.view {
         // Before the first call is served: no command ever reads an empty file.
         v.refresh(&agent);

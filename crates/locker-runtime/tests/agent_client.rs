@@ -108,6 +108,27 @@ impl TestCgroups {
         }
         out
     }
+
+    /// Asserts that no command cgroup holds a process or a cgroup below it, and that no
+    /// more are kept than the agent keeps for later commands (it reuses them).
+    fn assert_only_idle(&self) {
+        let mut names = std::collections::HashSet::new();
+        for c in self.command_cgroups() {
+            let procs = fs::read_to_string(c.join("cgroup.procs")).unwrap_or_default();
+            assert!(procs.trim().is_empty(), "{} holds {procs}", c.display());
+            let below = fs::read_dir(&c)
+                .unwrap()
+                .flatten()
+                .filter(|e| e.path().is_dir())
+                .count();
+            assert_eq!(below, 0, "cgroups below {}", c.display());
+            names.insert(c.file_name().unwrap().to_owned());
+        }
+        assert!(
+            names.len() <= 4,
+            "more idle command cgroups than kept: {names:?}"
+        );
+    }
 }
 
 fn kill_cgroup(dir: &Path) {
@@ -462,12 +483,8 @@ async fn exec_runs_argv_shell_env_cwd_stdin_and_users() {
     let m = c.machine_usage().await.unwrap();
     assert!(m.cpu_ms >= r.usage.cpu_ms, "{m:?} vs {:?}", r.usage);
 
-    // Every command cgroup is gone once its command is.
-    assert!(
-        a.cgroups().command_cgroups().is_empty(),
-        "{:?}",
-        a.cgroups().command_cgroups()
-    );
+    // Every command cgroup is empty (kept for reuse, or gone) once its command is.
+    a.cgroups().assert_only_idle();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -520,7 +537,129 @@ async fn timeout_kills_a_setsid_double_forked_grandchild() {
         gone_within(pid, Duration::from_secs(3)),
         "the setsid'd grandchild {pid} survived the timeout"
     );
-    assert!(a.cgroups().command_cgroups().is_empty());
+    a.cgroups().assert_only_idle();
+}
+
+/// The command cgroup a command ran in (`cmd-<n>`), from its `/proc/self/cgroup`.
+fn cmd_cgroup(proc_self_cgroup: &str) -> String {
+    let at = proc_self_cgroup
+        .find("cmd-")
+        .unwrap_or_else(|| panic!("no command cgroup in {proc_self_cgroup}"));
+    proc_self_cgroup[at..]
+        .chars()
+        .take_while(|c| *c != '\n' && *c != '/')
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_ended_command_cgroup_is_reused_with_its_counters_started_over() {
+    let a = TestAgent::start(Opts::default()).await;
+    let c = &a.client;
+    let first = c
+        .exec(sh("cat /proc/self/cgroup"), None, None)
+        .await
+        .unwrap();
+    let name = cmd_cgroup(&first.stdout);
+    // A command that used CPU and memory, and left page cache charged to its cgroup.
+    let file = a.dir.join("cache.bin");
+    let r = c
+        .exec(
+            spec(&[
+                "python3",
+                "-c",
+                &format!(
+                    "sum(range(20_000_000)); x = bytearray(60 << 20); x[::4096] = b'y' * len(x[::4096]); \
+                     open('{}', 'wb').write(bytes(32 << 20)); print(open('/proc/self/cgroup').read())",
+                    file.display()
+                ),
+            ]),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert_eq!(r.exit_code, Some(0), "{}", r.stderr);
+    assert_eq!(
+        cmd_cgroup(&r.stdout),
+        name,
+        "the ended cgroup was not reused"
+    );
+    assert!(r.usage.cpu_ms >= 50, "{:?}", r.usage);
+    assert!(r.usage.peak_memory_bytes >= 60 << 20, "{:?}", r.usage);
+    // The next command in the same cgroup is measured from its own start: neither the
+    // CPU, nor the peak, nor the page cache of the one before count.
+    let r = c
+        .exec(sh("cat /proc/self/cgroup"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(cmd_cgroup(&r.stdout), name);
+    assert!(r.usage.cpu_ms < 40, "{:?}", r.usage);
+    assert!(r.usage.peak_memory_bytes < 16 << 20, "{:?}", r.usage);
+    // And a big one after a small one is measured whole.
+    let r = c
+        .exec(
+            spec(&[
+                "python3",
+                "-c",
+                "x = bytearray(80 << 20); x[::4096] = b'y' * len(x[::4096])",
+            ]),
+            None,
+            None,
+        )
+        .await
+        .unwrap();
+    assert!(r.usage.peak_memory_bytes >= 80 << 20, "{:?}", r.usage);
+
+    // Two at once take two cgroups; both are kept.
+    let (x, y) = tokio::join!(
+        c.exec(sh("sleep 0.3; cat /proc/self/cgroup"), None, None),
+        c.exec(sh("sleep 0.3; cat /proc/self/cgroup"), None, None)
+    );
+    let (x, y) = (
+        cmd_cgroup(&x.unwrap().stdout),
+        cmd_cgroup(&y.unwrap().stdout),
+    );
+    assert_ne!(x, y);
+    a.cgroups().assert_only_idle();
+
+    // A command that changes its own cgroup's limits leaves it unfit for the next command:
+    // that one gets a cgroup as new, whatever the one before did to its own.
+    let dirs: Vec<String> = a
+        .cgroups()
+        .dirs
+        .iter()
+        .map(|d| d.display().to_string())
+        .collect();
+    let script = format!(
+        "c=$(grep -o 'cmd-[0-9]*' /proc/self/cgroup | head -1); n=0; \
+         for d in {}; do for f in pids.max memory.max memory.limit_in_bytes; do \
+         [ -f $d/$c/$f ] && echo 4 > $d/$c/$f 2>/dev/null || true; done; \
+         [ -f $d/$c/pids.max ] && [ \"$(cat $d/$c/pids.max)\" = 4 ] && n=1; done; echo $c $n",
+        dirs.join(" ")
+    );
+    let r = c.exec(sh(&script), None, None).await.unwrap();
+    let (limited, changed) = r.stdout.trim().split_once(' ').expect("name and flag");
+    assert_eq!(
+        changed, "1",
+        "the command could not change its pids.max: {r:?}"
+    );
+    for _ in 0..3 {
+        let r = c
+            .exec(
+                sh("for i in 1 2 3 4 5 6 7 8; do sleep 0.05 & done; wait; cat /proc/self/cgroup"),
+                None,
+                None,
+            )
+            .await
+            .unwrap();
+        assert_eq!(r.exit_code, Some(0), "{r:?}");
+        assert_ne!(
+            cmd_cgroup(&r.stdout),
+            limited,
+            "a changed cgroup was reused"
+        );
+    }
+    a.cgroups().assert_only_idle();
 }
 
 fn pattern_file(path: &Path, mib: usize) -> Vec<u8> {
@@ -1220,11 +1359,19 @@ async fn a_stalled_consumer_blocks_only_its_own_stream() {
         gone_within(pid, Duration::from_secs(5)),
         "cancelled command {pid} still runs"
     );
+    let busy = || {
+        a.cgroups().command_cgroups().iter().any(|c| {
+            !fs::read_to_string(c.join("cgroup.procs"))
+                .unwrap_or_default()
+                .trim()
+                .is_empty()
+        })
+    };
     let deadline = Instant::now() + Duration::from_secs(5);
-    while !a.cgroups().command_cgroups().is_empty() && Instant::now() < deadline {
+    while busy() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(a.cgroups().command_cgroups().is_empty());
+    a.cgroups().assert_only_idle();
     a.client.ping().await.unwrap();
 }
 
@@ -1554,7 +1701,7 @@ async fn the_cgroup_v2_layout_kills_trees_and_accounts() {
         r.usage
     );
     assert!(a.client.machine_usage().await.unwrap().cpu_ms >= r.usage.cpu_ms);
-    assert!(a.cgroups().command_cgroups().is_empty());
+    a.cgroups().assert_only_idle();
 }
 
 /// A fake agent on a unix socket: answers `Hello`, then hands each frame the host sends to
