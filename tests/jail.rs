@@ -457,6 +457,46 @@ async fn destroy_and_orphan_cleanup_leave_nothing() {
     );
 }
 
+/// What a run relies on to read its layer without stopping the machine first: the node
+/// tells "nothing but the agent is left" from the machine's cgroups, and a job, a `setsid`
+/// double fork or a process that moved to a cgroup of its own all count against it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_agent_left_is_told_from_the_machines_cgroups() {
+    let g = machine(128, 256).await;
+    assert!(
+        g.node.only_agent_left(g.m()),
+        "a new machine runs its agent alone"
+    );
+    run(&g, "true").await;
+    assert!(
+        g.node.only_agent_left(g.m()),
+        "after a command that left nothing"
+    );
+    for left in [
+        "sleep 300 &",
+        "setsid sh -c 'sleep 300 &'",
+        "(setsid sh -c 'for d in /sys/fs/cgroup/*/ /sys/fs/cgroup/; do mkdir -p $d/own && echo $$ > $d/own/cgroup.procs; done 2>/dev/null; exec sleep 300' &); sleep 0.3",
+    ] {
+        let mut s = sh(left);
+        s.kill_jobs = false;
+        g.m().agent.exec(s, None, None).await.expect("exec");
+        // The one that moved is a stray, killed when the command ended: a job's tree is
+        // what stays.
+        let stays = !left.contains("/own");
+        assert_eq!(
+            g.node.only_agent_left(g.m()),
+            !stays,
+            "after `{left}`"
+        );
+        run(&g, "pkill -x sleep; true").await;
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while !g.node.only_agent_left(g.m()) && std::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert!(g.node.only_agent_left(g.m()), "after `{left}` was killed");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn machines_started_all_at_once_all_start() {
     // Loop devices are handed out one free device at a time: concurrent starts must take

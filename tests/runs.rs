@@ -217,6 +217,42 @@ fn a_run_sees_the_volume_and_commits_its_changes() {
     assert_clean(&s, &[call_id(&r), call_id(&r2)]);
 }
 
+/// A run's command that leaves writers behind (a job, a `setsid` double fork, one that moved
+/// to a cgroup of its own) gets them all killed before its changes are read: what the run
+/// committed is what the volume keeps, and nothing writes to it afterwards.
+#[test]
+fn nothing_a_run_leaves_running_writes_to_its_volume_after_the_commit() {
+    let s = Server::start();
+    let api = s.api();
+    let vol = new_volume(&api, "writers");
+    let script = "(while :; do echo x >> job.log; sleep 0.01; done) & \
+        setsid sh -c '(while :; do echo x >> session.log; sleep 0.01; done) &'; \
+        (setsid sh -c 'for d in /sys/fs/cgroup/*/ /sys/fs/cgroup/; do mkdir -p $d/esc && echo $$ > $d/esc/cgroup.procs; done 2>/dev/null; \
+         while :; do echo x >> stray.log; sleep 0.01; done' &); \
+        sleep 0.5; echo started";
+    let mut calls = Vec::new();
+    for _ in 0..3 {
+        let r = run(&api, &vol, &json!({ "shell": script }));
+        assert_eq!(
+            (r["exit_code"].as_i64(), r["stdout"].as_str()),
+            (Some(0), Some("started\n")),
+            "{r}"
+        );
+        assert_eq!(r["changes"]["committed"], true, "{r}");
+        calls.push(call_id(&r));
+        let first = tree(&api, &vol);
+        let names: Vec<&str> = first.iter().map(|(p, _)| p.as_str()).collect();
+        assert_eq!(names, ["/job.log", "/session.log", "/stray.log"], "{r}");
+        assert!(first.iter().all(|(_, b)| !b.is_empty()), "{r}");
+        std::thread::sleep(Duration::from_millis(600));
+        assert!(
+            tree(&api, &vol) == first,
+            "the volume changed after the run's answer"
+        );
+    }
+    assert_clean(&s, &calls);
+}
+
 #[test]
 fn commit_modes_on_success_and_never() {
     let s = Server::start();

@@ -594,9 +594,17 @@ async fn in_machine(
         }
     };
     phases.mark("exec");
-    // The machine's processes must be gone before its layer is read; the rest of its
-    // teardown (mounts, loop device, cgroup, directory) happens after the answer.
-    let stopped = app.node.stop(&machine).await;
+    // Nothing may write to the layer once it is read. The agent killed the command's whole
+    // tree before it answered (`kill_jobs`); when the machine's cgroups show that nothing
+    // but the agent is left, the layer is already still, and the machine goes after the
+    // answer with the rest of its teardown (mounts, loop device, cgroup, directory).
+    // Otherwise its processes are killed first.
+    let still = matches!(outcome, Some(Ok(_))) && app.node.only_agent_left(&machine);
+    let stopped = if still {
+        Ok(())
+    } else {
+        app.node.stop(&machine).await
+    };
     phases.mark("stop");
     let app2 = app.clone();
     tokio::spawn(async move {

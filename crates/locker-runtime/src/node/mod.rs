@@ -777,6 +777,21 @@ impl Node {
         m.cgroup.is_frozen()
     }
 
+    /// Whether nothing but a jail's own agent (and its shim) runs in it now, read from the
+    /// machine's cgroups: then its files cannot change until the host asks the agent for
+    /// something (commands are the only other writers, and every one of them is in the
+    /// machine's cgroups), so a run may read its layer without stopping it first. Always
+    /// false for a microVM, whose guest the host cannot see into.
+    pub fn only_agent_left(&self, m: &Machine) -> bool {
+        let Some(j) = m.state.as_jail() else {
+            return false;
+        };
+        m.cgroup
+            .pids()
+            .iter()
+            .all(|&p| p == j.agent_pid || p == j.shim_pid)
+    }
+
     /// Kills every process of a machine and waits until none is left; its files stop
     /// changing. [`Node::destroy`] must still follow.
     pub async fn stop(&self, m: &Machine) -> Result<(), NodeError> {
