@@ -41,6 +41,8 @@ pub struct Pool {
     wake: tokio::sync::Notify,
     /// Turns to destroy a run's machine (see [`DESTROYS_AT_ONCE`]).
     destroying: tokio::sync::Semaphore,
+    /// The runs getting their machine now ([`Pool::starting`]).
+    starting: StartGate,
     /// Set by [`Pool::drain`]: the refill task makes no more machines and ends.
     closing: std::sync::atomic::AtomicBool,
     /// The refill task, for [`Pool::drain`] to wait for.
@@ -50,9 +52,45 @@ pub struct Pool {
 /// How long a stop waits for a machine being made (or torn down) to be done.
 const DRAIN_WAIT: Duration = Duration::from_secs(30);
 
-/// Runs' machines torn down at once, at most; the others wait for a turn (they are
-/// stopped already: their processes are gone, their layers no longer change).
+/// Runs' machines torn down at once, at most; the others wait for a turn (their layers no
+/// longer change: nothing but the agent is left in them, or nothing at all).
 const DESTROYS_AT_ONCE: usize = 2;
+
+/// How long a finished run's teardown waits, at most, for the runs getting their machine
+/// to have got it (under a burst, the teardowns then follow the starts instead of taking
+/// the CPU from them; a steady stream of runs never defers a teardown longer than this).
+const DESTROY_DEFER: Duration = Duration::from_secs(2);
+
+/// A count of runs getting their machine, that teardowns wait on.
+struct StartGate(tokio::sync::watch::Sender<usize>);
+
+impl Default for StartGate {
+    fn default() -> Self {
+        Self(tokio::sync::watch::Sender::new(0))
+    }
+}
+
+impl StartGate {
+    fn enter(&self) -> Starting<'_> {
+        self.0.send_modify(|n| *n += 1);
+        Starting(self)
+    }
+
+    /// Returns once no run is getting its machine, or after `max`.
+    async fn none_within(&self, max: Duration) {
+        let mut rx = self.0.subscribe();
+        let _ = tokio::time::timeout(max, rx.wait_for(|n| *n == 0)).await;
+    }
+}
+
+/// A run getting its machine (see [`Pool::starting`]).
+pub struct Starting<'a>(&'a StartGate);
+
+impl Drop for Starting<'_> {
+    fn drop(&mut self) {
+        self.0 .0.send_modify(|n| *n -= 1);
+    }
+}
 
 /// One shape kept warm (a jail's: template, CPUs, memory; not `vm_pool::VmShape`).
 struct JailShape {
@@ -84,6 +122,7 @@ impl Pool {
             retired: Default::default(),
             wake: tokio::sync::Notify::new(),
             destroying: tokio::sync::Semaphore::new(DESTROYS_AT_ONCE),
+            starting: StartGate::default(),
             closing: Default::default(),
             refill: Default::default(),
         }
@@ -225,10 +264,18 @@ impl Pool {
         *self.refill.lock().expect("pool") = Some(task);
     }
 
-    /// A turn to destroy a run's machine: a few at a time, so that under a burst the
-    /// teardowns of finished runs do not take the CPU from the runs still starting.
+    /// A turn to destroy a run's machine: once no run is getting its machine (or after
+    /// [`DESTROY_DEFER`]), a few at a time, so that under a burst the teardowns of finished
+    /// runs do not take the CPU from the runs still starting.
     pub async fn destroy_turn(&self) -> Option<tokio::sync::SemaphorePermit<'_>> {
+        self.starting.none_within(DESTROY_DEFER).await;
         self.destroying.acquire().await.ok()
+    }
+
+    /// Counts a run as getting its machine until the guard is dropped (when its command
+    /// starts, or it failed).
+    pub fn starting(&self) -> Starting<'_> {
+        self.starting.enter()
     }
 
     /// Destroys every warm machine (at shutdown), after the refill task finished the
@@ -269,3 +316,43 @@ impl Pool {
 
 const POOL_CPUS: f64 = 1.0;
 const POOL_MEMORY_MB: u64 = 512;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Instant;
+
+    #[tokio::test]
+    async fn a_teardown_waits_for_the_runs_starting_but_never_longer_than_its_bound() {
+        let gate = StartGate::default();
+        let t = Instant::now();
+        gate.none_within(Duration::from_secs(5)).await;
+        assert!(
+            t.elapsed() < Duration::from_millis(50),
+            "none starting: at once"
+        );
+
+        let a = gate.enter();
+        let b = gate.enter();
+        let waiting = gate.none_within(Duration::from_secs(5));
+        tokio::pin!(waiting);
+        let early = tokio::time::timeout(Duration::from_millis(100), &mut waiting).await;
+        assert!(early.is_err(), "returned while two runs were starting");
+        drop(a);
+        let early = tokio::time::timeout(Duration::from_millis(100), &mut waiting).await;
+        assert!(early.is_err(), "returned while one run was starting");
+        drop(b);
+        let t = Instant::now();
+        waiting.await;
+        assert!(t.elapsed() < Duration::from_millis(50));
+
+        let _held = gate.enter();
+        let t = Instant::now();
+        gate.none_within(Duration::from_millis(200)).await;
+        let took = t.elapsed();
+        assert!(
+            took >= Duration::from_millis(190) && took < Duration::from_secs(2),
+            "bounded: {took:?}"
+        );
+    }
+}

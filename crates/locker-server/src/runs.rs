@@ -539,6 +539,7 @@ async fn in_machine(
         work: run_dir.join("layer/work"),
         target: PathBuf::from(&plan.mount_path),
     };
+    let starting = app.pool.starting();
     let machine = if plan.runtime == Runtime::Microvm {
         vm_machine(app, plan, mspec, mount).await?
     } else {
@@ -579,6 +580,7 @@ async fn in_machine(
     }
 
     phases.mark("network");
+    drop(starting);
     let queue_ms = ms_since(phases.arrived);
     let agent = machine.agent.clone();
     let outcome = match body {
