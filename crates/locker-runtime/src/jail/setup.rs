@@ -100,6 +100,21 @@ fn enter_cgroup_namespace(cg: &MachineCgroup) -> Result<(), JailError> {
     Ok(())
 }
 
+/// Adds a loop device the machine's images are attached to to its directory's
+/// [`crate::machine::LOOPS`] list (`first`: a new list), so that its teardown waits for those
+/// devices alone instead of reading every loop device on the host.
+fn note_loop(dir: &Path, dev: &Path, first: bool) -> Result<(), JailError> {
+    use std::io::Write;
+    let mut f = fs::OpenOptions::new()
+        .create(true)
+        .write(true)
+        .append(!first)
+        .truncate(first)
+        .open(dir.join(crate::machine::LOOPS))
+        .map_err(step("note the machine's loop devices"))?;
+    writeln!(f, "{}", dev.display()).map_err(step("note the machine's loop devices"))
+}
+
 /// Mounts the machine's disk (quota = its size), which holds its writable layer, and
 /// makes the mount points its template may lack. The disk stores canonical ids (root = 0)
 /// and reaches the overlay through an id-mapped mount, so a disk image (a snapshot) can
@@ -110,6 +125,7 @@ fn mount_disk(spec: &JailSpec, l: &Layers) -> Result<(), JailError> {
     }
     let (dev, lo) = sys::loop_attach(&l.dir.join("disk.img"))
         .map_err(step("attach the disk to a loop device"))?;
+    note_loop(&l.dir, &dev, true)?;
     sys::mount(
         dev.to_str(),
         &l.disk,
@@ -185,6 +201,7 @@ fn mount_layers(l: &Layers, userns: &OwnedFd) -> Result<Vec<String>, JailError> 
         }
         let (dev, lo) = sys::loop_attach_read_only(img)
             .map_err(step(format!("attach the layer {name} to a loop device")))?;
+        note_loop(&l.dir, &dev, false)?;
         sys::mount(
             dev.to_str(),
             &raw,

@@ -137,8 +137,22 @@ fn wait_loops_gone(dir: &Path) {
     }
 }
 
-/// The loop devices (`/sys/block/loopN`) backed by `img`.
+/// The loop devices (`/sys/block/loopN`) backed by `img`: of those the machine's shim
+/// noted in its directory ([`super::LOOPS`]), else (a machine started by an earlier
+/// release) of every loop device on the host.
 fn loops_backing(img: &Path) -> Vec<PathBuf> {
+    if let Ok(noted) = fs::read_to_string(img.join(super::LOOPS)) {
+        return noted
+            .lines()
+            .filter_map(|l| l.strip_prefix("/dev/"))
+            .filter(|n| {
+                n.strip_prefix("loop")
+                    .is_some_and(|k| !k.is_empty() && k.bytes().all(|b| b.is_ascii_digit()))
+            })
+            .map(|n| Path::new("/sys/block").join(n))
+            .filter(|d| backs(d, img))
+            .collect();
+    }
     let Ok(rd) = fs::read_dir("/sys/block") else {
         return Vec::new();
     };
