@@ -246,11 +246,20 @@ pub fn register_child(pid: u32) {
     OWN_CHILDREN.lock().expect("lock").push(pid as i32);
 }
 
+/// The machines' helpers (`locker __jail-init`, `locker __vm-fs`) seen alive, by pid: only
+/// those are reaped as orphans. A `locker` a test runs itself (`Command::output`) is a
+/// child of ours by the same name, and reaping its zombie would take its exit status from
+/// the test (`ECHILD`).
+static HELPERS: std::sync::Mutex<Vec<i32>> = std::sync::Mutex::new(Vec::new());
+
 fn reap_adopted_orphans() {
     let me = std::process::id() as i32;
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return;
     };
+    let mut helpers = HELPERS.lock().expect("lock");
+    // A pid seen once as a helper is kept while it exists (a zombie's cmdline is empty).
+    helpers.retain(|p| Path::new(&format!("/proc/{p}")).exists());
     for e in rd.flatten() {
         let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
             continue;
@@ -269,12 +278,22 @@ fn reap_adopted_orphans() {
             .and_then(|(_, r)| r.rsplit_once(')'))
             .map(|(c, _)| c)
             .unwrap_or("");
-        // Only zombie shims of machines (comm `locker`) that no test waits for itself.
+        if comm != "locker" {
+            continue;
+        }
+        if state != "Z" && !helpers.contains(&pid) {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let helper = |name: &[u8]| cmd.windows(name.len()).any(|w| w == name);
+            if helper(b"__jail-init\0") || helper(b"__vm-fs\0") {
+                helpers.push(pid);
+            }
+        }
+        // Only zombie helpers of machines that no test waits for itself.
         let mine = OWN_CHILDREN
             .lock()
             .map(|v| v.contains(&pid))
             .unwrap_or(true);
-        if ppid == me && state == "Z" && comm == "locker" && !mine {
+        if ppid == me && state == "Z" && helpers.contains(&pid) && !mine {
             let mut status = 0;
             // SAFETY: waitpid on a zombie child of ours.
             unsafe { libc::waitpid(pid, &mut status, libc::WNOHANG) };
