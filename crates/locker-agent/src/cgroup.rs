@@ -141,12 +141,24 @@ fn first_line(path: &Path) -> Option<String> {
     Some(text.lines().next().unwrap_or("").to_owned())
 }
 
-/// The knobs of a new cgroup, as they read now (the files that exist in its directories).
+/// The knobs of a new cgroup, as they read now: on v1 each in its own controller's
+/// directory only (`notify_on_release` in the members'), so a create opens no file that
+/// cannot be there.
 fn read_knobs(dirs: &[(&'static str, PathBuf)], v2: bool) -> Knobs {
     let names: &[&str] = if v2 { &V2_KNOBS } else { &V1_KNOBS };
+    let members = members_of(dirs);
     let mut out = Vec::new();
-    for (_, d) in dirs {
+    for (c, d) in dirs {
         for n in names {
+            let here = match n.split_once('.') {
+                _ if v2 => true,
+                // Co-mounted cpu,cpuacct goes by the name "cpuacct".
+                Some((ctl, _)) => ctl == *c || (ctl == "cpu" && *c == "cpuacct"),
+                None => d == members,
+            };
+            if !here {
+                continue;
+            }
             let path = d.join(n);
             if let Some(v) = first_line(&path) {
                 out.push((path, v));
@@ -154,6 +166,23 @@ fn read_knobs(dirs: &[(&'static str, PathBuf)], v2: bool) -> Knobs {
         }
     }
     out
+}
+
+/// The directory whose tree holds a command's members: the freezer's (v1), else the first
+/// (v2: the only one). See [`CmdCgroup::pids`].
+fn members_of<'a>(dirs: &'a [(&'static str, PathBuf)]) -> &'a Path {
+    dirs.iter()
+        .find(|(c, _)| *c == "freezer")
+        .unwrap_or(&dirs[0])
+        .1
+        .as_path()
+}
+
+/// Whether no process is in the cgroup `dir` or below it.
+fn tree_empty(dir: &Path) -> bool {
+    let mut pids = Vec::new();
+    tree_pids(dir, &mut pids);
+    pids.is_empty()
 }
 
 /// Whether every knob still reads as it did when the cgroup was made.
@@ -271,7 +300,7 @@ impl Cgroups {
             let mut idle = lock(&self.shared.idle);
             let (bad, good) = std::mem::take(&mut *idle)
                 .into_iter()
-                .partition(|i| !i.members_empty());
+                .partition(|i| !tree_empty(members_of(&i.dirs)));
             *idle = good;
             bad
         };
@@ -281,13 +310,10 @@ impl Cgroups {
             cg.remove();
         }
         let parents = self.parents();
-        let Some((_, members)) = parents
-            .iter()
-            .find(|(c, _)| *c == "freezer")
-            .or_else(|| parents.first())
-        else {
+        if parents.is_empty() {
             return;
-        };
+        }
+        let members = members_of(&parents);
         let mut strays: Vec<(String, Vec<(&'static str, PathBuf)>)> = Vec::new();
         {
             let live = lock(&self.shared.live);
@@ -401,7 +427,7 @@ impl Cgroups {
         }
         loop {
             let i = lock(&self.shared.idle).pop()?;
-            let fit = i.members_empty() && knobs_unchanged(&i.knobs);
+            let fit = tree_empty(members_of(&i.dirs)) && knobs_unchanged(&i.knobs);
             let mut cg = self.handle(i.name, i.dirs, i.knobs);
             if !fit {
                 cg.kill_all();
@@ -487,21 +513,6 @@ pub struct MemSample {
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl Idle {
-    /// No process in the cgroup or below it (in the members' hierarchy: see
-    /// [`CmdCgroup::pids`]).
-    fn members_empty(&self) -> bool {
-        let members = self
-            .dirs
-            .iter()
-            .find(|(c, _)| *c == "freezer")
-            .unwrap_or(&self.dirs[0]);
-        let mut pids = Vec::new();
-        tree_pids(&members.1, &mut pids);
-        pids.is_empty()
-    }
 }
 
 impl MemSample {
@@ -611,7 +622,7 @@ impl CmdCgroup {
 
     /// The directory whose tree holds the members: the freezer's (v1), else the only one.
     fn members_dir(&self) -> &Path {
-        self.dir("freezer").unwrap_or(&self.dirs[0].1)
+        members_of(&self.dirs)
     }
 
     /// The pids in the cgroup and below it now, in the members' hierarchy (v1: the
