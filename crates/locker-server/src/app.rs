@@ -102,7 +102,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     });
     let router = router(app.clone());
     let (quit, quitting) = tokio::sync::watch::channel(false);
-    // Port requests are served by the front (bodies spliced); the rest reaches axum's
+    // Port requests are served by the front (bodies relayed by Locker); the rest reaches axum's
     // server through it.
     let (listener, front) =
         match crate::ports::front::listen(listener, router.clone(), app.clone(), quitting.clone())

@@ -492,35 +492,6 @@ pub fn shutdown_write(fd: RawFd) -> io::Result<()> {
     check_int(unsafe { libc::shutdown(fd, libc::SHUT_WR) })
 }
 
-/// `splice(2)` of up to `len` bytes from `from` to `to` (one of them a pipe), without
-/// offsets: the bytes moved, 0 at the end of `from`. `flags` are `SPLICE_F_*`.
-pub fn splice(from: RawFd, to: RawFd, len: usize, flags: libc::c_uint) -> io::Result<usize> {
-    loop {
-        // SAFETY: null offsets (both ends use their own position); integers otherwise.
-        let n = unsafe {
-            libc::splice(
-                from,
-                std::ptr::null_mut(),
-                to,
-                std::ptr::null_mut(),
-                len,
-                flags,
-            )
-        };
-        match check(n as libc::c_long) {
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-            r => return r.map(|n| n as usize),
-        }
-    }
-}
-
-/// Asks for a pipe of `size` bytes (`F_SETPIPE_SZ`); returns the size the kernel gave.
-pub fn set_pipe_size(fd: RawFd, size: usize) -> io::Result<usize> {
-    // SAFETY: fcntl on an integer fd with an integer argument.
-    let n = unsafe { libc::fcntl(fd, libc::F_SETPIPE_SZ, size as libc::c_int) };
-    check(n.into()).map(|n| n as usize)
-}
-
 /// A pipe (read end, write end) whose ends are closed on exec.
 pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     pipe_with(0)

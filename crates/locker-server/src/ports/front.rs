@@ -3,9 +3,9 @@
 //! `/v1/sandboxes/{id}/ports/{port}/…`, or a preview host) is parsed here and goes through
 //! the same router as any other request (auth, wake on request, limits and error answers stay
 //! the router's), but its connection stays here: when the proxy reaches the port by a socket
-//! in the jail's namespace, the bodies then move by `splice` between the two sockets
-//! ([`super::splice`]), which hyper's server cannot do (it never hands out the client's
-//! socket for an answer that is not an upgrade). Other answers (errors, redirects, a
+//! in the jail's namespace, the bodies then move between the two sockets in large reads
+//! and writes ([`super::wire`]), which hyper's server cannot do (it never hands out the
+//! client's socket for an answer that is not an upgrade). Other answers (errors, redirects, a
 //! microVM's port through the agent's tunnel) are written here from their body, like hyper
 //! would.
 //!
@@ -40,7 +40,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{mpsc, watch, Notify};
 
-use super::splice::{self, Chunked, Framing, Pipe, Step};
+use super::wire::{self, Chunked, Framing, Step};
 use crate::state::AppState;
 
 /// The largest request head read here; a larger one goes to hyper, which refuses it.
@@ -256,7 +256,7 @@ enum State {
     Reading,
     /// The body was read to its end; the bytes read past it.
     Done(BytesMut),
-    /// The proxy took the connection to splice the body.
+    /// The proxy took the connection to relay the body.
     Taken,
     /// The body was left half read.
     Broken,
@@ -276,11 +276,11 @@ impl Shared {
 }
 
 /// A request extension: the request came through the front, whose client connection the
-/// proxy may take ([`SpliceIn::take`]) to splice.
+/// proxy may take ([`RelayIn::take`]) to relay the body itself.
 #[derive(Clone)]
-pub(crate) struct SpliceIn(Arc<Shared>);
+pub(crate) struct RelayIn(Arc<Shared>);
 
-impl SpliceIn {
+impl RelayIn {
     /// The client's connection and unread body, unless someone started reading it.
     pub(crate) fn take(&self) -> Option<Pending> {
         let mut st = self.0.state.lock().expect("front state lock");
@@ -293,18 +293,18 @@ impl SpliceIn {
         }
     }
 
-    /// Gives back what [`SpliceIn::take`] gave, untouched (the proxy answered without using it).
+    /// Gives back what [`RelayIn::take`] gave, untouched (the proxy answered without using it).
     pub(crate) fn restore(&self, p: Pending) {
         self.0.set(State::Idle(p));
     }
 }
 
-/// The request's upload into the machine, in a spliced exchange.
+/// The request's upload into the machine, in a relayed exchange.
 pub(crate) enum Upload {
     /// There was none; the bytes read past the request's head.
     Done(BytesMut),
     /// Moving; gives the bytes read past the body's end.
-    Running(tokio::task::JoinHandle<Result<BytesMut, splice::RelayError>>),
+    Running(tokio::task::JoinHandle<Result<BytesMut, wire::RelayError>>),
 }
 
 impl Upload {
@@ -315,8 +315,8 @@ impl Upload {
     }
 }
 
-/// An answer whose body the front splices from the machine's socket.
-pub(crate) struct SplicedBody {
+/// An answer whose body the front relays from the machine's socket.
+pub(crate) struct RelayedBody {
     pub(crate) machine: Arc<TcpStream>,
     /// What was read past the answer's head.
     pub(crate) buf: BytesMut,
@@ -326,18 +326,18 @@ pub(crate) struct SplicedBody {
     pub(crate) guards: Box<dyn Send>,
 }
 
-/// A response extension: the answer's body is to be spliced ([`SplicedBody`]); the
+/// A response extension: the answer's body is to be relayed ([`RelayedBody`]); the
 /// response's own body is empty.
 #[derive(Clone)]
-pub(crate) struct Spliced(Arc<Mutex<Option<SplicedBody>>>);
+pub(crate) struct Relayed(Arc<Mutex<Option<RelayedBody>>>);
 
-impl Spliced {
-    pub(crate) fn new(b: SplicedBody) -> Self {
-        Spliced(Arc::new(Mutex::new(Some(b))))
+impl Relayed {
+    pub(crate) fn new(b: RelayedBody) -> Self {
+        Relayed(Arc::new(Mutex::new(Some(b))))
     }
 
-    fn take(&self) -> Option<SplicedBody> {
-        self.0.lock().expect("spliced lock").take()
+    fn take(&self) -> Option<RelayedBody> {
+        self.0.lock().expect("relayed lock").take()
     }
 }
 
@@ -345,7 +345,6 @@ impl Spliced {
 async fn connection(front: Arc<Front>, io: TcpStream, addr: SocketAddr, _open: OpenGuard) {
     let io = Arc::new(io);
     let mut buf = BytesMut::with_capacity(8 * 1024);
-    let mut pipe = None;
     let mut router = front.router.clone();
     let mut quit = front.quit.clone();
     loop {
@@ -362,7 +361,7 @@ async fn connection(front: Arc<Front>, io: TcpStream, addr: SocketAddr, _open: O
             }
             Next::Close => return,
         };
-        if !exchange(&mut router, &io, &mut buf, &mut pipe, parsed).await {
+        if !exchange(&mut router, &io, &mut buf, parsed).await {
             linger_close(&io).await;
             return;
         }
@@ -411,7 +410,7 @@ async fn next_request(
         };
         let idle = buf.is_empty();
         let read = tokio::select! {
-            r = tokio::time::timeout(wait, splice::read_more(io, buf)) => r,
+            r = tokio::time::timeout(wait, wire::read_more(io, buf)) => r,
             () = quitting(quit), if idle => return Next::Close,
         };
         match read {
@@ -423,7 +422,7 @@ async fn next_request(
 
 /// `None`: the head is not whole yet; `Some(None)`: hyper's; else ours.
 fn parse_request(front: &Front, buf: &[u8]) -> Option<Option<Parsed>> {
-    let mut slots = [httparse::EMPTY_HEADER; splice::MAX_HEADERS];
+    let mut slots = [httparse::EMPTY_HEADER; wire::MAX_HEADERS];
     let mut r = httparse::Request::new(&mut slots);
     let len = match r.parse(buf) {
         Ok(httparse::Status::Complete(n)) => n,
@@ -441,7 +440,7 @@ fn ours(front: &Front, r: &httparse::Request<'_, '_>, len: usize) -> Option<Pars
     if !path.starts_with('/') {
         return None;
     }
-    let headers = splice::header_map(r.headers).ok()?;
+    let headers = wire::header_map(r.headers).ok()?;
     if headers.contains_key(header::UPGRADE)
         || has_token(&headers, header::CONNECTION, "upgrade")
         || headers.contains_key("e2b-sandbox-id")
@@ -463,7 +462,7 @@ fn ours(front: &Front, r: &httparse::Request<'_, '_>, len: usize) -> Option<Pars
         return None;
     }
     let uri = path.parse::<Uri>().ok()?;
-    let framing = splice::request_framing(&headers).ok()?;
+    let framing = wire::request_framing(&headers).ok()?;
     Some(Parsed {
         method,
         uri,
@@ -499,18 +498,12 @@ fn has_token(headers: &HeaderMap, name: HeaderName, token: &str) -> bool {
 }
 
 /// Serves one request; whether the connection can take the next one.
-async fn exchange(
-    router: &mut Router,
-    io: &Arc<TcpStream>,
-    buf: &mut BytesMut,
-    pipe: &mut Option<Pipe>,
-    p: Parsed,
-) -> bool {
+async fn exchange(router: &mut Router, io: &Arc<TcpStream>, buf: &mut BytesMut, p: Parsed) -> bool {
     buf.advance(p.len);
     // Answered at once: the body will be read (or the connection closed after the answer).
     if p.expect_continue
         && p.framing != Framing::Empty
-        && splice::write_all(io, b"HTTP/1.1 100 Continue\r\n\r\n")
+        && wire::write_all(io, b"HTTP/1.1 100 Continue\r\n\r\n")
             .await
             .is_err()
     {
@@ -533,14 +526,17 @@ async fn exchange(
     *req.uri_mut() = p.uri;
     *req.version_mut() = Version::HTTP_11;
     *req.headers_mut() = p.headers;
-    req.extensions_mut().insert(SpliceIn(shared.clone()));
+    req.extensions_mut().insert(RelayIn(shared.clone()));
     let to_head = p.method == Method::HEAD;
     let ready = poll_fn(|cx| tower_service::Service::<Request>::poll_ready(&mut *router, cx)).await;
     let Ok(()) = ready;
     let Ok(mut resp) = tower_service::Service::call(router, req).await;
-    let spliced = resp.extensions_mut().remove::<Spliced>().and_then(|s| s.take());
-    let kept = match spliced {
-        Some(sp) => send_spliced(io, resp, sp, p.close, pipe, buf).await,
+    let relayed = resp
+        .extensions_mut()
+        .remove::<Relayed>()
+        .and_then(|s| s.take());
+    let kept = match relayed {
+        Some(sp) => send_relayed(io, resp, sp, p.close, buf).await,
         None => send(io, resp, to_head, p.close).await && settle(&shared, buf).await,
     };
     kept && !p.close
@@ -558,17 +554,16 @@ fn finish_headers(headers: &mut HeaderMap, close: bool) {
     }
 }
 
-/// Sends a spliced answer: its head, then its body from the machine's socket; then waits
+/// Sends a relayed answer: its head, then its body from the machine's socket; then waits
 /// for the upload. Whether the connection can go on.
-async fn send_spliced(
+async fn send_relayed(
     io: &TcpStream,
     resp: Response,
-    sp: SplicedBody,
+    sp: RelayedBody,
     close: bool,
-    pipe: &mut Option<Pipe>,
     buf: &mut BytesMut,
 ) -> bool {
-    let SplicedBody {
+    let RelayedBody {
         machine,
         buf: mut from_machine,
         framing,
@@ -577,9 +572,9 @@ async fn send_spliced(
     } = sp;
     let (parts, _) = resp.into_parts();
     let mut headers = parts.headers;
-    splice::set_framing(&mut headers, framing);
+    wire::set_framing(&mut headers, framing);
     finish_headers(&mut headers, close || framing == Framing::Eof);
-    let mut out = splice::response_head(parts.status, &headers);
+    let mut out = wire::response_head(parts.status, &headers);
     // What came with the machine's head rides with ours: a small answer is one write.
     let mut rest = framing;
     if let Framing::Length(n) = framing {
@@ -588,15 +583,15 @@ async fn send_spliced(
         from_machine.advance(k);
         rest = Framing::Length(n - k as u64);
     }
-    if splice::write_all(io, &out).await.is_err() {
+    if wire::write_all(io, &out).await.is_err() {
         upload.abort();
         return false;
     }
-    let moved = splice::relay(&machine, io, &mut from_machine, rest, pipe, &|| {}).await;
+    let moved = wire::relay(&machine, io, &mut from_machine, rest, &|| {}).await;
     drop(guards);
     drop(machine);
     if let Err(e) = moved {
-        tracing::debug!(error = %e, "a spliced answer was cut");
+        tracing::debug!(error = %e, "a relayed answer was cut");
         upload.abort();
         return false;
     }
@@ -609,19 +604,17 @@ async fn send_spliced(
             *buf = left;
             true
         }
-        Upload::Running(mut task) => {
-            match tokio::time::timeout(UPLOAD_GRACE, &mut task).await {
-                Ok(Ok(Ok(left))) => {
-                    *buf = left;
-                    true
-                }
-                Ok(_) => false,
-                Err(_) => {
-                    task.abort();
-                    false
-                }
+        Upload::Running(mut task) => match tokio::time::timeout(UPLOAD_GRACE, &mut task).await {
+            Ok(Ok(Ok(left))) => {
+                *buf = left;
+                true
             }
-        }
+            Ok(_) => false,
+            Err(_) => {
+                task.abort();
+                false
+            }
+        },
     }
 }
 
@@ -639,7 +632,7 @@ async fn send(io: &TcpStream, resp: Response, to_head: bool, close: bool) -> boo
     {
         Framing::Empty
     } else {
-        match splice::content_length(&headers) {
+        match wire::content_length(&headers) {
             Ok(Some(n)) => Framing::Length(n),
             _ => match body.size_hint().exact() {
                 Some(n) => Framing::Length(n),
@@ -652,11 +645,11 @@ async fn send(io: &TcpStream, resp: Response, to_head: bool, close: bool) -> boo
             headers.insert(header::CONTENT_LENGTH, HeaderValue::from(n));
         }
     }
-    splice::set_framing(&mut headers, framing);
+    wire::set_framing(&mut headers, framing);
     finish_headers(&mut headers, close);
-    let mut head = splice::response_head(status, &headers);
+    let mut head = wire::response_head(status, &headers);
     if framing == Framing::Empty {
-        return splice::write_all(io, &head).await.is_ok();
+        return wire::write_all(io, &head).await.is_ok();
     }
     let mut written = 0u64;
     let mut first = true;
@@ -667,7 +660,7 @@ async fn send(io: &TcpStream, resp: Response, to_head: bool, close: bool) -> boo
             match body.frame().now_or_never() {
                 Some(f) => f,
                 None => {
-                    if splice::write_all(io, &head).await.is_err() {
+                    if wire::write_all(io, &head).await.is_err() {
                         return false;
                     }
                     head.clear();
@@ -681,7 +674,7 @@ async fn send(io: &TcpStream, resp: Response, to_head: bool, close: bool) -> boo
             None => break,
             Some(Err(e)) => {
                 tracing::debug!(error = %e, "an answer's body failed");
-                let _ = splice::write_all(io, &head).await;
+                let _ = wire::write_all(io, &head).await;
                 return false;
             }
             Some(Ok(f)) => match f.into_data() {
@@ -712,7 +705,7 @@ async fn send(io: &TcpStream, resp: Response, to_head: bool, close: bool) -> boo
     if framing == Framing::Chunked {
         head.extend_from_slice(b"0\r\n\r\n");
     }
-    if !head.is_empty() && splice::write_all(io, &head).await.is_err() {
+    if !head.is_empty() && wire::write_all(io, &head).await.is_err() {
         return false;
     }
     match framing {
@@ -804,7 +797,7 @@ async fn drain(mut p: Pending, buf: &mut BytesMut) -> bool {
     p.buf.clear();
     let drained = tokio::time::timeout(Duration::from_secs(5), async {
         while left > 0 {
-            if splice::read_more(&p.io, &mut p.buf).await? == 0 {
+            if wire::read_more(&p.io, &mut p.buf).await? == 0 {
                 return Err(io::Error::from(io::ErrorKind::UnexpectedEof));
             }
             let k = (p.buf.len() as u64).min(left) as usize;
@@ -831,7 +824,7 @@ async fn linger_close(io: &TcpStream) {
     let _ = tokio::time::timeout(LINGER, async {
         loop {
             sink.clear();
-            match splice::read_more(io, &mut sink).await {
+            match wire::read_more(io, &mut sink).await {
                 Ok(0) | Err(_) => return,
                 Ok(_) => {}
             }
@@ -841,7 +834,7 @@ async fn linger_close(io: &TcpStream) {
 }
 
 /// A request's body read from the client's connection as the router's handlers poll it
-/// (when the proxy did not take the connection to splice it).
+/// (when the proxy did not take the connection to relay it).
 struct SlotBody {
     shared: Arc<Shared>,
     pending: Option<Pending>,

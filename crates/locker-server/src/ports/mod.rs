@@ -13,7 +13,7 @@
 //! rotation of a sandbox's preview token (`POST …/preview-token`).
 //!
 //! Requests to ports are read off their connections by Locker's own HTTP/1.1 ([`front`]),
-//! which splices their bodies between the client's socket and the machine's ([`splice`])
+//! which relays their bodies between the client's socket and the machine's ([`wire`])
 //! where both are plain sockets; HTTP/2, upgrades and microVMs' tunnels stay on hyper.
 //!
 //! This room owns the HTTP side only; tunnels and the port list are the runtime's.
@@ -21,7 +21,7 @@
 pub(crate) mod front;
 mod preview;
 mod proxy;
-mod splice;
+mod wire;
 
 pub use preview::{dispatch as preview_dispatch, PreviewDomain};
 pub use proxy::ANSWER_DEADLINE;

@@ -7,9 +7,9 @@
 //! after the request's last byte (`LOCKER_PORT_ANSWER_DEADLINE_MS` overrides it), and the
 //! caller's credentials (`Authorization`, Locker's token and cookie) are never forwarded.
 //!
-//! Two ways through, one behaviour: a request the front parsed (`front::SpliceIn`) to a
+//! Two ways through, one behaviour: a request the front parsed (`front::RelayIn`) to a
 //! socket in a jail's namespace is written to the machine by Locker itself and its bodies
-//! are spliced ([`spliced`]); any other (upgrades, a microVM's tunnel, a request that came
+//! are relayed ([`relayed`]); any other (upgrades, a microVM's tunnel, a request that came
 //! through hyper: HTTP/2, or a connection that spoke to the API first) goes through hyper's
 //! client.
 //!
@@ -30,9 +30,9 @@ use bytes::BytesMut;
 use hyper_util::rt::TokioIo;
 use locker_runtime::dial::PortConn;
 
-use super::front::{Pending, SpliceIn, Spliced, SplicedBody, Upload};
+use super::front::{Pending, RelayIn, Relayed, RelayedBody, Upload};
 use super::port_error;
-use super::splice::{self, Framing};
+use super::wire::{self, Framing};
 use crate::error::ApiError;
 use crate::state::Busy;
 
@@ -247,13 +247,13 @@ fn not_http(id: &str, port: u16, e: impl std::fmt::Display) -> ApiError {
     ))
 }
 
-/// [`forward`] for a request the front parsed ([`SpliceIn`]) to a socket in the jail's
-/// namespace: Locker writes the request's head to the machine itself, splices the upload in
+/// [`forward`] for a request the front parsed ([`RelayIn`]) to a socket in the jail's
+/// namespace: Locker writes the request's head to the machine itself, relays the upload in
 /// a task of its own while it reads the answer's head (with the same deadline, counted from
-/// the upload's last move), and answers with the head; the front then splices the answer's
-/// body ([`Spliced`]). Errors before the answer's head are the same as [`forward`]'s.
+/// the upload's last move), and answers with the head; the front then relays the answer's
+/// body ([`Relayed`]). Errors before the answer's head are the same as [`forward`]'s.
 #[allow(clippy::too_many_arguments)]
-async fn spliced(
+async fn relayed(
     live: Busy,
     id: &str,
     port: u16,
@@ -261,7 +261,7 @@ async fn spliced(
     req: Request,
     machine: tokio::net::TcpStream,
     slot: locker_runtime::dial::Slot,
-    front: SpliceIn,
+    front: RelayIn,
 ) -> Result<Response, ApiError> {
     let Some(pending) = front.take() else {
         return Err(ApiError::internal(
@@ -275,7 +275,7 @@ async fn spliced(
     }
     // The front answered `100 Continue` itself.
     parts.headers.remove(header::EXPECT);
-    splice::set_framing(&mut parts.headers, pending.framing);
+    wire::set_framing(&mut parts.headers, pending.framing);
     if pending.framing == Framing::Empty
         && matches!(parts.method, Method::POST | Method::PUT | Method::PATCH)
     {
@@ -283,9 +283,9 @@ async fn spliced(
             .headers
             .insert(header::CONTENT_LENGTH, HeaderValue::from(0u64));
     }
-    let head = splice::request_head(&parts.method, target, &parts.headers);
+    let head = wire::request_head(&parts.method, target, &parts.headers);
     let machine = Arc::new(machine);
-    if let Err(e) = splice::write_all(&machine, &head).await {
+    if let Err(e) = wire::write_all(&machine, &head).await {
         front.restore(pending);
         return Err(ApiError::bad_gateway(format!(
             "port {port} in sandbox {id}: {e}"
@@ -307,8 +307,7 @@ async fn spliced(
             framing,
         } = pending;
         let t = tokio::spawn(async move {
-            let mut pipe = None;
-            splice::relay(&io, &to, &mut buf, framing, &mut pipe, &|| moved.touch())
+            wire::relay(&io, &to, &mut buf, framing, &|| moved.touch())
                 .await
                 .map(|()| buf)
         });
@@ -325,7 +324,7 @@ async fn spliced(
     let answer = within(
         &progress,
         deadline,
-        splice::read_response_head(&machine, &mut from_machine),
+        wire::read_response_head(&machine, &mut from_machine),
     )
     .await;
     let answer = match answer {
@@ -345,7 +344,7 @@ async fn spliced(
             "port {port} in sandbox {id} switched protocols without being asked to"
         )));
     }
-    let framing = match splice::response_framing(
+    let framing = match wire::response_framing(
         parts.method == Method::HEAD,
         answer.status,
         &answer.headers,
@@ -366,7 +365,7 @@ async fn spliced(
     let mut resp = Response::new(Body::empty());
     *resp.status_mut() = answer.status;
     *resp.headers_mut() = headers;
-    resp.extensions_mut().insert(Spliced::new(SplicedBody {
+    resp.extensions_mut().insert(Relayed::new(RelayedBody {
         machine,
         buf: from_machine,
         framing,
@@ -390,12 +389,12 @@ pub(crate) async fn forward(
     let tunnel = locker_runtime::dial::dial(&live.machine, port)
         .await
         .map_err(|e| port_error(id, port, e))?;
-    // A request the front parsed, to a socket in the jail: spliced. An upgrade, a microVM's
+    // A request the front parsed, to a socket in the jail: relayed. An upgrade, a microVM's
     // tunnel, or a request that came through hyper go the way below.
-    let front = req.extensions_mut().remove::<SpliceIn>();
+    let front = req.extensions_mut().remove::<RelayIn>();
     let tunnel = match (front, tunnel) {
         (Some(front), PortConn::Tcp(machine, slot)) if !is_upgrade(req.headers()) => {
-            return spliced(live, id, port, &target, req, machine, slot, front).await;
+            return relayed(live, id, port, &target, req, machine, slot, front).await;
         }
         (_, tunnel) => tunnel,
     };

@@ -1,7 +1,8 @@
-//! The port proxy's spliced path (the front's own HTTP/1.1, bodies moved by `splice(2)`
-//! between the client's socket and the jail's), through the real server and a real jail:
+//! The port proxy's relayed path (the front's own HTTP/1.1, bodies moved by Locker between
+//! the client's socket and the jail's in reads that grow to 4 MiB), through the real server
+//! and a real jail:
 //! a gigabyte both ways at once arrives whole and in order, a connection stays alive across
-//! spliced downloads, spliced and chunked uploads and small answers, a client that stops
+//! large downloads, large and chunked uploads and small answers, a client that stops
 //! reading mid-body or cuts its upload costs the server nothing it keeps (its connection
 //! slot into the machine comes back: more cuts than the per-sandbox limit, then a normal
 //! request), and a stalled reader does not make the server grow. Each server cleans up.
@@ -161,7 +162,7 @@ fn fill(state: &mut u64, buf: &mut [u8]) {
 }
 
 #[test]
-fn a_gigabyte_goes_both_ways_at_once_through_the_spliced_path_whole_and_in_order() {
+fn a_gigabyte_goes_both_ways_at_once_through_the_relayed_path_whole_and_in_order() {
     let s = Server::start();
     let api = s.api();
     let id = serving(&api);
@@ -207,13 +208,13 @@ fn a_gigabyte_goes_both_ways_at_once_through_the_spliced_path_whole_and_in_order
 }
 
 #[test]
-fn a_connection_stays_alive_across_spliced_downloads_uploads_and_small_answers() {
+fn a_connection_stays_alive_across_large_downloads_uploads_and_small_answers() {
     let s = Server::start();
     let api = s.api();
     let id = serving(&api);
     let mut c = Client::to(&s);
     for round in 0..3 {
-        // A spliced download, read to its exact end.
+        // A large download, read to its exact end.
         c.send_head("GET", &path(&id, &format!("/big?n={}", 8 * MIB)), "");
         let h = c.head();
         assert_eq!(h.status, 200, "{:?}", h.lines);
@@ -225,7 +226,7 @@ fn a_connection_stays_alive_across_spliced_downloads_uploads_and_small_answers()
         };
         assert_eq!(c.body(&h), (8 * MIB, zeros), "round {round}");
 
-        // A spliced upload with Content-Length.
+        // A large upload with Content-Length.
         let mut up = vec![0u8; (4 * MIB) as usize];
         fill(&mut (round + 1), &mut up);
         c.send_head(
@@ -240,8 +241,12 @@ fn a_connection_stays_alive_across_spliced_downloads_uploads_and_small_answers()
         assert_eq!(v["length"], up.len(), "{v}");
         assert_eq!(v["sha256"], hex(&Sha256::digest(&up)), "{v}");
 
-        // A chunked upload: chunks passed on as they came, big ones spliced.
-        c.send_head("POST", &path(&id, "/upload"), "Transfer-Encoding: chunked\r\n");
+        // A chunked upload: chunks passed on as they came, big ones moved past the scanner.
+        c.send_head(
+            "POST",
+            &path(&id, "/upload"),
+            "Transfer-Encoding: chunked\r\n",
+        );
         let mut whole = Vec::new();
         for size in [1usize, 100 * 1024, 300 * 1024] {
             let piece = &up[..size];
@@ -327,7 +332,7 @@ fn clients_that_stop_reading_or_cut_their_upload_leave_nothing_behind() {
         }
     }
 
-    // Uploads cut by their client mid-body, spliced and not.
+    // Uploads cut by their client mid-body, large and small.
     for n in [64 * MIB, 32 * 1024] {
         let mut c = Client::to(&s);
         c.send_head(
@@ -346,6 +351,9 @@ fn clients_that_stop_reading_or_cut_their_upload_leave_nothing_behind() {
         (h.status == 200).then(|| c.json(&h))
     });
     let grew = rss_kib(s.pid()).saturating_sub(before);
-    eprintln!("after {} cut downloads and 2 cut uploads: server RSS grew {grew} KiB", limit + 20);
+    eprintln!(
+        "after {} cut downloads and 2 cut uploads: server RSS grew {grew} KiB",
+        limit + 20
+    );
     assert!(grew < 32 * 1024, "the server grew {grew} KiB");
 }
