@@ -12,9 +12,12 @@
 //! - none usable: commands are killed by process group only (a `setsid` escapes that; the agent
 //!   says so once on stderr).
 //!
-//! The child joins its cgroups itself, between fork and exec, by writing "0" to `cgroup.procs`
-//! files the parent opened beforehand (see `sys::child_setup`). This room owns no policy about
-//! *when* to kill; `exec` decides that.
+//! On v2 the child starts in its cgroup: it is cloned there (`clone3` with
+//! `CLONE_INTO_CGROUP`, so nothing moves it and no move waits on the kernel's cgroup lock).
+//! Where clone3 is refused (in a jail, whose seccomp policy answers it ENOSYS; kernels
+//! before 5.7) and on v1, the child joins its cgroups itself, between fork and exec, by
+//! writing "0" to `cgroup.procs` files the parent opened beforehand (see `sys::spawn`).
+//! This room owns no policy about *when* to kill; `exec` decides that.
 //!
 //! A command runs as the agent's user, so whatever the agent may do to cgroups it may do
 //! too. In a jail the host keeps the files that lead out of the commands' cgroups (the
@@ -38,14 +41,17 @@
 //! `memory.peak` reset through a descriptor kept for the command, Linux 6.12 and later:
 //! without that, v2 cgroups are not reused), and the peak is what the command added to
 //! what the cgroup held when it started (page cache an earlier command left charged to
-//! it), as a new cgroup measures nothing charged elsewhere before it. Idle cgroups are
-//! still the agent's: a process a command moves into one is killed at the next sweep.
+//! it), as a new cgroup measures nothing charged elsewhere before it. A cgroup killed
+//! through `cgroup.kill` (a timeout, a closed stream) is removed, not kept: on recent
+//! kernels a child cloned into it afterwards is killed at birth (see
+//! `CmdCgroup::kill_written`). Idle cgroups are still the agent's: a process a command
+//! moves into one is killed at the next sweep.
 
 use std::collections::HashSet;
 use std::fs;
 use std::io::{self, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -348,6 +354,8 @@ impl Cgroups {
         CmdCgroup {
             dirs,
             procs: Vec::new(),
+            dir_fd: None,
+            kill_written: AtomicBool::new(false),
             v2: matches!(self.layout, Layout::V2 { .. }),
             name,
             shared: self.shared.clone(),
@@ -549,6 +557,13 @@ pub struct CmdCgroup {
     dirs: Vec<(&'static str, PathBuf)>,
     /// Open `cgroup.procs` for the child to join; closed once it has.
     procs: Vec<OwnedFd>,
+    /// v2: the cgroup's directory, for a child cloned straight into it; closed with `procs`.
+    dir_fd: Option<OwnedFd>,
+    /// v2: `cgroup.kill` was written. Such a cgroup is never reused: on Linux 6.18 (seen
+    /// here; its `kill_seq` check compares the target's count of kills with the forking
+    /// parent's cgroup's) every child later cloned into it with `CLONE_INTO_CGROUP` is
+    /// killed at birth.
+    kill_written: AtomicBool,
     v2: bool,
     name: String,
     shared: Arc<Shared>,
@@ -563,6 +578,14 @@ pub struct CmdCgroup {
 
 impl CmdCgroup {
     fn open_procs(&mut self) {
+        if self.v2 {
+            self.dir_fd = fs::OpenOptions::new()
+                .read(true)
+                .custom_flags(libc::O_DIRECTORY)
+                .open(&self.dirs[0].1)
+                .ok()
+                .map(OwnedFd::from);
+        }
         for (_, d) in &self.dirs {
             match fs::OpenOptions::new()
                 .write(true)
@@ -608,9 +631,15 @@ impl CmdCgroup {
         self.procs.iter().map(|f| f.as_raw_fd()).collect()
     }
 
+    /// v2: the directory a child can be cloned into (`clone3(CLONE_INTO_CGROUP)`).
+    pub fn clone_target(&self) -> Option<RawFd> {
+        self.dir_fd.as_ref().map(|f| f.as_raw_fd())
+    }
+
     /// Closes the join descriptors (after the spawn).
     pub fn joined(&mut self) {
         self.procs.clear();
+        self.dir_fd = None;
     }
 
     fn dir(&self, controller: &str) -> Option<&Path> {
@@ -660,8 +689,11 @@ impl CmdCgroup {
         let deadline = Instant::now() + Duration::from_secs(5);
         if self.v2 {
             let dir = &self.dirs[0].1;
-            if fs::write(dir.join("cgroup.kill"), "1").is_ok() && self.wait_empty(deadline) {
-                return true;
+            if fs::write(dir.join("cgroup.kill"), "1").is_ok() {
+                self.kill_written.store(true, Ordering::Relaxed);
+                if self.wait_empty(deadline) {
+                    return true;
+                }
             }
         }
         let freezer = if self.v2 {
@@ -776,6 +808,7 @@ impl CmdCgroup {
             return;
         }
         let keep = !self.shared.no_reuse.load(Ordering::Relaxed)
+            && !self.kill_written.load(Ordering::Relaxed)
             && lock(&self.shared.idle).len() < IDLE_MAX
             && read_pids(self.members_dir()).is_empty()
             && self.dirs.iter().all(|(_, d)| no_subdirs(d));

@@ -17,7 +17,6 @@ use std::io::{self, Read, Write};
 use std::os::fd::{AsRawFd, OwnedFd, RawFd};
 use std::os::unix::net::UnixStream;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -259,31 +258,18 @@ pub fn start(
         reset_oom: agent.reset_oom,
         cpus: agent.cpus,
     };
-    let mut cmd = Command::new(&prep.argv[0]);
-    cmd.args(&prep.argv[1..])
-        .env_clear()
-        .envs(prep.env.iter().map(|(k, v)| (k, v)));
     let mut master: Option<OwnedFd> = None;
-    match pty {
+    let stdio = match pty {
         Some(size) => {
             let (m, s) = sys::openpty(size.cols, size.rows).map_err(|e| internal("openpty", e))?;
-            let s2 = s.try_clone().map_err(|e| internal("dup", e))?;
-            let s3 = s.try_clone().map_err(|e| internal("dup", e))?;
-            cmd.stdin(Stdio::from(s))
-                .stdout(Stdio::from(s2))
-                .stderr(Stdio::from(s3));
             master = Some(m);
+            sys::ChildStdio::Tty(s)
         }
-        None => {
-            cmd.stdin(if stdin == StdinMode::Pipe {
-                Stdio::piped()
-            } else {
-                Stdio::null()
-            });
-            cmd.stdout(Stdio::piped()).stderr(Stdio::piped());
-        }
-    }
-    sys::set_child_setup(&mut cmd, plan);
+        None => sys::ChildStdio::Pipes {
+            stdin: stdin == StdinMode::Pipe,
+        },
+    };
+    let clone_into = cgroup.as_ref().and_then(|c| c.clone_target());
     let (tx, rx) = mpsc::channel();
     let exit_tx = tx.clone();
     // The command starts when it is forked: a command that ends at once may be reaped
@@ -291,15 +277,14 @@ pub fn start(
     let started = Instant::now();
     let spawned = agent.reaper.spawn(
         || {
-            let child = cmd.spawn()?;
-            Ok((child.id() as i32, child))
+            let child = sys::spawn(&prep.argv, &prep.env, stdio, &plan, clone_into)?;
+            Ok((child.pid, child))
         },
         move |info| {
             let _ = exit_tx.send(Event::Exited(info));
         },
     );
-    // The terminal's slave side and the cgroup join files must not stay open here.
-    drop(cmd);
+    // The cgroup's join descriptors must not stay open here.
     let mut cgroup = cgroup;
     if let Some(c) = &mut cgroup {
         c.joined();
@@ -340,12 +325,12 @@ pub fn start(
         sources.push((Chan::Bytes, 0, m));
     } else {
         if let Some(out) = child.stdout.take() {
-            sources.push((Chan::Stdout, 0, OwnedFd::from(out)));
+            sources.push((Chan::Stdout, 0, out));
         }
         if let Some(err) = child.stderr.take() {
-            sources.push((Chan::Stderr, 1, OwnedFd::from(err)));
+            sources.push((Chan::Stderr, 1, err));
         }
-        stdin_file = child.stdin.take().map(|s| File::from(OwnedFd::from(s)));
+        stdin_file = child.stdin.take().map(File::from);
     }
     drop(child);
     if let Some(s) = &opts.announce {

@@ -16,7 +16,8 @@
 
 use std::ffi::{CStr, CString};
 use std::io;
-use std::os::fd::RawFd;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
 
 pub use locker_sys::fd::{
     cloexec_from_3 as cloexec_inherited, fchmod, fchown_empty, fs_type, fstat, fsync, linkat,
@@ -114,12 +115,13 @@ pub struct ChildPlan {
     pub cpus: Option<CpuSet>,
 }
 
-/// Runs in the forked child before `exec`: keep stray fds from the command, join the cgroups,
+/// Runs in the forked child before `exec`: keep stray fds from the command, join the cgroups
+/// (when `join`: a child cloned into its cgroup is there already),
 /// start a new session (and so a new process group), take the terminal, drop to the user,
 /// enter the working directory, reset signal dispositions.
 ///
 /// Async-signal-safe: only system calls on data prepared in the parent.
-pub fn child_setup(plan: &ChildPlan) -> io::Result<()> {
+pub fn child_setup(plan: &ChildPlan, join: bool) -> io::Result<()> {
     // Whatever fds another thread opened without CLOEXEC, or the agent inherited, stay here.
     // SAFETY: integer arguments only; on kernels before 5.11 this fails harmlessly.
     unsafe {
@@ -130,7 +132,7 @@ pub fn child_setup(plan: &ChildPlan) -> io::Result<()> {
             libc::CLOSE_RANGE_CLOEXEC,
         )
     };
-    for &fd in &plan.cgroup_procs {
+    for &fd in plan.cgroup_procs.iter().filter(|_| join) {
         // SAFETY: writes one byte from a static buffer. A failure is ignored on purpose: the
         // parent kills by process group too, so a command outside its cgroup still dies.
         unsafe { libc::write(fd, b"0".as_ptr().cast(), 1) };
@@ -202,12 +204,308 @@ fn child_write_file(path: &CStr, data: &[u8]) -> io::Result<()> {
     }
 }
 
-/// Arranges for `cmd`'s child to run [`child_setup`] with `plan` between fork and exec.
-pub fn set_child_setup(cmd: &mut std::process::Command, plan: ChildPlan) {
-    use std::os::unix::process::CommandExt;
-    // SAFETY: the closure only calls `child_setup`, which is async-signal-safe: it makes
-    // system calls on data prepared before the fork, allocates nothing and takes no locks.
+/// Where a command's fds 0, 1 and 2 come from.
+pub enum ChildStdio {
+    /// Pipes to the agent for stdout and stderr, and for stdin when `stdin` (else
+    /// `/dev/null`).
+    Pipes { stdin: bool },
+    /// A terminal's slave end for all three.
+    Tty(OwnedFd),
+}
+
+/// A started command: its pid and the agent's ends of its pipes.
+pub struct Spawned {
+    pub pid: i32,
+    pub stdin: Option<OwnedFd>,
+    pub stdout: Option<OwnedFd>,
+    pub stderr: Option<OwnedFd>,
+}
+
+/// Set once `clone3(CLONE_INTO_CGROUP)` was refused here (a jail's seccomp policy answers
+/// clone3 ENOSYS; kernels before 5.7 do not have it): commands are then forked and join.
+static NO_CLONE_INTO: AtomicBool = AtomicBool::new(false);
+
+extern "C" {
+    /// The C library's environment, which `execvp` searches `PATH` in.
+    static mut environ: *const *const libc::c_char;
+}
+
+/// Starts `argv` with exactly the environment `env`, set up by `plan` ([`child_setup`]).
+/// Given the descriptor of its cgroup v2 directory, the child is cloned into that cgroup
+/// (`clone3(CLONE_INTO_CGROUP)`: no move, so no wait on the kernel's cgroup lock); else, or
+/// where clone3 is refused, it is forked and joins through `plan.cgroup_procs`. The program
+/// is found as `execvp` finds it, in `env`'s `PATH`. An error is the exec's (a missing
+/// program: `NotFound`), after the child is reaped; call under the reaper's lock.
+pub fn spawn(
+    argv: &[String],
+    env: &[(String, String)],
+    stdio: ChildStdio,
+    plan: &ChildPlan,
+    cgroup: Option<RawFd>,
+) -> io::Result<Spawned> {
+    let nul = |_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in the command");
+    let args: Vec<CString> = argv
+        .iter()
+        .map(|a| CString::new(a.as_bytes()).map_err(nul))
+        .collect::<io::Result<_>>()?;
+    let vars: Vec<CString> = env
+        .iter()
+        .map(|(k, v)| CString::new(format!("{k}={v}")).map_err(nul))
+        .collect::<io::Result<_>>()?;
+    if args.is_empty() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "an empty command",
+        ));
+    }
+    let mut argp: Vec<*const libc::c_char> = args.iter().map(|a| a.as_ptr()).collect();
+    argp.push(std::ptr::null());
+    let mut envp: Vec<*const libc::c_char> = vars.iter().map(|v| v.as_ptr()).collect();
+    envp.push(std::ptr::null());
+
+    // The child's ends are numbered 3 and up, so putting them at 0, 1 and 2 never
+    // overwrites one not yet placed.
+    let above = |fd: OwnedFd| locker_sys::proc::dup_above(fd.as_raw_fd(), 3);
+    let pipe = || -> io::Result<(OwnedFd, OwnedFd)> {
+        let (r, w) = locker_sys::fd::pipe()?;
+        Ok((above(r)?, above(w)?))
+    };
+    let (mut ours_in, mut ours_out, mut ours_err) = (None, None, None);
+    let theirs: [OwnedFd; 3] = match stdio {
+        ChildStdio::Tty(slave) => {
+            let slave = above(slave)?;
+            [slave.try_clone()?, slave.try_clone()?, slave]
+        }
+        ChildStdio::Pipes { stdin } => {
+            let child_in = if stdin {
+                let (r, w) = pipe()?;
+                ours_in = Some(w);
+                r
+            } else {
+                above(OwnedFd::from(
+                    std::fs::OpenOptions::new()
+                        .read(true)
+                        .write(true)
+                        .open("/dev/null")?,
+                ))?
+            };
+            let (out_r, out_w) = pipe()?;
+            let (err_r, err_w) = pipe()?;
+            ours_out = Some(out_r);
+            ours_err = Some(err_r);
+            [child_in, out_w, err_w]
+        }
+    };
+    let (report_r, report_w) = locker_sys::fd::pipe()?;
+    let fds = [
+        theirs[0].as_raw_fd(),
+        theirs[1].as_raw_fd(),
+        theirs[2].as_raw_fd(),
+    ];
+
+    let mut cloned_in = false;
+    let mut pid = None;
+    if let Some(dir) = cgroup.filter(|_| !NO_CLONE_INTO.load(Ordering::Relaxed)) {
+        // SAFETY: the child runs `child_main` only: async-signal-safe calls on data made
+        // above, then exec or _exit.
+        match unsafe { locker_sys::proc::fork_into_cgroup(dir) } {
+            Ok(p) => {
+                cloned_in = true;
+                pid = Some(p);
+            }
+            Err(e) => {
+                if matches!(
+                    e.raw_os_error(),
+                    Some(
+                        libc::ENOSYS | libc::EINVAL | libc::E2BIG | libc::EPERM | libc::EOPNOTSUPP
+                    )
+                ) {
+                    NO_CLONE_INTO.store(true, Ordering::Relaxed);
+                }
+            }
+        }
+    }
+    let pid = match pid {
+        Some(p) => p,
+        // SAFETY: as above; glibc's fork handlers keep its own state sound in the child.
+        None => cvt(unsafe { libc::fork() })?,
+    };
+    if pid == 0 {
+        child_main(&fds, plan, !cloned_in, &argp, &envp, report_w.as_raw_fd());
+    }
+    drop(theirs);
+    drop(report_w);
+    let mut errno = [0u8; 4];
+    let mut got = 0;
+    while got < 4 {
+        // SAFETY: reads into the rest of a live 4-byte buffer.
+        let n = unsafe {
+            libc::read(
+                report_r.as_raw_fd(),
+                errno[got..].as_mut_ptr().cast(),
+                4 - got,
+            )
+        };
+        match n {
+            0 => break,
+            n if n > 0 => got += n as usize,
+            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
+            _ => break,
+        }
+    }
+    if got == 0 {
+        return Ok(Spawned {
+            pid,
+            stdin: ours_in,
+            stdout: ours_out,
+            stderr: ours_err,
+        });
+    }
+    // The exec failed: the child said why and exits; reap it here (the caller holds the
+    // reaper's lock, so the reaper cannot take it first).
+    let _ = locker_sys::proc::waitpid(pid);
+    Err(if got == 4 {
+        io::Error::from_raw_os_error(i32::from_ne_bytes(errno))
+    } else {
+        io::Error::other("the command's child ended before it could exec")
+    })
+}
+
+/// The child's side of [`spawn`]: stdio in place, [`child_setup`], then `execvp`; on any
+/// failure the errno goes to `report` and the child exits 127. Async-signal-safe.
+fn child_main(
+    fds: &[RawFd; 3],
+    plan: &ChildPlan,
+    join: bool,
+    argv: &[*const libc::c_char],
+    envp: &[*const libc::c_char],
+    report: RawFd,
+) -> ! {
+    let fail = |e: io::Error| -> ! {
+        let errno = e.raw_os_error().unwrap_or(libc::EIO).to_ne_bytes();
+        // SAFETY: writes 4 bytes from a live buffer; then leaves without unwinding or
+        // running the parent's exit handlers.
+        unsafe {
+            libc::write(report, errno.as_ptr().cast(), 4);
+            libc::_exit(127)
+        }
+    };
+    // Signals blocked in the spawning thread stay blocked across exec: unblock them all.
+    let empty = 0u64;
+    // SAFETY: an 8-byte kernel sigset, no old set asked for.
     unsafe {
-        cmd.pre_exec(move || child_setup(&plan));
+        libc::syscall(
+            libc::SYS_rt_sigprocmask,
+            libc::SIG_SETMASK,
+            &empty as *const u64,
+            std::ptr::null_mut::<u64>(),
+            8,
+        )
+    };
+    for (to, &from) in fds.iter().enumerate() {
+        // SAFETY: integer arguments only; `from` is open (3 or above), `to` is 0, 1 or 2.
+        if unsafe { libc::dup2(from, to as RawFd) } < 0 {
+            fail(io::Error::last_os_error());
+        }
+    }
+    if let Err(e) = child_setup(plan, join) {
+        fail(e);
+    }
+    // SAFETY: `envp` and `argv` are NULL-terminated arrays of live C strings, made before
+    // the fork; `environ` is this child's alone, and execvp reads PATH from it.
+    unsafe {
+        environ = envp.as_ptr();
+        libc::execvp(argv[0], argv.as_ptr());
+    }
+    fail(io::Error::last_os_error())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Read;
+
+    fn plan() -> ChildPlan {
+        ChildPlan {
+            cgroup_procs: Vec::new(),
+            controlling_tty: false,
+            user: None,
+            cwd: CString::new("/").unwrap(),
+            reset_oom: false,
+            cpus: None,
+        }
+    }
+
+    fn output(s: Spawned) -> String {
+        let mut out = String::new();
+        std::fs::File::from(s.stdout.unwrap())
+            .read_to_string(&mut out)
+            .unwrap();
+        let _ = locker_sys::proc::waitpid(s.pid);
+        out
+    }
+
+    /// Given a cgroup v2 directory and no `cgroup.procs` to write, the child can only be in
+    /// that cgroup if it was cloned there (`CLONE_INTO_CGROUP`). On a hybrid host the v2
+    /// hierarchy is `unified`, without controllers: enough for membership.
+    #[test]
+    fn a_command_starts_in_its_cgroup_v2_without_moving_there() {
+        let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+            .iter()
+            .map(std::path::Path::new)
+            .find(|p| p.join("cgroup.controllers").exists())
+            .expect("no cgroup v2 hierarchy on this host");
+        let name = format!("locker-agent-spawn-test-{}", std::process::id());
+        let dir = root.join(&name);
+        std::fs::create_dir(&dir).unwrap();
+        let fd = OwnedFd::from(std::fs::File::open(&dir).unwrap());
+        let argv = [
+            "sh".to_owned(),
+            "-c".to_owned(),
+            "cat /proc/self/cgroup; echo $FOO".to_owned(),
+        ];
+        let env = [
+            ("PATH".to_owned(), "/usr/bin:/bin".to_owned()),
+            ("FOO".to_owned(), "bar".to_owned()),
+        ];
+        let s = spawn(
+            &argv,
+            &env,
+            ChildStdio::Pipes { stdin: false },
+            &plan(),
+            Some(fd.as_raw_fd()),
+        )
+        .unwrap();
+        let out = output(s);
+        let _ = std::fs::remove_dir(&dir);
+        assert!(
+            out.lines()
+                .any(|l| l.starts_with("0::/") && l.ends_with(&name)),
+            "{out}"
+        );
+        assert!(out.ends_with("bar\n"), "{out}");
+
+        // Without a cgroup: forked, where the agent is; a missing program is NotFound.
+        let out = output(
+            spawn(
+                &argv,
+                &env,
+                ChildStdio::Pipes { stdin: false },
+                &plan(),
+                None,
+            )
+            .unwrap(),
+        );
+        assert!(!out.contains(&name), "{out}");
+        let e = spawn(
+            &["no-such-program-here".to_owned()],
+            &env,
+            ChildStdio::Pipes { stdin: false },
+            &plan(),
+            None,
+        )
+        .err()
+        .unwrap();
+        assert_eq!(e.kind(), io::ErrorKind::NotFound, "{e}");
     }
 }

@@ -1685,6 +1685,9 @@ async fn the_cgroup_v2_layout_kills_trees_and_accounts() {
         gone_within(pid, Duration::from_secs(3)),
         "grandchild {pid} survived"
     );
+    // The next command runs whole: the agent clones it into its cgroup on v2, and Linux
+    // 6.18 kills at birth a child cloned into a cgroup once killed through `cgroup.kill`,
+    // so the timed-out command's cgroup must not be the one reused.
     let r = a
         .client
         .exec(
