@@ -505,15 +505,23 @@ fn a_command_cannot_hide_in_an_idle_command_cgroup() {
     let own = r["stdout"].as_str().expect("stdout").trim().to_owned();
     assert!(own.starts_with("cmd-"), "{r}");
     let hid = api.sh(&id, "cat /tmp/hid.txt");
-    assert!(
-        hid.contains("cmd-") && !hid.contains(&format!("{own}\n")),
-        "the process did not move out of {own}: {hid}"
-    );
     let left = machine_pids(&api, &id, "sleep 781");
-    assert!(
-        left.is_empty(),
-        "hid in an idle cgroup and outlived its exec: {left}"
-    );
+    if locker_tests::cgroups_reused() {
+        assert!(
+            hid.contains("cmd-") && !hid.contains(&format!("{own}\n")),
+            "the process did not move out of {own}: {hid}"
+        );
+        assert!(
+            left.is_empty(),
+            "hid in an idle cgroup and outlived its exec: {left}"
+        );
+    } else {
+        // No ended cgroup is kept here (v2 before Linux 6.12): there is none to hide in,
+        // and the process stays its command's job (jobs outlive their exec).
+        assert!(hid.contains(&format!("{own}\n")), "it moved: {hid}");
+        assert!(!left.is_empty(), "the job did not outlive its exec");
+        api.sh(&id, "pkill -x sleep || true");
+    }
     // Commands still run, each in a cgroup of its own.
     let own = api.sh(&id, "cat /proc/self/cgroup");
     assert!(own.contains("cmd-"), "{own}");

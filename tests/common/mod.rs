@@ -212,6 +212,20 @@ pub fn default_rootfs() -> PathBuf {
     t.rootfs
 }
 
+/// Whether machines' agents reuse ended command cgroups on this host: everywhere but on a
+/// cgroup v2 memory controller before Linux 6.12, whose `memory.peak` cannot be reset
+/// (there each command gets a new cgroup, removed when it ends).
+pub fn cgroups_reused() -> bool {
+    let v2_memory = std::fs::read_to_string("/sys/fs/cgroup/cgroup.controllers")
+        .is_ok_and(|c| c.split_whitespace().any(|x| x == "memory"));
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse::<u32>().ok());
+    let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    !v2_memory || (major, minor) >= (6, 12)
+}
+
 /// A name unique to this test process and call: `<prefix>-<pid>-<n>`.
 pub fn unique(prefix: &str) -> String {
     static N: AtomicU32 = AtomicU32::new(0);
