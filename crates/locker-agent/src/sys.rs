@@ -6,9 +6,10 @@
 //! return `io::Result` with the OS error intact; the callers decide what an error means for
 //! the host.
 //!
-//! What stays here is the code that runs between `fork` and `exec` ([`child_setup`] and
-//! its helpers). It must be async-signal-safe (no allocation, no lock: the forked child of
-//! a multi-threaded agent may find the allocator's lock held by a thread that no longer
+//! What stays here is the code that runs between `fork` and `exec` ([`spawn`], which clones
+//! a command straight into its cgroup v2 where it can, [`child_setup`] and their helpers).
+//! It must be async-signal-safe (no allocation, no lock: the forked child of a
+//! multi-threaded agent may find the allocator's lock held by a thread that no longer
 //! exists), and that is a property of the whole sequence and of the [`ChildPlan`] built
 //! for it in the parent, not of any one call; so the sequence is kept whole, beside its
 //! plan, with raw `libc` calls that visibly allocate nothing, rather than spread over
