@@ -156,16 +156,27 @@ pub fn child_setup(plan: &ChildPlan, join: bool) -> io::Result<()> {
         cvt(unsafe { libc::ioctl(0, libc::TIOCSCTTY, 0) })?;
     }
     if let Some((uid, gid, groups)) = &plan.user {
+        // The raw system calls: glibc's wrappers make every thread of the process change
+        // ids together (signalling each under a lock of its thread list), and a child
+        // cloned with the raw clone3 is one thread whose copy of that list and lock is the
+        // parent's as it was (fork's handlers, which reset them, do not run for it). The
+        // kernel's calls change this thread's ids, which here are the process's.
+        let sys_ok = |r: libc::c_long| {
+            if r < 0 {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(())
+            }
+        };
         // SAFETY: the groups vector was built in the parent and is only read here.
-        cvt(unsafe { libc::setgroups(groups.len(), groups.as_ptr()) })?;
+        sys_ok(unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) })?;
         // SAFETY: integer arguments only.
-        cvt(unsafe { libc::setgid(*gid) })?;
+        sys_ok(unsafe { libc::syscall(libc::SYS_setgid, *gid) })?;
         // SAFETY: integer arguments only.
-        cvt(unsafe { libc::setuid(*uid) })?;
+        sys_ok(unsafe { libc::syscall(libc::SYS_setuid, *uid) })?;
     }
     // SAFETY: cwd is NUL-terminated and owned by the plan, alive for the call.
     cvt(unsafe { libc::chdir(plan.cwd.as_ptr()) })?;
-    // Last, so glibc's setuid (which may use signal 33) is done with its signals.
     // Ignored signals stay ignored across exec, and whoever started the agent may have
     // ignored some (a shell's `&` ignores SIGINT and SIGQUIT). Commands start with defaults.
     // The raw system call, because glibc's wrapper refuses its internal signals 32 and 33.
