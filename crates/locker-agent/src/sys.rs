@@ -161,19 +161,13 @@ pub fn child_setup(plan: &ChildPlan, join: bool) -> io::Result<()> {
         // cloned with the raw clone3 is one thread whose copy of that list and lock is the
         // parent's as it was (fork's handlers, which reset them, do not run for it). The
         // kernel's calls change this thread's ids, which here are the process's.
-        let sys_ok = |r: libc::c_long| {
-            if r < 0 {
-                Err(io::Error::last_os_error())
-            } else {
-                Ok(())
-            }
-        };
         // SAFETY: the groups vector was built in the parent and is only read here.
-        sys_ok(unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) })?;
+        let r = unsafe { libc::syscall(libc::SYS_setgroups, groups.len(), groups.as_ptr()) };
+        cvt(r as libc::c_int)?;
         // SAFETY: integer arguments only.
-        sys_ok(unsafe { libc::syscall(libc::SYS_setgid, *gid) })?;
+        cvt(unsafe { libc::syscall(libc::SYS_setgid, *gid) } as libc::c_int)?;
         // SAFETY: integer arguments only.
-        sys_ok(unsafe { libc::syscall(libc::SYS_setuid, *uid) })?;
+        cvt(unsafe { libc::syscall(libc::SYS_setuid, *uid) } as libc::c_int)?;
     }
     // SAFETY: cwd is NUL-terminated and owned by the plan, alive for the call.
     cvt(unsafe { libc::chdir(plan.cwd.as_ptr()) })?;
@@ -347,25 +341,11 @@ pub fn spawn(
     }
     drop(theirs);
     drop(report_w);
-    let mut errno = [0u8; 4];
-    let mut got = 0;
-    while got < 4 {
-        // SAFETY: reads into the rest of a live 4-byte buffer.
-        let n = unsafe {
-            libc::read(
-                report_r.as_raw_fd(),
-                errno[got..].as_mut_ptr().cast(),
-                4 - got,
-            )
-        };
-        match n {
-            0 => break,
-            n if n > 0 => got += n as usize,
-            _ if io::Error::last_os_error().kind() == io::ErrorKind::Interrupted => {}
-            _ => break,
-        }
-    }
-    if got == 0 {
+    // Nothing before EOF: the exec happened (the descriptor closed with it). Else the
+    // child's errno, 4 bytes.
+    let mut report = Vec::new();
+    let _ = io::Read::read_to_end(&mut std::fs::File::from(report_r), &mut report);
+    if report.is_empty() {
         return Ok(Spawned {
             pid,
             stdin: ours_in,
@@ -376,10 +356,9 @@ pub fn spawn(
     // The exec failed: the child said why and exits; reap it here (the caller holds the
     // reaper's lock, so the reaper cannot take it first).
     let _ = locker_sys::proc::waitpid(pid);
-    Err(if got == 4 {
-        io::Error::from_raw_os_error(i32::from_ne_bytes(errno))
-    } else {
-        io::Error::other("the command's child ended before it could exec")
+    Err(match <[u8; 4]>::try_from(report) {
+        Ok(errno) => io::Error::from_raw_os_error(i32::from_ne_bytes(errno)),
+        Err(_) => io::Error::other("the command's child ended before it could exec"),
     })
 }
 

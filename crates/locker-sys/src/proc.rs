@@ -49,23 +49,9 @@ pub unsafe fn fork() -> io::Result<libc::pid_t> {
 /// make async-signal-safe calls (no allocation, no locks another thread may have held).
 /// glibc's fork handlers do not run.
 pub unsafe fn fork_into_cgroup(cgroup: RawFd) -> io::Result<libc::pid_t> {
-    /// `struct clone_args` up to `cgroup` (`CLONE_ARGS_SIZE_VER2`, Linux 5.7).
-    #[repr(C)]
-    struct CloneArgs {
-        flags: u64,
-        pidfd: u64,
-        child_tid: u64,
-        parent_tid: u64,
-        exit_signal: u64,
-        stack: u64,
-        stack_size: u64,
-        tls: u64,
-        set_tid: u64,
-        set_tid_size: u64,
-        cgroup: u64,
-    }
+    // libc's own constant overflows its type (libc #3584).
     const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
-    let args = CloneArgs {
+    let args = libc::clone_args {
         flags: CLONE_INTO_CGROUP,
         pidfd: 0,
         child_tid: 0,
@@ -84,8 +70,8 @@ pub unsafe fn fork_into_cgroup(cgroup: RawFd) -> io::Result<libc::pid_t> {
     let r = unsafe {
         libc::syscall(
             libc::SYS_clone3,
-            &args as *const CloneArgs,
-            std::mem::size_of::<CloneArgs>(),
+            &args as *const libc::clone_args,
+            std::mem::size_of::<libc::clone_args>(),
         )
     };
     check(r).map(|p| p as libc::pid_t)

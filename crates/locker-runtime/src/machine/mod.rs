@@ -19,11 +19,11 @@ pub mod state;
 pub mod teardown;
 
 pub use mounts::{blank_disks_dir, BindMount, OverlayMount};
-
-/// The file in a jail's directory that lists the loop devices its shim attached its images
-/// to (`/dev/loopN`, a line each): its teardown waits for those to detach.
-pub const LOOPS: &str = "loops";
 pub use slots::{SlotError, Slots};
 pub use state::MachineState;
 pub use teardown::{cleanup_orphans, destroy, stop, TeardownError};
 pub(crate) use teardown::{cmdline, is_running};
+
+/// The file in a jail's directory that lists the loop devices its shim attached its images
+/// to (`/dev/loopN`, a line each): its teardown waits for those to detach.
+pub const LOOPS: &str = "loops";

@@ -95,35 +95,35 @@ async fn read_up_to(s: &TcpStream, buf: &mut BytesMut, want: usize) -> io::Resul
     }
 }
 
-/// The read size of one relay, grown while its reads come back full (see
-/// [`BODY_CHUNK_MAX`]), and its share of [`GROWN_MAX`], given back when it is dropped.
+/// One relay's share of [`GROWN_MAX`] (its reads are [`READ_CHUNK`] plus that), grown
+/// while its reads come back full (see [`BODY_CHUNK_MAX`]) and given back when dropped.
 struct Sizer {
-    chunk: usize,
     held: usize,
 }
 
 impl Sizer {
     fn new() -> Self {
-        Sizer {
-            chunk: READ_CHUNK,
-            held: 0,
-        }
+        Sizer { held: 0 }
     }
 
-    /// A read of `want` bytes brought `got`: a full one grows the next, if the server's
-    /// budget allows.
+    /// How much the next read asks for.
+    fn chunk(&self) -> usize {
+        READ_CHUNK + self.held
+    }
+
+    /// A read of `want` bytes brought `got`: a full one grows the next fourfold, if the
+    /// server's budget allows.
     fn after_read(&mut self, want: usize, got: usize) {
-        if got < want || want < self.chunk || self.chunk >= BODY_CHUNK_MAX {
+        let chunk = self.chunk();
+        if got < want || want < chunk || chunk >= BODY_CHUNK_MAX {
             return;
         }
-        let next = (self.chunk * 4).min(BODY_CHUNK_MAX);
-        let add = next - self.chunk;
+        let add = (chunk * 4).min(BODY_CHUNK_MAX) - chunk;
         let taken = GROWN.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |held| {
             (held + add <= GROWN_MAX).then_some(held + add)
         });
         if taken.is_ok() {
             self.held += add;
-            self.chunk = next;
         }
     }
 }
@@ -146,10 +146,9 @@ async fn copy_n<F: Fn()>(
     progress: &F,
 ) -> Result<u64, RelayError> {
     let mut taken = 0u64;
-    while n.map_or(true, |n| taken < n) {
-        let want = n.map_or(sizer.chunk, |n| {
-            (n - taken).min(sizer.chunk as u64) as usize
-        });
+    while n.is_none_or(|n| taken < n) {
+        let chunk = sizer.chunk();
+        let want = n.map_or(chunk, |n| (n - taken).min(chunk as u64) as usize);
         let got = read_up_to(src, buf, want).await.map_err(RelayError::Read)?;
         if got == 0 {
             break;
@@ -161,6 +160,21 @@ async fn copy_n<F: Fn()>(
         progress();
     }
     Ok(taken)
+}
+
+/// Writes the first `k` bytes of `buf` (already read) to `dst` and drops them from `buf`.
+async fn send_front<F: Fn()>(
+    dst: &TcpStream,
+    buf: &mut BytesMut,
+    k: usize,
+    progress: &F,
+) -> Result<(), RelayError> {
+    if k > 0 {
+        write_all(dst, &buf[..k]).await.map_err(RelayError::Write)?;
+        buf.advance(k);
+        progress();
+    }
+    Ok(())
 }
 
 /// Moves exactly `left` bytes from `src` to `dst` (`buf` is empty).
@@ -210,21 +224,11 @@ async fn relay_body<F: Fn()>(
         Framing::Empty => Ok(()),
         Framing::Length(n) => {
             let now = (buf.len() as u64).min(n) as usize;
-            if now > 0 {
-                write_all(dst, &buf[..now])
-                    .await
-                    .map_err(RelayError::Write)?;
-                buf.advance(now);
-                progress();
-            }
+            send_front(dst, buf, now, progress).await?;
             move_exact(src, dst, buf, n - now as u64, sizer, progress).await
         }
         Framing::Eof => {
-            if !buf.is_empty() {
-                write_all(dst, buf).await.map_err(RelayError::Write)?;
-                buf.clear();
-                progress();
-            }
+            send_front(dst, buf, buf.len(), progress).await?;
             copy_n(src, dst, buf, None, sizer, progress).await.map(drop)
         }
         Framing::Chunked => {
@@ -242,13 +246,7 @@ async fn relay_body<F: Fn()>(
                         }
                     }
                 }
-                if pass > 0 {
-                    write_all(dst, &buf[..pass])
-                        .await
-                        .map_err(RelayError::Write)?;
-                    buf.advance(pass);
-                    progress();
-                }
+                send_front(dst, buf, pass, progress).await?;
                 if done {
                     return Ok(());
                 }
@@ -597,11 +595,11 @@ mod tests {
         // Full reads grow the next one fourfold to the cap; a short one does not.
         let mut z = Sizer::new();
         z.after_read(READ_CHUNK, READ_CHUNK / 2);
-        assert_eq!(z.chunk, READ_CHUNK);
-        let mut sizes = vec![z.chunk];
+        assert_eq!(z.chunk(), READ_CHUNK);
+        let mut sizes = vec![z.chunk()];
         for _ in 0..5 {
-            z.after_read(z.chunk, z.chunk);
-            sizes.push(z.chunk);
+            z.after_read(z.chunk(), z.chunk());
+            sizes.push(z.chunk());
         }
         assert_eq!(
             sizes,
@@ -615,7 +613,7 @@ mod tests {
         GROWN.store(GROWN_MAX - READ_CHUNK, Ordering::Relaxed);
         let mut z = Sizer::new();
         z.after_read(READ_CHUNK, READ_CHUNK);
-        assert_eq!((z.chunk, z.held), (READ_CHUNK, 0));
+        assert_eq!((z.chunk(), z.held), (READ_CHUNK, 0));
         drop(z);
         GROWN.store(0, Ordering::Relaxed);
 
