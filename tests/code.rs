@@ -272,6 +272,133 @@ fn a_timeout_interrupts_the_kernel_and_the_next_cell_sees_earlier_variables() {
     assert_eq!(next["results"][0]["text"], "'yes'", "{next}");
 }
 
+/// One language of the `code-interpreter` template as the next test drives it.
+struct Language {
+    name: &'static str,
+    /// Sets `x` to 41.
+    set: &'static str,
+    /// Shows `x + 1`, as (`text` of the first result | `stdout`, what it is).
+    get: (&'static str, &'static str, &'static str),
+    /// Prints `hi` and a newline.
+    print: &'static str,
+    /// Fails, with this error name.
+    fail: (&'static str, &'static str),
+    /// Never ends by itself.
+    busy: &'static str,
+    /// Shows the cell's variable CELL_VAR, as `get`.
+    env: (&'static str, &'static str, &'static str),
+}
+
+const LANGUAGES: &[Language] = &[
+    Language {
+        name: "javascript",
+        set: "let x = 41",
+        get: ("x + 1", "text", "42"),
+        print: "console.log('hi')",
+        fail: ("null.f()", "TypeError"),
+        busy: "while (true) {}",
+        env: ("process.env.CELL_VAR", "text", "it's $HOME"),
+    },
+    Language {
+        name: "typescript",
+        set: "let x: number = 41",
+        get: ("const y: number = x + 1; y", "text", "42"),
+        print: "console.log('hi' as string)",
+        fail: ("throw new RangeError('r')", "RangeError"),
+        busy: "for (;;) {}",
+        env: ("process.env.CELL_VAR as string", "text", "it's $HOME"),
+    },
+    Language {
+        name: "bash",
+        set: "x=41",
+        get: ("echo $((x + 1))", "stdout", "42\n"),
+        print: "echo hi",
+        fail: ("false", "ExitStatus"),
+        busy: "while true; do :; done",
+        env: ("echo \"$CELL_VAR\"", "stdout", "it's $HOME\n"),
+    },
+    Language {
+        name: "r",
+        set: "x <- 41",
+        get: ("x + 1", "text", "[1] 42"),
+        print: "cat('hi\\n')",
+        fail: ("stop('boom')", "ERROR"),
+        busy: "repeat {}",
+        env: ("Sys.getenv('CELL_VAR')", "text", "[1] \"it's $HOME\""),
+    },
+    Language {
+        name: "java",
+        set: "int x = 41;",
+        get: ("x + 1", "text", "42"),
+        print: "System.out.println(\"hi\");",
+        fail: ("Integer.parseInt(\"z\")", "NumberFormatException"),
+        busy: "while (true) {}",
+        env: ("System.getProperty(\"CELL_VAR\")", "text", "it's $HOME"),
+    },
+];
+
+#[track_caller]
+fn shows(r: &Value, (field, want): (&str, &str), what: &str) {
+    let got = match field {
+        "text" => &r["results"][0]["text"],
+        _ => &r[field],
+    };
+    assert_eq!(got, want, "{what}: {r}");
+}
+
+/// JavaScript, TypeScript, bash and Java on Locker's own kernels, R on Debian's IRkernel:
+/// the languages of E2B's code-interpreter template, all in Locker's, none installed by
+/// the test. Each keeps its state, prints, fails with its error's name, takes a cell's own
+/// environment, and is interrupted by a timeout with its state kept; a language whose
+/// runtime is gone from the sandbox is refused with what to install.
+#[test]
+fn every_language_of_the_template_keeps_state_prints_fails_and_stops_on_timeout() {
+    let (_t, api, id) = code_sandbox();
+    for l in LANGUAGES {
+        let what = |w: &str| format!("{}: {w}", l.name);
+        let started = Instant::now();
+        let ctx = new_context(&api, &id, &json!({ "language": l.name, "cwd": "/tmp" }));
+        let set = run_in(&api, &id, &ctx, l.set);
+        assert_eq!(set["reason"], "finished", "{}: {set}", l.name);
+        shows(&run_in(&api, &id, &ctx, l.get.0), (l.get.1, l.get.2), &what("state"));
+        let p = run_in(&api, &id, &ctx, l.print);
+        assert_eq!(p["stdout"], "hi\n", "{}: {p}", l.name);
+        assert_eq!(p["results"], json!([]), "{}: {p}", l.name);
+        let f = run_in(&api, &id, &ctx, l.fail.0);
+        assert_eq!(f["reason"], "error", "{}: {f}", l.name);
+        assert_eq!(f["error"]["name"], l.fail.1, "{}: {f}", l.name);
+        let e = run(
+            &api,
+            &id,
+            &json!({ "context": ctx, "code": l.env.0, "env": { "CELL_VAR": "it's $HOME" } }),
+        );
+        shows(&e, (l.env.1, l.env.2), &what("a cell's env"));
+        let t0 = Instant::now();
+        let slow = run(
+            &api,
+            &id,
+            &json!({ "context": ctx, "code": l.busy, "timeout_ms": 1500 }),
+        );
+        assert_eq!(slow["reason"], "timeout", "{}: {slow}", l.name);
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "{}: interrupted in {:?}",
+            l.name,
+            t0.elapsed()
+        );
+        let after = run_in(&api, &id, &ctx, l.get.0);
+        shows(&after, (l.get.1, l.get.2), &what("the state after the timeout"));
+        eprintln!("{}: {:.1} s", l.name, started.elapsed().as_secs_f64());
+        // Its kernel ends: the five together would not fit the sandbox's 512 MB.
+        let d = api.delete(&format!("/v1/sandboxes/{id}/contexts/{ctx}"));
+        assert_eq!(d.status, 204, "{}", d.text());
+    }
+    // Locker's Java kernel runs on the sandbox's JShell: without it, what to install.
+    let r = api.exec(&id, &json!({ "shell": "rm /usr/bin/jshell", "user": "root" }));
+    assert_eq!(r["exit_code"], 0, "{r}");
+    assert_no_kernel(&api, &id, "java", "openjdk-17-jdk-headless");
+}
+
 #[test]
 fn restart_clears_state_and_delete_ends_the_context() {
     let (_t, api, id) = code_sandbox();
@@ -533,10 +660,6 @@ fn bad_code_requests_get_clear_errors() {
     }
     api.post(&path, &json!({ "code": "1", "context": "../etc" }))
         .expect_error(404, "not_found", "a malformed context id");
-    let msg = api
-        .post(&path, &json!({ "code": "1", "language": "javascript" }))
-        .expect_error(400, "bad_request", "a language without a kernel");
-    assert!(msg.contains("javascript"), "{msg}");
     let ctx = new_context(&api, &id, &json!({}));
     let msg = api
         .post(
@@ -1180,15 +1303,18 @@ fn bash_kernel_wheels() -> Option<Vec<(String, Vec<u8>)>> {
     )
 }
 
+/// The command line of the process that runs a bash cell's shell (its kernel).
+const KERNEL_CMDLINE: &str = "tr '\\0' ' ' < /proc/$PPID/cmdline";
+
 #[test]
-fn a_bash_context_runs_on_bash_kernel_installed_from_pypi() {
+fn a_bash_context_runs_on_bash_kernel_installed_from_pypi_which_wins() {
     let (_t, api, id) = code_sandbox();
-    // The template has no bash kernel: the answer says how to get one.
-    assert_no_kernel(
-        &api,
-        &id,
-        "bash",
-        "pip install --break-system-packages bash_kernel",
+    // Before: Locker's own bash kernel serves.
+    let own = new_context(&api, &id, &json!({ "language": "bash" }));
+    let parent = run_in(&api, &id, &own, KERNEL_CMDLINE);
+    assert!(
+        !parent["stdout"].as_str().unwrap().contains("bash_kernel"),
+        "{parent}"
     );
     let Some(wheels) = bash_kernel_wheels() else {
         return;
@@ -1208,6 +1334,12 @@ fn a_bash_context_runs_on_bash_kernel_installed_from_pypi() {
         &api,
         &id,
         &json!({ "language": "bash", "cwd": "/tmp", "env": { "CTX_VAR": "from the context" } }),
+    );
+    // An installed kernel named `bash` wins over Locker's own.
+    let parent = run_in(&api, &id, &ctx, KERNEL_CMDLINE);
+    assert!(
+        parent["stdout"].as_str().unwrap().contains("bash_kernel"),
+        "{parent}"
     );
     // State (shell variables, the working directory) persists between cells.
     let a = run_in(&api, &id, &ctx, "x=41\necho \"$PWD $CTX_VAR\"");
@@ -1262,15 +1394,12 @@ fn deno_binary() -> Option<Vec<u8>> {
 }
 
 #[test]
-fn a_javascript_context_runs_on_denos_kernel_installed_from_npm() {
+fn a_javascript_context_runs_on_denos_kernel_installed_from_npm_which_wins() {
     let (_t, api, id) = code_sandbox();
-    // The template has no JavaScript kernel: the answer says how to get one.
-    assert_no_kernel(
-        &api,
-        &id,
-        "javascript",
-        "deno jupyter --install --name javascript",
-    );
+    // Before: Locker's own JavaScript kernel (on Node) serves.
+    let own = new_context(&api, &id, &json!({ "language": "javascript" }));
+    let which = run_in(&api, &id, &own, "typeof Deno");
+    assert_eq!(which["results"][0]["text"], "undefined", "{which}");
     let Some(deno) = deno_binary() else {
         return;
     };
@@ -1336,12 +1465,13 @@ fn a_javascript_context_runs_on_denos_kernel_installed_from_npm() {
     let gone = run_in(&api, &id, &ctx, "typeof x");
     assert_eq!(gone["results"][0]["text"], "\"undefined\"", "{gone}");
     assert_eq!(run_in(&api, &id, &ctx, "1 + 1")["results"][0]["text"], "2");
-    // A JavaScript cell takes its env from the context only.
-    let bad = api
-        .post(
-            &format!("/v1/sandboxes/{id}/code"),
-            &json!({ "context": ctx, "code": "1", "env": { "A": "1" } }),
-        )
-        .expect_error(400, "bad_request", "env on a javascript cell");
-    assert!(bad.contains("takes no `env`"), "{bad}");
+    // A JavaScript cell's own env is set in `process.env` for it (Deno has Node's `process`).
+    let e = run(
+        &api,
+        &id,
+        &json!({ "context": ctx, "code": "process.env.CELL_VAR", "env": { "CELL_VAR": "only here" } }),
+    );
+    assert_eq!(e["results"][0]["text"], "\"only here\"", "{e}");
+    let after = run_in(&api, &id, &ctx, "process.env.CELL_VAR ?? 'unset'");
+    assert_eq!(after["results"][0]["text"], "\"unset\"", "{after}");
 }

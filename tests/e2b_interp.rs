@@ -20,7 +20,7 @@ use std::time::Instant;
 
 use locker_tests::shared::Tenant;
 use locker_tests::tools::{npm_package, python_e2b, run_logged};
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// Runs a driver script (`python` or `node` with `script` under `tests/e2b/`) as an E2B SDK
 /// user of `tenant` and returns the JSON line it printed last.
@@ -155,7 +155,12 @@ fn contexts_live_in_their_sandbox_and_a_client_timeout_interrupts_the_kernel() {
 
     let other = v["other_sandbox"].as_str().unwrap();
     assert!(other.starts_with("not found") && other.contains(id), "{v}");
-    assert_eq!(v["b_listed"], serde_json::json!([]), "{v}");
+    // b has only its own default contexts (E2B's Python and JavaScript ones, made on list).
+    assert_eq!(
+        v["b_listed"],
+        serde_json::json!(["ctx_default_python", "ctx_default_javascript"]),
+        "{v}"
+    );
     assert_eq!(
         v["after_restart"], "NameError",
         "restart clears the state: {v}"
@@ -177,7 +182,7 @@ fn contexts_live_in_their_sandbox_and_a_client_timeout_interrupts_the_kernel() {
 
     assert_eq!(
         v["listed_after_remove"],
-        serde_json::json!(["ctx_default_python"]),
+        serde_json::json!(["ctx_default_javascript", "ctx_default_python"]),
         "{v}"
     );
     assert!(
@@ -227,6 +232,66 @@ fn contexts_live_in_their_sandbox_and_a_client_timeout_interrupts_the_kernel() {
     );
     assert_eq!(lines[0]["text"], "42");
     assert_eq!(lines[0]["is_main_result"], true);
+}
+
+#[test]
+fn the_languages_of_e2bs_template_run_as_e2bs_suites_call_them() {
+    let Some(py) = python_e2b() else { return };
+    let tenant = Tenant::new();
+    let v = drive(&py, "interp_languages.py", &tenant, &[]);
+    let out = |c: &Value| c["stdout"].clone();
+    let text = |c: &Value| c["text"].as_str().unwrap_or_default().trim().to_owned();
+
+    assert_eq!(
+        v["listed"],
+        json!(["python", "javascript"]),
+        "a new sandbox lists E2B's two default contexts: {v}"
+    );
+    let js = &v["js"];
+    assert_eq!(out(&js["hello"]), json!(["Hello, World!\n"]), "{js}");
+    assert_eq!(js["hello"]["results"], json!([]), "console.log gives no result: {js}");
+    assert_eq!(out(&js["esm"]), json!(["function\n"]), "an ESM import: {js}");
+    assert_eq!(js["await"]["text"], "Hello World!", "top-level await: {js}");
+    assert_eq!(js["cwd"]["text"], "/home/user", "{js}");
+    assert_eq!(text(&js["sandbox_env"]), "supertest", "{js}");
+    assert_eq!(text(&js["cell_env"]), "bar", "{js}");
+    assert_eq!(text(&js["cell_env_after"]), "default", "{js}");
+    assert_eq!(text(&js["state"]), "42", "{js}");
+    assert_eq!(js["error"]["error"]["name"], "ReferenceError", "{js}");
+    assert_eq!(js["object"]["text"], "{ a: 1, b: [ 1, 2 ] }", "{js}");
+    assert!(
+        js["timeout"].as_str().unwrap().starts_with("raised"),
+        "the SDK's timeout: {js}"
+    );
+    assert_eq!(text(&js["after_timeout"]), "41", "interrupted, state kept: {js}");
+    assert!(js["after_timeout_s"].as_f64().unwrap() < 30.0, "{js}");
+
+    assert_eq!(out(&v["ts"]), json!(["Hello, World!\n"]), "TypeScript: {v}");
+    assert_eq!(text(&v["ts_types"]), "42", "TypeScript's types: {v}");
+
+    let r = &v["r"];
+    assert_eq!(out(&r["hello"]), json!(["[1] \"Hello, World!\"\n"]), "R: {r}");
+    assert_eq!(r["sandbox_env"]["results"][0], "[1] \"supertest\"", "{r}");
+    assert_eq!(r["cell_env"]["results"][0], "[1] \"bar\"", "{r}");
+    assert_eq!(r["cell_env_after"]["results"][0], "[1] \"default\"", "{r}");
+
+    let java = &v["java"];
+    assert_eq!(java["hello"]["stdout"][0], "Hello, World!", "Java: {java}");
+    assert_eq!(text(&java["sandbox_env"]), "supertest", "{java}");
+    assert_eq!(text(&java["cell_env"]), "bar", "{java}");
+    assert_eq!(text(&java["cell_env_after"]), "default", "{java}");
+    assert_eq!(java["error"]["error"]["name"], "ArithmeticException", "{java}");
+
+    let bash = &v["bash"];
+    assert_eq!(bash["sandbox_env"]["stdout"][0], "supertest\n", "bash: {bash}");
+    assert_eq!(bash["cell_env"]["stdout"][0], "bar\n", "{bash}");
+    assert_eq!(bash["cell_env_after"]["stdout"][0], "default\n", "{bash}");
+    assert_eq!(bash["pwd"]["stdout"][0], "/home/user\n", "{bash}");
+    assert_eq!(
+        v["listed_after"],
+        json!(["bash", "python"]),
+        "the contexts left (a default one deleted is not made again by a list): {v}"
+    );
 }
 
 #[test]

@@ -114,10 +114,15 @@ pub const DEFAULT_USER_STEP: &str =
 /// The name of the template built from [`code_interpreter_spec`].
 pub const CODE_INTERPRETER_TEMPLATE: &str = "code-interpreter";
 /// What the `code-interpreter` template adds to [`DEFAULT_PACKAGES`]: a Jupyter kernel for
-/// Python (the code interpreter's contexts) and the usual data libraries, all Debian's own.
+/// Python (the code interpreter's contexts) and the usual data libraries, R's kernel, and
+/// what Locker's own kernels run on besides bash and Node (TypeScript's compiler, a JDK with
+/// JShell), all Debian's own: the languages of E2B's code-interpreter template.
 pub const CODE_INTERPRETER_PACKAGES: &[&str] = &[
     "python3-ipykernel",
     "python3-jupyter-client",
+    "node-typescript",
+    "r-cran-irkernel",
+    "openjdk-17-jdk-headless",
     "python3-numpy",
     "python3-pandas",
     "python3-matplotlib",

@@ -69,6 +69,17 @@ pub(crate) async fn start_context(
     read_json(resp).await
 }
 
+/// Starts the context `body` describes unless one with its id was ever made in this machine
+/// (deleted since or not): E2B's default contexts, which the first list makes.
+pub(crate) async fn start_once(live: &Live, body: &serde_json::Value) -> Result<(), ApiError> {
+    let mut body = body.clone();
+    body["once"] = serde_json::Value::Bool(true);
+    ask(live, Start::IfMissing, Method::POST, "/contexts", Some(&body))
+        .await?
+        .ok_or_else(|| stuck(&live.id))?;
+    Ok(())
+}
+
 /// Deletes context `ctx` (its kernel ends).
 pub(crate) async fn remove(live: &Live, ctx: &str) -> Result<(), ApiError> {
     check_context_id(&live.id, ctx)?;

@@ -17,8 +17,13 @@ that is the queue of concurrent calls on one context. Interrupts are SIGINT to t
 (ipykernel's interrupt mode); a timeout interrupts, then restarts a kernel that does not
 stop within INTERRUPT_GRACE_S (1 s for JavaScript: Deno's kernel ignores SIGINT). A kernel
 that dies is reported (`context_died`) and the next job on its context starts a fresh one.
-Kernels are found by kernelspec name: `python3` (ipykernel), `javascript` (Deno's, installed
-with `deno jupyter --install --name javascript`), `bash` (bash_kernel).
+
+Kernels are found by kernelspec name first (KERNELS: `python3` ipykernel, `ir` IRkernel, a
+`javascript` one such as Deno's, a `bash` one such as bash_kernel): a kernel the template
+installs is the one used. Where none is installed, Locker's own kernels serve (`kernels/`
+beside this file, sent with it as KERNEL_FILES, started without a file of their own): bash
+(`bash_kernel.py`), JavaScript and TypeScript on the sandbox's `node` (`js_runtime.js`),
+Java on its JDK's JShell (`JShellRuntime.java`), the last two behind `runtime_kernel.py`.
 
 A spare kernel (`POST /spare`, asked by the server's warm pool before the machine is a
 sandbox's) is a Python kernel started ahead of any context: the first Python context
@@ -30,10 +35,12 @@ What user code does to this process (kill it, flood it) is contained by the serv
 line it sends back is parsed and capped there, and a driver that is gone is started again.
 """
 
+import base64
 import json
 import os
 import queue
 import re
+import shutil
 import signal
 import sys
 import threading
@@ -53,7 +60,35 @@ KERNEL_READY_S = 60.0
 RESULT_VALUE_CAP = 8 << 20
 # All results of one execution together.
 RESULTS_CAP = 32 << 20
-KERNELS = {"python": "python3", "javascript": "javascript", "bash": "bash"}
+# The kernelspec names tried for each language, in order.
+KERNELS = {
+    "python": ["python3"],
+    "javascript": ["javascript"],
+    "typescript": ["typescript"],
+    "bash": ["bash"],
+    "r": ["ir", "r"],
+    "java": ["java"],
+}
+# Locker's own kernels' sources, by file name (the server puts them before this source).
+try:
+    KERNEL_FILES
+except NameError:
+    KERNEL_FILES = {}
+# How a kernel given as source is started: the source is the argument after `-c`'s, in
+# base64 (jupyter_client substitutes `{name}` and `${NAME}` in a kernelspec's argv and env).
+KERNEL_LAUNCH = (
+    "import base64,sys;"
+    "exec(compile(base64.b64decode(sys.argv.pop(1)),'<locker kernel>','exec'))"
+)
+# The JVM's options for JShell: one JVM (JShell's local engine), quick start before peak speed.
+JAVA_OPTIONS = [
+    "-XX:TieredStopAtLevel=1",
+    "-XX:+UseSerialGC",
+    "-Xshare:auto",
+    "-Dfile.encoding=UTF-8",
+    "-Dstdout.encoding=UTF-8",
+    "-Dstderr.encoding=UTF-8",
+]
 # Where a language's kernel departs from ipykernel's behaviour, and what the driver does
 # about it (a language not named here behaves as ipykernel does):
 # - `grace`: seconds without output after an interrupt before the kernel is restarted
@@ -70,12 +105,15 @@ KERNEL_QUIRKS = {
 # How a sandbox gets each kernel (said when it has none).
 KERNEL_HINTS = {
     "python": "install python3-ipykernel",
-    "javascript": "install a Jupyter kernel whose kernelspec is named 'javascript': Deno's, "
-    "with the deno binary (npm's @deno/linux-x64-glibc) on the PATH: "
-    "deno jupyter --install --name javascript",
-    "bash": "install bash_kernel from PyPI in the sandbox: "
-    "pip install --break-system-packages bash_kernel && python3 -m bash_kernel.install "
-    "--sys-prefix",
+    "javascript": "install Node.js (Debian's nodejs) for Locker's own JavaScript kernel, or a "
+    "Jupyter kernel whose kernelspec is named 'javascript' (Deno's: deno jupyter --install "
+    "--name javascript)",
+    "typescript": "install Node.js and the TypeScript compiler (Debian's nodejs and "
+    "node-typescript) for Locker's own TypeScript kernel",
+    "bash": "install bash",
+    "r": "install IRkernel (Debian's r-cran-irkernel)",
+    "java": "install a JDK with JShell (Debian's openjdk-17-jdk-headless) for Locker's own "
+    "Java kernel",
 }
 MIME_FIELDS = {
     "text/plain": "text",
@@ -224,13 +262,109 @@ class Job:
         self.cancelled = False
 
 
+def kernel_manager(language):
+    """A KernelManager for `language` and whether its kernel is one the sandbox installed
+    (else Locker's own); NoSuchKernel when there is neither."""
+    from jupyter_client import KernelManager
+    from jupyter_client.kernelspec import KernelSpecManager, NoSuchKernel
+
+    installed = KernelSpecManager()
+    for name in KERNELS[language]:
+        try:
+            installed.get_kernel_spec(name)
+        except NoSuchKernel:
+            continue
+        return KernelManager(kernel_name=name, kernel_spec_manager=installed), True
+    spec = own_kernel(language)
+    if spec is None:
+        raise NoSuchKernel(KERNELS[language][0])
+
+    class Own(KernelSpecManager):
+        def get_kernel_spec(self, kernel_name):
+            return spec
+
+    return KernelManager(kernel_name="locker-" + language, kernel_spec_manager=Own()), False
+
+
+def b64(text):
+    return base64.b64encode(text.encode()).decode()
+
+
+def own_kernel(language):
+    """Locker's own kernel for `language` as a KernelSpec, or None where this sandbox lacks
+    what it runs on (bash, node, a JDK with JShell)."""
+    from jupyter_client.kernelspec import KernelSpec
+
+    runtime = None
+    if language == "bash":
+        if not shutil.which("bash"):
+            return None
+        source = KERNEL_FILES["bash_kernel.py"]
+    elif language in ("javascript", "typescript"):
+        node = shutil.which("node") or shutil.which("nodejs")
+        if not node:
+            return None
+        ts = language == "typescript"
+        runtime = {
+            "argv": [node, "{source}"] + (["--typescript"] if ts else []),
+            "filename": "js_runtime.cjs",
+            "source": KERNEL_FILES["js_runtime.js"],
+            "language_info": {
+                "name": language,
+                "file_extension": ".ts" if ts else ".js",
+                "mimetype": "text/typescript" if ts else "text/javascript",
+            },
+        }
+    elif language == "java":
+        java = shutil.which("java")
+        if not java or not shutil.which("jshell"):
+            return None
+        runtime = {
+            "argv": [java] + JAVA_OPTIONS + java_memory() + ["--source", "17", "{source}"],
+            "filename": "JShellRuntime.java",
+            "source": KERNEL_FILES["JShellRuntime.java"],
+            "language_info": {
+                "name": "java",
+                "file_extension": ".jshell",
+                "mimetype": "text/x-java-source",
+            },
+        }
+    else:
+        return None
+    env = {}
+    if runtime is not None:
+        source = KERNEL_FILES["runtime_kernel.py"]
+        env["LOCKER_KERNEL_RUNTIME"] = b64(json.dumps(runtime))
+    return KernelSpec(
+        argv=[sys.executable, "-c", KERNEL_LAUNCH, b64(source), "-f", "{connection_file}"],
+        display_name="Locker " + language,
+        language=language,
+        interrupt_mode="signal",
+        env=env,
+    )
+
+
+def java_memory():
+    """The JVM sizes its heap from the memory it believes the machine has (a quarter): in a
+    jail that is the host's, unless told the machine's, which /proc/meminfo says here."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return ["-XX:MaxRAM=%dk" % int(line.split()[1])]
+    except (OSError, ValueError, IndexError):
+        pass
+    return []
+
+
 class Context:
     """One kernel and the worker thread that owns it."""
 
     def __init__(self, cid, language, cwd, env):
         self.id = cid
         self.language = language
-        self.quirks = KERNEL_QUIRKS.get(language, {})
+        # Set when the kernel starts: an installed kernel's departures (KERNEL_QUIRKS).
+        self.quirks = {}
         self.cwd = cwd
         self.env = env
         self.created_at = now_rfc3339()
@@ -307,7 +441,6 @@ class Context:
                 job.events.put(("fail", ApiError(500, "%s: %s" % (type(e).__name__, e))))
 
     def start(self):
-        from jupyter_client import KernelManager
         from jupyter_client.kernelspec import NoSuchKernel
 
         env = dict(os.environ)
@@ -316,19 +449,24 @@ class Context:
         # ipykernel's debugger warns on every start that Python's modules are frozen.
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         env.pop("LOCKER_CODE_DRIVER", None)
-        for k, v in self.quirks.get("env", {}).items():
-            env.setdefault(k, v)
         if not os.path.isdir(self.cwd):
             raise ApiError(400, "cwd %s is not a directory in the sandbox" % self.cwd)
         try:
-            km = KernelManager(kernel_name=KERNELS[self.language])
+            km, installed = kernel_manager(self.language)
+            self.quirks = KERNEL_QUIRKS.get(self.language, {}) if installed else {}
+            for k, v in self.quirks.get("env", {}).items():
+                env.setdefault(k, v)
             km.start_kernel(cwd=self.cwd, env=env)
         except NoSuchKernel:
             raise ApiError(
                 400,
-                "no %s kernel in this sandbox (kernelspec %r): python is the language the "
-                "code-interpreter template has; %s"
-                % (self.language, KERNELS[self.language], KERNEL_HINTS[self.language]),
+                "no %s kernel in this sandbox (no kernelspec %s, and not what Locker's own "
+                "kernel needs): %s"
+                % (
+                    self.language,
+                    " or ".join(repr(n) for n in KERNELS[self.language]),
+                    KERNEL_HINTS[self.language],
+                ),
             )
         kc = km.client()
         kc.start_channels()
@@ -607,9 +745,74 @@ def env_code(language, env):
                 "else unset %s; fi; unset __locker_had_%s __locker_old_%s" % ((k,) * 6)
             )
         return "\n".join(setup), "\n".join(restore)
-    if env:
-        raise ApiError(400, "a %s cell takes no `env`: set it in the context" % language)
-    return "", ""
+    if not env:
+        return "", ""
+    if language in ("javascript", "typescript"):
+        return (
+            "globalThis.__locker_saved_env = Object.fromEntries(%s.map(k => [k, "
+            "process.env[k]])); Object.assign(process.env, %s);"
+            % (json.dumps(list(env)), json.dumps(env)),
+            "for (const [k, v] of Object.entries(globalThis.__locker_saved_env)) { if (v === "
+            "undefined) delete process.env[k]; else process.env[k] = v; } "
+            "delete globalThis.__locker_saved_env;",
+        )
+    if language == "java":
+        # As E2B's server does: a Java cell's variables are system properties (the process
+        # environment cannot change), read with System.getProperty.
+        return (
+            "java.util.Map<String, String> __locker_saved_env = new java.util.HashMap<>();\n"
+            + "".join(
+                "__locker_saved_env.put(%s, System.getProperty(%s));\n"
+                "System.setProperty(%s, %s);\n" % (java_str(k), java_str(k), java_str(k), java_str(v))
+                for k, v in env.items()
+            ),
+            "__locker_saved_env.forEach((k, v) -> { if (v == null) System.clearProperty(k); "
+            "else System.setProperty(k, v); });",
+        )
+    if language == "r":
+        names = "c(%s)" % ", ".join(r_str(k) for k in env)
+        return (
+            ".locker_saved_env <- Sys.getenv(%s, unset = NA, names = TRUE)\n"
+            "do.call(Sys.setenv, as.list(c(%s)))\n"
+            % (names, ", ".join("%s = %s" % (r_str(k), r_str(v)) for k, v in env.items())),
+            "for (.k in names(.locker_saved_env)) { if (is.na(.locker_saved_env[[.k]])) "
+            "Sys.unsetenv(.k) else do.call(Sys.setenv, setNames(list(.locker_saved_env[[.k]]), "
+            ".k)) }\nrm(.locker_saved_env, .k)",
+        )
+    raise ApiError(400, "a %s cell takes no `env`: set it in the context" % language)
+
+
+def java_str(value):
+    """`value` as a Java string literal."""
+    out = []
+    for ch in value:
+        if ch in "\\\"":
+            out.append("\\" + ch)
+        elif ch == "\n":
+            out.append("\\n")
+        elif ord(ch) < 0x20 or ord(ch) > 0x7E:
+            out.extend("\\u%04x" % u for u in _utf16(ch))
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
+
+
+def _utf16(ch):
+    data = ch.encode("utf-16-be")
+    return [int.from_bytes(data[i : i + 2], "big") for i in range(0, len(data), 2)]
+
+
+def r_str(value):
+    """`value` as an R string literal."""
+    out = []
+    for ch in value:
+        if ch in "\\\"":
+            out.append("\\" + ch)
+        elif ord(ch) < 0x20:
+            out.append("\\x%02x" % ord(ch))
+        else:
+            out.append(ch)
+    return '"' + "".join(out) + '"'
 
 
 SHELL_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -646,6 +849,8 @@ class Driver:
         self.contexts = {}
         # Started kernels waiting for their context, by language (see the module doc).
         self.spares = {}
+        # The id of every context ever made here.
+        self.made = set()
 
     def start_spare(self, language):
         """Starts a spare kernel of `language` unless one waits; returns when it is ready."""
@@ -688,7 +893,7 @@ class Driver:
 
     def create(self, cid, language, cwd, env):
         if language not in KERNELS:
-            raise ApiError(400, "language must be python, javascript or bash")
+            raise ApiError(400, "language must be one of %s" % ", ".join(KERNELS))
         if not cwd:
             cwd = default_cwd()
         with self.lock:
@@ -706,6 +911,7 @@ class Driver:
             ctx.closed = True
             ctx.jobs.put(Job("delete"))
             raise value
+        self.made.add(cid)
         return ctx, True
 
     def delete(self, cid):
@@ -782,6 +988,9 @@ class Handler(BaseHTTPRequestHandler):
         if parts == ["contexts"] and method == "POST":
             b = self.body()
             cwd = b.get("cwd") or home_dir(b.get("home"))
+            if b.get("once") and b["id"] in DRIVER.made:
+                # Made before (E2B's default contexts, made by the first list): not again.
+                return self.answer(200, {"made_before": True})
             ctx, _ = DRIVER.create(b["id"], b["language"], cwd, b.get("env") or {})
             return self.answer(201, ctx.describe())
         if len(parts) == 2 and parts[0] == "contexts" and method == "DELETE":

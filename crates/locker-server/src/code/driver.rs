@@ -35,8 +35,27 @@ use crate::state::{new_id, Live};
 /// The driver's port on the machine's loopback: E2B's code-interpreter port, so a
 /// sandbox's own servers rarely want it; hidden from the port list and the proxy.
 pub const PORT: u16 = 49999;
-/// The driver's source, written to `python3`'s stdin at start.
-const SOURCE: &str = include_str!("driver.py");
+/// Locker's own kernels (`kernels/`), handed to the driver with its source.
+const KERNEL_FILES: &[(&str, &str)] = &[
+    ("runtime_kernel.py", include_str!("kernels/runtime_kernel.py")),
+    ("bash_kernel.py", include_str!("kernels/bash_kernel.py")),
+    ("js_runtime.js", include_str!("kernels/js_runtime.js")),
+    ("JShellRuntime.java", include_str!("kernels/JShellRuntime.java")),
+];
+
+/// What is written to `python3`'s stdin at start: `KERNEL_FILES = {name: source, …}` (each
+/// a JSON string, which Python reads as its own string literal), then the driver's source.
+fn source() -> &'static [u8] {
+    static SOURCE: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+        let files: serde_json::Map<String, Value> = KERNEL_FILES
+            .iter()
+            .map(|(name, text)| (name.to_string(), Value::from(*text)))
+            .collect();
+        format!("KERNEL_FILES = {}\n{}", Value::Object(files), include_str!("driver.py"))
+            .into_bytes()
+    });
+    &SOURCE
+}
 /// How long the driver may take to start listening (`python3` and `jupyter_client` import).
 const START_TIMEOUT_MS: u64 = 60_000;
 /// How long a context request may take: a kernel's start or restart fits well within it.
@@ -233,7 +252,7 @@ async fn launch(live: &Target<'_>) -> Result<String, ApiError> {
     let res = live
         .machine
         .agent
-        .exec(spec, Some(SOURCE.as_bytes().to_vec()), None)
+        .exec(spec, Some(source().to_vec()), None)
         .await
         .map_err(ApiError::from)?;
     let said = res.stderr.trim().to_owned();

@@ -76,7 +76,8 @@ fn language_of(raw: Option<&str>) -> Result<&'static str, ApiError> {
         .copied()
         .ok_or_else(|| {
             ApiError::bad_request(format!(
-                "`language` must be one of python, javascript, bash; got {raw:?}"
+                "`language` must be one of {}; got {raw:?}",
+                LANGUAGES.join(", ")
             ))
         })
 }

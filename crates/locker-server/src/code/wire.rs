@@ -15,8 +15,10 @@ use serde_json::Value;
 
 use crate::error::ApiError;
 
-/// The languages the contract names; each needs its kernel in the sandbox's template.
-pub const LANGUAGES: &[&str] = &["python", "javascript", "bash"];
+/// The languages a context may have: the contract's three, and those of E2B's
+/// code-interpreter template. Each needs its kernel in the sandbox (an installed kernelspec,
+/// or what Locker's own kernel for it runs on: `driver.py`, KERNELS).
+pub const LANGUAGES: &[&str] = &["python", "javascript", "typescript", "bash", "r", "java"];
 /// The largest line the driver may send: a whole Execution with its capped output and results.
 pub const MAX_LINE: usize = 128 << 20;
 /// The largest `code` a call may carry.

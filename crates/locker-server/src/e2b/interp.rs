@@ -511,10 +511,35 @@ async fn create(app: &AppState, t: &Target, body: Body) -> Result<Response, Refu
     Ok(axum::Json(context(&c)).into_response())
 }
 
+/// The languages whose default contexts E2B's server starts with the sandbox.
+const DEFAULT_LANGUAGES: &[&str] = &["python", "javascript"];
+
+/// The contexts, with the default ones of [`DEFAULT_LANGUAGES`] made first unless they were
+/// made before (E2B's server starts them at boot; Locker makes them on first use, and a list
+/// is one; one deleted since stays deleted). A language the sandbox has no kernel for is
+/// left out. The default contexts come first.
 async fn list(app: &AppState, t: &Target) -> Result<Response, Refusal> {
     let busy = enter(app, t.live.clone())?;
-    let all: Vec<Value> = door::list(&busy).await?.iter().map(context).collect();
-    Ok(axum::Json(all).into_response())
+    let mut all = door::list(&busy).await?;
+    let mut made = false;
+    for language in DEFAULT_LANGUAGES {
+        let id = format!("ctx_default_{language}");
+        if all.iter().any(|c| c.id == id) {
+            continue;
+        }
+        let body = json!({"id": id, "language": language, "cwd": null, "home": E2B_HOME, "env": {}});
+        match door::start_once(&busy, &body).await {
+            Ok(()) => made = true,
+            Err(e) if e.status == StatusCode::BAD_REQUEST => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    if made {
+        all = door::list(&busy).await?;
+    }
+    // First, as on E2B where they are the oldest: a context made before this list stays last.
+    all.sort_by_key(|c| !c.id.starts_with("ctx_default_"));
+    Ok(axum::Json(all.iter().map(context).collect::<Vec<_>>()).into_response())
 }
 
 async fn remove(app: &AppState, t: &Target, id: &str) -> Result<Response, Refusal> {
