@@ -1,7 +1,7 @@
 """Locker's code-context driver: Jupyter kernels inside one machine, on jupyter_client.
 
 The locker server ships this file inside its binary and starts it on a sandbox's first code
-call as `python3 - --start` (the source on stdin, nothing written to the machine's disk).
+call as `python3 - --start` (the source on stdin, after `KERNEL_FILES = {...}`: Locker's kernels).
 The starting process checks that jupyter_client and ipykernel import, forks the driver
 (its own session, output to /var/tmp/locker/code-driver.log), waits until it listens on
 127.0.0.1:PORT and exits: 0 started (or one already runs), 3 the template has no Jupyter
@@ -15,7 +15,7 @@ executions, streamed as NDJSON in the API contract's shapes. Each context is one
 owned by one worker thread, which runs the context's jobs one at a time in arrival order:
 that is the queue of concurrent calls on one context. Interrupts are SIGINT to the kernel
 (ipykernel's interrupt mode); a timeout interrupts, then restarts a kernel that does not
-stop within INTERRUPT_GRACE_S (1 s for JavaScript: Deno's kernel ignores SIGINT). A kernel
+stop within INTERRUPT_GRACE_S (1 s for an installed Deno kernel: it ignores SIGINT). A kernel
 that dies is reported (`context_died`) and the next job on its context starts a fresh one.
 
 Kernels are found by kernelspec name first (KERNELS: `python3` ipykernel, `ir` IRkernel, a
@@ -89,7 +89,8 @@ JAVA_OPTIONS = [
     "-Dstdout.encoding=UTF-8",
     "-Dstderr.encoding=UTF-8",
 ]
-# Where a language's kernel departs from ipykernel's behaviour, and what the driver does
+# Where an installed kernel of a language departs from ipykernel's behaviour (Locker's own
+# kernels do not), and what the driver does
 # about it (a language not named here behaves as ipykernel does):
 # - `grace`: seconds without output after an interrupt before the kernel is restarted
 #   (INTERRUPT_GRACE_S otherwise). Deno's kernel does not stop a running cell on SIGINT (an
@@ -126,6 +127,9 @@ MIME_FIELDS = {
     "text/latex": "latex",
     "application/json": "json",
     "application/javascript": "javascript",
+    # Locker's display extensions (kernels/python_display.py), E2B's MIME types.
+    "e2b/chart": "chart",
+    "e2b/data": "data",
 }
 ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
 # Run silently in every new kernel: ipykernel buffers a cell's output without bound until
@@ -236,7 +240,8 @@ def result_of(data, is_main, budget, text_cap):
         if mime not in data:
             continue
         value = data[mime]
-        if isinstance(value, list):
+        if isinstance(value, list) and mime.startswith(("text/", "image/svg")):
+            # Jupyter may split a text value into a list of lines.
             value = "".join(value)
         if mime == "text/plain" and isinstance(value, str):
             value, cut = head_and_tail(value, min(text_cap, budget))
@@ -479,6 +484,8 @@ class Context:
         self.km, self.kc = km, kc
         if self.language == "python":
             self.run_silent(OUTPUT_BACKPRESSURE)
+            if installed and "python_display.py" in KERNEL_FILES:
+                self.run_silent(KERNEL_FILES["python_display.py"])
 
     def adopt(self):
         """Makes a spare kernel this context's: its working directory and environment."""

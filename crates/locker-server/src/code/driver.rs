@@ -7,7 +7,10 @@
 //! Why in the binary and not in the template: the driver and the server that speaks to it
 //! change together, so a server upgrade never meets an older driver baked into a template,
 //! and any template with Python's `jupyter_client` and `ipykernel` (a user's own) works.
-//! Nothing is written to the machine's disk, so user code cannot corrupt the driver's file.
+//! Locker's own kernels (`kernels/`) travel the same way, ahead of the driver's source
+//! (`KERNEL_FILES`). Nothing is written to the machine's disk but a language runtime's
+//! source, in a private directory until the runtime has read it, so user code cannot
+//! corrupt the driver's files.
 //!
 //! This room owns starting and reaching the driver and turning its refusals into API errors;
 //! it does not parse executions (`wire`) or know routes (`mod`).
@@ -41,6 +44,7 @@ const KERNEL_FILES: &[(&str, &str)] = &[
     ("bash_kernel.py", include_str!("kernels/bash_kernel.py")),
     ("js_runtime.js", include_str!("kernels/js_runtime.js")),
     ("JShellRuntime.java", include_str!("kernels/JShellRuntime.java")),
+    ("python_display.py", include_str!("kernels/python_display.py")),
 ];
 
 /// What is written to `python3`'s stdin at start: `KERNEL_FILES = {name: source, …}` (each

@@ -107,6 +107,9 @@ pub struct CodeResult {
     pub javascript: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub chart: Option<Value>,
+    /// A DataFrame's columns (name → values), beside its `html` and `text`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub data: Option<Value>,
     /// Some MIME value was over the result cap and left out.
     #[serde(default, skip_serializing_if = "is_false")]
     pub truncated: bool,

@@ -459,6 +459,9 @@ fn result(r: CodeResult) -> Value {
     if let Some(c) = r.chart {
         v.insert("chart".into(), c);
     }
+    if let Some(d) = r.data {
+        v.insert("data".into(), d);
+    }
     let mut extra = Map::new();
     if r.truncated {
         extra.insert("truncated".into(), json!(true));

@@ -23,7 +23,7 @@ from .tools import FunctionTool, Toolkit, ToolResult
 if TYPE_CHECKING:
     from .client import Sandbox
 
-_MIME_FIELDS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json", "javascript", "chart")
+_MIME_FIELDS = ("text", "html", "markdown", "svg", "png", "jpeg", "pdf", "latex", "json", "javascript", "chart", "data")
 
 
 @dataclass
@@ -43,6 +43,7 @@ class Result:
     json: Any = None
     javascript: Optional[str] = None
     chart: Any = None
+    data: Any = None
     truncated: bool = False
 
     @classmethod
