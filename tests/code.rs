@@ -1,5 +1,6 @@
 //! The code interpreter through the real server (issue 18, API.md "Code contexts"): real
-//! Jupyter kernels in real jails of the `code-interpreter` template. State and imports
+//! Jupyter kernels in real jails of the `code-interpreter` template, in each of its
+//! languages (Python, JavaScript, TypeScript, bash, R, Java). State and imports
 //! persist, charts come back as PNG and DataFrames as HTML, exceptions as errors with
 //! their traceback; a timeout interrupts and keeps the state, restart clears it, a kernel
 //! that dies is reported and replaced, floods are capped, other sandboxes' and tenants'

@@ -6,7 +6,9 @@
 //! callbacks, a matplotlib chart as a decodable PNG, a DataFrame as HTML, exceptions as
 //! errors, a cell's own environment, contexts (create, list, restart, remove), a context
 //! that stays in its sandbox, a client timeout that interrupts the kernel and keeps the
-//! state, and the protocol's refusals on the raw wire (tokens, bad requests).
+//! state, the protocol's refusals on the raw wire (tokens, bad requests), and the other
+//! languages of E2B's template (JavaScript, TypeScript, R, Java, bash) as E2B's own suites
+//! call them.
 //!
 //! The driver scripts live in `tests/e2b/interp_*`; each prints what it saw as one JSON
 //! line, judged here. Every test runs on the binary's shared server with a tenant of its
