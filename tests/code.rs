@@ -153,6 +153,12 @@ fn a_chart_comes_back_as_a_decodable_png_and_a_dataframe_as_html() {
     assert_eq!(pngs.len(), 1, "plt.show() gives one PNG: {shown}");
     let (w, h, bytes) = png_size(pngs[0]["png"].as_str().unwrap());
     assert!(w > 100 && h > 100, "{w}x{h}");
+    // Beside it, the chart's data in E2B's schema (Locker's display extensions).
+    let chart = &pngs[0]["chart"];
+    assert_eq!(chart["type"], "line", "{chart}");
+    let points = chart["elements"][0]["points"].as_array().unwrap();
+    assert_eq!(points.len(), 100, "{chart}");
+    assert_eq!(points[99], json!([99.0, 99.0]), "{chart}");
 
     // A figure left at the end of a cell comes back too.
     let left = run_in(
@@ -190,6 +196,20 @@ fn a_chart_comes_back_as_a_decodable_png_and_a_dataframe_as_html() {
     assert_eq!(main["is_main_result"], true, "{df}");
     assert!(main["html"].as_str().unwrap().contains("<table"), "{df}");
     assert!(main["text"].as_str().unwrap().contains('a'), "{df}");
+    assert_eq!(main["data"], json!({"a": [1, 2], "b": ["x", "y"]}), "{df}");
+    // The extensions leave nothing in the user's namespace and nothing on plain values.
+    let clean = run_in(&api, &id, &ctx, "[n for n in globals() if 'locker' in n]");
+    assert_eq!(clean["results"][0]["text"], "[]", "{clean}");
+    let plain = run_in(&api, &id, &ctx, "1 + 1");
+    assert_eq!(plain["results"][0], json!({"is_main_result": true, "text": "2"}), "{plain}");
+    // PIL's Image.save(path) also shows the image.
+    let saved = run_in(
+        &api,
+        &id,
+        &ctx,
+        "from PIL import Image\nImage.new('RGB', (8, 8), 'red').save('/tmp/red.png')",
+    );
+    assert!(saved["results"][0]["png"].is_string(), "{saved}");
 
     let rich = run_in(
         &api,

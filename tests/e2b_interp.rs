@@ -294,6 +294,12 @@ fn the_languages_of_e2bs_template_run_as_e2bs_suites_call_them() {
         json!(["bash", "python"]),
         "the contexts left (a default one deleted is not made again by a list): {v}"
     );
+    assert_eq!(
+        v["chart"],
+        json!({"type": "bar", "title": "T", "labels": ["a", "b"], "values": [1, 2], "png": true}),
+        "a chart as the SDK parses it: {v}"
+    );
+    assert_eq!(v["data"], json!({"a": [1, 2], "b": ["x", "y"]}), "{v}");
 }
 
 #[test]

@@ -118,6 +118,21 @@ try:
         "pwd": cell(sbx.run_code("pwd", language="bash")),
     }
     seen["listed_after"] = sorted(c.language for c in sbx.list_code_contexts())
+
+    # E2B's chart and DataFrame extensions, as the SDK parses them.
+    bar = sbx.run_code(
+        "import matplotlib.pyplot as plt\nplt.bar(['a', 'b'], [1, 2])\nplt.title('T')\nplt.show()"
+    )
+    chart = bar.results[0].chart
+    seen["chart"] = {
+        "type": str(getattr(chart.type, "value", chart.type)),
+        "title": chart.title,
+        "labels": [e.label for e in chart.elements],
+        "values": [e.value for e in chart.elements],
+        "png": bool(bar.results[0].png),
+    }
+    table = sbx.run_code("import pandas as pd\npd.DataFrame({'a': [1, 2], 'b': ['x', 'y']})")
+    seen["data"] = table.results[0].data
 finally:
     sbx.kill()
 
