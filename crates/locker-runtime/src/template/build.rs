@@ -151,8 +151,9 @@ pub(super) fn run_mmdebstrap(
         cmd.arg(format!("--dpkgopt={filter}"));
     }
     // The man pages are filtered out, but some packages' scripts register theirs as
-    // alternatives and fail without the directory (a JDK's `java.1.gz`). Not a new
-    // SPEC_FORMAT: a spec that built before builds the same, this empty directory aside.
+    // alternatives and fail without the directory (a JDK's `java.1.gz`); with it there,
+    // alternatives leave their (dangling) links to the pages there. Not a new SPEC_FORMAT:
+    // a spec that built before builds the same but for those links.
     cmd.arg("--setup-hook=mkdir -p \"$1/usr/share/man/man1\"");
     if !spec.packages.is_empty() {
         cmd.arg(format!("--include={}", spec.packages.join(",")));
