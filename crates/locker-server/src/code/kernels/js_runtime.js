@@ -6,9 +6,9 @@
  * It is driven by runtime_kernel.py (a generic Jupyter wrapper kernel) and owns everything
  * language-specific: parsing, rewriting and evaluating cells, formatting results and errors.
  *
- * Start: `node js_runtime.js [--typescript]`, cwd = the context's working directory. This
- * file is deleted once the runtime is ready: nothing here reads it again. It is CommonJS
- * (its directory must not be in a `"type": "module"` package).
+ * Start: `node js_runtime.cjs [--typescript]` (the wrapper writes this file under that
+ * name, so Node loads it as CommonJS wherever it lies), cwd = the context's working
+ * directory. The file is deleted once the runtime is ready: nothing here reads it again.
  *
  * Protocol (see runtime_kernel.py for the other side):
  * - fd 0 is /dev/null; fd 1 and 2 are pipes the wrapper publishes raw as the cell's stdout

@@ -39,9 +39,7 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import time
 
 from ipykernel.kernelbase import Kernel
 
