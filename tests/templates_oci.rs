@@ -17,9 +17,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
-use locker_tests::images::{
-    free_port, make_image, skopeo_copy, wait_listening, Proc, Registry,
-};
+use locker_tests::images::{free_port, make_image, skopeo_copy, wait_listening, Proc, Registry};
 use locker_tests::server::Server;
 use locker_tests::{cache_dir, locker_bin, unique, TempDir};
 use serde_json::{json, Value};
@@ -72,16 +70,51 @@ fn build_dirs() -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// Removes the names this test gave, whatever happened.
+/// Removes the names this test gave, whatever happened, and the layer chains only they
+/// stood on (unnamed step templates, which the step cache would otherwise keep).
 struct Names(Vec<String>);
 
 impl Drop for Names {
     fn drop(&mut self) {
-        if let Ok(store) = locker_runtime::template::TemplateStore::open(cache_dir()) {
-            for n in &self.0 {
-                let _ = store.remove(n, |_| false);
+        use locker_runtime::template::{StepCacheLimits, TemplateStore};
+        let Ok(store) = TemplateStore::open(cache_dir()) else {
+            return;
+        };
+        let templates = cache_dir().join("templates");
+        let parent_of = |d: &str| -> Option<String> {
+            let meta: Value =
+                serde_json::from_slice(&fs::read(templates.join(d).join("meta.json")).ok()?)
+                    .ok()?;
+            meta["parent"]
+                .as_str()
+                .filter(|p| !p.is_empty())
+                .map(str::to_string)
+        };
+        let mut ours = std::collections::HashSet::new();
+        for n in &self.0 {
+            if let Ok(Some(t)) = store.resolve(n) {
+                let mut up = parent_of(&t.digest);
+                while let Some(p) = up {
+                    up = parent_of(&p);
+                    ours.insert(p);
+                }
             }
+            let _ = store.remove(n, |_| false);
         }
+        let others = fs::read_dir(&templates)
+            .map(|rd| {
+                rd.flatten()
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .filter(|d| d.len() == 64 && !ours.contains(d))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let none = StepCacheLimits {
+            max_count: 0,
+            max_bytes: 0,
+            max_age: Duration::ZERO,
+        };
+        let _ = store.prune_steps(none, &others);
     }
 }
 
@@ -541,8 +574,7 @@ fn a_zstd_image_is_pulled_like_a_gzip_one() {
         .unwrap();
     let manifest: Value = serde_json::from_slice(&raw.stdout).unwrap();
     assert_eq!(
-        manifest["layers"][0]["mediaType"],
-        "application/vnd.oci.image.layer.v1.tar+zstd",
+        manifest["layers"][0]["mediaType"], "application/vnd.oci.image.layer.v1.tar+zstd",
         "skopeo pushed zstd: {manifest}"
     );
     let mut digests = Vec::new();
@@ -572,4 +604,114 @@ fn a_zstd_image_is_pulled_like_a_gzip_one() {
         digests.push(t["digest"].as_str().unwrap().to_string());
     }
     assert_eq!(digests[0], digests[1], "one image, one template");
+}
+
+/// Issue 20, point 5: an image's layers are stored once by digest. Image B is image A plus
+/// one layer; once A is pulled, pulling B fetches only B's own layer (A's layer blob is
+/// corrupted in the registry first, so fetching it would fail the digest check), and A's
+/// files are the same inodes in both templates.
+#[test]
+fn an_image_on_a_pulled_base_fetches_only_its_own_layers_and_shares_the_base() {
+    use std::os::unix::fs::MetadataExt;
+    let _serial = serial();
+    let dir = TempDir::new("locker-oci-chain");
+    let image = make_image(dir.path());
+    let layout = image.rsplit_once(':').unwrap().0.to_string();
+    let bundle = dir.path().join("bundle-b");
+    let unpack = Command::new("umoci")
+        .args(["unpack", "--image", &image])
+        .arg(&bundle)
+        .status()
+        .unwrap();
+    assert!(unpack.success(), "umoci unpack");
+    fs::write(bundle.join("rootfs/etc/extra"), "from image b\n").unwrap();
+    let repack = Command::new("umoci")
+        .args(["repack", "--image", &format!("{layout}:b")])
+        .arg(&bundle)
+        .status()
+        .unwrap();
+    assert!(repack.success(), "umoci repack");
+    let reg = Registry::start(&dir.path().join("reg"), None);
+    let (a_ref, b_ref) = (
+        format!("{}/test/base:1", reg.host),
+        format!("{}/test/on-base:1", reg.host),
+    );
+    skopeo_copy(&format!("oci:{image}"), &format!("docker://{a_ref}"), &[]);
+    skopeo_copy(
+        &format!("oci:{layout}:b"),
+        &format!("docker://{b_ref}"),
+        &[],
+    );
+    let cache = TempDir::new("locker-oci-chain-cache");
+    let pull = |name: &str, reference: &str| -> (Value, String) {
+        let out = locker(
+            &[
+                "template",
+                "pull",
+                name,
+                reference,
+                "--plain-http",
+                &reg.host,
+                "--json",
+            ],
+            None,
+            &[("LOCKER_CACHE_DIR", cache.path().to_str().unwrap())],
+        );
+        assert!(out.status.success(), "pull {reference}: {}", text(&out));
+        (serde_json::from_slice(&out.stdout).unwrap(), text(&out))
+    };
+    let (a, _) = pull("a", &a_ref);
+
+    // B's manifest lists A's layer, then its own.
+    let raw = Command::new("skopeo")
+        .args(["inspect", "--raw", "--tls-verify=false"])
+        .arg(format!("docker://{b_ref}"))
+        .output()
+        .unwrap();
+    let manifest: Value = serde_json::from_slice(&raw.stdout).unwrap();
+    let layers = manifest["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2, "{manifest}");
+    let base = layers[0]["digest"].as_str().unwrap();
+    let hexd = base.strip_prefix("sha256:").unwrap();
+    let blob = dir
+        .path()
+        .join("reg/storage/docker/registry/v2/blobs/sha256")
+        .join(&hexd[..2])
+        .join(hexd)
+        .join("data");
+    let len = fs::metadata(&blob)
+        .expect("the base layer's blob in the registry")
+        .len();
+    fs::write(&blob, vec![b'x'; len as usize]).unwrap();
+
+    let (b, log) = pull("b", &b_ref);
+    assert!(log.contains("stored already"), "{log}");
+    let (ra, rb) = (
+        Path::new(a["rootfs"].as_str().unwrap()),
+        Path::new(b["rootfs"].as_str().unwrap()),
+    );
+    assert_eq!(
+        fs::read_to_string(rb.join("etc/extra")).unwrap(),
+        "from image b\n"
+    );
+    assert_eq!(
+        fs::read_to_string(rb.join("etc/greeting")).unwrap(),
+        "hello from the image\n"
+    );
+    assert!(!ra.join("etc/extra").exists());
+    let ino = |p: PathBuf| fs::metadata(&p).unwrap().ino();
+    assert_eq!(
+        ino(ra.join("bin/busybox")),
+        ino(rb.join("bin/busybox")),
+        "the base layer's files are stored once"
+    );
+    // A fresh cache has to fetch the base layer, and the corrupted blob is refused.
+    let fresh = TempDir::new("locker-oci-chain-fresh");
+    let out = locker(
+        &["template", "pull", "b", &b_ref, "--plain-http", &reg.host],
+        None,
+        &[("LOCKER_CACHE_DIR", fresh.path().to_str().unwrap())],
+    );
+    assert!(!out.status.success(), "{}", text(&out));
+    assert!(text(&out).contains(base), "{}", text(&out));
 }

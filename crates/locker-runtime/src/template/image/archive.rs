@@ -10,13 +10,14 @@
 
 use sha2::{Digest as _, Sha256};
 use std::collections::HashMap;
-use std::fs::{self, File};
+use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Path, PathBuf};
 
 use super::super::fsutil::hex;
 use super::super::spec::validate_name;
 use super::super::store::TmpDir;
+use super::chain::chain_digests;
 use super::unpack::{components, Metered, Pending, Unpacker};
 use super::*;
 
@@ -323,6 +324,8 @@ impl TemplateStore {
                 config.diff_ids.len()
             )));
         }
+        let chains = chain_digests(&config.diff_ids);
+        let stored = self.stored_chains(&chains);
         let mut sizes = Vec::new();
         for l in &image.layers {
             let (_, size) = index.find(&l.member).ok_or_else(|| {
@@ -333,7 +336,8 @@ impl TemplateStore {
             })?;
             sizes.push(size);
         }
-        let total: u64 = sizes.iter().sum();
+        // Layers stored already (as another image's) are neither read nor counted.
+        let total: u64 = sizes[stored..].iter().sum();
         if total > limits.max_download_bytes {
             return Err(TemplateError::ImageTooBig(format!(
                 "its layers are {total} bytes, more than the limit of {}",
@@ -341,7 +345,7 @@ impl TemplateStore {
             )));
         }
         progress.output(&format!(
-            "{} archive, config {}, {} layers, {}",
+            "{} archive, config {}, {} layers ({stored} stored already), {} to unpack",
             image.format,
             image.config_digest,
             image.layers.len(),
@@ -353,37 +357,49 @@ impl TemplateStore {
             let _lock = self.lock(&digest, progress)?;
             if !self.is_built(&digest) {
                 let tmp = TmpDir::create(&self.templates, &digest)?;
-                let rootfs = tmp.path.join("rootfs");
-                fs::create_dir(&rootfs).map_err(io_err("cannot create", &rootfs))?;
-                let mut unpacker = Unpacker::new(&rootfs, limits)?;
+                // Pointed at each layer's own tree before it applies anything.
+                let mut unpacker = Unpacker::new(&tmp.path, limits)?;
                 let n = image.layers.len();
+                let first = self.stored_chains(&chains);
                 let mut done = 0u64;
                 for (i, layer) in image.layers.iter().enumerate() {
                     let shown = layer.digest.clone().unwrap_or_else(|| layer.member.clone());
                     let label = format!("layer {}/{n} {shown}", i + 1);
+                    if i < first {
+                        progress.output(&format!("{label}: stored already"));
+                        continue;
+                    }
                     progress.step(&label, 0.05 + 0.9 * done as f64 / total.max(1) as f64);
-                    let (reader, size) = index.open(&layer.member)?;
-                    let mut metered = Metered::new(reader, u64::MAX);
-                    let summary =
-                        unpacker.apply(&mut metered, &label, Some(&config.diff_ids[i]))?;
-                    metered.drain().map_err(io_err("cannot read", archive))?;
-                    if let Some(want) = &layer.digest {
-                        if metered.digest() != *want {
-                            return Err(bad(format!(
-                                "holds a blob {want} whose content is {}: the archive is corrupt or was tampered with",
-                                metered.digest()
-                            )));
+                    let summary = self.make_chain(&chains, i, &mut unpacker, |u| {
+                        let (reader, _) = index.open(&layer.member)?;
+                        let mut metered = Metered::new(reader, u64::MAX);
+                        let summary = u.apply(&mut metered, &label, Some(&config.diff_ids[i]))?;
+                        metered.drain().map_err(io_err("cannot read", archive))?;
+                        if let Some(want) = &layer.digest {
+                            if metered.digest() != *want {
+                                return Err(bad(format!(
+                                    "holds a blob {want} whose content is {}: the archive is corrupt or was tampered with",
+                                    metered.digest()
+                                )));
+                            }
+                        }
+                        Ok(summary)
+                    })?;
+                    done += sizes[i];
+                    match summary {
+                        Some(s) => report_layer(progress, &label, sizes[i], &s),
+                        None => {
+                            progress.output(&format!("{label}: stored by another build meanwhile"))
                         }
                     }
-                    done += size;
-                    report_layer(progress, &label, size, &summary);
                 }
                 let origin = archive
                     .canonicalize()
                     .unwrap_or_else(|_| archive.to_path_buf())
                     .display()
                     .to_string();
-                self.commit_image(tmp, &digest, name, config.run, origin, progress)?;
+                let top = chains.last().cloned().unwrap_or_default();
+                self.commit_image(tmp, &digest, name, (&top, config.run, origin), progress)?;
             }
         }
         self.set_name(name, &digest)?;

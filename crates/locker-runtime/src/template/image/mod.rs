@@ -14,20 +14,24 @@
 //! one root filesystem: pulling the same image again, by tag or digest, or importing it
 //! from an archive, only adds a name.
 //!
+//! Layers are stored once by digest: each layer chain is a template of its own that
+//! images sharing those layers share (`chain`), and an image template is a hard-linked
+//! copy of its last chain.
+//!
 //! Rooms: `registry` (pulling with `oci-client`), `archive` (`docker save` and OCI-layout
-//! tar files), `unpack` (applying layers safely); this file holds what they share: the
-//! image config read as a [`RunConfig`] and the last step that publishes the template.
+//! tar files), `chain` (layer chains and publishing the image over its last one), `unpack`
+//! (applying layers safely); this file holds what they share: the image config read as a
+//! [`RunConfig`] and the limits.
 
 mod archive;
+mod chain;
 mod registry;
 pub(crate) mod unpack;
 
 use sha2::{Digest as _, Sha256};
 
-use super::build::ensure_standard_dirs;
 use super::fsutil::hex;
 use super::progress::Progress;
-use super::store::{Meta, TmpDir};
 use super::*;
 
 /// What an image template's digest stands for: the image with this config digest, its
@@ -183,25 +187,6 @@ pub(crate) fn parse_config(bytes: &[u8]) -> Result<ImageConfig, TemplateError> {
         )));
     }
     Ok(ImageConfig { run, diff_ids })
-}
-
-impl TemplateStore {
-    /// Publishes an image's unpacked root filesystem as template `digest`.
-    pub(super) fn commit_image(
-        &self,
-        tmp: TmpDir,
-        digest: &str,
-        name: &str,
-        run: RunConfig,
-        origin: String,
-        progress: &mut dyn Progress,
-    ) -> Result<(), TemplateError> {
-        ensure_standard_dirs(&tmp.path.join("rootfs"))?;
-        let mut meta = Meta::new(digest, name, None, None, Vec::new());
-        meta.config = run;
-        meta.image = Some(origin);
-        self.commit(tmp, meta, progress)
-    }
 }
 
 /// Reports one unpacked layer: its compressed size, entries and unpacked bytes, and any

@@ -6,7 +6,8 @@
 //! declared and actual bytes, a deadline per request so a registry that stalls or
 //! trickles cannot hold a build forever) and the pipeline: layer `n+1` downloads while
 //! layer `n` unpacks on a blocking thread. Layers are written to the build's own
-//! directory, verified by the client, unpacked, then deleted.
+//! directory, verified by the client, unpacked, then deleted. Layers stored already as
+//! another image's chain (`chain`) are not fetched at all.
 //!
 //! One bound is missing: the client reads a manifest's body whole (`bytes()`), with no
 //! hook for a size cap, and fetching manifests by hand would mean writing the protocol's
@@ -28,6 +29,7 @@ use tokio::io::AsyncWrite;
 use super::super::progress::NoProgress;
 use super::super::spec::validate_name;
 use super::super::store::TmpDir;
+use super::chain::chain_digests;
 use super::unpack::{LayerSummary, Unpacker};
 use super::*;
 
@@ -109,7 +111,7 @@ fn blob_deadline(size: u64) -> Duration {
 }
 
 /// A blocking unpack of one layer, running while the next downloads.
-type Unpacking = tokio::task::JoinHandle<(Unpacker, Result<LayerSummary, TemplateError>)>;
+type Unpacking = tokio::task::JoinHandle<(Unpacker, Result<Option<LayerSummary>, TemplateError>)>;
 
 impl TemplateStore {
     /// Pulls `source` and stores it as template `name`. Its digest derives from the image's
@@ -212,7 +214,6 @@ impl TemplateStore {
                 config.diff_ids.len()
             )));
         }
-        let mut total = 0u64;
         for l in &manifest.layers {
             if !LAYER_TYPES.contains(&l.media_type.as_str()) {
                 return Err(TemplateError::BadImage(format!(
@@ -220,8 +221,15 @@ impl TemplateStore {
                     l.digest, l.media_type
                 )));
             }
-            total = total.saturating_add(declared(l)?);
+            declared(l)?;
         }
+        let chains = chain_digests(&config.diff_ids);
+        // Layers stored already (as another image's) are neither fetched nor counted.
+        let stored = self.stored_chains(&chains);
+        let total = manifest.layers[stored..]
+            .iter()
+            .map(|l| declared(l).unwrap_or(0))
+            .fold(0u64, u64::saturating_add);
         if total > limits.max_download_bytes {
             return Err(TemplateError::ImageTooBig(format!(
                 "its layers are {total} bytes, more than the limit of {}",
@@ -229,7 +237,7 @@ impl TemplateStore {
             )));
         }
         progress.output(&format!(
-            "{reference}@{manifest_digest}: config {}, {} layers, {}",
+            "{reference}@{manifest_digest}: config {}, {} layers ({stored} stored already), {} to fetch",
             manifest.config.digest,
             manifest.layers.len(),
             megabytes(total)
@@ -254,6 +262,7 @@ impl TemplateStore {
                         &reference,
                         &manifest.layers,
                         &config,
+                        &chains,
                         &tmp,
                         limits,
                         total,
@@ -267,9 +276,10 @@ impl TemplateStore {
                 }
                 let store = self.clone();
                 let (d, n) = (digest.clone(), name.to_string());
+                let top = chains.last().cloned().unwrap_or_default();
                 progress.step("measuring and saving", 0.97);
                 tokio::task::spawn_blocking(move || {
-                    store.commit_image(tmp, &d, &n, config.run, origin, &mut NoProgress)
+                    store.commit_image(tmp, &d, &n, (&top, config.run, origin), &mut NoProgress)
                 })
                 .await
                 .map_err(|e| registry_error("saving the template", e))??;
@@ -281,9 +291,9 @@ impl TemplateStore {
         self.must_load(&digest, name)
     }
 
-    /// Downloads each layer into `tmp/layers/` and unpacks it into `tmp/rootfs/`, the next
-    /// download overlapping the previous unpack. Waits for a running unpack before
-    /// returning, so that nothing writes into `tmp` once this returns.
+    /// Downloads each layer not stored yet into `tmp/layers/` and unpacks it as its chain
+    /// template (see `chain`), the next download overlapping the previous unpack. Waits for
+    /// a running unpack before returning, so that nothing writes once this returns.
     #[allow(clippy::too_many_arguments)]
     async fn fetch_and_unpack(
         &self,
@@ -291,22 +301,29 @@ impl TemplateStore {
         reference: &Reference,
         layers: &[OciDescriptor],
         config: &ImageConfig,
+        chains: &[String],
         tmp: &TmpDir,
         limits: ImageLimits,
         total: u64,
         progress: &mut (dyn Progress + Send),
     ) -> Result<(), TemplateError> {
-        let rootfs = tmp.path.join("rootfs");
         let dir = tmp.path.join("layers");
-        for d in [&rootfs, &dir] {
-            fs::create_dir(d).map_err(io_err("cannot create", d))?;
+        fs::create_dir(&dir).map_err(io_err("cannot create", &dir))?;
+        let n = layers.len();
+        let first = self.stored_chains(chains);
+        for (i, layer) in layers.iter().enumerate().take(first) {
+            progress.output(&format!(
+                "layer {}/{n} {}: stored already",
+                i + 1,
+                layer.digest
+            ));
         }
-        let mut unpacker = Some(Unpacker::new(&rootfs, limits)?);
+        // Pointed at each layer's own tree before it applies anything.
+        let mut unpacker = Some(Unpacker::new(&dir, limits)?);
         let mut running: Option<(Unpacking, String, u64)> = None;
         let mut downloaded = 0u64;
-        let n = layers.len();
         let mut failure = None;
-        for (i, layer) in layers.iter().enumerate() {
+        for (i, layer) in layers.iter().enumerate().skip(first) {
             let label = format!("layer {}/{n} {}", i + 1, layer.digest);
             progress.step(
                 &format!("downloading {label}"),
@@ -343,11 +360,12 @@ impl TemplateStore {
                 .take()
                 .expect("the unpacker is back after each layer");
             let diff_id = config.diff_ids[i].clone();
-            let l = label.clone();
+            let (store, chains, l) = (self.clone(), chains.to_vec(), label.clone());
             let handle = tokio::task::spawn_blocking(move || {
-                let r = fs::File::open(&path)
-                    .map_err(io_err("cannot open", &path))
-                    .and_then(|f| u.apply(std::io::BufReader::new(f), &l, Some(&diff_id)));
+                let r = store.make_chain(&chains, i, &mut u, |u| {
+                    let f = fs::File::open(&path).map_err(io_err("cannot open", &path))?;
+                    u.apply(std::io::BufReader::new(f), &l, Some(&diff_id))
+                });
                 let _ = fs::remove_file(&path);
                 (u, r)
             });
@@ -425,7 +443,9 @@ async fn finish(
     let (u, r) = handle
         .await
         .map_err(|e| registry_error("unpacking a layer", e))?;
-    let summary = r?;
-    report_layer(progress, label, size, &summary);
+    match r? {
+        Some(summary) => report_layer(progress, label, size, &summary),
+        None => progress.output(&format!("{label}: stored by another build meanwhile")),
+    }
     Ok(u)
 }

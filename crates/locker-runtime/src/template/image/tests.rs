@@ -514,3 +514,88 @@ fn pull_image_is_send(store: &TemplateStore, source: &ImageSource, p: &mut (dyn 
     fn send<T: Send>(_: T) {}
     send(store.pull_image("x", source, ImageLimits::default(), p));
 }
+
+#[test]
+fn images_sharing_layers_store_them_once_and_never_change_each_other() {
+    use std::os::unix::fs::MetadataExt;
+    let s = Scratch::new("chains");
+    let store = TemplateStore::open(s.0.join("cache")).unwrap();
+    let base = layer(&[file("bin/tool", b"tool v1\n"), file("etc/conf", b"a=1\n")]);
+    let (a, b) = (s.0.join("a.tar"), s.0.join("b.tar"));
+    docker_archive(&a, &[base.clone(), layer(&[file("app/a", b"A")])], "X=a");
+    // B removes a file of the shared layer and rewrites another.
+    docker_archive(
+        &b,
+        &[
+            base.clone(),
+            layer(&[e("etc/.wh.conf", b'0'), file("bin/tool", b"tool v2\n")]),
+        ],
+        "X=b",
+    );
+    let ta = store
+        .import_image_archive("a", &a, ImageLimits::default(), &mut NoProgress)
+        .unwrap();
+    let tb = store
+        .import_image_archive("b", &b, ImageLimits::default(), &mut NoProgress)
+        .unwrap();
+    assert_ne!(ta.digest, tb.digest);
+    // B's whiteout and rewrite are B's alone.
+    assert_eq!(fs::read(ta.rootfs.join("etc/conf")).unwrap(), b"a=1\n");
+    assert_eq!(fs::read(ta.rootfs.join("bin/tool")).unwrap(), b"tool v1\n");
+    assert!(!tb.rootfs.join("etc/conf").exists() && !tb.rootfs.join("etc/.wh.conf").exists());
+    assert_eq!(fs::read(tb.rootfs.join("bin/tool")).unwrap(), b"tool v2\n");
+    assert!(!tb.rootfs.join("app/a").exists());
+    // The shared layer's files are one inode in both images and in the layer's chain.
+    let chains = super::chain::chain_digests(&[format!("sha256:{}", hex(&Sha256::digest(&base)))]);
+    let chain = store
+        .by_digest(&chains[0])
+        .unwrap()
+        .expect("the base layer's chain is stored");
+    let ino = |p: &Path| fs::metadata(p).unwrap().ino();
+    let shared = ino(&chain.rootfs.join("etc/conf"));
+    assert_eq!(ino(&ta.rootfs.join("etc/conf")), shared);
+    assert_eq!(
+        ino(&ta.rootfs.join("bin/tool")),
+        ino(&chain.rootfs.join("bin/tool"))
+    );
+    assert_ne!(
+        ino(&tb.rootfs.join("bin/tool")),
+        ino(&chain.rootfs.join("bin/tool"))
+    );
+
+    // A third image on the stored base never reads that layer again: its member here is
+    // garbage, and the import still succeeds (the stored chain was checked against the
+    // same diff_id when it was made).
+    let c = s.0.join("c.tar");
+    docker_archive(&c, &[base.clone(), layer(&[file("app/c", b"C")])], "X=c");
+    let garbage = s.0.join("c2.tar");
+    {
+        let mut out = tar::Builder::new(fs::File::create(&garbage).unwrap());
+        let mut ar = tar::Archive::new(fs::File::open(&c).unwrap());
+        for entry in ar.entries().unwrap() {
+            let mut entry = entry.unwrap();
+            let path = entry.path().unwrap().into_owned();
+            let mut data = Vec::new();
+            std::io::Read::read_to_end(&mut entry, &mut data).unwrap();
+            if path == Path::new("l0/layer.tar") {
+                data = vec![b'x'; data.len()];
+            }
+            let mut h = entry.header().clone();
+            h.set_cksum();
+            out.append_data(&mut h, &path, &data[..]).unwrap();
+        }
+        out.finish().unwrap();
+    }
+    let tc = store
+        .import_image_archive("c", &garbage, ImageLimits::default(), &mut NoProgress)
+        .unwrap();
+    assert_eq!(fs::read(tc.rootfs.join("app/c")).unwrap(), b"C");
+    assert_eq!(ino(&tc.rootfs.join("etc/conf")), shared);
+    // Removing an image leaves the others whole.
+    store.remove("a", |_| false).unwrap();
+    assert_eq!(fs::read(tc.rootfs.join("etc/conf")).unwrap(), b"a=1\n");
+    assert_eq!(
+        fs::read(chain.rootfs.join("bin/tool")).unwrap(),
+        b"tool v1\n"
+    );
+}

@@ -450,6 +450,15 @@ impl Unpacker {
         })
     }
 
+    /// Points the unpacker at another root filesystem (the next layer's tree); its running
+    /// totals, which the limits bound, carry over.
+    pub(crate) fn retarget(&mut self, rootfs: &Path) -> Result<(), TemplateError> {
+        self.root = sysfd::open_dir_path(rootfs).map_err(io_err("cannot open", rootfs))?;
+        self.parent_cache = None;
+        self.this_layer.clear();
+        Ok(())
+    }
+
     /// Applies the layer whose raw (possibly compressed) bytes `raw` yields. `diff_id`, when
     /// known (`sha256:<hex>` from the image config), must be the digest of the uncompressed
     /// stream; the stream is read to its end to check it.
