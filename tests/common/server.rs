@@ -212,6 +212,9 @@ impl Server {
                 .arg("--data-dir")
                 .arg(&self.data_dir)
                 .args(&self.extra_args)
+                // Disks on the data dir itself, where the tests look for machines
+                // (`data_dir/sandboxes`); tests of the XFS image ask for it.
+                .env("LOCKER_COW_DISKS", "off")
                 .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
                 .env("LOCKER_AGENT_BIN", &agent)
                 .env(
@@ -350,7 +353,21 @@ impl Server {
 
     /// Where sandbox `id`'s machine lives on the host.
     pub fn machine_dir(&self, id: &str) -> PathBuf {
-        self.data_dir.join("sandboxes").join(id)
+        self.sandboxes_dir().join(id)
+    }
+
+    /// Where the server keeps sandboxes' machines: in the data dir, or on Locker's XFS
+    /// image when it made one (`locker_runtime::cow_disks`).
+    pub fn sandboxes_dir(&self) -> PathBuf {
+        let image = self
+            .data_dir
+            .join(locker_runtime::cow_disks::MOUNT)
+            .join("sandboxes");
+        if image.is_dir() {
+            image
+        } else {
+            self.data_dir.join("sandboxes")
+        }
     }
 
     /// A client with the `default` tenant's key.
@@ -426,10 +443,13 @@ impl Server {
         self.stop_gracefully();
         // Whatever the API could not delete (a dead server, a failed delete): the
         // runtime's own crash cleanup destroys the machines of this data dir.
-        let machines = self.data_dir.join("sandboxes");
-        let mut left = destroy_machines(&machines);
+        let mut left = destroy_machines(&self.sandboxes_dir());
         left.extend(destroy_machines(&self.data_dir.join("pool")));
         stop_volume_agents(&self.data_dir.join("volumes"));
+        // Locker's XFS image, when the server made one, goes with the data dir.
+        if let Err(e) = locker_runtime::cow_disks::unmount(&self.data_dir) {
+            eprintln!("cleanup: cannot unmount the data dir's XFS image: {e}");
+        }
         if std::thread::panicking() {
             self.print_log_tail();
         }

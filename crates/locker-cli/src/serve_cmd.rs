@@ -44,6 +44,13 @@ pub struct ServeArgs {
     /// filesystem, 256 to 4096 MB) is refused.
     #[arg(long)]
     quota_disk_mb: Option<u64>,
+    /// On a data dir whose filesystem cannot reflink (ext4), keep sandboxes' disks and
+    /// snapshots on an XFS image of Locker's own (`<data-dir>/disks.xfs`, mounted at
+    /// `<data-dir>/disks`), so snapshots and forks share blocks instead of copying them:
+    /// `auto` makes it on a data dir without sandboxes yet; `off` never makes one (an image
+    /// already made is still used). See docs/operations.md for the trade-off.
+    #[arg(long, env = "LOCKER_COW_DISKS", default_value = "auto")]
+    cow_disks: locker_runtime::cow_disks::Mode,
     /// Warm machines kept ready for serverless runs of the default shape (0: none).
     #[arg(long, env = "LOCKER_WARM_POOL", default_value_t = 2)]
     warm_pool: usize,
@@ -152,6 +159,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         preview,
         favordynmods: !a.no_favordynmods,
         database: a.database,
+        cow_disks: a.cow_disks,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

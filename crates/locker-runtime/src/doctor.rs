@@ -92,12 +92,7 @@ pub fn check(data_dir: &Path) -> Report {
         .find(|p| p.exists())
         .unwrap_or(Path::new("/"));
     let fs = fs_type(existing);
-    let cow = copy_on_write(existing, &fs);
-    let cow_detail = match cow.as_str() {
-        "btrfs-subvolume" => "snapshots and forks are btrfs subvolume snapshots: instant, and they share unchanged data",
-        "reflink" => "snapshots and forks clone files with reflinks: instant, and they share unchanged blocks",
-        _ => "none: this filesystem cannot share file blocks, so snapshots and forks copy every file of a machine (slower, full size each); a btrfs or XFS data dir makes them instant",
-    };
+    let (cow, cow_detail) = copy_on_write(data_dir, &fs);
     let uid = locker_sys::host::geteuid();
     let volumes = match crate::volume_fs::support() {
         Ok(what) => what,
@@ -261,24 +256,23 @@ fn fs_type(p: &Path) -> String {
     .into()
 }
 
-/// How snapshots and forks can copy: btrfs subvolume snapshots, reflinks (tested with a
-/// real FICLONE), or plain copies.
-fn copy_on_write(dir: &Path, fs: &str) -> String {
-    if fs == "btrfs" {
-        return "btrfs-subvolume".into();
+/// How snapshots and forks get their data, and what that means, in words: btrfs subvolume
+/// snapshots, reflinks (tested with a real `FICLONE`), Locker's XFS image (see
+/// [`crate::cow_disks`], with `locker serve`'s default `--cow-disks auto`), or copies.
+fn copy_on_write(data_dir: &Path, fs: &str) -> (String, String) {
+    use crate::cow_disks::{decide, Mode, Sharing};
+    if fs == "btrfs" && !data_dir.join(crate::cow_disks::IMAGE).exists() {
+        return ("btrfs-subvolume".into(), "snapshots and forks are btrfs subvolume snapshots: instant, and they share unchanged data".into());
     }
-    let a = dir.join(format!(".locker-reflink-probe-{}", std::process::id()));
-    let b = a.with_extension("clone");
-    let ok = (|| -> std::io::Result<bool> {
-        std::fs::write(&a, b"probe")?;
-        let src = std::fs::File::open(&a)?;
-        let dst = std::fs::File::create(&b)?;
-        Ok(locker_sys::ioctl::reflink(&src, &dst))
-    })()
-    .unwrap_or(false);
-    let _ = std::fs::remove_file(&a);
-    let _ = std::fs::remove_file(&b);
-    if ok { "reflink" } else { "copy" }.into()
+    match decide(data_dir, Mode::Auto) {
+        Sharing::Reflinks => ("reflink".into(), "snapshots and forks clone files with reflinks: instant, and they share unchanged blocks".into()),
+        Sharing::Image => ("xfs-image".into(), format!(
+            "the data dir's filesystem cannot reflink, so sandboxes' disks and snapshots live on Locker's own XFS image ({}, mounted at {}; made by `locker serve` on a data dir without sandboxes, unless --cow-disks off): snapshots and forks share blocks. The image believes it has the host filesystem's size: keep that from filling (docs/operations.md)",
+            data_dir.join(crate::cow_disks::IMAGE).display(),
+            data_dir.join(crate::cow_disks::MOUNT).display()
+        )),
+        Sharing::Copies(why) => ("copy".into(), format!("none: {why}; snapshots and forks copy every byte a sandbox wrote (slower, full size each); a btrfs or XFS data dir, or a fresh one here with xfsprogs, makes them instant")),
+    }
 }
 
 fn virtualization() -> (String, String) {

@@ -18,7 +18,9 @@
 //! - [`ports`]: the TCP ports listening in a machine, and tunnels to them over the agent
 //!   channel (the way in for the server's port proxy; no route into or out of the machine).
 //! - [`template`]: building, importing and finding templates (root filesystems by digest).
-//! - [`disk`]: a machine's writable disk (an ext4 image per machine, from blank images).
+//! - [`disk`]: a machine's writable disk (an ext4 image per machine, from blank images);
+//!   [`cow_disks`]: where disks and snapshots live so they share blocks on any host (an
+//!   XFS image of Locker's own on a data dir that cannot reflink).
 //! - [`net`]: network egress of machines, enforced outside them: `policy` (the policy and
 //!   its CIDRs), `rules` (the nftables rulesets as text), `lease` (subnets), `nft` (running
 //!   the tools, installing a ruleset), `link` (veth, tap, namespaces), `attach` (the ordered
@@ -35,6 +37,7 @@
 pub mod agent;
 pub mod cgroup;
 pub mod commit;
+pub mod cow_disks;
 pub mod dial;
 pub mod disk;
 pub mod doctor;

@@ -125,31 +125,37 @@ pub fn create(dir: &Path, size_mb: u64) -> io::Result<()> {
 /// killed: the mount outlives it). A loop device already attached to the image (the
 /// filesystem is still mounted elsewhere) is mounted again rather than a second one made.
 pub fn mount(dir: &Path) -> io::Result<()> {
-    let target = root(dir);
-    if is_mounted(&target) {
+    mount_image(&image(dir), &root(dir), "btrfs", MOUNT_OPTIONS)
+}
+
+/// Mounts the filesystem image `img` (of type `fstype`, `nodev,nosuid` and `options`) at
+/// `target` (created), through a loop device that detaches itself on the last unmount,
+/// unless it is mounted there already; a loop device already attached to the image is
+/// mounted again rather than a second one made (two writers of one filesystem).
+pub fn mount_image(img: &Path, target: &Path, fstype: &str, options: &str) -> io::Result<()> {
+    if is_mounted(target) {
         return Ok(());
     }
-    fs::create_dir_all(&target)?;
-    let img = image(dir);
+    fs::create_dir_all(target)?;
     let mount_dev = |dev: &Path| {
         sys::mount(
             dev.to_str(),
-            &target,
-            Some("btrfs"),
+            target,
+            Some(fstype),
             libc::MS_NODEV | libc::MS_NOSUID,
-            Some(MOUNT_OPTIONS),
+            Some(options),
         )
         .map_err(|e| io::Error::new(e.kind(), format!("mount {}: {e}", target.display())))
     };
-    if let Some(dev) = attached_loop(&img) {
+    if let Some(dev) = attached_loop(img) {
         match mount_dev(&dev) {
             Ok(()) => return Ok(()),
             // It detached itself in between (its last user went): attach a fresh one.
-            Err(_) if attached_loop(&img).is_none() => {}
+            Err(_) if attached_loop(img).is_none() => {}
             Err(e) => return Err(e),
         }
     }
-    let (dev, lo) = sys::loop_attach(&img)?;
+    let (dev, lo) = sys::loop_attach(img)?;
     let r = mount_dev(&dev);
     // The mount holds the device now; closing our fd lets autoclear detach it on unmount.
     drop(lo);
@@ -213,11 +219,15 @@ fn unescape(s: &[u8]) -> Vec<u8> {
 /// Unmounts the volume's filesystem (lazily when something still holds it: the image is
 /// released, and its loop device detached, when the last user goes). Not mounted is fine.
 pub fn unmount(dir: &Path) -> io::Result<()> {
-    let target = root(dir);
-    while is_mounted(&target) {
-        if let Err(e) = sys::umount(&target, 0) {
+    unmount_at(&root(dir))
+}
+
+/// Unmounts whatever is mounted at `target`, as [`unmount`] does.
+pub fn unmount_at(target: &Path) -> io::Result<()> {
+    while is_mounted(target) {
+        if let Err(e) = sys::umount(target, 0) {
             if e.raw_os_error() == Some(libc::EBUSY) {
-                sys::umount(&target, libc::MNT_DETACH)?;
+                sys::umount(target, libc::MNT_DETACH)?;
             } else if e.raw_os_error() != Some(libc::EINVAL) {
                 return Err(e);
             }

@@ -104,15 +104,18 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     let (quit, quitting) = tokio::sync::watch::channel(false);
     // Port requests are served by the front (bodies relayed by Locker); the rest reaches axum's
     // server through it.
-    let (listener, front) =
-        match crate::ports::front::listen(listener, router.clone(), app.clone(), quitting.clone())
-        {
-            Ok(l) => l,
-            Err(e) => {
-                shutdown(&app).await;
-                return Err(ServeError::Listen(app.cfg.listen, e));
-            }
-        };
+    let (listener, front) = match crate::ports::front::listen(
+        listener,
+        router.clone(),
+        app.clone(),
+        quitting.clone(),
+    ) {
+        Ok(l) => l,
+        Err(e) => {
+            shutdown(&app).await;
+            return Err(ServeError::Listen(app.cfg.listen, e));
+        }
+    };
     let mut stopping = quitting;
     let mut serving = tokio::spawn(
         axum::serve(listener, router)
@@ -194,8 +197,9 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
     let lock = DataDirLock::take(&cfg.data_dir)?;
-    std::fs::create_dir_all(cfg.data_dir.join("sandboxes"))
+    let disks = locker_runtime::cow_disks::place(&cfg.data_dir, cfg.cow_disks)
         .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
+    tracing::info!(sandboxes = %disks.sandboxes.display(), "{}", disks.describe());
     let store: Arc<dyn Store> = match &cfg.database {
         None => Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?),
         Some(url) => {
@@ -249,7 +253,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     let vm_pool = Arc::new(crate::vm_pool::VmPool::new(
         vm_pool,
         node.clone(),
-        cfg.data_dir.join("sandboxes"),
+        disks.sandboxes.clone(),
     ));
     let events = crate::events::Events::new(store.clone());
     let app = Arc::new(App {
@@ -272,6 +276,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         builds: Default::default(),
         tickets: Default::default(),
         usage_series: Default::default(),
+        disks,
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;

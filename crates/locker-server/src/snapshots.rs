@@ -101,7 +101,7 @@ pub(crate) async fn snapshot_sandbox(
     let live = live_quiet(app, caller, id).await?;
     let rec = record_of(app, caller, id)?;
     let snap_id = new_id("snap_");
-    let dir = app.cfg.data_dir.join("snapshots").join(&snap_id);
+    let dir = app.snapshots_dir().join(&snap_id);
     let (size_bytes, has_memory) = take(app, &live, dir.clone()).await?;
     // The secrets go with it by name (and placeholder), never by value.
     if let Err(e) = crate::secrets::save_for_snapshot(&dir, &rec.env) {
@@ -139,7 +139,7 @@ pub(crate) async fn snapshot_sandbox(
 /// At start (no request is served yet): removes snapshot directories without a record, the
 /// partial copies of snapshots and the fork points a killed server left.
 pub async fn cleanup(app: &AppState) {
-    let dir = app.cfg.data_dir.join("snapshots");
+    let dir = app.snapshots_dir();
     let mut known = std::collections::HashSet::new();
     let tenants = match app.store.list_tenants() {
         Ok(t) => t,
@@ -276,11 +276,7 @@ pub(crate) async fn fork_sandbox(
             ))
         })?;
     // One consistent point for every child; the point itself is not kept.
-    let point = app
-        .cfg
-        .data_dir
-        .join("snapshots")
-        .join(format!(".fork-{}", new_id("")));
+    let point = app.snapshots_dir().join(format!(".fork-{}", new_id("")));
     take(app, &live, point.clone()).await?;
     let new = NewSandbox {
         template_name: rec.template.clone(),

@@ -90,6 +90,9 @@ pub struct Config {
     /// The Postgres database several servers share (`--database postgres://…`); `None`:
     /// SQLite in the data dir (`db.sqlite`), one host.
     pub database: Option<String>,
+    /// Whether sandboxes' disks and snapshots may move to an XFS image of Locker's own
+    /// when the data dir cannot reflink (`--cow-disks`; see `locker_runtime::cow_disks`).
+    pub cow_disks: locker_runtime::cow_disks::Mode,
 }
 
 /// A sandbox whose machine runs on this node.
@@ -342,6 +345,8 @@ pub struct App {
     /// Each tenant's usage minute by minute, for the dashboard's charts (`usage_series`).
     pub usage_series: crate::usage_series::Series,
     /// This server's hold on its data dir, for as long as the process lives.
+    /// Where sandboxes' machines and snapshots live (`locker_runtime::cow_disks`).
+    pub disks: locker_runtime::cow_disks::Placement,
     pub(crate) _lock: DataDirLock,
 }
 
@@ -350,7 +355,12 @@ pub type AppState = Arc<App>;
 impl App {
     /// The machines directory of sandboxes.
     pub fn sandboxes_dir(&self) -> PathBuf {
-        self.cfg.data_dir.join("sandboxes")
+        self.disks.sandboxes.clone()
+    }
+
+    /// Where snapshots (and forks' points) are kept: on the sandboxes' filesystem.
+    pub fn snapshots_dir(&self) -> PathBuf {
+        self.disks.snapshots.clone()
     }
 }
 
