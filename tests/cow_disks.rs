@@ -53,7 +53,9 @@ fn forks_share_blocks_on_lockers_xfs_image_which_survives_restarts_and_remounts(
         return;
     }
     let mnt = data.join(cow_disks::MOUNT);
-    assert!(data.join(cow_disks::IMAGE).is_file(), "the image is made");
+    let meta = std::fs::metadata(data.join(cow_disks::IMAGE)).expect("the image is made");
+    use std::os::unix::fs::PermissionsExt;
+    assert_eq!(meta.permissions().mode() & 0o777, 0o600, "root's alone");
     assert_eq!(fstype(&mnt), "xfs", "mounted at {}", mnt.display());
     assert!(cow_disks::reflinks(&mnt));
     assert!(

@@ -1,9 +1,11 @@
 //! Snapshots, forks, pause and resume, measured over HTTP against a real server.
 //!
-//! The fork rows run twice when the host allows: on the default temporary directory (here
-//! ext4: every child's disk is a plain, sparse copy) and on a throwaway XFS filesystem with
-//! reflinks (a loop-mounted image under /var/tmp), which is the copy-on-write data dir the
-//! targets speak of. Everything it mounts is unmounted and removed by a guard.
+//! The create-from-snapshot and fork rows run up to three times: on the default temporary
+//! directory with disks kept on it (`--cow-disks off`; on ext4 a fork copies its point),
+//! with Locker's own XFS image where that directory cannot reflink (`--cow-disks auto`,
+//! the server's default; see `locker_runtime::cow_disks`), and on a throwaway XFS data dir
+//! with reflinks (a loop-mounted image under /var/tmp). Everything mounted is unmounted
+//! and removed by a guard or by the harness's server.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -290,21 +292,41 @@ pub fn snapshot_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     )?;
     delete(&api, &format!("/v1/sandboxes/{sb}"))?;
 
-    // Forks: plain copies on this host's temp dir, then reflinks on XFS.
+    // Forks: plain copies on this host's temp dir (the harness's servers keep disks on
+    // the data dir: `--cow-disks off`), then on Locker's own XFS image where the data dir
+    // cannot reflink (the default), then on an XFS data dir.
     let forks = 3;
+    let plain = if fs.copy_on_write == "reflink" || fs.copy_on_write == "btrfs-subvolume" {
+        format!("{} data dir, {}", fs.data_dir_fs, fs.copy_on_write)
+    } else {
+        format!("{} data dir, copy", fs.data_dir_fs)
+    };
     let ten = create_ten_row(&api, forks, &format!("{} data dir", fs.data_dir_fs))?;
     let ten_label = ten.name.clone();
     rows.push(ten);
     rows.push(
-        fork_rows(
-            &api,
-            forks,
-            &format!("{} data dir, {}", fs.data_dir_fs, fs.copy_on_write),
-        )?
-        .vs(&ten_label)
-        .note("target ≤ 1 s applies to a copy-on-write data dir"),
+        fork_rows(&api, forks, &plain)?
+            .vs(&ten_label)
+            .note("target ≤ 1 s applies to a copy-on-write data dir"),
     );
+    let image = !locker_runtime::cow_disks::reflinks(&srv.data_dir)
+        && locker_runtime::cow_disks::support().is_ok();
     drop(srv);
+    if image {
+        let label = format!("{} data dir, Locker's XFS image", fs.data_dir_fs);
+        let srv = Server::start_with_env(&[], &[("LOCKER_COW_DISKS", "auto")]);
+        let api = srv.api();
+        let sb = id(&post(&api, "/v1/sandboxes", &json!({}), 201)?)?;
+        create_rows(&api, &sb, args.creates().min(30), &label, rows)?;
+        delete(&api, &format!("/v1/sandboxes/{sb}"))?;
+        let ten = create_ten_row(&api, forks, &label);
+        let r = fork_rows(&api, forks, &label);
+        drop(srv);
+        let ten = ten?;
+        let ten_label = ten.name.clone();
+        rows.push(ten);
+        rows.push(r?.vs(&ten_label).target(Target::P50(1000.0)));
+    }
     match CowDir::new()? {
         None => rows.push(Row::skipped(
             "fork ×10 of a sandbox with 200 MB written (XFS reflink data dir)",

@@ -35,6 +35,7 @@
 
 use std::fs;
 use std::io;
+use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 
 /// The image beside the data dir's other contents.
@@ -197,7 +198,14 @@ fn make(img: &Path, data_dir: &Path) -> io::Result<()> {
     let tmp = img.with_extension("xfs.tmp");
     let _ = fs::remove_file(&tmp);
     let r = (|| {
-        fs::File::create(&tmp)?.set_len(size)?;
+        // Root's alone: it holds every sandbox's disk (a microVM's QEMU runs as its
+        // machine's uid and must not read it).
+        fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&tmp)?
+            .set_len(size)?;
         let mkfs = crate::doctor::which("mkfs.xfs").ok_or_else(|| {
             io::Error::other("mkfs.xfs is not installed (apt-get install xfsprogs)")
         })?;
