@@ -12,6 +12,13 @@
 //! started from the snapshot links the stack into its own directory (`layers/0.img`, …)
 //! and mounts each read-only beneath its own blank disk. The links are the reference
 //! count: an image's blocks go when its last snapshot and its last machine have gone.
+//!
+//! A microVM's stack ([`vm_stack_of`], [`vm_machine_layers`], [`link_vm_stack`]) is the
+//! same, but its images are block devices for QEMU, in one of two [`Format`]s: raw (a
+//! machine restored from a base writes its disk directly) or qcow2 (the copy-on-write
+//! overlay of a machine that stands on layers, [`make_qcow2_from_blank`]). The host knows
+//! each file's format from the name it gave it (`*.img` raw, `*.qcow2` qcow2), never from
+//! its bytes: a guest writes whatever it likes into a raw disk, a qcow2 header included.
 
 use std::fs;
 use std::io;
@@ -95,7 +102,13 @@ pub fn copy_ephemeral(src: &Path, dst: &Path) -> io::Result<CopyKind> {
 }
 
 fn copy_with(src: &Path, dst: &Path, durable: bool) -> io::Result<CopyKind> {
-    let from = fs::File::open(src)?;
+    use std::os::unix::fs::OpenOptionsExt;
+    // Never through a symlink: a microVM's directory belongs to its QEMU's uid, which could
+    // put one where its disk was to have the host copy a file of its choosing.
+    let from = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(src)?;
     let to = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
@@ -194,41 +207,251 @@ pub const SNAPSHOT_LOWERS: &str = "lower";
 pub fn stack_of(img: &Path) -> Vec<std::path::PathBuf> {
     let mut stack = vec![img.to_owned()];
     if let Some(dir) = img.parent() {
-        stack.extend(numbered(&dir.join(SNAPSHOT_LOWERS)));
+        stack.extend(numbered(&dir.join(SNAPSHOT_LOWERS), &[Format::Raw]));
     }
     stack
 }
 
 /// The layer images of a machine's directory `dir`, top first.
 pub fn machine_layers(dir: &Path) -> Vec<std::path::PathBuf> {
-    numbered(&dir.join(MACHINE_LAYERS))
+    numbered(&dir.join(MACHINE_LAYERS), &[Format::Raw])
 }
 
-/// The files `<n>.img` in `dir`, by `n`.
-fn numbered(dir: &Path) -> Vec<std::path::PathBuf> {
+/// The files `<n>.<ext>` in `dir` of the formats `formats`, by `n`.
+fn numbered(dir: &Path, formats: &[Format]) -> Vec<std::path::PathBuf> {
     let mut found: Vec<(u32, std::path::PathBuf)> = fs::read_dir(dir)
         .into_iter()
         .flatten()
         .flatten()
         .filter_map(|e| {
-            let name = e.file_name();
-            let n = name.to_str()?.strip_suffix(".img")?.parse().ok()?;
-            Some((n, e.path()))
+            let p = e.path();
+            let f = Format::of(&p)?;
+            let n = p.file_stem()?.to_str()?.parse().ok()?;
+            formats.contains(&f).then_some((n, p))
         })
         .collect();
     found.sort();
     found.into_iter().map(|(_, p)| p).collect()
 }
 
+/// A disk image's format, as the host named the file it wrote: `*.img` raw, `*.qcow2`
+/// qcow2. Nothing reads a format from an image's bytes (QEMU is always told it).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    Raw,
+    Qcow2,
+}
+
+impl Format {
+    /// The format of the image at `path`, by its name's extension.
+    pub fn of(path: &Path) -> Option<Format> {
+        match path.extension()?.to_str()? {
+            "img" => Some(Format::Raw),
+            "qcow2" => Some(Format::Qcow2),
+            _ => None,
+        }
+    }
+
+    /// The extension of a file of this format.
+    pub fn ext(self) -> &'static str {
+        match self {
+            Format::Raw => "img",
+            Format::Qcow2 => "qcow2",
+        }
+    }
+}
+
+/// A microVM snapshot's layer stack, top first, given its image path `img`
+/// (`<snapshot>/disk.img`, as [`stack_of`] takes it): its own image, which is `disk.img`
+/// (raw: a machine restored from a base, or a snapshot older than layered microVMs) or
+/// else `disk.qcow2` beside it (the overlay of a machine that stood on layers), then the
+/// images in `lower/` (`<n>.img` or `<n>.qcow2`). The bottom one is always raw.
+pub fn vm_stack_of(img: &Path) -> io::Result<Vec<std::path::PathBuf>> {
+    let qcow2 = img.with_extension(Format::Qcow2.ext());
+    let top = match (regular(img), regular(&qcow2)) {
+        (true, false) => img.to_owned(),
+        (false, true) => qcow2,
+        (true, true) => {
+            return Err(io::Error::other(format!(
+                "{} holds both a raw and a qcow2 image",
+                img.parent().unwrap_or(img).display()
+            )))
+        }
+        (false, false) => {
+            return Err(io::Error::new(
+                io::ErrorKind::NotFound,
+                format!("no disk image at {} (nor .qcow2)", img.display()),
+            ))
+        }
+    };
+    let mut stack = vec![top];
+    if let Some(dir) = img.parent() {
+        let lower = numbered(&dir.join(SNAPSHOT_LOWERS), &[Format::Raw, Format::Qcow2]);
+        check_numbered_from(&lower, 1)?;
+        stack.extend(lower);
+    }
+    check_vm_stack(&stack)?;
+    Ok(stack)
+}
+
+/// The layer images a microVM machine in `dir` stands on (`layers/<n>.img|qcow2`), top
+/// first: empty for one restored from a base.
+pub fn vm_machine_layers(dir: &Path) -> Vec<std::path::PathBuf> {
+    numbered(&dir.join(MACHINE_LAYERS), &[Format::Raw, Format::Qcow2])
+}
+
+/// Refuses numbered images that are not `first`, `first + 1`, … one each (a layer
+/// missing or there twice, as `3.img` and `3.qcow2`, would stack the wrong disk).
+pub fn check_numbered_from(images: &[std::path::PathBuf], first: usize) -> io::Result<()> {
+    for (i, p) in images.iter().enumerate() {
+        let n: Option<usize> = p.file_stem().and_then(|s| s.to_str()?.parse().ok());
+        if n != Some(first + i) {
+            return Err(io::Error::other(format!(
+                "the layers in {} are not numbered from {first} one by one",
+                p.parent().unwrap_or(p).display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `p` is a regular file itself (not through a symlink).
+fn regular(p: &Path) -> bool {
+    fs::symlink_metadata(p).is_ok_and(|m| m.file_type().is_file())
+}
+
+/// Checks a microVM's layer stack (top first) before QEMU opens it: at most
+/// [`MAX_LAYERS`] images, each a regular file the host made (owned by root: a machine's
+/// QEMU, which owns its machine's directory, can put files of its own or symlinks there,
+/// never a root-owned file it may not read), a raw image at the bottom (the chain's
+/// virtual size is its length), and no qcow2 header naming an external data file (QEMU
+/// would open that file by name: a QEMU that wrote its own overlay's header could point
+/// the next machine's at a file of its choosing).
+pub fn check_vm_stack(stack: &[std::path::PathBuf]) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    if stack.len() > MAX_LAYERS {
+        return Err(io::Error::other(format!(
+            "{} layers: a machine stands on at most {MAX_LAYERS}",
+            stack.len()
+        )));
+    }
+    for p in stack {
+        let m = fs::symlink_metadata(p)?;
+        if !m.file_type().is_file() || m.uid() != 0 {
+            return Err(io::Error::other(format!(
+                "the layer {} is not a regular file the host made",
+                p.display()
+            )));
+        }
+        match Format::of(p) {
+            Some(Format::Qcow2) => check_qcow2_header(p)?,
+            Some(Format::Raw) => {}
+            None => {
+                return Err(io::Error::other(format!(
+                    "the layer {} has no known format",
+                    p.display()
+                )))
+            }
+        }
+    }
+    if stack.last().and_then(|p| Format::of(p)) != Some(Format::Raw) {
+        return Err(io::Error::other("a layer stack must end in a raw image"));
+    }
+    Ok(())
+}
+
+/// Refuses a qcow2 image whose header sets the external data file bit (incompatible
+/// feature bit 2, in the big-endian word at offset 72 of a version 3 header).
+fn check_qcow2_header(p: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let f = fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW)
+        .open(p)?;
+    let mut h = [0u8; 80];
+    f.read_exact_at(&mut h, 0)?;
+    let version = u32::from_be_bytes(h[4..8].try_into().expect("4 bytes"));
+    let incompatible = u64::from_be_bytes(h[72..80].try_into().expect("8 bytes"));
+    if &h[..4] != b"QFI\xfb" || version < 3 || incompatible & (1 << 2) != 0 {
+        return Err(io::Error::other(format!(
+            "the qcow2 layer {} is not an image this host makes (version {version}, incompatible features {incompatible:#x})",
+            p.display()
+        )));
+    }
+    Ok(())
+}
+
+/// [`link_stack`] for a microVM: each image of `stack` linked into `dir` as
+/// `<first + i>.<ext>`, keeping its format's extension.
+pub fn link_vm_stack(stack: &[std::path::PathBuf], dir: &Path, first: usize) -> io::Result<()> {
+    link_named(stack, dir, |i, src| {
+        let ext = Format::of(src).map_or("img", Format::ext);
+        format!("{}.{ext}", first + i)
+    })
+}
+
+/// Creates a blank qcow2 overlay of virtual size `size` bytes at `img` (which must not
+/// exist, and is not synced: a machine's own disk): a copy of a blank image of that size
+/// kept in `blanks` (made once per size by `qemu-img`, atomically), so no machine start
+/// runs `qemu-img`. Its header names no backing file: QEMU is told its backing node.
+pub fn make_qcow2_from_blank(img: &Path, size: u64, blanks: &Path) -> io::Result<()> {
+    let blank = ensure_qcow2_blank(size, blanks)?;
+    copy_ephemeral(&blank, img).map(drop)
+}
+
+/// The blank qcow2 image of virtual size `size` in `blanks`, made now if missing.
+pub fn ensure_qcow2_blank(size: u64, blanks: &Path) -> io::Result<std::path::PathBuf> {
+    let blank = blanks.join(format!("blank-{size}.qcow2"));
+    if blank.exists() {
+        return Ok(blank);
+    }
+    fs::create_dir_all(blanks)?;
+    let tmp = blanks.join(format!(".tmp-{size}-{}.qcow2", std::process::id()));
+    let _ = fs::remove_file(&tmp);
+    let qemu_img = crate::doctor::which("qemu-img").ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::NotFound,
+            "qemu-img is not installed (apt-get install qemu-utils; scripts/setup does)",
+        )
+    })?;
+    let out = std::process::Command::new(qemu_img)
+        .args(["create", "-q", "-f", "qcow2"])
+        .arg(&tmp)
+        .arg(size.to_string())
+        .stdin(std::process::Stdio::null())
+        .output()
+        .map_err(|e| io::Error::new(e.kind(), format!("run qemu-img: {e}")))?;
+    if !out.status.success() {
+        let _ = fs::remove_file(&tmp);
+        return Err(io::Error::other(format!(
+            "qemu-img create failed: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        )));
+    }
+    fs::File::open(&tmp)?.sync_all()?;
+    // Whoever renames last wins; every candidate is a valid blank image.
+    fs::rename(&tmp, &blank)?;
+    Ok(blank)
+}
+
 /// Links each image of `stack` into `dir` (created) as `<first + i>.img`: a hard link,
 /// so the image is stored once, or a copy where `dir` is on another filesystem.
 pub fn link_stack(stack: &[std::path::PathBuf], dir: &Path, first: usize) -> io::Result<()> {
+    link_named(stack, dir, |i, _| format!("{}.img", first + i))
+}
+
+/// Links each image of `stack` into `dir` (created) under the name `name(i, image)`.
+fn link_named(
+    stack: &[std::path::PathBuf],
+    dir: &Path,
+    name: impl Fn(usize, &Path) -> String,
+) -> io::Result<()> {
     if stack.is_empty() {
         return Ok(());
     }
     fs::create_dir_all(dir)?;
     for (i, src) in stack.iter().enumerate() {
-        let dst = dir.join(format!("{}.img", first + i));
+        let dst = dir.join(name(i, src));
         match fs::hard_link(src, &dst) {
             Ok(()) => {}
             Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
@@ -314,6 +537,102 @@ mod tests {
             );
         }
         assert_eq!(stack_of(&dir.join("none/disk.img")).len(), 1);
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// The first bytes of a version 3 qcow2 header with `incompatible` feature bits.
+    fn qcow2_header(incompatible: u64) -> Vec<u8> {
+        let mut h = vec![0u8; 104];
+        h[..4].copy_from_slice(b"QFI\xfb");
+        h[4..8].copy_from_slice(&3u32.to_be_bytes());
+        h[72..80].copy_from_slice(&incompatible.to_be_bytes());
+        h
+    }
+
+    #[test]
+    fn a_vm_stack_knows_each_format_by_name_and_refuses_what_the_host_did_not_make() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = std::env::temp_dir().join(format!("locker-vmstack-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let snap = dir.join("snap");
+        let lower = snap.join(SNAPSHOT_LOWERS);
+        fs::create_dir_all(&lower).unwrap();
+        // A raw image that starts like a qcow2 one (a guest wrote that): still raw.
+        fs::write(lower.join("2.img"), qcow2_header(0)).unwrap();
+        fs::write(lower.join("1.qcow2"), qcow2_header(0)).unwrap();
+        fs::write(snap.join("disk.qcow2"), qcow2_header(0)).unwrap();
+        let img = snap.join("disk.img");
+        let stack = vm_stack_of(&img).unwrap();
+        assert_eq!(
+            stack,
+            [
+                snap.join("disk.qcow2"),
+                lower.join("1.qcow2"),
+                lower.join("2.img")
+            ]
+        );
+        let formats: Vec<_> = stack.iter().map(|p| Format::of(p).unwrap()).collect();
+        assert_eq!(formats, [Format::Qcow2, Format::Qcow2, Format::Raw]);
+        // Linked into a machine with their extensions, one inode each.
+        let m = dir.join("machine");
+        link_vm_stack(&stack, &m.join(MACHINE_LAYERS), 0).unwrap();
+        let linked = vm_machine_layers(&m);
+        assert_eq!(
+            linked,
+            ["0.qcow2", "1.qcow2", "2.img"].map(|n| m.join(MACHINE_LAYERS).join(n))
+        );
+        for (a, b) in stack.iter().zip(&linked) {
+            assert_eq!(
+                fs::metadata(a).unwrap().ino(),
+                fs::metadata(b).unwrap().ino()
+            );
+        }
+        // A jail's view of the same directory sees raw images only.
+        assert_eq!(machine_layers(&m), [m.join(MACHINE_LAYERS).join("2.img")]);
+        // Both a raw and a qcow2 top: refused.
+        fs::write(&img, b"raw").unwrap();
+        assert!(vm_stack_of(&img).is_err());
+        fs::remove_file(&img).unwrap();
+        // One layer there twice, or one missing: refused.
+        fs::write(lower.join("2.qcow2"), qcow2_header(0)).unwrap();
+        assert!(vm_stack_of(&img).is_err());
+        fs::rename(lower.join("2.qcow2"), lower.join("3.qcow2")).unwrap();
+        fs::remove_file(lower.join("2.img")).unwrap();
+        assert!(vm_stack_of(&img).is_err());
+        fs::remove_file(lower.join("3.qcow2")).unwrap();
+        fs::write(lower.join("2.img"), qcow2_header(0)).unwrap();
+        assert!(vm_stack_of(&img).is_ok());
+        // A qcow2 header naming an external data file: refused.
+        fs::write(lower.join("1.qcow2"), qcow2_header(1 << 2)).unwrap();
+        assert!(vm_stack_of(&img).is_err());
+        fs::write(lower.join("1.qcow2"), qcow2_header(0)).unwrap();
+        // A symlink where a layer was: refused.
+        fs::remove_file(lower.join("2.img")).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", lower.join("2.img")).unwrap();
+        assert!(vm_stack_of(&img).is_err());
+        // A stack ending in a qcow2 image: refused (its size is its raw bottom's).
+        fs::remove_file(lower.join("2.img")).unwrap();
+        assert!(vm_stack_of(&img).is_err());
+        // An old snapshot: a raw image alone.
+        let old = dir.join("old");
+        fs::create_dir_all(&old).unwrap();
+        fs::write(old.join("disk.img"), b"raw").unwrap();
+        assert_eq!(
+            vm_stack_of(&old.join("disk.img")).unwrap(),
+            [old.join("disk.img")]
+        );
+        assert!(vm_stack_of(&dir.join("none/disk.img")).is_err());
+        fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_copy_never_follows_a_symlink() {
+        let dir = std::env::temp_dir().join(format!("locker-nofollow-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        std::os::unix::fs::symlink("/etc/hostname", dir.join("disk.img")).unwrap();
+        assert!(copy(&dir.join("disk.img"), &dir.join("copy.img")).is_err());
+        assert!(!dir.join("copy.img").exists());
         fs::remove_dir_all(&dir).unwrap();
     }
 }
