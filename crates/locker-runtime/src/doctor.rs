@@ -181,6 +181,9 @@ fn microvm_verdict(have_agent: bool, uid: u32) -> Verdict {
     if which("qemu-system-x86_64").is_none() {
         missing.push("qemu-system-x86_64 is not installed (apt-get install qemu-system-x86; scripts/setup does)".to_owned());
     }
+    if which("qemu-img").is_none() {
+        missing.push("qemu-img is not installed (apt-get install qemu-utils; scripts/setup does): microVMs started from snapshots stand on qcow2 overlays".to_owned());
+    }
     let kdir = crate::vm::kernel_dir();
     if !kdir.join("vmlinuz").is_file() || !kdir.join("modules").is_dir() {
         missing.push(format!(

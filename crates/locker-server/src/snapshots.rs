@@ -8,6 +8,13 @@
 //! A sandbox started from a snapshot (or forked) copies nothing: the snapshot's image, and
 //! those of the snapshots beneath it, are read-only lower layers of its overlay, linked
 //! into its directory (see `locker_runtime::disk::stack_of`).
+//! A microVM snapshot holds the guest's memory and device state (`memory`) and its disk
+//! the same way: the sandbox's own image (a raw `disk.img`, or the qcow2 overlay
+//! `disk.qcow2` of a sandbox that stood on a snapshot) over the layers it stood on, linked;
+//! a sandbox started from it stands on those under a blank overlay of its own (see
+//! `locker_runtime::vm`, "Disks"). Snapshots are root's alone (the directory is 0700): a
+//! microVM's QEMU, which runs as its machine's uid, reads its layers through its own
+//! directory only.
 //! A snapshot lives on after its sandbox is deleted, until it is deleted itself; deleting
 //! it while sandboxes or later snapshots stand on it is allowed: they hold links to its
 //! image, whose blocks go with the last of them.
@@ -73,6 +80,13 @@ async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<(u64, bool), 
     }
     std::fs::create_dir_all(&dir)
         .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    // Root's alone: a microVM's QEMU reads the layers it stands on through its own
+    // directory, and no machine's uid may reach another's snapshots.
+    if let Some(all) = dir.parent() {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(all, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| ApiError::internal(format!("chmod {}: {e}", all.display())))?;
+    }
     match app.node.snapshot(&live.machine, &dir).await {
         Ok(r) => Ok(r),
         Err(e) => {

@@ -137,7 +137,10 @@ pub struct Attach {
     /// Start from this snapshot image (`<snapshot>/disk.img`). A jail stands on the
     /// snapshot's layer stack ([`crate::disk::stack_of`]), each image mounted read-only
     /// beneath the machine's own blank disk of `disk_mb`: nothing is copied. A microVM
-    /// (with `memory_from`) starts from a copy of the image, the disk its memory knows.
+    /// (with `memory_from`) stands on its stack too ([`crate::disk::vm_stack_of`]: the
+    /// snapshot's own image is `disk.img` or `disk.qcow2` beside it), read-only layers of
+    /// QEMU's beneath a blank qcow2 overlay of its own: the disk its memory knows, nothing
+    /// copied.
     pub disk_from: Option<PathBuf>,
     /// Overlays (a run's volume under its private layer).
     pub overlays: Vec<OverlayMount>,
@@ -709,13 +712,24 @@ impl Node {
         })
     }
 
-    /// Snapshots a running machine into `dir` (which exists): its disk as `disk.img`, and
-    /// for a microVM its memory and device state as `memory` too. A jail's snapshot also
-    /// records the layers the machine stands on, linked (stored once) as `lower/1.img`, …
-    /// (see [`crate::disk::stack_of`]). Returns the bytes taken (the machine's own layer;
-    /// shared lower layers are counted by the snapshot that made them) and whether memory
-    /// was saved.
+    /// Snapshots a running machine into `dir` (which exists, and is closed to every user
+    /// but root here: a microVM's QEMU reads its layers as its machine's uid). A jail's
+    /// snapshot is its disk as `disk.img` over the layers the machine stands on, linked
+    /// (stored once) as `lower/1.img`, … (see [`crate::disk::stack_of`]). A microVM's is
+    /// its memory and device state as `memory` and its own disk (`disk.img`, or its qcow2
+    /// overlay `disk.qcow2`) over its layers the same way (see [`crate::vm::save`]).
+    /// Returns the bytes taken (the machine's own layer, and memory; shared lower layers
+    /// are counted by the snapshot that made them) and whether memory was saved.
     pub async fn snapshot(&self, m: &Machine, dir: &Path) -> Result<(u64, bool), NodeError> {
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(|source| {
+                NodeError::Io {
+                    step: format!("chmod {}", dir.display()),
+                    source,
+                }
+            })?;
+        }
         let Some(vm) = m.vm().cloned() else {
             let below = crate::disk::machine_layers(&m.dir).len();
             if below + 1 > crate::disk::MAX_LAYERS {
@@ -743,6 +757,10 @@ impl Node {
                 "a microVM with volumes cannot be snapshotted with its memory".into(),
             ));
         }
+        let below = crate::disk::vm_machine_layers(&m.dir).len();
+        if below + 1 > crate::disk::MAX_LAYERS {
+            return Err(NodeError::LayersTooDeep(below));
+        }
         // QMP answers only a running QEMU: thaw a paused machine for the save (the guest
         // itself is stopped by QMP meanwhile) and freeze it again after.
         let was_frozen = self.is_frozen(m);
@@ -751,7 +769,7 @@ impl Node {
         }
         let d = dir.to_owned();
         let r = tokio::task::spawn_blocking(move || {
-            crate::vm::save(&vm, &d.join("memory"), &d.join("disk.img"))?;
+            let disk = crate::vm::save(&vm, &d)?;
             if vm.shape.net {
                 fs::write(d.join(MEMORY_NIC_MARK), b"").map_err(|source| {
                     crate::vm::VmError::Io {
@@ -761,7 +779,7 @@ impl Node {
                 })?;
             }
             Ok::<u64, crate::vm::VmError>(
-                crate::disk::allocated_bytes(&d.join("disk.img"))
+                crate::disk::allocated_bytes(&disk)
                     + crate::disk::allocated_bytes(&d.join("memory")),
             )
         })

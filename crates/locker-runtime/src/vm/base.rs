@@ -151,11 +151,21 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
         &crate::machine::blank_disks_dir(),
     )
     .map_err(setup("make the base's disk"))?;
+    // The blank overlay of this disk size, made now (once per size on the host), so that
+    // no machine started from a snapshot runs `qemu-img`. Without qemu-img only those fail.
+    if let Err(e) = crate::disk::ensure_qcow2_blank(
+        base.shape.disk_mb << 20,
+        &crate::machine::blank_disks_dir(),
+    ) {
+        tracing::warn!(error = %e, "no blank qcow2 overlay: microVMs cannot start from snapshots");
+    }
+    let disk = [dir.join("disk.img")];
     let mut child = spawn_qemu(
         a,
         base.shape,
         Launch {
             dir,
+            disk: &disk,
             template_image: &base.template_image,
             ram: &ram,
             share: true,

@@ -17,12 +17,26 @@
 //!   machine's directory, the same name the jail runtime uses) and refreshes the guest's
 //!   clock, entropy and hostname.
 //! - **Snapshots with memory** ([`save`]): QMP `stop`, a migration into a file the host
-//!   hands over by fd, the disk copied while the VM is stopped, then `cont`.
+//!   hands over by fd, the machine's own disk image copied while the VM is stopped, then
+//!   `cont`; the layers it stands on are linked beneath, not copied.
+//! - **Disks**: the guest's writable disk (`/dev/vdb`) is a chain of images QEMU is given
+//!   node by node (`-blockdev`, see `qemu::disk_args`), each with the format the host named
+//!   it with ([`crate::disk::Format`]: `*.img` raw, `*.qcow2` qcow2), never probed and never
+//!   backed by a file an image's header names. A machine restored from a base writes a raw
+//!   copy of the base's disk (`disk.img`): that disk is small (a fresh ext4 and the boot's
+//!   writes, a few MB allocated), so its sparse copy costs about a millisecond, QEMU adds no
+//!   qcow2 lookups to its writes, and its snapshot is one raw image. A machine started from a
+//!   memory snapshot stands on the snapshot's layer stack ([`crate::disk::vm_stack_of`]),
+//!   hard-linked into `layers/` as a jail's is, read-only to QEMU, beneath a blank qcow2
+//!   overlay of its own (`disk.qcow2`, a copy of a blank made once per size): nothing of the
+//!   snapshot's data is copied, and a snapshot of it holds only what it wrote (its overlay)
+//!   over the same layers (`lower/`). The files of a machine's directory say which it is.
 //!
 //! Each QEMU runs as the unprivileged uid of its machine's slot, in the machine's cgroup (cpu,
 //! memory, pids), under QEMU's seccomp sandbox (`-sandbox on`, no spawning, no privilege
 //! changes). Its files are its own directory; the kernel, initramfs and template image are
-//! read-only to it. A machine with egress `none` has no network device at all, and its QEMU
+//! read-only to it, and so are the layers its disk stands on (root's files, shared by every
+//! machine and snapshot of that chain). A machine with egress `none` has no network device at all, and its QEMU
 //! a network namespace of its own with nothing in it. A machine with a network policy is of
 //! another shape ([`Shape::net`]: a restored VM has exactly its base's devices): one
 //! `virtio-net` device whose backend is a tap the host opened in the machine's own network
@@ -202,13 +216,8 @@ pub async fn start(
         .map_err(setup("give the machine its directory"))?;
     fs::set_permissions(dir, fs::Permissions::from_mode(0o700))
         .map_err(setup("chmod the machine directory"))?;
-    let disk = dir.join("disk.img");
-    let src = s.disk_from.map_or_else(|| s.base.disk(), Path::to_owned);
-    crate::disk::copy_ephemeral(&src, &disk).map_err(setup("copy the machine's disk"))?;
+    let disk = prepare_disk(dir, s.uid, s.base, s.disk_from)?;
     let t_disk = t0.elapsed();
-    std::os::unix::fs::chown(&disk, Some(s.uid), Some(s.uid)).map_err(setup("chown the disk"))?;
-    fs::set_permissions(&disk, fs::Permissions::from_mode(0o600))
-        .map_err(setup("chmod the disk"))?;
     let state_src = s.memory_from.map_or_else(|| s.base.state(), Path::to_owned);
     let incoming =
         fs::File::open(&state_src).map_err(setup(format!("open {}", state_src.display())))?;
@@ -229,6 +238,7 @@ pub async fn start(
         s.base.shape,
         Launch {
             dir,
+            disk: &disk,
             template_image: &s.base.template_image,
             ram: &ram,
             share: false,
@@ -343,25 +353,116 @@ pub fn ensure_running(s: &VmState) -> Result<(), VmError> {
     }
 }
 
-/// Saves a running machine's memory and device state into `state_out` and copies its disk
-/// to `disk_out`, both at one instant (the VM is stopped meanwhile), then lets it run on.
-pub fn save(
-    s: &VmState,
-    state_out: &Path,
-    disk_out: &Path,
-) -> Result<crate::disk::CopyKind, VmError> {
+/// The machine's disk in `dir`, by the names the host gave it (see the module doc,
+/// "Disks"): a machine standing on layers (`layers/`) writes its qcow2 overlay
+/// `disk.qcow2`, any other its raw `disk.img`.
+fn own_disk(dir: &Path, layers: &[PathBuf]) -> PathBuf {
+    dir.join(if layers.is_empty() {
+        "disk.img"
+    } else {
+        "disk.qcow2"
+    })
+}
+
+/// Makes a new machine's writable disk in `dir` and returns its images, top first (see the
+/// module doc, "Disks"). Restored from a base: a raw copy of the base's disk (`disk.img`).
+/// From a snapshot (`disk_from`, its `disk.img` path as [`crate::disk::vm_stack_of`] takes
+/// it): the snapshot's layer stack hard-linked into `layers/` (nothing of its data copied)
+/// beneath a blank qcow2 overlay of the stack's virtual size (`disk.qcow2`).
+fn prepare_disk(
+    dir: &Path,
+    uid: u32,
+    base: &Base,
+    disk_from: Option<&Path>,
+) -> Result<Vec<PathBuf>, VmError> {
+    let layers = match disk_from {
+        None => Vec::new(),
+        Some(img) => {
+            let stack =
+                crate::disk::vm_stack_of(img).map_err(setup("read the snapshot's layers"))?;
+            // Every image of a stack has the virtual size of its raw bottom (its length).
+            let size = fs::metadata(&stack[stack.len() - 1])
+                .map_err(setup("read the snapshot's disk size"))?
+                .len();
+            let at = dir.join(crate::disk::MACHINE_LAYERS);
+            crate::disk::link_vm_stack(&stack, &at, 0)
+                .map_err(setup("link the snapshot's layers"))?;
+            // QEMU reads them as the machine's uid: root's files, readable by all, reached
+            // only through this directory or the snapshot's, which are closed to others.
+            fs::set_permissions(&at, fs::Permissions::from_mode(0o755))
+                .map_err(setup("chmod the layers"))?;
+            let layers = crate::disk::vm_machine_layers(dir);
+            for l in &layers {
+                fs::set_permissions(l, fs::Permissions::from_mode(0o444))
+                    .map_err(setup("chmod a layer"))?;
+            }
+            crate::disk::make_qcow2_from_blank(
+                &own_disk(dir, &layers),
+                size,
+                &crate::machine::blank_disks_dir(),
+            )
+            .map_err(setup("make the machine's overlay"))?;
+            layers
+        }
+    };
+    let own = own_disk(dir, &layers);
+    if layers.is_empty() {
+        crate::disk::copy_ephemeral(&base.disk(), &own).map_err(setup("copy the base's disk"))?;
+    }
+    std::os::unix::fs::chown(&own, Some(uid), Some(uid)).map_err(setup("chown the disk"))?;
+    fs::set_permissions(&own, fs::Permissions::from_mode(0o600))
+        .map_err(setup("chmod the disk"))?;
+    Ok([own].into_iter().chain(layers).collect())
+}
+
+/// Saves a running machine into the snapshot directory `dir`, at one instant: its memory
+/// and device state as `memory`, and its own disk image (`disk.img` or `disk.qcow2`, as
+/// the machine has it) copied while QEMU is stopped (the migration has flushed its images
+/// and let go of them), then lets it run on. The layers the machine stands on are linked
+/// (not copied) beneath it as `lower/1.<ext>`, … (see [`crate::disk::vm_stack_of`]): a
+/// snapshot costs what the machine wrote itself. Returns the snapshot's own disk image.
+pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
+    let layers = crate::disk::vm_machine_layers(&s.dir);
+    let own = own_disk(&s.dir, &layers);
+    let out_disk = dir.join(own.file_name().expect("a file name"));
+    if !layers.is_empty() {
+        if layers.len() + 1 > crate::disk::MAX_LAYERS {
+            return Err(VmError::Io {
+                step: "record the machine's layers".into(),
+                source: io::Error::other(format!(
+                    "it stands on {} layers already, a snapshot holds at most {}",
+                    layers.len(),
+                    crate::disk::MAX_LAYERS
+                )),
+            });
+        }
+        crate::disk::check_numbered_from(&layers, 0)
+            .and_then(|()| crate::disk::check_vm_stack(&layers))
+            .map_err(setup("check the machine's layers"))?;
+        crate::disk::link_vm_stack(&layers, &dir.join(crate::disk::SNAPSHOT_LOWERS), 1)
+            .map_err(setup("record the machine's layers"))?;
+    }
+    let state_out = dir.join("memory");
     let mut q = Qmp::connect(&s.dir.join("qmp.sock"), Duration::from_secs(5))?;
     q.cmd("stop", json!({}))?;
     let r = (|| {
-        let out = fs::File::create(state_out).map_err(setup("create the state file"))?;
+        let out = fs::File::create(&state_out).map_err(setup("create the state file"))?;
         q.migrate_to(&out)?;
-        out.sync_all().map_err(setup("sync the state file"))?;
-        crate::disk::copy(&s.dir.join("disk.img"), disk_out).map_err(setup("copy the disk"))
+        crate::disk::copy_ephemeral(&own, &out_disk).map_err(setup("copy the disk"))?;
+        Ok::<_, VmError>(out)
     })();
     let cont = q.cmd("cont", json!({}));
-    let kind = r?;
+    let out = r?;
     cont?;
-    Ok(kind)
+    // Durable, now that the guest runs again.
+    out.sync_all().map_err(setup("sync the state file"))?;
+    let disk = fs::File::open(&out_disk).map_err(setup("open the disk's copy"))?;
+    disk.sync_all().map_err(setup("sync the disk's copy"))?;
+    fs::set_permissions(&out_disk, fs::Permissions::from_mode(0o444))
+        .map_err(setup("chmod the disk's copy"))?;
+    // The stack as a child will read it (the overlay's header included: QEMU wrote it).
+    crate::disk::vm_stack_of(&dir.join("disk.img")).map_err(setup("check the snapshot"))?;
+    Ok(out_disk)
 }
 
 /// Gives a restored guest the host's clock, fresh entropy and its own hostname: a restore

@@ -45,8 +45,12 @@ impl Shape {
 
 /// How one QEMU process is to be started.
 pub(super) struct Launch<'a> {
-    /// Holds `disk.img`; QEMU puts `agent.sock`, `qmp.sock`, `console.log` there.
+    /// The machine's directory: QEMU puts `agent.sock`, `qmp.sock`, `console.log` there.
     pub(super) dir: &'a Path,
+    /// The writable disk's images, top first: the machine's own (raw `disk.img`, or a
+    /// qcow2 overlay `disk.qcow2`), then the read-only layers beneath an overlay (see
+    /// [`disk_args`]).
+    pub(super) disk: &'a [PathBuf],
     pub(super) template_image: &'a Path,
     /// The guest RAM file.
     pub(super) ram: &'a Path,
@@ -121,14 +125,18 @@ pub(super) fn qemu_args(a: &Assets, shape: Shape, l: &Launch) -> Vec<String> {
         format!("id=template,file={},format=raw,if=none,readonly=on", l.template_image.display()),
         "-device".into(),
         "virtio-blk-device,drive=template".into(),
-        "-drive".into(),
-        format!("id=disk,file={},format=raw,if=none,discard=unmap", d("disk.img")),
+    ];
+    v.extend(disk_args(l.disk));
+    let rest: Vec<String> = vec![
         "-device".into(),
         "virtio-blk-device,drive=disk".into(),
         "-device".into(),
         "virtio-serial-device".into(),
         "-chardev".into(),
-        format!("socket,id=agent,path={},server=on,wait=off", d("agent.sock")),
+        format!(
+            "socket,id=agent,path={},server=on,wait=off",
+            d("agent.sock")
+        ),
         "-device".into(),
         format!("virtserialport,chardev=agent,name={PORT_NAME}"),
         // Volumes: FUSE requests to the host's file server (see [`crate::vm_fs`]).
@@ -144,6 +152,7 @@ pub(super) fn qemu_args(a: &Assets, shape: Shape, l: &Launch) -> Vec<String> {
         "-sandbox".into(),
         "on,obsolete=deny,elevateprivileges=deny,spawn=deny,resourcecontrol=deny".into(),
     ];
+    v.extend(rest);
     if shape.net {
         let backend = if l.net.is_some() {
             format!("fd={TAP_FD}")
@@ -160,6 +169,53 @@ pub(super) fn qemu_args(a: &Assets, shape: Shape, l: &Launch) -> Vec<String> {
         // [`Qmp::ignore_shared`]); the state itself comes on fd 3.
         v.push("-incoming".into());
         v.push("defer".into());
+    }
+    v
+}
+
+/// The writable disk as explicit `-blockdev` nodes, given its images top first: the top
+/// node (`disk`, the device's) writable, every layer beneath it read-only, each with the
+/// format driver its file name says ([`crate::disk::Format`]) and each qcow2 node's
+/// `backing` set to the node below (`null` at the bottom), so QEMU neither probes a format
+/// nor opens a backing file an image's header names. Bottom first: a node is defined
+/// before the one that names it. JSON, so paths need no escaping.
+pub(super) fn disk_args(chain: &[PathBuf]) -> Vec<String> {
+    use crate::disk::Format;
+    let name = |i: usize| {
+        if i == 0 {
+            "disk".to_owned()
+        } else {
+            format!("layer{}", i - 1)
+        }
+    };
+    let mut v = Vec::new();
+    for (i, path) in chain.iter().enumerate().rev() {
+        let top = i == 0;
+        let mut file = json!({"driver": "file", "filename": path});
+        let mut node = json!({"node-name": name(i)});
+        if top {
+            file["discard"] = json!("unmap");
+            node["discard"] = json!("unmap");
+        } else {
+            file["read-only"] = json!(true);
+            node["read-only"] = json!(true);
+        }
+        match Format::of(path) {
+            Some(Format::Qcow2) => {
+                node["driver"] = json!("qcow2");
+                node["backing"] = if i + 1 < chain.len() {
+                    json!(name(i + 1))
+                } else {
+                    Value::Null
+                };
+            }
+            // Anything else is raw: only the host names these files ([`crate::disk`]
+            // checks a stack before it gets here).
+            _ => node["driver"] = json!("raw"),
+        }
+        node["file"] = file;
+        v.push("-blockdev".into());
+        v.push(node.to_string());
     }
     v
 }
@@ -261,4 +317,49 @@ pub(super) fn logs_of(dir: &Path) -> String {
         tail("qemu.log"),
         tail("console.log")
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_disk_chain_names_every_format_and_backing_itself() {
+        let args = disk_args(&[
+            PathBuf::from("/m/disk.qcow2"),
+            PathBuf::from("/m/layers/0.qcow2"),
+            PathBuf::from("/m/layers/1.img"),
+        ]);
+        let nodes: Vec<Value> = args
+            .chunks(2)
+            .map(|c| {
+                assert_eq!(c[0], "-blockdev");
+                serde_json::from_str(&c[1]).unwrap()
+            })
+            .collect();
+        // Bottom first: each node exists before the one that names it.
+        assert_eq!(
+            nodes[0],
+            json!({"node-name": "layer1", "driver": "raw", "read-only": true,
+                   "file": {"driver": "file", "filename": "/m/layers/1.img", "read-only": true}})
+        );
+        assert_eq!(
+            nodes[1],
+            json!({"node-name": "layer0", "driver": "qcow2", "read-only": true, "backing": "layer1",
+                   "file": {"driver": "file", "filename": "/m/layers/0.qcow2", "read-only": true}})
+        );
+        assert_eq!(
+            nodes[2],
+            json!({"node-name": "disk", "driver": "qcow2", "discard": "unmap", "backing": "layer0",
+                   "file": {"driver": "file", "filename": "/m/disk.qcow2", "discard": "unmap"}})
+        );
+        // A machine restored from a base: one raw node; a qcow2 image alone backs nothing.
+        let raw: Value =
+            serde_json::from_str(&disk_args(&[PathBuf::from("/m/disk.img")])[1]).unwrap();
+        assert_eq!(raw["driver"], "raw");
+        assert!(raw.get("backing").is_none());
+        let alone: Value =
+            serde_json::from_str(&disk_args(&[PathBuf::from("/m/disk.qcow2")])[1]).unwrap();
+        assert_eq!(alone["backing"], Value::Null);
+    }
 }
