@@ -1031,3 +1031,292 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     api.delete(&format!("/v1/volumes/{vol}"))
         .expect(204, "delete the volume");
 }
+
+/// Bytes a file really occupies (its allocated blocks), 0 if it is missing.
+fn allocated(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p).map(|m| m.blocks() * 512).unwrap_or(0)
+}
+
+/// A file's inode number (hard links share it).
+fn ino(p: &Path) -> u64 {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(p)
+        .unwrap_or_else(|e| panic!("{}: {e}", p.display()))
+        .ino()
+}
+
+/// What machine `dir`'s QEMU has open as block nodes: (file name, format driver) of each
+/// format node, asked over its QMP socket.
+fn block_formats(dir: &Path) -> Vec<(String, String)> {
+    use std::io::{BufRead, Write};
+    let s = std::os::unix::net::UnixStream::connect(dir.join("qmp.sock")).expect("QMP");
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut w = s.try_clone().expect("QMP socket");
+    let mut r = std::io::BufReader::new(s);
+    let mut line = String::new();
+    r.read_line(&mut line).expect("QMP greeting");
+    let mut nodes = serde_json::Value::Null;
+    for cmd in ["qmp_capabilities", "query-named-block-nodes"] {
+        writeln!(w, "{}", serde_json::json!({ "execute": cmd })).unwrap();
+        loop {
+            line.clear();
+            assert!(
+                r.read_line(&mut line).expect("QMP answer") > 0,
+                "QMP closed"
+            );
+            let v: serde_json::Value = serde_json::from_str(&line).expect("QMP JSON");
+            if let Some(e) = v.get("error") {
+                panic!("QMP {cmd}: {e}");
+            }
+            if let Some(ret) = v.get("return") {
+                nodes = ret.clone();
+                break;
+            }
+        }
+    }
+    nodes
+        .as_array()
+        .expect("nodes")
+        .iter()
+        .filter(|n| n["drv"] != "file")
+        .map(|n| {
+            // A node QEMU was given its backing names itself `json:{…}` with its file in it.
+            let file = n["file"].as_str().unwrap_or_default();
+            let file = match file.strip_prefix("json:") {
+                Some(j) => serde_json::from_str::<serde_json::Value>(j).expect("json: name")
+                    ["file"]["filename"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+                None => file.to_owned(),
+            };
+            (file, n["drv"].as_str().unwrap_or_default().to_owned())
+        })
+        .collect()
+}
+
+/// The format QEMU opened `file` with in machine `dir` (panics if it has no such node).
+fn format_of(dir: &Path, file: &Path) -> String {
+    let nodes = block_formats(dir);
+    let name = file.display().to_string();
+    nodes
+        .iter()
+        .find(|(f, _)| *f == name)
+        .map(|(_, d)| d.clone())
+        .unwrap_or_else(|| panic!("no block node for {name}: {nodes:?}"))
+}
+
+/// The first KiB of a real qcow2 image whose header names a host file as its backing file:
+/// what a guest could write onto its raw disk to be taken for a qcow2 image.
+fn qcow2_header() -> Vec<u8> {
+    let dir = TempDir::new("locker-qcow2-header");
+    let img = dir.path().join("h.qcow2");
+    let st = std::process::Command::new("qemu-img")
+        .args([
+            "create",
+            "-q",
+            "-f",
+            "qcow2",
+            "-b",
+            "/etc/hostname",
+            "-F",
+            "raw",
+        ])
+        .arg(&img)
+        .arg("1G")
+        .status()
+        .expect("qemu-img (apt-get install qemu-utils)");
+    assert!(st.success());
+    let mut h = std::fs::read(&img).unwrap();
+    h.truncate(1024);
+    assert_eq!(&h[..4], b"QFI\xfb");
+    h
+}
+
+/// MicroVM children of a layered snapshot, through the real server: a child stands on its
+/// snapshot's images (hard links: nothing of the parent's data copied) under a blank qcow2
+/// overlay of its own; a snapshot of a child holds only what the child wrote (its overlay)
+/// over the layers it stood on (`lower/`), so a grandchild sees both generations and their
+/// memory. The host names each layer's format: a guest that writes a qcow2 header onto
+/// its raw disk changes nothing of how its snapshot's children open it.
+#[test]
+fn microvm_children_of_a_snapshot_stand_on_its_layers() {
+    use locker_tests::server::Server;
+    use serde_json::json;
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    become_subreaper();
+    let srv = Server::start_with(&["--vm-pool", "0"]);
+    let api = srv.api();
+    let create = |body: serde_json::Value| -> (String, Duration) {
+        let t = Instant::now();
+        let sb = api.create_sandbox(&body);
+        assert_eq!(sb["runtime"], "microvm", "{sb}");
+        (sb["id"].as_str().unwrap().to_owned(), t.elapsed())
+    };
+    let snapshot = |sb: &str| -> (String, u64, Duration) {
+        let t = Instant::now();
+        let s = api
+            .post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
+            .expect(201, "snapshot");
+        assert_eq!(s["has_memory"], true, "{s}");
+        (
+            s["id"].as_str().unwrap().to_owned(),
+            s["size_bytes"].as_u64().unwrap(),
+            t.elapsed(),
+        )
+    };
+    let count = |sb: &str| -> u64 { api.sh(sb, "cat /dev/shm/n").trim().parse().unwrap() };
+    let counts_on = |sb: &str| {
+        let a = count(sb);
+        std::thread::sleep(Duration::from_millis(500));
+        let b = count(sb);
+        assert!(a > 0 && b > a, "{sb}: the counter continues ({a} then {b})");
+    };
+    // The guest's writable disk is /dev/vdb (the template is vda), read past its page cache.
+    let head_of_disk =
+        "dd if=/dev/vdb bs=1024 count=1 iflag=direct 2>/dev/null | sha256sum | cut -c1-64";
+    let mb = 1u64 << 20;
+
+    let (parent, _) = create(json!({"runtime": "microvm", "memory_mb": 256}));
+    // Snapshots are kept beside the sandboxes' machines (on one filesystem: hard links).
+    let snaps = srv
+        .machine_dir(&parent)
+        .parent()
+        .and_then(Path::parent)
+        .expect("the sandboxes' directory")
+        .join("snapshots");
+    // A qcow2 header onto the start of the raw disk (ext4 leaves its first KiB unused).
+    let header = qcow2_header();
+    api.write_file(&parent, "/root/hdr", &header)
+        .expect(200, "upload the header");
+    api.sh(
+        &parent,
+        "dd if=/root/hdr of=/dev/vdb bs=1024 count=1 conv=notrunc oflag=direct 2>/dev/null && rm /root/hdr",
+    );
+    let header_sum = sha2_free::hex_sha256(&header);
+    assert_eq!(api.sh(&parent, head_of_disk).trim(), header_sum);
+    // 50 MB the parent writes (random: nothing compresses it or finds it zero), and a
+    // counter in memory only. Caches dropped, so memory snapshots carry no copy of it.
+    let big = api.sh(
+        &parent,
+        "head -c 50M /dev/urandom > /root/big && sync && sha256sum /root/big | cut -c1-64 && echo 3 > /proc/sys/vm/drop_caches",
+    );
+    api.post(
+        &format!("/v1/sandboxes/{parent}/processes"),
+        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n; sleep 0.1; done"}),
+    )
+    .expect(200, "counter");
+    api.sh(&parent, "while [ ! -s /dev/shm/n ]; do sleep 0.05; done");
+
+    let (s1, s1_size, took) = snapshot(&parent);
+    let s1_dir = snaps.join(&s1);
+    eprintln!(
+        "parent's snapshot: {s1_size} bytes (disk {} allocated, memory {}) in {took:?}",
+        allocated(&s1_dir.join("disk.img")),
+        allocated(&s1_dir.join("memory"))
+    );
+    let (child, took) = create(json!({"from_snapshot": s1}));
+    let c_dir = srv.machine_dir(&child);
+    let c_own = allocated(&c_dir.join("disk.qcow2")) + allocated(&c_dir.join("disk.img"));
+    eprintln!("child from it: created in {took:?}, its own disk {c_own} bytes allocated");
+    assert_eq!(api.sh(&child, "sha256sum /root/big | cut -c1-64"), big);
+    counts_on(&child);
+    assert_eq!(
+        api.sh(&child, head_of_disk).trim(),
+        header_sum,
+        "the child reads its disk's first KiB as the parent wrote it"
+    );
+    let more = api.sh(
+        &child,
+        "head -c 10M /dev/urandom > /root/more && sync && sha256sum /root/more | cut -c1-64 && echo 3 > /proc/sys/vm/drop_caches",
+    );
+    let (s2, s2_size, took) = snapshot(&child);
+    let s2_dir = snaps.join(&s2);
+    let s2_disk = allocated(&s2_dir.join("disk.qcow2")) + allocated(&s2_dir.join("disk.img"));
+    eprintln!(
+        "child's snapshot: {s2_size} bytes (disk {s2_disk}, memory {}) in {took:?}",
+        allocated(&s2_dir.join("memory"))
+    );
+    let (grand, took) = create(json!({"from_snapshot": s2}));
+    let g_dir = srv.machine_dir(&grand);
+    let g_own = allocated(&g_dir.join("disk.qcow2")) + allocated(&g_dir.join("disk.img"));
+    eprintln!("grandchild: created in {took:?}, its own disk {g_own} bytes allocated");
+    assert_eq!(api.sh(&grand, "sha256sum /root/big | cut -c1-64"), big);
+    assert_eq!(api.sh(&grand, "sha256sum /root/more | cut -c1-64"), more);
+    counts_on(&grand);
+    assert_eq!(api.sh(&grand, head_of_disk).trim(), header_sum);
+
+    // Snapshots are root's alone; the layers QEMU reads, read-only to all.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&snaps), 0o700);
+    assert_eq!(mode(&c_dir.join("layers/0.img")), 0o444);
+    // The parent's snapshot: its raw disk, named so by the host whatever its bytes say.
+    assert!(s1_dir.join("disk.img").is_file());
+    assert!(!s1_dir.join("disk.qcow2").exists());
+    assert!(
+        !s1_dir.join("lower").exists(),
+        "the parent stood on no layer"
+    );
+    // The child: the snapshot's image linked (not copied) as its layer, a blank overlay
+    // of its own that holds only what it wrote since.
+    assert_eq!(
+        ino(&c_dir.join("layers/0.img")),
+        ino(&s1_dir.join("disk.img"))
+    );
+    assert!(!c_dir.join("disk.img").exists());
+    assert!(
+        c_own < 4 * mb,
+        "the child's own disk holds no copy: {c_own}"
+    );
+    assert_eq!(format_of(&c_dir, &c_dir.join("layers/0.img")), "raw");
+    assert_eq!(format_of(&c_dir, &c_dir.join("disk.qcow2")), "qcow2");
+    // The child's snapshot: its overlay (what it wrote) over the layer it stood on.
+    assert_eq!(
+        ino(&s2_dir.join("lower/1.img")),
+        ino(&s1_dir.join("disk.img"))
+    );
+    assert!(!s2_dir.join("disk.img").exists());
+    assert!(
+        (10 * mb..25 * mb).contains(&s2_disk),
+        "the child's snapshot holds what the child wrote (10 MB), not the parent's 50 MB: {s2_disk}"
+    );
+    // Memory (over 100 MB of a 256 MB guest) is most of it; the layer beneath is not.
+    assert_eq!(
+        s2_size,
+        s2_disk + allocated(&s2_dir.join("memory")),
+        "size_bytes counts the snapshot's own layer and its memory"
+    );
+    // The grandchild: both layers linked, a blank overlay of its own.
+    assert_eq!(
+        ino(&g_dir.join("layers/0.qcow2")),
+        ino(&s2_dir.join("disk.qcow2"))
+    );
+    assert_eq!(
+        ino(&g_dir.join("layers/1.img")),
+        ino(&s1_dir.join("disk.img"))
+    );
+    assert!(
+        g_own < 4 * mb,
+        "the grandchild's own disk holds no copy: {g_own}"
+    );
+    assert_eq!(format_of(&g_dir, &g_dir.join("layers/1.img")), "raw");
+    assert_eq!(format_of(&g_dir, &g_dir.join("layers/0.qcow2")), "qcow2");
+
+    // Deleting both snapshots moves nothing that stands on them.
+    for s in [&s1, &s2] {
+        api.delete(&format!("/v1/snapshots/{s}"))
+            .expect(204, "delete a snapshot stood on");
+    }
+    assert!(!s1_dir.exists() && !s2_dir.exists());
+    assert_eq!(api.sh(&grand, "sha256sum /root/big | cut -c1-64"), big);
+    assert_eq!(api.sh(&child, "sha256sum /root/more | cut -c1-64"), more);
+    let data = srv.machine_dir(&parent);
+    let data = data.parent().unwrap();
+    for id in [&grand, &child, &parent] {
+        api.delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete");
+    }
+    assert!(qemus_under(&data).is_empty(), "no QEMU left");
+}
