@@ -27,6 +27,8 @@ use crate::{check_stop, Args};
 
 const LOCKER: &str = "images locker template pull (100 MB image, loopback registry)";
 const PEER: &str = "images skopeo copy + umoci unpack (same image)";
+const ON_BASE: &str = "images pull of an image on a stored base (the 100 MB image + 1 MB layer)";
+const ON_BASE_FRESH: &str = "images pull of the same image into an empty cache";
 const REBUILD: &str = "images cached Dockerfile rebuild, FROM default (POST to result)";
 const REBUILD_IMAGE: &str = "images cached Dockerfile rebuild, FROM the registry image";
 const FIRST_IMAGE: &str = "images create → first command, image template";
@@ -246,7 +248,84 @@ pub fn image_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .note("skopeo copy docker://… oci:… then umoci unpack (Debian's), in the same rounds"),
     );
     check_stop()?;
+    on_base_rows(&dir, &image, &host, &reference, n, rows)?;
+    check_stop()?;
     server_rows(args, rows, &reference, &host)
+}
+
+/// An image that is the big one plus a 1 MB layer: pulled where the big one is stored (its
+/// layers are not fetched again: `template::image::chain`) and into an empty cache.
+fn on_base_rows(
+    dir: &Path,
+    image: &str,
+    host: &str,
+    base: &str,
+    n: usize,
+    rows: &mut Vec<Row>,
+) -> anyhow::Result<()> {
+    let layout = image.rsplit_once(':').map_or(image, |(l, _)| l).to_string();
+    let bundle = dir.join("bundle-on-base");
+    run(
+        Command::new("umoci")
+            .args(["unpack", "--image", image])
+            .arg(&bundle),
+        "umoci unpack",
+    )?;
+    let extra: Vec<u8> = (0..1 << 20)
+        .map(|i: u32| (i.wrapping_mul(2654435761) >> 13) as u8)
+        .collect();
+    fs::write(bundle.join("rootfs/extra.bin"), extra)?;
+    run(
+        Command::new("umoci")
+            .args(["repack", "--image", &format!("{layout}:on")])
+            .arg(&bundle),
+        "umoci repack",
+    )?;
+    let _ = fs::remove_dir_all(&bundle);
+    let reference = format!("{host}/bench/on-base:1");
+    run(
+        Command::new("skopeo")
+            .args(["copy", "--quiet", "--dest-tls-verify=false"])
+            .arg(format!("oci:{layout}:on"))
+            .arg(format!("docker://{reference}")),
+        "skopeo copy (push)",
+    )?;
+    let pull = |cache: &Path, name: &str, r: &str| -> anyhow::Result<f64> {
+        let t = Instant::now();
+        run(
+            Command::new(locker_bin())
+                .args(["template", "pull", name, r, "--plain-http", host])
+                .env("LOCKER_CACHE_DIR", cache)
+                .stderr(Stdio::piped()),
+            "locker template pull",
+        )?;
+        Ok(secs(t) * 1e3)
+    };
+    let (mut stored, mut fresh) = (Vec::new(), Vec::new());
+    for i in 0..n + 1 {
+        check_stop()?;
+        let (a, b) = (dir.join(format!("on-a-{i}")), dir.join(format!("on-b-{i}")));
+        pull(&a, "big", base)?;
+        let x = pull(&a, "on-base", &reference)?;
+        let y = pull(&b, "on-base", &reference)?;
+        if i > 0 {
+            stored.push(x);
+            fresh.push(y);
+        }
+        for p in [a, b] {
+            let _ = fs::remove_dir_all(p);
+        }
+    }
+    rows.push(
+        Row::new(ON_BASE, "ms", stored, 1)
+            .note("locker template pull of an image whose first layer is stored as the 100 MB image's: only its own 1 MB layer is fetched and unpacked over a hard-linked copy of the stored tree")
+            .vs(ON_BASE_FRESH),
+    );
+    rows.push(
+        Row::new(ON_BASE_FRESH, "ms", fresh, 1)
+            .note("the same pull into an empty cache: every layer fetched and unpacked"),
+    );
+    Ok(())
 }
 
 fn post(api: &Api, path: &str, body: &Value) -> anyhow::Result<locker_tests::server::Resp> {
