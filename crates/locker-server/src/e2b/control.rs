@@ -620,7 +620,13 @@ pub(super) fn metric(r: &SandboxRecord, live: &Live, now: i64) -> Value {
         .into_iter()
         .flatten()
         .flatten()
-        .filter(|e| e.file_name().to_string_lossy().ends_with(".img"))
+        // A jail's or a microVM's own disk: `disk.img`, or a microVM's qcow2 overlay
+        // `disk.qcow2` (the layers beneath, in `layers/`, are its snapshot's).
+        .filter(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            n.ends_with(".img") || n.ends_with(".qcow2")
+        })
         .filter_map(|e| e.metadata().ok())
         .map(|m| m.blocks() * 512)
         .sum::<u64>();
