@@ -377,8 +377,31 @@ impl TempDir {
 
 impl Drop for TempDir {
     fn drop(&mut self) {
+        // A server started on a data dir in here may have mounted Locker's XFS image
+        // (`<data-dir>/disks`) or volumes, and a killed one leaves them: unmounted first
+        // (deepest first, lazily), so nothing of it stays mounted or attached.
+        for m in mounts_under(&self.0) {
+            let _ = locker_runtime::volume_fs::unmount_at(&m);
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
+}
+
+/// Mount points at or below `dir` in this mount namespace, deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let Ok(canon) = dir.canonicalize() else {
+        return Vec::new();
+    };
+    let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    let mut v: Vec<PathBuf> = info
+        .lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| PathBuf::from(m.replace("\\040", " ")))
+        .filter(|m| m.starts_with(&canon))
+        .collect();
+    v.sort_by_key(|m| std::cmp::Reverse(m.components().count()));
+    v.dedup();
+    v
 }
 
 /// Host-side traces of a machine: mounts naming its directory, its cgroups, its directory.

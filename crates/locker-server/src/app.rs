@@ -197,9 +197,6 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
     let lock = DataDirLock::take(&cfg.data_dir)?;
-    let disks = locker_runtime::cow_disks::place(&cfg.data_dir, cfg.cow_disks)
-        .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
-    tracing::info!(sandboxes = %disks.sandboxes.display(), "{}", disks.describe());
     let store: Arc<dyn Store> = match &cfg.database {
         None => Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?),
         Some(url) => {
@@ -209,6 +206,11 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
             Arc::new(pg)
         }
     };
+    // After the store: a server that cannot have it (Postgres held by another) leaves the
+    // data dir as it found it.
+    let disks = locker_runtime::cow_disks::place(&cfg.data_dir, cfg.cow_disks)
+        .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
+    tracing::info!(sandboxes = %disks.sandboxes.display(), "{}", disks.describe());
     store.ensure_tenant("default")?;
     match &cfg.api_key {
         Some(k) => {
