@@ -162,7 +162,7 @@ pub fn check(data_dir: &Path) -> Report {
             data_dir_fs_of: existing.display().to_string(),
             data_dir_fs: fs,
             copy_on_write: cow,
-            copy_on_write_detail: cow_detail.into(),
+            copy_on_write_detail: cow_detail,
             uid,
             volumes,
             virtualization: virt,
