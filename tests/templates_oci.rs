@@ -552,6 +552,26 @@ fn lying_garbage_and_stalling_registries_are_refused() {
 /// zstd layers (`application/vnd.oci.image.layer.v1.tar+zstd`), as `skopeo copy
 /// --dest-compress-format zstd` pushes them: pulled and unpacked into the same template as
 /// the gzip push of the same image (the config, and so the digest, are the same).
+/// `locker template pull NAME REFERENCE` from a plain-HTTP registry into the template cache
+/// `cache`: the template's JSON and the command's whole output.
+fn pull_into(cache: &Path, name: &str, reference: &str, host: &str) -> (Value, String) {
+    let out = locker(
+        &[
+            "template",
+            "pull",
+            name,
+            reference,
+            "--plain-http",
+            host,
+            "--json",
+        ],
+        None,
+        &[("LOCKER_CACHE_DIR", cache.to_str().unwrap())],
+    );
+    assert!(out.status.success(), "pull {reference}: {}", text(&out));
+    (serde_json::from_slice(&out.stdout).unwrap(), text(&out))
+}
+
 #[test]
 fn a_zstd_image_is_pulled_like_a_gzip_one() {
     let _serial = serial();
@@ -580,21 +600,7 @@ fn a_zstd_image_is_pulled_like_a_gzip_one() {
     let mut digests = Vec::new();
     for reference in [&zst_ref, &gz_ref] {
         let cache = TempDir::new("locker-oci-zstd-cache");
-        let out = locker(
-            &[
-                "template",
-                "pull",
-                "z",
-                reference,
-                "--plain-http",
-                &reg.host,
-                "--json",
-            ],
-            None,
-            &[("LOCKER_CACHE_DIR", cache.path().to_str().unwrap())],
-        );
-        assert!(out.status.success(), "pull {reference}: {}", text(&out));
-        let t: Value = serde_json::from_slice(&out.stdout).unwrap();
+        let (t, _) = pull_into(cache.path(), "z", reference, &reg.host);
         let rootfs = Path::new(t["rootfs"].as_str().unwrap());
         assert_eq!(
             fs::read_to_string(rootfs.join("etc/greeting")).unwrap(),
@@ -643,23 +649,7 @@ fn an_image_on_a_pulled_base_fetches_only_its_own_layers_and_shares_the_base() {
         &[],
     );
     let cache = TempDir::new("locker-oci-chain-cache");
-    let pull = |name: &str, reference: &str| -> (Value, String) {
-        let out = locker(
-            &[
-                "template",
-                "pull",
-                name,
-                reference,
-                "--plain-http",
-                &reg.host,
-                "--json",
-            ],
-            None,
-            &[("LOCKER_CACHE_DIR", cache.path().to_str().unwrap())],
-        );
-        assert!(out.status.success(), "pull {reference}: {}", text(&out));
-        (serde_json::from_slice(&out.stdout).unwrap(), text(&out))
-    };
+    let pull = |name: &str, reference: &str| pull_into(cache.path(), name, reference, &reg.host);
     let (a, _) = pull("a", &a_ref);
 
     // B's manifest lists A's layer, then its own.

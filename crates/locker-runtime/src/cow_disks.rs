@@ -158,17 +158,7 @@ pub fn place(data_dir: &Path, mode: Mode) -> io::Result<Placement> {
 
 /// Whether this host can make the image: `Err(what is missing)`.
 pub fn support() -> Result<(), String> {
-    let fss = fs::read_to_string("/proc/filesystems").unwrap_or_default();
-    if !fss.split_whitespace().any(|f| f == "xfs") {
-        return Err("the kernel has no XFS (modprobe xfs)".into());
-    }
-    if crate::doctor::which("mkfs.xfs").is_none() {
-        return Err("mkfs.xfs is not installed (apt-get install xfsprogs)".into());
-    }
-    if !Path::new("/dev/loop-control").exists() {
-        return Err("/dev/loop-control is missing (modprobe loop)".into());
-    }
-    Ok(())
+    crate::volume_fs::loop_fs_support("xfs", "xfsprogs")
 }
 
 /// Whether files in `dir` can share blocks (`FICLONE` of a small file made there).

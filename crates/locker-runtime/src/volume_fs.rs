@@ -64,17 +64,27 @@ pub fn live(dir: &Path) -> PathBuf {
 /// Whether this host can give volumes a filesystem of their own: `Ok(what they get)` or
 /// `Err(what is missing)`. Cheap: looks for the tools and the kernel's support only.
 pub fn support() -> Result<String, String> {
+    loop_fs_support("btrfs", "btrfs-progs")?;
+    Ok("a btrfs image per volume: size_mb enforced by the filesystem (ENOSPC), runs see a reflink copy or a read-only subvolume snapshot, volume snapshots are subvolume snapshots".into())
+}
+
+/// Whether a filesystem of type `fstype` can be made in an image and loop-mounted here: the
+/// kernel knows it, `mkfs.<fstype>` is installed (from Debian's `package`), and loop
+/// devices exist; `Err(what is missing)`.
+pub fn loop_fs_support(fstype: &str, package: &str) -> Result<(), String> {
     let fss = fs::read_to_string("/proc/filesystems").unwrap_or_default();
-    if !fss.split_whitespace().any(|f| f == "btrfs") {
-        return Err("the kernel has no btrfs (modprobe btrfs)".into());
+    if !fss.split_whitespace().any(|f| f == fstype) {
+        return Err(format!("the kernel has no {fstype} (modprobe {fstype})"));
     }
-    if crate::doctor::which("mkfs.btrfs").is_none() {
-        return Err("mkfs.btrfs not found (apt-get install btrfs-progs)".into());
+    if crate::doctor::which(&format!("mkfs.{fstype}")).is_none() {
+        return Err(format!(
+            "mkfs.{fstype} not found (apt-get install {package})"
+        ));
     }
     if !Path::new("/dev/loop-control").exists() {
         return Err("/dev/loop-control is missing (modprobe loop)".into());
     }
-    Ok("a btrfs image per volume: size_mb enforced by the filesystem (ENOSPC), runs see a reflink copy or a read-only subvolume snapshot, volume snapshots are subvolume snapshots".into())
+    Ok(())
 }
 
 /// Makes the filesystem of a new volume in `dir` (which must exist), mounts it and creates
