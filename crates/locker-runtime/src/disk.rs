@@ -451,21 +451,22 @@ fn link_named(
     }
     fs::create_dir_all(dir)?;
     for (i, src) in stack.iter().enumerate() {
-        let dst = dir.join(name(i, src));
-        match fs::hard_link(src, &dst) {
-            Ok(()) => {}
-            Err(e) if e.raw_os_error() == Some(libc::EXDEV) => {
-                copy_ephemeral(src, &dst)?;
-            }
-            Err(e) => {
-                return Err(io::Error::new(
-                    e.kind(),
-                    format!("link the layer {}: {e}", src.display()),
-                ))
-            }
-        }
+        link_or_copy(src, &dir.join(name(i, src)))?;
     }
     Ok(())
+}
+
+/// Hard-links the image `src` as `dst` (which must not exist): stored once; or copies it
+/// where `dst` is on another filesystem.
+pub fn link_or_copy(src: &Path, dst: &Path) -> io::Result<()> {
+    match fs::hard_link(src, dst) {
+        Ok(()) => Ok(()),
+        Err(e) if e.raw_os_error() == Some(libc::EXDEV) => copy_ephemeral(src, dst).map(drop),
+        Err(e) => Err(io::Error::new(
+            e.kind(),
+            format!("link the layer {}: {e}", src.display()),
+        )),
+    }
 }
 
 /// Bytes an image really occupies (its allocated blocks).

@@ -757,7 +757,12 @@ impl Node {
                 "a microVM with volumes cannot be snapshotted with its memory".into(),
             ));
         }
-        let below = crate::disk::vm_machine_layers(&m.dir).len();
+        let below = crate::vm::machine_layers(&m.dir)
+            .map_err(|source| NodeError::Io {
+                step: "reading the machine's disk chain".into(),
+                source,
+            })?
+            .len();
         if below + 1 > crate::disk::MAX_LAYERS {
             return Err(NodeError::LayersTooDeep(below));
         }

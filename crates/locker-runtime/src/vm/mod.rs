@@ -17,8 +17,11 @@
 //!   machine's directory, the same name the jail runtime uses) and refreshes the guest's
 //!   clock, entropy and hostname.
 //! - **Snapshots with memory** ([`save`]): QMP `stop`, a migration into a file the host
-//!   hands over by fd, the machine's own disk image copied while the VM is stopped, then
-//!   `cont`; the layers it stands on are linked beneath, not copied.
+//!   hands over by fd, the machine's own disk image taken while the VM is stopped, then
+//!   `cont`; the layers it stands on are linked beneath, not copied. The image is taken
+//!   by a zero-copy point where it holds enough to be worth one ([`stack`]: QEMU goes on
+//!   on a new blank overlay and the image becomes a read-only layer the snapshot shares),
+//!   else copied.
 //! - **Disks**: the guest's writable disk (`/dev/vdb`) is a chain of images QEMU is given
 //!   node by node (`-blockdev`, see `qemu::disk_args`), each with the format the host named
 //!   it with ([`crate::disk::Format`]: `*.img` raw, `*.qcow2` qcow2), never probed and never
@@ -30,7 +33,8 @@
 //!   hard-linked into `layers/` as a jail's is, read-only to QEMU, beneath a blank qcow2
 //!   overlay of its own (`disk.qcow2`, a copy of a blank made once per size): nothing of the
 //!   snapshot's data is copied, and a snapshot of it holds only what it wrote (its overlay)
-//!   over the same layers (`lower/`). The files of a machine's directory say which it is.
+//!   over the same layers (`lower/`). The files of a machine's directory say which it is,
+//!   until a point moves it: then its record `disk.json` does ([`stack::Chain`]).
 //!
 //! Each QEMU runs as the unprivileged uid of its machine's slot, in the machine's cgroup (cpu,
 //! memory, pids), under QEMU's seccomp sandbox (`-sandbox on`, no spawning, no privilege
@@ -51,6 +55,7 @@ mod assets;
 mod base;
 mod qemu;
 mod qmp;
+pub mod stack;
 
 pub use accel::{accel, Accel};
 pub use assets::{cache_dir, host_khz, kernel_dir, template_image, Assets};
@@ -59,6 +64,7 @@ pub use qemu::Shape;
 use qemu::*;
 pub use qmp::QmpError;
 use qmp::*;
+pub use stack::Chain;
 
 use std::fs;
 use std::io;
@@ -353,9 +359,9 @@ pub fn ensure_running(s: &VmState) -> Result<(), VmError> {
     }
 }
 
-/// The machine's disk in `dir`, by the names the host gave it (see the module doc,
-/// "Disks"): a machine standing on layers (`layers/`) writes its qcow2 overlay
-/// `disk.qcow2`, any other its raw `disk.img`.
+/// A new machine's disk in `dir`, by the names the host gives it (see the module doc,
+/// "Disks"): standing on layers (`layers/`) it writes its qcow2 overlay `disk.qcow2`,
+/// else its raw `disk.img` (a zero-copy point moves it later: [`stack`]).
 fn own_disk(dir: &Path, layers: &[PathBuf]) -> PathBuf {
     dir.join(if layers.is_empty() {
         "disk.img"
@@ -416,15 +422,19 @@ fn prepare_disk(
 }
 
 /// Saves a running machine into the snapshot directory `dir`, at one instant: its memory
-/// and device state as `memory`, and its own disk image (`disk.img` or `disk.qcow2`, as
-/// the machine has it) copied while QEMU is stopped (the migration has flushed its images
-/// and let go of them), then lets it run on. The layers the machine stands on are linked
-/// (not copied) beneath it as `lower/1.<ext>`, … (see [`crate::disk::vm_stack_of`]): a
-/// snapshot costs what the machine wrote itself. Returns the snapshot's own disk image.
+/// and device state as `memory`, and the image it writes (`disk.img`, `disk.qcow2`, …, see
+/// [`stack`]) as the snapshot's own image `disk.<ext>`, then lets it run on. The image is
+/// taken while QEMU is stopped (its writes flushed), before the migration: by a zero-copy
+/// point where it is worth one ([`stack::point`]: QEMU goes on on a new blank overlay and
+/// the image, read-only now, is hard-linked into the snapshot), else copied after the
+/// migration (which let go of the images). The layers the machine stands on are linked
+/// (not copied) beneath as `lower/1.<ext>`, … (see [`crate::disk::vm_stack_of`]): a
+/// snapshot costs what the machine wrote itself. Returns the snapshot's own image.
 pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
-    let layers = crate::disk::vm_machine_layers(&s.dir);
-    let own = own_disk(&s.dir, &layers);
-    let out_disk = dir.join(own.file_name().expect("a file name"));
+    let chain = Chain::load(&s.dir).map_err(setup("read the machine's disk chain"))?;
+    let own = chain.top_path(&s.dir);
+    let layers = chain.layer_paths(&s.dir);
+    let out_disk = dir.join(stack::snapshot_name(&own));
     if !layers.is_empty() {
         if layers.len() + 1 > crate::disk::MAX_LAYERS {
             return Err(VmError::Io {
@@ -436,33 +446,58 @@ pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
                 )),
             });
         }
-        crate::disk::check_numbered_from(&layers, 0)
-            .and_then(|()| crate::disk::check_vm_stack(&layers))
-            .map_err(setup("check the machine's layers"))?;
+        crate::disk::check_vm_stack(&layers).map_err(setup("check the machine's layers"))?;
         crate::disk::link_vm_stack(&layers, &dir.join(crate::disk::SNAPSHOT_LOWERS), 1)
             .map_err(setup("record the machine's layers"))?;
     }
+    let next = if stack::wants_point(&s.dir, &chain) {
+        stack::prepare_point(&s.dir, s.uid, &chain)
+            .inspect_err(|e| tracing::warn!(machine = %s.id, error = %e, "no zero-copy point: the snapshot copies the disk"))
+            .ok()
+    } else {
+        None
+    };
     let state_out = dir.join("memory");
     let mut q = Qmp::connect(&s.dir.join("qmp.sock"), Duration::from_secs(5))?;
     q.cmd("stop", json!({}))?;
     let r = (|| {
+        let moved = match &next {
+            Some((name, node)) => stack::point(&mut q, &s.dir, &chain, name, node)?.is_some(),
+            None => false,
+        };
         let out = fs::File::create(&state_out).map_err(setup("create the state file"))?;
         q.migrate_to(&out)?;
-        crate::disk::copy_ephemeral(&own, &out_disk).map_err(setup("copy the disk"))?;
-        Ok::<_, VmError>(out)
+        if !moved {
+            crate::disk::copy_ephemeral(&own, &out_disk).map_err(setup("copy the disk"))?;
+        }
+        Ok::<_, VmError>((out, moved))
     })();
     let cont = q.cmd("cont", json!({}));
-    let out = r?;
+    let (out, moved) = r?;
     cont?;
     // Durable, now that the guest runs again.
     out.sync_all().map_err(setup("sync the state file"))?;
-    let disk = fs::File::open(&out_disk).map_err(setup("open the disk's copy"))?;
-    disk.sync_all().map_err(setup("sync the disk's copy"))?;
-    fs::set_permissions(&out_disk, fs::Permissions::from_mode(0o444))
-        .map_err(setup("chmod the disk's copy"))?;
+    if moved {
+        crate::disk::link_or_copy(&own, &out_disk).map_err(setup("link the disk"))?;
+    } else {
+        let disk = fs::File::open(&out_disk).map_err(setup("open the disk's copy"))?;
+        disk.sync_all().map_err(setup("sync the disk's copy"))?;
+        fs::set_permissions(&out_disk, fs::Permissions::from_mode(0o444))
+            .map_err(setup("chmod the disk's copy"))?;
+    }
     // The stack as a child will read it (the overlay's header included: QEMU wrote it).
     crate::disk::vm_stack_of(&dir.join("disk.img")).map_err(setup("check the snapshot"))?;
     Ok(out_disk)
+}
+
+/// The layers the machine in `dir` stands on beneath the image it writes (see [`stack`]).
+pub fn machine_layers(dir: &Path) -> io::Result<Vec<PathBuf>> {
+    Chain::load(dir).map(|c| c.layer_paths(dir))
+}
+
+/// The image the machine in `dir` writes (see [`stack`]).
+pub fn own_disk_of(dir: &Path) -> io::Result<PathBuf> {
+    Chain::load(dir).map(|c| c.top_path(dir))
 }
 
 /// Gives a restored guest the host's clock, fresh entropy and its own hostname: a restore

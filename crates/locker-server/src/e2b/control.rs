@@ -616,20 +616,22 @@ pub(super) fn metric(r: &SandboxRecord, live: &Live, now: i64) -> Value {
     let up_ms =
         ((now - locker_types::parse_rfc3339(&r.created_at).unwrap_or(now)).max(1) * 1000) as f64;
     let pct = (usage.cpu_ms as f64 / (up_ms * r.cpus.max(0.01)) * 100.0).clamp(0.0, 100.0);
-    let disk_used = std::fs::read_dir(&r.machine_dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        // A jail's or a microVM's own disk: `disk.img`, or a microVM's qcow2 overlay
-        // `disk.qcow2` (the layers beneath, in `layers/`, are its snapshot's).
-        .filter(|e| {
-            let n = e.file_name();
-            let n = n.to_string_lossy();
-            n.ends_with(".img") || n.ends_with(".qcow2")
-        })
-        .filter_map(|e| e.metadata().ok())
-        .map(|m| m.blocks() * 512)
-        .sum::<u64>();
+    let dir = std::path::Path::new(&r.machine_dir);
+    // A microVM's own image (the layers beneath it are its snapshots').
+    let disk_used = if locker_runtime::vm::is_vm_dir(dir) {
+        locker_runtime::vm::own_disk_of(dir)
+            .map(|d| locker_runtime::disk::allocated_bytes(&d))
+            .unwrap_or(0)
+    } else {
+        std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".img"))
+            .filter_map(|e| e.metadata().ok())
+            .map(|m| m.blocks() * 512)
+            .sum::<u64>()
+    };
     json!({
         "timestamp": locker_types::rfc3339(now),
         "timestampUnix": now,
