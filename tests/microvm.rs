@@ -1320,3 +1320,146 @@ fn microvm_children_of_a_snapshot_stand_on_its_layers() {
     }
     assert!(qemus_under(&data).is_empty(), "no QEMU left");
 }
+
+/// A memory snapshot of sandbox `sb` through the API: its id and `size_bytes`.
+fn snapshot_of(api: &locker_tests::server::Api, sb: &str) -> (String, u64) {
+    let s = api
+        .post_empty(&format!("/v1/sandboxes/{sb}/snapshots"))
+        .expect(201, "snapshot");
+    assert_eq!(s["has_memory"], true, "{s}");
+    (
+        s["id"].as_str().unwrap().to_owned(),
+        s["size_bytes"].as_u64().unwrap(),
+    )
+}
+
+/// A machine's recorded disk chain (`disk.json`): the image it writes, then its layers.
+fn chain_of(dir: &Path) -> Vec<String> {
+    let c: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(dir.join("disk.json")).expect("disk.json")).unwrap();
+    std::iter::once(&c["top"])
+        .chain(c["layers"].as_array().unwrap())
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect()
+}
+
+/// The zero-copy point of a microVM snapshot, through the real server: the image a VM
+/// wrote becomes its snapshot's own image (a hard link, read-only and root's from then
+/// on) and the VM goes on on a blank qcow2 overlay above it, recorded in `disk.json`, so a
+/// restarted server that adopts the VM takes its next point right; a child of a point
+/// sees the VM as it was then; an image below the threshold is copied instead.
+#[test]
+fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
+    use locker_tests::server::Server;
+    use serde_json::json;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    become_subreaper();
+    let mut srv = Server::start_with(&["--vm-pool", "0"]);
+    let api = srv.api();
+    let mb = 1u64 << 20;
+    let vm = api.create_sandbox(&json!({"runtime": "microvm", "memory_mb": 256}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let dir = srv.machine_dir(&vm);
+    let snaps = dir.parent().unwrap().parent().unwrap().join("snapshots");
+    let sum = |api: &locker_tests::server::Api, sb: &str, f: &str| {
+        api.sh(sb, &format!("sha256sum {f} | cut -c1-64"))
+    };
+    let big = api.sh(
+        &vm,
+        "head -c 50M /dev/urandom > /root/big && sync && sha256sum /root/big | cut -c1-64 && echo 3 > /proc/sys/vm/drop_caches",
+    );
+    let written = ino(&dir.join("disk.img"));
+    let t = Instant::now();
+    let (s1, size1) = snapshot_of(&api, &vm);
+    eprintln!(
+        "a point of 50 MB written: {size1} bytes in {:?}",
+        t.elapsed()
+    );
+    let s1_dir = snaps.join(&s1);
+    // The snapshot's image is the one the VM wrote: linked, not copied, read-only now.
+    assert_eq!(ino(&s1_dir.join("disk.img")), written);
+    let m = std::fs::metadata(dir.join("disk.img")).unwrap();
+    assert_eq!((m.uid(), m.permissions().mode() & 0o777), (0, 0o444));
+    assert_eq!(chain_of(&dir), ["disk-1.qcow2", "disk.img"]);
+    assert_eq!(format_of(&dir, &dir.join("disk-1.qcow2")), "qcow2");
+    assert_eq!(format_of(&dir, &dir.join("disk.img")), "raw");
+    // The VM goes on, writing its new overlay only.
+    let frozen = allocated(&dir.join("disk.img"));
+    let after = api.sh(
+        &vm,
+        "head -c 40M /dev/urandom > /root/after && sync && sha256sum /root/after | cut -c1-64 && echo 3 > /proc/sys/vm/drop_caches",
+    );
+    assert_eq!(sum(&api, &vm, "/root/big"), big);
+    assert_eq!(
+        allocated(&dir.join("disk.img")),
+        frozen,
+        "the layer is not written"
+    );
+    let own = allocated(&dir.join("disk-1.qcow2"));
+    assert!((40 * mb..48 * mb).contains(&own), "the overlay: {own}");
+    // A child of the point sees the VM as it was then.
+    let c = api.create_sandbox(&json!({"from_snapshot": s1}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(sum(&api, &c, "/root/big"), big);
+    assert_eq!(api.sh(&c, "test -e /root/after || echo absent"), "absent\n");
+
+    // The server dies; the next adopts the VM and knows its chain from the record.
+    srv.restart();
+    let api = srv.api();
+    let (s2, _) = snapshot_of(&api, &vm);
+    let s2_dir = snaps.join(&s2);
+    assert_eq!(
+        ino(&s2_dir.join("disk.qcow2")),
+        ino(&dir.join("disk-1.qcow2"))
+    );
+    assert_eq!(ino(&s2_dir.join("lower/1.img")), written);
+    assert_eq!(chain_of(&dir), ["disk-2.qcow2", "disk-1.qcow2", "disk.img"]);
+    let g = api.create_sandbox(&json!({"from_snapshot": s2}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(sum(&api, &g, "/root/big"), big);
+    assert_eq!(sum(&api, &g, "/root/after"), after);
+    // Little written since: copied, and the VM's chain stays as it is.
+    api.sh(&vm, "echo small > /root/small && sync");
+    let (s3, _) = snapshot_of(&api, &vm);
+    let s3_dir = snaps.join(&s3);
+    assert_ne!(
+        ino(&s3_dir.join("disk.qcow2")),
+        ino(&dir.join("disk-2.qcow2"))
+    );
+    assert_eq!(
+        ino(&s3_dir.join("lower/1.qcow2")),
+        ino(&dir.join("disk-1.qcow2"))
+    );
+    assert_eq!(ino(&s3_dir.join("lower/2.img")), written);
+    assert_eq!(chain_of(&dir), ["disk-2.qcow2", "disk-1.qcow2", "disk.img"]);
+    let h = api.create_sandbox(&json!({"from_snapshot": s3}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(api.sh(&h, "cat /root/small"), "small\n");
+    assert_eq!(sum(&api, &h, "/root/after"), after);
+
+    // The VM and every snapshot gone: what stands on them stands.
+    api.delete(&format!("/v1/sandboxes/{vm}"))
+        .expect(204, "delete the VM");
+    for s in [&s1, &s2, &s3] {
+        api.delete(&format!("/v1/snapshots/{s}"))
+            .expect(204, "delete a snapshot");
+    }
+    assert_eq!(sum(&api, &c, "/root/big"), big);
+    assert_eq!(sum(&api, &g, "/root/after"), after);
+    assert_eq!(sum(&api, &h, "/root/big"), big);
+    let data = dir.parent().unwrap().to_owned();
+    for id in [&c, &g, &h] {
+        api.delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete");
+    }
+    assert!(qemus_under(&data).is_empty(), "no QEMU left");
+}
