@@ -29,8 +29,9 @@
 //! is remounted. The per-disk free-space check at create (which reads the host
 //! filesystem) and the disk quota are what keep the host from filling.
 //!
-//! The mount is made in the host's mount namespace and outlives the server (its sandboxes
-//! do too); the loop device detaches itself on the last unmount. This room does not know
+//! The mount is made in the host's mount namespace; a stopping server unmounts it when no
+//! sandbox is left on it ([`release`]), else it outlives the server with its sandboxes and
+//! the next start adopts it. The loop device detaches itself on the last unmount. This room does not know
 //! sandboxes, snapshots or the API.
 
 use std::fs;
@@ -226,6 +227,21 @@ fn host_bytes(dir: &Path) -> io::Result<u64> {
     let d = fs::File::open(dir)?;
     let st = locker_sys::fd::fstatvfs(d.as_raw_fd())?;
     Ok(st.f_blocks * st.f_frsize)
+}
+
+/// Unmounts the image of `data_dir` when nothing uses it any more (a stopping server's last
+/// step: sandboxes that keep running hold their disks on it, and then it stays mounted for
+/// the next start). Whether it was unmounted; not mounted is `Ok(false)`.
+pub fn release(data_dir: &Path) -> io::Result<bool> {
+    let target = data_dir.join(MOUNT);
+    if !crate::volume_fs::is_mounted(&target) {
+        return Ok(false);
+    }
+    match crate::sys::umount(&target, 0) {
+        Ok(()) => Ok(true),
+        Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(false),
+        Err(e) => Err(e),
+    }
 }
 
 /// Unmounts the image of `data_dir` if it is mounted (for tests and `locker` tools that

@@ -177,13 +177,25 @@ fn stop_signal() -> impl std::future::Future<Output = ()> {
 }
 
 /// What a stop takes down: call records flushed, warm machines destroyed (after the
-/// refills in flight), volume agents stopped, volumes unmounted.
+/// refills in flight), volume agents stopped, volumes unmounted, and Locker's XFS image of
+/// disks unmounted when no sandbox is left on it (else it stays for the next start).
 async fn shutdown(app: &AppState) {
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
     app.pool.drain().await;
     app.vm_pool.drain().await;
     app.volumes.stop_agents().await;
     app.volumes.unmount_all().await;
+    if app.disks.sharing == locker_runtime::cow_disks::Sharing::Image {
+        let data_dir = app.cfg.data_dir.clone();
+        match tokio::task::spawn_blocking(move || locker_runtime::cow_disks::release(&data_dir))
+            .await
+        {
+            Ok(Ok(true)) => tracing::info!("unmounted the disks image: no sandbox is left on it"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => tracing::warn!("cannot unmount the disks image: {e}"),
+            Err(e) => tracing::warn!("cannot unmount the disks image: {e}"),
+        }
+    }
     tracing::info!("stopped: sandboxes keep running for the next start");
 }
 
