@@ -1333,6 +1333,14 @@ fn snapshot_of(api: &locker_tests::server::Api, sb: &str) -> (String, u64) {
     )
 }
 
+/// A sandbox started from snapshot `snap` through the API: its id.
+fn child_of(api: &locker_tests::server::Api, snap: &str) -> String {
+    api.create_sandbox(&serde_json::json!({ "from_snapshot": snap }))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
 /// A machine's recorded disk chain (`disk.json`): the image it writes, then its layers.
 fn chain_of(dir: &Path) -> Vec<String> {
     let c: serde_json::Value =
@@ -1401,10 +1409,7 @@ fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
     let own = allocated(&dir.join("disk-1.qcow2"));
     assert!((40 * mb..48 * mb).contains(&own), "the overlay: {own}");
     // A child of the point sees the VM as it was then.
-    let c = api.create_sandbox(&json!({"from_snapshot": s1}))["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let c = child_of(&api, &s1);
     assert_eq!(sum(&api, &c, "/root/big"), big);
     assert_eq!(api.sh(&c, "test -e /root/after || echo absent"), "absent\n");
 
@@ -1419,10 +1424,7 @@ fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
     );
     assert_eq!(ino(&s2_dir.join("lower/1.img")), written);
     assert_eq!(chain_of(&dir), ["disk-2.qcow2", "disk-1.qcow2", "disk.img"]);
-    let g = api.create_sandbox(&json!({"from_snapshot": s2}))["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let g = child_of(&api, &s2);
     assert_eq!(sum(&api, &g, "/root/big"), big);
     assert_eq!(sum(&api, &g, "/root/after"), after);
     // Little written since: copied, and the VM's chain stays as it is.
@@ -1439,10 +1441,7 @@ fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
     );
     assert_eq!(ino(&s3_dir.join("lower/2.img")), written);
     assert_eq!(chain_of(&dir), ["disk-2.qcow2", "disk-1.qcow2", "disk.img"]);
-    let h = api.create_sandbox(&json!({"from_snapshot": s3}))["id"]
-        .as_str()
-        .unwrap()
-        .to_owned();
+    let h = child_of(&api, &s3);
     assert_eq!(api.sh(&h, "cat /root/small"), "small\n");
     assert_eq!(sum(&api, &h, "/root/after"), after);
 

@@ -14,7 +14,6 @@
 //! remove_snapshot}`), so limits, quotas, records and egress are Locker's.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::MetadataExt;
 
 use axum::body::Bytes;
 use axum::extract::{FromRequest, FromRequestParts, Path, RawQuery, Request, State};
@@ -617,21 +616,14 @@ pub(super) fn metric(r: &SandboxRecord, live: &Live, now: i64) -> Value {
         ((now - locker_types::parse_rfc3339(&r.created_at).unwrap_or(now)).max(1) * 1000) as f64;
     let pct = (usage.cpu_ms as f64 / (up_ms * r.cpus.max(0.01)) * 100.0).clamp(0.0, 100.0);
     let dir = std::path::Path::new(&r.machine_dir);
-    // A microVM's own image (the layers beneath it are its snapshots').
-    let disk_used = if locker_runtime::vm::is_vm_dir(dir) {
-        locker_runtime::vm::own_disk_of(dir)
-            .map(|d| locker_runtime::disk::allocated_bytes(&d))
-            .unwrap_or(0)
+    // The machine's own image (the layers beneath it are its snapshots'): a jail's
+    // `disk.img`, a microVM's by its chain.
+    let own = if locker_runtime::vm::is_vm_dir(dir) {
+        locker_runtime::vm::own_disk_of(dir).ok()
     } else {
-        std::fs::read_dir(dir)
-            .into_iter()
-            .flatten()
-            .flatten()
-            .filter(|e| e.file_name().to_string_lossy().ends_with(".img"))
-            .filter_map(|e| e.metadata().ok())
-            .map(|m| m.blocks() * 512)
-            .sum::<u64>()
+        Some(dir.join("disk.img"))
     };
+    let disk_used = own.map_or(0, |d| locker_runtime::disk::allocated_bytes(&d));
     json!({
         "timestamp": locker_types::rfc3339(now),
         "timestampUnix": now,

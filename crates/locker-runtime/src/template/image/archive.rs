@@ -360,12 +360,11 @@ impl TemplateStore {
                 // Pointed at each layer's own tree before it applies anything.
                 let mut unpacker = Unpacker::new(&tmp.path, limits)?;
                 let n = image.layers.len();
-                let first = self.stored_chains(&chains);
                 let mut done = 0u64;
                 for (i, layer) in image.layers.iter().enumerate() {
                     let shown = layer.digest.clone().unwrap_or_else(|| layer.member.clone());
                     let label = format!("layer {}/{n} {shown}", i + 1);
-                    if i < first {
+                    if i < stored {
                         progress.output(&format!("{label}: stored already"));
                         continue;
                     }

@@ -262,7 +262,7 @@ impl TemplateStore {
                         &reference,
                         &manifest.layers,
                         &config,
-                        &chains,
+                        (&chains, stored),
                         &tmp,
                         limits,
                         total,
@@ -291,8 +291,8 @@ impl TemplateStore {
         self.must_load(&digest, name)
     }
 
-    /// Downloads each layer not stored yet into `tmp/layers/` and unpacks it as its chain
-    /// template (see `chain`), the next download overlapping the previous unpack. Waits for
+    /// Downloads each layer past the `first` stored already into `tmp/layers/` and unpacks
+    /// it as its chain template (see `chain`), the next download overlapping the previous unpack. Waits for
     /// a running unpack before returning, so that nothing writes once this returns.
     #[allow(clippy::too_many_arguments)]
     async fn fetch_and_unpack(
@@ -301,7 +301,7 @@ impl TemplateStore {
         reference: &Reference,
         layers: &[OciDescriptor],
         config: &ImageConfig,
-        chains: &[String],
+        (chains, first): (&[String], usize),
         tmp: &TmpDir,
         limits: ImageLimits,
         total: u64,
@@ -310,7 +310,6 @@ impl TemplateStore {
         let dir = tmp.path.join("layers");
         fs::create_dir(&dir).map_err(io_err("cannot create", &dir))?;
         let n = layers.len();
-        let first = self.stored_chains(chains);
         for (i, layer) in layers.iter().enumerate().take(first) {
             progress.output(&format!(
                 "layer {}/{n} {}: stored already",
