@@ -67,6 +67,14 @@ with open(f"{mdir}/cgroup.subtree_control") as f:
     check({"memory", "pids", "cpu"} <= set(ctl), f"controllers delegated: {ctl}")
 with open(f"{mdir}/init/cgroup.procs") as f:
     check(len(f.read().split()) == 1, "PID 1 alone in init")
+# PID 1 was cloned into init (no move): the shim notes in machine.log when it had to fall
+# back to a move.
+logs = [os.path.join(d, "machine.log") for d, _, fs in os.walk("/root/d")
+        if os.path.basename(d) == sid and "machine.log" in fs]
+check(len(logs) == 1, f"the machine's log: {logs}")
+with open(logs[0]) as f:
+    log = f.read()
+check("could not be cloned into its cgroup" not in log, f"PID 1 moved instead: {log}")
 
 # Inside: its own cgroup namespace, each command in a cgroup of its own below the root.
 r = ex("cat /proc/self/cgroup; cat /sys/fs/cgroup/memory.max /sys/fs/cgroup/pids.max")
@@ -75,6 +83,10 @@ v2 = [l for l in lines if l.startswith("0::")]
 check(len(v2) == 1 and v2[0].startswith("0::/cmd-"), f"the command's cgroup: {lines}")
 check(str(128 << 20) in lines, f"memory.max seen inside: {lines}")
 check(lines[-1].isdigit(), f"pids.max set: {lines}")
+# PID 1 lives in init, and the machine's cgroup namespace is rooted at the machine's cgroup.
+r = ex("cat /proc/1/cgroup")
+check([l for l in r["stdout"].split() if l.startswith("0::")] == ["0::/init"],
+      f"PID 1's cgroup inside: {r['stdout']}")
 
 r = ex("python3 -c 'sum(range(3_000_000))'")
 check(r["exit_code"] == 0 and r["usage"]["cpu_ms"] > 0, f"CPU counted: {r['usage']}")

@@ -17,7 +17,7 @@ pub use locker_sys::mount::{
 };
 pub use locker_sys::net::loopback_up;
 pub use locker_sys::proc::{
-    affinity, die_with_parent, execveat, fork, keep_fds, kill, pidfd_open, pidfd_wait_exit,
-    restrict_capabilities, set_no_new_privs, setns, unshare, waitpid, with_fs_ids,
+    affinity, clone_into_cgroup, die_with_parent, execveat, fork, keep_fds, kill, pidfd_open,
+    pidfd_wait_exit, restrict_capabilities, set_no_new_privs, setns, unshare, waitpid, with_fs_ids,
 };
 pub use locker_sys::random::random_bytes;

@@ -49,14 +49,30 @@ pub unsafe fn fork() -> io::Result<libc::pid_t> {
 /// make async-signal-safe calls (no allocation, no locks another thread may have held).
 /// glibc's fork handlers do not run.
 pub unsafe fn fork_into_cgroup(cgroup: RawFd) -> io::Result<libc::pid_t> {
+    // SAFETY: upheld by the caller.
+    unsafe { clone_into_cgroup(cgroup, 0) }
+}
+
+/// [`fork_into_cgroup`] with more `clone(2)` flags: new namespaces (`CLONE_NEWPID`;
+/// `CLONE_NEWCGROUP`, whose root is then `cgroup`, where the child is born), `CLONE_PARENT` (the child is the caller's sibling, reported to the caller's
+/// parent; its exit signal is the caller's own). No flag that shares memory or needs a
+/// stack (`CLONE_VM`, `CLONE_THREAD`…).
+///
+/// # Safety
+/// As [`fork_into_cgroup`]. glibc's cached thread id in the child is the caller's (its
+/// fork wrapper would have set it): `raise` and `pthread_kill` in the child signal the
+/// wrong thread until it executes a program.
+pub unsafe fn clone_into_cgroup(cgroup: RawFd, flags: u64) -> io::Result<libc::pid_t> {
     // libc's own constant overflows its type (libc #3584).
     const CLONE_INTO_CGROUP: u64 = 0x2_0000_0000;
+    let parent = flags & libc::CLONE_PARENT as u64 != 0;
     let args = libc::clone_args {
-        flags: CLONE_INTO_CGROUP,
+        flags: flags | CLONE_INTO_CGROUP,
         pidfd: 0,
         child_tid: 0,
         parent_tid: 0,
-        exit_signal: libc::SIGCHLD as u64,
+        // clone3 takes no exit signal with CLONE_PARENT: the child gets the caller's.
+        exit_signal: if parent { 0 } else { libc::SIGCHLD as u64 },
         stack: 0,
         stack_size: 0,
         tls: 0,

@@ -13,6 +13,7 @@ use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
+use super::shim::Entered;
 use super::spec::JailSpec;
 use super::{step, JailError};
 use crate::cgroup::MachineCgroup;
@@ -55,11 +56,14 @@ impl Layers {
 pub(super) fn machine_setup(
     spec: &JailSpec,
     cg: &MachineCgroup,
+    entered: Entered,
     cpus: Option<&[usize]>,
     userns: &OwnedFd,
 ) -> Result<OwnedFd, JailError> {
     let dir = &spec.dir;
-    enter_cgroup_namespace(cg)?;
+    if entered == Entered::Forked {
+        enter_cgroup_namespace(cg)?;
+    }
     sys::make_mounts_private().map_err(step("make mounts private"))?;
     // Every overlay is mounted from paths relative to here: its options show in the
     // machine's mount table, and must name nothing of the host.
@@ -75,6 +79,9 @@ pub(super) fn machine_setup(
     mount_tmp(&l, spec)?;
     sys::sethostname(&spec.hostname).map_err(step("set the hostname"))?;
     sys::loopback_up().map_err(step("bring up loopback"))?;
+    if entered == Entered::Cloned {
+        delegate_controllers(cg)?;
+    }
     pivot(&l)?;
     Ok(view)
 }
@@ -95,6 +102,27 @@ fn enter_cgroup_namespace(cg: &MachineCgroup) -> Result<(), JailError> {
             fs::write(d.join("init/cgroup.procs"), "0").map_err(step("enter the init cgroup"))?;
             fs::write(d.join("cgroup.subtree_control"), "+memory +pids +cpu")
                 .map_err(step("delegate the controllers"))?;
+        }
+    }
+    Ok(())
+}
+
+/// For a PID 1 cloned into `init` (see [`Entered::Cloned`]): enables the controllers for
+/// the machine's children (the commands' cgroups), which v2 allows only once no process
+/// is left in the machine's own cgroup. The helper that cloned PID 1 stood there; it has
+/// exited, or is about to (it only reports PID 1's pid), so a busy answer is retried.
+fn delegate_controllers(cg: &MachineCgroup) -> Result<(), JailError> {
+    const WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+    let started = std::time::Instant::now();
+    for (_, d) in cg.dirs() {
+        loop {
+            match fs::write(d.join("cgroup.subtree_control"), "+memory +pids +cpu") {
+                Ok(()) => break,
+                Err(e) if e.raw_os_error() == Some(libc::EBUSY) && started.elapsed() < WAIT => {
+                    std::thread::sleep(std::time::Duration::from_micros(100));
+                }
+                Err(e) => return Err(step("delegate the controllers")(e)),
+            }
         }
     }
     Ok(())

@@ -104,48 +104,49 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
             spec.agent_path.display()
         )))?;
 
-    // 5. The namespaces and PID 1.
-    sys::unshare(
-        libc::CLONE_NEWNS
-            | libc::CLONE_NEWNET
-            | libc::CLONE_NEWIPC
-            | libc::CLONE_NEWUTS
-            | libc::CLONE_NEWPID,
-    )
-    .map_err(step("unshare namespaces"))?;
+    // 5. The namespaces and PID 1. The pid namespace is PID 1's own (see `start_pid1`):
+    // the others are the shim's too, so the shim sees the machine's mounts (its layer is
+    // read through `/proc/<shim>/root`).
+    sys::unshare(libc::CLONE_NEWNS | libc::CLONE_NEWNET | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS)
+        .map_err(step("unshare namespaces"))?;
     let (ready_r, ready_w) = sys::pipe().map_err(step("pipe"))?;
     let (log_r, log_w) = sys::pipe().map_err(step("pipe"))?;
+    // What PID 1 keeps or closes; each side takes its own (the closure runs in PID 1 only).
+    let (mut ready_r, mut ready_w) = (Some(ready_r), Some(ready_w));
+    let (mut log_r, mut log_w) = (Some(log_r), Some(log_w));
+    let mut listener = Some(listener);
+    let mut agent = Some(agent);
     // SAFETY: the shim is single-threaded (no runtime, no threads were started).
-    let pid = unsafe { sys::fork() }.map_err(step("fork the machine's PID 1"))?;
-    if pid == 0 {
-        drop(ready_r);
-        drop(log_r);
-        let mut w = fs::File::from(ready_w);
-        let handed = Handed {
-            listener,
-            agent,
-            log: log_w,
-        };
-        let err = machine_init(
-            &spec,
-            &cg,
-            cpus.as_deref(),
-            userns,
-            handed,
-            &seccomp,
-            &mut w,
-        );
-        let _ = writeln!(w, "{err}");
-        // Leaving the child without running the parent's destructors.
-        locker_sys::proc::exit_now(1);
-    }
+    let pid = unsafe {
+        start_pid1(&cg, |entered| {
+            drop(ready_r.take());
+            drop(log_r.take());
+            let mut w = fs::File::from(ready_w.take().expect("once"));
+            let handed = Handed {
+                listener: listener.take().expect("once"),
+                agent: agent.take().expect("once"),
+                log: log_w.take().expect("once"),
+            };
+            let err = machine_init(
+                &spec,
+                &cg,
+                entered,
+                cpus.as_deref(),
+                userns,
+                handed,
+                &seccomp,
+                &mut w,
+            );
+            let _ = writeln!(w, "{err}");
+        })
+    }?;
     drop(ready_w);
     // The log pipe must have no writer but the agent, or its end would never be seen.
     drop(log_w);
     drop(listener);
     drop(agent);
     let mut report = String::new();
-    let _ = fs::File::from(ready_r).read_to_string(&mut report);
+    let _ = fs::File::from(ready_r.take().expect("the shim's")).read_to_string(&mut report);
     if !report.is_empty() {
         let _ = sys::waitpid(pid);
         return Err(JailError::Init(report.trim().to_owned()));
@@ -159,13 +160,115 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     if let Ok(null) = fs::OpenOptions::new().write(true).open("/dev/null") {
         let _ = locker_sys::proc::dup2(null.as_raw_fd(), 1);
     }
-    copy_log(log_r);
+    copy_log(log_r.take().expect("the shim's"));
     let status = sys::waitpid(pid).map_err(step("wait for the machine"))?;
     Ok(if libc::WIFEXITED(status) {
         libc::WEXITSTATUS(status)
     } else {
         128 + libc::WTERMSIG(status)
     })
+}
+
+/// How PID 1 got into the machine's cgroup (see [`start_pid1`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Entered {
+    /// Cloned into `init` by a helper standing in the machine's cgroup (cgroup v2): no
+    /// move, and its cgroup namespace is rooted at the machine's cgroup already. The
+    /// controllers for the machine's children are still to be enabled, once the helper
+    /// has left the machine's cgroup.
+    Cloned,
+    /// Forked beside the shim: it moves itself in and makes its cgroup namespace (v1, or
+    /// a kernel that refused the clone).
+    Forked,
+}
+
+/// Starts the machine's PID 1, in a new pid namespace, runs `pid1` in it, and returns its
+/// pid (in the shim's namespace; it is the shim's child either way).
+///
+/// On cgroup v2 PID 1 is born where it lives, in the machine's `init` leaf, with a cgroup
+/// namespace rooted at the machine's cgroup (the commands' cgroups are siblings of
+/// `init`): a helper is cloned into the machine's cgroup with a new cgroup namespace
+/// (`CLONE_INTO_CGROUP | CLONE_NEWCGROUP`: the namespace is rooted where the child is
+/// born), and clones PID 1 into `init` with `CLONE_NEWPID | CLONE_PARENT` (PID 1 keeps the
+/// helper's cgroup namespace, and the shim is its parent), tells the shim its pid and
+/// exits. Nothing is moved between cgroups, so no create waits on the kernel's
+/// `cgroup_threadgroup_rwsem` (an RCU grace period after a quiet spell, unless the host
+/// favours dynamic moves). On v1, or where the clone fails (kernels before 5.7), PID 1 is
+/// forked and moves itself (see [`Entered::Forked`]); the fall-back is noted in
+/// `machine.log`.
+///
+/// # Safety
+/// The caller is single-threaded. `pid1` runs in the child; when it returns (it failed),
+/// the child exits with status 1 without running the parent's destructors.
+unsafe fn start_pid1(cg: &MachineCgroup, pid1: impl FnOnce(Entered)) -> Result<i32, JailError> {
+    let mut pid1 = Some(pid1);
+    if cg.layout().version == crate::cgroup::Version::V2 {
+        // SAFETY: single-threaded, upheld by the caller.
+        match unsafe { clone_in_place(cg) } {
+            Ok(Some(pid)) => return Ok(pid),
+            Ok(None) => {
+                (pid1.take().expect("once"))(Entered::Cloned);
+                locker_sys::proc::exit_now(1)
+            }
+            Err(e) => eprintln!(
+                "locker jail init: PID 1 could not be cloned into its cgroup ({e}); it moves there instead"
+            ),
+        }
+    }
+    sys::unshare(libc::CLONE_NEWPID).map_err(step("unshare the pid namespace"))?;
+    // SAFETY: single-threaded, upheld by the caller.
+    let pid = unsafe { sys::fork() }.map_err(step("fork the machine's PID 1"))?;
+    if pid == 0 {
+        (pid1.take().expect("once"))(Entered::Forked);
+        locker_sys::proc::exit_now(1)
+    }
+    Ok(pid)
+}
+
+/// The v2 half of [`start_pid1`]: `Ok(Some(pid))` in the shim, `Ok(None)` in PID 1, an
+/// error (in the shim) when the helper or PID 1 could not be cloned.
+///
+/// # Safety
+/// The caller is single-threaded.
+unsafe fn clone_in_place(cg: &MachineCgroup) -> io::Result<Option<i32>> {
+    let open_dir = |p: &Path| {
+        fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_DIRECTORY | libc::O_CLOEXEC)
+            .open(p)
+    };
+    let (_, machine) = cg
+        .dirs()
+        .into_iter()
+        .next()
+        .ok_or(io::ErrorKind::NotFound)?;
+    let machine_fd = open_dir(&machine)?;
+    let init_fd = open_dir(&machine.join("init"))?;
+    let (pid_r, pid_w) = sys::pipe()?;
+    // SAFETY: single-threaded (upheld by the caller): the helper owns a consistent copy.
+    let helper =
+        unsafe { sys::clone_into_cgroup(machine_fd.as_raw_fd(), libc::CLONE_NEWCGROUP as u64) }?;
+    if helper == 0 {
+        drop(pid_r);
+        let flags = (libc::CLONE_NEWPID | libc::CLONE_PARENT) as u64;
+        // SAFETY: the helper is single-threaded; PID 1 goes on as the shim's fork would.
+        let said = match unsafe { sys::clone_into_cgroup(init_fd.as_raw_fd(), flags) } {
+            Ok(0) => return Ok(None),
+            Ok(pid) => pid,
+            Err(e) => -e.raw_os_error().unwrap_or(libc::EINVAL),
+        };
+        let _ = fs::File::from(pid_w).write_all(&said.to_ne_bytes());
+        locker_sys::proc::exit_now(0);
+    }
+    drop(pid_w);
+    let mut said = [0u8; 4];
+    let got = fs::File::from(pid_r).read_exact(&mut said);
+    let _ = sys::waitpid(helper);
+    got?;
+    match i32::from_ne_bytes(said) {
+        pid if pid > 0 => Ok(Some(pid)),
+        errno => Err(io::Error::from_raw_os_error(-errno)),
+    }
 }
 
 /// Copies the agent's output from `from` into the shim's stderr (`machine.log`) until the
@@ -265,9 +368,11 @@ struct Handed {
 }
 
 /// PID 1's set-up, ending in the agent. Returns only on failure, with the reason.
+#[allow(clippy::too_many_arguments)]
 fn machine_init(
     spec: &JailSpec,
     cg: &MachineCgroup,
+    entered: Entered,
     cpus: Option<&[usize]>,
     userns: OwnedFd,
     handed: Handed,
@@ -279,7 +384,7 @@ fn machine_init(
         agent,
         log,
     } = handed;
-    let view = match machine_setup(spec, cg, cpus, &userns) {
+    let view = match machine_setup(spec, cg, entered, cpus, &userns) {
         Ok(v) => v,
         Err(e) => return e.to_string(),
     };
@@ -346,4 +451,77 @@ fn machine_init(
     }
     let e = sys::execveat(agent.as_raw_fd(), &argv, &env);
     format!("execute the agent: {e}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cgroup::{Layout, Version};
+
+    /// Reads `path` into `buf` with raw calls only (the child of a fork in the test
+    /// harness's multi-threaded process may not allocate). Returns the length read.
+    fn raw_read(path: &std::ffi::CStr, buf: &mut [u8]) -> usize {
+        // SAFETY: plain syscalls on a NUL-terminated path and a live buffer.
+        unsafe {
+            let fd = libc::open(path.as_ptr(), libc::O_RDONLY);
+            if fd < 0 {
+                return 0;
+            }
+            let n = libc::read(fd, buf.as_mut_ptr().cast(), buf.len());
+            libc::close(fd);
+            n.max(0) as usize
+        }
+    }
+
+    /// On cgroup v2 PID 1 is born in the machine's `init` leaf, PID 1 of a new pid
+    /// namespace, with a cgroup namespace rooted at the machine's cgroup, and is the
+    /// shim's own child. The host's v2 hierarchy (on a hybrid host `unified`, without
+    /// controllers: enough for membership) is where the test makes the machine's cgroup.
+    #[test]
+    fn pid1_is_cloned_into_init_with_its_cgroup_namespace_at_the_machine() {
+        let root = ["/sys/fs/cgroup/unified", "/sys/fs/cgroup"]
+            .iter()
+            .map(Path::new)
+            .find(|p| p.join("cgroup.controllers").exists())
+            .expect("no cgroup v2 hierarchy on this host");
+        let id = format!("shim-test-{}", std::process::id());
+        let cg = MachineCgroup::new(
+            Layout {
+                version: Version::V2,
+                root: root.to_owned(),
+            },
+            &id,
+        );
+        let (_, machine) = cg.dirs().remove(0);
+        fs::create_dir_all(machine.join("init")).unwrap();
+        let (r, w) = sys::pipe().unwrap();
+        let mut w = Some(w);
+        // SAFETY: the closure runs in the child and makes raw calls only.
+        let pid = unsafe {
+            start_pid1(&cg, |entered| {
+                let mut out = [0u8; 512];
+                out[0] = (entered == Entered::Cloned) as u8;
+                out[1] = (libc::getpid() == 1) as u8;
+                let n = raw_read(c"/proc/self/cgroup", &mut out[2..]);
+                let w = w.take().expect("once");
+                libc::write(w.as_raw_fd(), out.as_ptr().cast(), n + 2);
+            })
+        }
+        .unwrap();
+        drop(w);
+        let mut got = Vec::new();
+        fs::File::from(r).read_to_end(&mut got).unwrap();
+        // The shim's child: its own waitpid reaps it.
+        let status = sys::waitpid(pid).unwrap();
+        let _ = fs::remove_dir(machine.join("init"));
+        let _ = fs::remove_dir(&machine);
+        assert!(libc::WIFEXITED(status), "status {status:#x}");
+        assert_eq!(got.first(), Some(&1), "PID 1 fell back to a move");
+        assert_eq!(got.get(1), Some(&1), "not PID 1 of its namespace");
+        let inside = String::from_utf8_lossy(&got[2..]);
+        assert!(
+            inside.lines().any(|l| l == "0::/init"),
+            "its cgroup as PID 1 sees it: {inside}"
+        );
+    }
 }
