@@ -10,7 +10,7 @@
 pub use locker_sys::fd::pipe;
 pub use locker_sys::fs::{flock, lock_exclusive, set_times_nofollow, syncfs};
 pub use locker_sys::host::{is_root, sethostname};
-pub use locker_sys::ioctl::{loop_attach, loop_attach_read_only, set_topdir};
+pub use locker_sys::ioctl::{flush_buffers, loop_attach, loop_attach_read_only, set_topdir};
 pub use locker_sys::mount::{
     attach_tree, bind, idmapped_bind, idmapped_tree, make_mounts_private, mount, pivot_to_cwd,
     umount, umount_detach,

@@ -79,6 +79,15 @@ fn open_rw(p: &Path) -> io::Result<File> {
         .open(p)
 }
 
+/// Drops the clean pages a block device's own page cache holds (`BLKFLSBUF`, after writing
+/// back its dirty ones): what was read through the device before its backing file changed
+/// (a probe by udev of a loop device whose file was filled after the attach) is read anew.
+pub fn flush_buffers(dev: &File) -> io::Result<()> {
+    const BLKFLSBUF: libc::c_ulong = 0x1261;
+    // SAFETY: ioctl on an open block device fd with no argument.
+    check(unsafe { libc::ioctl(dev.as_raw_fd(), BLKFLSBUF, 0) }.into()).map(drop)
+}
+
 /// Attaches `image` to a free loop device that detaches itself when its last user goes
 /// (autoclear), and returns the device path with an open fd on it. Keep the fd until the
 /// device is mounted: autoclear detaches the device as soon as its last opener closes it.

@@ -57,6 +57,7 @@ pub(super) fn machine_setup(
     spec: &JailSpec,
     cg: &MachineCgroup,
     entered: Entered,
+    fill: Option<&Path>,
     cpus: Option<&[usize]>,
     userns: &OwnedFd,
 ) -> Result<OwnedFd, JailError> {
@@ -69,7 +70,7 @@ pub(super) fn machine_setup(
     // machine's mount table, and must name nothing of the host.
     std::env::set_current_dir(dir).map_err(step(format!("enter {}", dir.display())))?;
     let l = Layers::of(dir);
-    mount_disk(spec, &l)?;
+    mount_disk(spec, &l, fill)?;
     mount_root(spec, &l, userns)?;
     mount_overlays(spec, &l.root, userns)?;
     mount_binds(spec, &l.root, userns)?;
@@ -147,13 +148,19 @@ fn note_loop(dir: &Path, dev: &Path, first: bool) -> Result<(), JailError> {
 /// makes the mount points its template may lack. The disk stores canonical ids (root = 0)
 /// and reaches the overlay through an id-mapped mount, so a disk image (a snapshot) can
 /// start a machine with any uid range.
-fn mount_disk(spec: &JailSpec, l: &Layers) -> Result<(), JailError> {
+fn mount_disk(spec: &JailSpec, l: &Layers, fill: Option<&Path>) -> Result<(), JailError> {
     for d in [&l.disk, &l.mapped, &l.lower, &l.root] {
         fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
     }
-    let (dev, lo) = sys::loop_attach(&l.dir.join("disk.img"))
-        .map_err(step("attach the disk to a loop device"))?;
+    let img = l.dir.join("disk.img");
+    let (dev, lo) = sys::loop_attach(&img).map_err(step("attach the disk to a loop device"))?;
     note_loop(&l.dir, &dev, true)?;
+    // An empty disk attached first is filled now (see `disk::place_blank`); whatever the
+    // device's page cache read meanwhile (a udev probe) is dropped before the mount.
+    if let Some(blank) = fill {
+        crate::disk::fill_blank(blank, &img).map_err(step("fill the disk from its blank"))?;
+        sys::flush_buffers(&lo).map_err(step("drop the disk's stale buffers"))?;
+    }
     sys::mount(
         dev.to_str(),
         &l.disk,

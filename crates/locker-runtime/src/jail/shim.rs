@@ -90,8 +90,13 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
 
     // 4. The disk: a fresh image; a snapshot's layers are linked beside it (read-only).
     let img = dir.join("disk.img");
-    crate::disk::make_from_blank(&img, spec.disk_mb, &blank_disks_dir())
-        .map_err(step("make the disk image"))?;
+    // Filled by PID 1 once attached (see `disk::place_blank`), unless a reflink made it whole.
+    let fill = match crate::disk::place_blank(&img, spec.disk_mb, &blank_disks_dir())
+        .map_err(step("make the disk image"))?
+    {
+        crate::disk::Placed::Whole => None,
+        crate::disk::Placed::FillFrom(blank) => Some(blank),
+    };
     crate::disk::link_stack(&spec.layers, &dir.join(crate::disk::MACHINE_LAYERS), 0)
         .map_err(step("link the snapshot's layers"))?;
     let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
@@ -131,6 +136,7 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
                 &spec,
                 &cg,
                 entered,
+                fill.as_deref(),
                 cpus.as_deref(),
                 userns,
                 handed,
@@ -373,6 +379,7 @@ fn machine_init(
     spec: &JailSpec,
     cg: &MachineCgroup,
     entered: Entered,
+    fill: Option<&Path>,
     cpus: Option<&[usize]>,
     userns: OwnedFd,
     handed: Handed,
@@ -384,7 +391,7 @@ fn machine_init(
         agent,
         log,
     } = handed;
-    let view = match machine_setup(spec, cg, entered, cpus, &userns) {
+    let view = match machine_setup(spec, cg, entered, fill, cpus, &userns) {
         Ok(v) => v,
         Err(e) => return e.to_string(),
     };
