@@ -469,7 +469,7 @@ fn microvm_sandboxes_through_the_api() {
     // A background counter in memory; a snapshot carries it; forks continue it.
     api.post(
         &format!("/v1/sandboxes/{sb}/processes"),
-        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n; sleep 0.1; done"}),
+        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n.new; mv /dev/shm/n.new /dev/shm/n; sleep 0.1; done"}),
     )
     .expect(200, "counter");
     api.sh(&sb, "while [ ! -s /dev/shm/n ]; do sleep 0.05; done");
@@ -1204,7 +1204,7 @@ fn microvm_children_of_a_snapshot_stand_on_its_layers() {
     );
     api.post(
         &format!("/v1/sandboxes/{parent}/processes"),
-        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n; sleep 0.1; done"}),
+        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n.new; mv /dev/shm/n.new /dev/shm/n; sleep 0.1; done"}),
     )
     .expect(200, "counter");
     api.sh(&parent, "while [ ! -s /dev/shm/n ]; do sleep 0.05; done");
