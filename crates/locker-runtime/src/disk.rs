@@ -67,10 +67,10 @@ pub enum Placed {
     FillFrom(PathBuf),
 }
 
-/// [`make_from_blank`] in two steps where a copy would write: Linux (6.13 and later)
-/// writes back a file's dirty pages when a loop device is attached to it, so a disk copied
-/// and then attached costs a synchronous write of the blank's metadata (about 0.4 ms and
-/// 0.7 MB per machine here). Attached empty and filled after, a machine's disk is only
+/// [`make_from_blank`] in two steps where a copy would write: Linux (6.18 on this project's
+/// hosts, in `loop_configure`) writes back a file's dirty pages when a loop device is
+/// attached to it, so a disk copied and then attached costs a synchronous write of the
+/// blank's metadata (about 0.4 ms and 0.7 MB per machine here). Attached empty and filled after, a machine's disk is only
 /// written back if it lives long enough for the kernel's writeback (a run's never is).
 pub fn place_blank(img: &Path, size_mb: u64, blanks: &Path) -> io::Result<Placed> {
     let blank = blank_image(size_mb, blanks)?;
