@@ -57,44 +57,44 @@ fn blank_image(size_mb: u64, blanks: &Path) -> io::Result<PathBuf> {
     Ok(blank)
 }
 
-/// A machine's disk as [`place_blank`] left it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Placed {
-    /// The blank's copy is whole (a reflink: its blocks are shared and clean).
-    Whole,
-    /// An empty sparse file of the disk's size: copy this blank into it with
-    /// [`fill_blank`] once it is attached to its loop device.
-    FillFrom(PathBuf),
-}
-
 /// [`make_from_blank`] in two steps where a copy would write: Linux (6.18 on this project's
 /// hosts, in `loop_configure`) writes back a file's dirty pages when a loop device is
 /// attached to it, so a disk copied and then attached costs a synchronous write of the
-/// blank's metadata (about 0.4 ms and 0.7 MB per machine here). Attached empty and filled after, a machine's disk is only
-/// written back if it lives long enough for the kernel's writeback (a run's never is).
-pub fn place_blank(img: &Path, size_mb: u64, blanks: &Path) -> io::Result<Placed> {
-    let blank = blank_image(size_mb, blanks)?;
-    let from = fs::File::open(&blank)?;
-    let to = fs::OpenOptions::new()
+/// blank's metadata (about 0.4 ms and 0.7 MB per machine here). Attached empty and filled
+/// after, a machine's disk is only written back if it lives long enough for the kernel's
+/// writeback (a run's never is). `None`: a reflink made the disk whole (its blocks shared
+/// and clean); else an empty sparse file of the disk's size, to [`Fill::run`] once it is
+/// attached.
+pub fn place_blank(img: &Path, size_mb: u64, blanks: &Path) -> io::Result<Option<Fill>> {
+    let blank = fs::File::open(blank_image(size_mb, blanks)?)?;
+    let disk = fs::OpenOptions::new()
         .write(true)
         .create_new(true)
         .open(img)?;
-    if reflink(&from, &to) {
-        return Ok(Placed::Whole);
+    if reflink(&blank, &disk) {
+        return Ok(None);
     }
-    if let Err(e) = to.set_len(from.metadata()?.len()) {
+    if let Err(e) = blank.metadata().and_then(|m| disk.set_len(m.len())) {
         let _ = fs::remove_file(img);
         return Err(e);
     }
-    Ok(Placed::FillFrom(blank))
+    Ok(Some(Fill { blank, disk }))
 }
 
-/// Copies `blank` into the empty disk `img` that [`place_blank`] made (its data extents
-/// only; the holes are there already).
-pub fn fill_blank(blank: &Path, img: &Path) -> io::Result<()> {
-    let from = fs::File::open(blank)?;
-    let to = fs::OpenOptions::new().write(true).open(img)?;
-    copy_into(&from, &to).map(drop)
+/// An empty disk [`place_blank`] made and the blank it is to hold, both open: the process
+/// that attaches the disk (PID 1, a fork of the shim that placed it) fills it without
+/// opening either again.
+#[derive(Debug)]
+pub struct Fill {
+    blank: fs::File,
+    disk: fs::File,
+}
+
+impl Fill {
+    /// Copies the blank's data extents into the disk (the holes are there already).
+    pub fn run(&self) -> io::Result<()> {
+        copy_into(&self.blank, &self.disk).map(drop)
+    }
 }
 
 /// Creates a sparse ext4 image of `size_mb` at `img` whose root directory belongs to root.
@@ -560,15 +560,11 @@ mod tests {
         let img = dir.join("disk.img");
         let placed = place_blank(&img, 64, &blanks).unwrap();
         let blank = blanks.join("blank-ext4-64m.img");
-        match placed {
-            Placed::FillFrom(b) => {
-                assert_eq!(b, blank);
-                assert_eq!(fs::metadata(&img).unwrap().len(), 64 << 20);
-                assert_eq!(allocated_bytes(&img), 0, "nothing written before the fill");
-                fill_blank(&b, &img).unwrap();
-            }
-            // A temp dir on btrfs or XFS: the reflink is the whole disk at once.
-            Placed::Whole => {}
+        // None: a temp dir on btrfs or XFS, where the reflink is the whole disk at once.
+        if let Some(fill) = placed {
+            assert_eq!(fs::metadata(&img).unwrap().len(), 64 << 20);
+            assert_eq!(allocated_bytes(&img), 0, "nothing written before the fill");
+            fill.run().unwrap();
         }
         assert_eq!(fs::read(&img).unwrap(), fs::read(&blank).unwrap());
         assert!(allocated_bytes(&img) < 8 << 20, "holes stay holes");

@@ -57,7 +57,7 @@ pub(super) fn machine_setup(
     spec: &JailSpec,
     cg: &MachineCgroup,
     entered: Entered,
-    fill: Option<&Path>,
+    fill: Option<&crate::disk::Fill>,
     cpus: Option<&[usize]>,
     userns: &OwnedFd,
 ) -> Result<OwnedFd, JailError> {
@@ -101,17 +101,17 @@ fn enter_cgroup_namespace(cg: &MachineCgroup) -> Result<(), JailError> {
     if cg.layout().version == crate::cgroup::Version::V2 {
         for (_, d) in cg.dirs() {
             fs::write(d.join("init/cgroup.procs"), "0").map_err(step("enter the init cgroup"))?;
-            fs::write(d.join("cgroup.subtree_control"), "+memory +pids +cpu")
-                .map_err(step("delegate the controllers"))?;
         }
+        delegate_controllers(cg)?;
     }
     Ok(())
 }
 
-/// For a PID 1 cloned into `init` (see [`Entered::Cloned`]): enables the controllers for
-/// the machine's children (the commands' cgroups), which v2 allows only once no process
-/// is left in the machine's own cgroup. The helper that cloned PID 1 stood there; it has
-/// exited, or is about to (it only reports PID 1's pid), so a busy answer is retried.
+/// On v2, once PID 1 is in `init`: enables the controllers for the machine's children (the
+/// commands' cgroups), which v2 allows only once no process is left in the machine's own
+/// cgroup. A PID 1 cloned there ([`Entered::Cloned`]) may still find the helper that
+/// cloned it in that cgroup (it only reports PID 1's pid and exits), so a busy answer is
+/// retried.
 fn delegate_controllers(cg: &MachineCgroup) -> Result<(), JailError> {
     const WAIT: std::time::Duration = std::time::Duration::from_secs(2);
     let started = std::time::Instant::now();
@@ -148,17 +148,21 @@ fn note_loop(dir: &Path, dev: &Path, first: bool) -> Result<(), JailError> {
 /// makes the mount points its template may lack. The disk stores canonical ids (root = 0)
 /// and reaches the overlay through an id-mapped mount, so a disk image (a snapshot) can
 /// start a machine with any uid range.
-fn mount_disk(spec: &JailSpec, l: &Layers, fill: Option<&Path>) -> Result<(), JailError> {
+fn mount_disk(
+    spec: &JailSpec,
+    l: &Layers,
+    fill: Option<&crate::disk::Fill>,
+) -> Result<(), JailError> {
     for d in [&l.disk, &l.mapped, &l.lower, &l.root] {
         fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
     }
-    let img = l.dir.join("disk.img");
-    let (dev, lo) = sys::loop_attach(&img).map_err(step("attach the disk to a loop device"))?;
+    let (dev, lo) = sys::loop_attach(&l.dir.join("disk.img"))
+        .map_err(step("attach the disk to a loop device"))?;
     note_loop(&l.dir, &dev, true)?;
     // An empty disk attached first is filled now (see `disk::place_blank`); whatever the
     // device's page cache read meanwhile (a udev probe) is dropped before the mount.
-    if let Some(blank) = fill {
-        crate::disk::fill_blank(blank, &img).map_err(step("fill the disk from its blank"))?;
+    if let Some(fill) = fill {
+        fill.run().map_err(step("fill the disk from its blank"))?;
         sys::flush_buffers(&lo).map_err(step("drop the disk's stale buffers"))?;
     }
     sys::mount(

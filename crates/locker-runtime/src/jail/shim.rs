@@ -91,12 +91,8 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     // 4. The disk: a fresh image; a snapshot's layers are linked beside it (read-only).
     let img = dir.join("disk.img");
     // Filled by PID 1 once attached (see `disk::place_blank`), unless a reflink made it whole.
-    let fill = match crate::disk::place_blank(&img, spec.disk_mb, &blank_disks_dir())
-        .map_err(step("make the disk image"))?
-    {
-        crate::disk::Placed::Whole => None,
-        crate::disk::Placed::FillFrom(blank) => Some(blank),
-    };
+    let fill = crate::disk::place_blank(&img, spec.disk_mb, &blank_disks_dir())
+        .map_err(step("make the disk image"))?;
     crate::disk::link_stack(&spec.layers, &dir.join(crate::disk::MACHINE_LAYERS), 0)
         .map_err(step("link the snapshot's layers"))?;
     let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;
@@ -136,7 +132,7 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
                 &spec,
                 &cg,
                 entered,
-                fill.as_deref(),
+                fill.as_ref(),
                 cpus.as_deref(),
                 userns,
                 handed,
@@ -379,7 +375,7 @@ fn machine_init(
     spec: &JailSpec,
     cg: &MachineCgroup,
     entered: Entered,
-    fill: Option<&Path>,
+    fill: Option<&crate::disk::Fill>,
     cpus: Option<&[usize]>,
     userns: OwnedFd,
     handed: Handed,
