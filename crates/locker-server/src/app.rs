@@ -1,9 +1,10 @@
 //! Start-up, the router and shutdown of the server (its shared state is in `state`).
 //!
-//! One server per data dir: [`build`] takes an exclusive `flock` on `<data-dir>/serve.lock`
-//! (holding the server's pid) before it touches anything, and a second server on the same
-//! data dir refuses to start, naming the first. The kernel drops the lock when its holder
-//! dies, so a killed server's lock is free at once.
+//! One server per data dir: [`build`] takes an exclusive lock on `<data-dir>/serve.lock`
+//! (holding the server's pid; `state::DataDirLock`) before it touches anything, and a second
+//! server on the same data dir refuses to start, naming the first. The lock belongs to the
+//! server process, so the kernel drops it when the process dies: a killed server's data dir
+//! is free at once, even while a child it was spawning still shares the lock's file.
 //!
 //! Connections are accepted by the port routes' own HTTP/1.1 (`ports::front`), which keeps
 //! the requests to sandboxes' ports and hands every other connection to axum's server.

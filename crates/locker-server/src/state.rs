@@ -376,8 +376,14 @@ pub enum LockError {
     },
 }
 
-/// An exclusive `flock` on `<data-dir>/serve.lock`, which holds the holder's pid. The file
-/// is opened close-on-exec, so machines' processes never inherit the lock.
+/// An exclusive lock on `<data-dir>/serve.lock`, which holds the holder's pid.
+///
+/// A POSIX record lock, owned by the server *process* (`locker_sys::fs::lock_for_process`),
+/// not an `flock` on the open file: the server spawns all the time (machines' shims,
+/// tools), and a child caught between fork and exec when the server is killed shares the
+/// open file for a moment; with `flock` that child kept the lock and a service manager's
+/// immediate restart was refused. The file is opened close-on-exec and nothing else in the
+/// process opens it (closing any descriptor of it would drop the lock).
 #[derive(Debug)]
 pub struct DataDirLock {
     _file: std::fs::File,
@@ -399,7 +405,7 @@ impl DataDirLock {
             .open(&path)
             .map_err(err)?;
         // The lock lives as long as the file.
-        if !locker_sys::fs::flock(&f, false).map_err(err)? {
+        if !locker_sys::fs::lock_for_process(&f).map_err(err)? {
             let mut pid = String::new();
             let _ = f.read_to_string(&mut pid);
             let holder = match pid.trim().parse::<u32>() {

@@ -123,6 +123,35 @@ pub fn flock(file: &File, wait: bool) -> io::Result<bool> {
     }
 }
 
+/// Takes an exclusive POSIX record lock on the whole of `file` for this *process*
+/// (`fcntl(F_SETLK)`, never waiting); `Ok(false)` if another process holds it.
+///
+/// Unlike [`flock`], the lock belongs to the process, not to the open file: a child
+/// forked while it is held shares the descriptor but not the lock, so the lock is free
+/// the moment this process dies, whatever its children (one between fork and exec, one
+/// that inherited the descriptor) still hold. The price: closing *any* descriptor of the
+/// file in this process drops the lock, so keep exactly one open.
+pub fn lock_for_process(file: &File) -> io::Result<bool> {
+    // SAFETY: an all-zero flock struct is valid; the fields that matter are set below.
+    let mut l: libc::flock = unsafe { std::mem::zeroed() };
+    l.l_type = libc::F_WRLCK as libc::c_short;
+    l.l_whence = libc::SEEK_SET as libc::c_short;
+    l.l_start = 0;
+    l.l_len = 0; // to the end of the file, however long it grows
+    loop {
+        // SAFETY: fcntl on a descriptor this `File` owns with a live flock struct.
+        if unsafe { libc::fcntl(file.as_raw_fd(), libc::F_SETLK, &l) } == 0 {
+            return Ok(true);
+        }
+        let e = io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::EINTR) => continue,
+            Some(libc::EACCES | libc::EAGAIN) => return Ok(false),
+            _ => return Err(e),
+        }
+    }
+}
+
 /// Takes an exclusive `flock(2)` on `file`, waiting for it; released when the file closes.
 pub fn lock_exclusive(file: &File) -> io::Result<()> {
     flock(file, true).map(drop)
@@ -191,6 +220,71 @@ mod tests {
         let _ = remove_tree(&d);
         fs::create_dir_all(&d).unwrap();
         d
+    }
+
+    /// Forks a child that runs `f` and leaves with its result as exit code (0 = true);
+    /// returns the child's pid.
+    fn in_child(f: impl FnOnce() -> bool) -> libc::pid_t {
+        // SAFETY: the child only opens a file, takes a lock or reads a pipe, and leaves
+        // with _exit (glibc keeps malloc usable in a forked child).
+        let pid = unsafe { crate::proc::fork() }.unwrap();
+        if pid == 0 {
+            crate::proc::exit_now(if f() { 0 } else { 1 });
+        }
+        pid
+    }
+
+    fn exit_code(pid: libc::pid_t) -> i32 {
+        let st = crate::proc::waitpid(pid).unwrap();
+        assert!(libc::WIFEXITED(st), "{st:#x}");
+        libc::WEXITSTATUS(st)
+    }
+
+    #[test]
+    fn a_process_lock_excludes_other_processes_but_not_after_its_holder_lets_go() {
+        let d = scratch("plock");
+        let path = d.join("serve.lock");
+        let open = || {
+            fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+                .unwrap()
+        };
+        let held = open();
+        assert!(lock_for_process(&held).unwrap());
+        // Another process cannot take it.
+        let other = in_child(|| !lock_for_process(&open()).unwrap());
+        assert_eq!(exit_code(other), 0, "a second process took a held lock");
+        // A child forked while it is held keeps the descriptor alive (as one between fork
+        // and exec does) ...
+        let (r, w) = crate::fd::pipe().unwrap();
+        let (rfd, wfd) = (r.as_raw_fd(), w.as_raw_fd());
+        let inheritor = in_child(move || {
+            let mut b = [0u8; 1];
+            // SAFETY: the child's copies of the pipe's ends; it reads until the parent
+            // closes the write end (the child's own copy closed first).
+            unsafe {
+                libc::close(wfd);
+                libc::read(rfd, b.as_mut_ptr().cast(), 1);
+            }
+            true
+        });
+        drop(r);
+        // ... yet once the holder lets go (a process that dies closes its descriptors),
+        // the next process takes the lock at once.
+        drop(held);
+        let next = in_child(|| lock_for_process(&open()).unwrap());
+        let took = exit_code(next);
+        drop(w);
+        assert_eq!(exit_code(inheritor), 0);
+        assert_eq!(
+            took, 0,
+            "the lock stayed held by a child that inherited the descriptor"
+        );
+        remove_tree(&d).unwrap();
     }
 
     #[test]
