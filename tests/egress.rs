@@ -595,3 +595,41 @@ fn runs_get_egress_and_their_refusals_are_recorded() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+/// A server killed while it probed egress left its probe's namespace (named after its
+/// pid) and the directory holding the probe's subnet lease; the next server's probe
+/// removes both (and leaves a live process's probe alone).
+#[test]
+fn a_killed_servers_egress_probe_leaves_nothing_after_the_next_start() {
+    let mut gone = std::process::Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait().unwrap();
+    let name = format!("locker-probe-{pid}");
+    let ns = Path::new("/run/netns").join(&name);
+    let owner = Path::new("/run/locker").join(&name);
+    struct Cleanup(String);
+    impl Drop for Cleanup {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("ip")
+                .args(["netns", "del", &self.0])
+                .status();
+            let _ = std::fs::remove_dir_all(Path::new("/run/locker").join(&self.0));
+        }
+    }
+    let _cleanup = Cleanup(name.clone());
+    let made = std::process::Command::new("ip")
+        .args(["netns", "add", &name])
+        .status()
+        .unwrap();
+    assert!(made.success());
+    std::fs::create_dir_all(&owner).unwrap();
+    let srv = Server::start();
+    wait_egress_ok(&srv);
+    assert!(!ns.exists(), "{} is still there", ns.display());
+    assert!(!owner.exists(), "{} is still there", owner.display());
+    assert!(
+        srv.log_text().contains(&name),
+        "the server says what it removed:\n{}",
+        srv.log_text()
+    );
+}

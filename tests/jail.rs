@@ -39,6 +39,7 @@ fn node() -> Node {
     become_subreaper();
     Node::new(NodeConfig {
         init_exe: locker_bin(),
+        shim_exe: locker_runtime::node::find_shim(&locker_bin()),
         agent_exe: agent_bin(),
     })
     .expect("a node on this host")

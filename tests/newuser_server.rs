@@ -577,7 +577,10 @@ fn serve_puts_cgroup_moves_on_the_fast_path_and_doctor_says_so() {
             fstype.starts_with("cgroup") && opts.split(',').any(|o| o == "favordynmods")
         })
     });
-    assert!(favoring.is_some(), "no cgroup mount with favordynmods after a server start:\n{info}");
+    assert!(
+        favoring.is_some(),
+        "no cgroup mount with favordynmods after a server start:\n{info}"
+    );
     let out = output_of({
         let mut c = Command::new(locker_tests::locker_bin());
         c.args(["doctor", "--json"]);
@@ -590,6 +593,35 @@ fn serve_puts_cgroup_moves_on_the_fast_path_and_doctor_says_so() {
             .as_str()
             .unwrap()
             .contains("favordynmods"),
+        "{v}"
+    );
+}
+
+/// A machine's shim is a fresh process per machine: the server starts it from the small
+/// `locker-jail` of its own build (beside `locker`), not from the whole `locker`, and
+/// `locker doctor` says which. The suite's build has both (`scripts/setup`).
+#[test]
+fn machines_start_from_the_small_shim_of_the_same_build_and_doctor_says_so() {
+    let srv = Server::start();
+    let api = srv.api();
+    let id = sandbox(&api);
+    assert_eq!(api.sh(&id, "echo up"), "up\n");
+    let state: Value =
+        serde_json::from_slice(&std::fs::read(srv.machine_dir(&id).join("state.json")).unwrap())
+            .unwrap();
+    let shim = state["shim_pid"].as_i64().unwrap();
+    let exe = std::fs::read_link(format!("/proc/{shim}/exe")).unwrap();
+    let beside = locker_tests::locker_bin().with_file_name("locker-jail");
+    assert_eq!(exe, beside, "the machine's shim runs {exe:?}");
+    let out = output_of({
+        let mut c = Command::new(locker_tests::locker_bin());
+        c.args(["doctor", "--json"]);
+        c
+    });
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let said = v["host"]["jail_shim"].as_str().unwrap();
+    assert!(
+        said.starts_with(beside.to_str().unwrap()) && said.contains("same build"),
         "{v}"
     );
 }

@@ -92,6 +92,7 @@ async fn exec_true(m: &Machine) -> anyhow::Result<locker_types::ExecResult> {
 pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let node = Node::new(NodeConfig {
         init_exe: locker_bin(),
+        shim_exe: locker_runtime::node::find_shim(&locker_bin()),
         agent_exe: agent_bin(),
     })
     .context("a node on this host (run as root, cgroups mounted)")?;

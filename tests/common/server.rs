@@ -508,6 +508,7 @@ pub fn destroy_machines(machines_dir: &Path) -> Vec<String> {
     }
     let cfg = locker_runtime::node::NodeConfig {
         init_exe: locker_bin(),
+        shim_exe: locker_runtime::node::find_shim(&locker_bin()),
         agent_exe: agent_bin(),
     };
     let Ok(node) = locker_runtime::node::Node::new(cfg) else {

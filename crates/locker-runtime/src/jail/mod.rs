@@ -8,8 +8,9 @@
 //!
 //! # How a jail starts
 //! The caller (the server, in a multi-threaded process) never forks into namespaces itself:
-//! it runs `locker __jail-init <dir>/jail.json`, a fresh single-threaded process (the
-//! *shim*) that:
+//! it runs `locker-jail __jail-init <dir>/jail.json` (`locker` itself where no
+//! `locker-jail` of the same build is found: see `node::config::find_shim`), a fresh
+//! single-threaded process (the *shim*) that:
 //! 1. binds the agent's listening socket at `<dir>/agent.sock` (host side only);
 //! 2. creates the machine's user namespace (root inside = host uid `uid_base`, 65536 ids)
 //!    with a throwaway child, and keeps a handle to it;
@@ -39,6 +40,10 @@
 //! in it), so the machine's mount table names nothing of the host's data dir.
 //! The mount, network and pid namespaces belong to the host's user namespace, so the
 //! machine's root can neither mount nor reconfigure its network.
+
+/// The build of the shim's code (a hash of its sources; see `build.rs`): `locker-jail
+/// --build-id` prints it, and a node runs that binary only if it matches its own.
+pub const SHIM_BUILD: &str = env!("LOCKER_SHIM_BUILD");
 
 mod attach;
 mod setup;
@@ -110,11 +115,11 @@ impl JailState {
     }
 }
 
-/// Starts a machine: runs the shim (`init_exe __jail-init`) and waits until the agent's
+/// Starts a machine: runs the shim (`shim_exe __jail-init`) and waits until the agent's
 /// socket exists. Returns the state and the shim's process (the caller reaps it).
 pub async fn start(
     spec: &JailSpec,
-    init_exe: &Path,
+    shim_exe: &Path,
 ) -> Result<(JailState, tokio::process::Child), JailError> {
     fs::create_dir_all(&spec.dir).map_err(step(format!("create {}", spec.dir.display())))?;
     let spec_path = spec.dir.join("jail.json");
@@ -124,7 +129,7 @@ pub async fn start(
     )
     .map_err(step("write jail.json"))?;
     let log = fs::File::create(spec.dir.join("machine.log")).map_err(step("create machine.log"))?;
-    let mut cmd = tokio::process::Command::new(init_exe);
+    let mut cmd = tokio::process::Command::new(shim_exe);
     cmd.arg("__jail-init")
         .arg(&spec_path)
         .stdin(std::process::Stdio::null())
@@ -134,7 +139,7 @@ pub async fn start(
     cmd.process_group(0);
     let mut child = cmd
         .spawn()
-        .map_err(step(format!("run {} __jail-init", init_exe.display())))?;
+        .map_err(step(format!("run {} __jail-init", shim_exe.display())))?;
     let mut out = child.stdout.take().expect("piped stdout");
     let mut line = Vec::new();
     {

@@ -3,7 +3,8 @@
 //! [`probe`] wires a throwaway namespace like a machine and tries to get past the host's
 //! rules; [`status`] caches its verdict for the server (re-probed after a minute, ten
 //! seconds after a failure). Owns nothing a machine uses: everything the probe makes is
-//! removed before it returns.
+//! removed before it returns, and what a probe killed half-way left (its namespace, veth
+//! and subnet lease, named after its process) is removed by the next probe.
 
 use std::fs;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -52,6 +53,7 @@ pub fn cached_status() -> Option<Verdict> {
 /// address. Both must fail; everything is removed afterwards.
 pub fn probe() -> Result<String, NetError> {
     ensure_host()?;
+    sweep_stale_probes();
     let name = format!("locker-probe-{}", std::process::id());
     let ns = PathBuf::from(format!("/run/netns/{name}"));
     let owner = PathBuf::from(format!("/run/locker/{name}"));
@@ -99,4 +101,31 @@ pub fn probe() -> Result<String, NetError> {
     let _ = fs::remove_dir_all(&owner);
     delete_netns(&name);
     result
+}
+
+/// Removes what probes of processes that no longer exist left (a server killed while it
+/// probed): their namespaces `locker-probe-<pid>`, veths and subnet leases. A probe of a
+/// live process (another server on this host) is left to it.
+fn sweep_stale_probes() {
+    let Ok(rd) = fs::read_dir("/run/netns") else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = name
+            .strip_prefix("locker-probe-")
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        if PathBuf::from(format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let owner = PathBuf::from(format!("/run/locker/{name}"));
+        detach(&owner, None);
+        let _ = fs::remove_dir_all(&owner);
+        if delete_netns(&name) {
+            tracing::info!(namespace = %name, "removed what a killed server's egress probe left");
+        }
+    }
 }

@@ -19,7 +19,7 @@ use crate::machine::slots::{self, SlotError};
 use crate::machine::{self, BindMount, MachineState, OverlayMount};
 
 pub use crate::machine::state::RuntimeKind;
-pub use config::{find_agent, is_static_elf, NodeConfig};
+pub use config::{find_agent, find_shim, is_static_elf, NodeConfig};
 use unwind::Unwind;
 
 mod config;
@@ -356,7 +356,7 @@ impl Node {
             binds,
         };
         let started = async {
-            let (state, child) = jail::start(&js, &self.config.init_exe).await?;
+            let (state, child) = jail::start(&js, &self.config.shim_exe).await?;
             let agent = AgentClient::connect(&state.socket(), AGENT_CONNECT_TIMEOUT).await?;
             Ok::<_, NodeError>((state, child, agent))
         }
