@@ -234,15 +234,21 @@ pub async fn jail_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     check_stop()?;
     rows.extend(disk_rows(tmp.path(), args)?);
     rows.push(cgroup_move_row(args)?);
-    let size_mb = std::fs::metadata(locker_bin())
-        .map(|m| m.len() >> 20)
-        .unwrap_or(0);
-    let note = format!("fork+exec+exit of the {size_mb} MB locker binary the shim runs as: the floor of the shim's own start");
-    let alias = locker_alias(tmp.path())?;
+    // What the node starts a machine's shim from: `locker-jail` of the same build, else
+    // `locker` itself (through the alias: see `locker_alias`).
+    let shim = locker_runtime::node::find_shim(&locker_bin());
+    let size_mb = std::fs::metadata(&shim).map(|m| m.len() >> 20).unwrap_or(0);
+    let (exe, arg) = if shim == locker_bin() {
+        (locker_alias(tmp.path())?, "--version")
+    } else {
+        (shim.clone(), "--build-id")
+    };
+    let name = shim.file_name().unwrap_or_default().to_string_lossy();
+    let note = format!("fork+exec+exit of the {size_mb} MB {name} binary the shim runs as ({arg}): the floor of the shim's own start");
     rows.push(spawn_row(
-        "phase spawn locker --version",
-        &alias,
-        &["--version"],
+        "phase spawn the shim's binary",
+        &exe,
+        &[arg],
         args,
         &note,
     )?);
