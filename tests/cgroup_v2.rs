@@ -8,8 +8,11 @@
 //! nested `locker serve` as its `default` template, and drives jails there over HTTP
 //! (`data/cgroup_v2_guest.py`): the machine's cgroup and what it delegates, the commands'
 //! cgroups, the memory limit, a timeout killing a `setsid` tree, a stray cgroup removed,
-//! CPU counted, and a delete leaving no cgroup and no loop device. Everything lives in the
-//! microVM, which the server destroys with the sandbox. About a minute under TCG.
+//! CPU counted, and a delete leaving no cgroup and no loop device; then serverless runs
+//! on a volume (btrfs: the guest kernel's module and the host's `mkfs.btrfs` handed in
+//! too): each run's machine in its cgroup, its limit, its change committed, no cgroup
+//! left. Everything lives in the microVM, which the server destroys with the sandbox.
+//! About two minutes under TCG.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -32,9 +35,10 @@ fn slim(bin: &Path, dir: &Path) -> Vec<u8> {
     std::fs::read(if stripped { &out } else { bin }).expect("read a binary")
 }
 
-/// The guest kernel's loop module, if it is one (it may be built in).
-fn loop_module() -> Option<PathBuf> {
+/// The guest kernel's module `name` (`loop`, `btrfs`, ...), if it is one (it may be built in).
+fn module(name: &str) -> Option<PathBuf> {
     let root = locker_runtime::vm::kernel_dir().join("modules");
+    let (plain, packed) = (format!("{name}.ko"), format!("{name}.ko."));
     let mut stack = vec![root];
     while let Some(d) = stack.pop() {
         for e in std::fs::read_dir(&d).ok()?.flatten() {
@@ -44,7 +48,7 @@ fn loop_module() -> Option<PathBuf> {
             } else if p
                 .file_name()
                 .and_then(|n| n.to_str())
-                .is_some_and(|n| n == "loop.ko" || n.starts_with("loop.ko."))
+                .is_some_and(|n| n == plain || n.starts_with(&packed))
             {
                 return Some(p);
             }
@@ -85,24 +89,42 @@ fn jails_on_a_pure_cgroup_v2_layout_keep_their_limits_and_leave_nothing() {
     )
     .expect("the default template's meta.json");
     put("/opt/l/meta.json", &meta);
-    let load = match loop_module() {
-        Some(m) => {
-            let name = m.file_name().unwrap().to_string_lossy().into_owned();
-            put(&format!("/opt/l/{name}"), &std::fs::read(&m).unwrap());
-            // finit_module(2) (313); a compressed module with MODULE_INIT_COMPRESSED_FILE.
-            let flags = if name.ends_with(".ko") { 0 } else { 4 };
-            format!(
-                "python3 -c \"import ctypes,os,sys; fd=os.open('/opt/l/{name}',os.O_RDONLY); \
-                 sys.exit(ctypes.CDLL(None).syscall(313, fd, b'', {flags}) != 0)\""
-            )
-        }
-        None => "true".to_owned(),
+    // The loop module, and btrfs with what it needs (volumes), loaded in this order with
+    // finit_module(2) (313; a compressed module with MODULE_INIT_COMPRESSED_FILE).
+    let mut loads = Vec::new();
+    for name in ["loop", "xor", "raid6_pq", "zstd_compress", "libcrc32c", "btrfs"] {
+        let Some(m) = module(name) else {
+            continue; // built in
+        };
+        let file = m.file_name().unwrap().to_string_lossy().into_owned();
+        put(&format!("/opt/l/{file}"), &std::fs::read(&m).unwrap());
+        let flags = if file.ends_with(".ko") { 0 } else { 4 };
+        loads.push(format!(
+            "python3 -c \"import ctypes,os,sys; fd=os.open('/opt/l/{file}',os.O_RDONLY); \
+             sys.exit(ctypes.CDLL(None).syscall(313, fd, b'', {flags}) != 0)\""
+        ));
+    }
+    let load = if loads.is_empty() {
+        "true".to_owned()
+    } else {
+        loads.join(" && ")
+    };
+    // Volumes are btrfs images: mkfs.btrfs from the host (its libraries are in the template).
+    let mkfs = locker_runtime::doctor::which("mkfs.btrfs").expect("btrfs-progs on the host");
+    put("/usr/local/sbin/mkfs.btrfs", &std::fs::read(mkfs).unwrap());
+    // The small shim of the same build, beside `locker` as installed.
+    let shim = locker_runtime::node::find_shim(&locker_bin());
+    let shim_arg = if shim != locker_bin() {
+        put("/opt/l/locker-jail", &slim(&shim, tmp.path()));
+        " /opt/l/locker-jail"
+    } else {
+        ""
     };
 
     // The guest: cgroup v2 only, the loop module in, the template disk as `default`.
     let t = format!("/var/cache/locker/templates/{digest}");
     let setup = format!(
-        "set -e; chmod +x /opt/l/locker /opt/l/locker-agent; \
+        "set -e; chmod +x /opt/l/locker* /usr/local/sbin/mkfs.btrfs; \
          grep -q ' /sys/fs/cgroup cgroup2 ' /proc/mounts; \
          ! grep -q ' cgroup ' /proc/mounts; \
          {load}; test -e /dev/loop-control; \
@@ -118,8 +140,8 @@ fn jails_on_a_pure_cgroup_v2_layout_keep_their_limits_and_leave_nothing() {
 
     let r = api.exec(
         &id,
-        &json!({ "shell": "python3 /opt/l/guest.py k_nested_v2 2>&1; e=$?; \
-                 [ $e = 0 ] || tail -40 /root/serve.log; exit $e",
+        &json!({ "shell": format!("python3 /opt/l/guest.py k_nested_v2{shim_arg} 2>&1; e=$?; \
+                 [ $e = 0 ] || tail -40 /root/serve.log; exit $e"),
                  "timeout_ms": 600_000 }),
     );
     let out = r["stdout"].as_str().unwrap_or_default();
