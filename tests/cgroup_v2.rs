@@ -92,7 +92,14 @@ fn jails_on_a_pure_cgroup_v2_layout_keep_their_limits_and_leave_nothing() {
     // The loop module, and btrfs with what it needs (volumes), loaded in this order with
     // finit_module(2) (313; a compressed module with MODULE_INIT_COMPRESSED_FILE).
     let mut loads = Vec::new();
-    for name in ["loop", "xor", "raid6_pq", "zstd_compress", "libcrc32c", "btrfs"] {
+    for name in [
+        "loop",
+        "xor",
+        "raid6_pq",
+        "zstd_compress",
+        "libcrc32c",
+        "btrfs",
+    ] {
         let Some(m) = module(name) else {
             continue; // built in
         };

@@ -512,7 +512,7 @@ fn zero_timeout_pauses_or_kills_and_lists_order_by_start() {
         if let Some(t) = token {
             path += &format!("&nextToken={t}");
         }
-        let r = Api::new(&srv.url, None).request("GET", &path, &[("X-API-KEY", k.unwrap())], "");
+        let r = Api::new(&srv.url, None).request("GET", &path, &[("X-API-KEY", srv.api_key.as_str())], "");
         let next = r
             .headers
             .get("x-next-token")

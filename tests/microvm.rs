@@ -1319,7 +1319,7 @@ fn microvm_children_of_a_snapshot_stand_on_its_layers() {
         api.delete(&format!("/v1/sandboxes/{id}"))
             .expect(204, "delete");
     }
-    assert!(qemus_under(&data).is_empty(), "no QEMU left");
+    assert!(qemus_under(data).is_empty(), "no QEMU left");
 }
 
 /// A memory snapshot of sandbox `sb` through the API: its id and `size_bytes`.

@@ -435,7 +435,7 @@ mod tests {
     fn headers(pairs: &[(&'static str, &'static str)]) -> HeaderMap {
         let mut h = HeaderMap::new();
         for (k, v) in pairs {
-            h.append(*k, HeaderValue::from_static(*v));
+            h.append(*k, HeaderValue::from_static(v));
         }
         h
     }
