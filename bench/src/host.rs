@@ -119,7 +119,9 @@ impl Info {
                 };
                 let moves = match locker_runtime::cgroup::move_mode() {
                     locker_runtime::cgroup::MoveMode::Favored(_) => "moves favored (favordynmods)",
-                    locker_runtime::cgroup::MoveMode::Default(_) => "moves on the default path (as a fresh boot)",
+                    locker_runtime::cgroup::MoveMode::Default(_) => {
+                        "moves on the default path (as a fresh boot)"
+                    }
                 };
                 format!("cgroup {v}, {moves}")
             },
@@ -181,6 +183,14 @@ fn host_jiffies() -> (u64, u64) {
     // idle and iowait are not busy.
     let idle = v.get(3).copied().unwrap_or(0) + v.get(4).copied().unwrap_or(0);
     (total.saturating_sub(idle), total)
+}
+
+/// The host's busy CPU time so far, all CPUs together, in ms (from `/proc/stat`; its
+/// resolution is a clock tick, 10 ms: take differences over many operations).
+pub fn host_busy_ms() -> f64 {
+    // SAFETY: sysconf has no preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as f64;
+    host_jiffies().0 as f64 * 1000.0 / hz
 }
 
 fn own_cpu_s() -> f64 {

@@ -26,6 +26,8 @@ const WAIT_COLD: &str = "run: wait before the command starts (--warm-pool 0)";
 const TOTAL_COLD: &str = "run true: whole call (HTTP, --warm-pool 0)";
 const PEER: &str = "peer bwrap per call true (writable bind)";
 const PEER_BURST: &str = "peer bwrap per call true (writable bind, burst)";
+const CPU: &str = "run true: host CPU per call, one at a time";
+const PEER_CPU: &str = "peer bwrap: host CPU per call, one at a time";
 
 fn ms(since: Instant) -> f64 {
     since.elapsed().as_secs_f64() * 1e3
@@ -63,6 +65,7 @@ fn skip_all(rows: &mut Vec<Row>, n: usize, why: &str) {
     for name in [
         WAIT.to_owned(),
         TOTAL.to_owned(),
+        CPU.to_owned(),
         format!("run true ({n} at once, HTTP)"),
         WAIT_COLD.to_owned(),
         TOTAL_COLD.to_owned(),
@@ -141,13 +144,20 @@ struct Sequential {
     wait: Vec<f64>,
     /// The server's total_ms.
     server_total: Vec<f64>,
+    /// The host's busy CPU per run over the measured runs, all processes (the server, the
+    /// machines, the kernel's workers, the client), in ms.
+    cpu_ms: f64,
 }
 
 fn one_at_a_time(args: &Args, api: &Api, vol: &str) -> anyhow::Result<Sequential> {
     let (n, more_warm) = (args.creates(), args.create_warmup().saturating_sub(1));
     let (mut wait, mut total, mut server_total) = (vec![], vec![], vec![]);
+    let mut busy_from = 0.0;
     for i in 0..more_warm + n {
         check_stop()?;
+        if i == more_warm {
+            busy_from = crate::host::host_busy_ms();
+        }
         let (w, s, t) = timed_run(api, vol).map_err(anyhow::Error::msg)?;
         if i >= more_warm {
             total.push(w);
@@ -155,11 +165,15 @@ fn one_at_a_time(args: &Args, api: &Api, vol: &str) -> anyhow::Result<Sequential
             server_total.push(t);
         }
     }
+    // Each run leaves its machine's teardown and the pool's refill behind it: the last
+    // one's are left out, the first one's predecessor's counted (one run's worth).
+    let cpu_ms = (crate::host::host_busy_ms() - busy_from) / n.max(1) as f64;
     Ok(Sequential {
         warm: more_warm + 1,
         total,
         wait,
         server_total,
+        cpu_ms,
     })
 }
 
@@ -181,6 +195,7 @@ pub fn run_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         total,
         wait,
         server_total,
+        cpu_ms,
     } = one_at_a_time(args, &api, &vol)?;
     println!(
         "  {TOTAL}: p50 {:.2} ms (wait before the command p50 {:.2} ms)",
@@ -223,6 +238,7 @@ pub fn run_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .note(pool_note)
             .target(Target::P50(10.0)),
     );
+    let total_len = total.len();
     rows.push(
         Row::new(TOTAL, "ms", total, warm)
             .note(format!("POST /v1/volumes/{{id}}/run {{\"cmd\":[\"true\"]}} until answered, one at a time: machine, `true`, machine torn down, changes listed and committed (none); the server's own timings.total_ms p50 {:.2} ms", percentile(&server_total, 50.0)))
@@ -230,6 +246,11 @@ pub fn run_rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .target(Target::P50(20.0))
             .vs(PEER)
             .vs(HTTP_CREATE_EXEC),
+    );
+    rows.push(
+        Row::new(CPU, "ms", vec![cpu_ms], 0)
+            .note(format!("the host's busy CPU time (/proc/stat, every process and kernel worker) over the {} runs of the row above, divided by their number: the run, its machine's teardown, the warm pool's refill; one at a time, the runs are bound by it once it exceeds a core's worth of the call", total_len))
+            .vs(PEER_CPU),
     );
     let mut r = Row::new(format!("run true ({n_burst} at once, HTTP)"), "ms", ok, 0)
         .note(format!("{n_burst} threads released together, one HTTP client each, one run of `true` each on the same volume; {} of {n_burst} complete, {} errors; all done in {wall:.0} ms; server started with {} (the warm pool holds only a few, the rest start fresh; runs that wait for a view of the volume together share one)", n_burst - errs.len(), errs.len(), crate::scale::big_quotas(n_burst).join(" ")))
@@ -281,6 +302,7 @@ fn peers(args: &Args, n_burst: usize, rows: &mut Vec<Row>) -> anyhow::Result<()>
         Ok(b) => b,
         Err(e) => {
             rows.push(Row::skipped(PEER, e.clone()));
+            rows.push(Row::skipped(PEER_CPU, e.clone()));
             rows.push(Row::skipped(PEER_BURST, e));
             return Ok(());
         }
@@ -304,14 +326,25 @@ fn peers(args: &Args, n_burst: usize, rows: &mut Vec<Row>) -> anyhow::Result<()>
     );
     let (warm, n) = (args.create_warmup(), args.creates());
     let mut s = vec![];
+    let mut busy_from = 0.0;
     for i in 0..warm + n {
         check_stop()?;
+        if i == warm {
+            busy_from = crate::host::host_busy_ms();
+        }
         let t = spawn_wait(&b, &argv).map_err(anyhow::Error::msg)?;
         if i >= warm {
             s.push(t);
         }
     }
-    println!("  {PEER}: p50 {:.2} ms", percentile(&s, 50.0));
+    let peer_cpu = (crate::host::host_busy_ms() - busy_from) / n.max(1) as f64;
+    println!(
+        "  {PEER}: p50 {:.2} ms, host CPU {peer_cpu:.2} ms per call",
+        percentile(&s, 50.0)
+    );
+    rows.push(Row::new(PEER_CPU, "ms", vec![peer_cpu], 0).note(format!(
+        "the host's busy CPU time over the {n} calls of the row below, divided by their number (namespaces made and torn down, the kernel's workers included)"
+    )));
     rows.push(Row::new(PEER, "ms", s, warm).note(format!(
         "bwrap --unshare-all --die-with-parent --ro-bind <default template> / --proc /proc --dev /dev --bind {dir} /mnt --chdir /mnt true, one at a time: namespaces and a writable directory; no cgroup, no disk, no agent, no snapshot or commit of changes"
     )));
