@@ -123,7 +123,7 @@ impl Info {
                         "moves on the default path (as a fresh boot)"
                     }
                 };
-                format!("cgroup {v}, {moves}")
+                format!("cgroup {v}, {moves}, {}", dying_memcgs())
             },
             load: read("/proc/loadavg")
                 .split_whitespace()
@@ -147,6 +147,45 @@ impl Info {
             self.cgroup,
             self.commit
         )
+    }
+}
+
+/// How many memory cgroups the kernel holds that no directory names any more ("dying":
+/// removed, still pinned by page cache charged to them). Every machine a host ran can leave
+/// one, and a walk of the memory controller's tree visits them all, so a host that has run
+/// many machines measures differently from a fresh one (docs/benchmarks.md).
+fn dying_memcgs() -> String {
+    fn count_dirs(dir: &std::path::Path) -> u64 {
+        let Ok(rd) = std::fs::read_dir(dir) else {
+            return 0;
+        };
+        1 + rd
+            .flatten()
+            .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+            .map(|e| count_dirs(&e.path()))
+            .sum::<u64>()
+    }
+    let total: Option<u64> = read("/proc/cgroups").lines().find_map(|l| {
+        let f: Vec<&str> = l.split_whitespace().collect();
+        (f.first() == Some(&"memory")).then(|| f.get(2)?.parse().ok())?
+    });
+    let Some(total) = total else {
+        return "memory cgroups unknown".into();
+    };
+    // v1: the memory hierarchy's own mount; v2: the unified tree.
+    let root = ["/sys/fs/cgroup/memory", "/sys/fs/cgroup"]
+        .into_iter()
+        .map(std::path::Path::new)
+        .find(|p| p.join("memory.stat").exists() || p.join("cgroup.controllers").exists());
+    match root {
+        Some(r) => {
+            let live = count_dirs(r);
+            format!(
+                "{total} memory cgroups ({} dying)",
+                total.saturating_sub(live)
+            )
+        }
+        None => format!("{total} memory cgroups"),
     }
 }
 
