@@ -38,7 +38,7 @@ impl NodeConfig {
 /// runs `__jail-init` too.
 ///
 /// `locker-jail` holds the shim and nothing else, so it starts in about half the CPU
-/// time of the full `locker` (0.6 against 1.5 ms: a tenth of the relocations, a fifth
+/// time of the full `locker` (0.6 against 1.5 ms: a fiftieth of the relocations, a fifth
 /// of the page faults), once per machine. One from another build (a stale binary left
 /// in a target directory, a partial copy) is never used: its idea of the jail's spec
 /// could differ from the server's.
