@@ -597,8 +597,8 @@ fn runs_get_egress_and_their_refusals_are_recorded() {
 }
 
 /// A server killed while it probed egress left its probe's namespace (named after its
-/// pid) and the directory holding the probe's subnet lease; the next server's probe
-/// removes both (and leaves a live process's probe alone).
+/// pid) and the directory holding the probe's subnet lease; the next server's start
+/// removes both with the rest of a crash's networks.
 #[test]
 fn a_killed_servers_egress_probe_leaves_nothing_after_the_next_start() {
     let mut gone = std::process::Command::new("true").spawn().unwrap();

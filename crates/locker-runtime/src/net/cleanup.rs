@@ -1,9 +1,10 @@
 //! What a crash left of egress, removed host-wide: leases, links, namespaces and host
 //! tables no machine holds any more.
 //!
-//! Touches only names Locker makes (`lk<slot>`, `locker-lk<slot>`, `ip locker_lk<slot>`)
-//! and never a lease younger than a minute, so a machine being set up by another server
-//! on the same host is left alone.
+//! Touches only names Locker makes (`lk<slot>`, `locker-lk<slot>`, `ip locker_lk<slot>`,
+//! an egress probe's `locker-probe-<pid>`) and never a lease younger than a minute nor a
+//! probe whose process lives, so a machine being set up or a probe running by another
+//! server on the same host is left alone.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -18,6 +19,18 @@ use super::{SLOTS_DIR, TABLE, VM_NETNS_PREFIX};
 /// that lease (older than a minute, so a machine being set up is never touched) and links
 /// `lk<slot>` with no lease. Returns the slots removed.
 pub fn cleanup_stale() -> Vec<u32> {
+    // First the probes of processes that are gone (a server killed while it probed): their
+    // leases are released with them, not left for the rule below.
+    for e in fs::read_dir("/run/netns").into_iter().flatten().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let dead = name
+            .strip_prefix(super::probe::PREFIX)
+            .and_then(|p| p.parse::<u32>().ok())
+            .is_some_and(|pid| !Path::new(&format!("/proc/{pid}")).exists());
+        if dead && super::probe::remove(&name) {
+            tracing::info!(namespace = %name, "removed what a killed server's egress probe left");
+        }
+    }
     let mut removed = Vec::new();
     for e in fs::read_dir(SLOTS_DIR).into_iter().flatten().flatten() {
         let Ok(slot) = e.file_name().to_string_lossy().parse::<u32>() else {

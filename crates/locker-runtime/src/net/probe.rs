@@ -3,8 +3,9 @@
 //! [`probe`] wires a throwaway namespace like a machine and tries to get past the host's
 //! rules; [`status`] caches its verdict for the server (re-probed after a minute, ten
 //! seconds after a failure). Owns nothing a machine uses: everything the probe makes is
-//! removed before it returns, and what a probe killed half-way left (its namespace, veth
-//! and subnet lease, named after its process) is removed by the next probe.
+//! removed before it returns; what a probe killed half-way left (its namespace, veth and
+//! subnet lease, named after its process) goes with the rest of a crash's networks
+//! ([`super::cleanup_stale`], through [`remove`]).
 
 use std::fs;
 use std::net::{SocketAddr, TcpListener, TcpStream};
@@ -53,10 +54,9 @@ pub fn cached_status() -> Option<Verdict> {
 /// address. Both must fail; everything is removed afterwards.
 pub fn probe() -> Result<String, NetError> {
     ensure_host()?;
-    sweep_stale_probes();
-    let name = format!("locker-probe-{}", std::process::id());
+    let name = format!("{PREFIX}{}", std::process::id());
     let ns = PathBuf::from(format!("/run/netns/{name}"));
-    let owner = PathBuf::from(format!("/run/locker/{name}"));
+    let owner = owner_dir(&name);
     delete_netns(&name);
     add_netns(&name)?;
     let _ = fs::create_dir_all(&owner);
@@ -97,35 +97,23 @@ pub fn probe() -> Result<String, NetError> {
             Err(NetError::NotEnforced(reached))
         }
     })();
-    detach(&owner, None);
-    let _ = fs::remove_dir_all(&owner);
-    delete_netns(&name);
+    remove(&name);
     result
 }
 
-/// Removes what probes of processes that no longer exist left (a server killed while it
-/// probed): their namespaces `locker-probe-<pid>`, veths and subnet leases. A probe of a
-/// live process (another server on this host) is left to it.
-fn sweep_stale_probes() {
-    let Ok(rd) = fs::read_dir("/run/netns") else {
-        return;
-    };
-    for e in rd.flatten() {
-        let name = e.file_name().to_string_lossy().into_owned();
-        let Some(pid) = name
-            .strip_prefix("locker-probe-")
-            .and_then(|p| p.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        if PathBuf::from(format!("/proc/{pid}")).exists() {
-            continue;
-        }
-        let owner = PathBuf::from(format!("/run/locker/{name}"));
-        detach(&owner, None);
-        let _ = fs::remove_dir_all(&owner);
-        if delete_netns(&name) {
-            tracing::info!(namespace = %name, "removed what a killed server's egress probe left");
-        }
-    }
+/// A probe's namespace is `locker-probe-<pid of the probing process>`.
+pub(super) const PREFIX: &str = "locker-probe-";
+
+/// Where probe `name` keeps its subnet lease (as a machine's directory does).
+fn owner_dir(name: &str) -> PathBuf {
+    PathBuf::from(format!("/run/locker/{name}"))
+}
+
+/// Removes probe `name`: its veth and lease, their directory, its namespace. Whether the
+/// namespace is gone.
+pub(super) fn remove(name: &str) -> bool {
+    let owner = owner_dir(name);
+    detach(&owner, None);
+    let _ = fs::remove_dir_all(&owner);
+    delete_netns(name)
 }
