@@ -26,6 +26,7 @@
 
 mod codec;
 mod error;
+mod fleet;
 mod model;
 mod pg;
 mod random;
@@ -33,6 +34,7 @@ mod recorder;
 mod sqlite;
 
 pub use error::{Result, StoreError};
+pub use fleet::{validate_node_name, FleetCaRecord, JoinTokenRecord, NodeRecord, NodeState};
 pub use model::{
     now_unix, parse_rfc3339, strip_output, validate_tenant_name, CallKind, CallRecord, KeyInfo,
     Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
@@ -355,4 +357,54 @@ pub trait Store: Send + Sync {
 
     /// Deletes a secret; `false` if none.
     fn delete_secret(&self, tenant: &str, name: &str) -> Result<bool>;
+
+    // ---- the fleet: its CA, join tokens, nodes (see `fleet`) ----
+
+    /// The fleet's CA, if one was made.
+    fn fleet_ca(&self) -> Result<Option<FleetCaRecord>>;
+
+    /// Stores `ca` unless a CA exists, and returns the one stored: two replicas making the
+    /// first CA at once both end up with the same one.
+    fn put_fleet_ca_once(&self, ca: &FleetCaRecord) -> Result<FleetCaRecord>;
+
+    /// Stores a new join token (its hash).
+    fn insert_join_token(&self, token: &JoinTokenRecord) -> Result<()>;
+
+    /// Redeems the token whose SHA-256 is `token_hash` for `node` and inserts the node, in
+    /// one transaction; its `heartbeat_ms` and `lease_until_ms` are set from the store's
+    /// clock (`lease_ms` from now). `NotFound` (saying why) if the token is unknown, used or
+    /// expired; `Conflict` if the node's name is taken (the token stays unused).
+    fn join_node(&self, token_hash: &[u8], node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord>;
+
+    /// Records a heartbeat of node `id` at `epoch`: its report, and its lease renewed to
+    /// `lease_ms` from now. `None` (nothing written) if the node is unknown, dead, or at
+    /// another epoch.
+    fn node_heartbeat(
+        &self,
+        id: &str,
+        epoch: i64,
+        report: &str,
+        lease_ms: i64,
+    ) -> Result<Option<NodeRecord>>;
+
+    /// Brings a dead node back (state `ready`, its current epoch, lease `lease_ms` from
+    /// now); `None` if it is unknown or not dead.
+    fn revive_node(&self, id: &str, lease_ms: i64) -> Result<Option<NodeRecord>>;
+
+    /// Declares dead at most `max` ready nodes whose lease ran out (oldest lease first):
+    /// state `dead`, epoch + 1. Returns them as they are now.
+    fn expire_nodes(&self, max: u32) -> Result<Vec<NodeRecord>>;
+
+    /// The node with this id or name.
+    fn get_node(&self, id_or_name: &str) -> Result<Option<NodeRecord>>;
+
+    /// Every node, by name.
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>>;
+
+    /// Removes a node from the fleet (its certificate is refused from then on); `false` if
+    /// none has that id.
+    fn delete_node(&self, id: &str) -> Result<bool>;
+
+    /// The store's clock, in milliseconds since the Unix epoch (Postgres: the database's).
+    fn clock_ms(&self) -> Result<i64>;
 }

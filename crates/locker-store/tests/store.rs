@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use locker_store::{
-    new_id, CallKind, CallRecord, CallRecorder, PgStore, SandboxQuery, SandboxRecord,
-    SandboxState, SqliteStore, Store, StoreError, TenantUsage, SCHEMA_VERSION,
+    new_id, CallKind, CallRecord, CallRecorder, PgStore, SandboxQuery, SandboxRecord, SandboxState,
+    SqliteStore, Store, StoreError, TenantUsage, SCHEMA_VERSION,
 };
 use locker_types::{rfc3339, ExecResult, Reason, Timings, Usage};
 use serde_json::json;
@@ -1524,6 +1524,40 @@ fn fill_every_table(s: &dyn Store) {
         .unwrap();
     s.put_template_build("bld_2", "team-a", "running", "{\"id\":\"bld_2\"}")
         .unwrap();
+    s.put_fleet_ca_once(&locker_store::FleetCaRecord {
+        cert_pem: "-----BEGIN CERTIFICATE-----".into(),
+        key_sealed: vec![9, 8, 7],
+        created_at: rfc3339(T0),
+    })
+    .unwrap();
+    for (id, clear) in [("jt_1", "token-one"), ("jt_2", "token-two")] {
+        s.insert_join_token(&locker_store::JoinTokenRecord {
+            id: id.into(),
+            token_hash: Sha256::digest(clear.as_bytes()).to_vec(),
+            created_at: rfc3339(T0),
+            expires_unix: locker_store::now_unix() + 600,
+            used_unix: None,
+            node_id: None,
+        })
+        .unwrap();
+    }
+    s.join_node(
+        &Sha256::digest(b"token-one"),
+        &locker_store::NodeRecord {
+            id: "nd_1".into(),
+            name: "n1".into(),
+            address: "10.0.0.2:7443".into(),
+            cert_sha256: "cd".repeat(32),
+            epoch: 1,
+            state: locker_store::NodeState::Ready,
+            joined_at: rfc3339(T0),
+            heartbeat_ms: 0,
+            lease_until_ms: 0,
+            report: "{\"slots\":3}".into(),
+        },
+        3000,
+    )
+    .unwrap();
 }
 
 #[test]
@@ -1552,7 +1586,7 @@ fn sqlite_data_moves_to_postgres_whole_and_only_once() {
             "{table} in Postgres"
         );
     }
-    assert_eq!(counts.len(), 11, "every table: {counts:?}");
+    assert_eq!(counts.len(), 14, "every table: {counts:?}");
 
     // What the API reads is the same on both stores.
     let (a, b) = (open(&dir), target.open());
@@ -1583,6 +1617,16 @@ fn sqlite_data_moves_to_postgres_whole_and_only_once() {
         a.authenticate("lk_chosen_key_0123456789").unwrap(),
         b.authenticate("lk_chosen_key_0123456789").unwrap()
     );
+    assert_eq!(a.list_nodes().unwrap(), b.list_nodes().unwrap());
+    assert_eq!(a.fleet_ca().unwrap(), b.fleet_ca().unwrap());
+    // A token used before the move stays used after it.
+    assert!(b
+        .join_node(
+            &Sha256::digest(b"token-one"),
+            &a.get_node("n1").unwrap().unwrap(),
+            1
+        )
+        .is_err());
     assert!(b
         .authenticate("lk_chosen_key_0123456789")
         .unwrap()
@@ -1685,7 +1729,170 @@ fn a_failed_copy_leaves_the_target_empty() {
 }
 
 /// Every behaviour test on the Sqlite store.
+/// The fleet's rows: a join token redeems once and never after it expires; a taken name
+/// leaves the token unused; heartbeats count only at the node's epoch; an expired lease is
+/// declared dead once (epoch + 1), and the node is brought back at its new epoch; the CA is
+/// made once.
+fn fleet_tokens_nodes_and_leases(b: Backend) {
+    use locker_store::{FleetCaRecord, JoinTokenRecord, NodeRecord, NodeState};
+    let db = Db::new(b);
+    let store = db.open();
+    let now = locker_store::now_unix();
+    let hash = |s: &str| Sha256::digest(s.as_bytes()).to_vec();
+    let token = |id: &str, clear: &str, expires: i64| JoinTokenRecord {
+        id: id.into(),
+        token_hash: hash(clear),
+        created_at: rfc3339(now),
+        expires_unix: expires,
+        used_unix: None,
+        node_id: None,
+    };
+    let node = |id: &str, name: &str| NodeRecord {
+        id: id.into(),
+        name: name.into(),
+        address: "10.0.0.2:7443".into(),
+        cert_sha256: "ab".repeat(32),
+        epoch: 1,
+        state: NodeState::Ready,
+        joined_at: rfc3339(now),
+        heartbeat_ms: 0,
+        lease_until_ms: 0,
+        report: "{}".into(),
+    };
+    store
+        .insert_join_token(&token("jt_1", "one", now + 600))
+        .unwrap();
+    store
+        .insert_join_token(&token("jt_2", "two", now - 1))
+        .unwrap();
+    store
+        .insert_join_token(&token("jt_3", "three", now + 600))
+        .unwrap();
+
+    let clock = store.clock_ms().unwrap();
+    let n1 = store
+        .join_node(&hash("one"), &node("nd_1", "n1"), 3000)
+        .unwrap();
+    assert!(
+        n1.lease_until_ms >= clock + 3000 && n1.heartbeat_ms >= clock,
+        "{n1:?}"
+    );
+    // Replayed, expired, unknown: refused, saying why; nothing inserted.
+    for (clear, why) in [
+        ("one", "already used"),
+        ("two", "expired"),
+        ("nope", "no such token"),
+    ] {
+        match store.join_node(&hash(clear), &node("nd_x", "nx"), 3000) {
+            Err(StoreError::NotFound(m)) => assert!(m.contains(why), "{m}"),
+            other => panic!("{clear}: {other:?}"),
+        }
+    }
+    // A taken name: Conflict, and the token stays good for another name.
+    assert!(matches!(
+        store.join_node(&hash("three"), &node("nd_2", "n1"), 3000),
+        Err(StoreError::Conflict(_))
+    ));
+    assert!(matches!(
+        store.join_node(&hash("three"), &node("nd_2", "Bad Name"), 3000),
+        Err(StoreError::Invalid(_))
+    ));
+    store
+        .join_node(&hash("three"), &node("nd_2", "n2"), 3000)
+        .unwrap();
+    assert_eq!(
+        db.row("SELECT node_id FROM join_tokens WHERE id = 'jt_3'"),
+        "nd_2"
+    );
+    let names: Vec<String> = store
+        .list_nodes()
+        .unwrap()
+        .into_iter()
+        .map(|n| n.name)
+        .collect();
+    assert_eq!(names, ["n1", "n2"]);
+    assert_eq!(store.get_node("n2").unwrap().unwrap().id, "nd_2");
+    assert_eq!(store.get_node("nd_1").unwrap().unwrap().name, "n1");
+
+    // Heartbeats: at the node's epoch only.
+    let hb = store
+        .node_heartbeat("nd_1", 1, r#"{"slots":4}"#, 3000)
+        .unwrap()
+        .unwrap();
+    assert_eq!(hb.report, r#"{"slots":4}"#);
+    assert!(store
+        .node_heartbeat("nd_1", 2, "{}", 3000)
+        .unwrap()
+        .is_none());
+    assert!(store
+        .node_heartbeat("nd_9", 1, "{}", 3000)
+        .unwrap()
+        .is_none());
+
+    // n2's lease runs out (a 1 ms lease), n1's does not: only n2 is declared, once.
+    store.node_heartbeat("nd_2", 1, "{}", 1).unwrap().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let dead = store.expire_nodes(10).unwrap();
+    assert_eq!(dead.len(), 1, "{dead:?}");
+    assert_eq!(
+        (dead[0].id.as_str(), dead[0].state, dead[0].epoch),
+        ("nd_2", NodeState::Dead, 2)
+    );
+    assert!(store.expire_nodes(10).unwrap().is_empty());
+    // A dead node's heartbeat at its old epoch does not count; revived, its new one does.
+    assert!(store
+        .node_heartbeat("nd_2", 1, "{}", 3000)
+        .unwrap()
+        .is_none());
+    assert!(
+        store.revive_node("nd_1", 3000).unwrap().is_none(),
+        "n1 is not dead"
+    );
+    let back = store.revive_node("nd_2", 3000).unwrap().unwrap();
+    assert_eq!((back.state, back.epoch), (NodeState::Ready, 2));
+    assert!(store
+        .node_heartbeat("nd_2", 2, "{}", 3000)
+        .unwrap()
+        .is_some());
+
+    // max bounds how many one sweep declares.
+    store.node_heartbeat("nd_1", 1, "{}", 1).unwrap().unwrap();
+    store.node_heartbeat("nd_2", 2, "{}", 1).unwrap().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(store.expire_nodes(1).unwrap().len(), 1);
+    assert_eq!(store.expire_nodes(1).unwrap().len(), 1);
+
+    assert!(store.delete_node("nd_1").unwrap());
+    assert!(!store.delete_node("nd_1").unwrap());
+
+    // The CA: the first one stored stays, whoever comes second.
+    assert!(store.fleet_ca().unwrap().is_none());
+    let ca = |pem: &str| FleetCaRecord {
+        cert_pem: pem.into(),
+        key_sealed: vec![1, 2, 3],
+        created_at: rfc3339(now),
+    };
+    assert_eq!(
+        store.put_fleet_ca_once(&ca("first")).unwrap().cert_pem,
+        "first"
+    );
+    assert_eq!(
+        db.open().put_fleet_ca_once(&ca("second")).unwrap().cert_pem,
+        "first"
+    );
+    // Only the tokens' hashes are stored.
+    assert!(
+        !contains(&db.raw(), b"three"),
+        "a clear join token in the database"
+    );
+}
+
 mod sqlite {
+    #[test]
+    fn fleet_tokens_nodes_and_leases() {
+        super::fleet_tokens_nodes_and_leases(super::Backend::Sqlite)
+    }
+
     #[test]
     fn tenants_are_validated_and_unique() {
         super::tenants_are_validated_and_unique(super::Backend::Sqlite)
@@ -1784,6 +1991,11 @@ mod sqlite {
 
 /// Every behaviour test on the Postgres store.
 mod postgres {
+    #[test]
+    fn fleet_tokens_nodes_and_leases() {
+        super::fleet_tokens_nodes_and_leases(super::Backend::Postgres)
+    }
+
     #[test]
     fn tenants_are_validated_and_unique() {
         super::tenants_are_validated_and_unique(super::Backend::Postgres)

@@ -184,6 +184,41 @@ const TABLES: &[(&str, Columns)] = &[
             ("created_unix", Int),
         ],
     ),
+    (
+        "fleet_ca",
+        &[
+            ("id", Int),
+            ("cert_pem", Text),
+            ("key_sealed", Blob),
+            ("created_at", Text),
+        ],
+    ),
+    (
+        "join_tokens",
+        &[
+            ("id", Text),
+            ("token_hash", Blob),
+            ("created_at", Text),
+            ("expires_unix", Int),
+            ("used_unix", Int),
+            ("node_id", Text),
+        ],
+    ),
+    (
+        "nodes",
+        &[
+            ("id", Text),
+            ("name", Text),
+            ("address", Text),
+            ("cert_sha256", Text),
+            ("epoch", Int),
+            ("state", Text),
+            ("joined_at", Text),
+            ("heartbeat_ms", Int),
+            ("lease_until_ms", Int),
+            ("report", Text),
+        ],
+    ),
 ];
 
 /// One copied value, typed for Postgres (a NULL keeps its column's type).

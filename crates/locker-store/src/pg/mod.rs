@@ -30,6 +30,7 @@
 mod calls;
 pub(crate) mod copy;
 mod events;
+mod fleet;
 mod objects;
 mod sandboxes;
 mod schema;
@@ -47,6 +48,7 @@ use postgres::types::ToSql;
 use postgres::{Client, NoTls, Row, Statement};
 
 use crate::error::{Result, StoreError};
+use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord};
 use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
@@ -700,6 +702,65 @@ impl Store for PgStore {
     fn delete_secret(&self, tenant: &str, name: &str) -> Result<bool> {
         let (tenant, name) = (tenant.to_owned(), name.to_owned());
         self.run(move |c| objects::delete_secret(c, &tenant, &name))
+    }
+
+    // ---- the fleet ----
+
+    fn fleet_ca(&self) -> Result<Option<FleetCaRecord>> {
+        self.run(fleet::fleet_ca)
+    }
+
+    fn put_fleet_ca_once(&self, ca: &FleetCaRecord) -> Result<FleetCaRecord> {
+        let ca = ca.clone();
+        self.run(move |c| fleet::put_fleet_ca_once(c, &ca))
+    }
+
+    fn insert_join_token(&self, token: &JoinTokenRecord) -> Result<()> {
+        let token = token.clone();
+        self.run(move |c| fleet::insert_join_token(c, &token))
+    }
+
+    fn join_node(&self, token_hash: &[u8], node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord> {
+        let (hash, node) = (token_hash.to_vec(), node.clone());
+        self.run(move |c| fleet::join_node(c, &hash, &node, lease_ms))
+    }
+
+    fn node_heartbeat(
+        &self,
+        id: &str,
+        epoch: i64,
+        report: &str,
+        lease_ms: i64,
+    ) -> Result<Option<NodeRecord>> {
+        let (id, report) = (id.to_owned(), report.to_owned());
+        self.run(move |c| fleet::node_heartbeat(c, &id, epoch, &report, lease_ms))
+    }
+
+    fn revive_node(&self, id: &str, lease_ms: i64) -> Result<Option<NodeRecord>> {
+        let id = id.to_owned();
+        self.run(move |c| fleet::revive_node(c, &id, lease_ms))
+    }
+
+    fn expire_nodes(&self, max: u32) -> Result<Vec<NodeRecord>> {
+        self.run(move |c| fleet::expire_nodes(c, max))
+    }
+
+    fn get_node(&self, id_or_name: &str) -> Result<Option<NodeRecord>> {
+        let id = id_or_name.to_owned();
+        self.run(move |c| fleet::get_node(c, &id))
+    }
+
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>> {
+        self.run(fleet::list_nodes)
+    }
+
+    fn delete_node(&self, id: &str) -> Result<bool> {
+        let id = id.to_owned();
+        self.run(move |c| fleet::delete_node(c, &id))
+    }
+
+    fn clock_ms(&self) -> Result<i64> {
+        self.run(fleet::clock_ms)
     }
 }
 

@@ -183,6 +183,35 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX template_builds_unfinished ON template_builds(state)
         WHERE state IN ('queued', 'running');
     "#,
+    // The fleet (issue 25): its CA (key sealed), one-time join tokens (hashes), nodes.
+    r#"
+    CREATE TABLE fleet_ca (
+        id          BIGINT PRIMARY KEY CHECK (id = 1),
+        cert_pem    TEXT NOT NULL,
+        key_sealed  BYTEA NOT NULL,
+        created_at  TEXT NOT NULL
+    );
+    CREATE TABLE join_tokens (
+        id           TEXT PRIMARY KEY,
+        token_hash   BYTEA NOT NULL UNIQUE,
+        created_at   TEXT NOT NULL,
+        expires_unix BIGINT NOT NULL,
+        used_unix    BIGINT,
+        node_id      TEXT
+    );
+    CREATE TABLE nodes (
+        id             TEXT PRIMARY KEY,
+        name           TEXT NOT NULL UNIQUE,
+        address        TEXT NOT NULL,
+        cert_sha256    TEXT NOT NULL,
+        epoch          BIGINT NOT NULL,
+        state          TEXT NOT NULL CHECK (state IN ('ready','dead')),
+        joined_at      TEXT NOT NULL,
+        heartbeat_ms   BIGINT NOT NULL,
+        lease_until_ms BIGINT NOT NULL,
+        report         TEXT NOT NULL
+    );
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).

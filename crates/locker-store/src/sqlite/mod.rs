@@ -19,6 +19,7 @@ mod builds;
 mod calls;
 pub(crate) mod codec;
 mod events;
+mod fleet;
 pub(crate) mod sandboxes;
 mod schema;
 mod secrets;
@@ -35,6 +36,7 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::error::{Result, StoreError};
+use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord};
 use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
@@ -464,5 +466,57 @@ impl Store for SqliteStore {
 
     fn delete_secret(&self, tenant: &str, name: &str) -> Result<bool> {
         secrets::delete_secret(self, tenant, name)
+    }
+
+    // ---- the fleet ----
+
+    fn fleet_ca(&self) -> Result<Option<FleetCaRecord>> {
+        fleet::fleet_ca(self)
+    }
+
+    fn put_fleet_ca_once(&self, ca: &FleetCaRecord) -> Result<FleetCaRecord> {
+        fleet::put_fleet_ca_once(self, ca)
+    }
+
+    fn insert_join_token(&self, token: &JoinTokenRecord) -> Result<()> {
+        fleet::insert_join_token(self, token)
+    }
+
+    fn join_node(&self, token_hash: &[u8], node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord> {
+        fleet::join_node(self, token_hash, node, lease_ms)
+    }
+
+    fn node_heartbeat(
+        &self,
+        id: &str,
+        epoch: i64,
+        report: &str,
+        lease_ms: i64,
+    ) -> Result<Option<NodeRecord>> {
+        fleet::node_heartbeat(self, id, epoch, report, lease_ms)
+    }
+
+    fn revive_node(&self, id: &str, lease_ms: i64) -> Result<Option<NodeRecord>> {
+        fleet::revive_node(self, id, lease_ms)
+    }
+
+    fn expire_nodes(&self, max: u32) -> Result<Vec<NodeRecord>> {
+        fleet::expire_nodes(self, max)
+    }
+
+    fn get_node(&self, id_or_name: &str) -> Result<Option<NodeRecord>> {
+        fleet::get_node(self, id_or_name)
+    }
+
+    fn list_nodes(&self) -> Result<Vec<NodeRecord>> {
+        fleet::list_nodes(self)
+    }
+
+    fn delete_node(&self, id: &str) -> Result<bool> {
+        fleet::delete_node(self, id)
+    }
+
+    fn clock_ms(&self) -> Result<i64> {
+        Ok(fleet::clock_ms())
     }
 }

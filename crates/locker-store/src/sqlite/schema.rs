@@ -220,6 +220,35 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX template_builds_unfinished ON template_builds(state)
         WHERE state IN ('queued', 'running');
     "#,
+    // The fleet (issue 25): its CA (key sealed), one-time join tokens (hashes), nodes.
+    r#"
+    CREATE TABLE fleet_ca (
+        id          INTEGER PRIMARY KEY CHECK (id = 1),
+        cert_pem    TEXT NOT NULL,
+        key_sealed  BLOB NOT NULL,
+        created_at  TEXT NOT NULL
+    ) STRICT;
+    CREATE TABLE join_tokens (
+        id           TEXT PRIMARY KEY,
+        token_hash   BLOB NOT NULL UNIQUE,
+        created_at   TEXT NOT NULL,
+        expires_unix INTEGER NOT NULL,
+        used_unix    INTEGER,
+        node_id      TEXT
+    ) STRICT;
+    CREATE TABLE nodes (
+        id             TEXT PRIMARY KEY,
+        name           TEXT NOT NULL UNIQUE,
+        address        TEXT NOT NULL,
+        cert_sha256    TEXT NOT NULL,
+        epoch          INTEGER NOT NULL,
+        state          TEXT NOT NULL CHECK (state IN ('ready','dead')),
+        joined_at      TEXT NOT NULL,
+        heartbeat_ms   INTEGER NOT NULL,
+        lease_until_ms INTEGER NOT NULL,
+        report         TEXT NOT NULL
+    ) STRICT;
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).
