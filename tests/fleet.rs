@@ -90,7 +90,7 @@ fn serve_on_postgres_keeps_sandboxes_across_a_restart() {
     let listed = api
         .get("/v1/sandboxes?metadata.owner=fleet")
         .expect(200, "list");
-    assert_eq!(ids(&listed, "sandboxes"), [id.clone()], "{listed}");
+    assert_eq!(ids(&listed, "sandboxes"), std::slice::from_ref(&id), "{listed}");
     assert_eq!(listed["sandboxes"][0]["state"], "running");
     assert_eq!(
         api.read_file(&id, "/root/kept.txt").text(),

@@ -9,6 +9,7 @@ mod client;
 mod db_cmd;
 mod doctor_cmd;
 mod mcp_cmd;
+mod node_cmd;
 mod serve_cmd;
 mod template_cmd;
 
@@ -98,6 +99,9 @@ enum Cmd {
     Doctor(doctor_cmd::DoctorArgs),
     /// Serve the HTTP API (sandboxes, exec, files, records).
     Serve(serve_cmd::ServeArgs),
+    /// Run this host as a node of a fleet: `--join URL --token T` the first time (a token
+    /// from `locker fleet token`), then with the identity that left in the data dir.
+    Node(node_cmd::NodeArgs),
     /// Manage the state database: `locker db migrate --to postgres://…` moves a one-host
     /// install's SQLite data into Postgres.
     #[command(subcommand)]
@@ -163,6 +167,7 @@ fn main() {
         Cmd::Template(c) => template_cmd::run(c),
         Cmd::Doctor(a) => doctor_cmd::run(a),
         Cmd::Serve(a) => serve_cmd::run(a),
+        Cmd::Node(a) => node_cmd::run(a),
         Cmd::Mcp(a) => mcp_cmd::run(a),
         Cmd::Db(c) => db_cmd::run(c),
         Cmd::Completion { shell } => {

@@ -92,6 +92,19 @@ pub struct ServeArgs {
     #[arg(long, env = "LOCKER_DATABASE", hide_env_values = true, value_name = "URL",
           value_parser = parse_database)]
     database: Option<String>,
+    /// Accept nodes of other hosts on this address (HOST:PORT; TLS with the fleet's own
+    /// CA, which the first start makes and keeps in the state store). Mint a join token
+    /// with `locker fleet token`. [default: no fleet]
+    #[arg(long, env = "LOCKER_FLEET_LISTEN", value_name = "ADDR")]
+    fleet_listen: Option<SocketAddr>,
+    /// A name or address nodes dial this server by, for the fleet listener's certificate
+    /// (repeatable; the listen address and this host's name are always in it).
+    #[arg(long, value_name = "NAME")]
+    fleet_name: Vec<String>,
+    /// The URL nodes join (printed in join commands) when it is not the fleet listen
+    /// address: behind NAT or a TCP load balancer (`https://HOST:PORT`).
+    #[arg(long, env = "LOCKER_FLEET_URL", value_name = "URL")]
+    fleet_url: Option<String>,
 }
 
 /// `--database`: a Postgres URL (SQLite needs no flag: it is the default).
@@ -107,14 +120,15 @@ pub fn parse_database(s: &str) -> Result<String, String> {
     }
 }
 
-pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+/// Logs to stderr at `LOCKER_LOG` (default `info`), as JSON lines when asked.
+pub fn init_logging(json: bool) {
     let filter =
         tracing_subscriber::EnvFilter::try_from_env("LOCKER_LOG").unwrap_or_else(|_| "info".into());
     // Colour codes only for a person at a terminal, never in a redirected log or journald
     // (and never under NO_COLOR).
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
-    if a.log_json {
+    if json {
         tracing_subscriber::fmt()
             .json()
             .with_env_filter(filter)
@@ -127,6 +141,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             .with_writer(std::io::stderr)
             .init();
     }
+}
+
+pub fn run(a: ServeArgs) -> anyhow::Result<()> {
+    init_logging(a.log_json);
     let preview_raw = match a.preview_domain.as_deref() {
         Some("none") | Some("") => None,
         Some(d) => Some(d.to_owned()),
@@ -160,6 +178,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
         favordynmods: !a.no_favordynmods,
         database: a.database,
         cow_disks: a.cow_disks,
+        fleet: a
+            .fleet_listen
+            .map(|listen| locker_server::fleet::control::ControlConfig {
+                listen,
+                names: a.fleet_name,
+                url: a.fleet_url,
+            }),
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -53,6 +53,8 @@ pub enum ServeError {
     Lock(#[from] crate::state::LockError),
     #[error("secrets: {0}")]
     Secrets(String),
+    #[error("fleet: {0}")]
+    Fleet(String),
 }
 
 /// How long requests in flight may take to finish once a stop is asked for.
@@ -117,6 +119,9 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
             return Err(ServeError::Listen(app.cfg.listen, e));
         }
     };
+    if let Some(fleet) = &app.fleet {
+        fleet.serve(quitting.clone());
+    }
     let mut stopping = quitting;
     let mut serving = tokio::spawn(
         axum::serve(listener, router)
@@ -255,6 +260,13 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         crate::egress::Egress::new(&cfg.egress_resolve, crate::egress::limits::raise_nofile());
     let sealer = crate::secrets::Sealer::load(&cfg.data_dir)
         .map_err(|e| ServeError::Secrets(e.to_string()))?;
+    let fleet = match &cfg.fleet {
+        Some(f) => Some(
+            crate::fleet::control::Control::open(f, store.clone(), &sealer)
+                .map_err(ServeError::Fleet)?,
+        ),
+        None => None,
+    };
     let secrets = crate::secrets::Secrets::new(sealer, store.clone());
     egress
         .configure_secrets(secrets.clone(), &cfg.egress_ca)
@@ -292,6 +304,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         tickets: Default::default(),
         usage_series: Default::default(),
         disks,
+        fleet,
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;
@@ -340,6 +353,7 @@ pub fn router(app: AppState) -> Router {
         .merge(crate::secrets::routes())
         .merge(crate::runs::routes())
         .merge(crate::admin::routes())
+        .merge(crate::fleet::control::routes())
         .merge(crate::ops::routes())
         .merge(crate::templates::routes())
         .merge(crate::template_image::routes())

@@ -1,5 +1,5 @@
 //! Ids and clocks: random prefixed ids (`sb_…`, `call_…`), Unix seconds, and milliseconds
-//! as the API reports them.
+//! as the API reports them, hex digits.
 //!
 //! A leaf room (it imports nothing of the crate), so the pools and the state can both use
 //! it; `state` re-exports it for the handlers.
@@ -22,4 +22,20 @@ pub fn now_s() -> i64 {
 /// A random id with a prefix (`sb_…`, `call_…`): 16 hex digits from the kernel's CSPRNG.
 pub fn new_id(prefix: &str) -> String {
     locker_sys::random::new_id(prefix, 8)
+}
+
+/// Lower-case hex digits of `b`.
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The bytes of hex digits (either case); `None` if `s` is not an even run of them.
+pub fn decode_hex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }

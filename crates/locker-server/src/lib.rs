@@ -23,6 +23,8 @@
 //! - [`default_template`]: the template `default` built at start when it is missing;
 //! - [`mcp`]: `/mcp`, the MCP server (crate `locker-mcp`) over Streamable HTTP;
 //! - [`code`]: the code interpreter: contexts on Jupyter kernels in the machine, cells;
+//! - [`fleet`]: nodes on other hosts: the fleet CA, join, heartbeats, the lease sweeper
+//!   (control side) and `locker node` (member side);
 //! - [`ui`]: the dashboard at `/ui` (assets built into the binary, terminal tickets, the
 //!   refusal of cross-site state-changing requests).
 //!
@@ -47,6 +49,7 @@ pub mod extract;
 pub mod failed;
 pub mod files;
 pub mod files_tar;
+pub mod fleet;
 pub mod ids;
 pub mod lifecycle;
 pub mod limits;

@@ -93,6 +93,8 @@ pub struct Config {
     /// Whether sandboxes' disks and snapshots may move to an XFS image of Locker's own
     /// when the data dir cannot reflink (`--cow-disks`; see `locker_runtime::cow_disks`).
     pub cow_disks: locker_runtime::cow_disks::Mode,
+    /// Whether and where nodes of other hosts join this control plane (`--fleet-listen`).
+    pub fleet: Option<crate::fleet::control::ControlConfig>,
 }
 
 /// A sandbox whose machine runs on this node.
@@ -347,6 +349,8 @@ pub struct App {
     /// This server's hold on its data dir, for as long as the process lives.
     /// Where sandboxes' machines and snapshots live (`locker_runtime::cow_disks`).
     pub disks: locker_runtime::cow_disks::Placement,
+    /// The control listener nodes join and beat to, when `--fleet-listen` is set.
+    pub fleet: Option<Arc<crate::fleet::control::Control>>,
     pub(crate) _lock: DataDirLock,
 }
 

@@ -20,6 +20,8 @@ use std::io::Write;
 use std::sync::{Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+use crate::ids::hex;
+
 use axum::body::Body;
 use axum::extract::{Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
@@ -124,10 +126,6 @@ struct Built {
     version: String,
     page: Ready,
     assets: HashMap<&'static str, Ready>,
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 fn built() -> &'static Built {

@@ -17,6 +17,7 @@ pub mod admin;
 pub mod code;
 pub mod exec;
 pub mod files;
+pub mod fleet;
 pub mod http;
 pub mod port;
 pub mod process;
@@ -170,6 +171,8 @@ pub enum ClientCmd {
     Tenant(Box<admin::TenantArgs>),
     /// Create and revoke API keys (admin: needs --admin-key or LOCKER_ADMIN_KEY).
     Key(Box<admin::KeyArgs>),
+    /// Join tokens and the fleet's nodes (admin: needs --admin-key or LOCKER_ADMIN_KEY).
+    Fleet(Box<fleet::FleetArgs>),
     /// The record of every exec and run: what ran, where, how it ended.
     Calls(Box<records::CallsArgs>),
     /// This tenant's usage totals.
@@ -197,6 +200,7 @@ pub fn main(cmd: ClientCmd) -> ! {
         ClientCmd::Secret(a) => secret::run(*a),
         ClientCmd::Tenant(a) => admin::run_tenant(*a),
         ClientCmd::Key(a) => admin::run_key(*a),
+        ClientCmd::Fleet(a) => fleet::run(*a),
         ClientCmd::Calls(a) => records::run_calls(*a),
         ClientCmd::Usage(a) => records::run_usage(*a),
         ClientCmd::Events(a) => records::run_events(*a),

@@ -40,6 +40,7 @@ use serde_json::{json, Value};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
+use crate::ids::{decode_hex, hex};
 use crate::state::{now_s, AppState};
 
 /// The environment variable that holds the key.
@@ -168,20 +169,6 @@ fn aad(tenant: &str, name: &str) -> Vec<u8> {
     a.push(0);
     a.extend_from_slice(name.as_bytes());
     a
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
-}
-
-fn decode_hex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }
 
 /// 64 hex digits, or standard base64 (padded or not) of 32 bytes.

@@ -1,0 +1,87 @@
+//! `locker node`: this host as a node of a fleet. The first start joins with a one-time
+//! token (`locker fleet token` on a control host); every start after it beats with the
+//! identity the join left in `<data-dir>/fleet/`.
+
+use std::path::PathBuf;
+
+use locker_server::fleet::member::{self, MemberConfig};
+
+#[derive(clap::Args)]
+pub struct NodeArgs {
+    /// The control plane to join: the URL `locker fleet token` printed (https://HOST:PORT).
+    #[arg(long, value_name = "URL", requires = "token")]
+    join: Option<String>,
+    /// The one-time join token (lkj_…).
+    #[arg(
+        long,
+        env = "LOCKER_JOIN_TOKEN",
+        hide_env_values = true,
+        requires = "join"
+    )]
+    token: Option<String>,
+    /// The node's name in the fleet [default: this host's name].
+    #[arg(long)]
+    name: Option<String>,
+    /// Where the control plane reaches this node's listener (HOST:PORT) [default: the
+    /// host's name and 7443].
+    #[arg(long, value_name = "HOST:PORT")]
+    advertise: Option<String>,
+    /// Sandboxes this node takes at most [default: 4 per CPU].
+    #[arg(long)]
+    slots: Option<u32>,
+    /// Where the node's state, sandboxes and volumes live (its identity in `fleet/`).
+    #[arg(long, env = "LOCKER_DATA_DIR", default_value = "/var/lib/locker")]
+    data_dir: PathBuf,
+    /// Template cache shared by every data dir on the host.
+    #[arg(long, env = "LOCKER_CACHE_DIR", default_value = "/var/cache/locker")]
+    cache_dir: PathBuf,
+}
+
+fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_ascii_lowercase())
+        .unwrap_or_default()
+}
+
+pub fn run(a: NodeArgs) -> anyhow::Result<()> {
+    crate::serve_cmd::init_logging(false);
+    let name = a.name.unwrap_or_else(host_name);
+    locker_store::validate_node_name(&name)
+        .map_err(|e| anyhow::anyhow!("{e} (the host's name is the default)"))?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let cfg = MemberConfig {
+        control: a.join,
+        token: a.token,
+        advertise: a
+            .advertise
+            .unwrap_or_else(|| format!("{}:7443", host_name())),
+        data_dir: a.data_dir,
+        cache_dir: a.cache_dir,
+        name,
+        slots: a
+            .slots
+            .unwrap_or_else(|| u32::try_from(cpus * 4).unwrap_or(u32::MAX)),
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(member::run(cfg, stop_signal()))
+        .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn stop_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    match signal(SignalKind::terminate()) {
+        Ok(mut t) => {
+            tokio::select! {
+                _ = t.recv() => {}
+                _ = tokio::signal::ctrl_c() => {}
+            }
+        }
+        Err(_) => {
+            let _ = tokio::signal::ctrl_c().await;
+        }
+    }
+}

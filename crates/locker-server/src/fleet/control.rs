@@ -1,0 +1,509 @@
+//! The control plane's side of the fleet: the control listener nodes call (join,
+//! heartbeats, returns), the admin routes (`/v1/fleet/…`), and the lease sweeper.
+//!
+//! The listener is its own socket (`--fleet-listen`), apart from the API: TLS with the
+//! fleet CA's leaf, HTTP/2, client certificates optional at the handshake and required by
+//! every route but join. A node is who its certificate says only when the certificate's
+//! fingerprint is the one stored for it at join: a removed node's certificate, still
+//! signed by the CA, opens nothing.
+//!
+//! The sweeper declares dead the nodes whose lease ran out, with the two guards of
+//! `FLEET.md` §4.5: nobody is declared in the first lease after this server started or
+//! after the store came back from an outage (their heartbeats may simply not have been
+//! written), and at most max(1, 10%) of the nodes per minute (beyond that it says so
+//! instead: many nodes dying at once is more likely the network than the nodes).
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use axum::extract::{Path, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::{delete, get, post};
+use axum::{Extension, Router};
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use locker_store::{JoinTokenRecord, NodeRecord, NodeState, Store, StoreError};
+use serde::Deserialize;
+use serde_json::{json, Value};
+use sha2::{Digest, Sha256};
+
+use super::pki::{self, FleetCa};
+use super::wire::{self, Beat, BeatAnswer, Fenced, Join, Joined, Return};
+use super::{LEASE, SWEEP, TOKEN_PREFIX, TOKEN_TTL, TOKEN_TTL_MAX};
+use crate::auth::Admin;
+use crate::error::ApiError;
+use crate::extract::Json;
+use crate::ids::{hex, new_id, now_s};
+use crate::state::AppState;
+
+/// How `locker serve` accepts nodes (`--fleet-listen`, `--fleet-name`, `--fleet-url`).
+#[derive(Debug, Clone)]
+pub struct ControlConfig {
+    pub listen: SocketAddr,
+    /// Extra names (hosts or addresses) for the listener's certificate.
+    pub names: Vec<String>,
+    /// The URL nodes dial, when it is not the listen address (behind NAT, a load balancer).
+    pub url: Option<String>,
+}
+
+/// This server's control listener and what it answers from.
+pub struct Control {
+    store: Arc<dyn Store>,
+    ca: FleetCa,
+    tls: Arc<rustls::ServerConfig>,
+    /// The bound address (the port is known when `--fleet-listen` said 0).
+    pub listen: SocketAddr,
+    /// What a join command names.
+    pub url: String,
+    socket: Mutex<Option<std::net::TcpListener>>,
+}
+
+impl std::fmt::Debug for Control {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Control({})", self.listen)
+    }
+}
+
+/// The certificate fingerprint of a connection's client, if it sent one.
+#[derive(Clone, Debug)]
+struct Peer(Option<String>);
+
+impl Control {
+    /// Opens (or makes) the fleet CA and binds the listener; [`Control::serve`] accepts.
+    pub fn open(
+        cfg: &ControlConfig,
+        store: Arc<dyn Store>,
+        sealer: &crate::secrets::Sealer,
+    ) -> Result<Arc<Control>, String> {
+        let ca = FleetCa::load_or_make(store.as_ref(), sealer)?;
+        let socket = std::net::TcpListener::bind(cfg.listen)
+            .map_err(|e| format!("cannot listen for nodes on {}: {e}", cfg.listen))?;
+        socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+        let listen = socket.local_addr().map_err(|e| e.to_string())?;
+        let names = pki::listener_names(&cfg.names, listen);
+        let tls = ca.server_config(&names)?;
+        let url = cfg.url.clone().unwrap_or_else(|| {
+            let host = if listen.ip().is_unspecified() {
+                names
+                    .iter()
+                    .find(|n| *n != "localhost" && *n != "127.0.0.1")
+                    .cloned()
+                    .unwrap_or_else(|| "127.0.0.1".into())
+            } else {
+                listen.ip().to_string()
+            };
+            format!("https://{host}:{}", listen.port())
+        });
+        tracing::info!(listen = %listen, url = %url, ca = %pki::fingerprint(&ca.der), "accepting fleet nodes");
+        Ok(Arc::new(Control {
+            store,
+            ca,
+            tls,
+            listen,
+            url,
+            socket: Mutex::new(Some(socket)),
+        }))
+    }
+
+    /// Accepts nodes' connections until `quitting`, and runs the sweeper.
+    pub fn serve(self: &Arc<Self>, quitting: tokio::sync::watch::Receiver<bool>) {
+        let Some(socket) = self.socket.lock().expect("socket").take() else {
+            return;
+        };
+        let listener = match tokio::net::TcpListener::from_std(socket) {
+            Ok(l) => l,
+            Err(e) => {
+                tracing::error!(error = %e, "the fleet listener cannot start");
+                return;
+            }
+        };
+        let routes = Router::new()
+            .route(wire::REGISTER, post(register))
+            .route(wire::HEARTBEAT, post(heartbeat))
+            .route(wire::RETURN, post(give_back))
+            .with_state(self.clone());
+        let acceptor = tokio_rustls::TlsAcceptor::from(self.tls.clone());
+        let mut stop = quitting.clone();
+        tokio::spawn(async move {
+            let quit = async move {
+                let _ = stop.wait_for(|q| *q).await;
+            };
+            tokio::pin!(quit);
+            loop {
+                let (tcp, _) = tokio::select! {
+                    r = listener.accept() => match r {
+                        Ok(c) => c,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "fleet listener: accept failed");
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                            continue;
+                        }
+                    },
+                    () = &mut quit => return,
+                };
+                let (acceptor, routes) = (acceptor.clone(), routes.clone());
+                tokio::spawn(connection(tcp, acceptor, routes));
+            }
+        });
+        tokio::spawn(sweep(self.store.clone(), quitting));
+    }
+
+    /// A new join token, valid `ttl`: its row (hash only) and its clear text.
+    pub fn mint_token(&self, ttl: Duration) -> Result<(JoinTokenRecord, String), ApiError> {
+        let mut secret = [0u8; 20];
+        locker_store::fill_random(&mut secret).map_err(|e| ApiError::internal(e.to_string()))?;
+        let clear = format!("{TOKEN_PREFIX}{}_{}", self.ca.pin(), hex(&secret));
+        let now = now_s();
+        let rec = JoinTokenRecord {
+            id: new_id("jt_"),
+            token_hash: Sha256::digest(clear.as_bytes()).to_vec(),
+            created_at: locker_types::rfc3339(now),
+            expires_unix: now + i64::try_from(ttl.as_secs()).unwrap_or(i64::MAX / 2),
+            used_unix: None,
+            node_id: None,
+        };
+        self.store.insert_join_token(&rec)?;
+        Ok((rec, clear))
+    }
+}
+
+/// One node connection: TLS, then HTTP/2 with the client's fingerprint on every request.
+async fn connection(
+    tcp: tokio::net::TcpStream,
+    acceptor: tokio_rustls::TlsAcceptor,
+    routes: Router,
+) {
+    let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp)).await {
+        Ok(Ok(t)) => t,
+        Ok(Err(e)) => {
+            tracing::debug!(error = %e, "fleet listener: a TLS handshake failed");
+            return;
+        }
+        Err(_) => return,
+    };
+    let peer = Peer(
+        tls.get_ref()
+            .1
+            .peer_certificates()
+            .and_then(|c| c.first())
+            .map(|c| pki::fingerprint(c)),
+    );
+    let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
+        req.extensions_mut().insert(peer.clone());
+        let mut routes = routes.clone();
+        async move { tower_service::Service::call(&mut routes, req).await }
+    });
+    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .serve_connection(TokioIo::new(tls), svc)
+        .await;
+}
+
+/// A store call off the async threads.
+async fn blocking<T: Send + 'static>(
+    f: impl FnOnce() -> Result<T, StoreError> + Send + 'static,
+) -> Result<T, ApiError> {
+    tokio::task::spawn_blocking(f)
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(ApiError::from)
+}
+
+fn lease_ms() -> i64 {
+    i64::try_from(LEASE.as_millis()).unwrap_or(3000)
+}
+
+async fn register(
+    State(c): State<Arc<Control>>,
+    Json(join): Json<Join>,
+) -> Result<Response, ApiError> {
+    locker_store::validate_node_name(&join.name)?;
+    if join.address.is_empty() || join.address.len() > 255 {
+        return Err(ApiError::bad_request(
+            "address must be the host:port where the node's listener answers (--advertise)",
+        ));
+    }
+    let id = new_id("node_");
+    let (cert_pem, cert_sha256) =
+        c.ca.sign_node(&id, &join.public_key)
+            .map_err(ApiError::bad_request)?;
+    let report =
+        serde_json::to_string(&join.report).map_err(|e| ApiError::internal(e.to_string()))?;
+    let node = NodeRecord {
+        id: id.clone(),
+        name: join.name.clone(),
+        address: join.address.clone(),
+        cert_sha256,
+        epoch: 1,
+        state: NodeState::Ready,
+        joined_at: locker_types::rfc3339(now_s()),
+        heartbeat_ms: 0,
+        lease_until_ms: 0,
+        report,
+    };
+    let hash = Sha256::digest(join.token.as_bytes()).to_vec();
+    let store = c.store.clone();
+    let joined = tokio::task::spawn_blocking(move || store.join_node(&hash, &node, lease_ms()))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+    let node = match joined {
+        Ok(n) => n,
+        Err(StoreError::NotFound(m)) => {
+            tracing::warn!(name = %join.name, why = %m, "refused a node's join");
+            return Err(ApiError::new(StatusCode::FORBIDDEN, m));
+        }
+        Err(e) => return Err(e.into()),
+    };
+    tracing::info!(node = %node.id, name = %node.name, address = %node.address, "a node joined the fleet");
+    let body = Joined {
+        node_id: node.id,
+        epoch: node.epoch,
+        cert_pem,
+        ca_pem: c.ca.pem.clone(),
+        heartbeat_ms: u64::try_from(super::HEARTBEAT.as_millis()).unwrap_or(1000),
+        lease_ms: u64::try_from(LEASE.as_millis()).unwrap_or(3000),
+    };
+    Ok((StatusCode::CREATED, axum::Json(body)).into_response())
+}
+
+/// The node a call comes from: its certificate must be the one it joined with.
+async fn caller(c: &Control, peer: &Peer, node_id: &str) -> Result<NodeRecord, ApiError> {
+    let Some(fp) = peer.0.clone() else {
+        return Err(ApiError::unauthorized(
+            "this call needs the node's client certificate (made at join)",
+        ));
+    };
+    let (store, id) = (c.store.clone(), node_id.to_owned());
+    let node = blocking(move || store.get_node(&id))
+        .await?
+        .filter(|n| n.id == node_id)
+        .ok_or_else(|| {
+            ApiError::not_found(format!(
+                "node {node_id} is not in the fleet (removed?): join again with a new token"
+            ))
+        })?;
+    if node.cert_sha256 != fp {
+        return Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            format!("this certificate is not node {node_id}'s"),
+        ));
+    }
+    Ok(node)
+}
+
+fn fenced(node: &NodeRecord) -> Response {
+    let body = Fenced {
+        message: format!(
+            "node {} is {} at epoch {}: fence (serve none of the sandboxes you ran) and return",
+            node.id,
+            node.state.as_str(),
+            node.epoch
+        ),
+        state: node.state.as_str().to_owned(),
+        epoch: node.epoch,
+    };
+    (StatusCode::CONFLICT, axum::Json(body)).into_response()
+}
+
+async fn heartbeat(
+    State(c): State<Arc<Control>>,
+    Extension(peer): Extension<Peer>,
+    Json(beat): Json<Beat>,
+) -> Result<Response, ApiError> {
+    let node = caller(&c, &peer, &beat.node_id).await?;
+    let report =
+        serde_json::to_string(&beat.report).map_err(|e| ApiError::internal(e.to_string()))?;
+    let store = c.store.clone();
+    let (id, epoch) = (node.id.clone(), beat.epoch);
+    match blocking(move || store.node_heartbeat(&id, epoch, &report, lease_ms())).await? {
+        Some(n) => Ok(axum::Json(BeatAnswer {
+            epoch: n.epoch,
+            lease_until_ms: n.lease_until_ms,
+        })
+        .into_response()),
+        None => Ok(fenced(&node)),
+    }
+}
+
+async fn give_back(
+    State(c): State<Arc<Control>>,
+    Extension(peer): Extension<Peer>,
+    Json(ret): Json<Return>,
+) -> Result<Response, ApiError> {
+    let node = caller(&c, &peer, &ret.node_id).await?;
+    let (store, id) = (c.store.clone(), node.id.clone());
+    match blocking(move || store.revive_node(&id, lease_ms())).await? {
+        Some(n) => {
+            tracing::info!(node = %n.id, name = %n.name, epoch = n.epoch, "a node declared dead returned");
+            Ok(axum::Json(BeatAnswer {
+                epoch: n.epoch,
+                lease_until_ms: n.lease_until_ms,
+            })
+            .into_response())
+        }
+        None => Ok(fenced(&node)),
+    }
+}
+
+/// The sweeper (see the module doc): every [`SWEEP`], after a lease of grace.
+async fn sweep(store: Arc<dyn Store>, mut quitting: tokio::sync::watch::Receiver<bool>) {
+    const WINDOW: Duration = Duration::from_secs(60);
+    let mut grace_until = Instant::now() + LEASE;
+    let mut declared: Vec<Instant> = Vec::new();
+    let mut alarmed = Instant::now() - WINDOW;
+    let mut tick = tokio::time::interval(SWEEP);
+    let quit = async move {
+        let _ = quitting.wait_for(|q| *q).await;
+    };
+    tokio::pin!(quit);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            () = &mut quit => return,
+        }
+        if Instant::now() < grace_until {
+            continue;
+        }
+        declared.retain(|t| t.elapsed() < WINDOW);
+        let s = store.clone();
+        let (nodes, now_ms) = match tokio::task::spawn_blocking(move || {
+            Ok::<_, StoreError>((s.list_nodes()?, s.clock_ms()?))
+        })
+        .await
+        {
+            Ok(Ok(n)) => n,
+            _ => {
+                // The store is away: when it is back, heartbeats need a lease to land.
+                grace_until = Instant::now() + LEASE;
+                continue;
+            }
+        };
+        let budget = (nodes.len() / 10).max(1);
+        let left = budget.saturating_sub(declared.len());
+        let expired = nodes
+            .iter()
+            .filter(|n| n.state == NodeState::Ready && n.lease_until_ms < now_ms)
+            .count();
+        if expired == 0 {
+            continue;
+        }
+        if left == 0 {
+            if alarmed.elapsed() >= WINDOW {
+                alarmed = Instant::now();
+                tracing::error!(expired, budget, "many nodes missed their lease at once: declaring at most {budget} per minute (a network or control-plane problem is more likely than that many dead hosts)");
+            }
+            continue;
+        }
+        let s = store.clone();
+        let max = u32::try_from(left).unwrap_or(1);
+        match tokio::task::spawn_blocking(move || s.expire_nodes(max)).await {
+            Ok(Ok(dead)) => {
+                for n in dead {
+                    declared.push(Instant::now());
+                    tracing::warn!(node = %n.id, name = %n.name, epoch = n.epoch, "node declared dead: its lease ran out");
+                }
+            }
+            _ => grace_until = Instant::now() + LEASE,
+        }
+    }
+}
+
+// ---- the admin routes ----
+
+pub fn routes() -> Router<AppState> {
+    Router::new()
+        .route("/v1/fleet/tokens", post(new_token))
+        .route("/v1/fleet/nodes", get(list_nodes))
+        .route("/v1/fleet/nodes/{node}", delete(remove_node))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct NewToken {
+    #[serde(default)]
+    ttl_s: Option<u64>,
+}
+
+async fn new_token(
+    State(app): State<AppState>,
+    _: Admin,
+    body: axum::body::Bytes,
+) -> Result<Response, ApiError> {
+    let Some(c) = app.fleet.as_ref() else {
+        return Err(ApiError::conflict(
+            "this server does not accept nodes: start it with --fleet-listen ADDR:PORT",
+        ));
+    };
+    let req: NewToken = if body.iter().all(u8::is_ascii_whitespace) {
+        NewToken::default()
+    } else {
+        serde_json::from_slice(&body)
+            .map_err(|e| ApiError::bad_request(format!("invalid JSON body: {e} (fields: ttl_s)")))?
+    };
+    let ttl = req.ttl_s.map_or(TOKEN_TTL, Duration::from_secs);
+    if ttl.is_zero() || ttl > TOKEN_TTL_MAX {
+        return Err(ApiError::bad_request(format!(
+            "ttl_s must be 1 to {} (7 days)",
+            TOKEN_TTL_MAX.as_secs()
+        )));
+    }
+    let minter = c.clone();
+    let (rec, clear) = tokio::task::spawn_blocking(move || minter.mint_token(ttl))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(json!({
+            "id": rec.id,
+            "token": clear,
+            "expires_at": locker_types::rfc3339(rec.expires_unix),
+            "url": c.url,
+            "command": format!("locker node --join {} --token {clear}", c.url),
+        })),
+    )
+        .into_response())
+}
+
+/// A node as the admin routes show it.
+fn node_json(n: &NodeRecord, now_ms: i64) -> Value {
+    let report: Value = serde_json::from_str(&n.report).unwrap_or(Value::Null);
+    let alive = n.state == NodeState::Ready && n.lease_until_ms >= now_ms;
+    json!({
+        "id": n.id,
+        "name": n.name,
+        "address": n.address,
+        "state": n.state.as_str(),
+        "alive": alive,
+        "epoch": n.epoch,
+        "joined_at": n.joined_at,
+        "last_heartbeat_ms_ago": (now_ms - n.heartbeat_ms).max(0),
+        "lease_left_ms": (n.lease_until_ms - now_ms).max(0),
+        "report": report,
+    })
+}
+
+async fn list_nodes(State(app): State<AppState>, _: Admin) -> Result<Response, ApiError> {
+    let store = app.store.clone();
+    let (nodes, now_ms) = blocking(move || Ok((store.list_nodes()?, store.clock_ms()?))).await?;
+    let nodes: Vec<Value> = nodes.iter().map(|n| node_json(n, now_ms)).collect();
+    Ok(axum::Json(json!({ "nodes": nodes })).into_response())
+}
+
+async fn remove_node(
+    State(app): State<AppState>,
+    _: Admin,
+    Path(node): Path<String>,
+) -> Result<Response, ApiError> {
+    let store = app.store.clone();
+    let removed = blocking(move || match store.get_node(&node)? {
+        Some(n) => store.delete_node(&n.id).map(|ok| ok.then_some(n)),
+        None => Err(StoreError::NotFound(format!(
+            "no node {node:?} in the fleet (see GET /v1/fleet/nodes)"
+        ))),
+    })
+    .await?;
+    if let Some(n) = removed {
+        tracing::info!(node = %n.id, name = %n.name, "node removed from the fleet");
+    }
+    Ok(StatusCode::NO_CONTENT.into_response())
+}

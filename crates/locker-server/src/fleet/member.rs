@@ -1,0 +1,421 @@
+//! A node's side of the fleet (`locker node`): join with a one-time token, keep the identity
+//! it was given, and beat every [`HEARTBEAT`] with what it has.
+//!
+//! Identity, in `<data-dir>/fleet/`: `node.key` (its private key, made here, mode 0600,
+//! never sent anywhere), `node.crt` (the client certificate the control plane signed),
+//! `ca.crt` (the fleet CA: the only issuer the control plane's certificate is accepted
+//! from), `identity.json` (control URL, node id, name, epoch). A node that has one starts
+//! beating at once; the token is for the first start only (and is refused if replayed).
+//!
+//! Failure rules (`FLEET.md` §4.5): when the control plane cannot be reached the node keeps
+//! beating into the void and keeps everything it runs: "a failed call is not an empty
+//! list". When the control plane answers that the node was declared dead (409, its epoch
+//! moved on), the node fences (from then on nothing it ran before is its own to serve) and
+//! returns at the new epoch. Only an explicit removal (404, 403) stops it.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::client::conn::http2::SendRequest;
+use hyper::StatusCode;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use rcgen::KeyPair;
+use serde::{Deserialize, Serialize};
+
+use super::pki;
+use super::wire::{self, Beat, BeatAnswer, Fenced, Join, Joined, Report, Return};
+use super::HEARTBEAT;
+use crate::ids::hex;
+
+/// How `locker node` was started.
+#[derive(Debug, Clone)]
+pub struct MemberConfig {
+    /// The control plane (`https://host:port`); only needed to join.
+    pub control: Option<String>,
+    pub token: Option<String>,
+    pub data_dir: PathBuf,
+    pub cache_dir: PathBuf,
+    pub name: String,
+    /// `host:port` where this node's listener answers, as the control plane should dial it.
+    pub advertise: String,
+    pub slots: u32,
+}
+
+/// What a node keeps of its membership.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Identity {
+    pub control: String,
+    pub node_id: String,
+    pub name: String,
+    pub epoch: i64,
+}
+
+/// An identity and the credentials that go with it.
+struct Member {
+    ident: Identity,
+    dir: PathBuf,
+    tls: Arc<rustls::ClientConfig>,
+}
+
+/// Why a node stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum MemberError {
+    #[error("{0}")]
+    Join(String),
+    #[error("{0}")]
+    Identity(String),
+    #[error("{0}")]
+    Removed(String),
+}
+
+/// The fleet directory of a data dir.
+pub fn fleet_dir(data_dir: &Path) -> PathBuf {
+    data_dir.join("fleet")
+}
+
+/// Joins (when the data dir has no identity yet) and beats until `stop` resolves.
+pub async fn run(
+    cfg: MemberConfig,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), MemberError> {
+    let dir = fleet_dir(&cfg.data_dir);
+    let member = match load(&dir)? {
+        Some(m) => {
+            if cfg.token.is_some() {
+                tracing::warn!(node = %m.ident.node_id, "this data dir already joined the fleet: the token is not used");
+            }
+            m
+        }
+        None => join(&cfg, &dir).await?,
+    };
+    tracing::info!(node = %member.ident.node_id, name = %member.ident.name, control = %member.ident.control, epoch = member.ident.epoch, "locker node ready: beating every {}s", HEARTBEAT.as_secs());
+    tokio::select! {
+        r = beat(member, &cfg) => r,
+        () = stop => {
+            tracing::info!("stopped: what this node runs keeps running");
+            Ok(())
+        }
+    }
+}
+
+/// `https://host:port` → (host, port).
+fn parse_url(url: &str) -> Result<(String, u16), String> {
+    let rest = url
+        .strip_prefix("https://")
+        .ok_or_else(|| format!("{url:?}: the control plane's URL starts with https://"))?;
+    let authority = rest.split('/').next().unwrap_or_default();
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(']') || h.starts_with('[') => (
+            h,
+            p.parse::<u16>()
+                .map_err(|_| format!("{url:?}: the port is not a number"))?,
+        ),
+        _ => (authority, 443),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    if host.is_empty() {
+        return Err(format!("{url:?}: no host"));
+    }
+    Ok((host.to_owned(), port))
+}
+
+/// One HTTP/2 connection to the control plane.
+struct Link {
+    sender: SendRequest<Full<Bytes>>,
+    authority: String,
+}
+
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+impl Link {
+    async fn open(url: &str, tls: Arc<rustls::ClientConfig>) -> Result<Link, String> {
+        let (host, port) = parse_url(url)?;
+        let tcp = tokio::time::timeout(
+            CALL_TIMEOUT,
+            tokio::net::TcpStream::connect((host.as_str(), port)),
+        )
+        .await
+        .map_err(|_| format!("connecting to {url}: timed out"))?
+        .map_err(|e| format!("connecting to {url}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        let name = rustls::pki_types::ServerName::try_from(host.clone())
+            .map_err(|e| format!("{url}: {e}"))?;
+        let tls = tokio::time::timeout(
+            CALL_TIMEOUT,
+            tokio_rustls::TlsConnector::from(tls).connect(name, tcp),
+        )
+        .await
+        .map_err(|_| format!("TLS with {url}: timed out"))?
+        .map_err(|e| format!("TLS with {url}: {e}"))?;
+        let (sender, conn) =
+            hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tls))
+                .await
+                .map_err(|e| format!("HTTP/2 with {url}: {e}"))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        let authority = if host.contains(':') {
+            format!("[{host}]:{port}")
+        } else {
+            format!("{host}:{port}")
+        };
+        Ok(Link { sender, authority })
+    }
+
+    async fn call<T: Serialize>(
+        &mut self,
+        path: &str,
+        body: &T,
+    ) -> Result<(StatusCode, Bytes), String> {
+        let body = serde_json::to_vec(body).map_err(|e| e.to_string())?;
+        let req = hyper::Request::post(format!("https://{}{path}", self.authority))
+            .header(hyper::header::CONTENT_TYPE, "application/json")
+            .body(Full::new(Bytes::from(body)))
+            .map_err(|e| e.to_string())?;
+        let exchange = async {
+            let resp = self
+                .sender
+                .send_request(req)
+                .await
+                .map_err(|e| e.to_string())?;
+            let status = resp.status();
+            let bytes = resp
+                .into_body()
+                .collect()
+                .await
+                .map_err(|e| e.to_string())?
+                .to_bytes();
+            Ok::<_, String>((status, bytes))
+        };
+        tokio::time::timeout(CALL_TIMEOUT, exchange)
+            .await
+            .map_err(|_| format!("{path}: no answer within {}s", CALL_TIMEOUT.as_secs()))?
+    }
+}
+
+/// The message of an error body (`{"error": {"message": …}}`), else the body.
+fn message(body: &[u8]) -> String {
+    serde_json::from_slice::<serde_json::Value>(body)
+        .ok()
+        .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+        .unwrap_or_else(|| String::from_utf8_lossy(body).into_owned())
+}
+
+/// Writes `data` at `path` whole (a temporary file renamed over it), with `mode`.
+fn write_file(path: &Path, data: &[u8], mode: u32) -> Result<(), MemberError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let tmp = path.with_extension("tmp");
+    let err = |e: std::io::Error| MemberError::Identity(format!("writing {}: {e}", path.display()));
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)
+        .map_err(err)?;
+    f.write_all(data).and_then(|()| f.sync_all()).map_err(err)?;
+    std::fs::rename(&tmp, path).map_err(err)
+}
+
+fn save_identity(dir: &Path, ident: &Identity) -> Result<(), MemberError> {
+    let json =
+        serde_json::to_vec_pretty(ident).map_err(|e| MemberError::Identity(e.to_string()))?;
+    write_file(&dir.join("identity.json"), &json, 0o600)
+}
+
+/// The identity in `dir`, if this data dir joined before.
+fn load(dir: &Path) -> Result<Option<Member>, MemberError> {
+    let path = dir.join("identity.json");
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(MemberError::Identity(format!("{}: {e}", path.display()))),
+    };
+    let bad = |what: &str, e: &dyn std::fmt::Display| {
+        MemberError::Identity(format!(
+            "{}: {what}: {e} (to join again, remove {} and start with a new token)",
+            dir.display(),
+            dir.display()
+        ))
+    };
+    let ident: Identity = serde_json::from_str(&text).map_err(|e| bad("identity.json", &e))?;
+    let read = |f: &str| std::fs::read_to_string(dir.join(f)).map_err(|e| bad(f, &e));
+    let key = KeyPair::from_pem(&read("node.key")?).map_err(|e| bad("node.key", &e))?;
+    let (cert, ca) = (read("node.crt")?, read("ca.crt")?);
+    let verifier = pki::trust_ca(&ca).map_err(|e| bad("ca.crt", &e))?;
+    let tls = pki::client_config(verifier, Some((&cert, &key))).map_err(|e| bad("node.crt", &e))?;
+    Ok(Some(Member {
+        ident,
+        dir: dir.to_owned(),
+        tls,
+    }))
+}
+
+/// What this node has now.
+fn report(cfg: &MemberConfig) -> Report {
+    let templates = locker_runtime::template::TemplateStore::open(&cfg.cache_dir)
+        .and_then(|s| s.list())
+        .map(|ts| {
+            let mut d: Vec<String> = ts.into_iter().map(|t| t.digest).collect();
+            d.sort();
+            d.dedup();
+            d
+        })
+        .unwrap_or_default();
+    Report {
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        cpus: std::thread::available_parallelism()
+            .map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)),
+        memory_mb: crate::capacity::host_memory_mb().unwrap_or(0),
+        disk_free_mb: crate::capacity::Space::of(&cfg.data_dir).map_or(0, |s| s.free_mb),
+        slots: cfg.slots,
+        // Sandboxes are not placed on remote nodes yet (issue 25, point 3).
+        sandboxes: 0,
+        templates,
+        warm: 0,
+    }
+}
+
+async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
+    let fail = |m: String| MemberError::Join(m);
+    let (Some(url), Some(token)) = (cfg.control.as_deref(), cfg.token.as_deref()) else {
+        return Err(fail(format!(
+            "{} holds no fleet identity: join with --join https://CONTROL:PORT --token TOKEN \
+             (a token from `locker fleet token`)",
+            dir.display()
+        )));
+    };
+    let pin = super::token_pin(token).ok_or_else(|| {
+        fail("--token is not a join token (lkj_…): mint one with `locker fleet token`".into())
+    })?;
+    let key = KeyPair::generate().map_err(|e| fail(format!("making the node's key: {e}")))?;
+    let tls = pki::client_config(pki::PinnedCa::new(pin), None).map_err(fail)?;
+    let mut link = Link::open(url, tls).await.map_err(fail)?;
+    let body = Join {
+        token: token.to_owned(),
+        name: cfg.name.clone(),
+        address: cfg.advertise.clone(),
+        public_key: hex(key.public_key_raw()),
+        report: report(cfg),
+    };
+    let (status, bytes) = link.call(wire::REGISTER, &body).await.map_err(fail)?;
+    if status != StatusCode::CREATED {
+        return Err(fail(format!(
+            "the control plane refused the join ({status}): {}",
+            message(&bytes)
+        )));
+    }
+    let joined: Joined = serde_json::from_slice(&bytes)
+        .map_err(|e| fail(format!("the control plane's answer: {e}")))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| MemberError::Identity(format!("{}: {e}", dir.display())))?;
+    let ident = Identity {
+        control: url.to_owned(),
+        node_id: joined.node_id.clone(),
+        name: cfg.name.clone(),
+        epoch: joined.epoch,
+    };
+    write_file(&dir.join("node.key"), key.serialize_pem().as_bytes(), 0o600)?;
+    write_file(&dir.join("node.crt"), joined.cert_pem.as_bytes(), 0o644)?;
+    write_file(&dir.join("ca.crt"), joined.ca_pem.as_bytes(), 0o644)?;
+    save_identity(dir, &ident)?;
+    tracing::info!(node = %ident.node_id, name = %ident.name, "joined the fleet");
+    load(dir)?.ok_or_else(|| MemberError::Identity("the identity just written is gone".into()))
+}
+
+/// Beats until removed. Unreachable: keep going, keep everything. Declared dead: fence,
+/// return.
+async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
+    const QUIET: Duration = Duration::from_secs(10);
+    let mut link: Option<Link> = None;
+    let mut tick = tokio::time::interval(HEARTBEAT);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut unreachable: Option<(Instant, Instant)> = None; // (since, last said)
+    loop {
+        tick.tick().await;
+        let result = async {
+            if link.is_none() {
+                link = Some(Link::open(&m.ident.control, m.tls.clone()).await?);
+            }
+            let l = link.as_mut().expect("just opened");
+            let beat = Beat {
+                node_id: m.ident.node_id.clone(),
+                epoch: m.ident.epoch,
+                report: report(cfg),
+            };
+            l.call(wire::HEARTBEAT, &beat).await
+        }
+        .await;
+        let (status, bytes) = match result {
+            Ok(r) => r,
+            Err(e) => {
+                link = None;
+                let now = Instant::now();
+                match &mut unreachable {
+                    None => {
+                        tracing::warn!(error = %e, "cannot reach the control plane: keeping everything this node runs, retrying every {}s", HEARTBEAT.as_secs());
+                        unreachable = Some((now, now));
+                    }
+                    Some((since, said)) if said.elapsed() >= QUIET => {
+                        tracing::warn!(error = %e, for_s = since.elapsed().as_secs(), "still cannot reach the control plane");
+                        *said = now;
+                    }
+                    Some(_) => {}
+                }
+                continue;
+            }
+        };
+        if let Some((since, _)) = unreachable.take() {
+            tracing::info!(
+                after_s = since.elapsed().as_secs(),
+                "reached the control plane again"
+            );
+        }
+        match status {
+            StatusCode::OK => {}
+            StatusCode::CONFLICT => {
+                let f: Fenced = serde_json::from_slice(&bytes).unwrap_or(Fenced {
+                    message: message(&bytes),
+                    state: "unknown".into(),
+                    epoch: m.ident.epoch,
+                });
+                tracing::warn!(old_epoch = m.ident.epoch, epoch = f.epoch, state = %f.state, "fenced: the fleet declared this node dead; what it ran before is no longer its own to serve");
+                let l = link.as_mut().expect("a link answered");
+                let ret = Return {
+                    node_id: m.ident.node_id.clone(),
+                };
+                match l.call(wire::RETURN, &ret).await {
+                    Ok((StatusCode::OK, b)) => {
+                        if let Ok(a) = serde_json::from_slice::<BeatAnswer>(&b) {
+                            m.ident.epoch = a.epoch;
+                            save_identity(&m.dir, &m.ident)?;
+                            tracing::info!(epoch = a.epoch, "returned to the fleet");
+                        }
+                    }
+                    Ok((s, b)) => {
+                        tracing::warn!(status = %s, message = %message(&b), "the fleet did not take this node back yet")
+                    }
+                    Err(e) => {
+                        link = None;
+                        tracing::warn!(error = %e, "returning to the fleet failed: retrying");
+                    }
+                }
+            }
+            StatusCode::NOT_FOUND | StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED => {
+                return Err(MemberError::Removed(format!(
+                    "the fleet no longer knows this node ({status}: {}); to join again, remove \
+                     {} and start with a new token",
+                    message(&bytes),
+                    m.dir.display()
+                )));
+            }
+            s => {
+                tracing::warn!(status = %s, message = %message(&bytes), "the control plane did not take the heartbeat");
+            }
+        }
+    }
+}

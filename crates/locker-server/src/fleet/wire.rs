@@ -1,0 +1,88 @@
+//! The bodies of the calls between a node and the control plane (`FLEET.md` §4.2), shared
+//! by both sides so that they cannot drift. JSON over HTTP/2 with TLS.
+//!
+//! - `POST /internal/nodes/register` ([`Join`] → [`Joined`]), no client certificate: the
+//!   join token is the credential. 201; 400 bad body; 403 token refused; 409 name taken.
+//! - `POST /internal/nodes/heartbeat` ([`Beat`] → [`BeatAnswer`]), the node's certificate.
+//!   200; 409 [`Fenced`] when the node's epoch moved on (it was declared dead) or the node
+//!   is dead; 401 without a certificate; 403 with another node's; 404 when it was removed.
+//! - `POST /internal/nodes/return` ([`Return`] → [`BeatAnswer`]), the node's certificate: a
+//!   node the sweeper declared dead comes back at its new epoch. 200; 409 when not dead.
+
+use serde::{Deserialize, Serialize};
+
+pub const REGISTER: &str = "/internal/nodes/register";
+pub const HEARTBEAT: &str = "/internal/nodes/heartbeat";
+pub const RETURN: &str = "/internal/nodes/return";
+
+/// What a node reports with each heartbeat (and at join).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Report {
+    /// The Locker version the node runs.
+    pub version: String,
+    /// Capacity: CPUs, memory (MiB), disk free in its data dir (MiB), sandbox slots.
+    pub cpus: u32,
+    pub memory_mb: u64,
+    pub disk_free_mb: u64,
+    pub slots: u32,
+    /// Usage: sandboxes it runs now.
+    pub sandboxes: u32,
+    /// Template digests in its cache (placement prefers a node that has the template).
+    pub templates: Vec<String>,
+    /// Warm machines ready to hand out.
+    pub warm: u32,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Join {
+    pub token: String,
+    pub name: String,
+    /// Where the node's own listener answers (`host:port`).
+    pub address: String,
+    /// Hex of the node's public key (uncompressed P-256 point); its private key never
+    /// leaves the node.
+    pub public_key: String,
+    pub report: Report,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Joined {
+    pub node_id: String,
+    pub epoch: i64,
+    /// The node's client certificate, and the CA that signed it (PEM).
+    pub cert_pem: String,
+    pub ca_pem: String,
+    pub heartbeat_ms: u64,
+    pub lease_ms: u64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Beat {
+    pub node_id: String,
+    pub epoch: i64,
+    pub report: Report,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct BeatAnswer {
+    pub epoch: i64,
+    pub lease_until_ms: i64,
+}
+
+/// The 409 of a heartbeat that does not count: the node's state and epoch as the fleet has
+/// them, so that it can fence itself and ask to return.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Fenced {
+    pub message: String,
+    pub state: String,
+    pub epoch: i64,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Return {
+    pub node_id: String,
+}

@@ -1,0 +1,142 @@
+//! The fleet tests' network (`FLEET.md` §5.1): node hosts as network namespaces on a
+//! private bridge, made by the test and removed when it drops, also when it fails.
+//!
+//! The bridge carries the control address (`.1`) in the test's own network namespace, so
+//! that `locker serve` started by the harness can listen on it; each node namespace has one
+//! veth on the bridge (`.10 + i`). The /24 (`10.251.X.0`, X from the test's pid and the fabric's number) exists
+//! only while the fabric does. Names start with `fab`, never with `lk` (Locker's own links,
+//! which a server's start-up sweep removes).
+
+use std::process::{Child, Command, Stdio};
+
+use crate::egress::ip;
+
+/// A bridge and `n` node namespaces on it.
+pub struct Fabric {
+    tag: String,
+    subnet: u8,
+    nodes: usize,
+}
+
+impl Fabric {
+    pub fn new(nodes: usize) -> Fabric {
+        static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+        let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let pid = std::process::id();
+        let f = Fabric {
+            tag: format!("fab{}x{n}", pid % 100_000),
+            subnet: u8::try_from(20 + (pid + 37 * n) % 200).unwrap_or(20),
+            nodes,
+        };
+        f.remove();
+        ip(&["link", "add", &f.bridge(), "type", "bridge"]);
+        ip(&[
+            "addr",
+            "add",
+            &format!("{}/24", f.control_ip()),
+            "dev",
+            &f.bridge(),
+        ]);
+        ip(&["link", "set", &f.bridge(), "up"]);
+        for i in 0..nodes {
+            let (ns, veth) = (f.ns(i), f.veth(i));
+            ip(&["netns", "add", &ns]);
+            ip(&[
+                "link", "add", &veth, "type", "veth", "peer", "name", "eth0", "netns", &ns,
+            ]);
+            ip(&["link", "set", &veth, "master", &f.bridge()]);
+            ip(&["link", "set", &veth, "up"]);
+            for c in [
+                vec!["link", "set", "lo", "up"],
+                vec![
+                    "addr",
+                    "add",
+                    &format!("{}/24", f.node_ip(i)),
+                    "dev",
+                    "eth0",
+                ],
+                vec!["link", "set", "eth0", "up"],
+            ] {
+                let mut a = vec!["-n", ns.as_str()];
+                a.extend(c.iter().copied());
+                ip(&a);
+            }
+        }
+        f
+    }
+
+    fn bridge(&self) -> String {
+        format!("{}b", self.tag)
+    }
+
+    fn veth(&self, i: usize) -> String {
+        format!("{}v{i}", self.tag)
+    }
+
+    /// Node `i`'s namespace.
+    pub fn ns(&self, i: usize) -> String {
+        format!("{}-n{i}", self.tag)
+    }
+
+    /// The address the control plane listens on.
+    pub fn control_ip(&self) -> String {
+        format!("10.251.{}.1", self.subnet)
+    }
+
+    pub fn node_ip(&self, i: usize) -> String {
+        format!("10.251.{}.{}", self.subnet, 10 + i)
+    }
+
+    /// Cuts node `i` off the bridge (`false`) or wires it back (`true`): a partition.
+    pub fn link(&self, i: usize, up: bool) {
+        ip(&["link", "set", &self.veth(i), if up { "up" } else { "down" }]);
+    }
+
+    /// `program args…` started in node `i`'s namespace, its output appended to `log`.
+    pub fn spawn(
+        &self,
+        i: usize,
+        program: &std::path::Path,
+        args: &[&str],
+        log: &std::path::Path,
+    ) -> Child {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .expect("open the node's log");
+        let child = Command::new("ip")
+            .args(["netns", "exec", &self.ns(i)])
+            .arg(program)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out)
+            .spawn()
+            .expect("start a process in a node's namespace");
+        crate::register_child(child.id());
+        child
+    }
+
+    fn remove(&self) {
+        for i in 0..self.nodes {
+            // The host side first: a namespace's own cleanup (which takes its veth peers
+            // along) runs later, in the kernel's own time.
+            let _ = Command::new("ip")
+                .args(["link", "del", &self.veth(i)])
+                .output();
+            let _ = Command::new("ip")
+                .args(["netns", "del", &self.ns(i)])
+                .output();
+        }
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.bridge()])
+            .output();
+    }
+}
+
+impl Drop for Fabric {
+    fn drop(&mut self) {
+        self.remove();
+    }
+}

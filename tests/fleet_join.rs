@@ -1,0 +1,551 @@
+//! Fleet mode, nodes (issue 25, point 2; `FLEET.md` §5.2 test 1 and the detection and
+//! fencing parts of tests 5 and 7): `locker node` processes in network namespaces of their
+//! own on a private bridge (`common/fabric.rs`) join a real `locker serve` with one-time
+//! tokens, over TLS with the fleet CA, and beat; the lease sweeper declares a silent node
+//! dead within the lease, a returning node fences itself and comes back at its new epoch,
+//! a control-plane outage declares nobody dead.
+
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command};
+use std::time::{Duration, Instant};
+
+use locker_tests::fabric::Fabric;
+use locker_tests::postgres::cluster;
+use locker_tests::server::{Api, Server};
+use locker_tests::{locker_bin, wait_for, TempDir};
+use serde_json::{json, Value};
+
+/// The lease the server keeps (`fleet::LEASE`) and the sweeper's period.
+const LEASE: Duration = Duration::from_secs(3);
+const SWEEP: Duration = Duration::from_millis(250);
+
+fn mint(admin: &Api, ttl_s: u64) -> Value {
+    admin
+        .post("/v1/fleet/tokens", &json!({ "ttl_s": ttl_s }))
+        .expect(201, "mint a join token")
+}
+
+fn nodes(admin: &Api) -> Vec<Value> {
+    admin.get("/v1/fleet/nodes").expect(200, "list the nodes")["nodes"]
+        .as_array()
+        .expect("nodes")
+        .clone()
+}
+
+fn node<'a>(list: &'a [Value], name: &str) -> &'a Value {
+    list.iter()
+        .find(|n| n["name"] == name)
+        .unwrap_or_else(|| panic!("no node {name} in {list:?}"))
+}
+
+/// One `locker node` in its namespace: its data dir and log.
+struct NodeProc {
+    i: usize,
+    name: String,
+    dir: TempDir,
+    log: PathBuf,
+    child: Option<Child>,
+}
+
+impl NodeProc {
+    fn new(i: usize, name: &str) -> NodeProc {
+        let dir = TempDir::new("locker-node");
+        let log = dir.path().join("node.log");
+        NodeProc {
+            i,
+            name: name.into(),
+            dir,
+            log,
+            child: None,
+        }
+    }
+
+    fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    fn args(&self, fab: &Fabric, join: Option<(&str, &str)>, slots: u32) -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "node".into(),
+            "--name".into(),
+            self.name.clone(),
+            "--slots".into(),
+            slots.to_string(),
+            "--advertise".into(),
+            format!("{}:7443", fab.node_ip(self.i)),
+            "--data-dir".into(),
+            self.data_dir().display().to_string(),
+        ];
+        if let Some((url, token)) = join {
+            a.extend(["--join".into(), url.into(), "--token".into(), token.into()]);
+        }
+        a
+    }
+
+    fn start(&mut self, fab: &Fabric, join: Option<(&str, &str)>, slots: u32) {
+        let args = self.args(fab, join, slots);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.child = Some(fab.spawn(self.i, &locker_bin(), &args, &self.log));
+    }
+
+    /// Runs `locker node` to its end (a refused join ends at once): its status and log.
+    fn run_to_end(&self, fab: &Fabric, url: &str, token: &str) -> (bool, String) {
+        let args = self.args(fab, Some((url, token)), 10);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let _ = std::fs::remove_file(&self.log);
+        let mut child = fab.spawn(self.i, &locker_bin(), &args, &self.log);
+        let status = wait_for(Duration::from_secs(20), "a refused join to end", || {
+            child.try_wait().expect("wait")
+        });
+        (status.success(), self.log_text())
+    }
+
+    fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn signal(&self, sig: i32) {
+        let pid = self.child.as_ref().expect("running").id();
+        // SAFETY: kill with a pid of our own child and a signal number.
+        unsafe { libc::kill(pid as i32, sig) };
+    }
+
+    /// Waits for the process to end by itself; its status.
+    fn wait_end(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let status = wait_for(limit, "the node to stop", || {
+            child.try_wait().expect("wait")
+        });
+        self.child = None;
+        status
+    }
+
+    fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        // SIGCONT first: a stopped process does not die of SIGKILL until it runs.
+        if let Some(c) = &self.child {
+            // SAFETY: as in `signal`.
+            unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
+        }
+        self.stop();
+    }
+}
+
+/// A heartbeat sent with curl, with node `who`'s certificate (or none): the status.
+fn beat_as(control: &str, who: Option<&NodeProc>, node_id: &str, epoch: i64, ca: &Path) -> u16 {
+    let mut cmd = Command::new("curl");
+    cmd.args([
+        "-sS",
+        "--http2",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "--max-time",
+        "5",
+    ])
+    .arg("--cacert")
+    .arg(ca);
+    if let Some(n) = who {
+        let d = n.data_dir().join("fleet");
+        cmd.arg("--cert").arg(d.join("node.crt"));
+        cmd.arg("--key").arg(d.join("node.key"));
+    }
+    let body = json!({"node_id": node_id, "epoch": epoch, "report": {
+        "version": "x", "cpus": 1, "memory_mb": 1, "disk_free_mb": 1, "slots": 1,
+        "sandboxes": 0, "templates": [], "warm": 0}});
+    let out = cmd
+        .args([
+            "-H",
+            "content-type: application/json",
+            "-d",
+            &body.to_string(),
+        ])
+        .arg(format!("{control}/internal/nodes/heartbeat"))
+        .output()
+        .expect("run curl");
+    String::from_utf8_lossy(&out.stdout)
+        .trim()
+        .parse()
+        .unwrap_or_else(|_| panic!("curl: {}", String::from_utf8_lossy(&out.stderr)))
+}
+
+#[test]
+fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
+    let fab = Fabric::new(5);
+    let (db, pg_url) = cluster().new_database();
+    let srv = Server::start_with(&[
+        "--database",
+        pg_url.as_str(),
+        "--fleet-listen",
+        &format!("{}:0", fab.control_ip()),
+    ]);
+    let admin = srv.admin();
+
+    // Bad admin input: a clear 400; a tenant's key opens no fleet route.
+    admin
+        .post("/v1/fleet/tokens", &json!({"ttl_s": 0}))
+        .expect_error(400, "bad_request", "a zero ttl");
+    admin
+        .post("/v1/fleet/tokens", &json!({"ttl_s": 30 * 86_400}))
+        .expect_error(400, "bad_request", "a ttl over 7 days");
+    admin
+        .post("/v1/fleet/tokens", &json!({"ttl": 60}))
+        .expect_error(400, "bad_request", "an unknown field");
+    let status = srv.api().post("/v1/fleet/tokens", &json!({})).status;
+    assert!(
+        status == 401 || status == 403,
+        "a tenant key minted a token: {status}"
+    );
+    assert_eq!(srv.api().get("/v1/fleet/nodes").status / 100, 4);
+
+    let first = mint(&admin, 600);
+    let control = first["url"].as_str().unwrap().to_owned();
+    assert!(
+        control.starts_with(&format!("https://{}:", fab.control_ip())),
+        "{first}"
+    );
+    assert!(first["command"]
+        .as_str()
+        .unwrap()
+        .starts_with(&format!("locker node --join {control} --token lkj_")));
+
+    // Four nodes of different capacity, each with a token of its own.
+    let slots = [60u32, 120, 120, 30];
+    let mut procs: Vec<NodeProc> = Vec::new();
+    for (i, s) in slots.iter().enumerate() {
+        let token = if i == 0 {
+            first["token"].as_str().unwrap().to_owned()
+        } else {
+            mint(&admin, 600)["token"].as_str().unwrap().to_owned()
+        };
+        let mut p = NodeProc::new(i, &format!("n{}", i + 1));
+        p.start(&fab, Some((&control, &token)), *s);
+        procs.push(p);
+    }
+    let list = wait_for(Duration::from_secs(30), "four nodes alive", || {
+        let l = nodes(&admin);
+        (l.len() == 4 && l.iter().all(|n| n["alive"] == true)).then_some(l)
+    });
+    for (i, s) in slots.iter().enumerate() {
+        let n = node(&list, &format!("n{}", i + 1));
+        assert_eq!(n["state"], "ready", "{n}");
+        assert_eq!(n["epoch"], 1, "{n}");
+        assert_eq!(n["address"], format!("{}:7443", fab.node_ip(i)), "{n}");
+        assert_eq!(n["report"]["slots"], *s, "{n}");
+        assert!(n["report"]["cpus"].as_u64().unwrap() >= 1, "{n}");
+        assert!(n["report"]["memory_mb"].as_u64().unwrap() > 0, "{n}");
+        assert!(n["report"]["templates"].is_array(), "{n}");
+        assert!(n["id"].as_str().unwrap().starts_with("node_"), "{n}");
+    }
+    // They keep beating: a heartbeat at most ~1 s old, a second later too.
+    std::thread::sleep(Duration::from_millis(1500));
+    for n in nodes(&admin) {
+        assert!(n["last_heartbeat_ms_ago"].as_i64().unwrap() < 1600, "{n}");
+    }
+    // The identity stays on the node: its key private, never sent.
+    let fleet_dir = procs[0].data_dir().join("fleet");
+    let mode = std::os::unix::fs::PermissionsExt::mode(
+        &std::fs::metadata(fleet_dir.join("node.key"))
+            .unwrap()
+            .permissions(),
+    );
+    assert_eq!(mode & 0o777, 0o600);
+
+    // The CLI shows them.
+    let out = Command::new(locker_bin())
+        .args(["fleet", "nodes"])
+        .env("LOCKER_URL", &srv.url)
+        .env("LOCKER_ADMIN_KEY", srv.admin_key.as_deref().unwrap())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    for name in ["n1", "n2", "n3", "n4"] {
+        assert!(text.contains(name), "{text}");
+    }
+    assert!(text.contains("0/120") && text.contains("0/30"), "{text}");
+
+    // Refused joins, each saying why, and nothing written on the node.
+    let n5 = NodeProc::new(4, "n5");
+    let pin = &first["token"].as_str().unwrap()[4..36];
+    let expired = mint(&admin, 1)["token"].as_str().unwrap().to_owned();
+    std::thread::sleep(Duration::from_millis(2200));
+    for (token, why) in [
+        (first["token"].as_str().unwrap().to_owned(), "already used"),
+        (format!("lkj_{pin}_{}", "0".repeat(40)), "no such token"),
+        (expired, "expired"),
+        (
+            format!("lkj_{}_{}", "0".repeat(32), "1".repeat(40)),
+            "not the one the join token names",
+        ),
+        ("hello".to_owned(), "not a join token"),
+    ] {
+        let (ok, log) = n5.run_to_end(&fab, &control, &token);
+        assert!(!ok && log.contains(why), "{why}: {log}");
+        assert!(!n5.data_dir().join("fleet/identity.json").exists(), "{why}");
+    }
+    // A taken name is refused and leaves the token good for another name.
+    let token = mint(&admin, 600)["token"].as_str().unwrap().to_owned();
+    let n1_again = NodeProc::new(4, "n1");
+    let (ok, log) = n1_again.run_to_end(&fab, &control, &token);
+    assert!(!ok && log.contains("already in the fleet"), "{log}");
+    let mut n5 = NodeProc::new(4, "n5");
+    n5.start(&fab, Some((&control, &token)), 10);
+    wait_for(Duration::from_secs(20), "n5 alive", || {
+        nodes(&admin)
+            .iter()
+            .any(|n| n["name"] == "n5" && n["alive"] == true)
+            .then_some(())
+    });
+
+    // Calls need the node's own certificate.
+    let list = nodes(&admin);
+    let (id1, id2) = (
+        node(&list, "n1")["id"].as_str().unwrap().to_owned(),
+        node(&list, "n2")["id"].as_str().unwrap().to_owned(),
+    );
+    let ca = fleet_dir.join("ca.crt");
+    assert_eq!(beat_as(&control, Some(&procs[0]), &id1, 1, &ca), 200);
+    assert_eq!(
+        beat_as(&control, Some(&procs[0]), &id2, 1, &ca),
+        403,
+        "another node's id"
+    );
+    assert_eq!(beat_as(&control, None, &id1, 1, &ca), 401, "no certificate");
+    assert_eq!(beat_as(&control, Some(&procs[0]), "node_gone", 1, &ca), 404);
+    assert_eq!(
+        beat_as(&control, Some(&procs[0]), &id1, 7, &ca),
+        409,
+        "a stale epoch"
+    );
+
+    // Postgres holds the tokens' hashes only, and the CA's key sealed.
+    let dump = cluster().dump(&db);
+    assert!(
+        !dump.contains(&token[36..]),
+        "a clear join token in the database"
+    );
+    assert!(!dump.contains("PRIVATE KEY"), "a clear key in the database");
+    for p in &mut procs {
+        p.stop();
+    }
+    n5.stop();
+}
+
+#[test]
+fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
+    let fab = Fabric::new(3);
+    // A fixed port: the restart below must listen where the nodes dial.
+    let port = std::net::TcpListener::bind(format!("{}:0", fab.control_ip()))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut srv = Server::start_with(&["--fleet-listen", &format!("{}:{port}", fab.control_ip())]);
+    let admin = srv.admin();
+    let mut procs: Vec<NodeProc> = (0..3).map(|i| NodeProc::new(i, &format!("m{i}"))).collect();
+    for p in &mut procs {
+        let t = mint(&admin, 600);
+        p.start(
+            &fab,
+            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
+            8,
+        );
+    }
+    let alive = |admin: &Api, name: &str| -> Option<bool> {
+        nodes(admin)
+            .iter()
+            .find(|n| n["name"] == name)
+            .map(|n| n["alive"] == true)
+    };
+    wait_for(Duration::from_secs(30), "three nodes alive", || {
+        (0..3)
+            .all(|i| alive(&admin, &format!("m{i}")) == Some(true))
+            .then_some(())
+    });
+
+    // A stopped agent (a hung host): dead within lease + a sweep of its last beat.
+    procs[0].signal(libc::SIGSTOP);
+    let stopped = Instant::now();
+    let dead = wait_for(Duration::from_secs(10), "m0 declared dead", || {
+        let l = nodes(&admin);
+        let n = node(&l, "m0").clone();
+        (n["state"] == "dead").then_some(n)
+    });
+    let took = stopped.elapsed();
+    assert!(
+        took <= LEASE + SWEEP + Duration::from_millis(750)
+            && took >= LEASE - Duration::from_millis(1100),
+        "declared after {took:?}"
+    );
+    assert_eq!(dead["epoch"], 2, "{dead}");
+    let l = nodes(&admin);
+    assert!(
+        node(&l, "m1")["alive"] == true && node(&l, "m2")["alive"] == true,
+        "{l:?}"
+    );
+    // It wakes up: fenced (its epoch moved on), it returns at the new epoch.
+    procs[0].signal(libc::SIGCONT);
+    wait_for(Duration::from_secs(10), "m0 back at epoch 2", || {
+        let l = nodes(&admin);
+        let n = node(&l, "m0");
+        (n["state"] == "ready" && n["epoch"] == 2 && n["alive"] == true).then_some(())
+    });
+    let log = procs[0].log_text();
+    assert!(
+        log.contains("fenced") && log.contains("returned to the fleet"),
+        "{log}"
+    );
+
+    // A node agent restart keeps its identity: no token, same id and epoch.
+    let id2 = node(&nodes(&admin), "m2")["id"].clone();
+    procs[2].signal(libc::SIGTERM);
+    assert!(procs[2].wait_end(Duration::from_secs(10)).success());
+    procs[2].start(&fab, None, 8);
+    wait_for(Duration::from_secs(10), "m2 beating again", || {
+        procs[2]
+            .log_text()
+            .contains("locker node ready")
+            .then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(1200));
+    let l = nodes(&admin);
+    let n = node(&l, "m2");
+    assert_eq!(
+        (n["id"].clone(), n["epoch"].clone(), n["alive"].clone()),
+        (id2, json!(1), json!(true)),
+        "{n}"
+    );
+
+    // The control plane away for longer than a lease: nobody declared dead when it is back
+    // (a lease of grace for the heartbeats to land).
+    srv.kill9();
+    std::thread::sleep(LEASE + Duration::from_secs(2));
+    srv.restart();
+    let admin = srv.admin();
+    let deadline = Instant::now() + LEASE * 2;
+    while Instant::now() < deadline {
+        for n in nodes(&admin) {
+            assert_eq!(n["state"], "ready", "declared dead after an outage: {n}");
+        }
+        std::thread::sleep(SWEEP);
+    }
+
+    // Removed: the node's certificate opens nothing, and it stops, saying how to rejoin.
+    let out = Command::new(locker_bin())
+        .args(["fleet", "remove", "m2"])
+        .env("LOCKER_URL", &srv.url)
+        .env("LOCKER_ADMIN_KEY", srv.admin_key.as_deref().unwrap())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!procs[2].wait_end(Duration::from_secs(10)).success());
+    assert!(
+        procs[2].log_text().contains("no longer knows this node"),
+        "{}",
+        procs[2].log_text()
+    );
+    admin
+        .delete("/v1/fleet/nodes/m2")
+        .expect_error(404, "not_found", "removing a removed node");
+    for p in &mut procs {
+        p.stop();
+    }
+}
+
+#[test]
+fn a_partition_declares_at_most_the_rate_limit_and_partitioned_nodes_keep_running() {
+    let fab = Fabric::new(3);
+    let srv = Server::start_with(&["--fleet-listen", &format!("{}:0", fab.control_ip())]);
+    let admin = srv.admin();
+    let mut procs: Vec<NodeProc> = (0..3).map(|i| NodeProc::new(i, &format!("p{i}"))).collect();
+    for p in &mut procs {
+        let t = mint(&admin, 600);
+        p.start(
+            &fab,
+            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
+            8,
+        );
+    }
+    wait_for(Duration::from_secs(30), "three nodes alive", || {
+        let l = nodes(&admin);
+        (l.len() == 3 && l.iter().all(|n| n["alive"] == true)).then_some(())
+    });
+
+    // Two of three cut off at once: more likely the network than two dead hosts. One is
+    // declared (max(1, 10%) a minute), the other stays `ready` past its lease, and the
+    // server says why.
+    fab.link(0, false);
+    fab.link(1, false);
+    let dead = |l: &[Value]| -> Vec<String> {
+        l.iter()
+            .filter(|n| n["state"] == "dead")
+            .map(|n| n["name"].as_str().unwrap().to_owned())
+            .collect()
+    };
+    let first = wait_for(Duration::from_secs(10), "one node declared dead", || {
+        let d = dead(&nodes(&admin));
+        (!d.is_empty()).then_some(d)
+    });
+    assert_eq!(first.len(), 1, "{first:?}");
+    std::thread::sleep(LEASE);
+    let l = nodes(&admin);
+    assert_eq!(dead(&l), first, "the rate limit held: {l:?}");
+    let other = if first[0] == "p0" { "p1" } else { "p0" };
+    assert_eq!(node(&l, other)["alive"], false, "{l:?}");
+    assert_eq!(node(&l, "p2")["alive"], true, "{l:?}");
+    assert!(
+        srv.log_text().contains("declaring at most 1 per minute"),
+        "{}",
+        srv.log_text()
+    );
+    // Cut off, the nodes keep running (never kill what they run for want of control).
+    for p in &mut procs[..2] {
+        assert!(
+            p.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+            "{}",
+            p.log_text()
+        );
+        assert!(p
+            .log_text()
+            .contains("cannot reach the control plane: keeping everything"));
+    }
+    // Healed: the declared one returns fenced at epoch 2, the other resumes at epoch 1.
+    fab.link(0, true);
+    fab.link(1, true);
+    wait_for(Duration::from_secs(15), "both back", || {
+        let l = nodes(&admin);
+        (node(&l, &first[0])["epoch"] == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
+    });
+    assert_eq!(node(&nodes(&admin), other)["epoch"], 1);
+    for p in &mut procs {
+        p.stop();
+    }
+}
+
+#[test]
+fn a_server_without_a_fleet_listener_says_how_to_get_one() {
+    let srv = Server::start();
+    let msg = srv
+        .admin()
+        .post("/v1/fleet/tokens", &json!({}))
+        .expect_error(409, "conflict", "a token without a fleet listener");
+    assert!(msg.contains("--fleet-listen"), "{msg}");
+    assert_eq!(
+        srv.admin().get("/v1/fleet/nodes").expect(200, "no nodes")["nodes"],
+        json!([])
+    );
+}
