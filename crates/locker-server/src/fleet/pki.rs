@@ -405,7 +405,6 @@ pub fn listener_names(extra: &[String], listen: std::net::SocketAddr) -> Vec<Str
 #[cfg(test)]
 mod tests {
     use super::*;
-    use rustls::server::danger::ClientCertVerifier;
 
     fn store() -> (std::path::PathBuf, Arc<dyn Store>) {
         let dir = std::env::temp_dir().join(crate::ids::new_id("fleet-pki-"));
