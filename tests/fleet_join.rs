@@ -537,6 +537,107 @@ fn a_partition_declares_at_most_the_rate_limit_and_partitioned_nodes_keep_runnin
 }
 
 #[test]
+fn a_server_with_node_local_is_a_node_of_its_own_fleet_with_what_it_runs() {
+    let fab = Fabric::new(1);
+    let mut srv = Server::start_with(&[
+        "--fleet-listen",
+        &format!("{}:0", fab.control_ip()),
+        "--node",
+        "local",
+        "--node-name",
+        "ctl",
+        "--node-slots",
+        "7",
+    ]);
+    let admin = srv.admin();
+    let ctl = |admin: &Api| node(&nodes(admin), "ctl").clone();
+    let first = wait_for(Duration::from_secs(10), "ctl alive", || {
+        let n = ctl(&admin);
+        (n["alive"] == true).then_some(n)
+    });
+    assert_eq!(first["report"]["slots"], 7, "{first}");
+    assert_eq!(
+        first["address"],
+        srv.url.trim_start_matches("http://"),
+        "{first}"
+    );
+
+    // What it runs shows within a beat or two.
+    let sb = srv.api().create_sandbox(&json!({}));
+    let digest = sb["template_digest"].as_str().unwrap().to_owned();
+    let id = sb["id"].as_str().unwrap().to_owned();
+    wait_for(Duration::from_secs(5), "ctl reports the sandbox", || {
+        let n = ctl(&admin);
+        let has = n["report"]["templates"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|d| d == &json!(digest));
+        (n["report"]["sandboxes"] == 1 && has).then_some(())
+    });
+    srv.api()
+        .delete(&format!("/v1/sandboxes/{id}"))
+        .expect(204, "delete the sandbox");
+    wait_for(Duration::from_secs(5), "ctl reports none", || {
+        (ctl(&admin)["report"]["sandboxes"] == 0).then_some(())
+    });
+
+    // Its name is its own: a remote node cannot join by it.
+    let t = mint(&admin, 600);
+    let (ok, log) = NodeProc::new(0, "ctl").run_to_end(
+        &fab,
+        t["url"].as_str().unwrap(),
+        t["token"].as_str().unwrap(),
+    );
+    assert!(!ok && log.contains("already in the fleet"), "{log}");
+    let mut n1 = NodeProc::new(0, "n1");
+    n1.start(
+        &fab,
+        Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
+        4,
+    );
+    wait_for(Duration::from_secs(20), "n1 alive", || {
+        nodes(&admin)
+            .iter()
+            .any(|n| n["name"] == "n1" && n["alive"] == true)
+            .then_some(())
+    });
+
+    // A restart keeps its row (same id, epoch).
+    srv.restart();
+    let admin = srv.admin();
+    let again = wait_for(Duration::from_secs(10), "ctl alive again", || {
+        let n = ctl(&admin);
+        (n["alive"] == true).then_some(n)
+    });
+    assert_eq!(
+        (&again["id"], &again["epoch"]),
+        (&first["id"], &first["epoch"])
+    );
+
+    // Named as a node that joined with a certificate, a server does not start.
+    srv.kill9();
+    let out = Command::new(locker_bin())
+        .args([
+            "serve",
+            "--listen",
+            "127.0.0.1:0",
+            "--no-template-build",
+            "--node",
+            "local",
+        ])
+        .args(["--node-name", "n1", "--data-dir"])
+        .arg(&srv.data_dir)
+        .env("LOCKER_API_KEY", "lk_node_local_test_key")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("joined the fleet with a certificate"), "{err}");
+    n1.stop();
+}
+
+#[test]
 fn a_server_without_a_fleet_listener_says_how_to_get_one() {
     let srv = Server::start();
     let msg = srv

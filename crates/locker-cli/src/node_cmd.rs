@@ -37,7 +37,8 @@ pub struct NodeArgs {
     cache_dir: PathBuf,
 }
 
-fn host_name() -> String {
+/// This host's name, lower case (the default node name).
+pub fn host_name() -> String {
     std::fs::read_to_string("/proc/sys/kernel/hostname")
         .map(|h| h.trim().to_ascii_lowercase())
         .unwrap_or_default()

@@ -105,6 +105,17 @@ pub struct ServeArgs {
     /// address: behind NAT or a TCP load balancer (`https://HOST:PORT`).
     #[arg(long, env = "LOCKER_FLEET_URL", value_name = "URL")]
     fleet_url: Option<String>,
+    /// Also be a node of the fleet (`local`: this server's own machines, listed by `locker
+    /// fleet nodes` with what they run; every host of a small fleet can run the same
+    /// command). [default: not a node]
+    #[arg(long, value_name = "local", value_parser = ["local"])]
+    node: Option<String>,
+    /// This server's node name with `--node local` [default: the host's name].
+    #[arg(long, requires = "node")]
+    node_name: Option<String>,
+    /// Sandboxes this server's node takes at most [default: 4 per CPU].
+    #[arg(long, requires = "node")]
+    node_slots: Option<u32>,
 }
 
 /// `--database`: a Postgres URL (SQLite needs no flag: it is the default).
@@ -118,6 +129,24 @@ pub fn parse_database(s: &str) -> Result<String, String> {
                 .to_owned(),
         )
     }
+}
+
+/// `--node local`'s node: its name (the host's by default, checked now), its address (the
+/// API's), its slots.
+fn local_node(
+    name: Option<String>,
+    slots: Option<u32>,
+    listen: SocketAddr,
+) -> anyhow::Result<locker_server::fleet::local::LocalNodeConfig> {
+    let name = name.unwrap_or_else(crate::node_cmd::host_name);
+    locker_store::validate_node_name(&name)
+        .map_err(|e| anyhow::anyhow!("{e} (--node-name; the host's name is the default)"))?;
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    Ok(locker_server::fleet::local::LocalNodeConfig {
+        name,
+        address: listen.to_string(),
+        slots: slots.unwrap_or_else(|| u32::try_from(cpus * 4).unwrap_or(u32::MAX)),
+    })
 }
 
 /// Logs to stderr at `LOCKER_LOG` (default `info`), as JSON lines when asked.
@@ -185,6 +214,10 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 names: a.fleet_name,
                 url: a.fleet_url,
             }),
+        local_node: match a.node {
+            Some(_) => Some(local_node(a.node_name, a.node_slots, a.listen)?),
+            None => None,
+        },
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -79,6 +79,16 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         }
     }
     let app = build(cfg).await?;
+    let local_node = match &app.cfg.local_node {
+        Some(c) => match crate::fleet::local::register(&app, c).await {
+            Ok(n) => Some((c.clone(), n)),
+            Err(e) => {
+                shutdown(&app).await;
+                return Err(ServeError::Fleet(e));
+            }
+        },
+        None => None,
+    };
     let listener = tokio::net::TcpListener::bind(app.cfg.listen)
         .await
         .map_err(|e| ServeError::Listen(app.cfg.listen, e));
@@ -121,6 +131,9 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     };
     if let Some(fleet) = &app.fleet {
         fleet.serve(quitting.clone());
+    }
+    if let Some((c, n)) = local_node {
+        crate::fleet::local::spawn(app.clone(), c, n, quitting.clone());
     }
     let mut stopping = quitting;
     let mut serving = tokio::spawn(

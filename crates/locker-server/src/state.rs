@@ -95,6 +95,8 @@ pub struct Config {
     pub cow_disks: locker_runtime::cow_disks::Mode,
     /// Whether and where nodes of other hosts join this control plane (`--fleet-listen`).
     pub fleet: Option<crate::fleet::control::ControlConfig>,
+    /// Whether this server is also a node of the fleet (`--node local`).
+    pub local_node: Option<crate::fleet::local::LocalNodeConfig>,
 }
 
 /// A sandbox whose machine runs on this node.

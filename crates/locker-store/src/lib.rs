@@ -376,6 +376,13 @@ pub trait Store: Send + Sync {
     /// expired; `Conflict` if the node's name is taken (the token stays unused).
     fn join_node(&self, token_hash: &[u8], node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord>;
 
+    /// Registers a node that joins without a token: a server's own in-process node
+    /// (`--node local`, `cert_sha256` `local`: it has no certificate and calls no fleet
+    /// route). A new name is inserted (lease `lease_ms` from now); a name already held by a
+    /// node with the same `cert_sha256` keeps its row (id, epoch, state) with `address`
+    /// updated; `Conflict` if a node that joined with a certificate holds the name.
+    fn upsert_node(&self, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord>;
+
     /// Records a heartbeat of node `id` at `epoch`: its report, and its lease renewed to
     /// `lease_ms` from now. `None` (nothing written) if the node is unknown, dead, or at
     /// another epoch.

@@ -1865,6 +1865,30 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     assert!(store.delete_node("nd_1").unwrap());
     assert!(!store.delete_node("nd_1").unwrap());
 
+    // A server's own node: no token; registered again, it keeps its row; a name held by a
+    // node with a certificate is not its to take.
+    let mut local = node("nd_l", "ctl");
+    local.cert_sha256 = "local".into();
+    let l1 = store.upsert_node(&local, 3000).unwrap();
+    assert_eq!((l1.id.as_str(), l1.epoch), ("nd_l", 1));
+    store.node_heartbeat("nd_l", 1, "{}", 1).unwrap().unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(store.expire_nodes(5).unwrap()[0].id, "nd_l");
+    local.id = "nd_other".into();
+    local.address = "10.0.0.9:7443".into();
+    let l2 = store.upsert_node(&local, 3000).unwrap();
+    assert_eq!(
+        (l2.id.as_str(), l2.epoch, l2.state),
+        ("nd_l", 2, NodeState::Dead)
+    );
+    assert_eq!(l2.address, "10.0.0.9:7443");
+    let mut z = node("nd_z", "n2");
+    z.cert_sha256 = "local".into();
+    assert!(matches!(
+        store.upsert_node(&z, 3000),
+        Err(StoreError::Conflict(_))
+    ));
+
     // The CA: the first one stored stays, whoever comes second.
     assert!(store.fleet_ca().unwrap().is_none());
     let ca = |pem: &str| FleetCaRecord {

@@ -134,6 +134,12 @@ impl TemplateStore {
         }
     }
 
+    /// The digests of the built templates, sorted: one directory read, nothing cleaned and
+    /// no metadata read (what a fleet node reports every heartbeat).
+    pub fn digests(&self) -> Result<Vec<String>, TemplateError> {
+        self.built_digests()
+    }
+
     /// Every built template: one entry per name, plus one with an empty name for each
     /// digest no name points at; sorted by name, then digest. Removes what interrupted
     /// builds left behind first.

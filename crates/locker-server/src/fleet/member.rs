@@ -255,29 +255,37 @@ fn load(dir: &Path) -> Result<Option<Member>, MemberError> {
     }))
 }
 
-/// What this node has now.
-fn report(cfg: &MemberConfig) -> Report {
-    let templates = locker_runtime::template::TemplateStore::open(&cfg.cache_dir)
-        .and_then(|s| s.list())
-        .map(|ts| {
-            let mut d: Vec<String> = ts.into_iter().map(|t| t.digest).collect();
-            d.sort();
-            d.dedup();
-            d
-        })
-        .unwrap_or_default();
+/// A report of this host: its capacity (CPUs, memory, the data dir's free disk), `slots`,
+/// and what it runs and has (`sandboxes`, `warm`, the template digests in `templates`).
+pub fn host_report(
+    data_dir: &Path,
+    slots: u32,
+    sandboxes: u32,
+    warm: u32,
+    templates: Option<&locker_runtime::template::TemplateStore>,
+) -> Report {
     Report {
         version: env!("CARGO_PKG_VERSION").to_owned(),
         cpus: std::thread::available_parallelism()
             .map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)),
         memory_mb: crate::capacity::host_memory_mb().unwrap_or(0),
-        disk_free_mb: crate::capacity::Space::of(&cfg.data_dir).map_or(0, |s| s.free_mb),
-        slots: cfg.slots,
-        // Sandboxes are not placed on remote nodes yet (issue 25, point 3).
-        sandboxes: 0,
-        templates,
-        warm: 0,
+        disk_free_mb: crate::capacity::Space::of(data_dir).map_or(0, |s| s.free_mb),
+        slots,
+        sandboxes,
+        templates: templates.and_then(|t| t.digests().ok()).unwrap_or_default(),
+        warm,
     }
+}
+
+/// What this node has now. Sandboxes are not placed on remote nodes yet (issue 25,
+/// point 3): it runs none.
+fn report(cfg: &MemberConfig, templates: Option<&locker_runtime::template::TemplateStore>) -> Report {
+    host_report(&cfg.data_dir, cfg.slots, 0, 0, templates)
+}
+
+/// The host's template cache, if it has one.
+fn templates(cfg: &MemberConfig) -> Option<locker_runtime::template::TemplateStore> {
+    locker_runtime::template::TemplateStore::open(&cfg.cache_dir).ok()
 }
 
 async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
@@ -300,7 +308,7 @@ async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
         name: cfg.name.clone(),
         address: cfg.advertise.clone(),
         public_key: hex(key.public_key_raw()),
-        report: report(cfg),
+        report: report(cfg, templates(cfg).as_ref()),
     };
     let (status, bytes) = link.call(wire::REGISTER, &body).await.map_err(fail)?;
     if status != StatusCode::CREATED {
@@ -331,6 +339,7 @@ async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
 /// return.
 async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
     const QUIET: Duration = Duration::from_secs(10);
+    let templates = templates(cfg);
     let mut link: Option<Link> = None;
     let mut tick = tokio::time::interval(HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -345,7 +354,7 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
             let beat = Beat {
                 node_id: m.ident.node_id.clone(),
                 epoch: m.ident.epoch,
-                report: report(cfg),
+                report: report(cfg, templates.as_ref()),
             };
             l.call(wire::HEARTBEAT, &beat).await
         }

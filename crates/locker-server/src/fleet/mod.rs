@@ -11,13 +11,15 @@
 //!   TLS; client certificates from the fleet CA), join, heartbeats, returns; the admin
 //!   routes (`/v1/fleet/…`: mint a join token, list and remove nodes); the lease sweeper;
 //! - `member`: a node's side (`locker node`): join with a token, keep its identity, beat
-//!   every [`HEARTBEAT`], fence itself and return when the fleet declared it dead.
+//!   every [`HEARTBEAT`], fence itself and return when the fleet declared it dead;
+//! - `local`: `locker serve --node local`, this server's own node in the fleet's table.
 //!
 //! It owns the fleet's certificates and sockets. The rows are the store's (`locker_store`'s
 //! `fleet` rules); machines stay the runtime's: nothing here starts, stops or kills one. A
 //! node never kills anything because it cannot reach the control plane.
 
 pub mod control;
+pub mod local;
 pub mod member;
 pub mod pki;
 pub mod wire;

@@ -130,6 +130,34 @@ pub(super) fn join_node(
     })
 }
 
+pub(super) fn upsert_node(c: &mut Conn, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord> {
+    validate_node_name(&node.name)?;
+    let row = c.query_opt(
+        &format!(
+            "INSERT INTO nodes ({NODE_COLUMNS})
+             VALUES ($1, $2, $3, $4, $5, $6, $7, {NOW_MS}, {NOW_MS} + $8, $9)
+             ON CONFLICT (name) DO UPDATE SET address = excluded.address
+             WHERE nodes.cert_sha256 = excluded.cert_sha256
+             RETURNING {NODE_COLUMNS}"
+        ),
+        &[
+            &node.id,
+            &node.name,
+            &node.address,
+            &node.cert_sha256,
+            &node.epoch,
+            &node.state.as_str(),
+            &node.joined_at,
+            &lease_ms,
+            &node.report,
+        ],
+    )?;
+    match row {
+        Some(r) => node_of(&r),
+        None => Err(crate::StoreError::Conflict(name_taken(&node.name))),
+    }
+}
+
 pub(super) fn node_heartbeat(
     c: &mut Conn,
     id: &str,

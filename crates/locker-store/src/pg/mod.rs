@@ -725,6 +725,11 @@ impl Store for PgStore {
         self.run(move |c| fleet::join_node(c, &hash, &node, lease_ms))
     }
 
+    fn upsert_node(&self, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord> {
+        let node = node.clone();
+        self.run(move |c| fleet::upsert_node(c, &node, lease_ms))
+    }
+
     fn node_heartbeat(
         &self,
         id: &str,

@@ -160,6 +160,43 @@ pub(super) fn join_node(
     Ok(n)
 }
 
+pub(super) fn upsert_node(
+    db: &SqliteStore,
+    node: &NodeRecord,
+    lease_ms: i64,
+) -> Result<NodeRecord> {
+    validate_node_name(&node.name)?;
+    let ms = clock_ms();
+    let raw = db
+        .writer()
+        .prepare_cached(&format!(
+            "INSERT INTO nodes ({NODE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
+             ON CONFLICT (name) DO UPDATE SET address = excluded.address
+             WHERE nodes.cert_sha256 = excluded.cert_sha256
+             RETURNING {NODE_COLUMNS}"
+        ))?
+        .query_row(
+            params![
+                node.id,
+                node.name,
+                node.address,
+                node.cert_sha256,
+                node.epoch,
+                node.state.as_str(),
+                node.joined_at,
+                ms,
+                ms + lease_ms,
+                node.report
+            ],
+            raw_node,
+        )
+        .optional()?;
+    match raw {
+        Some(r) => decode(r),
+        None => Err(crate::StoreError::Conflict(name_taken(&node.name))),
+    }
+}
+
 /// One `UPDATE … RETURNING` of a node row, or `None` when no row matched.
 fn update_node(
     db: &SqliteStore,

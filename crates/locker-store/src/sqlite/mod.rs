@@ -486,6 +486,10 @@ impl Store for SqliteStore {
         fleet::join_node(self, token_hash, node, lease_ms)
     }
 
+    fn upsert_node(&self, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord> {
+        fleet::upsert_node(self, node, lease_ms)
+    }
+
     fn node_heartbeat(
         &self,
         id: &str,
