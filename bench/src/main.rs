@@ -13,6 +13,7 @@
 //! Run it through `bench/run`, which builds the release binaries first.
 
 mod code;
+mod fleet;
 mod host;
 mod http1;
 mod images;
@@ -112,7 +113,7 @@ pub struct Args {
     pub no_favordynmods: bool,
 }
 
-const GROUPS: [&str; 17] = [
+const GROUPS: [&str; 18] = [
     "jail",
     "peers",
     "server",
@@ -130,6 +131,7 @@ const GROUPS: [&str; 17] = [
     "sdk",
     "secrets",
     "ui",
+    "fleet",
 ];
 
 impl Args {
@@ -392,6 +394,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             args.ui_sandboxes
         );
         ui::rows(args, rows)?;
+    }
+    if args.wants("fleet") {
+        check_stop()?;
+        println!("== fleet: nodes in network namespaces joining a server on Postgres: joins, heartbeats, failure detection ==");
+        fleet::rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;
