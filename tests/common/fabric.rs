@@ -3,9 +3,10 @@
 //!
 //! The bridge carries the control address (`.1`) in the test's own network namespace, so
 //! that `locker serve` started by the harness can listen on it; each node namespace has one
-//! veth on the bridge (`.10 + i`). The /24 (`10.251.X.0`, X from the test's pid and the fabric's number) exists
-//! only while the fabric does. Names start with `fab`, never with `lk` (Locker's own links,
-//! which a server's start-up sweep removes).
+//! veth on the bridge (`.10 + i`). The /24 (`10.251.X.0`, X from the test's pid and the
+//! fabric's number) exists only while the fabric does. Names start with `fab` and the test
+//! process's pid, never with `lk` (Locker's own links, which a server's start-up sweep
+//! removes); what a killed test process left is removed by the next fabric's start.
 
 use std::process::{Child, Command, Stdio};
 
@@ -23,11 +24,13 @@ impl Fabric {
         static N: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
         let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let pid = std::process::id();
+        // "fab" + a pid (7 digits at most) + "x" + n + "v" + i: within a link name's 15.
         let f = Fabric {
-            tag: format!("fab{}x{n}", pid % 100_000),
+            tag: format!("fab{pid}x{n}"),
             subnet: u8::try_from(20 + (pid + 37 * n) % 200).unwrap_or(20),
             nodes,
         };
+        sweep_dead();
         f.remove();
         ip(&["link", "add", &f.bridge(), "type", "bridge"]);
         ip(&[
@@ -92,7 +95,8 @@ impl Fabric {
         ip(&["link", "set", &self.veth(i), if up { "up" } else { "down" }]);
     }
 
-    /// `program args…` started in node `i`'s namespace, its output appended to `log`.
+    /// `program args…` started in node `i`'s namespace, its output appended to `log`; it
+    /// is killed when the thread that started it ends (the test), whatever else happens.
     pub fn spawn(
         &self,
         i: usize,
@@ -105,7 +109,15 @@ impl Fabric {
             .append(true)
             .open(log)
             .expect("open the node's log");
-        let child = Command::new("ip")
+        let mut cmd = Command::new("ip");
+        // SAFETY: prctl with integer arguments, between fork and exec.
+        unsafe {
+            std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+                libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL);
+                Ok(())
+            });
+        }
+        let child = cmd
             .args(["netns", "exec", &self.ns(i)])
             .arg(program)
             .args(args)
@@ -138,5 +150,45 @@ impl Fabric {
 impl Drop for Fabric {
     fn drop(&mut self) {
         self.remove();
+    }
+}
+
+/// Removes what fabrics of test processes that are gone left (killed before their drop).
+fn sweep_dead() {
+    let dead = |name: &str| -> bool {
+        let Some(pid) = name
+            .strip_prefix("fab")
+            .and_then(|r| r.split('x').next())
+            .and_then(|p| p.parse::<u32>().ok())
+        else {
+            return false;
+        };
+        !std::path::Path::new(&format!("/proc/{pid}")).exists()
+    };
+    let out = |args: &[&str]| {
+        Command::new("ip")
+            .args(args)
+            .output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+            .unwrap_or_default()
+    };
+    for line in out(&["-o", "link", "show"]).lines() {
+        // "12: fab123x0b: <…" or "13: fab123x0v1@if2: <…"
+        let Some(name) = line
+            .split(": ")
+            .nth(1)
+            .map(|n| n.split('@').next().unwrap_or(n))
+        else {
+            continue;
+        };
+        if dead(name) {
+            let _ = Command::new("ip").args(["link", "del", name]).output();
+        }
+    }
+    for line in out(&["netns", "list"]).lines() {
+        let name = line.split_whitespace().next().unwrap_or_default();
+        if dead(name) {
+            let _ = Command::new("ip").args(["netns", "del", name]).output();
+        }
     }
 }

@@ -7,7 +7,10 @@
 //! Rules:
 //! - A join token is stored as its SHA-256 only, is redeemed at most once, and never after
 //!   it expires. Redeeming it and inserting the node are one transaction: a refused join
-//!   (name taken) leaves the token unused, a replayed one inserts nothing.
+//!   (name taken) leaves the token unused, a replayed one inserts nothing. The one retry
+//!   allowed: the same token, before it expires, with the same public key (a node whose
+//!   answer was lost, or that died before writing its identity) gets the node it made,
+//!   unchanged; anyone else gets `already used`.
 //! - Liveness is the store's clock (Postgres: the database's, so replicas on hosts with
 //!   skewed clocks agree), in milliseconds since the Unix epoch.
 //! - A heartbeat counts only for the node's current epoch and while it is `ready`: a node
@@ -79,6 +82,10 @@ pub struct NodeRecord {
     /// SHA-256 (hex) of the client certificate the fleet CA signed for it at join: the only
     /// certificate its calls are accepted with.
     pub cert_sha256: String,
+    /// That certificate (PEM), and the public key it was signed over (hex of the P-256
+    /// point the node sent): a join retried with the same token and key gets them back.
+    pub cert_pem: String,
+    pub public_key: String,
     /// Bumped each time the node is declared dead; every call about its sandboxes carries it.
     pub epoch: i64,
     pub state: NodeState,

@@ -373,14 +373,16 @@ pub trait Store: Send + Sync {
     /// Redeems the token whose SHA-256 is `token_hash` for `node` and inserts the node, in
     /// one transaction; its `heartbeat_ms` and `lease_until_ms` are set from the store's
     /// clock (`lease_ms` from now). `NotFound` (saying why) if the token is unknown, used or
-    /// expired; `Conflict` if the node's name is taken (the token stays unused).
+    /// expired; `Conflict` if the node's name is taken (the token stays unused). A token
+    /// already redeemed by a node with the same `public_key`, before it expires, returns
+    /// that node as it is (a retried join).
     fn join_node(&self, token_hash: &[u8], node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord>;
 
     /// Registers a node that joins without a token: a server's own in-process node
     /// (`--node local`, `cert_sha256` `local`: it has no certificate and calls no fleet
-    /// route). A new name is inserted (lease `lease_ms` from now); a name already held by a
-    /// node with the same `cert_sha256` keeps its row (id, epoch, state) with `address`
-    /// updated; `Conflict` if a node that joined with a certificate holds the name.
+    /// route). A new id is inserted (lease `lease_ms` from now); an id already there keeps
+    /// its row (epoch, state) with `name` and `address` updated; `Conflict` if the name is
+    /// another node's, or the id is a node that joined with a certificate.
     fn upsert_node(&self, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord>;
 
     /// Records a heartbeat of node `id` at `epoch`: its report, and its lease renewed to

@@ -1548,6 +1548,8 @@ fn fill_every_table(s: &dyn Store) {
             name: "n1".into(),
             address: "10.0.0.2:7443".into(),
             cert_sha256: "cd".repeat(32),
+            cert_pem: "-----BEGIN CERTIFICATE-----".into(),
+            public_key: "04ab".into(),
             epoch: 1,
             state: locker_store::NodeState::Ready,
             joined_at: rfc3339(T0),
@@ -1619,14 +1621,14 @@ fn sqlite_data_moves_to_postgres_whole_and_only_once() {
     );
     assert_eq!(a.list_nodes().unwrap(), b.list_nodes().unwrap());
     assert_eq!(a.fleet_ca().unwrap(), b.fleet_ca().unwrap());
-    // A token used before the move stays used after it.
-    assert!(b
-        .join_node(
-            &Sha256::digest(b"token-one"),
-            &a.get_node("n1").unwrap().unwrap(),
-            1
-        )
-        .is_err());
+    // A token used before the move stays used after it: the node that used it gets itself
+    // back, anyone else is refused.
+    let n1 = a.get_node("n1").unwrap().unwrap();
+    let hash = Sha256::digest(b"token-one");
+    assert_eq!(b.join_node(&hash, &n1, 1).unwrap(), n1);
+    let mut other = n1.clone();
+    other.public_key = "04cd".into();
+    assert!(b.join_node(&hash, &other, 1).is_err());
     assert!(b
         .authenticate("lk_chosen_key_0123456789")
         .unwrap()
@@ -1752,6 +1754,8 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
         name: name.into(),
         address: "10.0.0.2:7443".into(),
         cert_sha256: "ab".repeat(32),
+        cert_pem: format!("cert of {id}"),
+        public_key: format!("key of {name}"),
         epoch: 1,
         state: NodeState::Ready,
         joined_at: rfc3339(now),
@@ -1777,6 +1781,21 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
         n1.lease_until_ms >= clock + 3000 && n1.heartbeat_ms >= clock,
         "{n1:?}"
     );
+    // The same node again (its answer lost): the node it made, unchanged; another key or
+    // name: refused.
+    let again = store
+        .join_node(&hash("one"), &node("nd_y", "n1"), 3000)
+        .unwrap();
+    assert_eq!(
+        (again.id.as_str(), again.cert_pem.as_str()),
+        ("nd_1", "cert of nd_1")
+    );
+    let mut thief = node("nd_y", "n1");
+    thief.public_key = "another key".into();
+    assert!(matches!(
+        store.join_node(&hash("one"), &thief, 3000),
+        Err(StoreError::NotFound(_))
+    ));
     // Replayed, expired, unknown: refused, saying why; nothing inserted.
     for (clear, why) in [
         ("one", "already used"),
@@ -1865,8 +1884,9 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     assert!(store.delete_node("nd_1").unwrap());
     assert!(!store.delete_node("nd_1").unwrap());
 
-    // A server's own node: no token; registered again, it keeps its row; a name held by a
-    // node with a certificate is not its to take.
+    // A server's own node: no token; registered again (same id), it keeps its row with
+    // its new name and address; another id cannot take its name, nor can it take a node
+    // that joined with a certificate.
     let mut local = node("nd_l", "ctl");
     local.cert_sha256 = "local".into();
     let l1 = store.upsert_node(&local, 3000).unwrap();
@@ -1874,15 +1894,24 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     store.node_heartbeat("nd_l", 1, "{}", 1).unwrap().unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(store.expire_nodes(5).unwrap()[0].id, "nd_l");
-    local.id = "nd_other".into();
     local.address = "10.0.0.9:7443".into();
+    local.name = "ctl-2".into();
     let l2 = store.upsert_node(&local, 3000).unwrap();
     assert_eq!(
         (l2.id.as_str(), l2.epoch, l2.state),
         ("nd_l", 2, NodeState::Dead)
     );
-    assert_eq!(l2.address, "10.0.0.9:7443");
-    let mut z = node("nd_z", "n2");
+    assert_eq!(
+        (l2.address.as_str(), l2.name.as_str()),
+        ("10.0.0.9:7443", "ctl-2")
+    );
+    let mut other = local.clone();
+    other.id = "nd_other".into();
+    assert!(matches!(
+        store.upsert_node(&other, 3000),
+        Err(StoreError::Conflict(_))
+    ));
+    let mut z = node("nd_2", "zz");
     z.cert_sha256 = "local".into();
     assert!(matches!(
         store.upsert_node(&z, 3000),

@@ -22,7 +22,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Extension, Router};
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use locker_store::{JoinTokenRecord, NodeRecord, NodeState, Store, StoreError};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -36,6 +36,14 @@ use crate::error::ApiError;
 use crate::extract::Json;
 use crate::ids::{hex, new_id, now_s};
 use crate::state::AppState;
+
+/// Connections the listener holds at once (a node holds one); more are refused.
+const MAX_CONNECTIONS: usize = 4096;
+/// HTTP/2 pings on an idle connection, and how long an answer may take: a node that died
+/// or was cut off frees its connection within twice this.
+const KEEPALIVE: Duration = Duration::from_secs(10);
+/// How long a connection without a client certificate (a join) may stay.
+const ANONYMOUS_LIFE: Duration = Duration::from_secs(30);
 
 /// How `locker serve` accepts nodes (`--fleet-listen`, `--fleet-name`, `--fleet-url`).
 #[derive(Debug, Clone)]
@@ -124,6 +132,7 @@ impl Control {
             .route(wire::RETURN, post(give_back))
             .with_state(self.clone());
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls.clone());
+        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
         let mut stop = quitting.clone();
         tokio::spawn(async move {
             let quit = async move {
@@ -142,8 +151,15 @@ impl Control {
                     },
                     () = &mut quit => return,
                 };
+                let Ok(permit) = slots.clone().try_acquire_owned() else {
+                    // Full: refuse at once rather than queue (nodes retry every beat).
+                    continue;
+                };
                 let (acceptor, routes) = (acceptor.clone(), routes.clone());
-                tokio::spawn(connection(tcp, acceptor, routes));
+                tokio::spawn(async move {
+                    connection(tcp, acceptor, routes).await;
+                    drop(permit);
+                });
             }
         });
         tokio::spawn(sweep(self.store.clone(), quitting));
@@ -189,14 +205,25 @@ async fn connection(
             .and_then(|c| c.first())
             .map(|c| pki::fingerprint(c)),
     );
+    let anonymous_peer = peer.0.is_none();
     let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
         req.extensions_mut().insert(peer.clone());
         let mut routes = routes.clone();
         async move { tower_service::Service::call(&mut routes, req).await }
     });
-    let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
-        .serve_connection(TokioIo::new(tls), svc)
-        .await;
+    let anonymous = anonymous_peer;
+    let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+        .timer(TokioTimer::new())
+        .keep_alive_interval(Some(KEEPALIVE))
+        .keep_alive_timeout(KEEPALIVE)
+        .max_concurrent_streams(16)
+        .serve_connection(TokioIo::new(tls), svc);
+    if anonymous {
+        // Without a certificate only a join can be asked for: one call, then it goes.
+        let _ = tokio::time::timeout(ANONYMOUS_LIFE, conn).await;
+    } else {
+        let _ = conn.await;
+    }
 }
 
 /// A store call off the async threads.
@@ -234,6 +261,8 @@ async fn register(
         name: join.name.clone(),
         address: join.address.clone(),
         cert_sha256,
+        cert_pem,
+        public_key: join.public_key.to_ascii_lowercase(),
         epoch: 1,
         state: NodeState::Ready,
         joined_at: locker_types::rfc3339(now_s()),
@@ -258,7 +287,8 @@ async fn register(
     let body = Joined {
         node_id: node.id,
         epoch: node.epoch,
-        cert_pem,
+        // The stored one: a retried join gets the certificate it was given the first time.
+        cert_pem: node.cert_pem,
         ca_pem: c.ca.pem.clone(),
         heartbeat_ms: u64::try_from(super::HEARTBEAT.as_millis()).unwrap_or(1000),
         lease_ms: u64::try_from(LEASE.as_millis()).unwrap_or(3000),
@@ -315,13 +345,24 @@ async fn heartbeat(
         serde_json::to_string(&beat.report).map_err(|e| ApiError::internal(e.to_string()))?;
     let store = c.store.clone();
     let (id, epoch) = (node.id.clone(), beat.epoch);
-    match blocking(move || store.node_heartbeat(&id, epoch, &report, lease_ms())).await? {
-        Some(n) => Ok(axum::Json(BeatAnswer {
+    let beat = blocking(move || {
+        Ok(
+            match store.node_heartbeat(&id, epoch, &report, lease_ms())? {
+                Some(n) => Ok(n),
+                // Not counted: answer with the row as it is now (the sweeper may just have
+                // moved it on).
+                None => Err(store.get_node(&id)?),
+            },
+        )
+    })
+    .await?;
+    match beat {
+        Ok(n) => Ok(axum::Json(BeatAnswer {
             epoch: n.epoch,
             lease_until_ms: n.lease_until_ms,
         })
         .into_response()),
-        None => Ok(fenced(&node)),
+        Err(now) => Ok(fenced(now.as_ref().unwrap_or(&node))),
     }
 }
 
@@ -332,9 +373,22 @@ async fn give_back(
 ) -> Result<Response, ApiError> {
     let node = caller(&c, &peer, &ret.node_id).await?;
     let (store, id) = (c.store.clone(), node.id.clone());
-    match blocking(move || store.revive_node(&id, lease_ms())).await? {
-        Some(n) => {
-            tracing::info!(node = %n.id, name = %n.name, epoch = n.epoch, "a node declared dead returned");
+    // Idempotent: a node already back (its first answer lost) learns its current epoch.
+    let back = blocking(move || {
+        Ok(match store.revive_node(&id, lease_ms())? {
+            Some(n) => Some((n, true)),
+            None => store
+                .get_node(&id)?
+                .filter(|n| n.state == NodeState::Ready)
+                .map(|n| (n, false)),
+        })
+    })
+    .await?;
+    match back {
+        Some((n, revived)) => {
+            if revived {
+                tracing::info!(node = %n.id, name = %n.name, epoch = n.epoch, "a node declared dead returned");
+            }
             Ok(axum::Json(BeatAnswer {
                 epoch: n.epoch,
                 lease_until_ms: n.lease_until_ms,
@@ -345,7 +399,10 @@ async fn give_back(
     }
 }
 
-/// The sweeper (see the module doc): every [`SWEEP`], after a lease of grace.
+/// The sweeper (see the module doc): every [`SWEEP`], after a lease of grace. One server
+/// uses a database today (`PgStore::claim_single_server`), so one sweeper runs; replicas
+/// sharing one will need it behind the fleet's leader lock (`FLEET.md` §4.1), else the
+/// rate limit multiplies by their number (expiry itself stays exactly-once: `SKIP LOCKED`).
 async fn sweep(store: Arc<dyn Store>, mut quitting: tokio::sync::watch::Receiver<bool>) {
     const WINDOW: Duration = Duration::from_secs(60);
     let mut grace_until = Instant::now() + LEASE;

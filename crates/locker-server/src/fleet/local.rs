@@ -1,6 +1,7 @@
 //! `locker serve --node local`: this server's in-process node as a node of the fleet
 //! (`FLEET.md` §4.3, "small fleet, every host identical"). It joins without a token (the
-//! server holds the store already) and has no certificate (it calls no fleet route): it
+//! server holds the store already), under an id kept in the data dir (`fleet/local-node`),
+//! and has no certificate (it calls no fleet route): it
 //! beats on the store directly every [`HEARTBEAT`] with what this server runs, and any
 //! replica's sweeper declares it dead like any node when those beats stop.
 //!
@@ -34,24 +35,50 @@ fn lease_ms() -> i64 {
 async fn report(app: &AppState, slots: u32) -> String {
     let sandboxes = u32::try_from(app.live.read().await.len()).unwrap_or(u32::MAX);
     let warm = u32::try_from(app.pool.len()).unwrap_or(u32::MAX);
-    let r = host_report(
-        &app.cfg.data_dir,
-        slots,
-        sandboxes,
-        warm,
-        Some(&app.templates),
-    );
+    // It reads /proc, the data dir's filesystem and the template cache: off the async threads.
+    let app = app.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        host_report(
+            &app.cfg.data_dir,
+            slots,
+            sandboxes,
+            warm,
+            Some(&app.templates),
+        )
+    })
+    .await
+    .unwrap_or_default();
     serde_json::to_string(&r).unwrap_or_else(|_| "{}".into())
 }
 
-/// Registers this server's node (at start: a name held by a node that joined with a
-/// certificate stops the start, saying so).
+/// This server's node id: kept in `<data-dir>/fleet/local-node`, made at the first start,
+/// so that two hosts that happen to share a name never share a row.
+fn node_id(data_dir: &std::path::Path) -> Result<String, String> {
+    let dir = super::member::fleet_dir(data_dir);
+    let path = dir.join("local-node");
+    if let Ok(id) = std::fs::read_to_string(&path) {
+        let id = id.trim();
+        if id.starts_with("node_") && id.len() < 64 {
+            return Ok(id.to_owned());
+        }
+    }
+    let id = new_id("node_");
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&path, format!("{id}\n")))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(id)
+}
+
+/// Registers this server's node (at start: a name held by another node stops the start,
+/// saying so).
 pub async fn register(app: &AppState, cfg: &LocalNodeConfig) -> Result<NodeRecord, String> {
     let rec = NodeRecord {
-        id: new_id("node_"),
+        id: node_id(&app.cfg.data_dir)?,
         name: cfg.name.clone(),
         address: cfg.address.clone(),
         cert_sha256: LOCAL_CERT.into(),
+        cert_pem: String::new(),
+        public_key: String::new(),
         epoch: 1,
         state: NodeState::Ready,
         joined_at: locker_types::rfc3339(now_s()),
@@ -64,11 +91,7 @@ pub async fn register(app: &AppState, cfg: &LocalNodeConfig) -> Result<NodeRecor
         .await
         .map_err(|e| e.to_string())?
         .map_err(|e| match e {
-            StoreError::Conflict(_) => format!(
-                "a node named {:?} joined the fleet with a certificate: give this server \
-                 another --node-name",
-                cfg.name
-            ),
+            StoreError::Conflict(m) => format!("{m} (--node-name names this server's node)"),
             e => format!("registering this server's node: {e}"),
         })?;
     tracing::info!(node = %node.id, name = %node.name, epoch = node.epoch, "this server is a node of the fleet (--node local)");

@@ -279,13 +279,30 @@ pub fn host_report(
 
 /// What this node has now. Sandboxes are not placed on remote nodes yet (issue 25,
 /// point 3): it runs none.
-fn report(cfg: &MemberConfig, templates: Option<&locker_runtime::template::TemplateStore>) -> Report {
+fn report(
+    cfg: &MemberConfig,
+    templates: Option<&locker_runtime::template::TemplateStore>,
+) -> Report {
     host_report(&cfg.data_dir, cfg.slots, 0, 0, templates)
 }
 
+/// [`report`] on a blocking thread (it reads /proc, the data dir's filesystem and the
+/// template cache's directory).
+async fn report_off_thread(
+    cfg: &MemberConfig,
+    templates: &Option<Arc<locker_runtime::template::TemplateStore>>,
+) -> Report {
+    let (cfg, templates) = (cfg.clone(), templates.clone());
+    tokio::task::spawn_blocking(move || report(&cfg, templates.as_deref()))
+        .await
+        .unwrap_or_default()
+}
+
 /// The host's template cache, if it has one.
-fn templates(cfg: &MemberConfig) -> Option<locker_runtime::template::TemplateStore> {
-    locker_runtime::template::TemplateStore::open(&cfg.cache_dir).ok()
+fn templates(cfg: &MemberConfig) -> Option<Arc<locker_runtime::template::TemplateStore>> {
+    locker_runtime::template::TemplateStore::open(&cfg.cache_dir)
+        .ok()
+        .map(Arc::new)
 }
 
 async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
@@ -300,7 +317,22 @@ async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
     let pin = super::token_pin(token).ok_or_else(|| {
         fail("--token is not a join token (lkj_…): mint one with `locker fleet token`".into())
     })?;
-    let key = KeyPair::generate().map_err(|e| fail(format!("making the node's key: {e}")))?;
+    // The key is written before the join is asked for: a join whose answer is lost, or a
+    // node that dies before writing its identity, tries again with the same token and key
+    // and gets the node it made.
+    std::fs::create_dir_all(dir)
+        .map_err(|e| MemberError::Identity(format!("{}: {e}", dir.display())))?;
+    let key_path = dir.join("node.key");
+    let key = match std::fs::read_to_string(&key_path) {
+        Ok(pem) => KeyPair::from_pem(&pem)
+            .map_err(|e| MemberError::Identity(format!("{}: {e}", key_path.display())))?,
+        Err(_) => {
+            let key =
+                KeyPair::generate().map_err(|e| fail(format!("making the node's key: {e}")))?;
+            write_file(&key_path, key.serialize_pem().as_bytes(), 0o600)?;
+            key
+        }
+    };
     let tls = pki::client_config(pki::PinnedCa::new(pin), None).map_err(fail)?;
     let mut link = Link::open(url, tls).await.map_err(fail)?;
     let body = Join {
@@ -308,7 +340,7 @@ async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
         name: cfg.name.clone(),
         address: cfg.advertise.clone(),
         public_key: hex(key.public_key_raw()),
-        report: report(cfg, templates(cfg).as_ref()),
+        report: report_off_thread(cfg, &templates(cfg)).await,
     };
     let (status, bytes) = link.call(wire::REGISTER, &body).await.map_err(fail)?;
     if status != StatusCode::CREATED {
@@ -319,21 +351,28 @@ async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
     }
     let joined: Joined = serde_json::from_slice(&bytes)
         .map_err(|e| fail(format!("the control plane's answer: {e}")))?;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| MemberError::Identity(format!("{}: {e}", dir.display())))?;
+    // The CA handed over must be the one the token pins (the one TLS was checked against).
+    let ca_der = pki::pem_to_der(&joined.ca_pem).map_err(fail)?;
+    if !pki::fingerprint(&ca_der).starts_with(&pin.to_ascii_lowercase()) {
+        return Err(fail(
+            "the control plane handed over a CA other than the one the join token names".into(),
+        ));
+    }
     let ident = Identity {
         control: url.to_owned(),
         node_id: joined.node_id.clone(),
         name: cfg.name.clone(),
         epoch: joined.epoch,
     };
-    write_file(&dir.join("node.key"), key.serialize_pem().as_bytes(), 0o600)?;
     write_file(&dir.join("node.crt"), joined.cert_pem.as_bytes(), 0o644)?;
     write_file(&dir.join("ca.crt"), joined.ca_pem.as_bytes(), 0o644)?;
     save_identity(dir, &ident)?;
     tracing::info!(node = %ident.node_id, name = %ident.name, "joined the fleet");
     load(dir)?.ok_or_else(|| MemberError::Identity("the identity just written is gone".into()))
 }
+
+/// Refusals in a row (one a beat) after which a node takes itself for removed.
+const REFUSALS_TO_STOP: u32 = 10;
 
 /// Beats until removed. Unreachable: keep going, keep everything. Declared dead: fence,
 /// return.
@@ -344,6 +383,9 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
     let mut tick = tokio::time::interval(HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut unreachable: Option<(Instant, Instant)> = None; // (since, last said)
+                                                            // An answer that the fleet does not know this node, in a row: one could be a store
+                                                            // that lost its latest writes (a failover); many are a removal.
+    let mut refused = 0u32;
     loop {
         tick.tick().await;
         let result = async {
@@ -354,7 +396,7 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
             let beat = Beat {
                 node_id: m.ident.node_id.clone(),
                 epoch: m.ident.epoch,
-                report: report(cfg, templates.as_ref()),
+                report: report_off_thread(cfg, &templates).await,
             };
             l.call(wire::HEARTBEAT, &beat).await
         }
@@ -378,6 +420,12 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
                 continue;
             }
         };
+        if status != StatusCode::NOT_FOUND
+            && status != StatusCode::FORBIDDEN
+            && status != StatusCode::UNAUTHORIZED
+        {
+            refused = 0;
+        }
         if let Some((since, _)) = unreachable.take() {
             tracing::info!(
                 after_s = since.elapsed().as_secs(),
@@ -401,7 +449,10 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
                     Ok((StatusCode::OK, b)) => {
                         if let Ok(a) = serde_json::from_slice::<BeatAnswer>(&b) {
                             m.ident.epoch = a.epoch;
-                            save_identity(&m.dir, &m.ident)?;
+                            if let Err(e) = save_identity(&m.dir, &m.ident) {
+                                // Kept in memory; a restart asks to return again.
+                                tracing::warn!(error = %e, "cannot write the new epoch");
+                            }
                             tracing::info!(epoch = a.epoch, "returned to the fleet");
                         }
                     }
@@ -413,6 +464,15 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
                         tracing::warn!(error = %e, "returning to the fleet failed: retrying");
                     }
                 }
+            }
+            StatusCode::NOT_FOUND | StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED
+                if {
+                    refused += 1;
+                    refused < REFUSALS_TO_STOP
+                } =>
+            {
+                tracing::warn!(status = %status, message = %message(&bytes), "the fleet does not know this node: stopping if that lasts");
+                continue;
             }
             StatusCode::NOT_FOUND | StatusCode::FORBIDDEN | StatusCode::UNAUTHORIZED => {
                 return Err(MemberError::Removed(format!(

@@ -211,6 +211,8 @@ const TABLES: &[(&str, Columns)] = &[
             ("name", Text),
             ("address", Text),
             ("cert_sha256", Text),
+            ("cert_pem", Text),
+            ("public_key", Text),
             ("epoch", Int),
             ("state", Text),
             ("joined_at", Text),

@@ -12,8 +12,8 @@ use crate::fleet::{name_taken, refused_token, validate_node_name};
 use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord, NodeState};
 use crate::model::now_unix;
 
-const NODE_COLUMNS: &str = "id, name, address, cert_sha256, epoch, state, joined_at, \
-                            heartbeat_ms, lease_until_ms, report";
+const NODE_COLUMNS: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, \
+                            state, joined_at, heartbeat_ms, lease_until_ms, report";
 
 /// The database's clock in milliseconds, as SQL.
 const NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
@@ -24,12 +24,14 @@ fn node_of(r: &Row) -> Result<NodeRecord> {
         name: r.try_get(1)?,
         address: r.try_get(2)?,
         cert_sha256: r.try_get(3)?,
-        epoch: r.try_get(4)?,
-        state: NodeState::parse(r.try_get(5)?)?,
-        joined_at: r.try_get(6)?,
-        heartbeat_ms: r.try_get(7)?,
-        lease_until_ms: r.try_get(8)?,
-        report: r.try_get(9)?,
+        cert_pem: r.try_get(4)?,
+        public_key: r.try_get(5)?,
+        epoch: r.try_get(6)?,
+        state: NodeState::parse(r.try_get(7)?)?,
+        joined_at: r.try_get(8)?,
+        heartbeat_ms: r.try_get(9)?,
+        lease_until_ms: r.try_get(10)?,
+        report: r.try_get(11)?,
     })
 }
 
@@ -84,29 +86,44 @@ pub(super) fn join_node(
     c.transaction(|c| {
         // FOR UPDATE: two joins with one token at once redeem it once.
         let token = c.query_opt(
-            "SELECT id, expires_unix, used_unix FROM join_tokens WHERE token_hash = $1 FOR UPDATE",
+            "SELECT id, expires_unix, used_unix, node_id FROM join_tokens
+             WHERE token_hash = $1 FOR UPDATE",
             &[&token_hash],
         )?;
         let now = now_unix();
-        let token_id: String = match token {
-            None => return Err(refused_token("no such token")),
-            Some(r) => {
-                let used: Option<i64> = r.try_get(2)?;
-                let expires: i64 = r.try_get(1)?;
-                if used.is_some() {
-                    return Err(refused_token("it was already used (one join each)"));
-                }
-                if expires <= now {
-                    return Err(refused_token("it expired"));
-                }
-                r.try_get(0)?
-            }
+        let Some(token) = token else {
+            return Err(refused_token("no such token"));
         };
+        let used: Option<i64> = token.try_get(2)?;
+        let expires: i64 = token.try_get(1)?;
+        if used.is_some() {
+            // The same node trying again (its answer lost): the node it made, as it is.
+            let used_by: Option<String> = token.try_get(3)?;
+            let made = match used_by {
+                Some(id) if expires > now => c
+                    .query_opt(
+                        &format!("SELECT {NODE_COLUMNS} FROM nodes WHERE id = $1"),
+                        &[&id],
+                    )?
+                    .as_ref()
+                    .map(node_of)
+                    .transpose()?,
+                _ => None,
+            };
+            return match made {
+                Some(n) if n.public_key == node.public_key && n.name == node.name => Ok(n),
+                _ => Err(refused_token("it was already used (one join each)")),
+            };
+        }
+        if expires <= now {
+            return Err(refused_token("it expired"));
+        }
+        let token_id: String = token.try_get(0)?;
         let row = c
             .query_one(
                 &format!(
                     "INSERT INTO nodes ({NODE_COLUMNS})
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, {NOW_MS}, {NOW_MS} + $8, $9)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, {NOW_MS}, {NOW_MS} + $10, $11)
                      RETURNING {NODE_COLUMNS}"
                 ),
                 &[
@@ -114,6 +131,8 @@ pub(super) fn join_node(
                     &node.name,
                     &node.address,
                     &node.cert_sha256,
+                    &node.cert_pem,
+                    &node.public_key,
                     &node.epoch,
                     &node.state.as_str(),
                     &node.joined_at,
@@ -122,39 +141,51 @@ pub(super) fn join_node(
                 ],
             )
             .map_err(|e| conflict_on_unique(e, || name_taken(&node.name)))?;
-        c.execute(
-            "UPDATE join_tokens SET used_unix = $1, node_id = $2 WHERE id = $3",
+        // `used_unix IS NULL` again: should the lock not hold (a connection made again
+        // mid-transaction), the token still redeems once.
+        let redeemed = c.execute(
+            "UPDATE join_tokens SET used_unix = $1, node_id = $2 WHERE id = $3 AND used_unix IS NULL",
             &[&now, &node.id, &token_id],
         )?;
+        if redeemed != 1 {
+            return Err(refused_token("it was already used (one join each)"));
+        }
         node_of(&row)
     })
 }
 
 pub(super) fn upsert_node(c: &mut Conn, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord> {
     validate_node_name(&node.name)?;
-    let row = c.query_opt(
-        &format!(
-            "INSERT INTO nodes ({NODE_COLUMNS})
-             VALUES ($1, $2, $3, $4, $5, $6, $7, {NOW_MS}, {NOW_MS} + $8, $9)
-             ON CONFLICT (name) DO UPDATE SET address = excluded.address
-             WHERE nodes.cert_sha256 = excluded.cert_sha256
-             RETURNING {NODE_COLUMNS}"
-        ),
-        &[
-            &node.id,
-            &node.name,
-            &node.address,
-            &node.cert_sha256,
-            &node.epoch,
-            &node.state.as_str(),
-            &node.joined_at,
-            &lease_ms,
-            &node.report,
-        ],
-    )?;
+    let row = c
+        .query_opt(
+            &format!(
+                "INSERT INTO nodes ({NODE_COLUMNS})
+                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, {NOW_MS}, {NOW_MS} + $10, $11)
+                 ON CONFLICT (id) DO UPDATE SET address = excluded.address, name = excluded.name
+                 WHERE nodes.cert_sha256 = excluded.cert_sha256
+                 RETURNING {NODE_COLUMNS}"
+            ),
+            &[
+                &node.id,
+                &node.name,
+                &node.address,
+                &node.cert_sha256,
+                &node.cert_pem,
+                &node.public_key,
+                &node.epoch,
+                &node.state.as_str(),
+                &node.joined_at,
+                &lease_ms,
+                &node.report,
+            ],
+        )
+        .map_err(|e| conflict_on_unique(e, || name_taken(&node.name)))?;
     match row {
         Some(r) => node_of(&r),
-        None => Err(crate::StoreError::Conflict(name_taken(&node.name))),
+        None => Err(crate::StoreError::Conflict(format!(
+            "node {} joined the fleet with a certificate: it is not this server's",
+            node.id
+        ))),
     }
 }
 

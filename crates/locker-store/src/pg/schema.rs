@@ -204,6 +204,8 @@ const MIGRATIONS: &[&str] = &[
         name           TEXT NOT NULL UNIQUE,
         address        TEXT NOT NULL,
         cert_sha256    TEXT NOT NULL,
+        cert_pem       TEXT NOT NULL,
+        public_key     TEXT NOT NULL,
         epoch          BIGINT NOT NULL,
         state          TEXT NOT NULL CHECK (state IN ('ready','dead')),
         joined_at      TEXT NOT NULL,

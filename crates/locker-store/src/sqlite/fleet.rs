@@ -3,7 +3,8 @@
 //!
 //! Owns: the `fleet_ca`, `join_tokens` and `nodes` tables.
 
-use rusqlite::{params, OptionalExtension, Row, TransactionBehavior};
+use rusqlite::types::Value;
+use rusqlite::{params, params_from_iter, OptionalExtension, Row, TransactionBehavior};
 
 use super::codec::conflict_on_unique;
 use super::SqliteStore;
@@ -12,50 +13,55 @@ use crate::fleet::{name_taken, refused_token, validate_node_name};
 use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord, NodeState};
 use crate::model::now_unix;
 
-const NODE_COLUMNS: &str = "id, name, address, cert_sha256, epoch, state, joined_at, \
-                            heartbeat_ms, lease_until_ms, report";
+const NODE_COLUMNS: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, \
+                            state, joined_at, heartbeat_ms, lease_until_ms, report";
+const NODE_VALUES: &str = "?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12";
 
-type RawNode = (
-    String,
-    String,
-    String,
-    String,
-    i64,
-    String,
-    String,
-    i64,
-    i64,
-    String,
-);
+/// A node row as read (its state still text).
+struct RawNode(NodeRecord, String);
 
 fn raw_node(r: &Row<'_>) -> rusqlite::Result<RawNode> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
+    Ok(RawNode(
+        NodeRecord {
+            id: r.get(0)?,
+            name: r.get(1)?,
+            address: r.get(2)?,
+            cert_sha256: r.get(3)?,
+            cert_pem: r.get(4)?,
+            public_key: r.get(5)?,
+            epoch: r.get(6)?,
+            state: NodeState::Ready,
+            joined_at: r.get(8)?,
+            heartbeat_ms: r.get(9)?,
+            lease_until_ms: r.get(10)?,
+            report: r.get(11)?,
+        },
         r.get(7)?,
-        r.get(8)?,
-        r.get(9)?,
     ))
 }
 
 fn decode(r: RawNode) -> Result<NodeRecord> {
-    Ok(NodeRecord {
-        id: r.0,
-        name: r.1,
-        address: r.2,
-        cert_sha256: r.3,
-        epoch: r.4,
-        state: NodeState::parse(&r.5)?,
-        joined_at: r.6,
-        heartbeat_ms: r.7,
-        lease_until_ms: r.8,
-        report: r.9,
-    })
+    let RawNode(mut n, state) = r;
+    n.state = NodeState::parse(&state)?;
+    Ok(n)
+}
+
+/// The parameters of a node row in [`NODE_COLUMNS`]' order, with its times.
+fn node_params(n: &NodeRecord, heartbeat_ms: i64, lease_until_ms: i64) -> [Value; 12] {
+    [
+        Value::Text(n.id.clone()),
+        Value::Text(n.name.clone()),
+        Value::Text(n.address.clone()),
+        Value::Text(n.cert_sha256.clone()),
+        Value::Text(n.cert_pem.clone()),
+        Value::Text(n.public_key.clone()),
+        Value::Integer(n.epoch),
+        Value::Text(n.state.as_str().to_owned()),
+        Value::Text(n.joined_at.clone()),
+        Value::Integer(heartbeat_ms),
+        Value::Integer(lease_until_ms),
+        Value::Text(n.report.clone()),
+    ]
 }
 
 /// This host's clock in milliseconds.
@@ -117,45 +123,59 @@ pub(super) fn join_node(
     validate_node_name(&node.name)?;
     let mut conn = db.writer();
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
-    let token: Option<(String, i64, Option<i64>)> = tx
+    let token: Option<(String, i64, Option<i64>, Option<String>)> = tx
         .prepare_cached(
-            "SELECT id, expires_unix, used_unix FROM join_tokens WHERE token_hash = ?1",
+            "SELECT id, expires_unix, used_unix, node_id FROM join_tokens WHERE token_hash = ?1",
         )?
         .query_row(params![token_hash], |r| {
-            Ok((r.get(0)?, r.get(1)?, r.get(2)?))
+            Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?))
         })
         .optional()?;
     let now = now_unix();
     let token_id = match token {
         None => return Err(refused_token("no such token")),
-        Some((_, _, Some(_))) => return Err(refused_token("it was already used (one join each)")),
-        Some((_, expires, None)) if expires <= now => {
+        Some((_, expires, Some(_), used_by)) => {
+            // The same node trying again (its answer lost): the node it made, as it is.
+            let made = match used_by {
+                Some(id) if expires > now => tx
+                    .prepare_cached(&format!("SELECT {NODE_COLUMNS} FROM nodes WHERE id = ?1"))?
+                    .query_row(params![id], raw_node)
+                    .optional()?
+                    .map(decode)
+                    .transpose()?,
+                _ => None,
+            };
+            return match made {
+                Some(n) if n.public_key == node.public_key && n.name == node.name => Ok(n),
+                _ => Err(refused_token("it was already used (one join each)")),
+            };
+        }
+        Some((_, expires, None, _)) if expires <= now => {
             return Err(refused_token("it expired"));
         }
-        Some((id, _, None)) => id,
+        Some((id, _, None, _)) => id,
     };
     let ms = clock_ms();
     let mut n = node.clone();
     n.heartbeat_ms = ms;
     n.lease_until_ms = ms + lease_ms;
     tx.prepare_cached(&format!(
-        "INSERT INTO nodes ({NODE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)"
+        "INSERT INTO nodes ({NODE_COLUMNS}) VALUES ({NODE_VALUES})"
     ))?
-    .execute(params![
-        n.id,
-        n.name,
-        n.address,
-        n.cert_sha256,
-        n.epoch,
-        n.state.as_str(),
-        n.joined_at,
+    .execute(params_from_iter(node_params(
+        &n,
         n.heartbeat_ms,
         n.lease_until_ms,
-        n.report
-    ])
+    )))
     .map_err(|e| conflict_on_unique(e, || name_taken(&n.name)))?;
-    tx.prepare_cached("UPDATE join_tokens SET used_unix = ?1, node_id = ?2 WHERE id = ?3")?
+    let redeemed = tx
+        .prepare_cached(
+            "UPDATE join_tokens SET used_unix = ?1, node_id = ?2 WHERE id = ?3 AND used_unix IS NULL",
+        )?
         .execute(params![now, n.id, token_id])?;
+    if redeemed != 1 {
+        return Err(refused_token("it was already used (one join each)"));
+    }
     tx.commit()?;
     Ok(n)
 }
@@ -170,30 +190,23 @@ pub(super) fn upsert_node(
     let raw = db
         .writer()
         .prepare_cached(&format!(
-            "INSERT INTO nodes ({NODE_COLUMNS}) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10)
-             ON CONFLICT (name) DO UPDATE SET address = excluded.address
+            "INSERT INTO nodes ({NODE_COLUMNS}) VALUES ({NODE_VALUES})
+             ON CONFLICT (id) DO UPDATE SET address = excluded.address, name = excluded.name
              WHERE nodes.cert_sha256 = excluded.cert_sha256
              RETURNING {NODE_COLUMNS}"
         ))?
         .query_row(
-            params![
-                node.id,
-                node.name,
-                node.address,
-                node.cert_sha256,
-                node.epoch,
-                node.state.as_str(),
-                node.joined_at,
-                ms,
-                ms + lease_ms,
-                node.report
-            ],
+            params_from_iter(node_params(node, ms, ms + lease_ms)),
             raw_node,
         )
-        .optional()?;
+        .optional()
+        .map_err(|e| conflict_on_unique(e, || name_taken(&node.name)))?;
     match raw {
         Some(r) => decode(r),
-        None => Err(crate::StoreError::Conflict(name_taken(&node.name))),
+        None => Err(crate::StoreError::Conflict(format!(
+            "node {} joined the fleet with a certificate: it is not this server's",
+            node.id
+        ))),
     }
 }
 

@@ -241,6 +241,8 @@ const MIGRATIONS: &[&str] = &[
         name           TEXT NOT NULL UNIQUE,
         address        TEXT NOT NULL,
         cert_sha256    TEXT NOT NULL,
+        cert_pem       TEXT NOT NULL,
+        public_key     TEXT NOT NULL,
         epoch          INTEGER NOT NULL,
         state          TEXT NOT NULL CHECK (state IN ('ready','dead')),
         joined_at      TEXT NOT NULL,
