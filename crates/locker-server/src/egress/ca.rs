@@ -15,6 +15,8 @@ use rcgen::{
 };
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer};
 
+use crate::ids::this_year;
+
 /// How many hosts' leaf configurations one machine keeps (a secret names at most 16, a
 /// machine at most 32 secrets).
 const MAX_LEAVES: usize = 512;
@@ -102,14 +104,6 @@ impl MachineCa {
         leaves.insert(host.to_owned(), cfg.clone());
         Ok(cfg)
     }
-}
-
-/// The current year (UTC; at worst one off near New Year, which the validity margins cover).
-fn this_year() -> i32 {
-    let s = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    1970 + (s / 31_556_952) as i32
 }
 
 /// The configuration for connections to real hosts: the host's trust store

@@ -20,7 +20,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use sha2::{Digest, Sha256};
 
-use crate::ids::hex;
+use crate::ids::{decode_base64, hex, this_year};
 use crate::secrets::Sealer;
 
 /// The row the CA's key is sealed for (the sealer binds a value to its row).
@@ -50,36 +50,6 @@ pub fn pem_to_der(pem: &str) -> Result<CertificateDer<'static>, String> {
         .collect();
     let der = decode_base64(body.trim()).ok_or("not a PEM certificate")?;
     Ok(CertificateDer::from(der))
-}
-
-fn decode_base64(s: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(s.len() * 3 / 4);
-    let (mut bits, mut n) = (0u32, 0);
-    for c in s.bytes().filter(|c| !c.is_ascii_whitespace() && *c != b'=') {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' => 62,
-            b'/' => 63,
-            _ => return None,
-        };
-        bits = (bits << 6) | u32::from(v);
-        n += 6;
-        if n >= 8 {
-            n -= 8;
-            out.push((bits >> n) as u8);
-        }
-    }
-    Some(out)
-}
-
-/// The current year (UTC; validity margins cover being one off near New Year).
-fn this_year() -> i32 {
-    let s = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
-    1970 + (s / 31_556_952) as i32
 }
 
 /// The CA's name and uses: the same every time, so that the issuer rebuilt from the stored

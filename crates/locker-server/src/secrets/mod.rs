@@ -40,7 +40,7 @@ use serde_json::{json, Value};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
-use crate::ids::{decode_hex, hex};
+use crate::ids::{decode_base64, decode_hex, hex};
 use crate::state::{now_s, AppState};
 
 /// The environment variable that holds the key.
@@ -178,26 +178,7 @@ fn decode_key(s: &str) -> Option<[u8; 32]> {
             return k.try_into().ok();
         }
     }
-    let mut bits: u32 = 0;
-    let mut n = 0;
-    let mut out = Vec::with_capacity(32);
-    for c in s.trim_end_matches('=').bytes() {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' | b'-' => 62,
-            b'/' | b'_' => 63,
-            _ => return None,
-        };
-        bits = (bits << 6) | u32::from(v);
-        n += 6;
-        if n >= 8 {
-            n -= 8;
-            out.push((bits >> n) as u8);
-        }
-    }
-    out.try_into().ok()
+    decode_base64(s)?.try_into().ok()
 }
 
 /// The secrets service: the sealer and the store.

@@ -119,28 +119,8 @@ pub(super) fn join_node(
             return Err(refused_token("it expired"));
         }
         let token_id: String = token.try_get(0)?;
-        let row = c
-            .query_one(
-                &format!(
-                    "INSERT INTO nodes ({NODE_COLUMNS})
-                     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, {NOW_MS}, {NOW_MS} + $10, $11)
-                     RETURNING {NODE_COLUMNS}"
-                ),
-                &[
-                    &node.id,
-                    &node.name,
-                    &node.address,
-                    &node.cert_sha256,
-                    &node.cert_pem,
-                    &node.public_key,
-                    &node.epoch,
-                    &node.state.as_str(),
-                    &node.joined_at,
-                    &lease_ms,
-                    &node.report,
-                ],
-            )
-            .map_err(|e| conflict_on_unique(e, || name_taken(&node.name)))?;
+        let row = insert_node(c, node, lease_ms, "")?
+            .ok_or_else(|| crate::StoreError::Corrupt("an insert returned no row".into()))?;
         // `used_unix IS NULL` again: should the lock not hold (a connection made again
         // mid-transaction), the token still redeems once.
         let redeemed = c.execute(
@@ -154,32 +134,48 @@ pub(super) fn join_node(
     })
 }
 
+/// `INSERT` of `node` (its heartbeat now, its lease `lease_ms` from now), with `conflict`
+/// (an `ON CONFLICT` clause, or nothing); the row as stored, `None` when the conflict
+/// clause updated nothing. A taken name is `Conflict`.
+fn insert_node(
+    c: &mut Conn,
+    node: &NodeRecord,
+    lease_ms: i64,
+    conflict: &str,
+) -> Result<Option<Row>> {
+    c.query_opt(
+        &format!(
+            "INSERT INTO nodes ({NODE_COLUMNS})
+             VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, {NOW_MS}, {NOW_MS} + $10, $11)
+             {conflict}
+             RETURNING {NODE_COLUMNS}"
+        ),
+        &[
+            &node.id,
+            &node.name,
+            &node.address,
+            &node.cert_sha256,
+            &node.cert_pem,
+            &node.public_key,
+            &node.epoch,
+            &node.state.as_str(),
+            &node.joined_at,
+            &lease_ms,
+            &node.report,
+        ],
+    )
+    .map_err(|e| conflict_on_unique(e, || name_taken(&node.name)))
+}
+
 pub(super) fn upsert_node(c: &mut Conn, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord> {
     validate_node_name(&node.name)?;
-    let row = c
-        .query_opt(
-            &format!(
-                "INSERT INTO nodes ({NODE_COLUMNS})
-                 VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, {NOW_MS}, {NOW_MS} + $10, $11)
-                 ON CONFLICT (id) DO UPDATE SET address = excluded.address, name = excluded.name
-                 WHERE nodes.cert_sha256 = excluded.cert_sha256
-                 RETURNING {NODE_COLUMNS}"
-            ),
-            &[
-                &node.id,
-                &node.name,
-                &node.address,
-                &node.cert_sha256,
-                &node.cert_pem,
-                &node.public_key,
-                &node.epoch,
-                &node.state.as_str(),
-                &node.joined_at,
-                &lease_ms,
-                &node.report,
-            ],
-        )
-        .map_err(|e| conflict_on_unique(e, || name_taken(&node.name)))?;
+    let row = insert_node(
+        c,
+        node,
+        lease_ms,
+        "ON CONFLICT (id) DO UPDATE SET address = excluded.address, name = excluded.name
+         WHERE nodes.cert_sha256 = excluded.cert_sha256",
+    )?;
     match row {
         Some(r) => node_of(&r),
         None => Err(crate::StoreError::Conflict(format!(
