@@ -1,5 +1,5 @@
 //! Ids and clocks: random prefixed ids (`sb_…`, `call_…`), Unix seconds, and milliseconds
-//! as the API reports them, the year for certificates' validity, hex and base64 digits.
+//! as the API reports them, the year for certificates' validity, hex digits.
 //!
 //! A leaf room (it imports nothing of the crate), so the pools and the state can both use
 //! it; `state` re-exports it for the handlers.
@@ -38,30 +38,6 @@ pub fn decode_hex(s: &str) -> Option<Vec<u8>> {
         .step_by(2)
         .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
         .collect()
-}
-
-/// The bytes of base64, standard or URL-safe, padded or not (whitespace skipped); `None` if
-/// it holds anything else.
-pub fn decode_base64(s: &str) -> Option<Vec<u8>> {
-    let mut out = Vec::with_capacity(s.len() * 3 / 4);
-    let (mut bits, mut n) = (0u32, 0);
-    for c in s.bytes().filter(|c| !c.is_ascii_whitespace() && *c != b'=') {
-        let v = match c {
-            b'A'..=b'Z' => c - b'A',
-            b'a'..=b'z' => c - b'a' + 26,
-            b'0'..=b'9' => c - b'0' + 52,
-            b'+' | b'-' => 62,
-            b'/' | b'_' => 63,
-            _ => return None,
-        };
-        bits = (bits << 6) | u32::from(v);
-        n += 6;
-        if n >= 8 {
-            n -= 8;
-            out.push((bits >> n) as u8);
-        }
-    }
-    Some(out)
 }
 
 /// The current year (UTC; at worst one off near New Year, which certificates' validity

@@ -20,7 +20,7 @@ use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, Serve
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use sha2::{Digest, Sha256};
 
-use crate::ids::{decode_base64, hex, this_year};
+use crate::ids::{hex, this_year};
 use crate::secrets::Sealer;
 
 /// The row the CA's key is sealed for (the sealer binds a value to its row).
@@ -48,7 +48,7 @@ pub fn pem_to_der(pem: &str) -> Result<CertificateDer<'static>, String> {
         .skip(1)
         .take_while(|l| !l.starts_with("-----END"))
         .collect();
-    let der = decode_base64(body.trim()).ok_or("not a PEM certificate")?;
+    let der = locker_types::base64::decode(body.trim()).map_err(|_| "not a PEM certificate")?;
     Ok(CertificateDer::from(der))
 }
 

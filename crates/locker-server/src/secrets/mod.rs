@@ -40,7 +40,7 @@ use serde_json::{json, Value};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
-use crate::ids::{decode_base64, decode_hex, hex};
+use crate::ids::{decode_hex, hex};
 use crate::state::{now_s, AppState};
 
 /// The environment variable that holds the key.
@@ -178,7 +178,7 @@ fn decode_key(s: &str) -> Option<[u8; 32]> {
             return k.try_into().ok();
         }
     }
-    decode_base64(s)?.try_into().ok()
+    locker_types::base64::decode(s).ok()?.try_into().ok()
 }
 
 /// The secrets service: the sealer and the store.
