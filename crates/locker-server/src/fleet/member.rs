@@ -382,9 +382,10 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
     let mut link: Option<Link> = None;
     let mut tick = tokio::time::interval(HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut unreachable: Option<(Instant, Instant)> = None; // (since, last said)
-                                                            // An answer that the fleet does not know this node, in a row: one could be a store
-                                                            // that lost its latest writes (a failover); many are a removal.
+    // Since when control is unreachable, and when that was last said.
+    let mut unreachable: Option<(Instant, Instant)> = None;
+    // Answers that the fleet does not know this node, in a row: one could be a store that
+    // lost its latest writes (a failover); many are a removal.
     let mut refused = 0u32;
     loop {
         tick.tick().await;
