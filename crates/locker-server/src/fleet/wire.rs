@@ -1,5 +1,7 @@
 //! The bodies of the calls between a node and the control plane (`FLEET.md` §4.2), shared
-//! by both sides so that they cannot drift. JSON over HTTP/2 with TLS.
+//! by both sides so that they cannot drift. JSON over HTTP/2 with TLS. Fields a side does
+//! not know are ignored, never refused: nodes and control replicas of different versions
+//! meet during every rolling upgrade.
 //!
 //! - `POST /internal/nodes/register` ([`Join`] → [`Joined`]), no client certificate: the
 //!   join token is the credential. 201; 400 bad body; 403 token refused; 409 name taken.
@@ -17,7 +19,6 @@ pub const RETURN: &str = "/internal/nodes/return";
 
 /// What a node reports with each heartbeat (and at join).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct Report {
     /// The Locker version the node runs.
     pub version: String,
@@ -35,7 +36,6 @@ pub struct Report {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Join {
     pub token: String,
     pub name: String,
@@ -59,7 +59,6 @@ pub struct Joined {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Beat {
     pub node_id: String,
     pub epoch: i64,
@@ -82,7 +81,6 @@ pub struct Fenced {
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
 pub struct Return {
     pub node_id: String,
 }
