@@ -205,13 +205,12 @@ async fn connection(
             .and_then(|c| c.first())
             .map(|c| pki::fingerprint(c)),
     );
-    let anonymous_peer = peer.0.is_none();
+    let anonymous = peer.0.is_none();
     let svc = hyper::service::service_fn(move |mut req: hyper::Request<hyper::body::Incoming>| {
         req.extensions_mut().insert(peer.clone());
         let mut routes = routes.clone();
         async move { tower_service::Service::call(&mut routes, req).await }
     });
-    let anonymous = anonymous_peer;
     let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
         .timer(TokioTimer::new())
         .keep_alive_interval(Some(KEEPALIVE))
