@@ -385,12 +385,14 @@ pub trait Store: Send + Sync {
     /// another node's, or the id is a node that joined with a certificate.
     fn upsert_node(&self, node: &NodeRecord, lease_ms: i64) -> Result<NodeRecord>;
 
-    /// Records a heartbeat of node `id` at `epoch`: its report, and its lease renewed to
-    /// `lease_ms` from now. `None` (nothing written) if the node is unknown, dead, or at
-    /// another epoch.
+    /// Records a heartbeat of node `id`, holding the certificate `cert_sha256`, at `epoch`:
+    /// its report, and its lease renewed to `lease_ms` from now. `None` (nothing written) if
+    /// the node is unknown, holds another certificate, is dead, or is at another epoch: one
+    /// statement either way, so a heartbeat costs one round trip.
     fn node_heartbeat(
         &self,
         id: &str,
+        cert_sha256: &str,
         epoch: i64,
         report: &str,
         lease_ms: i64,

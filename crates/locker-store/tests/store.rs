@@ -1833,23 +1833,31 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     assert_eq!(store.get_node("n2").unwrap().unwrap().id, "nd_2");
     assert_eq!(store.get_node("nd_1").unwrap().unwrap().name, "n1");
 
-    // Heartbeats: at the node's epoch only.
+    // Heartbeats: with the node's certificate, at its epoch only.
+    let ab = "ab".repeat(32);
+    assert!(store
+        .node_heartbeat("nd_1", "local", 1, "{}", 3000)
+        .unwrap()
+        .is_none());
     let hb = store
-        .node_heartbeat("nd_1", 1, r#"{"slots":4}"#, 3000)
+        .node_heartbeat("nd_1", &ab, 1, r#"{"slots":4}"#, 3000)
         .unwrap()
         .unwrap();
     assert_eq!(hb.report, r#"{"slots":4}"#);
     assert!(store
-        .node_heartbeat("nd_1", 2, "{}", 3000)
+        .node_heartbeat("nd_1", &ab, 2, "{}", 3000)
         .unwrap()
         .is_none());
     assert!(store
-        .node_heartbeat("nd_9", 1, "{}", 3000)
+        .node_heartbeat("nd_9", &ab, 1, "{}", 3000)
         .unwrap()
         .is_none());
 
     // n2's lease runs out (a 1 ms lease), n1's does not: only n2 is declared, once.
-    store.node_heartbeat("nd_2", 1, "{}", 1).unwrap().unwrap();
+    store
+        .node_heartbeat("nd_2", &ab, 1, "{}", 1)
+        .unwrap()
+        .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
     let dead = store.expire_nodes(10).unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
@@ -1860,7 +1868,7 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     assert!(store.expire_nodes(10).unwrap().is_empty());
     // A dead node's heartbeat at its old epoch does not count; revived, its new one does.
     assert!(store
-        .node_heartbeat("nd_2", 1, "{}", 3000)
+        .node_heartbeat("nd_2", &ab, 1, "{}", 3000)
         .unwrap()
         .is_none());
     assert!(
@@ -1870,13 +1878,19 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     let back = store.revive_node("nd_2", 3000).unwrap().unwrap();
     assert_eq!((back.state, back.epoch), (NodeState::Ready, 2));
     assert!(store
-        .node_heartbeat("nd_2", 2, "{}", 3000)
+        .node_heartbeat("nd_2", &ab, 2, "{}", 3000)
         .unwrap()
         .is_some());
 
     // max bounds how many one sweep declares.
-    store.node_heartbeat("nd_1", 1, "{}", 1).unwrap().unwrap();
-    store.node_heartbeat("nd_2", 2, "{}", 1).unwrap().unwrap();
+    store
+        .node_heartbeat("nd_1", &ab, 1, "{}", 1)
+        .unwrap()
+        .unwrap();
+    store
+        .node_heartbeat("nd_2", &ab, 2, "{}", 1)
+        .unwrap()
+        .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(store.expire_nodes(1).unwrap().len(), 1);
     assert_eq!(store.expire_nodes(1).unwrap().len(), 1);
@@ -1891,7 +1905,10 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     local.cert_sha256 = "local".into();
     let l1 = store.upsert_node(&local, 3000).unwrap();
     assert_eq!((l1.id.as_str(), l1.epoch), ("nd_l", 1));
-    store.node_heartbeat("nd_l", 1, "{}", 1).unwrap().unwrap();
+    store
+        .node_heartbeat("nd_l", "local", 1, "{}", 1)
+        .unwrap()
+        .unwrap();
     std::thread::sleep(std::time::Duration::from_millis(20));
     assert_eq!(store.expire_nodes(5).unwrap()[0].id, "nd_l");
     local.address = "10.0.0.9:7443".into();

@@ -120,7 +120,9 @@ pub fn spawn(
             let report = report(&app, cfg.slots).await;
             let (store, id, epoch) = (app.store.clone(), node.id.clone(), node.epoch);
             let beat = tokio::task::spawn_blocking(move || {
-                if let Some(n) = store.node_heartbeat(&id, epoch, &report, lease_ms())? {
+                if let Some(n) =
+                    store.node_heartbeat(&id, LOCAL_CERT, epoch, &report, lease_ms())?
+                {
                     return Ok(Some(n));
                 }
                 // Declared dead (or removed): come back, or register again.

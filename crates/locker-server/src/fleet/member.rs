@@ -264,11 +264,18 @@ pub fn host_report(
     warm: u32,
     templates: Option<&locker_runtime::template::TemplateStore>,
 ) -> Report {
+    // What a host has does not change while it runs: read once, not every heartbeat.
+    static HOST: std::sync::OnceLock<(u32, u64)> = std::sync::OnceLock::new();
+    let &(cpus, memory_mb) = HOST.get_or_init(|| {
+        (
+            std::thread::available_parallelism().map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)),
+            crate::capacity::host_memory_mb().unwrap_or(0),
+        )
+    });
     Report {
         version: env!("CARGO_PKG_VERSION").to_owned(),
-        cpus: std::thread::available_parallelism()
-            .map_or(1, |n| u32::try_from(n.get()).unwrap_or(1)),
-        memory_mb: crate::capacity::host_memory_mb().unwrap_or(0),
+        cpus,
+        memory_mb,
         disk_free_mb: crate::capacity::Space::of(data_dir).map_or(0, |s| s.free_mb),
         slots,
         sandboxes,

@@ -188,6 +188,7 @@ pub(super) fn upsert_node(c: &mut Conn, node: &NodeRecord, lease_ms: i64) -> Res
 pub(super) fn node_heartbeat(
     c: &mut Conn,
     id: &str,
+    cert_sha256: &str,
     epoch: i64,
     report: &str,
     lease_ms: i64,
@@ -195,10 +196,10 @@ pub(super) fn node_heartbeat(
     c.query_opt(
         &format!(
             "UPDATE nodes SET heartbeat_ms = {NOW_MS}, lease_until_ms = {NOW_MS} + $1, report = $2
-             WHERE id = $3 AND epoch = $4 AND state = 'ready'
+             WHERE id = $3 AND epoch = $4 AND state = 'ready' AND cert_sha256 = $5
              RETURNING {NODE_COLUMNS}"
         ),
-        &[&lease_ms, &report, &id, &epoch],
+        &[&lease_ms, &report, &id, &epoch, &cert_sha256],
     )?
     .as_ref()
     .map(node_of)

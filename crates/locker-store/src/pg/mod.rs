@@ -733,12 +733,13 @@ impl Store for PgStore {
     fn node_heartbeat(
         &self,
         id: &str,
+        cert_sha256: &str,
         epoch: i64,
         report: &str,
         lease_ms: i64,
     ) -> Result<Option<NodeRecord>> {
-        let (id, report) = (id.to_owned(), report.to_owned());
-        self.run(move |c| fleet::node_heartbeat(c, &id, epoch, &report, lease_ms))
+        let (id, cert, report) = (id.to_owned(), cert_sha256.to_owned(), report.to_owned());
+        self.run(move |c| fleet::node_heartbeat(c, &id, &cert, epoch, &report, lease_ms))
     }
 
     fn revive_node(&self, id: &str, lease_ms: i64) -> Result<Option<NodeRecord>> {

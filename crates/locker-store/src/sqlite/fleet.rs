@@ -227,6 +227,7 @@ fn update_node(
 pub(super) fn node_heartbeat(
     db: &SqliteStore,
     id: &str,
+    cert_sha256: &str,
     epoch: i64,
     report: &str,
     lease_ms: i64,
@@ -235,8 +236,8 @@ pub(super) fn node_heartbeat(
     update_node(
         db,
         "UPDATE nodes SET heartbeat_ms = ?1, lease_until_ms = ?2, report = ?3
-         WHERE id = ?4 AND epoch = ?5 AND state = 'ready'",
-        &[&ms, &(ms + lease_ms), &report, &id, &epoch],
+         WHERE id = ?4 AND epoch = ?5 AND state = 'ready' AND cert_sha256 = ?6",
+        &[&ms, &(ms + lease_ms), &report, &id, &epoch, &cert_sha256],
     )
 }
 

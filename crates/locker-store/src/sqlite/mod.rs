@@ -493,11 +493,12 @@ impl Store for SqliteStore {
     fn node_heartbeat(
         &self,
         id: &str,
+        cert_sha256: &str,
         epoch: i64,
         report: &str,
         lease_ms: i64,
     ) -> Result<Option<NodeRecord>> {
-        fleet::node_heartbeat(self, id, epoch, report, lease_ms)
+        fleet::node_heartbeat(self, id, cert_sha256, epoch, report, lease_ms)
     }
 
     fn revive_node(&self, id: &str, lease_ms: i64) -> Result<Option<NodeRecord>> {
