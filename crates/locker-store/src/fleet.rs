@@ -96,6 +96,65 @@ pub struct NodeRecord {
     pub lease_until_ms: i64,
     /// Its last heartbeat's report (JSON: capacity, usage, template digests, warm slots).
     pub report: String,
+    /// What the sandboxes placed on it at this epoch reserve (memory, slots): written only
+    /// by placement, in the transaction that inserts or removes a placement; 0 again when
+    /// the node is declared dead (its sandboxes are lost with it).
+    pub reserved_memory_mb: i64,
+    pub reserved_slots: i64,
+}
+
+/// Where a sandbox placed on a fleet node is in its life, as the control plane sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PlacementState {
+    /// Reserved on the node; the node has not answered the create yet.
+    Starting,
+    /// The node made it (`sandbox_id` set).
+    Placed,
+    /// Its node was declared dead, or removed, after it was placed: it is gone with it.
+    Lost,
+}
+
+impl PlacementState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PlacementState::Starting => "starting",
+            PlacementState::Placed => "placed",
+            PlacementState::Lost => "lost",
+        }
+    }
+
+    pub fn parse(s: &str) -> Result<PlacementState> {
+        match s {
+            "starting" => Ok(PlacementState::Starting),
+            "placed" => Ok(PlacementState::Placed),
+            "lost" => Ok(PlacementState::Lost),
+            other => Err(StoreError::Invalid(format!(
+                "unknown placement state {other:?}"
+            ))),
+        }
+    }
+}
+
+/// A sandbox placed on a fleet node: which node, at which of its epochs, what it reserved
+/// there, and the sandbox as the node last described it. Rules: a placement is inserted in
+/// the transaction that reserves its memory and slot on the node (`WHERE epoch = $e AND
+/// reserved + r <= capacity`), and removed in the one that gives them back; a node's death
+/// makes its placements `lost` and its reservations 0.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlacementRecord {
+    /// `pl_…`: the sandbox has no id until the node made it.
+    pub id: String,
+    pub sandbox_id: Option<String>,
+    pub tenant: String,
+    pub node_id: String,
+    /// The node's epoch when it was placed: every call about it carries this.
+    pub epoch: i64,
+    pub memory_mb: i64,
+    pub state: PlacementState,
+    /// The store's clock when it was placed (ms).
+    pub created_ms: i64,
+    /// The sandbox as the node last answered it (the API's JSON), `{}` before.
+    pub view: String,
 }
 
 /// Checks a node name: the tenant name rule (DNS-label-like, lower case).

@@ -34,7 +34,10 @@ mod recorder;
 mod sqlite;
 
 pub use error::{Result, StoreError};
-pub use fleet::{validate_node_name, FleetCaRecord, JoinTokenRecord, NodeRecord, NodeState};
+pub use fleet::{
+    validate_node_name, FleetCaRecord, JoinTokenRecord, NodeRecord, NodeState, PlacementRecord,
+    PlacementState,
+};
 pub use model::{
     now_unix, parse_rfc3339, strip_output, validate_tenant_name, CallKind, CallRecord, KeyInfo,
     Principal, SandboxRecord, SandboxState, SnapshotRecord, TenantUsage, DEFAULT_TENANT,
@@ -418,4 +421,42 @@ pub trait Store: Send + Sync {
 
     /// The store's clock, in milliseconds since the Unix epoch (Postgres: the database's).
     fn clock_ms(&self) -> Result<i64>;
+
+    // ---- sandboxes placed on fleet nodes (see `fleet::PlacementRecord`) ----
+
+    /// Reserves `p.memory_mb` and one slot on node `p.node_id` at epoch `p.epoch`, if it is
+    /// ready there and the reservations stay within `cap_slots` and `cap_memory_mb`, and
+    /// inserts `p`: one transaction. `None` (nothing written) when the node is full, dead
+    /// or at another epoch: choose again. Its `created_ms` is the store's clock.
+    fn place(
+        &self,
+        p: &PlacementRecord,
+        cap_slots: i64,
+        cap_memory_mb: i64,
+    ) -> Result<Option<PlacementRecord>>;
+
+    /// The node made the sandbox of placement `id`: its id and view; `false` if the
+    /// placement is gone or no longer `starting`.
+    fn set_placed(&self, id: &str, sandbox_id: &str, view: &str) -> Result<bool>;
+
+    /// The sandbox's view, as its node last answered it.
+    fn set_placement_view(&self, sandbox_id: &str, view: &str) -> Result<()>;
+
+    /// Removes placement `id` and gives its reservation back to its node (unless it was
+    /// lost: that went with the node's old epoch), in one transaction; the row removed.
+    fn unplace(&self, id: &str) -> Result<Option<PlacementRecord>>;
+
+    /// The placement of sandbox `sandbox_id`.
+    fn get_placement(&self, sandbox_id: &str) -> Result<Option<PlacementRecord>>;
+
+    /// Placements, of one tenant and/or one node, oldest first.
+    fn list_placements(
+        &self,
+        tenant: Option<&str>,
+        node_id: Option<&str>,
+    ) -> Result<Vec<PlacementRecord>>;
+
+    /// Marks `lost` every placement whose node moved to a later epoch (declared dead) or was
+    /// removed; returns them.
+    fn lose_placements(&self) -> Result<Vec<PlacementRecord>>;
 }

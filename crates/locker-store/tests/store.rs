@@ -1556,9 +1556,28 @@ fn fill_every_table(s: &dyn Store) {
             heartbeat_ms: 0,
             lease_until_ms: 0,
             report: "{\"slots\":3}".into(),
+            reserved_memory_mb: 0,
+            reserved_slots: 0,
         },
         3000,
     )
+    .unwrap();
+    s.place(
+        &locker_store::PlacementRecord {
+            id: "pl_1".into(),
+            sandbox_id: Some("sb_remote".into()),
+            tenant: "default".into(),
+            node_id: "nd_1".into(),
+            epoch: 1,
+            memory_mb: 512,
+            state: locker_store::PlacementState::Placed,
+            created_ms: 0,
+            view: "{\"id\":\"sb_remote\"}".into(),
+        },
+        3,
+        4096,
+    )
+    .unwrap()
     .unwrap();
 }
 
@@ -1588,7 +1607,7 @@ fn sqlite_data_moves_to_postgres_whole_and_only_once() {
             "{table} in Postgres"
         );
     }
-    assert_eq!(counts.len(), 14, "every table: {counts:?}");
+    assert_eq!(counts.len(), 15, "every table: {counts:?}");
 
     // What the API reads is the same on both stores.
     let (a, b) = (open(&dir), target.open());
@@ -1762,6 +1781,8 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
         heartbeat_ms: 0,
         lease_until_ms: 0,
         report: "{}".into(),
+        reserved_memory_mb: 0,
+        reserved_slots: 0,
     };
     store
         .insert_join_token(&token("jt_1", "one", now + 600))
@@ -1957,10 +1978,157 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     );
 }
 
+/// Placements reserve on their node in the transaction that inserts them, never beyond its
+/// capacity, even when eight creators race for the last slots; they give the reservation
+/// back when removed; a node's death loses them and zeroes its reservations.
+fn placements_reserve_within_capacity(b: Backend) {
+    use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState};
+    let db = Db::new(b);
+    let store = db.open();
+    let node = |id: &str| NodeRecord {
+        id: id.into(),
+        name: id.replace('_', "-"),
+        address: "10.0.0.2:7443".into(),
+        cert_sha256: "local".into(),
+        cert_pem: String::new(),
+        public_key: String::new(),
+        epoch: 1,
+        state: NodeState::Ready,
+        joined_at: rfc3339(locker_store::now_unix()),
+        heartbeat_ms: 0,
+        lease_until_ms: 0,
+        report: "{}".into(),
+        reserved_memory_mb: 0,
+        reserved_slots: 0,
+    };
+    store.upsert_node(&node("nd_a"), 60_000).unwrap();
+    store.upsert_node(&node("nd_b"), 60_000).unwrap();
+    let placement = |id: &str, node: &str, epoch: i64, mb: i64| PlacementRecord {
+        id: id.into(),
+        sandbox_id: None,
+        tenant: "default".into(),
+        node_id: node.into(),
+        epoch,
+        memory_mb: mb,
+        state: PlacementState::Starting,
+        created_ms: 0,
+        view: "{}".into(),
+    };
+    // Eight creators for a node of 3 slots: exactly 3 placed.
+    let won: usize = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8)
+            .map(|i| {
+                let store = store.clone();
+                s.spawn(move || {
+                    store
+                        .place(&placement(&format!("pl_{i}"), "nd_a", 1, 256), 3, 4096)
+                        .unwrap()
+                        .is_some()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap() as usize).sum()
+    });
+    assert_eq!(won, 3);
+    let a = store.get_node("nd_a").unwrap().unwrap();
+    assert_eq!((a.reserved_slots, a.reserved_memory_mb), (3, 768));
+    // Memory bounds it too; a wrong epoch or an unknown node reserves nothing.
+    assert!(store
+        .place(&placement("pl_m", "nd_b", 1, 600), 10, 1000)
+        .unwrap()
+        .is_some());
+    assert!(store
+        .place(&placement("pl_n", "nd_b", 1, 600), 10, 1000)
+        .unwrap()
+        .is_none());
+    assert!(store
+        .place(&placement("pl_e", "nd_b", 2, 1), 10, 1000)
+        .unwrap()
+        .is_none());
+    assert!(store
+        .place(&placement("pl_u", "nd_zz", 1, 1), 10, 1000)
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        store.list_placements(None, None).unwrap().len(),
+        4,
+        "3 on a, 1 on b"
+    );
+
+    // Placed: found by its sandbox; listed by tenant and node.
+    let mine: Vec<PlacementRecord> = store.list_placements(None, Some("nd_a")).unwrap();
+    assert_eq!(mine.len(), 3);
+    let first = mine[0].id.clone();
+    assert!(store
+        .set_placed(&first, "sb_1", r#"{"id":"sb_1"}"#)
+        .unwrap());
+    assert!(
+        !store.set_placed(&first, "sb_1", "{}").unwrap(),
+        "placed once"
+    );
+    store
+        .set_placement_view("sb_1", r#"{"id":"sb_1","state":"paused"}"#)
+        .unwrap();
+    let p = store.get_placement("sb_1").unwrap().unwrap();
+    assert_eq!(
+        (p.state, p.view.as_str()),
+        (PlacementState::Placed, r#"{"id":"sb_1","state":"paused"}"#)
+    );
+    assert_eq!(
+        store.list_placements(Some("default"), None).unwrap().len(),
+        4
+    );
+    assert!(store
+        .list_placements(Some("other"), None)
+        .unwrap()
+        .is_empty());
+
+    // Removed: its slot and memory come back, once.
+    assert_eq!(store.unplace(&first).unwrap().unwrap().id, first);
+    assert!(store.unplace(&first).unwrap().is_none());
+    let a = store.get_node("nd_a").unwrap().unwrap();
+    assert_eq!((a.reserved_slots, a.reserved_memory_mb), (2, 512));
+
+    // nd_a dies: its placements are lost (once), its reservations 0; removing a lost
+    // placement gives nothing back to the node's new epoch.
+    store
+        .node_heartbeat("nd_a", "local", 1, "{}", 1)
+        .unwrap()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    let dead = store.expire_nodes(10).unwrap();
+    assert_eq!(dead.len(), 1);
+    assert_eq!((dead[0].reserved_slots, dead[0].reserved_memory_mb), (0, 0));
+    let lost = store.lose_placements().unwrap();
+    assert_eq!(lost.len(), 2, "{lost:?}");
+    assert!(lost
+        .iter()
+        .all(|p| p.state == PlacementState::Lost && p.node_id == "nd_a"));
+    assert!(store.lose_placements().unwrap().is_empty());
+    store.revive_node("nd_a", 60_000).unwrap().unwrap();
+    assert!(store
+        .place(&placement("pl_new", "nd_a", 2, 100), 3, 4096)
+        .unwrap()
+        .is_some());
+    store.unplace(&lost[0].id).unwrap().unwrap();
+    let a = store.get_node("nd_a").unwrap().unwrap();
+    assert_eq!((a.reserved_slots, a.reserved_memory_mb), (1, 100));
+    // A removed node loses its placements too.
+    assert!(store.delete_node("nd_b").unwrap());
+    let lost = store.lose_placements().unwrap();
+    assert_eq!(lost.len(), 1);
+    assert_eq!(lost[0].id, "pl_m");
+}
+
 mod sqlite {
     #[test]
     fn fleet_tokens_nodes_and_leases() {
         super::fleet_tokens_nodes_and_leases(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn placements_reserve_within_capacity() {
+        super::placements_reserve_within_capacity(super::Backend::Sqlite)
     }
 
     #[test]
@@ -2064,6 +2232,11 @@ mod postgres {
     #[test]
     fn fleet_tokens_nodes_and_leases() {
         super::fleet_tokens_nodes_and_leases(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn placements_reserve_within_capacity() {
+        super::placements_reserve_within_capacity(super::Backend::Postgres)
     }
 
     #[test]

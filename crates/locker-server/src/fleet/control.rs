@@ -268,6 +268,8 @@ async fn register(
         heartbeat_ms: 0,
         lease_until_ms: 0,
         report,
+        reserved_memory_mb: 0,
+        reserved_slots: 0,
     };
     let hash = Sha256::digest(join.token.as_bytes()).to_vec();
     let store = c.store.clone();

@@ -85,6 +85,8 @@ pub async fn register(app: &AppState, cfg: &LocalNodeConfig) -> Result<NodeRecor
         heartbeat_ms: 0,
         lease_until_ms: 0,
         report: report(app, cfg.slots).await,
+        reserved_memory_mb: 0,
+        reserved_slots: 0,
     };
     let store = app.store.clone();
     let node = tokio::task::spawn_blocking(move || store.upsert_node(&rec, lease_ms()))

@@ -219,6 +219,22 @@ const TABLES: &[(&str, Columns)] = &[
             ("heartbeat_ms", Int),
             ("lease_until_ms", Int),
             ("report", Text),
+            ("reserved_memory_mb", Int),
+            ("reserved_slots", Int),
+        ],
+    ),
+    (
+        "placements",
+        &[
+            ("id", Text),
+            ("sandbox_id", Text),
+            ("tenant", Text),
+            ("node_id", Text),
+            ("epoch", Int),
+            ("memory_mb", Int),
+            ("state", Text),
+            ("created_ms", Int),
+            ("view", Text),
         ],
     ),
 ];

@@ -14,6 +14,10 @@ use crate::model::now_unix;
 
 const NODE_COLUMNS: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, \
                             state, joined_at, heartbeat_ms, lease_until_ms, report";
+/// What a read gives: the columns above and the reservations placement keeps.
+const NODE_READ: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, state, \
+                         joined_at, heartbeat_ms, lease_until_ms, report, \
+                         reserved_memory_mb, reserved_slots";
 
 /// The database's clock in milliseconds, as SQL.
 const NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
@@ -32,6 +36,8 @@ fn node_of(r: &Row) -> Result<NodeRecord> {
         heartbeat_ms: r.try_get(9)?,
         lease_until_ms: r.try_get(10)?,
         report: r.try_get(11)?,
+        reserved_memory_mb: r.try_get(12)?,
+        reserved_slots: r.try_get(13)?,
     })
 }
 
@@ -102,7 +108,7 @@ pub(super) fn join_node(
             let made = match used_by {
                 Some(id) if expires > now => c
                     .query_opt(
-                        &format!("SELECT {NODE_COLUMNS} FROM nodes WHERE id = $1"),
+                        &format!("SELECT {NODE_READ} FROM nodes WHERE id = $1"),
                         &[&id],
                     )?
                     .as_ref()
@@ -148,7 +154,7 @@ fn insert_node(
             "INSERT INTO nodes ({NODE_COLUMNS})
              VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, {NOW_MS}, {NOW_MS} + $10, $11)
              {conflict}
-             RETURNING {NODE_COLUMNS}"
+             RETURNING {NODE_READ}"
         ),
         &[
             &node.id,
@@ -197,7 +203,7 @@ pub(super) fn node_heartbeat(
         &format!(
             "UPDATE nodes SET heartbeat_ms = {NOW_MS}, lease_until_ms = {NOW_MS} + $1, report = $2
              WHERE id = $3 AND epoch = $4 AND state = 'ready' AND cert_sha256 = $5
-             RETURNING {NODE_COLUMNS}"
+             RETURNING {NODE_READ}"
         ),
         &[&lease_ms, &report, &id, &epoch, &cert_sha256],
     )?
@@ -212,7 +218,7 @@ pub(super) fn revive_node(c: &mut Conn, id: &str, lease_ms: i64) -> Result<Optio
             "UPDATE nodes SET state = 'ready', heartbeat_ms = {NOW_MS},
                               lease_until_ms = {NOW_MS} + $1
              WHERE id = $2 AND state = 'dead'
-             RETURNING {NODE_COLUMNS}"
+             RETURNING {NODE_READ}"
         ),
         &[&lease_ms, &id],
     )?
@@ -225,10 +231,11 @@ pub(super) fn expire_nodes(c: &mut Conn, max: u32) -> Result<Vec<NodeRecord>> {
     // SKIP LOCKED: a node whose heartbeat is being written right now is not expired.
     c.query(
         &format!(
-            "UPDATE nodes SET state = 'dead', epoch = epoch + 1
+            "UPDATE nodes SET state = 'dead', epoch = epoch + 1, reserved_memory_mb = 0,
+                             reserved_slots = 0
              WHERE id IN (SELECT id FROM nodes WHERE state = 'ready' AND lease_until_ms < {NOW_MS}
                           ORDER BY lease_until_ms LIMIT $1 FOR UPDATE SKIP LOCKED)
-             RETURNING {NODE_COLUMNS}"
+             RETURNING {NODE_READ}"
         ),
         &[&i64::from(max)],
     )?
@@ -239,7 +246,7 @@ pub(super) fn expire_nodes(c: &mut Conn, max: u32) -> Result<Vec<NodeRecord>> {
 
 pub(super) fn get_node(c: &mut Conn, id_or_name: &str) -> Result<Option<NodeRecord>> {
     c.query_opt(
-        &format!("SELECT {NODE_COLUMNS} FROM nodes WHERE id = $1 OR name = $1"),
+        &format!("SELECT {NODE_READ} FROM nodes WHERE id = $1 OR name = $1"),
         &[&id_or_name],
     )?
     .as_ref()
@@ -248,13 +255,10 @@ pub(super) fn get_node(c: &mut Conn, id_or_name: &str) -> Result<Option<NodeReco
 }
 
 pub(super) fn list_nodes(c: &mut Conn) -> Result<Vec<NodeRecord>> {
-    c.query(
-        &format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY name"),
-        &[],
-    )?
-    .iter()
-    .map(node_of)
-    .collect()
+    c.query(&format!("SELECT {NODE_READ} FROM nodes ORDER BY name"), &[])?
+        .iter()
+        .map(node_of)
+        .collect()
 }
 
 pub(super) fn delete_node(c: &mut Conn, id: &str) -> Result<bool> {

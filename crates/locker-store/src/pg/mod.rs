@@ -32,6 +32,7 @@ pub(crate) mod copy;
 mod events;
 mod fleet;
 mod objects;
+mod placements;
 mod sandboxes;
 mod schema;
 mod tenants;
@@ -48,7 +49,7 @@ use postgres::types::ToSql;
 use postgres::{Client, NoTls, Row, Statement};
 
 use crate::error::{Result, StoreError};
-use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord};
+use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord, PlacementRecord};
 use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
@@ -767,6 +768,49 @@ impl Store for PgStore {
 
     fn clock_ms(&self) -> Result<i64> {
         self.run(fleet::clock_ms)
+    }
+
+    fn place(
+        &self,
+        p: &PlacementRecord,
+        cap_slots: i64,
+        cap_memory_mb: i64,
+    ) -> Result<Option<PlacementRecord>> {
+        let p = p.clone();
+        self.run(move |c| placements::place(c, &p, cap_slots, cap_memory_mb))
+    }
+
+    fn set_placed(&self, id: &str, sandbox_id: &str, view: &str) -> Result<bool> {
+        let (id, sb, view) = (id.to_owned(), sandbox_id.to_owned(), view.to_owned());
+        self.run(move |c| placements::set_placed(c, &id, &sb, &view))
+    }
+
+    fn set_placement_view(&self, sandbox_id: &str, view: &str) -> Result<()> {
+        let (sb, view) = (sandbox_id.to_owned(), view.to_owned());
+        self.run(move |c| placements::set_placement_view(c, &sb, &view))
+    }
+
+    fn unplace(&self, id: &str) -> Result<Option<PlacementRecord>> {
+        let id = id.to_owned();
+        self.run(move |c| placements::unplace(c, &id))
+    }
+
+    fn get_placement(&self, sandbox_id: &str) -> Result<Option<PlacementRecord>> {
+        let sb = sandbox_id.to_owned();
+        self.run(move |c| placements::get_placement(c, &sb))
+    }
+
+    fn list_placements(
+        &self,
+        tenant: Option<&str>,
+        node_id: Option<&str>,
+    ) -> Result<Vec<PlacementRecord>> {
+        let (t, n) = (tenant.map(str::to_owned), node_id.map(str::to_owned));
+        self.run(move |c| placements::list_placements(c, t.as_deref(), n.as_deref()))
+    }
+
+    fn lose_placements(&self) -> Result<Vec<PlacementRecord>> {
+        self.run(placements::lose_placements)
     }
 }
 

@@ -15,6 +15,10 @@ use crate::model::now_unix;
 
 const NODE_COLUMNS: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, \
                             state, joined_at, heartbeat_ms, lease_until_ms, report";
+/// What a read gives: the columns above and the reservations placement keeps.
+const NODE_READ: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, state, \
+                         joined_at, heartbeat_ms, lease_until_ms, report, \
+                         reserved_memory_mb, reserved_slots";
 const NODE_VALUES: &str = "?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12";
 
 /// A node row as read (its state still text).
@@ -35,6 +39,8 @@ fn raw_node(r: &Row<'_>) -> rusqlite::Result<RawNode> {
             heartbeat_ms: r.get(9)?,
             lease_until_ms: r.get(10)?,
             report: r.get(11)?,
+            reserved_memory_mb: r.get(12)?,
+            reserved_slots: r.get(13)?,
         },
         r.get(7)?,
     ))
@@ -138,7 +144,7 @@ pub(super) fn join_node(
             // The same node trying again (its answer lost): the node it made, as it is.
             let made = match used_by {
                 Some(id) if expires > now => tx
-                    .prepare_cached(&format!("SELECT {NODE_COLUMNS} FROM nodes WHERE id = ?1"))?
+                    .prepare_cached(&format!("SELECT {NODE_READ} FROM nodes WHERE id = ?1"))?
                     .query_row(params![id], raw_node)
                     .optional()?
                     .map(decode)
@@ -193,7 +199,7 @@ pub(super) fn upsert_node(
             "INSERT INTO nodes ({NODE_COLUMNS}) VALUES ({NODE_VALUES})
              ON CONFLICT (id) DO UPDATE SET address = excluded.address, name = excluded.name
              WHERE nodes.cert_sha256 = excluded.cert_sha256
-             RETURNING {NODE_COLUMNS}"
+             RETURNING {NODE_READ}"
         ))?
         .query_row(
             params_from_iter(node_params(node, ms, ms + lease_ms)),
@@ -218,7 +224,7 @@ fn update_node(
 ) -> Result<Option<NodeRecord>> {
     let raw = db
         .writer()
-        .prepare_cached(&format!("{sql} RETURNING {NODE_COLUMNS}"))?
+        .prepare_cached(&format!("{sql} RETURNING {NODE_READ}"))?
         .query_row(p, raw_node)
         .optional()?;
     raw.map(decode).transpose()
@@ -255,10 +261,11 @@ pub(super) fn expire_nodes(db: &SqliteStore, max: u32) -> Result<Vec<NodeRecord>
     let ms = clock_ms();
     let conn = db.writer();
     let mut st = conn.prepare_cached(&format!(
-        "UPDATE nodes SET state = 'dead', epoch = epoch + 1
+        "UPDATE nodes SET state = 'dead', epoch = epoch + 1, reserved_memory_mb = 0,
+                             reserved_slots = 0
          WHERE id IN (SELECT id FROM nodes WHERE state = 'ready' AND lease_until_ms < ?1
                       ORDER BY lease_until_ms LIMIT ?2)
-         RETURNING {NODE_COLUMNS}"
+         RETURNING {NODE_READ}"
     ))?;
     let raws = st
         .query_map(params![ms, max], raw_node)?
@@ -269,7 +276,7 @@ pub(super) fn expire_nodes(db: &SqliteStore, max: u32) -> Result<Vec<NodeRecord>
 pub(super) fn get_node(db: &SqliteStore, id_or_name: &str) -> Result<Option<NodeRecord>> {
     let raw = db.read(|c| {
         Ok(c.prepare_cached(&format!(
-            "SELECT {NODE_COLUMNS} FROM nodes WHERE id = ?1 OR name = ?1"
+            "SELECT {NODE_READ} FROM nodes WHERE id = ?1 OR name = ?1"
         ))?
         .query_row(params![id_or_name], raw_node)
         .optional()?)
@@ -280,7 +287,7 @@ pub(super) fn get_node(db: &SqliteStore, id_or_name: &str) -> Result<Option<Node
 pub(super) fn list_nodes(db: &SqliteStore) -> Result<Vec<NodeRecord>> {
     let raws = db.read(|c| {
         Ok(
-            c.prepare_cached(&format!("SELECT {NODE_COLUMNS} FROM nodes ORDER BY name"))?
+            c.prepare_cached(&format!("SELECT {NODE_READ} FROM nodes ORDER BY name"))?
                 .query_map([], raw_node)?
                 .collect::<rusqlite::Result<Vec<_>>>()?,
         )

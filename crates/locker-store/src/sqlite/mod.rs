@@ -20,6 +20,7 @@ mod calls;
 pub(crate) mod codec;
 mod events;
 mod fleet;
+mod placements;
 pub(crate) mod sandboxes;
 mod schema;
 mod secrets;
@@ -36,7 +37,7 @@ use std::time::Duration;
 use rusqlite::{Connection, OpenFlags};
 
 use crate::error::{Result, StoreError};
-use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord};
+use crate::fleet::{FleetCaRecord, JoinTokenRecord, NodeRecord, PlacementRecord};
 use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
@@ -523,5 +524,42 @@ impl Store for SqliteStore {
 
     fn clock_ms(&self) -> Result<i64> {
         Ok(fleet::clock_ms())
+    }
+
+    fn place(
+        &self,
+        p: &PlacementRecord,
+        cap_slots: i64,
+        cap_memory_mb: i64,
+    ) -> Result<Option<PlacementRecord>> {
+        placements::place(self, p, cap_slots, cap_memory_mb)
+    }
+
+    fn set_placed(&self, id: &str, sandbox_id: &str, view: &str) -> Result<bool> {
+        placements::set_placed(self, id, sandbox_id, view)
+    }
+
+    fn set_placement_view(&self, sandbox_id: &str, view: &str) -> Result<()> {
+        placements::set_placement_view(self, sandbox_id, view)
+    }
+
+    fn unplace(&self, id: &str) -> Result<Option<PlacementRecord>> {
+        placements::unplace(self, id)
+    }
+
+    fn get_placement(&self, sandbox_id: &str) -> Result<Option<PlacementRecord>> {
+        placements::get_placement(self, sandbox_id)
+    }
+
+    fn list_placements(
+        &self,
+        tenant: Option<&str>,
+        node_id: Option<&str>,
+    ) -> Result<Vec<PlacementRecord>> {
+        placements::list_placements(self, tenant, node_id)
+    }
+
+    fn lose_placements(&self) -> Result<Vec<PlacementRecord>> {
+        placements::lose_placements(self)
     }
 }

@@ -251,6 +251,25 @@ const MIGRATIONS: &[&str] = &[
         report         TEXT NOT NULL
     ) STRICT;
     "#,
+    // Sandboxes on fleet nodes (issue 25): what each node has reserved, and where each
+    // sandbox placed on a node lives.
+    r#"
+    ALTER TABLE nodes ADD COLUMN reserved_memory_mb INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE nodes ADD COLUMN reserved_slots INTEGER NOT NULL DEFAULT 0;
+    CREATE TABLE placements (
+        id          TEXT PRIMARY KEY,
+        sandbox_id  TEXT UNIQUE,
+        tenant      TEXT NOT NULL,
+        node_id     TEXT NOT NULL,
+        epoch       INTEGER NOT NULL,
+        memory_mb   INTEGER NOT NULL,
+        state       TEXT NOT NULL CHECK (state IN ('starting','placed','lost')),
+        created_ms  INTEGER NOT NULL,
+        view        TEXT NOT NULL
+    ) STRICT;
+    CREATE INDEX placements_node ON placements(node_id);
+    CREATE INDEX placements_tenant ON placements(tenant);
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).
