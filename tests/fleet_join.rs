@@ -5,14 +5,14 @@
 //! dead within the lease, a returning node fences itself and comes back at its new epoch,
 //! a control-plane outage declares nobody dead.
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command};
+use std::path::Path;
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::Fabric;
+use locker_tests::fabric::{Fabric, NodeProc};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Server};
-use locker_tests::{locker_bin, wait_for, TempDir};
+use locker_tests::{locker_bin, wait_for};
 use serde_json::{json, Value};
 
 /// The lease the server keeps (`fleet::LEASE`) and the sweeper's period.
@@ -36,116 +36,6 @@ fn node<'a>(list: &'a [Value], name: &str) -> &'a Value {
     list.iter()
         .find(|n| n["name"] == name)
         .unwrap_or_else(|| panic!("no node {name} in {list:?}"))
-}
-
-/// One `locker node` in its namespace: its data dir and log.
-struct NodeProc {
-    i: usize,
-    name: String,
-    dir: TempDir,
-    log: PathBuf,
-    child: Option<Child>,
-}
-
-impl NodeProc {
-    fn new(i: usize, name: &str) -> NodeProc {
-        let dir = TempDir::new("locker-node");
-        let log = dir.path().join("node.log");
-        NodeProc {
-            i,
-            name: name.into(),
-            dir,
-            log,
-            child: None,
-        }
-    }
-
-    fn data_dir(&self) -> PathBuf {
-        self.dir.path().join("data")
-    }
-
-    fn args(&self, fab: &Fabric, join: Option<(&str, &str)>, slots: u32) -> Vec<String> {
-        let mut a: Vec<String> = vec![
-            "node".into(),
-            "--name".into(),
-            self.name.clone(),
-            "--slots".into(),
-            slots.to_string(),
-            "--advertise".into(),
-            format!("{}:7443", fab.node_ip(self.i)),
-            "--data-dir".into(),
-            self.data_dir().display().to_string(),
-        ];
-        if let Some((url, token)) = join {
-            a.extend(["--join".into(), url.into(), "--token".into(), token.into()]);
-        }
-        a
-    }
-
-    fn start(&mut self, fab: &Fabric, join: Option<(&str, &str)>, slots: u32) {
-        let args = self.args(fab, join, slots);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.child = Some(fab.spawn(self.i, &locker_bin(), &args, &self.log));
-    }
-
-    /// Runs `locker node` to its end (a refused join ends at once): its status and log.
-    fn run_to_end(&self, fab: &Fabric, url: &str, token: &str) -> (bool, String) {
-        let args = self.args(fab, Some((url, token)), 10);
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        let _ = std::fs::remove_file(&self.log);
-        let child = fab.spawn(self.i, &locker_bin(), &args, &self.log);
-        // Killed on drop, also when the wait below gives up.
-        let mut guard = NodeProc {
-            i: self.i,
-            name: self.name.clone(),
-            dir: TempDir::new("locker-node-run"),
-            log: self.log.clone(),
-            child: Some(child),
-        };
-        let status = wait_for(Duration::from_secs(20), "a refused join to end", || {
-            guard.child.as_mut().unwrap().try_wait().expect("wait")
-        });
-        guard.child = None;
-        (status.success(), self.log_text())
-    }
-
-    fn log_text(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-
-    fn signal(&self, sig: i32) {
-        let pid = self.child.as_ref().expect("running").id();
-        // SAFETY: kill with a pid of our own child and a signal number.
-        unsafe { libc::kill(pid as i32, sig) };
-    }
-
-    /// Waits for the process to end by itself; its status.
-    fn wait_end(&mut self, limit: Duration) -> std::process::ExitStatus {
-        let child = self.child.as_mut().expect("running");
-        let status = wait_for(limit, "the node to stop", || {
-            child.try_wait().expect("wait")
-        });
-        self.child = None;
-        status
-    }
-
-    fn stop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
-
-impl Drop for NodeProc {
-    fn drop(&mut self) {
-        // SIGCONT first: a stopped process does not die of SIGKILL until it runs.
-        if let Some(c) = &self.child {
-            // SAFETY: as in `signal`.
-            unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
-        }
-        self.stop();
-    }
 }
 
 /// A heartbeat sent with curl, with node `who`'s certificate (or none): the status.
@@ -248,7 +138,11 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
         let n = node(&list, &format!("n{}", i + 1));
         assert_eq!(n["state"], "ready", "{n}");
         assert_eq!(n["epoch"], 1, "{n}");
-        assert_eq!(n["address"], format!("{}:7443", fab.node_ip(i)), "{n}");
+        assert_eq!(
+            n["address"],
+            format!("{}:{}", fab.node_ip(i), procs[i].port),
+            "{n}"
+        );
         assert_eq!(n["report"]["slots"], *s, "{n}");
         assert!(n["report"]["cpus"].as_u64().unwrap() >= 1, "{n}");
         assert!(n["report"]["memory_mb"].as_u64().unwrap() > 0, "{n}");

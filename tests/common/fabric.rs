@@ -8,9 +8,12 @@
 //! process's pid, never with `lk` (Locker's own links, which a server's start-up sweep
 //! removes); what a killed test process left is removed by the next fabric's start.
 
+use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
+use std::time::Duration;
 
 use crate::egress::ip;
+use crate::{locker_bin, wait_for, TempDir};
 
 /// A bridge and `n` node namespaces on it.
 pub struct Fabric {
@@ -109,7 +112,9 @@ impl Fabric {
             .append(true)
             .open(log)
             .expect("open the node's log");
-        let mut cmd = Command::new("ip");
+        // nsenter, not `ip netns exec`: that one also remounts /sys for the namespace,
+        // which hides the cgroup hierarchies a node's engine runs machines in.
+        let mut cmd = Command::new("nsenter");
         // SAFETY: prctl with integer arguments, between fork and exec.
         unsafe {
             std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
@@ -118,7 +123,8 @@ impl Fabric {
             });
         }
         let child = cmd
-            .args(["netns", "exec", &self.ns(i)])
+            .arg(format!("--net=/run/netns/{}", self.ns(i)))
+            .arg("--")
             .arg(program)
             .args(args)
             .stdin(Stdio::null())
@@ -189,6 +195,148 @@ fn sweep_dead() {
         let name = line.split_whitespace().next().unwrap_or_default();
         if dead(name) {
             let _ = Command::new("ip").args(["netns", "del", name]).output();
+        }
+    }
+}
+
+/// One `locker node` in its namespace: its data dir and log.
+pub struct NodeProc {
+    pub i: usize,
+    /// The port its listener takes (each node process of a test its own: several may share
+    /// a namespace).
+    pub port: u16,
+    pub name: String,
+    pub dir: TempDir,
+    pub log: PathBuf,
+    pub child: Option<Child>,
+}
+
+impl NodeProc {
+    pub fn new(i: usize, name: &str) -> NodeProc {
+        let dir = TempDir::new("locker-node");
+        let log = dir.path().join("node.log");
+        static NEXT_PORT: std::sync::atomic::AtomicU16 = std::sync::atomic::AtomicU16::new(7443);
+        NodeProc {
+            i,
+            port: NEXT_PORT.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            name: name.into(),
+            dir,
+            log,
+            child: None,
+        }
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join("data")
+    }
+
+    pub fn args(&self, fab: &Fabric, join: Option<(&str, &str)>, slots: u32) -> Vec<String> {
+        let mut a: Vec<String> = vec![
+            "node".into(),
+            "--name".into(),
+            self.name.clone(),
+            "--slots".into(),
+            slots.to_string(),
+            "--advertise".into(),
+            format!("{}:{}", fab.node_ip(self.i), self.port),
+            "--data-dir".into(),
+            self.data_dir().display().to_string(),
+            // A node's engine, light: no warm machines, no template build (the host's
+            // cache has the default template), disks on the data dir where the clean-up
+            // below finds them.
+            "--warm-pool".into(),
+            "0".into(),
+            "--vm-pool".into(),
+            "0".into(),
+            "--no-template-build".into(),
+            "--cow-disks".into(),
+            "off".into(),
+        ];
+        if let Some((url, token)) = join {
+            a.extend(["--join".into(), url.into(), "--token".into(), token.into()]);
+        }
+        a
+    }
+
+    pub fn start(&mut self, fab: &Fabric, join: Option<(&str, &str)>, slots: u32) {
+        let args = self.args(fab, join, slots);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        self.child = Some(fab.spawn(self.i, &locker_bin(), &args, &self.log));
+    }
+
+    /// Runs `locker node` to its end (a refused join ends at once): its status and log.
+    pub fn run_to_end(&self, fab: &Fabric, url: &str, token: &str) -> (bool, String) {
+        let args = self.args(fab, Some((url, token)), 10);
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        let _ = std::fs::remove_file(&self.log);
+        let child = fab.spawn(self.i, &locker_bin(), &args, &self.log);
+        // Killed on drop, also when the wait below gives up.
+        let mut guard = NodeProc {
+            i: self.i,
+            port: self.port,
+            name: self.name.clone(),
+            dir: TempDir::new("locker-node-run"),
+            log: self.log.clone(),
+            child: Some(child),
+        };
+        let status = wait_for(Duration::from_secs(20), "a refused join to end", || {
+            guard.child.as_mut().unwrap().try_wait().expect("wait")
+        });
+        guard.child = None;
+        (status.success(), self.log_text())
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn signal(&self, sig: i32) {
+        let pid = self.child.as_ref().expect("running").id();
+        // SAFETY: kill with a pid of our own child and a signal number.
+        unsafe { libc::kill(pid as i32, sig) };
+    }
+
+    /// Waits for the process to end by itself; its status.
+    pub fn wait_end(&mut self, limit: Duration) -> std::process::ExitStatus {
+        let child = self.child.as_mut().expect("running");
+        let status = wait_for(limit, "the node to stop", || {
+            child.try_wait().expect("wait")
+        });
+        self.child = None;
+        status
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for NodeProc {
+    fn drop(&mut self) {
+        // SIGCONT first: a stopped process does not die of SIGKILL until it runs.
+        if let Some(c) = &self.child {
+            // SAFETY: as in `signal`.
+            unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
+        }
+        self.stop();
+        // What the node ran outlives it (a node's machines survive its restarts): the
+        // runtime's crash clean-up destroys them, so nothing outlives the test.
+        let data = self.data_dir();
+        let mut left = crate::server::destroy_machines(&data.join("sandboxes"));
+        left.extend(crate::server::destroy_machines(&data.join("pool")));
+        if std::thread::panicking() {
+            let log = self.log_text();
+            let tail: Vec<&str> = log.lines().rev().take(40).collect();
+            eprintln!("---- locker node {} log, last lines ----", self.name);
+            for l in tail.iter().rev() {
+                eprintln!("{l}");
+            }
+        }
+        if !left.is_empty() {
+            eprintln!("cleanup: node {} left machines {left:?}", self.name);
         }
     }
 }

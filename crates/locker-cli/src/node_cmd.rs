@@ -26,9 +26,24 @@ pub struct NodeArgs {
     /// host's name and 7443].
     #[arg(long, value_name = "HOST:PORT")]
     advertise: Option<String>,
+    /// Where the node's listener binds [default: every address, the advertised port].
+    #[arg(long, value_name = "ADDR:PORT")]
+    listen: Option<std::net::SocketAddr>,
     /// Sandboxes this node takes at most [default: 4 per CPU].
     #[arg(long)]
     slots: Option<u32>,
+    /// Warm machines kept ready for runs (0: none).
+    #[arg(long, env = "LOCKER_WARM_POOL", default_value_t = 2)]
+    warm_pool: usize,
+    /// Ready microVMs kept per sandbox shape asked for (0: none).
+    #[arg(long, env = "LOCKER_VM_POOL", default_value_t = 1)]
+    vm_pool: usize,
+    /// Do not build the template `default` in the background when it is missing.
+    #[arg(long)]
+    no_template_build: bool,
+    /// Where sandboxes' disks and snapshots share blocks (as `locker serve --cow-disks`).
+    #[arg(long, env = "LOCKER_COW_DISKS", default_value = "auto")]
+    cow_disks: locker_runtime::cow_disks::Mode,
     /// Where the node's state, sandboxes and volumes live (its identity in `fleet/`).
     #[arg(long, env = "LOCKER_DATA_DIR", default_value = "/var/lib/locker")]
     data_dir: PathBuf,
@@ -50,18 +65,55 @@ pub fn run(a: NodeArgs) -> anyhow::Result<()> {
     locker_store::validate_node_name(&name)
         .map_err(|e| anyhow::anyhow!("{e} (the host's name is the default)"))?;
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let advertise = a
+        .advertise
+        .unwrap_or_else(|| format!("{}:7443", host_name()));
+    let port = advertise
+        .rsplit_once(':')
+        .and_then(|(_, p)| p.parse::<u16>().ok())
+        .ok_or_else(|| anyhow::anyhow!("--advertise {advertise:?}: expected HOST:PORT"))?;
+    let listen = a
+        .listen
+        .unwrap_or_else(|| std::net::SocketAddr::from(([0, 0, 0, 0], port)));
+    let slots = a
+        .slots
+        .unwrap_or_else(|| u32::try_from(cpus * 4).unwrap_or(u32::MAX));
+    // The engine: `locker serve`'s, serving the control plane only. Tenants' quotas are
+    // the control plane's to keep; here the host's capacity bounds what runs.
+    let host = locker_server::Quotas::for_host(&a.data_dir);
+    let engine = locker_server::Config {
+        listen,
+        data_dir: a.data_dir.clone(),
+        api_key: None,
+        admin_key: None,
+        metrics_token: None,
+        quotas: locker_server::Quotas {
+            sandboxes: u64::from(slots),
+            ..host
+        },
+        cache_dir: a.cache_dir,
+        warm_pool: a.warm_pool,
+        vm_pool: a.vm_pool,
+        egress_resolve: Vec::new(),
+        egress_ca: Vec::new(),
+        template_build: !a.no_template_build,
+        preview: None,
+        favordynmods: true,
+        database: None,
+        cow_disks: a.cow_disks,
+        fleet: None,
+        local_node: None,
+        fleet_member: true,
+    };
     let cfg = MemberConfig {
         control: a.join,
         token: a.token,
-        advertise: a
-            .advertise
-            .unwrap_or_else(|| format!("{}:7443", host_name())),
+        advertise,
+        listen,
         data_dir: a.data_dir,
-        cache_dir: a.cache_dir,
         name,
-        slots: a
-            .slots
-            .unwrap_or_else(|| u32::try_from(cpus * 4).unwrap_or(u32::MAX)),
+        slots,
+        engine,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)

@@ -218,6 +218,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
             Some(_) => Some(local_node(a.node_name, a.node_slots, a.listen)?),
             None => None,
         },
+        fleet_member: false,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -100,19 +100,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         }
     };
     tracing::info!(listen = %app.cfg.listen, data_dir = %app.cfg.data_dir.display(), "locker serve ready");
-    crate::lifecycle::spawn_reaper(app.clone());
-    crate::events::spawn(app.clone());
-    crate::usage_series::spawn(app.clone());
-    crate::ui::warm();
-    crate::default_template::ensure(&app, app.cfg.template_build);
-    // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
-    // before a machine gets egress).
-    tokio::task::spawn_blocking(|| match locker_runtime::net::status() {
-        Ok(d) => tracing::info!(detail = %d, "egress enforcement works"),
-        Err(e) => {
-            tracing::warn!(error = %e, "egress enforcement unavailable: sandboxes get egress none only")
-        }
-    });
+    start_services(&app);
     let router = router(app.clone());
     let (quit, quitting) = tokio::sync::watch::channel(false);
     // Port requests are served by the front (bodies relayed by Locker); the rest reaches axum's
@@ -130,7 +118,7 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
         }
     };
     if let Some(fleet) = &app.fleet {
-        fleet.serve(quitting.clone());
+        fleet.serve(app.clone(), quitting.clone());
     }
     if let Some((c, n)) = local_node {
         crate::fleet::local::spawn(app.clone(), c, n, quitting.clone());
@@ -174,6 +162,25 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     result
 }
 
+/// What runs beside the listeners, on a server and on a fleet node alike: the reaper (TTL
+/// and idle policy), events, usage series, the UI's assets, the default template's build
+/// when it is missing, and the proof of egress enforcement.
+pub(crate) fn start_services(app: &AppState) {
+    crate::lifecycle::spawn_reaper(app.clone());
+    crate::events::spawn(app.clone());
+    crate::usage_series::spawn(app.clone());
+    crate::ui::warm();
+    crate::default_template::ensure(app, app.cfg.template_build);
+    // Prove egress enforcement once at start (reported by /healthz; re-proved on demand
+    // before a machine gets egress).
+    tokio::task::spawn_blocking(|| match locker_runtime::net::status() {
+        Ok(d) => tracing::info!(detail = %d, "egress enforcement works"),
+        Err(e) => {
+            tracing::warn!(error = %e, "egress enforcement unavailable: sandboxes get egress none only")
+        }
+    });
+}
+
 /// Resolves on the first SIGINT or SIGTERM after this call.
 fn stop_signal() -> impl std::future::Future<Output = ()> {
     use tokio::signal::unix::{signal, SignalKind};
@@ -198,7 +205,7 @@ fn stop_signal() -> impl std::future::Future<Output = ()> {
 /// What a stop takes down: call records flushed, warm machines destroyed (after the
 /// refills in flight), volume agents stopped, volumes unmounted, and Locker's XFS image of
 /// disks unmounted when no sandbox is left on it (else it stays for the next start).
-async fn shutdown(app: &AppState) {
+pub(crate) async fn shutdown(app: &AppState) {
     let _ = tokio::time::timeout(Duration::from_secs(5), app.recorder.flush()).await;
     app.pool.drain().await;
     app.vm_pool.drain().await;
@@ -244,6 +251,8 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     tracing::info!(sandboxes = %disks.sandboxes.display(), "{}", disks.describe());
     store.ensure_tenant("default")?;
     match &cfg.api_key {
+        // A fleet node has no keys: the control plane authenticates its callers.
+        _ if cfg.fleet_member => {}
         Some(k) => {
             store.add_key_with_secret("default", k)?;
         }
@@ -387,6 +396,11 @@ pub fn router(app: AppState) -> Router {
                 "this route does not take that method: see /openapi.json",
             )
         })
+        // A sandbox on another fleet node is that node's to answer.
+        .layer(axum::middleware::from_fn_with_state(
+            app.clone(),
+            crate::fleet::route::dispatch,
+        ))
         .layer(axum::middleware::from_fn(crate::ui::refuse_cross_site))
         .layer(axum::middleware::from_fn_with_state(app.clone(), observe))
         .layer(axum::extract::DefaultBodyLimit::max(1 << 20))

@@ -41,6 +41,14 @@ impl FromRequestParts<AppState> for Caller {
         parts: &mut Parts,
         app: &AppState,
     ) -> Result<Self, Self::Rejection> {
+        // On a fleet node, the control plane authenticated the caller (only its
+        // certificate opens the node's listener, which sets this).
+        if let Some(f) = parts.extensions.get::<crate::fleet::node::Forwarded>() {
+            return Ok(Caller {
+                tenant: f.tenant.clone(),
+                key_id: "fleet".into(),
+            });
+        }
         caller_of(app, &parts.headers)
     }
 }

@@ -73,6 +73,8 @@ pub enum Kind {
     SandboxSnapshotted,
     #[serde(rename = "sandbox.forked")]
     SandboxForked,
+    #[serde(rename = "sandbox.lost")]
+    SandboxLost,
     #[serde(rename = "run.committed")]
     RunCommitted,
     #[serde(rename = "template.built")]
@@ -82,7 +84,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 11] = [
+    pub const ALL: [Kind; 12] = [
         Kind::SandboxCreated,
         Kind::SandboxPaused,
         Kind::SandboxResumed,
@@ -91,6 +93,7 @@ impl Kind {
         Kind::SandboxFailed,
         Kind::SandboxSnapshotted,
         Kind::SandboxForked,
+        Kind::SandboxLost,
         Kind::RunCommitted,
         Kind::TemplateBuilt,
         Kind::TemplateFailed,
@@ -107,6 +110,7 @@ impl Kind {
             Kind::SandboxFailed => "sandbox.failed",
             Kind::SandboxSnapshotted => "sandbox.snapshotted",
             Kind::SandboxForked => "sandbox.forked",
+            Kind::SandboxLost => "sandbox.lost",
             Kind::RunCommitted => "run.committed",
             Kind::TemplateBuilt => "template.built",
             Kind::TemplateFailed => "template.failed",

@@ -443,9 +443,23 @@ async fn list(
     // The offset of the next page, when a limit was given and more match.
     let end = q.offset.saturating_add(items.len() as u64);
     let next_offset = (q.limit.is_some() && end < page.total).then_some(end);
+    // Sandboxes on other fleet nodes: listed after this server's own, on the first page.
+    let mut items = items;
+    let mut total = page.total;
+    if app.fleet.is_some() {
+        let remote: Vec<Value> = crate::fleet::route::remote_views(&app, &caller.tenant)?
+            .into_iter()
+            .filter(|v| q.state.is_none_or(|s| v["state"] == s.as_str()))
+            .filter(|v| q.metadata.iter().all(|(k, want)| v["metadata"][k] == *want))
+            .collect();
+        total += remote.len() as u64;
+        if q.offset == 0 {
+            items.extend(remote);
+        }
+    }
     Ok(axum::Json(json!({
         "sandboxes": items,
-        "total": page.total,
+        "total": total,
         "next_offset": next_offset,
     })))
 }

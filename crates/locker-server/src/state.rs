@@ -97,6 +97,9 @@ pub struct Config {
     pub fleet: Option<crate::fleet::control::ControlConfig>,
     /// Whether this server is also a node of the fleet (`--node local`).
     pub local_node: Option<crate::fleet::local::LocalNodeConfig>,
+    /// This engine is a fleet node's (`locker node`): it serves the control plane only,
+    /// through the node listener (`fleet::node`), and holds no API keys.
+    pub fleet_member: bool,
 }
 
 /// A sandbox whose machine runs on this node.

@@ -23,7 +23,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Extension, Router};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
-use locker_store::{JoinTokenRecord, NodeRecord, NodeState, Store, StoreError};
+use locker_store::{JoinTokenRecord, NodeRecord, NodeState, PlacementState, Store, StoreError};
 use serde::Deserialize;
 use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
@@ -65,6 +65,12 @@ pub struct Control {
     /// What a join command names.
     pub url: String,
     socket: Mutex<Option<std::net::TcpListener>>,
+    /// The nodes as placement last read them.
+    pub table: Mutex<super::placement::Table>,
+    /// The router's connections to nodes and its route cache.
+    pub routes: super::route::Routes,
+    /// This server's own node (`--node local`), once registered.
+    local: Mutex<Option<String>>,
 }
 
 impl std::fmt::Debug for Control {
@@ -104,6 +110,7 @@ impl Control {
             format!("https://{host}:{}", listen.port())
         });
         tracing::info!(listen = %listen, url = %url, ca = %pki::fingerprint(&ca.der), "accepting fleet nodes");
+        let routes = super::route::Routes::new(ca.control_client_config()?);
         Ok(Arc::new(Control {
             store,
             ca,
@@ -111,11 +118,14 @@ impl Control {
             listen,
             url,
             socket: Mutex::new(Some(socket)),
+            table: Default::default(),
+            routes,
+            local: Mutex::new(None),
         }))
     }
 
     /// Accepts nodes' connections until `quitting`, and runs the sweeper.
-    pub fn serve(self: &Arc<Self>, quitting: tokio::sync::watch::Receiver<bool>) {
+    pub fn serve(self: &Arc<Self>, app: AppState, quitting: tokio::sync::watch::Receiver<bool>) {
         let Some(socket) = self.socket.lock().expect("socket").take() else {
             return;
         };
@@ -162,7 +172,16 @@ impl Control {
                 });
             }
         });
-        tokio::spawn(sweep(self.store.clone(), quitting));
+        tokio::spawn(sweep(app, quitting));
+    }
+
+    /// This server's own node's id (`--node local`), if it is one.
+    pub fn local_node_id(&self) -> Option<String> {
+        self.local.lock().expect("local").clone()
+    }
+
+    pub fn set_local_node(&self, id: &str) {
+        *self.local.lock().expect("local") = Some(id.to_owned());
     }
 
     /// A new join token, valid `ttl`: its row (hash only) and its clear text.
@@ -367,6 +386,7 @@ async fn heartbeat(
         Ok(n) => Ok(axum::Json(BeatAnswer {
             epoch: n.epoch,
             lease_until_ms: n.lease_until_ms,
+            keep: None,
         })
         .into_response()),
         // Not counted: answer with the row as it is now (the sweeper may just have moved
@@ -384,23 +404,36 @@ async fn give_back(
     let (store, id) = (c.store.clone(), node.id.clone());
     // Idempotent: a node already back (its first answer lost) learns its current epoch.
     let back = blocking(move || {
-        Ok(match store.revive_node(&id, lease_ms())? {
+        let n = match store.revive_node(&id, lease_ms())? {
             Some(n) => Some((n, true)),
             None => store
                 .get_node(&id)?
                 .filter(|n| n.state == NodeState::Ready)
                 .map(|n| (n, false)),
-        })
+        };
+        // What is still the node's: placed at its current epoch (everything placed
+        // before its death was lost with it).
+        let keep = match &n {
+            Some((n, _)) => store
+                .list_placements(None, Some(&n.id))?
+                .into_iter()
+                .filter(|p| p.epoch == n.epoch && p.state != PlacementState::Lost)
+                .filter_map(|p| p.sandbox_id)
+                .collect(),
+            None => Vec::new(),
+        };
+        Ok(n.map(|n| (n, keep)))
     })
     .await?;
     match back {
-        Some((n, revived)) => {
+        Some(((n, revived), keep)) => {
             if revived {
                 tracing::info!(node = %n.id, name = %n.name, epoch = n.epoch, "a node declared dead returned");
             }
             Ok(axum::Json(BeatAnswer {
                 epoch: n.epoch,
                 lease_until_ms: n.lease_until_ms,
+                keep: Some(keep),
             })
             .into_response())
         }
@@ -412,8 +445,10 @@ async fn give_back(
 /// uses a database today (`PgStore::claim_single_server`), so one sweeper runs; replicas
 /// sharing one will need it behind the fleet's leader lock (`FLEET.md` §4.1), else the
 /// rate limit multiplies by their number (expiry itself stays exactly-once: `SKIP LOCKED`).
-async fn sweep(store: Arc<dyn Store>, mut quitting: tokio::sync::watch::Receiver<bool>) {
+async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) {
     const WINDOW: Duration = Duration::from_secs(60);
+    let store = app.store.clone();
+    let mut reconciled = Instant::now();
     let mut grace_until = Instant::now() + LEASE;
     let mut declared: Vec<Instant> = Vec::new();
     let mut alarmed = Instant::now() - WINDOW;
@@ -444,6 +479,10 @@ async fn sweep(store: Arc<dyn Store>, mut quitting: tokio::sync::watch::Receiver
                 continue;
             }
         };
+        if reconciled.elapsed() >= super::placement::RECONCILE {
+            reconciled = Instant::now();
+            super::placement::reconcile(&app, &nodes).await;
+        }
         let budget = (nodes.len() / 10).max(1);
         let left = budget.saturating_sub(declared.len());
         let expired = nodes
@@ -464,10 +503,11 @@ async fn sweep(store: Arc<dyn Store>, mut quitting: tokio::sync::watch::Receiver
         let max = u32::try_from(left).unwrap_or(1);
         match tokio::task::spawn_blocking(move || s.expire_nodes(max)).await {
             Ok(Ok(dead)) => {
-                for n in dead {
+                for n in &dead {
                     declared.push(Instant::now());
                     tracing::warn!(node = %n.id, name = %n.name, epoch = n.epoch, "node declared dead: its lease ran out");
                 }
+                super::placement::lose(&app).await;
             }
             _ => grace_until = Instant::now() + LEASE,
         }
@@ -544,6 +584,7 @@ fn node_json(n: &NodeRecord, now_ms: i64) -> Value {
         "joined_at": n.joined_at,
         "last_heartbeat_ms_ago": (now_ms - n.heartbeat_ms).max(0),
         "lease_left_ms": (n.lease_until_ms - now_ms).max(0),
+        "reserved": {"slots": n.reserved_slots, "memory_mb": n.reserved_memory_mb},
         "report": report,
     })
 }
@@ -570,6 +611,8 @@ async fn remove_node(
     .await?;
     if let Some(n) = removed {
         tracing::info!(node = %n.id, name = %n.name, "node removed from the fleet");
+        // Its sandboxes go with it.
+        super::placement::lose(&app).await;
     }
     Ok(StatusCode::NO_CONTENT.into_response())
 }

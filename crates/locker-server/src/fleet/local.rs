@@ -33,18 +33,20 @@ fn lease_ms() -> i64 {
 }
 
 async fn report(app: &AppState, slots: u32) -> String {
-    let sandboxes = u32::try_from(app.live.read().await.len()).unwrap_or(u32::MAX);
+    let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
     let warm = u32::try_from(app.pool.len()).unwrap_or(u32::MAX);
     // It reads /proc, the data dir's filesystem and the template cache: off the async threads.
     let app = app.clone();
     let r = tokio::task::spawn_blocking(move || {
-        host_report(
+        let mut r = host_report(
             &app.cfg.data_dir,
             slots,
-            sandboxes,
+            u32::try_from(ids.len()).unwrap_or(u32::MAX),
             warm,
             Some(&app.templates),
-        )
+        );
+        r.sandbox_ids = ids;
+        r
     })
     .await
     .unwrap_or_default();
@@ -96,6 +98,9 @@ pub async fn register(app: &AppState, cfg: &LocalNodeConfig) -> Result<NodeRecor
             StoreError::Conflict(m) => format!("{m} (--node-name names this server's node)"),
             e => format!("registering this server's node: {e}"),
         })?;
+    if let Some(c) = app.fleet.as_ref() {
+        c.set_local_node(&node.id);
+    }
     tracing::info!(node = %node.id, name = %node.name, epoch = node.epoch, "this server is a node of the fleet (--node local)");
     Ok(node)
 }

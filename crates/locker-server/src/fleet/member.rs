@@ -14,6 +14,7 @@
 //! returns at the new epoch. Only an explicit removal (404, 403) stops it.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,10 +26,12 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 use rcgen::KeyPair;
 use serde::{Deserialize, Serialize};
 
+use super::node::Epoch;
 use super::pki;
 use super::wire::{self, Beat, BeatAnswer, Fenced, Join, Joined, Report, Return};
 use super::HEARTBEAT;
 use crate::ids::hex;
+use crate::state::AppState;
 
 /// How `locker node` was started.
 #[derive(Debug, Clone)]
@@ -37,11 +40,15 @@ pub struct MemberConfig {
     pub control: Option<String>,
     pub token: Option<String>,
     pub data_dir: PathBuf,
-    pub cache_dir: PathBuf,
     pub name: String,
     /// `host:port` where this node's listener answers, as the control plane should dial it.
     pub advertise: String,
+    /// Where the listener binds (`--listen`; the advertised port on every address by
+    /// default).
+    pub listen: std::net::SocketAddr,
     pub slots: u32,
+    /// The engine this node runs (its data dir is `data_dir`; `fleet_member` set).
+    pub engine: crate::state::Config,
 }
 
 /// What a node keeps of its membership.
@@ -57,7 +64,9 @@ pub struct Identity {
 struct Member {
     ident: Identity,
     dir: PathBuf,
+    /// Towards the control plane, and the node listener's.
     tls: Arc<rustls::ClientConfig>,
+    server_tls: Arc<rustls::ServerConfig>,
 }
 
 /// Why a node stopped.
@@ -69,6 +78,8 @@ pub enum MemberError {
     Identity(String),
     #[error("{0}")]
     Removed(String),
+    #[error("{0}")]
+    Engine(String),
 }
 
 /// The fleet directory of a data dir.
@@ -76,9 +87,28 @@ pub fn fleet_dir(data_dir: &Path) -> PathBuf {
     data_dir.join("fleet")
 }
 
-/// Joins (when the data dir has no identity yet) and beats until `stop` resolves.
+/// Starts the engine (adopting what a previous start left running), joins when the data
+/// dir has no identity yet, serves the control plane on the node listener and beats, until
+/// `stop` resolves. What the node runs keeps running after a stop, for the next start.
 pub async fn run(
     cfg: MemberConfig,
+    stop: impl std::future::Future<Output = ()>,
+) -> Result<(), MemberError> {
+    // The engine first: it takes the data dir's lock, so two nodes never share one.
+    let app = crate::app::build(cfg.engine.clone())
+        .await
+        .map_err(|e| MemberError::Engine(e.to_string()))?;
+    let (quit, quitting) = tokio::sync::watch::channel(false);
+    let result = serve_and_beat(&cfg, &app, quitting, stop).await;
+    let _ = quit.send(true);
+    crate::app::shutdown(&app).await;
+    result
+}
+
+async fn serve_and_beat(
+    cfg: &MemberConfig,
+    app: &AppState,
+    quitting: tokio::sync::watch::Receiver<bool>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), MemberError> {
     let dir = fleet_dir(&cfg.data_dir);
@@ -89,11 +119,23 @@ pub async fn run(
             }
             m
         }
-        None => join(&cfg, &dir).await?,
+        None => join(cfg, app, &dir).await?,
     };
-    tracing::info!(node = %member.ident.node_id, name = %member.ident.name, control = %member.ident.control, epoch = member.ident.epoch, "locker node ready: beating every {}s", HEARTBEAT.as_secs());
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| MemberError::Engine(format!("cannot listen on {}: {e}", cfg.listen)))?;
+    let epoch: Epoch = Arc::new(AtomicI64::new(member.ident.epoch));
+    super::node::serve(
+        listener,
+        member.server_tls.clone(),
+        app.clone(),
+        epoch.clone(),
+        quitting,
+    );
+    crate::app::start_services(app);
+    tracing::info!(node = %member.ident.node_id, name = %member.ident.name, control = %member.ident.control, epoch = member.ident.epoch, listen = %cfg.listen, "locker node ready: beating every {}s", HEARTBEAT.as_secs());
     tokio::select! {
-        r = beat(member, &cfg) => r,
+        r = beat(member, cfg, app, epoch) => r,
         () = stop => {
             tracing::info!("stopped: what this node runs keeps running");
             Ok(())
@@ -248,10 +290,12 @@ fn load(dir: &Path) -> Result<Option<Member>, MemberError> {
     let (cert, ca) = (read("node.crt")?, read("ca.crt")?);
     let verifier = pki::trust_ca(&ca).map_err(|e| bad("ca.crt", &e))?;
     let tls = pki::client_config(verifier, Some((&cert, &key))).map_err(|e| bad("node.crt", &e))?;
+    let server_tls = pki::node_server_config(&ca, &cert, &key).map_err(|e| bad("node.crt", &e))?;
     Ok(Some(Member {
         ident,
         dir: dir.to_owned(),
         tls,
+        server_tls,
     }))
 }
 
@@ -281,38 +325,31 @@ pub fn host_report(
         sandboxes,
         templates: templates.and_then(|t| t.digests().ok()).unwrap_or_default(),
         warm,
+        sandbox_ids: Vec::new(),
     }
 }
 
-/// What this node has now. Sandboxes are not placed on remote nodes yet (issue 25,
-/// point 3): it runs none.
-fn report(
-    cfg: &MemberConfig,
-    templates: Option<&locker_runtime::template::TemplateStore>,
-) -> Report {
-    host_report(&cfg.data_dir, cfg.slots, 0, 0, templates)
+/// What this node has now: the host's capacity, and what its engine runs and keeps warm.
+async fn report(cfg: &MemberConfig, app: &AppState) -> Report {
+    let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
+    let warm = u32::try_from(app.pool.len()).unwrap_or(u32::MAX);
+    let (slots, data_dir, app) = (cfg.slots, cfg.data_dir.clone(), app.clone());
+    tokio::task::spawn_blocking(move || {
+        let mut r = host_report(
+            &data_dir,
+            slots,
+            u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            warm,
+            Some(&app.templates),
+        );
+        r.sandbox_ids = ids;
+        r
+    })
+    .await
+    .unwrap_or_default()
 }
 
-/// [`report`] on a blocking thread (it reads /proc, the data dir's filesystem and the
-/// template cache's directory).
-async fn report_off_thread(
-    cfg: &MemberConfig,
-    templates: &Option<Arc<locker_runtime::template::TemplateStore>>,
-) -> Report {
-    let (cfg, templates) = (cfg.clone(), templates.clone());
-    tokio::task::spawn_blocking(move || report(&cfg, templates.as_deref()))
-        .await
-        .unwrap_or_default()
-}
-
-/// The host's template cache, if it has one.
-fn templates(cfg: &MemberConfig) -> Option<Arc<locker_runtime::template::TemplateStore>> {
-    locker_runtime::template::TemplateStore::open(&cfg.cache_dir)
-        .ok()
-        .map(Arc::new)
-}
-
-async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
+async fn join(cfg: &MemberConfig, app: &AppState, dir: &Path) -> Result<Member, MemberError> {
     let fail = |m: String| MemberError::Join(m);
     let (Some(url), Some(token)) = (cfg.control.as_deref(), cfg.token.as_deref()) else {
         return Err(fail(format!(
@@ -347,7 +384,7 @@ async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
         name: cfg.name.clone(),
         address: cfg.advertise.clone(),
         public_key: hex(key.public_key_raw()),
-        report: report_off_thread(cfg, &templates(cfg)).await,
+        report: report(cfg, app).await,
     };
     let (status, bytes) = link.call(wire::REGISTER, &body).await.map_err(fail)?;
     if status != StatusCode::CREATED {
@@ -378,14 +415,41 @@ async fn join(cfg: &MemberConfig, dir: &Path) -> Result<Member, MemberError> {
     load(dir)?.ok_or_else(|| MemberError::Identity("the identity just written is gone".into()))
 }
 
+/// Destroys every sandbox this node runs but `keep` (a returning node's: the fleet marked
+/// the others lost when it declared the node dead); how many.
+async fn drop_all_but(app: &AppState, keep: &[String]) -> usize {
+    let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
+    let mut n = 0;
+    for id in ids.into_iter().filter(|id| !keep.contains(id)) {
+        let (store, sid) = (app.store.clone(), id.clone());
+        let rec = tokio::task::spawn_blocking(move || store.get_sandbox_any(&sid)).await;
+        match rec {
+            Ok(Ok(Some(r))) => match crate::lifecycle::destroy(app, &r, "deleted").await {
+                Ok(()) => n += 1,
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e.message, "cannot destroy a sandbox the fleet took back")
+                }
+            },
+            other => {
+                tracing::warn!(sandbox = %id, result = ?other.map(|r| r.map(|o| o.is_some())), "cannot read a sandbox the fleet took back")
+            }
+        }
+    }
+    n
+}
+
 /// Refusals in a row (one a beat) after which a node takes itself for removed.
 const REFUSALS_TO_STOP: u32 = 10;
 
 /// Beats until removed. Unreachable: keep going, keep everything. Declared dead: fence,
 /// return.
-async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
+async fn beat(
+    mut m: Member,
+    cfg: &MemberConfig,
+    app: &AppState,
+    epoch: Epoch,
+) -> Result<(), MemberError> {
     const QUIET: Duration = Duration::from_secs(10);
-    let templates = templates(cfg);
     let mut link: Option<Link> = None;
     let mut tick = tokio::time::interval(HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -404,7 +468,7 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
             let beat = Beat {
                 node_id: m.ident.node_id.clone(),
                 epoch: m.ident.epoch,
-                report: report_off_thread(cfg, &templates).await,
+                report: report(cfg, app).await,
             };
             l.call(wire::HEARTBEAT, &beat).await
         }
@@ -461,7 +525,15 @@ async fn beat(mut m: Member, cfg: &MemberConfig) -> Result<(), MemberError> {
                                 // Kept in memory; a restart asks to return again.
                                 tracing::warn!(error = %e, "cannot write the new epoch");
                             }
-                            tracing::info!(epoch = a.epoch, "returned to the fleet");
+                            // Calls at the old epoch are refused from now on; what the
+                            // fleet did not give back is destroyed.
+                            epoch.store(a.epoch, Ordering::Release);
+                            let dropped = drop_all_but(app, a.keep.as_deref().unwrap_or(&[])).await;
+                            tracing::info!(
+                                epoch = a.epoch,
+                                destroyed = dropped,
+                                "returned to the fleet"
+                            );
                         }
                     }
                     Ok((s, b)) => {

@@ -21,7 +21,10 @@
 pub mod control;
 pub mod local;
 pub mod member;
+pub mod node;
 pub mod pki;
+pub mod placement;
+pub mod route;
 pub mod wire;
 
 use std::time::Duration;

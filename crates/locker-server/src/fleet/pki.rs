@@ -17,6 +17,7 @@ use rcgen::{
 };
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName, UnixTime};
+use rustls::server::danger::{ClientCertVerified, ClientCertVerifier};
 use rustls::{DigitallySignedStruct, RootCertStore, SignatureScheme};
 use sha2::{Digest, Sha256};
 
@@ -29,6 +30,16 @@ const SEAL_ROW: (&str, &str) = ("_fleet", "ca-key");
 pub const PIN_HEX: usize = 32;
 /// How long a node's certificate is valid. A node renews by joining again.
 const NODE_CERT_YEARS: i32 = 5;
+
+/// The name a node's certificate holds: the control plane dials node `id` at whatever
+/// address it advertised and accepts only this name, so a node cannot answer for another.
+pub fn node_name(node_id: &str) -> String {
+    format!("{node_id}.nodes.locker")
+}
+
+/// The name a control replica's client certificate holds: a node's listener accepts no
+/// other (a node's certificate, signed by the same CA, opens no other node).
+pub const CONTROL_NAME: &str = "control.locker";
 
 /// The crypto of every fleet TLS configuration (ring, the one in the lock).
 fn provider() -> Arc<rustls::crypto::CryptoProvider> {
@@ -164,13 +175,18 @@ impl FleetCa {
             )?;
         ring_checks_point(&raw)?;
         let err = |e: rcgen::Error| format!("signing the node's certificate: {e}");
-        let mut p = CertificateParams::new(vec![format!("{node_id}.nodes.locker")]).map_err(err)?;
+        let mut p = CertificateParams::new(vec![node_name(node_id)]).map_err(err)?;
         p.distinguished_name.push(DnType::CommonName, node_id);
         p.distinguished_name
             .push(DnType::OrganizationName, "Locker fleet");
         p.is_ca = IsCa::ExplicitNoCa;
         p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        // Client (its calls to the control plane) and server (its listener, dialled by
+        // the control plane under the name above).
+        p.extended_key_usages = vec![
+            ExtendedKeyUsagePurpose::ClientAuth,
+            ExtendedKeyUsagePurpose::ServerAuth,
+        ];
         p.use_authority_key_identifier_extension = true;
         let y = this_year();
         p.not_before = rcgen::date_time_ymd(y - 1, 1, 1);
@@ -219,6 +235,106 @@ impl FleetCa {
             .map_err(|e| format!("the control listener's certificate: {e}"))?;
         cfg.alpn_protocols = vec![b"h2".to_vec()];
         Ok(Arc::new(cfg))
+    }
+}
+
+impl FleetCa {
+    /// A control replica's TLS towards nodes: a client certificate of its own (made now,
+    /// named [`CONTROL_NAME`], client use only) and nodes' certificates verified against
+    /// the CA, under the name the caller gives ([`node_name`]).
+    pub fn control_client_config(&self) -> Result<Arc<rustls::ClientConfig>, String> {
+        let err = |e: rcgen::Error| format!("making the control plane's client certificate: {e}");
+        let mut p = CertificateParams::new(vec![CONTROL_NAME.to_owned()]).map_err(err)?;
+        p.distinguished_name
+            .push(DnType::CommonName, "Locker fleet control");
+        p.is_ca = IsCa::ExplicitNoCa;
+        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        p.use_authority_key_identifier_extension = true;
+        let y = this_year();
+        p.not_before = rcgen::date_time_ymd(y - 1, 1, 1);
+        p.not_after = rcgen::date_time_ymd(y + 2, 1, 1);
+        let key = KeyPair::generate().map_err(err)?;
+        let leaf = p.signed_by(&key, &self.issuer, &self.key).map_err(err)?;
+        client_config(trust_ca(&self.pem)?, Some((&leaf.pem(), &key)))
+    }
+}
+
+/// A node's listener: its certificate from the join and its key; every client must show
+/// a certificate from the fleet CA that names the control plane ([`CONTROL_NAME`]).
+pub fn node_server_config(
+    ca_pem: &str,
+    cert_pem: &str,
+    key: &KeyPair,
+) -> Result<Arc<rustls::ServerConfig>, String> {
+    let ca = pem_to_der(ca_pem)?;
+    let mut roots = RootCertStore::empty();
+    roots.add(ca.clone()).map_err(|e| e.to_string())?;
+    let inner =
+        rustls::server::WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider())
+            .build()
+            .map_err(|e| e.to_string())?;
+    let chain = vec![pem_to_der(cert_pem)?, ca];
+    let pk = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(key.serialize_der()));
+    let mut cfg = rustls::ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(|e| e.to_string())?
+        .with_client_cert_verifier(Arc::new(ControlOnly(inner)))
+        .with_single_cert(chain, pk)
+        .map_err(|e| format!("the node listener's certificate: {e}"))?;
+    cfg.alpn_protocols = vec![b"h2".to_vec()];
+    Ok(Arc::new(cfg))
+}
+
+/// The CA's client verification, and the client's certificate must name the control plane.
+#[derive(Debug)]
+struct ControlOnly(Arc<dyn ClientCertVerifier>);
+
+impl ClientCertVerifier for ControlOnly {
+    fn root_hint_subjects(&self) -> &[rustls::DistinguishedName] {
+        self.0.root_hint_subjects()
+    }
+
+    fn verify_client_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        now: UnixTime,
+    ) -> Result<ClientCertVerified, rustls::Error> {
+        let ok = self.0.verify_client_cert(end_entity, intermediates, now)?;
+        let name = ServerName::try_from(CONTROL_NAME).expect("a DNS name");
+        webpki::EndEntityCert::try_from(end_entity)
+            .and_then(|c| c.verify_is_valid_for_subject_name(&name))
+            .map_err(|_| {
+                rustls::Error::General(
+                    "only the fleet's control plane may call a node (this certificate does \
+                     not name it)"
+                        .into(),
+                )
+            })?;
+        Ok(ok)
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.supported_verify_schemes()
     }
 }
 

@@ -33,6 +33,9 @@ pub struct Report {
     pub templates: Vec<String>,
     /// Warm machines ready to hand out.
     pub warm: u32,
+    /// The sandboxes it runs (the control plane reconciles its placements with them).
+    #[serde(default)]
+    pub sandbox_ids: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -69,6 +72,10 @@ pub struct Beat {
 pub struct BeatAnswer {
     pub epoch: i64,
     pub lease_until_ms: i64,
+    /// A return's answer: the sandboxes still the node's to serve at its new epoch (every
+    /// other one it runs is destroyed). `None` in a heartbeat's.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keep: Option<Vec<String>>,
 }
 
 /// The 409 of a heartbeat that does not count: the node's state and epoch as the fleet has

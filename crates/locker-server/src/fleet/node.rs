@@ -1,0 +1,189 @@
+//! A node's listener (`locker node`, `FLEET.md` §4.2 "Control → node: push"): this host's
+//! engine (the same routes `locker serve` answers) served to the fleet's control plane and
+//! to nobody else.
+//!
+//! The socket speaks TLS with the node's certificate from its join, and HTTP/2. Every client
+//! must show a certificate from the fleet CA naming the control plane (`pki::CONTROL_NAME`):
+//! the handshake refuses anything else, another node's certificate included. Control
+//! authenticated the API caller already; it says which tenant the call is for
+//! ([`TENANT_HEADER`]) and at which of this node's epochs the sandbox was placed
+//! ([`EPOCH_HEADER`]). A call at an epoch other than the node's current one is refused with
+//! 409 and [`STALE_HEADER`] (a node the fleet declared dead and that came back serves
+//! nothing it ran before; control re-reads the route and retries once).
+//!
+//! Owns the listener and the checks of each call's headers; what a call does is the
+//! engine's (the handlers' rooms), and which tenant it is for is control's word.
+
+use std::collections::HashSet;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::http::{HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// The tenant a call is for (control's word, over control's certificate only).
+pub const TENANT_HEADER: &str = "x-locker-tenant";
+/// The node epoch the sandbox of a call was placed at.
+pub const EPOCH_HEADER: &str = "x-locker-node-epoch";
+/// Set on a node's refusal of a stale epoch (`409`): the route is stale, not the request.
+pub const STALE_HEADER: &str = "x-locker-stale-route";
+
+/// Streams one control connection carries at once (control multiplexes every API call it
+/// forwards to this node over few connections).
+const MAX_STREAMS: u32 = 1024;
+const KEEPALIVE: Duration = Duration::from_secs(10);
+
+/// A call forwarded by the control plane: the tenant it authenticated. Set only by this
+/// listener, read by the API's caller extractor (`auth`).
+#[derive(Debug, Clone)]
+pub struct Forwarded {
+    pub tenant: String,
+}
+
+/// The node's current epoch, shared by the listener (checks every call) and the member
+/// (moves it when the node returns after being declared dead).
+pub type Epoch = Arc<AtomicI64>;
+
+/// Serves the engine behind `app` on `listener` until `quitting`.
+pub fn serve(
+    listener: tokio::net::TcpListener,
+    tls: Arc<rustls::ServerConfig>,
+    app: AppState,
+    epoch: Epoch,
+    quitting: tokio::sync::watch::Receiver<bool>,
+) {
+    let routes = crate::app::router(app.clone());
+    let acceptor = tokio_rustls::TlsAcceptor::from(tls);
+    let tenants: Arc<Mutex<HashSet<String>>> = Arc::default();
+    let mut stop = quitting;
+    tokio::spawn(async move {
+        let quit = async move {
+            let _ = stop.wait_for(|q| *q).await;
+        };
+        tokio::pin!(quit);
+        loop {
+            let (tcp, _) = tokio::select! {
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "node listener: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+                () = &mut quit => return,
+            };
+            let _ = tcp.set_nodelay(true);
+            let (acceptor, routes, app, epoch, tenants) = (
+                acceptor.clone(),
+                routes.clone(),
+                app.clone(),
+                epoch.clone(),
+                tenants.clone(),
+            );
+            tokio::spawn(async move {
+                let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp))
+                    .await
+                {
+                    Ok(Ok(t)) => t,
+                    Ok(Err(e)) => {
+                        tracing::info!(error = %e, "node listener: refused a connection");
+                        return;
+                    }
+                    Err(_) => return,
+                };
+                let svc = hyper::service::service_fn(
+                    move |req: hyper::Request<hyper::body::Incoming>| {
+                        let (routes, app, epoch, tenants) =
+                            (routes.clone(), app.clone(), epoch.clone(), tenants.clone());
+                        async move {
+                            Ok::<_, std::convert::Infallible>(
+                                call(routes, &app, &epoch, &tenants, req).await,
+                            )
+                        }
+                    },
+                );
+                let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .timer(TokioTimer::new())
+                    .keep_alive_interval(Some(KEEPALIVE))
+                    .keep_alive_timeout(KEEPALIVE)
+                    .max_concurrent_streams(MAX_STREAMS)
+                    .serve_connection(TokioIo::new(tls), svc)
+                    .await;
+            });
+        }
+    });
+}
+
+/// One forwarded call: its epoch and tenant checked, then the engine's routes.
+async fn call(
+    mut routes: axum::Router,
+    app: &AppState,
+    epoch: &Epoch,
+    tenants: &Mutex<HashSet<String>>,
+    req: hyper::Request<hyper::body::Incoming>,
+) -> Response {
+    let (mut parts, body) = req.into_parts();
+    let current = epoch.load(Ordering::Acquire);
+    let asked = parts
+        .headers
+        .get(EPOCH_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<i64>().ok());
+    match asked {
+        Some(e) if e == current => {}
+        Some(e) => return stale(e, current),
+        None => {
+            return ApiError::bad_request(format!("a node call carries {EPOCH_HEADER}"))
+                .into_response()
+        }
+    }
+    let Some(tenant) = parts
+        .headers
+        .get(TENANT_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_owned)
+    else {
+        return ApiError::bad_request(format!("a node call carries {TENANT_HEADER}"))
+            .into_response();
+    };
+    // The engine's rows name their tenant: make it here the first time one is seen.
+    let known = tenants.lock().expect("tenants").contains(&tenant);
+    if !known {
+        let (store, t) = (app.store.clone(), tenant.clone());
+        match tokio::task::spawn_blocking(move || store.ensure_tenant(&t)).await {
+            Ok(Ok(_)) => {
+                tenants.lock().expect("tenants").insert(tenant.clone());
+            }
+            Ok(Err(e)) => return ApiError::from(e).into_response(),
+            Err(e) => return ApiError::internal(e.to_string()).into_response(),
+        }
+    }
+    parts.headers.remove(axum::http::header::AUTHORIZATION);
+    parts.headers.remove(TENANT_HEADER);
+    parts.headers.remove(EPOCH_HEADER);
+    parts.extensions.insert(Forwarded { tenant });
+    let req = axum::extract::Request::from_parts(parts, axum::body::Body::new(body));
+    match tower_service::Service::call(&mut routes, req).await {
+        Ok(r) => r,
+        Err(e) => match e {},
+    }
+}
+
+/// The refusal of a call at another epoch than the node's.
+fn stale(asked: i64, current: i64) -> Response {
+    let mut r = ApiError::conflict(format!(
+        "this node is at epoch {current}, the call is for epoch {asked}: the sandbox is no \
+         longer this node's (it was declared dead and returned)"
+    ))
+    .into_response();
+    r.headers_mut()
+        .insert(STALE_HEADER, HeaderValue::from_static("1"));
+    *r.status_mut() = StatusCode::CONFLICT;
+    r
+}

@@ -1,0 +1,405 @@
+//! Where a new sandbox goes (`FLEET.md` §4.4), and keeping placements true afterwards.
+//!
+//! Choosing reads an in-memory table of the nodes (refreshed from the store at most every
+//! [`TABLE_TTL`], and after a lost race) and locks nothing:
+//! - **filter**: the node is ready, its lease runs, and its reservations plus this
+//!   sandbox fit its slots and memory (the capacity its last heartbeat reported);
+//!   nodes that hold the sandbox's template are preferred when any fits (locality);
+//! - **score**: the fuller of its slots and memory after this sandbox (lower is better);
+//! - **choose**: best of [`BEST_OF`] fitting nodes drawn at random (the power of two
+//!   choices: concurrent creators spread instead of all picking the same emptiest node).
+//!
+//! The commit is the store's `place`: one transaction that reserves on the node only while
+//! the reservation fits (`WHERE epoch = $e AND reserved + r <= capacity`) and inserts the
+//! placement; a creator that lost the race chooses again, at most [`ATTEMPTS`] times, then
+//! answers 429. Then the create itself (`route`) and `set_placed`: two transactions a create.
+//!
+//! Afterwards: [`lose`] marks lost the placements of nodes declared dead or removed (with
+//! a `sandbox.lost` event each), and [`reconcile`] gives back the reservations of
+//! sandboxes their node no longer reports (ended there: TTL, failure) and of creates a
+//! control replica never finished.
+
+use std::time::{Duration, Instant};
+
+use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState};
+use serde_json::json;
+
+use super::wire::Report;
+use crate::error::ApiError;
+use crate::ids::new_id;
+use crate::state::AppState;
+
+/// How long the node table is used before it is read again.
+pub const TABLE_TTL: Duration = Duration::from_millis(500);
+/// Fitting nodes drawn per choice.
+pub const BEST_OF: usize = 2;
+/// Choices a create makes before it answers 429 (each after a lost race).
+pub const ATTEMPTS: usize = 4;
+/// How often the sweeper reconciles placements with what nodes report.
+pub const RECONCILE: Duration = Duration::from_secs(5);
+/// A sandbox absent from its node's report this long after it was placed has ended there.
+const ABSENT_AFTER_MS: i64 = 10_000;
+/// A placement whose create never finished (its replica died) is given back after this.
+const STARTING_FOR_MS: i64 = 10 * 60_000;
+
+/// The nodes as last read, with the store's clock at that read.
+#[derive(Debug, Default)]
+pub struct Table {
+    read: Option<Instant>,
+    clock_ms: i64,
+    nodes: Vec<NodeRecord>,
+}
+
+impl Table {
+    /// The store's clock now, as estimated from the last read.
+    fn now_ms(&self) -> i64 {
+        self.clock_ms
+            + self
+                .read
+                .map_or(0, |r| i64::try_from(r.elapsed().as_millis()).unwrap_or(0))
+    }
+}
+
+/// What a sandbox asks of a node.
+#[derive(Debug, Clone)]
+pub struct Ask {
+    pub memory_mb: i64,
+    /// Its template's digest, when known: nodes that have it are preferred.
+    pub template_digest: Option<String>,
+}
+
+/// A node's capacity, from its last report.
+fn capacity(n: &NodeRecord) -> Option<(i64, i64, Report)> {
+    let r: Report = serde_json::from_str(&n.report).ok()?;
+    Some((i64::from(r.slots), i64::try_from(r.memory_mb).ok()?, r))
+}
+
+/// How full `n` is with `ask` placed on it (0 empty, 1 full), or `None` if it does not
+/// fit or is not alive.
+fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
+    if n.state != NodeState::Ready || n.lease_until_ms < now_ms {
+        return None;
+    }
+    let (slots, memory, report) = capacity(n)?;
+    let (s, m) = (n.reserved_slots + 1, n.reserved_memory_mb + ask.memory_mb);
+    if s > slots || m > memory || slots == 0 || memory == 0 {
+        return None;
+    }
+    let score = (s as f64 / slots as f64).max(m as f64 / memory as f64);
+    let local = ask
+        .template_digest
+        .as_ref()
+        .is_some_and(|d| report.templates.contains(d));
+    Some((score, local))
+}
+
+/// Best of [`BEST_OF`] random fitting nodes (those with the template first); `None` when
+/// none fits.
+pub fn choose<'a>(
+    nodes: &'a [NodeRecord],
+    ask: &Ask,
+    now_ms: i64,
+    pick: &mut impl FnMut(usize) -> usize,
+) -> Option<&'a NodeRecord> {
+    let fitting: Vec<(&NodeRecord, f64, bool)> = nodes
+        .iter()
+        .filter_map(|n| fit(n, ask, now_ms).map(|(s, l)| (n, s, l)))
+        .collect();
+    let with_template: Vec<_> = fitting.iter().filter(|f| f.2).copied().collect();
+    let pool = if with_template.is_empty() {
+        fitting
+    } else {
+        with_template
+    };
+    if pool.is_empty() {
+        return None;
+    }
+    let mut best: Option<(&NodeRecord, f64)> = None;
+    for _ in 0..BEST_OF.min(pool.len()) {
+        let (n, score, _) = pool[pick(pool.len())];
+        if best.is_none_or(|(_, b)| score < b) {
+            best = Some((n, score));
+        }
+    }
+    best.map(|(n, _)| n)
+}
+
+/// A random index below `n` (the choice's draw).
+fn draw(n: usize) -> usize {
+    let mut b = [0u8; 8];
+    let _ = locker_store::fill_random(&mut b);
+    (u64::from_le_bytes(b) % n.max(1) as u64) as usize
+}
+
+/// The node table, read again when older than [`TABLE_TTL`] or when `fresh`.
+pub async fn nodes(app: &AppState, fresh: bool) -> Result<(Vec<NodeRecord>, i64), ApiError> {
+    let c = app.fleet.as_ref().expect("fleet control");
+    {
+        let t = c.table.lock().expect("table");
+        if !fresh && t.read.is_some_and(|r| r.elapsed() < TABLE_TTL) {
+            return Ok((t.nodes.clone(), t.now_ms()));
+        }
+    }
+    let store = app.store.clone();
+    let (nodes, clock_ms) = tokio::task::spawn_blocking(move || {
+        Ok::<_, locker_store::StoreError>((store.list_nodes()?, store.clock_ms()?))
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let mut t = c.table.lock().expect("table");
+    *t = Table {
+        read: Some(Instant::now()),
+        clock_ms,
+        nodes: nodes.clone(),
+    };
+    Ok((nodes, clock_ms))
+}
+
+/// Whether any node other than this server's own is alive: only then does a create go
+/// through placement (a control plane whose only node is itself creates as one host does).
+pub fn remote_alive(nodes: &[NodeRecord], now_ms: i64, local: Option<&str>) -> bool {
+    nodes.iter().any(|n| {
+        Some(n.id.as_str()) != local && n.state == NodeState::Ready && n.lease_until_ms >= now_ms
+    })
+}
+
+/// Reserves room for a sandbox of `tenant` on a node: the placement (state `starting`) and
+/// the node it is on. 429 when no node has room.
+pub async fn place(
+    app: &AppState,
+    tenant: &str,
+    ask: &Ask,
+) -> Result<(PlacementRecord, NodeRecord), ApiError> {
+    let mut fresh = false;
+    let mut seen = 0;
+    for _ in 0..ATTEMPTS {
+        let (nodes, now_ms) = nodes(app, fresh).await?;
+        seen = nodes.len();
+        let Some(node) = choose(&nodes, ask, now_ms, &mut draw).cloned() else {
+            if fresh {
+                break;
+            }
+            // The table may be behind (a node just freed room): read it once more.
+            fresh = true;
+            continue;
+        };
+        let Some((slots, memory, _)) = capacity(&node) else {
+            fresh = true;
+            continue;
+        };
+        let p = PlacementRecord {
+            id: new_id("pl_"),
+            sandbox_id: None,
+            tenant: tenant.to_owned(),
+            node_id: node.id.clone(),
+            epoch: node.epoch,
+            memory_mb: ask.memory_mb,
+            state: PlacementState::Starting,
+            created_ms: 0,
+            view: "{}".into(),
+        };
+        let store = app.store.clone();
+        let placed = tokio::task::spawn_blocking(move || store.place(&p, slots, memory))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??;
+        match placed {
+            Some(p) => return Ok((p, node)),
+            // Lost the race (or the node moved on): choose again from a fresh table.
+            None => fresh = true,
+        }
+    }
+    Err(ApiError::quota(format!(
+        "no capacity: no node of the fleet ({seen} known) has a free slot and {} MB of memory \
+         for this sandbox now; retry shortly, or add nodes (`locker fleet token`)",
+        ask.memory_mb
+    )))
+}
+
+/// Gives a placement's reservation back (a create that failed, a sandbox deleted or gone).
+pub async fn unplace(app: &AppState, placement_id: &str) {
+    let (store, id) = (app.store.clone(), placement_id.to_owned());
+    match tokio::task::spawn_blocking(move || store.unplace(&id)).await {
+        Ok(Ok(Some(p))) => {
+            if let (Some(c), Some(sb)) = (app.fleet.as_ref(), p.sandbox_id.as_deref()) {
+                c.routes.forget(sb);
+            }
+        }
+        Ok(Ok(None)) => {}
+        Ok(Err(e)) => {
+            tracing::warn!(placement = %placement_id, error = %e, "cannot give a placement back")
+        }
+        Err(e) => {
+            tracing::warn!(placement = %placement_id, error = %e, "cannot give a placement back")
+        }
+    }
+}
+
+/// Marks lost the placements of nodes declared dead or removed, and says so (an event
+/// each, for the sandbox's tenant).
+pub async fn lose(app: &AppState) {
+    let store = app.store.clone();
+    let lost = match tokio::task::spawn_blocking(move || {
+        Ok::<_, locker_store::StoreError>((store.lose_placements()?, store.list_nodes()?))
+    })
+    .await
+    {
+        Ok(Ok(l)) => l,
+        Ok(Err(e)) => {
+            return tracing::warn!(error = %e, "cannot mark the placements of dead nodes lost")
+        }
+        Err(e) => {
+            return tracing::warn!(error = %e, "cannot mark the placements of dead nodes lost")
+        }
+    };
+    let (lost, nodes) = lost;
+    for p in lost {
+        let name = nodes
+            .iter()
+            .find(|n| n.id == p.node_id)
+            .map_or("(removed)", |n| n.name.as_str());
+        if let Some(c) = app.fleet.as_ref() {
+            if let Some(sb) = &p.sandbox_id {
+                c.routes.forget(sb);
+            }
+        }
+        let subject = p.sandbox_id.clone().unwrap_or_else(|| p.id.clone());
+        tracing::warn!(sandbox = %subject, node = %p.node_id, "sandbox lost with its node");
+        if p.sandbox_id.is_some() {
+            app.events.emit(
+                &p.tenant,
+                crate::events::Kind::SandboxLost,
+                &subject,
+                json!({"node": p.node_id, "node_name": name}),
+            );
+        }
+    }
+}
+
+/// Gives back the reservations of sandboxes their (live) node no longer reports, and of
+/// creates never finished.
+pub async fn reconcile(app: &AppState, nodes: &[NodeRecord]) {
+    let store = app.store.clone();
+    let placements =
+        match tokio::task::spawn_blocking(move || store.list_placements(None, None)).await {
+            Ok(Ok(p)) => p,
+            _ => return,
+        };
+    for p in placements {
+        let Some(n) = nodes.iter().find(|n| n.id == p.node_id) else {
+            continue;
+        };
+        if n.state != NodeState::Ready || n.epoch != p.epoch {
+            continue;
+        }
+        let gone = match (&p.state, &p.sandbox_id) {
+            (PlacementState::Placed, Some(sb)) => {
+                let reported = capacity(n).map(|(_, _, r)| r.sandbox_ids.contains(sb));
+                reported == Some(false) && n.heartbeat_ms - p.created_ms > ABSENT_AFTER_MS
+            }
+            (PlacementState::Starting, _) => n.heartbeat_ms - p.created_ms > STARTING_FOR_MS,
+            _ => false,
+        };
+        if gone {
+            tracing::info!(placement = %p.id, sandbox = ?p.sandbox_id, node = %n.name, "the node no longer runs this sandbox: its reservation is given back");
+            unplace(app, &p.id).await;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn node(
+        id: &str,
+        slots: u32,
+        memory_mb: u64,
+        reserved: (i64, i64),
+        templates: &[&str],
+    ) -> NodeRecord {
+        let report = Report {
+            slots,
+            memory_mb,
+            templates: templates.iter().map(|t| t.to_string()).collect(),
+            ..Report::default()
+        };
+        NodeRecord {
+            id: id.into(),
+            name: id.into(),
+            address: String::new(),
+            cert_sha256: String::new(),
+            cert_pem: String::new(),
+            public_key: String::new(),
+            epoch: 1,
+            state: NodeState::Ready,
+            joined_at: String::new(),
+            heartbeat_ms: 0,
+            lease_until_ms: 10_000,
+            report: serde_json::to_string(&report).unwrap(),
+            reserved_slots: reserved.0,
+            reserved_memory_mb: reserved.1,
+        }
+    }
+
+    fn ask(mb: i64, digest: Option<&str>) -> Ask {
+        Ask {
+            memory_mb: mb,
+            template_digest: digest.map(str::to_owned),
+        }
+    }
+
+    #[test]
+    fn full_dead_and_expired_nodes_are_never_chosen() {
+        let mut dead = node("dead", 8, 8192, (0, 0), &[]);
+        dead.state = NodeState::Dead;
+        let mut late = node("late", 8, 8192, (0, 0), &[]);
+        late.lease_until_ms = 500;
+        let nodes = vec![
+            node("full-slots", 2, 8192, (2, 0), &[]),
+            node("full-memory", 8, 1024, (1, 800), &[]),
+            dead,
+            late,
+        ];
+        let mut i = 0;
+        let mut pick = |n: usize| {
+            i += 1;
+            i % n
+        };
+        assert!(choose(&nodes, &ask(256, None), 1000, &mut pick).is_none());
+    }
+
+    #[test]
+    fn the_emptier_of_the_draw_wins_and_templates_are_preferred() {
+        let nodes = vec![
+            node("busy", 4, 8192, (3, 0), &[]),
+            node("idle", 4, 8192, (0, 0), &[]),
+        ];
+        let mut seq = [0usize, 1].into_iter().cycle();
+        let mut pick = |_n: usize| seq.next().unwrap();
+        assert_eq!(
+            choose(&nodes, &ask(256, None), 0, &mut pick).unwrap().id,
+            "idle"
+        );
+        // Only "busy" has the template: it is chosen while it fits.
+        let nodes = vec![
+            node("busy", 4, 8192, (3, 0), &["sha256:t"]),
+            node("idle", 4, 8192, (0, 0), &[]),
+        ];
+        assert_eq!(
+            choose(&nodes, &ask(256, Some("sha256:t")), 0, &mut pick)
+                .unwrap()
+                .id,
+            "busy"
+        );
+        let nodes = vec![
+            node("busy", 4, 8192, (4, 0), &["sha256:t"]),
+            node("idle", 4, 8192, (0, 0), &[]),
+        ];
+        assert_eq!(
+            choose(&nodes, &ask(256, Some("sha256:t")), 0, &mut pick)
+                .unwrap()
+                .id,
+            "idle"
+        );
+    }
+}

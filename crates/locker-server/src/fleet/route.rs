@@ -1,0 +1,631 @@
+//! The router (`FLEET.md` §4.2 "Data plane"): a request about a sandbox placed on another
+//! node goes to that node, whichever control replica it reached.
+//!
+//! [`dispatch`] runs before the API's handlers on a control plane (`--fleet-listen`):
+//! - `POST /v1/sandboxes`, while a node other than this server is alive: placed
+//!   (`placement::place`), then made by the chosen node (forwarded) or by this server when
+//!   it is the node chosen (`--node local`); the placement records the sandbox's id;
+//! - `/v1/sandboxes/{id}` and everything under it, for a sandbox with a placement: the
+//!   caller's key is checked here, then the request goes to the sandbox's node over the
+//!   node's HTTP/2 with mutual TLS (`fleet::node`), carrying the tenant and the epoch the
+//!   sandbox was placed at; bodies stream both ways;
+//! - anything else: this server's own handlers, as on one host.
+//!
+//! Routes are cached (`sandbox → node, address, epoch`); a miss reads the placement. A node
+//! that answers that the route is stale (409 with `STALE_HEADER`) has the route read again
+//! and the request sent once more, when its body was small enough to keep (1 MiB).
+//!
+//! Not routed yet: WebSocket upgrades (PTY), preview hosts and port routes, the E2B and
+//! MCP surfaces, snapshots, runs and volumes (a remote sandbox answers them as unknown).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use axum::body::Body;
+use axum::extract::{Request, State};
+use axum::http::{header, HeaderMap, HeaderValue, Method, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use hyper::client::conn::http2::SendRequest;
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use locker_store::{PlacementRecord, PlacementState};
+use serde_json::Value;
+
+use super::node::{EPOCH_HEADER, STALE_HEADER, TENANT_HEADER};
+use super::pki;
+use super::placement::{self, Ask};
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// A body kept for a retry at most this big (the API's own body limit).
+const KEEP_BODY: usize = 1 << 20;
+/// How long a node may take to accept a connection, and to answer a create.
+const CONNECT: Duration = Duration::from_secs(5);
+const CREATE: Duration = Duration::from_secs(120);
+
+/// Where a sandbox lives.
+#[derive(Debug, Clone)]
+struct Route {
+    placement: String,
+    tenant: String,
+    node_id: String,
+    address: String,
+    epoch: i64,
+    state: PlacementState,
+    /// This server is its node (`--node local`).
+    local: bool,
+}
+
+/// The router's state: the control plane's TLS towards nodes, a connection per node, the
+/// route cache.
+pub struct Routes {
+    tls: Arc<rustls::ClientConfig>,
+    links: tokio::sync::Mutex<HashMap<String, SendRequest<Body>>>,
+    cache: Mutex<HashMap<String, Route>>,
+}
+
+impl std::fmt::Debug for Routes {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Routes(..)")
+    }
+}
+
+impl Routes {
+    pub fn new(tls: Arc<rustls::ClientConfig>) -> Routes {
+        Routes {
+            tls,
+            links: Default::default(),
+            cache: Default::default(),
+        }
+    }
+
+    /// Drops a sandbox's cached route (it moved, was lost or ended).
+    pub fn forget(&self, sandbox_id: &str) {
+        self.cache.lock().expect("routes").remove(sandbox_id);
+    }
+
+    /// A connection to `node` (the one held, else a new one).
+    async fn link(&self, node_id: &str, address: &str) -> Result<SendRequest<Body>, String> {
+        let mut links = self.links.lock().await;
+        if let Some(l) = links.get(node_id) {
+            if !l.is_closed() {
+                return Ok(l.clone());
+            }
+        }
+        let tcp = tokio::time::timeout(CONNECT, tokio::net::TcpStream::connect(address))
+            .await
+            .map_err(|_| format!("connecting to {address}: timed out"))?
+            .map_err(|e| format!("connecting to {address}: {e}"))?;
+        let _ = tcp.set_nodelay(true);
+        let name = rustls::pki_types::ServerName::try_from(pki::node_name(node_id))
+            .map_err(|e| e.to_string())?;
+        let tls = tokio::time::timeout(
+            CONNECT,
+            tokio_rustls::TlsConnector::from(self.tls.clone()).connect(name, tcp),
+        )
+        .await
+        .map_err(|_| format!("TLS with {address}: timed out"))?
+        .map_err(|e| format!("TLS with {address}: {e}"))?;
+        let (sender, conn) = hyper::client::conn::http2::Builder::new(TokioExecutor::new())
+            .timer(TokioTimer::new())
+            .keep_alive_interval(Some(Duration::from_secs(10)))
+            .keep_alive_timeout(Duration::from_secs(10))
+            .handshake(TokioIo::new(tls))
+            .await
+            .map_err(|e| format!("HTTP/2 with {address}: {e}"))?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        links.insert(node_id.to_owned(), sender.clone());
+        Ok(sender)
+    }
+
+    fn drop_link(&self, node_id: &str) {
+        if let Ok(mut l) = self.links.try_lock() {
+            l.remove(node_id);
+        }
+    }
+}
+
+/// The sandbox id a path is about (`/v1/sandboxes/{id}` and below).
+fn sandbox_of(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/sandboxes/")?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+/// The middleware (see the module doc).
+pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> Response {
+    if app.fleet.is_none() {
+        return next.run(req).await;
+    }
+    let path = req.uri().path();
+    if path == "/v1/sandboxes" && req.method() == Method::POST {
+        return create(&app, req, next).await;
+    }
+    let Some(id) = sandbox_of(path).map(str::to_owned) else {
+        return next.run(req).await;
+    };
+    // A caller without a good key gets the handlers' own answer.
+    let Ok(caller) = crate::auth::caller_of(&app, req.headers()) else {
+        return next.run(req).await;
+    };
+    let route = match route_of(&app, &id).await {
+        Ok(Some(r)) if r.tenant == caller.tenant => r,
+        Ok(_) => return next.run(req).await,
+        Err(e) => return e.into_response(),
+    };
+    let whole = req.uri().path() == format!("/v1/sandboxes/{id}");
+    let method = req.method().clone();
+    if route.state == PlacementState::Lost {
+        return lost(&app, &route, &id, whole, &method).await;
+    }
+    let resp = if route.local {
+        next.run(req).await
+    } else {
+        forward(&app, route.clone(), &id, req).await
+    };
+    if whole {
+        after(&app, &route, &id, &method, resp).await
+    } else {
+        resp
+    }
+}
+
+/// What a sandbox's own path answered, kept: a delete gives the placement back, a view
+/// refreshes the listed one.
+async fn after(
+    app: &AppState,
+    route: &Route,
+    id: &str,
+    method: &Method,
+    resp: Response,
+) -> Response {
+    if *method == Method::DELETE
+        && (resp.status().is_success() || resp.status() == StatusCode::NOT_FOUND)
+    {
+        placement::unplace(app, &route.placement).await;
+        return resp;
+    }
+    if route.local || !resp.status().is_success() || *method == Method::DELETE {
+        return resp;
+    }
+    // Keep the view the list shows (small JSON bodies only).
+    let (parts, body) = resp.into_parts();
+    let bytes = match axum::body::to_bytes(body, KEEP_BODY).await {
+        Ok(b) => b,
+        Err(e) => return ApiError::bad_gateway(format!("the node's answer: {e}")).into_response(),
+    };
+    if serde_json::from_slice::<Value>(&bytes).is_ok_and(|v| v["id"] == id) {
+        let (store, sb, view) = (
+            app.store.clone(),
+            id.to_owned(),
+            String::from_utf8_lossy(&bytes).into_owned(),
+        );
+        let _ = tokio::task::spawn_blocking(move || store.set_placement_view(&sb, &view)).await;
+    }
+    Response::from_parts(parts, Body::from(bytes))
+}
+
+/// A lost sandbox: its last view (state `lost`) on GET, its placement removed on DELETE,
+/// 410 for anything else.
+async fn lost(app: &AppState, route: &Route, id: &str, whole: bool, method: &Method) -> Response {
+    if whole && *method == Method::DELETE {
+        placement::unplace(app, &route.placement).await;
+        return StatusCode::NO_CONTENT.into_response();
+    }
+    if whole && *method == Method::GET {
+        let (store, sb) = (app.store.clone(), id.to_owned());
+        if let Ok(Ok(Some(p))) = tokio::task::spawn_blocking(move || store.get_placement(&sb)).await
+        {
+            return axum::Json(view_of(&p)).into_response();
+        }
+    }
+    ApiError::new(
+        StatusCode::GONE,
+        format!(
+            "sandbox {id} was lost with its node ({}): the node was declared dead or removed; \
+             delete it, and create another",
+            route.node_id
+        ),
+    )
+    .into_response()
+}
+
+/// A placed sandbox as lists show it: the view its node last answered, with the state a
+/// lost one is in.
+pub fn view_of(p: &PlacementRecord) -> Value {
+    let mut v: Value = serde_json::from_str(&p.view).unwrap_or(Value::Null);
+    if let Some(o) = v.as_object_mut() {
+        o.insert("node".into(), Value::String(p.node_id.clone()));
+        if p.state == PlacementState::Lost {
+            o.insert("state".into(), Value::String("lost".into()));
+        }
+    }
+    v
+}
+
+/// The placed sandboxes of `tenant` on other nodes than this server (this server's own
+/// are its rows), as lists show them.
+pub fn remote_views(app: &AppState, tenant: &str) -> Result<Vec<Value>, ApiError> {
+    let Some(c) = app.fleet.as_ref() else {
+        return Ok(Vec::new());
+    };
+    let local = c.local_node_id();
+    Ok(app
+        .store
+        .list_placements(Some(tenant), None)?
+        .into_iter()
+        .filter(|p| p.sandbox_id.is_some() && Some(p.node_id.as_str()) != local.as_deref())
+        .map(|p| view_of(&p))
+        .collect())
+}
+
+/// The route of sandbox `id`: cached, else from its placement; `None` if it has none.
+async fn route_of(app: &AppState, id: &str) -> Result<Option<Route>, ApiError> {
+    let c = app.fleet.as_ref().expect("fleet control");
+    if let Some(r) = c.routes.cache.lock().expect("routes").get(id) {
+        return Ok(Some(r.clone()));
+    }
+    let (store, sb) = (app.store.clone(), id.to_owned());
+    let found = tokio::task::spawn_blocking(move || {
+        let Some(p) = store.get_placement(&sb)? else {
+            return Ok(None);
+        };
+        let node = store.get_node(&p.node_id)?;
+        Ok::<_, locker_store::StoreError>(Some((p, node)))
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let Some((p, node)) = found else {
+        return Ok(None);
+    };
+    let local = c.local_node_id();
+    let route = Route {
+        placement: p.id.clone(),
+        tenant: p.tenant.clone(),
+        node_id: p.node_id.clone(),
+        address: node.as_ref().map(|n| n.address.clone()).unwrap_or_default(),
+        epoch: p.epoch,
+        state: p.state,
+        local: Some(p.node_id.as_str()) == local.as_deref(),
+    };
+    if route.state == PlacementState::Placed {
+        c.routes
+            .cache
+            .lock()
+            .expect("routes")
+            .insert(id.to_owned(), route.clone());
+    }
+    Ok(Some(route))
+}
+
+/// Headers a hop does not pass on (RFC 9110 §7.6.1), and those only control may set.
+fn strip(h: &mut HeaderMap) {
+    for name in [
+        header::CONNECTION,
+        header::HOST,
+        header::TE,
+        header::TRAILER,
+        header::TRANSFER_ENCODING,
+        header::UPGRADE,
+        header::PROXY_AUTHORIZATION,
+        header::AUTHORIZATION,
+    ] {
+        h.remove(name);
+    }
+    for name in [
+        "keep-alive",
+        "proxy-connection",
+        TENANT_HEADER,
+        EPOCH_HEADER,
+        STALE_HEADER,
+    ] {
+        h.remove(name);
+    }
+}
+
+/// A request's body: kept whole when small (so it can be sent twice), else streamed once.
+enum Payload {
+    Kept(bytes::Bytes),
+    Stream(Body),
+}
+
+async fn payload(parts: &axum::http::request::Parts, body: Body) -> Result<Payload, Response> {
+    let small = parts
+        .headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok())
+        .is_some_and(|n| n <= KEEP_BODY);
+    let bodiless = matches!(
+        parts.method,
+        Method::GET | Method::HEAD | Method::DELETE | Method::OPTIONS
+    ) && !parts.headers.contains_key(header::TRANSFER_ENCODING);
+    if small || bodiless {
+        axum::body::to_bytes(body, KEEP_BODY)
+            .await
+            .map(Payload::Kept)
+            .map_err(|e| {
+                ApiError::bad_request(format!("reading the request's body: {e}")).into_response()
+            })
+    } else {
+        Ok(Payload::Stream(body))
+    }
+}
+
+/// Sends a request to the sandbox's node; once more on a stale route (or a broken
+/// connection) when its body was kept.
+async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Response {
+    if req.headers().contains_key(header::UPGRADE) {
+        return ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!(
+                "sandbox {id} runs on fleet node {}: WebSocket streams (PTY) to remote nodes are \
+                 not routed yet; use exec or processes",
+                route.node_id
+            ),
+        )
+        .into_response();
+    }
+    let (parts, body) = req.into_parts();
+    let mut payload = match payload(&parts, body).await {
+        Ok(p) => p,
+        Err(r) => return r,
+    };
+    let c = app.fleet.as_ref().expect("fleet control");
+    for attempt in 0..2 {
+        let body = match &payload {
+            Payload::Kept(b) => Body::from(b.clone()),
+            Payload::Stream(_) => {
+                match std::mem::replace(&mut payload, Payload::Kept(bytes::Bytes::new())) {
+                    Payload::Stream(b) => b,
+                    Payload::Kept(_) => unreachable!(),
+                }
+            }
+        };
+        let retriable = matches!(payload, Payload::Kept(_)) && attempt == 0;
+        match send(c, &route, &parts, body, None).await {
+            Ok(resp)
+                if resp.status() == StatusCode::CONFLICT
+                    && resp.headers().contains_key(STALE_HEADER) =>
+            {
+                c.routes.forget(id);
+                let fresh = match route_of(app, id).await {
+                    Ok(Some(r)) => r,
+                    Ok(None) => {
+                        return ApiError::not_found(format!("sandbox {id} does not exist"))
+                            .into_response()
+                    }
+                    Err(e) => return e.into_response(),
+                };
+                if fresh.state == PlacementState::Lost {
+                    let whole = parts.uri.path() == format!("/v1/sandboxes/{id}");
+                    return lost(app, &fresh, id, whole, &parts.method).await;
+                }
+                if !retriable || (fresh.node_id == route.node_id && fresh.epoch == route.epoch) {
+                    return ApiError::unavailable(format!(
+                        "sandbox {id}'s node {} refuses calls at epoch {}: it was declared dead \
+                         and came back; the sandbox is being marked lost",
+                        route.node_id, route.epoch
+                    ))
+                    .into_response();
+                }
+                route = fresh;
+            }
+            Ok(resp) => return resp,
+            Err(e) => {
+                c.routes.drop_link(&route.node_id);
+                if !retriable {
+                    return ApiError::bad_gateway(format!(
+                        "sandbox {id}'s node {} did not answer: {e}",
+                        route.node_id
+                    ))
+                    .into_response();
+                }
+            }
+        }
+    }
+    ApiError::bad_gateway(format!(
+        "sandbox {id}'s node {} did not answer",
+        route.node_id
+    ))
+    .into_response()
+}
+
+/// One request to a node: the caller's, with the tenant and epoch; the node's answer.
+async fn send(
+    c: &super::control::Control,
+    route: &Route,
+    parts: &axum::http::request::Parts,
+    body: Body,
+    timeout: Option<Duration>,
+) -> Result<Response, String> {
+    let mut link = c.routes.link(&route.node_id, &route.address).await?;
+    let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+    let mut req = hyper::Request::builder()
+        .method(parts.method.clone())
+        .uri(format!("https://{}{pq}", route.address))
+        .body(body)
+        .map_err(|e| e.to_string())?;
+    let mut headers = parts.headers.clone();
+    strip(&mut headers);
+    headers.insert(
+        TENANT_HEADER,
+        HeaderValue::from_str(&route.tenant).map_err(|e| e.to_string())?,
+    );
+    headers.insert(EPOCH_HEADER, HeaderValue::from(route.epoch));
+    *req.headers_mut() = headers;
+    link.ready().await.map_err(|e| e.to_string())?;
+    let sent = link.send_request(req);
+    let resp = match timeout {
+        Some(t) => tokio::time::timeout(t, sent)
+            .await
+            .map_err(|_| format!("no answer within {}s", t.as_secs()))?,
+        None => sent.await,
+    }
+    .map_err(|e| e.to_string())?;
+    let (mut parts, body) = resp.into_parts();
+    for name in [header::CONNECTION, header::TRANSFER_ENCODING] {
+        parts.headers.remove(name);
+    }
+    Ok(Response::from_parts(parts, Body::new(body)))
+}
+
+/// A create on a control plane with remote nodes (see the module doc).
+async fn create(app: &AppState, req: Request, next: Next) -> Response {
+    let Ok(caller) = crate::auth::caller_of(app, req.headers()) else {
+        return next.run(req).await;
+    };
+    let c = app.fleet.as_ref().expect("fleet control");
+    let local = c.local_node_id();
+    let (nodes, now_ms) = match placement::nodes(app, false).await {
+        Ok(n) => n,
+        Err(e) => return e.into_response(),
+    };
+    if !placement::remote_alive(&nodes, now_ms, local.as_deref()) {
+        return next.run(req).await;
+    }
+    let (parts, body) = req.into_parts();
+    let bytes = match axum::body::to_bytes(body, KEEP_BODY).await {
+        Ok(b) => b,
+        Err(_) => {
+            return ApiError::too_large("the request body is larger than 1 MiB").into_response()
+        }
+    };
+    let rebuilt = |b: &bytes::Bytes| Request::from_parts(parts.clone(), Body::from(b.clone()));
+    // A body the handler would refuse: let it say why.
+    let Ok(spec) = serde_json::from_slice::<Value>(&bytes) else {
+        return next.run(rebuilt(&bytes)).await;
+    };
+    if let Some(why) = host_bound(&spec) {
+        if local.is_some() {
+            return next.run(rebuilt(&bytes)).await;
+        }
+        return ApiError::bad_request(format!(
+            "{why} cannot be placed on a remote fleet node yet (their data lives on the control \
+             plane's host): start this server with --node local to run such sandboxes here"
+        ))
+        .into_response();
+    }
+    if let Err(e) = quota(app, &caller.tenant).await {
+        return e.into_response();
+    }
+    let template = spec["template"].as_str().unwrap_or("default");
+    let ask = Ask {
+        memory_mb: spec["memory_mb"].as_i64().unwrap_or(512),
+        template_digest: crate::templates::resolve_for(app, &caller.tenant, template)
+            .ok()
+            .flatten()
+            .map(|t| t.digest),
+    };
+    let (p, node) = match placement::place(app, &caller.tenant, &ask).await {
+        Ok(x) => x,
+        Err(e) => return e.into_response(),
+    };
+    let resp = if Some(node.id.as_str()) == local.as_deref() {
+        next.run(rebuilt(&bytes)).await
+    } else {
+        let route = Route {
+            placement: p.id.clone(),
+            tenant: caller.tenant.clone(),
+            node_id: node.id.clone(),
+            address: node.address.clone(),
+            epoch: p.epoch,
+            state: PlacementState::Starting,
+            local: false,
+        };
+        match send(c, &route, &parts, Body::from(bytes.clone()), Some(CREATE)).await {
+            Ok(r) => r,
+            Err(e) => {
+                c.routes.drop_link(&node.id);
+                placement::unplace(app, &p.id).await;
+                return ApiError::bad_gateway(format!(
+                    "node {} did not answer the create: {e}; retry (another node may take it)",
+                    node.name
+                ))
+                .into_response();
+            }
+        }
+    };
+    if resp.status() != StatusCode::CREATED {
+        placement::unplace(app, &p.id).await;
+        return resp;
+    }
+    let (rparts, body) = resp.into_parts();
+    let answer = match axum::body::to_bytes(body, KEEP_BODY).await {
+        Ok(b) => b,
+        Err(e) => {
+            return ApiError::bad_gateway(format!("node {}'s answer: {e}", node.name))
+                .into_response()
+        }
+    };
+    let view: Value = serde_json::from_slice(&answer).unwrap_or(Value::Null);
+    if let Some(sb) = view["id"].as_str() {
+        let (store, pid, sb, text) = (
+            app.store.clone(),
+            p.id.clone(),
+            sb.to_owned(),
+            String::from_utf8_lossy(&answer).into_owned(),
+        );
+        match tokio::task::spawn_blocking(move || store.set_placed(&pid, &sb, &text)).await {
+            Ok(Ok(true)) => {}
+            other => {
+                tracing::warn!(placement = %p.id, result = ?other.map(|r| r.map_err(|e| e.to_string())), "a created sandbox's placement could not be recorded")
+            }
+        }
+    }
+    let mut out = Response::from_parts(rparts, Body::from(answer));
+    if let Ok(v) = HeaderValue::from_str(&node.name) {
+        out.headers_mut().insert("x-locker-node", v);
+    }
+    out
+}
+
+/// What ties a create to the data on this server's host (volumes, secrets, snapshots), if
+/// anything.
+fn host_bound(spec: &Value) -> Option<&'static str> {
+    let some = |k: &str| match &spec[k] {
+        Value::Null => false,
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+        Value::String(s) => !s.is_empty(),
+        _ => true,
+    };
+    if some("volumes") {
+        Some("a sandbox with volumes")
+    } else if some("secrets") {
+        Some("a sandbox with secrets")
+    } else if some("from_snapshot") {
+        Some("a sandbox from a snapshot")
+    } else {
+        None
+    }
+}
+
+/// The tenant's sandbox quota, counting its sandboxes on every node.
+async fn quota(app: &AppState, tenant: &str) -> Result<(), ApiError> {
+    let (store, t) = (app.store.clone(), tenant.to_owned());
+    let local = app.fleet.as_ref().and_then(|c| c.local_node_id());
+    let (placed, here) = tokio::task::spawn_blocking(move || {
+        let placed = store
+            .list_placements(Some(&t), None)?
+            .into_iter()
+            .filter(|p| {
+                p.state != PlacementState::Lost && Some(p.node_id.as_str()) != local.as_deref()
+            })
+            .count() as u64;
+        Ok::<_, locker_store::StoreError>((placed, store.count_running(&t)?))
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    let q = app.cfg.quotas.sandboxes;
+    if placed + here >= q {
+        return Err(ApiError::quota(format!(
+            "quota exceeded: tenant {tenant} may have {q} sandboxes at once across the fleet; \
+             delete some first"
+        )));
+    }
+    Ok(())
+}
