@@ -76,6 +76,7 @@ pub fn code_of(status: StatusCode) -> &'static str {
         404 => "not_found",
         405 => "method_not_allowed",
         409 => "conflict",
+        410 => "gone",
         413 => "payload_too_large",
         422 => "unprocessable",
         429 => "quota_exceeded",

@@ -114,14 +114,18 @@ pub fn choose<'a>(
     if pool.is_empty() {
         return None;
     }
-    let mut best: Option<(&NodeRecord, f64)> = None;
-    for _ in 0..BEST_OF.min(pool.len()) {
-        let (n, score, _) = pool[pick(pool.len())];
-        if best.is_none_or(|(_, b)| score < b) {
-            best = Some((n, score));
-        }
+    // BEST_OF distinct nodes, drawn without replacement (a partial shuffle).
+    let mut order: Vec<usize> = (0..pool.len()).collect();
+    let k = BEST_OF.min(pool.len());
+    for i in 0..k {
+        let j = i + pick(pool.len() - i);
+        order.swap(i, j);
     }
-    best.map(|(n, _)| n)
+    order[..k]
+        .iter()
+        .map(|&i| (pool[i].0, pool[i].1))
+        .min_by(|a, b| a.1.total_cmp(&b.1))
+        .map(|(n, _)| n)
 }
 
 /// A random index below `n` (the choice's draw).
@@ -374,8 +378,7 @@ mod tests {
             node("busy", 4, 8192, (3, 0), &[]),
             node("idle", 4, 8192, (0, 0), &[]),
         ];
-        let mut seq = [0usize, 1].into_iter().cycle();
-        let mut pick = |_n: usize| seq.next().unwrap();
+        let mut pick = |_n: usize| 0;
         assert_eq!(
             choose(&nodes, &ask(256, None), 0, &mut pick).unwrap().id,
             "idle"

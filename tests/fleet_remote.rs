@@ -1,0 +1,274 @@
+//! Fleet mode, sandboxes on nodes (issue 25, points 2 and 3; `FLEET.md` §5.2 tests 2, 3 in
+//! part and 5): `locker node` processes in network namespaces of their own run the engine
+//! behind their listener; a control plane on Postgres places sandboxes on them within their
+//! capacity and routes every call about a sandbox to its node; a node's death loses its
+//! sandboxes (never served twice), and a node that comes back fences itself and destroys
+//! what is no longer its own.
+
+use std::time::{Duration, Instant};
+
+use locker_tests::fabric::{Fabric, NodeProc};
+use locker_tests::postgres::cluster;
+use locker_tests::server::{Api, Resp, Server};
+use locker_tests::wait_for;
+use serde_json::{json, Value};
+
+/// The lease the server keeps (`fleet::LEASE`).
+const LEASE: Duration = Duration::from_secs(3);
+
+fn nodes(admin: &Api) -> Vec<Value> {
+    admin.get("/v1/fleet/nodes").expect(200, "list the nodes")["nodes"]
+        .as_array()
+        .expect("nodes")
+        .clone()
+}
+
+fn node<'a>(list: &'a [Value], name: &str) -> &'a Value {
+    list.iter()
+        .find(|n| n["name"] == name)
+        .unwrap_or_else(|| panic!("no node {name} in {list:?}"))
+}
+
+fn create(api: &Api) -> Resp {
+    api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256}),
+    )
+}
+
+/// The node a create's answer says the sandbox went to.
+fn placed_on(r: &Resp) -> String {
+    r.headers
+        .get("x-locker-node")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// A TLS client of a node's listener with `cert`/`key` (or none), ignoring the server's
+/// name: did it get an HTTP answer?
+fn node_answers(addr: &str, cert: Option<(&std::path::Path, &std::path::Path)>) -> bool {
+    let mut cmd = std::process::Command::new("curl");
+    cmd.args([
+        "-sk",
+        "--http2",
+        "-o",
+        "/dev/null",
+        "-w",
+        "%{http_code}",
+        "--max-time",
+        "5",
+    ]);
+    if let Some((c, k)) = cert {
+        cmd.arg("--cert").arg(c).arg("--key").arg(k);
+    }
+    let out = cmd
+        .arg(format!("https://{addr}/v1/sandboxes"))
+        .output()
+        .expect("run curl");
+    let code = String::from_utf8_lossy(&out.stdout).trim().to_owned();
+    code != "000" && !code.is_empty()
+}
+
+#[test]
+fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
+    let fab = Fabric::new(2);
+    let (_db, pg_url) = cluster().new_database();
+    let srv = Server::start_with(&[
+        "--database",
+        pg_url.as_str(),
+        "--fleet-listen",
+        &format!("{}:0", fab.control_ip()),
+    ]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let token = |admin: &Api| {
+        let t = admin
+            .post("/v1/fleet/tokens", &json!({"ttl_s": 600}))
+            .expect(201, "mint a join token");
+        (
+            t["url"].as_str().unwrap().to_owned(),
+            t["token"].as_str().unwrap().to_owned(),
+        )
+    };
+    // Node a takes 2 sandboxes, node b 1.
+    let mut a = NodeProc::new(0, "a");
+    let mut b = NodeProc::new(1, "b");
+    let (url, t) = token(&admin);
+    a.start(&fab, Some((&url, &t)), 2);
+    let (url, t) = token(&admin);
+    b.start(&fab, Some((&url, &t)), 1);
+    wait_for(Duration::from_secs(60), "both nodes alive", || {
+        let l = nodes(&admin);
+        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
+    });
+
+    // Only the control plane's certificate opens a node: none, or another node's, do not.
+    let a_addr = format!("{}:{}", fab.node_ip(0), a.port);
+    let b_fleet = b.data_dir().join("fleet");
+    assert!(
+        !node_answers(&a_addr, None),
+        "a node answered without a certificate"
+    );
+    assert!(
+        !node_answers(
+            &a_addr,
+            Some((&b_fleet.join("node.crt"), &b_fleet.join("node.key")))
+        ),
+        "a node answered another node's certificate"
+    );
+
+    // Eight creators at once for three slots: three sandboxes, two on a and one on b, and
+    // five clear refusals; never over capacity.
+    let answers: Vec<Resp> = std::thread::scope(|s| {
+        let hs: Vec<_> = (0..8).map(|_| s.spawn(|| create(&api))).collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let made: Vec<&Resp> = answers.iter().filter(|r| r.status == 201).collect();
+    let refused: Vec<&Resp> = answers.iter().filter(|r| r.status == 429).collect();
+    assert_eq!(
+        (made.len(), refused.len()),
+        (3, 5),
+        "{:?}",
+        answers
+            .iter()
+            .map(|r| (r.status, r.text()))
+            .collect::<Vec<_>>()
+    );
+    for r in &refused {
+        assert!(r.text().contains("no capacity"), "{}", r.text());
+    }
+    let mut on: Vec<(String, String)> = made
+        .iter()
+        .map(|r| (placed_on(r), r.json()["id"].as_str().unwrap().to_owned()))
+        .collect();
+    on.sort();
+    let names: Vec<&str> = on.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["a", "a", "b"], "{on:?}");
+    let l = nodes(&admin);
+    assert_eq!(node(&l, "a")["reserved"]["slots"], 2);
+    assert_eq!(node(&l, "b")["reserved"]["slots"], 1);
+    assert_eq!(node(&l, "b")["reserved"]["memory_mb"], 256);
+
+    // Every call reaches the sandbox's node: exec, files, the sandbox itself; the machine
+    // lives in the node's data dir, not the control plane's.
+    for (n, id) in &on {
+        let out = api.sh(
+            id,
+            "echo hello from $(cat /etc/hostname 2>/dev/null || echo box)",
+        );
+        assert!(out.starts_with("hello from"), "{out}");
+        let body = format!("written through control to node {n}");
+        api.put(
+            &format!("/v1/sandboxes/{id}/files?path=/tmp/f.txt"),
+            body.as_bytes(),
+        )
+        .expect(200, "write a file");
+        assert_eq!(api.read_file(id, "/tmp/f.txt").text(), body);
+        let v = api.get(&format!("/v1/sandboxes/{id}")).expect(200, "get");
+        assert_eq!(v["state"], "running", "{v}");
+        let dir = if n == "a" { a.data_dir() } else { b.data_dir() };
+        assert!(dir.join("sandboxes").join(id).exists(), "{id} not on {n}");
+        assert!(!srv.sandboxes_dir().join(id).exists());
+    }
+    // The list has them all, each with its node.
+    let list = api.get("/v1/sandboxes").expect(200, "list");
+    assert_eq!(list["total"], 3, "{list}");
+    for (_, id) in &on {
+        let s = list["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == id.as_str())
+            .unwrap_or_else(|| panic!("{id} not listed: {list}"));
+        assert!(s["node"].as_str().unwrap().starts_with("node_"), "{s}");
+    }
+    // Another tenant reaches none of them.
+    let (other, _) = srv.create_tenant("fleet-other");
+    for (_, id) in &on {
+        other.get(&format!("/v1/sandboxes/{id}")).expect_error(
+            404,
+            "not_found",
+            "another tenant's sandbox",
+        );
+        other
+            .post(&format!("/v1/sandboxes/{id}/exec"), &json!({"shell": "id"}))
+            .expect_error(404, "not_found", "exec in another tenant's sandbox");
+    }
+
+    // Deleting gives the slot back: the next create goes where there is room (b).
+    let on_b = on.iter().find(|(n, _)| n == "b").unwrap().1.clone();
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{on_b}")).status, 204);
+    assert!(!b.data_dir().join("sandboxes").join(&on_b).exists());
+    assert_eq!(node(&nodes(&admin), "b")["reserved"]["slots"], 0);
+    let again = create(&api);
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert_eq!(placed_on(&again), "b");
+    let on_b = again.json()["id"].as_str().unwrap().to_owned();
+
+    // Node a dies: within the lease (and the sweep), its sandboxes are lost, never
+    // answered by anyone; b's keep answering.
+    a.signal(libc::SIGKILL);
+    let killed = Instant::now();
+    let lost: Vec<String> = on
+        .iter()
+        .filter(|(n, _)| n == "a")
+        .map(|(_, id)| id.clone())
+        .collect();
+    wait_for(Duration::from_secs(10), "a's sandboxes lost", || {
+        lost.iter()
+            .all(|id| api.get(&format!("/v1/sandboxes/{id}")).json()["state"] == "lost")
+            .then_some(())
+    });
+    assert!(
+        killed.elapsed() < LEASE + Duration::from_secs(3),
+        "lost after {:?}",
+        killed.elapsed()
+    );
+    api.post(
+        &format!("/v1/sandboxes/{}/exec", lost[0]),
+        &json!({"shell": "true"}),
+    )
+    .expect_error(410, "gone", "exec in a lost sandbox");
+    assert_eq!(api.sh(&on_b, "echo still"), "still\n");
+    assert_eq!(node(&nodes(&admin), "a")["reserved"]["slots"], 0);
+
+    // a comes back (the same data dir, no token): its engine adopts its machines, its
+    // first beat is refused (its epoch moved on), it returns and destroys what the fleet
+    // no longer gives it; then it takes new sandboxes at its new epoch.
+    a.start(&fab, None, 2);
+    wait_for(Duration::from_secs(60), "a back and empty", || {
+        let l = nodes(&admin);
+        let n = node(&l, "a");
+        let empty = lost
+            .iter()
+            .all(|id| !a.data_dir().join("sandboxes").join(id).exists());
+        (n["alive"] == true && n["epoch"] == 2 && empty && n["report"]["sandboxes"] == 0)
+            .then_some(())
+    });
+    assert!(a.log_text().contains("fenced"), "{}", a.log_text());
+    for id in &lost {
+        // Still lost to its caller (never served again), until deleted.
+        assert_eq!(
+            api.get(&format!("/v1/sandboxes/{id}")).json()["state"],
+            "lost"
+        );
+        assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+        api.get(&format!("/v1/sandboxes/{id}")).expect_error(
+            404,
+            "not_found",
+            "a deleted lost sandbox",
+        );
+    }
+    let fresh = create(&api);
+    assert_eq!(fresh.status, 201, "{}", fresh.text());
+    assert_eq!(placed_on(&fresh), "a");
+    let fresh = fresh.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(api.sh(&fresh, "echo epoch two"), "epoch two\n");
+
+    for id in [&fresh, &on_b] {
+        assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+    }
+    let l = nodes(&admin);
+    assert_eq!(node(&l, "a")["reserved"]["slots"], 0);
+    assert_eq!(node(&l, "b")["reserved"]["slots"], 0);
+}
