@@ -1,22 +1,26 @@
-//! Fleet mode (issue 25, `FLEET.md`): nodes on other hosts join this control plane, and it
-//! keeps track of whether they are alive.
+//! Fleet mode (issue 25, `FLEET.md`): nodes on other hosts join this control plane, are
+//! watched (leases, epochs), run sandboxes placed on them, and get the calls about those
+//! sandboxes routed to them.
 //!
-//! What exists today is enrollment and liveness (`FLEET.md` §4.2 "Enrollment", §4.5
-//! "Detection" and "Mass false death"); placement of sandboxes on remote nodes and routing
-//! to them come next:
-//! - `pki`: the fleet CA (kept in the store, its key sealed), node certificates, the TLS of
-//!   both ends;
+//! - `pki`: the fleet CA (kept in the store, its key sealed), node certificates, the control
+//!   plane's client certificate, the TLS of every end;
 //! - `wire`: the bodies node and control exchange;
 //! - `control`: this server's side: the control listener (`--fleet-listen`, HTTP/2 with
 //!   TLS; client certificates from the fleet CA), join, heartbeats, returns; the admin
 //!   routes (`/v1/fleet/…`: mint a join token, list and remove nodes); the lease sweeper;
-//! - `member`: a node's side (`locker node`): join with a token, keep its identity, beat
-//!   every [`HEARTBEAT`], fence itself and return when the fleet declared it dead;
+//! - `member`: a node's side (`locker node`): the engine, join with a token, keep its
+//!   identity, beat every [`HEARTBEAT`], fence itself and return when the fleet declared it
+//!   dead (destroying what the fleet no longer gives it);
+//! - `node`: a node's listener: the engine served to the control plane only, every call at
+//!   the node's epoch;
+//! - `placement`: where a create goes (filter, score, best of 2, the optimistic
+//!   reservation), lost placements, reconciliation with what nodes report;
+//! - `route`: the router in front of the API on a control plane;
 //! - `local`: `locker serve --node local`, this server's own node in the fleet's table.
 //!
-//! It owns the fleet's certificates and sockets. The rows are the store's (`locker_store`'s
-//! `fleet` rules); machines stay the runtime's: nothing here starts, stops or kills one. A
-//! node never kills anything because it cannot reach the control plane.
+//! It owns the fleet's certificates, sockets and placements. Machines stay the engine's:
+//! a node never kills anything because it cannot reach the control plane, only what the
+//! fleet told it (at its return) is no longer its own.
 
 pub mod control;
 pub mod local;
