@@ -195,6 +195,19 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
             .expect_error(404, "not_found", "exec in another tenant's sandbox");
     }
 
+    // What would make objects the control plane cannot see is refused, saying so.
+    let (_, any) = &on[0];
+    for path in ["fork", "snapshots"] {
+        let m = api
+            .post(&format!("/v1/sandboxes/{any}/{path}"), &json!({}))
+            .expect_error(
+                501,
+                "not_implemented",
+                "a fork or snapshot of a remote sandbox",
+            );
+        assert!(m.contains("not supported yet"), "{m}");
+    }
+
     // Deleting gives the slot back: the next create goes where there is room (b).
     let on_b = on.iter().find(|(n, _)| n == "b").unwrap().1.clone();
     assert_eq!(api.delete(&format!("/v1/sandboxes/{on_b}")).status, 204);
@@ -204,6 +217,30 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     assert_eq!(again.status, 201, "{}", again.text());
     assert_eq!(placed_on(&again), "b");
     let on_b = again.json()["id"].as_str().unwrap().to_owned();
+
+    // b's agent restarts (an upgrade, a crash) within its lease: its engine adopts the
+    // machine, the sandbox keeps its files and answers; b is never declared dead.
+    api.put(
+        &format!("/v1/sandboxes/{on_b}/files?path=/tmp/kept.txt"),
+        &b"before the restart"[..],
+    )
+    .expect(200, "write a file");
+    b.stop();
+    b.start(&fab, None, 1);
+    wait_for(Duration::from_secs(20), "b answering again", || {
+        (api.post(
+            &format!("/v1/sandboxes/{on_b}/exec"),
+            &json!({"cmd": ["true"]}),
+        )
+        .status
+            == 200)
+            .then_some(())
+    });
+    assert_eq!(
+        api.read_file(&on_b, "/tmp/kept.txt").text(),
+        "before the restart"
+    );
+    assert_eq!(node(&nodes(&admin), "b")["epoch"], 1, "b was declared dead");
 
     // Node a dies: within the lease (and the sweep), its sandboxes are lost, never
     // answered by anyone; b's keep answering.

@@ -80,6 +80,7 @@ pub fn code_of(status: StatusCode) -> &'static str {
         413 => "payload_too_large",
         422 => "unprocessable",
         429 => "quota_exceeded",
+        501 => "not_implemented",
         502 => "bad_gateway",
         503 => "unavailable",
         _ => "internal",

@@ -15,8 +15,9 @@
 //! that answers that the route is stale (409 with `STALE_HEADER`) has the route read again
 //! and the request sent once more, when its body was small enough to keep (1 MiB).
 //!
-//! Not routed yet: WebSocket upgrades (PTY), preview hosts and port routes, the E2B and
-//! MCP surfaces, snapshots, runs and volumes (a remote sandbox answers them as unknown).
+//! Not routed yet: WebSocket upgrades (PTY) and snapshots and forks of a remote sandbox
+//! (501, saying so); preview hosts and port routes, the E2B and MCP surfaces (a remote
+//! sandbox is unknown there).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -167,6 +168,16 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     }
     let resp = if route.local {
         next.run(req).await
+    } else if let Some(what) = not_routed(req.uri().path(), &id) {
+        ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            format!(
+                "sandbox {id} runs on fleet node {}: {what} of a sandbox on a remote node are \
+                 not supported yet (the control plane would not know what they made)",
+                route.node_id
+            ),
+        )
+        .into_response()
     } else {
         forward(&app, route.clone(), &id, req).await
     };
@@ -174,6 +185,17 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
         after(&app, &route, &id, &method, resp).await
     } else {
         resp
+    }
+}
+
+/// The calls about a remote sandbox that would make objects the control plane does not
+/// know of (snapshots and forks live in the node's store): what they are, if `path` is one.
+fn not_routed(path: &str, id: &str) -> Option<&'static str> {
+    let rest = path.strip_prefix(&format!("/v1/sandboxes/{id}/"))?;
+    match rest.split('/').next() {
+        Some("fork") => Some("forks"),
+        Some("snapshots") => Some("snapshots"),
+        _ => None,
     }
 }
 
@@ -524,10 +546,13 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
             .flatten()
             .map(|t| t.digest),
     };
+    let t_place = std::time::Instant::now();
     let (p, node) = match placement::place(app, &caller.tenant, &ask).await {
         Ok(x) => x,
         Err(e) => return e.into_response(),
     };
+    let place_ms = t_place.elapsed().as_secs_f64() * 1e3;
+    let t_node = std::time::Instant::now();
     let resp = if Some(node.id.as_str()) == local.as_deref() {
         next.run(rebuilt(&bytes)).await
     } else {
@@ -557,6 +582,7 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
         placement::unplace(app, &p.id).await;
         return resp;
     }
+    let node_ms = t_node.elapsed().as_secs_f64() * 1e3;
     let (rparts, body) = resp.into_parts();
     let answer = match axum::body::to_bytes(body, KEEP_BODY).await {
         Ok(b) => b,
@@ -583,6 +609,12 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
     let mut out = Response::from_parts(rparts, Body::from(answer));
     if let Ok(v) = HeaderValue::from_str(&node.name) {
         out.headers_mut().insert("x-locker-node", v);
+    }
+    // Where the create's time went (RFC Server-Timing): choosing and reserving a node, then
+    // the node making the sandbox.
+    if let Ok(v) = HeaderValue::from_str(&format!("place;dur={place_ms:.3}, node;dur={node_ms:.3}"))
+    {
+        out.headers_mut().insert("server-timing", v);
     }
     out
 }
