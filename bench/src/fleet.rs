@@ -108,7 +108,7 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
 
     // Joins: a fresh data dir each time in namespace 0; the node is removed after.
     let (mut joined, mut listed) = (Vec::new(), Vec::new());
-    for k in 0..joins {
+    for _ in 0..joins {
         check_stop()?;
         let (url, token) = mint(&admin)?;
         let t0 = Instant::now();
