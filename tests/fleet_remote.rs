@@ -79,6 +79,9 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
         pg_url.as_str(),
         "--fleet-listen",
         &format!("{}:0", fab.control_ip()),
+        // A tenant may use 1 GiB of sandbox memory across the fleet.
+        "--quota-memory-mb",
+        "1024",
     ]);
     let (admin, api) = (srv.admin(), srv.api());
     let token = |admin: &Api| {
@@ -144,6 +147,20 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     on.sort();
     let names: Vec<&str> = on.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names, ["a", "a", "b"], "{on:?}");
+    // The tenant's quotas count its sandboxes on every node; bad input is the handler's 400.
+    let m = api
+        .post(
+            "/v1/sandboxes",
+            &json!({"runtime": "jail", "memory_mb": 512}),
+        )
+        .expect_error(
+            429,
+            "quota_exceeded",
+            "past the memory quota across the fleet",
+        );
+    assert!(m.contains("768 MB in use"), "{m}");
+    api.post("/v1/sandboxes", &json!({"memory_mb": 1}))
+        .expect_error(400, "bad_request", "a memory_mb out of range");
     let l = nodes(&admin);
     assert_eq!(node(&l, "a")["reserved"]["slots"], 2);
     assert_eq!(node(&l, "b")["reserved"]["slots"], 1);

@@ -62,7 +62,9 @@ struct Route {
 /// route cache.
 pub struct Routes {
     tls: Arc<rustls::ClientConfig>,
-    links: tokio::sync::Mutex<HashMap<String, SendRequest<Body>>>,
+    /// A slot per node: connecting to one node (up to [`CONNECT`] for a dead one) holds only
+    /// that node's slot, never the others'.
+    links: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<SendRequest<Body>>>>>>,
     cache: Mutex<HashMap<String, Route>>,
 }
 
@@ -88,8 +90,15 @@ impl Routes {
 
     /// A connection to `node` (the one held, else a new one).
     async fn link(&self, node_id: &str, address: &str) -> Result<SendRequest<Body>, String> {
-        let mut links = self.links.lock().await;
-        if let Some(l) = links.get(node_id) {
+        let slot = self
+            .links
+            .lock()
+            .expect("links")
+            .entry(node_id.to_owned())
+            .or_default()
+            .clone();
+        let mut held = slot.lock().await;
+        if let Some(l) = held.as_ref() {
             if !l.is_closed() {
                 return Ok(l.clone());
             }
@@ -118,14 +127,12 @@ impl Routes {
         tokio::spawn(async move {
             let _ = conn.await;
         });
-        links.insert(node_id.to_owned(), sender.clone());
+        *held = Some(sender.clone());
         Ok(sender)
     }
 
     fn drop_link(&self, node_id: &str) {
-        if let Ok(mut l) = self.links.try_lock() {
-            l.remove(node_id);
-        }
+        self.links.lock().expect("links").remove(node_id);
     }
 }
 
@@ -535,12 +542,20 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
         ))
         .into_response();
     }
-    if let Err(e) = quota(app, &caller.tenant).await {
+    let memory_mb = match &spec["memory_mb"] {
+        Value::Null => 512,
+        v => match v.as_u64() {
+            Some(m) if (crate::limits::MEMORY_MB.0..=crate::limits::MEMORY_MB.1).contains(&m) => m,
+            // Out of range or not a number: the handler says what is allowed.
+            _ => return next.run(rebuilt(&bytes)).await,
+        },
+    };
+    if let Err(e) = quota(app, &caller.tenant, memory_mb).await {
         return e.into_response();
     }
     let template = spec["template"].as_str().unwrap_or("default");
     let ask = Ask {
-        memory_mb: spec["memory_mb"].as_i64().unwrap_or(512),
+        memory_mb: i64::try_from(memory_mb).unwrap_or(i64::MAX),
         template_digest: crate::templates::resolve_for(app, &caller.tenant, template)
             .ok()
             .flatten()
@@ -640,27 +655,46 @@ fn host_bound(spec: &Value) -> Option<&'static str> {
     }
 }
 
-/// The tenant's sandbox quota, counting its sandboxes on every node.
-async fn quota(app: &AppState, tenant: &str) -> Result<(), ApiError> {
+/// The tenant's quotas of sandboxes and of their memory, counting its sandboxes on every
+/// node (read, then placed: two creates racing for the last unit of quota can both pass).
+async fn quota(app: &AppState, tenant: &str, memory_mb: u64) -> Result<(), ApiError> {
     let (store, t) = (app.store.clone(), tenant.to_owned());
     let local = app.fleet.as_ref().and_then(|c| c.local_node_id());
-    let (placed, here) = tokio::task::spawn_blocking(move || {
-        let placed = store
+    let (placed, placed_mb, here, here_mb) = tokio::task::spawn_blocking(move || {
+        let remote: Vec<_> = store
             .list_placements(Some(&t), None)?
             .into_iter()
             .filter(|p| {
                 p.state != PlacementState::Lost && Some(p.node_id.as_str()) != local.as_deref()
             })
-            .count() as u64;
-        Ok::<_, locker_store::StoreError>((placed, store.count_running(&t)?))
+            .collect();
+        let mb = remote
+            .iter()
+            .map(|p| p.memory_mb.max(0) as u64)
+            .sum::<u64>();
+        Ok::<_, locker_store::StoreError>((
+            remote.len() as u64,
+            mb,
+            store.count_running(&t)?,
+            store.sum_memory_mb(&t)?,
+        ))
     })
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
-    let q = app.cfg.quotas.sandboxes;
-    if placed + here >= q {
+    let q = &app.cfg.quotas;
+    if placed + here >= q.sandboxes {
         return Err(ApiError::quota(format!(
-            "quota exceeded: tenant {tenant} may have {q} sandboxes at once across the fleet; \
-             delete some first"
+            "quota exceeded: tenant {tenant} may have {} sandboxes at once across the fleet; \
+             delete some first",
+            q.sandboxes
+        )));
+    }
+    let used = placed_mb + here_mb;
+    if used + memory_mb > q.memory_mb {
+        return Err(ApiError::quota(format!(
+            "quota exceeded: tenant {tenant} may use {} MB of sandbox memory in all across the \
+             fleet ({used} MB in use)",
+            q.memory_mb
         )));
     }
     Ok(())
