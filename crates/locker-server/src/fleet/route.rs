@@ -58,13 +58,16 @@ struct Route {
     local: bool,
 }
 
+/// A node's connection, when one is open (its lock held while one is being made).
+type Slot = Arc<tokio::sync::Mutex<Option<SendRequest<Body>>>>;
+
 /// The router's state: the control plane's TLS towards nodes, a connection per node, the
 /// route cache.
 pub struct Routes {
     tls: Arc<rustls::ClientConfig>,
     /// A slot per node: connecting to one node (up to [`CONNECT`] for a dead one) holds only
     /// that node's slot, never the others'.
-    links: Mutex<HashMap<String, Arc<tokio::sync::Mutex<Option<SendRequest<Body>>>>>>,
+    links: Mutex<HashMap<String, Slot>>,
     cache: Mutex<HashMap<String, Route>>,
 }
 
