@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{Fabric, NodeProc};
+use locker_tests::fabric::{fleet_node, fleet_nodes, Fabric, NodeProc};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Server};
 use locker_tests::{locker_bin, wait_for};
@@ -23,19 +23,6 @@ fn mint(admin: &Api, ttl_s: u64) -> Value {
     admin
         .post("/v1/fleet/tokens", &json!({ "ttl_s": ttl_s }))
         .expect(201, "mint a join token")
-}
-
-fn nodes(admin: &Api) -> Vec<Value> {
-    admin.get("/v1/fleet/nodes").expect(200, "list the nodes")["nodes"]
-        .as_array()
-        .expect("nodes")
-        .clone()
-}
-
-fn node<'a>(list: &'a [Value], name: &str) -> &'a Value {
-    list.iter()
-        .find(|n| n["name"] == name)
-        .unwrap_or_else(|| panic!("no node {name} in {list:?}"))
 }
 
 /// A heartbeat sent with curl, with node `who`'s certificate (or none): the status.
@@ -131,11 +118,11 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
         procs.push(p);
     }
     let list = wait_for(Duration::from_secs(30), "four nodes alive", || {
-        let l = nodes(&admin);
+        let l = fleet_nodes(&admin);
         (l.len() == 4 && l.iter().all(|n| n["alive"] == true)).then_some(l)
     });
     for (i, s) in slots.iter().enumerate() {
-        let n = node(&list, &format!("n{}", i + 1));
+        let n = fleet_node(&list, &format!("n{}", i + 1));
         assert_eq!(n["state"], "ready", "{n}");
         assert_eq!(n["epoch"], 1, "{n}");
         assert_eq!(
@@ -151,7 +138,7 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
     }
     // They keep beating: a heartbeat at most ~1 s old, a second later too.
     std::thread::sleep(Duration::from_millis(1500));
-    for n in nodes(&admin) {
+    for n in fleet_nodes(&admin) {
         assert!(n["last_heartbeat_ms_ago"].as_i64().unwrap() < 2500, "{n}");
     }
     // The identity stays on the node: its key private, never sent.
@@ -205,7 +192,7 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
     let n5_token = token.clone();
     n5.start(&fab, Some((&control, &token)), 10);
     wait_for(Duration::from_secs(20), "n5 alive", || {
-        nodes(&admin)
+        fleet_nodes(&admin)
             .iter()
             .any(|n| n["name"] == "n5" && n["alive"] == true)
             .then_some(())
@@ -227,7 +214,7 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
         .count();
     assert_eq!(joined, 1, "{la}\n{lb}");
     assert!(la.contains("already used") || lb.contains("already used"));
-    let listed = nodes(&admin);
+    let listed = fleet_nodes(&admin);
     let six_or_seven = |n: &&Value| n["name"] == "n6" || n["name"] == "n7";
     assert_eq!(listed.iter().filter(six_or_seven).count(), 1, "{listed:?}");
     a.stop();
@@ -235,7 +222,7 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
 
     // A join whose answer was lost (the node died before writing its identity) is tried
     // again with the same token and key: the same node comes back.
-    let n5_id = node(&nodes(&admin), "n5")["id"].clone();
+    let n5_id = fleet_node(&fleet_nodes(&admin), "n5")["id"].clone();
     n5.stop();
     for f in ["identity.json", "node.crt", "ca.crt"] {
         std::fs::remove_file(n5.data_dir().join("fleet").join(f)).unwrap();
@@ -257,10 +244,10 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
     assert_eq!(ident["node_id"], n5_id);
 
     // Calls need the node's own certificate.
-    let list = nodes(&admin);
+    let list = fleet_nodes(&admin);
     let (id1, id2) = (
-        node(&list, "n1")["id"].as_str().unwrap().to_owned(),
-        node(&list, "n2")["id"].as_str().unwrap().to_owned(),
+        fleet_node(&list, "n1")["id"].as_str().unwrap().to_owned(),
+        fleet_node(&list, "n2")["id"].as_str().unwrap().to_owned(),
     );
     let ca = fleet_dir.join("ca.crt");
     assert_eq!(beat_as(&control, Some(&procs[0]), &id1, 1, &ca), 200);
@@ -311,7 +298,7 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
         );
     }
     let alive = |admin: &Api, name: &str| -> Option<bool> {
-        nodes(admin)
+        fleet_nodes(admin)
             .iter()
             .find(|n| n["name"] == name)
             .map(|n| n["alive"] == true)
@@ -326,8 +313,8 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
     procs[0].signal(libc::SIGSTOP);
     let stopped = Instant::now();
     let dead = wait_for(Duration::from_secs(10), "m0 declared dead", || {
-        let l = nodes(&admin);
-        let n = node(&l, "m0").clone();
+        let l = fleet_nodes(&admin);
+        let n = fleet_node(&l, "m0").clone();
         (n["state"] == "dead").then_some(n)
     });
     let took = stopped.elapsed();
@@ -337,16 +324,16 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
         "declared after {took:?}"
     );
     assert_eq!(dead["epoch"], 2, "{dead}");
-    let l = nodes(&admin);
+    let l = fleet_nodes(&admin);
     assert!(
-        node(&l, "m1")["alive"] == true && node(&l, "m2")["alive"] == true,
+        fleet_node(&l, "m1")["alive"] == true && fleet_node(&l, "m2")["alive"] == true,
         "{l:?}"
     );
     // It wakes up: fenced (its epoch moved on), it returns at the new epoch.
     procs[0].signal(libc::SIGCONT);
     wait_for(Duration::from_secs(10), "m0 back at epoch 2", || {
-        let l = nodes(&admin);
-        let n = node(&l, "m0");
+        let l = fleet_nodes(&admin);
+        let n = fleet_node(&l, "m0");
         (n["state"] == "ready" && n["epoch"] == 2 && n["alive"] == true).then_some(())
     });
     let log = procs[0].log_text();
@@ -356,7 +343,7 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
     );
 
     // A node agent restart keeps its identity: no token, same id and epoch.
-    let id2 = node(&nodes(&admin), "m2")["id"].clone();
+    let id2 = fleet_node(&fleet_nodes(&admin), "m2")["id"].clone();
     procs[2].signal(libc::SIGTERM);
     assert!(procs[2].wait_end(Duration::from_secs(10)).success());
     let _ = std::fs::remove_file(&procs[2].log);
@@ -368,8 +355,8 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
             .then_some(())
     });
     std::thread::sleep(Duration::from_millis(1200));
-    let l = nodes(&admin);
-    let n = node(&l, "m2");
+    let l = fleet_nodes(&admin);
+    let n = fleet_node(&l, "m2");
     assert_eq!(
         (n["id"].clone(), n["epoch"].clone(), n["alive"].clone()),
         (id2, json!(1), json!(true)),
@@ -379,7 +366,7 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
     // The control plane away for longer than a lease: nobody declared dead when it is back
     // (a lease of grace for the heartbeats to land).
     let epochs = |admin: &Api| -> Vec<(String, Value)> {
-        nodes(admin)
+        fleet_nodes(admin)
             .iter()
             .map(|n| (n["name"].as_str().unwrap().to_owned(), n["epoch"].clone()))
             .collect()
@@ -391,7 +378,7 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
     let admin = srv.admin();
     let deadline = Instant::now() + LEASE * 2;
     while Instant::now() < deadline {
-        for n in nodes(&admin) {
+        for n in fleet_nodes(&admin) {
             assert_eq!(n["state"], "ready", "declared dead after an outage: {n}");
         }
         std::thread::sleep(SWEEP);
@@ -440,7 +427,7 @@ fn a_partition_declares_at_most_the_rate_limit_and_partitioned_nodes_keep_runnin
         );
     }
     wait_for(Duration::from_secs(30), "three nodes alive", || {
-        let l = nodes(&admin);
+        let l = fleet_nodes(&admin);
         (l.len() == 3 && l.iter().all(|n| n["alive"] == true)).then_some(())
     });
 
@@ -456,16 +443,16 @@ fn a_partition_declares_at_most_the_rate_limit_and_partitioned_nodes_keep_runnin
             .collect()
     };
     let first = wait_for(Duration::from_secs(10), "one node declared dead", || {
-        let d = dead(&nodes(&admin));
+        let d = dead(&fleet_nodes(&admin));
         (!d.is_empty()).then_some(d)
     });
     assert_eq!(first.len(), 1, "{first:?}");
     std::thread::sleep(LEASE);
-    let l = nodes(&admin);
+    let l = fleet_nodes(&admin);
     assert_eq!(dead(&l), first, "the rate limit held: {l:?}");
     let other = if first[0] == "p0" { "p1" } else { "p0" };
-    assert_eq!(node(&l, other)["alive"], false, "{l:?}");
-    assert_eq!(node(&l, "p2")["alive"], true, "{l:?}");
+    assert_eq!(fleet_node(&l, other)["alive"], false, "{l:?}");
+    assert_eq!(fleet_node(&l, "p2")["alive"], true, "{l:?}");
     assert!(
         srv.log_text().contains("declaring at most 1 per minute"),
         "{}",
@@ -492,10 +479,11 @@ fn a_partition_declares_at_most_the_rate_limit_and_partitioned_nodes_keep_runnin
     fab.link(0, true);
     fab.link(1, true);
     wait_for(Duration::from_secs(15), "both back", || {
-        let l = nodes(&admin);
-        (node(&l, &first[0])["epoch"] == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
+        let l = fleet_nodes(&admin);
+        (fleet_node(&l, &first[0])["epoch"] == 2 && l.iter().all(|n| n["alive"] == true))
+            .then_some(())
     });
-    assert_eq!(node(&nodes(&admin), other)["epoch"], 1);
+    assert_eq!(fleet_node(&fleet_nodes(&admin), other)["epoch"], 1);
     for p in &mut procs {
         p.stop();
     }
@@ -515,7 +503,7 @@ fn a_server_with_node_local_is_a_node_of_its_own_fleet_with_what_it_runs() {
         "7",
     ]);
     let admin = srv.admin();
-    let ctl = |admin: &Api| node(&nodes(admin), "ctl").clone();
+    let ctl = |admin: &Api| fleet_node(&fleet_nodes(admin), "ctl").clone();
     let first = wait_for(Duration::from_secs(10), "ctl alive", || {
         let n = ctl(&admin);
         (n["alive"] == true).then_some(n)
@@ -562,7 +550,7 @@ fn a_server_with_node_local_is_a_node_of_its_own_fleet_with_what_it_runs() {
         4,
     );
     wait_for(Duration::from_secs(20), "n1 alive", || {
-        nodes(&admin)
+        fleet_nodes(&admin)
             .iter()
             .any(|n| n["name"] == "n1" && n["alive"] == true)
             .then_some(())

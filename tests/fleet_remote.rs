@@ -7,27 +7,14 @@
 
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{Fabric, NodeProc};
+use locker_tests::fabric::{fleet_node, fleet_nodes, Fabric, NodeProc};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp, Server};
 use locker_tests::wait_for;
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// The lease the server keeps (`fleet::LEASE`).
 const LEASE: Duration = Duration::from_secs(3);
-
-fn nodes(admin: &Api) -> Vec<Value> {
-    admin.get("/v1/fleet/nodes").expect(200, "list the nodes")["nodes"]
-        .as_array()
-        .expect("nodes")
-        .clone()
-}
-
-fn node<'a>(list: &'a [Value], name: &str) -> &'a Value {
-    list.iter()
-        .find(|n| n["name"] == name)
-        .unwrap_or_else(|| panic!("no node {name} in {list:?}"))
-}
 
 fn create(api: &Api) -> Resp {
     api.post(
@@ -101,7 +88,7 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     let (url, t) = token(&admin);
     b.start(&fab, Some((&url, &t)), 1);
     wait_for(Duration::from_secs(60), "both nodes alive", || {
-        let l = nodes(&admin);
+        let l = fleet_nodes(&admin);
         (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
     });
 
@@ -161,10 +148,10 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     assert!(m.contains("768 MB in use"), "{m}");
     api.post("/v1/sandboxes", &json!({"memory_mb": 1}))
         .expect_error(400, "bad_request", "a memory_mb out of range");
-    let l = nodes(&admin);
-    assert_eq!(node(&l, "a")["reserved"]["slots"], 2);
-    assert_eq!(node(&l, "b")["reserved"]["slots"], 1);
-    assert_eq!(node(&l, "b")["reserved"]["memory_mb"], 256);
+    let l = fleet_nodes(&admin);
+    assert_eq!(fleet_node(&l, "a")["reserved"]["slots"], 2);
+    assert_eq!(fleet_node(&l, "b")["reserved"]["slots"], 1);
+    assert_eq!(fleet_node(&l, "b")["reserved"]["memory_mb"], 256);
 
     // Every call reaches the sandbox's node: exec, files, the sandbox itself; the machine
     // lives in the node's data dir, not the control plane's.
@@ -229,7 +216,10 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     let on_b = on.iter().find(|(n, _)| n == "b").unwrap().1.clone();
     assert_eq!(api.delete(&format!("/v1/sandboxes/{on_b}")).status, 204);
     assert!(!b.data_dir().join("sandboxes").join(&on_b).exists());
-    assert_eq!(node(&nodes(&admin), "b")["reserved"]["slots"], 0);
+    assert_eq!(
+        fleet_node(&fleet_nodes(&admin), "b")["reserved"]["slots"],
+        0
+    );
     let again = create(&api);
     assert_eq!(again.status, 201, "{}", again.text());
     assert_eq!(placed_on(&again), "b");
@@ -257,7 +247,11 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
         api.read_file(&on_b, "/tmp/kept.txt").text(),
         "before the restart"
     );
-    assert_eq!(node(&nodes(&admin), "b")["epoch"], 1, "b was declared dead");
+    assert_eq!(
+        fleet_node(&fleet_nodes(&admin), "b")["epoch"],
+        1,
+        "b was declared dead"
+    );
 
     // Node a dies: within the lease (and the sweep), its sandboxes are lost, never
     // answered by anyone; b's keep answering.
@@ -284,15 +278,18 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     )
     .expect_error(410, "gone", "exec in a lost sandbox");
     assert_eq!(api.sh(&on_b, "echo still"), "still\n");
-    assert_eq!(node(&nodes(&admin), "a")["reserved"]["slots"], 0);
+    assert_eq!(
+        fleet_node(&fleet_nodes(&admin), "a")["reserved"]["slots"],
+        0
+    );
 
     // a comes back (the same data dir, no token): its engine adopts its machines, its
     // first beat is refused (its epoch moved on), it returns and destroys what the fleet
     // no longer gives it; then it takes new sandboxes at its new epoch.
     a.start(&fab, None, 2);
     wait_for(Duration::from_secs(60), "a back and empty", || {
-        let l = nodes(&admin);
-        let n = node(&l, "a");
+        let l = fleet_nodes(&admin);
+        let n = fleet_node(&l, "a");
         let empty = lost
             .iter()
             .all(|id| !a.data_dir().join("sandboxes").join(id).exists());
@@ -322,7 +319,7 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     for id in [&fresh, &on_b] {
         assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
     }
-    let l = nodes(&admin);
-    assert_eq!(node(&l, "a")["reserved"]["slots"], 0);
-    assert_eq!(node(&l, "b")["reserved"]["slots"], 0);
+    let l = fleet_nodes(&admin);
+    assert_eq!(fleet_node(&l, "a")["reserved"]["slots"], 0);
+    assert_eq!(fleet_node(&l, "b")["reserved"]["slots"], 0);
 }

@@ -340,3 +340,18 @@ impl Drop for NodeProc {
         }
     }
 }
+
+/// `GET /v1/fleet/nodes`'s nodes.
+pub fn fleet_nodes(admin: &crate::server::Api) -> Vec<serde_json::Value> {
+    admin.get("/v1/fleet/nodes").expect(200, "list the nodes")["nodes"]
+        .as_array()
+        .expect("nodes")
+        .clone()
+}
+
+/// The node named `name` in a list of [`fleet_nodes`].
+pub fn fleet_node<'a>(list: &'a [serde_json::Value], name: &str) -> &'a serde_json::Value {
+    list.iter()
+        .find(|n| n["name"] == name)
+        .unwrap_or_else(|| panic!("no node {name} in {list:?}"))
+}

@@ -115,8 +115,8 @@ pub fn run(a: NodeArgs) -> anyhow::Result<()> {
         slots,
         engine,
     };
+    // A thread per CPU, as `locker serve`: the node's engine and its heartbeats share them.
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
         .enable_all()
         .build()?;
     rt.block_on(member::run(cfg, stop_signal()))

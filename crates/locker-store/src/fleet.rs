@@ -151,7 +151,9 @@ pub struct PlacementRecord {
     pub epoch: i64,
     pub memory_mb: i64,
     pub state: PlacementState,
-    /// The store's clock when it was placed (ms).
+    /// The store's clock when it was placed (ms), then when its node's sandbox was
+    /// recorded (`set_placed`): reconciliation counts a sandbox's absence from its node's
+    /// reports from then.
     pub created_ms: i64,
     /// The sandbox as the node last answered it (the API's JSON), `{}` before.
     pub view: String,

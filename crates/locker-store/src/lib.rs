@@ -435,8 +435,8 @@ pub trait Store: Send + Sync {
         cap_memory_mb: i64,
     ) -> Result<Option<PlacementRecord>>;
 
-    /// The node made the sandbox of placement `id`: its id and view; `false` if the
-    /// placement is gone or no longer `starting`.
+    /// The node made the sandbox of placement `id`: its id and view, and `created_ms` the
+    /// store's clock now; `false` if the placement is gone or no longer `starting`.
     fn set_placed(&self, id: &str, sandbox_id: &str, view: &str) -> Result<bool>;
 
     /// The sandbox's view, as its node last answered it.

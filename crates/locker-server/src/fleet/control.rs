@@ -142,36 +142,14 @@ impl Control {
             .route(wire::RETURN, post(give_back))
             .with_state(self.clone());
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls.clone());
-        let slots = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS));
-        let mut stop = quitting.clone();
-        tokio::spawn(async move {
-            let quit = async move {
-                let _ = stop.wait_for(|q| *q).await;
-            };
-            tokio::pin!(quit);
-            loop {
-                let (tcp, _) = tokio::select! {
-                    r = listener.accept() => match r {
-                        Ok(c) => c,
-                        Err(e) => {
-                            tracing::warn!(error = %e, "fleet listener: accept failed");
-                            tokio::time::sleep(Duration::from_millis(100)).await;
-                            continue;
-                        }
-                    },
-                    () = &mut quit => return,
-                };
-                let Ok(permit) = slots.clone().try_acquire_owned() else {
-                    // Full: refuse at once rather than queue (nodes retry every beat).
-                    continue;
-                };
-                let (acceptor, routes) = (acceptor.clone(), routes.clone());
-                tokio::spawn(async move {
-                    connection(tcp, acceptor, routes).await;
-                    drop(permit);
-                });
-            }
-        });
+        // Full: refuse at once rather than queue (nodes retry every beat).
+        super::accept_loop(
+            listener,
+            "fleet listener",
+            MAX_CONNECTIONS,
+            quitting.clone(),
+            move |tcp| connection(tcp, acceptor.clone(), routes.clone()),
+        );
         tokio::spawn(sweep(app, quitting));
     }
 
@@ -482,6 +460,9 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
         if reconciled.elapsed() >= super::placement::RECONCILE {
             reconciled = Instant::now();
             super::placement::reconcile(&app, &nodes).await;
+            // Also here, not only after an expiry: one that failed to mark its placements
+            // lost is caught up within this period.
+            super::placement::lose(&app).await;
         }
         let budget = (nodes.len() / 10).max(1);
         let left = budget.saturating_sub(declared.len());

@@ -11,7 +11,6 @@
 
 use locker_store::{NodeRecord, NodeState, StoreError};
 
-use super::member::host_report;
 use super::{HEARTBEAT, LEASE};
 use crate::ids::{new_id, now_s};
 use crate::state::AppState;
@@ -33,23 +32,7 @@ fn lease_ms() -> i64 {
 }
 
 async fn report(app: &AppState, slots: u32) -> String {
-    let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
-    let warm = u32::try_from(app.pool.len()).unwrap_or(u32::MAX);
-    // It reads /proc, the data dir's filesystem and the template cache: off the async threads.
-    let app = app.clone();
-    let r = tokio::task::spawn_blocking(move || {
-        let mut r = host_report(
-            &app.cfg.data_dir,
-            slots,
-            u32::try_from(ids.len()).unwrap_or(u32::MAX),
-            warm,
-            Some(&app.templates),
-        );
-        r.sandbox_ids = ids;
-        r
-    })
-    .await
-    .unwrap_or_default();
+    let r = super::member::live_report(app, &app.cfg.data_dir, slots).await;
     serde_json::to_string(&r).unwrap_or_else(|_| "{}".into())
 }
 

@@ -329,11 +329,13 @@ pub fn host_report(
     }
 }
 
-/// What this node has now: the host's capacity, and what its engine runs and keeps warm.
-async fn report(cfg: &MemberConfig, app: &AppState) -> Report {
+/// What a node has now: the host's capacity (`data_dir`'s disk, `slots`), and what the
+/// engine behind `app` runs and keeps warm. Read off the async threads (/proc, the data
+/// dir's filesystem, the template cache).
+pub async fn live_report(app: &AppState, data_dir: &Path, slots: u32) -> Report {
     let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
     let warm = u32::try_from(app.pool.len()).unwrap_or(u32::MAX);
-    let (slots, data_dir, app) = (cfg.slots, cfg.data_dir.clone(), app.clone());
+    let (data_dir, app) = (data_dir.to_owned(), app.clone());
     tokio::task::spawn_blocking(move || {
         let mut r = host_report(
             &data_dir,
@@ -347,6 +349,11 @@ async fn report(cfg: &MemberConfig, app: &AppState) -> Report {
     })
     .await
     .unwrap_or_default()
+}
+
+/// [`live_report`] of this node.
+async fn report(cfg: &MemberConfig, app: &AppState) -> Report {
+    live_report(app, &cfg.data_dir, cfg.slots).await
 }
 
 async fn join(cfg: &MemberConfig, app: &AppState, dir: &Path) -> Result<Member, MemberError> {

@@ -53,3 +53,46 @@ pub fn token_pin(token: &str) -> Option<&str> {
     let hex = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit());
     (pin.len() == pki::PIN_HEX && hex(pin) && secret.len() >= 32 && hex(secret)).then_some(pin)
 }
+
+/// Accepts on `listener` until `quitting`, at most `max` connections at once (more are
+/// closed at once: a peer retries), each handed to `serve` on a task of its own.
+pub(crate) fn accept_loop<F, Fut>(
+    listener: tokio::net::TcpListener,
+    what: &'static str,
+    max: usize,
+    mut quitting: tokio::sync::watch::Receiver<bool>,
+    serve: F,
+) where
+    F: Fn(tokio::net::TcpStream) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let slots = std::sync::Arc::new(tokio::sync::Semaphore::new(max));
+    tokio::spawn(async move {
+        let quit = async move {
+            let _ = quitting.wait_for(|q| *q).await;
+        };
+        tokio::pin!(quit);
+        loop {
+            let (tcp, _) = tokio::select! {
+                r = listener.accept() => match r {
+                    Ok(c) => c,
+                    Err(e) => {
+                        tracing::warn!(error = %e, "{what}: accept failed");
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    }
+                },
+                () = &mut quit => return,
+            };
+            let Ok(permit) = slots.clone().try_acquire_owned() else {
+                continue;
+            };
+            let _ = tcp.set_nodelay(true);
+            let conn = serve(tcp);
+            tokio::spawn(async move {
+                conn.await;
+                drop(permit);
+            });
+        }
+    });
+}

@@ -37,6 +37,8 @@ pub const STALE_HEADER: &str = "x-locker-stale-route";
 /// forwards to this node over few connections).
 const MAX_STREAMS: u32 = 1024;
 const KEEPALIVE: Duration = Duration::from_secs(10);
+/// Connections held at once (control replicas hold one or a few each).
+const MAX_CONNECTIONS: usize = 1024;
 
 /// A call forwarded by the control plane: the tenant it authenticated. Set only by this
 /// listener, read by the API's caller extractor (`auth`).
@@ -60,25 +62,12 @@ pub fn serve(
     let routes = crate::app::router(app.clone());
     let acceptor = tokio_rustls::TlsAcceptor::from(tls);
     let tenants: Arc<Mutex<HashSet<String>>> = Arc::default();
-    let mut stop = quitting;
-    tokio::spawn(async move {
-        let quit = async move {
-            let _ = stop.wait_for(|q| *q).await;
-        };
-        tokio::pin!(quit);
-        loop {
-            let (tcp, _) = tokio::select! {
-                r = listener.accept() => match r {
-                    Ok(c) => c,
-                    Err(e) => {
-                        tracing::warn!(error = %e, "node listener: accept failed");
-                        tokio::time::sleep(Duration::from_millis(100)).await;
-                        continue;
-                    }
-                },
-                () = &mut quit => return,
-            };
-            let _ = tcp.set_nodelay(true);
+    super::accept_loop(
+        listener,
+        "node listener",
+        MAX_CONNECTIONS,
+        quitting,
+        move |tcp| {
             let (acceptor, routes, app, epoch, tenants) = (
                 acceptor.clone(),
                 routes.clone(),
@@ -86,7 +75,7 @@ pub fn serve(
                 epoch.clone(),
                 tenants.clone(),
             );
-            tokio::spawn(async move {
+            async move {
                 let tls = match tokio::time::timeout(Duration::from_secs(10), acceptor.accept(tcp))
                     .await
                 {
@@ -115,9 +104,9 @@ pub fn serve(
                     .max_concurrent_streams(MAX_STREAMS)
                     .serve_connection(TokioIo::new(tls), svc)
                     .await;
-            });
-        }
-    });
+            }
+        },
+    );
 }
 
 /// One forwarded call: its epoch and tenant checked, then the engine's routes.

@@ -201,21 +201,9 @@ impl FleetCa {
     /// dial) signed by the CA; client certificates are checked against the CA when given,
     /// and are optional (a joining node has none yet: each route says whether it needs one).
     pub fn server_config(&self, names: &[String]) -> Result<Arc<rustls::ServerConfig>, String> {
-        let err = |e: rcgen::Error| format!("making the control listener's certificate: {e}");
-        let mut p = CertificateParams::new(names.to_vec()).map_err(err)?;
-        p.distinguished_name
-            .push(DnType::CommonName, "Locker fleet control");
-        p.is_ca = IsCa::ExplicitNoCa;
-        p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
-        p.use_authority_key_identifier_extension = true;
-        let y = this_year();
-        p.not_before = rcgen::date_time_ymd(y - 1, 1, 1);
-        p.not_after = rcgen::date_time_ymd(y + 2, 1, 1);
-        let leaf_key = KeyPair::generate().map_err(err)?;
-        let leaf = p
-            .signed_by(&leaf_key, &self.issuer, &self.key)
-            .map_err(err)?;
+        let (leaf, leaf_key) = self
+            .control_leaf(names.to_vec(), ExtendedKeyUsagePurpose::ServerAuth)
+            .map_err(|e| format!("making the control listener's certificate: {e}"))?;
         let chain = vec![leaf.der().clone(), self.der.clone()];
         let pk = PrivateKeyDer::Pkcs8(PrivatePkcs8KeyDer::from(leaf_key.serialize_der()));
         let mut roots = RootCertStore::empty();
@@ -239,23 +227,38 @@ impl FleetCa {
 }
 
 impl FleetCa {
-    /// A control replica's TLS towards nodes: a client certificate of its own (made now,
-    /// named [`CONTROL_NAME`], client use only) and nodes' certificates verified against
-    /// the CA, under the name the caller gives ([`node_name`]).
-    pub fn control_client_config(&self) -> Result<Arc<rustls::ClientConfig>, String> {
-        let err = |e: rcgen::Error| format!("making the control plane's client certificate: {e}");
-        let mut p = CertificateParams::new(vec![CONTROL_NAME.to_owned()]).map_err(err)?;
+    /// A control plane's certificate for `names`, for one use (server or client), valid 2
+    /// years, with its new key.
+    fn control_leaf(
+        &self,
+        names: Vec<String>,
+        usage: ExtendedKeyUsagePurpose,
+    ) -> Result<(rcgen::Certificate, KeyPair), rcgen::Error> {
+        let mut p = CertificateParams::new(names)?;
         p.distinguished_name
             .push(DnType::CommonName, "Locker fleet control");
         p.is_ca = IsCa::ExplicitNoCa;
         p.key_usages = vec![KeyUsagePurpose::DigitalSignature];
-        p.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
+        p.extended_key_usages = vec![usage];
         p.use_authority_key_identifier_extension = true;
         let y = this_year();
         p.not_before = rcgen::date_time_ymd(y - 1, 1, 1);
         p.not_after = rcgen::date_time_ymd(y + 2, 1, 1);
-        let key = KeyPair::generate().map_err(err)?;
-        let leaf = p.signed_by(&key, &self.issuer, &self.key).map_err(err)?;
+        let key = KeyPair::generate()?;
+        let leaf = p.signed_by(&key, &self.issuer, &self.key)?;
+        Ok((leaf, key))
+    }
+
+    /// A control replica's TLS towards nodes: a client certificate of its own (made now,
+    /// named [`CONTROL_NAME`], client use only) and nodes' certificates verified against
+    /// the CA, under the name the caller gives ([`node_name`]).
+    pub fn control_client_config(&self) -> Result<Arc<rustls::ClientConfig>, String> {
+        let (leaf, key) = self
+            .control_leaf(
+                vec![CONTROL_NAME.to_owned()],
+                ExtendedKeyUsagePurpose::ClientAuth,
+            )
+            .map_err(|e| format!("making the control plane's client certificate: {e}"))?;
         client_config(trust_ca(&self.pem)?, Some((&leaf.pem(), &key)))
     }
 }

@@ -158,8 +158,10 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     let Some(id) = sandbox_of(path).map(str::to_owned) else {
         return next.run(req).await;
     };
-    // A sandbox this server runs is its own (no lookup on the hot path).
-    if app.live.read().await.contains_key(&id) {
+    // A sandbox this server runs is its own (no lookup on the hot path), unless it is being
+    // deleted: then its placement, if it has one, is given back.
+    let deleting = req.method() == Method::DELETE && path == format!("/v1/sandboxes/{id}");
+    if !deleting && app.live.read().await.contains_key(&id) {
         return next.run(req).await;
     }
     // A caller without a good key gets the handlers' own answer.
@@ -411,6 +413,8 @@ async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Re
         Err(r) => return r,
     };
     let c = app.fleet.as_ref().expect("fleet control");
+    // Only a kept body can be sent twice; a streamed one goes once, whatever happens.
+    let kept = matches!(payload, Payload::Kept(_));
     for attempt in 0..2 {
         let body = match &payload {
             Payload::Kept(b) => Body::from(b.clone()),
@@ -421,16 +425,17 @@ async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Re
                 }
             }
         };
-        let retriable = matches!(payload, Payload::Kept(_)) && attempt == 0;
+        let retriable = kept && attempt == 0;
         match send(c, &route, &parts, body, None).await {
             Ok(resp)
                 if resp.status() == StatusCode::CONFLICT
                     && resp.headers().contains_key(STALE_HEADER) =>
             {
+                // The node refused before doing anything: safe to send again.
                 c.routes.forget(id);
                 let fresh = match route_of(app, id).await {
-                    Ok(Some(r)) => r,
-                    Ok(None) => {
+                    Ok(Some(r)) if r.tenant == route.tenant => r,
+                    Ok(_) => {
                         return ApiError::not_found(format!("sandbox {id} does not exist"))
                             .into_response()
                     }
@@ -451,15 +456,25 @@ async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Re
                 route = fresh;
             }
             Ok(resp) => return resp,
-            Err(e) => {
+            // Never sent (no connection, or none ready): safe to try once more.
+            Err(SendError::NotSent(e)) => {
                 c.routes.drop_link(&route.node_id);
                 if !retriable {
                     return ApiError::bad_gateway(format!(
-                        "sandbox {id}'s node {} did not answer: {e}",
+                        "sandbox {id}'s node {} cannot be reached: {e}",
                         route.node_id
                     ))
                     .into_response();
                 }
+            }
+            // Sent, and the answer was lost: the node may have acted; never sent twice.
+            Err(SendError::Lost(e)) => {
+                c.routes.drop_link(&route.node_id);
+                return ApiError::bad_gateway(format!(
+                    "sandbox {id}'s node {} did not answer (the call may have run): {e}",
+                    route.node_id
+                ))
+                .into_response();
             }
         }
     }
@@ -470,6 +485,26 @@ async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Re
     .into_response()
 }
 
+/// Why a request to a node has no answer.
+#[derive(Debug)]
+enum SendError {
+    /// It never left (no connection, or none ready in time): it can be sent again.
+    NotSent(String),
+    /// It was sent and its answer was lost or late: the node may have acted on it.
+    Lost(String),
+}
+
+impl std::fmt::Display for SendError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SendError::NotSent(e) | SendError::Lost(e) => f.write_str(e),
+        }
+    }
+}
+
+/// How long a call waits for room on a node's connection (its streams all busy).
+const READY: Duration = Duration::from_secs(5);
+
 /// One request to a node: the caller's, with the tenant and epoch; the node's answer.
 async fn send(
     c: &super::control::Control,
@@ -477,31 +512,44 @@ async fn send(
     parts: &axum::http::request::Parts,
     body: Body,
     timeout: Option<Duration>,
-) -> Result<Response, String> {
-    let mut link = c.routes.link(&route.node_id, &route.address).await?;
+) -> Result<Response, SendError> {
+    let mut link = c
+        .routes
+        .link(&route.node_id, &route.address)
+        .await
+        .map_err(SendError::NotSent)?;
     let pq = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let mut req = hyper::Request::builder()
         .method(parts.method.clone())
         .uri(format!("https://{}{pq}", route.address))
         .body(body)
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| SendError::NotSent(e.to_string()))?;
     let mut headers = parts.headers.clone();
     strip(&mut headers);
     headers.insert(
         TENANT_HEADER,
-        HeaderValue::from_str(&route.tenant).map_err(|e| e.to_string())?,
+        HeaderValue::from_str(&route.tenant).map_err(|e| SendError::NotSent(e.to_string()))?,
     );
     headers.insert(EPOCH_HEADER, HeaderValue::from(route.epoch));
     *req.headers_mut() = headers;
-    link.ready().await.map_err(|e| e.to_string())?;
+    match tokio::time::timeout(READY, link.ready()).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(SendError::NotSent(e.to_string())),
+        Err(_) => {
+            return Err(SendError::NotSent(format!(
+                "the node's connection had no free stream within {}s",
+                READY.as_secs()
+            )))
+        }
+    }
     let sent = link.send_request(req);
     let resp = match timeout {
         Some(t) => tokio::time::timeout(t, sent)
             .await
-            .map_err(|_| format!("no answer within {}s", t.as_secs()))?,
+            .map_err(|_| SendError::Lost(format!("no answer within {}s", t.as_secs())))?,
         None => sent.await,
     }
-    .map_err(|e| e.to_string())?;
+    .map_err(|e| SendError::Lost(e.to_string()))?;
     let (mut parts, body) = resp.into_parts();
     for name in [header::CONNECTION, header::TRANSFER_ENCODING] {
         parts.headers.remove(name);
@@ -570,71 +618,116 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
         Err(e) => return e.into_response(),
     };
     let place_ms = t_place.elapsed().as_secs_f64() * 1e3;
-    let t_node = std::time::Instant::now();
-    let resp = if Some(node.id.as_str()) == local.as_deref() {
-        next.run(rebuilt(&bytes)).await
-    } else {
-        let route = Route {
-            placement: p.id.clone(),
-            tenant: caller.tenant.clone(),
-            node_id: node.id.clone(),
-            address: node.address.clone(),
-            epoch: p.epoch,
-            state: PlacementState::Starting,
-            local: false,
+    // The rest runs to its end even if the caller goes away: a reservation is always either
+    // recorded with its sandbox or given back.
+    let here = Some(node.id.as_str()) == local.as_deref();
+    let (app2, node_name) = (app.clone(), node.name.clone());
+    let done = tokio::spawn(async move {
+        let t_node = std::time::Instant::now();
+        let made = if here {
+            Ok(next
+                .run(Request::from_parts(parts, Body::from(bytes)))
+                .await)
+        } else {
+            let route = Route {
+                placement: p.id.clone(),
+                tenant: p.tenant.clone(),
+                node_id: node.id.clone(),
+                address: node.address.clone(),
+                epoch: p.epoch,
+                state: PlacementState::Starting,
+                local: false,
+            };
+            let c = app2.fleet.as_ref().expect("fleet control");
+            send(c, &route, &parts, Body::from(bytes), Some(CREATE))
+                .await
+                .inspect_err(|_| c.routes.drop_link(&node.id))
         };
-        match send(c, &route, &parts, Body::from(bytes.clone()), Some(CREATE)).await {
-            Ok(r) => r,
-            Err(e) => {
-                c.routes.drop_link(&node.id);
-                placement::unplace(app, &p.id).await;
-                return ApiError::bad_gateway(format!(
-                    "node {} did not answer the create: {e}; retry (another node may take it)",
-                    node.name
-                ))
-                .into_response();
-            }
-        }
+        let out = record(&app2, &p, &node, made).await;
+        (out, t_node.elapsed())
+    });
+    let (out, node_time) = match done.await {
+        Ok(x) => x,
+        Err(e) => return ApiError::internal(format!("the create failed: {e}")).into_response(),
     };
-    if resp.status() != StatusCode::CREATED {
-        placement::unplace(app, &p.id).await;
-        return resp;
-    }
-    let node_ms = t_node.elapsed().as_secs_f64() * 1e3;
-    let (rparts, body) = resp.into_parts();
-    let answer = match axum::body::to_bytes(body, KEEP_BODY).await {
-        Ok(b) => b,
-        Err(e) => {
-            return ApiError::bad_gateway(format!("node {}'s answer: {e}", node.name))
-                .into_response()
-        }
+    let mut out = match out {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
     };
-    let view: Value = serde_json::from_slice(&answer).unwrap_or(Value::Null);
-    if let Some(sb) = view["id"].as_str() {
-        let (store, pid, sb, text) = (
-            app.store.clone(),
-            p.id.clone(),
-            sb.to_owned(),
-            String::from_utf8_lossy(&answer).into_owned(),
-        );
-        match tokio::task::spawn_blocking(move || store.set_placed(&pid, &sb, &text)).await {
-            Ok(Ok(true)) => {}
-            other => {
-                tracing::warn!(placement = %p.id, result = ?other.map(|r| r.map_err(|e| e.to_string())), "a created sandbox's placement could not be recorded")
-            }
-        }
-    }
-    let mut out = Response::from_parts(rparts, Body::from(answer));
-    if let Ok(v) = HeaderValue::from_str(&node.name) {
+    if let Ok(v) = HeaderValue::from_str(&node_name) {
         out.headers_mut().insert("x-locker-node", v);
     }
     // Where the create's time went (RFC Server-Timing): choosing and reserving a node, then
     // the node making the sandbox.
+    let node_ms = node_time.as_secs_f64() * 1e3;
     if let Ok(v) = HeaderValue::from_str(&format!("place;dur={place_ms:.3}, node;dur={node_ms:.3}"))
     {
         out.headers_mut().insert("server-timing", v);
     }
     out
+}
+
+/// A placed create's end: the node's answer recorded with the placement (201), or the
+/// placement given back (anything else, passed on; or why it could not be recorded).
+async fn record(
+    app: &AppState,
+    p: &PlacementRecord,
+    node: &locker_store::NodeRecord,
+    made: Result<Response, SendError>,
+) -> Result<Response, ApiError> {
+    let resp = match made {
+        Ok(r) if r.status() == StatusCode::CREATED => r,
+        Ok(r) => {
+            placement::unplace(app, &p.id).await;
+            return Ok(r);
+        }
+        Err(e) => {
+            placement::unplace(app, &p.id).await;
+            return Err(ApiError::bad_gateway(format!(
+                "node {} did not answer the create: {e}; retry (another node may take it)",
+                node.name
+            )));
+        }
+    };
+    let (rparts, body) = resp.into_parts();
+    let answer = axum::body::to_bytes(body, KEEP_BODY).await.ok();
+    let id = answer
+        .as_ref()
+        .and_then(|a| serde_json::from_slice::<Value>(a).ok())
+        .and_then(|v| v["id"].as_str().map(str::to_owned));
+    let (Some(answer), Some(sb)) = (answer, id) else {
+        placement::unplace(app, &p.id).await;
+        return Err(ApiError::bad_gateway(format!(
+            "node {}'s answer to the create could not be read",
+            node.name
+        )));
+    };
+    let (store, pid, text) = (
+        app.store.clone(),
+        p.id.clone(),
+        String::from_utf8_lossy(&answer).into_owned(),
+    );
+    let sb2 = sb.clone();
+    match tokio::task::spawn_blocking(move || store.set_placed(&pid, &sb2, &text)).await {
+        Ok(Ok(true)) => Ok(Response::from_parts(rparts, Body::from(answer))),
+        // The node was declared dead while it made the sandbox (its placement is lost): the
+        // node destroys it when it returns.
+        Ok(Ok(false)) => {
+            placement::unplace(app, &p.id).await;
+            Err(ApiError::unavailable(format!(
+                "node {} was declared dead while it made sandbox {sb}; retry",
+                node.name
+            )))
+        }
+        other => {
+            placement::unplace(app, &p.id).await;
+            tracing::warn!(placement = %p.id, sandbox = %sb, result = ?other.map(|r| r.map_err(|e| e.to_string())), "a created sandbox's placement could not be recorded");
+            Err(ApiError::unavailable(format!(
+                "sandbox {sb} was made on node {} but could not be recorded; retry",
+                node.name
+            )))
+        }
+    }
 }
 
 /// What ties a create to the data on this server's host (volumes, secrets, snapshots), if

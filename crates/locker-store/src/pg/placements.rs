@@ -76,8 +76,11 @@ pub(super) fn place(
 
 pub(super) fn set_placed(c: &mut Conn, id: &str, sandbox_id: &str, view: &str) -> Result<bool> {
     Ok(c.execute(
-        "UPDATE placements SET sandbox_id = $1, view = $2, state = 'placed'
-         WHERE id = $3 AND state = 'starting'",
+        &format!(
+            "UPDATE placements SET sandbox_id = $1, view = $2, state = 'placed',
+                                   created_ms = {NOW_MS}
+             WHERE id = $3 AND state = 'starting'"
+        ),
         &[&sandbox_id, &view, &id],
     )? > 0)
 }

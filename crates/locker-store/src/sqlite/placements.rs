@@ -89,10 +89,10 @@ pub(super) fn set_placed(db: &SqliteStore, id: &str, sandbox_id: &str, view: &st
     Ok(db
         .writer()
         .prepare_cached(
-            "UPDATE placements SET sandbox_id = ?1, view = ?2, state = 'placed'
+            "UPDATE placements SET sandbox_id = ?1, view = ?2, state = 'placed', created_ms = ?4
              WHERE id = ?3 AND state = 'starting'",
         )?
-        .execute(params![sandbox_id, view, id])?
+        .execute(params![sandbox_id, view, id, clock_ms()])?
         > 0)
 }
 
