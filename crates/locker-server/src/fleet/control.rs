@@ -71,6 +71,8 @@ pub struct Control {
     pub routes: super::route::Routes,
     /// This server's own node (`--node local`), once registered.
     local: Mutex<Option<String>>,
+    /// Sandboxes nodes run without a placement: (node, sandbox) → when first seen.
+    pub orphans: Mutex<std::collections::HashMap<(String, String), Instant>>,
 }
 
 impl std::fmt::Debug for Control {
@@ -121,6 +123,7 @@ impl Control {
             table: Default::default(),
             routes,
             local: Mutex::new(None),
+            orphans: Default::default(),
         }))
     }
 

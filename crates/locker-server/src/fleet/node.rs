@@ -132,6 +132,13 @@ async fn call(
                 .into_response()
         }
     }
+    // The control plane's own call: a sandbox it has no placement for (an orphan of a
+    // create it never finished), whoever's it is.
+    if let Some(id) = parts.uri.path().strip_prefix(ORPHAN_PATH) {
+        if parts.method == axum::http::Method::DELETE {
+            return destroy_orphan(app, id).await;
+        }
+    }
     let Some(tenant) = parts
         .headers
         .get(TENANT_HEADER)
@@ -161,6 +168,29 @@ async fn call(
     match tower_service::Service::call(&mut routes, req).await {
         Ok(r) => r,
         Err(e) => match e {},
+    }
+}
+
+/// Where the control plane deletes a sandbox it has no placement for
+/// (`DELETE /internal/orphans/{id}`).
+pub const ORPHAN_PATH: &str = "/internal/orphans/";
+
+async fn destroy_orphan(app: &AppState, id: &str) -> Response {
+    let (store, sb) = (app.store.clone(), id.to_owned());
+    let rec = match tokio::task::spawn_blocking(move || store.get_sandbox_any(&sb)).await {
+        Ok(Ok(r)) => r,
+        Ok(Err(e)) => return ApiError::from(e).into_response(),
+        Err(e) => return ApiError::internal(e.to_string()).into_response(),
+    };
+    match rec {
+        Some(r) if app.live.read().await.contains_key(id) => {
+            tracing::warn!(sandbox = %id, tenant = %r.tenant, "destroying a sandbox the fleet has no placement for (a create the control plane never finished)");
+            match crate::lifecycle::destroy(app, &r, "deleted").await {
+                Ok(()) => StatusCode::NO_CONTENT.into_response(),
+                Err(e) => e.into_response(),
+            }
+        }
+        _ => ApiError::not_found(format!("sandbox {id} does not run here")).into_response(),
     }
 }
 

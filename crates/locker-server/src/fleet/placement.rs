@@ -39,6 +39,8 @@ pub const ATTEMPTS: usize = 4;
 pub const RECONCILE: Duration = Duration::from_secs(5);
 /// A sandbox absent from its node's report this long after it was placed has ended there.
 const ABSENT_AFTER_MS: i64 = 10_000;
+/// A sandbox a node runs without a placement, seen this long apart, is an orphan.
+pub const ORPHAN_AFTER: Duration = Duration::from_secs(10);
 /// A placement whose create never finished (its replica died) is given back after this.
 const STARTING_FOR_MS: i64 = 10 * 60_000;
 
@@ -306,6 +308,74 @@ pub async fn reconcile(app: &AppState, nodes: &[NodeRecord]) {
         if gone {
             tracing::info!(placement = %p.id, sandbox = ?p.sandbox_id, node = %n.name, "the node no longer runs this sandbox: its reservation is given back");
             unplace(app, &p.id).await;
+        }
+    }
+    orphans(app, nodes, &placements_now(app).await).await;
+}
+
+async fn placements_now(app: &AppState) -> Vec<PlacementRecord> {
+    let store = app.store.clone();
+    match tokio::task::spawn_blocking(move || store.list_placements(None, None)).await {
+        Ok(Ok(p)) => p,
+        _ => Vec::new(),
+    }
+}
+
+/// Sandboxes a remote node runs that no placement names: a create whose control plane
+/// died (or gave up) after the node made it. One is destroyed on its node when a second
+/// reconciliation, [`ORPHAN_AFTER`] or more after the first, still finds it without a
+/// placement (a create in flight records its placement within milliseconds). This server's
+/// own node is never asked: its sandboxes are its own rows, placed or not.
+async fn orphans(app: &AppState, nodes: &[NodeRecord], placements: &[PlacementRecord]) {
+    let Some(c) = app.fleet.as_ref() else {
+        return;
+    };
+    if placements.is_empty() && nodes.is_empty() {
+        return;
+    }
+    let local = c.local_node_id();
+    let mut seen: Vec<(String, String)> = Vec::new();
+    for n in nodes {
+        if n.state != NodeState::Ready || Some(n.id.as_str()) == local.as_deref() {
+            continue;
+        }
+        let Some((_, _, report)) = capacity(n) else {
+            continue;
+        };
+        for sb in report.sandbox_ids {
+            let known = placements
+                .iter()
+                .any(|p| p.sandbox_id.as_deref() == Some(sb.as_str()));
+            if !known {
+                seen.push((n.id.clone(), sb));
+            }
+        }
+    }
+    let now = Instant::now();
+    let due: Vec<(String, String)> = {
+        let mut suspects = c.orphans.lock().expect("orphans");
+        suspects.retain(|k, _| seen.contains(k));
+        for k in &seen {
+            suspects.entry(k.clone()).or_insert(now);
+        }
+        suspects
+            .iter()
+            .filter(|(_, first)| now.duration_since(**first) >= ORPHAN_AFTER)
+            .map(|(k, _)| k.clone())
+            .collect()
+    };
+    for (node_id, sb) in due {
+        let Some(n) = nodes.iter().find(|n| n.id == node_id) else {
+            continue;
+        };
+        match super::route::destroy_orphan(app, n, &sb).await {
+            Ok(()) => {
+                tracing::warn!(sandbox = %sb, node = %n.name, "destroyed a sandbox no placement names (a create the control plane never finished)");
+                c.orphans.lock().expect("orphans").remove(&(node_id, sb));
+            }
+            Err(e) => {
+                tracing::warn!(sandbox = %sb, node = %n.name, error = %e, "cannot destroy an orphan sandbox: retrying at the next reconciliation")
+            }
         }
     }
 }

@@ -557,6 +557,33 @@ async fn send(
     Ok(Response::from_parts(parts, Body::new(body)))
 }
 
+/// Asks node `n` to destroy sandbox `sb`, which no placement names (`placement::orphans`).
+pub async fn destroy_orphan(
+    app: &AppState,
+    n: &locker_store::NodeRecord,
+    sb: &str,
+) -> Result<(), String> {
+    let c = app.fleet.as_ref().expect("fleet control");
+    let route = Route {
+        placement: String::new(),
+        tenant: "_fleet".into(),
+        node_id: n.id.clone(),
+        address: n.address.clone(),
+        epoch: n.epoch,
+        state: PlacementState::Placed,
+        local: false,
+    };
+    let (parts, _) = axum::http::Request::delete(format!("{}{sb}", super::node::ORPHAN_PATH))
+        .body(())
+        .map_err(|e| e.to_string())?
+        .into_parts();
+    match send(c, &route, &parts, Body::empty(), Some(CREATE)).await {
+        Ok(r) if r.status().is_success() || r.status() == StatusCode::NOT_FOUND => Ok(()),
+        Ok(r) => Err(format!("the node answered {}", r.status())),
+        Err(e) => Err(e.to_string()),
+    }
+}
+
 /// A create on a control plane with remote nodes (see the module doc).
 async fn create(app: &AppState, req: Request, next: Next) -> Response {
     let Ok(caller) = crate::auth::caller_of(app, req.headers()) else {
