@@ -9,7 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{fleet_node, fleet_nodes, Fabric, NodeProc};
+use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, Fabric, NodeProc};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Server};
 use locker_tests::{locker_bin, wait_for};
@@ -18,12 +18,6 @@ use serde_json::{json, Value};
 /// The lease the server keeps (`fleet::LEASE`) and the sweeper's period.
 const LEASE: Duration = Duration::from_secs(3);
 const SWEEP: Duration = Duration::from_millis(250);
-
-fn mint(admin: &Api, ttl_s: u64) -> Value {
-    admin
-        .post("/v1/fleet/tokens", &json!({ "ttl_s": ttl_s }))
-        .expect(201, "mint a join token")
-}
 
 /// A heartbeat sent with curl, with node `who`'s certificate (or none): the status.
 fn beat_as(control: &str, who: Option<&NodeProc>, node_id: &str, epoch: i64, ca: &Path) -> u16 {
@@ -93,7 +87,7 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
     );
     assert_eq!(srv.api().get("/v1/fleet/nodes").status / 100, 4);
 
-    let first = mint(&admin, 600);
+    let first = fleet_token(&admin, 600);
     let control = first["url"].as_str().unwrap().to_owned();
     assert!(
         control.starts_with(&format!("https://{}:", fab.control_ip())),
@@ -111,7 +105,10 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
         let token = if i == 0 {
             first["token"].as_str().unwrap().to_owned()
         } else {
-            mint(&admin, 600)["token"].as_str().unwrap().to_owned()
+            fleet_token(&admin, 600)["token"]
+                .as_str()
+                .unwrap()
+                .to_owned()
         };
         let mut p = NodeProc::new(i, &format!("n{}", i + 1));
         p.start(&fab, Some((&control, &token)), *s);
@@ -167,7 +164,7 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
     // Refused joins, each saying why, and nothing written on the node.
     let n5 = NodeProc::new(4, "n5");
     let pin = &first["token"].as_str().unwrap()[4..36];
-    let expired = mint(&admin, 1)["token"].as_str().unwrap().to_owned();
+    let expired = fleet_token(&admin, 1)["token"].as_str().unwrap().to_owned();
     std::thread::sleep(Duration::from_millis(2200));
     for (token, why) in [
         (first["token"].as_str().unwrap().to_owned(), "already used"),
@@ -184,7 +181,10 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
         assert!(!n5.data_dir().join("fleet/identity.json").exists(), "{why}");
     }
     // A taken name is refused and leaves the token good for another name.
-    let token = mint(&admin, 600)["token"].as_str().unwrap().to_owned();
+    let token = fleet_token(&admin, 600)["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let n1_again = NodeProc::new(4, "n1");
     let (ok, log) = n1_again.run_to_end(&fab, &control, &token);
     assert!(!ok && log.contains("already in the fleet"), "{log}");
@@ -199,7 +199,10 @@ fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
     });
 
     // One token, two nodes at once: one joins, the other is told it was used.
-    let token = mint(&admin, 600)["token"].as_str().unwrap().to_owned();
+    let token = fleet_token(&admin, 600)["token"]
+        .as_str()
+        .unwrap()
+        .to_owned();
     let (mut a, mut b) = (NodeProc::new(4, "n6"), NodeProc::new(4, "n7"));
     a.start(&fab, Some((&control, &token)), 4);
     b.start(&fab, Some((&control, &token)), 4);
@@ -290,7 +293,7 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
     let admin = srv.admin();
     let mut procs: Vec<NodeProc> = (0..3).map(|i| NodeProc::new(i, &format!("m{i}"))).collect();
     for p in &mut procs {
-        let t = mint(&admin, 600);
+        let t = fleet_token(&admin, 600);
         p.start(
             &fab,
             Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
@@ -419,7 +422,7 @@ fn a_partition_declares_at_most_the_rate_limit_and_partitioned_nodes_keep_runnin
     let admin = srv.admin();
     let mut procs: Vec<NodeProc> = (0..3).map(|i| NodeProc::new(i, &format!("p{i}"))).collect();
     for p in &mut procs {
-        let t = mint(&admin, 600);
+        let t = fleet_token(&admin, 600);
         p.start(
             &fab,
             Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
@@ -536,7 +539,7 @@ fn a_server_with_node_local_is_a_node_of_its_own_fleet_with_what_it_runs() {
     });
 
     // Its name is its own: a remote node cannot join by it.
-    let t = mint(&admin, 600);
+    let t = fleet_token(&admin, 600);
     let (ok, log) = NodeProc::new(0, "ctl").run_to_end(
         &fab,
         t["url"].as_str().unwrap(),

@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{fleet_node, fleet_nodes, Fabric, NodeProc};
+use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, Fabric, NodeProc};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp, Server};
 use locker_tests::wait_for;
@@ -72,9 +72,7 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     ]);
     let (admin, api) = (srv.admin(), srv.api());
     let token = |admin: &Api| {
-        let t = admin
-            .post("/v1/fleet/tokens", &json!({"ttl_s": 600}))
-            .expect(201, "mint a join token");
+        let t = fleet_token(admin, 600);
         (
             t["url"].as_str().unwrap().to_owned(),
             t["token"].as_str().unwrap().to_owned(),

@@ -341,6 +341,13 @@ impl Drop for NodeProc {
     }
 }
 
+/// A join token minted with the admin key, valid `ttl_s` (`POST /v1/fleet/tokens`'s answer).
+pub fn fleet_token(admin: &crate::server::Api, ttl_s: u64) -> serde_json::Value {
+    admin
+        .post("/v1/fleet/tokens", &serde_json::json!({ "ttl_s": ttl_s }))
+        .expect(201, "mint a join token")
+}
+
 /// `GET /v1/fleet/nodes`'s nodes.
 pub fn fleet_nodes(admin: &crate::server::Api) -> Vec<serde_json::Value> {
     admin.get("/v1/fleet/nodes").expect(200, "list the nodes")["nodes"]

@@ -290,7 +290,7 @@ pub async fn reconcile(app: &AppState, nodes: &[NodeRecord]) {
             Ok(Ok(p)) => p,
             _ => return,
         };
-    for p in placements {
+    for p in &placements {
         let Some(n) = nodes.iter().find(|n| n.id == p.node_id) else {
             continue;
         };
@@ -310,15 +310,9 @@ pub async fn reconcile(app: &AppState, nodes: &[NodeRecord]) {
             unplace(app, &p.id).await;
         }
     }
-    orphans(app, nodes, &placements_now(app).await).await;
-}
-
-async fn placements_now(app: &AppState) -> Vec<PlacementRecord> {
-    let store = app.store.clone();
-    match tokio::task::spawn_blocking(move || store.list_placements(None, None)).await {
-        Ok(Ok(p)) => p,
-        _ => Vec::new(),
-    }
+    // The same read: a placement just given back named a sandbox its node no longer
+    // reports, so it cannot make that sandbox look placed.
+    orphans(app, nodes, &placements).await;
 }
 
 /// Sandboxes a remote node runs that no placement names: a create whose control plane

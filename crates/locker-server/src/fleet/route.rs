@@ -408,24 +408,19 @@ async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Re
         .into_response();
     }
     let (parts, body) = req.into_parts();
-    let mut payload = match payload(&parts, body).await {
-        Ok(p) => p,
+    // Only a kept body can be sent twice; a streamed one goes once, whatever happens.
+    let (kept, mut stream) = match payload(&parts, body).await {
+        Ok(Payload::Kept(b)) => (Some(b), None),
+        Ok(Payload::Stream(b)) => (None, Some(b)),
         Err(r) => return r,
     };
     let c = app.fleet.as_ref().expect("fleet control");
-    // Only a kept body can be sent twice; a streamed one goes once, whatever happens.
-    let kept = matches!(payload, Payload::Kept(_));
     for attempt in 0..2 {
-        let body = match &payload {
-            Payload::Kept(b) => Body::from(b.clone()),
-            Payload::Stream(_) => {
-                match std::mem::replace(&mut payload, Payload::Kept(bytes::Bytes::new())) {
-                    Payload::Stream(b) => b,
-                    Payload::Kept(_) => unreachable!(),
-                }
-            }
+        let body = match &kept {
+            Some(b) => Body::from(b.clone()),
+            None => stream.take().unwrap_or_else(Body::empty),
         };
-        let retriable = kept && attempt == 0;
+        let retriable = kept.is_some() && attempt == 0;
         match send(c, &route, &parts, body, None).await {
             Ok(resp)
                 if resp.status() == StatusCode::CONFLICT
