@@ -8,8 +8,10 @@
 use std::time::{Duration, Instant};
 
 use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, Fabric, NodeProc};
+use locker_tests::fleet::placed_on;
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp, Server};
+use locker_tests::streams::{read_exit_frame, read_until, ws_connect};
 use locker_tests::wait_for;
 use serde_json::json;
 
@@ -21,15 +23,6 @@ fn create(api: &Api) -> Resp {
         "/v1/sandboxes",
         &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256}),
     )
-}
-
-/// The node a create's answer says the sandbox went to.
-fn placed_on(r: &Resp) -> String {
-    r.headers
-        .get("x-locker-node")
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_owned()
 }
 
 /// A TLS client of a node's listener with `cert`/`key` (or none), ignoring the server's
@@ -184,6 +177,32 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
             .unwrap_or_else(|| panic!("{id} not listed: {list}"));
         assert!(s["node"].as_str().unwrap().starts_with("node_"), "{s}");
     }
+    // Pages hold what they say across nodes: one at a time, newest first, each once.
+    let mut paged = Vec::new();
+    let mut offset = Some(0u64);
+    while let Some(o) = offset {
+        let page = api
+            .get(&format!("/v1/sandboxes?limit=1&order=newest&offset={o}"))
+            .expect(200, "a page");
+        assert_eq!(page["total"], 3, "{page}");
+        let items = page["sandboxes"].as_array().unwrap();
+        assert_eq!(items.len(), 1, "{page}");
+        paged.push((
+            items[0]["created_at"].as_str().unwrap().to_owned(),
+            items[0]["id"].as_str().unwrap().to_owned(),
+        ));
+        offset = page["next_offset"].as_u64();
+        assert!(paged.len() <= 3, "{page}");
+    }
+    assert!(
+        paged.windows(2).all(|w| w[0].0 >= w[1].0),
+        "newest first: {paged:?}"
+    );
+    let mut ids: Vec<&str> = paged.iter().map(|(_, i)| i.as_str()).collect();
+    ids.sort_unstable();
+    let mut want: Vec<&str> = on.iter().map(|(_, i)| i.as_str()).collect();
+    want.sort_unstable();
+    assert_eq!(ids, want);
     // Another tenant reaches none of them.
     let (other, _) = srv.create_tenant("fleet-other");
     for (_, id) in &on {
@@ -208,6 +227,93 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
                 "a fork or snapshot of a remote sandbox",
             );
         assert!(m.contains("not supported yet"), "{m}");
+    }
+    // The terminal (a WebSocket) reaches the node's shell through control.
+    let mut ws = ws_connect(&srv.url, api.key(), &format!("/v1/sandboxes/{any}/pty"))
+        .unwrap_or_else(|(s, e)| panic!("terminal through control: {s} {e}"));
+    let mut seen = String::new();
+    ws.send(tungstenite::Message::binary(
+        b"echo pty-$((6*7)); cat /tmp/f.txt; echo\n".to_vec(),
+    ))
+    .unwrap();
+    read_until(&mut ws, "pty-42", &mut seen);
+    read_until(&mut ws, "written through control to node", &mut seen);
+    ws.send(tungstenite::Message::binary(b"exit\n".to_vec()))
+        .unwrap();
+    assert_eq!(read_exit_frame(&mut ws, &mut seen)["exit_code"], 0);
+    // A browser's terminal (the dashboard): a ticket minted through control opens the
+    // node's shell once, from control's own origin, without the key.
+    let t = api
+        .post_empty(&format!("/v1/sandboxes/{any}/pty/ticket"))
+        .expect(201, "a terminal ticket");
+    let protos = t["protocols"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let browser = |protos: &str| {
+        use tungstenite::client::IntoClientRequest;
+        let addr = srv.url.trim_start_matches("http://");
+        let mut req = format!("ws://{addr}/v1/sandboxes/{any}/pty")
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("Sec-WebSocket-Protocol", protos.parse().unwrap());
+        req.headers_mut().insert("Origin", srv.url.parse().unwrap());
+        let stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        // The socket and the subprotocol chosen, or the refusal's status.
+        match tungstenite::client(req, stream) {
+            Ok((ws, resp)) => Ok((
+                ws,
+                resp.headers()["sec-websocket-protocol"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned(),
+            )),
+            Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(r))) => {
+                Err(r.status().as_u16())
+            }
+            Err(e) => panic!("the browser's handshake: {e}"),
+        }
+    };
+    let (mut ws, chosen) = browser(&protos).expect("the browser's terminal opens");
+    assert_eq!(chosen, "locker-pty");
+    let mut seen = String::new();
+    ws.send(tungstenite::Message::binary(
+        b"echo tick$((6*7))et\n".to_vec(),
+    ))
+    .unwrap();
+    read_until(&mut ws, "tick42et", &mut seen);
+    drop(ws);
+    assert_eq!(
+        browser(&protos).err(),
+        Some(401),
+        "a used ticket opened the terminal again"
+    );
+
+    // The nodes' own events join the fleet's stream (what `GET /v1/events` and webhooks
+    // read), once each, naming their node.
+    for (n, id) in &on {
+        let row = wait_for(
+            Duration::from_secs(10),
+            "the node's event in the fleet",
+            || {
+                let r = cluster().psql(
+                    &db,
+                    &format!(
+                        "SELECT count(*) || '|' || COALESCE(min(data::json->>'node_name'), '') FROM events \
+                     WHERE kind = 'sandbox.created' AND subject = '{id}'"
+                    ),
+                );
+                (!r.trim().starts_with("0|")).then(|| r.trim().to_owned())
+            },
+        );
+        assert_eq!(row, format!("1|{n}"), "{id}");
     }
 
     // Deleting gives the slot back: the next create goes where there is room (b).

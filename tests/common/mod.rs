@@ -99,6 +99,7 @@ pub fn websocket_echoes(mut ws: tungstenite::WebSocket<std::net::TcpStream>) {
 pub mod answers;
 pub mod egress;
 pub mod fabric;
+pub mod fleet;
 pub mod images;
 pub mod postgres;
 pub mod server;

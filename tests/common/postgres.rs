@@ -218,6 +218,40 @@ impl PgCluster {
         (name, url)
     }
 
+    /// Freezes the whole server (the postmaster and every backend, SIGSTOP) for `d`, then
+    /// lets it go on: an outage in which connections hang rather than fail, as a database
+    /// host that stalls or a network that drops packets gives. The caller's own queries
+    /// hang too meanwhile. Use it only in a test binary of its own: every test of the process
+    /// shares the cluster.
+    pub fn freeze_for(&self, d: Duration) {
+        let pidfile = self.dir.join("data").join("postmaster.pid");
+        let pid = std::fs::read_to_string(&pidfile)
+            .ok()
+            .and_then(|s| s.lines().next().map(str::to_owned))
+            .expect("the postmaster's pid");
+        let all = || {
+            let children = run(
+                Command::new("pgrep").args(["-P", &pid]),
+                "the postmaster's children",
+            );
+            let mut pids: Vec<String> = children.lines().map(str::to_owned).collect();
+            pids.push(pid.clone());
+            pids
+        };
+        let pids = all();
+        run(
+            Command::new("kill").arg("-STOP").args(&pids),
+            "freeze Postgres",
+        );
+        std::thread::sleep(d);
+        run(
+            Command::new("kill").arg("-CONT").args(&pids),
+            "thaw Postgres",
+        );
+        // A backend forked just before the freeze.
+        let _ = Command::new("kill").arg("-CONT").args(all()).status();
+    }
+
     /// The plain-text dump of database `db` (every row of every table).
     pub fn dump(&self, db: &str) -> String {
         run(

@@ -184,8 +184,14 @@ impl Server {
     /// Starts the process on a free port and waits for `/healthz` (retrying on a port that
     /// another test grabbed in between).
     fn spawn(&mut self) {
+        self.spawn_on(None);
+    }
+
+    /// [`Server::spawn`] on `port` when given (tried again a little later while it is still
+    /// taken), else on a free one.
+    fn spawn_on(&mut self, fixed: Option<u16>) {
         for _attempt in 0..5 {
-            let port = free_port();
+            let port = fixed.unwrap_or_else(free_port);
             self.addr = SocketAddr::from(([127, 0, 0, 1], port));
             self.url = format!("http://{}", self.addr);
             let log = std::fs::OpenOptions::new()
@@ -257,7 +263,12 @@ impl Server {
                     }
                     return;
                 }
-                Err(log) if log.contains("Address already in use") => continue,
+                Err(log) if log.contains("Address already in use") => {
+                    if fixed.is_some() {
+                        std::thread::sleep(Duration::from_millis(200));
+                    }
+                    continue;
+                }
                 Err(log) => panic!("locker serve did not start:\n{log}"),
             }
         }
@@ -349,6 +360,15 @@ impl Server {
     pub fn restart(&mut self) {
         self.kill9();
         self.spawn();
+    }
+
+    /// Starts the server again on the same data dir and the same port, with the same flags
+    /// and environment (after [`Server::kill9`]): what a load balancer in front of it still
+    /// points at.
+    pub fn restart_on_same_port(&mut self) {
+        self.kill9();
+        let port = self.addr.port();
+        self.spawn_on(Some(port));
     }
 
     /// Where sandbox `id`'s machine lives on the host.

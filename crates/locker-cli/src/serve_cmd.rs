@@ -116,6 +116,11 @@ pub struct ServeArgs {
     /// Sandboxes this server's node takes at most [default: 4 per CPU].
     #[arg(long, requires = "node")]
     node_slots: Option<u32>,
+    /// Where this server's node listener binds with `--node local` on a control plane
+    /// (`--fleet-listen`): other control replicas route its sandboxes' calls there (TLS, a
+    /// certificate from the fleet's CA). [default: the fleet listen address, any free port]
+    #[arg(long, requires = "node", value_name = "ADDR")]
+    node_listen: Option<SocketAddr>,
 }
 
 /// `--database`: a Postgres URL (SQLite needs no flag: it is the default).
@@ -131,8 +136,8 @@ pub fn parse_database(s: &str) -> Result<String, String> {
     }
 }
 
-/// `--node local`'s node: its name (the host's by default, checked now), its address (the
-/// API's), its slots.
+/// `--node local`'s node: its name (the host's by default, checked now), where its node
+/// listener binds (on a control plane only), its slots.
 fn local_node(
     name: Option<String>,
     slots: Option<u32>,
@@ -144,7 +149,7 @@ fn local_node(
     let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
     Ok(locker_server::fleet::local::LocalNodeConfig {
         name,
-        address: listen.to_string(),
+        listen,
         slots: slots.unwrap_or_else(|| u32::try_from(cpus * 4).unwrap_or(u32::MAX)),
     })
 }
@@ -215,7 +220,13 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 url: a.fleet_url,
             }),
         local_node: match a.node {
-            Some(_) => Some(local_node(a.node_name, a.node_slots, a.listen)?),
+            Some(_) => Some(local_node(
+                a.node_name,
+                a.node_slots,
+                a.node_listen.unwrap_or_else(|| {
+                    SocketAddr::new(a.fleet_listen.map_or([0, 0, 0, 0].into(), |f| f.ip()), 0)
+                }),
+            )?),
             None => None,
         },
         fleet_member: false,

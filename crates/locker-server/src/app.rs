@@ -80,8 +80,8 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     }
     let app = build(cfg).await?;
     let local_node = match &app.cfg.local_node {
-        Some(c) => match crate::fleet::local::register(&app, c).await {
-            Ok(n) => Some((c.clone(), n)),
+        Some(c) => match crate::fleet::local::start(&app, c).await {
+            Ok(n) => Some(n),
             Err(e) => {
                 shutdown(&app).await;
                 return Err(ServeError::Fleet(e));
@@ -120,8 +120,8 @@ pub async fn serve(cfg: Config) -> Result<(), ServeError> {
     if let Some(fleet) = &app.fleet {
         fleet.serve(app.clone(), quitting.clone());
     }
-    if let Some((c, n)) = local_node {
-        crate::fleet::local::spawn(app.clone(), c, n, quitting.clone());
+    if let Some(n) = local_node {
+        crate::fleet::local::spawn(app.clone(), n, quitting.clone());
     }
     let mut stopping = quitting;
     let mut serving = tokio::spawn(
@@ -235,11 +235,14 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     std::fs::create_dir_all(&cfg.data_dir)
         .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), e))?;
     let lock = DataDirLock::take(&cfg.data_dir)?;
+    let host_id = crate::fleet::host_id(&cfg.data_dir)
+        .map_err(|e| ServeError::DataDir(cfg.data_dir.clone(), std::io::Error::other(e)))?;
     let store: Arc<dyn Store> = match &cfg.database {
         None => Arc::new(SqliteStore::open(cfg.data_dir.join("db.sqlite"))?),
         Some(url) => {
             let pg = PgStore::connect(url)?;
-            pg.claim_single_server()?;
+            // Control replicas of a fleet share the database; a one-host server has it alone.
+            pg.claim_server(cfg.fleet.is_some())?;
             tracing::info!(database = %pg.target(), "state store on Postgres");
             Arc::new(pg)
         }
@@ -267,7 +270,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     let volumes = crate::volumes::Volumes::open(
         &cfg.data_dir,
         node_cfg.agent_exe.clone(),
-        store.list_all_volumes()?,
+        store.host_volumes(&host_id)?,
     )
     .await
     .map_err(ServeError::Volumes)?;
@@ -307,6 +310,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     let events = crate::events::Events::new(store.clone());
     let app = Arc::new(App {
         cfg,
+        host_id,
         store,
         recorder,
         node,
@@ -327,6 +331,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         usage_series: Default::default(),
         disks,
         fleet,
+        fleet_creates: Default::default(),
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;

@@ -276,6 +276,38 @@ impl Events {
         self.latest.send_replace(seq);
     }
 
+    /// Takes a fleet node's events into this stream (stored once each, see
+    /// `Store::take_node_events`), then broadcasts the new ones, in order with [`Events::emit`];
+    /// the fleet's cursor for the node. Blocking (the store's call).
+    pub fn take_from_node(
+        &self,
+        node_id: &str,
+        events: &[EventRecord],
+    ) -> Result<u64, locker_store::StoreError> {
+        let _order = self.order.lock().unwrap_or_else(|e| e.into_inner());
+        let (cursor, stored) = self.store.take_node_events(node_id, events)?;
+        let mut latest = None;
+        for r in stored {
+            latest = Some(r.seq);
+            let Some(kind) = Kind::parse(&r.kind) else {
+                continue;
+            };
+            let _ = self.tx.send(Event {
+                id: event_id(r.seq),
+                seq: r.seq,
+                kind,
+                at: locker_types::rfc3339(r.at_unix),
+                tenant: r.tenant,
+                subject: r.subject,
+                data: serde_json::from_str(&r.data).unwrap_or(Value::Null),
+            });
+        }
+        if let Some(seq) = latest {
+            self.latest.send_replace(seq);
+        }
+        Ok(cursor)
+    }
+
     /// Every event emitted from now on.
     pub fn subscribe(&self) -> tokio::sync::broadcast::Receiver<Event> {
         self.tx.subscribe()

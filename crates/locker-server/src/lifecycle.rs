@@ -146,6 +146,7 @@ pub async fn launch(
         peak_memory_bytes: 0,
         preview_token: locker_store::new_preview_token(),
         public_ports: Vec::new(),
+        host: app.host_id.clone(),
     };
     {
         let _guard = app.create_lock.lock().await;
@@ -484,12 +485,13 @@ async fn destroy_with(
     Ok(())
 }
 
-/// At start: re-attach to machines a previous server left running, mark the others
-/// stopped, and remove machine directories nobody owns. A machine comes back running (see
+/// At start: re-attach to machines a previous server left running (this host's rows only:
+/// control replicas sharing a store run their own), mark the others stopped, and remove
+/// machine directories nobody owns. A machine comes back running (see
 /// `Node::adopt`: a frozen one is thawed to reach its agent); one whose record says paused
 /// is frozen again, with its pause's time and cause as they were (see [`PauseMarks`]).
 pub async fn adopt_all(app: &AppState) {
-    let recs = match app.store.list_live_sandboxes() {
+    let recs = match app.store.host_sandboxes(&app.host_id) {
         Ok(r) => r,
         Err(e) => {
             tracing::error!(error = %e, "cannot list sandboxes to adopt");

@@ -35,7 +35,15 @@ pub fn routes() -> Router<AppState> {
             post(stdin).layer(axum::extract::DefaultBodyLimit::max(64 << 20)),
         )
         .route("/v1/sandboxes/{id}/processes/{proc}/signal", post(signal))
-        .route("/v1/sandboxes/{id}/pty", get(pty))
+        // GET: a WebSocket over HTTP/1.1; CONNECT: over HTTP/2 (RFC 8441), as the fleet's
+        // control plane opens one to a node.
+        .route(
+            "/v1/sandboxes/{id}/pty",
+            axum::routing::on(
+                axum::routing::MethodFilter::GET.or(axum::routing::MethodFilter::CONNECT),
+                pty,
+            ),
+        )
 }
 
 fn check_proc_id(p: &str) -> Result<(), ApiError> {
@@ -88,7 +96,8 @@ pub(crate) async fn spawn_background_following(
     arrived: Instant,
     adjust: impl FnOnce(&mut locker_proto::ExecSpec),
 ) -> Result<(String, i32, Following), ApiError> {
-    let (id, pid, following) = start_background(app, caller, live, req, arrived, adjust, true).await?;
+    let (id, pid, following) =
+        start_background(app, caller, live, req, arrived, adjust, true).await?;
     Ok((id, pid, following.expect("asked to follow")))
 }
 
@@ -362,12 +371,20 @@ struct PtyQuery {
 async fn pty(
     State(app): State<AppState>,
     headers: axum::http::HeaderMap,
+    forwarded: Option<axum::Extension<crate::fleet::node::Forwarded>>,
     Path(id): Path<String>,
     Query(q): Query<PtyQuery>,
     ws: WebSocketUpgrade,
 ) -> Result<Response, ApiError> {
-    // The key, or a browser's single-use ticket (the dashboard's terminal): see `ui`.
-    let caller = crate::ui::pty_caller(&app, &headers, &id)?;
+    // The key, or a browser's single-use ticket (the dashboard's terminal): see `ui`; on a
+    // fleet node, the control plane's word (it checked the key).
+    let caller = match forwarded {
+        Some(axum::Extension(f)) => crate::auth::Caller {
+            tenant: f.tenant,
+            key_id: "fleet".into(),
+        },
+        None => crate::ui::pty_caller(&app, &headers, &id)?,
+    };
     let live = live_of(&app, &caller, &id).await?;
     let size = PtySize {
         cols: q.cols.unwrap_or(80).clamp(1, 1000),

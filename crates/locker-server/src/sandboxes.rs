@@ -432,31 +432,58 @@ async fn list(
             },
         }
     }
-    let page = app.store.list_sandboxes_page(&caller.tenant, &q)?;
+    // Sandboxes on joined fleet nodes (not rows of this store): merged with the rows in one
+    // order by creation, so pages stay pages. The window of rows read is then the first
+    // `offset + limit` (the page can only hold those and remote ones).
+    let remote: Vec<Value> = if app.fleet.is_some() {
+        crate::fleet::route::remote_views(&app, &caller.tenant)?
+            .into_iter()
+            .filter(|v| q.state.is_none_or(|s| v["state"] == s.as_str()))
+            .filter(|v| q.metadata.iter().all(|(k, want)| v["metadata"][k] == *want))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let rows_q = if remote.is_empty() {
+        q.clone()
+    } else {
+        locker_store::SandboxQuery {
+            offset: 0,
+            limit: q.limit.map(|l| q.offset.saturating_add(l)),
+            ..q.clone()
+        }
+    };
+    let page = app.store.list_sandboxes_page(&caller.tenant, &rows_q)?;
     let live = app.live.read().await;
-    let items: Vec<Value> = page
+    let mut items: Vec<Value> = page
         .sandboxes
         .iter()
         .map(|r| view(&app, r, live.get(&r.id).map(|l| l.as_ref())))
         .collect();
     drop(live);
-    // The offset of the next page, when a limit was given and more match.
-    let end = q.offset.saturating_add(items.len() as u64);
-    let next_offset = (q.limit.is_some() && end < page.total).then_some(end);
-    // Sandboxes on other fleet nodes: listed after this server's own, on the first page.
-    let mut items = items;
-    let mut total = page.total;
-    if app.fleet.is_some() {
-        let remote: Vec<Value> = crate::fleet::route::remote_views(&app, &caller.tenant)?
-            .into_iter()
-            .filter(|v| q.state.is_none_or(|s| v["state"] == s.as_str()))
-            .filter(|v| q.metadata.iter().all(|(k, want)| v["metadata"][k] == *want))
-            .collect();
-        total += remote.len() as u64;
-        if q.offset == 0 {
-            items.extend(remote);
+    let total = page.total + remote.len() as u64;
+    if !remote.is_empty() {
+        items.extend(remote);
+        // RFC 3339 in one format sorts as time; stable, so rows keep their own order.
+        items.sort_by(|a, b| {
+            let (a, b) = (a["created_at"].as_str(), b["created_at"].as_str());
+            if q.newest_first {
+                b.cmp(&a)
+            } else {
+                a.cmp(&b)
+            }
+        });
+        let from = usize::try_from(q.offset)
+            .unwrap_or(usize::MAX)
+            .min(items.len());
+        items.drain(..from);
+        if let Some(l) = q.limit {
+            items.truncate(usize::try_from(l).unwrap_or(usize::MAX));
         }
     }
+    // The offset of the next page, when a limit was given and more match.
+    let end = q.offset.saturating_add(items.len() as u64);
+    let next_offset = (q.limit.is_some() && end < total).then_some(end);
     Ok(axum::Json(json!({
         "sandboxes": items,
         "total": total,

@@ -323,6 +323,8 @@ impl Drop for Busy {
 /// The server's shared state.
 pub struct App {
     pub cfg: Config,
+    /// This server's host id (`fleet::host_id`): its sandboxes' rows carry it.
+    pub host_id: String,
     pub store: Arc<dyn Store>,
     pub recorder: CallRecorder,
     pub node: Arc<Node>,
@@ -356,6 +358,8 @@ pub struct App {
     pub disks: locker_runtime::cow_disks::Placement,
     /// The control listener nodes join and beat to, when `--fleet-listen` is set.
     pub fleet: Option<Arc<crate::fleet::control::Control>>,
+    /// The creates the control plane asked of this engine as a fleet node (its reports).
+    pub fleet_creates: crate::fleet::node::Creates,
     pub(crate) _lock: DataDirLock,
 }
 

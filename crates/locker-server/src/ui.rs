@@ -340,7 +340,14 @@ async fn mint_ticket(
 ) -> Result<Response, ApiError> {
     // Only for a sandbox of the caller's tenant that is live here (404/409 as the PTY would).
     crate::lifecycle::live_entry(&app, &caller, &id).await?;
-    let ticket = app.tickets.mint(caller, &id)?;
+    ticket_answer(&app, caller, &id)
+}
+
+/// A new terminal ticket of `caller` for sandbox `id` (which the caller may open), as
+/// `POST /v1/sandboxes/{id}/pty/ticket` answers it; also the fleet router's, for a sandbox
+/// on another node (the browser's handshake then comes to this server, which redeems it).
+pub fn ticket_answer(app: &AppState, caller: Caller, id: &str) -> Result<Response, ApiError> {
+    let ticket = app.tickets.mint(caller, id)?;
     Ok((
         StatusCode::CREATED,
         axum::Json(json!({
@@ -350,6 +357,17 @@ async fn mint_ticket(
         })),
     )
         .into_response())
+}
+
+/// Whether `headers` open a terminal with a ticket (a browser's handshake) rather than a key.
+pub fn has_ticket(headers: &HeaderMap) -> bool {
+    !headers.contains_key(header::AUTHORIZATION)
+        && headers
+            .get_all(header::SEC_WEBSOCKET_PROTOCOL)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|p| p.trim().starts_with(TICKET_PROTOCOL_PREFIX))
 }
 
 /// The caller of the PTY route `GET /v1/sandboxes/{sandbox}/pty`: the API key in

@@ -513,6 +513,7 @@ fn new_record(
         name,
         size_mb,
         created_at: locker_types::rfc3339(now_s()),
+        host: app.host_id.clone(),
     })
 }
 
@@ -552,9 +553,18 @@ async fn create(
 
 async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {
     let recs = app.store.list_volumes(&caller.tenant)?;
+    // Volumes another server of the fleet holds are listed from their records, with that
+    // server's id as `node` (their use is that server's to say).
     let items: Vec<Value> = recs
         .iter()
-        .filter_map(|r| app.volumes.get(&r.id).map(|v| view(r, &v)))
+        .filter_map(|r| match app.volumes.get(&r.id) {
+            Some(v) => Some(view(r, &v)),
+            None if !r.host.is_empty() && r.host != app.host_id => Some(json!({
+                "id": r.id, "name": r.name, "size_mb": r.size_mb, "used_bytes": null,
+                "created_at": r.created_at, "node": r.host,
+            })),
+            None => None,
+        })
         .collect();
     Ok(axum::Json(json!({ "volumes": items })))
 }

@@ -177,6 +177,18 @@ pub trait Store: Send + Sync {
     /// `paused`), oldest first: what the server adopts or cleans up after a restart.
     fn list_live_sandboxes(&self) -> Result<Vec<SandboxRecord>>;
 
+    /// The live sandboxes whose machines the server `host` runs, oldest first: what it
+    /// adopts after a restart. Live rows of no host (written before host ids) become
+    /// `host`'s first, in the same transaction, so exactly one server takes them.
+    fn host_sandboxes(&self, host: &str) -> Result<Vec<SandboxRecord>>;
+
+    /// Whether this process leads the fleet (`FLEET.md` §4.1: runs the singletons, the lease
+    /// sweeper and the reconciler), taking the leadership when nobody holds it. Asked again
+    /// before each round of that work: a leader whose session ended (its connection broke)
+    /// hears `false` or an error, and another replica takes over. SQLite: always (one
+    /// server per database).
+    fn lead(&self) -> Result<bool>;
+
     /// The tenant's live sandboxes (`starting`, `running` or `paused`: each holds a
     /// machine), for the "running sandboxes" quota.
     fn count_running(&self, tenant: &str) -> Result<u64>;
@@ -223,8 +235,12 @@ pub trait Store: Send + Sync {
     /// The tenant's volumes, oldest first.
     fn list_volumes(&self, tenant: &str) -> Result<Vec<VolumeRecord>>;
 
-    /// Every tenant's volumes (for start-up), oldest first.
+    /// Every tenant's volumes, oldest first.
     fn list_all_volumes(&self) -> Result<Vec<VolumeRecord>>;
+
+    /// The volumes whose files the server `host` holds (what it opens at start), oldest
+    /// first; rows of no host (from before host ids) become `host`'s first.
+    fn host_volumes(&self, host: &str) -> Result<Vec<VolumeRecord>>;
 
     /// Removes a volume's record and the records of its snapshots, in one transaction.
     /// `false` if the tenant has no such volume.
@@ -313,6 +329,16 @@ pub trait Store: Send + Sync {
         after: u64,
         limit: u32,
     ) -> Result<Vec<EventRecord>>;
+
+    /// Takes a fleet node's own events into this store's stream, exactly once: those after
+    /// the node's cursor (its `seq`s, kept on its row), in their order, each stored with a
+    /// `seq` of this store, and the cursor moved, in one transaction. Returns the cursor and
+    /// the events as stored. `NotFound` for an unknown node.
+    fn take_node_events(
+        &self,
+        node_id: &str,
+        events: &[EventRecord],
+    ) -> Result<(u64, Vec<EventRecord>)>;
 
     /// The newest event's `seq` ever stored (pruned ones included); 0 if none.
     fn latest_event_seq(&self) -> Result<u64>;

@@ -159,6 +159,11 @@ pub struct SandboxRecord {
     /// release before preview URLs, which the migration then fills.
     #[serde(default)]
     pub preview_token: String,
+    /// The server whose engine runs the machine (its host id, `fleet/local-node` in its data
+    /// dir): servers sharing a database each adopt only their own at start. Empty in a row
+    /// from before host ids, which the first server to start takes.
+    #[serde(default)]
+    pub host: String,
     /// Ports anyone with the preview URL may reach, without a token; sorted, unique.
     #[serde(default)]
     pub public_ports: Vec<u16>,
@@ -413,6 +418,11 @@ pub struct VolumeRecord {
     pub size_mb: u64,
     /// RFC 3339 UTC.
     pub created_at: String,
+    /// The server whose data dir holds its files (its host id, as `SandboxRecord::host`):
+    /// servers sharing a store open only their own. Empty in a row from before host ids,
+    /// which the first server to start takes.
+    #[serde(default)]
+    pub host: String,
 }
 
 /// A point-in-time copy of a volume's tree. Its ids are `snap_…` like sandbox snapshots',

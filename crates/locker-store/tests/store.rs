@@ -132,6 +132,7 @@ fn sandbox(id: &str, tenant: &str, created: i64) -> SandboxRecord {
         peak_memory_bytes: 0,
         preview_token: format!("lpt_{id}"),
         public_ports: vec![],
+        host: String::new(),
     }
 }
 
@@ -1028,6 +1029,7 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated(b: Backend) {
         name: name.into(),
         size_mb: 100,
         created_at: rfc3339(10),
+        host: String::new(),
     };
     store.insert_volume(&vol("vol_1", "a", "repo")).unwrap();
     assert!(
@@ -1356,6 +1358,56 @@ fn postgres_migrations_apply_once_and_reconnect_keeps_data() {
 }
 
 #[test]
+/// Control replicas on one database: one leads at a time (the leadership is a session's, so
+/// it moves when its holder goes), and they share the database while a one-host server has
+/// it alone, each kind refusing the other.
+fn postgres_leadership_moves_and_servers_claim_the_database() {
+    let db = Db::new(Backend::Postgres);
+    let Db::Postgres { url, .. } = &db else {
+        unreachable!()
+    };
+    let (a, b) = (
+        PgStore::connect(url).unwrap(),
+        PgStore::connect(url).unwrap(),
+    );
+    assert!(a.lead().unwrap(), "the first to ask leads");
+    assert!(!b.lead().unwrap(), "only one leads");
+    assert!(
+        a.lead().unwrap(),
+        "the leader keeps leading when it asks again"
+    );
+    assert!(!b.lead().unwrap());
+    drop(a);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !b.lead().unwrap() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leadership never moved when its holder went"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+
+    b.claim_server(true).unwrap();
+    let c = PgStore::connect(url).unwrap();
+    c.claim_server(true).unwrap();
+    let single = PgStore::connect(url).unwrap();
+    let err = single.claim_server(false).unwrap_err().to_string();
+    assert!(err.contains("another locker serve already uses"), "{err}");
+    drop((b, c));
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while single.claim_server(false).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the replicas' claims stayed"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let replica = PgStore::connect(url).unwrap();
+    let err = replica.claim_server(true).unwrap_err().to_string();
+    assert!(err.contains("--fleet-listen"), "{err}");
+}
+
+#[test]
 fn postgres_database_from_a_newer_locker_is_refused_clearly() {
     let db = Db::new(Backend::Postgres);
     let Db::Postgres { name, url } = &db else {
@@ -1477,6 +1529,7 @@ fn fill_every_table(s: &dyn Store) {
         name: "repo".into(),
         size_mb: 100,
         created_at: rfc3339(T0),
+        host: String::new(),
     })
     .unwrap();
     s.insert_volume_snapshot(&locker_store::VolumeSnapshotRecord {
@@ -1978,6 +2031,118 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
     );
 }
 
+/// Servers sharing a store adopt only their own machines' rows; rows of no host (from before
+/// host ids) go to the first server that asks, once.
+fn host_sandboxes_take_hostless_rows_once(b: Backend) {
+    let db = Db::new(b);
+    let store = db.open();
+    store.ensure_tenant("default").unwrap();
+    let mut mine = sandbox("sb_mine", "default", T0);
+    mine.host = "node_a".into();
+    let mut theirs = sandbox("sb_theirs", "default", T0 + 1);
+    theirs.host = "node_b".into();
+    let old = sandbox("sb_old", "default", T0 + 2);
+    let mut ended = sandbox("sb_ended", "default", T0 + 3);
+    ended.state = SandboxState::Stopped;
+    for s in [&mine, &theirs, &old, &ended] {
+        store.insert_sandbox(s).unwrap();
+    }
+    let ids = |v: Vec<SandboxRecord>| v.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(store.host_sandboxes("node_a").unwrap()),
+        ["sb_mine", "sb_old"]
+    );
+    assert_eq!(ids(store.host_sandboxes("node_b").unwrap()), ["sb_theirs"]);
+    assert_eq!(
+        ids(store.host_sandboxes("node_c").unwrap()),
+        Vec::<String>::new()
+    );
+    let got = store.get_sandbox_any("sb_old").unwrap().unwrap();
+    assert_eq!(
+        got.host, "node_a",
+        "the row now names the server that took it"
+    );
+    assert_eq!(store.list_live_sandboxes().unwrap().len(), 3);
+
+    // Volumes likewise: a server opens only those whose files it holds.
+    let vol = |id: &str, host: &str| locker_store::VolumeRecord {
+        id: id.into(),
+        tenant: "default".into(),
+        name: id.replace('_', "-"),
+        size_mb: 100,
+        created_at: rfc3339(T0),
+        host: host.into(),
+    };
+    store.insert_volume(&vol("vol_old", "")).unwrap();
+    store.insert_volume(&vol("vol_b", "node_b")).unwrap();
+    let vids = |v: Vec<locker_store::VolumeRecord>| v.into_iter().map(|r| r.id).collect::<Vec<_>>();
+    assert_eq!(vids(store.host_volumes("node_a").unwrap()), ["vol_old"]);
+    assert_eq!(vids(store.host_volumes("node_b").unwrap()), ["vol_b"]);
+    assert_eq!(
+        store
+            .get_volume("default", "vol-old")
+            .unwrap()
+            .unwrap()
+            .host,
+        "node_a"
+    );
+}
+
+/// A fleet node's events join the store's stream once each, whatever the node resends:
+/// after its cursor, in its order, with this store's `seq`s.
+fn node_events_are_taken_once(b: Backend) {
+    use locker_store::{EventRecord, NodeRecord, NodeState};
+    let db = Db::new(b);
+    let store = db.open();
+    let node = NodeRecord {
+        id: "nd_a".into(),
+        name: "nd-a".into(),
+        address: "10.0.0.2:7443".into(),
+        cert_sha256: "fp".into(),
+        cert_pem: String::new(),
+        public_key: String::new(),
+        epoch: 1,
+        state: NodeState::Ready,
+        joined_at: rfc3339(T0),
+        heartbeat_ms: 0,
+        lease_until_ms: 0,
+        report: "{}".into(),
+        reserved_memory_mb: 0,
+        reserved_slots: 0,
+    };
+    store.upsert_node(&node, 60_000).unwrap();
+    let own = store
+        .insert_event("default", "sandbox.lost", "sb_0", "{}", T0)
+        .unwrap();
+    let ev = |seq: u64| EventRecord {
+        seq,
+        tenant: "default".into(),
+        kind: "sandbox.created".into(),
+        subject: format!("sb_{seq}"),
+        data: format!(r#"{{"n":{seq}}}"#),
+        at_unix: T0 + seq as i64,
+    };
+    let (cursor, stored) = store.take_node_events("nd_a", &[ev(2), ev(1)]).unwrap();
+    assert_eq!(cursor, 2);
+    let subjects: Vec<&str> = stored.iter().map(|e| e.subject.as_str()).collect();
+    assert_eq!(subjects, ["sb_1", "sb_2"], "in the node's order");
+    assert!(stored[0].seq > own && stored[1].seq > stored[0].seq);
+    // Sent again with a new one (its answer was lost): only the new one is taken.
+    let (cursor, stored) = store
+        .take_node_events("nd_a", &[ev(1), ev(2), ev(3)])
+        .unwrap();
+    assert_eq!((cursor, stored.len()), (3, 1));
+    assert_eq!(stored[0].subject, "sb_3");
+    assert_eq!(store.take_node_events("nd_a", &[]).unwrap(), (3, vec![]));
+    let all = store.events_after(Some("default"), 0, 100).unwrap();
+    assert_eq!(all.len(), 4, "{all:?}");
+    assert_eq!(all[3].data, r#"{"n":3}"#);
+    assert!(matches!(
+        store.take_node_events("nd_nobody", &[ev(9)]),
+        Err(locker_store::StoreError::NotFound(_))
+    ));
+}
+
 /// Placements reserve on their node in the transaction that inserts them, never beyond its
 /// capacity, even when eight creators race for the last slots; they give the reservation
 /// back when removed; a node's death loses them and zeroes its reservations.
@@ -2062,8 +2227,13 @@ fn placements_reserve_within_capacity(b: Backend) {
     assert!(store
         .set_placed(&first, "sb_1", r#"{"id":"sb_1"}"#)
         .unwrap());
+    // Recording the same sandbox again is harmless (the fleet's leader and the create's
+    // replica may both record it); another sandbox for a placed placement is refused.
+    assert!(store
+        .set_placed(&first, "sb_1", r#"{"id":"sb_1"}"#)
+        .unwrap());
     assert!(
-        !store.set_placed(&first, "sb_1", "{}").unwrap(),
+        !store.set_placed(&first, "sb_9", "{}").unwrap(),
         "placed once"
     );
     store
@@ -2129,6 +2299,16 @@ mod sqlite {
     #[test]
     fn placements_reserve_within_capacity() {
         super::placements_reserve_within_capacity(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn host_sandboxes_take_hostless_rows_once() {
+        super::host_sandboxes_take_hostless_rows_once(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn node_events_are_taken_once() {
+        super::node_events_are_taken_once(super::Backend::Sqlite)
     }
 
     #[test]
@@ -2237,6 +2417,16 @@ mod postgres {
     #[test]
     fn placements_reserve_within_capacity() {
         super::placements_reserve_within_capacity(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn host_sandboxes_take_hostless_rows_once() {
+        super::host_sandboxes_take_hostless_rows_once(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn node_events_are_taken_once() {
+        super::node_events_are_taken_once(super::Backend::Postgres)
     }
 
     #[test]

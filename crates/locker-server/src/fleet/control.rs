@@ -29,7 +29,7 @@ use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use super::pki::{self, FleetCa};
-use super::wire::{self, Beat, BeatAnswer, Fenced, Join, Joined, Return};
+use super::wire::{self, Beat, BeatAnswer, EventsTaken, Fenced, Join, Joined, NodeEvents, Return};
 use super::{LEASE, SWEEP, TOKEN_PREFIX, TOKEN_TTL, TOKEN_TTL_MAX};
 use crate::auth::Admin;
 use crate::error::ApiError;
@@ -37,6 +37,9 @@ use crate::extract::Json;
 use crate::ids::{hex, new_id, now_s};
 use crate::state::AppState;
 
+/// A sweeper's round of store calls slower than this is a stall of the store: treated as
+/// an outage (a lease of grace).
+const STALL: Duration = Duration::from_secs(1);
 /// Connections the listener holds at once (a node holds one); more are refused.
 const MAX_CONNECTIONS: usize = 4096;
 /// HTTP/2 pings on an idle connection, and how long an answer may take: a node that died
@@ -143,6 +146,8 @@ impl Control {
             .route(wire::REGISTER, post(register))
             .route(wire::HEARTBEAT, post(heartbeat))
             .route(wire::RETURN, post(give_back))
+            .route(wire::EVENTS, post(take_events))
+            .layer(Extension(app.clone()))
             .with_state(self.clone());
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls.clone());
         // Full: refuse at once rather than queue (nodes retry every beat).
@@ -154,6 +159,11 @@ impl Control {
             move |tcp| connection(tcp, acceptor.clone(), routes.clone()),
         );
         tokio::spawn(sweep(app, quitting));
+    }
+
+    /// The TLS of this server's own node listener (`--node local`), as node `node_id`.
+    pub fn local_node_tls(&self, node_id: &str) -> Result<Arc<rustls::ServerConfig>, String> {
+        self.ca.local_node_server_config(node_id)
     }
 
     /// This server's own node's id (`--node local`), if it is one.
@@ -376,6 +386,45 @@ async fn heartbeat(
     }
 }
 
+/// A node's own events (its sandboxes created, paused, expired, deleted…) into the fleet's
+/// stream, so `GET /v1/events` and webhooks see them; each names its node in `data`.
+async fn take_events(
+    State(c): State<Arc<Control>>,
+    Extension(peer): Extension<Peer>,
+    Extension(app): Extension<AppState>,
+    Json(batch): Json<NodeEvents>,
+) -> Result<Response, ApiError> {
+    if batch.events.len() > wire::EVENTS_MAX {
+        return Err(ApiError::bad_request(format!(
+            "at most {} events a call",
+            wire::EVENTS_MAX
+        )));
+    }
+    let node = caller(&c, &peer, &batch.node_id).await?;
+    let events: Vec<locker_store::EventRecord> = batch
+        .events
+        .into_iter()
+        .map(|e| {
+            let mut data = e.data;
+            if let Some(o) = data.as_object_mut() {
+                o.insert("node".into(), Value::String(node.id.clone()));
+                o.insert("node_name".into(), Value::String(node.name.clone()));
+            }
+            locker_store::EventRecord {
+                seq: e.seq,
+                tenant: e.tenant,
+                kind: e.kind,
+                subject: e.subject,
+                data: data.to_string(),
+                at_unix: e.at_unix,
+            }
+        })
+        .collect();
+    let id = node.id.clone();
+    let cursor = blocking(move || app.events.take_from_node(&id, &events)).await?;
+    Ok(axum::Json(EventsTaken { cursor }).into_response())
+}
+
 async fn give_back(
     State(c): State<Arc<Control>>,
     Extension(peer): Extension<Peer>,
@@ -422,10 +471,10 @@ async fn give_back(
     }
 }
 
-/// The sweeper (see the module doc): every [`SWEEP`], after a lease of grace. One server
-/// uses a database today (`PgStore::claim_single_server`), so one sweeper runs; replicas
-/// sharing one will need it behind the fleet's leader lock (`FLEET.md` §4.1), else the
-/// rate limit multiplies by their number (expiry itself stays exactly-once: `SKIP LOCKED`).
+/// The sweeper (see the module doc): every [`SWEEP`], on the fleet's leader only
+/// (`Store::lead`, asked each round: control replicas sharing the store run one sweeper
+/// between them, so the rate limit holds fleet-wide), after a lease of grace from when this
+/// replica became the leader.
 async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) {
     const WINDOW: Duration = Duration::from_secs(60);
     let store = app.store.clone();
@@ -433,17 +482,41 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
     let mut grace_until = Instant::now() + LEASE;
     let mut declared: Vec<Instant> = Vec::new();
     let mut alarmed = Instant::now() - WINDOW;
+    let mut leading = false;
     let mut tick = tokio::time::interval(SWEEP);
     let quit = async move {
         let _ = quitting.wait_for(|q| *q).await;
     };
     tokio::pin!(quit);
+    let mut round = Instant::now();
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             () = &mut quit => return,
         }
-        if Instant::now() < grace_until {
+        // The last round stalled somewhere (a store call, reconciliation): heartbeats could
+        // not land meanwhile either, whatever this round reads next.
+        if round.elapsed() > SWEEP + STALL {
+            stalled(round.elapsed(), &mut grace_until);
+        }
+        round = Instant::now();
+        let asked = round;
+        let s = store.clone();
+        let leads = matches!(
+            tokio::task::spawn_blocking(move || s.lead()).await,
+            Ok(Ok(true))
+        );
+        if leads != leading {
+            leading = leads;
+            if leads {
+                // Heartbeats the previous leader saw are not this one's: a lease of grace.
+                grace_until = Instant::now() + LEASE;
+                tracing::info!("this replica leads the fleet: it sweeps leases and reconciles");
+            } else {
+                tracing::info!("this replica no longer leads the fleet");
+            }
+        }
+        if !leads || Instant::now() < grace_until {
             continue;
         }
         declared.retain(|t| t.elapsed() < WINDOW);
@@ -453,6 +526,12 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
         })
         .await
         {
+            // A store that took this long stalled (every lease may have run out meanwhile
+            // with no heartbeat able to land): as after an outage, wait a lease of fresh ones.
+            Ok(Ok(_)) if asked.elapsed() > STALL => {
+                stalled(asked.elapsed(), &mut grace_until);
+                continue;
+            }
             Ok(Ok(n)) => n,
             _ => {
                 // The store is away: when it is back, heartbeats need a lease to land.
@@ -483,6 +562,12 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
             }
             continue;
         }
+        // This round's reads are as old as it is: a stall since (reconciliation's calls) and
+        // the leases they showed are not the store's now.
+        if round.elapsed() > STALL {
+            stalled(round.elapsed(), &mut grace_until);
+            continue;
+        }
         let s = store.clone();
         let max = u32::try_from(left).unwrap_or(1);
         match tokio::task::spawn_blocking(move || s.expire_nodes(max)).await {
@@ -496,6 +581,15 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
             _ => grace_until = Instant::now() + LEASE,
         }
     }
+}
+
+/// A stall of the store (or of the sweeper's round): no node is declared dead for a lease.
+fn stalled(took: Duration, grace_until: &mut Instant) {
+    tracing::warn!(
+        took_ms = u64::try_from(took.as_millis()).unwrap_or(u64::MAX),
+        "the store stalled: declaring no node dead for a lease"
+    );
+    *grace_until = Instant::now() + LEASE;
 }
 
 // ---- the admin routes ----

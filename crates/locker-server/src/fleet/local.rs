@@ -1,30 +1,84 @@
 //! `locker serve --node local`: this server's in-process node as a node of the fleet
 //! (`FLEET.md` §4.3, "small fleet, every host identical"). It joins without a token (the
-//! server holds the store already), under an id kept in the data dir (`fleet/local-node`),
-//! and has no certificate (it calls no fleet route): it
-//! beats on the store directly every [`HEARTBEAT`] with what this server runs, and any
+//! server holds the store already), under this server's host id (`fleet::host_id`), and
+//! beats on the store directly every [`HEARTBEAT`] with what this server runs; any
 //! replica's sweeper declares it dead like any node when those beats stop.
 //!
+//! On a control plane (`--fleet-listen`) it also serves a node listener (`--node-listen`),
+//! as a joined node does (`fleet::node`): its certificate is signed here, by the CA this
+//! replica holds, and other control replicas route the calls about its sandboxes to it.
+//! Its `cert_sha256` stays [`LOCAL_CERT`]: it marks a node whose sandboxes' rows are in the
+//! fleet's own store (listed and counted from there, not from placements' views).
+//!
 //! Declared dead while this server runs (a stall, a store outage longer than the lease),
-//! it returns at once: no sandbox is placed elsewhere yet, so what it runs is still its
-//! own. It owns no machine and stops none.
+//! it returns at once. It owns no machine and stops none.
+
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 
 use locker_store::{NodeRecord, NodeState, StoreError};
 
 use super::{HEARTBEAT, LEASE};
-use crate::ids::{new_id, now_s};
+use crate::ids::now_s;
 use crate::state::AppState;
 
-/// What `cert_sha256` holds for a node without a certificate.
+/// What `cert_sha256` holds for a control replica's own node (see the module doc).
 pub const LOCAL_CERT: &str = "local";
 
 /// How `--node local` was asked for.
 #[derive(Debug, Clone)]
 pub struct LocalNodeConfig {
     pub name: String,
-    /// Where this server's API answers, as other replicas would dial it.
-    pub address: String,
+    /// Where the node listener binds (`--node-listen`; port 0: any free one). Used only on
+    /// a control plane (`--fleet-listen`): without one no other replica routes here.
+    pub listen: SocketAddr,
     pub slots: u32,
+}
+
+/// This server's node, registered, with its listener when it has one.
+pub struct LocalNode {
+    cfg: LocalNodeConfig,
+    node: NodeRecord,
+    listener: Option<(std::net::TcpListener, Arc<rustls::ServerConfig>)>,
+}
+
+/// Binds the node listener (on a control plane) and registers this server's node under the
+/// address other replicas dial (at start: a name held by another node stops the start,
+/// saying so).
+pub async fn start(app: &AppState, cfg: &LocalNodeConfig) -> Result<LocalNode, String> {
+    let (listener, address) = match app.fleet.as_ref() {
+        Some(c) => {
+            let socket = std::net::TcpListener::bind(cfg.listen).map_err(|e| {
+                format!(
+                    "cannot listen for control replicas on {}: {e} (--node-listen)",
+                    cfg.listen
+                )
+            })?;
+            socket.set_nonblocking(true).map_err(|e| e.to_string())?;
+            let bound = socket.local_addr().map_err(|e| e.to_string())?;
+            let address = if bound.ip().is_unspecified() {
+                let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+                    .map(|h| h.trim().to_ascii_lowercase())
+                    .unwrap_or_else(|_| "localhost".into());
+                format!("{host}:{}", bound.port())
+            } else {
+                bound.to_string()
+            };
+            let tls = c.local_node_tls(&app.host_id)?;
+            (Some((socket, tls)), address)
+        }
+        None => (None, app.cfg.listen.to_string()),
+    };
+    let node = register(app, cfg, &address).await?;
+    if listener.is_some() {
+        tracing::info!(address = %address, "this server's node listener: control replicas route its sandboxes' calls here");
+    }
+    Ok(LocalNode {
+        cfg: cfg.clone(),
+        node,
+        listener,
+    })
 }
 
 fn lease_ms() -> i64 {
@@ -36,31 +90,16 @@ async fn report(app: &AppState, slots: u32) -> String {
     serde_json::to_string(&r).unwrap_or_else(|_| "{}".into())
 }
 
-/// This server's node id: kept in `<data-dir>/fleet/local-node`, made at the first start,
-/// so that two hosts that happen to share a name never share a row.
-fn node_id(data_dir: &std::path::Path) -> Result<String, String> {
-    let dir = super::member::fleet_dir(data_dir);
-    let path = dir.join("local-node");
-    if let Ok(id) = std::fs::read_to_string(&path) {
-        let id = id.trim();
-        if id.starts_with("node_") && id.len() < 64 {
-            return Ok(id.to_owned());
-        }
-    }
-    let id = new_id("node_");
-    std::fs::create_dir_all(&dir)
-        .and_then(|()| std::fs::write(&path, format!("{id}\n")))
-        .map_err(|e| format!("{}: {e}", path.display()))?;
-    Ok(id)
-}
-
-/// Registers this server's node (at start: a name held by another node stops the start,
-/// saying so).
-pub async fn register(app: &AppState, cfg: &LocalNodeConfig) -> Result<NodeRecord, String> {
+/// Registers this server's node at `address`.
+async fn register(
+    app: &AppState,
+    cfg: &LocalNodeConfig,
+    address: &str,
+) -> Result<NodeRecord, String> {
     let rec = NodeRecord {
-        id: node_id(&app.cfg.data_dir)?,
+        id: app.host_id.clone(),
         name: cfg.name.clone(),
-        address: cfg.address.clone(),
+        address: address.to_owned(),
         cert_sha256: LOCAL_CERT.into(),
         cert_pem: String::new(),
         public_key: String::new(),
@@ -88,13 +127,21 @@ pub async fn register(app: &AppState, cfg: &LocalNodeConfig) -> Result<NodeRecor
     Ok(node)
 }
 
-/// Beats for `node` until `quitting`.
-pub fn spawn(
-    app: AppState,
-    cfg: LocalNodeConfig,
-    mut node: NodeRecord,
-    mut quitting: tokio::sync::watch::Receiver<bool>,
-) {
+/// Serves the node listener and beats until `quitting`.
+pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::Receiver<bool>) {
+    let LocalNode {
+        cfg,
+        mut node,
+        listener,
+    } = local;
+    let serving: super::node::Epoch = Arc::new(node.epoch.into());
+    if let Some((socket, tls)) = listener {
+        match tokio::net::TcpListener::from_std(socket) {
+            Ok(l) => super::node::serve(l, tls, app.clone(), serving.clone(), quitting.clone()),
+            Err(e) => tracing::error!(error = %e, "this server's node listener cannot start"),
+        }
+    }
+    let address = node.address.clone();
     tokio::spawn(async move {
         let quit = async move {
             let _ = quitting.wait_for(|q| *q).await;
@@ -130,9 +177,13 @@ pub fn spawn(
                         tracing::warn!(old_epoch = node.epoch, epoch = n.epoch, "this server's node was declared dead (its beats stopped for longer than the lease) and returned");
                     }
                     node = n;
+                    serving.store(node.epoch, Ordering::Release);
                 }
-                Ok(Ok(None)) => match register(&app, &cfg).await {
-                    Ok(n) => node = n,
+                Ok(Ok(None)) => match register(&app, &cfg, &address).await {
+                    Ok(n) => {
+                        node = n;
+                        serving.store(node.epoch, Ordering::Release);
+                    }
                     Err(e) => {
                         tracing::warn!(error = %e, "this server's node was removed and cannot register again")
                     }

@@ -28,7 +28,10 @@ use serde::{Deserialize, Serialize};
 
 use super::node::Epoch;
 use super::pki;
-use super::wire::{self, Beat, BeatAnswer, Fenced, Join, Joined, Report, Return};
+use super::wire::{
+    self, Beat, BeatAnswer, EventsTaken, Fenced, Join, Joined, NodeEvent, NodeEvents, Report,
+    Return,
+};
 use super::HEARTBEAT;
 use crate::ids::hex;
 use crate::state::AppState;
@@ -325,7 +328,7 @@ pub fn host_report(
         sandboxes,
         templates: templates.and_then(|t| t.digests().ok()).unwrap_or_default(),
         warm,
-        sandbox_ids: Vec::new(),
+        ..Report::default()
     }
 }
 
@@ -335,6 +338,7 @@ pub fn host_report(
 pub async fn live_report(app: &AppState, data_dir: &Path, slots: u32) -> Report {
     let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
     let warm = u32::try_from(app.pool.len()).unwrap_or(u32::MAX);
+    let (creating, made) = app.fleet_creates.report();
     let (data_dir, app) = (data_dir.to_owned(), app.clone());
     tokio::task::spawn_blocking(move || {
         let mut r = host_report(
@@ -345,6 +349,8 @@ pub async fn live_report(app: &AppState, data_dir: &Path, slots: u32) -> Report 
             Some(&app.templates),
         );
         r.sandbox_ids = ids;
+        r.creating = creating;
+        r.made = made;
         r
     })
     .await
@@ -445,6 +451,58 @@ async fn drop_all_but(app: &AppState, keep: &[String]) -> usize {
     n
 }
 
+/// Sends the node's own events after `cursor` to the fleet (a few batches a beat), moving
+/// `cursor` to what the fleet answers it has. `Err` only when the connection failed; a
+/// refusal (an older control plane without the route) is logged and left for later.
+async fn send_events(
+    l: &mut Link,
+    node_id: &str,
+    app: &AppState,
+    cursor: &mut u64,
+) -> Result<(), String> {
+    const BATCHES: usize = 4;
+    for _ in 0..BATCHES {
+        let (store, after) = (app.store.clone(), *cursor);
+        let batch = tokio::task::spawn_blocking(move || {
+            store.events_after(None, after, wire::EVENTS_MAX as u32)
+        })
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| e.to_string())?;
+        let Some(last) = batch.last().map(|e| e.seq) else {
+            return Ok(());
+        };
+        let body = NodeEvents {
+            node_id: node_id.to_owned(),
+            events: batch
+                .into_iter()
+                .map(|r| NodeEvent {
+                    seq: r.seq,
+                    tenant: r.tenant,
+                    kind: r.kind,
+                    subject: r.subject,
+                    data: serde_json::from_str(&r.data).unwrap_or(serde_json::Value::Null),
+                    at_unix: r.at_unix,
+                })
+                .collect(),
+        };
+        let (status, bytes) = l.call(wire::EVENTS, &body).await?;
+        if status != StatusCode::OK {
+            tracing::debug!(status = %status, message = %message(&bytes), "the fleet did not take this node's events");
+            return Ok(());
+        }
+        let taken: EventsTaken = serde_json::from_slice(&bytes)
+            .map_err(|e| format!("the fleet's answer to events: {e}"))?;
+        let behind = taken.cursor < last;
+        *cursor = taken.cursor;
+        // Caught up with what was read (or the fleet was ahead: it had them already).
+        if !behind && body.events.len() < wire::EVENTS_MAX {
+            return Ok(());
+        }
+    }
+    Ok(())
+}
+
 /// Refusals in a row (one a beat) after which a node takes itself for removed.
 const REFUSALS_TO_STOP: u32 = 10;
 
@@ -465,6 +523,8 @@ async fn beat(
     // Answers that the fleet does not know this node, in a row: one could be a store that
     // lost its latest writes (a failover); many are a removal.
     let mut refused = 0u32;
+    // How far the fleet has this node's events (its answer says; 0 until the first).
+    let mut events_cursor = 0u64;
     loop {
         tick.tick().await;
         let result = async {
@@ -512,7 +572,13 @@ async fn beat(
             );
         }
         match status {
-            StatusCode::OK => {}
+            StatusCode::OK => {
+                let l = link.as_mut().expect("a link answered");
+                if let Err(e) = send_events(l, &m.ident.node_id, app, &mut events_cursor).await {
+                    link = None;
+                    tracing::warn!(error = %e, "cannot send this node's events: retrying at the next beat");
+                }
+            }
             StatusCode::CONFLICT => {
                 let f: Fenced = serde_json::from_slice(&bytes).unwrap_or(Fenced {
                     message: message(&bytes),

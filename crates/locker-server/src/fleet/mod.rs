@@ -96,3 +96,23 @@ pub(crate) fn accept_loop<F, Fut>(
         }
     });
 }
+
+/// This server's host id (`node_…`): kept in `<data-dir>/fleet/local-node`, made at the
+/// first start, so that two hosts that happen to share a name never share a row. It names
+/// the machines this server's engine runs in a shared store (`SandboxRecord::host`) and, with
+/// `--node local`, its node.
+pub fn host_id(data_dir: &std::path::Path) -> Result<String, String> {
+    let dir = member::fleet_dir(data_dir);
+    let path = dir.join("local-node");
+    if let Ok(id) = std::fs::read_to_string(&path) {
+        let id = id.trim();
+        if id.starts_with("node_") && id.len() < 64 {
+            return Ok(id.to_owned());
+        }
+    }
+    let id = crate::ids::new_id("node_");
+    std::fs::create_dir_all(&dir)
+        .and_then(|()| std::fs::write(&path, format!("{id}\n")))
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(id)
+}

@@ -14,10 +14,10 @@
 //! Owns the listener and the checks of each call's headers; what a call does is the
 //! engine's (the handlers' rooms), and which tenant it is for is control's word.
 
-use std::collections::HashSet;
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -32,6 +32,12 @@ pub const TENANT_HEADER: &str = "x-locker-tenant";
 pub const EPOCH_HEADER: &str = "x-locker-node-epoch";
 /// Set on a node's refusal of a stale epoch (`409`): the route is stale, not the request.
 pub const STALE_HEADER: &str = "x-locker-stale-route";
+/// The placement a forwarded create is for: the node reports which create made which
+/// sandbox ([`Creates`]).
+pub const PLACEMENT_HEADER: &str = "x-locker-placement";
+/// How long a finished create stays in the node's reports: longer than the leader takes to
+/// see it (`placement::CREATE_GRACE_MS` and a reconciliation).
+const MADE_KEPT: Duration = Duration::from_secs(120);
 
 /// Streams one control connection carries at once (control multiplexes every API call it
 /// forwards to this node over few connections).
@@ -45,6 +51,50 @@ const MAX_CONNECTIONS: usize = 1024;
 #[derive(Debug, Clone)]
 pub struct Forwarded {
     pub tenant: String,
+}
+
+/// The creates control asked of this node, by placement: those running, and those finished
+/// lately with the sandbox each made. Every report carries them, so that the fleet's leader
+/// can finish recording a create whose control replica died while the node made it, and
+/// give back the reservation of one that never arrived.
+#[derive(Debug, Default)]
+pub struct Creates {
+    inner: Mutex<CreatesInner>,
+}
+
+#[derive(Debug, Default)]
+struct CreatesInner {
+    running: HashSet<String>,
+    made: HashMap<String, (String, Instant)>,
+}
+
+impl Creates {
+    pub fn begin(&self, placement: &str) {
+        let mut i = self.inner.lock().expect("creates");
+        i.running.insert(placement.to_owned());
+    }
+
+    pub fn end(&self, placement: &str, made: Option<String>) {
+        let mut i = self.inner.lock().expect("creates");
+        i.running.remove(placement);
+        if let Some(sb) = made {
+            i.made.insert(placement.to_owned(), (sb, Instant::now()));
+        }
+    }
+
+    /// The creates running, and those made within [`MADE_KEPT`] (older ones forgotten).
+    pub fn report(&self) -> (Vec<String>, BTreeMap<String, String>) {
+        let mut i = self.inner.lock().expect("creates");
+        i.made.retain(|_, (_, at)| at.elapsed() < MADE_KEPT);
+        let mut running: Vec<String> = i.running.iter().cloned().collect();
+        running.sort();
+        let made = i
+            .made
+            .iter()
+            .map(|(p, (sb, _))| (p.clone(), sb.clone()))
+            .collect();
+        (running, made)
+    }
 }
 
 /// The node's current epoch, shared by the listener (checks every call) and the member
@@ -99,6 +149,8 @@ pub fn serve(
                 );
                 let _ = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
                     .timer(TokioTimer::new())
+                    // WebSockets (PTY) over HTTP/2 (RFC 8441): control opens them as streams.
+                    .enable_connect_protocol()
                     .keep_alive_interval(Some(KEEPALIVE))
                     .keep_alive_timeout(KEEPALIVE)
                     .max_concurrent_streams(MAX_STREAMS)
@@ -163,12 +215,46 @@ async fn call(
     parts.headers.remove(axum::http::header::AUTHORIZATION);
     parts.headers.remove(TENANT_HEADER);
     parts.headers.remove(EPOCH_HEADER);
+    let placement = parts
+        .headers
+        .remove(PLACEMENT_HEADER)
+        .and_then(|v| v.to_str().ok().map(str::to_owned))
+        .filter(|_| {
+            parts.method == axum::http::Method::POST && parts.uri.path() == "/v1/sandboxes"
+        });
     parts.extensions.insert(Forwarded { tenant });
     let req = axum::extract::Request::from_parts(parts, axum::body::Body::new(body));
-    match tower_service::Service::call(&mut routes, req).await {
-        Ok(r) => r,
-        Err(e) => match e {},
-    }
+    let Some(placement) = placement else {
+        return match tower_service::Service::call(&mut routes, req).await {
+            Ok(r) => r,
+            Err(e) => match e {},
+        };
+    };
+    // A placed create runs to its end here even if control goes away meanwhile, and says
+    // what it made in the next reports.
+    let app = app.clone();
+    let made = tokio::spawn(async move {
+        app.fleet_creates.begin(&placement);
+        let resp = match tower_service::Service::call(&mut routes, req).await {
+            Ok(r) => r,
+            Err(e) => match e {},
+        };
+        if resp.status() != StatusCode::CREATED {
+            app.fleet_creates.end(&placement, None);
+            return resp;
+        }
+        let (parts, body) = resp.into_parts();
+        let bytes = axum::body::to_bytes(body, 1 << 20)
+            .await
+            .unwrap_or_default();
+        let id = serde_json::from_slice::<serde_json::Value>(&bytes)
+            .ok()
+            .and_then(|v| v["id"].as_str().map(str::to_owned));
+        app.fleet_creates.end(&placement, id);
+        Response::from_parts(parts, axum::body::Body::from(bytes))
+    });
+    made.await
+        .unwrap_or_else(|e| ApiError::internal(format!("the create failed: {e}")).into_response())
 }
 
 /// Where the control plane deletes a sandbox it has no placement for

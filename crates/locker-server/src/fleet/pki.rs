@@ -263,6 +263,20 @@ impl FleetCa {
     }
 }
 
+impl FleetCa {
+    /// The TLS of a control replica's own node listener (`--node local`): a fresh key and a
+    /// certificate for node `node_id` signed here (the replica holds the CA: no join), as a
+    /// joined node's listener has.
+    pub fn local_node_server_config(
+        &self,
+        node_id: &str,
+    ) -> Result<Arc<rustls::ServerConfig>, String> {
+        let key = KeyPair::generate().map_err(|e| format!("making the node's key: {e}"))?;
+        let (cert, _) = self.sign_node(node_id, &crate::ids::hex(key.public_key_raw()))?;
+        node_server_config(&self.pem, &cert, &key)
+    }
+}
+
 /// A node's listener: its certificate from the join and its key; every client must show
 /// a certificate from the fleet CA that names the control plane ([`CONTROL_NAME`]).
 pub fn node_server_config(

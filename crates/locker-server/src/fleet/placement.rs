@@ -43,6 +43,10 @@ const ABSENT_AFTER_MS: i64 = 10_000;
 pub const ORPHAN_AFTER: Duration = Duration::from_secs(10);
 /// A placement whose create never finished (its replica died) is given back after this.
 const STARTING_FOR_MS: i64 = 10 * 60_000;
+/// A create its node neither runs nor made this long after its placement never reached the
+/// node (its control replica died first, or the node restarted): its reservation goes back.
+/// Longer than a create takes to reach a node (connect and TLS: 5 s each at most).
+pub const CREATE_GRACE_MS: i64 = 15_000;
 
 /// The nodes as last read, with the store's clock at that read.
 #[derive(Debug, Default)]
@@ -68,6 +72,9 @@ pub struct Ask {
     pub memory_mb: i64,
     /// Its template's digest, when known: nodes that have it are preferred.
     pub template_digest: Option<String>,
+    /// The one node it may go to (a create bound to this server's host: its volumes,
+    /// secrets or snapshots live here).
+    pub only: Option<String>,
 }
 
 /// A node's capacity, from its last report.
@@ -80,6 +87,9 @@ fn capacity(n: &NodeRecord) -> Option<(i64, i64, Report)> {
 /// fit or is not alive.
 fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
     if n.state != NodeState::Ready || n.lease_until_ms < now_ms {
+        return None;
+    }
+    if ask.only.as_ref().is_some_and(|only| *only != n.id) {
         return None;
     }
     let (slots, memory, report) = capacity(n)?;
@@ -161,12 +171,15 @@ pub async fn nodes(app: &AppState, fresh: bool) -> Result<(Vec<NodeRecord>, i64)
     Ok((nodes, clock_ms))
 }
 
-/// Whether any node other than this server's own is alive: only then does a create go
-/// through placement (a control plane whose only node is itself creates as one host does).
-pub fn remote_alive(nodes: &[NodeRecord], now_ms: i64, local: Option<&str>) -> bool {
-    nodes.iter().any(|n| {
-        Some(n.id.as_str()) != local && n.state == NodeState::Ready && n.lease_until_ms >= now_ms
-    })
+/// The nodes whose sandboxes have rows in the fleet's own store: control replicas' own
+/// nodes (`--node local`). Lists and quotas read those sandboxes from their rows, and only
+/// the others' from placements.
+pub fn row_nodes(nodes: &[NodeRecord]) -> std::collections::HashSet<String> {
+    nodes
+        .iter()
+        .filter(|n| n.cert_sha256 == super::local::LOCAL_CERT)
+        .map(|n| n.id.clone())
+        .collect()
 }
 
 /// Reserves room for a sandbox of `tenant` on a node: the placement (state `starting`) and
@@ -302,7 +315,17 @@ pub async fn reconcile(app: &AppState, nodes: &[NodeRecord]) {
                 let reported = capacity(n).map(|(_, _, r)| r.sandbox_ids.contains(sb));
                 reported == Some(false) && n.heartbeat_ms - p.created_ms > ABSENT_AFTER_MS
             }
-            (PlacementState::Starting, _) => n.heartbeat_ms - p.created_ms > STARTING_FOR_MS,
+            (PlacementState::Starting, _) => {
+                let age = n.heartbeat_ms - p.created_ms;
+                match capacity(n).map(|(_, _, r)| r) {
+                    Some(r) if r.made.contains_key(&p.id) => {
+                        finish(app, n, p, &r.made[&p.id]).await;
+                        false
+                    }
+                    Some(r) if !r.creating.contains(&p.id) => age > CREATE_GRACE_MS,
+                    _ => age > STARTING_FOR_MS,
+                }
+            }
             _ => false,
         };
         if gone {
@@ -315,11 +338,37 @@ pub async fn reconcile(app: &AppState, nodes: &[NodeRecord]) {
     orphans(app, nodes, &placements).await;
 }
 
+/// Records the sandbox node `n` made for placement `p` (still `starting`: the control
+/// replica that asked for it went away before recording it), with its view as the node
+/// shows it now; the placement goes back if the node no longer has it.
+async fn finish(app: &AppState, n: &NodeRecord, p: &PlacementRecord, sb: &str) {
+    if p.created_ms > n.heartbeat_ms - CREATE_GRACE_MS {
+        // Its replica may still be recording it.
+        return;
+    }
+    match super::route::view_on_node(app, n, p, sb).await {
+        Ok(Some(view)) => {
+            let (store, pid, sb2) = (app.store.clone(), p.id.clone(), sb.to_owned());
+            if let Ok(Ok(true)) =
+                tokio::task::spawn_blocking(move || store.set_placed(&pid, &sb2, &view)).await
+            {
+                tracing::info!(placement = %p.id, sandbox = %sb, node = %n.name, "recorded a sandbox whose create's control replica went away");
+            }
+        }
+        Ok(None) => unplace(app, &p.id).await,
+        Err(e) => {
+            tracing::warn!(placement = %p.id, sandbox = %sb, node = %n.name, error = %e, "cannot read a sandbox made for an unfinished create: retrying")
+        }
+    }
+}
+
 /// Sandboxes a remote node runs that no placement names: a create whose control plane
 /// died (or gave up) after the node made it. One is destroyed on its node when a second
 /// reconciliation, [`ORPHAN_AFTER`] or more after the first, still finds it without a
-/// placement (a create in flight records its placement within milliseconds). This server's
-/// own node is never asked: its sandboxes are its own rows, placed or not.
+/// placement (a create in flight records its placement within milliseconds). Control
+/// replicas' own nodes (this server's and the others', `--node local`) are never asked:
+/// their sandboxes are rows of this store, placed or not (one made before the fleet had a
+/// node is a one-host sandbox, not an orphan).
 async fn orphans(app: &AppState, nodes: &[NodeRecord], placements: &[PlacementRecord]) {
     let Some(c) = app.fleet.as_ref() else {
         return;
@@ -330,16 +379,20 @@ async fn orphans(app: &AppState, nodes: &[NodeRecord], placements: &[PlacementRe
     let local = c.local_node_id();
     let mut seen: Vec<(String, String)> = Vec::new();
     for n in nodes {
-        if n.state != NodeState::Ready || Some(n.id.as_str()) == local.as_deref() {
+        if n.state != NodeState::Ready
+            || Some(n.id.as_str()) == local.as_deref()
+            || n.cert_sha256 == super::local::LOCAL_CERT
+        {
             continue;
         }
         let Some((_, _, report)) = capacity(n) else {
             continue;
         };
         for sb in report.sandbox_ids {
-            let known = placements
-                .iter()
-                .any(|p| p.sandbox_id.as_deref() == Some(sb.as_str()));
+            // Named by a placement, or made for one still being recorded (`finish`).
+            let known = placements.iter().any(|p| {
+                p.sandbox_id.as_deref() == Some(sb.as_str()) || report.made.get(&p.id) == Some(&sb)
+            });
             if !known {
                 seen.push((n.id.clone(), sb));
             }
@@ -413,6 +466,7 @@ mod tests {
         Ask {
             memory_mb: mb,
             template_digest: digest.map(str::to_owned),
+            only: None,
         }
     }
 

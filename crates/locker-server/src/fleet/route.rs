@@ -2,22 +2,29 @@
 //! node goes to that node, whichever control replica it reached.
 //!
 //! [`dispatch`] runs before the API's handlers on a control plane (`--fleet-listen`):
-//! - `POST /v1/sandboxes`, while a node other than this server is alive: placed
-//!   (`placement::place`), then made by the chosen node (forwarded) or by this server when
-//!   it is the node chosen (`--node local`); the placement records the sandbox's id;
+//! - `POST /v1/sandboxes`: placed (`placement::place`) unless this server is no node and
+//!   the fleet has none (then it creates as one host does), then made by the chosen node
+//!   (forwarded, with the placement's id) or by this server when it is the node chosen
+//!   (`--node local`); the placement records the sandbox's id. A create bound to this
+//!   host's data (volumes, secrets, a snapshot) goes to this server's own node only;
 //! - `/v1/sandboxes/{id}` and everything under it, for a sandbox with a placement: the
 //!   caller's key is checked here, then the request goes to the sandbox's node over the
-//!   node's HTTP/2 with mutual TLS (`fleet::node`), carrying the tenant and the epoch the
-//!   sandbox was placed at; bodies stream both ways;
-//! - anything else: this server's own handlers, as on one host.
+//!   node's HTTP/2 with mutual TLS (`fleet::node`; another replica's own node too, on its
+//!   node listener), carrying the tenant and the epoch the sandbox was placed at; bodies
+//!   stream both ways;
+//! - anything else, and calls another replica routed to this server's node listener: this
+//!   server's own handlers, as on one host.
 //!
 //! Routes are cached (`sandbox → node, address, epoch`); a miss reads the placement. A node
 //! that answers that the route is stale (409 with `STALE_HEADER`) has the route read again
 //! and the request sent once more, when its body was small enough to keep (1 MiB).
 //!
-//! Not routed yet: WebSocket upgrades (PTY) and snapshots and forks of a remote sandbox
-//! (501, saying so); preview hosts and port routes, the E2B and MCP surfaces (a remote
-//! sandbox is unknown there).
+//! A WebSocket (the PTY) goes to the node as a stream of the same HTTP/2 connection
+//! (extended CONNECT, RFC 8441) and the two sides are joined byte for byte.
+//!
+//! Not routed yet: snapshots and forks of a remote sandbox (501, saying so); a browser's
+//! terminal ticket (minted and redeemed on different servers); preview hosts and port
+//! routes, the E2B and MCP surfaces (a remote sandbox is unknown there).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -33,7 +40,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use locker_store::{PlacementRecord, PlacementState};
 use serde_json::Value;
 
-use super::node::{EPOCH_HEADER, STALE_HEADER, TENANT_HEADER};
+use super::node::{EPOCH_HEADER, PLACEMENT_HEADER, STALE_HEADER, TENANT_HEADER};
 use super::pki;
 use super::placement::{self, Ask};
 use crate::error::ApiError;
@@ -146,14 +153,91 @@ fn sandbox_of(path: &str) -> Option<&str> {
     (!id.is_empty()).then_some(id)
 }
 
+/// The volume (id or name) a path is about (`/v1/volumes/{id}` and below: its files, runs,
+/// snapshots, fork, restore).
+fn volume_of(path: &str) -> Option<&str> {
+    let rest = path.strip_prefix("/v1/volumes/")?;
+    let id = rest.split('/').next()?;
+    (!id.is_empty()).then_some(id)
+}
+
+/// A call about a volume whose files another control replica holds (`VolumeRecord::host`):
+/// sent to that replica's node listener (`--node local`), once; a volume of this server,
+/// or of none, is this server's to answer.
+async fn volume_call(app: &AppState, volume: &str, req: Request, next: Next) -> Response {
+    let Ok(caller) = crate::auth::caller_of(app, req.headers()) else {
+        return next.run(req).await;
+    };
+    let (store, t, v) = (app.store.clone(), caller.tenant.clone(), volume.to_owned());
+    let found = tokio::task::spawn_blocking(move || {
+        let Some(r) = store.get_volume(&t, &v)? else {
+            return Ok(None);
+        };
+        let node = store.get_node(&r.host)?;
+        Ok::<_, locker_store::StoreError>(Some((r, node)))
+    })
+    .await;
+    let (rec, node) = match found {
+        Ok(Ok(Some(x))) => x,
+        Ok(Ok(None)) => return next.run(req).await,
+        Ok(Err(e)) => return ApiError::from(e).into_response(),
+        Err(e) => return ApiError::internal(e.to_string()).into_response(),
+    };
+    if rec.host.is_empty() || rec.host == app.host_id {
+        return next.run(req).await;
+    }
+    let alive = |n: &locker_store::NodeRecord| {
+        n.state == locker_store::NodeState::Ready && n.cert_sha256 == super::local::LOCAL_CERT
+    };
+    let Some(n) = node.filter(alive) else {
+        return ApiError::unavailable(format!(
+            "volume {volume} lives on another server of the fleet ({}), which does not answer \
+             as a node now (it runs with --node local when it can; retry when it is back)",
+            rec.host
+        ))
+        .into_response();
+    };
+    let route = node_route(&n, &caller.tenant, n.epoch);
+    let (parts, body) = req.into_parts();
+    let body = match payload(&parts, body).await {
+        Ok(Payload::Kept(b)) => Body::from(b),
+        Ok(Payload::Stream(b)) => b,
+        Err(r) => return r,
+    };
+    let c = app.fleet.as_ref().expect("fleet control");
+    match send(c, &route, &parts, body, None).await {
+        Ok(r) if r.status() == StatusCode::CONFLICT && r.headers().contains_key(STALE_HEADER) => {
+            ApiError::unavailable(format!(
+                "volume {volume}'s server {} just returned to the fleet: retry",
+                rec.host
+            ))
+            .into_response()
+        }
+        Ok(r) => r,
+        Err(e) => {
+            c.routes.drop_link(&n.id);
+            ApiError::bad_gateway(format!(
+                "volume {volume}'s server {} did not answer: {e}",
+                rec.host
+            ))
+            .into_response()
+        }
+    }
+}
+
 /// The middleware (see the module doc).
 pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> Response {
-    if app.fleet.is_none() {
+    if app.fleet.is_none() || req.extensions().get::<super::node::Forwarded>().is_some() {
+        // One host, or a call another replica routed to this server's node listener: this
+        // server's own engine answers.
         return next.run(req).await;
     }
     let path = req.uri().path();
     if path == "/v1/sandboxes" && req.method() == Method::POST {
         return create(&app, req, next).await;
+    }
+    if let Some(v) = volume_of(path).map(str::to_owned) {
+        return volume_call(&app, &v, req, next).await;
     }
     let Some(id) = sandbox_of(path).map(str::to_owned) else {
         return next.run(req).await;
@@ -164,9 +248,23 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     if !deleting && app.live.read().await.contains_key(&id) {
         return next.run(req).await;
     }
-    // A caller without a good key gets the handlers' own answer.
-    let Ok(caller) = crate::auth::caller_of(&app, req.headers()) else {
-        return next.run(req).await;
+    let pty = req.uri().path() == format!("/v1/sandboxes/{id}/pty");
+    let caller = match crate::auth::caller_of(&app, req.headers()) {
+        Ok(c) => c,
+        // A browser's terminal, with a ticket this server minted for a sandbox on another
+        // node: redeemed here (its origin checked against this server's), then routed.
+        // For this server's own sandboxes the handler redeems it.
+        Err(_) if pty && crate::ui::has_ticket(req.headers()) => match route_of(&app, &id).await {
+            Ok(Some(r)) if !r.local && r.state == PlacementState::Placed => {
+                match crate::ui::pty_caller(&app, req.headers(), &id) {
+                    Ok(c) => c,
+                    Err(e) => return e.into_response(),
+                }
+            }
+            _ => return next.run(req).await,
+        },
+        // A caller without a good key gets the handlers' own answer.
+        Err(_) => return next.run(req).await,
     };
     let route = match route_of(&app, &id).await {
         Ok(Some(r)) if r.tenant == caller.tenant => r,
@@ -175,6 +273,16 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     };
     let whole = req.uri().path() == format!("/v1/sandboxes/{id}");
     let method = req.method().clone();
+    // A terminal ticket for a sandbox on another node is this server's to mint: the
+    // browser's handshake comes here.
+    if !route.local
+        && route.state == PlacementState::Placed
+        && method == Method::POST
+        && req.uri().path() == format!("/v1/sandboxes/{id}/pty/ticket")
+    {
+        return crate::ui::ticket_answer(&app, caller, &id)
+            .unwrap_or_else(IntoResponse::into_response);
+    }
     if route.state == PlacementState::Lost {
         return lost(&app, &route, &id, whole, &method).await;
     }
@@ -284,18 +392,18 @@ pub fn view_of(p: &PlacementRecord) -> Value {
     v
 }
 
-/// The placed sandboxes of `tenant` on other nodes than this server (this server's own
-/// are its rows), as lists show them.
+/// The placed sandboxes of `tenant` on joined nodes, as lists show them (those of control
+/// replicas' own nodes are rows of this store, listed as such).
 pub fn remote_views(app: &AppState, tenant: &str) -> Result<Vec<Value>, ApiError> {
-    let Some(c) = app.fleet.as_ref() else {
+    if app.fleet.is_none() {
         return Ok(Vec::new());
-    };
-    let local = c.local_node_id();
+    }
+    let rows = placement::row_nodes(&app.store.list_nodes()?);
     Ok(app
         .store
         .list_placements(Some(tenant), None)?
         .into_iter()
-        .filter(|p| p.sandbox_id.is_some() && Some(p.node_id.as_str()) != local.as_deref())
+        .filter(|p| p.sandbox_id.is_some() && !rows.contains(&p.node_id))
         .map(|p| view_of(&p))
         .collect())
 }
@@ -339,9 +447,13 @@ async fn route_of(app: &AppState, id: &str) -> Result<Option<Route>, ApiError> {
     Ok(Some(route))
 }
 
-/// Headers a hop does not pass on (RFC 9110 §7.6.1), and those only control may set.
+/// Headers a hop does not pass on (RFC 9110 §7.6.1), those only control may set, and a
+/// browser's site headers (control checked them against its own origin; the node's host is
+/// another).
 fn strip(h: &mut HeaderMap) {
     for name in [
+        header::ORIGIN,
+        header::REFERER,
         header::CONNECTION,
         header::HOST,
         header::TE,
@@ -354,11 +466,16 @@ fn strip(h: &mut HeaderMap) {
         h.remove(name);
     }
     for name in [
+        "sec-fetch-site",
+        "sec-fetch-mode",
+        "sec-fetch-dest",
+        "sec-fetch-user",
         "keep-alive",
         "proxy-connection",
         TENANT_HEADER,
         EPOCH_HEADER,
         STALE_HEADER,
+        PLACEMENT_HEADER,
     ] {
         h.remove(name);
     }
@@ -395,25 +512,27 @@ async fn payload(parts: &axum::http::request::Parts, body: Body) -> Result<Paylo
 
 /// Sends a request to the sandbox's node; once more on a stale route (or a broken
 /// connection) when its body was kept.
-async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Response {
-    if req.headers().contains_key(header::UPGRADE) {
-        return ApiError::new(
-            StatusCode::NOT_IMPLEMENTED,
-            format!(
-                "sandbox {id} runs on fleet node {}: WebSocket streams (PTY) to remote nodes are \
-                 not routed yet; use exec or processes",
-                route.node_id
-            ),
-        )
-        .into_response();
-    }
-    let (parts, body) = req.into_parts();
+async fn forward(app: &AppState, mut route: Route, id: &str, mut req: Request) -> Response {
+    let mut ws = match websocket_of(&mut req) {
+        Ok(w) => w,
+        Err(e) => return e.into_response(),
+    };
+    let (mut parts, body) = req.into_parts();
     // Only a kept body can be sent twice; a streamed one goes once, whatever happens.
     let (kept, mut stream) = match payload(&parts, body).await {
         Ok(Payload::Kept(b)) => (Some(b), None),
         Ok(Payload::Stream(b)) => (None, Some(b)),
         Err(r) => return r,
     };
+    if ws.is_some() {
+        // To the node, the same WebSocket as a stream of the HTTP/2 connection (RFC 8441).
+        parts.method = Method::CONNECT;
+        parts
+            .extensions
+            .insert(hyper::ext::Protocol::from_static("websocket"));
+        parts.headers.remove(header::SEC_WEBSOCKET_KEY);
+        parts.headers.remove(header::SEC_WEBSOCKET_EXTENSIONS);
+    }
     let c = app.fleet.as_ref().expect("fleet control");
     for attempt in 0..2 {
         let body = match &kept {
@@ -450,10 +569,27 @@ async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Re
                 }
                 route = fresh;
             }
-            Ok(resp) => return resp,
-            // Never sent (no connection, or none ready): safe to try once more.
+            Ok(resp) => {
+                return match ws.take() {
+                    Some(w) => bridge(w, resp),
+                    None => resp,
+                }
+            }
+            // Never sent (no connection, or none ready): safe to try once more, on the
+            // route as the store has it now (another replica may have declared the node dead
+            // and the sandbox lost since this one cached it).
             Err(SendError::NotSent(e)) => {
                 c.routes.drop_link(&route.node_id);
+                c.routes.forget(id);
+                if let Ok(Some(fresh)) = route_of(app, id).await {
+                    if fresh.state == PlacementState::Lost && fresh.tenant == route.tenant {
+                        let whole = parts.uri.path() == format!("/v1/sandboxes/{id}");
+                        return lost(app, &fresh, id, whole, &parts.method).await;
+                    }
+                    if fresh.tenant == route.tenant {
+                        route = fresh;
+                    }
+                }
                 if !retriable {
                     return ApiError::bad_gateway(format!(
                         "sandbox {id}'s node {} cannot be reached: {e}",
@@ -478,6 +614,76 @@ async fn forward(app: &AppState, mut route: Route, id: &str, req: Request) -> Re
         route.node_id
     ))
     .into_response()
+}
+
+/// A client's WebSocket handshake (HTTP/1.1 `Upgrade: websocket`): its key, and its side
+/// of the connection once the answer is sent.
+struct ClientSocket {
+    key: HeaderValue,
+    upgrade: hyper::upgrade::OnUpgrade,
+}
+
+/// The WebSocket a request opens, if it asks for one; a refusal for an upgrade that is not
+/// a well-formed WebSocket handshake.
+fn websocket_of(req: &mut Request) -> Result<Option<ClientSocket>, ApiError> {
+    let Some(up) = req.headers().get(header::UPGRADE) else {
+        return Ok(None);
+    };
+    if !up.as_bytes().eq_ignore_ascii_case(b"websocket") {
+        return Err(ApiError::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "only WebSocket upgrades are routed to fleet nodes",
+        ));
+    }
+    let key = req
+        .headers()
+        .get(header::SEC_WEBSOCKET_KEY)
+        .cloned()
+        .ok_or_else(|| ApiError::bad_request("a WebSocket handshake carries Sec-WebSocket-Key"))?;
+    Ok(Some(ClientSocket {
+        key,
+        upgrade: hyper::upgrade::on(req),
+    }))
+}
+
+/// The answer to a client's WebSocket handshake from the node's answer to its stream: the
+/// node's refusal as it is, or `101` and the two sides joined byte for byte (the frames
+/// are the same over HTTP/1.1 and HTTP/2).
+fn bridge(client: ClientSocket, node: Response) -> Response {
+    if node.status() != StatusCode::OK {
+        return node;
+    }
+    let protocol = node.headers().get(header::SEC_WEBSOCKET_PROTOCOL).cloned();
+    let accept = accept_key(client.key.as_bytes());
+    let node_side = hyper::upgrade::on(node);
+    tokio::spawn(async move {
+        let (Ok(c), Ok(n)) = tokio::join!(client.upgrade, node_side) else {
+            return;
+        };
+        let (mut c, mut n) = (TokioIo::new(c), TokioIo::new(n));
+        let _ = tokio::io::copy_bidirectional(&mut c, &mut n).await;
+    });
+    let mut r = Response::new(Body::empty());
+    *r.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = r.headers_mut();
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("upgrade"));
+    if let Ok(v) = HeaderValue::from_str(&accept) {
+        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    if let Some(p) = protocol {
+        h.insert(header::SEC_WEBSOCKET_PROTOCOL, p);
+    }
+    r
+}
+
+/// `Sec-WebSocket-Accept` for a client's key (RFC 6455 §4.2.2).
+fn accept_key(key: &[u8]) -> String {
+    use sha1::Digest as _;
+    let mut h = sha1::Sha1::new();
+    h.update(key);
+    h.update(b"258EAFA5-E914-47DA-95CA-C5AB0DC85B11");
+    locker_types::base64::encode(&h.finalize())
 }
 
 /// Why a request to a node has no answer.
@@ -526,6 +732,16 @@ async fn send(
         HeaderValue::from_str(&route.tenant).map_err(|e| SendError::NotSent(e.to_string()))?,
     );
     headers.insert(EPOCH_HEADER, HeaderValue::from(route.epoch));
+    // A WebSocket's stream (RFC 8441's `:protocol`).
+    if let Some(p) = parts.extensions.get::<hyper::ext::Protocol>() {
+        req.extensions_mut().insert(p.clone());
+    }
+    // A create (its route is still starting): the node reports what it made for it.
+    if route.state == PlacementState::Starting && !route.placement.is_empty() {
+        if let Ok(v) = HeaderValue::from_str(&route.placement) {
+            headers.insert(PLACEMENT_HEADER, v);
+        }
+    }
     *req.headers_mut() = headers;
     match tokio::time::timeout(READY, link.ready()).await {
         Ok(Ok(())) => {}
@@ -552,6 +768,48 @@ async fn send(
     Ok(Response::from_parts(parts, Body::new(body)))
 }
 
+/// A route to node `n` for control's own calls (not a caller's).
+fn node_route(n: &locker_store::NodeRecord, tenant: &str, epoch: i64) -> Route {
+    Route {
+        placement: String::new(),
+        tenant: tenant.to_owned(),
+        node_id: n.id.clone(),
+        address: n.address.clone(),
+        epoch,
+        state: PlacementState::Placed,
+        local: false,
+    }
+}
+
+/// Sandbox `sb` of placement `p` as node `n` shows it now (`None`: the node has no such
+/// sandbox), for the leader finishing a create whose replica went away.
+pub async fn view_on_node(
+    app: &AppState,
+    n: &locker_store::NodeRecord,
+    p: &PlacementRecord,
+    sb: &str,
+) -> Result<Option<String>, String> {
+    let c = app.fleet.as_ref().expect("fleet control");
+    let route = node_route(n, &p.tenant, p.epoch);
+    let (parts, _) = axum::http::Request::get(format!("/v1/sandboxes/{sb}"))
+        .body(())
+        .map_err(|e| e.to_string())?
+        .into_parts();
+    let r = send(c, &route, &parts, Body::empty(), Some(CONNECT))
+        .await
+        .map_err(|e| e.to_string())?;
+    match r.status() {
+        StatusCode::OK => {
+            let b = axum::body::to_bytes(r.into_body(), KEEP_BODY)
+                .await
+                .map_err(|e| e.to_string())?;
+            Ok(Some(String::from_utf8_lossy(&b).into_owned()))
+        }
+        StatusCode::NOT_FOUND => Ok(None),
+        s => Err(format!("the node answered {s}")),
+    }
+}
+
 /// Asks node `n` to destroy sandbox `sb`, which no placement names (`placement::orphans`).
 pub async fn destroy_orphan(
     app: &AppState,
@@ -559,15 +817,7 @@ pub async fn destroy_orphan(
     sb: &str,
 ) -> Result<(), String> {
     let c = app.fleet.as_ref().expect("fleet control");
-    let route = Route {
-        placement: String::new(),
-        tenant: "_fleet".into(),
-        node_id: n.id.clone(),
-        address: n.address.clone(),
-        epoch: n.epoch,
-        state: PlacementState::Placed,
-        local: false,
-    };
+    let route = node_route(n, "_fleet", n.epoch);
     let (parts, _) = axum::http::Request::delete(format!("{}{sb}", super::node::ORPHAN_PATH))
         .body(())
         .map_err(|e| e.to_string())?
@@ -586,11 +836,13 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
     };
     let c = app.fleet.as_ref().expect("fleet control");
     let local = c.local_node_id();
-    let (nodes, now_ms) = match placement::nodes(app, false).await {
+    let (nodes, _) = match placement::nodes(app, false).await {
         Ok(n) => n,
         Err(e) => return e.into_response(),
     };
-    if !placement::remote_alive(&nodes, now_ms, local.as_deref()) {
+    // A control plane that is no node and has none creates as one host does; every other
+    // create is placed (a replica's own node too: other replicas then find its sandboxes).
+    if local.is_none() && nodes.is_empty() {
         return next.run(req).await;
     }
     let (parts, body) = req.into_parts();
@@ -605,10 +857,17 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
     let Ok(spec) = serde_json::from_slice::<Value>(&bytes) else {
         return next.run(rebuilt(&bytes)).await;
     };
-    if let Some(why) = host_bound(&spec) {
-        if local.is_some() {
-            return next.run(rebuilt(&bytes)).await;
-        }
+    let bound = host_bound(&spec);
+    // A sandbox's volumes live on one server: it is placed there (its node).
+    let volume_host = match volumes_host(app, &caller.tenant, &spec).await {
+        Ok(h) => h,
+        Err(e) => return e.into_response(),
+    };
+    let bound = match (&volume_host, bound) {
+        (Some(h), _) if *h != app.host_id => None,
+        (_, b) => b,
+    };
+    if let (Some(why), None) = (bound, &local) {
         return ApiError::bad_request(format!(
             "{why} cannot be placed on a remote fleet node yet (their data lives on the control \
              plane's host): start this server with --node local to run such sandboxes here"
@@ -623,7 +882,7 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
             _ => return next.run(rebuilt(&bytes)).await,
         },
     };
-    if let Err(e) = quota(app, &caller.tenant, memory_mb).await {
+    if let Err(e) = quota(app, &caller.tenant, memory_mb, placement::row_nodes(&nodes)).await {
         return e.into_response();
     }
     let template = spec["template"].as_str().unwrap_or("default");
@@ -633,6 +892,12 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
             .ok()
             .flatten()
             .map(|t| t.digest),
+        // Bound to a host's data: placed on the volumes' server, or on this server's own node
+        // (`--node local`) for its secrets and snapshots.
+        only: match volume_host.filter(|h| *h != app.host_id) {
+            Some(h) => Some(h),
+            None => bound.and(local.clone()),
+        },
     };
     let t_place = std::time::Instant::now();
     let (p, node) = match placement::place(app, &caller.tenant, &ask).await {
@@ -647,9 +912,13 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
     let done = tokio::spawn(async move {
         let t_node = std::time::Instant::now();
         let made = if here {
-            Ok(next
+            // Reported like a remote node's create, so the leader leaves its placement be.
+            app2.fleet_creates.begin(&p.id);
+            let r = next
                 .run(Request::from_parts(parts, Body::from(bytes)))
-                .await)
+                .await;
+            app2.fleet_creates.end(&p.id, None);
+            Ok(r)
         } else {
             let route = Route {
                 placement: p.id.clone(),
@@ -752,6 +1021,45 @@ async fn record(
     }
 }
 
+/// The server whose data dir holds the volumes a create mounts (`None`: none, or volumes
+/// the handler will refuse); 400 when they live on different servers.
+async fn volumes_host(
+    app: &AppState,
+    tenant: &str,
+    spec: &Value,
+) -> Result<Option<String>, ApiError> {
+    let names: Vec<String> = spec["volumes"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter_map(|m| m["volume"].as_str().map(str::to_owned))
+                .collect()
+        })
+        .unwrap_or_default();
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let (store, t) = (app.store.clone(), tenant.to_owned());
+    let hosts = tokio::task::spawn_blocking(move || {
+        let mut hosts = std::collections::BTreeSet::new();
+        for n in &names {
+            if let Some(r) = store.get_volume(&t, n)? {
+                hosts.insert(r.host);
+            }
+        }
+        Ok::<_, locker_store::StoreError>(hosts)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    if hosts.len() > 1 {
+        return Err(ApiError::bad_request(
+            "the volumes of one sandbox must live on one server of the fleet (they live where \
+             they were created): mount volumes of one server",
+        ));
+    }
+    Ok(hosts.into_iter().next())
+}
+
 /// What ties a create to the data on this server's host (volumes, secrets, snapshots), if
 /// anything.
 fn host_bound(spec: &Value) -> Option<&'static str> {
@@ -774,17 +1082,21 @@ fn host_bound(spec: &Value) -> Option<&'static str> {
 }
 
 /// The tenant's quotas of sandboxes and of their memory, counting its sandboxes on every
-/// node (read, then placed: two creates racing for the last unit of quota can both pass).
-async fn quota(app: &AppState, tenant: &str, memory_mb: u64) -> Result<(), ApiError> {
+/// node: the rows of this store (this and other replicas' own sandboxes) and the placements
+/// on joined nodes (`rows`: the nodes whose sandboxes are rows). Read, then placed: two
+/// creates racing for the last unit of quota can both pass.
+async fn quota(
+    app: &AppState,
+    tenant: &str,
+    memory_mb: u64,
+    rows: std::collections::HashSet<String>,
+) -> Result<(), ApiError> {
     let (store, t) = (app.store.clone(), tenant.to_owned());
-    let local = app.fleet.as_ref().and_then(|c| c.local_node_id());
     let (placed, placed_mb, here, here_mb) = tokio::task::spawn_blocking(move || {
         let remote: Vec<_> = store
             .list_placements(Some(&t), None)?
             .into_iter()
-            .filter(|p| {
-                p.state != PlacementState::Lost && Some(p.node_id.as_str()) != local.as_deref()
-            })
+            .filter(|p| p.state != PlacementState::Lost && !rows.contains(&p.node_id))
             .collect();
         let mb = remote
             .iter()

@@ -10,12 +10,42 @@
 //!   is dead; 401 without a certificate; 403 with another node's; 404 when it was removed.
 //! - `POST /internal/nodes/return` ([`Return`] → [`BeatAnswer`]), the node's certificate: a
 //!   node the sweeper declared dead comes back at its new epoch. 200; 409 when not dead.
+//! - `POST /internal/nodes/events` ([`NodeEvents`] → [`EventsTaken`]), the node's
+//!   certificate: the node's own lifecycle events, taken into the fleet's stream once
+//!   each. 200 with the fleet's cursor for the node; 400 for more than [`EVENTS_MAX`].
 
 use serde::{Deserialize, Serialize};
 
 pub const REGISTER: &str = "/internal/nodes/register";
 pub const HEARTBEAT: &str = "/internal/nodes/heartbeat";
 pub const RETURN: &str = "/internal/nodes/return";
+pub const EVENTS: &str = "/internal/nodes/events";
+/// Events one call carries at most.
+pub const EVENTS_MAX: usize = 500;
+
+/// A node's events after the cursor it knows, oldest first.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeEvents {
+    pub node_id: String,
+    pub events: Vec<NodeEvent>,
+}
+
+/// One event of a node's own stream (its `seq` is the node's).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct NodeEvent {
+    pub seq: u64,
+    pub tenant: String,
+    pub kind: String,
+    pub subject: String,
+    pub data: serde_json::Value,
+    pub at_unix: i64,
+}
+
+/// How far the fleet has the node's events (the node sends from there on).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct EventsTaken {
+    pub cursor: u64,
+}
 
 /// What a node reports with each heartbeat (and at join).
 #[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
@@ -36,6 +66,13 @@ pub struct Report {
     /// The sandboxes it runs (the control plane reconciles its placements with them).
     #[serde(default)]
     pub sandbox_ids: Vec<String>,
+    /// Creates the control plane asked for that are still running here, by placement id.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub creating: Vec<String>,
+    /// Creates finished here lately: placement id → the sandbox made. The fleet's leader
+    /// records one whose control replica died before it could (`placement::reconcile`).
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub made: std::collections::BTreeMap<String, String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

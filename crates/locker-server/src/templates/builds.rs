@@ -268,7 +268,10 @@ impl Build {
 
     /// Writes the record to the store (a failure is logged: the build goes on).
     pub fn save(&self, app: &App) {
-        let v = self.to_json();
+        let mut v = self.to_json();
+        // Whose build it is, when servers share the store: only that one fails it after a
+        // restart (see [`fail_interrupted`]). Never shown (see [`shown`]).
+        v[HOST_FIELD] = json!(app.host_id);
         let state = v["state"].as_str().unwrap_or("failed").to_string();
         if let Err(e) = app
             .store
@@ -294,6 +297,17 @@ impl Build {
 }
 
 /// At start: the builds a stopped server left queued or running failed, and say so.
+/// The field of a build's record that names the server running it.
+const HOST_FIELD: &str = "_host";
+
+/// A build's record as the API shows it (without the fields only servers read).
+pub fn shown(mut v: Value) -> Value {
+    if let Some(o) = v.as_object_mut() {
+        o.remove(HOST_FIELD);
+    }
+    v
+}
+
 pub fn fail_interrupted(app: &App) {
     let unfinished = match app.store.unfinished_template_builds() {
         Ok(u) => u,
@@ -306,6 +320,10 @@ pub fn fail_interrupted(app: &App) {
         let Ok(mut v) = serde_json::from_str::<Value>(&record) else {
             continue;
         };
+        // Another server's build (a control replica sharing the store) runs there.
+        if v[HOST_FIELD].as_str().is_some_and(|h| h != app.host_id) {
+            continue;
+        }
         let Some(id) = v["build_id"].as_str().map(str::to_string) else {
             continue;
         };

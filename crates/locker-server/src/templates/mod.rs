@@ -775,7 +775,7 @@ async fn list_builds(
             if let Some(o) = v.as_object_mut() {
                 o.remove("log");
             }
-            v
+            builds::shown(v)
         })
         .collect();
     Ok(axum::Json(json!({ "builds": builds })).into_response())
@@ -800,6 +800,7 @@ async fn build_status(
             .get_template_build(&caller.tenant, &id)?
             .ok_or_else(missing)?;
         let v: Value = serde_json::from_str(&rec)
+            .map(builds::shown)
             .map_err(|e| ApiError::internal(format!("reading the build's record: {e}")))?;
         if !q.follow {
             return Ok(axum::Json(v).into_response());

@@ -91,6 +91,7 @@ const TABLES: &[(&str, Columns)] = &[
             ("paused_ms", Int),
             ("call_gaps", Text),
             ("call_gap_sum_ms", Int),
+            ("host", Text),
         ],
     ),
     (
@@ -127,6 +128,7 @@ const TABLES: &[(&str, Columns)] = &[
             ("size_mb", Int),
             ("created_at", Text),
             ("created_unix", Int),
+            ("host", Text),
         ],
     ),
     (
@@ -221,6 +223,7 @@ const TABLES: &[(&str, Columns)] = &[
             ("report", Text),
             ("reserved_memory_mb", Int),
             ("reserved_slots", Int),
+            ("events_seq", Int),
         ],
     ),
     (

@@ -37,6 +37,54 @@ pub(super) fn insert_event(
     from_i64("event seq", seq)
 }
 
+/// See `Store::take_node_events`. Owns the `events_seq` column of `nodes` (the node's
+/// cursor moves with the events it covers); the node's row is locked for the transaction,
+/// so two replicas taking the same batch store it once.
+pub(super) fn take_node_events(
+    c: &mut Conn,
+    node_id: &str,
+    events: &[EventRecord],
+) -> Result<(u64, Vec<EventRecord>)> {
+    c.transaction(|c| {
+        let cursor: i64 = c
+            .query_opt(
+                "SELECT events_seq FROM nodes WHERE id = $1 FOR UPDATE",
+                &[&node_id],
+            )?
+            .ok_or_else(|| crate::StoreError::NotFound(format!("node {node_id} does not exist")))?
+            .try_get(0)?;
+        let mut fresh: Vec<&EventRecord> = events
+            .iter()
+            .filter(|e| to_i64("event seq", e.seq).is_ok_and(|s| s > cursor))
+            .collect();
+        fresh.sort_by_key(|e| e.seq);
+        if !fresh.is_empty() {
+            c.execute("SELECT pg_advisory_xact_lock($1)", &[&EVENTS_LOCK])?;
+        }
+        let mut stored = Vec::with_capacity(fresh.len());
+        let mut last = cursor;
+        for e in fresh {
+            let seq: i64 = c
+                .query_one(
+                    "INSERT INTO events (tenant, kind, subject, data, at_unix)
+                     VALUES ($1, $2, $3, $4, $5) RETURNING seq",
+                    &[&e.tenant, &e.kind, &e.subject, &e.data, &e.at_unix],
+                )?
+                .try_get(0)?;
+            stored.push(EventRecord {
+                seq: from_i64("event seq", seq)?,
+                ..e.clone()
+            });
+            last = to_i64("event seq", e.seq)?;
+        }
+        c.execute(
+            "UPDATE nodes SET events_seq = $1 WHERE id = $2",
+            &[&last, &node_id],
+        )?;
+        Ok((from_i64("event seq", last)?, stored))
+    })
+}
+
 pub(super) fn events_after(
     c: &mut Conn,
     tenant: Option<&str>,

@@ -62,8 +62,10 @@ pub use schema::PG_SCHEMA_VERSION;
 pub const POOL_SIZE: usize = 4;
 /// How long a key stays answered from memory (see the module docs).
 pub const AUTH_CACHE_TTL: Duration = Duration::from_secs(2);
-/// The advisory lock of [`PgStore::claim_single_server`].
+/// The advisory lock of [`PgStore::claim_server`].
 const SERVER_LOCK: i64 = 0x006c_6f63_6b73_7276; // "locksrv"
+/// The advisory lock of [`Store::lead`]: held by the fleet's leader.
+const LEADER_LOCK: i64 = 0x006c_6f63_6b6c_6472; // "lockldr"
 /// How long connecting may take before a call fails.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -82,6 +84,9 @@ pub(crate) struct Conn {
 pub struct PgStore {
     target: String,
     jobs: Mutex<Sender<Job>>,
+    /// The leadership's own connection (see [`Store::lead`]): a session lock lives as long
+    /// as its connection, so it is never one the pool's jobs might break or share.
+    leader: Mutex<Sender<Job>>,
     /// SHA-256 of a clear key → who it is, and since when it is cached.
     auth_cache: RwLock<HashMap<[u8; 32], (Principal, Instant)>>,
     /// Bumped by every revoke (see `SqliteStore`'s field of the same name).
@@ -244,24 +249,30 @@ impl PgStore {
         if config.get_application_name().is_none() {
             config.application_name("locker");
         }
-        let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
-        for i in 0..POOL_SIZE {
-            let conn = Conn {
-                config: config.clone(),
-                target: target.clone(),
-                client: None,
-                statements: HashMap::new(),
-            };
-            let rx = Arc::clone(&rx);
-            std::thread::Builder::new()
-                .name(format!("locker-pg-{i}"))
-                .spawn(move || worker(rx, conn))
-                .map_err(|e| StoreError::Unavailable(format!("cannot start a thread: {e}")))?;
-        }
+        let pool = |name: &str, n: usize| -> Result<Sender<Job>> {
+            let (tx, rx) = mpsc::channel::<Job>();
+            let rx = Arc::new(Mutex::new(rx));
+            for i in 0..n {
+                let conn = Conn {
+                    config: config.clone(),
+                    target: target.clone(),
+                    client: None,
+                    statements: HashMap::new(),
+                };
+                let rx = Arc::clone(&rx);
+                std::thread::Builder::new()
+                    .name(format!("{name}-{i}"))
+                    .spawn(move || worker(rx, conn))
+                    .map_err(|e| StoreError::Unavailable(format!("cannot start a thread: {e}")))?;
+            }
+            Ok(tx)
+        };
+        let tx = pool("locker-pg", POOL_SIZE)?;
+        let leader = pool("locker-pg-leader", 1)?;
         let store = PgStore {
             target,
             jobs: Mutex::new(tx),
+            leader: Mutex::new(leader),
             auth_cache: RwLock::new(HashMap::new()),
             auth_generation: AtomicU64::new(0),
         };
@@ -270,17 +281,21 @@ impl PgStore {
         Ok(store)
     }
 
-    /// Claims the database for this process alone, for as long as it runs: until fleet
-    /// mode's nodes exist, a second `locker serve` on the same database would take the
-    /// first one's live sandboxes for machines it lost (it cannot reach them) and end them.
-    /// A session-level advisory lock on one of the store's connections: Postgres drops it
-    /// when this process (or that connection) goes. `Conflict` if another process holds it.
-    pub fn claim_single_server(&self) -> Result<()> {
+    /// Claims the database for this server, for as long as it runs: alone (`shared` false:
+    /// a one-host server, whose router could not reach another's machines) or beside other
+    /// control replicas of a fleet (`shared` true: each adopts only its own machines and
+    /// routes to the others'). A session-level advisory lock, exclusive or shared, on one of
+    /// the store's connections: Postgres drops it when this process (or that connection)
+    /// goes. `Conflict`, saying who holds it, if the other kind is held.
+    pub fn claim_server(&self, shared: bool) -> Result<()> {
         let target = self.target.clone();
         self.run(move |c| {
-            let got: bool = c
-                .query_one("SELECT pg_try_advisory_lock($1)", &[&SERVER_LOCK])?
-                .try_get(0)?;
+            let sql = if shared {
+                "SELECT pg_try_advisory_lock_shared($1)"
+            } else {
+                "SELECT pg_try_advisory_lock($1)"
+            };
+            let got: bool = c.query_one(sql, &[&SERVER_LOCK])?.try_get(0)?;
             if got {
                 return Ok(());
             }
@@ -294,12 +309,22 @@ impl PgStore {
                 )?
                 .map(|r| r.try_get(0))
                 .transpose()?;
-            Err(StoreError::Conflict(format!(
-                "another locker serve already uses the Postgres database {target} (its \
-                 session: {}): one server per database until fleet mode's nodes exist \
-                 (docs/operations.md, \"Fleet mode\"); stop it first or pass another --database",
-                holder.as_deref().unwrap_or("unknown")
-            )))
+            let holder = holder.as_deref().unwrap_or("unknown");
+            Err(StoreError::Conflict(if shared {
+                format!(
+                    "a one-host locker serve (without --fleet-listen) already uses the Postgres \
+                     database {target} (its session: {holder}): control replicas share a \
+                     database only when every one of them runs with --fleet-listen \
+                     (docs/operations.md, \"Fleet mode\"); restart it with --fleet-listen"
+                )
+            } else {
+                format!(
+                    "another locker serve already uses the Postgres database {target} (its \
+                     session: {holder}): servers share a database only as control replicas of \
+                     a fleet, each with --fleet-listen (docs/operations.md, \"Fleet mode\"); \
+                     stop it first, pass another --database, or add --fleet-listen"
+                )
+            }))
         })
     }
 
@@ -323,12 +348,20 @@ impl PgStore {
         &self,
         f: impl FnOnce(&mut Conn) -> Result<T> + Send + 'static,
     ) -> Result<T> {
+        self.send(&self.jobs, f)
+    }
+
+    /// Runs `f` on a connection of `pool` and waits for its answer.
+    fn send<T: Send + 'static>(
+        &self,
+        pool: &Mutex<Sender<Job>>,
+        f: impl FnOnce(&mut Conn) -> Result<T> + Send + 'static,
+    ) -> Result<T> {
         let (reply, answer) = mpsc::sync_channel(1);
         let job: Job = Box::new(move |conn| {
             let _ = reply.send(f(conn));
         });
-        self.jobs
-            .lock()
+        pool.lock()
             .unwrap_or_else(PoisonError::into_inner)
             .send(job)
             .map_err(|_| StoreError::Unavailable("the store's connections are closed".into()))?;
@@ -454,6 +487,28 @@ impl Store for PgStore {
         self.run(sandboxes::list_live_sandboxes)
     }
 
+    fn host_sandboxes(&self, host: &str) -> Result<Vec<SandboxRecord>> {
+        let host = host.to_owned();
+        self.run(move |c| sandboxes::host_sandboxes(c, &host))
+    }
+
+    fn lead(&self) -> Result<bool> {
+        self.send(&self.leader, |c| {
+            // Held already by this session (the connection never broke), else taken if free.
+            // CASE evaluates in order: a session that holds it does not take it twice.
+            Ok(c.query_one(
+                "SELECT CASE WHEN EXISTS (
+                     SELECT 1 FROM pg_locks
+                     WHERE locktype = 'advisory' AND granted AND pid = pg_backend_pid()
+                       AND classid = (($1::bigint >> 32) & 4294967295)::oid
+                       AND objid = ($1::bigint & 4294967295)::oid AND objsubid = 1)
+                 THEN true ELSE pg_try_advisory_lock($1) END",
+                &[&LEADER_LOCK],
+            )?
+            .try_get(0)?)
+        })
+    }
+
     fn count_running(&self, tenant: &str) -> Result<u64> {
         let tenant = tenant.to_owned();
         self.run(move |c| sandboxes::count_running(c, &tenant))
@@ -518,6 +573,11 @@ impl Store for PgStore {
 
     fn list_all_volumes(&self) -> Result<Vec<VolumeRecord>> {
         self.run(move |c| objects::list_volumes(c, None))
+    }
+
+    fn host_volumes(&self, host: &str) -> Result<Vec<VolumeRecord>> {
+        let host = host.to_owned();
+        self.run(move |c| objects::host_volumes(c, &host))
     }
 
     fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool> {
@@ -642,6 +702,15 @@ impl Store for PgStore {
 
     fn latest_event_seq(&self) -> Result<u64> {
         self.run(events::latest_event_seq)
+    }
+
+    fn take_node_events(
+        &self,
+        node_id: &str,
+        events: &[EventRecord],
+    ) -> Result<(u64, Vec<EventRecord>)> {
+        let (node, events) = (node_id.to_owned(), events.to_vec());
+        self.run(move |c| events::take_node_events(c, &node, &events))
     }
 
     fn prune_events(&self, before: i64, keep: u64) -> Result<u64> {

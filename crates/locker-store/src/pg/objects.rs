@@ -144,7 +144,7 @@ pub(super) fn delete_row(c: &mut Conn, table: &str, tenant: &str, id: &str) -> R
 
 // ---- volumes ----
 
-const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at";
+const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at, host";
 
 fn volumes_of(rows: Vec<postgres::Row>) -> Result<Vec<VolumeRecord>> {
     rows.iter()
@@ -155,6 +155,7 @@ fn volumes_of(rows: Vec<postgres::Row>) -> Result<Vec<VolumeRecord>> {
                 name: r.try_get(2)?,
                 size_mb: from_i64("size_mb", r.try_get(3)?)?,
                 created_at: r.try_get(4)?,
+                host: r.try_get(5)?,
             })
         })
         .collect()
@@ -166,9 +167,17 @@ pub(super) fn insert_volume(c: &mut Conn, v: &VolumeRecord) -> Result<()> {
     let size_mb = to_i64("size_mb", v.size_mb)?;
     require_tenant(c, &v.tenant)?;
     c.execute(
-        "INSERT INTO volumes (id, tenant, name, size_mb, created_at, created_unix)
-         VALUES ($1, $2, $3, $4, $5, $6)",
-        &[&v.id, &v.tenant, &v.name, &size_mb, &v.created_at, &created],
+        "INSERT INTO volumes (id, tenant, name, size_mb, created_at, created_unix, host)
+         VALUES ($1, $2, $3, $4, $5, $6, $7)",
+        &[
+            &v.id,
+            &v.tenant,
+            &v.name,
+            &size_mb,
+            &v.created_at,
+            &created,
+            &v.host,
+        ],
     )
     .map_err(|e| {
         conflict_on_unique(e, || {
@@ -207,6 +216,19 @@ pub(super) fn list_volumes(c: &mut Conn, tenant: Option<&str>) -> Result<Vec<Vol
         &[&tenant],
     )?;
     volumes_of(rows)
+}
+
+pub(super) fn host_volumes(c: &mut Conn, host: &str) -> Result<Vec<VolumeRecord>> {
+    c.transaction(|c| {
+        c.execute("UPDATE volumes SET host = $1 WHERE host = ''", &[&host])?;
+        let rows = c.query(
+            &format!(
+                "SELECT {VOLUME_COLUMNS} FROM volumes WHERE host = $1 ORDER BY created_unix, ord"
+            ),
+            &[&host],
+        )?;
+        volumes_of(rows)
+    })
 }
 
 pub(super) fn delete_volume(c: &mut Conn, tenant: &str, id: &str) -> Result<bool> {

@@ -79,7 +79,7 @@ pub(super) fn set_placed(c: &mut Conn, id: &str, sandbox_id: &str, view: &str) -
         &format!(
             "UPDATE placements SET sandbox_id = $1, view = $2, state = 'placed',
                                    created_ms = {NOW_MS}
-             WHERE id = $3 AND state = 'starting'"
+             WHERE id = $3 AND (state = 'starting' OR (state = 'placed' AND sandbox_id = $1))"
         ),
         &[&sandbox_id, &view, &id],
     )? > 0)

@@ -18,7 +18,7 @@ use crate::sqlite::sandboxes::{
 use crate::Tombstone;
 
 /// Every column a record writes, in order (`$1` is `id`, `$2` `tenant`, `$3` `state`).
-const WRITTEN: [&str; 26] = [
+const WRITTEN: [&str; 27] = [
     "id",
     "tenant",
     "state",
@@ -42,13 +42,14 @@ const WRITTEN: [&str; 26] = [
     "peak_memory_bytes",
     "preview_token",
     "public_ports",
+    "host",
     "created_unix",
     "expires_unix",
     "last_active_unix",
 ];
 
 /// The values of [`WRITTEN`], in its order.
-fn values<'a>(c: &'a SandboxColumns<'a>) -> [&'a (dyn ToSql + Sync); 26] {
+fn values<'a>(c: &'a SandboxColumns<'a>) -> [&'a (dyn ToSql + Sync); 27] {
     let s = c.s;
     [
         &s.id,
@@ -74,6 +75,7 @@ fn values<'a>(c: &'a SandboxColumns<'a>) -> [&'a (dyn ToSql + Sync); 26] {
         &c.peak_memory_bytes,
         &s.preview_token,
         &c.public_ports,
+        &s.host,
         &c.created_unix,
         &c.expires_unix,
         &c.last_active_unix,
@@ -105,6 +107,7 @@ fn raw_sandbox(r: &Row) -> Result<RawSandbox> {
         peak_memory_bytes: r.try_get(20)?,
         preview_token: r.try_get(21)?,
         public_ports: r.try_get(22)?,
+        host: r.try_get(23)?,
     })
 }
 
@@ -342,6 +345,26 @@ pub(super) fn list_live_sandboxes(c: &mut Conn) -> Result<Vec<SandboxRecord>> {
         ),
         &[],
     )?)
+}
+
+pub(super) fn host_sandboxes(c: &mut Conn, host: &str) -> Result<Vec<SandboxRecord>> {
+    c.transaction(|c| {
+        c.execute(
+            &format!(
+                "UPDATE sandboxes SET host = $1
+                 WHERE host = '' AND deleted_unix IS NULL AND state IN {LIVE_STATES}"
+            ),
+            &[&host],
+        )?;
+        decode_rows(c.query(
+            &format!(
+                "SELECT {SANDBOX_COLUMNS} FROM sandboxes
+                 WHERE host = $1 AND deleted_unix IS NULL AND state IN {LIVE_STATES}
+                 ORDER BY created_unix, ord"
+            ),
+            &[&host],
+        )?)
+    })
 }
 
 fn count(c: &mut Conn, sql: &str, tenant: &str) -> Result<u64> {

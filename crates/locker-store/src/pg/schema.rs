@@ -233,6 +233,14 @@ const MIGRATIONS: &[&str] = &[
     CREATE INDEX placements_node ON placements(node_id);
     CREATE INDEX placements_tenant ON placements(tenant);
     "#,
+    // Control replicas sharing a database (issue 25): each server's engine adopts only
+    // the machines it runs; nodes' events taken into the fleet's stream up to a cursor.
+    r#"
+    ALTER TABLE sandboxes ADD COLUMN host TEXT NOT NULL DEFAULT '';
+    ALTER TABLE volumes ADD COLUMN host TEXT NOT NULL DEFAULT '';
+    ALTER TABLE nodes ADD COLUMN events_seq BIGINT NOT NULL DEFAULT 0;
+    CREATE INDEX sandboxes_host_live ON sandboxes(host) WHERE deleted_unix IS NULL;
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).

@@ -27,6 +27,47 @@ pub(super) fn insert_event(
     from_i64("event seq", conn.last_insert_rowid())
 }
 
+/// See `Store::take_node_events`. Owns the `events_seq` column of `nodes` (the node's
+/// cursor moves with the events it covers).
+pub(super) fn take_node_events(
+    db: &SqliteStore,
+    node_id: &str,
+    events: &[EventRecord],
+) -> Result<(u64, Vec<EventRecord>)> {
+    let mut conn = db.writer();
+    let tx = conn.transaction_with_behavior(rusqlite::TransactionBehavior::Immediate)?;
+    let cursor: i64 = tx
+        .query_row(
+            "SELECT events_seq FROM nodes WHERE id = ?1",
+            [node_id],
+            |r| r.get(0),
+        )
+        .optional()?
+        .ok_or_else(|| crate::StoreError::NotFound(format!("node {node_id} does not exist")))?;
+    let mut fresh: Vec<&EventRecord> = events
+        .iter()
+        .filter(|e| to_i64("event seq", e.seq).is_ok_and(|s| s > cursor))
+        .collect();
+    fresh.sort_by_key(|e| e.seq);
+    let mut stored = Vec::with_capacity(fresh.len());
+    let mut last = cursor;
+    for e in fresh {
+        tx.prepare_cached(
+            "INSERT INTO events (tenant, kind, subject, data, at_unix) VALUES (?1, ?2, ?3, ?4, ?5)",
+        )?
+        .execute(params![e.tenant, e.kind, e.subject, e.data, e.at_unix])?;
+        stored.push(EventRecord {
+            seq: from_i64("event seq", tx.last_insert_rowid())?,
+            ..e.clone()
+        });
+        last = to_i64("event seq", e.seq)?;
+    }
+    tx.prepare_cached("UPDATE nodes SET events_seq = ?1 WHERE id = ?2")?
+        .execute(params![last, node_id])?;
+    tx.commit()?;
+    Ok((from_i64("event seq", last)?, stored))
+}
+
 pub(super) fn events_after(
     db: &SqliteStore,
     tenant: Option<&str>,

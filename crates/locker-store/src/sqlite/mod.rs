@@ -271,6 +271,14 @@ impl Store for SqliteStore {
         sandboxes::list_live_sandboxes(self)
     }
 
+    fn host_sandboxes(&self, host: &str) -> Result<Vec<SandboxRecord>> {
+        sandboxes::host_sandboxes(self, host)
+    }
+
+    fn lead(&self) -> Result<bool> {
+        Ok(true)
+    }
+
     fn count_running(&self, tenant: &str) -> Result<u64> {
         sandboxes::count_running(self, tenant)
     }
@@ -359,6 +367,14 @@ impl Store for SqliteStore {
         events::latest_event_seq(self)
     }
 
+    fn take_node_events(
+        &self,
+        node_id: &str,
+        events: &[EventRecord],
+    ) -> Result<(u64, Vec<EventRecord>)> {
+        events::take_node_events(self, node_id, events)
+    }
+
     fn prune_events(&self, before: i64, keep: u64) -> Result<u64> {
         events::prune_events(self, before, keep)
     }
@@ -441,6 +457,10 @@ impl Store for SqliteStore {
 
     fn list_all_volumes(&self) -> Result<Vec<VolumeRecord>> {
         volumes::list_all_volumes(self)
+    }
+
+    fn host_volumes(&self, host: &str) -> Result<Vec<VolumeRecord>> {
+        volumes::host_volumes(self, host)
     }
 
     fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool> {

@@ -90,7 +90,7 @@ pub(super) fn set_placed(db: &SqliteStore, id: &str, sandbox_id: &str, view: &st
         .writer()
         .prepare_cached(
             "UPDATE placements SET sandbox_id = ?1, view = ?2, state = 'placed', created_ms = ?4
-             WHERE id = ?3 AND state = 'starting'",
+             WHERE id = ?3 AND (state = 'starting' OR (state = 'placed' AND sandbox_id = ?1))",
         )?
         .execute(params![sandbox_id, view, id, clock_ms()])?
         > 0)

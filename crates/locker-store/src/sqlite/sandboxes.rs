@@ -16,7 +16,7 @@ use crate::Tombstone;
 
 pub(crate) const SANDBOX_COLUMNS: &str = "id, tenant, state, template, template_digest, runtime, cpus, \
     memory_mb, disk_mb, network, volumes, metadata, env, ttl_s, idle_timeout_s, created_at, \
-    expires_at, last_active_at, machine_dir, cpu_ms, peak_memory_bytes, preview_token, public_ports";
+    expires_at, last_active_at, machine_dir, cpu_ms, peak_memory_bytes, preview_token, public_ports, host";
 pub(crate) const LIVE_STATES: &str = "('starting','running','paused')";
 
 /// A sandbox row as SQLite gives it, before the fallible conversions.
@@ -44,6 +44,7 @@ pub(crate) struct RawSandbox {
     pub(crate) peak_memory_bytes: i64,
     pub(crate) preview_token: String,
     pub(crate) public_ports: String,
+    pub(crate) host: String,
 }
 
 /// Reads a row selected with [`SANDBOX_COLUMNS`], in that order.
@@ -72,6 +73,7 @@ fn raw_sandbox(r: &Row<'_>) -> rusqlite::Result<RawSandbox> {
         peak_memory_bytes: r.get(20)?,
         preview_token: r.get(21)?,
         public_ports: r.get(22)?,
+        host: r.get(23)?,
     })
 }
 
@@ -107,6 +109,7 @@ pub(crate) fn decode_sandbox(r: RawSandbox) -> Result<SandboxRecord> {
         expires_at: r.expires_at,
         last_active_at: r.last_active_at,
         machine_dir: r.machine_dir,
+        host: r.host,
     })
 }
 
@@ -193,6 +196,7 @@ impl SandboxColumns<'_> {
             (":peak_memory_bytes", &self.peak_memory_bytes),
             (":preview_token", &s.preview_token),
             (":public_ports", &self.public_ports),
+            (":host", &s.host),
             (":created_unix", &self.created_unix),
             (":expires_unix", &self.expires_unix),
             (":last_active_unix", &self.last_active_unix),
@@ -522,6 +526,26 @@ pub(super) fn list_live_sandboxes(db: &SqliteStore) -> Result<Vec<SandboxRecord>
              ORDER BY created_unix, rowid"
         ),
         &[],
+    )
+}
+
+pub(super) fn host_sandboxes(db: &SqliteStore, host: &str) -> Result<Vec<SandboxRecord>> {
+    {
+        let conn = db.writer();
+        conn.prepare_cached(&format!(
+            "UPDATE sandboxes SET host = ?1
+             WHERE host = '' AND deleted_unix IS NULL AND state IN {LIVE_STATES}"
+        ))?
+        .execute([host])?;
+    }
+    read_sandboxes(
+        db,
+        &format!(
+            "SELECT {SANDBOX_COLUMNS} FROM sandboxes
+             WHERE host = ?1 AND deleted_unix IS NULL AND state IN {LIVE_STATES}
+             ORDER BY created_unix, rowid"
+        ),
+        &[host],
     )
 }
 

@@ -11,19 +11,29 @@ use super::SqliteStore;
 use crate::error::Result;
 use crate::model::{validate_volume_name, VolumeRecord};
 
-const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at";
+const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at, host";
 
-fn volume_of(r: &Row<'_>) -> rusqlite::Result<(String, String, String, i64, String)> {
-    Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?))
+type RawVolume = (String, String, String, i64, String, String);
+
+fn volume_of(r: &Row<'_>) -> rusqlite::Result<RawVolume> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+    ))
 }
 
-fn decode_volume(r: (String, String, String, i64, String)) -> Result<VolumeRecord> {
+fn decode_volume(r: RawVolume) -> Result<VolumeRecord> {
     Ok(VolumeRecord {
         id: r.0,
         tenant: r.1,
         name: r.2,
         size_mb: from_i64("size_mb", r.3)?,
         created_at: r.4,
+        host: r.5,
     })
 }
 
@@ -34,8 +44,8 @@ pub(super) fn insert_volume(db: &SqliteStore, v: &VolumeRecord) -> Result<()> {
     let conn = db.writer();
     require_tenant(&conn, &v.tenant)?;
     conn.prepare_cached(
-        "INSERT INTO volumes (id, tenant, name, size_mb, created_at, created_unix)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        "INSERT INTO volumes (id, tenant, name, size_mb, created_at, created_unix, host)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7)",
     )?
     .execute(params![
         v.id,
@@ -43,7 +53,8 @@ pub(super) fn insert_volume(db: &SqliteStore, v: &VolumeRecord) -> Result<()> {
         v.name,
         size_mb,
         v.created_at,
-        created_unix
+        created_unix,
+        v.host
     ])
     .map_err(|e| {
         conflict_on_unique(e, || {
@@ -91,6 +102,21 @@ pub(super) fn list_all_volumes(db: &SqliteStore) -> Result<Vec<VolumeRecord>> {
         let sql = format!("SELECT {VOLUME_COLUMNS} FROM volumes ORDER BY created_unix, rowid");
         Ok(c.prepare_cached(&sql)?
             .query_map([], volume_of)?
+            .collect::<rusqlite::Result<Vec<_>>>()?)
+    })?;
+    raw.into_iter().map(decode_volume).collect()
+}
+
+pub(super) fn host_volumes(db: &SqliteStore, host: &str) -> Result<Vec<VolumeRecord>> {
+    db.writer()
+        .prepare_cached("UPDATE volumes SET host = ?1 WHERE host = ''")?
+        .execute([host])?;
+    let raw = db.read(|c| {
+        let sql = format!(
+            "SELECT {VOLUME_COLUMNS} FROM volumes WHERE host = ?1 ORDER BY created_unix, rowid"
+        );
+        Ok(c.prepare_cached(&sql)?
+            .query_map([host], volume_of)?
             .collect::<rusqlite::Result<Vec<_>>>()?)
     })?;
     raw.into_iter().map(decode_volume).collect()

@@ -1,0 +1,301 @@
+//! Fleet mode, "several identical hosts" (issue 25, `FLEET.md` §4.3): every host runs
+//! `locker serve --database <one Postgres> --fleet-listen … --node local`. Each replica is a
+//! control plane and a node at once: creates through either are placed on either; every
+//! call about a sandbox reaches the replica whose engine runs it (through that replica's
+//! node listener); lists and quotas count each sandbox once; a restarted replica adopts
+//! only its own machines; one replica leads (sweeps leases) at a time, and when the leader
+//! dies the other takes over and declares it dead.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use locker_tests::postgres::cluster;
+use locker_tests::server::{Api, Resp, Server};
+use locker_tests::streams::{read_exit_frame, read_until, ws_connect};
+use locker_tests::wait_for;
+use serde_json::json;
+
+/// The secrets key both replicas share (the fleet CA's key is sealed with it).
+const SECRETS_KEY: &str = "5f1c3e9a7b2d4f6081a3c5e7092b4d6f8a1c3e5079b2d4f6a8c0e2f4061b3d5e";
+
+fn replica(url: &str, name: &str) -> Server {
+    Server::start_with_env(
+        &[
+            "--database",
+            url,
+            "--fleet-listen",
+            "127.0.0.1:0",
+            "--node",
+            "local",
+            "--node-name",
+            name,
+            "--node-slots",
+            "3",
+        ],
+        &[("LOCKER_SECRETS_KEY", SECRETS_KEY)],
+    )
+}
+
+fn nodes(admin: &Api) -> Vec<serde_json::Value> {
+    let l = admin.get("/v1/fleet/nodes").expect(200, "fleet nodes");
+    l["nodes"].as_array().unwrap().clone()
+}
+
+fn alive(admin: &Api, name: &str) -> Option<serde_json::Value> {
+    nodes(admin)
+        .into_iter()
+        .find(|n| n["name"] == name && n["alive"] == true)
+}
+
+fn create(api: &Api) -> Resp {
+    api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256}),
+    )
+}
+
+#[test]
+fn identical_hosts_place_route_and_take_over_from_each_other() {
+    let (_db, url) = cluster().new_database();
+    let mut a = replica(&url, "host-a");
+    let b = replica(&url, "host-b");
+    let (api_a, api_b) = (a.api(), b.api());
+    // One tenant, one key: keys live in the shared store.
+    let api_b = api_b.with_key(api_a.key());
+    wait_for(Duration::from_secs(15), "both hosts alive", || {
+        (alive(&a.admin(), "host-a").is_some() && alive(&a.admin(), "host-b").is_some())
+            .then_some(())
+    });
+
+    // Six creates, alternating replicas, fill both hosts (3 slots each); a seventh is
+    // refused. Every sandbox is placed, on either host.
+    let mut on: HashMap<String, String> = HashMap::new();
+    for i in 0..6 {
+        let api = if i % 2 == 0 { &api_a } else { &api_b };
+        let r = create(api);
+        assert_eq!(r.status, 201, "create {i}: {}", r.text());
+        let node = r.headers["x-locker-node"].to_str().unwrap().to_owned();
+        on.insert(r.json()["id"].as_str().unwrap().to_owned(), node);
+    }
+    let mut per: HashMap<&str, usize> = HashMap::new();
+    for n in on.values() {
+        *per.entry(n.as_str()).or_default() += 1;
+    }
+    assert_eq!(
+        (per.get("host-a"), per.get("host-b")),
+        (Some(&3), Some(&3)),
+        "{on:?}"
+    );
+    let full = create(&api_b);
+    assert_eq!(full.status, 429, "{}", full.text());
+
+    // Every call reaches the owner whichever replica it enters: a file written through one
+    // replica reads back through the other, exec answers through both, and each machine
+    // lives in its own host's data dir only.
+    for (id, node) in &on {
+        let (owner, other) = if node == "host-a" { (&a, &b) } else { (&b, &a) };
+        assert!(
+            owner.sandboxes_dir().join(id).exists(),
+            "{id} not on {node}"
+        );
+        assert!(!other.sandboxes_dir().join(id).exists(), "{id} on both");
+        let body = format!("{id} lives on {node}");
+        api_a
+            .put(
+                &format!("/v1/sandboxes/{id}/files?path=/tmp/owner.txt"),
+                body.as_bytes(),
+            )
+            .expect(200, "write through a");
+        assert_eq!(api_b.read_file(id, "/tmp/owner.txt").text(), body);
+        for api in [&api_a, &api_b] {
+            assert_eq!(api.sh(id, "cat /tmp/owner.txt"), body);
+            let v = api.get(&format!("/v1/sandboxes/{id}")).expect(200, "get");
+            assert_eq!(v["state"], "running", "{v}");
+        }
+    }
+    // The terminal (a WebSocket) too: opened through either replica, it is the owner's shell,
+    // typed input and all, and ends with the shell's exit.
+    for (id, node) in on.iter().take(2) {
+        for srv in [&a, &b] {
+            let mut ws = ws_connect(&srv.url, api_a.key(), &format!("/v1/sandboxes/{id}/pty"))
+                .unwrap_or_else(|(s, e)| panic!("terminal of {id} through {}: {s} {e}", srv.url));
+            let mut seen = String::new();
+            ws.send(tungstenite::Message::binary(
+                b"echo hi-$((40+2)); cat /tmp/owner.txt; echo\n".to_vec(),
+            ))
+            .unwrap();
+            read_until(&mut ws, "hi-42", &mut seen);
+            read_until(&mut ws, &format!("lives on {node}"), &mut seen);
+            ws.send(tungstenite::Message::binary(b"exit 3\n".to_vec()))
+                .unwrap();
+            let exit = read_exit_frame(&mut ws, &mut seen);
+            assert_eq!(exit["exit_code"], 3, "{exit}");
+        }
+    }
+
+    // Each replica lists the six exactly once.
+    for api in [&api_a, &api_b] {
+        let list = api.get("/v1/sandboxes").expect(200, "list");
+        let mut ids: Vec<&str> = list["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap())
+            .collect();
+        ids.sort_unstable();
+        let mut want: Vec<&str> = on.keys().map(String::as_str).collect();
+        want.sort_unstable();
+        assert_eq!(ids, want, "{list}");
+        assert_eq!(list["total"], 6, "{list}");
+    }
+
+    // A delete through the other replica frees the owner's slot: the next create fits.
+    let (gone, gone_node) = on
+        .iter()
+        .find(|(_, n)| *n == "host-a")
+        .map(|(i, n)| (i.clone(), n.clone()))
+        .unwrap();
+    api_b
+        .delete(&format!("/v1/sandboxes/{gone}"))
+        .expect(204, "delete through b");
+    on.remove(&gone);
+    assert!(!a.sandboxes_dir().join(&gone).exists());
+    let again = wait_for(Duration::from_secs(10), "a slot free again", || {
+        let r = create(&api_b);
+        (r.status == 201).then_some(r)
+    });
+    let node = again.headers["x-locker-node"].to_str().unwrap().to_owned();
+    assert_eq!(node, gone_node);
+    on.insert(again.json()["id"].as_str().unwrap().to_owned(), node);
+
+    // A volume lives where it was made (host-a): every call about it through b reaches a
+    // (files, a serverless run), b lists it with its node, and a sandbox that mounts it is
+    // placed on host-a whichever replica asked.
+    let (gone, _) = on
+        .iter()
+        .find(|(_, n)| *n == "host-a")
+        .map(|(i, n)| (i.clone(), n.clone()))
+        .unwrap();
+    api_b
+        .delete(&format!("/v1/sandboxes/{gone}"))
+        .expect(204, "make room on host-a");
+    on.remove(&gone);
+    api_a
+        .post("/v1/volumes", &json!({"name": "shared", "size_mb": 64}))
+        .expect(201, "a volume on host-a");
+    api_b
+        .put(
+            "/v1/volumes/shared/files?path=%2Fdata.txt",
+            &b"made through b\n"[..],
+        )
+        .expect(200, "write a's volume through b");
+    assert_eq!(
+        api_a
+            .get("/v1/volumes/shared/files?path=%2Fdata.txt")
+            .text(),
+        "made through b\n"
+    );
+    let ran = api_b
+        .post(
+            "/v1/volumes/shared/run",
+            &json!({"shell": "cat /workspace/data.txt; echo ran >> /workspace/data.txt"}),
+        )
+        .expect(200, "a run on a's volume through b");
+    assert_eq!(ran["stdout"], "made through b\n", "{ran}");
+    assert_eq!(
+        api_a
+            .get("/v1/volumes/shared/files?path=%2Fdata.txt")
+            .text(),
+        "made through b\nran\n"
+    );
+    let listed = api_b.get("/v1/volumes").expect(200, "volumes through b");
+    let v = listed["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "shared")
+        .unwrap_or_else(|| panic!("b does not list a's volume: {listed}"));
+    assert!(v["node"].as_str().unwrap().starts_with("node_"), "{v}");
+    let r = api_b.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256,
+                "volumes": [{"volume": "shared", "path": "/mnt/v"}]}),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.headers["x-locker-node"], "host-a");
+    let with = r.json()["id"].as_str().unwrap().to_owned();
+    assert!(a.sandboxes_dir().join(&with).exists());
+    assert_eq!(
+        api_b.sh(&with, "cat /mnt/v/data.txt"),
+        "made through b\nran\n"
+    );
+    api_b
+        .delete(&format!("/v1/sandboxes/{with}"))
+        .expect(204, "delete the sandbox with the volume");
+    api_b
+        .delete("/v1/volumes/shared")
+        .expect(204, "delete a's volume through b");
+    assert_eq!(api_a.get("/v1/volumes/shared").status, 404);
+    let again = create(&api_a);
+    assert_eq!(again.status, 201, "{}", again.text());
+    on.insert(
+        again.json()["id"].as_str().unwrap().to_owned(),
+        again.headers["x-locker-node"].to_str().unwrap().to_owned(),
+    );
+
+    // A restarts (an upgrade): it adopts its own three machines, never b's, and every
+    // sandbox answers through both replicas afterwards.
+    a.restart();
+    let api_a = a.api().with_key(api_b.key());
+    for (id, node) in &on {
+        for api in [&api_a, &api_b] {
+            let out = wait_for(Duration::from_secs(15), "answers after a's restart", || {
+                let r = api.post(
+                    &format!("/v1/sandboxes/{id}/exec"),
+                    &json!({"shell": "cat /tmp/owner.txt 2>/dev/null || echo new"}),
+                );
+                (r.status == 200).then(|| r.json()["stdout"].as_str().unwrap_or("").to_owned())
+            });
+            assert!(
+                out.contains(node.as_str()) || out.trim() == "new",
+                "{id}: {out}"
+            );
+        }
+    }
+    let log = a.log_text();
+    let adopted = log.matches("adopted a sandbox").count();
+    assert_eq!(adopted, 3, "a adopted {adopted} sandboxes:\n{log}");
+
+    // A's server dies (SIGKILL; its machines stay, unreachable). B leads now: within the
+    // lease and its grace it declares host-a dead; a's sandboxes read lost through b, and
+    // b's own keep answering.
+    a.kill9();
+    let lost: Vec<&String> = on
+        .iter()
+        .filter(|(_, n)| *n == "host-a")
+        .map(|(i, _)| i)
+        .collect();
+    wait_for(Duration::from_secs(20), "host-a declared dead by b", || {
+        nodes(&b.admin())
+            .iter()
+            .any(|n| n["name"] == "host-a" && n["state"] == "dead")
+            .then_some(())
+    });
+    for id in &lost {
+        let v = api_b
+            .get(&format!("/v1/sandboxes/{id}"))
+            .expect(200, "get lost");
+        assert_eq!(v["state"], "lost", "{v}");
+    }
+    for (id, n) in &on {
+        if n == "host-b" {
+            assert_eq!(
+                api_b.sh(id, "cat /tmp/owner.txt"),
+                format!("{id} lives on host-b")
+            );
+        }
+    }
+    for id in on.keys() {
+        let _ = api_b.delete(&format!("/v1/sandboxes/{id}"));
+    }
+}

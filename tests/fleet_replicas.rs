@@ -1,0 +1,733 @@
+//! Fleet mode, control replicas (`FLEET.md` §4.1 and §4.5; §5.2 tests 3 and 6, in part): two
+//! `locker serve` replicas on one Postgres database, behind haproxy, are stateless.
+//!
+//! 1. Both start on the same database (with the same `LOCKER_SECRETS_KEY`, so that both open
+//!    the fleet CA kept there); two nodes join through haproxy's TCP frontend (TLS passes
+//!    through, whichever replica it picks answers).
+//! 2. Routing: 1,000 calls (exec, file read, the sandbox's own GET) through replica A,
+//!    replica B and haproxy all land on the sandbox's node: each reads back a file that
+//!    exists only there, with content unique to that sandbox.
+//! 3. (Run after 4.) Exactly one replica leads (holds the leader's advisory lock: the lease
+//!    sweeper and reconciliation). SIGKILL it, then SIGKILL node a: the other replica takes
+//!    over, declares a dead, and a's sandboxes read `lost` through it and through haproxy
+//!    within seconds, while node b's sandboxes keep answering.
+//! 4. A replica SIGKILLed while 8 clients make 200 sandboxes through haproxy (each retried a
+//!    few times, as an SDK does), and started again: every create ends 201 or with a
+//!    retriable error (5xx, 429 or a broken connection), and once reconciled the books
+//!    balance: no placement left `starting`, every `placed` one names a sandbox its node
+//!    runs, every sandbox a node runs has a placement (0 orphans), each node's reservation
+//!    is its count of placements; deleting everything through haproxy empties the nodes.
+//! 5. A follower's cached routes do not outlive a node: when a node dies, its sandboxes read
+//!    `lost` (and can be deleted) through the follower and haproxy too, not only through the
+//!    leader that declared it dead.
+//!
+//! Each replica connects with its own `application_name`
+//! (`?application_name=locker-replica-a` on the same database URL), so that `pg_locks`
+//! says which one holds the leader's lock.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use locker_tests::fabric::{fleet_node, fleet_nodes};
+use locker_tests::fleet::{
+    books, delete_all, kinds, placed_on, quantile, rows, sandbox_dirs, ReplicaRig, NAMES,
+};
+use locker_tests::postgres::cluster;
+use locker_tests::server::{enc, Api};
+use locker_tests::unique;
+use serde_json::{json, Value};
+
+/// The lease the server keeps (`fleet::LEASE`).
+const LEASE: Duration = Duration::from_secs(3);
+/// Sandboxes the routing check calls, and the calls.
+const ROUTED: usize = 10;
+const REQUESTS: usize = 1000;
+/// The creates a replica is killed during, and their clients.
+const CREATES: usize = 200;
+const CREATORS: usize = 8;
+/// Tries a client makes of one create (an SDK's retries).
+const TRIES: u32 = 4;
+/// The file each routed sandbox holds, its content its own.
+const OWNER_FILE: &str = "/tmp/owner.txt";
+/// A fleet's create: a jail of `memory_mb` (and `disk_mb`, when given).
+fn create_body(memory_mb: u32, disk_mb: Option<u32>) -> Vec<u8> {
+    let mut b = json!({"runtime": "jail", "ttl_s": 900, "memory_mb": memory_mb});
+    if let Some(d) = disk_mb {
+        b["disk_mb"] = json!(d);
+    }
+    serde_json::to_vec(&b).expect("json")
+}
+
+const JSON: [(&str, &str); 1] = [("Content-Type", "application/json")];
+
+/// A create through `api` that must answer 201: the sandbox's id and node.
+#[track_caller]
+fn create(api: &Api, body: &[u8], what: &str) -> (String, String) {
+    let r = api.request("POST", "/v1/sandboxes", &JSON, body.to_vec());
+    assert_eq!(r.status, 201, "{what}: create: {}", r.text());
+    let id = r.json()["id"].as_str().expect("an id").to_owned();
+    (id, placed_on(&r))
+}
+
+/// How one client's create ended, after up to [`TRIES`] tries.
+#[derive(Debug)]
+enum Outcome {
+    Created {
+        id: String,
+        node: String,
+    },
+    /// Every try failed retriably (5xx, 429 or the connection); the last error.
+    GaveUp(String),
+    /// A try was refused in a way no client should retry (a 4xx other than 429).
+    Refused(String),
+}
+
+/// A create as an SDK makes it: tried again on a 5xx, a 429 or a broken connection. The
+/// outcome, and the retriable errors met on the way. Small (128 MB, 512 MB of disk): the
+/// two nodes hold all 200 within the memory and disk their engines allow a tenant.
+fn create_retrying(api: &Api) -> (Outcome, Vec<String>) {
+    let mut errors = Vec::new();
+    for attempt in 1..=TRIES {
+        match api.try_request("POST", "/v1/sandboxes", &JSON, create_body(128, Some(512))) {
+            Ok(r) if r.status == 201 => {
+                let id = serde_json::from_slice::<Value>(&r.body)
+                    .ok()
+                    .and_then(|v| v["id"].as_str().map(str::to_owned));
+                return match id {
+                    Some(id) => (
+                        Outcome::Created {
+                            id,
+                            node: placed_on(&r),
+                        },
+                        errors,
+                    ),
+                    None => (
+                        Outcome::Refused(format!("201 without an id: {}", r.text())),
+                        errors,
+                    ),
+                };
+            }
+            Ok(r) if r.status == 429 || r.status >= 500 => {
+                errors.push(format!("HTTP {}: {}", r.status, r.text()));
+            }
+            Ok(r) => {
+                return (
+                    Outcome::Refused(format!("HTTP {}: {}", r.status, r.text())),
+                    errors,
+                );
+            }
+            Err(e) => errors.push(format!("connection: {e}")),
+        }
+        std::thread::sleep(Duration::from_millis(150 * u64::from(attempt)));
+    }
+    let last = errors.last().cloned().unwrap_or_default();
+    (Outcome::GaveUp(last), errors)
+}
+
+/// The replicas (indexes into [`NAMES`]) that hold an exclusive session-level advisory lock
+/// on `db`: held in three samples 300 ms apart (a transaction's own advisory locks come and
+/// go), by a connection of that replica's `application_name`.
+fn lock_holders(db: &str) -> Vec<usize> {
+    let sample = || -> BTreeSet<String> {
+        cluster()
+            .psql(
+                db,
+                "SELECT DISTINCT a.application_name || '/' || l.classid || ':' || l.objid \
+                 FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'advisory' AND l.granted AND l.mode = 'ExclusiveLock' \
+                   AND a.datname = current_database() \
+                   AND a.application_name LIKE 'locker-replica-%'",
+            )
+            .lines()
+            .filter(|l| !l.is_empty())
+            .map(str::to_owned)
+            .collect()
+    };
+    let mut held = sample();
+    for _ in 0..2 {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = sample();
+        held = held.intersection(&now).cloned().collect();
+    }
+    let holders: BTreeSet<usize> = held
+        .iter()
+        .filter_map(|h| {
+            let app = h.split('/').next()?;
+            NAMES
+                .iter()
+                .position(|n| app == format!("locker-replica-{}", n.to_lowercase()))
+        })
+        .collect();
+    holders.into_iter().collect()
+}
+
+/// Polls [`lock_holders`] until exactly one replica holds the lock (`limit` at most): the
+/// holders last seen.
+fn leader(db: &str, limit: Duration) -> Vec<usize> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let h = lock_holders(db);
+        if h.len() == 1 || Instant::now() > deadline {
+            return h;
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+type Rig = ReplicaRig;
+
+/// Check 1: the fabric, two replicas on one database, haproxy before them, two nodes joined
+/// through it.
+fn start_rig() -> Rig {
+    let rig = ReplicaRig::start("fleet-replicas", &[("a", 150), ("b", 150)]);
+    println!(
+        "check 1: replicas A ({}) and B ({}) on one database, haproxy before them, 2 nodes \
+         joined through it",
+        rig.reps[0].url, rig.reps[1].url
+    );
+    rig
+}
+
+/// One routed call, checked: did it reach sandbox `id`'s node (its own `content`)?
+fn routed_call(api: &Api, kind: &str, id: &str, content: &str) -> Result<(), String> {
+    let r = match kind {
+        "exec" => api.try_request(
+            "POST",
+            &format!("/v1/sandboxes/{id}/exec"),
+            &JSON,
+            serde_json::to_vec(&json!({"cmd": ["cat", OWNER_FILE]})).unwrap(),
+        ),
+        "file read" => api.try_request(
+            "GET",
+            &format!("/v1/sandboxes/{id}/files?path={}", enc(OWNER_FILE)),
+            &[],
+            (),
+        ),
+        _ => api.try_request("GET", &format!("/v1/sandboxes/{id}"), &[], ()),
+    }
+    .map_err(|e| e.to_string())?;
+    let v: Value = serde_json::from_slice(&r.body).unwrap_or(Value::Null);
+    let good = r.status == 200
+        && match kind {
+            "exec" => v["exit_code"] == 0 && v["stdout"] == content,
+            "file read" => r.body == content.as_bytes(),
+            _ => v["id"] == id && v["state"] == "running",
+        };
+    if good {
+        Ok(())
+    } else {
+        Err(format!("HTTP {}: {}", r.status, r.text()))
+    }
+}
+
+/// Check 2: 1,000 calls through A, B and haproxy all reach the sandbox's node.
+fn check_routing(rig: &Rig) {
+    let api_a = rig.api(0);
+    let mut routed: Vec<(String, String, String)> = Vec::new();
+    for i in 0..ROUTED {
+        let (id, node) = create(
+            &rig.hap,
+            &create_body(256, None),
+            "check 2: through haproxy",
+        );
+        let content = format!(
+            "sandbox {id}, number {i}, on node {node}: {}",
+            unique("own")
+        );
+        api_a
+            .write_file(&id, OWNER_FILE, content.as_bytes())
+            .expect(
+                200,
+                "check 2: write the sandbox's own file through replica A",
+            );
+        routed.push((id, node, content));
+    }
+    let mut spread: BTreeMap<&str, usize> = BTreeMap::new();
+    for r in &routed {
+        *spread.entry(r.1.as_str()).or_default() += 1;
+    }
+    println!("check 2: {ROUTED} sandboxes, per node {spread:?}");
+    let api_b = rig.api(1);
+    let entries: [(&str, &Api); 3] = [
+        ("replica A", &api_a),
+        ("replica B", &api_b),
+        ("haproxy", &rig.hap),
+    ];
+    let mut latency: [Vec<Duration>; 3] = Default::default();
+    let mut failures: Vec<String> = Vec::new();
+    let t0 = Instant::now();
+    for i in 0..REQUESTS {
+        // Every (entry point, sandbox) pair within 30 calls; the kind changes every 30.
+        let (e, (id, node, content)) = (i % 3, &routed[i % ROUTED]);
+        let (name, api) = entries[e];
+        let kind = ["exec", "file read", "GET"][(i / 30) % 3];
+        let t = Instant::now();
+        let outcome = routed_call(api, kind, id, content);
+        latency[e].push(t.elapsed());
+        if let Err(m) = outcome {
+            failures.push(format!(
+                "call {i} through {name}, {kind} of {id} (on node {node}): {m}"
+            ));
+        }
+    }
+    for (e, (name, _)) in entries.iter().enumerate() {
+        let v = &mut latency[e];
+        println!(
+            "check 2: {} calls through {name}: p50 {:.2?}, p99 {:.2?}, max {:.2?}",
+            v.len(),
+            quantile(v, 0.50),
+            quantile(v, 0.99),
+            quantile(v, 1.0)
+        );
+    }
+    println!(
+        "check 2: {REQUESTS} calls in {:.1?}, {} failed",
+        t0.elapsed(),
+        failures.len()
+    );
+    assert!(
+        failures.is_empty(),
+        "check 2: {} of {REQUESTS} calls did not reach the sandbox's node (its own content); \
+         the first ones:\n{}",
+        failures.len(),
+        failures
+            .iter()
+            .take(10)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+}
+
+/// Check 4: a replica killed (and started again) while 200 creates run through haproxy;
+/// then the books balance, and deleting everything empties the nodes.
+fn check_replica_kill_during_creates(rig: &mut Rig) {
+    let holders = lock_holders(&rig.db);
+    // The one that does not lead (B when that cannot be told): the leader is killed in 3.
+    let victim = if holders.len() == 1 {
+        1 - holders[0]
+    } else {
+        1
+    };
+    println!(
+        "check 4: leader lock held by {:?}; killing replica {} during the creates",
+        holders.iter().map(|&i| NAMES[i]).collect::<Vec<_>>(),
+        NAMES[victim]
+    );
+    let t0 = Instant::now();
+    let next = AtomicUsize::new(0);
+    let done = AtomicUsize::new(0);
+    let outcomes: Mutex<Vec<(Outcome, Vec<String>)>> = Mutex::new(Vec::new());
+    let (mut killed_after, mut restarted_after) = (0, 0);
+    let hap = rig.hap.clone();
+    let reps = &mut rig.reps;
+    std::thread::scope(|s| {
+        for _ in 0..CREATORS {
+            s.spawn(|| {
+                while next.fetch_add(1, Ordering::Relaxed) < CREATES {
+                    let o = create_retrying(&hap);
+                    outcomes.lock().unwrap().push(o);
+                    done.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+        }
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while done.load(Ordering::Relaxed) < 30 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        reps[victim].kill9();
+        killed_after = done.load(Ordering::Relaxed);
+        // A little later: 15 more creates answered by the survivor (3 s at most).
+        let back = Instant::now() + Duration::from_secs(3);
+        while done.load(Ordering::Relaxed) < (killed_after + 15).min(CREATES)
+            && Instant::now() < back
+        {
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        reps[victim].restart_on_same_port();
+        restarted_after = done.load(Ordering::Relaxed);
+    });
+    let outcomes = outcomes.into_inner().unwrap();
+    let retried: Vec<&String> = outcomes.iter().flat_map(|(_, e)| e).collect();
+    let mut created: Vec<(String, String)> = Vec::new();
+    let (mut gave_up, mut refused) = (Vec::new(), Vec::new());
+    for (o, _) in &outcomes {
+        match o {
+            Outcome::Created { id, node } => created.push((id.clone(), node.clone())),
+            Outcome::GaveUp(e) => gave_up.push(e),
+            Outcome::Refused(e) => refused.push(e),
+        }
+    }
+    println!(
+        "check 4: {CREATES} creates in {:.1?} (replica {} killed after {killed_after} answers, \
+         started again after {restarted_after}): {} created, {} gave up after {TRIES} tries, \
+         {} refused; {} retriable errors on the way",
+        t0.elapsed(),
+        NAMES[victim],
+        created.len(),
+        gave_up.len(),
+        refused.len(),
+        retried.len()
+    );
+    for e in retried.iter().take(8) {
+        let line: String = e.split_whitespace().collect::<Vec<_>>().join(" ");
+        println!(
+            "check 4:   retried: {}",
+            line.chars().take(160).collect::<String>()
+        );
+    }
+    assert_eq!(
+        outcomes.len(),
+        CREATES,
+        "check 4: every create has an outcome"
+    );
+    assert!(
+        refused.is_empty(),
+        "check 4: creates refused with a non-retriable answer (a 4xx other than 429) while a \
+         replica died: {refused:#?}"
+    );
+    // The replica started again makes sandboxes too.
+    created.push(create(
+        &rig.api(victim),
+        &create_body(128, Some(512)),
+        "check 4: through the restarted replica",
+    ));
+
+    // Reconciliation (on the leader, every 5 s): orphans destroyed after two sightings 10 s
+    // apart, creates that died with their replica resolved. Polled, 45 s at most.
+    let t_books = Instant::now();
+    let mut wrong = books(&rig.db, &rig.nodes, &created);
+    println!(
+        "check 4: the books right after the creates (to be reconciled): {:?}",
+        kinds(&wrong)
+    );
+    for w in wrong.iter().take(6) {
+        println!("check 4:   {w}");
+    }
+    while !wrong.is_empty() && t_books.elapsed() < Duration::from_secs(45) {
+        std::thread::sleep(Duration::from_millis(500));
+        wrong = books(&rig.db, &rig.nodes, &created);
+    }
+    assert!(
+        wrong.is_empty(),
+        "check 4: the fleet's books do not balance {:.0?} after the creates ended ({:?}):\n{}",
+        t_books.elapsed(),
+        kinds(&wrong),
+        wrong.join("\n")
+    );
+    println!(
+        "check 4: books balance {:.1?} after the creates: no placement starting, every \
+         placed sandbox on its node, 0 orphans, reservations = placements",
+        t_books.elapsed()
+    );
+    // Every sandbox answered 201 runs.
+    let not_running: Vec<String> = created
+        .iter()
+        .filter_map(|(id, node)| {
+            match rig
+                .hap
+                .try_request("GET", &format!("/v1/sandboxes/{id}"), &[], ())
+            {
+                Ok(r) if r.status == 200 && r.json()["state"] == "running" => None,
+                other => Some(format!(
+                    "{id} on {node}: {:?}",
+                    other.map(|r| (r.status, r.text()))
+                )),
+            }
+        })
+        .collect();
+    assert!(
+        not_running.is_empty(),
+        "check 4: sandboxes created (201) while a replica died do not run: {not_running:#?}"
+    );
+
+    // Everything deleted through haproxy: the nodes are empty, nothing reserved.
+    let all: Vec<String> = rows(
+        &rig.db,
+        "SELECT sandbox_id FROM placements WHERE sandbox_id IS NOT NULL ORDER BY sandbox_id",
+    )
+    .into_iter()
+    .map(|r| r[0].clone())
+    .collect();
+    let t_delete = Instant::now();
+    let failed = delete_all(&rig.hap, &all, CREATORS);
+    assert!(
+        failed.is_empty(),
+        "check 4: deletes through haproxy failed: {failed:#?}"
+    );
+    println!(
+        "check 4: {} sandboxes ({} answered 201, and those made for creates whose answer was \
+         lost) deleted through haproxy in {:.1?}",
+        all.len(),
+        created.len(),
+        t_delete.elapsed()
+    );
+    for n in &rig.nodes {
+        let left = sandbox_dirs(n);
+        assert!(
+            left.is_empty(),
+            "check 4: node {} still holds sandboxes after every delete: {left:?}",
+            n.name
+        );
+    }
+    let reserved = rows(
+        &rig.db,
+        "SELECT name, reserved_slots, reserved_memory_mb FROM nodes ORDER BY name",
+    );
+    assert!(
+        reserved.iter().all(|r| r[1] == "0" && r[2] == "0"),
+        "check 4: reservations left after every delete: {reserved:?}"
+    );
+    let left = rows(&rig.db, "SELECT id, state, sandbox_id FROM placements");
+    assert!(
+        left.is_empty(),
+        "check 4: placements left after every delete: {left:?}"
+    );
+    let list = rig.hap.get("/v1/sandboxes").expect(200, "list");
+    assert_eq!(list["total"], 0, "check 4: sandboxes listed: {list}");
+}
+
+/// Each of `ids`' `state` through `api` (or what answered instead).
+fn states(api: &Api, ids: &[String]) -> Vec<String> {
+    ids.iter()
+        .map(
+            |id| match api.try_request("GET", &format!("/v1/sandboxes/{id}"), &[], ()) {
+                Ok(r) => serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null)["state"]
+                    .as_str()
+                    .map_or_else(|| format!("HTTP {}: {}", r.status, r.text()), str::to_owned),
+                Err(e) => e.to_string(),
+            },
+        )
+        .collect()
+}
+
+/// Polls until every state of `ids` through every one of `apis` is `lost` (15 s at most):
+/// the states last seen, through each.
+fn until_lost(apis: &[&Api], ids: &[String]) -> Vec<Vec<String>> {
+    let t0 = Instant::now();
+    loop {
+        let seen: Vec<Vec<String>> = apis.iter().map(|a| states(a, ids)).collect();
+        if seen.iter().flatten().all(|s| s == "lost") || t0.elapsed() > Duration::from_secs(15) {
+            return seen;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    }
+}
+
+/// Check 3: the leader dies, then node a: the other replica takes over the sweeping. The
+/// dead leader's index.
+fn check_leader_failover(rig: &mut Rig) -> usize {
+    let mut on: BTreeMap<String, Vec<String>> = BTreeMap::new();
+    let both = |on: &BTreeMap<String, Vec<String>>| {
+        ["a", "b"]
+            .iter()
+            .all(|n| on.get(*n).is_some_and(|v| v.len() >= 2))
+    };
+    // Placement spreads them (each on the emptier of the two, or either while its table is
+    // a moment old): 20 creates at most.
+    for _ in 0..20 {
+        if both(&on) {
+            break;
+        }
+        let (id, node) = create(
+            &rig.hap,
+            &create_body(256, None),
+            "check 3: through haproxy",
+        );
+        on.entry(node).or_default().push(id);
+    }
+    assert!(
+        both(&on),
+        "check 3: 20 creates did not put 2 sandboxes on each node: {on:?}"
+    );
+    let holders = leader(&rig.db, Duration::from_secs(10));
+    assert_eq!(
+        holders.len(),
+        1,
+        "check 3: exactly one replica holds the fleet's leader lock (an exclusive session \
+         advisory lock, pg_try_advisory_lock); holders for 10 s: {:?}",
+        holders.iter().map(|&i| NAMES[i]).collect::<Vec<_>>()
+    );
+    let (l, f) = (holders[0], 1 - holders[0]);
+    let api_f = rig.api(f);
+    // The survivor routes calls to a's sandboxes (it caches their node) before a dies.
+    for id in &on["a"] {
+        assert_eq!(
+            api_f.sh(id, "echo before"),
+            "before\n",
+            "check 3: {id} on a"
+        );
+    }
+    let b_epoch = fleet_node(&fleet_nodes(&rig.reps[f].admin()), "b")["epoch"].clone();
+    println!(
+        "check 3: replica {} leads; killing it, then node a",
+        NAMES[l]
+    );
+    rig.reps[l].kill9();
+    rig.nodes[0].signal(libc::SIGKILL);
+    let killed = Instant::now();
+    let seen = until_lost(&[&api_f, &rig.hap], &on["a"]);
+    assert!(
+        seen.iter().flatten().all(|s| s == "lost"),
+        "check 3: 15 s after the leader (replica {l}) and node a were killed, a's sandboxes \
+         read {:?} through replica {f} and {:?} through haproxy, not `lost` (did {f} take \
+         over the sweeping?)",
+        seen[0],
+        seen[1],
+        l = NAMES[l],
+        f = NAMES[f],
+    );
+    println!(
+        "check 3: a's sandboxes lost through replica {} and haproxy {:.1?} after the kills \
+         (lease {LEASE:?})",
+        NAMES[f],
+        killed.elapsed()
+    );
+    assert_eq!(
+        leader(&rig.db, Duration::from_secs(5)),
+        vec![f],
+        "check 3: replica {} does not hold the leader lock after {}'s death",
+        NAMES[f],
+        NAMES[l]
+    );
+    assert!(
+        rig.reps[f].log_text().contains("node declared dead"),
+        "check 3: replica {}'s log does not say it declared node a dead",
+        NAMES[f]
+    );
+    for api in [&api_f, &rig.hap] {
+        for id in &on["b"] {
+            let r = api.post(
+                &format!("/v1/sandboxes/{id}/exec"),
+                &json!({"shell": "echo alive"}),
+            );
+            assert!(
+                r.status == 200 && r.json()["stdout"] == "alive\n",
+                "check 3: node b's sandbox {id} through {}: HTTP {}: {}",
+                api.base,
+                r.status,
+                r.text()
+            );
+        }
+        api.post(
+            &format!("/v1/sandboxes/{}/exec", on["a"][0]),
+            &json!({"shell": "true"}),
+        )
+        .expect_error(410, "gone", "check 3: exec in a lost sandbox");
+    }
+    let l_nodes = fleet_nodes(&rig.reps[f].admin());
+    let b = fleet_node(&l_nodes, "b");
+    assert!(
+        b["alive"] == true && b["epoch"] == b_epoch,
+        "check 3: node b was declared dead in the failover: {b}"
+    );
+    assert_eq!(fleet_node(&l_nodes, "a")["state"], "dead", "check 3: a");
+    // Lost sandboxes go with a delete; b's are deleted on b.
+    let rest: Vec<String> = on.values().flatten().cloned().collect();
+    let failed = delete_all(&rig.hap, &rest, CREATORS);
+    assert!(
+        failed.is_empty(),
+        "check 3: deletes through haproxy: {failed:#?}"
+    );
+    assert!(
+        sandbox_dirs(&rig.nodes[1]).is_empty(),
+        "check 3: b still holds sandboxes after their deletes"
+    );
+    l
+}
+
+/// Check 5: a follower's routes do not outlive a node. The killed leader `x` comes back (a
+/// follower); the leadership moves back to it (the other, `y`, killed and started again:
+/// a new leader's limit of one node declared dead a minute starts afresh); `y` routes calls
+/// to two sandboxes of b (caching b as their node), then b dies: its sandboxes read `lost`
+/// through the leader, the follower and haproxy, and their deletes work through each.
+fn check_follower_routes(rig: &mut Rig, x: usize) {
+    let y = 1 - x;
+    rig.reps[x].restart_on_same_port();
+    let on_b: Vec<String> = (0..2)
+        .map(|_| {
+            let (id, node) = create(
+                &rig.hap,
+                &create_body(256, None),
+                "check 5: through haproxy",
+            );
+            assert_eq!(node, "b", "check 5: a is dead");
+            id
+        })
+        .collect();
+    rig.reps[y].kill9();
+    assert_eq!(
+        leader(&rig.db, Duration::from_secs(10)),
+        vec![x],
+        "check 5: replica {} does not take the leader lock after {}'s death",
+        NAMES[x],
+        NAMES[y]
+    );
+    rig.reps[y].restart_on_same_port();
+    let (api_x, api_y) = (rig.api(x), rig.api(y));
+    for id in &on_b {
+        assert_eq!(
+            api_y.sh(id, "echo cached"),
+            "cached\n",
+            "check 5: {id} through {}",
+            NAMES[y]
+        );
+    }
+    rig.nodes[1].signal(libc::SIGKILL);
+    let killed = Instant::now();
+    let seen = until_lost(&[&api_x, &api_y, &rig.hap], &on_b);
+    println!(
+        "check 5: {:.1?} after node b's death, its sandboxes read {:?} through the leader {}, \
+         {:?} through the follower {}, {:?} through haproxy",
+        killed.elapsed(),
+        seen[0],
+        NAMES[x],
+        seen[1],
+        NAMES[y],
+        seen[2]
+    );
+    assert!(
+        seen[0].iter().all(|s| s == "lost"),
+        "check 5: 15 s after node b's death, its sandboxes read {:?} through the leader {}, \
+         not `lost`",
+        seen[0],
+        NAMES[x]
+    );
+    assert!(
+        seen[1].iter().chain(&seen[2]).all(|s| s == "lost"),
+        "check 5: node b's sandboxes read `lost` through the leader {x}, but {:?} through the \
+         follower {y} and {:?} through haproxy: the follower's cached routes outlive the \
+         node it no longer reaches",
+        seen[1],
+        seen[2],
+        x = NAMES[x],
+        y = NAMES[y],
+    );
+    let failed = delete_all(&rig.hap, &on_b, CREATORS);
+    assert!(
+        failed.is_empty(),
+        "check 5: deletes of lost sandboxes through haproxy: {failed:#?}"
+    );
+}
+
+#[test]
+fn control_replicas_share_one_database_behind_haproxy() {
+    let t0 = Instant::now();
+    let mut rig = start_rig();
+    println!("check 1 passed ({:.1?})", t0.elapsed());
+    let t = Instant::now();
+    check_routing(&rig);
+    println!("check 2 passed ({:.1?})", t.elapsed());
+    let t = Instant::now();
+    check_replica_kill_during_creates(&mut rig);
+    println!("check 4 passed ({:.1?})", t.elapsed());
+    let t = Instant::now();
+    let dead = check_leader_failover(&mut rig);
+    println!("check 3 passed ({:.1?})", t.elapsed());
+    let t = Instant::now();
+    check_follower_routes(&mut rig, dead);
+    println!("check 5 passed ({:.1?})", t.elapsed());
+    println!("all checks passed in {:.1?}", t0.elapsed());
+}
