@@ -220,6 +220,76 @@ fn a_run_sees_the_volume_and_commits_its_changes() {
 /// A run's command that leaves writers behind (a job, a `setsid` double fork, one that moved
 /// to a cgroup of its own) gets them all killed before its changes are read: what the run
 /// committed is what the volume keeps, and nothing writes to it afterwards.
+/// A run's machine keeps what it writes outside its volume in memory (on kernels that can
+/// id-map a tmpfs, 6.3 and later; a disk image elsewhere): its root's writable layer is as
+/// big as `/tmp` (half the run's memory), a write past it fails with ENOSPC inside the
+/// machine, ids inside are the machine's own, nothing of it reaches the volume, and the
+/// machine's directory never holds a disk image. From the warm pool and from a fresh
+/// machine (`--warm-pool 0`) alike.
+#[test]
+fn a_runs_own_writes_stay_in_memory_as_big_as_tmp_and_never_reach_the_volume() {
+    let in_memory = locker_runtime::jail::memory_scratch();
+    for flags in [&[][..], &["--warm-pool", "0"][..]] {
+        let s = Server::start_with(flags);
+        let api = s.api();
+        let vol = new_volume(&api, "scratch");
+        let script = "df -m / /tmp | awk 'NR>1 {print $2}'; \
+            echo x > /root/own && stat -c '%u:%g' /root/own; \
+            if head -c 300M /dev/zero > /root/big 2>/tmp/err; then echo wrote; else cat /tmp/err; fi; \
+            rm -f /root/big; echo kept > /workspace/kept";
+        let r = run(
+            &api,
+            &vol,
+            &json!({ "cmd": ["sh", "-c", script], "memory_mb": 512 }),
+        );
+        assert_eq!(r["exit_code"], 0, "{flags:?}: {r}");
+        let out = r["stdout"].as_str().unwrap().to_owned();
+        let lines: Vec<&str> = out.lines().collect();
+        let (root_mb, tmp_mb): (u64, u64) = (lines[0].parse().unwrap(), lines[1].parse().unwrap());
+        assert_eq!(
+            lines[2], "0:0",
+            "{flags:?}: the machine's root owns its files: {out}"
+        );
+        if in_memory {
+            assert_eq!(
+                root_mb, tmp_mb,
+                "{flags:?}: the layer is sized like /tmp: {out}"
+            );
+            assert_eq!(root_mb, 256, "{flags:?}: half of 512 MB: {out}");
+            assert!(
+                lines[3].contains("No space left on device"),
+                "{flags:?}: 300 MB past a 256 MB layer: {out}"
+            );
+        } else {
+            assert!(
+                root_mb > 1500,
+                "{flags:?}: a 2048 MB disk without id-mapped tmpfs: {out}"
+            );
+            assert_eq!(lines[3], "wrote", "{flags:?}: {out}");
+        }
+        assert_eq!(
+            strs(&r["changes"]["added"]),
+            ["/kept"],
+            "{flags:?}: only the volume's file is committed: {r}"
+        );
+        // No run's machine (nor a warm one) ever held a disk image.
+        if in_memory {
+            let images: Vec<_> = std::fs::read_dir(s.data_dir.join("pool"))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .filter(|e| e.path().join("disk.img").exists())
+                .map(|e| e.path())
+                .collect();
+            assert!(
+                images.is_empty(),
+                "{flags:?}: disk images in the pool: {images:?}"
+            );
+        }
+        assert_clean(&s, &[call_id(&r)]);
+    }
+}
+
 #[test]
 fn nothing_a_run_leaves_running_writes_to_its_volume_after_the_commit() {
     let s = Server::start();

@@ -223,7 +223,7 @@ fn not_root(uid: u32) -> String {
     format!("this runs as uid {uid}, not root: machines need root (namespaces, cgroups, mounts, network devices); run `sudo locker doctor` and the server as root")
 }
 
-fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
+pub(crate) fn kernel_at_least(release: &str, major: u32, minor: u32) -> bool {
     let mut it = release
         .split(|c: char| !c.is_ascii_digit())
         .filter_map(|s| s.parse::<u32>().ok());

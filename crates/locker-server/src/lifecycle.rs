@@ -219,6 +219,7 @@ pub async fn launch(
                         disk_from,
                         overlays: Vec::new(),
                         binds,
+                        scratch: locker_runtime::machine::Scratch::Disk,
                     },
                 )
                 .await

@@ -9,7 +9,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use locker_runtime::node::{Machine, MachineSpec, Node};
+use locker_runtime::machine::Scratch;
+use locker_runtime::node::{Attach, Machine, MachineSpec, Node};
 use locker_runtime::template::Template;
 
 use crate::ids::new_id;
@@ -233,7 +234,13 @@ impl Pool {
                         disk_mb: pool.disk_mb,
                         pids: PIDS,
                     };
-                    match pool.node.create(spec).await {
+                    // A run's machine keeps nothing it writes outside its volume: its
+                    // layer lives in memory (no disk image to make and delete per run).
+                    let attach = Attach {
+                        scratch: Scratch::Memory,
+                        ..Default::default()
+                    };
+                    match pool.node.create_attached(spec, attach).await {
                         Ok(m) => {
                             let mut shapes = pool.shapes.lock().expect("pool");
                             match shapes.iter_mut().find(|s| s.is(&t.digest, cpus, memory_mb)) {

@@ -61,7 +61,9 @@ use crate::volumes::Volume;
 /// The longest a run may take, and its default.
 pub const MAX_RUN_TIMEOUT_MS: u64 = 300_000;
 pub const DEFAULT_RUN_TIMEOUT_MS: u64 = 60_000;
-/// The machine's own disk (its root's writable layer; the volume is not on it).
+/// The machine's own writable layer (its root's; the volume is not on it): a microVM's
+/// disk of this size; a jail's layer is in memory, half the run's memory at most
+/// (`locker_runtime::machine::Scratch::Memory`; a disk of this size on kernels before 6.3).
 pub const RUN_DISK_MB: u64 = 2048;
 /// A run's view of a volume is a reflink copy up to this many files, else a snapshot: a
 /// reflink costs tens of microseconds a file, a btrfs snapshot a transaction commit (a
@@ -706,8 +708,13 @@ async fn fresh(
     mspec: MachineSpec,
     mount: OverlayMount,
 ) -> Result<locker_runtime::node::Machine, ApiError> {
+    let attach = locker_runtime::node::Attach {
+        overlays: vec![mount],
+        scratch: locker_runtime::machine::Scratch::Memory,
+        ..Default::default()
+    };
     app.node
-        .create_with(mspec, None, vec![mount])
+        .create_attached(mspec, attach)
         .await
         .map_err(ApiError::during("starting the run's machine failed"))
 }

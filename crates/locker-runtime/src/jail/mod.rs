@@ -15,8 +15,10 @@
 //! 2. creates the machine's user namespace (root inside = host uid `uid_base`, 65536 ids)
 //!    with a throwaway child, and keeps a handle to it;
 //! 3. creates the machine's cgroup with its limits, delegated to the machine's root;
-//! 4. formats the machine's disk, a sparse ext4 image of `disk_mb` (the disk quota), and
-//!    links the layer images of the snapshot it starts from into `<dir>/layers/`;
+//! 4. formats the machine's disk, a sparse ext4 image of `disk_mb` (the disk quota), unless
+//!    its writable layer is to be in memory (a run's: [`crate::machine::Scratch::Memory`],
+//!    a tmpfs PID 1 mounts instead), and links the layer images of the snapshot it starts
+//!    from into `<dir>/layers/`;
 //! 5. unshares mount, net, ipc, uts and pid namespaces and forks the machine's PID 1, which
 //!    enters the cgroup and a cgroup namespace, mounts the disk and an overlay root
 //!    (the template below through an id-mapped read-only mount, a snapshot's layers above
@@ -40,6 +42,17 @@
 //! in it), so the machine's mount table names nothing of the host's data dir.
 //! The mount, network and pid namespaces belong to the host's user namespace, so the
 //! machine's root can neither mount nor reconfigure its network.
+
+/// Whether this host's kernel can give a jail its writable layer in memory
+/// ([`crate::machine::Scratch::Memory`]): the layer reaches the machine through an id-mapped
+/// mount, which tmpfs allows from Linux 6.3. Read once.
+pub fn memory_scratch() -> bool {
+    static OK: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *OK.get_or_init(|| {
+        std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .is_ok_and(|r| crate::doctor::kernel_at_least(r.trim(), 6, 3))
+    })
+}
 
 /// The build of the shim's code (a hash of its sources; see `build.rs`): `locker-jail
 /// --build-id` prints it, and a node runs that binary only if it matches its own.

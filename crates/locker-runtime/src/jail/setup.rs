@@ -18,6 +18,7 @@ use super::spec::JailSpec;
 use super::{step, JailError};
 use crate::cgroup::MachineCgroup;
 use crate::machine::mounts::{mount_overlay, target_rel, PLAIN_UPPER};
+use crate::machine::Scratch;
 use crate::sys;
 
 /// The paths of a machine's set-up, in its directory (the set-up runs there).
@@ -144,7 +145,8 @@ fn note_loop(dir: &Path, dev: &Path, first: bool) -> Result<(), JailError> {
     writeln!(f, "{}", dev.display()).map_err(step("note the machine's loop devices"))
 }
 
-/// Mounts the machine's disk (quota = its size), which holds its writable layer, and
+/// Mounts the machine's disk (quota = its size), or a tmpfs in its place
+/// ([`Scratch::Memory`]), which holds its writable layer, and
 /// makes the mount points its template may lack. The disk stores canonical ids (root = 0)
 /// and reaches the overlay through an id-mapped mount, so a disk image (a snapshot) can
 /// start a machine with any uid range.
@@ -156,24 +158,42 @@ fn mount_disk(
     for d in [&l.disk, &l.mapped, &l.lower, &l.root] {
         fs::create_dir_all(d).map_err(step(format!("create {}", d.display())))?;
     }
-    let (dev, lo) = sys::loop_attach(&l.dir.join("disk.img"))
-        .map_err(step("attach the disk to a loop device"))?;
-    note_loop(&l.dir, &dev, true)?;
-    // An empty disk attached first is filled now (see `disk::place_blank`); whatever the
-    // device's page cache read meanwhile (a udev probe) is dropped before the mount.
-    if let Some(fill) = fill {
-        fill.run().map_err(step("fill the disk from its blank"))?;
-        sys::flush_buffers(&lo).map_err(step("drop the disk's stale buffers"))?;
+    match spec.scratch {
+        Scratch::Disk => {
+            let (dev, lo) = sys::loop_attach(&l.dir.join("disk.img"))
+                .map_err(step("attach the disk to a loop device"))?;
+            note_loop(&l.dir, &dev, true)?;
+            // An empty disk attached first is filled now (see `disk::place_blank`); whatever
+            // the device's page cache read meanwhile (a udev probe) is dropped before the mount.
+            if let Some(fill) = fill {
+                fill.run().map_err(step("fill the disk from its blank"))?;
+                sys::flush_buffers(&lo).map_err(step("drop the disk's stale buffers"))?;
+            }
+            sys::mount(
+                dev.to_str(),
+                &l.disk,
+                Some("ext4"),
+                libc::MS_NODEV | libc::MS_NOSUID,
+                None,
+            )
+            .map_err(step("mount the disk"))?;
+        }
+        Scratch::Memory => {
+            // No loop device: an empty list, so the teardown waits for none (and does not
+            // look through the host's).
+            fs::write(l.dir.join(crate::machine::LOOPS), "")
+                .map_err(step("note the machine's loop devices"))?;
+            let size_mb = scratch_mb(spec);
+            sys::mount(
+                Some("scratch"),
+                &l.disk,
+                Some("tmpfs"),
+                libc::MS_NODEV | libc::MS_NOSUID,
+                Some(&format!("mode=0755,size={size_mb}m")),
+            )
+            .map_err(step("mount the writable layer's tmpfs"))?;
+        }
     }
-    sys::mount(
-        dev.to_str(),
-        &l.disk,
-        Some("ext4"),
-        libc::MS_NODEV | libc::MS_NOSUID,
-        None,
-    )
-    .map_err(step("mount the disk"))?;
-    drop(lo);
     for d in [l.disk.join("upper"), l.disk.join("work")] {
         fs::create_dir_all(&d).map_err(step("create the writable layer"))?;
     }
@@ -411,6 +431,12 @@ fn owned_by_root(spec: &JailSpec) -> String {
 /// quarter for the processes, so filling them ends in ENOSPC, not in an OOM kill.
 fn tmpfs_sizes(memory_mb: u64) -> (u64, u64) {
     ((memory_mb / 2).clamp(8, 1024), (memory_mb / 4).clamp(4, 64))
+}
+
+/// The size of a writable layer in memory ([`Scratch::Memory`], MiB): as `/tmp`'s, half the
+/// memory, and never more than the disk it stands for.
+fn scratch_mb(spec: &JailSpec) -> u64 {
+    tmpfs_sizes(spec.memory_mb).0.min(spec.disk_mb.max(8))
 }
 
 /// Binds `spec.binds` into the machine's root (see [`crate::machine::BindMount`]).

@@ -14,7 +14,7 @@ use super::setup::machine_setup;
 use super::spec::JailSpec;
 use super::{step, JailError, LOG_HEAD};
 use crate::cgroup::{Layout, Limits, MachineCgroup};
-use crate::machine::{blank_disks_dir, slots::UID_RANGE};
+use crate::machine::{blank_disks_dir, slots::UID_RANGE, Scratch};
 use crate::sys;
 
 /// How much of the agent's last output past [`LOG_HEAD`] is kept (in the shim's memory)
@@ -89,10 +89,15 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
     let cpus = crate::view::pick_cpus(spec.cpus);
 
     // 4. The disk: a fresh image; a snapshot's layers are linked beside it (read-only).
-    let img = dir.join("disk.img");
-    // Filled by PID 1 once attached (see `disk::place_blank`), unless a reflink made it whole.
-    let fill = crate::disk::place_blank(&img, spec.disk_mb, &blank_disks_dir())
-        .map_err(step("make the disk image"))?;
+    // Filled by PID 1 once attached (see `disk::place_blank`), unless a reflink made it
+    // whole. A machine whose layer is in memory has no image.
+    let fill = match spec.scratch {
+        Scratch::Disk => {
+            crate::disk::place_blank(&dir.join("disk.img"), spec.disk_mb, &blank_disks_dir())
+                .map_err(step("make the disk image"))?
+        }
+        Scratch::Memory => None,
+    };
     crate::disk::link_stack(&spec.layers, &dir.join(crate::disk::MACHINE_LAYERS), 0)
         .map_err(step("link the snapshot's layers"))?;
     let seccomp = crate::seccomp::programs().map_err(|e| JailError::Init(e.to_string()))?;

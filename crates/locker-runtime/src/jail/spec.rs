@@ -5,7 +5,7 @@ use std::path::PathBuf;
 
 use serde::{Deserialize, Serialize};
 
-use crate::machine::{BindMount, OverlayMount};
+use crate::machine::{BindMount, OverlayMount, Scratch};
 
 /// Everything the shim needs to build one machine (written as `<dir>/jail.json`).
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -20,6 +20,9 @@ pub struct JailSpec {
     pub memory_mb: u64,
     pub pids: u64,
     pub disk_mb: u64,
+    /// Where the machine's writable layer lives: a disk image of `disk_mb`, or memory.
+    #[serde(default)]
+    pub scratch: Scratch,
     /// Read-only layers between the template and the machine's own (always blank) disk,
     /// top first: a snapshot's layer stack (see [`crate::disk::stack_of`]). The shim
     /// links them into `<dir>/layers/` and the machine mounts each image read-only, its

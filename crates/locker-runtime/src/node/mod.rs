@@ -16,7 +16,7 @@ use crate::agent::AgentClient;
 use crate::cgroup::{Layout, MachineCgroup};
 use crate::jail::{self, JailSpec};
 use crate::machine::slots::{self, SlotError};
-use crate::machine::{self, BindMount, MachineState, OverlayMount};
+use crate::machine::{self, BindMount, MachineState, OverlayMount, Scratch};
 
 pub use crate::machine::state::RuntimeKind;
 pub use config::{find_agent, find_shim, is_static_elf, NodeConfig};
@@ -149,6 +149,10 @@ pub struct Attach {
     /// A microVM gets a network device (it will have a network policy other than `none`;
     /// one restored from a memory snapshot has one exactly when the snapshot's VM had).
     pub net: bool,
+    /// Where a jail's writable layer lives (a microVM's is always its disk). Memory is
+    /// given only where the kernel can id-map a tmpfs ([`crate::jail::memory_scratch`]);
+    /// elsewhere the machine gets its disk, as if asked for one.
+    pub scratch: Scratch,
 }
 
 /// Beside a memory snapshot's `memory`: present when its VM had a network device.
@@ -333,6 +337,7 @@ impl Node {
             disk_from,
             overlays: mounts,
             binds,
+            scratch,
             ..
         } = attach;
         let slot = slots::uid_ranges().lease(&spec.dir)?;
@@ -346,6 +351,10 @@ impl Node {
             memory_mb: spec.memory_mb,
             pids: spec.pids,
             disk_mb: spec.disk_mb,
+            scratch: match scratch {
+                Scratch::Memory if crate::jail::memory_scratch() => Scratch::Memory,
+                _ => Scratch::Disk,
+            },
             layers: disk_from
                 .as_deref()
                 .map(crate::disk::stack_of)
