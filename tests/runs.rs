@@ -225,7 +225,7 @@ fn a_run_sees_the_volume_and_commits_its_changes() {
 /// big as `/tmp` (half the run's memory), a write past it fails with ENOSPC inside the
 /// machine, ids inside are the machine's own, nothing of it reaches the volume, and the
 /// machine's directory never holds a disk image. From the warm pool and from a fresh
-/// machine (`--warm-pool 0`) alike.
+/// machine (`--warm-pool 0`) alike; `locker doctor` says which layer runs get.
 #[test]
 fn a_runs_own_writes_stay_in_memory_as_big_as_tmp_and_never_reach_the_volume() {
     let in_memory = locker_runtime::jail::memory_scratch();
@@ -288,6 +288,15 @@ fn a_runs_own_writes_stay_in_memory_as_big_as_tmp_and_never_reach_the_volume() {
         }
         assert_clean(&s, &[call_id(&r)]);
     }
+    // `locker doctor` says which this host gives.
+    let out = std::process::Command::new(locker_tests::locker_bin())
+        .args(["doctor", "--json"])
+        .output()
+        .unwrap();
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    let said = v["host"]["run_layer"].as_str().unwrap();
+    let want = if in_memory { "memory:" } else { "disk:" };
+    assert!(said.starts_with(want), "doctor says {said:?}");
 }
 
 #[test]
