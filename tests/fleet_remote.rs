@@ -11,7 +11,7 @@ use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, Fabric, NodePro
 use locker_tests::fleet::placed_on;
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp, Server};
-use locker_tests::streams::{read_exit_frame, read_until, ws_connect};
+use locker_tests::streams::{browser_terminal, read_exit_frame, read_until, ws_connect};
 use locker_tests::wait_for;
 use serde_json::json;
 
@@ -243,55 +243,10 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     assert_eq!(read_exit_frame(&mut ws, &mut seen)["exit_code"], 0);
     // A browser's terminal (the dashboard): a ticket minted through control opens the
     // node's shell once, from control's own origin, without the key.
-    let t = api
-        .post_empty(&format!("/v1/sandboxes/{any}/pty/ticket"))
-        .expect(201, "a terminal ticket");
-    let protos = t["protocols"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|p| p.as_str().unwrap())
-        .collect::<Vec<_>>()
-        .join(", ");
-    let browser = |protos: &str| {
-        use tungstenite::client::IntoClientRequest;
-        let addr = srv.url.trim_start_matches("http://");
-        let mut req = format!("ws://{addr}/v1/sandboxes/{any}/pty")
-            .into_client_request()
-            .unwrap();
-        req.headers_mut()
-            .insert("Sec-WebSocket-Protocol", protos.parse().unwrap());
-        req.headers_mut().insert("Origin", srv.url.parse().unwrap());
-        let stream = std::net::TcpStream::connect(addr).unwrap();
-        stream
-            .set_read_timeout(Some(Duration::from_secs(10)))
-            .unwrap();
-        // The socket and the subprotocol chosen, or the refusal's status.
-        match tungstenite::client(req, stream) {
-            Ok((ws, resp)) => Ok((
-                ws,
-                resp.headers()["sec-websocket-protocol"]
-                    .to_str()
-                    .unwrap()
-                    .to_owned(),
-            )),
-            Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(r))) => {
-                Err(r.status().as_u16())
-            }
-            Err(e) => panic!("the browser's handshake: {e}"),
-        }
-    };
-    let (mut ws, chosen) = browser(&protos).expect("the browser's terminal opens");
-    assert_eq!(chosen, "locker-pty");
-    let mut seen = String::new();
-    ws.send(tungstenite::Message::binary(
-        b"echo tick$((6*7))et\n".to_vec(),
-    ))
-    .unwrap();
-    read_until(&mut ws, "tick42et", &mut seen);
-    drop(ws);
+    let browser = browser_terminal(&api, any);
+    browser(&srv.url).expect("the browser's terminal opens");
     assert_eq!(
-        browser(&protos).err(),
+        browser(&srv.url).err(),
         Some(401),
         "a used ticket opened the terminal again"
     );

@@ -299,6 +299,17 @@ fn check_routing(rig: &Rig) {
             .collect::<Vec<_>>()
             .join("\n")
     );
+    // A browser's terminal: the ticket minted through replica A (it lives in the shared
+    // store) opens the sandbox's shell through replica B, once.
+    let id = &routed[0].0;
+    let browser = locker_tests::streams::browser_terminal(&api_a, id);
+    browser(&rig.reps[1].url).expect("check 2: a ticket minted through A opens through B");
+    assert_eq!(
+        browser(&rig.reps[0].url).err(),
+        Some(401),
+        "check 2: a ticket used through B opened the terminal again through A"
+    );
+    println!("check 2: a terminal ticket minted through A opened {id}'s shell through B, once");
 }
 
 /// Check 4: a replica killed (and started again) while 200 creates run through haproxy;

@@ -264,3 +264,53 @@ impl Read for Pattern {
         Ok(n)
     }
 }
+
+/// A browser's terminal: mints a ticket for `sandbox` through `mint_at`, and answers a
+/// function that opens `/v1/sandboxes/{sandbox}/pty` at `url` (no key; the ticket as the
+/// WebSocket subprotocol, `Origin` that server's own), runs `echo` in it and closes it:
+/// `Ok` once the shell answered, else the refusal's HTTP status.
+pub fn browser_terminal(
+    mint_at: &crate::server::Api,
+    sandbox: &str,
+) -> impl Fn(&str) -> Result<(), u16> {
+    let t = mint_at
+        .post_empty(&format!("/v1/sandboxes/{sandbox}/pty/ticket"))
+        .expect(201, "a terminal ticket");
+    let protos = t["protocols"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|p| p.as_str().unwrap())
+        .collect::<Vec<_>>()
+        .join(", ");
+    let sandbox = sandbox.to_owned();
+    move |url: &str| {
+        use tungstenite::client::IntoClientRequest;
+        let addr = url.trim_start_matches("http://");
+        let mut req = format!("ws://{addr}/v1/sandboxes/{sandbox}/pty")
+            .into_client_request()
+            .unwrap();
+        req.headers_mut()
+            .insert("Sec-WebSocket-Protocol", protos.parse().unwrap());
+        req.headers_mut().insert("Origin", url.parse().unwrap());
+        let stream = std::net::TcpStream::connect(addr).unwrap();
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .unwrap();
+        let (mut ws, resp) = match tungstenite::client(req, stream) {
+            Ok(x) => x,
+            Err(tungstenite::HandshakeError::Failure(tungstenite::Error::Http(r))) => {
+                return Err(r.status().as_u16())
+            }
+            Err(e) => panic!("the browser's handshake: {e}"),
+        };
+        assert_eq!(resp.headers()["sec-websocket-protocol"], "locker-pty");
+        let mut seen = String::new();
+        ws.send(tungstenite::Message::binary(
+            b"echo tick$((6*7))et\n".to_vec(),
+        ))
+        .unwrap();
+        read_until(&mut ws, "tick42et", &mut seen);
+        Ok(())
+    }
+}

@@ -327,7 +327,6 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         default_template: Default::default(),
         events,
         builds: Default::default(),
-        tickets: Default::default(),
         usage_series: Default::default(),
         disks,
         fleet,

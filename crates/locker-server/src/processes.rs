@@ -383,7 +383,7 @@ async fn pty(
             tenant: f.tenant,
             key_id: "fleet".into(),
         },
-        None => crate::ui::pty_caller(&app, &headers, &id)?,
+        None => crate::ui::pty_caller(&app, &headers, &id).await?,
     };
     let live = live_of(&app, &caller, &id).await?;
     let size = PtySize {

@@ -349,8 +349,6 @@ pub struct App {
     /// Lifecycle events (`events`): rooms emit, the event room delivers.
     pub events: crate::events::Events,
     pub builds: crate::templates::Builds,
-    /// The dashboard's single-use terminal tickets (`ui`).
-    pub tickets: crate::ui::Tickets,
     /// Each tenant's usage minute by minute, for the dashboard's charts (`usage_series`).
     pub usage_series: crate::usage_series::Series,
     /// This server's hold on its data dir, for as long as the process lives.

@@ -17,8 +17,8 @@
 
 use std::collections::HashMap;
 use std::io::Write;
-use std::sync::{Mutex, OnceLock};
-use std::time::{Duration, Instant};
+use std::sync::OnceLock;
+use std::time::Duration;
 
 use crate::ids::hex;
 
@@ -281,56 +281,69 @@ async fn page_or_asset(Path(rest): Path<String>, headers: HeaderMap) -> Response
 /// How long a terminal ticket may wait for its WebSocket.
 const TICKET_TTL: Duration = Duration::from_secs(30);
 /// Tickets outstanding at once (each is tiny; the cap keeps a loop of mints bounded).
-const MAX_TICKETS: usize = 10_000;
+const MAX_TICKETS: u64 = 10_000;
 /// The WebSocket subprotocol the dashboard's terminal speaks (the PTY route's frames), and
 /// the prefix of the one that carries a ticket.
 pub const PTY_PROTOCOL: &str = "locker-pty";
 const TICKET_PROTOCOL_PREFIX: &str = "locker-ticket.";
 
-/// A ticket: one WebSocket to one sandbox's PTY, for the tenant and key that minted it.
-struct Ticket {
-    caller: Caller,
-    sandbox: String,
-    expires: Instant,
+/// Terminal tickets (single use, short-lived) live in the store, only their SHA-256: so
+/// with control replicas on one database a ticket minted through one is redeemed through
+/// any, and a restart does not void them.
+fn ticket_hash(ticket: &str) -> String {
+    use sha2::Digest;
+    locker_sys::hex::encode(&sha2::Sha256::digest(ticket.as_bytes()))
 }
 
-/// Outstanding terminal tickets (single use, short-lived, in memory: a restart voids them,
-/// which only means the page mints another).
-#[derive(Default)]
-pub struct Tickets(Mutex<HashMap<String, Ticket>>);
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+}
 
-impl Tickets {
-    fn mint(&self, caller: Caller, sandbox: &str) -> Result<String, ApiError> {
-        let mut map = self.0.lock().unwrap_or_else(|e| e.into_inner());
-        let now = Instant::now();
-        map.retain(|_, t| t.expires > now);
-        if map.len() >= MAX_TICKETS {
-            return Err(ApiError::quota(format!(
-                "{MAX_TICKETS} terminal tickets are outstanding: use one (open its WebSocket) or wait {}s for them to expire",
-                TICKET_TTL.as_secs()
-            )));
-        }
-        let id = locker_sys::random::new_id("pt_", 32);
-        map.insert(
-            id.clone(),
-            Ticket {
-                caller,
-                sandbox: sandbox.to_owned(),
-                expires: now + TICKET_TTL,
-            },
-        );
-        Ok(id)
-    }
+/// Runs a store call off the async threads.
+async fn in_store<T: Send + 'static>(
+    app: &AppState,
+    f: impl FnOnce(&dyn locker_store::Store) -> locker_store::Result<T> + Send + 'static,
+) -> Result<T, ApiError> {
+    let store = app.store.clone();
+    tokio::task::spawn_blocking(move || f(store.as_ref()))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(ApiError::from)
+}
 
-    /// Takes the ticket (it is gone whatever follows) if it is live and for `sandbox`.
-    fn redeem(&self, ticket: &str, sandbox: &str) -> Option<Caller> {
-        let t = self
-            .0
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(ticket)?;
-        (t.expires > Instant::now() && t.sandbox == sandbox).then_some(t.caller)
+/// A new ticket of `caller` for one WebSocket to `sandbox`'s PTY within [`TICKET_TTL`].
+async fn mint(app: &AppState, caller: Caller, sandbox: &str) -> Result<String, ApiError> {
+    let id = locker_sys::random::new_id("pt_", 32);
+    let now = now_ms();
+    let ttl_ms = i64::try_from(TICKET_TTL.as_millis()).unwrap_or(i64::MAX);
+    let rec = locker_store::TicketRecord {
+        hash: ticket_hash(&id),
+        tenant: caller.tenant,
+        key_id: caller.key_id,
+        sandbox_id: sandbox.to_owned(),
+        expires_ms: now.saturating_add(ttl_ms),
+    };
+    if !in_store(app, move |s| s.put_ticket(&rec, now, MAX_TICKETS)).await? {
+        return Err(ApiError::quota(format!(
+            "{MAX_TICKETS} terminal tickets are outstanding: use one (open its WebSocket) or wait {}s for them to expire",
+            TICKET_TTL.as_secs()
+        )));
     }
+    Ok(id)
+}
+
+/// Takes the ticket (it is gone whatever follows) and answers its caller if it was live
+/// and for `sandbox`.
+async fn redeem(app: &AppState, ticket: &str, sandbox: &str) -> Result<Option<Caller>, ApiError> {
+    let hash = ticket_hash(ticket);
+    let now = now_ms();
+    let t = in_store(app, move |s| s.take_ticket(&hash, now)).await?;
+    Ok(t.filter(|t| t.sandbox_id == sandbox).map(|t| Caller {
+        tenant: t.tenant,
+        key_id: t.key_id,
+    }))
 }
 
 async fn mint_ticket(
@@ -340,14 +353,14 @@ async fn mint_ticket(
 ) -> Result<Response, ApiError> {
     // Only for a sandbox of the caller's tenant that is live here (404/409 as the PTY would).
     crate::lifecycle::live_entry(&app, &caller, &id).await?;
-    ticket_answer(&app, caller, &id)
+    ticket_answer(&app, caller, &id).await
 }
 
 /// A new terminal ticket of `caller` for sandbox `id` (which the caller may open), as
 /// `POST /v1/sandboxes/{id}/pty/ticket` answers it; also the fleet router's, for a sandbox
 /// on another node (the browser's handshake then comes to this server, which redeems it).
-pub fn ticket_answer(app: &AppState, caller: Caller, id: &str) -> Result<Response, ApiError> {
-    let ticket = app.tickets.mint(caller, id)?;
+pub async fn ticket_answer(app: &AppState, caller: Caller, id: &str) -> Result<Response, ApiError> {
+    let ticket = mint(app, caller, id).await?;
     Ok((
         StatusCode::CREATED,
         axum::Json(json!({
@@ -375,7 +388,11 @@ pub fn has_ticket(headers: &HeaderMap) -> bool {
 /// (`locker-pty, locker-ticket.pt_…`), used up here. A ticket comes from a browser, so its
 /// handshake must also come from this server's own origin (no other site's page can open
 /// it, even with a stolen ticket).
-pub fn pty_caller(app: &AppState, headers: &HeaderMap, sandbox: &str) -> Result<Caller, ApiError> {
+pub async fn pty_caller(
+    app: &AppState,
+    headers: &HeaderMap,
+    sandbox: &str,
+) -> Result<Caller, ApiError> {
     if headers.contains_key(header::AUTHORIZATION) {
         return crate::auth::caller_of(app, headers);
     }
@@ -396,7 +413,7 @@ pub fn pty_caller(app: &AppState, headers: &HeaderMap, sandbox: &str) -> Result<
             "a terminal ticket works only from a page of this server's own origin",
         ));
     }
-    app.tickets.redeem(ticket, sandbox).ok_or_else(|| {
+    redeem(app, ticket, sandbox).await?.ok_or_else(|| {
         ApiError::unauthorized(
             "unknown, used or expired terminal ticket: mint a new one with `POST /v1/sandboxes/{id}/pty/ticket` (each works once, within 30 s, for its sandbox)",
         )
@@ -517,21 +534,5 @@ mod tests {
             ("host", "127.0.0.1:7070"),
             ("origin", "null")
         ])));
-    }
-
-    #[test]
-    fn tickets_work_once_for_their_sandbox() {
-        let t = Tickets::default();
-        let caller = Caller {
-            tenant: "a".into(),
-            key_id: "key_1".into(),
-        };
-        let id = t.mint(caller.clone(), "sb_1").unwrap();
-        assert!(t.redeem(&id, "sb_2").is_none(), "another sandbox");
-        // The failed redeem used it up.
-        assert!(t.redeem(&id, "sb_1").is_none(), "used once already");
-        let id = t.mint(caller, "sb_1").unwrap();
-        assert_eq!(t.redeem(&id, "sb_1").unwrap().tenant, "a");
-        assert!(t.redeem(&id, "sb_1").is_none(), "single use");
     }
 }

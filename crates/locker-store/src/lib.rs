@@ -45,7 +45,7 @@ pub use model::{
 pub use model::{validate_secret_name, SecretMisuse, SecretRecord, SecretUse};
 pub use model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 pub use model::{CallOutcome, CallPage, CallQuery, SandboxPage, SandboxQuery};
-pub use model::{EventRecord, SandboxTimes, WebhookRecord};
+pub use model::{EventRecord, SandboxTimes, TicketRecord, WebhookRecord};
 pub use pg::copy::{copy_sqlite_to_postgres, CopyReport};
 pub use pg::{is_postgres_url, redact_url, PgStore, AUTH_CACHE_TTL, PG_SCHEMA_VERSION, POOL_SIZE};
 pub use random::{fill_random, new_id, new_preview_token, API_KEY_PREFIX, PREVIEW_TOKEN_PREFIX};
@@ -339,6 +339,14 @@ pub trait Store: Send + Sync {
         node_id: &str,
         events: &[EventRecord],
     ) -> Result<(u64, Vec<EventRecord>)>;
+
+    /// Stores a terminal ticket unless `max` live ones are outstanding (those expired at
+    /// `now_ms` are removed first): `false` when full. One transaction.
+    fn put_ticket(&self, ticket: &TicketRecord, now_ms: i64, max: u64) -> Result<bool>;
+
+    /// Takes the ticket whose hash is `hash`: it is removed whatever follows, and returned
+    /// only if it is still live at `now_ms`. Each ticket is taken once, by one server.
+    fn take_ticket(&self, hash: &str, now_ms: i64) -> Result<Option<TicketRecord>>;
 
     /// The newest event's `seq` ever stored (pruned ones included); 0 if none.
     fn latest_event_seq(&self) -> Result<u64>;

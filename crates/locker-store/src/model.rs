@@ -613,3 +613,15 @@ pub struct CallPage {
     /// The cursor of the next (older) page; None when this page is the last.
     pub next_cursor: Option<i64>,
 }
+
+/// A terminal ticket (`POST /v1/sandboxes/{id}/pty/ticket`): one WebSocket to one
+/// sandbox's PTY, for the tenant and key that minted it, until `expires_ms` (ms since the
+/// epoch, the minting server's clock). Only the ticket's SHA-256 (hex) is stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TicketRecord {
+    pub hash: String,
+    pub tenant: String,
+    pub key_id: String,
+    pub sandbox_id: String,
+    pub expires_ms: i64,
+}

@@ -1632,6 +1632,18 @@ fn fill_every_table(s: &dyn Store) {
     )
     .unwrap()
     .unwrap();
+    s.put_ticket(
+        &locker_store::TicketRecord {
+            hash: "ab".repeat(32),
+            tenant: "default".into(),
+            key_id: "key_1".into(),
+            sandbox_id: "sb_1".into(),
+            expires_ms: i64::MAX / 2,
+        },
+        0,
+        10,
+    )
+    .unwrap();
 }
 
 #[test]
@@ -1660,7 +1672,7 @@ fn sqlite_data_moves_to_postgres_whole_and_only_once() {
             "{table} in Postgres"
         );
     }
-    assert_eq!(counts.len(), 15, "every table: {counts:?}");
+    assert_eq!(counts.len(), 16, "every table: {counts:?}");
 
     // What the API reads is the same on both stores.
     let (a, b) = (open(&dir), target.open());
@@ -2290,6 +2302,64 @@ fn placements_reserve_within_capacity(b: Backend) {
     assert_eq!(lost[0].id, "pl_m");
 }
 
+/// Terminal tickets: stored as given (the server hashes them), taken once by whichever
+/// server asks first, never after they expire, and capped while live (expired ones do not
+/// count); eight threads racing for the last two places get exactly two.
+fn terminal_tickets_are_taken_once_and_capped(b: Backend) {
+    use locker_store::TicketRecord;
+    let db = Db::new(b);
+    let store = db.open();
+    let t = |hash: &str, expires_ms: i64| TicketRecord {
+        hash: hash.into(),
+        tenant: "default".into(),
+        key_id: "key_1".into(),
+        sandbox_id: "sb_1".into(),
+        expires_ms,
+    };
+    let now = 1_000_000;
+    assert!(store.put_ticket(&t("h1", now + 30_000), now, 4).unwrap());
+    assert!(store
+        .put_ticket(&t("h_old", now - 1), now - 100, 4)
+        .unwrap());
+    // Taken once: the second take finds nothing.
+    assert_eq!(
+        store.take_ticket("h1", now).unwrap(),
+        Some(t("h1", now + 30_000))
+    );
+    assert_eq!(store.take_ticket("h1", now).unwrap(), None);
+    // Expired: gone, and not answered.
+    assert!(store.put_ticket(&t("h2", now + 10), now, 4).unwrap());
+    assert_eq!(store.take_ticket("h2", now + 10).unwrap(), None);
+    assert_eq!(
+        store.take_ticket("h2", now).unwrap(),
+        None,
+        "taken by the expired take"
+    );
+    assert_eq!(store.take_ticket("nope", now).unwrap(), None);
+    // The cap counts live tickets only (h_old expired: removed by the next put).
+    assert!(store.put_ticket(&t("a", now + 30_000), now, 4).unwrap());
+    assert!(store.put_ticket(&t("b", now + 30_000), now, 4).unwrap());
+    let won: usize = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..8)
+            .map(|i| {
+                let store = store.clone();
+                sc.spawn(move || {
+                    store
+                        .put_ticket(&t(&format!("r{i}"), now + 30_000), now, 4)
+                        .unwrap()
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap() as usize).sum()
+    });
+    assert_eq!(won, 2, "the last two places of four");
+    assert!(!store.put_ticket(&t("full", now + 30_000), now, 4).unwrap());
+    // Once they expire the places are free again.
+    assert!(store
+        .put_ticket(&t("later", now + 90_000), now + 60_000, 4)
+        .unwrap());
+}
+
 mod sqlite {
     #[test]
     fn fleet_tokens_nodes_and_leases() {
@@ -2309,6 +2379,11 @@ mod sqlite {
     #[test]
     fn node_events_are_taken_once() {
         super::node_events_are_taken_once(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn terminal_tickets_are_taken_once_and_capped() {
+        super::terminal_tickets_are_taken_once_and_capped(super::Backend::Sqlite)
     }
 
     #[test]
@@ -2427,6 +2502,11 @@ mod postgres {
     #[test]
     fn node_events_are_taken_once() {
         super::node_events_are_taken_once(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn terminal_tickets_are_taken_once_and_capped() {
+        super::terminal_tickets_are_taken_once_and_capped(super::Backend::Postgres)
     }
 
     #[test]

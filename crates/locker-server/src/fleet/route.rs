@@ -256,7 +256,7 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
         // For this server's own sandboxes the handler redeems it.
         Err(_) if pty && crate::ui::has_ticket(req.headers()) => match route_of(&app, &id).await {
             Ok(Some(r)) if !r.local && r.state == PlacementState::Placed => {
-                match crate::ui::pty_caller(&app, req.headers(), &id) {
+                match crate::ui::pty_caller(&app, req.headers(), &id).await {
                     Ok(c) => c,
                     Err(e) => return e.into_response(),
                 }
@@ -281,6 +281,7 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
         && req.uri().path() == format!("/v1/sandboxes/{id}/pty/ticket")
     {
         return crate::ui::ticket_answer(&app, caller, &id)
+            .await
             .unwrap_or_else(IntoResponse::into_response);
     }
     if route.state == PlacementState::Lost {

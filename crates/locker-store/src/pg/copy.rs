@@ -240,6 +240,16 @@ const TABLES: &[(&str, Columns)] = &[
             ("view", Text),
         ],
     ),
+    (
+        "pty_tickets",
+        &[
+            ("hash", Text),
+            ("tenant", Text),
+            ("key_id", Text),
+            ("sandbox_id", Text),
+            ("expires_ms", Int),
+        ],
+    ),
 ];
 
 /// One copied value, typed for Postgres (a NULL keeps its column's type).

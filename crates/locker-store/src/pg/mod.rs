@@ -54,7 +54,7 @@ use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
 };
-use crate::{SandboxPage, SandboxQuery, SecretRecord, SnapshotRecord, Store, Tombstone};
+use crate::{SandboxPage, SandboxQuery, SecretRecord, SnapshotRecord, Store, TicketRecord, Tombstone};
 
 pub use schema::PG_SCHEMA_VERSION;
 
@@ -702,6 +702,16 @@ impl Store for PgStore {
 
     fn latest_event_seq(&self) -> Result<u64> {
         self.run(events::latest_event_seq)
+    }
+
+    fn put_ticket(&self, ticket: &TicketRecord, now_ms: i64, max: u64) -> Result<bool> {
+        let t = ticket.clone();
+        self.run(move |c| tenants::put_ticket(c, &t, now_ms, max))
+    }
+
+    fn take_ticket(&self, hash: &str, now_ms: i64) -> Result<Option<TicketRecord>> {
+        let hash = hash.to_owned();
+        self.run(move |c| tenants::take_ticket(c, &hash, now_ms))
     }
 
     fn take_node_events(

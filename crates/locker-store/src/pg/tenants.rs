@@ -2,7 +2,8 @@
 //! same key format, hashing and messages, and a cache that ages (see the module docs of
 //! `pg`).
 //!
-//! Owns: the `tenants` and `api_keys` tables and the store's authentication cache.
+//! Owns: the `tenants`, `api_keys` and `pty_tickets` tables and the store's authentication
+//! cache.
 
 use std::sync::atomic::Ordering;
 use std::sync::PoisonError;
@@ -201,4 +202,55 @@ pub(super) fn list_keys(c: &mut Conn, tenant: &str) -> Result<Vec<KeyInfo>> {
         })
     })
     .collect()
+}
+
+/// See `Store::put_ticket`. The count and the insert are serialized by a transaction-scoped
+/// advisory lock, so racing mints never pass `max` together.
+pub(super) fn put_ticket(
+    c: &mut Conn,
+    t: &crate::TicketRecord,
+    now_ms: i64,
+    max: u64,
+) -> Result<bool> {
+    c.transaction(|c| {
+        c.execute("SELECT pg_advisory_xact_lock($1)", &[&TICKETS_LOCK])?;
+        c.execute("DELETE FROM pty_tickets WHERE expires_ms <= $1", &[&now_ms])?;
+        let live: i64 = c
+            .query_one("SELECT COUNT(*) FROM pty_tickets", &[])?
+            .try_get(0)?;
+        if u64::try_from(live).unwrap_or(0) >= max {
+            return Ok(false);
+        }
+        c.execute(
+            "INSERT INTO pty_tickets (hash, tenant, key_id, sandbox_id, expires_ms) \
+             VALUES ($1, $2, $3, $4, $5)",
+            &[&t.hash, &t.tenant, &t.key_id, &t.sandbox_id, &t.expires_ms],
+        )?;
+        Ok(true)
+    })
+}
+
+/// The advisory lock key of ticket mints (any fixed number no other lock uses).
+const TICKETS_LOCK: i64 = 0x6c6f_636b_7463_6b74; // "locktckt"
+
+/// See `Store::take_ticket`.
+pub(super) fn take_ticket(
+    c: &mut Conn,
+    hash: &str,
+    now_ms: i64,
+) -> Result<Option<crate::TicketRecord>> {
+    let row = c.query_opt(
+        "DELETE FROM pty_tickets WHERE hash = $1 \
+         RETURNING hash, tenant, key_id, sandbox_id, expires_ms",
+        &[&hash],
+    )?;
+    let Some(r) = row else { return Ok(None) };
+    let t = crate::TicketRecord {
+        hash: r.try_get(0)?,
+        tenant: r.try_get(1)?,
+        key_id: r.try_get(2)?,
+        sandbox_id: r.try_get(3)?,
+        expires_ms: r.try_get(4)?,
+    };
+    Ok((t.expires_ms > now_ms).then_some(t))
 }

@@ -42,7 +42,7 @@ use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
 };
-use crate::{SecretRecord, SnapshotRecord, Store, Tombstone};
+use crate::{SecretRecord, SnapshotRecord, Store, TicketRecord, Tombstone};
 
 pub use schema::SCHEMA_VERSION;
 
@@ -365,6 +365,14 @@ impl Store for SqliteStore {
 
     fn latest_event_seq(&self) -> Result<u64> {
         events::latest_event_seq(self)
+    }
+
+    fn put_ticket(&self, ticket: &TicketRecord, now_ms: i64, max: u64) -> Result<bool> {
+        tenants::put_ticket(self, ticket, now_ms, max)
+    }
+
+    fn take_ticket(&self, hash: &str, now_ms: i64) -> Result<Option<TicketRecord>> {
+        tenants::take_ticket(self, hash, now_ms)
     }
 
     fn take_node_events(

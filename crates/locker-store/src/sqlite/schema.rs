@@ -278,6 +278,17 @@ const MIGRATIONS: &[&str] = &[
     ALTER TABLE nodes ADD COLUMN events_seq INTEGER NOT NULL DEFAULT 0;
     CREATE INDEX sandboxes_host_live ON sandboxes(host) WHERE deleted_unix IS NULL;
     "#,
+    // Terminal tickets in the store, so any replica redeems what another minted.
+    r#"
+    CREATE TABLE pty_tickets (
+        hash        TEXT PRIMARY KEY,
+        tenant      TEXT NOT NULL,
+        key_id      TEXT NOT NULL,
+        sandbox_id  TEXT NOT NULL,
+        expires_ms  INTEGER NOT NULL
+    ) STRICT;
+    CREATE INDEX pty_tickets_expiry ON pty_tickets(expires_ms);
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).

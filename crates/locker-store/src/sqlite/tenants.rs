@@ -1,7 +1,8 @@
 //! Tenants and their API keys: creation, authentication (answered from the in-memory
 //! cache after the first lookup), revocation.
 //!
-//! Owns: the `tenants` and `api_keys` tables and the store's authentication cache. Clear
+//! Owns: the `tenants`, `api_keys` and `pty_tickets` tables and the store's authentication
+//! cache. Clear
 //! keys never reach SQL: only their SHA-256 does.
 
 use std::sync::atomic::Ordering;
@@ -240,4 +241,53 @@ pub(super) fn list_keys(db: &SqliteStore, tenant: &str) -> Result<Vec<KeyInfo>> 
             .collect::<rusqlite::Result<Vec<_>>>()?;
         Ok(keys)
     })
+}
+
+/// See `Store::put_ticket`.
+pub(super) fn put_ticket(
+    db: &SqliteStore,
+    t: &crate::TicketRecord,
+    now_ms: i64,
+    max: u64,
+) -> Result<bool> {
+    let mut conn = db.writer();
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    tx.execute("DELETE FROM pty_tickets WHERE expires_ms <= ?1", [now_ms])?;
+    let live: i64 = tx.query_row("SELECT COUNT(*) FROM pty_tickets", [], |r| r.get(0))?;
+    if u64::try_from(live).unwrap_or(0) >= max {
+        return Ok(false);
+    }
+    tx.execute(
+        "INSERT INTO pty_tickets (hash, tenant, key_id, sandbox_id, expires_ms) \
+         VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![t.hash, t.tenant, t.key_id, t.sandbox_id, t.expires_ms],
+    )?;
+    tx.commit()?;
+    Ok(true)
+}
+
+/// See `Store::take_ticket`.
+pub(super) fn take_ticket(
+    db: &SqliteStore,
+    hash: &str,
+    now_ms: i64,
+) -> Result<Option<crate::TicketRecord>> {
+    let conn = db.writer();
+    let t = conn
+        .query_row(
+            "DELETE FROM pty_tickets WHERE hash = ?1 \
+             RETURNING hash, tenant, key_id, sandbox_id, expires_ms",
+            [hash],
+            |r| {
+                Ok(crate::TicketRecord {
+                    hash: r.get(0)?,
+                    tenant: r.get(1)?,
+                    key_id: r.get(2)?,
+                    sandbox_id: r.get(3)?,
+                    expires_ms: r.get(4)?,
+                })
+            },
+        )
+        .optional()?;
+    Ok(t.filter(|t| t.expires_ms > now_ms))
 }
