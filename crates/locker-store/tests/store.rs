@@ -2360,6 +2360,80 @@ fn terminal_tickets_are_taken_once_and_capped(b: Backend) {
         .unwrap());
 }
 
+/// A timer as `ss` prints it, in seconds: `119min`, `1min5sec`, `9sec`, `9.484ms` (9.484
+/// s), `484ms`.
+fn ss_seconds(t: &str) -> Option<f64> {
+    let (min, rest) = match t.split_once("min") {
+        Some((m, r)) => (m.parse::<f64>().ok()?, r),
+        None => (0.0, t),
+    };
+    let secs = if rest.is_empty() {
+        0.0
+    } else if let Some(s) = rest.strip_suffix("sec") {
+        s.parse().ok()?
+    } else {
+        let ms = rest.strip_suffix("ms")?;
+        match ms.split_once('.') {
+            Some((s, frac)) => s.parse::<f64>().ok()? + frac.parse::<f64>().ok()? / 1000.0,
+            None => ms.parse::<f64>().ok()? / 1000.0,
+        }
+    };
+    Some(min * 60.0 + secs)
+}
+
+/// A store's connections ask the database server for fast keepalives on its side of each
+/// session (what frees the leader's lock when a replica is cut off), and keep them on their
+/// own side: both ends' sockets show a keepalive timer of at most 10 s (`ss`), where
+/// Postgres's default would be the kernel's two hours.
+#[test]
+fn postgres_sessions_keep_alive_on_both_ends() {
+    let db = Db::new(Backend::Postgres);
+    let Db::Postgres { url, .. } = &db else {
+        unreachable!()
+    };
+    let port = url
+        .rsplit_once(':')
+        .and_then(|(_, rest)| rest.split('/').next())
+        .unwrap()
+        .to_owned();
+    let store = db.open();
+    store.list_tenants().unwrap();
+    // Idle, so the sockets' timers are their keepalives (not a retransmission's).
+    std::thread::sleep(std::time::Duration::from_millis(500));
+    // `timer:(keepalive,9.8sec,0)` on each socket of the connection; `ss` lists sockets
+    // whose source port is the server's (the server's ends) and whose destination is.
+    let timers = |side: &str| -> Vec<f64> {
+        let out = std::process::Command::new("ss")
+            .args([
+                "-tnoH",
+                "state",
+                "established",
+                &format!("( {side} = :{port} )"),
+            ])
+            .output()
+            .expect("ss (iproute2)");
+        String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .filter_map(|l| {
+                let t = l.split("timer:(keepalive,").nth(1)?.split(',').next()?;
+                ss_seconds(t)
+            })
+            .collect()
+    };
+    assert_eq!(ss_seconds("119min"), Some(7140.0));
+    assert_eq!(ss_seconds("1min5sec"), Some(65.0));
+    assert_eq!(ss_seconds("9.484ms"), Some(9.484));
+    assert_eq!(ss_seconds("484ms"), Some(0.484));
+    for side in ["sport", "dport"] {
+        let t = timers(side);
+        assert!(
+            t.iter().any(|&s| s <= 10.0),
+            "sockets with {side} :{port} keep alive after {t:?} s, not within 10 s"
+        );
+    }
+    drop(store);
+}
+
 mod sqlite {
     #[test]
     fn fleet_tokens_nodes_and_leases() {

@@ -54,7 +54,9 @@ use crate::model::{
     CallRecord, EventRecord, KeyInfo, Principal, SandboxRecord, SandboxState, SandboxTimes,
     TenantUsage, VolumeRecord, VolumeSnapshotRecord, WebhookRecord,
 };
-use crate::{SandboxPage, SandboxQuery, SecretRecord, SnapshotRecord, Store, TicketRecord, Tombstone};
+use crate::{
+    SandboxPage, SandboxQuery, SecretRecord, SnapshotRecord, Store, TicketRecord, Tombstone,
+};
 
 pub use schema::PG_SCHEMA_VERSION;
 
@@ -68,6 +70,46 @@ const SERVER_LOCK: i64 = 0x006c_6f63_6b73_7276; // "locksrv"
 const LEADER_LOCK: i64 = 0x006c_6f63_6b6c_6472; // "lockldr"
 /// How long connecting may take before a call fails.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection silent this long is probed (TCP keepalive), on both ends.
+const KEEPALIVE_IDLE: Duration = Duration::from_secs(10);
+/// Probes this far apart, this many unanswered before the connection is dropped.
+const KEEPALIVE_INTERVAL: Duration = Duration::from_secs(2);
+const KEEPALIVE_PROBES: u32 = 3;
+/// Data left unacknowledged this long drops the connection (`TCP_USER_TIMEOUT`).
+const UNACKED_LIMIT: Duration = Duration::from_secs(15);
+
+/// Tunes a connection's liveness so that a vanished peer is noticed in seconds, not the
+/// kernel's two hours, *on both ends*: the client's socket (keepalive, `TCP_USER_TIMEOUT`)
+/// and, through the startup `options`, the server's for this session
+/// (`tcp_keepalives_*`, `tcp_user_timeout`). The server's side is what frees the fleet's
+/// leader lock (a session advisory lock) when a replica is cut off from the database: the
+/// server then closes its session within ~16 s and another replica can lead. Settings the
+/// URL already names are kept.
+fn tune_liveness(config: &mut postgres::Config) {
+    if config.get_keepalives() && config.get_keepalives_idle() == Duration::from_secs(7200) {
+        config.keepalives_idle(KEEPALIVE_IDLE);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(KEEPALIVE_INTERVAL);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(KEEPALIVE_PROBES);
+    }
+    config.tcp_user_timeout(UNACKED_LIMIT);
+    let given = config.get_options().unwrap_or("").to_owned();
+    let mut options = vec![given.clone()];
+    for (name, value) in [
+        ("tcp_keepalives_idle", KEEPALIVE_IDLE.as_secs()),
+        ("tcp_keepalives_interval", KEEPALIVE_INTERVAL.as_secs()),
+        ("tcp_keepalives_count", u64::from(KEEPALIVE_PROBES)),
+        ("tcp_user_timeout", UNACKED_LIMIT.as_millis() as u64),
+    ] {
+        if !given.contains(name) {
+            options.push(format!("-c {name}={value}"));
+        }
+    }
+    config.options(options.join(" ").trim());
+}
 
 /// Work for a connection thread.
 type Job = Box<dyn FnOnce(&mut Conn) + Send>;
@@ -249,6 +291,7 @@ impl PgStore {
         if config.get_application_name().is_none() {
             config.application_name("locker");
         }
+        tune_liveness(&mut config);
         let pool = |name: &str, n: usize| -> Result<Sender<Job>> {
             let (tx, rx) = mpsc::channel::<Job>();
             let rx = Arc::new(Mutex::new(rx));
@@ -910,5 +953,34 @@ mod tests {
             "a password holding '@'"
         );
         assert!(is_postgres_url("postgresql://h/d") && !is_postgres_url("/var/lib/x.sqlite"));
+    }
+
+    #[test]
+    fn connections_notice_a_vanished_peer_on_both_ends_unless_the_url_says_otherwise() {
+        let mut c: postgres::Config = "postgres://u@h/d".parse().unwrap();
+        tune_liveness(&mut c);
+        assert_eq!(c.get_keepalives_idle(), KEEPALIVE_IDLE);
+        assert_eq!(c.get_keepalives_interval(), Some(KEEPALIVE_INTERVAL));
+        assert_eq!(c.get_keepalives_retries(), Some(KEEPALIVE_PROBES));
+        assert_eq!(
+            c.get_options(),
+            Some(
+                "-c tcp_keepalives_idle=10 -c tcp_keepalives_interval=2 \
+                 -c tcp_keepalives_count=3 -c tcp_user_timeout=15000"
+            )
+        );
+        let mut c: postgres::Config =
+            "postgres://u@h/d?keepalives_idle=60&options=-c%20tcp_keepalives_idle%3D60"
+                .parse()
+                .unwrap();
+        tune_liveness(&mut c);
+        assert_eq!(c.get_keepalives_idle(), Duration::from_secs(60));
+        assert_eq!(
+            c.get_options(),
+            Some(
+                "-c tcp_keepalives_idle=60 -c tcp_keepalives_interval=2 \
+                 -c tcp_keepalives_count=3 -c tcp_user_timeout=15000"
+            )
+        );
     }
 }
