@@ -279,6 +279,22 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
         fleet_node(&fleet_nodes(&admin), "b")["reserved"]["slots"],
         0
     );
+    // A disk no node can grant (b has the room, not the disk): the fleet says so, as one
+    // host does, before anything is reserved.
+    let m = api
+        .post(
+            "/v1/sandboxes",
+            &json!({"runtime": "jail", "memory_mb": 256, "disk_mb": 1_000_000}),
+        )
+        .expect_error(422, "unprocessable", "a disk larger than any node's");
+    assert!(
+        m.contains("more than any node of the fleet can hold now"),
+        "{m}"
+    );
+    assert_eq!(
+        fleet_node(&fleet_nodes(&admin), "b")["reserved"]["slots"],
+        0
+    );
     let again = create(&api);
     assert_eq!(again.status, 201, "{}", again.text());
     assert_eq!(placed_on(&again), "b");

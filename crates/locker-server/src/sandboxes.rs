@@ -28,6 +28,9 @@ use crate::limits::{
 use crate::state::{now_s, App, AppState, Live};
 use locker_types::{CreateSandbox, PatchSandbox, Runtime, RuntimeChoice, MAX_TTL_S};
 
+/// A sandbox's disk when its create does not say (MiB).
+pub const DEFAULT_DISK_MB: u64 = 2048;
+
 pub fn routes() -> Router<AppState> {
     Router::new()
         .route("/v1/sandboxes", post(create).get(list))
@@ -200,7 +203,7 @@ async fn checked(
             MEMORY_MB.0, MEMORY_MB.1
         )));
     }
-    let disk_mb = body.disk_mb.unwrap_or(2048);
+    let disk_mb = body.disk_mb.unwrap_or(DEFAULT_DISK_MB);
     if !(DISK_MB.0..=DISK_MB.1).contains(&disk_mb) {
         return Err(ApiError::bad_request(format!(
             "`disk_mb` must be between {} and {}",

@@ -319,11 +319,13 @@ pub fn host_report(
             crate::capacity::host_memory_mb().unwrap_or(0),
         )
     });
+    let space = crate::capacity::Space::of(data_dir).ok();
     Report {
         version: env!("CARGO_PKG_VERSION").to_owned(),
         cpus,
         memory_mb,
-        disk_free_mb: crate::capacity::Space::of(data_dir).map_or(0, |s| s.free_mb),
+        disk_free_mb: space.map_or(0, |s| s.free_mb),
+        disk_grantable_mb: space.map(|s| s.grantable_mb()),
         slots,
         sandboxes,
         templates: templates.and_then(|t| t.digests().ok()).unwrap_or_default(),

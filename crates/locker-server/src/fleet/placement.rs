@@ -70,6 +70,8 @@ impl Table {
 #[derive(Debug, Clone)]
 pub struct Ask {
     pub memory_mb: i64,
+    /// The sandbox's disk (MiB): a node must be able to grant it (its report).
+    pub disk_mb: u64,
     /// Its template's digest, when known: nodes that have it are preferred.
     pub template_digest: Option<String>,
     /// The one node it may go to (a create bound to this server's host: its volumes,
@@ -97,12 +99,37 @@ fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
     if s > slots || m > memory || slots == 0 || memory == 0 {
         return None;
     }
+    if report.disk_grantable_mb.is_some_and(|g| ask.disk_mb > g) {
+        return None;
+    }
     let score = (s as f64 / slots as f64).max(m as f64 / memory as f64);
     let local = ask
         .template_digest
         .as_ref()
         .is_some_and(|d| report.templates.contains(d));
     Some((score, local))
+}
+
+/// When nodes have room for `ask` but none the disk it asks for: the most disk any of
+/// them can grant now (MiB). `None` when some node fits, or none would even with its disk.
+fn short_of_disk(nodes: &[NodeRecord], ask: &Ask, now_ms: i64) -> Option<u64> {
+    let no_disk = Ask {
+        disk_mb: 0,
+        ..ask.clone()
+    };
+    let open: Vec<&NodeRecord> = nodes
+        .iter()
+        .filter(|n| fit(n, &no_disk, now_ms).is_some())
+        .collect();
+    if open.is_empty() || open.iter().any(|n| fit(n, ask, now_ms).is_some()) {
+        return None;
+    }
+    Some(
+        open.iter()
+            .filter_map(|n| capacity(n)?.2.disk_grantable_mb)
+            .max()
+            .unwrap_or(0),
+    )
 }
 
 /// Best of [`BEST_OF`] random fitting nodes (those with the template first); `None` when
@@ -195,6 +222,15 @@ pub async fn place(
         let (nodes, now_ms) = nodes(app, fresh).await?;
         seen = nodes.len();
         let Some(node) = choose(&nodes, ask, now_ms, &mut draw).cloned() else {
+            if let Some(most) = short_of_disk(&nodes, ask, now_ms) {
+                // As one host answers a disk it cannot hold (`capacity::admit_disk`).
+                return Err(ApiError::unprocessable(format!(
+                    "`disk_mb` of {} MB is more than any node of the fleet can hold now: the \
+                     most one can grant is {most} MB (its free space less its reserve); ask for \
+                     less, or ask the operator to free space on the nodes",
+                    ask.disk_mb
+                )));
+            }
             if fresh {
                 break;
             }
@@ -465,9 +501,45 @@ mod tests {
     fn ask(mb: i64, digest: Option<&str>) -> Ask {
         Ask {
             memory_mb: mb,
+            disk_mb: 2048,
             template_digest: digest.map(str::to_owned),
             only: None,
         }
+    }
+
+    /// A node whose report says it can grant `grantable` MiB of disk (`None`: an older
+    /// node that does not say).
+    fn with_disk(mut n: NodeRecord, grantable: Option<u64>) -> NodeRecord {
+        let mut r: Report = serde_json::from_str(&n.report).unwrap();
+        r.disk_grantable_mb = grantable;
+        n.report = serde_json::to_string(&r).unwrap();
+        n
+    }
+
+    #[test]
+    fn a_node_that_cannot_grant_the_disk_is_not_chosen_and_the_shortfall_is_told() {
+        let mut pick = |_n: usize| 0;
+        let small = with_disk(node("small", 4, 8192, (0, 0), &[]), Some(1000));
+        let big = with_disk(node("big", 4, 8192, (3, 0), &[]), Some(50_000));
+        let nodes = vec![small, big];
+        assert_eq!(
+            choose(&nodes, &ask(256, None), 0, &mut pick).unwrap().id,
+            "big"
+        );
+        assert_eq!(short_of_disk(&nodes, &ask(256, None), 0), None);
+        // No node can grant 60 000 MB: the most one can is told.
+        let huge = Ask {
+            disk_mb: 60_000,
+            ..ask(256, None)
+        };
+        assert!(choose(&nodes, &huge, 0, &mut pick).is_none());
+        assert_eq!(short_of_disk(&nodes, &huge, 0), Some(50_000));
+        // A node with no room at all is not a disk shortfall: that is "no capacity".
+        let full = vec![with_disk(node("full", 1, 8192, (1, 0), &[]), Some(90_000))];
+        assert_eq!(short_of_disk(&full, &ask(256, None), 0), None);
+        // An older node that does not report its disk is left to its own check.
+        let old = vec![with_disk(node("old", 4, 8192, (0, 0), &[]), None)];
+        assert_eq!(choose(&old, &huge, 0, &mut pick).unwrap().id, "old");
     }
 
     #[test]

@@ -887,8 +887,17 @@ async fn create(app: &AppState, req: Request, next: Next) -> Response {
         return e.into_response();
     }
     let template = spec["template"].as_str().unwrap_or("default");
+    let disk_mb = match &spec["disk_mb"] {
+        Value::Null => crate::sandboxes::DEFAULT_DISK_MB,
+        v => match v.as_u64() {
+            Some(d) if (crate::limits::DISK_MB.0..=crate::limits::DISK_MB.1).contains(&d) => d,
+            // Out of range or not a number: the handler says what is allowed.
+            _ => return next.run(rebuilt(&bytes)).await,
+        },
+    };
     let ask = Ask {
         memory_mb: i64::try_from(memory_mb).unwrap_or(i64::MAX),
+        disk_mb,
         template_digest: crate::templates::resolve_for(app, &caller.tenant, template)
             .ok()
             .flatten()

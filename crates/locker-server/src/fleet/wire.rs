@@ -56,6 +56,11 @@ pub struct Report {
     pub cpus: u32,
     pub memory_mb: u64,
     pub disk_free_mb: u64,
+    /// The most disk one new sandbox may be granted there now (free less the host's
+    /// reserve, what its own create checks); `None` from nodes of versions that did not
+    /// report it (placement then leaves their disk to their own check).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub disk_grantable_mb: Option<u64>,
     pub slots: u32,
     /// Usage: sandboxes it runs now.
     pub sandboxes: u32,
