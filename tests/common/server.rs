@@ -199,6 +199,8 @@ impl Server {
                 .append(true)
                 .open(&self.log)
                 .expect("open the server log");
+            // This start's lines begin here (a restart appends to the same log).
+            let from = log.metadata().map_or(0, |m| m.len());
             // prlimit execs the server: the child's pid is the server's.
             let (locker, agent) = match &self.release {
                 Some((l, a)) => (l.clone(), a.clone()),
@@ -223,9 +225,13 @@ impl Server {
                 .env("LOCKER_COW_DISKS", "off")
                 .envs(self.extra_env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
                 .env("LOCKER_AGENT_BIN", &agent)
+                // Whatever else is asked, the line that says it listens (`wait_ready`).
                 .env(
                     "LOCKER_LOG",
-                    std::env::var("LOCKER_LOG").unwrap_or_else(|_| "info".into()),
+                    format!(
+                        "{},locker_server::app=info",
+                        std::env::var("LOCKER_LOG").unwrap_or_else(|_| "info".into())
+                    ),
                 )
                 .env("NO_COLOR", "1")
                 .env_remove("LOCKER_ADMIN_KEY")
@@ -248,7 +254,7 @@ impl Server {
                 .unwrap_or_else(|e| panic!("start {}: {e}", locker.display()));
             register_child(child.id());
             *self.child.get_mut().expect("the server's process") = Some(child);
-            match self.wait_ready() {
+            match self.wait_ready(from) {
                 Ok(()) => {
                     if self.generated_key && self.api_key.is_empty() {
                         let log = self.log_text();
@@ -275,18 +281,33 @@ impl Server {
         panic!("locker serve: no free port after 5 tries");
     }
 
-    fn wait_ready(&mut self) -> Result<(), String> {
+    /// Waits until this start (its log from byte `from`) says it listens and `/healthz`
+    /// answers. The log comes first: the port was free when picked, but another test's
+    /// server may take it before this one binds, and answer `/healthz` in its place (this
+    /// one then exits with "Address already in use", and the caller picks another port).
+    fn wait_ready(&mut self, from: u64) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(30);
         let api = self.anon();
+        let mut listening = false;
         loop {
             let child = self.child.get_mut().expect("the server's process");
             if let Some(st) = child.as_mut().and_then(|c| c.try_wait().ok().flatten()) {
                 *child = None;
                 return Err(format!("exited with {st}:\n{}", self.log_text()));
             }
-            if let Ok(r) = api.try_request("GET", "/healthz", &[], ()) {
-                if r.status == 200 || r.status == 503 {
-                    return Ok(());
+            if !listening {
+                let log = std::fs::read(&self.log).unwrap_or_default();
+                let new = String::from_utf8_lossy(
+                    log.get(usize::try_from(from).unwrap_or(0)..)
+                        .unwrap_or_default(),
+                );
+                listening = new.contains("locker serve ready");
+            }
+            if listening {
+                if let Ok(r) = api.try_request("GET", "/healthz", &[], ()) {
+                    if r.status == 200 || r.status == 503 {
+                        return Ok(());
+                    }
                 }
             }
             if Instant::now() > deadline {
