@@ -150,15 +150,8 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
     }
 
     // A delete through the other replica frees the owner's slot: the next create fits.
-    let (gone, gone_node) = on
-        .iter()
-        .find(|(_, n)| *n == "host-a")
-        .map(|(i, n)| (i.clone(), n.clone()))
-        .unwrap();
-    api_b
-        .delete(&format!("/v1/sandboxes/{gone}"))
-        .expect(204, "delete through b");
-    on.remove(&gone);
+    let gone = delete_one_on(&api_b, &mut on, "host-a", "delete through b");
+    let gone_node = "host-a".to_owned();
     assert!(!a.sandboxes_dir().join(&gone).exists());
     let again = wait_for(Duration::from_secs(10), "a slot free again", || {
         let r = create(&api_b);
@@ -171,15 +164,7 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
     // A volume lives where it was made (host-a): every call about it through b reaches a
     // (files, a serverless run), b lists it with its node, and a sandbox that mounts it is
     // placed on host-a whichever replica asked.
-    let (gone, _) = on
-        .iter()
-        .find(|(_, n)| *n == "host-a")
-        .map(|(i, n)| (i.clone(), n.clone()))
-        .unwrap();
-    api_b
-        .delete(&format!("/v1/sandboxes/{gone}"))
-        .expect(204, "make room on host-a");
-    on.remove(&gone);
+    delete_one_on(&api_b, &mut on, "host-a", "make room on host-a");
     api_a
         .post("/v1/volumes", &json!({"name": "shared", "size_mb": 64}))
         .expect(201, "a volume on host-a");
@@ -298,4 +283,18 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
     for id in on.keys() {
         let _ = api_b.delete(&format!("/v1/sandboxes/{id}"));
     }
+}
+
+/// Deletes, through `api`, one of the sandboxes `on` (id → node) says runs on `node`, and
+/// forgets it there; its id.
+fn delete_one_on(api: &Api, on: &mut HashMap<String, String>, node: &str, what: &str) -> String {
+    let gone = on
+        .iter()
+        .find(|(_, n)| *n == node)
+        .map(|(i, _)| i.clone())
+        .unwrap();
+    api.delete(&format!("/v1/sandboxes/{gone}"))
+        .expect(204, what);
+    on.remove(&gone);
+    gone
 }

@@ -32,7 +32,8 @@ use std::time::{Duration, Instant};
 
 use locker_tests::fabric::{fleet_node, fleet_nodes};
 use locker_tests::fleet::{
-    books, delete_all, kinds, placed_on, quantile, rows, sandbox_dirs, ReplicaRig, NAMES,
+    books, delete_all, kinds, placed_on, placed_sandboxes, quantile, rows, sandbox_dirs,
+    ReplicaRig, NAMES,
 };
 use locker_tests::postgres::cluster;
 use locker_tests::server::{enc, Api};
@@ -455,13 +456,7 @@ fn check_replica_kill_during_creates(rig: &mut Rig) {
     );
 
     // Everything deleted through haproxy: the nodes are empty, nothing reserved.
-    let all: Vec<String> = rows(
-        &rig.db,
-        "SELECT sandbox_id FROM placements WHERE sandbox_id IS NOT NULL ORDER BY sandbox_id",
-    )
-    .into_iter()
-    .map(|r| r[0].clone())
-    .collect();
+    let all: Vec<String> = placed_sandboxes(&rig.db);
     let t_delete = Instant::now();
     let failed = delete_all(&rig.hap, &all, CREATORS);
     assert!(

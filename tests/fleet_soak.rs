@@ -40,7 +40,7 @@ use std::time::{Duration, Instant};
 
 use locker_tests::fabric::NodeProc;
 use locker_tests::fleet::{
-    books, delete_all, kinds, placed_on, quantile, rows, sandbox_dirs, ReplicaRig,
+    books, delete_all, kinds, placed_on, placed_sandboxes, quantile, rows, sandbox_dirs, ReplicaRig,
 };
 use locker_tests::server::{enc, Api, Resp};
 use locker_tests::unique;
@@ -868,13 +868,7 @@ fn fleet_soak_mixed_workload_keeps_the_invariants() {
 
     // Everything deleted through haproxy: the nodes empty, nothing reserved or placed.
     let t_delete = Instant::now();
-    let all: Vec<String> = rows(
-        &rig.db,
-        "SELECT sandbox_id FROM placements WHERE sandbox_id IS NOT NULL ORDER BY sandbox_id",
-    )
-    .into_iter()
-    .map(|r| r[0].clone())
-    .collect();
+    let all: Vec<String> = placed_sandboxes(&rig.db);
     for f in delete_all(&rig.hap, &all, CLIENTS) {
         bad.add("cleanup", format!("delete through haproxy: {f}"));
     }

@@ -407,6 +407,17 @@ pub fn placed_on(r: &crate::server::Resp) -> String {
         .to_owned()
 }
 
+/// Every sandbox a placement in `db` names, in id order.
+pub fn placed_sandboxes(db: &str) -> Vec<String> {
+    rows(
+        db,
+        "SELECT sandbox_id FROM placements WHERE sandbox_id IS NOT NULL ORDER BY sandbox_id",
+    )
+    .into_iter()
+    .map(|r| r[0].clone())
+    .collect()
+}
+
 /// Deletes `ids` through `api` with `threads` threads: the failures.
 pub fn delete_all(api: &Api, ids: &[String], threads: usize) -> Vec<String> {
     let next = std::sync::atomic::AtomicUsize::new(0);
