@@ -4,7 +4,8 @@
 //! call about a sandbox reaches the replica whose engine runs it (through that replica's
 //! node listener); lists and quotas count each sandbox once; a restarted replica adopts
 //! only its own machines; one replica leads (sweeps leases) at a time, and when the leader
-//! dies the other takes over and declares it dead.
+//! dies the other takes over and declares it dead; when the dead one comes back it fences
+//! (destroys what the fleet marked lost) before it answers.
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -276,6 +277,50 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
         if n == "host-b" {
             assert_eq!(
                 api_b.sh(id, "cat /tmp/owner.txt"),
+                format!("{id} lives on host-b")
+            );
+        }
+    }
+
+    // A comes back (its machines still run): it fences as a joined node does. The sandboxes
+    // the fleet marked lost are destroyed before it answers, never served again through a,
+    // and read `lost` through both replicas; b's answer through a.
+    for id in &lost {
+        assert!(
+            a.machine_dir(id).exists(),
+            "{id}'s machine went with a's server"
+        );
+    }
+    a.restart();
+    let api_a = a.api().with_key(api_b.key());
+    for id in &lost {
+        assert!(
+            !a.machine_dir(id).exists(),
+            "{id}, lost, still has its machine on a after a's return:\n{}",
+            a.log_text()
+        );
+        for api in [&api_a, &api_b] {
+            let v = api
+                .get(&format!("/v1/sandboxes/{id}"))
+                .expect(200, "get lost after a's return");
+            assert_eq!(v["state"], "lost", "{v}");
+            let r = api.post(
+                &format!("/v1/sandboxes/{id}/exec"),
+                &json!({"shell": "true"}),
+            );
+            assert_eq!(r.status, 410, "{id} served after it was lost: {}", r.text());
+        }
+    }
+    assert!(
+        a.log_text()
+            .contains("fenced: destroyed this server's sandboxes"),
+        "{}",
+        a.log_text()
+    );
+    for (id, n) in &on {
+        if n == "host-b" {
+            assert_eq!(
+                api_a.sh(id, "cat /tmp/owner.txt"),
                 format!("{id} lives on host-b")
             );
         }

@@ -4,9 +4,13 @@
 //! 1. Both start on the same database (with the same `LOCKER_SECRETS_KEY`, so that both open
 //!    the fleet CA kept there); two nodes join through haproxy's TCP frontend (TLS passes
 //!    through, whichever replica it picks answers).
-//! 2. Routing: 1,000 calls (exec, file read, the sandbox's own GET) through replica A,
-//!    replica B and haproxy all land on the sandbox's node: each reads back a file that
-//!    exists only there, with content unique to that sandbox.
+//! 2. Routing: 1,000 calls through replica A, replica B and haproxy all land on the
+//!    sandbox's node, by path (exec, file read, the sandbox's own GET), by preview host
+//!    (`{port}-{id}.localhost`, with the key or the preview token) and by E2B's headers
+//!    (`E2b-Sandbox-Id`): each reads back a file that exists only there, with content unique
+//!    to that sandbox. Then the doors' rules as on one host (a preview host's credentials,
+//!    the app's own `Authorization`, E2B's info and its 501 for snapshots), and E2B's and
+//!    MCP's creates placed on nodes, listed, reached and killed through other replicas.
 //! 3. (Run after 4.) Exactly one replica leads (holds the leader's advisory lock: the lease
 //!    sweeper and reconciliation). SIGKILL it, then SIGKILL node a: the other replica takes
 //!    over, declares a dead, and a's sandboxes read `lost` through it and through haproxy
@@ -37,8 +41,9 @@ use locker_tests::fleet::{
 };
 use locker_tests::postgres::cluster;
 use locker_tests::server::{enc, Api};
-use locker_tests::unique;
+use locker_tests::{unique, wait_for};
 use serde_json::{json, Value};
+use sha2::Digest as _;
 
 /// The lease the server keeps (`fleet::LEASE`).
 const LEASE: Duration = Duration::from_secs(3);
@@ -191,9 +196,48 @@ fn start_rig() -> Rig {
     rig
 }
 
-/// One routed call, checked: did it reach sandbox `id`'s node (its own `content`)?
-fn routed_call(api: &Api, kind: &str, id: &str, content: &str) -> Result<(), String> {
+/// The port each routed sandbox serves its `/tmp` on (`python3 -m http.server`), reached
+/// through its preview host.
+const WEB_PORT: u16 = 8000;
+/// The kinds of routed calls: by path (the API's exec, files, view), by preview host (with
+/// the API key, or with the sandbox's preview token and no key), by E2B's headers (envd's
+/// `/files` with the access token).
+const KINDS: [&str; 6] = [
+    "exec",
+    "file read",
+    "GET",
+    "preview (key)",
+    "preview (token)",
+    "e2b",
+];
+
+/// A sandbox of the routing check: where it runs, what its own file says, its token.
+struct Routed {
+    id: String,
+    node: String,
+    content: String,
+    token: String,
+}
+
+/// One routed call, checked: did it reach sandbox `sb`'s node (its own content)?
+fn routed_call(api: &Api, kind: &str, sb: &Routed) -> Result<(), String> {
+    let (id, content) = (sb.id.as_str(), sb.content.as_str());
+    let host = format!("{WEB_PORT}-{id}.localhost");
+    let file = OWNER_FILE.strip_prefix("/tmp").unwrap();
     let r = match kind {
+        "preview (key)" => api.try_request("GET", file, &[("Host", &host)], ()),
+        "preview (token)" => Api::new(&api.base, None).try_request(
+            "GET",
+            file,
+            &[("Host", &host), ("X-Locker-Token", &sb.token)],
+            (),
+        ),
+        "e2b" => Api::new(&api.base, None).try_request(
+            "GET",
+            &format!("/files?path={}", enc(OWNER_FILE)),
+            &[("E2b-Sandbox-Id", id), ("X-Access-Token", &sb.token)],
+            (),
+        ),
         "exec" => api.try_request(
             "POST",
             &format!("/v1/sandboxes/{id}/exec"),
@@ -213,7 +257,9 @@ fn routed_call(api: &Api, kind: &str, id: &str, content: &str) -> Result<(), Str
     let good = r.status == 200
         && match kind {
             "exec" => v["exit_code"] == 0 && v["stdout"] == content,
-            "file read" => r.body == content.as_bytes(),
+            "file read" | "preview (key)" | "preview (token)" | "e2b" => {
+                r.body == content.as_bytes()
+            }
             _ => v["id"] == id && v["state"] == "running",
         };
     if good {
@@ -226,7 +272,7 @@ fn routed_call(api: &Api, kind: &str, id: &str, content: &str) -> Result<(), Str
 /// Check 2: 1,000 calls through A, B and haproxy all reach the sandbox's node.
 fn check_routing(rig: &Rig) {
     let api_a = rig.api(0);
-    let mut routed: Vec<(String, String, String)> = Vec::new();
+    let mut routed: Vec<Routed> = Vec::new();
     for i in 0..ROUTED {
         let (id, node) = create(
             &rig.hap,
@@ -243,11 +289,38 @@ fn check_routing(rig: &Rig) {
                 200,
                 "check 2: write the sandbox's own file through replica A",
             );
-        routed.push((id, node, content));
+        let r = api_a.exec(
+            &id,
+            &json!({"shell": format!("cd /tmp && python3 -m http.server {WEB_PORT} >/dev/null 2>&1 &")}),
+        );
+        assert_eq!(r["exit_code"], 0, "check 2: start the web server: {r}");
+        let token = api_a
+            .get(&format!("/v1/sandboxes/{id}"))
+            .expect(200, "check 2: the sandbox's view")["preview_token"]
+            .as_str()
+            .expect("a preview token")
+            .to_owned();
+        routed.push(Routed {
+            id,
+            node,
+            content,
+            token,
+        });
+    }
+    for sb in &routed {
+        wait_for(Duration::from_secs(60), "the web servers listening", || {
+            let ports = api_a
+                .get(&format!("/v1/sandboxes/{}/ports", sb.id))
+                .expect(200, "check 2: list ports");
+            ports["ports"]
+                .as_array()
+                .is_some_and(|a| a.iter().any(|p| p["port"] == WEB_PORT))
+                .then_some(())
+        });
     }
     let mut spread: BTreeMap<&str, usize> = BTreeMap::new();
     for r in &routed {
-        *spread.entry(r.1.as_str()).or_default() += 1;
+        *spread.entry(r.node.as_str()).or_default() += 1;
     }
     println!("check 2: {ROUTED} sandboxes, per node {spread:?}");
     let api_b = rig.api(1);
@@ -261,15 +334,16 @@ fn check_routing(rig: &Rig) {
     let t0 = Instant::now();
     for i in 0..REQUESTS {
         // Every (entry point, sandbox) pair within 30 calls; the kind changes every 30.
-        let (e, (id, node, content)) = (i % 3, &routed[i % ROUTED]);
+        let (e, sb) = (i % 3, &routed[i % ROUTED]);
         let (name, api) = entries[e];
-        let kind = ["exec", "file read", "GET"][(i / 30) % 3];
+        let kind = KINDS[(i / 30) % KINDS.len()];
         let t = Instant::now();
-        let outcome = routed_call(api, kind, id, content);
+        let outcome = routed_call(api, kind, sb);
         latency[e].push(t.elapsed());
         if let Err(m) = outcome {
             failures.push(format!(
-                "call {i} through {name}, {kind} of {id} (on node {node}): {m}"
+                "call {i} through {name}, {kind} of {} (on node {}): {m}",
+                sb.id, sb.node
             ));
         }
     }
@@ -302,7 +376,7 @@ fn check_routing(rig: &Rig) {
     );
     // A browser's terminal: the ticket minted through replica A (it lives in the shared
     // store) opens the sandbox's shell through replica B, once.
-    let id = &routed[0].0;
+    let id = &routed[0].id;
     let browser = locker_tests::streams::browser_terminal(&api_a, id);
     browser(&rig.reps[1].url).expect("check 2: a ticket minted through A opens through B");
     assert_eq!(
@@ -311,6 +385,367 @@ fn check_routing(rig: &Rig) {
         "check 2: a ticket used through B opened the terminal again through A"
     );
     println!("check 2: a terminal ticket minted through A opened {id}'s shell through B, once");
+    check_doors(rig, &routed[0]);
+    check_e2b_and_mcp(rig, &routed[0]);
+}
+
+/// One MCP call (the stateless revision: any replica answers it) through `api`: the
+/// answer's text.
+fn mcp_call(api: &Api, method: &str, params: Value) -> String {
+    let meta = json!({
+        "io.modelcontextprotocol/protocolVersion": "2026-07-28",
+        "io.modelcontextprotocol/clientInfo": {"name": "fleet-test", "version": "1"},
+        "io.modelcontextprotocol/clientCapabilities": {}});
+    let mut params = params;
+    params["_meta"] = meta;
+    let name = params["name"].as_str().unwrap_or("").to_owned();
+    let body = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": params});
+    let r = api.request(
+        "POST",
+        "/mcp",
+        &[
+            ("Accept", "application/json, text/event-stream"),
+            ("Content-Type", "application/json"),
+            ("MCP-Protocol-Version", "2026-07-28"),
+            ("Mcp-Method", method),
+            ("Mcp-Name", &name),
+        ],
+        body.to_string(),
+    );
+    assert_eq!(r.status, 200, "MCP {method}: {}", r.text());
+    r.text()
+}
+
+/// Check 2, E2B's and MCP's creates: placed on a node like the API's (E2B's through replica
+/// B, MCP's through haproxy), listed by E2B's lists through replica A, reached by E2B's
+/// data plane and MCP's tools through either replica, and E2B's kill gives the placement
+/// back at once.
+fn check_e2b_and_mcp(rig: &Rig, routed: &Routed) {
+    let (api_a, api_b) = (rig.api(0), rig.api(1));
+    let anon_a = Api::new(&api_a.base, None);
+    let anon_b = Api::new(&api_b.base, None);
+    let key = [("X-API-KEY", rig.key.as_str())];
+    let key_json = [key[0], ("Content-Type", "application/json")];
+    // A body E2B's create refuses: E2B's shape, nothing placed.
+    let before = placed_sandboxes(&rig.db).len();
+    let r = anon_b.request("POST", "/sandboxes", &key_json, r#"{"templateID": ""}"#);
+    assert_eq!(
+        r.status,
+        400,
+        "check 2: E2B create, empty template: {}",
+        r.text()
+    );
+    assert!(
+        r.json()["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("templateID")),
+        "{}",
+        r.text()
+    );
+    assert_eq!(placed_sandboxes(&rig.db).len(), before);
+
+    let r = anon_b.request(
+        "POST",
+        "/sandboxes",
+        &key_json,
+        r#"{"templateID": "base", "timeout": 600, "metadata": {"via": "e2b"}}"#,
+    );
+    assert_eq!(r.status, 201, "check 2: E2B create through B: {}", r.text());
+    let v = r.json();
+    let id = v["sandboxID"].as_str().expect("sandboxID").to_owned();
+    let token = v["envdAccessToken"]
+        .as_str()
+        .expect("envdAccessToken")
+        .to_owned();
+    let node = placed_on(&r);
+    assert!(
+        placed_sandboxes(&rig.db).contains(&id),
+        "{id} has no placement"
+    );
+    // Its data plane through A: envd writes and reads a file on the node.
+    let envd = |api: &Api, method: &str, body: &'static str| {
+        api.request(
+            method,
+            &format!("/files?path={}", enc("/tmp/e2b.txt")),
+            &[
+                ("E2b-Sandbox-Id", id.as_str()),
+                ("X-Access-Token", token.as_str()),
+            ],
+            body,
+        )
+    };
+    let w = envd(&anon_a, "POST", "written through E2B's data plane");
+    assert_eq!(w.status, 200, "check 2: envd write through A: {}", w.text());
+    let g = envd(&anon_b, "GET", "");
+    assert_eq!(
+        (g.status, g.text()),
+        (200, "written through E2B's data plane".to_owned()),
+        "check 2: envd read through B"
+    );
+    // The calls older SDKs and signed URLs make, naming the sandbox by its token or a
+    // signature only, through A (the sandbox runs on a node).
+    let by_token = |api: &Api, token: &str| {
+        api.request(
+            "GET",
+            &format!("/files?path={}", enc("/tmp/e2b.txt")),
+            &[("X-Access-Token", token)],
+            (),
+        )
+    };
+    let g = by_token(&anon_a, &token);
+    assert_eq!(
+        (g.status, g.text()),
+        (200, "written through E2B's data plane".to_owned()),
+        "check 2: envd read by token only, through A"
+    );
+    let signed = |token: &str| {
+        let raw = format!("/tmp/e2b.txt:read::{token}");
+        let b64 = locker_types::base64::encode(&sha2::Sha256::digest(raw.as_bytes()));
+        // A signature's `+` is a space in a query unless encoded.
+        format!(
+            "/files?path={}&signature={}",
+            enc("/tmp/e2b.txt"),
+            enc(&format!("v1_{}", b64.trim_end_matches('=')))
+        )
+    };
+    let g = anon_a.request("GET", &signed(&token), &[], ());
+    assert_eq!(
+        (g.status, g.text()),
+        (200, "written through E2B's data plane".to_owned()),
+        "check 2: a signed download URL through A"
+    );
+    // A rotation through B: the new token finds the sandbox through A, the old one nothing.
+    let rot = api_b
+        .post(&format!("/v1/sandboxes/{id}/preview-token"), &json!({}))
+        .expect(200, "check 2: rotate the token through B");
+    let fresh = rot["preview_token"]
+        .as_str()
+        .expect("a new token")
+        .to_owned();
+    assert!(
+        rot["preview_url"]
+            .as_str()
+            .is_some_and(|u| u.contains(&format!("-{id}.localhost:"))),
+        "check 2: the rotation's preview URL is the replicas': {rot}"
+    );
+    assert_eq!(
+        by_token(&anon_a, &fresh).status,
+        200,
+        "check 2: the new token"
+    );
+    assert_ne!(
+        by_token(&anon_a, &token).status,
+        200,
+        "check 2: the old token"
+    );
+    assert_ne!(
+        anon_a.request("GET", &signed(&token), &[], ()).status,
+        200,
+        "check 2: a URL signed with the old token"
+    );
+    // E2B's lists through A (v2 paged, v1 flat) and Locker's list show it, on its node.
+    let l2 = anon_a.request("GET", "/v2/sandboxes?metadata=via%3De2b", &key, ());
+    assert_eq!(l2.status, 200, "{}", l2.text());
+    let ids: Vec<&str> = l2
+        .json()
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["sandboxID"].as_str())
+        .collect::<Vec<_>>()
+        .into_iter()
+        .map(|s| if s == id { "it" } else { "other" })
+        .collect();
+    assert_eq!(
+        ids,
+        ["it"],
+        "check 2: E2B's v2 list through A: {}",
+        l2.text()
+    );
+    let l1 = anon_a.request("GET", "/sandboxes", &key, ());
+    assert!(
+        l1.text().contains(&id),
+        "check 2: E2B's v1 list through A: {}",
+        l1.text()
+    );
+    let listed = api_a.get("/v1/sandboxes?limit=1000").expect(200, "list");
+    let mine = listed["sandboxes"]
+        .as_array()
+        .and_then(|a| a.iter().find(|s| s["id"] == id.as_str()).cloned())
+        .unwrap_or_else(|| panic!("check 2: {id} not in Locker's list: {listed}"));
+    // Preview hosts are the replicas': their domain, not the node's (which has none).
+    assert!(
+        v["domain"]
+            .as_str()
+            .is_some_and(|d| d.starts_with("localhost:")),
+        "check 2: E2B's domain: {v}"
+    );
+    assert!(
+        mine["preview_url"]
+            .as_str()
+            .is_some_and(|u| u.starts_with(&format!("http://{{port}}-{id}.localhost:"))),
+        "check 2: the preview URL: {mine}"
+    );
+    let node_id = fleet_node(&fleet_nodes(&rig.reps[0].admin()), &node)["id"].clone();
+    assert_eq!(
+        (&mine["node"], &mine["metadata"]["via"]),
+        (&node_id, &json!("e2b")),
+        "{mine}"
+    );
+
+    // MCP through haproxy: a tool reaches a sandbox on a node; a create is placed.
+    let text = mcp_call(
+        &rig.hap,
+        "tools/call",
+        json!({"name": "exec", "arguments": {"sandbox_id": routed.id, "cmd": ["cat", OWNER_FILE]}}),
+    );
+    let owner = serde_json::to_string(&routed.content).unwrap();
+    assert!(
+        text.contains(owner.trim_matches('"')),
+        "check 2: MCP's exec on {} did not read its own file: {text}",
+        routed.id
+    );
+    let text = mcp_call(
+        &rig.hap,
+        "tools/call",
+        json!({"name": "sandbox_create", "arguments": {}}),
+    );
+    let made: Vec<String> = placed_sandboxes(&rig.db)
+        .into_iter()
+        .filter(|s| text.contains(s.as_str()))
+        .collect();
+    assert_eq!(
+        made.len(),
+        1,
+        "check 2: MCP's sandbox_create was not placed: {text}"
+    );
+    let r = rig.hap.delete(&format!("/v1/sandboxes/{}", made[0]));
+    assert_eq!(r.status, 204, "{}", r.text());
+
+    // E2B's kill through haproxy: gone from its node, and its placement given back at once.
+    let r = rig
+        .hap
+        .request("DELETE", &format!("/sandboxes/{id}"), &key, ());
+    assert_eq!(r.status, 204, "check 2: E2B kill: {}", r.text());
+    assert!(
+        !placed_sandboxes(&rig.db).contains(&id),
+        "{id} kept its placement"
+    );
+    assert_eq!(api_b.get(&format!("/v1/sandboxes/{id}")).status, 404);
+    println!(
+        "check 2: E2B's create through B placed {id} on node {node}; its envd, lists and kill \
+         and MCP's exec and create through the other doors reached the node"
+    );
+}
+
+/// Check 2, the doors other than paths for a sandbox on a node, through replica B: a
+/// preview host lets the key, the token or nothing in as one host does (the key never
+/// reaches the app, the app's own `Authorization` does); E2B's calls about the sandbox
+/// reach it with `X-API-KEY`, and its snapshots are refused as the API's are.
+fn check_doors(rig: &Rig, sb: &Routed) {
+    let api_b = rig.api(1);
+    let anon = Api::new(&api_b.base, None);
+    let id = &sb.id;
+    api_b
+        .put(
+            &format!("/v1/sandboxes/{id}/files?path={}", enc("/root/srv.py")),
+            locker_tests::HTTP_SERVER_PY.as_bytes(),
+        )
+        .expect(200, "check 2: upload the echo server");
+    let r = api_b.exec(id, &json!({"shell": "python3 /root/srv.py 8001 &"}));
+    assert_eq!(r["exit_code"], 0, "{r}");
+    let host = format!("8001-{id}.localhost");
+    let seen = wait_for(Duration::from_secs(60), "the echo server", || {
+        let r = api_b
+            .try_request("GET", "/v1/sandboxes?x=1", &[("Host", &host)], ())
+            .ok()?;
+        (r.status == 200).then(|| r.json())
+    });
+    assert_eq!(seen["path"], "/v1/sandboxes?x=1", "{seen}");
+    assert!(
+        seen["headers"].get("authorization").is_none()
+            && seen["headers"].get("x-locker-preview").is_none()
+            && seen["headers"].get("x-locker-preview-key").is_none(),
+        "check 2: the key or the fleet's headers reached the app: {seen}"
+    );
+    // As on one host: the app is asked for `127.0.0.1:{port}`, the preview host forwarded.
+    assert_eq!(seen["headers"]["x-forwarded-host"], host, "{seen}");
+    let r = anon.request("GET", "/", &[("Host", &host)], ());
+    assert_eq!(r.status, 401, "check 2: no credentials: {}", r.text());
+    assert!(r.text().contains("private"), "{}", r.text());
+    let r = anon.request(
+        "GET",
+        "/",
+        &[("Host", &host), ("X-Locker-Token", "lpt_wrong")],
+        (),
+    );
+    assert_eq!(r.status, 401, "check 2: a wrong token: {}", r.text());
+    let r = anon.request(
+        "GET",
+        "/app",
+        &[
+            ("Host", &host),
+            ("X-Locker-Token", &sb.token),
+            ("Authorization", "Basic YXBwOnNlY3JldA=="),
+            ("Origin", "http://app.example"),
+        ],
+        (),
+    );
+    assert_eq!(r.status, 200, "check 2: token: {}", r.text());
+    let seen = r.json();
+    assert_eq!(
+        (
+            &seen["headers"]["authorization"],
+            &seen["headers"]["origin"]
+        ),
+        (
+            &json!("Basic YXBwOnNlY3JldA=="),
+            &json!("http://app.example")
+        ),
+        "check 2: the app's own Authorization and Origin: {seen}"
+    );
+    assert!(seen["headers"].get("x-locker-token").is_none(), "{seen}");
+    let r = anon.request(
+        "GET",
+        "/",
+        &[("Host", &host), ("Authorization", "Bearer lk_not_a_key")],
+        (),
+    );
+    assert_eq!(r.status, 401, "check 2: a bad key: {}", r.text());
+
+    let e2b = [("X-API-KEY", rig.key.as_str())];
+    let r = anon.request("GET", &format!("/sandboxes/{id}"), &e2b, ());
+    assert_eq!(r.status, 200, "check 2: E2B's info: {}", r.text());
+    assert_eq!(
+        (&r.json()["sandboxID"], &r.json()["envdAccessToken"]),
+        (&json!(id), &json!(sb.token)),
+        "{}",
+        r.text()
+    );
+    let r = anon.request(
+        "POST",
+        &format!("/sandboxes/{id}/snapshots"),
+        &[e2b[0], ("Content-Type", "application/json")],
+        "{}",
+    );
+    assert_eq!(r.status, 501, "check 2: E2B's snapshot: {}", r.text());
+    assert_eq!(r.json()["code"], 501, "E2B's error shape: {}", r.text());
+    let r = anon.request(
+        "GET",
+        &format!("/sandboxes/{id}"),
+        &[("X-API-KEY", "lk_not_a_key")],
+        (),
+    );
+    assert_eq!(
+        r.status,
+        401,
+        "check 2: E2B without a good key: {}",
+        r.text()
+    );
+    println!(
+        "check 2: {id}'s preview host and E2B calls through replica B reach its node, with \
+         one host's rules"
+    );
 }
 
 /// Check 4: a replica killed (and started again) while 200 creates run through haproxy;

@@ -85,6 +85,9 @@ impl ReplicaRig {
                     "0",
                     "--vm-pool",
                     "0",
+                    // Preview hosts `{port}-{id}.localhost` (any port of any replica).
+                    "--preview-domain",
+                    "localhost",
                 ],
                 &env,
             )

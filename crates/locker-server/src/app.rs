@@ -418,8 +418,14 @@ pub fn router(app: AppState) -> Router {
             crate::e2b::dispatch,
         ))
         .layer(axum::middleware::from_fn_with_state(
-            app,
+            app.clone(),
             crate::ports::preview_dispatch,
+        ))
+        // On a fleet's control plane, before both: a preview host or E2B call about a
+        // sandbox on another node goes there.
+        .layer(axum::middleware::from_fn_with_state(
+            app,
+            crate::fleet::data_plane::dispatch,
         ))
 }
 

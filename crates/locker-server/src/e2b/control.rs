@@ -98,30 +98,42 @@ impl FromRequestParts<AppState> for E2bCaller {
     type Rejection = E2bError;
 
     async fn from_request_parts(parts: &mut Parts, app: &AppState) -> Result<Self, E2bError> {
-        let key = parts
-            .headers
-            .get("x-api-key")
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|k| !k.is_empty())
-            .ok_or_else(|| {
-                E2bError::unauthorized(
-                    "missing X-API-KEY header: set E2B_API_KEY to a Locker API key",
-                )
-            })?;
-        match app.store.authenticate(key) {
-            Ok(Some(p)) => Ok(Self(Caller {
-                tenant: p.tenant,
-                key_id: p.key_id,
-            })),
-            Ok(None) => Err(E2bError::unauthorized(
-                "unknown or revoked API key (X-API-KEY)",
-            )),
-            Err(e) => Err(E2bError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("checking the API key: {e}"),
-            )),
+        // On a fleet node, the control plane authenticated the caller (`auth`'s rule).
+        if let Some(f) = parts.extensions.get::<crate::fleet::node::Forwarded>() {
+            return Ok(Self(Caller {
+                tenant: f.tenant.clone(),
+                key_id: "fleet".into(),
+            }));
         }
+        api_key_caller(app, &parts.headers).map(Self)
+    }
+}
+
+/// The caller whose Locker key `X-API-KEY` carries.
+pub(crate) fn api_key_caller(
+    app: &AppState,
+    headers: &axum::http::HeaderMap,
+) -> Result<Caller, E2bError> {
+    let key = headers
+        .get("x-api-key")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|k| !k.is_empty())
+        .ok_or_else(|| {
+            E2bError::unauthorized("missing X-API-KEY header: set E2B_API_KEY to a Locker API key")
+        })?;
+    match app.store.authenticate(key) {
+        Ok(Some(p)) => Ok(Caller {
+            tenant: p.tenant,
+            key_id: p.key_id,
+        }),
+        Ok(None) => Err(E2bError::unauthorized(
+            "unknown or revoked API key (X-API-KEY)",
+        )),
+        Err(e) => Err(E2bError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("checking the API key: {e}"),
+        )),
     }
 }
 
@@ -189,6 +201,30 @@ struct NetworkConfig {
     allow_internet_access: Option<bool>,
     rules: Option<Value>,
     egress_proxy: Option<Value>,
+}
+
+/// What placing an E2B create needs of its body, in Locker's create's words (`template`
+/// or `from_snapshot`, `secrets`): the fleet's router places it by them. `None` for a body
+/// the create refuses (it says why).
+pub(crate) fn placement_spec(body: &Value) -> Option<Value> {
+    let t = body["templateID"]
+        .as_str()
+        .map(str::trim)
+        .filter(|t| !t.is_empty())?;
+    let mut spec = if t.starts_with("snap_") {
+        json!({"from_snapshot": t})
+    } else {
+        json!({"template": template_of(t)})
+    };
+    if let Some(names) = body["metadata"][SECRETS_KEY].as_str() {
+        let names: Vec<&str> = names
+            .split(',')
+            .map(str::trim)
+            .filter(|n| !n.is_empty())
+            .collect();
+        spec["secrets"] = json!(names);
+    }
+    Some(spec)
 }
 
 /// Locker's template for an E2B template name.
@@ -783,10 +819,11 @@ async fn list_v2(
             _ => {}
         }
     }
-    let recs = app
+    let mut recs = app
         .store
         .list_sandboxes(&caller.tenant, None, &meta)
         .map_err(crate::error::ApiError::from)?;
+    recs.extend(remote_records(&app, &caller.tenant, &meta)?);
     let recs: Vec<SandboxRecord> = recs
         .into_iter()
         .filter(|r| state_of(r).is_some_and(|s| states.contains(&s)))
@@ -809,11 +846,44 @@ async fn list_v1(
             meta = metadata_filter(&v)?;
         }
     }
-    let recs = app
+    let mut recs = app
         .store
         .list_sandboxes(&caller.tenant, Some(SandboxState::Running), &meta)
         .map_err(crate::error::ApiError::from)?;
+    recs.extend(
+        remote_records(&app, &caller.tenant, &meta)?
+            .into_iter()
+            .filter(|r| r.state == SandboxState::Running),
+    );
     Ok(axum::Json(Value::Array(recs.iter().map(listed).collect())).into_response())
+}
+
+/// The tenant's sandboxes on the fleet's joined nodes (none on one host), as records made
+/// from the views their nodes last answered, those whose `metadata` has every pair of
+/// `meta`; lost ones are left out (E2B has no word for them).
+fn remote_records(
+    app: &AppState,
+    tenant: &str,
+    meta: &[(String, String)],
+) -> Result<Vec<SandboxRecord>, E2bError> {
+    let views = crate::fleet::route::remote_views(app, tenant)?;
+    Ok(views
+        .into_iter()
+        .filter_map(|mut v| {
+            let o = v.as_object_mut()?;
+            o.insert("tenant".into(), json!(tenant));
+            for (k, empty) in [
+                ("env", json!({})),
+                ("machine_dir", json!("")),
+                ("cpu_ms", json!(0)),
+                ("peak_memory_bytes", json!(0)),
+            ] {
+                o.entry(k).or_insert(empty);
+            }
+            serde_json::from_value::<SandboxRecord>(v).ok()
+        })
+        .filter(|r| meta.iter().all(|(k, want)| r.metadata.get(k) == Some(want)))
+        .collect())
 }
 
 #[derive(Debug, Deserialize)]

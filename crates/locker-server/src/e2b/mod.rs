@@ -38,6 +38,8 @@ mod envd;
 mod error;
 mod interp;
 
+pub(crate) use control::{api_key_caller, placement_spec};
+pub(crate) use envd::{sandbox_of_signature, signed_by};
 pub use error::E2bError;
 
 /// The envd port of E2B's sandboxes.
@@ -125,7 +127,7 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
 /// headers: some JavaScript SDK versions sent envd's `/files` requests without
 /// `E2b-Sandbox-Id` (E2B issue #1158). A token names exactly one sandbox; a request with
 /// none (or another) goes on to the API as before.
-async fn sandbox_of_token(app: &AppState, token: &str) -> Option<String> {
+pub(crate) async fn sandbox_of_token(app: &AppState, token: &str) -> Option<String> {
     let live = app.live.read().await;
     live.values()
         .find(|l| {

@@ -10,14 +10,17 @@
 //! Its `cert_sha256` stays [`LOCAL_CERT`]: it marks a node whose sandboxes' rows are in the
 //! fleet's own store (listed and counted from there, not from placements' views).
 //!
-//! Declared dead while this server runs (a stall, a store outage longer than the lease),
-//! it returns at once. It owns no machine and stops none.
+//! Declared dead while this server runs (a stall, a store outage longer than the lease), or
+//! while it was down, it returns at once, and fences as a joined node does (`member`): the
+//! sandboxes the fleet marked lost meanwhile are destroyed here (their lost placements stay
+//! for callers to read and delete), so no replica serves a sandbox the fleet gave up. Its
+//! other machines are the server's own, as on one host.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
-use locker_store::{NodeRecord, NodeState, StoreError};
+use locker_store::{NodeRecord, NodeState, PlacementState, StoreError};
 
 use super::{HEARTBEAT, LEASE};
 use crate::ids::now_s;
@@ -71,6 +74,9 @@ pub async fn start(app: &AppState, cfg: &LocalNodeConfig) -> Result<LocalNode, S
         None => (None, app.cfg.listen.to_string()),
     };
     let node = register(app, cfg, &address).await?;
+    // Declared dead while this server was down: what the fleet gave up goes before this
+    // server answers anything (its machines were adopted already).
+    drop_lost(app, &node.id).await;
     if listener.is_some() {
         tracing::info!(address = %address, "this server's node listener: control replicas route its sandboxes' calls here");
     }
@@ -127,6 +133,35 @@ async fn register(
     Ok(node)
 }
 
+/// Destroys the sandboxes this server runs whose placements on node `node_id` the fleet
+/// marked lost (see the module doc); how many.
+async fn drop_lost(app: &AppState, node_id: &str) -> usize {
+    let (store, id) = (app.store.clone(), node_id.to_owned());
+    let lost = tokio::task::spawn_blocking(move || store.list_placements(None, Some(&id))).await;
+    let lost: Vec<String> = match lost {
+        Ok(Ok(ps)) => ps
+            .into_iter()
+            .filter(|p| p.state == PlacementState::Lost)
+            .filter_map(|p| p.sandbox_id)
+            .collect(),
+        other => {
+            tracing::warn!(result = ?other.map(|r| r.map(|v| v.len())), "cannot read which of this server's sandboxes the fleet marked lost: retrying at the next beat");
+            return 0;
+        }
+    };
+    let here: Vec<String> = {
+        let live = app.live.read().await;
+        lost.into_iter()
+            .filter(|id| live.contains_key(id))
+            .collect()
+    };
+    let n = super::destroy_taken(app, here).await;
+    if n > 0 {
+        tracing::warn!(node = %node_id, destroyed = n, "fenced: destroyed this server's sandboxes that the fleet marked lost while its node was declared dead");
+    }
+    n
+}
+
 /// Serves the node listener and beats until `quitting`.
 pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::Receiver<bool>) {
     let LocalNode {
@@ -173,16 +208,21 @@ pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::
             .await;
             match beat {
                 Ok(Ok(Some(n))) => {
-                    if n.epoch != node.epoch {
+                    let returned = n.epoch != node.epoch;
+                    if returned {
                         tracing::warn!(old_epoch = node.epoch, epoch = n.epoch, "this server's node was declared dead (its beats stopped for longer than the lease) and returned");
                     }
                     node = n;
                     serving.store(node.epoch, Ordering::Release);
+                    if returned {
+                        drop_lost(&app, &node.id).await;
+                    }
                 }
                 Ok(Ok(None)) => match register(&app, &cfg, &address).await {
                     Ok(n) => {
                         node = n;
                         serving.store(node.epoch, Ordering::Release);
+                        drop_lost(&app, &node.id).await;
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "this server's node was removed and cannot register again")

@@ -434,23 +434,8 @@ async fn join(cfg: &MemberConfig, app: &AppState, dir: &Path) -> Result<Member, 
 /// the others lost when it declared the node dead); how many.
 async fn drop_all_but(app: &AppState, keep: &[String]) -> usize {
     let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
-    let mut n = 0;
-    for id in ids.into_iter().filter(|id| !keep.contains(id)) {
-        let (store, sid) = (app.store.clone(), id.clone());
-        let rec = tokio::task::spawn_blocking(move || store.get_sandbox_any(&sid)).await;
-        match rec {
-            Ok(Ok(Some(r))) => match crate::lifecycle::destroy(app, &r, "deleted").await {
-                Ok(()) => n += 1,
-                Err(e) => {
-                    tracing::warn!(sandbox = %id, error = %e.message, "cannot destroy a sandbox the fleet took back")
-                }
-            },
-            other => {
-                tracing::warn!(sandbox = %id, result = ?other.map(|r| r.map(|o| o.is_some())), "cannot read a sandbox the fleet took back")
-            }
-        }
-    }
-    n
+    let taken: Vec<String> = ids.into_iter().filter(|id| !keep.contains(id)).collect();
+    super::destroy_taken(app, taken).await
 }
 
 /// Sends the node's own events after `cursor` to the fleet (a few batches a beat), moving

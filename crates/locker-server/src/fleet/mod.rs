@@ -16,6 +16,8 @@
 //! - `placement`: where a create goes (filter, score, best of 2, the optimistic
 //!   reservation), lost placements, reconciliation with what nodes report;
 //! - `route`: the router in front of the API on a control plane;
+//! - `data_plane`: the router in front of preview hosts and E2B's surfaces, which name a
+//!   sandbox by host, header or E2B's paths;
 //! - `local`: `locker serve --node local`, this server's own node in the fleet's table.
 //!
 //! It owns the fleet's certificates, sockets and placements. Machines stay the engine's:
@@ -23,6 +25,7 @@
 //! fleet told it (at its return) is no longer its own.
 
 pub mod control;
+pub mod data_plane;
 pub mod local;
 pub mod member;
 pub mod node;
@@ -52,6 +55,28 @@ pub fn token_pin(token: &str) -> Option<&str> {
     let (pin, secret) = rest.split_once('_')?;
     let hex = |s: &str| !s.is_empty() && s.bytes().all(|b| b.is_ascii_hexdigit());
     (pin.len() == pki::PIN_HEX && hex(pin) && secret.len() >= 32 && hex(secret)).then_some(pin)
+}
+
+/// Destroys the sandboxes `ids` this server runs, which the fleet took back from its node
+/// (a returning node fences): how many went. One that cannot be read or destroyed is
+/// logged and left.
+pub(crate) async fn destroy_taken(app: &crate::state::AppState, ids: Vec<String>) -> usize {
+    let mut n = 0;
+    for id in ids {
+        let (store, sid) = (app.store.clone(), id.clone());
+        match tokio::task::spawn_blocking(move || store.get_sandbox_any(&sid)).await {
+            Ok(Ok(Some(r))) => match crate::lifecycle::destroy(app, &r, "deleted").await {
+                Ok(()) => n += 1,
+                Err(e) => {
+                    tracing::warn!(sandbox = %id, error = %e.message, "cannot destroy a sandbox the fleet took back")
+                }
+            },
+            other => {
+                tracing::warn!(sandbox = %id, result = ?other.map(|r| r.map(|o| o.is_some())), "cannot read a sandbox the fleet took back")
+            }
+        }
+    }
+    n
 }
 
 /// Accepts on `listener` until `quitting`, at most `max` connections at once (more are

@@ -35,6 +35,15 @@ pub const STALE_HEADER: &str = "x-locker-stale-route";
 /// The placement a forwarded create is for: the node reports which create made which
 /// sandbox ([`Creates`]).
 pub const PLACEMENT_HEADER: &str = "x-locker-placement";
+/// A preview host's request routed by control (`fleet::data_plane`): `{sandbox} {port}
+/// {scheme} {authority}`, what the node's own preview domain would have read off the host.
+pub const PREVIEW_HEADER: &str = "x-locker-preview";
+/// Set with [`PREVIEW_HEADER`] when control let the request through by the tenant's API key
+/// (which it took off the request: nodes hold no keys).
+pub const PREVIEW_KEY_HEADER: &str = "x-locker-preview-key";
+/// A preview request's own `Authorization` (the app's, not Locker's), carried across the
+/// hop that drops every `Authorization`.
+pub const APP_AUTH_HEADER: &str = "x-locker-app-authorization";
 /// How long a finished create stays in the node's reports: longer than the leader takes to
 /// see it (`placement::CREATE_GRACE_MS` and a reconciliation).
 const MADE_KEPT: Duration = Duration::from_secs(120);
@@ -213,6 +222,11 @@ async fn call(
         }
     }
     parts.headers.remove(axum::http::header::AUTHORIZATION);
+    if let Some(app_auth) = parts.headers.remove(APP_AUTH_HEADER) {
+        parts
+            .headers
+            .insert(axum::http::header::AUTHORIZATION, app_auth);
+    }
     parts.headers.remove(TENANT_HEADER);
     parts.headers.remove(EPOCH_HEADER);
     let placement = parts
@@ -220,7 +234,11 @@ async fn call(
         .remove(PLACEMENT_HEADER)
         .and_then(|v| v.to_str().ok().map(str::to_owned))
         .filter(|_| {
-            parts.method == axum::http::Method::POST && parts.uri.path() == "/v1/sandboxes"
+            parts.method == axum::http::Method::POST
+                && matches!(
+                    parts.uri.path(),
+                    "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes"
+                )
         });
     parts.extensions.insert(Forwarded { tenant });
     let req = axum::extract::Request::from_parts(parts, axum::body::Body::new(body));
@@ -249,7 +267,7 @@ async fn call(
             .unwrap_or_default();
         let id = serde_json::from_slice::<serde_json::Value>(&bytes)
             .ok()
-            .and_then(|v| v["id"].as_str().map(str::to_owned));
+            .and_then(|v| super::route::made_id(&v));
         app.fleet_creates.end(&placement, id);
         Response::from_parts(parts, axum::body::Body::from(bytes))
     });

@@ -111,14 +111,14 @@ impl PreviewDomain {
         format!("{}{}", self.host, self.port_suffix)
     }
 
-    fn is_https(&self) -> bool {
+    pub(crate) fn is_https(&self) -> bool {
         self.scheme == "https"
     }
 
     /// The sandbox and port a request's authority names, or `None` when it is not a preview
     /// host (the API's own host, any other name). `sb-…` is taken for `sb_…`, for clients
     /// that refuse an underscore in a host name.
-    pub(super) fn target(&self, authority: &str) -> Option<Result<(String, u16), ApiError>> {
+    pub(crate) fn target(&self, authority: &str) -> Option<Result<(String, u16), ApiError>> {
         let host = match authority.rsplit_once(':') {
             Some((h, p)) if p.bytes().all(|b| b.is_ascii_digit()) => h,
             _ => authority,
@@ -154,6 +154,19 @@ impl PreviewDomain {
 /// Middleware in front of every route: a request to a preview host goes to the machine,
 /// whatever its path; any other goes on to the API.
 pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> Response {
+    // A fleet node: a preview request the control plane routed here names its target in a
+    // header (this node may have no preview domain, or another).
+    if let Some(routed) = routed(&req) {
+        return match routed {
+            Ok(r) if crate::e2b::is_e2b_port(r.port) => {
+                crate::e2b::serve_host(app.clone(), &r.id, r.port, req).await
+            }
+            Ok(r) => serve(&app, r.id, r.port, r.authority, r.https, r.vouched, req)
+                .await
+                .unwrap_or_else(IntoResponse::into_response),
+            Err(e) => e.into_response(),
+        };
+    }
     let Some(domain) = app.cfg.preview.as_ref() else {
         return next.run(req).await;
     };
@@ -177,11 +190,55 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
         }
         Some(Ok((id, port))) => {
             let https = domain.is_https();
-            serve(&app, id, port, authority.unwrap_or_default(), https, req)
-                .await
-                .unwrap_or_else(IntoResponse::into_response)
+            serve(
+                &app,
+                id,
+                port,
+                authority.unwrap_or_default(),
+                https,
+                false,
+                req,
+            )
+            .await
+            .unwrap_or_else(IntoResponse::into_response)
         }
     }
+}
+
+/// A preview request the fleet's control plane routed to this node
+/// (`node::PREVIEW_HEADER`): its sandbox, port, scheme and host, and whether control let it
+/// through by the tenant's key.
+struct Routed {
+    id: String,
+    port: u16,
+    https: bool,
+    authority: String,
+    vouched: bool,
+}
+
+/// The routed preview request `req` is, if it is one. Only a call through a node's listener
+/// (which only control's certificate opens) is believed; elsewhere the headers mean nothing.
+fn routed(req: &Request) -> Option<Result<Routed, ApiError>> {
+    use crate::fleet::node::{Forwarded, PREVIEW_HEADER, PREVIEW_KEY_HEADER};
+    req.extensions().get::<Forwarded>()?;
+    let raw = req.headers().get(PREVIEW_HEADER)?;
+    let bad = || ApiError::bad_request(format!("{PREVIEW_HEADER}: not `sandbox port scheme host`"));
+    let mut words = raw.to_str().map(str::split_ascii_whitespace).ok()?;
+    let (Some(id), Some(port), Some(scheme), Some(authority)) =
+        (words.next(), words.next(), words.next(), words.next())
+    else {
+        return Some(Err(bad()));
+    };
+    let Ok(port) = port.parse::<u16>() else {
+        return Some(Err(bad()));
+    };
+    Some(Ok(Routed {
+        id: id.to_owned(),
+        port,
+        https: scheme == "https",
+        authority: authority.to_owned(),
+        vouched: req.headers().contains_key(PREVIEW_KEY_HEADER),
+    }))
 }
 
 /// How a preview request got through.
@@ -201,13 +258,24 @@ async fn serve(
     port: u16,
     authority: String,
     https: bool,
+    vouched: bool,
     mut req: Request,
 ) -> Result<Response, ApiError> {
     let live = app.live.read().await.get(&id).cloned();
     let no_such = || ApiError::not_found(format!("no sandbox {id} is running on this server"));
     let live = live.ok_or_else(no_such)?;
     let query_token = query_param(req.uri().query(), COOKIE);
-    let pass = admit(app, &live, port, req.headers(), query_token.as_deref())?;
+    // Control took the tenant's key (a fleet node): the tenant it vouches for must be the
+    // sandbox's.
+    let vouched = vouched
+        && req
+            .extensions()
+            .get::<crate::fleet::node::Forwarded>()
+            .is_some_and(|f| f.tenant == live.tenant);
+    let pass = match vouched {
+        true => Pass::Key,
+        false => admit(app, &live, port, req.headers(), query_token.as_deref())?,
+    };
     let query = strip_query_param(req.uri().query(), COOKIE);
 
     if pass == Pass::QueryToken && matches!(*req.method(), Method::GET | Method::HEAD) {

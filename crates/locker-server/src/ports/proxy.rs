@@ -165,6 +165,9 @@ fn strip(headers: &mut HeaderMap, keep_upgrade: bool) {
     headers.remove("x-locker-token");
     // E2B's name for the same credential (`trafficAccessToken`, see `e2b`).
     headers.remove("e2b-traffic-access-token");
+    // A fleet's routing of a preview request (its node read them).
+    headers.remove(crate::fleet::node::PREVIEW_HEADER);
+    headers.remove(crate::fleet::node::PREVIEW_KEY_HEADER);
     if !keep_upgrade {
         headers.remove(header::CONNECTION);
         headers.remove(header::UPGRADE);

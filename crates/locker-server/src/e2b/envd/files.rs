@@ -86,6 +86,27 @@ pub(super) async fn sandbox_of_signature(
     method: &axum::http::Method,
     raw_query: &str,
 ) -> Option<String> {
+    let tokens: Vec<(String, String)> = {
+        let live = app.live.read().await;
+        live.values()
+            .map(|l| {
+                (
+                    l.id.clone(),
+                    l.preview.read().expect("preview lock").token.clone(),
+                )
+            })
+            .collect()
+    };
+    signed_by(method, raw_query, tokens)
+}
+
+/// Which of `tokens` (sandbox, access token) signed a `/files` URL's query (`None`: none,
+/// or no signature).
+pub(crate) fn signed_by(
+    method: &axum::http::Method,
+    raw_query: &str,
+    tokens: impl IntoIterator<Item = (String, String)>,
+) -> Option<String> {
     let q = parse_query(raw_query);
     let sig = q.signature?;
     let op = if method == axum::http::Method::GET {
@@ -93,22 +114,21 @@ pub(super) async fn sandbox_of_signature(
     } else {
         "write"
     };
-    let live = app.live.read().await;
-    live.values()
-        .find(|l| {
-            let token = l.preview.read().expect("preview lock").token.clone();
+    tokens
+        .into_iter()
+        .find(|(_, token)| {
             !token.is_empty() && {
                 let want = signature(
                     q.path.as_deref().unwrap_or(""),
                     op,
                     q.username.as_deref().unwrap_or(""),
-                    &token,
+                    token,
                     q.expiration.as_deref(),
                 );
                 constant_time_eq(sig.as_bytes(), want.as_bytes())
             }
         })
-        .map(|l| l.id.clone())
+        .map(|(id, _)| id)
 }
 
 fn check_access(t: &Target, q: &Query, op: &str) -> Result<(), E2bError> {
@@ -664,9 +684,7 @@ pub(super) async fn compose(app: AppState, t: Target, req: Request) -> Result<Re
             .await
             .map_err(|e| agent_error(e, src))?;
         if e.kind != locker_types::EntryType::File {
-            return Err(E2bError::bad_request(format!(
-                "path '{src}' is not a file"
-            )));
+            return Err(E2bError::bad_request(format!("path '{src}' is not a file")));
         }
     }
     let made = super::missing_dirs(&agent, &dest, false).await;

@@ -89,7 +89,9 @@ pub(crate) async fn serve(app: AppState, t: Target, req: Request) -> Response {
             env.extend(state::defaults(&t.live.id).env);
             axum::Json(env).into_response()
         }
-        (Method::GET, "/metrics") => metrics(&app, &t).await.unwrap_or_else(|e| e.into_response()),
+        (Method::GET, "/metrics") => metrics(&app, &t)
+            .await
+            .unwrap_or_else(|e| e.into_response()),
         (Method::POST, "/init") => init(&app, &t, req)
             .await
             .map_or_else(|e| e.into_response(), IntoResponse::into_response),
@@ -235,6 +237,8 @@ pub(crate) async fn sandbox_of_signature(
 ) -> Option<String> {
     files::sandbox_of_signature(app, method, raw_query).await
 }
+
+pub(crate) use files::signed_by;
 
 /// envd's interval between keepalive messages when it does not name one.
 const DEFAULT_KEEPALIVE: std::time::Duration = std::time::Duration::from_secs(90);
