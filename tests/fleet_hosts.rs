@@ -229,6 +229,55 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
         again.headers["x-locker-node"].to_str().unwrap().to_owned(),
     );
 
+    // A snapshot of a sandbox on host-a, taken through b, stays on a; a fork through b is
+    // placed on a (its parent's host) and answers through both; a sandbox from the
+    // snapshot, made through b, goes to a; the snapshot is deleted through b, on a.
+    delete_one_on(&api_b, &mut on, "host-a", "make room on host-a again");
+    let src = on
+        .iter()
+        .find(|(_, n)| *n == "host-a")
+        .map(|(i, _)| i.clone())
+        .unwrap();
+    api_a.sh(&src, "echo the point of $HOSTNAME > /root/point");
+    let point = api_a.sh(&src, "cat /root/point");
+    let snap = api_b
+        .post(&format!("/v1/sandboxes/{src}/snapshots"), &json!({}))
+        .expect(201, "a snapshot through b of a sandbox on a");
+    let snap = snap["id"].as_str().unwrap().to_owned();
+    let a_snaps = a.sandboxes_dir().parent().unwrap().join("snapshots");
+    let b_snaps = b.sandboxes_dir().parent().unwrap().join("snapshots");
+    assert!(a_snaps.join(&snap).is_dir() && !b_snaps.join(&snap).exists());
+    for api in [&api_a, &api_b] {
+        let l = api.get("/v1/snapshots").expect(200, "snapshots");
+        assert_eq!(l["snapshots"].as_array().unwrap().len(), 1, "{l}");
+    }
+    let forked = api_b
+        .post(&format!("/v1/sandboxes/{src}/fork"), &json!({"count": 1}))
+        .expect(201, "a fork through b of a sandbox on a");
+    let child = forked["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+    assert!(a.sandboxes_dir().join(&child).exists(), "{forked}");
+    for api in [&api_a, &api_b] {
+        assert_eq!(api.sh(&child, "cat /root/point"), point);
+    }
+    assert_eq!(api_a.get("/v1/sandboxes").json()["total"], 6);
+    api_a
+        .delete(&format!("/v1/sandboxes/{child}"))
+        .expect(204, "delete the child through a");
+    let r = api_b.post(
+        "/v1/sandboxes",
+        &json!({"from_snapshot": snap, "ttl_s": 900}),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.headers["x-locker-node"], "host-a");
+    let from = r.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(api_b.sh(&from, "cat /root/point"), point);
+    on.insert(from, "host-a".to_owned());
+    api_b
+        .delete(&format!("/v1/snapshots/{snap}"))
+        .expect(204, "delete a's snapshot through b");
+    assert!(!a_snaps.join(&snap).exists());
+    assert_eq!(api_a.get("/v1/snapshots").json()["snapshots"], json!([]));
+
     // A restarts (an upgrade): it adopts its own three machines, never b's, and every
     // sandbox answers through both replicas afterwards.
     a.restart();

@@ -62,12 +62,7 @@ fn beat_as(control: &str, who: Option<&NodeProc>, node_id: &str, epoch: i64, ca:
 fn nodes_join_once_per_token_over_the_fleet_ca_and_report_their_capacity() {
     let fab = Fabric::new(5);
     let (db, pg_url) = cluster().new_database();
-    let srv = Server::start_with(&[
-        "--database",
-        pg_url.as_str(),
-        "--fleet-listen",
-        &format!("{}:0", fab.control_ip()),
-    ]);
+    let srv = fab.control(&pg_url, &[]);
     let admin = srv.admin();
 
     // Bad admin input: a clear 400; a tenant's key opens no fleet route.

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use locker_tests::fabric::{fleet_nodes, fleet_token, Fabric, NodeProc};
 use locker_tests::postgres::cluster;
-use locker_tests::server::{Api, Resp, Server};
+use locker_tests::server::{Api, Resp};
 use locker_tests::wait_for;
 use serde_json::json;
 
@@ -31,12 +31,7 @@ fn create(api: &Api) -> Resp {
 fn a_stalled_database_declares_no_node_dead() {
     let fab = Fabric::new(2);
     let (_db, pg_url) = cluster().new_database();
-    let srv = Server::start_with(&[
-        "--database",
-        pg_url.as_str(),
-        "--fleet-listen",
-        &format!("{}:0", fab.control_ip()),
-    ]);
+    let srv = fab.control(&pg_url, &[]);
     let (admin, api) = (srv.admin(), srv.api());
     let mut nodes = [NodeProc::new(0, "a"), NodeProc::new(1, "b")];
     for n in &mut nodes {

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, Fabric, NodeProc};
 use locker_tests::fleet::placed_on;
 use locker_tests::postgres::cluster;
-use locker_tests::server::{Api, Resp, Server};
+use locker_tests::server::{Api, Resp};
 use locker_tests::streams::{browser_terminal, read_exit_frame, read_until, ws_connect};
 use locker_tests::wait_for;
 use serde_json::json;
@@ -54,15 +54,14 @@ fn node_answers(addr: &str, cert: Option<(&std::path::Path, &std::path::Path)>) 
 fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     let fab = Fabric::new(2);
     let (db, pg_url) = cluster().new_database();
-    let srv = Server::start_with(&[
-        "--database",
-        pg_url.as_str(),
-        "--fleet-listen",
-        &format!("{}:0", fab.control_ip()),
-        // A tenant may use 1 GiB of sandbox memory across the fleet.
-        "--quota-memory-mb",
-        "1024",
-    ]);
+    let srv = fab.control(
+        &pg_url,
+        &[
+            // A tenant may use 1 GiB of sandbox memory across the fleet.
+            "--quota-memory-mb",
+            "1024",
+        ],
+    );
     let (admin, api) = (srv.admin(), srv.api());
     let token = |admin: &Api| {
         let t = fleet_token(admin, 600);
@@ -216,18 +215,7 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
             .expect_error(404, "not_found", "exec in another tenant's sandbox");
     }
 
-    // What would make objects the control plane cannot see is refused, saying so.
     let (_, any) = &on[0];
-    for path in ["fork", "snapshots"] {
-        let m = api
-            .post(&format!("/v1/sandboxes/{any}/{path}"), &json!({}))
-            .expect_error(
-                501,
-                "not_implemented",
-                "a fork or snapshot of a remote sandbox",
-            );
-        assert!(m.contains("not supported yet"), "{m}");
-    }
     // The terminal (a WebSocket) reaches the node's shell through control.
     let mut ws = ws_connect(&srv.url, api.key(), &format!("/v1/sandboxes/{any}/pty"))
         .unwrap_or_else(|(s, e)| panic!("terminal through control: {s} {e}"));
@@ -420,4 +408,213 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     let l = fleet_nodes(&admin);
     assert_eq!(fleet_node(&l, "a")["reserved"]["slots"], 0);
     assert_eq!(fleet_node(&l, "b")["reserved"]["slots"], 0);
+}
+
+/// Snapshots stay on the node that took them and the fleet knows where: listed by control,
+/// started from on that node only (503 while it is dead), deleted there; a fork's children
+/// are placed on their parent's node before they are made, all or none.
+#[test]
+fn snapshots_and_forks_of_a_node_sandbox_stay_on_its_node() {
+    let fab = Fabric::new(2);
+    let (_db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let join = |n: &mut NodeProc, name: &str, i: usize| {
+        let t = fleet_token(&admin, 600);
+        let (url, token) = (t["url"].as_str().unwrap(), t["token"].as_str().unwrap());
+        n.start(&fab, Some((url, token)), 3);
+        wait_for(Duration::from_secs(60), "the node alive", || {
+            let l = fleet_nodes(&admin);
+            (l.len() == i + 1 && fleet_node(&l, name)["alive"] == true).then_some(())
+        });
+    };
+    // The parent on a (alone in the fleet when it is made); then b joins, with room.
+    let mut a = NodeProc::new(0, "a");
+    join(&mut a, "a", 0);
+    let parent = create(&api);
+    assert_eq!(
+        (parent.status, placed_on(&parent)),
+        (201, "a".to_owned()),
+        "{}",
+        parent.text()
+    );
+    let parent = parent.json()["id"].as_str().unwrap().to_owned();
+    let mut b = NodeProc::new(1, "b");
+    join(&mut b, "b", 1);
+    api.sh(&parent, "echo the point > /root/mark");
+
+    // A snapshot: taken on a, its files there, listed by control like one host's.
+    let snap = api
+        .post(&format!("/v1/sandboxes/{parent}/snapshots"), &json!({}))
+        .expect(201, "a snapshot of a node's sandbox");
+    let snap_id = snap["id"].as_str().unwrap().to_owned();
+    assert_eq!(snap["sandbox_id"], parent.as_str(), "{snap}");
+    assert!(a.data_dir().join("snapshots").join(&snap_id).is_dir());
+    assert!(!b.data_dir().join("snapshots").join(&snap_id).exists());
+    let list = api.get("/v1/snapshots").expect(200, "the snapshots");
+    let listed = &list["snapshots"].as_array().unwrap();
+    assert_eq!(listed.len(), 1, "{list}");
+    for k in [
+        "id",
+        "sandbox_id",
+        "template_digest",
+        "runtime",
+        "size_bytes",
+        "created_at",
+    ] {
+        assert_eq!(listed[0][k], snap[k], "{k}: {list}");
+    }
+    let (other, _) = srv.create_tenant("fleet-other");
+    other
+        .delete(&format!("/v1/snapshots/{snap_id}"))
+        .expect_error(404, "not_found", "another tenant's snapshot");
+    assert_eq!(other.get("/v1/snapshots").json()["snapshots"], json!([]));
+
+    // E2B's snapshot of it too: kept on a, recorded as the node shows it, deleted there.
+    let anon = api.with_key(None);
+    let e2b = [
+        ("X-API-KEY", api.key().unwrap()),
+        ("Content-Type", "application/json"),
+    ];
+    let r = anon.request(
+        "POST",
+        &format!("/sandboxes/{parent}/snapshots"),
+        &e2b,
+        "{}",
+    );
+    assert_eq!(r.status, 201, "E2B's snapshot on a node: {}", r.text());
+    let e2b_snap = r.json()["snapshotID"].as_str().unwrap().to_owned();
+    assert!(a.data_dir().join("snapshots").join(&e2b_snap).is_dir());
+    let list = api.get("/v1/snapshots").expect(200, "the snapshots");
+    let rec = list["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["id"] == e2b_snap.as_str())
+        .unwrap_or_else(|| panic!("E2B's snapshot not listed: {list}"))
+        .clone();
+    assert_eq!(
+        (&rec["sandbox_id"], &rec["template_digest"]),
+        (&json!(parent), &snap["template_digest"]),
+        "{rec}"
+    );
+    let r = anon.request("DELETE", &format!("/templates/{e2b_snap}"), &e2b[..1], ());
+    assert_eq!(r.status, 204, "E2B's delete: {}", r.text());
+    assert!(!a.data_dir().join("snapshots").join(&e2b_snap).exists());
+    assert_eq!(
+        api.get("/v1/snapshots").json()["snapshots"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+
+    // A fork of 2: both children on a (never b, which has more room), each routed and
+    // standing on the point; a is then full.
+    let forked = api
+        .post(
+            &format!("/v1/sandboxes/{parent}/fork"),
+            &json!({"count": 2}),
+        )
+        .expect(201, "a fork on a node");
+    let children: Vec<String> = forked["sandboxes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(children.len(), 2, "{forked}");
+    for c in &children {
+        assert!(
+            a.data_dir().join("sandboxes").join(c).exists(),
+            "{c} not on a"
+        );
+        assert_eq!(api.sh(c, "cat /root/mark"), "the point\n");
+        let v = api
+            .get(&format!("/v1/sandboxes/{c}"))
+            .expect(200, "a child");
+        assert_eq!(v["state"], "running", "{v}");
+    }
+    let l = fleet_nodes(&admin);
+    assert_eq!(fleet_node(&l, "a")["reserved"]["slots"], 3);
+    assert_eq!(fleet_node(&l, "b")["reserved"]["slots"], 0);
+    assert_eq!(api.get("/v1/sandboxes").json()["total"], 3);
+    // No room on a for one more: refused, saying where, with nothing made or reserved.
+    let m = api
+        .post(
+            &format!("/v1/sandboxes/{parent}/fork"),
+            &json!({"count": 1}),
+        )
+        .expect_error(429, "quota_exceeded", "a fork past its node's room");
+    assert!(m.contains("parent's node"), "{m}");
+    let l = fleet_nodes(&admin);
+    assert_eq!(fleet_node(&l, "a")["reserved"]["slots"], 3);
+    assert_eq!(fleet_node(&l, "b")["reserved"]["slots"], 0);
+    assert_eq!(api.get("/v1/sandboxes").json()["total"], 3);
+    // Bad input is the handler's.
+    api.post(
+        &format!("/v1/sandboxes/{parent}/fork"),
+        &json!({"count": 0}),
+    )
+    .expect_error(400, "bad_request", "a fork of none");
+
+    // A sandbox from the snapshot goes to a, where its files are, even with b emptier.
+    assert_eq!(
+        api.delete(&format!("/v1/sandboxes/{}", children[0])).status,
+        204
+    );
+    let from = api.post(
+        "/v1/sandboxes",
+        &json!({"from_snapshot": snap_id, "ttl_s": 900}),
+    );
+    assert_eq!(
+        (from.status, placed_on(&from)),
+        (201, "a".to_owned()),
+        "{}",
+        from.text()
+    );
+    let from = from.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(api.sh(&from, "cat /root/mark"), "the point\n");
+    assert_eq!(
+        api.get(&format!("/v1/sandboxes/{from}")).json()["memory_mb"],
+        256,
+        "the snapshot's sizes"
+    );
+
+    // Deleted through control: gone on a and from the list; a create from it is 404.
+    assert_eq!(api.delete(&format!("/v1/snapshots/{snap_id}")).status, 204);
+    assert!(!a.data_dir().join("snapshots").join(&snap_id).exists());
+    assert_eq!(api.get("/v1/snapshots").json()["snapshots"], json!([]));
+    api.post("/v1/sandboxes", &json!({"from_snapshot": snap_id}))
+        .expect_error(404, "not_found", "a deleted snapshot");
+    api.delete(&format!("/v1/snapshots/{snap_id}"))
+        .expect_error(404, "not_found", "a snapshot deleted twice");
+
+    // A snapshot whose node is dead: kept, not started elsewhere (its files are on a), and
+    // a clear 503 while a is away.
+    let snap2 = api
+        .post(&format!("/v1/sandboxes/{from}/snapshots"), &json!({}))
+        .expect(201, "another snapshot");
+    let snap2 = snap2["id"].as_str().unwrap().to_owned();
+    a.signal(libc::SIGKILL);
+    wait_for(Duration::from_secs(10), "a declared dead", || {
+        (fleet_node(&fleet_nodes(&admin), "a")["alive"] == false).then_some(())
+    });
+    let m = api
+        .post("/v1/sandboxes", &json!({"from_snapshot": snap2}))
+        .expect_error(503, "unavailable", "a snapshot on a dead node");
+    assert!(m.contains("not alive"), "{m}");
+    api.delete(&format!("/v1/snapshots/{snap2}")).expect_error(
+        503,
+        "unavailable",
+        "deleting a snapshot on a dead node",
+    );
+    assert_eq!(
+        api.get("/v1/snapshots").json()["snapshots"][0]["id"],
+        snap2.as_str()
+    );
+    assert_eq!(
+        fleet_node(&fleet_nodes(&admin), "b")["reserved"]["slots"],
+        0
+    );
 }

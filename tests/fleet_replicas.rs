@@ -9,7 +9,7 @@
 //!    (`{port}-{id}.localhost`, with the key or the preview token) and by E2B's headers
 //!    (`E2b-Sandbox-Id`): each reads back a file that exists only there, with content unique
 //!    to that sandbox. Then the doors' rules as on one host (a preview host's credentials,
-//!    the app's own `Authorization`, E2B's info and its 501 for snapshots), and E2B's and
+//!    the app's own `Authorization`, E2B's info, snapshots and its 501 for forks), and E2B's and
 //!    MCP's creates placed on nodes, listed, reached and killed through other replicas.
 //! 3. (Run after 4.) Exactly one replica leads (holds the leader's advisory lock: the lease
 //!    sweeper and reconciliation). SIGKILL it, then SIGKILL node a: the other replica takes
@@ -641,7 +641,8 @@ fn check_e2b_and_mcp(rig: &Rig, routed: &Routed) {
 /// Check 2, the doors other than paths for a sandbox on a node, through replica B: a
 /// preview host lets the key, the token or nothing in as one host does (the key never
 /// reaches the app, the app's own `Authorization` does); E2B's calls about the sandbox
-/// reach it with `X-API-KEY`, and its snapshots are refused as the API's are.
+/// reach it with `X-API-KEY`, its snapshots are kept on the node as the API's are, and its
+/// forks are refused.
 fn check_doors(rig: &Rig, sb: &Routed) {
     let api_b = rig.api(1);
     let anon = Api::new(&api_b.base, None);
@@ -728,7 +729,35 @@ fn check_doors(rig: &Rig, sb: &Routed) {
         &[e2b[0], ("Content-Type", "application/json")],
         "{}",
     );
-    assert_eq!(r.status, 501, "check 2: E2B's snapshot: {}", r.text());
+    assert_eq!(r.status, 201, "check 2: E2B's snapshot: {}", r.text());
+    let snap = r.json()["snapshotID"].as_str().unwrap().to_owned();
+    let r = anon.request("GET", "/snapshots", &e2b, ());
+    assert!(
+        r.json()
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|s| s["snapshotID"] == snap.as_str()),
+        "check 2: E2B's snapshot listed: {}",
+        r.text()
+    );
+    let r = anon.request("DELETE", &format!("/templates/{snap}"), &e2b, ());
+    assert_eq!(
+        r.status,
+        204,
+        "check 2: E2B's snapshot deleted: {}",
+        r.text()
+    );
+    let r = anon.request("DELETE", &format!("/templates/{snap}"), &e2b, ());
+    assert_eq!(r.status, 404, "check 2: deleted twice: {}", r.text());
+    assert_eq!(r.json()["code"], 404, "E2B's error shape: {}", r.text());
+    let r = anon.request(
+        "POST",
+        &format!("/sandboxes/{id}/fork"),
+        &[e2b[0], ("Content-Type", "application/json")],
+        "{}",
+    );
+    assert_eq!(r.status, 501, "check 2: E2B's fork: {}", r.text());
     assert_eq!(r.json()["code"], 501, "E2B's error shape: {}", r.text());
     let r = anon.request(
         "GET",

@@ -85,6 +85,15 @@ impl Fabric {
     }
 
     /// The address the control plane listens on.
+    /// A control plane on Postgres `pg_url` whose fleet listener is on this fabric's
+    /// bridge, with `extra` arguments.
+    pub fn control(&self, pg_url: &str, extra: &[&str]) -> crate::server::Server {
+        let listen = format!("{}:0", self.control_ip());
+        let mut args = vec!["--database", pg_url, "--fleet-listen", &listen];
+        args.extend_from_slice(extra);
+        crate::server::Server::start_with(&args)
+    }
+
     pub fn control_ip(&self) -> String {
         format!("10.251.{}.1", self.subnet)
     }

@@ -184,6 +184,9 @@ async fn checked(
                 .ok_or_else(|| ApiError::not_found(format!("snapshot {s} does not exist")))?,
         ),
     };
+    if let Some(s) = &snapshot {
+        crate::snapshots::elsewhere(app, s)?;
+    }
     let cpus = body
         .cpus
         .or(snapshot.as_ref().map(|s| s.cpus))

@@ -136,6 +136,7 @@ pub(crate) async fn snapshot_sandbox(
         disk_mb: rec.disk_mb,
         created_at: locker_types::rfc3339(now_s()),
         path: dir.display().to_string(),
+        host: app.host_id.clone(),
     };
     if let Err(e) = app.store.insert_snapshot(&snap) {
         let _ = std::fs::remove_dir_all(&dir);
@@ -216,11 +217,25 @@ pub(crate) fn remove_snapshot(app: &AppState, caller: &Caller, id: &str) -> Resu
         .store
         .get_snapshot(&caller.tenant, id)?
         .ok_or_else(|| ApiError::not_found(format!("snapshot {id} does not exist")))?;
+    elsewhere(app, &snap)?;
     // Sandboxes started from it, and snapshots of those, hold their own hard links to its
     // image: removing it never affects them, and its blocks go with the last of them.
     app.store.delete_snapshot(&caller.tenant, id)?;
     let _ = std::fs::remove_dir_all(&snap.path);
     Ok(())
+}
+
+/// Refuses a snapshot whose files are on another node of the fleet (its control plane
+/// routes what is about it there; this server cannot reach them).
+pub(crate) fn elsewhere(app: &AppState, snap: &SnapshotRecord) -> Result<(), ApiError> {
+    if snap.is_on(&app.host_id) {
+        return Ok(());
+    }
+    Err(ApiError::conflict(format!(
+        "snapshot {} lives on fleet node {}, not on this server: use it through the fleet's \
+         control plane, which sends what is about it to that node",
+        snap.id, snap.host
+    )))
 }
 
 #[derive(Deserialize)]

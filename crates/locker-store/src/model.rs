@@ -384,6 +384,19 @@ pub struct SnapshotRecord {
     pub created_at: String,
     /// Where its files are on the host.
     pub path: String,
+    /// The fleet node whose disk holds its files: the host id of the server that took it
+    /// (as `SandboxRecord::host`; a control replica's own node has that id), or, in a
+    /// control plane's copy of a joined node's snapshot, that node's id (its `path` is the
+    /// node's). Empty in a record from before fleets: the server's own.
+    #[serde(default)]
+    pub host: String,
+}
+
+impl SnapshotRecord {
+    /// Whether its files are on the server of host id `host_id`.
+    pub fn is_on(&self, host_id: &str) -> bool {
+        self.host.is_empty() || self.host == host_id
+    }
 }
 
 /// Checks a volume name: `[a-z0-9][a-z0-9._-]{0,62}` (a path segment and a CLI argument

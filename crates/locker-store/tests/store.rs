@@ -986,6 +986,7 @@ fn snapshots_are_isolated_between_tenants_and_survive_reopen(b: Backend) {
         disk_mb: 2048,
         created_at: rfc3339(1),
         path: format!("/x/{id}"),
+        host: "host-1".into(),
     };
     store.insert_snapshot(&snap("snap_1", "a")).unwrap();
     store.insert_snapshot(&snap("snap_2", "b")).unwrap();
@@ -1521,6 +1522,7 @@ fn fill_every_table(s: &dyn Store) {
         disk_mb: 2048,
         created_at: rfc3339(T0),
         path: "/x/snap_1".into(),
+        host: String::new(),
     })
     .unwrap();
     s.insert_volume(&locker_store::VolumeRecord {

@@ -14,7 +14,9 @@
 //!   the sandbox's access token;
 //! - **E2B's calls about one sandbox** (`/sandboxes/{id}/…`, `/v2/sandboxes/{id}/connect`):
 //!   `X-API-KEY` is checked here and the call goes with its tenant, as the API's own do;
-//!   snapshots and forks of a remote sandbox are refused (501), as on the API.
+//!   a snapshot stays on the node and is recorded as the API's are (`route`'s
+//!   `snapshots`); E2B's forks of a remote sandbox are refused (501): their children
+//!   would not be placed.
 //!
 //! - **E2B's `/files` calls that name their sandbox only by its access token or a signed
 //!   URL** (older JavaScript SDKs; `download_url`, `upload_url`): when no sandbox of this
@@ -48,7 +50,7 @@ enum Door {
     },
     /// `E2b-Sandbox-Id`.
     E2bData,
-    /// E2B's REST calls about one sandbox; `refused` for snapshots and forks.
+    /// E2B's REST calls about one sandbox; `refused` for forks.
     E2bControl { refused: Option<&'static str> },
 }
 
@@ -103,7 +105,6 @@ fn door_of(app: &AppState, req: &Request) -> Option<(String, Door)> {
         return None;
     }
     let refused = match sub {
-        "snapshots" => Some("snapshots"),
         "fork" => Some("forks"),
         _ => None,
     };
@@ -212,7 +213,14 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     let placement = route.placement().to_owned();
     req.extensions_mut().insert(Extra(extra));
     let e2b_control = matches!(door, Door::E2bControl { .. });
-    let mut resp = route::forward(&app, route, &id, req).await;
+    let snapshot = e2b_control
+        && req.method() == axum::http::Method::POST
+        && req.uri().path() == format!("/sandboxes/{id}/snapshots");
+    let mut resp = if snapshot {
+        route::e2b_shaped(route::snapshot(&app, &route, &id, req).await).await
+    } else {
+        route::forward(&app, route, &id, req).await
+    };
     if e2b_control {
         // E2B's `domain` is this server's preview domain, not the node's.
         resp = route::localized_answer(&app, resp).await;

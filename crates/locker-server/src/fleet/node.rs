@@ -235,10 +235,10 @@ async fn call(
         .and_then(|v| v.to_str().ok().map(str::to_owned))
         .filter(|_| {
             parts.method == axum::http::Method::POST
-                && matches!(
+                && (matches!(
                     parts.uri.path(),
                     "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes"
-                )
+                ) || parts.uri.path().ends_with("/fork"))
         });
     parts.extensions.insert(Forwarded { tenant });
     let req = axum::extract::Request::from_parts(parts, axum::body::Body::new(body));
@@ -248,27 +248,39 @@ async fn call(
             Err(e) => match e {},
         };
     };
-    // A placed create runs to its end here even if control goes away meanwhile, and says
-    // what it made in the next reports.
+    // A placed create (or fork: a placement per child, in order) runs to its end here even
+    // if control goes away meanwhile, and says what it made in the next reports.
+    let placements: Vec<String> = placement.split(',').map(str::to_owned).collect();
     let app = app.clone();
     let made = tokio::spawn(async move {
-        app.fleet_creates.begin(&placement);
+        for p in &placements {
+            app.fleet_creates.begin(p);
+        }
         let resp = match tower_service::Service::call(&mut routes, req).await {
             Ok(r) => r,
             Err(e) => match e {},
         };
         if resp.status() != StatusCode::CREATED {
-            app.fleet_creates.end(&placement, None);
+            for p in &placements {
+                app.fleet_creates.end(p, None);
+            }
             return resp;
         }
         let (parts, body) = resp.into_parts();
         let bytes = axum::body::to_bytes(body, 1 << 20)
             .await
             .unwrap_or_default();
-        let id = serde_json::from_slice::<serde_json::Value>(&bytes)
-            .ok()
-            .and_then(|v| super::route::made_id(&v));
-        app.fleet_creates.end(&placement, id);
+        let answer = serde_json::from_slice::<serde_json::Value>(&bytes).unwrap_or_default();
+        let made: Vec<Option<String>> = match answer["sandboxes"].as_array() {
+            Some(children) => children
+                .iter()
+                .map(|c| c["id"].as_str().map(str::to_owned))
+                .collect(),
+            None => vec![super::route::made_id(&answer)],
+        };
+        for (i, p) in placements.iter().enumerate() {
+            app.fleet_creates.end(p, made.get(i).cloned().flatten());
+        }
         Response::from_parts(parts, axum::body::Body::from(bytes))
     });
     made.await

@@ -14,7 +14,7 @@ pub(super) enum Surface {
 /// An answer in E2B's error shape (`{"code", "message"}`) where it was Locker's
 /// (`{"error": {…}}`, from this router); the node's own answers to E2B's create are E2B's
 /// already.
-pub(super) async fn e2b_shaped(resp: Response) -> Response {
+pub(in crate::fleet) async fn e2b_shaped(resp: Response) -> Response {
     if resp.status().is_success() {
         return resp;
     }
@@ -44,7 +44,7 @@ pub(super) async fn create(app: &AppState, req: Request, next: Next, surface: Su
     };
     let c = app.fleet.as_ref().expect("fleet control");
     let local = c.local_node_id();
-    let (nodes, _) = match placement::nodes(app, false).await {
+    let (nodes, now_ms) = match placement::nodes(app, false).await {
         Ok(n) => n,
         Err(e) => return e.into_response(),
     };
@@ -73,32 +73,52 @@ pub(super) async fn create(app: &AppState, req: Request, next: Next, surface: Su
             None => return next.run(rebuilt(&bytes)).await,
         },
     };
-    let bound = host_bound(&spec);
-    // A sandbox's volumes live on one server: it is placed there (its node).
+    let snapshot = match spec["from_snapshot"].as_str() {
+        Some(s) => match super::snapshots::find(app, &caller.tenant, s).await {
+            Ok(Some(snap)) => Some(snap),
+            // No such snapshot: the handler says so, and nothing is reserved.
+            Ok(None) => return next.run(rebuilt(&bytes)).await,
+            Err(e) => return e.into_response(),
+        },
+        None => None,
+    };
     let volume_host = match volumes_host(app, &caller.tenant, &spec).await {
         Ok(h) => h,
         Err(e) => return e.into_response(),
     };
-    let bound = match (&volume_host, bound) {
-        (Some(h), _) if *h != app.host_id => None,
-        (_, b) => b,
+    let rows = placement::row_nodes(&nodes);
+    let only = match bound_to(
+        app,
+        &spec,
+        volume_host,
+        snapshot.as_ref(),
+        local.as_deref(),
+        &rows,
+    ) {
+        Ok(o) => o,
+        Err(e) => return e.into_response(),
     };
-    if let (Some(why), None) = (bound, &local) {
-        return ApiError::bad_request(format!(
-            "{why} cannot be placed on a remote fleet node yet (their data lives on the control \
-             plane's host): start this server with --node local to run such sandboxes here"
-        ))
-        .into_response();
+    if let Some((node, what)) = &only {
+        let alive = nodes.iter().any(|n| {
+            n.id == *node && n.state == locker_store::NodeState::Ready && n.lease_until_ms >= now_ms
+        });
+        if !alive {
+            return ApiError::unavailable(format!(
+                "{what} on fleet node {node}, which is not alive now (its data is on that node's \
+                 disk): retry when the node is back"
+            ))
+            .into_response();
+        }
     }
     let memory_mb = match &spec["memory_mb"] {
-        Value::Null => 512,
+        Value::Null => snapshot.as_ref().map_or(512, |s| s.memory_mb),
         v => match v.as_u64() {
             Some(m) if (crate::limits::MEMORY_MB.0..=crate::limits::MEMORY_MB.1).contains(&m) => m,
             // Out of range or not a number: the handler says what is allowed.
             _ => return next.run(rebuilt(&bytes)).await,
         },
     };
-    if let Err(e) = quota(app, &caller.tenant, memory_mb, placement::row_nodes(&nodes)).await {
+    if let Err(e) = quota(app, &caller.tenant, (1, memory_mb), rows).await {
         return e.into_response();
     }
     let template = spec["template"].as_str().unwrap_or("default");
@@ -117,12 +137,7 @@ pub(super) async fn create(app: &AppState, req: Request, next: Next, surface: Su
             .ok()
             .flatten()
             .map(|t| t.digest),
-        // Bound to a host's data: placed on the volumes' server, or on this server's own node
-        // (`--node local`) for its secrets and snapshots.
-        only: match volume_host.filter(|h| *h != app.host_id) {
-            Some(h) => Some(h),
-            None => bound.and(local.clone()),
-        },
+        only: only.map(|(n, _)| n),
     };
     let t_place = std::time::Instant::now();
     let (p, node) = match placement::place(app, &caller.tenant, &ask).await {
@@ -307,35 +322,89 @@ async fn volumes_host(
     Ok(hosts.into_iter().next())
 }
 
-/// What ties a create to the data on this server's host (volumes, secrets, snapshots), if
-/// anything.
-fn host_bound(spec: &Value) -> Option<&'static str> {
-    let some = |k: &str| match &spec[k] {
-        Value::Null => false,
+/// The one node a create may go to, and why, when its data ties it to one: its volumes'
+/// server, its snapshot's node (where their files are), or, for secrets, a node whose
+/// engine reads the fleet's store (a control replica's own: this server's when nothing
+/// else decides). 400 when they point to different nodes, or secrets with no such node.
+fn bound_to(
+    app: &AppState,
+    spec: &Value,
+    volume_host: Option<String>,
+    snapshot: Option<&locker_store::SnapshotRecord>,
+    local: Option<&str>,
+    rows: &std::collections::HashSet<String>,
+) -> Result<Option<(String, String)>, ApiError> {
+    let secrets = match &spec["secrets"] {
         Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-        Value::String(s) => !s.is_empty(),
+        Value::Null => false,
         _ => true,
     };
-    if some("volumes") {
-        Some("a sandbox with volumes")
-    } else if some("secrets") {
-        Some("a sandbox with secrets")
-    } else if some("from_snapshot") {
-        Some("a sandbox from a snapshot")
+    let snapshot_node = snapshot.map(|s| {
+        let node = if s.host.is_empty() {
+            app.host_id.clone()
+        } else {
+            s.host.clone()
+        };
+        (node, format!("snapshot {} lives", s.id))
+    });
+    let volume_node = volume_host.map(|h| (h, "its volumes live".to_owned()));
+    let only = match (volume_node, snapshot_node) {
+        (Some((v, _)), Some((s, _))) if v != s => {
+            return Err(ApiError::bad_request(format!(
+                "its volumes live on fleet node {v} and its snapshot on node {s}: a sandbox runs \
+                 where both are; mount volumes of the snapshot's node, or none"
+            )))
+        }
+        (v, s) => v.or(s),
+    };
+    let only = if secrets {
+        with_secrets(app, only, local, rows)?
     } else {
-        None
+        only
+    };
+    match only {
+        Some((n, what)) if n == app.host_id && local.is_none() => {
+            Err(ApiError::bad_request(format!(
+            "{what} on this server, which runs no sandboxes of the fleet: start it with --node \
+             local to run such sandboxes here"
+        )))
+        }
+        o => Ok(o),
     }
 }
 
-/// The tenant's quotas of sandboxes and of their memory, counting its sandboxes on every
-/// node: the rows of this store (this and other replicas' own sandboxes) and the placements
-/// on joined nodes (`rows`: the nodes whose sandboxes are rows). Read, then placed: two
-/// creates racing for the last unit of quota can both pass.
-async fn quota(
+/// Where a sandbox with secrets may run, given where its other data binds it (`only`).
+fn with_secrets(
+    app: &AppState,
+    only: Option<(String, String)>,
+    local: Option<&str>,
+    rows: &std::collections::HashSet<String>,
+) -> Result<Option<(String, String)>, ApiError> {
+    match (only, local) {
+        (Some((n, what)), _) if n == app.host_id || rows.contains(&n) => Ok(Some((n, what))),
+        (Some((n, _)), _) => Err(ApiError::bad_request(format!(
+            "a sandbox with secrets runs on a control replica's own node (their values are in \
+             the fleet's store, which joined nodes never read), and this one is bound to joined \
+             node {n}: leave `secrets` out, or use data of a control replica's node"
+        ))),
+        (None, Some(l)) => Ok(Some((l.to_owned(), "its secrets live".to_owned()))),
+        (None, None) => Err(ApiError::bad_request(
+            "a sandbox with secrets cannot be placed on a remote fleet node (their values are in \
+             the fleet's store, which joined nodes never read): start this server with --node \
+             local to run such sandboxes here",
+        )),
+    }
+}
+
+/// The tenant's quotas of sandboxes and of their memory for `count` more sandboxes of
+/// `memory_mb` each, counting its sandboxes on every node: the rows of this store (this and
+/// other replicas' own sandboxes) and the placements on joined nodes (`rows`: the nodes
+/// whose sandboxes are rows). Read, then placed: two creates racing for the last unit of
+/// quota can both pass.
+pub(super) async fn quota(
     app: &AppState,
     tenant: &str,
-    memory_mb: u64,
+    (count, memory_mb): (u64, u64),
     rows: std::collections::HashSet<String>,
 ) -> Result<(), ApiError> {
     let (store, t) = (app.store.clone(), tenant.to_owned());
@@ -359,7 +428,7 @@ async fn quota(
     .await
     .map_err(|e| ApiError::internal(e.to_string()))??;
     let q = &app.cfg.quotas;
-    if placed + here >= q.sandboxes {
+    if placed + here + count > q.sandboxes {
         return Err(ApiError::quota(format!(
             "quota exceeded: tenant {tenant} may have {} sandboxes at once across the fleet; \
              delete some first",
@@ -367,7 +436,7 @@ async fn quota(
         )));
     }
     let used = placed_mb + here_mb;
-    if used + memory_mb > q.memory_mb {
+    if used + memory_mb * count > q.memory_mb {
         return Err(ApiError::quota(format!(
             "quota exceeded: tenant {tenant} may use {} MB of sandbox memory in all across the \
              fleet ({used} MB in use)",

@@ -26,7 +26,8 @@
 //! `data_plane` routes those, with this module's routes and [`forward`]. MCP's tools call
 //! this router in-process, so they reach remote sandboxes as the API does.
 //!
-//! Not routed yet: snapshots and forks of a remote sandbox (501, saying so).
+//! Snapshots stay on the node that took them and forks' children are placed on their
+//! parent's node before they are made (`snapshots`).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -53,13 +54,16 @@ use crate::state::AppState;
 
 mod create;
 mod forward;
+mod snapshots;
 mod volumes;
 
+pub(in crate::fleet) use create::e2b_shaped;
 pub(in crate::fleet) use create::made_id;
-use create::{create, e2b_shaped, Surface};
+use create::{create, Surface};
 pub(in crate::fleet) use forward::forward;
 pub use forward::{destroy_orphan, view_on_node};
 use forward::{node_route, payload, send, Payload, SendError};
+pub(in crate::fleet) use snapshots::snapshot;
 use volumes::{volume_call, volume_of};
 
 /// A body kept for a retry at most this big (the API's own body limit).
@@ -207,13 +211,27 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     if let Some(v) = volume_of(path).map(str::to_owned) {
         return volume_call(&app, &v, req, next).await;
     }
+    if req.method() == Method::DELETE {
+        if let Some(snap) = path.strip_prefix("/v1/snapshots/").map(str::to_owned) {
+            return snapshots::remove(&app, &snap, req, next, Surface::Locker).await;
+        }
+        let e2b_snapshot = path
+            .strip_prefix("/templates/")
+            .filter(|s| s.starts_with("snap_"));
+        if let Some(snap) = e2b_snapshot.map(str::to_owned) {
+            let resp = snapshots::remove(&app, &snap, req, next, Surface::E2b).await;
+            return e2b_shaped(resp).await;
+        }
+    }
     let Some(id) = sandbox_of(path).map(str::to_owned) else {
         return next.run(req).await;
     };
     // A sandbox this server runs is its own (no lookup on the hot path), unless it is being
     // deleted: then its placement, if it has one, is given back.
     let deleting = req.method() == Method::DELETE && path == format!("/v1/sandboxes/{id}");
-    if !deleting && app.live.read().await.contains_key(&id) {
+    // A fork's children are placed, this server's own sandbox's too.
+    let forking = req.method() == Method::POST && path == format!("/v1/sandboxes/{id}/fork");
+    if !deleting && !forking && app.live.read().await.contains_key(&id) {
         return next.run(req).await;
     }
     let pty = req.uri().path() == format!("/v1/sandboxes/{id}/pty");
@@ -256,18 +274,14 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     if route.state == PlacementState::Lost {
         return lost(&app, &route, &id, whole, &method).await;
     }
-    let resp = if route.local {
+    let snapshotting =
+        method == Method::POST && req.uri().path() == format!("/v1/sandboxes/{id}/snapshots");
+    let resp = if forking && route.state == PlacementState::Placed {
+        snapshots::fork(&app, &route, &id, req, next).await
+    } else if route.local {
         next.run(req).await
-    } else if let Some(what) = not_routed(req.uri().path(), &id) {
-        ApiError::new(
-            StatusCode::NOT_IMPLEMENTED,
-            format!(
-                "sandbox {id} runs on fleet node {}: {what} of a sandbox on a remote node are \
-                 not supported yet (the control plane would not know what they made)",
-                route.node_id
-            ),
-        )
-        .into_response()
+    } else if snapshotting {
+        snapshots::snapshot(&app, &route, &id, req).await
     } else {
         forward(&app, route.clone(), &id, req).await
     };
@@ -317,17 +331,6 @@ async fn rotated(app: &AppState, id: &str, resp: Response) -> Response {
         }
     }
     resp
-}
-
-/// The calls about a remote sandbox that would make objects the control plane does not
-/// know of (snapshots and forks live in the node's store): what they are, if `path` is one.
-fn not_routed(path: &str, id: &str) -> Option<&'static str> {
-    let rest = path.strip_prefix(&format!("/v1/sandboxes/{id}/"))?;
-    match rest.split('/').next() {
-        Some("fork") => Some("forks"),
-        Some("snapshots") => Some("snapshots"),
-        _ => None,
-    }
 }
 
 /// What a sandbox's own path answered, kept: a delete gives the placement back, a view
