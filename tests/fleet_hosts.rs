@@ -263,6 +263,25 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
     api_a
         .delete(&format!("/v1/sandboxes/{child}"))
         .expect(204, "delete the child through a");
+    // E2B's fork through a of its own sandbox: the child is placed, so b reaches it.
+    let r = api_a.with_key(None).request(
+        "POST",
+        &format!("/sandboxes/{src}/fork"),
+        &[
+            ("X-API-KEY", api_a.key().unwrap()),
+            ("Content-Type", "application/json"),
+        ],
+        "{}",
+    );
+    assert_eq!(r.status, 201, "E2B's fork: {}", r.text());
+    let child = r.json()[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(api_b.sh(&child, "cat /root/point"), point);
+    api_b
+        .delete(&format!("/v1/sandboxes/{child}"))
+        .expect(204, "delete E2B's child through b");
     let r = api_b.post(
         "/v1/sandboxes",
         &json!({"from_snapshot": snap, "ttl_s": 900}),

@@ -9,7 +9,7 @@
 //!    (`{port}-{id}.localhost`, with the key or the preview token) and by E2B's headers
 //!    (`E2b-Sandbox-Id`): each reads back a file that exists only there, with content unique
 //!    to that sandbox. Then the doors' rules as on one host (a preview host's credentials,
-//!    the app's own `Authorization`, E2B's info, snapshots and its 501 for forks), and E2B's and
+//!    the app's own `Authorization`, E2B's info, snapshots and forks), and E2B's and
 //!    MCP's creates placed on nodes, listed, reached and killed through other replicas.
 //! 3. (Run after 4.) Exactly one replica leads (holds the leader's advisory lock: the lease
 //!    sweeper and reconciliation). SIGKILL it, then SIGKILL node a: the other replica takes
@@ -641,8 +641,8 @@ fn check_e2b_and_mcp(rig: &Rig, routed: &Routed) {
 /// Check 2, the doors other than paths for a sandbox on a node, through replica B: a
 /// preview host lets the key, the token or nothing in as one host does (the key never
 /// reaches the app, the app's own `Authorization` does); E2B's calls about the sandbox
-/// reach it with `X-API-KEY`, its snapshots are kept on the node as the API's are, and its
-/// forks are refused.
+/// reach it with `X-API-KEY`, its snapshots are kept on the node and its forks' children
+/// placed there, as the API's are.
 fn check_doors(rig: &Rig, sb: &Routed) {
     let api_b = rig.api(1);
     let anon = Api::new(&api_b.base, None);
@@ -757,8 +757,40 @@ fn check_doors(rig: &Rig, sb: &Routed) {
         &[e2b[0], ("Content-Type", "application/json")],
         "{}",
     );
-    assert_eq!(r.status, 501, "check 2: E2B's fork: {}", r.text());
-    assert_eq!(r.json()["code"], 501, "E2B's error shape: {}", r.text());
+    assert_eq!(r.status, 201, "check 2: E2B's fork: {}", r.text());
+    let child = r.json()[0]["sandbox"]["sandboxID"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    // Placed on the parent's node, reached through the other replica, listed with the
+    // API's view of it.
+    let api_a = rig.api(0);
+    let v = api_a
+        .get(&format!("/v1/sandboxes/{child}"))
+        .expect(200, "check 2: E2B's child through replica A");
+    assert_eq!(v["state"], "running", "{v}");
+    let listed = api_a
+        .get("/v1/sandboxes?limit=1000")
+        .expect(200, "the list");
+    let item = |sb: &str| {
+        listed["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == sb)
+            .unwrap_or_else(|| panic!("{sb} not listed: {listed}"))
+            .clone()
+    };
+    let (c, p) = (item(&child), item(id));
+    assert_eq!(c["node"], p["node"], "{c} {p}");
+    assert!(c["template_digest"].is_string(), "{c}");
+    let r = anon.request("DELETE", &format!("/sandboxes/{child}"), &e2b, ());
+    assert_eq!(
+        r.status,
+        204,
+        "check 2: E2B's kill of the child: {}",
+        r.text()
+    );
     let r = anon.request(
         "GET",
         &format!("/sandboxes/{id}"),

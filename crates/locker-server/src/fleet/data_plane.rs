@@ -14,9 +14,8 @@
 //!   the sandbox's access token;
 //! - **E2B's calls about one sandbox** (`/sandboxes/{id}/…`, `/v2/sandboxes/{id}/connect`):
 //!   `X-API-KEY` is checked here and the call goes with its tenant, as the API's own do;
-//!   a snapshot stays on the node and is recorded as the API's are (`route`'s
-//!   `snapshots`); E2B's forks of a remote sandbox are refused (501): their children
-//!   would not be placed.
+//!   a snapshot stays on the node and is recorded, and a fork's children are placed, as
+//!   the API's are (`route`'s `snapshots`; a fork of this server's own sandbox too).
 //!
 //! - **E2B's `/files` calls that name their sandbox only by its access token or a signed
 //!   URL** (older JavaScript SDKs; `download_url`, `upload_url`): when no sandbox of this
@@ -50,8 +49,8 @@ enum Door {
     },
     /// `E2b-Sandbox-Id`.
     E2bData,
-    /// E2B's REST calls about one sandbox; `refused` for forks.
-    E2bControl { refused: Option<&'static str> },
+    /// E2B's REST calls about one sandbox.
+    E2bControl,
 }
 
 impl Door {
@@ -104,11 +103,7 @@ fn door_of(app: &AppState, req: &Request) -> Option<(String, Door)> {
     if id.is_empty() || (path.starts_with("/v2/") && sub != "connect") {
         return None;
     }
-    let refused = match sub {
-        "fork" => Some("forks"),
-        _ => None,
-    };
-    Some((id.to_owned(), Door::E2bControl { refused }))
+    Some((id.to_owned(), Door::E2bControl))
 }
 
 /// The middleware (see the module doc).
@@ -126,11 +121,15 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     let Some((id, door)) = found else {
         return next.run(req).await;
     };
-    if app.live.read().await.contains_key(&id) {
+    // E2B's fork places its children, this server's own sandbox's too.
+    let fork = matches!(door, Door::E2bControl)
+        && req.method() == axum::http::Method::POST
+        && req.uri().path() == format!("/sandboxes/{id}/fork");
+    if !fork && app.live.read().await.contains_key(&id) {
         return next.run(req).await;
     }
     let route = match route::route_of(&app, &id).await {
-        Ok(Some(r)) if !r.local => r,
+        Ok(Some(r)) if !r.local || fork => r,
         Ok(_) => return next.run(req).await,
         Err(e) => return door.error(e.status, e.message),
     };
@@ -177,22 +176,12 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
             }
         }
         Door::E2bData => {}
-        Door::E2bControl { refused } => {
+        Door::E2bControl => {
             // A caller of another tenant (or none) gets the handlers' answer: not found, or
             // not authorized.
             match crate::e2b::api_key_caller(&app, req.headers()) {
                 Ok(c) if c.tenant == route.tenant() => {}
                 _ => return next.run(req).await,
-            }
-            if let Some(what) = refused {
-                return door.error(
-                    StatusCode::NOT_IMPLEMENTED,
-                    format!(
-                        "sandbox {id} runs on fleet node {}: {what} of a sandbox on a remote \
-                         node are not supported yet",
-                        route.node_id()
-                    ),
-                );
             }
         }
     }
@@ -206,13 +195,19 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
             ),
         );
     }
+    if fork && route.state == PlacementState::Placed {
+        return route::e2b_shaped(route::fork(&app, &route, &id, req, next).await).await;
+    }
+    if route.local {
+        return next.run(req).await;
+    }
     // E2B's kill: its placement is given back at once, as the API's delete does.
-    let kill = matches!(door, Door::E2bControl { .. })
+    let kill = matches!(door, Door::E2bControl)
         && req.method() == axum::http::Method::DELETE
         && req.uri().path() == format!("/sandboxes/{id}");
     let placement = route.placement().to_owned();
     req.extensions_mut().insert(Extra(extra));
-    let e2b_control = matches!(door, Door::E2bControl { .. });
+    let e2b_control = matches!(door, Door::E2bControl);
     let snapshot = e2b_control
         && req.method() == axum::http::Method::POST
         && req.uri().path() == format!("/sandboxes/{id}/snapshots");

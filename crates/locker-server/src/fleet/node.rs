@@ -271,12 +271,17 @@ async fn call(
             .await
             .unwrap_or_default();
         let answer = serde_json::from_slice::<serde_json::Value>(&bytes).unwrap_or_default();
-        let made: Vec<Option<String>> = match answer["sandboxes"].as_array() {
-            Some(children) => children
+        // A fork's children: the API's `{"sandboxes": […]}` or E2B's `[{"sandbox": …}…]`.
+        let made: Vec<Option<String>> = match (answer["sandboxes"].as_array(), answer.as_array()) {
+            (Some(children), _) => children
                 .iter()
                 .map(|c| c["id"].as_str().map(str::to_owned))
                 .collect(),
-            None => vec![super::route::made_id(&answer)],
+            (None, Some(children)) => children
+                .iter()
+                .map(|c| c["sandbox"]["sandboxID"].as_str().map(str::to_owned))
+                .collect(),
+            (None, None) => vec![super::route::made_id(&answer)],
         };
         for (i, p) in placements.iter().enumerate() {
             app.fleet_creates.end(p, made.get(i).cloned().flatten());

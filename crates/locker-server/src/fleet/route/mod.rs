@@ -63,7 +63,7 @@ use create::{create, Surface};
 pub(in crate::fleet) use forward::forward;
 pub use forward::{destroy_orphan, view_on_node};
 use forward::{node_route, payload, send, Payload, SendError};
-pub(in crate::fleet) use snapshots::snapshot;
+pub(in crate::fleet) use snapshots::{fork, snapshot};
 use volumes::{volume_call, volume_of};
 
 /// A body kept for a retry at most this big (the API's own body limit).

@@ -248,10 +248,10 @@ pub(super) async fn remove(
     StatusCode::NO_CONTENT.into_response()
 }
 
-/// `POST /v1/sandboxes/{id}/fork` of a placed sandbox (this server's own node's or
-/// another's): the children placed on its node first, made there, recorded each with its
-/// placement.
-pub(super) async fn fork(
+/// `POST /v1/sandboxes/{id}/fork` (or E2B's `POST /sandboxes/{id}/fork`) of a placed
+/// sandbox (this server's own node's or another's): the children placed on its node first,
+/// made there, recorded each with its placement.
+pub(in crate::fleet) async fn fork(
     app: &AppState,
     route: &Route,
     id: &str,
@@ -401,20 +401,20 @@ async fn record_children(
         .await
         .ok()
         .and_then(|b| serde_json::from_slice::<Value>(&b).ok());
-    let Some(mut answer) = answer.filter(|a| a["sandboxes"].is_array()) else {
+    let Some(mut answer) = answer.filter(|a| a["sandboxes"].is_array() || a.is_array()) else {
         give_back(app, places).await;
         return Err(ApiError::bad_gateway(format!(
             "node {}'s answer to the fork of sandbox {id} could not be read",
             route.node_id
         )));
     };
-    let mut children = Vec::new();
-    for child in answer["sandboxes"].as_array_mut().expect("checked") {
-        localized(app, child);
-        if let Some(sb) = child["id"].as_str() {
-            children.push((sb.to_owned(), child.to_string()));
+    let children = match children_of(app, route, places, &mut answer).await {
+        Ok(c) => c,
+        Err(e) => {
+            give_back(app, places).await;
+            return Err(e);
         }
-    }
+    };
     let (store, ids) = (
         app.store.clone(),
         places.iter().map(|p| p.id.clone()).collect::<Vec<_>>(),
@@ -452,6 +452,55 @@ async fn record_children(
     }
     rparts.headers.remove(header::CONTENT_LENGTH);
     Ok(Response::from_parts(rparts, Body::from(answer.to_string())))
+}
+
+/// The children a fork's answer made, in order, each with the view lists show of it (the
+/// answer, [`localized`]): the API's `{"sandboxes": [view…]}`, or E2B's
+/// `[{"sandbox": …}…]`, whose views are read from the node (E2B's are not the API's).
+async fn children_of(
+    app: &AppState,
+    route: &Route,
+    places: &[PlacementRecord],
+    answer: &mut Value,
+) -> Result<Vec<(String, String)>, ApiError> {
+    let mut children = Vec::new();
+    // (`get_mut`: indexing an array by a key for writing panics.)
+    if let Some(list) = answer.get_mut("sandboxes").and_then(Value::as_array_mut) {
+        for child in list {
+            localized(app, child);
+            if let Some(sb) = child["id"].as_str() {
+                children.push((sb.to_owned(), child.to_string()));
+            }
+        }
+        return Ok(children);
+    }
+    let mut made = Vec::new();
+    for item in answer.as_array_mut().into_iter().flatten() {
+        localized(app, &mut item["sandbox"]);
+        if let Some(sb) = item["sandbox"]["sandboxID"].as_str() {
+            made.push((sb.to_owned(), item["sandbox"].to_string()));
+        }
+    }
+    if route.local {
+        // This server's own: rows of the store, listed as such.
+        return Ok(made);
+    }
+    let (store, id) = (app.store.clone(), route.node_id.clone());
+    let node = tokio::task::spawn_blocking(move || store.get_node(&id))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??
+        .ok_or_else(|| ApiError::unavailable(format!("node {} left the fleet", route.node_id)))?;
+    for ((sb, e2b_view), p) in made.into_iter().zip(places) {
+        let view = match view_on_node(app, &node, p, &sb).await {
+            Ok(Some(v)) => v,
+            other => {
+                tracing::warn!(sandbox = %sb, node = %node.name, result = ?other, "the view of a child of E2B's fork could not be read; lists show it once it is read again");
+                e2b_view
+            }
+        };
+        children.push((sb, view));
+    }
+    Ok(children)
 }
 
 /// Gives a fork's reservations back.
