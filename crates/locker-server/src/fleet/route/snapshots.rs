@@ -35,19 +35,28 @@ pub(super) async fn find(
     )
 }
 
+/// Node `id` as the router's node table has it (`placement::nodes`, read at most every
+/// 500 ms), and whether its engine writes the fleet's store itself (a control replica's
+/// own). `None`: the fleet has no such node (it was removed).
+async fn node_of(
+    app: &AppState,
+    id: &str,
+) -> Result<Option<(locker_store::NodeRecord, bool)>, ApiError> {
+    let (nodes, _) = placement::nodes(app, false).await?;
+    let rows = placement::row_nodes(&nodes);
+    Ok(nodes
+        .into_iter()
+        .find(|n| n.id == id)
+        .map(|n| (n, rows.contains(id))))
+}
+
 /// Whether node `id`'s engine writes the fleet's store itself (a control replica's own).
 async fn shares_store(app: &AppState, id: &str) -> Result<bool, ApiError> {
-    if Some(id)
-        == app
-            .fleet
-            .as_ref()
-            .and_then(|c| c.local_node_id())
-            .as_deref()
-    {
+    let local = app.fleet.as_ref().and_then(|c| c.local_node_id());
+    if local.as_deref() == Some(id) {
         return Ok(true);
     }
-    let (nodes, _) = placement::nodes(app, false).await?;
-    Ok(placement::row_nodes(&nodes).contains(id))
+    Ok(node_of(app, id).await?.is_some_and(|(_, shared)| shared))
 }
 
 /// `POST /v1/sandboxes/{id}/snapshots` (or E2B's `POST /sandboxes/{id}/snapshots`) of a
@@ -180,11 +189,7 @@ async fn delete_on(
     snap: &str,
 ) -> Result<bool, ApiError> {
     let c = app.fleet.as_ref().expect("fleet control");
-    let (store, id) = (app.store.clone(), node_id.to_owned());
-    let node = tokio::task::spawn_blocking(move || store.get_node(&id))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??;
-    let Some(node) = node else {
+    let Some((node, _)) = node_of(app, node_id).await? else {
         return Ok(false);
     };
     let (parts, _) = axum::http::Request::delete(format!("/v1/snapshots/{snap}"))
@@ -485,10 +490,8 @@ async fn children_of(
         // This server's own: rows of the store, listed as such.
         return Ok(made);
     }
-    let (store, id) = (app.store.clone(), route.node_id.clone());
-    let node = tokio::task::spawn_blocking(move || store.get_node(&id))
-        .await
-        .map_err(|e| ApiError::internal(e.to_string()))??
+    let (node, _) = node_of(app, &route.node_id)
+        .await?
         .ok_or_else(|| ApiError::unavailable(format!("node {} left the fleet", route.node_id)))?;
     for ((sb, e2b_view), p) in made.into_iter().zip(places) {
         let view = match view_on_node(app, &node, p, &sb).await {
