@@ -215,19 +215,116 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
         api_b.sh(&with, "cat /mnt/v/data.txt"),
         "made through b\nran\n"
     );
+    let busy = api_a.post("/v1/volumes/shared/move", &json!({"node": "host-b"}));
+    assert_eq!(busy.status, 409, "moved while mounted: {}", busy.text());
+    assert!(busy.text().contains(&with), "{}", busy.text());
     api_b
         .delete(&format!("/v1/sandboxes/{with}"))
         .expect(204, "delete the sandbox with the volume");
+
+    // `locker volume move`: the volume, its snapshots with it, goes to host-b; its files
+    // read back byte for byte through both replicas; runs, mounts and the files API go
+    // there after, and nothing of it stays on host-a. Then back to host-a.
+    let vol_id = api_a.get("/v1/volumes/shared").expect(200, "the volume")["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let snap = api_b
+        .post("/v1/volumes/shared/snapshots", &json!({}))
+        .expect(201, "a snapshot of a's volume through b")["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let blob: Vec<u8> = (0..3u32 << 20)
+        .map(|i| (i.wrapping_mul(2_654_435_761) >> 13) as u8)
+        .collect();
+    api_a
+        .put("/v1/volumes/shared/files?path=%2Fblob.bin", &blob[..])
+        .expect(200, "a blob on a's volume");
+    for (bad, status) in [
+        (json!({"node": "nowhere"}), 404),
+        (json!({"node": "host-b", "when": "now"}), 400),
+        (json!({}), 400),
+    ] {
+        let r = api_b.post("/v1/volumes/shared/move", &bad);
+        assert_eq!(r.status, status, "{bad}: {}", r.text());
+    }
+    let volumes_of = |s: &Server| s.data_dir.join("volumes").join(&vol_id);
+    let moved = api_a
+        .post("/v1/volumes/shared/move", &json!({"node": "host-b"}))
+        .expect(200, "move a's volume to host-b");
+    let b_node = alive(&a.admin(), "host-b").unwrap()["id"].clone();
+    assert_eq!(moved["node"], b_node, "{moved}");
+    assert!(volumes_of(&b).join("disk.img").exists());
+    assert!(
+        !volumes_of(&a).exists(),
+        "host-a keeps the moved volume's files"
+    );
+    for api in [&api_a, &api_b] {
+        let got = api.get("/v1/volumes/shared/files?path=%2Fblob.bin");
+        assert_eq!(got.status, 200);
+        assert!(got.body == blob, "the blob differs after the move");
+        assert_eq!(
+            api.get("/v1/volumes/shared/files?path=%2Fdata.txt").text(),
+            "made through b\nran\n"
+        );
+    }
+    delete_one_on(&api_a, &mut on, "host-b", "make room on host-b");
+    let ran = api_a
+        .post(
+            "/v1/volumes/shared/run",
+            &json!({"shell": "echo moved >> /workspace/data.txt; cat /workspace/data.txt"}),
+        )
+        .expect(200, "a run on the moved volume through a");
+    assert_eq!(ran["stdout"], "made through b\nran\nmoved\n", "{ran}");
+    let r = api_a.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256,
+                "volumes": [{"volume": "shared", "path": "/mnt/v"}]}),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.headers["x-locker-node"], "host-b");
+    let with = r.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(api_a.sh(&with, "tail -n1 /mnt/v/data.txt"), "moved\n");
+    api_a
+        .delete(&format!("/v1/sandboxes/{with}"))
+        .expect(204, "delete the sandbox on the moved volume");
+    settle(&api_b, create(&api_b), &mut on);
+    // The snapshot came along: listed, and restorable on host-b.
+    let snaps = api_b
+        .get("/v1/volumes/shared/snapshots")
+        .expect(200, "snapshots");
+    assert_eq!(snaps["snapshots"][0]["id"], snap.as_str(), "{snaps}");
+    api_a
+        .post("/v1/volumes/shared/restore", &json!({"snapshot": snap}))
+        .expect(200, "restore the moved snapshot");
+    assert_eq!(
+        api_b
+            .get("/v1/volumes/shared/files?path=%2Fblob.bin")
+            .status,
+        404,
+        "the snapshot was taken before the blob"
+    );
+    // And home again, through b: the same content on host-a, nothing left on host-b.
+    api_b
+        .post("/v1/volumes/shared/move", &json!({"node": "host-a"}))
+        .expect(200, "move the volume back to host-a");
+    assert!(volumes_of(&a).join("disk.img").exists());
+    assert!(
+        !volumes_of(&b).exists(),
+        "host-b keeps the moved volume's files"
+    );
+    assert_eq!(
+        api_b
+            .get("/v1/volumes/shared/files?path=%2Fdata.txt")
+            .text(),
+        "made through b\nran\n"
+    );
     api_b
         .delete("/v1/volumes/shared")
         .expect(204, "delete a's volume through b");
     assert_eq!(api_a.get("/v1/volumes/shared").status, 404);
-    let again = create(&api_a);
-    assert_eq!(again.status, 201, "{}", again.text());
-    on.insert(
-        again.json()["id"].as_str().unwrap().to_owned(),
-        again.headers["x-locker-node"].to_str().unwrap().to_owned(),
-    );
+    settle(&api_a, create(&api_a), &mut on);
 
     // A snapshot of a sandbox on host-a, taken through b, stays on a; a fork through b is
     // placed on a (its parent's host) and answers through both; a sandbox from the
@@ -400,6 +497,22 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
 
 /// Deletes, through `api`, one of the sandboxes `on` (id → node) says runs on `node`, and
 /// forgets it there; its id.
+/// A sandbox just made (`made`, 201) joins `on`, with the owner file every sandbox there
+/// has.
+fn settle(api: &Api, made: Resp, on: &mut HashMap<String, String>) {
+    assert_eq!(made.status, 201, "{}", made.text());
+    let (id, node) = (
+        made.json()["id"].as_str().unwrap().to_owned(),
+        made.headers["x-locker-node"].to_str().unwrap().to_owned(),
+    );
+    api.put(
+        &format!("/v1/sandboxes/{id}/files?path=/tmp/owner.txt"),
+        format!("{id} lives on {node}").as_bytes(),
+    )
+    .expect(200, "the owner file");
+    on.insert(id, node);
+}
+
 fn delete_one_on(api: &Api, on: &mut HashMap<String, String>, node: &str, what: &str) -> String {
     let gone = on
         .iter()
@@ -410,4 +523,92 @@ fn delete_one_on(api: &Api, on: &mut HashMap<String, String>, node: &str, what: 
         .expect(204, what);
     on.remove(&gone);
     gone
+}
+
+/// `locker volume move` while the volume is written through the other replica all along:
+/// each move goes through (the bulk copied while writes go on, the rest under the
+/// volume's gate), every write that was answered 200 reads back afterwards wherever the
+/// volume went, a write refused meanwhile says to call again, and only the volume's home
+/// holds its files.
+#[test]
+fn a_volume_moved_while_written_keeps_every_acknowledged_write() {
+    let (_db, url) = cluster().new_database();
+    let a = replica(&url, "host-a");
+    let b = replica(&url, "host-b");
+    let api_a = a.api();
+    let api_b = b.api().with_key(api_a.key());
+    wait_for(Duration::from_secs(15), "both hosts alive", || {
+        (alive(&a.admin(), "host-a").is_some() && alive(&a.admin(), "host-b").is_some())
+            .then_some(())
+    });
+    let vol = api_a
+        .post("/v1/volumes", &json!({"name": "busy", "size_mb": 64}))
+        .expect(201, "a volume on host-a")["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let writer = {
+        let (api, stop) = (api_b.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let (mut acked, mut refused) = (Vec::new(), Vec::new());
+            let mut i = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                let body = format!("write {i}\n").repeat(1 + (i as usize % 50));
+                let r = api.put(
+                    &format!("/v1/volumes/busy/files?path=%2Fw%2F{i}.txt"),
+                    body.as_bytes(),
+                );
+                if r.status == 200 {
+                    acked.push((i, body));
+                } else {
+                    refused.push((i, r.status, r.text()));
+                }
+                i += 1;
+            }
+            (acked, refused)
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
+    let mut homes = vec!["host-a"];
+    for to in ["host-b", "host-a", "host-b"] {
+        let t = std::time::Instant::now();
+        api_a
+            .post("/v1/volumes/busy/move", &json!({"node": to}))
+            .expect(200, "a move while written");
+        eprintln!("moved to {to} in {:?}", t.elapsed());
+        homes.push(to);
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let (acked, refused) = writer.join().unwrap();
+    eprintln!(
+        "moves that switched: {:?}; writes acknowledged {}, refused {}: {:?}",
+        &homes[1..],
+        acked.len(),
+        refused.len(),
+        refused.iter().take(5).collect::<Vec<_>>()
+    );
+    assert!(acked.len() > 20, "the writer hardly wrote: {}", acked.len());
+    for (_, status, text) in &refused {
+        assert!(
+            (*status == 503 && text.contains("call again")) || *status == 404,
+            "a write during a move answered {status}: {text}"
+        );
+    }
+    for api in [&api_a, &api_b] {
+        for (i, body) in &acked {
+            let got = api.get(&format!("/v1/volumes/busy/files?path=%2Fw%2F{i}.txt"));
+            assert_eq!(got.status, 200, "acknowledged write {i} lost: {}", got.text());
+            assert_eq!(&got.text(), body, "acknowledged write {i} differs");
+        }
+    }
+    let home = *homes.last().unwrap();
+    let (here, other) = if home == "host-a" { (&a, &b) } else { (&b, &a) };
+    assert!(here.data_dir.join("volumes").join(&vol).join("disk.img").exists());
+    assert!(
+        !other.data_dir.join("volumes").join(&vol).exists(),
+        "{home} is the home, yet the other host keeps a copy"
+    );
+    api_b.delete("/v1/volumes/busy").expect(204, "delete the volume");
 }

@@ -129,6 +129,9 @@ pub struct Space {
     used: AtomicI64,
     /// Writes hold it shared; a snapshot or a fork holds it exclusively.
     pub gate: tokio::sync::RwLock<()>,
+    /// The tree is no longer this server's (a volume moved to another server): writes that
+    /// waited for the gate are refused.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Space {
@@ -139,7 +142,36 @@ impl Space {
             limit_bytes,
             used: AtomicI64::new(used as i64),
             gate: Default::default(),
+            closed: Default::default(),
         }
+    }
+
+    /// Holds the gate shared for a write; refused (503) once the tree is [`closed`]
+    /// (`Self::close`).
+    pub async fn writing(&self) -> Result<tokio::sync::RwLockReadGuard<'_, ()>, ApiError> {
+        let held = self.gate.read().await;
+        if self.is_closed() {
+            return Err(self.moved());
+        }
+        Ok(held)
+    }
+
+    /// Marks the tree as no longer this server's (with the gate held exclusively).
+    pub fn close(&self) {
+        self.closed.store(true, Ordering::Release);
+    }
+
+    pub fn is_closed(&self) -> bool {
+        self.closed.load(Ordering::Acquire)
+    }
+
+    /// The refusal of a write that waited while the tree moved away.
+    pub fn moved(&self) -> ApiError {
+        ApiError::unavailable(format!(
+            "{} moved to another server of the fleet while this call waited: nothing was \
+             written; call again (it goes to the new home)",
+            self.what
+        ))
     }
 
     /// Bytes in use now (including bytes of uploads in flight).
@@ -313,7 +345,7 @@ async fn upload<T: FilesTarget>(
         }
         return Ok(axum::Json(agent_result(&app, &target, r).await?).into_response());
     };
-    let _writing = space.gate.read().await;
+    let _writing = space.writing().await?;
     let old = counted(agent, &path).await;
     let limit = space.limit_bytes as i64;
     let declared = headers
@@ -406,7 +438,7 @@ async fn remove<T: FilesTarget>(
         agent_result(&app, &target, agent.remove(&path, q.recursive).await).await?;
         return Ok(StatusCode::NO_CONTENT);
     };
-    let writing = space.gate.read().await;
+    let writing = space.writing().await?;
     let before = agent.stat(&path).await?;
     agent.remove(&path, q.recursive).await?;
     target.changed(&[&path]);
@@ -522,7 +554,7 @@ async fn mkdir<T: FilesTarget>(
         let entry = agent_result(&app, &target, agent.mkdir(&b.path).await).await?;
         return Ok(axum::Json(entry));
     };
-    let _writing = space.gate.read().await;
+    let _writing = space.writing().await?;
     let existed = agent.stat(&b.path).await.is_ok();
     if !existed && space.used_bytes() + 4096 > space.limit_bytes {
         return Err(space.full(&b.path));
@@ -556,7 +588,7 @@ async fn rename<T: FilesTarget>(
         let entry = agent_result(&app, &target, agent.rename(&b.from, &b.to).await).await?;
         return Ok(axum::Json(entry));
     };
-    let _writing = space.gate.read().await;
+    let _writing = space.writing().await?;
     // A file moved over another frees the one it replaces.
     let replaced = if b.from == b.to {
         0

@@ -359,6 +359,12 @@ pub const ROUTES: &[RouteDoc] = &[
         "A new volume with a copy of this one's tree (now, or of one of its snapshots)",
     ),
     r(
+        "post",
+        "/v1/volumes/{id}/move",
+        200,
+        "Move the volume, with its snapshots, to another server of the fleet (409 while mounted)",
+    ),
+    r(
         "get",
         "/v1/volumes/{id}/files",
         200,

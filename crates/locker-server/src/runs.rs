@@ -454,6 +454,9 @@ async fn view(vol: &Arc<Volume>) -> Result<Arc<View>, ApiError> {
 async fn make_view(vol: &Arc<Volume>, batch: &Arc<Batch>) -> Result<Arc<View>, String> {
     use std::sync::atomic::Ordering;
     let _all = vol.space.gate.write().await;
+    if vol.space.is_closed() {
+        return Err(vol.space.moved().to_string());
+    }
     let members = vol.views.close(batch);
     let (root, live) = (vol.root(), vol.live());
     let dir = root.join("runs").join(new_id("view_"));
@@ -755,6 +758,14 @@ async fn commit(
         return Ok(changes);
     }
     let _all = vol.space.gate.write().await;
+    if vol.space.is_closed() {
+        changes.commit_error = Some(format!(
+            "{} moved to another server of the fleet during the run: nothing was committed; \
+             run again (it goes to the new home)",
+            vol.space.what
+        ));
+        return Ok(changes);
+    }
     changes.conflicts = vol
         .log
         .lock()

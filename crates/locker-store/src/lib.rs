@@ -246,6 +246,19 @@ pub trait Store: Send + Sync {
     /// `false` if the tenant has no such volume.
     fn delete_volume(&self, tenant: &str, id: &str) -> Result<bool>;
 
+    /// Moves a volume's home from server `from` to server `to` (`locker volume move`), in
+    /// one transaction: its `host` becomes `to` only while it is still `from`, and its
+    /// snapshots' records become `snapshots` (their files' paths on `to`). `false`, with
+    /// nothing changed, if the tenant has no such volume or its host is not `from`.
+    fn move_volume(
+        &self,
+        tenant: &str,
+        id: &str,
+        from: &str,
+        to: &str,
+        snapshots: &[VolumeSnapshotRecord],
+    ) -> Result<bool>;
+
     /// Stores a volume snapshot's record (`Conflict` if the id exists).
     fn insert_volume_snapshot(&self, snapshot: &VolumeSnapshotRecord) -> Result<()>;
 

@@ -1128,6 +1128,56 @@ fn volumes_have_unique_names_per_tenant_and_are_isolated(b: Backend) {
             .size_bytes,
         7
     );
+    // A move switches the home only from the host it names, and the snapshots' paths with it.
+    store.host_volumes("host-a").unwrap();
+    let mut moved = store.get_volume_snapshot("a", "snap_1").unwrap().unwrap();
+    moved.path = "/b/snap_1".into();
+    assert!(
+        !store
+            .move_volume(
+                "a",
+                "vol_1",
+                "host-b",
+                "host-c",
+                std::slice::from_ref(&moved)
+            )
+            .unwrap(),
+        "not from a host it is not on"
+    );
+    assert!(!store
+        .move_volume("b", "vol_1", "host-a", "host-b", &[])
+        .unwrap());
+    assert_eq!(
+        store
+            .get_volume_snapshot("a", "snap_1")
+            .unwrap()
+            .unwrap()
+            .path,
+        "/x/snap_1",
+        "a refused move changes nothing"
+    );
+    assert!(store
+        .move_volume(
+            "a",
+            "vol_1",
+            "host-a",
+            "host-b",
+            std::slice::from_ref(&moved)
+        )
+        .unwrap());
+    assert_eq!(
+        store.get_volume("a", "vol_1").unwrap().unwrap().host,
+        "host-b"
+    );
+    assert_eq!(
+        store.get_volume_snapshot("a", "snap_1").unwrap().unwrap(),
+        moved
+    );
+    assert!(store
+        .host_volumes("host-a")
+        .unwrap()
+        .iter()
+        .all(|v| v.id != "vol_1"));
     assert!(store.delete_volume("a", "vol_1").unwrap());
     assert!(store.get_volume("a", "repo").unwrap().is_none());
     assert!(

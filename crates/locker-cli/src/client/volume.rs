@@ -79,6 +79,15 @@ pub enum VolumeCmd {
         #[arg(long)]
         snapshot: Option<String>,
     },
+    /// Move a volume, with its snapshots, to another server of the fleet (one that runs
+    /// `--node local`); its runs and mounts go there after. Refused while a sandbox mounts it.
+    Move {
+        /// The volume's name or id.
+        volume: String,
+        /// The server to move it to: its node's name or id (`locker fleet nodes`).
+        #[arg(long)]
+        to: String,
+    },
     /// Read, write, list and move a volume's files (the first argument is the volume).
     #[command(subcommand, mut_subcommands(super::files::for_volume))]
     Files(FilesCmd),
@@ -206,6 +215,13 @@ pub fn run(a: VolumeArgs) -> Result<i32, ClientError> {
             }
             let v = c.post_json(&format!("{}/fork", volume_base(&volume)), &body)?;
             show(&v, format!("{}\n", cell(v.get("id"))))?;
+        }
+        VolumeCmd::Move { volume, to } => {
+            let v = c.post_json(
+                &format!("{}/move", volume_base(&volume)),
+                &json!({ "node": to }),
+            )?;
+            show(&v, volume_table(std::slice::from_ref(&v)))?;
         }
         VolumeCmd::Files(cmd) => return super::files::run_on(&c, json_out, cmd, volume_base),
     }

@@ -221,6 +221,24 @@ async fn call(
             Err(e) => return ApiError::internal(e.to_string()).into_response(),
         }
     }
+    // Another control replica moving a volume here (`volumes::moving`).
+    if let Some(rest) = parts
+        .uri
+        .path()
+        .strip_prefix(crate::volumes::moving::RECEIVE_PATH)
+    {
+        let body = axum::body::Body::new(body);
+        let (method, query) = (parts.method.clone(), parts.uri.query().map(str::to_owned));
+        return crate::volumes::moving::received(
+            app,
+            &tenant,
+            &method,
+            rest,
+            query.as_deref(),
+            body,
+        )
+        .await;
+    }
     parts.headers.remove(axum::http::header::AUTHORIZATION);
     if let Some(app_auth) = parts.headers.remove(APP_AUTH_HEADER) {
         parts

@@ -628,6 +628,24 @@ impl Store for PgStore {
         self.run(move |c| objects::delete_volume(c, &tenant, &id))
     }
 
+    fn move_volume(
+        &self,
+        tenant: &str,
+        id: &str,
+        from: &str,
+        to: &str,
+        snapshots: &[VolumeSnapshotRecord],
+    ) -> Result<bool> {
+        let (tenant, id, from, to) = (
+            tenant.to_owned(),
+            id.to_owned(),
+            from.to_owned(),
+            to.to_owned(),
+        );
+        let snapshots = snapshots.to_vec();
+        self.run(move |c| objects::move_volume(c, &tenant, &id, (&from, &to), &snapshots))
+    }
+
     fn insert_volume_snapshot(&self, snap: &VolumeSnapshotRecord) -> Result<()> {
         let snap = snap.clone();
         self.run(move |c| objects::insert_volume_snapshot(c, &snap))

@@ -247,6 +247,32 @@ pub(super) fn delete_volume(c: &mut Conn, tenant: &str, id: &str) -> Result<bool
     })
 }
 
+pub(super) fn move_volume(
+    c: &mut Conn,
+    tenant: &str,
+    id: &str,
+    (from, to): (&str, &str),
+    snapshots: &[VolumeSnapshotRecord],
+) -> Result<bool> {
+    c.transaction(|c| {
+        let n = c.execute(
+            "UPDATE volumes SET host = $4 WHERE tenant = $1 AND id = $2 AND host = $3",
+            &[&tenant, &id, &from, &to],
+        )?;
+        if n == 0 {
+            return Ok(false);
+        }
+        for s in snapshots {
+            let record = to_json("volume snapshot", s)?;
+            c.execute(
+                "UPDATE volume_snapshots SET record = $4 WHERE tenant = $1 AND volume_id = $2 AND id = $3",
+                &[&tenant, &id, &s.id, &record],
+            )?;
+        }
+        Ok(true)
+    })
+}
+
 // ---- secrets ----
 
 pub(super) fn insert_secret(c: &mut Conn, s: &SecretRecord) -> Result<()> {

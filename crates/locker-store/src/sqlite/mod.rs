@@ -475,6 +475,17 @@ impl Store for SqliteStore {
         volumes::delete_volume(self, tenant, id)
     }
 
+    fn move_volume(
+        &self,
+        tenant: &str,
+        id: &str,
+        from: &str,
+        to: &str,
+        snapshots: &[VolumeSnapshotRecord],
+    ) -> Result<bool> {
+        volumes::move_volume(self, tenant, id, (from, to), snapshots)
+    }
+
     // ---- secrets ----
 
     fn insert_secret(&self, s: &SecretRecord) -> Result<()> {

@@ -5,11 +5,11 @@
 
 use rusqlite::{params, OptionalExtension, Row, TransactionBehavior};
 
-use super::codec::{conflict_on_unique, from_i64, to_i64, unix_of};
+use super::codec::{conflict_on_unique, from_i64, to_i64, to_json, unix_of};
 use super::tenants::require_tenant;
 use super::SqliteStore;
 use crate::error::Result;
-use crate::model::{validate_volume_name, VolumeRecord};
+use crate::model::{validate_volume_name, VolumeRecord, VolumeSnapshotRecord};
 
 const VOLUME_COLUMNS: &str = "id, tenant, name, size_mb, created_at, host";
 
@@ -137,4 +137,31 @@ pub(super) fn delete_volume(db: &SqliteStore, tenant: &str, id: &str) -> Result<
     }
     tx.commit()?;
     Ok(n > 0)
+}
+
+pub(super) fn move_volume(
+    db: &SqliteStore,
+    tenant: &str,
+    id: &str,
+    (from, to): (&str, &str),
+    snapshots: &[VolumeSnapshotRecord],
+) -> Result<bool> {
+    let mut conn = db.writer();
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let n = tx.execute(
+        "UPDATE volumes SET host = ?4 WHERE tenant = ?1 AND id = ?2 AND host = ?3",
+        params![tenant, id, from, to],
+    )?;
+    if n == 0 {
+        return Ok(false);
+    }
+    for s in snapshots {
+        let record = to_json("volume snapshot", s)?;
+        tx.execute(
+            "UPDATE volume_snapshots SET record = ?4 WHERE tenant = ?1 AND volume_id = ?2 AND id = ?3",
+            params![tenant, id, s.id, record],
+        )?;
+    }
+    tx.commit()?;
+    Ok(true)
 }

@@ -385,6 +385,34 @@ pub async fn view_on_node(
     }
 }
 
+/// Control's own call `method path` with `body` to node `n` (a control replica's node
+/// listener too) for `tenant`, at the node's current epoch; `timeout` bounds the wait for
+/// the answer's head.
+pub async fn call_node(
+    app: &AppState,
+    n: &locker_store::NodeRecord,
+    tenant: &str,
+    (method, path): (axum::http::Method, &str),
+    body: Body,
+    timeout: Option<Duration>,
+) -> Result<Response, String> {
+    let c = app
+        .fleet
+        .as_ref()
+        .ok_or("this server is no control plane of a fleet")?;
+    let route = node_route(n, tenant, n.epoch);
+    let (parts, _) = axum::http::Request::builder()
+        .method(method)
+        .uri(path)
+        .body(())
+        .map_err(|e| e.to_string())?
+        .into_parts();
+    send(c, &route, &parts, body, timeout).await.map_err(|e| {
+        c.routes.drop_link(&n.id);
+        e.to_string()
+    })
+}
+
 /// Asks node `n` to destroy sandbox `sb`, which no placement names (`placement::orphans`).
 pub async fn destroy_orphan(
     app: &AppState,

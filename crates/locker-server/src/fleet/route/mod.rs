@@ -61,7 +61,7 @@ pub(in crate::fleet) use create::e2b_shaped;
 pub(in crate::fleet) use create::made_id;
 use create::{create, Surface};
 pub(in crate::fleet) use forward::forward;
-pub use forward::{destroy_orphan, view_on_node};
+pub use forward::{call_node, destroy_orphan, view_on_node};
 use forward::{node_route, payload, send, Payload, SendError};
 pub(in crate::fleet) use snapshots::{fork, snapshot};
 use volumes::{volume_call, volume_of};

@@ -42,6 +42,8 @@ use crate::extract::Json;
 use crate::files::{FilesTarget, Space};
 use crate::state::{new_id, now_s, AppState};
 
+pub mod moving;
+
 /// `size_mb` when a request gives none, and the range a request may ask for.
 pub const DEFAULT_SIZE_MB: u64 = 10_240;
 pub const SIZE_MB: (u64, u64) = (1, 1_048_576);
@@ -60,6 +62,7 @@ pub fn routes() -> Router<AppState> {
         )
         .route("/v1/volumes/{id}/restore", post(restore))
         .route("/v1/volumes/{id}/fork", post(fork))
+        .route("/v1/volumes/{id}/move", post(moving::move_volume))
         .merge(crate::files::routes_for::<VolumeFiles>("/v1/volumes/{id}"))
 }
 
@@ -79,6 +82,8 @@ pub struct Volume {
     agent: tokio::sync::Mutex<Option<HostAgent>>,
     /// What changed when: files-API writes and run commits (see [`CommitLog`]).
     pub log: std::sync::Mutex<CommitLog>,
+    /// A move of the volume to another server is under way (`moving`): one at a time.
+    moving: std::sync::atomic::AtomicBool,
 }
 
 /// A volume's in-memory log of changes, `(seq, paths)`: every files-API write, delete,
@@ -249,6 +254,7 @@ impl Volumes {
             runs_inflight: Default::default(),
             pending_mb: Default::default(),
         };
+        moving::sweep(&v.root, &records);
         for r in records {
             let dir = v.root.join(&r.id);
             let vol = v.make(&r, 0);
@@ -287,6 +293,7 @@ impl Volumes {
             dir,
             agent: Default::default(),
             log: Default::default(),
+            moving: Default::default(),
         })
     }
 
@@ -612,6 +619,9 @@ async fn delete(
 /// `to/live`.
 async fn snapshot_live(v: &Volume, to: PathBuf) -> Result<(), ApiError> {
     let _all = v.space.gate.write().await;
+    if v.space.is_closed() {
+        return Err(v.space.moved());
+    }
     let root = v.root();
     tokio::task::spawn_blocking(move || locker_runtime::volume_fs::snapshot(&root, &to))
         .await
@@ -735,6 +745,9 @@ async fn restore(
         )));
     }
     let _all = v.space.gate.write().await;
+    if v.space.is_closed() {
+        return Err(v.space.moved());
+    }
     // The files API's agent holds the old tree open: it starts again on the next call.
     v.stop_agent().await;
     let (live, root, from) = (v.live(), v.root(), PathBuf::from(&s.path).join("live"));
