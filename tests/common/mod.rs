@@ -101,6 +101,7 @@ pub mod egress;
 pub mod fabric;
 pub mod fleet;
 pub mod images;
+pub mod patroni;
 pub mod postgres;
 pub mod server;
 pub mod shared;
