@@ -618,3 +618,94 @@ fn snapshots_and_forks_of_a_node_sandbox_stay_on_its_node() {
         0
     );
 }
+
+/// A cordoned node (`locker fleet cordon`) takes no new sandbox, its own keep running and
+/// answering, the fleet's 429 says a node is cordoned when the rest is full, and the node
+/// takes sandboxes again once the cordon is lifted.
+#[test]
+fn a_cordoned_node_takes_no_new_sandboxes_and_keeps_its_own() {
+    let fab = Fabric::new(2);
+    let (_db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = [NodeProc::new(0, "a"), NodeProc::new(1, "b")];
+    for n in &mut nodes {
+        let t = fleet_token(&admin, 600);
+        n.start(
+            &fab,
+            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
+            2,
+        );
+    }
+    wait_for(Duration::from_secs(60), "both nodes alive", || {
+        let l = fleet_nodes(&admin);
+        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
+    });
+    // One sandbox on a first (b cordoned for it), then a is cordoned through the CLI.
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    let on_a = create(&api);
+    assert_eq!(
+        (on_a.status, placed_on(&on_a)),
+        (201, "a".to_owned()),
+        "{}",
+        on_a.text()
+    );
+    let on_a = on_a.json()["id"].as_str().unwrap().to_owned();
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(locker_tests::locker_bin())
+            .args(args)
+            .env("LOCKER_URL", &srv.url)
+            .env("LOCKER_ADMIN_KEY", srv.admin_key.as_deref().unwrap())
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(
+            out.status.success(),
+            "{args:?}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        text
+    };
+    assert!(cli(&["fleet", "cordon", "a"]).contains("cordoned"));
+    assert_eq!(fleet_node(&fleet_nodes(&admin), "a")["cordoned"], true);
+    assert!(cli(&["fleet", "nodes"]).contains("ready,cordoned"));
+    // Every new sandbox goes to b, until b is full: then 429, naming the cordon.
+    for _ in 0..2 {
+        let r = create(&api);
+        assert_eq!(
+            (r.status, placed_on(&r)),
+            (201, "b".to_owned()),
+            "{}",
+            r.text()
+        );
+    }
+    let full = create(&api);
+    assert_eq!(full.status, 429, "{}", full.text());
+    assert!(
+        full.text().contains("1 of them cordoned"),
+        "{}",
+        full.text()
+    );
+    // a's own sandbox runs on, and answers.
+    assert_eq!(api.sh(&on_a, "echo still here"), "still here\n");
+    let unknown = admin.post("/v1/fleet/nodes/nowhere/cordon", &json!({}));
+    assert_eq!(unknown.status, 404, "{}", unknown.text());
+    // Lifted: a takes sandboxes again.
+    cli(&["fleet", "uncordon", "a"]);
+    assert_eq!(fleet_node(&fleet_nodes(&admin), "a")["cordoned"], false);
+    let r = create(&api);
+    assert_eq!(
+        (r.status, placed_on(&r)),
+        (201, "a".to_owned()),
+        "{}",
+        r.text()
+    );
+    for n in &mut nodes {
+        n.stop();
+    }
+}

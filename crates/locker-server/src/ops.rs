@@ -503,6 +503,18 @@ pub const ROUTES: &[RouteDoc] = &[
         204,
         "Remove a node from the fleet (admin key)",
     ),
+    r(
+        "post",
+        "/v1/fleet/nodes/{node}/cordon",
+        200,
+        "Cordon a node: no new sandbox is placed on it (admin key)",
+    ),
+    r(
+        "post",
+        "/v1/fleet/nodes/{node}/uncordon",
+        200,
+        "Lift a node's cordon (admin key)",
+    ),
     open("get", "/healthz", "Health, with per-runtime status"),
     open("get", "/ui", "The dashboard (its assets; the page asks for an API key)"),
     open("get", "/metrics", "Prometheus metrics"),

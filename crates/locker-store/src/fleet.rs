@@ -101,6 +101,9 @@ pub struct NodeRecord {
     /// the node is declared dead (its sandboxes are lost with it).
     pub reserved_memory_mb: i64,
     pub reserved_slots: i64,
+    /// An operator cordoned it (`locker fleet cordon`): placement puts no new sandbox on
+    /// it; what runs there keeps running. Written only by [`crate::Store::cordon_node`].
+    pub cordoned: bool,
 }
 
 /// Where a sandbox placed on a fleet node is in its life, as the control plane sees it.

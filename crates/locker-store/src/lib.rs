@@ -466,6 +466,10 @@ pub trait Store: Send + Sync {
     /// none has that id.
     fn delete_node(&self, id: &str) -> Result<bool>;
 
+    /// Cordons node `id` (no new placements) or lifts its cordon; `false` if none has
+    /// that id.
+    fn cordon_node(&self, id: &str, cordoned: bool) -> Result<bool>;
+
     /// The store's clock, in milliseconds since the Unix epoch (Postgres: the database's).
     fn clock_ms(&self) -> Result<i64>;
 

@@ -1663,6 +1663,7 @@ fn fill_every_table(s: &dyn Store) {
             report: "{\"slots\":3}".into(),
             reserved_memory_mb: 0,
             reserved_slots: 0,
+            cordoned: false,
         },
         3000,
     )
@@ -1900,6 +1901,7 @@ fn fleet_tokens_nodes_and_leases(b: Backend) {
         report: "{}".into(),
         reserved_memory_mb: 0,
         reserved_slots: 0,
+        cordoned: false,
     };
     store
         .insert_join_token(&token("jt_1", "one", now + 600))
@@ -2173,6 +2175,7 @@ fn node_events_are_taken_once(b: Backend) {
         report: "{}".into(),
         reserved_memory_mb: 0,
         reserved_slots: 0,
+        cordoned: false,
     };
     store.upsert_node(&node, 60_000).unwrap();
     let own = store
@@ -2229,6 +2232,7 @@ fn placements_reserve_within_capacity(b: Backend) {
         report: "{}".into(),
         reserved_memory_mb: 0,
         reserved_slots: 0,
+        cordoned: false,
     };
     store.upsert_node(&node("nd_a"), 60_000).unwrap();
     store.upsert_node(&node("nd_b"), 60_000).unwrap();

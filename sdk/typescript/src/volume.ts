@@ -119,6 +119,15 @@ export class Volume {
     return this.info;
   }
 
+  /**
+   * Fleet mode: moves the volume, with its snapshots, to another server of the fleet (a
+   * node's name or id; one that runs `--node local`). 409 while a running sandbox mounts it.
+   */
+  async move(node: string): Promise<VolumeInfo> {
+    this.info = camel<VolumeInfo>(await this.t.json("POST", `${this.base}/move`, { body: { node } }));
+    return this.info;
+  }
+
   /** A new volume `name`: a copy of this one now, or of one of its snapshots. */
   async fork(name: string, opts: { snapshot?: string | VolumeSnapshot } = {}): Promise<Volume> {
     const body: Record<string, unknown> = { name };

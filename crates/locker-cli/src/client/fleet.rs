@@ -28,6 +28,16 @@ pub enum FleetCmd {
     },
     /// The nodes that joined: alive or not, their capacity and templates.
     Nodes,
+    /// Cordon a node: no new sandbox is placed on it (what runs there keeps running).
+    Cordon {
+        /// The node's name or id.
+        node: String,
+    },
+    /// Lift a node's cordon: placement may use it again.
+    Uncordon {
+        /// The node's name or id.
+        node: String,
+    },
     /// Remove a node from the fleet (its certificate opens nothing from then on).
     Remove {
         /// The node's name or id.
@@ -79,6 +89,23 @@ pub fn run(a: FleetArgs) -> Result<i32, ClientError> {
                 print_text(&nodes_text(&v))?;
             }
         }
+        FleetCmd::Cordon { ref node } | FleetCmd::Uncordon { ref node } => {
+            let verb = if matches!(a.cmd, FleetCmd::Cordon { .. }) {
+                "cordon"
+            } else {
+                "uncordon"
+            };
+            let node = node.clone();
+            let v = c.post_json(
+                &format!("/v1/fleet/nodes/{}/{verb}", seg(&node)),
+                &json!({}),
+            )?;
+            if a.conn.json {
+                print_json(&v)?;
+            } else {
+                print_text(&nodes_text(&json!({ "nodes": [v] })))?;
+            }
+        }
         FleetCmd::Remove { node } => {
             c.delete(&format!("/v1/fleet/nodes/{}", seg(&node)), &[])?;
             if a.conn.json {
@@ -100,10 +127,13 @@ pub fn nodes_text(v: &Value) -> String {
         .iter()
         .map(|n| {
             let r = &n["report"];
-            let state = match (n["state"].as_str(), n["alive"].as_bool()) {
+            let mut state = match (n["state"].as_str(), n["alive"].as_bool()) {
                 (Some("ready"), Some(false)) => "late".to_owned(),
                 (s, _) => s.unwrap_or("?").to_owned(),
             };
+            if n["cordoned"] == true {
+                state.push_str(",cordoned");
+            }
             vec![
                 cell(n.get("name")),
                 cell(n.get("id")),

@@ -280,6 +280,7 @@ async fn register(
         report,
         reserved_memory_mb: 0,
         reserved_slots: 0,
+        cordoned: false,
     };
     let hash = Sha256::digest(join.token.as_bytes()).to_vec();
     let store = c.store.clone();
@@ -599,6 +600,8 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/fleet/tokens", post(new_token))
         .route("/v1/fleet/nodes", get(list_nodes))
         .route("/v1/fleet/nodes/{node}", delete(remove_node))
+        .route("/v1/fleet/nodes/{node}/cordon", post(cordon))
+        .route("/v1/fleet/nodes/{node}/uncordon", post(uncordon))
 }
 
 #[derive(Deserialize, Default)]
@@ -662,6 +665,7 @@ fn node_json(n: &NodeRecord, now_ms: i64) -> Value {
         "joined_at": n.joined_at,
         "last_heartbeat_ms_ago": (now_ms - n.heartbeat_ms).max(0),
         "lease_left_ms": (n.lease_until_ms - now_ms).max(0),
+        "cordoned": n.cordoned,
         "reserved": {"slots": n.reserved_slots, "memory_mb": n.reserved_memory_mb},
         "report": report,
     })
@@ -672,6 +676,47 @@ async fn list_nodes(State(app): State<AppState>, _: Admin) -> Result<Response, A
     let (nodes, now_ms) = blocking(move || Ok((store.list_nodes()?, store.clock_ms()?))).await?;
     let nodes: Vec<Value> = nodes.iter().map(|n| node_json(n, now_ms)).collect();
     Ok(axum::Json(json!({ "nodes": nodes })).into_response())
+}
+
+/// `POST /v1/fleet/nodes/{node}/cordon`: placement puts no new sandbox on the node (its
+/// sandboxes keep running, and their forks still go there: children live on their
+/// parent's node). 200 with the node.
+async fn cordon(
+    State(app): State<AppState>,
+    _: Admin,
+    Path(node): Path<String>,
+) -> Result<Response, ApiError> {
+    set_cordon(&app, node, true).await
+}
+
+/// `POST /v1/fleet/nodes/{node}/uncordon`: placement may use the node again.
+async fn uncordon(
+    State(app): State<AppState>,
+    _: Admin,
+    Path(node): Path<String>,
+) -> Result<Response, ApiError> {
+    set_cordon(&app, node, false).await
+}
+
+async fn set_cordon(app: &AppState, node: String, cordoned: bool) -> Result<Response, ApiError> {
+    let store = app.store.clone();
+    let (n, now_ms) = blocking(move || {
+        let n = store.get_node(&node)?.ok_or_else(|| {
+            StoreError::NotFound(format!(
+                "no node {node:?} in the fleet (see GET /v1/fleet/nodes)"
+            ))
+        })?;
+        store.cordon_node(&n.id, cordoned)?;
+        let n = store
+            .get_node(&n.id)?
+            .ok_or_else(|| StoreError::NotFound(format!("node {node:?} was removed meanwhile")))?;
+        Ok((n, store.clock_ms()?))
+    })
+    .await?;
+    tracing::info!(node = %n.id, name = %n.name, cordoned, "node cordon changed");
+    // This replica's placement sees it at once; the others within their table's age.
+    super::placement::forget_nodes(app);
+    Ok(axum::Json(node_json(&n, now_ms)).into_response())
 }
 
 async fn remove_node(

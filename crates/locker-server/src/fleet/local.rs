@@ -117,6 +117,7 @@ async fn register(
         report: report(app, cfg.slots).await,
         reserved_memory_mb: 0,
         reserved_slots: 0,
+        cordoned: false,
     };
     let store = app.store.clone();
     let node = tokio::task::spawn_blocking(move || store.upsert_node(&rec, lease_ms()))

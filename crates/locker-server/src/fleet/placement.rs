@@ -86,9 +86,9 @@ fn capacity(n: &NodeRecord) -> Option<(i64, i64, Report)> {
 }
 
 /// How full `n` is with `ask` placed on it (0 empty, 1 full), or `None` if it does not
-/// fit or is not alive.
+/// fit, is not alive or is cordoned.
 fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
-    if n.state != NodeState::Ready || n.lease_until_ms < now_ms {
+    if n.state != NodeState::Ready || n.lease_until_ms < now_ms || n.cordoned {
         return None;
     }
     if ask.only.as_ref().is_some_and(|only| *only != n.id) {
@@ -198,6 +198,14 @@ pub async fn nodes(app: &AppState, fresh: bool) -> Result<(Vec<NodeRecord>, i64)
     Ok((nodes, clock_ms))
 }
 
+/// Drops the cached node table: the next placement reads the store (a change made here,
+/// like a cordon, counts at once on this replica).
+pub fn forget_nodes(app: &AppState) {
+    if let Some(c) = app.fleet.as_ref() {
+        c.table.lock().expect("table").read = None;
+    }
+}
+
 /// The nodes whose sandboxes have rows in the fleet's own store: control replicas' own
 /// nodes (`--node local`). Lists and quotas read those sandboxes from their rows, and only
 /// the others' from placements.
@@ -217,10 +225,11 @@ pub async fn place(
     ask: &Ask,
 ) -> Result<(PlacementRecord, NodeRecord), ApiError> {
     let mut fresh = false;
-    let mut seen = 0;
+    let (mut seen, mut cordoned) = (0, 0);
     for _ in 0..ATTEMPTS {
         let (nodes, now_ms) = nodes(app, fresh).await?;
         seen = nodes.len();
+        cordoned = nodes.iter().filter(|n| n.cordoned).count();
         let Some(node) = choose(&nodes, ask, now_ms, &mut draw).cloned() else {
             if let Some(most) = short_of_disk(&nodes, ask, now_ms) {
                 // As one host answers a disk it cannot hold (`capacity::admit_disk`).
@@ -263,9 +272,13 @@ pub async fn place(
             None => fresh = true,
         }
     }
+    let cordoned = match cordoned {
+        0 => String::new(),
+        n => format!(", {n} of them cordoned"),
+    };
     Err(ApiError::quota(format!(
-        "no capacity: no node of the fleet ({seen} known) has a free slot and {} MB of memory \
-         for this sandbox now; retry shortly, or add nodes (`locker fleet token`)",
+        "no capacity: no node of the fleet ({seen} known{cordoned}) has a free slot and {} MB \
+         of memory for this sandbox now; retry shortly, or add nodes (`locker fleet token`)",
         ask.memory_mb
     )))
 }
@@ -494,6 +507,7 @@ mod tests {
             lease_until_ms: 10_000,
             report: serde_json::to_string(&report).unwrap(),
             reserved_slots: reserved.0,
+            cordoned: false,
             reserved_memory_mb: reserved.1,
         }
     }
@@ -543,16 +557,19 @@ mod tests {
     }
 
     #[test]
-    fn full_dead_and_expired_nodes_are_never_chosen() {
+    fn full_dead_expired_and_cordoned_nodes_are_never_chosen() {
         let mut dead = node("dead", 8, 8192, (0, 0), &[]);
         dead.state = NodeState::Dead;
         let mut late = node("late", 8, 8192, (0, 0), &[]);
         late.lease_until_ms = 500;
+        let mut cordoned = node("cordoned", 8, 8192, (0, 0), &[]);
+        cordoned.cordoned = true;
         let nodes = vec![
             node("full-slots", 2, 8192, (2, 0), &[]),
             node("full-memory", 8, 1024, (1, 800), &[]),
             dead,
             late,
+            cordoned,
         ];
         let mut i = 0;
         let mut pick = |n: usize| {

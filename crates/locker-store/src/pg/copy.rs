@@ -223,6 +223,7 @@ const TABLES: &[(&str, Columns)] = &[
             ("report", Text),
             ("reserved_memory_mb", Int),
             ("reserved_slots", Int),
+            ("cordoned", Int),
             ("events_seq", Int),
         ],
     ),

@@ -17,7 +17,7 @@ const NODE_COLUMNS: &str = "id, name, address, cert_sha256, cert_pem, public_key
 /// What a read gives: the columns above and the reservations placement keeps.
 const NODE_READ: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, state, \
                          joined_at, heartbeat_ms, lease_until_ms, report, \
-                         reserved_memory_mb, reserved_slots";
+                         reserved_memory_mb, reserved_slots, cordoned";
 
 /// The database's clock in milliseconds, as SQL.
 const NOW_MS: &str = "(EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::BIGINT";
@@ -38,6 +38,7 @@ fn node_of(r: &Row) -> Result<NodeRecord> {
         report: r.try_get(11)?,
         reserved_memory_mb: r.try_get(12)?,
         reserved_slots: r.try_get(13)?,
+        cordoned: r.try_get::<_, i64>(14)? != 0,
     })
 }
 
@@ -263,4 +264,12 @@ pub(super) fn list_nodes(c: &mut Conn) -> Result<Vec<NodeRecord>> {
 
 pub(super) fn delete_node(c: &mut Conn, id: &str) -> Result<bool> {
     Ok(c.execute("DELETE FROM nodes WHERE id = $1", &[&id])? > 0)
+}
+
+pub(super) fn cordon_node(c: &mut Conn, id: &str, cordoned: bool) -> Result<bool> {
+    let flag = i64::from(cordoned);
+    Ok(c.execute(
+        "UPDATE nodes SET cordoned = $2 WHERE id = $1",
+        &[&id, &flag],
+    )? > 0)
 }

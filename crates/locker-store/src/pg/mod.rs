@@ -906,6 +906,11 @@ impl Store for PgStore {
         self.run(move |c| fleet::delete_node(c, &id))
     }
 
+    fn cordon_node(&self, id: &str, cordoned: bool) -> Result<bool> {
+        let id = id.to_owned();
+        self.run(move |c| fleet::cordon_node(c, &id, cordoned))
+    }
+
     fn clock_ms(&self) -> Result<i64> {
         self.run(fleet::clock_ms)
     }

@@ -18,7 +18,7 @@ const NODE_COLUMNS: &str = "id, name, address, cert_sha256, cert_pem, public_key
 /// What a read gives: the columns above and the reservations placement keeps.
 const NODE_READ: &str = "id, name, address, cert_sha256, cert_pem, public_key, epoch, state, \
                          joined_at, heartbeat_ms, lease_until_ms, report, \
-                         reserved_memory_mb, reserved_slots";
+                         reserved_memory_mb, reserved_slots, cordoned";
 const NODE_VALUES: &str = "?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12";
 
 /// A node row as read (its state still text).
@@ -41,6 +41,7 @@ fn raw_node(r: &Row<'_>) -> rusqlite::Result<RawNode> {
             report: r.get(11)?,
             reserved_memory_mb: r.get(12)?,
             reserved_slots: r.get(13)?,
+            cordoned: r.get::<_, i64>(14)? != 0,
         },
         r.get(7)?,
     ))
@@ -293,6 +294,14 @@ pub(super) fn list_nodes(db: &SqliteStore) -> Result<Vec<NodeRecord>> {
         )
     })?;
     raws.into_iter().map(decode).collect()
+}
+
+pub(super) fn cordon_node(db: &SqliteStore, id: &str, cordoned: bool) -> Result<bool> {
+    Ok(db
+        .writer()
+        .prepare_cached("UPDATE nodes SET cordoned = ?2 WHERE id = ?1")?
+        .execute(params![id, i64::from(cordoned)])?
+        > 0)
 }
 
 pub(super) fn delete_node(db: &SqliteStore, id: &str) -> Result<bool> {

@@ -561,6 +561,10 @@ impl Store for SqliteStore {
         fleet::delete_node(self, id)
     }
 
+    fn cordon_node(&self, id: &str, cordoned: bool) -> Result<bool> {
+        fleet::cordon_node(self, id, cordoned)
+    }
+
     fn clock_ms(&self) -> Result<i64> {
         Ok(fleet::clock_ms())
     }

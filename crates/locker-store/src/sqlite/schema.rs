@@ -289,6 +289,10 @@ const MIGRATIONS: &[&str] = &[
     ) STRICT;
     CREATE INDEX pty_tickets_expiry ON pty_tickets(expires_ms);
     "#,
+    // Cordoned fleet nodes: placement puts nothing new on them.
+    r#"
+    ALTER TABLE nodes ADD COLUMN cordoned INTEGER NOT NULL DEFAULT 0;
+    "#,
 ];
 
 /// The schema version this build writes (the number of migrations it knows).

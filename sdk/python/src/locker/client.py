@@ -929,6 +929,13 @@ class Volume:
         self.info = self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/restore", {"snapshot": sid})
         return self
 
+    def move(self, node: str) -> "Volume":
+        """Fleet mode: moves the volume, with its snapshots, to another server of the fleet
+        (a node's name or id; one that runs `--node local`). 409 while a running sandbox
+        mounts it."""
+        self.info = self._c.request("POST", f"/v1/volumes/{_seg(self.id)}/move", {"node": node})
+        return self
+
     def fork(self, name: str, snapshot: Optional[Union[str, VolumeSnapshot]] = None) -> "Volume":
         """A new volume `name`: a copy of this one now, or of one of its snapshots."""
         body: Dict[str, Any] = {"name": name}
