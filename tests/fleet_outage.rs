@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{fleet_nodes, fleet_token, Fabric, NodeProc};
+use locker_tests::fabric::{fleet_nodes, join_nodes, Fabric};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp};
 use locker_tests::wait_for;
@@ -33,19 +33,7 @@ fn a_stalled_database_declares_no_node_dead() {
     let (_db, pg_url) = cluster().new_database();
     let srv = fab.control(&pg_url, &[]);
     let (admin, api) = (srv.admin(), srv.api());
-    let mut nodes = [NodeProc::new(0, "a"), NodeProc::new(1, "b")];
-    for n in &mut nodes {
-        let t = fleet_token(&admin, 600);
-        n.start(
-            &fab,
-            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
-            4,
-        );
-    }
-    wait_for(Duration::from_secs(60), "both nodes alive", || {
-        let l = fleet_nodes(&admin);
-        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
-    });
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
     let ids: Vec<String> = (0..2)
         .map(|_| {
             let r = create(&api);

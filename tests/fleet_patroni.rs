@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{fleet_nodes, fleet_token, Fabric, NodeProc};
+use locker_tests::fabric::{fleet_nodes, join_nodes, Fabric};
 use locker_tests::patroni::{Patroni, TTL};
 use locker_tests::server::{Api, Resp, Server};
 use locker_tests::wait_for;
@@ -61,19 +61,7 @@ fn a_patroni_switchover_and_failover_declare_no_node_dead() {
     let fab = Fabric::new(2);
     let srv = fab.control(&pg.url("locker"), &[]);
     let (admin, api) = (srv.admin(), srv.api());
-    let mut nodes = [NodeProc::new(0, "a"), NodeProc::new(1, "b")];
-    for n in &mut nodes {
-        let t = fleet_token(&admin, 600);
-        n.start(
-            &fab,
-            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
-            6,
-        );
-    }
-    wait_for(Duration::from_secs(60), "both nodes alive", || {
-        let l = fleet_nodes(&admin);
-        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
-    });
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 6);
     let mut ids: Vec<String> = (0..2)
         .map(|_| {
             let r = create(&api);

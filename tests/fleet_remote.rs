@@ -7,7 +7,7 @@
 
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, Fabric, NodeProc};
+use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, join_nodes, Fabric, NodeProc};
 use locker_tests::fleet::placed_on;
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp};
@@ -628,19 +628,7 @@ fn a_cordoned_node_takes_no_new_sandboxes_and_keeps_its_own() {
     let (_db, pg_url) = cluster().new_database();
     let srv = fab.control(&pg_url, &[]);
     let (admin, api) = (srv.admin(), srv.api());
-    let mut nodes = [NodeProc::new(0, "a"), NodeProc::new(1, "b")];
-    for n in &mut nodes {
-        let t = fleet_token(&admin, 600);
-        n.start(
-            &fab,
-            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
-            2,
-        );
-    }
-    wait_for(Duration::from_secs(60), "both nodes alive", || {
-        let l = fleet_nodes(&admin);
-        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
-    });
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 2);
     // One sandbox on a first (b cordoned for it), then a is cordoned through the CLI.
     admin
         .post("/v1/fleet/nodes/b/cordon", &json!({}))

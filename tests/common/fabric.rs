@@ -371,3 +371,35 @@ pub fn fleet_node<'a>(list: &'a [serde_json::Value], name: &str) -> &'a serde_js
         .find(|n| n["name"] == name)
         .unwrap_or_else(|| panic!("no node {name} in {list:?}"))
 }
+
+/// Nodes `names` (slots 0, 1, … of the fabric), each joined with a token of its own and
+/// `slots` sandbox slots, once every one of them is listed alive.
+pub fn join_nodes(
+    fab: &Fabric,
+    admin: &crate::server::Api,
+    names: &[&str],
+    slots: u32,
+) -> Vec<NodeProc> {
+    let mut nodes: Vec<NodeProc> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| NodeProc::new(i, name))
+        .collect();
+    for n in &mut nodes {
+        let t = fleet_token(admin, 600);
+        n.start(
+            fab,
+            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
+            slots,
+        );
+    }
+    crate::wait_for(
+        std::time::Duration::from_secs(60),
+        "the nodes alive",
+        || {
+            let l = fleet_nodes(admin);
+            (l.len() == names.len() && l.iter().all(|n| n["alive"] == true)).then_some(())
+        },
+    );
+    nodes
+}
