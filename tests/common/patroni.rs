@@ -8,10 +8,11 @@
 //! stops any Postgres still up, stops etcd and removes the directory. As root, Patroni and
 //! Postgres run as the `postgres` user.
 
-use std::net::TcpListener;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
+
+use crate::postgres::{free_port, pg_bin_dir};
 
 /// What the cluster's leader key lives for (`bootstrap.dcs.ttl`; Patroni's minimum).
 pub const TTL: Duration = Duration::from_secs(20);
@@ -68,27 +69,6 @@ pub struct Patroni {
     _watchdog: std::process::Child,
 }
 
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("local addr")
-        .port()
-}
-
-fn bin_dir() -> PathBuf {
-    let mut v: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
-        .expect("PostgreSQL is installed (scripts/setup test)")
-        .flatten()
-        .filter_map(|e| {
-            let n: u32 = e.file_name().to_str()?.parse().ok()?;
-            Some((n, e.path().join("bin")))
-        })
-        .collect();
-    v.sort();
-    v.pop().expect("a PostgreSQL version").1
-}
-
 impl Patroni {
     /// Starts etcd and both members and waits until one leads and the other streams.
     pub fn start() -> Patroni {
@@ -107,7 +87,7 @@ impl Patroni {
         std::fs::create_dir_all(&dir).unwrap();
         let (client, peer) = (free_port(), free_port());
         let ports = [free_port(), free_port()];
-        let bin = bin_dir();
+        let bin = pg_bin_dir().expect("PostgreSQL is installed (scripts/setup test)");
         for (i, port) in ports.iter().enumerate() {
             let rest = free_port();
             let config = CONFIG
@@ -231,27 +211,7 @@ impl Patroni {
     /// Runs `sql` on the leader's database `db`.
     pub fn psql(&self, db: &str, sql: &str) -> String {
         let l = self.leader().expect("a leader");
-        let out = Command::new(bin_dir().join("psql"))
-            .args(["-h", "127.0.0.1", "-p", &self.ports[l].to_string()])
-            .args([
-                "-U",
-                "postgres",
-                "-d",
-                db,
-                "-v",
-                "ON_ERROR_STOP=1",
-                "-At",
-                "-c",
-                sql,
-            ])
-            .output()
-            .expect("psql");
-        assert!(
-            out.status.success(),
-            "psql {sql:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
+        crate::postgres::psql(self.ports[l], db, sql)
     }
 
     /// A planned switchover from the leader to the other member (`patronictl switchover`).

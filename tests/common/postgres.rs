@@ -29,7 +29,7 @@ pub struct PgCluster {
 }
 
 /// The directory of Debian's PostgreSQL programs (the newest installed), or `None`.
-fn pg_bin_dir() -> Option<PathBuf> {
+pub fn pg_bin_dir() -> Option<PathBuf> {
     let mut versions: Vec<(u32, PathBuf)> = std::fs::read_dir("/usr/lib/postgresql")
         .ok()?
         .filter_map(|e| {
@@ -54,7 +54,7 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .expect("bind a free port")
         .local_addr()
@@ -184,25 +184,32 @@ fn start() -> PgCluster {
     c
 }
 
+/// Runs `sql` in database `db` of the server on loopback `port` with psql (user
+/// `postgres`); its rows, `|`-separated, one per line.
+pub fn psql(port: u16, db: &str, sql: &str) -> String {
+    let bin = pg_bin_dir().expect("PostgreSQL is installed");
+    run(
+        Command::new(bin.join("psql"))
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args([
+                "-U",
+                "postgres",
+                "-d",
+                db,
+                "-v",
+                "ON_ERROR_STOP=1",
+                "-At",
+                "-c",
+            ])
+            .arg(sql),
+        &format!("psql {sql:?}"),
+    )
+}
+
 impl PgCluster {
     /// Runs `sql` in database `db` with psql; its rows, `|`-separated, one per line.
     pub fn psql(&self, db: &str, sql: &str) -> String {
-        run(
-            Command::new(self.bin.join("psql"))
-                .args(["-h", "127.0.0.1", "-p", &self.port.to_string()])
-                .args([
-                    "-U",
-                    "postgres",
-                    "-d",
-                    db,
-                    "-v",
-                    "ON_ERROR_STOP=1",
-                    "-At",
-                    "-c",
-                ])
-                .arg(sql),
-            &format!("psql {sql:?}"),
-        )
+        psql(self.port, db, sql)
     }
 
     /// A new, empty database; its URL.

@@ -622,6 +622,11 @@ async fn snapshot_live(v: &Volume, to: PathBuf) -> Result<(), ApiError> {
     if v.space.is_closed() {
         return Err(v.space.moved());
     }
+    snapshot_held(v, to).await
+}
+
+/// [`snapshot_live`] for a caller that holds the volume's gate already.
+async fn snapshot_held(v: &Volume, to: PathBuf) -> Result<(), ApiError> {
     let root = v.root();
     tokio::task::spawn_blocking(move || locker_runtime::volume_fs::snapshot(&root, &to))
         .await

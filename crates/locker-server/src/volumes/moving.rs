@@ -181,11 +181,7 @@ async fn catch_up_and_switch(
     }
     let name = point_name();
     let last = v.root().join("snapshots").join(&name);
-    let (root, to) = (v.root(), last.clone());
-    tokio::task::spawn_blocking(move || locker_runtime::volume_fs::snapshot(&root, &to))
-        .await
-        .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", r.id)))?
-        .map_err(|e| ApiError::internal(format!("snapshotting volume {}: {e}", r.id)))?;
+    super::snapshot_held(v, last.clone()).await?;
     let query = format!("stage=last&point={name}");
     let chain = (vec![last.clone()], Some(first.to_owned()));
     let shipped = ship(app, tenant, r, target, chain, &query, CAUGHT_UP).await;
@@ -202,22 +198,18 @@ async fn catch_up_and_switch(
         })
         .collect();
     mark(&v.dir, OUTGOING).await;
-    match app
+    let switched = app
         .store
-        .move_volume(tenant, &r.id, &app.host_id, &target.id, &moved)
-    {
-        Ok(true) => Ok(()),
-        Ok(false) => {
-            unmark(&v.dir, OUTGOING).await;
-            Err(ApiError::conflict(format!(
-                "volume {} changed homes or went away during the move",
-                r.name
-            )))
-        }
-        Err(e) => {
-            unmark(&v.dir, OUTGOING).await;
-            Err(e.into())
-        }
+        .move_volume(tenant, &r.id, &app.host_id, &target.id, &moved);
+    if !matches!(switched, Ok(true)) {
+        unmark(&v.dir, OUTGOING).await;
+    }
+    match switched? {
+        true => Ok(()),
+        false => Err(ApiError::conflict(format!(
+            "volume {} changed homes or went away during the move",
+            r.name
+        ))),
     }
 }
 

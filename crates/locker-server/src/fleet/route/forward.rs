@@ -419,16 +419,19 @@ pub async fn destroy_orphan(
     n: &locker_store::NodeRecord,
     sb: &str,
 ) -> Result<(), String> {
-    let c = app.fleet.as_ref().expect("fleet control");
-    let route = node_route(n, "_fleet", n.epoch);
-    let (parts, _) =
-        axum::http::Request::delete(format!("{}{sb}", crate::fleet::node::ORPHAN_PATH))
-            .body(())
-            .map_err(|e| e.to_string())?
-            .into_parts();
-    match send(c, &route, &parts, Body::empty(), Some(CREATE)).await {
-        Ok(r) if r.status().is_success() || r.status() == StatusCode::NOT_FOUND => Ok(()),
-        Ok(r) => Err(format!("the node answered {}", r.status())),
-        Err(e) => Err(e.to_string()),
+    let path = format!("{}{sb}", crate::fleet::node::ORPHAN_PATH);
+    let r = call_node(
+        app,
+        n,
+        "_fleet",
+        (Method::DELETE, &path),
+        Body::empty(),
+        Some(CREATE),
+    )
+    .await?;
+    if r.status().is_success() || r.status() == StatusCode::NOT_FOUND {
+        Ok(())
+    } else {
+        Err(format!("the node answered {}", r.status()))
     }
 }
