@@ -14,6 +14,7 @@
 
 mod code;
 mod fleet;
+mod fleet_volumes;
 mod host;
 mod http1;
 mod images;
@@ -113,7 +114,7 @@ pub struct Args {
     pub no_favordynmods: bool,
 }
 
-const GROUPS: [&str; 18] = [
+const GROUPS: [&str; 19] = [
     "jail",
     "peers",
     "server",
@@ -132,6 +133,7 @@ const GROUPS: [&str; 18] = [
     "secrets",
     "ui",
     "fleet",
+    "fleet-volumes",
 ];
 
 impl Args {
@@ -399,6 +401,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== fleet: nodes in network namespaces joining a server on Postgres: joins, heartbeats, failure detection ==");
         fleet::rows(args, rows)?;
+    }
+    if args.wants("fleet-volumes") {
+        check_stop()?;
+        println!("== fleet-volumes: `locker volume move` between two servers on Postgres, beside a bare btrfs send | receive ==");
+        fleet_volumes::rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

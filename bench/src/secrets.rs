@@ -58,8 +58,7 @@ impl EchoHost {
             child: None,
         };
         wire_namespace(&ns, &link, host, srv);
-        let script =
-            Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/secrets_echo.js");
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/data/secrets_echo.js");
         let child = Command::new("ip")
             .args(["netns", "exec", &ns, "node"])
             .arg(&script)
@@ -93,7 +92,9 @@ impl Drop for EchoHost {
             let _ = c.kill();
             let _ = c.wait();
         }
-        let _ = Command::new("ip").args(["link", "del", &self.link]).output();
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.link])
+            .output();
         let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
     }
 }
@@ -118,7 +119,8 @@ fn sh(api: &Api, id: &str, script: &str) -> anyhow::Result<String> {
 
 /// The curl options both sides share: the same CA bundle, the key header, HTTP/1.1 (what
 /// Python's clients speak; the proxy and the host offer HTTP/2 too).
-const CURL: &str = "curl -sS --http1.1 -m 60 --cacert /tmp/both.pem -H \"Authorization: Bearer $BENCH_KEY\"";
+const CURL: &str =
+    "curl -sS --http1.1 -m 60 --cacert /tmp/both.pem -H \"Authorization: Bearer $BENCH_KEY\"";
 
 /// `n` requests each on a new connection: curl's `time_total` of each, in ms.
 fn new_connections(api: &Api, id: &str, n: usize) -> anyhow::Result<Vec<f64>> {
@@ -150,7 +152,10 @@ fn kept_alive(api: &Api, id: &str, n: usize) -> anyhow::Result<(Vec<f64>, u64)> 
         times.push(t * 1e3);
     }
     if times.len() != n {
-        bail!("expected {n} kept-alive timings, got {}: {out}", times.len());
+        bail!(
+            "expected {n} kept-alive timings, got {}: {out}",
+            times.len()
+        );
     }
     Ok((times, connects))
 }
@@ -235,7 +240,9 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     };
     let (a, b) = (seen(&icpt)?, seen(&pass)?);
     if !a.contains("Bearer [value-1]") || b.contains("[value-1]") {
-        bail!("interception is not what the rows assume: intercepted saw {a}; passed through saw {b}");
+        bail!(
+            "interception is not what the rows assume: intercepted saw {a}; passed through saw {b}"
+        );
     }
 
     let (warm, n) = (args.warmup, args.fast());
@@ -292,9 +299,17 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .note(format!("{what}; the same on one passed-through connection; connections made in the counted requests: {cp}")),
     );
     rows.push(
-        Row::new("secrets added latency, new connection (p50 intercepted − p50 passed through)", "ms", vec![new50], 0)
-            .note(format!("p50 of {NEW_I:?} minus p50 of {NEW_P:?}, interleaved in {rounds} rounds; at p99 {} ms", fmt_num(new99)))
-            .target(Target::P50(2.0)),
+        Row::new(
+            "secrets added latency, new connection (p50 intercepted − p50 passed through)",
+            "ms",
+            vec![new50],
+            0,
+        )
+        .note(format!(
+            "p50 of {NEW_I:?} minus p50 of {NEW_P:?}, interleaved in {rounds} rounds; at p99 {} ms",
+            fmt_num(new99)
+        ))
+        .target(Target::P50(2.0)),
     );
     rows.push(
         Row::new("secrets added latency, kept-alive (p50 intercepted − p50 passed through)", "ms", vec![kept50], 0)
@@ -322,9 +337,6 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
             .note(format!("{dl}; the proxy decrypts and re-encrypts every byte (rustls both ways, hyper between)"))
             .vs(DL_P),
     );
-    rows.push(
-        Row::new(DL_P, "MB/s", dp, 1)
-            .note(format!("{dl}; the proxy relays the TLS bytes")),
-    );
+    rows.push(Row::new(DL_P, "MB/s", dp, 1).note(format!("{dl}; the proxy relays the TLS bytes")));
     Ok(())
 }
