@@ -12,7 +12,7 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::postgres::{free_port, pg_bin_dir};
+use crate::postgres::pg_bin_dir;
 
 /// What the cluster's leader key lives for (`bootstrap.dcs.ttl`; Patroni's minimum).
 pub const TTL: Duration = Duration::from_secs(20);
@@ -59,6 +59,8 @@ postgresql:
       password: pg
   parameters:
     unix_socket_directories: '{dir}'
+    logging_collector: 'on'
+    log_directory: '{dir}/pglog{i}'
 "#;
 
 /// The two members: `pg0` and `pg1`.
@@ -67,6 +69,18 @@ pub struct Patroni {
     /// Postgres's port of each member.
     pub ports: [u16; 2],
     _watchdog: std::process::Child,
+}
+
+/// Six loopback ports, all different.
+fn distinct_ports() -> [u16; 6] {
+    let held: Vec<std::net::TcpListener> = (0..6)
+        .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("bind a free port"))
+        .collect();
+    let ports: Vec<u16> = held
+        .iter()
+        .map(|l| l.local_addr().expect("local addr").port())
+        .collect();
+    ports.try_into().expect("six ports")
 }
 
 impl Patroni {
@@ -85,11 +99,15 @@ impl Patroni {
         let dir = std::env::temp_dir().join(format!("locker-patroni-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         std::fs::create_dir_all(&dir).unwrap();
-        let (client, peer) = (free_port(), free_port());
-        let ports = [free_port(), free_port()];
+        // Every port at once, while all are held: ports taken one by one may repeat (a
+        // port just released can be handed out again), and two members on one port hang
+        // Patroni's bootstrap.
+        let [client, peer, p0, p1, r0, r1] = distinct_ports();
+        let ports = [p0, p1];
+        let rests = [r0, r1];
         let bin = pg_bin_dir().expect("PostgreSQL is installed (scripts/setup test)");
         for (i, port) in ports.iter().enumerate() {
-            let rest = free_port();
+            let rest = rests[i];
             let config = CONFIG
                 .replace("{i}", &i.to_string())
                 .replace("{rest}", &rest.to_string())
@@ -260,13 +278,23 @@ impl Patroni {
 
     /// The members' and etcd's logs (for a failure's message).
     pub fn logs(&self) -> String {
+        let pg_logs = (0..2).flat_map(|i| {
+            std::fs::read_dir(self.dir.join(format!("pglog{i}")))
+                .into_iter()
+                .flatten()
+                .flatten()
+                .map(|e| e.path())
+        });
         ["etcd.log", "patroni0.log", "patroni1.log"]
             .iter()
+            .map(|f| self.dir.join(f))
+            .chain(pg_logs)
             .map(|f| {
-                let t = std::fs::read_to_string(self.dir.join(f)).unwrap_or_default();
+                let t = std::fs::read_to_string(&f).unwrap_or_default();
                 let tail: Vec<&str> = t.lines().rev().take(30).collect();
                 format!(
-                    "---- {f} ----\n{}\n",
+                    "---- {} ----\n{}\n",
+                    f.display(),
                     tail.into_iter().rev().collect::<Vec<_>>().join("\n")
                 )
             })

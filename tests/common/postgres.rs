@@ -54,7 +54,7 @@ fn is_root() -> bool {
         .unwrap_or(false)
 }
 
-pub fn free_port() -> u16 {
+fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")
         .expect("bind a free port")
         .local_addr()
