@@ -2490,6 +2490,120 @@ fn postgres_sessions_keep_alive_on_both_ends() {
     drop(store);
 }
 
+/// A sandbox moved between nodes (a drain): its placement switches node and epoch, the
+/// reservation made for the move becomes its own, the old node's comes back; a stale move
+/// (deleted meanwhile, moved already, the reservation gone) writes nothing.
+fn placements_move_between_nodes(b: Backend) {
+    use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState};
+    let db = Db::new(b);
+    let store = db.open();
+    let node = |id: &str, epoch: i64| NodeRecord {
+        id: id.into(),
+        name: id.replace('_', "-"),
+        address: "10.0.0.2:7443".into(),
+        cert_sha256: "local".into(),
+        cert_pem: String::new(),
+        public_key: String::new(),
+        epoch,
+        state: NodeState::Ready,
+        joined_at: rfc3339(locker_store::now_unix()),
+        heartbeat_ms: 0,
+        lease_until_ms: 0,
+        report: "{}".into(),
+        reserved_memory_mb: 0,
+        reserved_slots: 0,
+        cordoned: false,
+    };
+    store.upsert_node(&node("nd_a", 1), 60_000).unwrap();
+    store.upsert_node(&node("nd_b", 1), 60_000).unwrap();
+    let placement = |id: &str, node: &str, mb: i64| PlacementRecord {
+        id: id.into(),
+        sandbox_id: None,
+        tenant: "default".into(),
+        node_id: node.into(),
+        epoch: 1,
+        memory_mb: mb,
+        state: PlacementState::Starting,
+        created_ms: 0,
+        view: "{}".into(),
+    };
+    let reserved = |n: &str| {
+        let n = store.get_node(n).unwrap().unwrap();
+        (n.reserved_slots, n.reserved_memory_mb)
+    };
+    store
+        .place(&placement("pl_1", "nd_a", 256), 10, 4096)
+        .unwrap()
+        .unwrap();
+    assert!(store
+        .set_placed("pl_1", "sb_1", r#"{"id":"sb_1"}"#)
+        .unwrap());
+    store
+        .place(&placement("pl_mv", "nd_b", 256), 10, 4096)
+        .unwrap()
+        .unwrap();
+    assert_eq!((reserved("nd_a"), reserved("nd_b")), ((1, 256), (1, 256)));
+
+    // From the wrong node or epoch, or into a reservation that is not one: nothing.
+    assert!(store
+        .move_placement("pl_1", "nd_b", 1, "pl_mv", "{}")
+        .unwrap()
+        .is_none());
+    assert!(store
+        .move_placement("pl_1", "nd_a", 2, "pl_mv", "{}")
+        .unwrap()
+        .is_none());
+    assert!(store
+        .move_placement("pl_1", "nd_a", 1, "pl_zz", "{}")
+        .unwrap()
+        .is_none());
+    assert!(store
+        .move_placement("pl_1", "nd_a", 1, "pl_1", "{}")
+        .unwrap()
+        .is_none());
+    assert_eq!(store.list_placements(None, None).unwrap().len(), 2);
+
+    let moved = store
+        .move_placement("pl_1", "nd_a", 1, "pl_mv", r#"{"id":"sb_1","moved":1}"#)
+        .unwrap()
+        .expect("moved");
+    assert_eq!((moved.node_id.as_str(), moved.epoch), ("nd_b", 1));
+    let p = store.get_placement("sb_1").unwrap().unwrap();
+    assert_eq!(
+        (p.id.as_str(), p.node_id.as_str(), p.state, p.view.as_str()),
+        (
+            "pl_1",
+            "nd_b",
+            PlacementState::Placed,
+            r#"{"id":"sb_1","moved":1}"#
+        )
+    );
+    assert_eq!(
+        store.list_placements(None, None).unwrap().len(),
+        1,
+        "the move's reservation is the sandbox's now"
+    );
+    assert_eq!((reserved("nd_a"), reserved("nd_b")), ((0, 0), (1, 256)));
+    // Once: the same move again finds neither.
+    assert!(store
+        .move_placement("pl_1", "nd_a", 1, "pl_mv", "{}")
+        .unwrap()
+        .is_none());
+    // Deleted while it moved: the move's reservation stays to be given back by its caller.
+    store
+        .place(&placement("pl_back", "nd_a", 256), 10, 4096)
+        .unwrap()
+        .unwrap();
+    store.unplace("pl_1").unwrap().unwrap();
+    assert!(store
+        .move_placement("pl_1", "nd_b", 1, "pl_back", "{}")
+        .unwrap()
+        .is_none());
+    assert_eq!((reserved("nd_a"), reserved("nd_b")), ((1, 256), (0, 0)));
+    store.unplace("pl_back").unwrap().unwrap();
+    assert_eq!(reserved("nd_a"), (0, 0));
+}
+
 mod sqlite {
     #[test]
     fn fleet_tokens_nodes_and_leases() {
@@ -2499,6 +2613,11 @@ mod sqlite {
     #[test]
     fn placements_reserve_within_capacity() {
         super::placements_reserve_within_capacity(super::Backend::Sqlite)
+    }
+
+    #[test]
+    fn placements_move_between_nodes() {
+        super::placements_move_between_nodes(super::Backend::Sqlite)
     }
 
     #[test]
@@ -2622,6 +2741,11 @@ mod postgres {
     #[test]
     fn placements_reserve_within_capacity() {
         super::placements_reserve_within_capacity(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn placements_move_between_nodes() {
+        super::placements_move_between_nodes(super::Backend::Postgres)
     }
 
     #[test]

@@ -940,6 +940,23 @@ impl Store for PgStore {
         self.run(move |c| placements::unplace(c, &id))
     }
 
+    fn move_placement(
+        &self,
+        id: &str,
+        from_node: &str,
+        from_epoch: i64,
+        into: &str,
+        view: &str,
+    ) -> Result<Option<PlacementRecord>> {
+        let (id, from, into, view) = (
+            id.to_owned(),
+            from_node.to_owned(),
+            into.to_owned(),
+            view.to_owned(),
+        );
+        self.run(move |c| placements::move_placement(c, &id, &from, from_epoch, &into, &view))
+    }
+
     fn get_placement(&self, sandbox_id: &str) -> Result<Option<PlacementRecord>> {
         let sb = sandbox_id.to_owned();
         self.run(move |c| placements::get_placement(c, &sb))

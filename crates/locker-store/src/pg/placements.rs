@@ -118,6 +118,57 @@ pub(super) fn unplace(c: &mut Conn, id: &str) -> Result<Option<PlacementRecord>>
     })
 }
 
+pub(super) fn move_placement(
+    c: &mut Conn,
+    id: &str,
+    from_node: &str,
+    from_epoch: i64,
+    into: &str,
+    view: &str,
+) -> Result<Option<PlacementRecord>> {
+    c.transaction(|c| {
+        let target = c
+            .query_opt(
+                &format!(
+                    "SELECT {COLUMNS} FROM placements WHERE id = $1 AND state = 'starting' FOR UPDATE"
+                ),
+                &[&into],
+            )?
+            .as_ref()
+            .map(of)
+            .transpose()?;
+        let old = c
+            .query_opt(
+                &format!(
+                    "SELECT {COLUMNS} FROM placements
+                     WHERE id = $1 AND node_id = $2 AND epoch = $3 AND state = 'placed' FOR UPDATE"
+                ),
+                &[&id, &from_node, &from_epoch],
+            )?
+            .as_ref()
+            .map(of)
+            .transpose()?;
+        let (Some(target), Some(old)) = (target, old) else {
+            return Ok(None);
+        };
+        c.execute("DELETE FROM placements WHERE id = $1", &[&into])?;
+        let row = c.query_one(
+            &format!(
+                "UPDATE placements SET node_id = $1, epoch = $2, view = $3, created_ms = {NOW_MS}
+                 WHERE id = $4 RETURNING {COLUMNS}"
+            ),
+            &[&target.node_id, &target.epoch, &view, &id],
+        )?;
+        c.execute(
+            "UPDATE nodes SET reserved_memory_mb = GREATEST(0, reserved_memory_mb - $1),
+                              reserved_slots = GREATEST(0, reserved_slots - 1)
+             WHERE id = $2 AND epoch = $3",
+            &[&old.memory_mb, &old.node_id, &old.epoch],
+        )?;
+        of(&row).map(Some)
+    })
+}
+
 pub(super) fn get_placement(c: &mut Conn, sandbox_id: &str) -> Result<Option<PlacementRecord>> {
     c.query_opt(
         &format!("SELECT {COLUMNS} FROM placements WHERE sandbox_id = $1"),

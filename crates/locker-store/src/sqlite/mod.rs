@@ -590,6 +590,17 @@ impl Store for SqliteStore {
         placements::unplace(self, id)
     }
 
+    fn move_placement(
+        &self,
+        id: &str,
+        from_node: &str,
+        from_epoch: i64,
+        into: &str,
+        view: &str,
+    ) -> Result<Option<PlacementRecord>> {
+        placements::move_placement(self, id, from_node, from_epoch, into, view)
+    }
+
     fn get_placement(&self, sandbox_id: &str) -> Result<Option<PlacementRecord>> {
         placements::get_placement(self, sandbox_id)
     }

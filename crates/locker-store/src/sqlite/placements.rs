@@ -129,6 +129,55 @@ pub(super) fn unplace(db: &SqliteStore, id: &str) -> Result<Option<PlacementReco
     Ok(gone)
 }
 
+pub(super) fn move_placement(
+    db: &SqliteStore,
+    id: &str,
+    from_node: &str,
+    from_epoch: i64,
+    into: &str,
+    view: &str,
+) -> Result<Option<PlacementRecord>> {
+    let mut conn = db.writer();
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let read = |sql: &str, p: &[&dyn rusqlite::ToSql]| -> Result<Option<PlacementRecord>> {
+        tx.prepare_cached(&format!("SELECT {COLUMNS} FROM placements WHERE {sql}"))?
+            .query_row(p, raw)
+            .optional()?
+            .map(decode)
+            .transpose()
+    };
+    let target = read("id = ?1 AND state = 'starting'", &[&into])?;
+    let old = read(
+        "id = ?1 AND node_id = ?2 AND epoch = ?3 AND state = 'placed'",
+        &[&id, &from_node, &from_epoch],
+    )?;
+    let (Some(target), Some(old)) = (target, old) else {
+        // Dropped without a commit: nothing written.
+        return Ok(None);
+    };
+    let ms = clock_ms();
+    tx.prepare_cached("DELETE FROM placements WHERE id = ?1")?
+        .execute(params![into])?;
+    tx.prepare_cached(
+        "UPDATE placements SET node_id = ?1, epoch = ?2, view = ?3, created_ms = ?4 WHERE id = ?5",
+    )?
+    .execute(params![target.node_id, target.epoch, view, ms, id])?;
+    tx.prepare_cached(
+        "UPDATE nodes SET reserved_memory_mb = MAX(0, reserved_memory_mb - ?1),
+                          reserved_slots = MAX(0, reserved_slots - 1)
+         WHERE id = ?2 AND epoch = ?3",
+    )?
+    .execute(params![old.memory_mb, old.node_id, old.epoch])?;
+    tx.commit()?;
+    Ok(Some(PlacementRecord {
+        node_id: target.node_id,
+        epoch: target.epoch,
+        view: view.to_owned(),
+        created_ms: ms,
+        ..old
+    }))
+}
+
 pub(super) fn get_placement(db: &SqliteStore, sandbox_id: &str) -> Result<Option<PlacementRecord>> {
     db.read(|c| {
         c.prepare_cached(&format!(
