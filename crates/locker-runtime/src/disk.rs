@@ -214,6 +214,27 @@ fn copy_into(from: &fs::File, to: &fs::File) -> io::Result<CopyKind> {
     Ok(CopyKind::Sparse)
 }
 
+/// The data extents of `file` (offset, length), in order: its holes are left out (a
+/// filesystem without `SEEK_DATA` reports the whole file as one extent).
+pub fn data_extents(file: &fs::File) -> io::Result<Vec<(u64, u64)>> {
+    let len = file.metadata()?.len();
+    let fd = file.as_raw_fd();
+    let (mut out, mut off) = (Vec::new(), 0i64);
+    while (off as u64) < len {
+        let data = match sys_fd::seek(fd, off, libc::SEEK_DATA) {
+            Ok(d) => d as i64,
+            Err(e) if e.raw_os_error() == Some(libc::ENXIO) => break,
+            Err(e) => return Err(e),
+        };
+        let end = sys_fd::seek(fd, data, libc::SEEK_HOLE).map_or(len as i64, |h| h as i64);
+        if end > data {
+            out.push((data as u64, (end - data) as u64));
+        }
+        off = end.max(data + 1);
+    }
+    Ok(out)
+}
+
 /// Copies bytes `[off, end)` with plain reads and writes.
 fn copy_range_plain(from: &fs::File, to: &fs::File, mut off: u64, end: u64) -> io::Result<()> {
     use std::os::unix::fs::FileExt;

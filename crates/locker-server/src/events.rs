@@ -75,6 +75,8 @@ pub enum Kind {
     SandboxForked,
     #[serde(rename = "sandbox.lost")]
     SandboxLost,
+    #[serde(rename = "sandbox.moved")]
+    SandboxMoved,
     #[serde(rename = "run.committed")]
     RunCommitted,
     #[serde(rename = "template.built")]
@@ -84,7 +86,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 12] = [
+    pub const ALL: [Kind; 13] = [
         Kind::SandboxCreated,
         Kind::SandboxPaused,
         Kind::SandboxResumed,
@@ -94,6 +96,7 @@ impl Kind {
         Kind::SandboxSnapshotted,
         Kind::SandboxForked,
         Kind::SandboxLost,
+        Kind::SandboxMoved,
         Kind::RunCommitted,
         Kind::TemplateBuilt,
         Kind::TemplateFailed,
@@ -111,6 +114,7 @@ impl Kind {
             Kind::SandboxSnapshotted => "sandbox.snapshotted",
             Kind::SandboxForked => "sandbox.forked",
             Kind::SandboxLost => "sandbox.lost",
+            Kind::SandboxMoved => "sandbox.moved",
             Kind::RunCommitted => "run.committed",
             Kind::TemplateBuilt => "template.built",
             Kind::TemplateFailed => "template.failed",

@@ -37,6 +37,7 @@ pub mod admin;
 pub mod app;
 pub mod auth;
 pub mod capacity;
+pub mod carry;
 pub mod code;
 pub mod command;
 pub mod default_template;

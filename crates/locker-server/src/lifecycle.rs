@@ -60,6 +60,29 @@ pub async fn launch(
     new: &NewSandbox,
     from: Option<std::path::PathBuf>,
 ) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+    launch_as(app, caller, new, from, None).await
+}
+
+/// [`launch`] of a sandbox carried here from another node (`carry`): it keeps its id, its
+/// times, its preview token and public ports as `carried` has them, and starts from the
+/// snapshot its old node took in `from`.
+pub async fn launch_carried(
+    app: &AppState,
+    caller: &Caller,
+    new: &NewSandbox,
+    from: std::path::PathBuf,
+    carried: &SandboxRecord,
+) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+    launch_as(app, caller, new, Some(from), Some(carried)).await
+}
+
+async fn launch_as(
+    app: &AppState,
+    caller: &Caller,
+    new: &NewSandbox,
+    from: Option<std::path::PathBuf>,
+    carried: Option<&SandboxRecord>,
+) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
     let disk_from = from.as_ref().map(|d| d.join("disk.img"));
     let memory_from = from
         .as_ref()
@@ -85,37 +108,37 @@ pub async fn launch(
                 .vm_pool
                 .pools_kernels(&new.template.digest, &new.template.rootfs)
     };
-    let pool_shape =
-        if from.is_none() && !has_egress(&new.network) && new.runtime == Runtime::Microvm {
-            let shape = if kernel() {
-                crate::vm_pool::VmShape::code_vm
-            } else {
-                crate::vm_pool::VmShape::new
-            };
-            Some(shape(
-                &new.template.digest,
-                new.cpus,
-                new.memory_mb,
-                new.disk_mb,
-            ))
-        } else if from.is_none()
-            && new.runtime == Runtime::Jail
-            && new.volumes.is_empty()
-            && kernel()
-        {
-            Some(crate::vm_pool::VmShape::code_jail(
-                &new.template.digest,
-                new.cpus,
-                new.memory_mb,
-                new.disk_mb,
-            ))
+    let pool_shape = if from.is_none()
+        && !has_egress(&new.network)
+        && new.runtime == Runtime::Microvm
+    {
+        let shape = if kernel() {
+            crate::vm_pool::VmShape::code_vm
         } else {
-            None
+            crate::vm_pool::VmShape::new
         };
+        Some(shape(
+            &new.template.digest,
+            new.cpus,
+            new.memory_mb,
+            new.disk_mb,
+        ))
+    } else if from.is_none() && new.runtime == Runtime::Jail && new.volumes.is_empty() && kernel() {
+        Some(crate::vm_pool::VmShape::code_jail(
+            &new.template.digest,
+            new.cpus,
+            new.memory_mb,
+            new.disk_mb,
+        ))
+    } else {
+        None
+    };
     let pooled = pool_shape.as_ref().and_then(|s| app.vm_pool.take(s));
-    let id = pooled
-        .as_ref()
-        .map_or_else(|| new_id("sb_"), |m| m.id.clone());
+    let id = match (carried, &pooled) {
+        (Some(c), _) => c.id.clone(),
+        (None, Some(m)) => m.id.clone(),
+        (None, None) => new_id("sb_"),
+    };
     let now = now_s();
     let mut record = SandboxRecord {
         id: id.clone(),
@@ -148,6 +171,15 @@ pub async fn launch(
         public_ports: Vec::new(),
         host: app.host_id.clone(),
     };
+    if let Some(c) = carried {
+        record.created_at = c.created_at.clone();
+        record.expires_at = c.expires_at.clone();
+        record.last_active_at = c.last_active_at.clone();
+        record.preview_token = c.preview_token.clone();
+        record.public_ports = c.public_ports.clone();
+        record.cpu_ms = c.cpu_ms;
+        record.peak_memory_bytes = c.peak_memory_bytes;
+    }
     {
         let _guard = app.create_lock.lock().await;
         let q = &app.cfg.quotas;
@@ -386,7 +418,7 @@ pub fn not_live(app: &AppState, caller: &Caller, id: &str) -> ApiError {
 /// found and admitted the sandbox themselves (preview hosts); [`live_of`] does both.
 pub fn enter(app: &AppState, l: Arc<Live>) -> Result<Busy, ApiError> {
     let id = l.id.clone();
-    let (busy, idle_for) = Busy::enter(l).map_err(ApiError::internal)?;
+    let (busy, idle_for) = Busy::enter(l)?;
     if let Some(secs) = idle_for {
         resumed(app, &id, secs)?;
     }

@@ -72,7 +72,7 @@ pub fn snapshot_view(s: &SnapshotRecord) -> Value {
 
 /// Takes a snapshot of `live` into `dir` (created; removed again on failure): the bytes it
 /// takes and whether it holds memory (a microVM's).
-async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<(u64, bool), ApiError> {
+pub(crate) async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<(u64, bool), ApiError> {
     if live.machine.has_shares() {
         return Err(ApiError::conflict(
             "a microVM sandbox with volumes cannot be snapshotted or forked (its memory holds the volumes' open files): use runtime `jail` for sandboxes with volumes you snapshot",

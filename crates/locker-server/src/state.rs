@@ -228,6 +228,9 @@ pub struct PauseState {
     /// CPU time seen at the last idle check, and when it last grew noticeably.
     pub cpu_ms: u64,
     pub cpu_active_at: i64,
+    /// Being carried to another node (`carry`): frozen, and no call is admitted; whether it
+    /// was paused before (so that a move that fails leaves it as it was).
+    pub moving: Option<bool>,
 }
 
 impl Live {
@@ -275,8 +278,15 @@ impl Busy {
     /// Counts a call and thaws the sandbox if it was frozen, atomically with respect to the
     /// idle policy. If it was paused, returns for how many seconds the idle policy (not the
     /// caller) had it paused: the TTL is extended by that much.
-    pub fn enter(live: Arc<Live>) -> Result<(Self, Option<i64>), String> {
+    pub fn enter(live: Arc<Live>) -> Result<(Self, Option<i64>), crate::error::ApiError> {
         let mut st = live.pause.lock().expect("pause lock");
+        if st.moving.is_some() {
+            return Err(crate::error::ApiError::unavailable(format!(
+                "sandbox {} is moving to another node (its node is being drained): call again \
+                 in a few seconds",
+                live.id
+            )));
+        }
         {
             let mut clock = live.clock.lock().expect("clock lock");
             if live.inflight.fetch_add(1, Ordering::SeqCst) == 0 {
@@ -287,9 +297,9 @@ impl Busy {
         let busy = Busy(live.clone());
         let mut idle_for = None;
         if let Some(since) = st.since {
-            live.machine
-                .resume()
-                .map_err(|e| format!("resuming the sandbox: {e}"))?;
+            live.machine.resume().map_err(|e| {
+                crate::error::ApiError::internal(format!("resuming the sandbox: {e}"))
+            })?;
             idle_for = Some(if st.by_idle { now_s() - since } else { 0 });
             st.since = None;
             st.by_idle = false;

@@ -168,6 +168,11 @@ pub trait Store: Send + Sync {
     /// `now`; older ends answer `None`, like an id that never existed.
     fn tombstone_at(&self, tenant: &str, id: &str, now: i64) -> Result<Option<Tombstone>>;
 
+    /// Removes sandbox `id`'s row altogether: a sandbox that left this server for another
+    /// node (a drain) did not end, and one that comes back is recorded anew. `false` if
+    /// there was none.
+    fn forget_sandbox(&self, id: &str) -> Result<bool>;
+
     /// [`Store::delete_sandbox_at`] with the clock's time.
     fn delete_sandbox(&self, id: &str) -> Result<bool> {
         self.delete_sandbox_at(id, now_unix())

@@ -1,4 +1,4 @@
-//! `locker fleet token|nodes|remove`: the fleet's admin routes (`/v1/fleet/…`), with the
+//! `locker fleet token|nodes|cordon|uncordon|drain|remove`: the fleet's admin routes (`/v1/fleet/…`), with the
 //! admin key. A token printed here is what `locker node --join URL --token T` takes on the
 //! host that joins.
 
@@ -35,6 +35,13 @@ pub enum FleetCmd {
     },
     /// Lift a node's cordon: placement may use it again.
     Uncordon {
+        /// The node's name or id.
+        node: String,
+    },
+    /// Drain a node: cordon it, then move each of its sandboxes to another node under its
+    /// own id (a jail with its disk, cold; a microVM with its memory). Prints what moved,
+    /// what did not and why; exits 1 if any sandbox stayed.
+    Drain {
         /// The node's name or id.
         node: String,
     },
@@ -106,6 +113,16 @@ pub fn run(a: FleetArgs) -> Result<i32, ClientError> {
                 print_text(&nodes_text(&json!({ "nodes": [v] })))?;
             }
         }
+        FleetCmd::Drain { node } => {
+            let v = c.post_json(&format!("/v1/fleet/nodes/{}/drain", seg(&node)), &json!({}))?;
+            if a.conn.json {
+                print_json(&v)?;
+            } else {
+                print_text(&drain_text(&v))?;
+            }
+            let stayed = v["failed"].as_array().is_some_and(|f| !f.is_empty());
+            return Ok(i32::from(stayed));
+        }
         FleetCmd::Remove { node } => {
             c.delete(&format!("/v1/fleet/nodes/{}", seg(&node)), &[])?;
             if a.conn.json {
@@ -116,6 +133,39 @@ pub fn run(a: FleetArgs) -> Result<i32, ClientError> {
         }
     }
     Ok(0)
+}
+
+/// A drain's report for people: a line per sandbox, then the sums.
+pub fn drain_text(v: &Value) -> String {
+    let mut out = String::new();
+    for m in v["moved"].as_array().map(Vec::as_slice).unwrap_or_default() {
+        out.push_str(&format!(
+            "moved  {}  to {}  ({} ms)\n",
+            cell(m.get("sandbox")),
+            cell(m.get("to_name")),
+            cell(m.get("ms"))
+        ));
+    }
+    for f in v["failed"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+    {
+        out.push_str(&format!(
+            "stayed {}  {}\n",
+            cell(f.get("sandbox")),
+            cell(f.get("error"))
+        ));
+    }
+    out.push_str(&format!(
+        "{}: {} moved, {} stayed, {} left on it, {} ms\n",
+        cell(v.get("name")),
+        v["moved"].as_array().map_or(0, Vec::len),
+        v["failed"].as_array().map_or(0, Vec::len),
+        cell(v.get("left")),
+        cell(v.get("ms"))
+    ));
+    out
 }
 
 /// The nodes as a table for people.

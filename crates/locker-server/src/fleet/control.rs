@@ -602,6 +602,7 @@ pub fn routes() -> Router<AppState> {
         .route("/v1/fleet/nodes/{node}", delete(remove_node))
         .route("/v1/fleet/nodes/{node}/cordon", post(cordon))
         .route("/v1/fleet/nodes/{node}/uncordon", post(uncordon))
+        .route("/v1/fleet/nodes/{node}/drain", post(drain))
 }
 
 #[derive(Deserialize, Default)]
@@ -696,6 +697,30 @@ async fn uncordon(
     Path(node): Path<String>,
 ) -> Result<Response, ApiError> {
     set_cordon(&app, node, false).await
+}
+
+/// `POST /v1/fleet/nodes/{node}/drain`: the node is cordoned and its sandboxes carried
+/// to other nodes (`drain`); 200 with what moved, what did not and why.
+async fn drain(
+    State(app): State<AppState>,
+    _: Admin,
+    Path(node): Path<String>,
+) -> Result<Response, ApiError> {
+    if app.fleet.is_none() {
+        return Err(ApiError::conflict(
+            "this server has no fleet: start it with --fleet-listen ADDR:PORT",
+        ));
+    }
+    set_cordon(&app, node.clone(), true).await?;
+    let store = app.store.clone();
+    let n = blocking(move || {
+        store
+            .get_node(&node)?
+            .ok_or_else(|| StoreError::NotFound(format!("node {node:?} was removed meanwhile")))
+    })
+    .await?;
+    let report = super::drain::drain(&app, &n).await?;
+    Ok(axum::Json(report).into_response())
 }
 
 async fn set_cordon(app: &AppState, node: String, cordoned: bool) -> Result<Response, ApiError> {

@@ -16,6 +16,7 @@
 //! - `placement`: where a create goes (filter, score, best of 2, the optimistic
 //!   reservation), lost placements, reconciliation with what nodes report;
 //! - `route`: the router in front of the API on a control plane;
+//! - `drain`: a node's sandboxes carried to other nodes (the nodes' side is `carry`);
 //! - `data_plane`: the router in front of preview hosts and E2B's surfaces, which name a
 //!   sandbox by host, header or E2B's paths;
 //! - `local`: `locker serve --node local`, this server's own node in the fleet's table.
@@ -26,6 +27,7 @@
 
 pub mod control;
 pub mod data_plane;
+pub mod drain;
 pub mod local;
 pub mod member;
 pub mod node;

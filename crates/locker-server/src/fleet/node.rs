@@ -239,6 +239,12 @@ async fn call(
         )
         .await;
     }
+    // Control carrying a sandbox to or from this node (a drain, `carry`).
+    if let Some(rest) = parts.uri.path().strip_prefix(crate::carry::PATH) {
+        let body = axum::body::Body::new(body);
+        let (method, query) = (parts.method.clone(), parts.uri.query().map(str::to_owned));
+        return crate::carry::handle(app, &tenant, &method, rest, query.as_deref(), body).await;
+    }
     parts.headers.remove(axum::http::header::AUTHORIZATION);
     if let Some(app_auth) = parts.headers.remove(APP_AUTH_HEADER) {
         parts

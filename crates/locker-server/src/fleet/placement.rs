@@ -77,6 +77,10 @@ pub struct Ask {
     /// The one node it may go to (a create bound to this server's host: its volumes,
     /// secrets or snapshots live here).
     pub only: Option<String>,
+    /// A sandbox carried from another node (a drain): only a joined node that holds its
+    /// template will do (a control replica's own node keeps its sandboxes as rows of the
+    /// fleet's store, which a carried sandbox has not).
+    pub carried: bool,
 }
 
 /// A node's capacity, from its last report.
@@ -95,6 +99,15 @@ fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
         return None;
     }
     let (slots, memory, report) = capacity(n)?;
+    if ask.carried
+        && (n.cert_sha256 == super::local::LOCAL_CERT
+            || ask
+                .template_digest
+                .as_ref()
+                .is_some_and(|d| !report.templates.contains(d)))
+    {
+        return None;
+    }
     let (s, m) = (n.reserved_slots + 1, n.reserved_memory_mb + ask.memory_mb);
     if s > slots || m > memory || slots == 0 || memory == 0 {
         return None;
@@ -438,9 +451,12 @@ async fn orphans(app: &AppState, nodes: &[NodeRecord], placements: &[PlacementRe
             continue;
         };
         for sb in report.sandbox_ids {
-            // Named by a placement, or made for one still being recorded (`finish`).
+            // Named by a placement on this node, or made for one still being recorded
+            // (`finish`). A copy left on the node a sandbox moved away from (a drain whose
+            // last call to it failed) is an orphan too.
             let known = placements.iter().any(|p| {
-                p.sandbox_id.as_deref() == Some(sb.as_str()) || report.made.get(&p.id) == Some(&sb)
+                (p.sandbox_id.as_deref() == Some(sb.as_str()) && p.node_id == n.id)
+                    || report.made.get(&p.id) == Some(&sb)
             });
             if !known {
                 seen.push((n.id.clone(), sb));
@@ -518,6 +534,7 @@ mod tests {
             disk_mb: 2048,
             template_digest: digest.map(str::to_owned),
             only: None,
+            carried: false,
         }
     }
 

@@ -466,6 +466,11 @@ impl Store for PgStore {
 
     // ---- sandboxes ----
 
+    fn forget_sandbox(&self, id: &str) -> Result<bool> {
+        let id = id.to_owned();
+        self.run(move |c| Ok(c.execute("DELETE FROM sandboxes WHERE id = $1", &[&id])? > 0))
+    }
+
     fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         let s = s.clone();
         self.run(move |c| sandboxes::insert_sandbox(c, &s))

@@ -214,6 +214,14 @@ impl Store for SqliteStore {
 
     // ---- sandboxes ----
 
+    fn forget_sandbox(&self, id: &str) -> Result<bool> {
+        Ok(self
+            .writer()
+            .prepare_cached("DELETE FROM sandboxes WHERE id = ?1")?
+            .execute([id])?
+            > 0)
+    }
+
     fn insert_sandbox(&self, s: &SandboxRecord) -> Result<()> {
         sandboxes::insert_sandbox(self, s)
     }

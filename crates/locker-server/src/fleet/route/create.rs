@@ -138,6 +138,7 @@ pub(super) async fn create(app: &AppState, req: Request, next: Next, surface: Su
             .flatten()
             .map(|t| t.digest),
         only: only.map(|(n, _)| n),
+        carried: false,
     };
     let t_place = std::time::Instant::now();
     let (p, node) = match placement::place(app, &caller.tenant, &ask).await {

@@ -139,6 +139,21 @@ pub(in crate::fleet) async fn forward(
                 }
                 route = fresh;
             }
+            Ok(resp) if resp.status() == StatusCode::NOT_FOUND && retriable && ws.is_none() => {
+                // The sandbox may have moved to another node (a drain) since this replica
+                // cached its route: its old node no longer knows it.
+                c.routes.forget(id);
+                match route_of(app, id).await {
+                    Ok(Some(fresh))
+                        if fresh.tenant == route.tenant
+                            && fresh.state == PlacementState::Placed
+                            && (fresh.node_id != route.node_id || fresh.epoch != route.epoch) =>
+                    {
+                        route = fresh;
+                    }
+                    _ => return resp,
+                }
+            }
             Ok(resp) => {
                 return match ws.take() {
                     Some(w) => bridge(w, resp),

@@ -355,6 +355,7 @@ async fn reserve(
             .unwrap_or(crate::sandboxes::DEFAULT_DISK_MB),
         template_digest: None,
         only: Some(route.node_id.clone()),
+        carried: false,
     };
     let mut places = Vec::new();
     for _ in 0..count {

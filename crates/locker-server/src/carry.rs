@@ -1,0 +1,714 @@
+//! Carrying a sandbox to another node (a drain, `fleet::drain`): this node's side, served
+//! on the node listener only (control's calls under [`PATH`], `fleet::node`).
+//!
+//! A jail moves cold (its disk; processes and `/tmp` do not survive, as CRIU cannot run
+//! here), a microVM with its memory (its processes go on where they were, after a pause).
+//! The old copy's machine is gone before the new one starts: never two running at once
+//! (nor their cgroups and names colliding when two nodes share a host):
+//! - `POST {PATH}{id}/export` (old node): the sandbox is frozen and admits no call from
+//!   then on (503 "moving", `state::Busy::enter`); a snapshot of it, the same a user takes
+//!   (`snapshots::take`), goes into `snapshots/.carry-{id}` (kept, with its record, until
+//!   the move ends) and is answered as a [bundle](#the-bundle);
+//! - `POST {PATH}receive?placement=P` (new node): a bundle written into
+//!   `snapshots/.carry-in-{id}`; answered 200. From then until `start` or `drop`, the node
+//!   reports placement `P` (the reservation control made for the move) as a create in
+//!   progress, so that no reconciliation gives it back;
+//! - `POST {PATH}{id}/release` (old node): its machine is destroyed, its row forgotten (the
+//!   sandbox did not end: no event), its snapshot kept;
+//! - `POST {PATH}{id}/start?placement=P` (new node): the sandbox started from what was
+//!   received, under its own id, with its record's times, preview token and public ports
+//!   (`lifecycle::launch_carried`); answered 201 with its view; `DELETE {PATH}{id}` drops
+//!   what was received instead;
+//! - `POST {PATH}{id}/moved` (old node): the fleet made the new node the sandbox's: the
+//!   kept snapshot goes (and the machine, had it not been released);
+//! - `POST {PATH}{id}/stay` (old node): the move failed: the sandbox admits calls again
+//!   (thawed unless it was paused before), or, released already, starts again here from
+//!   the kept snapshot.
+//!
+//! A start after a crash removes the `.carry-*` directories with every other snapshot
+//! directory without a record (`snapshots::cleanup`), and a sandbox frozen for a move that
+//! never finished is thawed when it is adopted.
+//!
+//! # The bundle
+//! `LOCKER-CARRY 1\n`, one line of JSON (`{"record": <the sandbox's record>, "files":
+//! [{"path", "size"}…]}`), then each file's data in the header's order: frames of offset
+//! (u64, big-endian), length (u64) and that many bytes, ended by a frame of offset
+//! `u64::MAX` and length 0. Holes are not sent and stay holes. Paths are relative, one or
+//! two plain names deep (`disk.img`, `lower/1.img`, `memory`); sizes are bounded by the
+//! sandbox's own disk and memory.
+//!
+//! Owns the bundle and the moving mark's life. The machine is the runtime's; which node a
+//! sandbox is on is control's (`fleet::drain`), never decided here.
+
+use std::io;
+use std::path::Path;
+use std::sync::Arc;
+
+use axum::body::Body;
+use axum::http::{Method, StatusCode};
+use axum::response::{IntoResponse, Response};
+use bytes::{BufMut, Bytes, BytesMut};
+use futures_util::TryStreamExt;
+use locker_store::SandboxRecord;
+use serde::{Deserialize, Serialize};
+#[cfg(test)]
+use serde_json::json;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
+
+use crate::auth::Caller;
+use crate::error::ApiError;
+use crate::state::{now_s, AppState, Live};
+
+/// Where control's carry calls arrive on the node listener.
+pub const PATH: &str = "/internal/carry/";
+const MAGIC: &[u8] = b"LOCKER-CARRY 1\n";
+/// The header line's longest.
+const HEADER_MAX: u64 = 1 << 20;
+/// Bytes per frame, and per chunk of the answer.
+const CHUNK: usize = 1 << 20;
+/// The end of a file's frames.
+const END: u64 = u64::MAX;
+/// Files a bundle holds at most (a disk, its layers, memory and marks).
+const FILES_MAX: usize = 2 * locker_runtime::disk::MAX_LAYERS + 8;
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Header {
+    record: SandboxRecord,
+    files: Vec<FileEntry>,
+}
+
+#[derive(Debug, Serialize, Deserialize)]
+struct FileEntry {
+    path: String,
+    size: u64,
+}
+
+/// One carry call from control (`rest` is the path after [`PATH`]).
+pub async fn handle(
+    app: &AppState,
+    tenant: &str,
+    method: &Method,
+    rest: &str,
+    query: Option<&str>,
+    body: Body,
+) -> Response {
+    let caller = Caller {
+        tenant: tenant.to_owned(),
+        key_id: "fleet".into(),
+    };
+    let placement = query.and_then(|q| {
+        form_urlencoded::parse(q.as_bytes())
+            .find(|(k, _)| k == "placement")
+            .map(|(_, v)| v.into_owned())
+    });
+    let done = match (method, rest.split_once('/')) {
+        (&Method::POST, None) if rest == "receive" => receive(app, &caller, placement, body).await,
+        (&Method::DELETE, None) => drop_received(app, rest, placement).await,
+        (&Method::POST, Some((id, "export"))) => export(app, &caller, id).await,
+        (&Method::POST, Some((id, "release"))) => release(app, &caller, id).await,
+        (&Method::POST, Some((id, "start"))) => start(app, &caller, id, placement).await,
+        (&Method::POST, Some((id, "moved"))) => moved(app, &caller, id).await,
+        (&Method::POST, Some((id, "stay"))) => stay(app, &caller, id).await,
+        _ => Err(ApiError::bad_request(format!(
+            "{PATH} takes POST {{id}}/export, POST receive, POST {{id}}/release, POST \
+             {{id}}/start, DELETE {{id}}, POST {{id}}/moved and POST {{id}}/stay"
+        ))),
+    };
+    done.unwrap_or_else(IntoResponse::into_response)
+}
+
+/// The caller's sandbox `id` running here: its record and live side.
+async fn running(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+    let rec = crate::lifecycle::record_of(app, caller, id)?;
+    let live = app
+        .live
+        .read()
+        .await
+        .get(id)
+        .cloned()
+        .ok_or_else(|| ApiError::not_found(format!("sandbox {id} does not run here")))?;
+    Ok((rec, live))
+}
+
+/// Why `rec` cannot be carried, if it cannot.
+fn refusal(rec: &SandboxRecord) -> Option<String> {
+    if rec.volumes.as_array().is_some_and(|v| !v.is_empty()) {
+        return Some(format!(
+            "sandbox {} mounts volumes, which live on this host: it cannot move without them",
+            rec.id
+        ));
+    }
+    if !crate::secrets::bound(&rec.env).is_empty() {
+        return Some(format!(
+            "sandbox {} holds secrets, which live on this host: it cannot move without them",
+            rec.id
+        ));
+    }
+    None
+}
+
+/// Freezes `live` for its move (no call admitted from now on); whether it was paused.
+fn mark_moving(live: &Live) -> Result<(), ApiError> {
+    let mut st = live.pause.lock().expect("pause lock");
+    if st.moving.is_some() {
+        return Err(ApiError::conflict(format!(
+            "sandbox {} is already moving",
+            live.id
+        )));
+    }
+    let was_paused = st.since.is_some();
+    if !was_paused {
+        live.machine
+            .pause()
+            .map_err(ApiError::during("freezing the sandbox for its move"))?;
+        st.since = Some(now_s());
+        live.clock.lock().expect("clock lock").paused(true);
+    }
+    st.moving = Some(was_paused);
+    Ok(())
+}
+
+/// Lifts the moving mark: calls are admitted again, and the sandbox runs unless it was
+/// paused before its move.
+fn unmark(live: &Live) {
+    let mut st = live.pause.lock().expect("pause lock");
+    let Some(was_paused) = st.moving.take() else {
+        return;
+    };
+    if !was_paused && live.machine.resume().is_ok() {
+        st.since = None;
+        live.clock.lock().expect("clock lock").paused(false);
+    }
+}
+
+async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
+    let (rec, live) = running(app, caller, id).await?;
+    if let Some(why) = refusal(&rec) {
+        return Err(ApiError::conflict(why));
+    }
+    mark_moving(&live)?;
+    let dir = kept_dir(app, id);
+    let _ = std::fs::remove_dir_all(&dir);
+    if let Err(e) = crate::snapshots::take(app, &live, dir.clone()).await {
+        unmark(&live);
+        return Err(e);
+    }
+    let header = match (|| {
+        let files = listing(&dir)?;
+        let record = serde_json::to_vec(&rec).map_err(io::Error::other)?;
+        std::fs::write(dir.join(RECORD), record)?;
+        serde_json::to_vec(&Header { record: rec, files }).map_err(io::Error::other)
+    })() {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = std::fs::remove_dir_all(&dir);
+            unmark(&live);
+            return Err(ApiError::internal(format!(
+                "listing the sandbox's snapshot: {e}"
+            )));
+        }
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(4);
+    tokio::task::spawn_blocking(move || {
+        let mut send = |b: Bytes| {
+            tx.blocking_send(Ok(b))
+                .map_err(|_| io::Error::other("the receiver went away"))
+        };
+        if let Err(e) = write_bundle(&dir, &header, &mut send) {
+            let _ = tx.blocking_send(Err(e));
+        }
+    });
+    let stream = futures_util::stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|item| (item, rx))
+    });
+    Ok((StatusCode::OK, Body::from_stream(stream)).into_response())
+}
+
+/// The snapshot's files, relative to `dir` (one level of directories), sorted; a link or
+/// anything but a plain file is refused.
+fn listing(dir: &Path) -> io::Result<Vec<FileEntry>> {
+    fn walk(dir: &Path, prefix: &str, depth: u32, out: &mut Vec<FileEntry>) -> io::Result<()> {
+        let mut names: Vec<_> = std::fs::read_dir(dir)?
+            .map(|e| e.map(|e| e.file_name()))
+            .collect::<io::Result<_>>()?;
+        names.sort();
+        for name in names {
+            let name = name.to_string_lossy().into_owned();
+            if name.starts_with('.') {
+                // The kept record (`RECORD`): the header carries it.
+                continue;
+            }
+            let path = dir.join(&name);
+            let meta = std::fs::symlink_metadata(&path)?;
+            let rel = format!("{prefix}{name}");
+            if meta.is_dir() && depth == 0 {
+                walk(&path, &format!("{rel}/"), 1, out)?;
+            } else if meta.is_file() {
+                out.push(FileEntry {
+                    path: rel,
+                    size: meta.len(),
+                });
+            } else {
+                return Err(io::Error::other(format!("{rel} is not a plain file")));
+            }
+        }
+        Ok(())
+    }
+    let mut out = Vec::new();
+    walk(dir, "", 0, &mut out)?;
+    Ok(out)
+}
+
+/// Writes the bundle of the files `header` lists, under `dir`, to `send` in chunks.
+fn write_bundle(
+    dir: &Path,
+    header: &[u8],
+    send: &mut dyn FnMut(Bytes) -> io::Result<()>,
+) -> io::Result<()> {
+    use std::os::unix::fs::{FileExt, OpenOptionsExt};
+    let parsed: Header = serde_json::from_slice(header).map_err(io::Error::other)?;
+    let mut buf = BytesMut::with_capacity(2 * CHUNK);
+    buf.put_slice(MAGIC);
+    buf.put_slice(header);
+    buf.put_u8(b'\n');
+    let mut flush = |buf: &mut BytesMut, all: bool| -> io::Result<()> {
+        if all || buf.len() >= CHUNK {
+            send(buf.split().freeze())?;
+        }
+        Ok(())
+    };
+    let mut chunk = vec![0u8; CHUNK];
+    for f in &parsed.files {
+        let file = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(libc::O_NOFOLLOW)
+            .open(dir.join(&f.path))?;
+        for (off, len) in locker_runtime::disk::data_extents(&file)? {
+            let end = (off + len).min(f.size);
+            let mut at = off;
+            while at < end {
+                let want = ((end - at) as usize).min(CHUNK);
+                let n = file.read_at(&mut chunk[..want], at)?;
+                if n == 0 {
+                    break;
+                }
+                buf.put_u64(at);
+                buf.put_u64(n as u64);
+                buf.put_slice(&chunk[..n]);
+                at += n as u64;
+                flush(&mut buf, false)?;
+            }
+        }
+        buf.put_u64(END);
+        buf.put_u64(0);
+    }
+    flush(&mut buf, true)
+}
+
+/// Whether `id` is shaped like a sandbox's id (it names directories here).
+fn sandbox_id(id: &str) -> bool {
+    id.strip_prefix("sb_").is_some_and(|rest| {
+        (1..=64).contains(&rest.len()) && rest.bytes().all(|b| b.is_ascii_alphanumeric())
+    })
+}
+
+/// Whether `path` is a bundle's file path: one or two plain names.
+fn plain_path(path: &str) -> bool {
+    let parts: Vec<&str> = path.split('/').collect();
+    (1..=2).contains(&parts.len())
+        && parts.iter().all(|p| {
+            !p.is_empty()
+                && !p.starts_with('.')
+                && p.len() <= 64
+                && p.bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+        })
+}
+
+/// Reads a bundle from `body` into `dir` (created): the sandbox's record.
+async fn read_bundle(body: Body, dir: &Path, tenant: &str) -> Result<SandboxRecord, ApiError> {
+    let bad = |m: String| ApiError::bad_request(format!("the carried sandbox's bundle: {m}"));
+    let stream = body.into_data_stream().map_err(io::Error::other);
+    let mut r =
+        tokio::io::BufReader::with_capacity(CHUNK, tokio_util::io::StreamReader::new(stream));
+    let mut magic = vec![0u8; MAGIC.len()];
+    r.read_exact(&mut magic)
+        .await
+        .map_err(|e| bad(e.to_string()))?;
+    if magic != MAGIC {
+        return Err(bad("it does not start as one".into()));
+    }
+    let mut line = Vec::new();
+    (&mut r)
+        .take(HEADER_MAX)
+        .read_until(b'\n', &mut line)
+        .await
+        .map_err(|e| bad(e.to_string()))?;
+    let header: Header =
+        serde_json::from_slice(&line).map_err(|e| bad(format!("its header: {e}")))?;
+    let rec = header.record;
+    if rec.tenant != tenant {
+        return Err(bad(format!("sandbox {} is not of tenant {tenant}", rec.id)));
+    }
+    if !sandbox_id(&rec.id) {
+        return Err(bad(format!("{:?} is not a sandbox id", rec.id)));
+    }
+    if let Some(why) = refusal(&rec) {
+        return Err(ApiError::conflict(why));
+    }
+    if header.files.len() > FILES_MAX {
+        return Err(bad(format!("{} files", header.files.len())));
+    }
+    let most = (rec.disk_mb + rec.memory_mb + 256) << 20;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    for f in &header.files {
+        if !plain_path(&f.path) || f.size > most {
+            return Err(bad(format!("file {:?} of {} bytes", f.path, f.size)));
+        }
+        let path = dir.join(&f.path);
+        if let Some(parent) = path.parent() {
+            tokio::fs::create_dir_all(parent)
+                .await
+                .map_err(|e| ApiError::internal(format!("create {}: {e}", parent.display())))?;
+        }
+        let mut out = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(0o600)
+            .open(&path)
+            .await
+            .map_err(|e| bad(format!("file {:?}: {e}", f.path)))?;
+        out.set_len(f.size)
+            .await
+            .map_err(|e| ApiError::internal(format!("sizing {}: {e}", path.display())))?;
+        let mut next = 0u64;
+        loop {
+            let off = r.read_u64().await.map_err(|e| bad(e.to_string()))?;
+            let len = r.read_u64().await.map_err(|e| bad(e.to_string()))?;
+            if off == END && len == 0 {
+                break;
+            }
+            if off < next || len == 0 || len > CHUNK as u64 || off.saturating_add(len) > f.size {
+                return Err(bad(format!(
+                    "file {:?}: a frame of {len} bytes at {off} (the file has {})",
+                    f.path, f.size
+                )));
+            }
+            out.seek(io::SeekFrom::Start(off))
+                .await
+                .map_err(|e| ApiError::internal(e.to_string()))?;
+            let copied = tokio::io::copy(&mut (&mut r).take(len), &mut out)
+                .await
+                .map_err(|e| bad(e.to_string()))?;
+            if copied != len {
+                return Err(bad(format!("file {:?} ends early", f.path)));
+            }
+            next = off + len;
+        }
+        out.flush()
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))?;
+    }
+    Ok(rec)
+}
+
+/// The old node's kept snapshot of sandbox `id` (its record beside, as [`RECORD`]).
+fn kept_dir(app: &AppState, id: &str) -> std::path::PathBuf {
+    app.snapshots_dir().join(format!(".carry-{id}"))
+}
+
+/// What the new node received of sandbox `id`.
+fn received_dir(app: &AppState, id: &str) -> std::path::PathBuf {
+    app.snapshots_dir().join(format!(".carry-in-{id}"))
+}
+
+/// The record kept beside the old node's snapshot.
+const RECORD: &str = ".record.json";
+
+async fn receive(
+    app: &AppState,
+    caller: &Caller,
+    placement: Option<String>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    if let Some(p) = &placement {
+        app.fleet_creates.begin(p);
+    }
+    let end = |app: &AppState| {
+        if let Some(p) = &placement {
+            app.fleet_creates.end(p, None);
+        }
+    };
+    // Root's alone, as every snapshot (`snapshots::take`).
+    let all = app.snapshots_dir();
+    {
+        use std::os::unix::fs::PermissionsExt;
+        if let Err(e) = std::fs::create_dir_all(&all)
+            .and_then(|()| std::fs::set_permissions(&all, std::fs::Permissions::from_mode(0o700)))
+        {
+            end(app);
+            return Err(ApiError::internal(format!("{}: {e}", all.display())));
+        }
+    }
+    let landing = all.join(format!(".carry-in-{}", crate::ids::new_id("")));
+    let r = read_bundle(body, &landing, &caller.tenant).await;
+    let r = r.and_then(|rec| {
+        if app.store.get_sandbox_any(&rec.id)?.is_some() {
+            return Err(ApiError::conflict(format!(
+                "sandbox {} already runs on this node",
+                rec.id
+            )));
+        }
+        std::fs::write(
+            landing.join(RECORD),
+            serde_json::to_vec(&rec).unwrap_or_default(),
+        )
+        .map_err(|e| ApiError::internal(e.to_string()))?;
+        let dir = received_dir(app, &rec.id);
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::rename(&landing, &dir).map_err(|e| ApiError::internal(e.to_string()))?;
+        Ok(rec)
+    });
+    match r {
+        Ok(rec) => Ok(axum::Json(serde_json::json!({"received": rec.id})).into_response()),
+        Err(e) => {
+            let _ = tokio::fs::remove_dir_all(&landing).await;
+            end(app);
+            Err(e)
+        }
+    }
+}
+
+/// The record kept in `dir` (as [`RECORD`]), of `tenant`.
+fn kept_record(dir: &Path, tenant: &str, id: &str) -> Result<SandboxRecord, ApiError> {
+    let bytes = std::fs::read(dir.join(RECORD))
+        .map_err(|_| ApiError::not_found(format!("nothing of sandbox {id} is kept here")))?;
+    let rec: SandboxRecord =
+        serde_json::from_slice(&bytes).map_err(|e| ApiError::internal(e.to_string()))?;
+    if rec.tenant != tenant || rec.id != id {
+        return Err(ApiError::not_found(format!(
+            "nothing of sandbox {id} is kept here"
+        )));
+    }
+    Ok(rec)
+}
+
+async fn start(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    placement: Option<String>,
+) -> Result<Response, ApiError> {
+    if !sandbox_id(id) {
+        return Err(ApiError::bad_request(format!("{id:?} is not a sandbox id")));
+    }
+    let dir = received_dir(app, id);
+    let r = match kept_record(&dir, &caller.tenant, id) {
+        Ok(rec) => launch_from(app, caller, &dir, &rec).await,
+        Err(e) => Err(e),
+    };
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    if let Some(p) = &placement {
+        app.fleet_creates.end(p, None);
+    }
+    let (made, live) = r?;
+    tracing::info!(sandbox = %made.id, "a sandbox carried from another node runs here");
+    Ok((
+        StatusCode::CREATED,
+        axum::Json(crate::sandboxes::view(app, &made, Some(&live))),
+    )
+        .into_response())
+}
+
+async fn drop_received(
+    app: &AppState,
+    id: &str,
+    placement: Option<String>,
+) -> Result<Response, ApiError> {
+    if !sandbox_id(id) {
+        return Err(ApiError::bad_request(format!("{id:?} is not a sandbox id")));
+    }
+    let _ = tokio::fs::remove_dir_all(received_dir(app, id)).await;
+    if let Some(p) = &placement {
+        app.fleet_creates.end(p, None);
+    }
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+/// Starts carried sandbox `rec` from the snapshot in `dir` (this node's copy of it).
+async fn launch_from(
+    app: &AppState,
+    caller: &Caller,
+    dir: &Path,
+    rec: &SandboxRecord,
+) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
+    if app.store.get_sandbox_any(&rec.id)?.is_some() {
+        return Err(ApiError::conflict(format!(
+            "sandbox {} already runs on this node",
+            rec.id
+        )));
+    }
+    let runtime = match rec.runtime.as_str() {
+        "jail" => locker_types::Runtime::Jail,
+        "microvm" => {
+            crate::limits::require_microvm(&app.node).await?;
+            locker_types::Runtime::Microvm
+        }
+        other => return Err(ApiError::bad_request(format!("runtime {other:?}"))),
+    };
+    let template = app
+        .templates
+        .resolve(&rec.template_digest)
+        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+        .ok_or_else(|| {
+            ApiError::conflict(format!(
+                "the template of sandbox {} ({}) is not on this node",
+                rec.id, rec.template_digest
+            ))
+        })?;
+    let ttl_left = locker_types::parse_rfc3339(&rec.expires_at)
+        .map_or(rec.ttl_s, |exp| (exp - now_s()).max(1) as u64);
+    let new = crate::lifecycle::NewSandbox {
+        template_name: rec.template.clone(),
+        template,
+        runtime,
+        cpus: rec.cpus,
+        memory_mb: rec.memory_mb,
+        disk_mb: rec.disk_mb,
+        ttl_s: ttl_left,
+        idle_timeout_s: rec.idle_timeout_s,
+        env: rec.env.clone(),
+        network: rec.network.clone(),
+        metadata: rec.metadata.clone(),
+        volumes: Vec::new(),
+    };
+    // A row it left here when it went elsewhere before.
+    app.store.forget_sandbox(&rec.id)?;
+    crate::lifecycle::launch_carried(app, caller, &new, dir.to_path_buf(), rec).await
+}
+
+/// Destroys the machine of sandbox `id` here and forgets its row (it did not end).
+async fn let_go(app: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
+    match crate::lifecycle::record_of(app, caller, id) {
+        Ok(rec) => crate::lifecycle::discard(app, &rec).await?,
+        Err(e) if e.status == StatusCode::NOT_FOUND => {}
+        Err(e) => return Err(e),
+    }
+    app.store.forget_sandbox(id)?;
+    Ok(())
+}
+
+async fn release(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
+    kept_record(&kept_dir(app, id), &caller.tenant, id)?;
+    let_go(app, caller, id).await?;
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn moved(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
+    let dir = kept_dir(app, id);
+    kept_record(&dir, &caller.tenant, id)?;
+    let_go(app, caller, id).await?;
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    tracing::info!(sandbox = %id, "a sandbox moved to another node: nothing of it is left here");
+    Ok(StatusCode::NO_CONTENT.into_response())
+}
+
+async fn stay(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
+    let dir = kept_dir(app, id);
+    let live = app.live.read().await.get(id).cloned();
+    let r = match live {
+        Some(live) if live.tenant == caller.tenant => {
+            unmark(&live);
+            Ok(())
+        }
+        Some(_) => Err(ApiError::not_found(format!(
+            "sandbox {id} does not run here"
+        ))),
+        // Released already: it starts again here from its kept snapshot.
+        None => {
+            let rec = kept_record(&dir, &caller.tenant, id)?;
+            launch_from(app, caller, &dir, &rec).await.map(|_| {
+                tracing::warn!(sandbox = %id, "a sandbox that could not move started again on its node from its snapshot");
+            })
+        }
+    };
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    r.map(|()| StatusCode::NO_CONTENT.into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn record() -> SandboxRecord {
+        serde_json::from_value(json!({
+            "id": "sb_0123abcd", "tenant": "t", "state": "running", "template": "default",
+            "template_digest": "sha256:00", "runtime": "jail", "cpus": 1.0, "memory_mb": 256,
+            "disk_mb": 64, "network": {}, "volumes": [], "metadata": {}, "env": {},
+            "ttl_s": 60, "idle_timeout_s": null, "created_at": "2026-01-01T00:00:00Z",
+            "expires_at": "2026-01-01T00:01:00Z", "last_active_at": "2026-01-01T00:00:00Z",
+            "machine_dir": "/x", "cpu_ms": 0, "peak_memory_bytes": 0, "preview_token": "p",
+            "public_ports": [], "host": "h"
+        }))
+        .expect("a record")
+    }
+
+    #[tokio::test]
+    async fn a_bundle_carries_sparse_files_byte_for_byte_and_bad_ones_are_refused() {
+        use std::os::unix::fs::FileExt;
+        let root = std::env::temp_dir().join(format!("carry-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let (src, dst) = (root.join("src"), root.join("dst"));
+        std::fs::create_dir_all(src.join("lower")).unwrap();
+        let disk = std::fs::File::create(src.join("disk.img")).unwrap();
+        disk.set_len(40 << 20).unwrap();
+        disk.write_all_at(&vec![7u8; 3 << 20], 1 << 20).unwrap();
+        disk.write_all_at(b"end", (40 << 20) - 3).unwrap();
+        std::fs::write(src.join("lower/1.img"), b"lower layer").unwrap();
+        let header = serde_json::to_vec(&Header {
+            record: record(),
+            files: listing(&src).unwrap(),
+        })
+        .unwrap();
+        let mut bytes = Vec::new();
+        write_bundle(&src, &header, &mut |b| {
+            bytes.extend_from_slice(&b);
+            Ok(())
+        })
+        .unwrap();
+        assert!(bytes.len() < 5 << 20, "holes are not sent: {}", bytes.len());
+        let rec = read_bundle(Body::from(bytes.clone()), &dst, "t")
+            .await
+            .unwrap();
+        assert_eq!(rec.id, "sb_0123abcd");
+        for f in ["disk.img", "lower/1.img"] {
+            assert_eq!(
+                std::fs::read(src.join(f)).unwrap(),
+                std::fs::read(dst.join(f)).unwrap(),
+                "{f}"
+            );
+        }
+        // Another tenant's, cut short, or not a bundle: refused.
+        let again = root.join("again");
+        assert!(read_bundle(Body::from(bytes.clone()), &again, "u")
+            .await
+            .is_err());
+        let _ = std::fs::remove_dir_all(&again);
+        let cut = bytes[..bytes.len() - 10].to_vec();
+        assert!(read_bundle(Body::from(cut), &again, "t").await.is_err());
+        let _ = std::fs::remove_dir_all(&again);
+        assert!(read_bundle(Body::from("GET / HTTP/1.1\n"), &again, "t")
+            .await
+            .is_err());
+        for bad in ["../x", "/etc/x", "a/b/c", ".hidden", "lower/..", ""] {
+            assert!(!plain_path(bad), "{bad}");
+        }
+        assert!(plain_path("lower/12.qcow2") && plain_path("memory"));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+}

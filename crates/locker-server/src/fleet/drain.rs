@@ -1,0 +1,338 @@
+//! Draining a node (`locker fleet drain NODE`, `POST /v1/fleet/nodes/{node}/drain`,
+//! `FLEET.md` §4.7): the node is cordoned, then each of its sandboxes is carried to another
+//! node under its own id, and the answer says what moved, what did not and why.
+//!
+//! One sandbox's move, driven from here (the nodes never call each other):
+//! 1. a reservation on the new node (`placement::place` with [`Ask::carried`]: a joined node
+//!    that holds the template and has room; a `starting` placement the new node reports as
+//!    a create in progress while it imports, so no reconciliation gives it back);
+//! 2. the old node freezes the sandbox (calls answer 503 "moving", to be called again) and
+//!    streams a snapshot of it (`carry`'s bundle), which this server pipes into the new
+//!    node, which keeps it aside;
+//! 3. the old node destroys the machine (keeping the snapshot), then the new node starts
+//!    the sandbox from its copy: never two machines of one sandbox at once;
+//! 4. one transaction (`Store::move_placement`) makes the new node the sandbox's, at that
+//!    node's epoch, and gives the old node's reservation back; only if the placement is
+//!    still the old node's (a sandbox deleted or lost meanwhile is not resurrected: the new
+//!    copy is destroyed);
+//! 5. the old node drops its snapshot.
+//!
+//! A failure before step 4 gives the reservation back, drops what the new node received
+//! or made, and lets the sandbox run on where it was (started again from the old node's
+//! snapshot when its machine had gone already). Other replicas that cached the old route are
+//! answered 404 by the old node and read the route again (`route::forward`).
+//!
+//! A jail moves cold: its disk comes along, its processes and `/tmp` do not (CRIU does not
+//! run on this kernel). A microVM moves with its memory, from a snapshot: its processes go
+//! on where they were after a pause (not a live migration: `FLEET.md`'s pre-copy over QMP
+//! is not done; see `docs/deployment.md`).
+//!
+//! Owns the drain's order and the move's steps; the bundle and the nodes' side are `carry`'s.
+
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::{Method, StatusCode};
+use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState};
+use serde_json::{json, Value};
+
+use super::placement::{self, Ask};
+use super::route::{call_node, destroy_orphan};
+use crate::carry::PATH;
+use crate::error::ApiError;
+use crate::state::AppState;
+
+/// How long a node may take to freeze and snapshot a sandbox before answering.
+const EXPORT: Duration = Duration::from_secs(120);
+/// How long the new node may take to receive a sandbox and start it.
+const IMPORT: Duration = Duration::from_secs(600);
+/// Passes over the node's placements: a create another replica placed just before it saw
+/// the cordon lands after the first.
+const PASSES: usize = 3;
+/// The most of a node's answer read (a sandbox's view, an error).
+const ANSWER_MAX: usize = 1 << 20;
+
+/// One sandbox moved.
+struct Moved {
+    to: NodeRecord,
+    ms: u64,
+}
+
+/// Drains node `node` (cordoned first): the report `POST /v1/fleet/nodes/{node}/drain`
+/// answers.
+pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError> {
+    if node.cert_sha256 == super::local::LOCAL_CERT {
+        return Err(ApiError::conflict(format!(
+            "node {} is a control replica's own node (`locker serve --node local`): its \
+             sandboxes are rows of the fleet's store and do not move yet; stop sending it \
+             work with `locker fleet cordon {}` and let them end",
+            node.name, node.name
+        )));
+    }
+    if node.state != NodeState::Ready {
+        return Err(ApiError::conflict(format!(
+            "node {} is {}: its sandboxes are lost, not drained (see `locker fleet nodes`)",
+            node.name,
+            node.state.as_str()
+        )));
+    }
+    let started = Instant::now();
+    let (mut moved, mut failed) = (Vec::new(), Vec::new());
+    let mut tried = std::collections::HashSet::new();
+    for pass in 0..PASSES {
+        if pass > 0 {
+            // Other replicas see the cordon within their node table's age.
+            tokio::time::sleep(placement::TABLE_TTL).await;
+        }
+        let todo: Vec<PlacementRecord> = placements_on(app, &node.id)
+            .await?
+            .into_iter()
+            .filter(|p| p.state == PlacementState::Placed && !tried.contains(&p.id))
+            .collect();
+        if todo.is_empty() && pass > 0 {
+            break;
+        }
+        for p in todo {
+            tried.insert(p.id.clone());
+            let sb = p.sandbox_id.clone().unwrap_or_default();
+            match move_one(app, node, &p).await {
+                Ok(m) => {
+                    tracing::info!(sandbox = %sb, from = %node.name, to = %m.to.name, ms = m.ms, "sandbox moved");
+                    app.events.emit(
+                        &p.tenant,
+                        crate::events::Kind::SandboxMoved,
+                        &sb,
+                        json!({"from": node.id, "from_name": node.name, "to": m.to.id, "to_name": m.to.name, "ms": m.ms}),
+                    );
+                    moved.push(json!({"sandbox": sb, "tenant": p.tenant, "to": m.to.id, "to_name": m.to.name, "ms": m.ms}));
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %sb, node = %node.name, error = %e, "sandbox not moved");
+                    failed.push(json!({"sandbox": sb, "tenant": p.tenant, "error": e}));
+                }
+            }
+        }
+    }
+    let left = placements_on(app, &node.id).await?.len();
+    Ok(json!({
+        "node": node.id,
+        "name": node.name,
+        "moved": moved,
+        "failed": failed,
+        "left": left,
+        "ms": u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    }))
+}
+
+async fn placements_on(app: &AppState, node: &str) -> Result<Vec<PlacementRecord>, ApiError> {
+    let (store, n) = (app.store.clone(), node.to_owned());
+    Ok(
+        tokio::task::spawn_blocking(move || store.list_placements(None, Some(&n)))
+            .await
+            .map_err(|e| ApiError::internal(e.to_string()))??,
+    )
+}
+
+/// A node's answer's body, as text (an error's message when it is the API's JSON).
+async fn answer_text(resp: axum::response::Response) -> (StatusCode, String) {
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), ANSWER_MAX)
+        .await
+        .unwrap_or_default();
+    let v: Value = serde_json::from_slice(&bytes).unwrap_or(Value::Null);
+    let text = v["error"]["message"]
+        .as_str()
+        .or(v["message"].as_str())
+        .map_or_else(
+            || String::from_utf8_lossy(&bytes).into_owned(),
+            str::to_owned,
+        );
+    (status, text)
+}
+
+/// Carries placed sandbox `p` from `from` to another node.
+async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Result<Moved, String> {
+    let started = Instant::now();
+    let sb = p
+        .sandbox_id
+        .clone()
+        .ok_or("the placement names no sandbox")?;
+    let view: Value = serde_json::from_str(&p.view).unwrap_or(Value::Null);
+    let ask = Ask {
+        memory_mb: p.memory_mb,
+        disk_mb: view["disk_mb"].as_u64().unwrap_or(0),
+        template_digest: view["template_digest"].as_str().map(str::to_owned),
+        only: None,
+        carried: true,
+    };
+    let (into, to) = placement::place(app, &p.tenant, &ask)
+        .await
+        .map_err(|e| format!("no node can take it: {}", e.message))?;
+    let give_back = |why: String| {
+        let id = into.id.clone();
+        async move {
+            placement::unplace(app, &id).await;
+            why
+        }
+    };
+    let node_call = |n: &NodeRecord, method: Method, path: String, body: Body, wait: Duration| {
+        let (n, tenant) = (n.clone(), p.tenant.clone());
+        async move {
+            match call_node(app, &n, &tenant, (method, &path), body, Some(wait)).await {
+                Ok(r) if r.status().is_success() => Ok(r),
+                Ok(r) => {
+                    let (s, m) = answer_text(r).await;
+                    Err(format!("node {} answered {s}: {m}", n.name))
+                }
+                Err(e) => Err(format!("node {} cannot be reached: {e}", n.name)),
+            }
+        }
+    };
+    let placed = format!("placement={}", into.id);
+    // 2. Frozen and streamed from the old node into the new one, which keeps it aside.
+    let export = match node_call(
+        from,
+        Method::POST,
+        format!("{PATH}{sb}/export"),
+        Body::empty(),
+        EXPORT,
+    )
+    .await
+    {
+        Ok(r) => r,
+        Err(e) => return Err(give_back(format!("its node would not give it up: {e}")).await),
+    };
+    let received = node_call(
+        &to,
+        Method::POST,
+        format!("{PATH}receive?{placed}"),
+        export.into_body(),
+        IMPORT,
+    )
+    .await;
+    if let Err(e) = received {
+        stay(app, from, p, &sb).await;
+        return Err(give_back(format!("the copy did not arrive: {e}")).await);
+    }
+    // 3. The old machine goes before the new one starts (the old node keeps the snapshot
+    // until the end).
+    if let Err(e) = node_call(
+        from,
+        Method::POST,
+        format!("{PATH}{sb}/release"),
+        Body::empty(),
+        EXPORT,
+    )
+    .await
+    {
+        let _ = node_call(
+            &to,
+            Method::DELETE,
+            format!("{PATH}{sb}?{placed}"),
+            Body::empty(),
+            EXPORT,
+        )
+        .await;
+        stay(app, from, p, &sb).await;
+        return Err(give_back(format!("its node would not let it go: {e}")).await);
+    }
+    let begun = node_call(
+        &to,
+        Method::POST,
+        format!("{PATH}{sb}/start?{placed}"),
+        Body::empty(),
+        IMPORT,
+    )
+    .await;
+    let view = match begun {
+        Ok(r) => axum::body::to_bytes(r.into_body(), ANSWER_MAX).await.ok(),
+        Err(e) => {
+            stay(app, from, p, &sb).await;
+            return Err(give_back(format!("it did not start: {e}")).await);
+        }
+    };
+    let Some(view) = view else {
+        let _ = destroy_orphan(app, &to, &sb).await;
+        stay(app, from, p, &sb).await;
+        return Err(give_back(format!("node {}'s answer was cut", to.name)).await);
+    };
+    // 4. The switch, only if the sandbox is still the old node's.
+    let (store, pid, from_id, epoch, into_id, v) = (
+        app.store.clone(),
+        p.id.clone(),
+        from.id.clone(),
+        p.epoch,
+        into.id.clone(),
+        String::from_utf8_lossy(&view).into_owned(),
+    );
+    let switched = tokio::task::spawn_blocking(move || {
+        store.move_placement(&pid, &from_id, epoch, &into_id, &v)
+    })
+    .await
+    .map_err(|e| e.to_string())
+    .and_then(|r| r.map_err(|e| e.to_string()));
+    let failed = match switched {
+        Ok(Some(_)) => None,
+        // Deleted or lost while it moved: the new copy goes, and the old stays gone.
+        Ok(None) => Some("it was deleted or lost while it moved".to_owned()),
+        Err(e) => Some(format!("recording its new node failed: {e}")),
+    };
+    if let Some(c) = app.fleet.as_ref() {
+        c.routes.forget(&sb);
+    }
+    if let Some(why) = failed {
+        let _ = destroy_orphan(app, &to, &sb).await;
+        if why.starts_with("recording") {
+            stay(app, from, p, &sb).await;
+        } else {
+            let _ = node_call(
+                from,
+                Method::POST,
+                format!("{PATH}{sb}/moved"),
+                Body::empty(),
+                EXPORT,
+            )
+            .await;
+        }
+        return Err(give_back(why).await);
+    }
+    // 5. The old node lets go of its snapshot.
+    if let Err(e) = node_call(
+        from,
+        Method::POST,
+        format!("{PATH}{sb}/moved"),
+        Body::empty(),
+        EXPORT,
+    )
+    .await
+    {
+        tracing::warn!(sandbox = %sb, node = %from.name, error = %e, "the old node keeps a moved sandbox's snapshot until its next start");
+    }
+    Ok(Moved {
+        to,
+        ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+    })
+}
+
+/// The move failed after the old node froze the sandbox: it runs on there.
+async fn stay(app: &AppState, from: &NodeRecord, p: &PlacementRecord, sb: &str) {
+    match call_node(
+        app,
+        from,
+        &p.tenant,
+        (Method::POST, &format!("{PATH}{sb}/stay")),
+        Body::empty(),
+        Some(EXPORT),
+    )
+    .await
+    {
+        Ok(r) if r.status().is_success() || r.status() == StatusCode::NOT_FOUND => {}
+        Ok(r) => {
+            let (s, m) = answer_text(r).await;
+            tracing::warn!(sandbox = %sb, node = %from.name, status = %s, error = %m, "a sandbox that did not move stays frozen");
+        }
+        Err(e) => {
+            tracing::warn!(sandbox = %sb, node = %from.name, error = %e, "a sandbox that did not move stays frozen");
+        }
+    }
+}

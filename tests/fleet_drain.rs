@@ -1,0 +1,233 @@
+//! Draining a node (issue 25, point 4; `FLEET.md` §5.2 test 10): `locker fleet drain NODE`
+//! cordons the node and carries each of its sandboxes to another node under its own id: a
+//! jail keeps its files (cold: its processes do not survive), every call goes to the new
+//! node, the old node keeps nothing, a sandbox can come back to a node it left, and a
+//! sandbox with nowhere to go stays where it was and answers.
+
+use locker_tests::fabric::{fleet_node, fleet_nodes, join_nodes, Fabric};
+use locker_tests::fleet::{placed_on, rows};
+use locker_tests::postgres::cluster;
+use locker_tests::server::{Api, Resp};
+use locker_tests::wait_for;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+fn create(api: &Api) -> Resp {
+    api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256, "metadata": {"who": "drain"}}),
+    )
+}
+
+/// The node sandbox `id` is placed on (it answers through the API).
+fn node_of(api: &Api, db: &str, id: &str) -> String {
+    let r = api.get(&format!("/v1/sandboxes/{id}"));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let found = rows(
+        db,
+        &format!(
+            "SELECT n.name FROM placements p JOIN nodes n ON n.id = p.node_id \
+             WHERE p.sandbox_id = '{id}'"
+        ),
+    );
+    assert_eq!(found.len(), 1, "{found:?}");
+    found[0][0].clone()
+}
+
+/// The first `n` `sandbox.moved` events of the caller's tenant (the stream from the first
+/// kept event; fewer if the stream goes quiet for 10 s).
+fn moved_events(api: &Api, n: usize) -> Vec<Value> {
+    use std::io::BufRead;
+    let (status, _, body) = api
+        .with_timeout(Duration::from_secs(10))
+        .open(
+            "GET",
+            "/v1/events?types=sandbox.moved&after=0",
+            &[("Accept", "text/event-stream")],
+            (),
+        )
+        .expect("open the events");
+    assert_eq!(status, 200);
+    let mut out = Vec::new();
+    for line in std::io::BufReader::new(body).lines() {
+        let Ok(line) = line else { break };
+        if let Some(d) = line.strip_prefix("data: ") {
+            out.push(serde_json::from_str(d).expect("an event"));
+            if out.len() == n {
+                break;
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
+    let fab = Fabric::new(2);
+    let (db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(locker_tests::locker_bin())
+            .args(args)
+            .env("LOCKER_URL", &srv.url)
+            .env("LOCKER_ADMIN_KEY", srv.admin_key.as_deref().unwrap())
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            format!(
+                "{}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            ),
+        )
+    };
+    // Two sandboxes on a (b cordoned meanwhile), with files, and one with a process.
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    let ids: Vec<String> = (0..2)
+        .map(|_| {
+            let r = create(&api);
+            assert_eq!(
+                (r.status, placed_on(&r)),
+                (201, "a".to_owned()),
+                "{}",
+                r.text()
+            );
+            r.json()["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let before: Vec<Value> = ids
+        .iter()
+        .map(|id| api.get(&format!("/v1/sandboxes/{id}")).json())
+        .collect();
+    let sum = |id: &str| api.sh(id, "sha256sum /home/user/blob | cut -c1-64");
+    api.sh(
+        &ids[0],
+        "echo kept > /home/user/note && head -c 3145728 /dev/urandom > /home/user/blob && sync",
+    );
+    let blob = sum(&ids[0]);
+    api.sh(
+        &ids[1],
+        "mkdir -p /home/user/work && echo second > /home/user/work/f",
+    );
+    let bg = api.post(
+        &format!("/v1/sandboxes/{}/processes", ids[1]),
+        &json!({"cmd": ["sleep", "600"]}),
+    );
+    assert_eq!(bg.status, 200, "{}", bg.text());
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+
+    // Drained through the CLI: both move to b.
+    let (code, text) = cli(&["fleet", "drain", "a"]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("2 moved, 0 stayed, 0 left"), "{text}");
+    let nodes_now = fleet_nodes(&admin);
+    assert_eq!(fleet_node(&nodes_now, "a")["cordoned"], true);
+    for (id, old) in ids.iter().zip(&before) {
+        assert_eq!(node_of(&api, &db, id), "b");
+        let now = api.get(&format!("/v1/sandboxes/{id}")).json();
+        for k in [
+            "id",
+            "created_at",
+            "expires_at",
+            "preview_token",
+            "metadata",
+            "template_digest",
+            "disk_mb",
+        ] {
+            assert_eq!(now[k], old[k], "{k} of {id} after its move: {now}");
+        }
+        assert_eq!(now["state"], "running", "{now}");
+    }
+    assert_eq!(api.sh(&ids[0], "cat /home/user/note"), "kept\n");
+    assert_eq!(sum(&ids[0]), blob, "the blob came along byte for byte");
+    assert_eq!(api.sh(&ids[1], "cat /home/user/work/f"), "second\n");
+    // Cold: the process did not come along.
+    assert_eq!(
+        api.sh(
+            &ids[1],
+            "pgrep -x sleep >/dev/null && echo running || echo gone"
+        ),
+        "gone\n"
+    );
+    // Written on b, read back through the files API too.
+    api.sh(&ids[1], "echo on-b > /home/user/work/g");
+    let r = api.read_file(&ids[1], "/home/user/work/g");
+    assert_eq!((r.status, r.text()), (200, "on-b\n".to_owned()));
+    // Events say where each went.
+    let moved = moved_events(&api, 2);
+    assert_eq!(moved.len(), 2, "{moved:?}");
+    assert!(
+        moved
+            .iter()
+            .all(|e| e["data"]["from_name"] == "a" && e["data"]["to_name"] == "b"),
+        "{moved:?}"
+    );
+    let mut subjects: Vec<&str> = moved
+        .iter()
+        .map(|e| e["subject"].as_str().unwrap())
+        .collect();
+    subjects.sort();
+    let mut want: Vec<&str> = ids.iter().map(String::as_str).collect();
+    want.sort();
+    assert_eq!(subjects, want);
+    // a keeps nothing: no sandbox in its reports, no machine directory on its disk.
+    wait_for(Duration::from_secs(10), "a reports no sandbox", || {
+        let l = fleet_nodes(&admin);
+        (fleet_node(&l, "a")["report"]["sandboxes"] == 0).then_some(())
+    });
+    let left: Vec<_> = std::fs::read_dir(nodes[0].data_dir().join("sandboxes"))
+        .map(|d| d.flatten().map(|e| e.file_name()).collect())
+        .unwrap_or_default();
+    assert!(left.is_empty(), "machine directories left on a: {left:?}");
+
+    // Back to a (it ran there before): b drained with a open again.
+    cli(&["fleet", "uncordon", "a"]);
+    let r = admin.post("/v1/fleet/nodes/b/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(2),
+        "{report}"
+    );
+    for id in &ids {
+        assert_eq!(node_of(&api, &db, id), "a");
+    }
+    assert_eq!(sum(&ids[0]), blob);
+    assert_eq!(api.sh(&ids[1], "cat /home/user/work/g"), "on-b\n");
+
+    // Nowhere to go (b cordoned, a drained): each stays where it is, and answers.
+    let (code, text) = cli(&["fleet", "drain", "a"]);
+    assert_eq!(code, Some(1), "{text}");
+    assert!(text.contains("0 moved, 2 stayed, 2 left"), "{text}");
+    assert!(text.contains("no node can take it"), "{text}");
+    for id in &ids {
+        assert_eq!(node_of(&api, &db, id), "a");
+        assert_eq!(api.sh(id, "echo here"), "here\n");
+    }
+    // Deleted after its move: gone from the node it is on.
+    cli(&["fleet", "uncordon", "b"]);
+    let r = api.delete(&format!("/v1/sandboxes/{}", ids[0]));
+    assert_eq!(r.status, 204, "{}", r.text());
+    assert_eq!(api.get(&format!("/v1/sandboxes/{}", ids[0])).status, 404);
+
+    // Bad requests: an unknown node, and not the admin.
+    assert_eq!(
+        admin
+            .post("/v1/fleet/nodes/nowhere/drain", &json!({}))
+            .status,
+        404
+    );
+    let r = api.post("/v1/fleet/nodes/a/drain", &json!({}));
+    assert!(matches!(r.status, 401 | 403), "{}", r.text());
+    for n in &mut nodes {
+        n.stop();
+    }
+}
