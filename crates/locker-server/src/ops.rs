@@ -515,6 +515,12 @@ pub const ROUTES: &[RouteDoc] = &[
         200,
         "Lift a node's cordon (admin key)",
     ),
+    r(
+        "post",
+        "/v1/fleet/nodes/{node}/drain",
+        200,
+        "Drain a node: cordon it, then move its sandboxes to other nodes (admin key)",
+    ),
     open("get", "/healthz", "Health, with per-runtime status"),
     open("get", "/ui", "The dashboard (its assets; the page asks for an API key)"),
     open("get", "/metrics", "Prometheus metrics"),

@@ -21,6 +21,7 @@ export const OPERATIONS: Record<string, Covered> = {
   "DELETE /v1/fleet/nodes/{node}": { not: "admin key only: `locker fleet remove`" },
   "POST /v1/fleet/nodes/{node}/cordon": { not: "admin key only: `locker fleet cordon`" },
   "POST /v1/fleet/nodes/{node}/uncordon": { not: "admin key only: `locker fleet uncordon`" },
+  "POST /v1/fleet/nodes/{node}/drain": { not: "admin key only: `locker fleet drain`" },
   "GET /v1/calls": { by: "Client#calls" },
   "GET /v1/usage": { by: "Client#usage" },
   "GET /v1/usage/series": { not: "the dashboard's usage charts; applications read totals with Client#usage" },
