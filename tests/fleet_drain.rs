@@ -4,7 +4,7 @@
 //! node, the old node keeps nothing, a sandbox can come back to a node it left, and a
 //! sandbox with nowhere to go stays where it was and answers.
 
-use locker_tests::fabric::{fleet_node, fleet_nodes, join_nodes, Fabric};
+use locker_tests::fabric::{admin_cli, fleet_node, fleet_nodes, join_nodes, Fabric};
 use locker_tests::fleet::{placed_on, rows};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp};
@@ -68,22 +68,7 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     let srv = fab.control(&pg_url, &[]);
     let (admin, api) = (srv.admin(), srv.api());
     let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new(locker_tests::locker_bin())
-            .args(args)
-            .env("LOCKER_URL", &srv.url)
-            .env("LOCKER_ADMIN_KEY", srv.admin_key.as_deref().unwrap())
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            ),
-        )
-    };
+    let cli = |args: &[&str]| admin_cli(&srv, args);
     // Two sandboxes on a (b cordoned meanwhile), with files, and one with a process.
     admin
         .post("/v1/fleet/nodes/b/cordon", &json!({}))
@@ -227,6 +212,72 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     );
     let r = api.post("/v1/fleet/nodes/a/drain", &json!({}));
     assert!(matches!(r.status, 401 | 403), "{}", r.text());
+    for n in &mut nodes {
+        n.stop();
+    }
+}
+
+/// A microVM moves with its memory: a process counting in memory only goes on counting on
+/// the new node, under the same pid, with its disk's files.
+#[test]
+fn a_drained_microvm_goes_on_counting_on_its_new_node() {
+    let fab = Fabric::new(2);
+    let (db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 2);
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    let r = api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "microvm", "ttl_s": 900, "memory_mb": 256}),
+    );
+    assert_eq!(
+        (r.status, placed_on(&r)),
+        (201, "a".to_owned()),
+        "{}",
+        r.text()
+    );
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    api.sh(&id, "echo on-disk > /home/user/f");
+    api.post(
+        &format!("/v1/sandboxes/{id}/processes"),
+        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n.new; mv /dev/shm/n.new /dev/shm/n; sleep 0.1; done"}),
+    )
+    .expect(200, "counter");
+    api.sh(&id, "while [ ! -s /dev/shm/n ]; do sleep 0.05; done");
+    let pid_before = api.sh(&id, "pgrep -f 'n=0; while' | head -1");
+    let count = |api: &Api| -> u64 { api.sh(&id, "cat /dev/shm/n").trim().parse().unwrap() };
+    let before = count(&api);
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+
+    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{report}"
+    );
+    eprintln!("microVM moved in {} ms", report["moved"][0]["ms"]);
+    assert_eq!(node_of(&api, &db, &id), "b");
+    let a = count(&api);
+    std::thread::sleep(Duration::from_millis(600));
+    let b = count(&api);
+    assert!(
+        a >= before && b > a,
+        "the counter goes on: {before} before the move, then {a}, then {b}"
+    );
+    assert_eq!(
+        api.sh(&id, "pgrep -f 'n=0; while' | head -1"),
+        pid_before,
+        "the same process"
+    );
+    assert_eq!(api.sh(&id, "cat /home/user/f"), "on-disk\n");
+    assert_eq!(api.sh(&id, "hostname").trim(), id.as_str());
     for n in &mut nodes {
         n.stop();
     }

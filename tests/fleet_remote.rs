@@ -7,7 +7,9 @@
 
 use std::time::{Duration, Instant};
 
-use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, join_nodes, Fabric, NodeProc};
+use locker_tests::fabric::{
+    admin_cli, fleet_node, fleet_nodes, fleet_token, join_nodes, Fabric, NodeProc,
+};
 use locker_tests::fleet::placed_on;
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp};
@@ -645,18 +647,8 @@ fn a_cordoned_node_takes_no_new_sandboxes_and_keeps_its_own() {
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
         .expect(200, "uncordon b");
     let cli = |args: &[&str]| {
-        let out = std::process::Command::new(locker_tests::locker_bin())
-            .args(args)
-            .env("LOCKER_URL", &srv.url)
-            .env("LOCKER_ADMIN_KEY", srv.admin_key.as_deref().unwrap())
-            .output()
-            .unwrap();
-        let text = String::from_utf8_lossy(&out.stdout).into_owned();
-        assert!(
-            out.status.success(),
-            "{args:?}: {text}{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let (code, text) = admin_cli(&srv, args);
+        assert_eq!(code, Some(0), "{args:?}: {text}");
         text
     };
     assert!(cli(&["fleet", "cordon", "a"]).contains("cordoned"));

@@ -403,3 +403,25 @@ pub fn join_nodes(
     );
     nodes
 }
+
+/// `locker ARGS` against server `srv` with its admin key (`LOCKER_URL`,
+/// `LOCKER_ADMIN_KEY`): its exit code, and its output (stdout, then stderr).
+pub fn admin_cli(srv: &crate::server::Server, args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(locker_bin())
+        .args(args)
+        .env("LOCKER_URL", &srv.url)
+        .env(
+            "LOCKER_ADMIN_KEY",
+            srv.admin_key.as_deref().unwrap_or_default(),
+        )
+        .output()
+        .expect("run locker");
+    (
+        out.status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}

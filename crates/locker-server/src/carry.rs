@@ -96,11 +96,7 @@ pub async fn handle(
         tenant: tenant.to_owned(),
         key_id: "fleet".into(),
     };
-    let placement = query.and_then(|q| {
-        form_urlencoded::parse(q.as_bytes())
-            .find(|(k, _)| k == "placement")
-            .map(|(_, v)| v.into_owned())
-    });
+    let placement = crate::extract::query_arg(query, "placement");
     let done = match (method, rest.split_once('/')) {
         (&Method::POST, None) if rest == "receive" => receive(app, &caller, placement, body).await,
         (&Method::DELETE, None) => drop_received(app, rest, placement).await,
@@ -124,14 +120,7 @@ async fn running(
     id: &str,
 ) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
     let rec = crate::lifecycle::record_of(app, caller, id)?;
-    let live = app
-        .live
-        .read()
-        .await
-        .get(id)
-        .cloned()
-        .ok_or_else(|| ApiError::not_found(format!("sandbox {id} does not run here")))?;
-    Ok((rec, live))
+    Ok((rec, crate::lifecycle::live_quiet(app, caller, id).await?))
 }
 
 /// Why `rec` cannot be carried, if it cannot.
@@ -561,16 +550,8 @@ async fn launch_from(
         }
         other => return Err(ApiError::bad_request(format!("runtime {other:?}"))),
     };
-    let template = app
-        .templates
-        .resolve(&rec.template_digest)
-        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-        .ok_or_else(|| {
-            ApiError::conflict(format!(
-                "the template of sandbox {} ({}) is not on this node",
-                rec.id, rec.template_digest
-            ))
-        })?;
+    let template =
+        crate::templates::by_digest(app, &rec.template_digest, &format!("sandbox {}", rec.id))?;
     let ttl_left = locker_types::parse_rfc3339(&rec.expires_at)
         .map_or(rec.ttl_s, |exp| (exp - now_s()).max(1) as u64);
     let new = crate::lifecycle::NewSandbox {

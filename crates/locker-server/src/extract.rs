@@ -107,3 +107,13 @@ pub fn check_path(name: &str, p: &str) -> Result<(), ApiError> {
     }
     Ok(())
 }
+
+/// The value of `name` in a raw query string, if there is one (internal calls that read
+/// one or two arguments by hand).
+pub fn query_arg(query: Option<&str>, name: &str) -> Option<String> {
+    query.and_then(|q| {
+        form_urlencoded::parse(q.as_bytes())
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.into_owned())
+    })
+}

@@ -297,16 +297,11 @@ async fn checked(
                     snap.id, snap.template
                 )));
             }
-            let t = app
-                .templates
-                .resolve(&snap.template_digest)
-                .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-                .ok_or_else(|| {
-                    ApiError::conflict(format!(
-                        "the template of snapshot {} ({}) is no longer on this host",
-                        snap.id, snap.template_digest
-                    ))
-                })?;
+            let t = crate::templates::by_digest(
+                app,
+                &snap.template_digest,
+                &format!("snapshot {}", snap.id),
+            )?;
             (
                 snap.template.clone(),
                 t,

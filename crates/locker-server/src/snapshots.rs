@@ -72,7 +72,11 @@ pub fn snapshot_view(s: &SnapshotRecord) -> Value {
 
 /// Takes a snapshot of `live` into `dir` (created; removed again on failure): the bytes it
 /// takes and whether it holds memory (a microVM's).
-pub(crate) async fn take(app: &AppState, live: &Live, dir: PathBuf) -> Result<(u64, bool), ApiError> {
+pub(crate) async fn take(
+    app: &AppState,
+    live: &Live,
+    dir: PathBuf,
+) -> Result<(u64, bool), ApiError> {
     if live.machine.has_shares() {
         return Err(ApiError::conflict(
             "a microVM sandbox with volumes cannot be snapshotted or forked (its memory holds the volumes' open files): use runtime `jail` for sandboxes with volumes you snapshot",
@@ -295,15 +299,8 @@ pub(crate) async fn fork_sandbox(
             &format!("fork of {count} sandboxes"),
         )?;
     }
-    let template = app
-        .templates
-        .resolve(&rec.template_digest)
-        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
-        .ok_or_else(|| {
-            ApiError::conflict(format!(
-                "the template of sandbox {id} is no longer on this host"
-            ))
-        })?;
+    let template =
+        crate::templates::by_digest(app, &rec.template_digest, &format!("sandbox {id}"))?;
     // One consistent point for every child; the point itself is not kept.
     let point = app.snapshots_dir().join(format!(".fork-{}", new_id("")));
     take(app, &live, point.clone()).await?;

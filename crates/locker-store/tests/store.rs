@@ -2210,22 +2210,17 @@ fn node_events_are_taken_once(b: Backend) {
     ));
 }
 
-/// Placements reserve on their node in the transaction that inserts them, never beyond its
-/// capacity, even when eight creators race for the last slots; they give the reservation
-/// back when removed; a node's death loses them and zeroes its reservations.
-fn placements_reserve_within_capacity(b: Backend) {
-    use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState};
-    let db = Db::new(b);
-    let store = db.open();
-    let node = |id: &str| NodeRecord {
+/// A ready node `id` at `epoch`, with nothing reserved (the placement tests').
+fn fleet_node(id: &str, epoch: i64) -> locker_store::NodeRecord {
+    locker_store::NodeRecord {
         id: id.into(),
         name: id.replace('_', "-"),
         address: "10.0.0.2:7443".into(),
         cert_sha256: "local".into(),
         cert_pem: String::new(),
         public_key: String::new(),
-        epoch: 1,
-        state: NodeState::Ready,
+        epoch,
+        state: locker_store::NodeState::Ready,
         joined_at: rfc3339(locker_store::now_unix()),
         heartbeat_ms: 0,
         lease_until_ms: 0,
@@ -2233,20 +2228,35 @@ fn placements_reserve_within_capacity(b: Backend) {
         reserved_memory_mb: 0,
         reserved_slots: 0,
         cordoned: false,
-    };
-    store.upsert_node(&node("nd_a"), 60_000).unwrap();
-    store.upsert_node(&node("nd_b"), 60_000).unwrap();
-    let placement = |id: &str, node: &str, epoch: i64, mb: i64| PlacementRecord {
+    }
+}
+
+/// A `starting` placement `id` of `mb` MB on `node` at `epoch`.
+fn fleet_placement(id: &str, node: &str, epoch: i64, mb: i64) -> locker_store::PlacementRecord {
+    locker_store::PlacementRecord {
         id: id.into(),
         sandbox_id: None,
         tenant: "default".into(),
         node_id: node.into(),
         epoch,
         memory_mb: mb,
-        state: PlacementState::Starting,
+        state: locker_store::PlacementState::Starting,
         created_ms: 0,
         view: "{}".into(),
-    };
+    }
+}
+
+/// Placements reserve on their node in the transaction that inserts them, never beyond its
+/// capacity, even when eight creators race for the last slots; they give the reservation
+/// back when removed; a node's death loses them and zeroes its reservations.
+fn placements_reserve_within_capacity(b: Backend) {
+    use locker_store::{PlacementRecord, PlacementState};
+    let db = Db::new(b);
+    let store = db.open();
+    let node = |id: &str| fleet_node(id, 1);
+    store.upsert_node(&node("nd_a"), 60_000).unwrap();
+    store.upsert_node(&node("nd_b"), 60_000).unwrap();
+    let placement = fleet_placement;
     // Eight creators for a node of 3 slots: exactly 3 placed.
     let won: usize = std::thread::scope(|s| {
         let hs: Vec<_> = (0..8)
@@ -2494,39 +2504,12 @@ fn postgres_sessions_keep_alive_on_both_ends() {
 /// reservation made for the move becomes its own, the old node's comes back; a stale move
 /// (deleted meanwhile, moved already, the reservation gone) writes nothing.
 fn placements_move_between_nodes(b: Backend) {
-    use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState};
+    use locker_store::PlacementState;
     let db = Db::new(b);
     let store = db.open();
-    let node = |id: &str, epoch: i64| NodeRecord {
-        id: id.into(),
-        name: id.replace('_', "-"),
-        address: "10.0.0.2:7443".into(),
-        cert_sha256: "local".into(),
-        cert_pem: String::new(),
-        public_key: String::new(),
-        epoch,
-        state: NodeState::Ready,
-        joined_at: rfc3339(locker_store::now_unix()),
-        heartbeat_ms: 0,
-        lease_until_ms: 0,
-        report: "{}".into(),
-        reserved_memory_mb: 0,
-        reserved_slots: 0,
-        cordoned: false,
-    };
-    store.upsert_node(&node("nd_a", 1), 60_000).unwrap();
-    store.upsert_node(&node("nd_b", 1), 60_000).unwrap();
-    let placement = |id: &str, node: &str, mb: i64| PlacementRecord {
-        id: id.into(),
-        sandbox_id: None,
-        tenant: "default".into(),
-        node_id: node.into(),
-        epoch: 1,
-        memory_mb: mb,
-        state: PlacementState::Starting,
-        created_ms: 0,
-        view: "{}".into(),
-    };
+    store.upsert_node(&fleet_node("nd_a", 1), 60_000).unwrap();
+    store.upsert_node(&fleet_node("nd_b", 1), 60_000).unwrap();
+    let placement = |id: &str, node: &str, mb: i64| fleet_placement(id, node, 1, mb);
     let reserved = |n: &str| {
         let n = store.get_node(n).unwrap().unwrap();
         (n.reserved_slots, n.reserved_memory_mb)

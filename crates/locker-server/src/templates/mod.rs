@@ -117,6 +117,19 @@ fn check_name(name: &str) -> Result<(), ApiError> {
     Ok(())
 }
 
+/// The template of digest `digest`, which `whose` (a sandbox, a snapshot) stands on; 409
+/// when this host no longer has it.
+pub fn by_digest(app: &AppState, digest: &str, whose: &str) -> Result<Template, ApiError> {
+    app.templates
+        .resolve(digest)
+        .map_err(|e| ApiError::internal(format!("reading templates: {e}")))?
+        .ok_or_else(|| {
+            ApiError::conflict(format!(
+                "the template of {whose} ({digest}) is not on this host"
+            ))
+        })
+}
+
 /// `tenant`'s template `name` (or a shared one), shown under `name`. Tenant `default` may
 /// also name a template by digest, as the CLI does.
 pub fn resolve_for(app: &AppState, tenant: &str, name: &str) -> Result<Option<Template>, ApiError> {

@@ -396,11 +396,7 @@ pub async fn received(
     body: Body,
 ) -> Response {
     let id = rest.to_owned();
-    let arg = |name: &str| {
-        query
-            .and_then(|q| form_urlencoded::parse(q.as_bytes()).find(|(k, _)| k == name))
-            .map(|(_, v)| v.into_owned())
-    };
+    let arg = |name: &str| crate::extract::query_arg(query, name);
     let done = match (method, arg("stage").as_deref()) {
         (&Method::PUT, Some("first")) => copy(app, tenant, &id, body).await,
         (&Method::PUT, Some("last")) => catch_up(app, tenant, &id, arg("point"), body).await,
