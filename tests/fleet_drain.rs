@@ -110,6 +110,7 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
 
     // Drained through the CLI: both move to b.
     let (code, text) = cli(&["fleet", "drain", "a"]);
+    eprintln!("{text}");
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("2 moved, 0 stayed, 0 left"), "{text}");
     let nodes_now = fleet_nodes(&admin);
