@@ -40,6 +40,7 @@ bootstrap:
   initdb:
   - encoding: UTF8
   - auth: trust
+  - no-sync
   pg_hba:
   - local all all trust
   - host replication replicator 127.0.0.1/32 trust
@@ -50,6 +51,8 @@ postgresql:
   data_dir: {dir}/pg{i}
   bin_dir: {bin}
   pgpass: {dir}/pgpass{i}
+  basebackup:
+  - no-sync
   authentication:
     replication:
       username: replicator
@@ -290,12 +293,17 @@ impl Patroni {
             .map(|f| self.dir.join(f))
             .chain(pg_logs)
             .map(|f| {
+                // The head says what a member set out to do (a bootstrap, a base
+                // backup), the tail where it stands.
                 let t = std::fs::read_to_string(&f).unwrap_or_default();
-                let tail: Vec<&str> = t.lines().rev().take(30).collect();
+                let lines: Vec<&str> = t.lines().collect();
+                let head = lines.len().min(15);
+                let tail = lines.len().saturating_sub(20).max(head);
                 format!(
-                    "---- {} ----\n{}\n",
+                    "---- {} ----\n{}\n[…]\n{}\n",
                     f.display(),
-                    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                    lines[..head].join("\n"),
+                    lines[tail..].join("\n")
                 )
             })
             .collect()
