@@ -175,22 +175,11 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
             why
         }
     };
-    let node_call = |n: &NodeRecord, method: Method, path: String, body: Body, wait: Duration| {
-        let (n, tenant) = (n.clone(), p.tenant.clone());
-        async move {
-            match call_node(app, &n, &tenant, (method, &path), body, Some(wait)).await {
-                Ok(r) if r.status().is_success() => Ok(r),
-                Ok(r) => {
-                    let (s, m) = answer_text(r).await;
-                    Err(format!("node {} answered {s}: {m}", n.name))
-                }
-                Err(e) => Err(format!("node {} cannot be reached: {e}", n.name)),
-            }
-        }
-    };
     let placed = format!("placement={}", into.id);
     // 2. Frozen and streamed from the old node into the new one, which keeps it aside.
-    let export = match node_call(
+    let export = match call(
+        app,
+        &p.tenant,
         from,
         Method::POST,
         format!("{PATH}{sb}/export"),
@@ -202,7 +191,9 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         Ok(r) => r,
         Err(e) => return Err(give_back(format!("its node would not give it up: {e}")).await),
     };
-    let received = node_call(
+    let received = call(
+        app,
+        &p.tenant,
         &to,
         Method::POST,
         format!("{PATH}receive?{placed}"),
@@ -216,7 +207,9 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
     }
     // 3. The old machine goes before the new one starts (the old node keeps the snapshot
     // until the end).
-    if let Err(e) = node_call(
+    if let Err(e) = call(
+        app,
+        &p.tenant,
         from,
         Method::POST,
         format!("{PATH}{sb}/release"),
@@ -225,7 +218,9 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
     )
     .await
     {
-        let _ = node_call(
+        let _ = call(
+            app,
+            &p.tenant,
             &to,
             Method::DELETE,
             format!("{PATH}{sb}?{placed}"),
@@ -236,7 +231,9 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         stay(app, from, p, &sb).await;
         return Err(give_back(format!("its node would not let it go: {e}")).await);
     }
-    let begun = node_call(
+    let begun = call(
+        app,
+        &p.tenant,
         &to,
         Method::POST,
         format!("{PATH}{sb}/start?{placed}"),
@@ -285,7 +282,9 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         if why.starts_with("recording") {
             stay(app, from, p, &sb).await;
         } else {
-            let _ = node_call(
+            let _ = call(
+                app,
+                &p.tenant,
                 from,
                 Method::POST,
                 format!("{PATH}{sb}/moved"),
@@ -297,7 +296,9 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         return Err(give_back(why).await);
     }
     // 5. The old node lets go of its snapshot.
-    if let Err(e) = node_call(
+    if let Err(e) = call(
+        app,
+        &p.tenant,
         from,
         Method::POST,
         format!("{PATH}{sb}/moved"),
@@ -316,23 +317,38 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
 
 /// The move failed after the old node froze the sandbox: it runs on there.
 async fn stay(app: &AppState, from: &NodeRecord, p: &PlacementRecord, sb: &str) {
-    match call_node(
+    let path = format!("{PATH}{sb}/stay");
+    if let Err(e) = call(
         app,
-        from,
         &p.tenant,
-        (Method::POST, &format!("{PATH}{sb}/stay")),
+        from,
+        Method::POST,
+        path,
         Body::empty(),
-        Some(EXPORT),
+        EXPORT,
     )
     .await
     {
-        Ok(r) if r.status().is_success() || r.status() == StatusCode::NOT_FOUND => {}
+        tracing::warn!(sandbox = %sb, node = %from.name, error = %e, "a sandbox that did not move may stay frozen");
+    }
+}
+
+/// Control's call to node `n` for `tenant`: its answer when it succeeded, else why not.
+async fn call(
+    app: &AppState,
+    tenant: &str,
+    n: &NodeRecord,
+    method: Method,
+    path: String,
+    body: Body,
+    wait: Duration,
+) -> Result<axum::response::Response, String> {
+    match call_node(app, n, tenant, (method, &path), body, Some(wait)).await {
+        Ok(r) if r.status().is_success() => Ok(r),
         Ok(r) => {
             let (s, m) = answer_text(r).await;
-            tracing::warn!(sandbox = %sb, node = %from.name, status = %s, error = %m, "a sandbox that did not move stays frozen");
+            Err(format!("node {} answered {s}: {m}", n.name))
         }
-        Err(e) => {
-            tracing::warn!(sandbox = %sb, node = %from.name, error = %e, "a sandbox that did not move stays frozen");
-        }
+        Err(e) => Err(format!("node {} cannot be reached: {e}", n.name)),
     }
 }

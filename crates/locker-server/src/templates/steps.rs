@@ -165,23 +165,16 @@ pub async fn run(
                 let mut copied = 0u64;
                 let t = blocking(move || {
                     store
-                        .make_layer(
-                            &digest,
-                            &parent.digest,
-                            packages,
-                            RunConfig::default(),
-                            |rootfs| {
-                                link_tree(&parent.rootfs, rootfs)
-                                    .map_err(io("linking the parent's tree"))?;
-                                copied =
-                                    copy_step(&ctx, rootfs, &srcs, &dest, chown.as_deref(), chmod)
-                                        .map_err(|e| TemplateError::BuildFailed {
-                                            step: "COPY".into(),
-                                            detail: e,
-                                        })?;
-                                Ok(())
-                            },
-                        )
+                        .make_layer(&digest, &parent.digest, packages, RunConfig::default(), |rootfs| {
+                            link_tree(&parent.rootfs, rootfs)
+                                .map_err(io("linking the parent's tree"))?;
+                            copied = copy_step(&ctx, rootfs, &srcs, &dest, chown.as_deref(), chmod)
+                                .map_err(|e| TemplateError::BuildFailed {
+                                    step: "COPY".into(),
+                                    detail: e,
+                                })?;
+                            Ok(())
+                        })
                         .map(|t| (t, copied))
                 })
                 .await?
@@ -194,20 +187,14 @@ pub async fn run(
                 let (store, digest, packages) =
                     (app.templates.clone(), chain.clone(), cur.packages.clone());
                 blocking(move || {
-                    store.make_layer(
-                        &digest,
-                        &parent.digest,
-                        packages,
-                        RunConfig::default(),
-                        |rootfs| {
-                            link_tree(&parent.rootfs, rootfs)
-                                .map_err(io("linking the parent's tree"))?;
-                            let at = resolve_in_root(rootfs, &path, true)
-                                .map_err(io("resolving the working directory"))?;
-                            make_dirs(rootfs, &at).map_err(io("making the working directory"))?;
-                            Ok(())
-                        },
-                    )
+                    store.make_layer(&digest, &parent.digest, packages, RunConfig::default(), |rootfs| {
+                        link_tree(&parent.rootfs, rootfs)
+                            .map_err(io("linking the parent's tree"))?;
+                        let at = resolve_in_root(rootfs, &path, true)
+                            .map_err(io("resolving the working directory"))?;
+                        make_dirs(rootfs, &at).map_err(io("making the working directory"))?;
+                        Ok(())
+                    })
                 })
                 .await?
                 .map_err(|e| format!("line {line}: {text}: {e}"))?
@@ -231,13 +218,9 @@ pub async fn run(
     let digest = digest_of(&[chain.as_bytes(), b"config", cfg_json.as_bytes()]);
     let (store, parent) = (app.templates.clone(), cur.clone());
     let t = blocking(move || {
-        store.make_layer(
-            &digest,
-            &parent.digest,
-            parent.packages.clone(),
-            config,
-            |rootfs| link_tree(&parent.rootfs, rootfs).map_err(io("linking the last step's tree")),
-        )
+        store.make_layer(&digest, &parent.digest, parent.packages.clone(), config, |rootfs| {
+            link_tree(&parent.rootfs, rootfs).map_err(io("linking the last step's tree"))
+        })
     })
     .await?
     .map_err(|e| format!("saving the template: {e}"))?;
