@@ -238,7 +238,15 @@ pub fn release(data_dir: &Path) -> io::Result<bool> {
         return Ok(false);
     }
     match crate::sys::umount(&target, 0) {
-        Ok(()) => Ok(true),
+        Ok(()) => {
+            // "Stopped" means the loop device is gone too (a user may remove the data dir
+            // next, or a test look for debris).
+            let img = data_dir.join(IMAGE);
+            if !crate::volume_fs::wait_detached(&img, std::time::Duration::from_secs(5)) {
+                tracing::warn!(image = %img.display(), "the disks image's loop device is still attached 5 s after its unmount");
+            }
+            Ok(true)
+        }
         Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(false),
         Err(e) => Err(e),
     }

@@ -193,6 +193,22 @@ pub fn attached_loop(img: &Path) -> Option<PathBuf> {
     None
 }
 
+/// Waits up to `limit` for the loop device of `img` to go, after the unmount that released
+/// it: the kernel detaches an autoclear device when its last user closes it, and newer
+/// kernels do that after `umount` returns. Whether it went.
+pub fn wait_detached(img: &Path, limit: std::time::Duration) -> bool {
+    let deadline = std::time::Instant::now() + limit;
+    loop {
+        if attached_loop(img).is_none() {
+            return true;
+        }
+        if std::time::Instant::now() >= deadline {
+            return false;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+}
+
 /// Whether `path` is a mount point in this mount namespace.
 pub fn is_mounted(path: &Path) -> bool {
     let Ok(canon) = path.canonicalize() else {
