@@ -1,8 +1,11 @@
-//! Draining a node (issue 25, point 4; `FLEET.md` §5.2 test 10): `locker fleet drain NODE`
-//! cordons the node and carries each of its sandboxes to another node under its own id: a
-//! jail keeps its files (cold: its processes do not survive), every call goes to the new
-//! node, the old node keeps nothing, a sandbox can come back to a node it left, and a
-//! sandbox with nowhere to go stays where it was and answers.
+//! Sandboxes carried between nodes (issue 25, point 4; `FLEET.md` §5.2 test 10):
+//! - a drain: `locker fleet drain NODE` cordons the node and carries each of its sandboxes
+//!   to another node under its own id: a jail keeps its files (cold: its processes do not
+//!   survive), every call goes to the new node, the old node keeps nothing, a sandbox can
+//!   come back to a node it left, and a sandbox with nowhere to go stays where it was and
+//!   answers; a microVM keeps its memory;
+//! - a restart: a dead node's sandboxes start again on another node from their last
+//!   snapshot kept in the snapshot store (`--snapshot-store`).
 
 use locker_tests::fabric::{admin_cli, fleet_node, fleet_nodes, join_nodes, Fabric};
 use locker_tests::fleet::{placed_on, rows};
@@ -34,15 +37,15 @@ fn node_of(api: &Api, db: &str, id: &str) -> String {
     found[0][0].clone()
 }
 
-/// The first `n` `sandbox.moved` events of the caller's tenant (the stream from the first
+/// The first `n` events of type `kind` of the caller's tenant (the stream from the first
 /// kept event; fewer if the stream goes quiet for 10 s).
-fn moved_events(api: &Api, n: usize) -> Vec<Value> {
+fn events(api: &Api, kind: &str, n: usize) -> Vec<Value> {
     use std::io::BufRead;
     let (status, _, body) = api
         .with_timeout(Duration::from_secs(10))
         .open(
             "GET",
-            "/v1/events?types=sandbox.moved&after=0",
+            &format!("/v1/events?types={kind}&after=0"),
             &[("Accept", "text/event-stream")],
             (),
         )
@@ -147,7 +150,7 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     let r = api.read_file(&ids[1], "/home/user/work/g");
     assert_eq!((r.status, r.text()), (200, "on-b\n".to_owned()));
     // Events say where each went.
-    let moved = moved_events(&api, 2);
+    let moved = events(&api, "sandbox.moved", 2);
     assert_eq!(moved.len(), 2, "{moved:?}");
     assert!(
         moved
@@ -279,6 +282,122 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     );
     assert_eq!(api.sh(&id, "cat /home/user/f"), "on-disk\n");
     assert_eq!(api.sh(&id, "hostname").trim(), id.as_str());
+    for n in &mut nodes {
+        n.stop();
+    }
+}
+
+/// A dead node's sandboxes start again on another node from their last snapshot (kept in
+/// the snapshot store), under their own ids with that snapshot's files, within the lease and
+/// seconds; one without a snapshot stays lost; the dead node, back, keeps none of them; a
+/// deleted snapshot leaves the store.
+#[test]
+fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
+    let fab = Fabric::new(2);
+    let (db, pg_url) = cluster().new_database();
+    let kept = locker_tests::TempDir::new("locker-snapshot-store");
+    let store = kept.path().display().to_string();
+    let srv = fab.control(&pg_url, &["--snapshot-store", &store]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    let ids: Vec<String> = (0..2)
+        .map(|_| {
+            let r = create(&api);
+            assert_eq!(
+                (r.status, placed_on(&r)),
+                (201, "a".to_owned()),
+                "{}",
+                r.text()
+            );
+            r.json()["id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    let snapshot = |id: &str| -> String {
+        let r = api.post(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
+        assert_eq!(r.status, 201, "{}", r.text());
+        r.json()["id"].as_str().unwrap().to_owned()
+    };
+    // Two snapshots of the first: the newest comes back, not what was written after it.
+    api.sh(&ids[0], "echo first > /home/user/v");
+    let older = snapshot(&ids[0]);
+    api.sh(
+        &ids[0],
+        "echo second > /home/user/v && head -c 2097152 /dev/urandom > /home/user/blob && sync",
+    );
+    let blob = api.sh(&ids[0], "sha256sum /home/user/blob | cut -c1-64");
+    let newest = snapshot(&ids[0]);
+    api.sh(&ids[0], "echo after > /home/user/v");
+    let copy = |snap: &str| kept.path().join(format!("{snap}.carry"));
+    wait_for(Duration::from_secs(60), "both copies in the store", || {
+        (copy(&older).is_file() && copy(&newest).is_file()).then_some(())
+    });
+    let before = api.get(&format!("/v1/sandboxes/{}", ids[0])).json();
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+
+    // a's host dies: its agent and its machines with it.
+    nodes[0].stop();
+    locker_tests::server::destroy_machines(&nodes[0].data_dir().join("sandboxes"));
+    let died = std::time::Instant::now();
+    wait_for(Duration::from_secs(30), "the first running again", || {
+        (api.get(&format!("/v1/sandboxes/{}", ids[0])).json()["state"] == "running").then_some(())
+    });
+    let took = died.elapsed();
+    eprintln!("restarted on another node {took:?} after its node died (lease 3 s)");
+    assert!(
+        took < Duration::from_secs(6),
+        "restarted {took:?} after the death"
+    );
+    assert_eq!(node_of(&api, &db, &ids[0]), "b");
+    let now = api.get(&format!("/v1/sandboxes/{}", ids[0])).json();
+    for k in [
+        "id",
+        "created_at",
+        "expires_at",
+        "preview_token",
+        "metadata",
+        "template_digest",
+    ] {
+        assert_eq!(now[k], before[k], "{k} after the restart: {now}");
+    }
+    assert_eq!(api.sh(&ids[0], "cat /home/user/v"), "second\n");
+    assert_eq!(
+        api.sh(&ids[0], "sha256sum /home/user/blob | cut -c1-64"),
+        blob
+    );
+    let r = api.read_file(&ids[0], "/home/user/v");
+    assert_eq!((r.status, r.text()), (200, "second\n".to_owned()));
+    // No snapshot: lost.
+    assert_eq!(
+        api.get(&format!("/v1/sandboxes/{}", ids[1])).json()["state"],
+        "lost"
+    );
+    let restarted = events(&api, "sandbox.restarted", 1);
+    assert_eq!(restarted.len(), 1, "{restarted:?}");
+    assert_eq!(restarted[0]["subject"], ids[0].as_str());
+    assert_eq!(restarted[0]["data"]["snapshot"], newest.as_str());
+    assert_eq!(restarted[0]["data"]["to_name"], "b");
+
+    // a comes back (its machines gone): it keeps neither; the first answers on b.
+    nodes[0].start(&fab, None, 4);
+    wait_for(Duration::from_secs(60), "a back and empty", || {
+        let l = fleet_nodes(&admin);
+        let n = fleet_node(&l, "a");
+        (n["alive"] == true && n["epoch"] == 2 && n["report"]["sandboxes"] == 0).then_some(())
+    });
+    assert_eq!(api.sh(&ids[0], "cat /home/user/v"), "second\n");
+    assert_eq!(node_of(&api, &db, &ids[0]), "b");
+
+    // A deleted snapshot's copy goes with it; the sandboxes go.
+    assert_eq!(api.delete(&format!("/v1/snapshots/{older}")).status, 204);
+    assert!(!copy(&older).exists());
+    for id in &ids {
+        assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+    }
     for n in &mut nodes {
         n.stop();
     }

@@ -105,6 +105,17 @@ pub struct ServeArgs {
     /// address: behind NAT or a TCP load balancer (`https://HOST:PORT`).
     #[arg(long, env = "LOCKER_FLEET_URL", value_name = "URL")]
     fleet_url: Option<String>,
+    /// Copy every snapshot a fleet node takes into this directory, so that should the node
+    /// die its sandboxes start again on another node from their last snapshot (shared by
+    /// the fleet's control replicas: an NFS or CephFS mount, a mounted bucket). [default:
+    /// none: a dead node's sandboxes are lost]
+    #[arg(
+        long,
+        env = "LOCKER_SNAPSHOT_STORE",
+        value_name = "DIR",
+        requires = "fleet_listen"
+    )]
+    snapshot_store: Option<PathBuf>,
     /// Also be a node of the fleet (`local`: this server's own machines, listed by `locker
     /// fleet nodes` with what they run; every host of a small fleet can run the same
     /// command). [default: not a node]
@@ -218,6 +229,7 @@ pub fn run(a: ServeArgs) -> anyhow::Result<()> {
                 listen,
                 names: a.fleet_name,
                 url: a.fleet_url,
+                snapshot_store: a.snapshot_store,
             }),
         local_node: match a.node {
             Some(_) => Some(local_node(

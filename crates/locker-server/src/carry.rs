@@ -105,9 +105,13 @@ pub async fn handle(
         (&Method::POST, Some((id, "start"))) => start(app, &caller, id, placement).await,
         (&Method::POST, Some((id, "moved"))) => moved(app, &caller, id).await,
         (&Method::POST, Some((id, "stay"))) => stay(app, &caller, id).await,
+        (&Method::GET, Some((id, snap))) if snap.starts_with("snapshots/") => {
+            export_snapshot(app, &caller, id, &snap["snapshots/".len()..]).await
+        }
         _ => Err(ApiError::bad_request(format!(
             "{PATH} takes POST {{id}}/export, POST receive, POST {{id}}/release, POST \
-             {{id}}/start, DELETE {{id}}, POST {{id}}/moved and POST {{id}}/stay"
+             {{id}}/start, DELETE {{id}}, POST {{id}}/moved, POST {{id}}/stay and GET \
+             {{id}}/snapshots/{{snapshot}}"
         ))),
     };
     done.unwrap_or_else(IntoResponse::into_response)
@@ -186,22 +190,54 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
         unmark(&live);
         return Err(e);
     }
-    let header = match (|| {
-        let files = listing(&dir)?;
-        let record = serde_json::to_vec(&rec).map_err(io::Error::other)?;
-        std::fs::write(dir.join(RECORD), record)?;
-        serde_json::to_vec(&Header { record: rec, files }).map_err(io::Error::other)
-    })() {
-        Ok(h) => h,
-        Err(e) => {
-            let _ = std::fs::remove_dir_all(&dir);
-            unmark(&live);
-            return Err(ApiError::internal(format!(
-                "listing the sandbox's snapshot: {e}"
-            )));
-        }
+    let kept = serde_json::to_vec(&rec)
+        .map_err(io::Error::other)
+        .and_then(|r| std::fs::write(dir.join(RECORD), r));
+    let answer = match kept {
+        Ok(()) => bundle(&dir, rec),
+        Err(e) => Err(ApiError::internal(format!(
+            "keeping the sandbox's record: {e}"
+        ))),
     };
+    if answer.is_err() {
+        let _ = std::fs::remove_dir_all(&dir);
+        unmark(&live);
+    }
+    answer
+}
+
+/// `GET {PATH}{id}/snapshots/{snap}`: the bundle of the caller's snapshot `snap` of sandbox
+/// `id`, which runs here, with the sandbox's record as it is now (control keeps it, to
+/// start the sandbox elsewhere from it should this node die: `fleet::restart`). The
+/// sandbox goes on undisturbed.
+async fn export_snapshot(
+    app: &AppState,
+    caller: &Caller,
+    id: &str,
+    snap: &str,
+) -> Result<Response, ApiError> {
+    let rec = crate::lifecycle::record_of(app, caller, id)?;
+    if let Some(why) = refusal(&rec) {
+        return Err(ApiError::conflict(why));
+    }
+    let known = app.store.get_snapshot(&caller.tenant, snap)?;
+    if known.is_none_or(|s| s.sandbox_id != id) {
+        return Err(ApiError::not_found(format!(
+            "sandbox {id} has no snapshot {snap} here"
+        )));
+    }
+    bundle(&app.snapshots_dir().join(snap), rec)
+}
+
+/// The answer that streams the bundle of the snapshot in `dir` with `rec`.
+fn bundle(dir: &Path, rec: SandboxRecord) -> Result<Response, ApiError> {
+    let header = listing(dir)
+        .and_then(|files| {
+            serde_json::to_vec(&Header { record: rec, files }).map_err(io::Error::other)
+        })
+        .map_err(|e| ApiError::internal(format!("listing the sandbox's snapshot: {e}")))?;
     let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(4);
+    let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || {
         let mut send = |b: Bytes| {
             tx.blocking_send(Ok(b))
@@ -296,6 +332,21 @@ fn write_bundle(
         buf.put_u64(0);
     }
     flush(&mut buf, true)
+}
+
+/// The record a bundle kept in file `path` carries (its header's).
+pub fn record_in(path: &Path) -> io::Result<SandboxRecord> {
+    use std::io::{BufRead, Read};
+    let mut r = io::BufReader::new(std::fs::File::open(path)?);
+    let mut magic = vec![0u8; MAGIC.len()];
+    r.read_exact(&mut magic)?;
+    if magic != MAGIC {
+        return Err(io::Error::other("not a carry bundle"));
+    }
+    let mut line = Vec::new();
+    r.take(HEADER_MAX).read_until(b'\n', &mut line)?;
+    let header: Header = serde_json::from_slice(&line).map_err(io::Error::other)?;
+    Ok(header.record)
 }
 
 /// Whether `id` is shaped like a sandbox's id (it names directories here).

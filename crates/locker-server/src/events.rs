@@ -77,6 +77,8 @@ pub enum Kind {
     SandboxLost,
     #[serde(rename = "sandbox.moved")]
     SandboxMoved,
+    #[serde(rename = "sandbox.restarted")]
+    SandboxRestarted,
     #[serde(rename = "run.committed")]
     RunCommitted,
     #[serde(rename = "template.built")]
@@ -86,7 +88,7 @@ pub enum Kind {
 }
 
 impl Kind {
-    pub const ALL: [Kind; 13] = [
+    pub const ALL: [Kind; 14] = [
         Kind::SandboxCreated,
         Kind::SandboxPaused,
         Kind::SandboxResumed,
@@ -97,6 +99,7 @@ impl Kind {
         Kind::SandboxForked,
         Kind::SandboxLost,
         Kind::SandboxMoved,
+        Kind::SandboxRestarted,
         Kind::RunCommitted,
         Kind::TemplateBuilt,
         Kind::TemplateFailed,
@@ -115,6 +118,7 @@ impl Kind {
             Kind::SandboxForked => "sandbox.forked",
             Kind::SandboxLost => "sandbox.lost",
             Kind::SandboxMoved => "sandbox.moved",
+            Kind::SandboxRestarted => "sandbox.restarted",
             Kind::RunCommitted => "run.committed",
             Kind::TemplateBuilt => "template.built",
             Kind::TemplateFailed => "template.failed",

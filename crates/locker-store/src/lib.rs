@@ -502,16 +502,17 @@ pub trait Store: Send + Sync {
     /// lost: that went with the node's old epoch), in one transaction; the row removed.
     fn unplace(&self, id: &str) -> Result<Option<PlacementRecord>>;
 
-    /// Moves placed sandbox `id` from node `from_node` (at `from_epoch`) onto the node of
-    /// placement `into` (a `starting` one reserved there for the move), with `view` as the
-    /// new node answered it: `into` goes (its reservation becomes `id`'s), `from_node` gets
-    /// `id`'s reservation back, in one transaction. `None` (nothing written) when `id` is
-    /// no longer placed there (deleted, lost) or `into` is gone.
+    /// Moves sandbox `id`, in state `from_state` on node `from_node` (at `from_epoch`), onto
+    /// the node of placement `into` (a `starting` one reserved there for the move), placed,
+    /// with `view` as the new node answered it: `into` goes (its reservation becomes
+    /// `id`'s), `from_node` gets `id`'s reservation back (a lost one went with the node's
+    /// old epoch), in one transaction. `placed` for a drain, `lost` for a restart elsewhere
+    /// after a node's death. `None` (nothing written) when `id` is no longer so (deleted,
+    /// lost, moved) or `into` is gone.
     fn move_placement(
         &self,
         id: &str,
-        from_node: &str,
-        from_epoch: i64,
+        from: (&str, i64, PlacementState),
         into: &str,
         view: &str,
     ) -> Result<Option<PlacementRecord>>;

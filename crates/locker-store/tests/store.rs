@@ -2505,6 +2505,7 @@ fn postgres_sessions_keep_alive_on_both_ends() {
 /// (deleted meanwhile, moved already, the reservation gone) writes nothing.
 fn placements_move_between_nodes(b: Backend) {
     use locker_store::PlacementState;
+    use PlacementState::Placed;
     let db = Db::new(b);
     let store = db.open();
     store.upsert_node(&fleet_node("nd_a", 1), 60_000).unwrap();
@@ -2529,25 +2530,30 @@ fn placements_move_between_nodes(b: Backend) {
 
     // From the wrong node or epoch, or into a reservation that is not one: nothing.
     assert!(store
-        .move_placement("pl_1", "nd_b", 1, "pl_mv", "{}")
+        .move_placement("pl_1", ("nd_b", 1, Placed), "pl_mv", "{}")
         .unwrap()
         .is_none());
     assert!(store
-        .move_placement("pl_1", "nd_a", 2, "pl_mv", "{}")
+        .move_placement("pl_1", ("nd_a", 2, Placed), "pl_mv", "{}")
         .unwrap()
         .is_none());
     assert!(store
-        .move_placement("pl_1", "nd_a", 1, "pl_zz", "{}")
+        .move_placement("pl_1", ("nd_a", 1, Placed), "pl_zz", "{}")
         .unwrap()
         .is_none());
     assert!(store
-        .move_placement("pl_1", "nd_a", 1, "pl_1", "{}")
+        .move_placement("pl_1", ("nd_a", 1, Placed), "pl_1", "{}")
         .unwrap()
         .is_none());
     assert_eq!(store.list_placements(None, None).unwrap().len(), 2);
 
     let moved = store
-        .move_placement("pl_1", "nd_a", 1, "pl_mv", r#"{"id":"sb_1","moved":1}"#)
+        .move_placement(
+            "pl_1",
+            ("nd_a", 1, Placed),
+            "pl_mv",
+            r#"{"id":"sb_1","moved":1}"#,
+        )
         .unwrap()
         .expect("moved");
     assert_eq!((moved.node_id.as_str(), moved.epoch), ("nd_b", 1));
@@ -2569,7 +2575,7 @@ fn placements_move_between_nodes(b: Backend) {
     assert_eq!((reserved("nd_a"), reserved("nd_b")), ((0, 0), (1, 256)));
     // Once: the same move again finds neither.
     assert!(store
-        .move_placement("pl_1", "nd_a", 1, "pl_mv", "{}")
+        .move_placement("pl_1", ("nd_a", 1, Placed), "pl_mv", "{}")
         .unwrap()
         .is_none());
     // Deleted while it moved: the move's reservation stays to be given back by its caller.
@@ -2579,12 +2585,59 @@ fn placements_move_between_nodes(b: Backend) {
         .unwrap();
     store.unplace("pl_1").unwrap().unwrap();
     assert!(store
-        .move_placement("pl_1", "nd_b", 1, "pl_back", "{}")
+        .move_placement("pl_1", ("nd_b", 1, Placed), "pl_back", "{}")
         .unwrap()
         .is_none());
     assert_eq!((reserved("nd_a"), reserved("nd_b")), ((1, 256), (0, 0)));
     store.unplace("pl_back").unwrap().unwrap();
     assert_eq!(reserved("nd_a"), (0, 0));
+
+    // A restart elsewhere: nd_b dies with sb_2, which is lost; a lost placement moves only
+    // as lost, once, onto nd_a's reservation, placed again; nd_b's new epoch owes nothing.
+    store
+        .place(&placement("pl_2", "nd_b", 128), 10, 4096)
+        .unwrap()
+        .unwrap();
+    assert!(store.set_placed("pl_2", "sb_2", "{}").unwrap());
+    store
+        .node_heartbeat("nd_b", "local", 1, "{}", 1)
+        .unwrap()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert_eq!(store.expire_nodes(10).unwrap().len(), 1);
+    assert_eq!(store.lose_placements().unwrap().len(), 1);
+    store
+        .place(&placement("pl_re", "nd_a", 128), 10, 4096)
+        .unwrap()
+        .unwrap();
+    assert!(store
+        .move_placement("pl_2", ("nd_b", 1, Placed), "pl_re", "{}")
+        .unwrap()
+        .is_none());
+    let back = store
+        .move_placement(
+            "pl_2",
+            ("nd_b", 1, PlacementState::Lost),
+            "pl_re",
+            "{\"re\":1}",
+        )
+        .unwrap()
+        .expect("restarted");
+    assert_eq!(
+        (back.node_id.as_str(), back.state),
+        ("nd_a", PlacementState::Placed)
+    );
+    let p = store.get_placement("sb_2").unwrap().unwrap();
+    assert_eq!(
+        (p.node_id.as_str(), p.state),
+        ("nd_a", PlacementState::Placed)
+    );
+    assert!(store
+        .move_placement("pl_2", ("nd_b", 1, PlacementState::Lost), "pl_re", "{}")
+        .unwrap()
+        .is_none());
+    assert_eq!(reserved("nd_a"), (1, 128));
+    assert_eq!(store.list_placements(None, None).unwrap().len(), 1);
 }
 
 mod sqlite {

@@ -56,6 +56,9 @@ pub struct ControlConfig {
     pub names: Vec<String>,
     /// The URL nodes dial, when it is not the listen address (behind NAT, a load balancer).
     pub url: Option<String>,
+    /// Where snapshots of joined nodes' sandboxes are copied, to restart them elsewhere
+    /// should their node die (`restart`); shared by the fleet's control replicas.
+    pub snapshot_store: Option<std::path::PathBuf>,
 }
 
 /// This server's control listener and what it answers from.
@@ -76,6 +79,10 @@ pub struct Control {
     local: Mutex<Option<String>>,
     /// Sandboxes nodes run without a placement: (node, sandbox) → when first seen.
     pub orphans: Mutex<std::collections::HashMap<(String, String), Instant>>,
+    /// The snapshot store (`ControlConfig::snapshot_store`).
+    pub snapshot_store: Option<std::path::PathBuf>,
+    /// Lost sandboxes being restarted elsewhere, or tried last: sandbox → when (`restart`).
+    pub restarts: Mutex<std::collections::HashMap<String, Instant>>,
 }
 
 impl std::fmt::Debug for Control {
@@ -127,6 +134,8 @@ impl Control {
             routes,
             local: Mutex::new(None),
             orphans: Default::default(),
+            snapshot_store: cfg.snapshot_store.clone(),
+            restarts: Default::default(),
         }))
     }
 
@@ -478,6 +487,7 @@ async fn give_back(
 /// replica became the leader.
 async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) {
     const WINDOW: Duration = Duration::from_secs(60);
+    super::restart::tidy(&app).await;
     let store = app.store.clone();
     let mut reconciled = Instant::now();
     let mut grace_until = Instant::now() + LEASE;
@@ -546,6 +556,7 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
             // Also here, not only after an expiry: one that failed to mark its placements
             // lost is caught up within this period.
             super::placement::lose(&app).await;
+            super::restart::lost(&app).await;
         }
         let budget = (nodes.len() / 10).max(1);
         let left = budget.saturating_sub(declared.len());
@@ -578,6 +589,7 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
                     tracing::warn!(node = %n.id, name = %n.name, epoch = n.epoch, "node declared dead: its lease ran out");
                 }
                 super::placement::lose(&app).await;
+                super::restart::lost(&app).await;
             }
             _ => grace_until = Instant::now() + LEASE,
         }

@@ -263,7 +263,12 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         String::from_utf8_lossy(&view).into_owned(),
     );
     let switched = tokio::task::spawn_blocking(move || {
-        store.move_placement(&pid, &from_id, epoch, &into_id, &v)
+        store.move_placement(
+            &pid,
+            (&from_id, epoch, PlacementState::Placed),
+            &into_id,
+            &v,
+        )
     })
     .await
     .map_err(|e| e.to_string())
@@ -334,7 +339,7 @@ async fn stay(app: &AppState, from: &NodeRecord, p: &PlacementRecord, sb: &str) 
 }
 
 /// Control's call to node `n` for `tenant`: its answer when it succeeded, else why not.
-async fn call(
+pub(super) async fn call(
     app: &AppState,
     tenant: &str,
     n: &NodeRecord,

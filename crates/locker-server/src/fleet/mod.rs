@@ -17,6 +17,8 @@
 //!   reservation), lost placements, reconciliation with what nodes report;
 //! - `route`: the router in front of the API on a control plane;
 //! - `drain`: a node's sandboxes carried to other nodes (the nodes' side is `carry`);
+//! - `restart`: a dead node's sandboxes started elsewhere from their last snapshot, kept
+//!   in the snapshot store (`--snapshot-store`);
 //! - `data_plane`: the router in front of preview hosts and E2B's surfaces, which name a
 //!   sandbox by host, header or E2B's paths;
 //! - `local`: `locker serve --node local`, this server's own node in the fleet's table.
@@ -33,6 +35,7 @@ pub mod member;
 pub mod node;
 pub mod pki;
 pub mod placement;
+pub mod restart;
 pub mod route;
 pub mod wire;
 

@@ -948,8 +948,7 @@ impl Store for PgStore {
     fn move_placement(
         &self,
         id: &str,
-        from_node: &str,
-        from_epoch: i64,
+        (from_node, from_epoch, from_state): (&str, i64, crate::PlacementState),
         into: &str,
         view: &str,
     ) -> Result<Option<PlacementRecord>> {
@@ -959,7 +958,9 @@ impl Store for PgStore {
             into.to_owned(),
             view.to_owned(),
         );
-        self.run(move |c| placements::move_placement(c, &id, &from, from_epoch, &into, &view))
+        self.run(move |c| {
+            placements::move_placement(c, &id, (&from, from_epoch, from_state), &into, &view)
+        })
     }
 
     fn get_placement(&self, sandbox_id: &str) -> Result<Option<PlacementRecord>> {

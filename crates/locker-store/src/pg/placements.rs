@@ -121,8 +121,7 @@ pub(super) fn unplace(c: &mut Conn, id: &str) -> Result<Option<PlacementRecord>>
 pub(super) fn move_placement(
     c: &mut Conn,
     id: &str,
-    from_node: &str,
-    from_epoch: i64,
+    (from_node, from_epoch, from_state): (&str, i64, PlacementState),
     into: &str,
     view: &str,
 ) -> Result<Option<PlacementRecord>> {
@@ -141,9 +140,9 @@ pub(super) fn move_placement(
             .query_opt(
                 &format!(
                     "SELECT {COLUMNS} FROM placements
-                     WHERE id = $1 AND node_id = $2 AND epoch = $3 AND state = 'placed' FOR UPDATE"
+                     WHERE id = $1 AND node_id = $2 AND epoch = $3 AND state = $4 FOR UPDATE"
                 ),
-                &[&id, &from_node, &from_epoch],
+                &[&id, &from_node, &from_epoch, &from_state.as_str()],
             )?
             .as_ref()
             .map(of)
@@ -154,7 +153,8 @@ pub(super) fn move_placement(
         c.execute("DELETE FROM placements WHERE id = $1", &[&into])?;
         let row = c.query_one(
             &format!(
-                "UPDATE placements SET node_id = $1, epoch = $2, view = $3, created_ms = {NOW_MS}
+                "UPDATE placements SET node_id = $1, epoch = $2, view = $3, created_ms = {NOW_MS},
+                                       state = 'placed'
                  WHERE id = $4 RETURNING {COLUMNS}"
             ),
             &[&target.node_id, &target.epoch, &view, &id],

@@ -601,12 +601,11 @@ impl Store for SqliteStore {
     fn move_placement(
         &self,
         id: &str,
-        from_node: &str,
-        from_epoch: i64,
+        from: (&str, i64, crate::PlacementState),
         into: &str,
         view: &str,
     ) -> Result<Option<PlacementRecord>> {
-        placements::move_placement(self, id, from_node, from_epoch, into, view)
+        placements::move_placement(self, id, from, into, view)
     }
 
     fn get_placement(&self, sandbox_id: &str) -> Result<Option<PlacementRecord>> {

@@ -132,8 +132,7 @@ pub(super) fn unplace(db: &SqliteStore, id: &str) -> Result<Option<PlacementReco
 pub(super) fn move_placement(
     db: &SqliteStore,
     id: &str,
-    from_node: &str,
-    from_epoch: i64,
+    (from_node, from_epoch, from_state): (&str, i64, PlacementState),
     into: &str,
     view: &str,
 ) -> Result<Option<PlacementRecord>> {
@@ -148,8 +147,8 @@ pub(super) fn move_placement(
     };
     let target = read("id = ?1 AND state = 'starting'", &[&into])?;
     let old = read(
-        "id = ?1 AND node_id = ?2 AND epoch = ?3 AND state = 'placed'",
-        &[&id, &from_node, &from_epoch],
+        "id = ?1 AND node_id = ?2 AND epoch = ?3 AND state = ?4",
+        &[&id, &from_node, &from_epoch, &from_state.as_str()],
     )?;
     let (Some(target), Some(old)) = (target, old) else {
         // Dropped without a commit: nothing written.
@@ -159,7 +158,9 @@ pub(super) fn move_placement(
     tx.prepare_cached("DELETE FROM placements WHERE id = ?1")?
         .execute(params![into])?;
     tx.prepare_cached(
-        "UPDATE placements SET node_id = ?1, epoch = ?2, view = ?3, created_ms = ?4 WHERE id = ?5",
+        "UPDATE placements SET node_id = ?1, epoch = ?2, view = ?3, created_ms = ?4,
+                               state = 'placed'
+         WHERE id = ?5",
     )?
     .execute(params![target.node_id, target.epoch, view, ms, id])?;
     tx.prepare_cached(
@@ -174,6 +175,7 @@ pub(super) fn move_placement(
         epoch: target.epoch,
         view: view.to_owned(),
         created_ms: ms,
+        state: PlacementState::Placed,
         ..old
     }))
 }

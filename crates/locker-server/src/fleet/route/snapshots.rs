@@ -106,7 +106,10 @@ pub(in crate::fleet) async fn snapshot(
     })
     .await;
     match kept {
-        Ok(Ok(_)) => Response::from_parts(parts, Body::from(view)),
+        Ok(Ok(snap)) => {
+            crate::fleet::restart::keep(app, route.node_id(), route.tenant(), id, &snap);
+            Response::from_parts(parts, Body::from(view))
+        }
         other => {
             // Not recorded: the node lets go of it, so nothing is left that none can see.
             let why = match other {
@@ -243,7 +246,7 @@ pub(super) async fn remove(
         Ok(_) => {
             let (store, t, s) = (app.store.clone(), caller.tenant.clone(), snap.to_owned());
             match tokio::task::spawn_blocking(move || store.delete_snapshot(&t, &s)).await {
-                Ok(Ok(_)) => {}
+                Ok(Ok(_)) => crate::fleet::restart::forget(app, snap),
                 Ok(Err(e)) => return ApiError::from(e).into_response(),
                 Err(e) => return ApiError::internal(e.to_string()).into_response(),
             }

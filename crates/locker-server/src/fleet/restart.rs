@@ -1,0 +1,407 @@
+//! A dead node's sandboxes started again elsewhere from their last snapshot (`FLEET.md`
+//! §4.5, "restart from a snapshot in shared storage").
+//!
+//! With `--snapshot-store DIR` (a directory every control replica of the fleet can read and
+//! write: an NFS or CephFS mount, a mounted bucket; one replica's disk for a fleet with one
+//! replica):
+//! - each snapshot a joined node takes of a sandbox ([`keep`], after the node answered it
+//!   and the fleet recorded it) is copied there from the node as a carry bundle
+//!   (`DIR/<snapshot>.carry`, written aside and renamed, so a file there is whole, dated
+//!   when the snapshot was taken) with the sandbox's record as it was then; deleting the
+//!   snapshot deletes it ([`forget`]);
+//! - when a node is declared dead, the leader's sweeper ([`lost`]) takes each of its lost
+//!   sandboxes that has such a copy (its newest), places it on another joined node that
+//!   holds its template ([`Ask::carried`]), sends it there (`carry`'s `receive` and
+//!   `start`: the sandbox's own id, times, metadata and preview token), then one
+//!   transaction (`Store::move_placement` from `lost`) makes it that node's, placed again;
+//!   a `sandbox.restarted` event says so. A jail comes back with the files of its snapshot
+//!   (not what it wrote since), a microVM with its memory too (its processes as they were
+//!   then). A sandbox without a copy stays lost; one whose restart failed (no node had
+//!   room) is tried again every [`RETRY`] while it is lost and has not expired.
+//!
+//! A returning dead node destroys its old copy (its placement is no longer the node's:
+//! `control`'s return). The copy is taken after the snapshot's answer, so a node that dies
+//! within that copy's time is restarted from the snapshot before (or lost).
+//!
+//! Owns the files under the snapshot store. Placement is `placement`'s, the bundle and the
+//! nodes' side `carry`'s.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use axum::body::Body;
+use axum::http::Method;
+use futures_util::TryStreamExt;
+use locker_store::{NodeRecord, PlacementRecord, PlacementState};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+
+use super::drain::call;
+use super::placement::{self, Ask};
+use super::route::destroy_orphan;
+use crate::carry::PATH;
+use crate::state::{now_s, AppState};
+
+/// How long a node may take to answer a snapshot's bundle, or to take a sandbox in.
+const COPY: Duration = Duration::from_secs(600);
+/// How soon a failed restart is tried again.
+pub const RETRY: Duration = Duration::from_secs(10);
+/// A bundle's name in the store.
+const SUFFIX: &str = ".carry";
+
+/// The snapshot store, when this server has one.
+fn store_dir(app: &AppState) -> Option<&Path> {
+    app.fleet.as_ref()?.snapshot_store.as_deref()
+}
+
+/// Where snapshot `snap`'s copy is (or goes).
+fn bundle_path(dir: &Path, snap: &str) -> PathBuf {
+    dir.join(format!("{snap}{SUFFIX}"))
+}
+
+/// Whether `snap` is shaped like a snapshot id (it names a file here).
+fn snapshot_id(snap: &str) -> bool {
+    snap.strip_prefix("snap_").is_some_and(|rest| {
+        (1..=64).contains(&rest.len()) && rest.bytes().all(|b| b.is_ascii_alphanumeric())
+    })
+}
+
+/// Copies snapshot `snap` of `tenant`'s sandbox `sandbox`, just taken on joined node
+/// `node_id`, into the snapshot store (in the background; nothing without a store).
+pub fn keep(app: &AppState, node_id: &str, tenant: &str, sandbox: &str, snap: &str) {
+    let Some(dir) = store_dir(app).map(Path::to_path_buf) else {
+        return;
+    };
+    if !snapshot_id(snap) {
+        return;
+    }
+    let (app, node_id, tenant, sandbox, snap) = (
+        app.clone(),
+        node_id.to_owned(),
+        tenant.to_owned(),
+        sandbox.to_owned(),
+        snap.to_owned(),
+    );
+    let taken = std::time::SystemTime::now();
+    tokio::spawn(async move {
+        let started = Instant::now();
+        match copy(&app, &dir, (&node_id, &tenant, &sandbox, &snap), taken).await {
+            Ok(bytes) => tracing::info!(
+                snapshot = %snap, sandbox = %sandbox, bytes,
+                ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+                "snapshot kept in the snapshot store"
+            ),
+            Err(e) => {
+                tracing::warn!(snapshot = %snap, sandbox = %sandbox, error = %e, "snapshot not kept in the snapshot store: its sandbox cannot be restarted from it should its node die")
+            }
+        }
+    });
+}
+
+/// [`keep`]'s copy of snapshot `snap` of `tenant`'s `sandbox` on node `node_id`, dated
+/// `taken` (the file's modification time orders a sandbox's snapshots): the bytes written.
+async fn copy(
+    app: &AppState,
+    dir: &Path,
+    (node_id, tenant, sandbox, snap): (&str, &str, &str, &str),
+    taken: std::time::SystemTime,
+) -> Result<u64, String> {
+    let (nodes, _) = placement::nodes(app, false).await.map_err(|e| e.message)?;
+    let node = nodes
+        .into_iter()
+        .find(|n| n.id == node_id)
+        .ok_or_else(|| format!("node {node_id} left the fleet"))?;
+    let resp = call(
+        app,
+        tenant,
+        &node,
+        Method::GET,
+        format!("{PATH}{sandbox}/snapshots/{snap}"),
+        Body::empty(),
+        COPY,
+    )
+    .await?;
+    tokio::fs::create_dir_all(dir)
+        .await
+        .map_err(|e| format!("{}: {e}", dir.display()))?;
+    let part = dir.join(format!(".{snap}{SUFFIX}.part"));
+    let written = async {
+        let mut out = tokio::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&part)
+            .await?;
+        let mut body = resp.into_body().into_data_stream();
+        let mut n = 0u64;
+        while let Some(chunk) = body.try_next().await.map_err(std::io::Error::other)? {
+            out.write_all(&chunk).await?;
+            n += chunk.len() as u64;
+        }
+        out.sync_all().await?;
+        out.into_std().await.set_modified(taken)?;
+        tokio::fs::rename(&part, bundle_path(dir, snap)).await?;
+        Ok::<_, std::io::Error>(n)
+    }
+    .await;
+    if written.is_err() {
+        let _ = tokio::fs::remove_file(&part).await;
+    }
+    written.map_err(|e| format!("writing into {}: {e}", dir.display()))
+}
+
+/// Deletes snapshot `snap`'s copy (the snapshot was deleted).
+pub fn forget(app: &AppState, snap: &str) {
+    if let Some(dir) = store_dir(app) {
+        if snapshot_id(snap) {
+            let _ = std::fs::remove_file(bundle_path(dir, snap));
+        }
+    }
+}
+
+/// Restarts, elsewhere, the lost sandboxes that have a copy of a snapshot in the store
+/// (the leader's sweeper calls it after each death, and every [`RETRY`]); one at a time
+/// per sandbox, each in its own task.
+pub async fn lost(app: &AppState) {
+    let (Some(dir), Some(c)) = (store_dir(app).map(Path::to_path_buf), app.fleet.as_ref()) else {
+        return;
+    };
+    let store = app.store.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        let lost: Vec<PlacementRecord> = store
+            .list_placements(None, None)?
+            .into_iter()
+            .filter(|p| p.state == PlacementState::Lost && p.sandbox_id.is_some())
+            .collect();
+        let mut out = Vec::new();
+        let mut snaps: HashMap<String, Vec<locker_store::SnapshotRecord>> = HashMap::new();
+        for p in lost {
+            if !snaps.contains_key(&p.tenant) {
+                snaps.insert(p.tenant.clone(), store.list_snapshots(&p.tenant)?);
+            }
+            let sb = p.sandbox_id.as_deref().unwrap_or_default();
+            // Newest by when it was taken (its copy's time: `created_at` counts seconds).
+            let newest = snaps[&p.tenant]
+                .iter()
+                .filter(|s| s.sandbox_id == sb)
+                .filter_map(|s| {
+                    let path = bundle_path(&dir, &s.id);
+                    let taken = std::fs::metadata(&path).and_then(|m| m.modified()).ok()?;
+                    Some((taken, path))
+                })
+                .max()
+                .map(|(_, path)| path);
+            if let Some(path) = newest {
+                out.push((p, path));
+            }
+        }
+        Ok::<_, locker_store::StoreError>(out)
+    })
+    .await;
+    let found = match found {
+        Ok(Ok(f)) => f,
+        Ok(Err(e)) => {
+            return tracing::warn!(error = %e, "cannot read the lost sandboxes to restart")
+        }
+        Err(e) => return tracing::warn!(error = %e, "cannot read the lost sandboxes to restart"),
+    };
+    for (p, path) in found {
+        let sb = p.sandbox_id.clone().unwrap_or_default();
+        {
+            let mut tries = c.restarts.lock().expect("restarts lock");
+            if tries.get(&sb).is_some_and(|t| t.elapsed() < RETRY) {
+                continue;
+            }
+            tries.insert(sb.clone(), Instant::now());
+        }
+        let app = app.clone();
+        tokio::spawn(async move {
+            let started = Instant::now();
+            match restart(&app, &p, &path).await {
+                Ok(Some(to)) => {
+                    let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
+                    let snapshot = snapshot_of(&path);
+                    tracing::warn!(sandbox = %sb, to = %to.name, snapshot, ms, "a sandbox lost with its node restarted elsewhere from its snapshot");
+                    app.events.emit(
+                        &p.tenant,
+                        crate::events::Kind::SandboxRestarted,
+                        &sb,
+                        json!({"from": p.node_id, "to": to.id, "to_name": to.name, "snapshot": snapshot, "ms": ms}),
+                    );
+                    if let Some(c) = app.fleet.as_ref() {
+                        c.restarts.lock().expect("restarts lock").remove(&sb);
+                    }
+                }
+                // Expired, or deleted meanwhile: it stays as it is.
+                Ok(None) => {
+                    if let Some(c) = app.fleet.as_ref() {
+                        c.restarts.lock().expect("restarts lock").remove(&sb);
+                    }
+                }
+                Err(e) => {
+                    tracing::warn!(sandbox = %sb, error = %e, "a sandbox lost with its node could not be restarted elsewhere: trying again in {}s", RETRY.as_secs())
+                }
+            }
+        });
+    }
+}
+
+/// The snapshot id of bundle file `path`.
+fn snapshot_of(path: &Path) -> String {
+    path.file_name()
+        .and_then(|n| n.to_str())
+        .and_then(|n| n.strip_suffix(SUFFIX))
+        .unwrap_or_default()
+        .to_owned()
+}
+
+/// Restarts lost placement `p` from the bundle in `path`: the node it runs on now, or
+/// `None` when there is nothing to do (expired; deleted or restarted meanwhile).
+async fn restart(
+    app: &AppState,
+    p: &PlacementRecord,
+    path: &Path,
+) -> Result<Option<NodeRecord>, String> {
+    let sb = p.sandbox_id.clone().unwrap_or_default();
+    let bundle = path.to_path_buf();
+    let rec = tokio::task::spawn_blocking(move || crate::carry::record_in(&bundle))
+        .await
+        .map_err(|e| e.to_string())?
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if rec.id != sb || rec.tenant != p.tenant {
+        return Err(format!("{} holds another sandbox", path.display()));
+    }
+    if locker_types::parse_rfc3339(&rec.expires_at).is_some_and(|exp| exp <= now_s()) {
+        return Ok(None);
+    }
+    let view: Value = serde_json::from_str(&p.view).unwrap_or(Value::Null);
+    let ask = Ask {
+        memory_mb: p.memory_mb,
+        disk_mb: view["disk_mb"].as_u64().unwrap_or(rec.disk_mb),
+        template_digest: Some(rec.template_digest.clone()),
+        only: None,
+        carried: true,
+    };
+    let (into, to) = placement::place(app, &p.tenant, &ask)
+        .await
+        .map_err(|e| format!("no node can take it: {}", e.message))?;
+    let placed = format!("placement={}", into.id);
+    let landed = async {
+        let file = tokio::fs::File::open(path)
+            .await
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 1 << 20));
+        call(
+            app,
+            &p.tenant,
+            &to,
+            Method::POST,
+            format!("{PATH}receive?{placed}"),
+            body,
+            COPY,
+        )
+        .await?;
+        let started = call(
+            app,
+            &p.tenant,
+            &to,
+            Method::POST,
+            format!("{PATH}{sb}/start?{placed}"),
+            Body::empty(),
+            COPY,
+        )
+        .await?;
+        axum::body::to_bytes(started.into_body(), 1 << 20)
+            .await
+            .map_err(|e| format!("node {}'s answer was cut: {e}", to.name))
+    }
+    .await;
+    let view = match landed {
+        Ok(v) => String::from_utf8_lossy(&v).into_owned(),
+        Err(e) => {
+            let _ = call(
+                app,
+                &p.tenant,
+                &to,
+                Method::DELETE,
+                format!("{PATH}{sb}?{placed}"),
+                Body::empty(),
+                COPY,
+            )
+            .await;
+            let _ = destroy_orphan(app, &to, &sb).await;
+            placement::unplace(app, &into.id).await;
+            return Err(e);
+        }
+    };
+    let (store, pid, from, epoch, into_id) = (
+        app.store.clone(),
+        p.id.clone(),
+        p.node_id.clone(),
+        p.epoch,
+        into.id.clone(),
+    );
+    let switched = tokio::task::spawn_blocking(move || {
+        store.move_placement(&pid, (&from, epoch, PlacementState::Lost), &into_id, &view)
+    })
+    .await
+    .map_err(|e| e.to_string())
+    .and_then(|r| r.map_err(|e| e.to_string()));
+    if let Some(c) = app.fleet.as_ref() {
+        c.routes.forget(&sb);
+    }
+    match switched {
+        Ok(Some(_)) => Ok(Some(to)),
+        other => {
+            let _ = destroy_orphan(app, &to, &sb).await;
+            placement::unplace(app, &into.id).await;
+            match other {
+                Ok(_) => Ok(None),
+                Err(e) => Err(format!("recording its new node failed: {e}")),
+            }
+        }
+    }
+}
+
+/// Removes what a copy cut short left (`.part` files) and copies of snapshots the fleet no
+/// longer has; once per start of a control replica.
+pub async fn tidy(app: &AppState) {
+    let Some(dir) = store_dir(app).map(Path::to_path_buf) else {
+        return;
+    };
+    let store = app.store.clone();
+    let r = tokio::task::spawn_blocking(move || {
+        let mut known = std::collections::HashSet::new();
+        for t in store.list_tenants()? {
+            known.extend(store.list_snapshots(&t)?.into_iter().map(|s| s.id));
+        }
+        let mut removed = 0usize;
+        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            // Old enough that no copy of another replica is under way (a shared store).
+            let old = e
+                .metadata()
+                .and_then(|m| m.modified())
+                .is_ok_and(|t| t.elapsed().unwrap_or_default() > COPY * 2);
+            let orphan = name
+                .strip_suffix(SUFFIX)
+                .is_some_and(|s| snapshot_id(s) && !known.contains(s));
+            if old && (name.ends_with(".part") || orphan) && std::fs::remove_file(e.path()).is_ok()
+            {
+                removed += 1;
+            }
+        }
+        Ok::<_, locker_store::StoreError>(removed)
+    })
+    .await;
+    if let Ok(Ok(n)) = r {
+        if n > 0 {
+            tracing::info!(
+                removed = n,
+                "the snapshot store let go of copies no snapshot has"
+            );
+        }
+    }
+}
