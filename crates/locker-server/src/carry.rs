@@ -1,5 +1,6 @@
-//! Carrying a sandbox to another node (a drain, `fleet::drain`): this node's side, served
-//! on the node listener only (control's calls under [`PATH`], `fleet::node`).
+//! Carrying a sandbox to another node (a drain, `fleet::drain`; a restart elsewhere,
+//! `fleet::restart`): this node's side, served on the node listener only (control's calls
+//! under [`PATH`], `fleet::node`).
 //!
 //! A jail moves cold (its disk; processes and `/tmp` do not survive, as CRIU cannot run
 //! here), a microVM with its memory (its processes go on where they were, after a pause).
@@ -24,6 +25,9 @@
 //! - `POST {PATH}{id}/stay` (old node): the move failed: the sandbox admits calls again
 //!   (thawed unless it was paused before), or, released already, starts again here from
 //!   the kept snapshot.
+//! - `GET {PATH}{id}/snapshots/{snap}`: the bundle of a snapshot the user took, with the
+//!   sandbox's record as it is now, the sandbox undisturbed: control keeps it, to start the
+//!   sandbox on another node (`receive` and `start`) should this one die (`fleet::restart`).
 //!
 //! A start after a crash removes the `.carry-*` directories with every other snapshot
 //! directory without a record (`snapshots::cleanup`), and a sandbox frozen for a move that
