@@ -107,6 +107,9 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
         &json!({"cmd": ["sleep", "600"]}),
     );
     assert_eq!(bg.status, 200, "{}", bg.text());
+    // The first paused by its caller: it comes back paused.
+    api.post_empty(&format!("/v1/sandboxes/{}/pause", ids[0]))
+        .expect(200, "pause");
     admin
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
         .expect(200, "uncordon b");
@@ -132,8 +135,10 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
         ] {
             assert_eq!(now[k], old[k], "{k} of {id} after its move: {now}");
         }
-        assert_eq!(now["state"], "running", "{now}");
+        let want = if *id == ids[0] { "paused" } else { "running" };
+        assert_eq!(now["state"], want, "{now}");
     }
+    // A call resumes it, as on any node.
     assert_eq!(api.sh(&ids[0], "cat /home/user/note"), "kept\n");
     assert_eq!(sum(&ids[0]), blob, "the blob came along byte for byte");
     assert_eq!(api.sh(&ids[1], "cat /home/user/work/f"), "second\n");
@@ -222,12 +227,16 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
 }
 
 /// A microVM moves with its memory: a process counting in memory only goes on counting on
-/// the new node, under the same pid, with its disk's files.
+/// the new node, under the same pid, with its disk's files; and when that node dies, it
+/// starts again on the other from its last snapshot and counts on from the snapshot's
+/// count.
 #[test]
 fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     let fab = Fabric::new(2);
     let (db, pg_url) = cluster().new_database();
-    let srv = fab.control(&pg_url, &[]);
+    let kept = locker_tests::TempDir::new("locker-snapshot-store");
+    let store = kept.path().display().to_string();
+    let srv = fab.control(&pg_url, &["--snapshot-store", &store]);
     let (admin, api) = (srv.admin(), srv.api());
     let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 2);
     admin
@@ -282,6 +291,45 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     );
     assert_eq!(api.sh(&id, "cat /home/user/f"), "on-disk\n");
     assert_eq!(api.sh(&id, "hostname").trim(), id.as_str());
+
+    // A snapshot on b, kept in the store; then b's host dies: the microVM starts on a from
+    // it, its counter going on from the snapshot's count, its disk's files as they were.
+    let r = api.post(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
+    assert_eq!(r.status, 201, "{}", r.text());
+    let snap = r.json()["id"].as_str().unwrap().to_owned();
+    let at_snapshot = count(&api);
+    api.sh(&id, "echo after > /home/user/f");
+    wait_for(Duration::from_secs(120), "the copy in the store", || {
+        kept.path()
+            .join(format!("{snap}.carry"))
+            .is_file()
+            .then_some(())
+    });
+    admin
+        .post("/v1/fleet/nodes/a/uncordon", &json!({}))
+        .expect(200, "uncordon a");
+    nodes[1].stop();
+    locker_tests::server::destroy_machines(&nodes[1].data_dir().join("sandboxes"));
+    let died = std::time::Instant::now();
+    wait_for(Duration::from_secs(60), "running again", || {
+        (api.get(&format!("/v1/sandboxes/{id}")).json()["state"] == "running").then_some(())
+    });
+    eprintln!(
+        "microVM restarted from its snapshot {:?} after its node died",
+        died.elapsed()
+    );
+    assert_eq!(node_of(&api, &db, &id), "a");
+    let c = count(&api);
+    std::thread::sleep(Duration::from_millis(600));
+    let d = count(&api);
+    // The snapshot's count is between `b` and `at_snapshot` (read after its answer).
+    assert!(
+        c >= b && d > c,
+        "the counter goes on from the snapshot's (at most {at_snapshot}): {c}, then {d}"
+    );
+    assert_eq!(api.sh(&id, "pgrep -f 'n=0; while' | head -1"), pid_before);
+    assert_eq!(api.sh(&id, "cat /home/user/f"), "on-disk\n");
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
     for n in &mut nodes {
         n.stop();
     }

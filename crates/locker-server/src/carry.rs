@@ -79,6 +79,10 @@ const FILES_MAX: usize = 2 * locker_runtime::disk::MAX_LAYERS + 8;
 struct Header {
     record: SandboxRecord,
     files: Vec<FileEntry>,
+    /// Paused when it left (`true`: by the idle policy, `false`: by its caller): it comes
+    /// back paused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    paused: Option<bool>,
 }
 
 #[derive(Debug, Serialize, Deserialize)]
@@ -148,8 +152,9 @@ fn refusal(rec: &SandboxRecord) -> Option<String> {
     None
 }
 
-/// Freezes `live` for its move (no call admitted from now on); whether it was paused.
-fn mark_moving(live: &Live) -> Result<(), ApiError> {
+/// Freezes `live` for its move (no call admitted from now on); whether it was paused, and
+/// if so by the idle policy.
+fn mark_moving(live: &Live) -> Result<Option<bool>, ApiError> {
     let mut st = live.pause.lock().expect("pause lock");
     if st.moving.is_some() {
         return Err(ApiError::conflict(format!(
@@ -158,6 +163,7 @@ fn mark_moving(live: &Live) -> Result<(), ApiError> {
         )));
     }
     let was_paused = st.since.is_some();
+    let paused = was_paused.then_some(st.by_idle);
     if !was_paused {
         live.machine
             .pause()
@@ -166,7 +172,7 @@ fn mark_moving(live: &Live) -> Result<(), ApiError> {
         live.clock.lock().expect("clock lock").paused(true);
     }
     st.moving = Some(was_paused);
-    Ok(())
+    Ok(paused)
 }
 
 /// Lifts the moving mark: calls are admitted again, and the sandbox runs unless it was
@@ -187,7 +193,7 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     if let Some(why) = refusal(&rec) {
         return Err(ApiError::conflict(why));
     }
-    mark_moving(&live)?;
+    let paused = mark_moving(&live)?;
     let dir = kept_dir(app, id);
     let _ = std::fs::remove_dir_all(&dir);
     if let Err(e) = crate::snapshots::take(app, &live, dir.clone()).await {
@@ -196,9 +202,10 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     }
     let kept = serde_json::to_vec(&rec)
         .map_err(io::Error::other)
-        .and_then(|r| std::fs::write(dir.join(RECORD), r));
+        .and_then(|r| std::fs::write(dir.join(RECORD), r))
+        .and_then(|()| mark_paused(&dir, paused));
     let answer = match kept {
-        Ok(()) => bundle(&dir, rec),
+        Ok(()) => bundle(&dir, rec, paused),
         Err(e) => Err(ApiError::internal(format!(
             "keeping the sandbox's record: {e}"
         ))),
@@ -230,14 +237,20 @@ async fn export_snapshot(
             "sandbox {id} has no snapshot {snap} here"
         )));
     }
-    bundle(&app.snapshots_dir().join(snap), rec)
+    bundle(&app.snapshots_dir().join(snap), rec, None)
 }
 
-/// The answer that streams the bundle of the snapshot in `dir` with `rec`.
-fn bundle(dir: &Path, rec: SandboxRecord) -> Result<Response, ApiError> {
+/// The answer that streams the bundle of the snapshot in `dir` with `rec` (`paused` as
+/// [`Header::paused`]).
+fn bundle(dir: &Path, rec: SandboxRecord, paused: Option<bool>) -> Result<Response, ApiError> {
     let header = listing(dir)
         .and_then(|files| {
-            serde_json::to_vec(&Header { record: rec, files }).map_err(io::Error::other)
+            serde_json::to_vec(&Header {
+                record: rec,
+                files,
+                paused,
+            })
+            .map_err(io::Error::other)
         })
         .map_err(|e| ApiError::internal(format!("listing the sandbox's snapshot: {e}")))?;
     let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(4);
@@ -373,7 +386,8 @@ fn plain_path(path: &str) -> bool {
         })
 }
 
-/// Reads a bundle from `body` into `dir` (created): the sandbox's record.
+/// Reads a bundle from `body` into `dir` (created): the sandbox's record (its pause, if
+/// it was paused, marked in `dir`: [`mark_paused`]).
 async fn read_bundle(body: Body, dir: &Path, tenant: &str) -> Result<SandboxRecord, ApiError> {
     let bad = |m: String| ApiError::bad_request(format!("the carried sandbox's bundle: {m}"));
     let stream = body.into_data_stream().map_err(io::Error::other);
@@ -409,6 +423,7 @@ async fn read_bundle(body: Body, dir: &Path, tenant: &str) -> Result<SandboxReco
     }
     let most = (rec.disk_mb + rec.memory_mb + 256) << 20;
     std::fs::create_dir_all(dir)
+        .and_then(|()| mark_paused(dir, header.paused))
         .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
     for f in &header.files {
         if !plain_path(&f.path) || f.size > most {
@@ -473,6 +488,16 @@ fn received_dir(app: &AppState, id: &str) -> std::path::PathBuf {
 
 /// The record kept beside the old node's snapshot.
 const RECORD: &str = ".record.json";
+/// Beside a carried snapshot when its sandbox was paused: `idle` or `caller`.
+const PAUSED: &str = ".paused";
+
+/// Notes in `dir` that the sandbox of its snapshot was paused (`Some(by_idle)`), if it was.
+fn mark_paused(dir: &Path, paused: Option<bool>) -> io::Result<()> {
+    match paused {
+        Some(by_idle) => std::fs::write(dir.join(PAUSED), if by_idle { "idle" } else { "caller" }),
+        None => Ok(()),
+    }
+}
 
 async fn receive(
     app: &AppState,
@@ -625,7 +650,18 @@ async fn launch_from(
     };
     // A row it left here when it went elsewhere before.
     app.store.forget_sandbox(&rec.id)?;
-    crate::lifecycle::launch_carried(app, caller, &new, dir.to_path_buf(), rec).await
+    let paused = std::fs::read_to_string(dir.join(PAUSED)).ok();
+    let (made, live) =
+        crate::lifecycle::launch_carried(app, caller, &new, dir.to_path_buf(), rec).await?;
+    // Paused when it left: paused again, as it was.
+    let Some(by) = paused else {
+        return Ok((made, live));
+    };
+    if let Err(e) = crate::sandboxes::freeze(app, &live, by.trim() == "idle") {
+        tracing::warn!(sandbox = %rec.id, error = %e.message, "a sandbox paused when it left its node runs on its new one");
+        return Ok((made, live));
+    }
+    Ok((crate::lifecycle::record_of(app, caller, &rec.id)?, live))
 }
 
 /// Destroys the machine of sandbox `id` here and forgets its row (it did not end).
@@ -709,6 +745,7 @@ mod tests {
         let header = serde_json::to_vec(&Header {
             record: record(),
             files: listing(&src).unwrap(),
+            paused: None,
         })
         .unwrap();
         let mut bytes = Vec::new();

@@ -616,6 +616,27 @@ pub(crate) fn set_ttl_of(
     Ok(r)
 }
 
+/// Freezes sandbox `live` (a frozen one stays so), paused by idleness or not, and records
+/// it paused; no event (a sandbox carried from another node paused comes back so).
+pub(crate) fn freeze(app: &AppState, live: &Live, by_idle: bool) -> Result<(), ApiError> {
+    {
+        let mut st = live.pause.lock().expect("pause lock");
+        if st.since.is_none() {
+            live.machine.pause().map_err(ApiError::during("pausing"))?;
+            st.since = Some(now_s());
+            live.clock.lock().expect("clock lock").paused(true);
+        }
+        st.by_idle = by_idle;
+        match (by_idle, st.since) {
+            (true, Some(since)) => PauseMarks::of(app).set(&live.id, since),
+            _ => PauseMarks::of(app).clear(&live.id),
+        }
+    }
+    app.store
+        .set_sandbox_state(&live.id, SandboxState::Paused)?;
+    Ok(())
+}
+
 /// Pauses (freezes) the caller's sandbox `id`; a paused one stays paused, now by its
 /// caller. Its record and live entry.
 pub(crate) async fn pause_sandbox(
@@ -624,18 +645,8 @@ pub(crate) async fn pause_sandbox(
     id: &str,
 ) -> Result<(SandboxRecord, std::sync::Arc<Live>), ApiError> {
     let live = live_quiet(app, caller, id).await?;
-    {
-        let mut st = live.pause.lock().expect("pause lock");
-        if st.since.is_none() {
-            live.machine.pause().map_err(ApiError::during("pausing"))?;
-            st.since = Some(now_s());
-            live.clock.lock().expect("clock lock").paused(true);
-        }
-        // An explicit pause is the caller's: its time counts against the TTL.
-        st.by_idle = false;
-    }
-    PauseMarks::of(app).clear(id);
-    app.store.set_sandbox_state(id, SandboxState::Paused)?;
+    // An explicit pause is the caller's: its time counts against the TTL.
+    freeze(app, &live, false)?;
     app.events.emit(
         &caller.tenant,
         crate::events::Kind::SandboxPaused,
