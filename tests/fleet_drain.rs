@@ -450,3 +450,113 @@ fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
         n.stop();
     }
 }
+
+/// A move whose control replica dies half way (the bundle on its way) is given up by the
+/// nodes after their wait (`LOCKER_CARRY_WAIT_S`, 2 s here): the sandbox, frozen for it,
+/// runs on its old node again with its files; the new node keeps nothing of it and its
+/// reservation comes back.
+#[test]
+fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
+    let fab = Fabric::new(2);
+    let (db, pg_url) = cluster().new_database();
+    // A fixed fleet port: the nodes find the control plane again after its restart.
+    let port = std::net::TcpListener::bind((fab.control_ip().as_str(), 0))
+        .and_then(|l| l.local_addr())
+        .expect("a free port")
+        .port();
+    let listen = format!("{}:{port}", fab.control_ip());
+    let mut srv = locker_tests::server::Server::start_with(&[
+        "--database",
+        &pg_url,
+        "--fleet-listen",
+        &listen,
+    ]);
+    let admin = srv.admin();
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
+    // Both again with a short wait (a restart within the lease: still the fleet's).
+    for n in &mut nodes {
+        n.stop();
+        n.env = vec![("LOCKER_CARRY_WAIT_S".into(), "2".into())];
+        n.start(&fab, None, 4);
+    }
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    let api = srv.api();
+    let r = wait_for(Duration::from_secs(30), "a create on a", || {
+        let r = create(&api);
+        (r.status == 201).then_some(r)
+    });
+    assert_eq!(placed_on(&r), "a");
+    let id = r.json()["id"].as_str().unwrap().to_owned();
+    api.sh(
+        &id,
+        "head -c 67108864 /dev/urandom > /home/user/blob && echo kept > /home/user/f && sync",
+    );
+    let sum = api.sh(&id, "sha256sum /home/user/blob | cut -c1-64");
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+
+    // b stalls (so the bundle stays on its way), the drain begins, the control plane dies.
+    nodes[1].signal(libc::SIGSTOP);
+    let (url, key) = (srv.url.clone(), srv.admin_key.clone().unwrap_or_default());
+    let drain = std::thread::spawn(move || {
+        let _ = std::process::Command::new(locker_tests::locker_bin())
+            .args(["fleet", "drain", "a"])
+            .env("LOCKER_URL", url)
+            .env("LOCKER_ADMIN_KEY", key)
+            .output();
+    });
+    let kept = nodes[0]
+        .data_dir()
+        .join("snapshots")
+        .join(format!(".carry-{id}"));
+    wait_for(Duration::from_secs(30), "the move under way on a", || {
+        kept.exists().then_some(())
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    srv.kill9();
+    nodes[1].signal(libc::SIGCONT);
+    let _ = drain.join();
+    srv.restart_on_same_port();
+    let api = srv.api();
+    let admin = srv.admin();
+    let t0 = std::time::Instant::now();
+    let f = wait_for(
+        Duration::from_secs(30),
+        "the sandbox answering on a again",
+        || {
+            let r = api.post(
+                &format!("/v1/sandboxes/{id}/exec"),
+                &json!({"shell": "cat /home/user/f"}),
+            );
+            (r.status == 200).then(|| r.json()["stdout"].as_str().unwrap_or_default().to_owned())
+        },
+    );
+    eprintln!(
+        "answering again {:?} after the control plane came back",
+        t0.elapsed()
+    );
+    assert_eq!(f, "kept\n");
+    assert_eq!(node_of(&api, &db, &id), "a");
+    assert_eq!(api.sh(&id, "sha256sum /home/user/blob | cut -c1-64"), sum);
+    assert!(!kept.exists(), "a's kept snapshot of the abandoned move");
+    assert!(
+        nodes[0].log_text().contains("abandoned half way"),
+        "{}",
+        nodes[0].log_text()
+    );
+    // b keeps nothing of it, and its reservation comes back.
+    wait_for(Duration::from_secs(60), "b holding nothing of it", || {
+        let l = fleet_nodes(&admin);
+        let in_b: Vec<_> = std::fs::read_dir(nodes[1].data_dir().join("snapshots"))
+            .map(|d| d.flatten().map(|e| e.file_name()).collect())
+            .unwrap_or_default();
+        (fleet_node(&l, "b")["reserved"]["slots"] == 0 && in_b.is_empty()).then_some(())
+    });
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+    for n in &mut nodes {
+        n.stop();
+    }
+}

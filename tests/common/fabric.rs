@@ -218,6 +218,8 @@ pub struct NodeProc {
     pub dir: TempDir,
     pub log: PathBuf,
     pub child: Option<Child>,
+    /// Environment the process starts with, beside the test's.
+    pub env: Vec<(String, String)>,
 }
 
 impl NodeProc {
@@ -232,6 +234,7 @@ impl NodeProc {
             dir,
             log,
             child: None,
+            env: Vec::new(),
         }
     }
 
@@ -268,9 +271,18 @@ impl NodeProc {
     }
 
     pub fn start(&mut self, fab: &Fabric, join: Option<(&str, &str)>, slots: u32) {
-        let args = self.args(fab, join, slots);
+        let mut args = self.args(fab, join, slots);
+        let mut program = locker_bin();
+        if !self.env.is_empty() {
+            // Through env(1): the namespace's spawn takes no environment of its own.
+            let mut with: Vec<String> = self.env.iter().map(|(k, v)| format!("{k}={v}")).collect();
+            with.push(program.display().to_string());
+            with.append(&mut args);
+            args = with;
+            program = PathBuf::from("/usr/bin/env");
+        }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
-        self.child = Some(fab.spawn(self.i, &locker_bin(), &args, &self.log));
+        self.child = Some(fab.spawn(self.i, &program, &args, &self.log));
     }
 
     /// Runs `locker node` to its end (a refused join ends at once): its status and log.
@@ -287,6 +299,7 @@ impl NodeProc {
             dir: TempDir::new("locker-node-run"),
             log: self.log.clone(),
             child: Some(child),
+            env: Vec::new(),
         };
         let status = wait_for(Duration::from_secs(20), "a refused join to end", || {
             guard.child.as_mut().unwrap().try_wait().expect("wait")

@@ -29,9 +29,13 @@
 //!   sandbox's record as it is now, the sandbox undisturbed: control keeps it, to start the
 //!   sandbox on another node (`receive` and `start`) should this one die (`fleet::restart`).
 //!
-//! A start after a crash removes the `.carry-*` directories with every other snapshot
-//! directory without a record (`snapshots::cleanup`), and a sandbox frozen for a move that
-//! never finished is thawed when it is adopted.
+//! A move whose control replica goes away half way is given up by the nodes themselves,
+//! `LOCKER_CARRY_WAIT_S` (300 s) after their own step: the old node thaws a sandbox it
+//! sent but was neither told to release nor to keep (until its release, the move can go
+//! back), the new node drops what it received but was never told to start. A start after
+//! a crash removes the `.carry-*` directories with every other snapshot directory without
+//! a record (`snapshots::cleanup`), and a sandbox frozen for a move that never finished is
+//! thawed when it is adopted.
 //!
 //! # The bundle
 //! `LOCKER-CARRY 1\n`, one line of JSON (`{"record": <the sandbox's record>, "files":
@@ -178,7 +182,11 @@ fn mark_moving(live: &Live) -> Result<Option<bool>, ApiError> {
 /// Lifts the moving mark: calls are admitted again, and the sandbox runs unless it was
 /// paused before its move.
 fn unmark(live: &Live) {
-    let mut st = live.pause.lock().expect("pause lock");
+    unmark_locked(live, &mut live.pause.lock().expect("pause lock"));
+}
+
+fn unmark_locked(live: &Live, st: &mut crate::state::PauseState) {
+    st.leaving = false;
     let Some(was_paused) = st.moving.take() else {
         return;
     };
@@ -186,6 +194,68 @@ fn unmark(live: &Live) {
         st.since = None;
         live.clock.lock().expect("clock lock").paused(false);
     }
+}
+
+/// How long a node waits for the next step of a move once its own step is done (the
+/// bundle sent, or received) before it gives the move up: the control replica driving it
+/// died, or lost its way. `LOCKER_CARRY_WAIT_S`, 300 s by default.
+fn wait_limit() -> std::time::Duration {
+    let s = std::env::var("LOCKER_CARRY_WAIT_S")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(300);
+    std::time::Duration::from_secs(s)
+}
+
+/// The old node's side of an abandoned move: sandbox `id`, frozen for a move whose
+/// bundle went out (or failed to) `wait_limit()` ago and which was neither released nor
+/// told to stay, runs here again (as it was) and its kept snapshot goes.
+async fn abandon_export(app: AppState, id: String) {
+    tokio::time::sleep(wait_limit()).await;
+    let Some(live) = app.live.read().await.get(&id).cloned() else {
+        return;
+    };
+    let abandoned = {
+        let mut st = live.pause.lock().expect("pause lock");
+        let stuck = st.moving.is_some() && !st.leaving;
+        if stuck {
+            unmark_locked(&live, &mut st);
+        }
+        stuck
+    };
+    if abandoned {
+        let _ = tokio::fs::remove_dir_all(kept_dir(&app, &id)).await;
+        tracing::warn!(sandbox = %id, wait_s = wait_limit().as_secs(), "a move of this sandbox was abandoned half way (its control replica went away): it runs here again");
+    }
+}
+
+/// The new node's side of an abandoned move: what was received of sandbox `id` for
+/// placement `placement`, neither started nor dropped within `wait_limit()`, goes, and the
+/// placement is no longer reported as a create in progress (reconciliation gives its
+/// reservation back).
+async fn abandon_received(app: AppState, id: String, placement: Option<String>) {
+    tokio::time::sleep(wait_limit()).await;
+    if claim(&app, &id)
+        .await
+        .is_some_and(|dir| std::fs::remove_dir_all(dir).is_ok())
+    {
+        if let Some(p) = &placement {
+            app.fleet_creates.end(p, None);
+        }
+        tracing::warn!(sandbox = %id, wait_s = wait_limit().as_secs(), "a sandbox received from another node was never started (its control replica went away): dropped");
+    }
+}
+
+/// Takes what was received of sandbox `id` for one use (a start, a drop, its abandonment):
+/// moved aside under a name of its own, so that only one of them has it.
+async fn claim(app: &AppState, id: &str) -> Option<std::path::PathBuf> {
+    let claimed = app
+        .snapshots_dir()
+        .join(format!(".carry-in-{}", crate::ids::new_id("")));
+    tokio::fs::rename(received_dir(app, id), &claimed)
+        .await
+        .ok()
+        .map(|()| claimed)
 }
 
 async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
@@ -204,8 +274,9 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
         .map_err(io::Error::other)
         .and_then(|r| std::fs::write(dir.join(RECORD), r))
         .and_then(|()| mark_paused(&dir, paused));
+    let (done, sent) = tokio::sync::oneshot::channel();
     let answer = match kept {
-        Ok(()) => bundle(&dir, rec, paused),
+        Ok(()) => bundle(&dir, rec, paused, Some(done)),
         Err(e) => Err(ApiError::internal(format!(
             "keeping the sandbox's record: {e}"
         ))),
@@ -213,6 +284,12 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     if answer.is_err() {
         let _ = std::fs::remove_dir_all(&dir);
         unmark(&live);
+    } else {
+        let (app, id) = (app.clone(), id.to_owned());
+        tokio::spawn(async move {
+            let _ = sent.await;
+            abandon_export(app, id).await;
+        });
     }
     answer
 }
@@ -237,12 +314,17 @@ async fn export_snapshot(
             "sandbox {id} has no snapshot {snap} here"
         )));
     }
-    bundle(&app.snapshots_dir().join(snap), rec, None)
+    bundle(&app.snapshots_dir().join(snap), rec, None, None)
 }
 
 /// The answer that streams the bundle of the snapshot in `dir` with `rec` (`paused` as
-/// [`Header::paused`]).
-fn bundle(dir: &Path, rec: SandboxRecord, paused: Option<bool>) -> Result<Response, ApiError> {
+/// [`Header::paused`]); `done` is told when it was all sent, or failed to be.
+fn bundle(
+    dir: &Path,
+    rec: SandboxRecord,
+    paused: Option<bool>,
+    done: Option<tokio::sync::oneshot::Sender<()>>,
+) -> Result<Response, ApiError> {
     let header = listing(dir)
         .and_then(|files| {
             serde_json::to_vec(&Header {
@@ -262,6 +344,9 @@ fn bundle(dir: &Path, rec: SandboxRecord, paused: Option<bool>) -> Result<Respon
         };
         if let Err(e) = write_bundle(&dir, &header, &mut send) {
             let _ = tx.blocking_send(Err(e));
+        }
+        if let Some(done) = done {
+            let _ = done.send(());
         }
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -544,7 +629,10 @@ async fn receive(
         Ok(rec)
     });
     match r {
-        Ok(rec) => Ok(axum::Json(serde_json::json!({"received": rec.id})).into_response()),
+        Ok(rec) => {
+            tokio::spawn(abandon_received(app.clone(), rec.id.clone(), placement));
+            Ok(axum::Json(serde_json::json!({"received": rec.id})).into_response())
+        }
         Err(e) => {
             let _ = tokio::fs::remove_dir_all(&landing).await;
             end(app);
@@ -576,7 +664,11 @@ async fn start(
     if !sandbox_id(id) {
         return Err(ApiError::bad_request(format!("{id:?} is not a sandbox id")));
     }
-    let dir = received_dir(app, id);
+    let Some(dir) = claim(app, id).await else {
+        return Err(ApiError::not_found(format!(
+            "nothing of sandbox {id} was received here (or it waited too long and was dropped)"
+        )));
+    };
     let r = match kept_record(&dir, &caller.tenant, id) {
         Ok(rec) => launch_from(app, caller, &dir, &rec).await,
         Err(e) => Err(e),
@@ -602,9 +694,11 @@ async fn drop_received(
     if !sandbox_id(id) {
         return Err(ApiError::bad_request(format!("{id:?} is not a sandbox id")));
     }
-    let _ = tokio::fs::remove_dir_all(received_dir(app, id)).await;
-    if let Some(p) = &placement {
-        app.fleet_creates.end(p, None);
+    if let Some(dir) = claim(app, id).await {
+        let _ = tokio::fs::remove_dir_all(dir).await;
+        if let Some(p) = &placement {
+            app.fleet_creates.end(p, None);
+        }
     }
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -677,6 +771,16 @@ async fn let_go(app: &AppState, caller: &Caller, id: &str) -> Result<(), ApiErro
 
 async fn release(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
     kept_record(&kept_dir(app, id), &caller.tenant, id)?;
+    if let Some(live) = app.live.read().await.get(id).cloned() {
+        let mut st = live.pause.lock().expect("pause lock");
+        if st.moving.is_none() {
+            return Err(ApiError::conflict(format!(
+                "sandbox {id} is not moving: its move waited too long and was abandoned; \
+                 it runs here"
+            )));
+        }
+        st.leaving = true;
+    }
     let_go(app, caller, id).await?;
     Ok(StatusCode::NO_CONTENT.into_response())
 }

@@ -231,6 +231,9 @@ pub struct PauseState {
     /// Being carried to another node (`carry`): frozen, and no call is admitted; whether it
     /// was paused before (so that a move that fails leaves it as it was).
     pub moving: Option<bool>,
+    /// Its move passed the point of no return here (`carry`'s release): it is not thawed
+    /// for a move abandoned.
+    pub leaving: bool,
 }
 
 impl Live {
