@@ -451,10 +451,11 @@ fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
     }
 }
 
-/// A move whose control replica dies half way (the bundle on its way) is given up by the
-/// nodes after their wait (`LOCKER_CARRY_WAIT_S`, 2 s here): the sandbox, frozen for it,
-/// runs on its old node again with its files; the new node keeps nothing of it and its
-/// reservation comes back.
+/// A move whose control replica dies half way is given up by the nodes after their wait
+/// (`LOCKER_CARRY_WAIT_S`, 2 s here): with the bundle on its way, the sandbox, frozen for
+/// it, runs on its old node again with its files, and the new node keeps nothing of it
+/// and its reservation comes back; after the old machine was released, the old node
+/// starts the sandbox again from its kept snapshot.
 #[test]
 fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
     let fab = Fabric::new(2);
@@ -555,6 +556,52 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
             .unwrap_or_default();
         (fleet_node(&l, "b")["reserved"]["slots"] == 0 && in_b.is_empty()).then_some(())
     });
+
+    // Abandoned after the release (a's machine gone, its snapshot kept): b stalls the moment
+    // a lets the machine go, then the control plane dies and b's host with it; after the
+    // wait a starts the sandbox again from its kept snapshot, under the placement it never
+    // lost.
+    let (url, key) = (srv.url.clone(), srv.admin_key.clone().unwrap_or_default());
+    let drain = std::thread::spawn(move || {
+        let _ = std::process::Command::new(locker_tests::locker_bin())
+            .args(["fleet", "drain", "a"])
+            .env("LOCKER_URL", url)
+            .env("LOCKER_ADMIN_KEY", key)
+            .output();
+    });
+    let released = kept.join(".released");
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !released.exists() {
+        assert!(std::time::Instant::now() < deadline, "a never released it");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    nodes[1].signal(libc::SIGSTOP);
+    srv.kill9();
+    nodes[1].stop();
+    locker_tests::server::destroy_machines(&nodes[1].data_dir().join("sandboxes"));
+    let _ = drain.join();
+    srv.restart_on_same_port();
+    let api = srv.api();
+    let f = wait_for(
+        Duration::from_secs(30),
+        "the sandbox answering on a again",
+        || {
+            let r = api.post(
+                &format!("/v1/sandboxes/{id}/exec"),
+                &json!({"shell": "cat /home/user/f"}),
+            );
+            (r.status == 200).then(|| r.json()["stdout"].as_str().unwrap_or_default().to_owned())
+        },
+    );
+    assert_eq!(f, "kept\n");
+    assert_eq!(node_of(&api, &db, &id), "a");
+    assert_eq!(api.sh(&id, "sha256sum /home/user/blob | cut -c1-64"), sum);
+    assert!(!kept.exists());
+    assert!(
+        nodes[0].log_text().contains("abandoned after its release"),
+        "{}",
+        nodes[0].log_text()
+    );
     assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
     for n in &mut nodes {
         n.stop();

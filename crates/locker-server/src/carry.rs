@@ -109,6 +109,26 @@ pub async fn handle(
         key_id: "fleet".into(),
     };
     let placement = crate::extract::query_arg(query, "placement");
+    // In a task of its own: a caller that goes away (a control replica that died) does not
+    // cut a step in the middle (a machine half destroyed, a start half made).
+    let (app, method, rest) = (app.clone(), method.clone(), rest.to_owned());
+    tokio::spawn(async move { step(&app, &caller, &method, &rest, placement, body).await })
+        .await
+        .unwrap_or_else(|e| {
+            ApiError::internal(format!("the carry step failed: {e}")).into_response()
+        })
+}
+
+/// One carry call, as [`handle`] dispatches it.
+async fn step(
+    app: &AppState,
+    caller: &Caller,
+    method: &Method,
+    rest: &str,
+    placement: Option<String>,
+    body: Body,
+) -> Response {
+    let caller = caller.clone();
     let done = match (method, rest.split_once('/')) {
         (&Method::POST, None) if rest == "receive" => receive(app, &caller, placement, body).await,
         (&Method::DELETE, None) => drop_received(app, rest, placement).await,
@@ -244,6 +264,85 @@ async fn abandon_received(app: AppState, id: String, placement: Option<String>) 
         }
         tracing::warn!(sandbox = %id, wait_s = wait_limit().as_secs(), "a sandbox received from another node was never started (its control replica went away): dropped");
     }
+}
+
+/// The old node's side of a move its control replica left after the release: sandbox
+/// `id`, released (its machine gone, its snapshot kept) `wait_limit()` ago, was neither
+/// told it moved nor to stay: it starts again here from its kept snapshot. Safe whichever
+/// way the move went: if the fleet had made the new node the sandbox's, this copy is one
+/// no placement names, which the fleet's reconciliation destroys (and the new node's copy
+/// is, if the fleet had not).
+async fn abandon_released(app: AppState, id: String) {
+    tokio::time::sleep(wait_limit()).await;
+    let Some(dir) = claim_kept(&app, &id).await else {
+        return;
+    };
+    let r = match std::fs::read(dir.join(RECORD))
+        .map_err(|e| e.to_string())
+        .and_then(|b| serde_json::from_slice::<SandboxRecord>(&b).map_err(|e| e.to_string()))
+    {
+        Ok(rec) => {
+            let caller = Caller {
+                tenant: rec.tenant.clone(),
+                key_id: "fleet".into(),
+            };
+            launch_from(&app, &caller, &dir, &rec)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.message)
+        }
+        Err(e) => Err(e),
+    };
+    let _ = tokio::fs::remove_dir_all(&dir).await;
+    match r {
+        Ok(()) => {
+            tracing::warn!(sandbox = %id, wait_s = wait_limit().as_secs(), "a move of this sandbox was abandoned after its release (its control replica went away): it runs here again from its snapshot")
+        }
+        Err(e) => {
+            tracing::error!(sandbox = %id, error = %e, "a sandbox released for a move that was abandoned could not start again here")
+        }
+    }
+}
+
+/// Sandboxes this node released for a move not finished yet: it reports them as its own
+/// until the move ends (no reconciliation gives their placement back meanwhile).
+pub fn released(app: &AppState) -> Vec<String> {
+    std::fs::read_dir(app.snapshots_dir())
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let id = name.strip_prefix(".carry-")?;
+            (sandbox_id(id) && e.path().join(RELEASED).exists()).then(|| id.to_owned())
+        })
+        .collect()
+}
+
+/// At a start: whether the snapshot directory `name` is a released sandbox's kept snapshot
+/// (`snapshots::cleanup` leaves it), and each one is watched as after its release.
+pub fn keeps(app: &AppState, name: &str) -> bool {
+    name.strip_prefix(".carry-")
+        .is_some_and(|id| sandbox_id(id) && app.snapshots_dir().join(name).join(RELEASED).exists())
+}
+
+/// Watches the released sandboxes' kept snapshots found at a start ([`keeps`]).
+pub fn watch_released(app: &AppState) {
+    for id in released(app) {
+        tokio::spawn(abandon_released(app.clone(), id));
+    }
+}
+
+/// Takes the old node's kept snapshot of sandbox `id` for one use (moved, stay, or
+/// abandoned after release), as [`claim`] does for the new node's.
+async fn claim_kept(app: &AppState, id: &str) -> Option<std::path::PathBuf> {
+    let claimed = app
+        .snapshots_dir()
+        .join(format!(".carry-out-{}", crate::ids::new_id("")));
+    tokio::fs::rename(kept_dir(app, id), &claimed)
+        .await
+        .ok()
+        .map(|()| claimed)
 }
 
 /// Takes what was received of sandbox `id` for one use (a start, a drop, its abandonment):
@@ -575,6 +674,8 @@ fn received_dir(app: &AppState, id: &str) -> std::path::PathBuf {
 const RECORD: &str = ".record.json";
 /// Beside a carried snapshot when its sandbox was paused: `idle` or `caller`.
 const PAUSED: &str = ".paused";
+/// Beside the old node's kept snapshot once the sandbox's machine was released.
+const RELEASED: &str = ".released";
 
 /// Notes in `dir` that the sandbox of its snapshot was paused (`Some(by_idle)`), if it was.
 fn mark_paused(dir: &Path, paused: Option<bool>) -> io::Result<()> {
@@ -781,15 +882,19 @@ async fn release(app: &AppState, caller: &Caller, id: &str) -> Result<Response, 
         }
         st.leaving = true;
     }
+    std::fs::write(kept_dir(app, id).join(RELEASED), b"")
+        .map_err(|e| ApiError::internal(format!("marking the kept snapshot released: {e}")))?;
     let_go(app, caller, id).await?;
+    tokio::spawn(abandon_released(app.clone(), id.to_owned()));
     Ok(StatusCode::NO_CONTENT.into_response())
 }
 
 async fn moved(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
-    let dir = kept_dir(app, id);
-    kept_record(&dir, &caller.tenant, id)?;
+    kept_record(&kept_dir(app, id), &caller.tenant, id)?;
     let_go(app, caller, id).await?;
-    let _ = tokio::fs::remove_dir_all(&dir).await;
+    if let Some(dir) = claim_kept(app, id).await {
+        let _ = tokio::fs::remove_dir_all(&dir).await;
+    }
     tracing::info!(sandbox = %id, "a sandbox moved to another node: nothing of it is left here");
     Ok(StatusCode::NO_CONTENT.into_response())
 }
@@ -808,9 +913,16 @@ async fn stay(app: &AppState, caller: &Caller, id: &str) -> Result<Response, Api
         // Released already: it starts again here from its kept snapshot.
         None => {
             let rec = kept_record(&dir, &caller.tenant, id)?;
-            launch_from(app, caller, &dir, &rec).await.map(|_| {
+            let Some(claimed) = claim_kept(app, id).await else {
+                return Err(ApiError::not_found(format!(
+                    "nothing of sandbox {id} is kept here"
+                )));
+            };
+            let r = launch_from(app, caller, &claimed, &rec).await.map(|_| {
                 tracing::warn!(sandbox = %id, "a sandbox that could not move started again on its node from its snapshot");
-            })
+            });
+            let _ = tokio::fs::remove_dir_all(&claimed).await;
+            r
         }
     };
     let _ = tokio::fs::remove_dir_all(&dir).await;

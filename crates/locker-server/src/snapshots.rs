@@ -176,11 +176,13 @@ pub async fn cleanup(app: &AppState) {
             }
         }
     }
+    let app2 = app.clone();
     let removed = tokio::task::spawn_blocking(move || {
+        let app = app2;
         let mut removed = Vec::new();
         for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if known.contains(&name) {
+            if known.contains(&name) || crate::carry::keeps(&app, &name) {
                 continue;
             }
             match std::fs::remove_dir_all(e.path()) {
@@ -197,6 +199,7 @@ pub async fn cleanup(app: &AppState) {
     if !removed.is_empty() {
         tracing::info!(count = removed.len(), snapshots = ?removed, "removed snapshots a stopped server left unfinished");
     }
+    crate::carry::watch_released(app);
 }
 
 async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {

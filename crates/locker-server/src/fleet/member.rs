@@ -338,7 +338,8 @@ pub fn host_report(
 /// engine behind `app` runs and keeps warm. Read off the async threads (/proc, the data
 /// dir's filesystem, the template cache).
 pub async fn live_report(app: &AppState, data_dir: &Path, slots: u32) -> Report {
-    let ids: Vec<String> = app.live.read().await.keys().cloned().collect();
+    let mut ids: Vec<String> = app.live.read().await.keys().cloned().collect();
+    let running = ids.len();
     let warm = u32::try_from(app.pool.len()).unwrap_or(u32::MAX);
     let (creating, made) = app.fleet_creates.report();
     let (data_dir, app) = (data_dir.to_owned(), app.clone());
@@ -346,10 +347,16 @@ pub async fn live_report(app: &AppState, data_dir: &Path, slots: u32) -> Report 
         let mut r = host_report(
             &data_dir,
             slots,
-            u32::try_from(ids.len()).unwrap_or(u32::MAX),
+            u32::try_from(running).unwrap_or(u32::MAX),
             warm,
             Some(&app.templates),
         );
+        // Released for a move still under way: still this node's until it ends.
+        for id in crate::carry::released(&app) {
+            if !ids.contains(&id) {
+                ids.push(id);
+            }
+        }
         r.sandbox_ids = ids;
         r.creating = creating;
         r.made = made;
