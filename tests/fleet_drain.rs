@@ -10,15 +10,63 @@
 use locker_tests::fabric::{admin_cli, fleet_node, fleet_nodes, join_nodes, Fabric};
 use locker_tests::fleet::{placed_on, rows};
 use locker_tests::postgres::cluster;
-use locker_tests::server::{Api, Resp};
+use locker_tests::server::{Api, Server};
 use locker_tests::wait_for;
 use serde_json::{json, Value};
 use std::time::Duration;
 
-fn create(api: &Api) -> Resp {
-    api.post(
-        "/v1/sandboxes",
-        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256, "metadata": {"who": "drain"}}),
+/// A jail's create body.
+fn spec() -> Value {
+    json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256, "metadata": {"who": "drain"}})
+}
+
+/// A control plane that keeps snapshots in a snapshot store of its own (removed with it).
+fn control_with_store(fab: &Fabric, pg_url: &str) -> (Server, locker_tests::TempDir) {
+    let kept = locker_tests::TempDir::new("locker-snapshot-store");
+    let store = kept.path().display().to_string();
+    (fab.control(pg_url, &["--snapshot-store", &store]), kept)
+}
+
+/// `n` sandboxes made with `body`, each placed on node a.
+fn made_on_a(api: &Api, n: usize, body: &Value) -> Vec<String> {
+    (0..n)
+        .map(|_| {
+            let r = api.post("/v1/sandboxes", body);
+            assert_eq!(
+                (r.status, placed_on(&r)),
+                (201, "a".to_owned()),
+                "{}",
+                r.text()
+            );
+            r.json()["id"].as_str().unwrap().to_owned()
+        })
+        .collect()
+}
+
+/// `locker fleet drain a` against `srv`, in a thread (the control plane may die under it).
+fn drain_a_behind(srv: &Server) -> std::thread::JoinHandle<()> {
+    let (url, key) = (srv.url.clone(), srv.admin_key.clone().unwrap_or_default());
+    std::thread::spawn(move || {
+        let _ = std::process::Command::new(locker_tests::locker_bin())
+            .args(["fleet", "drain", "a"])
+            .env("LOCKER_URL", url)
+            .env("LOCKER_ADMIN_KEY", key)
+            .output();
+    })
+}
+
+/// Waits until sandbox `id` answers a command again: what `cat /home/user/f` printed.
+fn answering(api: &Api, id: &str) -> String {
+    wait_for(
+        Duration::from_secs(30),
+        "the sandbox answering again",
+        || {
+            let r = api.post(
+                &format!("/v1/sandboxes/{id}/exec"),
+                &json!({"shell": "cat /home/user/f"}),
+            );
+            (r.status == 200).then(|| r.json()["stdout"].as_str().unwrap_or_default().to_owned())
+        },
     )
 }
 
@@ -76,18 +124,7 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     admin
         .post("/v1/fleet/nodes/b/cordon", &json!({}))
         .expect(200, "cordon b");
-    let ids: Vec<String> = (0..2)
-        .map(|_| {
-            let r = create(&api);
-            assert_eq!(
-                (r.status, placed_on(&r)),
-                (201, "a".to_owned()),
-                "{}",
-                r.text()
-            );
-            r.json()["id"].as_str().unwrap().to_owned()
-        })
-        .collect();
+    let ids = made_on_a(&api, 2, &spec());
     let before: Vec<Value> = ids
         .iter()
         .map(|id| api.get(&format!("/v1/sandboxes/{id}")).json())
@@ -234,25 +271,18 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
 fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     let fab = Fabric::new(2);
     let (db, pg_url) = cluster().new_database();
-    let kept = locker_tests::TempDir::new("locker-snapshot-store");
-    let store = kept.path().display().to_string();
-    let srv = fab.control(&pg_url, &["--snapshot-store", &store]);
+    let (srv, kept) = control_with_store(&fab, &pg_url);
     let (admin, api) = (srv.admin(), srv.api());
     let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 2);
     admin
         .post("/v1/fleet/nodes/b/cordon", &json!({}))
         .expect(200, "cordon b");
-    let r = api.post(
-        "/v1/sandboxes",
+    let id = made_on_a(
+        &api,
+        1,
         &json!({"runtime": "microvm", "ttl_s": 900, "memory_mb": 256}),
-    );
-    assert_eq!(
-        (r.status, placed_on(&r)),
-        (201, "a".to_owned()),
-        "{}",
-        r.text()
-    );
-    let id = r.json()["id"].as_str().unwrap().to_owned();
+    )
+    .remove(0);
     api.sh(&id, "echo on-disk > /home/user/f");
     api.post(
         &format!("/v1/sandboxes/{id}/processes"),
@@ -343,26 +373,13 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
 fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
     let fab = Fabric::new(2);
     let (db, pg_url) = cluster().new_database();
-    let kept = locker_tests::TempDir::new("locker-snapshot-store");
-    let store = kept.path().display().to_string();
-    let srv = fab.control(&pg_url, &["--snapshot-store", &store]);
+    let (srv, kept) = control_with_store(&fab, &pg_url);
     let (admin, api) = (srv.admin(), srv.api());
     let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
     admin
         .post("/v1/fleet/nodes/b/cordon", &json!({}))
         .expect(200, "cordon b");
-    let ids: Vec<String> = (0..2)
-        .map(|_| {
-            let r = create(&api);
-            assert_eq!(
-                (r.status, placed_on(&r)),
-                (201, "a".to_owned()),
-                "{}",
-                r.text()
-            );
-            r.json()["id"].as_str().unwrap().to_owned()
-        })
-        .collect();
+    let ids = made_on_a(&api, 2, &spec());
     let snapshot = |id: &str| -> String {
         let r = api.post(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
         assert_eq!(r.status, 201, "{}", r.text());
@@ -485,7 +502,7 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
         .expect(200, "cordon b");
     let api = srv.api();
     let r = wait_for(Duration::from_secs(30), "a create on a", || {
-        let r = create(&api);
+        let r = api.post("/v1/sandboxes", &spec());
         (r.status == 201).then_some(r)
     });
     assert_eq!(placed_on(&r), "a");
@@ -501,14 +518,7 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
 
     // b stalls (so the bundle stays on its way), the drain begins, the control plane dies.
     nodes[1].signal(libc::SIGSTOP);
-    let (url, key) = (srv.url.clone(), srv.admin_key.clone().unwrap_or_default());
-    let drain = std::thread::spawn(move || {
-        let _ = std::process::Command::new(locker_tests::locker_bin())
-            .args(["fleet", "drain", "a"])
-            .env("LOCKER_URL", url)
-            .env("LOCKER_ADMIN_KEY", key)
-            .output();
-    });
+    let drain = drain_a_behind(&srv);
     let kept = nodes[0]
         .data_dir()
         .join("snapshots")
@@ -524,17 +534,7 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
     let api = srv.api();
     let admin = srv.admin();
     let t0 = std::time::Instant::now();
-    let f = wait_for(
-        Duration::from_secs(30),
-        "the sandbox answering on a again",
-        || {
-            let r = api.post(
-                &format!("/v1/sandboxes/{id}/exec"),
-                &json!({"shell": "cat /home/user/f"}),
-            );
-            (r.status == 200).then(|| r.json()["stdout"].as_str().unwrap_or_default().to_owned())
-        },
-    );
+    let f = answering(&api, &id);
     eprintln!(
         "answering again {:?} after the control plane came back",
         t0.elapsed()
@@ -561,14 +561,7 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
     // a lets the machine go, then the control plane dies and b's host with it; after the
     // wait a starts the sandbox again from its kept snapshot, under the placement it never
     // lost.
-    let (url, key) = (srv.url.clone(), srv.admin_key.clone().unwrap_or_default());
-    let drain = std::thread::spawn(move || {
-        let _ = std::process::Command::new(locker_tests::locker_bin())
-            .args(["fleet", "drain", "a"])
-            .env("LOCKER_URL", url)
-            .env("LOCKER_ADMIN_KEY", key)
-            .output();
-    });
+    let drain = drain_a_behind(&srv);
     let released = kept.join(".released");
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
     while !released.exists() {
@@ -582,17 +575,7 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
     let _ = drain.join();
     srv.restart_on_same_port();
     let api = srv.api();
-    let f = wait_for(
-        Duration::from_secs(30),
-        "the sandbox answering on a again",
-        || {
-            let r = api.post(
-                &format!("/v1/sandboxes/{id}/exec"),
-                &json!({"shell": "cat /home/user/f"}),
-            );
-            (r.status == 200).then(|| r.json()["stdout"].as_str().unwrap_or_default().to_owned())
-        },
-    );
+    let f = answering(&api, &id);
     assert_eq!(f, "kept\n");
     assert_eq!(node_of(&api, &db, &id), "a");
     assert_eq!(api.sh(&id, "sha256sum /home/user/blob | cut -c1-64"), sum);

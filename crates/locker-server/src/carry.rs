@@ -196,6 +196,7 @@ fn mark_moving(live: &Live) -> Result<Option<bool>, ApiError> {
         live.clock.lock().expect("clock lock").paused(true);
     }
     st.moving = Some(was_paused);
+    st.moves += 1;
     Ok(paused)
 }
 
@@ -230,14 +231,21 @@ fn wait_limit() -> std::time::Duration {
 /// The old node's side of an abandoned move: sandbox `id`, frozen for a move whose
 /// bundle went out (or failed to) `wait_limit()` ago and which was neither released nor
 /// told to stay, runs here again (as it was) and its kept snapshot goes.
-async fn abandon_export(app: AppState, id: String) {
+async fn abandon_export(app: AppState, id: String, live: Arc<Live>) {
+    let watched = live.pause.lock().expect("pause lock").moves;
     tokio::time::sleep(wait_limit()).await;
-    let Some(live) = app.live.read().await.get(&id).cloned() else {
+    if !app
+        .live
+        .read()
+        .await
+        .get(&id)
+        .is_some_and(|l| Arc::ptr_eq(l, &live))
+    {
         return;
-    };
+    }
     let abandoned = {
         let mut st = live.pause.lock().expect("pause lock");
-        let stuck = st.moving.is_some() && !st.leaving;
+        let stuck = st.moving.is_some() && !st.leaving && st.moves == watched;
         if stuck {
             unmark_locked(&live, &mut st);
         }
@@ -273,7 +281,13 @@ async fn abandon_received(app: AppState, id: String, placement: Option<String>) 
 /// no placement names, which the fleet's reconciliation destroys (and the new node's copy
 /// is, if the fleet had not).
 async fn abandon_released(app: AppState, id: String) {
+    // The release watched (a later move of the same sandbox has a mark of its own).
+    let mark = kept_dir(&app, &id).join(RELEASED);
+    let watched = std::fs::read(&mark).ok();
     tokio::time::sleep(wait_limit()).await;
+    if watched.is_none() || std::fs::read(&mark).ok() != watched {
+        return;
+    }
     let Some(dir) = claim_kept(&app, &id).await else {
         return;
     };
@@ -336,22 +350,26 @@ pub fn watch_released(app: &AppState) {
 /// Takes the old node's kept snapshot of sandbox `id` for one use (moved, stay, or
 /// abandoned after release), as [`claim`] does for the new node's.
 async fn claim_kept(app: &AppState, id: &str) -> Option<std::path::PathBuf> {
-    let claimed = app
-        .snapshots_dir()
-        .join(format!(".carry-out-{}", crate::ids::new_id("")));
-    tokio::fs::rename(kept_dir(app, id), &claimed)
-        .await
-        .ok()
-        .map(|()| claimed)
+    take_aside(app, kept_dir(app, id), ".carry-out-").await
 }
 
 /// Takes what was received of sandbox `id` for one use (a start, a drop, its abandonment):
 /// moved aside under a name of its own, so that only one of them has it.
 async fn claim(app: &AppState, id: &str) -> Option<std::path::PathBuf> {
+    take_aside(app, received_dir(app, id), ".carry-in-").await
+}
+
+/// Renames `dir` to a new name of `prefix` among the snapshots: the new path, if it was
+/// there to take.
+async fn take_aside(
+    app: &AppState,
+    dir: std::path::PathBuf,
+    prefix: &str,
+) -> Option<std::path::PathBuf> {
     let claimed = app
         .snapshots_dir()
-        .join(format!(".carry-in-{}", crate::ids::new_id("")));
-    tokio::fs::rename(received_dir(app, id), &claimed)
+        .join(format!("{prefix}{}", crate::ids::new_id("")));
+    tokio::fs::rename(dir, &claimed)
         .await
         .ok()
         .map(|()| claimed)
@@ -384,10 +402,10 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
         let _ = std::fs::remove_dir_all(&dir);
         unmark(&live);
     } else {
-        let (app, id) = (app.clone(), id.to_owned());
+        let (app, id, live) = (app.clone(), id.to_owned(), live.clone());
         tokio::spawn(async move {
             let _ = sent.await;
-            abandon_export(app, id).await;
+            abandon_export(app, id, live).await;
         });
     }
     answer
@@ -882,7 +900,7 @@ async fn release(app: &AppState, caller: &Caller, id: &str) -> Result<Response, 
         }
         st.leaving = true;
     }
-    std::fs::write(kept_dir(app, id).join(RELEASED), b"")
+    std::fs::write(kept_dir(app, id).join(RELEASED), crate::ids::new_id("rel_"))
         .map_err(|e| ApiError::internal(format!("marking the kept snapshot released: {e}")))?;
     let_go(app, caller, id).await?;
     tokio::spawn(abandon_released(app.clone(), id.to_owned()));

@@ -234,6 +234,8 @@ pub struct PauseState {
     /// Its move passed the point of no return here (`carry`'s release): it is not thawed
     /// for a move abandoned.
     pub leaving: bool,
+    /// Moves begun here so far: a give-up acts only on the move it watched.
+    pub moves: u64,
 }
 
 impl Live {

@@ -218,16 +218,7 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
     )
     .await
     {
-        let _ = call(
-            app,
-            &p.tenant,
-            &to,
-            Method::DELETE,
-            format!("{PATH}{sb}?{placed}"),
-            Body::empty(),
-            EXPORT,
-        )
-        .await;
+        drop_received(app, &p.tenant, &to, &sb, &placed).await;
         stay(app, from, p, &sb).await;
         return Err(give_back(format!("its node would not let it go: {e}")).await);
     }
@@ -318,6 +309,18 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         to,
         ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
     })
+}
+
+/// Node `to` drops what it received of sandbox `sb` for placement query `placed`.
+pub(super) async fn drop_received(
+    app: &AppState,
+    tenant: &str,
+    to: &NodeRecord,
+    sb: &str,
+    placed: &str,
+) {
+    let path = format!("{PATH}{sb}?{placed}");
+    let _ = call(app, tenant, to, Method::DELETE, path, Body::empty(), EXPORT).await;
 }
 
 /// The move failed after the old node froze the sandbox: it runs on there.

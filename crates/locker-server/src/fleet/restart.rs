@@ -321,16 +321,7 @@ async fn restart(
     let view = match landed {
         Ok(v) => String::from_utf8_lossy(&v).into_owned(),
         Err(e) => {
-            let _ = call(
-                app,
-                &p.tenant,
-                &to,
-                Method::DELETE,
-                format!("{PATH}{sb}?{placed}"),
-                Body::empty(),
-                COPY,
-            )
-            .await;
+            super::drain::drop_received(app, &p.tenant, &to, &sb, &placed).await;
             let _ = destroy_orphan(app, &to, &sb).await;
             placement::unplace(app, &into.id).await;
             return Err(e);
