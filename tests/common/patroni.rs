@@ -129,6 +129,9 @@ impl Patroni {
         assert!(ok, "chown the Patroni dir to postgres");
         let script = r#"
             dir="$1"; parent="$2"; client="$3"; peer="$4"
+            # A working directory the postgres user can enter (the test's may be a 0700
+            # checkout: PostgreSQL's tools chdir back to where they started).
+            cd "$dir"
             etcd --name e0 --data-dir "$dir/etcd" --enable-v2=true \
                 --listen-client-urls "http://127.0.0.1:$client" --advertise-client-urls "http://127.0.0.1:$client" \
                 --listen-peer-urls "http://127.0.0.1:$peer" --initial-advertise-peer-urls "http://127.0.0.1:$peer" \
@@ -294,9 +297,22 @@ impl Patroni {
             .chain(pg_logs)
             .map(|f| {
                 // The head says what a member set out to do (a bootstrap, a base
-                // backup), the tail where it stands.
+                // backup), the tail where it stands; Patroni's once-a-second status lines
+                // are left out, so that what a tool it ran printed shows.
                 let t = std::fs::read_to_string(&f).unwrap_or_default();
-                let lines: Vec<&str> = t.lines().collect();
+                let lines: Vec<&str> = t
+                    .lines()
+                    .filter(|l| {
+                        ![
+                            "Lock owner: None",
+                            "not healthy enough for leader race",
+                            "bootstrap in progress",
+                            "waiting for leader to bootstrap",
+                        ]
+                        .iter()
+                        .any(|n| l.contains(n))
+                    })
+                    .collect();
                 let head = lines.len().min(15);
                 let tail = lines.len().saturating_sub(20).max(head);
                 format!(
@@ -306,6 +322,14 @@ impl Patroni {
                     lines[tail..].join("\n")
                 )
             })
+            .chain(std::iter::once(format!(
+                "---- the postgres user's processes ----\n{}",
+                Command::new("ps")
+                    .args(["-u", "postgres", "-o", "pid,ppid,stat,etime,wchan:24,args"])
+                    .output()
+                    .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
+                    .unwrap_or_default()
+            )))
             .collect()
     }
 }

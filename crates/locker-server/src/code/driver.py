@@ -97,11 +97,12 @@ JAVA_OPTIONS = [
 #   endless loop or a pending `await` alike): waiting longer would only delay its restart.
 # - `late`: seconds a cell still listens for its own outputs after the kernel said it was
 #   idle and replied. Deno's kernel publishes from more than one task and now and then sends
-#   a cell's execute_result after its idle status.
+#   a cell's execute_result after its idle status (15 ms was enough on a quiet host; a CI
+#   run on a busy one saw a result come later: 50 ms, paid by Deno's cells only).
 # - `env`: defaults for the kernel's environment. Deno colours its text/plain results with
 #   ANSI escapes unless told not to.
 KERNEL_QUIRKS = {
-    "javascript": {"grace": 1.0, "late": 0.015, "env": {"NO_COLOR": "1"}},
+    "javascript": {"grace": 1.0, "late": 0.05, "env": {"NO_COLOR": "1"}},
 }
 # How a sandbox gets each kernel (said when it has none).
 KERNEL_HINTS = {
