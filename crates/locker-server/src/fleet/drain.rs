@@ -222,27 +222,12 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         stay(app, from, p, &sb).await;
         return Err(give_back(format!("its node would not let it go: {e}")).await);
     }
-    let begun = call(
-        app,
-        &p.tenant,
-        &to,
-        Method::POST,
-        format!("{PATH}{sb}/start?{placed}"),
-        Body::empty(),
-        IMPORT,
-    )
-    .await;
-    let view = match begun {
-        Ok(r) => axum::body::to_bytes(r.into_body(), ANSWER_MAX).await.ok(),
+    let view = match start_on(app, &p.tenant, &to, &sb, &placed).await {
+        Ok(v) => v,
         Err(e) => {
             stay(app, from, p, &sb).await;
-            return Err(give_back(format!("it did not start: {e}")).await);
+            return Err(give_back(e).await);
         }
-    };
-    let Some(view) = view else {
-        let _ = destroy_orphan(app, &to, &sb).await;
-        stay(app, from, p, &sb).await;
-        return Err(give_back(format!("node {}'s answer was cut", to.name)).await);
     };
     // 4. The switch, only if the sandbox is still the old node's.
     let (store, pid, from_id, epoch, into_id, v) = (
@@ -251,7 +236,7 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         from.id.clone(),
         p.epoch,
         into.id.clone(),
-        String::from_utf8_lossy(&view).into_owned(),
+        view,
     );
     let switched = tokio::task::spawn_blocking(move || {
         store.move_placement(
@@ -309,6 +294,29 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         to,
         ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
     })
+}
+
+/// Node `to` starts sandbox `sb` from what it received for placement query `placed`: the
+/// sandbox's view as `to` answered it, or why not (a copy whose answer was cut is
+/// destroyed there).
+pub(super) async fn start_on(
+    app: &AppState,
+    tenant: &str,
+    to: &NodeRecord,
+    sb: &str,
+    placed: &str,
+) -> Result<String, String> {
+    let path = format!("{PATH}{sb}/start?{placed}");
+    let r = call(app, tenant, to, Method::POST, path, Body::empty(), IMPORT)
+        .await
+        .map_err(|e| format!("it did not start: {e}"))?;
+    match axum::body::to_bytes(r.into_body(), ANSWER_MAX).await {
+        Ok(v) => Ok(String::from_utf8_lossy(&v).into_owned()),
+        Err(_) => {
+            let _ = destroy_orphan(app, to, sb).await;
+            Err(format!("node {}'s answer was cut", to.name))
+        }
+    }
 }
 
 /// Node `to` drops what it received of sandbox `sb` for placement query `placed`.

@@ -303,23 +303,11 @@ async fn restart(
             COPY,
         )
         .await?;
-        let started = call(
-            app,
-            &p.tenant,
-            &to,
-            Method::POST,
-            format!("{PATH}{sb}/start?{placed}"),
-            Body::empty(),
-            COPY,
-        )
-        .await?;
-        axum::body::to_bytes(started.into_body(), 1 << 20)
-            .await
-            .map_err(|e| format!("node {}'s answer was cut: {e}", to.name))
+        super::drain::start_on(app, &p.tenant, &to, &sb, &placed).await
     }
     .await;
     let view = match landed {
-        Ok(v) => String::from_utf8_lossy(&v).into_owned(),
+        Ok(v) => v,
         Err(e) => {
             super::drain::drop_received(app, &p.tenant, &to, &sb, &placed).await;
             let _ = destroy_orphan(app, &to, &sb).await;
