@@ -289,6 +289,12 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
         &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n.new; mv /dev/shm/n.new /dev/shm/n; sleep 0.1; done"}),
     )
     .expect(200, "counter");
+    // The guest's clock every 20 ms, with shell builtins only (a fork under TCG takes longer).
+    api.post(
+        &format!("/v1/sandboxes/{id}/processes"),
+        &json!({"cmd": ["bash", "-c", locker_tests::GUEST_CLOCK]}),
+    )
+    .expect(200, "clock");
     api.sh(&id, "while [ ! -s /dev/shm/n ]; do sleep 0.05; done");
     let pid_before = api.sh(&id, "pgrep -f 'n=0; while' | head -1");
     let count = |api: &Api| -> u64 { api.sh(&id, "cat /dev/shm/n").trim().parse().unwrap() };
@@ -297,6 +303,51 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
         .expect(200, "uncordon b");
 
+    // First, b's node dies while the microVM's memory streams to it: the move fails, and
+    // the guest, which ran on meanwhile, goes on on a (QEMU resumes it where a migration
+    // failed; the node lifts the move's mark).
+    let drain = drain_a_behind(&srv);
+    std::thread::sleep(Duration::from_millis(900));
+    nodes[1].stop();
+    drain.join().unwrap();
+    answering(&api, &id);
+    assert_eq!(node_of(&api, &db, &id), "a");
+    let a0 = count(&api);
+    std::thread::sleep(Duration::from_millis(600));
+    assert!(
+        count(&api) > a0,
+        "the counter goes on on a after the failed move"
+    );
+    for l in nodes[0].log_text().lines().filter(|l| l.contains("live")) {
+        eprintln!("node a, the failed move: {l}");
+    }
+    nodes[1].start(&fab, None, 2);
+    // Its lease may not have run out: wait for the new process's readiness.
+    wait_for(Duration::from_secs(60), "b's node started again", || {
+        (nodes[1].log_text().matches("locker node ready").count() == 2).then_some(())
+    });
+    wait_for(Duration::from_secs(60), "b alive again", || {
+        fleet_nodes(&admin)
+            .iter()
+            .all(|n| n["alive"] == true)
+            .then_some(())
+    });
+    // The failed move's reservation on b is given back by the reconciliation (b does not
+    // report it).
+    wait_for(
+        Duration::from_secs(60),
+        "b's reservation given back",
+        || {
+            rows(
+                &db,
+                "SELECT p.id FROM placements p JOIN nodes n ON n.id = p.node_id WHERE n.name = 'b'",
+            )
+            .is_empty()
+            .then_some(())
+        },
+    );
+
+    let asked = locker_tests::unix_ns();
     let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
     assert_eq!(r.status, 200, "{}", r.text());
     let report = r.json();
@@ -305,8 +356,26 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
         Some(1),
         "{report}"
     );
-    eprintln!("microVM moved in {} ms", report["moved"][0]["ms"]);
+    let moved_ms = report["moved"][0]["ms"].as_u64().unwrap();
     assert_eq!(node_of(&api, &db, &id), "b");
+    // It moved live: its guest ran on while its disk and memory left, and stopped only for
+    // the last copy (the longest gap in its clock's log, every 50 ms).
+    let (ran, gap_ms) = locker_tests::guest_stop(&api.sh(&id, "cat /dev/shm/t"), asked);
+    eprintln!(
+        "microVM moved in {moved_ms} ms; its guest ran {ran} ms of it, then stopped {gap_ms} ms"
+    );
+    eprintln!("its steps: {}", report["moved"][0]["steps"]);
+    for l in nodes[0]
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("left live"))
+    {
+        eprintln!("node a: {l}");
+    }
+    assert!(
+        ran >= 250 && gap_ms * 10 < moved_ms * 6,
+        "a live move: the guest ran {ran} ms into the {moved_ms} ms move, then stopped {gap_ms} ms"
+    );
     let a = count(&api);
     std::thread::sleep(Duration::from_millis(600));
     let b = count(&api);

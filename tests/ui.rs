@@ -45,11 +45,11 @@ fn record(tenant: &str, i: usize) -> CallRecord {
         1 | 2 => ("exited", json!(1)),
         _ => ("exited", json!(0)),
     };
-    let kind = if i % 4 == 0 { "run" } else { "exec" };
+    let kind = if i.is_multiple_of(4) { "run" } else { "exec" };
     serde_json::from_value(json!({
         "id": format!("call_bulk{i:012}"),
         "tenant": tenant,
-        "key_id": if i % 2 == 0 { "key_even" } else { "key_odd" },
+        "key_id": if i.is_multiple_of(2) { "key_even" } else { "key_odd" },
         "kind": kind,
         "sandbox_id": if kind == "exec" { json!(format!("sb_bulk{:04}", i % 1000)) } else { Value::Null },
         "volume_id": if kind == "run" { json!("vol_bulk") } else { Value::Null },
@@ -66,7 +66,7 @@ fn record(tenant: &str, i: usize) -> CallRecord {
             "usage": {"cpu_ms": i % 300, "peak_memory_bytes": 1 << 20},
             "changes": null
         },
-        "egress_denied": if i % 50 == 0 || i % 20 == 19 { json!(["pypi.org"]) } else { json!([]) },
+        "egress_denied": if i.is_multiple_of(50) || i % 20 == 19 { json!(["pypi.org"]) } else { json!([]) },
         // Secrets: used on every tenth, misused (to a hostile-looking destination, shown as
         // text by the page) on every twentieth; the newest record (99 999) has both.
         "secrets_used": if i % 10 == 9 { json!([{"name": "openai", "host": "api.openai.com"}]) } else { json!([]) },
@@ -488,8 +488,8 @@ fn sandboxes_are_paged_with_a_total_and_filtered() {
     let srv = Server::start();
     let api = srv.api();
     let mut made = Vec::new();
-    for i in 0..5 {
-        let meta = if i % 2 == 0 {
+    for i in 0..5u32 {
+        let meta = if i.is_multiple_of(2) {
             json!({"even": "yes"})
         } else {
             json!({})

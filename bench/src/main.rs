@@ -14,6 +14,7 @@
 
 mod code;
 mod fleet;
+mod fleet_drain;
 mod fleet_volumes;
 mod host;
 mod http1;
@@ -114,7 +115,7 @@ pub struct Args {
     pub no_favordynmods: bool,
 }
 
-const GROUPS: [&str; 19] = [
+const GROUPS: [&str; 20] = [
     "jail",
     "peers",
     "server",
@@ -134,6 +135,7 @@ const GROUPS: [&str; 19] = [
     "ui",
     "fleet",
     "fleet-volumes",
+    "fleet-drain",
 ];
 
 impl Args {
@@ -406,6 +408,11 @@ fn run_groups(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         check_stop()?;
         println!("== fleet-volumes: `locker volume move` between two servers on Postgres, beside a bare btrfs send | receive ==");
         fleet_volumes::rows(args, rows)?;
+    }
+    if args.wants("fleet-drain") {
+        check_stop()?;
+        println!("== fleet-drain: sandboxes drained back and forth between two nodes: a jail, a microVM moved live and moved cold ==");
+        fleet_drain::rows(args, rows)?;
     }
     if args.wants("soak") {
         check_stop()?;

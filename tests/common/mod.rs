@@ -348,6 +348,44 @@ pub fn exited(pid: u32) -> bool {
     }
 }
 
+/// A guest's clock logged every 20 ms into `/dev/shm/t` (bash's `$EPOCHREALTIME`, one line
+/// per tick), with shell builtins only (a fork under TCG takes longer than a tick): run it
+/// with `bash -c`; [`guest_stop`] reads the log.
+pub const GUEST_CLOCK: &str = "mkfifo /dev/shm/w; exec 3<>/dev/shm/w; \
+    while :; do echo $EPOCHREALTIME >> /dev/shm/t; read -t 0.02 -u 3; done";
+
+/// In a guest's log of its clock ([`GUEST_CLOCK`]) around something asked for at `asked`
+/// ([`unix_ns`]): how long the guest ran after `asked` before its longest stop, and that
+/// stop, in ms.
+pub fn guest_stop(log: &str, asked: u128) -> (u64, u64) {
+    let ticks: Vec<u128> = log
+        .lines()
+        .filter_map(|l| {
+            let (s, us) = l.trim().split_once('.')?;
+            Some(s.parse::<u128>().ok()? * 1_000_000_000 + us.parse::<u128>().ok()? * 1000)
+        })
+        .filter(|&t| t + 1_000_000_000 >= asked)
+        .collect();
+    let (at, gap) = ticks
+        .windows(2)
+        .map(|w| (w[0], w[1].saturating_sub(w[0])))
+        .max_by_key(|&(_, g)| g)
+        .expect("ticks around the move");
+    (
+        (at.saturating_sub(asked) / 1_000_000) as u64,
+        (gap / 1_000_000) as u64,
+    )
+}
+
+/// The host's time now, in nanoseconds since the epoch (to compare with a guest's
+/// `date +%s%N`).
+pub fn unix_ns() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .expect("a clock after 1970")
+        .as_nanos()
+}
+
 /// Polls `f` every 50 ms until it returns `Some`, or panics with `what` after `limit`.
 #[track_caller]
 pub fn wait_for<T>(limit: std::time::Duration, what: &str, mut f: impl FnMut() -> Option<T>) -> T {

@@ -674,7 +674,8 @@ pub async fn idle_pass(app: &AppState) {
         };
         let paused = {
             let mut st = l.pause.lock().expect("pause lock");
-            if st.since.is_some() {
+            // Moving: frozen already, or a microVM moving live that must run on.
+            if st.since.is_some() || st.moving.is_some() {
                 continue;
             }
             let cpu = l.machine.usage().cpu_ms;

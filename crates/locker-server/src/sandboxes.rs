@@ -621,6 +621,14 @@ pub(crate) fn set_ttl_of(
 pub(crate) fn freeze(app: &AppState, live: &Live, by_idle: bool) -> Result<(), ApiError> {
     {
         let mut st = live.pause.lock().expect("pause lock");
+        if st.moving.is_some() {
+            // A microVM moving live runs on until its last copy: no freeze meanwhile.
+            return Err(ApiError::unavailable(format!(
+                "sandbox {} is moving to another node (its node is being drained): call \
+                 again in a few seconds",
+                live.id
+            )));
+        }
         if st.since.is_none() {
             live.machine.pause().map_err(ApiError::during("pausing"))?;
             st.since = Some(now_s());

@@ -492,6 +492,20 @@ pub fn shutdown_write(fd: RawFd) -> io::Result<()> {
     check_int(unsafe { libc::shutdown(fd, libc::SHUT_WR) })
 }
 
+/// Starts writing back `len` bytes of `file` from `offset` (`sync_file_range(2)`,
+/// `SYNC_FILE_RANGE_WRITE`) without waiting: a later `fsync` finds less to do. Best effort.
+pub fn start_writeback(file: &impl std::os::fd::AsRawFd, offset: u64, len: u64) {
+    // SAFETY: integer arguments only.
+    unsafe {
+        libc::sync_file_range(
+            file.as_raw_fd(),
+            offset as libc::off64_t,
+            len as libc::off64_t,
+            libc::SYNC_FILE_RANGE_WRITE,
+        );
+    }
+}
+
 /// A pipe (read end, write end) whose ends are closed on exec.
 pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
     pipe_with(0)

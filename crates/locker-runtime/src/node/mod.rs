@@ -805,6 +805,40 @@ impl Node {
         Ok((r??, true))
     }
 
+    /// The first step of carrying running microVM `m` out live (see [`crate::vm::live`]):
+    /// its point, and the layers linked into snapshot directory `dir` (closed to all but
+    /// root), with the mark a memory snapshot of its shape has. `None`: not a running
+    /// microVM, or its chain has no room for another layer: it moves cold
+    /// ([`Node::snapshot`]). Step 2 is [`crate::vm::live::migrate_out`], in a blocking task.
+    pub async fn live_out(
+        &self,
+        m: &Machine,
+        dir: &Path,
+    ) -> Result<Option<crate::vm::live::Outgoing>, NodeError> {
+        let Some(vm) = m.vm().cloned() else {
+            return Ok(None);
+        };
+        if self.is_frozen(m) || crate::vm_fs::has_shares(&m.dir) {
+            return Ok(None);
+        }
+        {
+            use std::os::unix::fs::PermissionsExt;
+            fs::set_permissions(dir, fs::Permissions::from_mode(0o700)).map_err(|source| {
+                NodeError::Io {
+                    step: format!("chmod {}", dir.display()),
+                    source,
+                }
+            })?;
+        }
+        let d = dir.to_owned();
+        let mark = vm.shape.net.then_some(MEMORY_NIC_MARK);
+        Ok(
+            tokio::task::spawn_blocking(move || crate::vm::live::prepare_out(&vm, &d, mark))
+                .await
+                .map_err(task("live move"))??,
+        )
+    }
+
     fn is_frozen(&self, m: &Machine) -> bool {
         m.cgroup.is_frozen()
     }

@@ -53,6 +53,7 @@
 mod accel;
 mod assets;
 mod base;
+pub mod live;
 mod qemu;
 mod qmp;
 pub mod stack;

@@ -5,9 +5,13 @@
 //! `LOCKER-CARRY 1\n`, one line of JSON (`{"record": <the sandbox's record>, "files":
 //! [{"path", "size"}…], "paused"?}`), then each file's data in the header's order: frames
 //! of offset (u64, big-endian), length (u64) and that many bytes, ended by a frame of
-//! offset `u64::MAX` and length 0. Holes are not sent and stay holes. Paths are relative,
-//! one or two plain names deep (`disk.img`, `lower/1.img`, `memory`); sizes are bounded by
-//! the sandbox's own disk and memory.
+//! offset `u64::MAX` and length 0. Holes are not sent and stay holes. A file the header
+//! marks `"stream": true` had no size when the header left (a microVM's memory as QEMU
+//! migrates it live, and the image its guest wrote meanwhile: [`bundle_live`]): its end
+//! frame is followed by its size (u64). Paths are relative, one or two plain names deep
+//! (`disk.img`, `lower/1.img`, `memory`); sizes are bounded by the sandbox's own disk and
+//! memory (a live stream's by [`locker_runtime::vm::live::STREAM_FACTOR`] times its
+//! memory).
 
 use std::io;
 use std::path::Path;
@@ -17,6 +21,7 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use bytes::{BufMut, Bytes, BytesMut};
 use futures_util::TryStreamExt;
+use locker_runtime::vm::{live, VmState};
 use locker_store::SandboxRecord;
 use serde::{Deserialize, Serialize};
 #[cfg(test)]
@@ -50,6 +55,9 @@ struct Header {
 struct FileEntry {
     path: String,
     size: u64,
+    /// Sized at its end, not here (see the module doc).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    stream: bool,
 }
 
 /// The answer that streams the bundle of the snapshot in `dir` with `rec` (`paused` as
@@ -60,8 +68,57 @@ pub(super) fn bundle(
     paused: Option<bool>,
     done: Option<tokio::sync::oneshot::Sender<()>>,
 ) -> Result<Response, ApiError> {
-    let header = listing(dir)
-        .and_then(|files| {
+    let header = header_of(dir, rec, paused, Vec::new())?;
+    let dir = dir.to_path_buf();
+    Ok(stream_answer(move |send| {
+        let r = write_bundle(&dir, &header, send);
+        if let Some(done) = done {
+            let _ = done.send(());
+        }
+        r
+    }))
+}
+
+/// The answer that streams running microVM `vm` out live (see
+/// [`locker_runtime::vm::live`]), its point taken (`out`) and its layers in `dir`: they go
+/// first, while the guest runs; then its memory as QEMU migrates it (also written to
+/// `dir/memory`), then the image it wrote meanwhile (copied into `dir`). `dir` then holds a
+/// memory snapshot of the sandbox as it left. `done` is told what the migration measured,
+/// or why it failed, once it is over.
+pub(super) fn bundle_live(
+    dir: &Path,
+    rec: SandboxRecord,
+    vm: VmState,
+    out: live::Outgoing,
+    done: tokio::sync::oneshot::Sender<Result<live::LiveStats, String>>,
+) -> Result<Response, ApiError> {
+    let streamed = ["memory".to_owned(), live::own_image_name(&out)]
+        .into_iter()
+        .map(|path| FileEntry {
+            path,
+            size: 0,
+            stream: true,
+        })
+        .collect();
+    let header = header_of(dir, rec, None, streamed)?;
+    let dir = dir.to_path_buf();
+    Ok(stream_answer(move |send| {
+        let r = write_live(&dir, &header, &vm, &out, send);
+        let _ = done.send(r.as_ref().map(|s| *s).map_err(ToString::to_string));
+        r.map(drop)
+    }))
+}
+
+/// The header of a bundle of the files in `dir`, then `streamed`.
+fn header_of(
+    dir: &Path,
+    rec: SandboxRecord,
+    paused: Option<bool>,
+    streamed: Vec<FileEntry>,
+) -> Result<Vec<u8>, ApiError> {
+    listing(dir)
+        .and_then(|mut files| {
+            files.extend(streamed);
             serde_json::to_vec(&Header {
                 record: rec,
                 files,
@@ -69,25 +126,28 @@ pub(super) fn bundle(
             })
             .map_err(io::Error::other)
         })
-        .map_err(|e| ApiError::internal(format!("listing the sandbox's snapshot: {e}")))?;
+        .map_err(|e| ApiError::internal(format!("listing the sandbox's snapshot: {e}")))
+}
+
+/// A 200 whose body `write` produces, from a blocking task, in chunks; an error it returns
+/// cuts the body.
+fn stream_answer(
+    write: impl FnOnce(&mut dyn FnMut(Bytes) -> io::Result<()>) -> io::Result<()> + Send + 'static,
+) -> Response {
     let (tx, rx) = tokio::sync::mpsc::channel::<io::Result<Bytes>>(4);
-    let dir = dir.to_path_buf();
     tokio::task::spawn_blocking(move || {
         let mut send = |b: Bytes| {
             tx.blocking_send(Ok(b))
                 .map_err(|_| io::Error::other("the receiver went away"))
         };
-        if let Err(e) = write_bundle(&dir, &header, &mut send) {
+        if let Err(e) = write(&mut send) {
             let _ = tx.blocking_send(Err(e));
-        }
-        if let Some(done) = done {
-            let _ = done.send(());
         }
     });
     let stream = futures_util::stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|item| (item, rx))
     });
-    Ok((StatusCode::OK, Body::from_stream(stream)).into_response())
+    (StatusCode::OK, Body::from_stream(stream)).into_response()
 }
 
 /// The snapshot's files, relative to `dir` (one level of directories), sorted; a link or
@@ -113,6 +173,7 @@ fn listing(dir: &Path) -> io::Result<Vec<FileEntry>> {
                 out.push(FileEntry {
                     path: rel,
                     size: meta.len(),
+                    stream: false,
                 });
             } else {
                 return Err(io::Error::other(format!("{rel} is not a plain file")));
@@ -125,32 +186,56 @@ fn listing(dir: &Path) -> io::Result<Vec<FileEntry>> {
     Ok(out)
 }
 
-/// Writes the bundle of the files `header` lists, under `dir`, to `send` in chunks.
-fn write_bundle(
-    dir: &Path,
-    header: &[u8],
-    send: &mut dyn FnMut(Bytes) -> io::Result<()>,
-) -> io::Result<()> {
-    use std::os::unix::fs::{FileExt, OpenOptionsExt};
-    let parsed: Header = serde_json::from_slice(header).map_err(io::Error::other)?;
-    let mut buf = BytesMut::with_capacity(2 * CHUNK);
-    buf.put_slice(MAGIC);
-    buf.put_slice(header);
-    buf.put_u8(b'\n');
-    let mut flush = |buf: &mut BytesMut, all: bool| -> io::Result<()> {
-        if all || buf.len() >= CHUNK {
-            send(buf.split().freeze())?;
+/// The frames of a bundle on their way out, sent in chunks of about [`CHUNK`].
+struct Framer<'a> {
+    buf: BytesMut,
+    send: &'a mut dyn FnMut(Bytes) -> io::Result<()>,
+}
+
+impl<'a> Framer<'a> {
+    /// A bundle's start: the magic line and `header`.
+    fn start(header: &[u8], send: &'a mut dyn FnMut(Bytes) -> io::Result<()>) -> Self {
+        let mut buf = BytesMut::with_capacity(2 * CHUNK);
+        buf.put_slice(MAGIC);
+        buf.put_slice(header);
+        buf.put_u8(b'\n');
+        Self { buf, send }
+    }
+
+    fn frame(&mut self, at: u64, data: &[u8]) -> io::Result<()> {
+        self.buf.put_u64(at);
+        self.buf.put_u64(data.len() as u64);
+        self.buf.put_slice(data);
+        if self.buf.len() >= CHUNK {
+            (self.send)(self.buf.split().freeze())?;
         }
         Ok(())
-    };
-    let mut chunk = vec![0u8; CHUNK];
-    for f in &parsed.files {
+    }
+
+    /// A file's end; a streamed file's size follows it.
+    fn end(&mut self, streamed_size: Option<u64>) {
+        self.buf.put_u64(END);
+        self.buf.put_u64(0);
+        if let Some(size) = streamed_size {
+            self.buf.put_u64(size);
+        }
+    }
+
+    /// File `f` of `dir`: its data frames (holes skipped), then its end.
+    fn file(&mut self, dir: &Path, f: &FileEntry) -> io::Result<()> {
+        use std::os::unix::fs::{FileExt, OpenOptionsExt};
         let file = std::fs::OpenOptions::new()
             .read(true)
             .custom_flags(libc::O_NOFOLLOW)
             .open(dir.join(&f.path))?;
+        let size = if f.stream {
+            file.metadata()?.len()
+        } else {
+            f.size
+        };
+        let mut chunk = vec![0u8; CHUNK];
         for (off, len) in locker_runtime::disk::data_extents(&file)? {
-            let end = (off + len).min(f.size);
+            let end = (off + len).min(size);
             let mut at = off;
             while at < end {
                 let want = ((end - at) as usize).min(CHUNK);
@@ -158,17 +243,62 @@ fn write_bundle(
                 if n == 0 {
                     break;
                 }
-                buf.put_u64(at);
-                buf.put_u64(n as u64);
-                buf.put_slice(&chunk[..n]);
+                self.frame(at, &chunk[..n])?;
                 at += n as u64;
-                flush(&mut buf, false)?;
             }
         }
-        buf.put_u64(END);
-        buf.put_u64(0);
+        self.end(f.stream.then_some(size));
+        Ok(())
     }
-    flush(&mut buf, true)
+
+    fn finish(mut self) -> io::Result<()> {
+        (self.send)(self.buf.split().freeze())
+    }
+}
+
+/// Writes the bundle of the files `header` lists, under `dir`, to `send` in chunks.
+fn write_bundle(
+    dir: &Path,
+    header: &[u8],
+    send: &mut dyn FnMut(Bytes) -> io::Result<()>,
+) -> io::Result<()> {
+    let parsed: Header = serde_json::from_slice(header).map_err(io::Error::other)?;
+    let mut out = Framer::start(header, send);
+    for f in &parsed.files {
+        out.file(dir, f)?;
+    }
+    out.finish()
+}
+
+/// Writes the bundle of a live move (see [`bundle_live`]): the files in `dir`, the memory
+/// as it leaves, the image written meanwhile.
+fn write_live(
+    dir: &Path,
+    header: &[u8],
+    vm: &VmState,
+    out: &live::Outgoing,
+    send: &mut dyn FnMut(Bytes) -> io::Result<()>,
+) -> io::Result<live::LiveStats> {
+    let parsed: Header = serde_json::from_slice(header).map_err(io::Error::other)?;
+    let (fixed, streamed): (Vec<_>, Vec<_>) = parsed.files.iter().partition(|f| !f.stream);
+    let mut framer = Framer::start(header, send);
+    for f in fixed {
+        framer.file(dir, f)?;
+    }
+    let mut at = 0u64;
+    let (stats, _) = live::migrate_out(vm, dir, out, &mut |data: &[u8]| {
+        framer.frame(at, data)?;
+        at += data.len() as u64;
+        Ok(())
+    })
+    .map_err(io::Error::other)?;
+    framer.end(Some(at));
+    // The memory, then the image.
+    if let Some(image) = streamed.get(1) {
+        framer.file(dir, image)?;
+    }
+    framer.finish()?;
+    Ok(stats)
 }
 
 /// The record a bundle kept in file `path` carries (its header's).
@@ -246,11 +376,13 @@ pub(super) async fn read_bundle(
         return Err(bad(format!("{} files", header.files.len())));
     }
     let most = (rec.disk_mb + rec.memory_mb + 256) << 20;
+    let most_streamed = (rec.disk_mb + (live::STREAM_FACTOR + 1) * rec.memory_mb + 256) << 20;
     std::fs::create_dir_all(dir)
         .and_then(|()| mark_paused(dir, header.paused))
         .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
     for f in &header.files {
-        if !plain_path(&f.path) || f.size > most {
+        let bound = if f.stream { most_streamed } else { f.size };
+        if !plain_path(&f.path) || f.size > most || (f.stream && f.size != 0) {
             return Err(bad(format!("file {:?} of {} bytes", f.path, f.size)));
         }
         let path = dir.join(&f.path);
@@ -276,10 +408,10 @@ pub(super) async fn read_bundle(
             if off == END && len == 0 {
                 break;
             }
-            if off < next || len == 0 || len > CHUNK as u64 || off.saturating_add(len) > f.size {
+            if off < next || len == 0 || len > CHUNK as u64 || off.saturating_add(len) > bound {
                 return Err(bad(format!(
-                    "file {:?}: a frame of {len} bytes at {off} (the file has {})",
-                    f.path, f.size
+                    "file {:?}: a frame of {len} bytes at {off} (the file has at most {bound})",
+                    f.path
                 )));
             }
             out.seek(io::SeekFrom::Start(off))
@@ -292,6 +424,18 @@ pub(super) async fn read_bundle(
                 return Err(bad(format!("file {:?} ends early", f.path)));
             }
             next = off + len;
+        }
+        if f.stream {
+            let size = r.read_u64().await.map_err(|e| bad(e.to_string()))?;
+            if size < next || size > bound {
+                return Err(bad(format!(
+                    "file {:?}: {size} bytes, with data up to {next} (at most {bound})",
+                    f.path
+                )));
+            }
+            out.set_len(size)
+                .await
+                .map_err(|e| ApiError::internal(format!("sizing {}: {e}", path.display())))?;
         }
         out.flush()
             .await
@@ -380,6 +524,66 @@ mod tests {
             assert!(!plain_path(bad), "{bad}");
         }
         assert!(plain_path("lower/12.qcow2") && plain_path("memory"));
+        let _ = std::fs::remove_dir_all(&root);
+    }
+
+    /// A live bundle's streamed files (memory as it leaves, sized at its end) arrive whole,
+    /// trailing hole included; one whose size or frames pass its bound is refused.
+    #[tokio::test]
+    async fn a_streamed_file_is_sized_at_its_end_and_bounded() {
+        let root = std::env::temp_dir().join(format!("carry-stream-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let src = root.join("src");
+        std::fs::create_dir_all(src.join("lower")).unwrap();
+        std::fs::write(src.join("lower/1.img"), b"layer").unwrap();
+        let streamed = vec![FileEntry {
+            path: "memory".into(),
+            size: 0,
+            stream: true,
+        }];
+        let header = header_of(&src, record(), None, streamed).unwrap();
+        let parsed: Header = serde_json::from_slice(&header).unwrap();
+        let bundle_with = |frames: &[(u64, Vec<u8>)], size: u64| {
+            let mut bytes = Vec::new();
+            let mut send = |b: Bytes| {
+                bytes.extend_from_slice(&b);
+                Ok(())
+            };
+            let mut out = Framer::start(&header, &mut send);
+            out.file(&src, &parsed.files[0]).unwrap();
+            for (at, data) in frames {
+                out.frame(*at, data).unwrap();
+            }
+            out.end(Some(size));
+            out.finish().unwrap();
+            bytes
+        };
+        let memory = [(0, vec![1u8; 1000]), (4096, vec![2u8; 10])];
+        let dst = root.join("dst");
+        read_bundle(Body::from(bundle_with(&memory, 8192)), &dst, "t")
+            .await
+            .unwrap();
+        let got = std::fs::read(dst.join("memory")).unwrap();
+        assert_eq!(got.len(), 8192);
+        assert!(got[..1000].iter().all(|&b| b == 1) && got[4096..4106].iter().all(|&b| b == 2));
+        assert_eq!(std::fs::read(dst.join("lower/1.img")).unwrap(), b"layer");
+        // Sized below its data, or past the bound (disk 64 + 4 × memory 256 + 256 MB).
+        for (i, (frames, size)) in [
+            (memory.to_vec(), 100),
+            (memory.to_vec(), 2000 << 20),
+            (vec![(1500 << 20, vec![0u8; 8])], 1600 << 20),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let at = root.join(format!("bad{i}"));
+            assert!(
+                read_bundle(Body::from(bundle_with(&frames, size)), &at, "t")
+                    .await
+                    .is_err(),
+                "case {i}"
+            );
+        }
         let _ = std::fs::remove_dir_all(&root);
     }
 }

@@ -3,13 +3,18 @@
 //! under [`PATH`], `fleet::node`).
 //!
 //! A jail moves cold (its disk; processes and `/tmp` do not survive, as CRIU cannot run
-//! here), a microVM with its memory (its processes go on where they were, after a pause).
+//! here), a microVM with its memory (its processes go on where they were): a running one
+//! live, not frozen but admitting no call, its bundle a QEMU migration while its guest
+//! runs (`bundle::bundle_live`, the runtime's `vm::live`), which leaves its QEMU holding
+//! the guest stopped; a paused one, or one whose disk has no room for another layer, cold
+//! (`LOCKER_CARRY_LIVE=0` moves every one cold).
 //! The old copy's machine is gone before the new one starts: never two running at once
 //! (nor their cgroups and names colliding when two nodes share a host):
-//! - `POST {PATH}{id}/export` (old node): the sandbox is frozen and admits no call from
-//!   then on (503 "moving", `state::Busy::enter`); a snapshot of it, the same a user takes
-//!   (`snapshots::take`), goes into `snapshots/.carry-{id}` (kept, with its record, until
-//!   the move ends) and is answered as a [bundle](#the-bundle);
+//! - `POST {PATH}{id}/export` (old node): the sandbox is frozen (a running microVM is
+//!   not: it leaves live) and admits no call from then on (503 "moving",
+//!   `state::Busy::enter`; no pause either); a snapshot of it, the same a user takes
+//!   (`snapshots::take`; a live one made as it streams), goes into `snapshots/.carry-{id}`
+//!   (kept, with its record, until the move ends) and is answered as a bundle;
 //! - `POST {PATH}receive?placement=P` (new node): a bundle written into
 //!   `snapshots/.carry-in-{id}`; answered 200. From then until `start` or `drop`, the node
 //!   reports placement `P` (the reservation control made for the move) as a create in
@@ -23,8 +28,8 @@
 //! - `POST {PATH}{id}/moved` (old node): the fleet made the new node the sandbox's: the
 //!   kept snapshot goes (and the machine, had it not been released);
 //! - `POST {PATH}{id}/stay` (old node): the move failed: the sandbox admits calls again
-//!   (thawed unless it was paused before), or, released already, starts again here from
-//!   the kept snapshot.
+//!   (thawed unless it was paused before; a microVM's guest a live move stopped runs on),
+//!   or, released already, starts again here from the kept snapshot.
 //! - `GET {PATH}{id}/snapshots/{snap}`: the bundle of a snapshot the user took, with the
 //!   sandbox's record as it is now, the sandbox undisturbed: control keeps it, to start the
 //!   sandbox on another node (`receive` and `start`) should this one die (`fleet::restart`).
@@ -54,7 +59,7 @@ use locker_store::SandboxRecord;
 mod bundle;
 
 pub use bundle::record_in;
-use bundle::{bundle, mark_paused, read_bundle, sandbox_id, PAUSED};
+use bundle::{bundle, bundle_live, mark_paused, read_bundle, sandbox_id, PAUSED};
 
 use crate::auth::Caller;
 use crate::error::ApiError;
@@ -146,7 +151,9 @@ fn refusal(rec: &SandboxRecord) -> Option<String> {
 
 /// Freezes `live` for its move (no call admitted from now on); whether it was paused, and
 /// if so by the idle policy.
-fn mark_moving(live: &Live) -> Result<Option<bool>, ApiError> {
+/// `freeze`: frozen too (a cold move); else it runs on, and only calls are refused (a
+/// live one).
+fn mark_moving(live: &Live, freeze: bool) -> Result<Option<bool>, ApiError> {
     let mut st = live.pause.lock().expect("pause lock");
     if st.moving.is_some() {
         return Err(ApiError::conflict(format!(
@@ -156,16 +163,50 @@ fn mark_moving(live: &Live) -> Result<Option<bool>, ApiError> {
     }
     let was_paused = st.since.is_some();
     let paused = was_paused.then_some(st.by_idle);
-    if !was_paused {
-        live.machine
-            .pause()
-            .map_err(ApiError::during("freezing the sandbox for its move"))?;
-        st.since = Some(now_s());
-        live.clock.lock().expect("clock lock").paused(true);
+    if !was_paused && freeze {
+        freeze_locked(live, &mut st)?;
     }
     st.moving = Some(was_paused);
     st.moves += 1;
     Ok(paused)
+}
+
+fn freeze_locked(live: &Live, st: &mut crate::state::PauseState) -> Result<(), ApiError> {
+    live.machine
+        .pause()
+        .map_err(ApiError::during("freezing the sandbox for its move"))?;
+    st.since = Some(now_s());
+    live.clock.lock().expect("clock lock").paused(true);
+    Ok(())
+}
+
+/// Freezes a sandbox marked moving that was left running for a live move which cannot be
+/// (it moves cold).
+fn freeze_moving(live: &Live) -> Result<(), ApiError> {
+    let mut st = live.pause.lock().expect("pause lock");
+    if st.since.is_none() {
+        freeze_locked(live, &mut st)?;
+    }
+    Ok(())
+}
+
+/// [`unmark`], and a microVM's guest stopped by a live move that did not happen runs again
+/// (a guest left paused by its caller stays so).
+async fn unmark_running(live: &Live) {
+    unmark(live);
+    run_on(live).await;
+}
+
+/// Lets a running sandbox's microVM guest run where a live move stopped it.
+async fn run_on(live: &Live) {
+    let running = live.pause.lock().expect("pause lock").since.is_none();
+    if let (true, Some(vm)) = (running, live.machine.vm().cloned()) {
+        let id = live.id.clone();
+        let r = tokio::task::spawn_blocking(move || locker_runtime::vm::ensure_running(&vm)).await;
+        if let Ok(Err(e)) = r {
+            tracing::warn!(sandbox = %id, error = %e, "the guest of a microVM that did not move could not run again");
+        }
+    }
 }
 
 /// Lifts the moving mark: calls are admitted again, and the sandbox runs unless it was
@@ -220,6 +261,7 @@ async fn abandon_export(app: AppState, id: String, live: Arc<Live>) {
         stuck
     };
     if abandoned {
+        run_on(&live).await;
         let _ = tokio::fs::remove_dir_all(kept_dir(&app, &id)).await;
         tracing::warn!(sandbox = %id, wait_s = wait_limit().as_secs(), "a move of this sandbox was abandoned half way (its control replica went away): it runs here again");
     }
@@ -349,9 +391,28 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     if let Some(why) = refusal(&rec) {
         return Err(ApiError::conflict(why));
     }
-    let paused = mark_moving(&live)?;
+    // A running microVM leaves live: it is frozen only if it cannot.
+    let try_live = live_moves() && live.machine.vm().is_some();
+    let paused = mark_moving(&live, !try_live)?;
     let dir = kept_dir(app, id);
     let _ = std::fs::remove_dir_all(&dir);
+    if try_live && paused.is_none() {
+        match export_live(app, &live, &dir, &rec).await {
+            Ok(Some(answer)) => return Ok(answer),
+            Ok(None) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                if let Err(e) = freeze_moving(&live) {
+                    unmark(&live);
+                    return Err(e);
+                }
+            }
+            Err(e) => {
+                let _ = std::fs::remove_dir_all(&dir);
+                unmark_running(&live).await;
+                return Err(e);
+            }
+        }
+    }
     if let Err(e) = crate::snapshots::take(app, &live, dir.clone()).await {
         unmark(&live);
         return Err(e);
@@ -378,6 +439,71 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
         });
     }
     answer
+}
+
+/// Whether running microVMs move live (`LOCKER_CARRY_LIVE`, on unless `0`): off, they
+/// move cold as jails do (frozen, from a snapshot), which the tests and the bench compare.
+fn live_moves() -> bool {
+    std::env::var("LOCKER_CARRY_LIVE").map_or(true, |v| v != "0")
+}
+
+/// The export of running microVM `live` (not frozen: calls are refused already) as a live
+/// move ([`bundle::bundle_live`]), into its kept snapshot `dir`; `None` when it cannot
+/// (its disk has no room for another layer): it moves cold.
+async fn export_live(
+    app: &AppState,
+    live: &Arc<Live>,
+    dir: &Path,
+    rec: &SandboxRecord,
+) -> Result<Option<Response>, ApiError> {
+    let vm = live
+        .machine
+        .vm()
+        .cloned()
+        .ok_or_else(|| ApiError::internal("not a microVM"))?;
+    std::fs::create_dir_all(dir)
+        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    let Some(out) = app
+        .node
+        .live_out(&live.machine, dir)
+        .await
+        .map_err(ApiError::during("preparing the sandbox's live move"))?
+    else {
+        return Ok(None);
+    };
+    serde_json::to_vec(rec)
+        .map_err(io::Error::other)
+        .and_then(|r| std::fs::write(dir.join(RECORD), r))
+        .map_err(|e| ApiError::internal(format!("keeping the sandbox's record: {e}")))?;
+    let (done, over) = tokio::sync::oneshot::channel();
+    let answer = bundle_live(dir, rec.clone(), vm, out, done)?;
+    let (app, id, live) = (app.clone(), rec.id.clone(), live.clone());
+    tokio::spawn(async move {
+        match over.await {
+            Ok(Ok(st)) => tracing::info!(
+                sandbox = %id,
+                downtime_ms = st.downtime_ms,
+                migration_ms = st.total_ms,
+                bytes = st.bytes,
+                passes = st.passes,
+                forced = st.forced,
+                finish_ms = st.finish_ms,
+                "a microVM's memory left live"
+            ),
+            other => {
+                let why = match other {
+                    Ok(Err(e)) => e,
+                    _ => "the migration's task went away".into(),
+                };
+                // It runs on here (a guest the host stopped to end the migration, too);
+                // control's `stay` lifts the mark.
+                tracing::warn!(sandbox = %id, error = %why, "a microVM's live move failed before it left");
+                run_on(&live).await;
+            }
+        }
+        abandon_export(app, id, live).await;
+    });
+    Ok(Some(answer))
 }
 
 /// `GET {PATH}{id}/snapshots/{snap}`: the bundle of the caller's snapshot `snap` of sandbox
@@ -637,7 +763,7 @@ async fn stay(app: &AppState, caller: &Caller, id: &str) -> Result<Response, Api
     let live = app.live.read().await.get(id).cloned();
     let r = match live {
         Some(live) if live.tenant == caller.tenant => {
-            unmark(&live);
+            unmark_running(&live).await;
             Ok(())
         }
         Some(_) => Err(ApiError::not_found(format!(

@@ -23,9 +23,11 @@
 //! answered 404 by the old node and read the route again (`route::forward`).
 //!
 //! A jail moves cold: its disk comes along, its processes and `/tmp` do not (CRIU does not
-//! run on this kernel). A microVM moves with its memory, from a snapshot: its processes go
-//! on where they were after a pause (not a live migration: `FLEET.md`'s pre-copy over QMP
-//! is not done; see `docs/deployment.md`).
+//! run on this kernel). A running microVM moves live with its memory: step 2's stream is
+//! QEMU's pre-copy migration while its guest runs (`carry`'s live bundle), so the guest
+//! stops only for the last copy, the release and the new node's start; its processes go on
+//! where they were. The new node restores from the stream landed in a file, not into a
+//! QEMU waiting for it (see `docs/deployment.md`).
 //!
 //! Owns the drain's order and the move's steps; the bundle and the nodes' side are `carry`'s.
 
@@ -56,6 +58,15 @@ const ANSWER_MAX: usize = 1 << 20;
 struct Moved {
     to: NodeRecord,
     ms: u64,
+    /// Where the time went, in ms: the copy (from the old node's export until the new node
+    /// had it all: a microVM's live migration is in it), the old machine's release, the
+    /// new one's start, the switch in the store.
+    steps: Value,
+}
+
+/// Milliseconds since `t`.
+fn ms_since(t: Instant) -> u64 {
+    u64::try_from(t.elapsed().as_millis()).unwrap_or(u64::MAX)
 }
 
 /// Drains node `node` (cordoned first): the report `POST /v1/fleet/nodes/{node}/drain`
@@ -97,14 +108,14 @@ pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError>
             let sb = p.sandbox_id.clone().unwrap_or_default();
             match move_one(app, node, &p).await {
                 Ok(m) => {
-                    tracing::info!(sandbox = %sb, from = %node.name, to = %m.to.name, ms = m.ms, "sandbox moved");
+                    tracing::info!(sandbox = %sb, from = %node.name, to = %m.to.name, ms = m.ms, steps = %m.steps, "sandbox moved");
                     app.events.emit(
                         &p.tenant,
                         crate::events::Kind::SandboxMoved,
                         &sb,
                         json!({"from": node.id, "from_name": node.name, "to": m.to.id, "to_name": m.to.name, "ms": m.ms}),
                     );
-                    moved.push(json!({"sandbox": sb, "tenant": p.tenant, "to": m.to.id, "to_name": m.to.name, "ms": m.ms}));
+                    moved.push(json!({"sandbox": sb, "tenant": p.tenant, "to": m.to.id, "to_name": m.to.name, "ms": m.ms, "steps": m.steps}));
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %sb, node = %node.name, error = %e, "sandbox not moved");
@@ -176,6 +187,7 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         }
     };
     let placed = format!("placement={}", into.id);
+    let t_copy = Instant::now();
     // 2. Frozen and streamed from the old node into the new one, which keeps it aside.
     let export = match call(
         app,
@@ -205,6 +217,8 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         stay(app, from, p, &sb).await;
         return Err(give_back(format!("the copy did not arrive: {e}")).await);
     }
+    let copy_ms = ms_since(t_copy);
+    let t_release = Instant::now();
     // 3. The old machine goes before the new one starts (the old node keeps the snapshot
     // until the end).
     if let Err(e) = call(
@@ -222,6 +236,8 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         stay(app, from, p, &sb).await;
         return Err(give_back(format!("its node would not let it go: {e}")).await);
     }
+    let release_ms = ms_since(t_release);
+    let t_start = Instant::now();
     let view = match start_on(app, &p.tenant, &to, &sb, &placed).await {
         Ok(v) => v,
         Err(e) => {
@@ -229,6 +245,8 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
             return Err(give_back(e).await);
         }
     };
+    let start_ms = ms_since(t_start);
+    let t_switch = Instant::now();
     // 4. The switch, only if the sandbox is still the old node's.
     let (store, pid, from_id, epoch, into_id, v) = (
         app.store.clone(),
@@ -290,9 +308,11 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
     {
         tracing::warn!(sandbox = %sb, node = %from.name, error = %e, "the old node keeps a moved sandbox's snapshot until its next start");
     }
+    let switch_ms = ms_since(t_switch);
     Ok(Moved {
         to,
-        ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+        ms: ms_since(started),
+        steps: json!({"copy_ms": copy_ms, "release_ms": release_ms, "start_ms": start_ms, "switch_ms": switch_ms}),
     })
 }
 
