@@ -78,19 +78,7 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let joins = args.iterations.unwrap_or(10).clamp(1, 20);
     let trials = (args.iterations.unwrap_or(5)).clamp(1, 10);
     let fab = Fabric::new(n_nodes);
-    let (_db, pg_url) = locker_tests::postgres::cluster().new_database();
-    let port = std::net::TcpListener::bind(format!("{}:0", fab.control_ip()))?
-        .local_addr()?
-        .port();
-    let listen = format!("{}:{port}", fab.control_ip());
-    let mut srv = Server::start_with(&[
-        "--database",
-        pg_url.as_str(),
-        "--fleet-listen",
-        &listen,
-        "--warm-pool",
-        "0",
-    ]);
+    let mut srv = control_server(&fab)?;
     let admin = srv.admin();
     let scratch = tempdir()?;
     // The server's own idle work without nodes (the sweeper's query every 250 ms, timers).
@@ -228,6 +216,24 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     drop(procs);
     let _ = std::fs::remove_dir_all(&scratch);
     Ok(())
+}
+
+/// A control server for `fab`'s nodes, on a new database of this process's PostgreSQL
+/// cluster, with no warm pool.
+pub(crate) fn control_server(fab: &Fabric) -> anyhow::Result<Server> {
+    let (_db, pg_url) = locker_tests::postgres::cluster().new_database();
+    let port = std::net::TcpListener::bind(format!("{}:0", fab.control_ip()))?
+        .local_addr()?
+        .port();
+    let listen = format!("{}:{port}", fab.control_ip());
+    Ok(Server::start_with(&[
+        "--database",
+        pg_url.as_str(),
+        "--fleet-listen",
+        &listen,
+        "--warm-pool",
+        "0",
+    ]))
 }
 
 /// `Server-Timing`'s `place` duration of a create's answer (ms).

@@ -43,19 +43,7 @@ struct Moves {
 pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     let rounds = args.iterations.unwrap_or(5).clamp(1, 20);
     let fab = Fabric::new(2);
-    let (_db, pg_url) = locker_tests::postgres::cluster().new_database();
-    let port = std::net::TcpListener::bind(format!("{}:0", fab.control_ip()))?
-        .local_addr()?
-        .port();
-    let listen = format!("{}:{port}", fab.control_ip());
-    let srv = Server::start_with(&[
-        "--database",
-        pg_url.as_str(),
-        "--fleet-listen",
-        &listen,
-        "--warm-pool",
-        "0",
-    ]);
+    let srv = crate::fleet::control_server(&fab)?;
     let live = moves(&fab, &srv, rounds, true)?;
     let cold = moves(&fab, &srv, rounds, false)?;
     let steps = |m: &Moves| {
