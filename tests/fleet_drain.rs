@@ -7,7 +7,9 @@
 //! - a restart: a dead node's sandboxes start again on another node from their last
 //!   snapshot kept in the snapshot store (`--snapshot-store`).
 
-use locker_tests::fabric::{admin_cli, fleet_node, fleet_nodes, join_nodes, Fabric};
+use locker_tests::fabric::{
+    admin_cli, fleet_node, fleet_nodes, fleet_token, join_nodes, Fabric, NodeProc,
+};
 use locker_tests::fleet::{placed_on, rows};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Server};
@@ -428,6 +430,85 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     );
     assert_eq!(api.sh(&id, "pgrep -f 'n=0; while' | head -1"), pid_before);
     assert_eq!(api.sh(&id, "cat /home/user/f"), "on-disk\n");
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+    for n in &mut nodes {
+        n.stop();
+    }
+}
+
+/// A microVM whose guest dirties memory faster than it can leave is stopped by its node
+/// once `LOCKER_CARRY_LIVE_MAX_S` has passed, and the migration ends as a cold one would:
+/// it moves all the same, its busy process going on on the new node.
+#[test]
+fn a_microvm_dirtying_memory_faster_than_it_leaves_is_stopped_to_move() {
+    let fab = Fabric::new(2);
+    let (db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes: Vec<NodeProc> = ["a", "b"]
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let mut n = NodeProc::new(i, name);
+            n.env.push(("LOCKER_CARRY_LIVE_MAX_S".into(), "2".into()));
+            n
+        })
+        .collect();
+    for n in &mut nodes {
+        let t = fleet_token(&admin, 600);
+        n.start(
+            &fab,
+            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
+            2,
+        );
+    }
+    wait_for(Duration::from_secs(60), "the nodes alive", || {
+        let l = fleet_nodes(&admin);
+        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
+    });
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    let id = made_on_a(
+        &api,
+        1,
+        &json!({"runtime": "microvm", "ttl_s": 900, "memory_mb": 256}),
+    )
+    .remove(0);
+    // 96 MB touched page by page, over and over: faster than the relay carries it.
+    let dirty = "b = bytearray(96 << 20)\nn = 0\nwhile True:\n    for i in range(0, len(b), 4096):\n        b[i] = (b[i] + 1) & 255\n    n += 1\n    open('/dev/shm/p', 'w').write(str(n))\n";
+    api.post(
+        &format!("/v1/sandboxes/{id}/processes"),
+        &json!({"cmd": ["python3", "-c", dirty]}),
+    )
+    .expect(200, "the dirtier");
+    api.sh(&id, "while [ ! -s /dev/shm/p ]; do sleep 0.1; done");
+    let pid = api.sh(&id, "pgrep -f bytearray | head -1");
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        r.text()
+    );
+    assert_eq!(node_of(&api, &db, &id), "b");
+    let left = nodes[0].log_text();
+    let line = left
+        .lines()
+        .find(|l| l.contains("left live"))
+        .unwrap_or_else(|| panic!("no live migration logged: {left}"));
+    eprintln!("node a: {line}");
+    assert!(line.contains("forced=true"), "{line}");
+    let pass = |api: &Api| -> u64 { api.sh(&id, "cat /dev/shm/p").trim().parse().unwrap() };
+    let p0 = pass(&api);
+    wait_for(Duration::from_secs(60), "the dirtier going on on b", || {
+        (pass(&api) > p0).then_some(())
+    });
+    assert_eq!(api.sh(&id, "pgrep -f bytearray | head -1"), pid);
     assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
     for n in &mut nodes {
         n.stop();

@@ -14,8 +14,8 @@
 //!    rest and its device state, and flushes the overlay. Every byte is written to
 //!    `memory` in the directory and handed to the caller's sink (whose pace is the
 //!    migration's bandwidth). A guest that dirties memory faster than it can leave is
-//!    stopped by the host once [`PRECOPY_MAX`] has passed or the stream has grown to
-//!    [`STREAM_FACTOR`] times its RAM: the migration then ends as a cold one would. The
+//!    stopped by the host once [`PRECOPY_MAX`] (`LOCKER_CARRY_LIVE_MAX_S`) has passed or
+//!    the stream has grown to [`STREAM_FACTOR`] times its RAM: the migration then ends as a cold one would. The
 //!    overlay (what the guest wrote since the point) is copied as the snapshot's own
 //!    image.
 //!
@@ -43,8 +43,18 @@ use super::{setup, VmError, VmState};
 
 /// The guest's longest stop QEMU aims for at the switch, in ms (at the rate measured).
 pub const DOWNTIME_MS: u64 = 100;
-/// The longest the guest runs while its memory leaves before the host stops it.
+/// The longest the guest runs while its memory leaves before the host stops it, by
+/// default (`LOCKER_CARRY_LIVE_MAX_S`).
 pub const PRECOPY_MAX: Duration = Duration::from_secs(30);
+
+/// [`PRECOPY_MAX`], or `LOCKER_CARRY_LIVE_MAX_S` seconds (0 to 3600).
+fn precopy_max() -> Duration {
+    std::env::var("LOCKER_CARRY_LIVE_MAX_S")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+        .filter(|&s| s <= 3600)
+        .map_or(PRECOPY_MAX, Duration::from_secs)
+}
 /// The stream's size, in multiples of the guest's RAM, past which the host stops it.
 pub const STREAM_FACTOR: u64 = 3;
 /// The bandwidth QEMU may use (its default is 32 MiB/s): the sink's pace limits it.
@@ -63,7 +73,8 @@ pub struct Outgoing {
 /// What a live migration measured (QEMU's figures where it gives them).
 #[derive(Debug, Clone, Copy, Default)]
 pub struct LiveStats {
-    /// The guest's stop at the switch, as QEMU measured it.
+    /// The guest's stop on this side until QEMU finished: QEMU's own measure of its last
+    /// copy, or, when the host had to stop the guest, from that stop.
     pub downtime_ms: u64,
     /// From `migrate` until QEMU finished.
     pub total_ms: u64,
@@ -218,7 +229,8 @@ fn watch(
     reader_failed: &AtomicBool,
 ) -> Result<LiveStats, VmError> {
     q.cmd("migrate", json!({"uri": "fd:live"}))?;
-    let (mut forced, mut unfilled) = (false, 0);
+    let (mut forced, mut unfilled) = (None::<Instant>, 0);
+    let limit = precopy_max();
     loop {
         let st = q.cmd("query-migrate", json!({}))?;
         let n = |k: &str| st.get(k).and_then(Value::as_u64).unwrap_or(0);
@@ -231,11 +243,11 @@ fn watch(
             }
             Some("completed") => {
                 return Ok(LiveStats {
-                    downtime_ms: n("downtime"),
+                    downtime_ms: forced.map_or(n("downtime"), |at| at.elapsed().as_millis() as u64),
                     total_ms: n("total-time"),
                     bytes: 0,
                     passes: st["ram"]["dirty-sync-count"].as_u64().unwrap_or(0),
-                    forced,
+                    forced: forced.is_some(),
                     finish_ms: 0,
                 })
             }
@@ -254,14 +266,14 @@ fn watch(
             }
             _ => {}
         }
-        if !forced && (t0.elapsed() > PRECOPY_MAX || sent.load(Ordering::Relaxed) > most) {
+        if forced.is_none() && (t0.elapsed() > limit || sent.load(Ordering::Relaxed) > most) {
             tracing::info!(
                 elapsed_ms = t0.elapsed().as_millis() as u64,
                 sent = sent.load(Ordering::Relaxed),
                 "the guest dirties memory faster than it leaves: stopped for the rest"
             );
             q.cmd("stop", json!({}))?;
-            forced = true;
+            forced = Some(Instant::now());
         }
         if t0.elapsed() > PRECOPY_MAX * 10 {
             return Err(VmError::Qemu {
