@@ -463,6 +463,13 @@ async fn export_live(
         .ok_or_else(|| ApiError::internal("not a microVM"))?;
     std::fs::create_dir_all(dir)
         .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    // Root's alone, as every snapshot (`snapshots::take`): it holds the guest's memory.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let all = app.snapshots_dir();
+        std::fs::set_permissions(&all, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| ApiError::internal(format!("chmod {}: {e}", all.display())))?;
+    }
     let Some(out) = app
         .node
         .live_out(&live.machine, dir)
