@@ -8,7 +8,7 @@
 //!   snapshot kept in the snapshot store (`--snapshot-store`).
 
 use locker_tests::fabric::{
-    admin_cli, fleet_node, fleet_nodes, fleet_token, join_nodes, Fabric, NodeProc,
+    admin_cli, fleet_node, fleet_nodes, join_nodes, join_nodes_with, Fabric,
 };
 use locker_tests::fleet::{placed_on, rows};
 use locker_tests::postgres::cluster;
@@ -16,6 +16,9 @@ use locker_tests::server::{Api, Server};
 use locker_tests::wait_for;
 use serde_json::{json, Value};
 use std::time::Duration;
+
+/// Nodes that move running microVMs live (opt-in).
+const LIVE: (&str, &str) = ("LOCKER_CARRY_LIVE", "1");
 
 /// A jail's create body.
 fn spec() -> Value {
@@ -43,6 +46,19 @@ fn made_on_a(api: &Api, n: usize, body: &Value) -> Vec<String> {
             r.json()["id"].as_str().unwrap().to_owned()
         })
         .collect()
+}
+
+/// A 256 MB microVM made on node a (b cordoned for it: uncordon it to drain a).
+fn microvm_on_a(admin: &Api, api: &Api) -> String {
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    made_on_a(
+        api,
+        1,
+        &json!({"runtime": "microvm", "ttl_s": 900, "memory_mb": 256}),
+    )
+    .remove(0)
 }
 
 /// `locker fleet drain a` against `srv`, in a thread (the control plane may die under it).
@@ -275,16 +291,8 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     let (db, pg_url) = cluster().new_database();
     let (srv, kept) = control_with_store(&fab, &pg_url);
     let (admin, api) = (srv.admin(), srv.api());
-    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 2);
-    admin
-        .post("/v1/fleet/nodes/b/cordon", &json!({}))
-        .expect(200, "cordon b");
-    let id = made_on_a(
-        &api,
-        1,
-        &json!({"runtime": "microvm", "ttl_s": 900, "memory_mb": 256}),
-    )
-    .remove(0);
+    let mut nodes = join_nodes_with(&fab, &admin, &["a", "b"], 2, &[LIVE]);
+    let id = microvm_on_a(&admin, &api);
     api.sh(&id, "echo on-disk > /home/user/f");
     api.post(
         &format!("/v1/sandboxes/{id}/processes"),
@@ -436,6 +444,49 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     }
 }
 
+/// Without `LOCKER_CARRY_LIVE=1` (the default) a microVM moves cold: frozen, from a
+/// snapshot with its memory; its processes go on on the new node all the same.
+#[test]
+fn a_microvm_moves_cold_by_default() {
+    let fab = Fabric::new(2);
+    let (db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 2);
+    let id = microvm_on_a(&admin, &api);
+    api.post(
+        &format!("/v1/sandboxes/{id}/processes"),
+        &json!({"cmd": ["bash", "-c", locker_tests::GUEST_CLOCK]}),
+    )
+    .expect(200, "the guest's clock");
+    api.sh(&id, "while [ ! -s /dev/shm/t ]; do sleep 0.05; done");
+    let pid = api.sh(&id, "pgrep -f EPOCHREALTIME | head -1");
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+    let asked = locker_tests::unix_ns();
+    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        r.text()
+    );
+    assert_eq!(node_of(&api, &db, &id), "b");
+    let (ran, gap_ms) = locker_tests::guest_stop(&api.sh(&id, "cat /dev/shm/t"), asked);
+    eprintln!("moved cold: the guest ran {ran} ms into the move, then stopped {gap_ms} ms");
+    assert!(
+        !nodes[0].log_text().contains("left live"),
+        "no live migration by default"
+    );
+    assert_eq!(api.sh(&id, "pgrep -f EPOCHREALTIME | head -1"), pid);
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+    for n in &mut nodes {
+        n.stop();
+    }
+}
+
 /// A microVM whose guest dirties memory faster than it can leave is stopped by its node
 /// once `LOCKER_CARRY_LIVE_MAX_S` has passed, and the migration ends as a cold one would:
 /// it moves all the same, its busy process going on on the new node.
@@ -445,36 +496,14 @@ fn a_microvm_dirtying_memory_faster_than_it_leaves_is_stopped_to_move() {
     let (db, pg_url) = cluster().new_database();
     let srv = fab.control(&pg_url, &[]);
     let (admin, api) = (srv.admin(), srv.api());
-    let mut nodes: Vec<NodeProc> = ["a", "b"]
-        .iter()
-        .enumerate()
-        .map(|(i, name)| {
-            let mut n = NodeProc::new(i, name);
-            n.env.push(("LOCKER_CARRY_LIVE_MAX_S".into(), "2".into()));
-            n
-        })
-        .collect();
-    for n in &mut nodes {
-        let t = fleet_token(&admin, 600);
-        n.start(
-            &fab,
-            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
-            2,
-        );
-    }
-    wait_for(Duration::from_secs(60), "the nodes alive", || {
-        let l = fleet_nodes(&admin);
-        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
-    });
-    admin
-        .post("/v1/fleet/nodes/b/cordon", &json!({}))
-        .expect(200, "cordon b");
-    let id = made_on_a(
-        &api,
-        1,
-        &json!({"runtime": "microvm", "ttl_s": 900, "memory_mb": 256}),
-    )
-    .remove(0);
+    let mut nodes = join_nodes_with(
+        &fab,
+        &admin,
+        &["a", "b"],
+        2,
+        &[LIVE, ("LOCKER_CARRY_LIVE_MAX_S", "2")],
+    );
+    let id = microvm_on_a(&admin, &api);
     // 96 MB touched page by page, over and over: faster than the relay carries it.
     let dirty = "b = bytearray(96 << 20)\nn = 0\nwhile True:\n    for i in range(0, len(b), 4096):\n        b[i] = (b[i] + 1) & 255\n    n += 1\n    open('/dev/shm/p', 'w').write(str(n))\n";
     api.post(

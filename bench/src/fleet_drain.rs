@@ -1,7 +1,7 @@
 //! Issue 25's drain rows: what `locker fleet drain` costs per sandbox, and how long a
-//! microVM's guest stops while it moves: moved live (QEMU's pre-copy migration, the nodes'
-//! default) beside the same kind of microVM moved cold (`LOCKER_CARRY_LIVE=0` on the nodes:
-//! frozen, from a snapshot) in the same run, and a jail (cold: its disk) each time.
+//! microVM's guest stops while it moves: moved live (QEMU's pre-copy migration,
+//! `LOCKER_CARRY_LIVE=1` on the nodes) beside the same kind of microVM moved cold (the
+//! nodes' default, `LOCKER_CARRY_LIVE=0`: frozen, from a snapshot) in the same run, and a jail (cold: its disk) each time.
 //!
 //! The fabric is the tests' (`locker_tests::fabric`): two `locker node` processes in
 //! network namespaces on a private bridge, joined to a `locker serve` on a real PostgreSQL
@@ -86,9 +86,10 @@ fn moves(fab: &Fabric, srv: &Server, rounds: usize, live: bool) -> anyhow::Resul
             .post("/v1/fleet/tokens", &json!({"ttl_s": 600}))
             .expect(201, "mint a join token");
         let mut n = NodeProc::new(i, &format!("{name}{}", if live { "" } else { "-cold" }));
-        if !live {
-            n.env.push(("LOCKER_CARRY_LIVE".into(), "0".into()));
-        }
+        n.env.push((
+            "LOCKER_CARRY_LIVE".into(),
+            if live { "1" } else { "0" }.into(),
+        ));
         n.start(
             fab,
             Some((

@@ -393,10 +393,28 @@ pub fn join_nodes(
     names: &[&str],
     slots: u32,
 ) -> Vec<NodeProc> {
+    join_nodes_with(fab, admin, names, slots, &[])
+}
+
+/// [`join_nodes`], each node started with `env` beside the test's environment.
+pub fn join_nodes_with(
+    fab: &Fabric,
+    admin: &crate::server::Api,
+    names: &[&str],
+    slots: u32,
+    env: &[(&str, &str)],
+) -> Vec<NodeProc> {
     let mut nodes: Vec<NodeProc> = names
         .iter()
         .enumerate()
-        .map(|(i, name)| NodeProc::new(i, name))
+        .map(|(i, name)| {
+            let mut n = NodeProc::new(i, name);
+            n.env = env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            n
+        })
         .collect();
     for n in &mut nodes {
         let t = fleet_token(admin, 600);

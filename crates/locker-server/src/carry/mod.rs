@@ -6,8 +6,9 @@
 //! here), a microVM with its memory (its processes go on where they were): a running one
 //! live, not frozen but admitting no call, its bundle a QEMU migration while its guest
 //! runs (`bundle::bundle_live`, the runtime's `vm::live`), which leaves its QEMU holding
-//! the guest stopped; a paused one, or one whose disk has no room for another layer, cold
-//! (`LOCKER_CARRY_LIVE=0` moves every one cold).
+//! the guest stopped, when the node runs with `LOCKER_CARRY_LIVE=1` (opt-in: see
+//! [`live_moves`]); otherwise, and for a paused one or one whose disk has no room for
+//! another layer, cold.
 //! The old copy's machine is gone before the new one starts: never two running at once
 //! (nor their cgroups and names colliding when two nodes share a host):
 //! - `POST {PATH}{id}/export` (old node): the sandbox is frozen (a running microVM is
@@ -441,10 +442,12 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     answer
 }
 
-/// Whether running microVMs move live (`LOCKER_CARRY_LIVE`, on unless `0`): off, they
-/// move cold as jails do (frozen, from a snapshot), which the tests and the bench compare.
+/// Whether running microVMs move live (`LOCKER_CARRY_LIVE=1` on the node); otherwise they
+/// move cold as jails do (frozen, from a snapshot). Opt-in for now: one guest restored
+/// from a live stream (a second migration of a QEMU whose first had failed) crashed in
+/// its kernel, and the cause is not known yet (docs/operations.md, "Fleet mode").
 fn live_moves() -> bool {
-    std::env::var("LOCKER_CARRY_LIVE").map_or(true, |v| v != "0")
+    std::env::var("LOCKER_CARRY_LIVE").is_ok_and(|v| v == "1")
 }
 
 /// The export of running microVM `live` (not frozen: calls are refused already) as a live
