@@ -61,6 +61,20 @@ fn microvm_on_a(admin: &Api, api: &Api) -> String {
     .remove(0)
 }
 
+/// Drains node a, which holds sandbox `id` alone: it moves, to b. The drain's report.
+fn drain_a_moves_it(admin: &Api, api: &Api, db: &str, id: &str) -> Value {
+    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{report}"
+    );
+    assert_eq!(node_of(api, db, id), "b");
+    report
+}
+
 /// `locker fleet drain a` against `srv`, in a thread (the control plane may die under it).
 fn drain_a_behind(srv: &Server) -> std::thread::JoinHandle<()> {
     let (url, key) = (srv.url.clone(), srv.admin_key.clone().unwrap_or_default());
@@ -358,16 +372,8 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     );
 
     let asked = locker_tests::unix_ns();
-    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    let report = r.json();
-    assert_eq!(
-        report["moved"].as_array().map(Vec::len),
-        Some(1),
-        "{report}"
-    );
+    let report = drain_a_moves_it(&admin, &api, &db, &id);
     let moved_ms = report["moved"][0]["ms"].as_u64().unwrap();
-    assert_eq!(node_of(&api, &db, &id), "b");
     // It moved live: its guest ran on while its disk and memory left, and stopped only for
     // the last copy (the longest gap in its clock's log, every 50 ms).
     let (ran, gap_ms) = locker_tests::guest_stop(&api.sh(&id, "cat /dev/shm/t"), asked);
@@ -465,15 +471,7 @@ fn a_microvm_moves_cold_by_default() {
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
         .expect(200, "uncordon b");
     let asked = locker_tests::unix_ns();
-    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(
-        r.json()["moved"].as_array().map(Vec::len),
-        Some(1),
-        "{}",
-        r.text()
-    );
-    assert_eq!(node_of(&api, &db, &id), "b");
+    drain_a_moves_it(&admin, &api, &db, &id);
     let (ran, gap_ms) = locker_tests::guest_stop(&api.sh(&id, "cat /dev/shm/t"), asked);
     eprintln!("moved cold: the guest ran {ran} ms into the move, then stopped {gap_ms} ms");
     assert!(
@@ -516,15 +514,7 @@ fn a_microvm_dirtying_memory_faster_than_it_leaves_is_stopped_to_move() {
     admin
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
         .expect(200, "uncordon b");
-    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    assert_eq!(
-        r.json()["moved"].as_array().map(Vec::len),
-        Some(1),
-        "{}",
-        r.text()
-    );
-    assert_eq!(node_of(&api, &db, &id), "b");
+    drain_a_moves_it(&admin, &api, &db, &id);
     let left = nodes[0].log_text();
     let line = left
         .lines()

@@ -70,6 +70,20 @@ pub fn snapshot_view(s: &SnapshotRecord) -> Value {
     })
 }
 
+/// Creates snapshot directory `dir`, its parent (every snapshot's) root's alone: a
+/// microVM's QEMU reads the layers it stands on through its own directory, and no
+/// machine's uid may reach another's snapshots (nor the memory they hold).
+pub(crate) fn make_dir(dir: &std::path::Path) -> Result<(), ApiError> {
+    std::fs::create_dir_all(dir)
+        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
+    if let Some(all) = dir.parent() {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(all, std::fs::Permissions::from_mode(0o700))
+            .map_err(|e| ApiError::internal(format!("chmod {}: {e}", all.display())))?;
+    }
+    Ok(())
+}
+
 /// Takes a snapshot of `live` into `dir` (created; removed again on failure): the bytes it
 /// takes and whether it holds memory (a microVM's).
 pub(crate) async fn take(
@@ -82,15 +96,7 @@ pub(crate) async fn take(
             "a microVM sandbox with volumes cannot be snapshotted or forked (its memory holds the volumes' open files): use runtime `jail` for sandboxes with volumes you snapshot",
         ));
     }
-    std::fs::create_dir_all(&dir)
-        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
-    // Root's alone: a microVM's QEMU reads the layers it stands on through its own
-    // directory, and no machine's uid may reach another's snapshots.
-    if let Some(all) = dir.parent() {
-        use std::os::unix::fs::PermissionsExt;
-        std::fs::set_permissions(all, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| ApiError::internal(format!("chmod {}: {e}", all.display())))?;
-    }
+    make_dir(&dir)?;
     match app.node.snapshot(&live.machine, &dir).await {
         Ok(r) => Ok(r),
         Err(e) => {

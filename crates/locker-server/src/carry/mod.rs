@@ -464,15 +464,7 @@ async fn export_live(
         .vm()
         .cloned()
         .ok_or_else(|| ApiError::internal("not a microVM"))?;
-    std::fs::create_dir_all(dir)
-        .map_err(|e| ApiError::internal(format!("create {}: {e}", dir.display())))?;
-    // Root's alone, as every snapshot (`snapshots::take`): it holds the guest's memory.
-    {
-        use std::os::unix::fs::PermissionsExt;
-        let all = app.snapshots_dir();
-        std::fs::set_permissions(&all, std::fs::Permissions::from_mode(0o700))
-            .map_err(|e| ApiError::internal(format!("chmod {}: {e}", all.display())))?;
-    }
+    crate::snapshots::make_dir(dir)?;
     let Some(out) = app
         .node
         .live_out(&live.machine, dir)
@@ -489,27 +481,28 @@ async fn export_live(
     let answer = bundle_live(dir, rec.clone(), vm, out, done)?;
     let (app, id, live) = (app.clone(), rec.id.clone(), live.clone());
     tokio::spawn(async move {
-        match over.await {
-            Ok(Ok(st)) => tracing::info!(
-                sandbox = %id,
-                downtime_ms = st.downtime_ms,
-                migration_ms = st.total_ms,
-                bytes = st.bytes,
-                passes = st.passes,
-                forced = st.forced,
-                finish_ms = st.finish_ms,
-                "a microVM's memory left live"
-            ),
-            other => {
-                let why = match other {
-                    Ok(Err(e)) => e,
-                    _ => "the migration's task went away".into(),
-                };
-                // It runs on here (a guest the host stopped to end the migration, too);
-                // control's `stay` lifts the mark.
-                tracing::warn!(sandbox = %id, error = %why, "a microVM's live move failed before it left");
-                run_on(&live).await;
+        let failed = match over.await {
+            Ok(Ok(st)) => {
+                tracing::info!(
+                    sandbox = %id,
+                    downtime_ms = st.downtime_ms,
+                    migration_ms = st.total_ms,
+                    bytes = st.bytes,
+                    passes = st.passes,
+                    forced = st.forced,
+                    finish_ms = st.finish_ms,
+                    "a microVM's memory left live"
+                );
+                None
             }
+            Ok(Err(why)) => Some(why),
+            Err(_) => Some("the migration's task went away".to_owned()),
+        };
+        if let Some(why) = failed {
+            // It runs on here (a guest the host stopped to end the migration, too);
+            // control's `stay` lifts the mark.
+            tracing::warn!(sandbox = %id, error = %why, "a microVM's live move failed before it left");
+            run_on(&live).await;
         }
         abandon_export(app, id, live).await;
     });
