@@ -349,6 +349,8 @@ impl Drop for NodeProc {
         let data = self.data_dir();
         let mut left = crate::server::destroy_machines(&data.join("sandboxes"));
         left.extend(crate::server::destroy_machines(&data.join("pool")));
+        // And its volumes stay mounted on the host (a node shares its mount namespace).
+        crate::server::stop_volume_agents(&data.join("volumes"));
         if std::thread::panicking() {
             let log = self.log_text();
             let tail: Vec<&str> = log.lines().rev().take(40).collect();

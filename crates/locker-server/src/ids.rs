@@ -24,6 +24,14 @@ pub fn new_id(prefix: &str) -> String {
     locker_sys::random::new_id(prefix, 8)
 }
 
+/// Whether `s` is shaped like an id [`new_id`] makes with `prefix` (16 lower-case hex
+/// digits after it).
+pub fn is_id(s: &str, prefix: &str) -> bool {
+    s.strip_prefix(prefix).is_some_and(|rest| {
+        rest.len() == 16 && rest.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+    })
+}
+
 /// Lower-case hex digits of `b`.
 pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()

@@ -44,6 +44,10 @@ pub const PREVIEW_KEY_HEADER: &str = "x-locker-preview-key";
 /// A preview request's own `Authorization` (the app's, not Locker's), carried across the
 /// hop that drops every `Authorization`.
 pub const APP_AUTH_HEADER: &str = "x-locker-app-authorization";
+/// The id control chose for a volume a forwarded create or fork makes on this node: its
+/// record in the fleet's store, which holds the name's uniqueness across nodes, is
+/// reserved under that id before the node is asked (`fleet::route::volumes`).
+pub const VOLUME_HEADER: &str = "x-locker-volume";
 /// How long a finished create stays in the node's reports: longer than the leader takes to
 /// see it (`placement::CREATE_GRACE_MS` and a reconciliation).
 const MADE_KEPT: Duration = Duration::from_secs(120);
@@ -60,6 +64,9 @@ const MAX_CONNECTIONS: usize = 1024;
 #[derive(Debug, Clone)]
 pub struct Forwarded {
     pub tenant: String,
+    /// The id of the volume a create or fork makes, when control chose it
+    /// ([`VOLUME_HEADER`]; a well-formed `vol_…` id, else none).
+    pub volume: Option<String>,
 }
 
 /// The creates control asked of this node, by placement: those running, and those finished
@@ -264,7 +271,18 @@ async fn call(
                     "/v1/sandboxes" | "/sandboxes" | "/v2/sandboxes"
                 ) || parts.uri.path().ends_with("/fork"))
         });
-    parts.extensions.insert(Forwarded { tenant });
+    let volume = parts
+        .headers
+        .remove(VOLUME_HEADER)
+        .and_then(|v| v.to_str().ok().map(str::to_owned))
+        .filter(|id| crate::ids::is_id(id, "vol_"))
+        .filter(|_| {
+            let path = parts.uri.path();
+            parts.method == axum::http::Method::POST
+                && (path == "/v1/volumes"
+                    || (path.starts_with("/v1/volumes/") && path.ends_with("/fork")))
+        });
+    parts.extensions.insert(Forwarded { tenant, volume });
     let req = axum::extract::Request::from_parts(parts, axum::body::Body::new(body));
     let Some(placement) = placement else {
         return match tower_service::Service::call(&mut routes, req).await {

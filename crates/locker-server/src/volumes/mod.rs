@@ -434,6 +434,42 @@ struct CreateVolume {
     size_mb: Option<u64>,
 }
 
+impl CreateVolume {
+    /// The new volume's name and size, checked.
+    fn checked(&self) -> Result<(String, u64), ApiError> {
+        let name = check_name(self.name.as_deref())?;
+        let size_mb = self.size_mb.unwrap_or(DEFAULT_SIZE_MB);
+        if !(SIZE_MB.0..=SIZE_MB.1).contains(&size_mb) {
+            return Err(ApiError::bad_request(format!(
+                "`size_mb` must be between {} and {}",
+                SIZE_MB.0, SIZE_MB.1
+            )));
+        }
+        Ok((name, size_mb))
+    }
+}
+
+/// The name and size of the volume a create's body asks for, `None` when the handler would
+/// refuse the body (it then says why): for the fleet's control plane, which reserves the
+/// volume's record before a node makes it (`fleet::route::volumes`).
+pub(crate) fn create_asks(body: &[u8]) -> Option<(String, u64)> {
+    serde_json::from_slice::<CreateVolume>(body)
+        .ok()?
+        .checked()
+        .ok()
+}
+
+/// The name a fork's body gives its new volume, `None` when the handler would refuse it.
+pub(crate) fn fork_asks(body: &[u8]) -> Option<String> {
+    check_name(
+        serde_json::from_slice::<ForkBody>(body)
+            .ok()?
+            .name
+            .as_deref(),
+    )
+    .ok()
+}
+
 /// Checks a new volume's name: the store's rule, and not shaped like an id (a name can
 /// stand in for an id in every route, so `vol_…` stays unambiguous).
 fn check_name(name: Option<&str>) -> Result<String, ApiError> {
@@ -502,20 +538,29 @@ async fn add(
     Ok(vol)
 }
 
-/// The record of a new volume named `name` (409 if the caller already has one so named).
+/// The id control chose for a volume that a forwarded create or fork makes on this node
+/// (`fleet::node::VOLUME_HEADER`), if any.
+type Chosen = Option<axum::Extension<crate::fleet::node::Forwarded>>;
+
+/// The record of a new volume named `name` (409 if the caller already has one so named),
+/// with the id control chose for it when it came forwarded with one.
 fn new_record(
     app: &AppState,
     caller: &Caller,
     name: String,
     size_mb: u64,
+    chosen: Chosen,
 ) -> Result<VolumeRecord, ApiError> {
     if app.store.get_volume(&caller.tenant, &name)?.is_some() {
         return Err(ApiError::conflict(format!(
             "a volume named {name:?} already exists"
         )));
     }
+    let id = chosen
+        .and_then(|axum::Extension(f)| f.volume)
+        .unwrap_or_else(|| new_id("vol_"));
     Ok(VolumeRecord {
-        id: new_id("vol_"),
+        id,
         tenant: caller.tenant.clone(),
         name,
         size_mb,
@@ -541,17 +586,11 @@ async fn admit(
 async fn create(
     State(app): State<AppState>,
     caller: Caller,
+    chosen: Chosen,
     Json(body): Json<CreateVolume>,
 ) -> Result<impl IntoResponse, ApiError> {
-    let name = check_name(body.name.as_deref())?;
-    let size_mb = body.size_mb.unwrap_or(DEFAULT_SIZE_MB);
-    if !(SIZE_MB.0..=SIZE_MB.1).contains(&size_mb) {
-        return Err(ApiError::bad_request(format!(
-            "`size_mb` must be between {} and {}",
-            SIZE_MB.0, SIZE_MB.1
-        )));
-    }
-    let rec = new_record(&app, &caller, name, size_mb)?;
+    let (name, size_mb) = body.checked()?;
+    let rec = new_record(&app, &caller, name, size_mb, chosen)?;
     let grant = admit(&app, &caller.tenant, size_mb).await?;
     let vol = add(&app, rec.clone(), |_| Ok(0)).await?;
     drop(grant);
@@ -789,6 +828,7 @@ struct ForkBody {
 async fn fork(
     State(app): State<AppState>,
     caller: Caller,
+    chosen: Chosen,
     Path(id): Path<String>,
     Json(body): Json<ForkBody>,
 ) -> Result<impl IntoResponse, ApiError> {
@@ -798,7 +838,7 @@ async fn fork(
         Some(snap) => Some(snapshot_of(&app, &caller, &r, snap)?),
         None => None,
     };
-    let rec = new_record(&app, &caller, name, r.size_mb)?;
+    let rec = new_record(&app, &caller, name, r.size_mb, chosen)?;
     let grant = admit(&app, &caller.tenant, r.size_mb).await?;
     // A snapshot of the source (under its gate, constant time; or the one asked for),
     // copied into the new volume's filesystem without holding the gate; a snapshot taken

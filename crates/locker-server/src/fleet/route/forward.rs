@@ -38,6 +38,7 @@ pub(super) fn strip(h: &mut HeaderMap) {
         PREVIEW_HEADER,
         PREVIEW_KEY_HEADER,
         APP_AUTH_HEADER,
+        VOLUME_HEADER,
     ] {
         h.remove(name);
     }

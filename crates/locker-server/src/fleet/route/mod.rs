@@ -7,6 +7,8 @@
 //!   (forwarded, with the placement's id) or by this server when it is the node chosen
 //!   (`--node local`); the placement records the sandbox's id. A create bound to this
 //!   host's data (volumes, secrets, a snapshot) goes to this server's own node only;
+//! - `/v1/volumes` and everything under a volume: to the volume's home, and a new volume
+//!   gets one (`volumes`);
 //! - `/v1/sandboxes/{id}` and everything under it, for a sandbox with a placement: the
 //!   caller's key is checked here, then the request goes to the sandbox's node over the
 //!   node's HTTP/2 with mutual TLS (`fleet::node`; another replica's own node too, on its
@@ -45,7 +47,7 @@ use serde_json::Value;
 
 use super::node::{
     APP_AUTH_HEADER, EPOCH_HEADER, PLACEMENT_HEADER, PREVIEW_HEADER, PREVIEW_KEY_HEADER,
-    STALE_HEADER, TENANT_HEADER,
+    STALE_HEADER, TENANT_HEADER, VOLUME_HEADER,
 };
 use super::pki;
 use super::placement::{self, Ask};
@@ -64,7 +66,7 @@ pub(in crate::fleet) use forward::forward;
 pub use forward::{call_node, destroy_orphan, view_on_node};
 use forward::{node_route, payload, send, Payload, SendError};
 pub(in crate::fleet) use snapshots::{fork, snapshot};
-use volumes::{volume_call, volume_of};
+use volumes::{create_volume, volume_call, volume_of};
 
 /// A body kept for a retry at most this big (the API's own body limit).
 const KEEP_BODY: usize = 1 << 20;
@@ -201,6 +203,7 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     if req.method() == Method::POST {
         match path {
             "/v1/sandboxes" => return create(&app, req, next, Surface::Locker).await,
+            "/v1/volumes" => return create_volume(&app, req, next).await,
             "/sandboxes" | "/v2/sandboxes" => {
                 let resp = create(&app, req, next, Surface::E2b).await;
                 return e2b_shaped(resp).await;

@@ -1,0 +1,215 @@
+//! Fleet mode, volumes on joined nodes (issue 25, point 3 "volume home nodes"; `FLEET.md`
+//! §4.6 and §5.2 test 8): a control plane that is no node itself (the split layout) gives
+//! each new volume a joined node as its home; its files, runs, snapshots, forks and the
+//! sandboxes that mount it all go there whichever node is fuller; names are unique across
+//! the fleet; a dead home answers 503, never an empty volume, and its volumes come back
+//! whole with it.
+
+use std::time::Duration;
+
+use locker_tests::fabric::{fleet_node, fleet_nodes, fleet_token, Fabric, NodeProc};
+use locker_tests::fleet::placed_on;
+use locker_tests::postgres::cluster;
+use locker_tests::wait_for;
+use serde_json::json;
+
+#[test]
+fn a_volume_lives_on_a_joined_node_and_every_call_about_it_goes_there() {
+    let fab = Fabric::new(2);
+    let (_db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = [NodeProc::new(0, "a"), NodeProc::new(1, "b")];
+    for n in nodes.iter_mut() {
+        let t = fleet_token(&admin, 600);
+        n.start(
+            &fab,
+            Some((t["url"].as_str().unwrap(), t["token"].as_str().unwrap())),
+            3,
+        );
+    }
+    wait_for(Duration::from_secs(60), "both nodes alive", || {
+        let l = fleet_nodes(&admin);
+        (l.len() == 2 && l.iter().all(|n| n["alive"] == true)).then_some(())
+    });
+
+    // A new volume gets a joined node as its home; the id is control's, whatever a caller
+    // sends in the node's own header.
+    let made = api.request(
+        "POST",
+        "/v1/volumes",
+        &[
+            ("Content-Type", "application/json"),
+            ("x-locker-volume", "vol_0000000000000000"),
+        ],
+        serde_json::to_vec(&json!({"name": "repo", "size_mb": 64})).unwrap(),
+    );
+    assert_eq!(made.status, 201, "{}", made.text());
+    let home = placed_on(&made);
+    assert!(home == "a" || home == "b", "{:?}", made.headers);
+    let vol = made.json()["id"].as_str().unwrap().to_owned();
+    assert_ne!(vol, "vol_0000000000000000");
+    let (h, other) = if home == "a" { (0, 1) } else { (1, 0) };
+    let home_id = fleet_node(&fleet_nodes(&admin), &home)["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let dirs = [nodes[0].data_dir(), nodes[1].data_dir()];
+    let disk = |i: usize, id: &str| dirs[i].join("volumes").join(id).join("disk.img");
+    assert!(disk(h, &vol).exists(), "the home holds no filesystem");
+    assert!(!disk(other, &vol).exists(), "the other node holds one");
+    // Names are the fleet's: a second "repo" is refused whichever node would take it.
+    api.post("/v1/volumes", &json!({"name": "repo", "size_mb": 64}))
+        .expect_error(409, "conflict", "a second volume named repo");
+    let m = api
+        .post(
+            "/v1/volumes",
+            &json!({"name": "huge", "size_mb": 1_000_000}),
+        )
+        .expect_error(429, "quota_exceeded", "a volume no node can hold");
+    assert!(m.contains("1000000 MB"), "{m}");
+    api.post("/v1/volumes", &json!({"name": "vol_x"}))
+        .expect_error(400, "bad_request", "a name shaped like an id");
+
+    // Files, runs and snapshots go to the home, and the list knows where it lives.
+    api.put(
+        "/v1/volumes/repo/files?path=%2Fdata.txt",
+        &b"written through control\n"[..],
+    )
+    .expect(200, "write the volume");
+    let got = api.get("/v1/volumes/repo/files?path=%2Fdata.txt");
+    assert_eq!(got.text(), "written through control\n");
+    assert_eq!(placed_on(&got), home);
+    // The home is the fullest node (a sandbox mounting the volume and another one on it),
+    // yet every run goes there.
+    let mounted = api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256,
+                "volumes": [{"volume": "repo", "path": "/mnt/v"}]}),
+    );
+    assert_eq!(mounted.status, 201, "{}", mounted.text());
+    assert_eq!(placed_on(&mounted), home);
+    let with = mounted.json()["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        api.sh(&with, "cat /mnt/v/data.txt"),
+        "written through control\n"
+    );
+    for i in 0..6 {
+        let ran = api.post(
+            "/v1/volumes/repo/run",
+            &json!({"shell": format!("echo run {i} >> /workspace/data.txt; wc -l < /workspace/data.txt")}),
+        );
+        assert_eq!(ran.status, 200, "{}", ran.text());
+        assert_eq!(placed_on(&ran), home, "run {i} went elsewhere");
+        assert_eq!(ran.json()["stdout"], format!("{}\n", i + 2));
+    }
+    assert_eq!(
+        api.sh(&with, "tail -n 1 /mnt/v/data.txt"),
+        "run 5\n",
+        "the mounted sandbox sees the runs' commits"
+    );
+    let listed = api.get("/v1/volumes").expect(200, "list volumes");
+    let row = listed["volumes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|v| v["name"] == "repo")
+        .unwrap_or_else(|| panic!("no repo in {listed}"))
+        .clone();
+    assert_eq!(row["node"], home_id, "{row}");
+    let one = api.get("/v1/volumes/repo").expect(200, "read the volume");
+    assert!(one["used_bytes"].as_u64().unwrap() > 0, "{one}");
+    let snap = api
+        .post("/v1/volumes/repo/snapshots", &json!({}))
+        .expect(201, "a snapshot of the volume")["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+
+    // A fork is made beside its source, under a name of the fleet's.
+    let fork = api.post(
+        "/v1/volumes/repo/fork",
+        &json!({"name": "repo-copy", "snapshot": snap}),
+    );
+    assert_eq!(fork.status, 201, "{}", fork.text());
+    assert_eq!(placed_on(&fork), home);
+    let fork_id = fork.json()["id"].as_str().unwrap().to_owned();
+    assert!(disk(h, &fork_id).exists());
+    assert_eq!(
+        api.get("/v1/volumes/repo-copy/files?path=%2Fdata.txt")
+            .text(),
+        "written through control\nrun 0\nrun 1\nrun 2\nrun 3\nrun 4\nrun 5\n"
+    );
+    api.post("/v1/volumes/repo/fork", &json!({"name": "repo-copy"}))
+        .expect_error(409, "conflict", "a fork under a name taken");
+    let m = api
+        .post("/v1/volumes/repo/move", &json!({"node": "a"}))
+        .expect_error(409, "conflict", "moving a joined node's volume");
+    assert!(m.contains("joined node"), "{m}");
+    api.delete("/v1/volumes/repo-copy")
+        .expect(204, "delete the fork");
+    assert!(!disk(h, &fork_id).exists(), "the fork's files stayed");
+    api.get("/v1/volumes/repo-copy")
+        .expect_error(404, "not_found", "a deleted fork");
+    api.post("/v1/volumes", &json!({"name": "repo-copy", "size_mb": 64}))
+        .expect(201, "the name is free again");
+    api.delete("/v1/volumes/repo-copy")
+        .expect(204, "delete it again");
+
+    // The home dies: its volume answers 503 (never an empty volume), a sandbox that
+    // mounts it cannot be made, the other node's work goes on.
+    api.delete(&format!("/v1/sandboxes/{with}"))
+        .expect(204, "delete the mounting sandbox");
+    nodes[h].signal(libc::SIGKILL);
+    wait_for(Duration::from_secs(15), "the home declared dead", || {
+        (fleet_node(&fleet_nodes(&admin), &home)["alive"] == false).then_some(())
+    });
+    let m = api
+        .get("/v1/volumes/repo/files?path=%2Fdata.txt")
+        .expect_error(503, "unavailable", "a file of a dead home's volume");
+    assert!(m.contains("unavailable"), "{m}");
+    api.post("/v1/volumes/repo/run", &json!({"shell": "ls /workspace"}))
+        .expect_error(503, "unavailable", "a run on a dead home's volume");
+    api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "volumes": [{"volume": "repo", "path": "/mnt/v"}]}),
+    )
+    .expect_error(
+        503,
+        "unavailable",
+        "a sandbox mounting a dead home's volume",
+    );
+    let elsewhere = api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256}),
+    );
+    assert_eq!(elsewhere.status, 201, "{}", elsewhere.text());
+    assert_eq!(placed_on(&elsewhere), if h == 0 { "b" } else { "a" });
+
+    // It comes back (same data dir, no token): its volume is whole again.
+    nodes[h].stop();
+    nodes[h].start(&fab, None, 3);
+    wait_for(Duration::from_secs(60), "the home back", || {
+        (fleet_node(&fleet_nodes(&admin), &home)["alive"] == true).then_some(())
+    });
+    let back = wait_for(Duration::from_secs(15), "the volume answering", || {
+        let r = api.get("/v1/volumes/repo/files?path=%2Fdata.txt");
+        (r.status == 200).then_some(r.text())
+    });
+    assert!(back.ends_with("run 5\n"), "{back}");
+    api.delete("/v1/volumes/repo")
+        .expect(204, "delete the volume");
+    assert!(!disk(h, &vol).exists(), "the volume's files stayed");
+    assert!(
+        api.get("/v1/volumes").json()["volumes"]
+            .as_array()
+            .unwrap()
+            .is_empty(),
+        "records left"
+    );
+    api.delete(&format!(
+        "/v1/sandboxes/{}",
+        elsewhere.json()["id"].as_str().unwrap()
+    ))
+    .expect(204, "delete the other sandbox");
+}
