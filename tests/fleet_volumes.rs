@@ -156,11 +156,39 @@ fn a_volume_lives_on_a_joined_node_and_every_call_about_it_goes_there() {
     api.delete("/v1/volumes/repo-copy")
         .expect(204, "delete it again");
 
-    // The home dies: its volume answers 503 (never an empty volume), a sandbox that
-    // mounts it cannot be made, the other node's work goes on.
+    // The home dies (the whole node at once, as a host does) while runs write the volume:
+    // its volume answers 503 (never an empty volume), a sandbox that mounts it cannot be
+    // made, the other node's work goes on. Each run writes 40 files in its own directory
+    // and sleeps a little longer than the one before, so that the kill finds some
+    // committed, some running and maybe one committing.
     api.delete(&format!("/v1/sandboxes/{with}"))
         .expect(204, "delete the mounting sandbox");
+    let runs: Vec<_> = (0..6)
+        .map(|i| {
+            let api = api.clone();
+            std::thread::spawn(move || {
+                let script = format!(
+                    "sleep {}; mkdir /workspace/r{i}; for j in $(seq 40); do echo {i}.$j > /workspace/r{i}/f$j; done",
+                    0.25 * i as f64
+                );
+                let r = api.post("/v1/volumes/repo/run", &json!({ "shell": script }));
+                (i, r.status, r.text())
+            })
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(900));
     nodes[h].signal(libc::SIGKILL);
+    let answered: Vec<(usize, u16, String)> = runs.into_iter().map(|t| t.join().unwrap()).collect();
+    eprintln!(
+        "runs when the home died: {:?}",
+        answered.iter().map(|(i, s, _)| (i, s)).collect::<Vec<_>>()
+    );
+    for (i, status, text) in &answered {
+        assert!(
+            *status == 200 || *status == 502 || *status == 503,
+            "run {i} answered {status}: {text}"
+        );
+    }
     wait_for(Duration::from_secs(15), "the home declared dead", || {
         (fleet_node(&fleet_nodes(&admin), &home)["alive"] == false).then_some(())
     });
@@ -197,6 +225,25 @@ fn a_volume_lives_on_a_joined_node_and_every_call_about_it_goes_there() {
         (r.status == 200).then_some(r.text())
     });
     assert!(back.ends_with("run 5\n"), "{back}");
+    // Every run is whole or absent: acknowledged ones whole, none half-committed.
+    let ran = api.post(
+        "/v1/volumes/repo/run",
+        &json!({"shell": "cd /workspace; for d in r*; do [ -d $d ] && echo $d $(ls $d | wc -l) $(cat $d/* | sort -u | wc -l); done; true"}),
+    );
+    assert_eq!(ran.status, 200, "{}", ran.text());
+    let stdout = ran.json()["stdout"].as_str().unwrap().to_owned();
+    eprintln!("runs' directories after the home came back:\n{stdout}");
+    for line in stdout.lines() {
+        assert!(line.ends_with(" 40 40"), "a run half-committed: {line}");
+    }
+    for (i, status, _) in &answered {
+        if *status == 200 {
+            assert!(
+                stdout.contains(&format!("r{i} 40 40")),
+                "acknowledged run {i} lost: {stdout}"
+            );
+        }
+    }
     api.delete("/v1/volumes/repo")
         .expect(204, "delete the volume");
     assert!(!disk(h, &vol).exists(), "the volume's files stayed");

@@ -233,8 +233,8 @@ fn target_node(app: &AppState, name: &str) -> Result<NodeRecord, ApiError> {
     })?;
     if n.id != app.host_id && n.cert_sha256 != crate::fleet::local::LOCAL_CERT {
         return Err(ApiError::bad_request(format!(
-            "node {} is a joined node, and volumes live on the fleet's servers that are nodes \
-             too (locker serve --node local): name one of those",
+            "node {} is a joined node: a volume moves between the fleet's servers that are \
+             nodes too (locker serve --node local) only, for now: name one of those",
             n.name
         )));
     }
