@@ -12,128 +12,15 @@
 //! servers (`data/secrets_echo.js`) in network namespaces of their own, removed on drop.
 //! Run as root.
 
-use std::net::Ipv4Addr;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
-use locker_tests::egress::{ns_listens, wait_egress_ok, wire_namespace};
+use locker_tests::become_subreaper;
+use locker_tests::echo::{EchoHost, Pki};
+use locker_tests::egress::wait_egress_ok;
 use locker_tests::server::{Api, Server};
-use locker_tests::{become_subreaper, register_child, TempDir};
 use serde_json::{json, Value};
-
-/// A test CA and one server certificate for `names`, made with the openssl CLI.
-struct Pki {
-    dir: TempDir,
-}
-
-impl Pki {
-    fn new(names: &[&str]) -> Pki {
-        let dir = TempDir::new("ltsecpki");
-        let d = dir.path();
-        let san: Vec<String> = names.iter().map(|n| format!("DNS:{n}")).collect();
-        std::fs::write(
-            d.join("ext.cnf"),
-            format!("subjectAltName={}\n", san.join(",")),
-        )
-        .unwrap();
-        let key = "-newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes";
-        for cmd in [
-            format!("req -x509 {key} -keyout ca.key -out ca.pem -days 2 -subj /CN=locker-secrets-test-ca"),
-            format!("req {key} -keyout srv.key -out srv.csr -subj /CN={}", names[0]),
-            "x509 -req -in srv.csr -CA ca.pem -CAkey ca.key -CAcreateserial -out srv.pem -days 2 -extfile ext.cnf".to_owned(),
-        ] {
-            let out = Command::new("openssl")
-                .args(cmd.split(' '))
-                .current_dir(d)
-                .output()
-                .expect("run openssl");
-            assert!(out.status.success(), "openssl {cmd}: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        Pki { dir }
-    }
-    fn path(&self, f: &str) -> PathBuf {
-        self.dir.path().join(f)
-    }
-}
-
-/// An echo host (`data/secrets_echo.js`) in a network namespace of its own.
-struct EchoHost {
-    ns: String,
-    link: String,
-    addr: Ipv4Addr,
-    child: Option<std::process::Child>,
-    log: PathBuf,
-    _dir: TempDir,
-}
-
-impl EchoHost {
-    fn start(name: &str, pki: &Pki, values: &[&str; 2]) -> EchoHost {
-        static N: AtomicU32 = AtomicU32::new(0);
-        let n = N.fetch_add(1, Ordering::SeqCst);
-        let pid = std::process::id();
-        let ns = format!("ltsec-{pid}-{n}");
-        let link = format!("ls{}x{n}", pid % 100_000);
-        let third = (((pid % 32) * 8 + n) % 256) as u8;
-        let (srv, host) = (
-            Ipv4Addr::new(198, 19, third, 1),
-            Ipv4Addr::new(198, 19, third, 2),
-        );
-        let dir = TempDir::new("ltsecho");
-        let mut h = EchoHost {
-            ns: ns.clone(),
-            link: link.clone(),
-            addr: srv,
-            child: None,
-            log: dir.path().join("requests.log"),
-            _dir: dir,
-        };
-        wire_namespace(&ns, &link, host, srv);
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("data/secrets_echo.js");
-        std::fs::write(&h.log, "").unwrap();
-        let child = Command::new("ip")
-            .args(["netns", "exec", &ns, "node"])
-            .arg(&script)
-            .arg(srv.to_string())
-            .arg(name)
-            .arg(pki.path("srv.pem"))
-            .arg(pki.path("srv.key"))
-            .arg(&h.log)
-            .env("SECRET_VALUE_1", values[0])
-            .env("SECRET_VALUE_2", values[1])
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .expect("start node (the test host)");
-        register_child(child.id());
-        h.child = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while !(ns_listens(&ns, 443) && ns_listens(&ns, 8443) && ns_listens(&ns, 80)) {
-            assert!(Instant::now() < deadline, "the echo host listens");
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        h
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(&self.log).unwrap_or_default()
-    }
-}
-
-impl Drop for EchoHost {
-    fn drop(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        let _ = Command::new("ip")
-            .args(["link", "del", &self.link])
-            .output();
-        let _ = Command::new("ip").args(["netns", "del", &self.ns]).output();
-    }
-}
 
 fn random_value(tag: &str) -> String {
     let mut b = [0u8; 12];
@@ -418,7 +305,10 @@ impl World {
         // Also on the disk, which forks and snapshots keep (/tmp is memory in a jail).
         sh(&api, &id, "cp /tmp/test-ca.pem /root/test-ca.pem");
         let (ph, _) = sh(&api, &id, "printf %s \"$EXAMPLE_KEY\"");
-        assert!(ph.starts_with("locker-secret-example-"), "a placeholder: {ph}");
+        assert!(
+            ph.starts_with("locker-secret-example-"),
+            "a placeholder: {ph}"
+        );
         (id, ph)
     }
 }
@@ -452,7 +342,11 @@ fn hand_in_requests(api: &Api, id: &str) {
         .args(&have)
         .output()
         .expect("run tar");
-    assert!(tar.status.success(), "tar: {}", String::from_utf8_lossy(&tar.stderr));
+    assert!(
+        tar.status.success(),
+        "tar: {}",
+        String::from_utf8_lossy(&tar.stderr)
+    );
     api.request(
         "PUT",
         &format!("/v1/sandboxes/{id}/files?path=/opt/pyreq"),
@@ -909,14 +803,22 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let listed = api.get("/v1/snapshots").expect(200, "snapshots");
     assert!(!listed.to_string().contains(&w.v1), "{listed}");
     let snap_dir = w.srv.data_dir.join("snapshots").join(&snap_id);
-    let kept = std::fs::read_to_string(snap_dir.join("secrets.json")).expect("the snapshot's secrets");
-    assert!(kept.contains("\"example\"") && !kept.contains(&w.v1), "{kept}");
+    let kept =
+        std::fs::read_to_string(snap_dir.join("secrets.json")).expect("the snapshot's secrets");
+    assert!(
+        kept.contains("\"example\"") && !kept.contains(&w.v1),
+        "{kept}"
+    );
     let grep = Command::new("grep")
         .args(["-rlaF", &w.v1])
         .arg(&snap_dir)
         .output()
         .expect("grep");
-    assert!(grep.stdout.is_empty(), "a value in the snapshot: {}", String::from_utf8_lossy(&grep.stdout));
+    assert!(
+        grep.stdout.is_empty(),
+        "a value in the snapshot: {}",
+        String::from_utf8_lossy(&grep.stdout)
+    );
     api.delete(&format!("/v1/sandboxes/{id}"))
         .expect(204, "delete the source");
     let from = api.create_sandbox(&json!({"from_snapshot": snap_id}));
@@ -935,7 +837,12 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let (env, _) = sh(&api, &from_id, "printf %s \"$EXAMPLE_KEY\"");
     assert_eq!(env, placeholder, "the snapshot's placeholder comes back");
     assert_eq!(
-        auth_seen(&api, &from_id, "https://api.secret.test/from-snapshot", "$(cat /root/key.txt)"),
+        auth_seen(
+            &api,
+            &from_id,
+            "https://api.secret.test/from-snapshot",
+            "$(cat /root/key.txt)"
+        ),
         "Bearer [value-1]",
         "the placeholder on the snapshot's disk works"
     );
@@ -950,11 +857,18 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let g_snap = api
         .post(&format!("/v1/sandboxes/{g_id}/snapshots"), &json!({}))
         .expect(201, "snapshot");
-    api.delete("/v1/secrets/gone").expect(204, "delete the secret");
+    api.delete("/v1/secrets/gone")
+        .expect(204, "delete the secret");
     let r = api
-        .post("/v1/sandboxes", &json!({"from_snapshot": g_snap["id"].clone()}))
+        .post(
+            "/v1/sandboxes",
+            &json!({"from_snapshot": g_snap["id"].clone()}),
+        )
         .expect(404, "a snapshot's secret deleted since");
-    assert!(r.to_string().contains("gone") && r.to_string().contains("does not exist"), "{r}");
+    assert!(
+        r.to_string().contains("gone") && r.to_string().contains("does not exist"),
+        "{r}"
+    );
 
     // New hosts: the running sandboxes that hold the secret get them in their allowlists
     // (stored), and requests there get the value; a host dropped stays allowed but gets
@@ -975,14 +889,28 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
             "{v}"
         );
         assert_eq!(
-            auth_seen(&api, sb, "https://api2.secret.test/new-host", "$EXAMPLE_KEY"),
+            auth_seen(
+                &api,
+                sb,
+                "https://api2.secret.test/new-host",
+                "$EXAMPLE_KEY"
+            ),
             "Bearer [value-1]"
         );
     }
-    json_put(&api, "/v1/secrets/example", &json!({"hosts": ["api2.secret.test"]}))
-        .expect(200, "a host dropped");
+    json_put(
+        &api,
+        "/v1/secrets/example",
+        &json!({"hosts": ["api2.secret.test"]}),
+    )
+    .expect(200, "a host dropped");
     assert_eq!(
-        auth_seen(&api, &child, "https://api.secret.test/dropped", "$EXAMPLE_KEY"),
+        auth_seen(
+            &api,
+            &child,
+            "https://api.secret.test/dropped",
+            "$EXAMPLE_KEY"
+        ),
         format!("Bearer {placeholder}"),
         "a host the secret no longer names gets the placeholder"
     );
@@ -991,10 +919,17 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     let out = Command::new(locker_tests::locker_bin())
         .args(["key", "create", "--tenant", "default", "--e2b", "--json"])
         .env("LOCKER_URL", &w.srv.url)
-        .env("LOCKER_ADMIN_KEY", w.srv.admin_key.as_deref().expect("admin key"))
+        .env(
+            "LOCKER_ADMIN_KEY",
+            w.srv.admin_key.as_deref().expect("admin key"),
+        )
         .output()
         .expect("run locker key create");
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let key: Value = serde_json::from_slice(&out.stdout).unwrap();
     let key = key["api_key"].as_str().unwrap().to_owned();
     w.srv.remember_key(&key);
@@ -1026,7 +961,12 @@ fn forks_snapshots_and_new_hosts_follow_the_secret() {
     )
     .expect(200, "the test CA");
     assert_eq!(
-        auth_seen(&api, &e2b_id, "https://api2.secret.test/e2b", "$EXAMPLE_KEY"),
+        auth_seen(
+            &api,
+            &e2b_id,
+            "https://api2.secret.test/e2b",
+            "$EXAMPLE_KEY"
+        ),
         "Bearer [value-1]"
     );
     let blog = w.b.log();

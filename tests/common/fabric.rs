@@ -220,6 +220,8 @@ pub struct NodeProc {
     pub child: Option<Child>,
     /// Environment the process starts with, beside the test's.
     pub env: Vec<(String, String)>,
+    /// More arguments of `locker node`.
+    pub extra: Vec<String>,
 }
 
 impl NodeProc {
@@ -235,6 +237,7 @@ impl NodeProc {
             log,
             child: None,
             env: Vec::new(),
+            extra: Vec::new(),
         }
     }
 
@@ -267,6 +270,7 @@ impl NodeProc {
         if let Some((url, token)) = join {
             a.extend(["--join".into(), url.into(), "--token".into(), token.into()]);
         }
+        a.extend(self.extra.iter().cloned());
         a
     }
 
@@ -300,6 +304,7 @@ impl NodeProc {
             log: self.log.clone(),
             child: Some(child),
             env: Vec::new(),
+            extra: Vec::new(),
         };
         let status = wait_for(Duration::from_secs(20), "a refused join to end", || {
             guard.child.as_mut().unwrap().try_wait().expect("wait")

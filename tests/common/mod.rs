@@ -97,6 +97,7 @@ pub fn websocket_echoes(mut ws: tungstenite::WebSocket<std::net::TcpStream>) {
 }
 
 pub mod answers;
+pub mod echo;
 pub mod egress;
 pub mod fabric;
 pub mod fleet;

@@ -38,6 +38,14 @@ pub struct NodeArgs {
     /// Ready microVMs kept per sandbox shape asked for (0: none).
     #[arg(long, env = "LOCKER_VM_POOL", default_value_t = 1)]
     vm_pool: usize,
+    /// Pin a name to addresses for machines' egress (as `locker serve --egress-resolve`):
+    /// `name=ip[,ip…]`; repeatable.
+    #[arg(long, value_name = "NAME=IP", value_parser = locker_server::egress::parse_pin)]
+    egress_resolve: Vec<(String, Vec<std::net::IpAddr>)>,
+    /// A CA (PEM file) the egress proxy trusts, beside the host's trust store, when it
+    /// connects to a secret's host (as `locker serve --egress-ca`); repeatable.
+    #[arg(long, value_name = "FILE")]
+    egress_ca: Vec<PathBuf>,
     /// Do not build the template `default` in the background when it is missing.
     #[arg(long)]
     no_template_build: bool,
@@ -94,8 +102,8 @@ pub fn run(a: NodeArgs) -> anyhow::Result<()> {
         cache_dir: a.cache_dir,
         warm_pool: a.warm_pool,
         vm_pool: a.vm_pool,
-        egress_resolve: Vec::new(),
-        egress_ca: Vec::new(),
+        egress_resolve: a.egress_resolve,
+        egress_ca: a.egress_ca,
         template_build: !a.no_template_build,
         preview: None,
         favordynmods: true,

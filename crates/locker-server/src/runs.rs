@@ -219,6 +219,7 @@ async fn run(
 ) -> Result<Response, ApiError> {
     let arrived = Instant::now();
     let stream = wants_ndjson(&headers);
+    app.secrets.ensure(&caller.tenant, &body.secrets).await?;
     let plan = check(&app, &caller, &id, body)?;
     crate::limits::require_egress(&plan.network).await?;
     if plan.runtime == Runtime::Microvm {

@@ -239,6 +239,7 @@ async fn checked(
             names.push(n.clone());
         }
     }
+    app.secrets.ensure(&caller.tenant, &names).await?;
     crate::secrets::resolve_keeping(
         app,
         &caller.tenant,

@@ -111,18 +111,26 @@ pub(super) fn delete_link(link: &str) -> bool {
     !link_exists(link)
 }
 
-/// Whether a network interface of this name exists in the host's namespace.
+/// Whether a network interface of this name exists in this process's network namespace.
+/// Asked of the kernel (`if_nametoindex`), not of `/sys/class/net`: sysfs shows the
+/// namespace of whoever mounted it, which is not this process's when it was started in
+/// another network namespace without a sysfs of its own (`nsenter --net`, some containers).
 pub fn link_exists(name: &str) -> bool {
-    Path::new("/sys/class/net").join(name).exists()
+    let Ok(c) = std::ffi::CString::new(name) else {
+        return false;
+    };
+    // SAFETY: a NUL-terminated string that outlives the call.
+    unsafe { libc::if_nametoindex(c.as_ptr()) != 0 }
 }
 
-/// Host links `lk<slot>` that exist now.
+/// Host links `lk<slot>` that exist now, in this process's network namespace
+/// (`/proc/self/net/dev`, for the reason [`link_exists`] gives).
 pub fn machine_links() -> Vec<String> {
-    fs::read_dir("/sys/class/net")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
+    fs::read_to_string("/proc/self/net/dev")
+        .unwrap_or_default()
+        .lines()
+        .skip(2)
+        .filter_map(|l| l.split_once(':').map(|(n, _)| n.trim().to_owned()))
         .filter(|n| {
             n.strip_prefix("lk")
                 .is_some_and(|d| !d.is_empty() && d.bytes().all(|b| b.is_ascii_digit()))

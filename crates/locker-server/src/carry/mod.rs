@@ -143,7 +143,8 @@ fn refusal(rec: &SandboxRecord) -> Option<String> {
     }
     if !crate::secrets::bound(&rec.env).is_empty() {
         return Some(format!(
-            "sandbox {} holds secrets, which live on this host: it cannot move without them",
+            "sandbox {} holds secrets, armed for its machine on this node: a sandbox with \
+             secrets does not move yet",
             rec.id
         ));
     }

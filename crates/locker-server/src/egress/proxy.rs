@@ -167,6 +167,12 @@ async fn handle(eg: &Arc<Egress>, mut sock: TcpStream, peer: SocketAddr) {
         }
     };
     if let (Some(a), Hello::Tls(Some(n)), Some(secrets)) = (&armed, &hello, eg.secrets()) {
+        // A joined node's copies of the machine's secrets, fetched again if one was dropped
+        // unused (a no-op where the store is at hand); without them nothing is put in.
+        let names: Vec<String> = a.secrets.iter().map(|(name, _)| name.clone()).collect();
+        if let Err(e) = secrets.ensure(&a.tenant, &names).await {
+            tracing::warn!(error = %e.message, "a machine's secrets could not be fetched: its connection gets no values");
+        }
         if a.secrets
             .iter()
             .any(|(name, _)| secrets.has_host(&a.tenant, name, n))

@@ -156,6 +156,7 @@ impl Control {
             .route(wire::HEARTBEAT, post(heartbeat))
             .route(wire::RETURN, post(give_back))
             .route(wire::EVENTS, post(take_events))
+            .route(wire::SECRETS, post(give_secrets))
             .layer(Extension(app.clone()))
             .with_state(self.clone());
         let acceptor = tokio_rustls::TlsAcceptor::from(self.tls.clone());
@@ -433,6 +434,73 @@ async fn take_events(
     let id = node.id.clone();
     let cursor = blocking(move || app.events.take_from_node(&id, &events)).await?;
     Ok(axum::Json(EventsTaken { cursor }).into_response())
+}
+
+/// The current values of secrets a node's machines use (`wire::SECRETS`). A node gets only
+/// the secrets of tenants it runs something of: a sandbox placed on it (starting or
+/// placed) or a volume homed on it (a run's machine); nothing is written anywhere.
+async fn give_secrets(
+    State(c): State<Arc<Control>>,
+    Extension(peer): Extension<Peer>,
+    Extension(app): Extension<AppState>,
+    Json(asked): Json<wire::SecretsAsked>,
+) -> Result<Response, ApiError> {
+    if asked.wanted.len() > wire::SECRETS_MAX {
+        return Err(ApiError::bad_request(format!(
+            "at most {} secrets a call",
+            wire::SECRETS_MAX
+        )));
+    }
+    let node = caller(&c, &peer, &asked.node_id).await?;
+    if node.state != NodeState::Ready {
+        return Err(ApiError::conflict(format!(
+            "node {} is {}: it gets no secrets until it returns",
+            node.name,
+            node.state.as_str()
+        )));
+    }
+    let (store, node_id) = (c.store.clone(), node.id.clone());
+    let copies = blocking(move || {
+        let mut tenants: std::collections::BTreeMap<String, bool> = Default::default();
+        let mut out = Vec::new();
+        for k in asked.wanted {
+            let hosts_tenant = match tenants.get(&k.tenant) {
+                Some(b) => *b,
+                None => {
+                    let placed = store
+                        .list_placements(Some(&k.tenant), Some(&node_id))?
+                        .iter()
+                        .any(|p| p.state != locker_store::PlacementState::Lost);
+                    let homed = placed
+                        || store
+                            .list_volumes(&k.tenant)?
+                            .iter()
+                            .any(|v| v.host == node_id);
+                    tenants.insert(k.tenant.clone(), homed);
+                    homed
+                }
+            };
+            if !hosts_tenant {
+                continue;
+            }
+            let Some(rec) = store.get_secret(&k.tenant, &k.name)? else {
+                continue;
+            };
+            let Some(value) = app.secrets.open(&rec) else {
+                continue;
+            };
+            out.push(wire::SecretCopy {
+                tenant: rec.tenant,
+                name: rec.name,
+                env: rec.env,
+                hosts: rec.hosts,
+                value_b64: locker_types::base64::encode(&value),
+            });
+        }
+        Ok(out)
+    })
+    .await?;
+    Ok(axum::Json(wire::SecretCopies { secrets: copies }).into_response())
 }
 
 async fn give_back(

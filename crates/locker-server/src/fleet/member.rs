@@ -124,6 +124,7 @@ async fn serve_and_beat(
         }
         None => join(cfg, app, &dir).await?,
     };
+    secrets_from_control(app, &member, quitting.clone());
     let listener = tokio::net::TcpListener::bind(cfg.listen)
         .await
         .map_err(|e| MemberError::Engine(format!("cannot listen on {}: {e}", cfg.listen)))?;
@@ -144,6 +145,59 @@ async fn serve_and_beat(
             Ok(())
         }
     }
+}
+
+/// The engine's secrets come from control (`secrets::remote`): fetched over a connection of
+/// their own (a create waiting for a secret never waits behind a heartbeat), and fetched
+/// again every beat while in use, until `quitting`.
+fn secrets_from_control(
+    app: &AppState,
+    m: &Member,
+    mut quitting: tokio::sync::watch::Receiver<bool>,
+) {
+    let link: Arc<tokio::sync::Mutex<Option<Link>>> = Arc::default();
+    let (control, tls, node_id) = (m.ident.control.clone(), m.tls.clone(), m.ident.node_id.clone());
+    app.secrets.set_remote(Arc::new(move |wanted| {
+        let (link, control, tls) = (link.clone(), control.clone(), tls.clone());
+        let asked = wire::SecretsAsked {
+            node_id: node_id.clone(),
+            wanted,
+        };
+        Box::pin(async move {
+            let mut l = {
+                let mut held = link.lock().await;
+                match held.as_ref() {
+                    Some(l) if !l.sender.is_closed() => l.clone(),
+                    _ => {
+                        let l = Link::open(&control, tls).await?;
+                        *held = Some(l.clone());
+                        l
+                    }
+                }
+            };
+            match l.call(wire::SECRETS, &asked).await {
+                Ok((StatusCode::OK, b)) => serde_json::from_slice::<wire::SecretCopies>(&b)
+                    .map(|c| c.secrets)
+                    .map_err(|e| format!("control's answer: {e}")),
+                Ok((s, b)) => Err(format!("control answered {s}: {}", message(&b))),
+                Err(e) => {
+                    *link.lock().await = None;
+                    Err(e)
+                }
+            }
+        })
+    }));
+    let app = app.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(HEARTBEAT);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tokio::select! {
+                _ = tick.tick() => crate::secrets::Secrets::refresh(&app).await,
+                _ = quitting.changed() => return,
+            }
+        }
+    });
 }
 
 /// `https://host:port` → (host, port).
@@ -168,6 +222,7 @@ fn parse_url(url: &str) -> Result<(String, u16), String> {
 }
 
 /// One HTTP/2 connection to the control plane.
+#[derive(Clone)]
 struct Link {
     sender: SendRequest<Full<Bytes>>,
     authority: String,

@@ -13,6 +13,10 @@
 //! - `POST /internal/nodes/events` ([`NodeEvents`] → [`EventsTaken`]), the node's
 //!   certificate: the node's own lifecycle events, taken into the fleet's stream once
 //!   each. 200 with the fleet's cursor for the node; 400 for more than [`EVENTS_MAX`].
+//! - `POST /internal/nodes/secrets` ([`SecretsAsked`] → [`SecretCopies`]), the node's
+//!   certificate: the current values of secrets its machines use (a secret of a tenant with
+//!   no sandbox placed on the node and no volume homed there is left out, as is one that no
+//!   longer exists). 200; 400 for more than [`SECRETS_MAX`]; 409 when the node is not alive.
 
 use serde::{Deserialize, Serialize};
 
@@ -22,6 +26,45 @@ pub const RETURN: &str = "/internal/nodes/return";
 pub const EVENTS: &str = "/internal/nodes/events";
 /// Events one call carries at most.
 pub const EVENTS_MAX: usize = 500;
+pub const SECRETS: &str = "/internal/nodes/secrets";
+/// Secrets one call asks for at most.
+pub const SECRETS_MAX: usize = 256;
+
+/// The secrets a node asks for, by tenant and name.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SecretsAsked {
+    pub node_id: String,
+    pub wanted: Vec<SecretKey>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct SecretKey {
+    pub tenant: String,
+    pub name: String,
+}
+
+/// The secrets asked for that the node may have, as they are now.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct SecretCopies {
+    pub secrets: Vec<SecretCopy>,
+}
+
+/// A secret as a node's machines use it: where its placeholder goes, the hosts its value
+/// may go to, and the value (base64). Kept in the node's memory only.
+#[derive(Clone, Serialize, Deserialize)]
+pub struct SecretCopy {
+    pub tenant: String,
+    pub name: String,
+    pub env: String,
+    pub hosts: Vec<String>,
+    pub value_b64: String,
+}
+
+impl std::fmt::Debug for SecretCopy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "SecretCopy({}/{}, ..)", self.tenant, self.name)
+    }
+}
 
 /// A node's events after the cursor it knows, oldest first.
 #[derive(Debug, Clone, Serialize, Deserialize)]

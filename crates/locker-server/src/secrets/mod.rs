@@ -181,10 +181,20 @@ fn decode_key(s: &str) -> Option<[u8; 32]> {
     locker_types::base64::decode(s).ok()?.try_into().ok()
 }
 
-/// The secrets service: the sealer and the store.
+pub mod remote;
+
+/// The secrets service: the sealer and the store; on a joined node, the copies of what
+/// control holds ([`remote`]) instead.
 pub struct Secrets {
     sealer: Sealer,
     store: Arc<dyn Store>,
+    remote: std::sync::OnceLock<remote::Copies>,
+}
+
+/// What a machine's create needs of a secret: where its placeholder goes and its hosts.
+pub struct Meta {
+    pub env: String,
+    pub hosts: Vec<String>,
 }
 
 impl std::fmt::Debug for Secrets {
@@ -202,12 +212,85 @@ pub struct Opened {
 
 impl Secrets {
     pub fn new(sealer: Sealer, store: Arc<dyn Store>) -> Arc<Secrets> {
-        Arc::new(Secrets { sealer, store })
+        Arc::new(Secrets {
+            sealer,
+            store,
+            remote: std::sync::OnceLock::new(),
+        })
+    }
+
+    /// Makes this a joined node's service: secrets are control's, fetched with `fetch`.
+    pub fn set_remote(&self, fetch: remote::Fetch) {
+        if self.remote.set(remote::Copies::new(fetch)).is_err() {
+            tracing::warn!("the secrets' control plane was set twice: the first kept");
+        }
+    }
+
+    /// A stored secret's value under this server's key (control answering a node).
+    pub fn open(&self, rec: &SecretRecord) -> Option<Vec<u8>> {
+        self.sealer.open(&rec.tenant, &rec.name, &rec.sealed)
+    }
+
+    /// Makes sure the secrets `names` of `tenant` can be read here without waiting: on a
+    /// joined node, fetches the copies it lacks (503 when control cannot be reached); a
+    /// server with the store reads it at each use.
+    pub async fn ensure(&self, tenant: &str, names: &[String]) -> Result<(), ApiError> {
+        let Some(r) = self.remote.get() else {
+            return Ok(());
+        };
+        r.ensure(tenant, names).await.map_err(|e| {
+            ApiError::unavailable(format!(
+                "this node gets secrets from the fleet's control plane, which did not answer \
+                 ({e}): retry"
+            ))
+        })
+    }
+
+    /// Secret `name` of `tenant` as a create needs it (on a joined node: its copy, which
+    /// [`Secrets::ensure`] fetched).
+    pub fn meta(&self, tenant: &str, name: &str) -> Result<Option<Meta>, ApiError> {
+        if let Some(r) = self.remote.get() {
+            return Ok(r.get(tenant, name).map(|c| Meta {
+                env: c.env,
+                hosts: c.hosts,
+            }));
+        }
+        Ok(self.store.get_secret(tenant, name)?.map(|r| Meta {
+            env: r.env,
+            hosts: r.hosts,
+        }))
+    }
+
+    /// A joined node's copies fetched again: rotations and deletions reach its machines,
+    /// and a secret's new hosts join the allowlists of the sandboxes holding it. Nothing
+    /// on a server with the store.
+    pub async fn refresh(app: &AppState) {
+        let Some(r) = app.secrets.remote.get() else {
+            return;
+        };
+        match r.refresh().await {
+            Ok(grown) => {
+                for (k, hosts) in grown {
+                    widen_allowlists(app, &k.tenant, &k.name, &hosts).await;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "the secrets' copies could not be fetched again: kept as they are")
+            }
+        }
     }
 
     /// The current value of secret `name` of `tenant` if `host` is one of its hosts now
     /// (it may have been rotated or deleted since the machine got its placeholder).
     pub fn value_for(&self, tenant: &str, name: &str, host: &str) -> Option<Opened> {
+        if let Some(r) = self.remote.get() {
+            let c = r.get(tenant, name)?;
+            return c.hosts.iter().any(|h| h == host).then(|| Opened {
+                name: name.to_owned(),
+                hosts: c.hosts,
+                value: c.value,
+            });
+        }
         let rec = match self.store.get_secret(tenant, name) {
             Ok(Some(r)) => r,
             Ok(None) => return None,
@@ -235,6 +318,11 @@ impl Secrets {
 
     /// Whether secret `name` of `tenant` names `host` now.
     pub fn has_host(&self, tenant: &str, name: &str, host: &str) -> bool {
+        if let Some(r) = self.remote.get() {
+            return r
+                .get(tenant, name)
+                .is_some_and(|c| c.hosts.iter().any(|h| h == host));
+        }
         matches!(self.store.get_secret(tenant, name), Ok(Some(r)) if r.hosts.iter().any(|h| h == host))
     }
 }
@@ -323,7 +411,7 @@ pub fn resolve_keeping(
                 "`secrets` names {name:?} twice"
             )));
         }
-        let rec = app.store.get_secret(tenant, name)?.ok_or_else(|| {
+        let rec = app.secrets.meta(tenant, name)?.ok_or_else(|| {
             ApiError::not_found(format!(
                 "secret {name:?} does not exist: create it with POST /v1/secrets (`locker secret create`)"
             ))

@@ -87,14 +87,7 @@ pub(super) async fn create(app: &AppState, req: Request, next: Next, surface: Su
         Err(e) => return e.into_response(),
     };
     let rows = placement::row_nodes(&nodes);
-    let only = match bound_to(
-        app,
-        &spec,
-        volume_host,
-        snapshot.as_ref(),
-        local.as_deref(),
-        &rows,
-    ) {
+    let only = match bound_to(app, volume_host, snapshot.as_ref(), local.as_deref()) {
         Ok(o) => o,
         Err(e) => return e.into_response(),
     };
@@ -324,22 +317,15 @@ async fn volumes_host(
 }
 
 /// The one node a create may go to, and why, when its data ties it to one: its volumes'
-/// server, its snapshot's node (where their files are), or, for secrets, a node whose
-/// engine reads the fleet's store (a control replica's own: this server's when nothing
-/// else decides). 400 when they point to different nodes, or secrets with no such node.
+/// home, its snapshot's node (where their files are). 400 when they point to different
+/// nodes. Secrets tie it to none: a joined node gets them from control
+/// (`secrets::remote`).
 fn bound_to(
     app: &AppState,
-    spec: &Value,
     volume_host: Option<String>,
     snapshot: Option<&locker_store::SnapshotRecord>,
     local: Option<&str>,
-    rows: &std::collections::HashSet<String>,
 ) -> Result<Option<(String, String)>, ApiError> {
-    let secrets = match &spec["secrets"] {
-        Value::Array(a) => !a.is_empty(),
-        Value::Null => false,
-        _ => true,
-    };
     let snapshot_node = snapshot.map(|s| {
         let node = if s.host.is_empty() {
             app.host_id.clone()
@@ -358,11 +344,6 @@ fn bound_to(
         }
         (v, s) => v.or(s),
     };
-    let only = if secrets {
-        with_secrets(app, only, local, rows)?
-    } else {
-        only
-    };
     match only {
         Some((n, what)) if n == app.host_id && local.is_none() => {
             Err(ApiError::bad_request(format!(
@@ -371,29 +352,6 @@ fn bound_to(
         )))
         }
         o => Ok(o),
-    }
-}
-
-/// Where a sandbox with secrets may run, given where its other data binds it (`only`).
-fn with_secrets(
-    app: &AppState,
-    only: Option<(String, String)>,
-    local: Option<&str>,
-    rows: &std::collections::HashSet<String>,
-) -> Result<Option<(String, String)>, ApiError> {
-    match (only, local) {
-        (Some((n, what)), _) if n == app.host_id || rows.contains(&n) => Ok(Some((n, what))),
-        (Some((n, _)), _) => Err(ApiError::bad_request(format!(
-            "a sandbox with secrets runs on a control replica's own node (their values are in \
-             the fleet's store, which joined nodes never read), and this one is bound to joined \
-             node {n}: leave `secrets` out, or use data of a control replica's node"
-        ))),
-        (None, Some(l)) => Ok(Some((l.to_owned(), "its secrets live".to_owned()))),
-        (None, None) => Err(ApiError::bad_request(
-            "a sandbox with secrets cannot be placed on a remote fleet node (their values are in \
-             the fleet's store, which joined nodes never read): start this server with --node \
-             local to run such sandboxes here",
-        )),
     }
 }
 
