@@ -156,7 +156,11 @@ fn secrets_from_control(
     mut quitting: tokio::sync::watch::Receiver<bool>,
 ) {
     let link: Arc<tokio::sync::Mutex<Option<Link>>> = Arc::default();
-    let (control, tls, node_id) = (m.ident.control.clone(), m.tls.clone(), m.ident.node_id.clone());
+    let (control, tls, node_id) = (
+        m.ident.control.clone(),
+        m.tls.clone(),
+        m.ident.node_id.clone(),
+    );
     app.secrets.set_remote(Arc::new(move |wanted| {
         let (link, control, tls) = (link.clone(), control.clone(), tls.clone());
         let asked = wire::SecretsAsked {

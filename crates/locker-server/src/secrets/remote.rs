@@ -169,8 +169,12 @@ mod tests {
     #[tokio::test]
     async fn copies_follow_control_and_fetch_only_what_is_missing() {
         // What "control" holds, and how many times it was asked.
-        let held: Arc<Mutex<Vec<SecretCopy>>> =
-            Arc::new(Mutex::new(vec![copy("t", "gh", &["api.github.com"], b"v1")]));
+        let held: Arc<Mutex<Vec<SecretCopy>>> = Arc::new(Mutex::new(vec![copy(
+            "t",
+            "gh",
+            &["api.github.com"],
+            b"v1",
+        )]));
         let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let (h, n) = (held.clone(), calls.clone());
         let c = Copies::new(Arc::new(move |wanted: Vec<SecretKey>| {
@@ -187,7 +191,11 @@ mod tests {
         c.ensure("t", &["gh".into()]).await.unwrap();
         assert_eq!(c.get("t", "gh").unwrap().value, b"v1");
         c.ensure("t", &["gh".into()]).await.unwrap();
-        assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1, "held: not asked again");
+        assert_eq!(
+            calls.load(std::sync::atomic::Ordering::SeqCst),
+            1,
+            "held: not asked again"
+        );
         // Another tenant's secret of the same name is another secret.
         c.ensure("u", &["gh".into()]).await.unwrap();
         assert!(c.get("u", "gh").is_none());
