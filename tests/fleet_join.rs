@@ -334,11 +334,12 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
         let n = fleet_node(&l, "m0");
         (n["state"] == "ready" && n["epoch"] == 2 && n["alive"] == true).then_some(())
     });
-    let log = procs[0].log_text();
-    assert!(
-        log.contains("fenced") && log.contains("returned to the fleet"),
-        "{log}"
-    );
+    // The node logs its return once it has read the answer, which may be just after the
+    // control plane shows it back.
+    wait_for(Duration::from_secs(5), "m0 saying it returned", || {
+        let log = procs[0].log_text();
+        (log.contains("fenced") && log.contains("returned to the fleet")).then_some(())
+    });
 
     // A node agent restart keeps its identity: no token, same id and epoch.
     let id2 = fleet_node(&fleet_nodes(&admin), "m2")["id"].clone();

@@ -3,30 +3,21 @@
 //! joined node gets placeholders, and the node's egress proxy puts the values in from
 //! copies it fetches from control and keeps in memory only. A rotation, a secret's new
 //! hosts and a deletion reach a running sandbox within seconds; a node gets only the
-//! secrets of tenants it runs something of; the node's disk and log never hold a value.
+//! secrets of tenants it runs something of; a drain carries a sandbox's secrets to its new
+//! node; the nodes' disks and logs never hold a value.
 //! The secret's host is the secrets tests' echo server (`data/secrets_echo.js`) on the
 //! fabric's bridge address, pinned on the node with `--egress-resolve`.
 
 use std::net::Ipv4Addr;
 use std::time::Duration;
 
-use locker_tests::echo::{EchoHost, Pki};
+use locker_tests::echo::{secret_value, EchoHost, Pki};
 use locker_tests::fabric::{fleet_nodes, fleet_token, Fabric, NodeProc};
 use locker_tests::fleet::placed_on;
 use locker_tests::postgres::cluster;
 use locker_tests::server::Api;
 use locker_tests::wait_for;
 use serde_json::{json, Value};
-
-/// A value the echo host masks, random per run.
-fn value(tag: &str) -> String {
-    let mut b = [0u8; 12];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .unwrap();
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("sk-fleet-{tag}-{hex}")
-}
 
 /// What the echo host saw as `Authorization` for a request from sandbox `id` to `url`,
 /// sent with the placeholder, values masked; the machine trusts its store (intercepted
@@ -46,36 +37,44 @@ fn auth_seen(api: &Api, id: &str, url: &str) -> String {
 
 #[test]
 fn a_joined_nodes_sandboxes_and_runs_get_secrets_from_control() {
-    let fab = Fabric::new(1);
+    let fab = Fabric::new(2);
     let (_db, pg_url) = cluster().new_database();
     let srv = fab.control(&pg_url, &[]);
     let (admin, api) = (srv.admin(), srv.api());
-    let (v1, v2) = (value("one"), value("two"));
+    let (v1, v2) = (secret_value("one"), secret_value("two"));
     let pki = Pki::new(&["api.secret.test", "api2.secret.test"]);
     let bridge: Ipv4Addr = fab.control_ip().parse().unwrap();
     let echo = EchoHost::start_on("echo", &pki, &[&v1, &v2], bridge);
-    let mut a = NodeProc::new(0, "a");
-    for host in ["api.secret.test", "api2.secret.test"] {
-        a.extra
-            .extend(["--egress-resolve".into(), format!("{host}={bridge}")]);
-    }
-    a.extra.extend([
-        "--egress-ca".into(),
-        pki.path("ca.pem").display().to_string(),
-    ]);
-    let t = fleet_token(&admin, 600);
-    let control_url = t["url"].as_str().unwrap().to_owned();
-    a.start(&fab, Some((&control_url, t["token"].as_str().unwrap())), 4);
-    wait_for(
-        Duration::from_secs(60),
-        "the node alive, its egress checked",
-        || {
-            let alive = fleet_nodes(&admin)
-                .iter()
-                .any(|n| n["name"] == "a" && n["alive"] == true);
-            (alive && a.log_text().contains("egress enforcement works")).then_some(())
-        },
-    );
+    // Node a first; b joins later, for a drain.
+    let node = |i: usize, name: &str| {
+        let mut n = NodeProc::new(i, name);
+        for host in ["api.secret.test", "api2.secret.test"] {
+            n.extra
+                .extend(["--egress-resolve".into(), format!("{host}={bridge}")]);
+        }
+        n.extra.extend([
+            "--egress-ca".into(),
+            pki.path("ca.pem").display().to_string(),
+        ]);
+        n
+    };
+    let (mut a, mut b) = (node(0, "a"), node(1, "b"));
+    let control_url = fleet_token(&admin, 600)["url"].as_str().unwrap().to_owned();
+    let join = |n: &mut NodeProc| {
+        let t = fleet_token(&admin, 600);
+        n.start(&fab, Some((&control_url, t["token"].as_str().unwrap())), 4);
+        wait_for(
+            Duration::from_secs(60),
+            "the node alive, its egress checked",
+            || {
+                let alive = fleet_nodes(&admin)
+                    .iter()
+                    .any(|x| x["name"] == n.name && x["alive"] == true);
+                (alive && n.log_text().contains("egress enforcement works")).then_some(())
+            },
+        );
+    };
+    join(&mut a);
 
     api.post(
         "/v1/secrets",
@@ -180,6 +179,27 @@ fn a_joined_nodes_sandboxes_and_runs_get_secrets_from_control() {
         .collect();
     assert_eq!(tenants, ["default"], "{got}");
 
+    // Drained to node b: the sandbox's secret goes with it (b arms its machine and gets
+    // the value from control).
+    join(&mut b);
+    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(
+        r.json()["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{}",
+        r.text()
+    );
+    assert_eq!(
+        auth_seen(&api, &id, "https://api.secret.test/moved"),
+        "Bearer [value-2]"
+    );
+    assert_eq!(
+        api.sh(&id, "printf %s \"$EXAMPLE_KEY\""),
+        placeholder,
+        "the same placeholder on the new node"
+    );
+
     // Deleted on the control plane: the running sandbox's requests carry the placeholder
     // only, within seconds.
     api.delete("/v1/secrets/example")
@@ -194,13 +214,21 @@ fn a_joined_nodes_sandboxes_and_runs_get_secrets_from_control() {
         },
     );
 
-    // No value in the node's files (its store, its identity) or its log.
+    // No value in the nodes' files (their stores, identities) or logs.
     for v in [&v1, &v2] {
-        assert!(
-            !a.log_text().contains(v.as_str()),
-            "a value in the node's log"
-        );
-        for dir in [a.data_dir(), fleet.clone()] {
+        for n in [&a, &b] {
+            assert!(
+                !n.log_text().contains(v.as_str()),
+                "a value in node {}'s log",
+                n.name
+            );
+        }
+        for dir in [
+            a.data_dir(),
+            fleet.clone(),
+            b.data_dir(),
+            b.data_dir().join("fleet"),
+        ] {
             for e in std::fs::read_dir(&dir).unwrap().flatten() {
                 let p = e.path();
                 if p.is_file() {

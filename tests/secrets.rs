@@ -17,19 +17,10 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use locker_tests::become_subreaper;
-use locker_tests::echo::{EchoHost, Pki};
+use locker_tests::echo::{secret_value, EchoHost, Pki};
 use locker_tests::egress::wait_egress_ok;
 use locker_tests::server::{Api, Server};
 use serde_json::{json, Value};
-
-fn random_value(tag: &str) -> String {
-    let mut b = [0u8; 12];
-    std::fs::File::open("/dev/urandom")
-        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
-        .unwrap();
-    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
-    format!("sk-test-{tag}-{hex}")
-}
 
 fn json_put(api: &Api, path: &str, body: &Value) -> locker_tests::server::Resp {
     api.request(
@@ -100,7 +91,7 @@ fn files_hold(dir: &Path, needle: &str) -> Vec<PathBuf> {
 fn the_api_never_shows_a_value_and_checks_what_it_is_given() {
     let srv = Server::start();
     let api = srv.api();
-    let value = random_value("api");
+    let value = secret_value("api");
     let made = api
         .post(
             "/v1/secrets",
@@ -164,7 +155,7 @@ fn the_api_never_shows_a_value_and_checks_what_it_is_given() {
         api.post("/v1/secrets", &bad).expect(400, why);
     }
     // Rotation: value, hosts, env; never echoed.
-    let value2 = random_value("api2");
+    let value2 = secret_value("api2");
     let r = json_put(
         &api,
         "/v1/secrets/example",
@@ -241,8 +232,8 @@ struct World {
 impl World {
     fn new() -> World {
         become_subreaper();
-        let v1 = random_value("one");
-        let v2 = random_value("two");
+        let v1 = secret_value("one");
+        let v2 = secret_value("two");
         let pki = Pki::new(&["api.secret.test", "api2.secret.test", "other.test"]);
         let a = EchoHost::start("a", &pki, &[&v1, &v2]);
         let b = EchoHost::start("b", &pki, &[&v1, &v2]);

@@ -12,6 +12,17 @@ use std::time::{Duration, Instant};
 use crate::egress::{ns_listens, wire_namespace};
 use crate::{register_child, TempDir};
 
+/// A secret's value for a test, random per run (`sk-test-<tag>-<24 hex digits>`): the echo
+/// host masks it, so finding it anywhere else is a leak.
+pub fn secret_value(tag: &str) -> String {
+    let mut b = [0u8; 12];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut b))
+        .unwrap();
+    let hex: String = b.iter().map(|x| format!("{x:02x}")).collect();
+    format!("sk-test-{tag}-{hex}")
+}
+
 /// A test CA and one server certificate for `names`, made with the openssl CLI.
 pub struct Pki {
     dir: TempDir,

@@ -133,18 +133,13 @@ async fn running(
     Ok((rec, crate::lifecycle::live_quiet(app, caller, id).await?))
 }
 
-/// Why `rec` cannot be carried, if it cannot.
+/// Why `rec` cannot be carried, if it cannot. Its secrets go with it: they are the
+/// control plane's, and the new node arms its machine for their placeholders and gets
+/// their values from control (`secrets::remote`), as for any sandbox placed there.
 fn refusal(rec: &SandboxRecord) -> Option<String> {
     if rec.volumes.as_array().is_some_and(|v| !v.is_empty()) {
         return Some(format!(
-            "sandbox {} mounts volumes, which live on this host: it cannot move without them",
-            rec.id
-        ));
-    }
-    if !crate::secrets::bound(&rec.env).is_empty() {
-        return Some(format!(
-            "sandbox {} holds secrets, armed for its machine on this node: a sandbox with \
-             secrets does not move yet",
+            "sandbox {} mounts volumes, which live on this node: it cannot move without them",
             rec.id
         ));
     }
@@ -393,8 +388,12 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     if let Some(why) = refusal(&rec) {
         return Err(ApiError::conflict(why));
     }
-    // A running microVM leaves live: it is frozen only if it cannot.
-    let try_live = live_moves() && live.machine.vm().is_some();
+    // A running microVM leaves live: it is frozen only if it cannot, or if a live move of
+    // its QEMU failed before.
+    let try_live = live_moves() && live.machine.vm().is_some() && !live_failed(id, false);
+    if live_moves() && live.machine.vm().is_some() && !try_live {
+        tracing::info!(sandbox = %id, "a microVM moves cold: a live move of its QEMU failed before");
+    }
     let paused = mark_moving(&live, !try_live)?;
     let dir = kept_dir(app, id);
     let _ = std::fs::remove_dir_all(&dir);
@@ -451,6 +450,20 @@ fn live_moves() -> bool {
     std::env::var("LOCKER_CARRY_LIVE").is_ok_and(|v| v == "1")
 }
 
+/// Whether a live move of sandbox `id`'s QEMU failed before (`mark`: it just did). Such a
+/// QEMU moves cold from then on: the one guest seen crashing after a live move had been
+/// restored from a second migration of a QEMU whose first had failed (QEMU 7.2 under TCG;
+/// cause not known). Kept in this process's memory: a restarted node forgets it.
+fn live_failed(id: &str, mark: bool) -> bool {
+    static FAILED: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+    let mut f = FAILED.lock().expect("live moves failed");
+    if mark {
+        f.insert(id.to_owned());
+    }
+    f.contains(id)
+}
+
 /// The export of running microVM `live` (not frozen: calls are refused already) as a live
 /// move ([`bundle::bundle_live`]), into its kept snapshot `dir`; `None` when it cannot
 /// (its disk has no room for another layer): it moves cold.
@@ -502,7 +515,8 @@ async fn export_live(
         if let Some(why) = failed {
             // It runs on here (a guest the host stopped to end the migration, too);
             // control's `stay` lifts the mark.
-            tracing::warn!(sandbox = %id, error = %why, "a microVM's live move failed before it left");
+            tracing::warn!(sandbox = %id, error = %why, "a microVM's live move failed before it left: it moves cold from now on");
+            live_failed(&id, true);
             run_on(&live).await;
         }
         abandon_export(app, id, live).await;
