@@ -390,8 +390,9 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     }
     // A running microVM leaves live: it is frozen only if it cannot, or if a live move of
     // its QEMU failed before.
-    let try_live = live_moves() && live.machine.vm().is_some() && !live_failed(id, false);
-    if live_moves() && live.machine.vm().is_some() && !try_live {
+    let can_live = live_moves() && live.machine.vm().is_some();
+    let try_live = can_live && !live_failed(id, false);
+    if can_live && !try_live {
         tracing::info!(sandbox = %id, "a microVM moves cold: a live move of its QEMU failed before");
     }
     let paused = mark_moving(&live, !try_live)?;

@@ -735,7 +735,7 @@ async fn new_token(
 /// A node as the admin routes show it.
 fn node_json(n: &NodeRecord, now_ms: i64) -> Value {
     let report: Value = serde_json::from_str(&n.report).unwrap_or(Value::Null);
-    let alive = n.state == NodeState::Ready && n.lease_until_ms >= now_ms;
+    let alive = super::placement::alive(n, now_ms);
     json!({
         "id": n.id,
         "name": n.name,

@@ -89,10 +89,15 @@ fn capacity(n: &NodeRecord) -> Option<(i64, i64, Report)> {
     Some((i64::from(r.slots), i64::try_from(r.memory_mb).ok()?, r))
 }
 
+/// Whether node `n` is alive at the store's time `now_ms`: ready, its lease running.
+pub fn alive(n: &NodeRecord, now_ms: i64) -> bool {
+    n.state == NodeState::Ready && n.lease_until_ms >= now_ms
+}
+
 /// How full `n` is with `ask` placed on it (0 empty, 1 full), or `None` if it does not
 /// fit, is not alive or is cordoned.
 fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
-    if n.state != NodeState::Ready || n.lease_until_ms < now_ms || n.cordoned {
+    if !alive(n, now_ms) || n.cordoned {
         return None;
     }
     if ask.only.as_ref().is_some_and(|only| *only != n.id) {

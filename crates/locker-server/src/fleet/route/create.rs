@@ -92,9 +92,9 @@ pub(super) async fn create(app: &AppState, req: Request, next: Next, surface: Su
         Err(e) => return e.into_response(),
     };
     if let Some((node, what)) = &only {
-        let alive = nodes.iter().any(|n| {
-            n.id == *node && n.state == locker_store::NodeState::Ready && n.lease_until_ms >= now_ms
-        });
+        let alive = nodes
+            .iter()
+            .any(|n| n.id == *node && placement::alive(n, now_ms));
         if !alive {
             return ApiError::unavailable(format!(
                 "{what} on fleet node {node}, which is not alive now (its data is on that node's \

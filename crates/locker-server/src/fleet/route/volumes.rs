@@ -22,7 +22,7 @@
 
 use super::*;
 use crate::fleet::local::LOCAL_CERT;
-use locker_store::{NodeRecord, NodeState, VolumeRecord};
+use locker_store::{NodeRecord, VolumeRecord};
 
 /// The volume (id or name) a path is about (`/v1/volumes/{id}` and below: its files, runs,
 /// snapshots, fork, restore).
@@ -92,7 +92,7 @@ pub(super) async fn create_volume(app: &AppState, req: Request, next: Next) -> R
 fn home_for<'a>(homes: &[&'a NodeRecord], size_mb: u64, now_ms: i64) -> Option<&'a NodeRecord> {
     homes
         .iter()
-        .filter(|n| n.state == NodeState::Ready && n.lease_until_ms >= now_ms && !n.cordoned)
+        .filter(|n| placement::alive(n, now_ms) && !n.cordoned)
         .filter_map(|n| {
             let r: crate::fleet::wire::Report = serde_json::from_str(&n.report).ok()?;
             let grantable = r.disk_grantable_mb.unwrap_or(r.disk_free_mb);
@@ -225,10 +225,10 @@ pub(super) async fn volume_call(
         Ok(n) => n,
         Err(e) => return e.into_response(),
     };
-    let alive = |n: &&NodeRecord| {
-        n.id == rec.host && n.state == NodeState::Ready && n.lease_until_ms >= now_ms
-    };
-    let Some(n) = nodes.iter().find(alive).cloned() else {
+    let home = nodes
+        .iter()
+        .find(|n| n.id == rec.host && placement::alive(n, now_ms));
+    let Some(n) = home.cloned() else {
         return unavailable(volume, &rec.host, "does not answer as a node now");
     };
     let path = req.uri().path().to_owned();
