@@ -194,6 +194,17 @@ fn a_run_sees_the_volume_and_commits_its_changes() {
     assert_eq!(r2["stdout"], "0 0\n0 0\ndrwxr-xr-x\n", "{r2}");
     assert_eq!(r2["changes"]["committed"], true);
     assert!(strs(&r2["changes"]["added"]).is_empty());
+    // The run's overlay passes no sync to the volume's filesystem (`volatile`: its upper
+    // layer is the run's own, and the commit flushes the volume itself); a command's
+    // `sync` still succeeds, and what it wrote is committed.
+    let r3 = run(
+        &api,
+        &vol,
+        &json!({"shell": "grep ' /workspace ' /proc/self/mounts | grep -c volatile; echo s > synced && sync synced && echo ok"}),
+    );
+    assert_eq!(r3["stdout"], "1\nok\n", "{r3}");
+    assert_eq!(strs(&r3["changes"]["added"]), vec!["/synced"], "{r3}");
+    assert_eq!(get(&api, &vol, "/synced").body, b"s\n");
 
     // The call record lists the changes.
     let calls = api
@@ -214,7 +225,7 @@ fn a_run_sees_the_volume_and_commits_its_changes() {
         .as_u64()
         .unwrap();
     assert!(used > 0);
-    assert_clean(&s, &[call_id(&r), call_id(&r2)]);
+    assert_clean(&s, &[call_id(&r), call_id(&r2), call_id(&r3)]);
 }
 
 /// A run's command that leaves writers behind (a job, a `setsid` double fork, one that moved

@@ -17,7 +17,7 @@ use super::shim::Entered;
 use super::spec::JailSpec;
 use super::{step, JailError};
 use crate::cgroup::MachineCgroup;
-use crate::machine::mounts::{mount_overlay, target_rel, PLAIN_UPPER};
+use crate::machine::mounts::{mount_overlay, mount_run_layers, target_rel};
 use crate::machine::Scratch;
 use crate::sys;
 
@@ -493,13 +493,12 @@ pub(super) fn mount_overlay_at(
     sys::with_fs_ids(base, || fs::create_dir_all(target))
         .and_then(|r| r)
         .map_err(step(format!("create {}", shown.display())))?;
-    mount_overlay(
+    mount_run_layers(
         lower,
         upper,
         work,
         target,
         libc::MS_NODEV | libc::MS_NOSUID,
-        PLAIN_UPPER,
         base,
     )
     .map_err(step(format!("mount the overlay at {}", shown.display())))

@@ -18,6 +18,43 @@ use crate::sys;
 /// copied, so the upper layer is plain files, whiteouts and opaque directories.
 pub(crate) const PLAIN_UPPER: &str = ",redirect_dir=off,index=off,metacopy=off";
 
+/// A run's overlay (every [`OverlayMount`]) is also `volatile` (Linux 5.10): the overlay
+/// passes no sync to the volume's filesystem below it, neither a command's `fsync` nor the
+/// whole-filesystem sync at its unmount, which on btrfs was one transaction commit per run
+/// at its machine's teardown. Nothing is lost by it: the upper layer is the run's own,
+/// never mounted again, and a commit flushes the volume's filesystem itself (`syncfs` on
+/// the host, `crate::commit`) before its journal names any of the layer's files; a layer
+/// that is not committed is thrown away. Kernels without the option mount it without.
+const RUN_UPPER: &str = ",redirect_dir=off,index=off,metacopy=off,volatile";
+
+/// Whether the kernel refused `volatile` once (then it is not asked again).
+static NO_VOLATILE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Mounts a run's overlay ([`RUN_UPPER`], or [`PLAIN_UPPER`] where the kernel does not
+/// know `volatile`) with [`mount_overlay`]'s arguments.
+pub(crate) fn mount_run_layers(
+    lower: &Path,
+    upper: &Path,
+    work: &Path,
+    target: &Path,
+    flags: libc::c_ulong,
+    base: u32,
+) -> io::Result<()> {
+    use std::sync::atomic::Ordering;
+    if NO_VOLATILE.load(Ordering::Relaxed) {
+        return mount_overlay(lower, upper, work, target, flags, PLAIN_UPPER, base);
+    }
+    match mount_overlay(lower, upper, work, target, flags, RUN_UPPER, base) {
+        Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
+            // Only a mount that works without the option says the kernel lacks it.
+            mount_overlay(lower, upper, work, target, flags, PLAIN_UPPER, base)?;
+            NO_VOLATILE.store(true, Ordering::Relaxed);
+            Ok(())
+        }
+        done => done,
+    }
+}
+
 /// A mount that cannot be made as asked.
 #[derive(Debug, thiserror::Error)]
 pub enum MountError {
@@ -113,13 +150,12 @@ pub(crate) fn target_rel(target: &Path) -> Result<&Path, MountError> {
 /// server's private root, see [`crate::vm_fs`]) with the options a jail run's has, so its
 /// upper layer reads the same.
 pub(crate) fn mount_run_overlay(m: &OverlayMount, at: &Path) -> io::Result<()> {
-    mount_overlay(
+    mount_run_layers(
         &m.lower,
         &m.upper,
         &m.work,
         at,
         libc::MS_NODEV | libc::MS_NOSUID,
-        PLAIN_UPPER,
         0,
     )
 }
