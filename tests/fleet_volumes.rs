@@ -3,7 +3,7 @@
 //! each new volume a joined node as its home; its files, runs, snapshots, forks and the
 //! sandboxes that mount it all go there whichever node is fuller; names are unique across
 //! the fleet; a dead home answers 503, never an empty volume, and its volumes come back
-//! whole with it.
+//! whole with it; a node removed from the fleet takes its volumes' records with it.
 
 use std::time::Duration;
 
@@ -259,4 +259,22 @@ fn a_volume_lives_on_a_joined_node_and_every_call_about_it_goes_there() {
         elsewhere.json()["id"].as_str().unwrap()
     ))
     .expect(204, "delete the other sandbox");
+
+    // A node removed from the fleet (`locker fleet remove`: its machine is gone) takes its
+    // volumes' records with it: their names and disk quota are free again, and nothing
+    // answers 503 forever. A new volume goes to a node that is still there.
+    let lost = api.post("/v1/volumes", &json!({"name": "scratch", "size_mb": 64}));
+    assert_eq!(lost.status, 201, "{}", lost.text());
+    let gone = placed_on(&lost);
+    nodes[if gone == "a" { 0 } else { 1 }].stop();
+    admin
+        .delete(&format!("/v1/fleet/nodes/{gone}"))
+        .expect(204, "remove the volume's node");
+    api.get("/v1/volumes/scratch")
+        .expect_error(404, "not_found", "a removed node's volume");
+    let again = api.post("/v1/volumes", &json!({"name": "scratch", "size_mb": 64}));
+    assert_eq!(again.status, 201, "{}", again.text());
+    assert_ne!(placed_on(&again), gone);
+    api.delete("/v1/volumes/scratch")
+        .expect(204, "delete the second scratch");
 }

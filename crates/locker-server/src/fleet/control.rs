@@ -831,14 +831,38 @@ async fn remove_node(
 ) -> Result<Response, ApiError> {
     let store = app.store.clone();
     let removed = blocking(move || match store.get_node(&node)? {
-        Some(n) => store.delete_node(&n.id).map(|ok| ok.then_some(n)),
+        Some(n) => {
+            if !store.delete_node(&n.id)? {
+                return Ok(None);
+            }
+            // A joined node's volumes are on its disk, which nothing of the fleet reaches
+            // from now on (its certificate opens nothing): their records go with it, so
+            // that their names and disk quota are free again. A replica's own node
+            // (`--node local`) keeps its volumes on its server's disk, and registers again
+            // at that server's next start.
+            let mut gone = Vec::new();
+            if n.cert_sha256 != super::local::LOCAL_CERT {
+                for v in store.host_volumes(&n.id)? {
+                    if store.delete_volume(&v.tenant, &v.id)? {
+                        gone.push(v);
+                    }
+                }
+            }
+            Ok(Some((n, gone)))
+        }
         None => Err(StoreError::NotFound(format!(
             "no node {node:?} in the fleet (see GET /v1/fleet/nodes)"
         ))),
     })
     .await?;
-    if let Some(n) = removed {
-        tracing::info!(node = %n.id, name = %n.name, "node removed from the fleet");
+    if let Some((n, volumes)) = removed {
+        tracing::info!(node = %n.id, name = %n.name, volumes = volumes.len(), "node removed from the fleet");
+        for v in volumes {
+            tracing::warn!(volume = %v.id, tenant = %v.tenant, name = %v.name, node = %n.name, "volume forgotten with its removed node (its files stay on that node's disk)");
+        }
+        // This replica places nothing there from now on; the others within their table's
+        // age (the node's certificate opens nothing meanwhile).
+        super::placement::forget_nodes(&app);
         // Its sandboxes go with it.
         super::placement::lose(&app).await;
     }

@@ -16,9 +16,10 @@
 //! - **this server**: its own handlers, as on one host (a replica that is a node keeps making
 //!   volumes on its own disk: the one-host experience).
 //!
-//! While a volume's home is not alive its calls answer 503 (never an empty volume). Moving a
-//! volume (`…/move`) is between servers that are nodes (`volumes::moving`); a volume on a
-//! joined node does not move yet (409 says so).
+//! While a volume's home is not alive its calls answer 503 (never an empty volume); a joined
+//! node removed from the fleet takes its volumes' records with it (`control::remove_node`).
+//! Moving a volume (`…/move`) is between servers that are nodes (`volumes::moving`); a
+//! volume on a joined node does not move yet (409 says so).
 
 use super::*;
 use crate::fleet::local::LOCAL_CERT;
