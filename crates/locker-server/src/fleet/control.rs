@@ -461,26 +461,29 @@ async fn give_secrets(
     }
     let (store, node_id) = (c.store.clone(), node.id.clone());
     let copies = blocking(move || {
-        let mut tenants: std::collections::BTreeMap<String, bool> = Default::default();
+        // The tenants the node serves: a placement there not lost (one read for all of
+        // them: every node asks every beat), or else a volume homed there (a read for each
+        // tenant asked of that has no sandbox there: runs on volumes).
+        let mut hosted: std::collections::BTreeSet<String> = store
+            .list_placements(None, Some(&node_id))?
+            .into_iter()
+            .filter(|p| p.state != locker_store::PlacementState::Lost)
+            .map(|p| p.tenant)
+            .collect();
+        let others: std::collections::BTreeSet<String> = asked
+            .wanted
+            .iter()
+            .filter(|k| !hosted.contains(&k.tenant))
+            .map(|k| k.tenant.clone())
+            .collect();
+        for t in others {
+            if store.list_volumes(&t)?.iter().any(|v| v.host == node_id) {
+                hosted.insert(t);
+            }
+        }
         let mut out = Vec::new();
         for k in asked.wanted {
-            let hosts_tenant = match tenants.get(&k.tenant) {
-                Some(b) => *b,
-                None => {
-                    let placed = store
-                        .list_placements(Some(&k.tenant), Some(&node_id))?
-                        .iter()
-                        .any(|p| p.state != locker_store::PlacementState::Lost);
-                    let homed = placed
-                        || store
-                            .list_volumes(&k.tenant)?
-                            .iter()
-                            .any(|v| v.host == node_id);
-                    tenants.insert(k.tenant.clone(), homed);
-                    homed
-                }
-            };
-            if !hosts_tenant {
+            if !hosted.contains(&k.tenant) {
                 continue;
             }
             let Some(rec) = store.get_secret(&k.tenant, &k.name)? else {
@@ -842,7 +845,12 @@ async fn remove_node(
             // at that server's next start.
             let mut gone = Vec::new();
             if n.cert_sha256 != super::local::LOCAL_CERT {
-                for v in store.host_volumes(&n.id)? {
+                // Not `host_volumes`: that gives rows of no host to the host it is asked of.
+                let theirs = store
+                    .list_all_volumes()?
+                    .into_iter()
+                    .filter(|v| v.host == n.id);
+                for v in theirs {
                     if store.delete_volume(&v.tenant, &v.id)? {
                         gone.push(v);
                     }
