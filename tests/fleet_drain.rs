@@ -659,8 +659,9 @@ fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
 /// A move whose control replica dies half way is given up by the nodes after their wait
 /// (`LOCKER_CARRY_WAIT_S`, 2 s here): with the bundle on its way, the sandbox, frozen for
 /// it, runs on its old node again with its files, and the new node keeps nothing of it
-/// and its reservation comes back; after the old machine was released, the old node
-/// starts the sandbox again from its kept snapshot.
+/// and its reservation comes back; with the bundle received whole, the new node drops it
+/// unstarted; after the old machine was released, the old node starts the sandbox again
+/// from its kept snapshot.
 #[test]
 fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
     let fab = Fabric::new(2);
@@ -744,6 +745,38 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
             .unwrap_or_default();
         (fleet_node(&l, "b")["reserved"]["slots"] == 0 && in_b.is_empty()).then_some(())
     });
+
+    // Abandoned with the copy received: b holds the whole bundle when the control plane
+    // dies (a stalls the moment b has it, so no release answers and no start is sent).
+    // After the wait b drops what it received, unstarted, and a runs the sandbox again.
+    let drain = drain_a_behind(&srv);
+    let received = nodes[1]
+        .data_dir()
+        .join("snapshots")
+        .join(format!(".carry-in-{id}"));
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !received.exists() {
+        assert!(std::time::Instant::now() < deadline, "b never received it");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    nodes[0].signal(libc::SIGSTOP);
+    srv.kill9();
+    nodes[0].signal(libc::SIGCONT);
+    let _ = drain.join();
+    srv.restart_on_same_port();
+    let api = srv.api();
+    let admin = srv.admin();
+    assert_eq!(answering(&api, &id), "kept\n");
+    assert_eq!(node_of(&api, &db, &id), "a");
+    wait_for(
+        Duration::from_secs(30),
+        "b dropping what it received",
+        || (!received.exists() && nodes[1].log_text().contains("was never started")).then_some(()),
+    );
+    wait_for(Duration::from_secs(60), "b's reservation back", || {
+        (fleet_node(&fleet_nodes(&admin), "b")["reserved"]["slots"] == 0).then_some(())
+    });
+    assert_eq!(api.sh(&id, "sha256sum /home/user/blob | cut -c1-64"), sum);
 
     // Abandoned after the release (a's machine gone, its snapshot kept): b stalls the moment
     // a lets the machine go, then the control plane dies and b's host with it; after the
