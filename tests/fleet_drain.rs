@@ -87,6 +87,30 @@ fn drain_a_behind(srv: &Server) -> std::thread::JoinHandle<()> {
     })
 }
 
+/// The control plane killed in the middle of a drain (`meanwhile` done right after), the
+/// drain's client ended, the control plane started again on its port: its API and admin.
+fn control_dies(
+    srv: &mut Server,
+    drain: std::thread::JoinHandle<()>,
+    meanwhile: impl FnOnce(),
+) -> (Api, Api) {
+    srv.kill9();
+    meanwhile();
+    let _ = drain.join();
+    srv.restart_on_same_port();
+    (srv.api(), srv.admin())
+}
+
+/// Waits for `path` to exist, looking every millisecond (a step of a move is caught as it
+/// happens), panicking with `never` after 30 s.
+fn appears(path: &std::path::Path, never: &str) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !path.exists() {
+        assert!(std::time::Instant::now() < deadline, "{never}");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// Waits until sandbox `id` answers a command again: what `cat /home/user/f` printed.
 fn answering(api: &Api, id: &str) -> String {
     wait_for(
@@ -716,12 +740,7 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
         kept.exists().then_some(())
     });
     std::thread::sleep(Duration::from_millis(300));
-    srv.kill9();
-    nodes[1].signal(libc::SIGCONT);
-    let _ = drain.join();
-    srv.restart_on_same_port();
-    let api = srv.api();
-    let admin = srv.admin();
+    let (api, admin) = control_dies(&mut srv, drain, || nodes[1].signal(libc::SIGCONT));
     let t0 = std::time::Instant::now();
     let f = answering(&api, &id);
     eprintln!(
@@ -754,18 +773,9 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
         .data_dir()
         .join("snapshots")
         .join(format!(".carry-in-{id}"));
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !received.exists() {
-        assert!(std::time::Instant::now() < deadline, "b never received it");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    appears(&received, "b never received it");
     nodes[0].signal(libc::SIGSTOP);
-    srv.kill9();
-    nodes[0].signal(libc::SIGCONT);
-    let _ = drain.join();
-    srv.restart_on_same_port();
-    let api = srv.api();
-    let admin = srv.admin();
+    let (api, admin) = control_dies(&mut srv, drain, || nodes[0].signal(libc::SIGCONT));
     assert_eq!(answering(&api, &id), "kept\n");
     assert_eq!(node_of(&api, &db, &id), "a");
     wait_for(
@@ -784,18 +794,12 @@ fn a_move_whose_control_plane_dies_half_way_is_given_up_by_the_nodes() {
     // lost.
     let drain = drain_a_behind(&srv);
     let released = kept.join(".released");
-    let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while !released.exists() {
-        assert!(std::time::Instant::now() < deadline, "a never released it");
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    appears(&released, "a never released it");
     nodes[1].signal(libc::SIGSTOP);
-    srv.kill9();
-    nodes[1].stop();
-    locker_tests::server::destroy_machines(&nodes[1].data_dir().join("sandboxes"));
-    let _ = drain.join();
-    srv.restart_on_same_port();
-    let api = srv.api();
+    let (api, _) = control_dies(&mut srv, drain, || {
+        nodes[1].stop();
+        locker_tests::server::destroy_machines(&nodes[1].data_dir().join("sandboxes"));
+    });
     let f = answering(&api, &id);
     assert_eq!(f, "kept\n");
     assert_eq!(node_of(&api, &db, &id), "a");
