@@ -18,20 +18,20 @@ use crate::sys;
 /// copied, so the upper layer is plain files, whiteouts and opaque directories.
 pub(crate) const PLAIN_UPPER: &str = ",redirect_dir=off,index=off,metacopy=off";
 
-/// A run's overlay (every [`OverlayMount`]) is also `volatile` (Linux 5.10): the overlay
-/// passes no sync to the volume's filesystem below it, neither a command's `fsync` nor the
-/// whole-filesystem sync at its unmount, which on btrfs was one transaction commit per run
-/// at its machine's teardown. Nothing is lost by it: the upper layer is the run's own,
+/// A run's overlay (every [`OverlayMount`]) is [`PLAIN_UPPER`] and also `volatile` (Linux
+/// 5.10): the overlay passes no sync to the volume's filesystem below it, neither a
+/// command's `fsync` nor the whole-filesystem sync at its unmount, which on btrfs was one
+/// transaction commit per run at its machine's teardown. Nothing is lost by it: the upper layer is the run's own,
 /// never mounted again, and a commit flushes the volume's filesystem itself (`syncfs` on
 /// the host, `crate::commit`) before its journal names any of the layer's files; a layer
 /// that is not committed is thrown away. Kernels without the option mount it without.
-const RUN_UPPER: &str = ",redirect_dir=off,index=off,metacopy=off,volatile";
+const VOLATILE: &str = ",volatile";
 
-/// Whether the kernel refused `volatile` once (then it is not asked again).
+/// Whether the kernel refused `volatile` once in this process (then it is not asked again).
 static NO_VOLATILE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Mounts a run's overlay ([`RUN_UPPER`], or [`PLAIN_UPPER`] where the kernel does not
-/// know `volatile`) with [`mount_overlay`]'s arguments.
+/// Mounts a run's overlay ([`PLAIN_UPPER`] and [`VOLATILE`], or without the latter where the
+/// kernel does not know it) with [`mount_overlay`]'s arguments.
 pub(crate) fn mount_run_layers(
     lower: &Path,
     upper: &Path,
@@ -44,7 +44,8 @@ pub(crate) fn mount_run_layers(
     if NO_VOLATILE.load(Ordering::Relaxed) {
         return mount_overlay(lower, upper, work, target, flags, PLAIN_UPPER, base);
     }
-    match mount_overlay(lower, upper, work, target, flags, RUN_UPPER, base) {
+    let volatile = format!("{PLAIN_UPPER}{VOLATILE}");
+    match mount_overlay(lower, upper, work, target, flags, &volatile, base) {
         Err(e) if e.raw_os_error() == Some(libc::EINVAL) => {
             // Only a mount that works without the option says the kernel lacks it.
             mount_overlay(lower, upper, work, target, flags, PLAIN_UPPER, base)?;

@@ -391,7 +391,7 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     // A running microVM leaves live: it is frozen only if it cannot, or if a live move of
     // its QEMU failed before.
     let can_live = live_moves() && live.machine.vm().is_some();
-    let try_live = can_live && !live_failed(id, false);
+    let try_live = can_live && !live_failed_before(id);
     if can_live && !try_live {
         tracing::info!(sandbox = %id, "a microVM moves cold: a live move of its QEMU failed before");
     }
@@ -451,18 +451,24 @@ fn live_moves() -> bool {
     std::env::var("LOCKER_CARRY_LIVE").is_ok_and(|v| v == "1")
 }
 
-/// Whether a live move of sandbox `id`'s QEMU failed before (`mark`: it just did). Such a
-/// QEMU moves cold from then on: the one guest seen crashing after a live move had been
-/// restored from a second migration of a QEMU whose first had failed (QEMU 7.2 under TCG;
-/// cause not known). Kept in this process's memory: a restarted node forgets it.
-fn live_failed(id: &str, mark: bool) -> bool {
-    static FAILED: std::sync::Mutex<std::collections::BTreeSet<String>> =
-        std::sync::Mutex::new(std::collections::BTreeSet::new());
-    let mut f = FAILED.lock().expect("live moves failed");
-    if mark {
-        f.insert(id.to_owned());
-    }
-    f.contains(id)
+/// The sandboxes whose QEMU's live move failed here. Such a QEMU moves cold from then on:
+/// the one guest seen crashing after a live move had been restored from a second migration
+/// of a QEMU whose first had failed (QEMU 7.2 under TCG; cause not known). Kept in this
+/// process's memory: a restarted node forgets it.
+static LIVE_FAILED: std::sync::Mutex<std::collections::BTreeSet<String>> =
+    std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+/// Whether a live move of sandbox `id`'s QEMU failed before ([`LIVE_FAILED`]).
+fn live_failed_before(id: &str) -> bool {
+    LIVE_FAILED.lock().expect("live moves failed").contains(id)
+}
+
+/// Notes that a live move of sandbox `id`'s QEMU just failed ([`LIVE_FAILED`]).
+fn note_live_failed(id: &str) {
+    LIVE_FAILED
+        .lock()
+        .expect("live moves failed")
+        .insert(id.to_owned());
 }
 
 /// The export of running microVM `live` (not frozen: calls are refused already) as a live
@@ -517,7 +523,7 @@ async fn export_live(
             // It runs on here (a guest the host stopped to end the migration, too);
             // control's `stay` lifts the mark.
             tracing::warn!(sandbox = %id, error = %why, "a microVM's live move failed before it left: it moves cold from now on");
-            live_failed(&id, true);
+            note_live_failed(&id);
             run_on(&live).await;
         }
         abandon_export(app, id, live).await;
