@@ -545,8 +545,9 @@ fn a_microvm_dirtying_memory_faster_than_it_leaves_is_stopped_to_move() {
         &[LIVE, ("LOCKER_CARRY_LIVE_MAX_S", "2")],
     );
     let id = microvm_on_a(&admin, &api);
-    // 96 MB touched page by page, over and over: faster than the relay carries it.
-    let dirty = "b = bytearray(96 << 20)\nn = 0\nwhile True:\n    for i in range(0, len(b), 4096):\n        b[i] = (b[i] + 1) & 255\n    n += 1\n    open('/dev/shm/p', 'w').write(str(n))\n";
+    // 96 MB touched page by page, over and over: faster than the relay carries it. Each
+    // pass's count is written aside and renamed over, so a reader never sees it half written.
+    let dirty = "import os\nb = bytearray(96 << 20)\nn = 0\nwhile True:\n    for i in range(0, len(b), 4096):\n        b[i] = (b[i] + 1) & 255\n    n += 1\n    open('/dev/shm/q', 'w').write(str(n))\n    os.replace('/dev/shm/q', '/dev/shm/p')\n";
     api.post(
         &format!("/v1/sandboxes/{id}/processes"),
         &json!({"cmd": ["python3", "-c", dirty]}),

@@ -237,7 +237,7 @@ async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
     // snapshot carries the VM's memory.
     let m = vms.m(i);
     let mut counter = sh(
-        "n=0; while true; do n=$((n+1)); echo $n > /dev/shm/count; sleep 0.1; done",
+        "n=0; while true; do n=$((n+1)); echo $n > /dev/shm/count.new; mv /dev/shm/count.new /dev/shm/count; sleep 0.1; done",
         0,
     );
     counter.timeout_ms = None;
