@@ -271,6 +271,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         &cfg.data_dir,
         node_cfg.agent_exe.clone(),
         store.host_volumes(&host_id)?,
+        cfg.fleet_member,
     )
     .await
     .map_err(ServeError::Volumes)?;

@@ -226,7 +226,7 @@ fn unmark_locked(live: &Live, st: &mut crate::state::PauseState) {
 /// How long a node waits for the next step of a move once its own step is done (the
 /// bundle sent, or received) before it gives the move up: the control replica driving it
 /// died, or lost its way. `LOCKER_CARRY_WAIT_S`, 300 s by default.
-fn wait_limit() -> std::time::Duration {
+pub(crate) fn wait_limit() -> std::time::Duration {
     let s = std::env::var("LOCKER_CARRY_WAIT_S")
         .ok()
         .and_then(|v| v.parse().ok())

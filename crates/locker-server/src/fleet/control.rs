@@ -372,6 +372,8 @@ async fn heartbeat(
     // One statement when it counts (the certificate is part of its WHERE); the row is read
     // only to say why one did not.
     let fp = fingerprint_of(&peer)?;
+    let mut doubts = beat.report.volumes_in_doubt.clone();
+    doubts.truncate(wire::DOUBTS_MAX);
     let report =
         serde_json::to_string(&beat.report).map_err(|e| ApiError::internal(e.to_string()))?;
     let (store, id, cert) = (c.store.clone(), beat.node_id.clone(), fp.clone());
@@ -385,16 +387,46 @@ async fn heartbeat(
     })
     .await?;
     match counted {
-        Ok(n) => Ok(axum::Json(BeatAnswer {
-            epoch: n.epoch,
-            lease_until_ms: n.lease_until_ms,
-            keep: None,
-        })
-        .into_response()),
+        Ok(n) => {
+            let volumes_here = volumes_here(&c, &n.id, doubts).await;
+            Ok(axum::Json(BeatAnswer {
+                epoch: n.epoch,
+                lease_until_ms: n.lease_until_ms,
+                keep: None,
+                volumes_here,
+            })
+            .into_response())
+        }
         // Not counted: answer with the row as it is now (the sweeper may just have moved
         // it on), once the certificate is the node's.
         Err(now) => Ok(fenced(&holder(now, &beat.node_id, &fp)?)),
     }
+}
+
+/// Of the volumes a node is in doubt about (`Report::volumes_in_doubt`), those whose record
+/// names it as their home; `None` when none was asked, or the store could not answer.
+async fn volumes_here(
+    c: &Control,
+    node: &str,
+    asked: Vec<crate::volumes::handoff::VolumeKey>,
+) -> Option<Vec<String>> {
+    if asked.is_empty() {
+        return None;
+    }
+    let (store, node) = (c.store.clone(), node.to_owned());
+    let read = blocking(move || {
+        let mut here = Vec::new();
+        for k in asked {
+            let rec = store.get_volume(&k.tenant, &k.id)?;
+            if rec.is_some_and(|r| r.id == k.id && r.host == node) {
+                here.push(k.id);
+            }
+        }
+        Ok(here)
+    })
+    .await;
+    read.map_err(|e| tracing::warn!(error = %e.message, "cannot say whose the volumes a node asks about are"))
+        .ok()
 }
 
 /// A node's own events (its sandboxes created, paused, expired, deleted…) into the fleet's
@@ -545,6 +577,7 @@ async fn give_back(
                 epoch: n.epoch,
                 lease_until_ms: n.lease_until_ms,
                 keep: Some(keep),
+                volumes_here: None,
             })
             .into_response())
         }

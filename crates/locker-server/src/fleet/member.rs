@@ -580,15 +580,20 @@ async fn beat(
     let mut events_cursor = 0u64;
     loop {
         tick.tick().await;
+        // Volume moves whose control replica went away: the fleet says whose each is.
+        let mut doubts = crate::volumes::handoff::in_doubt(app).await;
+        doubts.truncate(wire::DOUBTS_MAX);
         let result = async {
             if link.is_none() {
                 link = Some(Link::open(&m.ident.control, m.tls.clone()).await?);
             }
             let l = link.as_mut().expect("just opened");
+            let mut report = report(cfg, app).await;
+            report.volumes_in_doubt = doubts.clone();
             let beat = Beat {
                 node_id: m.ident.node_id.clone(),
                 epoch: m.ident.epoch,
-                report: report(cfg, app).await,
+                report,
             };
             l.call(wire::HEARTBEAT, &beat).await
         }
@@ -626,6 +631,12 @@ async fn beat(
         }
         match status {
             StatusCode::OK => {
+                let here = serde_json::from_slice::<BeatAnswer>(&bytes)
+                    .ok()
+                    .and_then(|a| a.volumes_here);
+                if let Some(here) = here.filter(|_| !doubts.is_empty()) {
+                    crate::volumes::handoff::settle(app, &doubts, &here).await;
+                }
                 let l = link.as_mut().expect("a link answered");
                 if let Err(e) = send_events(l, &m.ident.node_id, app, &mut events_cursor).await {
                     link = None;

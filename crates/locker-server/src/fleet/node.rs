@@ -228,7 +228,7 @@ async fn call(
             Err(e) => return ApiError::internal(e.to_string()).into_response(),
         }
     }
-    // Another control replica moving a volume here (`volumes::moving`).
+    // Control moving a volume here or away (`volumes::moving`, `volumes::handoff`).
     if let Some(rest) = parts
         .uri
         .path()
@@ -236,12 +236,15 @@ async fn call(
     {
         let body = axum::body::Body::new(body);
         let (method, query) = (parts.method.clone(), parts.uri.query().map(str::to_owned));
+        let record = parts
+            .headers
+            .get(crate::volumes::handoff::RECORD_HEADER)
+            .and_then(|v| serde_json::from_slice(v.as_bytes()).ok());
         return crate::volumes::moving::received(
             app,
             &tenant,
-            &method,
-            rest,
-            query.as_deref(),
+            (&method, rest, query.as_deref()),
+            record,
             body,
         )
         .await;

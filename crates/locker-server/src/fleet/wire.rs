@@ -121,7 +121,15 @@ pub struct Report {
     /// records one whose control replica died before it could (`placement::reconcile`).
     #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
     pub made: std::collections::BTreeMap<String, String>,
+    /// Volumes a move left in doubt here (its control replica went away after the home's
+    /// gate was held, or with a copy at the target): the fleet says which are this node's
+    /// ([`BeatAnswer::volumes_here`]; `volumes::handoff`). At most [`DOUBTS_MAX`].
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub volumes_in_doubt: Vec<crate::volumes::handoff::VolumeKey>,
 }
+
+/// Volumes in doubt one heartbeat asks about at most.
+pub const DOUBTS_MAX: usize = 64;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct Join {
@@ -161,6 +169,11 @@ pub struct BeatAnswer {
     /// other one it runs is destroyed). `None` in a heartbeat's.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub keep: Option<Vec<String>>,
+    /// The answer to `Report::volumes_in_doubt`: the ids of those whose record names this
+    /// node as their home (the others are another's, or gone). `None` when none was asked
+    /// or the store could not be read (the node asks again).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub volumes_here: Option<Vec<String>>,
 }
 
 /// The 409 of a heartbeat that does not count: the node's state and epoch as the fleet has

@@ -42,6 +42,7 @@ use crate::extract::Json;
 use crate::files::{FilesTarget, Space};
 use crate::state::{new_id, now_s, AppState};
 
+pub mod handoff;
 pub mod moving;
 
 /// `size_mb` when a request gives none, and the range a request may ask for.
@@ -178,6 +179,12 @@ impl CommitLog {
 impl Volume {
     /// The root of the volume's filesystem (its top-level subvolume): `live/`, `runs/`,
     /// `snapshots/` and the commit journal.
+    /// Whether a move of the volume to another server is under way (no sandbox mounts it
+    /// meanwhile: its files are about to leave).
+    pub fn is_moving(&self) -> bool {
+        self.moving.load(std::sync::atomic::Ordering::Acquire)
+    }
+
     pub fn root(&self) -> PathBuf {
         locker_runtime::volume_fs::root(&self.dir)
     }
@@ -232,6 +239,8 @@ pub struct Volumes {
     pub(crate) runs_inflight: std::sync::Mutex<HashMap<String, u64>>,
     /// Disk granted to volumes being made (not stored yet), per tenant (the disk quota).
     pub(crate) pending_mb: crate::capacity::Pending,
+    /// Moves between joined nodes under way here (`handoff`).
+    pub moves: handoff::Moves,
 }
 
 impl Volumes {
@@ -240,10 +249,14 @@ impl Volumes {
     /// runs it left, measures each tree. A volume made before volumes had a filesystem of
     /// their own (a plain `live/` directory) is moved into one. A volume whose image is
     /// missing is served empty after a warning.
+    ///
+    /// `fleet_member`: this is a joined node, whose records a move may have written before
+    /// the fleet's switched (`handoff`).
     pub async fn open(
         data_dir: &std::path::Path,
         agent_exe: PathBuf,
         records: Vec<VolumeRecord>,
+        fleet_member: bool,
     ) -> std::io::Result<Volumes> {
         let root = data_dir.join("volumes");
         std::fs::create_dir_all(&root)?;
@@ -253,8 +266,9 @@ impl Volumes {
             open: RwLock::new(HashMap::new()),
             runs_inflight: Default::default(),
             pending_mb: Default::default(),
+            moves: Default::default(),
         };
-        moving::sweep(&v.root, &records);
+        let marked = moving::sweep(&v.root, &records, fleet_member);
         for r in records {
             let dir = v.root.join(&r.id);
             let vol = v.make(&r, 0);
@@ -274,6 +288,7 @@ impl Volumes {
                 .expect("volumes lock")
                 .insert(r.id.clone(), vol);
         }
+        handoff::adopt(&v, marked).await;
         Ok(v)
     }
 
@@ -394,7 +409,14 @@ pub(crate) fn lookup(
     caller: &Caller,
     id_or_name: &str,
 ) -> Result<(VolumeRecord, Arc<Volume>), ApiError> {
-    let missing = || ApiError::not_found(format!("volume {id_or_name} does not exist"));
+    let missing = || match app.volumes.moves.moved_away(id_or_name) {
+        // A call routed here just before the volume's move switched.
+        true => ApiError::unavailable(format!(
+            "volume {id_or_name} moved to another node of the fleet while this call was on its \
+             way: nothing was done; call again (it goes to the new home)"
+        )),
+        false => ApiError::not_found(format!("volume {id_or_name} does not exist")),
+    };
     let r = app
         .store
         .get_volume(&caller.tenant, id_or_name)?

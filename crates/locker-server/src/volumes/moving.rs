@@ -51,7 +51,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
-use super::{lookup, running_sandbox_mounting, view, Volume};
+use super::{handoff, lookup, running_sandbox_mounting, view, Volume};
 use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::extract::Json;
@@ -66,7 +66,7 @@ pub const INCOMING: &str = "incoming";
 /// A volume's directory whose move away is switching.
 pub const OUTGOING: &str = "outgoing";
 /// The name of a move's points, in the volume's `snapshots/`.
-const POINT: &str = ".move-";
+pub(super) const POINT: &str = ".move-";
 /// How long the target may take to answer once the copy's stream is sent.
 const COPIED: Duration = Duration::from_secs(600);
 /// How long it may take once the catch-up's stream is sent (writes wait meanwhile).
@@ -213,11 +213,11 @@ async fn catch_up_and_switch(
     }
 }
 
-fn point_name() -> String {
+pub(super) fn point_name() -> String {
     crate::state::new_id(POINT)
 }
 
-fn mounted(r: &VolumeRecord, sb: &str) -> ApiError {
+pub(super) fn mounted(r: &VolumeRecord, sb: &str) -> ApiError {
     ApiError::conflict(format!(
         "volume {} is mounted by running sandbox {sb}: delete the sandbox before moving the volume",
         r.name
@@ -259,7 +259,7 @@ async fn ship(
     answer_within: Duration,
 ) -> Result<Value, ApiError> {
     let (tx, mut rx) = tokio::sync::mpsc::channel::<std::io::Result<Bytes>>(8);
-    let sender = tokio::spawn(send_all(chain, base, tx));
+    let sender = tokio::spawn(async move { send_all(chain, base, &tx).await });
     let body = Body::from_stream(futures_util::stream::poll_fn(move |cx| rx.poll_recv(cx)));
     let path = format!("{RECEIVE_PATH}{}?{query}", r.id);
     let sent = crate::fleet::route::call_node(
@@ -300,10 +300,24 @@ async fn ship(
 
 /// `btrfs send` of each subvolume in turn (the first whole or on `base`, each later one on
 /// the one before), as one stream into `tx`.
-async fn send_all(
+/// A failure is sent into the stream too, so that the receiving end never takes a cut
+/// stream for a whole one.
+pub(super) async fn send_all(
     subvols: Vec<PathBuf>,
     base: Option<PathBuf>,
-    tx: tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
+    tx: &tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
+) -> Result<(), String> {
+    let sent = send_each(subvols, base, tx).await;
+    if let Err(why) = &sent {
+        let _ = tx.send(Err(std::io::Error::other(why.clone()))).await;
+    }
+    sent
+}
+
+async fn send_each(
+    subvols: Vec<PathBuf>,
+    base: Option<PathBuf>,
+    tx: &tokio::sync::mpsc::Sender<std::io::Result<Bytes>>,
 ) -> Result<(), String> {
     let btrfs = locker_runtime::doctor::which("btrfs")
         .ok_or("btrfs not found: moving volumes needs btrfs-progs (apt-get install btrfs-progs)")?;
@@ -344,13 +358,11 @@ async fn send_all(
             .await
             .map_err(|e| format!("btrfs send: {e}"))?;
         if !done.status.success() {
-            let why = format!(
+            return Err(format!(
                 "btrfs send {}: {}",
                 s.display(),
                 String::from_utf8_lossy(&done.stderr).trim()
-            );
-            let _ = tx.send(Err(std::io::Error::other(why.clone()))).await;
-            return Err(why);
+            ));
         }
     }
     Ok(())
@@ -374,49 +386,87 @@ async fn discard_on(app: &AppState, tenant: &str, id: &str, target: &NodeRecord)
     }
 }
 
-async fn mark(dir: &FsPath, marker: &'static str) {
+pub(super) async fn mark(dir: &FsPath, marker: &'static str) {
     let at = dir.join(marker);
     let _ = tokio::task::spawn_blocking(move || std::fs::write(at, b"")).await;
 }
 
-async fn unmark(dir: &FsPath, marker: &'static str) {
+pub(super) async fn unmark(dir: &FsPath, marker: &'static str) {
     let at = dir.join(marker);
     let _ = tokio::task::spawn_blocking(move || std::fs::remove_file(at)).await;
 }
 
 // ---- the receiving end ----
 
-/// A call on this node listener's [`RECEIVE_PATH`]: `rest` is `{id}`.
+/// A call on this node listener's [`RECEIVE_PATH`]: `rest` is `{id}`; `record` the
+/// fleet's record of the volume, when control sent it (`handoff::RECORD_HEADER`: a joined
+/// node has none of its own of a volume moving to it).
 pub async fn received(
     app: &AppState,
     tenant: &str,
-    method: &Method,
-    rest: &str,
-    query: Option<&str>,
+    (method, rest, query): (&Method, &str, Option<&str>),
+    record: Option<VolumeRecord>,
     body: Body,
 ) -> Response {
     let id = rest.to_owned();
     let arg = |name: &str| crate::extract::query_arg(query, name);
-    let done = match (method, arg("stage").as_deref()) {
-        (&Method::PUT, Some("first")) => copy(app, tenant, &id, body).await,
-        (&Method::PUT, Some("last")) => catch_up(app, tenant, &id, arg("point"), body).await,
-        (&Method::DELETE, _) => discard(app, tenant, &id)
-            .await
-            .map(|()| StatusCode::NO_CONTENT.into_response()),
-        _ => Err(ApiError::bad_request(format!(
-            "{RECEIVE_PATH}{{id}} takes PUT ?stage=first, PUT ?stage=last&point=NAME and DELETE"
-        ))),
-    };
+    // In a task of its own: a control replica that goes away does not cut a step in the
+    // middle (a gate taken and not noted, a volume half forgotten).
+    let (app, tenant, stage) = (app.clone(), tenant.to_owned(), arg("stage"));
+    let (method, point) = (method.clone(), arg("point"));
+    let done = tokio::spawn(async move {
+        let (app, tenant) = (&app, tenant.as_str());
+        match (&method, stage.as_deref()) {
+            (&Method::PUT, Some("first")) => copy(app, tenant, &id, record, body).await,
+            (&Method::PUT, Some("last")) => catch_up(app, tenant, &id, point, body).await,
+            (&Method::DELETE, _) => discard(app, tenant, &id)
+                .await
+                .map(|()| StatusCode::NO_CONTENT.into_response()),
+            (&Method::POST, Some("send")) => handoff::send(app, tenant, &id).await,
+            (&Method::POST, Some("hold")) => handoff::hold(app, tenant, &id).await,
+            (&Method::POST, Some("send-last")) => handoff::send_last(app, tenant, &id).await,
+            (&Method::POST, Some("moved")) => handoff::moved(app, tenant, &id).await,
+            (&Method::POST, Some("stay")) => handoff::stay(app, &id).await,
+            (&Method::POST, Some("open")) => handoff::open(app, tenant, &id, record, body).await,
+            (&Method::POST, Some("confirm")) => handoff::confirm(app, &id).await,
+            _ => Err(ApiError::bad_request(format!(
+                "{RECEIVE_PATH}{{id}} takes PUT ?stage=first, PUT ?stage=last&point=NAME, \
+                 DELETE, and POST ?stage= send, hold, send-last, moved, stay, open or confirm"
+            ))),
+        }
+    })
+    .await
+    .unwrap_or_else(|e| Err(ApiError::internal(format!("the move's step failed: {e}"))));
     done.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// The volume's record, which must name another server as its home.
-fn moving_record(app: &AppState, tenant: &str, id: &str) -> Result<VolumeRecord, ApiError> {
-    let r = app
-        .store
-        .get_volume(tenant, id)?
-        .filter(|r| r.id == id)
-        .ok_or_else(|| ApiError::not_found(format!("volume {id} does not exist")))?;
+/// The volume's record, which must name another server as its home: the fleet's, read
+/// from the store a control replica shares, or given by control to a joined node
+/// (`given`), which must hold no record of its own of it.
+fn moving_record(
+    app: &AppState,
+    tenant: &str,
+    id: &str,
+    given: Option<VolumeRecord>,
+) -> Result<VolumeRecord, ApiError> {
+    let own = app.store.get_volume(tenant, id)?.filter(|r| r.id == id);
+    let r = match (app.cfg.fleet_member, own, given) {
+        (true, None, Some(g)) if g.id == id && g.tenant == tenant => g,
+        (true, Some(_), _) => {
+            return Err(ApiError::conflict(format!(
+                "volume {id} is this node's already"
+            )))
+        }
+        (true, None, _) => {
+            return Err(ApiError::bad_request(format!(
+                "a move to a joined node names the volume ({})",
+                handoff::RECORD_HEADER
+            )))
+        }
+        (false, own, _) => {
+            own.ok_or_else(|| ApiError::not_found(format!("volume {id} does not exist")))?
+        }
+    };
     if r.host == app.host_id {
         return Err(ApiError::conflict(format!(
             "volume {id} is this server's already"
@@ -427,8 +477,14 @@ fn moving_record(app: &AppState, tenant: &str, id: &str) -> Result<VolumeRecord,
 
 /// Step 1 at the target: a filesystem of the volume's size, marked [`INCOMING`], with the
 /// stream received into it. 201 `{}`.
-async fn copy(app: &AppState, tenant: &str, id: &str, body: Body) -> Result<Response, ApiError> {
-    let r = moving_record(app, tenant, id)?;
+async fn copy(
+    app: &AppState,
+    tenant: &str,
+    id: &str,
+    given: Option<VolumeRecord>,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let r = moving_record(app, tenant, id, given)?;
     // A copy of an earlier try (its discard did not arrive) goes first.
     discard(app, tenant, id).await?;
     crate::capacity::admit_disk(&app.cfg.data_dir, "the moved volume's `size_mb`", r.size_mb)?;
@@ -452,6 +508,9 @@ async fn copy(app: &AppState, tenant: &str, id: &str, body: Body) -> Result<Resp
         remove_copy(dir).await;
         return Err(e);
     }
+    if app.cfg.fleet_member {
+        handoff::received(app, tenant, id, None);
+    }
     Ok((StatusCode::CREATED, axum::Json(json!({}))).into_response())
 }
 
@@ -469,8 +528,12 @@ async fn catch_up(
         .ok_or_else(|| {
             ApiError::bad_request(format!("the last stage names its point (?point={POINT}…)"))
         })?;
-    let r = moving_record(app, tenant, id)?;
-    let dir = app.volumes.root.join(&r.id);
+    let dir = app.volumes.root.join(id);
+    let r = if app.cfg.fleet_member {
+        None
+    } else {
+        Some(moving_record(app, tenant, id, None)?)
+    };
     if !dir.join(INCOMING).exists() || app.volumes.get(id).is_some() {
         return Err(ApiError::conflict(format!(
             "volume {id}'s copy is not here: the move's first stage comes first"
@@ -486,6 +549,11 @@ async fn catch_up(
             remove_copy(dir).await;
             return Err(e);
         }
+    };
+    // A joined node serves it once control sends its records (`handoff::open`).
+    let Some(r) = r else {
+        handoff::received(app, tenant, id, Some(used));
+        return Ok((StatusCode::CREATED, axum::Json(json!({"used_bytes": used}))).into_response());
     };
     let vol = app.volumes.make(&r, used);
     app.volumes
@@ -583,8 +651,15 @@ async fn take_stream(dir: &FsPath, body: Body) -> Result<(), ApiError> {
 /// Drops a copy of a volume that is not this server's by its record: received for a move
 /// that did not switch, or left by a move away (nothing there is fine).
 async fn discard(app: &AppState, tenant: &str, id: &str) -> Result<(), ApiError> {
-    moving_record(app, tenant, id)?;
     let dir = app.volumes.root.join(id);
+    if app.cfg.fleet_member {
+        // Its own records, if any, are those `handoff::open` wrote for the copy.
+        if !dir.join(INCOMING).exists() {
+            return Ok(());
+        }
+        return handoff::drop_copy(app, tenant, id).await;
+    }
+    moving_record(app, tenant, id, None)?;
     // A copy that came here (`INCOMING`), or the old copy of a move away from here whose
     // removal failed (`OUTGOING`): neither is this server's by the record.
     if !dir.join(INCOMING).exists() && !dir.join(OUTGOING).exists() {
@@ -600,16 +675,24 @@ async fn discard(app: &AppState, tenant: &str, id: &str) -> Result<(), ApiError>
         .map_err(|e| ApiError::internal(format!("removing a moved copy: {e}")))
 }
 
-/// At start, before the volumes open: a directory a move left marked is kept (unmarked)
-/// if `mine` (the volumes the fleet's records say are this server's) names it, and removed
-/// otherwise. Unmarked directories are never touched.
-pub fn sweep(root: &FsPath, mine: &[VolumeRecord]) {
+/// At start, before the volumes open: a directory a move left marked is kept if `mine`
+/// names it, and removed otherwise. Unmarked directories are never touched. On a control
+/// replica `mine` is what the fleet's records say is this server's: the kept ones are
+/// unmarked. On a joined node (`in_doubt`) `mine` is its own records, which a move may have
+/// written before the fleet's switched: the kept ones stay marked and are answered, for
+/// the fleet to say whose they are (`handoff::adopt`).
+pub fn sweep(
+    root: &FsPath,
+    mine: &[VolumeRecord],
+    in_doubt: bool,
+) -> Vec<(VolumeRecord, &'static str)> {
+    let mut kept = Vec::new();
     let Ok(entries) = std::fs::read_dir(root) else {
-        return;
+        return kept;
     };
     for e in entries.flatten() {
         let dir = e.path();
-        let marked: Vec<&str> = [INCOMING, OUTGOING]
+        let marked: Vec<&'static str> = [INCOMING, OUTGOING]
             .into_iter()
             .filter(|m| dir.join(m).exists())
             .collect();
@@ -617,7 +700,11 @@ pub fn sweep(root: &FsPath, mine: &[VolumeRecord]) {
             continue;
         }
         let name = e.file_name().to_string_lossy().into_owned();
-        if mine.iter().any(|r| r.id == name) {
+        if let Some(r) = mine.iter().find(|r| r.id == name) {
+            if in_doubt {
+                kept.push((r.clone(), marked[0]));
+                continue;
+            }
             for m in marked {
                 let _ = std::fs::remove_file(dir.join(m));
             }
@@ -628,6 +715,7 @@ pub fn sweep(root: &FsPath, mine: &[VolumeRecord]) {
             }
         }
     }
+    kept
 }
 
 #[cfg(test)]
@@ -662,7 +750,12 @@ mod tests {
         made("vol_out_mine", Some(OUTGOING));
         made("vol_out_theirs", Some(OUTGOING));
         made("vol_plain", None);
-        sweep(&root, &[record("vol_in_mine"), record("vol_out_mine")]);
+        let kept = sweep(
+            &root,
+            &[record("vol_in_mine"), record("vol_out_mine")],
+            false,
+        );
+        assert!(kept.is_empty(), "a control replica keeps no move in doubt");
         for kept in ["vol_in_mine", "vol_out_mine"] {
             let d = root.join(kept);
             assert!(d.join("disk.img").exists(), "{kept} removed");

@@ -412,17 +412,31 @@ pub async fn call_node(
     body: Body,
     timeout: Option<Duration>,
 ) -> Result<Response, String> {
+    call_node_with(app, n, tenant, (method, path), Vec::new(), body, timeout).await
+}
+
+/// [`call_node`] with headers of control's own (`extra`).
+pub async fn call_node_with(
+    app: &AppState,
+    n: &locker_store::NodeRecord,
+    tenant: &str,
+    (method, path): (axum::http::Method, &str),
+    extra: Vec<(axum::http::HeaderName, HeaderValue)>,
+    body: Body,
+    timeout: Option<Duration>,
+) -> Result<Response, String> {
     let c = app
         .fleet
         .as_ref()
         .ok_or("this server is no control plane of a fleet")?;
     let route = node_route(n, tenant, n.epoch);
-    let (parts, _) = axum::http::Request::builder()
+    let (mut parts, _) = axum::http::Request::builder()
         .method(method)
         .uri(path)
         .body(())
         .map_err(|e| e.to_string())?
         .into_parts();
+    parts.extensions.insert(Extra(extra));
     send(c, &route, &parts, body, timeout).await.map_err(|e| {
         c.routes.drop_link(&n.id);
         e.to_string()

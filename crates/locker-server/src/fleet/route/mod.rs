@@ -57,13 +57,14 @@ use crate::state::AppState;
 mod create;
 mod forward;
 mod snapshots;
+mod volume_move;
 mod volumes;
 
 pub(in crate::fleet) use create::e2b_shaped;
 pub(in crate::fleet) use create::made_id;
 use create::{create, Surface};
 pub(in crate::fleet) use forward::forward;
-pub use forward::{call_node, destroy_orphan, view_on_node};
+pub use forward::{call_node, call_node_with, destroy_orphan, view_on_node};
 use forward::{node_route, payload, send, Payload, SendError};
 pub(in crate::fleet) use snapshots::{fork, snapshot};
 use volumes::{create_volume, volume_call, volume_of};

@@ -18,8 +18,8 @@
 //!
 //! While a volume's home is not alive its calls answer 503 (never an empty volume); a joined
 //! node removed from the fleet takes its volumes' records with it (`control::remove_node`).
-//! Moving a volume (`…/move`) is between servers that are nodes (`volumes::moving`); a
-//! volume on a joined node does not move yet (409 says so).
+//! Moving a volume (`…/move`) is between servers that are nodes (`volumes::moving`), or
+//! between joined nodes (`volume_move`).
 
 use super::*;
 use crate::fleet::local::LOCAL_CERT;
@@ -236,13 +236,8 @@ pub(super) async fn volume_call(
     let method = req.method().clone();
     let on_joined = joined(&n);
     if on_joined && method == Method::POST {
-        if path.ends_with("/move") {
-            return ApiError::conflict(format!(
-                "volume {volume} lives on joined node {}: a volume moves between servers that \
-                 are nodes (--node local) only, for now",
-                n.name
-            ))
-            .into_response();
+        if path == format!("/v1/volumes/{volume}/move") {
+            return super::volume_move::move_joined(app, &rec, &n, req.into_body()).await;
         }
         if path == format!("/v1/volumes/{volume}/fork") {
             return fork_on(app, &rec, &n, req, next).await;
