@@ -4,7 +4,8 @@
 //! in the same run: the same amount of data through a bare `btrfs send | btrfs receive`
 //! between two loop-mounted btrfs images, no Locker in between. The move's row includes
 //! the API call, the copy, the catch-up under the volume's gate, the switch in the store and
-//! the removal of the old copy.
+//! the removal of the old copy. The same moves between two joined nodes (the split
+//! layout: control relays both streams) are a row of their own.
 //!
 //! Owns the two servers, the database and the peer's images it makes (removed at the end,
 //! also on failure).
@@ -23,6 +24,8 @@ use crate::{check_stop, Args};
 const MOVE: &str = "fleet volume move: 256 MiB volume to the other server (API call → moved)";
 const RAW: &str = "btrfs send | btrfs receive: the same 256 MiB between two images, no Locker";
 const PER_GIB: &str = "fleet volume move, per GiB of data (from the row above)";
+const JOINED: &str =
+    "fleet volume move between joined nodes: 256 MiB, relayed by control (API call → moved)";
 const DATA_MB: u64 = 256;
 /// The fleet CA's key is sealed with it: both servers share it.
 const SECRETS_KEY: &str = "4a1c3e9a7b2d4f6081a3c5e7092b4d6f8a1c3e5079b2d4f6a8c0e2f4061b3d5e";
@@ -89,6 +92,7 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     }
     api.delete("/v1/volumes/bench-move")
         .expect(204, "delete the volume");
+    let joined = joined_moves(moves)?;
     let raw = bare_send_receive(moves)?;
     let per_gib: Vec<f64> = took
         .iter()
@@ -103,7 +107,60 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         "two 1024 MiB btrfs images on loop devices; a read-only snapshot of the source, then `btrfs send | btrfs receive` (the receiving subvolume removed after each)",
     ));
     rows.push(Row::new(PER_GIB, "s", per_gib, 0));
+    rows.push(
+        Row::new(JOINED, "ms", joined, 0)
+            .vs(RAW)
+            .note(format!("the same volume between two `locker node`s in network namespaces of this host, joined to a control plane that is no node (the split layout): both btrfs streams go home → control → target over the nodes' mutual-TLS HTTP/2; {moves} moves, alternating direction")),
+    );
     Ok(())
+}
+
+/// `n` moves of a volume holding [`DATA_MB`] between two joined nodes, alternating.
+fn joined_moves(n: usize) -> anyhow::Result<Vec<f64>> {
+    let fab = locker_tests::fabric::Fabric::new(2);
+    let srv = crate::fleet::control_server(&fab)?;
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = locker_tests::fabric::join_nodes(&fab, &admin, &["vol-a", "vol-b"], 2);
+    let made = api.post(
+        "/v1/volumes",
+        &json!({"name": "bench-joined", "size_mb": 1024}),
+    );
+    if made.status != 201 {
+        bail!("a volume on a joined node: {}", made.text());
+    }
+    let filled = api
+        .post(
+            "/v1/volumes/bench-joined/run",
+            &json!({"shell": format!("head -c {DATA_MB}M /dev/urandom > /workspace/blob"), "timeout_ms": 120000}),
+        )
+        .expect(200, "fill the volume");
+    if filled["exit_code"] != 0 {
+        bail!("filling the volume failed: {filled}");
+    }
+    let home = made
+        .headers
+        .get("x-locker-node")
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("vol-a")
+        .to_owned();
+    let mut took = Vec::new();
+    for i in 0..n {
+        check_stop()?;
+        let to = match (i % 2 == 0, home == "vol-a") {
+            (true, true) | (false, false) => "vol-b",
+            _ => "vol-a",
+        };
+        let t = Instant::now();
+        api.post("/v1/volumes/bench-joined/move", &json!({ "node": to }))
+            .expect(200, "a move between joined nodes");
+        took.push(t.elapsed().as_secs_f64() * 1000.0);
+    }
+    api.delete("/v1/volumes/bench-joined")
+        .expect(204, "delete the volume");
+    for node in &mut nodes {
+        node.stop();
+    }
+    Ok(took)
 }
 
 /// Loop-mounted btrfs images for the peer, unmounted and removed on drop.
