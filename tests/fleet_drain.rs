@@ -181,6 +181,20 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
         .post("/v1/fleet/nodes/b/cordon", &json!({}))
         .expect(200, "cordon b");
     let ids = made_on_a(&api, 2, &spec());
+    // And a volume homed on a: the drain moves it too.
+    let vol = api.post("/v1/volumes", &json!({"name": "tools", "size_mb": 64}));
+    assert_eq!(vol.status, 201, "{}", vol.text());
+    assert_eq!(placed_on(&vol), "a");
+    api.put(
+        "/v1/volumes/tools/files?path=%2Fv.txt",
+        &b"on the volume"[..],
+    )
+    .expect(200, "write the volume");
+    let on_volume = |node: &str| {
+        let r = api.get("/v1/volumes/tools/files?path=%2Fv.txt");
+        assert_eq!(r.text(), "on the volume");
+        assert_eq!(placed_on(&r), node);
+    };
     let before: Vec<Value> = ids
         .iter()
         .map(|id| api.get(&format!("/v1/sandboxes/{id}")).json())
@@ -212,6 +226,8 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     eprintln!("{text}");
     assert_eq!(code, Some(0), "{text}");
     assert!(text.contains("2 moved, 0 stayed, 0 left"), "{text}");
+    assert!(text.contains("moved  volume tools  to b"), "{text}");
+    on_volume("b");
     let nodes_now = fleet_nodes(&admin);
     assert_eq!(fleet_node(&nodes_now, "a")["cordoned"], true);
     for (id, old) in ids.iter().zip(&before) {
@@ -287,6 +303,8 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     for id in &ids {
         assert_eq!(node_of(&api, &db, id), "a");
     }
+    assert_eq!(report["volumes"]["moved"][0]["to_name"], "a", "{report}");
+    on_volume("a");
     assert_eq!(sum(&ids[0]), blob);
     assert_eq!(api.sh(&ids[1], "cat /home/user/work/g"), "on-b\n");
 
@@ -295,6 +313,11 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     assert_eq!(code, Some(1), "{text}");
     assert!(text.contains("0 moved, 2 stayed, 2 left"), "{text}");
     assert!(text.contains("no node can take it"), "{text}");
+    assert!(
+        text.contains("stayed volume tools  no other joined node"),
+        "{text}"
+    );
+    on_volume("a");
     for id in &ids {
         assert_eq!(node_of(&api, &db, id), "a");
         assert_eq!(api.sh(id, "echo here"), "here\n");

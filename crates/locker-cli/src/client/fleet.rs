@@ -120,7 +120,10 @@ pub fn run(a: FleetArgs) -> Result<i32, ClientError> {
             } else {
                 print_text(&drain_text(&v))?;
             }
-            let stayed = v["failed"].as_array().is_some_and(|f| !f.is_empty());
+            let stayed = v["failed"].as_array().is_some_and(|f| !f.is_empty())
+                || v["volumes"]["failed"]
+                    .as_array()
+                    .is_some_and(|f| !f.is_empty());
             return Ok(i32::from(stayed));
         }
         FleetCmd::Remove { node } => {
@@ -154,6 +157,27 @@ pub fn drain_text(v: &Value) -> String {
         out.push_str(&format!(
             "stayed {}  {}\n",
             cell(f.get("sandbox")),
+            cell(f.get("error"))
+        ));
+    }
+    let volumes = |k: &str| {
+        v["volumes"][k]
+            .as_array()
+            .map(Vec::as_slice)
+            .unwrap_or_default()
+    };
+    for m in volumes("moved") {
+        out.push_str(&format!(
+            "moved  volume {}  to {}  ({} ms)\n",
+            cell(m.get("name")),
+            cell(m.get("to_name")),
+            cell(m.get("ms"))
+        ));
+    }
+    for f in volumes("failed") {
+        out.push_str(&format!(
+            "stayed volume {}  {}\n",
+            cell(f.get("name")),
             cell(f.get("error"))
         ));
     }

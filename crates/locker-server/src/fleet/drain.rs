@@ -17,6 +17,9 @@
 //!    copy is destroyed);
 //! 5. the old node drops its snapshot.
 //!
+//! Then each volume homed on the node moves to another joined node (`route::volume_move`;
+//! one a sandbox that stayed mounts stays with it).
+//!
 //! A failure before step 4 gives the reservation back, drops what the new node received
 //! or made, and lets the sandbox run on where it was (started again from the old node's
 //! snapshot when its machine had gone already). Other replicas that cached the old route are
@@ -126,14 +129,44 @@ pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError>
         }
     }
     let left = placements_on(app, &node.id).await?.len();
+    let volumes = volumes_off(app, node).await?;
     Ok(json!({
         "node": node.id,
         "name": node.name,
         "moved": moved,
         "failed": failed,
         "left": left,
+        "volumes": volumes,
         "ms": u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
     }))
+}
+
+/// The drain's second part: each volume homed on `node` moved to another joined node
+/// (`route::move_off`), after the sandboxes (one that stayed keeps the volumes it mounts
+/// there). `{"moved": [{"volume", "name", "tenant", "to", "to_name", "ms"}], "failed":
+/// [{"volume", "name", "tenant", "error"}]}`.
+async fn volumes_off(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError> {
+    let store = app.store.clone();
+    let all = tokio::task::spawn_blocking(move || store.list_all_volumes())
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))??;
+    let (mut moved, mut failed) = (Vec::new(), Vec::new());
+    for v in all.into_iter().filter(|v| v.host == node.id) {
+        let t = Instant::now();
+        match super::route::move_off(app, &v, node).await {
+            Ok(to) => {
+                tracing::info!(volume = %v.id, from = %node.name, to = %to.name, "volume moved off a drained node");
+                moved.push(json!({"volume": v.id, "name": v.name, "tenant": v.tenant, "to": to.id, "to_name": to.name, "ms": ms_since(t)}));
+            }
+            Err(e) => {
+                tracing::warn!(volume = %v.id, node = %node.name, error = %e.message, "volume not moved off a drained node");
+                failed.push(
+                    json!({"volume": v.id, "name": v.name, "tenant": v.tenant, "error": e.message}),
+                );
+            }
+        }
+    }
+    Ok(json!({"moved": moved, "failed": failed}))
 }
 
 async fn placements_on(app: &AppState, node: &str) -> Result<Vec<PlacementRecord>, ApiError> {

@@ -77,6 +77,30 @@ pub(super) async fn move_joined(
     done.unwrap_or_else(IntoResponse::into_response)
 }
 
+/// A drain's move of volume `rec` off joined node `from`: to the joined node that can grant
+/// the most disk (as a new volume's home is chosen), which is answered.
+pub async fn move_off(
+    app: &AppState,
+    rec: &VolumeRecord,
+    from: &NodeRecord,
+) -> Result<NodeRecord, ApiError> {
+    let (nodes, now_ms) = placement::nodes(app, true).await?;
+    let others: Vec<&NodeRecord> = nodes
+        .iter()
+        .filter(|n| n.id != from.id && n.cert_sha256 != crate::fleet::local::LOCAL_CERT)
+        .collect();
+    let to = super::volumes::home_for(&others, rec.size_mb, now_ms)
+        .cloned()
+        .ok_or_else(|| {
+            ApiError::quota(format!(
+                "no other joined node is alive and open with {} MB of disk to grant",
+                rec.size_mb
+            ))
+        })?;
+    run(app, rec, from, &to).await?;
+    Ok(to)
+}
+
 /// The node a move names: another joined node, alive and open.
 async fn target(
     app: &AppState,

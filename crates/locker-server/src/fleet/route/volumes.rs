@@ -90,7 +90,11 @@ pub(super) async fn create_volume(app: &AppState, req: Request, next: Next) -> R
 
 /// The joined node a new volume of `size_mb` goes to: alive, open (not cordoned), with the
 /// most disk to grant, and at least `size_mb` of it.
-fn home_for<'a>(homes: &[&'a NodeRecord], size_mb: u64, now_ms: i64) -> Option<&'a NodeRecord> {
+pub(super) fn home_for<'a>(
+    homes: &[&'a NodeRecord],
+    size_mb: u64,
+    now_ms: i64,
+) -> Option<&'a NodeRecord> {
     homes
         .iter()
         .filter(|n| placement::alive(n, now_ms) && !n.cordoned)
