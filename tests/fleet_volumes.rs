@@ -459,7 +459,8 @@ fn a_volume_moves_between_joined_nodes_with_its_files_snapshots_and_writes() {
 /// A volume move whose control plane dies half way is settled by the nodes with the
 /// fleet's record (`LOCKER_CARRY_WAIT_S` after their last step, asking a control replica
 /// with their heartbeats): before the switch the volume stays where it was and the copy
-/// goes; after it, the old home lets go. One copy is left, with every acknowledged write.
+/// goes; after it, the old home lets go; a home restarted in the middle holds the volume
+/// again until the fleet answers. One copy is left, with every acknowledged write.
 #[test]
 fn a_volume_move_whose_control_plane_dies_is_settled_by_the_fleets_record() {
     let fab = Fabric::new(2);
@@ -490,7 +491,8 @@ fn a_volume_move_whose_control_plane_dies_is_settled_by_the_fleets_record() {
     let host =
         |db: &str| rows(db, &format!("SELECT host FROM volumes WHERE id = '{vol}'"))[0][0].clone();
     let home_id = host(&db);
-    let dir = |i: usize| nodes[i].data_dir().join("volumes").join(&vol);
+    let dirs = [nodes[0].data_dir(), nodes[1].data_dir()];
+    let dir = |i: usize| dirs[i].join("volumes").join(&vol);
 
     // 1. Control stops the moment the home holds the volume (its mark), before the switch.
     let mover = move_in_background(&api, ["a", "b"][o]);
@@ -544,6 +546,51 @@ fn a_volume_move_whose_control_plane_dies_is_settled_by_the_fleets_record() {
     wait_for(Duration::from_secs(30), "the new home's mark gone", || {
         (!dir(o).join("incoming").exists()).then_some(())
     });
+
+    // 3. The home (now o) is killed with control the moment it holds the volume, and both
+    //    start again: the home finds its mark, holds the volume again until the fleet says
+    //    it is still its own, and serves it; the copy on h goes.
+    let now_home = host(&db);
+    let mover = move_in_background(&api, ["a", "b"][h]);
+    watch_for(
+        &dir(o).join("outgoing"),
+        "the home holding the volume again",
+    );
+    // SAFETY: as above.
+    unsafe { libc::kill(srv.pid() as i32, libc::SIGSTOP) };
+    nodes[o].signal(libc::SIGKILL);
+    srv.kill9();
+    let _ = mover.join();
+    nodes[o].stop();
+    nodes[o].start(&fab, None, 3);
+    srv.restart_on_same_port();
+    let api = srv.api();
+    wait_for(
+        Duration::from_secs(60),
+        "the restarted home serving",
+        || {
+            let r = api.put("/v1/volumes/repo/files?path=%2Fthree", &b"three"[..]);
+            (r.status == 200 && !dir(h).exists() && !dir(o).join("outgoing").exists()).then_some(())
+        },
+    );
+    assert_eq!(host(&db), now_home, "the record moved without a switch");
+    let points: Vec<_> = std::fs::read_dir(dir(o).join("fs/snapshots"))
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert!(points.is_empty(), "the move's points stayed: {points:?}");
+    let r = api.post(
+        "/v1/volumes/repo/run",
+        &json!({"shell": "cd /workspace; sha256sum -c --quiet blob.sum && cat one two three"}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    assert_eq!(r.json()["stdout"], "one\ntwothree");
+    let log = nodes[o].log_text();
+    assert!(
+        log.contains("a move of this volume was under way when the node stopped"),
+        "{log}"
+    );
     api.delete("/v1/volumes/repo")
         .expect(204, "delete the volume");
     for n in &mut nodes {

@@ -427,6 +427,17 @@ pub(super) async fn open(
         .map_err(|e| ApiError::bad_request(format!("open's body: {e}")))?;
     let asked: OpenBody = serde_json::from_slice(&bytes)
         .map_err(|e| ApiError::bad_request(format!("open's body: {e}")))?;
+    // Each names a subvolume under this node's `snapshots/`: an id, never a path.
+    if let Some(bad) = asked
+        .snapshots
+        .iter()
+        .find(|s| !crate::ids::is_id(&s.id, "snap_"))
+    {
+        return Err(ApiError::bad_request(format!(
+            "open's snapshot {:?} is not a snapshot id",
+            bad.id
+        )));
+    }
     let used = match app.volumes.moves.inner.lock().expect("moves").get(id) {
         Some(Move {
             role: Role::Target {
