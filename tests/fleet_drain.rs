@@ -342,6 +342,92 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     }
 }
 
+/// A jail that mounts a volume moves with it: the volume leaves between the old machine's
+/// release and the new one's start, and the sandbox mounts it on the new node with every
+/// file; the old node keeps neither. A microVM that mounts a volume stays (its memory holds
+/// the volume's open files), and so does its volume.
+#[test]
+fn a_drained_jail_takes_the_volumes_it_mounts_along() {
+    let fab = Fabric::new(2);
+    let (db, pg_url) = cluster().new_database();
+    let srv = fab.control(&pg_url, &[]);
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
+    admin
+        .post("/v1/fleet/nodes/b/cordon", &json!({}))
+        .expect(200, "cordon b");
+    let vol = api.post("/v1/volumes", &json!({"name": "work", "size_mb": 128}));
+    assert_eq!((vol.status, placed_on(&vol)), (201, "a".to_owned()));
+    let vol_id = vol.json()["id"].as_str().unwrap().to_owned();
+    api.put(
+        "/v1/volumes/work/files?path=%2Fseed",
+        &b"from the files API"[..],
+    )
+    .expect(200, "write the volume");
+    let mut body = spec();
+    body["volumes"] = json!([{"volume": "work", "path": "/mnt/w"}]);
+    let id = made_on_a(&api, 1, &body).remove(0);
+    api.sh(&id, "head -c 2097152 /dev/urandom > /mnt/w/blob && sha256sum /mnt/w/blob > /home/user/sum && sync");
+    let vm_vol = api.post("/v1/volumes", &json!({"name": "vm-work", "size_mb": 64}));
+    assert_eq!((vm_vol.status, placed_on(&vm_vol)), (201, "a".to_owned()));
+    let vm = made_on_a(
+        &api,
+        1,
+        &json!({"runtime": "microvm", "ttl_s": 900, "memory_mb": 256,
+                "volumes": [{"volume": "vm-work", "path": "/mnt/v"}]}),
+    )
+    .remove(0);
+    api.sh(&vm, "echo in-vm > /mnt/v/f");
+    admin
+        .post("/v1/fleet/nodes/b/uncordon", &json!({}))
+        .expect(200, "uncordon b");
+    let report = drain_a_moves_it(&admin, &api, &db, &id);
+    eprintln!("its steps: {}", report["moved"][0]["steps"]);
+    assert!(
+        report["moved"][0]["steps"]["volumes_ms"].as_u64().is_some(),
+        "{report}"
+    );
+    assert_eq!(report["volumes"]["moved"], json!([]), "{report}");
+    // The microVM and its volume stayed, saying why; it answers where it was.
+    assert_eq!(report["failed"][0]["sandbox"], vm.as_str(), "{report}");
+    let why = report["failed"][0]["error"].as_str().unwrap_or_default();
+    assert!(why.contains("mounts volumes"), "{report}");
+    assert_eq!(
+        report["volumes"]["failed"][0]["name"], "vm-work",
+        "{report}"
+    );
+    let why = report["volumes"]["failed"][0]["error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(why.contains("mounted by running sandbox"), "{report}");
+    assert_eq!(node_of(&api, &db, &vm), "a");
+    assert_eq!(api.sh(&vm, "cat /mnt/v/f"), "in-vm\n");
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{vm}")).status, 204);
+    api.delete("/v1/volumes/vm-work")
+        .expect(204, "delete the microVM's volume");
+    assert_eq!(
+        api.sh(
+            &id,
+            "cat /mnt/w/seed; echo; sha256sum -c --quiet /home/user/sum && echo same"
+        ),
+        "from the files API\nsame\n"
+    );
+    api.sh(&id, "echo on-b > /mnt/w/after");
+    let r = api.get("/v1/volumes/work/files?path=%2Fafter");
+    assert_eq!(
+        (r.text(), placed_on(&r)),
+        ("on-b\n".to_owned(), "b".to_owned())
+    );
+    let on_a = nodes[0].data_dir().join("volumes").join(&vol_id);
+    assert!(!on_a.exists(), "the old node kept the volume");
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+    api.delete("/v1/volumes/work")
+        .expect(204, "delete the volume");
+    for n in &mut nodes {
+        n.stop();
+    }
+}
+
 /// A microVM moves with its memory: a process counting in memory only goes on counting on
 /// the new node, under the same pid, with its disk's files; and when that node dies, it
 /// starts again on the other from its last snapshot and counts on from the snapshot's

@@ -436,7 +436,13 @@ pub fn join_nodes_with(
         "the nodes alive",
         || {
             let l = fleet_nodes(admin);
-            (l.len() == names.len() && l.iter().all(|n| n["alive"] == true)).then_some(())
+            // Listed alive once registered; its identity written a moment later (a node
+            // restarted before that would not know it joined).
+            let saved = nodes
+                .iter()
+                .all(|n| n.data_dir().join("fleet/identity.json").exists());
+            (saved && l.len() == names.len() && l.iter().all(|n| n["alive"] == true))
+                .then_some(())
         },
     );
     nodes

@@ -359,7 +359,7 @@ pub(crate) async fn fork_sandbox(
 }
 
 /// The volumes a sandbox's record says it mounts, as a create's body would name them.
-fn recorded_volumes(
+pub(crate) fn recorded_volumes(
     rec: &locker_store::SandboxRecord,
 ) -> Result<Vec<locker_types::VolumeMount>, ApiError> {
     let list = rec.volumes.as_array().cloned().unwrap_or_default();

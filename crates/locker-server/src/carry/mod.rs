@@ -136,10 +136,14 @@ async fn running(
 /// Why `rec` cannot be carried, if it cannot. Its secrets go with it: they are the
 /// control plane's, and the new node arms its machine for their placeholders and gets
 /// their values from control (`secrets::remote`), as for any sandbox placed there.
+/// A jail that mounts volumes moves, its volumes with it (control moves them between the
+/// release and the start, `fleet::drain`); a microVM that mounts volumes does not (its
+/// memory holds the volumes' open files, as for its snapshots).
 fn refusal(rec: &SandboxRecord) -> Option<String> {
-    if rec.volumes.as_array().is_some_and(|v| !v.is_empty()) {
+    if rec.runtime == "microvm" && rec.volumes.as_array().is_some_and(|v| !v.is_empty()) {
         return Some(format!(
-            "sandbox {} mounts volumes, which live on this node: it cannot move without them",
+            "microVM sandbox {} mounts volumes: its memory holds their open files, so it \
+             cannot move (a jail that mounts volumes moves with them)",
             rec.id
         ));
     }
@@ -725,7 +729,12 @@ async fn launch_from(
         env: rec.env.clone(),
         network: rec.network.clone(),
         metadata: rec.metadata.clone(),
-        volumes: Vec::new(),
+        // Its volumes are this node's by now (moved before it starts).
+        volumes: crate::sandboxes::resolve_volumes(
+            app,
+            caller,
+            &crate::snapshots::recorded_volumes(rec)?,
+        )?,
     };
     // A row it left here when it went elsewhere before.
     app.store.forget_sandbox(&rec.id)?;

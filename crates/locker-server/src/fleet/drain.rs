@@ -9,8 +9,10 @@
 //! 2. the old node freezes the sandbox (calls answer 503 "moving", to be called again) and
 //!    streams a snapshot of it (`carry`'s bundle), which this server pipes into the new
 //!    node, which keeps it aside;
-//! 3. the old node destroys the machine (keeping the snapshot), then the new node starts
-//!    the sandbox from its copy: never two machines of one sandbox at once;
+//! 3. the old node destroys the machine (keeping the snapshot), the volumes a jail mounts
+//!    move to the new node (`route::volume_move`, all or none), then the new node starts
+//!    the sandbox from its copy, its volumes mounted: never two machines of one sandbox at
+//!    once;
 //! 4. one transaction (`Store::move_placement`) makes the new node the sandbox's, at that
 //!    node's epoch, and gives the old node's reservation back; only if the placement is
 //!    still the old node's (a sandbox deleted or lost meanwhile is not resurrected: the new
@@ -39,7 +41,7 @@ use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::{Method, StatusCode};
-use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState};
+use locker_store::{NodeRecord, NodeState, PlacementRecord, PlacementState, VolumeRecord};
 use serde_json::{json, Value};
 
 use super::placement::{self, Ask};
@@ -271,10 +273,24 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         return Err(give_back(format!("its node would not let it go: {e}")).await);
     }
     let release_ms = ms_since(t_release);
+    // The volumes it mounts go first, its machine gone (their files leave while nothing
+    // writes them).
+    let t_volumes = Instant::now();
+    let mounts = mounted_volumes(&view);
+    if let Err(e) = volumes_along(app, &p.tenant, &mounts, (from, &to)).await {
+        drop_received(app, &p.tenant, &to, &sb, &placed).await;
+        stay(app, from, p, &sb).await;
+        return Err(give_back(format!("its volumes did not move: {e}")).await);
+    }
+    let volumes_ms = ms_since(t_volumes);
     let t_start = Instant::now();
     let view = match start_on(app, &p.tenant, &to, &sb, &placed).await {
         Ok(v) => v,
         Err(e) => {
+            // Its volumes back where it runs on.
+            if let Err(back) = volumes_along(app, &p.tenant, &mounts, (&to, from)).await {
+                tracing::warn!(sandbox = %sb, error = %back, "the volumes of a sandbox that did not move stay on the node it was to go to");
+            }
             stay(app, from, p, &sb).await;
             return Err(give_back(e).await);
         }
@@ -346,8 +362,66 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
     Ok(Moved {
         to,
         ms: ms_since(started),
-        steps: json!({"copy_ms": copy_ms, "release_ms": release_ms, "start_ms": start_ms, "switch_ms": switch_ms}),
+        steps: json!({"copy_ms": copy_ms, "release_ms": release_ms, "volumes_ms": volumes_ms, "start_ms": start_ms, "switch_ms": switch_ms}),
     })
+}
+
+/// The ids of the volumes a sandbox's view says it mounts.
+fn mounted_volumes(view: &Value) -> Vec<String> {
+    view["volumes"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|m| m["volume"].as_str().map(str::to_owned))
+        .collect()
+}
+
+/// Moves volumes `ids` of `tenant` from `from` to `to` (`route::move_volume`), all or none:
+/// those moved go back when one does not.
+async fn volumes_along(
+    app: &AppState,
+    tenant: &str,
+    ids: &[String],
+    (from, to): (&NodeRecord, &NodeRecord),
+) -> Result<(), String> {
+    let mut moved: Vec<VolumeRecord> = Vec::new();
+    let mut failed = None;
+    for id in ids {
+        let (store, t, v) = (app.store.clone(), tenant.to_owned(), id.clone());
+        let rec = match tokio::task::spawn_blocking(move || store.get_volume(&t, &v)).await {
+            Ok(Ok(Some(r))) if r.host == from.id => r,
+            Ok(Ok(Some(r))) if r.host == to.id => continue,
+            Ok(Ok(_)) => {
+                failed = Some(format!("volume {id} is not on node {}", from.name));
+                break;
+            }
+            Ok(Err(e)) => {
+                failed = Some(e.to_string());
+                break;
+            }
+            Err(e) => {
+                failed = Some(e.to_string());
+                break;
+            }
+        };
+        match super::route::move_volume(app, &rec, from, to).await {
+            Ok(()) => moved.push(rec),
+            Err(e) => {
+                failed = Some(format!("volume {}: {}", rec.name, e.message));
+                break;
+            }
+        }
+    }
+    let Some(why) = failed else {
+        return Ok(());
+    };
+    for rec in moved {
+        if let Err(e) = super::route::move_volume(app, &rec, to, from).await {
+            tracing::warn!(volume = %rec.id, error = %e.message, "a volume of a sandbox that did not move stays on the node it was to go to");
+        }
+    }
+    Err(why)
 }
 
 /// Node `to` starts sandbox `sb` from what it received for placement query `placed`: the

@@ -65,7 +65,7 @@ pub(in crate::fleet) use create::made_id;
 use create::{create, Surface};
 pub(in crate::fleet) use forward::forward;
 pub use forward::{call_node, call_node_with, destroy_orphan, view_on_node};
-pub use volume_move::move_off;
+pub use volume_move::{move_off, run as move_volume};
 use forward::{node_route, payload, send, Payload, SendError};
 pub(in crate::fleet) use snapshots::{fork, snapshot};
 use volumes::{create_volume, volume_call, volume_of};

@@ -195,9 +195,9 @@ fn refused(n: &NodeRecord, step: &str, status: StatusCode, text: &str) -> ApiErr
     }
 }
 
-/// The steps of `volumes::handoff`'s module doc, from `from` to `to`; on `Ok` the fleet's
-/// record names `to`.
-async fn run(
+/// The steps of `volumes::handoff`'s module doc, from `from` to `to` (both joined nodes,
+/// alive; no sandbox on `from` mounting the volume); on `Ok` the fleet's record names `to`.
+pub async fn run(
     app: &AppState,
     rec: &VolumeRecord,
     from: &NodeRecord,
