@@ -72,15 +72,7 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
         &json!({"name": "bench-move", "size_mb": 1024}),
     )
     .expect(201, "the volume");
-    let filled = api
-        .post(
-            "/v1/volumes/bench-move/run",
-            &json!({"shell": format!("head -c {DATA_MB}M /dev/urandom > /workspace/blob"), "timeout_ms": 120000}),
-        )
-        .expect(200, "fill the volume");
-    if filled["exit_code"] != 0 {
-        bail!("filling the volume failed: {filled}");
-    }
+    fill(&api, "bench-move")?;
     let mut took = Vec::new();
     for i in 0..moves {
         check_stop()?;
@@ -115,6 +107,20 @@ pub fn rows(args: &Args, rows: &mut Vec<Row>) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Volume `name` filled with [`DATA_MB`] of random data by a run.
+fn fill(api: &locker_tests::server::Api, name: &str) -> anyhow::Result<()> {
+    let filled = api
+        .post(
+            &format!("/v1/volumes/{name}/run"),
+            &json!({"shell": format!("head -c {DATA_MB}M /dev/urandom > /workspace/blob"), "timeout_ms": 120000}),
+        )
+        .expect(200, "fill the volume");
+    if filled["exit_code"] != 0 {
+        bail!("filling the volume failed: {filled}");
+    }
+    Ok(())
+}
+
 /// `n` moves of a volume holding [`DATA_MB`] between two joined nodes, alternating.
 fn joined_moves(n: usize) -> anyhow::Result<Vec<f64>> {
     let fab = locker_tests::fabric::Fabric::new(2);
@@ -128,15 +134,7 @@ fn joined_moves(n: usize) -> anyhow::Result<Vec<f64>> {
     if made.status != 201 {
         bail!("a volume on a joined node: {}", made.text());
     }
-    let filled = api
-        .post(
-            "/v1/volumes/bench-joined/run",
-            &json!({"shell": format!("head -c {DATA_MB}M /dev/urandom > /workspace/blob"), "timeout_ms": 120000}),
-        )
-        .expect(200, "fill the volume");
-    if filled["exit_code"] != 0 {
-        bail!("filling the volume failed: {filled}");
-    }
+    fill(&api, "bench-joined")?;
     let home = made
         .headers
         .get("x-locker-node")
