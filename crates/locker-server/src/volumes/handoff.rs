@@ -21,8 +21,9 @@
 //!    refused with nothing written, its records and files removed). A failure before the
 //!    switch is home `stay` (gate released, points dropped) and target `DELETE`.
 //!
-//! **Control gone half way.** Each node notes its last step. The home with no gate held
-//! gives the move up by itself after [`wait_limit`] (nothing can have switched). A home
+//! **Control gone half way.** Each node notes its last step (a stream's end, for one it
+//! sends). The home with no gate held gives the move up by itself after [`wait_limit`]
+//! (nothing can have switched). A home
 //! holding the gate, and a target holding a copy, cannot know alone whether the record
 //! switched: past the wait each asks the fleet with its heartbeats (`Report::
 //! volumes_in_doubt`), keeping everything as it is until answered (`BeatAnswer::
@@ -101,6 +102,8 @@ struct Move {
     role: Role,
     /// This node's last step.
     since: Instant,
+    /// A stream of the home's is still being sent (its wait starts when it ends).
+    sending: bool,
 }
 
 /// The moves under way on this node, by volume id.
@@ -121,6 +124,7 @@ impl Moves {
     fn touch(&self, id: &str) {
         if let Some(m) = self.inner.lock().expect("moves").get_mut(id) {
             m.since = Instant::now();
+            m.sending = false;
         }
     }
 
@@ -215,6 +219,7 @@ pub(super) async fn send(app: &AppState, tenant: &str, id: &str) -> Result<Respo
             snapshots: snaps.into_iter().map(|s| s.id).collect(),
             role: Role::Sending,
             since: Instant::now(),
+            sending: true,
         },
     );
     Ok(stream(app, &r.id, (chain, None)))
@@ -231,12 +236,12 @@ pub(super) async fn hold(app: &AppState, tenant: &str, id: &str) -> Result<Respo
         return Err(not_under_way(id, "hold"));
     }
     let release = hold_gate(&v).await;
+    let last = point_name();
     m.role = Role::Holding {
-        last: None,
+        last: Some(last.clone()),
         release,
     };
     m.since = Instant::now();
-    let last = point_name();
     let checked = async {
         if let Some(sb) = running_sandbox_mounting(app, &r.id) {
             return Err(super::moving::mounted(&r, &sb));
@@ -261,9 +266,6 @@ pub(super) async fn hold(app: &AppState, tenant: &str, id: &str) -> Result<Respo
         }
     };
     mark(&v.dir, OUTGOING).await;
-    if let Role::Holding { last: l, .. } = &mut m.role {
-        *l = Some(last.clone());
-    }
     app.volumes.moves.put(&r.id, m);
     Ok(axum::Json(Held {
         point: last,
@@ -401,6 +403,7 @@ pub(super) fn received(app: &AppState, tenant: &str, id: &str, used: Option<u64>
                 opened: false,
             },
             since: Instant::now(),
+            sending: false,
         },
     );
 }
@@ -528,7 +531,7 @@ pub async fn in_doubt(app: &AppState) -> Vec<VolumeKey> {
     let wait = wait_limit();
     let (mut asked, mut give_up) = (Vec::new(), Vec::new());
     for (id, m) in app.volumes.moves.inner.lock().expect("moves").iter() {
-        if m.since.elapsed() < wait {
+        if m.sending || m.since.elapsed() < wait {
             continue;
         }
         match m.role {
@@ -607,6 +610,7 @@ pub(super) async fn adopt(volumes: &super::Volumes, marked: Vec<(VolumeRecord, &
                 snapshots: Vec::new(),
                 role,
                 since: Instant::now(),
+                sending: false,
             },
         );
     }
