@@ -114,6 +114,12 @@ async fn serve_and_beat(
     quitting: tokio::sync::watch::Receiver<bool>,
     stop: impl std::future::Future<Output = ()>,
 ) -> Result<(), MemberError> {
+    // Bound before the join: the fleet lists the node alive from its registration on, and a
+    // call control sends then waits in the backlog for the listener rather than being
+    // refused.
+    let listener = tokio::net::TcpListener::bind(cfg.listen)
+        .await
+        .map_err(|e| MemberError::Engine(format!("cannot listen on {}: {e}", cfg.listen)))?;
     let dir = fleet_dir(&cfg.data_dir);
     let member = match load(&dir)? {
         Some(m) => {
@@ -125,9 +131,6 @@ async fn serve_and_beat(
         None => join(cfg, app, &dir).await?,
     };
     secrets_from_control(app, &member, quitting.clone());
-    let listener = tokio::net::TcpListener::bind(cfg.listen)
-        .await
-        .map_err(|e| MemberError::Engine(format!("cannot listen on {}: {e}", cfg.listen)))?;
     let epoch: Epoch = Arc::new(AtomicI64::new(member.ident.epoch));
     super::node::serve(
         listener,

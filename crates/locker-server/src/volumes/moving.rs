@@ -409,6 +409,11 @@ pub async fn received(
     body: Body,
 ) -> Response {
     let id = rest.to_owned();
+    // A path under this server's volumes: an id, never a path.
+    if !crate::ids::is_id(&id, "vol_") {
+        return ApiError::bad_request(format!("{RECEIVE_PATH}{{id}} takes a volume id"))
+            .into_response();
+    }
     let arg = |name: &str| crate::extract::query_arg(query, name);
     // In a task of its own: a control replica that goes away does not cut a step in the
     // middle (a gate taken and not noted, a volume half forgotten).
