@@ -637,9 +637,11 @@ fn a_running_microvm_moves_live() {
     );
 }
 
-/// A microVM whose guest dirties memory faster than it can leave is stopped by its node
-/// once `LOCKER_CARRY_LIVE_MAX_S` has passed, and the migration ends as a cold one would:
-/// it moves all the same, its busy process going on on the new node.
+/// A microVM whose guest dirties memory faster than it can leave is not moved live: once
+/// `LOCKER_CARRY_LIVE_MAX_S` has passed its node gives the live move up (the guest runs on
+/// meanwhile), and the drain's next pass moves it cold, its busy process going on on the
+/// new node. (Stopping the guest to end the pre-copy, as this once did, left about one
+/// guest in ten with memory that did not match on the new node.)
 #[test]
 fn a_microvm_dirtying_memory_faster_than_it_leaves_is_stopped_to_move() {
     let fab = Fabric::new(2);
@@ -667,14 +669,17 @@ fn a_microvm_dirtying_memory_faster_than_it_leaves_is_stopped_to_move() {
     admin
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
         .expect(200, "uncordon b");
-    drain_a_moves_it(&admin, &api, &db, &id);
+    let report = drain_a_moves_it(&admin, &api, &db, &id);
+    assert_eq!(report["failed"], json!([]), "{report}");
     let left = nodes[0].log_text();
-    let line = left
-        .lines()
-        .find(|l| l.contains("left live"))
-        .unwrap_or_else(|| panic!("no live migration logged: {left}"));
-    eprintln!("node a: {line}");
-    assert!(line.contains("forced=true"), "{line}");
+    assert!(
+        left.contains("the live move is given up") && !left.contains("left live"),
+        "{left}"
+    );
+    assert!(
+        left.contains("a microVM moves cold: a live move of its QEMU failed before"),
+        "{left}"
+    );
     let pass = |api: &Api| -> u64 { api.sh(&id, "cat /dev/shm/p").trim().parse().unwrap() };
     let p0 = pass(&api);
     wait_for(Duration::from_secs(60), "the dirtier going on on b", || {

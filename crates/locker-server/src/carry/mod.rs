@@ -514,7 +514,6 @@ async fn export_live(
                     migration_ms = st.total_ms,
                     bytes = st.bytes,
                     passes = st.passes,
-                    forced = st.forced,
                     finish_ms = st.finish_ms,
                     "a microVM's memory left live"
                 );

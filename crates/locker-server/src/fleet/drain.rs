@@ -94,8 +94,12 @@ pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError>
         )));
     }
     let started = Instant::now();
-    let (mut moved, mut failed) = (Vec::new(), Vec::new());
-    let mut tried = std::collections::HashSet::new();
+    let mut moved = Vec::new();
+    // By placement: the last failure of each that did not move in the end.
+    let mut failed: std::collections::BTreeMap<String, Value> = Default::default();
+    // A sandbox whose move failed is tried once more in the next pass (a microVM whose
+    // live move was given up moves cold then).
+    let mut tried: std::collections::HashMap<String, usize> = Default::default();
     for pass in 0..PASSES {
         if pass > 0 {
             // Other replicas see the cordon within their node table's age.
@@ -104,13 +108,15 @@ pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError>
         let todo: Vec<PlacementRecord> = placements_on(app, &node.id)
             .await?
             .into_iter()
-            .filter(|p| p.state == PlacementState::Placed && !tried.contains(&p.id))
+            .filter(|p| {
+                p.state == PlacementState::Placed && tried.get(&p.id).is_none_or(|t| *t < 2)
+            })
             .collect();
         if todo.is_empty() && pass > 0 {
             break;
         }
         for p in todo {
-            tried.insert(p.id.clone());
+            *tried.entry(p.id.clone()).or_default() += 1;
             let sb = p.sandbox_id.clone().unwrap_or_default();
             match move_one(app, node, &p).await {
                 Ok(m) => {
@@ -122,10 +128,14 @@ pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError>
                         json!({"from": node.id, "from_name": node.name, "to": m.to.id, "to_name": m.to.name, "ms": m.ms}),
                     );
                     moved.push(json!({"sandbox": sb, "tenant": p.tenant, "to": m.to.id, "to_name": m.to.name, "ms": m.ms, "steps": m.steps}));
+                    failed.remove(&p.id);
                 }
                 Err(e) => {
                     tracing::warn!(sandbox = %sb, node = %node.name, error = %e, "sandbox not moved");
-                    failed.push(json!({"sandbox": sb, "tenant": p.tenant, "error": e}));
+                    failed.insert(
+                        p.id.clone(),
+                        json!({"sandbox": sb, "tenant": p.tenant, "error": e}),
+                    );
                 }
             }
         }
@@ -136,7 +146,7 @@ pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError>
         "node": node.id,
         "name": node.name,
         "moved": moved,
-        "failed": failed,
+        "failed": failed.into_values().collect::<Vec<_>>(),
         "left": left,
         "volumes": volumes,
         "ms": u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
