@@ -195,6 +195,67 @@ fn refused(n: &NodeRecord, step: &str, status: StatusCode, text: &str) -> ApiErr
     }
 }
 
+/// Control's calls of one move: each a stage on a node's [`RECEIVE_PATH`].
+struct Stages<'a> {
+    app: &'a AppState,
+    rec: &'a VolumeRecord,
+    /// The fleet's record of the volume, for a joined target ([`RECORD_HEADER`]).
+    record: HeaderValue,
+}
+
+impl Stages<'_> {
+    /// `stage` on node `n` (with the volume's record when `with_record`): its answer when
+    /// it is `want`, else the stage's error.
+    async fn call(
+        &self,
+        n: &NodeRecord,
+        (method, stage): (Method, &str),
+        (with_record, body): (bool, Body),
+        (want, wait): (StatusCode, Duration),
+    ) -> Result<Response, ApiError> {
+        let path = format!("{RECEIVE_PATH}{}?stage={stage}", self.rec.id);
+        let extra = match with_record {
+            true => vec![(HeaderName::from_static(RECORD_HEADER), self.record.clone())],
+            false => Vec::new(),
+        };
+        let r = call_node_with(
+            self.app,
+            n,
+            &self.rec.tenant,
+            (method, &path),
+            extra,
+            body,
+            Some(wait),
+        )
+        .await
+        .map_err(|e| {
+            ApiError::bad_gateway(format!("node {} at the move's {stage}: {e}", n.name))
+        })?;
+        if r.status() == want {
+            return Ok(r);
+        }
+        let (status, text) = answer(r).await;
+        Err(refused(n, stage, status, &text))
+    }
+
+    /// [`Stages::call`] of a `POST` with no body, answered `want`.
+    async fn post(
+        &self,
+        n: &NodeRecord,
+        stage: &str,
+        want: StatusCode,
+    ) -> Result<Response, ApiError> {
+        let wait = if stage == "send" { COPIED } else { STEP };
+        self.call(
+            n,
+            (Method::POST, stage),
+            (false, Body::empty()),
+            (want, wait),
+        )
+        .await
+    }
+}
+
 /// The steps of `volumes::handoff`'s module doc, from `from` to `to` (both joined nodes,
 /// alive; no sandbox on `from` mounting the volume); on `Ok` the fleet's record names `to`.
 pub async fn run(
@@ -203,102 +264,52 @@ pub async fn run(
     from: &NodeRecord,
     to: &NodeRecord,
 ) -> Result<(), ApiError> {
-    let base = format!("{RECEIVE_PATH}{}", rec.id);
     let record = serde_json::to_string(rec)
         .ok()
         .and_then(|j| HeaderValue::from_str(&j).ok())
         .ok_or_else(|| ApiError::internal(format!("volume {}'s record as a header", rec.id)))?;
-    let with_record = || vec![(HeaderName::from_static(RECORD_HEADER), record.clone())];
-    let call = |n: &NodeRecord, method: Method, stage: String, extra, body, wait| {
-        let (path, n) = (format!("{base}?stage={stage}"), n.clone());
-        async move {
-            let r = call_node_with(
-                app,
-                &n,
-                &rec.tenant,
-                (method, &path),
-                extra,
-                body,
-                Some(wait),
-            )
-            .await
-            .map_err(|e| {
-                ApiError::bad_gateway(format!("node {} at the move's {stage}: {e}", n.name))
-            })?;
-            Ok::<Response, ApiError>(r)
-        }
-    };
+    let s = Stages { app, rec, record };
     // 1. The first copy, the volume in use meanwhile.
-    let sent = call(
-        from,
-        Method::POST,
-        "send".into(),
-        Vec::new(),
-        Body::empty(),
-        COPIED,
-    )
-    .await?;
-    if sent.status() != StatusCode::OK {
-        let (s, t) = answer(sent).await;
-        return Err(refused(from, "send", s, &t));
-    }
+    let sent = s.post(from, "send", StatusCode::OK).await?;
     let steps = async {
-        let first = call(
+        let first = (true, sent.into_body());
+        s.call(
             to,
-            Method::PUT,
-            "first".into(),
-            with_record(),
-            sent.into_body(),
-            COPIED,
+            (Method::PUT, "first"),
+            first,
+            (StatusCode::CREATED, COPIED),
         )
         .await?;
-        expect(to, "first copy", first, StatusCode::CREATED).await?;
         // 2. The hold: writes wait from here.
         let asked_hold = Instant::now();
-        let held = call(
-            from,
-            Method::POST,
-            "hold".into(),
-            Vec::new(),
-            Body::empty(),
-            STEP,
-        )
-        .await?;
-        let held: Held =
-            serde_json::from_str(&expect(from, "hold", held, StatusCode::OK).await?)
-                .map_err(|e| ApiError::bad_gateway(format!("node {}'s hold: {e}", from.name)))?;
+        let held = answer(s.post(from, "hold", StatusCode::OK).await?).await.1;
+        let held: Held = serde_json::from_str(&held)
+            .map_err(|e| ApiError::bad_gateway(format!("node {}'s hold: {e}", from.name)))?;
         // 3. What changed since the first copy.
-        let last = call(
-            from,
-            Method::POST,
-            "send-last".into(),
-            Vec::new(),
-            Body::empty(),
-            STEP,
+        let last = s.post(from, "send-last", StatusCode::OK).await?;
+        let stage = format!("last&point={}", held.point);
+        let caught = (false, last.into_body());
+        s.call(
+            to,
+            (Method::PUT, &stage),
+            caught,
+            (StatusCode::CREATED, STEP),
         )
         .await?;
-        if last.status() != StatusCode::OK {
-            let (s, t) = answer(last).await;
-            return Err(refused(from, "send-last", s, &t));
-        }
-        let stage = format!("last&point={}", held.point);
-        let caught = call(to, Method::PUT, stage, Vec::new(), last.into_body(), STEP).await?;
-        expect(to, "catch-up", caught, StatusCode::CREATED).await?;
         // 4. The target serves its copy, still marked.
         let body = serde_json::to_vec(&json!({"snapshots": held.snapshots}))
             .map_err(|e| ApiError::internal(e.to_string()))?;
-        let opened = call(
-            to,
-            Method::POST,
-            "open".into(),
-            with_record(),
-            Body::from(body),
-            STEP,
-        )
-        .await?;
+        let open = (true, Body::from(body));
+        let opened = s
+            .call(
+                to,
+                (Method::POST, "open"),
+                open,
+                (StatusCode::CREATED, STEP),
+            )
+            .await?;
         let opened: serde_json::Value =
-            serde_json::from_str(&expect(to, "open", opened, StatusCode::CREATED).await?)
-                .unwrap_or_default();
+            serde_json::from_str(&answer(opened).await.1).unwrap_or_default();
         let wait_ms = opened["wait_ms"].as_u64().unwrap_or(0).min(held.wait_ms);
         Ok::<(Instant, u64), ApiError>((asked_hold, wait_ms))
     }
@@ -350,35 +361,11 @@ pub async fn run(
         Err(e) => return Err(e),
     }
     for (n, stage) in [(to, "confirm"), (from, "moved")] {
-        let done = call(
-            n,
-            Method::POST,
-            stage.into(),
-            Vec::new(),
-            Body::empty(),
-            STEP,
-        )
-        .await;
-        if !matches!(&done, Ok(r) if r.status() == StatusCode::NO_CONTENT) {
-            tracing::warn!(volume = %rec.id, node = %n.name, stage, "a node did not take the end of a switched move: it settles it with its heartbeats");
+        if let Err(e) = s.post(n, stage, StatusCode::NO_CONTENT).await {
+            tracing::warn!(volume = %rec.id, node = %n.name, stage, error = %e.message, "a node did not take the end of a switched move: it settles it with its heartbeats");
         }
     }
     Ok(())
-}
-
-/// A node's answer to a step: its body when `want`, else the step's error.
-async fn expect(
-    n: &NodeRecord,
-    step: &str,
-    r: Response,
-    want: StatusCode,
-) -> Result<String, ApiError> {
-    let (s, t) = answer(r).await;
-    if s == want {
-        Ok(t)
-    } else {
-        Err(refused(n, step, s, &t))
-    }
 }
 
 /// A move that did not switch: the home goes on as before, the target drops its copy
