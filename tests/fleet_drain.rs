@@ -428,6 +428,134 @@ fn a_drained_jail_takes_the_volumes_it_mounts_along() {
     }
 }
 
+/// Drains between a joined node and a control replica's own node (`--node local`), both
+/// ways: a jail moves from joined node a to the replica's node and back with its files, its
+/// row in the fleet's store there while it runs on the replica and gone once it left, and
+/// listed once all along; a jail on the replica's node that mounts the replica's volume
+/// stays there (a volume moves between two nodes of one kind only), and so does its volume,
+/// each saying why.
+#[test]
+fn a_drain_carries_jails_between_a_joined_node_and_a_replicas_own_node() {
+    let fab = Fabric::new(1);
+    let (db, pg_url) = cluster().new_database();
+    let srv = fab.control(
+        &pg_url,
+        &["--node", "local", "--node-name", "ctl", "--node-slots", "4"],
+    );
+    let (admin, api) = (srv.admin(), srv.api());
+    let mut nodes = join_nodes(&fab, &admin, &["a"], 4);
+    // A volume of the replica's (made where the create arrived) and a jail mounting it,
+    // placed with it.
+    let vol = api.post("/v1/volumes", &json!({"name": "kept", "size_mb": 64}));
+    assert_eq!(vol.status, 201, "{}", vol.text());
+    let mut body = spec();
+    body["volumes"] = json!([{"volume": "kept", "path": "/mnt/k"}]);
+    let r = api.post("/v1/sandboxes", &body);
+    assert_eq!(
+        (r.status, placed_on(&r)),
+        (201, "ctl".to_owned()),
+        "{}",
+        r.text()
+    );
+    let mounting = r.json()["id"].as_str().unwrap().to_owned();
+    // A plain jail on a.
+    admin
+        .post("/v1/fleet/nodes/ctl/cordon", &json!({}))
+        .expect(200, "cordon ctl");
+    let plain = made_on_a(&api, 1, &spec()).remove(0);
+    api.sh(&plain, "echo travelled > /home/user/note && sync");
+    admin
+        .post("/v1/fleet/nodes/ctl/uncordon", &json!({}))
+        .expect(200, "uncordon ctl");
+    let store_rows = |id: &str| {
+        rows(
+            &db,
+            &format!("SELECT host FROM sandboxes WHERE id = '{id}'"),
+        )
+        .len()
+    };
+    let listed_once = || {
+        let list = api.get("/v1/sandboxes").expect(200, "list");
+        let mut ids: Vec<String> = list["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap().to_owned())
+            .collect();
+        ids.sort();
+        let mut want = vec![plain.clone(), mounting.clone()];
+        want.sort();
+        assert_eq!(ids, want, "each listed once");
+    };
+    assert_eq!(store_rows(&plain), 0, "a joined node keeps its own rows");
+
+    // Joined node a → the replica's node.
+    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    eprintln!("{report:#}");
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{report}"
+    );
+    assert_eq!(report["moved"][0]["sandbox"], plain.as_str(), "{report}");
+    assert_eq!(report["moved"][0]["to_name"], "ctl", "{report}");
+    assert_eq!(report["failed"], json!([]), "{report}");
+    assert_eq!(node_of(&api, &db, &plain), "ctl");
+    assert_eq!(store_rows(&plain), 1, "the replica's row of it");
+    assert!(srv.sandboxes_dir().join(&plain).exists());
+    assert!(!nodes[0].data_dir().join("sandboxes").join(&plain).exists());
+    assert_eq!(api.sh(&plain, "cat /home/user/note"), "travelled\n");
+    listed_once();
+
+    // And back: the replica's node drained, a open again. The jail with the replica's
+    // volume has nowhere to go.
+    admin
+        .post("/v1/fleet/nodes/a/uncordon", &json!({}))
+        .expect(200, "uncordon a");
+    let r = admin.post("/v1/fleet/nodes/ctl/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    eprintln!("{report:#}");
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(1),
+        "{report}"
+    );
+    assert_eq!(report["moved"][0]["sandbox"], plain.as_str(), "{report}");
+    assert_eq!(report["moved"][0]["to_name"], "a", "{report}");
+    assert_eq!(
+        report["failed"][0]["sandbox"],
+        mounting.as_str(),
+        "{report}"
+    );
+    let why = report["failed"][0]["error"].as_str().unwrap_or_default();
+    assert!(why.contains("no node can take it"), "{report}");
+    assert_eq!(report["volumes"]["failed"][0]["name"], "kept", "{report}");
+    let why = report["volumes"]["failed"][0]["error"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        why.contains("no other control replica's own node"),
+        "{report}"
+    );
+    assert_eq!(node_of(&api, &db, &plain), "a");
+    assert_eq!(store_rows(&plain), 0, "the replica's row went with it");
+    assert!(!srv.sandboxes_dir().join(&plain).exists());
+    assert_eq!(api.sh(&plain, "cat /home/user/note"), "travelled\n");
+    assert_eq!(api.sh(&mounting, "echo here"), "here\n");
+    listed_once();
+    for id in [&plain, &mounting] {
+        assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
+    }
+    api.delete("/v1/volumes/kept")
+        .expect(204, "delete the volume");
+    for n in &mut nodes {
+        n.stop();
+    }
+}
+
 /// A microVM moves with its memory: a process counting in memory only goes on counting on
 /// the new node, under the same pid, with its disk's files; and when that node dies, it
 /// starts again on the other from its last snapshot and counts on from the snapshot's

@@ -10,6 +10,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use locker_tests::fleet::rows;
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp, Server};
 use locker_tests::streams::{read_exit_frame, read_until, ws_connect};
@@ -599,16 +600,203 @@ fn a_volume_moved_while_written_keeps_every_acknowledged_write() {
     for api in [&api_a, &api_b] {
         for (i, body) in &acked {
             let got = api.get(&format!("/v1/volumes/busy/files?path=%2Fw%2F{i}.txt"));
-            assert_eq!(got.status, 200, "acknowledged write {i} lost: {}", got.text());
+            assert_eq!(
+                got.status,
+                200,
+                "acknowledged write {i} lost: {}",
+                got.text()
+            );
             assert_eq!(&got.text(), body, "acknowledged write {i} differs");
         }
     }
     let home = *homes.last().unwrap();
     let (here, other) = if home == "host-a" { (&a, &b) } else { (&b, &a) };
-    assert!(here.data_dir.join("volumes").join(&vol).join("disk.img").exists());
+    assert!(here
+        .data_dir
+        .join("volumes")
+        .join(&vol)
+        .join("disk.img")
+        .exists());
     assert!(
         !other.data_dir.join("volumes").join(&vol).exists(),
         "{home} is the home, yet the other host keeps a copy"
     );
-    api_b.delete("/v1/volumes/busy").expect(204, "delete the volume");
+    api_b
+        .delete("/v1/volumes/busy")
+        .expect(204, "delete the volume");
+}
+
+/// The name of the node a placement in `db` names for sandbox `id`, and how many rows of
+/// the fleet's store the sandbox has (a drained host's row goes, the new host's comes).
+fn placed_in(db: &str, id: &str) -> (String, usize) {
+    let on = rows(
+        db,
+        &format!(
+            "SELECT n.name FROM placements p JOIN nodes n ON n.id = p.node_id \
+             WHERE p.sandbox_id = '{id}'"
+        ),
+    );
+    assert_eq!(on.len(), 1, "{on:?}");
+    let sandbox_rows = rows(db, &format!("SELECT id FROM sandboxes WHERE id = '{id}'"));
+    (on[0][0].clone(), sandbox_rows.len())
+}
+
+/// A host drained (`locker fleet drain host-a`, `FLEET.md` §4.7) in the identical-hosts
+/// layout: every sandbox it runs moves to the other host under its own id with the files on
+/// its disk; a jail that mounts a volume takes the volume along; the host's other volume
+/// moves too; calls through either replica reach them on the new host; each is listed
+/// once; the old host keeps nothing; and they come back when the other host is drained.
+#[test]
+fn a_drained_host_hands_its_sandboxes_and_volumes_to_the_other() {
+    let (db, url) = cluster().new_database();
+    let a = replica(&url, "host-a");
+    let b = replica(&url, "host-b");
+    let admin = a.admin();
+    let api_a = a.api();
+    let api_b = b.api().with_key(api_a.key());
+    wait_for(Duration::from_secs(15), "both hosts alive", || {
+        (alive(&admin, "host-a").is_some() && alive(&admin, "host-b").is_some()).then_some(())
+    });
+    // Everything on host-a (host-b cordoned meanwhile): two volumes, a jail with files on
+    // its disk, a jail that mounts one of the volumes.
+    admin
+        .post("/v1/fleet/nodes/host-b/cordon", &json!({}))
+        .expect(200, "cordon host-b");
+    for name in ["mounted", "spare"] {
+        let v = api_a.post("/v1/volumes", &json!({"name": name, "size_mb": 64}));
+        assert_eq!(v.status, 201, "{}", v.text());
+        api_a
+            .put(
+                &format!("/v1/volumes/{name}/files?path=%2Fv.txt"),
+                format!("{name} volume").as_bytes(),
+            )
+            .expect(200, "write a volume");
+    }
+    let plain = create(&api_b);
+    assert_eq!(plain.status, 201, "{}", plain.text());
+    assert_eq!(plain.headers["x-locker-node"], "host-a");
+    let plain = plain.json()["id"].as_str().unwrap().to_owned();
+    let mounting = api_a.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256,
+                "volumes": [{"volume": "mounted", "path": "/data"}]}),
+    );
+    assert_eq!(mounting.status, 201, "{}", mounting.text());
+    assert_eq!(mounting.headers["x-locker-node"], "host-a");
+    let mounting = mounting.json()["id"].as_str().unwrap().to_owned();
+    api_a.sh(&plain, "echo kept > /home/user/note && sync");
+    api_b.sh(&mounting, "echo from-the-jail > /data/j.txt && sync");
+    let before = api_a.get(&format!("/v1/sandboxes/{plain}")).json();
+    admin
+        .post("/v1/fleet/nodes/host-b/uncordon", &json!({}))
+        .expect(200, "uncordon host-b");
+
+    // Drained through the other replica: both sandboxes and both volumes go to host-b.
+    let r = b.admin().post("/v1/fleet/nodes/host-a/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    eprintln!("{report:#}");
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(2),
+        "{report}"
+    );
+    assert_eq!(report["failed"], json!([]), "{report}");
+    assert_eq!(report["left"], 0, "{report}");
+    assert!(
+        report["moved"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|m| m["to_name"] == "host-b"),
+        "{report}"
+    );
+    // The mounted volume went with its jail; the spare one after the sandboxes.
+    let vols = &report["volumes"];
+    assert_eq!(vols["failed"], json!([]), "{report}");
+    assert_eq!(vols["moved"].as_array().map(Vec::len), Some(1), "{report}");
+    assert_eq!(vols["moved"][0]["name"], "spare", "{report}");
+    for id in [&plain, &mounting] {
+        assert_eq!(placed_in(&db, id), ("host-b".to_owned(), 1), "{id}");
+        assert!(b.sandboxes_dir().join(id).exists(), "{id} not on host-b");
+        assert!(!a.sandboxes_dir().join(id).exists(), "{id} left on host-a");
+    }
+    let after = api_a.get(&format!("/v1/sandboxes/{plain}")).json();
+    for k in [
+        "id",
+        "created_at",
+        "expires_at",
+        "preview_token",
+        "template_digest",
+    ] {
+        assert_eq!(after[k], before[k], "{k} after the move: {after}");
+    }
+    for api in [&api_a, &api_b] {
+        assert_eq!(api.sh(&plain, "cat /home/user/note"), "kept\n");
+        assert_eq!(
+            api.sh(&mounting, "cat /data/j.txt /data/v.txt"),
+            "from-the-jail\nmounted volume"
+        );
+        assert_eq!(
+            api.get("/v1/volumes/spare/files?path=%2Fv.txt").text(),
+            "spare volume"
+        );
+        let list = api.get("/v1/sandboxes").expect(200, "list");
+        let mut ids: Vec<&str> = list["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["id"].as_str().unwrap())
+            .collect();
+        ids.sort();
+        let mut want = vec![plain.as_str(), mounting.as_str()];
+        want.sort();
+        assert_eq!(ids, want, "each listed once");
+    }
+    for name in ["mounted", "spare"] {
+        let v = api_a
+            .get(&format!("/v1/volumes/{name}"))
+            .expect(200, "volume");
+        let id = v["id"].as_str().unwrap();
+        assert!(
+            b.data_dir.join("volumes").join(id).exists(),
+            "{name} not on host-b"
+        );
+        assert!(
+            !a.data_dir.join("volumes").join(id).exists(),
+            "{name} left on host-a"
+        );
+    }
+
+    // Back: host-a open again, host-b drained.
+    admin
+        .post("/v1/fleet/nodes/host-a/uncordon", &json!({}))
+        .expect(200, "uncordon host-a");
+    let r = admin.post("/v1/fleet/nodes/host-b/drain", &json!({}));
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(2),
+        "{report}"
+    );
+    for id in [&plain, &mounting] {
+        assert_eq!(placed_in(&db, id), ("host-a".to_owned(), 1), "{id}");
+    }
+    assert_eq!(api_b.sh(&plain, "cat /home/user/note"), "kept\n");
+    api_a.sh(&mounting, "echo back >> /data/j.txt");
+    assert_eq!(
+        api_b.sh(&mounting, "cat /data/j.txt"),
+        "from-the-jail\nback\n"
+    );
+    for id in [&plain, &mounting] {
+        api_b
+            .delete(&format!("/v1/sandboxes/{id}"))
+            .expect(204, "delete after the moves");
+    }
+    for name in ["mounted", "spare"] {
+        api_a
+            .delete(&format!("/v1/volumes/{name}"))
+            .expect(204, "delete a volume");
+    }
 }

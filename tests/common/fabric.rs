@@ -441,8 +441,11 @@ pub fn join_nodes_with(
             let saved = nodes
                 .iter()
                 .all(|n| n.data_dir().join("fleet/identity.json").exists());
-            (saved && l.len() == names.len() && l.iter().all(|n| n["alive"] == true))
-                .then_some(())
+            // (A control replica's own node, `--node local`, may be listed beside them.)
+            let up = names
+                .iter()
+                .all(|name| l.iter().any(|n| n["name"] == *name && n["alive"] == true));
+            (saved && up).then_some(())
         },
     );
     nodes

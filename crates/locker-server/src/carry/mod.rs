@@ -600,7 +600,13 @@ async fn receive(
     let landing = all.join(format!(".carry-in-{}", crate::ids::new_id("")));
     let r = read_bundle(body, &landing, &caller.tenant).await;
     let r = r.and_then(|rec| {
-        if app.store.get_sandbox_any(&rec.id)?.is_some() {
+        // A control replica's own node shares the fleet's store: the row of the node the
+        // sandbox leaves is there until that node releases it, before the start here.
+        if app
+            .store
+            .get_sandbox_any(&rec.id)?
+            .is_some_and(|r| r.host == app.host_id || r.host.is_empty())
+        {
             return Err(ApiError::conflict(format!(
                 "sandbox {} already runs on this node",
                 rec.id
@@ -698,9 +704,14 @@ async fn launch_from(
     dir: &Path,
     rec: &SandboxRecord,
 ) -> Result<(SandboxRecord, Arc<Live>), ApiError> {
-    if app.store.get_sandbox_any(&rec.id)?.is_some() {
+    if let Some(r) = app.store.get_sandbox_any(&rec.id)? {
+        let on = match r.host == app.host_id || r.host.is_empty() {
+            true => "this node".to_owned(),
+            // The fleet's store, shared by control replicas' own nodes: another one's row.
+            false => format!("node {} (its row is there)", r.host),
+        };
         return Err(ApiError::conflict(format!(
-            "sandbox {} already runs on this node",
+            "sandbox {} already runs on {on}",
             rec.id
         )));
     }
@@ -751,10 +762,14 @@ async fn launch_from(
     Ok((crate::lifecycle::record_of(app, caller, &rec.id)?, live))
 }
 
-/// Destroys the machine of sandbox `id` here and forgets its row (it did not end).
+/// Destroys the machine of sandbox `id` here and forgets its row (it did not end). On a
+/// control replica's own node the store is the fleet's: a row another node wrote there
+/// (the sandbox runs there now) is left alone.
 async fn let_go(app: &AppState, caller: &Caller, id: &str) -> Result<(), ApiError> {
     match crate::lifecycle::record_of(app, caller, id) {
+        Ok(rec) if !rec.host.is_empty() && rec.host != app.host_id => return Ok(()),
         Ok(rec) => crate::lifecycle::discard(app, &rec).await?,
+        Err(e) if e.status == StatusCode::NOT_FOUND && app.fleet.is_some() => return Ok(()),
         Err(e) if e.status == StatusCode::NOT_FOUND => {}
         Err(e) => return Err(e),
     }

@@ -19,8 +19,16 @@
 //!    copy is destroyed);
 //! 5. the old node drops its snapshot.
 //!
-//! Then each volume homed on the node moves to another joined node (`route::volume_move`;
-//! one a sandbox that stayed mounts stays with it).
+//! Then each volume homed on the node moves to another node of its kind
+//! (`route::volume_move`; one a sandbox that stayed mounts stays with it).
+//!
+//! A control replica's own node (`--node local`, "several identical hosts") drains the same
+//! way: its steps are served on its node listener, as a joined node's are. Its sandboxes'
+//! rows are the fleet's own: the release forgets the old row before the new node starts the
+//! sandbox, which writes its own (a row node's) or keeps it in its store (a joined node's).
+//! A jail that mounts volumes goes only to a node of its node's kind (a volume moves between
+//! two joined nodes or two replicas' nodes); a sandbox made while its server ran alone has
+//! no placement and stays (the report says so).
 //!
 //! A failure before step 4 gives the reservation back, drops what the new node received
 //! or made, and lets the sandbox run on where it was (started again from the old node's
@@ -78,14 +86,6 @@ fn ms_since(t: Instant) -> u64 {
 /// Drains node `node` (cordoned first): the report `POST /v1/fleet/nodes/{node}/drain`
 /// answers.
 pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError> {
-    if node.cert_sha256 == super::local::LOCAL_CERT {
-        return Err(ApiError::conflict(format!(
-            "node {} is a control replica's own node (`locker serve --node local`): its \
-             sandboxes are rows of the fleet's store and do not move yet; stop sending it \
-             work with `locker fleet cordon {}` and let them end",
-            node.name, node.name
-        )));
-    }
     if node.state != NodeState::Ready {
         return Err(ApiError::conflict(format!(
             "node {} is {}: its sandboxes are lost, not drained (see `locker fleet nodes`)",
@@ -140,7 +140,16 @@ pub async fn drain(app: &AppState, node: &NodeRecord) -> Result<Value, ApiError>
             }
         }
     }
-    let left = placements_on(app, &node.id).await?.len();
+    let mut left = placements_on(app, &node.id).await?.len();
+    for (sb, tenant) in unplaced_on(app, node).await? {
+        left += 1;
+        failed.insert(
+            sb.clone(),
+            json!({"sandbox": sb, "tenant": tenant, "error": "it was made before its server \
+                was a node of the fleet and has no placement, so it does not move: delete it \
+                or let it end"}),
+        );
+    }
     let volumes = volumes_off(app, node).await?;
     Ok(json!({
         "node": node.id,
@@ -181,6 +190,27 @@ async fn volumes_off(app: &AppState, node: &NodeRecord) -> Result<Value, ApiErro
     Ok(json!({"moved": moved, "failed": failed}))
 }
 
+/// The live sandboxes of control replica `node`'s own node (`--node local`) that have no
+/// placement (made while its server ran alone, before it joined the fleet): `(id, tenant)`.
+async fn unplaced_on(app: &AppState, node: &NodeRecord) -> Result<Vec<(String, String)>, ApiError> {
+    if node.cert_sha256 != super::local::LOCAL_CERT {
+        return Ok(Vec::new());
+    }
+    let (store, n) = (app.store.clone(), node.id.clone());
+    let rows = tokio::task::spawn_blocking(move || {
+        let mut out = Vec::new();
+        for r in store.list_live_sandboxes()? {
+            if r.host == n && store.get_placement(&r.id)?.is_none() {
+                out.push((r.id, r.tenant));
+            }
+        }
+        Ok::<_, locker_store::StoreError>(out)
+    })
+    .await
+    .map_err(|e| ApiError::internal(e.to_string()))??;
+    Ok(rows)
+}
+
 async fn placements_on(app: &AppState, node: &str) -> Result<Vec<PlacementRecord>, ApiError> {
     let (store, n) = (app.store.clone(), node.to_owned());
     Ok(
@@ -215,12 +245,15 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         .clone()
         .ok_or("the placement names no sandbox")?;
     let view: Value = serde_json::from_str(&p.view).unwrap_or(Value::Null);
+    let mounts = mounted_volumes(&view);
     let ask = Ask {
         memory_mb: p.memory_mb,
         disk_mb: view["disk_mb"].as_u64().unwrap_or(0),
         template_digest: view["template_digest"].as_str().map(str::to_owned),
         only: None,
         carried: true,
+        // Its volumes come along: to a node they can move to.
+        row_node: (!mounts.is_empty()).then_some(from.cert_sha256 == super::local::LOCAL_CERT),
     };
     let (into, to) = placement::place(app, &p.tenant, &ask)
         .await
@@ -286,7 +319,6 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
     // The volumes it mounts go first, its machine gone (their files leave while nothing
     // writes them).
     let t_volumes = Instant::now();
-    let mounts = mounted_volumes(&view);
     if let Err(e) = volumes_along(app, &p.tenant, &mounts, (from, &to)).await {
         drop_received(app, &p.tenant, &to, &sb, &placed).await;
         stay(app, from, p, &sb).await;

@@ -77,10 +77,13 @@ pub struct Ask {
     /// The one node it may go to (a create bound to this server's host: its volumes,
     /// secrets or snapshots live here).
     pub only: Option<String>,
-    /// A sandbox carried from another node (a drain): only a joined node that holds its
-    /// template will do (a control replica's own node keeps its sandboxes as rows of the
-    /// fleet's store, which a carried sandbox has not).
+    /// A sandbox carried from another node (a drain, a restart elsewhere): only a node that
+    /// holds its template will do (it starts from a snapshot of it, never pulls).
     pub carried: bool,
+    /// Only a control replica's own node (`Some(true)`, `--node local`) or only a joined
+    /// node (`Some(false)`): a carried jail's volumes move with it, and a volume moves
+    /// between two nodes of the same kind only (`route::volume_move`).
+    pub row_node: Option<bool>,
 }
 
 /// A node's capacity, from its last report.
@@ -104,12 +107,17 @@ fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
         return None;
     }
     let (slots, memory, report) = capacity(n)?;
+    if ask
+        .row_node
+        .is_some_and(|rows| rows != (n.cert_sha256 == super::local::LOCAL_CERT))
+    {
+        return None;
+    }
     if ask.carried
-        && (n.cert_sha256 == super::local::LOCAL_CERT
-            || ask
-                .template_digest
-                .as_ref()
-                .is_some_and(|d| !report.templates.contains(d)))
+        && ask
+            .template_digest
+            .as_ref()
+            .is_some_and(|d| !report.templates.contains(d))
     {
         return None;
     }
@@ -540,6 +548,7 @@ mod tests {
             template_digest: digest.map(str::to_owned),
             only: None,
             carried: false,
+            row_node: None,
         }
     }
 

@@ -283,6 +283,7 @@ async fn restart(
         template_digest: Some(rec.template_digest.clone()),
         only: None,
         carried: true,
+        row_node: None,
     };
     let (into, to) = placement::place(app, &p.tenant, &ask)
         .await

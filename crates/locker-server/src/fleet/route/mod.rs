@@ -65,9 +65,9 @@ pub(in crate::fleet) use create::made_id;
 use create::{create, Surface};
 pub(in crate::fleet) use forward::forward;
 pub use forward::{call_node, call_node_with, destroy_orphan, view_on_node};
-pub use volume_move::{move_off, run as move_volume};
 use forward::{node_route, payload, send, Payload, SendError};
 pub(in crate::fleet) use snapshots::{fork, snapshot};
+pub use volume_move::{between as move_volume, move_off};
 use volumes::{create_volume, volume_call, volume_of};
 
 /// A body kept for a retry at most this big (the API's own body limit).
@@ -511,7 +511,10 @@ pub(super) async fn route_of(app: &AppState, id: &str) -> Result<Option<Route>, 
         state: p.state,
         local: Some(p.node_id.as_str()) == local.as_deref(),
     };
-    if route.state == PlacementState::Placed {
+    // This server's own node's routes are not kept: a sandbox it runs is found in its
+    // machines before any route is read, so one read here is one being made, or one that
+    // left (a drain) and whose next route is another node's.
+    if route.state == PlacementState::Placed && !route.local {
         c.routes
             .cache
             .lock()

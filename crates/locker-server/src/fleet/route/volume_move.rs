@@ -77,8 +77,9 @@ pub(super) async fn move_joined(
     done.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// A drain's move of volume `rec` off joined node `from`: to the joined node that can grant
-/// the most disk (as a new volume's home is chosen), which is answered.
+/// A drain's move of volume `rec` off node `from`: to the node of the same kind (joined, or
+/// a control replica's own) that can grant the most disk (as a new volume's home is
+/// chosen), which is answered.
 pub async fn move_off(
     app: &AppState,
     rec: &VolumeRecord,
@@ -87,18 +88,73 @@ pub async fn move_off(
     let (nodes, now_ms) = placement::nodes(app, true).await?;
     let others: Vec<&NodeRecord> = nodes
         .iter()
-        .filter(|n| n.id != from.id && n.cert_sha256 != crate::fleet::local::LOCAL_CERT)
+        .filter(|n| n.id != from.id && is_replica(n) == is_replica(from))
         .collect();
     let to = super::volumes::home_for(&others, rec.size_mb, now_ms)
         .cloned()
         .ok_or_else(|| {
+            let kind = match is_replica(from) {
+                true => "control replica's own node (--node local)",
+                false => "joined node",
+            };
             ApiError::quota(format!(
-                "no other joined node is alive and open with {} MB of disk to grant",
+                "no other {kind} is alive and open with {} MB of disk to grant",
                 rec.size_mb
             ))
         })?;
-    run(app, rec, from, &to).await?;
+    between(app, rec, from, &to).await?;
     Ok(to)
+}
+
+/// Whether `n` is a control replica's own node (`--node local`), whose volumes' records are
+/// the fleet's own rows, rather than a joined node, which keeps its own.
+fn is_replica(n: &NodeRecord) -> bool {
+    n.cert_sha256 == crate::fleet::local::LOCAL_CERT
+}
+
+/// Moves volume `rec` from its home `from` to `to` (no sandbox mounting it on `from`):
+/// between joined nodes control drives it ([`run`]); between control replicas' own nodes
+/// the home does (`volumes::moving`, asked on its node listener as a caller's move is).
+/// On `Ok` the fleet's record names `to`.
+pub async fn between(
+    app: &AppState,
+    rec: &VolumeRecord,
+    from: &NodeRecord,
+    to: &NodeRecord,
+) -> Result<(), ApiError> {
+    match (is_replica(from), is_replica(to)) {
+        (false, false) => run(app, rec, from, to).await,
+        (true, true) => {
+            let path = format!("/v1/volumes/{}/move", rec.id);
+            let body = Body::from(json!({ "node": to.id }).to_string());
+            let extra = vec![(
+                axum::http::header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )];
+            let r = call_node_with(
+                app,
+                from,
+                &rec.tenant,
+                (Method::POST, &path),
+                extra,
+                body,
+                Some(COPIED),
+            )
+            .await
+            .map_err(|e| ApiError::bad_gateway(format!("node {}: {e}", from.name)))?;
+            if r.status().is_success() {
+                return Ok(());
+            }
+            let (status, text) = answer(r).await;
+            Err(refused(from, "move", status, &text))
+        }
+        _ => Err(ApiError::bad_request(format!(
+            "volume {} lives on node {} and {} is of the other kind (a joined node, a control \
+             replica's own node): a volume moves between two joined nodes, or between two \
+             replicas that are nodes, not yet from one kind to the other",
+            rec.name, from.name, to.name
+        ))),
+    }
 }
 
 /// The node a move names: another joined node, alive and open.
@@ -258,7 +314,7 @@ impl Stages<'_> {
 
 /// The steps of `volumes::handoff`'s module doc, from `from` to `to` (both joined nodes,
 /// alive; no sandbox on `from` mounting the volume); on `Ok` the fleet's record names `to`.
-pub async fn run(
+async fn run(
     app: &AppState,
     rec: &VolumeRecord,
     from: &NodeRecord,
