@@ -21,21 +21,25 @@ use serde_json::json;
 const SECRETS_KEY: &str = "5f1c3e9a7b2d4f6081a3c5e7092b4d6f8a1c3e5079b2d4f6a8c0e2f4061b3d5e";
 
 fn replica(url: &str, name: &str) -> Server {
-    Server::start_with_env(
-        &[
-            "--database",
-            url,
-            "--fleet-listen",
-            "127.0.0.1:0",
-            "--node",
-            "local",
-            "--node-name",
-            name,
-            "--node-slots",
-            "3",
-        ],
-        &[("LOCKER_SECRETS_KEY", SECRETS_KEY)],
-    )
+    replica_with(url, name, &[])
+}
+
+/// [`replica`] with more arguments.
+fn replica_with(url: &str, name: &str, extra: &[&str]) -> Server {
+    let mut args = vec![
+        "--database",
+        url,
+        "--fleet-listen",
+        "127.0.0.1:0",
+        "--node",
+        "local",
+        "--node-name",
+        name,
+        "--node-slots",
+        "3",
+    ];
+    args.extend_from_slice(extra);
+    Server::start_with_env(&args, &[("LOCKER_SECRETS_KEY", SECRETS_KEY)])
 }
 
 fn nodes(admin: &Api) -> Vec<serde_json::Value> {
@@ -799,4 +803,115 @@ fn a_drained_host_hands_its_sandboxes_and_volumes_to_the_other() {
             .delete(&format!("/v1/volumes/{name}"))
             .expect(204, "delete a volume");
     }
+}
+
+/// A host that dies (its server and machines) has its sandbox started again on the other
+/// host from its last snapshot in the snapshot store both share (`--snapshot-store`): under
+/// its id, with the snapshot's files and not what was written after; its row in the
+/// fleet's store becomes the new host's. When the dead host comes back it adopts nothing of
+/// it and writes nothing of it, and the sandbox answers from its new host through both
+/// replicas.
+#[test]
+fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
+    let (db, url) = cluster().new_database();
+    let kept = locker_tests::TempDir::new("locker-snapshot-store");
+    let store = kept.path().display().to_string();
+    let extra = ["--snapshot-store", store.as_str()];
+    let mut a = replica_with(&url, "host-a", &extra);
+    let mut b = replica_with(&url, "host-b", &extra);
+    wait_for(Duration::from_secs(15), "both hosts alive", || {
+        (alive(&a.admin(), "host-a").is_some() && alive(&a.admin(), "host-b").is_some())
+            .then_some(())
+    });
+    // The leader sweeps leases; the other host is the one that dies.
+    let a_leads = a.log_text().contains("this replica leads the fleet");
+    let leader = if a_leads { &a } else { &b };
+    let (lname, vname) = if a_leads {
+        ("host-a", "host-b")
+    } else {
+        ("host-b", "host-a")
+    };
+    let api = leader.api();
+    let admin = leader.admin();
+    admin
+        .post(&format!("/v1/fleet/nodes/{lname}/cordon"), &json!({}))
+        .expect(200, "cordon the leader's node");
+    let made = create(&api);
+    assert_eq!(made.status, 201, "{}", made.text());
+    assert_eq!(made.headers["x-locker-node"], vname);
+    let id = made.json()["id"].as_str().unwrap().to_owned();
+    admin
+        .post(&format!("/v1/fleet/nodes/{lname}/uncordon"), &json!({}))
+        .expect(200, "uncordon the leader's node");
+    api.sh(&id, "echo before > /home/user/f && sync");
+    let snap = api.post(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
+    assert_eq!(snap.status, 201, "{}", snap.text());
+    let snap = snap.json()["id"].as_str().unwrap().to_owned();
+    let copy = kept.path().join(format!("{snap}.carry"));
+    wait_for(Duration::from_secs(30), "the copy in the store", || {
+        copy.is_file().then_some(())
+    });
+    api.sh(&id, "echo after > /home/user/g && sync");
+    let before = api.get(&format!("/v1/sandboxes/{id}")).json();
+    // The host dies: its server killed, its machines with it.
+    let victim = if a_leads { &mut b } else { &mut a };
+    victim.kill9();
+    let died = std::time::Instant::now();
+    locker_tests::server::destroy_machines(&victim.sandboxes_dir());
+    wait_for(
+        Duration::from_secs(30),
+        "placed on the leader's host again",
+        || (placed_in(&db, &id).0 == lname).then_some(()),
+    );
+    eprintln!(
+        "restarted on {lname} {:?} after {vname} died (lease 3 s)",
+        died.elapsed()
+    );
+    let leader = if a_leads { &a } else { &b };
+    let api = leader.api().with_key(api.key());
+    let now = api.get(&format!("/v1/sandboxes/{id}")).json();
+    assert_eq!(now["state"], "running", "{now}");
+    for k in ["id", "created_at", "expires_at", "preview_token"] {
+        assert_eq!(now[k], before[k], "{k} after the restart: {now}");
+    }
+    assert_eq!(
+        api.sh(
+            &id,
+            "cat /home/user/f; test -e /home/user/g && echo g || echo no-g"
+        ),
+        "before\nno-g\n"
+    );
+    let row_host = || {
+        rows(
+            &db,
+            &format!("SELECT host FROM sandboxes WHERE id = '{id}'"),
+        )
+    };
+    let leader_id = alive(&admin, lname).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert_eq!(
+        row_host(),
+        vec![vec![leader_id.clone()]],
+        "the row is the new host's"
+    );
+
+    // The dead host comes back: it adopts nothing of the sandbox (its row is the other
+    // host's), routes calls to it there, and writes nothing of it.
+    let victim = if a_leads { &mut b } else { &mut a };
+    victim.restart();
+    let vapi = victim.api().with_key(api.key());
+    wait_for(Duration::from_secs(20), "the dead host back", || {
+        alive(&admin, vname).map(|_| ())
+    });
+    assert!(!victim.machine_dir(&id).exists());
+    for api in [&api, &vapi] {
+        assert_eq!(api.sh(&id, "cat /home/user/f"), "before\n");
+        let v = api.get(&format!("/v1/sandboxes/{id}")).json();
+        assert_eq!(v["state"], "running", "{v}");
+    }
+    assert_eq!(row_host(), vec![vec![leader_id]]);
+    api.delete(&format!("/v1/sandboxes/{id}"))
+        .expect(204, "delete the restarted sandbox");
 }

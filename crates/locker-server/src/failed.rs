@@ -108,6 +108,21 @@ pub async fn mark(app: &AppState, live: &Arc<Live>, reason: String) -> bool {
             _ => return false,
         }
     }
+    // Control replicas' own nodes share the fleet's store: a machine this server still had
+    // of a sandbox the fleet started on another node meanwhile (while this one was declared
+    // dead) is only destroyed; the sandbox, its row and its events are that node's.
+    let row = app.store.get_sandbox_any(&live.id);
+    if let Ok(Some(r)) = &row {
+        if !r.host.is_empty() && r.host != app.host_id {
+            tracing::warn!(sandbox = %live.id, reason = %reason, node = %r.host, "this server's old machine of a sandbox that runs on another node now ended; destroying it");
+            app.egress.forget(&live.id);
+            let _ = live.machine.resume();
+            if let Err(e) = app.node.destroy(&live.machine).await {
+                tracing::warn!(sandbox = %live.id, error = %e, "destroying an old machine");
+            }
+            return false;
+        }
+    }
     note(&live.id, reason.clone());
     tracing::warn!(sandbox = %live.id, reason = %reason, "sandbox failed; destroying its machine");
     app.egress.forget(&live.id);
@@ -126,7 +141,7 @@ pub async fn mark(app: &AppState, live: &Arc<Live>, reason: String) -> bool {
     if let Err(e) = app.node.destroy(&live.machine).await {
         tracing::warn!(sandbox = %live.id, error = %e, "destroying a failed sandbox's machine");
     }
-    match app.store.get_sandbox_any(&live.id) {
+    match row {
         Ok(Some(mut rec)) => {
             rec.state = SandboxState::Failed;
             rec.cpu_ms = usage.cpu_ms;

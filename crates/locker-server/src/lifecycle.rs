@@ -470,6 +470,26 @@ async fn end(
     destroy_with(app, r, live, ending, announce).await
 }
 
+/// Destroys this server's machine of sandbox `id` and nothing else (no row written, no
+/// event): the sandbox is no longer this server's (the fleet started it on another node
+/// while this one was declared dead: `fleet::local`'s fencing). Whether it had one.
+pub async fn drop_machine(app: &AppState, id: &str) -> Result<bool, ApiError> {
+    let Some(l) = app.live.write().await.remove(id) else {
+        return Ok(false);
+    };
+    app.egress.forget(id);
+    PauseMarks::of(app).clear(id);
+    crate::failed::forget(id);
+    // Thaw first: a frozen machine cannot die.
+    let _ = l.machine.resume();
+    app.node.destroy(&l.machine).await.map_err(|e| {
+        let mut a = ApiError::from(e);
+        a.message = format!("destroying sandbox {id}: {}", a.message);
+        a
+    })?;
+    Ok(true)
+}
+
 /// [`destroy`] of a sandbox whose [`Live`] (if any) is already out of the live map.
 async fn destroy_with(
     app: &AppState,

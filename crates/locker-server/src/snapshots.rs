@@ -152,6 +152,9 @@ pub(crate) async fn snapshot_sandbox(
         let _ = std::fs::remove_dir_all(&dir);
         return Err(e.into());
     }
+    // A control replica's own node keeps a copy for a restart elsewhere, as control does
+    // for joined nodes' snapshots (`fleet::restart`).
+    crate::fleet::restart::keep_here(app, &caller.tenant, id, &snap.id);
     app.events.emit(
         &caller.tenant,
         crate::events::Kind::SandboxSnapshotted,

@@ -112,7 +112,7 @@ async fn step(
         (&Method::POST, Some((id, "moved"))) => moved(app, &caller, id).await,
         (&Method::POST, Some((id, "stay"))) => stay(app, &caller, id).await,
         (&Method::GET, Some((id, snap))) if snap.starts_with("snapshots/") => {
-            export_snapshot(app, &caller, id, &snap["snapshots/".len()..]).await
+            snapshot_bundle(app, &caller, id, &snap["snapshots/".len()..]).await
         }
         _ => Err(ApiError::bad_request(format!(
             "{PATH} takes POST {{id}}/export, POST receive, POST {{id}}/release, POST \
@@ -538,7 +538,7 @@ async fn export_live(
 /// `id`, which runs here, with the sandbox's record as it is now (control keeps it, to
 /// start the sandbox elsewhere from it should this node die: `fleet::restart`). The
 /// sandbox goes on undisturbed.
-async fn export_snapshot(
+pub(crate) async fn snapshot_bundle(
     app: &AppState,
     caller: &Caller,
     id: &str,

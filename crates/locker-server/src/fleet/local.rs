@@ -13,8 +13,10 @@
 //! Declared dead while this server runs (a stall, a store outage longer than the lease), or
 //! while it was down, it returns at once, and fences as a joined node does (`member`): the
 //! sandboxes the fleet marked lost meanwhile are destroyed here (their lost placements stay
-//! for callers to read and delete), so no replica serves a sandbox the fleet gave up. Its
-//! other machines are the server's own, as on one host.
+//! for callers to read and delete), and so are the machines of those the fleet started
+//! again on another node from a snapshot (`fleet::restart`; their rows and placements are
+//! that node's), so no replica serves a sandbox the fleet gave up or moved. Its other
+//! machines are the server's own, as on one host.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -135,30 +137,44 @@ async fn register(
 }
 
 /// Destroys the sandboxes this server runs whose placements on node `node_id` the fleet
-/// marked lost (see the module doc); how many.
+/// marked lost (see the module doc), and the machines of those it started again on another
+/// node meanwhile (`fleet::restart`: their placements and rows are that node's now, and
+/// stay as they are); how many.
 async fn drop_lost(app: &AppState, node_id: &str) -> usize {
-    let (store, id) = (app.store.clone(), node_id.to_owned());
-    let lost = tokio::task::spawn_blocking(move || store.list_placements(None, Some(&id))).await;
-    let lost: Vec<String> = match lost {
-        Ok(Ok(ps)) => ps
-            .into_iter()
-            .filter(|p| p.state == PlacementState::Lost)
-            .filter_map(|p| p.sandbox_id)
-            .collect(),
+    let store = app.store.clone();
+    let all = tokio::task::spawn_blocking(move || store.list_placements(None, None)).await;
+    let all = match all {
+        Ok(Ok(ps)) => ps,
         other => {
             tracing::warn!(result = ?other.map(|r| r.map(|v| v.len())), "cannot read which of this server's sandboxes the fleet marked lost: retrying at the next beat");
             return 0;
         }
     };
-    let here: Vec<String> = {
+    let (mut lost, mut elsewhere) = (Vec::new(), Vec::new());
+    {
         let live = app.live.read().await;
-        lost.into_iter()
-            .filter(|id| live.contains_key(id))
-            .collect()
-    };
-    let n = super::destroy_taken(app, here).await;
+        for p in all {
+            let Some(sb) = p.sandbox_id.filter(|sb| live.contains_key(sb)) else {
+                continue;
+            };
+            if p.node_id != node_id {
+                elsewhere.push(sb);
+            } else if p.state == PlacementState::Lost {
+                lost.push(sb);
+            }
+        }
+    }
+    let mut n = super::destroy_taken(app, lost).await;
+    for sb in elsewhere {
+        match crate::lifecycle::drop_machine(app, &sb).await {
+            Ok(dropped) => n += usize::from(dropped),
+            Err(e) => {
+                tracing::warn!(sandbox = %sb, error = %e.message, "cannot destroy this server's old machine of a sandbox that runs on another node now")
+            }
+        }
+    }
     if n > 0 {
-        tracing::warn!(node = %node_id, destroyed = n, "fenced: destroyed this server's sandboxes that the fleet marked lost while its node was declared dead");
+        tracing::warn!(node = %node_id, destroyed = n, "fenced: destroyed this server's sandboxes that the fleet marked lost, or started elsewhere, while its node was declared dead");
     }
     n
 }

@@ -5,7 +5,8 @@
 //! write: an NFS or CephFS mount, a mounted bucket; one replica's disk for a fleet with one
 //! replica):
 //! - each snapshot a joined node takes of a sandbox ([`keep`], after the node answered it
-//!   and the fleet recorded it) is copied there from the node as a carry bundle
+//!   and the fleet recorded it), or a control replica's own node (`--node local`,
+//!   [`keep_here`], from its own disk once it recorded it), is copied there as a carry bundle
 //!   (`DIR/<snapshot>.carry`, written aside and renamed, so a file there is whole, dated
 //!   when the snapshot was taken) with the sandbox's record as it was then; deleting the
 //!   snapshot deletes it ([`forget`]);
@@ -13,7 +14,9 @@
 //!   sandboxes that has such a copy (its newest), places it on another joined node that
 //!   holds its template ([`Ask::carried`]), sends it there (`carry`'s `receive` and
 //!   `start`: the sandbox's own id, times, metadata and preview token), then one
-//!   transaction (`Store::move_placement` from `lost`) makes it that node's, placed again;
+//!   transaction (`Store::move_placement` from `lost`) makes it that node's, placed again
+//!   (a replica's own node left the sandbox's row in this store: it is removed before the
+//!   start, and written back if the start fails);
 //!   a `sandbox.restarted` event says so. A jail comes back with the files of its snapshot
 //!   (not what it wrote since), a microVM with its memory too (its processes as they were
 //!   then). A sandbox without a copy stays lost; one whose restart failed (no node had
@@ -99,6 +102,44 @@ pub fn keep(app: &AppState, node_id: &str, tenant: &str, sandbox: &str, snap: &s
     });
 }
 
+/// Copies snapshot `snap` of `tenant`'s sandbox `sandbox`, just taken here by this control
+/// replica's own node (`--node local`), into the snapshot store, from this server's own
+/// disk (in the background; nothing without a store or without an own node).
+pub fn keep_here(app: &AppState, tenant: &str, sandbox: &str, snap: &str) {
+    let own = app.fleet.as_ref().and_then(|c| c.local_node_id());
+    let (Some(dir), Some(_)) = (store_dir(app).map(Path::to_path_buf), own) else {
+        return;
+    };
+    let (app, tenant, sandbox, snap) = (
+        app.clone(),
+        tenant.to_owned(),
+        sandbox.to_owned(),
+        snap.to_owned(),
+    );
+    let taken = std::time::SystemTime::now();
+    tokio::spawn(async move {
+        let caller = crate::auth::Caller {
+            tenant,
+            key_id: "fleet".into(),
+        };
+        let bundle = crate::carry::snapshot_bundle(&app, &caller, &sandbox, &snap)
+            .await
+            .map_err(|e| e.message);
+        let written = match bundle {
+            Ok(resp) => write_bundle(&dir, &snap, resp, taken).await,
+            Err(e) => Err(e),
+        };
+        match written {
+            Ok(bytes) => {
+                tracing::info!(snapshot = %snap, sandbox = %sandbox, bytes, "snapshot kept in the snapshot store")
+            }
+            Err(e) => {
+                tracing::warn!(snapshot = %snap, sandbox = %sandbox, error = %e, "snapshot not kept in the snapshot store: its sandbox cannot be restarted from it should this server die")
+            }
+        }
+    });
+}
+
 /// [`keep`]'s copy of snapshot `snap` of `tenant`'s `sandbox` on node `node_id`, dated
 /// `taken` (the file's modification time orders a sandbox's snapshots): the bytes written.
 async fn copy(
@@ -122,6 +163,17 @@ async fn copy(
         COPY,
     )
     .await?;
+    write_bundle(dir, snap, resp, taken).await
+}
+
+/// Writes bundle `resp` of snapshot `snap` into the store `dir` (aside, then renamed: a
+/// bundle there is whole), dated `taken`: the bytes written.
+async fn write_bundle(
+    dir: &Path,
+    snap: &str,
+    resp: axum::response::Response,
+    taken: std::time::SystemTime,
+) -> Result<u64, String> {
     tokio::fs::create_dir_all(dir)
         .await
         .map_err(|e| format!("{}: {e}", dir.display()))?;
@@ -304,7 +356,14 @@ async fn restart(
             COPY,
         )
         .await?;
-        super::drain::start_on(app, &p.tenant, &to, &sb, &placed).await
+        // A control replica's own node wrote the sandbox's row into this store: it goes
+        // before the new node starts the sandbox (a replica's node writes its own).
+        let row = take_row(app, &sb, &p.node_id).await?;
+        let started = super::drain::start_on(app, &p.tenant, &to, &sb, &placed).await;
+        if let (Err(_), Some(row)) = (&started, row) {
+            put_row_back(app, row).await;
+        }
+        started
     }
     .await;
     let view = match landed {
@@ -342,6 +401,40 @@ async fn restart(
                 Err(e) => Err(format!("recording its new node failed: {e}")),
             }
         }
+    }
+}
+
+/// The row dead node `node` (a control replica's own) left of sandbox `sb` in this store,
+/// removed; `None` when there is none (a joined node keeps its rows in its own store).
+async fn take_row(
+    app: &AppState,
+    sb: &str,
+    node: &str,
+) -> Result<Option<locker_store::SandboxRecord>, String> {
+    let (store, sb, node) = (app.store.clone(), sb.to_owned(), node.to_owned());
+    tokio::task::spawn_blocking(move || {
+        let Some(row) = store.get_sandbox_any(&sb)?.filter(|r| r.host == node) else {
+            return Ok(None);
+        };
+        store.forget_sandbox(&sb)?;
+        Ok(Some(row))
+    })
+    .await
+    .map_err(|e| e.to_string())?
+    .map_err(|e: locker_store::StoreError| format!("removing the dead node's row: {e}"))
+}
+
+/// [`take_row`]'s row written back: the restart failed, the sandbox stays lost with it.
+async fn put_row_back(app: &AppState, row: locker_store::SandboxRecord) {
+    let (store, id) = (app.store.clone(), row.id.clone());
+    let back = tokio::task::spawn_blocking(move || {
+        // What a start that failed half way left of it on the new node.
+        store.forget_sandbox(&row.id)?;
+        store.insert_sandbox(&row)
+    })
+    .await;
+    if !matches!(back, Ok(Ok(()))) {
+        tracing::warn!(sandbox = %id, result = ?back, "the row of a lost sandbox whose restart failed could not be written back");
     }
 }
 
