@@ -10,7 +10,7 @@
 use locker_tests::fabric::{
     admin_cli, fleet_node, fleet_nodes, join_nodes, join_nodes_with, Fabric,
 };
-use locker_tests::fleet::{placed_on, rows};
+use locker_tests::fleet::{placed_node, placed_on, rows};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Server};
 use locker_tests::wait_for;
@@ -130,15 +130,7 @@ fn answering(api: &Api, id: &str) -> String {
 fn node_of(api: &Api, db: &str, id: &str) -> String {
     let r = api.get(&format!("/v1/sandboxes/{id}"));
     assert_eq!(r.status, 200, "{}", r.text());
-    let found = rows(
-        db,
-        &format!(
-            "SELECT n.name FROM placements p JOIN nodes n ON n.id = p.node_id \
-             WHERE p.sandbox_id = '{id}'"
-        ),
-    );
-    assert_eq!(found.len(), 1, "{found:?}");
-    found[0][0].clone()
+    placed_node(db, id)
 }
 
 /// The first `n` events of type `kind` of the caller's tenant (the stream from the first
@@ -314,7 +306,7 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     assert!(text.contains("0 moved, 2 stayed, 2 left"), "{text}");
     assert!(text.contains("no node can take it"), "{text}");
     assert!(
-        text.contains("stayed volume tools  no other joined node"),
+        text.contains("stayed volume tools  no other node"),
         "{text}"
     );
     on_volume("a");
@@ -428,14 +420,14 @@ fn a_drained_jail_takes_the_volumes_it_mounts_along() {
     }
 }
 
-/// Drains between a joined node and a control replica's own node (`--node local`), both
-/// ways: a jail moves from joined node a to the replica's node and back with its files, its
-/// row in the fleet's store there while it runs on the replica and gone once it left, and
-/// listed once all along; a jail on the replica's node that mounts the replica's volume
-/// stays there (a volume moves between two nodes of one kind only), and so does its volume,
-/// each saying why.
+/// Between a joined node and a control replica's own node (`--node local`), both ways: a
+/// volume moves (`POST /v1/volumes/{id}/move`) with its files and snapshots; a drain
+/// carries a jail and a jail mounting the volume, which goes along, from joined node a to
+/// the replica's node and back with their files; each sandbox's row in the fleet's store is
+/// there while it runs on the replica and gone once it left, and each is listed once all
+/// along.
 #[test]
-fn a_drain_carries_jails_between_a_joined_node_and_a_replicas_own_node() {
+fn a_drain_carries_jails_and_volumes_between_a_joined_node_and_a_replicas_own_node() {
     let fab = Fabric::new(1);
     let (db, pg_url) = cluster().new_database();
     let srv = fab.control(
@@ -444,29 +436,70 @@ fn a_drain_carries_jails_between_a_joined_node_and_a_replicas_own_node() {
     );
     let (admin, api) = (srv.admin(), srv.api());
     let mut nodes = join_nodes(&fab, &admin, &["a"], 4);
-    // A volume of the replica's (made where the create arrived) and a jail mounting it,
-    // placed with it.
+    let node_id = |name: &str| {
+        fleet_node(&fleet_nodes(&admin), name)["id"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let (ctl, a) = (node_id("ctl"), node_id("a"));
+    // A volume of the replica's (made where the create arrived), with a file and a
+    // snapshot, moved to a.
     let vol = api.post("/v1/volumes", &json!({"name": "kept", "size_mb": 64}));
     assert_eq!(vol.status, 201, "{}", vol.text());
-    let mut body = spec();
-    body["volumes"] = json!([{"volume": "kept", "path": "/mnt/k"}]);
-    let r = api.post("/v1/sandboxes", &body);
+    let vol_id = vol.json()["id"].as_str().unwrap().to_owned();
+    api.put("/v1/volumes/kept/files?path=%2Fseed", &b"seeded"[..])
+        .expect(200, "write the volume");
+    api.post("/v1/volumes/kept/snapshots", &json!({}))
+        .expect(201, "a volume snapshot");
+    let volume_here = |home: &str| {
+        let snaps = api
+            .get("/v1/volumes/kept/snapshots")
+            .expect(200, "its snapshots");
+        assert_eq!(
+            snaps["snapshots"].as_array().map(Vec::len),
+            Some(1),
+            "{snaps}"
+        );
+        let host = rows(
+            &db,
+            &format!("SELECT host FROM volumes WHERE id = '{vol_id}'"),
+        );
+        assert_eq!(host, vec![vec![home.to_owned()]]);
+        // The snapshot's record is the fleet's while a replica's node holds the volume, the
+        // joined node's own (in its store) while it does.
+        let snap_rows = rows(
+            &db,
+            &format!("SELECT id FROM volume_snapshots WHERE volume_id = '{vol_id}'"),
+        );
+        assert_eq!(snap_rows.len(), usize::from(home == ctl), "{snap_rows:?}");
+        let on_ctl = srv.data_dir.join("volumes").join(&vol_id).exists();
+        let on_a = nodes[0].data_dir().join("volumes").join(&vol_id).exists();
+        assert_eq!(
+            (on_ctl, on_a),
+            (home == ctl, home == a),
+            "the volume's files"
+        );
+    };
+    volume_here(&ctl);
+    let moved = api.post("/v1/volumes/kept/move", &json!({"node": "a"}));
+    assert_eq!(moved.status, 200, "{}", moved.text());
+    volume_here(&a);
     assert_eq!(
-        (r.status, placed_on(&r)),
-        (201, "ctl".to_owned()),
-        "{}",
-        r.text()
+        api.get("/v1/volumes/kept/files?path=%2Fseed").text(),
+        "seeded"
     );
-    let mounting = r.json()["id"].as_str().unwrap().to_owned();
-    // A plain jail on a.
+
+    // Two jails on a (ctl cordoned): one mounting the volume.
     admin
         .post("/v1/fleet/nodes/ctl/cordon", &json!({}))
         .expect(200, "cordon ctl");
     let plain = made_on_a(&api, 1, &spec()).remove(0);
+    let mut body = spec();
+    body["volumes"] = json!([{"volume": "kept", "path": "/mnt/k"}]);
+    let mounting = made_on_a(&api, 1, &body).remove(0);
     api.sh(&plain, "echo travelled > /home/user/note && sync");
-    admin
-        .post("/v1/fleet/nodes/ctl/uncordon", &json!({}))
-        .expect(200, "uncordon ctl");
+    api.sh(&mounting, "echo from-a > /mnt/k/j && sync");
     let store_rows = |id: &str| {
         rows(
             &db,
@@ -488,67 +521,62 @@ fn a_drain_carries_jails_between_a_joined_node_and_a_replicas_own_node() {
         assert_eq!(ids, want, "each listed once");
     };
     assert_eq!(store_rows(&plain), 0, "a joined node keeps its own rows");
+    let answers = || {
+        assert_eq!(api.sh(&plain, "cat /home/user/note"), "travelled\n");
+        assert_eq!(
+            api.sh(&mounting, "cat /mnt/k/seed; echo; cat /mnt/k/j"),
+            "seeded\nfrom-a\n"
+        );
+    };
 
-    // Joined node a → the replica's node.
-    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    let report = r.json();
-    eprintln!("{report:#}");
-    assert_eq!(
-        report["moved"].as_array().map(Vec::len),
-        Some(1),
-        "{report}"
-    );
-    assert_eq!(report["moved"][0]["sandbox"], plain.as_str(), "{report}");
-    assert_eq!(report["moved"][0]["to_name"], "ctl", "{report}");
-    assert_eq!(report["failed"], json!([]), "{report}");
-    assert_eq!(node_of(&api, &db, &plain), "ctl");
-    assert_eq!(store_rows(&plain), 1, "the replica's row of it");
-    assert!(srv.sandboxes_dir().join(&plain).exists());
-    assert!(!nodes[0].data_dir().join("sandboxes").join(&plain).exists());
-    assert_eq!(api.sh(&plain, "cat /home/user/note"), "travelled\n");
-    listed_once();
-
-    // And back: the replica's node drained, a open again. The jail with the replica's
-    // volume has nowhere to go.
-    admin
-        .post("/v1/fleet/nodes/a/uncordon", &json!({}))
-        .expect(200, "uncordon a");
-    let r = admin.post("/v1/fleet/nodes/ctl/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    let report = r.json();
-    eprintln!("{report:#}");
-    assert_eq!(
-        report["moved"].as_array().map(Vec::len),
-        Some(1),
-        "{report}"
-    );
-    assert_eq!(report["moved"][0]["sandbox"], plain.as_str(), "{report}");
-    assert_eq!(report["moved"][0]["to_name"], "a", "{report}");
-    assert_eq!(
-        report["failed"][0]["sandbox"],
-        mounting.as_str(),
-        "{report}"
-    );
-    let why = report["failed"][0]["error"].as_str().unwrap_or_default();
-    assert!(why.contains("no node can take it"), "{report}");
-    assert_eq!(report["volumes"]["failed"][0]["name"], "kept", "{report}");
-    let why = report["volumes"]["failed"][0]["error"]
-        .as_str()
-        .unwrap_or_default();
-    assert!(
-        why.contains("no other control replica's own node"),
-        "{report}"
-    );
-    assert_eq!(node_of(&api, &db, &plain), "a");
-    assert_eq!(store_rows(&plain), 0, "the replica's row went with it");
-    assert!(!srv.sandboxes_dir().join(&plain).exists());
-    assert_eq!(api.sh(&plain, "cat /home/user/note"), "travelled\n");
-    assert_eq!(api.sh(&mounting, "echo here"), "here\n");
-    listed_once();
+    // Joined node a → the replica's node, the volume along.
+    for (from, to, to_id) in [("a", "ctl", &ctl), ("ctl", "a", &a)] {
+        admin
+            .post(&format!("/v1/fleet/nodes/{to}/uncordon"), &json!({}))
+            .expect(200, "uncordon the target");
+        let r = admin.post(&format!("/v1/fleet/nodes/{from}/drain"), &json!({}));
+        assert_eq!(r.status, 200, "{}", r.text());
+        let report = r.json();
+        eprintln!("{from} drained: {report:#}");
+        assert_eq!(
+            report["moved"].as_array().map(Vec::len),
+            Some(2),
+            "{report}"
+        );
+        assert_eq!(report["failed"], json!([]), "{report}");
+        assert_eq!(report["volumes"]["failed"], json!([]), "{report}");
+        for id in [&plain, &mounting] {
+            assert_eq!(node_of(&api, &db, id), to);
+            assert_eq!(
+                store_rows(id),
+                usize::from(to == "ctl"),
+                "rows of {id} on {to}"
+            );
+            assert_eq!(srv.sandboxes_dir().join(id).exists(), to == "ctl");
+            assert_eq!(
+                nodes[0].data_dir().join("sandboxes").join(id).exists(),
+                to == "a"
+            );
+        }
+        volume_here(to_id);
+        answers();
+        listed_once();
+    }
     for id in [&plain, &mounting] {
         assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
     }
+    // Its snapshot came along each time: restored on a, the volume is as it was then.
+    let snaps = api
+        .get("/v1/volumes/kept/snapshots")
+        .expect(200, "its snapshots");
+    let snap = snaps["snapshots"][0]["id"].as_str().unwrap().to_owned();
+    api.post("/v1/volumes/kept/restore", &json!({"snapshot": snap}))
+        .expect(200, "restore the volume's snapshot");
+    assert_eq!(
+        api.get("/v1/volumes/kept/files?path=%2Fseed").text(),
+        "seeded"
+    );
+    assert_eq!(api.get("/v1/volumes/kept/files?path=%2Fj").status, 404);
     api.delete("/v1/volumes/kept")
         .expect(204, "delete the volume");
     for n in &mut nodes {

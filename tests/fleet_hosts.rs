@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use locker_tests::fleet::rows;
+use locker_tests::fleet::{placed_node, rows};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp, Server};
 use locker_tests::streams::{read_exit_frame, read_until, ws_connect};
@@ -207,14 +207,7 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
         .find(|v| v["name"] == "shared")
         .unwrap_or_else(|| panic!("b does not list a's volume: {listed}"));
     assert!(v["node"].as_str().unwrap().starts_with("node_"), "{v}");
-    let r = api_b.post(
-        "/v1/sandboxes",
-        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256,
-                "volumes": [{"volume": "shared", "path": "/mnt/v"}]}),
-    );
-    assert_eq!(r.status, 201, "{}", r.text());
-    assert_eq!(r.headers["x-locker-node"], "host-a");
-    let with = r.json()["id"].as_str().unwrap().to_owned();
+    let with = jail_mounting(&api_b, "shared", "/mnt/v", "host-a");
     assert!(a.sandboxes_dir().join(&with).exists());
     assert_eq!(
         api_b.sh(&with, "cat /mnt/v/data.txt"),
@@ -633,16 +626,21 @@ fn a_volume_moved_while_written_keeps_every_acknowledged_write() {
 /// The name of the node a placement in `db` names for sandbox `id`, and how many rows of
 /// the fleet's store the sandbox has (a drained host's row goes, the new host's comes).
 fn placed_in(db: &str, id: &str) -> (String, usize) {
-    let on = rows(
-        db,
-        &format!(
-            "SELECT n.name FROM placements p JOIN nodes n ON n.id = p.node_id \
-             WHERE p.sandbox_id = '{id}'"
-        ),
-    );
-    assert_eq!(on.len(), 1, "{on:?}");
     let sandbox_rows = rows(db, &format!("SELECT id FROM sandboxes WHERE id = '{id}'"));
-    (on[0][0].clone(), sandbox_rows.len())
+    (placed_node(db, id), sandbox_rows.len())
+}
+
+/// A jail made through `api` that mounts `volume` at `path`, placed on `node` (the
+/// volume's home): its id.
+fn jail_mounting(api: &Api, volume: &str, path: &str, node: &str) -> String {
+    let r = api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256,
+                "volumes": [{"volume": volume, "path": path}]}),
+    );
+    assert_eq!(r.status, 201, "{}", r.text());
+    assert_eq!(r.headers["x-locker-node"], node);
+    r.json()["id"].as_str().unwrap().to_owned()
 }
 
 /// A host drained (`locker fleet drain host-a`, `FLEET.md` §4.7) in the identical-hosts
@@ -680,14 +678,7 @@ fn a_drained_host_hands_its_sandboxes_and_volumes_to_the_other() {
     assert_eq!(plain.status, 201, "{}", plain.text());
     assert_eq!(plain.headers["x-locker-node"], "host-a");
     let plain = plain.json()["id"].as_str().unwrap().to_owned();
-    let mounting = api_a.post(
-        "/v1/sandboxes",
-        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256,
-                "volumes": [{"volume": "mounted", "path": "/data"}]}),
-    );
-    assert_eq!(mounting.status, 201, "{}", mounting.text());
-    assert_eq!(mounting.headers["x-locker-node"], "host-a");
-    let mounting = mounting.json()["id"].as_str().unwrap().to_owned();
+    let mounting = jail_mounting(&api_a, "mounted", "/data", "host-a");
     api_a.sh(&plain, "echo kept > /home/user/note && sync");
     api_b.sh(&mounting, "echo from-the-jail > /data/j.txt && sync");
     let before = api_a.get(&format!("/v1/sandboxes/{plain}")).json();
@@ -853,6 +844,15 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     });
     api.sh(&id, "echo after > /home/user/g && sync");
     let before = api.get(&format!("/v1/sandboxes/{id}")).json();
+    // A jail that mounts the dying host's volume: its snapshot is not kept (the volume
+    // dies with the host), so it stays lost rather than being tried elsewhere.
+    let vapi = if a_leads { b.api() } else { a.api() }.with_key(api.key());
+    vapi.post("/v1/volumes", &json!({"name": "dies", "size_mb": 64}))
+        .expect(201, "a volume on the dying host");
+    let mounting = jail_mounting(&vapi, "dies", "/mnt/d", vname);
+    let not_kept = api.post(&format!("/v1/sandboxes/{mounting}/snapshots"), &json!({}));
+    assert_eq!(not_kept.status, 201, "{}", not_kept.text());
+    let not_kept = not_kept.json()["id"].as_str().unwrap().to_owned();
     // The host dies: its server killed, its machines with it.
     let victim = if a_leads { &mut b } else { &mut a };
     victim.kill9();
@@ -881,6 +881,9 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
         ),
         "before\nno-g\n"
     );
+    let lost = api.get(&format!("/v1/sandboxes/{mounting}")).json();
+    assert_eq!(lost["state"], "lost", "{lost}");
+    assert!(!kept.path().join(format!("{not_kept}.carry")).exists());
     let row_host = || {
         rows(
             &db,
@@ -912,6 +915,12 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
         assert_eq!(v["state"], "running", "{v}");
     }
     assert_eq!(row_host(), vec![vec![leader_id]]);
+    let lost = vapi.get(&format!("/v1/sandboxes/{mounting}")).json();
+    assert_eq!(lost["state"], "lost", "{lost}");
+    vapi.delete(&format!("/v1/sandboxes/{mounting}"))
+        .expect(204, "delete the lost sandbox");
+    vapi.delete("/v1/volumes/dies")
+        .expect(204, "delete its volume");
     api.delete(&format!("/v1/sandboxes/{id}"))
         .expect(204, "delete the restarted sandbox");
 }

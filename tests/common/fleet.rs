@@ -292,6 +292,19 @@ pub fn rows(db: &str, sql: &str) -> Vec<Vec<String>> {
         .collect()
 }
 
+/// The name of the node the placement of sandbox `id` in `db` names (exactly one).
+pub fn placed_node(db: &str, id: &str) -> String {
+    let on = rows(
+        db,
+        &format!(
+            "SELECT n.name FROM placements p JOIN nodes n ON n.id = p.node_id \
+             WHERE p.sandbox_id = '{id}'"
+        ),
+    );
+    assert_eq!(on.len(), 1, "placements of {id}: {on:?}");
+    on[0][0].clone()
+}
+
 /// The sandboxes a node's engine holds on disk.
 pub fn sandbox_dirs(n: &NodeProc) -> BTreeSet<String> {
     std::fs::read_dir(n.data_dir().join("sandboxes"))

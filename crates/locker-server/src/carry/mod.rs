@@ -537,7 +537,9 @@ async fn export_live(
 /// `GET {PATH}{id}/snapshots/{snap}`: the bundle of the caller's snapshot `snap` of sandbox
 /// `id`, which runs here, with the sandbox's record as it is now (control keeps it, to
 /// start the sandbox elsewhere from it should this node die: `fleet::restart`). The
-/// sandbox goes on undisturbed.
+/// sandbox goes on undisturbed. Not for a sandbox that mounts volumes: they live on this
+/// node and die with it, so no other node could start it (it stays lost instead of being
+/// tried again and again).
 pub(crate) async fn snapshot_bundle(
     app: &AppState,
     caller: &Caller,
@@ -545,8 +547,11 @@ pub(crate) async fn snapshot_bundle(
     snap: &str,
 ) -> Result<Response, ApiError> {
     let rec = crate::lifecycle::record_of(app, caller, id)?;
-    if let Some(why) = refusal(&rec) {
-        return Err(ApiError::conflict(why));
+    if rec.volumes.as_array().is_some_and(|v| !v.is_empty()) {
+        return Err(ApiError::conflict(format!(
+            "sandbox {id} mounts volumes, which live on its node: it cannot start on another \
+             node should this one die, so its snapshots are not kept for that"
+        )));
     }
     let known = app.store.get_snapshot(&caller.tenant, snap)?;
     if known.is_none_or(|s| s.sandbox_id != id) {

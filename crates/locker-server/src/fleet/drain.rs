@@ -19,16 +19,15 @@
 //!    copy is destroyed);
 //! 5. the old node drops its snapshot.
 //!
-//! Then each volume homed on the node moves to another node of its kind
-//! (`route::volume_move`; one a sandbox that stayed mounts stays with it).
+//! Then each volume homed on the node moves to another node (`route::volume_move`; one a
+//! sandbox that stayed mounts stays with it).
 //!
 //! A control replica's own node (`--node local`, "several identical hosts") drains the same
 //! way: its steps are served on its node listener, as a joined node's are. Its sandboxes'
 //! rows are the fleet's own: the release forgets the old row before the new node starts the
 //! sandbox, which writes its own (a row node's) or keeps it in its store (a joined node's).
-//! A jail that mounts volumes goes only to a node of its node's kind (a volume moves between
-//! two joined nodes or two replicas' nodes); a sandbox made while its server ran alone has
-//! no placement and stays (the report says so).
+//! A sandbox made while its server ran alone has no placement and stays (the report says
+//! so).
 //!
 //! A failure before step 4 gives the reservation back, drops what the new node received
 //! or made, and lets the sandbox run on where it was (started again from the old node's
@@ -252,8 +251,6 @@ async fn move_one(app: &AppState, from: &NodeRecord, p: &PlacementRecord) -> Res
         template_digest: view["template_digest"].as_str().map(str::to_owned),
         only: None,
         carried: true,
-        // Its volumes come along: to a node they can move to.
-        row_node: (!mounts.is_empty()).then_some(from.cert_sha256 == super::local::LOCAL_CERT),
     };
     let (into, to) = placement::place(app, &p.tenant, &ask)
         .await

@@ -179,6 +179,37 @@ async fn drop_lost(app: &AppState, node_id: &str) -> usize {
     n
 }
 
+/// A volume move control drove to or from this node (with a joined node at the other end,
+/// `volumes::handoff`) whose control replica went away half way: past its wait it is
+/// settled by the fleet's record, which this server reads itself (a joined node asks in its
+/// heartbeat).
+async fn settle_moves(app: &AppState) {
+    let doubts = crate::volumes::handoff::in_doubt(app).await;
+    if doubts.is_empty() {
+        return;
+    }
+    let (store, asked, me) = (app.store.clone(), doubts.clone(), app.host_id.clone());
+    let here = tokio::task::spawn_blocking(move || {
+        let mut here = Vec::new();
+        for k in &asked {
+            if store
+                .get_volume(&k.tenant, &k.id)?
+                .is_some_and(|v| v.host == me)
+            {
+                here.push(k.id.clone());
+            }
+        }
+        Ok::<_, StoreError>(here)
+    })
+    .await;
+    match here {
+        Ok(Ok(here)) => crate::volumes::handoff::settle(app, &doubts, &here).await,
+        other => {
+            tracing::warn!(result = ?other.map(|r| r.map(|v| v.len())), "cannot read the fleet's records of volumes in doubt: asking again at the next beat")
+        }
+    }
+}
+
 /// Serves the node listener and beats until `quitting`.
 pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::Receiver<bool>) {
     let LocalNode {
@@ -206,6 +237,7 @@ pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::
                 _ = tick.tick() => {}
                 () = &mut quit => return,
             }
+            settle_moves(&app).await;
             let report = report(&app, cfg.slots).await;
             let (store, id, epoch) = (app.store.clone(), node.id.clone(), node.epoch);
             let beat = tokio::task::spawn_blocking(move || {

@@ -80,10 +80,6 @@ pub struct Ask {
     /// A sandbox carried from another node (a drain, a restart elsewhere): only a node that
     /// holds its template will do (it starts from a snapshot of it, never pulls).
     pub carried: bool,
-    /// Only a control replica's own node (`Some(true)`, `--node local`) or only a joined
-    /// node (`Some(false)`): a carried jail's volumes move with it, and a volume moves
-    /// between two nodes of the same kind only (`route::volume_move`).
-    pub row_node: Option<bool>,
 }
 
 /// A node's capacity, from its last report.
@@ -107,12 +103,6 @@ fn fit(n: &NodeRecord, ask: &Ask, now_ms: i64) -> Option<(f64, bool)> {
         return None;
     }
     let (slots, memory, report) = capacity(n)?;
-    if ask
-        .row_node
-        .is_some_and(|rows| rows != (n.cert_sha256 == super::local::LOCAL_CERT))
-    {
-        return None;
-    }
     if ask.carried
         && ask
             .template_digest
@@ -548,7 +538,6 @@ mod tests {
             template_digest: digest.map(str::to_owned),
             only: None,
             carried: false,
-            row_node: None,
         }
     }
 

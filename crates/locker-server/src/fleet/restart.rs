@@ -335,7 +335,6 @@ async fn restart(
         template_digest: Some(rec.template_digest.clone()),
         only: None,
         carried: true,
-        row_node: None,
     };
     let (into, to) = placement::place(app, &p.tenant, &ask)
         .await

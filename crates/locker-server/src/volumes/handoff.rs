@@ -1,5 +1,6 @@
-//! A volume moving between joined nodes (`locker node`): this node's side, as the volume's
-//! home or as its target. The control plane drives the move (`fleet::route::volume_move`)
+//! A volume moving under control's direction (between joined nodes, `locker node`, or
+//! between a joined node and a control replica's own node): this node's side, as the
+//! volume's home or as its target. The control plane drives the move (`fleet::route::volume_move`)
 //! and relays every stream; nodes never call each other. The steps, each a call of
 //! control's on the node listener's [`RECEIVE_PATH`] (`POST …/{id}?stage=…` here, the
 //! target's `PUT`s and `DELETE` in `moving`):
@@ -33,6 +34,13 @@
 //! switch. A node restarted in the middle finds its mark: a marked home keeps its volume
 //! held and asks the same; a marked target with records of its own serves and asks; one
 //! without (the move never reached `open`) is removed (`moving::sweep`).
+//!
+//! **A control replica's own node** (`--node local`) takes either side of such a move with
+//! a joined node at the other end: its records are the fleet's store's, so as the target
+//! its `open` writes only the snapshots' records (with its paths; the volume's record is
+//! the fleet's and names the home until the switch), and as the home its `moved` (or a
+//! dropped copy) removes only the snapshots' records with its paths. It settles a move in
+//! doubt by reading the fleet's record itself (`fleet::local`).
 //!
 //! Owns the nodes' steps and the notes of moves under way. Not which node is the home (the
 //! fleet's record, control's), not the streams' format (`moving`).
@@ -358,7 +366,7 @@ async fn forget(
         .remove(&v.id);
     let _ = release.send(());
     v.stop_agent().await;
-    app.store.delete_volume(tenant, &v.id)?;
+    forget_records(app, tenant, &v.id)?;
     let dir = v.dir.clone();
     tokio::task::spawn_blocking(move || locker_runtime::volume_fs::remove(&dir))
         .await
@@ -406,6 +414,18 @@ pub(super) fn received(app: &AppState, tenant: &str, id: &str, used: Option<u64>
             sending: false,
         },
     );
+}
+
+/// Whether this node is the target of a move control drives of volume `id` (its copy
+/// received at least in part).
+pub(super) fn is_target(app: &AppState, id: &str) -> bool {
+    matches!(
+        app.volumes.moves.inner.lock().expect("moves").get(id),
+        Some(Move {
+            role: Role::Target { .. },
+            ..
+        })
+    )
 }
 
 #[derive(Deserialize)]
@@ -457,7 +477,12 @@ pub(super) async fn open(
         host: app.host_id.clone(),
         ..r
     };
-    app.store.insert_volume(&mine)?;
+    // A joined node writes its own record; a control replica's own node shares the fleet's,
+    // which names the old home until control switches it.
+    let shared = !app.cfg.fleet_member;
+    if !shared {
+        app.store.insert_volume(&mine)?;
+    }
     for s in asked.snapshots {
         let s = VolumeSnapshotRecord {
             path: root.join("snapshots").join(&s.id).display().to_string(),
@@ -466,7 +491,7 @@ pub(super) async fn open(
             ..s
         };
         if let Err(e) = app.store.insert_volume_snapshot(&s) {
-            let _ = app.store.delete_volume(tenant, id);
+            let _ = forget_records(app, tenant, id);
             return Err(e.into());
         }
     }
@@ -514,12 +539,31 @@ pub(super) async fn drop_copy(app: &AppState, tenant: &str, id: &str) -> Result<
         v.space.close();
         v.stop_agent().await;
     }
-    app.store.delete_volume(tenant, id)?;
+    forget_records(app, tenant, id)?;
     let dir = app.volumes.root.join(id);
     tokio::task::spawn_blocking(move || locker_runtime::volume_fs::remove(&dir))
         .await
         .map_err(|e| ApiError::internal(format!("removing a moved copy: {e}")))?
         .map_err(|e| ApiError::internal(format!("removing a moved copy: {e}")))
+}
+
+/// Removes this node's records of volume `id`, which is not (or no longer) this node's: a
+/// joined node's own record and its snapshots'; on a control replica's own node, whose
+/// store is the fleet's, only the snapshot records with this node's paths (the volume's
+/// record is the fleet's, and names its home).
+fn forget_records(app: &AppState, tenant: &str, id: &str) -> Result<(), ApiError> {
+    if app.cfg.fleet_member {
+        app.store.delete_volume(tenant, id)?;
+        return Ok(());
+    }
+    for s in app.store.list_volume_snapshots(tenant, id)? {
+        if s.path
+            .starts_with(&format!("{}/", app.volumes.root.display()))
+        {
+            app.store.delete_volume_snapshot(tenant, &s.id)?;
+        }
+    }
+    Ok(())
 }
 
 // ---- in doubt ----

@@ -4,7 +4,9 @@
 //! A volume's files live on one server (its home, `VolumeRecord::host`); every call about
 //! it is routed there (`fleet::route::volumes`), so the home answers
 //! `POST /v1/volumes/{id}/move {"node"}`, and the target is another control replica that
-//! is a node (`--node local`: the servers that hold volumes). Like a live migration's
+//! is a node (`--node local`: the servers that hold volumes); to a joined node the home
+//! drives the move as control does (`fleet::route::volume_move`, `handoff`). Like a live
+//! migration's
 //! pre-copy, most of the data moves while the volume is in use:
 //!
 //! 1. **Copy.** The home takes a read-only snapshot of the volume's filesystem (the first
@@ -105,6 +107,20 @@ pub(super) async fn move_volume(
     }
     if let Some(sb) = running_sandbox_mounting(&app, &r.id) {
         return Err(mounted(&r, &sb));
+    }
+    // To a joined node: this replica drives the move as control does between joined nodes
+    // (`fleet::route::volume_move`), this server's node the home.
+    if target.cert_sha256 != crate::fleet::local::LOCAL_CERT {
+        let home = app.store.get_node(&app.host_id)?.ok_or_else(|| {
+            ApiError::conflict(
+                "this server is no node of the fleet (--node local): its volumes move only \
+                 between replicas that are nodes",
+            )
+        })?;
+        let started = std::time::Instant::now();
+        crate::fleet::route::move_volume(&app, &r, &home, &target).await?;
+        tracing::info!(volume = %r.id, to = %target.name, ms = started.elapsed().as_millis() as u64, "volume moved to a joined node");
+        return Ok(answer(&target.id));
     }
     if v.moving.swap(true, Ordering::AcqRel) {
         return Err(ApiError::conflict(format!(
@@ -224,23 +240,22 @@ pub(super) fn mounted(r: &VolumeRecord, sb: &str) -> ApiError {
     ))
 }
 
-/// The node a move names: another control replica's own node, alive.
+/// The node a move names: another node of the fleet, alive (a joined one not cordoned).
 fn target_node(app: &AppState, name: &str) -> Result<NodeRecord, ApiError> {
     let n = app.store.get_node(name)?.ok_or_else(|| {
         ApiError::not_found(format!(
             "no node {name:?} in the fleet (`GET /v1/fleet/nodes` lists them)"
         ))
     })?;
-    if n.id != app.host_id && n.cert_sha256 != crate::fleet::local::LOCAL_CERT {
-        return Err(ApiError::bad_request(format!(
-            "node {} is a joined node: a volume moves between the fleet's servers that are \
-             nodes too (locker serve --node local) only, for now: name one of those",
-            n.name
-        )));
-    }
     if n.state != NodeState::Ready {
         return Err(ApiError::unavailable(format!(
             "node {} is not alive now: move the volume when it is back",
+            n.name
+        )));
+    }
+    if n.cordoned && n.cert_sha256 != crate::fleet::local::LOCAL_CERT {
+        return Err(ApiError::conflict(format!(
+            "node {} is cordoned: it takes no new work (uncordon it, or name another)",
             n.name
         )));
     }
@@ -489,6 +504,7 @@ async fn copy(
     given: Option<VolumeRecord>,
     body: Body,
 ) -> Result<Response, ApiError> {
+    let controlled = given.is_some();
     let r = moving_record(app, tenant, id, given)?;
     // A copy of an earlier try (its discard did not arrive) goes first.
     discard(app, tenant, id).await?;
@@ -513,7 +529,9 @@ async fn copy(
         remove_copy(dir).await;
         return Err(e);
     }
-    if app.cfg.fleet_member {
+    // Control drives the move (`handoff`): it names the volume, which a home that drives
+    // its own move never does.
+    if app.cfg.fleet_member || controlled {
         handoff::received(app, tenant, id, None);
     }
     Ok((StatusCode::CREATED, axum::Json(json!({}))).into_response())
@@ -534,10 +552,13 @@ async fn catch_up(
             ApiError::bad_request(format!("the last stage names its point (?point={POINT}…)"))
         })?;
     let dir = app.volumes.root.join(id);
+    // A joined node, or a replica that control moves a joined node's volume to, serves it
+    // once control sends its records (`handoff::open`).
     let r = if app.cfg.fleet_member {
         None
     } else {
-        Some(moving_record(app, tenant, id, None)?)
+        let r = moving_record(app, tenant, id, None)?;
+        (!handoff::is_target(app, id)).then_some(r)
     };
     if !dir.join(INCOMING).exists() || app.volumes.get(id).is_some() {
         return Err(ApiError::conflict(format!(
@@ -555,7 +576,6 @@ async fn catch_up(
             return Err(e);
         }
     };
-    // A joined node serves it once control sends its records (`handoff::open`).
     let Some(r) = r else {
         handoff::received(app, tenant, id, Some(used));
         return Ok((StatusCode::CREATED, axum::Json(json!({"used_bytes": used}))).into_response());
@@ -657,8 +677,8 @@ async fn take_stream(dir: &FsPath, body: Body) -> Result<(), ApiError> {
 /// that did not switch, or left by a move away (nothing there is fine).
 async fn discard(app: &AppState, tenant: &str, id: &str) -> Result<(), ApiError> {
     let dir = app.volumes.root.join(id);
-    if app.cfg.fleet_member {
-        // Its own records, if any, are those `handoff::open` wrote for the copy.
+    if app.cfg.fleet_member || handoff::is_target(app, id) {
+        // Its records, if any, are those `handoff::open` wrote for the copy.
         if !dir.join(INCOMING).exists() {
             return Ok(());
         }

@@ -132,7 +132,6 @@ pub(super) async fn create(app: &AppState, req: Request, next: Next, surface: Su
             .map(|t| t.digest),
         only: only.map(|(n, _)| n),
         carried: false,
-        row_node: None,
     };
     let t_place = std::time::Instant::now();
     let (p, node) = match placement::place(app, &caller.tenant, &ask).await {

@@ -359,7 +359,6 @@ async fn reserve(
         template_digest: None,
         only: Some(route.node_id.clone()),
         carried: false,
-        row_node: None,
     };
     let mut places = Vec::new();
     for _ in 0..count {

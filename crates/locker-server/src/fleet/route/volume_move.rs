@@ -57,7 +57,7 @@ pub(super) async fn move_joined(
         Err(e) => Err(ApiError::bad_request(format!("the move's body: {e}"))),
     };
     let done = match asked {
-        Ok(a) => match target(app, rec, home, &a.node).await {
+        Ok(a) => match target(app, home, &a.node).await {
             Ok(to) if to.id == home.id => view_on(app, rec, home).await,
             Ok(to) => {
                 let started = Instant::now();
@@ -77,28 +77,20 @@ pub(super) async fn move_joined(
     done.unwrap_or_else(IntoResponse::into_response)
 }
 
-/// A drain's move of volume `rec` off node `from`: to the node of the same kind (joined, or
-/// a control replica's own) that can grant the most disk (as a new volume's home is
-/// chosen), which is answered.
+/// A drain's move of volume `rec` off node `from`: to the node that can grant the most disk
+/// (as a new volume's home is chosen), which is answered.
 pub async fn move_off(
     app: &AppState,
     rec: &VolumeRecord,
     from: &NodeRecord,
 ) -> Result<NodeRecord, ApiError> {
     let (nodes, now_ms) = placement::nodes(app, true).await?;
-    let others: Vec<&NodeRecord> = nodes
-        .iter()
-        .filter(|n| n.id != from.id && is_replica(n) == is_replica(from))
-        .collect();
+    let others: Vec<&NodeRecord> = nodes.iter().filter(|n| n.id != from.id).collect();
     let to = super::volumes::home_for(&others, rec.size_mb, now_ms)
         .cloned()
         .ok_or_else(|| {
-            let kind = match is_replica(from) {
-                true => "control replica's own node (--node local)",
-                false => "joined node",
-            };
             ApiError::quota(format!(
-                "no other {kind} is alive and open with {} MB of disk to grant",
+                "no other node is alive and open with {} MB of disk to grant",
                 rec.size_mb
             ))
         })?;
@@ -113,9 +105,9 @@ fn is_replica(n: &NodeRecord) -> bool {
 }
 
 /// Moves volume `rec` from its home `from` to `to` (no sandbox mounting it on `from`):
-/// between joined nodes control drives it ([`run`]); between control replicas' own nodes
-/// the home does (`volumes::moving`, asked on its node listener as a caller's move is).
-/// On `Ok` the fleet's record names `to`.
+/// between control replicas' own nodes the home does (`volumes::moving`, asked on its node
+/// listener as a caller's move is); otherwise control drives it ([`run`]). On `Ok` the
+/// fleet's record names `to`.
 pub async fn between(
     app: &AppState,
     rec: &VolumeRecord,
@@ -148,22 +140,14 @@ pub async fn between(
             let (status, text) = answer(r).await;
             Err(refused(from, "move", status, &text))
         }
-        _ => Err(ApiError::bad_request(format!(
-            "volume {} lives on node {} and {} is of the other kind (a joined node, a control \
-             replica's own node): a volume moves between two joined nodes, or between two \
-             replicas that are nodes, not yet from one kind to the other",
-            rec.name, from.name, to.name
-        ))),
+        // One of each: control relays the streams, as between joined nodes; the replica's
+        // side keeps its records in the fleet's store (`volumes::handoff`).
+        _ => run(app, rec, from, to).await,
     }
 }
 
-/// The node a move names: another joined node, alive and open.
-async fn target(
-    app: &AppState,
-    rec: &VolumeRecord,
-    home: &NodeRecord,
-    name: &str,
-) -> Result<NodeRecord, ApiError> {
+/// The node a move names: another node, alive and open.
+async fn target(app: &AppState, home: &NodeRecord, name: &str) -> Result<NodeRecord, ApiError> {
     let (nodes, now_ms) = placement::nodes(app, false).await?;
     let n = nodes
         .into_iter()
@@ -175,14 +159,6 @@ async fn target(
         })?;
     if n.id == home.id {
         return Ok(n);
-    }
-    if n.cert_sha256 == crate::fleet::local::LOCAL_CERT {
-        return Err(ApiError::bad_request(format!(
-            "volume {} lives on joined node {}, and {} is a control replica's own node: a \
-             volume moves between joined nodes, or between replicas that are nodes, not yet \
-             from one kind to the other",
-            rec.name, home.name, n.name
-        )));
     }
     if n.state != NodeState::Ready || !placement::alive(&n, now_ms) {
         return Err(ApiError::unavailable(format!(
@@ -312,8 +288,9 @@ impl Stages<'_> {
     }
 }
 
-/// The steps of `volumes::handoff`'s module doc, from `from` to `to` (both joined nodes,
-/// alive; no sandbox on `from` mounting the volume); on `Ok` the fleet's record names `to`.
+/// The steps of `volumes::handoff`'s module doc, from `from` to `to` (alive; at least one a
+/// joined node; no sandbox on `from` mounting the volume); on `Ok` the fleet's record names
+/// `to`.
 async fn run(
     app: &AppState,
     rec: &VolumeRecord,
