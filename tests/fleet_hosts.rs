@@ -567,19 +567,61 @@ fn a_volume_moved_while_written_keeps_every_acknowledged_write() {
             (acked, refused)
         })
     };
+    // And snapshots of it taken all along: each one answered 201 is kept, wherever the
+    // volume goes (a move during which one is made is refused, to be tried again).
+    let snapshotter = {
+        let (api, stop) = (api_a.clone(), stop.clone());
+        std::thread::spawn(move || {
+            let mut made = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && made.len() < 12 {
+                let r = api.post("/v1/volumes/busy/snapshots", &json!({}));
+                if r.status == 201 {
+                    made.push(r.json()["id"].as_str().unwrap().to_owned());
+                }
+                std::thread::sleep(Duration::from_millis(250));
+            }
+            made
+        })
+    };
     std::thread::sleep(Duration::from_millis(300));
     let mut homes = vec!["host-a"];
     for to in ["host-b", "host-a", "host-b"] {
         let t = std::time::Instant::now();
-        api_a
-            .post("/v1/volumes/busy/move", &json!({"node": to}))
-            .expect(200, "a move while written");
-        eprintln!("moved to {to} in {:?}", t.elapsed());
+        let mut tries = 0;
+        loop {
+            tries += 1;
+            let r = api_a.post("/v1/volumes/busy/move", &json!({"node": to}));
+            if r.status == 200 {
+                break;
+            }
+            assert!(
+                r.status == 409 && r.text().contains("snapshots changed") && tries < 30,
+                "a move while written: {} {}",
+                r.status,
+                r.text()
+            );
+        }
+        eprintln!("moved to {to} in {:?} ({tries} tries)", t.elapsed());
         homes.push(to);
         std::thread::sleep(Duration::from_millis(200));
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let (acked, refused) = writer.join().unwrap();
+    let snapshots = snapshotter.join().unwrap();
+    let listed = api_b
+        .get("/v1/volumes/busy/snapshots")
+        .expect(200, "the volume's snapshots");
+    let mut listed: Vec<String> = listed["snapshots"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["id"].as_str().unwrap().to_owned())
+        .collect();
+    listed.sort();
+    let mut made = snapshots.clone();
+    made.sort();
+    assert!(made.len() > 3, "snapshots made: {made:?}");
+    assert_eq!(listed, made, "every snapshot answered 201 is kept");
     eprintln!(
         "moves that switched: {:?}; writes acknowledged {}, refused {}: {:?}",
         &homes[1..],
@@ -618,6 +660,18 @@ fn a_volume_moved_while_written_keeps_every_acknowledged_write() {
         !other.data_dir.join("volumes").join(&vol).exists(),
         "{home} is the home, yet the other host keeps a copy"
     );
+    // Each snapshot's files came along: the first one restored is the volume as it was.
+    let first = api_b
+        .post(
+            "/v1/volumes/busy/restore",
+            &json!({"snapshot": snapshots[0]}),
+        )
+        .expect(200, "restore the first snapshot after the moves");
+    assert!(first["used_bytes"].as_u64().is_some(), "{first}");
+    let last = snapshots.last().unwrap();
+    api_a
+        .post("/v1/volumes/busy/restore", &json!({"snapshot": last}))
+        .expect(200, "restore the last snapshot after the moves");
     api_b
         .delete("/v1/volumes/busy")
         .expect(204, "delete the volume");

@@ -47,6 +47,9 @@ pub struct MountedVolume {
     pub read_only: bool,
     /// The volume's live tree on the host.
     pub source: std::path::PathBuf,
+    /// Held from the check that the volume is not moving until the sandbox is recorded
+    /// (dropped with the create), so that no move starts in between.
+    pub claim: Option<std::sync::Arc<crate::volumes::MountClaim>>,
 }
 
 /// Checks the tenant's quotas, records the sandbox and starts its machine (from the

@@ -371,18 +371,19 @@ pub fn resolve_volumes(
             )));
         }
         let (rec, vol) = crate::volumes::lookup(app, caller, name)?;
-        if vol.is_moving() {
+        let Some(claim) = crate::volumes::MountClaim::take(&vol) else {
             return Err(ApiError::conflict(format!(
                 "volume {} is being moved to another node of the fleet: create the sandbox \
                  once the move is done (it is placed on the new home)",
                 rec.name
             )));
-        }
+        };
         out.push(MountedVolume {
             volume_id: rec.id,
             path: clean.to_owned(),
             read_only,
             source: vol.live(),
+            claim: Some(std::sync::Arc::new(claim)),
         });
     }
     Ok(out)

@@ -198,12 +198,7 @@ pub(super) async fn send(app: &AppState, tenant: &str, id: &str) -> Result<Respo
     if let Some(sb) = running_sandbox_mounting(app, &r.id) {
         return Err(super::moving::mounted(&r, &sb));
     }
-    if v.moving.swap(true, Ordering::AcqRel) {
-        return Err(ApiError::conflict(format!(
-            "volume {} is being moved already",
-            r.name
-        )));
-    }
+    v.start_moving(&r.name)?;
     let first = point_name();
     let made = super::snapshot_live(&v, v.root().join("snapshots").join(&first)).await;
     let snaps = match made.and_then(|()| Ok(app.store.list_volume_snapshots(tenant, &r.id)?)) {

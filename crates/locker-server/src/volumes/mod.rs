@@ -85,6 +85,44 @@ pub struct Volume {
     pub log: std::sync::Mutex<CommitLog>,
     /// A move of the volume to another server is under way (`moving`): one at a time.
     moving: std::sync::atomic::AtomicBool,
+    /// Creates that mount the volume between their check that it is not moving and their
+    /// record's write ([`MountClaim`]): a move does not start while there is one.
+    mounting: std::sync::atomic::AtomicUsize,
+}
+
+/// A create's claim on a volume it mounts, from its check that the volume is not moving
+/// until the sandbox's record is written (the claim dropped with the create's request):
+/// a move checks mounts from records (`running_sandbox_mounting`), so a sandbox in that
+/// instant would mount a volume that leaves. The claim and a move's start
+/// ([`Volume::start_moving`]) each write their flag, then read the other's (sequentially
+/// consistent): at least one of the two sees the other and gives way.
+pub struct MountClaim(Arc<Volume>);
+
+impl MountClaim {
+    /// A claim on `v`, unless a move of it is under way.
+    pub fn take(v: &Arc<Volume>) -> Option<MountClaim> {
+        use std::sync::atomic::Ordering::SeqCst;
+        v.mounting.fetch_add(1, SeqCst);
+        if v.moving.load(SeqCst) {
+            v.mounting.fetch_sub(1, SeqCst);
+            return None;
+        }
+        Some(MountClaim(v.clone()))
+    }
+}
+
+impl Drop for MountClaim {
+    fn drop(&mut self) {
+        self.0
+            .mounting
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl std::fmt::Debug for MountClaim {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "MountClaim({})", self.0.id)
+    }
 }
 
 /// A volume's in-memory log of changes, `(seq, paths)`: every files-API write, delete,
@@ -183,6 +221,25 @@ impl Volume {
     /// meanwhile: its files are about to leave).
     pub fn is_moving(&self) -> bool {
         self.moving.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Marks a move of the volume under way: refused (409) while another one is, or while a
+    /// create that mounts it holds a [`MountClaim`].
+    pub(crate) fn start_moving(&self, name: &str) -> Result<(), ApiError> {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.moving.swap(true, SeqCst) {
+            return Err(ApiError::conflict(format!(
+                "volume {name} is being moved already"
+            )));
+        }
+        if self.mounting.load(SeqCst) > 0 {
+            self.moving.store(false, SeqCst);
+            return Err(ApiError::conflict(format!(
+                "a sandbox that mounts volume {name} is being created: move it once that \
+                 sandbox is deleted"
+            )));
+        }
+        Ok(())
     }
 
     pub fn root(&self) -> PathBuf {
@@ -309,6 +366,7 @@ impl Volumes {
             agent: Default::default(),
             log: Default::default(),
             moving: Default::default(),
+            mounting: Default::default(),
         })
     }
 
@@ -708,7 +766,14 @@ async fn snapshot(
     let (r, v) = lookup(&app, &caller, &id)?;
     let snap_id = new_id("snap_");
     let dir = v.root().join("snapshots").join(&snap_id);
-    snapshot_live(&v, dir.clone()).await?;
+    // The gate is kept (shared: writes go on) until the record is written: a move that
+    // holds the gate meanwhile lists every snapshot made before (`handoff::hold`).
+    let all = v.space.gate.write().await;
+    if v.space.is_closed() {
+        return Err(v.space.moved());
+    }
+    snapshot_held(&v, dir.clone()).await?;
+    let _shared = all.downgrade();
     let tree = dir.join("live");
     let measured =
         tokio::task::spawn_blocking(move || locker_runtime::tree::allocated_bytes(&tree)).await;
@@ -885,4 +950,52 @@ async fn fork(
     drop(grant);
     let vol = vol?;
     Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn volume() -> Arc<Volume> {
+        let v = Volumes {
+            root: PathBuf::from("/nonexistent/volumes"),
+            agent_exe: PathBuf::new(),
+            open: RwLock::new(HashMap::new()),
+            runs_inflight: Default::default(),
+            pending_mb: Default::default(),
+            moves: Default::default(),
+        };
+        v.make(
+            &VolumeRecord {
+                id: "vol_test".into(),
+                tenant: "t".into(),
+                name: "work".into(),
+                size_mb: 64,
+                created_at: "2026-12-07T00:00:00Z".into(),
+                host: String::new(),
+            },
+            0,
+        )
+    }
+
+    #[test]
+    fn a_move_and_a_create_that_mounts_the_volume_never_both_go_ahead() {
+        let v = volume();
+        // A create's claim held: no move starts, and says why.
+        let claim = MountClaim::take(&v).expect("a claim on a still volume");
+        let e = v.start_moving("work").unwrap_err();
+        assert_eq!(e.status, axum::http::StatusCode::CONFLICT);
+        assert!(e.message.contains("being created"), "{}", e.message);
+        assert!(!v.is_moving(), "a refused move leaves no mark");
+        // Two creates at once, then both done: the move goes.
+        let second = MountClaim::take(&v).expect("a second claim");
+        drop(claim);
+        assert!(v.start_moving("work").is_err());
+        drop(second);
+        v.start_moving("work").expect("no claim left");
+        // Moving: no create claims it, and a second move is refused.
+        assert!(MountClaim::take(&v).is_none());
+        let e = v.start_moving("work").unwrap_err();
+        assert!(e.message.contains("being moved already"), "{}", e.message);
+    }
 }

@@ -122,12 +122,7 @@ pub(super) async fn move_volume(
         tracing::info!(volume = %r.id, to = %target.name, ms = started.elapsed().as_millis() as u64, "volume moved to a joined node");
         return Ok(answer(&target.id));
     }
-    if v.moving.swap(true, Ordering::AcqRel) {
-        return Err(ApiError::conflict(format!(
-            "volume {} is being moved already",
-            r.name
-        )));
-    }
+    v.start_moving(&r.name)?;
     let started = std::time::Instant::now();
     let moved = move_to(&app, &caller.tenant, &r, &v, &target).await;
     v.moving.store(false, Ordering::Release);
@@ -194,6 +189,16 @@ async fn catch_up_and_switch(
 ) -> Result<(), ApiError> {
     if let Some(sb) = running_sandbox_mounting(app, &r.id) {
         return Err(mounted(r, &sb));
+    }
+    // A snapshot made since the copy began (its record is written under the gate) did not
+    // go: the move is refused rather than leave it behind.
+    let mut now = app.store.list_volume_snapshots(tenant, &r.id)?;
+    now.reverse();
+    if now.iter().map(|s| &s.id).ne(snaps.iter().map(|s| &s.id)) {
+        return Err(ApiError::conflict(format!(
+            "volume {}'s snapshots changed during the move: move it again",
+            r.name
+        )));
     }
     let name = point_name();
     let last = v.root().join("snapshots").join(&name);
