@@ -471,6 +471,12 @@ pub trait Store: Send + Sync {
     /// none has that id.
     fn delete_node(&self, id: &str) -> Result<bool>;
 
+    /// [`Store::delete_node`] and, in the same transaction, the records of the volumes
+    /// whose host it is (and their snapshots'): a joined node's volumes live on its disk,
+    /// which nothing of the fleet reaches once it is removed. The volumes removed; `None`
+    /// if no node has that id.
+    fn delete_node_with_volumes(&self, id: &str) -> Result<Option<Vec<VolumeRecord>>>;
+
     /// Cordons node `id` (no new placements) or lifts its cordon; `false` if none has
     /// that id.
     fn cordon_node(&self, id: &str, cordoned: bool) -> Result<bool>;

@@ -2500,6 +2500,68 @@ fn postgres_sessions_keep_alive_on_both_ends() {
     drop(store);
 }
 
+/// A joined node removed from the fleet takes its volumes' records (and their snapshots')
+/// with it in one transaction; other nodes' volumes stay; a second removal finds nothing.
+fn a_removed_node_takes_its_volumes_records(b: Backend) {
+    let db = Db::new(b);
+    let store = db.open();
+    store.upsert_node(&fleet_node("nd_a", 1), 60_000).unwrap();
+    store.upsert_node(&fleet_node("nd_b", 1), 60_000).unwrap();
+    store.ensure_tenant("default").unwrap();
+    let vol = |id: &str, host: &str| locker_store::VolumeRecord {
+        id: id.into(),
+        tenant: "default".into(),
+        name: id.replace('_', "-"),
+        size_mb: 100,
+        created_at: rfc3339(T0),
+        host: host.into(),
+    };
+    for (id, host) in [("vol_a1", "nd_a"), ("vol_a2", "nd_a"), ("vol_b1", "nd_b")] {
+        store.insert_volume(&vol(id, host)).unwrap();
+        store
+            .insert_volume_snapshot(&locker_store::VolumeSnapshotRecord {
+                id: format!("snap_{}", id.trim_start_matches("vol_")),
+                tenant: "default".into(),
+                volume_id: id.into(),
+                size_bytes: 1,
+                created_at: rfc3339(T0),
+                path: format!("/x/{id}"),
+            })
+            .unwrap();
+    }
+    let mut gone: Vec<String> = store
+        .delete_node_with_volumes("nd_a")
+        .unwrap()
+        .expect("nd_a was there")
+        .into_iter()
+        .map(|v| v.id)
+        .collect();
+    gone.sort();
+    assert_eq!(gone, ["vol_a1", "vol_a2"]);
+    assert!(store.get_node("nd_a").unwrap().is_none());
+    assert!(store.get_volume("default", "vol_a1").unwrap().is_none());
+    assert!(store
+        .list_volume_snapshots("default", "vol_a1")
+        .unwrap()
+        .is_empty());
+    assert!(store
+        .get_volume_snapshot("default", "snap_a2")
+        .unwrap()
+        .is_none());
+    assert_eq!(
+        store.get_volume("default", "vol-a1").unwrap(),
+        None,
+        "the name is free"
+    );
+    assert!(store.get_volume("default", "vol_b1").unwrap().is_some());
+    assert!(store
+        .get_volume_snapshot("default", "snap_b1")
+        .unwrap()
+        .is_some());
+    assert!(store.delete_node_with_volumes("nd_a").unwrap().is_none());
+    assert!(store.get_node("nd_b").unwrap().is_some());
+}
+
 /// A sandbox moved between nodes (a drain): its placement switches node and epoch, the
 /// reservation made for the move becomes its own, the old node's comes back; a stale move
 /// (deleted meanwhile, moved already, the reservation gone) writes nothing.
@@ -2657,6 +2719,11 @@ mod sqlite {
     }
 
     #[test]
+    fn a_removed_node_takes_its_volumes_records() {
+        super::a_removed_node_takes_its_volumes_records(super::Backend::Sqlite)
+    }
+
+    #[test]
     fn host_sandboxes_take_hostless_rows_once() {
         super::host_sandboxes_take_hostless_rows_once(super::Backend::Sqlite)
     }
@@ -2782,6 +2849,11 @@ mod postgres {
     #[test]
     fn placements_move_between_nodes() {
         super::placements_move_between_nodes(super::Backend::Postgres)
+    }
+
+    #[test]
+    fn a_removed_node_takes_its_volumes_records() {
+        super::a_removed_node_takes_its_volumes_records(super::Backend::Postgres)
     }
 
     #[test]

@@ -868,28 +868,17 @@ async fn remove_node(
     let store = app.store.clone();
     let removed = blocking(move || match store.get_node(&node)? {
         Some(n) => {
-            if !store.delete_node(&n.id)? {
-                return Ok(None);
-            }
             // A joined node's volumes are on its disk, which nothing of the fleet reaches
-            // from now on (its certificate opens nothing): their records go with it, so
-            // that their names and disk quota are free again. A replica's own node
-            // (`--node local`) keeps its volumes on its server's disk, and registers again
-            // at that server's next start.
-            let mut gone = Vec::new();
-            if n.cert_sha256 != super::local::LOCAL_CERT {
-                // Not `host_volumes`: that gives rows of no host to the host it is asked of.
-                let theirs = store
-                    .list_all_volumes()?
-                    .into_iter()
-                    .filter(|v| v.host == n.id);
-                for v in theirs {
-                    if store.delete_volume(&v.tenant, &v.id)? {
-                        gone.push(v);
-                    }
-                }
-            }
-            Ok(Some((n, gone)))
+            // from now on (its certificate opens nothing): their records go with it, in
+            // the same transaction, so that their names and disk quota are free again. A
+            // replica's own node (`--node local`) keeps its volumes on its server's disk,
+            // and registers again at that server's next start.
+            let gone = if n.cert_sha256 == super::local::LOCAL_CERT {
+                store.delete_node(&n.id)?.then(Vec::new)
+            } else {
+                store.delete_node_with_volumes(&n.id)?
+            };
+            Ok(gone.map(|gone| (n, gone)))
         }
         None => Err(StoreError::NotFound(format!(
             "no node {node:?} in the fleet (see GET /v1/fleet/nodes)"

@@ -911,6 +911,11 @@ impl Store for PgStore {
         self.run(move |c| fleet::delete_node(c, &id))
     }
 
+    fn delete_node_with_volumes(&self, id: &str) -> Result<Option<Vec<VolumeRecord>>> {
+        let id = id.to_owned();
+        self.run(move |c| objects::delete_node_with_volumes(c, &id))
+    }
+
     fn cordon_node(&self, id: &str, cordoned: bool) -> Result<bool> {
         let id = id.to_owned();
         self.run(move |c| fleet::cordon_node(c, &id, cordoned))

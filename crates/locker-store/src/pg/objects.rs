@@ -231,6 +231,31 @@ pub(super) fn host_volumes(c: &mut Conn, host: &str) -> Result<Vec<VolumeRecord>
     })
 }
 
+/// `Store::delete_node_with_volumes`: the node's row, its volumes' and their snapshots', in
+/// one transaction.
+pub(super) fn delete_node_with_volumes(
+    c: &mut Conn,
+    id: &str,
+) -> Result<Option<Vec<VolumeRecord>>> {
+    c.transaction(|c| {
+        if c.execute("DELETE FROM nodes WHERE id = $1", &[&id])? == 0 {
+            return Ok(None);
+        }
+        let rows = c.query(
+            &format!("DELETE FROM volumes WHERE host = $1 RETURNING {VOLUME_COLUMNS}"),
+            &[&id],
+        )?;
+        let gone = volumes_of(rows)?;
+        for v in &gone {
+            c.execute(
+                "DELETE FROM volume_snapshots WHERE tenant = $1 AND volume_id = $2",
+                &[&v.tenant, &v.id],
+            )?;
+        }
+        Ok(Some(gone))
+    })
+}
+
 pub(super) fn delete_volume(c: &mut Conn, tenant: &str, id: &str) -> Result<bool> {
     c.transaction(|c| {
         let n = c.execute(

@@ -569,6 +569,10 @@ impl Store for SqliteStore {
         fleet::delete_node(self, id)
     }
 
+    fn delete_node_with_volumes(&self, id: &str) -> Result<Option<Vec<VolumeRecord>>> {
+        volumes::delete_node_with_volumes(self, id)
+    }
+
     fn cordon_node(&self, id: &str, cordoned: bool) -> Result<bool> {
         fleet::cordon_node(self, id, cordoned)
     }

@@ -122,6 +122,41 @@ pub(super) fn host_volumes(db: &SqliteStore, host: &str) -> Result<Vec<VolumeRec
     raw.into_iter().map(decode_volume).collect()
 }
 
+/// `Store::delete_node_with_volumes`: the node's row, its volumes' and their snapshots', in
+/// one transaction.
+pub(super) fn delete_node_with_volumes(
+    db: &SqliteStore,
+    id: &str,
+) -> Result<Option<Vec<VolumeRecord>>> {
+    let mut conn = db.writer();
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    if tx.execute("DELETE FROM nodes WHERE id = ?1", params![id])? == 0 {
+        return Ok(None);
+    }
+    let raw: Vec<RawVolume> = tx
+        .prepare(&format!(
+            "SELECT {VOLUME_COLUMNS} FROM volumes WHERE host = ?1"
+        ))?
+        .query_map(params![id], volume_of)?
+        .collect::<rusqlite::Result<_>>()?;
+    let gone = raw
+        .into_iter()
+        .map(decode_volume)
+        .collect::<Result<Vec<_>>>()?;
+    for v in &gone {
+        tx.execute(
+            "DELETE FROM volume_snapshots WHERE tenant = ?1 AND volume_id = ?2",
+            params![v.tenant, v.id],
+        )?;
+        tx.execute(
+            "DELETE FROM volumes WHERE tenant = ?1 AND id = ?2",
+            params![v.tenant, v.id],
+        )?;
+    }
+    tx.commit()?;
+    Ok(Some(gone))
+}
+
 pub(super) fn delete_volume(db: &SqliteStore, tenant: &str, id: &str) -> Result<bool> {
     let mut conn = db.writer();
     let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
