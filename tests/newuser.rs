@@ -600,7 +600,8 @@ fn exec_it_and_shell_with_a_command_run_in_a_terminal() {
         Stdio::null(),
     ));
     let text = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(3), "{text}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{text}\n{err}");
     assert!(
         text.contains("b c /tmp") && text.contains("/dev/pts/"),
         "{text}"

@@ -447,15 +447,23 @@ async fn bridge(
                 Some(_) => {}
                 None => return Ok(()),
             },
+            // Input for a command that has just ended is dropped, not an error: its end (and
+            // exit code) is still on its way from the agent, and must reach the client.
             msg = ws.recv() => match msg {
-                Some(Ok(Message::Binary(b))) => sender.send_data(Chan::Bytes, &b).await.map_err(|e| e.to_string())?,
+                Some(Ok(Message::Binary(b))) => {
+                    let _ = sender.send_data(Chan::Bytes, &b).await;
+                }
                 Some(Ok(Message::Text(t))) => {
                     #[derive(Deserialize)]
                     struct Resize { resize: [u16; 2] }
                     match serde_json::from_str::<Resize>(&t) {
-                        Ok(r) => sender.resize(PtySize { cols: r.resize[0].max(1), rows: r.resize[1].max(1) }).map_err(|e| e.to_string())?,
+                        Ok(r) => {
+                            let _ = sender.resize(PtySize { cols: r.resize[0].max(1), rows: r.resize[1].max(1) });
+                        }
                         // Text that is not a control message is typed input.
-                        Err(_) => sender.send_data(Chan::Bytes, t.as_bytes()).await.map_err(|e| e.to_string())?,
+                        Err(_) => {
+                            let _ = sender.send_data(Chan::Bytes, t.as_bytes()).await;
+                        }
                     }
                 }
                 Some(Ok(Message::Close(_))) | None | Some(Err(_)) => {

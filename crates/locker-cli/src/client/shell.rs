@@ -394,15 +394,24 @@ fn pump(
         if fds[2].revents != 0 {
             let n = tty::read_fd(0, &mut buf)
                 .map_err(|e| ClientError::io("cannot read standard input", e))?;
-            if n == 0 {
+            let input = if n == 0 {
                 stdin_open = false;
                 // A pipe ran dry: say end-of-input the way a terminal does (Ctrl-D), so a
                 // piped script ends the remote shell when it is done.
-                if !interactive {
-                    pending |= send(&mut ws, Message::binary(vec![4u8]))?;
-                }
+                (!interactive).then(|| vec![4u8])
             } else {
-                pending |= send(&mut ws, Message::binary(buf[..n].to_vec()))?;
+                Some(buf[..n].to_vec())
+            };
+            if let Some(bytes) = input {
+                match send(&mut ws, Message::binary(bytes)) {
+                    Ok(p) => pending |= p,
+                    // The server ended the terminal as this input left (it said how, and
+                    // closed): that end stands, not the failed send.
+                    Err(_) if exit.is_some() || failure.is_some() => {
+                        return ending(exit, failure, true)
+                    }
+                    Err(e) => return Err(e),
+                }
             }
         }
     }
