@@ -10,7 +10,7 @@
 use locker_tests::fabric::{
     admin_cli, fleet_node, fleet_nodes, join_nodes, join_nodes_with, Fabric,
 };
-use locker_tests::fleet::{placed_node, placed_on, rows};
+use locker_tests::fleet::{drained, listed_ids, placed_node, placed_on, rows};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Server};
 use locker_tests::wait_for;
@@ -63,14 +63,7 @@ fn microvm_on_a(admin: &Api, api: &Api) -> String {
 
 /// Drains node a, which holds sandbox `id` alone: it moves, to b. The drain's report.
 fn drain_a_moves_it(admin: &Api, api: &Api, db: &str, id: &str) -> Value {
-    let r = admin.post("/v1/fleet/nodes/a/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    let report = r.json();
-    assert_eq!(
-        report["moved"].as_array().map(Vec::len),
-        Some(1),
-        "{report}"
-    );
+    let report = drained(admin, "a", 1);
     assert_eq!(node_of(api, db, id), "b");
     report
 }
@@ -508,17 +501,9 @@ fn a_drain_carries_jails_and_volumes_between_a_joined_node_and_a_replicas_own_no
         .len()
     };
     let listed_once = || {
-        let list = api.get("/v1/sandboxes").expect(200, "list");
-        let mut ids: Vec<String> = list["sandboxes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["id"].as_str().unwrap().to_owned())
-            .collect();
-        ids.sort();
         let mut want = vec![plain.clone(), mounting.clone()];
         want.sort();
-        assert_eq!(ids, want, "each listed once");
+        assert_eq!(listed_ids(&api), want, "each listed once");
     };
     assert_eq!(store_rows(&plain), 0, "a joined node keeps its own rows");
     let answers = || {
@@ -534,15 +519,8 @@ fn a_drain_carries_jails_and_volumes_between_a_joined_node_and_a_replicas_own_no
         admin
             .post(&format!("/v1/fleet/nodes/{to}/uncordon"), &json!({}))
             .expect(200, "uncordon the target");
-        let r = admin.post(&format!("/v1/fleet/nodes/{from}/drain"), &json!({}));
-        assert_eq!(r.status, 200, "{}", r.text());
-        let report = r.json();
+        let report = drained(&admin, from, 2);
         eprintln!("{from} drained: {report:#}");
-        assert_eq!(
-            report["moved"].as_array().map(Vec::len),
-            Some(2),
-            "{report}"
-        );
         assert_eq!(report["failed"], json!([]), "{report}");
         assert_eq!(report["volumes"]["failed"], json!([]), "{report}");
         for id in [&plain, &mounting] {

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use locker_tests::fleet::{placed_node, rows};
+use locker_tests::fleet::{drained, listed_ids, placed_node, rows};
 use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp, Server};
 use locker_tests::streams::{read_exit_frame, read_until, ws_connect};
@@ -741,15 +741,8 @@ fn a_drained_host_hands_its_sandboxes_and_volumes_to_the_other() {
         .expect(200, "uncordon host-b");
 
     // Drained through the other replica: both sandboxes and both volumes go to host-b.
-    let r = b.admin().post("/v1/fleet/nodes/host-a/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    let report = r.json();
+    let report = drained(&b.admin(), "host-a", 2);
     eprintln!("{report:#}");
-    assert_eq!(
-        report["moved"].as_array().map(Vec::len),
-        Some(2),
-        "{report}"
-    );
     assert_eq!(report["failed"], json!([]), "{report}");
     assert_eq!(report["left"], 0, "{report}");
     assert!(
@@ -790,17 +783,9 @@ fn a_drained_host_hands_its_sandboxes_and_volumes_to_the_other() {
             api.get("/v1/volumes/spare/files?path=%2Fv.txt").text(),
             "spare volume"
         );
-        let list = api.get("/v1/sandboxes").expect(200, "list");
-        let mut ids: Vec<&str> = list["sandboxes"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|s| s["id"].as_str().unwrap())
-            .collect();
-        ids.sort();
-        let mut want = vec![plain.as_str(), mounting.as_str()];
+        let mut want = vec![plain.clone(), mounting.clone()];
         want.sort();
-        assert_eq!(ids, want, "each listed once");
+        assert_eq!(listed_ids(api), want, "each listed once");
     }
     for name in ["mounted", "spare"] {
         let v = api_a
@@ -821,14 +806,7 @@ fn a_drained_host_hands_its_sandboxes_and_volumes_to_the_other() {
     admin
         .post("/v1/fleet/nodes/host-a/uncordon", &json!({}))
         .expect(200, "uncordon host-a");
-    let r = admin.post("/v1/fleet/nodes/host-b/drain", &json!({}));
-    assert_eq!(r.status, 200, "{}", r.text());
-    let report = r.json();
-    assert_eq!(
-        report["moved"].as_array().map(Vec::len),
-        Some(2),
-        "{report}"
-    );
+    drained(&admin, "host-b", 2);
     for id in [&plain, &mounting] {
         assert_eq!(placed_in(&db, id), ("host-a".to_owned(), 1), "{id}");
     }

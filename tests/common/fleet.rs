@@ -305,6 +305,36 @@ pub fn placed_node(db: &str, id: &str) -> String {
     on[0][0].clone()
 }
 
+/// Drains `node` through `admin` (`POST /v1/fleet/nodes/{node}/drain`): answered 200 with
+/// `moved` sandboxes moved; the report.
+pub fn drained(admin: &crate::server::Api, node: &str, moved: usize) -> serde_json::Value {
+    let r = admin.post(
+        &format!("/v1/fleet/nodes/{node}/drain"),
+        &serde_json::json!({}),
+    );
+    assert_eq!(r.status, 200, "{}", r.text());
+    let report = r.json();
+    assert_eq!(
+        report["moved"].as_array().map(Vec::len),
+        Some(moved),
+        "{report}"
+    );
+    report
+}
+
+/// The ids of the sandboxes `api`'s tenant lists, sorted.
+pub fn listed_ids(api: &crate::server::Api) -> Vec<String> {
+    let list = api.get("/v1/sandboxes").expect(200, "list");
+    let mut ids: Vec<String> = list["sandboxes"]
+        .as_array()
+        .expect("sandboxes")
+        .iter()
+        .map(|s| s["id"].as_str().expect("an id").to_owned())
+        .collect();
+    ids.sort();
+    ids
+}
+
 /// The sandboxes a node's engine holds on disk.
 pub fn sandbox_dirs(n: &NodeProc) -> BTreeSet<String> {
     std::fs::read_dir(n.data_dir().join("sandboxes"))

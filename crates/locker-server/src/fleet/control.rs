@@ -873,7 +873,7 @@ async fn remove_node(
             // the same transaction, so that their names and disk quota are free again. A
             // replica's own node (`--node local`) keeps its volumes on its server's disk,
             // and registers again at that server's next start.
-            let gone = if n.cert_sha256 == super::local::LOCAL_CERT {
+            let gone = if super::local::is_own_node(&n) {
                 store.delete_node(&n.id)?.then(Vec::new)
             } else {
                 store.delete_node_with_volumes(&n.id)?

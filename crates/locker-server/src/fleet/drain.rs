@@ -192,7 +192,7 @@ async fn volumes_off(app: &AppState, node: &NodeRecord) -> Result<Value, ApiErro
 /// The live sandboxes of control replica `node`'s own node (`--node local`) that have no
 /// placement (made while its server ran alone, before it joined the fleet): `(id, tenant)`.
 async fn unplaced_on(app: &AppState, node: &NodeRecord) -> Result<Vec<(String, String)>, ApiError> {
-    if node.cert_sha256 != super::local::LOCAL_CERT {
+    if !super::local::is_own_node(node) {
         return Ok(Vec::new());
     }
     let (store, n) = (app.store.clone(), node.id.clone());

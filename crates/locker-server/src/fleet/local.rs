@@ -31,6 +31,12 @@ use crate::state::AppState;
 /// What `cert_sha256` holds for a control replica's own node (see the module doc).
 pub const LOCAL_CERT: &str = "local";
 
+/// Whether `n` is a control replica's own node (`--node local`), whose sandboxes' and
+/// volumes' records are the fleet's own rows, rather than a joined node, which keeps its own.
+pub fn is_own_node(n: &NodeRecord) -> bool {
+    n.cert_sha256 == LOCAL_CERT
+}
+
 /// How `--node local` was asked for.
 #[derive(Debug, Clone)]
 pub struct LocalNodeConfig {

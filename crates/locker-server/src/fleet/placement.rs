@@ -228,7 +228,7 @@ pub fn forget_nodes(app: &AppState) {
 pub fn row_nodes(nodes: &[NodeRecord]) -> std::collections::HashSet<String> {
     nodes
         .iter()
-        .filter(|n| n.cert_sha256 == super::local::LOCAL_CERT)
+        .filter(|n| super::local::is_own_node(n))
         .map(|n| n.id.clone())
         .collect()
 }
@@ -446,7 +446,7 @@ async fn orphans(app: &AppState, nodes: &[NodeRecord], placements: &[PlacementRe
     for n in nodes {
         if n.state != NodeState::Ready
             || Some(n.id.as_str()) == local.as_deref()
-            || n.cert_sha256 == super::local::LOCAL_CERT
+            || super::local::is_own_node(n)
         {
             continue;
         }

@@ -110,7 +110,7 @@ pub(super) async fn move_volume(
     }
     // To a joined node: this replica drives the move as control does between joined nodes
     // (`fleet::route::volume_move`), this server's node the home.
-    if target.cert_sha256 != crate::fleet::local::LOCAL_CERT {
+    if !crate::fleet::local::is_own_node(&target) {
         let home = app.store.get_node(&app.host_id)?.ok_or_else(|| {
             ApiError::conflict(
                 "this server is no node of the fleet (--node local): its volumes move only \
@@ -258,7 +258,7 @@ fn target_node(app: &AppState, name: &str) -> Result<NodeRecord, ApiError> {
             n.name
         )));
     }
-    if n.cordoned && n.cert_sha256 != crate::fleet::local::LOCAL_CERT {
+    if n.cordoned && !crate::fleet::local::is_own_node(&n) {
         return Err(ApiError::conflict(format!(
             "node {} is cordoned: it takes no new work (uncordon it, or name another)",
             n.name

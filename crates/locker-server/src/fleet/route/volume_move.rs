@@ -98,12 +98,6 @@ pub async fn move_off(
     Ok(to)
 }
 
-/// Whether `n` is a control replica's own node (`--node local`), whose volumes' records are
-/// the fleet's own rows, rather than a joined node, which keeps its own.
-fn is_replica(n: &NodeRecord) -> bool {
-    n.cert_sha256 == crate::fleet::local::LOCAL_CERT
-}
-
 /// Moves volume `rec` from its home `from` to `to` (no sandbox mounting it on `from`):
 /// between control replicas' own nodes the home does (`volumes::moving`, asked on its node
 /// listener as a caller's move is); otherwise control drives it ([`run`]). On `Ok` the
@@ -114,7 +108,10 @@ pub async fn between(
     from: &NodeRecord,
     to: &NodeRecord,
 ) -> Result<(), ApiError> {
-    match (is_replica(from), is_replica(to)) {
+    match (
+        crate::fleet::local::is_own_node(from),
+        crate::fleet::local::is_own_node(to),
+    ) {
         (false, false) => run(app, rec, from, to).await,
         (true, true) => {
             let path = format!("/v1/volumes/{}/move", rec.id);
