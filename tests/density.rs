@@ -82,9 +82,8 @@ fn machine_procs(id: &str) -> Vec<i32> {
         }
     }
     let mut out = Vec::new();
-    for root in ["/sys/fs/cgroup/pids/locker", "/sys/fs/cgroup/locker"] {
-        let d = Path::new(root).join(id);
-        if d.is_dir() {
+    for root in ["/sys/fs/cgroup/pids", "/sys/fs/cgroup"] {
+        if let Some(d) = locker_tests::machine_cgroup(Path::new(root), id) {
             walk(&d, &mut out);
             break;
         }

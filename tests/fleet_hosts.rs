@@ -956,3 +956,150 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     api.delete(&format!("/v1/sandboxes/{id}"))
         .expect(204, "delete the restarted sandbox");
 }
+
+/// A host that stalls (its server stopped, its machines running on) past its lease: the
+/// fleet starts its snapshotted jail on the other host while the old machine still runs
+/// there. When the stalled server wakes it fences before it acts: it destroys its old
+/// machine and nothing else (the new host's machine, on the same kernel here, keeps
+/// running: machines' cgroups are named per host), writes nothing of the sandbox (no
+/// `failed`, no expiry, no pause: the row stays the new host's and `running`), and routes
+/// calls to the new host. Meanwhile the reaper of each host ends only its own rows: a jail
+/// with a short TTL on the leader's host is expired there, never by the other.
+#[test]
+fn a_stalled_host_wakes_fenced_and_leaves_the_moved_sandbox_alone() {
+    let (db, url) = cluster().new_database();
+    let kept = locker_tests::TempDir::new("locker-snapshot-store");
+    let store = kept.path().display().to_string();
+    let extra = ["--snapshot-store", store.as_str()];
+    let a = replica_with(&url, "host-a", &extra);
+    let b = replica_with(&url, "host-b", &extra);
+    wait_for(Duration::from_secs(15), "both hosts alive", || {
+        (alive(&a.admin(), "host-a").is_some() && alive(&a.admin(), "host-b").is_some())
+            .then_some(())
+    });
+    let a_leads = a.log_text().contains("this replica leads the fleet");
+    let (leader, victim) = if a_leads { (&a, &b) } else { (&b, &a) };
+    let (lname, vname) = if a_leads {
+        ("host-a", "host-b")
+    } else {
+        ("host-b", "host-a")
+    };
+    let (api, admin) = (leader.api(), leader.admin());
+    let vapi = victim.api().with_key(api.key());
+    let on = |node: &str, body: serde_json::Value| -> String {
+        let other = if node == lname { vname } else { lname };
+        admin
+            .post(&format!("/v1/fleet/nodes/{other}/cordon"), &json!({}))
+            .expect(200, "cordon");
+        let made = api.post("/v1/sandboxes", &body);
+        admin
+            .post(&format!("/v1/fleet/nodes/{other}/uncordon"), &json!({}))
+            .expect(200, "uncordon");
+        assert_eq!(made.status, 201, "{}", made.text());
+        assert_eq!(made.headers["x-locker-node"], node);
+        made.json()["id"].as_str().unwrap().to_owned()
+    };
+    // The sandbox that moves: on the victim, with a kept snapshot and an idle timeout the
+    // stall outlasts (the victim's idle policy must not pause it when it wakes).
+    let id = on(
+        vname,
+        json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256, "idle_timeout_s": 8}),
+    );
+    api.sh(&id, "echo before > /home/user/f && sync");
+    let snap = api.post(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
+    assert_eq!(snap.status, 201, "{}", snap.text());
+    let copy = kept
+        .path()
+        .join(format!("{}.carry", snap.json()["id"].as_str().unwrap()));
+    wait_for(Duration::from_secs(30), "the copy in the store", || {
+        copy.is_file().then_some(())
+    });
+    api.sh(&id, "echo after > /home/user/g && sync");
+    let old_dir = victim.machine_dir(&id);
+    let old_cgroup = locker_tests::machine_cgroup(std::path::Path::new("/sys/fs/cgroup/pids"), &id)
+        .or_else(|| locker_tests::machine_cgroup(std::path::Path::new("/sys/fs/cgroup"), &id))
+        .expect("the victim's machine's cgroup");
+
+    // The victim's server stalls; its machine runs on.
+    victim.signal(libc::SIGSTOP);
+    let stalled = std::time::Instant::now();
+    wait_for(
+        Duration::from_secs(30),
+        "started on the leader's host",
+        || (placed_in(&db, &id).0 == lname).then_some(()),
+    );
+    eprintln!(
+        "started on {lname} {:?} after {vname} stalled",
+        stalled.elapsed()
+    );
+    assert_eq!(
+        api.sh(
+            &id,
+            "cat /home/user/f; test -e /home/user/g && echo g || echo no-g"
+        ),
+        "before\nno-g\n"
+    );
+    assert!(
+        old_dir.is_dir() && old_cgroup.is_dir(),
+        "the old machine runs on"
+    );
+    let new_dir = leader.machine_dir(&id);
+    assert!(new_dir.is_dir(), "the new machine");
+    // Past the idle timeout, the victim wakes.
+    std::thread::sleep(Duration::from_secs(6));
+    victim.signal(libc::SIGCONT);
+    wait_for(Duration::from_secs(20), "the old machine destroyed", || {
+        (!old_dir.exists() && !old_cgroup.exists()).then_some(())
+    });
+    let log = victim.log_text();
+    assert!(
+        log.contains("stalled for longer than its node's lease") && log.contains("fenced"),
+        "{log}"
+    );
+    // The new machine is untouched, the sandbox running there, its row the leader's.
+    let leader_id = alive(&admin, lname).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    std::thread::sleep(Duration::from_secs(2));
+    for api in [&api, &vapi] {
+        assert_eq!(api.sh(&id, "cat /home/user/f"), "before\n");
+        let v = api.get(&format!("/v1/sandboxes/{id}")).json();
+        assert_eq!(v["state"], "running", "{v}");
+    }
+    assert!(new_dir.is_dir());
+    assert_eq!(
+        rows(
+            &db,
+            &format!("SELECT host, state FROM sandboxes WHERE id = '{id}'"),
+        ),
+        vec![vec![leader_id, "running".to_owned()]]
+    );
+    assert!(
+        !victim
+            .log_text()
+            .lines()
+            .any(|l| l.contains(&id) && l.contains("paused by the idle policy")),
+        "{}",
+        victim.log_text()
+    );
+    // A short-lived jail on the leader's host is expired by its own host's reaper, and by
+    // no other (both reapers see the row: the store is the fleet's).
+    let short = on(
+        lname,
+        json!({"runtime": "jail", "ttl_s": 3, "memory_mb": 256}),
+    );
+    wait_for(Duration::from_secs(10), "the short jail expired", || {
+        (api.get(&format!("/v1/sandboxes/{short}")).status == 404).then_some(())
+    });
+    let ended = |s: &Server| {
+        s.log_text()
+            .lines()
+            .any(|l| l.contains(&short) && l.contains("expired (TTL) and destroyed"))
+    };
+    assert!(ended(leader), "{}", leader.log_text());
+    assert!(!ended(victim), "{}", victim.log_text());
+    assert!(!leader.machine_dir(&short).exists());
+    api.delete(&format!("/v1/sandboxes/{id}"))
+        .expect(204, "delete the moved sandbox");
+}

@@ -497,8 +497,7 @@ fn a_volume_move_whose_control_plane_dies_is_settled_by_the_fleets_record() {
     // 1. Control stops the moment the home holds the volume (its mark), before the switch.
     let mover = move_in_background(&api, ["a", "b"][o]);
     watch_for(&dir(h).join("outgoing"), "the home holding the volume");
-    // SAFETY: a signal to the control plane's process, which this test started.
-    unsafe { libc::kill(srv.pid() as i32, libc::SIGSTOP) };
+    srv.signal(libc::SIGSTOP);
     srv.kill9();
     let _ = mover.join();
     srv.restart_on_same_port();
@@ -556,8 +555,7 @@ fn a_volume_move_whose_control_plane_dies_is_settled_by_the_fleets_record() {
         &dir(o).join("outgoing"),
         "the home holding the volume again",
     );
-    // SAFETY: as above.
-    unsafe { libc::kill(srv.pid() as i32, libc::SIGSTOP) };
+    srv.signal(libc::SIGSTOP);
     nodes[o].signal(libc::SIGKILL);
     srv.kill9();
     let _ = mover.join();

@@ -235,7 +235,7 @@ fn a_command_cgroup_left_frozen_does_not_outlive_its_sandbox() {
     let api = s.api();
     let id = sandbox(&api, &json!({}));
     api.sh(id.as_str(), "nohup sleep 1000 >/dev/null 2>&1 &");
-    let dir = root.join(&id);
+    let dir = locker_tests::machine_cgroup(root.parent().unwrap(), &id).expect("its cgroup");
     let frozen: Vec<_> = std::fs::read_dir(&dir)
         .unwrap()
         .flatten()

@@ -220,7 +220,10 @@ async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
     assert!(!dir.exists(), "the machine's directory is gone");
     assert!(qemus_under(&dir).is_empty(), "no QEMU left");
     assert!(
-        !vms.node.layout().machine_ids().contains(&m.id),
+        !vms.node
+            .layout()
+            .machine_names()
+            .contains(&locker_runtime::cgroup::machine_name(&m.id, &dir)),
         "no cgroup left"
     );
 }
@@ -389,7 +392,8 @@ async fn a_microvm_start_given_up_half_way_leaves_nothing() {
     );
     drop(create);
 
-    let cgroup = locker_runtime::cgroup::MachineCgroup::new(loose.layout.clone(), &loose.id);
+    let cgroup =
+        locker_runtime::cgroup::MachineCgroup::new(loose.layout.clone(), &loose.id, &loose.dir);
     let what = "the machine given up is torn down (QEMU, cgroup, directory, uid lease)";
     tokio::task::spawn_blocking(move || {
         locker_tests::wait_for(Duration::from_secs(20), what, || {

@@ -220,16 +220,14 @@ impl NetnsDialer {
 /// through the machine's cgroup (v1 `pids`/`freezer`, or v2), walked to the commands'
 /// cgroups below it.
 pub fn sandbox_pid(id: &str, needle: &str) -> Option<u32> {
-    let roots = [
-        format!("/sys/fs/cgroup/pids/locker/{id}"),
-        format!("/sys/fs/cgroup/freezer/locker/{id}"),
-        format!("/sys/fs/cgroup/locker/{id}"),
-    ];
-    roots
-        .iter()
-        .map(Path::new)
-        .filter(|p| p.is_dir())
-        .find_map(|p| find_pid(p, needle, 0))
+    [
+        "/sys/fs/cgroup/pids",
+        "/sys/fs/cgroup/freezer",
+        "/sys/fs/cgroup",
+    ]
+    .iter()
+    .filter_map(|r| locker_tests::machine_cgroup(Path::new(r), id))
+    .find_map(|p| find_pid(&p, needle, 0))
 }
 
 fn find_pid(dir: &Path, needle: &str, depth: usize) -> Option<u32> {

@@ -300,17 +300,19 @@ fn read_u64(p: &Path) -> Option<u64> {
 }
 
 /// Memory of machine `id`'s own cgroup in bytes: (all of it, the kernel's part of it).
-/// v1: `memory.usage_in_bytes` and `memory.kmem.usage_in_bytes` of `memory/locker/<id>`;
-/// v2: `memory.current` and the `kernel` line of `memory.stat` of `locker/<id>`.
+/// v1: `memory.usage_in_bytes` and `memory.kmem.usage_in_bytes` of its cgroup under `memory`;
+/// v2: `memory.current` and the `kernel` line of its `memory.stat`.
 fn cgroup_memory(id: &str) -> Option<(u64, u64)> {
-    let v1 = Path::new("/sys/fs/cgroup/memory/locker").join(id);
-    if let Some(all) = read_u64(&v1.join("memory.usage_in_bytes")) {
+    let v1 = locker_tests::machine_cgroup(Path::new("/sys/fs/cgroup/memory"), id);
+    if let Some((v1, all)) =
+        v1.and_then(|d| read_u64(&d.join("memory.usage_in_bytes")).map(|a| (d, a)))
+    {
         return Some((
             all,
             read_u64(&v1.join("memory.kmem.usage_in_bytes")).unwrap_or(0),
         ));
     }
-    let v2 = Path::new("/sys/fs/cgroup/locker").join(id);
+    let v2 = locker_tests::machine_cgroup(Path::new("/sys/fs/cgroup"), id)?;
     let all = read_u64(&v2.join("memory.current"))?;
     let kernel = std::fs::read_to_string(v2.join("memory.stat"))
         .unwrap_or_default()
@@ -507,16 +509,18 @@ fn procs_naming(prefix: &str) -> Vec<i32> {
     out
 }
 
-/// CPU used so far by machine `id`'s cgroup in ms: `cpuacct.usage` of `cpuacct/locker/<id>`
-/// (v1), or `usage_usec` of `cpu.stat` of `locker/<id>` (v2).
+/// CPU used so far by machine `id`'s cgroup in ms: `cpuacct.usage` of its cgroup under
+/// `cpuacct` (v1), or `usage_usec` of its `cpu.stat` (v2).
 fn cgroup_cpu_ms(id: &str) -> Option<f64> {
     let root = Path::new("/sys/fs/cgroup");
     for v1 in ["cpuacct", "cpu,cpuacct"] {
-        if let Some(ns) = read_u64(&root.join(v1).join("locker").join(id).join("cpuacct.usage")) {
+        let ns = locker_tests::machine_cgroup(&root.join(v1), id)
+            .and_then(|d| read_u64(&d.join("cpuacct.usage")));
+        if let Some(ns) = ns {
             return Some(ns as f64 / 1e6);
         }
     }
-    std::fs::read_to_string(root.join("locker").join(id).join("cpu.stat"))
+    std::fs::read_to_string(locker_tests::machine_cgroup(root, id)?.join("cpu.stat"))
         .ok()?
         .lines()
         .find_map(|l| l.strip_prefix("usage_usec "))

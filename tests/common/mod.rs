@@ -323,15 +323,12 @@ fn reap_adopted_orphans() {
 /// cgroup (v1: `freezer.state`; v2: the `frozen` line of `cgroup.events`, the state reached
 /// rather than the one asked for).
 pub fn frozen(id: &str) -> Option<bool> {
-    let v1 = Path::new("/sys/fs/cgroup/freezer/locker")
-        .join(id)
-        .join("freezer.state");
-    if let Ok(s) = std::fs::read_to_string(&v1) {
+    let v1 = machine_cgroup(Path::new("/sys/fs/cgroup/freezer"), id)
+        .and_then(|d| std::fs::read_to_string(d.join("freezer.state")).ok());
+    if let Some(s) = v1 {
         return Some(s.trim() == "FROZEN");
     }
-    let v2 = Path::new("/sys/fs/cgroup/locker")
-        .join(id)
-        .join("cgroup.events");
+    let v2 = machine_cgroup(Path::new("/sys/fs/cgroup"), id)?.join("cgroup.events");
     std::fs::read_to_string(v2)
         .ok()
         .map(|s| s.lines().any(|l| l == "frozen 1"))
@@ -446,6 +443,23 @@ pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
+/// The cgroup of sandbox `id`'s machine under the hierarchy `root` (`/sys/fs/cgroup/pids`,
+/// or `/sys/fs/cgroup` on v2), whatever server runs it: `locker/<id>.<tag>` (see
+/// `locker_runtime::cgroup::machine_name`), or `locker/<id>` as earlier releases named it.
+/// An id holds no dot, so the first such directory is the machine's.
+pub fn machine_cgroup(root: &Path, id: &str) -> Option<PathBuf> {
+    let tagged = format!("{id}.");
+    std::fs::read_dir(root.join("locker"))
+        .ok()?
+        .flatten()
+        .find(|e| {
+            let n = e.file_name();
+            let n = n.to_string_lossy();
+            (n == id || n.starts_with(&tagged)) && e.path().is_dir()
+        })
+        .map(|e| e.path())
+}
+
 /// Host-side traces of a machine: mounts naming its directory, its cgroups, its directory.
 pub fn traces_of(id: &str, dir: &Path) -> Vec<String> {
     let mut out = Vec::new();
@@ -455,9 +469,13 @@ pub fn traces_of(id: &str, dir: &Path) -> Vec<String> {
         out.push(format!("mount: {l}"));
     }
     for c in ["memory", "pids", "cpu", "cpuacct", "freezer", "unified", ""] {
-        let p = Path::new("/sys/fs/cgroup").join(c).join("locker").join(id);
-        if p.exists() {
-            out.push(format!("cgroup: {}", p.display()));
+        let parent = Path::new("/sys/fs/cgroup").join(c).join("locker");
+        // This build's name, and the bare id an earlier release's machine has.
+        for name in [locker_runtime::cgroup::machine_name(id, dir), id.to_owned()] {
+            let p = parent.join(name);
+            if p.exists() {
+                out.push(format!("cgroup: {}", p.display()));
+            }
         }
     }
     if dir.exists() {

@@ -171,6 +171,12 @@ impl Server {
         s
     }
 
+    /// Sends signal `sig` to the server's process (`SIGSTOP`: a stalled host).
+    pub fn signal(&self, sig: i32) {
+        // SAFETY: kill with the pid of this test's own child and a signal number.
+        unsafe { libc::kill(self.pid() as i32, sig) };
+    }
+
     /// The server's process id.
     pub fn pid(&self) -> u32 {
         self.child

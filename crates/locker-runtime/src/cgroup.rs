@@ -1,7 +1,8 @@
 //! Control groups of machines: limits, accounting, freezing, killing, removal.
 //!
-//! Owns the host side of every machine's cgroup under `<controller>/locker/<id>` (v1) or
-//! `locker/<id>` (v2). Works on pure v2 hosts (most users) and on v1 or hybrid hosts
+//! Owns the host side of every machine's cgroup under `<controller>/locker/<name>` (v1) or
+//! `locker/<name>` (v2), where the name is the machine's id and a tag of its directory
+//! ([`machine_name`]). Works on pure v2 hosts (most users) and on v1 or hybrid hosts
 //! (these build machines: cpu, memory, pids and freezer on v1). Inside a machine the agent
 //! creates a cgroup per command below the machine's own; this room never touches those
 //! except to kill and remove everything when the machine goes. It also enters a process
@@ -122,8 +123,8 @@ impl Layout {
         }
     }
 
-    /// The ids of every machine cgroup that exists (for cleaning up after a crash).
-    pub fn machine_ids(&self) -> Vec<String> {
+    /// The names of every machine cgroup that exists ([`machine_name`]).
+    pub fn machine_names(&self) -> Vec<String> {
         let mut ids: Vec<String> = Vec::new();
         for (_, h) in self.hierarchies() {
             if let Ok(rd) = fs::read_dir(h.join(PARENT)) {
@@ -154,7 +155,23 @@ pub struct Limits {
 #[derive(Debug, Clone)]
 pub struct MachineCgroup {
     layout: Layout,
-    id: String,
+    name: String,
+}
+
+/// The name of the cgroup of machine `id` whose directory is `dir`: `<id>.<tag>`, the tag
+/// eight hex digits of a hash of the directory. Several servers on one host (a fleet's
+/// nodes in tests, a second data dir) each have their own machines' directories, and so
+/// never share a cgroup even for one sandbox id: a machine of a sandbox that moved is
+/// torn down without touching the new one's. The uid ranges are host-wide for the same
+/// reason ([`crate::machine::slots`]). The hash is FNV-1a, fixed here, so a later build
+/// finds the same name.
+pub fn machine_name(id: &str, dir: &Path) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in dir.as_os_str().as_encoded_bytes() {
+        h ^= u64::from(*b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{id}.{:08x}", (h ^ (h >> 32)) as u32)
 }
 
 fn write(path: &Path, value: &str, step: &'static str) -> Result<(), CgroupError> {
@@ -167,12 +184,37 @@ fn chown(path: &Path, uid: u32) -> Result<(), CgroupError> {
 }
 
 impl MachineCgroup {
-    /// The cgroup of machine `id` (whether or not it exists yet).
-    pub fn new(layout: Layout, id: &str) -> Self {
+    /// The cgroup a machine being started (`id`, in `dir`) gets: see [`machine_name`].
+    pub fn new(layout: Layout, id: &str, dir: &Path) -> Self {
         Self {
+            name: machine_name(id, dir),
             layout,
-            id: id.to_owned(),
         }
+    }
+
+    /// The cgroup of a machine that may have been started by an earlier server: the one
+    /// [`MachineCgroup::new`] names, unless only a cgroup named by the bare id exists
+    /// (what releases before the tag made). Whether or not it still exists.
+    pub fn existing(layout: Layout, id: &str, dir: &Path) -> Self {
+        let cg = Self::new(layout, id, dir);
+        let first = |n: &str| {
+            cg.layout
+                .hierarchies()
+                .first()
+                .map(|(_, h)| h.join(PARENT).join(n))
+        };
+        match (first(&cg.name), first(id)) {
+            (Some(tagged), Some(bare)) if !tagged.exists() && bare.exists() => Self {
+                name: id.to_owned(),
+                layout: cg.layout,
+            },
+            _ => cg,
+        }
+    }
+
+    /// The cgroup's name under [`PARENT`].
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
     pub fn layout(&self) -> &Layout {
@@ -184,7 +226,7 @@ impl MachineCgroup {
         self.layout
             .hierarchies()
             .into_iter()
-            .map(|(c, h)| (c, h.join(PARENT).join(&self.id)))
+            .map(|(c, h)| (c, h.join(PARENT).join(&self.name)))
             .collect()
     }
 
@@ -201,7 +243,7 @@ impl MachineCgroup {
                     let sc = p.join("cgroup.subtree_control");
                     write(&sc, "+memory +pids +cpu", "enable controllers")?;
                 }
-                let dir = parent.join(&self.id);
+                let dir = parent.join(&self.name);
                 fs::create_dir(&dir).map_err(io_err(&dir, "create"))?;
                 write(
                     &dir.join("memory.max"),
@@ -307,7 +349,7 @@ impl MachineCgroup {
                 .iter()
                 .map(|c| {
                     (
-                        self.layout.root.join(c).join(PARENT).join(&self.id),
+                        self.layout.root.join(c).join(PARENT).join(&self.name),
                         PathBuf::from("sys/fs/cgroup").join(c),
                     )
                 })
@@ -317,8 +359,13 @@ impl MachineCgroup {
 
     fn freezer_dir(&self) -> PathBuf {
         match self.layout.version {
-            Version::V2 => self.layout.root.join(PARENT).join(&self.id),
-            Version::V1 => self.layout.root.join("freezer").join(PARENT).join(&self.id),
+            Version::V2 => self.layout.root.join(PARENT).join(&self.name),
+            Version::V1 => self
+                .layout
+                .root
+                .join("freezer")
+                .join(PARENT)
+                .join(&self.name),
         }
     }
 
@@ -463,9 +510,19 @@ impl MachineCgroup {
                 }
             }
             Version::V1 => {
-                let acct = self.layout.root.join("cpuacct").join(PARENT).join(&self.id);
+                let acct = self
+                    .layout
+                    .root
+                    .join("cpuacct")
+                    .join(PARENT)
+                    .join(&self.name);
                 let ns: u64 = read(acct.join("cpuacct.usage")).trim().parse().unwrap_or(0);
-                let mem = self.layout.root.join("memory").join(PARENT).join(&self.id);
+                let mem = self
+                    .layout
+                    .root
+                    .join("memory")
+                    .join(PARENT)
+                    .join(&self.name);
                 let peak = read(mem.join("memory.max_usage_in_bytes"))
                     .trim()
                     .parse()
@@ -485,14 +542,14 @@ impl MachineCgroup {
                 .layout
                 .root
                 .join(PARENT)
-                .join(&self.id)
+                .join(&self.name)
                 .join("memory.current"),
             Version::V1 => self
                 .layout
                 .root
                 .join("memory")
                 .join(PARENT)
-                .join(&self.id)
+                .join(&self.name)
                 .join("memory.usage_in_bytes"),
         };
         fs::read_to_string(f)
@@ -720,5 +777,48 @@ mod favor_tests {
         // The word in a mount point or another filesystem's options does not count.
         let other = "91 24 0:56 / /mnt/favordynmods rw - tmpfs tmpfs rw,favordynmods\n";
         assert_eq!(favoring_mount(other), None);
+    }
+}
+
+#[cfg(test)]
+mod name_tests {
+    use super::{machine_name, Layout, MachineCgroup, Version, PARENT};
+    use std::path::Path;
+
+    #[test]
+    fn a_machines_cgroup_is_named_by_its_id_and_its_directory() {
+        let a = machine_name("sb_1", Path::new("/var/lib/locker/sandboxes/sb_1"));
+        // Fixed: a later build must find the cgroups an earlier one made.
+        assert_eq!(a, "sb_1.07a9213a"); // FNV-1a 64 of the path, folded to 32 bits
+        let b = machine_name("sb_1", Path::new("/srv/other/sandboxes/sb_1"));
+        assert!(b.starts_with("sb_1.") && b != a, "{a} {b}");
+    }
+
+    #[test]
+    fn an_earlier_releases_cgroup_named_by_the_bare_id_is_still_found() {
+        let root = std::env::temp_dir().join(format!("cg-names-{}", std::process::id()));
+        let layout = Layout {
+            version: Version::V2,
+            root: root.clone(),
+        };
+        let dir = Path::new("/data/sandboxes/sb_2");
+        let tagged = MachineCgroup::new(layout.clone(), "sb_2", dir);
+        // Neither exists: the name this build gives.
+        assert_eq!(
+            MachineCgroup::existing(layout.clone(), "sb_2", dir).name(),
+            tagged.name()
+        );
+        std::fs::create_dir_all(root.join(PARENT).join("sb_2")).unwrap();
+        assert_eq!(
+            MachineCgroup::existing(layout.clone(), "sb_2", dir).name(),
+            "sb_2"
+        );
+        // Both: the tagged one is this build's machine.
+        std::fs::create_dir_all(root.join(PARENT).join(tagged.name())).unwrap();
+        assert_eq!(
+            MachineCgroup::existing(layout, "sb_2", dir).name(),
+            tagged.name()
+        );
+        std::fs::remove_dir_all(&root).unwrap();
     }
 }

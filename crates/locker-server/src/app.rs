@@ -309,6 +309,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         disks.sandboxes.clone(),
     ));
     let events = crate::events::Events::new(store.clone());
+    let awake = crate::fleet::local::Awake::new(cfg.local_node.is_some());
     let app = Arc::new(App {
         cfg,
         host_id,
@@ -332,6 +333,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         disks,
         fleet,
         fleet_creates: Default::default(),
+        awake,
         _lock: lock,
     });
     crate::lifecycle::adopt_all(&app).await;

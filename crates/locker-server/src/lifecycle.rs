@@ -365,6 +365,7 @@ async fn ready_pooled(
 
 /// The caller's live sandbox `id` without counting a call or thawing it (pause, snapshot).
 pub async fn live_quiet(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
+    app.awake.wait_open().await?;
     let live = app
         .live
         .read()
@@ -398,6 +399,7 @@ pub async fn live_of(app: &AppState, caller: &Caller, id: &str) -> Result<Busy, 
 /// The caller's sandbox `id`, live on this node, without counting a call (a settings change
 /// neither needs the machine nor wakes it).
 pub async fn live_entry(app: &AppState, caller: &Caller, id: &str) -> Result<Arc<Live>, ApiError> {
+    app.awake.wait_open().await?;
     match app.live.read().await.get(id).cloned() {
         Some(l) if l.tenant == caller.tenant => Ok(l),
         _ => Err(not_live(app, caller, id)),
@@ -743,6 +745,11 @@ pub fn spawn_reaper(app: AppState) {
         let mut ticks: u64 = 0;
         loop {
             tick.tick().await;
+            // After a stall, nothing until this server's node has heard from the fleet
+            // (`fleet::local::Awake`): these sandboxes may run elsewhere now.
+            if !app.awake.is_open() {
+                continue;
+            }
             ticks += 1;
             // Time splits too, every 10 ticks (and at each sandbox's end, in `destroy`).
             if ticks.is_multiple_of(10) {
@@ -769,6 +776,10 @@ pub fn spawn_reaper(app: AppState) {
             };
             for id in ids {
                 if let Ok(Some(r)) = app.store.get_sandbox_any(&id) {
+                    if r.host != app.host_id {
+                        expire_elsewhere(&app, &r);
+                        continue;
+                    }
                     match destroy(&app, &r, "expired").await {
                         Ok(()) => tracing::info!(sandbox = %id, "expired (TTL) and destroyed"),
                         Err(e) => tracing::warn!(sandbox = %id, error = %e, "TTL reaper failed"),
@@ -777,6 +788,41 @@ pub fn spawn_reaper(app: AppState) {
             }
         }
     });
+}
+
+/// The TTL of another host's sandbox passed (a fleet's store holds every replica's rows):
+/// that host's own reaper ends it, machine and row. Only when that host's node is not
+/// alive (dead, or removed from the fleet) is the row ended here, and nothing else: its
+/// machine, if any, is on that host (which destroys it when it returns and fences).
+fn expire_elsewhere(app: &AppState, r: &SandboxRecord) {
+    let alive = app
+        .store
+        .get_node(&r.host)
+        .and_then(|n| Ok((n, app.store.clock_ms()?)));
+    match alive {
+        Ok((Some(n), now_ms)) if crate::fleet::placement::alive(&n, now_ms) => {}
+        Ok(_) => {
+            match app
+                .store
+                .end_sandbox_at(&r.id, now_s(), &crate::tombstone::cause(r, "expired"))
+            {
+                Ok(true) => {
+                    app.events.emit(
+                        &r.tenant,
+                        crate::events::Kind::SandboxExpired,
+                        &r.id,
+                        json!({"usage": null}),
+                    );
+                    tracing::info!(sandbox = %r.id, host = %r.host, "expired (TTL) on a host that is not alive: its record ended");
+                }
+                Ok(false) => {}
+                Err(e) => tracing::warn!(sandbox = %r.id, error = %e, "TTL reaper failed"),
+            }
+        }
+        Err(e) => {
+            tracing::warn!(sandbox = %r.id, error = %e, "TTL reaper: cannot read the node of another host's sandbox")
+        }
+    }
 }
 
 /// Refuses `want_mb` more disk for `tenant` (a `what`: sandbox, volume) past its disk

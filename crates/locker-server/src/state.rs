@@ -373,6 +373,9 @@ pub struct App {
     pub fleet: Option<Arc<crate::fleet::control::Control>>,
     /// The creates the control plane asked of this engine as a fleet node (its reports).
     pub fleet_creates: crate::fleet::node::Creates,
+    /// Whether this server may act on its live sandboxes (a stall of a `--node local`
+    /// server closes it until its node's next beat: `fleet::local::Awake`).
+    pub awake: crate::fleet::local::Awake,
     pub(crate) _lock: DataDirLock,
 }
 

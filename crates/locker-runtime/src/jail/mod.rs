@@ -224,12 +224,12 @@ fn write_atomic(path: &Path, data: &[u8]) -> io::Result<()> {
     fs::rename(tmp, path)
 }
 
-/// Whether `pid` is a live (not zombie) process inside machine `id`'s cgroup.
-pub(crate) fn owns_pid(pid: i32, id: &str) -> bool {
+/// Whether `pid` is a live (not zombie) process inside the machine cgroup `name`.
+pub(crate) fn owns_pid(pid: i32, name: &str) -> bool {
     let cg = fs::read_to_string(format!("/proc/{pid}/cgroup")).unwrap_or_default();
     cg.lines().any(|l| {
-        l.ends_with(&format!("/{}/{id}", crate::cgroup::PARENT))
-            || l.contains(&format!("/{}/{id}/", crate::cgroup::PARENT))
+        l.ends_with(&format!("/{}/{name}", crate::cgroup::PARENT))
+            || l.contains(&format!("/{}/{name}/", crate::cgroup::PARENT))
     })
 }
 
@@ -244,5 +244,10 @@ pub fn is_shim(pid: i32, dir: &Path) -> bool {
 
 /// Whether a machine found on disk is still alive (its shim and agent run).
 pub fn is_alive(state: &JailState) -> bool {
-    is_shim(state.shim_pid, &state.dir) && owns_pid(state.agent_pid, &state.id)
+    // The cgroup's name as this build makes it, or the bare id of an earlier release's.
+    is_shim(state.shim_pid, &state.dir)
+        && (owns_pid(
+            state.agent_pid,
+            &crate::cgroup::machine_name(&state.id, &state.dir),
+        ) || owns_pid(state.agent_pid, &state.id))
 }

@@ -78,7 +78,7 @@ fn run_shim(spec_path: &Path) -> Result<i32, JailError> {
 
     // 3. The cgroup.
     let layout = Layout::host()?;
-    let cg = MachineCgroup::new(layout, &spec.id);
+    let cg = MachineCgroup::new(layout, &spec.id, &spec.dir);
     let limits = Limits {
         cpus: spec.cpus,
         memory_bytes: spec.memory_mb << 20,
@@ -499,6 +499,7 @@ mod tests {
                 root: root.to_owned(),
             },
             &id,
+            Path::new("/nonexistent"),
         );
         let (_, machine) = cg.dirs().remove(0);
         fs::create_dir_all(machine.join("init")).unwrap();

@@ -34,9 +34,9 @@ pub enum TeardownError {
 /// namespace dies with its PID 1), its cgroup, its egress, its directory, and its uid
 /// lease. A jail's mounts and loop device go with its namespaces.
 pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), TeardownError> {
-    let cg = MachineCgroup::new(layout.clone(), id);
+    let cg = MachineCgroup::existing(layout.clone(), id, dir);
     let state = MachineState::load(dir);
-    kill_processes(id, &cg, state.as_ref())?;
+    kill_processes(&cg, state.as_ref())?;
     if let Some(MachineState::Jail(s)) = &state {
         // The shim exits right after its PID 1; wait so its mount namespace is gone too.
         let deadline = Instant::now() + SHIM_EXIT;
@@ -74,19 +74,14 @@ pub fn destroy(id: &str, dir: &Path, layout: &Layout) -> Result<(), TeardownErro
 /// rest: what a run needs before it reads the machine's layer. [`destroy`] does the rest.
 pub fn stop(id: &str, dir: &Path, layout: &Layout) -> Result<(), TeardownError> {
     kill_processes(
-        id,
-        &MachineCgroup::new(layout.clone(), id),
+        &MachineCgroup::existing(layout.clone(), id, dir),
         MachineState::load(dir).as_ref(),
     )
 }
 
-fn kill_processes(
-    id: &str,
-    cg: &MachineCgroup,
-    state: Option<&MachineState>,
-) -> Result<(), TeardownError> {
+fn kill_processes(cg: &MachineCgroup, state: Option<&MachineState>) -> Result<(), TeardownError> {
     match state {
-        Some(MachineState::Jail(s)) if crate::jail::owns_pid(s.agent_pid, id) => {
+        Some(MachineState::Jail(s)) if crate::jail::owns_pid(s.agent_pid, cg.name()) => {
             // PID 1's death takes its whole pid namespace down, and the kernel reports it
             // only once every other process of the namespace is gone: wait for exactly that
             // (a run's answer waits on this), then let `kill_all` check and kill whatever

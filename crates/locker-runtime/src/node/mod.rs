@@ -373,12 +373,12 @@ impl Node {
         let (state, child, agent) = unwind.check(started).await?;
         let state = MachineState::Jail(state);
         Ok(Machine {
+            cgroup: MachineCgroup::new(self.layout.clone(), &spec.id, &spec.dir),
             id: spec.id.clone(),
             dir: spec.dir,
             netns: jail_netns(&state),
             state,
             agent,
-            cgroup: MachineCgroup::new(self.layout.clone(), &spec.id),
             shim: Mutex::new(Some(child)),
         })
     }
@@ -432,7 +432,7 @@ impl Node {
         if let Some(parent) = spec.dir.parent() {
             traversable(parent);
         }
-        let cgroup = MachineCgroup::new(self.layout.clone(), &spec.id);
+        let cgroup = MachineCgroup::new(self.layout.clone(), &spec.id, &spec.dir);
         let started = async {
             let netdev = if net {
                 let d = spec.dir.clone();
@@ -538,7 +538,8 @@ impl Node {
         if state.id() != id || !state.is_alive() {
             return Err(AdoptError::Gone);
         }
-        let cgroup = MachineCgroup::new(self.layout.clone(), id);
+        let cgroup = MachineCgroup::existing(self.layout.clone(), id, dir);
+        let kept = cgroup.clone();
         let (vm, id2) = (state.as_vm().cloned(), id.to_owned());
         // Failures here are only logged: the agent's answer below decides.
         let _ = tokio::task::spawn_blocking(move || {
@@ -562,7 +563,7 @@ impl Node {
             netns: jail_netns(&state),
             state,
             agent,
-            cgroup: MachineCgroup::new(self.layout.clone(), id),
+            cgroup: kept,
             shim: Mutex::new(None),
         })
     }

@@ -17,10 +17,17 @@
 //! again on another node from a snapshot (`fleet::restart`; their rows and placements are
 //! that node's), so no replica serves a sandbox the fleet gave up or moved. Its other
 //! machines are the server's own, as on one host.
+//!
+//! A server that *stalled* (stopped, its VM paused, its host frozen) may have been declared
+//! dead meanwhile without knowing it, and wakes with its old machines of sandboxes that now
+//! run elsewhere: until its next beat has told it and it has fenced, it acts on none of
+//! them ([`Awake`]: the reaper's expiries, the idle policy's pauses and calls to its live
+//! sandboxes wait), so nothing it does on waking lands on a row another host owns.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use locker_store::{NodeRecord, NodeState, PlacementState, StoreError};
 
@@ -35,6 +42,119 @@ pub const LOCAL_CERT: &str = "local";
 /// volumes' records are the fleet's own rows, rather than a joined node, which keeps its own.
 pub fn is_own_node(n: &NodeRecord) -> bool {
     n.cert_sha256 == LOCAL_CERT
+}
+
+/// Whether this server has run without a gap since its node's last beat (see the module
+/// doc). A gap is a stretch longer than the lease in which its clock moved on and it ran
+/// nothing (a [`TICK`] task notices it, and so does any check made before that task ran
+/// again); from then on [`Awake::is_open`] is false until a beat *begun after the gap*
+/// has come back (and the fence it called for is done). A server that is no node of a
+/// fleet is always open. A store that only answers slowly makes no gap: the server runs.
+pub struct Awake {
+    node: bool,
+    /// The longest stretch that is not a gap: the lease.
+    gap_ms: u64,
+    base: Instant,
+    state: std::sync::Mutex<Seen>,
+}
+
+#[derive(Default)]
+struct Seen {
+    /// Milliseconds since `base` of the last tick (or check) that saw no gap.
+    last_ms: u64,
+    closed: bool,
+    /// Counts the gaps seen, so that a beat that began before one cannot open it.
+    gaps: u64,
+}
+
+/// How often the gap detector runs.
+const TICK: Duration = Duration::from_millis(250);
+/// How long calls to a live sandbox wait for the beat after a gap before they are refused.
+const WAKE_WAIT: Duration = Duration::from_secs(4);
+
+impl Awake {
+    /// For a server with `--node local` (closed until its node's first beat is done) or
+    /// without one (always open).
+    pub fn new(node: bool) -> Self {
+        Self::with_gap(node, LEASE)
+    }
+
+    fn with_gap(node: bool, gap: Duration) -> Self {
+        Self {
+            node,
+            gap_ms: u64::try_from(gap.as_millis()).unwrap_or(u64::MAX),
+            base: Instant::now(),
+            state: std::sync::Mutex::new(Seen {
+                closed: node,
+                ..Seen::default()
+            }),
+        }
+    }
+
+    /// Notes that the server runs now (a gap since the last note closes it): the state.
+    fn note(&self) -> std::sync::MutexGuard<'_, Seen> {
+        let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let ran_nothing_for = now.saturating_sub(s.last_ms);
+        s.last_ms = now;
+        if ran_nothing_for > self.gap_ms {
+            s.gaps += 1;
+            if !s.closed {
+                s.closed = true;
+                tracing::warn!(ran_nothing_for_ms = ran_nothing_for, "this server stalled for longer than its node's lease: it acts on no sandbox until its node's next beat says whether the fleet moved any");
+            }
+        }
+        s
+    }
+
+    /// Whether this server may act on its live sandboxes now.
+    pub fn is_open(&self) -> bool {
+        !self.node || !self.note().closed
+    }
+
+    /// [`Awake::is_open`], waiting up to [`WAKE_WAIT`] for the beat after a gap: a 503
+    /// saying so when it does not come.
+    pub async fn wait_open(&self) -> Result<(), crate::error::ApiError> {
+        let t0 = Instant::now();
+        while !self.is_open() {
+            if t0.elapsed() > WAKE_WAIT {
+                return Err(crate::error::ApiError::new(
+                    axum::http::StatusCode::SERVICE_UNAVAILABLE,
+                    "this host has not yet heard from the fleet since it stalled (its node's \
+                     beat has not come back): retry in a few seconds",
+                ));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok(())
+    }
+
+    /// Where a beat begins: what [`Awake::beaten`] compares.
+    fn beat_begins(&self) -> u64 {
+        self.note().gaps
+    }
+
+    /// A beat begun at `since` came back and its fence (if any) is done: open, unless a
+    /// gap came after it began.
+    fn beaten(&self, since: u64) {
+        let mut s = self.note();
+        if s.gaps == since {
+            s.closed = false;
+        }
+    }
+
+    /// Runs the gap detector until `quitting`.
+    fn spawn_ticker(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) {
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(TICK);
+            loop {
+                tokio::select! {
+                    _ = tick.tick() => { drop(app.awake.note()); }
+                    _ = quitting.wait_for(|q| *q) => return,
+                }
+            }
+        });
+    }
 }
 
 /// How `--node local` was asked for.
@@ -81,10 +201,12 @@ pub async fn start(app: &AppState, cfg: &LocalNodeConfig) -> Result<LocalNode, S
         }
         None => (None, app.cfg.listen.to_string()),
     };
+    let since = app.awake.beat_begins();
     let node = register(app, cfg, &address).await?;
     // Declared dead while this server was down: what the fleet gave up goes before this
     // server answers anything (its machines were adopted already).
     drop_lost(app, &node.id).await;
+    app.awake.beaten(since);
     if listener.is_some() {
         tracing::info!(address = %address, "this server's node listener: control replicas route its sandboxes' calls here");
     }
@@ -231,6 +353,7 @@ pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::
         }
     }
     let address = node.address.clone();
+    Awake::spawn_ticker(app.clone(), quitting.clone());
     tokio::spawn(async move {
         let quit = async move {
             let _ = quitting.wait_for(|q| *q).await;
@@ -244,6 +367,7 @@ pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::
                 () = &mut quit => return,
             }
             settle_moves(&app).await;
+            let since = app.awake.beat_begins();
             let report = report(&app, cfg.slots).await;
             let (store, id, epoch) = (app.store.clone(), node.id.clone(), node.epoch);
             let beat = tokio::task::spawn_blocking(move || {
@@ -272,12 +396,14 @@ pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::
                     if returned {
                         drop_lost(&app, &node.id).await;
                     }
+                    app.awake.beaten(since);
                 }
                 Ok(Ok(None)) => match register(&app, &cfg, &address).await {
                     Ok(n) => {
                         node = n;
                         serving.store(node.epoch, Ordering::Release);
                         drop_lost(&app, &node.id).await;
+                        app.awake.beaten(since);
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "this server's node was removed and cannot register again")
@@ -290,4 +416,40 @@ pub fn spawn(app: AppState, local: LocalNode, mut quitting: tokio::sync::watch::
             }
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Awake;
+    use std::time::Duration;
+
+    #[test]
+    fn a_server_that_is_no_node_is_always_awake() {
+        let a = Awake::with_gap(false, Duration::from_millis(20));
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(a.is_open());
+    }
+
+    #[test]
+    fn a_gap_closes_until_a_beat_begun_after_it_comes_back() {
+        let a = Awake::with_gap(true, Duration::from_millis(200));
+        assert!(!a.is_open(), "closed until the node's first beat");
+        let first = a.beat_begins();
+        a.beaten(first);
+        assert!(a.is_open());
+        // Running on with checks closer than the gap: open.
+        for _ in 0..5 {
+            std::thread::sleep(Duration::from_millis(50));
+            assert!(a.is_open());
+        }
+        // A beat begins, then the server stalls past the gap before it comes back.
+        let before = a.beat_begins();
+        std::thread::sleep(Duration::from_millis(300));
+        a.beaten(before);
+        assert!(!a.is_open(), "a beat begun before the gap does not open");
+        let after = a.beat_begins();
+        assert!(!a.is_open());
+        a.beaten(after);
+        assert!(a.is_open());
+    }
 }
