@@ -207,6 +207,9 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
         .find(|v| v["name"] == "shared")
         .unwrap_or_else(|| panic!("b does not list a's volume: {listed}"));
     assert!(v["node"].as_str().unwrap().starts_with("node_"), "{v}");
+    // Its home names itself the same: every view of a volume says where it lives.
+    let home = api_a.get("/v1/volumes/shared").expect(200, "the volume on its home");
+    assert_eq!(home["node"], v["node"], "{home}");
     let with = jail_mounting(&api_b, "shared", "/mnt/v", "host-a");
     assert!(a.sandboxes_dir().join(&with).exists());
     assert_eq!(

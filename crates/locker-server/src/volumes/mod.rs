@@ -457,8 +457,14 @@ pub fn running_sandbox_mounting(app: &AppState, volume_id: &str) -> Option<Strin
 }
 
 /// The API's view of a volume.
-fn view(r: &VolumeRecord, v: &Volume) -> Value {
-    json!({"id": r.id, "name": r.name, "size_mb": r.size_mb, "used_bytes": v.space.used_bytes(), "created_at": r.created_at})
+fn view(app: &AppState, r: &VolumeRecord, v: &Volume) -> Value {
+    let mut out = json!({"id": r.id, "name": r.name, "size_mb": r.size_mb, "used_bytes": v.space.used_bytes(), "created_at": r.created_at});
+    // A control replica that is a node of its fleet names its node, as the volumes other
+    // servers hold are listed with theirs.
+    if app.cfg.local_node.is_some() {
+        out["node"] = json!(app.host_id);
+    }
+    out
 }
 
 /// The caller's volume by id or name, with its state; 404 for another tenant's.
@@ -674,7 +680,7 @@ async fn create(
     let grant = admit(&app, &caller.tenant, size_mb).await?;
     let vol = add(&app, rec.clone(), |_| Ok(0)).await?;
     drop(grant);
-    Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
+    Ok((StatusCode::CREATED, axum::Json(view(&app, &rec, &vol))))
 }
 
 async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoResponse, ApiError> {
@@ -684,7 +690,7 @@ async fn list(State(app): State<AppState>, caller: Caller) -> Result<impl IntoRe
     let items: Vec<Value> = recs
         .iter()
         .filter_map(|r| match app.volumes.get(&r.id) {
-            Some(v) => Some(view(r, &v)),
+            Some(v) => Some(view(&app, r, &v)),
             None if !r.host.is_empty() && r.host != app.host_id => Some(json!({
                 "id": r.id, "name": r.name, "size_mb": r.size_mb, "used_bytes": null,
                 "created_at": r.created_at, "node": r.host,
@@ -701,7 +707,7 @@ async fn get_one(
     Path(id): Path<String>,
 ) -> Result<impl IntoResponse, ApiError> {
     let (r, v) = lookup(&app, &caller, &id)?;
-    Ok(axum::Json(view(&r, &v)))
+    Ok(axum::Json(view(&app, &r, &v)))
 }
 
 async fn delete(
@@ -901,7 +907,7 @@ async fn restore(
     .map_err(|e| ApiError::internal(format!("restoring volume {} from {}: {e}", r.id, s.id)))?;
     v.space.recount_to(used);
     v.log.lock().expect("commit log").append(vec!["/".into()]);
-    Ok(axum::Json(view(&r, &v)))
+    Ok(axum::Json(view(&app, &r, &v)))
 }
 
 #[derive(Deserialize)]
@@ -949,7 +955,7 @@ async fn fork(
     }
     drop(grant);
     let vol = vol?;
-    Ok((StatusCode::CREATED, axum::Json(view(&rec, &vol))))
+    Ok((StatusCode::CREATED, axum::Json(view(&app, &rec, &vol))))
 }
 
 #[cfg(test)]

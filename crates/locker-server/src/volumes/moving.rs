@@ -98,7 +98,7 @@ pub(super) async fn move_volume(
     }
     let target = target_node(&app, &body.node)?;
     let answer = |node: &str| {
-        let mut out = view(&r, &v);
+        let mut out = view(&app, &r, &v);
         out["node"] = json!(node);
         axum::Json(out).into_response()
     };
