@@ -208,7 +208,9 @@ fn identical_hosts_place_route_and_take_over_from_each_other() {
         .unwrap_or_else(|| panic!("b does not list a's volume: {listed}"));
     assert!(v["node"].as_str().unwrap().starts_with("node_"), "{v}");
     // Its home names itself the same: every view of a volume says where it lives.
-    let home = api_a.get("/v1/volumes/shared").expect(200, "the volume on its home");
+    let home = api_a
+        .get("/v1/volumes/shared")
+        .expect(200, "the volume on its home");
     assert_eq!(home["node"], v["node"], "{home}");
     let with = jail_mounting(&api_b, "shared", "/mnt/v", "host-a");
     assert!(a.sandboxes_dir().join(&with).exists());
@@ -836,7 +838,8 @@ fn a_drained_host_hands_its_sandboxes_and_volumes_to_the_other() {
 /// its id, with the snapshot's files and not what was written after; its row in the
 /// fleet's store becomes the new host's. When the dead host comes back it adopts nothing of
 /// it and writes nothing of it, and the sandbox answers from its new host through both
-/// replicas.
+/// replicas. A sandbox of the dead host whose TTL passes meanwhile is ended by the other
+/// (its record and placement; its machine died with the host).
 #[test]
 fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     let (db, url) = cluster().new_database();
@@ -888,6 +891,20 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     let not_kept = api.post(&format!("/v1/sandboxes/{mounting}/snapshots"), &json!({}));
     assert_eq!(not_kept.status, 201, "{}", not_kept.text());
     let not_kept = not_kept.json()["id"].as_str().unwrap().to_owned();
+    // A short-lived jail on the dying host, never snapshotted: lost with it, and its TTL
+    // ends while the host is dead.
+    admin
+        .post(&format!("/v1/fleet/nodes/{lname}/cordon"), &json!({}))
+        .expect(200, "cordon the leader's node");
+    let short = api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 10, "memory_mb": 256}),
+    );
+    admin
+        .post(&format!("/v1/fleet/nodes/{lname}/uncordon"), &json!({}))
+        .expect(200, "uncordon the leader's node");
+    assert_eq!(short.headers["x-locker-node"], vname, "{}", short.text());
+    let short = short.json()["id"].as_str().unwrap().to_owned();
     // The host dies: its server killed, its machines with it.
     let victim = if a_leads { &mut b } else { &mut a };
     victim.kill9();
@@ -933,6 +950,24 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
         row_host(),
         vec![vec![leader_id.clone()]],
         "the row is the new host's"
+    );
+    // The short jail's TTL passes while its host is dead: the leader ends its record (and
+    // nothing else: its machine was on the dead host).
+    wait_for(
+        Duration::from_secs(30),
+        "the dead host's short jail expired",
+        || {
+            let r = api.get(&format!("/v1/sandboxes/{short}"));
+            (r.status == 404 && r.text().contains("its TTL ran out")).then_some(())
+        },
+    );
+    assert!(
+        leader
+            .log_text()
+            .lines()
+            .any(|l| l.contains(&short) && l.contains("on a host that is not alive")),
+        "{}",
+        leader.log_text()
     );
 
     // The dead host comes back: it adopts nothing of the sandbox (its row is the other

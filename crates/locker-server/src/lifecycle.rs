@@ -777,7 +777,7 @@ pub fn spawn_reaper(app: AppState) {
             for id in ids {
                 if let Ok(Some(r)) = app.store.get_sandbox_any(&id) {
                     if r.host != app.host_id {
-                        expire_elsewhere(&app, &r);
+                        expire_elsewhere(&app, &r).await;
                         continue;
                     }
                     match destroy(&app, &r, "expired").await {
@@ -792,9 +792,10 @@ pub fn spawn_reaper(app: AppState) {
 
 /// The TTL of another host's sandbox passed (a fleet's store holds every replica's rows):
 /// that host's own reaper ends it, machine and row. Only when that host's node is not
-/// alive (dead, or removed from the fleet) is the row ended here, and nothing else: its
-/// machine, if any, is on that host (which destroys it when it returns and fences).
-fn expire_elsewhere(app: &AppState, r: &SandboxRecord) {
+/// alive (dead, or removed from the fleet) is it ended here: its row, and its placement
+/// (lost with the node) given back; its machine, if any, is on that host, which destroys
+/// it when it returns and fences.
+async fn expire_elsewhere(app: &AppState, r: &SandboxRecord) {
     let alive = app
         .store
         .get_node(&r.host)
@@ -807,6 +808,9 @@ fn expire_elsewhere(app: &AppState, r: &SandboxRecord) {
                 .end_sandbox_at(&r.id, now_s(), &crate::tombstone::cause(r, "expired"))
             {
                 Ok(true) => {
+                    if let Ok(Some(p)) = app.store.get_placement(&r.id) {
+                        crate::fleet::placement::unplace(app, &p.id).await;
+                    }
                     app.events.emit(
                         &r.tenant,
                         crate::events::Kind::SandboxExpired,
