@@ -267,7 +267,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         }
     }
     let node_cfg = NodeConfig::from_current_exe()?;
-    let volumes = crate::volumes::Volumes::open(
+    let (volumes, left) = crate::volumes::Volumes::open(
         &cfg.data_dir,
         node_cfg.agent_exe.clone(),
         store.host_volumes(&host_id)?,
@@ -275,6 +275,15 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
     )
     .await
     .map_err(ServeError::Volumes)?;
+    if !cfg.fleet_member {
+        let n = crate::volumes::handoff::forget_left_copies(store.as_ref(), &volumes.root, &left)?;
+        if n > 0 {
+            tracing::warn!(
+                snapshots = n,
+                "forgot the snapshot records a move that never finished wrote here"
+            );
+        }
+    }
     let node = Arc::new(Node::new(node_cfg)?);
     let templates =
         TemplateStore::open(&cfg.cache_dir).map_err(|e| ServeError::Templates(e.to_string()))?;

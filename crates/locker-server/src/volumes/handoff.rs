@@ -40,7 +40,9 @@
 //! its `open` writes only the snapshots' records (with its paths; the volume's record is
 //! the fleet's and names the home until the switch), and as the home its `moved` (or a
 //! dropped copy) removes only the snapshots' records with its paths. It settles a move in
-//! doubt by reading the fleet's record itself (`fleet::local`).
+//! doubt by reading the fleet's record itself (`fleet::local`). Restarted after it died as
+//! a target, it removes a copy the fleet's record does not name with the snapshots' records
+//! its `open` wrote ([`forget_left_copies`]).
 //!
 //! Owns the nodes' steps and the notes of moves under way. Not which node is the home (the
 //! fleet's record, control's), not the streams' format (`moving`).
@@ -561,6 +563,34 @@ fn forget_records(app: &AppState, tenant: &str, id: &str) -> Result<(), ApiError
     Ok(())
 }
 
+/// At a control replica's start: the copies a move left here that are not this server's
+/// (`moving::sweep` removed them) take with them the snapshot records with this server's
+/// paths that the move's `open` wrote into the fleet's store (a replica that died as a
+/// move's target after `open`, the switch never made). A joined node's own records of such
+/// a copy were never written without its files.
+pub fn forget_left_copies(
+    store: &dyn locker_store::Store,
+    root: &std::path::Path,
+    removed: &[String],
+) -> Result<usize, locker_store::StoreError> {
+    if removed.is_empty() {
+        return Ok(0);
+    }
+    let under = format!("{}/", root.display());
+    let mut n = 0;
+    for v in store.list_all_volumes()? {
+        if !removed.contains(&v.id) {
+            continue;
+        }
+        for s in store.list_volume_snapshots(&v.tenant, &v.id)? {
+            if s.path.starts_with(&under) && store.delete_volume_snapshot(&v.tenant, &s.id)? {
+                n += 1;
+            }
+        }
+    }
+    Ok(n)
+}
+
 // ---- in doubt ----
 
 /// Called before each heartbeat: a home's move with no gate held whose wait ran out is
@@ -652,5 +682,84 @@ pub(super) async fn adopt(volumes: &super::Volumes, marked: Vec<(VolumeRecord, &
                 sending: false,
             },
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::forget_left_copies;
+    use locker_store::{SqliteStore, Store, VolumeRecord, VolumeSnapshotRecord};
+
+    #[test]
+    fn a_copy_left_by_a_move_takes_only_this_servers_snapshot_records_along() {
+        let dir = std::env::temp_dir().join(format!("locker-left-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let store = SqliteStore::open(dir.join("db.sqlite")).unwrap();
+        store.ensure_tenant("t").unwrap();
+        let volume = |id: &str| VolumeRecord {
+            id: id.into(),
+            tenant: "t".into(),
+            name: id.replace('_', "-"),
+            size_mb: 16,
+            created_at: locker_types::rfc3339(1),
+            host: "home".into(),
+        };
+        let snap = |id: &str, vol: &str, path: &str| VolumeSnapshotRecord {
+            id: id.into(),
+            tenant: "t".into(),
+            volume_id: vol.into(),
+            size_bytes: 1,
+            created_at: locker_types::rfc3339(2),
+            path: path.into(),
+        };
+        for v in ["vol_left", "vol_other"] {
+            store.insert_volume(&volume(v)).unwrap();
+        }
+        // What this server's `open` wrote (its paths), the home's own, and another
+        // volume's record with this server's paths (not a left copy: kept).
+        for s in [
+            snap(
+                "snap_here",
+                "vol_left",
+                "/here/volumes/vol_left/snapshots/a",
+            ),
+            snap(
+                "snap_home",
+                "vol_left",
+                "/home-host/volumes/vol_left/snapshots/a",
+            ),
+            snap(
+                "snap_kept",
+                "vol_other",
+                "/here/volumes/vol_other/snapshots/b",
+            ),
+            // A sibling directory whose name only begins like the root.
+            snap(
+                "snap_near",
+                "vol_left",
+                "/here/volumes2/vol_left/snapshots/c",
+            ),
+        ] {
+            store.insert_volume_snapshot(&s).unwrap();
+        }
+        let root = std::path::Path::new("/here/volumes");
+        assert_eq!(forget_left_copies(&store, root, &[]).unwrap(), 0);
+        assert_eq!(
+            forget_left_copies(&store, root, &["vol_left".into()]).unwrap(),
+            1
+        );
+        let ids = |v: &str| -> Vec<String> {
+            let mut l: Vec<String> = store
+                .list_volume_snapshots("t", v)
+                .unwrap()
+                .into_iter()
+                .map(|s| s.id)
+                .collect();
+            l.sort();
+            l
+        };
+        assert_eq!(ids("vol_left"), ["snap_home", "snap_near"]);
+        assert_eq!(ids("vol_other"), ["snap_kept"]);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

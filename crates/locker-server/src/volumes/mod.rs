@@ -289,7 +289,7 @@ impl Volume {
 
 /// The volumes of this server, by id.
 pub struct Volumes {
-    root: PathBuf,
+    pub(crate) root: PathBuf,
     agent_exe: PathBuf,
     open: RwLock<HashMap<String, Arc<Volume>>>,
     /// Serverless runs in flight, per tenant (the `runs` quota).
@@ -308,13 +308,14 @@ impl Volumes {
     /// missing is served empty after a warning.
     ///
     /// `fleet_member`: this is a joined node, whose records a move may have written before
-    /// the fleet's switched (`handoff`).
+    /// the fleet's switched (`handoff`). Also answered: the ids of copies a move left here
+    /// that are not this server's, now removed (`moving::sweep`).
     pub async fn open(
         data_dir: &std::path::Path,
         agent_exe: PathBuf,
         records: Vec<VolumeRecord>,
         fleet_member: bool,
-    ) -> std::io::Result<Volumes> {
+    ) -> std::io::Result<(Volumes, Vec<String>)> {
         let root = data_dir.join("volumes");
         std::fs::create_dir_all(&root)?;
         let v = Volumes {
@@ -325,7 +326,7 @@ impl Volumes {
             pending_mb: Default::default(),
             moves: Default::default(),
         };
-        let marked = moving::sweep(&v.root, &records, fleet_member);
+        let (marked, removed) = moving::sweep(&v.root, &records, fleet_member);
         for r in records {
             let dir = v.root.join(&r.id);
             let vol = v.make(&r, 0);
@@ -346,7 +347,7 @@ impl Volumes {
                 .insert(r.id.clone(), vol);
         }
         handoff::adopt(&v, marked).await;
-        Ok(v)
+        Ok((v, removed))
     }
 
     fn make(&self, r: &VolumeRecord, used: u64) -> Arc<Volume> {

@@ -710,15 +710,17 @@ async fn discard(app: &AppState, tenant: &str, id: &str) -> Result<(), ApiError>
 /// replica `mine` is what the fleet's records say is this server's: the kept ones are
 /// unmarked. On a joined node (`in_doubt`) `mine` is its own records, which a move may have
 /// written before the fleet's switched: the kept ones stay marked and are answered, for
-/// the fleet to say whose they are (`handoff::adopt`).
+/// the fleet to say whose they are (`handoff::adopt`). Also answered: the ids of the
+/// copies removed (their snapshot records with this server's paths are the caller's to
+/// forget: `handoff::forget_left_copies`).
 pub fn sweep(
     root: &FsPath,
     mine: &[VolumeRecord],
     in_doubt: bool,
-) -> Vec<(VolumeRecord, &'static str)> {
-    let mut kept = Vec::new();
+) -> (Vec<(VolumeRecord, &'static str)>, Vec<String>) {
+    let (mut kept, mut removed) = (Vec::new(), Vec::new());
     let Ok(entries) = std::fs::read_dir(root) else {
-        return kept;
+        return (kept, removed);
     };
     for e in entries.flatten() {
         let dir = e.path();
@@ -743,9 +745,10 @@ pub fn sweep(
             if let Err(e) = locker_runtime::volume_fs::remove(&dir) {
                 tracing::warn!(volume = %name, error = %e, "could not remove a moved volume's copy");
             }
+            removed.push(name);
         }
     }
-    kept
+    (kept, removed)
 }
 
 #[cfg(test)]
@@ -780,12 +783,14 @@ mod tests {
         made("vol_out_mine", Some(OUTGOING));
         made("vol_out_theirs", Some(OUTGOING));
         made("vol_plain", None);
-        let kept = sweep(
+        let (kept, mut removed) = sweep(
             &root,
             &[record("vol_in_mine"), record("vol_out_mine")],
             false,
         );
         assert!(kept.is_empty(), "a control replica keeps no move in doubt");
+        removed.sort();
+        assert_eq!(removed, ["vol_in_theirs", "vol_out_theirs"]);
         for kept in ["vol_in_mine", "vol_out_mine"] {
             let d = root.join(kept);
             assert!(d.join("disk.img").exists(), "{kept} removed");
