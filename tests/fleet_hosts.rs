@@ -1083,9 +1083,21 @@ fn a_stalled_host_wakes_fenced_and_leaves_the_moved_sandbox_alone() {
     );
     let new_dir = leader.machine_dir(&id);
     assert!(new_dir.is_dir(), "the new machine");
-    // Past the idle timeout, the victim wakes.
+    // Past the idle timeout, the victim wakes, with a call to the sandbox waiting in its
+    // listener: the call is answered by the new machine (no `g`), never by the old one.
     std::thread::sleep(Duration::from_secs(6));
+    let waiting = {
+        let (vapi, id) = (vapi.clone(), id.clone());
+        std::thread::spawn(move || {
+            vapi.sh(
+                &id,
+                "cat /home/user/f; test -e /home/user/g && echo g || echo no-g",
+            )
+        })
+    };
+    std::thread::sleep(Duration::from_millis(300));
     victim.signal(libc::SIGCONT);
+    assert_eq!(waiting.join().unwrap(), "before\nno-g\n");
     wait_for(Duration::from_secs(20), "the old machine destroyed", || {
         (!old_dir.exists() && !old_cgroup.exists()).then_some(())
     });

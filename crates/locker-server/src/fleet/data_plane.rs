@@ -125,6 +125,10 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     let fork = matches!(door, Door::E2bControl)
         && req.method() == axum::http::Method::POST
         && req.uri().path() == format!("/sandboxes/{id}/fork");
+    // After a stall, this server's sandboxes are known after its node's next beat.
+    if let Err(e) = app.awake.wait_open().await {
+        return door.error(e.status, e.message);
+    }
     if !fork && app.live.read().await.contains_key(&id) {
         return next.run(req).await;
     }

@@ -236,6 +236,11 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     let deleting = req.method() == Method::DELETE && path == format!("/v1/sandboxes/{id}");
     // A fork's children are placed, this server's own sandbox's too.
     let forking = req.method() == Method::POST && path == format!("/v1/sandboxes/{id}/fork");
+    // After a stall, which sandboxes are this server's is known only after its node's next
+    // beat (and fence): the decision waits for it (`fleet::local::Awake`).
+    if let Err(e) = app.awake.wait_open().await {
+        return e.into_response();
+    }
     if !deleting && !forking && app.live.read().await.contains_key(&id) {
         return next.run(req).await;
     }
