@@ -689,6 +689,21 @@ fn placed_in(db: &str, id: &str) -> (String, usize) {
     (placed_node(db, id), sandbox_rows.len())
 }
 
+/// A sandbox made through `api` from `body`, on host `node` (the other host, `other`,
+/// cordoned meanwhile through `admin`): its id.
+fn made_on(api: &Api, admin: &Api, node: &str, other: &str, body: &serde_json::Value) -> String {
+    admin
+        .post(&format!("/v1/fleet/nodes/{other}/cordon"), &json!({}))
+        .expect(200, "cordon");
+    let made = api.post("/v1/sandboxes", body);
+    admin
+        .post(&format!("/v1/fleet/nodes/{other}/uncordon"), &json!({}))
+        .expect(200, "uncordon");
+    assert_eq!(made.status, 201, "{}", made.text());
+    assert_eq!(made.headers["x-locker-node"], node, "{}", made.text());
+    made.json()["id"].as_str().unwrap().to_owned()
+}
+
 /// A jail made through `api` that mounts `volume` at `path`, placed on `node` (the
 /// volume's home): its id.
 fn jail_mounting(api: &Api, volume: &str, path: &str, node: &str) -> String {
@@ -862,16 +877,8 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     };
     let api = leader.api();
     let admin = leader.admin();
-    admin
-        .post(&format!("/v1/fleet/nodes/{lname}/cordon"), &json!({}))
-        .expect(200, "cordon the leader's node");
-    let made = create(&api);
-    assert_eq!(made.status, 201, "{}", made.text());
-    assert_eq!(made.headers["x-locker-node"], vname);
-    let id = made.json()["id"].as_str().unwrap().to_owned();
-    admin
-        .post(&format!("/v1/fleet/nodes/{lname}/uncordon"), &json!({}))
-        .expect(200, "uncordon the leader's node");
+    let jail = |ttl_s: u64| json!({"runtime": "jail", "ttl_s": ttl_s, "memory_mb": 256});
+    let id = made_on(&api, &admin, vname, lname, &jail(900));
     api.sh(&id, "echo before > /home/user/f && sync");
     let snap = api.post(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
     assert_eq!(snap.status, 201, "{}", snap.text());
@@ -893,18 +900,7 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     let not_kept = not_kept.json()["id"].as_str().unwrap().to_owned();
     // A short-lived jail on the dying host, never snapshotted: lost with it, and its TTL
     // ends while the host is dead.
-    admin
-        .post(&format!("/v1/fleet/nodes/{lname}/cordon"), &json!({}))
-        .expect(200, "cordon the leader's node");
-    let short = api.post(
-        "/v1/sandboxes",
-        &json!({"runtime": "jail", "ttl_s": 10, "memory_mb": 256}),
-    );
-    admin
-        .post(&format!("/v1/fleet/nodes/{lname}/uncordon"), &json!({}))
-        .expect(200, "uncordon the leader's node");
-    assert_eq!(short.headers["x-locker-node"], vname, "{}", short.text());
-    let short = short.json()["id"].as_str().unwrap().to_owned();
+    let short = made_on(&api, &admin, vname, lname, &jail(10));
     // The host dies: its server killed, its machines with it.
     let victim = if a_leads { &mut b } else { &mut a };
     victim.kill9();
@@ -1026,16 +1022,7 @@ fn a_stalled_host_wakes_fenced_and_leaves_the_moved_sandbox_alone() {
     let vapi = victim.api().with_key(api.key());
     let on = |node: &str, body: serde_json::Value| -> String {
         let other = if node == lname { vname } else { lname };
-        admin
-            .post(&format!("/v1/fleet/nodes/{other}/cordon"), &json!({}))
-            .expect(200, "cordon");
-        let made = api.post("/v1/sandboxes", &body);
-        admin
-            .post(&format!("/v1/fleet/nodes/{other}/uncordon"), &json!({}))
-            .expect(200, "uncordon");
-        assert_eq!(made.status, 201, "{}", made.text());
-        assert_eq!(made.headers["x-locker-node"], node);
-        made.json()["id"].as_str().unwrap().to_owned()
+        made_on(&api, &admin, node, other, &body)
     };
     // The sandbox that moves: on the victim, with a kept snapshot and an idle timeout the
     // stall outlasts (the victim's idle policy must not pause it when it wakes).

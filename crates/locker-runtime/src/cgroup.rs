@@ -217,6 +217,15 @@ impl MachineCgroup {
         &self.name
     }
 
+    /// The cgroup's directory in the v1 hierarchy of `controller` (`""`: the v2 root).
+    fn under(&self, controller: &str) -> PathBuf {
+        self.layout
+            .root
+            .join(controller)
+            .join(PARENT)
+            .join(&self.name)
+    }
+
     pub fn layout(&self) -> &Layout {
         &self.layout
     }
@@ -347,25 +356,15 @@ impl MachineCgroup {
                 .collect(),
             Version::V1 => V1_CONTROLLERS
                 .iter()
-                .map(|c| {
-                    (
-                        self.layout.root.join(c).join(PARENT).join(&self.name),
-                        PathBuf::from("sys/fs/cgroup").join(c),
-                    )
-                })
+                .map(|c| (self.under(c), PathBuf::from("sys/fs/cgroup").join(c)))
                 .collect(),
         }
     }
 
     fn freezer_dir(&self) -> PathBuf {
         match self.layout.version {
-            Version::V2 => self.layout.root.join(PARENT).join(&self.name),
-            Version::V1 => self
-                .layout
-                .root
-                .join("freezer")
-                .join(PARENT)
-                .join(&self.name),
+            Version::V2 => self.under(""),
+            Version::V1 => self.under("freezer"),
         }
     }
 
@@ -510,19 +509,9 @@ impl MachineCgroup {
                 }
             }
             Version::V1 => {
-                let acct = self
-                    .layout
-                    .root
-                    .join("cpuacct")
-                    .join(PARENT)
-                    .join(&self.name);
+                let acct = self.under("cpuacct");
                 let ns: u64 = read(acct.join("cpuacct.usage")).trim().parse().unwrap_or(0);
-                let mem = self
-                    .layout
-                    .root
-                    .join("memory")
-                    .join(PARENT)
-                    .join(&self.name);
+                let mem = self.under("memory");
                 let peak = read(mem.join("memory.max_usage_in_bytes"))
                     .trim()
                     .parse()
@@ -538,19 +527,8 @@ impl MachineCgroup {
     /// Current memory use in bytes.
     pub fn memory_current(&self) -> u64 {
         let f = match self.layout.version {
-            Version::V2 => self
-                .layout
-                .root
-                .join(PARENT)
-                .join(&self.name)
-                .join("memory.current"),
-            Version::V1 => self
-                .layout
-                .root
-                .join("memory")
-                .join(PARENT)
-                .join(&self.name)
-                .join("memory.usage_in_bytes"),
+            Version::V2 => self.under("").join("memory.current"),
+            Version::V1 => self.under("memory").join("memory.usage_in_bytes"),
         };
         fs::read_to_string(f)
             .ok()
