@@ -56,9 +56,11 @@ def ex(cmd, **kw):
     return r
 
 
-# The machine's cgroup on the guest: locker/<id>, PID 1 in its init leaf, the controllers
-# delegated below it.
-mdir = f"/sys/fs/cgroup/locker/{sid}"
+# The machine's cgroup on the guest: locker/<id>.<tag> (a tag of the machine's directory),
+# PID 1 in its init leaf, the controllers delegated below it.
+named = [d for d in os.listdir("/sys/fs/cgroup/locker") if d.startswith(f"{sid}.")]
+check(len(named) == 1, f"one cgroup for {sid}: {named}")
+mdir = f"/sys/fs/cgroup/locker/{named[0]}"
 check(os.path.isdir(mdir), f"{mdir} missing")
 with open(f"{mdir}/memory.max") as f:
     check(f.read().strip() == str(128 << 20), "the machine's memory.max")
