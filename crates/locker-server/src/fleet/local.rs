@@ -60,8 +60,9 @@ pub struct Awake {
 
 #[derive(Default)]
 struct Seen {
-    /// Milliseconds since `base` of the last tick (or check) that saw no gap.
-    last_ms: u64,
+    /// Milliseconds since `base` of the last tick (or check); none before the first (a
+    /// server's start, however long, is no gap).
+    last_ms: Option<u64>,
     closed: bool,
     /// Counts the gaps seen, so that a beat that began before one cannot open it.
     gaps: u64,
@@ -95,8 +96,8 @@ impl Awake {
     fn note(&self) -> std::sync::MutexGuard<'_, Seen> {
         let now = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        let ran_nothing_for = now.saturating_sub(s.last_ms);
-        s.last_ms = now;
+        let ran_nothing_for = s.last_ms.map_or(0, |last| now.saturating_sub(last));
+        s.last_ms = Some(now);
         if ran_nothing_for > self.gap_ms {
             s.gaps += 1;
             if !s.closed {
