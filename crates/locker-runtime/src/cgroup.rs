@@ -197,19 +197,17 @@ impl MachineCgroup {
     /// (what releases before the tag made). Whether or not it still exists.
     pub fn existing(layout: Layout, id: &str, dir: &Path) -> Self {
         let cg = Self::new(layout, id, dir);
-        let first = |n: &str| {
-            cg.layout
-                .hierarchies()
-                .first()
-                .map(|(_, h)| h.join(PARENT).join(n))
+        let Some((_, first)) = cg.layout.hierarchies().into_iter().next() else {
+            return cg;
         };
-        match (first(&cg.name), first(id)) {
-            (Some(tagged), Some(bare)) if !tagged.exists() && bare.exists() => Self {
+        let parent = first.join(PARENT);
+        if !parent.join(&cg.name).exists() && parent.join(id).exists() {
+            return Self {
                 name: id.to_owned(),
                 layout: cg.layout,
-            },
-            _ => cg,
+            };
         }
+        cg
     }
 
     /// The cgroup's name under [`PARENT`].
