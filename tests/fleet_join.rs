@@ -338,7 +338,10 @@ fn a_silent_node_is_declared_dead_within_its_lease_and_comes_back_fenced() {
     // control plane shows it back.
     wait_for(Duration::from_secs(5), "m0 saying it returned", || {
         let log = procs[0].log_text();
-        (log.contains("fenced") && log.contains("returned to the fleet")).then_some(())
+        (log.contains("fenced")
+            && log.contains("returned to the fleet")
+            && log.contains("stalled for longer than its node's lease"))
+        .then_some(())
     });
 
     // A node agent restart keeps its identity: no token, same id and epoch.

@@ -318,7 +318,7 @@ pub async fn build(cfg: Config) -> Result<AppState, ServeError> {
         disks.sandboxes.clone(),
     ));
     let events = crate::events::Events::new(store.clone());
-    let awake = crate::fleet::local::Awake::new(cfg.local_node.is_some());
+    let awake = crate::fleet::local::Awake::new(cfg.local_node.is_some() || cfg.fleet_member);
     let app = Arc::new(App {
         cfg,
         host_id,

@@ -45,7 +45,7 @@ pub fn is_own_node(n: &NodeRecord) -> bool {
 }
 
 /// Whether this server has run without a gap since its node's last beat (see the module
-/// doc). A gap is a stretch longer than the lease in which its clock moved on and it ran
+/// doc; a joined node, `member`, has one too). A gap is a stretch longer than the lease in which its clock moved on and it ran
 /// nothing (a [`TICK`] task notices it, and so does any check made before that task ran
 /// again); from then on [`Awake::is_open`] is false until a beat *begun after the gap*
 /// has come back (and the fence it called for is done). A server that is no node of a
@@ -74,8 +74,8 @@ const TICK: Duration = Duration::from_millis(250);
 const WAKE_WAIT: Duration = Duration::from_secs(4);
 
 impl Awake {
-    /// For a server with `--node local` (closed until its node's first beat is done) or
-    /// without one (always open).
+    /// For a server that is a node (`--node local`, or a joined node: closed until its
+    /// first beat is done) or none (always open).
     pub fn new(node: bool) -> Self {
         Self::with_gap(node, LEASE)
     }
@@ -131,13 +131,13 @@ impl Awake {
     }
 
     /// Where a beat begins: what [`Awake::beaten`] compares.
-    fn beat_begins(&self) -> u64 {
+    pub(super) fn beat_begins(&self) -> u64 {
         self.note().gaps
     }
 
     /// A beat begun at `since` came back and its fence (if any) is done: open, unless a
     /// gap came after it began.
-    fn beaten(&self, since: u64) {
+    pub(super) fn beaten(&self, since: u64) {
         let mut s = self.note();
         if s.gaps == since {
             s.closed = false;
@@ -145,7 +145,7 @@ impl Awake {
     }
 
     /// Runs the gap detector until `quitting`.
-    fn spawn_ticker(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) {
+    pub(super) fn spawn_ticker(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) {
         tokio::spawn(async move {
             let mut tick = tokio::time::interval(TICK);
             loop {

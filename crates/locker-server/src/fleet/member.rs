@@ -11,7 +11,9 @@
 //! beating into the void and keeps everything it runs: "a failed call is not an empty
 //! list". When the control plane answers that the node was declared dead (409, its epoch
 //! moved on), the node fences (from then on nothing it ran before is its own to serve) and
-//! returns at the new epoch. Only an explicit removal (404, 403) stops it.
+//! returns at the new epoch. Only an explicit removal (404, 403) stops it. A node that
+//! stalled past its lease acts on nothing it runs (its reaper, idle policy, calls) until a
+//! beat after the stall has come back and any fence is done (`local::Awake`).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicI64, Ordering};
@@ -131,6 +133,7 @@ async fn serve_and_beat(
         None => join(cfg, app, &dir).await?,
     };
     secrets_from_control(app, &member, quitting.clone());
+    super::local::Awake::spawn_ticker(app.clone(), quitting.clone());
     let epoch: Epoch = Arc::new(AtomicI64::new(member.ident.epoch));
     super::node::serve(
         listener,
@@ -586,6 +589,7 @@ async fn beat(
         // Volume moves whose control replica went away: the fleet says whose each is.
         let mut doubts = crate::volumes::handoff::in_doubt(app).await;
         doubts.truncate(wire::DOUBTS_MAX);
+        let since = app.awake.beat_begins();
         let result = async {
             if link.is_none() {
                 link = Some(Link::open(&m.ident.control, m.tls.clone()).await?);
@@ -640,6 +644,7 @@ async fn beat(
                 if let Some(here) = here.filter(|_| !doubts.is_empty()) {
                     crate::volumes::handoff::settle(app, &doubts, &here).await;
                 }
+                app.awake.beaten(since);
                 let l = link.as_mut().expect("a link answered");
                 if let Err(e) = send_events(l, &m.ident.node_id, app, &mut events_cursor).await {
                     link = None;
@@ -669,6 +674,7 @@ async fn beat(
                             // fleet did not give back is destroyed.
                             epoch.store(a.epoch, Ordering::Release);
                             let dropped = drop_all_but(app, a.keep.as_deref().unwrap_or(&[])).await;
+                            app.awake.beaten(since);
                             tracing::info!(
                                 epoch = a.epoch,
                                 destroyed = dropped,
