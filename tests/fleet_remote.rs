@@ -15,7 +15,7 @@ use locker_tests::postgres::cluster;
 use locker_tests::server::{Api, Resp};
 use locker_tests::streams::{browser_terminal, read_exit_frame, read_until, ws_connect};
 use locker_tests::wait_for;
-use serde_json::json;
+use serde_json::{json, Value};
 
 /// The lease the server keeps (`fleet::LEASE`).
 const LEASE: Duration = Duration::from_secs(3);
@@ -318,15 +318,57 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
         "b was declared dead"
     );
 
-    // Node a dies: within the lease (and the sweep), its sandboxes are lost, never
-    // answered by anyone; b's keep answering.
-    a.signal(libc::SIGKILL);
-    let killed = Instant::now();
     let lost: Vec<String> = on
         .iter()
         .filter(|(n, _)| n == "a")
         .map(|(_, id)| id.clone())
         .collect();
+    // A TTL or state changed through control is what the list shows (the view kept of a
+    // node's sandbox): the API's ttl and pause answer the sandbox, E2B's timeout does not.
+    let listed = |id: &str| -> Value {
+        let list = api.get("/v1/sandboxes").expect(200, "list");
+        list["sandboxes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["id"] == id)
+            .unwrap_or_else(|| panic!("{id} not listed: {list}"))
+            .clone()
+    };
+    let was = listed(&on_b)["expires_at"].clone();
+    let anon = api.with_key(None);
+    let e2b = [
+        ("X-API-KEY", api.key().unwrap()),
+        ("Content-Type", "application/json"),
+    ];
+    let r = anon.request(
+        "POST",
+        &format!("/sandboxes/{on_b}/timeout"),
+        &e2b,
+        r#"{"timeout": 60}"#,
+    );
+    assert_eq!(r.status, 204, "E2B's timeout on a node: {}", r.text());
+    let now = listed(&on_b);
+    assert_ne!(now["expires_at"], was, "{now}");
+    assert_eq!(
+        now["expires_at"],
+        api.get(&format!("/v1/sandboxes/{on_b}")).json()["expires_at"]
+    );
+    api.post(&format!("/v1/sandboxes/{on_b}/pause"), &json!({}))
+        .expect(200, "pause through control");
+    assert_eq!(listed(&on_b)["state"], "paused");
+    api.post(&format!("/v1/sandboxes/{on_b}/resume"), &json!({}))
+        .expect(200, "resume through control");
+    assert_eq!(listed(&on_b)["state"], "running");
+    let short = api
+        .post(&format!("/v1/sandboxes/{}/ttl", lost[1]), &json!({"ttl_s": 10}))
+        .expect(200, "a short TTL through control");
+    assert_eq!(listed(&lost[1])["expires_at"], short["expires_at"]);
+
+    // Node a dies: within the lease (and the sweep), its sandboxes are lost, never
+    // answered by anyone; b's keep answering.
+    a.signal(libc::SIGKILL);
+    let killed = Instant::now();
     wait_for(Duration::from_secs(10), "a's sandboxes lost", || {
         lost.iter()
             .all(|id| api.get(&format!("/v1/sandboxes/{id}")).json()["state"] == "lost")
@@ -347,6 +389,28 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
         fleet_node(&fleet_nodes(&admin), "a")["reserved"]["slots"],
         0
     );
+    // The lost sandbox whose TTL passes is ended by the fleet (its node is away): gone
+    // from the list and the API, with its `sandbox.expired` event; the other stays lost.
+    wait_for(Duration::from_secs(20), "the expired lost sandbox ended", || {
+        (api.get(&format!("/v1/sandboxes/{}", lost[1])).status == 404).then_some(())
+    });
+    assert!(
+        killed.elapsed() >= Duration::from_secs(9),
+        "ended {:?} after the kill, before its TTL",
+        killed.elapsed()
+    );
+    let list = api.get("/v1/sandboxes").expect(200, "list");
+    assert!(!list.to_string().contains(lost[1].as_str()), "{list}");
+    let events = cluster().psql(
+        &db,
+        &format!(
+            "SELECT count(*) FROM events WHERE kind = 'sandbox.expired' AND subject = '{}'",
+            lost[1]
+        ),
+    );
+    assert_eq!(events.trim(), "1", "the expired event");
+    assert_eq!(listed(&lost[0])["state"], "lost");
+    let (lost, expired) = (vec![lost[0].clone()], lost[1].clone());
 
     // a comes back (the same data dir, no token): its engine adopts its machines, its
     // first beat is refused (its epoch moved on), it returns and destroys what the fleet
@@ -357,6 +421,7 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
         let n = fleet_node(&l, "a");
         let empty = lost
             .iter()
+            .chain([&expired])
             .all(|id| !a.data_dir().join("sandboxes").join(id).exists());
         (n["alive"] == true && n["epoch"] == 2 && empty && n["report"]["sandboxes"] == 0)
             .then_some(())

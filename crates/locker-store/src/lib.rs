@@ -508,6 +508,10 @@ pub trait Store: Send + Sync {
     /// lost: that went with the node's old epoch), in one transaction; the row removed.
     fn unplace(&self, id: &str) -> Result<Option<PlacementRecord>>;
 
+    /// Removes placement `id` only while it is `lost` (a restart elsewhere that switched it
+    /// first keeps it); the row removed, `None` when it was not lost or is gone.
+    fn unplace_lost(&self, id: &str) -> Result<Option<PlacementRecord>>;
+
     /// Moves sandbox `id`, in state `from_state` on node `from_node` (at `from_epoch`), onto
     /// the node of placement `into` (a `starting` one reserved there for the move), placed,
     /// with `view` as the new node answered it: `into` goes (its reservation becomes

@@ -2358,7 +2358,17 @@ fn placements_reserve_within_capacity(b: Backend) {
         .place(&placement("pl_new", "nd_a", 2, 100), 3, 4096)
         .unwrap()
         .is_some());
-    store.unplace(&lost[0].id).unwrap().unwrap();
+    // Only a lost placement goes by `unplace_lost` (an expired lost sandbox), and only once.
+    assert!(store.unplace_lost("pl_new").unwrap().is_none());
+    assert!(store
+        .list_placements(None, Some("nd_a"))
+        .unwrap()
+        .iter()
+        .any(|p| p.id == "pl_new"));
+    assert_eq!(store.unplace_lost(&lost[0].id).unwrap().unwrap().id, lost[0].id);
+    assert!(store.unplace_lost(&lost[0].id).unwrap().is_none());
+    assert!(store.unplace(&lost[0].id).unwrap().is_none());
+    store.unplace(&lost[1].id).unwrap().unwrap();
     let a = store.get_node("nd_a").unwrap().unwrap();
     assert_eq!((a.reserved_slots, a.reserved_memory_mb), (1, 100));
     // A removed node loses its placements too.

@@ -359,6 +359,61 @@ pub async fn lose(app: &AppState) {
     }
 }
 
+/// Ends the lost sandboxes of joined nodes whose TTL has passed (`expires_at` in the view
+/// their node last answered): the placement goes (only while still lost: a restart
+/// elsewhere that switched it first keeps it) with a `sandbox.expired` event, as the node
+/// itself would have ended it. The sandbox's record is in the dead node's own store, which
+/// destroys its copy should it return (no placement names it). A control replica's own
+/// node's lost sandboxes are rows of this store: `lifecycle`'s reaper ends those.
+pub async fn expire_lost(app: &AppState) {
+    let store = app.store.clone();
+    let now = crate::state::now_s();
+    let ended = tokio::task::spawn_blocking(move || {
+        let rows = row_nodes(&store.list_nodes()?);
+        let mut ended = Vec::new();
+        for p in store.list_placements(None, None)? {
+            let Some(sb) = p.sandbox_id.as_deref() else {
+                continue;
+            };
+            if p.state != PlacementState::Lost || rows.contains(&p.node_id) {
+                continue;
+            }
+            let view: serde_json::Value = serde_json::from_str(&p.view).unwrap_or_default();
+            let due = view["expires_at"]
+                .as_str()
+                .and_then(locker_types::parse_rfc3339)
+                .is_some_and(|at| at <= now);
+            // A removed replica's node is in no list: its row, if any, is the reaper's.
+            if !due || store.get_sandbox_any(sb)?.is_some() {
+                continue;
+            }
+            if let Some(gone) = store.unplace_lost(&p.id)? {
+                ended.push(gone);
+            }
+        }
+        Ok::<_, locker_store::StoreError>(ended)
+    })
+    .await;
+    let ended = match ended {
+        Ok(Ok(e)) => e,
+        Ok(Err(e)) => return tracing::warn!(error = %e, "cannot end the expired lost sandboxes"),
+        Err(e) => return tracing::warn!(error = %e, "cannot end the expired lost sandboxes"),
+    };
+    for p in ended {
+        let sb = p.sandbox_id.unwrap_or_default();
+        if let Some(c) = app.fleet.as_ref() {
+            c.routes.forget(&sb);
+        }
+        tracing::info!(sandbox = %sb, node = %p.node_id, "a sandbox lost with its node expired (TTL): its placement ended");
+        app.events.emit(
+            &p.tenant,
+            crate::events::Kind::SandboxExpired,
+            &sb,
+            json!({"usage": null, "node": p.node_id}),
+        );
+    }
+}
+
 /// Gives back the reservations of sandboxes their (live) node no longer reports, and of
 /// creates never finished.
 pub async fn reconcile(app: &AppState, nodes: &[NodeRecord]) {

@@ -950,6 +950,11 @@ impl Store for PgStore {
         self.run(move |c| placements::unplace(c, &id))
     }
 
+    fn unplace_lost(&self, id: &str) -> Result<Option<PlacementRecord>> {
+        let id = id.to_owned();
+        self.run(move |c| placements::unplace_lost(c, &id))
+    }
+
     fn move_placement(
         &self,
         id: &str,

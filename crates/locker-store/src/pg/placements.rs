@@ -118,6 +118,17 @@ pub(super) fn unplace(c: &mut Conn, id: &str) -> Result<Option<PlacementRecord>>
     })
 }
 
+pub(super) fn unplace_lost(c: &mut Conn, id: &str) -> Result<Option<PlacementRecord>> {
+    // A lost placement holds no reservation: one statement.
+    c.query_opt(
+        &format!("DELETE FROM placements WHERE id = $1 AND state = 'lost' RETURNING {COLUMNS}"),
+        &[&id],
+    )?
+    .as_ref()
+    .map(of)
+    .transpose()
+}
+
 pub(super) fn move_placement(
     c: &mut Conn,
     id: &str,

@@ -602,6 +602,10 @@ impl Store for SqliteStore {
         placements::unplace(self, id)
     }
 
+    fn unplace_lost(&self, id: &str) -> Result<Option<PlacementRecord>> {
+        placements::unplace_lost(self, id)
+    }
+
     fn move_placement(
         &self,
         id: &str,

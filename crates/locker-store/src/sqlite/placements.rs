@@ -129,6 +129,18 @@ pub(super) fn unplace(db: &SqliteStore, id: &str) -> Result<Option<PlacementReco
     Ok(gone)
 }
 
+pub(super) fn unplace_lost(db: &SqliteStore, id: &str) -> Result<Option<PlacementRecord>> {
+    // A lost placement holds no reservation: one statement.
+    db.writer()
+        .prepare_cached(&format!(
+            "DELETE FROM placements WHERE id = ?1 AND state = 'lost' RETURNING {COLUMNS}"
+        ))?
+        .query_row(params![id], raw)
+        .optional()?
+        .map(decode)
+        .transpose()
+}
+
 pub(super) fn move_placement(
     db: &SqliteStore,
     id: &str,

@@ -268,6 +268,13 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
         Err(e) => return e.into_response(),
     };
     let whole = req.uri().path() == format!("/v1/sandboxes/{id}");
+    // Calls that change what the view shows answer the sandbox: their answer is kept too.
+    let changes_view = req.method() == Method::POST
+        && req
+            .uri()
+            .path()
+            .strip_prefix(&format!("/v1/sandboxes/{id}/"))
+            .is_some_and(|tail| matches!(tail, "ttl" | "pause" | "resume"));
     let rotation = req.uri().path() == format!("/v1/sandboxes/{id}/preview-token");
     let method = req.method().clone();
     // A terminal ticket for a sandbox on another node is this server's to mint: the
@@ -295,7 +302,7 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
     } else {
         forward(&app, route.clone(), &id, req).await
     };
-    if whole {
+    if whole || changes_view {
         after(&app, &route, &id, &method, resp).await
     } else if !route.local && method == Method::POST && rotation {
         rotated(&app, &id, resp).await
@@ -341,6 +348,43 @@ async fn rotated(app: &AppState, id: &str, resp: Response) -> Response {
         }
     }
     resp
+}
+
+/// Reads sandbox `id`'s view again from its node and keeps it (after a call that changed
+/// it without answering it: E2B's timeout, pause, resume and connect answer no sandbox).
+/// Best effort: a view not refreshed is refreshed by the next call that answers it.
+pub(in crate::fleet) async fn refresh_view(app: &AppState, id: &str) {
+    let (store, sb) = (app.store.clone(), id.to_owned());
+    let found = tokio::task::spawn_blocking(move || {
+        let Some(p) = store.get_placement(&sb)? else {
+            return Ok(None);
+        };
+        Ok::<_, locker_store::StoreError>(store.get_node(&p.node_id)?.map(|n| (p, n)))
+    })
+    .await;
+    let Ok(Ok(Some((p, n)))) = found else {
+        return;
+    };
+    if p.state != PlacementState::Placed || n.epoch != p.epoch {
+        return;
+    }
+    let view = match view_on_node(app, &n, &p, id).await {
+        Ok(Some(v)) => v,
+        Ok(None) => return,
+        Err(e) => {
+            return tracing::debug!(sandbox = %id, error = %e, "the view could not be read again")
+        }
+    };
+    let Ok(mut v) = serde_json::from_str::<Value>(&view) else {
+        return;
+    };
+    if v["id"] != id {
+        return;
+    }
+    localized(app, &mut v);
+    let (store, sb) = (app.store.clone(), id.to_owned());
+    let _ =
+        tokio::task::spawn_blocking(move || store.set_placement_view(&sb, &v.to_string())).await;
 }
 
 /// What a sandbox's own path answered, kept: a delete gives the placement back, a view
