@@ -675,7 +675,7 @@ fn a_drained_microvm_goes_on_counting_on_its_new_node() {
     api.sh(&id, "echo after > /home/user/f");
     wait_for(Duration::from_secs(120), "the copy in the store", || {
         kept.path()
-            .join(format!("{snap}.carry"))
+            .join(format!("{snap}.chunks"))
             .is_file()
             .then_some(())
     });
@@ -826,6 +826,41 @@ fn a_microvm_dirtying_memory_faster_than_it_leaves_is_stopped_to_move() {
     }
 }
 
+/// The bundle length a copy in the snapshot store names (the sum of its pieces' lengths).
+fn bundle_len(manifest: &std::path::Path) -> u64 {
+    let text = std::fs::read_to_string(manifest).expect("a manifest");
+    let mut lines = text.lines();
+    assert_eq!(lines.next(), Some("LOCKER-CHUNKS 1"), "{text}");
+    lines
+        .map(|l| {
+            l.split_once(' ')
+                .expect("hash and length")
+                .1
+                .parse::<u64>()
+                .unwrap()
+        })
+        .sum()
+}
+
+/// The bytes of every piece in the snapshot store `dir`.
+fn pieces_bytes(dir: &std::path::Path) -> u64 {
+    let mut n = 0;
+    for sub in std::fs::read_dir(dir.join("chunks"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        for e in std::fs::read_dir(sub.path())
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            n += e.metadata().map_or(0, |m| m.len());
+        }
+    }
+    n
+}
+
 /// A dead node's sandboxes start again on another node from their last snapshot (kept in
 /// the snapshot store), under their own ids with that snapshot's files, within the lease and
 /// seconds; one without a snapshot stays lost; the dead node, back, keeps none of them; a
@@ -847,7 +882,10 @@ fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
         r.json()["id"].as_str().unwrap().to_owned()
     };
     // Two snapshots of the first: the newest comes back, not what was written after it.
-    api.sh(&ids[0], "echo first > /home/user/v");
+    api.sh(
+        &ids[0],
+        "echo first > /home/user/v && head -c 16777216 /dev/urandom > /home/user/base && sync",
+    );
     let older = snapshot(&ids[0]);
     api.sh(
         &ids[0],
@@ -856,10 +894,19 @@ fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
     let blob = api.sh(&ids[0], "sha256sum /home/user/blob | cut -c1-64");
     let newest = snapshot(&ids[0]);
     api.sh(&ids[0], "echo after > /home/user/v");
-    let copy = |snap: &str| kept.path().join(format!("{snap}.carry"));
+    let copy = |snap: &str| kept.path().join(format!("{snap}.chunks"));
     wait_for(Duration::from_secs(60), "both copies in the store", || {
         (copy(&older).is_file() && copy(&newest).is_file()).then_some(())
     });
+    // The two copies share what the snapshots have in common: the store holds little more
+    // than the newer one.
+    let (older_len, newest_len) = (bundle_len(&copy(&older)), bundle_len(&copy(&newest)));
+    let stored = pieces_bytes(kept.path());
+    eprintln!("bundles of {older_len} and {newest_len} bytes, {stored} bytes stored");
+    assert!(
+        stored < newest_len + older_len / 4,
+        "bundles of {older_len} and {newest_len} bytes, {stored} bytes stored"
+    );
     let before = api.get(&format!("/v1/sandboxes/{}", ids[0])).json();
     admin
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
@@ -921,6 +968,12 @@ fn a_dead_nodes_sandboxes_restart_elsewhere_from_their_last_snapshot() {
     // A deleted snapshot's copy goes with it; the sandboxes go.
     assert_eq!(api.delete(&format!("/v1/snapshots/{older}")).status, 204);
     assert!(!copy(&older).exists());
+    // What only the older copy held goes with it (the sweep after a forget).
+    wait_for(
+        Duration::from_secs(10),
+        "the older copy's own pieces gone",
+        || (pieces_bytes(kept.path()) <= newest_len).then_some(()),
+    );
     for id in &ids {
         assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
     }

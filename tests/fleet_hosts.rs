@@ -883,7 +883,7 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     let snap = api.post(&format!("/v1/sandboxes/{id}/snapshots"), &json!({}));
     assert_eq!(snap.status, 201, "{}", snap.text());
     let snap = snap.json()["id"].as_str().unwrap().to_owned();
-    let copy = kept.path().join(format!("{snap}.carry"));
+    let copy = kept.path().join(format!("{snap}.chunks"));
     wait_for(Duration::from_secs(30), "the copy in the store", || {
         copy.is_file().then_some(())
     });
@@ -931,7 +931,7 @@ fn a_dead_hosts_sandbox_restarts_on_the_other_from_its_last_snapshot() {
     );
     let lost = api.get(&format!("/v1/sandboxes/{mounting}")).json();
     assert_eq!(lost["state"], "lost", "{lost}");
-    assert!(!kept.path().join(format!("{not_kept}.carry")).exists());
+    assert!(!kept.path().join(format!("{not_kept}.chunks")).exists());
     let row_host = || {
         rows(
             &db,
@@ -1035,7 +1035,7 @@ fn a_stalled_host_wakes_fenced_and_leaves_the_moved_sandbox_alone() {
     assert_eq!(snap.status, 201, "{}", snap.text());
     let copy = kept
         .path()
-        .join(format!("{}.carry", snap.json()["id"].as_str().unwrap()));
+        .join(format!("{}.chunks", snap.json()["id"].as_str().unwrap()));
     wait_for(Duration::from_secs(30), "the copy in the store", || {
         copy.is_file().then_some(())
     });

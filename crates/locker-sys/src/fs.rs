@@ -109,6 +109,16 @@ pub fn flock(file: &File, wait: bool) -> io::Result<bool> {
     } else {
         libc::LOCK_EX | libc::LOCK_NB
     };
+    flock_op(file, op)
+}
+
+/// Takes a shared `flock(2)` on `file`, waiting for it (an exclusive holder goes first);
+/// released when the file closes.
+pub fn lock_shared(file: &File) -> io::Result<()> {
+    flock_op(file, libc::LOCK_SH).map(drop)
+}
+
+fn flock_op(file: &File, op: libc::c_int) -> io::Result<bool> {
     loop {
         // SAFETY: flock on a file descriptor this `File` owns; no memory is involved.
         if unsafe { libc::flock(file.as_raw_fd(), op) } == 0 {

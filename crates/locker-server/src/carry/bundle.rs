@@ -301,10 +301,10 @@ fn write_live(
     Ok(stats)
 }
 
-/// The record a bundle kept in file `path` carries (its header's).
-pub fn record_in(path: &Path) -> io::Result<SandboxRecord> {
+/// The record a bundle carries (its header's), read from its start.
+pub fn record_in(bundle: impl io::Read) -> io::Result<SandboxRecord> {
     use std::io::{BufRead, Read};
-    let mut r = io::BufReader::new(std::fs::File::open(path)?);
+    let mut r = io::BufReader::new(bundle);
     let mut magic = vec![0u8; MAGIC.len()];
     r.read_exact(&mut magic)?;
     if magic != MAGIC {

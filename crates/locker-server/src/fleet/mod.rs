@@ -37,6 +37,7 @@ pub mod pki;
 pub mod placement;
 pub mod restart;
 pub mod route;
+pub mod snapshot_store;
 pub mod wire;
 
 use std::time::Duration;

@@ -6,10 +6,11 @@
 //! replica):
 //! - each snapshot a joined node takes of a sandbox ([`keep`], after the node answered it
 //!   and the fleet recorded it), or a control replica's own node (`--node local`,
-//!   [`keep_here`], from its own disk once it recorded it), is copied there as a carry bundle
-//!   (`DIR/<snapshot>.carry`, written aside and renamed, so a file there is whole, dated
-//!   when the snapshot was taken) with the sandbox's record as it was then; deleting the
-//!   snapshot deletes it ([`forget`]);
+//!   [`keep_here`], from its own disk once it recorded it), is kept there as a carry bundle
+//!   with the sandbox's record as it was then, dated when the snapshot was taken, stored
+//!   once per distinct piece (`snapshot_store`: a sandbox's snapshots, and sandboxes of one
+//!   template, share what they have in common); deleting the snapshot lets it go
+//!   ([`forget`]);
 //! - when a node is declared dead, the leader's sweeper ([`lost`]) takes each of its lost
 //!   sandboxes that has such a copy (its newest), places it on another joined node that
 //!   holds its template ([`Ask::carried`]), sends it there (`carry`'s `receive` and
@@ -30,19 +31,18 @@
 //! nodes' side `carry`'s.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use axum::body::Body;
 use axum::http::Method;
-use futures_util::TryStreamExt;
 use locker_store::{NodeRecord, PlacementRecord, PlacementState};
 use serde_json::{json, Value};
-use tokio::io::AsyncWriteExt;
 
 use super::drain::call;
 use super::placement::{self, Ask};
 use super::route::destroy_orphan;
+use super::snapshot_store;
 use crate::carry::PATH;
 use crate::state::{now_s, AppState};
 
@@ -50,17 +50,10 @@ use crate::state::{now_s, AppState};
 const COPY: Duration = Duration::from_secs(600);
 /// How soon a failed restart is tried again.
 pub const RETRY: Duration = Duration::from_secs(10);
-/// A bundle's name in the store.
-const SUFFIX: &str = ".carry";
 
 /// The snapshot store, when this server has one.
 fn store_dir(app: &AppState) -> Option<&Path> {
     app.fleet.as_ref()?.snapshot_store.as_deref()
-}
-
-/// Where snapshot `snap`'s copy is (or goes).
-fn bundle_path(dir: &Path, snap: &str) -> PathBuf {
-    dir.join(format!("{snap}{SUFFIX}"))
 }
 
 /// Whether `snap` is shaped like a snapshot id (it names a file here).
@@ -166,49 +159,29 @@ async fn copy(
     write_bundle(dir, snap, resp, taken).await
 }
 
-/// Writes bundle `resp` of snapshot `snap` into the store `dir` (aside, then renamed: a
-/// bundle there is whole), dated `taken`: the bytes written.
+/// Keeps bundle `resp` of snapshot `snap` in the store `dir`, dated `taken`: the bytes it
+/// holds (and, logged, how many of them the store did not hold yet).
 async fn write_bundle(
     dir: &Path,
     snap: &str,
     resp: axum::response::Response,
     taken: std::time::SystemTime,
 ) -> Result<u64, String> {
-    tokio::fs::create_dir_all(dir)
+    let body = resp.into_body().into_data_stream();
+    let put = snapshot_store::put(dir, snap, body, taken)
         .await
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
-    let part = dir.join(format!(".{snap}{SUFFIX}.part"));
-    let written = async {
-        let mut out = tokio::fs::OpenOptions::new()
-            .write(true)
-            .create(true)
-            .truncate(true)
-            .mode(0o600)
-            .open(&part)
-            .await?;
-        let mut body = resp.into_body().into_data_stream();
-        let mut n = 0u64;
-        while let Some(chunk) = body.try_next().await.map_err(std::io::Error::other)? {
-            out.write_all(&chunk).await?;
-            n += chunk.len() as u64;
-        }
-        out.sync_all().await?;
-        out.into_std().await.set_modified(taken)?;
-        tokio::fs::rename(&part, bundle_path(dir, snap)).await?;
-        Ok::<_, std::io::Error>(n)
-    }
-    .await;
-    if written.is_err() {
-        let _ = tokio::fs::remove_file(&part).await;
-    }
-    written.map_err(|e| format!("writing into {}: {e}", dir.display()))
+        .map_err(|e| format!("writing into {}: {e}", dir.display()))?;
+    tracing::debug!(snapshot = %snap, bytes = put.bytes, new_bytes = put.new_bytes, pieces = put.pieces, "snapshot store: pieces written");
+    Ok(put.bytes)
 }
 
-/// Deletes snapshot `snap`'s copy (the snapshot was deleted).
+/// Lets go of snapshot `snap`'s copy (the snapshot was deleted), and of the pieces only it
+/// held (in the background).
 pub fn forget(app: &AppState, snap: &str) {
-    if let Some(dir) = store_dir(app) {
+    if let Some(dir) = store_dir(app).map(Path::to_path_buf) {
         if snapshot_id(snap) {
-            let _ = std::fs::remove_file(bundle_path(dir, snap));
+            let snap = snap.to_owned();
+            tokio::task::spawn_blocking(move || snapshot_store::forget(&dir, &snap));
         }
     }
 }
@@ -238,15 +211,10 @@ pub async fn lost(app: &AppState) {
             let newest = snaps[&p.tenant]
                 .iter()
                 .filter(|s| s.sandbox_id == sb)
-                .filter_map(|s| {
-                    let path = bundle_path(&dir, &s.id);
-                    let taken = std::fs::metadata(&path).and_then(|m| m.modified()).ok()?;
-                    Some((taken, path))
-                })
-                .max()
-                .map(|(_, path)| path);
-            if let Some(path) = newest {
-                out.push((p, path));
+                .filter_map(|s| snapshot_store::find(&dir, &s.id))
+                .max_by_key(|k| k.taken);
+            if let Some(kept) = newest {
+                out.push((p, kept));
             }
         }
         Ok::<_, locker_store::StoreError>(out)
@@ -259,7 +227,7 @@ pub async fn lost(app: &AppState) {
         }
         Err(e) => return tracing::warn!(error = %e, "cannot read the lost sandboxes to restart"),
     };
-    for (p, path) in found {
+    for (p, kept) in found {
         let sb = p.sandbox_id.clone().unwrap_or_default();
         {
             let mut tries = c.restarts.lock().expect("restarts lock");
@@ -271,10 +239,10 @@ pub async fn lost(app: &AppState) {
         let app = app.clone();
         tokio::spawn(async move {
             let started = Instant::now();
-            match restart(&app, &p, &path).await {
+            match restart(&app, &p, &kept).await {
                 Ok(Some(to)) => {
                     let ms = u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX);
-                    let snapshot = snapshot_of(&path);
+                    let snapshot = &kept.snap;
                     tracing::warn!(sandbox = %sb, to = %to.name, snapshot, ms, "a sandbox lost with its node restarted elsewhere from its snapshot");
                     app.events.emit(
                         &p.tenant,
@@ -300,30 +268,24 @@ pub async fn lost(app: &AppState) {
     }
 }
 
-/// The snapshot id of bundle file `path`.
-fn snapshot_of(path: &Path) -> String {
-    path.file_name()
-        .and_then(|n| n.to_str())
-        .and_then(|n| n.strip_suffix(SUFFIX))
-        .unwrap_or_default()
-        .to_owned()
-}
-
-/// Restarts lost placement `p` from the bundle in `path`: the node it runs on now, or
+/// Restarts lost placement `p` from its snapshot's copy `kept`: the node it runs on now, or
 /// `None` when there is nothing to do (expired; deleted or restarted meanwhile).
 async fn restart(
     app: &AppState,
     p: &PlacementRecord,
-    path: &Path,
+    kept: &snapshot_store::Kept,
 ) -> Result<Option<NodeRecord>, String> {
     let sb = p.sandbox_id.clone().unwrap_or_default();
-    let bundle = path.to_path_buf();
-    let rec = tokio::task::spawn_blocking(move || crate::carry::record_in(&bundle))
+    let copy = kept.clone();
+    let rec = tokio::task::spawn_blocking(move || crate::carry::record_in(copy.reader()?))
         .await
         .map_err(|e| e.to_string())?
-        .map_err(|e| format!("{}: {e}", path.display()))?;
+        .map_err(|e| format!("the copy of snapshot {}: {e}", kept.snap))?;
     if rec.id != sb || rec.tenant != p.tenant {
-        return Err(format!("{} holds another sandbox", path.display()));
+        return Err(format!(
+            "the copy of snapshot {} holds another sandbox",
+            kept.snap
+        ));
     }
     if locker_types::parse_rfc3339(&rec.expires_at).is_some_and(|exp| exp <= now_s()) {
         return Ok(None);
@@ -341,10 +303,10 @@ async fn restart(
         .map_err(|e| format!("no node can take it: {}", e.message))?;
     let placed = format!("placement={}", into.id);
     let landed = async {
-        let file = tokio::fs::File::open(path)
+        let body = kept
+            .body()
             .await
-            .map_err(|e| format!("{}: {e}", path.display()))?;
-        let body = Body::from_stream(tokio_util::io::ReaderStream::with_capacity(file, 1 << 20));
+            .map_err(|e| format!("the copy of snapshot {}: {e}", kept.snap))?;
         call(
             app,
             &p.tenant,
@@ -437,8 +399,8 @@ async fn put_row_back(app: &AppState, row: locker_store::SandboxRecord) {
     }
 }
 
-/// Removes what a copy cut short left (`.part` files) and copies of snapshots the fleet no
-/// longer has; once per start of a control replica.
+/// Removes what a copy cut short left, copies of snapshots the fleet no longer has, and the
+/// pieces no copy names (`snapshot_store::sweep`); once per start of a control replica.
 pub async fn tidy(app: &AppState) {
     let Some(dir) = store_dir(app).map(Path::to_path_buf) else {
         return;
@@ -449,31 +411,20 @@ pub async fn tidy(app: &AppState) {
         for t in store.list_tenants()? {
             known.extend(store.list_snapshots(&t)?.into_iter().map(|s| s.id));
         }
-        let mut removed = 0usize;
-        for e in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let name = e.file_name().to_string_lossy().into_owned();
-            // Old enough that no copy of another replica is under way (a shared store).
-            let old = e
-                .metadata()
-                .and_then(|m| m.modified())
-                .is_ok_and(|t| t.elapsed().unwrap_or_default() > COPY * 2);
-            let orphan = name
-                .strip_suffix(SUFFIX)
-                .is_some_and(|s| snapshot_id(s) && !known.contains(s));
-            if old && (name.ends_with(".part") || orphan) && std::fs::remove_file(e.path()).is_ok()
-            {
-                removed += 1;
-            }
-        }
-        Ok::<_, locker_store::StoreError>(removed)
+        // Old enough that no copy of another replica is under way (a shared store).
+        snapshot_store::sweep(&dir, |s| !snapshot_id(s) || known.contains(s), COPY * 2)
+            .map_err(|e| locker_store::StoreError::Invalid(e.to_string()))
     })
     .await;
-    if let Ok(Ok(n)) = r {
-        if n > 0 {
-            tracing::info!(
-                removed = n,
-                "the snapshot store let go of copies no snapshot has"
-            );
-        }
+    match r {
+        Ok(Ok(s)) if s.copies + s.pieces > 0 => tracing::info!(
+            copies = s.copies,
+            pieces = s.pieces,
+            bytes = s.bytes,
+            "the snapshot store let go of copies no snapshot has, and of pieces no copy names"
+        ),
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => tracing::warn!(error = %e, "the snapshot store could not be tidied"),
+        Err(e) => tracing::warn!(error = %e, "the snapshot store could not be tidied"),
     }
 }
