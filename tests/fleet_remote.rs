@@ -361,7 +361,10 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
         .expect(200, "resume through control");
     assert_eq!(listed(&on_b)["state"], "running");
     let short = api
-        .post(&format!("/v1/sandboxes/{}/ttl", lost[1]), &json!({"ttl_s": 10}))
+        .post(
+            &format!("/v1/sandboxes/{}/ttl", lost[1]),
+            &json!({"ttl_s": 10}),
+        )
         .expect(200, "a short TTL through control");
     assert_eq!(listed(&lost[1])["expires_at"], short["expires_at"]);
 
@@ -391,9 +394,11 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     );
     // The lost sandbox whose TTL passes is ended by the fleet (its node is away): gone
     // from the list and the API, with its `sandbox.expired` event; the other stays lost.
-    wait_for(Duration::from_secs(20), "the expired lost sandbox ended", || {
-        (api.get(&format!("/v1/sandboxes/{}", lost[1])).status == 404).then_some(())
-    });
+    wait_for(
+        Duration::from_secs(20),
+        "the expired lost sandbox ended",
+        || (api.get(&format!("/v1/sandboxes/{}", lost[1])).status == 404).then_some(()),
+    );
     assert!(
         killed.elapsed() >= Duration::from_secs(9),
         "ended {:?} after the kill, before its TTL",

@@ -2365,7 +2365,10 @@ fn placements_reserve_within_capacity(b: Backend) {
         .unwrap()
         .iter()
         .any(|p| p.id == "pl_new"));
-    assert_eq!(store.unplace_lost(&lost[0].id).unwrap().unwrap().id, lost[0].id);
+    assert_eq!(
+        store.unplace_lost(&lost[0].id).unwrap().unwrap().id,
+        lost[0].id
+    );
     assert!(store.unplace_lost(&lost[0].id).unwrap().is_none());
     assert!(store.unplace(&lost[0].id).unwrap().is_none());
     store.unplace(&lost[1].id).unwrap().unwrap();

@@ -211,13 +211,12 @@ pub async fn dispatch(State(app): State<AppState>, req: Request, next: Next) -> 
         && req.uri().path() == format!("/sandboxes/{id}");
     // E2B's calls that change the sandbox's TTL or state answer no sandbox: the listed
     // view is read again from the node after them.
-    let changes_view = matches!(door, Door::E2bControl)
-        && req.method() == axum::http::Method::POST
-        && req
-            .uri()
-            .path()
-            .rsplit_once('/')
-            .is_some_and(|(_, last)| matches!(last, "timeout" | "pause" | "resume" | "connect"));
+    let changes_view =
+        matches!(door, Door::E2bControl)
+            && req.method() == axum::http::Method::POST
+            && req.uri().path().rsplit_once('/').is_some_and(|(_, last)| {
+                matches!(last, "timeout" | "pause" | "resume" | "connect")
+            });
     let placement = route.placement().to_owned();
     req.extensions_mut().insert(Extra(extra));
     let e2b_control = matches!(door, Door::E2bControl);
