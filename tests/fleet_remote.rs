@@ -27,6 +27,14 @@ fn create(api: &Api) -> Resp {
     )
 }
 
+/// The headers of an E2B call with `api`'s key.
+fn e2b_headers(api: &Api) -> [(&'static str, &str); 2] {
+    [
+        ("X-API-KEY", api.key().unwrap()),
+        ("Content-Type", "application/json"),
+    ]
+}
+
 /// A TLS client of a node's listener with `cert`/`key` (or none), ignoring the server's
 /// name: did it get an HTTP answer?
 fn node_answers(addr: &str, cert: Option<(&std::path::Path, &std::path::Path)>) -> bool {
@@ -337,10 +345,7 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     };
     let was = listed(&on_b)["expires_at"].clone();
     let anon = api.with_key(None);
-    let e2b = [
-        ("X-API-KEY", api.key().unwrap()),
-        ("Content-Type", "application/json"),
-    ];
+    let e2b = e2b_headers(&api);
     let r = anon.request(
         "POST",
         &format!("/sandboxes/{on_b}/timeout"),
@@ -544,10 +549,7 @@ fn snapshots_and_forks_of_a_node_sandbox_stay_on_its_node() {
 
     // E2B's snapshot of it too: kept on a, recorded as the node shows it, deleted there.
     let anon = api.with_key(None);
-    let e2b = [
-        ("X-API-KEY", api.key().unwrap()),
-        ("Content-Type", "application/json"),
-    ];
+    let e2b = e2b_headers(&api);
     let r = anon.request(
         "POST",
         &format!("/sandboxes/{parent}/snapshots"),

@@ -194,21 +194,12 @@ where
         // The pieces reach the disk before a manifest names them.
         locker_sys::fs::syncfs(&File::open(&d)?)?;
         let part = d.join(format!(".{snap}{MANIFEST}.part"));
-        let written = (|| {
-            let mut f = std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .mode(0o600)
-                .open(&part)?;
-            f.write_all(lines.as_bytes())?;
-            f.sync_all()?;
-            f.set_modified(taken)?;
-            std::fs::rename(&part, manifest_path(&d, &snap))
-        })();
-        if written.is_err() {
-            let _ = std::fs::remove_file(&part);
-        }
+        let written = write_aside(
+            &part,
+            &manifest_path(&d, &snap),
+            lines.as_bytes(),
+            Some(taken),
+        );
         drop(held);
         written
     })
@@ -231,20 +222,30 @@ fn write_piece(dir: &Path, piece: &[u8]) -> io::Result<(String, bool)> {
     static WRITES: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = WRITES.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let part = parent.join(format!(".{hash}.{}.{n}.part", std::process::id()));
+    write_aside(&part, &path, piece, None).map(|()| (hash, true))
+}
+
+/// Writes `data` into `part` (mode 0600), then renames it to `path`, so that `path` is whole
+/// or absent; `part` is removed on failure. `dated`: synced first, and dated so.
+fn write_aside(part: &Path, path: &Path, data: &[u8], dated: Option<SystemTime>) -> io::Result<()> {
     let written = (|| {
         let mut f = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
             .mode(0o600)
-            .open(&part)?;
-        f.write_all(piece)?;
-        std::fs::rename(&part, &path)
+            .open(part)?;
+        f.write_all(data)?;
+        if let Some(t) = dated {
+            f.sync_all()?;
+            f.set_modified(t)?;
+        }
+        std::fs::rename(part, path)
     })();
     if written.is_err() {
-        let _ = std::fs::remove_file(&part);
+        let _ = std::fs::remove_file(part);
     }
-    written.map(|()| (hash, true))
+    written
 }
 
 /// A kept snapshot: where it is and when it was taken.
