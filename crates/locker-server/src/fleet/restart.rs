@@ -175,13 +175,13 @@ async fn write_bundle(
     Ok(put.bytes)
 }
 
-/// Lets go of snapshot `snap`'s copy (the snapshot was deleted), and of the pieces only it
-/// held (in the background).
+/// Lets go of snapshot `snap`'s copy (the snapshot was deleted), then, in the background, of
+/// the pieces only it held.
 pub fn forget(app: &AppState, snap: &str) {
     if let Some(dir) = store_dir(app).map(Path::to_path_buf) {
         if snapshot_id(snap) {
-            let snap = snap.to_owned();
-            tokio::task::spawn_blocking(move || snapshot_store::forget(&dir, &snap));
+            snapshot_store::forget(&dir, snap);
+            tokio::task::spawn_blocking(move || snapshot_store::sweep_pieces(&dir));
         }
     }
 }

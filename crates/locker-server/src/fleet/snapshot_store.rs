@@ -18,8 +18,8 @@
 //! - **Reading** ([`Kept::body`], [`Kept::reader`]): the pieces in order, each checked
 //!   against its hash as it is read (a damaged piece fails the read; nothing half-checked
 //!   reaches a node).
-//! - **Letting go** ([`forget`], [`sweep`]): a manifest is removed; a piece no manifest names
-//!   is removed by the sweep. Writers hold a shared `flock` on `DIR/.lock` while they write,
+//! - **Letting go** ([`forget`], [`sweep_pieces`], [`sweep`]): a manifest is removed; a
+//!   piece no manifest names is removed by the sweep. Writers hold a shared `flock` on `DIR/.lock` while they write,
 //!   the sweep an exclusive one that it only tries for (a busy store is swept the next
 //!   time), so no piece a write is about to name is removed under it; several control
 //!   replicas sharing the store (NFS v4, CephFS: both lock) keep that between them.
@@ -381,10 +381,16 @@ impl Read for PieceReader {
     }
 }
 
-/// Lets go of snapshot `snap`'s copy, then sweeps (see [`sweep`]).
+/// Lets go of snapshot `snap`'s copy (its manifest, or its whole bundle); its pieces stay
+/// until [`sweep_pieces`].
 pub fn forget(dir: &Path, snap: &str) {
     let _ = std::fs::remove_file(manifest_path(dir, snap));
     let _ = std::fs::remove_file(dir.join(format!("{snap}{WHOLE}")));
+}
+
+/// Removes the pieces no manifest names (a [`sweep`] that keeps every copy), unless a write
+/// holds the store: then the next sweep does.
+pub fn sweep_pieces(dir: &Path) {
     if let Err(e) = sweep(dir, |_| true, std::time::Duration::MAX) {
         tracing::warn!(error = %e, "the snapshot store could not be swept");
     }
@@ -575,10 +581,12 @@ mod tests {
 
         // Letting go of one keeps the other whole; the pieces only it named go.
         forget(dir, "snap_a");
+        sweep_pieces(dir);
         assert!(find(dir, "snap_a").is_none());
         assert_eq!(read_all(&find(dir, "snap_b").unwrap()), second);
         assert!(pieces_bytes(dir) < second.len() as u64 + MAX as u64);
         forget(dir, "snap_b");
+        sweep_pieces(dir);
         assert_eq!(pieces_bytes(dir), 0);
     }
 
