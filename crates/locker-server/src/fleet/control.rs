@@ -660,7 +660,7 @@ async fn sweep(app: AppState, mut quitting: tokio::sync::watch::Receiver<bool>) 
             // Also here, not only after an expiry: one that failed to mark its placements
             // lost is caught up within this period.
             super::placement::lose(&app).await;
-            super::placement::expire_lost(&app).await;
+            super::placement::expire_lost(&app, &nodes).await;
             super::restart::lost(&app).await;
         }
         let budget = (nodes.len() / 10).max(1);

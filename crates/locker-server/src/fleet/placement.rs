@@ -360,16 +360,17 @@ pub async fn lose(app: &AppState) {
 }
 
 /// Ends the lost sandboxes of joined nodes whose TTL has passed (`expires_at` in the view
-/// their node last answered): the placement goes (only while still lost: a restart
-/// elsewhere that switched it first keeps it) with a `sandbox.expired` event, as the node
+/// their node last answered; `nodes` as the sweeper read them): the placement goes (only
+/// while still lost: a restart elsewhere that switched it first keeps it) with a
+/// `sandbox.expired` event, as the node
 /// itself would have ended it. The sandbox's record is in the dead node's own store, which
 /// destroys its copy should it return (no placement names it). A control replica's own
 /// node's lost sandboxes are rows of this store: `lifecycle`'s reaper ends those.
-pub async fn expire_lost(app: &AppState) {
+pub async fn expire_lost(app: &AppState, nodes: &[NodeRecord]) {
     let store = app.store.clone();
     let now = crate::state::now_s();
+    let rows = row_nodes(nodes);
     let ended = tokio::task::spawn_blocking(move || {
-        let rows = row_nodes(&store.list_nodes()?);
         let mut ended = Vec::new();
         for p in store.list_placements(None, None)? {
             let Some(sb) = p.sandbox_id.as_deref() else {

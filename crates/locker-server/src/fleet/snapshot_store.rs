@@ -477,8 +477,9 @@ pub fn sweep(
     Ok(swept)
 }
 
-/// The bytes the store's pieces take (what a sweep would count), for tests and logs.
-pub fn pieces_bytes(dir: &Path) -> u64 {
+/// The bytes the store's pieces take (what a sweep would count).
+#[cfg(test)]
+fn pieces_bytes(dir: &Path) -> u64 {
     std::fs::read_dir(dir.join(CHUNKS))
         .into_iter()
         .flatten()
