@@ -326,6 +326,7 @@ fn serve_conn(agent: Arc<Agent>, sock: File, port: Option<Option<Hello>>) -> Opt
         features: vec![
             locker_proto::FEATURE_SPAWN_FOLLOW.into(),
             locker_proto::FEATURE_FILE_METADATA.into(),
+            locker_proto::FEATURE_SHARE_HOLD.into(),
         ],
     };
     if conn.write(&Frame::Hello(hello)).is_err() {
@@ -597,6 +598,14 @@ fn handle(agent: &Arc<Agent>, s: &Arc<Stream>, req: Request) {
                 format!("mounting the volume at {target}: {e}"),
             )),
         },
+        Request::HoldShares { hold: true } => match crate::share::hold() {
+            Ok(()) => s.end(EndBody::Ok),
+            Err(e) => s.fail(AgentError::new(ErrorCode::Busy, e.to_string())),
+        },
+        Request::HoldShares { hold: false } => {
+            crate::share::release();
+            s.end(EndBody::Ok)
+        }
         Request::ListPorts => crate::ports::list(s),
         Request::Watch { path, recursive } => crate::watch::watch(agent, s, &path, recursive),
         Request::Connect { port } => crate::ports::connect(agent, s, port),

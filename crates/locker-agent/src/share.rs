@@ -8,13 +8,23 @@
 //! not look inside the messages: the host answers them, and the guest's kernel checks
 //! permissions itself (`default_permissions`). Each mount has a thread reading its
 //! `/dev/fuse`; one thread reads the port and hands replies to the mounts.
+//!
+//! **Holding** ([`hold`]): before its VM moves, the host asks the relay to send nothing
+//! more and waits until every request it sent has its reply. The host's file server then
+//! holds the whole state of the mounts (their nodes and open files, which it hands to the
+//! server on the new host), and nothing is in flight in the port, whose host end is
+//! about to be another server's. Requests read meanwhile wait here, in the guest's memory,
+//! and go to whichever server is connected when the hold is lifted ([`release`]). The
+//! relay counts what is in flight by each request's `unique`: the replies it reads carry
+//! it back.
 
 use std::collections::HashMap;
 use std::fs::{self, File};
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::HashSet;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use locker_proto::fs_frame;
@@ -24,6 +34,17 @@ use locker_proto::fs_frame;
 struct Port {
     out: Mutex<File>,
     mounts: Mutex<HashMap<u32, Mount>>,
+    flight: Mutex<Flight>,
+    /// Signalled when a reply lands or a hold is lifted.
+    changed: Condvar,
+}
+
+/// What the relay sent and has no reply for yet, and whether it is held.
+#[derive(Default)]
+struct Flight {
+    /// `(channel, unique)` of every request sent that awaits a reply.
+    sent: HashSet<(u32, u64)>,
+    held: bool,
 }
 
 /// One FUSE mount: its `/dev/fuse` and its connection's number under
@@ -52,6 +73,8 @@ fn port() -> io::Result<Arc<Port>> {
     let p = Arc::new(Port {
         out: Mutex::new(file),
         mounts: Mutex::new(HashMap::new()),
+        flight: Mutex::new(Flight::default()),
+        changed: Condvar::new(),
     });
     // Two first mounts racing: the loser's port is dropped before its thread starts.
     if PORT.set(p.clone()).is_err() {
@@ -163,6 +186,9 @@ fn connection_of(target: &str) -> Option<u64> {
 /// Fails every request of every mount at once, now and later (`ENOTCONN`): the host's
 /// server went away, and a new one would know none of their nodes.
 fn abort_all(port: &Port) {
+    // Aborted requests get no reply from anyone: nothing is in flight any more.
+    port.flight.lock().expect("flight").sent.clear();
+    port.changed.notify_all();
     let _ = fs::create_dir_all(CONNECTIONS);
     let mounted = fs::read_dir(CONNECTIONS).is_ok_and(|mut d| d.next().is_some());
     if !mounted {
@@ -214,6 +240,19 @@ fn requests(port: &Port, channel: u32, dev: &File) {
             // Unmounted (ENODEV), or anything else: this mount is done.
             Err(_) => break,
         };
+        let req = &buf[fs_frame::HEADER_LEN..fs_frame::HEADER_LEN + n];
+        let awaited = awaits_reply(req).map(|unique| (channel, unique));
+        {
+            // Held: this request waits here until the hold is lifted; else it is counted
+            // in flight before it is written, so that a hold never misses it.
+            let mut f = port.flight.lock().expect("flight");
+            while f.held {
+                f = port.changed.wait(f).expect("flight");
+            }
+            if let Some(k) = awaited {
+                f.sent.insert(k);
+            }
+        }
         buf[..fs_frame::HEADER_LEN].copy_from_slice(&fs_frame::header(channel, n));
         let sent = port
             .out
@@ -222,6 +261,9 @@ fn requests(port: &Port, channel: u32, dev: &File) {
             .write_all(&buf[..fs_frame::HEADER_LEN + n]);
         if let Err(e) = sent {
             eprintln!("locker-agent: writing to the file port: {e}");
+            if let Some(k) = awaited {
+                landed(port, k);
+            }
             fail_request(
                 dev,
                 &buf[fs_frame::HEADER_LEN..fs_frame::HEADER_LEN + n],
@@ -246,6 +288,10 @@ fn replies(port: &Port, mut reader: File) {
                 Some((len, channel)) => {
                     payload.resize(len, 0);
                     read_full(&mut reader, &mut payload).is_ok() && {
+                        if let Some(unique) = payload.get(8..16) {
+                            let unique = u64::from_le_bytes(unique.try_into().expect("8 bytes"));
+                            landed(port, (channel, unique));
+                        }
                         let m = port.mounts.lock().expect("mounts").get(&channel).cloned();
                         if let Some(m) = m {
                             // One write per reply. ENOENT: the request was interrupted.
@@ -262,6 +308,61 @@ fn replies(port: &Port, mut reader: File) {
             abort_all(port);
             wait_for_host(&reader);
         }
+    }
+}
+
+/// The `unique` of a request that gets a reply (`None`: a FORGET, BATCH_FORGET or
+/// INTERRUPT, or no header).
+fn awaits_reply(req: &[u8]) -> Option<u64> {
+    let opcode = u32::from_le_bytes(req.get(4..8)?.try_into().ok()?);
+    if matches!(opcode, FUSE_FORGET | FUSE_INTERRUPT | FUSE_BATCH_FORGET) {
+        return None;
+    }
+    Some(u64::from_le_bytes(req.get(8..16)?.try_into().ok()?))
+}
+
+/// The request `k` has its reply (or never will).
+fn landed(port: &Port, k: (u32, u64)) {
+    let mut f = port.flight.lock().expect("flight");
+    if f.sent.remove(&k) && f.sent.is_empty() {
+        port.changed.notify_all();
+    }
+}
+
+/// How long [`hold`] waits for the replies of what was sent before it.
+const HOLD_WAIT: Duration = Duration::from_secs(10);
+
+/// Stops relaying requests and waits until every request sent has its reply. Fails (the
+/// hold lifted again) when some are still missing after [`HOLD_WAIT`]. Without mounts
+/// (the port never opened) there is nothing to hold.
+pub fn hold() -> io::Result<()> {
+    let Some(port) = PORT.get() else {
+        return Ok(());
+    };
+    let deadline = Instant::now() + HOLD_WAIT;
+    let mut f = port.flight.lock().expect("flight");
+    f.held = true;
+    while !f.sent.is_empty() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            let n = f.sent.len();
+            f.held = false;
+            port.changed.notify_all();
+            return Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                format!("{n} volume requests still had no reply from the host after {HOLD_WAIT:?}"),
+            ));
+        }
+        f = port.changed.wait_timeout(f, left).expect("flight").0;
+    }
+    Ok(())
+}
+
+/// Relays requests again, those that waited during the hold first.
+pub fn release() {
+    if let Some(port) = PORT.get() {
+        port.flight.lock().expect("flight").held = false;
+        port.changed.notify_all();
     }
 }
 

@@ -201,6 +201,9 @@ pub const FEATURE_SPAWN_FOLLOW: &str = "spawn_follow";
 /// entries carry `metadata` and a symlink's `target`.
 pub const FEATURE_FILE_METADATA: &str = "file_metadata";
 
+/// The agent serves [`Request::HoldShares`]: a microVM whose volumes are mounted can move.
+pub const FEATURE_SHARE_HOLD: &str = "share_hold";
+
 /// One frame.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Frame {
@@ -384,6 +387,14 @@ pub enum Request {
         target: String,
         read_only: bool,
     },
+    /// In a microVM: `hold` stops relaying the volume mounts' FUSE requests to the host
+    /// (the guest's callers wait in its kernel) and answers once every request relayed
+    /// before has its reply, so that the host's file server holds the whole state of the
+    /// mounts and the VM can move with it; `End(Ok)`, or `Error(Busy)` when replies are
+    /// still missing after a few seconds (the hold is lifted again). `hold: false` relays
+    /// again (also what waited meanwhile). Sent only to an agent whose `Hello` names
+    /// [`FEATURE_SHARE_HOLD`].
+    HoldShares { hold: bool },
     /// In a microVM with a network device: give `interface` the IPv4 `address`/`prefix`
     /// (replacing the one it had), bring it and `lo` up and route everything via `gateway`
     /// (replacing any default route). `End(Ok)`.

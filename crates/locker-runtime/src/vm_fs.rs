@@ -15,6 +15,13 @@
 //!   beneath its export and opens nothing but regular files and directories.
 //!
 //! When the process ends its mount namespace goes with it: nothing is mounted on the host.
+//!
+//! **Moves.** The server answers its table (`crate::fuse::Table`: the nodes and open files
+//! the guest's mounts hold) on a control socket, `fs-ctl.sock` in the machine's directory
+//! (root's, mode 0600; [`table`] checks that root serves it, since the machine's uid owns
+//! the directory). A microVM that moves takes that table along (its relay holds every
+//! request meanwhile, see the agent's `share`), and the new host's server starts from it
+//! ([`Spec::carried`]) before the guest runs: the guest's mounts go on as they were.
 //! The guest side (mounting, relaying) is the agent's `share` module.
 
 use std::fs;
@@ -42,6 +49,10 @@ pub struct Spec {
     pub binds: Vec<BindMount>,
     /// Runs' overlays, the channels after the binds.
     pub overlays: Vec<OverlayMount>,
+    /// A table an earlier server of the guest's mounts wrote ([`table`]): the server
+    /// starts with its nodes and handles (the guest mounted already; it moved).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub carried: Option<PathBuf>,
 }
 
 /// One mount for the guest to make.
@@ -71,6 +82,28 @@ impl Spec {
 
 /// The spec's file in a machine's directory: present exactly when the machine has shares.
 pub const SPEC_FILE: &str = "vm-fs.json";
+
+/// The file server's control socket in a machine's directory.
+pub const CONTROL_SOCKET: &str = "fs-ctl.sock";
+
+/// The table of the file server of the machine in `dir` (JSON, `crate::fuse::Table`), read
+/// while the guest's relay holds its requests. Refuses a socket root does not serve.
+pub fn table(dir: &Path) -> io::Result<Vec<u8>> {
+    let mut conn = UnixStream::connect(dir.join(CONTROL_SOCKET))?;
+    if locker_sys::fd::peer_uid(std::os::fd::AsRawFd::as_raw_fd(&conn))? != 0 {
+        return Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            "the file server's control socket is not served by root",
+        ));
+    }
+    conn.set_read_timeout(Some(Duration::from_secs(30)))?;
+    conn.write_all(b"table\n")?;
+    let mut out = Vec::new();
+    conn.read_to_end(&mut out)?;
+    serde_json::from_slice::<crate::fuse::Table>(&out)
+        .map_err(|e| io::Error::other(format!("the file server's table: {e}")))?;
+    Ok(out)
+}
 
 /// Whether the machine in `dir` has volumes served to it.
 pub fn has_shares(dir: &Path) -> bool {
@@ -177,7 +210,11 @@ fn wait_exit(pid: libc::pid_t) -> i32 {
 
 /// PID 1 of the new namespace: sets up, says `ready`, serves.
 fn serve_main(s: &Spec) -> io::Result<()> {
-    let (conn, server) = prepare(s)?;
+    let (conn, server, control) = prepare(s)?;
+    let reader = server.table_reader();
+    std::thread::Builder::new()
+        .name("control".into())
+        .spawn(move || answer_tables(&control, &reader))?;
     let mut out = io::stdout().lock();
     writeln!(out, "ready")?;
     out.flush()?;
@@ -185,6 +222,24 @@ fn serve_main(s: &Spec) -> io::Result<()> {
     // no file the server opens later takes its number.
     let _ = locker_sys::proc::dup2(2, 1);
     server.run(conn)
+}
+
+/// Answers every connection of the control socket with the server's table.
+fn answer_tables(control: &std::os::unix::net::UnixListener, reader: &crate::fuse::TableReader) {
+    for conn in control.incoming() {
+        let Ok(mut conn) = conn else { continue };
+        let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
+        let mut ask = [0u8; 6];
+        if conn.read_exact(&mut ask).is_err() || &ask != b"table\n" {
+            continue;
+        }
+        match reader.table() {
+            Ok(t) => {
+                let _ = serde_json::to_writer(&mut conn, &t);
+            }
+            Err(e) => eprintln!("locker __vm-fs: reading the table: {e}"),
+        }
+    }
 }
 
 /// Raises this process's open files limit to `want`, or as far as the hard limit goes when
@@ -206,9 +261,15 @@ fn ctx(what: impl std::fmt::Display) -> impl FnOnce(io::Error) -> io::Error {
 /// forgets it) and every open file is one host fd (at most the kernel's `nr_open`).
 const MAX_FDS: u64 = 1 << 17;
 
-/// The private root with every share in it, the connected port, and the server with its
-/// exports open.
-fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
+/// The private root with every share in it, the connected port, the server with its
+/// exports open (and a carried table taken in), and the control socket.
+fn prepare(
+    s: &Spec,
+) -> io::Result<(
+    UnixStream,
+    crate::fuse::Server,
+    std::os::unix::net::UnixListener,
+)> {
     let nr_open = fs::read_to_string("/proc/sys/fs/nr_open")
         .ok()
         .and_then(|s| s.trim().parse::<u64>().ok())
@@ -245,6 +306,21 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
         crate::machine::mounts::mount_run_overlay(o, &at)
             .map_err(ctx(format!("mount the overlay of {}", o.lower.display())))?;
     }
+    let carried = match &s.carried {
+        Some(p) => Some(
+            fs::read(p)
+                .map_err(io::Error::from)
+                .and_then(|b| serde_json::from_slice::<crate::fuse::Table>(&b).map_err(io::Error::other))
+                .map_err(ctx(format!("read the carried table {}", p.display())))?,
+        ),
+        None => None,
+    };
+    let control_at = s.socket.with_file_name(CONTROL_SOCKET);
+    let _ = fs::remove_file(&control_at);
+    let control = std::os::unix::net::UnixListener::bind(&control_at)
+        .map_err(ctx(format!("bind {}", control_at.display())))?;
+    fs::set_permissions(&control_at, std::os::unix::fs::PermissionsExt::from_mode(0o600))
+        .map_err(ctx("chmod the control socket"))?;
     let conn = UnixStream::connect(&s.socket)
         .map_err(ctx(format!("connect to {}", s.socket.display())))?;
     // The server reopens files through /proc/self/fd: a proc of this pid namespace,
@@ -262,7 +338,18 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
     std::env::set_current_dir(stage).map_err(ctx("enter the private root"))?;
     locker_sys::mount::chroot_cwd().map_err(ctx("chroot"))?;
     std::env::set_current_dir("/").map_err(ctx("enter the private root"))?;
-    let server = crate::fuse::Server::open(&exports).map_err(ctx("open the exports"))?;
+    let server = match &carried {
+        None => crate::fuse::Server::open(&exports).map_err(ctx("open the exports"))?,
+        Some(t) => {
+            let (server, r) = crate::fuse::Server::open_carried(&exports, t)
+                .map_err(ctx("open the exports"))?;
+            eprintln!(
+                "locker __vm-fs: took a carried table in: {} nodes and {} open files back, {} nodes and {} open files lost (unnamed, or gone)",
+                r.nodes, r.handles, r.lost_nodes, r.lost_handles
+            );
+            server
+        }
+    };
     // The server holds `/proc/self/fd` open: the path itself goes.
     sys::umount(Path::new("/proc"), libc::MNT_DETACH).map_err(ctx("unmount /proc"))?;
     fs::remove_dir("/proc").map_err(ctx("remove /proc"))?;
@@ -272,5 +359,5 @@ fn prepare(s: &Spec) -> io::Result<(UnixStream, crate::fuse::Server)> {
     // Not CAP_DAC_READ_SEARCH: it opens files by handle, outside any root.
     sys::restrict_capabilities(&[0, 1, 3, 4]).map_err(ctx("drop capabilities"))?;
     locker_sys::proc::set_no_new_privs().map_err(ctx("no_new_privs"))?;
-    Ok((conn, server))
+    Ok((conn, server, control))
 }

@@ -96,8 +96,44 @@ pub(crate) async fn take(
             "a microVM sandbox with volumes cannot be snapshotted or forked (its memory holds the volumes' open files): use runtime `jail` for sandboxes with volumes you snapshot",
         ));
     }
+    take_into(app, live, &dir).await
+}
+
+/// [`take`] for a move (`carry`): a microVM whose volumes are mounted is snapshotted too,
+/// its mounts held and its file server's table taken along (`Node::hold_shares`; the
+/// volumes move with it). The hold lasts until the move ends: [`release_shares`] if it
+/// stays.
+pub(crate) async fn take_for_move(
+    app: &AppState,
+    live: &Live,
+    dir: PathBuf,
+) -> Result<(u64, bool), ApiError> {
     make_dir(&dir)?;
-    match app.node.snapshot(&live.machine, &dir).await {
+    if let Err(e) = app.node.hold_shares(&live.machine, &dir).await {
+        let _ = std::fs::remove_dir_all(&dir);
+        return Err(ApiError::during("holding the sandbox's volume mounts for its move")(e));
+    }
+    let taken = take_into(app, live, &dir).await;
+    if taken.is_err() {
+        release_shares(app, live).await;
+    }
+    taken
+}
+
+/// Lifts a move's hold of a microVM's volume mounts ([`take_for_move`]): it stays.
+pub(crate) async fn release_shares(app: &AppState, live: &Live) {
+    if let Err(e) = app.node.release_shares(&live.machine).await {
+        tracing::warn!(sandbox = %live.id, error = %e, "the volume mounts of a microVM that stays could not be let go: its volume calls wait");
+    }
+}
+
+async fn take_into(
+    app: &AppState,
+    live: &Live,
+    dir: &std::path::Path,
+) -> Result<(u64, bool), ApiError> {
+    make_dir(dir)?;
+    match app.node.snapshot(&live.machine, dir).await {
         Ok(r) => Ok(r),
         Err(e) => {
             let _ = std::fs::remove_dir_all(&dir);

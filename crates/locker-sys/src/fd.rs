@@ -453,6 +453,13 @@ pub fn set_cloexec(fd: RawFd) -> io::Result<()> {
     check_int(unsafe { libc::fcntl(fd, libc::F_SETFD, flags | libc::FD_CLOEXEC) })
 }
 
+/// The file status flags of an open file (`fcntl(F_GETFL)`: access mode, `O_SYNC`, …).
+pub fn status_flags(fd: RawFd) -> io::Result<libc::c_int> {
+    // SAFETY: fcntl on an integer fd; a bad fd is an error, not undefined behaviour.
+    let flags = unsafe { libc::fcntl(fd, libc::F_GETFL) };
+    check(flags.into()).map(|f| f as libc::c_int)
+}
+
 /// Marks every descriptor from 3 up close-on-exec (`close_range(2)`; a walk of
 /// `/proc/self/fd` on kernels before 5.11).
 pub fn cloexec_from_3() {
@@ -596,4 +603,27 @@ mod tests {
         assert!(e.wait(10_000).unwrap(), "the writer went away");
         assert!(!e.wait(20).unwrap(), "a lasting hang-up is not a new edge");
     }
+}
+
+/// The uid of the process at the other end of the unix socket `fd` (`SO_PEERCRED`: the
+/// credentials it had when it connected, or listened).
+pub fn peer_uid(fd: RawFd) -> io::Result<u32> {
+    let mut cred = libc::ucred {
+        pid: 0,
+        uid: 0,
+        gid: 0,
+    };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `cred` and `len` are our own locals, of the size we pass.
+    let rc = unsafe {
+        libc::getsockopt(
+            fd,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut cred as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    };
+    check_int(rc)?;
+    Ok(cred.uid)
 }

@@ -64,6 +64,18 @@ impl AgentClient {
         }
     }
 
+    /// In a microVM: holds the volume mounts' requests (`true`: none is in flight once this
+    /// answers) or relays them again (see [`Request::HoldShares`]).
+    pub async fn hold_shares(&self, hold: bool) -> Result<()> {
+        match self
+            .call_within(Request::HoldShares { hold }, SLOW_CALL_DEADLINE)
+            .await?
+        {
+            EndBody::Ok => Ok(()),
+            other => Err(unexpected("HoldShares", &other)),
+        }
+    }
+
     /// Flushes every filesystem of the machine to its disks.
     pub async fn flush(&self) -> Result<()> {
         match self.call_within(Request::Flush, SLOW_CALL_DEADLINE).await? {

@@ -44,7 +44,8 @@
 //! - The host must not move a directory out of a served tree while it is served: a node
 //!   the guest holds follows its inode, wherever it goes.
 //! - Nodeids live as long as the connection: a guest mount outlives a new `serve` on a new
-//!   connection only at its root (every other nodeid is then unknown, `ENOENT`).
+//!   connection only at its root (every other nodeid is then unknown, `ENOENT`), unless
+//!   the new server took the old one's table (`carry`: a microVM that moved).
 //! - Every node and open handle holds a host fd: [`MAX_NODES`] and [`MAX_HANDLES`] bound
 //!   them per channel (`ENFILE`/`EMFILE` beyond), and the process's `RLIMIT_NOFILE` must
 //!   leave room for them.
@@ -52,9 +53,11 @@
 //! **Rooms.** `wire` (opcodes, flags, the `fuse.h` mirrors: pure data), `codec` (the checks a
 //! request's bytes pass before an op sees them, and the reply shapes), `nodes` (the node and
 //! handle tables), `ops` (a channel and its one `match` per opcode, with the ops by family:
-//! `entry`, `file`, `attr`, `dir`), `server` (frames in, replies out), `raw` (the system
+//! `entry`, `file`, `attr`, `dir`), `server` (frames in, replies out), `carry` (a channel's
+//! state written down by name and taken in by another server), `raw` (the system
 //! calls, each with its invariant), `tests` (the protocol spoken raw, as a hostile guest).
 
+mod carry;
 mod codec;
 mod nodes;
 mod ops;
@@ -68,7 +71,8 @@ use std::path::PathBuf;
 
 use locker_proto::fs_frame;
 
-pub use server::{serve, Server};
+pub use carry::{ChannelTable, Restored, Table};
+pub use server::{serve, Server, TableReader};
 use wire::{InHeader, Le, WriteIn};
 
 /// One tree served on one channel.

@@ -89,6 +89,27 @@ impl Nodes {
         Ok((id, st))
     }
 
+    /// Takes a node a carried table names, under its old nodeid (see `carry`). Two nodeids
+    /// of one inode (hard links the old side knew apart) both stay; lookups find the first.
+    pub(super) fn insert(&mut self, id: u64, fd: OwnedFd, refs: u64) -> Res {
+        if id == 0 || self.by_id.contains_key(&id) {
+            return Err(Errno(libc::EEXIST));
+        }
+        let st = raw::stat(fd.as_raw_fd())?;
+        let key = (st.st_dev, st.st_ino);
+        self.by_key.entry(key).or_insert(id);
+        self.by_id.insert(
+            id,
+            Node {
+                fd,
+                refs: refs.max(1),
+                kind: kind(st.st_mode),
+                key,
+            },
+        );
+        Ok(())
+    }
+
     /// Drops `n` lookups of a node; at none it goes (the root never does).
     pub(super) fn forget(&mut self, id: u64, n: u64) {
         if id == ROOT_ID {
@@ -101,7 +122,9 @@ impl Nodes {
         if node.refs == 0 {
             let key = node.key;
             self.by_id.remove(&id);
-            self.by_key.remove(&key);
+            if self.by_key.get(&key) == Some(&id) {
+                self.by_key.remove(&key);
+            }
         }
     }
 }

@@ -1,6 +1,7 @@
 //! The connection: frames in, replies out, one channel per export.
 
 use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
@@ -8,6 +9,7 @@ use std::path::Path;
 
 use locker_proto::fs_frame;
 
+use super::carry::{Restored, Table};
 use super::codec::*;
 use super::ops::Channel;
 use super::raw;
@@ -103,7 +105,9 @@ pub fn serve(conn: UnixStream, exports: &[Export]) -> io::Result<()> {
 /// A server with its exports' roots and `/proc/self/fd` open: after [`Server::open`] it
 /// needs no path of the host any more (its caller may unmount `/proc`).
 pub struct Server {
-    channels: HashMap<u32, Channel>,
+    /// Shared with [`TableReader`]s (the file server's control socket); the serving loop
+    /// takes the lock for one request at a time.
+    channels: Arc<Mutex<HashMap<u32, Channel>>>,
     /// Every channel reopens files through this directory (its raw fd is theirs too).
     _proc_fd: OwnedFd,
 }
@@ -124,20 +128,52 @@ impl Server {
             }
         }
         Ok(Self {
-            channels,
+            channels: Arc::new(Mutex::new(channels)),
             _proc_fd: proc_fd,
         })
     }
 
+    /// [`Server::open`], then the nodes and handles of a carried table taken in
+    /// (`super::carry`): what it brought back, and what it could not.
+    pub fn open_carried(exports: &[Export], table: &Table) -> io::Result<(Self, Restored)> {
+        let server = Self::open(exports)?;
+        let mut all = Restored::default();
+        {
+            let mut channels = server.channels.lock().expect("channels");
+            for t in &table.channels {
+                let Some(ch) = channels.get_mut(&t.channel) else {
+                    all.lost_nodes += t.nodes.len() as u64;
+                    all.lost_handles += t.handles.len() as u64;
+                    continue;
+                };
+                let r = ch.restore(t);
+                all.nodes += r.nodes;
+                all.handles += r.handles;
+                all.lost_nodes += r.lost_nodes;
+                all.lost_handles += r.lost_handles;
+            }
+        }
+        Ok((server, all))
+    }
+
+    /// What reads this server's table from another thread while it serves.
+    pub fn table_reader(&self) -> TableReader {
+        TableReader(self.channels.clone())
+    }
+
     /// Serves until `conn` reaches its end between frames, or its peer goes away while a
     /// reply is written (Ok), or it fails.
-    pub fn run(mut self, conn: UnixStream) -> io::Result<()> {
+    pub fn run(self, conn: UnixStream) -> io::Result<()> {
         let mut reader = BufReader::with_capacity(256 * 1024, &conn);
         let mut writer = &conn;
         let mut payload = Vec::new();
         let mut reply = Vec::new();
         while let Some(channel) = read_frame(&mut reader, &mut payload)? {
-            if handle_frame(&mut self.channels, channel, &payload, &mut reply) {
+            let answered = {
+                let mut channels = self.channels.lock().expect("channels");
+                handle_frame(&mut channels, channel, &payload, &mut reply)
+            };
+            if answered {
                 match writer.write_all(&reply) {
                     Ok(()) => {}
                     // The guest's end closed with requests in flight (an unmount, a VM
@@ -155,5 +191,22 @@ impl Server {
             }
         }
         Ok(())
+    }
+}
+
+/// Reads a serving [`Server`]'s table (`super::carry`): meant for a moment when the guest
+/// sends nothing (its relay holds), so that the table is the whole state.
+#[derive(Clone)]
+pub struct TableReader(Arc<Mutex<HashMap<u32, Channel>>>);
+
+impl TableReader {
+    pub fn table(&self) -> io::Result<Table> {
+        let channels = self.0.lock().expect("channels");
+        let mut t = Table::default();
+        for (&id, ch) in channels.iter() {
+            t.channels.push(ch.table(id)?);
+        }
+        t.channels.sort_by_key(|c| c.channel);
+        Ok(t)
     }
 }

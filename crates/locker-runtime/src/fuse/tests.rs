@@ -49,15 +49,35 @@ struct Reply {
 
 impl Guest {
     fn start(exports: Vec<Export>) -> Self {
+        Self::with(Server::open(&exports).unwrap())
+    }
+
+    /// The guest end of `server`, which serves in a thread of its own.
+    fn with(server: Server) -> Self {
         let (host, conn) = UnixStream::pair().unwrap();
         conn.set_read_timeout(Some(Duration::from_secs(10)))
             .unwrap();
-        let server = std::thread::spawn(move || serve(host, &exports));
+        let server = std::thread::spawn(move || server.run(host));
         Guest {
             conn,
             unique: 0,
             server: Some(server),
         }
+    }
+
+    fn read(&mut self, node: u64, fh: u64) -> Result<Vec<u8>, i32> {
+        let mut b = Vec::new();
+        ReadIn {
+            fh,
+            size: 4096,
+            ..Default::default()
+        }
+        .put(&mut b);
+        let r = self.call(READ, node, &b);
+        if r.error != 0 {
+            return Err(r.error);
+        }
+        Ok(r.body)
     }
 
     fn send_raw(&mut self, channel: u32, payload: &[u8]) {
@@ -581,4 +601,115 @@ fn names_are_checked_like_linux() {
     assert_eq!(SetattrIn::N, 88);
     assert_eq!(Kstatfs::N, 80);
     assert_eq!(MIN_DEV_READ, 131_152);
+}
+
+/// A table taken from a serving server and taken in by a new one over a copy of the export
+/// (a volume that moved with its microVM): the guest's nodeids and open files go on under
+/// the same numbers, no INIT again; a node whose file was unlinked is lost (ENOENT), a
+/// handle on it too (EBADF); new nodeids and handles do not reuse old ones.
+#[test]
+fn a_carried_table_keeps_the_guests_nodes_and_open_files() {
+    let a = Tmp::new("carry-a");
+    std::fs::create_dir(a.0.join("d")).unwrap();
+    std::fs::write(a.0.join("d/f"), b"hello").unwrap();
+    std::fs::write(a.0.join("gone"), b"x").unwrap();
+    let server = Server::open(&export(&a.0, false)).unwrap();
+    let reader = server.table_reader();
+    let mut g = Guest::with(server);
+    g.init();
+    let d = g.lookup(ROOT_ID, b"d").unwrap();
+    let f = g.lookup(d.nodeid, b"f").unwrap();
+    let fh = g.open(f.nodeid, libc::O_RDWR).unwrap();
+    let gone = g.lookup(ROOT_ID, b"gone").unwrap();
+    let gone_fh = g.open(gone.nodeid, libc::O_RDONLY).unwrap();
+    std::fs::remove_file(a.0.join("gone")).unwrap();
+    let table = reader.table().unwrap();
+    let table: carry::Table =
+        serde_json::from_str(&serde_json::to_string(&table).unwrap()).unwrap();
+    assert_eq!(table.channels.len(), 1);
+    assert_eq!(table.channels[0].unnamed, 1, "{table:?}");
+    assert!(table.channels[0].ready);
+    g.finish().unwrap();
+
+    let b = Tmp::new("carry-b");
+    std::fs::create_dir(b.0.join("d")).unwrap();
+    std::fs::write(b.0.join("d/f"), b"hello").unwrap();
+    let (server, r) = Server::open_carried(&export(&b.0, false), &table).unwrap();
+    assert_eq!(
+        (r.nodes, r.handles, r.lost_nodes, r.lost_handles),
+        (2, 1, 1, 1)
+    );
+    let mut g = Guest::with(server);
+    assert_eq!(g.read(f.nodeid, fh).unwrap(), b"hello");
+    let mut w = Vec::new();
+    WriteIn {
+        fh,
+        size: 5,
+        ..Default::default()
+    }
+    .put(&mut w);
+    w.extend_from_slice(b"HELLO");
+    assert_eq!(g.call(WRITE, f.nodeid, &w).error, 0);
+    assert_eq!(std::fs::read(b.0.join("d/f")).unwrap(), b"HELLO");
+    assert_eq!(
+        g.call(GETATTR, gone.nodeid, &[0; 16]).error,
+        -libc::ENOENT
+    );
+    assert_eq!(g.read(gone.nodeid, gone_fh), Err(-libc::EBADF));
+    assert_eq!(g.lookup(d.nodeid, b"f").unwrap().nodeid, f.nodeid);
+    std::fs::write(b.0.join("new"), b"").unwrap();
+    let new = g.lookup(ROOT_ID, b"new").unwrap();
+    assert!(new.nodeid > gone.nodeid, "a new nodeid: {}", new.nodeid);
+    assert!(g.open(new.nodeid, libc::O_RDONLY).unwrap() > gone_fh);
+    g.finish().unwrap();
+}
+
+/// A table naming paths that lead out of the export (`..`, a symlink) brings nothing back.
+#[test]
+fn a_carried_table_reaches_nothing_outside_its_export() {
+    let outside = Tmp::new("carry-out");
+    std::fs::write(outside.0.join("secret"), b"s").unwrap();
+    let root = Tmp::new("carry-root");
+    std::os::unix::fs::symlink(&outside.0, root.0.join("link")).unwrap();
+    let hex = |p: &[u8]| p.iter().map(|c| format!("{c:02x}")).collect::<String>();
+    let node = |id: u64, p: &[u8]| carry::NodeEntry {
+        id,
+        path: hex(p),
+        refs: 1,
+    };
+    let name = outside.0.file_name().unwrap().as_bytes().to_vec();
+    let mut up = b"../".to_vec();
+    up.extend_from_slice(&name);
+    up.extend_from_slice(b"/secret");
+    let table = carry::Table {
+        channels: vec![carry::ChannelTable {
+            channel: 7,
+            ready: true,
+            next_id: 10,
+            next_fh: 10,
+            nodes: vec![
+                node(2, &up),
+                node(3, b"link/secret"),
+                node(4, b"link"),
+                node(5, outside.0.as_os_str().as_bytes()),
+                node(6, b"zz"),
+            ],
+            handles: vec![carry::HandleEntry {
+                fh: 1,
+                node: 3,
+                dir: false,
+                flags: libc::O_RDONLY,
+            }],
+            unnamed: 0,
+        }],
+    };
+    let (server, r) = Server::open_carried(&export(&root.0, false), &table).unwrap();
+    // Only the symlink itself, as a node (never followed).
+    assert_eq!((r.nodes, r.handles, r.lost_nodes, r.lost_handles), (1, 0, 4, 1));
+    let mut g = Guest::with(server);
+    assert_eq!(g.open(4, libc::O_RDONLY), Err(-libc::EACCES));
+    for id in [2, 3, 5, 6] {
+        assert_eq!(g.call(GETATTR, id, &[0; 16]).error, -libc::ENOENT, "node {id}");
+    }
+    g.finish().unwrap();
 }

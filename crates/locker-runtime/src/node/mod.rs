@@ -158,6 +158,10 @@ pub struct Attach {
 /// Beside a memory snapshot's `memory`: present when its VM had a network device.
 const MEMORY_NIC_MARK: &str = "memory.nic";
 
+/// Beside a memory snapshot's `memory`: the table of the file server of a VM whose volumes
+/// were mounted, taken while its relay held every request ([`Node::hold_shares`]).
+pub const FILES_TABLE: &str = "files.json";
+
 /// A running machine with an open agent channel.
 #[derive(Debug)]
 pub struct Machine {
@@ -423,6 +427,31 @@ impl Node {
             }
             None => attach.net,
         };
+        // A memory snapshot of a VM whose volumes were mounted (a move): its guest has
+        // them mounted already, and its file server starts from the table taken with it.
+        let carried = attach
+            .memory_from
+            .as_deref()
+            .map(|mem| mem.with_file_name(FILES_TABLE))
+            .filter(|t| t.exists());
+        if carried.is_some() && (attach.binds.is_empty() || !attach.overlays.is_empty()) {
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "the snapshot is of a microVM whose volumes were mounted: it starts with the same volumes only".into(),
+            ));
+        }
+        let files = carried.map(|table| {
+            (
+                self.config.init_exe.as_path(),
+                crate::vm_fs::Spec {
+                    socket: spec.dir.join(crate::vm::FS_SOCKET),
+                    stage: spec.dir.join("fs-root"),
+                    binds: attach.binds.clone(),
+                    overlays: Vec::new(),
+                    carried: Some(table),
+                },
+            )
+        });
         let assets = self.vm_assets().await?;
         let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb).with_net(net);
         let base = crate::vm::ensure_base(&assets, &spec.template_rootfs, shape).await?;
@@ -463,6 +492,7 @@ impl Node {
                     cpus: spec.cpus,
                     pids: spec.pids,
                     net: netdev,
+                    files: files.clone(),
                 },
             )
             .await?;
@@ -479,7 +509,14 @@ impl Node {
             shim: Mutex::new(Some(child)),
             netns: None,
         };
-        if !attach.binds.is_empty() || !attach.overlays.is_empty() {
+        if files.is_some() {
+            // The guest's relay held its requests when the table was taken: they go to
+            // this file server now.
+            if let Err(e) = m.agent.hold_shares(false).await {
+                let _ = self.destroy(&m).await;
+                return Err(e.into());
+            }
+        } else if !attach.binds.is_empty() || !attach.overlays.is_empty() {
             if let Err(e) = self.share(&m, attach.binds, attach.overlays).await {
                 let _ = self.destroy(&m).await;
                 return Err(e);
@@ -508,6 +545,7 @@ impl Node {
             stage: m.dir.join("fs-root"),
             binds,
             overlays,
+            carried: None,
         };
         crate::vm_fs::start(
             &self.config.init_exe,
@@ -759,9 +797,10 @@ impl Node {
                 })?;
             return Ok((size, false));
         };
-        if crate::vm_fs::has_shares(&m.dir) {
+        if crate::vm_fs::has_shares(&m.dir) && !dir.join(FILES_TABLE).exists() {
             // The guest's FUSE mounts hold the file server's node ids: a restored copy
-            // would meet a fresh server that knows none of them.
+            // would meet a fresh server that knows none of them. Only a move, which holds
+            // the mounts and takes the server's table first, carries them.
             return Err(NodeError::Unavailable(
                 "microvm",
                 "a microVM with volumes cannot be snapshotted with its memory".into(),
@@ -804,6 +843,71 @@ impl Node {
             m.pause()?;
         }
         Ok((r??, true))
+    }
+
+    /// Before a microVM whose volumes are mounted is snapshotted for a move: its guest's
+    /// relay holds every request (none in flight: see the agent's `share`), and the file
+    /// server's table is written into snapshot directory `dir` ([`FILES_TABLE`]), which
+    /// [`Node::snapshot`] then accepts. A paused machine runs for the moment the hold
+    /// takes (its agent must answer) and is paused again. Nothing to do for any other
+    /// machine. The hold lasts until [`Node::release_shares`] (the move failed) or the
+    /// machine goes; a failure here leaves the relay as it was.
+    pub async fn hold_shares(&self, m: &Machine, dir: &Path) -> Result<(), NodeError> {
+        if m.vm().is_none() || !crate::vm_fs::has_shares(&m.dir) {
+            return Ok(());
+        }
+        if !m.agent.has_feature(locker_proto::FEATURE_SHARE_HOLD) {
+            return Err(NodeError::Unavailable(
+                "microvm",
+                "its agent is of an earlier release, which cannot hold its volume mounts: it cannot move with them".into(),
+            ));
+        }
+        let was_frozen = self.is_frozen(m);
+        if was_frozen {
+            m.resume()?;
+        }
+        let held = async {
+            m.agent.hold_shares(true).await?;
+            let (from, to) = (m.dir.clone(), dir.join(FILES_TABLE));
+            let written = tokio::task::spawn_blocking(move || {
+                crate::vm_fs::table(&from).and_then(|t| fs::write(&to, t))
+            })
+            .await
+            .map_err(task("the file server's table"))?
+            .map_err(|source| NodeError::Io {
+                step: "reading the file server's table".into(),
+                source,
+            });
+            if written.is_err() {
+                let _ = m.agent.hold_shares(false).await;
+            }
+            written
+        }
+        .await;
+        if was_frozen {
+            m.pause()?;
+        }
+        held
+    }
+
+    /// Lifts [`Node::hold_shares`]: the guest's volume requests flow again (a paused
+    /// machine runs for the moment it takes).
+    pub async fn release_shares(&self, m: &Machine) -> Result<(), NodeError> {
+        let holds = m.vm().is_some()
+            && crate::vm_fs::has_shares(&m.dir)
+            && m.agent.has_feature(locker_proto::FEATURE_SHARE_HOLD);
+        if !holds {
+            return Ok(());
+        }
+        let was_frozen = self.is_frozen(m);
+        if was_frozen {
+            m.resume()?;
+        }
+        let released = m.agent.hold_shares(false).await;
+        if was_frozen {
+            m.pause()?;
+        }
+        Ok(released?)
     }
 
     /// The first step of carrying running microVM `m` out live (see [`crate::vm::live`]):

@@ -196,6 +196,11 @@ pub struct StartSpec<'a> {
     pub pids: u64,
     /// The network device's backend: required exactly when the base's shape has one.
     pub net: Option<NetDev>,
+    /// The file server of a guest whose volumes are mounted already (a memory snapshot
+    /// of a move, `crate::vm_fs::Spec::carried`): started with the `__vm-fs` executable
+    /// once QEMU's port exists and before the guest runs, so that the guest never sees its
+    /// host end missing (its relay would abort the mounts).
+    pub files: Option<(&'a Path, crate::vm_fs::Spec)>,
 }
 
 /// What a machine's network device is plugged into: the machine's network namespace (QEMU
@@ -257,18 +262,31 @@ pub async fn start(
     )?;
     let t_spawn = t0.elapsed();
     let d = dir.to_owned();
-    tokio::task::spawn_blocking(move || -> Result<(), VmError> {
+    let restoring = |e: VmError| VmError::Qemu {
+        step: "restoring the VM",
+        detail: format!("{e}; {}", logs_of(dir)),
+    };
+    // QMP answers once QEMU made every chardev: its ports' sockets exist from then on.
+    let mut q = tokio::task::spawn_blocking(move || -> Result<Qmp, VmError> {
         let mut q = Qmp::connect(&d.join("qmp.sock"), Duration::from_secs(10))?;
         q.ignore_shared()?;
+        Ok(q)
+    })
+    .await
+    .map_err(task("restore"))?
+    .map_err(restoring)?;
+    if let Some((exe, spec)) = &s.files {
+        crate::vm_fs::start(exe, dir, spec, &s.cgroup.procs_files())
+            .await
+            .map_err(setup("start the file server of the guest's volumes"))?;
+    }
+    tokio::task::spawn_blocking(move || -> Result<(), VmError> {
         q.cmd("migrate-incoming", json!({"uri": "fd:3"}))?;
         q.run_after_incoming()
     })
     .await
     .map_err(task("restore"))?
-    .map_err(|e| VmError::Qemu {
-        step: "restoring the VM",
-        detail: format!("{e}; {}", logs_of(dir)),
-    })?;
+    .map_err(restoring)?;
     let state = VmState {
         id: s.id.to_owned(),
         dir: dir.to_owned(),

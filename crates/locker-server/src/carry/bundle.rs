@@ -28,7 +28,6 @@ use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncSeekExt, AsyncWriteExt};
 
-use super::refusal;
 use crate::error::ApiError;
 
 const MAGIC: &[u8] = b"LOCKER-CARRY 1\n";
@@ -368,9 +367,6 @@ pub(super) async fn read_bundle(
     }
     if !sandbox_id(&rec.id) {
         return Err(bad(format!("{:?} is not a sandbox id", rec.id)));
-    }
-    if let Some(why) = refusal(&rec) {
-        return Err(ApiError::conflict(why));
     }
     if header.files.len() > FILES_MAX {
         return Err(bad(format!("{} files", header.files.len())));

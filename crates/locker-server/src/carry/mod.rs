@@ -133,23 +133,6 @@ async fn running(
     Ok((rec, crate::lifecycle::live_quiet(app, caller, id).await?))
 }
 
-/// Why `rec` cannot be carried, if it cannot. Its secrets go with it: they are the
-/// control plane's, and the new node arms its machine for their placeholders and gets
-/// their values from control (`secrets::remote`), as for any sandbox placed there.
-/// A jail that mounts volumes moves, its volumes with it (control moves them between the
-/// release and the start, `fleet::drain`); a microVM that mounts volumes does not (its
-/// memory holds the volumes' open files, as for its snapshots).
-fn refusal(rec: &SandboxRecord) -> Option<String> {
-    if rec.runtime == "microvm" && rec.volumes.as_array().is_some_and(|v| !v.is_empty()) {
-        return Some(format!(
-            "microVM sandbox {} mounts volumes: its memory holds their open files, so it \
-             cannot move (a jail that mounts volumes moves with them)",
-            rec.id
-        ));
-    }
-    None
-}
-
 /// Freezes `live` for its move (no call admitted from now on); whether it was paused, and
 /// if so by the idle policy.
 /// `freeze`: frozen too (a cold move); else it runs on, and only calls are refused (a
@@ -192,10 +175,11 @@ fn freeze_moving(live: &Live) -> Result<(), ApiError> {
 }
 
 /// [`unmark`], and a microVM's guest stopped by a live move that did not happen runs again
-/// (a guest left paused by its caller stays so).
-async fn unmark_running(live: &Live) {
+/// (a guest left paused by its caller stays so), its volume mounts no longer held.
+async fn unmark_running(app: &AppState, live: &Live) {
     unmark(live);
     run_on(live).await;
+    crate::snapshots::release_shares(app, live).await;
 }
 
 /// Lets a running sandbox's microVM guest run where a live move stopped it.
@@ -263,6 +247,7 @@ async fn abandon_export(app: AppState, id: String, live: Arc<Live>) {
     };
     if abandoned {
         run_on(&live).await;
+        crate::snapshots::release_shares(&app, &live).await;
         let _ = tokio::fs::remove_dir_all(kept_dir(&app, &id)).await;
         tracing::warn!(sandbox = %id, wait_s = wait_limit().as_secs(), "a move of this sandbox was abandoned half way (its control replica went away): it runs here again");
     }
@@ -389,9 +374,6 @@ async fn take_aside(
 
 async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, ApiError> {
     let (rec, live) = running(app, caller, id).await?;
-    if let Some(why) = refusal(&rec) {
-        return Err(ApiError::conflict(why));
-    }
     // A running microVM leaves live: it is frozen only if it cannot, or if a live move of
     // its QEMU failed before.
     let can_live = live_moves() && live.machine.vm().is_some();
@@ -414,12 +396,12 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
             }
             Err(e) => {
                 let _ = std::fs::remove_dir_all(&dir);
-                unmark_running(&live).await;
+                unmark_running(app, &live).await;
                 return Err(e);
             }
         }
     }
-    if let Err(e) = crate::snapshots::take(app, &live, dir.clone()).await {
+    if let Err(e) = crate::snapshots::take_for_move(app, &live, dir.clone()).await {
         unmark(&live);
         return Err(e);
     }
@@ -816,7 +798,7 @@ async fn stay(app: &AppState, caller: &Caller, id: &str) -> Result<Response, Api
     let live = app.live.read().await.get(id).cloned();
     let r = match live {
         Some(live) if live.tenant == caller.tenant => {
-            unmark_running(&live).await;
+            unmark_running(app, &live).await;
             Ok(())
         }
         Some(_) => Err(ApiError::not_found(format!(
