@@ -331,13 +331,32 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
 /// release and the new one's start, and the sandbox mounts it on the new node with every
 /// file; the old node keeps neither. A microVM that mounts a volume stays (its memory holds
 /// the volume's open files), and so does its volume.
+/// A drain carries a jail and a microVM that mount volumes, each with its volumes. The
+/// microVM's guest keeps its FUSE mounts as they were: a process that held a file of its
+/// volume open goes on appending to it through the same descriptor, every line landing
+/// on the volume's new home, none lost or written twice; names it knew and new ones
+/// resolve, and files made after the move are the new home's.
 #[test]
-fn a_drained_jail_takes_the_volumes_it_mounts_along() {
+fn a_drained_sandbox_takes_the_volumes_it_mounts_along() {
+    sandboxes_with_volumes_drained(&[]);
+}
+
+/// [`a_drained_sandbox_takes_the_volumes_it_mounts_along`] with the microVM moved live:
+/// its mounts held while its memory streams, its table in the bundle.
+#[test]
+fn a_microvm_moved_live_takes_its_volume_mounts_along() {
+    let log = sandboxes_with_volumes_drained(&[LIVE]);
+    assert!(log.contains("left live"), "{log}");
+}
+
+/// The drain of a jail and a microVM mounting volumes, nodes started with `env`: node a's
+/// log.
+fn sandboxes_with_volumes_drained(env: &[(&str, &str)]) -> String {
     let fab = Fabric::new(2);
     let (db, pg_url) = cluster().new_database();
     let srv = fab.control(&pg_url, &[]);
     let (admin, api) = (srv.admin(), srv.api());
-    let mut nodes = join_nodes(&fab, &admin, &["a", "b"], 4);
+    let mut nodes = join_nodes_with(&fab, &admin, &["a", "b"], 4, env);
     admin
         .post("/v1/fleet/nodes/b/cordon", &json!({}))
         .expect(200, "cordon b");
@@ -362,34 +381,62 @@ fn a_drained_jail_takes_the_volumes_it_mounts_along() {
                 "volumes": [{"volume": "vm-work", "path": "/mnt/v"}]}),
     )
     .remove(0);
-    api.sh(&vm, "echo in-vm > /mnt/v/f");
+    api.sh(&vm, "mkdir -p /mnt/v/sub && echo in-vm > /mnt/v/sub/f");
+    // A writer holding its file open (fd 3) all along, from a directory it holds too.
+    api.post(
+        &format!("/v1/sandboxes/{vm}/processes"),
+        &json!({"shell": "cd /mnt/v/sub && exec 3>>log && n=0 && while :; do n=$((n+1)); echo $n >&3; sleep 0.1; done"}),
+    )
+    .expect(200, "the writer");
+    api.sh(&vm, "while [ ! -s /mnt/v/sub/log ]; do sleep 0.05; done");
+    let writer = api.sh(&vm, "pgrep -f 'exec 3>>log' | head -1");
+    let lines = |api: &Api| -> Vec<u64> {
+        let r = api.get("/v1/volumes/vm-work/files?path=%2Fsub%2Flog");
+        assert_eq!(r.status, 200, "{}", r.text());
+        r.text().lines().map(|l| l.parse().unwrap()).collect()
+    };
+    let before = lines(&api).len();
     admin
         .post("/v1/fleet/nodes/b/uncordon", &json!({}))
         .expect(200, "uncordon b");
-    let report = drain_a_moves_it(&admin, &api, &db, &id);
-    eprintln!("its steps: {}", report["moved"][0]["steps"]);
-    assert!(
-        report["moved"][0]["steps"]["volumes_ms"].as_u64().is_some(),
-        "{report}"
-    );
+    let report = drained(&admin, "a", 2);
+    for m in report["moved"].as_array().unwrap() {
+        eprintln!("{} moved, its steps: {}", m["sandbox"], m["steps"]);
+        assert!(m["steps"]["volumes_ms"].as_u64().is_some(), "{report}");
+    }
+    assert_eq!(report["failed"], json!([]), "{report}");
     assert_eq!(report["volumes"]["moved"], json!([]), "{report}");
-    // The microVM and its volume stayed, saying why; it answers where it was.
-    assert_eq!(report["failed"][0]["sandbox"], vm.as_str(), "{report}");
-    let why = report["failed"][0]["error"].as_str().unwrap_or_default();
-    assert!(why.contains("mounts volumes"), "{report}");
+    assert_eq!((node_of(&api, &db, &id), node_of(&api, &db, &vm)), ("b".into(), "b".into()));
+
+    // The microVM's writer goes on, through the descriptor it held, into b's copy.
+    let r = api.get("/v1/volumes/vm-work/files?path=%2Fsub%2Flog");
+    assert_eq!(placed_on(&r), "b");
+    let after = wait_for(Duration::from_secs(30), "the writer going on", || {
+        let l = lines(&api);
+        (l.len() > before + 5).then_some(l)
+    });
     assert_eq!(
-        report["volumes"]["failed"][0]["name"], "vm-work",
-        "{report}"
+        after,
+        (1..=after.len() as u64).collect::<Vec<_>>(),
+        "every line once, in order"
     );
-    let why = report["volumes"]["failed"][0]["error"]
-        .as_str()
-        .unwrap_or_default();
-    assert!(why.contains("mounted by running sandbox"), "{report}");
-    assert_eq!(node_of(&api, &db, &vm), "a");
-    assert_eq!(api.sh(&vm, "cat /mnt/v/f"), "in-vm\n");
+    assert_eq!(api.sh(&vm, "pgrep -f 'exec 3>>log' | head -1"), writer);
+    assert_eq!(api.sh(&vm, "cat /mnt/v/sub/f"), "in-vm\n");
+    api.sh(&vm, "echo made-on-b > /mnt/v/sub/new");
+    let r = api.get("/v1/volumes/vm-work/files?path=%2Fsub%2Fnew");
+    assert_eq!((r.text(), placed_on(&r)), ("made-on-b\n".to_owned(), "b".to_owned()));
+    let vm_log = nodes[1].log_text();
+    assert!(vm_log.contains("a sandbox carried from another node runs here"), "{vm_log}");
+    let fs_log = std::fs::read_to_string(
+        nodes[1].data_dir().join("sandboxes").join(&vm).join("vm-fs.log"),
+    )
+    .unwrap_or_default();
+    eprintln!("b's file server: {fs_log}");
+    assert!(fs_log.contains("took a carried table in"), "{fs_log}");
     assert_eq!(api.delete(&format!("/v1/sandboxes/{vm}")).status, 204);
     api.delete("/v1/volumes/vm-work")
         .expect(204, "delete the microVM's volume");
+
     assert_eq!(
         api.sh(
             &id,
@@ -408,9 +455,11 @@ fn a_drained_jail_takes_the_volumes_it_mounts_along() {
     assert_eq!(api.delete(&format!("/v1/sandboxes/{id}")).status, 204);
     api.delete("/v1/volumes/work")
         .expect(204, "delete the volume");
+    let log = nodes[0].log_text();
     for n in &mut nodes {
         n.stop();
     }
+    log
 }
 
 /// Between a joined node and a control replica's own node (`--node local`), both ways: a

@@ -914,7 +914,9 @@ impl Node {
     /// its point, and the layers linked into snapshot directory `dir` (closed to all but
     /// root), with the mark a memory snapshot of its shape has. `None`: not a running
     /// microVM, or its chain has no room for another layer: it moves cold
-    /// ([`Node::snapshot`]). Step 2 is [`crate::vm::live::migrate_out`], in a blocking task.
+    /// ([`Node::snapshot`]); so does one whose volumes are mounted unless
+    /// [`Node::hold_shares`] took its file server's table into `dir` first. Step 2 is
+    /// [`crate::vm::live::migrate_out`], in a blocking task.
     pub async fn live_out(
         &self,
         m: &Machine,
@@ -923,7 +925,9 @@ impl Node {
         let Some(vm) = m.vm().cloned() else {
             return Ok(None);
         };
-        if self.is_frozen(m) || crate::vm_fs::has_shares(&m.dir) {
+        if self.is_frozen(m)
+            || (crate::vm_fs::has_shares(&m.dir) && !dir.join(FILES_TABLE).exists())
+        {
             return Ok(None);
         }
         {

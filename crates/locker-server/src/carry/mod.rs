@@ -472,6 +472,12 @@ async fn export_live(
         .cloned()
         .ok_or_else(|| ApiError::internal("not a microVM"))?;
     crate::snapshots::make_dir(dir)?;
+    // Volume mounts held first, their file server's table taken into the bundle (the
+    // guest's volume calls wait from here until it runs on the new node).
+    app.node
+        .hold_shares(&live.machine, dir)
+        .await
+        .map_err(ApiError::during("holding the sandbox's volume mounts for its move"))?;
     let Some(out) = app
         .node
         .live_out(&live.machine, dir)
