@@ -3,7 +3,7 @@
 //!   to another node under its own id: a jail keeps its files (cold: its processes do not
 //!   survive), every call goes to the new node, the old node keeps nothing, a sandbox can
 //!   come back to a node it left, and a sandbox with nowhere to go stays where it was and
-//!   answers; a microVM keeps its memory;
+//!   answers; a microVM keeps its memory, and its guest its volume mounts;
 //! - a restart: a dead node's sandboxes start again on another node from their last
 //!   snapshot kept in the snapshot store (`--snapshot-store`).
 
@@ -327,11 +327,10 @@ fn a_drained_node_moves_its_sandboxes_with_their_files_to_another() {
     }
 }
 
-/// A jail that mounts a volume moves with it: the volume leaves between the old machine's
-/// release and the new one's start, and the sandbox mounts it on the new node with every
-/// file; the old node keeps neither. A microVM that mounts a volume stays (its memory holds
-/// the volume's open files), and so does its volume.
-/// A drain carries a jail and a microVM that mount volumes, each with its volumes. The
+/// A sandbox that mounts a volume moves with it: the volume leaves between the old
+/// machine's release and the new one's start, and the sandbox mounts it on the new node
+/// with every file; the old node keeps neither. A drain carries a jail and a microVM that
+/// mount volumes, each with its volumes. The
 /// microVM's guest keeps its FUSE mounts as they were: a process that held a file of its
 /// volume open goes on appending to it through the same descriptor, every line landing
 /// on the volume's new home, none lost or written twice; names it knew and new ones
@@ -406,7 +405,10 @@ fn sandboxes_with_volumes_drained(env: &[(&str, &str)]) -> String {
     }
     assert_eq!(report["failed"], json!([]), "{report}");
     assert_eq!(report["volumes"]["moved"], json!([]), "{report}");
-    assert_eq!((node_of(&api, &db, &id), node_of(&api, &db, &vm)), ("b".into(), "b".into()));
+    assert_eq!(
+        (node_of(&api, &db, &id), node_of(&api, &db, &vm)),
+        ("b".into(), "b".into())
+    );
 
     // The microVM's writer goes on, through the descriptor it held, into b's copy.
     let r = api.get("/v1/volumes/vm-work/files?path=%2Fsub%2Flog");
@@ -424,11 +426,21 @@ fn sandboxes_with_volumes_drained(env: &[(&str, &str)]) -> String {
     assert_eq!(api.sh(&vm, "cat /mnt/v/sub/f"), "in-vm\n");
     api.sh(&vm, "echo made-on-b > /mnt/v/sub/new");
     let r = api.get("/v1/volumes/vm-work/files?path=%2Fsub%2Fnew");
-    assert_eq!((r.text(), placed_on(&r)), ("made-on-b\n".to_owned(), "b".to_owned()));
+    assert_eq!(
+        (r.text(), placed_on(&r)),
+        ("made-on-b\n".to_owned(), "b".to_owned())
+    );
     let vm_log = nodes[1].log_text();
-    assert!(vm_log.contains("a sandbox carried from another node runs here"), "{vm_log}");
+    assert!(
+        vm_log.contains("a sandbox carried from another node runs here"),
+        "{vm_log}"
+    );
     let fs_log = std::fs::read_to_string(
-        nodes[1].data_dir().join("sandboxes").join(&vm).join("vm-fs.log"),
+        nodes[1]
+            .data_dir()
+            .join("sandboxes")
+            .join(&vm)
+            .join("vm-fs.log"),
     )
     .unwrap_or_default();
     eprintln!("b's file server: {fs_log}");

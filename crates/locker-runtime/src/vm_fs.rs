@@ -309,8 +309,9 @@ fn prepare(
     let carried = match &s.carried {
         Some(p) => Some(
             fs::read(p)
-                .map_err(io::Error::from)
-                .and_then(|b| serde_json::from_slice::<crate::fuse::Table>(&b).map_err(io::Error::other))
+                .and_then(|b| {
+                    serde_json::from_slice::<crate::fuse::Table>(&b).map_err(io::Error::other)
+                })
                 .map_err(ctx(format!("read the carried table {}", p.display())))?,
         ),
         None => None,
@@ -319,8 +320,11 @@ fn prepare(
     let _ = fs::remove_file(&control_at);
     let control = std::os::unix::net::UnixListener::bind(&control_at)
         .map_err(ctx(format!("bind {}", control_at.display())))?;
-    fs::set_permissions(&control_at, std::os::unix::fs::PermissionsExt::from_mode(0o600))
-        .map_err(ctx("chmod the control socket"))?;
+    fs::set_permissions(
+        &control_at,
+        std::os::unix::fs::PermissionsExt::from_mode(0o600),
+    )
+    .map_err(ctx("chmod the control socket"))?;
     let conn = UnixStream::connect(&s.socket)
         .map_err(ctx(format!("connect to {}", s.socket.display())))?;
     // The server reopens files through /proc/self/fd: a proc of this pid namespace,
@@ -341,8 +345,8 @@ fn prepare(
     let server = match &carried {
         None => crate::fuse::Server::open(&exports).map_err(ctx("open the exports"))?,
         Some(t) => {
-            let (server, r) = crate::fuse::Server::open_carried(&exports, t)
-                .map_err(ctx("open the exports"))?;
+            let (server, r) =
+                crate::fuse::Server::open_carried(&exports, t).map_err(ctx("open the exports"))?;
             eprintln!(
                 "locker __vm-fs: took a carried table in: {} nodes and {} open files back, {} nodes and {} open files lost (unnamed, or gone)",
                 r.nodes, r.handles, r.lost_nodes, r.lost_handles

@@ -111,7 +111,9 @@ pub(crate) async fn take_for_move(
     make_dir(&dir)?;
     if let Err(e) = app.node.hold_shares(&live.machine, &dir).await {
         let _ = std::fs::remove_dir_all(&dir);
-        return Err(ApiError::during("holding the sandbox's volume mounts for its move")(e));
+        return Err(ApiError::during(
+            "holding the sandbox's volume mounts for its move",
+        )(e));
     }
     let taken = take_into(app, live, &dir).await;
     if taken.is_err() {
@@ -136,7 +138,7 @@ async fn take_into(
     match app.node.snapshot(&live.machine, dir).await {
         Ok(r) => Ok(r),
         Err(e) => {
-            let _ = std::fs::remove_dir_all(&dir);
+            let _ = std::fs::remove_dir_all(dir);
             Err(ApiError::during("taking the snapshot failed")(e))
         }
     }

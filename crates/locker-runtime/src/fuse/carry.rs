@@ -100,10 +100,17 @@ impl Channel {
             let path = if id == ROOT_ID {
                 Vec::new()
             } else {
-                let st = raw::stat(node.fd.as_raw_fd())?;
-                let at = self.path_of(node)?;
-                match at.strip_prefix(root_at.as_slice()) {
-                    Some([b'/', rel @ ..]) if st.st_nlink > 0 && !rel.is_empty() => rel.to_vec(),
+                // No name (unlinked: no links left, or a path too long to read back):
+                // left out, counted.
+                let named = raw::stat(node.fd.as_raw_fd())
+                    .ok()
+                    .filter(|st| st.st_nlink > 0)
+                    .and_then(|_| self.path_of(node).ok());
+                match named
+                    .as_deref()
+                    .and_then(|at| at.strip_prefix(root_at.as_slice()))
+                {
+                    Some([b'/', rel @ ..]) if !rel.is_empty() => rel.to_vec(),
                     _ => {
                         t.unnamed += 1;
                         continue;
@@ -118,7 +125,10 @@ impl Channel {
         }
         for (&fh, h) in &self.handles {
             let (dir, flags) = match &h.open {
-                Open::File(f) => (false, locker_sys::fd::status_flags(f.as_raw_fd())? & KEPT_FLAGS),
+                Open::File(f) => (
+                    false,
+                    locker_sys::fd::status_flags(f.as_raw_fd())? & KEPT_FLAGS,
+                ),
                 Open::Dir(_) => (true, 0),
             };
             t.handles.push(HandleEntry {
@@ -189,13 +199,8 @@ impl Channel {
             });
             match open {
                 Some(open) if self.handles.len() < MAX_HANDLES => {
-                    self.handles.insert(
-                        h.fh,
-                        super::nodes::Handle {
-                            node: h.node,
-                            open,
-                        },
-                    );
+                    self.handles
+                        .insert(h.fh, super::nodes::Handle { node: h.node, open });
                     r.handles += 1;
                 }
                 _ => r.lost_handles += 1,
@@ -227,7 +232,7 @@ fn hex(b: &[u8]) -> String {
 }
 
 fn unhex(s: &str) -> Option<Vec<u8>> {
-    if s.len() % 2 != 0 {
+    if !s.len().is_multiple_of(2) {
         return None;
     }
     (0..s.len())

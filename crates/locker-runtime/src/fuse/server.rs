@@ -1,11 +1,11 @@
 //! The connection: frames in, replies out, one channel per export.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
 use std::io::{self, BufRead, BufReader, Write};
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::sync::{Arc, Mutex};
 
 use locker_proto::fs_frame;
 

@@ -651,10 +651,7 @@ fn a_carried_table_keeps_the_guests_nodes_and_open_files() {
     w.extend_from_slice(b"HELLO");
     assert_eq!(g.call(WRITE, f.nodeid, &w).error, 0);
     assert_eq!(std::fs::read(b.0.join("d/f")).unwrap(), b"HELLO");
-    assert_eq!(
-        g.call(GETATTR, gone.nodeid, &[0; 16]).error,
-        -libc::ENOENT
-    );
+    assert_eq!(g.call(GETATTR, gone.nodeid, &[0; 16]).error, -libc::ENOENT);
     assert_eq!(g.read(gone.nodeid, gone_fh), Err(-libc::EBADF));
     assert_eq!(g.lookup(d.nodeid, b"f").unwrap().nodeid, f.nodeid);
     std::fs::write(b.0.join("new"), b"").unwrap();
@@ -705,11 +702,18 @@ fn a_carried_table_reaches_nothing_outside_its_export() {
     };
     let (server, r) = Server::open_carried(&export(&root.0, false), &table).unwrap();
     // Only the symlink itself, as a node (never followed).
-    assert_eq!((r.nodes, r.handles, r.lost_nodes, r.lost_handles), (1, 0, 4, 1));
+    assert_eq!(
+        (r.nodes, r.handles, r.lost_nodes, r.lost_handles),
+        (1, 0, 4, 1)
+    );
     let mut g = Guest::with(server);
     assert_eq!(g.open(4, libc::O_RDONLY), Err(-libc::EACCES));
     for id in [2, 3, 5, 6] {
-        assert_eq!(g.call(GETATTR, id, &[0; 16]).error, -libc::ENOENT, "node {id}");
+        assert_eq!(
+            g.call(GETATTR, id, &[0; 16]).error,
+            -libc::ENOENT,
+            "node {id}"
+        );
     }
     g.finish().unwrap();
 }

@@ -8,7 +8,10 @@
 //! runs (`bundle::bundle_live`, the runtime's `vm::live`), which leaves its QEMU holding
 //! the guest stopped, when the node runs with `LOCKER_CARRY_LIVE=1` (opt-in: see
 //! [`live_moves`]); otherwise, and for a paused one or one whose disk has no room for
-//! another layer, cold.
+//! another layer, cold. A microVM that mounts volumes holds their requests in its guest
+//! first, and its file server's table goes in its snapshot (`snapshots::take_for_move`,
+//! the runtime's `Node::hold_shares`): the new node's file server starts from it, so the
+//! guest's mounts go on; the hold is lifted where the sandbox stays.
 //! The old copy's machine is gone before the new one starts: never two running at once
 //! (nor their cgroups and names colliding when two nodes share a host):
 //! - `POST {PATH}{id}/export` (old node): the sandbox is frozen (a running microVM is
@@ -477,7 +480,9 @@ async fn export_live(
     app.node
         .hold_shares(&live.machine, dir)
         .await
-        .map_err(ApiError::during("holding the sandbox's volume mounts for its move"))?;
+        .map_err(ApiError::during(
+            "holding the sandbox's volume mounts for its move",
+        ))?;
     let Some(out) = app
         .node
         .live_out(&live.machine, dir)

@@ -9,7 +9,7 @@
 //! 2. the old node freezes the sandbox (calls answer 503 "moving", to be called again) and
 //!    streams a snapshot of it (`carry`'s bundle), which this server pipes into the new
 //!    node, which keeps it aside;
-//! 3. the old node destroys the machine (keeping the snapshot), the volumes a jail mounts
+//! 3. the old node destroys the machine (keeping the snapshot), the volumes it mounts
 //!    move to the new node (`route::volume_move`, all or none), then the new node starts
 //!    the sandbox from its copy, its volumes mounted: never two machines of one sandbox at
 //!    once;
