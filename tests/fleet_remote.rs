@@ -456,6 +456,30 @@ fn sandboxes_are_placed_within_capacity_and_every_call_reaches_their_node() {
     let fresh = fresh.json()["id"].as_str().unwrap().to_owned();
     assert_eq!(api.sh(&fresh, "echo epoch two"), "epoch two\n");
 
+    // What a node changes by itself shows in the list too: its idle pause, and the resume
+    // a call makes there (its events reach control, which reads the view again).
+    let idle = api.post(
+        "/v1/sandboxes",
+        &json!({"runtime": "jail", "ttl_s": 900, "memory_mb": 256, "idle_timeout_s": 2}),
+    );
+    assert_eq!(
+        (idle.status, placed_on(&idle)),
+        (201, "a".to_owned()),
+        "{}",
+        idle.text()
+    );
+    let idle = idle.json()["id"].as_str().unwrap().to_owned();
+    let t0 = Instant::now();
+    wait_for(Duration::from_secs(30), "the idle pause listed", || {
+        (listed(&idle)["state"] == "paused").then_some(())
+    });
+    eprintln!("the idle pause listed {:?} after the create", t0.elapsed());
+    assert_eq!(api.sh(&idle, "echo awake"), "awake\n");
+    wait_for(Duration::from_secs(15), "the resume listed", || {
+        (listed(&idle)["state"] == "running").then_some(())
+    });
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{idle}")).status, 204);
+
     // A sandbox a node runs that no placement names (its control plane died between the
     // node's create and the record of it; here the record is removed by hand) is destroyed
     // on its node after two sightings 10 s apart.

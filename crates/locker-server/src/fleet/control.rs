@@ -444,6 +444,15 @@ async fn take_events(
         )));
     }
     let node = caller(&c, &peer, &batch.node_id).await?;
+    // What a node changes of a sandbox by itself (its idle pause, a resume a call made
+    // there) is read again into the sandbox's listed view, as a call through control
+    // does (`route::refresh_view`: from the node the placement names, whoever says so).
+    let changed: std::collections::BTreeSet<String> = batch
+        .events
+        .iter()
+        .filter(|e| VIEW_CHANGES.contains(&e.kind.as_str()))
+        .map(|e| e.subject.clone())
+        .collect();
     let events: Vec<locker_store::EventRecord> = batch
         .events
         .into_iter()
@@ -464,9 +473,20 @@ async fn take_events(
         })
         .collect();
     let id = node.id.clone();
-    let cursor = blocking(move || app.events.take_from_node(&id, &events)).await?;
+    let taker = app.clone();
+    let cursor = blocking(move || taker.events.take_from_node(&id, &events)).await?;
+    if !changed.is_empty() {
+        tokio::spawn(async move {
+            for sb in changed {
+                super::route::refresh_view(&app, &sb).await;
+            }
+        });
+    }
     Ok(axum::Json(EventsTaken { cursor }).into_response())
 }
+
+/// The kinds of a node's events after which the sandbox's listed view is read again.
+const VIEW_CHANGES: &[&str] = &["sandbox.paused", "sandbox.resumed"];
 
 /// The current values of secrets a node's machines use (`wire::SECRETS`). A node gets only
 /// the secrets of tenants it runs something of: a sandbox placed on it (starting or
