@@ -759,7 +759,8 @@ fn microvm_egress_all_and_allow_through_the_api() {
 /// and read-only, beside a jail on the same volume), the guest kernel checks permissions,
 /// the volume's size holds, the file server survives a server restart and goes with its
 /// machine; a microVM run sees its private layer and commits like a jail's; a snapshot of
-/// a microVM with volumes is refused.
+/// a microVM with volumes restores with the same mounts, its guest's processes working on
+/// in the volume.
 #[test]
 fn microvm_volumes_in_sandboxes_and_runs() {
     use locker_tests::server::{enc, Server};
@@ -865,11 +866,61 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     // The guest's files API reaches the volume through its mount.
     assert_eq!(api.read_file(&a, "/workspace/j.txt").text(), "from-jail\n");
 
-    // Its memory holds the volume's open files: no snapshot.
-    let e = api
+    // A snapshot holds the guest's volume mounts with its memory: a sandbox from it mounts
+    // the same paths (anything else is refused, saying which), and its processes' working
+    // directories and names in the volume go on. The sandbox snapshotted goes on too.
+    api.post(
+        &format!("/v1/sandboxes/{a}/processes"),
+        &json!({"shell": "cd /workspace/d && while :; do if [ -e go ]; then echo \"alive in $(basename $PWD)\" >> out; rm -f go; fi; sleep 0.1; done"}),
+    )
+    .expect(200, "a process working in the volume");
+    let snap = api
         .post_empty(&format!("/v1/sandboxes/{a}/snapshots"))
-        .expect_error(409, "conflict", "snapshot of a microVM with volumes");
-    assert!(e.contains("volumes"), "{e}");
+        .expect(201, "snapshot of a microVM with volumes");
+    let snap = snap["id"].as_str().unwrap().to_owned();
+    api.sh(
+        &a,
+        "pkill -f 'if \\[ -e go' ; echo after > /workspace/after.txt",
+    );
+    for (volumes, what) in [
+        (json!([]), "no volume"),
+        (
+            json!([{"volume": vol, "path": "/elsewhere"}]),
+            "another path",
+        ),
+        (
+            json!([{"volume": vol, "path": "/workspace", "read_only": true}]),
+            "read-only",
+        ),
+    ] {
+        let e = api
+            .post(
+                "/v1/sandboxes",
+                &json!({"from_snapshot": snap, "volumes": volumes}),
+            )
+            .expect_error(400, "bad_request", what);
+        assert!(e.contains("mounted at /workspace"), "{what}: {e}");
+    }
+    let r = api.create_sandbox(&json!({
+        "from_snapshot": snap,
+        "volumes": [{"volume": vol, "path": "/workspace"}],
+    }));
+    assert_eq!(r["runtime"], "microvm", "{r}");
+    let r = r["id"].as_str().unwrap().to_owned();
+    assert_eq!(api.sh(&r, "cat /workspace/after.txt"), "after\n");
+    let holders = |id: &str| api.sh(id, "pgrep -f 'if \\[ -e go' | wc -l");
+    assert_eq!((holders(&a).trim(), holders(&r).trim()), ("0", "1"));
+    put("/d/go", b"");
+    locker_tests::wait_for(
+        Duration::from_secs(30),
+        "the restored process at work",
+        || {
+            let out = get("/d/out");
+            (out.status == 200 && out.text().ends_with('\n')).then(|| out.text())
+        },
+    );
+    assert_eq!(get("/d/out").text(), "alive in d\n");
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{r}")).status, 204);
 
     // The server dies; the file servers live on with their VMs.
     srv.restart();

@@ -49,14 +49,14 @@ pub struct Spec {
     pub binds: Vec<BindMount>,
     /// Runs' overlays, the channels after the binds.
     pub overlays: Vec<OverlayMount>,
-    /// A table an earlier server of the guest's mounts wrote ([`table`]): the server
-    /// starts with its nodes and handles (the guest mounted already; it moved).
+    /// The [`Carried`] file of a snapshot of the guest: the server starts with its table's
+    /// nodes and handles (the guest mounted already: it moved, or is a snapshot's copy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub carried: Option<PathBuf>,
 }
 
 /// One mount for the guest to make.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GuestMount {
     pub channel: u32,
     pub target: String,
@@ -86,9 +86,46 @@ pub const SPEC_FILE: &str = "vm-fs.json";
 /// The file server's control socket in a machine's directory.
 pub const CONTROL_SOCKET: &str = "fs-ctl.sock";
 
+/// What a guest's mounts are, taken for its snapshot (a move's, or its user's): where the
+/// guest mounted each channel, and the file server's table. A machine restored from that
+/// snapshot must serve the same mounts (the guest holds them), and its file server starts
+/// from the table ([`Spec::carried`]).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Carried {
+    pub mounts: Vec<GuestMount>,
+    pub table: crate::fuse::Table,
+}
+
+impl Carried {
+    /// The mounts and table of the file server of the machine in `dir`, read while the
+    /// guest's relay holds its requests.
+    pub fn take(dir: &Path) -> io::Result<Self> {
+        let spec: Spec = serde_json::from_slice(&fs::read(dir.join(SPEC_FILE))?)
+            .map_err(|e| io::Error::other(format!("{SPEC_FILE}: {e}")))?;
+        let table = serde_json::from_slice(&table(dir)?)
+            .map_err(|e| io::Error::other(format!("the file server's table: {e}")))?;
+        Ok(Carried {
+            mounts: spec.guest_mounts(),
+            table,
+        })
+    }
+
+    /// The mounts a snapshot's carried file (`path`) names, if it is one; `Err` when it
+    /// cannot be read.
+    pub fn mounts_in(path: &Path) -> io::Result<Option<Vec<GuestMount>>> {
+        match fs::read(path) {
+            Ok(b) => serde_json::from_slice::<Carried>(&b)
+                .map(|c| Some(c.mounts))
+                .map_err(|e| io::Error::other(format!("{}: {e}", path.display()))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
 /// The table of the file server of the machine in `dir` (JSON, `crate::fuse::Table`), read
 /// while the guest's relay holds its requests. Refuses a socket root does not serve.
-pub fn table(dir: &Path) -> io::Result<Vec<u8>> {
+fn table(dir: &Path) -> io::Result<Vec<u8>> {
     let mut conn = UnixStream::connect(dir.join(CONTROL_SOCKET))?;
     if locker_sys::fd::peer_uid(std::os::fd::AsRawFd::as_raw_fd(&conn))? != 0 {
         return Err(io::Error::new(
@@ -310,7 +347,9 @@ fn prepare(
         Some(p) => Some(
             fs::read(p)
                 .and_then(|b| {
-                    serde_json::from_slice::<crate::fuse::Table>(&b).map_err(io::Error::other)
+                    serde_json::from_slice::<Carried>(&b)
+                        .map(|c| c.table)
+                        .map_err(io::Error::other)
                 })
                 .map_err(ctx(format!("read the carried table {}", p.display())))?,
         ),

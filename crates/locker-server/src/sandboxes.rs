@@ -166,6 +166,45 @@ pub(crate) async fn create_sandbox(
     Ok((rec, live))
 }
 
+/// A snapshot of a microVM whose volumes were mounted restores with the same mounts only:
+/// its guest holds them (the same volumes need not be: a mount names a path and whether
+/// it is read-only). 400 otherwise, saying which.
+fn same_mounts(
+    snap: &locker_store::SnapshotRecord,
+    volumes: &[MountedVolume],
+) -> Result<(), ApiError> {
+    let file = std::path::Path::new(&snap.path).join(locker_runtime::node::FILES_TABLE);
+    let Some(had) = locker_runtime::vm_fs::Carried::mounts_in(&file)
+        .map_err(|e| ApiError::internal(format!("reading snapshot {}: {e}", snap.id)))?
+    else {
+        return Ok(());
+    };
+    let asked: Vec<(String, bool)> = volumes
+        .iter()
+        .map(|v| (v.path.clone(), v.read_only))
+        .collect();
+    let had: Vec<(String, bool)> = had.into_iter().map(|m| (m.target, m.read_only)).collect();
+    if asked == had {
+        return Ok(());
+    }
+    let say = |l: &[(String, bool)]| {
+        if l.is_empty() {
+            return "none".to_owned();
+        }
+        l.iter()
+            .map(|(p, ro)| format!("{p}{}", if *ro { " (read-only)" } else { "" }))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    Err(ApiError::bad_request(format!(
+        "snapshot {} is of a microVM with volumes mounted at {}, which its memory holds: \
+         give `volumes` mounted at those paths, in that order (asked: {})",
+        snap.id,
+        say(&had),
+        say(&asked)
+    )))
+}
+
 /// A create's body checked against the limits, its snapshot and this host: the sandbox to
 /// launch, and the snapshot directory it starts from, if any.
 async fn checked(
@@ -270,7 +309,7 @@ async fn checked(
         Some(_) => Runtime::Jail,
         // `auto`: the strongest runtime that works here and does what was asked. A microVM
         // under TCG emulation is not a security boundary, so auto picks it on KVM only; and
-        // not with volumes: a microVM with volumes cannot be snapshotted or forked.
+        // not with volumes: every file operation of a microVM's volume is a round trip.
         None if choice == RuntimeChoice::Auto => {
             let kvm = matches!(app.node.vm_assets().await, Ok(a) if a.accel == locker_runtime::vm::Accel::Kvm);
             if kvm && volumes.is_empty() {
@@ -286,6 +325,7 @@ async fn checked(
     }
     let (template_name, template, snapshot_dir, disk_mb) = match &snapshot {
         Some(snap) => {
+            same_mounts(snap, &volumes)?;
             if body.disk_mb.is_some_and(|d| d != snap.disk_mb) {
                 return Err(ApiError::bad_request(format!(
                     "a sandbox from snapshot {} has its disk size ({} MB): leave `disk_mb` out",

@@ -85,18 +85,21 @@ pub(crate) fn make_dir(dir: &std::path::Path) -> Result<(), ApiError> {
 }
 
 /// Takes a snapshot of `live` into `dir` (created; removed again on failure): the bytes it
-/// takes and whether it holds memory (a microVM's).
+/// takes and whether it holds memory (a microVM's). A microVM whose volumes are mounted
+/// holds their requests for the moment of its save, and its file server's table goes in
+/// the snapshot (`Node::hold_shares`): a sandbox from it starts with the same volumes at
+/// the same paths, its guest's open files and directories going on in them as they are
+/// by then.
 pub(crate) async fn take(
     app: &AppState,
     live: &Live,
     dir: PathBuf,
 ) -> Result<(u64, bool), ApiError> {
-    if live.machine.has_shares() {
-        return Err(ApiError::conflict(
-            "a microVM sandbox with volumes cannot be snapshotted or forked (its memory holds the volumes' open files): use runtime `jail` for sandboxes with volumes you snapshot",
-        ));
+    let taken = take_for_move(app, live, dir).await;
+    if taken.is_ok() {
+        release_shares(app, live).await;
     }
-    take_into(app, live, &dir).await
+    taken
 }
 
 /// [`take`] for a move (`carry`): a microVM whose volumes are mounted is snapshotted too,
@@ -111,15 +114,24 @@ pub(crate) async fn take_for_move(
     make_dir(&dir)?;
     if let Err(e) = app.node.hold_shares(&live.machine, &dir).await {
         let _ = std::fs::remove_dir_all(&dir);
-        return Err(ApiError::during(
-            "holding the sandbox's volume mounts for its move",
-        )(e));
+        return Err(held_refused(e));
     }
     let taken = take_into(app, live, &dir).await;
     if taken.is_err() {
         release_shares(app, live).await;
     }
     taken
+}
+
+/// Why the volume mounts of a microVM could not be held: an agent of an earlier release
+/// cannot (409); anything else is the node's failure.
+fn held_refused(e: locker_runtime::node::NodeError) -> ApiError {
+    match e {
+        locker_runtime::node::NodeError::Unavailable(_, why) => ApiError::conflict(format!(
+            "the sandbox's volume mounts cannot be held for its snapshot: {why}"
+        )),
+        e => ApiError::during("holding the sandbox's volume mounts for its snapshot")(e),
+    }
 }
 
 /// Lifts a move's hold of a microVM's volume mounts ([`take_for_move`]): it stays.

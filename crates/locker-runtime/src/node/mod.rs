@@ -158,8 +158,9 @@ pub struct Attach {
 /// Beside a memory snapshot's `memory`: present when its VM had a network device.
 const MEMORY_NIC_MARK: &str = "memory.nic";
 
-/// Beside a memory snapshot's `memory`: the table of the file server of a VM whose volumes
-/// were mounted, taken while its relay held every request ([`Node::hold_shares`]).
+/// Beside a memory snapshot's `memory`: the mounts and the file server's table of a VM whose
+/// volumes were mounted (`vm_fs::Carried`), taken while its relay held every request
+/// ([`Node::hold_shares`]).
 pub const FILES_TABLE: &str = "files.json";
 
 /// A running machine with an open agent channel.
@@ -452,6 +453,24 @@ impl Node {
                 },
             )
         });
+        if let Some((_, fs_spec)) = &files {
+            let had = fs_spec
+                .carried
+                .as_deref()
+                .map(crate::vm_fs::Carried::mounts_in)
+                .transpose()
+                .map_err(|source| NodeError::Io {
+                    step: "reading the snapshot's volume mounts".into(),
+                    source,
+                })?
+                .flatten();
+            if had.as_ref() != Some(&fs_spec.guest_mounts()) {
+                return Err(NodeError::Unavailable(
+                    "microvm",
+                    "the snapshot's guest has other volume mounts than this machine would serve: start it with the same volumes at the same paths".into(),
+                ));
+            }
+        }
         let assets = self.vm_assets().await?;
         let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb).with_net(net);
         let base = crate::vm::ensure_base(&assets, &spec.template_rootfs, shape).await?;
@@ -870,7 +889,8 @@ impl Node {
             m.agent.hold_shares(true).await?;
             let (from, to) = (m.dir.clone(), dir.join(FILES_TABLE));
             let written = tokio::task::spawn_blocking(move || {
-                crate::vm_fs::table(&from).and_then(|t| fs::write(&to, t))
+                let c = crate::vm_fs::Carried::take(&from)?;
+                fs::write(&to, serde_json::to_vec(&c).map_err(std::io::Error::other)?)
             })
             .await
             .map_err(task("the file server's table"))?
