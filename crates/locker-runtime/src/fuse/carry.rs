@@ -119,7 +119,7 @@ impl Channel {
             };
             t.nodes.push(NodeEntry {
                 id,
-                path: hex(&path),
+                path: locker_sys::hex::encode(&path),
                 refs: node.refs,
             });
         }
@@ -164,7 +164,7 @@ impl Channel {
                 }
                 continue;
             }
-            match unhex(&n.path).and_then(|p| self.open_path(&p)) {
+            match locker_sys::hex::decode(&n.path).and_then(|p| self.open_path(&p)) {
                 Some(fd) if self.nodes.by_id.len() < MAX_NODES => {
                     if self.nodes.insert(n.id, fd, n.refs).is_ok() {
                         r.nodes += 1;
@@ -225,18 +225,4 @@ impl Channel {
         }
         at
     }
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|c| format!("{c:02x}")).collect()
-}
-
-fn unhex(s: &str) -> Option<Vec<u8>> {
-    if !s.len().is_multiple_of(2) {
-        return None;
-    }
-    (0..s.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
-        .collect()
 }

@@ -668,10 +668,9 @@ fn a_carried_table_reaches_nothing_outside_its_export() {
     std::fs::write(outside.0.join("secret"), b"s").unwrap();
     let root = Tmp::new("carry-root");
     std::os::unix::fs::symlink(&outside.0, root.0.join("link")).unwrap();
-    let hex = |p: &[u8]| p.iter().map(|c| format!("{c:02x}")).collect::<String>();
     let node = |id: u64, p: &[u8]| carry::NodeEntry {
         id,
-        path: hex(p),
+        path: locker_sys::hex::encode(p),
         refs: 1,
     };
     let name = outside.0.file_name().unwrap().as_bytes().to_vec();

@@ -95,10 +95,6 @@ fn cut(data: &[u8]) -> Option<usize> {
     (data.len() >= MAX).then_some(MAX)
 }
 
-fn hex(d: &[u8]) -> String {
-    d.iter().map(|b| format!("{b:02x}")).collect()
-}
-
 fn is_hash(s: &str) -> bool {
     s.len() == 64
         && s.bytes()
@@ -210,7 +206,7 @@ where
 
 /// Writes `piece` under its hash unless it is there: (its hash, whether it was new).
 fn write_piece(dir: &Path, piece: &[u8]) -> io::Result<(String, bool)> {
-    let hash = hex(&Sha256::digest(piece));
+    let hash = locker_sys::hex::encode(&Sha256::digest(piece));
     let path = piece_path(dir, &hash);
     if path.exists() {
         return Ok((hash, false));
@@ -308,7 +304,7 @@ fn read_manifest(f: File) -> io::Result<Vec<(String, u64)>> {
 /// Reads one piece whole and checks it against its hash and length.
 fn read_piece(dir: &Path, hash: &str, len: u64) -> io::Result<Vec<u8>> {
     let data = std::fs::read(piece_path(dir, hash))?;
-    if data.len() as u64 != len || hex(&Sha256::digest(&data)) != hash {
+    if data.len() as u64 != len || locker_sys::hex::encode(&Sha256::digest(&data)) != hash {
         return Err(io::Error::other(format!(
             "piece {hash} of the snapshot store is damaged"
         )));
