@@ -288,14 +288,15 @@ fn replies(port: &Port, mut reader: File) {
                 Some((len, channel)) => {
                     payload.resize(len, 0);
                     read_full(&mut reader, &mut payload).is_ok() && {
-                        if let Some(unique) = payload.get(8..16) {
-                            let unique = u64::from_le_bytes(unique.try_into().expect("8 bytes"));
-                            landed(port, (channel, unique));
-                        }
                         let m = port.mounts.lock().expect("mounts").get(&channel).cloned();
                         if let Some(m) = m {
                             // One write per reply. ENOENT: the request was interrupted.
                             let _ = locker_sys::fd::write(m.dev.as_raw_fd(), &payload);
+                        }
+                        // Delivered: a hold waiting on it may answer.
+                        if let Some(unique) = payload.get(8..16) {
+                            let unique = u64::from_le_bytes(unique.try_into().expect("8 bytes"));
+                            landed(port, (channel, unique));
                         }
                         true
                     }
