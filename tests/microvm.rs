@@ -921,6 +921,20 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     );
     assert_eq!(get("/d/out").text(), "alive in d\n");
     assert_eq!(api.delete(&format!("/v1/sandboxes/{r}")).status, 204);
+    // A fork's child mounts its parent's volumes where the parent does.
+    let kids = api
+        .post(&format!("/v1/sandboxes/{a}/fork"), &json!({"count": 1}))
+        .expect(201, "fork of a microVM with volumes");
+    let kid = kids["sandboxes"][0]["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        api.sh(
+            &kid,
+            "cat /workspace/after.txt && echo kid > /workspace/kid.txt"
+        ),
+        "after\n"
+    );
+    assert_eq!(get("/kid.txt").text(), "kid\n");
+    assert_eq!(api.delete(&format!("/v1/sandboxes/{kid}")).status, 204);
 
     // The server dies; the file servers live on with their VMs.
     srv.restart();
