@@ -587,6 +587,12 @@ pub async fn adopt_all(app: &AppState) {
         if has_egress(&r.network) {
             readopt_egress(app, &r, &live).await;
         }
+        // A microVM's volume mounts held for a snapshot or a move that the last process
+        // left half way are let go (the move is over for this node: its mark is gone, so
+        // its release is refused).
+        if let Err(e) = app.node.release_shares(&live.machine).await {
+            tracing::warn!(sandbox = %r.id, error = %e, "cannot let the volume mounts of an adopted microVM go: its volume calls may wait");
+        }
         let paused = r.state == SandboxState::Paused;
         if paused {
             let mut st = live.pause.lock().expect("pause lock");
