@@ -414,6 +414,9 @@ async fn pty(
     }))
 }
 
+/// How long a terminal's end waits for the client's side of the closing handshake.
+const CLOSE_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Copies terminal bytes between the WebSocket and the agent until either side ends.
 async fn bridge(
     mut ws: WebSocket,
@@ -442,6 +445,18 @@ async fn bridge(
                     };
                     let _ = ws.send(Message::Text(v.to_string().into())).await;
                     let _ = ws.send(Message::Close(None)).await;
+                    // The closing handshake, bounded: what the client still sends (input
+                    // typed as the command ended, its own close) is read before the socket
+                    // goes. A socket closed with unread input is reset, and the reset can
+                    // reach the client before it has read the exit above.
+                    let _ = tokio::time::timeout(CLOSE_WAIT, async {
+                        while let Some(Ok(m)) = ws.recv().await {
+                            if matches!(m, Message::Close(_)) {
+                                break;
+                            }
+                        }
+                    })
+                    .await;
                     return Ok(());
                 }
                 Some(_) => {}
