@@ -102,11 +102,9 @@ impl Carried {
     pub fn take(dir: &Path) -> io::Result<Self> {
         let spec: Spec = serde_json::from_slice(&fs::read(dir.join(SPEC_FILE))?)
             .map_err(|e| io::Error::other(format!("{SPEC_FILE}: {e}")))?;
-        let table = serde_json::from_slice(&table(dir)?)
-            .map_err(|e| io::Error::other(format!("the file server's table: {e}")))?;
         Ok(Carried {
             mounts: spec.guest_mounts(),
-            table,
+            table: table(dir)?,
         })
     }
 
@@ -123,9 +121,9 @@ impl Carried {
     }
 }
 
-/// The table of the file server of the machine in `dir` (JSON, `crate::fuse::Table`), read
-/// while the guest's relay holds its requests. Refuses a socket root does not serve.
-fn table(dir: &Path) -> io::Result<Vec<u8>> {
+/// The table of the file server of the machine in `dir`, read while the guest's relay holds
+/// its requests. Refuses a socket root does not serve.
+fn table(dir: &Path) -> io::Result<crate::fuse::Table> {
     let mut conn = UnixStream::connect(dir.join(CONTROL_SOCKET))?;
     if locker_sys::fd::peer_uid(std::os::fd::AsRawFd::as_raw_fd(&conn))? != 0 {
         return Err(io::Error::new(
@@ -135,11 +133,8 @@ fn table(dir: &Path) -> io::Result<Vec<u8>> {
     }
     conn.set_read_timeout(Some(Duration::from_secs(30)))?;
     conn.write_all(b"table\n")?;
-    let mut out = Vec::new();
-    conn.read_to_end(&mut out)?;
-    serde_json::from_slice::<crate::fuse::Table>(&out)
-        .map_err(|e| io::Error::other(format!("the file server's table: {e}")))?;
-    Ok(out)
+    serde_json::from_reader(io::BufReader::new(conn))
+        .map_err(|e| io::Error::other(format!("the file server's table: {e}")))
 }
 
 /// Whether the machine in `dir` has volumes served to it.

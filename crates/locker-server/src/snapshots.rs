@@ -146,7 +146,6 @@ async fn take_into(
     live: &Live,
     dir: &std::path::Path,
 ) -> Result<(u64, bool), ApiError> {
-    make_dir(dir)?;
     match app.node.snapshot(&live.machine, dir).await {
         Ok(r) => Ok(r),
         Err(e) => {

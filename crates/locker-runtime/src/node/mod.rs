@@ -23,6 +23,7 @@ pub use config::{find_agent, find_shim, is_static_elf, NodeConfig};
 use unwind::Unwind;
 
 mod config;
+mod shares;
 mod unwind;
 
 /// How long a new machine's agent may take to answer.
@@ -862,72 +863,6 @@ impl Node {
             m.pause()?;
         }
         Ok((r??, true))
-    }
-
-    /// Before a microVM whose volumes are mounted is snapshotted for a move: its guest's
-    /// relay holds every request (none in flight: see the agent's `share`), and the file
-    /// server's table is written into snapshot directory `dir` ([`FILES_TABLE`]), which
-    /// [`Node::snapshot`] then accepts. A paused machine runs for the moment the hold
-    /// takes (its agent must answer) and is paused again. Nothing to do for any other
-    /// machine. The hold lasts until [`Node::release_shares`] (the move failed) or the
-    /// machine goes; a failure here leaves the relay as it was.
-    pub async fn hold_shares(&self, m: &Machine, dir: &Path) -> Result<(), NodeError> {
-        if m.vm().is_none() || !crate::vm_fs::has_shares(&m.dir) {
-            return Ok(());
-        }
-        if !m.agent.has_feature(locker_proto::FEATURE_SHARE_HOLD) {
-            return Err(NodeError::Unavailable(
-                "microvm",
-                "its agent is of an earlier release, which cannot hold its volume mounts: it cannot move with them".into(),
-            ));
-        }
-        let was_frozen = self.is_frozen(m);
-        if was_frozen {
-            m.resume()?;
-        }
-        let held = async {
-            m.agent.hold_shares(true).await?;
-            let (from, to) = (m.dir.clone(), dir.join(FILES_TABLE));
-            let written = tokio::task::spawn_blocking(move || {
-                let c = crate::vm_fs::Carried::take(&from)?;
-                fs::write(&to, serde_json::to_vec(&c).map_err(std::io::Error::other)?)
-            })
-            .await
-            .map_err(task("the file server's table"))?
-            .map_err(|source| NodeError::Io {
-                step: "reading the file server's table".into(),
-                source,
-            });
-            if written.is_err() {
-                let _ = m.agent.hold_shares(false).await;
-            }
-            written
-        }
-        .await;
-        if was_frozen {
-            m.pause()?;
-        }
-        held
-    }
-
-    /// Lifts [`Node::hold_shares`]: the guest's volume requests flow again (a paused
-    /// machine runs for the moment it takes).
-    pub async fn release_shares(&self, m: &Machine) -> Result<(), NodeError> {
-        let holds = m.vm().is_some()
-            && crate::vm_fs::has_shares(&m.dir)
-            && m.agent.has_feature(locker_proto::FEATURE_SHARE_HOLD);
-        if !holds {
-            return Ok(());
-        }
-        let was_frozen = self.is_frozen(m);
-        if was_frozen {
-            m.resume()?;
-        }
-        let released = m.agent.hold_shares(false).await;
-        if was_frozen {
-            m.pause()?;
-        }
-        Ok(released?)
     }
 
     /// The first step of carrying running microVM `m` out live (see [`crate::vm::live`]):
