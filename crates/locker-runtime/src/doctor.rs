@@ -73,6 +73,11 @@ pub struct Host {
     /// `kvm`, `tcg` (emulation only), or `none`.
     pub virtualization: String,
     pub virtualization_detail: String,
+    /// How a fleet node moves running microVMs to another node: `live` (QEMU's pre-copy
+    /// migration, the guest runs on) or `cold` (frozen, from a snapshot with memory), or
+    /// `none` (no QEMU), with why.
+    pub microvm_moves: String,
+    pub microvm_moves_detail: String,
     /// What starts a jail machine: `locker-jail` (the small shim of the same build) or
     /// `locker` itself, with where it is and why.
     pub jail_shim: String,
@@ -105,6 +110,15 @@ pub fn check(data_dir: &Path) -> Report {
         Err(why) => format!("unavailable, volumes cannot be created: {why}"),
     };
     let (virt, virt_detail) = virtualization();
+    let (vm_moves, vm_moves_detail) =
+        match which("qemu-system-x86_64").map(|q| crate::vm::qemu_version(&q)) {
+            Some(Ok(v)) => match crate::vm::live_moves(v) {
+                (true, why) => ("live", why),
+                (false, why) => ("cold", why),
+            },
+            Some(Err(e)) => ("none", e.to_string()),
+            None => ("none", "QEMU is not installed".to_owned()),
+        };
     let (moves, moves_detail) = match crate::cgroup::move_mode() {
         crate::cgroup::MoveMode::Favored(d) => ("favored", format!("{d}: moving a process into a cgroup is fast; forks and exits host-wide take a slightly slower path")),
         crate::cgroup::MoveMode::Default(d) => ("default", format!("{d} (8-20 ms on a small VM), paid by every create and by every exec after a pause; `locker serve` sets favordynmods at start unless --no-favordynmods")),
@@ -184,6 +198,8 @@ pub fn check(data_dir: &Path) -> Report {
             volumes,
             virtualization: virt,
             virtualization_detail: virt_detail,
+            microvm_moves: vm_moves.into(),
+            microvm_moves_detail: vm_moves_detail,
             jail_shim,
             run_layer: if crate::jail::memory_scratch() {
                 "memory: a run's jail writes outside its volume to a tmpfs half its memory in size (no disk image per run)".into()
@@ -326,7 +342,7 @@ pub fn render(r: &Report) -> String {
         )
     };
     out.push_str(&format!(
-        "\nkernel            {}\ncgroup            {}\ncgroup moves      {}: {}\nuser namespaces   {}\ndata dir          {}\ncopy-on-write     {}: {}\nvolumes           {}\nvirtualization    {}: {}\njail shim         {}\nrun layer         {}\n",
+        "\nkernel            {}\ncgroup            {}\ncgroup moves      {}: {}\nuser namespaces   {}\ndata dir          {}\ncopy-on-write     {}: {}\nvolumes           {}\nvirtualization    {}: {}\nmicroVM moves     {}: {}\njail shim         {}\nrun layer         {}\n",
         h.kernel,
         h.cgroup,
         h.cgroup_moves,
@@ -338,6 +354,8 @@ pub fn render(r: &Report) -> String {
         h.volumes,
         h.virtualization,
         h.virtualization_detail,
+        h.microvm_moves,
+        h.microvm_moves_detail,
         h.jail_shim,
         h.run_layer
     ));
@@ -464,5 +482,20 @@ mod tests {
         let r = super::check(std::path::Path::new("/var/lib/locker"));
         assert!(r.runtimes.contains_key("jail") && r.runtimes.contains_key("microvm"));
         assert!(!r.host.kernel.is_empty());
+        // How microVMs move follows the QEMU installed (scripts/setup's is 10 on Debian 12).
+        let expect = match super::which("qemu-system-x86_64") {
+            None => "none",
+            Some(q) => match crate::vm::qemu_version(&q) {
+                Ok(v) if crate::vm::live_moves(v).0 => "live",
+                Ok(_) => "cold",
+                Err(_) => "none",
+            },
+        };
+        assert_eq!(
+            r.host.microvm_moves, expect,
+            "{}",
+            r.host.microvm_moves_detail
+        );
+        assert!(super::render(&r).contains("microVM moves"));
     }
 }

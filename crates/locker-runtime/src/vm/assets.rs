@@ -118,7 +118,30 @@ pub(super) fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-pub(super) fn qemu_version(qemu: &Path) -> Result<(u32, u32), VmError> {
+/// The oldest QEMU whose live migration kept every guest whole under TCG here: Debian 12's
+/// 7.2 restored about one live move in ten with memory that did not match (kernel oopses
+/// jumping into a stack page, a hang), 10.0 none in 65 (docs/operations.md, "Fleet mode").
+pub const LIVE_MIN_QEMU: (u32, u32) = (10, 0);
+
+/// Whether a node whose QEMU is `version` moves running microVMs live, and why:
+/// `LOCKER_CARRY_LIVE=1` or `=0` says so; unset, live from [`LIVE_MIN_QEMU`] on.
+pub fn live_moves(version: (u32, u32)) -> (bool, String) {
+    live_moves_given(std::env::var("LOCKER_CARRY_LIVE").ok().as_deref(), version)
+}
+
+/// [`live_moves`] with `LOCKER_CARRY_LIVE` given.
+fn live_moves_given(env: Option<&str>, version: (u32, u32)) -> (bool, String) {
+    let v = format!("QEMU {}.{}", version.0, version.1);
+    match env {
+        Some("1") => (true, format!("LOCKER_CARRY_LIVE=1 ({v})")),
+        Some("0") => (false, format!("LOCKER_CARRY_LIVE=0 ({v})")),
+        _ if version >= LIVE_MIN_QEMU => (true, format!("{v}; LOCKER_CARRY_LIVE=0 moves them frozen")),
+        _ => (false, format!("{v} is older than {}.{}, whose live migration under TCG kept every guest whole (7.2's did not, about one move in ten); scripts/setup installs QEMU 10 from bookworm-backports on Debian 12; LOCKER_CARRY_LIVE=1 moves them live anyway", LIVE_MIN_QEMU.0, LIVE_MIN_QEMU.1)),
+    }
+}
+
+/// The version QEMU at `qemu` says it is (major, minor).
+pub fn qemu_version(qemu: &Path) -> Result<(u32, u32), VmError> {
     let out = std::process::Command::new(qemu)
         .arg("--version")
         .output()
@@ -442,5 +465,21 @@ mod tests {
         c.entry("TRAILER!!!", 0, (0, 0), &[]);
         assert_eq!(c.buf.len() % 4, 0);
         assert!(c.buf.starts_with(b"070701"));
+    }
+
+    #[test]
+    fn live_moves_need_qemu_10_unless_the_node_says() {
+        assert!(!live_moves_given(None, (7, 2)).0);
+        assert!(live_moves_given(None, (10, 0)).0);
+        assert!(live_moves_given(None, (11, 1)).0);
+        assert!(live_moves_given(Some("1"), (7, 2)).0);
+        assert!(!live_moves_given(Some("0"), (10, 0)).0);
+        // Anything else is as if unset.
+        assert!(live_moves_given(Some("yes"), (10, 0)).0);
+        let (_, why) = live_moves_given(None, (7, 2));
+        assert!(
+            why.contains("QEMU 7.2") && why.contains("LOCKER_CARRY_LIVE=1"),
+            "{why}"
+        );
     }
 }

@@ -59,7 +59,10 @@ mod qmp;
 pub mod stack;
 
 pub use accel::{accel, Accel};
-pub use assets::{cache_dir, host_khz, kernel_dir, template_image, Assets};
+pub use assets::{
+    cache_dir, host_khz, kernel_dir, live_moves, qemu_version, template_image, Assets,
+    LIVE_MIN_QEMU,
+};
 pub use base::{ensure_base, Base};
 pub use qemu::Shape;
 use qemu::*;

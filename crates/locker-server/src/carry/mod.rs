@@ -6,8 +6,8 @@
 //! here), a microVM with its memory (its processes go on where they were): a running one
 //! live, not frozen but admitting no call, its bundle a QEMU migration while its guest
 //! runs (`bundle::bundle_live`, the runtime's `vm::live`), which leaves its QEMU holding
-//! the guest stopped, when the node runs with `LOCKER_CARRY_LIVE=1` (opt-in: see
-//! [`live_moves`]); otherwise, and for a paused one or one whose disk has no room for
+//! the guest stopped, when the node's QEMU is 10.0 or later or it runs with
+//! `LOCKER_CARRY_LIVE=1` (see [`live_moves`]); otherwise, and for a paused one or one whose disk has no room for
 //! another layer, cold. A microVM that mounts volumes holds their requests in its guest
 //! first, and its file server's table goes in its snapshot (`snapshots::take_for_move`,
 //! the runtime's `Node::hold_shares`): the new node's file server starts from it, so the
@@ -379,7 +379,7 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     let (rec, live) = running(app, caller, id).await?;
     // A running microVM leaves live: it is frozen only if it cannot, or if a live move of
     // its QEMU failed before.
-    let can_live = live_moves() && live.machine.vm().is_some();
+    let can_live = live.machine.vm().is_some() && live_moves(app).await;
     let try_live = can_live && !live_failed_before(id);
     if can_live && !try_live {
         tracing::info!(sandbox = %id, "a microVM moves cold: a live move of its QEMU failed before");
@@ -432,18 +432,24 @@ async fn export(app: &AppState, caller: &Caller, id: &str) -> Result<Response, A
     answer
 }
 
-/// Whether running microVMs move live (`LOCKER_CARRY_LIVE=1` on the node); otherwise they
-/// move cold as jails do (frozen, from a snapshot). Opt-in for now: one guest restored
-/// from a live stream (a second migration of a QEMU whose first had failed) crashed in
-/// its kernel, and the cause is not known yet (docs/operations.md, "Fleet mode").
-fn live_moves() -> bool {
-    std::env::var("LOCKER_CARRY_LIVE").is_ok_and(|v| v == "1")
+/// Whether running microVMs move live: on QEMU 10 or later unless the node runs with
+/// `LOCKER_CARRY_LIVE=0`, on an older one only with `LOCKER_CARRY_LIVE=1`
+/// ([`locker_runtime::vm::live_moves`]: QEMU 7.2's live migration under TCG restored about
+/// one guest in ten with memory that did not match); otherwise they move cold as jails do
+/// (frozen, from a snapshot).
+async fn live_moves(app: &AppState) -> bool {
+    match app.node.vm_assets().await {
+        Ok(a) => locker_runtime::vm::live_moves(a.qemu_version).0,
+        Err(_) => false,
+    }
 }
 
 /// The sandboxes whose QEMU's live move failed here. Such a QEMU moves cold from then on:
-/// the one guest seen crashing after a live move had been restored from a second migration
-/// of a QEMU whose first had failed (QEMU 7.2 under TCG; cause not known). Kept in this
-/// process's memory: a restarted node forgets it.
+/// the first guests seen crashing after a live move had been restored from a second
+/// migration of a QEMU whose first had failed (QEMU 7.2 under TCG, whose live migrations
+/// were later found to go wrong about one in ten anyway); a cold move's single pass over a
+/// stopped guest asks the least of a QEMU whose migration state a failure left behind.
+/// Kept in this process's memory: a restarted node forgets it.
 static LIVE_FAILED: std::sync::Mutex<std::collections::BTreeSet<String>> =
     std::sync::Mutex::new(std::collections::BTreeSet::new());
 

@@ -36,7 +36,7 @@
 //!
 //! A jail moves cold: its disk comes along, its processes and `/tmp` do not (CRIU does not
 //! run on this kernel). A microVM moves with its memory, from a snapshot; on nodes with
-//! `LOCKER_CARRY_LIVE=1` (experimental) a running one moves live: step 2's stream is
+//! QEMU 10 or later (or `LOCKER_CARRY_LIVE=1`; `=0` turns it off) a running one moves live: step 2's stream is
 //! QEMU's pre-copy migration while its guest runs (`carry`'s live bundle), so the guest
 //! stops only for the last copy, the release and the new node's start; its processes go on
 //! where they were. The new node restores from the stream landed in a file, not into a
