@@ -520,6 +520,50 @@ fn microvm_sandboxes_through_the_api() {
     )
     .expect_error(400, "bad_request", "jail from a memory snapshot");
 
+    // The snapshot names the QEMU that wrote its memory; one another QEMU version wrote
+    // (the host's QEMU upgraded since) is refused with a 409 that says so, before any
+    // machine is made (QEMU's own failure would be "Size mismatch: pc.bios").
+    let snap_dir = srv
+        .machine_dir(&sb)
+        .parent()
+        .and_then(Path::parent)
+        .expect("the sandboxes' directory")
+        .join("snapshots")
+        .join(snap["id"].as_str().unwrap());
+    let mark = snap_dir.join("memory.qemu");
+    let wrote = std::fs::read_to_string(&mark).expect("the snapshot's QEMU version");
+    let qemu = std::process::Command::new("qemu-system-x86_64")
+        .arg("--version")
+        .output()
+        .unwrap();
+    let qemu = String::from_utf8_lossy(&qemu.stdout).into_owned();
+    assert!(
+        qemu.starts_with(&format!("QEMU emulator version {}.", wrote.trim())),
+        "{wrote:?} is the host's: {qemu}"
+    );
+    let listed = |api: &locker_tests::server::Api| {
+        api.get("/v1/sandboxes").expect(200, "list")["sandboxes"]
+            .as_array()
+            .unwrap()
+            .len()
+    };
+    let before = listed(&api);
+    std::fs::write(&mark, "7.1\n").unwrap();
+    let e = api
+        .post("/v1/sandboxes", &json!({"from_snapshot": snap["id"]}))
+        .expect_error(409, "conflict", "memory of another QEMU");
+    assert!(
+        e.contains("written by QEMU 7.1") && e.contains("copy its files"),
+        "{e}"
+    );
+    assert_eq!(
+        listed(&api),
+        before,
+        "no sandbox left by the refused create: {}",
+        api.get("/v1/sandboxes").text()
+    );
+    std::fs::write(&mark, wrote).unwrap();
+
     // Pause and resume freeze the whole VM.
     api.post_empty(&format!("/v1/sandboxes/{sb}/pause"))
         .expect(200, "pause");

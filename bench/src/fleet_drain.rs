@@ -1,7 +1,7 @@
 //! Issue 25's drain rows: what `locker fleet drain` costs per sandbox, and how long a
 //! microVM's guest stops while it moves: moved live (QEMU's pre-copy migration,
-//! `LOCKER_CARRY_LIVE=1` on the nodes) beside the same kind of microVM moved cold (the
-//! `LOCKER_CARRY_LIVE=0` on the nodes: frozen, from a snapshot) in the same run, and a jail (cold: its disk) each time.
+//! `LOCKER_CARRY_LIVE=1` on the nodes) beside the same kind of microVM moved cold
+//! (`LOCKER_CARRY_LIVE=0` on the nodes: frozen, from a snapshot) in the same run, and a jail (cold: its disk) each time.
 //!
 //! The fabric is the tests' (`locker_tests::fabric`): two `locker node` processes in
 //! network namespaces on a private bridge, joined to a `locker serve` on a real PostgreSQL

@@ -147,7 +147,7 @@ impl From<NodeError> for ApiError {
                 locker_runtime::vm::VmError::QemuMissing
                 | locker_runtime::vm::VmError::KernelMissing(_),
             ) => Self::unavailable(e.to_string()),
-            NodeError::LayersTooDeep(_) => Self::conflict(e.to_string()),
+            NodeError::LayersTooDeep(_) | NodeError::OtherQemu(_) => Self::conflict(e.to_string()),
             NodeError::NoSlot => Self::unavailable(format!(
                 "{e}: this host is full; try again when machines have ended"
             )),

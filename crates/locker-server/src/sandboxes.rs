@@ -323,6 +323,15 @@ async fn checked(
     if runtime == Runtime::Microvm {
         require_microvm(&app.node).await?;
     }
+    if let (Some(snap), Runtime::Microvm, Ok(a)) = (&snapshot, runtime, app.node.vm_assets().await)
+    {
+        // Another QEMU version's memory (the host's QEMU upgraded since): refused before
+        // a record is made (the node checks it again at the start).
+        let dir = std::path::Path::new(&snap.path);
+        if let Some(why) = locker_runtime::vm::VmState::memory_mismatch(dir, a.qemu_version) {
+            return Err(ApiError::conflict(format!("snapshot {}: {why}", snap.id)));
+        }
+    }
     let (template_name, template, snapshot_dir, disk_mb) = match &snapshot {
         Some(snap) => {
             same_mounts(snap, &volumes)?;

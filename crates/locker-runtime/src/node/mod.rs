@@ -87,6 +87,9 @@ pub enum NodeError {
     NotVm,
     #[error("machine {0} has its shares already")]
     SharedAlready(String),
+    /// A memory snapshot another QEMU version wrote (`crate::vm::MEMORY_QEMU`).
+    #[error("{0}")]
+    OtherQemu(String),
     /// Mounting a run's layer into a running machine (`jail::attach`) failed.
     #[error("attaching a mount to machine {machine}: {reason}")]
     Attach { machine: String, reason: String },
@@ -473,6 +476,13 @@ impl Node {
             }
         }
         let assets = self.vm_assets().await?;
+        if let Some(why) = attach
+            .memory_from
+            .as_deref()
+            .and_then(|mem| crate::vm::VmState::memory_mismatch(mem.parent()?, assets.qemu_version))
+        {
+            return Err(NodeError::OtherQemu(why));
+        }
         let shape = crate::vm::Shape::new(spec.memory_mb, spec.cpus, spec.disk_mb).with_net(net);
         let base = crate::vm::ensure_base(&assets, &spec.template_rootfs, shape).await?;
         let slot = slots::uid_ranges().lease(&spec.dir)?;

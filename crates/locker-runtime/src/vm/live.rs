@@ -124,6 +124,7 @@ pub fn prepare_out(
     if let Some(mark) = nic_mark {
         fs::write(dir.join(mark), b"").map_err(setup("mark the snapshot"))?;
     }
+    s.mark_memory(dir)?;
     Ok(Some(Outgoing { chain }))
 }
 

@@ -172,9 +172,43 @@ pub struct VmState {
     pub base: PathBuf,
     pub shape: Shape,
     pub accel: Accel,
+    /// The version of the QEMU that runs it (major, minor); unknown for machines an
+    /// earlier release started.
+    #[serde(default)]
+    pub qemu: Option<(u32, u32)>,
 }
 
+/// Beside a memory snapshot's `memory`: the version of the QEMU that wrote it (`10.0`).
+/// QEMU does not version its `microvm` machine, so another version may not load the
+/// state (7.2's into 10.0: "Size mismatch: pc.bios"): a restore checks it first.
+pub const MEMORY_QEMU: &str = "memory.qemu";
+
 impl VmState {
+    /// Records, in snapshot directory `dir`, which QEMU wrote its memory ([`MEMORY_QEMU`]).
+    pub(super) fn mark_memory(&self, dir: &Path) -> Result<(), VmError> {
+        match self.qemu {
+            Some((major, minor)) => fs::write(dir.join(MEMORY_QEMU), format!("{major}.{minor}\n"))
+                .map_err(setup("record the snapshot's QEMU version")),
+            None => Ok(()),
+        }
+    }
+
+    /// Why a memory snapshot in `dir` cannot be restored by QEMU `here`, if it cannot: its
+    /// [`MEMORY_QEMU`] names another version. A snapshot without it (an earlier release's)
+    /// is tried.
+    pub fn memory_mismatch(dir: &Path, here: (u32, u32)) -> Option<String> {
+        let text = fs::read_to_string(dir.join(MEMORY_QEMU)).ok()?;
+        let wrote = text.trim();
+        let mut parts = wrote.split('.').map(|p| p.parse::<u32>().ok());
+        let v = (parts.next().flatten()?, parts.next().flatten()?);
+        (v != here).then(|| {
+            format!(
+                "the snapshot's memory was written by QEMU {wrote} and this host runs QEMU {}.{}, which cannot load another version's microVM state: start it on a host with QEMU {wrote}, or make a new sandbox and copy its files over",
+                here.0, here.1
+            )
+        })
+    }
+
     pub fn load(dir: &Path) -> Option<Self> {
         serde_json::from_slice(&fs::read(dir.join("vm.json")).ok()?).ok()
     }
@@ -298,6 +332,7 @@ pub async fn start(
         base: s.base.dir.clone(),
         shape: s.base.shape,
         accel: a.accel,
+        qemu: Some(a.qemu_version),
     };
     fs::write(
         dir.join("vm.json"),
@@ -488,6 +523,7 @@ pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
             None => false,
         };
         let out = fs::File::create(&state_out).map_err(setup("create the state file"))?;
+        s.mark_memory(dir)?;
         q.migrate_to(&out)?;
         if !moved {
             crate::disk::copy_ephemeral(&own, &out_disk).map_err(setup("copy the disk"))?;
