@@ -142,7 +142,7 @@ async fn boot_base(a: &Assets, base: &Base, dir: &Path) -> Result<(), VmError> {
     fs::create_dir_all(dir).map_err(setup(format!("create {}", dir.display())))?;
     let ram = dir.join("ram");
     let f = fs::File::create(&ram).map_err(setup("create the RAM file"))?;
-    f.set_len(base.shape.memory_mb << 20)
+    f.set_len(super::qemu::ram_mb(a.qemu_version, base.shape) << 20)
         .map_err(setup("size the RAM file"))?;
     drop(f);
     crate::disk::make_from_blank(
