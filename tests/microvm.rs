@@ -1576,3 +1576,68 @@ fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
     }
     assert!(qemus_under(&data).is_empty(), "no QEMU left");
 }
+
+/// A microVM on as many snapshot layers as a snapshot may hold (32: each generation of a
+/// sandbox made from a snapshot of a sandbox made from a snapshot adds one, a live move
+/// two) is still snapshotted: its disk is written out whole into the snapshot, whose child
+/// stands on one layer and reads every generation's file; its memory (a process counting
+/// in `/dev/shm`) comes along as always. Before, that snapshot was refused with a 409, and
+/// such a microVM could no longer move to another node.
+#[test]
+fn microvm_past_the_layer_limit_is_snapshotted_whole() {
+    use locker_tests::server::Server;
+    use serde_json::json;
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    become_subreaper();
+    let srv = Server::start_with(&["--vm-pool", "0"]);
+    let api = srv.api();
+    let mut sb = api.create_sandbox(&json!({"runtime": "microvm", "memory_mb": 256}))["id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    api.post(
+        &format!("/v1/sandboxes/{sb}/processes"),
+        &json!({"shell": "n=0; while :; do n=$((n+1)); echo $n > /dev/shm/n.new; mv /dev/shm/n.new /dev/shm/n; sleep 0.1; done"}),
+    )
+    .expect(200, "counter");
+    let mut prev: Option<String> = None;
+    for level in 0..=32 {
+        api.sh(&sb, &format!("echo {level} > /root/l{level}"));
+        let (snap, _) = snapshot_of(&api, &sb);
+        api.delete(&format!("/v1/sandboxes/{sb}"))
+            .expect(204, "delete");
+        if let Some(p) = prev.take() {
+            api.delete(&format!("/v1/snapshots/{p}"))
+                .expect(204, "delete the snapshot below");
+        }
+        sb = child_of(&api, &snap);
+        let layers = std::fs::read_dir(srv.machine_dir(&sb).join("layers"))
+            .unwrap()
+            .count();
+        // Generation `level + 1` stands on `level + 1` layers, until the 33rd snapshot
+        // (level 32) wrote the disk out whole.
+        let want = if level < 32 { level + 1 } else { 1 };
+        assert_eq!(layers, want, "the child of level {level}'s snapshot");
+        prev = Some(snap);
+    }
+    let want: String = (0..=32).map(|i| format!("{i}\n")).collect();
+    let got = api.sh(&sb, "for i in $(seq 0 32); do cat /root/l$i; done");
+    assert_eq!(
+        got, want,
+        "every generation's file through the flattened disk"
+    );
+    let a: u64 = api.sh(&sb, "cat /dev/shm/n").trim().parse().unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let b: u64 = api.sh(&sb, "cat /dev/shm/n").trim().parse().unwrap();
+    assert!(a > 0 && b > a, "the counter goes on ({a} then {b})");
+    assert!(
+        srv.log_text().contains("its disk was written out whole"),
+        "the server says so"
+    );
+    let data = srv.machine_dir(&sb).parent().unwrap().to_owned();
+    api.delete(&format!("/v1/sandboxes/{sb}"))
+        .expect(204, "delete");
+    api.delete(&format!("/v1/snapshots/{}", prev.unwrap()))
+        .expect(204, "delete");
+    assert!(qemus_under(&data).is_empty(), "no QEMU left");
+}

@@ -491,19 +491,18 @@ pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
     let chain = Chain::load(&s.dir).map_err(setup("read the machine's disk chain"))?;
     let own = chain.top_path(&s.dir);
     let layers = chain.layer_paths(&s.dir);
-    let out_disk = dir.join(stack::snapshot_name(&own));
+    // A machine on as many layers as a snapshot may hold: its disk is written out whole,
+    // as one image (see [`stack::flatten`]).
+    let flat = layers.len() + 1 > crate::disk::MAX_LAYERS;
+    let out_disk = if flat {
+        dir.join("disk.img")
+    } else {
+        dir.join(stack::snapshot_name(&own))
+    };
     if !layers.is_empty() {
-        if layers.len() + 1 > crate::disk::MAX_LAYERS {
-            return Err(VmError::Io {
-                step: "record the machine's layers".into(),
-                source: io::Error::other(format!(
-                    "it stands on {} layers already, a snapshot holds at most {}",
-                    layers.len(),
-                    crate::disk::MAX_LAYERS
-                )),
-            });
-        }
         crate::disk::check_vm_stack(&layers).map_err(setup("check the machine's layers"))?;
+    }
+    if !layers.is_empty() && !flat {
         crate::disk::link_vm_stack(&layers, &dir.join(crate::disk::SNAPSHOT_LOWERS), 1)
             .map_err(setup("record the machine's layers"))?;
     }
@@ -525,7 +524,11 @@ pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
         let out = fs::File::create(&state_out).map_err(setup("create the state file"))?;
         s.mark_memory(dir)?;
         q.migrate_to(&out)?;
-        if !moved {
+        if flat {
+            let chain: Vec<PathBuf> = std::iter::once(own.clone()).chain(layers).collect();
+            stack::flatten(&chain, &out_disk)?;
+            tracing::info!(machine = %s.id, "the machine stands on as many layers as a snapshot may hold: its disk was written out whole into the snapshot");
+        } else if !moved {
             crate::disk::copy_ephemeral(&own, &out_disk).map_err(setup("copy the disk"))?;
         }
         Ok::<_, VmError>((out, moved))

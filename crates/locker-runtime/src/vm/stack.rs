@@ -268,6 +268,48 @@ pub(super) fn point(
 
 /// The file name a snapshot gives the image `top` of a machine: `disk.<ext>` by its
 /// format.
+/// Writes the disk that `paths` make together (an image and the layers beneath it, top
+/// first: a machine's chain) into one raw image `out`, sparse (`qemu-img convert`, which
+/// skips what reads as zeros), for a snapshot of a machine that stands on as many layers
+/// as a snapshot may hold: the snapshot then holds that image alone, as one of a machine
+/// restored from a base does, and its children stand on one layer. The machine's QEMU
+/// must have let go of the images (stopped, its state migrated).
+pub(super) fn flatten(paths: &[PathBuf], out: &Path) -> Result<(), VmError> {
+    let mut spec = serde_json::Value::Null;
+    for p in paths.iter().rev() {
+        let mut node = json!({"file": {"driver": "file", "filename": p}});
+        match Format::of(p) {
+            Some(Format::Qcow2) => {
+                node["driver"] = json!("qcow2");
+                node["backing"] = spec;
+            }
+            _ => node["driver"] = json!("raw"),
+        }
+        spec = node;
+    }
+    let qemu_img = crate::doctor::which("qemu-img").ok_or_else(|| VmError::Io {
+        step: "flatten the disk".into(),
+        source: io::Error::other("qemu-img is not installed (apt-get install qemu-utils)"),
+    })?;
+    let done = std::process::Command::new(qemu_img)
+        .args(["convert", "-U", "-O", "raw"])
+        .arg(format!("json:{spec}"))
+        .arg(out)
+        .output()
+        .map_err(setup("run qemu-img convert"))?;
+    if !done.status.success() {
+        let _ = fs::remove_file(out);
+        return Err(VmError::Io {
+            step: "flatten the disk".into(),
+            source: io::Error::other(format!(
+                "qemu-img convert: {}",
+                String::from_utf8_lossy(&done.stderr).trim()
+            )),
+        });
+    }
+    Ok(())
+}
+
 pub(super) fn snapshot_name(top: &Path) -> String {
     let ext = Format::of(top).map_or("img", Format::ext);
     format!("disk.{ext}")
