@@ -1603,6 +1603,40 @@ fn microvm_past_the_layer_limit_is_snapshotted_whole() {
     let mut prev: Option<String> = None;
     for level in 0..=32 {
         api.sh(&sb, &format!("echo {level} > /root/l{level}"));
+        if level == 32 {
+            // The flattening runs `qemu-img` as root: it never reads through the machine's
+            // directory, which its QEMU owns. A symlink put where the image QEMU writes
+            // was (as a compromised QEMU could) fails the snapshot and reads nothing through it.
+            let dir = srv.machine_dir(&sb);
+            let top = if dir.join("disk.json").exists() {
+                dir.join(&chain_of(&dir)[0])
+            } else {
+                dir.join("disk.qcow2")
+            };
+            assert!(top.is_file(), "{}", top.display());
+            let real = top.with_extension("real");
+            std::fs::rename(&top, &real).unwrap();
+            // Root's qcow2 elsewhere on the host (another machine's image, say).
+            let other = TempDir::new("locker-other-image");
+            let planted = other.path().join("other.qcow2");
+            let made = std::process::Command::new("qemu-img")
+                .args(["create", "-q", "-f", "qcow2"])
+                .arg(&planted)
+                .arg("2G")
+                .status()
+                .unwrap();
+            assert!(made.success());
+            std::os::unix::fs::symlink(&planted, &top).unwrap();
+            let r = api.post_empty(&format!("/v1/sandboxes/{sb}/snapshots"));
+            std::fs::remove_file(&top).unwrap();
+            std::fs::rename(&real, &top).unwrap();
+            assert!(
+                r.status >= 400,
+                "a snapshot through a symlink: {}",
+                r.text()
+            );
+            assert_eq!(api.sh(&sb, "cat /root/l0"), "0\n", "the machine runs on");
+        }
         let (snap, _) = snapshot_of(&api, &sb);
         api.delete(&format!("/v1/sandboxes/{sb}"))
             .expect(204, "delete");

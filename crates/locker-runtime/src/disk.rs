@@ -366,6 +366,14 @@ pub fn vm_machine_layers(dir: &Path) -> Vec<std::path::PathBuf> {
     numbered(&dir.join(MACHINE_LAYERS), &[Format::Raw, Format::Qcow2])
 }
 
+/// The images a snapshot's stack names beneath its own in `lower` (`1.img|qcow2`, …), in
+/// order, numbered from 1 one by one.
+pub fn vm_lower_images(lower: &Path) -> io::Result<Vec<std::path::PathBuf>> {
+    let images = numbered(lower, &[Format::Raw, Format::Qcow2]);
+    check_numbered_from(&images, 1)?;
+    Ok(images)
+}
+
 /// Refuses numbered images that are not `first`, `first + 1`, … one each (a layer
 /// missing or there twice, as `3.img` and `3.qcow2`, would stack the wrong disk).
 pub fn check_numbered_from(images: &[std::path::PathBuf], first: usize) -> io::Result<()> {
@@ -394,13 +402,19 @@ fn regular(p: &Path) -> bool {
 /// would open that file by name: a QEMU that wrote its own overlay's header could point
 /// the next machine's at a file of its choosing).
 pub fn check_vm_stack(stack: &[std::path::PathBuf]) -> io::Result<()> {
-    use std::os::unix::fs::MetadataExt;
     if stack.len() > MAX_LAYERS {
         return Err(io::Error::other(format!(
             "{} layers: a machine stands on at most {MAX_LAYERS}",
             stack.len()
         )));
     }
+    check_vm_images(stack)
+}
+
+/// [`check_vm_stack`] but for its length: each image a regular file root made, of a known
+/// format, no qcow2 naming an external data file, the bottom raw.
+pub fn check_vm_images(stack: &[std::path::PathBuf]) -> io::Result<()> {
+    use std::os::unix::fs::MetadataExt;
     for p in stack {
         let m = fs::symlink_metadata(p)?;
         if !m.file_type().is_file() || m.uid() != 0 {

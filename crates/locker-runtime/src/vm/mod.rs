@@ -525,8 +525,7 @@ pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
         s.mark_memory(dir)?;
         q.migrate_to(&out)?;
         if flat {
-            let chain: Vec<PathBuf> = std::iter::once(own.clone()).chain(layers).collect();
-            stack::flatten(&chain, &out_disk)?;
+            stack::flatten(&s.dir, &chain, &out_disk, &dir.join(".flatten"))?;
             tracing::info!(machine = %s.id, "the machine stands on as many layers as a snapshot may hold: its disk was written out whole into the snapshot");
         } else if !moved {
             crate::disk::copy_ephemeral(&own, &out_disk).map_err(setup("copy the disk"))?;

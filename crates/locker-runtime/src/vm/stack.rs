@@ -268,13 +268,42 @@ pub(super) fn point(
 
 /// The file name a snapshot gives the image `top` of a machine: `disk.<ext>` by its
 /// format.
-/// Writes the disk that `paths` make together (an image and the layers beneath it, top
-/// first: a machine's chain) into one raw image `out`, sparse (`qemu-img convert`, which
+/// Writes the disk that the machine in `dir` with `chain` stands on and writes (its
+/// image and every layer) into one raw image `out`, sparse (`qemu-img convert`, which
 /// skips what reads as zeros), for a snapshot of a machine that stands on as many layers
 /// as a snapshot may hold: the snapshot then holds that image alone, as one of a machine
 /// restored from a base does, and its children stand on one layer. The machine's QEMU
 /// must have let go of the images (stopped, its state migrated).
-pub(super) fn flatten(paths: &[PathBuf], out: &Path) -> Result<(), VmError> {
+///
+/// `qemu-img` runs as root and interprets qcow2 headers, so it never opens a file in the
+/// machine's directory (its QEMU's uid owns it and could put a symlink or a crafted image
+/// there): the image QEMU wrote is copied (never through a symlink) and the layers linked
+/// into `stage`, a directory of root's beside `out`, and every one checked there as a
+/// snapshot's stack is ([`crate::disk::check_vm_images`]: regular, root's, no external
+/// data file); `stage` is removed after.
+pub(super) fn flatten(dir: &Path, chain: &Chain, out: &Path, stage: &Path) -> Result<(), VmError> {
+    let r = flatten_staged(dir, chain, out, stage);
+    let _ = fs::remove_dir_all(stage);
+    r
+}
+
+fn flatten_staged(dir: &Path, chain: &Chain, out: &Path, stage: &Path) -> Result<(), VmError> {
+    fs::create_dir(stage).map_err(setup("make the flattening's stage"))?;
+    let top = stage.join(snapshot_name(&chain.top_path(dir)));
+    crate::disk::copy_ephemeral(&chain.top_path(dir), &top)
+        .map_err(setup("copy the machine's image"))?;
+    let lower = stage.join(crate::disk::SNAPSHOT_LOWERS);
+    crate::disk::link_vm_stack(&chain.layer_paths(dir), &lower, 1)
+        .map_err(setup("link the machine's layers"))?;
+    let mut paths = vec![top];
+    paths.extend(crate::disk::vm_lower_images(&lower).map_err(setup("read the linked layers"))?);
+    if paths.len() != chain.layers.len() + 1 {
+        return Err(VmError::Io {
+            step: "flatten the disk".into(),
+            source: io::Error::other("the machine's layers changed while they were linked"),
+        });
+    }
+    crate::disk::check_vm_images(&paths).map_err(setup("check the machine's images"))?;
     let mut spec = serde_json::Value::Null;
     for p in paths.iter().rev() {
         let mut node = json!({"file": {"driver": "file", "filename": p}});
