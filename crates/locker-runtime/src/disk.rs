@@ -352,9 +352,7 @@ pub fn vm_stack_of(img: &Path) -> io::Result<Vec<std::path::PathBuf>> {
     };
     let mut stack = vec![top];
     if let Some(dir) = img.parent() {
-        let lower = numbered(&dir.join(SNAPSHOT_LOWERS), &[Format::Raw, Format::Qcow2]);
-        check_numbered_from(&lower, 1)?;
-        stack.extend(lower);
+        stack.extend(vm_lower_images(&dir.join(SNAPSHOT_LOWERS))?);
     }
     check_vm_stack(&stack)?;
     Ok(stack)
@@ -488,30 +486,46 @@ pub fn ensure_qcow2_blank(size: u64, blanks: &Path) -> io::Result<std::path::Pat
     fs::create_dir_all(blanks)?;
     let tmp = blanks.join(format!(".tmp-{size}-{}.qcow2", std::process::id()));
     let _ = fs::remove_file(&tmp);
+    qemu_img(
+        &[
+            "create".as_ref(),
+            "-q".as_ref(),
+            "-f".as_ref(),
+            "qcow2".as_ref(),
+            tmp.as_ref(),
+            size.to_string().as_ref(),
+        ],
+        &tmp,
+    )?;
+    fs::File::open(&tmp)?.sync_all()?;
+    // Whoever renames last wins; every candidate is a valid blank image.
+    fs::rename(&tmp, &blank)?;
+    Ok(blank)
+}
+
+/// Runs `qemu-img` with `args` (its subcommand first), which writes `out`: on failure `out`
+/// is removed and the error carries what `qemu-img` said.
+pub fn qemu_img(args: &[&std::ffi::OsStr], out: &Path) -> io::Result<()> {
     let qemu_img = crate::doctor::which("qemu-img").ok_or_else(|| {
         io::Error::new(
             io::ErrorKind::NotFound,
             "qemu-img is not installed (apt-get install qemu-utils; scripts/setup does)",
         )
     })?;
-    let out = std::process::Command::new(qemu_img)
-        .args(["create", "-q", "-f", "qcow2"])
-        .arg(&tmp)
-        .arg(size.to_string())
+    let done = std::process::Command::new(qemu_img)
+        .args(args)
         .stdin(std::process::Stdio::null())
         .output()
         .map_err(|e| io::Error::new(e.kind(), format!("run qemu-img: {e}")))?;
-    if !out.status.success() {
-        let _ = fs::remove_file(&tmp);
+    if !done.status.success() {
+        let _ = fs::remove_file(out);
         return Err(io::Error::other(format!(
-            "qemu-img create failed: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
+            "qemu-img {} failed: {}",
+            args.first().map_or("".into(), |a| a.to_string_lossy()),
+            String::from_utf8_lossy(&done.stderr).trim()
         )));
     }
-    fs::File::open(&tmp)?.sync_all()?;
-    // Whoever renames last wins; every candidate is a valid blank image.
-    fs::rename(&tmp, &blank)?;
-    Ok(blank)
+    Ok(())
 }
 
 /// Links each image of `stack` into `dir` (created) as `<first + i>.img`: a hard link,

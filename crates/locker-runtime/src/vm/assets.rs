@@ -152,8 +152,13 @@ pub fn qemu_version(qemu: &Path) -> Result<(u32, u32), VmError> {
         .skip_while(|w| *w != "version")
         .nth(1)
         .unwrap_or("0.0");
-    let mut parts = v.split('.').map(|p| p.parse::<u32>().unwrap_or(0));
-    Ok((parts.next().unwrap_or(0), parts.next().unwrap_or(0)))
+    Ok(major_minor(v).unwrap_or((0, 0)))
+}
+
+/// The major and minor numbers of a version `10.0.2` (or `10.0`).
+pub(super) fn major_minor(v: &str) -> Option<(u32, u32)> {
+    let mut parts = v.trim().split('.').map(|p| p.parse::<u32>().ok());
+    Some((parts.next().flatten()?, parts.next().flatten()?))
 }
 
 /// The host CPU's frequency in kHz (for `tsc_early_khz`: without it, calibrating the TSC

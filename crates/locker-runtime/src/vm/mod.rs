@@ -199,9 +199,7 @@ impl VmState {
     pub fn memory_mismatch(dir: &Path, here: (u32, u32)) -> Option<String> {
         let text = fs::read_to_string(dir.join(MEMORY_QEMU)).ok()?;
         let wrote = text.trim();
-        let mut parts = wrote.split('.').map(|p| p.parse::<u32>().ok());
-        let v = (parts.next().flatten()?, parts.next().flatten()?);
-        (v != here).then(|| {
+        (assets::major_minor(wrote)? != here).then(|| {
             format!(
                 "the snapshot's memory was written by QEMU {wrote} and this host runs QEMU {}.{}, which cannot load another version's microVM state: start it on a host with QEMU {wrote}, or make a new sandbox and copy its files over",
                 here.0, here.1
@@ -499,10 +497,9 @@ pub fn save(s: &VmState, dir: &Path) -> Result<PathBuf, VmError> {
     } else {
         dir.join(stack::snapshot_name(&own))
     };
-    if !layers.is_empty() {
-        crate::disk::check_vm_stack(&layers).map_err(setup("check the machine's layers"))?;
-    }
+    // (A flattening checks the copies it reads instead: see [`stack::flatten`].)
     if !layers.is_empty() && !flat {
+        crate::disk::check_vm_stack(&layers).map_err(setup("check the machine's layers"))?;
         crate::disk::link_vm_stack(&layers, &dir.join(crate::disk::SNAPSHOT_LOWERS), 1)
             .map_err(setup("record the machine's layers"))?;
     }

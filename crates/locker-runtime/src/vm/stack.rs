@@ -316,27 +316,19 @@ fn flatten_staged(dir: &Path, chain: &Chain, out: &Path, stage: &Path) -> Result
         }
         spec = node;
     }
-    let qemu_img = crate::doctor::which("qemu-img").ok_or_else(|| VmError::Io {
-        step: "flatten the disk".into(),
-        source: io::Error::other("qemu-img is not installed (apt-get install qemu-utils)"),
-    })?;
-    let done = std::process::Command::new(qemu_img)
-        .args(["convert", "-U", "-O", "raw"])
-        .arg(format!("json:{spec}"))
-        .arg(out)
-        .output()
-        .map_err(setup("run qemu-img convert"))?;
-    if !done.status.success() {
-        let _ = fs::remove_file(out);
-        return Err(VmError::Io {
-            step: "flatten the disk".into(),
-            source: io::Error::other(format!(
-                "qemu-img convert: {}",
-                String::from_utf8_lossy(&done.stderr).trim()
-            )),
-        });
-    }
-    Ok(())
+    let spec = format!("json:{spec}");
+    crate::disk::qemu_img(
+        &[
+            "convert".as_ref(),
+            "-U".as_ref(),
+            "-O".as_ref(),
+            "raw".as_ref(),
+            spec.as_ref(),
+            out.as_ref(),
+        ],
+        out,
+    )
+    .map_err(setup("flatten the disk"))
 }
 
 pub(super) fn snapshot_name(top: &Path) -> String {
