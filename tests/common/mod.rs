@@ -516,3 +516,35 @@ pub fn pids_with_uid_in(base: u32) -> Vec<i32> {
     }
     out
 }
+
+/// Pids of QEMU processes whose command line names `dir`.
+pub fn qemus_under(dir: &Path) -> Vec<i32> {
+    let needle = dir.as_os_str().as_encoded_bytes();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
+        })
+        .collect()
+}
+
+/// The SHA-256 of `data` in hex (`sha256sum`).
+pub fn hex_sha256(data: &[u8]) -> String {
+    use std::io::Write;
+    let mut c = std::process::Command::new("sha256sum")
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .expect("sha256sum");
+    c.stdin.take().unwrap().write_all(data).unwrap();
+    let out = c.wait_with_output().unwrap();
+    String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .next()
+        .unwrap_or_default()
+        .to_owned()
+}
