@@ -12,8 +12,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use locker_tests::become_subreaper;
 use locker_tests::server::Server;
+use locker_tests::{become_subreaper, procs_naming};
 use serde_json::json;
 
 /// Idle jail sandboxes held at once by the idle-cost test.
@@ -53,21 +53,6 @@ fn switches(pid: i32) -> u64 {
             .sum::<u64>();
     }
     n
-}
-
-/// Processes whose command line contains `needle`.
-fn procs_naming(needle: &Path) -> Vec<i32> {
-    let needle = needle.as_os_str().as_encoded_bytes();
-    std::fs::read_dir("/proc")
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| c.windows(needle.len()).any(|w| w == needle))
-        })
-        .collect()
 }
 
 /// The processes in machine `id`'s cgroup and below it (the agent, and any command).

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 use locker_proto::ExecSpec;
 use locker_runtime::node::{Attach, Machine, MachineSpec, Node, NodeConfig, RuntimeKind};
 use locker_tests::{
-    agent_bin, become_subreaper, default_rootfs, locker_bin, qemus_under, unique, TempDir,
+    agent_bin, become_subreaper, default_rootfs, locker_bin, procs_naming, unique, TempDir,
 };
 use locker_types::{ExecResult, Reason};
 
@@ -205,7 +205,7 @@ async fn microvm_runs_its_own_kernel_and_serves_exec_and_files() {
     let dir = m.dir.clone();
     vms.node.destroy(&m).await.expect("destroy");
     assert!(!dir.exists(), "the machine's directory is gone");
-    assert!(qemus_under(&dir).is_empty(), "no QEMU left");
+    assert!(procs_naming(&dir).is_empty(), "no QEMU left");
     assert!(
         !vms.node
             .layout()
@@ -273,7 +273,7 @@ async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
 
     // Crash: kill QEMU; destroy still removes everything.
     let dirs: Vec<PathBuf> = vms.machines.iter().map(|m| m.dir.clone()).collect();
-    for pid in qemus_under(&dirs[1]) {
+    for pid in procs_naming(&dirs[1]) {
         // SAFETY: kill(2) on a pid; no memory is involved.
         unsafe { libc::kill(pid, libc::SIGKILL) };
     }
@@ -287,7 +287,7 @@ async fn microvm_snapshot_keeps_memory_and_forks_carry_it_on() {
     }
     for d in &dirs {
         assert!(!d.exists(), "{} is gone", d.display());
-        assert!(qemus_under(d).is_empty());
+        assert!(procs_naming(d).is_empty());
     }
 }
 
@@ -352,7 +352,7 @@ async fn a_microvm_start_given_up_half_way_leaves_nothing() {
             _ = tokio::time::sleep(Duration::from_millis(1)) => {}
         }
     }
-    assert!(!qemus_under(&loose.dir).is_empty(), "QEMU runs");
+    assert!(!procs_naming(&loose.dir).is_empty(), "QEMU runs");
     assert_eq!(
         leases_of(&loose.dir).len(),
         1,
@@ -365,7 +365,7 @@ async fn a_microvm_start_given_up_half_way_leaves_nothing() {
     let what = "the machine given up is torn down (QEMU, cgroup, directory, uid lease)";
     tokio::task::spawn_blocking(move || {
         locker_tests::wait_for(Duration::from_secs(20), what, || {
-            let left = !qemus_under(&loose.dir).is_empty()
+            let left = !procs_naming(&loose.dir).is_empty()
                 || cgroup.dirs().iter().any(|(_, d)| d.exists())
                 || loose.dir.exists()
                 || !leases_of(&loose.dir).is_empty();
@@ -563,7 +563,7 @@ fn microvm_sandboxes_through_the_api() {
             .expect(204, "delete");
     }
     assert!(
-        qemus_under(&data).is_empty(),
+        procs_naming(&data).is_empty(),
         "no QEMU left under {}",
         data.display()
     );
@@ -1025,7 +1025,7 @@ fn microvm_volumes_in_sandboxes_and_runs() {
     assert_eq!(get("/cli.txt").text(), "c\n");
 
     // A file server that dies fails its mounts at once (ENOTCONN), never hangs them.
-    let servers: Vec<i32> = qemus_under(&srv.machine_dir(&b))
+    let servers: Vec<i32> = procs_naming(&srv.machine_dir(&b))
         .into_iter()
         .filter(|p| {
             std::fs::read(format!("/proc/{p}/cmdline"))
@@ -1093,10 +1093,10 @@ fn microvm_volumes_in_sandboxes_and_runs() {
             .expect(204, "delete");
     }
     let deadline = Instant::now() + Duration::from_secs(10);
-    while !qemus_under(&data).is_empty() && Instant::now() < deadline {
+    while !procs_naming(&data).is_empty() && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(50));
     }
-    let left: Vec<String> = qemus_under(&data)
+    let left: Vec<String> = procs_naming(&data)
         .iter()
         .map(|p| {
             String::from_utf8_lossy(

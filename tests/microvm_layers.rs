@@ -8,7 +8,9 @@ use std::path::Path;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use locker_tests::{become_subreaper, qemus_under, TempDir};
+use locker_tests::server::Server;
+use locker_tests::{become_subreaper, procs_naming, TempDir};
+use serde_json::json;
 
 /// One VM test at a time: TCG on two cores has no room for more.
 static SERIAL: Mutex<()> = Mutex::new(());
@@ -123,8 +125,6 @@ fn qcow2_header() -> Vec<u8> {
 /// its raw disk changes nothing of how its snapshot's children open it.
 #[test]
 fn microvm_children_of_a_snapshot_stand_on_its_layers() {
-    use locker_tests::server::Server;
-    use serde_json::json;
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     become_subreaper();
     let srv = Server::start_with(&["--vm-pool", "0"]);
@@ -299,7 +299,7 @@ fn microvm_children_of_a_snapshot_stand_on_its_layers() {
         api.delete(&format!("/v1/sandboxes/{id}"))
             .expect(204, "delete");
     }
-    assert!(qemus_under(data).is_empty(), "no QEMU left");
+    assert!(procs_naming(data).is_empty(), "no QEMU left");
 }
 
 /// A memory snapshot of sandbox `sb` through the API: its id and `size_bytes`.
@@ -339,8 +339,6 @@ fn chain_of(dir: &Path) -> Vec<String> {
 /// sees the VM as it was then; an image below the threshold is copied instead.
 #[test]
 fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
-    use locker_tests::server::Server;
-    use serde_json::json;
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     become_subreaper();
@@ -441,7 +439,7 @@ fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
         api.delete(&format!("/v1/sandboxes/{id}"))
             .expect(204, "delete");
     }
-    assert!(qemus_under(&data).is_empty(), "no QEMU left");
+    assert!(procs_naming(&data).is_empty(), "no QEMU left");
 }
 
 /// A microVM on as many snapshot layers as a snapshot may hold (32: each generation of a
@@ -452,8 +450,6 @@ fn microvm_snapshot_point_takes_the_disk_without_a_copy() {
 /// such a microVM could no longer move to another node.
 #[test]
 fn microvm_past_the_layer_limit_is_snapshotted_whole() {
-    use locker_tests::server::Server;
-    use serde_json::json;
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     become_subreaper();
     let srv = Server::start_with(&["--vm-pool", "0"]);
@@ -540,5 +536,5 @@ fn microvm_past_the_layer_limit_is_snapshotted_whole() {
         .expect(204, "delete");
     api.delete(&format!("/v1/snapshots/{}", prev.unwrap()))
         .expect(204, "delete");
-    assert!(qemus_under(&data).is_empty(), "no QEMU left");
+    assert!(procs_naming(&data).is_empty(), "no QEMU left");
 }

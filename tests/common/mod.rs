@@ -517,8 +517,8 @@ pub fn pids_with_uid_in(base: u32) -> Vec<i32> {
     out
 }
 
-/// Pids of QEMU processes whose command line names `dir`.
-pub fn qemus_under(dir: &Path) -> Vec<i32> {
+/// Pids of the processes whose command line names `dir` (a machine's QEMU names its directory).
+pub fn procs_naming(dir: &Path) -> Vec<i32> {
     let needle = dir.as_os_str().as_encoded_bytes();
     std::fs::read_dir("/proc")
         .into_iter()
